@@ -1,0 +1,514 @@
+"""The asyncio client: reads a table's shard map once, then calls its shards directly.
+
+Per call it validates the input (so a write is rejected whole before any shard sees it),
+routes ids to their shards, sends all shard requests at once, and reassembles the answers in
+the caller's order. Every RPC carries a deadline; idempotent calls and tagged writes are
+retried by gRPC itself on UNAVAILABLE (see SERVICE_CONFIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from client.errors import TableNotFoundError, from_rpc_error
+from memserver.cluster import read_endpoint
+from memserver.table import aggregate
+from memserver.v1 import memserver_pb2 as pb
+from memserver.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.wire import (
+    GRPC_OPTIONS,
+    BadInput,
+    as_tensor,
+    check_bag,
+    check_ids,
+    check_rows,
+    decode,
+    dtype_code,
+    dtype_name,
+    encode,
+)
+
+_READ_METHODS = [
+    {"service": "memserver.v1.DataPlane"},  # reads are idempotent; writes carry (client_id, seq)
+    {"service": "memserver.v1.ControlPlane", "method": "ListTables"},
+    {"service": "memserver.v1.ControlPlane", "method": "GetShardMap"},
+    {"service": "memserver.v1.ControlPlane", "method": "Status"},
+]
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": _READ_METHODS,
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+#: Requests and responses are kept below this size; larger batches are split.
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    index: int
+    address: str
+    col_start: int
+    col_end: int
+    num_rows: int
+    node_id: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class TableMeta:
+    """What a client knows about a table: its spec and where its shards are."""
+
+    name: str
+    num_rows: int
+    dim: int
+    sharding: str
+    optimizer: str
+    lr: float
+    dtype: str
+    init_std: float
+    seed: int
+    shards: tuple[ShardMeta, ...]
+    epoch: int
+
+    @classmethod
+    def from_proto(cls, info: pb.TableInfo) -> TableMeta:
+        s = info.spec
+        return cls(
+            name=s.name,
+            num_rows=s.num_rows,
+            dim=s.dim,
+            sharding=pb.Sharding.Name(s.sharding).lower(),
+            optimizer=s.optimizer.name,
+            lr=s.optimizer.lr,
+            dtype=dtype_name(s.dtype),
+            init_std=s.init_std,
+            seed=s.seed,
+            shards=tuple(
+                ShardMeta(sh.index, sh.address, sh.col_start, sh.col_end, sh.num_rows, sh.node_id, sh.pid)
+                for sh in info.shards
+            ),
+            epoch=info.epoch,
+        )
+
+    @property
+    def by_rows(self) -> bool:
+        return self.sharding == "rows"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "shards"}
+        d["shards"] = [sh.__dict__ for sh in self.shards]
+        return d
+
+
+def _like(t: torch.Tensor, ref: Any) -> Any:
+    """Return `t` as the caller's kind: numpy in, numpy out; torch in, torch out on its device."""
+    if isinstance(ref, torch.Tensor):
+        return t.to(ref.device)
+    return t.numpy()
+
+
+def _ids(x: Any, meta: TableMeta, what: str = "ids") -> torch.Tensor:
+    t = as_tensor(x)
+    if t.dtype == torch.int32:
+        t = t.long()
+    check_ids(t, meta.num_rows, what)
+    return t.cpu()
+
+
+def _floats(x: Any, what: str) -> torch.Tensor:
+    t = as_tensor(x)
+    if not t.dtype.is_floating_point:
+        raise BadInput(f"{what}: dtype must be floating point, got {str(t.dtype).removeprefix('torch.')}")
+    return t.detach().cpu()
+
+
+def _wire_ids(ids: torch.Tensor, meta: TableMeta) -> torch.Tensor:
+    """Ids travel as int32 when the table allows it: a third less request bytes for a bag."""
+    return ids.int() if meta.num_rows < 2**31 else ids
+
+
+def _chunks(n: int, bytes_per_item: int, limit: int) -> list[slice]:
+    step = max(1, limit // max(1, bytes_per_item))
+    return [slice(i, min(n, i + step)) for i in range(0, max(n, 1), step)]
+
+
+class AsyncMemoryClient:
+    """asyncio client of a memserver cluster.
+
+    `endpoint` is the coordinator's HOST:PORT; by default it is read from the endpoint file
+    that `memserver up` writes. `wire_dtype` ("float32", "float16", "bfloat16") is the dtype
+    rows and gradients travel in; math on the shards is always float32.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 60.0,
+        wire_dtype: str = "float32",
+        client_id: str | None = None,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+    ) -> None:
+        self.endpoint = endpoint or read_endpoint()["endpoint"]
+        self.timeout = timeout
+        self.wire_dtype = dtype_code(wire_dtype)
+        self.client_id = client_id or uuid.uuid4().hex
+        self.max_request_bytes = max_request_bytes
+        self._seq = itertools.count(1)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tables: dict[str, TableMeta] = {}
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return ch
+
+    async def _control(self, method: str, request: Any) -> Any:
+        stub = pb_grpc.ControlPlaneStub(self._channel(self.endpoint))
+        try:
+            return await getattr(stub, method)(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, f"coordinator {self.endpoint}") from None
+
+    async def _data(self, address: str, method: str, request: Any) -> Any:
+        stub = pb_grpc.DataPlaneStub(self._channel(address))
+        try:
+            return await getattr(stub, method)(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, f"shard {address}") from None
+
+    async def _gather(self, calls: Sequence[Awaitable[Any]]) -> list[Any]:
+        return list(await asyncio.gather(*calls))
+
+    async def table(self, name: str, *, refresh: bool = False) -> TableMeta:
+        """The table's metadata and shard map (cached; `refresh` asks the coordinator again)."""
+        if refresh or name not in self._tables:
+            self._tables[name] = TableMeta.from_proto(await self._control("GetShardMap", pb.GetShardMapRequest(name=name)))
+        return self._tables[name]
+
+    async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]]) -> Any:
+        """Run fn(meta); if a shard no longer knows the table (dropped and re-created), refresh once."""
+        try:
+            return await fn(await self.table(name))
+        except TableNotFoundError:
+            if name not in self._tables:
+                raise
+            del self._tables[name]
+            return await fn(await self.table(name))
+
+    def _tag(self) -> pb.WriteTag:
+        return pb.WriteTag(client_id=self.client_id, seq=next(self._seq))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close() for ch in self._channels.values()))
+        self._channels.clear()
+
+    async def __aenter__(self) -> AsyncMemoryClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- control plane -------------------------------------------------------------------
+
+    async def create_table(
+        self,
+        name: str,
+        num_rows: int,
+        dim: int,
+        *,
+        sharding: str | None = None,
+        optimizer: str = "adagrad",
+        lr: float = 0.01,
+        dtype: str = "float32",
+        init_std: float = 0.02,
+        seed: int = 0,
+        num_shards: int = 0,
+        eps: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+    ) -> TableMeta:
+        """Create a value table. `sharding` is "rows" or "cols" (None: the server's default)."""
+        shard_modes = {None: pb.SHARDING_UNSPECIFIED, "rows": pb.ROWS, "cols": pb.COLS}
+        if sharding not in shard_modes:
+            raise BadInput(f"sharding: expected 'rows' or 'cols', got {sharding!r}")
+        spec = pb.TableSpec(
+            name=name,
+            kind=pb.VALUE,
+            num_rows=num_rows,
+            dim=dim,
+            sharding=shard_modes[sharding],
+            optimizer=pb.OptimizerSpec(name=optimizer, lr=lr, eps=eps, beta1=betas[0], beta2=betas[1]),
+            dtype=dtype_code(dtype),
+            init_std=init_std,
+            seed=seed,
+            num_shards=num_shards,
+        )
+        meta = TableMeta.from_proto(await self._control("CreateTable", pb.CreateTableRequest(spec=spec)))
+        self._tables[name] = meta
+        return meta
+
+    async def drop_table(self, name: str) -> None:
+        self._tables.pop(name, None)
+        await self._control("DropTable", pb.DropTableRequest(name=name))
+
+    async def list_tables(self) -> list[TableMeta]:
+        resp = await self._control("ListTables", pb.ListTablesRequest())
+        return [TableMeta.from_proto(t) for t in resp.tables]
+
+    async def status(self) -> pb.StatusResponse:
+        return await self._control("Status", pb.StatusRequest())
+
+    # -- data plane ----------------------------------------------------------------------
+
+    async def lookup(self, table: str, ids: Any) -> Any:
+        """Rows of `ids` (any shape) -> float32 array of shape ids.shape + (dim,)."""
+
+        async def run(meta: TableMeta) -> torch.Tensor:
+            t = _ids(ids, meta)
+            uniq, inv = torch.unique(t.reshape(-1), return_inverse=True)
+            rows = torch.empty((len(uniq), meta.dim), dtype=torch.float32)
+            calls, places = [], []
+            for sh, sel in self._route(meta, uniq):
+                sub = uniq[sel]
+                for part in _chunks(len(sub), meta.dim * 4 + 8, self.max_request_bytes):
+                    req = pb.LookupRequest(table=meta.name, ids=encode(_wire_ids(sub[part], meta)), wire_dtype=self.wire_dtype)
+                    calls.append(self._data(sh.address, "Lookup", req))
+                    places.append((sh, sel, part))
+            for (sh, sel, part), resp in zip(places, await self._gather(calls)):
+                rows[sel[part], sh.col_start : sh.col_end] = decode(resp.rows, "rows").float()
+            return rows[inv].view(*t.shape, meta.dim)
+
+        return _like(await self._with_table(table, run), ids)
+
+    def _route(self, meta: TableMeta, ids: torch.Tensor) -> list[tuple[ShardMeta, torch.Tensor]]:
+        """(shard, positions in `ids`) pairs: ROWS -> the ids each shard owns; COLS -> every
+        shard sees all ids."""
+        if not meta.by_rows or len(meta.shards) == 1:
+            every = torch.arange(len(ids))
+            return [(sh, every) for sh in meta.shards]
+        owner = ids % len(meta.shards)
+        return [(sh, (owner == sh.index).nonzero().squeeze(1)) for sh in meta.shards]
+
+    async def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
+        """Weighted bags: out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32.
+
+        ids/weights are [B, k], or 1-D with `offsets` [B] marking where each bag starts.
+        """
+
+        async def run(meta: TableMeta) -> torch.Tensor:
+            t_ids, w, off, num_bags = self._bag_args(meta, ids, weights, offsets)
+            out = torch.zeros((num_bags, meta.dim), dtype=torch.float32)
+            calls, places = [], []
+            k = max(1, t_ids.shape[1] if off is None else -(-t_ids.shape[0] // max(1, num_bags)))
+            for bags in _chunks(num_bags, max(k * 8, meta.dim * 4), self.max_request_bytes):
+                b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
+                for sh, (s_ids, s_w, s_off) in self._route_bags(meta, b_ids, b_w, b_off):
+                    req = pb.BagRequest(table=meta.name, ids=encode(_wire_ids(s_ids, meta)), weights=encode(s_w), wire_dtype=self.wire_dtype)
+                    if s_off is not None:
+                        req.offsets.CopyFrom(encode(s_off))
+                    calls.append(self._data(sh.address, "Bag", req))
+                    places.append((sh, bags))
+            for (sh, bags), resp in zip(places, await self._gather(calls)):
+                got = decode(resp.out, "out").float()
+                if meta.by_rows:
+                    out[bags] += got
+                else:
+                    out[bags, sh.col_start : sh.col_end] = got
+            return out
+
+        return _like(await self._with_table(table, run), weights)
+
+    async def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None) -> Any:
+        """Backward of `bag`: returns dL/dweights (shape of ids) and makes the shards apply
+        weights * grad_out to the rows through the table's optimizer (exactly once)."""
+
+        async def run(meta: TableMeta) -> torch.Tensor:
+            t_ids, w, off, num_bags = self._bag_args(meta, ids, weights, offsets)
+            g = _floats(grad_out, "grad_out")
+            check_rows(g, num_bags, meta.dim, "grad_out")
+            grad_w = torch.zeros(t_ids.shape, dtype=torch.float32)
+            flat_gw = grad_w.view(-1)
+            calls, places = [], []
+            k = max(1, t_ids.shape[1] if off is None else -(-t_ids.shape[0] // max(1, num_bags)))
+            for bags in _chunks(num_bags, k * 12 + meta.dim * 4, self.max_request_bytes):
+                b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
+                b_g = g[bags]
+                entries = _entry_range(t_ids, off, bags)
+                tag = self._tag()
+                for sh, (s_ids, s_w, s_off), mask in self._route_bags(meta, b_ids, b_w, b_off, with_mask=True):
+                    g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
+                    req = pb.BagBackwardRequest(
+                        table=meta.name,
+                        ids=encode(_wire_ids(s_ids, meta)),
+                        weights=encode(s_w),
+                        grad_out=encode(g_sh, self.wire_dtype),
+                        tag=tag,
+                    )
+                    if s_off is not None:
+                        req.offsets.CopyFrom(encode(s_off))
+                    calls.append(self._data(sh.address, "BagBackward", req))
+                    places.append((entries, mask))
+            for (entries, mask), resp in zip(places, await self._gather(calls)):
+                got = decode(resp.grad_weights, "grad_weights").reshape(-1)
+                if mask is None:
+                    flat_gw[entries] += got  # COLS: each shard's dot product covers its columns
+                else:
+                    flat_gw[entries][mask] = got  # ROWS: each entry lives on one shard
+            return grad_w
+
+        return _like(await self._with_table(table, run), weights)
+
+    def _bag_args(
+        self, meta: TableMeta, ids: Any, weights: Any, offsets: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        t_ids = _ids(ids, meta)
+        w = _floats(weights, "weights")
+        off = None if offsets is None else as_tensor(offsets).cpu()
+        return t_ids, w, off, check_bag(t_ids, w, off)
+
+    def _route_bags(
+        self,
+        meta: TableMeta,
+        ids: torch.Tensor,
+        w: torch.Tensor,
+        off: torch.Tensor | None,
+        with_mask: bool = False,
+    ) -> list[Any]:
+        """Per shard, the (ids, weights, offsets) of its entries. COLS: the whole batch to every
+        shard. ROWS: each shard gets its own entries as 1-D ids + offsets (bags may be empty)."""
+        if not meta.by_rows or len(meta.shards) == 1:
+            out = [(sh, (ids, w, off)) for sh in meta.shards]
+            return [(*o, None) for o in out] if with_mask else out
+        flat_ids, flat_w = ids.reshape(-1), w.reshape(-1)
+        num_bags = ids.shape[0] if off is None else len(off)
+        if off is None:
+            bag_of = torch.arange(num_bags).repeat_interleave(ids.shape[1])
+        else:
+            counts = torch.diff(off, append=torch.tensor([len(flat_ids)]))
+            bag_of = torch.repeat_interleave(torch.arange(num_bags), counts)
+        owner = flat_ids % len(meta.shards)
+        routed = []
+        for sh in meta.shards:
+            mask = owner == sh.index
+            counts = torch.bincount(bag_of[mask], minlength=num_bags)
+            s_off = torch.cumsum(counts, 0) - counts
+            item = (sh, (flat_ids[mask], flat_w[mask], s_off))
+            routed.append((*item, mask) if with_mask else item)
+        return routed
+
+    async def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
+        """Apply row gradients through the table's optimizer; duplicate ids are summed first.
+        Returns the number of distinct rows updated."""
+
+        async def run(meta: TableMeta) -> int:
+            t = _ids(ids, meta)
+            g = _floats(grads, "grads")
+            if t.dim() != 1:
+                raise BadInput(f"ids: must be 1-D, got shape {list(t.shape)}")
+            check_rows(g, len(t), meta.dim, "grads")
+            uniq, summed = aggregate(t, g)
+            return await self._write(meta, "PushGradients", uniq, summed, "grads")
+
+        return await self._with_table(table, run)
+
+    async def write_rows(self, table: str, ids: Any, rows: Any) -> int:
+        """Overwrite rows (optimizer state is kept). Ids must be distinct."""
+
+        async def run(meta: TableMeta) -> int:
+            t = _ids(ids, meta)
+            r = _floats(rows, "rows")
+            if t.dim() != 1:
+                raise BadInput(f"ids: must be 1-D, got shape {list(t.shape)}")
+            check_rows(r, len(t), meta.dim, "rows")
+            if len(torch.unique(t)) != len(t):
+                raise BadInput("ids: write_rows needs distinct ids (which of two rows would win?)")
+            return await self._write(meta, "WriteRows", t, r, "rows")
+
+        return await self._with_table(table, run)
+
+    async def _write(self, meta: TableMeta, method: str, ids: torch.Tensor, values: torch.Tensor, field: str) -> int:
+        req_cls = pb.PushGradientsRequest if method == "PushGradients" else pb.WriteRowsRequest
+        calls = []
+        for part in _chunks(len(ids), meta.dim * 4 + 8, self.max_request_bytes):
+            p_ids, p_vals, tag = ids[part], values[part], self._tag()
+            for sh, sel in self._route(meta, p_ids):
+                v = p_vals[sel] if meta.by_rows else p_vals[:, sh.col_start : sh.col_end]
+                req = req_cls(table=meta.name, ids=encode(_wire_ids(p_ids[sel], meta)), tag=tag)
+                getattr(req, field).CopyFrom(encode(v, self.wire_dtype if method == "PushGradients" else None))
+                calls.append(self._data(sh.address, method, req))
+        acks = await self._gather(calls)
+        return len(ids) if not acks else int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
+
+    async def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
+        """Per-slot statistics: hits, weight_mass, updates, last_update (unix s), value_norm."""
+
+        async def run(meta: TableMeta) -> dict[str, torch.Tensor]:
+            t = _ids(ids, meta).reshape(-1)
+            uniq, inv = torch.unique(t, return_inverse=True)
+            n = len(uniq)
+            out = {
+                "hits": torch.zeros(n, dtype=torch.int64),
+                "weight_mass": torch.zeros(n, dtype=torch.float64),
+                "updates": torch.zeros(n, dtype=torch.int64),
+                "last_update": torch.zeros(n, dtype=torch.float64),
+                "value_sq_norm": torch.zeros(n, dtype=torch.float64),
+            }
+            routes = self._route(meta, uniq)
+            reqs = [self._data(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]))) for sh, sel in routes]
+            for i, ((sh, sel), resp) in enumerate(zip(routes, await self._gather(reqs))):
+                for key in out:
+                    got = decode(getattr(resp, key), key)
+                    if key == "value_sq_norm" and not meta.by_rows:
+                        out[key] += got  # COLS: each shard holds part of the row
+                    elif meta.by_rows or i == 0:  # COLS: counters are identical on every shard
+                        out[key][sel] = got
+            norm = out.pop("value_sq_norm").sqrt()
+            out["value_norm"] = norm
+            return {k: v[inv] for k, v in out.items()}
+
+        stats = await self._with_table(table, run)
+        return {k: _like(v, ids) for k, v in stats.items()}
+
+
+def _slice_bags(
+    ids: torch.Tensor, w: torch.Tensor, off: torch.Tensor | None, bags: slice
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    if off is None:
+        return ids[bags], w[bags], None
+    start = int(off[bags.start]) if bags.start < len(off) else len(ids)
+    stop = int(off[bags.stop]) if bags.stop < len(off) else len(ids)
+    return ids[start:stop], w[start:stop], off[bags] - start
+
+
+def _entry_range(ids: torch.Tensor, off: torch.Tensor | None, bags: slice) -> slice:
+    """The flat entries that belong to a slice of bags."""
+    if off is None:
+        k = ids.shape[1]
+        return slice(bags.start * k, bags.stop * k)
+    start = int(off[bags.start]) if bags.start < len(off) else len(ids)
+    stop = int(off[bags.stop]) if bags.stop < len(off) else len(ids)
+    return slice(start, stop)

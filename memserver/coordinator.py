@@ -1,0 +1,190 @@
+"""The coordinator: the catalog of tables and their shard map, served as ControlPlane.
+
+It never sits on the data path: clients read a table's shard map once and then talk to the
+shards directly. It holds handles to the shard actors (created by memserver.cluster, so that
+a dying coordinator does not take the shards with it) and places each new table on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+from typing import Any
+
+import grpc
+
+from memserver import __version__
+from memserver.grpc_util import AlreadyExists, NotFound, rpc, start_server
+from memserver.shard import optimizer_config
+from memserver.v1 import memserver_pb2 as pb
+from memserver.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.wire import VALUE_DTYPES, BadInput
+
+log = logging.getLogger(__name__)
+
+TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+#: Sharding a table gets when its spec leaves it unspecified (see docs/architecture.md).
+DEFAULT_SHARDING = pb.COLS
+
+
+def col_bounds(dim: int, num_shards: int, index: int) -> tuple[int, int]:
+    """Columns [start, end) of shard `index` when `dim` columns are split as evenly as possible."""
+    return index * dim // num_shards, (index + 1) * dim // num_shards
+
+
+def plan_table(spec: pb.TableSpec, shards: list[dict[str, Any]]) -> pb.TableInfo:
+    """Place a validated spec on `shards` (dicts with address, node_id, pid): the shard map."""
+    n = len(shards)
+    info = pb.TableInfo(spec=spec)
+    for i, sh in enumerate(shards):
+        if spec.sharding == pb.ROWS:
+            c0, c1, rows = 0, spec.dim, len(range(i, spec.num_rows, n))
+        else:
+            (c0, c1), rows = col_bounds(spec.dim, n, i), spec.num_rows
+        info.shards.add(
+            index=i, address=sh["address"], node_id=sh["node_id"], pid=sh["pid"], col_start=c0, col_end=c1, num_rows=rows
+        )
+    return info
+
+
+def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
+    """Check a CreateTable spec and fill its defaults; BadInput names the offending field."""
+    spec = pb.TableSpec.FromString(spec.SerializeToString())
+    if not TABLE_NAME.match(spec.name):
+        raise BadInput(f"name: {spec.name!r} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
+    if spec.kind == pb.TABLE_KIND_UNSPECIFIED:
+        spec.kind = pb.VALUE
+    if spec.kind != pb.VALUE:
+        raise BadInput(f"kind: {pb.TableKind.Name(spec.kind)} tables are not supported yet; use VALUE")
+    if spec.num_rows <= 0:
+        raise BadInput(f"num_rows: must be positive, got {spec.num_rows}")
+    if spec.dim <= 0:
+        raise BadInput(f"dim: must be positive, got {spec.dim}")
+    if spec.sharding == pb.SHARDING_UNSPECIFIED:
+        spec.sharding = DEFAULT_SHARDING
+    if spec.dtype == pb.DTYPE_UNSPECIFIED:
+        spec.dtype = pb.FLOAT32
+    if spec.dtype not in VALUE_DTYPES:
+        raise BadInput(f"dtype: values are stored as float32, float16 or bfloat16, not {pb.DType.Name(spec.dtype)}")
+    if not math.isfinite(spec.init_std) or spec.init_std < 0:
+        raise BadInput(f"init_std: must be a finite number >= 0, got {spec.init_std}")
+    if not spec.optimizer.name:
+        spec.optimizer.name = "adagrad"
+    try:
+        cfg = optimizer_config(spec.optimizer)
+    except ValueError as exc:
+        raise BadInput(f"optimizer: {exc}") from None
+    spec.optimizer.lr, spec.optimizer.eps = cfg.lr, cfg.effective_eps
+    spec.optimizer.beta1, spec.optimizer.beta2 = cfg.beta1, cfg.beta2
+    if spec.num_shards == 0:
+        spec.num_shards = available_shards
+    if not 0 < spec.num_shards <= available_shards:
+        raise BadInput(f"num_shards: {spec.num_shards} requested, the cluster has {available_shards} shards")
+    if spec.sharding == pb.COLS and spec.dim < spec.num_shards:
+        raise BadInput(f"dim: {spec.dim} columns cannot be split over {spec.num_shards} shards (sharding=cols)")
+    if spec.sharding == pb.ROWS and spec.num_rows < spec.num_shards:
+        raise BadInput(f"num_rows: {spec.num_rows} rows cannot be split over {spec.num_shards} shards")
+    if spec.sync_updates:
+        raise BadInput("sync_updates: not supported yet")
+    return spec
+
+
+class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
+    def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]]) -> None:
+        self.handles, self.infos = shard_handles, shard_infos
+        self.tables: dict[str, pb.TableInfo] = {}
+        self.pending: set[str] = set()
+        self.epoch = 0
+        self.lock = asyncio.Lock()
+
+    def _get(self, name: str) -> pb.TableInfo:
+        if name not in self.tables:
+            raise NotFound(f"table {name!r} does not exist")
+        return self.tables[name]
+
+    @rpc
+    async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
+        spec = validate_spec(request.spec, len(self.handles))
+        if spec.name in self.tables or spec.name in self.pending:
+            raise AlreadyExists(f"table {spec.name!r} already exists")
+        self.pending.add(spec.name)
+        try:
+            # Start each table on a different shard so small tables spread over the cluster.
+            first = len(self.tables) % len(self.handles)
+            order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
+            info = plan_table(spec, [self.infos[j] for j in order])
+            blob = spec.SerializeToString()
+            refs = [
+                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards)
+                for j, sh in zip(order, info.shards)
+            ]
+            results = await asyncio.gather(*refs, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                await asyncio.gather(*(self.handles[j].drop_table.remote(spec.name) for j in order), return_exceptions=True)
+                raise RuntimeError(f"creating {spec.name!r} failed on a shard: {errors[0]}")
+            async with self.lock:
+                self.epoch += 1
+                info.epoch = self.epoch
+                self.tables[spec.name] = info
+            log.info("created table %s: %d x %d, %s over %d shards", spec.name, spec.num_rows, spec.dim,
+                     pb.Sharding.Name(spec.sharding).lower(), spec.num_shards)
+            return info
+        finally:
+            self.pending.discard(spec.name)
+
+    @rpc
+    async def DropTable(self, request: pb.DropTableRequest, context: grpc.aio.ServicerContext) -> pb.DropTableResponse:
+        info = self._get(request.name)
+        del self.tables[request.name]
+        addresses = {sh.address for sh in info.shards}
+        handles = [h for h, i in zip(self.handles, self.infos) if i["address"] in addresses]
+        await asyncio.gather(*(h.drop_table.remote(request.name) for h in handles))
+        async with self.lock:
+            self.epoch += 1
+        log.info("dropped table %s", request.name)
+        return pb.DropTableResponse()
+
+    @rpc
+    async def ListTables(self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext) -> pb.ListTablesResponse:
+        return pb.ListTablesResponse(tables=list(self.tables.values()))
+
+    @rpc
+    async def GetShardMap(self, request: pb.GetShardMapRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
+        return self._get(request.name)
+
+    @rpc
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        blobs = await asyncio.gather(*(h.status.remote() for h in self.handles))
+        resp = pb.StatusResponse(version=__version__, epoch=self.epoch, tables=list(self.tables.values()))
+        for i, blob in enumerate(blobs):
+            st = pb.ShardStatus.FromString(blob)
+            st.index = i
+            resp.shards.append(st)
+        return resp
+
+
+class CoordinatorActor:
+    """Ray actor body (wrapped with ray.remote by memserver.cluster)."""
+
+    def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]]) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
+        self.servicer = ControlPlaneServicer(shard_handles, shard_infos)
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self, host: str, port: int = 0) -> str:
+        self.server, bound = await start_server(
+            lambda s: pb_grpc.add_ControlPlaneServicer_to_server(self.servicer, s),
+            [pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name],
+            host,
+            port,
+        )
+        address = f"{host}:{bound}"
+        log.info("coordinator serving ControlPlane at %s (%d shards)", address, len(self.servicer.handles))
+        return address
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=1.0)

@@ -1,0 +1,83 @@
+"""grpc.aio plumbing shared by shard and coordinator servers: one way to start a server, one way
+to turn bad input into a status code."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from memserver.wire import GRPC_OPTIONS, BadInput
+
+log = logging.getLogger(__name__)
+
+
+class NotFound(KeyError):
+    """Unknown table (mapped to NOT_FOUND)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not found"
+
+
+class AlreadyExists(ValueError):
+    """Duplicate table name (mapped to ALREADY_EXISTS)."""
+
+
+class ResourceExhausted(RuntimeError):
+    """Too big for the server (mapped to RESOURCE_EXHAUSTED)."""
+
+
+STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
+    BadInput: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+T = TypeVar("T")
+
+
+def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Wrap a servicer method: known exceptions become precise gRPC statuses with their text."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except tuple(STATUS_OF) as exc:
+            code = next(c for t, c in STATUS_OF.items() if isinstance(exc, t))
+            await context.abort(code, str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a bug: say so, with the traceback in the server log
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None], service_names: list[str], host: str, port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server on host:port (0 = the OS picks) with health and reflection.
+
+    Must be awaited on the event loop that will own the server (a Ray async actor's loop).
+    """
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {host}:{port}")
+    await server.start()
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

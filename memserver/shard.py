@@ -1,0 +1,282 @@
+"""A shard: one Ray actor that holds a slice of every table and serves DataPlane over grpc.aio.
+
+Requests are decoded on the actor's event loop (zero-copy views) and computed on one worker
+thread per shard: table state is only ever touched by that thread, so a retried write's
+exactly-once check and its application are atomic, and the loop keeps receiving while torch
+works (torch releases the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from memserver.grpc_util import NotFound, rpc, start_server
+from memserver.table import OptimizerConfig, ValueTable
+from memserver.v1 import memserver_pb2 as pb
+from memserver.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.wire import (
+    TORCH_DTYPES,
+    BadInput,
+    check_bag,
+    check_ids,
+    check_rows,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: How many (client_id, seq) answers each table slice remembers for replayed writes.
+DEDUP_WINDOW = 4096
+
+
+def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
+    return OptimizerConfig(
+        name=spec.name or "adagrad",
+        lr=spec.lr or 0.01,
+        eps=spec.eps,
+        beta1=spec.beta1 or 0.9,
+        beta2=spec.beta2 or 0.999,
+    )
+
+
+class TableSlice:
+    """The rows (ROWS) or columns (COLS) of one table that this shard owns."""
+
+    def __init__(self, spec: pb.TableSpec, info: pb.ShardInfo, num_shards: int, device: torch.device):
+        import numpy as np
+
+        self.spec, self.info, self.num_shards = spec, info, num_shards
+        self.by_rows = spec.sharding == pb.ROWS
+        global_rows = np.arange(info.index if self.by_rows else 0, spec.num_rows, num_shards if self.by_rows else 1)
+        self.table = ValueTable(
+            len(global_rows),
+            int(info.col_end - info.col_start),
+            optimizer_config(spec.optimizer),
+            dtype=TORCH_DTYPES[spec.dtype or pb.FLOAT32],
+            device=device,
+            init_std=spec.init_std,
+            seed=spec.seed,
+            global_rows=global_rows,
+            col_start=int(info.col_start),
+            total_dim=int(spec.dim),
+        )
+        self.applied: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self.requests = 0
+
+    def local(self, ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
+        """Global ids -> local rows, rejecting ids this shard does not own."""
+        check_ids(ids, self.spec.num_rows, what)
+        ids = ids.long().to(self.table.device)
+        if not self.by_rows or self.num_shards == 1:
+            return ids
+        owner = ids % self.num_shards
+        if ids.numel() and bool((owner != self.info.index).any()):
+            bad = int(ids[owner != self.info.index][0])
+            raise BadInput(f"{what}: id {bad} belongs to shard {bad % self.num_shards}, not {self.info.index}")
+        return ids // self.num_shards
+
+    def once(self, tag: pb.WriteTag, apply: Callable[[], T]) -> tuple[T, bool]:
+        """Apply a write at most once per (client_id, seq); replay the first answer otherwise."""
+        if not tag.client_id:
+            return apply(), False
+        key = (tag.client_id, tag.seq)
+        if key in self.applied:
+            return self.applied[key], True
+        result = apply()
+        self.applied[key] = result
+        if len(self.applied) > DEDUP_WINDOW:
+            self.applied.popitem(last=False)
+        return result, False
+
+
+class DataPlaneServicer(pb_grpc.DataPlaneServicer):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tables: dict[str, TableSlice] = {}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute")
+        self.requests = 0
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+    def slice(self, name: str) -> TableSlice:
+        sl = self.tables.get(name)
+        if sl is None:
+            raise NotFound(f"table {name!r} does not exist")
+        sl.requests += 1
+        self.requests += 1
+        return sl
+
+    @staticmethod
+    def _bag_inputs(request: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        ids = decode(request.ids, "ids")
+        weights = decode(request.weights, "weights")
+        offsets = decode(request.offsets, "offsets") if request.HasField("offsets") else None
+        return ids, weights, offsets, check_bag(ids, weights, offsets)
+
+    @rpc
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        sl = self.slice(request.table)
+        ids = decode(request.ids, "ids")
+        if ids.dim() != 1:
+            raise BadInput(f"ids: must be 1-D, got shape {list(ids.shape)}")
+
+        def work() -> pb.LookupResponse:
+            return pb.LookupResponse(rows=encode(sl.table.lookup(sl.local(ids)), request.wire_dtype))
+
+        return await self.run(work)
+
+    @rpc
+    async def Bag(self, request: pb.BagRequest, context: grpc.aio.ServicerContext) -> pb.BagResponse:
+        sl = self.slice(request.table)
+        ids, weights, offsets, _ = self._bag_inputs(request)
+
+        def work() -> pb.BagResponse:
+            out = sl.table.bag(sl.local(ids), weights, offsets)
+            return pb.BagResponse(out=encode(out, request.wire_dtype))
+
+        return await self.run(work)
+
+    @rpc
+    async def BagBackward(
+        self, request: pb.BagBackwardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BagBackwardResponse:
+        sl = self.slice(request.table)
+        ids, weights, offsets, num_bags = self._bag_inputs(request)
+        grad_out = decode(request.grad_out, "grad_out")
+        check_rows(grad_out, num_bags, sl.table.dim, "grad_out")
+
+        def work() -> pb.BagBackwardResponse:
+            local = sl.local(ids)
+
+            def apply() -> pb.Tensor:
+                return encode(sl.table.bag_backward(local, weights, offsets, grad_out))
+
+            grad_w, dup = sl.once(request.tag, apply)
+            return pb.BagBackwardResponse(grad_weights=grad_w, duplicate=dup)
+
+        return await self.run(work)
+
+    @rpc
+    async def PushGradients(self, request: pb.PushGradientsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        sl = self.slice(request.table)
+        ids, grads = decode(request.ids, "ids"), decode(request.grads, "grads")
+        if ids.dim() != 1:
+            raise BadInput(f"ids: must be 1-D, got shape {list(ids.shape)}")
+        check_rows(grads, ids.shape[0], sl.table.dim, "grads")
+
+        def work() -> pb.WriteAck:
+            local = sl.local(ids)
+            rows, dup = sl.once(request.tag, lambda: sl.table.push_gradients(local, grads))
+            return pb.WriteAck(rows=rows, duplicate=dup)
+
+        return await self.run(work)
+
+    @rpc
+    async def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        sl = self.slice(request.table)
+        ids, rows = decode(request.ids, "ids"), decode(request.rows, "rows")
+        if ids.dim() != 1:
+            raise BadInput(f"ids: must be 1-D, got shape {list(ids.shape)}")
+        check_rows(rows, ids.shape[0], sl.table.dim, "rows")
+
+        def work() -> pb.WriteAck:
+            local = sl.local(ids)
+            if len(torch.unique(local)) != len(local):
+                raise BadInput("ids: write_rows needs distinct ids (which of two rows would win?)")
+            n, dup = sl.once(request.tag, lambda: sl.table.write_rows(local, rows))
+            return pb.WriteAck(rows=n, duplicate=dup)
+
+        return await self.run(work)
+
+    @rpc
+    async def SlotStats(self, request: pb.SlotStatsRequest, context: grpc.aio.ServicerContext) -> pb.SlotStatsResponse:
+        sl = self.slice(request.table)
+        ids = decode(request.ids, "ids")
+        if ids.dim() != 1:
+            raise BadInput(f"ids: must be 1-D, got shape {list(ids.shape)}")
+
+        def work() -> pb.SlotStatsResponse:
+            stats = sl.table.slot_stats(sl.local(ids))
+            return pb.SlotStatsResponse(**{k: encode(v) for k, v in stats.items()})
+
+        return await self.run(work)
+
+
+class ShardActor:
+    """Ray actor body (wrapped with ray.remote by memserver.cluster)."""
+
+    def __init__(self, index: int, threads: int = 1) -> None:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
+        torch.set_num_threads(max(1, threads))
+        self.index = index
+        self.device = torch.device("cpu")
+        try:
+            import ray
+
+            if torch.cuda.is_available() and ray.get_gpu_ids():
+                self.device = torch.device("cuda")
+        except Exception:  # not inside Ray: CPU
+            pass
+        self.servicer = DataPlaneServicer(self.device)
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def start(self, host: str | None = None) -> dict[str, Any]:
+        """Start the gRPC server on this actor's loop; host None = 127.0.0.1."""
+        host = host or "127.0.0.1"
+        self.server, port = await start_server(
+            lambda s: pb_grpc.add_DataPlaneServicer_to_server(self.servicer, s),
+            [pb.DESCRIPTOR.services_by_name["DataPlane"].full_name],
+            host,
+        )
+        self.address = f"{host}:{port}"
+        log.info("shard %d serving DataPlane at %s on %s", self.index, self.address, self.device)
+        return {"address": self.address, "pid": os.getpid(), "node_id": _node_id(), "device": str(self.device)}
+
+    async def create_table(self, spec: bytes, info: bytes, num_shards: int) -> None:
+        s, i = pb.TableSpec.FromString(spec), pb.ShardInfo.FromString(info)
+        if s.name in self.servicer.tables:
+            raise ValueError(f"table {s.name!r} already exists on shard {self.index}")
+        sl = await self.servicer.run(lambda: TableSlice(s, i, num_shards, self.device))
+        self.servicer.tables[s.name] = sl
+        log.info("shard %d: table %s holds %d rows x %d cols", self.index, s.name, sl.table.num_rows, sl.table.dim)
+
+    async def drop_table(self, name: str) -> bool:
+        return self.servicer.tables.pop(name, None) is not None
+
+    async def status(self) -> bytes:
+        st = pb.ShardStatus(
+            address=self.address,
+            node_id=_node_id(),
+            pid=os.getpid(),
+            device=str(self.device),
+            requests=self.servicer.requests,
+        )
+        for name, sl in self.servicer.tables.items():
+            st.tables.add(table=name, rows=sl.table.num_rows, bytes=sl.table.nbytes(), requests=sl.requests)
+        return st.SerializeToString()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() or ""
+    except Exception:
+        return ""

@@ -1,0 +1,264 @@
+"""The math of a value table slice: lookup, bag, bag-backward and the sparse optimizers.
+
+This is the one implementation of memory-value math in the project. A shard actor hosts one
+`ValueTable` per table slice; the trainer's `local` memory backend uses the very same class
+in-process, so local and remote training compute the same numbers.
+
+Ids given to `ValueTable` are *local* row numbers of the slice (the shard maps global ids).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+_DEFAULT_EPS = {"sgd": 0.0, "adagrad": 1e-10, "adam": 1e-8}
+# Entries processed per chunk in the backward, bounding temporaries to ~chunk * dim floats.
+_CHUNK_ENTRIES = 1 << 16
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """A server-side sparse optimizer: only touched rows are read or written.
+
+    - sgd: w -= lr * g
+    - adagrad: row-wise (one accumulator per row, TorchRec style): a += mean(g^2);
+      w -= lr * g / (sqrt(a) + eps)
+    - adam: lazy; moments of touched rows only, bias correction by the row's own update count
+      (a row first touched at step 1000 gets the same correction as at step 1), so results do
+      not depend on how rows are spread over shards.
+    """
+
+    name: str = "adagrad"
+    lr: float = 0.01
+    eps: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; expected one of {OPTIMIZERS}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("adam betas must be in [0, 1)")
+        if self.eps < 0 or not math.isfinite(self.eps):
+            raise ValueError(f"eps must be >= 0, got {self.eps}")
+
+    @property
+    def effective_eps(self) -> float:
+        return self.eps or _DEFAULT_EPS[self.name]
+
+
+# ------------------------------------------------------------------ initialisation
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def init_values(
+    global_rows: np.ndarray, col_start: int, col_end: int, total_dim: int, std: float, seed: int
+) -> torch.Tensor:
+    """N(0, std^2) values that are a pure function of (seed, row, column).
+
+    Any shard can create exactly its own rows/columns of a table, and the result is the same
+    however the table is sharded (and equal to the trainer's local table of the same seed).
+    """
+    n, c = len(global_rows), col_end - col_start
+    out = torch.empty((n, c), dtype=torch.float32)
+    if n == 0 or c == 0 or std == 0:
+        return out.zero_()
+    key = _splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
+    cols = np.arange(col_start, col_end, dtype=np.uint64)
+    step = max(1, (1 << 21) // c)
+    with np.errstate(over="ignore"):
+        for r0 in range(0, n, step):
+            rows = global_rows[r0 : r0 + step].astype(np.uint64)
+            counter = (rows[:, None] * np.uint64(total_dim) + cols[None, :]) * np.uint64(2)
+            a = _splitmix64(counter ^ key)
+            b = _splitmix64((counter + np.uint64(1)) ^ key)
+            u1 = ((a >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+            u2 = (b >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+            z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+            out[r0 : r0 + step] = torch.from_numpy((z * std).astype(np.float32))
+    return out
+
+
+# ------------------------------------------------------------------ the table
+
+
+def bag_index(ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """For each flat entry, the bag it belongs to."""
+    if offsets is None:
+        b, k = ids.shape
+        return torch.arange(b, device=ids.device).repeat_interleave(k)
+    counts = torch.diff(offsets, append=torch.tensor([ids.shape[0]], device=offsets.device))
+    return torch.repeat_interleave(torch.arange(len(offsets), device=ids.device), counts)
+
+
+def aggregate(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum rows that share an id: (unique ids, summed rows). Used before every update."""
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    if len(uniq) == len(ids):
+        order = torch.empty_like(inv)
+        order[inv] = torch.arange(len(inv), device=inv.device)
+        return uniq, rows[order].float()
+    out = torch.zeros((len(uniq), rows.shape[1]), dtype=torch.float32, device=rows.device)
+    out.index_add_(0, inv, rows.float())
+    return uniq, out
+
+
+class ValueTable:
+    """One slice of a value table: rows, optimizer state and per-slot statistics."""
+
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        optimizer: OptimizerConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        init_std: float = 0.02,
+        seed: int = 0,
+        global_rows: np.ndarray | None = None,
+        col_start: int = 0,
+        total_dim: int | None = None,
+        track_stats: bool = True,
+    ) -> None:
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"value dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.num_rows, self.dim, self.optimizer = num_rows, dim, optimizer
+        self.dtype, self.device = dtype, torch.device(device)
+        if global_rows is None:
+            global_rows = np.arange(num_rows, dtype=np.int64)
+        total_dim = total_dim or dim
+        self.weight = init_values(global_rows, col_start, col_start + dim, total_dim, init_std, seed)
+        self.weight = self.weight.to(device=self.device, dtype=dtype)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        if optimizer.name == "adagrad":
+            self.acc = torch.zeros(num_rows, **f32)
+        elif optimizer.name == "adam":
+            self.exp_avg = torch.zeros((num_rows, dim), **f32)
+            self.exp_avg_sq = torch.zeros((num_rows, dim), **f32)
+        self.track_stats = track_stats
+        self.hits = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
+        self.weight_mass = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
+        self.updates = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
+        self.last_update = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        tensors = [self.weight, self.hits, self.weight_mass, self.updates, self.last_update]
+        tensors += [getattr(self, n) for n in ("acc", "exp_avg", "exp_avg_sq") if hasattr(self, n)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.track_stats:
+            self.hits.index_add_(0, ids, torch.ones_like(ids))
+        return self.weight.index_select(0, ids).float()
+
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """out[b] = sum_{i in bag b} weights_i * v[ids_i], in float32."""
+        if self.track_stats:
+            flat = ids.reshape(-1)
+            self.hits.index_add_(0, flat, torch.ones_like(flat))
+            self.weight_mass.index_add_(0, flat, weights.reshape(-1).abs().double())
+        weights = weights.float()
+        if self.dtype == torch.float32:
+            return F.embedding_bag(ids, self.weight, offsets, mode="sum", per_sample_weights=weights)
+        # Half-precision storage: gather, widen, then sum in float32.
+        if offsets is None:
+            rows = self.weight[ids].float()  # [B, k, d]
+            return torch.einsum("bk,bkd->bd", weights, rows)
+        out = torch.zeros((len(offsets), self.dim), dtype=torch.float32, device=self.device)
+        out.index_add_(0, bag_index(ids, offsets), self.weight[ids].float() * weights[:, None])
+        return out
+
+    def slot_stats(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows = self.weight.index_select(0, ids).double()
+        return {
+            "hits": self.hits[ids],
+            "weight_mass": self.weight_mass[ids],
+            "updates": self.updates[ids],
+            "last_update": self.last_update[ids],
+            "value_sq_norm": (rows * rows).sum(1),
+        }
+
+    # -- writes --------------------------------------------------------------------------
+
+    def bag_backward(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        offsets: torch.Tensor | None,
+        grad_out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Return dL/dweights (shape of ids) and apply w_i * grad_out_b to the rows.
+
+        dL/dw_i = <grad_out_b, v[id_i]> uses the values *before* this update.
+        """
+        grad_out = grad_out.to(device=self.device, dtype=torch.float32)
+        flat_ids = ids.reshape(-1)
+        flat_w = weights.reshape(-1).float()
+        bags = bag_index(ids, offsets)
+        grad_w = torch.empty(flat_ids.shape[0], dtype=torch.float32, device=self.device)
+        uniq, inv = torch.unique(flat_ids, return_inverse=True)
+        row_grad = torch.zeros((len(uniq), self.dim), dtype=torch.float32, device=self.device)
+        for s in range(0, flat_ids.shape[0], _CHUNK_ENTRIES):
+            e = s + _CHUNK_ENTRIES
+            g = grad_out.index_select(0, bags[s:e])  # [n, d]
+            rows = self.weight.index_select(0, flat_ids[s:e]).float()
+            grad_w[s:e] = (rows * g).sum(1)
+            row_grad.index_add_(0, inv[s:e], g.mul_(flat_w[s:e, None]))
+        self._apply(uniq, row_grad)
+        return grad_w.view(ids.shape)
+
+    def push_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
+        uniq, g = aggregate(ids, grads.to(self.device))
+        self._apply(uniq, g)
+        return len(uniq)
+
+    def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> int:
+        """Overwrite rows (optimizer state is kept). Ids must be distinct (checked by callers)."""
+        self.weight[ids] = rows.to(device=self.device, dtype=self.dtype)
+        return len(ids)
+
+    def _apply(self, ids: torch.Tensor, g: torch.Tensor) -> None:
+        """One optimizer step on distinct rows `ids` with their summed float32 gradients `g`."""
+        if len(ids) == 0:
+            return
+        opt = self.optimizer
+        w = self.weight[ids].float()
+        self.updates[ids] += 1
+        self.last_update[ids] = time.time()
+        if opt.name == "sgd":
+            w.sub_(g, alpha=opt.lr)
+        elif opt.name == "adagrad":
+            acc = self.acc[ids] + g.square().mean(1)
+            self.acc[ids] = acc
+            w.sub_(g / (acc.sqrt_().add_(opt.effective_eps))[:, None], alpha=opt.lr)
+        else:
+            step = self.updates[ids].double()
+            m = self.exp_avg[ids].mul_(opt.beta1).add_(g, alpha=1 - opt.beta1)
+            v = self.exp_avg_sq[ids].mul_(opt.beta2).addcmul_(g, g, value=1 - opt.beta2)
+            self.exp_avg[ids], self.exp_avg_sq[ids] = m, v
+            bc1 = (1 - opt.beta1**step).float()[:, None]
+            bc2 = (1 - opt.beta2**step).float()[:, None]
+            w.sub_(opt.lr * (m / bc1) / ((v / bc2).sqrt_().add_(opt.effective_eps)))
+        self.weight[ids] = w.to(self.dtype)

@@ -1,0 +1,323 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+
+class Sharding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHARDING_UNSPECIFIED: _ClassVar[Sharding]
+    ROWS: _ClassVar[Sharding]
+    COLS: _ClassVar[Sharding]
+
+class TableKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TABLE_KIND_UNSPECIFIED: _ClassVar[TableKind]
+    VALUE: _ClassVar[TableKind]
+    INDEX: _ClassVar[TableKind]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT64: DType
+INT64: DType
+INT32: DType
+SHARDING_UNSPECIFIED: Sharding
+ROWS: Sharding
+COLS: Sharding
+TABLE_KIND_UNSPECIFIED: TableKind
+VALUE: TableKind
+INDEX: TableKind
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "lr", "eps", "beta1", "beta2")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INIT_STD_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FACTORY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: TableKind
+    num_rows: int
+    dim: int
+    sharding: Sharding
+    optimizer: OptimizerSpec
+    dtype: DType
+    init_std: float
+    seed: int
+    num_shards: int
+    sync_updates: bool
+    index_factory: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    COL_START_FIELD_NUMBER: _ClassVar[int]
+    COL_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    node_id: str
+    pid: int
+    col_start: int
+    col_end: int
+    num_rows: int
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("spec", "shards", "epoch")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    epoch: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class WriteTag(_message.Message):
+    __slots__ = ("client_id", "seq")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    seq: int
+    def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("table", "ids", "wire_dtype")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    wire_dtype: DType
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: Tensor
+    def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class BagRequest(_message.Message):
+    __slots__ = ("table", "ids", "weights", "offsets", "wire_dtype")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    weights: Tensor
+    offsets: Tensor
+    wire_dtype: DType
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class BagResponse(_message.Message):
+    __slots__ = ("out",)
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    out: Tensor
+    def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class BagBackwardRequest(_message.Message):
+    __slots__ = ("table", "ids", "weights", "offsets", "grad_out", "tag")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUT_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    weights: Tensor
+    offsets: Tensor
+    grad_out: Tensor
+    tag: WriteTag
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ...) -> None: ...
+
+class BagBackwardResponse(_message.Message):
+    __slots__ = ("grad_weights", "duplicate")
+    GRAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    grad_weights: Tensor
+    duplicate: bool
+    def __init__(self, grad_weights: _Optional[_Union[Tensor, _Mapping]] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class PushGradientsRequest(_message.Message):
+    __slots__ = ("table", "ids", "grads", "tag")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    grads: Tensor
+    tag: WriteTag
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ...) -> None: ...
+
+class WriteRowsRequest(_message.Message):
+    __slots__ = ("table", "ids", "rows", "tag")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    rows: Tensor
+    tag: WriteTag
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ...) -> None: ...
+
+class WriteAck(_message.Message):
+    __slots__ = ("rows", "duplicate")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    duplicate: bool
+    def __init__(self, rows: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class SlotStatsRequest(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SlotStatsResponse(_message.Message):
+    __slots__ = ("hits", "weight_mass", "updates", "last_update", "value_sq_norm")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_MASS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    hits: Tensor
+    weight_mass: Tensor
+    updates: Tensor
+    last_update: Tensor
+    value_sq_norm: Tensor
+    def __init__(self, hits: _Optional[_Union[Tensor, _Mapping]] = ..., weight_mass: _Optional[_Union[Tensor, _Mapping]] = ..., updates: _Optional[_Union[Tensor, _Mapping]] = ..., last_update: _Optional[_Union[Tensor, _Mapping]] = ..., value_sq_norm: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ...) -> None: ...
+
+class DropTableRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DropTableResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
+
+class GetShardMapRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class TableLoad(_message.Message):
+    __slots__ = ("table", "rows", "bytes", "requests")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    rows: int
+    bytes: int
+    requests: int
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    node_id: str
+    pid: int
+    device: str
+    requests: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableLoad]
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("version", "epoch", "tables", "shards")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    epoch: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
+    def __init__(self, version: _Optional[str] = ..., epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...

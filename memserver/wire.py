@@ -1,0 +1,176 @@
+"""Tensor encoding and input validation shared by the shards and the client.
+
+Tensors cross the wire as raw little-endian bytes plus dtype and shape (never `repeated float`):
+decoding is a zero-copy view of the message's bytes. Validation lives here once so the client
+can reject bad input *before* fanning a write out to several shards (a write that one shard
+accepts and another rejects would leave the table half-changed), and the shard checks again.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from memserver.v1 import memserver_pb2 as pb
+
+# torch warns whenever it wraps an immutable buffer; decoded tensors are only ever read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+assert sys.byteorder == "little", "memserver's wire format assumes a little-endian host"
+
+#: Largest message either side accepts. The client splits batches to stay well below it.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+TORCH_DTYPES: dict[int, torch.dtype] = {
+    pb.FLOAT32: torch.float32,
+    pb.FLOAT16: torch.float16,
+    pb.BFLOAT16: torch.bfloat16,
+    pb.FLOAT64: torch.float64,
+    pb.INT64: torch.int64,
+    pb.INT32: torch.int32,
+}
+WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
+DTYPE_NAMES: dict[str, int] = {
+    "float32": pb.FLOAT32,
+    "float16": pb.FLOAT16,
+    "bfloat16": pb.BFLOAT16,
+    "float64": pb.FLOAT64,
+    "int64": pb.INT64,
+    "int32": pb.INT32,
+}
+VALUE_DTYPES = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
+
+
+class BadInput(ValueError):
+    """Input that a call must reject whole (mapped to gRPC INVALID_ARGUMENT)."""
+
+
+def dtype_code(name: str | int | torch.dtype) -> int:
+    """Accept 'float32', a torch dtype or a proto enum value and return the enum value."""
+    if isinstance(name, torch.dtype):
+        code = WIRE_DTYPES.get(name)
+    elif isinstance(name, str):
+        code = DTYPE_NAMES.get(name.lower())
+    else:
+        code = int(name) if int(name) in TORCH_DTYPES else None
+    if code is None:
+        raise BadInput(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_NAMES)}")
+    return code
+
+
+def dtype_name(code: int) -> str:
+    return pb.DType.Name(code).lower()
+
+
+def as_tensor(x: Any) -> torch.Tensor:
+    """numpy array, torch tensor or nested sequence -> torch tensor, without copying when possible."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        if x.dtype.byteorder == ">":
+            x = x.astype(x.dtype.newbyteorder("<"))
+        return torch.from_numpy(x)
+    return torch.as_tensor(np.asarray(x))
+
+
+def encode(t: torch.Tensor, wire_dtype: int | None = None) -> pb.Tensor:
+    """torch tensor -> pb.Tensor, optionally cast (e.g. to bfloat16 to halve the bytes)."""
+    if wire_dtype is not None and wire_dtype != pb.DTYPE_UNSPECIFIED:
+        t = t.to(TORCH_DTYPES[wire_dtype])
+    code = WIRE_DTYPES.get(t.dtype)
+    if code is None:
+        raise BadInput(f"dtype {t.dtype} cannot be sent; use one of {sorted(DTYPE_NAMES)}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    # One copy into the message; bfloat16 has no numpy dtype, so view it as int16 bytes.
+    arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return pb.Tensor(dtype=code, shape=list(t.shape), data=arr.tobytes())
+
+
+def decode(msg: pb.Tensor, what: str) -> torch.Tensor:
+    """pb.Tensor -> read-only torch view of the message bytes; BadInput names `what` on mismatch."""
+    dtype = TORCH_DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise BadInput(f"{what}: missing or unknown dtype ({msg.dtype})")
+    shape = tuple(int(s) for s in msg.shape)
+    if any(s < 0 for s in shape):
+        raise BadInput(f"{what}: negative extent in shape {list(shape)}")
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(msg.data) != numel * itemsize:
+        raise BadInput(
+            f"{what}: {len(msg.data)} bytes do not hold shape {list(shape)} of "
+            f"{dtype_name(msg.dtype)} ({numel * itemsize} bytes expected)"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+
+
+def has_tensor(msg: Any, field: str) -> bool:
+    return msg.HasField(field)
+
+
+# ------------------------------------------------------------------ validation
+
+
+def check_ids(ids: torch.Tensor, num_rows: int, what: str = "ids") -> None:
+    """Ids must be int64 (int32 is widened by callers) and inside [0, num_rows)."""
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise BadInput(f"{what}: dtype must be int64, got {str(ids.dtype).removeprefix('torch.')}")
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0:
+        raise BadInput(f"{what}: negative id {lo}")
+    if hi >= num_rows:
+        raise BadInput(f"{what}: id {hi} out of range for a table of {num_rows} rows")
+
+
+def check_float(x: torch.Tensor, what: str) -> None:
+    if not x.dtype.is_floating_point:
+        raise BadInput(f"{what}: dtype must be floating point, got {str(x.dtype).removeprefix('torch.')}")
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise BadInput(f"{what}: contains NaN or infinite values")
+
+
+def check_bag(ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None) -> int:
+    """Shape rules of a bag batch; returns the number of bags B."""
+    if offsets is None:
+        if ids.dim() != 2:
+            raise BadInput(f"ids: a bag batch needs shape [B, k] (or 1-D ids with offsets), got {list(ids.shape)}")
+        num_bags = ids.shape[0]
+    else:
+        if ids.dim() != 1:
+            raise BadInput(f"ids: with offsets, ids must be 1-D, got {list(ids.shape)}")
+        if offsets.dtype != torch.int64 or offsets.dim() != 1:
+            raise BadInput("offsets: must be a 1-D int64 tensor")
+        num_bags = offsets.shape[0]
+        if num_bags:
+            if int(offsets[0]) != 0:
+                raise BadInput("offsets: must start at 0")
+            if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > ids.shape[0]:
+                raise BadInput("offsets: must be non-decreasing and at most len(ids)")
+        elif ids.numel():
+            raise BadInput("offsets: empty, but ids are not")
+    if weights.shape != ids.shape:
+        raise BadInput(f"weights: shape {list(weights.shape)} does not match ids {list(ids.shape)}")
+    check_float(weights, "weights")
+    return num_bags
+
+
+def check_rows(x: torch.Tensor, n: int, dim: int, what: str) -> None:
+    if x.dim() != 2 or x.shape[0] != n or x.shape[1] != dim:
+        raise BadInput(f"{what}: shape must be [{n}, {dim}], got {list(x.shape)}")
+    check_float(x, what)
