@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import torch
 
-from client.errors import TableNotFoundError, from_rpc_error
+from client.errors import InvalidArgumentError, TableNotFoundError, from_rpc_error
 from memserver.cluster import read_endpoint
 from memserver.table import aggregate
 from memserver.v1 import memserver_pb2 as pb
@@ -211,14 +211,18 @@ class AsyncMemoryClient:
         return self._tables[name]
 
     async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]]) -> Any:
-        """Run fn(meta); if a shard no longer knows the table (dropped and re-created), refresh once."""
+        """Run fn(meta); if a shard no longer knows the table (dropped and re-created), refresh once.
+        Input the client itself rejects raises the same InvalidArgumentError a shard would."""
         try:
-            return await fn(await self.table(name))
-        except TableNotFoundError:
-            if name not in self._tables:
-                raise
-            del self._tables[name]
-            return await fn(await self.table(name))
+            try:
+                return await fn(await self.table(name))
+            except TableNotFoundError:
+                if name not in self._tables:
+                    raise
+                del self._tables[name]
+                return await fn(await self.table(name))
+        except BadInput as exc:
+            raise InvalidArgumentError(f"INVALID_ARGUMENT: {exc}") from None
 
     def _tag(self) -> pb.WriteTag:
         return pb.WriteTag(client_id=self.client_id, seq=next(self._seq))
@@ -254,7 +258,11 @@ class AsyncMemoryClient:
         """Create a value table. `sharding` is "rows" or "cols" (None: the server's default)."""
         shard_modes = {None: pb.SHARDING_UNSPECIFIED, "rows": pb.ROWS, "cols": pb.COLS}
         if sharding not in shard_modes:
-            raise BadInput(f"sharding: expected 'rows' or 'cols', got {sharding!r}")
+            raise InvalidArgumentError(f"INVALID_ARGUMENT: sharding: expected 'rows' or 'cols', got {sharding!r}")
+        try:
+            dtype_value = dtype_code(dtype)
+        except BadInput as exc:
+            raise InvalidArgumentError(f"INVALID_ARGUMENT: {exc}") from None
         spec = pb.TableSpec(
             name=name,
             kind=pb.VALUE,
@@ -262,7 +270,7 @@ class AsyncMemoryClient:
             dim=dim,
             sharding=shard_modes[sharding],
             optimizer=pb.OptimizerSpec(name=optimizer, lr=lr, eps=eps, beta1=betas[0], beta2=betas[1]),
-            dtype=dtype_code(dtype),
+            dtype=dtype_value,
             init_std=init_std,
             seed=seed,
             num_shards=num_shards,
@@ -479,7 +487,7 @@ class AsyncMemoryClient:
             }
             routes = self._route(meta, uniq)
             reqs = [self._data(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]))) for sh, sel in routes]
-            for i, ((sh, sel), resp) in enumerate(zip(routes, await self._gather(reqs))):
+            for i, ((_, sel), resp) in enumerate(zip(routes, await self._gather(reqs))):
                 for key in out:
                     got = decode(getattr(resp, key), key)
                     if key == "value_sq_norm" and not meta.by_rows:

@@ -1,0 +1,38 @@
+# make demo / make test work on a fresh machine: each creates .venv and installs first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export MEMSERVER_HOME ?= $(CURDIR)/.memserver
+
+.PHONY: install demo test lint proto bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch is pinned to 2.13.0 (the CPU wheel on this machine); pip resolves the rest from pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/memserver down >/dev/null 2>&1 || true
+	$(BIN)/memserver up --detach --shards 2
+	$(BIN)/python -m memserver.demo; status=$$?; $(BIN)/memserver down; exit $$status
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/memserver/v1/memserver.proto
+
+bench: install
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .memserver *.egg-info

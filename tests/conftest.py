@@ -1,0 +1,49 @@
+"""One local Ray cluster and one memory cluster (2 shards) for the whole test session."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+TIMINGS: list[str] = []
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def memory_cluster(tmp_path_factory):
+    import ray
+
+    from memserver.cluster import start_cluster
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=2, object_store_memory=96 * 1024 * 1024, include_dashboard=False, namespace="memserver-tests",
+             log_to_driver=False)
+    cluster = start_cluster(2, shard_cpus=0.25)
+    yield cluster
+    cluster.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(memory_cluster):
+    from client import MemoryClient
+
+    with MemoryClient(memory_cluster.endpoint, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def table_name(request):
+    """A fresh table name per test (tables are not shared between tests)."""
+    import re
+
+    return f"t{next(_names)}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:60]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TIMINGS:
+        terminalreporter.section("memserver quick timings (not asserted; benchmarks/ measures)")
+        for line in TIMINGS:
+            terminalreporter.write_line(line)

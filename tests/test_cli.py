@@ -1,0 +1,78 @@
+"""`memserver up --detach` / `status` / `down` as a user runs them, in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import memserver.cli as cli
+
+
+def run(args, env, timeout=240):
+    return subprocess.run([sys.executable, "-m", "memserver.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_up_status_down(tmp_path):
+    env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
+    config = tmp_path / "tables.yaml"
+    config.write_text("shards: 2\nshard_cpus: 0.25\ntables:\n  - {name: emb, num_rows: 5000, dim: 32, sharding: rows, optimizer: adam, lr: 0.001}\n")
+    up = run(["up", "--detach", "--config", str(config), "--num-cpus", "2", "--object-store-mb", "96"], env)
+    assert up.returncode == 0, up.stderr + up.stdout
+    assert "memserver ready at 127.0.0.1:" in up.stdout
+    try:
+        endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
+        again = run(["up", "--detach"], env)
+        assert again.returncode == 2 and "already running" in again.stderr
+        st = run(["status", "--json"], env)
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        assert status["endpoint"] == endpoint
+        assert [t["name"] for t in status["tables"]] == ["emb"]
+        assert status["tables"][0]["sharding"] == "rows" and status["tables"][0]["optimizer"] == "adam"
+        assert len(status["shards"]) == 2
+        assert all(s["pid"] > 0 and s["address"].startswith("127.0.0.1:") for s in status["shards"])
+        assert sum(t["rows"] for s in status["shards"] for t in s["tables"]) == 5000
+        human = run(["status"], env)
+        assert human.returncode == 0 and "emb" in human.stdout and "shards" in human.stdout
+    finally:
+        down = run(["down"], env)
+    assert down.returncode == 0, down.stderr
+    assert "stopped" in down.stdout
+    assert not (tmp_path / "endpoint.json").exists()
+    assert "no memserver is running" in run(["down"], env).stdout
+
+
+def test_status_without_cluster_names_the_fix(tmp_path):
+    st = run(["status"], {**os.environ, "MEMSERVER_HOME": str(tmp_path)})
+    assert st.returncode == 2 and "memserver up" in st.stderr
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("tables:\n  - {name: a, num_rows: 4}\n", "needs at least name, num_rows and dim"),
+        ("tables:\n  - {name: a, num_rows: 4, dim: 2, colour: red}\n", "unknown key(s) ['colour']"),
+        ("shardz: 2\n", "unknown key(s) ['shardz']"),
+        ("tables: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_config_names_the_problem(tmp_path, text, message):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(cli.CliError, match="--config") as err:
+        cli.load_config(str(path))
+    assert message in str(err.value)
+
+
+def test_help_explains_every_command():
+    out = run(["--help"], os.environ).stdout
+    for word in ("up", "status", "down"):
+        assert word in out
+    up_help = run(["up", "--help"], os.environ).stdout
+    for flag in ("--shards", "--config", "--address", "--detach"):
+        assert flag in up_help

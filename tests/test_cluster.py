@@ -1,0 +1,208 @@
+"""End to end against a real local Ray cluster with 2 shards, in both sharding modes."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from memserver.table import init_values
+from memserver.v1 import memserver_pb2 as pb
+from memserver.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.wire import decode, encode
+from tests.conftest import TIMINGS
+from tests.reference import RefTable, bag
+
+ROWS, DIM = 1000, 16
+
+
+def initial(meta) -> np.ndarray:
+    return init_values(np.arange(meta.num_rows), 0, meta.dim, meta.dim, meta.init_std, meta.seed).numpy()
+
+
+@pytest.mark.parametrize("sharding", ["rows", "cols"])
+def test_lookup_and_bag_equal_numpy(client, table_name, sharding):
+    meta = client.create_table(table_name, ROWS, DIM, sharding=sharding, init_std=0.5, seed=11)
+    assert meta.sharding == sharding and len(meta.shards) == 2
+    values = initial(meta)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, ROWS, (64, 8))
+    ids[0, :3] = [5, 5, 999]  # duplicates and the last row
+    np.testing.assert_allclose(client.lookup(table_name, ids), values[ids], rtol=1e-6)
+    w = rng.random((64, 8)).astype(np.float32)
+    np.testing.assert_allclose(client.bag(table_name, ids, w), bag(values, ids, w), rtol=1e-5, atol=1e-6)
+    # ragged bags through offsets, including an empty one
+    flat = np.array([3, 4, 5, 998, 7], dtype=np.int64)
+    fw = np.array([1.0, 0.5, 0.25, 2.0, 1.0], dtype=np.float32)
+    out = client.bag(table_name, flat, fw, offsets=np.array([0, 3, 3, 4]))
+    np.testing.assert_allclose(out[0], values[3] + 0.5 * values[4] + 0.25 * values[5], rtol=1e-5)
+    np.testing.assert_allclose(out[1], 0)
+    np.testing.assert_allclose(out[2], 2 * values[998], rtol=1e-5)
+    np.testing.assert_allclose(out[3], values[7], rtol=1e-5)
+
+
+@pytest.mark.parametrize("sharding", ["rows", "cols"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_bag_backward_equals_reference_optimizer(client, table_name, sharding, optimizer):
+    meta = client.create_table(table_name, 64, DIM, sharding=sharding, optimizer=optimizer, lr=0.05, init_std=0.3, seed=2)
+    blocks = [(sh.col_start, sh.col_end) for sh in meta.shards] if sharding == "cols" else None
+    ref = RefTable(initial(meta), optimizer, 0.05, col_blocks=blocks)
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        ids = rng.integers(0, 20, (16, 6))  # 20 hot rows out of 64: duplicates in and across bags
+        w = rng.random((16, 6)).astype(np.float32)
+        g = rng.normal(size=(16, DIM)).astype(np.float32)
+        got = client.bag_backward(table_name, ids, w, g)
+        np.testing.assert_allclose(got, ref.bag_backward(ids, w, g), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(client.lookup(table_name, np.arange(64)), ref.w, rtol=1e-4, atol=1e-5)
+    stats = client.slot_stats(table_name, np.arange(64))
+    np.testing.assert_array_equal(stats["updates"], ref.steps)
+
+
+@pytest.mark.parametrize("sharding", ["rows", "cols"])
+def test_push_gradients_and_write_rows(client, table_name, sharding):
+    meta = client.create_table(table_name, 100, DIM, sharding=sharding, optimizer="adagrad", lr=0.1, seed=4)
+    blocks = [(sh.col_start, sh.col_end) for sh in meta.shards] if sharding == "cols" else None
+    ref = RefTable(initial(meta), "adagrad", 0.1, col_blocks=blocks)
+    ids = np.array([1, 2, 2, 51, 99, 1])
+    grads = np.random.default_rng(5).normal(size=(6, DIM)).astype(np.float32)
+    assert client.push_gradients(table_name, ids, grads) == 4
+    ref.push(ids, grads)
+    np.testing.assert_allclose(client.lookup(table_name, np.arange(100)), ref.w, rtol=1e-5, atol=1e-6)
+    rows = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
+    assert client.write_rows(table_name, [7, 8, 50], rows) == 3
+    np.testing.assert_array_equal(client.lookup(table_name, [50, 7, 8]), rows[[2, 0, 1]])
+
+
+def test_torch_in_torch_out_and_bf16_wire(client, table_name, memory_cluster):
+    from client import MemoryClient
+
+    client.create_table(table_name, 200, 32, init_std=1.0)
+    ids = torch.randint(0, 200, (8, 4))
+    w = torch.rand(8, 4)
+    exact = client.bag(table_name, ids, w)
+    assert isinstance(exact, torch.Tensor) and exact.dtype == torch.float32 and exact.shape == (8, 32)
+    with MemoryClient(memory_cluster.endpoint, wire_dtype="bfloat16") as c16:
+        approx = c16.bag(table_name, ids, w)
+    torch.testing.assert_close(approx, exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("sharding", ["rows", "cols"])
+def test_replayed_push_is_applied_once(client, table_name, sharding):
+    meta = client.create_table(table_name, 50, DIM, sharding=sharding, optimizer="sgd", lr=1.0, init_std=0.0)
+    before = client.lookup(table_name, np.arange(50))
+    ids = np.array([[0, 1], [1, 3]])
+    w = np.ones((2, 2), np.float32)
+    g = np.ones((2, DIM), np.float32)
+    tag = pb.WriteTag(client_id="test-replay", seq=42)
+    answers = []
+    for sh in meta.shards:  # send exactly what the client would, twice, straight to each shard
+        with grpc.insecure_channel(sh.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+            if sharding == "rows":
+                mask = ids.reshape(-1) % 2 == sh.index
+                owned = ids.reshape(-1)[mask]
+                counts = np.bincount(np.repeat(np.arange(2), 2)[mask], minlength=2)
+                req = pb.BagBackwardRequest(table=table_name, ids=encode(torch.from_numpy(owned)),
+                                            weights=encode(torch.ones(len(owned))),
+                                            offsets=encode(torch.from_numpy(np.cumsum(counts) - counts)),
+                                            grad_out=encode(torch.from_numpy(g)), tag=tag)
+            else:
+                req = pb.BagBackwardRequest(table=table_name, ids=encode(torch.from_numpy(ids)), weights=encode(torch.from_numpy(w)),
+                                            grad_out=encode(torch.from_numpy(g[:, sh.col_start:sh.col_end].copy())), tag=tag)
+            first, second = stub.BagBackward(req), stub.BagBackward(req)
+            assert not first.duplicate and second.duplicate
+            assert decode(first.grad_weights, "").tolist() == decode(second.grad_weights, "").tolist()
+            answers.append(first)
+    after = client.lookup(table_name, np.arange(50))
+    expect = before.copy()
+    expect[0] -= 1.0
+    expect[1] -= 2.0  # row 1 appears in both bags: one update with the summed gradient
+    expect[3] -= 1.0
+    np.testing.assert_allclose(after, expect)
+    assert client.slot_stats(table_name, [0, 1, 3])["updates"].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("sharding", ["rows", "cols"])
+def test_client_writes_survive_a_replayed_request(client, table_name, sharding):
+    """Every shard request of one client write carries one (client_id, seq); a request replayed
+    after a lost answer (what a retry does) is applied once."""
+    client.create_table(table_name, 10, 4, sharding=sharding, optimizer="sgd", lr=1.0, init_std=0.0)
+    real = client.aio._data
+
+    async def twice(address, method, request):
+        await real(address, method, request)
+        return await real(address, method, request)
+
+    client.aio._data = twice
+    try:
+        client.push_gradients(table_name, [1, 2], np.ones((2, 4), np.float32))
+        gw = client.bag_backward(table_name, [[1, 3]], np.ones((1, 2), np.float32), np.ones((1, 4), np.float32))
+    finally:
+        client.aio._data = real
+    np.testing.assert_allclose(gw, [[-4.0, 0.0]])  # <g, v[1]> = 4 * -1, v[3] = 0, before the update
+    np.testing.assert_allclose(client.lookup(table_name, [1, 2, 3]), [[-2.0] * 4, [-1.0] * 4, [-1.0] * 4])
+    assert client.slot_stats(table_name, [1, 2, 3])["updates"].tolist() == [2, 1, 1]
+
+
+def test_slot_stats_count_reads_and_mass(client, table_name):
+    client.create_table(table_name, 30, 8, sharding="cols", init_std=1.0)
+    client.bag(table_name, [[1, 2], [2, 3]], np.array([[0.5, 0.25], [1.0, -2.0]], np.float32))
+    client.lookup(table_name, [1])
+    s = client.slot_stats(table_name, [1, 2, 3, 4])
+    assert s["hits"].tolist() == [2, 2, 1, 0]
+    np.testing.assert_allclose(s["weight_mass"], [0.5, 1.25, 2.0, 0.0])
+    np.testing.assert_allclose(s["value_norm"], np.linalg.norm(client.lookup(table_name, [1, 2, 3, 4]), axis=1), rtol=1e-5)
+    assert s["updates"].tolist() == [0, 0, 0, 0] and s["last_update"].tolist() == [0, 0, 0, 0]
+
+
+def test_large_batches_are_split(client, table_name, memory_cluster):
+    from client import MemoryClient
+
+    client.create_table(table_name, 500, 64, sharding="rows", init_std=1.0)
+    ids = np.random.default_rng(0).integers(0, 500, (300, 8))
+    w = np.ones((300, 8), np.float32)
+    whole = client.bag(table_name, ids, w)
+    with MemoryClient(memory_cluster.endpoint, max_request_bytes=4096) as small:
+        np.testing.assert_allclose(small.bag(table_name, ids, w), whole, rtol=1e-5)
+        np.testing.assert_allclose(small.lookup(table_name, ids), client.lookup(table_name, ids))
+
+
+def test_control_plane_lists_and_drops(client, table_name):
+    client.create_table(table_name, 10, 4)
+    assert table_name in {t.name for t in client.list_tables()}
+    st = client.status()
+    assert len(st.shards) == 2 and all(s.pid > 0 and s.address.startswith("127.0.0.1:") for s in st.shards)
+    client.drop_table(table_name)
+    assert table_name not in {t.name for t in client.list_tables()}
+
+
+def test_health_service_on_every_server(client, memory_cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for address in [memory_cluster.endpoint, *(i["address"] for i in memory_cluster.shard_infos)]:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("sharding", ["rows", "cols"])
+def test_quick_timing(client, table_name, sharding):
+    """Times bag and bag_backward so a regression shows in the test output (not asserted)."""
+    client.create_table(table_name, 65536, 128, sharding=sharding, optimizer="adagrad")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 65536, (1024, 32))
+    w = rng.random((1024, 32)).astype(np.float32)
+    g = rng.normal(size=(1024, 128)).astype(np.float32)
+    client.bag(table_name, ids, w)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        client.bag(table_name, ids, w)
+    t1 = time.perf_counter()
+    for _ in range(5):
+        client.bag_backward(table_name, ids, w, g)
+    t2 = time.perf_counter()
+    TIMINGS.append(f"{sharding:4s} 65536x128, B=1024 k=32: bag {1e3 * (t1 - t0) / 5:.1f} ms, bag_backward {1e3 * (t2 - t1) / 5:.1f} ms")

@@ -1,0 +1,140 @@
+"""Bad input gets a precise status and a message naming the problem, and changes nothing."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from client import InvalidArgumentError, TableExistsError, TableNotFoundError
+from memserver.v1 import memserver_pb2 as pb
+from memserver.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.wire import encode
+
+DIM = 8
+
+
+@pytest.fixture(params=["rows", "cols"])
+def table(request, client, table_name):
+    client.create_table(table_name, 100, DIM, sharding=request.param, optimizer="sgd", lr=1.0, init_std=1.0)
+    return table_name
+
+
+def snapshot(client, table):
+    return client.lookup(table, np.arange(100)), client.slot_stats(table, np.arange(100))["updates"]
+
+
+W = np.ones((2, 3), np.float32)
+G = np.ones((2, DIM), np.float32)
+IDS = np.array([[1, 2, 3], [4, 5, 6]])
+
+BAD_WRITES = [
+    ("out of range", lambda c, t: c.bag_backward(t, np.array([[1, 2, 100], [4, 5, 6]]), W, G), "id 100 out of range"),
+    ("negative id", lambda c, t: c.bag_backward(t, np.array([[1, -2, 3], [4, 5, 6]]), W, G), "negative id -2"),
+    ("float ids", lambda c, t: c.bag_backward(t, IDS.astype(np.float32), W, G), "dtype must be int64"),
+    ("weights shape", lambda c, t: c.bag_backward(t, IDS, np.ones((2, 2), np.float32), G), "weights: shape"),
+    ("grad_out shape", lambda c, t: c.bag_backward(t, IDS, W, np.ones((2, DIM + 1), np.float32)), "grad_out: shape"),
+    ("grad_out batch", lambda c, t: c.bag_backward(t, IDS, W, np.ones((3, DIM), np.float32)), "grad_out: shape"),
+    ("nan gradient", lambda c, t: c.bag_backward(t, IDS, W, np.full((2, DIM), np.nan, np.float32)), "NaN or infinite"),
+    ("inf weight", lambda c, t: c.bag_backward(t, IDS, np.full((2, 3), np.inf, np.float32), G), "NaN or infinite"),
+    ("int grads", lambda c, t: c.push_gradients(t, [1, 2], np.ones((2, DIM), np.int64)), "floating point"),
+    ("push length", lambda c, t: c.push_gradients(t, [1, 2, 3], np.ones((2, DIM), np.float32)), "grads: shape"),
+    ("push inf", lambda c, t: c.push_gradients(t, [1, 2], np.full((2, DIM), np.inf, np.float32)), "NaN or infinite"),
+    ("write dup ids", lambda c, t: c.write_rows(t, [1, 1], np.ones((2, DIM), np.float32)), "distinct ids"),
+    ("write range", lambda c, t: c.write_rows(t, [1, 1000], np.ones((2, DIM), np.float32)), "out of range"),
+    ("write nan", lambda c, t: c.write_rows(t, [1, 2], np.full((2, DIM), np.nan, np.float32)), "NaN"),
+    ("1-d bag ids", lambda c, t: c.bag_backward(t, np.array([1, 2]), np.ones(2, np.float32), G), r"shape \[B, k\]"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_WRITES, ids=[c[0] for c in BAD_WRITES])
+def test_bad_writes_are_rejected_whole(client, table, case):
+    _, call, message = case
+    before = snapshot(client, table)
+    with pytest.raises(InvalidArgumentError, match=message) as err:
+        call(client, table)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    after = snapshot(client, table)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+
+
+def test_bad_reads(client, table):
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        client.lookup(table, [0, 100])
+    with pytest.raises(InvalidArgumentError, match="offsets"):
+        client.bag(table, np.array([1, 2, 3]), np.ones(3, np.float32), offsets=np.array([1, 2]))
+
+
+def test_unknown_table_is_not_found(client):
+    with pytest.raises(TableNotFoundError, match="'nope' does not exist") as err:
+        client.lookup("nope", [1])
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(TableNotFoundError):
+        client.drop_table("nope")
+
+
+def test_duplicate_table_is_already_exists(client, table_name):
+    client.create_table(table_name, 10, 4, seed=1)
+    client.write_rows(table_name, [0], np.full((1, 4), 7.0, np.float32))
+    with pytest.raises(TableExistsError, match="already exists") as err:
+        client.create_table(table_name, 20, 4)
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+    np.testing.assert_array_equal(client.lookup(table_name, [0]), np.full((1, 4), 7.0))  # untouched
+    assert client.table(table_name, refresh=True).num_rows == 10
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_rows=0), "num_rows: must be positive"),
+        (dict(dim=-1), "dim: must be positive"),
+        (dict(optimizer="rmsprop"), "unknown optimizer"),
+        (dict(lr=-0.1), "lr must be"),
+        (dict(num_shards=3), "num_shards: 3 requested, the cluster has 2"),
+        (dict(dim=1, sharding="cols"), "cannot be split over 2 shards"),
+        (dict(dtype="int64"), "dtype: values are stored as"),
+        (dict(init_std=float("nan")), "init_std"),
+    ],
+)
+def test_bad_table_specs(client, table_name, kwargs, message):
+    args = dict(num_rows=10, dim=4) | kwargs
+    with pytest.raises(InvalidArgumentError, match=message):
+        client.create_table(table_name, args.pop("num_rows"), args.pop("dim"), **args)
+    assert table_name not in {t.name for t in client.list_tables()}
+
+
+def test_bad_table_name(client):
+    with pytest.raises(InvalidArgumentError, match="not a table name"):
+        client.create_table("has space", 10, 4)
+
+
+def test_shard_validates_requests_itself(client, table_name):
+    """A client that skips validation still gets INVALID_ARGUMENT from the shard, and nothing applied."""
+    meta = client.create_table(table_name, 100, DIM, sharding="rows", optimizer="sgd", lr=1.0)
+    before = snapshot(client, table_name)
+    sh = meta.shards[0]
+    ones = encode(torch.ones(2, DIM))
+    bad = [
+        (pb.PushGradientsRequest(table=table_name, ids=encode(torch.tensor([0, 1])), grads=ones), "belongs to shard 1"),
+        (pb.PushGradientsRequest(table=table_name, ids=encode(torch.tensor([0, 200])), grads=ones), "out of range"),
+        (pb.PushGradientsRequest(table=table_name, ids=pb.Tensor(dtype=pb.INT64, shape=[2], data=b"123"), grads=ones),
+         "3 bytes do not hold shape"),
+        (pb.PushGradientsRequest(table=table_name, ids=encode(torch.tensor([0, 2])), grads=encode(torch.ones(2, DIM + 2))),
+         "grads: shape"),
+        (pb.PushGradientsRequest(table=table_name, ids=encode(torch.tensor([0, 2]))), "missing or unknown dtype"),
+    ]
+    with grpc.insecure_channel(sh.address) as ch:
+        stub = pb_grpc.DataPlaneStub(ch)
+        for req, message in bad:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.PushGradients(req, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert message in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Lookup(pb.LookupRequest(table="missing", ids=encode(torch.tensor([0]))), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    after = snapshot(client, table_name)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])

@@ -1,0 +1,83 @@
+"""ValueTable math against the numpy reference, without Ray or gRPC."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memserver.table import OptimizerConfig, ValueTable, aggregate, init_values
+from tests.reference import RefTable, bag
+
+
+def test_init_is_independent_of_sharding():
+    full = init_values(np.arange(100), 0, 24, 24, 0.5, seed=7).numpy()
+    assert abs(full.std() - 0.5) < 0.05 and abs(full.mean()) < 0.05
+    rows_slice = init_values(np.arange(1, 100, 3), 0, 24, 24, 0.5, seed=7).numpy()
+    np.testing.assert_array_equal(rows_slice, full[1::3])
+    cols_slice = init_values(np.arange(100), 8, 16, 24, 0.5, seed=7).numpy()
+    np.testing.assert_array_equal(cols_slice, full[:, 8:16])
+    assert not np.array_equal(full, init_values(np.arange(100), 0, 24, 24, 0.5, seed=8).numpy())
+
+
+def test_bag_matches_reference_fixed_and_ragged():
+    t = ValueTable(50, 8, OptimizerConfig("sgd", 0.1), init_std=1.0, seed=3)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, (6, 4))
+    w = rng.random((6, 4)).astype(np.float32)
+    out = t.bag(torch.from_numpy(ids), torch.from_numpy(w)).numpy()
+    np.testing.assert_allclose(out, bag(t.weight.numpy(), ids, w), rtol=1e-5, atol=1e-6)
+    # ragged: bags of 3, 0 and 2 entries
+    flat, fw, offsets = torch.tensor([1, 2, 3, 4, 4]), torch.tensor([0.5, 1.0, 2.0, 1.0, 1.0]), torch.tensor([0, 3, 3])
+    out = t.bag(flat, fw, offsets).numpy()
+    v = t.weight.numpy()
+    np.testing.assert_allclose(out[0], 0.5 * v[1] + v[2] + 2 * v[3], rtol=1e-5)
+    np.testing.assert_allclose(out[1], 0)
+    np.testing.assert_allclose(out[2], 2 * v[4], rtol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_bag_backward_matches_reference_with_duplicates(optimizer):
+    rng = np.random.default_rng(1)
+    t = ValueTable(40, 8, OptimizerConfig(optimizer, 0.05), init_std=0.3, seed=5)
+    ref = RefTable(t.weight.numpy(), optimizer, 0.05)
+    for _ in range(3):
+        ids = rng.integers(0, 12, (5, 6))  # few rows: many duplicates within and across bags
+        w = rng.random((5, 6)).astype(np.float32)
+        g = rng.normal(size=(5, 8)).astype(np.float32)
+        got = t.bag_backward(torch.from_numpy(ids), torch.from_numpy(w), None, torch.from_numpy(g)).numpy()
+        np.testing.assert_allclose(got, ref.bag_backward(ids, w, g), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(t.weight.numpy(), ref.w, rtol=1e-4, atol=1e-6)
+    assert t.updates[:12].sum() > 0 and t.updates[12:].sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_storage_uses_float32_math(dtype):
+    t32 = ValueTable(30, 16, OptimizerConfig("adagrad", 0.01), init_std=1.0, seed=2)
+    t16 = ValueTable(30, 16, OptimizerConfig("adagrad", 0.01), init_std=1.0, seed=2, dtype=dtype)
+    ids, w = torch.randint(0, 30, (4, 5)), torch.rand(4, 5)
+    tol = 3e-2 if dtype == torch.bfloat16 else 3e-3
+    np.testing.assert_allclose(t16.bag(ids, w).numpy(), t32.bag(ids, w).numpy(), rtol=tol, atol=tol)
+    assert t16.weight.dtype == dtype and t16.bag(ids, w).dtype == torch.float32
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.floats(-10, 10, allow_nan=False)), min_size=1, max_size=30))
+def test_aggregate_sums_duplicates(pairs):
+    ids = torch.tensor([p[0] for p in pairs])
+    rows = torch.tensor([[p[1], 2 * p[1]] for p in pairs], dtype=torch.float32)
+    uniq, summed = aggregate(ids, rows)
+    expect: dict[int, float] = {}
+    for i, x in pairs:
+        expect[i] = expect.get(i, 0.0) + x
+    assert uniq.tolist() == sorted(expect)
+    np.testing.assert_allclose(summed[:, 0].numpy(), [expect[i] for i in sorted(expect)], rtol=1e-5, atol=1e-4)
+
+
+def test_optimizer_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        OptimizerConfig("rmsprop")
+    with pytest.raises(ValueError, match="lr"):
+        OptimizerConfig("sgd", lr=-1)
