@@ -1,0 +1,1 @@
+"""Benchmarks: each measures memserver against a baseline in the same run and prints ratios."""
