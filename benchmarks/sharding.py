@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
             client.create_table(name, args.rows, args.dim, sharding=sharding, num_shards=shards, optimizer="adagrad")
             for dist, ids in dists.items():
                 row = {"sharding": sharding, "shards": shards, "ids": dist}
-                row["bag"] = timeit(lambda: client.bag(name, ids, w), repeat=args.repeat)["p50_ms"]
-                row["bag_backward"] = timeit(lambda: client.bag_backward(name, ids, w, g), repeat=args.repeat)["p50_ms"]
-                row["lookup"] = timeit(lambda: client.lookup(name, ids[:256]), repeat=args.repeat)["p50_ms"]
+                row["bag"] = timeit(lambda name=name, ids=ids: client.bag(name, ids, w), repeat=args.repeat)["p50_ms"]
+                row["bag_backward"] = timeit(lambda name=name, ids=ids: client.bag_backward(name, ids, w, g), repeat=args.repeat)["p50_ms"]
+                row["lookup"] = timeit(lambda name=name, ids=ids: client.lookup(name, ids[:256]), repeat=args.repeat)["p50_ms"]
                 row["bytes"] = bytes_per_call(sharding, shards, args.batch, args.knn, args.dim)
                 results.append(row)
             client.drop_table(name)

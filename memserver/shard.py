@@ -220,6 +220,12 @@ class ShardActor:
     def __init__(self, index: int, threads: int = 1) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
         torch.set_num_threads(max(1, threads))
+        try:
+            import numba
+
+            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+        except ImportError:  # the torch path needs no numba
+            pass
         self.index = index
         self.device = torch.device("cpu")
         try:

@@ -10,12 +10,18 @@ Ids given to `ValueTable` are *local* row numbers of the slice (the shard maps g
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+try:  # numba is a dependency, but the torch path must keep working without it
+    from memserver import kernels
+except ImportError:  # pragma: no cover
+    kernels = None  # type: ignore[assignment]
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 _DEFAULT_EPS = {"sgd": 0.0, "adagrad": 1e-10, "adam": 1e-8}
@@ -122,6 +128,10 @@ def aggregate(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torc
     return uniq, out
 
 
+_EMPTY1 = np.zeros(0, dtype=np.float32)
+_EMPTY2 = np.zeros((0, 0), dtype=np.float32)
+
+
 class ValueTable:
     """One slice of a value table: rows, optimizer state and per-slot statistics."""
 
@@ -139,7 +149,10 @@ class ValueTable:
         col_start: int = 0,
         total_dim: int | None = None,
         track_stats: bool = True,
+        backend: str | None = None,
     ) -> None:
+        """`backend`: "numba" (compiled CPU kernels, float32 on CPU only), "torch", or None = the
+        MEMSERVER_BACKEND environment variable, else numba where it applies."""
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"value dtype must be float32, float16 or bfloat16, got {dtype}")
         self.num_rows, self.dim, self.optimizer = num_rows, dim, optimizer
@@ -156,6 +169,13 @@ class ValueTable:
             self.exp_avg = torch.zeros((num_rows, dim), **f32)
             self.exp_avg_sq = torch.zeros((num_rows, dim), **f32)
         self.track_stats = track_stats
+        backend = backend or os.environ.get("MEMSERVER_BACKEND") or "auto"
+        if backend not in ("auto", "numba", "torch"):
+            raise ValueError(f"backend must be 'numba', 'torch' or 'auto', got {backend!r}")
+        fast_ok = kernels is not None and self.device.type == "cpu" and dtype == torch.float32
+        if backend == "numba" and not fast_ok:
+            raise ValueError("the numba backend needs numba and a float32 table on the CPU")
+        self.backend = "numba" if fast_ok and backend != "torch" else "torch"
         self.hits = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
         self.weight_mass = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
         self.updates = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
@@ -217,6 +237,12 @@ class ValueTable:
         flat_ids = ids.reshape(-1)
         flat_w = weights.reshape(-1).float()
         bags = bag_index(ids, offsets)
+        if self.backend == "numba":
+            src = grad_out.contiguous().numpy()
+            grad_w_np = np.empty(flat_ids.shape[0], dtype=np.float32)
+            kernels.grad_weights(self.weight.numpy(), flat_ids.numpy(), bags.numpy(), src, grad_w_np)
+            self._step_numba(flat_ids, bags, flat_w, src)
+            return torch.from_numpy(grad_w_np).view(ids.shape)
         grad_w = torch.empty(flat_ids.shape[0], dtype=torch.float32, device=self.device)
         uniq, inv = torch.unique(flat_ids, return_inverse=True)
         row_grad = torch.zeros((len(uniq), self.dim), dtype=torch.float32, device=self.device)
@@ -230,6 +256,10 @@ class ValueTable:
         return grad_w.view(ids.shape)
 
     def push_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
+        if self.backend == "numba":
+            n = ids.shape[0]
+            src = grads.float().contiguous().numpy()
+            return self._step_numba(ids, torch.arange(n), torch.ones(n), src)
         uniq, g = aggregate(ids, grads.to(self.device))
         self._apply(uniq, g)
         return len(uniq)
@@ -238,6 +268,22 @@ class ValueTable:
         """Overwrite rows (optimizer state is kept). Ids must be distinct (checked by callers)."""
         self.weight[ids] = rows.to(device=self.device, dtype=self.dtype)
         return len(ids)
+
+    def _step_numba(self, ids: torch.Tensor, src_index: torch.Tensor, scale: torch.Tensor, src: np.ndarray) -> int:
+        """The fused kernel: sum each distinct row's gradient, then step it in place."""
+        opt = self.optimizer
+        kind = {"sgd": kernels.SGD, "adagrad": kernels.ADAGRAD, "adam": kernels.ADAM}[opt.name]
+        acc = self.acc.numpy() if opt.name == "adagrad" else _EMPTY1
+        m = self.exp_avg.numpy() if opt.name == "adam" else _EMPTY2
+        v = self.exp_avg_sq.numpy() if opt.name == "adam" else _EMPTY2
+        return int(
+            kernels.sparse_step(
+                self.weight.numpy(), ids.long().contiguous().numpy(), src_index.long().contiguous().numpy(),
+                scale.float().contiguous().numpy(), src, kind, float(opt.lr), float(opt.effective_eps),
+                float(opt.beta1), float(opt.beta2), acc, m, v, self.updates.numpy(), self.last_update.numpy(), time.time(),
+                kernels.nb.get_num_threads(),
+            )
+        )
 
     def _apply(self, ids: torch.Tensor, g: torch.Tensor) -> None:
         """One optimizer step on distinct rows `ids` with their summed float32 gradients `g`."""

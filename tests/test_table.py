@@ -38,10 +38,12 @@ def test_bag_matches_reference_fixed_and_ragged():
     np.testing.assert_allclose(out[2], 2 * v[4], rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
-def test_bag_backward_matches_reference_with_duplicates(optimizer):
+def test_bag_backward_matches_reference_with_duplicates(optimizer, backend):
     rng = np.random.default_rng(1)
-    t = ValueTable(40, 8, OptimizerConfig(optimizer, 0.05), init_std=0.3, seed=5)
+    t = ValueTable(40, 8, OptimizerConfig(optimizer, 0.05), init_std=0.3, seed=5, backend=backend)
+    assert t.backend == backend
     ref = RefTable(t.weight.numpy(), optimizer, 0.05)
     for _ in range(3):
         ids = rng.integers(0, 12, (5, 6))  # few rows: many duplicates within and across bags
@@ -51,6 +53,26 @@ def test_bag_backward_matches_reference_with_duplicates(optimizer):
         np.testing.assert_allclose(got, ref.bag_backward(ids, w, g), rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(t.weight.numpy(), ref.w, rtol=1e-4, atol=1e-6)
     assert t.updates[:12].sum() > 0 and t.updates[12:].sum() == 0
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_numba_and_torch_backends_agree(optimizer):
+    """The compiled kernels and the torch path (used on GPUs) compute the same update."""
+    rng = np.random.default_rng(4)
+    tables = {b: ValueTable(500, 48, OptimizerConfig(optimizer, 0.01), init_std=0.1, seed=9, backend=b) for b in ("numba", "torch")}
+    flat = torch.from_numpy(rng.integers(0, 500, 300))
+    offsets = torch.tensor([0, 10, 10, 150, 299])  # ragged, with an empty bag
+    w = torch.from_numpy(rng.random(300).astype(np.float32))
+    g = torch.from_numpy(rng.normal(size=(5, 48)).astype(np.float32))
+    pushed = torch.from_numpy(rng.normal(size=(300, 48)).astype(np.float32))
+    got = {}
+    for b, t in tables.items():
+        gw = [t.bag_backward(flat, w, offsets, g) for _ in range(3)]
+        t.push_gradients(flat, pushed)
+        got[b] = (torch.stack(gw), t.weight.clone(), t.updates.clone())
+    torch.testing.assert_close(got["numba"][0], got["torch"][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["numba"][1], got["torch"][1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(got["numba"][2], got["torch"][2])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
