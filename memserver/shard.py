@@ -228,13 +228,12 @@ class ShardActor:
             pass
         self.index = index
         self.device = torch.device("cpu")
-        try:
+        if torch.cuda.is_available():
             import ray
 
-            if torch.cuda.is_available() and ray.get_gpu_ids():
+            # Rows live on the GPU only when Ray gave this actor one (never start Ray from here).
+            if not ray.is_initialized() or ray.get_gpu_ids():
                 self.device = torch.device("cuda")
-        except Exception:  # not inside Ray: CPU
-            pass
         self.servicer = DataPlaneServicer(self.device)
         self.server: grpc.aio.Server | None = None
         self.address = ""
