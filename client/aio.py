@@ -13,7 +13,6 @@ import itertools
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -21,6 +20,7 @@ import torch
 
 from client.errors import InvalidArgumentError, TableNotFoundError, from_rpc_error
 from memserver.cluster import read_endpoint
+from memserver.routing import ShardMeta, TableMeta, route_bags, route_ids, wire_ids
 from memserver.table import aggregate
 from memserver.v1 import memserver_pb2 as pb
 from memserver.v1 import memserver_pb2_grpc as pb_grpc
@@ -33,7 +33,6 @@ from memserver.wire import (
     check_rows,
     decode,
     dtype_code,
-    dtype_name,
     encode,
 )
 
@@ -64,63 +63,6 @@ CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.service_config", SERVICE_CONFIG), ("grp
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class ShardMeta:
-    index: int
-    address: str
-    col_start: int
-    col_end: int
-    num_rows: int
-    node_id: str
-    pid: int
-
-
-@dataclass(frozen=True)
-class TableMeta:
-    """What a client knows about a table: its spec and where its shards are."""
-
-    name: str
-    num_rows: int
-    dim: int
-    sharding: str
-    optimizer: str
-    lr: float
-    dtype: str
-    init_std: float
-    seed: int
-    shards: tuple[ShardMeta, ...]
-    epoch: int
-
-    @classmethod
-    def from_proto(cls, info: pb.TableInfo) -> TableMeta:
-        s = info.spec
-        return cls(
-            name=s.name,
-            num_rows=s.num_rows,
-            dim=s.dim,
-            sharding=pb.Sharding.Name(s.sharding).lower(),
-            optimizer=s.optimizer.name,
-            lr=s.optimizer.lr,
-            dtype=dtype_name(s.dtype),
-            init_std=s.init_std,
-            seed=s.seed,
-            shards=tuple(
-                ShardMeta(sh.index, sh.address, sh.col_start, sh.col_end, sh.num_rows, sh.node_id, sh.pid)
-                for sh in info.shards
-            ),
-            epoch=info.epoch,
-        )
-
-    @property
-    def by_rows(self) -> bool:
-        return self.sharding == "rows"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "shards"}
-        d["shards"] = [sh.__dict__ for sh in self.shards]
-        return d
-
-
 def _like(t: torch.Tensor, ref: Any) -> Any:
     """Return `t` as the caller's kind: numpy in, numpy out; torch in, torch out on its device."""
     if isinstance(ref, torch.Tensor):
@@ -141,11 +83,6 @@ def _floats(x: Any, what: str) -> torch.Tensor:
     if not t.dtype.is_floating_point:
         raise BadInput(f"{what}: dtype must be floating point, got {str(t.dtype).removeprefix('torch.')}")
     return t.detach().cpu()
-
-
-def _wire_ids(ids: torch.Tensor, meta: TableMeta) -> torch.Tensor:
-    """Ids travel as int32 when the table allows it: a third less request bytes for a bag."""
-    return ids.int() if meta.num_rows < 2**31 else ids
 
 
 def _chunks(n: int, bytes_per_item: int, limit: int) -> list[slice]:
@@ -254,8 +191,10 @@ class AsyncMemoryClient:
         num_shards: int = 0,
         eps: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
+        sync_workers: int = 0,
     ) -> TableMeta:
-        """Create a value table. `sharding` is "rows" or "cols" (None: the server's default)."""
+        """Create a value table. `sharding` is "rows" or "cols" (None: the server's default).
+        `sync_workers` > 0 makes it a sync_updates table for that many data-parallel trainers."""
         shard_modes = {None: pb.SHARDING_UNSPECIFIED, "rows": pb.ROWS, "cols": pb.COLS}
         if sharding not in shard_modes:
             raise InvalidArgumentError(f"INVALID_ARGUMENT: sharding: expected 'rows' or 'cols', got {sharding!r}")
@@ -274,6 +213,8 @@ class AsyncMemoryClient:
             init_std=init_std,
             seed=seed,
             num_shards=num_shards,
+            sync_updates=sync_workers > 0,
+            sync_workers=sync_workers,
         )
         meta = TableMeta.from_proto(await self._control("CreateTable", pb.CreateTableRequest(spec=spec)))
         self._tables[name] = meta
@@ -303,7 +244,7 @@ class AsyncMemoryClient:
             for sh, sel in self._route(meta, uniq):
                 sub = uniq[sel]
                 for part in _chunks(len(sub), meta.dim * 4 + 8, self.max_request_bytes):
-                    req = pb.LookupRequest(table=meta.name, ids=encode(_wire_ids(sub[part], meta)), wire_dtype=self.wire_dtype)
+                    req = pb.LookupRequest(table=meta.name, ids=encode(wire_ids(sub[part], meta)), wire_dtype=self.wire_dtype)
                     calls.append(self._data(sh.address, "Lookup", req))
                     places.append((sh, sel, part))
             for (sh, sel, part), resp in zip(places, await self._gather(calls)):
@@ -313,13 +254,7 @@ class AsyncMemoryClient:
         return _like(await self._with_table(table, run), ids)
 
     def _route(self, meta: TableMeta, ids: torch.Tensor) -> list[tuple[ShardMeta, torch.Tensor]]:
-        """(shard, positions in `ids`) pairs: ROWS -> the ids each shard owns; COLS -> every
-        shard sees all ids."""
-        if not meta.by_rows or len(meta.shards) == 1:
-            every = torch.arange(len(ids))
-            return [(sh, every) for sh in meta.shards]
-        owner = ids % len(meta.shards)
-        return [(sh, (owner == sh.index).nonzero().squeeze(1)) for sh in meta.shards]
+        return route_ids(meta, ids)
 
     async def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
         """Weighted bags: out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32.
@@ -335,7 +270,7 @@ class AsyncMemoryClient:
             for bags in _chunks(num_bags, max(k * 8, meta.dim * 4), self.max_request_bytes):
                 b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
                 for sh, (s_ids, s_w, s_off) in self._route_bags(meta, b_ids, b_w, b_off):
-                    req = pb.BagRequest(table=meta.name, ids=encode(_wire_ids(s_ids, meta)), weights=encode(s_w), wire_dtype=self.wire_dtype)
+                    req = pb.BagRequest(table=meta.name, ids=encode(wire_ids(s_ids, meta)), weights=encode(s_w), wire_dtype=self.wire_dtype)
                     if s_off is not None:
                         req.offsets.CopyFrom(encode(s_off))
                     calls.append(self._data(sh.address, "Bag", req))
@@ -350,9 +285,23 @@ class AsyncMemoryClient:
 
         return _like(await self._with_table(table, run), weights)
 
-    async def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None) -> Any:
+    async def bag_backward(
+        self,
+        table: str,
+        ids: Any,
+        weights: Any,
+        grad_out: Any,
+        offsets: Any = None,
+        *,
+        defer_apply: bool = False,
+        step: int = 0,
+    ) -> Any:
         """Backward of `bag`: returns dL/dweights (shape of ids) and makes the shards apply
-        weights * grad_out to the rows through the table's optimizer (exactly once)."""
+        weights * grad_out to the rows through the table's optimizer (exactly once).
+
+        `defer_apply`: the shards answer before applying the update (they apply it before serving
+        anything else), so the caller overlaps it with its next step; see docs/architecture.md.
+        `step`: the trainer's step, which sync_updates tables use to gather all trainers' pushes."""
 
         async def run(meta: TableMeta) -> torch.Tensor:
             t_ids, w, off, num_bags = self._bag_args(meta, ids, weights, offsets)
@@ -371,10 +320,12 @@ class AsyncMemoryClient:
                     g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
                     req = pb.BagBackwardRequest(
                         table=meta.name,
-                        ids=encode(_wire_ids(s_ids, meta)),
+                        ids=encode(wire_ids(s_ids, meta)),
                         weights=encode(s_w),
                         grad_out=encode(g_sh, self.wire_dtype),
                         tag=tag,
+                        defer_apply=defer_apply,
+                        step=step,
                     )
                     if s_off is not None:
                         req.offsets.CopyFrom(encode(s_off))
@@ -406,27 +357,7 @@ class AsyncMemoryClient:
         off: torch.Tensor | None,
         with_mask: bool = False,
     ) -> list[Any]:
-        """Per shard, the (ids, weights, offsets) of its entries. COLS: the whole batch to every
-        shard. ROWS: each shard gets its own entries as 1-D ids + offsets (bags may be empty)."""
-        if not meta.by_rows or len(meta.shards) == 1:
-            out = [(sh, (ids, w, off)) for sh in meta.shards]
-            return [(*o, None) for o in out] if with_mask else out
-        flat_ids, flat_w = ids.reshape(-1), w.reshape(-1)
-        num_bags = ids.shape[0] if off is None else len(off)
-        if off is None:
-            bag_of = torch.arange(num_bags).repeat_interleave(ids.shape[1])
-        else:
-            counts = torch.diff(off, append=torch.tensor([len(flat_ids)]))
-            bag_of = torch.repeat_interleave(torch.arange(num_bags), counts)
-        owner = flat_ids % len(meta.shards)
-        routed = []
-        for sh in meta.shards:
-            mask = owner == sh.index
-            counts = torch.bincount(bag_of[mask], minlength=num_bags)
-            s_off = torch.cumsum(counts, 0) - counts
-            item = (sh, (flat_ids[mask], flat_w[mask], s_off))
-            routed.append((*item, mask) if with_mask else item)
-        return routed
+        return route_bags(meta, ids, w, off, with_mask)
 
     async def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         """Apply row gradients through the table's optimizer; duplicate ids are summed first.
@@ -465,7 +396,7 @@ class AsyncMemoryClient:
             p_ids, p_vals, tag = ids[part], values[part], self._tag()
             for sh, sel in self._route(meta, p_ids):
                 v = p_vals[sel] if meta.by_rows else p_vals[:, sh.col_start : sh.col_end]
-                req = req_cls(table=meta.name, ids=encode(_wire_ids(p_ids[sel], meta)), tag=tag)
+                req = req_cls(table=meta.name, ids=encode(wire_ids(p_ids[sel], meta)), tag=tag)
                 getattr(req, field).CopyFrom(encode(v, self.wire_dtype if method == "PushGradients" else None))
                 calls.append(self._data(sh.address, method, req))
         acks = await self._gather(calls)

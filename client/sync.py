@@ -72,8 +72,11 @@ class MemoryClient:
     def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
         return self._run(self.aio.bag(table, ids, weights, offsets))
 
-    def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None) -> Any:
-        return self._run(self.aio.bag_backward(table, ids, weights, grad_out, offsets))
+    def bag_backward(
+        self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *, defer_apply: bool = False,
+        step: int = 0,
+    ) -> Any:
+        return self._run(self.aio.bag_backward(table, ids, weights, grad_out, offsets, defer_apply=defer_apply, step=step))
 
     def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         return self._run(self.aio.push_gradients(table, ids, grads))
@@ -88,5 +91,7 @@ class MemoryClient:
     def submit_bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Future[Any]:
         return self._submit(self.aio.bag(table, ids, weights, offsets))
 
-    def submit_bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None) -> Future[Any]:
-        return self._submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets))
+    def submit_bag_backward(
+        self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *, defer_apply: bool = False
+    ) -> Future[Any]:
+        return self._submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, defer_apply=defer_apply))

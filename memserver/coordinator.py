@@ -86,8 +86,10 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         raise BadInput(f"dim: {spec.dim} columns cannot be split over {spec.num_shards} shards (sharding=cols)")
     if spec.sharding == pb.ROWS and spec.num_rows < spec.num_shards:
         raise BadInput(f"num_rows: {spec.num_rows} rows cannot be split over {spec.num_shards} shards")
-    if spec.sync_updates:
-        raise BadInput("sync_updates: not supported yet")
+    if spec.sync_updates and spec.sync_workers < 1:
+        raise BadInput(f"sync_workers: a sync_updates table needs the number of trainers (>= 1), got {spec.sync_workers}")
+    if not spec.sync_updates and spec.sync_workers:
+        raise BadInput("sync_workers: only meaningful with sync_updates")
     return spec
 
 

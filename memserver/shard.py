@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from memserver.grpc_util import NotFound, rpc, start_server
-from memserver.table import OptimizerConfig, ValueTable
+from memserver.table import OptimizerConfig, ValueTable, bag_index
 from memserver.v1 import memserver_pb2 as pb
 from memserver.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import (
@@ -73,6 +73,35 @@ class TableSlice:
         )
         self.applied: OrderedDict[tuple[str, int], Any] = OrderedDict()
         self.requests = 0
+        # sync_updates: step -> {client_id: (ids, src_index, scale, src)} until all workers sent
+        self.sync_steps: OrderedDict[int, dict[str, tuple[torch.Tensor, ...]]] = OrderedDict()
+
+    def contribute(self, step: int, client_id: str, entries: tuple[torch.Tensor, ...]) -> bool:
+        """Add one trainer's gradient entries to `step`; apply the mean once all have sent.
+        Returns True when this contribution completed the step."""
+        workers = self.spec.sync_workers
+        got = self.sync_steps.setdefault(step, {})
+        if client_id in got:
+            raise BadInput(f"step {step}: trainer {client_id} already sent its gradients (sync tables take one "
+                           "bag_backward per trainer per step)")
+        got[client_id] = entries
+        if len(got) < workers:
+            if len(self.sync_steps) > 64:  # a trainer vanished: say so rather than grow forever
+                old, parts = self.sync_steps.popitem(last=False)
+                log.error("table %s: dropping incomplete sync step %d (%d of %d trainers sent)",
+                          self.spec.name, old, len(parts), workers)
+            return False
+        del self.sync_steps[step]
+        ids, src_index, scale, src = [], [], [], []
+        rows = 0
+        for c_ids, c_idx, c_scale, c_src in got.values():
+            ids.append(c_ids)
+            src_index.append(c_idx + rows)
+            scale.append(c_scale / workers)
+            src.append(c_src)
+            rows += c_src.shape[0]
+        self.table.apply_entries(torch.cat(ids), torch.cat(src_index), torch.cat(scale), torch.cat(src))
+        return True
 
     def local(self, ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
         """Global ids -> local rows, rejecting ids this shard does not own."""
@@ -106,9 +135,20 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         self.tables: dict[str, TableSlice] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute")
         self.requests = 0
+        # Deferred row updates (BagBackward with defer_apply): run on the compute thread before
+        # any later work item, so no request ever observes the table without them.
+        self.pending: deque[Callable[[], object]] = deque()
+
+    def _drain(self) -> None:
+        while self.pending:
+            self.pending.popleft()()
 
     async def run(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+        def work() -> T:
+            self._drain()
+            return fn()
+
+        return await asyncio.get_running_loop().run_in_executor(self.pool, work)
 
     def slice(self, name: str) -> TableSlice:
         sl = self.tables.get(name)
@@ -161,12 +201,23 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             local = sl.local(ids)
 
             def apply() -> pb.Tensor:
-                return encode(sl.table.bag_backward(local, weights, offsets, grad_out))
+                grad_w, update = sl.table.bag_grad(local, weights, offsets, grad_out)
+                if sl.spec.sync_updates:
+                    entries = tuple(t.clone() for t in (local.reshape(-1), bag_index(local, offsets), weights.reshape(-1).float(), grad_out.float()))
+                    sl.contribute(request.step, request.tag.client_id or "anonymous", entries)
+                elif request.defer_apply:
+                    self.pending.append(update)
+                else:
+                    update()
+                return encode(grad_w)
 
             grad_w, dup = sl.once(request.tag, apply)
             return pb.BagBackwardResponse(grad_weights=grad_w, duplicate=dup)
 
-        return await self.run(work)
+        response = await self.run(work)
+        if self.pending:  # apply promptly even if no request follows
+            self.pool.submit(self._drain)
+        return response
 
     @rpc
     async def PushGradients(self, request: pb.PushGradientsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -233,36 +234,59 @@ class ValueTable:
 
         dL/dw_i = <grad_out_b, v[id_i]> uses the values *before* this update.
         """
+        grad_w, update = self.bag_grad(ids, weights, offsets, grad_out)
+        update()
+        return grad_w
+
+    def bag_grad(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        offsets: torch.Tensor | None,
+        grad_out: torch.Tensor,
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """dL/dweights now, and the row update as a callable to run later.
+
+        A shard answers a deferred BagBackward with dL/dw first and runs the update right after,
+        before any later request, so the trainer's next step overlaps the update.
+        """
         grad_out = grad_out.to(device=self.device, dtype=torch.float32)
         flat_ids = ids.reshape(-1)
         flat_w = weights.reshape(-1).float()
         bags = bag_index(ids, offsets)
         if self.backend == "numba":
-            src = grad_out.contiguous().numpy()
             grad_w_np = np.empty(flat_ids.shape[0], dtype=np.float32)
-            kernels.grad_weights(self.weight.numpy(), flat_ids.numpy(), bags.numpy(), src, grad_w_np)
-            self._step_numba(flat_ids, bags, flat_w, src)
-            return torch.from_numpy(grad_w_np).view(ids.shape)
-        grad_w = torch.empty(flat_ids.shape[0], dtype=torch.float32, device=self.device)
-        uniq, inv = torch.unique(flat_ids, return_inverse=True)
+            kernels.grad_weights(self.weight.numpy(), flat_ids.long().contiguous().numpy(), bags.numpy(),
+                                 grad_out.contiguous().numpy(), grad_w_np)
+            grad_w = torch.from_numpy(grad_w_np)
+        else:
+            grad_w = torch.empty(flat_ids.shape[0], dtype=torch.float32, device=self.device)
+            for s in range(0, flat_ids.shape[0], _CHUNK_ENTRIES):
+                e = s + _CHUNK_ENTRIES
+                rows = self.weight.index_select(0, flat_ids[s:e]).float()
+                grad_w[s:e] = (rows * grad_out.index_select(0, bags[s:e])).sum(1)
+        return grad_w.view(ids.shape), lambda: self.apply_entries(flat_ids, bags, flat_w, grad_out)
+
+    def apply_entries(self, ids: torch.Tensor, src_index: torch.Tensor, scale: torch.Tensor, src: torch.Tensor) -> int:
+        """One optimizer step from gradient entries: row ids[i] receives scale[i] * src[src_index[i]];
+        entries of the same row are summed first. Returns the number of distinct rows updated.
+
+        The common form of a bag's backward (src = dL/d(out), scale = the bag weights) and of a
+        gradient push (src = the rows' gradients, scale = 1)."""
+        if self.backend == "numba":
+            return self._step_numba(ids, src_index, scale, src.float().contiguous().numpy())
+        uniq, inv = torch.unique(ids, return_inverse=True)
         row_grad = torch.zeros((len(uniq), self.dim), dtype=torch.float32, device=self.device)
-        for s in range(0, flat_ids.shape[0], _CHUNK_ENTRIES):
+        src = src.to(device=self.device, dtype=torch.float32)
+        for s in range(0, ids.shape[0], _CHUNK_ENTRIES):
             e = s + _CHUNK_ENTRIES
-            g = grad_out.index_select(0, bags[s:e])  # [n, d]
-            rows = self.weight.index_select(0, flat_ids[s:e]).float()
-            grad_w[s:e] = (rows * g).sum(1)
-            row_grad.index_add_(0, inv[s:e], g.mul_(flat_w[s:e, None]))
+            row_grad.index_add_(0, inv[s:e], src.index_select(0, src_index[s:e]).mul_(scale[s:e, None].float()))
         self._apply(uniq, row_grad)
-        return grad_w.view(ids.shape)
+        return len(uniq)
 
     def push_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
-        if self.backend == "numba":
-            n = ids.shape[0]
-            src = grads.float().contiguous().numpy()
-            return self._step_numba(ids, torch.arange(n), torch.ones(n), src)
-        uniq, g = aggregate(ids, grads.to(self.device))
-        self._apply(uniq, g)
-        return len(uniq)
+        n = ids.shape[0]
+        return self.apply_entries(ids, torch.arange(n, device=ids.device), torch.ones(n, device=ids.device), grads)
 
     def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> int:
         """Overwrite rows (optimizer state is kept). Ids must be distinct (checked by callers)."""

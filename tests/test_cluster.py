@@ -206,3 +206,18 @@ def test_quick_timing(client, table_name, sharding):
         client.bag_backward(table_name, ids, w, g)
     t2 = time.perf_counter()
     TIMINGS.append(f"{sharding:4s} 65536x128, B=1024 k=32: bag {1e3 * (t1 - t0) / 5:.1f} ms, bag_backward {1e3 * (t2 - t1) / 5:.1f} ms")
+
+
+@pytest.mark.parametrize("sharding", ["rows", "cols"])
+def test_deferred_apply_is_seen_by_the_next_read(client, table_name, sharding):
+    """defer_apply answers first, but no later request can observe the table without the update."""
+    meta = client.create_table(table_name, 64, DIM, sharding=sharding, optimizer="adam", lr=0.05, init_std=0.3, seed=8)
+    ref = RefTable(initial(meta), "adam", 0.05)
+    rng = np.random.default_rng(9)
+    for _ in range(3):
+        ids = rng.integers(0, 30, (8, 5))
+        w = rng.random((8, 5)).astype(np.float32)
+        g = rng.normal(size=(8, DIM)).astype(np.float32)
+        got = client.bag_backward(table_name, ids, w, g, defer_apply=True)
+        np.testing.assert_allclose(got, ref.bag_backward(ids, w, g), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(client.lookup(table_name, np.arange(64)), ref.w, rtol=1e-4, atol=1e-5)

@@ -138,3 +138,19 @@ def test_shard_validates_requests_itself(client, table_name):
     after = snapshot(client, table_name)
     np.testing.assert_array_equal(after[0], before[0])
     np.testing.assert_array_equal(after[1], before[1])
+
+
+def test_sync_table_takes_one_push_per_trainer_per_step(client, table_name):
+    client.create_table(table_name, 100, DIM, optimizer="sgd", lr=1.0, sync_workers=2)
+    before = snapshot(client, table_name)
+    ids, w, g = np.array([[1, 2]]), np.ones((1, 2), np.float32), np.ones((1, DIM), np.float32)
+    client.bag_backward(table_name, ids, w, g, step=1)
+    np.testing.assert_array_equal(snapshot(client, table_name)[0], before[0])  # waits for the other trainer
+    with pytest.raises(InvalidArgumentError, match="already sent its gradients"):
+        client.bag_backward(table_name, ids, w, g, step=1)
+    np.testing.assert_array_equal(snapshot(client, table_name)[0], before[0])
+
+
+def test_sync_workers_needs_sync_updates(client, table_name):
+    with pytest.raises(InvalidArgumentError, match="sync_workers"):
+        client.create_table(table_name, 10, 4, sync_workers=-1)

@@ -67,7 +67,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory")
+    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory", "sync_workers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class TableSpec(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SYNC_UPDATES_FIELD_NUMBER: _ClassVar[int]
     INDEX_FACTORY_FIELD_NUMBER: _ClassVar[int]
+    SYNC_WORKERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: TableKind
     num_rows: int
@@ -92,7 +93,8 @@ class TableSpec(_message.Message):
     num_shards: int
     sync_updates: bool
     index_factory: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ...) -> None: ...
+    sync_workers: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows")
@@ -167,20 +169,24 @@ class BagResponse(_message.Message):
     def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class BagBackwardRequest(_message.Message):
-    __slots__ = ("table", "ids", "weights", "offsets", "grad_out", "tag")
+    __slots__ = ("table", "ids", "weights", "offsets", "grad_out", "tag", "defer_apply", "step")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     GRAD_OUT_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    DEFER_APPLY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     weights: Tensor
     offsets: Tensor
     grad_out: Tensor
     tag: WriteTag
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ...) -> None: ...
+    defer_apply: bool
+    step: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
 
 class BagBackwardResponse(_message.Message):
     __slots__ = ("grad_weights", "duplicate")

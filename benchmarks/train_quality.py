@@ -1,0 +1,96 @@
+"""Validation loss of the same transformer with no memory, a local PKM memory and a remote PKM
+memory (values in a 2-shard memserver cluster started here), at an equal step budget.
+
+    python -m benchmarks.train_quality --steps 1000 --out results/quality
+
+Writes one JSON-lines log per run, summary.json and val_loss.png into --out, prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.common import local_cluster, machine
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--out", default="results/quality")
+    p.add_argument("--runs", default="none,local,remote", help="which memories to train, comma-separated")
+    p.add_argument("--extra", default="", help="extra memtrain flags for the memory runs, e.g. '--mem-mode replace'")
+    args = p.parse_args(argv)
+    from client import MemoryClient
+    from trainer.train import build_parser, train
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--eval-iters", "20", "--log-every", "50"]
+    summary: dict = {"machine": machine(), "steps": args.steps, "runs": {}}
+    with local_cluster(2) as cluster, MemoryClient(cluster.endpoint) as client:
+        for memory in args.runs.split(","):
+            argv_run = [*base, "--memory", memory, *(args.extra.split() if memory != "none" else [])]
+            log_path = out / f"{memory}.jsonl"
+            t0 = time.perf_counter()
+            recs = []
+            with open(log_path, "w") as f:
+                for rec in train(build_parser().parse_args(argv_run), client=client):
+                    recs.append(rec)
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                    if "val_loss" in rec:
+                        print(f"{memory:6s} step {rec['step']:5d} train {rec['loss']:.4f} val {rec['val_loss']:.4f} "
+                              f"{rec['step_ms']:.0f} ms/step", flush=True)
+            wall = time.perf_counter() - t0
+            evals = [r for r in recs if "val_loss" in r]
+            summary["runs"][memory] = {
+                "command": "memtrain " + " ".join(argv_run),
+                "wall_s": wall,
+                "final_val_loss": evals[-1]["val_loss"],
+                "best_val_loss": min(r["val_loss"] for r in evals),
+                "mean_step_ms": sum(r["step_ms"] for r in recs[1:]) / max(1, len(recs) - 1),
+                "usage": {k: v for k, v in evals[-1].items() if k.startswith("mem")},
+            }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot(out, args.runs.split(","))
+    t = Table(title=f"tiny Shakespeare, {args.steps} steps of 32x128 tokens")
+    for col in ("memory", "final val loss", "best val loss", "ms/step", "wall s", "slots used", "KL(weights)"):
+        t.add_column(col, justify="right")
+    for memory, r in summary["runs"].items():
+        used = next((f"{v:.1f}%" for k, v in r["usage"].items() if k.endswith("used_pct")), "-")
+        kl = next((f"{v:.3f}" for k, v in r["usage"].items() if k.endswith("kl_weights")), "-")
+        t.add_row(memory, f"{r['final_val_loss']:.4f}", f"{r['best_val_loss']:.4f}", f"{r['mean_step_ms']:.0f}",
+                  f"{r['wall_s']:.0f}", used, kl)
+    Console(width=140).print(t)
+    return summary
+
+
+def plot(out: Path, runs: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for memory in runs:
+        recs = [json.loads(x) for x in (out / f"{memory}.jsonl").read_text().splitlines()]
+        ev = [r for r in recs if "val_loss" in r]
+        ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], marker="o", label=memory)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/char)")
+    ax.set_title("char-level LM on tiny Shakespeare")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "val_loss.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The trainer: product-key search is exact, local and remote memory train identically."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainer.memory import LocalValues, ProductKeyMemory, usage_metrics
+from trainer.train import build_parser, train
+
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+        "--n-keys", "16", "--heads", "2", "--knn", "4", "--k-dim", "16", "--mem-layers", "1",
+        "--eval-every", "5", "--eval-iters", "2", "--log-every", "1", "--threads", "1"]
+
+
+def test_product_key_search_finds_the_true_top_knn():
+    torch.manual_seed(0)
+    mem = ProductKeyMemory(12, 8, LocalValues(10 * 10, 8), n_keys=10, heads=3, k_dim=6, knn=4, query_bn=False)
+    x = torch.randn(7, 12)
+    ids, w = mem.address(x)
+    assert ids.shape == (7, 12) and torch.allclose(w.view(7, 3, 4).sum(-1), torch.ones(7, 3))
+    q = mem.query(x).view(7, 3, 2, 3)
+    for h in range(3):
+        s1 = q[:, h, 0] @ mem.keys[h, 0].T  # [7, 10]
+        s2 = q[:, h, 1] @ mem.keys[h, 1].T
+        full = (s1[:, :, None] + s2[:, None, :]).reshape(7, 100)  # every one of the n_keys^2 slots
+        true = full.topk(4, dim=-1).indices.sort(-1).values
+        got = ids.view(7, 3, 4)[:, h].sort(-1).values
+        assert torch.equal(got, true)
+
+
+def test_usage_metrics():
+    counts = torch.tensor([4.0, 0, 0, 0])
+    m = usage_metrics(counts, counts.clone())
+    assert m["used_pct"] == 25.0 and m["top50_slots"] == 1.0
+    assert abs(m["kl_counts"] - torch.log(torch.tensor(4.0)).item()) < 1e-6
+    uniform = usage_metrics(torch.ones(8), torch.ones(8))
+    assert uniform["used_pct"] == 100.0 and abs(uniform["kl_weights"]) < 1e-9 and uniform["top99_slots"] == 8.0
+
+
+@pytest.mark.parametrize("sharding, staleness", [("cols", 0), ("rows", 0), ("cols", 1)])
+def test_remote_memory_trains_like_local_memory(client, sharding, staleness, table_name):
+    """Same seed: the remote value table gives the local loss curve (float tolerance)."""
+    steps = ["--steps", "6", "--seed", "3", "--value-lr", "0.05"]
+    local = list(train(build_parser().parse_args([*TINY, *steps, "--memory", "local"])))
+    remote_args = build_parser().parse_args([*TINY, *steps, "--memory", "remote", "--table", table_name,
+                                             "--sharding", sharding, "--staleness", str(staleness)])
+    remote = list(train(remote_args, client=client))
+    assert [r["step"] for r in local] == [r["step"] for r in remote] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(local, remote):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+    assert remote[-1]["val_loss"] == pytest.approx(local[-1]["val_loss"], rel=1e-3)
+    assert remote[-1]["mem1_used_pct"] == pytest.approx(local[-1]["mem1_used_pct"], abs=1.0)  # near-ties in top-k
+    assert local[-1]["loss"] < local[0]["loss"]
+
+
+def test_memtrain_cli_writes_json_log(tmp_path):
+    log = tmp_path / "run.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", *TINY, "--memory", "local", "--steps", "5",
+                           "--log-json", str(log)], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in recs)
+    last = recs[-1]
+    for key in ("val_loss", "mem1_used_pct", "mem1_kl_counts", "mem1_kl_weights", "mem1_top50_slots", "mem1_top90_slots", "mem1_top99_slots"):
+        assert key in last
+    assert "val" in proc.stderr  # plain log lines without a terminal
+
+
+def test_memtrain_rejects_bad_layer_index():
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", *TINY, "--memory", "local", "--mem-layers", "7"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0 and "--mem-layers" in proc.stderr
+
+
+def test_two_data_parallel_trainers_equal_one_on_the_combined_batch(client, memory_cluster, table_name, tmp_path):
+    """Two gloo trainers (batch 2 each) against a sync_updates table == one trainer of batch 4."""
+    import os
+    import socket
+
+    common = [*TINY, "--steps", "4", "--seed", "5", "--value-lr", "0.05", "--no-query-bn", "--eval-every", "4"]
+    single = list(train(build_parser().parse_args([*common, "--memory", "local", "--batch-size", "4"])))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "ddp.jsonl"
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "GLOO_SOCKET_IFNAME": "lo"}
+        argv = [sys.executable, "-m", "trainer.train", *common, "--memory", "remote", "--batch-size", "2",
+                "--endpoint", memory_cluster.endpoint, "--table", table_name, "--log-json", str(log)]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      stdin=subprocess.DEVNULL))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    ddp = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in ddp] == [r["step"] for r in single] == [1, 2, 3, 4]
+    for a, b in zip(single, ddp):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+    assert ddp[-1]["val_loss"] == pytest.approx(single[-1]["val_loss"], rel=1e-3)
+    assert ddp[0]["tokens_per_s"] > 0

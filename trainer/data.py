@@ -1,0 +1,58 @@
+"""Character-level corpora: tiny Shakespeare (90/10 split) or WikiText-2 (valid.txt to train on,
+test.txt held out). Copies live in data/ (see data/README.md for provenance)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DEFAULT_DATA = DATA_DIR / "tinyshakespeare" / "input.txt"
+
+
+@dataclass
+class Corpus:
+    train: torch.Tensor  # int64 token ids
+    val: torch.Tensor
+    vocab: list[str]
+    name: str
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.vocab[i] for i in ids)
+
+
+def load_corpus(path: str | Path | None = None) -> Corpus:
+    """A text file (split 90/10) or a WikiText-2 folder (valid.txt / test.txt), as characters."""
+    p = Path(path) if path else DEFAULT_DATA
+    if p.is_dir():
+        if not ((p / "valid.txt").exists() and (p / "test.txt").exists()):
+            raise FileNotFoundError(f"--data: folder {p} needs valid.txt and test.txt (WikiText-2 layout)")
+        train_text, val_text = (p / "valid.txt").read_text(), (p / "test.txt").read_text()
+    elif p.exists():
+        text = p.read_text()
+        cut = int(0.9 * len(text))
+        train_text, val_text = text[:cut], text[cut:]
+    else:
+        raise FileNotFoundError(f"--data: no such file or folder: {p}")
+    vocab = sorted(set(train_text) | set(val_text))
+    index = {ch: i for i, ch in enumerate(vocab)}
+
+    def encode(s: str) -> torch.Tensor:
+        return torch.tensor([index[c] for c in s], dtype=torch.int64)
+
+    return Corpus(encode(train_text), encode(val_text), vocab, p.name)
+
+
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of block_size tokens and their next-token targets."""
+    starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=gen)
+    offs = torch.arange(block_size)
+    x = data[starts[:, None] + offs]
+    y = data[starts[:, None] + offs + 1]
+    return x, y

@@ -1,0 +1,133 @@
+"""A small decoder-only transformer language model with product-key memory layers.
+
+In the style of nanoGPT: one file, read top to bottom. A memory layer sits at chosen blocks,
+either replacing the block's feed-forward network ("replace") or beside it ("parallel": the
+block adds FFN(x) + Memory(x)). The memory's values live in a value backend (local or remote,
+see trainer.memory); keys and the query network are ordinary parameters of this model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainer.memory import ProductKeyMemory, ValueBackend
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    mem_layers: tuple[int, ...] = field(default_factory=tuple)
+    mem_mode: str = "parallel"  # "parallel" (beside the FFN) or "replace" (instead of it)
+    n_keys: int = 128
+    mem_heads: int = 4
+    k_dim: int = 64
+    knn: int = 32
+    query_bn: bool = True
+    mem_plus: bool = False
+    micro_batches: int = 1
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, memory: ProductKeyMemory | None) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.memory = memory
+        self.mlp = MLP(cfg) if memory is None or cfg.mem_mode == "parallel" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        h = self.ln2(x)
+        out = self.mlp(h) if self.mlp is not None else 0
+        if self.memory is not None:
+            out = out + self.memory(h)
+        return x + out
+
+
+class GPT(nn.Module):
+    """Decoder-only LM; `values` maps each memory layer index to its value backend (the same
+    backend object under several layers shares one table, as in Memory Layers at Scale)."""
+
+    def __init__(self, cfg: ModelConfig, values: dict[int, ValueBackend] | None = None) -> None:
+        super().__init__()
+        if cfg.mem_mode not in ("parallel", "replace"):
+            raise ValueError(f"mem_mode must be 'parallel' or 'replace', got {cfg.mem_mode!r}")
+        values = values or {}
+        if missing := set(cfg.mem_layers) - set(values):
+            raise ValueError(f"no value backend for memory layer(s) {sorted(missing)}")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        blocks = []
+        for i in range(cfg.n_layer):
+            mem = None
+            if i in cfg.mem_layers:
+                mem = ProductKeyMemory(cfg.n_embd, cfg.n_embd, values[i], n_keys=cfg.n_keys, heads=cfg.mem_heads,
+                                       k_dim=cfg.k_dim, knn=cfg.knn, query_bn=cfg.query_bn, mem_plus=cfg.mem_plus,
+                                       micro_batches=cfg.micro_batches)
+            blocks.append(Block(cfg, mem))
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def memories(self) -> list[ProductKeyMemory]:
+        return [b.memory for b in self.blocks if b.memory is not None]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, t = idx.shape
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss

@@ -1,0 +1,276 @@
+"""`memtrain`: train a character-level transformer LM whose product-key memory values live in
+the memserver cluster (`--memory remote`), in this process (`--memory local`) or nowhere
+(`--memory none`). One JSON object per log step with --log-json.
+
+    memtrain --memory remote --steps 1000 --mem-layers 2 --n-keys 128 --log-json run.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
+from trainer.memory import LocalValues, RemoteValues, ValueBackend, usage_metrics
+from trainer.model import GPT, ModelConfig
+
+log = logging.getLogger("memtrain")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="memtrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = p.add_argument_group("data and run")
+    d.add_argument("--data", default=str(DEFAULT_DATA), help="text file (split 90/10) or WikiText-2 folder (default: tiny Shakespeare)")
+    d.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    d.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    d.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of the dense part")
+    d.add_argument("--eval-every", type=int, default=100, help="evaluate every N steps (and at the end)")
+    d.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
+    d.add_argument("--log-every", type=int, default=10, help="log every N steps")
+    d.add_argument("--log-json", help="append one JSON object per log step to this file")
+    d.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
+    m = p.add_argument_group("model")
+    m.add_argument("--n-layer", type=int, default=4)
+    m.add_argument("--n-head", type=int, default=4)
+    m.add_argument("--n-embd", type=int, default=128)
+    m.add_argument("--dropout", type=float, default=0.0)
+    mem = p.add_argument_group("memory")
+    mem.add_argument("--memory", choices=["none", "local", "remote"], default="remote", help="where the memory values live")
+    mem.add_argument("--endpoint", help="memserver coordinator HOST:PORT (default: the endpoint file of `memserver up`)")
+    mem.add_argument("--table", default="memtrain-values", help="name of the remote value table (re-created at start)")
+    mem.add_argument("--mem-layers", default="2", help="comma-separated block indices that get a memory layer")
+    mem.add_argument("--mem-mode", choices=["parallel", "replace"], default="parallel", help="memory beside the FFN, or instead of it")
+    mem.add_argument("--shared-values", action="store_true", help="one value table for all memory layers")
+    mem.add_argument("--n-keys", type=int, default=128, help="sub-keys per half: n_keys^2 memory slots")
+    mem.add_argument("--heads", type=int, default=4, help="memory heads")
+    mem.add_argument("--k-dim", type=int, default=64, help="key dimension (two halves of k_dim/2)")
+    mem.add_argument("--knn", type=int, default=32, help="slots read per head")
+    mem.add_argument("--no-query-bn", action="store_true", help="no BatchNorm on memory queries")
+    mem.add_argument("--mem-plus", action="store_true", help="Memory+: SiLU-gated output projection")
+    mem.add_argument("--value-optimizer", choices=["adam", "adagrad", "sgd"], default="adam")
+    mem.add_argument("--value-lr", type=float, default=1e-2, help="learning rate of the memory values")
+    mem.add_argument("--sharding", choices=["rows", "cols"], default=None, help="remote table sharding (default: server's)")
+    mem.add_argument("--staleness", type=int, default=0,
+                     help="0: a step's value update is applied before its backward returns; >=1: the shards answer "
+                          "first and apply it while the next step starts (reads still never see a table without it)")
+    mem.add_argument("--micro-batches", type=int, default=1, help="split memory lookups so one chunk's call overlaps the next chunk's addressing")
+    return p
+
+
+@dataclass
+class Run:
+    model: GPT
+    corpus: Corpus
+    values: dict[int, ValueBackend]
+    client: Any = None
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size); joins the gloo process group when launched with WORLD_SIZE > 1
+    (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand)."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def setup(args: argparse.Namespace, client: Any = None) -> Run:
+    rank, world = distributed()
+    if world > 1 and not args.no_query_bn:
+        log.warning("data-parallel run with query BatchNorm: its statistics are per trainer, so the result "
+                    "differs slightly from one trainer on the combined batch (use --no-query-bn for equality)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    corpus = load_corpus(args.data)
+    mem_layers = tuple(int(x) for x in args.mem_layers.split(",") if x.strip()) if args.memory != "none" else ()
+    if any(not 0 <= i < args.n_layer for i in mem_layers):
+        raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
+    cfg = ModelConfig(
+        vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+        n_embd=args.n_embd, dropout=args.dropout, mem_layers=mem_layers, mem_mode=args.mem_mode, n_keys=args.n_keys,
+        mem_heads=args.heads, k_dim=args.k_dim, knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
+        micro_batches=args.micro_batches,
+    )
+    values: dict[int, ValueBackend] = {}
+    own_client = False
+    if args.memory == "remote" and mem_layers and client is None:
+        from client import MemoryClient
+
+        client = MemoryClient(args.endpoint)
+        own_client = True
+    shared: ValueBackend | None = None
+    for i in mem_layers:
+        if shared is not None:
+            values[i] = shared
+            continue
+        seed = args.seed * 1000 + i
+        common = dict(optimizer=args.value_optimizer, lr=args.value_lr, seed=seed)
+        if args.memory == "local":
+            backend: ValueBackend = LocalValues(args.n_keys**2, args.n_embd, **common)
+        else:
+            name = args.table if args.shared_values or len(mem_layers) == 1 else f"{args.table}-{i}"
+            backend = RemoteValues(client, name, args.n_keys**2, args.n_embd, sharding=args.sharding,
+                                   defer_apply=args.staleness > 0, create=rank == 0,
+                                   sync_workers=world if world > 1 else 0, **common)
+        values[i] = backend
+        if args.shared_values:
+            shared = backend
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # rank 0 has created the tables
+    torch.manual_seed(args.seed)
+    model = GPT(cfg, values)
+    return Run(model, corpus, values, client if own_client else None)
+
+
+@torch.no_grad()
+def evaluate(run: Run, args: argparse.Namespace, gen: torch.Generator) -> dict[str, float]:
+    """Validation loss, and the memory usage metrics of XLM over the same batches."""
+    model = run.model
+    model.eval()
+    losses = []
+    mems = model.memories()
+    n_slots = args.n_keys**2
+    counts = [torch.zeros(n_slots, dtype=torch.float64) for _ in mems]
+    mass = [torch.zeros(n_slots, dtype=torch.float64) for _ in mems]
+    _, world = distributed()
+    for _ in range(args.eval_iters):
+        x, y = get_batch(run.corpus.val, args.batch_size * world, args.block_size, gen)  # the combined batch
+        _, loss = model(x, y)
+        losses.append(float(loss))
+        for j, m in enumerate(mems):
+            ids, w = m.last_access
+            counts[j] += torch.bincount(ids.reshape(-1), minlength=n_slots).double()
+            mass[j] += torch.bincount(ids.reshape(-1), weights=w.reshape(-1).double(), minlength=n_slots)
+    model.train()
+    out: dict[str, float] = {"val_loss": sum(losses) / len(losses)}
+    for j, layer in enumerate(i for i, b in enumerate(model.blocks) if b.memory is not None):
+        for k, v in usage_metrics(counts[j], mass[j]).items():
+            out[f"mem{layer}_{k}"] = v
+    return out
+
+
+def average_across_trainers(tensors: list[torch.Tensor], world: int) -> None:
+    """Mean over the data-parallel trainers (the dense part; the memory's mean is the shards')."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, Any]]:
+    """Run training; yields one record per log step (what --log-json writes)."""
+    run = setup(args, client)
+    try:
+        model = run.model
+        dense = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(dense, lr=args.lr, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(args.seed)
+        rank, world = distributed()
+        tokens = args.batch_size * args.block_size * world
+        window_t, window_steps = 0.0, 0
+        for step in range(1, args.steps + 1):
+            # Every trainer draws the same combined batch and takes its own slice of it, so W
+            # trainers of batch B see exactly what one trainer of batch W*B would.
+            x, y = get_batch(run.corpus.train, args.batch_size * world, args.block_size, gen)
+            x, y = (z[rank * args.batch_size : (rank + 1) * args.batch_size] for z in (x, y))
+            for backend in run.values.values():
+                if isinstance(backend, RemoteValues):
+                    backend.step = step
+            t0 = time.perf_counter()
+            _, loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            loss = loss.detach()
+            if world > 1:
+                average_across_trainers([p.grad for p in dense if p.grad is not None] + [loss], world)
+            opt.step()
+            dt = time.perf_counter() - t0
+            window_t, window_steps = window_t + dt, window_steps + 1
+            loss_value = float(loss)
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss is {loss_value} at step {step}")
+            evaluate_now = step % args.eval_every == 0 or step == args.steps
+            if step % args.log_every == 0 or evaluate_now or step == 1:
+                rec: dict[str, Any] = {
+                    "step": step,
+                    "loss": loss_value,
+                    "tokens_per_s": tokens * window_steps / window_t,
+                    "step_ms": 1e3 * window_t / window_steps,
+                    "memory": args.memory,
+                }
+                window_t, window_steps = 0.0, 0
+                if evaluate_now:
+                    rec.update(evaluate(run, args, torch.Generator().manual_seed(args.seed + 1)))
+                if rank == 0:
+                    yield rec
+    finally:
+        run.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    out = open(args.log_json, "a") if args.log_json else None  # noqa: SIM115
+    tty = sys.stderr.isatty()
+    bar = None
+    if tty:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+    t_start = time.perf_counter()
+    last: dict[str, Any] = {}
+    try:
+        for rec in train(args):
+            last = rec
+            if out is not None:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+            msg = f"step {rec['step']:5d} loss {rec['loss']:.4f} {rec['tokens_per_s']:,.0f} tok/s {rec['step_ms']:.0f} ms/step"
+            if "val_loss" in rec:
+                msg += f" | val {rec['val_loss']:.4f}"
+                mem = [k for k in rec if k.endswith("_used_pct")]
+                msg += "".join(f" | {k.split('_')[0]} used {rec[k]:.1f}%" for k in mem)
+            if bar is not None:
+                bar.update(rec["step"] - bar.n)
+                bar.set_postfix_str(msg.split(" ", 2)[2][:80])
+                if "val_loss" in rec:
+                    bar.write(msg)
+            else:
+                log.info(msg)
+    finally:
+        if bar is not None:
+            bar.close()
+        if out is not None:
+            out.close()
+    log.info("done in %.1fs: final val_loss %.4f", time.perf_counter() - t_start, last.get("val_loss", float("nan")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
