@@ -17,19 +17,20 @@ TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32
         "--eval-every", "5", "--eval-iters", "2", "--log-every", "1", "--threads", "1"]
 
 
-def test_product_key_search_finds_the_true_top_knn():
-    torch.manual_seed(0)
-    mem = ProductKeyMemory(12, 8, LocalValues(10 * 10, 8), n_keys=10, heads=3, k_dim=6, knn=4, query_bn=False)
-    x = torch.randn(7, 12)
+@pytest.mark.parametrize("knn", [1, 4, 7, 10])
+def test_product_key_search_finds_the_true_top_knn(knn):
+    torch.manual_seed(knn)
+    mem = ProductKeyMemory(12, 8, LocalValues(10 * 10, 8), n_keys=10, heads=3, k_dim=6, knn=knn, query_bn=False)
+    x = torch.randn(50, 12)
     ids, w = mem.address(x)
-    assert ids.shape == (7, 12) and torch.allclose(w.view(7, 3, 4).sum(-1), torch.ones(7, 3))
-    q = mem.query(x).view(7, 3, 2, 3)
+    assert ids.shape == (50, 3 * knn) and torch.allclose(w.view(50, 3, knn).sum(-1), torch.ones(50, 3))
+    q = mem.query(x).view(50, 3, 2, 3)
     for h in range(3):
-        s1 = q[:, h, 0] @ mem.keys[h, 0].T  # [7, 10]
+        s1 = q[:, h, 0] @ mem.keys[h, 0].T  # [50, 10]
         s2 = q[:, h, 1] @ mem.keys[h, 1].T
-        full = (s1[:, :, None] + s2[:, None, :]).reshape(7, 100)  # every one of the n_keys^2 slots
-        true = full.topk(4, dim=-1).indices.sort(-1).values
-        got = ids.view(7, 3, 4)[:, h].sort(-1).values
+        full = (s1[:, :, None] + s2[:, None, :]).reshape(50, 100)  # every one of the n_keys^2 slots
+        true = full.topk(knn, dim=-1).indices.sort(-1).values
+        got = ids.view(50, 3, knn)[:, h].sort(-1).values
         assert torch.equal(got, true)
 
 
@@ -106,3 +107,20 @@ def test_two_data_parallel_trainers_equal_one_on_the_combined_batch(client, memo
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
     assert ddp[-1]["val_loss"] == pytest.approx(single[-1]["val_loss"], rel=1e-3)
     assert ddp[0]["tokens_per_s"] > 0
+
+
+def test_memory_plus_shared_values_replacing_ffn_trains():
+    args = build_parser().parse_args([*TINY, "--memory", "local", "--steps", "8", "--mem-layers", "0,1", "--shared-values",
+                                      "--mem-plus", "--mem-mode", "replace", "--value-lr", "0.05", "--eval-every", "8"])
+    recs = list(train(args))
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    assert "mem0_used_pct" in recs[-1] and "mem1_used_pct" in recs[-1]
+
+
+def test_shared_values_are_one_table():
+    from trainer.train import setup
+
+    run = setup(build_parser().parse_args([*TINY, "--memory", "local", "--mem-layers", "0,1", "--shared-values"]))
+    mems = run.model.memories()
+    assert len(mems) == 2 and mems[0].values is mems[1].values
+    assert all(b.mlp is not None for b in run.model.blocks)  # parallel: the FFN stays

@@ -136,17 +136,24 @@ class ProductKeyMemory(nn.Module):
         elif values.dim != d_out:
             raise ValueError(f"value dim {values.dim} must equal the layer's output dim {d_out} (or use mem_plus)")
         self.last_access: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, weights) of the last forward
+        # Candidate pairs (i, j) of the two sorted top-knn lists that can reach the top knn: (i, j) is
+        # beaten by every (i', j') with i' <= i, j' <= j, so it needs (i+1)(j+1) <= knn. For knn=32
+        # that is 119 pairs instead of 1024: the same answer, far cheaper top-k.
+        i, j = torch.meshgrid(torch.arange(knn), torch.arange(knn), indexing="ij")
+        keep = (i + 1) * (j + 1) <= knn
+        self.register_buffer("cand_i", i[keep].contiguous(), persistent=False)
+        self.register_buffer("cand_j", j[keep].contiguous(), persistent=False)
 
     def address(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d_in] -> slot ids [N, heads*knn] and their softmax weights."""
         n = x.shape[0]
         q = self.query_bn(self.query(x)).view(n, self.heads, 2, self.k_dim // 2)
         scores = torch.einsum("nhsd,hskd->nhsk", q, self.keys)  # [N, heads, 2, n_keys]
-        s1, i1 = scores[:, :, 0].topk(self.knn, dim=-1)
+        s1, i1 = scores[:, :, 0].topk(self.knn, dim=-1)  # sorted, best first
         s2, i2 = scores[:, :, 1].topk(self.knn, dim=-1)
-        cand = (s1.unsqueeze(-1) + s2.unsqueeze(-2)).view(n, self.heads, -1)  # knn x knn sums
+        cand = s1[..., self.cand_i] + s2[..., self.cand_j]  # the knn x knn sums that can win
         best, pos = cand.topk(self.knn, dim=-1)
-        ids = i1.gather(-1, pos // self.knn) * self.n_keys + i2.gather(-1, pos % self.knn)
+        ids = i1.gather(-1, self.cand_i[pos]) * self.n_keys + i2.gather(-1, self.cand_j[pos])
         weights = F.softmax(best.float(), dim=-1)
         return ids.view(n, -1), weights.view(n, -1)
 

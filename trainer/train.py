@@ -95,6 +95,9 @@ def distributed() -> tuple[int, int]:
 
 def setup(args: argparse.Namespace, client: Any = None) -> Run:
     rank, world = distributed()
+    if world > 1 and args.memory == "local":
+        raise SystemExit("memtrain: error: --memory local with several trainers would give each its own copy of the "
+                         "values; use --memory remote (a sync_updates table)")
     if world > 1 and not args.no_query_bn:
         log.warning("data-parallel run with query BatchNorm: its statistics are per trainer, so the result "
                     "differs slightly from one trainer on the combined batch (use --no-query-bn for equality)")
