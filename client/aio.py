@@ -231,6 +231,23 @@ class AsyncMemoryClient:
     async def status(self) -> pb.StatusResponse:
         return await self._control("Status", pb.StatusRequest())
 
+    async def checkpoint(self, dir: str, step: int = 0, tables: list[str] | None = None) -> dict[str, Any]:
+        """Make every shard write its slices as of now (call it at a step barrier); returns
+        {path, step, bytes, tables, seconds}."""
+        r = await self._control("Checkpoint", pb.CheckpointRequest(dir=str(dir), step=step, tables=tables or []))
+        return {"path": r.path, "step": r.step, "bytes": r.bytes, "tables": list(r.tables), "seconds": r.seconds}
+
+    async def restore(self, dir: str, step: int = 0, *, replace: bool = False, num_shards: int = 0,
+                      tables: list[str] | None = None) -> list[TableMeta]:
+        """Load tables from a checkpoint (the latest complete one when step is 0), optionally
+        into a different number of shards."""
+        r = await self._control("Restore", pb.RestoreRequest(dir=str(dir), step=step, replace=replace,
+                                                             num_shards=num_shards, tables=tables or []))
+        metas = [TableMeta.from_proto(t) for t in r.tables]
+        for m in metas:
+            self._tables[m.name] = m
+        return metas
+
     # -- data plane ----------------------------------------------------------------------
 
     async def lookup(self, table: str, ids: Any) -> Any:

@@ -65,6 +65,12 @@ class MemoryClient:
     def status(self) -> Any:
         return self._run(self.aio.status())
 
+    def checkpoint(self, dir: str, step: int = 0, tables: list[str] | None = None) -> dict[str, Any]:
+        return self._run(self.aio.checkpoint(dir, step, tables))
+
+    def restore(self, dir: str, step: int = 0, **kwargs: Any) -> list[TableMeta]:
+        return self._run(self.aio.restore(dir, step, **kwargs))
+
     # data plane
     def lookup(self, table: str, ids: Any) -> Any:
         return self._run(self.aio.lookup(table, ids))

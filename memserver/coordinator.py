@@ -8,14 +8,18 @@ a dying coordinator does not take the shards with it) and places each new table 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import math
 import re
+import time
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from memserver import __version__
+from memserver.checkpoint import find_checkpoint, step_dir, write_manifest
 from memserver.grpc_util import AlreadyExists, NotFound, rpc, start_server
 from memserver.shard import optimizer_config
 from memserver.v1 import memserver_pb2 as pb
@@ -98,6 +102,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.handles, self.infos = shard_handles, shard_infos
         self.tables: dict[str, pb.TableInfo] = {}
         self.pending: set[str] = set()
+        self.placement: dict[str, list[int]] = {}  # table -> pool index of each of its shards
         self.epoch = 0
         self.lock = asyncio.Lock()
 
@@ -108,7 +113,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     @rpc
     async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
-        spec = validate_spec(request.spec, len(self.handles))
+        return await self._place(validate_spec(request.spec, len(self.handles)))
+
+    async def _place(self, spec: pb.TableSpec, files: list[dict[str, Any]] | None = None) -> pb.TableInfo:
+        """Create a validated table on its shards: fresh, or restored from checkpoint `files`."""
         if spec.name in self.tables or spec.name in self.pending:
             raise AlreadyExists(f"table {spec.name!r} already exists")
         self.pending.add(spec.name)
@@ -120,34 +128,90 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             blob = spec.SerializeToString()
             refs = [
                 self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards)
+                if files is None
+                else self.handles[j].restore_table.remote(blob, sh.SerializeToString(), spec.num_shards, files)
                 for j, sh in zip(order, info.shards)
             ]
             results = await asyncio.gather(*refs, return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
                 await asyncio.gather(*(self.handles[j].drop_table.remote(spec.name) for j in order), return_exceptions=True)
-                raise RuntimeError(f"creating {spec.name!r} failed on a shard: {errors[0]}")
+                raise RuntimeError(f"{'restoring' if files else 'creating'} {spec.name!r} failed on a shard: {errors[0]}")
             async with self.lock:
                 self.epoch += 1
                 info.epoch = self.epoch
                 self.tables[spec.name] = info
-            log.info("created table %s: %d x %d, %s over %d shards", spec.name, spec.num_rows, spec.dim,
-                     pb.Sharding.Name(spec.sharding).lower(), spec.num_shards)
+                self.placement[spec.name] = order
+            log.info("%s table %s: %d x %d, %s over %d shards", "restored" if files else "created", spec.name,
+                     spec.num_rows, spec.dim, pb.Sharding.Name(spec.sharding).lower(), spec.num_shards)
             return info
         finally:
             self.pending.discard(spec.name)
 
     @rpc
     async def DropTable(self, request: pb.DropTableRequest, context: grpc.aio.ServicerContext) -> pb.DropTableResponse:
-        info = self._get(request.name)
-        del self.tables[request.name]
-        addresses = {sh.address for sh in info.shards}
-        handles = [h for h, i in zip(self.handles, self.infos) if i["address"] in addresses]
-        await asyncio.gather(*(h.drop_table.remote(request.name) for h in handles))
+        await self._drop(request.name)
+        return pb.DropTableResponse()
+
+    async def _drop(self, name: str) -> None:
+        self._get(name)
+        del self.tables[name]
+        order = self.placement.pop(name)
+        await asyncio.gather(*(self.handles[j].drop_table.remote(name) for j in order))
         async with self.lock:
             self.epoch += 1
-        log.info("dropped table %s", request.name)
-        return pb.DropTableResponse()
+        log.info("dropped table %s", name)
+
+    @rpc
+    async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointResponse:
+        if not request.dir:
+            raise BadInput("dir: a checkpoint needs a directory")
+        if request.step < 0:
+            raise BadInput(f"step: must be >= 0, got {request.step}")
+        names = list(request.tables) or sorted(self.tables)
+        for name in names:
+            self._get(name)
+        t0 = time.perf_counter()
+        directory = step_dir(request.dir, request.step)
+        calls, where = [], []
+        for name in names:
+            for j, sh in zip(self.placement[name], self.tables[name].shards):
+                calls.append(self.handles[j].checkpoint_table.remote(name, str(directory / name / f"shard-{sh.index:04d}.pt")))
+                where.append(name)
+        results = await asyncio.gather(*calls)
+        manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__, "tables": {}}
+        for name in names:
+            manifest["tables"][name] = {
+                "spec": base64.b64encode(self.tables[name].spec.SerializeToString()).decode(),
+                "files": [r for r, n in zip(results, where) if n == name],
+            }
+        write_manifest(directory, manifest)
+        nbytes = sum(r["bytes"] for r in results)
+        log.info("checkpoint of %d tables at step %d: %s (%.1f MiB in %.2fs)", len(names), request.step, directory,
+                 nbytes / 2**20, time.perf_counter() - t0)
+        return pb.CheckpointResponse(path=str(directory), step=request.step, bytes=nbytes, tables=names,
+                                     seconds=time.perf_counter() - t0)
+
+    @rpc
+    async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
+        directory, manifest = find_checkpoint(request.dir, request.step)
+        names = list(request.tables) or sorted(manifest["tables"])
+        if missing := [n for n in names if n not in manifest["tables"]]:
+            raise NotFound(f"table(s) {missing} are not in the checkpoint {directory}")
+        if not request.replace and (present := [n for n in names if n in self.tables]):
+            raise AlreadyExists(f"table(s) {present} already exist; restore with replace to overwrite them")
+        specs = {}
+        for name in names:
+            spec = pb.TableSpec.FromString(base64.b64decode(manifest["tables"][name]["spec"]))
+            spec.num_shards = request.num_shards or min(spec.num_shards, len(self.handles))
+            specs[name] = validate_spec(spec, len(self.handles))
+        resp = pb.RestoreResponse(path=str(directory), step=int(manifest["step"]))
+        for name in names:
+            if name in self.tables:
+                await self._drop(name)
+            files = [{**f, "file": str(directory / name / Path(f["file"]).name)} for f in manifest["tables"][name]["files"]]
+            resp.tables.append(await self._place(specs[name], files))
+        return resp
 
     @rpc
     async def ListTables(self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext) -> pb.ListTablesResponse:

@@ -14,11 +14,13 @@ import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import torch
 
+from memserver.checkpoint import load_into, save_slice
 from memserver.grpc_util import NotFound, rpc, start_server
 from memserver.table import OptimizerConfig, ValueTable, bag_index
 from memserver.v1 import memserver_pb2 as pb
@@ -53,7 +55,9 @@ def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
 class TableSlice:
     """The rows (ROWS) or columns (COLS) of one table that this shard owns."""
 
-    def __init__(self, spec: pb.TableSpec, info: pb.ShardInfo, num_shards: int, device: torch.device):
+    def __init__(self, spec: pb.TableSpec, info: pb.ShardInfo, num_shards: int, device: torch.device,
+                 initialise: bool = True):
+        """`initialise` False leaves the values zero (a restore fills them)."""
         import numpy as np
 
         self.spec, self.info, self.num_shards = spec, info, num_shards
@@ -65,7 +69,7 @@ class TableSlice:
             optimizer_config(spec.optimizer),
             dtype=TORCH_DTYPES[spec.dtype or pb.FLOAT32],
             device=device,
-            init_std=spec.init_std,
+            init_std=spec.init_std if initialise else 0.0,
             seed=spec.seed,
             global_rows=global_rows,
             col_start=int(info.col_start),
@@ -102,6 +106,11 @@ class TableSlice:
             rows += c_src.shape[0]
         self.table.apply_entries(torch.cat(ids), torch.cat(src_index), torch.cat(scale), torch.cat(src))
         return True
+
+    def slice_meta(self) -> dict[str, Any]:
+        """Where this slice sits in its table (recorded in checkpoint files)."""
+        return {"table": self.spec.name, "by_rows": self.by_rows, "index": self.info.index, "num_shards": self.num_shards,
+                "num_rows": int(self.spec.num_rows), "col_start": int(self.info.col_start), "col_end": int(self.info.col_end)}
 
     def local(self, ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
         """Global ids -> local rows, rejecting ids this shard does not own."""
@@ -308,6 +317,33 @@ class ShardActor:
         sl = await self.servicer.run(lambda: TableSlice(s, i, num_shards, self.device))
         self.servicer.tables[s.name] = sl
         log.info("shard %d: table %s holds %d rows x %d cols", self.index, s.name, sl.table.num_rows, sl.table.dim)
+
+    async def checkpoint_table(self, name: str, path: str) -> dict[str, Any]:
+        """Write this shard's slice of `name` on the compute thread, i.e. after every write it
+        has acknowledged (deferred updates included)."""
+        sl = self.servicer.tables.get(name)
+        if sl is None:
+            raise NotFound(f"table {name!r} does not exist on shard {self.index}")
+
+        def work() -> dict[str, Any]:
+            meta = sl.slice_meta()
+            return {"file": path, "bytes": save_slice(Path(path), meta, sl.table.state()), **meta}
+
+        return await self.servicer.run(work)
+
+    async def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]]) -> None:
+        """Create this shard's slice of a table from checkpoint files of any earlier sharding."""
+        s, i = pb.TableSpec.FromString(spec), pb.ShardInfo.FromString(info)
+        if s.name in self.servicer.tables:
+            raise ValueError(f"table {s.name!r} already exists on shard {self.index}")
+
+        def work() -> TableSlice:
+            sl = TableSlice(s, i, num_shards, self.device, initialise=False)
+            load_into(sl.table, sl.slice_meta(), files)
+            return sl
+
+        self.servicer.tables[s.name] = await self.servicer.run(work)
+        log.info("shard %d: restored table %s from %d checkpoint files", self.index, s.name, len(files))
 
     async def drop_table(self, name: str) -> bool:
         return self.servicer.tables.pop(name, None) is not None

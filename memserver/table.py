@@ -184,10 +184,14 @@ class ValueTable:
 
     # -- reads ---------------------------------------------------------------------------
 
+    STATE = ("weight", "acc", "exp_avg", "exp_avg_sq", "hits", "weight_mass", "updates", "last_update")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Everything a checkpoint keeps: values, optimizer state, slot statistics."""
+        return {name: getattr(self, name) for name in self.STATE if hasattr(self, name)}
+
     def nbytes(self) -> int:
-        tensors = [self.weight, self.hits, self.weight_mass, self.updates, self.last_update]
-        tensors += [getattr(self, n) for n in ("acc", "exp_avg", "exp_avg_sq") if hasattr(self, n)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.state().values())
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.track_stats:

@@ -327,3 +327,51 @@ class StatusResponse(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
     def __init__(self, version: _Optional[str] = ..., epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("dir", "step", "tables")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    step: int
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("path", "step", "bytes", "tables", "seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    bytes: int
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    seconds: float
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., bytes: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("dir", "step", "replace", "num_shards", "tables")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    step: int
+    replace: bool
+    num_shards: int
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., replace: _Optional[bool] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("path", "step", "tables")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...

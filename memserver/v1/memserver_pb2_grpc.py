@@ -346,6 +346,16 @@ class ControlPlaneStub:
                 request_serializer=memserver_dot_v1_dot_memserver__pb2.StatusRequest.SerializeToString,
                 response_deserializer=memserver_dot_v1_dot_memserver__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/memserver.v1.ControlPlane/Checkpoint',
+                request_serializer=memserver_dot_v1_dot_memserver__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=memserver_dot_v1_dot_memserver__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/memserver.v1.ControlPlane/Restore',
+                request_serializer=memserver_dot_v1_dot_memserver__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=memserver_dot_v1_dot_memserver__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -381,6 +391,18 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -408,6 +430,16 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=memserver_dot_v1_dot_memserver__pb2.StatusRequest.FromString,
                     response_serializer=memserver_dot_v1_dot_memserver__pb2.StatusResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=memserver_dot_v1_dot_memserver__pb2.CheckpointRequest.FromString,
+                    response_serializer=memserver_dot_v1_dot_memserver__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=memserver_dot_v1_dot_memserver__pb2.RestoreRequest.FromString,
+                    response_serializer=memserver_dot_v1_dot_memserver__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -545,6 +577,60 @@ class ControlPlane:
             '/memserver.v1.ControlPlane/Status',
             memserver_dot_v1_dot_memserver__pb2.StatusRequest.SerializeToString,
             memserver_dot_v1_dot_memserver__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.ControlPlane/Checkpoint',
+            memserver_dot_v1_dot_memserver__pb2.CheckpointRequest.SerializeToString,
+            memserver_dot_v1_dot_memserver__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.ControlPlane/Restore',
+            memserver_dot_v1_dot_memserver__pb2.RestoreRequest.SerializeToString,
+            memserver_dot_v1_dot_memserver__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,119 @@
+"""Checkpoint files of table slices, and loading them into a slice of any sharding.
+
+Each slice file records which global rows and which columns it holds, so a checkpoint can be
+restored into a different number of shards or the other sharding mode: every new slice reads
+the overlap of each old slice with itself. Files are written to a temporary name, fsynced and
+renamed; the coordinator writes the manifest last (see `write_manifest`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memserver.wire import BadInput
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / f"step-{step:010d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """write(file object) into a temporary file, fsync it, rename it into place, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor]) -> int:
+    """One table slice: `meta` says where it sits (sharding, index, num_shards, columns)."""
+    atomic_write(path, lambda f: torch.save({"meta": meta, "state": {k: v.cpu() for k, v in state.items()}}, f))
+    return path.stat().st_size
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    atomic_write(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+
+
+def find_checkpoint(root: str | os.PathLike[str], step: int = 0) -> tuple[Path, dict[str, Any]]:
+    """The step directory (latest complete one when step is 0) and its manifest."""
+    root = Path(root)
+    if step:
+        d = step_dir(root, step)
+        if not (d / MANIFEST).exists():
+            raise BadInput(f"dir: no complete checkpoint of step {step} in {root}")
+        return d, json.loads((d / MANIFEST).read_text())
+    steps = sorted(
+        (int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else []) if (m := _STEP_DIR.match(p.name))
+    )
+    for _, d in reversed(steps):
+        if (d / MANIFEST).exists():  # a directory without a manifest is an interrupted checkpoint
+            return d, json.loads((d / MANIFEST).read_text())
+    raise BadInput(f"dir: no complete checkpoint in {root}")
+
+
+def slice_rows(by_rows: bool, index: int, num_shards: int, num_rows: int) -> np.ndarray:
+    """Global row ids held by a slice, in local order."""
+    return np.arange(index, num_rows, num_shards) if by_rows else np.arange(num_rows)
+
+
+def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]]) -> None:
+    """Fill `table` (a ValueTable holding slice `target`) from saved slices `files`.
+
+    2-D state (values, Adam moments) and per-row state (counters) copy exactly. The row-wise
+    Adagrad accumulator of a COLS slice is per column block; when old and new blocks differ it
+    becomes the column-weighted mean of the old blocks' accumulators (exact when they match).
+    """
+    t_rows = slice_rows(target["by_rows"], target["index"], target["num_shards"], target["num_rows"])
+    t_c0, t_c1 = target["col_start"], target["col_end"]
+    t_cols = t_c1 - t_c0
+    local_of = np.full(target["num_rows"], -1, dtype=np.int64)
+    local_of[t_rows] = np.arange(len(t_rows))
+    for f in files:
+        blob = torch.load(f["file"], map_location="cpu", weights_only=True)
+        meta, state = blob["meta"], blob["state"]
+        if meta["num_rows"] != target["num_rows"]:
+            raise BadInput(f"checkpoint slice {f['file']} has {meta['num_rows']} rows, the table {target['num_rows']}")
+        s_rows = slice_rows(meta["by_rows"], meta["index"], meta["num_shards"], meta["num_rows"])
+        dst = local_of[s_rows]
+        keep = dst >= 0
+        if not keep.any():
+            continue
+        src_idx = torch.from_numpy(np.flatnonzero(keep))
+        dst_idx = torch.from_numpy(dst[keep])
+        c0, c1 = max(meta["col_start"], t_c0), min(meta["col_end"], t_c1)
+        for name, src in state.items():
+            if not hasattr(table, name):
+                continue  # e.g. Adam moments restored into an Adagrad table
+            dst_t = getattr(table, name)
+            if src.dim() == 2:
+                if c1 > c0:
+                    block = src.index_select(0, src_idx)[:, c0 - meta["col_start"] : c1 - meta["col_start"]]
+                    dst_t[dst_idx, c0 - t_c0 : c1 - t_c0] = block.to(dst_t.dtype)
+            elif name == "acc":
+                if c1 > c0:
+                    dst_t[dst_idx] += src.index_select(0, src_idx) * ((c1 - c0) / t_cols)
+            else:
+                dst_t[dst_idx] = src.index_select(0, src_idx).to(dst_t.dtype)
