@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--staleness", type=int, default=0,
                      help="0: a step's value update is applied before its backward returns; >=1: the shards answer "
                           "first and apply it while the next step starts (reads still never see a table without it)")
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--checkpoint-dir", help="save the trainer's state here (and checkpoint the remote tables under <dir>/memory)")
+    ck.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: only at the end, if --checkpoint-dir)")
+    ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and memory)")
     mem.add_argument("--micro-batches", type=int, default=1, help="split memory lookups so one chunk's call overlaps the next chunk's addressing")
     return p
 
@@ -186,6 +191,44 @@ def average_across_trainers(tensors: list[torch.Tensor], world: int) -> None:
         offset += t.numel()
 
 
+def _trainer_file(directory: str, step: int) -> Path:
+    return Path(directory) / f"trainer-step-{step:010d}.pt"
+
+
+def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, step: int, directory: str) -> None:
+    """The trainer's state and, at the same step barrier, the memory: remote tables are
+    checkpointed by the cluster under <dir>/memory, local ones go into the trainer file."""
+    from memserver.checkpoint import atomic_write
+
+    remote = sorted({b.name for b in run.values.values() if isinstance(b, RemoteValues)})
+    if remote:
+        b = next(b for b in run.values.values() if isinstance(b, RemoteValues))
+        b.client.checkpoint(str(Path(directory).resolve() / "memory"), step, remote)
+    local = {str(i): b.table.state() for i, b in run.values.items() if isinstance(b, LocalValues)}
+    blob = {"step": step, "model": run.model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+            "local_values": local, "remote_tables": remote}
+    atomic_write(_trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
+    log.info("checkpoint at step %d in %s", step, directory)
+
+
+def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, directory: str) -> int:
+    files = sorted(Path(directory).glob("trainer-step-*.pt"))
+    if not files:
+        raise SystemExit(f"memtrain: error: --resume {directory}: no trainer checkpoint there")
+    blob = torch.load(files[-1], map_location="cpu", weights_only=False)
+    run.model.load_state_dict(blob["model"])
+    opt.load_state_dict(blob["opt"])
+    gen.set_state(blob["gen"])
+    for i, state in blob["local_values"].items():
+        for name, t in state.items():
+            getattr(run.values[int(i)].table, name).copy_(t)
+    if blob["remote_tables"]:
+        b = next(b for b in run.values.values() if isinstance(b, RemoteValues))
+        b.client.restore(str(Path(directory).resolve() / "memory"), blob["step"], replace=True, tables=blob["remote_tables"])
+    log.info("resumed from %s (step %d)", files[-1], blob["step"])
+    return int(blob["step"])
+
+
 def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, Any]]:
     """Run training; yields one record per log step (what --log-json writes)."""
     run = setup(args, client)
@@ -195,9 +238,12 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         opt = torch.optim.AdamW(dense, lr=args.lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(args.seed)
         rank, world = distributed()
+        if world > 1 and (args.checkpoint_dir or args.resume):
+            raise SystemExit("memtrain: error: --checkpoint-dir/--resume are for single-trainer runs for now")
+        first = load_checkpoint(run, opt, gen, args.resume) + 1 if args.resume else 1
         tokens = args.batch_size * args.block_size * world
         window_t, window_steps = 0.0, 0
-        for step in range(1, args.steps + 1):
+        for step in range(first, args.steps + 1):
             # Every trainer draws the same combined batch and takes its own slice of it, so W
             # trainers of batch B see exactly what one trainer of batch W*B would.
             x, y = get_batch(run.corpus.train, args.batch_size * world, args.block_size, gen)
@@ -232,6 +278,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                     rec.update(evaluate(run, args, torch.Generator().manual_seed(args.seed + 1)))
                 if rank == 0:
                     yield rec
+            if args.checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
+                save_checkpoint(run, opt, gen, step, args.checkpoint_dir)
     finally:
         run.close()
 
