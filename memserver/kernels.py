@@ -87,3 +87,29 @@ def sparse_step(
                     exp_avg_sq[r, c] = v
                     weight[r, c] -= np.float32(lr) * (m / bc1) / (np.float32(np.sqrt(v / bc2)) + np.float32(eps))
     return num_rows
+
+
+@nb.njit(inline="always")
+def _splitmix64(x):  # pragma: no cover - compiled
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def init_normal(rows, col_start, total_dim, std, key, out):  # pragma: no cover - compiled
+    """out[r, j] = std * N(0,1) drawn from (key, rows[r], col_start + j): the same counter-based
+    draw as memserver.table.init_values' numpy code, without its temporaries."""
+    c = out.shape[1]
+    inv53 = 1.0 / 9007199254740992.0
+    two = np.uint64(2)
+    for r in nb.prange(rows.shape[0]):
+        base = np.uint64(rows[r]) * np.uint64(total_dim) + np.uint64(col_start)
+        for j in range(c):
+            counter = (base + np.uint64(j)) * two
+            a = _splitmix64(counter ^ key)
+            b = _splitmix64((counter + np.uint64(1)) ^ key)
+            u1 = (np.float64(a >> np.uint64(11)) + 0.5) * inv53
+            u2 = np.float64(b >> np.uint64(11)) * inv53
+            out[r, j] = np.float32(std * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2))

@@ -78,18 +78,23 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def init_values(
-    global_rows: np.ndarray, col_start: int, col_end: int, total_dim: int, std: float, seed: int
+    global_rows: np.ndarray, col_start: int, col_end: int, total_dim: int, std: float, seed: int,
+    _numpy_init: bool = False,
 ) -> torch.Tensor:
     """N(0, std^2) values that are a pure function of (seed, row, column).
 
     Any shard can create exactly its own rows/columns of a table, and the result is the same
     however the table is sharded (and equal to the trainer's local table of the same seed).
+    The numba kernel computes it in one pass; the numpy code is the fallback and the reference.
     """
     n, c = len(global_rows), col_end - col_start
     out = torch.empty((n, c), dtype=torch.float32)
     if n == 0 or c == 0 or std == 0:
         return out.zero_()
     key = _splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
+    if kernels is not None and not _numpy_init:
+        kernels.init_normal(np.ascontiguousarray(global_rows, dtype=np.int64), col_start, total_dim, float(std), key, out.numpy())
+        return out
     cols = np.arange(col_start, col_end, dtype=np.uint64)
     step = max(1, (1 << 21) // c)
     with np.errstate(over="ignore"):

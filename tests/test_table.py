@@ -103,3 +103,10 @@ def test_optimizer_config_rejects_bad_values():
         OptimizerConfig("rmsprop")
     with pytest.raises(ValueError, match="lr"):
         OptimizerConfig("sgd", lr=-1)
+
+
+def test_compiled_init_matches_numpy_reference():
+    rows = np.array([0, 5, 17, 99_999], dtype=np.int64)
+    fast = init_values(rows, 3, 40, 64, 0.7, seed=12).numpy()
+    ref = init_values(rows, 3, 40, 64, 0.7, seed=12, _numpy_init=True).numpy()
+    np.testing.assert_allclose(fast, ref, rtol=1e-6, atol=1e-7)
