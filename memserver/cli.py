@@ -18,7 +18,9 @@ from typing import Any
 log = logging.getLogger("memserver")
 
 TABLE_KEYS = {"name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype", "init_std", "seed", "num_shards", "eps"}
-CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "tables"}
+CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "tables"}
+#: memserver.cluster.PLACEMENT_STRATEGIES, repeated here so that `--help` and config checks need no Ray import.
+PLACEMENTS = ("SPREAD", "STRICT_SPREAD", "PACK")
 
 
 class CliError(Exception):
@@ -51,6 +53,10 @@ def load_config(path: str | None) -> dict[str, Any]:
         raise CliError(f"--config: {path} must hold a mapping with a 'tables' list")
     if unknown := set(cfg) - CONFIG_KEYS:
         raise CliError(f"--config: unknown key(s) {sorted(unknown)} in {path}; allowed: {sorted(CONFIG_KEYS)}")
+    if "placement" in cfg:
+        if str(cfg["placement"]).upper() not in PLACEMENTS:
+            raise CliError(f"--config: placement in {path} must be one of {', '.join(PLACEMENTS)}, got {cfg['placement']!r}")
+        cfg["placement"] = str(cfg["placement"]).upper()
     for i, table in enumerate(cfg.get("tables") or []):
         if not isinstance(table, dict) or not {"name", "num_rows", "dim"} <= set(table):
             raise CliError(f"--config: tables[{i}] in {path} needs at least name, num_rows and dim")
@@ -94,6 +100,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         cpus = args.num_cpus or os.cpu_count() or 2
         log.info("starting an embedded Ray head (%d CPUs, dashboard off)", cpus)
         ray.init(
+            # "local": always a new head, even if `ray start` ran on this machine or RAY_ADDRESS is set
+            # (ray.init() would otherwise join that cluster); joining is what --address is for.
+            address="local",
             num_cpus=cpus,
             include_dashboard=False,
             object_store_memory=args.object_store_mb * 1024 * 1024,
@@ -109,6 +118,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         shard_gpus=cfg.get("shard_gpus", args.shard_gpus),
         threads_per_shard=cfg.get("threads_per_shard", args.threads_per_shard),
         port=args.port,
+        placement=args.placement or cfg.get("placement") or "SPREAD",
+        placement_timeout=args.placement_timeout,
     )
     try:
         tables = cfg.get("tables") or []
@@ -155,7 +166,8 @@ def _up_detached(args: argparse.Namespace) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    deadline = time.monotonic() + args.timeout
+    wait = max(args.timeout, args.placement_timeout + 60)  # placement alone may take --placement-timeout
+    deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = logfile.read_text(errors="replace")[-3000:]
@@ -168,7 +180,7 @@ def _up_detached(args: argparse.Namespace) -> int:
                 return 0
         time.sleep(0.2)
     proc.terminate()
-    raise CliError(f"memserver was not ready after {args.timeout:.0f}s (--timeout); log {logfile}")
+    raise CliError(f"memserver was not ready after {wait:.0f}s (--timeout); log {logfile}")
 
 
 # --------------------------------------------------------------------------- status
@@ -244,6 +256,44 @@ def _endpoint(args: argparse.Namespace) -> str:
         return read_endpoint()["endpoint"]
     except FileNotFoundError as exc:
         raise CliError(str(exc)) from None
+
+
+# ----------------------------------------------------------------- checkpoint, restore
+
+
+def _checkpoint_dir(args: argparse.Namespace) -> str:
+    from memserver.cluster import memserver_home
+
+    return str(Path(args.dir).resolve()) if args.dir else str(memserver_home() / "checkpoints")
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from client import MemoryClient
+
+    if args.step < 0:
+        raise CliError(f"--step must be >= 0, got {args.step}")
+    with MemoryClient(_endpoint(args), timeout=args.timeout) as client:
+        r = client.checkpoint(_checkpoint_dir(args), args.step, args.table or None)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"checkpoint of {len(r['tables'])} table(s) at step {r['step']}: {r['path']} "
+              f"({_fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s)")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from client import MemoryClient
+
+    with MemoryClient(_endpoint(args), timeout=args.timeout) as client:
+        metas = client.restore(_checkpoint_dir(args), args.step, replace=args.replace, num_shards=args.shards,
+                               tables=args.table or None)
+    if args.json:
+        print(json.dumps([m.to_dict() for m in metas], indent=2))
+    else:
+        for m in metas:
+            print(f"restored {m.name}: {m.num_rows:,} x {m.dim} ({m.sharding}) over {len(m.shards)} shards")
+    return 0
 
 
 # ----------------------------------------------------------------------------- down
@@ -374,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start shard actors and the coordinator. With no --address, starts a local Ray "
                         "head in this process. Prints 'memserver ready at HOST:PORT' and writes the endpoint file.")
     up.add_argument("--shards", type=int, default=0, help="number of shard actors (default: the config's, else 2)")
-    up.add_argument("--config", help="YAML file: shards, shard_cpus, shard_gpus, threads_per_shard, tables: [{name, num_rows, dim, ...}]")
+    up.add_argument("--config", help="YAML file: shards, shard_cpus, shard_gpus, threads_per_shard, placement, tables: [{name, num_rows, dim, ...}]")
     up.add_argument("--address", help="join an existing Ray cluster ('auto' or HOST:PORT) instead of starting one")
     up.add_argument("--detach", action="store_true", help="return once ready and leave the cluster running in the background")
     up.add_argument("--port", type=int, default=0, help="coordinator gRPC port (default: any free port)")
@@ -383,7 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")
     up.add_argument("--shard-gpus", type=float, default=0.0, help="Ray GPUs per shard actor (rows then live on the GPU)")
     up.add_argument("--threads-per-shard", type=int, default=1, help="torch compute threads in each shard")
-    up.add_argument("--timeout", type=float, default=180.0, help="with --detach: seconds to wait for readiness")
+    up.add_argument("--placement", type=str.upper, choices=PLACEMENTS, default=None,
+                    help="how shards are laid out over Ray nodes (a placement group, one bundle per shard): SPREAD "
+                    "(different nodes where possible), STRICT_SPREAD (one node each, or fail), PACK (fewest nodes); "
+                    "default: the config's, else SPREAD")
+    up.add_argument("--placement-timeout", type=float, default=120.0,
+                    help="seconds to wait for Ray to place the shards (raise it when an autoscaler must add nodes first)")
+    up.add_argument("--timeout", type=float, default=180.0, help="with --detach: seconds to wait for readiness (at least --placement-timeout + 60)")
     up.set_defaults(func=cmd_up)
 
     st = sub.add_parser("status", help="tables and shards of the running cluster",
@@ -392,6 +448,31 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     st.add_argument("--timeout", type=float, default=30.0, help="RPC deadline, seconds")
     st.set_defaults(func=cmd_status)
+
+    ck = sub.add_parser("checkpoint", help="write a consistent checkpoint of the tables",
+                        description="Every shard writes its slices (temporary name, fsync, rename); the manifest is "
+                        "written last, so an interrupted checkpoint leaves the previous one intact. Run it at a step "
+                        "barrier (no writes in flight) for a consistent cut.")
+    ck.add_argument("--dir", help="checkpoint root (default: $MEMSERVER_HOME/checkpoints); must be visible to every shard")
+    ck.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint (its folder is step-<step>)")
+    ck.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
+    ck.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
+    ck.add_argument("--json", action="store_true", help="print one JSON object")
+    ck.add_argument("--timeout", type=float, default=600.0, help="RPC deadline, seconds")
+    ck.set_defaults(func=cmd_checkpoint)
+
+    rs = sub.add_parser("restore", help="load tables from a checkpoint",
+                        description="Load tables from the latest complete checkpoint in --dir (or --step), into any "
+                        "number of shards (--shards reshards).")
+    rs.add_argument("--dir", help="checkpoint root (default: $MEMSERVER_HOME/checkpoints)")
+    rs.add_argument("--step", type=int, default=0, help="which step (default: the latest complete checkpoint)")
+    rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
+    rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name first")
+    rs.add_argument("--shards", type=int, default=0, help="restore into this many shards (default: as saved)")
+    rs.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
+    rs.add_argument("--json", action="store_true", help="print one JSON object")
+    rs.add_argument("--timeout", type=float, default=600.0, help="RPC deadline, seconds")
+    rs.set_defaults(func=cmd_restore)
 
     down = sub.add_parser("down", help="stop the cluster that `up` started", description="Stop the running memserver cleanly.")
     down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait before killing it")

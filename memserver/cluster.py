@@ -52,10 +52,67 @@ def write_endpoint(record: dict[str, Any], path: Path | None = None) -> Path:
     return p
 
 
+#: How shard bundles are laid out over Ray nodes (Ray placement-group strategies).
+PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
+#: Environment variable that overrides the address every memserver gRPC server binds and advertises.
+BIND_HOST_ENV = "MEMSERVER_BIND_HOST"
+LOCALHOST = "127.0.0.1"
+
+
 def bind_host() -> str:
-    """127.0.0.1 on one machine; a multi-node cluster needs the node's own address."""
+    """The address a server started in this process binds and advertises.
+
+    $MEMSERVER_BIND_HOST if set (tests force 127.0.0.1 on simulated multi-node clusters, and a node
+    with several interfaces can name one); else 127.0.0.1 while the Ray cluster has one alive node,
+    so traffic stays on loopback; else this node's address, so other nodes can reach it. Called
+    inside an actor it names the node that actor runs on.
+    """
+    if forced := os.environ.get(BIND_HOST_ENV):
+        return forced
     alive = [n for n in ray.nodes() if n.get("Alive")]
-    return "127.0.0.1" if len(alive) <= 1 else ray.util.get_node_ip_address()
+    return LOCALHOST if len(alive) <= 1 else ray.util.get_node_ip_address()
+
+
+def _own_bind_host(_actor: Any) -> str:
+    """Run inside an actor (via __ray_call__): the address that actor's node should bind."""
+    return bind_host()
+
+
+def _resolve_hosts(actors: list[Any], host: str | None) -> list[str]:
+    """One bind address per actor: `host` for all of them, else each actor's own node address."""
+    if host:
+        return [host] * len(actors)
+    return ray.get([a.__ray_call__.remote(_own_bind_host) for a in actors])
+
+
+def shard_bundle(shard_cpus: float, shard_gpus: float) -> dict[str, float]:
+    """The resources one shard reserves in the placement group (Ray rejects empty bundles)."""
+    bundle = {"CPU": float(shard_cpus)} if shard_cpus > 0 else {}
+    if shard_gpus > 0:
+        bundle["GPU"] = float(shard_gpus)
+    if not bundle:
+        raise ValueError("a shard needs shard_cpus > 0 or shard_gpus > 0 (they are reserved in its placement bundle)")
+    return bundle
+
+
+def _place_shards(num_shards: int, bundle: dict[str, float], strategy: str, timeout: float) -> Any:
+    """A ready placement group of one bundle per shard; a clear error if Ray cannot place it in time."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([dict(bundle) for _ in range(num_shards)], strategy=strategy)
+    if pg.wait(timeout_seconds=timeout):
+        return pg
+    remove_placement_group(pg)
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    need = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
+    total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+    hint = f" (STRICT_SPREAD needs {num_shards} nodes)" if strategy == "STRICT_SPREAD" else ""
+    raise RuntimeError(
+        f"could not place {num_shards} shards of {{{need}}} each with placement {strategy}{hint} within {timeout:g}s: "
+        f"the Ray cluster has {len(alive)} alive node(s), resources {total}, free {free}. Lower --shard-cpus / "
+        "--shard-gpus or --shards, add nodes, pick another --placement, or raise --placement-timeout"
+    )
 
 
 @dataclass
@@ -66,6 +123,7 @@ class MemoryCluster:
     coordinator: Any
     shards: list[Any]
     shard_infos: list[dict[str, Any]] = field(default_factory=list)
+    placement_group: Any = None
 
     def shutdown(self) -> None:
         for actor in [self.coordinator, *self.shards]:
@@ -74,6 +132,14 @@ class MemoryCluster:
             except Exception:  # already gone
                 pass
             ray.kill(actor)
+        if self.placement_group is not None:  # give the shards' reserved resources back to Ray
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # already removed
+                pass
+            self.placement_group = None
 
 
 def start_cluster(
@@ -85,23 +151,60 @@ def start_cluster(
     name: str = "memserver",
     host: str | None = None,
     port: int = 0,
+    placement: str = "SPREAD",
+    placement_timeout: float = 120.0,
 ) -> MemoryCluster:
-    """Start `num_shards` shard actors and a named coordinator on the connected Ray cluster."""
+    """Start `num_shards` shard actors and a named coordinator on the connected Ray cluster.
+
+    Shards go into a placement group (one bundle of `shard_cpus` CPUs / `shard_gpus` GPUs each,
+    laid out by `placement`), so SPREAD puts them on different nodes when the cluster has them and
+    Ray reserves their resources up front. The coordinator runs on the caller's node, so its
+    address is the machine `memserver up` ran on. `host` None: 127.0.0.1 on one node, each
+    server's own node address on several ($MEMSERVER_BIND_HOST overrides both).
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
     if not ray.is_initialized():
         raise RuntimeError("ray is not initialised: call ray.init() (or use `memserver up`)")
     if num_shards < 1:
         raise ValueError(f"--shards must be at least 1, got {num_shards}")
+    strategy = placement.upper()
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement!r}")
     t0 = time.perf_counter()
-    host = host or bind_host()
-    shard_cls = ray.remote(ShardActor)
-    shards = [
-        shard_cls.options(
-            name=f"{name}-shard-{i}", num_cpus=shard_cpus, num_gpus=shard_gpus, max_concurrency=1000
-        ).remote(i, threads_per_shard)
-        for i in range(num_shards)
-    ]
-    infos = ray.get([s.start.remote(host) for s in shards])
-    coord = ray.remote(CoordinatorActor).options(name=f"{name}-coordinator", num_cpus=0.1).remote(shards, infos)
-    endpoint = ray.get(coord.start.remote(host, port))
-    log.info("memory cluster %s up in %.1fs: coordinator %s, %d shards", name, time.perf_counter() - t0, endpoint, num_shards)
-    return MemoryCluster(endpoint, coord, shards, infos)
+    if not host:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        host = os.environ.get(BIND_HOST_ENV) or (LOCALHOST if len(alive) <= 1 else None)
+    pg = _place_shards(num_shards, shard_bundle(shard_cpus, shard_gpus), strategy, placement_timeout)
+    coord = None
+    try:
+        shard_cls = ray.remote(ShardActor)
+        shards = [
+            shard_cls.options(
+                name=f"{name}-shard-{i}",
+                num_cpus=shard_cpus,
+                num_gpus=shard_gpus,
+                max_concurrency=1000,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote(i, threads_per_shard)
+            for i in range(num_shards)
+        ]
+        infos = ray.get([s.start.remote(h) for s, h in zip(shards, _resolve_hosts(shards, host))])
+        # Pinned to this node (0 CPUs, so even a head started with --num-cpus=0 takes it): the
+        # endpoint is this machine's, and --port means a port here.
+        coord = ray.remote(CoordinatorActor).options(
+            name=f"{name}-coordinator",
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote(shards, infos)
+        endpoint = ray.get(coord.start.remote(_resolve_hosts([coord], host)[0], port))
+    except BaseException:
+        from ray.util.placement_group import remove_placement_group
+
+        if coord is not None:
+            ray.kill(coord)
+        remove_placement_group(pg)  # the shard actors die with it
+        raise
+    log.info("memory cluster %s up in %.1fs: coordinator %s, %d shards (%s)", name, time.perf_counter() - t0, endpoint,
+             num_shards, strategy)
+    return MemoryCluster(endpoint, coord, shards, infos, placement_group=pg)

@@ -1,0 +1,156 @@
+"""Placement of shards over Ray nodes: a simulated multi-node cluster (in a subprocess, see
+tests/multinode_scenario.py), the placement group on the session's one-node cluster, the error
+when shards cannot be placed, and the bind-address and GPU-device rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import memserver.cli as cli
+from tests.conftest import TIMINGS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shards_spread_over_nodes_and_serve_across_them():
+    # RAY_TMPDIR: ray.cluster_utils writes the cluster's address into <tmp>/ray/ray_current_cluster,
+    # which every later ray.init() on this machine would join; keep it private (and short: sockets).
+    ray_tmp = tempfile.mkdtemp(prefix="msr-", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0", "MEMSERVER_BIND_HOST": "127.0.0.1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.multinode_scenario"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the scenario's own process group: its `up` child too
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"multi-node scenario did not finish in 240 s\n{err[-3000:]}")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, err[-5000:]
+    r = json.loads(out.strip().splitlines()[-1])
+    assert len(set(r["nodes"])) == 3  # head + 2 workers
+    assert len(set(r["shard_nodes"])) == 2 and set(r["shard_nodes"]) <= set(r["nodes"])  # SPREAD: one per node
+    assert all(a.startswith("127.0.0.1:") for a in r["shard_addresses"]) and r["endpoint"].startswith("127.0.0.1:")
+    assert r["rows_shards"] == r["cols_shards"] == sorted(r["shard_addresses"])  # both tables span both nodes
+    assert r["max_abs_err"] < 1e-4 and r["status_rows"] == 100 + 100 + 200 + 200
+    [pg] = r["placement_groups_while_up"]
+    assert pg["strategy"] == "SPREAD" and pg["state"] == "CREATED" and pg["bundle_nodes"] == sorted(r["shard_nodes"])
+    assert r["down_status"] == 0 and r["up_exit"] == 0, r["up_log_tail"]
+    assert r["placement_groups_after_down"] == ["REMOVED"]
+    t = r["times"]
+    TIMINGS.append(f"multi-node scenario: 3 Ray nodes {t['ray_nodes_s']:.0f}s, memserver up {t['memserver_up_s']:.0f}s, "
+                   f"checks {t['checks_s']:.0f}s, down {t['down_s']:.0f}s (cumulative)")
+
+
+def test_one_node_cluster_uses_a_placement_group(memory_cluster):
+    from ray.util import placement_group_table
+
+    pg = placement_group_table(memory_cluster.placement_group)
+    assert pg["strategy"] == "SPREAD" and pg["state"] == "CREATED"
+    assert list(pg["bundles"].values()) == [{"CPU": 0.25}, {"CPU": 0.25}]
+    assert len(set(pg["bundles_to_node_id"].values())) == 1  # one node: both bundles on it
+    assert all(i["address"].startswith("127.0.0.1:") for i in memory_cluster.shard_infos)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"num_shards": 2, "shard_cpus": 0.25, "placement": "STRICT_SPREAD"}, ["STRICT_SPREAD needs 2 nodes", "CPU=0.25"]),
+        ({"num_shards": 1, "shard_cpus": 0.25, "shard_gpus": 1}, ["CPU=0.25, GPU=1", "placement SPREAD"]),
+    ],
+)
+def test_unplaceable_shards_fail_clearly_and_release_everything(memory_cluster, kwargs, words):
+    import ray
+    from ray.util import placement_group_table
+
+    from memserver.cluster import start_cluster
+
+    before = {k: v for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+    with pytest.raises(RuntimeError, match="could not place") as err:
+        start_cluster(**kwargs, name="unplaceable", placement_timeout=1)
+    for word in (*words, "1 alive node", "--placement-timeout"):
+        assert word in str(err.value)
+    after = {k: v for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+    assert after.keys() == before.keys()  # the pending group was removed
+    with pytest.raises(ValueError):
+        ray.get_actor("unplaceable-coordinator")
+
+
+def test_bad_placement_arguments(memory_cluster):
+    from memserver.cluster import start_cluster
+
+    with pytest.raises(ValueError, match="placement must be one of SPREAD, STRICT_SPREAD, PACK"):
+        start_cluster(1, placement="RANDOM")
+    with pytest.raises(ValueError, match="shard_cpus > 0 or shard_gpus > 0"):
+        start_cluster(1, shard_cpus=0)
+
+
+def test_placement_flag_and_config_key(tmp_path):
+    from memserver.cluster import PLACEMENT_STRATEGIES
+
+    assert cli.PLACEMENTS == PLACEMENT_STRATEGIES
+    args = cli.build_parser().parse_args(["up", "--placement", "strict_spread", "--placement-timeout", "600"])
+    assert args.placement == "STRICT_SPREAD" and args.placement_timeout == 600
+    assert cli.build_parser().parse_args(["up"]).placement is None  # then the config's, else SPREAD
+    path = tmp_path / "t.yaml"
+    path.write_text("placement: pack\n")
+    assert cli.load_config(str(path))["placement"] == "PACK"
+    path.write_text("placement: everywhere\n")
+    with pytest.raises(cli.CliError, match="placement .* must be one of SPREAD, STRICT_SPREAD, PACK"):
+        cli.load_config(str(path))
+
+
+def test_bind_host_rules(monkeypatch):
+    """127.0.0.1 on one node; the node's own address on several; MEMSERVER_BIND_HOST over both.
+    (No socket is opened: ray.nodes and the node address are stubbed.)"""
+    import ray
+
+    from memserver import cluster
+
+    monkeypatch.delenv(cluster.BIND_HOST_ENV, raising=False)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}, {"Alive": False}])
+    assert cluster.bind_host() == "127.0.0.1"
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}, {"Alive": True}])
+    assert cluster.bind_host() == "10.0.0.7"
+    monkeypatch.setenv(cluster.BIND_HOST_ENV, "127.0.0.1")
+    assert cluster.bind_host() == "127.0.0.1"
+    assert cluster._resolve_hosts(["a", "b"], "127.0.0.1") == ["127.0.0.1", "127.0.0.1"]
+
+
+def test_shard_rows_live_on_the_gpu_ray_assigned(monkeypatch):
+    """ShardActor puts its tables on cuda exactly when Ray gave the actor a GPU (no GPU here:
+    torch.cuda.is_available and ray.get_gpu_ids are stubbed; nothing is allocated)."""
+    import ray
+    import torch
+
+    from memserver.shard import ShardActor
+
+    threads = torch.get_num_threads()  # ShardActor sets torch's (and numba's) thread count
+    numba = pytest.importorskip("numba")
+    numba_threads = numba.get_num_threads()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    try:
+        monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
+        assert ShardActor(0, threads).device.type == "cuda"
+        monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+        assert ShardActor(0, threads).device.type == "cpu"
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
+        assert ShardActor(0, threads).device.type == "cpu"
+    finally:
+        torch.set_num_threads(threads)
+        numba.set_num_threads(numba_threads)
