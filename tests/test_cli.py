@@ -39,6 +39,15 @@ def test_up_status_down(tmp_path):
         assert sum(t["rows"] for s in status["shards"] for t in s["tables"]) == 5000
         human = run(["status"], env)
         assert human.returncode == 0 and "emb" in human.stdout and "shards" in human.stdout
+        ck = run(["checkpoint", "--dir", str(tmp_path / "ck"), "--step", "3", "--json"], env)
+        assert ck.returncode == 0, ck.stderr
+        assert json.loads(ck.stdout)["tables"] == ["emb"] and (tmp_path / "ck/step-0000000003/manifest.json").exists()
+        rs = run(["restore", "--dir", str(tmp_path / "ck"), "--replace", "--shards", "1", "--json"], env)
+        assert rs.returncode == 0, rs.stderr
+        restored = json.loads(rs.stdout)
+        assert restored[0]["name"] == "emb" and len(restored[0]["shards"]) == 1
+        again = run(["restore", "--dir", str(tmp_path / "ck")], env)
+        assert again.returncode == 1 and "already exist" in again.stderr
     finally:
         down = run(["down"], env)
     assert down.returncode == 0, down.stderr
