@@ -6,12 +6,27 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+
+
+def init_ray() -> bool:
+    """Start a Ray head in this process unless one is up; True if this call started it.
+
+    benchmarks.run calls it once so that the benchmarks it runs share one head (starting Ray
+    takes 5-20 s on 2 cores)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(num_cpus=os.cpu_count() or 2, object_store_memory=128 * 1024 * 1024, include_dashboard=False,
+             log_to_driver=False, namespace="memserver-bench")
+    return True
 
 
 @contextlib.contextmanager
@@ -21,10 +36,7 @@ def local_cluster(num_shards: int = 2, shard_cpus: float = 0.25) -> Iterator[Any
 
     from memserver.cluster import start_cluster
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=os.cpu_count() or 2, object_store_memory=128 * 1024 * 1024, include_dashboard=False,
-                 log_to_driver=False, namespace="memserver-bench")
+    started = init_ray()
     cluster = start_cluster(num_shards, shard_cpus=shard_cpus, name=f"bench{time.monotonic_ns()}")
     try:
         yield cluster
@@ -47,6 +59,61 @@ def timeit(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2, max_seco
     return {"p50_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "min_ms": min(times), "n": len(times)}
 
 
+def latencies(fns: dict[str, Callable[[], Any]], *, repeat: int = 200, warmup: int = 10,
+              max_seconds: float = 30.0) -> dict[str, dict[str, float]]:
+    """Call every fn in turn (round robin) and return per-fn ms statistics with p50 and p99.
+
+    Interleaving puts the same background load on every candidate, so on a shared machine their
+    ratio stays meaningful even when the absolute numbers drift."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    t_end = time.perf_counter() + max_seconds
+    for _ in range(repeat):
+        if time.perf_counter() >= t_end:
+            break
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: summarize(v) for k, v in times.items()}
+
+
+def summarize(times_ms: list[float]) -> dict[str, float]:
+    """p50 / p99 / mean / min of a list of ms timings."""
+    xs = sorted(times_ms)
+    p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+    return {"p50_ms": statistics.median(xs), "p99_ms": p99, "mean_ms": statistics.fmean(xs), "min_ms": xs[0], "n": len(xs)}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (getrusage ru_maxrss, KiB on Linux). Note: Linux keeps
+    ru_maxrss across fork + exec, so a process exec'd from a big parent starts with its peak."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def vm_hwm_bytes() -> int:
+    """Peak RSS of this process image only (/proc/self/status VmHWM; 0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def target(name: str, what: str, value: float, threshold: float, higher_is_better: bool = True,
+           unit: str = "x") -> dict[str, Any]:
+    """One row of the summary: a measured ratio against its target."""
+    ok = value >= threshold if higher_is_better else value <= threshold
+    sign = ">=" if higher_is_better else "<="
+    return {"name": name, "what": what, "target": f"{sign} {threshold:g}{unit}", "value": value,
+            "measured": f"{value:.2f}{unit}", "pass": bool(ok)}
+
+
 def copy_bandwidth_gbs(nbytes: int = 256 * 1024 * 1024) -> float:
     """Measured memory copy bandwidth (read + write bytes per second), the ceiling for big calls."""
     src = np.ones(nbytes // 8)
@@ -59,9 +126,22 @@ def copy_bandwidth_gbs(nbytes: int = 256 * 1024 * 1024) -> float:
     return 2 * nbytes / best / 1e9
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d")}
+    """What the figures were measured on, including the load average (the machine is shared)."""
+    return {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
 def write_results(path: str, results: dict[str, Any]) -> None:

@@ -104,7 +104,7 @@ def train_comparison(client: MemoryClient, steps: int, console: Console) -> None
     runs = {
         "no memory": [*common, "--memory", "none"],
         "remote PKM (16k slots, beside FFN of block 2)": [*common, "--memory", "remote", "--table", "demo-pkm",
-                                                           "--mem-layers", "2", "--n-keys", "128", "--value-lr", "0.01"],
+                                                           "--mem-layers", "2", "--n-keys", "128", "--value-lr", "0.01", "--staleness", "1"],
     }
     table = Table(title=f"char-level LM on tiny Shakespeare, {steps} steps of 32x128 tokens")
     for col in ("model", "val loss", "train loss", "ms/step", "tokens/s", "slots used"):

@@ -108,14 +108,15 @@ def decode(msg: pb.Tensor, what: str) -> torch.Tensor:
         raise BadInput(f"{what}: negative extent in shape {list(shape)}")
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(msg.data) != numel * itemsize:
+    data = msg.data  # with upb every read of a bytes field is a copy: read it once
+    if len(data) != numel * itemsize:
         raise BadInput(
-            f"{what}: {len(msg.data)} bytes do not hold shape {list(shape)} of "
+            f"{what}: {len(data)} bytes do not hold shape {list(shape)} of "
             f"{dtype_name(msg.dtype)} ({numel * itemsize} bytes expected)"
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
 def has_tensor(msg: Any, field: str) -> bool:

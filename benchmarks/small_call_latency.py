@@ -1,0 +1,130 @@
+"""Small-call latency: one query (1 x knn ids) through our gRPC path against a Ray actor call.
+
+A memory layer at inference time (or a small trainer batch) makes many tiny calls, where the
+fixed cost per call is everything. The baseline is what one would write without memserver: a
+Ray actor holding a `memserver.table.ValueTable` of the same size and computing the same bag,
+called as `ray.get(actor.bag.remote(ids, w))`. Also measured, to split our time into parts: a raw
+blocking gRPC stub call to one shard (pre-encoded request, no client: transport + shard), the
+gRPC health check of that shard's server (transport + grpc.aio server floor, no shard code), and
+a Ray no-op call (Ray's floor). All candidates are called round robin so they share the
+background load.
+
+    python -m benchmarks.small_call_latency [--rows 65536 --dim 256 --knn 32 --calls 400] [--quick]
+
+The table is 65,536 x 256 (latency does not depend on the row count; the memory is modest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.common import latencies, local_cluster, machine, target
+
+#: Target: our p50 at most this fraction of the Ray actor call's p50 (i.e. >= 2x lower).
+TARGET = 0.5
+
+
+class BagActor:
+    """The baseline: a value table in a plain Ray actor (1 torch thread, as a shard has)."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        from memserver.table import OptimizerConfig, ValueTable
+
+        torch.set_num_threads(1)
+        self.table = ValueTable(rows, dim, OptimizerConfig("adagrad"), init_std=0.02, seed=0)
+
+    def bag(self, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return self.table.bag(torch.from_numpy(ids), torch.from_numpy(w)).numpy()
+
+    def ping(self) -> int:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=65536)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--knn", type=int, default=32)
+    p.add_argument("--calls", type=int, default=400, help="calls per candidate (round robin)")
+    p.add_argument("--max-seconds", type=float, default=40.0)
+    p.add_argument("--quick", action="store_true", help="150 calls per candidate")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.calls, args.max_seconds = min(args.calls, 150), min(args.max_seconds, 20.0)
+    import grpc
+    import ray
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from client import MemoryClient
+    from client.aio import CHANNEL_OPTIONS
+    from memserver.v1 import memserver_pb2 as pb
+    from memserver.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.wire import encode
+
+    rng = np.random.default_rng(0)
+    ids_np = rng.integers(0, args.rows, (1, args.knn))
+    w_np = rng.random((1, args.knn), dtype=np.float32)
+    ids, w = torch.from_numpy(ids_np), torch.from_numpy(w_np)
+    with local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=60) as client:
+        client.create_table("bench-lat-1", args.rows, args.dim, num_shards=1, init_std=0.02, seed=0)
+        meta2 = client.create_table("bench-lat-2", args.rows, args.dim, num_shards=2, init_std=0.02, seed=0)
+        meta1 = client.table("bench-lat-1")
+        actor = ray.remote(BagActor).options(num_cpus=0.25).remote(args.rows, args.dim)
+        ray.get(actor.ping.remote())
+        shard_addr = meta1.shards[0].address
+        channel = grpc.insecure_channel(shard_addr, options=CHANNEL_OPTIONS)
+        stub = pb_grpc.DataPlaneStub(channel)
+        req = pb.BagRequest(table="bench-lat-1", ids=encode(ids.int()), weights=encode(w))
+        health = health_pb2_grpc.HealthStub(channel)
+        health_req = health_pb2.HealthCheckRequest()
+        expect = ray.get(actor.bag.remote(ids_np, w_np))
+        match = all(np.allclose(x, expect, rtol=1e-5, atol=1e-6) for x in (
+            client.bag("bench-lat-1", ids, w).numpy(), client.bag("bench-lat-2", ids, w).numpy()))
+        fns = {
+            "memserver client, 1 shard": lambda: client.bag("bench-lat-1", ids, w),
+            "memserver client, 2 shards (cols)": lambda: client.bag("bench-lat-2", ids, w),
+            "raw sync gRPC stub, 1 shard": lambda: stub.Bag(req, timeout=10),
+            "gRPC health check of that shard (floor)": lambda: health.Check(health_req, timeout=10),
+            "Ray actor .bag (baseline)": lambda: ray.get(actor.bag.remote(ids_np, w_np)),
+            "Ray actor no-op (ray.get of ping)": lambda: ray.get(actor.ping.remote()),
+        }
+        t = latencies(fns, repeat=args.calls, warmup=20, max_seconds=args.max_seconds)
+        channel.close()
+        ray.kill(actor)
+        for name in ("bench-lat-1", "bench-lat-2"):
+            client.drop_table(name)
+    base = t["Ray actor .bag (baseline)"]
+    ours = t["memserver client, 1 shard"]
+    ours2 = t["memserver client, 2 shards (cols)"]
+    targets = [
+        target("small_call_latency", "p50 memserver (1 shard) / Ray actor call", ours["p50_ms"] / base["p50_ms"], TARGET,
+               higher_is_better=False),
+        target("small_call_latency", "p50 memserver (2 shards) / Ray actor call", ours2["p50_ms"] / base["p50_ms"], TARGET,
+               higher_is_better=False),
+    ]
+    out = {"benchmark": "small_call_latency", "config": vars(args), "machine": machine(), "match": bool(match),
+           "shard_tables": [meta1.to_dict()["shards"], meta2.to_dict()["shards"]], "results": t, "targets": targets}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return out
+    tbl = Table(title=f"one bag of {args.knn} slots, d={args.dim} ({args.rows:,} rows): latency over {ours['n']} calls each, "
+                      f"round robin")
+    for col in ("path", "p50 ms", "p99 ms", "mean ms", "min ms", "p50 / Ray actor"):
+        tbl.add_column(col, justify="right")
+    for name, r in t.items():
+        tbl.add_row(name, f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}", f"{r['mean_ms']:.3f}", f"{r['min_ms']:.3f}",
+                    f"{r['p50_ms'] / base['p50_ms']:.2f}")
+    Console(width=160).print(tbl)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""memtrain step time: remote memory against local memory, side by side in one run.
+
+What a user of memserver pays per training step for keeping the memory values outside the
+trainer. Same config as memtrain's defaults (4 layers, d=128, n_keys 128, 4 heads, knn 32,
+batch 32 x 128 tokens, memory beside the FFN of block 2). Runs: no memory (reference), local
+memory (the same `ValueTable` in this process), remote memory (2 shards, cols), remote with
+`--staleness 1` (the shards apply the update after answering) and remote with
+`--micro-batches 2` (one chunk's call overlaps the next chunk's addressing).
+
+The runs are advanced in blocks of --block steps, round robin, so background load on the
+shared machine falls on all of them alike; the first block's first --warmup steps and the first
+step of every later block (which follows another run's steps) are not counted. No evaluation
+runs (the generators are closed before their last step). step_ms is memtrain's own timer
+(forward + backward + optimizer step).
+
+    python -m benchmarks.train_step [--blocks 4 --block 11 --warmup 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.common import local_cluster, machine, target
+
+#: Target: remote step time at most this multiple of local.
+TARGET = 1.3
+
+RUNS: dict[str, list[str]] = {
+    "none": ["--memory", "none"],
+    "local": ["--memory", "local"],
+    "remote": ["--memory", "remote"],
+    "remote staleness 1": ["--memory", "remote", "--staleness", "1"],
+    "remote micro-batches 2": ["--memory", "remote", "--micro-batches", "2"],
+}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=4, help="rounds of the round robin")
+    p.add_argument("--block", type=int, default=11, help="consecutive steps of one run per round")
+    p.add_argument("--warmup", type=int, default=3, help="uncounted steps at the start of each run")
+    p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of: " + ", ".join(RUNS))
+    p.add_argument("--max-seconds", type=float, default=600.0, help="stop starting new blocks after this")
+    p.add_argument("--quick", action="store_true", help="2 blocks of 6 steps, 2 warm-up")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.blocks, args.block, args.warmup = min(args.blocks, 2), min(args.block, 6), min(args.warmup, 2)
+        args.max_seconds = min(args.max_seconds, 150.0)
+    import time
+
+    from client import MemoryClient
+    from trainer.train import build_parser, train
+
+    names = [r.strip() for r in args.runs.split(",") if r.strip()]
+    total = args.blocks * args.block
+    step_ms: dict[str, list[float]] = {n: [] for n in names}
+    commands: dict[str, str] = {}
+    t_end = time.perf_counter() + args.max_seconds
+    with local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=120) as client:
+        gens = {}
+        for i, n in enumerate(names):
+            # --steps beyond what we run: memtrain evaluates at its last step, which we never reach
+            run_argv = [*RUNS[n], "--steps", str(total + 1000), "--eval-every", "1000000", "--log-every", "1",
+                        "--table", f"bench-train-{i}"]
+            commands[n] = "memtrain " + " ".join(run_argv[:-2])
+            gens[n] = train(build_parser().parse_args(run_argv), client=client)
+        try:
+            for b in range(args.blocks):
+                if b and time.perf_counter() > t_end:
+                    break
+                for n in names:
+                    for s in range(args.block):
+                        rec = next(gens[n])
+                        if (b == 0 and s < args.warmup) or (b > 0 and s == 0):
+                            continue
+                        step_ms[n].append(rec["step_ms"])
+        finally:
+            for gen in gens.values():
+                gen.close()  # runs memtrain's cleanup
+    res = {n: {"p50_ms": statistics.median(v), "mean_ms": statistics.fmean(v), "min_ms": min(v), "n": len(v),
+               "command": commands[n]} for n, v in step_ms.items()}
+    ms = {n: r["p50_ms"] for n, r in res.items()}
+    ratios: dict[str, float] = {}
+    if "local" in ms:
+        for n in names:
+            if n.startswith("remote"):
+                ratios[f"{n} / local"] = ms[n] / ms["local"]
+    if "none" in ms:
+        for n in names:
+            if n != "none":
+                ratios[f"{n} / none"] = ms[n] / ms["none"]
+    targets = [target("train_step", f"{n} / local (ms/step)", ms[n] / ms["local"], TARGET, higher_is_better=False)
+               for n in names if n.startswith("remote") and "local" in ms]
+    out = {"benchmark": "train_step", "config": vars(args), "machine": machine(), "results": res, "ratios": ratios,
+           "targets": targets}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return out
+    tbl = Table(title=f"memtrain step (defaults: 4 layers, d=128, PKM 128^2 x 128, 4 heads x knn 32, batch 32x128); "
+                      f"{args.blocks} blocks of {args.block} steps round robin")
+    for col in ("run", "steps counted", "p50 ms/step", "mean ms/step", "x local", "x none"):
+        tbl.add_column(col, justify="right")
+    for n, r in res.items():
+        tbl.add_row(n, str(r["n"]), f"{r['p50_ms']:.1f}", f"{r['mean_ms']:.1f}",
+                    f"{r['p50_ms'] / ms['local']:.2f}" if "local" in ms else "-",
+                    f"{r['p50_ms'] / ms['none']:.2f}" if "none" in ms else "-")
+    Console(width=160).print(tbl)
+    return out
+
+
+if __name__ == "__main__":
+    main()
