@@ -20,7 +20,7 @@ import torch
 
 from client.errors import InvalidArgumentError, TableNotFoundError, from_rpc_error
 from memserver.cluster import read_endpoint
-from memserver.routing import ShardMeta, TableMeta, route_bags, route_ids, wire_ids
+from memserver.routing import TableMeta, route_bags, route_ids, wire_ids
 from memserver.table import aggregate
 from memserver.v1 import memserver_pb2 as pb
 from memserver.v1 import memserver_pb2_grpc as pb_grpc
@@ -258,7 +258,7 @@ class AsyncMemoryClient:
             uniq, inv = torch.unique(t.reshape(-1), return_inverse=True)
             rows = torch.empty((len(uniq), meta.dim), dtype=torch.float32)
             calls, places = [], []
-            for sh, sel in self._route(meta, uniq):
+            for sh, sel in route_ids(meta, uniq):
                 sub = uniq[sel]
                 for part in _chunks(len(sub), meta.dim * 4 + 8, self.max_request_bytes):
                     req = pb.LookupRequest(table=meta.name, ids=encode(wire_ids(sub[part], meta)), wire_dtype=self.wire_dtype)
@@ -270,8 +270,6 @@ class AsyncMemoryClient:
 
         return _like(await self._with_table(table, run), ids)
 
-    def _route(self, meta: TableMeta, ids: torch.Tensor) -> list[tuple[ShardMeta, torch.Tensor]]:
-        return route_ids(meta, ids)
 
     async def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
         """Weighted bags: out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32.
@@ -286,7 +284,7 @@ class AsyncMemoryClient:
             k = max(1, t_ids.shape[1] if off is None else -(-t_ids.shape[0] // max(1, num_bags)))
             for bags in _chunks(num_bags, max(k * 8, meta.dim * 4), self.max_request_bytes):
                 b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
-                for sh, (s_ids, s_w, s_off) in self._route_bags(meta, b_ids, b_w, b_off):
+                for sh, (s_ids, s_w, s_off) in route_bags(meta, b_ids, b_w, b_off):
                     req = pb.BagRequest(table=meta.name, ids=encode(wire_ids(s_ids, meta)), weights=encode(s_w), wire_dtype=self.wire_dtype)
                     if s_off is not None:
                         req.offsets.CopyFrom(encode(s_off))
@@ -333,7 +331,7 @@ class AsyncMemoryClient:
                 b_g = g[bags]
                 entries = _entry_range(t_ids, off, bags)
                 tag = self._tag()
-                for sh, (s_ids, s_w, s_off), mask in self._route_bags(meta, b_ids, b_w, b_off, with_mask=True):
+                for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
                     g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
                     req = pb.BagBackwardRequest(
                         table=meta.name,
@@ -366,15 +364,6 @@ class AsyncMemoryClient:
         off = None if offsets is None else as_tensor(offsets).cpu()
         return t_ids, w, off, check_bag(t_ids, w, off)
 
-    def _route_bags(
-        self,
-        meta: TableMeta,
-        ids: torch.Tensor,
-        w: torch.Tensor,
-        off: torch.Tensor | None,
-        with_mask: bool = False,
-    ) -> list[Any]:
-        return route_bags(meta, ids, w, off, with_mask)
 
     async def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         """Apply row gradients through the table's optimizer; duplicate ids are summed first.
@@ -411,7 +400,7 @@ class AsyncMemoryClient:
         calls = []
         for part in _chunks(len(ids), meta.dim * 4 + 8, self.max_request_bytes):
             p_ids, p_vals, tag = ids[part], values[part], self._tag()
-            for sh, sel in self._route(meta, p_ids):
+            for sh, sel in route_ids(meta, p_ids):
                 v = p_vals[sel] if meta.by_rows else p_vals[:, sh.col_start : sh.col_end]
                 req = req_cls(table=meta.name, ids=encode(wire_ids(p_ids[sel], meta)), tag=tag)
                 getattr(req, field).CopyFrom(encode(v, self.wire_dtype if method == "PushGradients" else None))
@@ -433,7 +422,7 @@ class AsyncMemoryClient:
                 "last_update": torch.zeros(n, dtype=torch.float64),
                 "value_sq_norm": torch.zeros(n, dtype=torch.float64),
             }
-            routes = self._route(meta, uniq)
+            routes = route_ids(meta, uniq)
             reqs = [self._data(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]))) for sh, sel in routes]
             for i, ((_, sel), resp) in enumerate(zip(routes, await self._gather(reqs))):
                 for key in out:
