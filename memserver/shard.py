@@ -1,6 +1,6 @@
 """A shard: one Ray actor that holds a slice of every table and serves DataPlane over grpc.aio.
 
-Requests are decoded on the actor's event loop (zero-copy views) and computed on one worker
+Requests are decoded on the actor's event loop (views of the payload bytes) and computed on one worker
 thread per shard: table state is only ever touched by that thread, so a retried write's
 exactly-once check and its application are atomic, and the loop keeps receiving while torch
 works (torch releases the GIL).

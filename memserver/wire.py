@@ -1,7 +1,7 @@
 """Tensor encoding and input validation shared by the shards and the client.
 
 Tensors cross the wire as raw little-endian bytes plus dtype and shape (never `repeated float`):
-decoding is a zero-copy view of the message's bytes. Validation lives here once so the client
+decoding is a view of the payload bytes (protobuf hands out one copy; no more are made). Validation lives here once so the client
 can reject bad input *before* fanning a write out to several shards (a write that one shard
 accepts and another rejects would leave the table half-changed), and the shard checks again.
 """
