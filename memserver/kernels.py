@@ -130,3 +130,15 @@ def init_normal(rows, col_start, total_dim, std, key, out):  # pragma: no cover 
             u1 = (np.float64(a >> np.uint64(11)) + 0.5) * inv53
             u2 = np.float64(b >> np.uint64(11)) * inv53
             out[r, j] = np.float32(std * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2))
+
+
+@nb.njit(nogil=True, cache=True)
+def count_reads(ids, weights, hits, weight_mass):  # pragma: no cover - compiled
+    """Slot statistics of one read in a single pass: hits[id] += 1, weight_mass[id] += |w|
+    (weights may be empty for a lookup). Replaces two index_add_ calls and their temporaries."""
+    with_w = weights.shape[0] == ids.shape[0]
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        hits[r] += 1
+        if with_w:
+            weight_mass[r] += abs(weights[i])

@@ -198,17 +198,25 @@ class ValueTable:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state().values())
 
+    def _count_reads(self, ids: torch.Tensor, weights: torch.Tensor | None) -> None:
+        flat = ids.reshape(-1)
+        if self.backend == "numba":
+            w = weights.reshape(-1).float().contiguous().numpy() if weights is not None else _EMPTY1
+            kernels.count_reads(flat.long().contiguous().numpy(), w, self.hits.numpy(), self.weight_mass.numpy())
+            return
+        self.hits.index_add_(0, flat, torch.ones_like(flat))
+        if weights is not None:
+            self.weight_mass.index_add_(0, flat, weights.reshape(-1).abs().double())
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.track_stats:
-            self.hits.index_add_(0, ids, torch.ones_like(ids))
+            self._count_reads(ids, None)
         return self.weight.index_select(0, ids).float()
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         """out[b] = sum_{i in bag b} weights_i * v[ids_i], in float32."""
         if self.track_stats:
-            flat = ids.reshape(-1)
-            self.hits.index_add_(0, flat, torch.ones_like(flat))
-            self.weight_mass.index_add_(0, flat, weights.reshape(-1).abs().double())
+            self._count_reads(ids, weights)
         weights = weights.float()
         if self.dtype == torch.float32:
             return F.embedding_bag(ids, self.weight, offsets, mode="sum", per_sample_weights=weights)

@@ -110,3 +110,12 @@ def test_compiled_init_matches_numpy_reference():
     fast = init_values(rows, 3, 40, 64, 0.7, seed=12).numpy()
     ref = init_values(rows, 3, 40, 64, 0.7, seed=12, _numpy_init=True).numpy()
     np.testing.assert_allclose(fast, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_read_statistics(backend):
+    t = ValueTable(10, 4, OptimizerConfig("sgd", 0.1), backend=backend)
+    t.bag(torch.tensor([[1, 2], [2, 2]]), torch.tensor([[0.5, -1.0], [2.0, 0.25]]))
+    t.lookup(torch.tensor([1, 9]))
+    assert t.hits.tolist() == [0, 2, 3, 0, 0, 0, 0, 0, 0, 1]
+    np.testing.assert_allclose(t.weight_mass.numpy()[[1, 2, 9]], [0.5, 3.25, 0.0])
