@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import json
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -85,6 +85,20 @@ def _floats(x: Any, what: str) -> torch.Tensor:
     return t.detach().cpu()
 
 
+def _encoder(meta: TableMeta) -> Callable[..., pb.Tensor]:
+    """encode() memoised by tensor identity: `cols` shards all get the same ids and weights, which
+    are then converted and copied into bytes once per call, not once per shard."""
+    seen: dict[tuple[int, bool, int | None], tuple[torch.Tensor, pb.Tensor]] = {}
+
+    def enc(t: torch.Tensor, *, ids: bool = False, wire_dtype: int | None = None) -> pb.Tensor:
+        key = (id(t), ids, wire_dtype)
+        if key not in seen:  # the tensor is kept alive with its encoding, so its id stays unique
+            seen[key] = (t, encode(wire_ids(t, meta) if ids else t, wire_dtype))
+        return seen[key][1]
+
+    return enc
+
+
 def _chunks(n: int, bytes_per_item: int, limit: int) -> list[slice]:
     step = max(1, limit // max(1, bytes_per_item))
     return [slice(i, min(n, i + step)) for i in range(0, max(n, 1), step)]
@@ -137,9 +151,6 @@ class AsyncMemoryClient:
             return await getattr(stub, method)(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, f"shard {address}") from None
-
-    async def _gather(self, calls: Sequence[Awaitable[Any]]) -> list[Any]:
-        return list(await asyncio.gather(*calls))
 
     async def table(self, name: str, *, refresh: bool = False) -> TableMeta:
         """The table's metadata and shard map (cached; `refresh` asks the coordinator again)."""
@@ -258,13 +269,17 @@ class AsyncMemoryClient:
             uniq, inv = torch.unique(t.reshape(-1), return_inverse=True)
             rows = torch.empty((len(uniq), meta.dim), dtype=torch.float32)
             calls, places = [], []
+            encoded: dict[int, tuple[torch.Tensor, list[tuple[slice, pb.Tensor]]]] = {}
             for sh, sel in route_ids(meta, uniq):
-                sub = uniq[sel]
-                for part in _chunks(len(sub), meta.dim * 4 + 8, self.max_request_bytes):
-                    req = pb.LookupRequest(table=meta.name, ids=encode(wire_ids(sub[part], meta)), wire_dtype=self.wire_dtype)
+                if id(sel) not in encoded:  # cols: every shard gets the same ids; encode them once
+                    sub = uniq[sel]
+                    parts = _chunks(len(sub), meta.dim * 4 + 8, self.max_request_bytes)
+                    encoded[id(sel)] = (sel, [(p, encode(wire_ids(sub[p], meta))) for p in parts])
+                for part, ids_msg in encoded[id(sel)][1]:
+                    req = pb.LookupRequest(table=meta.name, ids=ids_msg, wire_dtype=self.wire_dtype)
                     calls.append(self._data(sh.address, "Lookup", req))
                     places.append((sh, sel, part))
-            for (sh, sel, part), resp in zip(places, await self._gather(calls)):
+            for (sh, sel, part), resp in zip(places, await asyncio.gather(*calls)):
                 rows[sel[part], sh.col_start : sh.col_end] = decode(resp.rows, "rows").float()
             return rows[inv].view(*t.shape, meta.dim)
 
@@ -284,13 +299,14 @@ class AsyncMemoryClient:
             k = max(1, t_ids.shape[1] if off is None else -(-t_ids.shape[0] // max(1, num_bags)))
             for bags in _chunks(num_bags, max(k * 8, meta.dim * 4), self.max_request_bytes):
                 b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
+                enc = _encoder(meta)
                 for sh, (s_ids, s_w, s_off) in route_bags(meta, b_ids, b_w, b_off):
-                    req = pb.BagRequest(table=meta.name, ids=encode(wire_ids(s_ids, meta)), weights=encode(s_w), wire_dtype=self.wire_dtype)
+                    req = pb.BagRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w), wire_dtype=self.wire_dtype)
                     if s_off is not None:
-                        req.offsets.CopyFrom(encode(s_off))
+                        req.offsets.CopyFrom(enc(s_off))
                     calls.append(self._data(sh.address, "Bag", req))
                     places.append((sh, bags))
-            for (sh, bags), resp in zip(places, await self._gather(calls)):
+            for (sh, bags), resp in zip(places, await asyncio.gather(*calls)):
                 got = decode(resp.out, "out").float()
                 if meta.by_rows:
                     out[bags] += got
@@ -331,22 +347,23 @@ class AsyncMemoryClient:
                 b_g = g[bags]
                 entries = _entry_range(t_ids, off, bags)
                 tag = self._tag()
+                enc = _encoder(meta)
                 for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
                     g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
                     req = pb.BagBackwardRequest(
                         table=meta.name,
-                        ids=encode(wire_ids(s_ids, meta)),
-                        weights=encode(s_w),
+                        ids=enc(s_ids, ids=True),
+                        weights=enc(s_w),
                         grad_out=encode(g_sh, self.wire_dtype),
                         tag=tag,
                         defer_apply=defer_apply,
                         step=step,
                     )
                     if s_off is not None:
-                        req.offsets.CopyFrom(encode(s_off))
+                        req.offsets.CopyFrom(enc(s_off))
                     calls.append(self._data(sh.address, "BagBackward", req))
                     places.append((entries, mask))
-            for (entries, mask), resp in zip(places, await self._gather(calls)):
+            for (entries, mask), resp in zip(places, await asyncio.gather(*calls)):
                 got = decode(resp.grad_weights, "grad_weights").reshape(-1)
                 if mask is None:
                     flat_gw[entries] += got  # COLS: each shard's dot product covers its columns
@@ -405,7 +422,7 @@ class AsyncMemoryClient:
                 req = req_cls(table=meta.name, ids=encode(wire_ids(p_ids[sel], meta)), tag=tag)
                 getattr(req, field).CopyFrom(encode(v, self.wire_dtype if method == "PushGradients" else None))
                 calls.append(self._data(sh.address, method, req))
-        acks = await self._gather(calls)
+        acks = await asyncio.gather(*calls)
         return len(ids) if not acks else int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
 
     async def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
@@ -424,7 +441,7 @@ class AsyncMemoryClient:
             }
             routes = route_ids(meta, uniq)
             reqs = [self._data(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]))) for sh, sel in routes]
-            for i, ((_, sel), resp) in enumerate(zip(routes, await self._gather(reqs))):
+            for i, ((_, sel), resp) in enumerate(zip(routes, await asyncio.gather(*reqs))):
                 for key in out:
                     got = decode(getattr(resp, key), key)
                     if key == "value_sq_norm" and not meta.by_rows:

@@ -119,10 +119,6 @@ def decode(msg: pb.Tensor, what: str) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
-def has_tensor(msg: Any, field: str) -> bool:
-    return msg.HasField(field)
-
-
 # ------------------------------------------------------------------ validation
 
 
