@@ -5,7 +5,8 @@ A memory layer's backward is the expensive call. PyTorch's way to train the same
 (dL/dweights and a sparse [n, d] row gradient), then a sparse optimizer: `optim.SGD`,
 `optim.Adagrad` (element-wise; ours is row-wise, TorchRec style) or `optim.SparseAdam`. Ours:
 `ValueTable.bag_backward` in this process with the numba and the torch backends, and remote
-`client.bag_backward` (2 shards, cols; 1 thread per shard). The headline ratio compares the same
+`client.bag_backward` (2 shards, cols; 1 thread per shard), also on a table with the write-ahead
+log on (each call appended and fsynced before it is acknowledged). The headline ratio compares the same
 work: PyTorch's backward + step against our bag_backward; the forward embedding_bag is timed too,
 so backward/forward is printed (the floor is about 2-3x the forward: the backward reads each
 entry's row, reads grad_out, and reads and writes each touched row and its optimizer state).
@@ -92,13 +93,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{entries:,} entries, p50 ms (x = PyTorch bwd+step / ours; /fwd = vs forward "
                       f"{results[0]['ms']['forward']:.1f} ms)")
     for col in ("optimizer", "forward", "PyTorch fwd", "PyTorch bwd+step", "ours numba", "x", "ours torch", "x",
-                "remote 2 cols", "x", "bwd/fwd numba", "bwd/fwd PyTorch"):
+                "remote 2 cols", "x", "remote + wal", "wal cost", "bwd/fwd numba", "bwd/fwd PyTorch"):
         tbl.add_column(col, justify="right")
     for r in results:
         m = r["ms"]
         tbl.add_row(r["optimizer"], f"{m['forward']:.1f}", f"{m['torch_fwd']:.1f}", f"{m['torch_bwd_step']:.1f}",
                     f"{m['numba']:.1f}", f"{r['speedup_numba']:.2f}", f"{m['torch_backend']:.1f}",
                     f"{r['speedup_torch_backend']:.2f}", f"{m['remote']:.1f}", f"{r['speedup_remote']:.2f}",
+                    f"{m['remote_wal']:.1f}", f"{r['wal_cost']:.2f}x",
                     f"{r['bwd_over_fwd']['numba']:.1f}", f"{r['bwd_over_fwd']['torch_bwd_step']:.1f}")
     Console(width=180).print(tbl)
     return out
@@ -116,10 +118,11 @@ def measure(opt_name: str, args: argparse.Namespace, client: Any, ids: torch.Ten
     local = {b: ValueTable(args.rows, args.dim, OptimizerConfig(opt_name, LR), init_std=0.02, seed=0, backend=b,
                            track_stats=False) for b in ("numba", "torch")}
     name = f"bench-upd-{opt_name}"
-    client.create_table(name, args.rows, args.dim, sharding="cols", num_shards=2, optimizer=opt_name, lr=LR,
-                        init_std=0.02, seed=0)
+    for table, wal in ((name, False), (f"{name}-wal", True)):
+        client.create_table(table, args.rows, args.dim, sharding="cols", num_shards=2, optimizer=opt_name, lr=LR,
+                            init_std=0.02, seed=0, wal=wal)
     times: dict[str, list[float]] = {k: [] for k in ("forward", "torch_fwd", "torch_bwd_step", "numba", "torch_backend",
-                                                     "remote")}
+                                                     "remote", "remote_wal")}
 
     def torch_step() -> None:
         wr = w.clone().requires_grad_()
@@ -138,6 +141,7 @@ def measure(opt_name: str, args: argparse.Namespace, client: Any, ids: torch.Ten
         "numba": lambda: local["numba"].bag_backward(ids, w, None, g),
         "torch_backend": lambda: local["torch"].bag_backward(ids, w, None, g),
         "remote": lambda: client.bag_backward(name, ids, w, g),
+        "remote_wal": lambda: client.bag_backward(f"{name}-wal", ids, w, g),
     }
     torch_step()  # warm-up: compiles numba kernels, allocates optimizer state
     for fn in calls.values():
@@ -154,6 +158,7 @@ def measure(opt_name: str, args: argparse.Namespace, client: Any, ids: torch.Ten
             fn()
             times[k].append((time.perf_counter() - t0) * 1e3)
     client.drop_table(name)
+    client.drop_table(f"{name}-wal")
     st = {k: summarize(v) for k, v in times.items()}
     ms = {k: v["p50_ms"] for k, v in st.items()}
     return {
@@ -161,7 +166,9 @@ def measure(opt_name: str, args: argparse.Namespace, client: Any, ids: torch.Ten
         "speedup_numba": ms["torch_bwd_step"] / ms["numba"],
         "speedup_torch_backend": ms["torch_bwd_step"] / ms["torch_backend"],
         "speedup_remote": ms["torch_bwd_step"] / ms["remote"],
-        "bwd_over_fwd": {k: ms[k] / ms["forward"] for k in ("torch_bwd_step", "numba", "torch_backend", "remote")},
+        "speedup_remote_wal": ms["torch_bwd_step"] / ms["remote_wal"],
+        "wal_cost": ms["remote_wal"] / ms["remote"],
+        "bwd_over_fwd": {k: ms[k] / ms["forward"] for k in ("torch_bwd_step", "numba", "torch_backend", "remote", "remote_wal")},
     }
 
 

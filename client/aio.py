@@ -2,8 +2,10 @@
 
 Per call it validates the input (so a write is rejected whole before any shard sees it),
 routes ids to their shards, sends all shard requests at once, and reassembles the answers in
-the caller's order. Every RPC carries a deadline; idempotent calls and tagged writes are
-retried by gRPC itself on UNAVAILABLE (see SERVICE_CONFIG).
+the caller's order. Every RPC carries a deadline. Reads are idempotent and writes carry a
+(client_id, seq) tag the shards deduplicate, so every data-plane call is safe to retry: gRPC
+retries UNAVAILABLE briefly itself (SERVICE_CONFIG), and the client keeps retrying, re-reading
+the shard map, for up to `retry_seconds` while a shard or the coordinator restarts.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,7 +22,7 @@ from typing import Any
 import grpc
 import torch
 
-from client.errors import InvalidArgumentError, TableNotFoundError, from_rpc_error
+from client.errors import InvalidArgumentError, TableNotFoundError, UnavailableError, from_rpc_error
 from memserver.cluster import read_endpoint
 from memserver.routing import TableMeta, route_bags, route_ids, wire_ids
 from memserver.table import aggregate
@@ -59,6 +63,7 @@ SERVICE_CONFIG = json.dumps(
     }
 )
 CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+log = logging.getLogger(__name__)
 #: Requests and responses are kept below this size; larger batches are split.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
@@ -120,9 +125,13 @@ class AsyncMemoryClient:
         wire_dtype: str = "float32",
         client_id: str | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        retry_seconds: float = 60.0,
     ) -> None:
+        """`retry_seconds`: how long a call keeps retrying while a shard or the coordinator is
+        UNAVAILABLE (restarting) before it raises UnavailableError; 0 = do not retry."""
         self.endpoint = endpoint or read_endpoint()["endpoint"]
         self.timeout = timeout
+        self.retry_seconds = retry_seconds
         self.wire_dtype = dtype_code(wire_dtype)
         self.client_id = client_id or uuid.uuid4().hex
         self.max_request_bytes = max_request_bytes
@@ -145,6 +154,26 @@ class AsyncMemoryClient:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, f"coordinator {self.endpoint}") from None
 
+    async def _read_control(self, method: str, request: Any) -> Any:
+        """A read-only coordinator call, retried while the coordinator restarts."""
+        return await self._retrying(lambda: self._control(method, request))
+
+    async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None) -> Any:
+        """call(), again with backoff while it fails with UNAVAILABLE, for up to retry_seconds."""
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.1
+        while True:
+            try:
+                return await call()
+            except UnavailableError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("%s; retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+                if on_retry is not None:
+                    await on_retry()
+
     async def _data(self, address: str, method: str, request: Any) -> Any:
         stub = pb_grpc.DataPlaneStub(self._channel(address))
         try:
@@ -155,13 +184,17 @@ class AsyncMemoryClient:
     async def table(self, name: str, *, refresh: bool = False) -> TableMeta:
         """The table's metadata and shard map (cached; `refresh` asks the coordinator again)."""
         if refresh or name not in self._tables:
-            self._tables[name] = TableMeta.from_proto(await self._control("GetShardMap", pb.GetShardMapRequest(name=name)))
+            info = await self._read_control("GetShardMap", pb.GetShardMapRequest(name=name))
+            self._tables[name] = TableMeta.from_proto(info)
         return self._tables[name]
 
     async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]]) -> Any:
-        """Run fn(meta); if a shard no longer knows the table (dropped and re-created), refresh once.
+        """Run fn(meta); if a shard no longer knows the table (dropped and re-created), refresh once;
+        while a shard is UNAVAILABLE (restarting, maybe at a new address), retry with a fresh shard
+        map. fn must be safe to run again: writes keep their tags across attempts.
         Input the client itself rejects raises the same InvalidArgumentError a shard would."""
-        try:
+
+        async def attempt() -> Any:
             try:
                 return await fn(await self.table(name))
             except TableNotFoundError:
@@ -169,11 +202,25 @@ class AsyncMemoryClient:
                     raise
                 del self._tables[name]
                 return await fn(await self.table(name))
+
+        async def refresh() -> None:
+            try:  # the coordinator may be restarting too: then keep the map we have
+                self._tables[name] = TableMeta.from_proto(
+                    await self._control("GetShardMap", pb.GetShardMapRequest(name=name)))
+            except UnavailableError:
+                pass
+
+        try:
+            return await self._retrying(attempt, refresh)
         except BadInput as exc:
             raise InvalidArgumentError(f"INVALID_ARGUMENT: {exc}") from None
 
-    def _tag(self) -> pb.WriteTag:
-        return pb.WriteTag(client_id=self.client_id, seq=next(self._seq))
+    def _tag(self, tags: dict[int, pb.WriteTag], part: int) -> pb.WriteTag:
+        """The tag of part `part` of one call: the same on every attempt, so a retried part that a
+        shard already applied is answered from its exactly-once window, not applied twice."""
+        if part not in tags:
+            tags[part] = pb.WriteTag(client_id=self.client_id, seq=next(self._seq))
+        return tags[part]
 
     async def close(self) -> None:
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))
@@ -203,9 +250,13 @@ class AsyncMemoryClient:
         eps: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         sync_workers: int = 0,
+        wal: bool = False,
     ) -> TableMeta:
         """Create a value table. `sharding` is "rows" or "cols" (None: the server's default).
-        `sync_workers` > 0 makes it a sync_updates table for that many data-parallel trainers."""
+        `sync_workers` > 0 makes it a sync_updates table for that many data-parallel trainers.
+        `wal`: log every write before acknowledging it, so a restarted shard loses none (see
+        docs/architecture.md for what it costs); without it a restart returns the table to its
+        latest checkpoint."""
         shard_modes = {None: pb.SHARDING_UNSPECIFIED, "rows": pb.ROWS, "cols": pb.COLS}
         if sharding not in shard_modes:
             raise InvalidArgumentError(f"INVALID_ARGUMENT: sharding: expected 'rows' or 'cols', got {sharding!r}")
@@ -226,6 +277,7 @@ class AsyncMemoryClient:
             num_shards=num_shards,
             sync_updates=sync_workers > 0,
             sync_workers=sync_workers,
+            wal=wal,
         )
         meta = TableMeta.from_proto(await self._control("CreateTable", pb.CreateTableRequest(spec=spec)))
         self._tables[name] = meta
@@ -236,11 +288,11 @@ class AsyncMemoryClient:
         await self._control("DropTable", pb.DropTableRequest(name=name))
 
     async def list_tables(self) -> list[TableMeta]:
-        resp = await self._control("ListTables", pb.ListTablesRequest())
+        resp = await self._read_control("ListTables", pb.ListTablesRequest())
         return [TableMeta.from_proto(t) for t in resp.tables]
 
     async def status(self) -> pb.StatusResponse:
-        return await self._control("Status", pb.StatusRequest())
+        return await self._read_control("Status", pb.StatusRequest())
 
     async def checkpoint(self, dir: str, step: int = 0, tables: list[str] | None = None) -> dict[str, Any]:
         """Make every shard write its slices as of now (call it at a step barrier); returns
@@ -333,6 +385,7 @@ class AsyncMemoryClient:
         `defer_apply`: the shards answer before applying the update (they apply it before serving
         anything else), so the caller overlaps it with its next step; see docs/architecture.md.
         `step`: the trainer's step, which sync_updates tables use to gather all trainers' pushes."""
+        tags: dict[int, pb.WriteTag] = {}
 
         async def run(meta: TableMeta) -> torch.Tensor:
             t_ids, w, off, num_bags = self._bag_args(meta, ids, weights, offsets)
@@ -342,11 +395,11 @@ class AsyncMemoryClient:
             flat_gw = grad_w.view(-1)
             calls, places = [], []
             k = max(1, t_ids.shape[1] if off is None else -(-t_ids.shape[0] // max(1, num_bags)))
-            for bags in _chunks(num_bags, k * 12 + meta.dim * 4, self.max_request_bytes):
+            for part, bags in enumerate(_chunks(num_bags, k * 12 + meta.dim * 4, self.max_request_bytes)):
                 b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
                 b_g = g[bags]
                 entries = _entry_range(t_ids, off, bags)
-                tag = self._tag()
+                tag = self._tag(tags, part)
                 enc = _encoder(meta)
                 for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
                     g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
@@ -393,8 +446,9 @@ class AsyncMemoryClient:
                 raise BadInput(f"ids: must be 1-D, got shape {list(t.shape)}")
             check_rows(g, len(t), meta.dim, "grads")
             uniq, summed = aggregate(t, g)
-            return await self._write(meta, "PushGradients", uniq, summed, "grads")
+            return await self._write(meta, "PushGradients", uniq, summed, "grads", tags)
 
+        tags: dict[int, pb.WriteTag] = {}
         return await self._with_table(table, run)
 
     async def write_rows(self, table: str, ids: Any, rows: Any) -> int:
@@ -408,15 +462,17 @@ class AsyncMemoryClient:
             check_rows(r, len(t), meta.dim, "rows")
             if len(torch.unique(t)) != len(t):
                 raise BadInput("ids: write_rows needs distinct ids (which of two rows would win?)")
-            return await self._write(meta, "WriteRows", t, r, "rows")
+            return await self._write(meta, "WriteRows", t, r, "rows", tags)
 
+        tags: dict[int, pb.WriteTag] = {}
         return await self._with_table(table, run)
 
-    async def _write(self, meta: TableMeta, method: str, ids: torch.Tensor, values: torch.Tensor, field: str) -> int:
+    async def _write(self, meta: TableMeta, method: str, ids: torch.Tensor, values: torch.Tensor, field: str,
+                     tags: dict[int, pb.WriteTag]) -> int:
         req_cls = pb.PushGradientsRequest if method == "PushGradients" else pb.WriteRowsRequest
         calls = []
-        for part in _chunks(len(ids), meta.dim * 4 + 8, self.max_request_bytes):
-            p_ids, p_vals, tag = ids[part], values[part], self._tag()
+        for i, part in enumerate(_chunks(len(ids), meta.dim * 4 + 8, self.max_request_bytes)):
+            p_ids, p_vals, tag = ids[part], values[part], self._tag(tags, i)
             for sh, sel in route_ids(meta, p_ids):
                 v = p_vals[sel] if meta.by_rows else p_vals[:, sh.col_start : sh.col_end]
                 req = req_cls(table=meta.name, ids=encode(wire_ids(p_ids[sel], meta)), tag=tag)

@@ -27,7 +27,7 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step-{step:010d}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -44,12 +44,14 @@ def atomic_write(path: Path, write: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor]) -> int:
-    """One table slice: `meta` says where it sits (sharding, index, num_shards, columns)."""
-    atomic_write(path, lambda f: torch.save({"meta": meta, "state": {k: v.cpu() for k, v in state.items()}}, f))
+def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], extra: dict[str, Any] | None = None) -> int:
+    """One table slice: `meta` says where it sits (sharding, index, num_shards, columns); `extra`
+    holds what only the same shard's recovery reads (its exactly-once window, its log position)."""
+    blob = {"meta": meta, "state": {k: v.cpu() for k, v in state.items()}, **(extra or {})}
+    atomic_write(path, lambda f: torch.save(blob, f))
     return path.stat().st_size
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 log = logging.getLogger("memserver")
 
-TABLE_KEYS = {"name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype", "init_std", "seed", "num_shards", "eps"}
-CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "tables"}
+TABLE_KEYS = {"name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype", "init_std", "seed", "num_shards", "eps", "wal"}
+CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "data_dir", "tables"}
 #: memserver.cluster.PLACEMENT_STRATEGIES, repeated here so that `--help` and config checks need no Ray import.
 PLACEMENTS = ("SPREAD", "STRICT_SPREAD", "PACK")
 
@@ -120,14 +120,22 @@ def cmd_up(args: argparse.Namespace) -> int:
         port=args.port,
         placement=args.placement or cfg.get("placement") or "SPREAD",
         placement_timeout=args.placement_timeout,
+        data_dir=args.data_dir or cfg.get("data_dir"),
+        max_restarts=args.max_restarts,
     )
     try:
         tables = cfg.get("tables") or []
         if tables:
+            from client import TableExistsError
+
             with MemoryClient(cluster.endpoint) as client:
                 for t in tables:
                     t = dict(t)
-                    meta = client.create_table(t.pop("name"), t.pop("num_rows"), t.pop("dim"), **t)
+                    try:
+                        meta = client.create_table(t.pop("name"), t.pop("num_rows"), t.pop("dim"), **t)
+                    except TableExistsError as exc:  # recovered from --data-dir: keep its contents
+                        log.info("keeping the recovered table (%s)", exc)
+                        continue
                     log.info("table %s: %d x %d (%s)", meta.name, meta.num_rows, meta.dim, meta.sharding)
         record = {
             "endpoint": cluster.endpoint,
@@ -192,6 +200,8 @@ def status_dict(resp: Any) -> dict[str, Any]:
     return {
         "version": resp.version,
         "epoch": resp.epoch,
+        "coordinator_pid": resp.coordinator_pid,
+        "coordinator_restarted": resp.coordinator_restarted,
         "tables": [TableMeta.from_proto(t).to_dict() for t in resp.tables],
         "shards": [
             {
@@ -199,9 +209,12 @@ def status_dict(resp: Any) -> dict[str, Any]:
                 "address": s.address,
                 "node_id": s.node_id,
                 "pid": s.pid,
+                "state": s.state,
+                "restarted": s.restarted,
                 "device": s.device,
                 "requests": s.requests,
-                "tables": [{"table": t.table, "rows": t.rows, "bytes": t.bytes, "requests": t.requests} for t in s.tables],
+                "tables": [{"table": t.table, "rows": t.rows, "bytes": t.bytes, "requests": t.requests,
+                            "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from} for t in s.tables],
             }
             for s in resp.shards
         ],
@@ -229,21 +242,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    console.print(f"memserver {st['version']} at [bold]{endpoint}[/], catalog epoch {st['epoch']}")
+    restarted = " (restarted: catalog rebuilt from the shards)" if st["coordinator_restarted"] else ""
+    console.print(f"memserver {st['version']} at [bold]{endpoint}[/], coordinator pid {st['coordinator_pid']}{restarted}, "
+                  f"catalog epoch {st['epoch']}")
     tables = Table(title="tables")
-    for col in ("name", "rows", "dim", "sharding", "optimizer", "lr", "dtype", "shards"):
+    for col in ("name", "rows", "dim", "sharding", "optimizer", "lr", "dtype", "wal", "shards"):
         tables.add_column(col, justify="right" if col in ("rows", "dim", "lr", "shards") else "left")
     for t in st["tables"]:
-        tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}", t["dtype"], str(len(t["shards"])))
+        tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}", t["dtype"],
+                       "yes" if t["wal"] else "no", str(len(t["shards"])))
     console.print(tables)
     shards = Table(title="shards")
-    for col in ("#", "address", "node", "pid", "device", "tables", "rows", "bytes", "requests"):
+    for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "requests"):
         shards.add_column(col, justify="right" if col in ("#", "pid", "tables", "rows", "bytes", "requests") else "left")
     for s in st["shards"]:
         rows = sum(t["rows"] for t in s["tables"])
         nbytes = sum(t["bytes"] for t in s["tables"])
-        shards.add_row(str(s["index"]), s["address"], s["node_id"][:12], str(s["pid"]), s["device"], str(len(s["tables"])), f"{rows:,}", _fmt_bytes(nbytes), f"{s['requests']:,}")
+        state = s["state"] + (" (restarted)" if s["restarted"] else "")
+        shards.add_row(str(s["index"]), s["address"], s["node_id"][:12], str(s["pid"]), state, s["device"], str(len(s["tables"])),
+                       f"{rows:,}", _fmt_bytes(nbytes), f"{s['requests']:,}")
     console.print(shards)
+    for s in st["shards"]:
+        for t in s["tables"]:
+            if t["recovered_from"]:
+                console.print(f"shard {s['index']}: table {t['table']} recovered from {t['recovered_from']}")
     return 0
 
 
@@ -437,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how shards are laid out over Ray nodes (a placement group, one bundle per shard): SPREAD "
                     "(different nodes where possible), STRICT_SPREAD (one node each, or fail), PACK (fewest nodes); "
                     "default: the config's, else SPREAD")
+    up.add_argument("--data-dir", help="where shards keep their table records and write-ahead logs, so a restarted shard "
+                    "(and a later `up` on the same directory) recovers its tables; every node must be able to write it "
+                    "(default: a scratch directory under $MEMSERVER_HOME/run, removed when the cluster stops)")
+    up.add_argument("--max-restarts", type=int, default=-1,
+                    help="times Ray restarts a dead shard or coordinator (-1: always, 0: never)")
     up.add_argument("--placement-timeout", type=float, default=120.0,
                     help="seconds to wait for Ray to place the shards (raise it when an autoscaler must add nodes first)")
     up.add_argument("--timeout", type=float, default=180.0, help="with --detach: seconds to wait for readiness (at least --placement-timeout + 60)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,18 +74,6 @@ def bind_host() -> str:
     return LOCALHOST if len(alive) <= 1 else ray.util.get_node_ip_address()
 
 
-def _own_bind_host(_actor: Any) -> str:
-    """Run inside an actor (via __ray_call__): the address that actor's node should bind."""
-    return bind_host()
-
-
-def _resolve_hosts(actors: list[Any], host: str | None) -> list[str]:
-    """One bind address per actor: `host` for all of them, else each actor's own node address."""
-    if host:
-        return [host] * len(actors)
-    return ray.get([a.__ray_call__.remote(_own_bind_host) for a in actors])
-
-
 def shard_bundle(shard_cpus: float, shard_gpus: float) -> dict[str, float]:
     """The resources one shard reserves in the placement group (Ray rejects empty bundles)."""
     bundle = {"CPU": float(shard_cpus)} if shard_cpus > 0 else {}
@@ -124,6 +113,8 @@ class MemoryCluster:
     shards: list[Any]
     shard_infos: list[dict[str, Any]] = field(default_factory=list)
     placement_group: Any = None
+    data_dir: str = ""
+    owns_data_dir: bool = False  # a scratch directory start_cluster made (removed at shutdown)
 
     def shutdown(self) -> None:
         for actor in [self.coordinator, *self.shards]:
@@ -140,6 +131,10 @@ class MemoryCluster:
             except Exception:  # already removed
                 pass
             self.placement_group = None
+        if self.owns_data_dir and self.data_dir:
+            import shutil
+
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
 def start_cluster(
@@ -153,6 +148,8 @@ def start_cluster(
     port: int = 0,
     placement: str = "SPREAD",
     placement_timeout: float = 120.0,
+    data_dir: str | os.PathLike[str] | None = None,
+    max_restarts: int = -1,
 ) -> MemoryCluster:
     """Start `num_shards` shard actors and a named coordinator on the connected Ray cluster.
 
@@ -161,6 +158,12 @@ def start_cluster(
     Ray reserves their resources up front. The coordinator runs on the caller's node, so its
     address is the machine `memserver up` ran on. `host` None: 127.0.0.1 on one node, each
     server's own node address on several ($MEMSERVER_BIND_HOST overrides both).
+
+    `data_dir` holds what a restarted shard needs (its tables' records and write-ahead logs) and
+    the coordinator's port; every node must be able to write it. None: a scratch directory under
+    $MEMSERVER_HOME/run, removed at shutdown. Starting on a directory of an earlier cluster
+    brings its tables back. Ray restarts a dead shard or coordinator up to `max_restarts` times
+    (-1: always).
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -175,6 +178,10 @@ def start_cluster(
     if not host:
         alive = [n for n in ray.nodes() if n.get("Alive")]
         host = os.environ.get(BIND_HOST_ENV) or (LOCALHOST if len(alive) <= 1 else None)
+    owns_dir = data_dir is None
+    if data_dir is None:
+        data_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(memserver_home() / "run"))
+    data_dir = str(Path(data_dir).absolute())
     pg = _place_shards(num_shards, shard_bundle(shard_cpus, shard_gpus), strategy, placement_timeout)
     coord = None
     try:
@@ -184,27 +191,39 @@ def start_cluster(
                 name=f"{name}-shard-{i}",
                 num_cpus=shard_cpus,
                 num_gpus=shard_gpus,
-                max_concurrency=1000,
+                max_concurrency=16,  # threads for Ray calls; data-plane traffic is gRPC
+                max_restarts=max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(i, threads_per_shard)
+            ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator")
             for i in range(num_shards)
         ]
-        infos = ray.get([s.start.remote(h) for s, h in zip(shards, _resolve_hosts(shards, host))])
+        infos = ray.get([s.info.remote() for s in shards])
         # Pinned to this node (0 CPUs, so even a head started with --num-cpus=0 takes it): the
         # endpoint is this machine's, and --port means a port here.
         coord = ray.remote(CoordinatorActor).options(
             name=f"{name}-coordinator",
             num_cpus=0,
+            max_concurrency=16,
+            max_restarts=max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(shards, infos)
-        endpoint = ray.get(coord.start.remote(_resolve_hosts([coord], host)[0], port))
+        ).remote(shards, host or bind_host(), port, data_dir)
+        endpoint = ray.get(coord.endpoint.remote())
     except BaseException:
         from ray.util.placement_group import remove_placement_group
 
         if coord is not None:
             ray.kill(coord)
         remove_placement_group(pg)  # the shard actors die with it
+        if owns_dir:
+            import shutil
+
+            shutil.rmtree(data_dir, ignore_errors=True)
         raise
     log.info("memory cluster %s up in %.1fs: coordinator %s, %d shards (%s)", name, time.perf_counter() - t0, endpoint,
              num_shards, strategy)
-    return MemoryCluster(endpoint, coord, shards, infos, placement_group=pg)
+    return MemoryCluster(endpoint, coord, shards, infos, placement_group=pg, data_dir=data_dir, owns_data_dir=owns_dir)
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p

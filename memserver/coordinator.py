@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ import grpc
 
 from memserver import __version__
 from memserver.checkpoint import find_checkpoint, step_dir, write_manifest
-from memserver.grpc_util import AlreadyExists, NotFound, rpc, start_server
+from memserver.grpc_util import AlreadyExists, LoopThread, NotFound, rpc, start_server
 from memserver.shard import optimizer_config
 from memserver.v1 import memserver_pb2 as pb
 from memserver.v1 import memserver_pb2_grpc as pb_grpc
@@ -98,13 +100,71 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
 
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
-    def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]]) -> None:
+    def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]], restarted: bool = False) -> None:
         self.handles, self.infos = shard_handles, shard_infos
         self.tables: dict[str, pb.TableInfo] = {}
         self.pending: set[str] = set()
         self.placement: dict[str, list[int]] = {}  # table -> pool index of each of its shards
         self.epoch = 0
+        self.restarted = restarted
         self.lock = asyncio.Lock()
+
+    def recover_catalog(self, described: list[list[tuple[bytes, bytes, int]]]) -> None:
+        """Rebuild the catalog from what each shard holds (`describe_tables` of every shard, in
+        pool order): the shards are the truth, so a restarted coordinator loses nothing."""
+        slices: dict[str, dict[int, tuple[int, pb.TableSpec, pb.ShardInfo, int]]] = {}
+        for j, held in enumerate(described):
+            for spec_b, info_b, n in held:
+                spec, info = pb.TableSpec.FromString(spec_b), pb.ShardInfo.FromString(info_b)
+                slices.setdefault(spec.name, {})[info.index] = (j, spec, info, n)
+        for name, parts in sorted(slices.items()):
+            n = next(iter(parts.values()))[3]
+            if sorted(parts) != list(range(n)):
+                log.error("table %s: shards hold slices %s of %d; leaving it out of the catalog", name, sorted(parts), n)
+                continue
+            order = [parts[i][0] for i in range(n)]
+            info = pb.TableInfo(spec=parts[0][1], epoch=self.epoch + 1)
+            for i in range(n):
+                sh = info.shards.add()
+                sh.CopyFrom(parts[i][2])
+                self._refresh(sh, order[i])
+            self.tables[name], self.placement[name] = info, order
+        self.epoch += 1
+        if self.tables:
+            log.info("catalog rebuilt from the shards: %d table(s): %s", len(self.tables), ", ".join(self.tables))
+
+    def _refresh(self, sh: pb.ShardInfo, j: int) -> None:
+        """Copy pool shard j's current address into a table's shard entry."""
+        sh.address, sh.node_id, sh.pid = self.infos[j]["address"], self.infos[j]["node_id"], self.infos[j]["pid"]
+
+    async def shard_restarted(self, j: int, info: dict[str, Any], recovered: list[dict[str, Any]]) -> None:
+        """Pool shard j came back (maybe at a new address): update the shard maps, and return the
+        siblings of its tables without a log to the checkpoint it recovered, so each such table is
+        one consistent snapshot again."""
+        async with self.lock:
+            self.infos[j] = info
+            self.epoch += 1
+            for name, order in self.placement.items():
+                for i, k in enumerate(order):
+                    if k == j:
+                        self._refresh(self.tables[name].shards[i], j)
+                        self.tables[name].epoch = self.epoch
+        log.warning("shard %d restarted at %s (pid %s); recovered %s", j, info["address"], info["pid"],
+                    ", ".join(f"{r['table']} from {r['from']}" for r in recovered) or "no tables")
+        calls, names = [], []
+        for r in recovered:
+            if r["wal"] or r["table"] not in self.placement:
+                continue
+            step_dir = str(Path(r["checkpoint"]).parent.parent) if r["checkpoint"] else ""
+            for k in self.placement[r["table"]]:
+                if k != j:
+                    calls.append(self.handles[k].rollback_table.remote(r["table"], step_dir))
+                    names.append(r["table"])
+        for name, res in zip(names, await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(res, BaseException):
+                log.error("table %s: rolling back a sibling shard failed: %s", name, res)
+            else:
+                log.warning("table %s (no wal) rolled back to %s: writes acknowledged after it are lost", name, res)
 
     def _get(self, name: str) -> pb.TableInfo:
         if name not in self.tables:
@@ -176,7 +236,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         calls, where = [], []
         for name in names:
             for j, sh in zip(self.placement[name], self.tables[name].shards):
-                calls.append(self.handles[j].checkpoint_table.remote(name, str(directory / name / f"shard-{sh.index:04d}.pt")))
+                path = str(directory / name / f"shard-{sh.index:04d}.pt")
+                calls.append(self.handles[j].checkpoint_table.remote(name, path, request.step))
                 where.append(name)
         results = await asyncio.gather(*calls)
         manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__, "tables": {}}
@@ -223,34 +284,66 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     @rpc
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        blobs = await asyncio.gather(*(h.status.remote() for h in self.handles))
-        resp = pb.StatusResponse(version=__version__, epoch=self.epoch, tables=list(self.tables.values()))
+        blobs = await asyncio.gather(*(asyncio.wait_for(h.status.remote(), 10) for h in self.handles),
+                                     return_exceptions=True)
+        resp = pb.StatusResponse(version=__version__, epoch=self.epoch, tables=list(self.tables.values()),
+                                 coordinator_pid=os.getpid(), coordinator_restarted=self.restarted)
         for i, blob in enumerate(blobs):
-            st = pb.ShardStatus.FromString(blob)
+            if isinstance(blob, BaseException):  # dead or restarting: say what we last knew
+                why = str(blob).splitlines()[0] if str(blob) else type(blob).__name__
+                st = pb.ShardStatus(address=self.infos[i]["address"], node_id=self.infos[i]["node_id"],
+                                    pid=self.infos[i]["pid"], state=f"unavailable: {why}")
+            else:
+                st = pb.ShardStatus.FromString(blob)
+                st.state = "serving"
             st.index = i
             resp.shards.append(st)
         return resp
 
 
 class CoordinatorActor:
-    """Ray actor body (wrapped with ray.remote by memserver.cluster)."""
+    """Ray actor body (wrapped with ray.remote by memserver.cluster): a threaded actor whose gRPC
+    server runs on its own loop (see memserver.grpc_util.LoopThread).
 
-    def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]]) -> None:
+    `__init__` asks every shard where it is and what it holds, so a coordinator Ray restarts after
+    its process died rebuilds the catalog and serves again on the port it had (kept in
+    `data_dir`), while the shards go on serving clients that already hold their shard maps.
+    """
+
+    def __init__(self, shard_handles: list[Any], host: str, port: int = 0, data_dir: str | None = None) -> None:
+        import ray
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
-        self.servicer = ControlPlaneServicer(shard_handles, shard_infos)
-        self.server: grpc.aio.Server | None = None
+        from memserver.shard import in_actor
 
-    async def start(self, host: str, port: int = 0) -> str:
-        self.server, bound = await start_server(
+        restarted = in_actor() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        state = Path(data_dir) / "coordinator.json" if data_dir else None
+        if state is not None and state.exists():
+            port = int(json.loads(state.read_text()).get("port", port))
+        infos = ray.get([h.info.remote() for h in shard_handles])
+        described = ray.get([h.describe_tables.remote() for h in shard_handles])
+        self.servicer = ControlPlaneServicer(shard_handles, infos, restarted)
+        self.servicer.recover_catalog(described)
+        self.loop = LoopThread("coordinator-grpc")
+        self.server, bound = self.loop.call(start_server(
             lambda s: pb_grpc.add_ControlPlaneServicer_to_server(self.servicer, s),
             [pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name],
             host,
             port,
-        )
-        address = f"{host}:{bound}"
-        log.info("coordinator serving ControlPlane at %s (%d shards)", address, len(self.servicer.handles))
-        return address
+        ))
+        self.address = f"{host}:{bound}"
+        if state is not None:
+            from memserver.checkpoint import atomic_write
 
-    async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(grace=1.0)
+            atomic_write(state, lambda f: f.write(json.dumps({"port": bound}).encode()))
+        log.info("coordinator %sserving ControlPlane at %s (%d shards, %d tables)", "restarted, " if restarted else "",
+                 self.address, len(shard_handles), len(self.servicer.tables))
+
+    def endpoint(self) -> str:
+        return self.address
+
+    def shard_restarted(self, index: int, info: dict[str, Any], recovered: list[dict[str, Any]]) -> None:
+        self.loop.call(self.servicer.shard_restarted(index, info, recovered))
+
+    def stop(self) -> None:
+        self.loop.call(self.server.stop(grace=1.0))

@@ -54,12 +54,23 @@ def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             await context.abort(code, str(exc))
         except grpc.aio.AbortError:
             raise
-        except Exception as exc:  # a bug: say so, with the traceback in the server log
+        except Exception as exc:
+            if _is_actor_error(exc):  # a shard is restarting: the caller retries
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}")
+            # a bug: say so, with the traceback in the server log
             log.exception("%s failed", method.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         raise AssertionError("unreachable")
 
     return wrapper
+
+
+def _is_actor_error(exc: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:
+        return False
+    return isinstance(exc, RayActorError)
 
 
 async def start_server(
@@ -81,3 +92,26 @@ async def start_server(
     for name in ["", *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
+
+
+class LoopThread:
+    """An asyncio event loop on a daemon thread that owns a process's grpc.aio server.
+
+    Shard and coordinator actors are threaded Ray actors: their gRPC server lives on this loop,
+    not on Ray's, so `__init__` can start it (and a restarted actor serves again without anyone
+    calling it), and Ray methods reach the server's state through `call`.
+    """
+
+    def __init__(self, name: str) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and wait for its result (from any other thread)."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]

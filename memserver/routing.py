@@ -41,6 +41,7 @@ class TableMeta:
     seed: int
     shards: tuple[ShardMeta, ...]
     epoch: int
+    wal: bool = False
 
     @classmethod
     def from_proto(cls, info: pb.TableInfo) -> TableMeta:
@@ -59,6 +60,7 @@ class TableMeta:
                 ShardMeta(sh.index, sh.address, sh.col_start, sh.col_end, sh.num_rows, sh.node_id, sh.pid)
                 for sh in info.shards
             ),
+            wal=s.wal,
             epoch=info.epoch,
         )
 

@@ -9,8 +9,11 @@ works (torch releases the GIL).
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
 import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +24,19 @@ import grpc
 import torch
 
 from memserver.checkpoint import load_into, save_slice
-from memserver.grpc_util import NotFound, rpc, start_server
+from memserver.durable import (
+    BAG_BACKWARD,
+    KEEP_CHECKPOINTS,
+    PUSH_GRADIENTS,
+    WRITE_ROWS,
+    ShardStore,
+    WriteAheadLog,
+    latest_committed,
+    read_log,
+    repair_log,
+    table_record,
+)
+from memserver.grpc_util import LoopThread, NotFound, rpc, start_server
 from memserver.table import OptimizerConfig, ValueTable, bag_index
 from memserver.v1 import memserver_pb2 as pb
 from memserver.v1 import memserver_pb2_grpc as pb_grpc
@@ -79,6 +94,9 @@ class TableSlice:
         )
         self.applied: OrderedDict[tuple[str, int], Any] = OrderedDict()
         self.requests = 0
+        self.wal: WriteAheadLog | None = None  # set once the slice is live (not while replaying)
+        self.last_lsn = -1  # the newest log record this slice appended
+        self.recovered_from = ""
         # sync_updates: step -> {client_id: (ids, src_index, scale, src)} until all workers sent
         self.sync_steps: OrderedDict[int, dict[str, tuple[torch.Tensor, ...]]] = OrderedDict()
 
@@ -108,6 +126,20 @@ class TableSlice:
             rows += c_src.shape[0]
         self.table.apply_entries(torch.cat(ids), torch.cat(src_index), torch.cat(scale), torch.cat(src))
         return True
+
+    def log(self, kind: int, request: Any) -> None:
+        """Append an applied write to the log (a no-op without one, and while replaying)."""
+        if self.wal is not None:
+            self.last_lsn = self.wal.append(kind, request.SerializeToString())
+
+    def dedup_state(self) -> list[tuple[str, int, bytes | int]]:
+        """The exactly-once window, for a checkpoint (answers as bytes or ints)."""
+        return [(c, q, r.SerializeToString() if isinstance(r, pb.Tensor) else int(r)) for (c, q), r in self.applied.items()]
+
+    def load_dedup(self, entries: list[tuple[str, int, bytes | int]]) -> None:
+        self.applied = OrderedDict(
+            ((c, q), pb.Tensor.FromString(r) if isinstance(r, bytes) else r) for c, q, r in entries
+        )
 
     def slice_meta(self) -> dict[str, Any]:
         """Where this slice sits in its table (recorded in checkpoint files)."""
@@ -212,11 +244,11 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
         return await self.run(work, ids.numel())
 
-    @rpc
-    async def BagBackward(
-        self, request: pb.BagBackwardRequest, context: grpc.aio.ServicerContext
-    ) -> pb.BagBackwardResponse:
-        sl = self.slice(request.table)
+    # Each write is built in two halves: validation (on the event loop, before anything changes)
+    # and a work() that applies it on the compute thread. Replaying the write-ahead log after a
+    # restart runs the same work() on the logged request.
+
+    def _bag_backward(self, sl: TableSlice, request: pb.BagBackwardRequest) -> tuple[Callable[[], pb.BagBackwardResponse], int]:
         ids, weights, offsets, num_bags = self._bag_inputs(request)
         grad_out = decode(request.grad_out, "grad_out")
         check_rows(grad_out, num_bags, sl.table.dim, "grad_out")
@@ -233,21 +265,15 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                     self.pending.append(update)
                 else:
                     update()
+                sl.log(BAG_BACKWARD, request)
                 return encode(grad_w)
 
             grad_w, dup = sl.once(request.tag, apply)
             return pb.BagBackwardResponse(grad_weights=grad_w, duplicate=dup)
 
-        response = await self.run(work, ids.numel())
-        if self.pending:  # apply promptly even if no request follows (on the compute thread)
-            task = asyncio.get_running_loop().create_task(self.run(lambda: None))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-        return response
+        return work, ids.numel()
 
-    @rpc
-    async def PushGradients(self, request: pb.PushGradientsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        sl = self.slice(request.table)
+    def _push_gradients(self, sl: TableSlice, request: pb.PushGradientsRequest) -> tuple[Callable[[], pb.WriteAck], int]:
         ids, grads = decode(request.ids, "ids"), decode(request.grads, "grads")
         if ids.dim() != 1:
             raise BadInput(f"ids: must be 1-D, got shape {list(ids.shape)}")
@@ -255,14 +281,18 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
         def work() -> pb.WriteAck:
             local = sl.local(ids)
-            rows, dup = sl.once(request.tag, lambda: sl.table.push_gradients(local, grads))
+
+            def apply() -> int:
+                rows = sl.table.push_gradients(local, grads)
+                sl.log(PUSH_GRADIENTS, request)
+                return rows
+
+            rows, dup = sl.once(request.tag, apply)
             return pb.WriteAck(rows=rows, duplicate=dup)
 
-        return await self.run(work, ids.numel())
+        return work, ids.numel()
 
-    @rpc
-    async def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        sl = self.slice(request.table)
+    def _write_rows(self, sl: TableSlice, request: pb.WriteRowsRequest) -> tuple[Callable[[], pb.WriteAck], int]:
         ids, rows = decode(request.ids, "ids"), decode(request.rows, "rows")
         if ids.dim() != 1:
             raise BadInput(f"ids: must be 1-D, got shape {list(ids.shape)}")
@@ -272,10 +302,65 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             local = sl.local(ids)
             if len(torch.unique(local)) != len(local):
                 raise BadInput("ids: write_rows needs distinct ids (which of two rows would win?)")
-            n, dup = sl.once(request.tag, lambda: sl.table.write_rows(local, rows))
+
+            def apply() -> int:
+                n = sl.table.write_rows(local, rows)
+                sl.log(WRITE_ROWS, request)
+                return n
+
+            n, dup = sl.once(request.tag, apply)
             return pb.WriteAck(rows=n, duplicate=dup)
 
-        return await self.run(work, ids.numel())
+        return work, ids.numel()
+
+    _WRITES: dict[int, tuple[type, str]] = {
+        BAG_BACKWARD: (pb.BagBackwardRequest, "_bag_backward"),
+        PUSH_GRADIENTS: (pb.PushGradientsRequest, "_push_gradients"),
+        WRITE_ROWS: (pb.WriteRowsRequest, "_write_rows"),
+    }
+
+    def replay(self, sl: TableSlice, kind: int, payload: bytes) -> None:
+        """Re-apply one logged write (recovery; the slice has no log attached yet)."""
+        cls, builder = self._WRITES[kind]
+        work, _ = getattr(self, builder)(sl, cls.FromString(payload))
+        work()
+        self._drain()
+
+    async def _acknowledge(self, sl: TableSlice) -> None:
+        """Wait until every write this slice logged so far is on disk (group commit): a write is
+        acknowledged only once it would survive a crash. A replayed duplicate waits too."""
+        if sl.wal is not None and sl.last_lsn >= 0:
+            await asyncio.wrap_future(sl.wal.durable(sl.last_lsn))
+
+    @rpc
+    async def BagBackward(
+        self, request: pb.BagBackwardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BagBackwardResponse:
+        sl = self.slice(request.table)
+        work, n = self._bag_backward(sl, request)
+        response = await self.run(work, n)
+        if self.pending:  # apply promptly even if no request follows (on the compute thread)
+            task = asyncio.get_running_loop().create_task(self.run(lambda: None))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        await self._acknowledge(sl)
+        return response
+
+    @rpc
+    async def PushGradients(self, request: pb.PushGradientsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        sl = self.slice(request.table)
+        work, n = self._push_gradients(sl, request)
+        response = await self.run(work, n)
+        await self._acknowledge(sl)
+        return response
+
+    @rpc
+    async def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        sl = self.slice(request.table)
+        work, n = self._write_rows(sl, request)
+        response = await self.run(work, n)
+        await self._acknowledge(sl)
+        return response
 
     @rpc
     async def SlotStats(self, request: pb.SlotStatsRequest, context: grpc.aio.ServicerContext) -> pb.SlotStatsResponse:
@@ -292,9 +377,16 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
 
 class ShardActor:
-    """Ray actor body (wrapped with ray.remote by memserver.cluster)."""
+    """Ray actor body (wrapped with ray.remote by memserver.cluster): a threaded actor whose gRPC
+    server runs on its own loop (see LoopThread).
 
-    def __init__(self, index: int, threads: int = 1) -> None:
+    `__init__` recovers every table recorded under `data_dir` and starts serving, on the port it
+    had before when it is a restart. A restarted shard (Ray re-creates it after its process died)
+    then tells the coordinator named `coordinator` where it is now.
+    """
+
+    def __init__(self, index: int, threads: int = 1, host: str | None = None, data_dir: str | None = None,
+                 coordinator: str | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
         torch.set_num_threads(max(1, threads))
         try:
@@ -303,89 +395,242 @@ class ShardActor:
             numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
         except ImportError:  # the torch path needs no numba
             pass
-        self.index = index
-        self.device = torch.device("cpu")
-        if torch.cuda.is_available():
-            import ray
+        import ray
 
-            # Rows live on the GPU only when Ray gave this actor one (never start Ray from here).
-            if not ray.is_initialized() or ray.get_gpu_ids():
-                self.device = torch.device("cuda")
+        self.index = index
+        self.device = shard_device()
+        self.restarted = in_actor() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.servicer = DataPlaneServicer(self.device)
+        self.store = ShardStore(data_dir, index) if data_dir else None
+        self.loop = LoopThread(f"shard{index}-grpc")
         self.server: grpc.aio.Server | None = None
         self.address = ""
+        t0 = time.perf_counter()
+        recovered = self._recover() if self.store else []
+        if recovered:
+            log.info("shard %d: recovered %d table(s) in %.2fs: %s", index, len(recovered), time.perf_counter() - t0,
+                     ", ".join(f"{r['table']} from {r['from']}" for r in recovered))
+        self.loop.call(self._serve(host))
+        if self.restarted and coordinator:
+            import ray
 
-    async def start(self, host: str | None = None) -> dict[str, Any]:
-        """Start the gRPC server on this actor's loop; host None = 127.0.0.1."""
-        host = host or "127.0.0.1"
-        self.server, port = await start_server(
-            lambda s: pb_grpc.add_DataPlaneServicer_to_server(self.servicer, s),
-            [pb.DESCRIPTOR.services_by_name["DataPlane"].full_name],
-            host,
-        )
-        self.address = f"{host}:{port}"
+            log.warning("shard %d restarted (pid %d): serving again at %s, telling the coordinator", index,
+                        os.getpid(), self.address)
+            try:
+                ray.get_actor(coordinator).shard_restarted.remote(index, self.info(), recovered)
+            except ValueError:  # the coordinator is gone too; when it comes back it asks every shard
+                log.warning("shard %d: coordinator %s not found; it will rebuild its catalog from the shards",
+                            index, coordinator)
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def _serve(self, host: str | None) -> None:
+        from memserver.cluster import bind_host
+
+        host = host or bind_host()
+        state = self.store.dir / "shard.json" if self.store else None
+        port = 0
+        if state is not None and state.exists():  # a restart: come back where clients look for us
+            port = int(json.loads(state.read_text()).get("port", 0))
+        register = lambda s: pb_grpc.add_DataPlaneServicer_to_server(self.servicer, s)  # noqa: E731
+        names = [pb.DESCRIPTOR.services_by_name["DataPlane"].full_name]
+        try:
+            self.server, bound = await start_server(register, names, host, port)
+        except RuntimeError:
+            log.warning("shard %d: port %d is taken; serving on a new port (clients re-read the shard map)",
+                        self.index, port)
+            self.server, bound = await start_server(register, names, host, 0)
+        self.address = f"{host}:{bound}"
+        if state is not None:
+            from memserver.checkpoint import atomic_write
+
+            atomic_write(state, lambda f: f.write(f'{{"port": {bound}}}'.encode()))
         log.info("shard %d serving DataPlane at %s on %s", self.index, self.address, self.device)
-        return {"address": self.address, "pid": os.getpid(), "node_id": _node_id(), "device": str(self.device)}
 
-    async def create_table(self, spec: bytes, info: bytes, num_shards: int) -> None:
-        s, i = pb.TableSpec.FromString(spec), pb.ShardInfo.FromString(info)
-        if s.name in self.servicer.tables:
-            raise ValueError(f"table {s.name!r} already exists on shard {self.index}")
-        sl = await self.servicer.run(lambda: TableSlice(s, i, num_shards, self.device))
-        self.servicer.tables[s.name] = sl
-        log.info("shard %d: table %s holds %d rows x %d cols", self.index, s.name, sl.table.num_rows, sl.table.dim)
+    def info(self) -> dict[str, Any]:
+        return {"address": self.address, "pid": os.getpid(), "node_id": _node_id(), "device": str(self.device),
+                "restarted": self.restarted}
 
-    async def checkpoint_table(self, name: str, path: str) -> dict[str, Any]:
-        """Write this shard's slice of `name` on the compute thread, i.e. after every write it
-        has acknowledged (deferred updates included)."""
-        sl = self.servicer.tables.get(name)
-        if sl is None:
-            raise NotFound(f"table {name!r} does not exist on shard {self.index}")
+    # -- recovery --------------------------------------------------------------------------
 
-        def work() -> dict[str, Any]:
-            meta = sl.slice_meta()
-            return {"file": path, "bytes": save_slice(Path(path), meta, sl.table.state()), **meta}
+    def _recover(self) -> list[dict[str, Any]]:
+        assert self.store is not None
+        out = []
+        for record in self.store.records():
+            try:
+                sl, how = self._load_slice(record, latest_committed(record), replay=True)
+            except Exception:
+                log.exception("shard %d: could not recover table %s; it stays unavailable", self.index, record.get("name"))
+                continue
+            self.servicer.tables[sl.spec.name] = sl
+            out.append({"table": sl.spec.name, "from": how, "wal": bool(sl.spec.wal),
+                        "checkpoint": (latest_committed(record) or {}).get("file", "")})
+        return out
 
-        return await self.servicer.run(work)
+    def _load_slice(self, record: dict[str, Any], checkpoint: dict[str, Any] | None,
+                    replay: bool) -> tuple[TableSlice, str]:
+        """Build a slice from its record: the given checkpoint, else its restore files, else the
+        seeded initial values; then (wal tables, `replay`) the log after that point."""
+        spec = pb.TableSpec.FromString(base64.b64decode(record["spec"]))
+        info = pb.ShardInfo.FromString(base64.b64decode(record["info"]))
+        files = [checkpoint] if checkpoint else record.get("base_files") or []
+        sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files)
+        start, how = 0, "initial values"
+        if files:
+            load_into(sl.table, sl.slice_meta(), files)
+            how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
+        if checkpoint:
+            start = int(checkpoint.get("lsn", 0))
+            blob = torch.load(checkpoint["file"], map_location="cpu", weights_only=True)
+            sl.load_dedup(blob.get("dedup", []))
+        if spec.wal and self.store is not None:
+            wal_dir = self.store.table_dir(spec.name)
+            end = repair_log(wal_dir) if replay else start
+            replayed = 0
+            if replay:
+                for _, kind, payload in read_log(wal_dir, start):
+                    self.servicer.replay(sl, kind, payload)
+                    replayed += 1
+                how += f" + {replayed} logged writes"
+            sl.wal = WriteAheadLog(wal_dir, max(start, end))
+        sl.recovered_from = how
+        return sl, how
 
-    async def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]]) -> None:
+    # -- table management (called by the coordinator) ---------------------------------------
+
+    def create_table(self, spec: bytes, info: bytes, num_shards: int) -> None:
+        self._add_table(spec, info, num_shards, None)
+
+    def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]]) -> None:
         """Create this shard's slice of a table from checkpoint files of any earlier sharding."""
-        s, i = pb.TableSpec.FromString(spec), pb.ShardInfo.FromString(info)
+        self._add_table(spec, info, num_shards, files)
+
+    def _add_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]] | None) -> None:
+        s = pb.TableSpec.FromString(spec)
         if s.name in self.servicer.tables:
             raise ValueError(f"table {s.name!r} already exists on shard {self.index}")
 
         def work() -> TableSlice:
-            sl = TableSlice(s, i, num_shards, self.device, initialise=False)
-            load_into(sl.table, sl.slice_meta(), files)
+            record = table_record(spec, info, num_shards, files)
+            if self.store is not None:
+                self.store.drop(s.name)  # a stale log of a dropped namesake
+                self.store.save(record)
+            sl, _ = self._load_slice(record, None, replay=False)
+            sl.recovered_from = ""
             return sl
 
-        self.servicer.tables[s.name] = await self.servicer.run(work)
-        log.info("shard %d: restored table %s from %d checkpoint files", self.index, s.name, len(files))
+        async def add() -> None:
+            self.servicer.tables[s.name] = await self.servicer.run(work)
 
-    async def drop_table(self, name: str) -> bool:
-        return self.servicer.tables.pop(name, None) is not None
+        self.loop.call(add())
+        log.info("shard %d: %s table %s", self.index, "restored" if files else "created", s.name)
 
-    async def status(self) -> bytes:
-        st = pb.ShardStatus(
-            address=self.address,
-            node_id=_node_id(),
-            pid=os.getpid(),
-            device=str(self.device),
-            requests=self.servicer.requests,
-        )
-        for name, sl in self.servicer.tables.items():
-            st.tables.add(table=name, rows=sl.table.num_rows, bytes=sl.table.nbytes(), requests=sl.requests)
-        return st.SerializeToString()
+    def checkpoint_table(self, name: str, path: str, step: int = 0) -> dict[str, Any]:
+        """Write this shard's slice of `name` on the compute thread, i.e. after every write it
+        has acknowledged (deferred updates included), and remember it for recovery."""
 
-    async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(grace=1.0)
+        def work() -> dict[str, Any]:
+            sl = self.servicer.tables.get(name)
+            if sl is None:
+                raise NotFound(f"table {name!r} does not exist on shard {self.index}")
+            meta = sl.slice_meta()
+            lsn = sl.wal.next_lsn if sl.wal is not None else 0
+            state: dict[str, Any] = dict(sl.table.state())
+            nbytes = save_slice(Path(path), meta, state, extra={"dedup": sl.dedup_state(), "lsn": lsn})
+            entry = {"file": path, "bytes": nbytes, **meta, "lsn": lsn, "step": step}
+            if self.store is not None:
+                record = next((r for r in self.store.records() if r["name"] == name), None)
+                if record is not None:
+                    previous = latest_committed(record)
+                    record["checkpoints"] = [*record["checkpoints"], entry][-KEEP_CHECKPOINTS:]
+                    self.store.save(record)
+                    if sl.wal is not None:  # records before the previous complete checkpoint are no longer needed
+                        sl.wal.rotate(previous["lsn"] if previous else None)
+            return entry
+
+        return self.loop.call(self.servicer.run(work))
+
+    def rollback_table(self, name: str, checkpoint_dir: str) -> str:
+        """Return a table without a log to the state a restarted sibling shard recovered: the
+        slice of checkpoint `checkpoint_dir` ("" = its restore files or initial values).
+        Acknowledged writes after that point are lost; that is what a table without `wal` means."""
+
+        def work() -> str:
+            sl = self.servicer.tables.get(name)
+            if sl is None or self.store is None:
+                raise NotFound(f"table {name!r} does not exist on shard {self.index}")
+            record = next(r for r in self.store.records() if r["name"] == name)
+            match = [c for c in record["checkpoints"] if checkpoint_dir and Path(c["file"]).parent.parent == Path(checkpoint_dir)]
+            new, how = self._load_slice(record, match[-1] if match else None, replay=False)
+            new.requests = sl.requests
+            new.recovered_from = f"rollback to {how}"
+            self.servicer.tables[name] = new
+            return how
+
+        how = self.loop.call(self.servicer.run(work))
+        log.warning("shard %d: table %s rolled back to %s with its restarted sibling", self.index, name, how)
+        return how
+
+    def describe_tables(self) -> list[tuple[bytes, bytes, int]]:
+        """(spec, shard info, num_shards) of every slice held: a restarted coordinator's catalog."""
+
+        async def describe() -> list[tuple[bytes, bytes, int]]:
+            return [(sl.spec.SerializeToString(), sl.info.SerializeToString(), sl.num_shards)
+                    for sl in self.servicer.tables.values()]
+
+        return self.loop.call(describe())
+
+    def drop_table(self, name: str) -> bool:
+        async def drop() -> bool:
+            sl = self.servicer.tables.pop(name, None)
+            if sl is not None and sl.wal is not None:
+                sl.wal.close()
+            if self.store is not None:
+                self.store.drop(name)
+            return sl is not None
+
+        return self.loop.call(drop())
+
+    def status(self) -> bytes:
+        async def status() -> bytes:
+            st = pb.ShardStatus(address=self.address, node_id=_node_id(), pid=os.getpid(), device=str(self.device),
+                                requests=self.servicer.requests, restarted=self.restarted)
+            for name, sl in self.servicer.tables.items():
+                st.tables.add(table=name, rows=sl.table.num_rows, bytes=sl.table.nbytes(), requests=sl.requests,
+                              wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from)
+            return st.SerializeToString()
+
+        return self.loop.call(status())
+
+    def stop(self) -> None:
+        async def stop() -> None:
+            if self.server is not None:
+                await self.server.stop(grace=1.0)
+            for sl in self.servicer.tables.values():
+                if sl.wal is not None:
+                    sl.wal.close()
+                    sl.wal = None
+
+        self.loop.call(stop())
+
+
+def shard_device() -> torch.device:
+    """Rows live on the GPU only when Ray gave this actor one (never start Ray from here)."""
+    import ray
+
+    if torch.cuda.is_available() and (not ray.is_initialized() or ray.get_gpu_ids()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def in_actor() -> bool:
+    """Whether this code runs inside a Ray actor (not a driver, not a plain process)."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def _node_id() -> str:
-    try:
-        import ray
+    import ray
 
-        return ray.get_runtime_context().get_node_id() or ""
-    except Exception:
-        return ""
+    return (ray.get_runtime_context().get_node_id() or "") if ray.is_initialized() else ""

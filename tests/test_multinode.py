@@ -127,30 +127,22 @@ def test_bind_host_rules(monkeypatch):
     assert cluster.bind_host() == "10.0.0.7"
     monkeypatch.setenv(cluster.BIND_HOST_ENV, "127.0.0.1")
     assert cluster.bind_host() == "127.0.0.1"
-    assert cluster._resolve_hosts(["a", "b"], "127.0.0.1") == ["127.0.0.1", "127.0.0.1"]
 
 
 def test_shard_rows_live_on_the_gpu_ray_assigned(monkeypatch):
-    """ShardActor puts its tables on cuda exactly when Ray gave the actor a GPU (no GPU here:
+    """A shard puts its tables on cuda exactly when Ray gave the actor a GPU (no GPU here:
     torch.cuda.is_available and ray.get_gpu_ids are stubbed; nothing is allocated)."""
     import ray
     import torch
 
-    from memserver.shard import ShardActor
+    from memserver.shard import shard_device
 
-    threads = torch.get_num_threads()  # ShardActor sets torch's (and numba's) thread count
-    numba = pytest.importorskip("numba")
-    numba_threads = numba.get_num_threads()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    try:
-        monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
-        assert ShardActor(0, threads).device.type == "cuda"
-        monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
-        assert ShardActor(0, threads).device.type == "cpu"
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
-        assert ShardActor(0, threads).device.type == "cpu"
-    finally:
-        torch.set_num_threads(threads)
-        numba.set_num_threads(numba_threads)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
+    assert shard_device().type == "cuda"
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    assert shard_device().type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
+    assert shard_device().type == "cpu"

@@ -67,7 +67,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory", "sync_workers")
+    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory", "sync_workers", "wal")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class TableSpec(_message.Message):
     SYNC_UPDATES_FIELD_NUMBER: _ClassVar[int]
     INDEX_FACTORY_FIELD_NUMBER: _ClassVar[int]
     SYNC_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WAL_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: TableKind
     num_rows: int
@@ -94,7 +95,8 @@ class TableSpec(_message.Message):
     sync_updates: bool
     index_factory: str
     sync_workers: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ...) -> None: ...
+    wal: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ..., wal: _Optional[bool] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows")
@@ -283,19 +285,23 @@ class GetShardMapRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableLoad(_message.Message):
-    __slots__ = ("table", "rows", "bytes", "requests")
+    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAL_LSN_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_FROM_FIELD_NUMBER: _ClassVar[int]
     table: str
     rows: int
     bytes: int
     requests: int
-    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
+    wal_lsn: int
+    recovered_from: str
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables")
+    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +309,8 @@ class ShardStatus(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     node_id: str
@@ -310,23 +318,29 @@ class ShardStatus(_message.Message):
     device: str
     requests: int
     tables: _containers.RepeatedCompositeFieldContainer[TableLoad]
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ...) -> None: ...
+    restarted: bool
+    state: str
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ..., restarted: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "epoch", "tables", "shards")
+    __slots__ = ("version", "epoch", "tables", "shards", "coordinator_pid", "coordinator_restarted")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_PID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_RESTARTED_FIELD_NUMBER: _ClassVar[int]
     version: str
     epoch: int
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
-    def __init__(self, version: _Optional[str] = ..., epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+    coordinator_pid: int
+    coordinator_restarted: bool
+    def __init__(self, version: _Optional[str] = ..., epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., coordinator_pid: _Optional[int] = ..., coordinator_restarted: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("dir", "step", "tables")

@@ -1,0 +1,253 @@
+"""What a shard keeps on disk so a restarted process can serve its tables again.
+
+Per shard, under the cluster's data directory, one folder per table slice holds:
+
+- `table.json`: the slice's spec and place in its table, the files it was restored from (if any)
+  and its latest checkpoints with the write-ahead-log position each one covers;
+- `wal-<lsn>.log` segments (tables created with `wal`): every applied mutation, as the request
+  that caused it, appended and fsynced before the shard acknowledges it.
+
+Recovery loads the newest checkpoint whose manifest exists (else the restore files, else the
+seeded initial values, which are a pure function of the spec) and replays the log after it.
+Replay re-executes the same requests through the same code, so the table, its optimizer state
+and the exactly-once window come back as they were.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import shutil
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from memserver.checkpoint import MANIFEST, atomic_write, fsync_dir
+
+log = logging.getLogger(__name__)
+
+#: Record header: magic, crc32 of (kind + payload), lsn, payload length.
+_HEADER = struct.Struct("<4sIQI")
+_MAGIC = b"MSW1"
+#: Record kinds: the request message each one carries.
+BAG_BACKWARD, PUSH_GRADIENTS, WRITE_ROWS = 1, 2, 3
+#: Checkpoints remembered per slice (recovery falls back to an older one if the newest is incomplete).
+KEEP_CHECKPOINTS = 3
+
+
+class WriteAheadLog:
+    """Append-only log of one table slice with group commit.
+
+    `append` (on the shard's compute thread) writes a record and returns its log sequence number;
+    a flusher thread fsyncs whatever has been written since its last fsync in one go and resolves
+    the futures of every record that fsync covered, so concurrent writers share one disk flush.
+    """
+
+    def __init__(self, directory: Path, next_lsn: int = 0) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.next_lsn = next_lsn  # the lsn the next record gets
+        self.durable_lsn = next_lsn  # every record below this is on disk
+        self.bytes_written = 0
+        self.syncs = 0
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[int, Future[None]]] = []
+        self._closed = False
+        self._fd = self._open_segment(next_lsn)
+        self._thread = threading.Thread(target=self._flush_loop, name=f"wal-{directory.name}", daemon=True)
+        self._thread.start()
+
+    def _open_segment(self, lsn: int) -> int:
+        fd = os.open(self.dir / f"wal-{lsn:016d}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fsync_dir(self.dir)
+        return fd
+
+    def append(self, kind: int, payload: bytes) -> int:
+        """Write one record (not yet durable: see `durable`)."""
+        with self._cond:
+            lsn = self.next_lsn
+            body = bytes([kind]) + payload
+            os.write(self._fd, _HEADER.pack(_MAGIC, zlib.crc32(body), lsn, len(body)) + body)
+            self.next_lsn = lsn + 1
+            self.bytes_written += _HEADER.size + len(body)
+            self._cond.notify()
+            return lsn
+
+    def durable(self, lsn: int) -> Future[None]:
+        """A future that completes once every record up to `lsn` (inclusive) is fsynced."""
+        fut: Future[None] = Future()
+        with self._cond:
+            if lsn < self.durable_lsn:
+                fut.set_result(None)
+            else:
+                self._waiters.append((lsn, fut))
+                self._cond.notify()
+        return fut
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and self.durable_lsn == self.next_lsn:
+                    self._cond.wait()
+                if self._closed and self.durable_lsn == self.next_lsn:
+                    return
+                upto, fd = self.next_lsn, self._fd
+            try:
+                os.fdatasync(fd)
+                error: BaseException | None = None
+            except OSError as exc:  # the disk failed: nothing after this point is acknowledged
+                log.exception("write-ahead log %s: fsync failed", self.dir)
+                error = exc
+            with self._cond:
+                self.syncs += 1
+                if error is None:
+                    self.durable_lsn = max(self.durable_lsn, upto)
+                done = [(n, f) for n, f in self._waiters if n < upto]
+                self._waiters = [(n, f) for n, f in self._waiters if n >= upto]
+            for _, f in done:
+                if error is None:
+                    f.set_result(None)
+                else:
+                    f.set_exception(error)
+            if error is not None:
+                return
+
+    def rotate(self, drop_before: int | None) -> None:
+        """Start a new segment at `next_lsn` (called at a checkpoint) and delete the segments that
+        only hold records below `drop_before` (the newest complete checkpoint's position)."""
+        with self._cond:
+            old = self._fd
+            self._fd = self._open_segment(self.next_lsn)
+        self.durable(self.next_lsn - 1).result()  # everything in the old segment is on disk
+        os.close(old)
+        if drop_before is not None:
+            segments = _segments(self.dir)
+            for (_, path), (next_start, _) in zip(segments, segments[1:]):
+                if next_start <= drop_before:  # every record of this segment is below drop_before
+                    path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+        os.close(self._fd)
+
+
+def _segments(directory: Path) -> list[tuple[int, Path]]:
+    out = []
+    for p in directory.glob("wal-*.log"):
+        try:
+            out.append((int(p.stem.removeprefix("wal-")), p))
+        except ValueError:
+            continue
+    return sorted(out)
+
+
+def _scan(path: Path) -> Iterator[tuple[int, int, int, bytes]]:
+    """(position, lsn, kind, payload) of each intact record of one segment; stops at a torn one."""
+    data = path.read_bytes()
+    pos = 0
+    while pos + _HEADER.size <= len(data):
+        magic, crc, lsn, length = _HEADER.unpack_from(data, pos)
+        body = data[pos + _HEADER.size : pos + _HEADER.size + length]
+        if magic != _MAGIC or len(body) != length or zlib.crc32(body) != crc:
+            return
+        yield pos, lsn, body[0], body[1:]
+        pos += _HEADER.size + length
+
+
+def read_log(directory: Path, start_lsn: int) -> Iterator[tuple[int, int, bytes]]:
+    """Yield (lsn, kind, payload) of every intact record with lsn >= start_lsn, in order.
+
+    Call `repair_log` first: it cuts a torn tail, so every record read here is whole.
+    """
+    expected = None
+    for _, path in _segments(directory):
+        for _, lsn, kind, payload in _scan(path):
+            if expected is not None and lsn != expected:
+                raise RuntimeError(f"write-ahead log {path}: lsn {lsn} follows {expected - 1}; the log is damaged")
+            expected = lsn + 1
+            if lsn >= start_lsn:
+                yield lsn, kind, payload
+
+
+def repair_log(directory: Path) -> int:
+    """Cut a torn record off the end of the log and return the lsn after the last intact record.
+
+    Only the tail can be torn (records are appended and fsynced in order) and a torn record was
+    never acknowledged, so dropping it loses nothing. A damaged record before the last segment's
+    end is real corruption and raises.
+    """
+    end = 0
+    segments = _segments(directory)
+    for i, (start, path) in enumerate(segments):
+        size = path.stat().st_size
+        good = 0
+        for pos, lsn, _, payload in _scan(path):
+            good = pos + _HEADER.size + 1 + len(payload)
+            end = lsn + 1
+        if good != size:
+            if i != len(segments) - 1:
+                raise RuntimeError(f"write-ahead log {path}: damaged record at byte {good} before the last segment")
+            log.warning("write-ahead log %s: cutting %d bytes of a torn record (never acknowledged)", path, size - good)
+            os.truncate(path, good)
+        end = max(end, start)
+    return end
+
+
+class ShardStore:
+    """The on-disk state of one shard: a folder per table slice (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str], index: int) -> None:
+        self.dir = Path(root) / f"shard-{index:04d}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def table_dir(self, name: str) -> Path:
+        return self.dir / name
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for p in sorted(self.dir.glob("*/table.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                log.exception("unreadable table record %s: skipping that table", p)
+        return out
+
+    def save(self, record: dict[str, Any]) -> None:
+        d = self.table_dir(record["name"])
+        atomic_write(d / "table.json", lambda f: f.write(json.dumps(record, indent=1).encode()))
+
+    def drop(self, name: str) -> None:
+        shutil.rmtree(self.table_dir(name), ignore_errors=True)
+
+
+def table_record(spec: bytes, info: bytes, num_shards: int, base_files: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A new slice's record: serialized TableSpec and ShardInfo, and the files it was restored from."""
+    from memserver.v1 import memserver_pb2 as pb
+
+    return {
+        "name": pb.TableSpec.FromString(spec).name,
+        "spec": base64.b64encode(spec).decode(),
+        "info": base64.b64encode(info).decode(),
+        "num_shards": num_shards,
+        "base_files": base_files or [],
+        "checkpoints": [],
+    }
+
+
+def committed(checkpoint: dict[str, Any]) -> bool:
+    """Whether a slice checkpoint belongs to a complete checkpoint (its manifest was written)."""
+    return (Path(checkpoint["file"]).parent.parent / MANIFEST).exists()
+
+
+def latest_committed(record: dict[str, Any]) -> dict[str, Any] | None:
+    done = [c for c in record.get("checkpoints", []) if committed(c) and Path(c["file"]).exists()]
+    return done[-1] if done else None

@@ -1,0 +1,152 @@
+"""Fault tests: SIGKILL a shard or the coordinator of a running cluster and check what comes back.
+
+They run on a second, small memory cluster (its own data directory) inside the session's Ray, so
+killing its processes does not disturb the other tests. The pids come from `status`, as they do
+from `memserver status --json`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+ROWS, DIM = 512, 16
+
+
+@pytest.fixture(scope="module")
+def fault_cluster(memory_cluster, tmp_path_factory):
+    from memserver.cluster import start_cluster
+
+    cluster = start_cluster(2, shard_cpus=0.25, name="faults", data_dir=tmp_path_factory.mktemp("fault-data"))
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fclient(fault_cluster):
+    from client import MemoryClient
+
+    with MemoryClient(fault_cluster.endpoint, timeout=30, retry_seconds=90) as c:
+        yield c
+
+
+def batches(seed: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, ROWS, 64), rng.normal(size=(64, DIM)).astype(np.float32)) for _ in range(n)]
+
+
+def kill_shard(client, index: int) -> int:
+    pid = client.status().shards[index].pid
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_for(predicate, what: str, timeout: float = 90.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if (got := predicate()):
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+@pytest.mark.parametrize("sharding", ["cols", "rows"])
+def test_wal_table_loses_no_acknowledged_push_when_a_shard_is_killed(fclient, client, table_name, sharding):
+    """A stream of pushes with a shard SIGKILLed in the middle: the client retries through the
+    restart, the shard replays its log, and the table equals the same stream on a cluster that
+    never failed, values and optimizer state (the pushes after recovery would diverge otherwise)."""
+    spec = dict(sharding=sharding, optimizer="adam", lr=0.05, seed=5)
+    fclient.create_table(table_name, ROWS, DIM, wal=True, **spec)
+    client.create_table(table_name, ROWS, DIM, **spec)  # the reference: the session cluster, no failure
+    stream = batches(1, 80)
+    acked, errors = [], []
+    halfway = threading.Event()
+
+    def push_all():
+        try:
+            for i, (ids, g) in enumerate(stream):
+                fclient.push_gradients(table_name, ids, g)
+                acked.append(i)
+                if i == 25:
+                    halfway.set()
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+            halfway.set()
+
+    pusher = threading.Thread(target=push_all)
+    pusher.start()
+    assert halfway.wait(60)
+    old_pid = kill_shard(fclient, 0)
+    pusher.join(120)
+    assert not pusher.is_alive() and not errors, errors
+    assert acked == list(range(len(stream)))
+    for ids, g in stream:
+        client.push_gradients(table_name, ids, g)
+    np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), client.lookup(table_name, np.arange(ROWS)))
+
+    st = fclient.status().shards[0]
+    assert st.pid != old_pid and st.restarted
+    load = next(t for t in st.tables if t.table == table_name)
+    assert "logged writes" in load.recovered_from and load.wal_lsn > 0
+    # optimizer state came back too: more pushes keep both tables equal
+    for ids, g in batches(2, 5):
+        fclient.push_gradients(table_name, ids, g)
+        client.push_gradients(table_name, ids, g)
+    np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), client.lookup(table_name, np.arange(ROWS)))
+    fclient.drop_table(table_name)
+    client.drop_table(table_name)
+
+
+def test_table_without_wal_returns_to_its_last_checkpoint(fclient, table_name, tmp_path):
+    """Without a log, a killed shard's table (every shard of it) comes back as the last complete
+    checkpoint, and later writes go on from there."""
+    fclient.create_table(table_name, ROWS, DIM, sharding="rows", optimizer="adagrad", lr=0.1, seed=6)
+    for ids, g in batches(3, 10):
+        fclient.push_gradients(table_name, ids, g)
+    fclient.checkpoint(str(tmp_path), step=10, tables=[table_name])
+    at_checkpoint = fclient.lookup(table_name, np.arange(ROWS))
+    for ids, g in batches(4, 10):  # acknowledged, but after the checkpoint: lost with the shard
+        fclient.push_gradients(table_name, ids, g)
+    assert not np.array_equal(fclient.lookup(table_name, np.arange(ROWS)), at_checkpoint)
+    kill_shard(fclient, 1)
+
+    def recovered():
+        loads = [t for s in fclient.status().shards for t in s.tables if t.table == table_name]
+        return len(loads) == 2 and all(t.recovered_from for t in loads) and loads
+
+    loads = wait_for(recovered, "both shards of the table to recover or roll back")
+    assert sorted(t.recovered_from for t in loads) == ["checkpoint step 10", "rollback to checkpoint step 10"]
+    np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), at_checkpoint)
+    ids, g = batches(5, 1)[0]
+    assert fclient.push_gradients(table_name, ids, g) == len(np.unique(ids))
+    fclient.drop_table(table_name)
+
+
+def test_coordinator_killed_shards_keep_serving_and_catalog_comes_back(fclient, table_name):
+    fclient.create_table(table_name, ROWS, DIM, sharding="cols", optimizer="sgd", lr=0.1, wal=True)
+    ids, g = batches(6, 1)[0]
+    fclient.push_gradients(table_name, ids, g)
+    before = fclient.lookup(table_name, np.arange(ROWS))
+    status = fclient.status()
+    os.kill(status.coordinator_pid, signal.SIGKILL)
+    # the data plane does not go through the coordinator: the shards answer at once
+    t0 = time.monotonic()
+    np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), before)
+    fclient.push_gradients(table_name, ids, g)
+    assert time.monotonic() - t0 < 5
+    # the restarted coordinator rebuilt its catalog from the shards, at the same endpoint
+    names = [t.name for t in fclient.list_tables()]
+    assert table_name in names
+    after = fclient.status()
+    assert after.coordinator_restarted and after.coordinator_pid != status.coordinator_pid
+    meta = fclient.aio._tables.pop(table_name)
+    fresh = fclient.table(table_name)
+    assert [s.address for s in fresh.shards] == [s.address for s in meta.shards]
+    assert fclient.lookup(table_name, np.arange(ROWS)).shape == (ROWS, DIM)
+    fclient.drop_table(table_name)
+    assert table_name not in [t.name for t in fclient.list_tables()]
