@@ -206,7 +206,7 @@ def start_cluster(
             max_concurrency=16,
             max_restarts=max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(shards, host or bind_host(), port, data_dir)
+        ).remote([f"{name}-shard-{i}" for i in range(num_shards)], host or bind_host(), port, data_dir)
         endpoint = ray.get(coord.endpoint.remote())
     except BaseException:
         from ray.util.placement_group import remove_placement_group

@@ -310,9 +310,12 @@ class CoordinatorActor:
     `data_dir`), while the shards go on serving clients that already hold their shard maps.
     """
 
-    def __init__(self, shard_handles: list[Any], host: str, port: int = 0, data_dir: str | None = None) -> None:
+    def __init__(self, shard_names: list[str], host: str, port: int = 0, data_dir: str | None = None) -> None:
+        """`shard_names`: the shards' Ray actor names (looked up here rather than passed as handles,
+        so the constructor's arguments are plain values Ray can always replay on a restart)."""
         import ray
 
+        shard_handles = [ray.get_actor(n) for n in shard_names]
         logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
         from memserver.shard import in_actor
 

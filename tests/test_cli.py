@@ -18,10 +18,17 @@ def run(args, env, timeout=240):
 
 
 def test_up_status_down(tmp_path):
+    """The whole life of a cluster, and a second life: `up` on the same --data-dir brings the
+    tables back with every acknowledged write (a wal table), and keeps the config's table."""
+    import numpy as np
+
+    from client import MemoryClient
+
     env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
     config = tmp_path / "tables.yaml"
-    config.write_text("shards: 2\nshard_cpus: 0.25\ntables:\n  - {name: emb, num_rows: 5000, dim: 32, sharding: rows, optimizer: adam, lr: 0.001}\n")
-    up = run(["up", "--detach", "--config", str(config), "--num-cpus", "2", "--object-store-mb", "96"], env)
+    config.write_text("shards: 2\nshard_cpus: 0.25\ntables:\n  - {name: emb, num_rows: 5000, dim: 32, sharding: rows, optimizer: adam, lr: 0.001, wal: true}\n")
+    up_args = ["up", "--detach", "--config", str(config), "--num-cpus", "2", "--object-store-mb", "96", "--data-dir", str(tmp_path / "data")]
+    up = run(up_args, env)
     assert up.returncode == 0, up.stderr + up.stdout
     assert "memserver ready at 127.0.0.1:" in up.stdout
     try:
@@ -34,8 +41,9 @@ def test_up_status_down(tmp_path):
         assert status["endpoint"] == endpoint
         assert [t["name"] for t in status["tables"]] == ["emb"]
         assert status["tables"][0]["sharding"] == "rows" and status["tables"][0]["optimizer"] == "adam"
-        assert len(status["shards"]) == 2
-        assert all(s["pid"] > 0 and s["address"].startswith("127.0.0.1:") for s in status["shards"])
+        assert len(status["shards"]) == 2 and status["tables"][0]["wal"]
+        assert all(s["pid"] > 0 and s["address"].startswith("127.0.0.1:") and s["state"] == "serving" for s in status["shards"])
+        assert status["coordinator_pid"] > 0 and not status["coordinator_restarted"]
         assert sum(t["rows"] for s in status["shards"] for t in s["tables"]) == 5000
         human = run(["status"], env)
         assert human.returncode == 0 and "emb" in human.stdout and "shards" in human.stdout
@@ -48,12 +56,26 @@ def test_up_status_down(tmp_path):
         assert restored[0]["name"] == "emb" and len(restored[0]["shards"]) == 1
         again = run(["restore", "--dir", str(tmp_path / "ck")], env)
         assert again.returncode == 1 and "already exist" in again.stderr
+        with MemoryClient(endpoint) as client:
+            client.push_gradients("emb", np.arange(0, 5000, 7), np.ones((715, 32), np.float32))
+            before = client.lookup("emb", np.arange(5000))
     finally:
         down = run(["down"], env)
     assert down.returncode == 0, down.stderr
     assert "stopped" in down.stdout
     assert not (tmp_path / "endpoint.json").exists()
     assert "no memserver is running" in run(["down"], env).stdout
+
+    up = run(up_args, env)
+    assert up.returncode == 0, up.stderr + up.stdout
+    try:
+        endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
+        with MemoryClient(endpoint) as client:
+            [emb] = client.list_tables()
+            assert emb.name == "emb" and len(emb.shards) == 1  # as restored, not as the config says
+            np.testing.assert_array_equal(client.lookup("emb", np.arange(5000)), before)
+    finally:
+        assert run(["down"], env).returncode == 0
 
 
 def test_status_without_cluster_names_the_fix(tmp_path):
