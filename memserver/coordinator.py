@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import math
 import os
@@ -22,8 +21,8 @@ import grpc
 
 from memserver import __version__
 from memserver.checkpoint import find_checkpoint, step_dir, write_manifest
-from memserver.grpc_util import AlreadyExists, LoopThread, NotFound, rpc, start_server
-from memserver.shard import optimizer_config
+from memserver.grpc_util import AlreadyExists, LoopThread, NotFound, rpc, serve_on
+from memserver.shard import in_actor, optimizer_config
 from memserver.v1 import memserver_pb2 as pb
 from memserver.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import VALUE_DTYPES, BadInput
@@ -315,30 +314,24 @@ class CoordinatorActor:
         so the constructor's arguments are plain values Ray can always replay on a restart)."""
         import ray
 
-        shard_handles = [ray.get_actor(n) for n in shard_names]
         logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
-        from memserver.shard import in_actor
-
+        shard_handles = [ray.get_actor(n) for n in shard_names]
         restarted = in_actor() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        state = Path(data_dir) / "coordinator.json" if data_dir else None
-        if state is not None and state.exists():
-            port = int(json.loads(state.read_text()).get("port", port))
         infos = ray.get([h.info.remote() for h in shard_handles])
         described = ray.get([h.describe_tables.remote() for h in shard_handles])
         self.servicer = ControlPlaneServicer(shard_handles, infos, restarted)
         self.servicer.recover_catalog(described)
         self.loop = LoopThread("coordinator-grpc")
-        self.server, bound = self.loop.call(start_server(
+        self.server, bound = serve_on(
+            self.loop,
             lambda s: pb_grpc.add_ControlPlaneServicer_to_server(self.servicer, s),
             [pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name],
             host,
             port,
-        ))
+            state=Path(data_dir) / "coordinator.json" if data_dir else None,
+            what="coordinator",
+        )
         self.address = f"{host}:{bound}"
-        if state is not None:
-            from memserver.checkpoint import atomic_write
-
-            atomic_write(state, lambda f: f.write(json.dumps({"port": bound}).encode()))
         log.info("coordinator %sserving ControlPlane at %s (%d shards, %d tables)", "restarted, " if restarted else "",
                  self.address, len(shard_handles), len(self.servicer.tables))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -91,6 +92,28 @@ async def start_server(
     await server.start()
     for name in ["", *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], service_names: list[str], host: str,
+             port: int = 0, state: Path | None = None, what: str = "server") -> tuple[grpc.aio.Server, int]:
+    """Start a server on `loop`, on the port recorded in `state` if there is one (a restarted
+    process comes back where clients look for it), else on `port`; record the bound port.
+    If the recorded port is taken, serve on a new one (callers re-advertise their address)."""
+    import json
+
+    from memserver.checkpoint import atomic_write
+
+    wanted = int(json.loads(state.read_text()).get("port", port)) if state is not None and state.exists() else port
+    try:
+        server, bound = loop.call(start_server(register, service_names, host, wanted))
+    except RuntimeError:
+        if not wanted:
+            raise
+        log.warning("%s: port %d is taken; serving on a new port", what, wanted)
+        server, bound = loop.call(start_server(register, service_names, host, 0))
+    if state is not None:
+        atomic_write(state, lambda f: f.write(json.dumps({"port": bound}).encode()))
     return server, bound
 
 

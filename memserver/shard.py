@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import os
 import time
@@ -36,7 +35,7 @@ from memserver.durable import (
     repair_log,
     table_record,
 )
-from memserver.grpc_util import LoopThread, NotFound, rpc, start_server
+from memserver.grpc_util import LoopThread, NotFound, rpc, serve_on
 from memserver.table import OptimizerConfig, ValueTable, bag_index
 from memserver.v1 import memserver_pb2 as pb
 from memserver.v1 import memserver_pb2_grpc as pb_grpc
@@ -410,7 +409,7 @@ class ShardActor:
         if recovered:
             log.info("shard %d: recovered %d table(s) in %.2fs: %s", index, len(recovered), time.perf_counter() - t0,
                      ", ".join(f"{r['table']} from {r['from']}" for r in recovered))
-        self.loop.call(self._serve(host))
+        self._serve(host)
         if self.restarted and coordinator:
             import ray
 
@@ -424,27 +423,19 @@ class ShardActor:
 
     # -- serving ---------------------------------------------------------------------------
 
-    async def _serve(self, host: str | None) -> None:
+    def _serve(self, host: str | None) -> None:
         from memserver.cluster import bind_host
 
         host = host or bind_host()
-        state = self.store.dir / "shard.json" if self.store else None
-        port = 0
-        if state is not None and state.exists():  # a restart: come back where clients look for us
-            port = int(json.loads(state.read_text()).get("port", 0))
-        register = lambda s: pb_grpc.add_DataPlaneServicer_to_server(self.servicer, s)  # noqa: E731
-        names = [pb.DESCRIPTOR.services_by_name["DataPlane"].full_name]
-        try:
-            self.server, bound = await start_server(register, names, host, port)
-        except RuntimeError:
-            log.warning("shard %d: port %d is taken; serving on a new port (clients re-read the shard map)",
-                        self.index, port)
-            self.server, bound = await start_server(register, names, host, 0)
+        self.server, bound = serve_on(
+            self.loop,
+            lambda s: pb_grpc.add_DataPlaneServicer_to_server(self.servicer, s),
+            [pb.DESCRIPTOR.services_by_name["DataPlane"].full_name],
+            host,
+            state=self.store.dir / "shard.json" if self.store else None,
+            what=f"shard {self.index}",
+        )
         self.address = f"{host}:{bound}"
-        if state is not None:
-            from memserver.checkpoint import atomic_write
-
-            atomic_write(state, lambda f: f.write(f'{{"port": {bound}}}'.encode()))
         log.info("shard %d serving DataPlane at %s on %s", self.index, self.address, self.device)
 
     def info(self) -> dict[str, Any]:
