@@ -38,6 +38,7 @@ from memserver.wire import (
     decode,
     dtype_code,
     encode,
+    tune_malloc,
 )
 
 _READ_METHODS = [
@@ -129,6 +130,7 @@ class AsyncMemoryClient:
     ) -> None:
         """`retry_seconds`: how long a call keeps retrying while a shard or the coordinator is
         UNAVAILABLE (restarting) before it raises UnavailableError; 0 = do not retry."""
+        tune_malloc()  # large calls build their messages in reused memory (see memserver.wire)
         self.endpoint = endpoint or read_endpoint()["endpoint"]
         self.timeout = timeout
         self.retry_seconds = retry_seconds

@@ -47,6 +47,7 @@ from memserver.wire import (
     check_rows,
     decode,
     encode,
+    tune_malloc,
 )
 
 log = logging.getLogger(__name__)
@@ -387,6 +388,7 @@ class ShardActor:
     def __init__(self, index: int, threads: int = 1, host: str | None = None, data_dir: str | None = None,
                  coordinator: str | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
+        tune_malloc()
         torch.set_num_threads(max(1, threads))
         try:
             import numba

@@ -119,3 +119,36 @@ def test_read_statistics(backend):
     t.lookup(torch.tensor([1, 9]))
     assert t.hits.tolist() == [0, 2, 3, 0, 0, 0, 0, 0, 0, 1]
     np.testing.assert_allclose(t.weight_mass.numpy()[[1, 2, 9]], [0.5, 3.25, 0.0])
+
+
+def test_malloc_tuning_stops_page_faults_on_large_messages():
+    """With tune_malloc, serialising a 4 MiB two-tensor request again and again reuses heap memory:
+    no page faults (untuned glibc faults fresh pages in on every call here, which made it 14x
+    slower; docs/benchmarks.md). MEMSERVER_MALLOC_TUNE=0 turns it off."""
+    import os
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mallopt is glibc's")
+    code = """if True:
+        import resource, torch
+        from memserver.wire import tune_malloc, encode
+        from memserver.v1 import memserver_pb2 as pb
+        tuned = tune_malloc()
+        req = pb.BagRequest(table="t", ids=encode(torch.zeros(4096, 128, dtype=torch.int32)),
+                            weights=encode(torch.zeros(4096, 128)))
+        req.SerializeToString()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(20):
+            req.SerializeToString()
+        print(tuned, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 20)
+    """
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, **env}).stdout.split()
+        return out[0] == "True", float(out[1])
+
+    tuned, faults = run()
+    assert tuned and faults <= 2, faults
+    assert run(MEMSERVER_MALLOC_TUNE="0")[0] is False
