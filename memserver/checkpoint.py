@@ -81,8 +81,10 @@ def slice_rows(by_rows: bool, index: int, num_shards: int, num_rows: int) -> np.
     return np.arange(index, num_rows, num_shards) if by_rows else np.arange(num_rows)
 
 
-def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]]) -> None:
-    """Fill `table` (a ValueTable holding slice `target`) from saved slices `files`.
+def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
+              extras: dict[str, Any] | None = None) -> None:
+    """Fill `table` (a ValueTable holding slice `target`) from saved slices `files`; `extras`, if
+    given, receives the files' other entries (see save_slice's `extra`).
 
     2-D state (values, Adam moments) and per-row state (counters) copy exactly. The row-wise
     Adagrad accumulator of a COLS slice is per column block; when old and new blocks differ it
@@ -96,6 +98,8 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]]) -
     for f in files:
         blob = torch.load(f["file"], map_location="cpu", weights_only=True)
         meta, state = blob["meta"], blob["state"]
+        if extras is not None:
+            extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
         if meta["num_rows"] != target["num_rows"]:
             raise BadInput(f"checkpoint slice {f['file']} has {meta['num_rows']} rows, the table {target['num_rows']}")
         s_rows = slice_rows(meta["by_rows"], meta["index"], meta["num_shards"], meta["num_rows"])

@@ -221,6 +221,10 @@ class ShardStore:
                 log.exception("unreadable table record %s: skipping that table", p)
         return out
 
+    def record(self, name: str) -> dict[str, Any] | None:
+        path = self.table_dir(name) / "table.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
     def save(self, record: dict[str, Any]) -> None:
         d = self.table_dir(record["name"])
         atomic_write(d / "table.json", lambda f: f.write(json.dumps(record, indent=1).encode()))

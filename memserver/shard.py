@@ -413,8 +413,6 @@ class ShardActor:
                      ", ".join(f"{r['table']} from {r['from']}" for r in recovered))
         self._serve(host)
         if self.restarted and coordinator:
-            import ray
-
             log.warning("shard %d restarted (pid %d): serving again at %s, telling the coordinator", index,
                         os.getpid(), self.address)
             try:
@@ -469,13 +467,13 @@ class ShardActor:
         files = [checkpoint] if checkpoint else record.get("base_files") or []
         sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files)
         start, how = 0, "initial values"
+        extras: dict[str, Any] = {}
         if files:
-            load_into(sl.table, sl.slice_meta(), files)
+            load_into(sl.table, sl.slice_meta(), files, extras)
             how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
         if checkpoint:
             start = int(checkpoint.get("lsn", 0))
-            blob = torch.load(checkpoint["file"], map_location="cpu", weights_only=True)
-            sl.load_dedup(blob.get("dedup", []))
+            sl.load_dedup(extras.get("dedup", []))
         if spec.wal and self.store is not None:
             wal_dir = self.store.table_dir(spec.name)
             end = repair_log(wal_dir) if replay else start
@@ -532,7 +530,7 @@ class ShardActor:
             nbytes = save_slice(Path(path), meta, state, extra={"dedup": sl.dedup_state(), "lsn": lsn})
             entry = {"file": path, "bytes": nbytes, **meta, "lsn": lsn, "step": step}
             if self.store is not None:
-                record = next((r for r in self.store.records() if r["name"] == name), None)
+                record = self.store.record(name)
                 if record is not None:
                     previous = latest_committed(record)
                     record["checkpoints"] = [*record["checkpoints"], entry][-KEEP_CHECKPOINTS:]
@@ -552,7 +550,9 @@ class ShardActor:
             sl = self.servicer.tables.get(name)
             if sl is None or self.store is None:
                 raise NotFound(f"table {name!r} does not exist on shard {self.index}")
-            record = next(r for r in self.store.records() if r["name"] == name)
+            record = self.store.record(name)
+            if record is None:
+                raise NotFound(f"table {name!r} has no record on shard {self.index}")
             match = [c for c in record["checkpoints"] if checkpoint_dir and Path(c["file"]).parent.parent == Path(checkpoint_dir)]
             new, how = self._load_slice(record, match[-1] if match else None, replay=False)
             new.requests = sl.requests

@@ -115,3 +115,50 @@ def test_shard_recovers_its_tables_from_the_data_dir(tmp_path, checkpoint):
     again.drop_table("m")
     again.stop()
     assert not (tmp_path / "shard-0000" / "m").exists()
+
+
+def test_serve_on_comes_back_on_its_port_or_a_new_one_if_taken(tmp_path):
+    import socket
+
+    from memserver.grpc_util import LoopThread, serve_on
+
+    loop = LoopThread("test-serve-on")
+    state = tmp_path / "port.json"
+    server, port = serve_on(loop, lambda s: None, [], "127.0.0.1", state=state)
+    loop.call(server.stop(None))
+    again, same = serve_on(loop, lambda s: None, [], "127.0.0.1", state=state)
+    assert same == port
+    loop.call(again.stop(None))
+    with socket.socket() as squatter:  # another program took the port meanwhile
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        third, other = serve_on(loop, lambda s: None, [], "127.0.0.1", state=state)
+        assert other != port
+        loop.call(third.stop(None))
+    assert f'"port": {other}' in state.read_text()
+
+
+def test_coordinator_rebuilds_its_catalog_and_follows_a_moved_shard():
+    """The catalog from the shards' own descriptions (what a restarted coordinator does), and a
+    restarted shard at a new address updates every table's shard map."""
+    import asyncio
+
+    from memserver.coordinator import ControlPlaneServicer, plan_table, validate_spec
+
+    infos = [{"address": f"127.0.0.1:{7000 + j}", "node_id": "n", "pid": 10 + j} for j in range(3)]
+    spec = validate_spec(pb.TableSpec(name="m", num_rows=10, dim=4, sharding=pb.COLS, num_shards=2), 3)
+    info = plan_table(spec, [infos[2], infos[0]])  # placed on pool shards 2 and 0, in that order
+    held = [[(spec.SerializeToString(), info.shards[1].SerializeToString(), 2)], [],
+            [(spec.SerializeToString(), info.shards[0].SerializeToString(), 2)]]
+    partial = validate_spec(pb.TableSpec(name="half", num_rows=10, dim=4, num_shards=2), 3)
+    held[1].append((partial.SerializeToString(), plan_table(partial, infos[:2]).shards[0].SerializeToString(), 2))
+    servicer = ControlPlaneServicer([None] * 3, infos)
+    servicer.recover_catalog(held)
+    assert list(servicer.tables) == ["m"]  # "half" lost a slice: left out, with an error logged
+    assert servicer.placement["m"] == [2, 0]
+    assert [s.address for s in servicer.tables["m"].shards] == ["127.0.0.1:7002", "127.0.0.1:7000"]
+    epoch = servicer.epoch
+    moved = {"address": "127.0.0.1:7999", "node_id": "n", "pid": 99}
+    asyncio.run(servicer.shard_restarted(0, moved, []))
+    assert [s.address for s in servicer.tables["m"].shards] == ["127.0.0.1:7002", "127.0.0.1:7999"]
+    assert servicer.tables["m"].shards[1].pid == 99 and servicer.epoch == epoch + 1
