@@ -44,13 +44,15 @@ def test_usage_metrics():
     assert uniform["used_pct"] == 100.0 and abs(uniform["kl_weights"]) < 1e-9 and uniform["top99_slots"] == 8.0
 
 
-@pytest.mark.parametrize("sharding, staleness", [("cols", 0), ("rows", 0), ("cols", 1)])
-def test_remote_memory_trains_like_local_memory(client, sharding, staleness, table_name):
-    """Same seed: the remote value table gives the local loss curve (float tolerance)."""
+@pytest.mark.parametrize("sharding, staleness, wal", [("cols", 0, False), ("rows", 0, False), ("cols", 1, True)])
+def test_remote_memory_trains_like_local_memory(client, sharding, staleness, wal, table_name):
+    """Same seed: the remote value table gives the local loss curve (float tolerance), with the
+    write-ahead log too (deferred updates are logged before the shard answers)."""
     steps = ["--steps", "6", "--seed", "3", "--value-lr", "0.05"]
     local = list(train(build_parser().parse_args([*TINY, *steps, "--memory", "local"])))
     remote_args = build_parser().parse_args([*TINY, *steps, "--memory", "remote", "--table", table_name,
-                                             "--sharding", sharding, "--staleness", str(staleness)])
+                                             "--sharding", sharding, "--staleness", str(staleness),
+                                             *(["--wal"] if wal else [])])
     remote = list(train(remote_args, client=client))
     assert [r["step"] for r in local] == [r["step"] for r in remote] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(local, remote):

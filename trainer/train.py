@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--staleness", type=int, default=0,
                      help="0: a step's value update is applied before its backward returns; >=1: the shards answer "
                           "first and apply it while the next step starts (reads still never see a table without it)")
+    mem.add_argument("--wal", action="store_true",
+                     help="remote tables log every update before acknowledging it, so a restarted shard loses none "
+                          "(without it, a shard restart returns the table to its latest checkpoint)")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--checkpoint-dir", help="save the trainer's state here (and checkpoint the remote tables under <dir>/memory)")
     ck.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: only at the end, if --checkpoint-dir)")
@@ -138,7 +141,7 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
             name = args.table if args.shared_values or len(mem_layers) == 1 else f"{args.table}-{i}"
             backend = RemoteValues(client, name, args.n_keys**2, args.n_embd, sharding=args.sharding,
                                    defer_apply=args.staleness > 0, create=rank == 0,
-                                   sync_workers=world if world > 1 else 0, **common)
+                                   sync_workers=world if world > 1 else 0, wal=args.wal, **common)
         values[i] = backend
         if args.shared_values:
             shared = backend
