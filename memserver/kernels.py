@@ -47,36 +47,42 @@ def sparse_step(
         counts[ids[i] + 1] += 1
     for r in range(weight.shape[0]):
         counts[r + 1] += counts[r]
+    # Scatter each entry's (source row, scale) into its row's group once, so the summing pass
+    # below reads them sequentially instead of chasing an index per entry (random reads of two
+    # n-long arrays were most of this kernel's time).
     fill = counts[:-1].copy()
-    order = np.empty(n, np.int64)
+    sorted_src = np.empty(n, np.int64)
+    sorted_scale = np.empty(n, np.float32)
     for i in range(n):
         r = ids[i]
-        order[fill[r]] = i
-        fill[r] += 1
+        f = fill[r]
+        sorted_src[f] = src_index[i]
+        sorted_scale[f] = scale[i]
+        fill[r] = f + 1
     num_rows = 0
     for r in range(weight.shape[0]):
         if counts[r + 1] > counts[r]:
             num_rows += 1
-    starts = np.empty(num_rows, np.int64)
+    starts = np.empty(num_rows + 1, np.int64)
+    rows = np.empty(num_rows, np.int64)
     k = 0
     for r in range(weight.shape[0]):
         if counts[r + 1] > counts[r]:
             starts[k] = counts[r]
+            rows[k] = r
             k += 1
+    starts[num_rows] = n
     per = (num_rows + nthreads - 1) // nthreads
     for t in nb.prange(nthreads):
         g = np.empty(d, np.float32)
         lo = t * per
         hi = min(num_rows, lo + per)
         for u in range(lo, hi):
-            s0 = starts[u]
-            s1 = starts[u + 1] if u + 1 < num_rows else n
-            r = ids[order[s0]]
+            r = rows[u]
             g[:] = 0.0
-            for e in range(s0, s1):
-                i = order[e]
-                w = scale[i]
-                b = src_index[i]
+            for e in range(starts[u], starts[u + 1]):
+                w = sorted_scale[e]
+                b = sorted_src[e]
                 for c in range(d):
                     g[c] += w * src[b, c]
             updates[r] += 1
