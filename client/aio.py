@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import grpc
@@ -65,6 +65,8 @@ SERVICE_CONFIG = json.dumps(
 )
 CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)]
 log = logging.getLogger(__name__)
+#: A data-plane op (see AsyncMemoryClient._lookup_op): yields [(address, method, request)], gets the answers.
+Op = Generator[list[tuple[str, str, Any]], list[Any], Any]
 #: Requests and responses are kept below this size; larger batches are split.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
@@ -217,6 +219,17 @@ class AsyncMemoryClient:
         except BadInput as exc:
             raise InvalidArgumentError(f"INVALID_ARGUMENT: {exc}") from None
 
+    async def _call(self, table: str, make_op: Callable[[TableMeta], Op]) -> Any:
+        """Run the op for `table`'s shard map: its requests all at once over grpc.aio."""
+
+        async def run(meta: TableMeta) -> Any:
+            op = make_op(meta)
+            calls = next(op)
+            answers = await asyncio.gather(*(self._data(address, method, req) for address, method, req in calls))
+            return finish(op, answers)
+
+        return await self._with_table(table, run)
+
     def _tag(self, tags: dict[int, pb.WriteTag], part: int) -> pb.WriteTag:
         """The tag of part `part` of one call: the same on every attempt, so a retried part that a
         shard already applied is answered from its exactly-once window, not applied twice."""
@@ -317,58 +330,60 @@ class AsyncMemoryClient:
 
     async def lookup(self, table: str, ids: Any) -> Any:
         """Rows of `ids` (any shape) -> float32 array of shape ids.shape + (dim,)."""
+        return _like(await self._call(table, lambda meta: self._lookup_op(meta, ids)), ids)
 
-        async def run(meta: TableMeta) -> torch.Tensor:
-            t = _ids(ids, meta)
-            uniq, inv = torch.unique(t.reshape(-1), return_inverse=True)
-            rows = torch.empty((len(uniq), meta.dim), dtype=torch.float32)
-            calls, places = [], []
-            encoded: dict[int, tuple[torch.Tensor, list[tuple[slice, pb.Tensor]]]] = {}
-            for sh, sel in route_ids(meta, uniq):
-                if id(sel) not in encoded:  # cols: every shard gets the same ids; encode them once
-                    sub = uniq[sel]
-                    parts = _chunks(len(sub), meta.dim * 4 + 8, self.max_request_bytes)
-                    encoded[id(sel)] = (sel, [(p, encode(wire_ids(sub[p], meta))) for p in parts])
-                for part, ids_msg in encoded[id(sel)][1]:
-                    req = pb.LookupRequest(table=meta.name, ids=ids_msg, wire_dtype=self.wire_dtype)
-                    calls.append(self._data(sh.address, "Lookup", req))
-                    places.append((sh, sel, part))
-            for (sh, sel, part), resp in zip(places, await asyncio.gather(*calls)):
-                rows[sel[part], sh.col_start : sh.col_end] = decode(resp.rows, "rows").float()
-            return rows[inv].view(*t.shape, meta.dim)
+    # Each data-plane call is an op: a generator that validates and routes the input, yields the
+    # shard requests [(address, method, request)], receives their answers in that order and
+    # returns the assembled result. This client sends them with grpc.aio (`_call`); the blocking
+    # MemoryClient sends the same requests with blocking stubs, without a hop to an event loop.
 
-        return _like(await self._with_table(table, run), ids)
-
+    def _lookup_op(self, meta: TableMeta, ids: Any) -> Op:
+        t = _ids(ids, meta)
+        uniq, inv = torch.unique(t.reshape(-1), return_inverse=True)
+        rows = torch.empty((len(uniq), meta.dim), dtype=torch.float32)
+        calls, places = [], []
+        encoded: dict[int, tuple[torch.Tensor, list[tuple[slice, pb.Tensor]]]] = {}
+        for sh, sel in route_ids(meta, uniq):
+            if id(sel) not in encoded:  # cols: every shard gets the same ids; encode them once
+                sub = uniq[sel]
+                parts = _chunks(len(sub), meta.dim * 4 + 8, self.max_request_bytes)
+                encoded[id(sel)] = (sel, [(p, encode(wire_ids(sub[p], meta))) for p in parts])
+            for part, ids_msg in encoded[id(sel)][1]:
+                req = pb.LookupRequest(table=meta.name, ids=ids_msg, wire_dtype=self.wire_dtype)
+                calls.append((sh.address, "Lookup", req))
+                places.append((sh, sel, part))
+        for (sh, sel, part), resp in zip(places, (yield calls)):
+            rows[sel[part], sh.col_start : sh.col_end] = decode(resp.rows, "rows").float()
+        return rows[inv].view(*t.shape, meta.dim)
 
     async def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
         """Weighted bags: out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32.
 
         ids/weights are [B, k], or 1-D with `offsets` [B] marking where each bag starts.
         """
+        return _like(await self._call(table, lambda meta: self._bag_op(meta, ids, weights, offsets)), weights)
 
-        async def run(meta: TableMeta) -> torch.Tensor:
-            t_ids, w, off, num_bags = self._bag_args(meta, ids, weights, offsets)
-            out = torch.zeros((num_bags, meta.dim), dtype=torch.float32)
-            calls, places = [], []
-            k = max(1, t_ids.shape[1] if off is None else -(-t_ids.shape[0] // max(1, num_bags)))
-            for bags in _chunks(num_bags, max(k * 8, meta.dim * 4), self.max_request_bytes):
-                b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
-                enc = _encoder(meta)
-                for sh, (s_ids, s_w, s_off) in route_bags(meta, b_ids, b_w, b_off):
-                    req = pb.BagRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w), wire_dtype=self.wire_dtype)
-                    if s_off is not None:
-                        req.offsets.CopyFrom(enc(s_off))
-                    calls.append(self._data(sh.address, "Bag", req))
-                    places.append((sh, bags))
-            for (sh, bags), resp in zip(places, await asyncio.gather(*calls)):
-                got = decode(resp.out, "out").float()
-                if meta.by_rows:
-                    out[bags] += got
-                else:
-                    out[bags, sh.col_start : sh.col_end] = got
-            return out
-
-        return _like(await self._with_table(table, run), weights)
+    def _bag_op(self, meta: TableMeta, ids: Any, weights: Any, offsets: Any) -> Op:
+        t_ids, w, off, num_bags = self._bag_args(meta, ids, weights, offsets)
+        out = torch.zeros((num_bags, meta.dim), dtype=torch.float32)
+        calls, places = [], []
+        k = max(1, t_ids.shape[1] if off is None else -(-t_ids.shape[0] // max(1, num_bags)))
+        for bags in _chunks(num_bags, max(k * 8, meta.dim * 4), self.max_request_bytes):
+            b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
+            enc = _encoder(meta)
+            for sh, (s_ids, s_w, s_off) in route_bags(meta, b_ids, b_w, b_off):
+                req = pb.BagRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w), wire_dtype=self.wire_dtype)
+                if s_off is not None:
+                    req.offsets.CopyFrom(enc(s_off))
+                calls.append((sh.address, "Bag", req))
+                places.append((sh, bags))
+        for (sh, bags), resp in zip(places, (yield calls)):
+            got = decode(resp.out, "out").float()
+            if meta.by_rows:
+                out[bags] += got
+            else:
+                out[bags, sh.col_start : sh.col_end] = got
+        return out
 
     async def bag_backward(
         self,
@@ -388,45 +403,47 @@ class AsyncMemoryClient:
         anything else), so the caller overlaps it with its next step; see docs/architecture.md.
         `step`: the trainer's step, which sync_updates tables use to gather all trainers' pushes."""
         tags: dict[int, pb.WriteTag] = {}
+        op = lambda meta: self._bag_backward_op(meta, ids, weights, grad_out, offsets, defer_apply, step, tags)  # noqa: E731
+        return _like(await self._call(table, op), weights)
 
-        async def run(meta: TableMeta) -> torch.Tensor:
-            t_ids, w, off, num_bags = self._bag_args(meta, ids, weights, offsets)
-            g = _floats(grad_out, "grad_out")
-            check_rows(g, num_bags, meta.dim, "grad_out")
-            grad_w = torch.zeros(t_ids.shape, dtype=torch.float32)
-            flat_gw = grad_w.view(-1)
-            calls, places = [], []
-            k = max(1, t_ids.shape[1] if off is None else -(-t_ids.shape[0] // max(1, num_bags)))
-            for part, bags in enumerate(_chunks(num_bags, k * 12 + meta.dim * 4, self.max_request_bytes)):
-                b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
-                b_g = g[bags]
-                entries = _entry_range(t_ids, off, bags)
-                tag = self._tag(tags, part)
-                enc = _encoder(meta)
-                for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
-                    g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
-                    req = pb.BagBackwardRequest(
-                        table=meta.name,
-                        ids=enc(s_ids, ids=True),
-                        weights=enc(s_w),
-                        grad_out=encode(g_sh, self.wire_dtype),
-                        tag=tag,
-                        defer_apply=defer_apply,
-                        step=step,
-                    )
-                    if s_off is not None:
-                        req.offsets.CopyFrom(enc(s_off))
-                    calls.append(self._data(sh.address, "BagBackward", req))
-                    places.append((entries, mask))
-            for (entries, mask), resp in zip(places, await asyncio.gather(*calls)):
-                got = decode(resp.grad_weights, "grad_weights").reshape(-1)
-                if mask is None:
-                    flat_gw[entries] += got  # COLS: each shard's dot product covers its columns
-                else:
-                    flat_gw[entries][mask] = got  # ROWS: each entry lives on one shard
-            return grad_w
-
-        return _like(await self._with_table(table, run), weights)
+    def _bag_backward_op(self, meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offsets: Any, defer_apply: bool,
+                         step: int, tags: dict[int, pb.WriteTag]) -> Op:
+        """`tags`: one per part, kept across attempts (see `_tag`)."""
+        t_ids, w, off, num_bags = self._bag_args(meta, ids, weights, offsets)
+        g = _floats(grad_out, "grad_out")
+        check_rows(g, num_bags, meta.dim, "grad_out")
+        grad_w = torch.zeros(t_ids.shape, dtype=torch.float32)
+        flat_gw = grad_w.view(-1)
+        calls, places = [], []
+        k = max(1, t_ids.shape[1] if off is None else -(-t_ids.shape[0] // max(1, num_bags)))
+        for part, bags in enumerate(_chunks(num_bags, k * 12 + meta.dim * 4, self.max_request_bytes)):
+            b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
+            b_g = g[bags]
+            entries = _entry_range(t_ids, off, bags)
+            tag = self._tag(tags, part)
+            enc = _encoder(meta)
+            for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
+                g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
+                req = pb.BagBackwardRequest(
+                    table=meta.name,
+                    ids=enc(s_ids, ids=True),
+                    weights=enc(s_w),
+                    grad_out=encode(g_sh, self.wire_dtype),
+                    tag=tag,
+                    defer_apply=defer_apply,
+                    step=step,
+                )
+                if s_off is not None:
+                    req.offsets.CopyFrom(enc(s_off))
+                calls.append((sh.address, "BagBackward", req))
+                places.append((entries, mask))
+        for (entries, mask), resp in zip(places, (yield calls)):
+            got = decode(resp.grad_weights, "grad_weights").reshape(-1)
+            if mask is None:
+                flat_gw[entries] += got  # COLS: each shard's dot product covers its columns
+            else:
+                flat_gw[entries][mask] = got  # ROWS: each entry lives on one shard
+        return grad_w
 
     def _bag_args(
         self, meta: TableMeta, ids: Any, weights: Any, offsets: Any
@@ -436,41 +453,38 @@ class AsyncMemoryClient:
         off = None if offsets is None else as_tensor(offsets).cpu()
         return t_ids, w, off, check_bag(t_ids, w, off)
 
-
     async def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         """Apply row gradients through the table's optimizer; duplicate ids are summed first.
         Returns the number of distinct rows updated."""
-
-        async def run(meta: TableMeta) -> int:
-            t = _ids(ids, meta)
-            g = _floats(grads, "grads")
-            if t.dim() != 1:
-                raise BadInput(f"ids: must be 1-D, got shape {list(t.shape)}")
-            check_rows(g, len(t), meta.dim, "grads")
-            uniq, summed = aggregate(t, g)
-            return await self._write(meta, "PushGradients", uniq, summed, "grads", tags)
-
         tags: dict[int, pb.WriteTag] = {}
-        return await self._with_table(table, run)
+        return await self._call(table, lambda meta: self._push_op(meta, ids, grads, tags))
+
+    def _push_op(self, meta: TableMeta, ids: Any, grads: Any, tags: dict[int, pb.WriteTag]) -> Op:
+        t = _ids(ids, meta)
+        g = _floats(grads, "grads")
+        if t.dim() != 1:
+            raise BadInput(f"ids: must be 1-D, got shape {list(t.shape)}")
+        check_rows(g, len(t), meta.dim, "grads")
+        uniq, summed = aggregate(t, g)
+        return (yield from self._write_op(meta, "PushGradients", uniq, summed, "grads", tags))
 
     async def write_rows(self, table: str, ids: Any, rows: Any) -> int:
         """Overwrite rows (optimizer state is kept). Ids must be distinct."""
-
-        async def run(meta: TableMeta) -> int:
-            t = _ids(ids, meta)
-            r = _floats(rows, "rows")
-            if t.dim() != 1:
-                raise BadInput(f"ids: must be 1-D, got shape {list(t.shape)}")
-            check_rows(r, len(t), meta.dim, "rows")
-            if len(torch.unique(t)) != len(t):
-                raise BadInput("ids: write_rows needs distinct ids (which of two rows would win?)")
-            return await self._write(meta, "WriteRows", t, r, "rows", tags)
-
         tags: dict[int, pb.WriteTag] = {}
-        return await self._with_table(table, run)
+        return await self._call(table, lambda meta: self._write_rows_op(meta, ids, rows, tags))
 
-    async def _write(self, meta: TableMeta, method: str, ids: torch.Tensor, values: torch.Tensor, field: str,
-                     tags: dict[int, pb.WriteTag]) -> int:
+    def _write_rows_op(self, meta: TableMeta, ids: Any, rows: Any, tags: dict[int, pb.WriteTag]) -> Op:
+        t = _ids(ids, meta)
+        r = _floats(rows, "rows")
+        if t.dim() != 1:
+            raise BadInput(f"ids: must be 1-D, got shape {list(t.shape)}")
+        check_rows(r, len(t), meta.dim, "rows")
+        if len(torch.unique(t)) != len(t):
+            raise BadInput("ids: write_rows needs distinct ids (which of two rows would win?)")
+        return (yield from self._write_op(meta, "WriteRows", t, r, "rows", tags))
+
+    def _write_op(self, meta: TableMeta, method: str, ids: torch.Tensor, values: torch.Tensor, field: str,
+                  tags: dict[int, pb.WriteTag]) -> Op:
         req_cls = pb.PushGradientsRequest if method == "PushGradients" else pb.WriteRowsRequest
         calls = []
         for i, part in enumerate(_chunks(len(ids), meta.dim * 4 + 8, self.max_request_bytes)):
@@ -479,39 +493,47 @@ class AsyncMemoryClient:
                 v = p_vals[sel] if meta.by_rows else p_vals[:, sh.col_start : sh.col_end]
                 req = req_cls(table=meta.name, ids=encode(wire_ids(p_ids[sel], meta)), tag=tag)
                 getattr(req, field).CopyFrom(encode(v, self.wire_dtype if method == "PushGradients" else None))
-                calls.append(self._data(sh.address, method, req))
-        acks = await asyncio.gather(*calls)
+                calls.append((sh.address, method, req))
+        acks = yield calls
         return len(ids) if not acks else int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
 
     async def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         """Per-slot statistics: hits, weight_mass, updates, last_update (unix s), value_norm."""
-
-        async def run(meta: TableMeta) -> dict[str, torch.Tensor]:
-            t = _ids(ids, meta).reshape(-1)
-            uniq, inv = torch.unique(t, return_inverse=True)
-            n = len(uniq)
-            out = {
-                "hits": torch.zeros(n, dtype=torch.int64),
-                "weight_mass": torch.zeros(n, dtype=torch.float64),
-                "updates": torch.zeros(n, dtype=torch.int64),
-                "last_update": torch.zeros(n, dtype=torch.float64),
-                "value_sq_norm": torch.zeros(n, dtype=torch.float64),
-            }
-            routes = route_ids(meta, uniq)
-            reqs = [self._data(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]))) for sh, sel in routes]
-            for i, ((_, sel), resp) in enumerate(zip(routes, await asyncio.gather(*reqs))):
-                for key in out:
-                    got = decode(getattr(resp, key), key)
-                    if key == "value_sq_norm" and not meta.by_rows:
-                        out[key] += got  # COLS: each shard holds part of the row
-                    elif meta.by_rows or i == 0:  # COLS: counters are identical on every shard
-                        out[key][sel] = got
-            norm = out.pop("value_sq_norm").sqrt()
-            out["value_norm"] = norm
-            return {k: v[inv] for k, v in out.items()}
-
-        stats = await self._with_table(table, run)
+        stats = await self._call(table, lambda meta: self._slot_stats_op(meta, ids))
         return {k: _like(v, ids) for k, v in stats.items()}
+
+    def _slot_stats_op(self, meta: TableMeta, ids: Any) -> Op:
+        t = _ids(ids, meta).reshape(-1)
+        uniq, inv = torch.unique(t, return_inverse=True)
+        n = len(uniq)
+        out = {
+            "hits": torch.zeros(n, dtype=torch.int64),
+            "weight_mass": torch.zeros(n, dtype=torch.float64),
+            "updates": torch.zeros(n, dtype=torch.int64),
+            "last_update": torch.zeros(n, dtype=torch.float64),
+            "value_sq_norm": torch.zeros(n, dtype=torch.float64),
+        }
+        routes = route_ids(meta, uniq)
+        reqs = [(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]))) for sh, sel in routes]
+        for i, ((_, sel), resp) in enumerate(zip(routes, (yield reqs))):
+            for key in out:
+                got = decode(getattr(resp, key), key)
+                if key == "value_sq_norm" and not meta.by_rows:
+                    out[key] += got  # COLS: each shard holds part of the row
+                elif meta.by_rows or i == 0:  # COLS: counters are identical on every shard
+                    out[key][sel] = got
+        norm = out.pop("value_sq_norm").sqrt()
+        out["value_norm"] = norm
+        return {k: v[inv] for k, v in out.items()}
+
+
+def finish(op: Op, answers: list[Any]) -> Any:
+    """Hand an op its answers and return its result (ops ask once)."""
+    try:
+        op.send(answers)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a data-plane op asked for answers twice")
 
 
 def _slice_bags(

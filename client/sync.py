@@ -1,18 +1,27 @@
-"""The blocking client: the asyncio client driven from a private event-loop thread.
+"""The blocking client: the asyncio client's ops, sent from the caller's thread.
 
-Trainers and scripts call it like a normal library; `submit_*` methods return a
-concurrent.futures.Future so a trainer can overlap a remote call with its own compute.
+Data-plane calls run the same ops as AsyncMemoryClient (validation, routing, assembly) and send
+their requests with blocking gRPC stubs from the calling thread: no hop to an event loop, which
+on a small call is most of the client's cost (`docs/benchmarks.md`, small_call_latency). The
+control plane, retries through a restart and the `submit_*` methods (which return a
+concurrent.futures.Future so a trainer can overlap a call with its own compute) run on the
+asyncio client in a private event-loop thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from client.aio import AsyncMemoryClient, TableMeta
+import grpc
+
+from client.aio import CHANNEL_OPTIONS, AsyncMemoryClient, Op, TableMeta, _like, finish
+from client.errors import InvalidArgumentError, TableNotFoundError, UnavailableError, from_rpc_error
+from memserver.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.wire import BadInput
 
 T = TypeVar("T")
 
@@ -25,6 +34,9 @@ class MemoryClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="memserver-client", daemon=True)
         self._thread.start()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, pb_grpc.DataPlaneStub] = {}
+        self._lock = threading.Lock()
 
     @property
     def endpoint(self) -> str:
@@ -36,7 +48,64 @@ class MemoryClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._submit(coro).result()
 
+    def _stub(self, address: str) -> pb_grpc.DataPlaneStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            with self._lock:
+                if address not in self._stubs:
+                    self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                    self._stubs[address] = pb_grpc.DataPlaneStub(self._channels[address])
+                stub = self._stubs[address]
+        return stub
+
+    def _call(self, table: str, make_op: Callable[[TableMeta], Op]) -> Any:
+        """Run an op (see AsyncMemoryClient) with blocking stubs, all its requests in flight at once.
+
+        The first attempt runs right here when the shard map is cached. A first call, a shard that
+        is UNAVAILABLE (restarting) or a table that moved goes through the asyncio client's
+        retrying path instead, which runs this same blocking attempt in an executor thread; the
+        op keeps its write tags across attempts."""
+        timeout = self.aio.timeout
+
+        def attempt(meta: TableMeta) -> Any:
+            op = make_op(meta)
+            calls = next(op)
+            # All but the last in flight as futures; the last as a plain blocking call, which waits in
+            # this thread (a future's answer arrives through another thread: one more wake-up).
+            futures = [getattr(self._stub(a), m).future(r, timeout=timeout) for a, m, r in calls[:-1]]
+            answers: list[Any] = [None] * len(calls)
+            where = ""
+            try:
+                if calls:
+                    where, method, req = calls[-1]
+                    answers[-1] = getattr(self._stub(where), method)(req, timeout=timeout)
+                for i, fut in enumerate(futures):
+                    where = calls[i][0]
+                    answers[i] = fut.result()
+            except grpc.RpcError as err:
+                raise from_rpc_error(err, f"shard {where}") from None
+            return finish(op, answers)
+
+        meta = self.aio._tables.get(table)
+        if meta is not None:
+            try:
+                return attempt(meta)
+            except BadInput as exc:
+                raise InvalidArgumentError(f"INVALID_ARGUMENT: {exc}") from None
+            except (UnavailableError, TableNotFoundError):
+                pass
+
+        async def in_executor(meta: TableMeta) -> Any:
+            return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
+
+        return self._run(self.aio._with_table(table, in_executor))
+
     def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+            self._stubs.clear()
         if self._loop.is_running():
             self._run(self.aio.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -71,27 +140,32 @@ class MemoryClient:
     def restore(self, dir: str, step: int = 0, **kwargs: Any) -> list[TableMeta]:
         return self._run(self.aio.restore(dir, step, **kwargs))
 
-    # data plane
+    # data plane: blocking stubs from this thread (see _call)
     def lookup(self, table: str, ids: Any) -> Any:
-        return self._run(self.aio.lookup(table, ids))
+        return _like(self._call(table, lambda meta: self.aio._lookup_op(meta, ids)), ids)
 
     def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
-        return self._run(self.aio.bag(table, ids, weights, offsets))
+        return _like(self._call(table, lambda meta: self.aio._bag_op(meta, ids, weights, offsets)), weights)
 
     def bag_backward(
         self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *, defer_apply: bool = False,
         step: int = 0,
     ) -> Any:
-        return self._run(self.aio.bag_backward(table, ids, weights, grad_out, offsets, defer_apply=defer_apply, step=step))
+        tags: dict[int, Any] = {}
+        op = lambda meta: self.aio._bag_backward_op(meta, ids, weights, grad_out, offsets, defer_apply, step, tags)  # noqa: E731
+        return _like(self._call(table, op), weights)
 
     def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
-        return self._run(self.aio.push_gradients(table, ids, grads))
+        tags: dict[int, Any] = {}
+        return self._call(table, lambda meta: self.aio._push_op(meta, ids, grads, tags))
 
     def write_rows(self, table: str, ids: Any, rows: Any) -> int:
-        return self._run(self.aio.write_rows(table, ids, rows))
+        tags: dict[int, Any] = {}
+        return self._call(table, lambda meta: self.aio._write_rows_op(meta, ids, rows, tags))
 
     def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
-        return self._run(self.aio.slot_stats(table, ids))
+        stats = self._call(table, lambda meta: self.aio._slot_stats_op(meta, ids))
+        return {k: _like(v, ids) for k, v in stats.items()}
 
     # the same calls, without waiting
     def submit_bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Future[Any]:
