@@ -211,6 +211,7 @@ def status_dict(resp: Any) -> dict[str, Any]:
                 "pid": s.pid,
                 "state": s.state,
                 "restarted": s.restarted,
+                "metrics": f"http://{s.metrics_address}/metrics" if s.metrics_address else "",
                 "device": s.device,
                 "requests": s.requests,
                 "tables": [{"table": t.table, "rows": t.rows, "bytes": t.bytes, "requests": t.requests,
@@ -262,6 +263,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         shards.add_row(str(s["index"]), s["address"], s["node_id"][:12], str(s["pid"]), state, s["device"], str(len(s["tables"])),
                        f"{rows:,}", _fmt_bytes(nbytes), f"{s['requests']:,}")
     console.print(shards)
+    if any(s["metrics"] for s in st["shards"]):
+        console.print("Prometheus metrics: " + ", ".join(s["metrics"] for s in st["shards"] if s["metrics"]))
     for s in st["shards"]:
         for t in s["tables"]:
             if t["recovered_from"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,23 +45,34 @@ T = TypeVar("T")
 
 
 def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Wrap a servicer method: known exceptions become precise gRPC statuses with their text."""
+    """Wrap a servicer method: known exceptions become precise gRPC statuses with their text, and
+    the call is counted and timed in the servicer's `metrics` (memserver.metrics), if it has one."""
+    name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        t0 = time.perf_counter()
+        code = grpc.StatusCode.OK
         try:
             return await method(self, request, context)
         except tuple(STATUS_OF) as exc:
             code = next(c for t, c in STATUS_OF.items() if isinstance(exc, t))
             await context.abort(code, str(exc))
         except grpc.aio.AbortError:
+            code = grpc.StatusCode.UNKNOWN
             raise
         except Exception as exc:
             if _is_actor_error(exc):  # a shard is restarting: the caller retries
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}")
+                code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, f"a shard is unavailable (restarting?): {exc}")
             # a bug: say so, with the traceback in the server log
-            log.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            log.exception("%s failed", name)
+            code = grpc.StatusCode.INTERNAL
+            await context.abort(code, f"{type(exc).__name__}: {exc}")
+        finally:
+            metrics = getattr(self, "metrics", None)
+            if metrics is not None:
+                metrics.observe(name, getattr(request, "table", ""), code.name, time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
     return wrapper

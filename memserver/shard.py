@@ -36,6 +36,7 @@ from memserver.durable import (
     table_record,
 )
 from memserver.grpc_util import LoopThread, NotFound, rpc, serve_on
+from memserver.metrics import ShardMetrics
 from memserver.table import OptimizerConfig, ValueTable, bag_index
 from memserver.v1 import memserver_pb2 as pb
 from memserver.v1 import memserver_pb2_grpc as pb_grpc
@@ -183,6 +184,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         self.pending: deque[Callable[[], object]] = deque()
         self.busy = 0  # work items handed to the compute thread and not finished
         self.tasks: set[asyncio.Task[None]] = set()
+        self.metrics: ShardMetrics | None = None  # set by the shard actor (see memserver.grpc_util.rpc)
 
     def _drain(self) -> None:
         while self.pending:
@@ -412,6 +414,8 @@ class ShardActor:
             log.info("shard %d: recovered %d table(s) in %.2fs: %s", index, len(recovered), time.perf_counter() - t0,
                      ", ".join(f"{r['table']} from {r['from']}" for r in recovered))
         self._serve(host)
+        self.servicer.metrics = ShardMetrics(index, lambda: self.servicer.tables, self.restarted)
+        self.servicer.metrics.serve(self.address.rsplit(":", 1)[0])
         if self.restarted and coordinator:
             log.warning("shard %d restarted (pid %d): serving again at %s, telling the coordinator", index,
                         os.getpid(), self.address)
@@ -440,7 +444,7 @@ class ShardActor:
 
     def info(self) -> dict[str, Any]:
         return {"address": self.address, "pid": os.getpid(), "node_id": _node_id(), "device": str(self.device),
-                "restarted": self.restarted}
+                "restarted": self.restarted, "metrics": self.servicer.metrics.address if self.servicer.metrics else ""}
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -587,7 +591,8 @@ class ShardActor:
     def status(self) -> bytes:
         async def status() -> bytes:
             st = pb.ShardStatus(address=self.address, node_id=_node_id(), pid=os.getpid(), device=str(self.device),
-                                requests=self.servicer.requests, restarted=self.restarted)
+                                requests=self.servicer.requests, restarted=self.restarted,
+                                metrics_address=self.servicer.metrics.address if self.servicer.metrics else "")
             for name, sl in self.servicer.tables.items():
                 st.tables.add(table=name, rows=sl.table.num_rows, bytes=sl.table.nbytes(), requests=sl.requests,
                               wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from)
@@ -599,6 +604,8 @@ class ShardActor:
         async def stop() -> None:
             if self.server is not None:
                 await self.server.stop(grace=1.0)
+            if self.servicer.metrics is not None:
+                self.servicer.metrics.stop()
             for sl in self.servicer.tables.values():
                 if sl.wal is not None:
                     sl.wal.close()

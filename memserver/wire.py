@@ -82,8 +82,9 @@ def as_tensor(x: Any) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x))
 
 
-def encode(t: torch.Tensor, wire_dtype: int | None = None) -> pb.Tensor:
-    """torch tensor -> pb.Tensor, optionally cast (e.g. to bfloat16 to halve the bytes)."""
+def encode(t: torch.Tensor | np.ndarray, wire_dtype: int | None = None) -> pb.Tensor:
+    """torch tensor (or numpy array) -> pb.Tensor, optionally cast (e.g. to bfloat16 to halve the bytes)."""
+    t = as_tensor(t)
     if wire_dtype is not None and wire_dtype != pb.DTYPE_UNSPECIFIED:
         t = t.to(TORCH_DTYPES[wire_dtype])
     code = WIRE_DTYPES.get(t.dtype)

@@ -221,3 +221,36 @@ def test_deferred_apply_is_seen_by_the_next_read(client, table_name, sharding):
         got = client.bag_backward(table_name, ids, w, g, defer_apply=True)
         np.testing.assert_allclose(got, ref.bag_backward(ids, w, g), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(client.lookup(table_name, np.arange(64)), ref.w, rtol=1e-4, atol=1e-5)
+
+
+def test_shards_export_prometheus_metrics(client, table_name):
+    """Each shard serves /metrics: requests by method, table and status code, latency, table size."""
+    import urllib.request
+
+    import grpc
+    import numpy as np
+
+    from memserver.v1 import memserver_pb2 as pb
+    from memserver.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.wire import encode
+
+    client.create_table(table_name, 1000, 8, sharding="cols", wal=True)
+    ids, w = np.arange(12).reshape(3, 4), np.ones((3, 4), np.float32)
+    for _ in range(5):
+        client.bag(table_name, ids, w)
+    client.push_gradients(table_name, np.arange(3), np.ones((3, 8), np.float32))
+    status = client.status()
+    with grpc.insecure_channel(status.shards[0].address) as ch:  # a table no shard has: NOT_FOUND
+        with pytest.raises(grpc.RpcError):
+            pb_grpc.DataPlaneStub(ch).Bag(pb.BagRequest(table="no-such-table", ids=encode(np.zeros((1, 1), np.int64)),
+                                                        weights=encode(np.ones((1, 1), np.float32))))
+    for i, shard in enumerate(status.shards):
+        assert shard.metrics_address.startswith("127.0.0.1:")
+        text = urllib.request.urlopen(f"http://{shard.metrics_address}/metrics", timeout=10).read().decode()
+        assert f'memserver_requests_total{{code="OK",method="Bag",table="{table_name}"}} 5.0' in text
+        assert f'memserver_table_rows{{table="{table_name}"}} 1000.0' in text
+        assert f'memserver_wal_records_total{{table="{table_name}"}} 1.0' in text
+        assert 'memserver_request_seconds_count{method="Bag"}' in text
+        if i == 0:
+            assert 'memserver_requests_total{code="NOT_FOUND",method="Bag",table="no-such-table"} 1.0' in text
+    client.drop_table(table_name)

@@ -301,7 +301,7 @@ class TableLoad(_message.Message):
     def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state")
+    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,7 @@ class ShardStatus(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     RESTARTED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     node_id: str
@@ -320,7 +321,8 @@ class ShardStatus(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[TableLoad]
     restarted: bool
     state: str
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ..., restarted: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ..., restarted: _Optional[bool] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
