@@ -58,6 +58,8 @@ class WriteAheadLog:
         self.syncs = 0
         self._cond = threading.Condition()
         self._waiters: list[tuple[int, Future[None]]] = []
+        self._retired: list[int] = []  # descriptors of earlier segments: synced and closed by the flusher
+        self._error: BaseException | None = None
         self._closed = False
         self._fd = self._open_segment(next_lsn)
         self._thread = threading.Thread(target=self._flush_loop, name=f"wal-{directory.name}", daemon=True)
@@ -71,6 +73,8 @@ class WriteAheadLog:
     def append(self, kind: int, payload: bytes) -> int:
         """Write one record (not yet durable: see `durable`)."""
         with self._cond:
+            if self._error is not None:
+                raise OSError(f"write-ahead log {self.dir} failed earlier: {self._error}")
             lsn = self.next_lsn
             body = bytes([kind]) + payload
             os.write(self._fd, _HEADER.pack(_MAGIC, zlib.crc32(body), lsn, len(body)) + body)
@@ -79,11 +83,19 @@ class WriteAheadLog:
             self._cond.notify()
             return lsn
 
+    @property
+    def failed(self) -> BaseException | None:
+        """The fsync error that stopped this log (writes must then be refused), or None."""
+        return self._error
+
     def durable(self, lsn: int) -> Future[None]:
-        """A future that completes once every record up to `lsn` (inclusive) is fsynced."""
+        """A future that completes once every record up to `lsn` (inclusive) is fsynced; it fails
+        if an fsync failed (then nothing after it is acknowledged)."""
         fut: Future[None] = Future()
         with self._cond:
-            if lsn < self.durable_lsn:
+            if self._error is not None:
+                fut.set_exception(self._error)
+            elif lsn < self.durable_lsn:
                 fut.set_result(None)
             else:
                 self._waiters.append((lsn, fut))
@@ -93,39 +105,41 @@ class WriteAheadLog:
     def _flush_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and self.durable_lsn == self.next_lsn:
+                while not self._closed and self.durable_lsn == self.next_lsn and not self._retired:
                     self._cond.wait()
-                if self._closed and self.durable_lsn == self.next_lsn:
+                if self._closed and self.durable_lsn == self.next_lsn and not self._retired:
                     return
-                upto, fd = self.next_lsn, self._fd
+                # Everything below `upto` is in the retired segments or the current one.
+                upto, fd, retired, self._retired = self.next_lsn, self._fd, self._retired, []
             try:
+                for old in retired:
+                    os.fdatasync(old)
+                    os.close(old)
                 os.fdatasync(fd)
-                error: BaseException | None = None
             except OSError as exc:  # the disk failed: nothing after this point is acknowledged
-                log.exception("write-ahead log %s: fsync failed", self.dir)
-                error = exc
+                log.exception("write-ahead log %s: fsync failed; no further write of this table is acknowledged", self.dir)
+                with self._cond:
+                    self._error = exc
+                    failed, self._waiters = self._waiters, []
+                for _, f in failed:
+                    f.set_exception(exc)
+                return
             with self._cond:
                 self.syncs += 1
-                if error is None:
-                    self.durable_lsn = max(self.durable_lsn, upto)
+                self.durable_lsn = max(self.durable_lsn, upto)
                 done = [(n, f) for n, f in self._waiters if n < upto]
                 self._waiters = [(n, f) for n, f in self._waiters if n >= upto]
             for _, f in done:
-                if error is None:
-                    f.set_result(None)
-                else:
-                    f.set_exception(error)
-            if error is not None:
-                return
+                f.set_result(None)
 
     def rotate(self, drop_before: int | None) -> None:
         """Start a new segment at `next_lsn` (called at a checkpoint) and delete the segments that
         only hold records below `drop_before` (the newest complete checkpoint's position)."""
         with self._cond:
-            old = self._fd
+            self._retired.append(self._fd)
             self._fd = self._open_segment(self.next_lsn)
+            self._cond.notify()
         self.durable(self.next_lsn - 1).result()  # everything in the old segment is on disk
-        os.close(old)
         if drop_before is not None:
             segments = _segments(self.dir)
             for (_, path), (next_start, _) in zip(segments, segments[1:]):
@@ -137,7 +151,9 @@ class WriteAheadLog:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=30)
-        os.close(self._fd)
+        for fd in [*self._retired, self._fd]:
+            os.close(fd)
+        self._retired = []
 
 
 def _segments(directory: Path) -> list[tuple[int, Path]]:

@@ -128,6 +128,13 @@ class TableSlice:
         self.table.apply_entries(torch.cat(ids), torch.cat(src_index), torch.cat(scale), torch.cat(src))
         return True
 
+    def check_writable(self) -> None:
+        """Refuse writes once the log failed: an update applied but not logged could not be
+        acknowledged, and a retry would apply it twice."""
+        if self.wal is not None and self.wal.failed is not None:
+            raise RuntimeError(f"table {self.spec.name}: its write-ahead log failed ({self.wal.failed}); "
+                               "writes are refused until the shard restarts")
+
     def log(self, kind: int, request: Any) -> None:
         """Append an applied write to the log (a no-op without one, and while replaying)."""
         if self.wal is not None:
@@ -256,6 +263,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         check_rows(grad_out, num_bags, sl.table.dim, "grad_out")
 
         def work() -> pb.BagBackwardResponse:
+            sl.check_writable()
             local = sl.local(ids)
 
             def apply() -> pb.Tensor:
@@ -282,6 +290,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         check_rows(grads, ids.shape[0], sl.table.dim, "grads")
 
         def work() -> pb.WriteAck:
+            sl.check_writable()
             local = sl.local(ids)
 
             def apply() -> int:
@@ -301,6 +310,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         check_rows(rows, ids.shape[0], sl.table.dim, "rows")
 
         def work() -> pb.WriteAck:
+            sl.check_writable()
             local = sl.local(ids)
             if len(torch.unique(local)) != len(local):
                 raise BadInput("ids: write_rows needs distinct ids (which of two rows would win?)")

@@ -162,3 +162,22 @@ def test_coordinator_rebuilds_its_catalog_and_follows_a_moved_shard():
     asyncio.run(servicer.shard_restarted(0, moved, []))
     assert [s.address for s in servicer.tables["m"].shards] == ["127.0.0.1:7002", "127.0.0.1:7999"]
     assert servicer.tables["m"].shards[1].pid == 99 and servicer.epoch == epoch + 1
+
+
+def test_a_failed_fsync_acknowledges_nothing_after_it(tmp_path, monkeypatch):
+    import memserver.durable as durable
+
+    wal = WriteAheadLog(tmp_path)
+    wal.durable(wal.append(PUSH_GRADIENTS, b"ok")).result(10)
+
+    def broken(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(durable.os, "fdatasync", broken)
+    with pytest.raises(OSError, match="Input/output"):
+        wal.durable(wal.append(PUSH_GRADIENTS, b"lost")).result(10)
+    assert wal.failed is not None
+    with pytest.raises(OSError, match="failed earlier"):
+        wal.append(PUSH_GRADIENTS, b"refused")
+    monkeypatch.undo()
+    wal.close()
