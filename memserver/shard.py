@@ -358,21 +358,20 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         await self._acknowledge(sl)
         return response
 
-    @rpc
-    async def PushGradients(self, request: pb.PushGradientsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+    async def _apply_write(self, request: Any, build: Callable[[TableSlice, Any], tuple[Callable[[], T], int]]) -> T:
         sl = self.slice(request.table)
-        work, n = self._push_gradients(sl, request)
+        work, n = build(sl, request)
         response = await self.run(work, n)
         await self._acknowledge(sl)
         return response
 
     @rpc
+    async def PushGradients(self, request: pb.PushGradientsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        return await self._apply_write(request, self._push_gradients)
+
+    @rpc
     async def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        sl = self.slice(request.table)
-        work, n = self._write_rows(sl, request)
-        response = await self.run(work, n)
-        await self._acknowledge(sl)
-        return response
+        return await self._apply_write(request, self._write_rows)
 
     @rpc
     async def SlotStats(self, request: pb.SlotStatsRequest, context: grpc.aio.ServicerContext) -> pb.SlotStatsResponse:
