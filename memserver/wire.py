@@ -185,8 +185,8 @@ def tune_malloc() -> bool:
     glibc serves blocks above its mmap threshold with fresh mmaps and unmaps them on free, so
     every request, response and tensor of a few MiB is built in memory the kernel must fault in
     page by page again. On the virtual machines measured here that first touch is the largest
-    cost of a large call (`docs/benchmarks.md`, "Fresh memory"): serialising a 4 MiB two-tensor
-    request takes 9.7 ms, and 0.7 ms once blocks up to 32 MiB are reused. Called by the shards and
+    cost of a large call (`python -m benchmarks.fresh_memory`): serialising a 4 MiB two-tensor
+    request takes 9.5 ms, and 0.5 ms once blocks up to 32 MiB are reused. Called by the shards and
     the clients; MEMSERVER_MALLOC_TUNE=0 turns it off. Returns whether the settings took effect.
     """
     global _malloc_tuned
@@ -198,8 +198,8 @@ def tune_malloc() -> bool:
 
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = all([libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20), libc.mallopt(_M_TRIM_THRESHOLD, 512 << 20),
-                  libc.mallopt(_M_TOP_PAD, 16 << 20)])
+        ok = all([libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20), libc.mallopt(_M_TRIM_THRESHOLD, 64 << 20),
+                  libc.mallopt(_M_TOP_PAD, 0)])
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False
     _malloc_tuned = bool(ok)

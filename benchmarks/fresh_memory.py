@@ -1,0 +1,84 @@
+"""Fresh memory: building and serialising large messages with and without `tune_malloc`.
+
+Each side runs in its own child process (MEMSERVER_MALLOC_TUNE=0 or 1, since mallopt settings
+are per process and cannot be undone), timing the steps of a memtrain-shaped call: building a
+4 MiB two-tensor BagRequest (4096 x 128 int32 ids + float32 weights), serialising it, and
+encoding plus serialising a [4096, 128] float32 answer. Also counts minor page faults per
+serialisation. See docs/benchmarks.md, "Fresh memory".
+
+    python -m benchmarks.fresh_memory [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.common import machine
+
+CHILD = """if True:
+    import json, resource, statistics, time, torch
+    from memserver.wire import encode, tune_malloc
+    from memserver.v1 import memserver_pb2 as pb
+    tuned = tune_malloc()
+    ids = torch.randint(0, 1 << 18, (4096, 128), dtype=torch.int32)
+    w, out = torch.rand(4096, 128), torch.rand(4096, 128)
+    req = pb.BagRequest(table="x", ids=encode(ids), weights=encode(w))
+
+    def ms(fn, n=30):
+        fn()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter(); fn(); ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        req.SerializeToString()
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 20
+    print(json.dumps({"tuned": tuned, "faults_per_serialise": faults,
+        "build_request_ms": ms(lambda: pb.BagRequest(table="x", ids=encode(ids), weights=encode(w))),
+        "serialise_request_ms": ms(req.SerializeToString),
+        "answer_ms": ms(lambda: pb.BagResponse(out=encode(out)).SerializeToString())}))
+"""
+STEPS = ("build_request_ms", "serialise_request_ms", "answer_ms")
+
+
+def run(tune: bool) -> dict[str, Any]:
+    env = {**os.environ, "MEMSERVER_MALLOC_TUNE": "1" if tune else "0"}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="accepted for benchmarks.run; the run is short anyway")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    off, on = run(False), run(True)
+    targets = [{"name": "fresh_memory", "what": f"{k.removesuffix('_ms').replace('_', ' ')}: untuned / tuned ms",
+                "target": "info", "value": off[k] / on[k], "measured": f"{off[k] / on[k]:.1f}x", "pass": None}
+               for k in STEPS]
+    result = {"benchmark": "fresh_memory", "machine": machine(), "untuned": off, "tuned": on, "targets": targets}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return result
+    tbl = Table(title="4 MiB BagRequest and a [4096, 128] answer: median ms (child processes)")
+    for col in ("step", "untuned", "tune_malloc", "untuned / tuned"):
+        tbl.add_column(col, justify="left" if col == "step" else "right")
+    for k in STEPS:
+        tbl.add_row(k.removesuffix("_ms"), f"{off[k]:.2f}", f"{on[k]:.2f}", f"{off[k] / on[k]:.1f}x")
+    tbl.add_row("minor faults per serialise", f"{off['faults_per_serialise']:.0f}", f"{on['faults_per_serialise']:.0f}", "")
+    Console(width=120).print(tbl)
+    return result
+
+
+if __name__ == "__main__":
+    main()
