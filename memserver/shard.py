@@ -546,7 +546,10 @@ class ShardActor:
                 record = self.store.record(name)
                 if record is not None:
                     previous = latest_committed(record)
-                    record["checkpoints"] = [*record["checkpoints"], entry][-KEEP_CHECKPOINTS:]
+                    kept = [*record["checkpoints"], entry][-KEEP_CHECKPOINTS:]
+                    if previous is not None and previous not in kept:  # the log after it is all we have
+                        kept = [previous, *kept[1:]]
+                    record["checkpoints"] = kept
                     self.store.save(record)
                     if sl.wal is not None:  # records before the previous complete checkpoint are no longer needed
                         sl.wal.rotate(previous["lsn"] if previous else None)

@@ -181,3 +181,35 @@ def test_a_failed_fsync_acknowledges_nothing_after_it(tmp_path, monkeypatch):
         wal.append(PUSH_GRADIENTS, b"refused")
     monkeypatch.undo()
     wal.close()
+
+
+def test_interrupted_checkpoints_never_push_out_the_last_complete_one(tmp_path):
+    """The log before the last complete checkpoint is deleted, so that checkpoint must stay in the
+    shard's record however many interrupted ones (no manifest) follow it."""
+    from memserver.coordinator import plan_table, validate_spec
+    from memserver.shard import ShardActor
+
+    spec = validate_spec(pb.TableSpec(name="m", num_rows=32, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=0.5),
+                                      sharding=pb.ROWS, wal=True), 1)
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+    rng = np.random.default_rng(1)
+    with grpc.insecure_channel(shard.address) as ch:
+        stub = pb_grpc.DataPlaneStub(ch)
+        seq = 0
+        for step in range(1, 7):
+            for _ in range(3):
+                seq += 1
+                _push(stub, "m", rng.integers(0, 32, 8), rng.normal(size=(8, 4)).astype(np.float32), seq)
+            step_dir = tmp_path / "ck" / f"step-{step:010d}"
+            shard.checkpoint_table("m", str(step_dir / "m" / "shard-0000.pt"), step)
+            if step <= 2:  # complete; steps 3-6 are interrupted (no manifest)
+                (step_dir / "manifest.json").write_text("{}")
+        rows = decode(stub.Lookup(pb.LookupRequest(table="m", ids=encode(torch.arange(32)))).rows, "rows").clone()
+    shard.stop()
+    again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    assert again.servicer.tables["m"].recovered_from == "checkpoint step 2 + 12 logged writes"
+    with grpc.insecure_channel(again.address) as ch:
+        got = decode(pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="m", ids=encode(torch.arange(32)))).rows, "rows")
+    torch.testing.assert_close(got, rows, rtol=0, atol=0)
+    again.stop()
