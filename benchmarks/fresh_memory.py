@@ -4,7 +4,9 @@ Each side runs in its own child process (MEMSERVER_MALLOC_TUNE=0 or 1, since mal
 are per process and cannot be undone), timing the steps of a memtrain-shaped call: building a
 4 MiB two-tensor BagRequest (4096 x 128 int32 ids + float32 weights), serialising it, and
 encoding plus serialising a [4096, 128] float32 answer. Also counts minor page faults per
-serialisation. See docs/benchmarks.md, "Fresh memory".
+serialisation. glibc adapts its mmap threshold to the blocks a process frees, so whether a given
+process hits the slow path depends on what it allocated before; `tune_malloc` makes it never.
+See docs/benchmarks.md, "Fresh memory".
 
     python -m benchmarks.fresh_memory [--json]
 """
@@ -43,12 +45,20 @@ CHILD = """if True:
     for _ in range(20):
         req.SerializeToString()
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 20
-    print(json.dumps({"tuned": tuned, "faults_per_serialise": faults,
-        "build_request_ms": ms(lambda: pb.BagRequest(table="x", ids=encode(ids), weights=encode(w))),
-        "serialise_request_ms": ms(req.SerializeToString),
-        "answer_ms": ms(lambda: pb.BagResponse(out=encode(out)).SerializeToString())}))
+    r = {"tuned": tuned, "faults_per_serialise": faults,
+         "build_request_ms": ms(lambda: pb.BagRequest(table="x", ids=encode(ids), weights=encode(w))),
+         "serialise_request_ms": ms(req.SerializeToString),
+         "answer_ms": ms(lambda: pb.BagResponse(out=encode(out)).SerializeToString())}
+    # Last, because a large free raises glibc's adaptive mmap threshold and would hide the effect.
+    parts = [ids.numpy(), w.numpy()]
+    r["join_same_bytes_ms"] = ms(lambda: b"".join(memoryview(a).cast("B") for a in parts))
+    one = pb.Tensor(data=bytes(4 << 20))
+    r["serialise_one_tensor_4mib_ms"] = ms(one.SerializeToString)
+    print(json.dumps(r))
 """
 STEPS = ("build_request_ms", "serialise_request_ms", "answer_ms")
+#: Reference points, not steps of a call: the same payload joined as bytes, and a one-tensor message.
+REFERENCES = ("join_same_bytes_ms", "serialise_one_tensor_4mib_ms")
 
 
 def run(tune: bool) -> dict[str, Any]:
@@ -75,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tbl.add_column(col, justify="left" if col == "step" else "right")
     for k in STEPS:
         tbl.add_row(k.removesuffix("_ms"), f"{off[k]:.2f}", f"{on[k]:.2f}", f"{off[k] / on[k]:.1f}x")
+    for k in REFERENCES:
+        tbl.add_row(f"(reference) {k.removesuffix('_ms').replace('_', ' ')}", f"{off[k]:.2f}", f"{on[k]:.2f}", "")
     tbl.add_row("minor faults per serialise", f"{off['faults_per_serialise']:.0f}", f"{on['faults_per_serialise']:.0f}", "")
     Console(width=120).print(tbl)
     return result

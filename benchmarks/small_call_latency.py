@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from client import MemoryClient
-    from client.aio import CHANNEL_OPTIONS
+    from client.aio import CHANNEL_OPTIONS, finish
     from memserver.v1 import memserver_pb2 as pb
     from memserver.v1 import memserver_pb2_grpc as pb_grpc
     from memserver.wire import encode
@@ -88,10 +88,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         expect = ray.get(actor.bag.remote(ids_np, w_np))
         match = all(np.allclose(x, expect, rtol=1e-5, atol=1e-6) for x in (
             client.bag("bench-lat-1", ids, w).numpy(), client.bag("bench-lat-2", ids, w).numpy()))
+        answer = stub.Bag(req, timeout=10)
+
+        def op_alone() -> Any:  # the client's own work on a call, handed a real answer
+            op = client.aio._bag_op(meta1, ids, w, None)
+            next(op)
+            return finish(op, [answer])
+
         fns = {
             "memserver client, 1 shard": lambda: client.bag("bench-lat-1", ids, w),
             "memserver client, 2 shards (cols)": lambda: client.bag("bench-lat-2", ids, w),
             "raw sync gRPC stub, 1 shard": lambda: stub.Bag(req, timeout=10),
+            "client op alone (checks, routing, encode, assemble; no transport)": lambda: op_alone(),
             "gRPC health check of that shard (floor)": lambda: health.Check(health_req, timeout=10),
             "Ray actor .bag (baseline)": lambda: ray.get(actor.bag.remote(ids_np, w_np)),
             "Ray actor no-op (ray.get of ping)": lambda: ray.get(actor.ping.remote()),

@@ -20,6 +20,7 @@ import grpc
 
 from client.aio import CHANNEL_OPTIONS, AsyncMemoryClient, Op, TableMeta, _like, finish
 from client.errors import InvalidArgumentError, TableNotFoundError, UnavailableError, from_rpc_error
+from memserver.grpc_util import LoopThread
 from memserver.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import BadInput
 
@@ -31,9 +32,7 @@ class MemoryClient:
 
     def __init__(self, endpoint: str | None = None, **kwargs: Any) -> None:
         self.aio = AsyncMemoryClient(endpoint, **kwargs)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="memserver-client", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread("memserver-client")
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.DataPlaneStub] = {}
         self._lock = threading.Lock()
@@ -43,10 +42,10 @@ class MemoryClient:
         return self.aio.endpoint
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._loop.submit(coro)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._submit(coro).result()
+        return self._loop.call(coro)
 
     def _stub(self, address: str) -> pb_grpc.DataPlaneStub:
         stub = self._stubs.get(address)
@@ -106,11 +105,9 @@ class MemoryClient:
                 ch.close()
             self._channels.clear()
             self._stubs.clear()
-        if self._loop.is_running():
+        if self._loop.loop.is_running():
             self._run(self.aio.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-            self._loop.close()
+            self._loop.stop()
 
     def __enter__(self) -> MemoryClient:
         return self

@@ -272,6 +272,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_flags(p: argparse.ArgumentParser, timeout: float, json_help: str = "print one JSON object") -> None:
+    """--endpoint, --json and --timeout of the commands that talk to a running cluster."""
+    p.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.add_argument("--timeout", type=float, default=timeout, help="RPC deadline, seconds")
+
+
 def _endpoint(args: argparse.Namespace) -> str:
     if getattr(args, "endpoint", None):
         return args.endpoint
@@ -473,10 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     st = sub.add_parser("status", help="tables and shards of the running cluster",
-                        description="Show tables and shards (node, pid, port, rows, bytes, requests served).")
-    st.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
-    st.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    st.add_argument("--timeout", type=float, default=30.0, help="RPC deadline, seconds")
+                        description="Show tables and shards (node, pid, port, state, rows, bytes, requests served, "
+                        "metrics URL) and what each restarted shard recovered its tables from.")
+    _cluster_flags(st, timeout=30.0, json_help="print one JSON object instead of tables")
     st.set_defaults(func=cmd_status)
 
     ck = sub.add_parser("checkpoint", help="write a consistent checkpoint of the tables",
@@ -486,9 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--dir", help="checkpoint root (default: $MEMSERVER_HOME/checkpoints); must be visible to every shard")
     ck.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint (its folder is step-<step>)")
     ck.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
-    ck.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
-    ck.add_argument("--json", action="store_true", help="print one JSON object")
-    ck.add_argument("--timeout", type=float, default=600.0, help="RPC deadline, seconds")
+    _cluster_flags(ck, timeout=600.0)
     ck.set_defaults(func=cmd_checkpoint)
 
     rs = sub.add_parser("restore", help="load tables from a checkpoint",
@@ -499,9 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name first")
     rs.add_argument("--shards", type=int, default=0, help="restore into this many shards (default: as saved)")
-    rs.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
-    rs.add_argument("--json", action="store_true", help="print one JSON object")
-    rs.add_argument("--timeout", type=float, default=600.0, help="RPC deadline, seconds")
+    _cluster_flags(rs, timeout=600.0)
     rs.set_defaults(func=cmd_restore)
 
     down = sub.add_parser("down", help="stop the cluster that `up` started", description="Stop the running memserver cleanly.")

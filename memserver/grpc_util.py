@@ -3,6 +3,7 @@ to turn bad input into a status code."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import time
@@ -130,11 +131,12 @@ def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], serv
 
 
 class LoopThread:
-    """An asyncio event loop on a daemon thread that owns a process's grpc.aio server.
+    """An asyncio event loop on a daemon thread, driven from other threads.
 
     Shard and coordinator actors are threaded Ray actors: their gRPC server lives on this loop,
     not on Ray's, so `__init__` can start it (and a restarted actor serves again without anyone
-    calling it), and Ray methods reach the server's state through `call`.
+    calling it), and Ray methods reach the server's state through `call`. The blocking client
+    runs its asyncio client on one too.
     """
 
     def __init__(self, name: str) -> None:
@@ -147,6 +149,19 @@ class LoopThread:
 
     def call(self, coro: Awaitable[T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and wait for its result (from any other thread)."""
+
+        return self.submit(coro).result(timeout)
+
+    def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop; its result arrives in the returned future."""
         import asyncio
 
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the loop, wait for its thread and close it."""
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=timeout)
+        if not self.loop.is_running():
+            self.loop.close()

@@ -539,8 +539,7 @@ class ShardActor:
                 raise NotFound(f"table {name!r} does not exist on shard {self.index}")
             meta = sl.slice_meta()
             lsn = sl.wal.next_lsn if sl.wal is not None else 0
-            state: dict[str, Any] = dict(sl.table.state())
-            nbytes = save_slice(Path(path), meta, state, extra={"dedup": sl.dedup_state(), "lsn": lsn})
+            nbytes = save_slice(Path(path), meta, sl.table.state(), extra={"dedup": sl.dedup_state(), "lsn": lsn})
             entry = {"file": path, "bytes": nbytes, **meta, "lsn": lsn, "step": step}
             if self.store is not None:
                 record = self.store.record(name)

@@ -186,7 +186,7 @@ def tune_malloc() -> bool:
     every request, response and tensor of a few MiB is built in memory the kernel must fault in
     page by page again. On the virtual machines measured here that first touch is the largest
     cost of a large call (`python -m benchmarks.fresh_memory`): serialising a 4 MiB two-tensor
-    request takes 9.5 ms, and 0.5 ms once blocks up to 32 MiB are reused. Called by the shards and
+    request takes 9 ms, and 0.5-0.7 ms once blocks up to 32 MiB are reused. Called by the shards and
     the clients; MEMSERVER_MALLOC_TUNE=0 turns it off. Returns whether the settings took effect.
     """
     global _malloc_tuned
