@@ -29,7 +29,7 @@ lint: install
 	$(BIN)/ruff check .
 
 proto: install
-	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/memserver/v1/memserver.proto
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/memserver/api/v1/memserver.proto
 
 bench: install
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from client import MemoryClient
-    from memserver.table import init_values
+    from memserver.core.init import init_values
 
     tables = [tuple(int(x) for x in t.split("x")) for t in args.tables.split(",")]
     if args.quick:

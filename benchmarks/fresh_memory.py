@@ -28,7 +28,7 @@ from benchmarks.common import machine
 CHILD = """if True:
     import json, resource, statistics, time, torch
     from memserver.wire import encode, tune_malloc
-    from memserver.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2 as pb
     tuned = tune_malloc()
     ids = torch.randint(0, 1 << 18, (4096, 128), dtype=torch.int32)
     w, out = torch.rand(4096, 128), torch.rand(4096, 128)

@@ -2,7 +2,7 @@
 
 A memory layer at inference time (or a small trainer batch) makes many tiny calls, where the
 fixed cost per call is everything. The baseline is what one would write without memserver: a
-Ray actor holding a `memserver.table.ValueTable` of the same size and computing the same bag,
+Ray actor holding a `memserver.core.table.ValueTable` of the same size and computing the same bag,
 called as `ray.get(actor.bag.remote(ids, w))`. Also measured, to split our time into parts: a raw
 blocking gRPC stub call to one shard (pre-encoded request, no client: transport + shard), the
 gRPC health check of that shard's server (transport + grpc.aio server floor, no shard code), and
@@ -35,7 +35,8 @@ class BagActor:
     """The baseline: a value table in a plain Ray actor (1 torch thread, as a shard has)."""
 
     def __init__(self, rows: int, dim: int) -> None:
-        from memserver.table import OptimizerConfig, ValueTable
+        from memserver.core.optim import OptimizerConfig
+        from memserver.core.table import ValueTable
 
         torch.set_num_threads(1)
         self.table = ValueTable(rows, dim, OptimizerConfig("adagrad"), init_std=0.02, seed=0)
@@ -59,14 +60,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.quick:
         args.calls, args.max_seconds = min(args.calls, 150), min(args.max_seconds, 20.0)
-    import grpc
     import ray
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from client import MemoryClient
-    from client.aio import CHANNEL_OPTIONS, finish
-    from memserver.v1 import memserver_pb2 as pb
-    from memserver.v1 import memserver_pb2_grpc as pb_grpc
+    from client import MemoryClient, ops
+    from client.channels import sync_channel
+    from client.ops import finish
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
     from memserver.wire import encode
 
     rng = np.random.default_rng(0)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         actor = ray.remote(BagActor).options(num_cpus=0.25).remote(args.rows, args.dim)
         ray.get(actor.ping.remote())
         shard_addr = meta1.shards[0].address
-        channel = grpc.insecure_channel(shard_addr, options=CHANNEL_OPTIONS)
+        channel = sync_channel(shard_addr)
         stub = pb_grpc.DataPlaneStub(channel)
         req = pb.BagRequest(table="bench-lat-1", ids=encode(ids.int()), weights=encode(w))
         health = health_pb2_grpc.HealthStub(channel)
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         answer = stub.Bag(req, timeout=10)
 
         def op_alone() -> Any:  # the client's own work on a call, handed a real answer
-            op = client.aio._bag_op(meta1, ids, w, None)
+            op = ops.bag_op(meta1, ids, w, None, client.aio.opts)
             next(op)
             return finish(op, [answer])
 

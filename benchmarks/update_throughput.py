@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.repeat, args.max_seconds = min(args.repeat, 3), min(args.max_seconds, 20.0)
     from client import MemoryClient
-    from memserver.table import init_values
+    from memserver.core.init import init_values
 
     rng = np.random.default_rng(0)
     ids = torch.from_numpy(rng.integers(0, args.rows, (args.batch, args.ids)))
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def measure(opt_name: str, args: argparse.Namespace, client: Any, ids: torch.Tensor, w: torch.Tensor, g: torch.Tensor,
             init: torch.Tensor) -> dict[str, Any]:
     """One optimizer: PyTorch's path, our local backends and the remote call, round robin."""
-    from memserver.table import OptimizerConfig, ValueTable
+    from memserver.core.optim import OptimizerConfig
+    from memserver.core.table import ValueTable
 
     emb = torch.nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
     with torch.no_grad():

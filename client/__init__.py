@@ -2,10 +2,14 @@
 
 `AsyncMemoryClient` (asyncio, grpc.aio) and `MemoryClient` (the same calls, blocking, for
 scripts and trainers). Inputs may be numpy arrays or torch tensors; outputs are the same kind.
+Failures raise the exceptions of memserver.api.errors, one class per gRPC status, re-exported
+here. The client imports no server code: only memserver.api, memserver.wire, memserver.loop and
+memserver.cluster.endpoint.
 """
 
-from client.aio import AsyncMemoryClient, TableMeta
-from client.errors import (
+from client.aio import AsyncMemoryClient
+from client.sync import MemoryClient
+from memserver.api.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     MemserverError,
@@ -14,7 +18,7 @@ from client.errors import (
     TableNotFoundError,
     UnavailableError,
 )
-from client.sync import MemoryClient
+from memserver.api.types import TableMeta
 
 __all__ = [
     "AsyncMemoryClient",

@@ -1,11 +1,10 @@
-"""The blocking client: the asyncio client's ops, sent from the caller's thread.
+"""The blocking client: the same ops as the asyncio client, sent from the caller's thread.
 
-Data-plane calls run the same ops as AsyncMemoryClient (validation, routing, assembly) and send
-their requests with blocking gRPC stubs from the calling thread: no hop to an event loop, which
-on a small call is most of the client's cost (`docs/benchmarks.md`, small_call_latency). The
-control plane, retries through a restart and the `submit_*` methods (which return a
-concurrent.futures.Future so a trainer can overlap a call with its own compute) run on the
-asyncio client in a private event-loop thread.
+Data-plane calls run the ops of client.ops and send their requests with blocking gRPC stubs from
+the calling thread: no hop to an event loop, which on a small call is most of the client's cost
+(`docs/benchmarks.md`, small_call_latency). The control plane, retries through a restart and
+`submit_bag` (which returns a concurrent.futures.Future so a trainer can overlap a call with its
+own compute) run on the asyncio client in a private event-loop thread.
 """
 
 from __future__ import annotations
@@ -18,11 +17,14 @@ from typing import Any, TypeVar
 
 import grpc
 
-from client.aio import CHANNEL_OPTIONS, AsyncMemoryClient, Op, TableMeta, _like, finish
-from client.errors import InvalidArgumentError, TableNotFoundError, UnavailableError, from_rpc_error
-from memserver.grpc_util import LoopThread
-from memserver.v1 import memserver_pb2_grpc as pb_grpc
-from memserver.wire import BadInput
+from client import ops
+from client.aio import AsyncMemoryClient
+from client.channels import sync_channel
+from client.ops import Op, finish, like
+from memserver.api.errors import TableNotFoundError, UnavailableError, from_rpc_error
+from memserver.api.types import TableMeta
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.loop import LoopThread
 
 T = TypeVar("T")
 
@@ -41,9 +43,6 @@ class MemoryClient:
     def endpoint(self) -> str:
         return self.aio.endpoint
 
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return self._loop.submit(coro)
-
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.call(coro)
 
@@ -52,13 +51,13 @@ class MemoryClient:
         if stub is None:
             with self._lock:
                 if address not in self._stubs:
-                    self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                    self._channels[address] = sync_channel(address)
                     self._stubs[address] = pb_grpc.DataPlaneStub(self._channels[address])
                 stub = self._stubs[address]
         return stub
 
     def _call(self, table: str, make_op: Callable[[TableMeta], Op]) -> Any:
-        """Run an op (see AsyncMemoryClient) with blocking stubs, all its requests in flight at once.
+        """Run an op with blocking stubs, all its requests in flight at once.
 
         The first attempt runs right here when the shard map is cached. A first call, a shard that
         is UNAVAILABLE (restarting) or a table that moved goes through the asyncio client's
@@ -89,8 +88,6 @@ class MemoryClient:
         if meta is not None:
             try:
                 return attempt(meta)
-            except BadInput as exc:
-                raise InvalidArgumentError(f"INVALID_ARGUMENT: {exc}") from None
             except (UnavailableError, TableNotFoundError):
                 pass
 
@@ -137,38 +134,32 @@ class MemoryClient:
     def restore(self, dir: str, step: int = 0, **kwargs: Any) -> list[TableMeta]:
         return self._run(self.aio.restore(dir, step, **kwargs))
 
-    # data plane: blocking stubs from this thread (see _call)
+    # data plane: blocking stubs from this thread (see _call); the ops are client.ops'
     def lookup(self, table: str, ids: Any) -> Any:
-        return _like(self._call(table, lambda meta: self.aio._lookup_op(meta, ids)), ids)
+        return like(self._call(table, lambda meta: ops.lookup_op(meta, ids, self.aio.opts)), ids)
 
     def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
-        return _like(self._call(table, lambda meta: self.aio._bag_op(meta, ids, weights, offsets)), weights)
+        return like(self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.aio.opts)), weights)
 
-    def bag_backward(
-        self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *, defer_apply: bool = False,
-        step: int = 0,
-    ) -> Any:
-        tags: dict[int, Any] = {}
-        op = lambda meta: self.aio._bag_backward_op(meta, ids, weights, grad_out, offsets, defer_apply, step, tags)  # noqa: E731
-        return _like(self._call(table, op), weights)
+    def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
+                     defer_apply: bool = False, step: int = 0) -> Any:
+        tags = self.aio.tags()
+        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.aio.opts, tags, defer_apply, step)  # noqa: E731
+        return like(self._call(table, op), weights)
 
     def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
-        tags: dict[int, Any] = {}
-        return self._call(table, lambda meta: self.aio._push_op(meta, ids, grads, tags))
+        tags = self.aio.tags()
+        return self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.aio.opts, tags))
 
     def write_rows(self, table: str, ids: Any, rows: Any) -> int:
-        tags: dict[int, Any] = {}
-        return self._call(table, lambda meta: self.aio._write_rows_op(meta, ids, rows, tags))
+        tags = self.aio.tags()
+        return self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.aio.opts, tags))
 
     def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
-        stats = self._call(table, lambda meta: self.aio._slot_stats_op(meta, ids))
-        return {k: _like(v, ids) for k, v in stats.items()}
+        stats = self._call(table, lambda meta: ops.slot_stats_op(meta, ids))
+        return {k: like(v, ids) for k, v in stats.items()}
 
-    # the same calls, without waiting
     def submit_bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Future[Any]:
-        return self._submit(self.aio.bag(table, ids, weights, offsets))
-
-    def submit_bag_backward(
-        self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *, defer_apply: bool = False
-    ) -> Future[Any]:
-        return self._submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, defer_apply=defer_apply))
+        """`bag` without waiting: the answer arrives in the returned future (a memory layer sends
+        one chunk's bag and addresses the next chunk meanwhile)."""
+        return self._loop.submit(self.aio.bag(table, ids, weights, offsets))

@@ -2,8 +2,8 @@
 
 Each user reads the table's shard map once (ControlPlane.GetShardMap), then loops over a weighted
 mix of bag / lookup / bag_backward calls built with memserver.wire and routed exactly as
-client.AsyncMemoryClient routes them (memserver.routing); bag_backward carries a WriteTag with
-the user's own client id. The user class lives in memserver/loaduser.py, shared with
+client.AsyncMemoryClient routes them (the client's own ops, client.ops); bag_backward carries a
+WriteTag with the user's own client id. The user class lives in memserver/loadtest/user.py, shared with
 `memserver loadtest`, which runs the same thing headless and prints exact percentiles.
 
 Plain locust (web UI on http://127.0.0.1:8089, or --headless):
@@ -31,7 +31,7 @@ from typing import Any
 
 from locust import events
 
-from memserver.loaduser import MemserverUser, attach_recorder
+from memserver.loadtest.user import MemserverUser, attach_recorder
 
 __all__ = ["MemserverUser"]
 

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from memserver.v1 import memserver_pb2 as pb
+from memserver.api.errors import InvalidArgumentError
+from memserver.api.v1 import memserver_pb2 as pb
 
 # torch warns whenever it wraps an immutable buffer; decoded tensors are only ever read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -50,10 +51,6 @@ DTYPE_NAMES: dict[str, int] = {
 VALUE_DTYPES = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
 
 
-class BadInput(ValueError):
-    """Input that a call must reject whole (mapped to gRPC INVALID_ARGUMENT)."""
-
-
 def dtype_code(name: str | int | torch.dtype) -> int:
     """Accept 'float32', a torch dtype or a proto enum value and return the enum value."""
     if isinstance(name, torch.dtype):
@@ -63,7 +60,7 @@ def dtype_code(name: str | int | torch.dtype) -> int:
     else:
         code = int(name) if int(name) in TORCH_DTYPES else None
     if code is None:
-        raise BadInput(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_NAMES)}")
+        raise InvalidArgumentError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_NAMES)}")
     return code
 
 
@@ -89,7 +86,7 @@ def encode(t: torch.Tensor | np.ndarray, wire_dtype: int | None = None) -> pb.Te
         t = t.to(TORCH_DTYPES[wire_dtype])
     code = WIRE_DTYPES.get(t.dtype)
     if code is None:
-        raise BadInput(f"dtype {t.dtype} cannot be sent; use one of {sorted(DTYPE_NAMES)}")
+        raise InvalidArgumentError(f"dtype {t.dtype} cannot be sent; use one of {sorted(DTYPE_NAMES)}")
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -100,18 +97,18 @@ def encode(t: torch.Tensor | np.ndarray, wire_dtype: int | None = None) -> pb.Te
 
 
 def decode(msg: pb.Tensor, what: str) -> torch.Tensor:
-    """pb.Tensor -> read-only torch view of the message bytes; BadInput names `what` on mismatch."""
+    """pb.Tensor -> read-only torch view of the message bytes; the error names `what` on mismatch."""
     dtype = TORCH_DTYPES.get(msg.dtype)
     if dtype is None:
-        raise BadInput(f"{what}: missing or unknown dtype ({msg.dtype})")
+        raise InvalidArgumentError(f"{what}: missing or unknown dtype ({msg.dtype})")
     shape = tuple(int(s) for s in msg.shape)
     if any(s < 0 for s in shape):
-        raise BadInput(f"{what}: negative extent in shape {list(shape)}")
+        raise InvalidArgumentError(f"{what}: negative extent in shape {list(shape)}")
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     itemsize = torch.empty((), dtype=dtype).element_size()
     data = msg.data  # with upb every read of a bytes field is a copy: read it once
     if len(data) != numel * itemsize:
-        raise BadInput(
+        raise InvalidArgumentError(
             f"{what}: {len(data)} bytes do not hold shape {list(shape)} of "
             f"{dtype_name(msg.dtype)} ({numel * itemsize} bytes expected)"
         )
@@ -126,51 +123,56 @@ def decode(msg: pb.Tensor, what: str) -> torch.Tensor:
 def check_ids(ids: torch.Tensor, num_rows: int, what: str = "ids") -> None:
     """Ids must be int64 (int32 is widened by callers) and inside [0, num_rows)."""
     if ids.dtype not in (torch.int64, torch.int32):
-        raise BadInput(f"{what}: dtype must be int64, got {str(ids.dtype).removeprefix('torch.')}")
+        raise InvalidArgumentError(f"{what}: dtype must be int64, got {str(ids.dtype).removeprefix('torch.')}")
     if ids.numel() == 0:
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0:
-        raise BadInput(f"{what}: negative id {lo}")
+        raise InvalidArgumentError(f"{what}: negative id {lo}")
     if hi >= num_rows:
-        raise BadInput(f"{what}: id {hi} out of range for a table of {num_rows} rows")
+        raise InvalidArgumentError(f"{what}: id {hi} out of range for a table of {num_rows} rows")
 
 
 def check_float(x: torch.Tensor, what: str) -> None:
     if not x.dtype.is_floating_point:
-        raise BadInput(f"{what}: dtype must be floating point, got {str(x.dtype).removeprefix('torch.')}")
+        raise InvalidArgumentError(f"{what}: dtype must be floating point, got {str(x.dtype).removeprefix('torch.')}")
     if x.numel() and not bool(torch.isfinite(x).all()):
-        raise BadInput(f"{what}: contains NaN or infinite values")
+        raise InvalidArgumentError(f"{what}: contains NaN or infinite values")
 
 
 def check_bag(ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None) -> int:
     """Shape rules of a bag batch; returns the number of bags B."""
     if offsets is None:
         if ids.dim() != 2:
-            raise BadInput(f"ids: a bag batch needs shape [B, k] (or 1-D ids with offsets), got {list(ids.shape)}")
+            raise InvalidArgumentError(f"ids: a bag batch needs shape [B, k] (or 1-D ids with offsets), got {list(ids.shape)}")
         num_bags = ids.shape[0]
     else:
         if ids.dim() != 1:
-            raise BadInput(f"ids: with offsets, ids must be 1-D, got {list(ids.shape)}")
+            raise InvalidArgumentError(f"ids: with offsets, ids must be 1-D, got {list(ids.shape)}")
         if offsets.dtype != torch.int64 or offsets.dim() != 1:
-            raise BadInput("offsets: must be a 1-D int64 tensor")
+            raise InvalidArgumentError("offsets: must be a 1-D int64 tensor")
         num_bags = offsets.shape[0]
         if num_bags:
             if int(offsets[0]) != 0:
-                raise BadInput("offsets: must start at 0")
+                raise InvalidArgumentError("offsets: must start at 0")
             if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > ids.shape[0]:
-                raise BadInput("offsets: must be non-decreasing and at most len(ids)")
+                raise InvalidArgumentError("offsets: must be non-decreasing and at most len(ids)")
         elif ids.numel():
-            raise BadInput("offsets: empty, but ids are not")
+            raise InvalidArgumentError("offsets: empty, but ids are not")
     if weights.shape != ids.shape:
-        raise BadInput(f"weights: shape {list(weights.shape)} does not match ids {list(ids.shape)}")
+        raise InvalidArgumentError(f"weights: shape {list(weights.shape)} does not match ids {list(ids.shape)}")
     check_float(weights, "weights")
     return num_bags
 
 
+def check_1d(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 1:
+        raise InvalidArgumentError(f"{what}: must be 1-D, got shape {list(x.shape)}")
+
+
 def check_rows(x: torch.Tensor, n: int, dim: int, what: str) -> None:
     if x.dim() != 2 or x.shape[0] != n or x.shape[1] != dim:
-        raise BadInput(f"{what}: shape must be [{n}, {dim}], got {list(x.shape)}")
+        raise InvalidArgumentError(f"{what}: shape must be [{n}, {dim}], got {list(x.shape)}")
     check_float(x, what)
 
 

@@ -15,7 +15,7 @@ _names = itertools.count()
 def memory_cluster(tmp_path_factory):
     import ray
 
-    from memserver.cluster import start_cluster
+    from memserver.cluster.launch import start_cluster
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(num_cpus=2, object_store_memory=96 * 1024 * 1024, include_dashboard=False, namespace="memserver-tests",

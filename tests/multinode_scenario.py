@@ -63,7 +63,7 @@ def check_tables(endpoint: str) -> dict[str, Any]:
 
     from client import MemoryClient
     from memserver.cli import status_dict
-    from memserver.table import init_values
+    from memserver.core.init import init_values
     from tests.reference import RefTable, bag
 
     out: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""Plain numpy reference implementations, written independently of memserver.table, that the
+"""Plain numpy reference implementations, written independently of memserver.core.table, that the
 tests compare the shards against. Loops over rows are fine here: clarity over speed."""
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from memserver.table import init_values
-from memserver.v1 import memserver_pb2 as pb
-from memserver.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.core.init import init_values
 from memserver.wire import decode, encode
 from tests.conftest import TIMINGS
 from tests.reference import RefTable, bag
@@ -230,8 +230,8 @@ def test_shards_export_prometheus_metrics(client, table_name):
     import grpc
     import numpy as np
 
-    from memserver.v1 import memserver_pb2 as pb
-    from memserver.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
     from memserver.wire import encode
 
     client.create_table(table_name, 1000, 8, sharding="cols", wal=True)

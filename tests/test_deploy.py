@@ -16,6 +16,7 @@ import yaml
 
 import memserver.cli as cli
 import trainer.train as train
+from memserver.cluster import PLACEMENT_STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -110,7 +111,7 @@ def test_command_extraction_finds_what_it_should():
 
 def test_tables_config_loads_with_the_cli():
     cfg = cli.load_config(str(DEPLOY / "tables.yaml"))
-    assert cfg["shards"] >= 1 and cfg["shard_gpus"] > 0 and cfg["placement"] in cli.PLACEMENTS
+    assert cfg["shards"] >= 1 and cfg["shard_gpus"] > 0 and cfg["placement"] in PLACEMENT_STRATEGIES
     [table] = cfg["tables"]
     assert table["name"] and table["num_rows"] > 0 and table["dim"] % cfg["shards"] == 0
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from memserver.durable import PUSH_GRADIENTS, WriteAheadLog, read_log, repair_log
-from memserver.v1 import memserver_pb2 as pb
-from memserver.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.storage.wal import PUSH_GRADIENTS, WriteAheadLog, read_log, repair_log
 from memserver.wire import decode, encode
 
 
@@ -82,8 +82,8 @@ def _push(stub, name, ids, grads, seq):
 def test_shard_recovers_its_tables_from_the_data_dir(tmp_path, checkpoint):
     """A shard started again on its data directory serves the same rows and the same
     exactly-once window: from the log alone, or from a checkpoint plus the log after it."""
-    from memserver.coordinator import plan_table, validate_spec
-    from memserver.shard import ShardActor
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.shard_actor import ShardActor
 
     spec = validate_spec(pb.TableSpec(name="m", num_rows=64, dim=8, optimizer=pb.OptimizerSpec(name="adam", lr=0.1),
                                       sharding=pb.ROWS, wal=True, seed=1), 1)
@@ -120,7 +120,8 @@ def test_shard_recovers_its_tables_from_the_data_dir(tmp_path, checkpoint):
 def test_serve_on_comes_back_on_its_port_or_a_new_one_if_taken(tmp_path):
     import socket
 
-    from memserver.grpc_util import LoopThread, serve_on
+    from memserver.loop import LoopThread
+    from memserver.server.grpcserver import serve_on
 
     loop = LoopThread("test-serve-on")
     state = tmp_path / "port.json"
@@ -143,7 +144,8 @@ def test_coordinator_rebuilds_its_catalog_and_follows_a_moved_shard():
     restarted shard at a new address updates every table's shard map."""
     import asyncio
 
-    from memserver.coordinator import ControlPlaneServicer, plan_table, validate_spec
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.coordinator import ControlPlaneServicer
 
     infos = [{"address": f"127.0.0.1:{7000 + j}", "node_id": "n", "pid": 10 + j} for j in range(3)]
     spec = validate_spec(pb.TableSpec(name="m", num_rows=10, dim=4, sharding=pb.COLS, num_shards=2), 3)
@@ -165,7 +167,7 @@ def test_coordinator_rebuilds_its_catalog_and_follows_a_moved_shard():
 
 
 def test_a_failed_fsync_acknowledges_nothing_after_it(tmp_path, monkeypatch):
-    import memserver.durable as durable
+    import memserver.storage.wal as durable
 
     wal = WriteAheadLog(tmp_path)
     wal.durable(wal.append(PUSH_GRADIENTS, b"ok")).result(10)
@@ -186,8 +188,8 @@ def test_a_failed_fsync_acknowledges_nothing_after_it(tmp_path, monkeypatch):
 def test_interrupted_checkpoints_never_push_out_the_last_complete_one(tmp_path):
     """The log before the last complete checkpoint is deleted, so that checkpoint must stay in the
     shard's record however many interrupted ones (no manifest) follow it."""
-    from memserver.coordinator import plan_table, validate_spec
-    from memserver.shard import ShardActor
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.shard_actor import ShardActor
 
     spec = validate_spec(pb.TableSpec(name="m", num_rows=32, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=0.5),
                                       sharding=pb.ROWS, wal=True), 1)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from client import InvalidArgumentError, TableExistsError, TableNotFoundError
-from memserver.v1 import memserver_pb2 as pb
-from memserver.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import encode
 
 DIM = 8
@@ -154,3 +154,57 @@ def test_sync_table_takes_one_push_per_trainer_per_step(client, table_name):
 def test_sync_workers_needs_sync_updates(client, table_name):
     with pytest.raises(InvalidArgumentError, match="sync_workers"):
         client.create_table(table_name, 10, 4, sync_workers=-1)
+
+
+def test_interceptor_maps_every_exception_and_counts_every_call():
+    """Handlers only raise: the interceptor start_server installs sends the api's exceptions as
+    their status with their text, anything else as INTERNAL, and has counted the call by the time
+    the caller sees the status. Health checks pass through uncounted."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from memserver.api.errors import TableNotFoundError
+    from memserver.loop import LoopThread
+    from memserver.server.grpcserver import DATA_PLANE, start_server
+
+    class Failing(pb_grpc.DataPlaneServicer):
+        async def Lookup(self, request, context):
+            raise InvalidArgumentError("ids: must be 1-D")
+
+        async def SlotStats(self, request, context):
+            raise TableNotFoundError(f"table {request.table!r} does not exist")
+
+        async def Bag(self, request, context):
+            raise ZeroDivisionError("a bug")
+
+        async def WriteRows(self, request, context):
+            return pb.WriteAck(rows=3)
+
+    class Seen:
+        calls: list[tuple[str, str, str]] = []
+
+        def observe(self, method, table, code, seconds):
+            assert seconds >= 0
+            self.calls.append((method, table, code))
+
+    seen = Seen()
+    loop = LoopThread("test-interceptor")
+    server, port = loop.call(start_server(lambda s: pb_grpc.add_DataPlaneServicer_to_server(Failing(), s), [DATA_PLANE],
+                                          "127.0.0.1", metrics=seen))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+            cases = [(stub.Lookup, pb.LookupRequest(table="a"), grpc.StatusCode.INVALID_ARGUMENT, "ids: must be 1-D"),
+                     (stub.SlotStats, pb.SlotStatsRequest(table="b"), grpc.StatusCode.NOT_FOUND, "table 'b' does not exist"),
+                     (stub.Bag, pb.BagRequest(table="c"), grpc.StatusCode.INTERNAL, "ZeroDivisionError: a bug")]
+            for call, req, code, text in cases:
+                with pytest.raises(grpc.RpcError) as err:
+                    call(req, timeout=10)
+                assert (err.value.code(), err.value.details()) == (code, text)
+                assert seen.calls[-1] == (call._method.decode().rsplit("/", 1)[1], req.table, code.name)
+            assert stub.WriteRows(pb.WriteRowsRequest(table="d"), timeout=10).rows == 3
+            assert seen.calls[-1] == ("WriteRows", "d", "OK")
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert len(seen.calls) == 4
+    finally:
+        loop.call(server.stop(None))
+        loop.stop()

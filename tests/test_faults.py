@@ -20,7 +20,7 @@ ROWS, DIM = 512, 16
 
 @pytest.fixture(scope="module")
 def fault_cluster(memory_cluster, tmp_path_factory):
-    from memserver.cluster import start_cluster
+    from memserver.cluster.launch import start_cluster
 
     cluster = start_cluster(2, shard_cpus=0.25, name="faults", data_dir=tmp_path_factory.mktemp("fault-data"))
     yield cluster

@@ -3,6 +3,7 @@ exact percentiles and its argument errors."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 import memserver.cli as cli
-from memserver.loadtest import LatencyRecorder, LoadConfig, ShardCaller, fetch_table, parse_duration, parse_mix
-from memserver.v1 import memserver_pb2 as pb
+from client.ops import WriteTags
+from memserver.loadtest.caller import ShardCaller, fetch_table
+from memserver.loadtest.config import LoadConfig, parse_duration, parse_mix
+from memserver.loadtest.recorder import LatencyRecorder
 
 
 def test_loadtest_reports_exact_numbers_and_drops_its_table(memory_cluster, client):
@@ -40,7 +43,7 @@ def test_loadtest_reports_exact_numbers_and_drops_its_table(memory_cluster, clie
 
 @pytest.mark.parametrize("sharding", ["rows", "cols"])
 def test_shard_caller_answers_like_the_client(memory_cluster, client, table_name, sharding):
-    """The load test builds its own shard requests: they must mean what the client's mean."""
+    """The load test sends the client's own ops over its own channels: the same answers."""
     meta = client.create_table(table_name, 1000, 16, sharding=sharding, optimizer="sgd", lr=0.1)
     cfg = LoadConfig(endpoint=memory_cluster.endpoint, table=table_name, batch=32, knn=5)
     assert fetch_table(cfg.endpoint, table_name, cfg.timeout) == meta
@@ -56,7 +59,7 @@ def test_shard_caller_answers_like_the_client(memory_cluster, client, table_name
         out, _ = caller.bag(ids, w)
         np.testing.assert_allclose(out.numpy(), client.bag(table_name, ids.numpy(), w.numpy()), rtol=1e-6, atol=1e-7)
         g = torch.from_numpy(rng.standard_normal((32, 16), dtype=np.float32))
-        grad_w, _ = caller.bag_backward(ids, w, g, pb.WriteTag(client_id="test-loadtest", seq=1))
+        grad_w, _ = caller.bag_backward(ids, w, g, WriteTags("test-loadtest", itertools.count(1)))
         np.testing.assert_allclose(grad_w.numpy(), torch.einsum("bd,bkd->bk", g, rows).numpy(), rtol=1e-5, atol=1e-6)
         assert not np.allclose(client.lookup(table_name, ids[0].numpy()), rows[0].numpy())  # the update was applied
     finally:

@@ -75,7 +75,7 @@ def test_unplaceable_shards_fail_clearly_and_release_everything(memory_cluster, 
     import ray
     from ray.util import placement_group_table
 
-    from memserver.cluster import start_cluster
+    from memserver.cluster.launch import start_cluster
 
     before = {k: v for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
     with pytest.raises(RuntimeError, match="could not place") as err:
@@ -89,7 +89,7 @@ def test_unplaceable_shards_fail_clearly_and_release_everything(memory_cluster, 
 
 
 def test_bad_placement_arguments(memory_cluster):
-    from memserver.cluster import start_cluster
+    from memserver.cluster.launch import start_cluster
 
     with pytest.raises(ValueError, match="placement must be one of SPREAD, STRICT_SPREAD, PACK"):
         start_cluster(1, placement="RANDOM")
@@ -98,9 +98,6 @@ def test_bad_placement_arguments(memory_cluster):
 
 
 def test_placement_flag_and_config_key(tmp_path):
-    from memserver.cluster import PLACEMENT_STRATEGIES
-
-    assert cli.PLACEMENTS == PLACEMENT_STRATEGIES
     args = cli.build_parser().parse_args(["up", "--placement", "strict_spread", "--placement-timeout", "600"])
     assert args.placement == "STRICT_SPREAD" and args.placement_timeout == 600
     assert cli.build_parser().parse_args(["up"]).placement is None  # then the config's, else SPREAD
@@ -117,16 +114,16 @@ def test_bind_host_rules(monkeypatch):
     (No socket is opened: ray.nodes and the node address are stubbed.)"""
     import ray
 
-    from memserver import cluster
+    from memserver.server import rayutil
 
-    monkeypatch.delenv(cluster.BIND_HOST_ENV, raising=False)
+    monkeypatch.delenv(rayutil.BIND_HOST_ENV, raising=False)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}, {"Alive": False}])
-    assert cluster.bind_host() == "127.0.0.1"
+    assert rayutil.bind_host() == "127.0.0.1"
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}, {"Alive": True}])
-    assert cluster.bind_host() == "10.0.0.7"
-    monkeypatch.setenv(cluster.BIND_HOST_ENV, "127.0.0.1")
-    assert cluster.bind_host() == "127.0.0.1"
+    assert rayutil.bind_host() == "10.0.0.7"
+    monkeypatch.setenv(rayutil.BIND_HOST_ENV, "127.0.0.1")
+    assert rayutil.bind_host() == "127.0.0.1"
 
 
 def test_shard_rows_live_on_the_gpu_ray_assigned(monkeypatch):
@@ -135,7 +132,7 @@ def test_shard_rows_live_on_the_gpu_ray_assigned(monkeypatch):
     import ray
     import torch
 
-    from memserver.shard import shard_device
+    from memserver.server.rayutil import shard_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)

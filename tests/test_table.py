@@ -8,7 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memserver.table import OptimizerConfig, ValueTable, aggregate, init_values
+from client.ops import aggregate
+from memserver.core.init import init_values
+from memserver.core.optim import OptimizerConfig
+from memserver.core.table import ValueTable
 from tests.reference import RefTable, bag
 
 
@@ -134,7 +137,7 @@ def test_malloc_tuning_stops_page_faults_on_large_messages():
     code = """if True:
         import resource, torch
         from memserver.wire import tune_malloc, encode
-        from memserver.v1 import memserver_pb2 as pb
+        from memserver.api.v1 import memserver_pb2 as pb
         tuned = tune_malloc()
         req = pb.BagRequest(table="t", ids=encode(torch.zeros(4096, 128, dtype=torch.int32)),
                             weights=encode(torch.zeros(4096, 128)))

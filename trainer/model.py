@@ -1,4 +1,4 @@
-"""A small decoder-only transformer language model with product-key memory layers.
+"""A small decoder-only transformer language model with memory layers.
 
 In the style of nanoGPT: one file, read top to bottom. A memory layer sits at chosen blocks,
 either replacing the block's feed-forward network ("replace") or beside it ("parallel": the
@@ -14,26 +14,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.memory import ProductKeyMemory, ValueBackend
+from trainer.memory import MemoryConfig, MemoryLayer, ProductKeyMemory, ValueBackend
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
+    vocab_size: int  # tokens (characters) in the vocabulary
+    block_size: int = 128  # context length
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads
+    n_embd: int = 128  # model width
     dropout: float = 0.0
-    mem_layers: tuple[int, ...] = field(default_factory=tuple)
-    mem_mode: str = "parallel"  # "parallel" (beside the FFN) or "replace" (instead of it)
-    n_keys: int = 128
-    mem_heads: int = 4
-    k_dim: int = 64
-    knn: int = 32
-    query_bn: bool = True
-    mem_plus: bool = False
-    micro_batches: int = 1
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # which blocks get a memory layer, and its shape
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,13 +56,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, memory: ProductKeyMemory | None) -> None:
+    def __init__(self, cfg: ModelConfig, memory: MemoryLayer | None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.memory = memory
-        self.mlp = MLP(cfg) if memory is None or cfg.mem_mode == "parallel" else None
+        self.mlp = MLP(cfg) if memory is None or cfg.memory.mode == "parallel" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -87,10 +79,11 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, values: dict[int, ValueBackend] | None = None) -> None:
         super().__init__()
-        if cfg.mem_mode not in ("parallel", "replace"):
-            raise ValueError(f"mem_mode must be 'parallel' or 'replace', got {cfg.mem_mode!r}")
+        mem = cfg.memory
+        if mem.mode not in ("parallel", "replace"):
+            raise ValueError(f"memory mode must be 'parallel' or 'replace', got {mem.mode!r}")
         values = values or {}
-        if missing := set(cfg.mem_layers) - set(values):
+        if missing := set(mem.layers) - set(values):
             raise ValueError(f"no value backend for memory layer(s) {sorted(missing)}")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -98,12 +91,12 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         blocks = []
         for i in range(cfg.n_layer):
-            mem = None
-            if i in cfg.mem_layers:
-                mem = ProductKeyMemory(cfg.n_embd, cfg.n_embd, values[i], n_keys=cfg.n_keys, heads=cfg.mem_heads,
-                                       k_dim=cfg.k_dim, knn=cfg.knn, query_bn=cfg.query_bn, mem_plus=cfg.mem_plus,
-                                       micro_batches=cfg.micro_batches)
-            blocks.append(Block(cfg, mem))
+            layer = None
+            if i in mem.layers:
+                layer = ProductKeyMemory(cfg.n_embd, cfg.n_embd, values[i], n_keys=mem.n_keys, heads=mem.heads,
+                                         k_dim=mem.k_dim, knn=mem.knn, query_bn=mem.query_bn, mem_plus=mem.mem_plus,
+                                         micro_batches=mem.micro_batches)
+            blocks.append(Block(cfg, layer))
         self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -119,7 +112,7 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def memories(self) -> list[ProductKeyMemory]:
+    def memories(self) -> list[MemoryLayer]:
         return [b.memory for b in self.blocks if b.memory is not None]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

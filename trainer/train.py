@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
-from trainer.memory import LocalValues, RemoteValues, ValueBackend, usage_metrics
+from trainer.memory import LocalValues, MemoryConfig, RemoteValues, UsageCounter, ValueBackend
 from trainer.model import GPT, ModelConfig
 
 log = logging.getLogger("memtrain")
@@ -115,12 +115,11 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     mem_layers = tuple(int(x) for x in args.mem_layers.split(",") if x.strip()) if args.memory != "none" else ()
     if any(not 0 <= i < args.n_layer for i in mem_layers):
         raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
-    cfg = ModelConfig(
-        vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-        n_embd=args.n_embd, dropout=args.dropout, mem_layers=mem_layers, mem_mode=args.mem_mode, n_keys=args.n_keys,
-        mem_heads=args.heads, k_dim=args.k_dim, knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
-        micro_batches=args.micro_batches,
-    )
+    memory = MemoryConfig(layers=mem_layers, mode=args.mem_mode, n_keys=args.n_keys, heads=args.heads, k_dim=args.k_dim,
+                          knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
+                          micro_batches=args.micro_batches)
+    cfg = ModelConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                      n_embd=args.n_embd, dropout=args.dropout, memory=memory)
     values: dict[int, ValueBackend] = {}
     own_client = False
     if args.memory == "remote" and mem_layers and client is None:
@@ -160,24 +159,19 @@ def evaluate(run: Run, args: argparse.Namespace, gen: torch.Generator) -> dict[s
     model = run.model
     model.eval()
     losses = []
-    mems = model.memories()
-    n_slots = args.n_keys**2
-    counts = [torch.zeros(n_slots, dtype=torch.float64) for _ in mems]
-    mass = [torch.zeros(n_slots, dtype=torch.float64) for _ in mems]
+    usage = [(i, b.memory, UsageCounter(b.memory.values.num_rows)) for i, b in enumerate(model.blocks) if b.memory is not None]
     _, world = distributed()
     for _ in range(args.eval_iters):
         x, y = get_batch(run.corpus.val, args.batch_size * world, args.block_size, gen)  # the combined batch
         _, loss = model(x, y)
         losses.append(float(loss))
-        for j, m in enumerate(mems):
-            ids, w = m.last_access
-            counts[j] += torch.bincount(ids.reshape(-1), minlength=n_slots).double()
-            mass[j] += torch.bincount(ids.reshape(-1), weights=w.reshape(-1).double(), minlength=n_slots)
+        for _, layer, counter in usage:
+            counter.add(*layer.last_access)
     model.train()
     out: dict[str, float] = {"val_loss": sum(losses) / len(losses)}
-    for j, layer in enumerate(i for i, b in enumerate(model.blocks) if b.memory is not None):
-        for k, v in usage_metrics(counts[j], mass[j]).items():
-            out[f"mem{layer}_{k}"] = v
+    for i, _, counter in usage:
+        for k, v in counter.metrics().items():
+            out[f"mem{i}_{k}"] = v
     return out
 
 
@@ -198,18 +192,25 @@ def _trainer_file(directory: str, step: int) -> Path:
     return Path(directory) / f"trainer-step-{step:010d}.pt"
 
 
-def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, step: int, directory: str) -> None:
-    """The trainer's state and, at the same step barrier, the memory: remote tables are
-    checkpointed by the cluster under <dir>/memory, local ones go into the trainer file."""
-    from memserver.checkpoint import atomic_write
+def _unique(values: dict[int, ValueBackend]) -> dict[int, ValueBackend]:
+    """Each backend once, under the first layer that reads it (shared values are one table)."""
+    seen: dict[int, ValueBackend] = {}
+    for i, b in sorted(values.items()):
+        if all(b is not other for other in seen.values()):
+            seen[i] = b
+    return seen
 
-    remote = sorted({b.name for b in run.values.values() if isinstance(b, RemoteValues)})
-    if remote:
-        b = next(b for b in run.values.values() if isinstance(b, RemoteValues))
-        b.client.checkpoint(str(Path(directory).resolve() / "memory"), step, remote)
-    local = {str(i): b.table.state() for i, b in run.values.items() if isinstance(b, LocalValues)}
+
+def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, step: int, directory: str) -> None:
+    """The trainer's state and, at the same step barrier, the memory (each backend saves its own:
+    remote tables are checkpointed by the cluster under <dir>/memory/<table>, local ones go into
+    the trainer file)."""
+    from memserver.storage.fsutil import atomic_write
+
+    root = Path(directory)
+    values = {str(i): b.save(root, step) for i, b in _unique(run.values).items()}
     blob = {"step": step, "model": run.model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-            "local_values": local, "remote_tables": remote}
+            "values": values}
     atomic_write(_trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
 
@@ -222,14 +223,15 @@ def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
     run.model.load_state_dict(blob["model"])
     opt.load_state_dict(blob["opt"])
     gen.set_state(blob["gen"])
-    for i, state in blob["local_values"].items():
-        for name, t in state.items():
-            getattr(run.values[int(i)].table, name).copy_(t)
-    if blob["remote_tables"]:
-        b = next(b for b in run.values.values() if isinstance(b, RemoteValues))
-        b.client.restore(str(Path(directory).resolve() / "memory"), blob["step"], replace=True, tables=blob["remote_tables"])
-    log.info("resumed from %s (step %d)", files[-1], blob["step"])
-    return int(blob["step"])
+    step = int(blob["step"])
+    if "values" not in blob:  # written before each backend saved itself: one memory/ root for every table
+        local = blob["local_values"]
+        blob["values"] = {str(i): {"state": local[str(i)]} if str(i) in local else {"checkpoint": "memory"}
+                          for i in run.values}
+    for i, b in _unique(run.values).items():
+        b.load(Path(directory), step, blob["values"][str(i)])
+    log.info("resumed from %s (step %d)", files[-1], step)
+    return step
 
 
 def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, Any]]:
@@ -251,9 +253,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
             # trainers of batch B see exactly what one trainer of batch W*B would.
             x, y = get_batch(run.corpus.train, args.batch_size * world, args.block_size, gen)
             x, y = (z[rank * args.batch_size : (rank + 1) * args.batch_size] for z in (x, y))
-            for backend in run.values.values():
-                if isinstance(backend, RemoteValues):
-                    backend.step = step
+            for backend in _unique(run.values).values():
+                backend.begin_step(step)
             t0 = time.perf_counter()
             _, loss = model(x, y)
             opt.zero_grad(set_to_none=True)

@@ -1,0 +1,344 @@
+"""Every data-plane call of the client, as an *op*: validation, routing and reassembly, with no I/O.
+
+An op is a generator: it validates the input (so a write is rejected whole before any shard sees
+it), routes ids to their shards by the table's `ShardLayout`, yields the shard requests
+`[(address, method, request)]` all at once, receives their answers in that order and returns
+the assembled result in the caller's order. Whoever sends the requests decides how:
+`AsyncMemoryClient` with grpc.aio, `MemoryClient` with blocking stubs from the caller's thread,
+the load test's users under gevent. One implementation of each call for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memserver.api.errors import InvalidArgumentError
+from memserver.api.types import ShardMeta, TableMeta
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.wire import as_tensor, check_1d, check_bag, check_ids, check_rows, decode, encode
+
+#: yields [(address, method, request)] once, receives the answers, returns the result.
+Op = Generator[list[tuple[str, str, Any]], list[Any], Any]
+#: Requests and responses are kept below this size; larger batches are split into parts.
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class OpOptions:
+    """What a client decides for all its calls."""
+
+    wire_dtype: int = pb.FLOAT32  # dtype rows, bag outputs and gradients travel in
+    max_request_bytes: int = MAX_REQUEST_BYTES
+
+
+class WriteTags:
+    """The (client_id, seq) tags of one write call, one per part. The same on every attempt, so a
+    retried part that a shard already applied is answered from its exactly-once window, not
+    applied twice."""
+
+    def __init__(self, client_id: str, seqs: Iterator[int]) -> None:
+        self.client_id, self.seqs = client_id, seqs
+        self.tags: dict[int, pb.WriteTag] = {}
+
+    def __call__(self, part: int) -> pb.WriteTag:
+        if part not in self.tags:
+            self.tags[part] = pb.WriteTag(client_id=self.client_id, seq=next(self.seqs))
+        return self.tags[part]
+
+
+def finish(op: Op, answers: list[Any]) -> Any:
+    """Hand an op its answers and return its result (ops ask once)."""
+    try:
+        op.send(answers)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a data-plane op asked for answers twice")
+
+
+def like(t: torch.Tensor, ref: Any) -> Any:
+    """Return `t` as the caller's kind: numpy in, numpy out; torch in, torch out on its device."""
+    if isinstance(ref, torch.Tensor):
+        return t.to(ref.device)
+    return t.numpy()
+
+
+# ------------------------------------------------------------------ routing
+
+
+def wire_ids(ids: torch.Tensor, meta: TableMeta) -> torch.Tensor:
+    """Ids travel as int32 when the table allows it: a third less request bytes for a bag."""
+    return ids.int() if meta.num_rows < 2**31 else ids
+
+
+def route_ids(meta: TableMeta, ids: torch.Tensor) -> list[tuple[ShardMeta, torch.Tensor]]:
+    """(shard, positions in `ids`) pairs: rows -> the ids each shard owns; cols -> every shard
+    sees all ids."""
+    if meta.layout.whole_rows:
+        every = torch.arange(len(ids))
+        return [(sh, every) for sh in meta.shards]
+    owner = meta.layout.owner(ids)
+    return [(sh, (owner == sh.index).nonzero().squeeze(1)) for sh in meta.shards]
+
+
+def route_bags(
+    meta: TableMeta,
+    ids: torch.Tensor,
+    w: torch.Tensor,
+    off: torch.Tensor | None,
+    with_mask: bool = False,
+) -> list[Any]:
+    """Per shard, the (ids, weights, offsets) of its entries. cols: the whole batch to every
+    shard. rows: each shard gets its own entries as 1-D ids + offsets (bags may be empty).
+    With `with_mask`, each item also carries the boolean mask of its entries in the flat batch
+    (None for cols), which puts per-entry answers back in place."""
+    if meta.layout.whole_rows:
+        out = [(sh, (ids, w, off)) for sh in meta.shards]
+        return [(*o, None) for o in out] if with_mask else out
+    flat_ids, flat_w = ids.reshape(-1), w.reshape(-1)
+    num_bags = ids.shape[0] if off is None else len(off)
+    if off is None:
+        bag_of = torch.arange(num_bags).repeat_interleave(ids.shape[1])
+    else:
+        counts = torch.diff(off, append=torch.tensor([len(flat_ids)]))
+        bag_of = torch.repeat_interleave(torch.arange(num_bags), counts)
+    owner = meta.layout.owner(flat_ids)
+    routed = []
+    for sh in meta.shards:
+        mask = owner == sh.index
+        counts = torch.bincount(bag_of[mask], minlength=num_bags)
+        s_off = torch.cumsum(counts, 0) - counts
+        item = (sh, (flat_ids[mask], flat_w[mask], s_off))
+        routed.append((*item, mask) if with_mask else item)
+    return routed
+
+
+def aggregate(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum rows that share an id: (unique ids, summed float32 rows). A push sends each row once."""
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    if len(uniq) == len(ids):
+        order = torch.empty_like(inv)
+        order[inv] = torch.arange(len(inv), device=inv.device)
+        return uniq, rows[order].float()
+    out = torch.zeros((len(uniq), rows.shape[1]), dtype=torch.float32, device=rows.device)
+    out.index_add_(0, inv, rows.float())
+    return uniq, out
+
+
+# ------------------------------------------------------------------ input checks
+
+
+def _ids(x: Any, meta: TableMeta, what: str = "ids") -> torch.Tensor:
+    t = as_tensor(x)
+    if t.dtype == torch.int32:
+        t = t.long()
+    check_ids(t, meta.num_rows, what)
+    return t.cpu()
+
+
+def _floats(x: Any, what: str) -> torch.Tensor:
+    t = as_tensor(x)
+    if not t.dtype.is_floating_point:
+        raise InvalidArgumentError(f"{what}: dtype must be floating point, got {str(t.dtype).removeprefix('torch.')}")
+    return t.detach().cpu()
+
+
+def _bag_args(meta: TableMeta, ids: Any, weights: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    t_ids = _ids(ids, meta)
+    w = _floats(weights, "weights")
+    off = None if offsets is None else as_tensor(offsets).cpu()
+    return t_ids, w, off, check_bag(t_ids, w, off)
+
+
+def _encoder(meta: TableMeta) -> Callable[..., pb.Tensor]:
+    """encode() memoised by tensor identity: cols shards all get the same ids and weights, which
+    are then converted and copied into bytes once per call, not once per shard."""
+    seen: dict[tuple[int, bool, int | None], tuple[torch.Tensor, pb.Tensor]] = {}
+
+    def enc(t: torch.Tensor, *, ids: bool = False, wire_dtype: int | None = None) -> pb.Tensor:
+        key = (id(t), ids, wire_dtype)
+        if key not in seen:  # the tensor is kept alive with its encoding, so its id stays unique
+            seen[key] = (t, encode(wire_ids(t, meta) if ids else t, wire_dtype))
+        return seen[key][1]
+
+    return enc
+
+
+def _chunks(n: int, bytes_per_item: int, limit: int) -> list[slice]:
+    step = max(1, limit // max(1, bytes_per_item))
+    return [slice(i, min(n, i + step)) for i in range(0, max(n, 1), step)]
+
+
+def _slice_bags(
+    ids: torch.Tensor, w: torch.Tensor, off: torch.Tensor | None, bags: slice
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    if off is None:
+        return ids[bags], w[bags], None
+    start = int(off[bags.start]) if bags.start < len(off) else len(ids)
+    stop = int(off[bags.stop]) if bags.stop < len(off) else len(ids)
+    return ids[start:stop], w[start:stop], off[bags] - start
+
+
+def _entry_range(ids: torch.Tensor, off: torch.Tensor | None, bags: slice) -> slice:
+    """The flat entries that belong to a slice of bags."""
+    if off is None:
+        k = ids.shape[1]
+        return slice(bags.start * k, bags.stop * k)
+    start = int(off[bags.start]) if bags.start < len(off) else len(ids)
+    stop = int(off[bags.stop]) if bags.stop < len(off) else len(ids)
+    return slice(start, stop)
+
+
+def _entries_per_bag(ids: torch.Tensor, off: torch.Tensor | None, num_bags: int) -> int:
+    return max(1, ids.shape[1] if off is None else -(-ids.shape[0] // max(1, num_bags)))
+
+
+# ------------------------------------------------------------------ the ops
+
+
+def lookup_op(meta: TableMeta, ids: Any, opts: OpOptions) -> Op:
+    """Rows of `ids` (any shape) -> float32 [*ids.shape, dim]; each distinct id is fetched once."""
+    t = _ids(ids, meta)
+    uniq, inv = torch.unique(t.reshape(-1), return_inverse=True)
+    rows = torch.empty((len(uniq), meta.dim), dtype=torch.float32)
+    calls, places = [], []
+    encoded: dict[int, tuple[torch.Tensor, list[tuple[slice, pb.Tensor]]]] = {}
+    for sh, sel in route_ids(meta, uniq):
+        if id(sel) not in encoded:  # cols: every shard gets the same ids; encode them once
+            sub = uniq[sel]
+            parts = _chunks(len(sub), meta.dim * 4 + 8, opts.max_request_bytes)
+            encoded[id(sel)] = (sel, [(p, encode(wire_ids(sub[p], meta))) for p in parts])
+        for part, ids_msg in encoded[id(sel)][1]:
+            req = pb.LookupRequest(table=meta.name, ids=ids_msg, wire_dtype=opts.wire_dtype)
+            calls.append((sh.address, "Lookup", req))
+            places.append((sh, sel, part))
+    for (sh, sel, part), resp in zip(places, (yield calls)):
+        rows[sel[part], sh.col_start : sh.col_end] = decode(resp.rows, "rows").float()
+    return rows[inv].view(*t.shape, meta.dim)
+
+
+def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOptions) -> Op:
+    """out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32, computed on the shards."""
+    t_ids, w, off, num_bags = _bag_args(meta, ids, weights, offsets)
+    out = torch.zeros((num_bags, meta.dim), dtype=torch.float32)
+    calls, places = [], []
+    k = _entries_per_bag(t_ids, off, num_bags)
+    for bags in _chunks(num_bags, max(k * 8, meta.dim * 4), opts.max_request_bytes):
+        b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
+        enc = _encoder(meta)
+        for sh, (s_ids, s_w, s_off) in route_bags(meta, b_ids, b_w, b_off):
+            req = pb.BagRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w), wire_dtype=opts.wire_dtype)
+            if s_off is not None:
+                req.offsets.CopyFrom(enc(s_off))
+            calls.append((sh.address, "Bag", req))
+            places.append((sh, bags))
+    for (sh, bags), resp in zip(places, (yield calls)):
+        got = decode(resp.out, "out").float()
+        if meta.by_rows:
+            out[bags] += got  # rows: each shard's partial sum over the entries it owns
+        else:
+            out[bags, sh.col_start : sh.col_end] = got
+    return out
+
+
+def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offsets: Any, opts: OpOptions,
+                    tags: WriteTags, defer_apply: bool = False, step: int = 0) -> Op:
+    """dL/dweights (shape of ids); the shards apply weights * grad_out to the rows (exactly once)."""
+    t_ids, w, off, num_bags = _bag_args(meta, ids, weights, offsets)
+    g = _floats(grad_out, "grad_out")
+    check_rows(g, num_bags, meta.dim, "grad_out")
+    grad_w = torch.zeros(t_ids.shape, dtype=torch.float32)
+    flat_gw = grad_w.view(-1)
+    calls, places = [], []
+    k = _entries_per_bag(t_ids, off, num_bags)
+    for part, bags in enumerate(_chunks(num_bags, k * 12 + meta.dim * 4, opts.max_request_bytes)):
+        b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
+        b_g = g[bags]
+        entries = _entry_range(t_ids, off, bags)
+        tag = tags(part)
+        enc = _encoder(meta)
+        for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
+            g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
+            req = pb.BagBackwardRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w),
+                                        grad_out=encode(g_sh, opts.wire_dtype), tag=tag, defer_apply=defer_apply,
+                                        step=step)
+            if s_off is not None:
+                req.offsets.CopyFrom(enc(s_off))
+            calls.append((sh.address, "BagBackward", req))
+            places.append((entries, mask))
+    for (entries, mask), resp in zip(places, (yield calls)):
+        got = decode(resp.grad_weights, "grad_weights").reshape(-1)
+        if mask is None:
+            flat_gw[entries] += got  # cols: each shard's dot product covers its columns
+        else:
+            flat_gw[entries][mask] = got  # rows: each entry lives on one shard
+    return grad_w
+
+
+def push_op(meta: TableMeta, ids: Any, grads: Any, opts: OpOptions, tags: WriteTags) -> Op:
+    """Row gradients through the table's optimizer; duplicate ids summed here first. Returns the
+    number of distinct rows updated."""
+    t = _ids(ids, meta)
+    g = _floats(grads, "grads")
+    check_1d(t, "ids")
+    check_rows(g, len(t), meta.dim, "grads")
+    uniq, summed = aggregate(t, g)
+    return (yield from _write_op(meta, "PushGradients", uniq, summed, opts, tags))
+
+
+def write_rows_op(meta: TableMeta, ids: Any, rows: Any, opts: OpOptions, tags: WriteTags) -> Op:
+    """Overwrite rows (optimizer state is kept). Ids must be distinct."""
+    t = _ids(ids, meta)
+    r = _floats(rows, "rows")
+    check_1d(t, "ids")
+    check_rows(r, len(t), meta.dim, "rows")
+    if len(torch.unique(t)) != len(t):
+        raise InvalidArgumentError("ids: write_rows needs distinct ids (which of two rows would win?)")
+    return (yield from _write_op(meta, "WriteRows", t, r, opts, tags))
+
+
+def _write_op(meta: TableMeta, method: str, ids: torch.Tensor, values: torch.Tensor, opts: OpOptions,
+              tags: WriteTags) -> Op:
+    push = method == "PushGradients"
+    calls = []
+    for i, part in enumerate(_chunks(len(ids), meta.dim * 4 + 8, opts.max_request_bytes)):
+        p_ids, p_vals, tag = ids[part], values[part], tags(i)
+        for sh, sel in route_ids(meta, p_ids):
+            v = p_vals[sel] if meta.by_rows else p_vals[:, sh.col_start : sh.col_end]
+            v_msg = encode(v, opts.wire_dtype if push else None)  # rows written travel exactly
+            ids_msg = encode(wire_ids(p_ids[sel], meta))
+            req = (pb.PushGradientsRequest(table=meta.name, ids=ids_msg, grads=v_msg, tag=tag) if push
+                   else pb.WriteRowsRequest(table=meta.name, ids=ids_msg, rows=v_msg, tag=tag))
+            calls.append((sh.address, method, req))
+    acks = yield calls
+    return len(ids) if not acks else int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
+
+
+def slot_stats_op(meta: TableMeta, ids: Any) -> Op:
+    """Per-slot statistics: hits, weight_mass, updates, last_update (unix s), value_norm."""
+    t = _ids(ids, meta).reshape(-1)
+    uniq, inv = torch.unique(t, return_inverse=True)
+    n = len(uniq)
+    out = {
+        "hits": torch.zeros(n, dtype=torch.int64),
+        "weight_mass": torch.zeros(n, dtype=torch.float64),
+        "updates": torch.zeros(n, dtype=torch.int64),
+        "last_update": torch.zeros(n, dtype=torch.float64),
+        "value_sq_norm": torch.zeros(n, dtype=torch.float64),
+    }
+    routes = route_ids(meta, uniq)
+    reqs = [(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]))) for sh, sel in routes]
+    for i, ((_, sel), resp) in enumerate(zip(routes, (yield reqs))):
+        for key in out:
+            got = decode(getattr(resp, key), key)
+            if key == "value_sq_norm" and not meta.by_rows:
+                out[key] += got  # cols: each shard holds part of the row
+            elif meta.by_rows or i == 0:  # cols: counters are identical on every shard
+                out[key][sel] = got
+    norm = out.pop("value_sq_norm").sqrt()
+    out["value_norm"] = norm
+    return {k: v[inv] for k, v in out.items()}
+

@@ -1,0 +1,81 @@
+"""The errors of the API: one exception class per gRPC status a caller may want to handle.
+
+This is the project's one table between exceptions and statuses. Servers raise these classes
+(the error interceptor of `memserver.server.grpcserver` turns each into its status, with the
+exception's `details` as the status text); the client turns a status back into the same class
+(`from_rpc_error`), and raises the same classes for input it rejects itself before sending.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class MemserverError(RuntimeError):
+    """A call failed. `code` is the gRPC status, `details` the server's (or the client's) text and
+    `target` where the call went; str() reads "CODE: details (target)"."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None, *, target: str = "") -> None:
+        super().__init__(details)  # args stay (details,): Ray pickles exceptions by their args
+        self.details = details
+        self.target = target
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        where = f" ({self.target})" if self.target else ""
+        return f"{self.code.name}: {self.details}{where}"
+
+
+class InvalidArgumentError(MemserverError, ValueError):
+    """Bad shapes, dtypes, ids, non-finite values, bad table specs: rejected whole, nothing changed."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class TableNotFoundError(MemserverError, LookupError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class TableExistsError(MemserverError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhaustedError(MemserverError):
+    """Too large or too much (gRPC itself sends it for a message above the size limit)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(MemserverError, ConnectionError):
+    """A server is down or restarting: idempotent calls (every data-plane call) are retried."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(MemserverError, TimeoutError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+#: Every status with a class of its own; any other status becomes a plain MemserverError.
+ERRORS: tuple[type[MemserverError], ...] = (
+    InvalidArgumentError,
+    TableNotFoundError,
+    TableExistsError,
+    ResourceExhaustedError,
+    UnavailableError,
+    DeadlineExceededError,
+)
+_BY_CODE = {cls.code: cls for cls in ERRORS}
+
+
+def error_for(code: grpc.StatusCode, details: str, target: str = "") -> MemserverError:
+    """The exception for a status: its own class where it has one."""
+    return _BY_CODE.get(code, MemserverError)(details, code, target=target)
+
+
+def from_rpc_error(err: grpc.RpcError, target: str = "") -> MemserverError:
+    """A failed gRPC call (sync or aio) as the exception of its status."""
+    return error_for(err.code(), err.details() or "", target)

@@ -1,0 +1,133 @@
+"""Types a client and a server both reason with: where a table's rows and columns live
+(`ShardLayout`), and what a client knows of a table (`TableMeta`, `ShardMeta`).
+
+`ShardLayout` is the one place the sharding rule is written: the client's router, a shard's
+table slice, the coordinator's planner and checkpoint resharding all ask it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.wire import dtype_name
+
+#: Sharding names as users write them, and their proto values.
+SHARDINGS: dict[str, int] = {"rows": pb.ROWS, "cols": pb.COLS}
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a `num_rows x dim` table is split over `num_shards` shards.
+
+    - rows: shard `s` holds the rows with `id % num_shards == s`, as local rows `id // num_shards`
+      (modulo spreads hot id ranges over every shard);
+    - cols: every shard holds every row, shard `s` the columns `cols(s)` (an even split).
+    """
+
+    by_rows: bool
+    num_rows: int
+    dim: int
+    num_shards: int
+
+    @classmethod
+    def of(cls, spec: pb.TableSpec, num_shards: int | None = None) -> ShardLayout:
+        """The layout of a table spec (`num_shards` overrides the spec's, e.g. for a restore)."""
+        return cls(spec.sharding == pb.ROWS, int(spec.num_rows), int(spec.dim), int(num_shards or spec.num_shards))
+
+    @property
+    def whole_rows(self) -> bool:
+        """Whether every shard holds every row (cols, or a single shard): no id routing needed."""
+        return not self.by_rows or self.num_shards == 1
+
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        """The shard that holds each id (rows layouts)."""
+        return ids % self.num_shards
+
+    def local(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global ids -> the owning shard's local rows."""
+        return ids if self.whole_rows else ids // self.num_shards
+
+    def global_rows(self, index: int) -> np.ndarray:
+        """The global ids shard `index` holds, in its local row order."""
+        if self.whole_rows:
+            return np.arange(self.num_rows, dtype=np.int64)
+        return np.arange(index, self.num_rows, self.num_shards, dtype=np.int64)
+
+    def rows(self, index: int) -> int:
+        """How many rows shard `index` holds."""
+        return self.num_rows if self.whole_rows else len(range(index, self.num_rows, self.num_shards))
+
+    def cols(self, index: int) -> tuple[int, int]:
+        """Columns [start, end) of shard `index`: all of them (rows) or an even split (cols)."""
+        if self.by_rows:
+            return 0, self.dim
+        return index * self.dim // self.num_shards, (index + 1) * self.dim // self.num_shards
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    index: int
+    address: str
+    col_start: int
+    col_end: int
+    num_rows: int
+    node_id: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class TableMeta:
+    """What a client knows about a table: its spec and where its shards are."""
+
+    name: str
+    num_rows: int
+    dim: int
+    sharding: str
+    optimizer: str
+    lr: float
+    dtype: str
+    init_std: float
+    seed: int
+    shards: tuple[ShardMeta, ...]
+    epoch: int
+    wal: bool = False
+
+    @classmethod
+    def from_proto(cls, info: pb.TableInfo) -> TableMeta:
+        s = info.spec
+        return cls(
+            name=s.name,
+            num_rows=s.num_rows,
+            dim=s.dim,
+            sharding=pb.Sharding.Name(s.sharding).lower(),
+            optimizer=s.optimizer.name,
+            lr=s.optimizer.lr,
+            dtype=dtype_name(s.dtype),
+            init_std=s.init_std,
+            seed=s.seed,
+            shards=tuple(
+                ShardMeta(sh.index, sh.address, sh.col_start, sh.col_end, sh.num_rows, sh.node_id, sh.pid)
+                for sh in info.shards
+            ),
+            wal=s.wal,
+            epoch=info.epoch,
+        )
+
+    @property
+    def by_rows(self) -> bool:
+        return self.sharding == "rows"
+
+    @cached_property
+    def layout(self) -> ShardLayout:
+        return ShardLayout(self.by_rows, self.num_rows, self.dim, len(self.shards))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "shards"}
+        d["shards"] = [sh.__dict__ for sh in self.shards]
+        return d

@@ -1,0 +1,57 @@
+"""`memserver`: start, inspect, load-test and stop a memory cluster. Thin over the library: each
+command lives in a module of this package (lifecycle: up/down; tables: status/checkpoint/restore;
+loadtest), and this module assembles the parser and runs one.
+
+    python -m memserver.cli --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from memserver.cli import lifecycle, loadtest, tables
+from memserver.cli.common import CliError
+from memserver.cli.lifecycle import load_config
+from memserver.cli.tables import status_dict
+
+__all__ = ["CliError", "build_parser", "load_config", "main", "status_dict"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="memserver",
+        description="A distributed memory server for memory-augmented transformers: value tables sharded "
+        "over Ray actors behind a gRPC lookup/update API.",
+        epilog="The endpoint file lives in $MEMSERVER_HOME (default ~/.memserver); clients find the cluster through it.",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    lifecycle.add_parsers(sub)
+    tables.add_parsers(sub)
+    loadtest.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        parser.exit(130, "memserver: interrupted\n")
+    except CliError as exc:
+        parser.exit(2, f"memserver: error: {exc}\n")
+    except Exception as exc:
+        from memserver.api.errors import MemserverError
+
+        if isinstance(exc, (MemserverError, FileNotFoundError)):
+            parser.exit(1, f"memserver: error: {exc}\n")
+        raise

@@ -1,0 +1,48 @@
+"""What every `memserver` command shares: the user-error type, the flags of the commands that
+talk to a running cluster, and small formatting helpers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+class CliError(Exception):
+    """A user error: printed as `memserver: error: ...`, exit status 2."""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cluster_flags(p: argparse.ArgumentParser, timeout: float, json_help: str = "print one JSON object") -> None:
+    """--endpoint, --json and --timeout of the commands that talk to a running cluster."""
+    p.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.add_argument("--timeout", type=float, default=timeout, help="RPC deadline, seconds")
+
+
+def endpoint_of(args: argparse.Namespace) -> str:
+    """--endpoint, else the endpoint file's; a CliError that says how to start a cluster."""
+    if getattr(args, "endpoint", None):
+        return args.endpoint
+    from memserver.cluster.endpoint import read_endpoint
+
+    try:
+        return read_endpoint()["endpoint"]
+    except FileNotFoundError as exc:
+        raise CliError(str(exc)) from None
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,236 @@
+"""`memserver up` and `memserver down`: start a memory cluster (in the foreground or detached)
+and stop it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from memserver.cli.common import CliError, pid_alive
+from memserver.cluster import PLACEMENT_STRATEGIES
+
+log = logging.getLogger("memserver")
+
+TABLE_KEYS = {"name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype", "init_std", "seed", "num_shards", "eps", "wal"}
+CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "data_dir", "tables"}
+
+
+def load_config(path: str | None) -> dict[str, Any]:
+    """Read tables.yaml; unknown keys are errors that name the key and the file."""
+    if not path:
+        return {}
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise CliError(f"--config: no such file: {path}") from None
+    except yaml.YAMLError as exc:
+        raise CliError(f"--config: {path} is not valid YAML: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise CliError(f"--config: {path} must hold a mapping with a 'tables' list")
+    if unknown := set(cfg) - CONFIG_KEYS:
+        raise CliError(f"--config: unknown key(s) {sorted(unknown)} in {path}; allowed: {sorted(CONFIG_KEYS)}")
+    if "placement" in cfg:
+        if str(cfg["placement"]).upper() not in PLACEMENT_STRATEGIES:
+            raise CliError(f"--config: placement in {path} must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {cfg['placement']!r}")
+        cfg["placement"] = str(cfg["placement"]).upper()
+    for i, table in enumerate(cfg.get("tables") or []):
+        if not isinstance(table, dict) or not {"name", "num_rows", "dim"} <= set(table):
+            raise CliError(f"--config: tables[{i}] in {path} needs at least name, num_rows and dim")
+        if unknown := set(table) - TABLE_KEYS:
+            raise CliError(f"--config: tables[{i}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(TABLE_KEYS)}")
+    return cfg
+
+
+def running_cluster() -> dict[str, Any] | None:
+    from memserver.cluster.endpoint import endpoint_file, read_endpoint
+
+    if not endpoint_file().exists():
+        return None
+    rec = read_endpoint()
+    return rec if pid_alive(int(rec.get("pid", -1))) else None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    shards = args.shards or cfg.get("shards") or 2
+    if shards < 1:
+        raise CliError(f"--shards must be at least 1, got {shards}")
+    if (rec := running_cluster()) is not None:
+        raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
+    if args.detach:
+        return _up_detached(args)
+
+    import ray
+
+    from client import MemoryClient
+    from memserver.cluster.endpoint import endpoint_file, write_endpoint
+    from memserver.cluster.launch import start_cluster
+
+    t0 = time.perf_counter()
+    if args.address:
+        log.info("joining Ray cluster at %s", args.address)
+        ray.init(address=args.address, namespace="memserver", logging_level=logging.WARNING)
+    else:
+        cpus = args.num_cpus or os.cpu_count() or 2
+        log.info("starting an embedded Ray head (%d CPUs, dashboard off)", cpus)
+        ray.init(
+            # "local": always a new head, even if `ray start` ran on this machine or RAY_ADDRESS is set
+            # (ray.init() would otherwise join that cluster); joining is what --address is for.
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=False,
+            object_store_memory=args.object_store_mb * 1024 * 1024,
+            namespace="memserver",
+            logging_level=logging.WARNING,
+        )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = start_cluster(
+        shards,
+        shard_cpus=cfg.get("shard_cpus", args.shard_cpus),
+        shard_gpus=cfg.get("shard_gpus", args.shard_gpus),
+        threads_per_shard=cfg.get("threads_per_shard", args.threads_per_shard),
+        port=args.port,
+        placement=args.placement or cfg.get("placement") or "SPREAD",
+        placement_timeout=args.placement_timeout,
+        data_dir=args.data_dir or cfg.get("data_dir"),
+        max_restarts=args.max_restarts,
+    )
+    try:
+        tables = cfg.get("tables") or []
+        if tables:
+            from client import TableExistsError
+
+            with MemoryClient(cluster.endpoint) as client:
+                for t in tables:
+                    t = dict(t)
+                    try:
+                        meta = client.create_table(t.pop("name"), t.pop("num_rows"), t.pop("dim"), **t)
+                    except TableExistsError as exc:  # recovered from --data-dir: keep its contents
+                        log.info("keeping the recovered table (%s)", exc)
+                        continue
+                    log.info("table %s: %d x %d (%s)", meta.name, meta.num_rows, meta.dim, meta.sharding)
+        record = {
+            "endpoint": cluster.endpoint,
+            "pid": os.getpid(),
+            "shards": [i["address"] for i in cluster.shard_infos],
+            "ray_address": ray.get_runtime_context().gcs_address,
+            "started": time.time(),
+        }
+        path = write_endpoint(record)
+        print(f"memserver ready at {cluster.endpoint}", flush=True)
+        log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
+        while not stop.wait(0.5):
+            pass
+        log.info("stopping")
+    finally:
+        cluster.shutdown()
+        ray.shutdown()
+        if endpoint_file().exists() and json.loads(endpoint_file().read_text()).get("pid") == os.getpid():
+            endpoint_file().unlink(missing_ok=True)
+    log.info("memserver stopped")
+    return 0
+
+
+def _up_detached(args: argparse.Namespace) -> int:
+    from memserver.cluster.endpoint import endpoint_file, memserver_home
+
+    argv = [a for a in sys.argv[1:] if a != "--detach"]
+    home = memserver_home()
+    home.mkdir(parents=True, exist_ok=True)
+    logfile = home / "memserver.log"
+    with open(logfile, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memserver.cli", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    wait = max(args.timeout, args.placement_timeout + 60)  # placement alone may take --placement-timeout
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = logfile.read_text(errors="replace")[-3000:]
+            raise CliError(f"memserver exited with status {proc.returncode} before it was ready; log {logfile}:\n{tail}")
+        if endpoint_file().exists():
+            rec = json.loads(endpoint_file().read_text())
+            if rec.get("pid") == proc.pid:
+                print(f"memserver ready at {rec['endpoint']}", flush=True)
+                print(f"(running in the background as pid {proc.pid}; log {logfile}; stop with `memserver down`)")
+                return 0
+        time.sleep(0.2)
+    proc.terminate()
+    raise CliError(f"memserver was not ready after {wait:.0f}s (--timeout); log {logfile}")
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from memserver.cluster.endpoint import endpoint_file, read_endpoint
+
+    if not endpoint_file().exists():
+        print("no memserver is running (no endpoint file)")
+        return 0
+    rec = read_endpoint()
+    pid = int(rec.get("pid", -1))
+    if not pid_alive(pid):
+        endpoint_file().unlink(missing_ok=True)
+        print(f"memserver (pid {pid}) was not running; removed its stale endpoint file")
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        endpoint_file().unlink(missing_ok=True)
+        print(f"memserver (pid {pid}) did not stop within {args.timeout:.0f}s; killed it")
+        return 1
+    endpoint_file().unlink(missing_ok=True)
+    print(f"memserver at {rec['endpoint']} stopped")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """`up` and `down`."""
+    up = sub.add_parser("up", help="start a memory cluster (embedded Ray head unless --address)",
+                        description="Start shard actors and the coordinator. With no --address, starts a local Ray "
+                        "head in this process. Prints 'memserver ready at HOST:PORT' and writes the endpoint file.")
+    up.add_argument("--shards", type=int, default=0, help="number of shard actors (default: the config's, else 2)")
+    up.add_argument("--config", help="YAML file: shards, shard_cpus, shard_gpus, threads_per_shard, placement, tables: [{name, num_rows, dim, ...}]")
+    up.add_argument("--address", help="join an existing Ray cluster ('auto' or HOST:PORT) instead of starting one")
+    up.add_argument("--detach", action="store_true", help="return once ready and leave the cluster running in the background")
+    up.add_argument("--port", type=int, default=0, help="coordinator gRPC port (default: any free port)")
+    up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
+    up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
+    up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")
+    up.add_argument("--shard-gpus", type=float, default=0.0, help="Ray GPUs per shard actor (rows then live on the GPU)")
+    up.add_argument("--threads-per-shard", type=int, default=1, help="torch compute threads in each shard")
+    up.add_argument("--placement", type=str.upper, choices=PLACEMENT_STRATEGIES, default=None,
+                    help="how shards are laid out over Ray nodes (a placement group, one bundle per shard): SPREAD "
+                    "(different nodes where possible), STRICT_SPREAD (one node each, or fail), PACK (fewest nodes); "
+                    "default: the config's, else SPREAD")
+    up.add_argument("--data-dir", help="where shards keep their table records and write-ahead logs, so a restarted shard "
+                    "(and a later `up` on the same directory) recovers its tables; every node must be able to write it "
+                    "(default: a scratch directory under $MEMSERVER_HOME/run, removed when the cluster stops)")
+    up.add_argument("--max-restarts", type=int, default=-1,
+                    help="times Ray restarts a dead shard or coordinator (-1: always, 0: never)")
+    up.add_argument("--placement-timeout", type=float, default=120.0,
+                    help="seconds to wait for Ray to place the shards (raise it when an autoscaler must add nodes first)")
+    up.add_argument("--timeout", type=float, default=180.0, help="with --detach: seconds to wait for readiness (at least --placement-timeout + 60)")
+    up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", help="stop the cluster that `up` started", description="Stop the running memserver cleanly.")
+    down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait before killing it")
+    down.set_defaults(func=cmd_down)

@@ -1,0 +1,149 @@
+"""`memserver status`, `checkpoint` and `restore`: what the running cluster holds, and saving and
+loading its tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from memserver.cli.common import CliError, cluster_flags, endpoint_of, fmt_bytes
+
+
+def status_dict(resp: Any) -> dict[str, Any]:
+    from memserver.api.types import TableMeta
+
+    return {
+        "version": resp.version,
+        "epoch": resp.epoch,
+        "coordinator_pid": resp.coordinator_pid,
+        "coordinator_restarted": resp.coordinator_restarted,
+        "tables": [TableMeta.from_proto(t).to_dict() for t in resp.tables],
+        "shards": [
+            {
+                "index": s.index,
+                "address": s.address,
+                "node_id": s.node_id,
+                "pid": s.pid,
+                "state": s.state,
+                "restarted": s.restarted,
+                "metrics": f"http://{s.metrics_address}/metrics" if s.metrics_address else "",
+                "device": s.device,
+                "requests": s.requests,
+                "tables": [{"table": t.table, "rows": t.rows, "bytes": t.bytes, "requests": t.requests,
+                            "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from} for t in s.tables],
+            }
+            for s in resp.shards
+        ],
+    }
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from client import MemoryClient
+
+    endpoint = endpoint_of(args)
+    with MemoryClient(endpoint, timeout=args.timeout) as client:
+        st = status_dict(client.status())
+    if args.json:
+        print(json.dumps({"endpoint": endpoint, **st}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    restarted = " (restarted: catalog rebuilt from the shards)" if st["coordinator_restarted"] else ""
+    console.print(f"memserver {st['version']} at [bold]{endpoint}[/], coordinator pid {st['coordinator_pid']}{restarted}, "
+                  f"catalog epoch {st['epoch']}")
+    tables = Table(title="tables")
+    for col in ("name", "rows", "dim", "sharding", "optimizer", "lr", "dtype", "wal", "shards"):
+        tables.add_column(col, justify="right" if col in ("rows", "dim", "lr", "shards") else "left")
+    for t in st["tables"]:
+        tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}", t["dtype"],
+                       "yes" if t["wal"] else "no", str(len(t["shards"])))
+    console.print(tables)
+    shards = Table(title="shards")
+    for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "requests"):
+        shards.add_column(col, justify="right" if col in ("#", "pid", "tables", "rows", "bytes", "requests") else "left")
+    for s in st["shards"]:
+        rows = sum(t["rows"] for t in s["tables"])
+        nbytes = sum(t["bytes"] for t in s["tables"])
+        state = s["state"] + (" (restarted)" if s["restarted"] else "")
+        shards.add_row(str(s["index"]), s["address"], s["node_id"][:12], str(s["pid"]), state, s["device"], str(len(s["tables"])),
+                       f"{rows:,}", fmt_bytes(nbytes), f"{s['requests']:,}")
+    console.print(shards)
+    if any(s["metrics"] for s in st["shards"]):
+        console.print("Prometheus metrics: " + ", ".join(s["metrics"] for s in st["shards"] if s["metrics"]))
+    for s in st["shards"]:
+        for t in s["tables"]:
+            if t["recovered_from"]:
+                console.print(f"shard {s['index']}: table {t['table']} recovered from {t['recovered_from']}")
+    return 0
+
+
+# ----------------------------------------------------------------- checkpoint, restore
+
+
+def _checkpoint_dir(args: argparse.Namespace) -> str:
+    from memserver.cluster.endpoint import memserver_home
+
+    return str(Path(args.dir).resolve()) if args.dir else str(memserver_home() / "checkpoints")
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from client import MemoryClient
+
+    if args.step < 0:
+        raise CliError(f"--step must be >= 0, got {args.step}")
+    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+        r = client.checkpoint(_checkpoint_dir(args), args.step, args.table or None)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"checkpoint of {len(r['tables'])} table(s) at step {r['step']}: {r['path']} "
+              f"({fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s)")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from client import MemoryClient
+
+    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+        metas = client.restore(_checkpoint_dir(args), args.step, replace=args.replace, num_shards=args.shards,
+                               tables=args.table or None)
+    if args.json:
+        print(json.dumps([m.to_dict() for m in metas], indent=2))
+    else:
+        for m in metas:
+            print(f"restored {m.name}: {m.num_rows:,} x {m.dim} ({m.sharding}) over {len(m.shards)} shards")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """`status`, `checkpoint` and `restore`."""
+    st = sub.add_parser("status", help="tables and shards of the running cluster",
+                        description="Show tables and shards (node, pid, port, state, rows, bytes, requests served, "
+                        "metrics URL) and what each restarted shard recovered its tables from.")
+    cluster_flags(st, timeout=30.0, json_help="print one JSON object instead of tables")
+    st.set_defaults(func=cmd_status)
+
+    ck = sub.add_parser("checkpoint", help="write a consistent checkpoint of the tables",
+                        description="Every shard writes its slices (temporary name, fsync, rename); the manifest is "
+                        "written last, so an interrupted checkpoint leaves the previous one intact. Run it at a step "
+                        "barrier (no writes in flight) for a consistent cut.")
+    ck.add_argument("--dir", help="checkpoint root (default: $MEMSERVER_HOME/checkpoints); must be visible to every shard")
+    ck.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint (its folder is step-<step>)")
+    ck.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
+    cluster_flags(ck, timeout=600.0)
+    ck.set_defaults(func=cmd_checkpoint)
+
+    rs = sub.add_parser("restore", help="load tables from a checkpoint",
+                        description="Load tables from the latest complete checkpoint in --dir (or --step), into any "
+                        "number of shards (--shards reshards).")
+    rs.add_argument("--dir", help="checkpoint root (default: $MEMSERVER_HOME/checkpoints)")
+    rs.add_argument("--step", type=int, default=0, help="which step (default: the latest complete checkpoint)")
+    rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
+    rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name first")
+    rs.add_argument("--shards", type=int, default=0, help="restore into this many shards (default: as saved)")
+    cluster_flags(rs, timeout=600.0)
+    rs.set_defaults(func=cmd_restore)

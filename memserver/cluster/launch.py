@@ -1,0 +1,180 @@
+"""Start and stop a memory cluster on Ray: shard actors first, then the coordinator.
+
+The caller (the `memserver up` process, a test fixture, a notebook) owns the shard actors, so a
+dead coordinator does not take the shards down with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from memserver.cluster import PLACEMENT_STRATEGIES
+from memserver.cluster.endpoint import memserver_home
+from memserver.server.coordinator import CoordinatorActor
+from memserver.server.rayutil import BIND_HOST_ENV, LOCALHOST, bind_host
+from memserver.server.shard_actor import ShardActor
+
+log = logging.getLogger(__name__)
+
+
+def shard_bundle(shard_cpus: float, shard_gpus: float) -> dict[str, float]:
+    """The resources one shard reserves in the placement group (Ray rejects empty bundles)."""
+    bundle = {"CPU": float(shard_cpus)} if shard_cpus > 0 else {}
+    if shard_gpus > 0:
+        bundle["GPU"] = float(shard_gpus)
+    if not bundle:
+        raise ValueError("a shard needs shard_cpus > 0 or shard_gpus > 0 (they are reserved in its placement bundle)")
+    return bundle
+
+
+def _place_shards(num_shards: int, bundle: dict[str, float], strategy: str, timeout: float) -> Any:
+    """A ready placement group of one bundle per shard; a clear error if Ray cannot place it in time."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([dict(bundle) for _ in range(num_shards)], strategy=strategy)
+    if pg.wait(timeout_seconds=timeout):
+        return pg
+    remove_placement_group(pg)
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    need = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
+    total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+    hint = f" (STRICT_SPREAD needs {num_shards} nodes)" if strategy == "STRICT_SPREAD" else ""
+    raise RuntimeError(
+        f"could not place {num_shards} shards of {{{need}}} each with placement {strategy}{hint} within {timeout:g}s: "
+        f"the Ray cluster has {len(alive)} alive node(s), resources {total}, free {free}. Lower --shard-cpus / "
+        "--shard-gpus or --shards, add nodes, pick another --placement, or raise --placement-timeout"
+    )
+
+
+@dataclass
+class MemoryCluster:
+    """Handles to a running cluster's actors; `shutdown()` stops them."""
+
+    endpoint: str
+    coordinator: Any
+    shards: list[Any]
+    shard_infos: list[dict[str, Any]] = field(default_factory=list)
+    placement_group: Any = None
+    data_dir: str = ""
+    owns_data_dir: bool = False  # a scratch directory start_cluster made (removed at shutdown)
+
+    def shutdown(self) -> None:
+        for actor in [self.coordinator, *self.shards]:
+            try:
+                ray.get(actor.stop.remote(), timeout=10)
+            except Exception:  # already gone
+                pass
+            ray.kill(actor)
+        if self.placement_group is not None:  # give the shards' reserved resources back to Ray
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # already removed
+                pass
+            self.placement_group = None
+        if self.owns_data_dir and self.data_dir:
+            import shutil
+
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def start_cluster(
+    num_shards: int = 2,
+    *,
+    shard_cpus: float = 0.5,
+    shard_gpus: float = 0.0,
+    threads_per_shard: int = 1,
+    name: str = "memserver",
+    host: str | None = None,
+    port: int = 0,
+    placement: str = "SPREAD",
+    placement_timeout: float = 120.0,
+    data_dir: str | os.PathLike[str] | None = None,
+    max_restarts: int = -1,
+) -> MemoryCluster:
+    """Start `num_shards` shard actors and a named coordinator on the connected Ray cluster.
+
+    Shards go into a placement group (one bundle of `shard_cpus` CPUs / `shard_gpus` GPUs each,
+    laid out by `placement`), so SPREAD puts them on different nodes when the cluster has them and
+    Ray reserves their resources up front. The coordinator runs on the caller's node, so its
+    address is the machine `memserver up` ran on. `host` None: 127.0.0.1 on one node, each
+    server's own node address on several ($MEMSERVER_BIND_HOST overrides both).
+
+    `data_dir` holds what a restarted shard needs (its tables' records and write-ahead logs) and
+    the coordinator's port; every node must be able to write it. None: a scratch directory under
+    $MEMSERVER_HOME/run, removed at shutdown. Starting on a directory of an earlier cluster
+    brings its tables back. Ray restarts a dead shard or coordinator up to `max_restarts` times
+    (-1: always).
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+    if not ray.is_initialized():
+        raise RuntimeError("ray is not initialised: call ray.init() (or use `memserver up`)")
+    if num_shards < 1:
+        raise ValueError(f"--shards must be at least 1, got {num_shards}")
+    strategy = placement.upper()
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement!r}")
+    t0 = time.perf_counter()
+    if not host:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        host = os.environ.get(BIND_HOST_ENV) or (LOCALHOST if len(alive) <= 1 else None)
+    owns_dir = data_dir is None
+    if data_dir is None:
+        data_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(memserver_home() / "run"))
+    data_dir = str(Path(data_dir).absolute())
+    pg = _place_shards(num_shards, shard_bundle(shard_cpus, shard_gpus), strategy, placement_timeout)
+    coord = None
+    try:
+        shard_cls = ray.remote(ShardActor)
+        shards = [
+            shard_cls.options(
+                name=f"{name}-shard-{i}",
+                num_cpus=shard_cpus,
+                num_gpus=shard_gpus,
+                max_concurrency=16,  # threads for Ray calls; data-plane traffic is gRPC
+                max_restarts=max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator")
+            for i in range(num_shards)
+        ]
+        infos = ray.get([s.info.remote() for s in shards])
+        # Pinned to this node (0 CPUs, so even a head started with --num-cpus=0 takes it): the
+        # endpoint is this machine's, and --port means a port here.
+        coord = ray.remote(CoordinatorActor).options(
+            name=f"{name}-coordinator",
+            num_cpus=0,
+            max_concurrency=16,
+            max_restarts=max_restarts,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote([f"{name}-shard-{i}" for i in range(num_shards)], host or bind_host(), port, data_dir)
+        endpoint = ray.get(coord.endpoint.remote())
+    except BaseException:
+        from ray.util.placement_group import remove_placement_group
+
+        if coord is not None:
+            ray.kill(coord)
+        remove_placement_group(pg)  # the shard actors die with it
+        if owns_dir:
+            import shutil
+
+            shutil.rmtree(data_dir, ignore_errors=True)
+        raise
+    log.info("memory cluster %s up in %.1fs: coordinator %s, %d shards (%s)", name, time.perf_counter() - t0, endpoint,
+             num_shards, strategy)
+    return MemoryCluster(endpoint, coord, shards, infos, placement_group=pg, data_dir=data_dir, owns_data_dir=owns_dir)
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p

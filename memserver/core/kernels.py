@@ -1,0 +1,150 @@
+"""Compiled CPU kernels (numba) for the value table's backward: the expensive call.
+
+PyTorch's path for dL/dweights plus a sparse optimizer step gathers `n x d` temporaries several
+times (index_select, multiply, index_add, then the optimizer's gathers and scatters). These kernels
+do the floor instead: one pass reads each entry's row once for dL/dw, then per distinct row one
+pass sums its gradient in a d-float buffer and applies the optimizer in place. Used for float32
+tables on the CPU; `memserver.core.table` keeps the torch path for CUDA and half-precision storage,
+and the tests check both give the same numbers.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+SGD, ADAGRAD, ADAM = 0, 1, 2
+
+
+@nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def grad_weights(weight, ids, src_index, src, out):  # pragma: no cover - compiled
+    """out[i] = <weight[ids[i]], src[src_index[i]]>, i.e. dL/dw_i with src = grad_out."""
+    d = weight.shape[1]
+    for i in nb.prange(ids.shape[0]):
+        r = ids[i]
+        b = src_index[i]
+        acc = np.float32(0.0)
+        for c in range(d):
+            acc += weight[r, c] * src[b, c]
+        out[i] = acc
+
+
+@nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def sparse_step(
+    weight, ids, src_index, scale, src, kind, lr, eps, beta1, beta2, acc, exp_avg, exp_avg_sq, updates, last_update, now, nthreads
+):  # pragma: no cover - compiled
+    """For each distinct id r: g = sum over its entries i of scale[i] * src[src_index[i]], then
+    one optimizer step on weight[r]. Entries are grouped by row (counting sort); each distinct row is
+    owned by one thread, so no two threads write the same row; within a row, entries are summed
+    in their original order (deterministic). `nthreads` is
+    numba.get_num_threads() (passed in: reading it inside would stop the kernel being cached)."""
+    n = ids.shape[0]
+    d = weight.shape[1]
+    # Group entries by row with a counting sort over the slice's rows: O(n + rows), where a
+    # comparison sort of n ids was most of this kernel's time.
+    counts = np.zeros(weight.shape[0] + 1, np.int64)
+    for i in range(n):
+        counts[ids[i] + 1] += 1
+    for r in range(weight.shape[0]):
+        counts[r + 1] += counts[r]
+    # Scatter each entry's (source row, scale) into its row's group once, so the summing pass
+    # below reads them sequentially instead of chasing an index per entry (random reads of two
+    # n-long arrays were most of this kernel's time).
+    fill = counts[:-1].copy()
+    sorted_src = np.empty(n, np.int64)
+    sorted_scale = np.empty(n, np.float32)
+    for i in range(n):
+        r = ids[i]
+        f = fill[r]
+        sorted_src[f] = src_index[i]
+        sorted_scale[f] = scale[i]
+        fill[r] = f + 1
+    num_rows = 0
+    for r in range(weight.shape[0]):
+        if counts[r + 1] > counts[r]:
+            num_rows += 1
+    starts = np.empty(num_rows + 1, np.int64)
+    rows = np.empty(num_rows, np.int64)
+    k = 0
+    for r in range(weight.shape[0]):
+        if counts[r + 1] > counts[r]:
+            starts[k] = counts[r]
+            rows[k] = r
+            k += 1
+    starts[num_rows] = n
+    per = (num_rows + nthreads - 1) // nthreads
+    for t in nb.prange(nthreads):
+        g = np.empty(d, np.float32)
+        lo = t * per
+        hi = min(num_rows, lo + per)
+        for u in range(lo, hi):
+            r = rows[u]
+            g[:] = 0.0
+            for e in range(starts[u], starts[u + 1]):
+                w = sorted_scale[e]
+                b = sorted_src[e]
+                for c in range(d):
+                    g[c] += w * src[b, c]
+            updates[r] += 1
+            last_update[r] = now
+            if kind == SGD:
+                for c in range(d):
+                    weight[r, c] -= lr * g[c]
+            elif kind == ADAGRAD:
+                sq = np.float32(0.0)
+                for c in range(d):
+                    sq += g[c] * g[c]
+                a = acc[r] + sq / d
+                acc[r] = a
+                step = np.float32(lr) / (np.float32(np.sqrt(a)) + np.float32(eps))
+                for c in range(d):
+                    weight[r, c] -= step * g[c]
+            else:
+                k = updates[r]
+                bc1 = np.float32(1.0 - beta1**k)
+                bc2 = np.float32(1.0 - beta2**k)
+                for c in range(d):
+                    m = np.float32(beta1) * exp_avg[r, c] + np.float32(1.0 - beta1) * g[c]
+                    v = np.float32(beta2) * exp_avg_sq[r, c] + np.float32(1.0 - beta2) * g[c] * g[c]
+                    exp_avg[r, c] = m
+                    exp_avg_sq[r, c] = v
+                    weight[r, c] -= np.float32(lr) * (m / bc1) / (np.float32(np.sqrt(v / bc2)) + np.float32(eps))
+    return num_rows
+
+
+@nb.njit(inline="always")
+def _splitmix64(x):  # pragma: no cover - compiled
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def init_normal(rows, col_start, total_dim, std, key, out):  # pragma: no cover - compiled
+    """out[r, j] = std * N(0,1) drawn from (key, rows[r], col_start + j): the same counter-based
+    draw as memserver.core.init.init_values' numpy code, without its temporaries."""
+    c = out.shape[1]
+    inv53 = 1.0 / 9007199254740992.0
+    two = np.uint64(2)
+    for r in nb.prange(rows.shape[0]):
+        base = np.uint64(rows[r]) * np.uint64(total_dim) + np.uint64(col_start)
+        for j in range(c):
+            counter = (base + np.uint64(j)) * two
+            a = _splitmix64(counter ^ key)
+            b = _splitmix64((counter + np.uint64(1)) ^ key)
+            u1 = (np.float64(a >> np.uint64(11)) + 0.5) * inv53
+            u2 = np.float64(b >> np.uint64(11)) * inv53
+            out[r, j] = np.float32(std * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2))
+
+
+@nb.njit(nogil=True, cache=True)
+def count_reads(ids, weights, hits, weight_mass):  # pragma: no cover - compiled
+    """Slot statistics of one read in a single pass: hits[id] += 1, weight_mass[id] += |w|
+    (weights may be empty for a lookup). Replaces two index_add_ calls and their temporaries."""
+    with_w = weights.shape[0] == ids.shape[0]
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        hits[r] += 1
+        if with_w:
+            weight_mass[r] += abs(weights[i])

@@ -1,0 +1,76 @@
+"""The server-side sparse optimizers: their configuration and the torch path of one step.
+
+Only touched rows are read or written. The compiled CPU path (`memserver.core.kernels.sparse_step`)
+inlines the same three update rules; the tests check both give the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+_DEFAULT_EPS = {"sgd": 0.0, "adagrad": 1e-10, "adam": 1e-8}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """A sparse optimizer:
+
+    - sgd: w -= lr * g
+    - adagrad: row-wise (one accumulator per row, TorchRec style): a += mean(g^2);
+      w -= lr * g / (sqrt(a) + eps)
+    - adam: lazy; moments of touched rows only, bias correction by the row's own update count
+      (a row first touched at step 1000 gets the same correction as at step 1), so results do
+      not depend on how rows are spread over shards.
+    """
+
+    name: str = "adagrad"
+    lr: float = 0.01
+    eps: float = 0.0  # 0: the optimizer's default (effective_eps)
+    beta1: float = 0.9
+    beta2: float = 0.999
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; expected one of {OPTIMIZERS}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("adam betas must be in [0, 1)")
+        if self.eps < 0 or not math.isfinite(self.eps):
+            raise ValueError(f"eps must be >= 0, got {self.eps}")
+
+    @property
+    def effective_eps(self) -> float:
+        return self.eps or _DEFAULT_EPS[self.name]
+
+
+def torch_step(table: Any, ids: torch.Tensor, g: torch.Tensor) -> None:
+    """One optimizer step of a `ValueTable` (the torch path: CUDA and half-precision tables) on
+    distinct rows `ids` with their summed float32 gradients `g`."""
+    if len(ids) == 0:
+        return
+    opt: OptimizerConfig = table.optimizer
+    w = table.weight[ids].float()
+    table.updates[ids] += 1
+    table.last_update[ids] = time.time()
+    if opt.name == "sgd":
+        w.sub_(g, alpha=opt.lr)
+    elif opt.name == "adagrad":
+        acc = table.acc[ids] + g.square().mean(1)
+        table.acc[ids] = acc
+        w.sub_(g / (acc.sqrt_().add_(opt.effective_eps))[:, None], alpha=opt.lr)
+    else:
+        step = table.updates[ids].double()
+        m = table.exp_avg[ids].mul_(opt.beta1).add_(g, alpha=1 - opt.beta1)
+        v = table.exp_avg_sq[ids].mul_(opt.beta2).addcmul_(g, g, value=1 - opt.beta2)
+        table.exp_avg[ids], table.exp_avg_sq[ids] = m, v
+        bc1 = (1 - opt.beta1**step).float()[:, None]
+        bc2 = (1 - opt.beta2**step).float()[:, None]
+        w.sub_(opt.lr * (m / bc1) / ((v / bc2).sqrt_().add_(opt.effective_eps)))
+    table.weight[ids] = w.to(table.dtype)

@@ -1,0 +1,234 @@
+"""The math of a value table slice: lookup, bag, bag-backward, the optimizer step, statistics.
+
+This is the one implementation of memory-value math in the project. A shard actor hosts one
+`ValueTable` per table slice; the trainer's `local` memory backend uses the very same class
+in-process, so local and remote training compute the same numbers.
+
+Ids given to `ValueTable` are *local* row numbers of the slice (the shard maps global ids).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from memserver.core.init import init_values
+from memserver.core.optim import OptimizerConfig, torch_step
+
+try:  # numba is a dependency, but the torch path must keep working without it
+    from memserver.core import kernels
+except ImportError:  # pragma: no cover
+    kernels = None  # type: ignore[assignment]
+
+# Entries processed per chunk in the backward, bounding temporaries to ~chunk * dim floats.
+_CHUNK_ENTRIES = 1 << 16
+
+
+# ------------------------------------------------------------------ the table
+
+
+def bag_index(ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """For each flat entry, the bag it belongs to."""
+    if offsets is None:
+        b, k = ids.shape
+        return torch.arange(b, device=ids.device).repeat_interleave(k)
+    counts = torch.diff(offsets, append=torch.tensor([ids.shape[0]], device=offsets.device))
+    return torch.repeat_interleave(torch.arange(len(offsets), device=ids.device), counts)
+
+
+_EMPTY1 = np.zeros(0, dtype=np.float32)
+_EMPTY2 = np.zeros((0, 0), dtype=np.float32)
+
+
+class ValueTable:
+    """One slice of a value table: rows, optimizer state and per-slot statistics."""
+
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        optimizer: OptimizerConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        init_std: float = 0.02,
+        seed: int = 0,
+        global_rows: np.ndarray | None = None,
+        col_start: int = 0,
+        total_dim: int | None = None,
+        track_stats: bool = True,
+        backend: str | None = None,
+    ) -> None:
+        """`backend`: "numba" (compiled CPU kernels, float32 on CPU only), "torch", or None = the
+        MEMSERVER_BACKEND environment variable, else numba where it applies."""
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"value dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.num_rows, self.dim, self.optimizer = num_rows, dim, optimizer
+        self.dtype, self.device = dtype, torch.device(device)
+        if global_rows is None:
+            global_rows = np.arange(num_rows, dtype=np.int64)
+        total_dim = total_dim or dim
+        self.weight = init_values(global_rows, col_start, col_start + dim, total_dim, init_std, seed)
+        self.weight = self.weight.to(device=self.device, dtype=dtype)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        if optimizer.name == "adagrad":
+            self.acc = torch.zeros(num_rows, **f32)
+        elif optimizer.name == "adam":
+            self.exp_avg = torch.zeros((num_rows, dim), **f32)
+            self.exp_avg_sq = torch.zeros((num_rows, dim), **f32)
+        self.track_stats = track_stats
+        backend = backend or os.environ.get("MEMSERVER_BACKEND") or "auto"
+        if backend not in ("auto", "numba", "torch"):
+            raise ValueError(f"backend must be 'numba', 'torch' or 'auto', got {backend!r}")
+        fast_ok = kernels is not None and self.device.type == "cpu" and dtype == torch.float32
+        if backend == "numba" and not fast_ok:
+            raise ValueError("the numba backend needs numba and a float32 table on the CPU")
+        self.backend = "numba" if fast_ok and backend != "torch" else "torch"
+        self.hits = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
+        self.weight_mass = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
+        self.updates = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
+        self.last_update = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    STATE = ("weight", "acc", "exp_avg", "exp_avg_sq", "hits", "weight_mass", "updates", "last_update")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Everything a checkpoint keeps: values, optimizer state, slot statistics."""
+        return {name: getattr(self, name) for name in self.STATE if hasattr(self, name)}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state().values())
+
+    def _count_reads(self, ids: torch.Tensor, weights: torch.Tensor | None) -> None:
+        flat = ids.reshape(-1)
+        if self.backend == "numba":
+            w = weights.reshape(-1).float().contiguous().numpy() if weights is not None else _EMPTY1
+            kernels.count_reads(flat.long().contiguous().numpy(), w, self.hits.numpy(), self.weight_mass.numpy())
+            return
+        self.hits.index_add_(0, flat, torch.ones_like(flat))
+        if weights is not None:
+            self.weight_mass.index_add_(0, flat, weights.reshape(-1).abs().double())
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.track_stats:
+            self._count_reads(ids, None)
+        return self.weight.index_select(0, ids).float()
+
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """out[b] = sum_{i in bag b} weights_i * v[ids_i], in float32."""
+        if self.track_stats:
+            self._count_reads(ids, weights)
+        weights = weights.float()
+        if self.dtype == torch.float32:
+            return F.embedding_bag(ids, self.weight, offsets, mode="sum", per_sample_weights=weights)
+        # Half-precision storage: gather, widen, then sum in float32.
+        if offsets is None:
+            rows = self.weight[ids].float()  # [B, k, d]
+            return torch.einsum("bk,bkd->bd", weights, rows)
+        out = torch.zeros((len(offsets), self.dim), dtype=torch.float32, device=self.device)
+        out.index_add_(0, bag_index(ids, offsets), self.weight[ids].float() * weights[:, None])
+        return out
+
+    def slot_stats(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows = self.weight.index_select(0, ids).double()
+        return {
+            "hits": self.hits[ids],
+            "weight_mass": self.weight_mass[ids],
+            "updates": self.updates[ids],
+            "last_update": self.last_update[ids],
+            "value_sq_norm": (rows * rows).sum(1),
+        }
+
+    # -- writes --------------------------------------------------------------------------
+
+    def bag_backward(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        offsets: torch.Tensor | None,
+        grad_out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Return dL/dweights (shape of ids) and apply w_i * grad_out_b to the rows.
+
+        dL/dw_i = <grad_out_b, v[id_i]> uses the values *before* this update.
+        """
+        grad_w, update = self.bag_grad(ids, weights, offsets, grad_out)
+        update()
+        return grad_w
+
+    def bag_grad(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        offsets: torch.Tensor | None,
+        grad_out: torch.Tensor,
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """dL/dweights now, and the row update as a callable to run later.
+
+        A shard answers a deferred BagBackward with dL/dw first and runs the update right after,
+        before any later request, so the trainer's next step overlaps the update.
+        """
+        grad_out = grad_out.to(device=self.device, dtype=torch.float32)
+        flat_ids = ids.reshape(-1)
+        flat_w = weights.reshape(-1).float()
+        bags = bag_index(ids, offsets)
+        if self.backend == "numba":
+            grad_w_np = np.empty(flat_ids.shape[0], dtype=np.float32)
+            kernels.grad_weights(self.weight.numpy(), flat_ids.long().contiguous().numpy(), bags.numpy(),
+                                 grad_out.contiguous().numpy(), grad_w_np)
+            grad_w = torch.from_numpy(grad_w_np)
+        else:
+            grad_w = torch.empty(flat_ids.shape[0], dtype=torch.float32, device=self.device)
+            for s in range(0, flat_ids.shape[0], _CHUNK_ENTRIES):
+                e = s + _CHUNK_ENTRIES
+                rows = self.weight.index_select(0, flat_ids[s:e]).float()
+                grad_w[s:e] = (rows * grad_out.index_select(0, bags[s:e])).sum(1)
+        return grad_w.view(ids.shape), lambda: self.apply_entries(flat_ids, bags, flat_w, grad_out)
+
+    def apply_entries(self, ids: torch.Tensor, src_index: torch.Tensor, scale: torch.Tensor, src: torch.Tensor) -> int:
+        """One optimizer step from gradient entries: row ids[i] receives scale[i] * src[src_index[i]];
+        entries of the same row are summed first. Returns the number of distinct rows updated.
+
+        The common form of a bag's backward (src = dL/d(out), scale = the bag weights) and of a
+        gradient push (src = the rows' gradients, scale = 1)."""
+        if self.backend == "numba":
+            return self._step_numba(ids, src_index, scale, src.float().contiguous().numpy())
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        row_grad = torch.zeros((len(uniq), self.dim), dtype=torch.float32, device=self.device)
+        src = src.to(device=self.device, dtype=torch.float32)
+        for s in range(0, ids.shape[0], _CHUNK_ENTRIES):
+            e = s + _CHUNK_ENTRIES
+            row_grad.index_add_(0, inv[s:e], src.index_select(0, src_index[s:e]).mul_(scale[s:e, None].float()))
+        torch_step(self, uniq, row_grad)
+        return len(uniq)
+
+    def push_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
+        n = ids.shape[0]
+        return self.apply_entries(ids, torch.arange(n, device=ids.device), torch.ones(n, device=ids.device), grads)
+
+    def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> int:
+        """Overwrite rows (optimizer state is kept). Ids must be distinct (checked by callers)."""
+        self.weight[ids] = rows.to(device=self.device, dtype=self.dtype)
+        return len(ids)
+
+    def _step_numba(self, ids: torch.Tensor, src_index: torch.Tensor, scale: torch.Tensor, src: np.ndarray) -> int:
+        """The fused kernel: sum each distinct row's gradient, then step it in place."""
+        opt = self.optimizer
+        kind = {"sgd": kernels.SGD, "adagrad": kernels.ADAGRAD, "adam": kernels.ADAM}[opt.name]
+        acc = self.acc.numpy() if opt.name == "adagrad" else _EMPTY1
+        m = self.exp_avg.numpy() if opt.name == "adam" else _EMPTY2
+        v = self.exp_avg_sq.numpy() if opt.name == "adam" else _EMPTY2
+        return int(
+            kernels.sparse_step(
+                self.weight.numpy(), ids.long().contiguous().numpy(), src_index.long().contiguous().numpy(),
+                scale.float().contiguous().numpy(), src, kind, float(opt.lr), float(opt.effective_eps),
+                float(opt.beta1), float(opt.beta2), acc, m, v, self.updates.numpy(), self.last_update.numpy(), time.time(),
+                kernels.nb.get_num_threads(),
+            )
+        )

@@ -1,0 +1,99 @@
+"""One load-test call, made exactly as the client makes it: the client's own ops (client.ops:
+same validation, routing and request fields), all shard requests in flight together, sent with
+blocking gRPC so it runs under gevent.
+
+Unlike the client it does not retry (a load test must count an UNAVAILABLE as a failure, not
+hide it) and refuses batches that would be split (a split call is several requests per shard).
+Each call returns (result, response bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from client import ops
+from client.channels import sync_channel
+from client.ops import Op, OpOptions, WriteTags, finish
+from memserver.api.types import TableMeta
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.loadtest.config import LoadConfig
+from memserver.wire import dtype_code
+
+
+def fetch_table(endpoint: str, table: str, timeout: float) -> TableMeta:
+    """One GetShardMap from the coordinator (blocking gRPC: fine under gevent and outside it)."""
+    with sync_channel(endpoint, retries=False) as ch:
+        info = pb_grpc.ControlPlaneStub(ch).GetShardMap(pb.GetShardMapRequest(name=table), timeout=timeout)
+    return TableMeta.from_proto(info)
+
+
+class ShardCaller:
+    """Sends the client's ops for one table; see the module docstring."""
+
+    def __init__(self, meta: TableMeta, cfg: LoadConfig, channels: dict[str, grpc.Channel] | None = None) -> None:
+        self.meta = meta
+        self.timeout = cfg.timeout
+        self.opts = OpOptions(wire_dtype=dtype_code(cfg.wire_dtype))
+        self.channels = channels if channels is not None else {}
+        for sh in meta.shards:
+            if sh.address not in self.channels:
+                self.channels[sh.address] = sync_channel(sh.address, retries=False)
+        self.stubs = {sh.address: pb_grpc.DataPlaneStub(self.channels[sh.address]) for sh in meta.shards}
+        biggest = max(cfg.batch * meta.dim * 4, cfg.batch * cfg.knn * 12)
+        if biggest > self.opts.max_request_bytes:
+            raise ValueError(f"batch: {cfg.batch} x dim {meta.dim} makes messages of {biggest >> 20} MiB; "
+                             f"keep them under {self.opts.max_request_bytes >> 20} MiB")
+
+    def connect(self) -> None:
+        """Open every shard connection now, so no call's latency includes connection set-up."""
+        for ch in self.channels.values():
+            grpc.channel_ready_future(ch).result(timeout=self.timeout)
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+
+    def _send(self, op: Op) -> tuple[Any, int]:
+        """All of the op's shard requests in flight at once; the first failure cancels the rest
+        and raises (grpc.RpcError)."""
+        calls = next(op)
+        futures = [getattr(self.stubs[address], method).future(req, timeout=self.timeout) for address, method, req in calls]
+        try:
+            answers = [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()  # no-op for finished ones
+        return finish(op, answers), sum(a.ByteSize() for a in answers)
+
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self._send(ops.lookup_op(self.meta, ids, self.opts))
+
+    def bag(self, ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self._send(ops.bag_op(self.meta, ids, w, None, self.opts))
+
+    def bag_backward(self, ids: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, tags: WriteTags) -> tuple[torch.Tensor, int]:
+        """One tagged write: every shard request of the call carries the same (client_id, seq)."""
+        return self._send(ops.bag_backward_op(self.meta, ids, w, grad_out, None, self.opts, tags))
+
+
+class Batches:
+    """Random inputs of one user: uniform ids, softmax-like weights, small gradients."""
+
+    def __init__(self, meta: TableMeta, cfg: LoadConfig, seed: int | None = None) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.num_rows, self.dim, self.batch, self.knn = meta.num_rows, meta.dim, cfg.batch, cfg.knn
+
+    def ids(self, *shape: int) -> torch.Tensor:
+        return torch.from_numpy(self.rng.integers(0, self.num_rows, shape, dtype=np.int64))
+
+    def weights(self) -> torch.Tensor:
+        w = self.rng.random((self.batch, self.knn), dtype=np.float32)
+        return torch.from_numpy(w / w.sum(axis=1, keepdims=True))
+
+    def grad_out(self) -> torch.Tensor:
+        return torch.from_numpy(self.rng.standard_normal((self.batch, self.dim), dtype=np.float32) * np.float32(1e-3))

@@ -1,0 +1,95 @@
+"""What `memserver loadtest` runs: an optional scratch table and a bounded locust child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from memserver.loadtest.config import LoadConfig
+
+
+class LoadTestError(RuntimeError):
+    """The locust process failed or hung; its own messages went to stderr."""
+
+
+@dataclass(frozen=True)
+class ScratchTable:
+    """The table `memserver loadtest` creates when none is named, and drops afterwards."""
+
+    num_rows: int = 65536
+    dim: int = 128
+    sharding: str = "cols"
+
+
+def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: float,
+                 scratch: ScratchTable | None = None) -> dict[str, Any]:
+    """Run a headless locust load against cfg.table and return the report (LatencyRecorder.report
+    plus what was run). With `scratch`, creates a fresh table for the run instead and drops it
+    afterwards, also on errors and Ctrl-C.
+
+    Locust runs in a child process (memserver/loadtest/user.py): importing locust monkey-patches
+    sockets, threads and time with gevent for the whole process, which breaks the MemoryClient's
+    asyncio loop thread and grpc.aio here, and cannot be undone. The child is bounded in time
+    (duration + grace, then killed) and in requests (cfg.max_requests).
+    """
+    from client import MemoryClient
+
+    with MemoryClient(cfg.endpoint, timeout=60.0) as mem:
+        if scratch is not None:
+            cfg = replace(cfg, table=f"loadtest-{uuid.uuid4().hex[:8]}")
+            mem.create_table(cfg.table, scratch.num_rows, scratch.dim, sharding=scratch.sharding)
+        try:
+            meta = mem.table(cfg.table)  # TableNotFoundError before any locust starts
+            # the users stop themselves a little after the duration even if the runner does not
+            cfg = replace(cfg, max_seconds=min(cfg.max_seconds, duration_s + cfg.timeout + 5))
+            report = _run_child(cfg, users, spawn_rate, duration_s)
+        finally:
+            if scratch is not None:
+                mem.drop_table(cfg.table)
+    report.update({
+        "endpoint": cfg.endpoint,
+        "table": {"name": meta.name, "num_rows": meta.num_rows, "dim": meta.dim, "sharding": meta.sharding,
+                  "shards": len(meta.shards), "scratch": scratch is not None},
+        "users": users, "spawn_rate": spawn_rate, "duration_s": duration_s,
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("endpoint", "table")},
+    })
+    return report
+
+
+def _run_child(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="memserver-loadtest-") as tmp:
+        report_path = os.path.join(tmp, "report.json")
+        cmd = [sys.executable, "-m", "memserver.loadtest.user", "--users", str(users), "--spawn-rate", str(spawn_rate),
+               "--duration", str(duration_s), "--report", report_path]
+        proc = subprocess.Popen(cmd, env={**os.environ, **cfg.to_env()}, stdin=subprocess.DEVNULL)
+        interrupted = False
+        try:
+            try:
+                # start-up (imports) + the run + the users' last answers; after that it is stuck
+                rc = proc.wait(timeout=duration_s + 2 * cfg.timeout + 120)
+            except KeyboardInterrupt:
+                # Ctrl-C: the child (same process group) got it too and stops early, writing its
+                # report; tell it again in case it runs elsewhere, and wait for that report
+                interrupted = True
+                proc.send_signal(signal.SIGINT)
+                rc = proc.wait(timeout=cfg.timeout + 30)
+        except subprocess.TimeoutExpired:
+            raise LoadTestError(f"the locust process did not finish within {duration_s:.0f}s + grace; killed it") from None
+        finally:
+            if proc.poll() is None:  # timed out, a second Ctrl-C, an error: stop the load before the table goes
+                proc.kill()
+                proc.wait()
+        # interrupted, the child may die of the repeated SIGINT after it wrote its report: fine
+        if not os.path.exists(report_path) or (rc != 0 and not interrupted):
+            if interrupted:  # before the child had started its run: nothing to report
+                raise KeyboardInterrupt
+            raise LoadTestError(f"the locust process failed (exit status {rc}); its errors are above")
+        with open(report_path) as f:
+            return json.load(f)

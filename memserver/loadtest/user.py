@@ -1,0 +1,173 @@
+"""The locust side of the load test: `MemserverUser` and a headless runner.
+
+Importing this module imports locust, which monkey-patches the whole process with gevent, and
+switches gRPC to gevent-friendly polling. Import it only in a process that exists to make load:
+`locust -f deploy/locustfile.py`, or `python -m memserver.loadtest.user` (what `memserver loadtest`
+starts). What the users send comes from MEMSERVER_* variables (memserver.loadtest.config.LoadConfig).
+"""
+
+from __future__ import annotations
+
+# isort: off
+import locust  # first: it monkey-patches the process with gevent before grpc or torch are loaded
+
+# isort: on
+import argparse
+import itertools
+import json
+import logging
+import signal
+import sys
+import time
+import uuid
+from typing import Any
+
+import gevent
+import gevent.event
+import gevent.lock
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+import numpy as np
+import torch
+from locust.exception import StopUser
+
+from client.ops import WriteTags
+from memserver.loadtest.caller import Batches, ShardCaller, fetch_table
+from memserver.loadtest.config import LoadConfig
+from memserver.loadtest.recorder import LatencyRecorder
+
+grpc_gevent.init_gevent()  # before any channel exists, as gRPC requires under gevent
+torch.set_num_threads(1)  # the load generator shares the machine with the shards
+# Importing torch takes seconds while the gevent loop sleeps; its cached clock would then be that
+# stale and locust's timers (--run-time) would fire at once. Refresh it.
+gevent.get_hub().loop.update_now()
+
+
+class _Process:
+    """Per-process state shared by all users: one shard map read, one channel per shard, and the
+    process-wide bounds (calls issued, seconds since the first user started)."""
+
+    lock = gevent.lock.BoundedSemaphore()
+    cfg: LoadConfig | None = None
+    caller: ShardCaller | None = None
+    started: float | None = None
+    issued = itertools.count()
+
+    @classmethod
+    def get(cls) -> tuple[LoadConfig, ShardCaller]:
+        with cls.lock:
+            if cls.caller is None:
+                cfg = LoadConfig.from_env()
+                meta = fetch_table(cfg.endpoint, cfg.table, cfg.timeout)  # GetShardMap, once
+                caller = ShardCaller(meta, cfg)
+                caller.connect()
+                cls.cfg, cls.caller, cls.started = cfg, caller, time.monotonic()
+            assert cls.cfg is not None
+            return cls.cfg, cls.caller
+
+
+class MemserverUser(locust.User):
+    """A trainer-like client, closed loop (next call as soon as the last one answered): each call
+    is a weighted pick from MEMSERVER_MIX, reported to locust as request_type "grpc" named after
+    the call, with its latency from first shard send to last shard answer decoded."""
+
+    wait_time = locust.constant(0)
+
+    def on_start(self) -> None:
+        self.cfg, self.caller = _Process.get()
+        self.batches = Batches(self.caller.meta, self.cfg)
+        self.ops, self.weights = list(self.cfg.mix), np.array(list(self.cfg.mix.values())) / sum(self.cfg.mix.values())
+        self.client_id = f"locust-{uuid.uuid4().hex}"  # one per user: its writes are exactly-once on their own
+        self.seq = itertools.count(1)
+
+    @locust.task
+    def call(self) -> None:
+        assert _Process.started is not None
+        if next(_Process.issued) >= self.cfg.max_requests or time.monotonic() - _Process.started > self.cfg.max_seconds:
+            raise StopUser()
+        op = self.ops[int(self.batches.rng.choice(len(self.ops), p=self.weights))]
+        b = self.batches
+        if op == "lookup":
+            args: tuple[Any, ...] = (b.ids(self.cfg.batch),)
+        elif op == "bag":
+            args = (b.ids(self.cfg.batch, self.cfg.knn), b.weights())
+        else:
+            args = (b.ids(self.cfg.batch, self.cfg.knn), b.weights(), b.grad_out(), WriteTags(self.client_id, self.seq))
+        exc: BaseException | None = None
+        nbytes = 0
+        t0 = time.perf_counter()
+        try:
+            _, nbytes = getattr(self.caller, op)(*args)
+        except Exception as e:  # grpc.RpcError (deadline, unavailable, ...) or a decode error
+            exc = e
+        ms = (time.perf_counter() - t0) * 1000
+        self.environment.events.request.fire(request_type="grpc", name=op, response_time=ms, response_length=nbytes,
+                                             exception=exc, context={})
+
+
+def attach_recorder(environment: Any) -> LatencyRecorder:
+    """Record every request of this environment exactly (idempotent)."""
+    rec = getattr(environment, "memserver_latency", None)
+    if rec is None:
+        rec = environment.memserver_latency = LatencyRecorder()
+        environment.events.request.add_listener(rec.on_request)
+    return rec
+
+
+def run_headless(users: int, spawn_rate: float, duration_s: float) -> dict[str, Any]:
+    """locust as a library: a local runner with `users` MemserverUsers for `duration_s`, then
+    stop (users finish their call in flight, up to the request deadline). Bounded by duration
+    and by cfg.max_requests, whichever comes first."""
+    from locust.env import Environment
+
+    cfg, _ = _Process.get()  # a missing table or dead coordinator fails here, not in every user
+    env = Environment(user_classes=[MemserverUser], events=locust.events, stop_timeout=cfg.timeout + 1)
+    rec = attach_recorder(env)
+    runner = env.create_local_runner()
+    # Ctrl-C / SIGTERM end the run early but cleanly (users finish their call, the report is
+    # written); without this, KeyboardInterrupt lands in whichever greenlet runs, e.g. gRPC's.
+    interrupted = gevent.event.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # kept until exit: a second signal must not kill us mid-report
+        gevent.signal_handler(sig, interrupted.set)
+    t0 = time.perf_counter()
+    try:
+        runner.start(users, spawn_rate=spawn_rate)
+        deadline = time.monotonic() + duration_s
+        while time.monotonic() < deadline and rec.total < cfg.max_requests and not interrupted.is_set():
+            if runner.user_count == 0 and runner.spawning_greenlet is not None and runner.spawning_greenlet.ready():
+                break  # every user stopped itself (request bound)
+            interrupted.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        runner.stop()  # graceful: calls in flight are answered and recorded
+    finally:
+        runner.quit()
+    elapsed = time.perf_counter() - t0
+    report = rec.report(elapsed, names=list(cfg.mix))
+    report["interrupted"] = interrupted.is_set()
+    report["locust_exceptions"] = sum(e["count"] for e in runner.exceptions.values())
+    for e in runner.exceptions.values():
+        report["errors"][f"user: {e['msg']}"] = e["count"]
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m memserver.loadtest.user --users N --spawn-rate R --duration S --report FILE`."""
+    p = argparse.ArgumentParser(prog="python -m memserver.loadtest.user", description=__doc__)
+    p.add_argument("--users", type=int, required=True)
+    p.add_argument("--spawn-rate", type=float, required=True)
+    p.add_argument("--duration", type=float, required=True, help="seconds")
+    p.add_argument("--report", required=True, help="write the JSON report here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="locust: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        report = run_headless(args.users, args.spawn_rate, args.duration)
+    except (ValueError, grpc.RpcError) as exc:  # bad MEMSERVER_* settings, unknown table, no coordinator
+        detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"memserver loadtest: error: {detail}", file=sys.stderr)
+        return 2
+    with open(args.report, "w") as f:
+        json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The rules of the table catalog: what a valid table spec is (and its defaults), and where a
+table's shards go. Pure functions over protos: the coordinator applies them, a shard reads its
+optimizer from them, and tests call them without a cluster."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from memserver.api.errors import InvalidArgumentError
+from memserver.api.types import ShardLayout
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.core.optim import OptimizerConfig
+from memserver.wire import VALUE_DTYPES
+
+TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+#: Sharding a table gets when its spec leaves it unspecified (see docs/architecture.md).
+DEFAULT_SHARDING = pb.COLS
+
+
+def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
+    """A table's optimizer from its spec (0 fields mean the defaults)."""
+    return OptimizerConfig(
+        name=spec.name or "adagrad",
+        lr=spec.lr or 0.01,
+        eps=spec.eps,
+        beta1=spec.beta1 or 0.9,
+        beta2=spec.beta2 or 0.999,
+    )
+
+
+def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
+    """Check a CreateTable spec and fill its defaults; the error names the offending field."""
+    spec = pb.TableSpec.FromString(spec.SerializeToString())
+    if not TABLE_NAME.match(spec.name):
+        raise InvalidArgumentError(f"name: {spec.name!r} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
+    if spec.kind == pb.TABLE_KIND_UNSPECIFIED:
+        spec.kind = pb.VALUE
+    if spec.kind != pb.VALUE:
+        raise InvalidArgumentError(f"kind: {pb.TableKind.Name(spec.kind)} tables are not supported yet; use VALUE")
+    if spec.num_rows <= 0:
+        raise InvalidArgumentError(f"num_rows: must be positive, got {spec.num_rows}")
+    if spec.dim <= 0:
+        raise InvalidArgumentError(f"dim: must be positive, got {spec.dim}")
+    if spec.sharding == pb.SHARDING_UNSPECIFIED:
+        spec.sharding = DEFAULT_SHARDING
+    if spec.dtype == pb.DTYPE_UNSPECIFIED:
+        spec.dtype = pb.FLOAT32
+    if spec.dtype not in VALUE_DTYPES:
+        raise InvalidArgumentError(f"dtype: values are stored as float32, float16 or bfloat16, not {pb.DType.Name(spec.dtype)}")
+    if not math.isfinite(spec.init_std) or spec.init_std < 0:
+        raise InvalidArgumentError(f"init_std: must be a finite number >= 0, got {spec.init_std}")
+    if not spec.optimizer.name:
+        spec.optimizer.name = "adagrad"
+    try:
+        cfg = optimizer_config(spec.optimizer)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"optimizer: {exc}") from None
+    spec.optimizer.lr, spec.optimizer.eps = cfg.lr, cfg.effective_eps
+    spec.optimizer.beta1, spec.optimizer.beta2 = cfg.beta1, cfg.beta2
+    if spec.num_shards == 0:
+        spec.num_shards = available_shards
+    if not 0 < spec.num_shards <= available_shards:
+        raise InvalidArgumentError(f"num_shards: {spec.num_shards} requested, the cluster has {available_shards} shards")
+    if spec.sharding == pb.COLS and spec.dim < spec.num_shards:
+        raise InvalidArgumentError(f"dim: {spec.dim} columns cannot be split over {spec.num_shards} shards (sharding=cols)")
+    if spec.sharding == pb.ROWS and spec.num_rows < spec.num_shards:
+        raise InvalidArgumentError(f"num_rows: {spec.num_rows} rows cannot be split over {spec.num_shards} shards")
+    if spec.sync_updates and spec.sync_workers < 1:
+        raise InvalidArgumentError(f"sync_workers: a sync_updates table needs the number of trainers (>= 1), got {spec.sync_workers}")
+    if not spec.sync_updates and spec.sync_workers:
+        raise InvalidArgumentError("sync_workers: only meaningful with sync_updates")
+    return spec
+
+
+def plan_table(spec: pb.TableSpec, shards: list[dict[str, Any]]) -> pb.TableInfo:
+    """Place a validated spec on `shards` (dicts with address, node_id, pid): the shard map."""
+    layout = ShardLayout.of(spec, len(shards))
+    info = pb.TableInfo(spec=spec)
+    for i, sh in enumerate(shards):
+        c0, c1 = layout.cols(i)
+        info.shards.add(index=i, address=sh["address"], node_id=sh["node_id"], pid=sh["pid"], col_start=c0, col_end=c1,
+                        num_rows=layout.rows(i))
+    return info

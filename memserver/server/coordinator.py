@@ -1,0 +1,270 @@
+"""The coordinator: the catalog of tables and their shard map, served as ControlPlane.
+
+It never sits on the data path: clients read a table's shard map once and then talk to the
+shards directly. It holds handles to the shard actors (created by memserver.cluster.launch, so
+that a dying coordinator does not take the shards with it) and places each new table on them
+by the rules of memserver.server.catalog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from memserver import __version__
+from memserver.api.errors import InvalidArgumentError, TableExistsError, TableNotFoundError
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.loop import LoopThread
+from memserver.server.catalog import plan_table, validate_spec
+from memserver.server.grpcserver import CONTROL_PLANE, serve_on
+from memserver.server.rayutil import was_restarted
+from memserver.storage.checkpoint import find_checkpoint, step_dir, write_manifest
+
+log = logging.getLogger(__name__)
+
+class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
+    def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]], restarted: bool = False) -> None:
+        self.handles, self.infos = shard_handles, shard_infos
+        self.tables: dict[str, pb.TableInfo] = {}
+        self.pending: set[str] = set()
+        self.placement: dict[str, list[int]] = {}  # table -> pool index of each of its shards
+        self.epoch = 0
+        self.restarted = restarted
+        self.lock = asyncio.Lock()
+
+    def recover_catalog(self, described: list[list[tuple[bytes, bytes, int]]]) -> None:
+        """Rebuild the catalog from what each shard holds (`describe_tables` of every shard, in
+        pool order): the shards are the truth, so a restarted coordinator loses nothing."""
+        slices: dict[str, dict[int, tuple[int, pb.TableSpec, pb.ShardInfo, int]]] = {}
+        for j, held in enumerate(described):
+            for spec_b, info_b, n in held:
+                spec, info = pb.TableSpec.FromString(spec_b), pb.ShardInfo.FromString(info_b)
+                slices.setdefault(spec.name, {})[info.index] = (j, spec, info, n)
+        for name, parts in sorted(slices.items()):
+            n = next(iter(parts.values()))[3]
+            if sorted(parts) != list(range(n)):
+                log.error("table %s: shards hold slices %s of %d; leaving it out of the catalog", name, sorted(parts), n)
+                continue
+            order = [parts[i][0] for i in range(n)]
+            info = pb.TableInfo(spec=parts[0][1], epoch=self.epoch + 1)
+            for i in range(n):
+                sh = info.shards.add()
+                sh.CopyFrom(parts[i][2])
+                self._refresh(sh, order[i])
+            self.tables[name], self.placement[name] = info, order
+        self.epoch += 1
+        if self.tables:
+            log.info("catalog rebuilt from the shards: %d table(s): %s", len(self.tables), ", ".join(self.tables))
+
+    def _refresh(self, sh: pb.ShardInfo, j: int) -> None:
+        """Copy pool shard j's current address into a table's shard entry."""
+        sh.address, sh.node_id, sh.pid = self.infos[j]["address"], self.infos[j]["node_id"], self.infos[j]["pid"]
+
+    async def shard_restarted(self, j: int, info: dict[str, Any], recovered: list[dict[str, Any]]) -> None:
+        """Pool shard j came back (maybe at a new address): update the shard maps, and return the
+        siblings of its tables without a log to the checkpoint it recovered, so each such table is
+        one consistent snapshot again."""
+        async with self.lock:
+            self.infos[j] = info
+            self.epoch += 1
+            for name, order in self.placement.items():
+                for i, k in enumerate(order):
+                    if k == j:
+                        self._refresh(self.tables[name].shards[i], j)
+                        self.tables[name].epoch = self.epoch
+        log.warning("shard %d restarted at %s (pid %s); recovered %s", j, info["address"], info["pid"],
+                    ", ".join(f"{r['table']} from {r['from']}" for r in recovered) or "no tables")
+        calls, names = [], []
+        for r in recovered:
+            if r["wal"] or r["table"] not in self.placement:
+                continue
+            step_dir = str(Path(r["checkpoint"]).parent.parent) if r["checkpoint"] else ""
+            for k in self.placement[r["table"]]:
+                if k != j:
+                    calls.append(self.handles[k].rollback_table.remote(r["table"], step_dir))
+                    names.append(r["table"])
+        for name, res in zip(names, await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(res, BaseException):
+                log.error("table %s: rolling back a sibling shard failed: %s", name, res)
+            else:
+                log.warning("table %s (no wal) rolled back to %s: writes acknowledged after it are lost", name, res)
+
+    def _get(self, name: str) -> pb.TableInfo:
+        if name not in self.tables:
+            raise TableNotFoundError(f"table {name!r} does not exist")
+        return self.tables[name]
+
+    async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
+        return await self._place(validate_spec(request.spec, len(self.handles)))
+
+    async def _place(self, spec: pb.TableSpec, files: list[dict[str, Any]] | None = None) -> pb.TableInfo:
+        """Create a validated table on its shards: fresh, or restored from checkpoint `files`."""
+        if spec.name in self.tables or spec.name in self.pending:
+            raise TableExistsError(f"table {spec.name!r} already exists")
+        self.pending.add(spec.name)
+        try:
+            # Start each table on a different shard so small tables spread over the cluster.
+            first = len(self.tables) % len(self.handles)
+            order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
+            info = plan_table(spec, [self.infos[j] for j in order])
+            blob = spec.SerializeToString()
+            refs = [
+                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards)
+                if files is None
+                else self.handles[j].restore_table.remote(blob, sh.SerializeToString(), spec.num_shards, files)
+                for j, sh in zip(order, info.shards)
+            ]
+            results = await asyncio.gather(*refs, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                await asyncio.gather(*(self.handles[j].drop_table.remote(spec.name) for j in order), return_exceptions=True)
+                raise RuntimeError(f"{'restoring' if files else 'creating'} {spec.name!r} failed on a shard: {errors[0]}")
+            async with self.lock:
+                self.epoch += 1
+                info.epoch = self.epoch
+                self.tables[spec.name] = info
+                self.placement[spec.name] = order
+            log.info("%s table %s: %d x %d, %s over %d shards", "restored" if files else "created", spec.name,
+                     spec.num_rows, spec.dim, pb.Sharding.Name(spec.sharding).lower(), spec.num_shards)
+            return info
+        finally:
+            self.pending.discard(spec.name)
+
+    async def DropTable(self, request: pb.DropTableRequest, context: grpc.aio.ServicerContext) -> pb.DropTableResponse:
+        await self._drop(request.name)
+        return pb.DropTableResponse()
+
+    async def _drop(self, name: str) -> None:
+        self._get(name)
+        del self.tables[name]
+        order = self.placement.pop(name)
+        await asyncio.gather(*(self.handles[j].drop_table.remote(name) for j in order))
+        async with self.lock:
+            self.epoch += 1
+        log.info("dropped table %s", name)
+
+    async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointResponse:
+        if not request.dir:
+            raise InvalidArgumentError("dir: a checkpoint needs a directory")
+        if request.step < 0:
+            raise InvalidArgumentError(f"step: must be >= 0, got {request.step}")
+        names = list(request.tables) or sorted(self.tables)
+        for name in names:
+            self._get(name)
+        t0 = time.perf_counter()
+        directory = step_dir(request.dir, request.step)
+        calls, where = [], []
+        for name in names:
+            for j, sh in zip(self.placement[name], self.tables[name].shards):
+                path = str(directory / name / f"shard-{sh.index:04d}.pt")
+                calls.append(self.handles[j].checkpoint_table.remote(name, path, request.step))
+                where.append(name)
+        results = await asyncio.gather(*calls)
+        manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__, "tables": {}}
+        for name in names:
+            manifest["tables"][name] = {
+                "spec": base64.b64encode(self.tables[name].spec.SerializeToString()).decode(),
+                "files": [r for r, n in zip(results, where) if n == name],
+            }
+        write_manifest(directory, manifest)
+        nbytes = sum(r["bytes"] for r in results)
+        log.info("checkpoint of %d tables at step %d: %s (%.1f MiB in %.2fs)", len(names), request.step, directory,
+                 nbytes / 2**20, time.perf_counter() - t0)
+        return pb.CheckpointResponse(path=str(directory), step=request.step, bytes=nbytes, tables=names,
+                                     seconds=time.perf_counter() - t0)
+
+    async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
+        directory, manifest = find_checkpoint(request.dir, request.step)
+        names = list(request.tables) or sorted(manifest["tables"])
+        if missing := [n for n in names if n not in manifest["tables"]]:
+            raise TableNotFoundError(f"table(s) {missing} are not in the checkpoint {directory}")
+        if not request.replace and (present := [n for n in names if n in self.tables]):
+            raise TableExistsError(f"table(s) {present} already exist; restore with replace to overwrite them")
+        specs = {}
+        for name in names:
+            spec = pb.TableSpec.FromString(base64.b64decode(manifest["tables"][name]["spec"]))
+            spec.num_shards = request.num_shards or min(spec.num_shards, len(self.handles))
+            specs[name] = validate_spec(spec, len(self.handles))
+        resp = pb.RestoreResponse(path=str(directory), step=int(manifest["step"]))
+        for name in names:
+            if name in self.tables:
+                await self._drop(name)
+            files = [{**f, "file": str(directory / name / Path(f["file"]).name)} for f in manifest["tables"][name]["files"]]
+            resp.tables.append(await self._place(specs[name], files))
+        return resp
+
+    async def ListTables(self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext) -> pb.ListTablesResponse:
+        return pb.ListTablesResponse(tables=list(self.tables.values()))
+
+    async def GetShardMap(self, request: pb.GetShardMapRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
+        return self._get(request.name)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        blobs = await asyncio.gather(*(asyncio.wait_for(h.status.remote(), 10) for h in self.handles),
+                                     return_exceptions=True)
+        resp = pb.StatusResponse(version=__version__, epoch=self.epoch, tables=list(self.tables.values()),
+                                 coordinator_pid=os.getpid(), coordinator_restarted=self.restarted)
+        for i, blob in enumerate(blobs):
+            if isinstance(blob, BaseException):  # dead or restarting: say what we last knew
+                why = str(blob).splitlines()[0] if str(blob) else type(blob).__name__
+                st = pb.ShardStatus(address=self.infos[i]["address"], node_id=self.infos[i]["node_id"],
+                                    pid=self.infos[i]["pid"], state=f"unavailable: {why}")
+            else:
+                st = pb.ShardStatus.FromString(blob)
+                st.state = "serving"
+            st.index = i
+            resp.shards.append(st)
+        return resp
+
+
+class CoordinatorActor:
+    """Ray actor body (wrapped with ray.remote by memserver.cluster.launch): a threaded actor whose
+    gRPC server runs on its own loop (see memserver.loop.LoopThread).
+
+    `__init__` asks every shard where it is and what it holds, so a coordinator Ray restarts after
+    its process died rebuilds the catalog and serves again on the port it had (kept in
+    `data_dir`), while the shards go on serving clients that already hold their shard maps.
+    """
+
+    def __init__(self, shard_names: list[str], host: str, port: int = 0, data_dir: str | None = None) -> None:
+        """`shard_names`: the shards' Ray actor names (looked up here rather than passed as handles,
+        so the constructor's arguments are plain values Ray can always replay on a restart)."""
+        import ray
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
+        shard_handles = [ray.get_actor(n) for n in shard_names]
+        restarted = was_restarted()
+        infos = ray.get([h.info.remote() for h in shard_handles])
+        described = ray.get([h.describe_tables.remote() for h in shard_handles])
+        self.servicer = ControlPlaneServicer(shard_handles, infos, restarted)
+        self.servicer.recover_catalog(described)
+        self.loop = LoopThread("coordinator-grpc")
+        self.server, bound = serve_on(
+            self.loop,
+            lambda s: pb_grpc.add_ControlPlaneServicer_to_server(self.servicer, s),
+            [CONTROL_PLANE],
+            host,
+            port,
+            state=Path(data_dir) / "coordinator.json" if data_dir else None,
+            what="coordinator",
+        )
+        self.address = f"{host}:{bound}"
+        log.info("coordinator %sserving ControlPlane at %s (%d shards, %d tables)", "restarted, " if restarted else "",
+                 self.address, len(shard_handles), len(self.servicer.tables))
+
+    def endpoint(self) -> str:
+        return self.address
+
+    def shard_restarted(self, index: int, info: dict[str, Any], recovered: list[dict[str, Any]]) -> None:
+        self.loop.call(self.servicer.shard_restarted(index, info, recovered))
+
+    def stop(self) -> None:
+        self.loop.call(self.server.stop(grace=1.0))

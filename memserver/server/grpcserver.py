@@ -1,0 +1,148 @@
+"""The one way a memserver gRPC server starts (shards and the coordinator alike).
+
+`start_server` registers the servicers with health checking and reflection and installs the
+interceptor chain once, so no handler has to remember anything: `ErrorsAndMetrics` turns the
+api's exceptions (memserver.api.errors) into their statuses, any other exception into INTERNAL
+(traceback in the log) and counts and times every call. Authentication joins this chain later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from memserver.api.errors import MemserverError
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.loop import LoopThread
+from memserver.storage.fsutil import atomic_write
+from memserver.wire import GRPC_OPTIONS
+
+log = logging.getLogger(__name__)
+
+DATA_PLANE = pb.DESCRIPTOR.services_by_name["DataPlane"].full_name
+CONTROL_PLANE = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
+#: Calls of these services go through the error mapping and the metrics (health and reflection do not).
+_OUR_SERVICES = ("/memserver.",)
+
+
+class CallMetrics(Protocol):
+    """Where ErrorsAndMetrics records each call (memserver.server.metrics.ShardMetrics)."""
+
+    def observe(self, method: str, table: str, code: str, seconds: float) -> None: ...
+
+
+class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
+    """Wraps every unary call of our services: the api's exceptions become their status with
+    their text, a Ray actor error (a shard restarting behind the coordinator) UNAVAILABLE, anything
+    else INTERNAL; each call is counted by method, table and status, and timed. The metric is
+    recorded before the status is sent, so whoever sees the answer can already scrape it."""
+
+    def __init__(self, metrics: CallMetrics | None = None) -> None:
+        self.metrics = metrics
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or handler.unary_unary is None or not method.startswith(_OUR_SERVICES):
+            return handler
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:  # one wrapper per method, built once
+            cached = self._wrapped[method] = (handler, self._wrap(handler, method.rsplit("/", 1)[-1]))
+        return cached[1]
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
+        inner = handler.unary_unary
+
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            try:
+                response = await inner(request, context)
+            except MemserverError as exc:
+                code, text = exc.code, exc.details
+            except grpc.aio.AbortError:  # the handler aborted by itself
+                self._observe(name, request, grpc.StatusCode.UNKNOWN, t0)
+                raise
+            except Exception as exc:
+                if _is_actor_error(exc):
+                    code, text = grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}"
+                else:  # a bug: say so, with the traceback in the server log
+                    log.exception("%s failed", name)
+                    code, text = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+            else:
+                self._observe(name, request, grpc.StatusCode.OK, t0)
+                return response
+            self._observe(name, request, code, t0)
+            await context.abort(code, text)
+
+        return grpc.unary_unary_rpc_method_handler(
+            behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+    def _observe(self, name: str, request: Any, code: grpc.StatusCode, t0: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(name, getattr(request, "table", ""), code.name, time.perf_counter() - t0)
+
+
+def _is_actor_error(exc: BaseException) -> bool:
+    if "ray" not in sys.modules:  # only the coordinator calls Ray actors; never import Ray for this
+        return False
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: list[str],
+    host: str,
+    port: int = 0,
+    *,
+    metrics: CallMetrics | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server on host:port (0 = the OS picks) with health, reflection and the
+    interceptors. Must be awaited on the event loop that will own the server."""
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ErrorsAndMetrics(metrics)])
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {host}:{port}")
+    await server.start()
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], service_names: list[str], host: str,
+             port: int = 0, state: Path | None = None, what: str = "server",
+             metrics: CallMetrics | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start a server on `loop`, on the port recorded in `state` if there is one (a restarted
+    process comes back where clients look for it), else on `port`; record the bound port.
+    If the recorded port is taken, serve on a new one (callers re-advertise their address)."""
+    wanted = int(json.loads(state.read_text()).get("port", port)) if state is not None and state.exists() else port
+    try:
+        server, bound = loop.call(start_server(register, service_names, host, wanted, metrics=metrics))
+    except RuntimeError:
+        if not wanted:
+            raise
+        log.warning("%s: port %d is taken; serving on a new port", what, wanted)
+        server, bound = loop.call(start_server(register, service_names, host, 0, metrics=metrics))
+    if state is not None:
+        atomic_write(state, lambda f: f.write(json.dumps({"port": bound}).encode()))
+    return server, bound

@@ -1,0 +1,80 @@
+"""Prometheus metrics of a shard, served over HTTP for scraping (`memserver status` lists the URLs).
+
+Per request (recorded by the `ErrorsAndMetrics` interceptor of memserver.server.grpcserver): a
+counter by method, table and status code and a latency histogram by method, as the shard sees it
+(from receiving the request to its answer). Per table slice, read at scrape time: rows, bytes, requests, write-ahead-log records,
+bytes and fsyncs. Each shard process has its own registry and HTTP server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+#: Latency buckets (seconds): from a tiny lookup (~0.5 ms) to a large backward (seconds).
+BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class ShardMetrics:
+    """The metrics of one shard process; `tables` returns its live {name: TableSlice}."""
+
+    def __init__(self, index: int, tables: Callable[[], dict[str, Any]], restarted: bool) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("memserver_requests", "Data-plane requests answered, by method, table and gRPC status",
+                                ["method", "table", "code"], registry=self.registry)
+        self.latency = Histogram("memserver_request_seconds", "Shard-side time from request to answer",
+                                 ["method"], buckets=BUCKETS, registry=self.registry)
+        self.registry.register(_TableCollector(index, tables, restarted))
+        self.address = ""
+        self._server: Any = None
+
+    def observe(self, method: str, table: str, code: str, seconds: float) -> None:
+        self.requests.labels(method, table, code).inc()
+        self.latency.labels(method).observe(seconds)
+
+    def serve(self, host: str) -> str:
+        """Start the HTTP endpoint on a free port of `host`; returns HOST:PORT."""
+        self._server, _ = start_http_server(0, addr=host, registry=self.registry)
+        self.address = f"{host}:{self._server.server_port}"
+        return self.address
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+
+class _TableCollector:
+    """Per-slice figures, read from the live slices at scrape time."""
+
+    def __init__(self, index: int, tables: Callable[[], dict[str, Any]], restarted: bool) -> None:
+        self.index, self.tables, self.restarted = index, tables, restarted
+
+    def collect(self) -> Iterator[Any]:
+        rows = GaugeMetricFamily("memserver_table_rows", "Rows of the table held by this shard", labels=["table"])
+        nbytes = GaugeMetricFamily("memserver_table_bytes", "Bytes of values and optimizer state", labels=["table"])
+        wal_records = CounterMetricFamily("memserver_wal_records", "Write-ahead log records appended", labels=["table"])
+        wal_bytes = CounterMetricFamily("memserver_wal_bytes", "Write-ahead log bytes appended", labels=["table"])
+        wal_syncs = CounterMetricFamily("memserver_wal_fsyncs", "Write-ahead log fsyncs (one per group commit)",
+                                        labels=["table"])
+        for name, sl in list(self.tables().items()):
+            rows.add_metric([name], sl.table.num_rows)
+            nbytes.add_metric([name], sl.table.nbytes())
+            if sl.wal is not None:
+                wal_records.add_metric([name], sl.wal.next_lsn)
+                wal_bytes.add_metric([name], sl.wal.bytes_written)
+                wal_syncs.add_metric([name], sl.wal.syncs)
+        restarted = GaugeMetricFamily("memserver_shard_restarted", "1 if Ray restarted this shard process",
+                                      labels=["shard"])
+        restarted.add_metric([str(self.index)], 1.0 if self.restarted else 0.0)
+        up = GaugeMetricFamily("memserver_shard_start_time_seconds", "Unix time this shard process started",
+                               labels=["shard"])
+        up.add_metric([str(self.index)], _START)
+        yield from (rows, nbytes, wal_records, wal_bytes, wal_syncs, restarted, up)
+
+
+_START = time.time()

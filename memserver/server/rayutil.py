@@ -1,0 +1,60 @@
+"""What a server process asks Ray about itself and its node: nothing here creates actors.
+
+Kept apart from the actor modules so that the coordinator, the shard and the launcher share
+these answers without importing each other.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+#: Environment variable that overrides the address every memserver server binds and advertises.
+BIND_HOST_ENV = "MEMSERVER_BIND_HOST"
+LOCALHOST = "127.0.0.1"
+
+
+def in_actor() -> bool:
+    """Whether this code runs inside a Ray actor (not a driver, not a plain process)."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+def was_restarted() -> bool:
+    """Whether this actor process is a restart (Ray re-created it after its process died)."""
+    import ray
+
+    return in_actor() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def node_id() -> str:
+    import ray
+
+    return (ray.get_runtime_context().get_node_id() or "") if ray.is_initialized() else ""
+
+
+def shard_device() -> torch.device:
+    """Rows live on the GPU only when Ray gave this actor one (never start Ray from here)."""
+    import ray
+
+    if torch.cuda.is_available() and (not ray.is_initialized() or ray.get_gpu_ids()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def bind_host() -> str:
+    """The address a server started in this process binds and advertises.
+
+    $MEMSERVER_BIND_HOST if set (tests force 127.0.0.1 on simulated multi-node clusters, and a node
+    with several interfaces can name one); else 127.0.0.1 while the Ray cluster has one alive node,
+    so traffic stays on loopback; else this node's address, so other nodes can reach it. Called
+    inside an actor it names the node that actor runs on.
+    """
+    if forced := os.environ.get(BIND_HOST_ENV):
+        return forced
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return LOCALHOST if len(alive) <= 1 else ray.util.get_node_ip_address()

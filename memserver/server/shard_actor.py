@@ -1,0 +1,271 @@
+"""A shard: one Ray actor that holds a slice of every table and serves DataPlane over grpc.aio.
+
+This module is the actor's life: start serving (on the port it had, after a restart), recover
+every table slice from the data directory (checkpoint + write-ahead log), and the table
+management the coordinator calls through Ray (create, restore, checkpoint, roll back, drop,
+describe, status). The requests themselves are memserver.server.dataplane's.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from memserver.api.errors import TableNotFoundError
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.loop import LoopThread
+from memserver.server.dataplane import DataPlaneServicer
+from memserver.server.grpcserver import DATA_PLANE, serve_on
+from memserver.server.metrics import ShardMetrics
+from memserver.server.rayutil import bind_host, node_id, shard_device, was_restarted
+from memserver.server.slice import TableSlice
+from memserver.storage.checkpoint import load_into, save_slice
+from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, latest_committed, table_record
+from memserver.storage.wal import WriteAheadLog, read_log, repair_log
+from memserver.wire import tune_malloc
+
+log = logging.getLogger(__name__)
+
+
+class ShardActor:
+    """Ray actor body (wrapped with ray.remote by memserver.cluster.launch): a threaded actor whose
+    gRPC server runs on its own loop (see memserver.loop.LoopThread).
+
+    `__init__` recovers every table recorded under `data_dir` and starts serving, on the port it
+    had before when it is a restart. A restarted shard (Ray re-creates it after its process died)
+    then tells the coordinator named `coordinator` where it is now.
+    """
+
+    def __init__(self, index: int, threads: int = 1, host: str | None = None, data_dir: str | None = None,
+                 coordinator: str | None = None) -> None:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
+        tune_malloc()
+        torch.set_num_threads(max(1, threads))
+        try:
+            import numba
+
+            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+        except ImportError:  # the torch path needs no numba
+            pass
+        self.index = index
+        self.device = shard_device()
+        self.restarted = was_restarted()
+        self.servicer = DataPlaneServicer(self.device)
+        self.metrics = ShardMetrics(index, lambda: self.servicer.tables, self.restarted)
+        self.store = ShardStore(data_dir, index) if data_dir else None
+        self.loop = LoopThread(f"shard{index}-grpc")
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        t0 = time.perf_counter()
+        recovered = self._recover() if self.store else []
+        if recovered:
+            log.info("shard %d: recovered %d table(s) in %.2fs: %s", index, len(recovered), time.perf_counter() - t0,
+                     ", ".join(f"{r['table']} from {r['from']}" for r in recovered))
+        self._serve(host)
+        self.metrics.serve(self.address.rsplit(":", 1)[0])
+        if self.restarted and coordinator:
+            import ray
+
+            log.warning("shard %d restarted (pid %d): serving again at %s, telling the coordinator", index,
+                        os.getpid(), self.address)
+            try:
+                ray.get_actor(coordinator).shard_restarted.remote(index, self.info(), recovered)
+            except ValueError:  # the coordinator is gone too; when it comes back it asks every shard
+                log.warning("shard %d: coordinator %s not found; it will rebuild its catalog from the shards",
+                            index, coordinator)
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def _serve(self, host: str | None) -> None:
+        host = host or bind_host()
+        self.server, bound = serve_on(
+            self.loop,
+            lambda s: pb_grpc.add_DataPlaneServicer_to_server(self.servicer, s),
+            [DATA_PLANE],
+            host,
+            state=self.store.dir / "shard.json" if self.store else None,
+            what=f"shard {self.index}",
+            metrics=self.metrics,
+        )
+        self.address = f"{host}:{bound}"
+        log.info("shard %d serving DataPlane at %s on %s", self.index, self.address, self.device)
+
+    def info(self) -> dict[str, Any]:
+        return {"address": self.address, "pid": os.getpid(), "node_id": node_id(), "device": str(self.device),
+                "restarted": self.restarted, "metrics": self.metrics.address}
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def _recover(self) -> list[dict[str, Any]]:
+        assert self.store is not None
+        out = []
+        for record in self.store.records():
+            try:
+                sl, how = self._load_slice(record, latest_committed(record), replay=True)
+            except Exception:
+                log.exception("shard %d: could not recover table %s; it stays unavailable", self.index, record.get("name"))
+                continue
+            self.servicer.tables[sl.spec.name] = sl
+            out.append({"table": sl.spec.name, "from": how, "wal": bool(sl.spec.wal),
+                        "checkpoint": (latest_committed(record) or {}).get("file", "")})
+        return out
+
+    def _load_slice(self, record: dict[str, Any], checkpoint: dict[str, Any] | None,
+                    replay: bool) -> tuple[TableSlice, str]:
+        """Build a slice from its record: the given checkpoint, else its restore files, else the
+        seeded initial values; then (wal tables, `replay`) the log after that point."""
+        spec = pb.TableSpec.FromString(base64.b64decode(record["spec"]))
+        info = pb.ShardInfo.FromString(base64.b64decode(record["info"]))
+        files = [checkpoint] if checkpoint else record.get("base_files") or []
+        sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files)
+        start, how = 0, "initial values"
+        extras: dict[str, Any] = {}
+        if files:
+            load_into(sl.table, sl.slice_meta(), files, extras)
+            how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
+        if checkpoint:
+            start = int(checkpoint.get("lsn", 0))
+            sl.load_dedup(extras.get("dedup", []))
+        if spec.wal and self.store is not None:
+            wal_dir = self.store.table_dir(spec.name)
+            end = repair_log(wal_dir) if replay else start
+            replayed = 0
+            if replay:
+                for _, kind, payload in read_log(wal_dir, start):
+                    self.servicer.replay(sl, kind, payload)
+                    replayed += 1
+                how += f" + {replayed} logged writes"
+            sl.wal = WriteAheadLog(wal_dir, max(start, end))
+        sl.recovered_from = how
+        return sl, how
+
+    # -- table management (called by the coordinator) ---------------------------------------
+
+    def create_table(self, spec: bytes, info: bytes, num_shards: int) -> None:
+        self._add_table(spec, info, num_shards, None)
+
+    def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]]) -> None:
+        """Create this shard's slice of a table from checkpoint files of any earlier sharding."""
+        self._add_table(spec, info, num_shards, files)
+
+    def _add_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]] | None) -> None:
+        s = pb.TableSpec.FromString(spec)
+        if s.name in self.servicer.tables:
+            raise ValueError(f"table {s.name!r} already exists on shard {self.index}")
+
+        def work() -> TableSlice:
+            record = table_record(spec, info, num_shards, files)
+            if self.store is not None:
+                self.store.drop(s.name)  # a stale log of a dropped namesake
+                self.store.save(record)
+            sl, _ = self._load_slice(record, None, replay=False)
+            sl.recovered_from = ""
+            return sl
+
+        async def add() -> None:
+            self.servicer.tables[s.name] = await self.servicer.run(work)
+
+        self.loop.call(add())
+        log.info("shard %d: %s table %s", self.index, "restored" if files else "created", s.name)
+
+    def checkpoint_table(self, name: str, path: str, step: int = 0) -> dict[str, Any]:
+        """Write this shard's slice of `name` on the compute thread, i.e. after every write it
+        has acknowledged (deferred updates included), and remember it for recovery."""
+
+        def work() -> dict[str, Any]:
+            sl = self.servicer.tables.get(name)
+            if sl is None:
+                raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
+            meta = sl.slice_meta()
+            lsn = sl.wal.next_lsn if sl.wal is not None else 0
+            nbytes = save_slice(Path(path), meta, sl.table.state(), extra={"dedup": sl.dedup_state(), "lsn": lsn})
+            entry = {"file": path, "bytes": nbytes, **meta, "lsn": lsn, "step": step}
+            if self.store is not None:
+                record = self.store.record(name)
+                if record is not None:
+                    previous = latest_committed(record)
+                    kept = [*record["checkpoints"], entry][-KEEP_CHECKPOINTS:]
+                    if previous is not None and previous not in kept:  # the log after it is all we have
+                        kept = [previous, *kept[1:]]
+                    record["checkpoints"] = kept
+                    self.store.save(record)
+                    if sl.wal is not None:  # records before the previous complete checkpoint are no longer needed
+                        sl.wal.rotate(previous["lsn"] if previous else None)
+            return entry
+
+        return self.loop.call(self.servicer.run(work))
+
+    def rollback_table(self, name: str, checkpoint_dir: str) -> str:
+        """Return a table without a log to the state a restarted sibling shard recovered: the
+        slice of checkpoint `checkpoint_dir` ("" = its restore files or initial values).
+        Acknowledged writes after that point are lost; that is what a table without `wal` means."""
+
+        def work() -> str:
+            sl = self.servicer.tables.get(name)
+            if sl is None or self.store is None:
+                raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
+            record = self.store.record(name)
+            if record is None:
+                raise TableNotFoundError(f"table {name!r} has no record on shard {self.index}")
+            match = [c for c in record["checkpoints"] if checkpoint_dir and Path(c["file"]).parent.parent == Path(checkpoint_dir)]
+            new, how = self._load_slice(record, match[-1] if match else None, replay=False)
+            new.requests = sl.requests
+            new.recovered_from = f"rollback to {how}"
+            self.servicer.tables[name] = new
+            return how
+
+        how = self.loop.call(self.servicer.run(work))
+        log.warning("shard %d: table %s rolled back to %s with its restarted sibling", self.index, name, how)
+        return how
+
+    def describe_tables(self) -> list[tuple[bytes, bytes, int]]:
+        """(spec, shard info, num_shards) of every slice held: a restarted coordinator's catalog."""
+
+        async def describe() -> list[tuple[bytes, bytes, int]]:
+            return [(sl.spec.SerializeToString(), sl.info.SerializeToString(), sl.num_shards)
+                    for sl in self.servicer.tables.values()]
+
+        return self.loop.call(describe())
+
+    def drop_table(self, name: str) -> bool:
+        async def drop() -> bool:
+            sl = self.servicer.tables.pop(name, None)
+            if sl is not None and sl.wal is not None:
+                sl.wal.close()
+            if self.store is not None:
+                self.store.drop(name)
+            return sl is not None
+
+        return self.loop.call(drop())
+
+    def status(self) -> bytes:
+        async def status() -> bytes:
+            st = pb.ShardStatus(address=self.address, node_id=node_id(), pid=os.getpid(), device=str(self.device),
+                                requests=self.servicer.requests, restarted=self.restarted,
+                                metrics_address=self.metrics.address)
+            for name, sl in self.servicer.tables.items():
+                st.tables.add(table=name, rows=sl.table.num_rows, bytes=sl.table.nbytes(), requests=sl.requests,
+                              wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from)
+            return st.SerializeToString()
+
+        return self.loop.call(status())
+
+    def stop(self) -> None:
+        async def stop() -> None:
+            if self.server is not None:
+                await self.server.stop(grace=1.0)
+            self.metrics.stop()
+            for sl in self.servicer.tables.values():
+                if sl.wal is not None:
+                    sl.wal.close()
+                    sl.wal = None
+
+        self.loop.call(stop())

@@ -1,0 +1,108 @@
+"""Checkpoint files of table slices, and loading them into a slice of any sharding.
+
+Each slice file records which global rows and which columns it holds, so a checkpoint can be
+restored into a different number of shards or the other sharding mode: every new slice reads
+the overlap of each old slice with itself. Files are written to a temporary name, fsynced and
+renamed; the coordinator writes the manifest last (see `write_manifest`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memserver.api.errors import InvalidArgumentError
+from memserver.api.types import ShardLayout
+from memserver.storage.fsutil import atomic_write
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / f"step-{step:010d}"
+
+
+def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], extra: dict[str, Any] | None = None) -> int:
+    """One table slice: `meta` says where it sits (sharding, index, num_shards, columns); `extra`
+    holds what only the same shard's recovery reads (its exactly-once window, its log position)."""
+    blob = {"meta": meta, "state": {k: v.cpu() for k, v in state.items()}, **(extra or {})}
+    atomic_write(path, lambda f: torch.save(blob, f))
+    return path.stat().st_size
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    atomic_write(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+
+
+def find_checkpoint(root: str | os.PathLike[str], step: int = 0) -> tuple[Path, dict[str, Any]]:
+    """The step directory (latest complete one when step is 0) and its manifest."""
+    root = Path(root)
+    if step:
+        d = step_dir(root, step)
+        if not (d / MANIFEST).exists():
+            raise InvalidArgumentError(f"dir: no complete checkpoint of step {step} in {root}")
+        return d, json.loads((d / MANIFEST).read_text())
+    steps = sorted(
+        (int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else []) if (m := _STEP_DIR.match(p.name))
+    )
+    for _, d in reversed(steps):
+        if (d / MANIFEST).exists():  # a directory without a manifest is an interrupted checkpoint
+            return d, json.loads((d / MANIFEST).read_text())
+    raise InvalidArgumentError(f"dir: no complete checkpoint in {root}")
+
+
+def slice_layout(meta: dict[str, Any]) -> ShardLayout:
+    """The layout of the table a slice file (or a slice about to be filled) belongs to, from its
+    `meta` (files written before `dim` was recorded lack it; the rows rule does not need it)."""
+    return ShardLayout(meta["by_rows"], meta["num_rows"], meta.get("dim", 0), meta["num_shards"])
+
+
+def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
+              extras: dict[str, Any] | None = None) -> None:
+    """Fill `table` (a ValueTable holding slice `target`) from saved slices `files`; `extras`, if
+    given, receives the files' other entries (see save_slice's `extra`).
+
+    2-D state (values, Adam moments) and per-row state (counters) copy exactly. The row-wise
+    Adagrad accumulator of a COLS slice is per column block; when old and new blocks differ it
+    becomes the column-weighted mean of the old blocks' accumulators (exact when they match).
+    """
+    t_rows = slice_layout(target).global_rows(target["index"])
+    t_c0, t_c1 = target["col_start"], target["col_end"]
+    t_cols = t_c1 - t_c0
+    local_of = np.full(target["num_rows"], -1, dtype=np.int64)
+    local_of[t_rows] = np.arange(len(t_rows))
+    for f in files:
+        blob = torch.load(f["file"], map_location="cpu", weights_only=True)
+        meta, state = blob["meta"], blob["state"]
+        if extras is not None:
+            extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
+        if meta["num_rows"] != target["num_rows"]:
+            raise InvalidArgumentError(f"checkpoint slice {f['file']} has {meta['num_rows']} rows, the table {target['num_rows']}")
+        s_rows = slice_layout(meta).global_rows(meta["index"])
+        dst = local_of[s_rows]
+        keep = dst >= 0
+        if not keep.any():
+            continue
+        src_idx = torch.from_numpy(np.flatnonzero(keep))
+        dst_idx = torch.from_numpy(dst[keep])
+        c0, c1 = max(meta["col_start"], t_c0), min(meta["col_end"], t_c1)
+        for name, src in state.items():
+            if not hasattr(table, name):
+                continue  # e.g. Adam moments restored into an Adagrad table
+            dst_t = getattr(table, name)
+            if src.dim() == 2:
+                if c1 > c0:
+                    block = src.index_select(0, src_idx)[:, c0 - meta["col_start"] : c1 - meta["col_start"]]
+                    dst_t[dst_idx, c0 - t_c0 : c1 - t_c0] = block.to(dst_t.dtype)
+            elif name == "acc":
+                if c1 > c0:
+                    dst_t[dst_idx] += src.index_select(0, src_idx) * ((c1 - c0) / t_cols)
+            else:
+                dst_t[dst_idx] = src.index_select(0, src_idx).to(dst_t.dtype)

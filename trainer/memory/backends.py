@@ -1,0 +1,129 @@
+"""Where a memory layer's values live: the value backends, one protocol, two homes.
+
+- `LocalValues`: an in-process `memserver.core.table.ValueTable` (the very class a shard runs);
+- `RemoteValues`: a value table in the memserver cluster, through `client.MemoryClient`.
+
+Either way the forward is one weighted bag and the backward returns dL/dweights while the table
+applies the row update with its own sparse optimizer and learning rate (values never take part
+in the dense optimizer), so both backends compute the same numbers. The protocol declares every
+call a layer or the training loop makes, so neither ever asks which backend it holds.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from memserver.core.optim import OptimizerConfig
+from memserver.core.table import ValueTable
+
+
+class ValueBackend(Protocol):
+    num_rows: int  # memory slots
+    dim: int  # floats per slot
+
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """ids, weights [N, n] -> [N, dim]: out[i] = sum_j weights[i, j] * v[ids[i, j]]."""
+        ...
+
+    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
+        """`bag`, answered in a future, so the caller can address its next chunk meanwhile."""
+        ...
+
+    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        """dL/dweights [N, n] from dL/d(out) [N, dim]; applies the rows' update with the table's optimizer."""
+        ...
+
+    def begin_step(self, step: int) -> None:
+        """The training loop is at `step` (sync tables gather each step's pushes by it)."""
+        ...
+
+    def save(self, directory: Path, step: int) -> dict[str, Any]:
+        """Checkpoint the values at a step barrier; returns what the trainer's file keeps of them."""
+        ...
+
+    def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        """Return to what `save` wrote (its return value is `saved`)."""
+        ...
+
+
+class LocalValues:
+    """The value table in this process (same math as a shard)."""
+
+    def __init__(self, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3, init_std: float | None = None,
+                 seed: int = 0) -> None:
+        self.num_rows, self.dim = num_rows, dim
+        std = init_std if init_std is not None else dim**-0.5
+        self.table = ValueTable(num_rows, dim, OptimizerConfig(optimizer, lr), init_std=std, seed=seed, track_stats=False)
+
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.table.bag(ids, weights)
+
+    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
+        done: Future[torch.Tensor] = Future()
+        done.set_result(self.bag(ids, weights))
+        return done
+
+    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        return self.table.bag_backward(ids, weights, None, grad_out)
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def save(self, directory: Path, step: int) -> dict[str, Any]:
+        return {"state": self.table.state()}  # stored in the trainer's own checkpoint file
+
+    def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        for name, t in saved["state"].items():
+            getattr(self.table, name).copy_(t)
+
+
+class RemoteValues:
+    """A value table in the memserver cluster; created on first use with the same
+    deterministic initialisation as `LocalValues` of the same seed."""
+
+    def __init__(self, client: Any, name: str, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3,
+                 init_std: float | None = None, seed: int = 0, sharding: str | None = None, defer_apply: bool = False,
+                 create: bool = True, sync_workers: int = 0, wal: bool = False) -> None:
+        """`create`: (re-)create the table (data-parallel trainers: rank 0 only); `sync_workers`:
+        that many trainers push each step and the shards apply the mean once (see the proto);
+        `wal`: the shards log every update before acknowledging it (survives a shard restart)."""
+        from client import TableNotFoundError
+
+        self.client, self.name, self.num_rows, self.dim = client, name, num_rows, dim
+        self.defer_apply = defer_apply
+        self.step = 0  # set by begin_step; sync tables gather pushes by it
+        std = init_std if init_std is not None else dim**-0.5
+        if create:
+            try:
+                client.drop_table(name)
+            except TableNotFoundError:
+                pass
+            client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
+                                sharding=sharding, sync_workers=sync_workers, wal=wal)
+
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.client.bag(self.name, ids, weights.detach())
+
+    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
+        return self.client.submit_bag(self.name, ids, weights.detach())
+
+    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        return self.client.bag_backward(self.name, ids, weights.detach(), grad_out.contiguous(),
+                                        defer_apply=self.defer_apply, step=self.step)
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def save(self, directory: Path, step: int) -> dict[str, Any]:
+        """The cluster checkpoints the table under <directory>/memory/<table> (each table its own
+        checkpoint root, so every backend saves on its own)."""
+        where = f"memory/{self.name}"
+        self.client.checkpoint(str(directory.resolve() / where), step, [self.name])
+        return {"checkpoint": where}
+
+    def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
