@@ -10,7 +10,9 @@ memserver.cluster.endpoint.
 from client.aio import AsyncMemoryClient
 from client.sync import MemoryClient
 from memserver.api.errors import (
+    DataLossError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     MemserverError,
     ResourceExhaustedError,
@@ -22,7 +24,9 @@ from memserver.api.types import TableMeta
 
 __all__ = [
     "AsyncMemoryClient",
+    "DataLossError",
     "DeadlineExceededError",
+    "FailedPreconditionError",
     "InvalidArgumentError",
     "MemoryClient",
     "MemserverError",

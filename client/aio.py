@@ -11,7 +11,6 @@ restarts.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
@@ -22,8 +21,14 @@ import grpc
 
 from client import ops
 from client.channels import aio_channel
-from client.ops import Op, OpOptions, WriteTags, finish, like
-from memserver.api.errors import InvalidArgumentError, TableNotFoundError, UnavailableError, from_rpc_error
+from client.ops import ClientSession, Op, OpOptions, WriteTags, finish, like
+from memserver.api.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TableNotFoundError,
+    UnavailableError,
+    from_rpc_error,
+)
 from memserver.api.types import SHARDINGS, TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
@@ -58,8 +63,7 @@ class AsyncMemoryClient:
         self.timeout = timeout
         self.retry_seconds = retry_seconds
         self.opts = OpOptions(wire_dtype=dtype_code(wire_dtype), max_request_bytes=max_request_bytes)
-        self.client_id = client_id or uuid.uuid4().hex
-        self._seq = itertools.count(1)
+        self.session = ClientSession(client_id or uuid.uuid4().hex)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tables: dict[str, TableMeta] = {}
 
@@ -71,9 +75,13 @@ class AsyncMemoryClient:
             ch = self._channels[address] = aio_channel(address)
         return ch
 
+    @property
+    def client_id(self) -> str:
+        return self.session.client_id
+
     def tags(self) -> WriteTags:
         """The tags of one new write call (see client.ops.WriteTags)."""
-        return WriteTags(self.client_id, self._seq)
+        return WriteTags(self.session)
 
     async def _control(self, method: str, request: Any) -> Any:
         stub = pb_grpc.ControlPlaneStub(self._channel(self.endpoint))
@@ -116,19 +124,25 @@ class AsyncMemoryClient:
             self._tables[name] = TableMeta.from_proto(info)
         return self._tables[name]
 
-    async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]]) -> Any:
-        """Run fn(meta); if a shard no longer knows the table (dropped and re-created), refresh once;
-        while a shard is UNAVAILABLE (restarting, maybe at a new address), retry with a fresh shard
-        map. fn must be safe to run again: writes keep their tags across attempts."""
+    async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None) -> Any:
+        """Run fn(meta). If the shards no longer know the table, or hold another incarnation of it
+        (dropped and re-created, restored), refresh the map and run it once more, with new write
+        tags (the write never reached the new table). While a shard is UNAVAILABLE (restarting,
+        maybe at a new address), retry with a fresh shard map; writes keep their tags then."""
 
         async def attempt() -> Any:
             try:
                 return await fn(await self.table(name))
-            except TableNotFoundError:
-                if name not in self._tables:
+            except (TableNotFoundError, FailedPreconditionError) as exc:
+                old = self._tables.pop(name, None)
+                if old is None:
                     raise
-                del self._tables[name]
-                return await fn(await self.table(name))
+                meta = await self.table(name)
+                if isinstance(exc, FailedPreconditionError) and meta.layout_id == old.layout_id:
+                    raise  # the map was current: the refusal is about something else
+                if tags is not None:
+                    tags.reset()
+                return await fn(meta)
 
         async def refresh() -> None:
             try:  # the coordinator may be restarting too: then keep the map we have
@@ -139,16 +153,27 @@ class AsyncMemoryClient:
 
         return await self._retrying(attempt, refresh)
 
-    async def _call(self, table: str, make_op: Callable[[TableMeta], Op]) -> Any:
+    async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None) -> Any:
         """Run the op for `table`'s shard map: its requests all at once over grpc.aio."""
+        first = True
 
         async def run(meta: TableMeta) -> Any:
+            nonlocal first
+            if tags is not None:
+                tags.begin_attempt(first)
+                first = False
             op = make_op(meta)
             calls = next(op)
             answers = await asyncio.gather(*(self._data(address, method, req) for address, method, req in calls))
+            if tags is not None:
+                self.session.answered(meta)
             return finish(op, answers)
 
-        return await self._with_table(table, run)
+        try:
+            return await self._with_table(table, run, tags)
+        finally:
+            if tags is not None:
+                tags.close()
 
     async def close(self) -> None:
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))
@@ -175,7 +200,7 @@ class AsyncMemoryClient:
         init_std: float = 0.02,
         seed: int = 0,
         num_shards: int = 0,
-        eps: float = 0.0,
+        eps: float | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
         sync_workers: int = 0,
         wal: bool = False,
@@ -184,7 +209,7 @@ class AsyncMemoryClient:
         `sync_workers` > 0 makes it a sync_updates table for that many data-parallel trainers.
         `wal`: log every write before acknowledging it, so a restarted shard loses none (see
         docs/architecture.md for what it costs); without it a restart returns the table to its
-        latest checkpoint."""
+        latest checkpoint. `eps` None: the optimizer's default (0 is a value, as is a beta of 0)."""
         if sharding is not None and sharding not in SHARDINGS:
             raise InvalidArgumentError(f"sharding: expected 'rows' or 'cols', got {sharding!r}")
         spec = pb.TableSpec(
@@ -248,27 +273,37 @@ class AsyncMemoryClient:
         return like(await self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.opts)), weights)
 
     async def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
-                           defer_apply: bool = False, step: int = 0) -> Any:
+                           defer_apply: bool = False, step: int = 0, gather: bool = False) -> Any:
         """Backward of `bag`: returns dL/dweights (shape of ids) and makes the shards apply
         weights * grad_out to the rows through the table's optimizer (exactly once).
 
         `defer_apply`: the shards answer before applying the update (they apply it before serving
         anything else), so the caller overlaps it with its next step; see docs/architecture.md.
-        `step`: the trainer's step, which sync_updates tables use to gather all trainers' pushes."""
+        `step`: the trainer's step, which sync_updates tables use to gather all trainers' pushes.
+        `gather`: this call is one part of `step`; dL/dw is computed on the values before the step
+        and the update waits for `commit_step`, so any number of parts make one optimizer step."""
         tags = self.tags()
-        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply, step)  # noqa: E731
-        return like(await self._call(table, op), weights)
+        parts = self.session.step_parts(table, step) if gather else None
+        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply, step, parts)  # noqa: E731
+        return like(await self._call(table, op, tags), weights)
+
+    async def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
+        """Apply this client's `gather` parts of `step` as one optimizer step (a sync_updates table:
+        once every trainer committed, their mean). Returns the rows updated now."""
+        tags = self.tags()
+        parts = self.session.pop_step_parts(table, step)
+        return await self._call(table, lambda meta: ops.commit_step_op(meta, step, parts, tags, defer_apply), tags)
 
     async def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         """Apply row gradients through the table's optimizer; duplicate ids are summed first.
         Returns the number of distinct rows updated."""
         tags = self.tags()
-        return await self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.opts, tags))
+        return await self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.opts, tags), tags)
 
     async def write_rows(self, table: str, ids: Any, rows: Any) -> int:
         """Overwrite rows (optimizer state is kept). Ids must be distinct."""
         tags = self.tags()
-        return await self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.opts, tags))
+        return await self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.opts, tags), tags)
 
     async def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         """Per-slot statistics: hits, weight_mass, updates, last_update (unix s), value_norm."""

@@ -10,7 +10,8 @@ the load test's users under gevent. One implementation of each call for all of t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator
+import threading
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,19 +36,95 @@ class OpOptions:
     max_request_bytes: int = MAX_REQUEST_BYTES
 
 
+class ClientSession:
+    """The client's side of its sessions on the shards (memserver.server.sessions): its write
+    seqs, which of them are in flight (the lowest one is what the shards may forget below), which
+    table slices have answered one of its writes, and the parts of training steps it has sent
+    and not yet committed. Shared by the asyncio and blocking clients, hence the lock.
+
+    Bounds: `_in_flight` holds the seqs of calls running now; `_known` one entry per slice of the
+    tables this client has written to; `_parts` the steps sent and not committed (at most
+    MAX_OPEN_STEPS, the oldest dropped first)."""
+
+    MAX_OPEN_STEPS = 64
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id = client_id
+        self._lock = threading.Lock()
+        self._next = 1
+        self._in_flight: set[int] = set()
+        self._known: set[tuple[int, int]] = set()  # (layout_id, shard index)
+        self._parts: dict[tuple[str, int], dict[int, int]] = {}  # (table, step) -> shard index -> parts
+
+    def new_seq(self) -> int:
+        with self._lock:
+            seq = self._next
+            self._next += 1
+            self._in_flight.add(seq)
+            return seq
+
+    def release(self, seqs: Iterable[int]) -> None:
+        with self._lock:
+            self._in_flight.difference_update(seqs)
+
+    def acked_below(self) -> int:
+        """Every write with a lower seq has finished: the shards may forget its answer."""
+        with self._lock:
+            return min(self._in_flight, default=self._next)
+
+    def answered(self, meta: TableMeta) -> None:
+        with self._lock:
+            self._known.update((meta.layout_id, sh.index) for sh in meta.shards)
+
+    def knows(self, meta: TableMeta, shard: ShardMeta) -> bool:
+        return (meta.layout_id, shard.index) in self._known
+
+    def step_parts(self, table: str, step: int) -> dict[int, int]:
+        """The per-shard part counts of `step` (filled by bag_backward_op with gather)."""
+        with self._lock:
+            key = (table, step)
+            if key not in self._parts and len(self._parts) >= self.MAX_OPEN_STEPS:
+                del self._parts[next(iter(self._parts))]
+            return self._parts.setdefault(key, {})
+
+    def pop_step_parts(self, table: str, step: int) -> dict[int, int]:
+        with self._lock:
+            return self._parts.pop((table, step), {})
+
+
 class WriteTags:
-    """The (client_id, seq) tags of one write call, one per part. The same on every attempt, so a
-    retried part that a shard already applied is answered from its exactly-once window, not
-    applied twice."""
+    """The tags of one write call, one seq per part, the same on every attempt: a retried part
+    that a shard already applied is answered from the client's session there, not applied twice.
 
-    def __init__(self, client_id: str, seqs: Iterator[int]) -> None:
-        self.client_id, self.seqs = client_id, seqs
-        self.tags: dict[int, pb.WriteTag] = {}
+    `attempt` tells a shard the write may have been applied before; it is sent only to slices
+    that have answered one of this session's writes, since a slice that never did cannot have
+    forgotten the session (see memserver.server.sessions)."""
 
-    def __call__(self, part: int) -> pb.WriteTag:
-        if part not in self.tags:
-            self.tags[part] = pb.WriteTag(client_id=self.client_id, seq=next(self.seqs))
-        return self.tags[part]
+    def __init__(self, session: ClientSession) -> None:
+        self.session = session
+        self.seqs: dict[int, int] = {}
+        self.attempt = 0
+
+    def begin_attempt(self, first: bool) -> None:
+        self.attempt = 0 if first else self.attempt + 1
+
+    def __call__(self, part: int, meta: TableMeta, shard: ShardMeta) -> pb.WriteTag:
+        seq = self.seqs.get(part)
+        if seq is None:
+            seq = self.seqs[part] = self.session.new_seq()
+        attempt = self.attempt if self.attempt and self.session.knows(meta, shard) else 0
+        return pb.WriteTag(client_id=self.session.client_id, seq=seq, acked_below=self.session.acked_below(),
+                           attempt=attempt)
+
+    def reset(self) -> None:
+        """Start over with new seqs: the table was re-created, so these writes never reached it."""
+        self.close()
+        self.seqs.clear()
+        self.attempt = 0
+
+    def close(self) -> None:
+        """The call is over (answered or failed for good): the shards may forget its answers."""
+        self.session.release(self.seqs.values())
 
 
 def finish(op: Op, answers: list[Any]) -> Any:
@@ -212,7 +289,7 @@ def lookup_op(meta: TableMeta, ids: Any, opts: OpOptions) -> Op:
             parts = _chunks(len(sub), meta.dim * 4 + 8, opts.max_request_bytes)
             encoded[id(sel)] = (sel, [(p, encode(wire_ids(sub[p], meta))) for p in parts])
         for part, ids_msg in encoded[id(sel)][1]:
-            req = pb.LookupRequest(table=meta.name, ids=ids_msg, wire_dtype=opts.wire_dtype)
+            req = pb.LookupRequest(table=meta.name, ids=ids_msg, wire_dtype=opts.wire_dtype, layout_id=meta.layout_id)
             calls.append((sh.address, "Lookup", req))
             places.append((sh, sel, part))
     for (sh, sel, part), resp in zip(places, (yield calls)):
@@ -230,7 +307,8 @@ def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOption
         b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
         enc = _encoder(meta)
         for sh, (s_ids, s_w, s_off) in route_bags(meta, b_ids, b_w, b_off):
-            req = pb.BagRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w), wire_dtype=opts.wire_dtype)
+            req = pb.BagRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w), wire_dtype=opts.wire_dtype,
+                                layout_id=meta.layout_id)
             if s_off is not None:
                 req.offsets.CopyFrom(enc(s_off))
             calls.append((sh.address, "Bag", req))
@@ -245,8 +323,11 @@ def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOption
 
 
 def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offsets: Any, opts: OpOptions,
-                    tags: WriteTags, defer_apply: bool = False, step: int = 0) -> Op:
-    """dL/dweights (shape of ids); the shards apply weights * grad_out to the rows (exactly once)."""
+                    tags: WriteTags, defer_apply: bool = False, step: int = 0, parts: dict[int, int] | None = None) -> Op:
+    """dL/dweights (shape of ids); the shards apply weights * grad_out to the rows (exactly once).
+
+    `parts` given: each request is a `gather` part of `step` (the update waits for commit_step_op),
+    and `parts` counts, per shard index, the parts this call delivered."""
     t_ids, w, off, num_bags = _bag_args(meta, ids, weights, offsets)
     g = _floats(grad_out, "grad_out")
     check_rows(g, num_bags, meta.dim, "grad_out")
@@ -258,24 +339,37 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
         b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
         b_g = g[bags]
         entries = _entry_range(t_ids, off, bags)
-        tag = tags(part)
         enc = _encoder(meta)
         for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
             g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
             req = pb.BagBackwardRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w),
-                                        grad_out=encode(g_sh, opts.wire_dtype), tag=tag, defer_apply=defer_apply,
-                                        step=step)
+                                        grad_out=encode(g_sh, opts.wire_dtype), tag=tags(part, meta, sh),
+                                        defer_apply=defer_apply, step=step, layout_id=meta.layout_id,
+                                        gather=parts is not None)
             if s_off is not None:
                 req.offsets.CopyFrom(enc(s_off))
             calls.append((sh.address, "BagBackward", req))
-            places.append((entries, mask))
-    for (entries, mask), resp in zip(places, (yield calls)):
+            places.append((sh, entries, mask))
+    for (sh, entries, mask), resp in zip(places, (yield calls)):
         got = decode(resp.grad_weights, "grad_weights").reshape(-1)
         if mask is None:
             flat_gw[entries] += got  # cols: each shard's dot product covers its columns
         else:
             flat_gw[entries][mask] = got  # rows: each entry lives on one shard
+        if parts is not None:
+            parts[sh.index] = parts.get(sh.index, 0) + 1
     return grad_w
+
+
+def commit_step_op(meta: TableMeta, step: int, parts: dict[int, int], tags: WriteTags, defer_apply: bool = False) -> Op:
+    """Close this client's contribution to `step` on every shard (see CommitStepRequest); returns
+    the rows updated now (0 while a sync table waits for other trainers, or when deferred)."""
+    calls = [(sh.address, "CommitStep",
+              pb.CommitStepRequest(table=meta.name, step=step, parts=parts.get(sh.index, 0), tag=tags(0, meta, sh),
+                                   defer_apply=defer_apply, layout_id=meta.layout_id))
+             for sh in meta.shards]
+    acks = yield calls
+    return int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
 
 
 def push_op(meta: TableMeta, ids: Any, grads: Any, opts: OpOptions, tags: WriteTags) -> Op:
@@ -305,13 +399,15 @@ def _write_op(meta: TableMeta, method: str, ids: torch.Tensor, values: torch.Ten
     push = method == "PushGradients"
     calls = []
     for i, part in enumerate(_chunks(len(ids), meta.dim * 4 + 8, opts.max_request_bytes)):
-        p_ids, p_vals, tag = ids[part], values[part], tags(i)
+        p_ids, p_vals = ids[part], values[part]
         for sh, sel in route_ids(meta, p_ids):
             v = p_vals[sel] if meta.by_rows else p_vals[:, sh.col_start : sh.col_end]
             v_msg = encode(v, opts.wire_dtype if push else None)  # rows written travel exactly
             ids_msg = encode(wire_ids(p_ids[sel], meta))
-            req = (pb.PushGradientsRequest(table=meta.name, ids=ids_msg, grads=v_msg, tag=tag) if push
-                   else pb.WriteRowsRequest(table=meta.name, ids=ids_msg, rows=v_msg, tag=tag))
+            tag = tags(i, meta, sh)
+            req = (pb.PushGradientsRequest(table=meta.name, ids=ids_msg, grads=v_msg, tag=tag, layout_id=meta.layout_id)
+                   if push else
+                   pb.WriteRowsRequest(table=meta.name, ids=ids_msg, rows=v_msg, tag=tag, layout_id=meta.layout_id))
             calls.append((sh.address, method, req))
     acks = yield calls
     return len(ids) if not acks else int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
@@ -330,7 +426,8 @@ def slot_stats_op(meta: TableMeta, ids: Any) -> Op:
         "value_sq_norm": torch.zeros(n, dtype=torch.float64),
     }
     routes = route_ids(meta, uniq)
-    reqs = [(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]))) for sh, sel in routes]
+    reqs = [(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]), layout_id=meta.layout_id))
+            for sh, sel in routes]
     for i, ((_, sel), resp) in enumerate(zip(routes, (yield reqs))):
         for key in out:
             got = decode(getattr(resp, key), key)

@@ -20,8 +20,8 @@ import grpc
 from client import ops
 from client.aio import AsyncMemoryClient
 from client.channels import sync_channel
-from client.ops import Op, finish, like
-from memserver.api.errors import TableNotFoundError, UnavailableError, from_rpc_error
+from client.ops import Op, WriteTags, finish, like
+from memserver.api.errors import FailedPreconditionError, TableNotFoundError, UnavailableError, from_rpc_error
 from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
@@ -56,7 +56,7 @@ class MemoryClient:
                 stub = self._stubs[address]
         return stub
 
-    def _call(self, table: str, make_op: Callable[[TableMeta], Op]) -> Any:
+    def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None) -> Any:
         """Run an op with blocking stubs, all its requests in flight at once.
 
         The first attempt runs right here when the shard map is cached. A first call, a shard that
@@ -64,8 +64,13 @@ class MemoryClient:
         retrying path instead, which runs this same blocking attempt in an executor thread; the
         op keeps its write tags across attempts."""
         timeout = self.aio.timeout
+        first = True
 
         def attempt(meta: TableMeta) -> Any:
+            nonlocal first
+            if tags is not None:
+                tags.begin_attempt(first)
+                first = False
             op = make_op(meta)
             calls = next(op)
             # All but the last in flight as futures; the last as a plain blocking call, which waits in
@@ -82,19 +87,25 @@ class MemoryClient:
                     answers[i] = fut.result()
             except grpc.RpcError as err:
                 raise from_rpc_error(err, f"shard {where}") from None
+            if tags is not None:
+                self.aio.session.answered(meta)
             return finish(op, answers)
 
-        meta = self.aio._tables.get(table)
-        if meta is not None:
-            try:
-                return attempt(meta)
-            except (UnavailableError, TableNotFoundError):
-                pass
+        try:
+            meta = self.aio._tables.get(table)
+            if meta is not None:
+                try:
+                    return attempt(meta)
+                except (UnavailableError, TableNotFoundError, FailedPreconditionError):
+                    pass
 
-        async def in_executor(meta: TableMeta) -> Any:
-            return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
+            async def in_executor(meta: TableMeta) -> Any:
+                return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
 
-        return self._run(self.aio._with_table(table, in_executor))
+            return self._run(self.aio._with_table(table, in_executor, tags))
+        finally:
+            if tags is not None:
+                tags.close()
 
     def close(self) -> None:
         with self._lock:
@@ -142,18 +153,24 @@ class MemoryClient:
         return like(self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.aio.opts)), weights)
 
     def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
-                     defer_apply: bool = False, step: int = 0) -> Any:
+                     defer_apply: bool = False, step: int = 0, gather: bool = False) -> Any:
         tags = self.aio.tags()
-        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.aio.opts, tags, defer_apply, step)  # noqa: E731
-        return like(self._call(table, op), weights)
+        parts = self.aio.session.step_parts(table, step) if gather else None
+        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.aio.opts, tags, defer_apply, step, parts)  # noqa: E731
+        return like(self._call(table, op, tags), weights)
+
+    def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
+        tags = self.aio.tags()
+        parts = self.aio.session.pop_step_parts(table, step)
+        return self._call(table, lambda meta: ops.commit_step_op(meta, step, parts, tags, defer_apply), tags)
 
     def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         tags = self.aio.tags()
-        return self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.aio.opts, tags))
+        return self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.aio.opts, tags), tags)
 
     def write_rows(self, table: str, ids: Any, rows: Any) -> int:
         tags = self.aio.tags()
-        return self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.aio.opts, tags))
+        return self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.aio.opts, tags), tags)
 
     def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         stats = self._call(table, lambda meta: ops.slot_stats_op(meta, ids))

@@ -60,3 +60,10 @@ class RefTable:
         for r, g in zip(ids.tolist(), grads.astype(np.float64)):
             row_grads[r] = row_grads.get(r, 0) + g
         self.apply(row_grads)
+
+
+def initial(meta) -> np.ndarray:
+    """A table's initial values, from its metadata (the seeded init every shard computes)."""
+    from memserver.core.init import init_values
+
+    return init_values(np.arange(meta.num_rows), 0, meta.dim, meta.dim, meta.init_std, meta.seed).numpy()

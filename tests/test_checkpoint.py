@@ -77,3 +77,145 @@ def test_checkpoint_and_restore_errors(client, table_name, tmp_path):
         client.restore(str(tmp_path))
     with pytest.raises(InvalidArgumentError, match="step 5"):
         client.restore(str(tmp_path), step=5)
+
+
+# -- loading slice files, without a cluster ------------------------------------------------
+
+
+def _save_table(directory, by_rows, num_shards, values, updates):
+    """The slice files of a whole table (values [N, D], per-row updates) as its shards save them,
+    and their entries (as in the manifest: the slice's place, the file)."""
+    import torch
+
+    from memserver.api.types import ShardLayout
+    from memserver.storage.checkpoint import save_slice
+
+    n, d = values.shape
+    layout = ShardLayout(by_rows, n, d, num_shards)
+    entries = []
+    for i in range(num_shards):
+        rows, (c0, c1) = torch.from_numpy(layout.global_rows(i)), layout.cols(i)
+        meta = {"table": "m", "by_rows": by_rows, "index": i, "num_shards": num_shards, "num_rows": n, "dim": d,
+                "col_start": c0, "col_end": c1}
+        path = directory / f"shard-{i:04d}.pt"
+        size = save_slice(path, meta, {"weight": values[rows, c0:c1].contiguous(), "updates": updates[rows]},
+                          extra={"lsn": 7, "window": [i]})
+        entries.append({"file": str(path), "bytes": size, **meta, "lsn": 7, "step": 1})
+    return entries
+
+
+def _load_table(entries, by_rows, num_shards, n, d, opened):
+    """Load every slice of the table in a new sharding from `entries`: the whole table back, and
+    per new slice what `opened` (filled by the test's torch.load) held after its load_into."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from memserver.api.types import ShardLayout
+    from memserver.storage.checkpoint import load_into
+
+    layout = ShardLayout(by_rows, n, d, num_shards)
+    values, updates, opens = torch.zeros(n, d), torch.zeros(n, dtype=torch.int64), []
+    for i in range(num_shards):
+        rows, (c0, c1) = torch.from_numpy(layout.global_rows(i)), layout.cols(i)
+        table = SimpleNamespace(weight=torch.zeros(len(rows), c1 - c0), updates=torch.zeros(len(rows), dtype=torch.int64))
+        target = {"table": "m", "by_rows": by_rows, "index": i, "num_shards": num_shards, "num_rows": n, "dim": d,
+                  "col_start": c0, "col_end": c1}
+        opened.clear()
+        load_into(table, target, entries, {})
+        opens.append(list(opened))
+        values[rows, c0:c1] = table.weight
+        updates[rows] = table.updates
+    return values, updates, opens
+
+
+@pytest.mark.parametrize("old, new, needs", [
+    (("cols", 4), ("cols", 2), [[0, 1], [2, 3]]),
+    (("rows", 2), ("rows", 4), [[0], [1], [0], [1]]),
+    (("rows", 4), ("rows", 2), [[0, 2], [1, 3]]),
+    (("rows", 3), ("cols", 2), [[0, 1, 2], [0, 1, 2]]),
+    (("cols", 2), ("rows", 3), [[0, 1], [0, 1], [0, 1]]),
+])
+def test_a_new_slice_opens_each_file_it_needs_once_and_no_other(tmp_path, monkeypatch, old, new, needs):
+    import torch
+
+    import memserver.storage.checkpoint as checkpoint
+
+    n, d = 50, 12
+    values = torch.randn(n, d)
+    updates = torch.randint(0, 100, (n,))
+    entries = _save_table(tmp_path, old[0] == "rows", old[1], values, updates)
+    opened: list[int] = []
+    real_load = checkpoint.torch.load
+
+    def counting_load(f, *args, **kwargs):
+        opened.append(int(str(f)[-7:-3]))  # shard-XXXX.pt
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "load", counting_load)
+    restored, restored_updates, opens = _load_table(entries, new[0] == "rows", new[1], n, d, opened)
+    monkeypatch.undo()
+    assert opens == needs  # every file at most once, and only those holding part of the new slice
+    torch.testing.assert_close(restored, values, rtol=0, atol=0)
+    torch.testing.assert_close(restored_updates, updates, rtol=0, atol=0)
+
+
+def test_loading_a_slice_reads_only_what_it_needs(tmp_path):
+    """A file is mapped, not read: a new slice holding a quarter of an old one reads far less than it."""
+    import os
+
+    import torch
+
+    if not os.path.exists("/proc/self/io"):
+        pytest.skip("needs /proc/self/io")
+
+    def bytes_read():
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+    n, d = 2048, 512  # one 4 MiB slice
+    values = torch.randn(n, d)
+    entries = _save_table(tmp_path, True, 1, values, torch.zeros(n, dtype=torch.int64))
+    size = entries[0]["bytes"]
+    from types import SimpleNamespace
+
+    from memserver.api.types import ShardLayout
+    from memserver.storage.checkpoint import load_into
+
+    layout = ShardLayout(True, n, d, 4)
+    for i in range(4):
+        rows = torch.from_numpy(layout.global_rows(i))
+        table = SimpleNamespace(weight=torch.zeros(len(rows), d))
+        target = {"by_rows": True, "index": i, "num_shards": 4, "num_rows": n, "dim": d, "col_start": 0, "col_end": d}
+        before = bytes_read()
+        load_into(table, target, entries)
+        read = bytes_read() - before
+        assert read < size / 8, f"slice {i}: read {read} bytes of a {size}-byte file to load a quarter of it"
+        torch.testing.assert_close(table.weight, values[rows], rtol=0, atol=0)
+
+
+def test_own_checkpoint_extras_legacy_files_and_a_wrong_table(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from memserver.api.errors import InvalidArgumentError as ServerInvalidArgument
+    from memserver.storage.checkpoint import load_into
+
+    values = torch.randn(6, 4)
+    entries = _save_table(tmp_path, True, 2, values, torch.arange(6))
+    table = SimpleNamespace(weight=torch.zeros(3, 4), updates=torch.zeros(3, dtype=torch.int64))
+    target = {k: entries[1][k] for k in ("by_rows", "index", "num_shards", "num_rows", "dim", "col_start", "col_end")}
+    extras: dict = {}
+    load_into(table, target, [entries[1]], extras)  # a shard's own checkpoint
+    assert extras == {"lsn": 7, "window": [1]}
+    torch.testing.assert_close(table.weight, values[1::2], rtol=0, atol=0)
+    # a file in torch's legacy format (cannot be mapped) still loads
+    blob = torch.load(entries[0]["file"], weights_only=True)
+    legacy = tmp_path / "legacy.pt"
+    torch.save(blob, legacy, _use_new_zipfile_serialization=False)
+    target0 = {**target, "index": 0}
+    load_into(table, target0, [{"file": str(legacy)}])
+    torch.testing.assert_close(table.weight, values[0::2], rtol=0, atol=0)
+    with pytest.raises(ServerInvalidArgument, match="rows"):  # a file of another table, even one with no overlap
+        load_into(table, target0, [{**entries[1], "num_rows": 8}])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import InvalidArgumentError, TableExistsError, TableNotFoundError
+from client import FailedPreconditionError, InvalidArgumentError, TableExistsError, TableNotFoundError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import encode
@@ -146,7 +146,7 @@ def test_sync_table_takes_one_push_per_trainer_per_step(client, table_name):
     ids, w, g = np.array([[1, 2]]), np.ones((1, 2), np.float32), np.ones((1, DIM), np.float32)
     client.bag_backward(table_name, ids, w, g, step=1)
     np.testing.assert_array_equal(snapshot(client, table_name)[0], before[0])  # waits for the other trainer
-    with pytest.raises(InvalidArgumentError, match="already sent its gradients"):
+    with pytest.raises(FailedPreconditionError, match="already committed"):  # one request is a whole contribution
         client.bag_backward(table_name, ids, w, g, step=1)
     np.testing.assert_array_equal(snapshot(client, table_name)[0], before[0])
 

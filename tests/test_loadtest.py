@@ -3,7 +3,6 @@ exact percentiles and its argument errors."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import memserver.cli as cli
-from client.ops import WriteTags
+from client.ops import ClientSession, WriteTags
 from memserver.loadtest.caller import ShardCaller, fetch_table
 from memserver.loadtest.config import LoadConfig, parse_duration, parse_mix
 from memserver.loadtest.recorder import LatencyRecorder
@@ -59,7 +58,7 @@ def test_shard_caller_answers_like_the_client(memory_cluster, client, table_name
         out, _ = caller.bag(ids, w)
         np.testing.assert_allclose(out.numpy(), client.bag(table_name, ids.numpy(), w.numpy()), rtol=1e-6, atol=1e-7)
         g = torch.from_numpy(rng.standard_normal((32, 16), dtype=np.float32))
-        grad_w, _ = caller.bag_backward(ids, w, g, WriteTags("test-loadtest", itertools.count(1)))
+        grad_w, _ = caller.bag_backward(ids, w, g, WriteTags(ClientSession("test-loadtest")))
         np.testing.assert_allclose(grad_w.numpy(), torch.einsum("bd,bkd->bk", g, rows).numpy(), rtol=1e-5, atol=1e-6)
         assert not np.allclose(client.lookup(table_name, ids[0].numpy()), rows[0].numpy())  # the update was applied
     finally:

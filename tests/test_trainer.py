@@ -23,7 +23,7 @@ def test_product_key_search_finds_the_true_top_knn(knn):
     torch.manual_seed(knn)
     mem = ProductKeyMemory(12, 8, LocalValues(10 * 10, 8), n_keys=10, heads=3, k_dim=6, knn=knn, query_bn=False)
     x = torch.randn(50, 12)
-    ids, w = mem.address(x)
+    ids, w = mem.address(mem.queries(x))
     assert ids.shape == (50, 3 * knn) and torch.allclose(w.view(50, 3, knn).sum(-1), torch.ones(50, 3))
     q = mem.query(x).view(50, 3, 2, 3)
     for h in range(3):
@@ -53,7 +53,10 @@ def test_remote_memory_trains_like_local_memory(client, sharding, staleness, wal
     remote_args = build_parser().parse_args([*TINY, *steps, "--memory", "remote", "--table", table_name,
                                              "--sharding", sharding, "--staleness", str(staleness),
                                              *(["--wal"] if wal else [])])
+    deferred = sum(sh.deferred_updates for sh in client.status().shards)
     remote = list(train(remote_args, client=client))
+    # staleness 1: every step's update ran after its answer, on each of the 2 shards
+    assert sum(sh.deferred_updates for sh in client.status().shards) - deferred == (12 if staleness else 0)
     assert [r["step"] for r in local] == [r["step"] for r in remote] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(local, remote):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
@@ -82,12 +85,49 @@ def test_memtrain_rejects_bad_layer_index():
     assert proc.returncode != 0 and "--mem-layers" in proc.stderr
 
 
-def test_two_data_parallel_trainers_equal_one_on_the_combined_batch(client, memory_cluster, table_name, tmp_path):
-    """Two gloo trainers (batch 2 each) against a sync_updates table == one trainer of batch 4."""
+@pytest.mark.parametrize("memory", ["local", "remote"])
+def test_micro_batches_are_an_overlap_only(client, table_name, memory):
+    """--micro-batches 3 gives the losses of 1 (query BatchNorm on, Adam values): the queries see
+    the whole batch and the chunks' value updates make one optimizer step."""
+    common = [*TINY, "--steps", "5", "--seed", "4", "--value-lr", "0.05", "--memory", memory, "--table", table_name]
+    one = list(train(build_parser().parse_args(common), client=client))
+    three = list(train(build_parser().parse_args([*common, "--micro-batches", "3"]), client=client))
+    for a, b in zip(one, three):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+    assert three[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-3)  # near-ties in top-k
+
+
+@pytest.mark.parametrize("memory", ["local", "remote"])
+def test_shared_values_take_one_optimizer_step_per_training_step(client, table_name, memory):
+    """Two layers on one table: each row gets at most one update per training step."""
+    from trainer.train import setup
+
+    args = build_parser().parse_args([*TINY, "--memory", memory, "--table", table_name, "--mem-layers", "0,1",
+                                      "--shared-values", "--steps", "3", "--micro-batches", "2"])
+    list(train(args, client=client))
+    if memory == "remote":
+        updates = client.slot_stats(table_name, np.arange(16 * 16))["updates"]
+    else:  # the same setup, run by hand, to read the local table's counters
+        run = setup(args)
+        model = run.model
+        for step in range(1, 4):
+            x = torch.randint(0, run.corpus.vocab_size, (4, 32))
+            run.values[0].begin_step(step)
+            model(x, x)[1].backward()
+            run.values[0].end_step(step)
+        updates = run.values[0].table.updates.numpy()
+    assert updates.max() == 3
+
+
+@pytest.mark.parametrize("extra", [[], ["--micro-batches", "2", "--mem-layers", "0,1", "--shared-values"]],
+                         ids=["plain", "micro-batches+shared"])
+def test_two_data_parallel_trainers_equal_one_on_the_combined_batch(client, memory_cluster, table_name, tmp_path, extra):
+    """Two gloo trainers (batch 2 each) against a sync_updates table == one trainer of batch 4,
+    also when each trainer sends a step in several parts (micro-batches, two layers on one table)."""
     import os
     import socket
 
-    common = [*TINY, "--steps", "4", "--seed", "5", "--value-lr", "0.05", "--no-query-bn", "--eval-every", "4"]
+    common = [*TINY, "--steps", "4", "--seed", "5", "--value-lr", "0.05", "--no-query-bn", "--eval-every", "4", *extra]
     single = list(train(build_parser().parse_args([*common, "--memory", "local", "--batch-size", "4"])))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -259,6 +259,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
             _, loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            for backend in _unique(run.values).values():
+                backend.end_step(step)  # one optimizer step per table, before the trainers synchronise
             loss = loss.detach()
             if world > 1:
                 average_across_trainers([p.grad for p in dense if p.grad is not None] + [loss], world)

@@ -43,6 +43,21 @@ class TableExistsError(MemserverError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class FailedPreconditionError(MemserverError):
+    """The request is well formed but the server's state does not allow it: the client's shard map
+    is of an earlier incarnation of the table (it refreshes the map and retries once), a retry from
+    a session the shard no longer remembers, a step whose parts did not all arrive."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class DataLossError(MemserverError):
+    """A table slice cannot be served as it should be: e.g. its write-ahead log has a gap after
+    the checkpoint it recovered from. The slice refuses requests until an operator restores it."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class ResourceExhaustedError(MemserverError):
     """Too large or too much (gRPC itself sends it for a message above the size limit)."""
 
@@ -64,6 +79,8 @@ ERRORS: tuple[type[MemserverError], ...] = (
     InvalidArgumentError,
     TableNotFoundError,
     TableExistsError,
+    FailedPreconditionError,
+    DataLossError,
     ResourceExhaustedError,
     UnavailableError,
     DeadlineExceededError,

@@ -97,6 +97,7 @@ class TableMeta:
     shards: tuple[ShardMeta, ...]
     epoch: int
     wal: bool = False
+    layout_id: int = 0  # this incarnation of the table; data-plane requests carry it
 
     @classmethod
     def from_proto(cls, info: pb.TableInfo) -> TableMeta:
@@ -117,6 +118,7 @@ class TableMeta:
             ),
             wal=s.wal,
             epoch=info.epoch,
+            layout_id=info.layout_id,
         )
 
     @property

@@ -17,11 +17,12 @@ from typing import Any
 
 from memserver.cli.common import CliError, pid_alive
 from memserver.cluster import PLACEMENT_STRATEGIES
+from memserver.server.sessions import SESSION_TTL
 
 log = logging.getLogger("memserver")
 
 TABLE_KEYS = {"name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype", "init_std", "seed", "num_shards", "eps", "wal"}
-CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "data_dir", "tables"}
+CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "data_dir", "session_ttl", "tables"}
 
 
 def load_config(path: str | None) -> dict[str, Any]:
@@ -107,6 +108,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         placement_timeout=args.placement_timeout,
         data_dir=args.data_dir or cfg.get("data_dir"),
         max_restarts=args.max_restarts,
+        session_ttl=args.session_ttl or cfg.get("session_ttl") or SESSION_TTL,
     )
     try:
         tables = cfg.get("tables") or []
@@ -216,7 +218,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
     up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")
     up.add_argument("--shard-gpus", type=float, default=0.0, help="Ray GPUs per shard actor (rows then live on the GPU)")
-    up.add_argument("--threads-per-shard", type=int, default=1, help="torch compute threads in each shard")
+    up.add_argument("--threads-per-shard", type=int, default=1, help="torch and numba compute threads in each shard")
+    up.add_argument("--session-ttl", type=float, default=0.0,
+                    help=f"seconds a client may stay silent before its shards forget its session (default {SESSION_TTL:.0f}); "
+                         "a retry from a forgotten session is refused, since it may have been applied")
     up.add_argument("--placement", type=str.upper, choices=PLACEMENT_STRATEGIES, default=None,
                     help="how shards are laid out over Ray nodes (a placement group, one bundle per shard): SPREAD "
                     "(different nodes where possible), STRICT_SPREAD (one node each, or fail), PACK (fewest nodes); "

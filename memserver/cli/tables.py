@@ -31,8 +31,11 @@ def status_dict(resp: Any) -> dict[str, Any]:
                 "metrics": f"http://{s.metrics_address}/metrics" if s.metrics_address else "",
                 "device": s.device,
                 "requests": s.requests,
+                "rss_bytes": s.rss_bytes,
+                "deferred_updates": s.deferred_updates,
                 "tables": [{"table": t.table, "rows": t.rows, "bytes": t.bytes, "requests": t.requests,
-                            "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from} for t in s.tables],
+                            "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from, "sessions": t.sessions,
+                            "remembered": t.remembered, "unavailable": t.unavailable} for t in s.tables],
             }
             for s in resp.shards
         ],
@@ -63,14 +66,15 @@ def cmd_status(args: argparse.Namespace) -> int:
                        "yes" if t["wal"] else "no", str(len(t["shards"])))
     console.print(tables)
     shards = Table(title="shards")
-    for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "requests"):
-        shards.add_column(col, justify="right" if col in ("#", "pid", "tables", "rows", "bytes", "requests") else "left")
+    for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "rss", "sessions", "requests"):
+        shards.add_column(col, justify="left" if col in ("address", "node", "state", "device") else "right")
     for s in st["shards"]:
         rows = sum(t["rows"] for t in s["tables"])
         nbytes = sum(t["bytes"] for t in s["tables"])
         state = s["state"] + (" (restarted)" if s["restarted"] else "")
+        sessions = max((t["sessions"] for t in s["tables"]), default=0)
         shards.add_row(str(s["index"]), s["address"], s["node_id"][:12], str(s["pid"]), state, s["device"], str(len(s["tables"])),
-                       f"{rows:,}", fmt_bytes(nbytes), f"{s['requests']:,}")
+                       f"{rows:,}", fmt_bytes(nbytes), fmt_bytes(s["rss_bytes"]), str(sessions), f"{s['requests']:,}")
     console.print(shards)
     if any(s["metrics"] for s in st["shards"]):
         console.print("Prometheus metrics: " + ", ".join(s["metrics"] for s in st["shards"] if s["metrics"]))
@@ -78,6 +82,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for t in s["tables"]:
             if t["recovered_from"]:
                 console.print(f"shard {s['index']}: table {t['table']} recovered from {t['recovered_from']}")
+            if t["unavailable"]:
+                console.print(f"[bold red]shard {s['index']}: table {t['table']} is not served: {t['unavailable']}[/]")
     return 0
 
 

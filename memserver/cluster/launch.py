@@ -20,6 +20,7 @@ from memserver.cluster import PLACEMENT_STRATEGIES
 from memserver.cluster.endpoint import memserver_home
 from memserver.server.coordinator import CoordinatorActor
 from memserver.server.rayutil import BIND_HOST_ENV, LOCALHOST, bind_host
+from memserver.server.sessions import SESSION_TTL
 from memserver.server.shard_actor import ShardActor
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def start_cluster(
     placement_timeout: float = 120.0,
     data_dir: str | os.PathLike[str] | None = None,
     max_restarts: int = -1,
+    session_ttl: float = SESSION_TTL,
 ) -> MemoryCluster:
     """Start `num_shards` shard actors and a named coordinator on the connected Ray cluster.
 
@@ -114,7 +116,8 @@ def start_cluster(
     the coordinator's port; every node must be able to write it. None: a scratch directory under
     $MEMSERVER_HOME/run, removed at shutdown. Starting on a directory of an earlier cluster
     brings its tables back. Ray restarts a dead shard or coordinator up to `max_restarts` times
-    (-1: always).
+    (-1: always). `session_ttl`: seconds of silence after which shards forget a client's session
+    (see memserver.server.sessions).
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -145,7 +148,7 @@ def start_cluster(
                 max_concurrency=16,  # threads for Ray calls; data-plane traffic is gRPC
                 max_restarts=max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator")
+            ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator", session_ttl)
             for i in range(num_shards)
         ]
         infos = ray.get([s.info.remote() for s in shards])

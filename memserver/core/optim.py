@@ -31,7 +31,7 @@ class OptimizerConfig:
 
     name: str = "adagrad"
     lr: float = 0.01
-    eps: float = 0.0  # 0: the optimizer's default (effective_eps)
+    eps: float | None = None  # None: the optimizer's default (effective_eps); 0 is allowed
     beta1: float = 0.9
     beta2: float = 0.999
 
@@ -42,12 +42,12 @@ class OptimizerConfig:
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError("adam betas must be in [0, 1)")
-        if self.eps < 0 or not math.isfinite(self.eps):
+        if self.eps is not None and (self.eps < 0 or not math.isfinite(self.eps)):
             raise ValueError(f"eps must be >= 0, got {self.eps}")
 
     @property
     def effective_eps(self) -> float:
-        return self.eps or _DEFAULT_EPS[self.name]
+        return _DEFAULT_EPS[self.name] if self.eps is None else self.eps
 
 
 def torch_step(table: Any, ids: torch.Tensor, g: torch.Tensor) -> None:

@@ -78,7 +78,10 @@ class ShardCaller:
 
     def bag_backward(self, ids: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, tags: WriteTags) -> tuple[torch.Tensor, int]:
         """One tagged write: every shard request of the call carries the same (client_id, seq)."""
-        return self._send(ops.bag_backward_op(self.meta, ids, w, grad_out, None, self.opts, tags))
+        try:
+            return self._send(ops.bag_backward_op(self.meta, ids, w, grad_out, None, self.opts, tags))
+        finally:
+            tags.close()  # one attempt: the shards may forget its answer
 
 
 class Batches:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from locust.exception import StopUser
 
-from client.ops import WriteTags
+from client.ops import ClientSession, WriteTags
 from memserver.loadtest.caller import Batches, ShardCaller, fetch_table
 from memserver.loadtest.config import LoadConfig
 from memserver.loadtest.recorder import LatencyRecorder
@@ -77,8 +77,7 @@ class MemserverUser(locust.User):
         self.cfg, self.caller = _Process.get()
         self.batches = Batches(self.caller.meta, self.cfg)
         self.ops, self.weights = list(self.cfg.mix), np.array(list(self.cfg.mix.values())) / sum(self.cfg.mix.values())
-        self.client_id = f"locust-{uuid.uuid4().hex}"  # one per user: its writes are exactly-once on their own
-        self.seq = itertools.count(1)
+        self.session = ClientSession(f"locust-{uuid.uuid4().hex}")  # one per user: its writes are exactly-once on their own
 
     @locust.task
     def call(self) -> None:
@@ -92,7 +91,7 @@ class MemserverUser(locust.User):
         elif op == "bag":
             args = (b.ids(self.cfg.batch, self.cfg.knn), b.weights())
         else:
-            args = (b.ids(self.cfg.batch, self.cfg.knn), b.weights(), b.grad_out(), WriteTags(self.client_id, self.seq))
+            args = (b.ids(self.cfg.batch, self.cfg.knn), b.weights(), b.grad_out(), WriteTags(self.session))
         exc: BaseException | None = None
         nbytes = 0
         t0 = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 from typing import Any
 
 from memserver.api.errors import InvalidArgumentError
@@ -20,13 +21,14 @@ DEFAULT_SHARDING = pb.COLS
 
 
 def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
-    """A table's optimizer from its spec (0 fields mean the defaults)."""
+    """A table's optimizer from its spec (unset fields mean the defaults; 0 is a value)."""
+    defaults = OptimizerConfig()
     return OptimizerConfig(
-        name=spec.name or "adagrad",
-        lr=spec.lr or 0.01,
-        eps=spec.eps,
-        beta1=spec.beta1 or 0.9,
-        beta2=spec.beta2 or 0.999,
+        name=spec.name or defaults.name,
+        lr=spec.lr or defaults.lr,
+        eps=spec.eps if spec.HasField("eps") else None,
+        beta1=spec.beta1 if spec.HasField("beta1") else defaults.beta1,
+        beta2=spec.beta2 if spec.HasField("beta2") else defaults.beta2,
     )
 
 
@@ -75,11 +77,12 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
 
 
 def plan_table(spec: pb.TableSpec, shards: list[dict[str, Any]]) -> pb.TableInfo:
-    """Place a validated spec on `shards` (dicts with address, node_id, pid): the shard map."""
+    """Place a validated spec on `shards` (dicts with address, node_id, pid): the shard map, with
+    a new random layout_id naming this incarnation of the table (see TableInfo.layout_id)."""
     layout = ShardLayout.of(spec, len(shards))
-    info = pb.TableInfo(spec=spec)
+    info = pb.TableInfo(spec=spec, layout_id=secrets.randbits(63) + 1)
     for i, sh in enumerate(shards):
         c0, c1 = layout.cols(i)
         info.shards.add(index=i, address=sh["address"], node_id=sh["node_id"], pid=sh["pid"], col_start=c0, col_end=c1,
-                        num_rows=layout.rows(i))
+                        num_rows=layout.rows(i), layout_id=info.layout_id)
     return info

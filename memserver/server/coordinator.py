@@ -54,7 +54,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 log.error("table %s: shards hold slices %s of %d; leaving it out of the catalog", name, sorted(parts), n)
                 continue
             order = [parts[i][0] for i in range(n)]
-            info = pb.TableInfo(spec=parts[0][1], epoch=self.epoch + 1)
+            info = pb.TableInfo(spec=parts[0][1], epoch=self.epoch + 1, layout_id=parts[0][2].layout_id)
             for i in range(n):
                 sh = info.shards.add()
                 sh.CopyFrom(parts[i][2])

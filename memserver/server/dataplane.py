@@ -21,27 +21,41 @@ import torch
 from memserver.api.errors import InvalidArgumentError, TableNotFoundError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
-from memserver.core.table import bag_index
+from memserver.core.steps import bag_entries
 from memserver.server.slice import TableSlice
-from memserver.storage.wal import BAG_BACKWARD, PUSH_GRADIENTS, WRITE_ROWS
+from memserver.storage.wal import BAG_BACKWARD, COMMIT_STEP, PUSH_GRADIENTS, WRITE_ROWS
 from memserver.wire import check_1d, check_bag, check_rows, decode, encode
 
 T = TypeVar("T")
+
+def set_threads(n: int) -> None:  # replaced by memserver.core's once it lands
+    torch.set_num_threads(max(1, n))
+    try:
+        import numba
+
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    except ImportError:
+        pass
+
 
 #: Requests with at most this many ids run on the event loop when the compute thread is idle.
 INLINE_ENTRIES = 2048
 
 
 class DataPlaneServicer(pb_grpc.DataPlaneServicer):
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, threads: int = 1) -> None:
+        """`threads`: torch and numba threads of the compute thread (set on that thread: numba's
+        setting is per thread)."""
         self.device = device
         self.tables: dict[str, TableSlice] = {}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute", initializer=set_threads,
+                                       initargs=(threads,))
         self.requests = 0
         # Deferred row updates (BagBackward with defer_apply): run on the compute thread before
         # any later work item, so no request ever observes the table without them.
         self.pending: deque[Callable[[], object]] = deque()
         self.busy = 0  # work items handed to the compute thread and not finished
+        self.deferred = 0  # updates queued to run after their answer (a count, for status)
         self.tasks: set[asyncio.Task[None]] = set()
 
     def _drain(self) -> None:
@@ -66,10 +80,12 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         finally:
             self.busy -= 1
 
-    def slice(self, name: str) -> TableSlice:
-        sl = self.tables.get(name)
+    def slice(self, request: Any) -> TableSlice:
+        """The slice a request is for, checked against the request's layout_id."""
+        sl = self.tables.get(request.table)
         if sl is None:
-            raise TableNotFoundError(f"table {name!r} does not exist")
+            raise TableNotFoundError(f"table {request.table!r} does not exist")
+        sl.check_request(request.layout_id)
         sl.requests += 1
         self.requests += 1
         return sl
@@ -82,7 +98,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         return ids, weights, offsets, check_bag(ids, weights, offsets)
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        sl = self.slice(request.table)
+        sl = self.slice(request)
         ids = decode(request.ids, "ids")
         check_1d(ids, "ids")
 
@@ -92,7 +108,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         return await self.run(work, ids.numel())
 
     async def Bag(self, request: pb.BagRequest, context: grpc.aio.ServicerContext) -> pb.BagResponse:
-        sl = self.slice(request.table)
+        sl = self.slice(request)
         ids, weights, offsets, _ = self._bag_inputs(request)
 
         def work() -> pb.BagResponse:
@@ -109,27 +125,58 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         ids, weights, offsets, num_bags = self._bag_inputs(request)
         grad_out = decode(request.grad_out, "grad_out")
         check_rows(grad_out, num_bags, sl.table.dim, "grad_out")
+        client = request.tag.client_id or "anonymous"
+        # A part of a step (gather), or a sync table's whole contribution in one request: the row
+        # update waits for the step; dL/dw is computed now, on the values before the step.
+        gathered = request.gather or sl.spec.sync_updates
 
         def work() -> pb.BagBackwardResponse:
             sl.check_writable()
             local = sl.local(ids)
 
+            def check() -> None:
+                if gathered:
+                    sl.check_gather(request.step, client)
+
             def apply() -> pb.Tensor:
                 grad_w, update = sl.table.bag_grad(local, weights, offsets, grad_out)
-                if sl.spec.sync_updates:
-                    entries = tuple(t.clone() for t in (local.reshape(-1), bag_index(local, offsets), weights.reshape(-1).float(), grad_out.float()))
-                    sl.contribute(request.step, request.tag.client_id or "anonymous", entries)
-                elif request.defer_apply:
-                    self.pending.append(update)
+                if gathered:
+                    sl.gather(request.step, client, bag_entries(local, weights, offsets, grad_out, copy=True))
+                    if not request.gather:
+                        self._update(sl.commit(request.step, client), request.defer_apply)
                 else:
-                    update()
-                sl.log(BAG_BACKWARD, request)
+                    self._update(update, request.defer_apply)
                 return encode(grad_w)
 
-            grad_w, dup = sl.once(request.tag, apply)
+            grad_w, dup = sl.once(request.tag, BAG_BACKWARD, request, apply, check)
             return pb.BagBackwardResponse(grad_weights=grad_w, duplicate=dup)
 
         return work, ids.numel()
+
+    def _update(self, update: Callable[[], int | None] | None, defer: bool) -> int:
+        """Run a row update now, or (defer) right after the answer, before any later request."""
+        if update is None:
+            return 0
+        if defer:
+            self.pending.append(update)
+            self.deferred += 1
+            return 0
+        return int(update() or 0)
+
+    def _commit_step(self, sl: TableSlice, request: pb.CommitStepRequest) -> tuple[Callable[[], pb.WriteAck], int]:
+        client = request.tag.client_id or "anonymous"
+
+        def work() -> pb.WriteAck:
+            sl.check_writable()
+
+            def apply() -> int:
+                return self._update(sl.commit(request.step, client), request.defer_apply)
+
+            rows, dup = sl.once(request.tag, COMMIT_STEP, request, apply,
+                                lambda: sl.check_commit(request.step, client, request.parts))
+            return pb.WriteAck(rows=rows, duplicate=dup)
+
+        return work, 1
 
     def _push_gradients(self, sl: TableSlice, request: pb.PushGradientsRequest) -> tuple[Callable[[], pb.WriteAck], int]:
         ids, grads = decode(request.ids, "ids"), decode(request.grads, "grads")
@@ -140,12 +187,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             sl.check_writable()
             local = sl.local(ids)
 
-            def apply() -> int:
-                rows = sl.table.push_gradients(local, grads)
-                sl.log(PUSH_GRADIENTS, request)
-                return rows
-
-            rows, dup = sl.once(request.tag, apply)
+            rows, dup = sl.once(request.tag, PUSH_GRADIENTS, request, lambda: sl.table.push_gradients(local, grads))
             return pb.WriteAck(rows=rows, duplicate=dup)
 
         return work, ids.numel()
@@ -161,12 +203,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             if len(torch.unique(local)) != len(local):
                 raise InvalidArgumentError("ids: write_rows needs distinct ids (which of two rows would win?)")
 
-            def apply() -> int:
-                n = sl.table.write_rows(local, rows)
-                sl.log(WRITE_ROWS, request)
-                return n
-
-            n, dup = sl.once(request.tag, apply)
+            n, dup = sl.once(request.tag, WRITE_ROWS, request, lambda: sl.table.write_rows(local, rows))
             return pb.WriteAck(rows=n, duplicate=dup)
 
         return work, ids.numel()
@@ -175,14 +212,19 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         BAG_BACKWARD: (pb.BagBackwardRequest, "_bag_backward"),
         PUSH_GRADIENTS: (pb.PushGradientsRequest, "_push_gradients"),
         WRITE_ROWS: (pb.WriteRowsRequest, "_write_rows"),
+        COMMIT_STEP: (pb.CommitStepRequest, "_commit_step"),
     }
 
     def replay(self, sl: TableSlice, kind: int, payload: bytes) -> None:
         """Re-apply one logged write (recovery; the slice has no log attached yet)."""
         cls, builder = self._WRITES[kind]
         work, _ = getattr(self, builder)(sl, cls.FromString(payload))
-        work()
-        self._drain()
+        sl.replaying = True
+        try:
+            work()
+            self._drain()
+        finally:
+            sl.replaying = False
 
     async def _acknowledge(self, sl: TableSlice) -> None:
         """Wait until every write this slice logged so far is on disk (group commit): a write is
@@ -192,7 +234,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
     async def _apply_write(self, request: Any, build: Callable[[TableSlice, Any], tuple[Callable[[], T], int]]) -> T:
         """Validate, apply on the compute thread, then answer once the write is logged durably."""
-        sl = self.slice(request.table)
+        sl = self.slice(request)
         work, n = build(sl, request)
         response = await self.run(work, n)
         if self.pending:  # a deferred update: apply it promptly even if no request follows
@@ -211,8 +253,11 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
     async def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
         return await self._apply_write(request, self._write_rows)
 
+    async def CommitStep(self, request: pb.CommitStepRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        return await self._apply_write(request, self._commit_step)
+
     async def SlotStats(self, request: pb.SlotStatsRequest, context: grpc.aio.ServicerContext) -> pb.SlotStatsResponse:
-        sl = self.slice(request.table)
+        sl = self.slice(request)
         ids = decode(request.ids, "ids")
         check_1d(ids, "ids")
 

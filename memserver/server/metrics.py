@@ -2,12 +2,14 @@
 
 Per request (recorded by the `ErrorsAndMetrics` interceptor of memserver.server.grpcserver): a
 counter by method, table and status code and a latency histogram by method, as the shard sees it
-(from receiving the request to its answer). Per table slice, read at scrape time: rows, bytes, requests, write-ahead-log records,
-bytes and fsyncs. Each shard process has its own registry and HTTP server.
+(from receiving the request to its answer). Per table slice, read at scrape time: rows, bytes,
+client sessions and the answers kept for them, open training steps, write-ahead-log records,
+bytes and fsyncs; per process, its resident memory. Each shard process has its own registry and HTTP server.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -61,9 +63,17 @@ class _TableCollector:
         wal_bytes = CounterMetricFamily("memserver_wal_bytes", "Write-ahead log bytes appended", labels=["table"])
         wal_syncs = CounterMetricFamily("memserver_wal_fsyncs", "Write-ahead log fsyncs (one per group commit)",
                                         labels=["table"])
+        sessions = GaugeMetricFamily("memserver_sessions", "Client sessions the slice remembers", labels=["table"])
+        remembered = GaugeMetricFamily("memserver_remembered_answers",
+                                       "Write answers kept for retries (bounded by writes in flight)", labels=["table"])
+        open_steps = GaugeMetricFamily("memserver_open_steps", "Training steps with parts not yet applied",
+                                       labels=["table"])
         for name, sl in list(self.tables().items()):
             rows.add_metric([name], sl.table.num_rows)
             nbytes.add_metric([name], sl.table.nbytes())
+            sessions.add_metric([name], len(sl.sessions.by_client))
+            remembered.add_metric([name], sl.sessions.remembered())
+            open_steps.add_metric([name], len(sl.steps))
             if sl.wal is not None:
                 wal_records.add_metric([name], sl.wal.next_lsn)
                 wal_bytes.add_metric([name], sl.wal.bytes_written)
@@ -74,7 +84,20 @@ class _TableCollector:
         up = GaugeMetricFamily("memserver_shard_start_time_seconds", "Unix time this shard process started",
                                labels=["shard"])
         up.add_metric([str(self.index)], _START)
-        yield from (rows, nbytes, wal_records, wal_bytes, wal_syncs, restarted, up)
+        rss = GaugeMetricFamily("memserver_shard_rss_bytes", "Resident memory of this shard process", labels=["shard"])
+        rss.add_metric([str(self.index)], rss_bytes())
+        yield from (rows, nbytes, sessions, remembered, open_steps, wal_records, wal_bytes, wal_syncs, restarted, up, rss)
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; elsewhere the peak, from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 _START = time.time()

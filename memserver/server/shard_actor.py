@@ -16,20 +16,20 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
 
-from memserver.api.errors import TableNotFoundError
+from memserver.api.errors import DataLossError, TableNotFoundError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 from memserver.server.dataplane import DataPlaneServicer
 from memserver.server.grpcserver import DATA_PLANE, serve_on
-from memserver.server.metrics import ShardMetrics
+from memserver.server.metrics import ShardMetrics, rss_bytes
 from memserver.server.rayutil import bind_host, node_id, shard_device, was_restarted
+from memserver.server.sessions import SESSION_TTL
 from memserver.server.slice import TableSlice
 from memserver.storage.checkpoint import load_into, save_slice
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, latest_committed, table_record
-from memserver.storage.wal import WriteAheadLog, read_log, repair_log
+from memserver.storage.wal import LogGapError, WriteAheadLog, read_log, repair_log
 from memserver.wire import tune_malloc
 
 log = logging.getLogger(__name__)
@@ -45,20 +45,14 @@ class ShardActor:
     """
 
     def __init__(self, index: int, threads: int = 1, host: str | None = None, data_dir: str | None = None,
-                 coordinator: str | None = None) -> None:
+                 coordinator: str | None = None, session_ttl: float = SESSION_TTL) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
         tune_malloc()
-        torch.set_num_threads(max(1, threads))
-        try:
-            import numba
-
-            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-        except ImportError:  # the torch path needs no numba
-            pass
         self.index = index
         self.device = shard_device()
         self.restarted = was_restarted()
-        self.servicer = DataPlaneServicer(self.device)
+        self.session_ttl = session_ttl
+        self.servicer = DataPlaneServicer(self.device, threads)
         self.metrics = ShardMetrics(index, lambda: self.servicer.tables, self.restarted)
         self.store = ShardStore(data_dir, index) if data_dir else None
         self.loop = LoopThread(f"shard{index}-grpc")
@@ -125,7 +119,7 @@ class ShardActor:
         spec = pb.TableSpec.FromString(base64.b64decode(record["spec"]))
         info = pb.ShardInfo.FromString(base64.b64decode(record["info"]))
         files = [checkpoint] if checkpoint else record.get("base_files") or []
-        sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files)
+        sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files, session_ttl=self.session_ttl)
         start, how = 0, "initial values"
         extras: dict[str, Any] = {}
         if files:
@@ -133,17 +127,27 @@ class ShardActor:
             how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
         if checkpoint:
             start = int(checkpoint.get("lsn", 0))
-            sl.load_dedup(extras.get("dedup", []))
+            sl.load_extras(extras)
         if spec.wal and self.store is not None:
             wal_dir = self.store.table_dir(spec.name)
             end = repair_log(wal_dir) if replay else start
             replayed = 0
             if replay:
-                for _, kind, payload in read_log(wal_dir, start):
-                    self.servicer.replay(sl, kind, payload)
-                    replayed += 1
+                try:
+                    for _, kind, payload in read_log(wal_dir, start):
+                        self.servicer.replay(sl, kind, payload)
+                        replayed += 1
+                except LogGapError as gap:
+                    # Writes that were acknowledged are missing: serving the slice would silently
+                    # lose them. It stays listed (status says why) and refuses every request.
+                    after = f"continues at record {gap.found}" if gap.found is not None else "ends before it"
+                    sl.unavailable = (f"its write-ahead log misses record {gap.expected} (replayed from "
+                                      f"{how}, {replayed} records; the log {after}): acknowledged writes are "
+                                      "missing; restore the table from a checkpoint")
+                    log.error("shard %d: table %s: %s", self.index, spec.name, sl.unavailable)
                 how += f" + {replayed} logged writes"
-            sl.wal = WriteAheadLog(wal_dir, max(start, end))
+            if not sl.unavailable:
+                sl.wal = WriteAheadLog(wal_dir, max(start, end))
         sl.recovered_from = how
         return sl, how
 
@@ -184,9 +188,11 @@ class ShardActor:
             sl = self.servicer.tables.get(name)
             if sl is None:
                 raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
+            if sl.unavailable:  # a checkpoint would make the loss look healthy
+                raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
             meta = sl.slice_meta()
             lsn = sl.wal.next_lsn if sl.wal is not None else 0
-            nbytes = save_slice(Path(path), meta, sl.table.state(), extra={"dedup": sl.dedup_state(), "lsn": lsn})
+            nbytes = save_slice(Path(path), meta, sl.table.state(), extra={**sl.extras(), "lsn": lsn})
             entry = {"file": path, "bytes": nbytes, **meta, "lsn": lsn, "step": step}
             if self.store is not None:
                 record = self.store.record(name)
@@ -250,10 +256,13 @@ class ShardActor:
         async def status() -> bytes:
             st = pb.ShardStatus(address=self.address, node_id=node_id(), pid=os.getpid(), device=str(self.device),
                                 requests=self.servicer.requests, restarted=self.restarted,
-                                metrics_address=self.metrics.address)
+                                metrics_address=self.metrics.address, rss_bytes=rss_bytes(),
+                                deferred_updates=self.servicer.deferred)
             for name, sl in self.servicer.tables.items():
                 st.tables.add(table=name, rows=sl.table.num_rows, bytes=sl.table.nbytes(), requests=sl.requests,
-                              wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from)
+                              wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from,
+                              sessions=len(sl.sessions.by_client), remembered=sl.sessions.remembered(),
+                              unavailable=sl.unavailable)
             return st.SerializeToString()
 
         return self.loop.call(status())

@@ -1,5 +1,6 @@
 """A table slice: the part of one table a shard holds, with what the shard keeps beside the
-values (the exactly-once window, the write-ahead log, a sync step's partial pushes).
+values (client sessions for exactly-once writes, the write-ahead log, the parts of training
+steps not yet applied).
 
 Only the shard's compute thread touches a slice (see memserver.server.dataplane), so nothing
 here takes a lock.
@@ -8,32 +9,42 @@ here takes a lock.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
-from memserver.api.errors import InvalidArgumentError
+from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from memserver.api.types import ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.core.steps import Entries, combine
 from memserver.core.table import ValueTable
 from memserver.server.catalog import optimizer_config
+from memserver.server.sessions import SESSION_TTL, Sessions
 from memserver.storage.wal import WriteAheadLog
 from memserver.wire import TORCH_DTYPES, check_ids
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: How many (client_id, seq) answers each table slice remembers for replayed writes.
-DEDUP_WINDOW = 4096
+#: Training steps a slice keeps open (parts received, not yet applied) before it drops the oldest.
+MAX_OPEN_STEPS = 64
+
+
+@dataclass
+class Contribution:
+    """One client's gathered parts of one step on this slice."""
+
+    parts: list[Entries] = field(default_factory=list)
+    committed: bool = False
 
 
 class TableSlice:
     """The rows (rows sharding) or columns (cols) of one table that this shard owns."""
 
     def __init__(self, spec: pb.TableSpec, info: pb.ShardInfo, num_shards: int, device: torch.device,
-                 initialise: bool = True):
+                 initialise: bool = True, session_ttl: float = SESSION_TTL):
         """`initialise` False leaves the values zero (a restore fills them)."""
         self.spec, self.info, self.num_shards = spec, info, num_shards
         self.layout = ShardLayout.of(spec, num_shards)
@@ -51,40 +62,26 @@ class TableSlice:
             col_start=int(info.col_start),
             total_dim=int(spec.dim),
         )
-        self.applied: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self.sessions = Sessions(session_ttl)
         self.requests = 0
         self.wal: WriteAheadLog | None = None  # set once the slice is live (not while replaying)
+        self.replaying = False
         self.last_lsn = -1  # the newest log record this slice appended
         self.recovered_from = ""
-        # sync_updates: step -> {client_id: (ids, src_index, scale, src)} until all workers sent
-        self.sync_steps: OrderedDict[int, dict[str, tuple[torch.Tensor, ...]]] = OrderedDict()
+        self.unavailable = ""  # why this slice refuses requests (e.g. a gap in its log); "" = serving
+        # Steps whose parts arrived and are not applied yet: step -> client_id -> its parts.
+        self.steps: dict[int, dict[str, Contribution]] = {}
 
-    def contribute(self, step: int, client_id: str, entries: tuple[torch.Tensor, ...]) -> bool:
-        """Add one trainer's gradient entries to `step`; apply the mean once all have sent.
-        Returns True when this contribution completed the step."""
-        workers = self.spec.sync_workers
-        got = self.sync_steps.setdefault(step, {})
-        if client_id in got:
-            raise InvalidArgumentError(f"step {step}: trainer {client_id} already sent its gradients (sync tables take "
-                                       "one bag_backward per trainer per step)")
-        got[client_id] = entries
-        if len(got) < workers:
-            if len(self.sync_steps) > 64:  # a trainer vanished: say so rather than grow forever
-                old, parts = self.sync_steps.popitem(last=False)
-                log.error("table %s: dropping incomplete sync step %d (%d of %d trainers sent)",
-                          self.spec.name, old, len(parts), workers)
-            return False
-        del self.sync_steps[step]
-        ids, src_index, scale, src = [], [], [], []
-        rows = 0
-        for c_ids, c_idx, c_scale, c_src in got.values():
-            ids.append(c_ids)
-            src_index.append(c_idx + rows)
-            scale.append(c_scale / workers)
-            src.append(c_src)
-            rows += c_src.shape[0]
-        self.table.apply_entries(torch.cat(ids), torch.cat(src_index), torch.cat(scale), torch.cat(src))
-        return True
+    # -- checks every request makes --------------------------------------------------------
+
+    def check_request(self, layout_id: int) -> None:
+        """Refuse a request for another incarnation of this table, or while the slice is damaged."""
+        if self.unavailable:
+            raise DataLossError(f"table {self.spec.name}: this slice is not served: {self.unavailable}")
+        if layout_id and layout_id != self.info.layout_id:
+            raise FailedPreconditionError(
+                f"table {self.spec.name}: the request is for layout {layout_id}, this shard holds layout "
+                f"{self.info.layout_id} (the table was dropped and re-created or restored): refresh the shard map")
 
     def check_writable(self) -> None:
         """Refuse writes once the log failed: an update applied but not logged could not be
@@ -92,26 +89,6 @@ class TableSlice:
         if self.wal is not None and self.wal.failed is not None:
             raise RuntimeError(f"table {self.spec.name}: its write-ahead log failed ({self.wal.failed}); "
                                "writes are refused until the shard restarts")
-
-    def log(self, kind: int, request: Any) -> None:
-        """Append an applied write to the log (a no-op without one, and while replaying)."""
-        if self.wal is not None:
-            self.last_lsn = self.wal.append(kind, request.SerializeToString())
-
-    def dedup_state(self) -> list[tuple[str, int, bytes | int]]:
-        """The exactly-once window, for a checkpoint (answers as bytes or ints)."""
-        return [(c, q, r.SerializeToString() if isinstance(r, pb.Tensor) else int(r)) for (c, q), r in self.applied.items()]
-
-    def load_dedup(self, entries: list[tuple[str, int, bytes | int]]) -> None:
-        self.applied = OrderedDict(
-            ((c, q), pb.Tensor.FromString(r) if isinstance(r, bytes) else r) for c, q, r in entries
-        )
-
-    def slice_meta(self) -> dict[str, Any]:
-        """Where this slice sits in its table (recorded in checkpoint files)."""
-        return {"table": self.spec.name, "by_rows": self.by_rows, "index": self.info.index, "num_shards": self.num_shards,
-                "num_rows": int(self.spec.num_rows), "dim": int(self.spec.dim), "col_start": int(self.info.col_start),
-                "col_end": int(self.info.col_end)}
 
     def local(self, ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
         """Global ids -> local rows, rejecting ids this shard does not own."""
@@ -127,15 +104,110 @@ class TableSlice:
                                        f"{int(owner.reshape(-1)[first])}, not {self.info.index}")
         return self.layout.local(ids)
 
-    def once(self, tag: pb.WriteTag, apply: Callable[[], T]) -> tuple[T, bool]:
-        """Apply a write at most once per (client_id, seq); replay the first answer otherwise."""
+    # -- exactly once --------------------------------------------------------------------
+
+    def once(self, tag: pb.WriteTag, kind: int, request: Any, apply: Callable[[], T],
+             check: Callable[[], None] | None = None) -> tuple[T, bool]:
+        """Apply a write at most once per (client_id, seq) and log it first: (answer, duplicate).
+
+        `check` (raising, changing nothing) runs for a new write before it is logged. The record
+        is appended before anything changes, so a failed append leaves the table as it was (and
+        the log refuses later writes), and a change is never in memory without being in the log
+        and the session's record; what is logged is never refused when the log is replayed."""
+        seen, answer = self.sessions.recall(tag, self.spec.name, self.replaying) if tag.client_id else (False, None)
+        if seen:
+            return answer, True
+        if check is not None:
+            check()
+        self._log(kind, request)
         if not tag.client_id:
             return apply(), False
-        key = (tag.client_id, tag.seq)
-        if key in self.applied:
-            return self.applied[key], True
-        result = apply()
-        self.applied[key] = result
-        if len(self.applied) > DEDUP_WINDOW:
-            self.applied.popitem(last=False)
-        return result, False
+        answer = apply()
+        self.sessions.remember(tag, answer)
+        if not self.replaying:
+            for client in self.sessions.expire():
+                self._forget_client(client)
+        return answer, False
+
+    def _log(self, kind: int, request: Any) -> None:
+        """Append a write to the log (a no-op without one, and while replaying)."""
+        if self.wal is not None:
+            self.last_lsn = self.wal.append(kind, request.SerializeToString())
+
+    def _forget_client(self, client: str) -> None:
+        for step in [st for st, got in self.steps.items() if client in got and not got[client].committed]:
+            log.warning("table %s: session of client %s expired; dropping its unfinished step %d", self.spec.name,
+                        client, step)
+            del self.steps[step][client]
+            if not self.steps[step]:
+                del self.steps[step]
+
+    # -- training steps in parts -----------------------------------------------------------
+
+    def check_gather(self, step: int, client: str) -> None:
+        c = self.steps.get(step, {}).get(client)
+        if c is not None and c.committed:
+            raise FailedPreconditionError(f"table {self.spec.name}: step {step}: client {client} already committed "
+                                          "its contribution; a part after CommitStep is not applied")
+
+    def gather(self, step: int, client: str, entries: Entries) -> None:
+        """Keep one part of `client`'s contribution to `step` until it commits (check_gather first)."""
+        self.steps.setdefault(step, {}).setdefault(client, Contribution()).parts.append(entries)
+        if len(self.steps) > MAX_OPEN_STEPS:  # a trainer vanished: say so rather than grow forever
+            old = min(self.steps)
+            log.error("table %s: dropping unfinished step %d (contributions from %d client(s))", self.spec.name, old,
+                      len(self.steps[old]))
+            del self.steps[old]
+
+    def check_commit(self, step: int, client: str, parts: int) -> None:
+        """Refuse a commit whose part count does not match what arrived (nothing of it is applied)."""
+        c = self.steps.get(step, {}).get(client)
+        have = len(c.parts) if c is not None else 0
+        if c is not None and c.committed:
+            raise FailedPreconditionError(f"table {self.spec.name}: step {step}: client {client} committed already")
+        if have != parts:
+            raise FailedPreconditionError(f"table {self.spec.name}: step {step}: client {client} sent {parts} part(s), "
+                                          f"this shard has {have} (lost in a restart?); the client's step is not applied")
+
+    def commit(self, step: int, client: str) -> Callable[[], int] | None:
+        """Close `client`'s contribution to `step` (check_commit first). Returns the update to run
+        once the step is complete: at once for an ordinary table, when every trainer committed for
+        a sync_updates table (the mean of their contributions); else None."""
+        got = self.steps.setdefault(step, {})
+        got.setdefault(client, Contribution()).committed = True
+        workers = self.spec.sync_workers if self.spec.sync_updates else 1
+        if self.spec.sync_updates:
+            if sum(x.committed for x in got.values()) < workers:
+                return None
+            contributions = [x for _, x in sorted(got.items()) if x.committed]  # a fixed order: same sums every run
+            del self.steps[step]
+        else:
+            contributions = [got.pop(client)]
+            if not got:
+                del self.steps[step]
+        parts = [p for x in contributions for p in x.parts]
+        if not parts:
+            return None
+        entries = combine(parts, 1.0 / workers)
+        return lambda: self.table.apply_entries(*entries)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def extras(self) -> dict[str, Any]:
+        """What a checkpoint keeps beside the values: sessions and the open steps' parts."""
+        steps = [(st, client, c.committed, [list(p) for p in c.parts]) for st, got in self.steps.items()
+                 for client, c in got.items()]
+        return {"sessions": self.sessions.state(), "steps": steps}
+
+    def load_extras(self, extras: dict[str, Any]) -> None:
+        if "sessions" in extras:
+            self.sessions.load(extras["sessions"])
+        self.steps = {}
+        for st, client, committed, parts in extras.get("steps", []):
+            self.steps.setdefault(int(st), {})[client] = Contribution([tuple(p) for p in parts], bool(committed))
+
+    def slice_meta(self) -> dict[str, Any]:
+        """Where this slice sits in its table (recorded in checkpoint files)."""
+        return {"table": self.spec.name, "by_rows": self.by_rows, "index": self.info.index, "num_shards": self.num_shards,
+                "num_rows": int(self.spec.num_rows), "dim": int(self.spec.dim), "col_start": int(self.info.col_start),
+                "col_end": int(self.info.col_end)}

@@ -64,10 +64,30 @@ def slice_layout(meta: dict[str, Any]) -> ShardLayout:
     return ShardLayout(meta["by_rows"], meta["num_rows"], meta.get("dim", 0), meta["num_shards"])
 
 
+#: The keys of a slice's `meta` that say which rows and columns it holds.
+_PLACE = ("by_rows", "num_rows", "num_shards", "index", "col_start", "col_end")
+
+
+def _open_slice(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A slice file's contents, its tensors mapped from the file rather than read: only the parts
+    a restore copies are paged in, and memory never holds the whole file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:  # the legacy (non-zip) torch.save format cannot be mapped
+        if "mmap" not in str(exc):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
               extras: dict[str, Any] | None = None) -> None:
     """Fill `table` (a ValueTable holding slice `target`) from saved slices `files`; `extras`, if
-    given, receives the files' other entries (see save_slice's `extra`).
+    given, receives the other entries (see save_slice's `extra`) of the files it read.
+
+    Each file is opened once and mapped, not read whole: only the rows and columns of `target`
+    are copied out of it. A file whose entry carries its place (the `meta` keys, as the
+    checkpoint entries in manifests and shard records do) and holds nothing of `target` is not
+    opened at all (restoring 4 COLS slices into 2, each new slice opens 2 files, not 4).
 
     2-D state (values, Adam moments) and per-row state (counters) copy exactly. The row-wise
     Adagrad accumulator of a COLS slice is per column block; when old and new blocks differ it
@@ -78,28 +98,40 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
     t_cols = t_c1 - t_c0
     local_of = np.full(target["num_rows"], -1, dtype=np.int64)
     local_of[t_rows] = np.arange(len(t_rows))
+    empty_target = len(t_rows) == 0 or t_cols <= 0  # overlaps nothing: open every file (for its extras)
+    placed: dict[tuple[Any, ...], np.ndarray] = {}  # a source slice's place -> its rows' local index in target
+
+    def overlap(meta: dict[str, Any], name: Any) -> tuple[np.ndarray, int, int]:
+        """(target-local row of each source row or -1, first and end column both hold)."""
+        if meta["num_rows"] != target["num_rows"]:
+            raise InvalidArgumentError(f"checkpoint slice {name} has {meta['num_rows']} rows, the table {target['num_rows']}")
+        key = tuple(meta[k] for k in _PLACE)
+        if key not in placed:
+            placed[key] = local_of[slice_layout(meta).global_rows(meta["index"])]
+        return placed[key], max(meta["col_start"], t_c0), min(meta["col_end"], t_c1)
+
     for f in files:
-        blob = torch.load(f["file"], map_location="cpu", weights_only=True)
+        if not empty_target and all(k in f for k in _PLACE):
+            dst, c0, c1 = overlap(f, f["file"])
+            if c1 <= c0 or not (dst >= 0).any():
+                continue  # holds nothing of target
+        blob = _open_slice(f["file"])
         meta, state = blob["meta"], blob["state"]
         if extras is not None:
             extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
-        if meta["num_rows"] != target["num_rows"]:
-            raise InvalidArgumentError(f"checkpoint slice {f['file']} has {meta['num_rows']} rows, the table {target['num_rows']}")
-        s_rows = slice_layout(meta).global_rows(meta["index"])
-        dst = local_of[s_rows]
+        dst, c0, c1 = overlap(meta, f["file"])
         keep = dst >= 0
         if not keep.any():
             continue
         src_idx = torch.from_numpy(np.flatnonzero(keep))
         dst_idx = torch.from_numpy(dst[keep])
-        c0, c1 = max(meta["col_start"], t_c0), min(meta["col_end"], t_c1)
         for name, src in state.items():
             if not hasattr(table, name):
                 continue  # e.g. Adam moments restored into an Adagrad table
             dst_t = getattr(table, name)
             if src.dim() == 2:
-                if c1 > c0:
-                    block = src.index_select(0, src_idx)[:, c0 - meta["col_start"] : c1 - meta["col_start"]]
+                if c1 > c0:  # the columns first: copy only the block target holds
+                    block = src[:, c0 - meta["col_start"] : c1 - meta["col_start"]].index_select(0, src_idx)
                     dst_t[dst_idx, c0 - t_c0 : c1 - t_c0] = block.to(dst_t.dtype)
             elif name == "acc":
                 if c1 > c0:

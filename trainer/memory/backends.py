@@ -5,8 +5,11 @@
 
 Either way the forward is one weighted bag and the backward returns dL/dweights while the table
 applies the row update with its own sparse optimizer and learning rate (values never take part
-in the dense optimizer), so both backends compute the same numbers. The protocol declares every
-call a layer or the training loop makes, so neither ever asks which backend it holds.
+in the dense optimizer), so both backends compute the same numbers. Within a training step
+(`begin_step` .. `end_step`) every backward only contributes its update, and `end_step` applies
+the step's contributions as one optimizer step (memserver.core.steps): micro-batches and layers
+sharing a table then make the same step as one backward over the whole batch. The protocol
+declares every call a layer or the training loop makes, so neither ever asks which backend it holds.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from memserver.core.optim import OptimizerConfig
+from memserver.core.steps import Entries, bag_entries, combine
 from memserver.core.table import ValueTable
 
 
@@ -38,7 +42,12 @@ class ValueBackend(Protocol):
         ...
 
     def begin_step(self, step: int) -> None:
-        """The training loop is at `step` (sync tables gather each step's pushes by it)."""
+        """A training step starts: until `end_step`, backwards gather their value updates."""
+        ...
+
+    def end_step(self, step: int) -> None:
+        """Apply the step's gathered value updates as one optimizer step (call it after the
+        backward; data-parallel trainers before they synchronise, so the next step reads them)."""
         ...
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
@@ -58,6 +67,7 @@ class LocalValues:
         self.num_rows, self.dim = num_rows, dim
         std = init_std if init_std is not None else dim**-0.5
         self.table = ValueTable(num_rows, dim, OptimizerConfig(optimizer, lr), init_std=std, seed=seed, track_stats=False)
+        self.parts: list[Entries] | None = None  # inside a step: its value updates so far
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.table.bag(ids, weights)
@@ -68,10 +78,19 @@ class LocalValues:
         return done
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        return self.table.bag_backward(ids, weights, None, grad_out)
+        if self.parts is None:  # outside a step: apply at once
+            return self.table.bag_backward(ids, weights, None, grad_out)
+        grad_w, _ = self.table.bag_grad(ids, weights, None, grad_out)  # on the values before the step
+        self.parts.append(bag_entries(ids, weights, None, grad_out))
+        return grad_w
 
     def begin_step(self, step: int) -> None:
-        pass
+        self.parts = []
+
+    def end_step(self, step: int) -> None:
+        parts, self.parts = self.parts, None
+        if parts:
+            self.table.apply_entries(*combine(parts))
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         return {"state": self.table.state()}  # stored in the trainer's own checkpoint file
@@ -95,7 +114,7 @@ class RemoteValues:
 
         self.client, self.name, self.num_rows, self.dim = client, name, num_rows, dim
         self.defer_apply = defer_apply
-        self.step = 0  # set by begin_step; sync tables gather pushes by it
+        self.step: int | None = None  # inside a step (begin_step .. end_step): its number
         std = init_std if init_std is not None else dim**-0.5
         if create:
             try:
@@ -112,11 +131,21 @@ class RemoteValues:
         return self.client.submit_bag(self.name, ids, weights.detach())
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        return self.client.bag_backward(self.name, ids, weights.detach(), grad_out.contiguous(),
-                                        defer_apply=self.defer_apply, step=self.step)
+        if self.step is None:  # outside a step: one call, applied at once
+            return self.client.bag_backward(self.name, ids, weights.detach(), grad_out.contiguous(),
+                                            defer_apply=self.defer_apply)
+        return self.client.bag_backward(self.name, ids, weights.detach(), grad_out.contiguous(), step=self.step,
+                                        gather=True)
 
     def begin_step(self, step: int) -> None:
         self.step = step
+
+    def end_step(self, step: int) -> None:
+        """Commit the step's parts on every shard: one optimizer step (sync tables: once every
+        trainer committed). With defer_apply the shards answer first and apply it right after."""
+        if self.step is not None:
+            self.step = None
+            self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         """The cluster checkpoints the table under <directory>/memory/<table> (each table its own

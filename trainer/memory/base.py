@@ -1,10 +1,15 @@
 """What every memory layer shares, so a new kind of memory adds only its addressing.
 
-A memory layer maps hidden states to a weighted bag of value slots: `address(x)` (the
-subclass's) picks, per position, slot ids and their weights; this base reads the bag from the
-value backend (local or remote) through one autograd function, overlaps micro-batches' remote
-calls with the next chunk's addressing, records what was read for the usage metrics, and
+A memory layer maps hidden states to a weighted bag of value slots. The subclass's `queries(x)`
+runs once on the whole batch (anything with batch statistics, such as a BatchNorm, goes there)
+and its `address(q)` picks, per position, slot ids and their weights. This base reads the bag
+from the value backend (local or remote) through one autograd function, overlaps micro-batches'
+remote calls with the next chunk's addressing, records what was read for the usage metrics, and
 applies the optional Memory+ output (Memory Layers at Scale: out = W_o (bag * SiLU(W_g x))).
+
+Micro-batches are an overlap only: queries see the whole batch, and the backends gather every
+chunk's value update of a training step into one optimizer step (`begin_step`/`end_step`), with
+dL/dweights of every chunk computed on the values before the step, so losses equal one chunk's.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class MemoryConfig:
     knn: int = 32  # slots read per head
     query_bn: bool = True  # BatchNorm on the queries (spreads reads over more slots, per the PKM paper)
     mem_plus: bool = False  # Memory+: SiLU-gated output projection of "Memory Layers at Scale"
-    micro_batches: int = 1  # split each lookup so one chunk's remote call overlaps the next chunk's addressing
+    micro_batches: int = 1  # split each lookup so one chunk's remote call overlaps the next chunk's addressing (same math)
 
 
 class _Bag(torch.autograd.Function):
@@ -71,17 +76,22 @@ class MemoryLayer(nn.Module):
             raise ValueError(f"value dim {values.dim} must equal the layer's output dim {d_out} (or use mem_plus)")
         self.last_access: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, weights) of the last forward
 
-    def address(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d_in] -> slot ids [N, n] (int64) and their weights [N, n]."""
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, d_in] -> what `address` reads per position, computed on the whole batch at once."""
+        return x
+
+    def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """queries [n, *] (a chunk of them) -> slot ids [n, slots] (int64) and their weights [n, slots]."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, d_in], N = batch * time
-        chunks = flat.chunk(self.micro_batches) if self.micro_batches > 1 else (flat,)
+        q = self.queries(flat)  # [N, *]: batch statistics over all N, however many chunks follow
+        chunks = q.chunk(self.micro_batches) if self.micro_batches > 1 else (q,)
         addressed, pending = [], []
         for c in chunks:
-            ids, w = self.address(c)  # [n_c, n] each
+            ids, w = self.address(c)  # [n_c, slots] each
             addressed.append((ids, w))
             # several chunks: send this chunk's bag now; the next chunk's addressing overlaps it
             pending.append(self.values.submit_bag(ids, w) if len(chunks) > 1 else None)

@@ -44,15 +44,19 @@ class ProductKeyMemory(MemoryLayer):
         self.register_buffer("cand_i", i[keep].contiguous(), persistent=False)
         self.register_buffer("cand_j", j[keep].contiguous(), persistent=False)
 
-    def address(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d_in] -> slot ids [N, heads*knn] and their softmax weights (per head)."""
-        n = x.shape[0]
-        q = self.query_bn(self.query(x)).view(n, self.heads, 2, self.k_dim // 2)  # [N, heads, 2, half]
-        scores = torch.einsum("nhsd,hskd->nhsk", q, self.keys)  # [N, heads, 2, n_keys]
-        s1, i1 = scores[:, :, 0].topk(self.knn, dim=-1)  # [N, heads, knn], sorted, best first
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, d_in] -> queries [N, heads * k_dim] (the BatchNorm sees the whole batch)."""
+        return self.query_bn(self.query(x))
+
+    def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """queries [n, heads * k_dim] -> slot ids [n, heads*knn] and their softmax weights (per head)."""
+        n = q.shape[0]
+        q = q.view(n, self.heads, 2, self.k_dim // 2)  # [n, heads, 2, half]
+        scores = torch.einsum("nhsd,hskd->nhsk", q, self.keys)  # [n, heads, 2, n_keys]
+        s1, i1 = scores[:, :, 0].topk(self.knn, dim=-1)  # [n, heads, knn], sorted, best first
         s2, i2 = scores[:, :, 1].topk(self.knn, dim=-1)
-        cand = s1[..., self.cand_i] + s2[..., self.cand_j]  # [N, heads, pairs]: the sums that can win
-        best, pos = cand.topk(self.knn, dim=-1)  # [N, heads, knn]
+        cand = s1[..., self.cand_i] + s2[..., self.cand_j]  # [n, heads, pairs]: the sums that can win
+        best, pos = cand.topk(self.knn, dim=-1)  # [n, heads, knn]
         ids = i1.gather(-1, self.cand_i[pos]) * self.n_keys + i2.gather(-1, self.cand_j[pos])
         weights = F.softmax(best.float(), dim=-1)
         return ids.view(n, -1), weights.view(n, -1)

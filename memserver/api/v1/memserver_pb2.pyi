@@ -99,7 +99,7 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ..., wal: _Optional[bool] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows")
+    __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows", "layout_id")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class ShardInfo(_message.Message):
     COL_START_FIELD_NUMBER: _ClassVar[int]
     COL_END_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     node_id: str
@@ -114,35 +115,44 @@ class ShardInfo(_message.Message):
     col_start: int
     col_end: int
     num_rows: int
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
+    layout_id: int
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., num_rows: _Optional[int] = ..., layout_id: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("spec", "shards", "epoch")
+    __slots__ = ("spec", "shards", "epoch", "layout_id")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     epoch: int
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    layout_id: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., epoch: _Optional[int] = ..., layout_id: _Optional[int] = ...) -> None: ...
 
 class WriteTag(_message.Message):
-    __slots__ = ("client_id", "seq")
+    __slots__ = ("client_id", "seq", "acked_below", "attempt")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACKED_BELOW_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     seq: int
-    def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+    acked_below: int
+    attempt: int
+    def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., acked_below: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("table", "ids", "wire_dtype")
+    __slots__ = ("table", "layout_id", "ids", "wire_dtype")
     TABLE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     table: str
+    layout_id: int
     ids: Tensor
     wire_dtype: DType
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., layout_id: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("rows",)
@@ -151,18 +161,20 @@ class LookupResponse(_message.Message):
     def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class BagRequest(_message.Message):
-    __slots__ = ("table", "ids", "weights", "offsets", "wire_dtype")
+    __slots__ = ("table", "ids", "weights", "offsets", "wire_dtype", "layout_id")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     weights: Tensor
     offsets: Tensor
     wire_dtype: DType
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., layout_id: _Optional[int] = ...) -> None: ...
 
 class BagResponse(_message.Message):
     __slots__ = ("out",)
@@ -171,7 +183,7 @@ class BagResponse(_message.Message):
     def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class BagBackwardRequest(_message.Message):
-    __slots__ = ("table", "ids", "weights", "offsets", "grad_out", "tag", "defer_apply", "step")
+    __slots__ = ("table", "ids", "weights", "offsets", "grad_out", "tag", "defer_apply", "step", "layout_id", "gather")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +192,8 @@ class BagBackwardRequest(_message.Message):
     TAG_FIELD_NUMBER: _ClassVar[int]
     DEFER_APPLY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    GATHER_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     weights: Tensor
@@ -188,7 +202,9 @@ class BagBackwardRequest(_message.Message):
     tag: WriteTag
     defer_apply: bool
     step: int
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+    layout_id: int
+    gather: bool
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., step: _Optional[int] = ..., layout_id: _Optional[int] = ..., gather: _Optional[bool] = ...) -> None: ...
 
 class BagBackwardResponse(_message.Message):
     __slots__ = ("grad_weights", "duplicate")
@@ -198,29 +214,49 @@ class BagBackwardResponse(_message.Message):
     duplicate: bool
     def __init__(self, grad_weights: _Optional[_Union[Tensor, _Mapping]] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
+class CommitStepRequest(_message.Message):
+    __slots__ = ("table", "step", "parts", "tag", "defer_apply", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    DEFER_APPLY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    step: int
+    parts: int
+    tag: WriteTag
+    defer_apply: bool
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., step: _Optional[int] = ..., parts: _Optional[int] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
 class PushGradientsRequest(_message.Message):
-    __slots__ = ("table", "ids", "grads", "tag")
+    __slots__ = ("table", "ids", "grads", "tag", "layout_id")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     grads: Tensor
     tag: WriteTag
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ...) -> None: ...
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
 
 class WriteRowsRequest(_message.Message):
-    __slots__ = ("table", "ids", "rows", "tag")
+    __slots__ = ("table", "ids", "rows", "tag", "layout_id")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     rows: Tensor
     tag: WriteTag
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ...) -> None: ...
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
 
 class WriteAck(_message.Message):
     __slots__ = ("rows", "duplicate")
@@ -231,12 +267,14 @@ class WriteAck(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class SlotStatsRequest(_message.Message):
-    __slots__ = ("table", "ids")
+    __slots__ = ("table", "ids", "layout_id")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
 
 class SlotStatsResponse(_message.Message):
     __slots__ = ("hits", "weight_mass", "updates", "last_update", "value_sq_norm")
@@ -285,23 +323,29 @@ class GetShardMapRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableLoad(_message.Message):
-    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from")
+    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAL_LSN_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_FROM_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    REMEMBERED_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     table: str
     rows: int
     bytes: int
     requests: int
     wal_lsn: int
     recovered_from: str
-    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ...) -> None: ...
+    sessions: int
+    remembered: int
+    unavailable: str
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address")
+    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +356,8 @@ class ShardStatus(_message.Message):
     RESTARTED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_UPDATES_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     node_id: str
@@ -322,7 +368,9 @@ class ShardStatus(_message.Message):
     restarted: bool
     state: str
     metrics_address: str
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ..., restarted: _Optional[bool] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    rss_bytes: int
+    deferred_updates: int
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ..., restarted: _Optional[bool] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., deferred_updates: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

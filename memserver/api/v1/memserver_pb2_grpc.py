@@ -59,6 +59,11 @@ class DataPlaneStub:
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteRowsRequest.SerializeToString,
                 response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
                 _registered_method=True)
+        self.CommitStep = channel.unary_unary(
+                '/memserver.v1.DataPlane/CommitStep',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.CommitStepRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
+                _registered_method=True)
         self.SlotStats = channel.unary_unary(
                 '/memserver.v1.DataPlane/SlotStats',
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsRequest.SerializeToString,
@@ -99,6 +104,12 @@ class DataPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SlotStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -131,6 +142,11 @@ def add_DataPlaneServicer_to_server(servicer, server):
             'WriteRows': grpc.unary_unary_rpc_method_handler(
                     servicer.WriteRows,
                     request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteRowsRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.SerializeToString,
+            ),
+            'CommitStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitStep,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.CommitStepRequest.FromString,
                     response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.SerializeToString,
             ),
             'SlotStats': grpc.unary_unary_rpc_method_handler(
@@ -273,6 +289,33 @@ class DataPlane:
             target,
             '/memserver.v1.DataPlane/WriteRows',
             memserver_dot_api_dot_v1_dot_memserver__pb2.WriteRowsRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/CommitStep',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.CommitStepRequest.SerializeToString,
             memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
             options,
             channel_credentials,

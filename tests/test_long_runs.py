@@ -1,0 +1,286 @@
+"""Long runs stay bounded and correct: client sessions, steps in parts, stale shard maps, the order
+of log and apply, recovery of an open step. Shards run in this process where the test needs to
+restart one (no Ray); the rest uses the session's cluster."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from client import FailedPreconditionError
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.server.catalog import plan_table, validate_spec
+from memserver.server.sessions import Sessions
+from memserver.wire import decode, encode
+from tests.reference import RefTable, initial
+
+DIM = 8
+
+
+def _shard(tmp_path, spec: pb.TableSpec, **kwargs):
+    from memserver.server.shard_actor import ShardActor
+
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path), **kwargs)
+    spec = validate_spec(spec, 1)
+    shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+    return shard
+
+
+def _rows(stub, name, n):
+    return decode(stub.Lookup(pb.LookupRequest(table=name, ids=encode(torch.arange(n)))).rows, "rows").clone()
+
+
+def _push(stub, name, ids, grads, seq, client="c", acked_below=0, attempt=0):
+    return stub.PushGradients(pb.PushGradientsRequest(
+        table=name, ids=encode(torch.as_tensor(ids)), grads=encode(torch.as_tensor(grads)),
+        tag=pb.WriteTag(client_id=client, seq=seq, acked_below=acked_below, attempt=attempt)))
+
+
+# ------------------------------------------------------------------ sessions
+
+
+def test_sessions_forget_answers_the_client_has_seen():
+    s = Sessions(ttl=60)
+    for seq in range(1, 101):  # a client with one write in flight at a time
+        tag = pb.WriteTag(client_id="a", seq=seq, acked_below=seq)
+        assert s.recall(tag, "t") == (False, None)
+        s.remember(tag, seq)
+    assert s.remembered() == 1  # not 100: only the write the client has not acknowledged yet
+    assert s.recall(pb.WriteTag(client_id="a", seq=100, acked_below=100, attempt=1), "t") == (True, 100)
+    with pytest.raises(FailedPreconditionError, match="already answered"):  # a late duplicate of a seen write
+        s.recall(pb.WriteTag(client_id="a", seq=50, acked_below=100, attempt=1), "t")
+
+
+def test_an_expired_session_refuses_a_retry_and_accepts_new_writes():
+    s = Sessions(ttl=60)
+    tag = pb.WriteTag(client_id="a", seq=1, acked_below=1)
+    s.recall(tag, "t")
+    s.remember(tag, 7)
+    assert s.expire(time.time() + 30) == [] and s.expire(time.time() + 61) == ["a"]
+    with pytest.raises(FailedPreconditionError, match="no longer knows the client's session"):
+        s.recall(pb.WriteTag(client_id="a", seq=1, acked_below=1, attempt=1), "t")
+    assert s.recall(pb.WriteTag(client_id="a", seq=2, acked_below=2), "t") == (False, None)  # a new write is fine
+
+
+def test_a_shard_remembers_only_the_writes_in_flight_and_checkpoints_stay_the_same_size(client, table_name, tmp_path):
+    """The shard's answers are bounded by writes in flight (one here), not by how many ran, and a
+    checkpoint after 100 writes is the size of one after 10."""
+    client.create_table(table_name, 4096, DIM, sharding="cols", wal=True)
+    rng = np.random.default_rng(0)
+    sizes = []
+    for n, total in ((1, 10), (2, 100)):
+        while n <= total:
+            ids = rng.integers(0, 4096, (64, 32))
+            client.bag_backward(table_name, ids, np.ones((64, 32), np.float32), rng.normal(size=(64, DIM)).astype(np.float32))
+            n += 1
+        sizes.append(client.checkpoint(str(tmp_path / "ck"), total, [table_name])["bytes"])
+    for shard in client.status().shards:
+        (load,) = [t for t in shard.tables if t.table == table_name]
+        assert load.sessions == 1 and load.remembered == 1
+    # one answer of 64 x 32 float32 is 8 KiB per shard: 90 more remembered would be 720 KiB more
+    assert abs(sizes[1] - sizes[0]) < 1024, sizes
+
+
+def test_an_expired_sessions_retry_is_refused_and_changes_nothing(tmp_path):
+    spec = pb.TableSpec(name="m", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0), sharding=pb.ROWS)
+    shard = _shard(tmp_path, spec, session_ttl=0.2)
+    try:
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+            _push(stub, "m", [1], np.ones((1, 4), np.float32), 1, client="a", acked_below=1)
+            before = _rows(stub, "m", 16)
+            time.sleep(0.4)
+            _push(stub, "m", [2], np.ones((1, 4), np.float32), 1, client="b", acked_below=1)  # expires a's session
+            after_b = _rows(stub, "m", 16)
+            with pytest.raises(grpc.RpcError) as err:
+                _push(stub, "m", [1], np.ones((1, 4), np.float32), 1, client="a", acked_below=1, attempt=1)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            torch.testing.assert_close(_rows(stub, "m", 16), after_b, rtol=0, atol=0)
+            assert not torch.equal(before, after_b)
+    finally:
+        shard.stop()
+
+
+# ------------------------------------------------------------------ steps in parts
+
+
+def test_parts_of_a_step_make_one_optimizer_step(client, table_name):
+    """Three gather parts then a commit equal one bag_backward of the three batches together
+    (Adam: one step per row, so the per-row step count is 1, not 3), and dL/dw of every part is
+    computed on the values before the step."""
+    meta = client.create_table(table_name, 64, DIM, sharding="rows", optimizer="adam", lr=0.05, init_std=0.3, seed=4)
+    ref = RefTable(initial(meta), "adam", 0.05)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 64, (12, 5))
+    w = rng.random((12, 5)).astype(np.float32)
+    g = rng.normal(size=(12, DIM)).astype(np.float32)
+    got = [client.bag_backward(table_name, ids[i : i + 4], w[i : i + 4], g[i : i + 4], step=1, gather=True)
+           for i in (0, 4, 8)]
+    np.testing.assert_array_equal(client.lookup(table_name, np.arange(64)), ref.w)  # nothing applied yet
+    client.commit_step(table_name, 1)
+    want = ref.bag_backward(ids, w, g)
+    np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(client.lookup(table_name, np.arange(64)), ref.w, rtol=1e-4, atol=1e-5)
+    assert client.slot_stats(table_name, np.unique(ids))["updates"].max() == 1
+
+
+def test_a_commit_whose_parts_did_not_all_arrive_is_refused(client, table_name):
+    """The shard refuses and applies nothing of the step (on a table of several shards, each
+    shard decides for its own slice: see CommitStepRequest)."""
+    client.create_table(table_name, 64, DIM, sharding="cols", optimizer="sgd", lr=1.0, num_shards=1)
+    before = client.lookup(table_name, np.arange(64))
+    client.bag_backward(table_name, [[1, 2]], np.ones((1, 2), np.float32), np.ones((1, DIM), np.float32), step=7,
+                        gather=True)
+    client.aio.session.step_parts(table_name, 7)[0] += 1  # claim a part shard 0 never received
+    with pytest.raises(FailedPreconditionError, match="sent 2 part"):
+        client.commit_step(table_name, 7)
+    np.testing.assert_array_equal(client.lookup(table_name, np.arange(64)), before)
+
+
+def test_an_open_sync_step_survives_a_shard_restart(tmp_path):
+    """Trainer a's contribution arrives, the shard checkpoints and is restarted, then trainer b's
+    arrives: the step is the mean of both (the open step was in the checkpoint; before, replay
+    started after it and a's push was gone)."""
+    spec = pb.TableSpec(name="s", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0),
+                        sharding=pb.ROWS, wal=True, sync_updates=True, sync_workers=2, init_std=0.0)
+
+    def contribute(stub, client, value, checkpoint=None):
+        req = pb.BagBackwardRequest(table="s", ids=encode(torch.tensor([[3]])), weights=encode(torch.ones(1, 1)),
+                                    grad_out=encode(torch.full((1, 4), value)), step=1,
+                                    tag=pb.WriteTag(client_id=client, seq=1, acked_below=1))
+        return stub.BagBackward(req)
+
+    shard = _shard(tmp_path / "data", spec)
+    with grpc.insecure_channel(shard.address) as ch:
+        contribute(pb_grpc.DataPlaneStub(ch), "a", 2.0)
+    step_dir = tmp_path / "ck" / "step-0000000001"
+    shard.checkpoint_table("s", str(step_dir / "s" / "shard-0000.pt"), 1)
+    (step_dir / "manifest.json").write_text("{}")
+    shard.stop()
+    again = _shard_again(tmp_path / "data")
+    try:
+        with grpc.insecure_channel(again.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+            assert float(_rows(stub, "s", 16)[3, 0]) == 0.0  # still waiting for b
+            contribute(stub, "b", 4.0)
+            np.testing.assert_allclose(_rows(stub, "s", 16)[3].numpy(), -3.0)  # -lr * mean(2, 4)
+    finally:
+        again.stop()
+
+
+def _shard_again(data_dir):
+    from memserver.server.shard_actor import ShardActor
+
+    return ShardActor(0, host="127.0.0.1", data_dir=str(data_dir))
+
+
+# ------------------------------------------------------------------ stale maps
+
+
+def test_a_client_with_a_stale_map_is_refused_then_refreshes(memory_cluster, client, table_name):
+    """Another client drops the table and creates a namesake with another layout: the first
+    client's next calls are refused (FAILED_PRECONDITION), it refreshes its map and gets the new
+    table's rows, never the old layout's columns."""
+    from client import MemoryClient
+
+    client.create_table(table_name, 64, DIM, sharding="cols", seed=1)
+    with MemoryClient(memory_cluster.endpoint, timeout=60) as other:
+        stale = other.lookup(table_name, np.arange(64))  # caches the cols map
+        client.drop_table(table_name)
+        meta = client.create_table(table_name, 64, DIM, sharding="rows", seed=2)
+        np.testing.assert_array_equal(other.lookup(table_name, np.arange(64)), initial(meta))
+        assert not np.array_equal(stale, initial(meta))
+        other.push_gradients(table_name, [5], np.ones((1, DIM), np.float32))  # a write goes to the new table too
+        assert client.slot_stats(table_name, [5])["updates"][0] == 1
+    old = pb.LookupRequest(table=table_name, ids=encode(torch.arange(2)), layout_id=meta.layout_id + 1)
+    with grpc.insecure_channel(meta.shards[0].address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.DataPlaneStub(ch).Lookup(old)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "layout" in err.value.details()
+
+
+# ------------------------------------------------------------------ log, then apply
+
+
+def test_a_write_whose_log_append_fails_changes_nothing(tmp_path, monkeypatch):
+    """The record is appended before the table changes: when the append fails the rows are as
+    they were, so a retry cannot apply the write twice."""
+    import memserver.storage.wal as wal
+
+    spec = pb.TableSpec(name="m", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0),
+                        sharding=pb.ROWS, wal=True)
+    shard = _shard(tmp_path, spec)
+    try:
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+            before = _rows(stub, "m", 16)
+
+            def full_disk(fd, data):
+                raise OSError(28, "No space left on device")
+
+            monkeypatch.setattr(wal.os, "write", full_disk)
+            with pytest.raises(grpc.RpcError):
+                _push(stub, "m", [1], np.ones((1, 4), np.float32), 1)
+            monkeypatch.undo()
+            torch.testing.assert_close(_rows(stub, "m", 16), before, rtol=0, atol=0)
+    finally:
+        shard.stop()
+
+
+# ------------------------------------------------------------------ optimizer fields
+
+
+def test_zero_is_a_value_for_eps_and_beta1(client, table_name):
+    """eps=0 and beta1=0 reach the shards as 0 (proto3 optional), not as "use the default"."""
+    from memserver.core.optim import OptimizerConfig
+    from memserver.server.catalog import optimizer_config
+
+    client.create_table(table_name, 16, 4, optimizer="adam", eps=0.0, betas=(0.0, 0.999))
+    with grpc.insecure_channel(client.endpoint) as ch:
+        info = pb_grpc.ControlPlaneStub(ch).GetShardMap(pb.GetShardMapRequest(name=table_name))
+    cfg = optimizer_config(info.spec.optimizer)
+    assert (cfg.eps, cfg.effective_eps, cfg.beta1, cfg.beta2) == (0.0, 0.0, 0.0, 0.999)
+    unset = optimizer_config(validate_spec(pb.TableSpec(name="x", num_rows=4, dim=4,
+                                                        optimizer=pb.OptimizerSpec(name="adam")), 1).optimizer)
+    assert unset == OptimizerConfig("adam", 0.01, 1e-8, 0.9, 0.999)
+
+
+# ------------------------------------------------------------------ a gap in the log
+
+
+def test_a_slice_whose_log_has_a_gap_is_not_served(tmp_path):
+    """The log segment after the checkpoint is lost: the restarted shard lists the slice with the
+    reason, answers DATA_LOSS and refuses to checkpoint it, instead of serving it without the
+    acknowledged writes."""
+    from memserver.api.errors import DataLossError
+
+    spec = pb.TableSpec(name="m", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0),
+                        sharding=pb.ROWS, wal=True)
+    shard = _shard(tmp_path / "data", spec)
+    with grpc.insecure_channel(shard.address) as ch:
+        stub = pb_grpc.DataPlaneStub(ch)
+        _push(stub, "m", [1], np.ones((1, 4), np.float32), 1, acked_below=1)
+        step_dir = tmp_path / "ck" / "step-0000000001"
+        shard.checkpoint_table("m", str(step_dir / "m" / "shard-0000.pt"), 1)
+        (step_dir / "manifest.json").write_text("{}")
+        _push(stub, "m", [2], np.ones((1, 4), np.float32), 2, acked_below=2)  # acknowledged, then its file is lost
+    shard.stop()
+    segments = sorted((tmp_path / "data" / "shard-0000" / "m").glob("wal-*.log"))
+    segments[-1].unlink()
+    again = _shard_again(tmp_path / "data")
+    try:
+        (load,) = pb.ShardStatus.FromString(again.status()).tables
+        assert "misses record 1" in load.unavailable
+        with grpc.insecure_channel(again.address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                _rows(pb_grpc.DataPlaneStub(ch), "m", 16)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        with pytest.raises(DataLossError):
+            again.checkpoint_table("m", str(tmp_path / "ck2" / "shard-0000.pt"), 2)
+    finally:
+        again.stop()

@@ -1,0 +1,258 @@
+"""The write-ahead log alone (no shard): failed writes, close while appending, gaps, streaming reads."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+import memserver.storage.wal as walmod
+from memserver.storage.wal import PUSH_GRADIENTS, LogGapError, WriteAheadLog, log_end, read_log, repair_log
+
+
+def _lsns(directory, start=0):
+    return [lsn for lsn, _, _ in read_log(directory, start)]
+
+
+def _segment(directory, lsn):
+    return directory / f"wal-{lsn:016d}.log"
+
+
+# -- a failed write -------------------------------------------------------------------------
+
+
+def test_a_short_write_then_a_full_disk_leaves_only_whole_records(tmp_path, monkeypatch):
+    wal = WriteAheadLog(tmp_path)
+    for i in range(3):
+        wal.append(PUSH_GRADIENTS, b"before-%d" % i)
+    before = wal.durable(2)  # pending or done: either way it must complete normally
+    never = wal.durable(3)  # the record that will not be written
+    real_write, calls = os.write, []
+
+    def disk_full(fd, data):  # writes half the record, then the disk is full
+        if fd != wal._fd:
+            return real_write(fd, data)
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(walmod.os, "write", disk_full)
+    with pytest.raises(OSError) as raised:
+        wal.append(PUSH_GRADIENTS, b"x" * 1000)
+    monkeypatch.undo()
+    assert raised.value.errno == errno.ENOSPC
+    record = walmod._HEADER.size + 1 + 1000
+    assert calls == [record, record - record // 2]  # the rest of the record was tried after the short write
+    assert isinstance(wal.failed, OSError) and wal.failed.errno == errno.ENOSPC
+    with pytest.raises(OSError, match="failed earlier"):
+        wal.append(PUSH_GRADIENTS, b"refused")
+    assert wal.next_lsn == 3
+    before.result(10)
+    wal.durable(2).result(10)
+    with pytest.raises(OSError) as lost:
+        never.result(10)
+    assert lost.value.errno == errno.ENOSPC
+    with pytest.raises(OSError):
+        wal.durable(3).result(10)
+    wal.close()
+
+    seg = _segment(tmp_path, 0)
+    size = seg.stat().st_size
+    assert list(read_log(tmp_path, 0)) == [(i, PUSH_GRADIENTS, b"before-%d" % i) for i in range(3)]
+    assert repair_log(tmp_path) == 3
+    assert seg.stat().st_size == size  # nothing was left to cut
+    wal = WriteAheadLog(tmp_path, 3)
+    assert wal.append(PUSH_GRADIENTS, b"after") == 3
+    wal.durable(3).result(10)
+    wal.close()
+    assert _lsns(tmp_path) == [0, 1, 2, 3]
+
+
+def test_a_write_that_writes_nothing_fails_the_log(tmp_path, monkeypatch):
+    wal = WriteAheadLog(tmp_path)
+    wal.append(PUSH_GRADIENTS, b"ok")
+    monkeypatch.setattr(walmod.os, "write", lambda fd, data: 0)
+    with pytest.raises(OSError, match="wrote nothing"):
+        wal.append(PUSH_GRADIENTS, b"lost")
+    monkeypatch.undo()
+    assert wal.failed is not None
+    wal.durable(0).result(10)
+    wal.close()
+    assert _lsns(tmp_path) == [0]
+
+
+# -- close while another thread appends ---------------------------------------------------
+
+
+def test_close_while_another_thread_appends(tmp_path):
+    for round_ in range(20):
+        directory = tmp_path / f"r{round_}"
+        wal = WriteAheadLog(directory)
+        lsns, futures, errors = [], [], []
+        started = threading.Event()
+
+        def writer(wal=wal, lsns=lsns, futures=futures, errors=errors, started=started):
+            try:
+                while True:
+                    lsn = wal.append(PUSH_GRADIENTS, b"p" * 200)
+                    lsns.append(lsn)
+                    futures.append(wal.durable(lsn))
+                    started.set()
+            except OSError as exc:
+                if "is closed" not in str(exc):
+                    errors.append(exc)
+            except BaseException as exc:  # noqa: B036 - anything else is a failure of the test
+                errors.append(exc)
+            finally:
+                started.set()
+
+        t = threading.Thread(target=writer)
+        t.start()
+        assert started.wait(10)
+        time.sleep(0.0005 * (round_ % 5))
+        beyond = wal.durable(10**9)  # a record never written: must fail, not hang
+        wal.close()
+        t.join(10)
+        assert not t.is_alive(), "the appending thread hangs"
+        assert errors == []
+        with pytest.raises(OSError, match="is closed"):
+            wal.append(PUSH_GRADIENTS, b"late")
+        with pytest.raises(OSError, match="is closed"):
+            beyond.result(10)
+        for f in futures:  # every record appended before close was fsynced by the final flush
+            assert f.exception(timeout=10) is None
+        assert lsns == list(range(len(lsns))) and lsns
+        assert _lsns(directory) == lsns
+        wal.close()  # twice is fine
+
+
+# -- gaps ------------------------------------------------------------------------------------
+
+
+def _three_segments(directory):
+    """wal-0: 0-2, wal-3: 3-4, wal-5: 5 (two checkpoints, at lsn 3 and 5)."""
+    wal = WriteAheadLog(directory)
+    for _ in range(3):
+        wal.append(PUSH_GRADIENTS, b"a")
+    wal.rotate(None)
+    for _ in range(2):
+        wal.append(PUSH_GRADIENTS, b"b")
+    wal.rotate(None)
+    wal.durable(wal.append(PUSH_GRADIENTS, b"c")).result(10)
+    wal.close()
+
+
+def test_a_missing_middle_segment_is_a_gap(tmp_path):
+    _three_segments(tmp_path)
+    _segment(tmp_path, 3).unlink()
+    got = []
+    with pytest.raises(LogGapError) as gap:
+        for lsn, _, _ in read_log(tmp_path, 0):
+            got.append(lsn)
+    assert got == [0, 1, 2]
+    assert (gap.value.expected, gap.value.found) == (3, 5)
+    with pytest.raises(LogGapError) as gap:
+        list(read_log(tmp_path, 4))
+    assert (gap.value.expected, gap.value.found) == (4, 5)
+    assert _lsns(tmp_path, 5) == [5]  # a checkpoint at 5 needs nothing before it
+    again = pickle.loads(pickle.dumps(gap.value))
+    assert isinstance(again, LogGapError) and (again.expected, again.found) == (4, 5)
+
+
+def test_a_log_that_starts_after_the_checkpoint_is_a_gap(tmp_path):
+    _three_segments(tmp_path)
+    _segment(tmp_path, 0).unlink()
+    with pytest.raises(LogGapError) as gap:
+        list(read_log(tmp_path, 0))
+    assert (gap.value.expected, gap.value.found) == (0, 3)
+    assert _lsns(tmp_path, 3) == [3, 4, 5]
+
+
+def test_a_log_that_ends_before_the_checkpoint_is_a_gap(tmp_path):
+    _three_segments(tmp_path)
+    for start in (6, 9):  # no segment there: the one rotate made at the checkpoint is lost
+        with pytest.raises(LogGapError) as gap:
+            list(read_log(tmp_path, start))
+        assert (gap.value.expected, gap.value.found) == (start, None)
+    with pytest.raises(LogGapError):
+        list(read_log(tmp_path / "none", 2))
+    assert list(read_log(tmp_path / "none", 0)) == []  # a log never written
+
+
+def test_a_checkpoint_then_rotate_is_no_gap(tmp_path):
+    wal = WriteAheadLog(tmp_path)
+    for _ in range(3):
+        wal.append(PUSH_GRADIENTS, b"a")
+    lsn = wal.next_lsn  # the checkpoint's position
+    wal.rotate(None)
+    wal.close()
+    assert _lsns(tmp_path, lsn) == []  # the empty segment wal-3 says the log goes on at 3
+    assert log_end(tmp_path) == repair_log(tmp_path) == 3
+    wal = WriteAheadLog(tmp_path, 3)
+    wal.append(PUSH_GRADIENTS, b"b")
+    wal.rotate(3)  # checkpoint at 4, the one at 3 complete: wal-0 goes
+    wal.close()
+    assert sorted(p.name for p in tmp_path.glob("wal-*.log")) == ["wal-0000000000000003.log", "wal-0000000000000004.log"]
+    assert _lsns(tmp_path, 3) == [3] and _lsns(tmp_path, 4) == []
+    with pytest.raises(LogGapError):  # what the deleted segment held is gone
+        list(read_log(tmp_path, 0))
+
+
+def test_damage_before_the_last_segment_is_not_cut(tmp_path):
+    _three_segments(tmp_path)
+    seg = _segment(tmp_path, 3)
+    data = bytearray(seg.read_bytes())
+    data[-1] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    assert repair_log(tmp_path) == 6  # only the last segment's tail is ever cut
+    assert seg.stat().st_size == len(data)
+    with pytest.raises(RuntimeError, match="damaged"):
+        list(read_log(tmp_path, 0))
+
+
+# -- streaming reads -------------------------------------------------------------------------
+
+
+def test_many_records_and_a_torn_tail_read_back(tmp_path):
+    wal = WriteAheadLog(tmp_path)
+    payloads = [os.urandom(i % 97) for i in range(5000)]
+    for i, p in enumerate(payloads):
+        wal.append(1 + i % 4, p)
+        if i % 1000 == 999:
+            wal.rotate(None)
+    wal.durable(4999).result(10)
+    wal.close()
+    last = sorted(tmp_path.glob("wal-*.log"))[-1]
+    with open(last, "ab") as f:
+        f.write(walmod._HEADER.pack(walmod._MAGIC, 0, 5000, 10**9))  # a torn record claiming 1 GB
+    assert list(read_log(tmp_path, 0)) == [(i, 1 + i % 4, p) for i, p in enumerate(payloads)]
+    assert log_end(tmp_path) == 5000
+    assert repair_log(tmp_path) == 5000
+    assert last.stat().st_size == 0  # (the last segment, opened by the final rotate, held only the torn record)
+    assert _lsns(tmp_path, 4321)[:2] == [4321, 4322]
+
+
+def test_reading_a_large_log_holds_one_record_at_a_time(tmp_path):
+    wal = WriteAheadLog(tmp_path)
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    for i in range(50):
+        wal.append(PUSH_GRADIENTS, payload[i:] + payload[:i])
+    wal.close()
+    tracemalloc.start()
+    try:
+        assert repair_log(tmp_path) == 50
+        n = 0
+        for lsn, _, p in read_log(tmp_path, 0):
+            assert lsn == n and len(p) == len(payload) and p[:1] == payload[n : n + 1]
+            n += 1
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert n == 50
+    assert peak < 5 * 2**20, f"peak {peak / 2**20:.1f} MiB while reading a 50 MiB log"
