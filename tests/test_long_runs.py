@@ -284,3 +284,16 @@ def test_a_slice_whose_log_has_a_gap_is_not_served(tmp_path):
             again.checkpoint_table("m", str(tmp_path / "ck2" / "shard-0000.pt"), 2)
     finally:
         again.stop()
+
+
+def test_threads_per_shard_reach_the_compute_thread():
+    """numba's thread count is per thread: the shard sets it on the thread that computes."""
+    import numba
+
+    from memserver.server.dataplane import DataPlaneServicer
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one numba thread at most: nothing to tell apart")
+    servicer = DataPlaneServicer(torch.device("cpu"), threads=1)  # a new thread's default is NUMBA_NUM_THREADS
+    assert servicer.pool.submit(numba.get_num_threads).result() == 1
+    servicer.pool.shutdown()

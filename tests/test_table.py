@@ -155,3 +155,188 @@ def test_malloc_tuning_stops_page_faults_on_large_messages():
     tuned, faults = run()
     assert tuned and faults <= 2, faults
     assert run(MEMSERVER_MALLOC_TUNE="0")[0] is False
+
+
+# ------------------------------------------------------------- writes cost O(entries), not O(rows)
+
+
+def test_group_by_row_is_sized_by_entries_and_stable():
+    """The grouping the numba kernel uses is given only the ids (never the table's row count),
+    returns arrays sized by the n entries, and is a stable sort: a row's entries keep their order."""
+    import inspect
+
+    from memserver.core import kernels
+
+    assert list(inspect.signature(kernels.group_by_row.py_func).parameters) == ["ids"]
+    rng = np.random.default_rng(11)
+    cases = [
+        np.zeros(0, np.int64),
+        np.array([7], np.int64),
+        np.full(50, 2**40 + 3, np.int64),  # one row, many entries
+        rng.integers(0, 30, 1000),  # dense: one counting pass over the span
+        rng.integers(0, 2**62, 300),  # sparse: radix passes
+        np.concatenate([rng.integers(2**38 - 40, 2**38, 200), rng.integers(0, 40, 200)])[rng.permutation(400)],
+        rng.integers(0, 2**24, 5000).astype(np.int32),
+    ]
+    for ids in cases:
+        slot, starts, rows = kernels.group_by_row(ids)
+        n = len(ids)
+        assert len(slot) == n and len(rows) <= n and len(starts) == len(rows) + 1
+        order = np.empty(n, np.int64)
+        order[slot] = np.arange(n)  # slot is a permutation ...
+        np.testing.assert_array_equal(order, np.argsort(ids, kind="stable"))  # ... of the stable sort
+        np.testing.assert_array_equal(rows, np.unique(ids))
+        np.testing.assert_array_equal(np.diff(starts), np.unique(ids, return_counts=True)[1])
+        assert starts[0] == 0 and starts[-1] == n
+
+
+def _huge_table(num_rows: int, dim: int, optimizer: str, backend: str) -> ValueTable:
+    """A table of `num_rows` rows (far more than fit in memory) whose state lives in anonymous
+    MAP_NORESERVE mappings: only the pages of rows a call touches ever exist. A call that does
+    any work or allocation per table row cannot finish (numba cannot allocate 8 bytes x rows)."""
+    import mmap
+
+    def zeros(shape: tuple[int, ...], dtype: type) -> torch.Tensor:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+        try:
+            mm = mmap.mmap(-1, nbytes, flags=flags)
+        except (OSError, ValueError, OverflowError) as exc:
+            pytest.skip(f"cannot reserve {nbytes} bytes of address space: {exc}")
+        return torch.from_numpy(np.frombuffer(mm, dtype=dtype).reshape(shape))
+
+    t = ValueTable(1, dim, OptimizerConfig(optimizer, 0.05), backend=backend)
+    t.num_rows = num_rows
+    for name in t.STATE:
+        if hasattr(t, name):
+            old = getattr(t, name)
+            setattr(t, name, zeros((num_rows, *old.shape[1:]), old.numpy().dtype.type))
+    return t
+
+
+HUGE_ROWS = 2**38  # 2 TiB of int64 counters for a per-row counting sort; 256 GiB of address space here
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_writes_on_a_huge_table_match_reference(optimizer, backend):
+    """push_gradients and bag_backward on a 2^38-row table, with duplicate ids in arbitrary order
+    and ids at both ends of the table, give the reference's numbers; they could not run if any
+    step allocated or scanned per table row."""
+    rng = np.random.default_rng(7)
+    d = 4
+    t = _huge_table(HUGE_ROWS, d, optimizer, backend)
+    touched = np.unique(np.concatenate([[0, 1, HUGE_ROWS - 1, HUGE_ROWS - 2, HUGE_ROWS // 2],
+                                        rng.integers(0, HUGE_ROWS, 11), rng.integers(HUGE_ROWS - 64, HUGE_ROWS, 4)]))
+    init = rng.normal(size=(len(touched), d)).astype(np.float32)
+    assert t.write_rows(torch.from_numpy(touched), torch.from_numpy(init)) == len(touched)
+    ref = RefTable(init, optimizer, 0.05)
+    local = {int(r): i for i, r in enumerate(touched)}  # huge row -> the reference's row
+    for step in range(3):
+        # a push: every touched row 1-4 times, shuffled (duplicates interleaved with other rows)
+        ids = rng.permutation(np.repeat(touched, rng.integers(1, 5, len(touched))))
+        grads = rng.normal(size=(len(ids), d)).astype(np.float32)
+        assert t.push_gradients(torch.from_numpy(ids), torch.from_numpy(grads)) == len(touched)
+        ref.push(np.array([local[int(r)] for r in ids]), grads)
+        # a bag backward over a few rows, with duplicates within and across bags
+        bag_ids = rng.choice(touched[: 6 + step], (3, 5))
+        w = rng.random((3, 5)).astype(np.float32)
+        g = rng.normal(size=(3, d)).astype(np.float32)
+        got = t.bag_backward(torch.from_numpy(bag_ids), torch.from_numpy(w), None, torch.from_numpy(g))
+        expect = ref.bag_backward(np.vectorize(local.get)(bag_ids), w, g)
+        np.testing.assert_allclose(got.numpy(), expect, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(t.weight[touched].numpy(), ref.w, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(t.updates[touched].numpy(), ref.steps)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_entries_of_a_row_are_summed_in_the_order_given(optimizer, backend):
+    """Row 5 gets 1, 1e8, -1e8 (interleaved with other rows): in float32, in this order, the sum
+    is exactly 0 and the row does not move; any other order (or a lost entry) moves it."""
+    t = ValueTable(1 << 12, 4, OptimizerConfig(optimizer, 0.5), init_std=1.0, backend=backend)
+    before = t.weight[5].clone()
+    ids = torch.tensor([4000, 5, 9, 5, 4000, 5, 1])
+    scale = torch.tensor([1.0, 1.0, 2.0, 1e8, 1.0, -1e8, 3.0])
+    src = torch.ones(1, 4)
+    assert t.apply_entries(ids, torch.zeros(7, dtype=torch.int64), scale, src) == 4
+    assert torch.equal(t.weight[5], before)
+    assert t.updates.sum() == 4 and t.updates[5] == 1 and t.updates[4000] == 1
+
+
+# ------------------------------------------------------------- inputs reach the table's device
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_inputs_of_any_dtype_and_layout_are_accepted(backend):
+    """int32 ids and offsets, float64 weights and gradients, non-contiguous views and numpy
+    arrays give the same numbers as canonical int64 / float32 tensors, on the table's device.
+    (Only the CPU exists here: CUDA tables go through the same `_on_device`, untested.)"""
+    rng = np.random.default_rng(3)
+    tables = [ValueTable(100, 8, OptimizerConfig("adam", 0.01), init_std=1.0, seed=4, backend=backend) for _ in range(2)]
+    ids = rng.integers(0, 100, 40)
+    w = rng.random(40)
+    offsets = np.array([0, 10, 10, 25])
+    g = rng.normal(size=(4, 8))
+    rows = rng.normal(size=(3, 8))
+    canon = dict(ids=torch.from_numpy(ids), w=torch.from_numpy(w).float(), offsets=torch.from_numpy(offsets),
+                 g=torch.from_numpy(g).float(), push=torch.from_numpy(ids[:6]), rows=torch.from_numpy(rows).float())
+
+    def strided(a: np.ndarray) -> torch.Tensor:  # a non-contiguous view with a's values
+        x = torch.from_numpy(np.repeat(a[..., None], 2, axis=-1))[..., 0]
+        assert not x.is_contiguous()
+        return x
+
+    # int32 ids (as on the wire) with int64 offsets, float64 everywhere, numpy ids and rows
+    odd = dict(ids=strided(ids.astype(np.int32)), w=strided(w), offsets=torch.from_numpy(offsets), g=strided(g),
+               push=ids[:6].astype(np.int32), rows=rows)
+    out = []
+    for t, x in zip(tables, (canon, odd)):
+        assert t.write_rows(x["push"][:3], x["rows"]) == 3
+        res = [t.lookup(x["ids"]), t.bag(x["ids"], x["w"], x["offsets"]),
+               t.bag_backward(x["ids"], x["w"], x["offsets"], x["g"]),
+               t.bag(x["ids"].reshape(4, 10), x["w"].reshape(4, 10))]
+        assert t.push_gradients(x["push"], x["g"][:1].expand(6, 8)) == len(np.unique(ids[:6]))
+        stats = t.slot_stats(x["push"])
+        res += [t.weight.clone(), *stats.values()]
+        for r in res:
+            assert r.device == t.device
+        assert res[0].dtype == res[1].dtype == res[2].dtype == torch.float32
+        out.append(res)
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------- threads
+
+
+def test_set_threads_applies_to_the_calling_thread():
+    """numba's thread count is per thread: set_threads in a worker thread (the shard's compute
+    thread) changes that thread's count, clamped to NUMBA_NUM_THREADS, and not the caller's."""
+    import threading
+
+    import numba
+
+    from memserver.core.table import set_threads
+
+    main_numba, main_torch = numba.get_num_threads(), torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def worker() -> None:
+        seen["before"] = numba.get_num_threads()
+        set_threads(1)
+        seen["one"] = numba.get_num_threads()
+        seen["torch"] = torch.get_num_threads()
+        set_threads(10_000)
+        seen["clamped"] = numba.get_num_threads()
+        set_threads(1)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    try:
+        assert seen["one"] == 1 and seen["torch"] == 1
+        assert seen["clamped"] == numba.config.NUMBA_NUM_THREADS
+        assert numba.get_num_threads() == main_numba
+    finally:
+        torch.set_num_threads(main_torch)  # torch's setting may be process-wide: restore it

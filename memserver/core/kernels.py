@@ -29,49 +29,144 @@ def grad_weights(weight, ids, src_index, src, out):  # pragma: no cover - compil
         out[i] = acc
 
 
+@nb.njit(nogil=True, cache=True)
+def _radix_pass(keys, order, shift, bits, keys_out, order_out):  # pragma: no cover - compiled
+    """One stable counting-sort pass of (keys, order) by the digit (key >> shift) & (2^bits - 1)."""
+    mask = (np.int64(1) << bits) - 1
+    counts = np.zeros((1 << bits) + 1, np.int64)
+    for i in range(keys.shape[0]):
+        counts[((keys[i] >> shift) & mask) + 1] += 1
+    for j in range(1 << bits):
+        counts[j + 1] += counts[j]
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        digit = (k >> shift) & mask
+        f = counts[digit]
+        keys_out[f] = k
+        order_out[f] = order[i]
+        counts[digit] = f + 1
+
+
+@nb.njit(nogil=True, cache=True)
+def group_by_row(ids):  # pragma: no cover - compiled
+    """Group n entries by row in O(n) time and memory, whatever the table's row count.
+
+    Returns (slot, starts, rows): entry i goes to position slot[i] of the grouped order; `rows`
+    are the distinct ids, ascending, and rows[k] owns positions starts[k] .. starts[k + 1] - 1,
+    which hold its entries in their original order (a stable sort: a row's entries are summed
+    in the order given, the kernels' determinism). A position per entry rather than an entry
+    per position, so callers scatter (sequential reads) instead of gathering (random reads).
+
+    An LSD radix sort of (id - min id) with digits of at most B = min(16, max(8, bits(n) + 2))
+    bits (2^B <= max(8n, 256) counters, at most 64 Ki, which stay in cache): one counting sort
+    over the ids' span (the former counting sort over all rows, restricted to [min id, max id])
+    when the span is below 2^B, else ceil(bits(span) / B) passes (at most 8), each O(n + 2^B),
+    for ids spread over a large table. It is given the ids only, never the table's row count."""
+    n = ids.shape[0]
+    if n == 0:
+        return np.empty(0, np.int64), np.zeros(1, np.int64), np.empty(0, np.int64)
+    lo = np.int64(ids[0])
+    hi = lo
+    for i in range(1, n):
+        x = np.int64(ids[i])
+        if x < lo:
+            lo = x
+        elif x > hi:
+            hi = x
+    span = hi - lo
+    bits = 0
+    while bits < 63 and (span >> bits) > 0:
+        bits += 1
+    nbits = 0
+    while (n >> nbits) > 0:
+        nbits += 1
+    maxb = min(16, max(8, nbits + 2))
+    if bits <= maxb:
+        # One counting sort over the span: group starts come from the counts, no keys needed.
+        counts = np.zeros(span + 2, np.int64)
+        for i in range(n):
+            counts[np.int64(ids[i]) - lo + 1] += 1
+        num_rows = 0
+        for j in range(span + 1):
+            if counts[j + 1] > 0:
+                num_rows += 1
+            counts[j + 1] += counts[j]
+        starts = np.empty(num_rows + 1, np.int64)
+        rows = np.empty(num_rows, np.int64)
+        k = 0
+        for j in range(span + 1):
+            if counts[j + 1] > counts[j]:
+                starts[k] = counts[j]
+                rows[k] = j + lo
+                k += 1
+        starts[num_rows] = n
+        slot = np.empty(n, np.int64)
+        for i in range(n):
+            j = np.int64(ids[i]) - lo
+            f = counts[j]
+            slot[i] = f
+            counts[j] = f + 1
+        return slot, starts, rows
+    passes = (bits + maxb - 1) // maxb
+    b = (bits + passes - 1) // passes
+    keys = np.empty(n, np.int64)
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        keys[i] = np.int64(ids[i]) - lo
+        order[i] = i
+    keys2 = np.empty(n, np.int64)
+    order2 = np.empty(n, np.int64)
+    for p in range(passes):
+        if p % 2 == 0:
+            _radix_pass(keys, order, p * b, b, keys2, order2)
+        else:
+            _radix_pass(keys2, order2, p * b, b, keys, order)
+    if passes % 2 == 1:
+        keys, order = keys2, order2
+    num_rows = 1
+    for e in range(1, n):
+        if keys[e] != keys[e - 1]:
+            num_rows += 1
+    starts = np.empty(num_rows + 1, np.int64)
+    rows = np.empty(num_rows, np.int64)
+    starts[0] = 0
+    rows[0] = keys[0] + lo
+    k = 1
+    for e in range(1, n):
+        if keys[e] != keys[e - 1]:
+            starts[k] = e
+            rows[k] = keys[e] + lo
+            k += 1
+    starts[num_rows] = n
+    slot = np.empty(n, np.int64)
+    for e in range(n):
+        slot[order[e]] = e
+    return slot, starts, rows
+
+
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def sparse_step(
     weight, ids, src_index, scale, src, kind, lr, eps, beta1, beta2, acc, exp_avg, exp_avg_sq, updates, last_update, now, nthreads
 ):  # pragma: no cover - compiled
     """For each distinct id r: g = sum over its entries i of scale[i] * src[src_index[i]], then
-    one optimizer step on weight[r]. Entries are grouped by row (counting sort); each distinct row is
-    owned by one thread, so no two threads write the same row; within a row, entries are summed
-    in their original order (deterministic). `nthreads` is
-    numba.get_num_threads() (passed in: reading it inside would stop the kernel being cached)."""
+    one optimizer step on weight[r]. Entries are grouped by row (`group_by_row`: O(n), nothing
+    here is sized by the table's rows); each distinct row is owned by one thread, so no two
+    threads write the same row; within a row, entries are summed in their original order
+    (deterministic). `nthreads` is numba.get_num_threads() (passed in: reading it inside would
+    stop the kernel being cached)."""
     n = ids.shape[0]
     d = weight.shape[1]
-    # Group entries by row with a counting sort over the slice's rows: O(n + rows), where a
-    # comparison sort of n ids was most of this kernel's time.
-    counts = np.zeros(weight.shape[0] + 1, np.int64)
-    for i in range(n):
-        counts[ids[i] + 1] += 1
-    for r in range(weight.shape[0]):
-        counts[r + 1] += counts[r]
+    slot, starts, rows = group_by_row(ids)
+    num_rows = rows.shape[0]
     # Scatter each entry's (source row, scale) into its row's group once, so the summing pass
     # below reads them sequentially instead of chasing an index per entry (random reads of two
     # n-long arrays were most of this kernel's time).
-    fill = counts[:-1].copy()
     sorted_src = np.empty(n, np.int64)
     sorted_scale = np.empty(n, np.float32)
-    for i in range(n):
-        r = ids[i]
-        f = fill[r]
+    for i in nb.prange(n):
+        f = slot[i]
         sorted_src[f] = src_index[i]
         sorted_scale[f] = scale[i]
-        fill[r] = f + 1
-    num_rows = 0
-    for r in range(weight.shape[0]):
-        if counts[r + 1] > counts[r]:
-            num_rows += 1
-    starts = np.empty(num_rows + 1, np.int64)
-    rows = np.empty(num_rows, np.int64)
-    k = 0
-    for r in range(weight.shape[0]):
-        if counts[r + 1] > counts[r]:
-            starts[k] = counts[r]
-            rows[k] = r
-            k += 1
-    starts[num_rows] = n
     per = (num_rows + nthreads - 1) // nthreads
     for t in nb.prange(nthreads):
         g = np.empty(d, np.float32)

@@ -29,15 +29,29 @@ except ImportError:  # pragma: no cover
 _CHUNK_ENTRIES = 1 << 16
 
 
+def set_threads(n: int) -> None:
+    """Use `n` torch and numba threads (numba's clamped to numba.config.NUMBA_NUM_THREADS; no
+    numba, no-op for it) in the *calling thread*.
+
+    numba's thread count is a per-thread setting, and torch's (OpenMP) is too, so this must run
+    on the thread that computes: a shard calls it in its compute thread's initializer, not on
+    the actor's main thread. The numba kernels read the calling thread's count at each call."""
+    n = max(1, int(n))
+    torch.set_num_threads(n)
+    if kernels is not None:
+        kernels.nb.set_num_threads(min(n, kernels.nb.config.NUMBA_NUM_THREADS))
+
+
 # ------------------------------------------------------------------ the table
 
 
 def bag_index(ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    """For each flat entry, the bag it belongs to."""
+    """For each flat entry, the bag it belongs to (int64, on ids' device; O(entries + bags))."""
     if offsets is None:
         b, k = ids.shape
         return torch.arange(b, device=ids.device).repeat_interleave(k)
-    counts = torch.diff(offsets, append=torch.tensor([ids.shape[0]], device=offsets.device))
+    offsets = offsets.to(device=ids.device, dtype=torch.int64)
+    counts = torch.diff(offsets, append=offsets.new_full((1,), ids.shape[0]))
     return torch.repeat_interleave(torch.arange(len(offsets), device=ids.device), counts)
 
 
@@ -105,26 +119,36 @@ class ValueTable:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state().values())
 
+    def _on_device(self, *inputs: tuple[torch.Tensor | np.ndarray | None, torch.dtype]) -> tuple:
+        """The one place inputs reach the table's device: each (tensor, dtype) as a contiguous
+        tensor of that dtype on self.device (None stays None; numpy arrays and lists are taken
+        too). A no-op for inputs already right; every public method calls it first, so rows,
+        ids, offsets and gradients never mix devices and results live on self.device."""
+        return tuple(None if t is None else torch.as_tensor(t).to(device=self.device, dtype=dt).contiguous()
+                     for t, dt in inputs)
+
     def _count_reads(self, ids: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """O(entries): only the read rows' counters are touched. Inputs already on the device."""
         flat = ids.reshape(-1)
         if self.backend == "numba":
-            w = weights.reshape(-1).float().contiguous().numpy() if weights is not None else _EMPTY1
-            kernels.count_reads(flat.long().contiguous().numpy(), w, self.hits.numpy(), self.weight_mass.numpy())
+            w = weights.reshape(-1).numpy() if weights is not None else _EMPTY1
+            kernels.count_reads(flat.numpy(), w, self.hits.numpy(), self.weight_mass.numpy())
             return
         self.hits.index_add_(0, flat, torch.ones_like(flat))
         if weights is not None:
             self.weight_mass.index_add_(0, flat, weights.reshape(-1).abs().double())
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        (ids,) = self._on_device((ids, torch.int64))
         if self.track_stats:
             self._count_reads(ids, None)
         return self.weight.index_select(0, ids).float()
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         """out[b] = sum_{i in bag b} weights_i * v[ids_i], in float32."""
+        ids, weights, offsets = self._on_device((ids, torch.int64), (weights, torch.float32), (offsets, torch.int64))
         if self.track_stats:
             self._count_reads(ids, weights)
-        weights = weights.float()
         if self.dtype == torch.float32:
             return F.embedding_bag(ids, self.weight, offsets, mode="sum", per_sample_weights=weights)
         # Half-precision storage: gather, widen, then sum in float32.
@@ -136,6 +160,7 @@ class ValueTable:
         return out
 
     def slot_stats(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        (ids,) = self._on_device((ids, torch.int64))
         rows = self.weight.index_select(0, ids).double()
         return {
             "hits": self.hits[ids],
@@ -174,14 +199,14 @@ class ValueTable:
         A shard answers a deferred BagBackward with dL/dw first and runs the update right after,
         before any later request, so the trainer's next step overlaps the update.
         """
-        grad_out = grad_out.to(device=self.device, dtype=torch.float32)
+        ids, weights, offsets, grad_out = self._on_device(
+            (ids, torch.int64), (weights, torch.float32), (offsets, torch.int64), (grad_out, torch.float32))
         flat_ids = ids.reshape(-1)
-        flat_w = weights.reshape(-1).float()
+        flat_w = weights.reshape(-1)
         bags = bag_index(ids, offsets)
         if self.backend == "numba":
             grad_w_np = np.empty(flat_ids.shape[0], dtype=np.float32)
-            kernels.grad_weights(self.weight.numpy(), flat_ids.long().contiguous().numpy(), bags.numpy(),
-                                 grad_out.contiguous().numpy(), grad_w_np)
+            kernels.grad_weights(self.weight.numpy(), flat_ids.numpy(), bags.numpy(), grad_out.numpy(), grad_w_np)
             grad_w = torch.from_numpy(grad_w_np)
         else:
             grad_w = torch.empty(flat_ids.shape[0], dtype=torch.float32, device=self.device)
@@ -196,29 +221,38 @@ class ValueTable:
         entries of the same row are summed first. Returns the number of distinct rows updated.
 
         The common form of a bag's backward (src = dL/d(out), scale = the bag weights) and of a
-        gradient push (src = the rows' gradients, scale = 1)."""
+        gradient push (src = the rows' gradients, scale = 1).
+
+        O(entries) on both paths, whatever the table's row count: the numba kernel groups entries
+        with `kernels.group_by_row`; the torch path sorts the n ids (torch.unique) and sums with
+        index_add_, which on the CPU adds in entry order (on CUDA, with atomics, in no fixed
+        order), and `torch_step` gathers and scatters only the distinct rows."""
+        ids, src_index, scale, src = self._on_device(
+            (ids, torch.int64), (src_index, torch.int64), (scale, torch.float32), (src, torch.float32))
         if self.backend == "numba":
-            return self._step_numba(ids, src_index, scale, src.float().contiguous().numpy())
+            return self._step_numba(ids, src_index, scale, src.numpy())
         uniq, inv = torch.unique(ids, return_inverse=True)
         row_grad = torch.zeros((len(uniq), self.dim), dtype=torch.float32, device=self.device)
-        src = src.to(device=self.device, dtype=torch.float32)
         for s in range(0, ids.shape[0], _CHUNK_ENTRIES):
             e = s + _CHUNK_ENTRIES
-            row_grad.index_add_(0, inv[s:e], src.index_select(0, src_index[s:e]).mul_(scale[s:e, None].float()))
+            row_grad.index_add_(0, inv[s:e], src.index_select(0, src_index[s:e]).mul_(scale[s:e, None]))
         torch_step(self, uniq, row_grad)
         return len(uniq)
 
     def push_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
+        (ids,) = self._on_device((ids, torch.int64))
         n = ids.shape[0]
-        return self.apply_entries(ids, torch.arange(n, device=ids.device), torch.ones(n, device=ids.device), grads)
+        return self.apply_entries(ids, torch.arange(n, device=self.device), torch.ones(n, device=self.device), grads)
 
     def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> int:
         """Overwrite rows (optimizer state is kept). Ids must be distinct (checked by callers)."""
-        self.weight[ids] = rows.to(device=self.device, dtype=self.dtype)
+        ids, rows = self._on_device((ids, torch.int64), (rows, self.dtype))
+        self.weight[ids] = rows
         return len(ids)
 
     def _step_numba(self, ids: torch.Tensor, src_index: torch.Tensor, scale: torch.Tensor, src: np.ndarray) -> int:
-        """The fused kernel: sum each distinct row's gradient, then step it in place."""
+        """The fused kernel: sum each distinct row's gradient, then step it in place. Inputs are
+        contiguous int64 / float32 CPU tensors (apply_entries' `_on_device`)."""
         opt = self.optimizer
         kind = {"sgd": kernels.SGD, "adagrad": kernels.ADAGRAD, "adam": kernels.ADAM}[opt.name]
         acc = self.acc.numpy() if opt.name == "adagrad" else _EMPTY1
@@ -226,9 +260,8 @@ class ValueTable:
         v = self.exp_avg_sq.numpy() if opt.name == "adam" else _EMPTY2
         return int(
             kernels.sparse_step(
-                self.weight.numpy(), ids.long().contiguous().numpy(), src_index.long().contiguous().numpy(),
-                scale.float().contiguous().numpy(), src, kind, float(opt.lr), float(opt.effective_eps),
-                float(opt.beta1), float(opt.beta2), acc, m, v, self.updates.numpy(), self.last_update.numpy(), time.time(),
-                kernels.nb.get_num_threads(),
+                self.weight.numpy(), ids.numpy(), src_index.numpy(), scale.numpy(), src, kind, float(opt.lr),
+                float(opt.effective_eps), float(opt.beta1), float(opt.beta2), acc, m, v, self.updates.numpy(),
+                self.last_update.numpy(), time.time(), kernels.nb.get_num_threads(),
             )
         )

@@ -22,21 +22,12 @@ from memserver.api.errors import InvalidArgumentError, TableNotFoundError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.steps import bag_entries
+from memserver.core.table import set_threads
 from memserver.server.slice import TableSlice
 from memserver.storage.wal import BAG_BACKWARD, COMMIT_STEP, PUSH_GRADIENTS, WRITE_ROWS
 from memserver.wire import check_1d, check_bag, check_rows, decode, encode
 
 T = TypeVar("T")
-
-def set_threads(n: int) -> None:  # replaced by memserver.core's once it lands
-    torch.set_num_threads(max(1, n))
-    try:
-        import numba
-
-        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
-    except ImportError:
-        pass
-
 
 #: Requests with at most this many ids run on the event loop when the compute thread is idle.
 INLINE_ENTRIES = 2048
