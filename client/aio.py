@@ -29,11 +29,11 @@ from memserver.api.errors import (
     UnavailableError,
     from_rpc_error,
 )
-from memserver.api.types import SHARDINGS, TableMeta
+from memserver.api.types import METRICS, SHARDINGS, TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.cluster.endpoint import read_endpoint
-from memserver.wire import dtype_code, tune_malloc
+from memserver.wire import as_tensor, dtype_code, encode, tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +230,51 @@ class AsyncMemoryClient:
         meta = TableMeta.from_proto(await self._control("CreateTable", pb.CreateTableRequest(spec=spec)))
         self._tables[name] = meta
         return meta
+
+    async def create_index(self, name: str, dim: int, *, index_factory: str = "Flat", metric: str = "ip",
+                           payload_dim: int = 0, num_shards: int = 0, wal: bool = False) -> TableMeta:
+        """Create an index table: a faiss `index_factory` index ("Flat", "IVF1024,Flat",
+        "IVF1024,PQ16", "HNSW32", ...) of `dim`-float vectors under your int64 ids, sharded by id,
+        compared by `metric` ("ip": inner product, larger is better; "l2": squared distance), with
+        `payload_dim` floats per id returned with hits. Trained kinds need `train_index` before `add`."""
+        if metric not in METRICS:
+            raise InvalidArgumentError(f"metric: expected 'ip' or 'l2', got {metric!r}")
+        spec = pb.TableSpec(name=name, kind=pb.INDEX, dim=dim, index_factory=index_factory, metric=METRICS[metric],
+                            payload_dim=payload_dim, num_shards=num_shards, wal=wal)
+        meta = TableMeta.from_proto(await self._control("CreateTable", pb.CreateTableRequest(spec=spec)))
+        self._tables[name] = meta
+        return meta
+
+    async def train_index(self, name: str, sample: Any) -> dict[str, Any]:
+        """Train the index's quantizer or codebooks ONCE on `sample` [m, dim] and install the result
+        on every shard (the sharded index then equals one unsharded index trained the same way).
+        Only an empty index can be trained. Returns {sample_rows, seconds}."""
+        t = as_tensor(sample)
+        if not t.dtype.is_floating_point:
+            raise InvalidArgumentError(f"sample: dtype must be floating point, got {str(t.dtype).removeprefix('torch.')}")
+        r = await self._control("TrainIndex", pb.TrainIndexRequest(name=name, sample=encode(t.detach().cpu().float())))
+        return {"sample_rows": r.sample_rows, "seconds": r.seconds}
+
+    async def add(self, table: str, ids: Any, vectors: Any, payload: Any = None) -> int:
+        """Upsert vectors [n, dim] (and payload rows [n, payload_dim]) under distinct int64 ids;
+        an id that exists is replaced. Returns how many were added."""
+        tags = self.tags()
+        return await self._call(table, lambda meta: ops.add_op(meta, ids, vectors, payload, self.opts, tags), tags)
+
+    async def remove(self, table: str, ids: Any) -> int:
+        """Remove ids from an index table (absent ones are ignored); returns how many were present."""
+        tags = self.tags()
+        return await self._call(table, lambda meta: ops.remove_op(meta, ids, self.opts, tags), tags)
+
+    async def search(self, table: str, queries: Any, k: int, *, nprobe: int | None = None, ef_search: int | None = None,
+                     return_payload: bool = False) -> tuple[Any, ...]:
+        """The k best hits of each query [B, dim] over every shard: (scores [B, k], ids [B, k]) and,
+        with `return_payload`, payload [B, k, payload_dim]. A missing hit is id -1 (score -inf for
+        ip, +inf for l2). `nprobe` (IVF) and `ef_search` (HNSW) apply to this call only."""
+        s, i, p = await self._call(table, lambda meta: ops.search_op(meta, queries, k, nprobe, ef_search, return_payload,
+                                                                     self.opts))
+        out = (like(s, queries), like(i, queries))
+        return (*out, like(p, queries)) if return_payload and p is not None else out
 
     async def drop_table(self, name: str) -> None:
         self._tables.pop(name, None)

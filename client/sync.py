@@ -127,6 +127,12 @@ class MemoryClient:
     def create_table(self, name: str, num_rows: int, dim: int, **kwargs: Any) -> TableMeta:
         return self._run(self.aio.create_table(name, num_rows, dim, **kwargs))
 
+    def create_index(self, name: str, dim: int, **kwargs: Any) -> TableMeta:
+        return self._run(self.aio.create_index(name, dim, **kwargs))
+
+    def train_index(self, name: str, sample: Any) -> dict[str, Any]:
+        return self._run(self.aio.train_index(name, sample))
+
     def drop_table(self, name: str) -> None:
         self._run(self.aio.drop_table(name))
 
@@ -171,6 +177,21 @@ class MemoryClient:
     def write_rows(self, table: str, ids: Any, rows: Any) -> int:
         tags = self.aio.tags()
         return self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.aio.opts, tags), tags)
+
+    def add(self, table: str, ids: Any, vectors: Any, payload: Any = None) -> int:
+        tags = self.aio.tags()
+        return self._call(table, lambda meta: ops.add_op(meta, ids, vectors, payload, self.aio.opts, tags), tags)
+
+    def remove(self, table: str, ids: Any) -> int:
+        tags = self.aio.tags()
+        return self._call(table, lambda meta: ops.remove_op(meta, ids, self.aio.opts, tags), tags)
+
+    def search(self, table: str, queries: Any, k: int, *, nprobe: int | None = None, ef_search: int | None = None,
+               return_payload: bool = False) -> tuple[Any, ...]:
+        s, i, p = self._call(table, lambda meta: ops.search_op(meta, queries, k, nprobe, ef_search, return_payload,
+                                                               self.aio.opts))
+        out = (like(s, queries), like(i, queries))
+        return (*out, like(p, queries)) if return_payload and p is not None else out
 
     def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         stats = self._call(table, lambda meta: ops.slot_stats_op(meta, ids))

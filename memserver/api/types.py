@@ -19,6 +19,11 @@ from memserver.wire import dtype_name
 
 #: Sharding names as users write them, and their proto values.
 SHARDINGS: dict[str, int] = {"rows": pb.ROWS, "cols": pb.COLS}
+#: Index metrics as users write them, and their proto values.
+METRICS: dict[str, int] = {"ip": pb.INNER_PRODUCT, "l2": pb.L2}
+METRIC_NAMES: dict[int, str] = {v: k for k, v in METRICS.items()}
+#: The largest k a search may ask for (bounds each answer before anything is allocated).
+MAX_SEARCH_K = 4096
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,10 @@ class TableMeta:
     epoch: int
     wal: bool = False
     layout_id: int = 0  # this incarnation of the table; data-plane requests carry it
+    kind: str = "value"  # "value" or "index"
+    index_factory: str = ""  # index tables: the faiss factory string
+    metric: str = ""  # index tables: "ip" or "l2"
+    payload_dim: int = 0  # index tables: payload floats per id
 
     @classmethod
     def from_proto(cls, info: pb.TableInfo) -> TableMeta:
@@ -119,6 +128,10 @@ class TableMeta:
             wal=s.wal,
             epoch=info.epoch,
             layout_id=info.layout_id,
+            kind="index" if s.kind == pb.INDEX else "value",
+            index_factory=s.index_factory,
+            metric=METRIC_NAMES.get(s.metric, "") if s.kind == pb.INDEX else "",
+            payload_dim=s.payload_dim,
         )
 
     @property

@@ -30,8 +30,8 @@ _CHUNK_ENTRIES = 1 << 16
 
 
 def set_threads(n: int) -> None:
-    """Use `n` torch and numba threads (numba's clamped to numba.config.NUMBA_NUM_THREADS; no
-    numba, no-op for it) in the *calling thread*.
+    """Use `n` torch, numba and faiss (OpenMP) threads (numba's clamped to
+    numba.config.NUMBA_NUM_THREADS; a library that is missing is skipped) in the *calling thread*.
 
     numba's thread count is a per-thread setting, and torch's (OpenMP) is too, so this must run
     on the thread that computes: a shard calls it in its compute thread's initializer, not on
@@ -40,6 +40,12 @@ def set_threads(n: int) -> None:
     torch.set_num_threads(n)
     if kernels is not None:
         kernels.nb.set_num_threads(min(n, kernels.nb.config.NUMBA_NUM_THREADS))
+    try:  # index tables search with faiss on the same thread
+        import faiss
+
+        faiss.omp_set_num_threads(n)
+    except ImportError:  # pragma: no cover - faiss is a dependency
+        pass
 
 
 # ------------------------------------------------------------------ the table

@@ -10,7 +10,7 @@ import secrets
 from typing import Any
 
 from memserver.api.errors import InvalidArgumentError
-from memserver.api.types import ShardLayout
+from memserver.api.types import METRIC_NAMES, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import OptimizerConfig
 from memserver.wire import VALUE_DTYPES
@@ -39,8 +39,10 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         raise InvalidArgumentError(f"name: {spec.name!r} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
     if spec.kind == pb.TABLE_KIND_UNSPECIFIED:
         spec.kind = pb.VALUE
+    if spec.kind == pb.INDEX:
+        return _validate_index(spec, available_shards)
     if spec.kind != pb.VALUE:
-        raise InvalidArgumentError(f"kind: {pb.TableKind.Name(spec.kind)} tables are not supported yet; use VALUE")
+        raise InvalidArgumentError(f"kind: unknown table kind {spec.kind}")
     if spec.num_rows <= 0:
         raise InvalidArgumentError(f"num_rows: must be positive, got {spec.num_rows}")
     if spec.dim <= 0:
@@ -73,6 +75,37 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         raise InvalidArgumentError(f"sync_workers: a sync_updates table needs the number of trainers (>= 1), got {spec.sync_workers}")
     if not spec.sync_updates and spec.sync_workers:
         raise InvalidArgumentError("sync_workers: only meaningful with sync_updates")
+    return spec
+
+
+#: The ids an INDEX table accepts are [0, ID_SPACE): its spec's num_rows.
+ID_SPACE = 2**63 - 1
+
+
+def _validate_index(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
+    """An INDEX table: ids are the user's (any int64 >= 0), sharded by id like ROWS; the factory
+    string, metric and payload are checked by building an empty index of them."""
+    from memserver.core.index import VectorIndex
+
+    if spec.dim <= 0:
+        raise InvalidArgumentError(f"dim: must be positive, got {spec.dim}")
+    if spec.payload_dim < 0:
+        raise InvalidArgumentError(f"payload_dim: must be >= 0, got {spec.payload_dim}")
+    if spec.sharding == pb.COLS:
+        raise InvalidArgumentError("sharding: index tables are sharded by id (ROWS)")
+    if spec.sync_updates or spec.sync_workers:
+        raise InvalidArgumentError("sync_updates: only value tables take training steps")
+    spec.sharding, spec.num_rows = pb.ROWS, ID_SPACE
+    spec.index_factory = spec.index_factory or "Flat"
+    if spec.metric == pb.METRIC_UNSPECIFIED:
+        spec.metric = pb.INNER_PRODUCT
+    if spec.metric not in METRIC_NAMES:
+        raise InvalidArgumentError(f"metric: unknown metric {spec.metric}; INNER_PRODUCT or L2")
+    VectorIndex(int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim))  # raises on a bad one
+    if spec.num_shards == 0:
+        spec.num_shards = available_shards
+    if not 0 < spec.num_shards <= available_shards:
+        raise InvalidArgumentError(f"num_shards: {spec.num_shards} requested, the cluster has {available_shards} shards")
     return spec
 
 

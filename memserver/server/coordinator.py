@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 
 from memserver import __version__
-from memserver.api.errors import InvalidArgumentError, TableExistsError, TableNotFoundError
+from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, TableExistsError, TableNotFoundError
+from memserver.api.types import METRIC_NAMES
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
@@ -27,6 +28,7 @@ from memserver.server.catalog import plan_table, validate_spec
 from memserver.server.grpcserver import CONTROL_PLANE, serve_on
 from memserver.server.rayutil import was_restarted
 from memserver.storage.checkpoint import find_checkpoint, step_dir, write_manifest
+from memserver.wire import check_float, check_rows, decode
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +182,32 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                  nbytes / 2**20, time.perf_counter() - t0)
         return pb.CheckpointResponse(path=str(directory), step=request.step, bytes=nbytes, tables=names,
                                      seconds=time.perf_counter() - t0)
+
+    async def TrainIndex(self, request: pb.TrainIndexRequest, context: grpc.aio.ServicerContext) -> pb.TrainIndexResponse:
+        """Train the table's quantizer/codebooks once, here, and install the trained empty index on
+        every shard of the table: one set of centroids for the whole table."""
+        from memserver.core.index import VectorIndex
+
+        info = self._get(request.name)
+        spec = info.spec
+        if spec.kind != pb.INDEX:
+            raise InvalidArgumentError(f"name: {request.name!r} is a value table; only index tables are trained")
+        sample = decode(request.sample, "sample").float()
+        check_rows(sample, sample.shape[0] if sample.dim() == 2 else -1, int(spec.dim), "sample")
+        check_float(sample, "sample")
+        held = await asyncio.gather(*(self.handles[j].index_vectors.remote(request.name) for j in self.placement[request.name]))
+        if sum(held):  # a second quantizer on some shards would make the shards disagree
+            raise FailedPreconditionError(f"index {request.name!r} holds {sum(held)} vectors; only an empty index can "
+                                          "be trained (drop and re-create it, train, then add)")
+        t0 = time.perf_counter()
+        template = await asyncio.get_running_loop().run_in_executor(
+            None, VectorIndex.train_template, int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], sample.numpy())
+        seconds = time.perf_counter() - t0
+        await asyncio.gather(*(self.handles[j].install_index.remote(request.name, template)
+                               for j in self.placement[request.name]))
+        log.info("index %s (%s): trained on %d vectors in %.2fs, installed on %d shards", request.name,
+                 spec.index_factory, sample.shape[0], seconds, len(self.placement[request.name]))
+        return pb.TrainIndexResponse(sample_rows=sample.shape[0], seconds=time.perf_counter() - t0)
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
         directory, manifest = find_checkpoint(request.dir, request.step)

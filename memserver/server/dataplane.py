@@ -24,7 +24,7 @@ from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.steps import bag_entries
 from memserver.core.table import set_threads
 from memserver.server.slice import TableSlice
-from memserver.storage.wal import BAG_BACKWARD, COMMIT_STEP, PUSH_GRADIENTS, WRITE_ROWS
+from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, PUSH_GRADIENTS, REMOVE, WRITE_ROWS
 from memserver.wire import check_1d, check_bag, check_rows, decode, encode
 
 T = TypeVar("T")
@@ -71,11 +71,15 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         finally:
             self.busy -= 1
 
-    def slice(self, request: Any) -> TableSlice:
-        """The slice a request is for, checked against the request's layout_id."""
+    def slice(self, request: Any, index: bool = False) -> TableSlice:
+        """The slice a request is for, checked against the request's layout_id and table kind."""
         sl = self.tables.get(request.table)
         if sl is None:
             raise TableNotFoundError(f"table {request.table!r} does not exist")
+        if sl.is_index != index:
+            raise InvalidArgumentError(
+                f"table: {request.table!r} is " + ("an index table (Search, Add, Remove)" if sl.is_index
+                                                   else "a value table (Lookup, Bag, BagBackward, ...)"))
         sl.check_request(request.layout_id)
         sl.requests += 1
         self.requests += 1
@@ -204,6 +208,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         PUSH_GRADIENTS: (pb.PushGradientsRequest, "_push_gradients"),
         WRITE_ROWS: (pb.WriteRowsRequest, "_write_rows"),
         COMMIT_STEP: (pb.CommitStepRequest, "_commit_step"),
+        ADD: (pb.AddRequest, "_add"),
+        REMOVE: (pb.RemoveRequest, "_remove"),
     }
 
     def replay(self, sl: TableSlice, kind: int, payload: bytes) -> None:
@@ -223,9 +229,10 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         if sl.wal is not None and sl.last_lsn >= 0:
             await asyncio.wrap_future(sl.wal.durable(sl.last_lsn))
 
-    async def _apply_write(self, request: Any, build: Callable[[TableSlice, Any], tuple[Callable[[], T], int]]) -> T:
+    async def _apply_write(self, request: Any, build: Callable[[TableSlice, Any], tuple[Callable[[], T], int]],
+                           index: bool = False) -> T:
         """Validate, apply on the compute thread, then answer once the write is logged durably."""
-        sl = self.slice(request)
+        sl = self.slice(request, index)
         work, n = build(sl, request)
         response = await self.run(work, n)
         if self.pending:  # a deferred update: apply it promptly even if no request follows
@@ -243,6 +250,56 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
     async def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
         return await self._apply_write(request, self._write_rows)
+
+    # -- index tables ----------------------------------------------------------------------
+
+    def _add(self, sl: TableSlice, request: pb.AddRequest) -> tuple[Callable[[], pb.WriteAck], int]:
+        ids, vectors = decode(request.ids, "ids"), decode(request.vectors, "vectors")
+        payload = decode(request.payload, "payload") if request.HasField("payload") else None
+        check_1d(ids, "ids")
+
+        def work() -> pb.WriteAck:
+            sl.check_writable()
+            local = sl.local(ids)
+            n, dup = sl.once(request.tag, ADD, request, lambda: sl.table.add(local, vectors, payload),
+                             lambda: sl.table.check_add(local, vectors, payload))
+            return pb.WriteAck(rows=n, duplicate=dup)
+
+        return work, ids.numel()
+
+    def _remove(self, sl: TableSlice, request: pb.RemoveRequest) -> tuple[Callable[[], pb.WriteAck], int]:
+        ids = decode(request.ids, "ids")
+        check_1d(ids, "ids")
+
+        def work() -> pb.WriteAck:
+            sl.check_writable()
+            local = sl.local(ids)
+            n, dup = sl.once(request.tag, REMOVE, request, lambda: sl.table.remove(local))
+            return pb.WriteAck(rows=n, duplicate=dup)
+
+        return work, ids.numel()
+
+    async def Add(self, request: pb.AddRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        return await self._apply_write(request, self._add, index=True)
+
+    async def Remove(self, request: pb.RemoveRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        return await self._apply_write(request, self._remove, index=True)
+
+    async def Search(self, request: pb.SearchRequest, context: grpc.aio.ServicerContext) -> pb.SearchResponse:
+        sl = self.slice(request, index=True)
+        queries = decode(request.queries, "queries")
+        nprobe = request.nprobe if request.HasField("nprobe") else None
+        ef_search = request.ef_search if request.HasField("ef_search") else None
+
+        def work() -> pb.SearchResponse:
+            scores, ids, payload = sl.table.search(queries, int(request.k), nprobe=nprobe, ef_search=ef_search,
+                                                   with_payload=request.return_payload)
+            resp = pb.SearchResponse(scores=encode(torch.as_tensor(scores)), ids=encode(torch.as_tensor(ids)))
+            if payload is not None:
+                resp.payload.CopyFrom(encode(torch.as_tensor(payload)))
+            return resp
+
+        return await self.run(work, queries.shape[0] * max(1, int(request.k)) if queries.dim() else 1)
 
     async def CommitStep(self, request: pb.CommitStepRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
         return await self._apply_write(request, self._commit_step)

@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 
-from memserver.api.errors import DataLossError, TableNotFoundError
+from memserver.api.errors import DataLossError, FailedPreconditionError, TableNotFoundError
+from memserver.api.types import METRIC_NAMES
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
@@ -27,12 +28,16 @@ from memserver.server.metrics import ShardMetrics, rss_bytes
 from memserver.server.rayutil import bind_host, node_id, shard_device, was_restarted
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.slice import TableSlice
-from memserver.storage.checkpoint import load_into, save_slice
+from memserver.storage.checkpoint import load_index, load_into, save_slice
+from memserver.storage.fsutil import atomic_write
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, latest_committed, table_record
 from memserver.storage.wal import LogGapError, WriteAheadLog, read_log, repair_log
 from memserver.wire import tune_malloc
 
 log = logging.getLogger(__name__)
+
+#: An index slice's trained empty index, in its folder (installed again after a restart).
+INDEX_TEMPLATE = "index-template.faiss"
 
 
 class ShardActor:
@@ -122,9 +127,15 @@ class ShardActor:
         sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files, session_ttl=self.session_ttl)
         start, how = 0, "initial values"
         extras: dict[str, Any] = {}
-        if files:
+        if files and sl.is_index:
+            sl.table = load_index(lambda state: self._index_of(spec, state), sl.slice_meta(), files, extras)
+        elif files:
             load_into(sl.table, sl.slice_meta(), files, extras)
+        if files:
             how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
+        template = self.store.table_dir(spec.name) / INDEX_TEMPLATE if self.store is not None else None
+        if sl.is_index and not sl.table.is_trained and template is not None and template.exists():
+            sl.table.install(template.read_bytes())  # trained after the state it was loaded from
         if checkpoint:
             start = int(checkpoint.get("lsn", 0))
             sl.load_extras(extras)
@@ -232,6 +243,40 @@ class ShardActor:
         log.warning("shard %d: table %s rolled back to %s with its restarted sibling", self.index, name, how)
         return how
 
+    @staticmethod
+    def _index_of(spec: pb.TableSpec, state: dict[str, Any] | None) -> Any:
+        """An index slice of `spec`: empty, or the one `state` (a checkpoint's) describes."""
+        from memserver.core.index import VectorIndex
+
+        args = (int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim))
+        return VectorIndex(*args, device="auto") if state is None else VectorIndex.from_state(*args, state, device="auto")
+
+    def _index_slice(self, name: str) -> TableSlice:
+        sl = self.servicer.tables.get(name)
+        if sl is None or not sl.is_index:
+            raise TableNotFoundError(f"index table {name!r} does not exist on shard {self.index}")
+        return sl
+
+    def index_vectors(self, name: str) -> int:
+        """Live vectors in this shard's slice of index `name` (the coordinator trains only empty ones)."""
+        return self.loop.call(self.servicer.run(lambda: self._index_slice(name).table.ntotal))
+
+    def install_index(self, name: str, template: bytes) -> None:
+        """Make this slice of index `name` the trained empty index `template` (TrainIndex): kept
+        in the slice's folder too, so a restart before the next checkpoint installs it again."""
+
+        def work() -> None:
+            sl = self._index_slice(name)
+            if sl.table.ntotal:
+                raise FailedPreconditionError(f"index {name!r} holds {sl.table.ntotal} vectors on shard {self.index}; "
+                                              "only an empty index can be trained")
+            if self.store is not None:
+                atomic_write(self.store.table_dir(name) / INDEX_TEMPLATE, lambda f: f.write(template))
+            sl.table.install(template)
+
+        self.loop.call(self.servicer.run(work))
+        log.info("shard %d: index %s trained (%d bytes of quantizer/codebooks installed)", self.index, name, len(template))
+
     def describe_tables(self) -> list[tuple[bytes, bytes, int]]:
         """(spec, shard info, num_shards) of every slice held: a restarted coordinator's catalog."""
 
@@ -259,10 +304,14 @@ class ShardActor:
                                 metrics_address=self.metrics.address, rss_bytes=rss_bytes(),
                                 deferred_updates=self.servicer.deferred)
             for name, sl in self.servicer.tables.items():
-                st.tables.add(table=name, rows=sl.table.num_rows, bytes=sl.table.nbytes(), requests=sl.requests,
-                              wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from,
-                              sessions=len(sl.sessions.by_client), remembered=sl.sessions.remembered(),
-                              unavailable=sl.unavailable)
+                load = st.tables.add(table=name, bytes=sl.table.nbytes(), requests=sl.requests,
+                                     wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from,
+                                     sessions=len(sl.sessions.by_client), remembered=sl.sessions.remembered(),
+                                     unavailable=sl.unavailable)
+                if sl.is_index:
+                    load.vectors, load.trained, load.index_device = sl.table.ntotal, sl.table.is_trained, sl.table.device
+                else:
+                    load.rows = sl.table.num_rows
             return st.SerializeToString()
 
         return self.loop.call(status())

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
-from memserver.api.types import ShardLayout
+from memserver.api.types import METRIC_NAMES, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.steps import Entries, combine
 from memserver.core.table import ValueTable
@@ -49,19 +49,27 @@ class TableSlice:
         self.spec, self.info, self.num_shards = spec, info, num_shards
         self.layout = ShardLayout.of(spec, num_shards)
         self.by_rows = self.layout.by_rows
-        global_rows = self.layout.global_rows(info.index)
-        self.table = ValueTable(
-            len(global_rows),
-            int(info.col_end - info.col_start),
-            optimizer_config(spec.optimizer),
-            dtype=TORCH_DTYPES[spec.dtype or pb.FLOAT32],
-            device=device,
-            init_std=spec.init_std if initialise else 0.0,
-            seed=spec.seed,
-            global_rows=global_rows,
-            col_start=int(info.col_start),
-            total_dim=int(spec.dim),
-        )
+        self.is_index = spec.kind == pb.INDEX
+        self.table: Any
+        if self.is_index:  # the user's ids, no local rows: the index maps them itself
+            from memserver.core.index import VectorIndex
+
+            self.table = VectorIndex(int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim),
+                                     device="auto")
+        else:
+            global_rows = self.layout.global_rows(info.index)
+            self.table = ValueTable(
+                len(global_rows),
+                int(info.col_end - info.col_start),
+                optimizer_config(spec.optimizer),
+                dtype=TORCH_DTYPES[spec.dtype or pb.FLOAT32],
+                device=device,
+                init_std=spec.init_std if initialise else 0.0,
+                seed=spec.seed,
+                global_rows=global_rows,
+                col_start=int(info.col_start),
+                total_dim=int(spec.dim),
+            )
         self.sessions = Sessions(session_ttl)
         self.requests = 0
         self.wal: WriteAheadLog | None = None  # set once the slice is live (not while replaying)
@@ -91,9 +99,10 @@ class TableSlice:
                                "writes are refused until the shard restarts")
 
     def local(self, ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
-        """Global ids -> local rows, rejecting ids this shard does not own."""
+        """Global ids -> local rows (an index keeps the global ids), rejecting ids this shard
+        does not own."""
         check_ids(ids, self.spec.num_rows, what)
-        ids = ids.long().to(self.table.device)
+        ids = ids.long() if self.is_index else ids.long().to(self.table.device)
         if self.layout.whole_rows:
             return ids
         owner = self.layout.owner(ids)
@@ -102,7 +111,7 @@ class TableSlice:
             first = int(wrong.reshape(-1).nonzero()[0])
             raise InvalidArgumentError(f"{what}: id {int(ids.reshape(-1)[first])} belongs to shard "
                                        f"{int(owner.reshape(-1)[first])}, not {self.info.index}")
-        return self.layout.local(ids)
+        return ids if self.is_index else self.layout.local(ids)
 
     # -- exactly once --------------------------------------------------------------------
 
@@ -208,6 +217,7 @@ class TableSlice:
 
     def slice_meta(self) -> dict[str, Any]:
         """Where this slice sits in its table (recorded in checkpoint files)."""
-        return {"table": self.spec.name, "by_rows": self.by_rows, "index": self.info.index, "num_shards": self.num_shards,
+        return {"table": self.spec.name, "kind": "index" if self.is_index else "value", "by_rows": self.by_rows,
+                "index": self.info.index, "num_shards": self.num_shards,
                 "num_rows": int(self.spec.num_rows), "dim": int(self.spec.dim), "col_start": int(self.info.col_start),
                 "col_end": int(self.info.col_end)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,32 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
                     dst_t[dst_idx] += src.index_select(0, src_idx) * ((c1 - c0) / t_cols)
             else:
                 dst_t[dst_idx] = src.index_select(0, src_idx).to(dst_t.dtype)
+
+
+def load_index(make: Callable[[dict[str, Any] | None], Any], target: dict[str, Any], files: list[dict[str, Any]],
+               extras: dict[str, Any] | None = None) -> Any:
+    """The index slice `target` from saved index slices `files` (memserver.core.index).
+
+    The file of this very slice (same place, same shard count) loads as it was saved:
+    `make(state)`. Any other sharding is rebuilt: a slice installed from the files' trained
+    template (`make(None)`, then `install`) gets every saved entry whose id it owns, re-added (exact
+    for Flat, IVF-Flat and HNSW,Flat; the decoded codes for PQ/SQ kinds). `extras` as in load_into."""
+    place = tuple(target[k] for k in ("num_shards", "index"))
+    opened = [_open_slice(f["file"]) for f in files]
+    for blob in opened:
+        if extras is not None:
+            extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
+    if len(opened) == 1 and tuple(opened[0]["meta"][k] for k in ("num_shards", "index")) == place:
+        return make(opened[0]["state"])
+    index = make(None)
+    for blob in opened:
+        template = blob["state"]["template"]
+        if len(template) and not index.is_trained:
+            index.install(template)
+        saved = make(blob["state"])
+        ids, vectors, payload = saved.entries()
+        layout = slice_layout(target)
+        mine = torch.ones_like(ids, dtype=torch.bool) if layout.whole_rows else layout.owner(ids) == target["index"]
+        if bool(mine.any()):
+            index.add(ids[mine], vectors[mine], None if payload is None else payload[mine])
+    return index

@@ -28,6 +28,12 @@ class TableKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TABLE_KIND_UNSPECIFIED: _ClassVar[TableKind]
     VALUE: _ClassVar[TableKind]
     INDEX: _ClassVar[TableKind]
+
+class Metric(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    METRIC_UNSPECIFIED: _ClassVar[Metric]
+    INNER_PRODUCT: _ClassVar[Metric]
+    L2: _ClassVar[Metric]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -41,6 +47,9 @@ COLS: Sharding
 TABLE_KIND_UNSPECIFIED: TableKind
 VALUE: TableKind
 INDEX: TableKind
+METRIC_UNSPECIFIED: Metric
+INNER_PRODUCT: Metric
+L2: Metric
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -67,7 +76,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory", "sync_workers", "wal")
+    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory", "sync_workers", "wal", "metric", "payload_dim")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +91,8 @@ class TableSpec(_message.Message):
     INDEX_FACTORY_FIELD_NUMBER: _ClassVar[int]
     SYNC_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WAL_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_DIM_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: TableKind
     num_rows: int
@@ -96,7 +107,9 @@ class TableSpec(_message.Message):
     index_factory: str
     sync_workers: int
     wal: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ..., wal: _Optional[bool] = ...) -> None: ...
+    metric: Metric
+    payload_dim: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ..., wal: _Optional[bool] = ..., metric: _Optional[_Union[Metric, str]] = ..., payload_dim: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows", "layout_id")
@@ -290,6 +303,62 @@ class SlotStatsResponse(_message.Message):
     value_sq_norm: Tensor
     def __init__(self, hits: _Optional[_Union[Tensor, _Mapping]] = ..., weight_mass: _Optional[_Union[Tensor, _Mapping]] = ..., updates: _Optional[_Union[Tensor, _Mapping]] = ..., last_update: _Optional[_Union[Tensor, _Mapping]] = ..., value_sq_norm: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class AddRequest(_message.Message):
+    __slots__ = ("table", "ids", "vectors", "payload", "tag", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    vectors: Tensor
+    payload: Tensor
+    tag: WriteTag
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., vectors: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("table", "ids", "tag", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    tag: WriteTag
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
+class SearchRequest(_message.Message):
+    __slots__ = ("table", "queries", "k", "nprobe", "ef_search", "return_payload", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    NPROBE_FIELD_NUMBER: _ClassVar[int]
+    EF_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    queries: Tensor
+    k: int
+    nprobe: int
+    ef_search: int
+    return_payload: bool
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., ef_search: _Optional[int] = ..., return_payload: _Optional[bool] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
+class SearchResponse(_message.Message):
+    __slots__ = ("scores", "ids", "payload")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    scores: Tensor
+    ids: Tensor
+    payload: Tensor
+    def __init__(self, scores: _Optional[_Union[Tensor, _Mapping]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec",)
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -323,7 +392,7 @@ class GetShardMapRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableLoad(_message.Message):
-    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable")
+    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable", "vectors", "trained", "index_device")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +402,9 @@ class TableLoad(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     REMEMBERED_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DEVICE_FIELD_NUMBER: _ClassVar[int]
     table: str
     rows: int
     bytes: int
@@ -342,7 +414,10 @@ class TableLoad(_message.Message):
     sessions: int
     remembered: int
     unavailable: str
-    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
+    vectors: int
+    trained: bool
+    index_device: str
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates")
@@ -439,3 +514,19 @@ class RestoreResponse(_message.Message):
     step: int
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
+
+class TrainIndexRequest(_message.Message):
+    __slots__ = ("name", "sample")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sample: Tensor
+    def __init__(self, name: _Optional[str] = ..., sample: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class TrainIndexResponse(_message.Message):
+    __slots__ = ("sample_rows", "seconds")
+    SAMPLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sample_rows: int
+    seconds: float
+    def __init__(self, sample_rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -64,6 +64,21 @@ class DataPlaneStub:
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.CommitStepRequest.SerializeToString,
                 response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
                 _registered_method=True)
+        self.Add = channel.unary_unary(
+                '/memserver.v1.DataPlane/Add',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
+                _registered_method=True)
+        self.Remove = channel.unary_unary(
+                '/memserver.v1.DataPlane/Remove',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RemoveRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
+                _registered_method=True)
+        self.Search = channel.unary_unary(
+                '/memserver.v1.DataPlane/Search',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SearchRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SearchResponse.FromString,
+                _registered_method=True)
         self.SlotStats = channel.unary_unary(
                 '/memserver.v1.DataPlane/SlotStats',
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsRequest.SerializeToString,
@@ -110,6 +125,24 @@ class DataPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Add(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Remove(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Search(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SlotStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -148,6 +181,21 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     servicer.CommitStep,
                     request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.CommitStepRequest.FromString,
                     response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.SerializeToString,
+            ),
+            'Add': grpc.unary_unary_rpc_method_handler(
+                    servicer.Add,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.SerializeToString,
+            ),
+            'Remove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Remove,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RemoveRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.SerializeToString,
+            ),
+            'Search': grpc.unary_unary_rpc_method_handler(
+                    servicer.Search,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SearchRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SearchResponse.SerializeToString,
             ),
             'SlotStats': grpc.unary_unary_rpc_method_handler(
                     servicer.SlotStats,
@@ -328,6 +376,87 @@ class DataPlane:
             _registered_method=True)
 
     @staticmethod
+    def Add(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/Add',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.AddRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Remove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/Remove',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.RemoveRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Search(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/Search',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.SearchRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.SearchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def SlotStats(request,
             target,
             options=(),
@@ -399,6 +528,11 @@ class ControlPlaneStub:
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.TrainIndex = channel.unary_unary(
+                '/memserver.v1.ControlPlane/TrainIndex',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TrainIndexRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TrainIndexResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -446,6 +580,12 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TrainIndex(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -483,6 +623,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RestoreRequest.FromString,
                     response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RestoreResponse.SerializeToString,
+            ),
+            'TrainIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainIndex,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TrainIndexRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TrainIndexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -674,6 +819,33 @@ class ControlPlane:
             '/memserver.v1.ControlPlane/Restore',
             memserver_dot_api_dot_v1_dot_memserver__pb2.RestoreRequest.SerializeToString,
             memserver_dot_api_dot_v1_dot_memserver__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.ControlPlane/TrainIndex',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.TrainIndexRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.TrainIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,181 @@
+"""Index tables through the cluster: create, train once, add (upsert), remove, search merged over
+the shards, checkpoint and restore into another shard count, bad input. The single-slice math is
+tests/test_index.py's; here faiss in this process is the reference."""
+
+from __future__ import annotations
+
+import faiss
+import grpc
+import numpy as np
+import pytest
+
+from client import FailedPreconditionError, InvalidArgumentError
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.wire import encode
+
+DIM = 16
+
+
+def _data(n: int, seed: int = 0, dim: int = DIM) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    v = rng.normal(size=(n, dim)).astype(np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    return rng.permutation(10 * n)[:n].astype(np.int64), v  # sparse, unordered user ids
+
+
+def _reference(ids: np.ndarray, vectors: np.ndarray, metric: str) -> faiss.Index:
+    index = faiss.IndexIDMap2(faiss.IndexFlatIP(DIM) if metric == "ip" else faiss.IndexFlatL2(DIM))
+    index.add_with_ids(vectors, ids)
+    return index
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_sharded_flat_search_equals_one_faiss_index(client, table_name, metric):
+    meta = client.create_index(table_name, DIM, metric=metric)
+    assert meta.kind == "index" and len(meta.shards) == 2
+    ids, vectors = _data(500)
+    assert client.add(table_name, ids, vectors) == 500
+    queries = _data(20, seed=1)[1]
+    scores, got = client.search(table_name, queries, 10)
+    want_scores, want = _reference(ids, vectors, metric).search(queries, 10)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
+    # more than there are: the rest are misses (-1), in the metric's own order
+    small = table_name + "-small"
+    client.create_index(small, DIM, metric=metric)
+    client.add(small, ids[:3], vectors[:3])
+    s, i = client.search(small, queries[:2], 5)
+    assert (i[:, 3:] == -1).all() and np.isinf(s[:, 3:]).all()
+    client.drop_table(small)
+
+
+def test_upsert_replaces_and_remove_forgets_with_payload(client, table_name):
+    client.create_index(table_name, DIM, payload_dim=3)
+    ids, vectors = _data(100, seed=2)
+    payload = np.arange(300, dtype=np.float32).reshape(100, 3)
+    client.add(table_name, ids, vectors, payload)
+    target = vectors[7]
+    _, hit, pay = client.search(table_name, target[None], 1, return_payload=True)
+    assert hit[0, 0] == ids[7] and np.array_equal(pay[0, 0], payload[7])
+    # upsert id 7 with another vector: its old one is never returned again
+    client.add(table_name, ids[7:8], -target[None], np.full((1, 3), -1, np.float32))
+    _, hit = client.search(table_name, target[None], 100)
+    assert hit[0, -1] == ids[7]  # now the worst match of all 100
+    assert client.remove(table_name, ids[:10]) == 10
+    assert client.remove(table_name, ids[:10]) == 0
+    _, hit = client.search(table_name, vectors[:10], 5)
+    assert not np.isin(hit, ids[:10]).any()
+    status = client.status()
+    vectors_held = sum(t.vectors for sh in status.shards for t in sh.tables if t.table == table_name)
+    assert vectors_held == 90
+
+
+def test_a_trained_index_has_one_quantizer_for_all_shards(client, table_name):
+    """IVF trained once and installed everywhere: the sharded search equals one unsharded IVF
+    trained on the same sample with the same nprobe."""
+    client.create_index(table_name, DIM, index_factory="IVF16,Flat", metric="l2")
+    ids, vectors = _data(2000, seed=3)
+    with pytest.raises(FailedPreconditionError, match="train_index"):
+        client.add(table_name, ids, vectors)
+    client.train_index(table_name, vectors[:1000])
+    client.add(table_name, ids, vectors)
+    with pytest.raises(FailedPreconditionError, match="only an empty index"):
+        client.train_index(table_name, vectors[:1000])
+    ref = faiss.IndexIDMap2(faiss.index_factory(DIM, "IVF16,Flat", faiss.METRIC_L2))
+    ref.train(vectors[:1000])
+    ref.add_with_ids(vectors, ids)
+    faiss.extract_index_ivf(ref).nprobe = 4
+    queries = _data(30, seed=4)[1]
+    want_scores, want = ref.search(queries, 10)
+    scores, got = client.search(table_name, queries, 10, nprobe=4)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
+
+
+def test_index_checkpoint_restores_into_another_shard_count(client, table_name, tmp_path):
+    client.create_index(table_name, DIM, payload_dim=2)
+    ids, vectors = _data(300, seed=5)
+    client.add(table_name, ids, vectors, np.ones((300, 2), np.float32))
+    client.remove(table_name, ids[:5])
+    queries = _data(10, seed=6)[1]
+    before = client.search(table_name, queries, 8, return_payload=True)
+    client.checkpoint(str(tmp_path), 1, [table_name])
+    for shards in (1, 2):
+        (meta,) = client.restore(str(tmp_path), 1, replace=True, num_shards=shards, tables=[table_name])
+        assert len(meta.shards) == shards
+        after = client.search(table_name, queries, 8, return_payload=True)
+        for a, b in zip(before, after):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
+    client.create_index(table_name, DIM)
+    ids, vectors = _data(10, seed=7)
+    client.add(table_name, ids, vectors)
+    bad_nan = vectors.copy()
+    bad_nan[0, 0] = np.nan
+    for call, match in [
+        (lambda: client.add(table_name, ids, vectors[:, :4]), "vectors"),
+        (lambda: client.add(table_name, ids, bad_nan), "NaN"),
+        (lambda: client.add(table_name, [1, 1], vectors[:2]), "distinct"),
+        (lambda: client.add(table_name, [-3], vectors[:1]), "negative"),
+        (lambda: client.add(table_name, ids, vectors, np.ones((10, 2), np.float32)), "payload"),
+        (lambda: client.search(table_name, vectors, 0), "k"),
+        (lambda: client.search(table_name, vectors, 5000), "k"),
+        (lambda: client.search(table_name, vectors[:, :3], 1), "queries"),
+        (lambda: client.search(table_name, vectors, 1, nprobe=4), "nprobe"),
+        (lambda: client.create_index(table_name + "-x", DIM, index_factory="NoSuchIndex"), "index_factory"),
+        (lambda: client.create_index(table_name + "-x", DIM, metric="cosine"), "metric"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            call()
+    _, got = client.search(table_name, vectors, 1)
+    np.testing.assert_array_equal(got[:, 0], ids)
+    # the wrong kind of call for the table, sent raw as another language's client would
+    meta = client.table(table_name)
+    with grpc.insecure_channel(meta.shards[0].address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.DataPlaneStub(ch).Bag(pb.BagRequest(table=table_name, ids=encode(np.zeros((1, 1), np.int64)),
+                                                        weights=encode(np.ones((1, 1), np.float32))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "index table" in err.value.details()
+
+
+def test_a_restarted_shard_serves_its_trained_index_from_the_log(tmp_path):
+    """Trained after the last checkpoint (none here) and written with `wal`: a restarted shard
+    installs the same template again and replays the adds and removes."""
+    import torch
+
+    from memserver.core.index import VectorIndex
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.shard_actor import ShardActor
+    from memserver.wire import decode
+
+    spec = validate_spec(pb.TableSpec(name="ix", kind=pb.INDEX, dim=DIM, index_factory="IVF8,Flat", wal=True), 1)
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+    ids, vectors = _data(400, seed=8)
+    shard.install_index("ix", VectorIndex.train_template(DIM, "IVF8,Flat", "ip", vectors))
+    queries = encode(torch.from_numpy(_data(5, seed=9)[1]))
+
+    def search(stub):
+        r = stub.Search(pb.SearchRequest(table="ix", queries=queries, k=5, nprobe=8))
+        return decode(r.ids, "ids").clone()
+
+    with grpc.insecure_channel(shard.address) as ch:
+        stub = pb_grpc.DataPlaneStub(ch)
+        stub.Add(pb.AddRequest(table="ix", ids=encode(torch.from_numpy(ids)), vectors=encode(torch.from_numpy(vectors)),
+                               tag=pb.WriteTag(client_id="c", seq=1, acked_below=1)))
+        stub.Remove(pb.RemoveRequest(table="ix", ids=encode(torch.from_numpy(ids[:50])),
+                                     tag=pb.WriteTag(client_id="c", seq=2, acked_below=2)))
+        before = search(stub)
+    shard.stop()
+    again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    try:
+        assert again.servicer.tables["ix"].recovered_from == "initial values + 2 logged writes"
+        with grpc.insecure_channel(again.address) as ch:
+            assert torch.equal(search(pb_grpc.DataPlaneStub(ch)), before)
+        (load,) = pb.ShardStatus.FromString(again.status()).tables
+        assert (load.vectors, load.trained) == (350, True)
+    finally:
+        again.stop()
