@@ -102,8 +102,11 @@ def test_bad_config_names_the_problem(tmp_path, text, message):
 
 def test_help_explains_every_command():
     out = run(["--help"], os.environ).stdout
-    for word in ("up", "status", "down"):
+    for word in ("up", "status", "down", "index"):
         assert word in out
+    build_help = run(["index", "build", "--help"], os.environ).stdout
+    for flag in ("--vectors", "--ids", "--payload", "--factory", "--train-sample"):
+        assert flag in build_help
     up_help = run(["up", "--help"], os.environ).stdout
     for flag in ("--shards", "--config", "--address", "--detach"):
         assert flag in up_help

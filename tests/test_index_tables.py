@@ -179,3 +179,73 @@ def test_a_restarted_shard_serves_its_trained_index_from_the_log(tmp_path):
         assert (load.vectors, load.trained) == (350, True)
     finally:
         again.stop()
+
+
+def test_cli_builds_an_index_from_files_and_status_lists_it(memory_cluster, client, table_name, tmp_path, capsys):
+    import json
+
+    import memserver.cli as cli
+
+    ids, vectors = _data(3000, seed=10)
+    np.save(tmp_path / "v.npy", vectors)
+    np.save(tmp_path / "i.npy", ids)
+    np.save(tmp_path / "p.npy", np.ones((3000, 2), np.float32))
+    ep = ["--endpoint", memory_cluster.endpoint]
+    assert cli.main(["index", "build", table_name, "--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "i.npy"),
+                     "--payload", str(tmp_path / "p.npy"), "--factory", "IVF16,Flat", "--train-sample", "1000",
+                     "--json", *ep]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["held"] == 3000 and out["train"]["sample_rows"] == 1000
+    _, got = client.search(table_name, vectors[:5], 1, nprobe=16)
+    np.testing.assert_array_equal(got[:, 0], ids[:5])
+    assert cli.main(["status", *ep]) == 0
+    assert "index tables" in capsys.readouterr().out
+    assert cli.main(["status", "--json", *ep]) == 0
+    st = json.loads(capsys.readouterr().out)
+    (t,) = [t for t in st["tables"] if t["name"] == table_name]
+    assert (t["kind"], t["index_factory"], t["metric"], t["payload_dim"]) == ("index", "IVF16,Flat", "ip", 2)
+    loads = [x for sh in st["shards"] for x in sh["tables"] if x["table"] == table_name]
+    assert sum(x["vectors"] for x in loads) == 3000 and all(x["trained"] and x["index_device"] == "cpu" for x in loads)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["index", "build", table_name + "-x", "--vectors", str(tmp_path / "missing.npy"), *ep])
+    assert exit_.value.code == 2 and "--vectors" in capsys.readouterr().err
+
+
+def test_searches_keep_working_while_adds_run(client, table_name):
+    """A writer upserts batches while a reader searches: every search answers, with whole
+    entries only (each hit is an id that was added, with its own score), and finds what was there."""
+    import threading
+
+    client.create_index(table_name, DIM, metric="ip")
+    ids, vectors = _data(400, seed=11)
+    client.add(table_name, ids[:200], vectors[:200])
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def writer() -> None:
+        try:
+            for s in range(200, 400, 20):
+                client.add(table_name, ids[s : s + 20], vectors[s : s + 20])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    searches = 0
+    valid = set(ids.tolist())
+    by_id = dict(zip(ids.tolist(), vectors))
+    while not done.is_set() or searches < 5:
+        scores, got = client.search(table_name, vectors[:50], 3)
+        assert got[:, 0].tolist() == ids[:50].tolist()  # present from the start: always found
+        assert set(got.reshape(-1).tolist()) <= valid
+        np.testing.assert_allclose(scores[:, 1], [by_id[int(i)] @ q for i, q in zip(got[:, 1], vectors[:50])], rtol=1e-5,
+                                   atol=1e-5)
+        searches += 1
+        if searches > 500:
+            break
+    t.join(60)
+    assert not errors and searches >= 5
+    _, got = client.search(table_name, vectors, 1)
+    np.testing.assert_array_equal(got[:, 0], ids)

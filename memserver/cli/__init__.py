@@ -1,6 +1,6 @@
 """`memserver`: start, inspect, load-test and stop a memory cluster. Thin over the library: each
 command lives in a module of this package (lifecycle: up/down; tables: status/checkpoint/restore;
-loadtest), and this module assembles the parser and runs one.
+index: index build; loadtest), and this module assembles the parser and runs one.
 
     python -m memserver.cli --help
 """
@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from memserver.cli import lifecycle, loadtest, tables
+from memserver.cli import index, lifecycle, loadtest, tables
 from memserver.cli.common import CliError
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
@@ -22,8 +22,8 @@ __all__ = ["CliError", "build_parser", "load_config", "main", "status_dict"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="memserver",
-        description="A distributed memory server for memory-augmented transformers: value tables sharded "
-        "over Ray actors behind a gRPC lookup/update API.",
+        description="A distributed memory server for memory-augmented transformers: value tables and faiss "
+        "index tables sharded over Ray actors behind a gRPC lookup/update/search API.",
         epilog="The endpoint file lives in $MEMSERVER_HOME (default ~/.memserver); clients find the cluster through it.",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     lifecycle.add_parsers(sub)
     tables.add_parsers(sub)
+    index.add_parser(sub)
     loadtest.add_parser(sub)
     return p
 

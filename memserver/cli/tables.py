@@ -35,7 +35,8 @@ def status_dict(resp: Any) -> dict[str, Any]:
                 "deferred_updates": s.deferred_updates,
                 "tables": [{"table": t.table, "rows": t.rows, "bytes": t.bytes, "requests": t.requests,
                             "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from, "sessions": t.sessions,
-                            "remembered": t.remembered, "unavailable": t.unavailable} for t in s.tables],
+                            "remembered": t.remembered, "unavailable": t.unavailable, "vectors": t.vectors,
+                            "trained": t.trained, "index_device": t.index_device} for t in s.tables],
             }
             for s in resp.shards
         ],
@@ -62,9 +63,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     for col in ("name", "rows", "dim", "sharding", "optimizer", "lr", "dtype", "wal", "shards"):
         tables.add_column(col, justify="right" if col in ("rows", "dim", "lr", "shards") else "left")
     for t in st["tables"]:
-        tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}", t["dtype"],
-                       "yes" if t["wal"] else "no", str(len(t["shards"])))
-    console.print(tables)
+        if t["kind"] == "value":
+            tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}",
+                           t["dtype"], "yes" if t["wal"] else "no", str(len(t["shards"])))
+    if tables.row_count:
+        console.print(tables)
+    indexes = Table(title="index tables")
+    for col in ("name", "factory", "metric", "dim", "payload", "vectors", "trained", "device", "bytes", "wal", "shards"):
+        indexes.add_column(col, justify="right" if col in ("dim", "payload", "vectors", "bytes", "shards") else "left")
+    for t in st["tables"]:
+        if t["kind"] == "index":
+            loads = [x for s in st["shards"] for x in s["tables"] if x["table"] == t["name"]]
+            indexes.add_row(t["name"], t["index_factory"], t["metric"], str(t["dim"]), str(t["payload_dim"]),
+                            f"{sum(x['vectors'] for x in loads):,}", "yes" if all(x["trained"] for x in loads) else "no",
+                            ", ".join(sorted({x["index_device"] for x in loads})), fmt_bytes(sum(x["bytes"] for x in loads)),
+                            "yes" if t["wal"] else "no", str(len(t["shards"])))
+    if indexes.row_count:
+        console.print(indexes)
     shards = Table(title="shards")
     for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "rss", "sessions", "requests"):
         shards.add_column(col, justify="left" if col in ("address", "node", "state", "device") else "right")
