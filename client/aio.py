@@ -276,6 +276,48 @@ class AsyncMemoryClient:
         out = (like(s, queries), like(i, queries))
         return (*out, like(p, queries)) if return_payload and p is not None else out
 
+    async def create_product_keys(self, name: str, values_table: str, heads: int, n_keys: int, knn: int, k_dim: int,
+                                  d_in: int = 0, *, wal: bool = False) -> TableMeta:
+        """Create a product-key table: the frozen addressing of a trained product-key memory layer
+        (`heads` heads of `knn` slots over `n_keys`^2 slots, queries of `k_dim` per head). `d_in` > 0:
+        it stores the layer's query network and `address` takes inputs [B, d_in]; 0: `address`
+        takes the queries. `values_table` must be a value table of `n_keys`^2 rows (its slots'
+        values, read by `pkm_lookup`). Load it with `load_product_keys`. One shard."""
+        values = await self.table(values_table, refresh=True)
+        if values.kind != "value":
+            raise InvalidArgumentError(f"values_table: {values_table!r} is a {values.kind} table, not a value table")
+        if values.num_rows != n_keys * n_keys:
+            raise InvalidArgumentError(f"values_table: {values_table!r} has {values.num_rows} rows, n_keys^2 = {n_keys * n_keys}")
+        spec = pb.TableSpec(name=name, kind=pb.PRODUCT_KEYS, pkm_heads=heads, pkm_n_keys=n_keys, pkm_knn=knn,
+                            pkm_k_dim=k_dim, pkm_d_in=d_in, values_table=values_table, wal=wal)
+        meta = TableMeta.from_proto(await self._control("CreateTable", pb.CreateTableRequest(spec=spec)))
+        self._tables[name] = meta
+        return meta
+
+    async def load_product_keys(self, name: str, keys: Any, query_weight: Any = None, query_bias: Any = None,
+                                bn: dict[str, Any] | None = None) -> int:
+        """Install a product-key table's sub-keys [heads, 2, n_keys, k_dim/2] and, when it was
+        created with d_in, its query Linear (weight [heads*k_dim, d_in], bias) and optional
+        BatchNorm applied in eval mode (`bn`: running_mean, running_var, weight, bias, eps).
+        Replaces what was loaded; returns the number of sub-keys."""
+        tags = self.tags()
+        return await self._call(name, lambda meta: ops.load_product_keys_op(meta, keys, query_weight, query_bias, bn,
+                                                                            tags), tags)
+
+    async def address(self, name: str, queries: Any) -> tuple[Any, Any]:
+        """Product-key addressing: (ids [B, heads*knn] int64 slot ids, weights [B, heads*knn]),
+        each head's knn best slots and their softmax weights (see AddressRequest)."""
+        ids, w = await self._call(name, lambda meta: ops.address_op(meta, queries, self.opts))
+        return like(ids, queries), like(w, queries)
+
+    async def pkm_lookup(self, name: str, queries: Any) -> tuple[Any, Any, Any]:
+        """`address`, then the weighted bag of the slots' values on the value table's shards:
+        (ids, weights, bag [B, dim]), what the trained layer reads (before any Memory+ projection)."""
+        ids, w = await self._call(name, lambda meta: ops.address_op(meta, queries, self.opts))
+        values_table = (await self.table(name)).values_table
+        out = await self._call(values_table, lambda meta: ops.bag_op(meta, ids, w, None, self.opts))
+        return like(ids, queries), like(w, queries), like(out, queries)
+
     async def drop_table(self, name: str) -> None:
         self._tables.pop(name, None)
         await self._control("DropTable", pb.DropTableRequest(name=name))

@@ -133,6 +133,10 @@ class MemoryClient:
     def train_index(self, name: str, sample: Any) -> dict[str, Any]:
         return self._run(self.aio.train_index(name, sample))
 
+    def create_product_keys(self, name: str, values_table: str, heads: int, n_keys: int, knn: int, k_dim: int,
+                            d_in: int = 0, **kwargs: Any) -> TableMeta:
+        return self._run(self.aio.create_product_keys(name, values_table, heads, n_keys, knn, k_dim, d_in, **kwargs))
+
     def drop_table(self, name: str) -> None:
         self._run(self.aio.drop_table(name))
 
@@ -192,6 +196,23 @@ class MemoryClient:
                                                                self.aio.opts))
         out = (like(s, queries), like(i, queries))
         return (*out, like(p, queries)) if return_payload and p is not None else out
+
+    def load_product_keys(self, name: str, keys: Any, query_weight: Any = None, query_bias: Any = None,
+                          bn: dict[str, Any] | None = None) -> int:
+        tags = self.aio.tags()
+        return self._call(name, lambda meta: ops.load_product_keys_op(meta, keys, query_weight, query_bias, bn, tags),
+                          tags)
+
+    def address(self, name: str, queries: Any) -> tuple[Any, Any]:
+        ids, w = self._call(name, lambda meta: ops.address_op(meta, queries, self.aio.opts))
+        return like(ids, queries), like(w, queries)
+
+    def pkm_lookup(self, name: str, queries: Any) -> tuple[Any, Any, Any]:
+        """`address`, then `bag` on the table's values_table (see AsyncMemoryClient.pkm_lookup)."""
+        ids, w = self._call(name, lambda meta: ops.address_op(meta, queries, self.aio.opts))
+        values_table = self.table(name).values_table
+        out = self._call(values_table, lambda meta: ops.bag_op(meta, ids, w, None, self.aio.opts))
+        return like(ids, queries), like(w, queries), like(out, queries)
 
     def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         stats = self._call(table, lambda meta: ops.slot_stats_op(meta, ids))

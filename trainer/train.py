@@ -14,7 +14,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +210,7 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
     root = Path(directory)
     values = {str(i): b.save(root, step) for i, b in _unique(run.values).items()}
     blob = {"step": step, "model": run.model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-            "values": values}
+            "values": values, "memory": asdict(run.model.cfg.memory)}  # the layers' shape, for serving them
     atomic_write(_trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
 

@@ -22,6 +22,8 @@ SHARDINGS: dict[str, int] = {"rows": pb.ROWS, "cols": pb.COLS}
 #: Index metrics as users write them, and their proto values.
 METRICS: dict[str, int] = {"ip": pb.INNER_PRODUCT, "l2": pb.L2}
 METRIC_NAMES: dict[int, str] = {v: k for k, v in METRICS.items()}
+#: Table kinds as TableMeta.kind names them.
+KIND_NAMES: dict[int, str] = {pb.VALUE: "value", pb.INDEX: "index", pb.PRODUCT_KEYS: "product_keys"}
 #: The largest k a search may ask for (bounds each answer before anything is allocated).
 MAX_SEARCH_K = 4096
 
@@ -103,10 +105,18 @@ class TableMeta:
     epoch: int
     wal: bool = False
     layout_id: int = 0  # this incarnation of the table; data-plane requests carry it
-    kind: str = "value"  # "value" or "index"
+    kind: str = "value"  # "value", "index" or "product_keys"
     index_factory: str = ""  # index tables: the faiss factory string
     metric: str = ""  # index tables: "ip" or "l2"
     payload_dim: int = 0  # index tables: payload floats per id
+    # product-key tables: heads, sub-keys per half, slots per head, query dim per head, input dim
+    # of the stored query network (0: none), and the value table the slots are rows of
+    pkm_heads: int = 0
+    pkm_n_keys: int = 0
+    pkm_knn: int = 0
+    pkm_k_dim: int = 0
+    pkm_d_in: int = 0
+    values_table: str = ""
 
     @classmethod
     def from_proto(cls, info: pb.TableInfo) -> TableMeta:
@@ -128,10 +138,16 @@ class TableMeta:
             wal=s.wal,
             epoch=info.epoch,
             layout_id=info.layout_id,
-            kind="index" if s.kind == pb.INDEX else "value",
+            kind=KIND_NAMES.get(s.kind, "value"),
             index_factory=s.index_factory,
             metric=METRIC_NAMES.get(s.metric, "") if s.kind == pb.INDEX else "",
             payload_dim=s.payload_dim,
+            pkm_heads=s.pkm_heads,
+            pkm_n_keys=s.pkm_n_keys,
+            pkm_knn=s.pkm_knn,
+            pkm_k_dim=s.pkm_k_dim,
+            pkm_d_in=s.pkm_d_in,
+            values_table=s.values_table,
         )
 
     @property

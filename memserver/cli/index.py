@@ -1,4 +1,5 @@
-"""`memserver index build`: create an index table and bulk-load it from .npy files."""
+"""`memserver index build`: create an index table and bulk-load it from .npy files.
+`memserver index load-pkm`: serve a trained product-key memory layer of a memtrain checkpoint."""
 
 from __future__ import annotations
 
@@ -76,6 +77,121 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Value rows written per write_rows call while loading a local run's values.
+PKM_ROWS_BATCH = 65536
+#: What memtrain's ProductKeyMemory builds its BatchNorm with (nn.BatchNorm1d's default eps;
+#: a trainer checkpoint keeps the state_dict, which has no eps).
+BN_EPS = 1e-5
+
+
+def _trainer_checkpoint(directory: str) -> tuple[Path, dict[str, Any]]:
+    import torch
+
+    files = sorted(Path(directory).glob("trainer-step-*.pt"))
+    if not files:
+        raise CliError(f"CHECKPOINT_DIR: no memtrain checkpoint (trainer-step-*.pt) in {directory}")
+    try:
+        blob = torch.load(files[-1], map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to know about
+        raise CliError(f"CHECKPOINT_DIR: {files[-1]} does not load: {exc}") from None
+    if not isinstance(blob, dict) or "model" not in blob:
+        raise CliError(f"CHECKPOINT_DIR: {files[-1]} is not a memtrain checkpoint (no model state)")
+    return files[-1], blob
+
+
+def _layer_values(blob: dict[str, Any], layer: int, layers: list[int]) -> dict[str, Any]:
+    """What memtrain saved of layer `layer`'s value backend: {"state": ...} (a local run) or
+    {"checkpoint": "memory/<table>"} (a remote run). Shared values are saved once, under the
+    first layer that reads them."""
+    values = blob.get("values")
+    if values is None:  # written before each backend saved itself: one memory/ root for every table
+        local = blob.get("local_values", {})
+        values = {str(i): {"state": local[str(i)]} if str(i) in local else {"checkpoint": "memory"} for i in layers}
+    if str(layer) in values:
+        return values[str(layer)]
+    if len(values) == 1:  # --shared-values: one table for every memory layer
+        return next(iter(values.values()))
+    raise CliError(f"--layer {layer}: the checkpoint holds the values of layers {sorted(values)} only")
+
+
+def cmd_load_pkm(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from client import MemoryClient, TableNotFoundError
+
+    path, blob = _trainer_checkpoint(args.checkpoint_dir)
+    sd = blob["model"]
+    layers = sorted({int(k.split(".")[1]) for k in sd if k.startswith("blocks.") and k.endswith(".memory.keys")})
+    prefix = f"blocks.{args.layer}.memory."
+    if prefix + "keys" not in sd:
+        raise CliError(f"--layer {args.layer}: no product-key memory there; memory layers: {layers or 'none'}")
+    keys = sd[prefix + "keys"].float()
+    heads, _, n_keys, half = keys.shape
+    k_dim = 2 * half
+    weight, bias = sd[prefix + "query.weight"].float(), sd.get(prefix + "query.bias")
+    d_in = int(weight.shape[1])
+    bn = None
+    if prefix + "query_bn.running_mean" in sd:
+        bn = {k: sd[prefix + f"query_bn.{k}"].float() for k in ("running_mean", "running_var", "weight", "bias")}
+        bn["eps"] = BN_EPS
+    if args.knn is None:  # memtrain records its memory config; older checkpoints need --knn
+        args.knn = int(blob.get("memory", {}).get("knn", 32))
+    if args.knn < 1 or args.knn > n_keys:
+        raise CliError(f"--knn: must be in [1, {n_keys}] (n_keys of layer {args.layer}), got {args.knn}")
+    name = args.name or f"pkm-layer{args.layer}"
+    saved = _layer_values(blob, args.layer, layers)
+    out: dict[str, Any] = {"table": name, "checkpoint": str(path), "step": int(blob.get("step", 0)), "layer": args.layer,
+                           "heads": int(heads), "n_keys": int(n_keys), "knn": args.knn, "k_dim": k_dim, "d_in": d_in,
+                           "query_bn": bn is not None, "mem_plus": prefix + "gate.weight" in sd}
+    t0 = time.perf_counter()
+    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+        def drop(table: str) -> None:
+            try:
+                client.drop_table(table)
+            except TableNotFoundError:
+                pass
+
+        if args.replace:
+            drop(name)
+        if "state" in saved:  # a local run: the values are in the trainer file
+            values = saved["state"]["weight"]  # ValueTable.state(): "weight" is the values
+            rows, dim = values.shape
+            if rows != n_keys * n_keys:
+                raise CliError(f"the checkpoint's values have {rows} rows, n_keys^2 = {n_keys * n_keys}")
+            values_table = args.values_table or f"{name}-values"
+            if args.replace:
+                drop(values_table)
+            client.create_table(values_table, rows, dim, optimizer="sgd", init_std=0.0, dtype=str(values.dtype).removeprefix("torch."))
+            with tqdm(total=rows, unit="row", desc=f"values {values_table}", disable=args.json or None) as bar:
+                for s in range(0, rows, PKM_ROWS_BATCH):
+                    e = min(rows, s + PKM_ROWS_BATCH)
+                    client.write_rows(values_table, torch.arange(s, e), values[s:e].float())
+                    bar.update(e - s)
+            out["values_from"] = "trainer file"
+        else:  # a remote run: the cluster checkpointed the table under <dir>/memory/<table>
+            root = Path(args.checkpoint_dir).resolve() / saved["checkpoint"]
+            restored = client.restore(str(root), out["step"], replace=args.replace)
+            if len(restored) != 1:
+                raise CliError(f"{root}: expected the checkpoint of one value table, got {[m.name for m in restored]}")
+            values_table = restored[0].name
+            if args.values_table and args.values_table != values_table:
+                raise CliError(f"--values-table: a remote run's values are restored under their own name, {values_table!r}")
+            out["values_from"] = str(root)
+        out["values_table"] = values_table
+        client.create_product_keys(name, values_table, int(heads), int(n_keys), args.knn, k_dim, d_in)
+        out["sub_keys"] = client.load_product_keys(name, keys, weight, None if bias is None else bias.float(), bn)
+    out["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        extra = " (Memory+ layer: the served bag is before its gate and projection)" if out["mem_plus"] else ""
+        print(f"product-key table {name}: layer {args.layer} of {path.name} (step {out['step']}), {heads} heads x knn "
+              f"{args.knn} over {n_keys}^2 slots, query {d_in} -> {heads}x{k_dim}{' + BatchNorm' if bn else ''}; values in "
+              f"{values_table}; loaded in {out['seconds']:.1f}s{extra}")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     ix = sub.add_parser("index", help="index tables: build one from files",
                         description="Index tables hold a faiss index of your vectors under your int64 ids, sharded "
@@ -98,6 +214,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--wal", action="store_true", help="log every add and remove before acknowledging it")
     cluster_flags(b, timeout=600.0, json_help="print one JSON object instead of a line")
     b.set_defaults(func=_build)
+    p = isub.add_parser("load-pkm", help="serve a trained product-key memory layer of a memtrain checkpoint",
+                        description="Read memtrain's latest trainer-step-*.pt in CHECKPOINT_DIR; put layer L's values "
+                        "in a value table (a remote run's cluster checkpoint is restored, a local run's values are "
+                        "written), then create product-key table NAME and load the layer's sub-keys, query Linear and "
+                        "BatchNorm (eval mode). Clients then call `MemoryClient.pkm_lookup(NAME, x)`.")
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="memtrain's --checkpoint-dir")
+    p.add_argument("--layer", type=int, required=True, help="the block index of the memory layer (--mem-layers)")
+    p.add_argument("--name", help="product-key table name (default: pkm-layer<L>)")
+    p.add_argument("--values-table", help="value table for a local run's values (default: <name>-values); a remote "
+                   "run's table keeps its saved name")
+    p.add_argument("--knn", type=int, default=None, help="slots per head the layer was trained with (default: as the "
+                   "checkpoint records it; 32, memtrain's default, for checkpoints that do not)")
+    p.add_argument("--replace", action="store_true", help="drop tables of the same names first")
+    cluster_flags(p, timeout=600.0, json_help="print one JSON object instead of a line")
+    p.set_defaults(func=cmd_load_pkm)
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -80,6 +80,16 @@ def cmd_status(args: argparse.Namespace) -> int:
                             "yes" if t["wal"] else "no", str(len(t["shards"])))
     if indexes.row_count:
         console.print(indexes)
+    pkms = Table(title="product-key tables (serving a trained memory layer)")
+    for col in ("name", "values table", "heads", "n_keys", "knn", "k_dim", "query in", "loaded"):
+        pkms.add_column(col, justify="left" if col in ("name", "values table", "loaded") else "right")
+    for t in st["tables"]:
+        if t["kind"] == "product_keys":
+            loads = [x for s in st["shards"] for x in s["tables"] if x["table"] == t["name"]]
+            pkms.add_row(t["name"], t["values_table"], str(t["pkm_heads"]), str(t["pkm_n_keys"]), str(t["pkm_knn"]),
+                         str(t["pkm_k_dim"]), str(t["pkm_d_in"] or "-"), "yes" if all(x["trained"] for x in loads) else "no")
+    if pkms.row_count:
+        console.print(pkms)
     shards = Table(title="shards")
     for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "rss", "sessions", "requests"):
         shards.add_column(col, justify="left" if col in ("address", "node", "state", "device") else "right")

@@ -41,6 +41,8 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         spec.kind = pb.VALUE
     if spec.kind == pb.INDEX:
         return _validate_index(spec, available_shards)
+    if spec.kind == pb.PRODUCT_KEYS:
+        return _validate_product_keys(spec)
     if spec.kind != pb.VALUE:
         raise InvalidArgumentError(f"kind: unknown table kind {spec.kind}")
     if spec.num_rows <= 0:
@@ -106,6 +108,29 @@ def _validate_index(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         spec.num_shards = available_shards
     if not 0 < spec.num_shards <= available_shards:
         raise InvalidArgumentError(f"num_shards: {spec.num_shards} requested, the cluster has {available_shards} shards")
+    return spec
+
+
+def _validate_product_keys(spec: pb.TableSpec) -> pb.TableSpec:
+    """A PRODUCT_KEYS table: its shape fields are checked by building an empty slice of them; it
+    lives on one shard (its keys and query network are small), whatever num_shards asked for (a
+    restore into N shards keeps it on one). That `values_table` exists with pkm_n_keys^2 rows is
+    the client's check (create_product_keys): the catalog rules see one spec at a time."""
+    from memserver.core.pkm import ProductKeyIndex
+
+    if spec.sharding == pb.COLS:
+        raise InvalidArgumentError("sharding: product-key tables live on one shard")
+    if spec.sync_updates or spec.sync_workers:
+        raise InvalidArgumentError("sync_updates: only value tables take training steps")
+    if not TABLE_NAME.match(spec.values_table):
+        raise InvalidArgumentError(f"values_table: {spec.values_table!r} is not a table name (the value table of "
+                                   "pkm_n_keys^2 rows the slots are read from)")
+    if spec.values_table == spec.name:
+        raise InvalidArgumentError("values_table: must name another table (a value table)")
+    ProductKeyIndex(int(spec.pkm_heads), int(spec.pkm_n_keys), int(spec.pkm_knn), int(spec.pkm_k_dim),
+                    int(spec.pkm_d_in))  # raises naming the pkm_ field
+    spec.sharding, spec.num_shards = pb.ROWS, 1
+    spec.num_rows, spec.dim = int(spec.pkm_n_keys) ** 2, int(spec.pkm_heads) * int(spec.pkm_k_dim)
     return spec
 
 

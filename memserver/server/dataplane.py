@@ -24,10 +24,17 @@ from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.steps import bag_entries
 from memserver.core.table import set_threads
 from memserver.server.slice import TableSlice
-from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, PUSH_GRADIENTS, REMOVE, WRITE_ROWS
+from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, LOAD_PRODUCT_KEYS, PUSH_GRADIENTS, REMOVE, WRITE_ROWS
 from memserver.wire import check_1d, check_bag, check_rows, decode, encode
 
 T = TypeVar("T")
+
+#: What each table kind is and the calls it takes (the refusal of a call of another kind says so).
+_KIND_CALLS = {
+    pb.VALUE: "a value table (Lookup, Bag, BagBackward, ...)",
+    pb.INDEX: "an index table (Search, Add, Remove)",
+    pb.PRODUCT_KEYS: "a product-key table (Address, LoadProductKeys)",
+}
 
 #: Requests with at most this many ids run on the event loop when the compute thread is idle.
 INLINE_ENTRIES = 2048
@@ -71,15 +78,14 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         finally:
             self.busy -= 1
 
-    def slice(self, request: Any, index: bool = False) -> TableSlice:
-        """The slice a request is for, checked against the request's layout_id and table kind."""
+    def slice(self, request: Any, kind: int = pb.VALUE) -> TableSlice:
+        """The slice a request is for, checked against the request's layout_id and table kind
+        (a call of another kind's is refused with INVALID_ARGUMENT naming the table's calls)."""
         sl = self.tables.get(request.table)
         if sl is None:
             raise TableNotFoundError(f"table {request.table!r} does not exist")
-        if sl.is_index != index:
-            raise InvalidArgumentError(
-                f"table: {request.table!r} is " + ("an index table (Search, Add, Remove)" if sl.is_index
-                                                   else "a value table (Lookup, Bag, BagBackward, ...)"))
+        if sl.kind != kind:
+            raise InvalidArgumentError(f"table: {request.table!r} is {_KIND_CALLS[sl.kind]}, not {_KIND_CALLS[kind]}")
         sl.check_request(request.layout_id)
         sl.requests += 1
         self.requests += 1
@@ -210,6 +216,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         COMMIT_STEP: (pb.CommitStepRequest, "_commit_step"),
         ADD: (pb.AddRequest, "_add"),
         REMOVE: (pb.RemoveRequest, "_remove"),
+        LOAD_PRODUCT_KEYS: (pb.LoadProductKeysRequest, "_load_product_keys"),
     }
 
     def replay(self, sl: TableSlice, kind: int, payload: bytes) -> None:
@@ -230,9 +237,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             await asyncio.wrap_future(sl.wal.durable(sl.last_lsn))
 
     async def _apply_write(self, request: Any, build: Callable[[TableSlice, Any], tuple[Callable[[], T], int]],
-                           index: bool = False) -> T:
+                           kind: int = pb.VALUE) -> T:
         """Validate, apply on the compute thread, then answer once the write is logged durably."""
-        sl = self.slice(request, index)
+        sl = self.slice(request, kind)
         work, n = build(sl, request)
         response = await self.run(work, n)
         if self.pending:  # a deferred update: apply it promptly even if no request follows
@@ -280,13 +287,13 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         return work, ids.numel()
 
     async def Add(self, request: pb.AddRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        return await self._apply_write(request, self._add, index=True)
+        return await self._apply_write(request, self._add, kind=pb.INDEX)
 
     async def Remove(self, request: pb.RemoveRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        return await self._apply_write(request, self._remove, index=True)
+        return await self._apply_write(request, self._remove, kind=pb.INDEX)
 
     async def Search(self, request: pb.SearchRequest, context: grpc.aio.ServicerContext) -> pb.SearchResponse:
-        sl = self.slice(request, index=True)
+        sl = self.slice(request, pb.INDEX)
         queries = decode(request.queries, "queries")
         nprobe = request.nprobe if request.HasField("nprobe") else None
         ef_search = request.ef_search if request.HasField("ef_search") else None
@@ -300,6 +307,40 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             return resp
 
         return await self.run(work, queries.shape[0] * max(1, int(request.k)) if queries.dim() else 1)
+
+    # -- product-key tables ----------------------------------------------------------------
+
+    def _load_product_keys(self, sl: TableSlice, request: pb.LoadProductKeysRequest) -> tuple[Callable[[], pb.WriteAck], int]:
+        def opt(msg: Any, field: str, what: str) -> torch.Tensor | None:
+            return decode(getattr(msg, field), what) if msg.HasField(field) else None
+
+        keys = decode(request.keys, "keys")
+        weight, bias = opt(request, "query_weight", "query_weight"), opt(request, "query_bias", "query_bias")
+        bn = None
+        if request.HasField("bn"):
+            bn = {k: decode(getattr(request.bn, k), f"bn.{k}") for k in ("running_mean", "running_var", "weight", "bias")}
+
+        def work() -> pb.WriteAck:
+            sl.check_writable()
+            n, dup = sl.once(request.tag, LOAD_PRODUCT_KEYS, request,
+                             lambda: sl.table.load(keys, weight, bias, bn, request.bn.eps),
+                             lambda: sl.table.check_load(keys, weight, bias, bn, request.bn.eps))
+            return pb.WriteAck(rows=n, duplicate=dup)
+
+        return work, INLINE_ENTRIES + 1
+
+    async def LoadProductKeys(self, request: pb.LoadProductKeysRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        return await self._apply_write(request, self._load_product_keys, kind=pb.PRODUCT_KEYS)
+
+    async def Address(self, request: pb.AddressRequest, context: grpc.aio.ServicerContext) -> pb.AddressResponse:
+        sl = self.slice(request, pb.PRODUCT_KEYS)
+        queries = decode(request.queries, "queries")
+
+        def work() -> pb.AddressResponse:
+            ids, weights = sl.table.address(queries)
+            return pb.AddressResponse(ids=encode(ids), weights=encode(weights))
+
+        return await self.run(work, queries.shape[0] * sl.table.heads * sl.table.knn if queries.dim() else 1)
 
     async def CommitStep(self, request: pb.CommitStepRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
         return await self._apply_write(request, self._commit_step)

@@ -28,7 +28,7 @@ from memserver.server.metrics import ShardMetrics, rss_bytes
 from memserver.server.rayutil import bind_host, node_id, shard_device, was_restarted
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.slice import TableSlice
-from memserver.storage.checkpoint import load_index, load_into, save_slice
+from memserver.storage.checkpoint import load_index, load_into, load_whole, save_slice
 from memserver.storage.fsutil import atomic_write
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, latest_committed, table_record
 from memserver.storage.wal import LogGapError, WriteAheadLog, read_log, repair_log
@@ -127,7 +127,13 @@ class ShardActor:
         sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files, session_ttl=self.session_ttl)
         start, how = 0, "initial values"
         extras: dict[str, Any] = {}
-        if files and sl.is_index:
+        if files and sl.kind == pb.PRODUCT_KEYS:
+            from memserver.core.pkm import ProductKeyIndex
+
+            state = load_whole(sl.slice_meta(), files, extras)
+            sl.table = ProductKeyIndex.from_state(int(spec.pkm_heads), int(spec.pkm_n_keys), int(spec.pkm_knn),
+                                                  int(spec.pkm_k_dim), int(spec.pkm_d_in), state)
+        elif files and sl.is_index:
             sl.table = load_index(lambda state: self._index_of(spec, state), sl.slice_meta(), files, extras)
         elif files:
             load_into(sl.table, sl.slice_meta(), files, extras)
@@ -310,6 +316,8 @@ class ShardActor:
                                      unavailable=sl.unavailable)
                 if sl.is_index:
                     load.vectors, load.trained, load.index_device = sl.table.ntotal, sl.table.is_trained, sl.table.device
+                elif sl.kind == pb.PRODUCT_KEYS:
+                    load.trained = sl.table.loaded
                 else:
                     load.rows = sl.table.num_rows
             return st.SerializeToString()

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
-from memserver.api.types import METRIC_NAMES, ShardLayout
+from memserver.api.types import KIND_NAMES, METRIC_NAMES, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.steps import Entries, combine
 from memserver.core.table import ValueTable
@@ -49,9 +49,15 @@ class TableSlice:
         self.spec, self.info, self.num_shards = spec, info, num_shards
         self.layout = ShardLayout.of(spec, num_shards)
         self.by_rows = self.layout.by_rows
-        self.is_index = spec.kind == pb.INDEX
+        self.kind = spec.kind or pb.VALUE
+        self.is_index = self.kind == pb.INDEX
         self.table: Any
-        if self.is_index:  # the user's ids, no local rows: the index maps them itself
+        if self.kind == pb.PRODUCT_KEYS:  # keys and query network; the values are another table's
+            from memserver.core.pkm import ProductKeyIndex
+
+            self.table = ProductKeyIndex(int(spec.pkm_heads), int(spec.pkm_n_keys), int(spec.pkm_knn),
+                                         int(spec.pkm_k_dim), int(spec.pkm_d_in))
+        elif self.is_index:  # the user's ids, no local rows: the index maps them itself
             from memserver.core.index import VectorIndex
 
             self.table = VectorIndex(int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim),
@@ -217,7 +223,7 @@ class TableSlice:
 
     def slice_meta(self) -> dict[str, Any]:
         """Where this slice sits in its table (recorded in checkpoint files)."""
-        return {"table": self.spec.name, "kind": "index" if self.is_index else "value", "by_rows": self.by_rows,
+        return {"table": self.spec.name, "kind": KIND_NAMES[self.kind], "by_rows": self.by_rows,
                 "index": self.info.index, "num_shards": self.num_shards,
                 "num_rows": int(self.spec.num_rows), "dim": int(self.spec.dim), "col_start": int(self.info.col_start),
                 "col_end": int(self.info.col_end)}

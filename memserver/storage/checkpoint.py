@@ -168,3 +168,17 @@ def load_index(make: Callable[[dict[str, Any] | None], Any], target: dict[str, A
         if bool(mine.any()):
             index.add(ids[mine], vectors[mine], None if payload is None else payload[mine])
     return index
+
+
+def load_whole(target: dict[str, Any], files: list[dict[str, Any]], extras: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The state of a slice saved whole and restored whole (a product-key table: always one
+    shard, so its one file is its one slice). `extras` as in load_into."""
+    if len(files) != 1:
+        raise InvalidArgumentError(f"table {target['table']}: a one-shard table has one checkpoint file, got {len(files)}")
+    blob = _open_slice(files[0]["file"])
+    if blob["meta"].get("kind") != target.get("kind"):
+        raise InvalidArgumentError(f"table {target['table']}: the checkpoint holds a {blob['meta'].get('kind')} slice, "
+                                   f"not {target.get('kind')}")
+    if extras is not None:
+        extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
+    return dict(blob["state"])

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<4sIQI")
 _MAGIC = b"MSW1"
 #: Record kinds: the request message each one carries.
-BAG_BACKWARD, PUSH_GRADIENTS, WRITE_ROWS, COMMIT_STEP, ADD, REMOVE = 1, 2, 3, 4, 5, 6
+BAG_BACKWARD, PUSH_GRADIENTS, WRITE_ROWS, COMMIT_STEP, ADD, REMOVE, LOAD_PRODUCT_KEYS = 1, 2, 3, 4, 5, 6, 7
 
 
 class LogGapError(RuntimeError):

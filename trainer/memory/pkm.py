@@ -3,7 +3,8 @@
 Per head, the query's two halves score against their n_keys sub-keys each, top-knn of each,
 then the top-knn of the candidate sums: n_keys^2 slots searched for the price of 2 * n_keys
 dot products. Heads are concatenated into one weighted bag of heads*knn slots (summing the
-heads' reads, as XLM does). Everything after addressing is the MemoryLayer base's.
+heads' reads, as XLM does). The search itself is memserver.core.pkm's (the server's product-key
+tables run the same function). Everything after addressing is the MemoryLayer base's.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from memserver.core.pkm import candidate_pairs, product_key_topk
 from trainer.memory.backends import ValueBackend
 from trainer.memory.base import MemoryLayer
 
@@ -36,13 +37,11 @@ class ProductKeyMemory(MemoryLayer):
         half = k_dim // 2
         bound = 1 / math.sqrt(half)
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, half).uniform_(-bound, bound))  # [heads, 2, n_keys, half]
-        # Candidate pairs (i, j) of the two sorted top-knn lists that can reach the top knn: (i, j) is
-        # beaten by every (i', j') with i' <= i, j' <= j, so it needs (i+1)(j+1) <= knn. For knn=32
-        # that is 119 pairs instead of 1024: the same answer, far cheaper top-k.
-        i, j = torch.meshgrid(torch.arange(knn), torch.arange(knn), indexing="ij")
-        keep = (i + 1) * (j + 1) <= knn
-        self.register_buffer("cand_i", i[keep].contiguous(), persistent=False)
-        self.register_buffer("cand_j", j[keep].contiguous(), persistent=False)
+        # Candidate pairs (i, j) of the two sorted top-knn lists that can reach the top knn (see
+        # memserver.core.pkm.candidate_pairs): 119 pairs instead of 1024 for knn=32.
+        cand_i, cand_j = candidate_pairs(knn)
+        self.register_buffer("cand_i", cand_i, persistent=False)
+        self.register_buffer("cand_j", cand_j, persistent=False)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d_in] -> queries [N, heads * k_dim] (the BatchNorm sees the whole batch)."""
@@ -51,12 +50,4 @@ class ProductKeyMemory(MemoryLayer):
     def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """queries [n, heads * k_dim] -> slot ids [n, heads*knn] and their softmax weights (per head)."""
         n = q.shape[0]
-        q = q.view(n, self.heads, 2, self.k_dim // 2)  # [n, heads, 2, half]
-        scores = torch.einsum("nhsd,hskd->nhsk", q, self.keys)  # [n, heads, 2, n_keys]
-        s1, i1 = scores[:, :, 0].topk(self.knn, dim=-1)  # [n, heads, knn], sorted, best first
-        s2, i2 = scores[:, :, 1].topk(self.knn, dim=-1)
-        cand = s1[..., self.cand_i] + s2[..., self.cand_j]  # [n, heads, pairs]: the sums that can win
-        best, pos = cand.topk(self.knn, dim=-1)  # [n, heads, knn]
-        ids = i1.gather(-1, self.cand_i[pos]) * self.n_keys + i2.gather(-1, self.cand_j[pos])
-        weights = F.softmax(best.float(), dim=-1)
-        return ids.view(n, -1), weights.view(n, -1)
+        return product_key_topk(q.view(n, self.heads, 2, self.k_dim // 2), self.keys, self.knn, self.cand_i, self.cand_j)

@@ -28,6 +28,7 @@ class TableKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TABLE_KIND_UNSPECIFIED: _ClassVar[TableKind]
     VALUE: _ClassVar[TableKind]
     INDEX: _ClassVar[TableKind]
+    PRODUCT_KEYS: _ClassVar[TableKind]
 
 class Metric(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,6 +48,7 @@ COLS: Sharding
 TABLE_KIND_UNSPECIFIED: TableKind
 VALUE: TableKind
 INDEX: TableKind
+PRODUCT_KEYS: TableKind
 METRIC_UNSPECIFIED: Metric
 INNER_PRODUCT: Metric
 L2: Metric
@@ -76,7 +78,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory", "sync_workers", "wal", "metric", "payload_dim")
+    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory", "sync_workers", "wal", "metric", "payload_dim", "pkm_heads", "pkm_n_keys", "pkm_knn", "pkm_k_dim", "pkm_d_in", "values_table")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +95,12 @@ class TableSpec(_message.Message):
     WAL_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    PKM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    PKM_N_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PKM_KNN_FIELD_NUMBER: _ClassVar[int]
+    PKM_K_DIM_FIELD_NUMBER: _ClassVar[int]
+    PKM_D_IN_FIELD_NUMBER: _ClassVar[int]
+    VALUES_TABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: TableKind
     num_rows: int
@@ -109,7 +117,13 @@ class TableSpec(_message.Message):
     wal: bool
     metric: Metric
     payload_dim: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ..., wal: _Optional[bool] = ..., metric: _Optional[_Union[Metric, str]] = ..., payload_dim: _Optional[int] = ...) -> None: ...
+    pkm_heads: int
+    pkm_n_keys: int
+    pkm_knn: int
+    pkm_k_dim: int
+    pkm_d_in: int
+    values_table: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ..., wal: _Optional[bool] = ..., metric: _Optional[_Union[Metric, str]] = ..., payload_dim: _Optional[int] = ..., pkm_heads: _Optional[int] = ..., pkm_n_keys: _Optional[int] = ..., pkm_knn: _Optional[int] = ..., pkm_k_dim: _Optional[int] = ..., pkm_d_in: _Optional[int] = ..., values_table: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows", "layout_id")
@@ -358,6 +372,56 @@ class SearchResponse(_message.Message):
     ids: Tensor
     payload: Tensor
     def __init__(self, scores: _Optional[_Union[Tensor, _Mapping]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class QueryBatchNorm(_message.Message):
+    __slots__ = ("running_mean", "running_var", "weight", "bias", "eps")
+    RUNNING_MEAN_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_VAR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    running_mean: Tensor
+    running_var: Tensor
+    weight: Tensor
+    bias: Tensor
+    eps: float
+    def __init__(self, running_mean: _Optional[_Union[Tensor, _Mapping]] = ..., running_var: _Optional[_Union[Tensor, _Mapping]] = ..., weight: _Optional[_Union[Tensor, _Mapping]] = ..., bias: _Optional[_Union[Tensor, _Mapping]] = ..., eps: _Optional[float] = ...) -> None: ...
+
+class LoadProductKeysRequest(_message.Message):
+    __slots__ = ("table", "keys", "query_weight", "query_bias", "bn", "tag", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUERY_BIAS_FIELD_NUMBER: _ClassVar[int]
+    BN_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: Tensor
+    query_weight: Tensor
+    query_bias: Tensor
+    bn: QueryBatchNorm
+    tag: WriteTag
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., query_weight: _Optional[_Union[Tensor, _Mapping]] = ..., query_bias: _Optional[_Union[Tensor, _Mapping]] = ..., bn: _Optional[_Union[QueryBatchNorm, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
+class AddressRequest(_message.Message):
+    __slots__ = ("table", "queries", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    queries: Tensor
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
+class AddressResponse(_message.Message):
+    __slots__ = ("ids", "weights")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    ids: Tensor
+    weights: Tensor
+    def __init__(self, ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec",)

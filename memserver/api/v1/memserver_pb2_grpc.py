@@ -84,6 +84,16 @@ class DataPlaneStub:
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsRequest.SerializeToString,
                 response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsResponse.FromString,
                 _registered_method=True)
+        self.LoadProductKeys = channel.unary_unary(
+                '/memserver.v1.DataPlane/LoadProductKeys',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.LoadProductKeysRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
+                _registered_method=True)
+        self.Address = channel.unary_unary(
+                '/memserver.v1.DataPlane/Address',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddressRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddressResponse.FromString,
+                _registered_method=True)
 
 
 class DataPlaneServicer:
@@ -149,6 +159,19 @@ class DataPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadProductKeys(self, request, context):
+        """WriteAck.rows = sub-keys loaded
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Address(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +224,16 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     servicer.SlotStats,
                     request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsRequest.FromString,
                     response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsResponse.SerializeToString,
+            ),
+            'LoadProductKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadProductKeys,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.LoadProductKeysRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.SerializeToString,
+            ),
+            'Address': grpc.unary_unary_rpc_method_handler(
+                    servicer.Address,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddressRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddressResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +506,60 @@ class DataPlane:
             '/memserver.v1.DataPlane/SlotStats',
             memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsRequest.SerializeToString,
             memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadProductKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/LoadProductKeys',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.LoadProductKeysRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.WriteAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Address(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/Address',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.AddressRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.AddressResponse.FromString,
             options,
             channel_credentials,
             insecure,
