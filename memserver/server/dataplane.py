@@ -38,6 +38,8 @@ _KIND_CALLS = {
 
 #: Requests with at most this many ids run on the event loop when the compute thread is idle.
 INLINE_ENTRIES = 2048
+#: A search runs there only below this many multiply-adds of a brute-force scan (queries x vectors x dim).
+INLINE_SEARCH_WORK = 1 << 22
 
 
 class DataPlaneServicer(pb_grpc.DataPlaneServicer):
@@ -306,7 +308,11 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 resp.payload.CopyFrom(encode(torch.as_tensor(payload)))
             return resp
 
-        return await self.run(work, queries.shape[0] * max(1, int(request.k)) if queries.dim() else 1)
+        # Inline (on the event loop) only a search that is small whatever the kind: a few queries
+        # over a slice a brute-force scan reads in about a millisecond.
+        b = queries.shape[0] if queries.dim() else 1
+        small = b <= 4 and b * sl.table.ntotal * sl.table.dim <= INLINE_SEARCH_WORK
+        return await self.run(work, 0 if small else INLINE_ENTRIES + 1)
 
     # -- product-key tables ----------------------------------------------------------------
 
