@@ -138,10 +138,13 @@ class AsyncMemoryClient:
                 if old is None:
                     raise
                 meta = await self.table(name)
-                if isinstance(exc, FailedPreconditionError) and meta.layout_id == old.layout_id:
+                if meta.layout_id != old.layout_id:
+                    if tags is not None:  # a new incarnation: the write never reached it
+                        tags.reset()
+                elif isinstance(exc, FailedPreconditionError):
                     raise  # the map was current: the refusal is about something else
-                if tags is not None:
-                    tags.reset()
+                # else the same table (a shard that lost it): retry with the same tags, so a shard
+                # that applied the first attempt answers it instead of applying it again
                 return await fn(meta)
 
         async def refresh() -> None:

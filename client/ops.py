@@ -80,17 +80,30 @@ class ClientSession:
     def knows(self, meta: TableMeta, shard: ShardMeta) -> bool:
         return (meta.layout_id, shard.index) in self._known
 
-    def step_parts(self, table: str, step: int) -> dict[int, int]:
-        """The per-shard part counts of `step` (filled by bag_backward_op with gather)."""
-        with self._lock:
-            key = (table, step)
+    def step_parts(self, table: str, step: int) -> StepParts:
+        """Where bag_backward_op (gather) counts the parts of `step` it delivered, per shard."""
+        return StepParts(self, (table, step))
+
+    def count_part(self, key: tuple[str, int], shard: int) -> None:
+        with self._lock:  # several threads may send parts of one step
             if key not in self._parts and len(self._parts) >= self.MAX_OPEN_STEPS:
                 del self._parts[next(iter(self._parts))]
-            return self._parts.setdefault(key, {})
+            counts = self._parts.setdefault(key, {})
+            counts[shard] = counts.get(shard, 0) + 1
 
     def pop_step_parts(self, table: str, step: int) -> dict[int, int]:
         with self._lock:
             return self._parts.pop((table, step), {})
+
+
+class StepParts:
+    """The part counter of one (table, step) of a ClientSession."""
+
+    def __init__(self, session: ClientSession, key: tuple[str, int]) -> None:
+        self.session, self.key = session, key
+
+    def add(self, shard: int) -> None:
+        self.session.count_part(self.key, shard)
 
 
 class WriteTags:
@@ -324,7 +337,7 @@ def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOption
 
 
 def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offsets: Any, opts: OpOptions,
-                    tags: WriteTags, defer_apply: bool = False, step: int = 0, parts: dict[int, int] | None = None) -> Op:
+                    tags: WriteTags, defer_apply: bool = False, step: int = 0, parts: StepParts | None = None) -> Op:
     """dL/dweights (shape of ids); the shards apply weights * grad_out to the rows (exactly once).
 
     `parts` given: each request is a `gather` part of `step` (the update waits for commit_step_op),
@@ -358,7 +371,7 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
         else:
             flat_gw[entries][mask] = got  # rows: each entry lives on one shard
         if parts is not None:
-            parts[sh.index] = parts.get(sh.index, 0) + 1
+            parts.add(sh.index)
     return grad_w
 
 

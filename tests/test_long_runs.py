@@ -136,7 +136,7 @@ def test_a_commit_whose_parts_did_not_all_arrive_is_refused(client, table_name):
     before = client.lookup(table_name, np.arange(64))
     client.bag_backward(table_name, [[1, 2]], np.ones((1, 2), np.float32), np.ones((1, DIM), np.float32), step=7,
                         gather=True)
-    client.aio.session.step_parts(table_name, 7)[0] += 1  # claim a part shard 0 never received
+    client.aio.session.step_parts(table_name, 7).add(0)  # claim a part shard 0 never received
     with pytest.raises(FailedPreconditionError, match="sent 2 part"):
         client.commit_step(table_name, 7)
     np.testing.assert_array_equal(client.lookup(table_name, np.arange(64)), before)
@@ -297,3 +297,77 @@ def test_threads_per_shard_reach_the_compute_thread():
     servicer = DataPlaneServicer(torch.device("cpu"), threads=1)  # a new thread's default is NUMBA_NUM_THREADS
     assert servicer.pool.submit(numba.get_num_threads).result() == 1
     servicer.pool.shutdown()
+
+
+# ------------------------------------------------------------------ review fixes
+
+
+def _slice(**spec_fields):
+    from memserver.server.slice import TableSlice
+
+    spec = validate_spec(pb.TableSpec(name="s", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0),
+                                      sharding=pb.ROWS, **spec_fields), 1)
+    info = plan_table(spec, [{"address": "x", "node_id": "n", "pid": 1}]).shards[0]
+    return TableSlice(spec, info, 1, torch.device("cpu"))
+
+
+def test_a_write_that_fails_after_it_was_logged_stops_the_slices_writes():
+    sl = _slice()
+
+    def boom():
+        raise MemoryError("no room for the update")
+
+    with pytest.raises(MemoryError):
+        sl.once(pb.WriteTag(client_id="c", seq=1, acked_below=1), 2, pb.PushGradientsRequest(), boom)
+    with pytest.raises(RuntimeError, match="logged write failed to apply"):
+        sl.check_writable()
+
+
+def test_dropping_old_open_steps_never_drops_the_step_just_sent():
+    from memserver.server.slice import MAX_OPEN_STEPS
+
+    sl = _slice()
+    part = (torch.tensor([1]), torch.tensor([0]), torch.tensor([1.0]), torch.ones(1, 4))
+    for step in range(1, MAX_OPEN_STEPS + 1):
+        sl.gather(step, "c", part)
+    sl.gather(0, "late", part)  # a lagging trainer's step is the oldest one
+    assert 0 in sl.steps and 1 not in sl.steps and len(sl.steps) == MAX_OPEN_STEPS
+
+
+def test_a_table_a_shard_lost_is_retried_with_the_same_tags_and_a_new_one_with_new_tags():
+    """TableNotFound from a shard while the coordinator still maps the same layout: the retry
+    keeps the write's seqs (a shard that applied it answers it); a new layout gets new seqs."""
+    import asyncio
+
+    from client import AsyncMemoryClient, TableNotFoundError
+    from memserver.api.types import TableMeta
+
+    async def run(new_layout: bool) -> tuple[list[int], list[int]]:
+        c = AsyncMemoryClient("127.0.0.1:1", retry_seconds=0)
+        metas = iter([1, 2 if new_layout else 1])
+
+        async def table(name, refresh=False):
+            if name not in c._tables:
+                info = pb.TableInfo(spec=pb.TableSpec(name=name, num_rows=8, dim=2, sharding=pb.ROWS), layout_id=next(metas))
+                info.shards.add(index=0, address="127.0.0.1:1", col_end=2, num_rows=8)
+                c._tables[name] = TableMeta.from_proto(info)
+            return c._tables[name]
+
+        c.table = table
+        tags = c.tags()
+        seen: list[list[int]] = []
+
+        async def fn(meta):
+            tags(0, meta, meta.shards[0])
+            seen.append(list(tags.seqs.values()))
+            if len(seen) == 1:
+                raise TableNotFoundError("gone")
+            return "ok"
+
+        assert await c._with_table("t", fn, tags) == "ok"
+        return seen[0], seen[1]
+
+    first, second = asyncio.run(run(new_layout=False))
+    assert first == second
+    first, second = asyncio.run(run(new_layout=True))
+    assert first != second

@@ -37,6 +37,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.handles, self.infos = shard_handles, shard_infos
         self.tables: dict[str, pb.TableInfo] = {}
         self.pending: set[str] = set()
+        self.training: set[str] = set()  # index tables with a TrainIndex running (one at a time)
         self.placement: dict[str, list[int]] = {}  # table -> pool index of each of its shards
         self.epoch = 0
         self.restarted = restarted
@@ -186,12 +187,21 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def TrainIndex(self, request: pb.TrainIndexRequest, context: grpc.aio.ServicerContext) -> pb.TrainIndexResponse:
         """Train the table's quantizer/codebooks once, here, and install the trained empty index on
         every shard of the table: one set of centroids for the whole table."""
-        from memserver.core.index import VectorIndex
-
         info = self._get(request.name)
         spec = info.spec
         if spec.kind != pb.INDEX:
-            raise InvalidArgumentError(f"name: {request.name!r} is a value table; only index tables are trained")
+            raise InvalidArgumentError(f"name: {request.name!r} is not an index table; only index tables are trained")
+        if request.name in self.training:
+            raise FailedPreconditionError(f"index {request.name!r} is being trained by another call")
+        self.training.add(request.name)
+        try:
+            return await self._train_index(request, spec)
+        finally:
+            self.training.discard(request.name)
+
+    async def _train_index(self, request: pb.TrainIndexRequest, spec: pb.TableSpec) -> pb.TrainIndexResponse:
+        from memserver.core.index import VectorIndex
+
         sample = decode(request.sample, "sample").float()
         check_rows(sample, sample.shape[0] if sample.dim() == 2 else -1, int(spec.dim), "sample")
         check_float(sample, "sample")

@@ -53,14 +53,18 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         self.requests = 0
         # Deferred row updates (BagBackward with defer_apply): run on the compute thread before
         # any later work item, so no request ever observes the table without them.
-        self.pending: deque[Callable[[], object]] = deque()
+        self.pending: deque[tuple[TableSlice, Callable[[], object]]] = deque()
         self.busy = 0  # work items handed to the compute thread and not finished
         self.deferred = 0  # updates queued to run after their answer (a count, for status)
         self.tasks: set[asyncio.Task[None]] = set()
 
     def _drain(self) -> None:
         while self.pending:
-            self.pending.popleft()()
+            sl, update = self.pending.popleft()
+            try:
+                update()
+            except Exception as exc:  # acknowledged and logged: the table must not serve writes without it
+                sl.fail_writes(f"a deferred update failed to apply ({exc!r})")
 
     async def run(self, fn: Callable[[], T], entries: int = INLINE_ENTRIES + 1) -> T:
         """Run fn with exclusive access to the tables: on the compute thread, or, for a small
@@ -146,9 +150,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 if gathered:
                     sl.gather(request.step, client, bag_entries(local, weights, offsets, grad_out, copy=True))
                     if not request.gather:
-                        self._update(sl.commit(request.step, client), request.defer_apply)
+                        self._update(sl, sl.commit(request.step, client), request.defer_apply)
                 else:
-                    self._update(update, request.defer_apply)
+                    self._update(sl, update, request.defer_apply)
                 return encode(grad_w)
 
             grad_w, dup = sl.once(request.tag, BAG_BACKWARD, request, apply, check)
@@ -156,12 +160,12 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
         return work, ids.numel()
 
-    def _update(self, update: Callable[[], int | None] | None, defer: bool) -> int:
+    def _update(self, sl: TableSlice, update: Callable[[], int | None] | None, defer: bool) -> int:
         """Run a row update now, or (defer) right after the answer, before any later request."""
         if update is None:
             return 0
         if defer:
-            self.pending.append(update)
+            self.pending.append((sl, update))
             self.deferred += 1
             return 0
         return int(update() or 0)
@@ -173,7 +177,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             sl.check_writable()
 
             def apply() -> int:
-                return self._update(sl.commit(request.step, client), request.defer_apply)
+                return self._update(sl, sl.commit(request.step, client), request.defer_apply)
 
             rows, dup = sl.once(request.tag, COMMIT_STEP, request, apply,
                                 lambda: sl.check_commit(request.step, client, request.parts))

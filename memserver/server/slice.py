@@ -83,6 +83,7 @@ class TableSlice:
         self.last_lsn = -1  # the newest log record this slice appended
         self.recovered_from = ""
         self.unavailable = ""  # why this slice refuses requests (e.g. a gap in its log); "" = serving
+        self.write_failure = ""  # why this slice refuses writes (a logged write failed to apply); "" = none
         # Steps whose parts arrived and are not applied yet: step -> client_id -> its parts.
         self.steps: dict[int, dict[str, Contribution]] = {}
 
@@ -98,8 +99,10 @@ class TableSlice:
                 f"{self.info.layout_id} (the table was dropped and re-created or restored): refresh the shard map")
 
     def check_writable(self) -> None:
-        """Refuse writes once the log failed: an update applied but not logged could not be
-        acknowledged, and a retry would apply it twice."""
+        """Refuse writes once the log failed (an update applied but not logged could not be
+        acknowledged, and a retry would apply it twice) or a logged write failed to apply."""
+        if self.write_failure:
+            raise RuntimeError(f"table {self.spec.name}: {self.write_failure}; writes are refused until the shard restarts")
         if self.wal is not None and self.wal.failed is not None:
             raise RuntimeError(f"table {self.spec.name}: its write-ahead log failed ({self.wal.failed}); "
                                "writes are refused until the shard restarts")
@@ -135,27 +138,29 @@ class TableSlice:
         if check is not None:
             check()
         self._log(kind, request)
+        try:
+            answer = apply()
+        except Exception as exc:
+            self.fail_writes(f"a logged write failed to apply ({exc!r})")
+            raise
         if not tag.client_id:
-            return apply(), False
-        answer = apply()
+            return answer, False
         self.sessions.remember(tag, answer)
         if not self.replaying:
-            for client in self.sessions.expire():
-                self._forget_client(client)
+            self.sessions.expire()  # open steps stay: they are dropped in log order (MAX_OPEN_STEPS), as replay does
         return answer, False
+
+    def fail_writes(self, why: str) -> None:
+        """A write is in the log but not in memory: the table no longer equals its log, so refuse
+        every later write (a restart rebuilds it from the log)."""
+        if not self.write_failure:
+            log.error("table %s: %s; writes are refused until the shard restarts", self.spec.name, why)
+            self.write_failure = why
 
     def _log(self, kind: int, request: Any) -> None:
         """Append a write to the log (a no-op without one, and while replaying)."""
         if self.wal is not None:
             self.last_lsn = self.wal.append(kind, request.SerializeToString())
-
-    def _forget_client(self, client: str) -> None:
-        for step in [st for st, got in self.steps.items() if client in got and not got[client].committed]:
-            log.warning("table %s: session of client %s expired; dropping its unfinished step %d", self.spec.name,
-                        client, step)
-            del self.steps[step][client]
-            if not self.steps[step]:
-                del self.steps[step]
 
     # -- training steps in parts -----------------------------------------------------------
 
@@ -169,7 +174,7 @@ class TableSlice:
         """Keep one part of `client`'s contribution to `step` until it commits (check_gather first)."""
         self.steps.setdefault(step, {}).setdefault(client, Contribution()).parts.append(entries)
         if len(self.steps) > MAX_OPEN_STEPS:  # a trainer vanished: say so rather than grow forever
-            old = min(self.steps)
+            old = min(st for st in self.steps if st != step)  # never the step just accepted
             log.error("table %s: dropping unfinished step %d (contributions from %d client(s))", self.spec.name, old,
                       len(self.steps[old]))
             del self.steps[old]
