@@ -132,7 +132,7 @@ def test_merge_topk_matches_brute_force(data):
     n_parts = data.draw(st.integers(1, 4))
     k = data.draw(st.integers(0, 12))
     widths = [data.draw(st.integers(0, 6)) for _ in range(n_parts)]
-    pool = iter(data.draw(st.permutations(range(60))))  # ids distinct across parts, per query
+    pool = iter(data.draw(st.permutations(range(100))))  # distinct ids: at most 3 rows x 4 parts x 6 = 72 drawn
     value = st.sampled_from([-2.0, -1.0, -0.0, 0.0, 0.5, 3.0])  # ties, and -0.0 == 0.0
     fill = -np.inf if metric == "ip" else np.inf
     scores, ids, payloads = [], [], []
