@@ -438,7 +438,10 @@ class VectorIndex:
         and its old vector is never returned again. Returns the number of ids written.
 
         Everything is checked before anything changes (`check_add`)."""
-        ids, x, p = self.check_add(ids, vectors, payload)
+        return self.add_checked(*self.check_add(ids, vectors, payload))
+
+    def add_checked(self, ids: np.ndarray, x: np.ndarray, p: np.ndarray | None) -> int:
+        """`add` of what `check_add` returned (the shard checks before it logs, then applies)."""
         n = len(ids)
         if n == 0:
             return 0

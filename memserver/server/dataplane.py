@@ -274,8 +274,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         def work() -> pb.WriteAck:
             sl.check_writable()
             local = sl.local(ids)
-            n, dup = sl.once(request.tag, ADD, request, lambda: sl.table.add(local, vectors, payload),
-                             lambda: sl.table.check_add(local, vectors, payload))
+            checked: list[Any] = []  # check_add's arrays, validated once before the log and reused
+            n, dup = sl.once(request.tag, ADD, request, lambda: sl.table.add_checked(*checked[0]),
+                             lambda: checked.append(sl.table.check_add(local, vectors, payload)))
             return pb.WriteAck(rows=n, duplicate=dup)
 
         return work, ids.numel()
