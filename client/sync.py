@@ -222,3 +222,7 @@ class MemoryClient:
         """`bag` without waiting: the answer arrives in the returned future (a memory layer sends
         one chunk's bag and addresses the next chunk meanwhile)."""
         return self._loop.submit(self.aio.bag(table, ids, weights, offsets))
+
+    def submit_search(self, table: str, queries: Any, k: int, **kwargs: Any) -> Future[tuple[Any, ...]]:
+        """`search` without waiting (a KIF layer sends a chunk's search and goes on)."""
+        return self._loop.submit(self.aio.search(table, queries, k, **kwargs))

@@ -37,7 +37,7 @@ def _trained_layer(directory: Path, memory: str, client, values: str):
     run = setup(args)
     blob = torch.load(sorted(directory.glob("trainer-step-*.pt"))[-1], map_location="cpu", weights_only=False)
     run.model.load_state_dict(blob["model"])
-    layer = run.model.blocks[LAYER].memory
+    layer = run.model.blocks[LAYER].memory["pkm"]
     saved = blob["values"][str(LAYER)]
     if memory == "local":
         layer.values.load(directory, blob["step"], saved)

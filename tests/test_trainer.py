@@ -112,10 +112,10 @@ def test_shared_values_take_one_optimizer_step_per_training_step(client, table_n
         model = run.model
         for step in range(1, 4):
             x = torch.randint(0, run.corpus.vocab_size, (4, 32))
-            run.values[0].begin_step(step)
+            run.values["0"].begin_step(step)
             model(x, x)[1].backward()
-            run.values[0].end_step(step)
-        updates = run.values[0].table.updates.numpy()
+            run.values["0"].end_step(step)
+        updates = run.values["0"].table.updates.numpy()
     assert updates.max() == 3
 
 
@@ -165,7 +165,7 @@ def test_shared_values_are_one_table():
 
     run = setup(build_parser().parse_args([*TINY, "--memory", "local", "--mem-layers", "0,1", "--shared-values"]))
     mems = run.model.memories()
-    assert len(mems) == 2 and mems[0].values is mems[1].values
+    assert list(mems) == ["mem0", "mem1"] and mems["mem0"].values is mems["mem1"].values
     assert all(b.mlp is not None for b in run.model.blocks)  # parallel: the FFN stays
 
 

@@ -1,9 +1,11 @@
 """A small decoder-only transformer language model with memory layers.
 
-In the style of nanoGPT: one file, read top to bottom. A memory layer sits at chosen blocks,
+In the style of nanoGPT: one file, read top to bottom. Memory layers sit at chosen blocks,
 either replacing the block's feed-forward network ("replace") or beside it ("parallel": the
-block adds FFN(x) + Memory(x)). The memory's values live in a value backend (local or remote,
-see trainer.memory); keys and the query network are ordinary parameters of this model.
+block adds FFN(x) + Memory(x)); a block may hold several kinds (product keys, LSH, one KIF layer
+per knowledge source), their outputs summed. Value tables live in a value backend and knowledge
+in a knowledge source (local or remote, see trainer.memory); keys, query networks, f_E, gates
+and projections are ordinary parameters of this model.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.memory import MemoryConfig, MemoryLayer, ProductKeyMemory, ValueBackend
+from trainer.memory import (
+    KIFMemory,
+    KnowledgeSource,
+    LSHMemory,
+    MemoryConfig,
+    MemoryLayer,
+    ProductKeyMemory,
+    ValueBackend,
+)
 
 
 @dataclass
@@ -56,47 +66,69 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, memory: MemoryLayer | None) -> None:
+    def __init__(self, cfg: ModelConfig, memory: dict[str, MemoryLayer] | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.memory = memory
-        self.mlp = MLP(cfg) if memory is None or cfg.memory.mode == "parallel" else None
+        self.memory = nn.ModuleDict(memory or {})  # kind ("pkm", "lsh", "kif0", ...) -> layer
+        self.mlp = MLP(cfg) if not self.memory or cfg.memory.mode == "parallel" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         h = self.ln2(x)
         out = self.mlp(h) if self.mlp is not None else 0
-        if self.memory is not None:
-            out = out + self.memory(h)
+        for layer in self.memory.values():
+            out = out + layer(h)
         return x + out
 
 
-class GPT(nn.Module):
-    """Decoder-only LM; `values` maps each memory layer index to its value backend (the same
-    backend object under several layers shares one table, as in Memory Layers at Scale)."""
+def value_key(kind: str, block: int) -> str:
+    """The key of a value backend in GPT's `values` (and in memtrain checkpoints): product keys
+    keep the block number alone, as before other kinds existed."""
+    return str(block) if kind == "pkm" else f"{kind}-{block}"
 
-    def __init__(self, cfg: ModelConfig, values: dict[int, ValueBackend] | None = None) -> None:
+
+class GPT(nn.Module):
+    """Decoder-only LM. `values` maps `value_key(kind, block)` to the value backend of each
+    product-key or LSH layer (the same backend object under several layers shares one table,
+    as in Memory Layers at Scale); every KIF layer block reads each of `knowledge`'s sources."""
+
+    def __init__(self, cfg: ModelConfig, values: dict[str, ValueBackend] | None = None,
+                 knowledge: list[KnowledgeSource] | None = None) -> None:
         super().__init__()
         mem = cfg.memory
         if mem.mode not in ("parallel", "replace"):
             raise ValueError(f"memory mode must be 'parallel' or 'replace', got {mem.mode!r}")
-        values = values or {}
-        if missing := set(mem.layers) - set(values):
+        values, knowledge = values or {}, knowledge or []
+        wanted = {value_key(k, i) for i in mem.layers for k in mem.kinds if k != "kif"}
+        if missing := wanted - set(values):
             raise ValueError(f"no value backend for memory layer(s) {sorted(missing)}")
+        if "kif" in mem.kinds and mem.layers and not knowledge:
+            raise ValueError("KIF memory needs at least one knowledge source")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
+        d = cfg.n_embd
         blocks = []
         for i in range(cfg.n_layer):
-            layer = None
-            if i in mem.layers:
-                layer = ProductKeyMemory(cfg.n_embd, cfg.n_embd, values[i], n_keys=mem.n_keys, heads=mem.heads,
-                                         k_dim=mem.k_dim, knn=mem.knn, query_bn=mem.query_bn, mem_plus=mem.mem_plus,
-                                         micro_batches=mem.micro_batches)
-            blocks.append(Block(cfg, layer))
+            layers: dict[str, MemoryLayer] = {}
+            for kind in mem.kinds if i in mem.layers else ():
+                if kind == "pkm":
+                    layers[kind] = ProductKeyMemory(d, d, values[value_key(kind, i)], n_keys=mem.n_keys, heads=mem.heads,
+                                                    k_dim=mem.k_dim, knn=mem.knn, query_bn=mem.query_bn,
+                                                    mem_plus=mem.mem_plus, micro_batches=mem.micro_batches)
+                elif kind == "lsh":
+                    layers[kind] = LSHMemory(d, d, values[value_key(kind, i)], hashes=mem.lsh_hashes, bits=mem.lsh_bits,
+                                             seed=mem.lsh_seed + i, mem_plus=mem.mem_plus,
+                                             micro_batches=mem.micro_batches)
+                elif kind == "kif":
+                    for j, source in enumerate(knowledge):
+                        layers[f"kif{j}"] = KIFMemory(d, d, source, knn=mem.kif_knn, micro_batches=mem.micro_batches)
+                else:
+                    raise ValueError(f"unknown memory kind {kind!r}")
+            blocks.append(Block(cfg, layers))
         self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -112,8 +144,24 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def memories(self) -> list[MemoryLayer]:
-        return [b.memory for b in self.blocks if b.memory is not None]
+    def memories(self) -> dict[str, MemoryLayer]:
+        """Every memory layer by a readable name: "mem2" (product keys at block 2, the name the
+        metrics had before other kinds), "lsh2", "kif0_2" (source 0 at block 2)."""
+        out = {}
+        for i, b in enumerate(self.blocks):
+            for kind, layer in b.memory.items():
+                name = f"mem{i}" if kind == "pkm" else f"{kind}{i}" if kind == "lsh" else f"{kind}_{i}"
+                out[name] = layer
+        return out
+
+    @staticmethod
+    def upgrade_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A checkpoint written when a block held one product-key layer as `blocks.i.memory.*`
+        -> today's `blocks.i.memory.pkm.*`."""
+        import re
+
+        old = re.compile(r"^(blocks\.\d+\.memory\.)(?!pkm\.|lsh\.|kif\d+\.)")
+        return {old.sub(r"\1pkm.", k): v for k, v in sd.items()}
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = idx.shape

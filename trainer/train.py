@@ -1,8 +1,11 @@
-"""`memtrain`: train a character-level transformer LM whose product-key memory values live in
-the memserver cluster (`--memory remote`), in this process (`--memory local`) or nowhere
-(`--memory none`). One JSON object per log step with --log-json.
+"""`memtrain`: train a character-level transformer LM with memory layers (product keys, LSH
+sketch memory, KIF knowledge fetch) whose tables live in the memserver cluster (`--memory
+remote`), in this process (`--memory local`) or nowhere (`--memory none`). One JSON object per
+log step with --log-json.
 
     memtrain --memory remote --steps 1000 --mem-layers 2 --n-keys 128 --log-json run.jsonl
+    memtrain --memory local --memory-kind lsh --steps 1000
+    memtrain --memory remote --memory-kind pkm,kif          # KIF over the corpus's own sentences
 """
 
 from __future__ import annotations
@@ -21,8 +24,19 @@ from typing import Any
 import torch
 
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
-from trainer.memory import LocalValues, MemoryConfig, RemoteValues, UsageCounter, ValueBackend
-from trainer.model import GPT, ModelConfig
+from trainer.memory import (
+    KINDS,
+    KnowledgeSource,
+    LocalKnowledge,
+    LocalValues,
+    MemoryConfig,
+    RemoteKnowledge,
+    RemoteValues,
+    UsageCounter,
+    ValueBackend,
+)
+from trainer.memory.knowledge import corpus_sentences, encode_cached, make_encoder, upload_source
+from trainer.model import GPT, ModelConfig, value_key
 
 log = logging.getLogger("memtrain")
 
@@ -52,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--table", default="memtrain-values", help="name of the remote value table (re-created at start)")
     mem.add_argument("--mem-layers", default="2", help="comma-separated block indices that get a memory layer")
     mem.add_argument("--mem-mode", choices=["parallel", "replace"], default="parallel", help="memory beside the FFN, or instead of it")
+    mem.add_argument("--memory-kind", default="pkm", metavar="KINDS",
+                     help="comma-separated kinds of memory at each --mem-layers block: pkm (product keys), lsh (LSH "
+                          "sketch memory), kif (kNN fetch over fixed sentence encodings); several are summed")
     mem.add_argument("--shared-values", action="store_true", help="one value table for all memory layers")
     mem.add_argument("--n-keys", type=int, default=128, help="sub-keys per half: n_keys^2 memory slots")
     mem.add_argument("--heads", type=int, default=4, help="memory heads")
@@ -68,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--wal", action="store_true",
                      help="remote tables log every update before acknowledging it, so a restarted shard loses none "
                           "(without it, a shard restart returns the table to its latest checkpoint)")
+    lsh = p.add_argument_group("LSH sketch memory (--memory-kind lsh)")
+    lsh.add_argument("--lsh-hashes", type=int, default=4, help="hash functions, one bucket read from each")
+    lsh.add_argument("--lsh-bits", type=int, default=12, help="hyperplanes per hash: 2^bits buckets per hash "
+                     "(4 x 2^12 = 16384 slots, the product-key default's count)")
+    lsh.add_argument("--lsh-seed", type=int, default=0, help="seed of the fixed hash planes and sketch matrices")
+    kif = p.add_argument_group("KIF knowledge memory (--memory-kind kif)")
+    kif.add_argument("--kif-source", action="append", default=[], metavar="NAME",
+                     help="an index table in the cluster (metric ip, payload = the encodings) to read; repeatable. "
+                          "Without one, a source is built from the training text's sentences")
+    kif.add_argument("--kif-encoder", default="minilm", help="encoder of the built source: minilm (all-MiniLM-L6-v2, "
+                     "from the pinned package, offline) or hash[N] (character trigrams, instant)")
+    kif.add_argument("--kif-sentences", type=int, default=4096, help="sentences of the training text in the built source")
+    kif.add_argument("--kif-knn", type=int, default=8, help="hits fetched per position and source")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--checkpoint-dir", help="save the trainer's state here (and checkpoint the remote tables under <dir>/memory)")
     ck.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: only at the end, if --checkpoint-dir)")
@@ -112,45 +142,87 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = load_corpus(args.data)
+    kinds = tuple(k.strip() for k in args.memory_kind.split(",") if k.strip())
+    if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
+        raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: a comma-separated list of distinct "
+                         f"kinds from {', '.join(KINDS)}")
     mem_layers = tuple(int(x) for x in args.mem_layers.split(",") if x.strip()) if args.memory != "none" else ()
     if any(not 0 <= i < args.n_layer for i in mem_layers):
         raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
-    memory = MemoryConfig(layers=mem_layers, mode=args.mem_mode, n_keys=args.n_keys, heads=args.heads, k_dim=args.k_dim,
-                          knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
-                          micro_batches=args.micro_batches)
-    cfg = ModelConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                      n_embd=args.n_embd, dropout=args.dropout, memory=memory)
-    values: dict[int, ValueBackend] = {}
+    if args.kif_source and "kif" not in kinds:
+        raise SystemExit("memtrain: error: --kif-source: add kif to --memory-kind")
+    memory = MemoryConfig(layers=mem_layers, mode=args.mem_mode, kinds=kinds, n_keys=args.n_keys, heads=args.heads,
+                          k_dim=args.k_dim, knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
+                          micro_batches=args.micro_batches, lsh_hashes=args.lsh_hashes, lsh_bits=args.lsh_bits,
+                          lsh_seed=args.lsh_seed, kif_knn=args.kif_knn)
+    values: dict[str, ValueBackend] = {}
     own_client = False
-    if args.memory == "remote" and mem_layers and client is None:
+    wants_cluster = args.memory == "remote" or ("kif" in kinds and args.kif_source)
+    if wants_cluster and mem_layers and client is None:
         from client import MemoryClient
 
         client = MemoryClient(args.endpoint)
         own_client = True
-    shared: ValueBackend | None = None
+    shared: dict[str, ValueBackend] = {}  # --shared-values: one table per kind
     for i in mem_layers:
-        if shared is not None:
-            values[i] = shared
-            continue
-        seed = args.seed * 1000 + i
-        common = dict(optimizer=args.value_optimizer, lr=args.value_lr, seed=seed)
-        if args.memory == "local":
-            backend: ValueBackend = LocalValues(args.n_keys**2, args.n_embd, **common)
-        else:
-            name = args.table if args.shared_values or len(mem_layers) == 1 else f"{args.table}-{i}"
-            backend = RemoteValues(client, name, args.n_keys**2, args.n_embd, sharding=args.sharding,
-                                   defer_apply=args.staleness > 0, create=rank == 0,
-                                   sync_workers=world if world > 1 else 0, wal=args.wal, **common)
-        values[i] = backend
-        if args.shared_values:
-            shared = backend
+        for kind in kinds:
+            if kind == "kif":
+                continue
+            key = value_key(kind, i)
+            if kind in shared:
+                values[key] = shared[kind]
+                continue
+            rows = args.n_keys**2 if kind == "pkm" else args.lsh_hashes << args.lsh_bits
+            seed = args.seed * 1000 + i + (0 if kind == "pkm" else 500)
+            common = dict(optimizer=args.value_optimizer, lr=args.value_lr, seed=seed)
+            if args.memory == "local":
+                backend: ValueBackend = LocalValues(rows, args.n_embd, **common)
+            else:
+                base = args.table if kind == "pkm" else f"{args.table}-{kind}"
+                name = base if args.shared_values or len(mem_layers) == 1 else f"{base}-{i}"
+                backend = RemoteValues(client, name, rows, args.n_embd, sharding=args.sharding,
+                                       defer_apply=args.staleness > 0, create=rank == 0,
+                                       sync_workers=world if world > 1 else 0, wal=args.wal, **common)
+            values[key] = backend
+            if args.shared_values:
+                shared[kind] = backend
+    knowledge: list[KnowledgeSource] = []
+    if "kif" in kinds and mem_layers and rank == 0:
+        knowledge = knowledge_sources(args, corpus, client, rank)
     if world > 1:
         import torch.distributed as dist
 
-        dist.barrier()  # rank 0 has created the tables
+        dist.barrier()  # rank 0 has created the tables (and uploaded the KIF source)
+    if "kif" in kinds and mem_layers and rank > 0:
+        knowledge = knowledge_sources(args, corpus, client, rank)
+    memory.kif_sources = tuple(s.name for s in knowledge)
+    cfg = ModelConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                      n_embd=args.n_embd, dropout=args.dropout, memory=memory)
     torch.manual_seed(args.seed)
-    model = GPT(cfg, values)
+    model = GPT(cfg, values, knowledge)
     return Run(model, corpus, values, client if own_client else None)
+
+
+def knowledge_sources(args: argparse.Namespace, corpus: Corpus, client: Any, rank: int) -> list[KnowledgeSource]:
+    """The KIF layers' sources: the named index tables, or one built from the training text's
+    sentences (encoded once and cached on disk; in the cluster for --memory remote, else faiss here)."""
+    if args.kif_source:
+        return [RemoteKnowledge(client, name) for name in args.kif_source]
+    name = f"{args.table}-kif"
+    if rank > 0:  # rank 0 built and uploaded it
+        return [RemoteKnowledge(client, name)]
+    if args.kif_sentences < 1:
+        raise SystemExit(f"memtrain: error: --kif-sentences: must be >= 1, got {args.kif_sentences}")
+    try:
+        encoder = make_encoder(args.kif_encoder)
+    except ValueError as exc:
+        raise SystemExit(f"memtrain: error: --kif-encoder: {exc}") from None
+    sentences = corpus_sentences(corpus.decode(corpus.train.tolist()), args.kif_sentences)
+    log.info("KIF source: %d sentences of %s encoded with %s", len(sentences), corpus.name, encoder.name)
+    e = encode_cached(encoder, sentences)
+    if args.memory == "local":
+        return [LocalKnowledge(name, e)]
+    return [upload_source(client, name, e)]
 
 
 @torch.no_grad()
@@ -159,19 +231,25 @@ def evaluate(run: Run, args: argparse.Namespace, gen: torch.Generator) -> dict[s
     model = run.model
     model.eval()
     losses = []
-    usage = [(i, b.memory, UsageCounter(b.memory.values.num_rows)) for i, b in enumerate(model.blocks) if b.memory is not None]
+    layers = run.model.memories()
+    usage = {name: UsageCounter(layer.num_slots) for name, layer in layers.items()}
+    gates: dict[str, list[float]] = {name: [] for name, layer in layers.items() if hasattr(layer, "last_gate")}
     _, world = distributed()
     for _ in range(args.eval_iters):
         x, y = get_batch(run.corpus.val, args.batch_size * world, args.block_size, gen)  # the combined batch
         _, loss = model(x, y)
         losses.append(float(loss))
-        for _, layer, counter in usage:
-            counter.add(*layer.last_access)
+        for name, counter in usage.items():
+            counter.add(*layers[name].last_access)
+        for name, got in gates.items():
+            got.append(float(layers[name].last_gate.mean()))
     model.train()
     out: dict[str, float] = {"val_loss": sum(losses) / len(losses)}
-    for i, _, counter in usage:
+    for name, counter in usage.items():
         for k, v in counter.metrics().items():
-            out[f"mem{i}_{k}"] = v
+            out[f"{name}_{k}"] = v
+    for name, got in gates.items():  # KIF: how open each source's gate is, on average
+        out[f"{name}_gate"] = sum(got) / len(got)
     return out
 
 
@@ -192,9 +270,9 @@ def _trainer_file(directory: str, step: int) -> Path:
     return Path(directory) / f"trainer-step-{step:010d}.pt"
 
 
-def _unique(values: dict[int, ValueBackend]) -> dict[int, ValueBackend]:
+def _unique(values: dict[str, ValueBackend]) -> dict[str, ValueBackend]:
     """Each backend once, under the first layer that reads it (shared values are one table)."""
-    seen: dict[int, ValueBackend] = {}
+    seen: dict[str, ValueBackend] = {}
     for i, b in sorted(values.items()):
         if all(b is not other for other in seen.values()):
             seen[i] = b
@@ -208,7 +286,7 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
     from memserver.storage.fsutil import atomic_write
 
     root = Path(directory)
-    values = {str(i): b.save(root, step) for i, b in _unique(run.values).items()}
+    values = {key: b.save(root, step) for key, b in _unique(run.values).items()}
     blob = {"step": step, "model": run.model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
             "values": values, "memory": asdict(run.model.cfg.memory)}  # the layers' shape, for serving them
     atomic_write(_trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
@@ -220,16 +298,15 @@ def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
     if not files:
         raise SystemExit(f"memtrain: error: --resume {directory}: no trainer checkpoint there")
     blob = torch.load(files[-1], map_location="cpu", weights_only=False)
-    run.model.load_state_dict(blob["model"])
+    run.model.load_state_dict(GPT.upgrade_state_dict(blob["model"]))
     opt.load_state_dict(blob["opt"])
     gen.set_state(blob["gen"])
     step = int(blob["step"])
     if "values" not in blob:  # written before each backend saved itself: one memory/ root for every table
         local = blob["local_values"]
-        blob["values"] = {str(i): {"state": local[str(i)]} if str(i) in local else {"checkpoint": "memory"}
-                          for i in run.values}
-    for i, b in _unique(run.values).items():
-        b.load(Path(directory), step, blob["values"][str(i)])
+        blob["values"] = {key: {"state": local[key]} if key in local else {"checkpoint": "memory"} for key in run.values}
+    for key, b in _unique(run.values).items():
+        b.load(Path(directory), step, blob["values"][key])
     log.info("resumed from %s (step %d)", files[-1], step)
     return step
 

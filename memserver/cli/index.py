@@ -121,9 +121,11 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
     from client import MemoryClient, TableNotFoundError
 
     path, blob = _trainer_checkpoint(args.checkpoint_dir)
-    sd = blob["model"]
-    layers = sorted({int(k.split(".")[1]) for k in sd if k.startswith("blocks.") and k.endswith(".memory.keys")})
-    prefix = f"blocks.{args.layer}.memory."
+    from trainer.model import GPT
+
+    sd = GPT.upgrade_state_dict(blob["model"])  # checkpoints of any memtrain version
+    layers = sorted({int(k.split(".")[1]) for k in sd if k.startswith("blocks.") and k.endswith(".memory.pkm.keys")})
+    prefix = f"blocks.{args.layer}.memory.pkm."
     if prefix + "keys" not in sd:
         raise CliError(f"--layer {args.layer}: no product-key memory there; memory layers: {layers or 'none'}")
     keys = sd[prefix + "keys"].float()

@@ -1,11 +1,18 @@
 """What every memory layer shares, so a new kind of memory adds only its addressing.
 
-A memory layer maps hidden states to a weighted bag of value slots. The subclass's `queries(x)`
+A memory layer maps hidden states to a weighted bag of memory slots. The subclass's `queries(x)`
 runs once on the whole batch (anything with batch statistics, such as a BatchNorm, goes there)
 and its `address(q)` picks, per position, slot ids and their weights. This base reads the bag
 from the value backend (local or remote) through one autograd function, overlaps micro-batches'
 remote calls with the next chunk's addressing, records what was read for the usage metrics, and
 applies the optional Memory+ output (Memory Layers at Scale: out = W_o (bag * SiLU(W_g x))).
+
+Three hooks let a kind differ beyond addressing without copying the loop:
+- `groups`: the slots of a position are read as that many separate bags (LSH reads one bucket
+  per hash function) and `combine` mixes them (default: their sum, which is one bag);
+- `start`/`finish`: where a chunk's read comes from (default: `address` + the value backend's
+  bag; KIF: a kNN search whose hits it weighs itself);
+- `output`: the read -> the residual stream (default: as is, or Memory+).
 
 Micro-batches are an overlap only: queries see the whole batch, and the backends gather every
 chunk's value update of a training step into one optimizer step (`begin_step`/`end_step`), with
@@ -23,11 +30,14 @@ import torch.nn.functional as F
 
 from trainer.memory.backends import ValueBackend
 
+KINDS = ("pkm", "lsh", "kif")  # the memory layer kinds memtrain builds (--memory-kind)
+
 
 @dataclass
 class MemoryConfig:
     layers: tuple[int, ...] = field(default_factory=tuple)  # blocks that get a memory layer
     mode: str = "parallel"  # "parallel": beside the block's FFN; "replace": instead of it
+    kinds: tuple[str, ...] = ("pkm",)  # the kinds of memory at each of those blocks (their outputs are summed)
     n_keys: int = 128  # product keys: sub-keys per half, so n_keys^2 slots
     heads: int = 4  # memory heads, each reading knn slots; their reads are summed
     k_dim: int = 64  # query (and key) dimension, split into two halves of k_dim / 2
@@ -35,6 +45,11 @@ class MemoryConfig:
     query_bn: bool = True  # BatchNorm on the queries (spreads reads over more slots, per the PKM paper)
     mem_plus: bool = False  # Memory+: SiLU-gated output projection of "Memory Layers at Scale"
     micro_batches: int = 1  # split each lookup so one chunk's remote call overlaps the next chunk's addressing (same math)
+    lsh_hashes: int = 4  # LSH: hash functions, each picking one bucket
+    lsh_bits: int = 12  # LSH: bits per hash, so 2^bits buckets per hash (4 x 4096 = the PKM default's 16384 slots)
+    lsh_seed: int = 0  # LSH: seed of the hash planes and sketch matrices (same ids in every process)
+    kif_knn: int = 8  # KIF: hits per query and source
+    kif_sources: tuple[str, ...] = field(default_factory=tuple)  # KIF: the knowledge sources' names
 
 
 class _Bag(torch.autograd.Function):
@@ -56,25 +71,35 @@ class _Bag(torch.autograd.Function):
 
 def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable weighted bag over a value backend: ids, weights [N, n] -> [N, dim]
-    (`out`: the bag already fetched, e.g. through submit_bag)."""
+    (`out`: the bag already fetched, e.g. through submit_bag). The values are updated in the
+    backward only when the weights take part in autograd (they require grad)."""
     return _Bag.apply(weights, ids, values, out)
 
 
 class MemoryLayer(nn.Module):
-    """Base of the memory layers: subclasses implement `address`; the rest is here."""
+    """Base of the memory layers: subclasses implement `address` (and the hooks above they need)."""
 
-    def __init__(self, d_in: int, d_out: int, values: ValueBackend, *, mem_plus: bool = False,
-                 micro_batches: int = 1) -> None:
+    groups = 1  # bags read per position (see the module docstring)
+
+    def __init__(self, d_in: int, d_out: int, values: ValueBackend | None, *, read_dim: int | None = None,
+                 mem_plus: bool = False, micro_batches: int = 1) -> None:
+        """`read_dim`: the width of a position's read after `combine` (default: the values' dim)."""
         super().__init__()
         self.values = values
         self.micro_batches = max(1, micro_batches)
         self.mem_plus = mem_plus
+        read_dim = read_dim if read_dim is not None else values.dim if values is not None else d_out
         if mem_plus:
-            self.gate = nn.Linear(d_in, values.dim, bias=False)
-            self.proj = nn.Linear(values.dim, d_out, bias=False)
-        elif values.dim != d_out:
-            raise ValueError(f"value dim {values.dim} must equal the layer's output dim {d_out} (or use mem_plus)")
+            self.gate = nn.Linear(d_in, read_dim, bias=False)
+            self.proj = nn.Linear(read_dim, d_out, bias=False)
+        elif read_dim != d_out and type(self).output is MemoryLayer.output:
+            raise ValueError(f"the memory's read dim {read_dim} must equal the layer's output dim {d_out} (or use mem_plus)")
         self.last_access: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, weights) of the last forward
+
+    @property
+    def num_slots(self) -> int:
+        """Slots the usage metrics count over (ids outside [0, num_slots) are not counted)."""
+        return self.values.num_rows if self.values is not None else 0
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d_in] -> what `address` reads per position, computed on the whole batch at once."""
@@ -84,20 +109,38 @@ class MemoryLayer(nn.Module):
         """queries [n, *] (a chunk of them) -> slot ids [n, slots] (int64) and their weights [n, slots]."""
         raise NotImplementedError
 
+    def start(self, q: torch.Tensor, overlap: bool) -> Any:
+        """Begin a chunk's read: address it and, when chunks overlap, send its bag now."""
+        ids, w = self.address(q)
+        flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
+        return ids, w, self.values.submit_bag(flat_ids, flat_w) if overlap else None
+
+    def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A chunk's (ids, weights, read [n, read_dim]) from what `start` returned."""
+        ids, w, pending = started
+        n = ids.shape[0]
+        flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
+        out = bag(self.values, flat_ids, flat_w, None if pending is None else pending.result())  # [n*groups, dim]
+        return ids, w, self.combine(out.view(n, self.groups, -1))
+
+    def combine(self, reads: torch.Tensor) -> torch.Tensor:
+        """The groups' bags [n, groups, dim] -> one read [n, read_dim]."""
+        return reads.sum(1) if self.groups > 1 else reads[:, 0]
+
+    def output(self, read: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """read [N, read_dim] and the layer's input x [N, d_in] -> what the layer adds [N, d_out]."""
+        return self.proj(read * F.silu(self.gate(x))) if self.mem_plus else read
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, d_in], N = batch * time
         q = self.queries(flat)  # [N, *]: batch statistics over all N, however many chunks follow
         chunks = q.chunk(self.micro_batches) if self.micro_batches > 1 else (q,)
-        addressed, pending = [], []
-        for c in chunks:
-            ids, w = self.address(c)  # [n_c, slots] each
-            addressed.append((ids, w))
-            # several chunks: send this chunk's bag now; the next chunk's addressing overlaps it
-            pending.append(self.values.submit_bag(ids, w) if len(chunks) > 1 else None)
-        outs = [bag(self.values, ids, w, None if fut is None else fut.result()) for (ids, w), fut in zip(addressed, pending)]
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, value dim]
-        self.last_access = (torch.cat([a[0] for a in addressed]).detach(), torch.cat([a[1] for a in addressed]).detach())
-        if self.mem_plus:
-            out = self.proj(out * F.silu(self.gate(flat)))  # [N, d_out]
+        # several chunks: each chunk's read is sent as soon as it is addressed, so the next
+        # chunk's addressing overlaps it
+        started = [self.start(c, len(chunks) > 1) for c in chunks]
+        reads = [self.finish(c, s) for c, s in zip(chunks, started)]
+        out = torch.cat([r[2] for r in reads]) if len(reads) > 1 else reads[0][2]  # [N, read_dim]
+        self.last_access = (torch.cat([r[0] for r in reads]).detach(), torch.cat([r[1] for r in reads]).detach())
+        out = self.output(out, flat)
         return out.view(*shape[:-1], out.shape[-1])

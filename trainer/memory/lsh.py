@@ -1,0 +1,71 @@
+"""LSH sketch memory (Panigrahy, Wang and Xu 2021, "Sketch based memory for neural networks"): its addressing.
+
+`hashes` random-hyperplane hashes of the layer's input, `bits` hyperplanes each, pick one of
+2^bits buckets per hash; bucket j of hash i is row i * 2^bits + j of one value table (so the
+buckets live in a value backend, local or remote, and train with the same sparse bag and
+bag_backward as product keys). The hashes' bucket vectors z_i are combined by fixed random
+sketch matrices, out = sum_i R_i z_i, and added to the next layer's input.
+
+Hash planes and sketch matrices are drawn from `seed` alone (a CPU generator), never from the
+global RNG, so every process and every restart computes the same bucket ids. They are buffers
+not saved in state_dict: the seed (MemoryConfig.lsh_seed) is the state. The hash is not
+differentiable; gradients reach the bucket vectors only (the values' own sparse optimizer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainer.memory.backends import ValueBackend
+from trainer.memory.base import MemoryLayer
+
+MAX_BITS = 30  # 2^30 buckets per hash: beyond this, int64 ids and the tables get silly
+
+
+def lsh_planes(d_in: int, hashes: int, bits: int, seed: int) -> torch.Tensor:
+    """The fixed hyperplanes [d_in, hashes * bits] of seed `seed` (identical in every process)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(d_in, hashes * bits, generator=gen)
+
+
+def lsh_sketch(hashes: int, dim: int, d_out: int, seed: int) -> torch.Tensor:
+    """The fixed sketch matrices R [hashes, dim, d_out], entries N(0, 1 / (hashes * dim)), so the
+    sketch of unit-variance buckets has unit variance."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(hashes, dim, d_out, generator=gen) / math.sqrt(hashes * dim)
+
+
+def lsh_ids(x: torch.Tensor, planes: torch.Tensor, hashes: int, bits: int) -> torch.Tensor:
+    """x [n, d_in] -> bucket ids [n, hashes] in one table: hash i's bucket j is row i * 2^bits + j."""
+    signs = (x @ planes > 0).view(-1, hashes, bits).long()  # [n, hashes, bits]
+    powers = 2 ** torch.arange(bits, device=x.device)
+    buckets = (signs * powers).sum(-1)  # [n, hashes] in [0, 2^bits)
+    return buckets + torch.arange(hashes, device=x.device) * (1 << bits)
+
+
+class LSHMemory(MemoryLayer):
+    """hashes * 2^bits buckets; each position reads one bucket per hash and sums their sketches."""
+
+    def __init__(self, d_in: int, d_out: int, values: ValueBackend, *, hashes: int = 4, bits: int = 12, seed: int = 0,
+                 mem_plus: bool = False, micro_batches: int = 1) -> None:
+        if hashes < 1 or not 1 <= bits <= MAX_BITS:
+            raise ValueError(f"LSH memory: hashes must be >= 1 and bits in [1, {MAX_BITS}], got {hashes}, {bits}")
+        if values.num_rows != hashes << bits:
+            raise ValueError(f"the value table has {values.num_rows} rows, hashes * 2^bits = {hashes << bits}")
+        super().__init__(d_in, d_out, values, read_dim=d_out, mem_plus=mem_plus, micro_batches=micro_batches)
+        self.groups = hashes  # one bag (of one bucket) per hash function, combined by the sketch
+        self.hashes, self.bits, self.seed = hashes, bits, seed
+        self.register_buffer("planes", lsh_planes(d_in, hashes, bits, seed), persistent=False)
+        self.register_buffer("sketch", lsh_sketch(hashes, values.dim, d_out, seed), persistent=False)
+
+    def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """queries [n, d_in] -> bucket ids [n, hashes] and weights 1 (they take part in autograd
+        only so the backward updates the buckets; their gradient is not used)."""
+        ids = lsh_ids(q.detach(), self.planes, self.hashes, self.bits)
+        return ids, torch.ones(ids.shape, device=q.device, requires_grad=torch.is_grad_enabled())
+
+    def combine(self, reads: torch.Tensor) -> torch.Tensor:
+        """Buckets [n, hashes, dim] -> sum_i R_i z_i [n, d_out]."""
+        return torch.einsum("nhd,hdo->no", reads, self.sketch)
