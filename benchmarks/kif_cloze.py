@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for kind in runs:
         t.add_row(kind, cell(kind, "accuracy"), cell(kind, "answer_loss"), cell(kind, "gate_wikitext"),
                   cell(kind, "gate_shakespeare"), cell(kind, "own_sentence_hit"))
-    Console().print(t)
+    Console(width=140).print(t)
     print(f"chance (majority month in training): "
           f"{float((y[data['test']] == y[data['train']].mode().values).float().mean()):.3f}")
     return rows

@@ -1,7 +1,11 @@
-"""Validation loss of the same transformer with no memory, a local PKM memory and a remote PKM
-memory (values in a 2-shard memserver cluster started here), at an equal step budget.
+"""Validation loss of the same transformer with no memory and with memory layers (values in this
+process or in a 2-shard memserver cluster started here), at an equal step budget.
+
+A run is `none`, `local` or `remote` (where the values live), optionally with a memory kind:
+`local-lsh`, `remote-kif`, ... (plain `local`/`remote` are product keys).
 
     python -m benchmarks.train_quality --steps 1000 --out results/quality
+    python -m benchmarks.train_quality --steps 1000 --runs none,local,local-lsh --out results/kinds
 
 Writes one JSON-lines log per run, summary.json and val_loss.png into --out, prints a table.
 """
@@ -25,6 +29,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--out", default="results/quality")
     p.add_argument("--runs", default="none,local,remote", help="which memories to train, comma-separated")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     p.add_argument("--extra", default="", help="extra memtrain flags for the memory runs, e.g. '--mem-mode replace'")
     args = p.parse_args(argv)
     from client import MemoryClient
@@ -32,11 +37,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--eval-iters", "20", "--log-every", "50"]
+    base = ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--eval-iters", "20", "--log-every", "50",
+            "--threads", str(args.threads)]
     summary: dict = {"machine": machine(), "steps": args.steps, "runs": {}}
     with local_cluster(2) as cluster, MemoryClient(cluster.endpoint) as client:
         for memory in args.runs.split(","):
-            argv_run = [*base, "--memory", memory, *(args.extra.split() if memory != "none" else [])]
+            where, _, kind = memory.partition("-")
+            argv_run = [*base, "--memory", where, *(["--memory-kind", kind] if kind else []),
+                        *(args.extra.split() if where != "none" else [])]
             log_path = out / f"{memory}.jsonl"
             t0 = time.perf_counter()
             recs = []
@@ -56,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "final_val_loss": evals[-1]["val_loss"],
                 "best_val_loss": min(r["val_loss"] for r in evals),
                 "mean_step_ms": sum(r["step_ms"] for r in recs[1:]) / max(1, len(recs) - 1),
-                "usage": {k: v for k, v in evals[-1].items() if k.startswith("mem")},
+                "usage": {k: v for k, v in evals[-1].items() if k.startswith(("mem", "lsh", "kif"))},
             }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot(out, args.runs.split(","))

@@ -5,7 +5,11 @@ trainer. Same config as memtrain's defaults (4 layers, d=128, n_keys 128, 4 head
 batch 32 x 128 tokens, memory beside the FFN of block 2). Runs: no memory (reference), local
 memory (the same `ValueTable` in this process), remote memory (2 shards, cols), remote with
 `--staleness 1` (the shards apply the update after answering) and remote with
-`--micro-batches 2` (one chunk's call overlaps the next chunk's addressing).
+`--micro-batches 2` (one chunk's call overlaps the next chunk's addressing); then the other
+kinds, local and remote: LSH sketch memory (4 x 2^12 buckets, the same 16,384 slots) and KIF
+(4,096 training sentences encoded with all-MiniLM-L6-v2, 8 hits per position; the first run
+encodes them, later ones read the cache). Each remote run is compared with the local run of
+its kind, and every run with no memory.
 
 The runs are advanced in blocks of --block steps, round robin, so background load on the
 shared machine falls on all of them alike; the first block's first --warmup steps and the first
@@ -37,7 +41,17 @@ RUNS: dict[str, list[str]] = {
     "remote": ["--memory", "remote"],
     "remote staleness 1": ["--memory", "remote", "--staleness", "1"],
     "remote micro-batches 2": ["--memory", "remote", "--micro-batches", "2"],
+    "local lsh": ["--memory", "local", "--memory-kind", "lsh"],
+    "remote lsh": ["--memory", "remote", "--memory-kind", "lsh"],
+    "local kif": ["--memory", "local", "--memory-kind", "kif"],
+    "remote kif": ["--memory", "remote", "--memory-kind", "kif"],
 }
+
+
+def local_of(run: str) -> str:
+    """The local run a remote run compares with: the same memory kind, in this process."""
+    kind = run.split()[1] if len(run.split()) > 1 and run.split()[1] in ("lsh", "kif") else ""
+    return f"local {kind}".strip()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -88,16 +102,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "command": commands[n]} for n, v in step_ms.items()}
     ms = {n: r["p50_ms"] for n, r in res.items()}
     ratios: dict[str, float] = {}
-    if "local" in ms:
-        for n in names:
-            if n.startswith("remote"):
-                ratios[f"{n} / local"] = ms[n] / ms["local"]
+    for n in names:
+        if n.startswith("remote") and local_of(n) in ms:
+            ratios[f"{n} / {local_of(n)}"] = ms[n] / ms[local_of(n)]
     if "none" in ms:
         for n in names:
             if n != "none":
                 ratios[f"{n} / none"] = ms[n] / ms["none"]
     targets = [target("train_step", f"{n} / local (ms/step)", ms[n] / ms["local"], TARGET, higher_is_better=False)
-               for n in names if n.startswith("remote") and "local" in ms]
+               for n in names if n.startswith("remote") and local_of(n) == "local" and "local" in ms]
     out = {"benchmark": "train_step", "config": vars(args), "machine": machine(), "results": res, "ratios": ratios,
            "targets": targets}
     if args.json:
@@ -105,11 +118,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return out
     tbl = Table(title=f"memtrain step (defaults: 4 layers, d=128, PKM 128^2 x 128, 4 heads x knn 32, batch 32x128); "
                       f"{args.blocks} blocks of {args.block} steps round robin")
-    for col in ("run", "steps counted", "p50 ms/step", "mean ms/step", "x local", "x none"):
+    for col in ("run", "steps counted", "p50 ms/step", "mean ms/step", "x local (same kind)", "x none"):
         tbl.add_column(col, justify="right")
     for n, r in res.items():
         tbl.add_row(n, str(r["n"]), f"{r['p50_ms']:.1f}", f"{r['mean_ms']:.1f}",
-                    f"{r['p50_ms'] / ms['local']:.2f}" if "local" in ms else "-",
+                    f"{r['p50_ms'] / ms[local_of(n)]:.2f}" if local_of(n) in ms else "-",
                     f"{r['p50_ms'] / ms['none']:.2f}" if "none" in ms else "-")
     Console(width=160).print(tbl)
     return out

@@ -7,6 +7,10 @@ remote path a memory layer uses: weighted bags on the shards (`bag`), dL/d(out) 
 Part 2, the product: train the same small character-level transformer on tiny Shakespeare
 twice, without memory and with a product-key memory whose values live in the cluster, and print
 the validation losses side by side.
+
+Part 3, another kind of memory: SketchMem's warm-up (trainer.warmup), 1,000 random 50-bit
+key -> value pairs that a small network cannot memorise alone, and can with an LSH sketch memory
+whose buckets live in the cluster.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--knn", type=int, default=32)
     p.add_argument("--train-steps", type=int, default=300, help="LM training steps per model (0: skip part 2)")
+    p.add_argument("--warmup-pairs", type=int, default=1000, help="pairs of the LSH warm-up (0: skip part 3)")
     args = p.parse_args(argv)
     console = Console(width=120)
     rng = np.random.default_rng(0)
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             client.drop_table(t.spec.name)
         if args.train_steps:
             train_comparison(client, args.train_steps, console)
+        if args.warmup_pairs:
+            lsh_warmup(client, args.warmup_pairs, console)
     console.print("[bold green]demo finished[/]")
     return 0
 
@@ -124,6 +131,27 @@ def train_comparison(client: MemoryClient, steps: int, console: Console) -> None
                       f"{last['tokens_per_s']:,.0f}", used)
     console.print(table)
     client.drop_table("demo-pkm")
+
+
+def lsh_warmup(client: MemoryClient, pairs: int, console: Console) -> None:
+    """Memorise random 50-bit pairs: the plain network against one with remote LSH memories."""
+    from trainer.warmup import WarmupConfig, run_one
+
+    cfg = WarmupConfig(batch_size=500, lr=3e-3)  # large batches: few calls, same memorisation
+    table = Table(title=f"SketchMem warm-up: memorise {pairs:,} random 50-bit key -> value pairs "
+                        f"(depth 3, width 50, {cfg.epochs} epochs)")
+    for col in ("network", "bit accuracy", "exact match", "seconds"):
+        table.add_column(col, justify="left" if col == "network" else "right")
+    rows = {}
+    for kind, label in (("none", "plain"), ("lsh-remote", f"+ LSH memory per layer ({cfg.hashes} x 2^{cfg.bits} buckets, in the cluster)")):
+        console.print(f"training [bold]{label}[/] ...")
+        rows[kind] = r = run_one(kind, pairs, cfg, client)
+        table.add_row(label, f"{r['bit_acc']:.4f}", f"{r['exact']:.4f}", f"{r['seconds']:.0f}")
+    console.print(table)
+    for t in client.list_tables():
+        if t.name.startswith("warmup-"):
+            client.drop_table(t.name)
+    assert rows["lsh-remote"]["exact"] > rows["none"]["exact"] + 0.5, "the LSH memory should memorise the pairs"
 
 
 if __name__ == "__main__":

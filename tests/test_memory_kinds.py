@@ -260,6 +260,7 @@ def test_kif_reads_an_existing_index_table(client, table_name, tmp_path):
     (["--memory-kind", "lsh,lsh"], "distinct kinds"),
     (["--kif-source", "t"], "--kif-source: add kif"),
     (["--memory-kind", "kif", "--kif-encoder", "bert"], "--kif-encoder"),
+    (["--memory-kind", "lsh", "--lsh-bits", "31"], "--lsh-bits: must be in [1, 30]"),
 ])
 def test_bad_memory_flags_are_named(argv, message):
     proc = subprocess.run([sys.executable, "-m", "trainer.train", *TINY, "--memory", "local", "--steps", "1", *argv],

@@ -151,6 +151,12 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
         raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
     if args.kif_source and "kif" not in kinds:
         raise SystemExit("memtrain: error: --kif-source: add kif to --memory-kind")
+    from trainer.memory.lsh import MAX_BITS
+
+    for flag, value, lo, hi in (("--lsh-hashes", args.lsh_hashes, 1, 1024), ("--lsh-bits", args.lsh_bits, 1, MAX_BITS),
+                                ("--kif-knn", args.kif_knn, 1, 4096)):
+        if not lo <= value <= hi:
+            raise SystemExit(f"memtrain: error: {flag}: must be in [{lo}, {hi}], got {value}")
     memory = MemoryConfig(layers=mem_layers, mode=args.mem_mode, kinds=kinds, n_keys=args.n_keys, heads=args.heads,
                           k_dim=args.k_dim, knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
                           micro_batches=args.micro_batches, lsh_hashes=args.lsh_hashes, lsh_bits=args.lsh_bits,
@@ -173,7 +179,7 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
                 values[key] = shared[kind]
                 continue
             rows = args.n_keys**2 if kind == "pkm" else args.lsh_hashes << args.lsh_bits
-            seed = args.seed * 1000 + i + (0 if kind == "pkm" else 500)
+            seed = args.seed * 1000 + i + (0 if kind == "pkm" else 500)  # each table its own initial values
             common = dict(optimizer=args.value_optimizer, lr=args.value_lr, seed=seed)
             if args.memory == "local":
                 backend: ValueBackend = LocalValues(rows, args.n_embd, **common)
