@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tbl.add_column(col, justify="right")
     for n, r in res.items():
         tbl.add_row(n, str(r["n"]), f"{r['p50_ms']:.1f}", f"{r['mean_ms']:.1f}",
-                    f"{r['p50_ms'] / ms[local_of(n)]:.2f}" if local_of(n) in ms else "-",
+                    f"{r['p50_ms'] / ms[local_of(n)]:.2f}" if n != "none" and local_of(n) in ms else "-",
                     f"{r['p50_ms'] / ms['none']:.2f}" if "none" in ms else "-")
     Console(width=160).print(tbl)
     return out

@@ -274,3 +274,13 @@ def test_a_checkpoint_from_before_the_kinds_loads():
     assert GPT.upgrade_state_dict(sd) == {"blocks.1.memory.pkm.keys": 3, "blocks.1.memory.pkm.query.weight": 2,
                                           "blocks.1.memory.lsh.x": 4, "blocks.1.memory.kif0.f_e.0.weight": 5,
                                           "blocks.0.mlp.fc.weight": 6}
+
+
+def test_warmup_task_an_lsh_memory_memorises_what_the_plain_network_cannot():
+    """A small instance of SketchMem's warm-up (benchmarks.sketchmem_warmup has the full table)."""
+    from trainer.warmup import WarmupConfig, run_one
+
+    cfg = WarmupConfig(epochs=40, batch_size=100, lr=3e-3, hashes=4, bits=10)
+    plain, lsh = run_one("none", 300, cfg), run_one("lsh", 300, cfg)
+    assert plain["exact"] == 0.0 and plain["bit_acc"] < 0.75
+    assert lsh["exact"] > 0.3 and lsh["bit_acc"] > 0.9 and lsh["slots_per_layer"] == 4 << 10

@@ -181,6 +181,8 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
             rows = args.n_keys**2 if kind == "pkm" else args.lsh_hashes << args.lsh_bits
             seed = args.seed * 1000 + i + (0 if kind == "pkm" else 500)  # each table its own initial values
             common = dict(optimizer=args.value_optimizer, lr=args.value_lr, seed=seed)
+            if kind == "lsh":  # a sketch of random buckets is noise at the residual's own scale: start at zero
+                common["init_std"] = 0.0
             if args.memory == "local":
                 backend: ValueBackend = LocalValues(rows, args.n_embd, **common)
             else:
