@@ -253,6 +253,9 @@ def test_kif_reads_an_existing_index_table(client, table_name, tmp_path):
                                       "--kif-source", table_name, "--steps", "3", "--eval-every", "3"])
     recs = list(train(args, client=client))
     assert {"kif0_1_gate", "kif1_1_gate", "mem1_used_pct"} <= set(recs[-1])
+    missing = build_parser().parse_args([*TINY, "--memory", "local", "--memory-kind", "kif", "--kif-source", "no-such"])
+    with pytest.raises(SystemExit, match="--kif-source: .*no-such"):
+        list(train(missing, client=client))
 
 
 @pytest.mark.parametrize("argv, message", [

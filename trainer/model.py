@@ -92,7 +92,7 @@ def value_key(kind: str, block: int) -> str:
 class GPT(nn.Module):
     """Decoder-only LM. `values` maps `value_key(kind, block)` to the value backend of each
     product-key or LSH layer (the same backend object under several layers shares one table,
-    as in Memory Layers at Scale); every KIF layer block reads each of `knowledge`'s sources."""
+    as in Memory Layers at Scale); a block with KIF gets one KIF layer per source in `knowledge`."""
 
     def __init__(self, cfg: ModelConfig, values: dict[str, ValueBackend] | None = None,
                  knowledge: list[KnowledgeSource] | None = None) -> None:

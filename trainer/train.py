@@ -215,7 +215,12 @@ def knowledge_sources(args: argparse.Namespace, corpus: Corpus, client: Any, ran
     """The KIF layers' sources: the named index tables, or one built from the training text's
     sentences (encoded once and cached on disk; in the cluster for --memory remote, else faiss here)."""
     if args.kif_source:
-        return [RemoteKnowledge(client, name) for name in args.kif_source]
+        from client import TableNotFoundError
+
+        try:
+            return [RemoteKnowledge(client, name) for name in args.kif_source]
+        except (TableNotFoundError, ValueError) as exc:
+            raise SystemExit(f"memtrain: error: --kif-source: {exc}") from None
     name = f"{args.table}-kif"
     if rank > 0:  # rank 0 built and uploaded it
         return [RemoteKnowledge(client, name)]

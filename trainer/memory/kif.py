@@ -65,12 +65,13 @@ class KIFMemory(MemoryLayer):
 
     def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _, ids, enc = started.result()  # [n, k], [n, k, dim]; the returned scores are not differentiable
+        ids, enc = ids.to(q.device), enc.to(q.device, q.dtype)
         hit = ids >= 0
         # a missing hit weighs nothing (its encoding is zeros, so a query with no hit reads zeros)
-        scores = self.log_scale.exp() * torch.einsum("nd,nkd->nk", q, enc.to(q.dtype))
+        scores = self.log_scale.exp() * torch.einsum("nd,nkd->nk", q, enc)
         scores = scores.masked_fill(~hit, torch.finfo(q.dtype).min)
         w = torch.softmax(scores, dim=1) * hit
-        m = torch.einsum("nk,nkd->nd", w, enc.to(q.dtype))
+        m = torch.einsum("nk,nkd->nd", w, enc)
         return ids, w, m
 
     def output(self, read: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
