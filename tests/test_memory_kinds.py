@@ -19,7 +19,7 @@ from trainer.memory import (
     UsageCounter,
 )
 from trainer.memory.knowledge import HashEncoder, corpus_sentences, encode_cached, upload_source
-from trainer.memory.lsh import lsh_ids, lsh_planes
+from trainer.memory.lsh import lsh_ids, lsh_tables
 from trainer.model import GPT
 from trainer.train import build_parser, train
 
@@ -33,12 +33,12 @@ TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32
 
 
 def test_lsh_bucket_ids_are_the_same_in_another_process():
+    torch.manual_seed(999)  # the global RNG plays no part (the other process leaves it at its default)
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
-    here = lsh_ids(x, lsh_planes(16, 3, 7, seed=42), 3, 7)
-    code = ("import sys, torch; from trainer.memory.lsh import lsh_ids, lsh_planes; "
+    here = lsh_ids(x, lsh_tables(16, 3, 7, 4, 4, seed=42)[0], 3, 7)
+    code = ("import sys, torch; from trainer.memory.lsh import lsh_ids, lsh_tables; "
             "x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)); "
-            "print(lsh_ids(x, lsh_planes(16, 3, 7, seed=42), 3, 7).tolist())")
-    torch.manual_seed(999)  # the global RNG plays no part
+            "print(lsh_ids(x, lsh_tables(16, 3, 7, 4, 4, seed=42)[0], 3, 7).tolist())")
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(there) == here.tolist()
     assert ((here >= 0) & (here < 3 * 128)).all()
@@ -56,6 +56,8 @@ def test_lsh_layer_rebuilt_from_its_seed_addresses_the_same_buckets():
     assert torch.equal(a.address(x)[0], b.address(x)[0]) and torch.equal(a.sketch, b.sketch)
     c = LSHMemory(16, 8, LocalValues(2 * 64, 8), hashes=2, bits=6, seed=8)
     assert not torch.equal(a.address(x)[0], c.address(x)[0])
+    # neighbouring seeds (the next block's layer) share no draws: c's planes are not a's sketch
+    assert not torch.allclose(c.planes.flatten()[:64], a.sketch.flatten()[:64] * (2 * 8) ** 0.5)
 
 
 def test_lsh_forward_and_value_update_match_a_dense_reference():

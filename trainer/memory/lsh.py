@@ -24,17 +24,15 @@ from trainer.memory.base import MemoryLayer
 MAX_BITS = 30  # 2^30 buckets per hash: beyond this, int64 ids and the tables get silly
 
 
-def lsh_planes(d_in: int, hashes: int, bits: int, seed: int) -> torch.Tensor:
-    """The fixed hyperplanes [d_in, hashes * bits] of seed `seed` (identical in every process)."""
+def lsh_tables(d_in: int, hashes: int, bits: int, dim: int, d_out: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed hyperplanes [d_in, hashes * bits] and sketch matrices R [hashes, dim, d_out] of
+    seed `seed`, drawn in that order from one CPU generator (identical in every process; layers
+    of different seeds share no draws). R's entries are N(0, 1 / (hashes * dim)), so the sketch of
+    unit-variance buckets has unit variance."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(d_in, hashes * bits, generator=gen)
-
-
-def lsh_sketch(hashes: int, dim: int, d_out: int, seed: int) -> torch.Tensor:
-    """The fixed sketch matrices R [hashes, dim, d_out], entries N(0, 1 / (hashes * dim)), so the
-    sketch of unit-variance buckets has unit variance."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(hashes, dim, d_out, generator=gen) / math.sqrt(hashes * dim)
+    planes = torch.randn(d_in, hashes * bits, generator=gen)
+    sketch = torch.randn(hashes, dim, d_out, generator=gen) / math.sqrt(hashes * dim)
+    return planes, sketch
 
 
 def lsh_ids(x: torch.Tensor, planes: torch.Tensor, hashes: int, bits: int) -> torch.Tensor:
@@ -57,8 +55,9 @@ class LSHMemory(MemoryLayer):
         super().__init__(d_in, d_out, values, read_dim=d_out, mem_plus=mem_plus, micro_batches=micro_batches)
         self.groups = hashes  # one bag (of one bucket) per hash function, combined by the sketch
         self.hashes, self.bits, self.seed = hashes, bits, seed
-        self.register_buffer("planes", lsh_planes(d_in, hashes, bits, seed), persistent=False)
-        self.register_buffer("sketch", lsh_sketch(hashes, values.dim, d_out, seed), persistent=False)
+        planes, sketch = lsh_tables(d_in, hashes, bits, values.dim, d_out, seed)
+        self.register_buffer("planes", planes, persistent=False)
+        self.register_buffer("sketch", sketch, persistent=False)
 
     def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """queries [n, d_in] -> bucket ids [n, hashes] and weights 1 (they take part in autograd
