@@ -66,7 +66,7 @@ class ClozeModel(nn.Module):
     def __init__(self, dim: int, sources: list[KnowledgeSource], knn: int, dropout: float) -> None:
         super().__init__()
         self.trunk = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(dim, dim))
-        self.kif = nn.ModuleList([KIFMemory(dim, dim, s, knn=knn) for s in sources])
+        self.kif = nn.ModuleList([KIFMemory(dim, dim, s, knn=knn, residual_query=True) for s in sources])
         self.head = nn.Sequential(nn.LayerNorm(dim), nn.Dropout(dropout), nn.Linear(dim, dim), nn.GELU(),
                                   nn.Dropout(dropout), nn.Linear(dim, len(MONTHS)))
 

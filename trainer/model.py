@@ -100,7 +100,7 @@ class GPT(nn.Module):
         mem = cfg.memory
         if mem.mode not in ("parallel", "replace"):
             raise ValueError(f"memory mode must be 'parallel' or 'replace', got {mem.mode!r}")
-        values, knowledge = values or {}, knowledge or []
+        values, knowledge = {str(k): v for k, v in (values or {}).items()}, knowledge or []  # {2: b} as {"2": b}
         wanted = {value_key(k, i) for i in mem.layers for k in mem.kinds if k != "kif"}
         if missing := wanted - set(values):
             raise ValueError(f"no value backend for memory layer(s) {sorted(missing)}")

@@ -35,10 +35,12 @@ from trainer.memory import (
     UsageCounter,
     ValueBackend,
 )
-from trainer.memory.knowledge import corpus_sentences, encode_cached, make_encoder, upload_source
+from trainer.memory.knowledge import check_encoder_name, corpus_sentences, encode_cached, make_encoder, upload_source
+from trainer.memory.lsh import MAX_BITS
 from trainer.model import GPT, ModelConfig, value_key
 
 log = logging.getLogger("memtrain")
+MAX_LSH_ROWS = 1 << 31  # buckets per LSH table (hashes x 2^bits): far beyond any table this machine could hold
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,12 +153,18 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
         raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
     if args.kif_source and "kif" not in kinds:
         raise SystemExit("memtrain: error: --kif-source: add kif to --memory-kind")
-    from trainer.memory.lsh import MAX_BITS
-
     for flag, value, lo, hi in (("--lsh-hashes", args.lsh_hashes, 1, 1024), ("--lsh-bits", args.lsh_bits, 1, MAX_BITS),
-                                ("--kif-knn", args.kif_knn, 1, 4096)):
+                                ("--kif-knn", args.kif_knn, 1, 4096), ("--kif-sentences", args.kif_sentences, 1, 1 << 24)):
         if not lo <= value <= hi:
             raise SystemExit(f"memtrain: error: {flag}: must be in [{lo}, {hi}], got {value}")
+    if "lsh" in kinds and args.lsh_hashes << args.lsh_bits > MAX_LSH_ROWS:
+        raise SystemExit(f"memtrain: error: --lsh-hashes {args.lsh_hashes} x 2^--lsh-bits {args.lsh_bits} buckets: "
+                         f"at most {MAX_LSH_ROWS:,} per table")
+    if "kif" in kinds and not args.kif_source:
+        try:
+            check_encoder_name(args.kif_encoder)  # on every rank, before rank 0 builds anything
+        except ValueError as exc:
+            raise SystemExit(f"memtrain: error: --kif-encoder: {exc}") from None
     memory = MemoryConfig(layers=mem_layers, mode=args.mem_mode, kinds=kinds, n_keys=args.n_keys, heads=args.heads,
                           k_dim=args.k_dim, knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
                           micro_batches=args.micro_batches, lsh_hashes=args.lsh_hashes, lsh_bits=args.lsh_bits,
@@ -195,13 +203,13 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
             if args.shared_values:
                 shared[kind] = backend
     knowledge: list[KnowledgeSource] = []
-    if "kif" in kinds and mem_layers and rank == 0:
+    if "kif" in kinds and mem_layers and rank == 0 and not args.kif_source:  # built and uploaded before the barrier
         knowledge = knowledge_sources(args, corpus, client, rank)
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()  # rank 0 has created the tables (and uploaded the KIF source)
-    if "kif" in kinds and mem_layers and rank > 0:
+    if "kif" in kinds and mem_layers and (rank > 0 or args.kif_source):  # every rank resolves named sources
         knowledge = knowledge_sources(args, corpus, client, rank)
     memory.kif_sources = tuple(s.name for s in knowledge)
     cfg = ModelConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
@@ -224,13 +232,11 @@ def knowledge_sources(args: argparse.Namespace, corpus: Corpus, client: Any, ran
     name = f"{args.table}-kif"
     if rank > 0:  # rank 0 built and uploaded it
         return [RemoteKnowledge(client, name)]
-    if args.kif_sentences < 1:
-        raise SystemExit(f"memtrain: error: --kif-sentences: must be >= 1, got {args.kif_sentences}")
-    try:
-        encoder = make_encoder(args.kif_encoder)
-    except ValueError as exc:
-        raise SystemExit(f"memtrain: error: --kif-encoder: {exc}") from None
+    encoder = make_encoder(args.kif_encoder)  # the name was checked in setup
     sentences = corpus_sentences(corpus.decode(corpus.train.tolist()), args.kif_sentences)
+    if not sentences:
+        raise SystemExit(f"memtrain: error: --memory-kind kif: {corpus.name} has no sentence of 20 characters or more "
+                         "to build a knowledge source from; give --kif-source")
     log.info("KIF source: %d sentences of %s encoded with %s", len(sentences), corpus.name, encoder.name)
     e = encode_cached(encoder, sentences)
     if args.memory == "local":
@@ -283,10 +289,16 @@ def _trainer_file(directory: str, step: int) -> Path:
     return Path(directory) / f"trainer-step-{step:010d}.pt"
 
 
+def _block_order(key: str) -> tuple[str, int]:
+    kind, _, block = key.rpartition("-")  # "2" -> ("", 2), "lsh-10" -> ("lsh", 10)
+    return kind, int(block)
+
+
 def _unique(values: dict[str, ValueBackend]) -> dict[str, ValueBackend]:
-    """Each backend once, under the first layer that reads it (shared values are one table)."""
+    """Each backend once, under the first layer (by kind, then block number) that reads it
+    (shared values are one table)."""
     seen: dict[str, ValueBackend] = {}
-    for i, b in sorted(values.items()):
+    for i, b in sorted(values.items(), key=lambda kv: _block_order(kv[0])):
         if all(b is not other for other in seen.values()):
             seen[i] = b
     return seen
@@ -311,6 +323,16 @@ def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
     if not files:
         raise SystemExit(f"memtrain: error: --resume {directory}: no trainer checkpoint there")
     blob = torch.load(files[-1], map_location="cpu", weights_only=False)
+    saved_memory, current = blob.get("memory", {}), asdict(run.model.cfg.memory)
+    for key in ("layers", "kinds", "lsh_hashes", "lsh_bits", "lsh_seed", "kif_sources"):
+        if key not in saved_memory:
+            continue  # written before the setting existed
+        was, now = saved_memory[key], current[key]
+        if isinstance(was, (list, tuple)):
+            was, now = tuple(was), tuple(now)
+        if was != now:
+            raise SystemExit(f"memtrain: error: --resume {directory}: the checkpoint's memory has {key} = {was!r}, "
+                             f"this run {now!r} (the same flags are needed to continue it)")
     run.model.load_state_dict(GPT.upgrade_state_dict(blob["model"]))
     opt.load_state_dict(blob["opt"])
     gen.set_state(blob["gen"])

@@ -45,7 +45,7 @@ RUNS = ("none", "lsh", "lsh-remote", "pkm")  # no memory, LSH here, LSH in the c
 
 
 class WarmupNet(nn.Module):
-    """depth ELU layers of `width`; memory layer l (if any) reads hidden layer l's output and adds to it."""
+    """depth ELU layers of `width`; memory l (if any) reads hidden layer l's input and adds to its output."""
 
     def __init__(self, width: int, depth: int, memories: list[MemoryLayer] | None = None) -> None:
         super().__init__()

@@ -107,6 +107,7 @@ def _layer_values(blob: dict[str, Any], layer: int, layers: list[int]) -> dict[s
     if values is None:  # written before each backend saved itself: one memory/ root for every table
         local = blob.get("local_values", {})
         values = {str(i): {"state": local[str(i)]} if str(i) in local else {"checkpoint": "memory"} for i in layers}
+    values = {k: v for k, v in values.items() if k.isdigit()}  # product keys' (other kinds are "lsh-2", ...)
     if str(layer) in values:
         return values[str(layer)]
     if len(values) == 1:  # --shared-values: one table for every memory layer

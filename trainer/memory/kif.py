@@ -31,16 +31,18 @@ class KIFMemory(MemoryLayer):
     """k nearest encodings of one knowledge source, softmax-weighted, gated, projected."""
 
     def __init__(self, d_in: int, d_out: int, source: KnowledgeSource, *, knn: int = 8, hidden: int | None = None,
-                 micro_batches: int = 1) -> None:
+                 residual_query: bool = False, micro_batches: int = 1) -> None:
+        """`residual_query`: the input already lives in E's space (e.g. a model over the same
+        encoder's vectors), so f_E starts as the identity: f_E(x) = x + MLP(x), the MLP zero at first."""
         super().__init__(d_in, d_out, None, read_dim=source.dim, micro_batches=micro_batches)
         if knn < 1:
             raise ValueError(f"KIF memory: knn must be >= 1, got {knn}")
         self.source, self.knn = source, knn
         hidden = hidden or 2 * max(d_in, source.dim)
         self.f_e = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, source.dim))  # f_E
-        # A state already in E's space (d_in == dim, e.g. a model over the same encoder's
-        # vectors) starts as its own query: f_E(x) = x + MLP(x), the MLP's output zero at first.
-        self.residual = d_in == source.dim
+        if residual_query and d_in != source.dim:
+            raise ValueError(f"KIF memory: residual_query needs d_in == the source's dim ({source.dim}), got {d_in}")
+        self.residual = residual_query
         if self.residual:
             nn.init.zeros_(self.f_e[-1].weight)
             nn.init.zeros_(self.f_e[-1].bias)
@@ -65,7 +67,7 @@ class KIFMemory(MemoryLayer):
 
     def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _, ids, enc = started.result()  # [n, k], [n, k, dim]; the returned scores are not differentiable
-        ids, enc = ids.to(q.device), enc.to(q.device, q.dtype)
+        ids, enc = ids.to(q.device), enc.detach().to(q.device, q.dtype)  # E is data, whatever the source
         hit = ids >= 0
         # a missing hit weighs nothing (its encoding is zeros, so a query with no hit reads zeros)
         scores = self.log_scale.exp() * torch.einsum("nd,nkd->nk", q, enc)

@@ -77,6 +77,8 @@ class RemoteKnowledge:
         self.client, self.name, self.dim = client, name, meta.dim
         status = client.status()
         self.size = sum(t.vectors for s in status.shards for t in s.tables if t.table == name)
+        if self.size == 0:
+            raise ValueError(f"KIF source {name!r} is empty")
 
     def submit_search(self, queries: torch.Tensor, k: int) -> Future[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         return self.client.submit_search(self.name, queries.detach().float().contiguous(), k, return_payload=True)
@@ -148,13 +150,21 @@ class MiniLMEncoder:
         return e.float().cpu()
 
 
+ENCODER_NAMES = re.compile(r"minilm|hash([1-9]\d*)?")
+
+
+def check_encoder_name(name: str) -> None:
+    """Raise ValueError unless `make_encoder` knows `name` (without loading anything)."""
+    if not ENCODER_NAMES.fullmatch(name):
+        raise ValueError(f"unknown encoder {name!r}: use minilm or hash[N] (N >= 1 floats)")
+
+
 def make_encoder(name: str) -> SentenceEncoder:
     """`minilm` (default) or `hash` / `hashN` (N floats)."""
+    check_encoder_name(name)
     if name == "minilm":
         return MiniLMEncoder()
-    if m := re.fullmatch(r"hash(\d*)", name):
-        return HashEncoder(int(m.group(1) or 64))
-    raise ValueError(f"unknown encoder {name!r}: use minilm or hash[N]")
+    return HashEncoder(int(ENCODER_NAMES.fullmatch(name).group(1) or 64))
 
 
 def cache_dir() -> Path:

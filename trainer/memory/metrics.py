@@ -10,6 +10,8 @@ def usage_metrics(counts: torch.Tensor, mass: torch.Tensor) -> dict[str, float]:
     uniform distribution (by counts and by weights), and how many of the hottest slots hold
     50/90/99% of the weight mass."""
     n = counts.numel()
+    if n == 0:
+        return {}
     out: dict[str, float] = {"used_pct": 100.0 * float((counts > 0).sum()) / n}
     for key, x in (("kl_counts", counts.double()), ("kl_weights", mass.double())):
         total = float(x.sum())
