@@ -46,6 +46,19 @@ def local_cluster(num_shards: int = 2, shard_cpus: float = 0.25) -> Iterator[Any
             ray.shutdown()
 
 
+@contextlib.contextmanager
+def cluster_client(wanted: bool, num_shards: int = 2) -> Iterator[Any]:
+    """A client of a fresh local cluster (closed, with the cluster, on exit), or None when not
+    wanted: for benchmarks whose remote runs are optional."""
+    if not wanted:
+        yield None
+        return
+    from client import MemoryClient
+
+    with local_cluster(num_shards) as cluster, MemoryClient(cluster.endpoint) as client:
+        yield client
+
+
 def timeit(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2, max_seconds: float = 20.0) -> dict[str, float]:
     """Run fn `repeat` times (bounded by max_seconds) and return ms statistics."""
     for _ in range(warmup):

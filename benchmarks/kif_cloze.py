@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from benchmarks.common import cluster_client
 from trainer.memory import KIFMemory, KnowledgeSource, LocalKnowledge
 from trainer.memory.knowledge import corpus_sentences, encode_cached, make_encoder
 
@@ -135,30 +136,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
     cut = int(0.7 * len(y))
     data: dict[str, Any] = {"Q": q, "y": y, "train": perm[:cut], "test": perm[cut:]}
-    ctx = client = None
-    if args.remote:
-        from benchmarks.common import local_cluster
-        from client import MemoryClient
-        from trainer.memory.knowledge import upload_source
-
-        ctx = local_cluster(2)
-        client = MemoryClient(ctx.__enter__().endpoint)
-        data["sources"] = {"wikitext": upload_source(client, "wikitext", e_wiki),
-                           "shakespeare": upload_source(client, "shakespeare", e_shake)}
-    else:
-        data["sources"] = {"wikitext": LocalKnowledge("wikitext", e_wiki), "shakespeare": LocalKnowledge("shakespeare", e_shake)}
     rows = []
-    try:
+    with cluster_client(args.remote) as client:
+        if client is not None:
+            from trainer.memory.knowledge import upload_source
+
+            data["sources"] = {"wikitext": upload_source(client, "wikitext", e_wiki),
+                               "shakespeare": upload_source(client, "shakespeare", e_shake)}
+        else:
+            data["sources"] = {"wikitext": LocalKnowledge("wikitext", e_wiki),
+                               "shakespeare": LocalKnowledge("shakespeare", e_shake)}
         for kind in runs:
             for seed in (int(s) for s in args.seeds.split(",")):
                 rows.append(run_one(kind, seed, data, args, client))
                 if not args.json:
                     print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
-    finally:
-        if client is not None:
-            client.close()
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
     if args.json:
         print(json.dumps(rows))
         return rows

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import cluster_client
 from trainer.warmup import RUNS, WarmupConfig, run_one
 
 HELP = {
@@ -51,17 +52,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if bad := set(runs) - set(RUNS):
         p.error(f"--runs: unknown {sorted(bad)}; choose from {', '.join(RUNS)}")
     rows: list[dict[str, Any]] = []
-    remote = any(r.endswith("remote") for r in runs)
-    ctx = None
-    client = None
-    if remote:
-        from benchmarks.common import local_cluster
-        from client import MemoryClient
-
-        ctx = local_cluster(2)
-        cluster = ctx.__enter__()
-        client = MemoryClient(cluster.endpoint)
-    try:
+    remote = any(r.endswith("remote") for r in runs) and min(sizes) <= args.remote_max_n
+    with cluster_client(remote) as client:
         for n in sizes:
             for kind in runs:
                 if kind.endswith("remote") and n > args.remote_max_n:
@@ -71,11 +63,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 if not args.json:
                     print(f"N={n:>7,} {kind:<11} epochs {row['epochs']:>3} bit acc {row['bit_acc']:.4f} "
                           f"exact {row['exact']:.4f} {row['seconds']:.0f}s", flush=True)
-    finally:
-        if client is not None:
-            client.close()
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
     if args.json:
         print(json.dumps(rows))
     else:
