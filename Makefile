@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export MEMSERVER_HOME ?= $(CURDIR)/.memserver
 
-.PHONY: install demo test lint proto bench clean
+.PHONY: install browser demo test lint proto bench clean
 
 install: $(STAMP)
 
@@ -21,7 +21,20 @@ demo: install
 	$(BIN)/memserver up --detach --shards 2
 	$(BIN)/python -m memserver.demo; status=$$?; $(BIN)/memserver down; exit $$status
 
-test: install
+# A chromium for the headless-browser tests (Playwright drives Debian's system chromium; its own
+# browser download is not reachable). Never fails: without a chromium those tests skip themselves.
+browser:
+	@if command -v chromium >/dev/null 2>&1; then \
+		:; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing Debian's chromium for the browser tests"; \
+		out=$$( { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } 2>&1 ) \
+			|| { echo "$$out" | tail -n 3; echo "note: could not install chromium (apt-get failed); the browser test will be skipped"; }; \
+	else \
+		echo "note: no chromium and cannot apt-get install it (need root + apt-get); the browser test will be skipped"; \
+	fi
+
+test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 

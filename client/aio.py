@@ -30,6 +30,7 @@ from memserver.api.errors import (
     from_rpc_error,
 )
 from memserver.api.types import METRICS, SHARDINGS, TableMeta
+from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.cluster.endpoint import read_endpoint
@@ -351,9 +352,10 @@ class AsyncMemoryClient:
 
     # -- data plane (the ops are client.ops'; see there for what each computes) ----------
 
-    async def lookup(self, table: str, ids: Any) -> Any:
-        """Rows of `ids` (any shape) -> float32 array of shape ids.shape + (dim,)."""
-        return like(await self._call(table, lambda meta: ops.lookup_op(meta, ids, self.opts)), ids)
+    async def lookup(self, table: str, ids: Any, *, count: bool = True) -> Any:
+        """Rows of `ids` (any shape) -> float32 array of shape ids.shape + (dim,). `count` False:
+        an inspection read, not counted in the slots' hits."""
+        return like(await self._call(table, lambda meta: ops.lookup_op(meta, ids, self.opts, count)), ids)
 
     async def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
         """Weighted bags: out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32.
@@ -394,6 +396,37 @@ class AsyncMemoryClient:
         """Overwrite rows (optimizer state is kept). Ids must be distinct."""
         tags = self.tags()
         return await self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.opts, tags), tags)
+
+    async def _plan(self, table: str, plan: ops.Plan) -> Any:
+        """Run a plan's ops one after another (see ops.Plan)."""
+        try:
+            make = next(plan)
+            while True:
+                make = plan.send(await self._call(table, make))
+        except StopIteration as done:
+            return done.value
+
+    async def record_triggers(self, table: str, ids: Any, weights: Any, positions: Any, contexts: Any, next_tokens: Any,
+                              info: str = "") -> dict[str, int]:
+        """Trigger records for the slots' top-contexts heaps (see ops.record_triggers_op);
+        idempotent. Returns {"slots", "dropped"} summed over the shards."""
+        return await self._call(table, lambda meta: ops.record_triggers_op(meta, ids, weights, positions, contexts,
+                                                                           next_tokens, info, self.opts))
+
+    async def triggers(self, table: str, ids: Any) -> dict[str, Any]:
+        """Each slot's trigger records: weights [n, C], contexts [n, C, L], next [n, C], info (dict)."""
+        out = await self._call(table, lambda meta: ops.triggers_op(meta, ids))
+        return {k: v if k == "info" else like(v, ids) for k, v in out.items()}
+
+    async def top_slots(self, table: str, by: str = "hits", n: int = 20, coldest: bool = False) -> tuple[Any, Any]:
+        """The n hottest (coldest) slots by "hits", "mass", "updates" or "norm": (ids, values)
+        numpy arrays, best first, ties by the smaller id."""
+        ids, values = await self._plan(table, ops.top_slots_plan(by, n, coldest))
+        return ids.numpy(), values.numpy()
+
+    async def usage(self, table: str) -> TableUsage:
+        """How the table's slots are used (memserver.api.usage): histograms; `.metrics()`."""
+        return TableUsage(**await self._call(table, ops.usage_op))
 
     async def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         """Per-slot statistics: hits, weight_mass, updates, last_update (unix s), value_norm."""

@@ -19,9 +19,20 @@ import torch
 
 from client.merge import merge_topk
 from memserver.api.errors import InvalidArgumentError
-from memserver.api.types import MAX_SEARCH_K, ShardMeta, TableMeta
+from memserver.api.types import MAX_INSPECT_SLOTS, MAX_SEARCH_K, ShardMeta, TableMeta
+from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import as_tensor, check_1d, check_bag, check_float, check_ids, check_rows, decode, encode
+from memserver.wire import (
+    as_tensor,
+    check_1d,
+    check_bag,
+    check_float,
+    check_ids,
+    check_rows,
+    check_triggers,
+    decode,
+    encode,
+)
 
 #: yields [(address, method, request)] once, receives the answers, returns the result.
 Op = Generator[list[tuple[str, str, Any]], list[Any], Any]
@@ -290,8 +301,9 @@ def _entries_per_bag(ids: torch.Tensor, off: torch.Tensor | None, num_bags: int)
 # ------------------------------------------------------------------ the ops
 
 
-def lookup_op(meta: TableMeta, ids: Any, opts: OpOptions) -> Op:
-    """Rows of `ids` (any shape) -> float32 [*ids.shape, dim]; each distinct id is fetched once."""
+def lookup_op(meta: TableMeta, ids: Any, opts: OpOptions, count: bool = True) -> Op:
+    """Rows of `ids` (any shape) -> float32 [*ids.shape, dim]; each distinct id is fetched once.
+    `count` False: an inspection read, not counted in the slots' hits."""
     t = _ids(ids, meta)
     uniq, inv = torch.unique(t.reshape(-1), return_inverse=True)
     rows = torch.empty((len(uniq), meta.dim), dtype=torch.float32)
@@ -303,7 +315,8 @@ def lookup_op(meta: TableMeta, ids: Any, opts: OpOptions) -> Op:
             parts = _chunks(len(sub), meta.dim * 4 + 8, opts.max_request_bytes)
             encoded[id(sel)] = (sel, [(p, encode(wire_ids(sub[p], meta))) for p in parts])
         for part, ids_msg in encoded[id(sel)][1]:
-            req = pb.LookupRequest(table=meta.name, ids=ids_msg, wire_dtype=opts.wire_dtype, layout_id=meta.layout_id)
+            req = pb.LookupRequest(table=meta.name, ids=ids_msg, wire_dtype=opts.wire_dtype, layout_id=meta.layout_id,
+                                   uncounted=not count)
             calls.append((sh.address, "Lookup", req))
             places.append((sh, sel, part))
     for (sh, sel, part), resp in zip(places, (yield calls)):
@@ -453,6 +466,166 @@ def slot_stats_op(meta: TableMeta, ids: Any) -> Op:
     out["value_norm"] = norm
     return {k: v[inv] for k, v in out.items()}
 
+
+
+# ------------------------------------------------------------------ inspection
+
+#: `top_slots`' statistics as users name them, and the proto's.
+SLOT_STATS = {"hits": pb.HITS, "mass": pb.WEIGHT_MASS, "updates": pb.UPDATES, "norm": pb.VALUE_SQ_NORM}
+#: A plan: yields op factories (meta -> Op) one after another, receives each op's result, returns
+#: the answer; for the few calls that need a second round trip (see top_slots_plan).
+Plan = Generator[Callable[[TableMeta], Op], Any, Any]
+
+
+def _value_table(meta: TableMeta, what: str) -> None:
+    if meta.kind != "value":
+        raise InvalidArgumentError(f"table: {meta.name!r} is a {meta.kind} table; {what} is for value tables")
+
+
+def _owned(meta: TableMeta, ids: torch.Tensor) -> list[tuple[ShardMeta, torch.Tensor]]:
+    """(shard, positions) by the shard keeping each slot's records: `ShardLayout.owner` on any sharding."""
+    owner = meta.layout.owner(ids)
+    return [(sh, sel) for sh in meta.shards if len(sel := (owner == sh.index).nonzero().squeeze(1))]
+
+
+def record_triggers_op(meta: TableMeta, ids: Any, weights: Any, positions: Any, contexts: Any, nxt: Any,
+                       info: str, opts: OpOptions) -> Op:
+    """Send trigger records (memserver.core.triggers) to the shards keeping the slots' records:
+    record i read slot ids[i] with weights[i] at the position whose context is
+    contexts[positions[i]] (int32 [P, L], -1 padded) and next token nxt[positions[i]]. Returns
+    {"slots": slots holding records, "dropped": records refused by the bound, summed over shards}."""
+    _value_table(meta, "record_triggers")
+    t = _ids(ids, meta).reshape(-1)
+    w = _floats(weights, "weights").float().reshape(-1)
+    pos = as_tensor(positions).long().reshape(-1)
+    ctx, nx = as_tensor(contexts), as_tensor(nxt)
+    check_triggers(t, w, pos, ctx, nx, info)
+    ctx, nx = ctx.int(), nx.int()
+    per_record = 16 + 4 * (ctx.shape[1] + 1)
+    calls = []
+    for sh, sel in _owned(meta, t):
+        for part in _chunks(len(sel), per_record, opts.max_request_bytes):
+            mine = sel[part]
+            used, local = torch.unique(pos[mine], return_inverse=True)  # only the contexts these records read
+            calls.append((sh.address, "RecordTriggers", pb.RecordTriggersRequest(
+                table=meta.name, ids=encode(t[mine]), weights=encode(w[mine]), positions=encode(local.int()),
+                contexts=encode(ctx[used]), next=encode(nx[used]), info=info, layout_id=meta.layout_id)))
+    if info:  # every shard keeps the table's info, records or not
+        have = {a for a, _, _ in calls}
+        empty = torch.zeros(0, dtype=torch.int64)
+        for sh in meta.shards:
+            if sh.address not in have:
+                calls.append((sh.address, "RecordTriggers", pb.RecordTriggersRequest(
+                    table=meta.name, ids=encode(empty), weights=encode(empty.float()), positions=encode(empty.int()),
+                    contexts=encode(torch.zeros((0, ctx.shape[1]), dtype=torch.int32)),
+                    next=encode(torch.zeros(0, dtype=torch.int32)), info=info, layout_id=meta.layout_id)))
+    answers = yield calls
+    last: dict[str, Any] = {}
+    for (address, _, _), a in zip(calls, answers):
+        last[address] = a  # the slots count after a shard's last part
+    return {"slots": sum(a.slots for a in last.values()), "dropped": sum(a.dropped for a in last.values())}
+
+
+def triggers_op(meta: TableMeta, ids: Any) -> Op:
+    """The slots' trigger records: {"weights": [n, C] descending (0 = none), "contexts": [n, C, L],
+    "next": [n, C], "info": the table's trace info as a dict ({} = never traced)}."""
+    import json
+
+    _value_table(meta, "triggers")
+    t = _ids(ids, meta).reshape(-1)
+    if len(t) > MAX_INSPECT_SLOTS:
+        raise InvalidArgumentError(f"ids: at most {MAX_INSPECT_SLOTS} slots per call, got {len(t)}")
+    routes = _owned(meta, t)
+    calls = [(sh.address, "Triggers", pb.TriggersRequest(table=meta.name, ids=encode(t[sel]), layout_id=meta.layout_id))
+             for sh, sel in routes]
+    answers = yield calls
+    out: dict[str, Any] = {"weights": None, "contexts": None, "next": None, "info": {}}
+    for (_, sel), a in zip(routes, answers):
+        got = {k: decode(getattr(a, k), k) for k in ("weights", "contexts", "next")}
+        for k, v in got.items():
+            if out[k] is None:
+                out[k] = torch.full((len(t), *v.shape[1:]), 0 if k == "weights" else -1, dtype=v.dtype)
+            out[k][sel] = v
+        if a.info and not out["info"]:
+            out["info"] = json.loads(a.info)
+    if out["weights"] is None:  # no ids
+        out.update(weights=torch.zeros((0, 0)), contexts=torch.zeros((0, 0, 0), dtype=torch.int32),
+                   next=torch.zeros((0, 0), dtype=torch.int32))
+    return out
+
+
+def _top_round_op(meta: TableMeta, stat: int, n: int, coldest: bool, shards: list[ShardMeta]) -> Op:
+    req = pb.TopSlotsRequest(table=meta.name, by=stat, n=n, coldest=coldest, layout_id=meta.layout_id)
+    answers = yield [(sh.address, "TopSlots", req) for sh in shards]
+    return [(decode(a.ids, "ids"), decode(a.values, "values")) for a in answers]
+
+
+def _best(ids: torch.Tensor, values: torch.Tensor, n: int, coldest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n best (ids, values), best first, ties by the smaller id."""
+    import numpy as np
+
+    key = values.numpy() if coldest else -values.numpy()
+    order = torch.from_numpy(np.lexsort((ids.numpy(), key))[:n])
+    return ids[order], values[order]
+
+
+def top_slots_plan(by: str, n: int, coldest: bool) -> Plan:
+    """The n hottest (coldest) slots by hits, mass (summed read weight), updates or norm (of the
+    value): (ids int64 [n], values float64 [n]), best first, ties by the smaller id.
+
+    Each shard ranks its own rows; the client merges. On COLS tables the counters are equal on
+    every shard (one shard answers), while a norm is split over the column blocks: the client then
+    runs Fagin's threshold algorithm: each shard's top m partial norms, the candidates' exact norms
+    (SlotStats), and the answer is exact once the n-th candidate beats the sum of the shards' m-th
+    partials (no unseen row can); else m grows x4. Usually one extra round trip."""
+    if by not in SLOT_STATS:
+        raise InvalidArgumentError(f"by: one of {', '.join(SLOT_STATS)}, got {by!r}")
+    if not 1 <= n <= MAX_INSPECT_SLOTS:
+        raise InvalidArgumentError(f"n: must be in [1, {MAX_INSPECT_SLOTS}], got {n}")
+    meta: TableMeta = yield lambda m: _meta_op(m)
+    _value_table(meta, "top_slots")
+    stat = SLOT_STATS[by]
+    if meta.layout.by_rows or len(meta.shards) == 1 or by != "norm":
+        shards = meta.shards if meta.layout.by_rows else meta.shards[:1]
+        got = yield lambda m: _top_round_op(m, stat, n, coldest, shards)
+        ids, values = _best(torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got]), n, coldest)
+        return ids, values.sqrt() if by == "norm" else values
+    m = n
+    while True:
+        got = yield lambda mt, m=m: _top_round_op(mt, stat, m, coldest, mt.shards)
+        cand = torch.unique(torch.cat([g[0] for g in got]))
+        stats = yield lambda mt, cand=cand: slot_stats_op(mt, cand)
+        exact = stats["value_norm"].double() ** 2
+        ids, values = _best(cand, exact, n, coldest)
+        complete = all(len(g[0]) < m for g in got) or m >= meta.num_rows
+        bound = sum(float(g[1][-1]) for g in got if len(g[1]))  # unseen rows: total <= bound (coldest: >=)
+        if complete or (len(values) == n and (float(values[-1]) >= bound if not coldest else float(values[-1]) <= bound)):
+            return ids, values.sqrt()
+        m = min(4 * m, meta.num_rows, MAX_INSPECT_SLOTS)
+        if m == MAX_INSPECT_SLOTS and all(len(g[0]) == m for g in got) and m < meta.num_rows:
+            return ids, values.sqrt()  # the bound of one call reached: best effort beyond it (said in the docs)
+
+
+def _meta_op(meta: TableMeta) -> Op:
+    """An op without requests: hands a plan the table's metadata."""
+    yield []
+    return meta
+
+
+def usage_op(meta: TableMeta) -> Op:
+    """The table's usage histograms (memserver.api.usage), each shard's added up: {"hits",
+    "weight_mass", "updates"} -> Histogram. COLS shards count the same reads: one answers."""
+    _value_table(meta, "usage")
+    shards = meta.shards if meta.layout.by_rows else meta.shards[:1]
+    req = pb.SlotUsageRequest(table=meta.name, layout_id=meta.layout_id)
+    answers = yield [(sh.address, "SlotUsage", req) for sh in shards]
+    out = {k: Histogram.empty() for k in ("hits", "weight_mass", "updates")}
+    for a in answers:
+        for k in out:
+            h = getattr(a, k)
+            out[k] = out[k] + Histogram(int(h.slots), float(h.total), float(h.sum_xlogx), float(h.max),
+                                        decode(h.counts, f"{k}.counts").numpy(), decode(h.sums, f"{k}.sums").numpy())
+    return out
 
 
 # ------------------------------------------------------------------ index tables

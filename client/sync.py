@@ -23,6 +23,7 @@ from client.channels import sync_channel
 from client.ops import Op, WriteTags, finish, like
 from memserver.api.errors import FailedPreconditionError, TableNotFoundError, UnavailableError, from_rpc_error
 from memserver.api.types import TableMeta
+from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 
@@ -156,8 +157,8 @@ class MemoryClient:
         return self._run(self.aio.restore(dir, step, **kwargs))
 
     # data plane: blocking stubs from this thread (see _call); the ops are client.ops'
-    def lookup(self, table: str, ids: Any) -> Any:
-        return like(self._call(table, lambda meta: ops.lookup_op(meta, ids, self.aio.opts)), ids)
+    def lookup(self, table: str, ids: Any, *, count: bool = True) -> Any:
+        return like(self._call(table, lambda meta: ops.lookup_op(meta, ids, self.aio.opts, count)), ids)
 
     def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
         return like(self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.aio.opts)), weights)
@@ -213,6 +214,30 @@ class MemoryClient:
         values_table = self.table(name).values_table
         out = self._call(values_table, lambda meta: ops.bag_op(meta, ids, w, None, self.aio.opts))
         return like(ids, queries), like(w, queries), like(out, queries)
+
+    def _plan(self, table: str, plan: ops.Plan) -> Any:
+        try:
+            make = next(plan)
+            while True:
+                make = plan.send(self._call(table, make))
+        except StopIteration as done:
+            return done.value
+
+    def record_triggers(self, table: str, ids: Any, weights: Any, positions: Any, contexts: Any, next_tokens: Any,
+                        info: str = "") -> dict[str, int]:
+        return self._call(table, lambda meta: ops.record_triggers_op(meta, ids, weights, positions, contexts,
+                                                                     next_tokens, info, self.aio.opts))
+
+    def triggers(self, table: str, ids: Any) -> dict[str, Any]:
+        out = self._call(table, lambda meta: ops.triggers_op(meta, ids))
+        return {k: v if k == "info" else like(v, ids) for k, v in out.items()}
+
+    def top_slots(self, table: str, by: str = "hits", n: int = 20, coldest: bool = False) -> tuple[Any, Any]:
+        ids, values = self._plan(table, ops.top_slots_plan(by, n, coldest))
+        return ids.numpy(), values.numpy()
+
+    def usage(self, table: str) -> TableUsage:
+        return TableUsage(**self._call(table, ops.usage_op))
 
     def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         stats = self._call(table, lambda meta: ops.slot_stats_op(meta, ids))

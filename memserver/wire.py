@@ -176,6 +176,47 @@ def check_rows(x: torch.Tensor, n: int, dim: int, what: str) -> None:
     check_float(x, what)
 
 
+#: Context tokens a trigger record may carry, and the bytes of a table's trace info.
+MAX_TRIGGER_CONTEXT = 32
+MAX_TRIGGER_INFO = 4 << 20
+
+
+def check_triggers(ids: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,
+                   nxt: torch.Tensor, info: str) -> None:
+    """Shape rules of trigger records (RecordTriggersRequest); ids are checked against the table
+    by the caller."""
+    check_1d(ids, "ids")
+    if weights.shape != ids.shape or positions.shape != ids.shape:
+        raise InvalidArgumentError(f"weights and positions: shapes {list(weights.shape)} and {list(positions.shape)} "
+                                   f"must match ids {list(ids.shape)}")
+    check_float(weights, "weights")
+    if weights.numel() and float(weights.min()) < 0:
+        raise InvalidArgumentError("weights: must be >= 0 (a read's weight, or its absolute value)")
+    if contexts.dtype not in (torch.int32, torch.int64) or contexts.dim() != 2 or not 1 <= contexts.shape[1] <= MAX_TRIGGER_CONTEXT:
+        raise InvalidArgumentError(f"contexts: must be int32 [P, L] with 1 <= L <= {MAX_TRIGGER_CONTEXT}, got "
+                                   f"{str(contexts.dtype).removeprefix('torch.')} {list(contexts.shape)}")
+    if nxt.dtype not in (torch.int32, torch.int64) or list(nxt.shape) != [contexts.shape[0]]:
+        raise InvalidArgumentError(f"next: must be int32 [{contexts.shape[0]}] (one per context), got {list(nxt.shape)}")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgumentError("positions: dtype must be int32 or int64")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= contexts.shape[0]):
+        raise InvalidArgumentError(f"positions: must index the {contexts.shape[0]} contexts")
+    for name, t in (("contexts", contexts), ("next", nxt)):
+        if t.numel() and int(t.min()) < -1:
+            raise InvalidArgumentError(f"{name}: token ids are >= 0 (-1 = padding or unknown)")
+    if len(info.encode()) > MAX_TRIGGER_INFO:
+        raise InvalidArgumentError(f"info: {len(info.encode()):,} bytes, at most {MAX_TRIGGER_INFO:,}")
+    if info:
+        import json
+
+        try:
+            ok = isinstance(json.loads(info), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise InvalidArgumentError("info: must be a JSON object (or empty to keep the stored one)")
+
+
 #: mallopt parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _malloc_tuned = False

@@ -26,6 +26,8 @@ METRIC_NAMES: dict[int, str] = {v: k for k, v in METRICS.items()}
 KIND_NAMES: dict[int, str] = {pb.VALUE: "value", pb.INDEX: "index", pb.PRODUCT_KEYS: "product_keys"}
 #: The largest k a search may ask for (bounds each answer before anything is allocated).
 MAX_SEARCH_K = 4096
+#: The most slots one inspection call (Triggers, TopSlots) names or returns.
+MAX_INSPECT_SLOTS = 65536
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,18 @@ class ShardLayout:
         """Whether every shard holds every row (cols, or a single shard): no id routing needed."""
         return not self.by_rows or self.num_shards == 1
 
-    def owner(self, ids: torch.Tensor) -> torch.Tensor:
-        """The shard that holds each id (rows layouts)."""
+    def owner(self, ids: Any) -> Any:
+        """The shard that holds each id (rows layouts); on any layout, the shard that keeps a
+        slot's per-slot records (trigger contexts), so they spread over every shard."""
         return ids % self.num_shards
 
     def local(self, ids: torch.Tensor) -> torch.Tensor:
         """Global ids -> the owning shard's local rows."""
         return ids if self.whole_rows else ids // self.num_shards
+
+    def to_global(self, index: int, local: np.ndarray) -> np.ndarray:
+        """Local rows of shard `index` -> global ids (the inverse of `local`)."""
+        return local if self.whole_rows else local * self.num_shards + index
 
     def global_rows(self, index: int) -> np.ndarray:
         """The global ids shard `index` holds, in its local row order."""

@@ -144,9 +144,10 @@ class ValueTable:
         if weights is not None:
             self.weight_mass.index_add_(0, flat, weights.reshape(-1).abs().double())
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, count: bool = True) -> torch.Tensor:
+        """Rows as float32; `count` False: an inspection read, not counted in the slots' hits."""
         (ids,) = self._on_device((ids, torch.int64))
-        if self.track_stats:
+        if self.track_stats and count:
             self._count_reads(ids, None)
         return self.weight.index_select(0, ids).float()
 
@@ -175,6 +176,36 @@ class ValueTable:
             "last_update": self.last_update[ids],
             "value_sq_norm": (rows * rows).sum(1),
         }
+
+    #: The per-slot statistics `top_slots` and `usage` rank and bin.
+    STATS = ("hits", "weight_mass", "updates", "value_sq_norm")
+
+    def stat(self, name: str) -> np.ndarray:
+        """One statistic of every row of the slice, float64 (value_sq_norm: over its columns)."""
+        if name == "value_sq_norm":
+            out = np.empty(self.num_rows, dtype=np.float64)
+            for s in range(0, self.num_rows, _CHUNK_ENTRIES):  # bounded temporaries
+                rows = self.weight[s : s + _CHUNK_ENTRIES].double()
+                out[s : s + _CHUNK_ENTRIES] = (rows * rows).sum(1).cpu().numpy()
+            return out
+        if name not in self.STATS:
+            raise ValueError(f"unknown slot statistic {name!r}")
+        return getattr(self, name).cpu().numpy().astype(np.float64, copy=False)
+
+    def top_slots(self, name: str, n: int, coldest: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(local rows, values) of the n largest (coldest: smallest) values of a statistic, best
+        first, ties broken by the smaller row. O(rows): a partition, then a sort of n."""
+        v = self.stat(name)
+        n = min(n, len(v))
+        if n == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        key = v if coldest else -v
+        t = np.partition(key, n - 1)[n - 1]  # the n-th best key
+        better = np.flatnonzero(key < t)
+        tied = np.flatnonzero(key == t)[: n - len(better)]  # ascending rows: the smaller ones
+        rows = np.r_[better, tied]
+        rows = rows[np.lexsort((rows, key[rows]))]
+        return rows, v[rows]
 
     # -- writes --------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The DataPlane service of a shard: lookup, bag, bag_backward, push, write, slot statistics.
+"""The DataPlane service of a shard: lookup, bag, bag_backward, push, write, slot statistics and
+inspection (trigger contexts, top slots, usage histograms).
 
 Requests are decoded on the server's event loop (views of the payload bytes) and computed on one
 worker thread per shard: table state is only ever touched by that thread, so a retried write's
@@ -16,16 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 import torch
 
 from memserver.api.errors import InvalidArgumentError, TableNotFoundError
+from memserver.api.types import MAX_INSPECT_SLOTS
+from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.steps import bag_entries
 from memserver.core.table import set_threads
 from memserver.server.slice import TableSlice
 from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, LOAD_PRODUCT_KEYS, PUSH_GRADIENTS, REMOVE, WRITE_ROWS
-from memserver.wire import check_1d, check_bag, check_rows, decode, encode
+from memserver.wire import check_1d, check_bag, check_rows, check_triggers, decode, encode
 
 T = TypeVar("T")
 
@@ -110,7 +114,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         check_1d(ids, "ids")
 
         def work() -> pb.LookupResponse:
-            return pb.LookupResponse(rows=encode(sl.table.lookup(sl.local(ids)), request.wire_dtype))
+            rows = sl.table.lookup(sl.local(ids), count=not request.uncounted)
+            return pb.LookupResponse(rows=encode(rows, request.wire_dtype))
 
         return await self.run(work, ids.numel())
 
@@ -366,3 +371,66 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             return pb.SlotStatsResponse(**{k: encode(v) for k, v in stats.items()})
 
         return await self.run(work, ids.numel())
+
+    # -- inspection ------------------------------------------------------------------------
+
+    async def RecordTriggers(self, request: pb.RecordTriggersRequest,
+                             context: grpc.aio.ServicerContext) -> pb.RecordTriggersResponse:
+        sl = self.slice(request)
+        ids, weights = decode(request.ids, "ids"), decode(request.weights, "weights")
+        positions, contexts, nxt = (decode(getattr(request, f), f) for f in ("positions", "contexts", "next"))
+        check_triggers(ids, weights, positions, contexts, nxt, request.info)
+        sl.owns(ids)
+
+        def work() -> pb.RecordTriggersResponse:
+            heaps = sl.triggers
+            if request.info:
+                heaps.info = request.info
+            heaps.add(ids.numpy(), weights.float().numpy(), positions.long().numpy(), contexts.numpy(), nxt.numpy())
+            return pb.RecordTriggersResponse(slots=heaps.slots, dropped=heaps.dropped)
+
+        return await self.run(work, ids.numel())
+
+    async def Triggers(self, request: pb.TriggersRequest, context: grpc.aio.ServicerContext) -> pb.TriggersResponse:
+        sl = self.slice(request)
+        ids = decode(request.ids, "ids")
+        check_1d(ids, "ids")
+        if ids.numel() > MAX_INSPECT_SLOTS:
+            raise InvalidArgumentError(f"ids: at most {MAX_INSPECT_SLOTS} slots per call, got {ids.numel()}")
+        sl.owns(ids)
+
+        def work() -> pb.TriggersResponse:
+            w, ctx, nx = sl.triggers.get(ids.long().numpy())
+            return pb.TriggersResponse(weights=encode(w), contexts=encode(ctx), next=encode(nx), info=sl.triggers.info)
+
+        return await self.run(work, ids.numel())
+
+    async def TopSlots(self, request: pb.TopSlotsRequest, context: grpc.aio.ServicerContext) -> pb.TopSlotsResponse:
+        sl = self.slice(request)
+        if not 1 <= request.n <= MAX_INSPECT_SLOTS:
+            raise InvalidArgumentError(f"n: must be in [1, {MAX_INSPECT_SLOTS}], got {request.n}")
+        stat = _SLOT_STATS.get(request.by or pb.HITS)
+        if stat is None:
+            raise InvalidArgumentError(f"by: unknown slot statistic {request.by}")
+
+        def work() -> pb.TopSlotsResponse:
+            rows, values = sl.table.top_slots(stat, int(request.n), request.coldest)
+            ids = sl.layout.to_global(sl.info.index, rows)
+            return pb.TopSlotsResponse(ids=encode(ids.astype(np.int64)), values=encode(values.astype(np.float64)))
+
+        return await self.run(work)
+
+    async def SlotUsage(self, request: pb.SlotUsageRequest, context: grpc.aio.ServicerContext) -> pb.SlotUsageResponse:
+        sl = self.slice(request)
+
+        def work() -> pb.SlotUsageResponse:
+            out = {}
+            for field, stat in (("hits", "hits"), ("weight_mass", "weight_mass"), ("updates", "updates")):
+                h = Histogram.of(sl.table.stat(stat))
+                out[field] = pb.UsageHistogram(slots=h.slots, total=h.total, sum_xlogx=h.sum_xlogx, max=h.max,
+                                               counts=encode(h.counts), sums=encode(h.sums))
+            return pb.SlotUsageResponse(**out)
+
+        return await self.run(work)
+
+_SLOT_STATS = {pb.HITS: "hits", pb.WEIGHT_MASS: "weight_mass", pb.UPDATES: "updates", pb.VALUE_SQ_NORM: "value_sq_norm"}

@@ -28,7 +28,7 @@ from memserver.server.metrics import ShardMetrics, rss_bytes
 from memserver.server.rayutil import bind_host, node_id, shard_device, was_restarted
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.slice import TableSlice
-from memserver.storage.checkpoint import load_index, load_into, load_whole, save_slice
+from memserver.storage.checkpoint import load_index, load_into, load_whole, save_slice, trigger_states
 from memserver.storage.fsutil import atomic_write
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, latest_committed, table_record
 from memserver.storage.wal import LogGapError, WriteAheadLog, read_log, repair_log
@@ -137,6 +137,8 @@ class ShardActor:
             sl.table = load_index(lambda state: self._index_of(spec, state), sl.slice_meta(), files, extras)
         elif files:
             load_into(sl.table, sl.slice_meta(), files, extras)
+            index = sl.info.index
+            sl.triggers.load(trigger_states(files), lambda ids: sl.layout.owner(ids) == index)
         if files:
             how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
         template = self.store.table_dir(spec.name) / INDEX_TEMPLATE if self.store is not None else None

@@ -20,6 +20,7 @@ from memserver.api.types import KIND_NAMES, METRIC_NAMES, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.steps import Entries, combine
 from memserver.core.table import ValueTable
+from memserver.core.triggers import TriggerHeaps
 from memserver.server.catalog import optimizer_config
 from memserver.server.sessions import SESSION_TTL, Sessions
 from memserver.storage.wal import WriteAheadLog
@@ -76,6 +77,8 @@ class TableSlice:
                 col_start=int(info.col_start),
                 total_dim=int(spec.dim),
             )
+        # Trigger contexts of the slots this shard owns (value tables; see memserver.core.triggers)
+        self.triggers = TriggerHeaps() if self.kind == pb.VALUE else None
         self.sessions = Sessions(session_ttl)
         self.requests = 0
         self.wal: WriteAheadLog | None = None  # set once the slice is live (not while replaying)
@@ -114,13 +117,16 @@ class TableSlice:
         ids = ids.long() if self.is_index else ids.long().to(self.table.device)
         if self.layout.whole_rows:
             return ids
+        self._check_owner(ids, what, "belongs to shard")
+        return ids if self.is_index else self.layout.local(ids)
+
+    def _check_owner(self, ids: torch.Tensor, what: str, says: str) -> None:
         owner = self.layout.owner(ids)
         wrong = owner != self.info.index
         if ids.numel() and bool(wrong.any()):
             first = int(wrong.reshape(-1).nonzero()[0])
-            raise InvalidArgumentError(f"{what}: id {int(ids.reshape(-1)[first])} belongs to shard "
+            raise InvalidArgumentError(f"{what}: id {int(ids.reshape(-1)[first])} {says} "
                                        f"{int(owner.reshape(-1)[first])}, not {self.info.index}")
-        return ids if self.is_index else self.layout.local(ids)
 
     # -- exactly once --------------------------------------------------------------------
 
@@ -217,7 +223,10 @@ class TableSlice:
         """What a checkpoint keeps beside the values: sessions and the open steps' parts."""
         steps = [(st, client, c.committed, [list(p) for p in c.parts]) for st, got in self.steps.items()
                  for client, c in got.items()]
-        return {"sessions": self.sessions.state(), "steps": steps}
+        out: dict[str, Any] = {"sessions": self.sessions.state(), "steps": steps}
+        if self.triggers is not None and self.triggers.slots:
+            out["triggers"] = self.triggers.state()
+        return out
 
     def load_extras(self, extras: dict[str, Any]) -> None:
         if "sessions" in extras:
@@ -225,6 +234,12 @@ class TableSlice:
         self.steps = {}
         for st, client, committed, parts in extras.get("steps", []):
             self.steps.setdefault(int(st), {})[client] = Contribution([tuple(p) for p in parts], bool(committed))
+
+    def owns(self, ids: torch.Tensor, what: str = "ids") -> None:
+        """Refuse slot ids outside the table or whose per-slot records (trigger contexts) another
+        shard keeps: `ShardLayout.owner`, on COLS tables too."""
+        check_ids(ids, self.spec.num_rows, what)
+        self._check_owner(ids.long(), what, "has its records on shard")
 
     def slice_meta(self) -> dict[str, Any]:
         """Where this slice sits in its table (recorded in checkpoint files)."""

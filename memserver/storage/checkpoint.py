@@ -182,3 +182,15 @@ def load_whole(target: dict[str, Any], files: list[dict[str, Any]], extras: dict
     if extras is not None:
         extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
     return dict(blob["state"])
+
+
+def trigger_states(files: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trigger records saved in slice files (memserver.core.triggers), from every file: a
+    slot's records sit in the file of the shard that owned them, whichever rows or columns that
+    file holds, so a restore into another sharding reads them all (mapped, not read whole)."""
+    out = []
+    for f in files:
+        blob = _open_slice(f["file"])
+        if "triggers" in blob:
+            out.append(blob["triggers"])
+    return out

@@ -1,31 +1,13 @@
-"""How evenly a memory's slots are used: the metrics of the PKM paper and XLM's code."""
+"""How evenly a memory layer's slots are used during an evaluation (the metrics themselves are
+memserver.api.usage's, shared with `memserver usage` over a whole table in the cluster)."""
 
 from __future__ import annotations
 
 import torch
 
+from memserver.api.usage import usage_metrics
 
-def usage_metrics(counts: torch.Tensor, mass: torch.Tensor) -> dict[str, float]:
-    """From per-slot access counts and summed weights: % of slots used, KL divergence to the
-    uniform distribution (by counts and by weights), and how many of the hottest slots hold
-    50/90/99% of the weight mass."""
-    n = counts.numel()
-    if n == 0:
-        return {}
-    out: dict[str, float] = {"used_pct": 100.0 * float((counts > 0).sum()) / n}
-    for key, x in (("kl_counts", counts.double()), ("kl_weights", mass.double())):
-        total = float(x.sum())
-        if total <= 0:
-            out[key] = 0.0
-            continue
-        p = x / total
-        nz = p[p > 0]
-        out[key] = float((nz * (nz * n).log()).sum())  # KL(p || uniform)
-    if float(mass.sum()) > 0:
-        sorted_mass = mass.double().sort(descending=True).values.cumsum(0) / mass.double().sum()
-        for q in (50, 90, 99):
-            out[f"top{q}_slots"] = float(int((sorted_mass < q / 100).sum()) + 1)
-    return out
+__all__ = ["UsageCounter", "usage_metrics"]
 
 
 class UsageCounter:
@@ -46,4 +28,4 @@ class UsageCounter:
         self.mass += torch.bincount(flat, weights=w, minlength=self.num_slots)
 
     def metrics(self) -> dict[str, float]:
-        return usage_metrics(self.counts, self.mass)
+        return usage_metrics(self.counts.numpy(), self.mass.numpy())

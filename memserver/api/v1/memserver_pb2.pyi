@@ -35,6 +35,14 @@ class Metric(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     METRIC_UNSPECIFIED: _ClassVar[Metric]
     INNER_PRODUCT: _ClassVar[Metric]
     L2: _ClassVar[Metric]
+
+class SlotStat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SLOT_STAT_UNSPECIFIED: _ClassVar[SlotStat]
+    HITS: _ClassVar[SlotStat]
+    WEIGHT_MASS: _ClassVar[SlotStat]
+    UPDATES: _ClassVar[SlotStat]
+    VALUE_SQ_NORM: _ClassVar[SlotStat]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -52,6 +60,11 @@ PRODUCT_KEYS: TableKind
 METRIC_UNSPECIFIED: Metric
 INNER_PRODUCT: Metric
 L2: Metric
+SLOT_STAT_UNSPECIFIED: SlotStat
+HITS: SlotStat
+WEIGHT_MASS: SlotStat
+UPDATES: SlotStat
+VALUE_SQ_NORM: SlotStat
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -170,16 +183,18 @@ class WriteTag(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., acked_below: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("table", "layout_id", "ids", "wire_dtype")
+    __slots__ = ("table", "layout_id", "ids", "wire_dtype", "uncounted")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    UNCOUNTED_FIELD_NUMBER: _ClassVar[int]
     table: str
     layout_id: int
     ids: Tensor
     wire_dtype: DType
-    def __init__(self, table: _Optional[str] = ..., layout_id: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    uncounted: bool
+    def __init__(self, table: _Optional[str] = ..., layout_id: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., uncounted: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("rows",)
@@ -316,6 +331,112 @@ class SlotStatsResponse(_message.Message):
     last_update: Tensor
     value_sq_norm: Tensor
     def __init__(self, hits: _Optional[_Union[Tensor, _Mapping]] = ..., weight_mass: _Optional[_Union[Tensor, _Mapping]] = ..., updates: _Optional[_Union[Tensor, _Mapping]] = ..., last_update: _Optional[_Union[Tensor, _Mapping]] = ..., value_sq_norm: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class RecordTriggersRequest(_message.Message):
+    __slots__ = ("table", "ids", "weights", "positions", "contexts", "next", "info", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    weights: Tensor
+    positions: Tensor
+    contexts: Tensor
+    next: Tensor
+    info: str
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., contexts: _Optional[_Union[Tensor, _Mapping]] = ..., next: _Optional[_Union[Tensor, _Mapping]] = ..., info: _Optional[str] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
+class RecordTriggersResponse(_message.Message):
+    __slots__ = ("slots", "dropped")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    slots: int
+    dropped: int
+    def __init__(self, slots: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class TriggersRequest(_message.Message):
+    __slots__ = ("table", "ids", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
+class TriggersResponse(_message.Message):
+    __slots__ = ("weights", "contexts", "next", "info")
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    weights: Tensor
+    contexts: Tensor
+    next: Tensor
+    info: str
+    def __init__(self, weights: _Optional[_Union[Tensor, _Mapping]] = ..., contexts: _Optional[_Union[Tensor, _Mapping]] = ..., next: _Optional[_Union[Tensor, _Mapping]] = ..., info: _Optional[str] = ...) -> None: ...
+
+class TopSlotsRequest(_message.Message):
+    __slots__ = ("table", "by", "n", "coldest", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    COLDEST_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    by: SlotStat
+    n: int
+    coldest: bool
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., by: _Optional[_Union[SlotStat, str]] = ..., n: _Optional[int] = ..., coldest: _Optional[bool] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
+class TopSlotsResponse(_message.Message):
+    __slots__ = ("ids", "values")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    ids: Tensor
+    values: Tensor
+    def __init__(self, ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class UsageHistogram(_message.Message):
+    __slots__ = ("slots", "total", "sum_xlogx", "max", "counts", "sums")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SUM_XLOGX_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    slots: int
+    total: float
+    sum_xlogx: float
+    max: float
+    counts: Tensor
+    sums: Tensor
+    def __init__(self, slots: _Optional[int] = ..., total: _Optional[float] = ..., sum_xlogx: _Optional[float] = ..., max: _Optional[float] = ..., counts: _Optional[_Union[Tensor, _Mapping]] = ..., sums: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SlotUsageRequest(_message.Message):
+    __slots__ = ("table", "layout_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    layout_id: int
+    def __init__(self, table: _Optional[str] = ..., layout_id: _Optional[int] = ...) -> None: ...
+
+class SlotUsageResponse(_message.Message):
+    __slots__ = ("hits", "weight_mass", "updates")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_MASS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    hits: UsageHistogram
+    weight_mass: UsageHistogram
+    updates: UsageHistogram
+    def __init__(self, hits: _Optional[_Union[UsageHistogram, _Mapping]] = ..., weight_mass: _Optional[_Union[UsageHistogram, _Mapping]] = ..., updates: _Optional[_Union[UsageHistogram, _Mapping]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
     __slots__ = ("table", "ids", "vectors", "payload", "tag", "layout_id")

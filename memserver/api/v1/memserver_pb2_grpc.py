@@ -94,6 +94,26 @@ class DataPlaneStub:
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddressRequest.SerializeToString,
                 response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddressResponse.FromString,
                 _registered_method=True)
+        self.RecordTriggers = channel.unary_unary(
+                '/memserver.v1.DataPlane/RecordTriggers',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RecordTriggersRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RecordTriggersResponse.FromString,
+                _registered_method=True)
+        self.Triggers = channel.unary_unary(
+                '/memserver.v1.DataPlane/Triggers',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TriggersRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TriggersResponse.FromString,
+                _registered_method=True)
+        self.TopSlots = channel.unary_unary(
+                '/memserver.v1.DataPlane/TopSlots',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TopSlotsRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TopSlotsResponse.FromString,
+                _registered_method=True)
+        self.SlotUsage = channel.unary_unary(
+                '/memserver.v1.DataPlane/SlotUsage',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageResponse.FromString,
+                _registered_method=True)
 
 
 class DataPlaneServicer:
@@ -172,6 +192,30 @@ class DataPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordTriggers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Triggers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TopSlots(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SlotUsage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +278,26 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     servicer.Address,
                     request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddressRequest.FromString,
                     response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AddressResponse.SerializeToString,
+            ),
+            'RecordTriggers': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordTriggers,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RecordTriggersRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.RecordTriggersResponse.SerializeToString,
+            ),
+            'Triggers': grpc.unary_unary_rpc_method_handler(
+                    servicer.Triggers,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TriggersRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TriggersResponse.SerializeToString,
+            ),
+            'TopSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.TopSlots,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TopSlotsRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.TopSlotsResponse.SerializeToString,
+            ),
+            'SlotUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.SlotUsage,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -560,6 +624,114 @@ class DataPlane:
             '/memserver.v1.DataPlane/Address',
             memserver_dot_api_dot_v1_dot_memserver__pb2.AddressRequest.SerializeToString,
             memserver_dot_api_dot_v1_dot_memserver__pb2.AddressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordTriggers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/RecordTriggers',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.RecordTriggersRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.RecordTriggersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Triggers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/Triggers',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.TriggersRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.TriggersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TopSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/TopSlots',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.TopSlotsRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.TopSlotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SlotUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/SlotUsage',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

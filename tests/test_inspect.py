@@ -1,0 +1,266 @@
+"""Slot inspection: trigger-context heaps, top slots, usage histograms, uncounted reads (the
+library, the shards and the client), checked against brute force."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memserver.api.usage import Histogram, histogram_metrics, usage_metrics
+from memserver.core.optim import OptimizerConfig
+from memserver.core.table import ValueTable
+from memserver.core.triggers import TriggerHeaps
+
+
+def brute_triggers(slots, weights, positions, contexts, nxt, capacity, context):
+    """Per slot: the capacity largest weights over distinct (last `context` tokens, next)."""
+    best: dict[int, dict] = defaultdict(dict)
+    for s, w, p in zip(slots.tolist(), weights.tolist(), positions.tolist()):
+        if w <= 0:
+            continue
+        key = (tuple(contexts[p][-context:].tolist()), int(nxt[p]))
+        if w > best[s].get(key, 0.0):
+            best[s][key] = w
+    return {s: sorted(v.items(), key=lambda kv: -kv[1])[:capacity] for s, v in best.items()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 8), st.integers(1, 3))
+def test_trigger_heaps_equal_brute_force_in_any_batching(seed, capacity, batches):
+    rng = np.random.default_rng(seed)
+    n, p, length = 400, 60, 5
+    contexts = rng.integers(-1, 6, (p, length)).astype(np.int32)  # few tokens: many equal contexts
+    nxt = rng.integers(0, 4, p).astype(np.int32)
+    slots = rng.integers(0, 30, n)
+    weights = rng.choice([0.0, 0.25, 0.5, 1.0, rng.random()], n).astype(np.float32)  # ties and zeros
+    positions = rng.integers(0, p, n)
+    heaps = TriggerHeaps(capacity=capacity, context=4)
+    for part in np.array_split(np.arange(n), batches):
+        heaps.add(slots[part], weights[part], positions[part], contexts, nxt)
+    want = brute_triggers(slots, weights, positions, contexts, nxt, capacity, 4)
+    w, ctx, nx = heaps.get(np.arange(30))
+    for s in range(30):
+        got_w = [x for x in w[s].tolist() if x > 0]
+        assert got_w == pytest.approx([x for _, x in want.get(s, [])])
+        got = {(tuple(ctx[s, i].tolist()), int(nx[s, i])): float(w[s, i]) for i in range(capacity) if w[s, i] > 0}
+        assert len(got) == len(got_w)  # distinct records
+        for key, x in got.items():  # each record is its context's largest weight
+            assert x == pytest.approx(max(float(ww) for ss, ww, pp in zip(slots, weights, positions)
+                                          if ss == s and (tuple(contexts[pp][-4:].tolist()), int(nxt[pp])) == key))
+    before = heaps.get(np.arange(30))
+    heaps.add(slots, weights, positions, contexts, nxt)  # idempotent
+    assert all(np.array_equal(a, b) for a, b in zip(before, heaps.get(np.arange(30))))
+
+
+def test_trigger_heaps_memory_is_bounded_by_slots_times_capacity():
+    rng = np.random.default_rng(0)
+    contexts = rng.integers(0, 65, (512, 16)).astype(np.int32)
+    nxt = rng.integers(0, 65, 512).astype(np.int32)
+    heaps = TriggerHeaps(capacity=8, context=16, max_slots=100)
+    for _ in range(5):  # many records for the same slots: no growth after the first batch
+        heaps.add(rng.integers(0, 100, 20000), rng.random(20000).astype(np.float32), rng.integers(0, 512, 20000),
+                  contexts, nxt)
+    per_slot = 8 * (4 + 4 * 16 + 4) + 8
+    assert heaps.slots == 100
+    assert heaps.nbytes() <= 128 * per_slot  # 100 slots, rounded up by the amortised growth to 128 rows
+    size = heaps.nbytes()
+    heaps.add(np.arange(100, 150), np.ones(50, np.float32), np.zeros(50, np.int64), contexts, nxt)
+    assert heaps.slots == 100 and heaps.dropped == 50 and heaps.nbytes() == size
+
+
+def test_trigger_heaps_state_round_trip_and_resharding():
+    rng = np.random.default_rng(1)
+    contexts = rng.integers(0, 9, (50, 6)).astype(np.int32)
+    nxt = rng.integers(0, 9, 50).astype(np.int32)
+    a = TriggerHeaps(capacity=3, context=6)
+    a.info = '{"vocab": ["a"]}'
+    a.add(rng.integers(0, 40, 500), rng.random(500).astype(np.float32), rng.integers(0, 50, 500), contexts, nxt)
+    halves = [TriggerHeaps(capacity=3, context=6) for _ in range(2)]
+    for i, h in enumerate(halves):
+        h.load([a.state()], lambda ids, i=i: ids % 2 == i)
+    for s in range(40):
+        mine = halves[s % 2].get(np.array([s]))
+        assert all(np.array_equal(x, y) for x, y in zip(mine, a.get(np.array([s]))))
+        assert not halves[1 - s % 2].get(np.array([s]))[0].any()
+    assert halves[0].info == a.info
+
+
+def test_usage_histogram_metrics_match_exact():
+    rng = np.random.default_rng(0)
+    counts = np.floor(rng.zipf(1.3, 5000) * (rng.random(5000) < 0.7)).astype(np.float64)
+    mass = counts * rng.uniform(0.01, 1.0, 5000)
+    exact = usage_metrics(counts, mass)
+    halves = [Histogram.of(counts[:2000]) + Histogram.of(counts[2000:]), Histogram.of(mass[:2000]) + Histogram.of(mass[2000:])]
+    approx = histogram_metrics(*halves)
+    assert approx["used_pct"] == exact["used_pct"]
+    assert approx["kl_counts"] == pytest.approx(exact["kl_counts"], rel=1e-9)
+    assert approx["kl_weights"] == pytest.approx(exact["kl_weights"], rel=1e-9)
+    assert approx["gini_weights"] == pytest.approx(exact["gini_weights"], abs=0.01)
+    for q in (50, 90, 99):  # within the bins' width
+        assert approx[f"top{q}_slots"] == pytest.approx(exact[f"top{q}_slots"], rel=0.15)
+    # Gini: 0 for equal use, (n-1)/n for one slot holding everything
+    assert usage_metrics(np.ones(10), np.ones(10))["gini_weights"] == pytest.approx(0.0)
+    assert usage_metrics(np.ones(10), np.r_[1.0, np.zeros(9)])["gini_weights"] == pytest.approx(0.9)
+
+
+def test_value_table_top_slots_ties_and_coldest():
+    t = ValueTable(10, 4, OptimizerConfig("sgd", 0.1))
+    t.hits[:] = __import__("torch").tensor([3, 1, 3, 0, 5, 0, 1, 3, 0, 2])
+    rows, values = t.top_slots("hits", 4)
+    assert rows.tolist() == [4, 0, 2, 7] and values.tolist() == [5, 3, 3, 3]
+    rows, values = t.top_slots("hits", 4, coldest=True)
+    assert rows.tolist() == [3, 5, 8, 1] and values.tolist() == [0, 0, 0, 1]
+    with pytest.raises(ValueError):
+        t.stat("bogus")
+
+
+# ------------------------------------------------------------------ through the cluster
+
+
+@pytest.fixture(params=["rows", "cols"])
+def used_table(request, client, table_name):
+    """A 2-shard table with reads and updates spread over its slots."""
+    name = f"{table_name}-{request.param}"
+    client.create_table(name, 300, 8, sharding=request.param, optimizer="sgd", lr=0.1, seed=3)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        ids = rng.zipf(1.5, (64, 4)) % 300
+        w = rng.random((64, 4)).astype(np.float32)
+        client.bag(name, ids, w)
+        client.bag_backward(name, ids, w, rng.normal(size=(64, 8)).astype(np.float32))
+    yield name
+    client.drop_table(name)
+
+
+def all_stats(client, name):
+    return client.slot_stats(name, np.arange(300))
+
+
+@pytest.mark.parametrize("by,key", [("hits", "hits"), ("mass", "weight_mass"), ("updates", "updates"), ("norm", "value_norm")])
+@pytest.mark.parametrize("coldest", [False, True])
+def test_top_slots_equal_brute_force(client, used_table, by, key, coldest):
+    stats = all_stats(client, used_table)[key].astype(np.float64)
+    ids, values = client.top_slots(used_table, by, 7, coldest=coldest)
+    order = np.lexsort((np.arange(300), stats if coldest else -stats))[:7]
+    assert values == pytest.approx(stats[order], rel=1e-6)
+    if by != "norm":  # norms are floats: ties are unlikely, and ids then follow
+        assert ids.tolist() == order.tolist()
+    else:
+        assert sorted(ids.tolist()) == sorted(order.tolist())
+
+
+def test_usage_equals_metrics_from_every_slot(client, used_table):
+    stats = all_stats(client, used_table)
+    usage = client.usage(used_table)
+    assert usage.hits.slots == 300 and usage.hits.total == stats["hits"].sum()
+    assert usage.updates.total == stats["updates"].sum()
+    exact = usage_metrics(stats["hits"], stats["weight_mass"])
+    got = usage.metrics()
+    for k in ("used_pct", "kl_counts", "kl_weights"):
+        assert got[k] == pytest.approx(exact[k], rel=1e-9)
+
+
+def test_inspection_reads_are_not_counted(client, used_table):
+    before = all_stats(client, used_table)
+    client.lookup(used_table, np.arange(300), count=False)
+    client.top_slots(used_table, "norm", 5)
+    client.usage(used_table)
+    after = all_stats(client, used_table)
+    assert np.array_equal(before["hits"], after["hits"])
+    client.lookup(used_table, np.arange(10))  # an ordinary read is counted
+    assert np.array_equal(all_stats(client, used_table)["hits"][:10], before["hits"][:10] + 1)
+
+
+def test_triggers_round_trip_on_the_owning_shards(client, used_table):
+    rng = np.random.default_rng(2)
+    contexts = rng.integers(0, 20, (40, 12)).astype(np.int32)
+    nxt = rng.integers(0, 20, 40).astype(np.int32)
+    slots = rng.integers(0, 300, 2000)
+    weights = rng.random(2000).astype(np.float32)
+    positions = rng.integers(0, 40, 2000)
+    got = client.record_triggers(used_table, slots, weights, positions, contexts, nxt, info='{"vocab": ["x"]}')
+    assert got["dropped"] == 0 and got["slots"] == len(np.unique(slots))
+    want = brute_triggers(slots, weights, positions, contexts, nxt, 8, 16)
+    out = client.triggers(used_table, np.arange(300))
+    assert out["info"] == {"vocab": ["x"]}
+    for s in range(300):
+        w = [x for x in out["weights"][s].tolist() if x > 0]
+        assert w == pytest.approx([x for _, x in want.get(s, [])])
+    top = int(np.argmax(out["weights"][:, 0]))
+    assert out["contexts"][top, 0, -12:].tolist() in contexts.tolist()
+
+
+def test_triggers_survive_checkpoint_and_restore_into_other_shardings(client, used_table, tmp_path):
+    rng = np.random.default_rng(3)
+    contexts = rng.integers(0, 20, (30, 4)).astype(np.int32)
+    nxt = rng.integers(0, 20, 30).astype(np.int32)
+    client.record_triggers(used_table, rng.integers(0, 300, 500), rng.random(500).astype(np.float32),
+                           rng.integers(0, 30, 500), contexts, nxt, info='{"layer": "mem2"}')
+    before = client.triggers(used_table, np.arange(300))
+    client.checkpoint(str(tmp_path), 1, [used_table])
+    for shards in (1, 2):
+        client.restore(str(tmp_path), 1, replace=True, tables=[used_table], num_shards=shards)
+        after = client.triggers(used_table, np.arange(300))
+        assert after["info"] == {"layer": "mem2"}
+        for k in ("weights", "contexts", "next"):
+            assert np.array_equal(before[k], after[k]), (shards, k)
+
+
+def test_inspection_errors_say_what_is_wrong(client, used_table):
+    from client import InvalidArgumentError
+
+    z = np.zeros(1, np.int64)
+    ctx = np.zeros((1, 4), np.int32)
+    cases = [
+        (lambda: client.top_slots(used_table, "heat", 5), "by: one of"),
+        (lambda: client.top_slots(used_table, "hits", 0), "n: must be in"),
+        (lambda: client.record_triggers(used_table, z, [1.0], [3], ctx, [0]), "positions: must index"),
+        (lambda: client.record_triggers(used_table, z, [np.nan], [0], ctx, [0]), "NaN"),
+        (lambda: client.record_triggers(used_table, z, [1.0], [0], ctx, [0], info="[1]"), "JSON object"),
+        (lambda: client.record_triggers(used_table, z, [1.0], [0], np.zeros((1, 40), np.int32), [0]), "1 <= L <= 32"),
+        (lambda: client.triggers(used_table, [300]), "out of range"),
+    ]
+    for call, text in cases:
+        with pytest.raises(InvalidArgumentError, match=text):
+            call()
+    assert not client.triggers(used_table, np.arange(300))["weights"].any()  # nothing was recorded
+
+
+def test_inspection_calls_refuse_other_table_kinds(client, table_name):
+    from client import InvalidArgumentError
+
+    client.create_index(table_name, 4)
+    try:
+        with pytest.raises(InvalidArgumentError, match="for value tables"):
+            client.usage(table_name)
+        with pytest.raises(InvalidArgumentError, match="for value tables"):
+            client.top_slots(table_name)
+    finally:
+        client.drop_table(table_name)
+
+
+def test_the_shards_check_what_the_client_checks(memory_cluster, client, used_table):
+    """Bad requests that bypass the client's checks get the same INVALID_ARGUMENT from a shard."""
+    import grpc
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.wire import encode
+
+    meta = client.table(used_table)
+    sh = meta.shards[0]
+    stub = pb_grpc.DataPlaneStub(grpc.insecure_channel(sh.address))
+    odd = np.array([1], np.int64)  # owned by shard 1 (id % 2)
+    req = pb.RecordTriggersRequest(table=used_table, ids=encode(odd), weights=encode(np.ones(1, np.float32)),
+                                   positions=encode(np.zeros(1, np.int32)), contexts=encode(np.zeros((1, 4), np.int32)),
+                                   next=encode(np.zeros(1, np.int32)))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RecordTriggers(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "records on shard 1" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.TopSlots(pb.TopSlotsRequest(table=used_table, n=10**6))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n: must be in" in err.value.details()
