@@ -6,6 +6,7 @@ log step with --log-json.
     memtrain --memory remote --steps 1000 --mem-layers 2 --n-keys 128 --log-json run.jsonl
     memtrain --memory local --memory-kind lsh --steps 1000
     memtrain --memory remote --memory-kind pkm,kif          # KIF over the corpus's own sentences
+    memtrain trace --checkpoint ckpt --table memtrain-values  # record slots' trigger contexts (trace --help)
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "from the pinned package, offline) or hash[N] (character trigrams, instant)")
     kif.add_argument("--kif-sentences", type=int, default=4096, help="sentences of the training text in the built source")
     kif.add_argument("--kif-knn", type=int, default=8, help="hits fetched per position and source")
+    tr = p.add_argument_group("live tracing of trigger contexts (--memory remote; see `memtrain trace`)")
+    tr.add_argument("--trace-every", type=int, default=0, metavar="N",
+                    help="every N steps, send the batch's memory reads as trigger records to the shards (0: off)")
+    tr.add_argument("--trace-sample", type=float, default=0.05, metavar="F",
+                    help="fraction of the batch's positions traced (default 0.05)")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--checkpoint-dir", help="save the trainer's state here (and checkpoint the remote tables under <dir>/memory)")
     ck.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: only at the end, if --checkpoint-dir)")
@@ -151,6 +157,8 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     mem_layers = tuple(int(x) for x in args.mem_layers.split(",") if x.strip()) if args.memory != "none" else ()
     if any(not 0 <= i < args.n_layer for i in mem_layers):
         raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
+    if args.trace_every and (args.memory != "remote" or args.trace_every < 0 or not 0 < args.trace_sample <= 1):
+        raise SystemExit("memtrain: error: --trace-every needs --memory remote, N >= 1 and --trace-sample in (0, 1]")
     if args.kif_source and "kif" not in kinds:
         raise SystemExit("memtrain: error: --kif-source: add kif to --memory-kind")
     for flag, value, lo, hi in (("--lsh-hashes", args.lsh_hashes, 1, 1024), ("--lsh-bits", args.lsh_bits, 1, MAX_BITS),
@@ -312,8 +320,10 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
 
     root = Path(directory)
     values = {key: b.save(root, step) for key, b in _unique(run.values).items()}
+    cfg = {k: v for k, v in asdict(run.model.cfg).items() if k != "memory"}
     blob = {"step": step, "model": run.model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-            "values": values, "memory": asdict(run.model.cfg.memory)}  # the layers' shape, for serving them
+            "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
+            "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name}  # enough to rebuild it (trainer.inspection)
     atomic_write(_trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
 
@@ -346,6 +356,49 @@ def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
     return step
 
 
+class LiveTracer:
+    """--trace-every: a sample of a training batch's memory reads sent as trigger records
+    (trainer.inspection.trigger_records) to each remote table, with contexts from the batch's own
+    windows; the table's info (vocabulary, layer) goes with the first records."""
+
+    def __init__(self, run: Run, sample: float, seed: int) -> None:
+        from trainer.inspection import CONTEXT
+
+        self.run, self.sample, self.context = run, sample, CONTEXT
+        self.gen = torch.Generator().manual_seed(seed + 7)
+        self.layers = []  # (layer name, layer, table name): each table once, through its first layer
+        seen = set()
+        for name, layer in run.model.memories().items():
+            table = getattr(layer.values, "name", None)
+            if table is not None and table not in seen and isinstance(layer.values, RemoteValues):
+                seen.add(table)
+                self.layers.append((name, layer, table))
+        self.info_sent: set[str] = set()
+        self.seconds = 0.0
+
+    def send(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        from trainer.inspection import trigger_records, window_contexts
+
+        t0 = time.perf_counter()
+        ctx, nxt = window_contexts(x, y, self.context)
+        keep = torch.rand(ctx.shape[0], generator=self.gen) < self.sample
+        for name, layer, table in self.layers:
+            if layer.last_access is None:
+                continue
+            ids, w = layer.last_access
+            info = ""
+            if table not in self.info_sent:
+                kind = "pkm" if name.startswith("mem") else "lsh"
+                info = json.dumps({"layer": name, "kind": kind, "block": int("".join(c for c in name if c.isdigit())),
+                                   "slots": layer.num_slots, "vocab": self.run.corpus.vocab, "context": self.context,
+                                   "data": self.run.corpus.name, "live": True,
+                                   **{k: int(getattr(layer, k)) for k in ("n_keys", "heads", "knn", "hashes", "bits")
+                                      if hasattr(layer, k)}})
+                self.info_sent.add(table)
+            layer.values.client.record_triggers(table, *trigger_records(ids, w, ctx, nxt, keep), info=info)
+        self.seconds += time.perf_counter() - t0
+
+
 def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, Any]]:
     """Run training; yields one record per log step (what --log-json writes)."""
     run = setup(args, client)
@@ -358,6 +411,7 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         if world > 1 and (args.checkpoint_dir or args.resume):
             raise SystemExit("memtrain: error: --checkpoint-dir/--resume are for single-trainer runs for now")
         first = load_checkpoint(run, opt, gen, args.resume) + 1 if args.resume else 1
+        tracer = LiveTracer(run, args.trace_sample, args.seed) if args.trace_every else None
         tokens = args.batch_size * args.block_size * world
         window_t, window_steps = 0.0, 0
         for step in range(first, args.steps + 1):
@@ -373,6 +427,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
             loss.backward()
             for backend in _unique(run.values).values():
                 backend.end_step(step)  # one optimizer step per table, before the trainers synchronise
+            if args.trace_every and step % args.trace_every == 0:
+                tracer.send(x, y, step)
             loss = loss.detach()
             if world > 1:
                 average_across_trainers([p.grad for p in dense if p.grad is not None] + [loss], world)
@@ -394,6 +450,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                 window_t, window_steps = 0.0, 0
                 if evaluate_now:
                     rec.update(evaluate(run, args, torch.Generator().manual_seed(args.seed + 1)))
+                if tracer is not None:
+                    rec["trace_s"] = tracer.seconds  # time spent tracing so far (inside step_ms)
                 if rank == 0:
                     yield rec
             if args.checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
@@ -402,7 +460,63 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         run.close()
 
 
+def trace_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="memtrain trace",
+        description="Run text through a trained model (a memtrain --memory remote checkpoint) and record, on the "
+        "shards, every memory slot's top trigger contexts (the characters ending where the slot was read, and the "
+        "next one), kept in bounded per-slot heaps; `memserver inspect TABLE SLOT` then shows them. Reads are not "
+        "counted in the slots' statistics.")
+    p.add_argument("--checkpoint", required=True, help="memtrain --checkpoint-dir (its latest step) or a trainer-step-*.pt")
+    p.add_argument("--table", required=True, help="the value table to trace (a product-key or LSH layer of the model reads it)")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="text file or WikiText-2 folder (default: tiny Shakespeare)")
+    p.add_argument("--split", choices=["train", "val"], default="train", help="which part of the text (default: train)")
+    p.add_argument("--tokens", type=int, default=100_000, help="characters to run through the model (0: all)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows of block_size per forward")
+    p.add_argument("--endpoint", help="memserver coordinator HOST:PORT (default: the endpoint file)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def trace_main(argv: list[str]) -> int:
+    from client import MemoryClient
+    from trainer.inspection import Inspector, trace
+
+    args = trace_parser().parse_args(argv)
+    if args.tokens < 0 or args.batch_size < 1:
+        raise SystemExit("memtrain trace: error: --tokens must be >= 0 and --batch-size >= 1")
+    try:
+        corpus = load_corpus(args.data)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"memtrain trace: error: {exc}") from None
+    stream = corpus.train if args.split == "train" else corpus.val
+    if args.tokens:
+        stream = stream[: args.tokens + 1]
+    with MemoryClient(args.endpoint) as client:
+        try:
+            inspector = Inspector.load(args.checkpoint, client, vocab=corpus.vocab)
+            if inspector.vocab != corpus.vocab:
+                raise ValueError(f"--data {args.data}: its characters differ from the model's vocabulary")
+            inspector.view(args.table)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"memtrain trace: error: {exc}") from None
+        t0 = time.perf_counter()
+        out = trace(inspector, client, args.table, stream, batch_size=args.batch_size,
+                    progress=not args.json and sys.stderr.isatty())
+    out["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"traced {out['positions']:,} positions of {corpus.name} through {out['layer']} in {out['seconds']:.1f}s: "
+              f"{out['records_sent']:,} records sent; {out['slots']:,} slots of {args.table} hold trigger contexts"
+              + (f" ({out['dropped']:,} records dropped at the slot bound)" if out["dropped"] else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["trace"]:
+        return trace_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     out = open(args.log_json, "a") if args.log_json else None  # noqa: SIM115

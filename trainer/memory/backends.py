@@ -152,7 +152,7 @@ class RemoteValues:
         checkpoint root, so every backend saves on its own)."""
         where = f"memory/{self.name}"
         self.client.checkpoint(str(directory.resolve() / where), step, [self.name])
-        return {"checkpoint": where}
+        return {"checkpoint": where, "table": self.name}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
         self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])

@@ -131,6 +131,18 @@ class MemoryLayer(nn.Module):
         """read [N, read_dim] and the layer's input x [N, d_in] -> what the layer adds [N, d_out]."""
         return self.proj(read * F.silu(self.gate(x))) if self.mem_plus else read
 
+    # -- inspection (trainer.inspection) ---------------------------------------------------
+
+    def slot_output(self, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """What slot `slots[i]` of value `values[i]` writes into the residual stream at weight 1
+        [n, d_out] (Memory+: through the output projection, the input-dependent gate left out):
+        the vector Geva et al. project through the output embedding."""
+        return self.proj(values) if self.mem_plus else values
+
+    def describe_slot(self, slot: int) -> dict[str, Any]:
+        """Where a slot id sits in this kind's addressing (product keys: its sub-key pair)."""
+        return {}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, d_in], N = batch * time

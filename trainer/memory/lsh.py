@@ -15,6 +15,7 @@ differentiable; gradients reach the bucket vectors only (the values' own sparse 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -68,3 +69,12 @@ class LSHMemory(MemoryLayer):
     def combine(self, reads: torch.Tensor) -> torch.Tensor:
         """Buckets [n, hashes, dim] -> sum_i R_i z_i [n, d_out]."""
         return torch.einsum("nhd,hdo->no", reads, self.sketch)
+
+    def slot_output(self, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """A bucket of hash h is read through that hash's sketch matrix R_h."""
+        out = torch.einsum("nd,ndo->no", values, self.sketch[slots // (1 << self.bits)])
+        return self.proj(out) if self.mem_plus else out
+
+    def describe_slot(self, slot: int) -> dict[str, Any]:
+        h, b = divmod(int(slot), 1 << self.bits)
+        return {"hash": h, "bucket": b, "planes": format(b, f"0{self.bits}b")[::-1]}  # plane i's side, i = 0 first

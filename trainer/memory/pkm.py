@@ -10,6 +10,7 @@ tables run the same function). Everything after addressing is the MemoryLayer ba
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -51,3 +52,9 @@ class ProductKeyMemory(MemoryLayer):
         """queries [n, heads * k_dim] -> slot ids [n, heads*knn] and their softmax weights (per head)."""
         n = q.shape[0]
         return product_key_topk(q.view(n, self.heads, 2, self.k_dim // 2), self.keys, self.knn, self.cand_i, self.cand_j)
+
+    def describe_slot(self, slot: int) -> dict[str, Any]:
+        """Slot i * n_keys + j is the product of sub-key i of the first half and sub-key j of the
+        second, in every head's key pair."""
+        i, j = divmod(int(slot), self.n_keys)
+        return {"sub_keys": [i, j], "n_keys": self.n_keys, "heads": self.heads}

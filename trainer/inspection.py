@@ -1,0 +1,423 @@
+"""Inspecting a trained memory, live against the cluster: what triggers a slot, what it stores,
+how the memory is used. `memserver inspect/top/usage/search-token/web` and `memtrain trace` are
+thin over this module.
+
+- `Inspector.load(checkpoint, client)` rebuilds a memtrain model (eval mode) whose product-key
+  and LSH layers read their tables in the cluster through `PeekValues`: uncounted lookups, so
+  inspecting never changes the slots' statistics, and never writes.
+- Trigger contexts (Geva et al. 2021's "top trigger examples"): `trace` runs text through the
+  model and sends, for every slot read, (weight, the tokens ending at the position, the next
+  token) to the shards, which keep each slot's best few (memserver.core.triggers); memtrain's
+  `--trace-every` sends the same records from training batches (`trigger_records`).
+- What a slot stores: its value as it reaches the residual stream (`MemoryLayer.slot_output`)
+  through the output embedding, softmax(W_out v) (Geva et al.; no final LayerNorm), and the
+  agreement of those tokens with the triggers' next tokens, against random slots.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memserver.core.triggers import CAPACITY, best_per_slot, record_keys
+from trainer.memory import MemoryConfig, MemoryLayer, RemoteKnowledge
+from trainer.model import GPT, ModelConfig, value_key
+
+#: Context tokens a trigger record keeps (the shards keep the last 16: memserver.core.triggers).
+CONTEXT = 16
+
+
+class PeekValues:
+    """A read-only value backend over a cluster table: a bag is an uncounted lookup of its
+    distinct ids and a weighted sum here (inspection leaves hits and mass as training left them)."""
+
+    def __init__(self, client: Any, name: str) -> None:
+        meta = client.table(name, refresh=True)
+        if meta.kind != "value":
+            raise ValueError(f"table {name!r} is a {meta.kind} table, not a value table")
+        self.client, self.name, self.num_rows, self.dim = client, name, meta.num_rows, meta.dim
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(self.client.lookup(self.name, ids.reshape(-1).cpu(), count=False)).view(*ids.shape, self.dim)
+
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        rows = self.rows(uniq)
+        return torch.einsum("nk,nkd->nd", weights.float(), rows[inv])
+
+    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
+        done: Future[torch.Tensor] = Future()
+        done.set_result(self.bag(ids, weights))
+        return done
+
+    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("PeekValues is read-only (inspection)")
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def end_step(self, step: int) -> None:
+        pass
+
+    def save(self, directory: Path, step: int) -> dict[str, Any]:
+        raise RuntimeError("PeekValues is read-only (inspection)")
+
+    def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        raise RuntimeError("PeekValues is read-only (inspection)")
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    """A trainer-step-*.pt file, or the latest one in a --checkpoint-dir."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("trainer-step-*.pt"))
+        if not files:
+            raise FileNotFoundError(f"{p}: no memtrain checkpoint (trainer-step-*.pt) there")
+        return files[-1]
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such checkpoint file or directory")
+    return p
+
+
+@dataclass
+class MemoryView:
+    """One memory layer of the model and the table it reads."""
+
+    name: str  # "mem2", "lsh2"
+    kind: str  # "pkm" | "lsh"
+    block: int
+    table: str
+    layer: MemoryLayer
+
+    def info(self) -> dict[str, Any]:
+        layer = self.layer
+        out: dict[str, Any] = {"layer": self.name, "kind": self.kind, "block": self.block, "slots": layer.num_slots}
+        for key in ("n_keys", "heads", "knn", "hashes", "bits"):
+            if hasattr(layer, key):
+                out[key] = int(getattr(layer, key))
+        return out
+
+
+@dataclass
+class Inspector:
+    """A memtrain checkpoint rebuilt for inspection (eval mode, values read through PeekValues)."""
+
+    model: GPT
+    vocab: list[str]
+    views: list[MemoryView]
+    step: int
+    path: Path
+    data: str = ""
+    index: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.index = {ch: i for i, ch in enumerate(self.vocab)}
+
+    @classmethod
+    def load(cls, checkpoint: str | Path, client: Any, vocab: list[str] | None = None) -> Inspector:
+        """`vocab`: for checkpoints written before memtrain recorded its vocabulary."""
+        path = checkpoint_file(checkpoint)
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+        sd = GPT.upgrade_state_dict(blob["model"])
+        mem = MemoryConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in blob.get("memory", {}).items()})
+        vocab = blob.get("vocab") or vocab
+        if vocab is None:
+            raise ValueError(f"{path}: the checkpoint does not record its vocabulary; give the training text (--data)")
+        cfg = dict(blob.get("config") or {})
+        if not cfg:  # written before memtrain recorded its shape: read it off the weights (n_head: memtrain's default)
+            n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+            block_size, n_embd = sd["pos_emb.weight"].shape
+            cfg = {"vocab_size": sd["tok_emb.weight"].shape[0], "block_size": block_size, "n_layer": n_layer,
+                   "n_head": 4, "n_embd": n_embd}
+        if len(vocab) != cfg["vocab_size"]:
+            raise ValueError(f"{path}: the model has {cfg['vocab_size']} tokens, the vocabulary {len(vocab)}")
+        values: dict[str, Any] = {}
+        tables: dict[str, str] = {}
+        for key, saved in blob.get("values", {}).items():
+            name = saved.get("table") or str(saved.get("checkpoint", "")).removeprefix("memory/")
+            if "state" in saved or not name:
+                raise ValueError(f"{path}: a --memory local checkpoint: its values are not in the cluster "
+                                 "(train with --memory remote to inspect them there)")
+            tables[key] = name
+        for i in mem.layers:  # shared values: the key of the first layer reading the table
+            for kind in mem.kinds:
+                if kind == "kif":
+                    continue
+                key = value_key(kind, i)
+                name = tables.get(key) or next((tables[k] for k in tables if k.startswith(f"{kind}-") or
+                                                (kind == "pkm" and k.isdigit())), None)
+                if name is None:
+                    raise ValueError(f"{path}: no table recorded for memory layer {key}")
+                tables[key] = name
+                values[key] = PeekValues(client, name)
+        knowledge = [RemoteKnowledge(client, s) for s in mem.kif_sources] if "kif" in mem.kinds else []
+        model = GPT(ModelConfig(memory=mem, **cfg), values, knowledge)
+        model.load_state_dict(sd)
+        model.eval()
+        views = []
+        for name, layer in model.memories().items():
+            if layer.values is None:
+                continue  # KIF: no slots of a value table
+            block = int("".join(c for c in name if c.isdigit()))
+            kind = "pkm" if name.startswith("mem") else "lsh"
+            views.append(MemoryView(name, kind, block, tables[value_key(kind, block)], layer))
+        return cls(model, list(vocab), views, int(blob.get("step", 0)), path, str(blob.get("data", "")))
+
+    # -- tokens ----------------------------------------------------------------------------
+
+    def encode(self, text: str) -> torch.Tensor:
+        unknown = sorted({c for c in text if c not in self.index})
+        if unknown:
+            raise ValueError(f"characters not in the model's vocabulary: {''.join(unknown)!r}")
+        return torch.tensor([self.index[c] for c in text], dtype=torch.int64)
+
+    def token(self, t: int) -> str:
+        return self.vocab[t] if 0 <= t < len(self.vocab) else ""
+
+    def decode(self, ids: Any) -> str:
+        return "".join(self.token(int(t)) for t in ids)
+
+    def view(self, table: str) -> MemoryView:
+        """The (first) memory layer reading `table`."""
+        for v in self.views:
+            if v.table == table:
+                return v
+        raise ValueError(f"no memory layer of {self.path.name} reads table {table!r} "
+                         f"(it reads {', '.join(sorted({v.table for v in self.views})) or 'none'})")
+
+    # -- what a slot stores ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def project(self, table: str, slots: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-probabilities [n, vocab] of softmax(W_out . slot_output(v)) for the slots."""
+        view = self.view(table)
+        if values is None:
+            values = view.layer.values.rows(slots)
+        out = view.layer.slot_output(slots, values.float())
+        return torch.log_softmax(out @ self.model.head.weight.T, dim=-1)
+
+    def top_tokens(self, table: str, slots: Any, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids [n, k], probabilities [n, k]) each slot's value ranks highest."""
+        logp = self.project(table, torch.as_tensor(np.asarray(slots, dtype=np.int64)))
+        top = logp.topk(min(k, logp.shape[1]), dim=1)
+        return top.indices.numpy(), top.values.exp().numpy()
+
+    # -- what a text triggers --------------------------------------------------------------
+
+    @torch.no_grad()
+    def read(self, tokens: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Run [B, T] tokens through the model; per memory layer name, (ids, weights) [B*T, slots]."""
+        self.model(tokens)
+        return {v.name: v.layer.last_access for v in self.views}
+
+    def activations(self, table: str, text: str, top: int = 5) -> dict[str, Any]:
+        """Which slots of `table` a text triggers: per position the `top` slots by weight, and the
+        slots by weight summed over the text. Texts longer than the model's context are cut to
+        their last block_size characters."""
+        tokens = self.encode(text)[-self.model.cfg.block_size :]
+        if len(tokens) == 0:
+            raise ValueError("the text is empty")
+        view = self.view(table)
+        ids, w = self.read(tokens[None])[view.name]
+        w = w.abs().float()
+        positions = []
+        for t in range(len(tokens)):
+            order = torch.argsort(w[t], descending=True, stable=True)[:top]
+            positions.append({"char": self.token(int(tokens[t])), "slots": ids[t, order].tolist(),
+                              "weights": [round(float(x), 6) for x in w[t, order]]})
+        flat_ids, flat_w = ids.reshape(-1), w.reshape(-1)
+        uniq, inv = torch.unique(flat_ids, return_inverse=True)
+        total = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, flat_w.double())
+        order = torch.argsort(total, descending=True, stable=True)[: max(top * 4, 20)]
+        return {"table": table, "layer": view.name, "text": self.decode(tokens), "positions": positions,
+                "slots": [{"slot": int(uniq[i]), "weight": float(total[i])} for i in order]}
+
+
+def inspector_for(client: Any, table: str, checkpoint: str | Path | None = None) -> Inspector | None:
+    """The model to project `table`'s slots through: `checkpoint`, else the one `memtrain trace`
+    recorded in the table's trace info when that file still exists, else None (statistics and
+    trigger contexts need no model)."""
+    if checkpoint is None:
+        recorded = client.triggers(table, [0])["info"].get("checkpoint")
+        if not recorded or not Path(recorded).exists():
+            return None
+        checkpoint = recorded
+    inspector = Inspector.load(checkpoint, client)
+    inspector.view(table)  # says which tables it reads when not this one
+    return inspector
+
+
+# ------------------------------------------------------------------ trigger records
+
+
+def contexts_at(stream: torch.Tensor, where: torch.Tensor, length: int = CONTEXT) -> tuple[torch.Tensor, torch.Tensor]:
+    """For global positions `where` in a token stream: the `length` tokens ending there (-1 before
+    the start) [n, length] int32, and the next token [n] (-1 past the end)."""
+    pad = torch.cat([torch.full((length - 1,), -1, dtype=torch.int64), stream, torch.full((1,), -1, dtype=torch.int64)])
+    ctx = pad[where[:, None] + torch.arange(length)]
+    return ctx.int(), pad[where + length].int()
+
+
+def window_contexts(x: torch.Tensor, y: torch.Tensor, length: int = CONTEXT) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contexts within training windows: x, y [B, T] -> the `length` tokens ending at each
+    position of its own window (-1 before it) [B*T, length] int32, and the next tokens [B*T]."""
+    b, t = x.shape
+    pad = torch.cat([torch.full((b, length - 1), -1, dtype=x.dtype), x], dim=1)
+    ctx = pad.unfold(1, length, 1)  # [B, T, length]
+    return ctx.reshape(b * t, length).int(), y.reshape(-1).int()
+
+
+def trigger_records(ids: torch.Tensor, weights: torch.Tensor, contexts: torch.Tensor, nxt: torch.Tensor,
+                    keep: torch.Tensor | None = None) -> tuple[np.ndarray, ...]:
+    """A layer's reads at P positions (ids, weights [P, slots]) and those positions' contexts
+    [P, L] and next tokens [P] -> the records worth sending: each slot's best CAPACITY distinct
+    ones (memserver.core.triggers.best_per_slot, the shards' own selection, so this only saves
+    bytes). `keep` [P] bool: sample positions. Returns (ids, weights, positions, contexts, next)
+    with positions indexing the returned contexts."""
+    p, slots = ids.shape
+    if keep is not None:
+        rows = keep.nonzero().squeeze(1)
+        ids, weights, contexts, nxt = ids[rows], weights[rows], contexts[rows], nxt[rows]
+        p = len(rows)
+    s = ids.reshape(-1).numpy()
+    w = weights.abs().float().reshape(-1).numpy()
+    pos = np.repeat(np.arange(p), slots)
+    ctx_np, nxt_np = contexts.numpy(), nxt.numpy()
+    pick = best_per_slot(s, w, record_keys(ctx_np, nxt_np)[pos], CAPACITY)
+    used, local = np.unique(pos[pick], return_inverse=True)
+    return s[pick], w[pick], local, ctx_np[used], nxt_np[used]
+
+
+def trace(inspector: Inspector, client: Any, table: str, stream: torch.Tensor, *, batch_size: int = 16,
+          progress: bool = True) -> dict[str, Any]:
+    """Run a token stream through the model in windows of block_size and record, on the shards,
+    every slot's top trigger contexts in `table`. Returns what was sent and what the shards hold."""
+    from tqdm import tqdm
+
+    view = inspector.view(table)
+    t = inspector.model.cfg.block_size
+    starts = torch.arange(0, max(len(stream) - 1, 0), t)
+    info = json.dumps({**view.info(), "vocab": inspector.vocab, "context": CONTEXT, "checkpoint": str(inspector.path),
+                       "step": inspector.step, "data": inspector.data})
+    sent = positions = 0
+    got: dict[str, int] = {"slots": 0, "dropped": 0}
+    with tqdm(total=int(min(len(stream) - 1, len(starts) * t)), unit="tok", desc=f"trace {table}",
+              disable=not progress) as bar:
+        for b in range(0, len(starts), batch_size):
+            s = starts[b : b + batch_size]
+            n = int(min(t, len(stream) - 1 - int(s[-1])))  # the last window may be short: cut every window to it
+            if n <= 0:
+                break
+            where = (s[:, None] + torch.arange(n)).reshape(-1)
+            ids, w = inspector.read(stream[where].view(len(s), n))[view.name]
+            ctx, nxt = contexts_at(stream, where)
+            rec = trigger_records(ids, w, ctx, nxt)
+            got = client.record_triggers(table, *rec, info=info)
+            info = ""  # sent once
+            sent += len(rec[0])
+            positions += len(where)
+            bar.update(len(where))
+    return {"table": table, "layer": view.name, "positions": positions, "records_sent": sent, **got}
+
+
+# ------------------------------------------------------------------ reports
+
+
+def slot_report(client: Any, table: str, slot: int, inspector: Inspector | None = None, k: int = 10) -> dict[str, Any]:
+    """Everything `memserver inspect` shows about one slot."""
+    import time
+
+    stats = client.slot_stats(table, np.array([slot]))
+    trig = client.triggers(table, np.array([slot]))
+    info = trig["info"]
+    vocab = inspector.vocab if inspector is not None else info.get("vocab", [])
+
+    def text(ids: Any) -> str:
+        return "".join(vocab[i] if 0 <= i < len(vocab) else "" for i in ids)
+
+    out: dict[str, Any] = {"table": table, "slot": int(slot)}
+    for key in ("value_norm", "hits", "weight_mass", "updates", "last_update"):
+        v = stats[key][0]
+        out[key] = float(v) if key in ("value_norm", "weight_mass", "last_update") else int(v)
+    out["last_update_age_s"] = time.time() - out["last_update"] if out["last_update"] else None
+    layer_info = {k: v for k, v in info.items() if k not in ("vocab",)}
+    view = None
+    if inspector is not None:
+        try:
+            view = inspector.view(table)
+        except ValueError:
+            view = None
+    if view is not None:
+        out["address"] = {"layer": view.name, "block": view.block, "kind": view.kind, **view.layer.describe_slot(slot)}
+    elif layer_info.get("kind") == "pkm" and layer_info.get("n_keys"):
+        i, j = divmod(int(slot), int(layer_info["n_keys"]))
+        out["address"] = {"layer": layer_info.get("layer"), "kind": "pkm", "sub_keys": [i, j]}
+    elif layer_info.get("kind") == "lsh" and layer_info.get("bits"):
+        h, b = divmod(int(slot), 1 << int(layer_info["bits"]))
+        out["address"] = {"layer": layer_info.get("layer"), "kind": "lsh", "hash": h, "bucket": b}
+    triggers = []
+    for w, ctx, nx in zip(trig["weights"][0], trig["contexts"][0], trig["next"][0]):
+        if w > 0:
+            triggers.append({"weight": float(w), "context": text(ctx), "next": text([nx]), "next_id": int(nx)})
+    out["triggers"] = triggers
+    if inspector is not None and view is not None:
+        tok, prob = inspector.top_tokens(table, [slot], k)
+        out["top_tokens"] = [{"token": inspector.token(int(t)), "id": int(t), "p": float(p)} for t, p in zip(tok[0], prob[0])]
+        top = {int(t) for t in tok[0]}
+        if triggers:
+            out["agreement"] = sum(r["next_id"] in top for r in triggers) / len(triggers)
+    return out
+
+
+def agreement(inspector: Inspector, client: Any, table: str, *, slots: int = 500, k: int = 5, baselines: int = 10,
+              seed: int = 0) -> dict[str, Any]:
+    """Geva et al.'s agreement: over the `slots` most-hit slots with trigger records, the mean
+    fraction of a slot's records whose next token is among its value's top-k projected tokens;
+    against the same with another random slot's top-k tokens (`baselines` permutations)."""
+    ids, _ = client.top_slots(table, "hits", slots)
+    trig = client.triggers(table, ids)
+    have = (trig["weights"] > 0).any(1)
+    ids, nxt, valid = ids[have], trig["next"][have], trig["weights"][have] > 0
+    if len(ids) == 0:
+        return {"table": table, "slots": 0, "k": k}
+    tok, _ = inspector.top_tokens(table, ids, k)
+
+    def score(top: np.ndarray) -> float:
+        hit = (nxt[:, :, None] == top[:, None, :]).any(2) & valid
+        return float((hit.sum(1) / valid.sum(1)).mean())
+
+    rng = np.random.default_rng(seed)
+    base = [score(tok[rng.permutation(len(ids))]) for _ in range(baselines)]
+    return {"table": table, "slots": int(len(ids)), "k": k, "agreement": score(tok),
+            "random_slots": float(np.mean(base)), "random_slots_std": float(np.std(base))}
+
+
+def search_token(inspector: Inspector, client: Any, table: str, token: str, n: int = 20, chunk: int = 8192,
+                 progress: bool = False) -> list[dict[str, Any]]:
+    """The slots whose projected values give `token` the highest probability: a scan of every
+    slot's value (uncounted lookups of `chunk` rows at a time, O(rows) work and O(chunk + n) memory)."""
+    from tqdm import tqdm
+
+    if token not in inspector.index:
+        raise ValueError(f"token {token!r} is not in the model's vocabulary")
+    t = inspector.index[token]
+    view = inspector.view(table)
+    rows = view.layer.num_slots
+    best_p = torch.empty(0)
+    best_ids = torch.empty(0, dtype=torch.int64)
+    best_rank = torch.empty(0, dtype=torch.int64)
+    for s in tqdm(range(0, rows, chunk), unit="chunk", desc=f"scan {table}", disable=not progress):
+        ids = torch.arange(s, min(rows, s + chunk))
+        logp = inspector.project(table, ids)
+        p = logp[:, t]
+        rank = (logp > p[:, None]).sum(1)  # 0 = the slot's top token
+        cat_p, cat_ids, cat_rank = torch.cat([best_p, p]), torch.cat([best_ids, ids]), torch.cat([best_rank, rank])
+        order = torch.argsort(-cat_p, stable=True)[:n]
+        best_p, best_ids, best_rank = cat_p[order], cat_ids[order], cat_rank[order]
+    return [{"slot": int(i), "p": float(p.exp()), "rank": int(r)} for i, p, r in zip(best_ids, best_p, best_rank)]
