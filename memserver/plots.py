@@ -29,7 +29,7 @@ def usage_png(usage: TableUsage, title: str) -> bytes:
     left.set_xscale("log")
     left.set_yscale("log")
     left.set_xlabel("slot rank")
-    left.set_ylabel("reads of the slot")
+    left.set_ylabel("hits (weight mass) of the slot")
     left.set_title("rank-frequency (log-log)")
     left.legend()
     mass = usage.weight_mass

@@ -302,18 +302,18 @@ def trace(inspector: Inspector, client: Any, table: str, stream: torch.Tensor, *
 
     view = inspector.view(table)
     t = inspector.model.cfg.block_size
-    starts = torch.arange(0, max(len(stream) - 1, 0), t)
+    end = max(len(stream) - 1, 0)  # positions with a next token
+    full = torch.arange(0, end - t + 1, t)  # windows of t positions, in batches; then the short rest alone
+    batches = [(full[b : b + batch_size], t) for b in range(0, len(full), batch_size)]
+    rest = end - len(full) * t
+    if rest > 0:
+        batches.append((torch.tensor([len(full) * t]), rest))
     info = json.dumps({**view.info(), "vocab": inspector.vocab, "context": CONTEXT, "checkpoint": str(inspector.path),
                        "step": inspector.step, "data": inspector.data})
     sent = positions = 0
     got: dict[str, int] = {"slots": 0, "dropped": 0}
-    with tqdm(total=int(min(len(stream) - 1, len(starts) * t)), unit="tok", desc=f"trace {table}",
-              disable=not progress) as bar:
-        for b in range(0, len(starts), batch_size):
-            s = starts[b : b + batch_size]
-            n = int(min(t, len(stream) - 1 - int(s[-1])))  # the last window may be short: cut every window to it
-            if n <= 0:
-                break
+    with tqdm(total=end, unit="tok", desc=f"trace {table}", disable=not progress) as bar:
+        for s, n in batches:
             where = (s[:, None] + torch.arange(n)).reshape(-1)
             ids, w = inspector.read(stream[where].view(len(s), n))[view.name]
             ctx, nxt = contexts_at(stream, where)

@@ -1,6 +1,7 @@
 """`memserver`: start, inspect, load-test and stop a memory cluster. Thin over the library: each
 command lives in a module of this package (lifecycle: up/down; tables: status/checkpoint/restore;
-index: index build; loadtest), and this module assembles the parser and runs one.
+index: index build; slots: inspect/top/usage/search-token; web; loadtest), and this module
+assembles the parser and runs one.
 
     python -m memserver.cli --help
 """
@@ -11,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from memserver.cli import index, lifecycle, loadtest, tables
+from memserver.cli import index, lifecycle, loadtest, slots, tables
 from memserver.cli.common import CliError
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     lifecycle.add_parsers(sub)
     tables.add_parsers(sub)
     index.add_parser(sub)
+    slots.add_parsers(sub)
     loadtest.add_parser(sub)
     return p
 
