@@ -8,8 +8,9 @@ memory (the same `ValueTable` in this process), remote memory (2 shards, cols), 
 `--micro-batches 2` (one chunk's call overlaps the next chunk's addressing); then the other
 kinds, local and remote: LSH sketch memory (4 x 2^12 buckets, the same 16,384 slots) and KIF
 (4,096 training sentences encoded with all-MiniLM-L6-v2, 8 hits per position; the first run
-encodes them, later ones read the cache). Each remote run is compared with the local run of
-its kind, and every run with no memory.
+encodes them, later ones read the cache); and remote product keys with live tracing of trigger
+contexts (`--trace-every 1` and `10`, 5% of the positions), compared with plain remote. Each
+remote run is compared with the local run of its kind, and every run with no memory.
 
 The runs are advanced in blocks of --block steps, round robin, so background load on the
 shared machine falls on all of them alike; the first block's first --warmup steps and the first
@@ -45,6 +46,9 @@ RUNS: dict[str, list[str]] = {
     "remote lsh": ["--memory", "remote", "--memory-kind", "lsh"],
     "local kif": ["--memory", "local", "--memory-kind", "kif"],
     "remote kif": ["--memory", "remote", "--memory-kind", "kif"],
+    # live tracing of trigger contexts (5% of a batch's positions), every step and every 10th
+    "remote trace 1": ["--memory", "remote", "--trace-every", "1", "--trace-sample", "0.05"],
+    "remote trace 10": ["--memory", "remote", "--trace-every", "10", "--trace-sample", "0.05"],
 }
 
 
@@ -105,6 +109,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in names:
         if n.startswith("remote") and local_of(n) in ms:
             ratios[f"{n} / {local_of(n)}"] = ms[n] / ms[local_of(n)]
+    for n in names:
+        if "trace" in n and "remote" in ms:
+            ratios[f"{n} / remote"] = ms[n] / ms["remote"]
     if "none" in ms:
         for n in names:
             if n != "none":
@@ -124,7 +131,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tbl.add_row(n, str(r["n"]), f"{r['p50_ms']:.1f}", f"{r['mean_ms']:.1f}",
                     f"{r['p50_ms'] / ms[local_of(n)]:.2f}" if n != "none" and local_of(n) in ms else "-",
                     f"{r['p50_ms'] / ms['none']:.2f}" if "none" in ms else "-")
-    Console(width=160).print(tbl)
+    console = Console(width=160)
+    console.print(tbl)
+    for k, v in ratios.items():
+        if "trace" in k and k.endswith("/ remote"):
+            console.print(f"{k}: {v:.3f}x")
     return out
 
 

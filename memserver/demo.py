@@ -11,11 +11,16 @@ the validation losses side by side.
 Part 3, another kind of memory: SketchMem's warm-up (trainer.warmup), 1,000 random 50-bit
 key -> value pairs that a small network cannot memorise alone, and can with an LSH sketch memory
 whose buckets live in the cluster.
+
+Part 4, inspection: part 2's trained memory, its slots traced over 100,000 characters of the
+training text (`memtrain trace`), then `memserver usage` (with Geva et al.'s agreement against
+random slots) and `memserver inspect` on a few slots, exactly as a user types them.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import numpy as np
@@ -35,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--knn", type=int, default=32)
     p.add_argument("--train-steps", type=int, default=300, help="LM training steps per model (0: skip part 2)")
     p.add_argument("--warmup-pairs", type=int, default=1000, help="pairs of the LSH warm-up (0: skip part 3)")
+    p.add_argument("--trace-chars", type=int, default=100_000, help="characters traced for part 4 (0: skip it)")
     args = p.parse_args(argv)
     console = Console(width=120)
     rng = np.random.default_rng(0)
@@ -96,22 +102,28 @@ def main(argv: list[str] | None = None) -> int:
         for t in st.tables:
             client.drop_table(t.spec.name)
         if args.train_steps:
-            train_comparison(client, args.train_steps, console)
+            with tempfile.TemporaryDirectory(prefix="memserver-demo-") as ckpt:
+                train_comparison(client, args.train_steps, console, ckpt)
+                if args.trace_chars:
+                    inspection(client, ckpt, args.trace_chars, console)
+            client.drop_table("demo-pkm")
         if args.warmup_pairs:
             lsh_warmup(client, args.warmup_pairs, console)
     console.print("[bold green]demo finished[/]")
     return 0
 
 
-def train_comparison(client: MemoryClient, steps: int, console: Console) -> None:
-    """The same transformer with and without a remote product-key memory, same seed and data."""
+def train_comparison(client: MemoryClient, steps: int, console: Console, checkpoint_dir: str) -> None:
+    """The same transformer with and without a remote product-key memory, same seed and data
+    (the memory run checkpointed into `checkpoint_dir`, for part 4)."""
     from trainer.train import build_parser, train
 
     common = ["--steps", str(steps), "--eval-every", str(max(1, steps // 3)), "--eval-iters", "10", "--log-every", "50"]
     runs = {
         "no memory": [*common, "--memory", "none"],
         "remote PKM (16k slots, beside FFN of block 2)": [*common, "--memory", "remote", "--table", "demo-pkm",
-                                                           "--mem-layers", "2", "--n-keys", "128", "--value-lr", "0.01", "--staleness", "1"],
+                                                           "--mem-layers", "2", "--n-keys", "128", "--value-lr", "0.01", "--staleness", "1",
+                                                           "--checkpoint-dir", checkpoint_dir],
     }
     table = Table(title=f"char-level LM on tiny Shakespeare, {steps} steps of 32x128 tokens")
     for col in ("model", "val loss", "train loss", "ms/step", "tokens/s", "slots used"):
@@ -130,7 +142,34 @@ def train_comparison(client: MemoryClient, steps: int, console: Console) -> None
         table.add_row(label, f"{last['val_loss']:.4f}", f"{last['loss']:.4f}", f"{1e3 * (time.perf_counter() - t0) / steps:.0f}",
                       f"{last['tokens_per_s']:,.0f}", used)
     console.print(table)
-    client.drop_table("demo-pkm")
+
+
+def inspection(client: MemoryClient, checkpoint_dir: str, chars: int, console: Console) -> None:
+    """Trace the trained memory, then the commands a user inspects it with."""
+    from memserver.cli import main as memserver
+    from trainer.data import load_corpus
+    from trainer.inspection import Inspector, slot_report, trace
+
+    inspector = Inspector.load(checkpoint_dir, client)
+    console.print(f"[bold]$ memtrain trace --checkpoint CKPT --table demo-pkm --tokens {chars}[/]")
+    got = trace(inspector, client, "demo-pkm", load_corpus().train[: chars + 1], progress=False)
+    console.print(f"traced {got['positions']:,} positions: {got['slots']:,} slots hold trigger contexts")
+    endpoint = ["--endpoint", client.endpoint]
+    from memserver.cluster.endpoint import memserver_home
+
+    plot = str(memserver_home() / "demo-usage.png")
+    console.print(f"[bold]$ memserver usage demo-pkm --agreement --plot {plot}[/]")
+    memserver(["usage", "demo-pkm", "--agreement", "--plot", plot, *endpoint])
+    # the two slots holding the most read weight, and among the 50 most-read slots the one whose
+    # projected tokens agree most with its triggers' next tokens (the selection is stated, not hidden)
+    hot, _ = client.top_slots("demo-pkm", "mass", 2)
+    top50, _ = client.top_slots("demo-pkm", "hits", 50)
+    agree = sorted(((slot_report(client, "demo-pkm", int(s), inspector).get("agreement", 0.0), -int(s)) for s in top50
+                    if int(s) not in set(hot.tolist())), reverse=True)
+    best = -agree[0][1]
+    for slot, why in [*((int(s), "holds the most read weight") for s in hot), (best, "agrees most, of the 50 most read")]:
+        console.print(f"[bold]$ memserver inspect demo-pkm {slot}[/]   ({why})")
+        memserver(["inspect", "demo-pkm", str(slot), *endpoint])
 
 
 def lsh_warmup(client: MemoryClient, pairs: int, console: Console) -> None:

@@ -184,6 +184,8 @@ def test_triggers_round_trip_on_the_owning_shards(client, used_table):
     positions = rng.integers(0, 40, 2000)
     got = client.record_triggers(used_table, slots, weights, positions, contexts, nxt, info='{"vocab": ["x"]}')
     assert got["dropped"] == 0 and got["slots"] == len(np.unique(slots))
+    loads = [t for s in client.status().shards for t in s.tables if t.table == used_table]
+    assert sum(t.trigger_slots for t in loads) == got["slots"] and all(t.trigger_bytes > 0 for t in loads)
     want = brute_triggers(slots, weights, positions, contexts, nxt, 8, 16)
     out = client.triggers(used_table, np.arange(300))
     assert out["info"] == {"vocab": ["x"]}

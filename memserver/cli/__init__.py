@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from memserver.cli import index, lifecycle, loadtest, slots, tables
+from memserver.cli import index, lifecycle, loadtest, slots, tables, web
 from memserver.cli.common import CliError
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     tables.add_parsers(sub)
     index.add_parser(sub)
     slots.add_parsers(sub)
+    web.add_parser(sub)
     loadtest.add_parser(sub)
     return p
 

@@ -78,8 +78,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report["last_update"])) + f" ({report['last_update_age_s']:.0f}s ago)")
     console.print(f"value norm {report['value_norm']:.4f} · hits {report['hits']:,} · weight mass "
                   f"{report['weight_mass']:.4f} · updates {report['updates']:,} · last update {last}")
-    trig = Table(title="top trigger contexts (tokens ending where the slot was read → the next token)")
-    for col in ("weight", "context", "next"):
+    trig = Table(title="top trigger contexts")
+    for col in ("weight", "context", "next token"):
         trig.add_column(col, justify="right" if col == "weight" else "left")
     for r in report["triggers"]:
         trig.add_row(f"{r['weight']:.4f}", show(r["context"]), show(r["next"]))

@@ -36,7 +36,8 @@ def status_dict(resp: Any) -> dict[str, Any]:
                 "tables": [{"table": t.table, "rows": t.rows, "bytes": t.bytes, "requests": t.requests,
                             "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from, "sessions": t.sessions,
                             "remembered": t.remembered, "unavailable": t.unavailable, "vectors": t.vectors,
-                            "trained": t.trained, "index_device": t.index_device} for t in s.tables],
+                            "trained": t.trained, "index_device": t.index_device, "trigger_slots": t.trigger_slots,
+                            "trigger_bytes": t.trigger_bytes} for t in s.tables],
             }
             for s in resp.shards
         ],

@@ -325,6 +325,7 @@ class ShardActor:
                     load.trained = sl.table.loaded
                 else:
                     load.rows = sl.table.num_rows
+                    load.trigger_slots, load.trigger_bytes = sl.triggers.slots, sl.triggers.nbytes()
             return st.SerializeToString()
 
         return self.loop.call(status())

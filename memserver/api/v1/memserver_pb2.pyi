@@ -577,7 +577,7 @@ class GetShardMapRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableLoad(_message.Message):
-    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable", "vectors", "trained", "index_device")
+    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable", "vectors", "trained", "index_device", "trigger_slots", "trigger_bytes")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -590,6 +590,8 @@ class TableLoad(_message.Message):
     VECTORS_FIELD_NUMBER: _ClassVar[int]
     TRAINED_FIELD_NUMBER: _ClassVar[int]
     INDEX_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_BYTES_FIELD_NUMBER: _ClassVar[int]
     table: str
     rows: int
     bytes: int
@@ -602,7 +604,9 @@ class TableLoad(_message.Message):
     vectors: int
     trained: bool
     index_device: str
-    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ...) -> None: ...
+    trigger_slots: int
+    trigger_bytes: int
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ..., trigger_slots: _Optional[int] = ..., trigger_bytes: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates")

@@ -1,0 +1,63 @@
+"""`memserver web`: serve the read-only inspection page (memserver.web) for the running cluster."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from memserver.cli.common import CliError, endpoint_of
+
+log = logging.getLogger("memserver.web")
+DEFAULT_PORT = 8377
+
+
+def cmd_web(args: argparse.Namespace) -> int:
+    """Check the cluster answers and the checkpoint exists before binding, so a typo fails at once."""
+    import uvicorn
+
+    from client import MemoryClient
+    from memserver.web import create_app
+
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    if args.checkpoint:
+        from trainer.inspection import checkpoint_file
+
+        try:
+            checkpoint_file(args.checkpoint)
+        except FileNotFoundError as exc:
+            raise CliError(f"--checkpoint: {exc}") from None
+    endpoint = endpoint_of(args)
+    with MemoryClient(endpoint, timeout=args.timeout) as client:
+        client.list_tables()  # an unreachable cluster is an error now, not on the first page view
+        app = create_app(client, checkpoint=args.checkpoint)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        log.info("inspection page of the cluster at %s: http://%s:%d/ (Ctrl-C stops it)", endpoint, host, args.port)
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s: anyone who can reach it can read the tables' statistics (no login)",
+                        args.host)
+        verbose = getattr(args, "verbose", False)  # memserver -v: uvicorn's access log too
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info" if verbose else "warning")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`web`."""
+    w = sub.add_parser(
+        "web", help="serve a read-only web page for inspecting the memory slots of value tables",
+        description="Serve an inspection page for the running cluster: its tables and shards; per value table the "
+        "slot usage (metrics and plot), the hottest and coldest slots by hits, weight mass, updates or value norm; "
+        "per slot its statistics, address, top trigger contexts and the tokens its value writes; search slots by "
+        "the token they write, and run your own text through the model to see which slots it reads. Projecting "
+        "slots needs the model: --checkpoint, else the checkpoint `memtrain trace` recorded for the table. Every "
+        "read is uncounted (slot statistics do not change). Each page's data is also JSON under /api/.",
+        epilog="Example: memserver web --port 8377, then open http://127.0.0.1:8377/ in a browser.")
+    w.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
+    w.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; the page has no login)")
+    w.add_argument("--checkpoint", metavar="DIR",
+                   help="memtrain --checkpoint-dir (its latest step) or a trainer-step-*.pt to project slots through "
+                   "(default: the one `memtrain trace` recorded for each table)")
+    w.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
+    w.add_argument("--timeout", type=float, default=30.0, help="RPC deadline, seconds (default 30)")
+    w.set_defaults(func=cmd_web)

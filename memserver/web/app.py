@@ -1,0 +1,277 @@
+"""The Starlette app of `memserver web`: server-rendered pages over a MemoryClient, each page's data
+also at /api/... as JSON. Cluster calls and the model are blocking and not made for concurrent
+use (an Inspector keeps the last read of its layers), so every request's work runs on a worker
+thread, one request at a time: an inspection page has one reader, and the event loop stays free."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+import numpy as np
+from markupsafe import Markup, escape
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from memserver.api.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    MemserverError,
+    TableNotFoundError,
+    UnavailableError,
+)
+from memserver.web import data
+from memserver.web.data import PageError
+from memserver.web.models import ModelCache
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).resolve().parent
+#: How whitespace and control characters are drawn in contexts and tokens (else they are invisible).
+VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍", " ": "·"}
+
+
+# ------------------------------------------------------------------ formatting for the templates
+
+
+def visible(text: str, space: str = "·") -> Markup:
+    """HTML of `text` with whitespace drawn as a dimmed glyph (newline ⏎, space ·, tab ⇥)."""
+    out = []
+    for ch in text:
+        glyph = space if ch == " " else VISIBLE.get(ch)
+        if glyph is None and (ord(ch) < 32 or ord(ch) == 127):
+            glyph = f"\\x{ord(ch):02x}"
+        if glyph is None:
+            out.append(escape(ch))
+        else:
+            out.append(Markup('<span class="{}">{}</span>').format("ws nl" if ch == "\n" else "ws", glyph))
+    return Markup("").join(out)
+
+
+def fmt_num(x: float | None) -> str:
+    """7 significant digits: enough to compare with the API's float64 at 1e-6, short enough to read."""
+    return "–" if x is None else f"{x:.7g}"
+
+
+def fmt_int(x: float) -> str:
+    """Counts with thousands separators (1,370): read at a glance, still parsed back exactly."""
+    return f"{int(x):,}"
+
+
+def make_env() -> jinja2.Environment:
+    """The templates' environment: autoescaped, undefined names an error (a typo fails the test, not silently)."""
+    from memserver.cli.common import fmt_bytes
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
+                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    env.filters.update(num=fmt_num, int=fmt_int, bytes=fmt_bytes, vis=visible, q=lambda s: quote(str(s), safe=""),
+                       tok=lambda s: visible(s, space="␣"), when=data.human_time,
+                       pct=lambda x: f"{x:.1f}%", prob=lambda p: f"{p:.4f}")
+    return env
+
+
+def jsonable(x: Any) -> Any:
+    """Plain JSON: numpy scalars and arrays as numbers and lists, NaN and infinities as null."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+# ------------------------------------------------------------------ the app
+
+
+def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: str | Path | None = None,
+               timeout: float = 30.0) -> Starlette:
+    """The inspection app over `client` (a MemoryClient, kept open), else over a client it opens to
+    `endpoint` (default: the endpoint file's) and closes at shutdown. `checkpoint`: the memtrain
+    checkpoint to project slots through; without it, the one `memtrain trace` recorded per table."""
+    owned = client is None
+    if owned:
+        from client import MemoryClient
+
+        client = MemoryClient(endpoint, timeout=timeout)
+    models = ModelCache(client, checkpoint)
+    templates = Jinja2Templates(env=make_env())
+    lock = threading.Lock()
+
+    async def work(fn: Callable[..., Any], *args: Any) -> Any:
+        def locked() -> Any:
+            with lock:
+                return fn(*args)
+
+        return await run_in_threadpool(locked)
+
+    def api_url(request: Request, ctx: dict[str, Any]) -> str:
+        path = "/api/tables" if request.url.path == "/" else "/api" + request.url.path
+        if request.method == "POST" and "typed" in ctx:  # the text page's JSON: the same text as a GET
+            return f"{path}?text={quote(ctx['typed'], safe='')}"
+        return path + (f"?{request.url.query}" if request.url.query else "")
+
+    def render(request: Request, template: str, ctx: dict[str, Any], status: int = 200) -> Response:
+        ctx = {"endpoint": client.endpoint, "api": api_url(request, ctx), "table": None, **ctx}
+        return templates.TemplateResponse(request, template, ctx, status_code=status)
+
+    def error(request: Request, exc: BaseException) -> Response:
+        if isinstance(exc, PageError):
+            status, message = exc.status, str(exc)
+        elif isinstance(exc, HTTPException):
+            status = exc.status_code
+            message = f"no page at {request.url.path}" if status == 404 else str(exc.detail)
+        elif isinstance(exc, TableNotFoundError):
+            status, message = 404, str(exc)
+        elif isinstance(exc, InvalidArgumentError):
+            status, message = 400, str(exc)
+        elif isinstance(exc, (UnavailableError, DeadlineExceededError)):
+            status, message = 503, f"the cluster at {client.endpoint} did not answer: {exc}"
+        elif isinstance(exc, MemserverError):
+            status, message = 502, f"the cluster answered with an error: {exc}"
+        else:
+            log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+            status, message = 500, f"internal error ({type(exc).__name__}: {exc}); the server's log has the details"
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": message, "status": status}, status_code=status)
+        name = request.path_params.get("name")
+        if isinstance(exc, TableNotFoundError) or not getattr(exc, "table_exists", True):
+            name = None
+        return render(request, "error.html", {"status": status, "message": message, "table": name}, status)
+
+    def page(template: str, build: Callable[[Request], Awaitable[dict[str, Any]]]) -> tuple[Callable[..., Any], ...]:
+        """One page's two endpoints over the same data: the HTML and its JSON twin."""
+        async def html(request: Request) -> Response:
+            try:
+                return render(request, template, await build(request))
+            except Exception as exc:  # noqa: BLE001 - every failure is a readable page
+                return error(request, exc)
+
+        async def api(request: Request) -> Response:
+            try:
+                return JSONResponse(jsonable(await build(request)))
+            except Exception as exc:  # noqa: BLE001 - every failure is a JSON error
+                return error(request, exc)
+
+        return html, api
+
+    # -- what each page shows (run on the worker thread) -------------------------------------------
+
+    async def home(request: Request) -> dict[str, Any]:
+        return await work(data.overview, client)
+
+    async def table(request: Request) -> dict[str, Any]:
+        name = request.path_params["name"]
+        by, n = data.parse_by(request.query_params.get("by")), data.parse_count(request.query_params.get("n"))
+
+        def build() -> dict[str, Any]:
+            meta = data.value_table(client, name)
+            model = models.for_table(name)
+            return {**data.table_summary(client, meta, by, n, model.inspector), "model": model.info()}
+
+        return await work(build)
+
+    async def slot(request: Request) -> dict[str, Any]:
+        name, typed = request.path_params["name"], request.path_params["slot"]
+
+        def build() -> dict[str, Any]:
+            meta = data.value_table(client, name)
+            s = data.parse_slot(typed, meta)
+            model = models.for_table(name)
+            return {**data.slot_view(client, meta, s, model.inspector), "model": model.info()}
+
+        return await work(build)
+
+    async def search(request: Request) -> dict[str, Any]:
+        name, typed = request.path_params["name"], request.query_params.get("token")
+
+        def build() -> dict[str, Any]:
+            meta = data.value_table(client, name)
+            token = data.parse_token(typed)
+            model = models.for_table(name)
+            return {**data.search(client, meta, token, model.inspector), "model": model.info()}
+
+        return await work(build)
+
+    async def text(request: Request) -> dict[str, Any]:
+        name = request.path_params["name"]
+        if request.method == "POST":
+            typed: str | None = str((await request.form()).get("text", ""))
+        else:
+            typed = request.query_params.get("text")
+
+        def build() -> dict[str, Any]:
+            meta = data.value_table(client, name)
+            model = models.for_table(name)
+            return {**data.activations(meta, typed, model.inspector), "model": model.info()}
+
+        return await work(build)
+
+    # -- routes that are not a page of data -------------------------------------------------------
+
+    async def usage_png(request: Request) -> Response:
+        from memserver.plots import usage_png as draw
+
+        name = request.path_params["name"]
+
+        def build() -> bytes:
+            data.value_table(client, name)
+            return draw(client.usage(name), f"{name}: slot usage")
+
+        try:
+            png = await work(build)
+        except Exception as exc:  # noqa: BLE001
+            return error(request, exc)
+        return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
+
+    async def lookup(request: Request) -> Response:
+        """The "look up slot" form: check the id here, then go to the slot's own address."""
+        name = request.path_params["name"]
+        try:
+            meta = await work(data.value_table, client, name)
+            s = data.parse_slot(request.query_params.get("slot"), meta)
+        except Exception as exc:  # noqa: BLE001
+            return error(request, exc)
+        return RedirectResponse(f"/table/{quote(name, safe='')}/slot/{s}", status_code=303)
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        return error(request, exc)
+
+    routes: list[Any] = [Mount("/static", StaticFiles(directory=HERE / "static"), name="static")]
+    for path, api_path, template, build, methods in (
+        ("/", "/api/tables", "index.html", home, ["GET"]),
+        ("/table/{name}", "/api/table/{name}", "table.html", table, ["GET"]),
+        ("/table/{name}/slot/{slot}", "/api/table/{name}/slot/{slot}", "slot.html", slot, ["GET"]),
+        ("/table/{name}/search", "/api/table/{name}/search", "search.html", search, ["GET"]),
+        ("/table/{name}/text", "/api/table/{name}/text", "text.html", text, ["GET", "POST"]),
+    ):
+        html, api = page(template, build)
+        routes += [Route(path, html, methods=methods), Route(api_path, api, methods=methods)]
+    routes += [Route("/table/{name}/usage.png", usage_png), Route("/table/{name}/slot", lookup)]
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> Any:
+        yield
+        if owned:
+            client.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_found})
+    app.state.client, app.state.models = client, models
+    return app
+

@@ -1,0 +1,418 @@
+"""`memserver web` against the session's test cluster: a tiny model is trained and traced once for
+the module, then every page is read over plain HTTP (its JSON twin equals what the client and
+trainer.inspection compute; errors are readable pages with 4xx statuses) and in chromium (the numbers a
+person sees equal the client's; tests/browser.py skips without a chromium)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from memserver.web import create_app
+from tests.browser import open_page, serve_app
+
+#: A model small enough to train in ~15 s on two cores, with one product-key layer of 16^2 = 256 slots.
+TRAIN = ["--memory", "remote", "--steps", "30", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
+         "--block-size", "32", "--batch-size", "8", "--n-keys", "16", "--knn", "4", "--heads", "2", "--k-dim", "16",
+         "--mem-layers", "1", "--eval-every", "30", "--eval-iters", "2", "--log-every", "30"]
+TEXT = "First Citizen:\nBefore we proceed"
+SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "images"
+
+
+@pytest.fixture(scope="module")
+def traced(client, tmp_path_factory):
+    """A trained product-key table with trigger contexts recorded, and the model (an Inspector) it was trained with."""
+    from trainer.data import load_corpus
+    from trainer.inspection import Inspector, trace
+    from trainer.train import build_parser, train
+
+    table = f"web-{uuid.uuid4().hex[:8]}"
+    ckpt = tmp_path_factory.mktemp("web-checkpoint")
+    list(train(build_parser().parse_args([*TRAIN, "--table", table, "--checkpoint-dir", str(ckpt)]), client=client))
+    inspector = Inspector.load(ckpt, client)
+    trace(inspector, client, table, load_corpus().train[:3000], progress=False)
+    yield SimpleNamespace(table=table, checkpoint=ckpt, inspector=inspector, rows=client.table(table).num_rows)
+    client.drop_table(table)
+
+
+@pytest.fixture(scope="module")
+def others(client):
+    """A value table whose model is gone (trace info names a deleted checkpoint; one slot has a trigger
+    record) and an index table (not a value table)."""
+    plain, index = f"web-plain-{uuid.uuid4().hex[:6]}", f"web-index-{uuid.uuid4().hex[:6]}"
+    client.create_table(plain, 64, 8, optimizer="sgd", lr=0.1, seed=1)
+    client.bag(plain, np.array([[1, 2], [2, 3]]), np.ones((2, 2), np.float32))
+    info = {"layer": "mem0", "kind": "pkm", "n_keys": 8, "vocab": ["\n", " ", "a", "b"], "checkpoint": "/gone/step.pt"}
+    client.record_triggers(plain, np.array([2]), np.array([0.75], np.float32), np.array([0]),
+                           np.array([[-1, 2, 1, 3, 0, 2]], np.int32), np.array([1], np.int32), info=json.dumps(info))
+    client.create_index(index, 4)
+    yield SimpleNamespace(plain=plain, index=index)
+    client.drop_table(plain)
+    client.drop_table(index)
+
+
+@pytest.fixture(scope="module")
+def url(client, traced, others):
+    """The app over the session's client, with no --checkpoint: it finds the model memtrain trace recorded."""
+    with serve_app(create_app(client)) as base:
+        yield base
+
+
+def fetch(url: str, form: dict[str, str] | None = None) -> SimpleNamespace:
+    """GET (POST with `form`), following redirects; 4xx/5xx answers are returned, not raised."""
+    req = urllib.request.Request(url, data=urllib.parse.urlencode(form).encode() if form is not None else None)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, ctype, body, final = r.status, r.headers["content-type"], r.read(), r.geturl()
+    except urllib.error.HTTPError as e:
+        status, ctype, body, final = e.code, e.headers["content-type"], e.read(), url
+    out = SimpleNamespace(status=status, ctype=ctype, body=body, url=final, text=body.decode(errors="replace"))
+    out.json = json.loads(body) if ctype.startswith("application/json") else None
+    return out
+
+
+def q(s: str) -> str:
+    return urllib.parse.quote(s, safe="")
+
+
+def decode(vocab: list[str], ids) -> str:
+    return "".join(vocab[i] for i in ids if 0 <= i < len(vocab))
+
+
+def visible(text: str, space: str = "·") -> str:
+    """What the page should draw for `text` (written here again, not imported: the test checks the page)."""
+    return "".join({"\n": "⏎", "\t": "⇥", " ": space}.get(c, c) for c in text)
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", "").strip())
+
+
+def slots_of(locator) -> list[int]:
+    """The data-slot of every element a Playwright locator matches, in page order."""
+    return [int(x) for x in locator.evaluate_all("es => es.map(e => e.dataset.slot)")]
+
+
+def expected_triggers(client, traced, slot: int) -> list[tuple[str, str, float]]:
+    trig = client.triggers(traced.table, np.array([slot]))
+    vocab = traced.inspector.vocab
+    return [(decode(vocab, c), decode(vocab, [n]), float(w))
+            for w, c, n in zip(trig["weights"][0], trig["contexts"][0], trig["next"][0]) if w > 0]
+
+
+# ------------------------------------------------------------------ plain HTTP: every route, JSON = the client
+
+
+def test_front_page_lists_tables_and_shards(client, url, traced, others):
+    api = fetch(url + "/api/tables")
+    assert api.status == 200
+    meta = client.table(traced.table, refresh=True)
+    row = next(t for t in api.json["value_tables"] if t["name"] == traced.table)
+    assert (row["rows"], row["dim"], row["sharding"], row["shards"]) == (meta.num_rows, meta.dim, meta.sharding, 2)
+    assert others.plain in [t["name"] for t in api.json["value_tables"]]
+    assert [t["kind"] for t in api.json["other_tables"] if t["name"] == others.index] == ["index"]
+    status = client.status()
+    assert [(s["index"], s["state"], s["pid"]) for s in api.json["shards"]] == [
+        (s.index, s.state, s.pid) for s in status.shards]
+    assert all(s["requests"] > 0 and s["rss_bytes"] > 0 for s in api.json["shards"])
+    page = fetch(url + "/")
+    assert page.status == 200 and page.ctype.startswith("text/html")
+    assert f'href="/table/{traced.table}"' in page.text
+    assert f'data-table="{others.index}"' in page.text and f'href="/table/{others.index}"' not in page.text  # plainly
+    assert page.text.count('class="shard-row"') == 2
+    css = fetch(url + "/static/style.css")
+    assert css.status == 200 and css.ctype.startswith("text/css") and b"--mono" in css.body
+
+
+@pytest.mark.parametrize("by,key", [("hits", "hits"), ("mass", "weight_mass"), ("updates", "updates"),
+                                    ("norm", "value_norm")])
+def test_table_json_equals_the_client(client, url, traced, by, key):
+    from trainer.inspection import agreement
+
+    api = fetch(f"{url}/api/table/{q(traced.table)}?by={by}&n=7").json
+    for coldest, listed in ((False, api["hottest"]), (True, api["coldest"])):
+        ids, values = client.top_slots(traced.table, by, 7, coldest=coldest)
+        assert [r["slot"] for r in listed] == ids.tolist()
+        assert [r[key] for r in listed] == pytest.approx(values.tolist(), rel=1e-9)
+        stats = client.slot_stats(traced.table, ids)
+        for k in ("hits", "weight_mass", "updates", "value_norm", "last_update"):
+            assert [r[k] for r in listed] == pytest.approx(stats[k].tolist(), rel=1e-12), k
+    usage = client.usage(traced.table)
+    assert api["usage"] == pytest.approx({**usage.metrics(), "slots": usage.hits.slots, "used_slots": usage.hits.used,
+                                          "hits": usage.hits.total, "weight_mass": usage.weight_mass.total,
+                                          "updates": usage.updates.total})
+    assert api["agreement"] == pytest.approx(agreement(traced.inspector, client, traced.table))
+    assert api["model"]["available"] and api["model"]["checkpoint"] == str(traced.inspector.path)
+    page = fetch(f"{url}/table/{q(traced.table)}?by={by}&n=7")
+    assert page.status == 200
+    shown = re.findall(r'<tr class="slot-row" data-slot="(\d+)"', page.text)
+    assert shown == [str(r["slot"]) for r in api["hottest"] + api["coldest"]]
+
+
+def test_slot_json_and_page_equal_the_client(client, url, traced):
+    from trainer.inspection import slot_report
+
+    slot = int(client.top_slots(traced.table, "hits", 1)[0][0])
+    api = fetch(f"{url}/api/table/{q(traced.table)}/slot/{slot}").json
+    want = slot_report(client, traced.table, slot, traced.inspector)
+    assert api.pop("last_update_age_s") == pytest.approx(want.pop("last_update_age_s"), abs=60)
+    for k in ("hits", "updates", "value_norm", "weight_mass", "last_update", "address", "top_tokens", "agreement"):
+        assert api[k] == want[k], k
+    assert [(t["context"], t["next"], t["weight"]) for t in api["triggers"]] == expected_triggers(client, traced, slot)
+    page = fetch(f"{url}/table/{q(traced.table)}/slot/{slot}").text
+    stats = client.slot_stats(traced.table, np.array([slot]))
+    assert number(re.search(r'id="hits">([^<]*)<', page)[1]) == stats["hits"][0]
+    assert number(re.search(r'id="updates">([^<]*)<', page)[1]) == stats["updates"][0]
+    assert number(re.search(r'id="value-norm">([^<]*)<', page)[1]) == pytest.approx(stats["value_norm"][0], rel=1e-6)
+    assert number(re.search(r'id="weight-mass">([^<]*)<', page)[1]) == pytest.approx(stats["weight_mass"][0], rel=1e-6)
+    sub_keys = list(divmod(slot, 16))
+    assert api["address"]["sub_keys"] == sub_keys and f"({sub_keys[0]}, {sub_keys[1]})" in page
+
+
+def test_usage_png_and_slot_lookup_redirect(client, url, traced):
+    png = fetch(f"{url}/table/{q(traced.table)}/usage.png")
+    assert png.status == 200 and png.ctype == "image/png"
+    assert png.body[:8] == b"\x89PNG\r\n\x1a\n" and len(png.body) > 5000
+    found = fetch(f"{url}/table/{q(traced.table)}/slot?slot=%2017%20")
+    assert found.status == 200 and found.url == f"{url}/table/{q(traced.table)}/slot/17"
+
+
+def test_search_and_text_json_equal_inspection(client, url, traced):
+    from trainer.inspection import search_token
+
+    api = fetch(f"{url}/api/table/{q(traced.table)}/search?token=e").json
+    want = search_token(traced.inspector, client, traced.table, "e")
+    assert [(r["slot"], r["rank"]) for r in api["results"]] == [(r["slot"], r["rank"]) for r in want]
+    assert [r["p"] for r in api["results"]] == pytest.approx([r["p"] for r in want])
+    newline = fetch(f"{url}/api/table/{q(traced.table)}/search?token=%E2%8F%8E").json  # ⏎ means a newline
+    assert newline["token"] == "\n"
+    assert [r["slot"] for r in newline["results"]] == [r["slot"] for r in search_token(traced.inspector, client,
+                                                                                       traced.table, "\n")]
+    want = traced.inspector.activations(traced.table, TEXT)
+    for got in (fetch(f"{url}/api/table/{q(traced.table)}/text?text={q(TEXT)}").json,
+                fetch(f"{url}/api/table/{q(traced.table)}/text", form={"text": TEXT.replace("\n", "\r\n")}).json):
+        assert got["slots"] == want["slots"] and got["positions"] == want["positions"]
+    page = fetch(f"{url}/table/{q(traced.table)}/text", form={"text": TEXT})
+    assert page.status == 200 and f'href="/api/table/{q(traced.table)}/text?text={q(TEXT)}"' in page.text
+    assert re.findall(r'<tr class="slot-row" data-slot="(\d+)"', page.text) == [str(s["slot"]) for s in want["slots"]]
+
+
+def test_table_without_a_model_still_shows_statistics_and_triggers(client, url, others):
+    api = fetch(f"{url}/api/table/{q(others.plain)}").json
+    assert api["model"]["available"] is False and "/gone/step.pt" in api["model"]["note"]
+    assert "agreement" not in api
+    assert api["hottest"][0]["slot"] == 2 and api["hottest"][0]["hits"] == 2
+    page = fetch(f"{url}/table/{q(others.plain)}")
+    assert page.status == 200 and 'id="token-input" name="token" type="text"' in page.text and "disabled" in page.text
+    page = fetch(f"{url}/table/{q(others.plain)}/slot/2")  # the trace info's vocabulary and layer, no model
+    assert page.status == 200 and 'id="top-tokens"' not in page.text
+    assert number(re.search(r'id="hits">([^<]*)<', page.text)[1]) == 2
+    assert 'id="sub-keys">(0, 2)<' in page.text
+    got = re.search(r'<tr class="trigger" data-context="([^"]*)" data-next="([^"]*)" data-weight="([^"]*)"', page.text)
+    assert got.groups() == ("a b\na", " ", "0.75")  # -1 (before the text's start) is no character
+    assert re.sub(r"<[^>]+>", "", re.search(r'<td class="mono context">(.*?)</td>', page.text)[1]) == "a·b⏎a"
+    empty = fetch(f"{url}/table/{q(others.plain)}/slot/3")
+    assert empty.status == 200 and 'id="no-triggers"' in empty.text
+
+
+def test_lsh_address_renders():
+    """The slot template with an LSH layer's address (the traced model above is product keys)."""
+    from memserver.web.app import make_env
+
+    html = make_env().get_template("slot.html").render(
+        endpoint="e", api="/api", table="t", slot=5, rows=64, value_norm=1.0, hits=1, weight_mass=0.5, updates=1,
+        last_update=0.0, triggers=[], model={"available": False, "note": "no model"},
+        address={"layer": "lsh0", "block": 0, "kind": "lsh", "hash": 1, "bucket": 3, "planes": "1100"})
+    assert 'id="lsh-hash">1<' in html and 'id="lsh-bucket">3 ' in html and "never" in html
+
+
+ERRORS = [  # path, form (POST), status, what the message says
+    ("/table/no-such-table", None, 404, "no table named"),
+    ("/api/table/no-such-table/slot/0", None, 404, "no table named"),
+    ("/table/{index}", None, 404, "index table"),
+    ("/table/{table}/slot/abc", None, 400, "whole number"),
+    ("/table/{table}/slot/-1", None, 404, "there is no slot -1"),
+    ("/table/{table}/slot/256", None, 404, "there is no slot 256"),
+    ("/api/table/{table}/slot/99999999999999999999", None, 404, "there is no slot"),
+    ("/table/{table}/slot?slot=x1", None, 400, "whole number"),
+    ("/table/{table}/slot?slot=", None, 400, "type a slot id"),
+    ("/table/{table}?by=bogus", None, 400, "rank slots by one of"),
+    ("/table/{table}?n=0", None, 400, "between 1 and"),
+    ("/table/{table}/search?token=%E2%82%AC", None, 400, "not in the model&#39;s vocabulary"),
+    ("/api/table/{table}/search?token=%E2%82%AC", None, 400, "not in the model's vocabulary"),
+    ("/table/{table}/search?token=abc", None, 400, "one character"),
+    ("/table/{table}/search", None, 400, "type one token"),
+    ("/table/{table}/text", {"text": ""}, 400, "type some text"),
+    ("/table/{table}/text", {"text": "price: 5 €"}, 400, "not in the model&#39;s vocabulary"),
+    ("/api/table/{table}/text?text=%7B%7D", None, 400, "not in the model's vocabulary"),
+    ("/table/{plain}/search?token=e", None, 409, "needs the model"),
+    ("/table/{plain}/text", {"text": "abc"}, 409, "needs the model"),
+    ("/no/such/page", None, 404, "no page at /no/such/page"),
+    ("/table/{table}/usage.png/x", None, 404, "no page at"),
+    ("/table/no-such-table/usage.png", None, 404, "no table named"),
+]
+
+
+@pytest.mark.parametrize("path,form,status,message", ERRORS)
+def test_errors_are_readable_pages(url, traced, others, path, form, status, message):
+    got = fetch(url + path.format(table=q(traced.table), plain=q(others.plain), index=q(others.index)), form=form)
+    assert got.status == status, got.text[:500]
+    assert "Traceback" not in got.text
+    if path.startswith("/api/"):
+        assert got.json["status"] == status and message in got.json["error"]
+    else:
+        assert got.ctype.startswith("text/html") and 'id="error"' in got.text
+        if "no table named" in message or "index table" in message:  # no link to a table that is not one
+            assert 'href="/table/' not in got.text
+        assert message in re.search(r'id="error"[^>]*>(.*?)</p>', got.text, re.S)[1]
+
+
+def test_cli_web_parser_and_serving(client, traced, monkeypatch):
+    """`memserver web` parses its flags, refuses a missing checkpoint, and serves the app create_app makes."""
+    import argparse
+
+    import uvicorn
+
+    from memserver.cli import web
+    from memserver.cli.common import CliError
+
+    parser = argparse.ArgumentParser(prog="memserver")
+    web.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["web", "--endpoint", client.endpoint])
+    assert (args.host, args.port, args.checkpoint, args.func) == ("127.0.0.1", web.DEFAULT_PORT, None, web.cmd_web)
+    with pytest.raises(CliError, match="--checkpoint"):
+        web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--checkpoint", "/no/such/dir"]))
+    served = {}
+
+    def run(app, host, port, **kwargs):  # instead of binding the port: serve what cmd_web built, read one page
+        with serve_app(app) as base:
+            served.update(host=host, port=port, slot=fetch(f"{base}/api/table/{q(traced.table)}/slot/3").json)
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    args = parser.parse_args(["web", "--endpoint", client.endpoint, "--port", "9999",
+                              "--checkpoint", str(traced.checkpoint)])
+    assert web.cmd_web(args) == 0
+    assert (served["host"], served["port"]) == ("127.0.0.1", 9999)
+    assert served["slot"]["model"]["note"].endswith(f"(--checkpoint, step {traced.inspector.step})")
+    assert served["slot"]["hits"] == int(client.slot_stats(traced.table, np.array([3]))["hits"][0])
+
+
+# ------------------------------------------------------------------ in the browser
+
+
+def test_browser_shows_the_clients_numbers(client, url, traced, tmp_path):
+    from trainer.inspection import search_token
+
+    shots = SCREENSHOTS if os.environ.get("MEMSERVER_SCREENSHOTS") == "1" else tmp_path
+    shots.mkdir(parents=True, exist_ok=True)
+    table = traced.table
+    hottest = int(client.top_slots(table, "hits", 1)[0][0])
+    with open_page(viewport=(1280, 900)) as page:
+        page.goto(url + "/")
+        assert page.locator(f'#value-tables tr.table-row[data-table="{table}"]').count() == 1
+        page.screenshot(path=str(tmp_path / "web-index.png"), full_page=True)
+        with page.expect_navigation():
+            page.click(f'#value-tables tr[data-table="{table}"] a')
+        assert page.url == f"{url}/table/{q(table)}"
+        page.wait_for_function("() => document.querySelector('#usage-plot').complete")
+        assert page.eval_on_selector("#usage-plot", "img => img.naturalWidth") > 0
+        first = page.locator("#hottest tr.slot-row").first
+        assert int(first.get_attribute("data-slot")) == hottest
+        assert number(first.locator("td.hits").inner_text()) == client.slot_stats(table, np.array([hottest]))["hits"][0]
+        page.screenshot(path=str(shots / "web-table.png"), full_page=True)
+
+        with page.expect_navigation():  # the ranking selector submits itself (a line of inline JS)
+            page.select_option("#by", "mass")
+        ids, values = client.top_slots(table, "mass", 20)
+        rows = page.locator("#hottest tr.slot-row")
+        assert slots_of(rows) == ids.tolist()
+        assert [number(x) for x in page.locator("#hottest td.weight-mass").all_inner_texts()] == pytest.approx(
+            values.tolist(), rel=1e-6)
+
+        page.fill("#slot-input", str(hottest))
+        with page.expect_navigation():
+            page.click("#lookup button")
+        assert page.url == f"{url}/table/{q(table)}/slot/{hottest}"
+        stats = client.slot_stats(table, np.array([hottest]))
+        assert number(page.inner_text("#hits")) == stats["hits"][0]
+        assert number(page.inner_text("#updates")) == stats["updates"][0]
+        assert number(page.inner_text("#weight-mass")) == pytest.approx(stats["weight_mass"][0], rel=1e-6)
+        assert number(page.inner_text("#value-norm")) == pytest.approx(stats["value_norm"][0], rel=1e-6)
+        assert "ago" in page.inner_text("#last-update")
+        want = expected_triggers(client, traced, hottest)
+        assert want, "the hottest slot has trigger records"
+        rows = page.locator("#triggers tr.trigger")
+        assert rows.count() == len(want)
+        for i, (context, nxt, weight) in enumerate(want):
+            row = rows.nth(i)
+            assert row.get_attribute("data-context") == context and row.get_attribute("data-next") == nxt
+            assert row.locator("td.context").inner_text() == visible(context)  # whitespace drawn: ⏎ and ·
+            assert row.locator("td.next").inner_text() == visible(nxt, "␣")
+            assert number(row.locator("td.weight").inner_text()) == pytest.approx(weight, rel=1e-6)
+        tokens, probs = traced.inspector.top_tokens(table, [hottest], 10)
+        shown = page.locator("#top-tokens tr.token-row")
+        assert shown.evaluate_all("rs => rs.map(r => r.dataset.token)") == [
+            traced.inspector.token(int(t)) for t in tokens[0]]
+        assert [number(x) for x in page.locator("#top-tokens td.p").all_inner_texts()] == pytest.approx(
+            probs[0].tolist(), abs=1e-4)
+        page.screenshot(path=str(shots / "web-slot.png"), full_page=True)
+
+        page.goto(f"{url}/table/{q(table)}")
+        page.fill("#text-input", TEXT)
+        with page.expect_navigation():
+            page.click("#try-text button")
+        want = traced.inspector.activations(table, TEXT)
+        rows = page.locator("#activated tr.slot-row")
+        assert slots_of(rows) == [s["slot"] for s in want["slots"]]
+        assert [number(x) for x in page.locator("#activated td.weight").all_inner_texts()] == pytest.approx(
+            [s["weight"] for s in want["slots"]], rel=1e-6)
+        assert page.locator("#positions tr.position").count() == len(TEXT)
+        chips = page.locator("#positions tr.position").nth(0).locator("a.chip")
+        assert slots_of(chips) == want["positions"][0]["slots"]
+        assert page.inner_text("#read-text") == visible(TEXT)
+        page.screenshot(path=str(tmp_path / "web-text.png"), full_page=True)
+
+        page.goto(f"{url}/table/{q(table)}")
+        page.fill("#token-input", "e")
+        with page.expect_navigation():
+            page.click("#search button")
+        best = search_token(traced.inspector, client, table, "e")[0]
+        first = page.locator("#results tr.slot-row").first
+        assert int(first.get_attribute("data-slot")) == best["slot"]
+        assert number(first.locator("td.p").inner_text()) == pytest.approx(best["p"], abs=1e-4)
+        page.screenshot(path=str(tmp_path / "web-search.png"), full_page=True)
+
+        page.goto(f"{url}/table/{q(table)}/slot/{traced.rows}")
+        assert "there is no slot" in page.inner_text("#error")
+        page.screenshot(path=str(tmp_path / "web-error.png"))
+    for name in ("web-table.png", "web-slot.png"):
+        data = (shots / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_requests_are_served_one_at_a_time(url, traced):
+    """Concurrent requests (the model keeps its last read) all get their own answer."""
+    texts = ["First Citizen:", "Before we proceed", "You are all resolved", "Speak, speak."]
+    want = {t: traced.inspector.activations(traced.table, t)["slots"] for t in texts}
+    got: dict[str, list] = {}
+
+    def one(t: str) -> None:
+        got[t] = fetch(f"{url}/api/table/{q(traced.table)}/text?text={q(t)}").json["slots"]
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in texts * 2]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert got == want
