@@ -266,3 +266,29 @@ def test_the_shards_check_what_the_client_checks(memory_cluster, client, used_ta
     with pytest.raises(grpc.RpcError) as err:
         stub.TopSlots(pb.TopSlotsRequest(table=used_table, n=10**6))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n: must be in" in err.value.details()
+
+
+def test_the_async_client_has_the_same_inspection_calls(memory_cluster, client, used_table):
+    """AsyncMemoryClient answers exactly what MemoryClient answers (the same ops)."""
+    import asyncio
+
+    from client import AsyncMemoryClient
+
+    rng = np.random.default_rng(4)
+    contexts = rng.integers(0, 9, (10, 3)).astype(np.int32)
+    nxt = rng.integers(0, 9, 10).astype(np.int32)
+
+    async def run():
+        async with AsyncMemoryClient(memory_cluster.endpoint) as ac:
+            got = await ac.record_triggers(used_table, np.arange(20), rng.random(20).astype(np.float32),
+                                           rng.integers(0, 10, 20), contexts, nxt, info='{"a": 1}')
+            return (got, await ac.triggers(used_table, np.arange(30)), await ac.top_slots(used_table, "norm", 4),
+                    await ac.usage(used_table), await ac.lookup(used_table, np.arange(5), count=False))
+
+    got, trig, top, usage, rows = asyncio.run(run())
+    assert got["slots"] == 20
+    sync = client.triggers(used_table, np.arange(30))
+    assert all(np.array_equal(trig[k], sync[k]) for k in ("weights", "contexts", "next")) and trig["info"] == {"a": 1}
+    assert [a.tolist() for a in top] == [a.tolist() for a in client.top_slots(used_table, "norm", 4)]
+    assert usage.metrics() == client.usage(used_table).metrics()
+    assert np.array_equal(rows, client.lookup(used_table, np.arange(5), count=False))

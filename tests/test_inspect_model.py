@@ -209,3 +209,26 @@ def test_command_errors_name_the_argument(trained, capsys, memory_cluster, argv,
         cli(capsys, *argv, "--endpoint", memory_cluster.endpoint)
     assert exit_.value.code == status
     assert message in capsys.readouterr().err
+
+
+def test_memtrain_trace_command(trained, capsys, memory_cluster):
+    from client import MemoryClient
+    from trainer.train import main as memtrain
+
+    table = trained["table"]
+    with MemoryClient(memory_cluster.endpoint) as c:
+        before = c.slot_stats(table, np.arange(256))
+        assert memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--table", table, "--tokens", "300",
+                         "--endpoint", memory_cluster.endpoint, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["positions"] == 300 and out["layer"] == "mem1" and out["records_sent"] > 0
+        client_triggers = c.triggers(table, np.arange(256))
+        assert np.array_equal(c.slot_stats(table, np.arange(256))["hits"], before["hits"])
+    assert client_triggers["info"]["step"] == 40
+    for argv, message in [
+        (["--table", "no-such-table"], "no memory layer"),
+        (["--table", table, "--tokens", "-1"], "--tokens must be >= 0"),
+        (["--table", table, "--data", "/nonexistent"], "no such file"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint", memory_cluster.endpoint, *argv])
