@@ -232,3 +232,25 @@ def test_memtrain_trace_command(trained, capsys, memory_cluster):
     ]:
         with pytest.raises(SystemExit, match=message):
             memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint", memory_cluster.endpoint, *argv])
+
+
+def test_lsh_memories_are_inspected_through_their_sketch(client, tmp_path):
+    """An LSH layer's buckets: traced, addressed as (hash, bucket), projected through R_h."""
+    run_memtrain(client, ["--table", "inspect-lsh", "--memory-kind", "lsh", "--lsh-hashes", "2", "--lsh-bits", "4",
+                          "--steps", "4", "--eval-every", "4", "--checkpoint-dir", str(tmp_path)])
+    table = "inspect-lsh-lsh"
+    try:
+        ins = Inspector.load(tmp_path, client)
+        assert [(v.name, v.kind, v.table) for v in ins.views] == [("lsh1", "lsh", table)]
+        got = trace(ins, client, table, load_corpus().train[:201], batch_size=2, progress=False)
+        assert got["records_sent"] > 0 and got["positions"] == 200
+        ids, _ = client.top_slots(table, "hits", 1)
+        slot = int(ids[0])
+        r = slot_report(client, table, slot, ins, k=3)
+        assert r["address"]["hash"] == slot // 16 and r["address"]["bucket"] == slot % 16 and r["triggers"]
+        layer = ins.views[0].layer
+        v = torch.as_tensor(client.lookup(table, [slot], count=False))
+        logits = (v @ layer.sketch[slot // 16]) @ ins.model.head.weight.T
+        assert [t["id"] for t in r["top_tokens"]] == logits[0].topk(3).indices.tolist()
+    finally:
+        client.drop_table(table)
