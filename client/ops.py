@@ -520,10 +520,11 @@ def record_triggers_op(meta: TableMeta, ids: Any, weights: Any, positions: Any, 
                     contexts=encode(torch.zeros((0, ctx.shape[1]), dtype=torch.int32)),
                     next=encode(torch.zeros(0, dtype=torch.int32)), info=info, layout_id=meta.layout_id)))
     answers = yield calls
-    last: dict[str, Any] = {}
-    for (address, _, _), a in zip(calls, answers):
-        last[address] = a  # the slots count after a shard's last part
-    return {"slots": sum(a.slots for a in last.values()), "dropped": sum(a.dropped for a in last.values())}
+    most: dict[str, tuple[int, int]] = {}
+    for (address, _, _), a in zip(calls, answers):  # a shard's parts may run in any order: its largest counts
+        was = most.get(address, (0, 0))
+        most[address] = (max(was[0], a.slots), max(was[1], a.dropped))
+    return {"slots": sum(x[0] for x in most.values()), "dropped": sum(x[1] for x in most.values())}
 
 
 def triggers_op(meta: TableMeta, ids: Any) -> Op:
@@ -576,8 +577,10 @@ def top_slots_plan(by: str, n: int, coldest: bool) -> Plan:
     Each shard ranks its own rows; the client merges. On COLS tables the counters are equal on
     every shard (one shard answers), while a norm is split over the column blocks: the client then
     runs Fagin's threshold algorithm: each shard's top m partial norms, the candidates' exact norms
-    (SlotStats), and the answer is exact once the n-th candidate beats the sum of the shards' m-th
-    partials (no unseen row can); else m grows x4. Usually one extra round trip."""
+    (SlotStats), and the answer is exact once the n-th candidate is at least as good as the sum of
+    the shards' m-th partials (no unseen row can be better; one with an equal norm may have a
+    smaller id); else m grows x4, and past what one call ranks, every row's norm is read
+    (`_scan_norms`)."""
     if by not in SLOT_STATS:
         raise InvalidArgumentError(f"by: one of {', '.join(SLOT_STATS)}, got {by!r}")
     if not 1 <= n <= MAX_INSPECT_SLOTS:
@@ -601,9 +604,20 @@ def top_slots_plan(by: str, n: int, coldest: bool) -> Plan:
         bound = sum(float(g[1][-1]) for g in got if len(g[1]))  # unseen rows: total <= bound (coldest: >=)
         if complete or (len(values) == n and (float(values[-1]) >= bound if not coldest else float(values[-1]) <= bound)):
             return ids, values.sqrt()
+        if m >= MAX_INSPECT_SLOTS:  # the most one call ranks, still undecided: every row's norm, in chunks
+            return (yield from _scan_norms(meta.num_rows, n, coldest))
         m = min(4 * m, meta.num_rows, MAX_INSPECT_SLOTS)
-        if m == MAX_INSPECT_SLOTS and all(len(g[0]) == m for g in got) and m < meta.num_rows:
-            return ids, values.sqrt()  # the bound of one call reached: best effort beyond it (said in the docs)
+
+
+def _scan_norms(num_rows: int, n: int, coldest: bool) -> Plan:
+    """Exact top n norms by reading every row's (SlotStats of MAX_INSPECT_SLOTS rows at a time):
+    O(rows) work, O(n + chunk) memory; the threshold algorithm's fallback."""
+    ids, values = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
+    for s in range(0, num_rows, MAX_INSPECT_SLOTS):
+        chunk = torch.arange(s, min(num_rows, s + MAX_INSPECT_SLOTS))
+        stats = yield lambda mt, chunk=chunk: slot_stats_op(mt, chunk)
+        ids, values = _best(torch.cat([ids, chunk]), torch.cat([values, stats["value_norm"].double() ** 2]), n, coldest)
+    return ids, values.sqrt()
 
 
 def _meta_op(meta: TableMeta) -> Op:

@@ -43,8 +43,9 @@ def usage_png(usage: TableUsage, title: str) -> bytes:
         right.set_xscale("log")
     right.set_xlabel("weight mass of the slot")
     right.set_ylabel("slots")
-    used = 100.0 * usage.hits.used / usage.hits.slots if usage.hits.slots else 0.0
-    right.set_title(f"{mass.counts[0]:,} of {mass.slots:,} slots never read ({100 - used:.1f}%)")
+    unread = int(usage.hits.counts[0])
+    right.set_title(f"{unread:,} of {usage.hits.slots:,} slots never read "
+                    f"({100.0 * unread / max(usage.hits.slots, 1):.1f}%)")
     fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()

@@ -190,6 +190,8 @@ def check_triggers(ids: torch.Tensor, weights: torch.Tensor, positions: torch.Te
         raise InvalidArgumentError(f"weights and positions: shapes {list(weights.shape)} and {list(positions.shape)} "
                                    f"must match ids {list(ids.shape)}")
     check_float(weights, "weights")
+    if weights.numel() and not bool(torch.isfinite(weights.float()).all()):
+        raise InvalidArgumentError("weights: must be finite as float32 (the heaps store float32)")
     if weights.numel() and float(weights.min()) < 0:
         raise InvalidArgumentError("weights: must be >= 0 (a read's weight, or its absolute value)")
     if contexts.dtype not in (torch.int32, torch.int64) or contexts.dim() != 2 or not 1 <= contexts.shape[1] <= MAX_TRIGGER_CONTEXT:
@@ -202,8 +204,8 @@ def check_triggers(ids: torch.Tensor, weights: torch.Tensor, positions: torch.Te
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= contexts.shape[0]):
         raise InvalidArgumentError(f"positions: must index the {contexts.shape[0]} contexts")
     for name, t in (("contexts", contexts), ("next", nxt)):
-        if t.numel() and int(t.min()) < -1:
-            raise InvalidArgumentError(f"{name}: token ids are >= 0 (-1 = padding or unknown)")
+        if t.numel() and (int(t.min()) < -1 or int(t.max()) >= 2**31):
+            raise InvalidArgumentError(f"{name}: token ids are in [0, 2^31) (-1 = padding or unknown)")
     if len(info.encode()) > MAX_TRIGGER_INFO:
         raise InvalidArgumentError(f"info: {len(info.encode()):,} bytes, at most {MAX_TRIGGER_INFO:,}")
     if info:

@@ -66,10 +66,13 @@ def test_trigger_heaps_memory_is_bounded_by_slots_times_capacity():
                   contexts, nxt)
     per_slot = 8 * (4 + 4 * 16 + 4) + 8
     assert heaps.slots == 100
-    assert heaps.nbytes() <= 128 * per_slot  # 100 slots, rounded up by the amortised growth to 128 rows
-    size = heaps.nbytes()
+    assert heaps.nbytes() == 100 * per_slot  # growth stops at max_slots rows
     heaps.add(np.arange(100, 150), np.ones(50, np.float32), np.zeros(50, np.int64), contexts, nxt)
-    assert heaps.slots == 100 and heaps.dropped == 50 and heaps.nbytes() == size
+    assert heaps.slots == 100 and heaps.dropped == 50 and heaps.nbytes() == 100 * per_slot
+    grown = TriggerHeaps(max_slots=1000)
+    for i in range(10):  # slots arriving a few at a time: rows stay within 2x the slots held, <= max_slots
+        grown.add(np.arange(100 * i, 100 * i + 100), np.ones(100, np.float32), np.zeros(100, np.int64), contexts, nxt)
+        assert grown.nbytes() <= min(2 * grown.slots, 1000) * per_slot or grown.nbytes() == 64 * per_slot
 
 
 def test_trigger_heaps_state_round_trip_and_resharding():
@@ -223,6 +226,8 @@ def test_inspection_errors_say_what_is_wrong(client, used_table):
         (lambda: client.record_triggers(used_table, z, [1.0], [3], ctx, [0]), "positions: must index"),
         (lambda: client.record_triggers(used_table, z, [np.nan], [0], ctx, [0]), "NaN"),
         (lambda: client.record_triggers(used_table, z, [1.0], [0], ctx, [0], info="[1]"), "JSON object"),
+        (lambda: client.record_triggers(used_table, z, np.array([1e300]), [0], ctx, [0]), "infinite"),
+        (lambda: client.record_triggers(used_table, z, [1.0], [0], np.full((1, 4), 2**32 + 5), [0]), "in \\[0, 2\\^31\\)"),
         (lambda: client.record_triggers(used_table, z, [1.0], [0], np.zeros((1, 40), np.int32), [0]), "1 <= L <= 32"),
         (lambda: client.triggers(used_table, [300]), "out of range"),
     ]
@@ -263,6 +268,13 @@ def test_the_shards_check_what_the_client_checks(memory_cluster, client, used_ta
     with pytest.raises(grpc.RpcError) as err:
         stub.RecordTriggers(req)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "records on shard 1" in err.value.details()
+    big = pb.RecordTriggersRequest()
+    big.CopyFrom(req)
+    big.ids.CopyFrom(encode(np.zeros(1, np.int64)))
+    big.weights.CopyFrom(encode(np.array([1e300])))  # finite as float64, not as the float32 the heaps keep
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RecordTriggers(big)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "finite as float32" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         stub.TopSlots(pb.TopSlotsRequest(table=used_table, n=10**6))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n: must be in" in err.value.details()
@@ -292,3 +304,28 @@ def test_the_async_client_has_the_same_inspection_calls(memory_cluster, client, 
     assert [a.tolist() for a in top] == [a.tolist() for a in client.top_slots(used_table, "norm", 4)]
     assert usage.metrics() == client.usage(used_table).metrics()
     assert np.array_equal(rows, client.lookup(used_table, np.arange(5), count=False))
+
+
+def test_trace_info_is_merged_and_kept_by_every_shard(client, used_table, tmp_path):
+    z = np.zeros(0, np.int64)
+    ctx = np.zeros((0, 4), np.int32)
+    client.record_triggers(used_table, z, np.zeros(0, np.float32), z, ctx, np.zeros(0, np.int32),
+                           info='{"checkpoint": "/c", "layer": "mem2"}')
+    client.record_triggers(used_table, z, np.zeros(0, np.float32), z, ctx, np.zeros(0, np.int32),
+                           info='{"layer": "mem3", "live": true}')  # live tracing keeps the recorded checkpoint
+    want = {"checkpoint": "/c", "layer": "mem3", "live": True}
+    assert client.triggers(used_table, [0])["info"] == want and client.triggers(used_table, [1])["info"] == want
+    client.checkpoint(str(tmp_path), 1, [used_table])  # no records anywhere: the info is saved all the same
+    client.restore(str(tmp_path), 1, replace=True, tables=[used_table])
+    assert client.triggers(used_table, [0])["info"] == want and client.triggers(used_table, [1])["info"] == want
+
+
+def test_top_norm_on_cols_falls_back_to_a_scan_past_one_calls_bound(client, used_table, monkeypatch):
+    import client.ops as ops
+
+    monkeypatch.setattr(ops, "MAX_INSPECT_SLOTS", 8)  # the threshold rounds stop at 8: scans of 8 rows at a time
+    stats = all_stats(client, used_table)["value_norm"].astype(np.float64)
+    for coldest in (False, True):
+        ids, values = client.top_slots(used_table, "norm", 6, coldest=coldest)
+        order = np.lexsort((np.arange(300), stats if coldest else -stats))[:6]
+        assert values == pytest.approx(stats[order], rel=1e-6)

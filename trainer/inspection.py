@@ -123,7 +123,7 @@ class Inspector:
     def load(cls, checkpoint: str | Path, client: Any, vocab: list[str] | None = None) -> Inspector:
         """`vocab`: for checkpoints written before memtrain recorded its vocabulary."""
         path = checkpoint_file(checkpoint)
-        blob = torch.load(path, map_location="cpu", weights_only=False)
+        blob = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code
         sd = GPT.upgrade_state_dict(blob["model"])
         mem = MemoryConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in blob.get("memory", {}).items()})
         vocab = blob.get("vocab") or vocab
@@ -256,14 +256,6 @@ def inspector_for(client: Any, table: str, checkpoint: str | Path | None = None)
 # ------------------------------------------------------------------ trigger records
 
 
-def contexts_at(stream: torch.Tensor, where: torch.Tensor, length: int = CONTEXT) -> tuple[torch.Tensor, torch.Tensor]:
-    """For global positions `where` in a token stream: the `length` tokens ending there (-1 before
-    the start) [n, length] int32, and the next token [n] (-1 past the end)."""
-    pad = torch.cat([torch.full((length - 1,), -1, dtype=torch.int64), stream, torch.full((1,), -1, dtype=torch.int64)])
-    ctx = pad[where[:, None] + torch.arange(length)]
-    return ctx.int(), pad[where + length].int()
-
-
 def window_contexts(x: torch.Tensor, y: torch.Tensor, length: int = CONTEXT) -> tuple[torch.Tensor, torch.Tensor]:
     """Contexts within training windows: x, y [B, T] -> the `length` tokens ending at each
     position of its own window (-1 before it) [B*T, length] int32, and the next tokens [B*T]."""
@@ -297,7 +289,8 @@ def trigger_records(ids: torch.Tensor, weights: torch.Tensor, contexts: torch.Te
 def trace(inspector: Inspector, client: Any, table: str, stream: torch.Tensor, *, batch_size: int = 16,
           progress: bool = True) -> dict[str, Any]:
     """Run a token stream through the model in windows of block_size and record, on the shards,
-    every slot's top trigger contexts in `table`. Returns what was sent and what the shards hold."""
+    every slot's top trigger contexts in `table` (contexts within each window, as the model saw
+    them; live tracing records the same). Returns what was sent and what the shards hold."""
     from tqdm import tqdm
 
     view = inspector.view(table)
@@ -314,15 +307,16 @@ def trace(inspector: Inspector, client: Any, table: str, stream: torch.Tensor, *
     got: dict[str, int] = {"slots": 0, "dropped": 0}
     with tqdm(total=end, unit="tok", desc=f"trace {table}", disable=not progress) as bar:
         for s, n in batches:
-            where = (s[:, None] + torch.arange(n)).reshape(-1)
-            ids, w = inspector.read(stream[where].view(len(s), n))[view.name]
-            ctx, nxt = contexts_at(stream, where)
+            where = s[:, None] + torch.arange(n)  # [windows, n] positions in the stream
+            x = stream[where]
+            ids, w = inspector.read(x)[view.name]
+            ctx, nxt = window_contexts(x, stream[where + 1])  # what the model saw: its own window
             rec = trigger_records(ids, w, ctx, nxt)
             got = client.record_triggers(table, *rec, info=info)
             info = ""  # sent once
             sent += len(rec[0])
-            positions += len(where)
-            bar.update(len(where))
+            positions += where.numel()
+            bar.update(where.numel())
     return {"table": table, "layer": view.name, "positions": positions, "records_sent": sent, **got}
 
 
@@ -393,7 +387,15 @@ def agreement(inspector: Inspector, client: Any, table: str, *, slots: int = 500
         return float((hit.sum(1) / valid.sum(1)).mean())
 
     rng = np.random.default_rng(seed)
-    base = [score(tok[rng.permutation(len(ids))]) for _ in range(baselines)]
+
+    def other_slots() -> np.ndarray:
+        """A random cycle through the slots: each scored with another slot's tokens, never its own."""
+        order = rng.permutation(len(ids))
+        pick = np.empty(len(ids), dtype=np.int64)
+        pick[order] = np.roll(order, -1)
+        return pick
+
+    base = [score(tok[other_slots()]) for _ in range(baselines)] if len(ids) > 1 else [float("nan")]
     return {"table": table, "slots": int(len(ids)), "k": k, "agreement": score(tok),
             "random_slots": float(np.mean(base)), "random_slots_std": float(np.std(base))}
 

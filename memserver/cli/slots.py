@@ -53,9 +53,17 @@ def _console() -> Any:
 # ------------------------------------------------------------------ inspect
 
 
+def _positive(args: argparse.Namespace, *flags: str) -> None:
+    for flag in flags:
+        value = getattr(args, flag)
+        if not 1 <= value <= 65536:
+            raise CliError(f"-{flag}: must be in [1, 65536], got {value}")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from trainer.inspection import slot_report
 
+    _positive(args, "k")
     with _client(args) as client:
         meta = _check_value_table(client, args.table)
         if not 0 <= args.slot < meta.num_rows:
@@ -103,8 +111,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    if not 1 <= args.n <= 65536:
-        raise CliError(f"-n: must be in [1, 65536], got {args.n}")
+    _positive(args, "n")
     with _client(args) as client:
         _check_value_table(client, args.table)
         ids, values = client.top_slots(args.table, args.by, args.n, coldest=args.coldest)
@@ -132,6 +139,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 def cmd_usage(args: argparse.Namespace) -> int:
     from memserver.plots import usage_png
 
+    _positive(args, "k")
     with _client(args) as client:
         _check_value_table(client, args.table)
         usage = client.usage(args.table)
@@ -189,7 +197,11 @@ def cmd_usage(args: argparse.Namespace) -> int:
 def cmd_search_token(args: argparse.Namespace) -> int:
     from trainer.inspection import search_token
 
-    token = args.token.encode().decode("unicode_escape") if args.token.startswith("\\") else args.token
+    _positive(args, "n")
+    try:
+        token = args.token.encode().decode("unicode_escape") if args.token.startswith("\\") else args.token
+    except UnicodeDecodeError:
+        raise CliError(f"TOKEN: {args.token!r} is not a valid escape (e.g. '\\n' for a newline)") from None
     with _client(args) as client:
         _check_value_table(client, args.table)
         inspector = _inspector(client, args.table, args.checkpoint)

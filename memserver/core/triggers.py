@@ -8,8 +8,9 @@ nothing (idempotent: no exactly-once machinery needed). `best_per_slot` is the s
 trainer runs it on a batch before sending (fewer bytes) and the shard runs it again when merging
 a batch into what it holds.
 
-Memory: `max_slots` x `capacity` x (12 + 4 x `context`) bytes at most, allocated as slots get
-records (amortised doubling); records of new slots beyond `max_slots` are dropped and counted.
+Memory: rows of `capacity` x (8 + 4 x `context`) + 8 bytes (584 at the defaults), allocated as
+slots get records by doubling (at most 2x the slots holding records, never more than
+`max_slots` rows); records of new slots beyond `max_slots` are dropped and counted.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 #: Records a slot keeps (a request may not ask for more), and context tokens per record.
 CAPACITY = 8
 MAX_CONTEXT = 32
-#: Slots one heap set holds records for (one table slice): 2^20 x 8 x (12 + 4 x 16) B = 608 MiB at most.
+#: Slots one heap set holds records for (one table slice): 2^20 rows x 584 B = 584 MiB at most.
 MAX_SLOTS = 1 << 20
 
 _MIX = np.int64(0x9E3779B97F4A7C15 - (1 << 64))  # an odd 64-bit constant: a multiplicative hash
@@ -68,8 +69,16 @@ class TriggerHeaps:
         self.weights = np.zeros((0, capacity), dtype=np.float32)  # descending per row, 0 = empty
         self.contexts = np.zeros((0, capacity, context), dtype=np.int32)
         self.next = np.zeros((0, capacity), dtype=np.int32)
-        self.dropped = 0
+        self.dropped = 0  # records refused at the bound since this heap set was created (or loaded)
         self.info = ""  # JSON: what the tokens are (RecordTriggersRequest.info)
+
+    def set_info(self, info: str) -> None:
+        """Merge a JSON object into the stored info (its keys replace the stored ones, the others
+        stay: live tracing does not erase what `memtrain trace` recorded). Checked by the caller."""
+        import json
+
+        merged = {**(json.loads(self.info) if self.info else {}), **json.loads(info)}
+        self.info = json.dumps(merged)
 
     @property
     def slots(self) -> int:
@@ -90,7 +99,7 @@ class TriggerHeaps:
     def _grow(self, rows: int) -> None:
         if rows <= len(self.ids):
             return
-        cap = max(rows, 2 * len(self.ids), 64)
+        cap = max(rows, min(max(2 * len(self.ids), 64), self.max_slots))
         self.ids = np.resize(self.ids, cap)
         for name in ("weights", "contexts", "next"):
             old = getattr(self, name)
@@ -177,9 +186,8 @@ class TriggerHeaps:
             ids = np.asarray(st["ids"], dtype=np.int64)
             mine = np.ones(len(ids), dtype=bool) if owned is None else np.asarray(owned(ids), dtype=bool)
             if st.get("info"):
-                self.info = st["info"]
+                self.set_info(st["info"])
             w, ctx, nx = (np.asarray(st[k])[mine] for k in ("weights", "contexts", "next"))
-            self.dropped += int(st.get("dropped", 0)) if owned is None else 0
             if not len(w):
                 continue
             cap = w.shape[1]

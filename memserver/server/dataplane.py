@@ -385,11 +385,11 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         def work() -> pb.RecordTriggersResponse:
             heaps = sl.triggers
             if request.info:
-                heaps.info = request.info
+                heaps.set_info(request.info)
             heaps.add(ids.numpy(), weights.float().numpy(), positions.long().numpy(), contexts.numpy(), nxt.numpy())
             return pb.RecordTriggersResponse(slots=heaps.slots, dropped=heaps.dropped)
 
-        return await self.run(work, ids.numel())
+        return await self.run(work, ids.numel() + contexts.numel())
 
     async def Triggers(self, request: pb.TriggersRequest, context: grpc.aio.ServicerContext) -> pb.TriggersResponse:
         sl = self.slice(request)

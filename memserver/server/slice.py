@@ -224,7 +224,7 @@ class TableSlice:
         steps = [(st, client, c.committed, [list(p) for p in c.parts]) for st, got in self.steps.items()
                  for client, c in got.items()]
         out: dict[str, Any] = {"sessions": self.sessions.state(), "steps": steps}
-        if self.triggers is not None and self.triggers.slots:
+        if self.triggers is not None and (self.triggers.slots or self.triggers.info):
             out["triggers"] = self.triggers.state()
         return out
 
