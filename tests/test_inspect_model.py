@@ -131,9 +131,13 @@ def test_activations_sum_each_slots_weight_over_the_text(client, trained):
 def test_live_tracing_during_training(client, tmp_path):
     table = "inspect-live"
     recs = run_memtrain(client, ["--table", table, "--steps", "6", "--eval-every", "6", "--trace-every", "2",
-                                 "--trace-sample", "0.5"])
+                                 "--trace-sample", "0.5", "--checkpoint-dir", str(tmp_path)])
     got = client.triggers(table, np.arange(256))
     assert got["info"]["live"] and got["info"]["kind"] == "pkm" and got["info"]["n_keys"] == 16
+    assert got["info"]["checkpoint"] == str(tmp_path.resolve())
+    from trainer.inspection import inspector_for
+
+    assert inspector_for(client, table).step == 6  # the page and `inspect` find the run's checkpoint
     assert (got["weights"] > 0).any(1).sum() > 50  # 3 traced steps of 128 sampled positions
     assert recs[-1]["trace_s"] > 0
     client.drop_table(table)

@@ -96,12 +96,22 @@ class MemoryView:
     layer: MemoryLayer
 
     def info(self) -> dict[str, Any]:
-        layer = self.layer
-        out: dict[str, Any] = {"layer": self.name, "kind": self.kind, "block": self.block, "slots": layer.num_slots}
-        for key in ("n_keys", "heads", "knn", "hashes", "bits"):
-            if hasattr(layer, key):
-                out[key] = int(getattr(layer, key))
-        return out
+        return layer_info(self.name, self.layer)
+
+
+def layer_kind_block(name: str) -> tuple[str, int]:
+    """GPT.memories() names -> (kind, block): "mem2" -> ("pkm", 2), "lsh2" -> ("lsh", 2)."""
+    return ("pkm" if name.startswith("mem") else "lsh"), int("".join(c for c in name if c.isdigit()))
+
+
+def layer_info(name: str, layer: MemoryLayer) -> dict[str, Any]:
+    """What a table's trace info says of the layer reading it (its addressing's shape)."""
+    kind, block = layer_kind_block(name)
+    out: dict[str, Any] = {"layer": name, "kind": kind, "block": block, "slots": layer.num_slots}
+    for key in ("n_keys", "heads", "knn", "hashes", "bits"):
+        if hasattr(layer, key):
+            out[key] = int(getattr(layer, key))
+    return out
 
 
 @dataclass
@@ -164,8 +174,7 @@ class Inspector:
         for name, layer in model.memories().items():
             if layer.values is None:
                 continue  # KIF: no slots of a value table
-            block = int("".join(c for c in name if c.isdigit()))
-            kind = "pkm" if name.startswith("mem") else "lsh"
+            kind, block = layer_kind_block(name)
             views.append(MemoryView(name, kind, block, tables[value_key(kind, block)], layer))
         return cls(model, list(vocab), views, int(blob.get("step", 0)), path, str(blob.get("data", "")))
 

@@ -361,10 +361,13 @@ class LiveTracer:
     (trainer.inspection.trigger_records) to each remote table, with contexts from the batch's own
     windows; the table's info (vocabulary, layer) goes with the first records."""
 
-    def __init__(self, run: Run, sample: float, seed: int) -> None:
+    def __init__(self, run: Run, sample: float, seed: int, checkpoint_dir: str | None = None) -> None:
+        """`checkpoint_dir`: recorded in the info, so `memserver inspect` and the page project the
+        slots through this run's checkpoints once they exist."""
         from trainer.inspection import CONTEXT
 
         self.run, self.sample, self.context = run, sample, CONTEXT
+        self.checkpoint = str(Path(checkpoint_dir).resolve()) if checkpoint_dir else None
         self.gen = torch.Generator().manual_seed(seed + 7)
         self.layers = []  # (layer name, layer, table name): each table once, through its first layer
         seen = set()
@@ -377,7 +380,7 @@ class LiveTracer:
         self.seconds = 0.0
 
     def send(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        from trainer.inspection import trigger_records, window_contexts
+        from trainer.inspection import layer_info, trigger_records, window_contexts
 
         t0 = time.perf_counter()
         ctx, nxt = window_contexts(x, y, self.context)
@@ -388,12 +391,9 @@ class LiveTracer:
             ids, w = layer.last_access
             info = ""
             if table not in self.info_sent:
-                kind = "pkm" if name.startswith("mem") else "lsh"
-                info = json.dumps({"layer": name, "kind": kind, "block": int("".join(c for c in name if c.isdigit())),
-                                   "slots": layer.num_slots, "vocab": self.run.corpus.vocab, "context": self.context,
+                info = json.dumps({**layer_info(name, layer), "vocab": self.run.corpus.vocab, "context": self.context,
                                    "data": self.run.corpus.name, "live": True,
-                                   **{k: int(getattr(layer, k)) for k in ("n_keys", "heads", "knn", "hashes", "bits")
-                                      if hasattr(layer, k)}})
+                                   **({"checkpoint": self.checkpoint} if self.checkpoint else {})})
                 self.info_sent.add(table)
             layer.values.client.record_triggers(table, *trigger_records(ids, w, ctx, nxt, keep), info=info)
         self.seconds += time.perf_counter() - t0
@@ -411,7 +411,7 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         if world > 1 and (args.checkpoint_dir or args.resume):
             raise SystemExit("memtrain: error: --checkpoint-dir/--resume are for single-trainer runs for now")
         first = load_checkpoint(run, opt, gen, args.resume) + 1 if args.resume else 1
-        tracer = LiveTracer(run, args.trace_sample, args.seed) if args.trace_every else None
+        tracer = LiveTracer(run, args.trace_sample, args.seed, args.checkpoint_dir) if args.trace_every else None
         tokens = args.batch_size * args.block_size * world
         window_t, window_steps = 0.0, 0
         for step in range(first, args.steps + 1):
