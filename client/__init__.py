@@ -15,9 +15,11 @@ from memserver.api.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     MemserverError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     TableExistsError,
     TableNotFoundError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from memserver.api.types import TableMeta
@@ -30,9 +32,11 @@ __all__ = [
     "InvalidArgumentError",
     "MemoryClient",
     "MemserverError",
+    "PermissionDeniedError",
     "ResourceExhaustedError",
     "TableExistsError",
     "TableMeta",
     "TableNotFoundError",
+    "UnauthenticatedError",
     "UnavailableError",
 ]

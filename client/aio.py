@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from client import ops
-from client.channels import aio_channel
+from client.channels import aio_channel, client_token
 from client.ops import ClientSession, Op, OpOptions, WriteTags, finish, like
 from memserver.api.errors import (
     FailedPreconditionError,
@@ -56,11 +56,15 @@ class AsyncMemoryClient:
         client_id: str | None = None,
         max_request_bytes: int = ops.MAX_REQUEST_BYTES,
         retry_seconds: float = 60.0,
+        token: str | None = None,
     ) -> None:
         """`retry_seconds`: how long a call keeps retrying while a shard or the coordinator is
-        UNAVAILABLE (restarting) before it raises UnavailableError; 0 = do not retry."""
+        UNAVAILABLE (restarting) before it raises UnavailableError; 0 = do not retry. `token`: the
+        cluster's read or write token (default: $MEMSERVER_TOKEN, else the endpoint file's)."""
         tune_malloc()  # large calls build their messages in reused memory (see memserver.wire)
-        self.endpoint = endpoint or read_endpoint()["endpoint"]
+        record = read_endpoint() if not endpoint else None
+        self.endpoint = endpoint or record["endpoint"]
+        self.token = token if token is not None else client_token(self.endpoint, record)
         self.timeout = timeout
         self.retry_seconds = retry_seconds
         self.opts = OpOptions(wire_dtype=dtype_code(wire_dtype), max_request_bytes=max_request_bytes)
@@ -73,7 +77,7 @@ class AsyncMemoryClient:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = aio_channel(address)
+            ch = self._channels[address] = aio_channel(address, token=self.token)
         return ch
 
     @property

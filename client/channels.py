@@ -1,12 +1,17 @@
 """Every gRPC channel the client side opens is made here (asyncio and blocking, with or without
-gRPC's own retries), so message limits, retry policy and, later, credentials live in one place."""
+gRPC's own retries), so message limits, retry policy and credentials live in one place: with a
+token, every call carries `authorization: Bearer <token>` (memserver.api.auth)."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
+from memserver.api.auth import HEADER, TOKEN_ENV
 from memserver.wire import GRPC_OPTIONS
 
 _RETRIED = [
@@ -38,11 +43,61 @@ CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.service_config", SERVICE_CONFIG), ("grp
 PLAIN_OPTIONS = list(GRPC_OPTIONS)
 
 
-def aio_channel(address: str, *, retries: bool = True) -> grpc.aio.Channel:
+def client_token(endpoint: str | None, record: dict[str, Any] | None = None) -> str | None:
+    """The token a client sends when given none: $MEMSERVER_TOKEN, else the endpoint file's when
+    the client talks to the endpoint that file names (`record`: the file's contents, if read)."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    if record is None:
+        from memserver.cluster.endpoint import read_endpoint
+
+        try:
+            record = read_endpoint()
+        except (FileNotFoundError, ValueError):
+            return None
+    if endpoint is None or record.get("endpoint") == endpoint:
+        return record.get("token") or None
+    return None
+
+
+def _with_token(details: Any, token: str) -> Any:
+    metadata = [*(details.metadata or ()), (HEADER, f"Bearer {token}")]
+    return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+
+
+class _Details(grpc.ClientCallDetails):
+    """A call's details with the token added (for details objects that are not namedtuples)."""
+
+    def __init__(self, base: Any, metadata: list[tuple[str, str]]) -> None:
+        self.method, self.timeout, self.metadata = base.method, base.timeout, metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+class _SyncToken(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(_with_token(details, self.token), request)
+
+
+class _AioToken(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return await continuation(_with_token(details, self.token), request)
+
+
+def aio_channel(address: str, *, retries: bool = True, token: str | None = None) -> grpc.aio.Channel:
     """An asyncio channel to a shard or the coordinator (call on the loop that will use it)."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS if retries else PLAIN_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS if retries else PLAIN_OPTIONS,
+                                     interceptors=[_AioToken(token)] if token else None)
 
 
-def sync_channel(address: str, *, retries: bool = True) -> grpc.Channel:
+def sync_channel(address: str, *, retries: bool = True, token: str | None = None) -> grpc.Channel:
     """A blocking channel (the blocking client, the load test's users, the CLI's raw calls)."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS if retries else PLAIN_OPTIONS)
+    ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS if retries else PLAIN_OPTIONS)
+    return grpc.intercept_channel(ch, _SyncToken(token)) if token else ch

@@ -74,6 +74,19 @@ class DeadlineExceededError(MemserverError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class UnauthenticatedError(MemserverError, PermissionError):
+    """No token, or not one the cluster knows (memserver.api.auth)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(MemserverError, PermissionError):
+    """The token's role may not make this call (the read token on a write), or a path outside
+    what the server allows."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 #: Every status with a class of its own; any other status becomes a plain MemserverError.
 ERRORS: tuple[type[MemserverError], ...] = (
     InvalidArgumentError,
@@ -84,6 +97,8 @@ ERRORS: tuple[type[MemserverError], ...] = (
     ResourceExhaustedError,
     UnavailableError,
     DeadlineExceededError,
+    UnauthenticatedError,
+    PermissionDeniedError,
 )
 _BY_CODE = {cls.code: cls for cls in ERRORS}
 

@@ -75,6 +75,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     import ray
 
     from client import MemoryClient
+    from memserver.api.auth import AuthConfig
     from memserver.cluster.endpoint import endpoint_file, write_endpoint
     from memserver.cluster.launch import start_cluster
 
@@ -95,6 +96,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             namespace="memserver",
             logging_level=logging.WARNING,
         )
+    tokens = _tokens(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -109,13 +111,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         data_dir=args.data_dir or cfg.get("data_dir"),
         max_restarts=args.max_restarts,
         session_ttl=args.session_ttl or cfg.get("session_ttl") or SESSION_TTL,
+        auth=AuthConfig.from_tokens(*tokens) if tokens else None,
     )
     try:
         tables = cfg.get("tables") or []
         if tables:
             from client import TableExistsError
 
-            with MemoryClient(cluster.endpoint) as client:
+            with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None) as client:
                 for t in tables:
                     t = dict(t)
                     try:
@@ -131,6 +134,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             "ray_address": ray.get_runtime_context().gcs_address,
             "started": time.time(),
         }
+        if tokens:  # the file is written with mode 0600: whoever can read it may call as its owner
+            record["token"], record["read_token"] = tokens[0], tokens[1]
         path = write_endpoint(record)
         print(f"memserver ready at {cluster.endpoint}", flush=True)
         log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
@@ -144,6 +149,20 @@ def cmd_up(args: argparse.Namespace) -> int:
             endpoint_file().unlink(missing_ok=True)
     log.info("memserver stopped")
     return 0
+
+
+def _tokens(args: argparse.Namespace) -> tuple[str, str | None] | None:
+    """(write, read) tokens: from --auth-token-file, generated with --auth, else None (no auth)."""
+    from memserver.api.auth import generate_token, read_token_file
+
+    if args.auth_token_file:
+        try:
+            return read_token_file(args.auth_token_file)
+        except (OSError, ValueError, KeyError) as exc:
+            raise CliError(f"--auth-token-file: {exc}") from None
+    if args.auth:
+        return generate_token(), generate_token()
+    return None
 
 
 def _up_detached(args: argparse.Namespace) -> int:
@@ -214,6 +233,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--address", help="join an existing Ray cluster ('auto' or HOST:PORT) instead of starting one")
     up.add_argument("--detach", action="store_true", help="return once ready and leave the cluster running in the background")
     up.add_argument("--port", type=int, default=0, help="coordinator gRPC port (default: any free port)")
+    up.add_argument("--auth", action="store_true", help="require tokens on every call: generate a write and a read "
+                    "token and keep them in the endpoint file (mode 0600), where clients on this machine find them")
+    up.add_argument("--auth-token-file", metavar="F", help="require these tokens: a JSON object {\"write\": ..., "
+                    "\"read\": ...}, or the write token on the first line and an optional read token on the second; "
+                    "clients send one as 'authorization: Bearer <token>' ($MEMSERVER_TOKEN or the endpoint file)")
     up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
     up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")

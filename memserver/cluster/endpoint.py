@@ -33,6 +33,9 @@ def write_endpoint(record: dict[str, Any], path: Path | None = None) -> Path:
     p = path or endpoint_file()
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it may hold the cluster's tokens
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record, indent=2))
     tmp.replace(p)
     return p

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from memserver.api.auth import AuthConfig
 from memserver.cluster import PLACEMENT_STRATEGIES
 from memserver.cluster.endpoint import memserver_home
 from memserver.server.coordinator import CoordinatorActor
@@ -103,6 +104,7 @@ def start_cluster(
     data_dir: str | os.PathLike[str] | None = None,
     max_restarts: int = -1,
     session_ttl: float = SESSION_TTL,
+    auth: AuthConfig | None = None,
 ) -> MemoryCluster:
     """Start `num_shards` shard actors and a named coordinator on the connected Ray cluster.
 
@@ -117,7 +119,8 @@ def start_cluster(
     $MEMSERVER_HOME/run, removed at shutdown. Starting on a directory of an earlier cluster
     brings its tables back. Ray restarts a dead shard or coordinator up to `max_restarts` times
     (-1: always). `session_ttl`: seconds of silence after which shards forget a client's session
-    (see memserver.server.sessions).
+    (see memserver.server.sessions). `auth`: every server requires tokens (memserver.api.auth);
+    only the tokens' digests reach the actors.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -136,6 +139,7 @@ def start_cluster(
     if data_dir is None:
         data_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(memserver_home() / "run"))
     data_dir = str(Path(data_dir).absolute())
+    digests = (auth.write_digest, auth.read_digest) if auth is not None else None
     pg = _place_shards(num_shards, shard_bundle(shard_cpus, shard_gpus), strategy, placement_timeout)
     coord = None
     try:
@@ -148,7 +152,7 @@ def start_cluster(
                 max_concurrency=16,  # threads for Ray calls; data-plane traffic is gRPC
                 max_restarts=max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator", session_ttl)
+            ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator", session_ttl, digests)
             for i in range(num_shards)
         ]
         infos = ray.get([s.info.remote() for s in shards])
@@ -160,7 +164,7 @@ def start_cluster(
             max_concurrency=16,
             max_restarts=max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote([f"{name}-shard-{i}" for i in range(num_shards)], host or bind_host(), port, data_dir)
+        ).remote([f"{name}-shard-{i}" for i in range(num_shards)], host or bind_host(), port, data_dir, digests)
         endpoint = ray.get(coord.endpoint.remote())
     except BaseException:
         from ray.util.placement_group import remove_placement_group

@@ -272,10 +272,14 @@ class CoordinatorActor:
     `data_dir`), while the shards go on serving clients that already hold their shard maps.
     """
 
-    def __init__(self, shard_names: list[str], host: str, port: int = 0, data_dir: str | None = None) -> None:
+    def __init__(self, shard_names: list[str], host: str, port: int = 0, data_dir: str | None = None,
+                 auth: tuple[str, str | None] | None = None) -> None:
         """`shard_names`: the shards' Ray actor names (looked up here rather than passed as handles,
-        so the constructor's arguments are plain values Ray can always replay on a restart)."""
+        so the constructor's arguments are plain values Ray can always replay on a restart);
+        `auth`: the (write, read) token digests calls must match (memserver.api.auth)."""
         import ray
+
+        from memserver.api.auth import AuthConfig
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
         shard_handles = [ray.get_actor(n) for n in shard_names]
@@ -293,6 +297,7 @@ class CoordinatorActor:
             port,
             state=Path(data_dir) / "coordinator.json" if data_dir else None,
             what="coordinator",
+            auth=AuthConfig(*auth) if auth else None,
         )
         self.address = f"{host}:{bound}"
         log.info("coordinator %sserving ControlPlane at %s (%d shards, %d tables)", "restarted, " if restarted else "",

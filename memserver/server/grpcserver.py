@@ -3,7 +3,8 @@
 `start_server` registers the servicers with health checking and reflection and installs the
 interceptor chain once, so no handler has to remember anything: `ErrorsAndMetrics` turns the
 api's exceptions (memserver.api.errors) into their statuses, any other exception into INTERNAL
-(traceback in the log) and counts and times every call. Authentication joins this chain later.
+(traceback in the log) and counts and times every call; with tokens, `Authenticate` comes first:
+no call of ours, nor reflection, runs without a token of the right role (health checks stay open).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from memserver.api.auth import READ_METHODS, AuthConfig
 from memserver.api.errors import MemserverError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
@@ -97,6 +99,50 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
             self.metrics.observe(name, getattr(request, "table", ""), code.name, time.perf_counter() - t0)
 
 
+class Authenticate(grpc.aio.ServerInterceptor):
+    """Bearer tokens (memserver.api.auth): a call of our services needs the write token, or the
+    read token for READ_METHODS; reflection any valid token; health checks none. Refused calls get
+    UNAUTHENTICATED (no token, or an unknown one) or PERMISSION_DENIED (the read token on a write)
+    before their request is even parsed, and are counted as such."""
+
+    _OPEN = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, config: AuthConfig, metrics: CallMetrics | None = None) -> None:
+        self.config, self.metrics = config, metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = details.method
+        if method.startswith(self._OPEN):
+            return await continuation(details)
+        role = self.config.role(details.invocation_metadata)
+        name = method.rsplit("/", 1)[-1]
+        ours = method.startswith(_OUR_SERVICES)
+        if role is None:
+            return self._refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token: send the cluster's token as "
+                                "metadata 'authorization: Bearer <token>'", name, ours)
+        if ours and role == "read" and name not in READ_METHODS:
+            return self._refuse(grpc.StatusCode.PERMISSION_DENIED, f"{name}: the read token may not make this call; "
+                                "it needs the write token", name, ours)
+        return await continuation(details)
+
+    def _refuse(self, code: grpc.StatusCode, text: str, name: str, ours: bool) -> grpc.RpcMethodHandler:
+        if self.metrics is not None:
+            self.metrics.observe(name if ours else "other", "", code.name, 0.0)
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(code, text)
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(code, text)
+
+        # reflection is a stream; ours are unary. The request bytes are never parsed.
+        return (grpc.unary_unary_rpc_method_handler(unary) if ours else grpc.stream_stream_rpc_method_handler(stream))
+
+
 def _is_actor_error(exc: BaseException) -> bool:
     if "ray" not in sys.modules:  # only the coordinator calls Ray actors; never import Ray for this
         return False
@@ -112,10 +158,12 @@ async def start_server(
     port: int = 0,
     *,
     metrics: CallMetrics | None = None,
+    auth: AuthConfig | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server on host:port (0 = the OS picks) with health, reflection and the
-    interceptors. Must be awaited on the event loop that will own the server."""
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ErrorsAndMetrics(metrics)])
+    interceptors (`auth`: require tokens). Must be awaited on the event loop that will own the server."""
+    chain: list[grpc.aio.ServerInterceptor] = [Authenticate(auth, metrics)] if auth is not None else []
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[*chain, ErrorsAndMetrics(metrics)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -131,18 +179,18 @@ async def start_server(
 
 def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], service_names: list[str], host: str,
              port: int = 0, state: Path | None = None, what: str = "server",
-             metrics: CallMetrics | None = None) -> tuple[grpc.aio.Server, int]:
+             metrics: CallMetrics | None = None, auth: AuthConfig | None = None) -> tuple[grpc.aio.Server, int]:
     """Start a server on `loop`, on the port recorded in `state` if there is one (a restarted
     process comes back where clients look for it), else on `port`; record the bound port.
     If the recorded port is taken, serve on a new one (callers re-advertise their address)."""
     wanted = int(json.loads(state.read_text()).get("port", port)) if state is not None and state.exists() else port
     try:
-        server, bound = loop.call(start_server(register, service_names, host, wanted, metrics=metrics))
+        server, bound = loop.call(start_server(register, service_names, host, wanted, metrics=metrics, auth=auth))
     except RuntimeError:
         if not wanted:
             raise
         log.warning("%s: port %d is taken; serving on a new port", what, wanted)
-        server, bound = loop.call(start_server(register, service_names, host, 0, metrics=metrics))
+        server, bound = loop.call(start_server(register, service_names, host, 0, metrics=metrics, auth=auth))
     if state is not None:
         atomic_write(state, lambda f: f.write(json.dumps({"port": bound}).encode()))
     return server, bound

@@ -1,0 +1,78 @@
+"""Who may call what: bearer tokens and their two roles, shared by the servers (which check them)
+and the clients (which send them).
+
+A token travels as gRPC metadata `authorization: Bearer <token>` (the convention of gRPC's own
+examples and Ray's interceptor), so a client in any language can send it. The write token may call
+everything; the read token only the calls that change nothing (`READ_METHODS`). Servers keep the
+tokens' SHA-256 digests, never the tokens (Ray records actors' constructor arguments), and compare
+digests in constant time; nothing here logs a token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+HEADER = "authorization"
+#: Calls the read token may make: every call that changes nothing (DataPlane and ControlPlane).
+READ_METHODS = frozenset({
+    "Lookup", "Bag", "Search", "SlotStats", "Address", "Triggers", "TopSlots", "SlotUsage",  # DataPlane
+    "ListTables", "GetShardMap", "Status",  # ControlPlane
+})
+#: Where a client finds its token when none is given: this variable, then the endpoint file.
+TOKEN_ENV = "MEMSERVER_TOKEN"
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def generate_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """The digests a server checks presented tokens against (`read_digest` None: no read role)."""
+
+    write_digest: str
+    read_digest: str | None = None
+
+    @classmethod
+    def from_tokens(cls, write: str, read: str | None = None) -> AuthConfig:
+        if not write or (read is not None and not read):
+            raise ValueError("tokens must not be empty")
+        if read is not None and read == write:
+            raise ValueError("the read token must differ from the write token")
+        return cls(digest(write), digest(read) if read else None)
+
+    def role(self, metadata: object) -> str | None:
+        """'write', 'read' or None for a call's invocation metadata ((key, value) pairs)."""
+        presented = ""
+        for key, value in metadata or ():  # type: ignore[attr-defined]
+            if key == HEADER and isinstance(value, str) and value.startswith("Bearer "):
+                presented = value[len("Bearer "):]
+        got = digest(presented)
+        is_write = hmac.compare_digest(got, self.write_digest)
+        is_read = self.read_digest is not None and hmac.compare_digest(got, self.read_digest)
+        if not presented:
+            return None
+        return "write" if is_write else "read" if is_read else None
+
+
+def read_token_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
+    """(write token, read token or None) from a file: a JSON object {"write": ..., "read": ...},
+    or the write token on the first line and the read token on an optional second."""
+    text = Path(path).read_text()
+    if text.lstrip().startswith("{"):
+        obj = json.loads(text)
+        return str(obj["write"]), (str(obj["read"]) if obj.get("read") else None)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{path}: no token in the file")
+    return lines[0], (lines[1] if len(lines) > 1 else None)

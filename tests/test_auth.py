@@ -1,0 +1,186 @@
+"""Token authentication: a cluster started with tokens refuses calls without one (raw gRPC
+channels, not the project's client), refuses writes with the read token, keeps health checks
+open and reflection closed; the clients, the CLI and the load test's caller send the token."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from memserver.api.auth import AuthConfig, read_token_file
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.wire import encode
+
+WRITE, READ = "write-token-for-tests", "read-token-for-tests"
+
+
+def test_roles_from_metadata():
+    auth = AuthConfig.from_tokens(WRITE, READ)
+    assert auth.role([("authorization", f"Bearer {WRITE}")]) == "write"
+    assert auth.role([("authorization", f"Bearer {READ}")]) == "read"
+    for md in ([], [("authorization", "Bearer nope")], [("authorization", WRITE)], [("x", f"Bearer {WRITE}")],
+               [("authorization", "Bearer ")]):
+        assert auth.role(md) is None
+    assert WRITE not in repr(auth) and READ not in repr(auth)  # only digests are kept
+    with pytest.raises(ValueError, match="must differ"):
+        AuthConfig.from_tokens(WRITE, WRITE)
+
+
+def test_token_files(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"write": "w", "read": "r"}))
+    (tmp_path / "b").write_text("w\nr\n")
+    (tmp_path / "c").write_text("only-write\n")
+    assert read_token_file(tmp_path / "a.json") == ("w", "r")
+    assert read_token_file(tmp_path / "b") == ("w", "r")
+    assert read_token_file(tmp_path / "c") == ("only-write", None)
+
+
+@pytest.fixture(scope="module")
+def auth_cluster(memory_cluster):
+    """A second, one-shard memory cluster in the session's Ray, started with tokens."""
+    from memserver.cluster.launch import start_cluster
+
+    cluster = start_cluster(1, shard_cpus=0.1, name="authtest", auth=AuthConfig.from_tokens(WRITE, READ))
+    yield cluster
+    cluster.shutdown()
+
+
+def raw_call(address, service, method, request, token=None):
+    stub = (pb_grpc.ControlPlaneStub if service == "control" else pb_grpc.DataPlaneStub)(grpc.insecure_channel(address))
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    return getattr(stub, method)(request, metadata=metadata, timeout=30)
+
+
+def status_of(call):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()
+
+
+def test_calls_without_the_right_token_are_refused(auth_cluster):
+    ep = auth_cluster.endpoint
+    shard = auth_cluster.shard_infos[0]["address"]
+    for token in (None, "wrong"):
+        code, text = status_of(lambda t=token: raw_call(ep, "control", "ListTables", pb.ListTablesRequest(), t))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in text and "wrong" not in text
+        code, _ = status_of(lambda t=token: raw_call(shard, "data", "Lookup", pb.LookupRequest(table="x"), t))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+    # unparseable bytes are refused before they are parsed
+    channel = grpc.insecure_channel(shard)
+    junk = channel.unary_unary("/memserver.v1.DataPlane/Bag", request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as err:
+        junk(b"\xff\x00garbage", timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # the read token: reads yes, writes no (PERMISSION_DENIED), on both services
+    assert raw_call(ep, "control", "ListTables", pb.ListTablesRequest(), READ).tables == []
+    spec = pb.TableSpec(name="t", num_rows=8, dim=2)
+    code, text = status_of(lambda: raw_call(ep, "control", "CreateTable", pb.CreateTableRequest(spec=spec), READ))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "CreateTable" in text
+    code, _ = status_of(lambda: raw_call(shard, "data", "BagBackward", pb.BagBackwardRequest(table="t"), READ))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    code, _ = status_of(lambda: raw_call(shard, "data", "RecordTriggers", pb.RecordTriggersRequest(table="t"), READ))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    # the write token passes (the call itself then fails for its own reason: no such table)
+    code, _ = status_of(lambda: raw_call(shard, "data", "Lookup", pb.LookupRequest(table="x", ids=encode(np.zeros(1, np.int64))),
+                                         WRITE))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_is_open_and_reflection_needs_a_token(auth_cluster):
+    ch = grpc.insecure_channel(auth_cluster.endpoint)
+    resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+    ask = [reflection_pb2.ServerReflectionRequest(list_services="")]
+    with pytest.raises(grpc.RpcError) as err:
+        list(refl.ServerReflectionInfo(iter(ask), timeout=30))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    got = list(refl.ServerReflectionInfo(iter(ask), metadata=[("authorization", f"Bearer {READ}")], timeout=30))
+    assert "memserver.v1.ControlPlane" in {s.name for s in got[0].list_services_response.service}
+
+
+def test_clients_send_their_token(auth_cluster, monkeypatch, table_name):
+    from client import AsyncMemoryClient, MemoryClient, PermissionDeniedError, UnauthenticatedError
+
+    ep = auth_cluster.endpoint
+    monkeypatch.delenv("MEMSERVER_TOKEN", raising=False)
+    with MemoryClient(ep, token=WRITE, retry_seconds=0) as c:
+        c.create_table(table_name, 16, 4, sharding="rows")
+        c.write_rows(table_name, np.arange(3), np.ones((3, 4), np.float32))
+        assert c.bag(table_name, np.arange(3)[None], np.ones((1, 3), np.float32))[0].tolist() == [3.0] * 4
+    with MemoryClient(ep, token=READ, retry_seconds=0) as c:
+        assert c.lookup(table_name, [0]).tolist() == [[1.0] * 4]
+        with pytest.raises(PermissionDeniedError, match="read token"):
+            c.write_rows(table_name, [0], np.zeros((1, 4), np.float32))
+        with pytest.raises(PermissionDeniedError):
+            c.drop_table(table_name)
+    with MemoryClient(ep, retry_seconds=0) as c, pytest.raises(UnauthenticatedError):
+        c.list_tables()
+    monkeypatch.setenv("MEMSERVER_TOKEN", READ)  # found in the environment
+    with MemoryClient(ep, retry_seconds=0) as c:
+        assert table_name in [t.name for t in c.list_tables()]
+
+    import asyncio
+
+    async def run():
+        async with AsyncMemoryClient(ep, token=WRITE) as ac:
+            await ac.drop_table(table_name)
+
+    asyncio.run(run())
+
+
+def test_load_test_caller_sends_the_token(auth_cluster, monkeypatch):
+    from memserver.loadtest.caller import fetch_table
+
+    monkeypatch.setenv("MEMSERVER_TOKEN", WRITE)
+    from client import MemoryClient
+
+    with MemoryClient(auth_cluster.endpoint) as c:
+        c.create_table("authtest-load", 16, 4)
+    try:
+        assert fetch_table(auth_cluster.endpoint, "authtest-load", 30).num_rows == 16
+        monkeypatch.setenv("MEMSERVER_TOKEN", "wrong")
+        with pytest.raises(grpc.RpcError) as err:
+            fetch_table(auth_cluster.endpoint, "authtest-load", 30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        monkeypatch.setenv("MEMSERVER_TOKEN", WRITE)
+        with MemoryClient(auth_cluster.endpoint) as c:
+            c.drop_table("authtest-load")
+
+
+def test_memserver_up_auth_keeps_tokens_in_a_private_endpoint_file(tmp_path):
+    env = {**os.environ, "MEMSERVER_HOME": str(tmp_path), "RAY_DEDUP_LOGS": "0"}
+    env.pop("MEMSERVER_TOKEN", None)
+
+    def cli(*args, timeout=240):
+        return subprocess.run([sys.executable, "-m", "memserver.cli", *args], env=env, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+    up = cli("up", "--detach", "--shards", "1", "--num-cpus", "1", "--auth")
+    assert up.returncode == 0, up.stderr
+    try:
+        path = tmp_path / "endpoint.json"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        rec = json.loads(path.read_text())
+        assert rec["token"] and rec["read_token"] and rec["token"] != rec["read_token"]
+        st = cli("status", "--json")  # the CLI finds the token in the endpoint file
+        assert st.returncode == 0, st.stderr
+        assert json.loads(st.stdout)["endpoint"] == rec["endpoint"]
+        code, _ = status_of(lambda: raw_call(rec["endpoint"], "control", "Status", pb.StatusRequest()))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        log = (tmp_path / "memserver.log").read_text()
+        assert rec["token"] not in log and rec["read_token"] not in log  # never logged
+    finally:
+        down = cli("down")
+        assert down.returncode == 0, down.stderr
