@@ -8,6 +8,7 @@ accepts and another rejects would leave the table half-changed), and the shard c
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from typing import Any
@@ -104,7 +105,7 @@ def decode(msg: pb.Tensor, what: str) -> torch.Tensor:
     shape = tuple(int(s) for s in msg.shape)
     if any(s < 0 for s in shape):
         raise InvalidArgumentError(f"{what}: negative extent in shape {list(shape)}")
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    numel = math.prod(shape)  # exact (a Python int): a product past int64 is just too many bytes
     itemsize = torch.empty((), dtype=dtype).element_size()
     data = msg.data  # with upb every read of a bytes field is a copy: read it once
     if len(data) != numel * itemsize:
@@ -138,6 +139,16 @@ def check_float(x: torch.Tensor, what: str) -> None:
         raise InvalidArgumentError(f"{what}: dtype must be floating point, got {str(x.dtype).removeprefix('torch.')}")
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise InvalidArgumentError(f"{what}: contains NaN or infinite values")
+
+
+def check_answer(rows: int, cols: int, what: str) -> None:
+    """Refuse, before anything is allocated, a request whose answer of `rows` x `cols` float32
+    would not fit one message (an empty bag still answers a row of zeros: 8 request bytes per bag
+    must not become an unbounded answer)."""
+    if rows * cols * 4 > MAX_MESSAGE_BYTES:
+        raise InvalidArgumentError(f"{what}: {rows:,} rows of {cols} floats make an answer of "
+                                   f"{rows * cols * 4 / 2**20:.0f} MiB, above the {MAX_MESSAGE_BYTES >> 20} MiB "
+                                   "message limit; split the batch")
 
 
 def check_bag(ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None) -> int:

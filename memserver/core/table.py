@@ -156,6 +156,8 @@ class ValueTable:
         ids, weights, offsets = self._on_device((ids, torch.int64), (weights, torch.float32), (offsets, torch.int64))
         if self.track_stats:
             self._count_reads(ids, weights)
+        if ids.numel() == 0:  # empty bags (legal): zeros, whatever the storage dtype
+            return torch.zeros((ids.shape[0] if offsets is None else len(offsets), self.dim), device=self.device)
         if self.dtype == torch.float32:
             return F.embedding_bag(ids, self.weight, offsets, mode="sum", per_sample_weights=weights)
         # Half-precision storage: gather, widen, then sum in float32.

@@ -35,7 +35,7 @@ def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
 def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
     """Check a CreateTable spec and fill its defaults; the error names the offending field."""
     spec = pb.TableSpec.FromString(spec.SerializeToString())
-    if not TABLE_NAME.match(spec.name):
+    if not TABLE_NAME.fullmatch(spec.name):
         raise InvalidArgumentError(f"name: {spec.name!r} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
     if spec.kind == pb.TABLE_KIND_UNSPECIFIED:
         spec.kind = pb.VALUE
@@ -122,7 +122,7 @@ def _validate_product_keys(spec: pb.TableSpec) -> pb.TableSpec:
         raise InvalidArgumentError("sharding: product-key tables live on one shard")
     if spec.sync_updates or spec.sync_workers:
         raise InvalidArgumentError("sync_updates: only value tables take training steps")
-    if not TABLE_NAME.match(spec.values_table):
+    if not TABLE_NAME.fullmatch(spec.values_table):
         raise InvalidArgumentError(f"values_table: {spec.values_table!r} is not a table name (the value table of "
                                    "pkm_n_keys^2 rows the slots are read from)")
     if spec.values_table == spec.name:

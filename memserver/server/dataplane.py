@@ -29,7 +29,7 @@ from memserver.core.steps import bag_entries
 from memserver.core.table import set_threads
 from memserver.server.slice import TableSlice
 from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, LOAD_PRODUCT_KEYS, PUSH_GRADIENTS, REMOVE, WRITE_ROWS
-from memserver.wire import check_1d, check_bag, check_rows, check_triggers, decode, encode
+from memserver.wire import check_1d, check_answer, check_bag, check_rows, check_triggers, decode, encode
 
 T = TypeVar("T")
 
@@ -112,6 +112,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         sl = self.slice(request)
         ids = decode(request.ids, "ids")
         check_1d(ids, "ids")
+        check_answer(ids.numel(), sl.table.dim, "ids")
 
         def work() -> pb.LookupResponse:
             rows = sl.table.lookup(sl.local(ids), count=not request.uncounted)
@@ -121,7 +122,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
     async def Bag(self, request: pb.BagRequest, context: grpc.aio.ServicerContext) -> pb.BagResponse:
         sl = self.slice(request)
-        ids, weights, offsets, _ = self._bag_inputs(request)
+        ids, weights, offsets, num_bags = self._bag_inputs(request)
+        check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
 
         def work() -> pb.BagResponse:
             out = sl.table.bag(sl.local(ids), weights, offsets)

@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from memserver.api.auth import READ_METHODS, AuthConfig
-from memserver.api.errors import MemserverError
+from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
 from memserver.storage.fsutil import atomic_write
@@ -68,10 +68,18 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
 
     def _wrap(self, handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
         inner = handler.unary_unary
+        parse = handler.request_deserializer
 
-        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def behavior(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             t0 = time.perf_counter()
+            request: Any = None
             try:
+                # parsed here, not by gRPC, so bytes that are no such message get INVALID_ARGUMENT
+                # (gRPC's own failure is UNKNOWN "Unexpected DecodeError")
+                try:
+                    request = parse(raw) if parse is not None else raw
+                except Exception as exc:
+                    raise InvalidArgumentError(f"request: not a valid {name} request ({type(exc).__name__})") from None
                 response = await inner(request, context)
             except MemserverError as exc:
                 code, text = exc.code, exc.details
@@ -90,9 +98,8 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
             self._observe(name, request, code, t0)
             await context.abort(code, text)
 
-        return grpc.unary_unary_rpc_method_handler(
-            behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
+        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=None,
+                                                   response_serializer=handler.response_serializer)
 
     def _observe(self, name: str, request: Any, code: grpc.StatusCode, t0: float) -> None:
         if self.metrics is not None:

@@ -31,10 +31,15 @@ class ShardMetrics:
         self.latency = Histogram("memserver_request_seconds", "Shard-side time from request to answer",
                                  ["method"], buckets=BUCKETS, registry=self.registry)
         self.registry.register(_TableCollector(index, tables, restarted))
+        self._tables = tables
         self.address = ""
         self._server: Any = None
 
     def observe(self, method: str, table: str, code: str, seconds: float) -> None:
+        """The table label is kept only for tables this shard holds: names in refused requests
+        (unknown, random) would otherwise each add a series forever."""
+        if table and table not in self._tables():
+            table = "(unknown)"
         self.requests.labels(method, table, code).inc()
         self.latency.labels(method).observe(seconds)
 
@@ -57,7 +62,10 @@ class _TableCollector:
         self.index, self.tables, self.restarted = index, tables, restarted
 
     def collect(self) -> Iterator[Any]:
-        rows = GaugeMetricFamily("memserver_table_rows", "Rows of the table held by this shard", labels=["table"])
+        rows = GaugeMetricFamily("memserver_table_rows", "Rows of the table held by this shard (index tables: vectors)",
+                                 labels=["table"])
+        triggers = GaugeMetricFamily("memserver_trigger_slots", "Slots holding trigger contexts (value tables)",
+                                     labels=["table"])
         nbytes = GaugeMetricFamily("memserver_table_bytes", "Bytes of values and optimizer state", labels=["table"])
         wal_records = CounterMetricFamily("memserver_wal_records", "Write-ahead log records appended", labels=["table"])
         wal_bytes = CounterMetricFamily("memserver_wal_bytes", "Write-ahead log bytes appended", labels=["table"])
@@ -69,7 +77,10 @@ class _TableCollector:
         open_steps = GaugeMetricFamily("memserver_open_steps", "Training steps with parts not yet applied",
                                        labels=["table"])
         for name, sl in list(self.tables().items()):
-            rows.add_metric([name], sl.table.num_rows)
+            held = sl.table.ntotal if sl.is_index else getattr(sl.table, "num_rows", 0)  # product keys: no rows
+            rows.add_metric([name], held)
+            if sl.triggers is not None:
+                triggers.add_metric([name], sl.triggers.slots)
             nbytes.add_metric([name], sl.table.nbytes())
             sessions.add_metric([name], len(sl.sessions.by_client))
             remembered.add_metric([name], sl.sessions.remembered())
@@ -86,7 +97,7 @@ class _TableCollector:
         up.add_metric([str(self.index)], _START)
         rss = GaugeMetricFamily("memserver_shard_rss_bytes", "Resident memory of this shard process", labels=["shard"])
         rss.add_metric([str(self.index)], rss_bytes())
-        yield from (rows, nbytes, sessions, remembered, open_steps, wal_records, wal_bytes, wal_syncs, restarted, up, rss)
+        yield from (rows, triggers, nbytes, sessions, remembered, open_steps, wal_records, wal_bytes, wal_syncs, restarted, up, rss)
 
 
 def rss_bytes() -> int:
