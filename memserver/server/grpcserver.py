@@ -34,6 +34,7 @@ DATA_PLANE = pb.DESCRIPTOR.services_by_name["DataPlane"].full_name
 CONTROL_PLANE = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 #: Calls of these services go through the error mapping and the metrics (health and reflection do not).
 _OUR_SERVICES = ("/memserver.",)
+_METHODS = frozenset(m.name for svc in pb.DESCRIPTOR.services_by_name.values() for m in svc.methods)
 
 
 class CallMetrics(Protocol):
@@ -137,8 +138,8 @@ class Authenticate(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
     def _refuse(self, code: grpc.StatusCode, text: str, name: str, ours: bool) -> grpc.RpcMethodHandler:
-        if self.metrics is not None:
-            self.metrics.observe(name if ours else "other", "", code.name, 0.0)
+        if self.metrics is not None:  # the method label only for real methods: paths are the caller's to invent
+            self.metrics.observe(name if ours and name in _METHODS else "other", "", code.name, 0.0)
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(code, text)
