@@ -56,6 +56,21 @@ def test_trigger_heaps_equal_brute_force_in_any_batching(seed, capacity, batches
     assert all(np.array_equal(a, b) for a, b in zip(before, heaps.get(np.arange(30))))
 
 
+def test_record_keys_of_distinct_records_are_distinct():
+    """Every (context, next) over a small alphabet, -1 padding included: no two share a key (a
+    weak hash merged (5,-1,4,-1) with (5,1,4,1))."""
+    import itertools
+
+    from memserver.core.triggers import record_keys
+
+    rows = np.array(list(itertools.product(range(-1, 6), repeat=4)), dtype=np.int32)
+    contexts = np.repeat(rows, 4, axis=0)
+    nxt = np.tile(np.arange(4, dtype=np.int32), len(rows))
+    keys = record_keys(contexts, nxt)
+    assert len(np.unique(keys)) == len(keys) == 7**4 * 4
+    assert np.array_equal(record_keys(contexts, nxt), keys)  # and equal rows, equal keys
+
+
 def test_trigger_heaps_memory_is_bounded_by_slots_times_capacity():
     rng = np.random.default_rng(0)
     contexts = rng.integers(0, 65, (512, 16)).astype(np.int32)

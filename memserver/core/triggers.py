@@ -25,18 +25,22 @@ MAX_CONTEXT = 32
 #: Slots one heap set holds records for (one table slice): 2^20 rows x 584 B = 584 MiB at most.
 MAX_SLOTS = 1 << 20
 
-_MIX = np.int64(0x9E3779B97F4A7C15 - (1 << 64))  # an odd 64-bit constant: a multiplicative hash
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: every input bit reaches every output bit (uint64, wrapping)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def record_keys(contexts: np.ndarray, nxt: np.ndarray) -> np.ndarray:
-    """One int64 per (context row, next token): equal rows give equal keys (collisions merge two
-    records of one slot, which only loses a duplicate-looking context)."""
-    h = np.full(contexts.shape[0], np.int64(1469598103934665603), dtype=np.int64)
+    """One int64 per (context row, next token): equal rows give equal keys; different rows collide
+    with probability ~2^-64 a pair (a collision would merge two records of one slot)."""
+    h = np.full(contexts.shape[0], 0x9E3779B97F4A7C15, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for col in range(contexts.shape[1]):
-            h = (h ^ contexts[:, col].astype(np.int64)) * _MIX
-        h = (h ^ nxt.astype(np.int64)) * _MIX
-    return h
+            h = _mix(h ^ contexts[:, col].astype(np.int64).astype(np.uint64))
+        h = _mix(h ^ nxt.astype(np.int64).astype(np.uint64))
+    return h.view(np.int64)
 
 
 def best_per_slot(slots: np.ndarray, weights: np.ndarray, keys: np.ndarray, capacity: int) -> np.ndarray:
