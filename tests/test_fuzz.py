@@ -110,42 +110,37 @@ def test_empty_bags_are_legal_and_answer_zeros(client, table_name, dtype):
         client.drop_table(name)
 
 
-def test_answers_are_bounded_before_anything_is_allocated(client, table_name):
-    """8 request bytes per empty bag (offsets only) must not become an unbounded answer."""
-    import grpc as g
-
+@pytest.fixture
+def wide_table(client, table_name):
+    """A 16 x 1024 rows table and a raw stub to its shard 0 (requests the client would never build)."""
     from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 
     client.create_table(table_name, 16, 1024, sharding="rows")
-    try:
-        meta = client.table(table_name)
-        stub = pb_grpc.DataPlaneStub(g.insecure_channel(meta.shards[0].address))
-        bags = 1 << 17  # x 1024 floats x 4 bytes = 512 MiB of answer from a 1 MiB request
-        req = pb.BagRequest(table=table_name, ids=encode(np.zeros(0, np.int64)), weights=encode(np.zeros(0, np.float32)),
-                            offsets=encode(np.zeros(bags, np.int64)))
-        with pytest.raises(g.RpcError) as err:
-            stub.Bag(req, timeout=30)
-        assert err.value.code() == g.StatusCode.INVALID_ARGUMENT and "message limit" in err.value.details()
-    finally:
-        client.drop_table(table_name)
+    yield table_name, pb_grpc.DataPlaneStub(grpc.insecure_channel(client.table(table_name).shards[0].address))
+    client.drop_table(table_name)
 
 
-def test_shapes_whose_product_overflows_are_reported_as_such(client, table_name):
-    import grpc as g
+def refused(call):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return err.value.details()
 
-    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 
-    client.create_table(table_name, 16, 4, sharding="rows")
-    try:
-        meta = client.table(table_name)
-        stub = pb_grpc.DataPlaneStub(g.insecure_channel(meta.shards[0].address))
-        ids = pb.Tensor(dtype=pb.INT64, shape=[2**40, 2**40], data=b"\x00" * 8)
-        with pytest.raises(g.RpcError) as err:
-            stub.Lookup(pb.LookupRequest(table=table_name, ids=ids), timeout=30)
-        assert err.value.code() == g.StatusCode.INVALID_ARGUMENT
-        assert "do not hold shape [1099511627776, 1099511627776]" in err.value.details()
-    finally:
-        client.drop_table(table_name)
+def test_answers_are_bounded_before_anything_is_allocated(wide_table):
+    """8 request bytes per empty bag (offsets only) must not become an unbounded answer."""
+    name, stub = wide_table
+    bags = 1 << 17  # x 1024 floats x 4 bytes = 512 MiB of answer from a 1 MiB request
+    req = pb.BagRequest(table=name, ids=encode(np.zeros(0, np.int64)), weights=encode(np.zeros(0, np.float32)),
+                        offsets=encode(np.zeros(bags, np.int64)))
+    assert "message limit" in refused(lambda: stub.Bag(req, timeout=30))
+
+
+def test_shapes_whose_product_overflows_are_reported_as_such(wide_table):
+    name, stub = wide_table
+    ids = pb.Tensor(dtype=pb.INT64, shape=[2**40, 2**40], data=b"\x00" * 8)
+    text = refused(lambda: stub.Lookup(pb.LookupRequest(table=name, ids=ids), timeout=30))
+    assert "do not hold shape [1099511627776, 1099511627776]" in text
 
 
 def test_table_names_with_a_trailing_newline_are_refused(client):

@@ -79,7 +79,7 @@ def test_trigger_heaps_memory_is_bounded_by_slots_times_capacity():
     for _ in range(5):  # many records for the same slots: no growth after the first batch
         heaps.add(rng.integers(0, 100, 20000), rng.random(20000).astype(np.float32), rng.integers(0, 512, 20000),
                   contexts, nxt)
-    per_slot = 8 * (4 + 4 * 16 + 4) + 8
+    per_slot = 8 * (4 + 4 * 16 + 4)
     assert heaps.slots == 100
     assert heaps.nbytes() == 100 * per_slot  # growth stops at max_slots rows
     heaps.add(np.arange(100, 150), np.ones(50, np.float32), np.zeros(50, np.int64), contexts, nxt)

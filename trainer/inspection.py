@@ -26,7 +26,10 @@ import numpy as np
 import torch
 
 from memserver.core.triggers import CAPACITY, best_per_slot, record_keys
+from trainer.checkpoints import latest_trainer_file
 from trainer.memory import MemoryConfig, MemoryLayer, RemoteKnowledge
+from trainer.memory.lsh import bucket_address
+from trainer.memory.pkm import slot_address
 from trainer.model import GPT, ModelConfig, value_key
 
 #: Context tokens a trigger record keeps (the shards keep the last 16: memserver.core.triggers).
@@ -76,10 +79,7 @@ def checkpoint_file(path: str | Path) -> Path:
     """A trainer-step-*.pt file, or the latest one in a --checkpoint-dir."""
     p = Path(path)
     if p.is_dir():
-        files = sorted(p.glob("trainer-step-*.pt"))
-        if not files:
-            raise FileNotFoundError(f"{p}: no memtrain checkpoint (trainer-step-*.pt) there")
-        return files[-1]
+        return latest_trainer_file(p)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such checkpoint file or directory")
     return p
@@ -358,12 +358,12 @@ def slot_report(client: Any, table: str, slot: int, inspector: Inspector | None 
             view = None
     if view is not None:
         out["address"] = {"layer": view.name, "block": view.block, "kind": view.kind, **view.layer.describe_slot(slot)}
-    elif layer_info.get("kind") == "pkm" and layer_info.get("n_keys"):
-        i, j = divmod(int(slot), int(layer_info["n_keys"]))
-        out["address"] = {"layer": layer_info.get("layer"), "kind": "pkm", "sub_keys": [i, j]}
+    elif layer_info.get("kind") == "pkm" and layer_info.get("n_keys"):  # no model: the traced layer's shape
+        out["address"] = {"layer": layer_info.get("layer"), "kind": "pkm",
+                          **slot_address(slot, int(layer_info["n_keys"]))}
     elif layer_info.get("kind") == "lsh" and layer_info.get("bits"):
-        h, b = divmod(int(slot), 1 << int(layer_info["bits"]))
-        out["address"] = {"layer": layer_info.get("layer"), "kind": "lsh", "hash": h, "bucket": b}
+        out["address"] = {"layer": layer_info.get("layer"), "kind": "lsh",
+                          **bucket_address(slot, int(layer_info["bits"]))}
     triggers = []
     for w, ctx, nx in zip(trig["weights"][0], trig["contexts"][0], trig["next"][0]):
         if w > 0:

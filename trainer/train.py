@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoints import latest_trainer_file, trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
 from trainer.memory import (
     KINDS,
@@ -293,10 +294,6 @@ def average_across_trainers(tensors: list[torch.Tensor], world: int) -> None:
         offset += t.numel()
 
 
-def _trainer_file(directory: str, step: int) -> Path:
-    return Path(directory) / f"trainer-step-{step:010d}.pt"
-
-
 def _block_order(key: str) -> tuple[str, int]:
     kind, _, block = key.rpartition("-")  # "2" -> ("", 2), "lsh-10" -> ("lsh", 10)
     return kind, int(block)
@@ -324,15 +321,16 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
     blob = {"step": step, "model": run.model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
             "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
             "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name}  # enough to rebuild it (trainer.inspection)
-    atomic_write(_trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
+    atomic_write(trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
 
 
 def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, directory: str) -> int:
-    files = sorted(Path(directory).glob("trainer-step-*.pt"))
-    if not files:
-        raise SystemExit(f"memtrain: error: --resume {directory}: no trainer checkpoint there")
-    blob = torch.load(files[-1], map_location="cpu", weights_only=False)
+    try:
+        latest = latest_trainer_file(directory)
+    except FileNotFoundError:
+        raise SystemExit(f"memtrain: error: --resume {directory}: no trainer checkpoint there") from None
+    blob = torch.load(latest, map_location="cpu", weights_only=False)
     saved_memory, current = blob.get("memory", {}), asdict(run.model.cfg.memory)
     for key in ("layers", "kinds", "lsh_hashes", "lsh_bits", "lsh_seed", "kif_sources"):
         if key not in saved_memory:
@@ -352,7 +350,7 @@ def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
         blob["values"] = {key: {"state": local[key]} if key in local else {"checkpoint": "memory"} for key in run.values}
     for key, b in _unique(run.values).items():
         b.load(Path(directory), step, blob["values"][key])
-    log.info("resumed from %s (step %d)", files[-1], step)
+    log.info("resumed from %s (step %d)", latest, step)
     return step
 
 

@@ -46,3 +46,13 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+#: How whitespace and control characters are drawn in trigger contexts and tokens (the CLI and the
+#: web page alike), else they are invisible.
+GLYPHS = {"\n": "⏎", "\t": "⇥", "\r": "␍", " ": "·"}
+
+
+def show(text: str) -> str:
+    """A context made readable on one line (GLYPHS)."""
+    return "".join(GLYPHS.get(ch, ch) for ch in text)

@@ -87,16 +87,19 @@ BN_EPS = 1e-5
 def _trainer_checkpoint(directory: str) -> tuple[Path, dict[str, Any]]:
     import torch
 
-    files = sorted(Path(directory).glob("trainer-step-*.pt"))
-    if not files:
-        raise CliError(f"CHECKPOINT_DIR: no memtrain checkpoint (trainer-step-*.pt) in {directory}")
+    from trainer.checkpoints import latest_trainer_file
+
     try:
-        blob = torch.load(files[-1], map_location="cpu", weights_only=True)
+        latest = latest_trainer_file(directory)
+    except FileNotFoundError:
+        raise CliError(f"CHECKPOINT_DIR: no memtrain checkpoint (trainer-step-*.pt) in {directory}") from None
+    try:
+        blob = torch.load(latest, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to know about
-        raise CliError(f"CHECKPOINT_DIR: {files[-1]} does not load: {exc}") from None
+        raise CliError(f"CHECKPOINT_DIR: {latest} does not load: {exc}") from None
     if not isinstance(blob, dict) or "model" not in blob:
-        raise CliError(f"CHECKPOINT_DIR: {files[-1]} is not a memtrain checkpoint (no model state)")
-    return files[-1], blob
+        raise CliError(f"CHECKPOINT_DIR: {latest} is not a memtrain checkpoint (no model state)")
+    return latest, blob
 
 
 def _layer_values(blob: dict[str, Any], layer: int, layers: list[int]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from memserver.cli.common import CliError, cluster_flags, endpoint_of
+from memserver.cli.common import CliError, cluster_flags, endpoint_of, show
 
 #: What `--by` accepts (client.ops.SLOT_STATS).
 BY = ("hits", "mass", "updates", "norm")
@@ -37,11 +37,6 @@ def _check_value_table(client: Any, table: str) -> Any:
     if meta.kind != "value":
         raise CliError(f"{table} is a {meta.kind} table; slots are inspected on value tables")
     return meta
-
-
-def show(text: str) -> str:
-    """A context made readable on one line: newlines as ⏎, spaces as ·."""
-    return text.replace("\n", "⏎").replace(" ", "·")
 
 
 def _console() -> Any:

@@ -8,7 +8,8 @@ nothing (idempotent: no exactly-once machinery needed). `best_per_slot` is the s
 trainer runs it on a batch before sending (fewer bytes) and the shard runs it again when merging
 a batch into what it holds.
 
-Memory: rows of `capacity` x (8 + 4 x `context`) + 8 bytes (584 at the defaults), allocated as
+Memory: rows of `capacity` x (8 + 4 x `context`) bytes (576 at the defaults) plus a dict entry per
+slot, allocated as
 slots get records by doubling (at most 2x the slots holding records, never more than
 `max_slots` rows); records of new slots beyond `max_slots` are dropped and counted.
 """
@@ -19,27 +20,22 @@ from typing import Any
 
 import numpy as np
 
+from memserver.core.init import _splitmix64
+
 #: Records a slot keeps (a request may not ask for more), and context tokens per record.
 CAPACITY = 8
 MAX_CONTEXT = 32
-#: Slots one heap set holds records for (one table slice): 2^20 rows x 584 B = 584 MiB at most.
+#: Slots one heap set holds records for (one table slice): 2^20 rows x 576 B = 576 MiB at most (+ the dict).
 MAX_SLOTS = 1 << 20
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: every input bit reaches every output bit (uint64, wrapping)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
 
 def record_keys(contexts: np.ndarray, nxt: np.ndarray) -> np.ndarray:
     """One int64 per (context row, next token): equal rows give equal keys; different rows collide
     with probability ~2^-64 a pair (a collision would merge two records of one slot)."""
-    h = np.full(contexts.shape[0], 0x9E3779B97F4A7C15, dtype=np.uint64)
+    h = np.zeros(contexts.shape[0], dtype=np.uint64)
     with np.errstate(over="ignore"):
         for col in range(contexts.shape[1]):
-            h = _mix(h ^ contexts[:, col].astype(np.int64).astype(np.uint64))
-        h = _mix(h ^ nxt.astype(np.int64).astype(np.uint64))
+            h = _splitmix64(h ^ contexts[:, col].astype(np.int64).astype(np.uint64))
+        h = _splitmix64(h ^ nxt.astype(np.int64).astype(np.uint64))
     return h.view(np.int64)
 
 
@@ -68,8 +64,7 @@ class TriggerHeaps:
         if not 1 <= capacity <= CAPACITY or not 1 <= context <= MAX_CONTEXT:
             raise ValueError(f"capacity must be in [1, {CAPACITY}] and context in [1, {MAX_CONTEXT}]")
         self.capacity, self.context, self.max_slots = capacity, context, max_slots
-        self.row_of: dict[int, int] = {}  # slot id -> row of the arrays below
-        self.ids = np.zeros(0, dtype=np.int64)
+        self.row_of: dict[int, int] = {}  # slot id -> row of the arrays below (rows in insertion order)
         self.weights = np.zeros((0, capacity), dtype=np.float32)  # descending per row, 0 = empty
         self.contexts = np.zeros((0, capacity, context), dtype=np.int32)
         self.next = np.zeros((0, capacity), dtype=np.int32)
@@ -89,7 +84,8 @@ class TriggerHeaps:
         return len(self.row_of)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.ids, self.weights, self.contexts, self.next))
+        """The rows' arrays (the slot -> row map comes on top: a dict entry per slot)."""
+        return sum(a.nbytes for a in (self.weights, self.contexts, self.next))
 
     def _fit(self, contexts: np.ndarray) -> np.ndarray:
         """Contexts of any length <= MAX_CONTEXT -> this heap's length (the last tokens, -1 padded left)."""
@@ -101,10 +97,10 @@ class TriggerHeaps:
         return out
 
     def _grow(self, rows: int) -> None:
-        if rows <= len(self.ids):
+        have = len(self.weights)
+        if rows <= have:
             return
-        cap = max(rows, min(max(2 * len(self.ids), 64), self.max_slots))
-        self.ids = np.resize(self.ids, cap)
+        cap = max(rows, min(max(2 * have, 64), self.max_slots))
         for name in ("weights", "contexts", "next"):
             old = getattr(self, name)
             new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
@@ -139,7 +135,6 @@ class TriggerHeaps:
         self._grow(first + len(new))
         for j, s in enumerate(new.tolist()):
             self.row_of[s] = first + j
-        self.ids[first : first + len(new)] = new
         rows = np.fromiter((self.row_of[int(s)] for s in uniq), dtype=np.int64, count=len(uniq))
         # the touched slots' held records, then the batch's, selected together
         held_w = self.weights[rows]  # [u, capacity]
@@ -180,8 +175,10 @@ class TriggerHeaps:
         import torch
 
         n = len(self.row_of)
-        arrays = {k: torch.from_numpy(getattr(self, k)[:n].copy()) for k in ("ids", "weights", "contexts", "next")}
-        return {"capacity": self.capacity, "context": self.context, "info": self.info, "dropped": self.dropped, **arrays}
+        arrays = {k: torch.from_numpy(getattr(self, k)[:n].copy()) for k in ("weights", "contexts", "next")}
+        ids = torch.from_numpy(np.fromiter(self.row_of, dtype=np.int64, count=n))  # row i's slot: the i-th key
+        return {"capacity": self.capacity, "context": self.context, "info": self.info, "dropped": self.dropped,
+                "ids": ids, **arrays}
 
     def load(self, states: list[dict[str, Any]], owned: Any = None) -> None:
         """Merge saved states (of this slice, or of any earlier sharding's slices: `owned(ids)`

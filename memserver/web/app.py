@@ -33,14 +33,13 @@ from memserver.api.errors import (
     TableNotFoundError,
     UnavailableError,
 )
+from memserver.cli.common import GLYPHS
 from memserver.web import data
 from memserver.web.data import PageError
 from memserver.web.models import ModelCache
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
-#: How whitespace and control characters are drawn in contexts and tokens (else they are invisible).
-VISIBLE = {"\n": "⏎", "\t": "⇥", "\r": "␍", " ": "·"}
 
 
 # ------------------------------------------------------------------ formatting for the templates
@@ -50,7 +49,7 @@ def visible(text: str, space: str = "·") -> Markup:
     """HTML of `text` with whitespace drawn as a dimmed glyph (newline ⏎, space ·, tab ⇥)."""
     out = []
     for ch in text:
-        glyph = space if ch == " " else VISIBLE.get(ch)
+        glyph = space if ch == " " else GLYPHS.get(ch)
         if glyph is None and (ord(ch) < 32 or ord(ch) == 127):
             glyph = f"\\x{ord(ch):02x}"
         if glyph is None:

@@ -76,5 +76,10 @@ class LSHMemory(MemoryLayer):
         return self.proj(out) if self.mem_plus else out
 
     def describe_slot(self, slot: int) -> dict[str, Any]:
-        h, b = divmod(int(slot), 1 << self.bits)
-        return {"hash": h, "bucket": b, "planes": format(b, f"0{self.bits}b")[::-1]}  # plane i's side, i = 0 first
+        return bucket_address(slot, self.bits)
+
+
+def bucket_address(slot: int, bits: int) -> dict[str, Any]:
+    """Row h * 2^bits + b: bucket b of hash h, and the side of each of its planes (plane 0 first)."""
+    h, b = divmod(int(slot), 1 << bits)
+    return {"hash": h, "bucket": b, "planes": format(b, f"0{bits}b")[::-1]}

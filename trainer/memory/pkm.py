@@ -56,5 +56,10 @@ class ProductKeyMemory(MemoryLayer):
     def describe_slot(self, slot: int) -> dict[str, Any]:
         """Slot i * n_keys + j is the product of sub-key i of the first half and sub-key j of the
         second, in every head's key pair."""
-        i, j = divmod(int(slot), self.n_keys)
-        return {"sub_keys": [i, j], "n_keys": self.n_keys, "heads": self.heads}
+        return {**slot_address(slot, self.n_keys), "heads": self.heads}
+
+
+def slot_address(slot: int, n_keys: int) -> dict[str, Any]:
+    """Slot i * n_keys + j: sub-key i of the first half with sub-key j of the second."""
+    i, j = divmod(int(slot), n_keys)
+    return {"sub_keys": [i, j], "n_keys": n_keys}
