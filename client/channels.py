@@ -1,6 +1,7 @@
 """Every gRPC channel the client side opens is made here (asyncio and blocking, with or without
 gRPC's own retries), so message limits, retry policy and credentials live in one place: with a
-token, every call carries `authorization: Bearer <token>` (memserver.api.auth)."""
+token, every call carries `authorization: Bearer <token>` (memserver.api.auth); with a CA, the
+channel speaks TLS and checks the server's certificate against it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from memserver.api.auth import HEADER, TOKEN_ENV
+from memserver.api.auth import HEADER, TLS_CA_ENV, TOKEN_ENV
 from memserver.wire import GRPC_OPTIONS
 
 _RETRIED = [
@@ -48,6 +49,20 @@ def client_token(endpoint: str | None, record: dict[str, Any] | None = None) -> 
     the client talks to the endpoint that file names (`record`: the file's contents, if read)."""
     if os.environ.get(TOKEN_ENV):
         return os.environ[TOKEN_ENV]
+    return _from_endpoint_file(endpoint, record, "token")
+
+
+def client_tls_ca(endpoint: str | None, record: dict[str, Any] | None = None) -> bytes | None:
+    """The CA (PEM) a client checks servers against when given none: the file $MEMSERVER_TLS_CA
+    names, else the endpoint file's when the client talks to that file's endpoint. None: plaintext."""
+    if path := os.environ.get(TLS_CA_ENV):
+        with open(path, "rb") as f:
+            return f.read()
+    ca = _from_endpoint_file(endpoint, record, "tls_ca")
+    return ca.encode() if ca else None
+
+
+def _from_endpoint_file(endpoint: str | None, record: dict[str, Any] | None, key: str) -> str | None:
     if record is None:
         from memserver.cluster.endpoint import read_endpoint
 
@@ -56,7 +71,7 @@ def client_token(endpoint: str | None, record: dict[str, Any] | None = None) -> 
         except (FileNotFoundError, ValueError):
             return None
     if endpoint is None or record.get("endpoint") == endpoint:
-        return record.get("token") or None
+        return record.get(key) or None
     return None
 
 
@@ -91,13 +106,24 @@ class _AioToken(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(_with_token(details, self.token), request)
 
 
-def aio_channel(address: str, *, retries: bool = True, token: str | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to a shard or the coordinator (call on the loop that will use it)."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS if retries else PLAIN_OPTIONS,
-                                     interceptors=[_AioToken(token)] if token else None)
+def aio_channel(address: str, *, retries: bool = True, token: str | None = None,
+                ca: bytes | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to a shard or the coordinator (call on the loop that will use it);
+    `ca`: speak TLS and trust certificates this CA (PEM) signed."""
+    options = CHANNEL_OPTIONS if retries else PLAIN_OPTIONS
+    interceptors = [_AioToken(token)] if token else None
+    if ca is not None:
+        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca), options=options,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
-def sync_channel(address: str, *, retries: bool = True, token: str | None = None) -> grpc.Channel:
+def sync_channel(address: str, *, retries: bool = True, token: str | None = None,
+                 ca: bytes | None = None) -> grpc.Channel:
     """A blocking channel (the blocking client, the load test's users, the CLI's raw calls)."""
-    ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS if retries else PLAIN_OPTIONS)
+    options = CHANNEL_OPTIONS if retries else PLAIN_OPTIONS
+    if ca is not None:
+        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca), options=options)
+    else:
+        ch = grpc.insecure_channel(address, options=options)
     return grpc.intercept_channel(ch, _SyncToken(token)) if token else ch

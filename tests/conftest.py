@@ -20,7 +20,8 @@ def memory_cluster(tmp_path_factory):
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(num_cpus=2, object_store_memory=96 * 1024 * 1024, include_dashboard=False, namespace="memserver-tests",
              log_to_driver=False)
-    cluster = start_cluster(2, shard_cpus=0.25)
+    # checkpoints go to pytest's temporary directories (tmp_path), all under its base
+    cluster = start_cluster(2, shard_cpus=0.25, checkpoint_root=tmp_path_factory.getbasetemp())
     yield cluster
     cluster.shutdown()
     ray.shutdown()

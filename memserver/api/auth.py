@@ -26,6 +26,8 @@ READ_METHODS = frozenset({
 })
 #: Where a client finds its token when none is given: this variable, then the endpoint file.
 TOKEN_ENV = "MEMSERVER_TOKEN"
+#: A PEM file of the CA a client trusts when none is given (else the endpoint file's `tls_ca`).
+TLS_CA_ENV = "MEMSERVER_TLS_CA"
 
 
 def digest(token: str) -> str:

@@ -97,6 +97,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             logging_level=logging.WARNING,
         )
     tokens = _tokens(args)
+    tls = _tls(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -112,13 +113,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         session_ttl=args.session_ttl or cfg.get("session_ttl") or SESSION_TTL,
         auth=AuthConfig.from_tokens(*tokens) if tokens else None,
+        tls=tls,
+        checkpoint_root=args.checkpoint_root,
     )
     try:
         tables = cfg.get("tables") or []
         if tables:
             from client import TableExistsError
 
-            with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None) as client:
+            with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None,
+                              tls_ca=_ca(args) if tls else None) as client:
                 for t in tables:
                     t = dict(t)
                     try:
@@ -136,6 +140,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         }
         if tokens:  # the file is written with mode 0600: whoever can read it may call as its owner
             record["token"], record["read_token"] = tokens[0], tokens[1]
+        if tls:  # what clients check the servers' certificate against
+            record["tls_ca"] = _ca(args).decode()
         path = write_endpoint(record)
         print(f"memserver ready at {cluster.endpoint}", flush=True)
         log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
@@ -163,6 +169,34 @@ def _tokens(args: argparse.Namespace) -> tuple[str, str | None] | None:
     if args.auth:
         return generate_token(), generate_token()
     return None
+
+
+def _tls(args: argparse.Namespace) -> Any:
+    """The servers' certificate and key files (--tls-cert/--tls-key, both or neither), checked readable."""
+    from memserver.server.config import TlsFiles
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CliError("--tls-cert and --tls-key go together: give both, or neither for plaintext")
+    if not args.tls_cert:
+        if args.tls_ca:
+            raise CliError("--tls-ca needs --tls-cert and --tls-key")
+        return None
+    tls = TlsFiles(str(Path(args.tls_cert).absolute()), str(Path(args.tls_key).absolute()))
+    try:
+        tls.read()
+        _ca(args)
+    except ValueError as exc:
+        raise CliError(f"--tls-cert/--tls-key: {exc}") from None
+    return tls
+
+
+def _ca(args: argparse.Namespace) -> bytes:
+    """What clients verify the servers with: --tls-ca, else the (self-signed) certificate itself."""
+    path = args.tls_ca or args.tls_cert
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise CliError(f"--tls-ca: {path}: {exc.strerror or exc}") from None
 
 
 def _up_detached(args: argparse.Namespace) -> int:
@@ -238,6 +272,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--auth-token-file", metavar="F", help="require these tokens: a JSON object {\"write\": ..., "
                     "\"read\": ...}, or the write token on the first line and an optional read token on the second; "
                     "clients send one as 'authorization: Bearer <token>' ($MEMSERVER_TOKEN or the endpoint file)")
+    up.add_argument("--tls-cert", metavar="PEM", help="serve TLS on every server with this certificate (chain); "
+                    "it must name the addresses clients dial (127.0.0.1, or each node's address) and every node "
+                    "must be able to read the file")
+    up.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (with --tls-cert)")
+    up.add_argument("--tls-ca", metavar="PEM", help="the CA clients verify the certificate with, written to the "
+                    "endpoint file (default: the certificate itself, for a self-signed one)")
+    up.add_argument("--checkpoint-root", metavar="DIR", help="checkpoints are written and restored only below this "
+                    "directory (relative paths land in it; others get PERMISSION_DENIED). Default: --data-dir if "
+                    "given, else $MEMSERVER_HOME")
     up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
     up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")

@@ -19,6 +19,7 @@ import ray
 from memserver.api.auth import AuthConfig
 from memserver.cluster import PLACEMENT_STRATEGIES
 from memserver.cluster.endpoint import memserver_home
+from memserver.server.config import Limits, ServeConfig, TlsFiles
 from memserver.server.coordinator import CoordinatorActor
 from memserver.server.rayutil import BIND_HOST_ENV, LOCALHOST, bind_host
 from memserver.server.sessions import SESSION_TTL
@@ -105,6 +106,9 @@ def start_cluster(
     max_restarts: int = -1,
     session_ttl: float = SESSION_TTL,
     auth: AuthConfig | None = None,
+    tls: TlsFiles | None = None,
+    checkpoint_root: str | os.PathLike[str] | None = None,
+    limits: Limits | None = None,
 ) -> MemoryCluster:
     """Start `num_shards` shard actors and a named coordinator on the connected Ray cluster.
 
@@ -120,7 +124,10 @@ def start_cluster(
     brings its tables back. Ray restarts a dead shard or coordinator up to `max_restarts` times
     (-1: always). `session_ttl`: seconds of silence after which shards forget a client's session
     (see memserver.server.sessions). `auth`: every server requires tokens (memserver.api.auth);
-    only the tokens' digests reach the actors.
+    only the tokens' digests reach the actors. `tls`: every server speaks TLS with this
+    certificate and key (files every node can read). `checkpoint_root`: checkpoints and restores
+    only below this directory (default: `data_dir` if given, else $MEMSERVER_HOME); relative
+    checkpoint paths are taken under it. `limits`: memserver.server.config.Limits.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -139,7 +146,10 @@ def start_cluster(
     if data_dir is None:
         data_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(memserver_home() / "run"))
     data_dir = str(Path(data_dir).absolute())
-    digests = (auth.write_digest, auth.read_digest) if auth is not None else None
+    if tls is not None:
+        tls.read()  # a missing or unreadable file is the caller's error, not every actor's
+    root = checkpoint_root or (memserver_home() if owns_dir else data_dir)  # not a scratch dir removed at shutdown
+    config = ServeConfig(auth=auth, tls=tls, checkpoint_root=str(Path(root).absolute()), limits=limits or Limits())
     pg = _place_shards(num_shards, shard_bundle(shard_cpus, shard_gpus), strategy, placement_timeout)
     coord = None
     try:
@@ -152,7 +162,7 @@ def start_cluster(
                 max_concurrency=16,  # threads for Ray calls; data-plane traffic is gRPC
                 max_restarts=max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator", session_ttl, digests)
+            ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator", session_ttl, config)
             for i in range(num_shards)
         ]
         infos = ray.get([s.info.remote() for s in shards])
@@ -164,7 +174,7 @@ def start_cluster(
             max_concurrency=16,
             max_restarts=max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote([f"{name}-shard-{i}" for i in range(num_shards)], host or bind_host(), port, data_dir, digests)
+        ).remote([f"{name}-shard-{i}" for i in range(num_shards)], host or bind_host(), port, data_dir, config)
         endpoint = ray.get(coord.endpoint.remote())
     except BaseException:
         from ray.util.placement_group import remove_placement_group

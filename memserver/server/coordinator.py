@@ -25,16 +25,20 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 from memserver.server.catalog import plan_table, validate_spec
+from memserver.server.config import ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, serve_on
 from memserver.server.rayutil import was_restarted
-from memserver.storage.checkpoint import find_checkpoint, step_dir, write_manifest
+from memserver.storage.checkpoint import find_checkpoint, step_dir, under_root, write_manifest
 from memserver.wire import check_float, check_rows, decode
 
 log = logging.getLogger(__name__)
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
-    def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]], restarted: bool = False) -> None:
+    def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]], restarted: bool = False,
+                 checkpoint_root: str | None = None) -> None:
+        """`checkpoint_root`: Checkpoint and Restore only below it (None: anywhere)."""
         self.handles, self.infos = shard_handles, shard_infos
+        self.checkpoint_root = checkpoint_root
         self.tables: dict[str, pb.TableInfo] = {}
         self.pending: set[str] = set()
         self.training: set[str] = set()  # index tables with a TrainIndex running (one at a time)
@@ -155,15 +159,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         log.info("dropped table %s", name)
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointResponse:
-        if not request.dir:
-            raise InvalidArgumentError("dir: a checkpoint needs a directory")
+        root = under_root(self.checkpoint_root, request.dir)
         if request.step < 0:
             raise InvalidArgumentError(f"step: must be >= 0, got {request.step}")
         names = list(request.tables) or sorted(self.tables)
         for name in names:
             self._get(name)
         t0 = time.perf_counter()
-        directory = step_dir(request.dir, request.step)
+        directory = step_dir(root, request.step)
         calls, where = [], []
         for name in names:
             for j, sh in zip(self.placement[name], self.tables[name].shards):
@@ -220,7 +223,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return pb.TrainIndexResponse(sample_rows=sample.shape[0], seconds=time.perf_counter() - t0)
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
-        directory, manifest = find_checkpoint(request.dir, request.step)
+        directory, manifest = find_checkpoint(under_root(self.checkpoint_root, request.dir), request.step)
         names = list(request.tables) or sorted(manifest["tables"])
         if missing := [n for n in names if n not in manifest["tables"]]:
             raise TableNotFoundError(f"table(s) {missing} are not in the checkpoint {directory}")
@@ -273,20 +276,19 @@ class CoordinatorActor:
     """
 
     def __init__(self, shard_names: list[str], host: str, port: int = 0, data_dir: str | None = None,
-                 auth: tuple[str, str | None] | None = None) -> None:
+                 config: ServeConfig | None = None) -> None:
         """`shard_names`: the shards' Ray actor names (looked up here rather than passed as handles,
         so the constructor's arguments are plain values Ray can always replay on a restart);
-        `auth`: the (write, read) token digests calls must match (memserver.api.auth)."""
+        `config`: tokens, TLS, the checkpoint root and limits (memserver.server.config)."""
         import ray
-
-        from memserver.api.auth import AuthConfig
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
         shard_handles = [ray.get_actor(n) for n in shard_names]
         restarted = was_restarted()
         infos = ray.get([h.info.remote() for h in shard_handles])
         described = ray.get([h.describe_tables.remote() for h in shard_handles])
-        self.servicer = ControlPlaneServicer(shard_handles, infos, restarted)
+        config = config or ServeConfig()
+        self.servicer = ControlPlaneServicer(shard_handles, infos, restarted, config.checkpoint_root)
         self.servicer.recover_catalog(described)
         self.loop = LoopThread("coordinator-grpc")
         self.server, bound = serve_on(
@@ -297,7 +299,7 @@ class CoordinatorActor:
             port,
             state=Path(data_dir) / "coordinator.json" if data_dir else None,
             what="coordinator",
-            auth=AuthConfig(*auth) if auth else None,
+            config=config,
         )
         self.address = f"{host}:{bound}"
         log.info("coordinator %sserving ControlPlane at %s (%d shards, %d tables)", "restarted, " if restarted else "",

@@ -25,6 +25,7 @@ from memserver.api.auth import READ_METHODS, AuthConfig
 from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
+from memserver.server.config import ServeConfig
 from memserver.storage.fsutil import atomic_write
 from memserver.wire import GRPC_OPTIONS
 
@@ -166,17 +167,22 @@ async def start_server(
     port: int = 0,
     *,
     metrics: CallMetrics | None = None,
-    auth: AuthConfig | None = None,
+    config: ServeConfig | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server on host:port (0 = the OS picks) with health, reflection and the
-    interceptors (`auth`: require tokens). Must be awaited on the event loop that will own the server."""
-    chain: list[grpc.aio.ServerInterceptor] = [Authenticate(auth, metrics)] if auth is not None else []
+    interceptors; `config`: tokens, TLS and limits (memserver.server.config). Must be awaited on
+    the event loop that will own the server."""
+    config = config or ServeConfig()
+    chain: list[grpc.aio.ServerInterceptor] = [Authenticate(config.auth, metrics)] if config.auth is not None else []
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[*chain, ErrorsAndMetrics(metrics)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if config.tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([config.tls.read()]))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
     await server.start()
@@ -187,18 +193,18 @@ async def start_server(
 
 def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], service_names: list[str], host: str,
              port: int = 0, state: Path | None = None, what: str = "server",
-             metrics: CallMetrics | None = None, auth: AuthConfig | None = None) -> tuple[grpc.aio.Server, int]:
+             metrics: CallMetrics | None = None, config: ServeConfig | None = None) -> tuple[grpc.aio.Server, int]:
     """Start a server on `loop`, on the port recorded in `state` if there is one (a restarted
     process comes back where clients look for it), else on `port`; record the bound port.
     If the recorded port is taken, serve on a new one (callers re-advertise their address)."""
     wanted = int(json.loads(state.read_text()).get("port", port)) if state is not None and state.exists() else port
     try:
-        server, bound = loop.call(start_server(register, service_names, host, wanted, metrics=metrics, auth=auth))
+        server, bound = loop.call(start_server(register, service_names, host, wanted, metrics=metrics, config=config))
     except RuntimeError:
         if not wanted:
             raise
         log.warning("%s: port %d is taken; serving on a new port", what, wanted)
-        server, bound = loop.call(start_server(register, service_names, host, 0, metrics=metrics, auth=auth))
+        server, bound = loop.call(start_server(register, service_names, host, 0, metrics=metrics, config=config))
     if state is not None:
         atomic_write(state, lambda f: f.write(json.dumps({"port": bound}).encode()))
     return server, bound

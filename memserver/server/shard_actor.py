@@ -17,12 +17,12 @@ from typing import Any
 
 import grpc
 
-from memserver.api.auth import AuthConfig
 from memserver.api.errors import DataLossError, FailedPreconditionError, TableNotFoundError
 from memserver.api.types import METRIC_NAMES
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
+from memserver.server.config import ServeConfig
 from memserver.server.dataplane import DataPlaneServicer
 from memserver.server.grpcserver import DATA_PLANE, serve_on
 from memserver.server.metrics import ShardMetrics, rss_bytes
@@ -52,15 +52,15 @@ class ShardActor:
 
     def __init__(self, index: int, threads: int = 1, host: str | None = None, data_dir: str | None = None,
                  coordinator: str | None = None, session_ttl: float = SESSION_TTL,
-                 auth: tuple[str, str | None] | None = None) -> None:
-        """`auth`: the (write, read) token digests calls must match (memserver.api.auth); None: open."""
+                 config: ServeConfig | None = None) -> None:
+        """`config`: tokens, TLS, the checkpoint root and limits (memserver.server.config)."""
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
         tune_malloc()
         self.index = index
         self.device = shard_device()
         self.restarted = was_restarted()
         self.session_ttl = session_ttl
-        self.auth = AuthConfig(*auth) if auth else None
+        self.config = config or ServeConfig()
         self.servicer = DataPlaneServicer(self.device, threads)
         self.metrics = ShardMetrics(index, lambda: self.servicer.tables, self.restarted)
         self.store = ShardStore(data_dir, index) if data_dir else None
@@ -97,7 +97,7 @@ class ShardActor:
             state=self.store.dir / "shard.json" if self.store else None,
             what=f"shard {self.index}",
             metrics=self.metrics,
-            auth=self.auth,
+            config=self.config,
         )
         self.address = f"{host}:{bound}"
         log.info("shard %d serving DataPlane at %s on %s", self.index, self.address, self.device)

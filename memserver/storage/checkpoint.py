@@ -18,12 +18,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from memserver.api.errors import InvalidArgumentError
+from memserver.api.errors import InvalidArgumentError, PermissionDeniedError
 from memserver.api.types import ShardLayout
 from memserver.storage.fsutil import atomic_write
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def under_root(root: str | os.PathLike[str] | None, path: str) -> Path:
+    """The checkpoint directory `path` names, which must lie under `root` (None: anywhere): a
+    relative path is taken under the root; symlinks are followed before the check, so no path
+    leads a server outside it. Refused: PERMISSION_DENIED, before anything is read or written."""
+    if not path:
+        raise InvalidArgumentError("dir: a checkpoint needs a directory")
+    if "\x00" in path:
+        raise InvalidArgumentError("dir: a path must not contain NUL")
+    if root is None:
+        return Path(path).absolute()
+    base = Path(root).resolve()
+    target = (base / path).resolve()  # an absolute `path` replaces the base
+    if target != base and base not in target.parents:
+        raise PermissionDeniedError(f"dir: {path} is outside the cluster's checkpoint root {base}; checkpoints are "
+                                    "written and restored only below it (memserver up --checkpoint-root)")
+    return target
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
