@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         for t in st.tables:
             client.drop_table(t.spec.name)
         if args.train_steps:
-            with tempfile.TemporaryDirectory(prefix="memserver-demo-") as ckpt:
+            from memserver.cluster.endpoint import memserver_home
+
+            # under $MEMSERVER_HOME: the cluster's checkpoint root, where the trainer's memory checkpoint may go
+            with tempfile.TemporaryDirectory(prefix="demo-run-", dir=memserver_home()) as ckpt:
                 train_comparison(client, args.train_steps, console, ckpt)
                 if args.trace_chars:
                     inspection(client, ckpt, args.trace_chars, console)

@@ -159,26 +159,49 @@ def test_load_test_caller_sends_the_token(auth_cluster, monkeypatch):
             c.drop_table("authtest-load")
 
 
-def test_memserver_up_auth_keeps_tokens_in_a_private_endpoint_file(tmp_path):
+def test_memserver_up_with_tokens_and_tls(tmp_path):
+    """`memserver up --auth --tls-cert --tls-key`: tokens and the CA in a private endpoint file,
+    where the CLI finds them; raw channels get nowhere without TLS, or with TLS but no token."""
+    from tests.certs import self_signed
+
+    cert, key = self_signed(tmp_path)
     env = {**os.environ, "MEMSERVER_HOME": str(tmp_path), "RAY_DEDUP_LOGS": "0"}
     env.pop("MEMSERVER_TOKEN", None)
+    env.pop("MEMSERVER_TLS_CA", None)
 
     def cli(*args, timeout=240):
         return subprocess.run([sys.executable, "-m", "memserver.cli", *args], env=env, capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
 
-    up = cli("up", "--detach", "--shards", "1", "--num-cpus", "1", "--auth")
+    assert "--tls-cert and --tls-key go together" in cli("up", "--tls-cert", str(cert)).stderr
+    up = cli("up", "--detach", "--shards", "1", "--num-cpus", "1", "--auth", "--tls-cert", str(cert), "--tls-key", str(key))
     assert up.returncode == 0, up.stderr
     try:
         path = tmp_path / "endpoint.json"
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         rec = json.loads(path.read_text())
         assert rec["token"] and rec["read_token"] and rec["token"] != rec["read_token"]
-        st = cli("status", "--json")  # the CLI finds the token in the endpoint file
+        assert rec["tls_ca"] == cert.read_text()
+        st = cli("status", "--json")  # the CLI finds the token and the CA in the endpoint file
         assert st.returncode == 0, st.stderr
-        assert json.loads(st.stdout)["endpoint"] == rec["endpoint"]
-        code, _ = status_of(lambda: raw_call(rec["endpoint"], "control", "Status", pb.StatusRequest()))
-        assert code == grpc.StatusCode.UNAUTHENTICATED
+        status = json.loads(st.stdout)
+        assert status["endpoint"] == rec["endpoint"]
+        code, _ = status_of(lambda: raw_call(rec["endpoint"], "control", "Status", pb.StatusRequest(), rec["token"]))
+        assert code == grpc.StatusCode.UNAVAILABLE  # plaintext, even with the token
+        shard = status["shards"][0]["address"]
+        with grpc.secure_channel(rec["endpoint"], grpc.ssl_channel_credentials(cert.read_bytes())) as ch:
+            code, _ = status_of(lambda: pb_grpc.ControlPlaneStub(ch).Status(pb.StatusRequest(), timeout=30))
+            assert code == grpc.StatusCode.UNAUTHENTICATED  # TLS, but no token
+        with grpc.secure_channel(shard, grpc.ssl_channel_credentials(cert.read_bytes())) as ch:
+            code, _ = status_of(lambda: pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="x"), timeout=30))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+        # checkpoints only below the root ($MEMSERVER_HOME here): elsewhere is refused, and nothing is written
+        outside = tmp_path.parent / f"{tmp_path.name}-outside"
+        ck = cli("checkpoint", "--dir", str(outside))
+        assert ck.returncode != 0 and "PERMISSION_DENIED" in ck.stderr and "checkpoint root" in ck.stderr
+        assert not outside.exists()
+        ck = cli("checkpoint", "--dir", str(tmp_path / "ck"), "--json")
+        assert ck.returncode == 0, ck.stderr
         log = (tmp_path / "memserver.log").read_text()
         assert rec["token"] not in log and rec["read_token"] not in log  # never logged
     finally:

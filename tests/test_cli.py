@@ -27,7 +27,8 @@ def test_up_status_down(tmp_path):
     env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
     config = tmp_path / "tables.yaml"
     config.write_text("shards: 2\nshard_cpus: 0.25\ntables:\n  - {name: emb, num_rows: 5000, dim: 32, sharding: rows, optimizer: adam, lr: 0.001, wal: true}\n")
-    up_args = ["up", "--detach", "--config", str(config), "--num-cpus", "2", "--object-store-mb", "96", "--data-dir", str(tmp_path / "data")]
+    up_args = ["up", "--detach", "--config", str(config), "--num-cpus", "2", "--object-store-mb", "96", "--data-dir", str(tmp_path / "data"),
+               "--checkpoint-root", str(tmp_path)]
     up = run(up_args, env)
     assert up.returncode == 0, up.stderr + up.stdout
     assert "memserver ready at 127.0.0.1:" in up.stdout

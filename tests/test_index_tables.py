@@ -139,6 +139,12 @@ def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
             pb_grpc.DataPlaneStub(ch).Bag(pb.BagRequest(table=table_name, ids=encode(np.zeros((1, 1), np.int64)),
                                                         weights=encode(np.ones((1, 1), np.float32))))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "index table" in err.value.details()
+    # an answer of B x k hits must fit one message: refused before anything is allocated
+    many = np.zeros((6000, DIM), np.float32)  # 6,000 x 4,096 hits of 12 bytes: 281 MiB
+    with grpc.insecure_channel(meta.shards[0].address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.DataPlaneStub(ch).Search(pb.SearchRequest(table=table_name, queries=encode(many), k=4096))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "message limit" in err.value.details()
 
 
 def test_a_restarted_shard_serves_its_trained_index_from_the_log(tmp_path):

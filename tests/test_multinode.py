@@ -124,6 +124,10 @@ def test_bind_host_rules(monkeypatch):
     assert rayutil.bind_host() == "10.0.0.7"
     monkeypatch.setenv(rayutil.BIND_HOST_ENV, "127.0.0.1")
     assert rayutil.bind_host() == "127.0.0.1"
+    for wildcard in ("0.0.0.0", "::", "[::]"):
+        monkeypatch.setenv(rayutil.BIND_HOST_ENV, wildcard)
+        with pytest.raises(ValueError, match="wildcard"):
+            rayutil.bind_host()
 
 
 def test_shard_rows_live_on_the_gpu_ray_assigned(monkeypatch):

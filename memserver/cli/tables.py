@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from memserver.cli.common import CliError, cluster_flags, endpoint_of, fmt_bytes
@@ -117,9 +116,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_dir(args: argparse.Namespace) -> str:
-    from memserver.cluster.endpoint import memserver_home
-
-    return str(Path(args.dir).resolve()) if args.dir else str(memserver_home() / "checkpoints")
+    """As given: the servers take a relative path under their checkpoint root."""
+    return args.dir or "checkpoints"
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
@@ -163,7 +161,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         description="Every shard writes its slices (temporary name, fsync, rename); the manifest is "
                         "written last, so an interrupted checkpoint leaves the previous one intact. Run it at a step "
                         "barrier (no writes in flight) for a consistent cut.")
-    ck.add_argument("--dir", help="checkpoint root (default: $MEMSERVER_HOME/checkpoints); must be visible to every shard")
+    ck.add_argument("--dir", help="directory on the servers, below the cluster's checkpoint root (memserver up "
+                    "--checkpoint-root); a relative one is taken under that root (default: 'checkpoints' there); "
+                    "it must be visible to every shard")
     ck.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint (its folder is step-<step>)")
     ck.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     cluster_flags(ck, timeout=600.0)
@@ -172,7 +172,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rs = sub.add_parser("restore", help="load tables from a checkpoint",
                         description="Load tables from the latest complete checkpoint in --dir (or --step), into any "
                         "number of shards (--shards reshards).")
-    rs.add_argument("--dir", help="checkpoint root (default: $MEMSERVER_HOME/checkpoints)")
+    rs.add_argument("--dir", help="the checkpoint's directory, as given to `memserver checkpoint` (a relative one is "
+                    "under the cluster's checkpoint root; default: 'checkpoints' there)")
     rs.add_argument("--step", type=int, default=0, help="which step (default: the latest complete checkpoint)")
     rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name first")

@@ -21,7 +21,7 @@ from memserver.cluster import PLACEMENT_STRATEGIES
 from memserver.cluster.endpoint import memserver_home
 from memserver.server.config import Limits, ServeConfig, TlsFiles
 from memserver.server.coordinator import CoordinatorActor
-from memserver.server.rayutil import BIND_HOST_ENV, LOCALHOST, bind_host
+from memserver.server.rayutil import LOCALHOST, bind_host, check_host, forced_host
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.shard_actor import ShardActor
 
@@ -139,9 +139,11 @@ def start_cluster(
     if strategy not in PLACEMENT_STRATEGIES:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement!r}")
     t0 = time.perf_counter()
-    if not host:
+    if host:
+        check_host(host)
+    else:
         alive = [n for n in ray.nodes() if n.get("Alive")]
-        host = os.environ.get(BIND_HOST_ENV) or (LOCALHOST if len(alive) <= 1 else None)
+        host = forced_host() or (LOCALHOST if len(alive) <= 1 else None)
     owns_dir = data_dir is None
     if data_dir is None:
         data_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(memserver_home() / "run"))

@@ -311,6 +311,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         queries = decode(request.queries, "queries")
         nprobe = request.nprobe if request.HasField("nprobe") else None
         ef_search = request.ef_search if request.HasField("ef_search") else None
+        b = queries.shape[0] if queries.dim() else 1
+        # an answer row per hit: a float32 score, an int64 id (2 floats' worth) and the payload
+        check_answer(b * max(int(request.k), 0), 3 + (sl.table.payload_dim if request.return_payload else 0), "k")
 
         def work() -> pb.SearchResponse:
             scores, ids, payload = sl.table.search(queries, int(request.k), nprobe=nprobe, ef_search=ef_search,
@@ -322,7 +325,6 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
         # Inline (on the event loop) only a search that is small whatever the kind: a few queries
         # over a slice a brute-force scan reads in about a millisecond.
-        b = queries.shape[0] if queries.dim() else 1
         small = b <= 4 and b * sl.table.ntotal * sl.table.dim <= INLINE_SEARCH_WORK
         return await self.run(work, 0 if small else INLINE_ENTRIES + 1)
 

@@ -13,6 +13,8 @@ import torch
 #: Environment variable that overrides the address every memserver server binds and advertises.
 BIND_HOST_ENV = "MEMSERVER_BIND_HOST"
 LOCALHOST = "127.0.0.1"
+#: Addresses that mean "every interface": never bound (nor advertised) by a memserver server.
+WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 
 
 def in_actor() -> bool:
@@ -44,15 +46,29 @@ def shard_device() -> torch.device:
     return torch.device("cpu")
 
 
+def forced_host() -> str | None:
+    """$MEMSERVER_BIND_HOST, refused when it means every interface."""
+    forced = os.environ.get(BIND_HOST_ENV)
+    return check_host(forced, f"${BIND_HOST_ENV}") if forced else None
+
+
+def check_host(host: str, what: str = "host") -> str:
+    if host.strip("[]") in WILDCARDS:
+        raise ValueError(f"{what}={host}: a server binds one address its clients reach (it is also the address it "
+                         "advertises); a wildcard would listen on every interface")
+    return host
+
+
 def bind_host() -> str:
     """The address a server started in this process binds and advertises.
 
     $MEMSERVER_BIND_HOST if set (tests force 127.0.0.1 on simulated multi-node clusters, and a node
     with several interfaces can name one); else 127.0.0.1 while the Ray cluster has one alive node,
-    so traffic stays on loopback; else this node's address, so other nodes can reach it. Called
-    inside an actor it names the node that actor runs on.
+    so traffic stays on loopback; else this node's address, so other nodes can reach it; never
+    every interface. Called inside an actor it names the node that actor runs on. The metrics
+    endpoint binds the same address.
     """
-    if forced := os.environ.get(BIND_HOST_ENV):
+    if forced := forced_host():
         return forced
     import ray
 

@@ -1,0 +1,88 @@
+"""TLS: a server started with a certificate and key speaks only TLS; clients given the CA (or
+finding it in the endpoint file) verify it; plaintext and a wrong CA get nowhere. Servers here
+are started without Ray (the same start_server every shard and the coordinator use); the CLI's
+--tls-cert/--tls-key end to end is in tests/test_auth.py."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from memserver.api.auth import AuthConfig
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.loop import LoopThread
+from memserver.server.config import ServeConfig, TlsFiles
+from memserver.server.grpcserver import DATA_PLANE, start_server
+from tests.certs import self_signed
+
+TOKEN = "tls-test-token"
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory):
+    """A DataPlane server (no tables) with TLS and a token, on 127.0.0.1."""
+    import torch
+
+    from memserver.server.dataplane import DataPlaneServicer
+
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = self_signed(d)
+    other_cert, _ = self_signed(d, "other")
+    loop = LoopThread("tls-test")
+    config = ServeConfig(auth=AuthConfig.from_tokens(TOKEN), tls=TlsFiles(str(cert), str(key)))
+    servicer = DataPlaneServicer(torch.device("cpu"), 1)
+    server, port = loop.call(start_server(lambda s: pb_grpc.add_DataPlaneServicer_to_server(servicer, s), [DATA_PLANE],
+                                          "127.0.0.1", config=config))
+    yield f"127.0.0.1:{port}", cert.read_bytes(), other_cert.read_bytes()
+    loop.call(server.stop(grace=0))
+
+
+def lookup(channel, token=TOKEN):
+    stub = pb_grpc.DataPlaneStub(channel)
+    return stub.Lookup(pb.LookupRequest(table="nope"), metadata=[("authorization", f"Bearer {token}")], timeout=10)
+
+
+def code_of(call):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_tls_with_the_right_ca_reaches_the_server(tls_server):
+    address, ca, _ = tls_server
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert code_of(lambda: lookup(ch)) == grpc.StatusCode.NOT_FOUND  # served: the table does not exist
+        assert code_of(lambda: lookup(ch, "wrong")) == grpc.StatusCode.UNAUTHENTICATED  # TLS does not replace tokens
+
+
+def test_plaintext_and_a_wrong_ca_get_nowhere(tls_server):
+    address, _, other_ca = tls_server
+    with grpc.insecure_channel(address) as ch:
+        assert code_of(lambda: lookup(ch)) == grpc.StatusCode.UNAVAILABLE
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(other_ca)) as ch:
+        assert code_of(lambda: lookup(ch)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_channels_speak_tls_given_the_ca(tls_server, monkeypatch, tmp_path):
+    from client.channels import client_tls_ca, sync_channel
+
+    address, ca, _ = tls_server
+    with sync_channel(address, token=TOKEN, ca=ca) as ch:
+        assert code_of(lambda: pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="nope"), timeout=10)) \
+            == grpc.StatusCode.NOT_FOUND
+    (tmp_path / "ca.pem").write_bytes(ca)
+    monkeypatch.setenv("MEMSERVER_TLS_CA", str(tmp_path / "ca.pem"))
+    assert client_tls_ca("anything:1") == ca
+    monkeypatch.delenv("MEMSERVER_TLS_CA")
+    record = {"endpoint": address, "tls_ca": ca.decode()}
+    assert client_tls_ca(address, record) == ca
+    assert client_tls_ca("10.0.0.1:5", record) is None  # the file's CA is for the file's cluster only
+
+
+def test_unreadable_tls_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="TLS key file .*missing-key.pem"):
+        TlsFiles(str(tmp_path / "c.pem"), str(tmp_path / "missing-key.pem")).read()
