@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from client import ops
-from client.channels import aio_channel, client_tls_ca, client_token
+from client.channels import ClientTls, aio_channel, client_tls, client_token
 from client.ops import ClientSession, Op, OpOptions, WriteTags, finish, like
 from memserver.api.errors import (
     FailedPreconditionError,
@@ -57,18 +57,18 @@ class AsyncMemoryClient:
         max_request_bytes: int = ops.MAX_REQUEST_BYTES,
         retry_seconds: float = 60.0,
         token: str | None = None,
-        tls_ca: bytes | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         """`retry_seconds`: how long a call keeps retrying while a shard or the coordinator is
         UNAVAILABLE (restarting) before it raises UnavailableError; 0 = do not retry. `token`: the
         cluster's read or write token (default: $MEMSERVER_TOKEN, else the endpoint file's).
-        `tls_ca`: speak TLS, trusting this CA (PEM; default: the file $MEMSERVER_TLS_CA names,
-        else the endpoint file's; none of them: plaintext)."""
+        `tls`: speak TLS, trusting its CA (default: $MEMSERVER_TLS_CA, else the endpoint file's;
+        none of them: plaintext; see client.channels.client_tls)."""
         tune_malloc()  # large calls build their messages in reused memory (see memserver.wire)
         record = read_endpoint() if not endpoint else None
         self.endpoint = endpoint or record["endpoint"]
         self.token = token if token is not None else client_token(self.endpoint, record)
-        self.tls_ca = tls_ca if tls_ca is not None else client_tls_ca(self.endpoint, record)
+        self.tls = tls if tls is not None else client_tls(self.endpoint, record)
         self.timeout = timeout
         self.retry_seconds = retry_seconds
         self.opts = OpOptions(wire_dtype=dtype_code(wire_dtype), max_request_bytes=max_request_bytes)
@@ -81,7 +81,7 @@ class AsyncMemoryClient:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = aio_channel(address, token=self.token, ca=self.tls_ca)
+            ch = self._channels[address] = aio_channel(address, token=self.token, tls=self.tls)
         return ch
 
     @property

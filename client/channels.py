@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from memserver.api.auth import HEADER, TLS_CA_ENV, TOKEN_ENV
+from memserver.api.auth import HEADER, TLS_CA_ENV, TLS_SERVER_NAME_ENV, TOKEN_ENV
 from memserver.wire import GRPC_OPTIONS
 
 _RETRIED = [
@@ -52,14 +53,24 @@ def client_token(endpoint: str | None, record: dict[str, Any] | None = None) -> 
     return _from_endpoint_file(endpoint, record, "token")
 
 
-def client_tls_ca(endpoint: str | None, record: dict[str, Any] | None = None) -> bytes | None:
-    """The CA (PEM) a client checks servers against when given none: the file $MEMSERVER_TLS_CA
-    names, else the endpoint file's when the client talks to that file's endpoint. None: plaintext."""
+@dataclass(frozen=True)
+class ClientTls:
+    """What a client's TLS checks the servers with: the CA (PEM) and, when the certificate names a
+    DNS name rather than the addresses dialled (pods whose IPs change), that name."""
+
+    ca: bytes
+    server_name: str | None = None
+
+
+def client_tls(endpoint: str | None, record: dict[str, Any] | None = None) -> ClientTls | None:
+    """TLS settings of a client given none: the CA file $MEMSERVER_TLS_CA names (and
+    $MEMSERVER_TLS_SERVER_NAME), else the endpoint file's when the client talks to that file's
+    endpoint. None: plaintext."""
     if path := os.environ.get(TLS_CA_ENV):
         with open(path, "rb") as f:
-            return f.read()
+            return ClientTls(f.read(), os.environ.get(TLS_SERVER_NAME_ENV) or None)
     ca = _from_endpoint_file(endpoint, record, "tls_ca")
-    return ca.encode() if ca else None
+    return ClientTls(ca.encode(), _from_endpoint_file(endpoint, record, "tls_server_name")) if ca else None
 
 
 def _from_endpoint_file(endpoint: str | None, record: dict[str, Any] | None, key: str) -> str | None:
@@ -106,24 +117,30 @@ class _AioToken(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(_with_token(details, self.token), request)
 
 
+def _secure(tls: ClientTls, options: list[tuple[str, Any]]) -> tuple[grpc.ChannelCredentials, list[tuple[str, Any]]]:
+    if tls.server_name:
+        options = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
+    return grpc.ssl_channel_credentials(tls.ca), options
+
+
 def aio_channel(address: str, *, retries: bool = True, token: str | None = None,
-                ca: bytes | None = None) -> grpc.aio.Channel:
+                tls: ClientTls | None = None) -> grpc.aio.Channel:
     """An asyncio channel to a shard or the coordinator (call on the loop that will use it);
-    `ca`: speak TLS and trust certificates this CA (PEM) signed."""
+    `tls`: speak TLS and trust what its CA signed."""
     options = CHANNEL_OPTIONS if retries else PLAIN_OPTIONS
     interceptors = [_AioToken(token)] if token else None
-    if ca is not None:
-        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca), options=options,
-                                       interceptors=interceptors)
+    if tls is not None:
+        credentials, options = _secure(tls, options)
+        return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 def sync_channel(address: str, *, retries: bool = True, token: str | None = None,
-                 ca: bytes | None = None) -> grpc.Channel:
+                 tls: ClientTls | None = None) -> grpc.Channel:
     """A blocking channel (the blocking client, the load test's users, the CLI's raw calls)."""
     options = CHANNEL_OPTIONS if retries else PLAIN_OPTIONS
-    if ca is not None:
-        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca), options=options)
+    if tls is not None:
+        ch = grpc.secure_channel(address, *_secure(tls, options))
     else:
         ch = grpc.insecure_channel(address, options=options)
     return grpc.intercept_channel(ch, _SyncToken(token)) if token else ch

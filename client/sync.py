@@ -52,7 +52,7 @@ class MemoryClient:
         if stub is None:
             with self._lock:
                 if address not in self._stubs:
-                    self._channels[address] = sync_channel(address, token=self.aio.token, ca=self.aio.tls_ca)
+                    self._channels[address] = sync_channel(address, token=self.aio.token, tls=self.aio.tls)
                     self._stubs[address] = pb_grpc.DataPlaneStub(self._channels[address])
                 stub = self._stubs[address]
         return stub

@@ -7,8 +7,9 @@ import ipaddress
 from pathlib import Path
 
 
-def self_signed(directory: Path, name: str = "server", ip: str = "127.0.0.1") -> tuple[Path, Path]:
-    """(cert.pem, key.pem) of a fresh EC key, valid for `ip` and localhost for one day."""
+def self_signed(directory: Path, name: str = "server", ip: str | None = "127.0.0.1",
+                dns: str = "localhost") -> tuple[Path, Path]:
+    """(cert.pem, key.pem) of a fresh EC key, valid for `ip` (None: no address) and `dns` for one day."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -25,8 +26,8 @@ def self_signed(directory: Path, name: str = "server", ip: str = "127.0.0.1") ->
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip)), x509.DNSName("localhost")]),
-                       critical=False)
+        .add_extension(x509.SubjectAlternativeName([*([x509.IPAddress(ipaddress.ip_address(ip))] if ip else []),
+                                                    x509.DNSName(dns)]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )

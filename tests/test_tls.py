@@ -30,13 +30,18 @@ def tls_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("tls")
     cert, key = self_signed(d)
     other_cert, _ = self_signed(d, "other")
+    named_cert, named_key = self_signed(d, "named", ip=None, dns="memserver.test")  # a name, no address
     loop = LoopThread("tls-test")
-    config = ServeConfig(auth=AuthConfig.from_tokens(TOKEN), tls=TlsFiles(str(cert), str(key)))
     servicer = DataPlaneServicer(torch.device("cpu"), 1)
-    server, port = loop.call(start_server(lambda s: pb_grpc.add_DataPlaneServicer_to_server(servicer, s), [DATA_PLANE],
-                                          "127.0.0.1", config=config))
-    yield f"127.0.0.1:{port}", cert.read_bytes(), other_cert.read_bytes()
-    loop.call(server.stop(grace=0))
+    servers = []
+    for c, k in ((cert, key), (named_cert, named_key)):
+        config = ServeConfig(auth=AuthConfig.from_tokens(TOKEN), tls=TlsFiles(str(c), str(k)))
+        servers.append(loop.call(start_server(lambda s: pb_grpc.add_DataPlaneServicer_to_server(servicer, s),
+                                              [DATA_PLANE], "127.0.0.1", config=config)))
+    yield {"address": f"127.0.0.1:{servers[0][1]}", "ca": cert.read_bytes(), "other_ca": other_cert.read_bytes(),
+           "named": f"127.0.0.1:{servers[1][1]}", "named_ca": named_cert.read_bytes()}
+    for server, _ in servers:
+        loop.call(server.stop(grace=0))
 
 
 def lookup(channel, token=TOKEN):
@@ -51,7 +56,7 @@ def code_of(call):
 
 
 def test_tls_with_the_right_ca_reaches_the_server(tls_server):
-    address, ca, _ = tls_server
+    address, ca = tls_server["address"], tls_server["ca"]
     with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as ch:
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -60,7 +65,7 @@ def test_tls_with_the_right_ca_reaches_the_server(tls_server):
 
 
 def test_plaintext_and_a_wrong_ca_get_nowhere(tls_server):
-    address, _, other_ca = tls_server
+    address, other_ca = tls_server["address"], tls_server["other_ca"]
     with grpc.insecure_channel(address) as ch:
         assert code_of(lambda: lookup(ch)) == grpc.StatusCode.UNAVAILABLE
     with grpc.secure_channel(address, grpc.ssl_channel_credentials(other_ca)) as ch:
@@ -68,19 +73,32 @@ def test_plaintext_and_a_wrong_ca_get_nowhere(tls_server):
 
 
 def test_client_channels_speak_tls_given_the_ca(tls_server, monkeypatch, tmp_path):
-    from client.channels import client_tls_ca, sync_channel
+    from client.channels import ClientTls, client_tls, sync_channel
 
-    address, ca, _ = tls_server
-    with sync_channel(address, token=TOKEN, ca=ca) as ch:
+    address, ca = tls_server["address"], tls_server["ca"]
+    with sync_channel(address, token=TOKEN, tls=ClientTls(ca)) as ch:
         assert code_of(lambda: pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="nope"), timeout=10)) \
             == grpc.StatusCode.NOT_FOUND
     (tmp_path / "ca.pem").write_bytes(ca)
     monkeypatch.setenv("MEMSERVER_TLS_CA", str(tmp_path / "ca.pem"))
-    assert client_tls_ca("anything:1") == ca
+    assert client_tls("anything:1") == ClientTls(ca)
     monkeypatch.delenv("MEMSERVER_TLS_CA")
-    record = {"endpoint": address, "tls_ca": ca.decode()}
-    assert client_tls_ca(address, record) == ca
-    assert client_tls_ca("10.0.0.1:5", record) is None  # the file's CA is for the file's cluster only
+    record = {"endpoint": address, "tls_ca": ca.decode(), "tls_server_name": "memserver.test"}
+    assert client_tls(address, record) == ClientTls(ca, "memserver.test")
+    assert client_tls("10.0.0.1:5", record) is None  # the file's CA is for the file's cluster only
+
+
+def test_a_certificate_naming_a_dns_name_is_checked_for_that_name(tls_server):
+    """Pods' addresses change: the certificate names a DNS name, and clients check for it."""
+    from client.channels import ClientTls, sync_channel
+
+    def lookup_code(tls):
+        with sync_channel(tls_server["named"], retries=False, token=TOKEN, tls=tls) as ch:
+            return code_of(lambda: pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="nope"), timeout=10))
+
+    assert lookup_code(ClientTls(tls_server["named_ca"], "memserver.test")) == grpc.StatusCode.NOT_FOUND
+    assert lookup_code(ClientTls(tls_server["named_ca"])) == grpc.StatusCode.UNAVAILABLE  # 127.0.0.1 is not named
+    assert lookup_code(ClientTls(tls_server["named_ca"], "other.test")) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_unreadable_tls_files_are_named(tmp_path):

@@ -28,6 +28,8 @@ READ_METHODS = frozenset({
 TOKEN_ENV = "MEMSERVER_TOKEN"
 #: A PEM file of the CA a client trusts when none is given (else the endpoint file's `tls_ca`).
 TLS_CA_ENV = "MEMSERVER_TLS_CA"
+#: The name a client checks the servers' certificate for, when not the address it dials.
+TLS_SERVER_NAME_ENV = "MEMSERVER_TLS_SERVER_NAME"
 
 
 def digest(token: str) -> str:

@@ -75,6 +75,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     import ray
 
     from client import MemoryClient
+    from client.channels import ClientTls
     from memserver.api.auth import AuthConfig
     from memserver.cluster.endpoint import endpoint_file, write_endpoint
     from memserver.cluster.launch import start_cluster
@@ -122,7 +123,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             from client import TableExistsError
 
             with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None,
-                              tls_ca=_ca(args) if tls else None) as client:
+                              tls=ClientTls(_ca(args), args.tls_server_name) if tls else None) as client:
                 for t in tables:
                     t = dict(t)
                     try:
@@ -142,6 +143,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             record["token"], record["read_token"] = tokens[0], tokens[1]
         if tls:  # what clients check the servers' certificate against
             record["tls_ca"] = _ca(args).decode()
+            if args.tls_server_name:
+                record["tls_server_name"] = args.tls_server_name
         path = write_endpoint(record)
         print(f"memserver ready at {cluster.endpoint}", flush=True)
         log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
@@ -178,8 +181,8 @@ def _tls(args: argparse.Namespace) -> Any:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together: give both, or neither for plaintext")
     if not args.tls_cert:
-        if args.tls_ca:
-            raise CliError("--tls-ca needs --tls-cert and --tls-key")
+        if args.tls_ca or args.tls_server_name:
+            raise CliError("--tls-ca and --tls-server-name need --tls-cert and --tls-key")
         return None
     tls = TlsFiles(str(Path(args.tls_cert).absolute()), str(Path(args.tls_key).absolute()))
     try:
@@ -278,6 +281,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (with --tls-cert)")
     up.add_argument("--tls-ca", metavar="PEM", help="the CA clients verify the certificate with, written to the "
                     "endpoint file (default: the certificate itself, for a self-signed one)")
+    up.add_argument("--tls-server-name", metavar="NAME", help="the DNS name the certificate names, which clients "
+                    "check instead of the address they dial (for pods whose addresses change; written to the endpoint "
+                    "file; elsewhere set $MEMSERVER_TLS_SERVER_NAME)")
     up.add_argument("--checkpoint-root", metavar="DIR", help="checkpoints are written and restored only below this "
                     "directory (relative paths land in it; others get PERMISSION_DENIED). Default: --data-dir if "
                     "given, else $MEMSERVER_HOME")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from client import ops
-from client.channels import client_tls_ca, client_token, sync_channel
+from client.channels import client_tls, client_token, sync_channel
 from client.ops import Op, OpOptions, WriteTags, finish
 from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
@@ -27,7 +27,7 @@ from memserver.wire import dtype_code
 
 def fetch_table(endpoint: str, table: str, timeout: float) -> TableMeta:
     """One GetShardMap from the coordinator (blocking gRPC: fine under gevent and outside it)."""
-    with sync_channel(endpoint, retries=False, token=client_token(endpoint), ca=client_tls_ca(endpoint)) as ch:
+    with sync_channel(endpoint, retries=False, token=client_token(endpoint), tls=client_tls(endpoint)) as ch:
         info = pb_grpc.ControlPlaneStub(ch).GetShardMap(pb.GetShardMapRequest(name=table), timeout=timeout)
     return TableMeta.from_proto(info)
 
@@ -41,10 +41,10 @@ class ShardCaller:
         self.opts = OpOptions(wire_dtype=dtype_code(cfg.wire_dtype))
         self.channels = channels if channels is not None else {}
         token = client_token(cfg.endpoint)  # $MEMSERVER_TOKEN, or the endpoint file's for this cluster
-        ca = client_tls_ca(cfg.endpoint)
+        tls = client_tls(cfg.endpoint)
         for sh in meta.shards:
             if sh.address not in self.channels:
-                self.channels[sh.address] = sync_channel(sh.address, retries=False, token=token, ca=ca)
+                self.channels[sh.address] = sync_channel(sh.address, retries=False, token=token, tls=tls)
         self.stubs = {sh.address: pb_grpc.DataPlaneStub(self.channels[sh.address]) for sh in meta.shards}
         biggest = max(cfg.batch * meta.dim * 4, cfg.batch * cfg.knn * 12)
         if biggest > self.opts.max_request_bytes:
