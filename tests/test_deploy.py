@@ -139,7 +139,7 @@ def test_ray_cluster_launcher_config():
     ups = [argv for c in cfg["head_start_ray_commands"] for prog, argv in commands(c) if argv[:1] == ["up"]]
     assert len(ups) == 1
     up = parse("memserver", ups[0])
-    assert up.address == "auto" and up.detach and up.port and up.config
+    assert up.address == "auto" and up.detach and up.port and up.config and up.auth
     assert Path(up.config).name == "tables.yaml" and (ROOT / "deploy" / "tables.yaml").exists()
     # file_mounts copies the checkout to the path the setup commands install from
     assert cfg["file_mounts"] == {"/home/ubuntu/memserver": "."}
@@ -193,6 +193,17 @@ def test_kuberay_memserver_job():
     up = parse(prog, argv)
     assert argv[0] == "up" and up.address == "auto" and not up.detach and up.port == 50051
     assert Path(up.config).parent.as_posix() == tables_mount() and Path(up.config).name == "tables.yaml"
+    # tokens and TLS from the Secret, which the head (coordinator) and every worker group (shards) mount
+    secret_dirs = set()
+    for spec in [rc["spec"]["headGroupSpec"], *rc["spec"]["workerGroupSpecs"]]:
+        pod = spec["template"]["spec"]
+        [vol] = [v for v in pod["volumes"] if "secret" in v]
+        [mount] = [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] == vol["name"]]
+        secret_dirs.add(mount["mountPath"])
+    [secret_dir] = secret_dirs
+    for path in (up.auth_token_file, up.tls_cert, up.tls_key):
+        assert path and Path(path).parent.as_posix() == secret_dir
+    assert up.tls_server_name  # pod addresses change: the certificate names a DNS name
 
 
 def test_dockerfile():
