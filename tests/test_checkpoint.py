@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -219,3 +221,40 @@ def test_own_checkpoint_extras_legacy_files_and_a_wrong_table(tmp_path):
     torch.testing.assert_close(table.weight, values[0::2], rtol=0, atol=0)
     with pytest.raises(ServerInvalidArgument, match="rows"):  # a file of another table, even one with no overlap
         load_into(table, target0, [{**entries[1], "num_rows": 8}])
+
+
+def test_checkpoint_paths_stay_under_the_root(tmp_path):
+    """Relative paths land under the root; absolute ones must lie in it; `..` and symlinks that
+    lead out are refused (PERMISSION_DENIED) before anything is read or written."""
+    from memserver.api.errors import InvalidArgumentError, PermissionDeniedError
+    from memserver.storage.checkpoint import under_root
+
+    root = tmp_path / "root"
+    (root / "in").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (root / "link").symlink_to(tmp_path / "elsewhere")
+    assert under_root(root, "run1") == root.resolve() / "run1"
+    assert under_root(root, str(root / "in" / "x")) == root.resolve() / "in" / "x"
+    assert under_root(root, str(root)) == root.resolve()
+    for path in ("../escape", str(tmp_path / "elsewhere"), "/etc", "link/x", "in/../../x", str(tmp_path / "root2")):
+        with pytest.raises(PermissionDeniedError, match="outside the cluster's checkpoint root"):
+            under_root(root, path)
+    for path in ("", "a\x00b"):
+        with pytest.raises(InvalidArgumentError):
+            under_root(root, path)
+    assert under_root(None, "/anywhere") == Path("/anywhere")
+
+
+def test_checkpoint_outside_the_root_is_refused_and_writes_nothing(client, table_name, tmp_path_factory):
+    from client import PermissionDeniedError
+
+    client.create_table(table_name, 8, 4)
+    outside = tmp_path_factory.getbasetemp().parent / f"outside-{table_name}"
+    try:
+        with pytest.raises(PermissionDeniedError, match="checkpoint root"):
+            client.checkpoint(str(outside), 1, [table_name])
+        with pytest.raises(PermissionDeniedError, match="checkpoint root"):
+            client.restore(str(outside), 1, replace=True)
+        assert not outside.exists()
+    finally:
+        client.drop_table(table_name)

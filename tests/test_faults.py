@@ -22,7 +22,8 @@ ROWS, DIM = 512, 16
 def fault_cluster(memory_cluster, tmp_path_factory):
     from memserver.cluster.launch import start_cluster
 
-    cluster = start_cluster(2, shard_cpus=0.25, name="faults", data_dir=tmp_path_factory.mktemp("fault-data"))
+    cluster = start_cluster(2, shard_cpus=0.25, name="faults", data_dir=tmp_path_factory.mktemp("fault-data"),
+                            checkpoint_root=tmp_path_factory.getbasetemp())
     yield cluster
     cluster.shutdown()
 
