@@ -318,7 +318,7 @@ class ShardActor:
             st = pb.ShardStatus(address=self.address, node_id=node_id(), pid=os.getpid(), device=str(self.device),
                                 requests=self.servicer.requests, restarted=self.restarted,
                                 metrics_address=self.metrics.address, rss_bytes=rss_bytes(),
-                                deferred_updates=self.servicer.deferred)
+                                deferred_updates=self.servicer.deferred, calls=self.metrics.summary())
             for name, sl in self.servicer.tables.items():
                 load = st.tables.add(table=name, bytes=sl.table.nbytes(), requests=sl.requests,
                                      wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from,
