@@ -19,13 +19,19 @@ from typing import Any
 import grpc
 
 from memserver import __version__
-from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, TableExistsError, TableNotFoundError
+from memserver.api.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    MemserverError,
+    TableExistsError,
+    TableNotFoundError,
+)
 from memserver.api.types import METRIC_NAMES
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
-from memserver.server.catalog import plan_table, validate_spec
-from memserver.server.config import ServeConfig
+from memserver.server.catalog import plan_table, refuse_oversized, slice_size, validate_spec
+from memserver.server.config import Limits, ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, serve_on
 from memserver.server.metrics import CoordinatorMetrics
 from memserver.server.rayutil import was_restarted
@@ -40,10 +46,13 @@ PROBE_SECONDS = 10.0
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]], restarted: bool = False,
-                 checkpoint_root: str | None = None) -> None:
-        """`checkpoint_root`: Checkpoint and Restore only below it (None: anywhere)."""
+                 checkpoint_root: str | None = None, limits: Limits | None = None) -> None:
+        """`checkpoint_root`: Checkpoint and Restore only below it (None: anywhere); `limits`:
+        the cluster's (memserver.server.config.Limits): CreateTable and Restore refuse a table
+        whose slice exceeds its max_table_bytes before asking any shard."""
         self.handles, self.infos = shard_handles, shard_infos
         self.checkpoint_root = checkpoint_root
+        self.limits = limits or Limits()
         self.tables: dict[str, pb.TableInfo] = {}
         self.pending: set[str] = set()
         self.training: set[str] = set()  # index tables with a TrainIndex running (one at a time)
@@ -133,17 +142,30 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             first = len(self.tables) % len(self.handles)
             order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
             info = plan_table(spec, [self.infos[j] for j in order])
+            # What fits is decided from the spec before any shard records or allocates anything:
+            # the cap here; each shard then checks the memory its node has for the table's
+            # slices there (their peaks summed per node, passed along).
+            sizes = [slice_size(spec, sh) for sh in info.shards]
+            for sh, size in zip(info.shards, sizes):
+                refuse_oversized(spec, sh.index, size, self.limits)
+            on_node: dict[str, int] = {}
+            for j, size in zip(order, sizes):
+                on_node[self.infos[j]["node_id"]] = on_node.get(self.infos[j]["node_id"], 0) + size.peak
             blob = spec.SerializeToString()
             refs = [
-                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards)
+                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards,
+                                                    on_node[self.infos[j]["node_id"]])
                 if files is None
-                else self.handles[j].restore_table.remote(blob, sh.SerializeToString(), spec.num_shards, files)
+                else self.handles[j].restore_table.remote(blob, sh.SerializeToString(), spec.num_shards, files,
+                                                          on_node[self.infos[j]["node_id"]])
                 for j, sh in zip(order, info.shards)
             ]
             results = await asyncio.gather(*refs, return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
+            errors = [getattr(r, "cause", None) or r for r in results if isinstance(r, BaseException)]
             if errors:
                 await asyncio.gather(*(self.handles[j].drop_table.remote(spec.name) for j in order), return_exceptions=True)
+                if refusal := next((e for e in errors if isinstance(e, MemserverError)), None):
+                    raise type(refusal)(refusal.details)  # a shard's refusal keeps its status (RESOURCE_EXHAUSTED)
                 raise RuntimeError(f"{'restoring' if files else 'creating'} {spec.name!r} failed on a shard: {errors[0]}")
             async with self.lock:
                 self.epoch += 1
@@ -315,7 +337,7 @@ class CoordinatorActor:
         infos = ray.get([h.info.remote() for h in shard_handles])
         described = ray.get([h.describe_tables.remote() for h in shard_handles])
         config = config or ServeConfig()
-        self.servicer = ControlPlaneServicer(shard_handles, infos, restarted, config.checkpoint_root)
+        self.servicer = ControlPlaneServicer(shard_handles, infos, restarted, config.checkpoint_root, config.limits)
         self.servicer.recover_catalog(described)
         self.metrics = self.servicer.metrics = CoordinatorMetrics(self.servicer)
         self.loop = LoopThread("coordinator-grpc")
