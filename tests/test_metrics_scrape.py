@@ -70,6 +70,55 @@ def test_server_metrics_label_rules_and_summary():
     assert (s.rejected, s.inflight_calls, s.inflight_bytes) == (0, 0, 0)
 
 
+def test_coordinator_probes_its_shards_in_the_background():
+    """Without Ray: what /metrics says of the shards is the last probe's answer (a scrape never
+    asks them); a shard that does not answer in time counts as not serving."""
+    import asyncio
+
+    from memserver.server.coordinator import ControlPlaneServicer
+    from memserver.server.metrics import CoordinatorMetrics
+
+    class Shard:
+        def __init__(self, answers: bool) -> None:
+            self.answers = answers
+
+        @property
+        def info(self):
+            shard = self
+
+            class Info:
+                @staticmethod
+                def remote():
+                    async def answer():
+                        if not shard.answers:
+                            await asyncio.sleep(60)  # restarting: the call waits
+                        return {}
+                    return answer()
+            return Info
+
+    infos = [{"address": f"127.0.0.1:{7000 + j}", "node_id": "n", "pid": j} for j in range(3)]
+    servicer = ControlPlaneServicer([Shard(True), Shard(False), Shard(True)], infos)
+    metrics = CoordinatorMetrics(servicer)
+    address = metrics.serve("127.0.0.1")
+    try:
+        assert get(scrape(address), "memserver_shards_serving") == 3  # they all answered at the start
+
+        async def probe_twice():
+            task = asyncio.create_task(servicer.probe_shards(every=0.05))
+            await asyncio.sleep(0.25)
+            task.cancel()
+
+        asyncio.run(probe_twice())
+        samples = scrape(address)
+    finally:
+        metrics.stop()
+    assert servicer.serving == [True, False, True]
+    assert get(samples, "memserver_shards") == 3 and get(samples, "memserver_shards_serving") == 2
+    assert [get(samples, "memserver_shard_serving", shard=str(i)) for i in range(3)] == [1, 0, 1]
+    assert get(samples, "memserver_tables", kind="value") == 0
+    assert ("memserver_last_checkpoint_time_seconds", ()) not in samples  # none yet: no series
+
+
 def test_coordinator_and_shard_metrics_over_http(auth_cluster, tmp_path, table_name):
     from client import MemoryClient
 

@@ -188,8 +188,12 @@ def slice_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> SliceSize:
     return SliceSize(held, held + rows * 8 + (rows * cols * 4 if dtype.itemsize != 4 else 0))
 
 
-def _gib(n: float) -> str:
-    return f"{n:,.0f} bytes ({n / 2**30:.2f} GiB)"
+def _bytes(n: float) -> str:
+    """"68,000 bytes (66.4 KiB)"."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n:,.0f} bytes ({n / (1 << shift):.1f} {unit})"
+    return f"{n:,.0f} bytes"
 
 
 _SMALLER = ("spread it over more shards, or make it smaller (fewer rows or columns, dtype float16/bfloat16, "
@@ -206,14 +210,14 @@ def refuse_oversized(spec: pb.TableSpec, index: int, size: SliceSize, limits: Li
     cap = limits.max_table_bytes
     if cap and size.held > cap:
         raise ResourceExhaustedError(
-            f"table {spec.name!r}: shard {index}'s slice would hold {_gib(size.held)} (values, optimizer state and "
-            f"slot statistics), above the cluster's limit of {_gib(cap)} per table slice (max_table_bytes: "
+            f"table {spec.name!r}: shard {index}'s slice would hold {_bytes(size.held)} (values, optimizer state and "
+            f"slot statistics), above the cluster's limit of {_bytes(cap)} per table slice (max_table_bytes: "
             f"`memserver up --max-table-bytes`, or start_cluster(limits=Limits(max_table_bytes=...))); {_SMALLER}")
     fraction = limits.table_memory_fraction
     need = max(on_node, size.peak)
     if available is not None and fraction and need > fraction * available:
         raise ResourceExhaustedError(
-            f"table {spec.name!r}: its slices on shard {index}'s node need {_gib(need)} while they are created, "
-            f"above {fraction:.0%} of the {_gib(available)} of memory available there (table_memory_fraction: "
+            f"table {spec.name!r}: its slices on shard {index}'s node need {_bytes(need)} while they are created, "
+            f"above {fraction:.0%} of the {_bytes(available)} of memory available there (table_memory_fraction: "
             "`memserver up --table-memory-fraction`, or start_cluster(limits=Limits(table_memory_fraction=...))); "
             f"{_SMALLER}, or free memory on that node")
