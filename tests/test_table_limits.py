@@ -198,3 +198,25 @@ def test_create_and_restore_over_the_cap_are_refused_by_the_cluster(auth_cluster
     assert [t.name for t in client.list_tables()] == before
     assert not list(Path(memory_cluster.data_dir).glob(f"shard-*/{table_name}"))
     assert all(s.state == "serving" for s in client.status().shards)
+
+
+def test_a_table_is_recorded_only_once_its_memory_is_allocated(capped_shard, tmp_path, monkeypatch):
+    """Allocation failing (what the OOM killer makes of a process) leaves no record, so a
+    restarted shard does not create the table again."""
+    from memserver.server.shard_actor import ShardActor
+
+    shard = capped_shard
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("cannot allocate")
+
+    spec = value_spec("doomed", 10)
+    info = plan_table(spec, [shard.info()]).shards[0].SerializeToString()
+    with monkeypatch.context() as m:
+        m.setattr(ShardActor, "_load_slice", no_memory)
+        with pytest.raises(MemoryError):
+            shard.create_table(spec.SerializeToString(), info, 1)
+    assert not (Path(tmp_path) / "shard-0000" / "doomed" / "table.json").exists()
+    assert "doomed" not in shard.servicer.tables
+    shard.create_table(spec.SerializeToString(), info, 1)  # and once it fits, it is recorded
+    assert (Path(tmp_path) / "shard-0000" / "doomed" / "table.json").exists()

@@ -191,9 +191,9 @@ class ShardActor:
                    node_bytes: int = 0) -> None:
         """Refuse a slice that does not fit (RESOURCE_EXHAUSTED: above the cluster's cap, or more
         than its share of the memory available on this node, the table's other slices here
-        included: `node_bytes`) before anything is recorded or allocated: a recorded table is
-        created again on every restart, so one that gets the process killed would never let it
-        come back."""
+        included: `node_bytes`) before anything is allocated or recorded; and record it only
+        once its memory is allocated. A recorded table is created again on every restart, so one
+        that got the process killed would never let it come back."""
         s = pb.TableSpec.FromString(spec)
         if s.name in self.servicer.tables:
             raise ValueError(f"table {s.name!r} already exists on shard {self.index}")
@@ -205,8 +205,14 @@ class ShardActor:
             record = table_record(spec, info, num_shards, files)
             if self.store is not None:
                 self.store.drop(s.name)  # a stale log of a dropped namesake
-                self.store.save(record)
             sl, _ = self._load_slice(record, None, replay=False)
+            if self.store is not None:  # recorded once allocated: a process killed allocating it recovers without it
+                try:
+                    self.store.save(record)
+                except BaseException:
+                    if sl.wal is not None:
+                        sl.wal.close()
+                    raise
             sl.recovered_from = ""
             return sl
 
