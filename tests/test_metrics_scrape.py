@@ -103,12 +103,16 @@ def test_coordinator_probes_its_shards_in_the_background():
     try:
         assert get(scrape(address), "memserver_shards_serving") == 3  # they all answered at the start
 
-        async def probe_twice():
+        servicer.serving = [False, True, False]  # stale: the probes must turn each one around
+
+        async def probe():
             task = asyncio.create_task(servicer.probe_shards(every=0.05))
-            await asyncio.sleep(0.25)
+            deadline = time.monotonic() + 20
+            while servicer.serving != [True, False, True] and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             task.cancel()
 
-        asyncio.run(probe_twice())
+        asyncio.run(probe())
         samples = scrape(address)
     finally:
         metrics.stop()
