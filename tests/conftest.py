@@ -27,6 +27,27 @@ def memory_cluster(tmp_path_factory):
     ray.shutdown()
 
 
+#: The tokens of `auth_cluster`.
+WRITE, READ = "write-token-for-tests", "read-token-for-tests"
+#: Its cap on the bytes of one table slice (Limits.max_table_bytes).
+MAX_TABLE_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def auth_cluster(memory_cluster, tmp_path_factory):
+    """A second, one-shard memory cluster in the session's Ray, started hardened: with tokens
+    (WRITE, READ) and a table size cap (MAX_TABLE_BYTES). Shared by the modules that need one
+    (Ray on two cores is slow to start)."""
+    from memserver.api.auth import AuthConfig
+    from memserver.cluster.launch import start_cluster
+    from memserver.server.config import Limits
+
+    cluster = start_cluster(1, shard_cpus=0.1, name="authtest", auth=AuthConfig.from_tokens(WRITE, READ),
+                            checkpoint_root=tmp_path_factory.getbasetemp(), limits=Limits(max_table_bytes=MAX_TABLE_BYTES))
+    yield cluster
+    cluster.shutdown()
+
+
 @pytest.fixture(scope="session")
 def client(memory_cluster):
     from client import MemoryClient

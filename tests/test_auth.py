@@ -20,8 +20,7 @@ from memserver.api.auth import AuthConfig, read_token_file
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import encode
-
-WRITE, READ = "write-token-for-tests", "read-token-for-tests"
+from tests.conftest import READ, WRITE
 
 
 def test_roles_from_metadata():
@@ -43,16 +42,6 @@ def test_token_files(tmp_path):
     assert read_token_file(tmp_path / "a.json") == ("w", "r")
     assert read_token_file(tmp_path / "b") == ("w", "r")
     assert read_token_file(tmp_path / "c") == ("only-write", None)
-
-
-@pytest.fixture(scope="module")
-def auth_cluster(memory_cluster):
-    """A second, one-shard memory cluster in the session's Ray, started with tokens."""
-    from memserver.cluster.launch import start_cluster
-
-    cluster = start_cluster(1, shard_cpus=0.1, name="authtest", auth=AuthConfig.from_tokens(WRITE, READ))
-    yield cluster
-    cluster.shutdown()
 
 
 def raw_call(address, service, method, request, token=None):

@@ -28,7 +28,7 @@ def test_up_status_down(tmp_path):
     config = tmp_path / "tables.yaml"
     config.write_text("shards: 2\nshard_cpus: 0.25\ntables:\n  - {name: emb, num_rows: 5000, dim: 32, sharding: rows, optimizer: adam, lr: 0.001, wal: true}\n")
     up_args = ["up", "--detach", "--config", str(config), "--num-cpus", "2", "--object-store-mb", "96", "--data-dir", str(tmp_path / "data"),
-               "--checkpoint-root", str(tmp_path)]
+               "--checkpoint-root", str(tmp_path), "--max-table-bytes", "64M"]
     up = run(up_args, env)
     assert up.returncode == 0, up.stderr + up.stdout
     assert "memserver ready at 127.0.0.1:" in up.stdout
@@ -46,8 +46,12 @@ def test_up_status_down(tmp_path):
         assert all(s["pid"] > 0 and s["address"].startswith("127.0.0.1:") and s["state"] == "serving" for s in status["shards"])
         assert status["coordinator_pid"] > 0 and not status["coordinator_restarted"]
         assert sum(t["rows"] for s in status["shards"] for t in s["tables"]) == 5000
+        assert status["coordinator_metrics"].startswith("http://127.0.0.1:")
+        assert status["coordinator_calls"]["requests"] >= 1 and status["coordinator_calls"]["errors"] == {}
+        assert all(s["calls"]["auth_failures"] == 0 for s in status["shards"])
         human = run(["status"], env)
         assert human.returncode == 0 and "emb" in human.stdout and "shards" in human.stdout
+        assert "calls answered" in human.stdout
         ck = run(["checkpoint", "--dir", str(tmp_path / "ck"), "--step", "3", "--json"], env)
         assert ck.returncode == 0, ck.stderr
         assert json.loads(ck.stdout)["tables"] == ["emb"] and (tmp_path / "ck/step-0000000003/manifest.json").exists()
@@ -58,6 +62,10 @@ def test_up_status_down(tmp_path):
         again = run(["restore", "--dir", str(tmp_path / "ck")], env)
         assert again.returncode == 1 and "already exist" in again.stderr
         with MemoryClient(endpoint) as client:
+            from client import ResourceExhaustedError
+
+            with pytest.raises(ResourceExhaustedError, match="67,108,864 bytes"):  # --max-table-bytes 64M
+                client.create_table("too-big", 10**6, 64)
             client.push_gradients("emb", np.arange(0, 5000, 7), np.ones((715, 32), np.float32))
             before = client.lookup("emb", np.arange(5000))
     finally:
@@ -109,5 +117,5 @@ def test_help_explains_every_command():
     for flag in ("--vectors", "--ids", "--payload", "--factory", "--train-sample"):
         assert flag in build_help
     up_help = run(["up", "--help"], os.environ).stdout
-    for flag in ("--shards", "--config", "--address", "--detach"):
+    for flag in ("--shards", "--config", "--address", "--detach", "--max-table-bytes", "--table-memory-fraction"):
         assert flag in up_help

@@ -69,6 +69,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CliError(f"--shards must be at least 1, got {shards}")
     if (rec := running_cluster()) is not None:
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
+    _limits(args)  # a bad value is the caller's error, before anything starts
     if args.detach:
         return _up_detached(args)
 
@@ -116,6 +117,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         auth=AuthConfig.from_tokens(*tokens) if tokens else None,
         tls=tls,
         checkpoint_root=args.checkpoint_root,
+        limits=_limits(args),
     )
     try:
         tables = cfg.get("tables") or []
@@ -172,6 +174,29 @@ def _tokens(args: argparse.Namespace) -> tuple[str, str | None] | None:
     if args.auth:
         return generate_token(), generate_token()
     return None
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes: a number with an optional binary suffix (K, M, G, T; "KiB", "GB" and "g" alike)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 512M, 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _limits(args: argparse.Namespace) -> Any:
+    """memserver.server.config.Limits from --max-table-bytes and --table-memory-fraction."""
+    from memserver.server.config import Limits
+
+    try:
+        return Limits(max_table_bytes=args.max_table_bytes, table_memory_fraction=args.table_memory_fraction)
+    except ValueError as exc:
+        raise CliError(f"--max-table-bytes/--table-memory-fraction: {exc}") from None
 
 
 def _tls(args: argparse.Namespace) -> Any:
@@ -287,6 +312,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--checkpoint-root", metavar="DIR", help="checkpoints are written and restored only below this "
                     "directory (relative paths land in it; others get PERMISSION_DENIED). Default: --data-dir if "
                     "given, else $MEMSERVER_HOME")
+    up.add_argument("--max-table-bytes", type=parse_size, default=0, metavar="SIZE",
+                    help="CreateTable and Restore refuse (RESOURCE_EXHAUSTED) a table one shard's slice of which would "
+                    "hold more (values, optimizer state, slot statistics), e.g. 8G; default: no fixed cap")
+    up.add_argument("--table-memory-fraction", type=float, default=0.8, metavar="F",
+                    help="a shard refuses a new table whose slices on its node need more than this fraction of the "
+                    "memory available there (its cgroup's limit counts; 0: not checked; default 0.8)")
     up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
     up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")

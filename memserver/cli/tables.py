@@ -10,6 +10,16 @@ from typing import Any
 from memserver.cli.common import CliError, cluster_flags, endpoint_of, fmt_bytes
 
 
+def calls_dict(c: Any) -> dict[str, Any]:
+    """A server's CallSummary: what its /metrics counters add up to."""
+    return {"requests": c.requests, "errors": dict(sorted(c.errors.items())), "auth_failures": c.auth_failures,
+            "rejected": c.rejected, "inflight_calls": c.inflight_calls, "inflight_bytes": c.inflight_bytes}
+
+
+def _url(address: str) -> str:
+    return f"http://{address}/metrics" if address else ""
+
+
 def status_dict(resp: Any) -> dict[str, Any]:
     from memserver.api.types import TableMeta
 
@@ -18,6 +28,8 @@ def status_dict(resp: Any) -> dict[str, Any]:
         "epoch": resp.epoch,
         "coordinator_pid": resp.coordinator_pid,
         "coordinator_restarted": resp.coordinator_restarted,
+        "coordinator_metrics": _url(resp.coordinator_metrics_address),
+        "coordinator_calls": calls_dict(resp.coordinator_calls),
         "tables": [TableMeta.from_proto(t).to_dict() for t in resp.tables],
         "shards": [
             {
@@ -27,7 +39,8 @@ def status_dict(resp: Any) -> dict[str, Any]:
                 "pid": s.pid,
                 "state": s.state,
                 "restarted": s.restarted,
-                "metrics": f"http://{s.metrics_address}/metrics" if s.metrics_address else "",
+                "metrics": _url(s.metrics_address),
+                "calls": calls_dict(s.calls),
                 "device": s.device,
                 "requests": s.requests,
                 "rss_bytes": s.rss_bytes,
@@ -101,8 +114,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         shards.add_row(str(s["index"]), s["address"], s["node_id"][:12], str(s["pid"]), state, s["device"], str(len(s["tables"])),
                        f"{rows:,}", fmt_bytes(nbytes), fmt_bytes(s["rss_bytes"]), str(sessions), f"{s['requests']:,}")
     console.print(shards)
-    if any(s["metrics"] for s in st["shards"]):
-        console.print("Prometheus metrics: " + ", ".join(s["metrics"] for s in st["shards"] if s["metrics"]))
+    console.print(_calls_table(st))
+    urls = [u for u in (st["coordinator_metrics"], *(s["metrics"] for s in st["shards"])) if u]
+    if urls:
+        console.print("Prometheus metrics: " + ", ".join(urls))
     for s in st["shards"]:
         for t in s["tables"]:
             if t["recovered_from"]:
@@ -110,6 +125,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             if t["unavailable"]:
                 console.print(f"[bold red]shard {s['index']}: table {t['table']} is not served: {t['unavailable']}[/]")
     return 0
+
+
+def _calls_table(st: dict[str, Any]) -> Any:
+    """One line per server: the calls it answered since its process started (its /metrics counters)."""
+    from rich.table import Table
+
+    calls = Table(title="calls answered (since each process started)")
+    for col in ("server", "requests", "errors", "auth failures", "rejected", "in flight"):
+        calls.add_column(col, justify="left" if col in ("server", "errors") else "right")
+    servers = [("coordinator", st["coordinator_calls"])]
+    servers += [(f"shard {s['index']}", s["calls"]) for s in st["shards"] if s["state"] == "serving"]
+    for name, c in servers:
+        errors = ", ".join(f"{code} {n:,}" for code, n in c["errors"].items()) or "-"
+        inflight = f"{c['inflight_calls']:,}" + (f" ({fmt_bytes(c['inflight_bytes'])})" if c["inflight_bytes"] else "")
+        calls.add_row(name, f"{c['requests']:,}", errors, f"{c['auth_failures']:,}", f"{c['rejected']:,}", inflight)
+    return calls
 
 
 # ----------------------------------------------------------------- checkpoint, restore
@@ -153,7 +184,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     """`status`, `checkpoint` and `restore`."""
     st = sub.add_parser("status", help="tables and shards of the running cluster",
                         description="Show tables and shards (node, pid, port, state, rows, bytes, requests served, "
-                        "metrics URL) and what each restarted shard recovered its tables from.")
+                        "metrics URL), the calls each server answered (requests, errors by status, authentication "
+                        "failures, rejected, in flight) and what each restarted shard recovered its tables from.")
     cluster_flags(st, timeout=30.0, json_help="print one JSON object instead of tables")
     st.set_defaults(func=cmd_status)
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 import math
 import re
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
-from memserver.api.errors import InvalidArgumentError
+from memserver.api.errors import InvalidArgumentError, ResourceExhaustedError
 from memserver.api.types import METRIC_NAMES, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import OptimizerConfig
-from memserver.wire import VALUE_DTYPES
+from memserver.server.config import Limits
+from memserver.wire import TORCH_DTYPES, VALUE_DTYPES
 
 TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 #: Sharding a table gets when its spec leaves it unspecified (see docs/architecture.md).
@@ -144,3 +146,78 @@ def plan_table(spec: pb.TableSpec, shards: list[dict[str, Any]]) -> pb.TableInfo
         info.shards.add(index=i, address=sh["address"], node_id=sh["node_id"], pid=sh["pid"], col_start=c0, col_end=c1,
                         num_rows=layout.rows(i), layout_id=info.layout_id)
     return info
+
+
+# ------------------------------------------------------------------ table sizes and limits
+
+#: Per-row slot statistics of a value slice: hits, weight mass, updates, last update (8 B each).
+STATS_BYTES_PER_ROW = 32
+
+
+@dataclass(frozen=True)
+class SliceSize:
+    """The memory of one shard's slice of a table, from its spec alone (nothing allocated).
+
+    `held`: what the slice holds once created, what status and /metrics report as its bytes
+    (`table.nbytes()`): values, optimizer state (adagrad 4 B a row, adam 8 B a value, sgd none)
+    and slot statistics; product keys: keys and query network once loaded; index tables: the
+    empty index (it grows as vectors are added). `peak`: `held` plus what creating it briefly
+    needs on top (the row ids, and float32 initial values of a 16-bit table)."""
+
+    held: int
+    peak: int
+
+
+def slice_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> SliceSize:
+    """The memory shard `shard` of a validated `spec` (see plan_table) will need."""
+    if spec.kind == pb.INDEX:
+        from memserver.core.index import VectorIndex
+
+        empty = VectorIndex(int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim)).nbytes()
+        return SliceSize(empty, empty)
+    if spec.kind == pb.PRODUCT_KEYS:
+        q_dim, d_in = int(spec.pkm_heads) * int(spec.pkm_k_dim), int(spec.pkm_d_in)
+        keys = q_dim * int(spec.pkm_n_keys) * 4  # [heads, 2, n_keys, k_dim/2] float32
+        net = (q_dim * d_in + q_dim + 4 * q_dim) * 4 if d_in else 0  # Linear, bias, BatchNorm (at most)
+        return SliceSize(keys + net, keys + net)
+    rows, cols = int(shard.num_rows), int(shard.col_end - shard.col_start)
+    dtype = TORCH_DTYPES[spec.dtype or pb.FLOAT32]
+    values = rows * cols * dtype.itemsize
+    optimizer = {"sgd": 0, "adagrad": rows * 4, "adam": 2 * rows * cols * 4}[spec.optimizer.name or "adagrad"]
+    held = values + optimizer + rows * STATS_BYTES_PER_ROW
+    return SliceSize(held, held + rows * 8 + (rows * cols * 4 if dtype.itemsize != 4 else 0))
+
+
+def _bytes(n: float) -> str:
+    """"68,000 bytes (66.4 KiB)"."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n:,.0f} bytes ({n / (1 << shift):.1f} {unit})"
+    return f"{n:,.0f} bytes"
+
+
+_SMALLER = ("spread it over more shards, or make it smaller (fewer rows or columns, dtype float16/bfloat16, "
+            "optimizer adagrad or sgd instead of adam)")
+
+
+def refuse_oversized(spec: pb.TableSpec, index: int, size: SliceSize, limits: Limits, available: int | None = None,
+                     on_node: int = 0) -> None:
+    """Raise RESOURCE_EXHAUSTED (naming the bytes, the limit and how to change it) when slice
+    `index` of `spec` holds more than `limits.max_table_bytes`, or, given `available` (the
+    bytes the node may still allocate), when the table's slices on that node need more than
+    `limits.table_memory_fraction` of it while they are created (`on_node`: their peaks summed;
+    at least this slice's)."""
+    cap = limits.max_table_bytes
+    if cap and size.held > cap:
+        raise ResourceExhaustedError(
+            f"table {spec.name!r}: shard {index}'s slice would hold {_bytes(size.held)} (values, optimizer state and "
+            f"slot statistics), above the cluster's limit of {_bytes(cap)} per table slice (max_table_bytes: "
+            f"`memserver up --max-table-bytes`, or start_cluster(limits=Limits(max_table_bytes=...))); {_SMALLER}")
+    fraction = limits.table_memory_fraction
+    need = max(on_node, size.peak)
+    if available is not None and fraction and need > fraction * available:
+        raise ResourceExhaustedError(
+            f"table {spec.name!r}: its slices on shard {index}'s node need {_bytes(need)} while they are created, "
+            f"above {fraction:.0%} of the {_bytes(available)} of memory available there (table_memory_fraction: "
+            "`memserver up --table-memory-fraction`, or start_cluster(limits=Limits(table_memory_fraction=...))); "
+            f"{_SMALLER}, or free memory on that node")

@@ -35,7 +35,23 @@ class TlsFiles:
 
 @dataclass(frozen=True)
 class Limits:
-    """What one server takes on at once (documented in docs/security.md)."""
+    """What one server takes on at once (documented in docs/security.md).
+
+    `max_table_bytes`: the most one shard's slice of a table may hold (values, optimizer state,
+    slot statistics: memserver.server.catalog.slice_size), checked by the coordinator and by
+    the shard before anything is recorded or allocated; 0: no fixed cap.
+    `table_memory_fraction`: a new table's slices on one node may need at most this fraction of
+    the memory available there (MemAvailable, lowered by a cgroup limit; GPU memory for GPU
+    shards), checked by each shard when it creates its slice; 0: not checked."""
+
+    max_table_bytes: int = 0
+    table_memory_fraction: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.max_table_bytes < 0:
+            raise ValueError(f"max_table_bytes must be >= 0 (0: no cap), got {self.max_table_bytes}")
+        if not 0 <= self.table_memory_fraction <= 1:
+            raise ValueError(f"table_memory_fraction must be in [0, 1] (0: not checked), got {self.table_memory_fraction}")
 
 
 @dataclass(frozen=True)

@@ -19,26 +19,40 @@ from typing import Any
 import grpc
 
 from memserver import __version__
-from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, TableExistsError, TableNotFoundError
+from memserver.api.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    MemserverError,
+    TableExistsError,
+    TableNotFoundError,
+)
 from memserver.api.types import METRIC_NAMES
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
-from memserver.server.catalog import plan_table, validate_spec
-from memserver.server.config import ServeConfig
+from memserver.server.catalog import plan_table, refuse_oversized, slice_size, validate_spec
+from memserver.server.config import Limits, ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, serve_on
+from memserver.server.metrics import CoordinatorMetrics
 from memserver.server.rayutil import was_restarted
 from memserver.storage.checkpoint import find_checkpoint, step_dir, under_root, write_manifest
 from memserver.wire import check_float, check_rows, decode
 
 log = logging.getLogger(__name__)
 
+#: Seconds between the coordinator's probes of its shards (what /metrics says of them).
+PROBE_SECONDS = 10.0
+
+
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]], restarted: bool = False,
-                 checkpoint_root: str | None = None) -> None:
-        """`checkpoint_root`: Checkpoint and Restore only below it (None: anywhere)."""
+                 checkpoint_root: str | None = None, limits: Limits | None = None) -> None:
+        """`checkpoint_root`: Checkpoint and Restore only below it (None: anywhere); `limits`:
+        the cluster's (memserver.server.config.Limits): CreateTable and Restore refuse a table
+        whose slice exceeds its max_table_bytes before asking any shard."""
         self.handles, self.infos = shard_handles, shard_infos
         self.checkpoint_root = checkpoint_root
+        self.limits = limits or Limits()
         self.tables: dict[str, pb.TableInfo] = {}
         self.pending: set[str] = set()
         self.training: set[str] = set()  # index tables with a TrainIndex running (one at a time)
@@ -46,6 +60,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.epoch = 0
         self.restarted = restarted
         self.lock = asyncio.Lock()
+        # What the coordinator last learnt of each shard (they all answered when it started):
+        # from its probes, Status calls and restarted shards' reports; /metrics reads it.
+        self.serving = [True] * len(shard_handles)
+        self.last_checkpoint: dict[str, float] | None = None  # time, seconds, bytes, step (this process)
+        self.metrics: CoordinatorMetrics | None = None  # set by CoordinatorActor
 
     def recover_catalog(self, described: list[list[tuple[bytes, bytes, int]]]) -> None:
         """Rebuild the catalog from what each shard holds (`describe_tables` of every shard, in
@@ -81,6 +100,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         one consistent snapshot again."""
         async with self.lock:
             self.infos[j] = info
+            self.serving[j] = True
             self.epoch += 1
             for name, order in self.placement.items():
                 for i, k in enumerate(order):
@@ -122,17 +142,30 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             first = len(self.tables) % len(self.handles)
             order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
             info = plan_table(spec, [self.infos[j] for j in order])
+            # What fits is decided from the spec before any shard records or allocates anything:
+            # the cap here; each shard then checks the memory its node has for the table's
+            # slices there (their peaks summed per node, passed along).
+            sizes = [slice_size(spec, sh) for sh in info.shards]
+            for sh, size in zip(info.shards, sizes):
+                refuse_oversized(spec, sh.index, size, self.limits)
+            on_node: dict[str, int] = {}
+            for j, size in zip(order, sizes):
+                on_node[self.infos[j]["node_id"]] = on_node.get(self.infos[j]["node_id"], 0) + size.peak
             blob = spec.SerializeToString()
             refs = [
-                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards)
+                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards,
+                                                    on_node[self.infos[j]["node_id"]])
                 if files is None
-                else self.handles[j].restore_table.remote(blob, sh.SerializeToString(), spec.num_shards, files)
+                else self.handles[j].restore_table.remote(blob, sh.SerializeToString(), spec.num_shards, files,
+                                                          on_node[self.infos[j]["node_id"]])
                 for j, sh in zip(order, info.shards)
             ]
             results = await asyncio.gather(*refs, return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
+            errors = [getattr(r, "cause", None) or r for r in results if isinstance(r, BaseException)]
             if errors:
                 await asyncio.gather(*(self.handles[j].drop_table.remote(spec.name) for j in order), return_exceptions=True)
+                if refusal := next((e for e in errors if isinstance(e, MemserverError)), None):
+                    raise type(refusal)(refusal.details)  # a shard's refusal keeps its status (RESOURCE_EXHAUSTED)
                 raise RuntimeError(f"{'restoring' if files else 'creating'} {spec.name!r} failed on a shard: {errors[0]}")
             async with self.lock:
                 self.epoch += 1
@@ -182,10 +215,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             }
         write_manifest(directory, manifest)
         nbytes = sum(r["bytes"] for r in results)
+        seconds = time.perf_counter() - t0
+        self.last_checkpoint = {"time": time.time(), "seconds": seconds, "bytes": nbytes, "step": request.step}
         log.info("checkpoint of %d tables at step %d: %s (%.1f MiB in %.2fs)", len(names), request.step, directory,
-                 nbytes / 2**20, time.perf_counter() - t0)
+                 nbytes / 2**20, seconds)
         return pb.CheckpointResponse(path=str(directory), step=request.step, bytes=nbytes, tables=names,
-                                     seconds=time.perf_counter() - t0)
+                                     seconds=seconds)
 
     async def TrainIndex(self, request: pb.TrainIndexRequest, context: grpc.aio.ServicerContext) -> pb.TrainIndexResponse:
         """Train the table's quantizer/codebooks once, here, and install the trained empty index on
@@ -253,7 +288,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                                      return_exceptions=True)
         resp = pb.StatusResponse(version=__version__, epoch=self.epoch, tables=list(self.tables.values()),
                                  coordinator_pid=os.getpid(), coordinator_restarted=self.restarted)
+        if self.metrics is not None:
+            resp.coordinator_metrics_address = self.metrics.address
+            resp.coordinator_calls.CopyFrom(self.metrics.summary())
         for i, blob in enumerate(blobs):
+            self.serving[i] = not isinstance(blob, BaseException)
             if isinstance(blob, BaseException):  # dead or restarting: say what we last knew
                 why = str(blob).splitlines()[0] if str(blob) else type(blob).__name__
                 st = pb.ShardStatus(address=self.infos[i]["address"], node_id=self.infos[i]["node_id"],
@@ -264,6 +303,16 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             st.index = i
             resp.shards.append(st)
         return resp
+
+    async def probe_shards(self, every: float = PROBE_SECONDS) -> None:
+        """Ask every shard whether it answers, every `every` seconds, forever (a task on the
+        server's loop): /metrics reports the last answers, so a scrape never waits for a shard."""
+        while True:
+            await asyncio.sleep(every)
+            answers = await asyncio.gather(*(asyncio.wait_for(h.info.remote(), every) for h in self.handles),
+                                           return_exceptions=True)
+            for i, answer in enumerate(answers):
+                self.serving[i] = not isinstance(answer, BaseException)
 
 
 class CoordinatorActor:
@@ -288,8 +337,9 @@ class CoordinatorActor:
         infos = ray.get([h.info.remote() for h in shard_handles])
         described = ray.get([h.describe_tables.remote() for h in shard_handles])
         config = config or ServeConfig()
-        self.servicer = ControlPlaneServicer(shard_handles, infos, restarted, config.checkpoint_root)
+        self.servicer = ControlPlaneServicer(shard_handles, infos, restarted, config.checkpoint_root, config.limits)
         self.servicer.recover_catalog(described)
+        self.metrics = self.servicer.metrics = CoordinatorMetrics(self.servicer)
         self.loop = LoopThread("coordinator-grpc")
         self.server, bound = serve_on(
             self.loop,
@@ -299,11 +349,15 @@ class CoordinatorActor:
             port,
             state=Path(data_dir) / "coordinator.json" if data_dir else None,
             what="coordinator",
+            metrics=self.metrics,
             config=config,
         )
         self.address = f"{host}:{bound}"
-        log.info("coordinator %sserving ControlPlane at %s (%d shards, %d tables)", "restarted, " if restarted else "",
-                 self.address, len(shard_handles), len(self.servicer.tables))
+        self.metrics.serve(host)  # the host the gRPC server binds, never more
+        self.probe = self.loop.submit(self.servicer.probe_shards())
+        log.info("coordinator %sserving ControlPlane at %s (%d shards, %d tables), metrics at http://%s/metrics",
+                 "restarted, " if restarted else "", self.address, len(shard_handles), len(self.servicer.tables),
+                 self.metrics.address)
 
     def endpoint(self) -> str:
         return self.address
@@ -312,4 +366,6 @@ class CoordinatorActor:
         self.loop.call(self.servicer.shard_restarted(index, info, recovered))
 
     def stop(self) -> None:
+        self.probe.cancel()
         self.loop.call(self.server.stop(grace=1.0))
+        self.metrics.stop()

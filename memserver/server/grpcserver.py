@@ -39,9 +39,12 @@ _METHODS = frozenset(m.name for svc in pb.DESCRIPTOR.services_by_name.values() f
 
 
 class CallMetrics(Protocol):
-    """Where ErrorsAndMetrics records each call (memserver.server.metrics.ShardMetrics)."""
+    """Where the interceptors record each call (memserver.server.metrics.ServerMetrics)."""
 
     def observe(self, method: str, table: str, code: str, seconds: float) -> None: ...
+
+    def refused(self, method: str, code: str) -> None:
+        """A call Authenticate refused (an authentication failure; counted as a request too)."""
 
 
 class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
@@ -112,7 +115,7 @@ class Authenticate(grpc.aio.ServerInterceptor):
     """Bearer tokens (memserver.api.auth): a call of our services needs the write token, or the
     read token for READ_METHODS; reflection any valid token; health checks none. Refused calls get
     UNAUTHENTICATED (no token, or an unknown one) or PERMISSION_DENIED (the read token on a write)
-    before their request is even parsed, and are counted as such."""
+    before their request is even parsed, and are counted as authentication failures."""
 
     _OPEN = ("/grpc.health.v1.Health/",)
 
@@ -140,7 +143,7 @@ class Authenticate(grpc.aio.ServerInterceptor):
 
     def _refuse(self, code: grpc.StatusCode, text: str, name: str, ours: bool) -> grpc.RpcMethodHandler:
         if self.metrics is not None:  # the method label only for real methods: paths are the caller's to invent
-            self.metrics.observe(name if ours and name in _METHODS else "other", "", code.name, 0.0)
+            self.metrics.refused(name if ours and name in _METHODS else "other", code.name)
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(code, text)

@@ -1,47 +1,79 @@
-"""Prometheus metrics of a shard, served over HTTP for scraping (`memserver status` lists the URLs).
+"""Prometheus metrics of every memserver server, served over HTTP for scraping (`memserver
+status` lists the URLs). Each server process (the coordinator and each shard) has its own
+registry and HTTP server, on the host its gRPC server binds.
 
-Per request (recorded by the `ErrorsAndMetrics` interceptor of memserver.server.grpcserver): a
-counter by method, table and status code and a latency histogram by method, as the shard sees it
-(from receiving the request to its answer). Per table slice, read at scrape time: rows, bytes,
-client sessions and the answers kept for them, open training steps, write-ahead-log records,
-bytes and fsyncs; per process, its resident memory. Each shard process has its own registry and HTTP server.
+Per call, on every server (`ServerMetrics`, the `CallMetrics` the interceptors of
+memserver.server.grpcserver record into): a counter by method, table and status code and a
+latency histogram by method, as the server sees it (from receiving the request to its answer),
+and a counter of calls refused for their token, by method and code. A shard (`ShardMetrics`)
+adds, per table slice, read at scrape time: rows, bytes, client sessions and the answers kept
+for them, open training steps, write-ahead-log records, bytes and fsyncs; per process, its
+resident memory. The coordinator (`CoordinatorMetrics`) adds its catalog: tables by kind, shards
+serving, and its last checkpoint's time, age, duration and size.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from memserver.api.v1 import memserver_pb2 as pb
+
 #: Latency buckets (seconds): from a tiny lookup (~0.5 ms) to a large backward (seconds).
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+#: The table label of a call naming a table this server does not hold.
+UNKNOWN_TABLE = "(unknown)"
 
 
-class ShardMetrics:
-    """The metrics of one shard process; `tables` returns its live {name: TableSlice}."""
+class ServerMetrics:
+    """What every server counts per call, and its HTTP endpoint: the one place for the request
+    counter, the latency histogram, the authentication failures and their label rules.
+    `tables` returns the table names the server holds (the only table labels it keeps)."""
 
-    def __init__(self, index: int, tables: Callable[[], dict[str, Any]], restarted: bool) -> None:
+    def __init__(self, tables: Callable[[], Container[str]]) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("memserver_requests", "Data-plane requests answered, by method, table and gRPC status",
+        self.requests = Counter("memserver_requests", "Requests answered, by method, table and gRPC status",
                                 ["method", "table", "code"], registry=self.registry)
-        self.latency = Histogram("memserver_request_seconds", "Shard-side time from request to answer",
+        self.latency = Histogram("memserver_request_seconds", "Server-side time from request to answer",
                                  ["method"], buckets=BUCKETS, registry=self.registry)
-        self.registry.register(_TableCollector(index, tables, restarted))
+        self.auth_failures = Counter("memserver_auth_failures", "Calls refused for their token, by method and gRPC "
+                                     "status (UNAUTHENTICATED: none or unknown; PERMISSION_DENIED: the read token on "
+                                     "a write)", ["method", "code"], registry=self.registry)
         self._tables = tables
         self.address = ""
         self._server: Any = None
 
     def observe(self, method: str, table: str, code: str, seconds: float) -> None:
-        """The table label is kept only for tables this shard holds: names in refused requests
-        (unknown, random) would otherwise each add a series forever."""
+        """The table label is kept only for tables this server holds: names in refused requests
+        (unknown, random) would otherwise each add a series forever. The method label is the
+        interceptors' (a real method name, or "other")."""
         if table and table not in self._tables():
-            table = "(unknown)"
+            table = UNKNOWN_TABLE
         self.requests.labels(method, table, code).inc()
         self.latency.labels(method).observe(seconds)
+
+    def refused(self, method: str, code: str) -> None:
+        """A call the `Authenticate` interceptor refused: an authentication failure, and a request
+        answered with that status (its request is never parsed: no table label)."""
+        self.auth_failures.labels(method, code).inc()
+        self.observe(method, "", code, 0.0)
+
+    def summary(self) -> pb.CallSummary:
+        """The counters summed for `memserver status` (read from the registry: one source)."""
+        out = pb.CallSummary()
+        for sample in _totals(self.requests):
+            n = int(sample.value)
+            out.requests += n
+            if sample.labels["code"] != "OK":
+                out.errors[sample.labels["code"]] += n
+        out.auth_failures = sum(int(s.value) for s in _totals(self.auth_failures))
+        # rejected, inflight_calls, inflight_bytes: admission control's figures go here
+        return out
 
     def serve(self, host: str) -> str:
         """Start the HTTP endpoint on a free port of `host`; returns HOST:PORT."""
@@ -52,7 +84,78 @@ class ShardMetrics:
     def stop(self) -> None:
         if self._server is not None:
             self._server.shutdown()
+            self._server.server_close()
             self._server = None
+
+
+def _totals(counter: Counter) -> Iterator[Any]:
+    """A counter's `_total` samples (not its `_created` timestamps)."""
+    for family in counter.collect():
+        yield from (s for s in family.samples if s.name.endswith("_total"))
+
+
+class ShardMetrics(ServerMetrics):
+    """The metrics of one shard process; `tables` returns its live {name: TableSlice}."""
+
+    def __init__(self, index: int, tables: Callable[[], dict[str, Any]], restarted: bool) -> None:
+        super().__init__(tables)
+        self.registry.register(_TableCollector(index, tables, restarted))
+
+
+class CoordinatorMetrics(ServerMetrics):
+    """The metrics of the coordinator: its ControlPlane calls, and its catalog read at scrape
+    time from `servicer` (memserver.server.coordinator.ControlPlaneServicer). Whether each
+    shard serves is what the coordinator last learnt (its periodic probe, a Status call, a
+    restarted shard's report): a scrape never waits for a shard."""
+
+    def __init__(self, servicer: Any) -> None:
+        super().__init__(lambda: servicer.tables)
+        self.registry.register(_CatalogCollector(servicer))
+
+
+class _CatalogCollector:
+    """The coordinator's catalog, shards and last checkpoint, read at scrape time."""
+
+    KINDS = {pb.VALUE: "value", pb.INDEX: "index", pb.PRODUCT_KEYS: "product_keys"}
+
+    def __init__(self, servicer: Any) -> None:
+        self.servicer = servicer
+
+    def collect(self) -> Iterator[Any]:
+        sv = self.servicer
+        tables = GaugeMetricFamily("memserver_tables", "Tables in the catalog, by kind", labels=["kind"])
+        counts = dict.fromkeys(self.KINDS.values(), 0)
+        for info in list(sv.tables.values()):
+            counts[self.KINDS.get(info.spec.kind, "value")] += 1
+        for kind, n in counts.items():
+            tables.add_metric([kind], n)
+        serving = list(sv.serving)
+        yield tables
+        yield GaugeMetricFamily("memserver_catalog_epoch", "Catalog epoch (bumped by every change of a shard map)",
+                                value=sv.epoch)
+        yield GaugeMetricFamily("memserver_shards", "Shards of the cluster", value=len(serving))
+        yield GaugeMetricFamily("memserver_shards_serving", "Shards that answered the coordinator's last probe",
+                                value=sum(serving))
+        each = GaugeMetricFamily("memserver_shard_serving", "1 if the shard answered the coordinator's last probe",
+                                 labels=["shard"])
+        for i, ok in enumerate(serving):
+            each.add_metric([str(i)], 1.0 if ok else 0.0)
+        yield each
+        yield GaugeMetricFamily("memserver_coordinator_restarted", "1 if Ray restarted the coordinator process",
+                                value=1.0 if sv.restarted else 0.0)
+        yield GaugeMetricFamily("memserver_coordinator_start_time_seconds", "Unix time the coordinator process started",
+                                value=_START)
+        last = sv.last_checkpoint
+        if last is not None:  # none since this process started: no series (alert on their absence)
+            yield GaugeMetricFamily("memserver_last_checkpoint_time_seconds",
+                                    "Unix time the last checkpoint completed (manifest written)", value=last["time"])
+            yield GaugeMetricFamily("memserver_last_checkpoint_age_seconds", "Seconds since the last checkpoint completed",
+                                    value=max(0.0, time.time() - last["time"]))
+            yield GaugeMetricFamily("memserver_last_checkpoint_duration_seconds", "How long the last checkpoint took",
+                                    value=last["seconds"])
+            yield GaugeMetricFamily("memserver_last_checkpoint_bytes", "Bytes the last checkpoint wrote",
+                                    value=last["bytes"])
+            yield GaugeMetricFamily("memserver_last_checkpoint_step", "Step of the last checkpoint", value=last["step"])
 
 
 class _TableCollector:

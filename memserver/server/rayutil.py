@@ -74,3 +74,56 @@ def bind_host() -> str:
 
     alive = [n for n in ray.nodes() if n.get("Alive")]
     return LOCALHOST if len(alive) <= 1 else ray.util.get_node_ip_address()
+
+
+def memory_available(device: torch.device | None = None) -> int | None:
+    """Bytes this process may still allocate on its node: on a GPU device, the GPU's free memory;
+    else MemAvailable (/proc/meminfo), lowered to what the process's cgroup limit leaves (a
+    container, a Kubernetes pod) where one is set. None where that cannot be read (not Linux)."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    room = _cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def _cgroup_room() -> int | None:
+    """What this process's memory cgroup and its ancestors (v2 or v1) leave: the least of limit -
+    usage + reclaimable page cache over those with a limit; None if none has one."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    rooms = []
+    for parts in lines:
+        if len(parts) != 3:
+            continue
+        if parts[1] == "":  # v2
+            base, names = "/sys/fs/cgroup", ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in parts[1].split(","):  # v1
+            base, names = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        path = [p for p in parts[2].split("/") if p]  # in a cgroup namespace: "/", the mount's root
+        rooms += [r for k in range(len(path), -1, -1) if (r := _room(os.path.join(base, *path[:k]), names)) is not None]
+    return min(rooms) if rooms else None
+
+
+def _room(directory: str, names: tuple[str, str, str]) -> int | None:
+    try:
+        with open(os.path.join(directory, names[0])) as f:
+            limit = f.read().strip()
+        if limit == "max" or int(limit) >= 1 << 60:  # no limit here
+            return None
+        with open(os.path.join(directory, names[1])) as f:
+            usage = int(f.read())
+        with open(os.path.join(directory, "memory.stat")) as f:
+            cache = next((int(line.split()[1]) for line in f if line.split()[0] == names[2]), 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, int(limit) - usage + cache)

@@ -22,11 +22,12 @@ from memserver.api.types import METRIC_NAMES
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
+from memserver.server.catalog import refuse_oversized, slice_size
 from memserver.server.config import ServeConfig
 from memserver.server.dataplane import DataPlaneServicer
 from memserver.server.grpcserver import DATA_PLANE, serve_on
 from memserver.server.metrics import ShardMetrics, rss_bytes
-from memserver.server.rayutil import bind_host, node_id, shard_device, was_restarted
+from memserver.server.rayutil import bind_host, memory_available, node_id, shard_device, was_restarted
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.slice import TableSlice
 from memserver.storage.checkpoint import load_index, load_into, load_whole, save_slice, trigger_states
@@ -177,24 +178,41 @@ class ShardActor:
 
     # -- table management (called by the coordinator) ---------------------------------------
 
-    def create_table(self, spec: bytes, info: bytes, num_shards: int) -> None:
-        self._add_table(spec, info, num_shards, None)
+    def create_table(self, spec: bytes, info: bytes, num_shards: int, node_bytes: int = 0) -> None:
+        """`node_bytes`: what the table's slices on this node need together (see _add_table)."""
+        self._add_table(spec, info, num_shards, None, node_bytes)
 
-    def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]]) -> None:
+    def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]],
+                      node_bytes: int = 0) -> None:
         """Create this shard's slice of a table from checkpoint files of any earlier sharding."""
-        self._add_table(spec, info, num_shards, files)
+        self._add_table(spec, info, num_shards, files, node_bytes)
 
-    def _add_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]] | None) -> None:
+    def _add_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]] | None,
+                   node_bytes: int = 0) -> None:
+        """Refuse a slice that does not fit (RESOURCE_EXHAUSTED: above the cluster's cap, or more
+        than its share of the memory available on this node, the table's other slices here
+        included: `node_bytes`) before anything is allocated or recorded; and record it only
+        once its memory is allocated. A recorded table is created again on every restart, so one
+        that got the process killed would never let it come back."""
         s = pb.TableSpec.FromString(spec)
         if s.name in self.servicer.tables:
             raise ValueError(f"table {s.name!r} already exists on shard {self.index}")
+        shard = pb.ShardInfo.FromString(info)
+        refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits, memory_available(self.device),
+                         node_bytes)
 
         def work() -> TableSlice:
             record = table_record(spec, info, num_shards, files)
             if self.store is not None:
                 self.store.drop(s.name)  # a stale log of a dropped namesake
-                self.store.save(record)
             sl, _ = self._load_slice(record, None, replay=False)
+            if self.store is not None:  # recorded once allocated: a process killed allocating it recovers without it
+                try:
+                    self.store.save(record)
+                except BaseException:
+                    if sl.wal is not None:
+                        sl.wal.close()
+                    raise
             sl.recovered_from = ""
             return sl
 
@@ -318,7 +336,7 @@ class ShardActor:
             st = pb.ShardStatus(address=self.address, node_id=node_id(), pid=os.getpid(), device=str(self.device),
                                 requests=self.servicer.requests, restarted=self.restarted,
                                 metrics_address=self.metrics.address, rss_bytes=rss_bytes(),
-                                deferred_updates=self.servicer.deferred)
+                                deferred_updates=self.servicer.deferred, calls=self.metrics.summary())
             for name, sl in self.servicer.tables.items():
                 load = st.tables.add(table=name, bytes=sl.table.nbytes(), requests=sl.requests,
                                      wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from,

@@ -609,7 +609,7 @@ class TableLoad(_message.Message):
     def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ..., trigger_slots: _Optional[int] = ..., trigger_bytes: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates")
+    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates", "calls")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -622,6 +622,7 @@ class ShardStatus(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     node_id: str
@@ -634,27 +635,55 @@ class ShardStatus(_message.Message):
     metrics_address: str
     rss_bytes: int
     deferred_updates: int
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ..., restarted: _Optional[bool] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., deferred_updates: _Optional[int] = ...) -> None: ...
+    calls: CallSummary
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ..., restarted: _Optional[bool] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., deferred_updates: _Optional[int] = ..., calls: _Optional[_Union[CallSummary, _Mapping]] = ...) -> None: ...
+
+class CallSummary(_message.Message):
+    __slots__ = ("requests", "errors", "auth_failures", "rejected", "inflight_calls", "inflight_bytes")
+    class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    errors: _containers.ScalarMap[str, int]
+    auth_failures: int
+    rejected: int
+    inflight_calls: int
+    inflight_bytes: int
+    def __init__(self, requests: _Optional[int] = ..., errors: _Optional[_Mapping[str, int]] = ..., auth_failures: _Optional[int] = ..., rejected: _Optional[int] = ..., inflight_calls: _Optional[int] = ..., inflight_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "epoch", "tables", "shards", "coordinator_pid", "coordinator_restarted")
+    __slots__ = ("version", "epoch", "tables", "shards", "coordinator_pid", "coordinator_restarted", "coordinator_metrics_address", "coordinator_calls")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_PID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_CALLS_FIELD_NUMBER: _ClassVar[int]
     version: str
     epoch: int
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
     coordinator_pid: int
     coordinator_restarted: bool
-    def __init__(self, version: _Optional[str] = ..., epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., coordinator_pid: _Optional[int] = ..., coordinator_restarted: _Optional[bool] = ...) -> None: ...
+    coordinator_metrics_address: str
+    coordinator_calls: CallSummary
+    def __init__(self, version: _Optional[str] = ..., epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., coordinator_pid: _Optional[int] = ..., coordinator_restarted: _Optional[bool] = ..., coordinator_metrics_address: _Optional[str] = ..., coordinator_calls: _Optional[_Union[CallSummary, _Mapping]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("dir", "step", "tables")

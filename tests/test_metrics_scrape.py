@@ -1,0 +1,224 @@
+"""Every server's /metrics, scraped over HTTP as Prometheus does: the coordinator's (ControlPlane
+calls by method and status, tables, shards serving, the last checkpoint) and a shard's, with the
+authentication failures of both, on the cluster started with tokens; `memserver status` shows
+the same counts summed."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.wire import encode
+from tests.conftest import READ, WRITE
+
+
+def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of http://address/metrics."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def get(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def total(samples: dict, name: str, **match: str) -> float:
+    """The sum of `name` over every label set that has `match`."""
+    return sum(v for (n, labels), v in samples.items()
+               if n == name and all(dict(labels).get(k) == want for k, want in match.items()))
+
+
+def refused(call):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_server_metrics_label_rules_and_summary():
+    """Without a cluster: the one class both kinds of server count with."""
+    from memserver.server.metrics import UNKNOWN_TABLE, ServerMetrics
+
+    m = ServerMetrics(lambda: {"held"})
+    m.observe("Bag", "held", "OK", 0.01)
+    m.observe("Bag", "random-name", "NOT_FOUND", 0.01)
+    m.refused("Lookup", "UNAUTHENTICATED")
+    m.refused("other", "PERMISSION_DENIED")
+    address = m.serve("127.0.0.1")
+    try:
+        assert address.startswith("127.0.0.1:") and m._server.server_address[0] == "127.0.0.1"
+        samples = scrape(address)
+    finally:
+        m.stop()
+    assert get(samples, "memserver_requests_total", method="Bag", table="held", code="OK") == 1
+    assert get(samples, "memserver_requests_total", method="Bag", table=UNKNOWN_TABLE, code="NOT_FOUND") == 1
+    assert get(samples, "memserver_requests_total", method="Lookup", table="", code="UNAUTHENTICATED") == 1
+    assert get(samples, "memserver_auth_failures_total", method="Lookup", code="UNAUTHENTICATED") == 1
+    assert get(samples, "memserver_auth_failures_total", method="other", code="PERMISSION_DENIED") == 1
+    assert not any(dict(labels).get("table") == "random-name" for _, labels in samples)
+    s = m.summary()
+    assert (s.requests, dict(s.errors), s.auth_failures) == (4, {"NOT_FOUND": 1, "UNAUTHENTICATED": 1,
+                                                                 "PERMISSION_DENIED": 1}, 2)
+    assert (s.rejected, s.inflight_calls, s.inflight_bytes) == (0, 0, 0)
+
+
+def test_coordinator_probes_its_shards_in_the_background():
+    """Without Ray: what /metrics says of the shards is the last probe's answer (a scrape never
+    asks them); a shard that does not answer in time counts as not serving."""
+    import asyncio
+
+    from memserver.server.coordinator import ControlPlaneServicer
+    from memserver.server.metrics import CoordinatorMetrics
+
+    class Shard:
+        def __init__(self, answers: bool) -> None:
+            self.answers = answers
+
+        @property
+        def info(self):
+            shard = self
+
+            class Info:
+                @staticmethod
+                def remote():
+                    async def answer():
+                        if not shard.answers:
+                            await asyncio.sleep(60)  # restarting: the call waits
+                        return {}
+                    return answer()
+            return Info
+
+    infos = [{"address": f"127.0.0.1:{7000 + j}", "node_id": "n", "pid": j} for j in range(3)]
+    servicer = ControlPlaneServicer([Shard(True), Shard(False), Shard(True)], infos)
+    metrics = CoordinatorMetrics(servicer)
+    address = metrics.serve("127.0.0.1")
+    try:
+        assert get(scrape(address), "memserver_shards_serving") == 3  # they all answered at the start
+
+        servicer.serving = [False, True, False]  # stale: the probes must turn each one around
+
+        async def probe():
+            task = asyncio.create_task(servicer.probe_shards(every=0.05))
+            deadline = time.monotonic() + 20
+            while servicer.serving != [True, False, True] and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            task.cancel()
+
+        asyncio.run(probe())
+        samples = scrape(address)
+    finally:
+        metrics.stop()
+    assert servicer.serving == [True, False, True]
+    assert get(samples, "memserver_shards") == 3 and get(samples, "memserver_shards_serving") == 2
+    assert [get(samples, "memserver_shard_serving", shard=str(i)) for i in range(3)] == [1, 0, 1]
+    assert get(samples, "memserver_tables", kind="value") == 0
+    assert ("memserver_last_checkpoint_time_seconds", ()) not in samples  # none yet: no series
+
+
+def test_coordinator_and_shard_metrics_over_http(auth_cluster, tmp_path, table_name):
+    from client import MemoryClient
+
+    ep = auth_cluster.endpoint
+    host = ep.rsplit(":", 1)[0]
+    with MemoryClient(ep, token=WRITE, retry_seconds=0) as c:
+        status = c.status()
+        coord, shard = status.coordinator_metrics_address, status.shards[0].metrics_address
+        # served on the host the gRPC servers bind (127.0.0.1 here), never on every interface
+        assert host == "127.0.0.1" and coord.rsplit(":", 1)[0] == host and shard.rsplit(":", 1)[0] == host
+        c0, s0 = scrape(coord), scrape(shard)
+        assert get(c0, "memserver_shards") == 1 and get(c0, "memserver_shards_serving") == 1
+        assert get(c0, "memserver_shard_serving", shard="0") == 1
+
+        for _ in range(3):
+            c.list_tables()
+        c.create_table(table_name, 64, 4, sharding="rows")
+        c.lookup(table_name, np.arange(5))
+        t0 = time.time()
+        ck = c.checkpoint(str(tmp_path / "ck"), step=7, tables=[table_name])
+        t1 = time.time()
+
+        # refused for their token: none, on both servers; the read token on a write; a path that
+        # is no method of ours (counted under "other": callers cannot add label values)
+        channel = grpc.insecure_channel(ep)
+        control = pb_grpc.ControlPlaneStub(channel)
+        assert refused(lambda: control.ListTables(pb.ListTablesRequest(), timeout=30)) == grpc.StatusCode.UNAUTHENTICATED
+        spec = pb.TableSpec(name="never", num_rows=8, dim=2)
+        assert refused(lambda: control.CreateTable(pb.CreateTableRequest(spec=spec), timeout=30,
+                                                   metadata=[("authorization", f"Bearer {READ}")])) == \
+            grpc.StatusCode.PERMISSION_DENIED
+        bogus = channel.unary_unary("/memserver.v1.ControlPlane/NoSuchMethod")
+        assert refused(lambda: bogus(b"", timeout=30)) == grpc.StatusCode.UNAUTHENTICATED
+        data = pb_grpc.DataPlaneStub(grpc.insecure_channel(status.shards[0].address))
+        lookup = pb.LookupRequest(table=table_name, ids=encode(np.zeros(1, np.int64)))
+        assert refused(lambda: data.Lookup(lookup, timeout=30)) == grpc.StatusCode.UNAUTHENTICATED
+
+        c1, s1 = scrape(coord), scrape(shard)
+        after = c.status()
+
+    def delta(before, now, name, **labels):
+        return get(now, name, **labels) - get(before, name, **labels)
+
+    # the coordinator: calls by method and status, exactly
+    assert delta(c0, c1, "memserver_requests_total", method="ListTables", table="", code="OK") == 3
+    assert delta(c0, c1, "memserver_requests_total", method="CreateTable", table="", code="OK") == 1
+    assert delta(c0, c1, "memserver_requests_total", method="Checkpoint", table="", code="OK") == 1
+    assert delta(c0, c1, "memserver_request_seconds_count", method="ListTables") == 4  # the refused one too
+    assert delta(c0, c1, "memserver_auth_failures_total", method="ListTables", code="UNAUTHENTICATED") == 1
+    assert delta(c0, c1, "memserver_auth_failures_total", method="CreateTable", code="PERMISSION_DENIED") == 1
+    assert delta(c0, c1, "memserver_auth_failures_total", method="other", code="UNAUTHENTICATED") == 1
+    assert total(c1, "memserver_auth_failures_total") - total(c0, "memserver_auth_failures_total") == 3
+    assert delta(c0, c1, "memserver_requests_total", method="ListTables", table="", code="UNAUTHENTICATED") == 1
+    assert not any("NoSuchMethod" in str(labels) for _, labels in c1)
+    # its catalog and last checkpoint
+    assert delta(c0, c1, "memserver_tables", kind="value") == 1
+    assert get(c1, "memserver_tables", kind="index") == get(c0, "memserver_tables", kind="index")
+    assert 0 < get(c1, "memserver_last_checkpoint_duration_seconds") <= t1 - t0
+    assert t0 <= get(c1, "memserver_last_checkpoint_time_seconds") <= t1
+    assert 0 <= get(c1, "memserver_last_checkpoint_age_seconds") < 60
+    assert get(c1, "memserver_last_checkpoint_bytes") == ck["bytes"] > 0
+    assert get(c1, "memserver_last_checkpoint_step") == 7
+    assert get(c1, "memserver_shards_serving") == 1
+    # the shard: its own calls and authentication failures
+    assert delta(s0, s1, "memserver_requests_total", method="Lookup", table=table_name, code="OK") == 1
+    assert delta(s0, s1, "memserver_auth_failures_total", method="Lookup", code="UNAUTHENTICATED") == 1
+    assert total(s1, "memserver_auth_failures_total") - total(s0, "memserver_auth_failures_total") == 1
+
+    # Status sums the same counters
+    cs, ss = after.coordinator_calls, after.shards[0].calls
+    assert cs.requests == total(c1, "memserver_requests_total")  # not counting itself (counted once answered)
+    assert cs.auth_failures == total(c1, "memserver_auth_failures_total")
+    assert cs.errors["UNAUTHENTICATED"] == total(c1, "memserver_requests_total", code="UNAUTHENTICATED")
+    assert cs.errors["PERMISSION_DENIED"] >= 1 and "OK" not in cs.errors
+    assert ss.requests == total(s1, "memserver_requests_total") and ss.auth_failures == total(s1, "memserver_auth_failures_total")
+    with MemoryClient(ep, token=WRITE) as c:
+        c.drop_table(table_name)
+
+
+def test_status_shows_each_servers_calls(auth_cluster, monkeypatch, capsys):
+    """`memserver status` (--json and the table) has the coordinator's metrics URL and a calls
+    line per server."""
+    from memserver.cli import main
+
+    monkeypatch.setenv("MEMSERVER_TOKEN", WRITE)
+    ep = auth_cluster.endpoint
+    refused(lambda: pb_grpc.ControlPlaneStub(grpc.insecure_channel(ep)).ListTables(pb.ListTablesRequest(), timeout=30))
+    assert main(["status", "--endpoint", ep, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["coordinator_metrics"].startswith("http://127.0.0.1:") and st["coordinator_metrics"].endswith("/metrics")
+    calls = st["coordinator_calls"]
+    assert calls["auth_failures"] >= 1 and calls["errors"]["UNAUTHENTICATED"] >= 1 and calls["requests"] >= 1
+    assert set(calls) == {"requests", "errors", "auth_failures", "rejected", "inflight_calls", "inflight_bytes"}
+    assert set(st["shards"][0]["calls"]) == set(calls)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["status", "--endpoint", ep]) == 0
+    out = capsys.readouterr().out
+    assert "calls answered" in out and "coordinator" in out and "shard 0" in out and "UNAUTHENTICATED" in out
+    assert st["coordinator_metrics"] in out
