@@ -35,7 +35,28 @@ class TlsFiles:
 
 @dataclass(frozen=True)
 class Limits:
-    """What one server takes on at once (documented in docs/security.md)."""
+    """What one server (each shard, the coordinator) takes on at once; past a bound a call is
+    answered RESOURCE_EXHAUSTED at once, naming the limit (memserver.server.admission enforces
+    them; docs/security.md, "Overload"). 0 turns a limit off.
+
+    `max_inflight_calls`: calls of the memserver services in progress (being received, waiting
+    for the compute thread or computing). Beyond it a call is refused before its request is read.
+    Default 256: far above what trainers keep in flight per shard (one call per op per shard,
+    a few ops each), low enough that requests being received stay bounded.
+    `max_inflight_bytes`: request bytes of the calls in progress. A call whose request would
+    pass it is refused, except when nothing else is in progress, so a legal request larger than
+    the limit still runs (alone). Default 1 GiB: four requests of the 256 MiB message limit,
+    sixteen of the client's 64 MiB split size; a big bag call (~100 MB) is not slowed.
+    """
+
+    max_inflight_calls: int = 256
+    max_inflight_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        for name in ("max_inflight_calls", "max_inflight_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be an integer >= 0 (0 = no limit), got {value!r}")
 
 
 @dataclass(frozen=True)
