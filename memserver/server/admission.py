@@ -53,7 +53,7 @@ LOG_EVERY = 10.0
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
 
 class Admission:
@@ -101,8 +101,8 @@ class Admission:
         self._unlogged += 1
         now = time.monotonic()
         if now >= self._next_log:
-            log.warning("refusing calls (RESOURCE_EXHAUSTED): %d since the last message; now %s: %s", self._unlogged,
-                        method, why)
+            log.warning("refused %d call(s) RESOURCE_EXHAUSTED since the last report; the latest, %s: %s",
+                        self._unlogged, method, why)
             self._next_log, self._unlogged = now + LOG_EVERY, 0
         raise OverloadedError(f"{OVERLOADED}: {why}; retry with backoff")
 
