@@ -633,3 +633,44 @@ def test_a_flooded_shard_refuses_stays_bounded_and_recovers(overload_cluster):
     key = ("memserver_requests_total", (("code", "RESOURCE_EXHAUSTED"), ("method", "Bag"), ("table", "")))
     assert samples[key] == seen["RESOURCE_EXHAUSTED"]
     assert rejected_by(after, "Bag") == bag_refused
+
+
+def test_the_coordinator_has_the_limits_too(overload_cluster):
+    """Bursts of 24 simultaneous Status calls (each asks the shard through Ray) at a coordinator
+    taking 3 calls at a time: the burst's excess is refused, naming the limit; health stays open."""
+    ep = overload_cluster.endpoint
+    channels = [grpc.insecure_channel(ep, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(24)]
+    try:
+        for ch in channels:  # connected before the bursts
+            pb_grpc.ControlPlaneStub(ch).ListTables(pb.ListTablesRequest(), timeout=30)
+        seen: dict[str, int] = {}
+        texts: set[str] = set()
+        lock = threading.Lock()
+
+        def call(ch, barrier):
+            barrier.wait(30)
+            try:
+                pb_grpc.ControlPlaneStub(ch).Status(pb.StatusRequest(), timeout=30)
+                code = "OK"
+            except grpc.RpcError as err:
+                code = err.code().name
+                texts.add(err.details())
+            with lock:
+                seen[code] = seen.get(code, 0) + 1
+
+        for _ in range(5):  # bounded: a burst whose calls happen not to overlap refuses nothing
+            barrier = threading.Barrier(len(channels))
+            threads = [threading.Thread(target=call, args=(ch, barrier), daemon=True) for ch in channels]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            if seen.get("RESOURCE_EXHAUSTED"):
+                break
+        assert set(seen) <= {"OK", "RESOURCE_EXHAUSTED"} and seen.get("RESOURCE_EXHAUSTED", 0) > 0, seen
+        assert all(t.startswith(OVERLOADED) and "max_inflight_calls=3" in t for t in texts), texts
+        health = health_pb2_grpc.HealthStub(channels[0]).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for ch in channels:
+            ch.close()
