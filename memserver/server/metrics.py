@@ -4,7 +4,8 @@ Per request (recorded by the `ErrorsAndMetrics` interceptor of memserver.server.
 counter by method, table and status code and a latency histogram by method, as the shard sees it
 (from receiving the request to its answer). Per table slice, read at scrape time: rows, bytes,
 client sessions and the answers kept for them, open training steps, write-ahead-log records,
-bytes and fsyncs; per process, its resident memory. Each shard process has its own registry and HTTP server.
+bytes and fsyncs; per process, its resident memory. Each shard process has its own registry and HTTP server;
+start_server adds the admission's gauges and refusal counter to it (memserver.server.admission).
 """
 
 from __future__ import annotations
