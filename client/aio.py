@@ -6,12 +6,22 @@ and writes carry a (client_id, seq) tag the shards deduplicate, so every data-pl
 to retry: gRPC retries UNAVAILABLE briefly itself (client.channels), and the client keeps
 retrying, re-reading the shard map, for up to `retry_seconds` while a shard or the coordinator
 restarts.
+
+A server at one of its limits refuses a call with RESOURCE_EXHAUSTED "server overloaded: ..."
+(OverloadedError; memserver.server.admission) before parsing it. The client retries such calls
+with jittered exponential backoff within the same `retry_seconds`: every data-plane call, reads
+and writes alike, and the coordinator's reads. A write is safe to retry for the reason it is
+through a restart, and more so: the refusing shard applied nothing, and the shards that did
+apply their part of the call answer the retry from the client's session (same tags) instead of
+applying it twice. Control-plane writes (create, drop, checkpoint, restore, train) are not
+retried, as on UNAVAILABLE: their OverloadedError reaches the caller.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -25,6 +35,7 @@ from client.ops import ClientSession, Op, OpOptions, WriteTags, finish, like
 from memserver.api.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    OverloadedError,
     TableNotFoundError,
     UnavailableError,
     from_rpc_error,
@@ -37,6 +48,30 @@ from memserver.cluster.endpoint import read_endpoint
 from memserver.wire import as_tensor, dtype_code, encode, tune_malloc
 
 log = logging.getLogger(__name__)
+
+#: Retry backoff (seconds): the first delay, doubled after each retry up to the cap.
+RETRY_FIRST_DELAY, RETRY_MAX_DELAY = 0.1, 2.0
+
+
+class Backoff:
+    """Jittered exponential backoff within `seconds` from now. `next()` is the next sleep, drawn
+    from [delay/2, delay] (so clients refused together do not all come back together), the delay
+    doubling from RETRY_FIRST_DELAY to RETRY_MAX_DELAY; None when that sleep would end past the
+    deadline: give up."""
+
+    def __init__(self, seconds: float, *, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None) -> None:
+        self.clock = clock
+        self.deadline = clock() + seconds
+        self.delay = RETRY_FIRST_DELAY
+        self.rng = rng or random.Random()
+
+    def next(self) -> float | None:
+        sleep = self.delay * (0.5 + 0.5 * self.rng.random())
+        if self.clock() + sleep > self.deadline:
+            return None
+        self.delay = min(2 * self.delay, RETRY_MAX_DELAY)
+        return sleep
 
 
 class AsyncMemoryClient:
@@ -60,7 +95,8 @@ class AsyncMemoryClient:
         tls: ClientTls | None = None,
     ) -> None:
         """`retry_seconds`: how long a call keeps retrying while a shard or the coordinator is
-        UNAVAILABLE (restarting) before it raises UnavailableError; 0 = do not retry. `token`: the
+        UNAVAILABLE (restarting) or overloaded (OverloadedError) before it raises the error; 0 = do
+        not retry. `token`: the
         cluster's read or write token (default: $MEMSERVER_TOKEN, else the endpoint file's).
         `tls`: speak TLS, trusting its CA (default: $MEMSERVER_TLS_CA, else the endpoint file's;
         none of them: plaintext; see client.channels.client_tls)."""
@@ -104,19 +140,20 @@ class AsyncMemoryClient:
         return await self._retrying(lambda: self._control(method, request))
 
     async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None) -> Any:
-        """call(), again with backoff while it fails with UNAVAILABLE, for up to retry_seconds."""
-        deadline = time.monotonic() + self.retry_seconds
-        delay = 0.1
+        """call(), again with backoff (Backoff) for up to retry_seconds while it fails with
+        UNAVAILABLE (then `on_retry` first: a fresh shard map) or is refused by an overloaded
+        server (OverloadedError: the same map; the server is there, only busy)."""
+        backoff = Backoff(self.retry_seconds)
         while True:
             try:
                 return await call()
-            except UnavailableError as exc:
-                if time.monotonic() + delay > deadline:
+            except (UnavailableError, OverloadedError) as exc:
+                sleep = backoff.next()
+                if sleep is None:
                     raise
-                log.warning("%s; retrying in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
-                if on_retry is not None:
+                (log.info if isinstance(exc, OverloadedError) else log.warning)("%s; retrying in %.2fs", exc, sleep)
+                await asyncio.sleep(sleep)
+                if on_retry is not None and isinstance(exc, UnavailableError):
                     await on_retry()
 
     async def _data(self, address: str, method: str, request: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -18,10 +19,16 @@ from typing import Any, TypeVar
 import grpc
 
 from client import ops
-from client.aio import AsyncMemoryClient
+from client.aio import AsyncMemoryClient, Backoff
 from client.channels import sync_channel
 from client.ops import Op, WriteTags, finish, like
-from memserver.api.errors import FailedPreconditionError, TableNotFoundError, UnavailableError, from_rpc_error
+from memserver.api.errors import (
+    FailedPreconditionError,
+    OverloadedError,
+    TableNotFoundError,
+    UnavailableError,
+    from_rpc_error,
+)
 from memserver.api.types import TableMeta
 from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
@@ -61,9 +68,9 @@ class MemoryClient:
         """Run an op with blocking stubs, all its requests in flight at once.
 
         The first attempt runs right here when the shard map is cached. A first call, a shard that
-        is UNAVAILABLE (restarting) or a table that moved goes through the asyncio client's
-        retrying path instead, which runs this same blocking attempt in an executor thread; the
-        op keeps its write tags across attempts."""
+        is UNAVAILABLE (restarting) or overloaded (after one backoff here) or a table that moved
+        goes through the asyncio client's retrying path instead, which runs this same blocking
+        attempt in an executor thread; the op keeps its write tags across attempts."""
         timeout = self.aio.timeout
         first = True
 
@@ -99,6 +106,11 @@ class MemoryClient:
                     return attempt(meta)
                 except (UnavailableError, TableNotFoundError, FailedPreconditionError):
                     pass
+                except OverloadedError:
+                    sleep = Backoff(self.aio.retry_seconds).next()
+                    if sleep is None:  # retry_seconds 0 (or tiny): no retries
+                        raise
+                    time.sleep(sleep)
 
             async def in_executor(meta: TableMeta) -> Any:
                 return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)

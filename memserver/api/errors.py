@@ -64,6 +64,17 @@ class ResourceExhaustedError(MemserverError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+#: How every refusal of a server at one of its limits begins (memserver.server.admission).
+OVERLOADED = "server overloaded"
+
+
+class OverloadedError(ResourceExhaustedError):
+    """A server refused the call because it has as much work in progress as its limits allow
+    (memserver.server.config.Limits). Refused before the request was parsed, so nothing of it was
+    applied there: the clients retry it with backoff. A RESOURCE_EXHAUSTED of any other kind (a
+    message above gRPC's size limit) stays a plain ResourceExhaustedError: retrying cannot help."""
+
+
 class UnavailableError(MemserverError, ConnectionError):
     """A server is down or restarting: idempotent calls (every data-plane call) are retried."""
 
@@ -104,7 +115,10 @@ _BY_CODE = {cls.code: cls for cls in ERRORS}
 
 
 def error_for(code: grpc.StatusCode, details: str, target: str = "") -> MemserverError:
-    """The exception for a status: its own class where it has one."""
+    """The exception for a status: its own class where it has one (a server's overload refusal:
+    OverloadedError)."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(OVERLOADED):
+        return OverloadedError(details, code, target=target)
     return _BY_CODE.get(code, MemserverError)(details, code, target=target)
 
 

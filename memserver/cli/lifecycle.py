@@ -190,13 +190,15 @@ def parse_size(text: str) -> int:
 
 
 def _limits(args: argparse.Namespace) -> Any:
-    """memserver.server.config.Limits from --max-table-bytes and --table-memory-fraction."""
+    """memserver.server.config.Limits from the flags of the same names."""
     from memserver.server.config import Limits
 
     try:
-        return Limits(max_table_bytes=args.max_table_bytes, table_memory_fraction=args.table_memory_fraction)
+        return Limits(max_table_bytes=args.max_table_bytes, table_memory_fraction=args.table_memory_fraction,
+                      max_inflight_calls=args.max_inflight_calls, max_inflight_bytes=args.max_inflight_bytes)
     except ValueError as exc:
-        raise CliError(f"--max-table-bytes/--table-memory-fraction: {exc}") from None
+        field = str(exc).split(":")[0].split()[0]  # Limits names the field first
+        raise CliError(f"--{field.replace('_', '-')}: {exc}") from None
 
 
 def _tls(args: argparse.Namespace) -> Any:
@@ -287,6 +289,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """`up` and `down`."""
+    from memserver.server.config import Limits
+
     up = sub.add_parser("up", help="start a memory cluster (embedded Ray head unless --address)",
                         description="Start shard actors and the coordinator. With no --address, starts a local Ray "
                         "head in this process. Prints 'memserver ready at HOST:PORT' and writes the endpoint file.")
@@ -318,6 +322,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--table-memory-fraction", type=float, default=0.8, metavar="F",
                     help="a shard refuses a new table whose slices on its node need more than this fraction of the "
                     "memory available there (its cgroup's limit counts; 0: not checked; default 0.8)")
+    up.add_argument("--max-inflight-calls", type=int, default=Limits.max_inflight_calls, metavar="N",
+                    help="every server answers RESOURCE_EXHAUSTED at once (clients back off and retry) past this many "
+                    f"calls in progress (0: no limit; default {Limits.max_inflight_calls})")
+    up.add_argument("--max-inflight-bytes", type=parse_size, default=Limits.max_inflight_bytes, metavar="SIZE",
+                    help="... or past this many request bytes in progress; one larger request still runs alone "
+                    "(0: no limit; default 1G)")
     up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
     up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")

@@ -35,23 +35,42 @@ class TlsFiles:
 
 @dataclass(frozen=True)
 class Limits:
-    """What one server takes on at once (documented in docs/security.md).
+    """What one server (each shard, the coordinator) takes on, documented in docs/security.md; 0
+    turns a limit off.
 
     `max_table_bytes`: the most one shard's slice of a table may hold (values, optimizer state,
     slot statistics: memserver.server.catalog.slice_size), checked by the coordinator and by
     the shard before anything is recorded or allocated; 0: no fixed cap.
     `table_memory_fraction`: a new table's slices on one node may need at most this fraction of
     the memory available there (MemAvailable, lowered by a cgroup limit; GPU memory for GPU
-    shards), checked by each shard when it creates its slice; 0: not checked."""
+    shards), checked by each shard when it creates its slice; 0: not checked.
+
+    Past the next two a call is answered RESOURCE_EXHAUSTED at once, naming the limit
+    (memserver.server.admission enforces them, "Overload" in docs/security.md):
+    `max_inflight_calls`: calls of the memserver services in progress (being received, waiting
+    for the compute thread or computing). Beyond it a call is refused before its request is read.
+    Default 256: far above what trainers keep in flight per shard (one call per op per shard,
+    a few ops each), low enough that requests being received stay bounded.
+    `max_inflight_bytes`: request bytes of the calls in progress. A call whose request would
+    pass it is refused, except when nothing else is in progress, so a legal request larger than
+    the limit still runs (alone). Default 1 GiB: four requests of the 256 MiB message limit,
+    sixteen of the client's 64 MiB split size; a big bag call (~100 MB) is not slowed.
+    """
 
     max_table_bytes: int = 0
     table_memory_fraction: float = 0.8
+    max_inflight_calls: int = 256
+    max_inflight_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.max_table_bytes < 0:
             raise ValueError(f"max_table_bytes must be >= 0 (0: no cap), got {self.max_table_bytes}")
         if not 0 <= self.table_memory_fraction <= 1:
             raise ValueError(f"table_memory_fraction must be in [0, 1] (0: not checked), got {self.table_memory_fraction}")
+        for name in ("max_inflight_calls", "max_inflight_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be an integer >= 0 (0 = no limit), got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """The one way a memserver gRPC server starts (shards and the coordinator alike).
 
 `start_server` registers the servicers with health checking and reflection and installs the
-interceptor chain once, so no handler has to remember anything: `ErrorsAndMetrics` turns the
-api's exceptions (memserver.api.errors) into their statuses, any other exception into INTERNAL
-(traceback in the log) and counts and times every call; with tokens, `Authenticate` comes first:
-no call of ours, nor reflection, runs without a token of the right role (health checks stay open).
+interceptor chain once, so no handler has to remember anything: `ErrorsAndMetrics` admits each
+call within the server's limits (memserver.server.admission: RESOURCE_EXHAUSTED past them), turns
+the api's exceptions (memserver.api.errors) into their statuses, any other exception into
+INTERNAL (traceback in the log) and counts and times every call; with tokens, `Authenticate`
+comes first: no call of ours, nor reflection, runs without a token of the right role (health
+checks stay open).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from memserver.api.auth import READ_METHODS, AuthConfig
 from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
+from memserver.server.admission import Admission
 from memserver.server.config import ServeConfig
 from memserver.storage.fsutil import atomic_write
 from memserver.wire import GRPC_OPTIONS
@@ -46,15 +49,25 @@ class CallMetrics(Protocol):
     def refused(self, method: str, code: str) -> None:
         """A call Authenticate refused (an authentication failure; counted as a request too)."""
 
+    def attach(self, admission: Admission) -> None:
+        """The server's admission: its in-flight counts and refusals join these metrics."""
+
 
 class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
-    """Wraps every unary call of our services: the api's exceptions become their status with
-    their text, a Ray actor error (a shard restarting behind the coordinator) UNAVAILABLE, anything
-    else INTERNAL; each call is counted by method, table and status, and timed. The metric is
-    recorded before the status is sent, so whoever sees the answer can already scrape it."""
+    """Wraps every unary call of our services: `admission` admits it within the server's limits
+    (OverloadedError, i.e. RESOURCE_EXHAUSTED, past them); the api's exceptions become their
+    status with their text, a Ray actor error (a shard restarting behind the coordinator)
+    UNAVAILABLE, anything else INTERNAL; each call is counted by method, table and status, and
+    timed (from its request read to its answer). The metric is recorded before the status is sent,
+    so whoever sees the answer can already scrape it.
 
-    def __init__(self, metrics: CallMetrics | None = None) -> None:
+    Each method is served as stream-unary at the gRPC level (the wire is the same for a unary
+    caller) so that this wrapper reads the one request message itself: a call can be refused
+    before its bytes are read, and counted from its first moment to its last."""
+
+    def __init__(self, metrics: CallMetrics | None = None, admission: Admission | None = None) -> None:
         self.metrics = metrics
+        self.admission = admission or Admission()
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
@@ -74,37 +87,57 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
     def _wrap(self, handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
         inner = handler.unary_unary
         parse = handler.request_deserializer
+        admission = self.admission
 
-        async def behavior(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             t0 = time.perf_counter()
+            raw: Any = None
             request: Any = None
+            entered, size = False, 0
             try:
-                # parsed here, not by gRPC, so bytes that are no such message get INVALID_ARGUMENT
-                # (gRPC's own failure is UNKNOWN "Unexpected DecodeError")
                 try:
-                    request = parse(raw) if parse is not None else raw
+                    admission.enter(name)  # before the request is read
+                    entered = True
+                    raw = await context.read()
+                    if raw is grpc.aio.EOF:
+                        raise InvalidArgumentError(f"request: no {name} request was sent")
+                    admission.take(name, len(raw))
+                    size = len(raw)
+                    t0 = time.perf_counter()
+                    # parsed here, not by gRPC, so bytes that are no such message get INVALID_ARGUMENT
+                    # (gRPC's own failure is UNKNOWN "Unexpected DecodeError")
+                    try:
+                        request = parse(raw) if parse is not None else raw
+                    except Exception as exc:
+                        raise InvalidArgumentError(f"request: not a valid {name} request ({type(exc).__name__})") from None
+                    raw = None
+                    response = await inner(request, context)
+                except MemserverError as exc:
+                    code, text = exc.code, exc.details
+                except grpc.aio.AbortError:  # the handler aborted by itself
+                    self._observe(name, request, grpc.StatusCode.UNKNOWN, t0)
+                    raise
                 except Exception as exc:
-                    raise InvalidArgumentError(f"request: not a valid {name} request ({type(exc).__name__})") from None
-                response = await inner(request, context)
-            except MemserverError as exc:
-                code, text = exc.code, exc.details
-            except grpc.aio.AbortError:  # the handler aborted by itself
-                self._observe(name, request, grpc.StatusCode.UNKNOWN, t0)
-                raise
-            except Exception as exc:
-                if _is_actor_error(exc):
-                    code, text = grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}"
-                else:  # a bug: say so, with the traceback in the server log
-                    log.exception("%s failed", name)
-                    code, text = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-            else:
-                self._observe(name, request, grpc.StatusCode.OK, t0)
-                return response
-            self._observe(name, request, code, t0)
-            await context.abort(code, text)
+                    if _is_actor_error(exc):
+                        code, text = grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}"
+                    else:  # a bug: say so, with the traceback in the server log
+                        log.exception("%s failed", name)
+                        code, text = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+                else:
+                    self._observe(name, request, grpc.StatusCode.OK, t0)
+                    return response
+                self._observe(name, request, code, t0)
+                # gRPC keeps the AbortError, whose traceback holds this frame, in a reference cycle
+                # with the call: let go of the request first, or its bytes wait for the cyclic GC
+                # (a flood of refused large requests grew a shard by GBs that way)
+                raw = request = None
+                await context.abort(code, text)
+            finally:
+                if entered:
+                    admission.leave(size)
 
-        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=None,
-                                                   response_serializer=handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(behavior, request_deserializer=None,
+                                                    response_serializer=handler.response_serializer)
 
     def _observe(self, name: str, request: Any, code: grpc.StatusCode, t0: float) -> None:
         if self.metrics is not None:
@@ -115,7 +148,7 @@ class Authenticate(grpc.aio.ServerInterceptor):
     """Bearer tokens (memserver.api.auth): a call of our services needs the write token, or the
     read token for READ_METHODS; reflection any valid token; health checks none. Refused calls get
     UNAUTHENTICATED (no token, or an unknown one) or PERMISSION_DENIED (the read token on a write)
-    before their request is even parsed, and are counted as authentication failures."""
+    before their request is even read, and are counted as authentication failures."""
 
     _OPEN = ("/grpc.health.v1.Health/",)
 
@@ -145,14 +178,12 @@ class Authenticate(grpc.aio.ServerInterceptor):
         if self.metrics is not None:  # the method label only for real methods: paths are the caller's to invent
             self.metrics.refused(name if ours and name in _METHODS else "other", code.name)
 
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(code, text)
 
-        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(code, text)
-
-        # reflection is a stream; ours are unary. The request bytes are never parsed.
-        return (grpc.unary_unary_rpc_method_handler(unary) if ours else grpc.stream_stream_rpc_method_handler(stream))
+        # reflection is a stream; ours are unary, refused as stream-unary: the request bytes are
+        # never read (a unary handler would have gRPC read the whole message first).
+        return (grpc.stream_unary_rpc_method_handler(refuse) if ours else grpc.stream_stream_rpc_method_handler(refuse))
 
 
 def _is_actor_error(exc: BaseException) -> bool:
@@ -174,10 +205,12 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server on host:port (0 = the OS picks) with health, reflection and the
     interceptors; `config`: tokens, TLS and limits (memserver.server.config). Must be awaited on
-    the event loop that will own the server."""
+    the event loop that will own the server. The limits are enforced by an Admission
+    (memserver.server.admission), attached to `metrics`."""
     config = config or ServeConfig()
     chain: list[grpc.aio.ServerInterceptor] = [Authenticate(config.auth, metrics)] if config.auth is not None else []
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[*chain, ErrorsAndMetrics(metrics)])
+    admission = Admission(config.limits)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[*chain, ErrorsAndMetrics(metrics, admission)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -188,6 +221,8 @@ async def start_server(
         bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
+    if metrics is not None:  # once bound: serve_on may try a second port
+        metrics.attach(admission)
     await server.start()
     for name in ["", *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -10,6 +10,8 @@ adds, per table slice, read at scrape time: rows, bytes, client sessions and the
 for them, open training steps, write-ahead-log records, bytes and fsyncs; per process, its
 resident memory. The coordinator (`CoordinatorMetrics`) adds its catalog: tables by kind, shards
 serving, and its last checkpoint's time, age, duration and size.
+start_server adds the admission's gauges and refusal counter to a server's registry
+(memserver.server.admission).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ServerMetrics:
                                      "status (UNAUTHENTICATED: none or unknown; PERMISSION_DENIED: the read token on "
                                      "a write)", ["method", "code"], registry=self.registry)
         self._tables = tables
+        self.admission: Any = None  # memserver.server.admission.Admission, once the server started
         self.address = ""
         self._server: Any = None
 
@@ -63,6 +66,12 @@ class ServerMetrics:
         self.auth_failures.labels(method, code).inc()
         self.observe(method, "", code, 0.0)
 
+    def attach(self, admission: Any) -> None:
+        """The server's admission (memserver.server.admission): its gauges and refusal counter
+        join this registry, its counts the summary."""
+        self.admission = admission
+        admission.register(self.registry)
+
     def summary(self) -> pb.CallSummary:
         """The counters summed for `memserver status` (read from the registry: one source)."""
         out = pb.CallSummary()
@@ -72,7 +81,9 @@ class ServerMetrics:
             if sample.labels["code"] != "OK":
                 out.errors[sample.labels["code"]] += n
         out.auth_failures = sum(int(s.value) for s in _totals(self.auth_failures))
-        # rejected, inflight_calls, inflight_bytes: admission control's figures go here
+        if self.admission is not None:
+            out.rejected = sum(self.admission.rejected.values())
+            out.inflight_calls, out.inflight_bytes = self.admission.calls, self.admission.bytes
         return out
 
     def serve(self, host: str) -> str:

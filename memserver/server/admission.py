@@ -1,0 +1,129 @@
+"""Bounded work on every memserver server: how many calls and how many request bytes it has in
+progress (memserver.server.config.Limits), and RESOURCE_EXHAUSTED at once past either bound,
+instead of memory growing with the queue and callers timing out.
+
+Where the bounds act. `ErrorsAndMetrics` (memserver.server.grpcserver) serves each method of our
+services as a stream-unary method at the gRPC level and reads the one request message itself,
+so it admits a call *before* gRPC reads its request, then again once the size is known:
+
+1. `enter`, before the request is read (its size is not known yet): refused when
+   `max_inflight_calls` calls are in progress, or the requests in progress already reach
+   `max_inflight_bytes`. A refused call's request is never read: gRPC holds at most an HTTP/2
+   flow-control window of it until the stream is closed.
+2. `take`, once the request's bytes are read and before they are parsed: refused when they would
+   take the bytes in progress past `max_inflight_bytes`, unless no other request is in progress,
+   so that a legal request larger than the limit still runs (alone).
+3. `leave`, when the call ends, however it ends (answer, error, the caller gone).
+
+What that bounds: the admitted requests of a server are at most max(`max_inflight_bytes`, one
+request), and the requests being received at most `max_inflight_calls` (each below gRPC's message
+limit, memserver.wire.MAX_MESSAGE_BYTES); a request refused by `take` was read and is dropped at
+once. What a call allocates on top of its request (the parsed message, decoded tensors: a small
+multiple of its bytes) follows the same bounds. An answer is not counted: it is limited per call
+(memserver.wire.check_answer), and on a shard computed one call at a time.
+
+Health checks and reflection are not ours: never counted, never refused.
+
+Not grpc.aio.server(maximum_concurrent_rpcs=N): that limiter counts every RPC, health checks
+included, and refuses them alike (a saturated shard would fail its liveness probe and be
+restarted); its refusal ("Concurrent RPC limit exceeded!") happens outside the interceptors, so
+it could neither be counted in the metrics nor name the limit; it knows nothing of bytes. It
+would buy no memory either: it too refuses before the request is read, as `enter` does.
+
+Counts live on the server's event loop (every call is admitted and released there), so they need
+no lock; the metrics page reads them from its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from memserver.api.errors import OVERLOADED, OverloadedError
+from memserver.server.config import Limits
+
+log = logging.getLogger(__name__)
+
+#: At most one log line per this many seconds about refused calls (a flood must not flood the log).
+LOG_EVERY = 10.0
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
+class Admission:
+    """The in-progress counts of one server and its refusals (see the module docstring).
+    `register` adds its metrics to a Prometheus registry: gauges `memserver_inflight_calls`,
+    `memserver_inflight_bytes`, `memserver_inflight_limit{limit}` and the counter
+    `memserver_rejected_total{method, limit}`."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.calls = 0
+        self.bytes = 0
+        self.rejected: dict[tuple[str, str], int] = {}  # (method, limit) -> calls refused
+        self._next_log = 0.0
+        self._unlogged = 0
+
+    def enter(self, method: str) -> None:
+        """A call of `method` starts, its request not read yet: take a slot, or raise OverloadedError."""
+        calls, nbytes = self.limits.max_inflight_calls, self.limits.max_inflight_bytes
+        if calls and self.calls >= calls:
+            self._refuse(method, "max_inflight_calls",
+                         f"{self.calls} calls in progress, the limit max_inflight_calls={calls}")
+        if nbytes and self.bytes >= nbytes:
+            self._refuse(method, "max_inflight_bytes", f"{_size(self.bytes)} of requests in progress, the limit "
+                         f"max_inflight_bytes={nbytes} ({_size(nbytes)})")
+        self.calls += 1
+
+    def take(self, method: str, size: int) -> None:
+        """The call's request is read: `size` bytes. Count them, or raise OverloadedError (the call
+        keeps its slot until `leave`). Always admitted when no other request is in progress."""
+        limit = self.limits.max_inflight_bytes
+        if limit and self.bytes and self.bytes + size > limit:
+            self._refuse(method, "max_inflight_bytes", f"this request's {_size(size)} on top of {_size(self.bytes)} "
+                         f"in progress would pass the limit max_inflight_bytes={limit} ({_size(limit)})")
+        self.bytes += size
+
+    def leave(self, size: int) -> None:
+        """A call that `enter` admitted ended; `size`: the bytes `take` counted for it (0 if none)."""
+        self.calls -= 1
+        self.bytes -= size
+
+    def _refuse(self, method: str, limit: str, why: str) -> None:
+        key = (method, limit)
+        self.rejected[key] = self.rejected.get(key, 0) + 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now >= self._next_log:
+            log.warning("refused %d call(s) RESOURCE_EXHAUSTED since the last report; the latest, %s: %s",
+                        self._unlogged, method, why)
+            self._next_log, self._unlogged = now + LOG_EVERY, 0
+        raise OverloadedError(f"{OVERLOADED}: {why}; retry with backoff")
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def register(self, registry: Any) -> None:
+        """Export the counts on `registry` (a prometheus_client CollectorRegistry), read at scrape time."""
+        registry.register(self)
+
+    def collect(self) -> Iterator[Any]:
+        calls = GaugeMetricFamily("memserver_inflight_calls",
+                                  "Calls of the memserver services in progress (being received, queued or computing)")
+        calls.add_metric([], self.calls)
+        nbytes = GaugeMetricFamily("memserver_inflight_bytes", "Request bytes of the calls in progress")
+        nbytes.add_metric([], self.bytes)
+        limits = GaugeMetricFamily("memserver_inflight_limit", "This server's limits on work in progress (0: none)",
+                                   labels=["limit"])
+        limits.add_metric(["max_inflight_calls"], self.limits.max_inflight_calls)
+        limits.add_metric(["max_inflight_bytes"], self.limits.max_inflight_bytes)
+        rejected = CounterMetricFamily("memserver_rejected", "Calls refused RESOURCE_EXHAUSTED at a limit, by method "
+                                       "and limit", labels=["method", "limit"])
+        for (method, limit), n in list(self.rejected.items()):
+            rejected.add_metric([method, limit], n)
+        yield from (calls, nbytes, limits, rejected)
