@@ -186,6 +186,12 @@ def test_interceptor_maps_every_exception_and_counts_every_call():
             assert seconds >= 0
             self.calls.append((method, table, code))
 
+        def refused(self, method, code):
+            raise AssertionError("no tokens here")
+
+        def attach(self, admission):
+            pass
+
     seen = Seen()
     loop = LoopThread("test-interceptor")
     server, port = loop.call(start_server(lambda s: pb_grpc.add_DataPlaneServicer_to_server(Failing(), s), [DATA_PLANE],

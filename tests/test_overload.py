@@ -35,7 +35,7 @@ MiB = 1 << 20
 
 def test_limits_are_checked():
     assert Limits() == Limits(max_inflight_calls=256, max_inflight_bytes=1 << 30)
-    Limits(0, 0)  # no limits
+    Limits(max_inflight_calls=0, max_inflight_bytes=0)  # no limits
     for bad in ({"max_inflight_calls": -1}, {"max_inflight_bytes": 1.5}, {"max_inflight_calls": True}):
         with pytest.raises(ValueError, match="must be an integer >= 0"):
             Limits(**bad)
@@ -67,7 +67,7 @@ def test_admission_rules():
     assert (a.calls, a.bytes) == (0, 0)
     assert a.rejected == {("Lookup", "max_inflight_bytes"): 1, ("Bag", "max_inflight_bytes"): 1,
                           ("Search", "max_inflight_calls"): 1}
-    unlimited = Admission(Limits(0, 0))
+    unlimited = Admission(Limits(max_inflight_calls=0, max_inflight_bytes=0))
     for _ in range(1000):
         unlimited.enter("Bag")
         unlimited.take("Bag", 1 << 30)
@@ -85,7 +85,7 @@ def test_overload_errors_come_back_as_overloaded_error():
 
 
 class Metrics:
-    """A CallMetrics with a registry, as ShardMetrics has: the admission's metrics join it."""
+    """A CallMetrics with a registry, as ServerMetrics has: the admission's metrics join it."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -93,6 +93,12 @@ class Metrics:
 
     def observe(self, method, table, code, seconds):
         self.calls.append((method, table, code))
+
+    def refused(self, method, code):
+        self.observe(method, "", code, 0.0)
+
+    def attach(self, admission):
+        admission.register(self.registry)
 
     def value(self, name, **labels):
         return self.registry.get_sample_value(name, labels) or 0.0

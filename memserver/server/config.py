@@ -33,7 +33,7 @@ class TlsFiles:
         return out[0], out[1]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Limits:
     """What one server (each shard, the coordinator) takes on, documented in docs/security.md; 0
     turns a limit off.
