@@ -56,8 +56,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "--log-every", str(args.sample_every), "--table", TABLE, *args.memtrain_args.split()]
     samples: list[dict[str, Any]] = []
     checkpoints: list[dict[str, Any]] = []
+    from memserver.cluster.endpoint import memserver_home
+
+    memserver_home().mkdir(parents=True, exist_ok=True)
+    # under $MEMSERVER_HOME: the cluster's default checkpoint root
     with local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=120) as client, \
-            tempfile.TemporaryDirectory(prefix="memserver-soak-") as ck:
+            tempfile.TemporaryDirectory(prefix="soak-", dir=memserver_home()) as ck:
 
         def sample(step: int) -> None:
             st = client.status()

@@ -105,6 +105,10 @@ class AsyncMemoryClient:
         self.endpoint = endpoint or record["endpoint"]
         self.token = token if token is not None else client_token(self.endpoint, record)
         self.tls = tls if tls is not None else client_tls(self.endpoint, record)
+        if self.token and self.tls is None and not self.endpoint.startswith(("127.", "localhost:", "[::1]:")):
+            log.warning("sending the token to %s without TLS: anyone on the path can read it (give the cluster's "
+                        "CA: tls=, $MEMSERVER_TLS_CA or an endpoint file of a cluster started with --tls-cert)",
+                        self.endpoint)
         self.timeout = timeout
         self.retry_seconds = retry_seconds
         self.opts = OpOptions(wire_dtype=dtype_code(wire_dtype), max_request_bytes=max_request_bytes)

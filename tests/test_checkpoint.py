@@ -258,3 +258,23 @@ def test_checkpoint_outside_the_root_is_refused_and_writes_nothing(client, table
         assert not outside.exists()
     finally:
         client.drop_table(table_name)
+
+
+def test_a_manifest_cannot_lead_a_restore_out_of_its_directory(client, table_name, tmp_path):
+    """The manifest names the folders files are read from: a key that is not its spec's table
+    name (e.g. '../../elsewhere') is refused."""
+    import json
+
+    from client import InvalidArgumentError
+
+    client.create_table(table_name, 8, 4)
+    try:
+        client.checkpoint(str(tmp_path), 1, [table_name])
+        path = tmp_path / "step-0000000001" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest["tables"]["../../elsewhere"] = manifest["tables"].pop(table_name)
+        path.write_text(json.dumps(manifest))
+        with pytest.raises(InvalidArgumentError, match="not one memserver wrote"):
+            client.restore(str(tmp_path), 1, replace=True)
+    finally:
+        client.drop_table(table_name)

@@ -203,6 +203,10 @@ def test_kuberay_memserver_job():
     [secret_dir] = secret_dirs
     for path in (up.auth_token_file, up.tls_cert, up.tls_key):
         assert path and Path(path).parent.as_posix() == secret_dir
+    for group in rc["spec"]["workerGroupSpecs"]:  # shards: the certificate and key, never the tokens
+        [vol] = [v for v in group["template"]["spec"]["volumes"] if "secret" in v]
+        files = {item["path"] for item in vol["secret"].get("items", [])}
+        assert files == {Path(up.tls_cert).name, Path(up.tls_key).name}, files
     assert up.tls_server_name  # pod addresses change: the certificate names a DNS name
 
 

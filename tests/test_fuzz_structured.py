@@ -25,7 +25,7 @@ from tests.test_fuzz import DOCUMENTED, snapshot
 SERVICES = {name: [m for m in pb.DESCRIPTOR.services_by_name[name].methods] for name in ("DataPlane", "ControlPlane")}
 #: Control-plane answers a well-formed but wrong request may also get.
 ANSWERS = DOCUMENTED | {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED}
-EXAMPLES = 120  # per method: 24 methods x 120 examples x 3 sends = 8,640 requests
+EXAMPLES = 120  # per method with names, specs or paths; each sent 3 times (7,900 requests in all)
 SENT: dict[str, dict[str, int]] = {}  # per method: answers to the write-token sends (printed at the end)
 
 
@@ -207,7 +207,9 @@ def test_structured_requests_get_documented_answers(fuzz_cluster, service, metho
 
     sent: list[str] = []
     run()
-    assert len(sent) >= (EXAMPLES if any(f.name == "table" for f in method.input_type.fields) else 1)
+    # every example ran, but for requests with few distinct forms (ListTables has none, Status one)
+    varied = any(f.name in ("table", "name", "spec", "dir") for f in method.input_type.fields)
+    assert len(sent) >= (EXAMPLES if varied else 1)
     SENT[method.name] = {c: sent.count(c) for c in set(sent)}
     # the servers still answer
     assert fuzz_cluster["client"].lookup("kept-v", [0], count=False).shape == (1, 8)

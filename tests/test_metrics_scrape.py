@@ -222,3 +222,19 @@ def test_status_shows_each_servers_calls(auth_cluster, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "calls answered" in out and "coordinator" in out and "shard 0" in out and "UNAUTHENTICATED" in out
     assert st["coordinator_metrics"] in out
+
+
+def test_a_dropped_tables_series_go_with_it():
+    """Tables come and go under new names: their request series must not pile up."""
+    from memserver.server.metrics import ServerMetrics
+
+    held = {"a", "b"}
+    m = ServerMetrics(lambda: held)
+    for table in ("a", "b"):
+        m.observe("Lookup", table, "OK", 0.001)
+        m.observe("Bag", table, "NOT_FOUND", 0.001)
+    m.forget("a")
+    tables = {s.labels["table"] for f in m.requests.collect() for s in f.samples}
+    assert tables == {"b"}
+    m.observe("Lookup", "b", "OK", 0.001)  # the others count on
+    assert m.registry.get_sample_value("memserver_requests_total", {"method": "Lookup", "table": "b", "code": "OK"}) == 2

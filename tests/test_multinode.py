@@ -124,7 +124,7 @@ def test_bind_host_rules(monkeypatch):
     assert rayutil.bind_host() == "10.0.0.7"
     monkeypatch.setenv(rayutil.BIND_HOST_ENV, "127.0.0.1")
     assert rayutil.bind_host() == "127.0.0.1"
-    for wildcard in ("0.0.0.0", "::", "[::]"):
+    for wildcard in ("0.0.0.0", "::", "[::]", "0", "0.0", "000.000.000.000", "::0", "0:0:0:0:0:0:0:0"):
         monkeypatch.setenv(rayutil.BIND_HOST_ENV, wildcard)
         with pytest.raises(ValueError, match="wildcard"):
             rayutil.bind_host()

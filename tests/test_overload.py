@@ -401,7 +401,8 @@ def test_clients_retry_calls_an_overloaded_server_refused(fake_cluster):
         b.refuse = 3
         t0 = time.monotonic()
         assert c.lookup("t", [1, 2]).tolist() == [[7.0] * 4] * 2
-        assert (a.calls, b.calls) == (4, 4) and time.monotonic() - t0 < 3.0  # 3 backoffs: 0.05-0.1, 0.1-0.2, 0.2-0.4 s
+        # 3 backoffs of 0.05-0.1, 0.1-0.2, 0.2-0.4 s (bound loose: a loaded machine is slow, not wrong)
+        assert (a.calls, b.calls) == (4, 4) and time.monotonic() - t0 < 10.0
         # a write refused by one shard is sent again with the same tags to both: the one that
         # applied it would answer from the client's session, not apply it twice
         b.refuse = 2
@@ -444,7 +445,8 @@ def test_clients_retry_calls_an_overloaded_server_refused(fake_cluster):
             with pytest.raises(OverloadedError):
                 await ac.lookup("t", [3])
             # sleeps of 0.05-0.1, 0.1-0.2, 0.2-0.4 and maybe 0.4-0.8 s fit in 1 s; the next does not
-            assert 0.3 < time.monotonic() - t0 < 2.5 and 4 <= b.calls - 4 <= 5
+            # (fewer attempts fit when each call is slow on a loaded machine; never more)
+            assert 0.3 < time.monotonic() - t0 < 5.0 and 2 <= b.calls - 4 <= 5
 
     asyncio.run(run())
 

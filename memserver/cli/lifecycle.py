@@ -186,7 +186,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
     if m is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 512M, 2G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if value != int(value):  # "0.5" would become 0, which turns a limit off
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
+    return int(value)
 
 
 def _limits(args: argparse.Namespace) -> Any:

@@ -17,8 +17,9 @@ so it admits a call *before* gRPC reads its request, then again once the size is
 
 What that bounds: the admitted requests of a server are at most max(`max_inflight_bytes`, one
 request), and the requests being received at most `max_inflight_calls` (each below gRPC's message
-limit, memserver.wire.MAX_MESSAGE_BYTES); a request refused by `take` was read and is dropped at
-once. What a call allocates on top of its request (the parsed message, decoded tensors: a small
+limit, memserver.wire.MAX_MESSAGE_BYTES: many large requests arriving at once, before any is
+counted, can take max_inflight_calls x that limit; lower the call limit where memory is tight);
+a request refused by `take` was read and is dropped at once. What a call allocates on top of its request (the parsed message, decoded tensors: a small
 multiple of its bytes) follows the same bounds. An answer is not counted: it is limited per call
 (memserver.wire.check_answer), and on a shard computed one call at a time.
 

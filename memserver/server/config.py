@@ -50,7 +50,8 @@ class Limits:
     `max_inflight_calls`: calls of the memserver services in progress (being received, waiting
     for the compute thread or computing). Beyond it a call is refused before its request is read.
     Default 256: far above what trainers keep in flight per shard (one call per op per shard,
-    a few ops each), low enough that requests being received stay bounded.
+    a few ops each). Requests being received are bounded by it times the message limit only (see
+    memserver.server.admission): lower it on memory-tight shards.
     `max_inflight_bytes`: request bytes of the calls in progress. A call whose request would
     pass it is refused, except when nothing else is in progress, so a legal request larger than
     the limit still runs (alone). Default 1 GiB: four requests of the 256 MiB message limit,

@@ -268,7 +268,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for name in names:
             spec = pb.TableSpec.FromString(base64.b64decode(manifest["tables"][name]["spec"]))
             spec.num_shards = request.num_shards or min(spec.num_shards, len(self.handles))
-            specs[name] = validate_spec(spec, len(self.handles))
+            specs[name] = validate_spec(spec, len(self.handles))  # its name is a table name: no path in it
+            if spec.name != name:  # the manifest's key names the folder its files are read from
+                raise InvalidArgumentError(f"dir: the checkpoint's manifest lists table {name!r} with the spec of "
+                                           f"{spec.name!r}; it is not one memserver wrote")
         resp = pb.RestoreResponse(path=str(directory), step=int(manifest["step"]))
         for name in names:
             if name in self.tables:

@@ -4,7 +4,7 @@ registry and HTTP server, on the host its gRPC server binds.
 
 Per call, on every server (`ServerMetrics`, the `CallMetrics` the interceptors of
 memserver.server.grpcserver record into): a counter by method, table and status code and a
-latency histogram by method, as the server sees it (from receiving the request to its answer),
+latency histogram by method, as the server sees it (from its request read to its answer),
 and a counter of calls refused for their token, by method and code. A shard (`ShardMetrics`)
 adds, per table slice, read at scrape time: rows, bytes, client sessions and the answers kept
 for them, open training steps, write-ahead-log records, bytes and fsyncs; per process, its
@@ -59,6 +59,12 @@ class ServerMetrics:
             table = UNKNOWN_TABLE
         self.requests.labels(method, table, code).inc()
         self.latency.labels(method).observe(seconds)
+
+    def forget(self, table: str) -> None:
+        """A dropped table's series go with it: names come and go, the series must not pile up."""
+        for sample in list(_totals(self.requests)):
+            if sample.labels["table"] == table:
+                self.requests.remove(sample.labels["method"], table, sample.labels["code"])
 
     def refused(self, method: str, code: str) -> None:
         """A call the `Authenticate` interceptor refused: an authentication failure, and a request

@@ -13,8 +13,6 @@ import torch
 #: Environment variable that overrides the address every memserver server binds and advertises.
 BIND_HOST_ENV = "MEMSERVER_BIND_HOST"
 LOCALHOST = "127.0.0.1"
-#: Addresses that mean "every interface": never bound (nor advertised) by a memserver server.
-WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 
 
 def in_actor() -> bool:
@@ -53,7 +51,19 @@ def forced_host() -> str | None:
 
 
 def check_host(host: str, what: str = "host") -> str:
-    if host.strip("[]") in WILDCARDS:
+    """`host`, unless it means every interface (0.0.0.0, ::, and their other spellings)."""
+    import ipaddress
+
+    try:
+        unspecified = ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:  # a name, or a short form such as "0" that the resolver reads as 0.0.0.0
+        import socket
+
+        try:
+            unspecified = any(ipaddress.ip_address(a[4][0]).is_unspecified for a in socket.getaddrinfo(host, None))
+        except (OSError, ValueError):
+            unspecified = False  # unresolvable here: binding it fails with its own error
+    if unspecified:
         raise ValueError(f"{what}={host}: a server binds one address its clients reach (it is also the address it "
                          "advertises); a wildcard would listen on every interface")
     return host

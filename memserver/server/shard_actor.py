@@ -325,6 +325,7 @@ class ShardActor:
             sl = self.servicer.tables.pop(name, None)
             if sl is not None and sl.wal is not None:
                 sl.wal.close()
+            self.metrics.forget(name)
             if self.store is not None:
                 self.store.drop(name)
             return sl is not None
