@@ -4,8 +4,8 @@ and existing table names) for every method of both services, against a one-shard
 with tokens and a table size cap (conftest's auth_cluster). Each request goes out three times through raw gRPC channels: without a token
 (UNAUTHENTICATED), with the read token (PERMISSION_DENIED for a write) and with the write token
 (OK or a documented status, never UNKNOWN or INTERNAL). The tables the writes do not aim at are
-byte-identical afterwards, and the servers keep answering. The unstructured half (random bytes,
-mutated requests) is tests/test_fuzz.py."""
+byte-identical afterwards, and the servers keep answering. Raw random bytes go to every method
+the same three ways; the 10,000 random and mutated requests without tokens are tests/test_fuzz.py."""
 
 from __future__ import annotations
 
@@ -213,3 +213,26 @@ def test_structured_requests_get_documented_answers(fuzz_cluster, service, metho
     SENT[method.name] = {c: sent.count(c) for c in set(sent)}
     # the servers still answer
     assert fuzz_cluster["client"].lookup("kept-v", [0], count=False).shape == (1, 8)
+
+
+def test_random_bytes_as_every_method_with_and_without_a_token(fuzz_cluster):
+    """Raw random bytes (and empty bodies) as every method of both services: refused without a
+    token, refused writes with the read token, a documented answer with the write token."""
+    rng = np.random.default_rng(14)
+    sent = 0
+    for service, methods in SERVICES.items():
+        channel = fuzz_cluster["channels"][service]
+        for method in methods:
+            path = f"/memserver.v1.{service}/{method.name}"
+            for i in range(50):
+                body = rng.bytes(int(rng.integers(0, 64))) if i else b""
+                assert send(channel, path, body, None) == grpc.StatusCode.UNAUTHENTICATED
+                read = send(channel, path, body, READ)
+                assert read in ANSWERS | {grpc.StatusCode.OK}, (method.name, body, read)
+                if method.name not in READ_METHODS:
+                    assert read == grpc.StatusCode.PERMISSION_DENIED
+                code = send(channel, path, body, WRITE)
+                assert code in ANSWERS | {grpc.StatusCode.OK}, (method.name, body, code)
+                sent += 3
+    assert sent == 3 * 50 * sum(len(m) for m in SERVICES.values())
+    scratch(fuzz_cluster["client"])
