@@ -549,9 +549,10 @@ def rss_bound(baseline: float) -> float:
     """The flooded shard's RSS stays below its baseline plus RSS_FACTOR x the request bytes its
     limits let it hold at once: each of its max_inflight_calls calls holds at most one request
     (those it admitted, together at most max(max_inflight_bytes, one request)), so 6 x 3 x 32 MiB
-    = 576 MiB. Measured on the 2-core test machine: 310-365 MiB over the baseline. Without the
-    limits 1.9 GB; with gRPC's BDP probing on (refused streams' windows) 840 MiB; with refused
-    requests left to the cyclic GC 1.15 GB."""
+    = 576 MiB. Measured on the 2-core test machine: 290-365 MiB over the baseline. Without the
+    limits 2.1 GB; with gRPC's BDP probing on (the windows of refused streams) 0.8-1.1 GB; with
+    refused requests left to the cyclic GC 730 MiB (test_refused_requests_are_freed_at_once
+    catches that one for sure)."""
     return baseline + RSS_FACTOR * FLOOD_LIMITS.max_inflight_calls * REQUEST
 
 
