@@ -546,25 +546,22 @@ class RssWatch:
 
 #: Resident bytes per request byte a shard may hold: a request exists up to ~4 times while its
 #: call works on it (gRPC's receive buffer, the Python bytes, the parsed message, the decoded
-#: copy; a Bag adds its int64 local ids), and glibc keeps as much again, freed, in the per-thread
+#: copy; a Bag adds its int64 local ids), and glibc keeps some of it, freed, in the per-thread
 #: arenas of gRPC's threads, the event loop and the compute thread (memserver.wire.tune_malloc
-#: keeps blocks below 32 MiB in the heap; after a flood a shard stays some 400 MiB above its
-#: baseline with nothing in progress, and malloc_trim returns it all).
-RSS_FACTOR = 8
-#: What each flooding connection may cost beyond that: a refused request is never read, but gRPC
-#: receives up to an HTTP/2 flow-control window of it (a few MiB once BDP probing widened the
-#: window) before the stream is reset: ~12 MiB at the peak per connection refused non-stop
-#: (measured), and glibc keeping as much again.
-RSS_PER_CONNECTION = 32 * MiB
+#: keeps blocks below 32 MiB in the heap). A refused request adds at most gRPC's initial 64 KiB
+#: window (memserver.server.admission.SERVER_OPTIONS).
+RSS_FACTOR = 6
 
 
 def rss_bound(baseline: float) -> float:
     """The flooded shard's RSS stays below its baseline plus RSS_FACTOR x the request bytes its
-    limits let it hold at once (each of its max_inflight_calls calls holds at most one request;
-    those it admitted, together at most max(max_inflight_bytes, one request)), plus the windows
-    of the refused streams: 8 x 3 x 32 MiB + 16 x 32 MiB = 1280 MiB. Measured on the 2-core test
-    machine: 670-930 MiB over the baseline; with the limits off, 2.1-2.6 GB."""
-    return baseline + RSS_FACTOR * FLOOD_LIMITS.max_inflight_calls * REQUEST + RSS_PER_CONNECTION * THREADS
+    limits let it hold at once: each of its max_inflight_calls calls holds at most one request
+    (those it admitted, together at most max(max_inflight_bytes, one request)), so 6 x 3 x 32 MiB
+    = 576 MiB. Measured on the 2-core test machine: 290-365 MiB over the baseline. Without the
+    limits 2.1 GB; with gRPC's BDP probing on (the windows of refused streams) 0.8-1.1 GB; with
+    refused requests left to the cyclic GC 730 MiB (test_refused_requests_are_freed_at_once
+    catches that one for sure)."""
+    return baseline + RSS_FACTOR * FLOOD_LIMITS.max_inflight_calls * REQUEST
 
 
 def test_a_flooded_shard_refuses_stays_bounded_and_recovers(overload_cluster):

@@ -8,8 +8,9 @@ so it admits a call *before* gRPC reads its request, then again once the size is
 
 1. `enter`, before the request is read (its size is not known yet): refused when
    `max_inflight_calls` calls are in progress, or the requests in progress already reach
-   `max_inflight_bytes`. A refused call's request is never read: gRPC holds at most an HTTP/2
-   flow-control window of it until the stream is closed.
+   `max_inflight_bytes`. A refused call's request is never read: gRPC takes in at most the
+   HTTP/2 flow-control window of a stream nobody reads, which SERVER_OPTIONS keeps at its
+   initial 64 KiB.
 2. `take`, once the request's bytes are read and before they are parsed: refused when they would
    take the bytes in progress past `max_inflight_bytes`, unless no other request is in progress,
    so that a legal request larger than the limit still runs (alone).
@@ -24,6 +25,16 @@ multiple of its bytes) follows the same bounds. An answer is not counted: it is 
 (memserver.wire.check_answer), and on a shard computed one call at a time.
 
 Health checks and reflection are not ours: never counted, never refused.
+
+SERVER_OPTIONS turn gRPC's BDP probing off on the servers. With it, gRPC widens the window it
+grants every new stream as it estimates the link's bandwidth-delay product, and a busy server
+(slow to answer the probes) looked like a long fat link: under a flood of 32 MiB requests each
+waiting stream could push MiBs before the interceptor even saw the call (a flooded one-shard
+test cluster peaked some 500 MiB higher with it). Without it, a stream nobody reads gets the
+initial 64 KiB, and a stream being read still gets the window of the whole message it reads
+(gRPC sizes it to what the reader needs), so uploads are as fast on loopback (a 64 MiB request:
+~200 ms either way); over a long link a request may wait one round trip more for its window.
+Answers are not affected: what a server may send is the clients' windows, and they keep BDP.
 
 Not grpc.aio.server(maximum_concurrent_rpcs=N): that limiter counts every RPC, health checks
 included, and refuses them alike (a saturated shard would fail its liveness probe and be
@@ -51,6 +62,8 @@ log = logging.getLogger(__name__)
 
 #: At most one log line per this many seconds about refused calls (a flood must not flood the log).
 LOG_EVERY = 10.0
+#: gRPC options of every server on top of memserver.wire.GRPC_OPTIONS (see the module docstring).
+SERVER_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 
 
 def _size(n: int) -> str:

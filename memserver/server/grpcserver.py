@@ -27,7 +27,7 @@ from memserver.api.auth import READ_METHODS, AuthConfig
 from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
-from memserver.server.admission import Admission
+from memserver.server.admission import SERVER_OPTIONS, Admission
 from memserver.server.config import ServeConfig
 from memserver.storage.fsutil import atomic_write
 from memserver.wire import GRPC_OPTIONS
@@ -210,7 +210,8 @@ async def start_server(
     config = config or ServeConfig()
     chain: list[grpc.aio.ServerInterceptor] = [Authenticate(config.auth, metrics)] if config.auth is not None else []
     admission = Admission(config.limits)
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[*chain, ErrorsAndMetrics(metrics, admission)])
+    server = grpc.aio.server(options=[*GRPC_OPTIONS, *SERVER_OPTIONS],
+                             interceptors=[*chain, ErrorsAndMetrics(metrics, admission)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
