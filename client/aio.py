@@ -96,8 +96,8 @@ class AsyncMemoryClient:
     ) -> None:
         """`retry_seconds`: how long a call keeps retrying while a shard or the coordinator is
         UNAVAILABLE (restarting) or overloaded (OverloadedError) before it raises the error; 0 = do
-        not retry. `token`: the
-        cluster's read or write token (default: $MEMSERVER_TOKEN, else the endpoint file's).
+        not retry. `token`: the cluster's read or write token (default: $MEMSERVER_TOKEN, else
+        the endpoint file's).
         `tls`: speak TLS, trusting its CA (default: $MEMSERVER_TLS_CA, else the endpoint file's;
         none of them: plaintext; see client.channels.client_tls)."""
         tune_malloc()  # large calls build their messages in reused memory (see memserver.wire)
