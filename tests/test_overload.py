@@ -45,13 +45,13 @@ def test_admission_rules():
     a = Admission(Limits(max_inflight_calls=3, max_inflight_bytes=100))
     a.enter("Bag")
     a.take("Bag", 250)  # larger than the limit, but alone: admitted
-    with pytest.raises(OverloadedError, match="250 bytes of requests in progress, the limit max_inflight_bytes=100"):
+    with pytest.raises(OverloadedError, match="250 B of requests in progress, the limit max_inflight_bytes=100"):
         a.enter("Lookup")  # the bytes are at the limit: refused before the request is read
     a.leave(250)
     a.enter("Bag")
     a.take("Bag", 60)
     a.enter("Bag")
-    with pytest.raises(OverloadedError, match="this request's 50 bytes on top of 60 bytes in progress would pass "
+    with pytest.raises(OverloadedError, match="this request's 50 B on top of 60 B in progress would pass "
                        "the limit max_inflight_bytes=100") as err:
         a.take("Bag", 50)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.details.startswith(OVERLOADED)
@@ -557,10 +557,9 @@ def rss_bound(baseline: float) -> float:
     """The flooded shard's RSS stays below its baseline plus RSS_FACTOR x the request bytes its
     limits let it hold at once: each of its max_inflight_calls calls holds at most one request
     (those it admitted, together at most max(max_inflight_bytes, one request)), so 6 x 3 x 32 MiB
-    = 576 MiB. Measured on the 2-core test machine: 290-365 MiB over the baseline. Without the
-    limits 2.1 GB; with gRPC's BDP probing on (the windows of refused streams) 0.8-1.1 GB; with
-    refused requests left to the cyclic GC 730 MiB (test_refused_requests_are_freed_at_once
-    catches that one for sure)."""
+    = 576 MiB (the test prints the peak). It fails with the limits off, with gRPC's BDP probing
+    on (the windows of refused streams) and with refused requests left to the cyclic GC
+    (test_refused_requests_are_freed_at_once catches that one for sure)."""
     return baseline + RSS_FACTOR * FLOOD_LIMITS.max_inflight_calls * REQUEST
 
 

@@ -169,3 +169,12 @@ class TableMeta:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "shards"}
         d["shards"] = [sh.__dict__ for sh in self.shards]
         return d
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count for people: "250 B", "1.5 MiB" (the CLI, the page and the servers' refusals)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

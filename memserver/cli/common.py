@@ -40,14 +40,6 @@ def endpoint_of(args: argparse.Namespace) -> str:
         raise CliError(str(exc)) from None
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 #: How whitespace and control characters are drawn in trigger contexts and tokens (the CLI and the
 #: web page alike), else they are invisible.
 GLYPHS = {"\n": "⏎", "\t": "⇥", "\r": "␍", " ": "·"}

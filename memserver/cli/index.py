@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from memserver.cli.common import CliError, cluster_flags, endpoint_of, fmt_bytes
+from memserver.api.types import fmt_bytes
+from memserver.cli.common import CliError, cluster_flags, endpoint_of
 
 #: Vectors sent per add call while loading (each call is split further below the request limit).
 LOAD_BATCH = 65536

@@ -7,7 +7,8 @@ import argparse
 import json
 from typing import Any
 
-from memserver.cli.common import CliError, cluster_flags, endpoint_of, fmt_bytes
+from memserver.api.types import fmt_bytes
+from memserver.cli.common import CliError, cluster_flags, endpoint_of
 
 
 def calls_dict(c: Any) -> dict[str, Any]:

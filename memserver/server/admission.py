@@ -29,11 +29,11 @@ Health checks and reflection are not ours: never counted, never refused.
 SERVER_OPTIONS turn gRPC's BDP probing off on the servers. With it, gRPC widens the window it
 grants every new stream as it estimates the link's bandwidth-delay product, and a busy server
 (slow to answer the probes) looked like a long fat link: under a flood of 32 MiB requests each
-waiting stream could push MiBs before the interceptor even saw the call (a flooded one-shard
-test cluster peaked some 500 MiB higher with it). Without it, a stream nobody reads gets the
-initial 64 KiB, and a stream being read still gets the window of the whole message it reads
-(gRPC sizes it to what the reader needs), so uploads are as fast on loopback (a 64 MiB request:
-~200 ms either way); over a long link a request may wait one round trip more for its window.
+waiting stream could push MiBs before the interceptor even saw the call (the flood test of
+tests/test_overload.py goes past its RSS bound with it). Without it, a stream nobody reads gets
+the initial 64 KiB, and a stream being read still gets the window of the whole message it reads
+(gRPC sizes it to what the reader needs), so an upload is not slowed on loopback; over a long
+link a request may wait one round trip more for its window.
 Answers are not affected: what a server may send is the clients' windows, and they keep BDP.
 
 Not grpc.aio.server(maximum_concurrent_rpcs=N): that limiter counts every RPC, health checks
@@ -56,6 +56,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memserver.api.errors import OVERLOADED, OverloadedError
+from memserver.api.types import fmt_bytes
 from memserver.server.config import Limits
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,6 @@ log = logging.getLogger(__name__)
 LOG_EVERY = 10.0
 #: gRPC options of every server on top of memserver.wire.GRPC_OPTIONS (see the module docstring).
 SERVER_OPTIONS = [("grpc.http2.bdp_probe", 0)]
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
 
 class Admission:
@@ -91,8 +88,8 @@ class Admission:
             self._refuse(method, "max_inflight_calls",
                          f"{self.calls} calls in progress, the limit max_inflight_calls={calls}")
         if nbytes and self.bytes >= nbytes:
-            self._refuse(method, "max_inflight_bytes", f"{_size(self.bytes)} of requests in progress, the limit "
-                         f"max_inflight_bytes={nbytes} ({_size(nbytes)})")
+            self._refuse(method, "max_inflight_bytes", f"{fmt_bytes(self.bytes)} of requests in progress, the limit "
+                         f"max_inflight_bytes={nbytes} ({fmt_bytes(nbytes)})")
         self.calls += 1
 
     def take(self, method: str, size: int) -> None:
@@ -100,8 +97,8 @@ class Admission:
         keeps its slot until `leave`). Always admitted when no other request is in progress."""
         limit = self.limits.max_inflight_bytes
         if limit and self.bytes and self.bytes + size > limit:
-            self._refuse(method, "max_inflight_bytes", f"this request's {_size(size)} on top of {_size(self.bytes)} "
-                         f"in progress would pass the limit max_inflight_bytes={limit} ({_size(limit)})")
+            self._refuse(method, "max_inflight_bytes", f"this request's {fmt_bytes(size)} on top of {fmt_bytes(self.bytes)} "
+                         f"in progress would pass the limit max_inflight_bytes={limit} ({fmt_bytes(limit)})")
         self.bytes += size
 
     def leave(self, size: int) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memserver.api.errors import InvalidArgumentError, ResourceExhaustedError
-from memserver.api.types import METRIC_NAMES, ShardLayout
+from memserver.api.types import METRIC_NAMES, ShardLayout, fmt_bytes
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import OptimizerConfig
 from memserver.server.config import Limits
@@ -189,11 +189,8 @@ def slice_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> SliceSize:
 
 
 def _bytes(n: float) -> str:
-    """"68,000 bytes (66.4 KiB)"."""
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n:,.0f} bytes ({n / (1 << shift):.1f} {unit})"
-    return f"{n:,.0f} bytes"
+    """"68,000 bytes (66.4 KiB)": the exact count a refusal is about, and its size."""
+    return f"{n:,.0f} bytes" + (f" ({fmt_bytes(n)})" if n >= 1024 else "")
 
 
 _SMALLER = ("spread it over more shards, or make it smaller (fewer rows or columns, dtype float16/bfloat16, "

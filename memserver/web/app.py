@@ -71,7 +71,7 @@ def fmt_int(x: float) -> str:
 
 def make_env() -> jinja2.Environment:
     """The templates' environment: autoescaped, undefined names an error (a typo fails the test, not silently)."""
-    from memserver.cli.common import fmt_bytes
+    from memserver.api.types import fmt_bytes
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
