@@ -29,9 +29,11 @@ from typing import Any
 
 import grpc
 
-from client import ops
+from client import ops, transport
 from client.channels import ClientTls, aio_channel, client_tls, client_token
 from client.ops import ClientSession, Op, OpOptions, WriteTags, finish, like
+from client.shm import ShmTransport
+from client.shm import enabled as shm_enabled
 from memserver.api.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -93,13 +95,16 @@ class AsyncMemoryClient:
         retry_seconds: float = 60.0,
         token: str | None = None,
         tls: ClientTls | None = None,
+        shm: bool | None = None,
     ) -> None:
         """`retry_seconds`: how long a call keeps retrying while a shard or the coordinator is
         UNAVAILABLE (restarting) or overloaded (OverloadedError) before it raises the error; 0 = do
         not retry. `token`: the cluster's read or write token (default: $MEMSERVER_TOKEN, else
         the endpoint file's).
         `tls`: speak TLS, trusting its CA (default: $MEMSERVER_TLS_CA, else the endpoint file's;
-        none of them: plaintext; see client.channels.client_tls)."""
+        none of them: plaintext; see client.channels.client_tls).
+        `shm`: send the tensors of lookups, bags and searches to shards on this machine through
+        shared memory (client.shm); default $MEMSERVER_SHM, on unless it is 0."""
         tune_malloc()  # large calls build their messages in reused memory (see memserver.wire)
         record = read_endpoint() if not endpoint else None
         self.endpoint = endpoint or record["endpoint"]
@@ -114,6 +119,8 @@ class AsyncMemoryClient:
         self.opts = OpOptions(wire_dtype=dtype_code(wire_dtype), max_request_bytes=max_request_bytes)
         self.session = ClientSession(client_id or uuid.uuid4().hex)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._methods: dict[str, dict[str, Any]] = {}  # address -> its DataPlane methods (client.transport)
+        self.shm = ShmTransport(shm_enabled(shm), self._channel)
         self._tables: dict[str, TableMeta] = {}
 
     # -- plumbing ------------------------------------------------------------------------
@@ -160,10 +167,12 @@ class AsyncMemoryClient:
                 if on_retry is not None and isinstance(exc, UnavailableError):
                     await on_retry()
 
-    async def _data(self, address: str, method: str, request: Any) -> Any:
-        stub = pb_grpc.DataPlaneStub(self._channel(address))
+    async def _data(self, address: str, method: str, request: bytes) -> Any:
+        methods = self._methods.get(address)
+        if methods is None:
+            methods = self._methods[address] = transport.methods(self._channel(address))
         try:
-            return await getattr(stub, method)(request, timeout=self.timeout)
+            return await methods[method](request, timeout=self.timeout)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, f"shard {address}") from None
 
@@ -217,7 +226,19 @@ class AsyncMemoryClient:
                 first = False
             op = make_op(meta)
             calls = next(op)
-            answers = await asyncio.gather(*(self._data(address, method, req) for address, method, req in calls))
+            if self.shm.loop is None:
+                self.shm.loop = asyncio.get_running_loop()
+            sent = transport.prepare(calls, self.shm)
+            outcomes: list[Any] = [None] * len(calls)
+            try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
+                outcomes = await asyncio.gather(*(self._data(a, m, raw) for (a, m, _), (raw, _) in zip(calls, sent)),
+                                                return_exceptions=True)
+                errors = [o for o in outcomes if isinstance(o, BaseException)]
+                if errors:
+                    raise errors[0]
+                answers = transport.receive(sent, outcomes)
+            finally:
+                transport.release(sent, outcomes)
             if tags is not None:
                 self.session.answered(meta)
             return finish(op, answers)
@@ -229,8 +250,10 @@ class AsyncMemoryClient:
                 tags.close()
 
     async def close(self) -> None:
+        await self.shm.close()
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))
         self._channels.clear()
+        self._methods.clear()
 
     async def __aenter__(self) -> AsyncMemoryClient:
         return self

@@ -117,6 +117,16 @@ class _AioToken(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(_with_token(details, self.token), request)
 
 
+class _AioStreamToken(grpc.aio.UnaryStreamClientInterceptor):
+    """The token on a server-streaming call too (AttachRegion, client.shm)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return await continuation(_with_token(details, self.token), request)
+
+
 def _secure(tls: ClientTls, options: list[tuple[str, Any]]) -> tuple[grpc.ChannelCredentials, list[tuple[str, Any]]]:
     if tls.server_name:
         options = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
@@ -128,7 +138,7 @@ def aio_channel(address: str, *, retries: bool = True, token: str | None = None,
     """An asyncio channel to a shard or the coordinator (call on the loop that will use it);
     `tls`: speak TLS and trust what its CA signed."""
     options = CHANNEL_OPTIONS if retries else PLAIN_OPTIONS
-    interceptors = [_AioToken(token)] if token else None
+    interceptors = [_AioToken(token), _AioStreamToken(token)] if token else None
     if tls is not None:
         credentials, options = _secure(tls, options)
         return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

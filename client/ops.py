@@ -23,6 +23,7 @@ from memserver.api.types import MAX_INSPECT_SLOTS, MAX_SEARCH_K, ShardMeta, Tabl
 from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import (
+    Lazy,
     as_tensor,
     check_1d,
     check_bag,
@@ -32,9 +33,12 @@ from memserver.wire import (
     check_triggers,
     decode,
     encode,
+    wire_tensor,
 )
 
-#: yields [(address, method, request)] once, receives the answers, returns the result.
+#: yields [(address, method, request)] once, receives the answers, returns the result. A request is
+#: a protobuf message or, for the calls that carry large tensors, a memserver.wire.Lazy; the same
+#: Lazy object for several shards (a cols bag) is serialised once.
 Op = Generator[list[tuple[str, str, Any]], list[Any], Any]
 #: Requests and responses are kept below this size; larger batches are split into parts.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
@@ -173,7 +177,7 @@ def like(t: torch.Tensor, ref: Any) -> Any:
 
 def wire_ids(ids: torch.Tensor, meta: TableMeta) -> torch.Tensor:
     """Ids travel as int32 when the table allows it: a third less request bytes for a bag."""
-    return ids.int() if meta.num_rows < 2**31 else ids
+    return wire_tensor(ids, pb.INT32 if meta.num_rows < 2**31 else None)
 
 
 def route_ids(meta: TableMeta, ids: torch.Tensor) -> list[tuple[ShardMeta, torch.Tensor]]:
@@ -255,15 +259,15 @@ def _bag_args(meta: TableMeta, ids: Any, weights: Any, offsets: Any) -> tuple[to
     return t_ids, w, off, check_bag(t_ids, w, off)
 
 
-def _encoder(meta: TableMeta) -> Callable[..., pb.Tensor]:
-    """encode() memoised by tensor identity: cols shards all get the same ids and weights, which
-    are then converted and copied into bytes once per call, not once per shard."""
-    seen: dict[tuple[int, bool, int | None], tuple[torch.Tensor, pb.Tensor]] = {}
+def _encoder(meta: TableMeta) -> Callable[..., torch.Tensor]:
+    """wire_tensor() memoised by tensor identity: cols shards all get the same ids and weights,
+    which are then converted once per call, not once per shard."""
+    seen: dict[tuple[int, bool, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def enc(t: torch.Tensor, *, ids: bool = False, wire_dtype: int | None = None) -> pb.Tensor:
+    def enc(t: torch.Tensor, *, ids: bool = False, wire_dtype: int | None = None) -> torch.Tensor:
         key = (id(t), ids, wire_dtype)
         if key not in seen:  # the tensor is kept alive with its encoding, so its id stays unique
-            seen[key] = (t, encode(wire_ids(t, meta) if ids else t, wire_dtype))
+            seen[key] = (t, wire_ids(t, meta) if ids else wire_tensor(t, wire_dtype))
         return seen[key][1]
 
     return enc
@@ -308,15 +312,17 @@ def lookup_op(meta: TableMeta, ids: Any, opts: OpOptions, count: bool = True) ->
     uniq, inv = torch.unique(t.reshape(-1), return_inverse=True)
     rows = torch.empty((len(uniq), meta.dim), dtype=torch.float32)
     calls, places = [], []
-    encoded: dict[int, tuple[torch.Tensor, list[tuple[slice, pb.Tensor]]]] = {}
+    encoded: dict[int, tuple[torch.Tensor, list[tuple[slice, Lazy]]]] = {}
     for sh, sel in route_ids(meta, uniq):
-        if id(sel) not in encoded:  # cols: every shard gets the same ids; encode them once
+        if id(sel) not in encoded:  # cols: every shard gets the same request; build it once
             sub = uniq[sel]
             parts = _chunks(len(sub), meta.dim * 4 + 8, opts.max_request_bytes)
-            encoded[id(sel)] = (sel, [(p, encode(wire_ids(sub[p], meta))) for p in parts])
-        for part, ids_msg in encoded[id(sel)][1]:
-            req = pb.LookupRequest(table=meta.name, ids=ids_msg, wire_dtype=opts.wire_dtype, layout_id=meta.layout_id,
-                                   uncounted=not count)
+            encoded[id(sel)] = (sel, [(p, Lazy(pb.LookupRequest(table=meta.name, wire_dtype=opts.wire_dtype,
+                                                                layout_id=meta.layout_id, uncounted=not count),
+                                               {"ids": wire_ids(sub[p], meta)},
+                                               answer_bytes=(p.stop - p.start) * meta.dim * 4))
+                                       for p in parts])
+        for part, req in encoded[id(sel)][1]:
             calls.append((sh.address, "Lookup", req))
             places.append((sh, sel, part))
     for (sh, sel, part), resp in zip(places, (yield calls)):
@@ -324,28 +330,48 @@ def lookup_op(meta: TableMeta, ids: Any, opts: OpOptions, count: bool = True) ->
     return rows[inv].view(*t.shape, meta.dim)
 
 
+def _into(out: torch.Tensor, where: tuple[Any, ...], got: torch.Tensor, add: bool) -> None:
+    """out[where] = got (or +=), with numpy when it can: one thread (see memserver.wire.check_ids)."""
+    if got.dtype == out.dtype and out.device.type == "cpu":
+        o, g = out.numpy(), got.numpy()
+        if add:
+            o[where] += g
+        else:
+            o[where] = g
+    elif add:
+        out[where] += got.to(out.dtype)
+    else:
+        out[where] = got.to(out.dtype)
+
+
 def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOptions) -> Op:
     """out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32, computed on the shards."""
     t_ids, w, off, num_bags = _bag_args(meta, ids, weights, offsets)
-    out = torch.zeros((num_bags, meta.dim), dtype=torch.float32)
+    # cols: every shard fills its columns of every bag (an error fails the call), nothing to zero
+    out = (torch.zeros if meta.by_rows else torch.empty)((num_bags, meta.dim), dtype=torch.float32)
     calls, places = [], []
     k = _entries_per_bag(t_ids, off, num_bags)
+    itemsize = 2 if opts.wire_dtype in (pb.FLOAT16, pb.BFLOAT16) else 4
     for bags in _chunks(num_bags, max(k * 8, meta.dim * 4), opts.max_request_bytes):
         b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
         enc = _encoder(meta)
+        shared: Lazy | None = None
         for sh, (s_ids, s_w, s_off) in route_bags(meta, b_ids, b_w, b_off):
-            req = pb.BagRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w), wire_dtype=opts.wire_dtype,
-                                layout_id=meta.layout_id)
-            if s_off is not None:
-                req.offsets.CopyFrom(enc(s_off))
-            calls.append((sh.address, "Bag", req))
+            if shared is None or meta.by_rows:  # cols: one request for every shard
+                req = Lazy(pb.BagRequest(table=meta.name, wire_dtype=opts.wire_dtype, layout_id=meta.layout_id),
+                           {"ids": enc(s_ids, ids=True), "weights": enc(s_w)},
+                           answer_bytes=(bags.stop - bags.start) * (sh.col_end - sh.col_start) * itemsize)
+                if s_off is not None:
+                    req.tensors["offsets"] = enc(s_off)
+                shared = req
+            calls.append((sh.address, "Bag", shared))
             places.append((sh, bags))
     for (sh, bags), resp in zip(places, (yield calls)):
-        got = decode(resp.out, "out").float()
+        got = decode(resp.out, "out")
         if meta.by_rows:
-            out[bags] += got  # rows: each shard's partial sum over the entries it owns
+            _into(out, (bags,), got, add=True)  # rows: each shard's partial sum over the entries it owns
         else:
-            out[bags, sh.col_start : sh.col_end] = got
+            _into(out, (bags, slice(sh.col_start, sh.col_end)), got, add=False)
     return out
 
 
@@ -369,18 +395,18 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
         enc = _encoder(meta)
         for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
             g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
-            req = pb.BagBackwardRequest(table=meta.name, ids=enc(s_ids, ids=True), weights=enc(s_w),
-                                        grad_out=encode(g_sh, opts.wire_dtype), tag=tags(part, meta, sh),
-                                        defer_apply=defer_apply, step=step, layout_id=meta.layout_id,
-                                        gather=parts is not None)
+            req = Lazy(pb.BagBackwardRequest(table=meta.name, tag=tags(part, meta, sh), defer_apply=defer_apply,
+                                             step=step, layout_id=meta.layout_id, gather=parts is not None),
+                       {"ids": enc(s_ids, ids=True), "weights": enc(s_w), "grad_out": wire_tensor(g_sh, opts.wire_dtype)},
+                       answer_bytes=s_ids.numel() * 4)
             if s_off is not None:
-                req.offsets.CopyFrom(enc(s_off))
+                req.tensors["offsets"] = enc(s_off)
             calls.append((sh.address, "BagBackward", req))
             places.append((sh, entries, mask))
     for (sh, entries, mask), resp in zip(places, (yield calls)):
         got = decode(resp.grad_weights, "grad_weights").reshape(-1)
         if mask is None:
-            flat_gw[entries] += got  # cols: each shard's dot product covers its columns
+            _into(flat_gw, (entries,), got, add=True)  # cols: each shard's dot product covers its columns
         else:
             flat_gw[entries][mask] = got  # rows: each entry lives on one shard
         if parts is not None:
@@ -707,14 +733,14 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
     chunks = _chunks(q.shape[0], per_query, opts.max_request_bytes)
     calls, places = [], []
     for part in chunks:
-        q_msg = encode(q[part])
-        for sh in meta.shards:
-            req = pb.SearchRequest(table=meta.name, queries=q_msg, k=k, return_payload=with_payload,
-                                   layout_id=meta.layout_id)
-            if nprobe is not None:
-                req.nprobe = nprobe
-            if ef_search is not None:
-                req.ef_search = ef_search
+        msg = pb.SearchRequest(table=meta.name, k=k, return_payload=with_payload, layout_id=meta.layout_id)
+        if nprobe is not None:
+            msg.nprobe = nprobe
+        if ef_search is not None:
+            msg.ef_search = ef_search
+        n_q = len(range(q.shape[0])[part])
+        req = Lazy(msg, {"queries": wire_tensor(q[part])}, answer_bytes=n_q * k * (12 + 4 * meta.payload_dim * with_payload))
+        for sh in meta.shards:  # one request for every shard
             calls.append((sh.address, "Search", req))
             places.append(part)
     answers = yield calls

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from client import ops
+from client import ops, transport
 from client.aio import AsyncMemoryClient, Backoff
 from client.channels import sync_channel
 from client.ops import Op, WriteTags, finish, like
@@ -31,7 +31,6 @@ from memserver.api.errors import (
 )
 from memserver.api.types import TableMeta
 from memserver.api.usage import TableUsage
-from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 
 T = TypeVar("T")
@@ -43,8 +42,9 @@ class MemoryClient:
     def __init__(self, endpoint: str | None = None, **kwargs: Any) -> None:
         self.aio = AsyncMemoryClient(endpoint, **kwargs)
         self._loop = LoopThread("memserver-client")
+        self.aio.shm.loop = self._loop.loop  # shared-memory regions are attached there
         self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, pb_grpc.DataPlaneStub] = {}
+        self._stubs: dict[str, dict[str, Any]] = {}  # address -> DataPlane methods (client.transport)
         self._lock = threading.Lock()
 
     @property
@@ -54,15 +54,15 @@ class MemoryClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.call(coro)
 
-    def _stub(self, address: str) -> pb_grpc.DataPlaneStub:
-        stub = self._stubs.get(address)
-        if stub is None:
+    def _methods(self, address: str) -> dict[str, Any]:
+        methods = self._stubs.get(address)
+        if methods is None:
             with self._lock:
                 if address not in self._stubs:
                     self._channels[address] = sync_channel(address, token=self.aio.token, tls=self.aio.tls)
-                    self._stubs[address] = pb_grpc.DataPlaneStub(self._channels[address])
-                stub = self._stubs[address]
-        return stub
+                    self._stubs[address] = transport.methods(self._channels[address])
+                methods = self._stubs[address]
+        return methods
 
     def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None) -> Any:
         """Run an op with blocking stubs, all its requests in flight at once.
@@ -83,18 +83,27 @@ class MemoryClient:
             calls = next(op)
             # All but the last in flight as futures; the last as a plain blocking call, which waits in
             # this thread (a future's answer arrives through another thread: one more wake-up).
-            futures = [getattr(self._stub(a), m).future(r, timeout=timeout) for a, m, r in calls[:-1]]
-            answers: list[Any] = [None] * len(calls)
-            where = ""
-            try:
+            sent = transport.prepare(calls, self.aio.shm)
+            outcomes: list[Any] = [None] * len(calls)
+            try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
+                futures = [self._methods(a)[m].future(raw, timeout=timeout) for (a, m, _), (raw, _) in zip(calls[:-1], sent)]
                 if calls:
-                    where, method, req = calls[-1]
-                    answers[-1] = getattr(self._stub(where), method)(req, timeout=timeout)
+                    where, method, _ = calls[-1]
+                    try:
+                        outcomes[-1] = self._methods(where)[method](sent[-1][0], timeout=timeout)
+                    except grpc.RpcError as err:
+                        outcomes[-1] = err
                 for i, fut in enumerate(futures):
-                    where = calls[i][0]
-                    answers[i] = fut.result()
-            except grpc.RpcError as err:
-                raise from_rpc_error(err, f"shard {where}") from None
+                    try:
+                        outcomes[i] = fut.result()
+                    except grpc.RpcError as err:
+                        outcomes[i] = err
+                for (where, _, _), o in zip(calls, outcomes):
+                    if isinstance(o, grpc.RpcError):
+                        raise from_rpc_error(o, f"shard {where}") from None
+                answers = transport.receive(sent, outcomes)
+            finally:
+                transport.release(sent, outcomes)
             if tags is not None:
                 self.aio.session.answered(meta)
             return finish(op, answers)

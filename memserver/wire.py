@@ -50,6 +50,8 @@ DTYPE_NAMES: dict[str, int] = {
     "int32": pb.INT32,
 }
 VALUE_DTYPES = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
+_NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,
+              torch.int32: np.int32}
 
 
 def dtype_code(name: str | int | torch.dtype) -> int:
@@ -80,25 +82,43 @@ def as_tensor(x: Any) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x))
 
 
-def encode(t: torch.Tensor | np.ndarray, wire_dtype: int | None = None) -> pb.Tensor:
-    """torch tensor (or numpy array) -> pb.Tensor, optionally cast (e.g. to bfloat16 to halve the bytes)."""
-    t = as_tensor(t)
-    if wire_dtype is not None and wire_dtype != pb.DTYPE_UNSPECIFIED:
-        t = t.to(TORCH_DTYPES[wire_dtype])
-    code = WIRE_DTYPES.get(t.dtype)
-    if code is None:
-        raise InvalidArgumentError(f"dtype {t.dtype} cannot be sent; use one of {sorted(DTYPE_NAMES)}")
-    t = t.detach()
+def wire_tensor(t: torch.Tensor | np.ndarray, wire_dtype: int | None = None) -> torch.Tensor:
+    """What a tensor travels as: cast to `wire_dtype` (e.g. bfloat16 to halve the bytes), detached,
+    contiguous, on the CPU (a no-op for a tensor already so)."""
+    t = as_tensor(t).detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    # One copy into the message; bfloat16 has no numpy dtype, so view it as int16 bytes.
+    want = TORCH_DTYPES[wire_dtype] if wire_dtype is not None and wire_dtype != pb.DTYPE_UNSPECIFIED else t.dtype
+    if want not in WIRE_DTYPES:
+        raise InvalidArgumentError(f"dtype {t.dtype} cannot be sent; use one of {sorted(DTYPE_NAMES)}")
+    if want == t.dtype and t.is_contiguous():
+        return t
+    if torch.bfloat16 in (want, t.dtype):
+        return t.to(want).contiguous()
+    # numpy, one thread: a torch copy of this size waits for torch's second thread (see check_ids)
+    return torch.from_numpy(np.ascontiguousarray(t.numpy(), dtype=_NP_DTYPES[want]))
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a wire_tensor, without a copy (bfloat16 has no numpy dtype: int16 bytes)."""
     arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-    return pb.Tensor(dtype=code, shape=list(t.shape), data=arr.tobytes())
+    return memoryview(arr.reshape(-1)).cast("B")
 
 
-def decode(msg: pb.Tensor, what: str) -> torch.Tensor:
-    """pb.Tensor -> read-only torch view of the message bytes; the error names `what` on mismatch."""
+def encode(t: torch.Tensor | np.ndarray, wire_dtype: int | None = None) -> pb.Tensor:
+    """torch tensor (or numpy array) -> pb.Tensor (its bytes copied into the message); the data
+    plane's large tensors travel as `Lazy` fields instead."""
+    t = wire_tensor(t, wire_dtype)
+    return pb.Tensor(dtype=WIRE_DTYPES[t.dtype], shape=list(t.shape), data=tensor_bytes(t).tobytes())
+
+
+def decode(msg: pb.Tensor | torch.Tensor, what: str, region: Any = None) -> torch.Tensor:
+    """pb.Tensor -> read-only torch view of the message bytes; the error names `what` on mismatch.
+    A tensor whose bytes are in shared memory (Tensor.shm) is read from `region` (a
+    memserver.server.shm.Region: bounds-checked, copied). A torch tensor is returned as it is
+    (an answer the client's transport already read out of shared memory)."""
+    if isinstance(msg, torch.Tensor):
+        return msg
     dtype = TORCH_DTYPES.get(msg.dtype)
     if dtype is None:
         raise InvalidArgumentError(f"{what}: missing or unknown dtype ({msg.dtype})")
@@ -108,6 +128,12 @@ def decode(msg: pb.Tensor, what: str) -> torch.Tensor:
     numel = math.prod(shape)  # exact (a Python int): a product past int64 is just too many bytes
     itemsize = torch.empty((), dtype=dtype).element_size()
     data = msg.data  # with upb every read of a bytes field is a copy: read it once
+    if msg.HasField("shm"):
+        if region is None:
+            raise InvalidArgumentError(f"{what}: its bytes are in shared memory, but the call names no region")
+        if data:
+            raise InvalidArgumentError(f"{what}: both inline data and a shared-memory span")
+        data = region.read(msg.shm, what)
     if len(data) != numel * itemsize:
         raise InvalidArgumentError(
             f"{what}: {len(data)} bytes do not hold shape {list(shape)} of "
@@ -116,6 +142,81 @@ def decode(msg: pb.Tensor, what: str) -> torch.Tensor:
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+# ------------------------------------------------------------------ messages with tensors kept aside
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def tensor_head(t: torch.Tensor, nbytes: int | None = None) -> bytes:
+    """The bytes of a Tensor message up to its data: dtype, shape and the data field's key and
+    length (`nbytes`, default the tensor's), as protobuf itself writes them (default values left out)."""
+    nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
+    code = WIRE_DTYPES[t.dtype]
+    shape = b"".join(_varint(s) for s in t.shape)
+    head = b"\x08" + _varint(code) if code else b""
+    if shape:
+        head += b"\x12" + _varint(len(shape)) + shape
+    return head + (b"\x1a" + _varint(nbytes) if nbytes else b"")
+
+
+class Lazy:
+    """A message whose large Tensor fields stay tensors until it is sent: `msg` holds its other
+    fields, `tensors` the wire_tensor of each Tensor field by name. Serialising it (`to_bytes`)
+    writes msg's fields, then each tensor's field head and its bytes straight from the tensor:
+    one copy of the data, and none into protobuf (a pb.Tensor would take one copy in, one out).
+    The shared-memory path (client.shm) writes the tensors into the caller's region instead.
+
+    Protobuf concatenation is merging: msg must not set the fields the tensors fill.
+    `answer_bytes`: the size of the answer's tensors, where the sender can tell (shared memory
+    reserves that much for them; 0 = unknown, the answer comes inline)."""
+
+    __slots__ = ("msg", "tensors", "answer_bytes")
+
+    def __init__(self, msg: Any, tensors: dict[str, torch.Tensor] | None = None, answer_bytes: int = 0) -> None:
+        self.msg, self.tensors, self.answer_bytes = msg, tensors or {}, answer_bytes
+
+    def put(self, name: str, t: torch.Tensor, wire_dtype: int | None = None) -> Lazy:
+        self.tensors[name] = wire_tensor(t, wire_dtype)
+        return self
+
+    def to_bytes(self) -> bytes:
+        parts: list[bytes | memoryview] = [self.msg.SerializeToString()]
+        fields = self.msg.DESCRIPTOR.fields_by_name
+        for name, t in self.tensors.items():
+            data = tensor_bytes(t)
+            head = tensor_head(t, len(data))
+            parts += [_varint(fields[name].number << 3 | 2) + _varint(len(head) + len(data)), head, data]
+        return b"".join(parts)
+
+    def to_message(self) -> Any:
+        """The same message as a protobuf object (tests, logs; not the data path)."""
+        return type(self.msg).FromString(self.to_bytes())
+
+
+def inline(msg: Any, **tensors: torch.Tensor | None) -> Any:
+    """A copy of a shared-memory request with `tensors` inline and no region: what the
+    write-ahead log keeps (a replay has no client's region to read)."""
+    out = type(msg)()
+    out.CopyFrom(msg)
+    out.ClearField("shm")
+    for name, t in tensors.items():
+        if t is not None:
+            getattr(out, name).CopyFrom(encode(t))
+    return out
+
+
+def to_bytes(message: Any) -> bytes:
+    """The serialiser of every data-plane message, on both sides: a Lazy, or a protobuf message."""
+    return message.to_bytes() if isinstance(message, Lazy) else message.SerializeToString()
 
 
 # ------------------------------------------------------------------ validation
@@ -127,7 +228,10 @@ def check_ids(ids: torch.Tensor, num_rows: int, what: str = "ids") -> None:
         raise InvalidArgumentError(f"{what}: dtype must be int64, got {str(ids.dtype).removeprefix('torch.')}")
     if ids.numel() == 0:
         return
-    lo, hi = int(ids.min()), int(ids.max())
+    # numpy, one thread: a torch reduction of this size waits for torch's second thread, which a
+    # busy machine (the shards computing on the other core) keeps descheduled
+    arr = ids.numpy() if ids.device.type == "cpu" else None
+    lo, hi = (int(arr.min()), int(arr.max())) if arr is not None else (int(ids.min()), int(ids.max()))
     if lo < 0:
         raise InvalidArgumentError(f"{what}: negative id {lo}")
     if hi >= num_rows:
@@ -137,8 +241,14 @@ def check_ids(ids: torch.Tensor, num_rows: int, what: str = "ids") -> None:
 def check_float(x: torch.Tensor, what: str) -> None:
     if not x.dtype.is_floating_point:
         raise InvalidArgumentError(f"{what}: dtype must be floating point, got {str(x.dtype).removeprefix('torch.')}")
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    if x.numel() and not _all_finite(x):
         raise InvalidArgumentError(f"{what}: contains NaN or infinite values")
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    if x.device.type == "cpu" and x.dtype != torch.bfloat16:  # numpy, one thread (see check_ids)
+        return bool(np.isfinite(x.detach().numpy()).all())
+    return bool(torch.isfinite(x).all())
 
 
 def check_answer(rows: int, cols: int, what: str) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 HEADER = "authorization"
 #: Calls the read token may make: every call that changes nothing (DataPlane and ControlPlane).
 READ_METHODS = frozenset({
-    "Lookup", "Bag", "Search", "SlotStats", "Address", "Triggers", "TopSlots", "SlotUsage",  # DataPlane
+    "Lookup", "Bag", "Search", "SlotStats", "Address", "Triggers", "TopSlots", "SlotUsage", "AttachRegion",  # DataPlane
     "ListTables", "GetShardMap", "Status",  # ControlPlane
 })
 #: Where a client finds its token when none is given: this variable, then the endpoint file.

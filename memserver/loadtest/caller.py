@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import torch
 
-from client import ops
+from client import ops, transport
 from client.channels import client_tls, client_token, sync_channel
 from client.ops import Op, OpOptions, WriteTags, finish
 from memserver.api.types import TableMeta
@@ -45,7 +45,7 @@ class ShardCaller:
         for sh in meta.shards:
             if sh.address not in self.channels:
                 self.channels[sh.address] = sync_channel(sh.address, retries=False, token=token, tls=tls)
-        self.stubs = {sh.address: pb_grpc.DataPlaneStub(self.channels[sh.address]) for sh in meta.shards}
+        self.stubs = {sh.address: transport.methods(self.channels[sh.address]) for sh in meta.shards}
         biggest = max(cfg.batch * meta.dim * 4, cfg.batch * cfg.knn * 12)
         if biggest > self.opts.max_request_bytes:
             raise ValueError(f"batch: {cfg.batch} x dim {meta.dim} makes messages of {biggest >> 20} MiB; "
@@ -64,7 +64,8 @@ class ShardCaller:
         """All of the op's shard requests in flight at once; the first failure cancels the rest
         and raises (grpc.RpcError)."""
         calls = next(op)
-        futures = [getattr(self.stubs[address], method).future(req, timeout=self.timeout) for address, method, req in calls]
+        futures = [self.stubs[address][method].future(raw, timeout=self.timeout)
+                   for (address, method, _), raw in zip(calls, transport.serialised(calls))]
         try:
             answers = [f.result() for f in futures]
         finally:

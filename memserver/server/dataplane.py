@@ -11,8 +11,9 @@ memserver.server.grpcserver turn them into statuses and count every call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -27,9 +28,10 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.steps import bag_entries
 from memserver.core.table import set_threads
+from memserver.server.shm import Region, Regions, answer, serve_attach
 from memserver.server.slice import TableSlice
 from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, LOAD_PRODUCT_KEYS, PUSH_GRADIENTS, REMOVE, WRITE_ROWS
-from memserver.wire import check_1d, check_answer, check_bag, check_rows, check_triggers, decode, encode
+from memserver.wire import Lazy, check_1d, check_answer, check_bag, check_rows, check_triggers, decode, encode, inline
 
 T = TypeVar("T")
 
@@ -61,6 +63,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         self.busy = 0  # work items handed to the compute thread and not finished
         self.deferred = 0  # updates queued to run after their answer (a count, for status)
         self.tasks: set[asyncio.Task[None]] = set()
+        self.regions = Regions()  # clients' shared memory (memserver.server.shm)
 
     def _drain(self) -> None:
         while self.pending:
@@ -102,43 +105,63 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         return sl
 
     @staticmethod
-    def _bag_inputs(request: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-        ids = decode(request.ids, "ids")
-        weights = decode(request.weights, "weights")
-        offsets = decode(request.offsets, "offsets") if request.HasField("offsets") else None
+    def _bag_inputs(request: Any, region: Region | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        ids = decode(request.ids, "ids", region)
+        weights = decode(request.weights, "weights", region)
+        offsets = decode(request.offsets, "offsets", region) if request.HasField("offsets") else None
         return ids, weights, offsets, check_bag(ids, weights, offsets)
 
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    @contextlib.contextmanager
+    def _region(self, request: Any) -> Iterator[Region | None]:
+        """The shared-memory region a call's tensors are in (None: inline), leased for the call."""
+        region = self.regions.acquire(request)
+        try:
+            yield region
+        finally:
+            if region is not None:
+                region.release()
+
+    async def AttachRegion(self, request: pb.AttachRegionRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AttachRegionEvent]:
+        async for event in serve_attach(self.regions, request, context):
+            yield event
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> Any:
         sl = self.slice(request)
-        ids = decode(request.ids, "ids")
-        check_1d(ids, "ids")
-        check_answer(ids.numel(), sl.table.dim, "ids")
+        with self._region(request) as region:
+            ids = decode(request.ids, "ids", region)
+            check_1d(ids, "ids")
+            check_answer(ids.numel(), sl.table.dim, "ids")
 
-        def work() -> pb.LookupResponse:
-            rows = sl.table.lookup(sl.local(ids), count=not request.uncounted)
-            return pb.LookupResponse(rows=encode(rows, request.wire_dtype))
+            def work() -> Any:
+                rows = sl.table.lookup(sl.local(ids), count=not request.uncounted)
+                return answer(request, region, Lazy(pb.LookupResponse()).put("rows", rows, request.wire_dtype))
 
-        return await self.run(work, ids.numel())
+            return await self.run(work, ids.numel())
 
-    async def Bag(self, request: pb.BagRequest, context: grpc.aio.ServicerContext) -> pb.BagResponse:
+    async def Bag(self, request: pb.BagRequest, context: grpc.aio.ServicerContext) -> Any:
         sl = self.slice(request)
-        ids, weights, offsets, num_bags = self._bag_inputs(request)
-        check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
+        with self._region(request) as region:
+            ids, weights, offsets, num_bags = self._bag_inputs(request, region)
+            check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
 
-        def work() -> pb.BagResponse:
-            out = sl.table.bag(sl.local(ids), weights, offsets)
-            return pb.BagResponse(out=encode(out, request.wire_dtype))
+            def work() -> Any:
+                out = sl.table.bag(sl.local(ids), weights, offsets)
+                return answer(request, region, Lazy(pb.BagResponse()).put("out", out, request.wire_dtype))
 
-        return await self.run(work, ids.numel())
+            return await self.run(work, ids.numel())
 
     # Each write is built in two halves: validation (on the event loop, before anything changes)
     # and a work() that applies it on the compute thread. Replaying the write-ahead log after a
     # restart runs the same work() on the logged request.
 
-    def _bag_backward(self, sl: TableSlice, request: pb.BagBackwardRequest) -> tuple[Callable[[], pb.BagBackwardResponse], int]:
-        ids, weights, offsets, num_bags = self._bag_inputs(request)
-        grad_out = decode(request.grad_out, "grad_out")
+    def _bag_backward(self, sl: TableSlice, request: pb.BagBackwardRequest,
+                      region: Region | None = None) -> tuple[Callable[[], pb.BagBackwardResponse], int]:
+        ids, weights, offsets, num_bags = self._bag_inputs(request, region)
+        grad_out = decode(request.grad_out, "grad_out", region)
         check_rows(grad_out, num_bags, sl.table.dim, "grad_out")
+        if region is not None and sl.wal is not None:  # the log keeps the tensors, not where they were
+            request = inline(request, ids=ids, weights=weights, offsets=offsets, grad_out=grad_out)
         client = request.tag.client_id or "anonymous"
         # A part of a step (gather), or a sync table's whole contribution in one request: the row
         # update waits for the step; dL/dw is computed now, on the values before the step.
@@ -263,7 +286,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         return response
 
     async def BagBackward(self, request: pb.BagBackwardRequest, context: grpc.aio.ServicerContext) -> pb.BagBackwardResponse:
-        return await self._apply_write(request, self._bag_backward)
+        with self._region(request) as region:
+            return await self._apply_write(request, lambda sl, r: self._bag_backward(sl, r, region))
 
     async def PushGradients(self, request: pb.PushGradientsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
         return await self._apply_write(request, self._push_gradients)
@@ -306,22 +330,24 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
     async def Remove(self, request: pb.RemoveRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
         return await self._apply_write(request, self._remove, kind=pb.INDEX)
 
-    async def Search(self, request: pb.SearchRequest, context: grpc.aio.ServicerContext) -> pb.SearchResponse:
+    async def Search(self, request: pb.SearchRequest, context: grpc.aio.ServicerContext) -> Any:
+        with self._region(request) as region:
+            return await self._search(request, region)
+
+    async def _search(self, request: pb.SearchRequest, region: Region | None) -> Any:
         sl = self.slice(request, pb.INDEX)
-        queries = decode(request.queries, "queries")
+        queries = decode(request.queries, "queries", region)
         nprobe = request.nprobe if request.HasField("nprobe") else None
         ef_search = request.ef_search if request.HasField("ef_search") else None
         b = queries.shape[0] if queries.dim() else 1
         # an answer row per hit: a float32 score, an int64 id (2 floats' worth) and the payload
         check_answer(b * max(int(request.k), 0), 3 + (sl.table.payload_dim if request.return_payload else 0), "k")
 
-        def work() -> pb.SearchResponse:
+        def work() -> Any:
             scores, ids, payload = sl.table.search(queries, int(request.k), nprobe=nprobe, ef_search=ef_search,
                                                    with_payload=request.return_payload)
-            resp = pb.SearchResponse(scores=encode(torch.as_tensor(scores)), ids=encode(torch.as_tensor(ids)))
-            if payload is not None:
-                resp.payload.CopyFrom(encode(torch.as_tensor(payload)))
-            return resp
+            resp = Lazy(pb.SearchResponse()).put("scores", torch.as_tensor(scores)).put("ids", torch.as_tensor(ids))
+            return answer(request, region, resp.put("payload", torch.as_tensor(payload)) if payload is not None else resp)
 
         # Inline (on the event loop) only a search that is small whatever the kind: a few queries
         # over a slice a brute-force scan reads in about a millisecond.

@@ -30,7 +30,7 @@ from memserver.loop import LoopThread
 from memserver.server.admission import SERVER_OPTIONS, Admission
 from memserver.server.config import ServeConfig
 from memserver.storage.fsutil import atomic_write
-from memserver.wire import GRPC_OPTIONS
+from memserver.wire import GRPC_OPTIONS, to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,37 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         method = details.method
-        if handler is None or handler.unary_unary is None or not method.startswith(_OUR_SERVICES):
+        if handler is None or not method.startswith(_OUR_SERVICES):
+            return handler
+        wrap = self._wrap if handler.unary_unary is not None else self._wrap_stream if handler.unary_stream else None
+        if wrap is None:
             return handler
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not handler:  # one wrapper per method, built once
-            cached = self._wrapped[method] = (handler, self._wrap(handler, method.rsplit("/", 1)[-1]))
+            cached = self._wrapped[method] = (handler, wrap(handler, method.rsplit("/", 1)[-1]))
         return cached[1]
+
+    def _wrap_stream(self, handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
+        """A server-streaming method (AttachRegion): its request parsed here, as the unary ones'
+        are (bytes that are no such message get INVALID_ARGUMENT), and counted when it starts.
+        Not admitted: it stays open as long as the client keeps it (its own bound is the
+        handler's, e.g. memserver.server.shm.MAX_REGIONS)."""
+        inner, parse = handler.unary_stream, handler.request_deserializer
+
+        async def behavior(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            try:
+                request = parse(raw) if parse is not None else raw
+            except Exception as exc:
+                self._observe(name, None, grpc.StatusCode.INVALID_ARGUMENT, t0)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request: not a valid {name} request ({type(exc).__name__})")
+            self._observe(name, request, grpc.StatusCode.OK, t0)
+            async for item in inner(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer=None,
+                                                    response_serializer=handler.response_serializer)
 
     def _wrap(self, handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
         inner = handler.unary_unary
@@ -136,8 +161,8 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                 if entered:
                     admission.leave(size)
 
-        return grpc.stream_unary_rpc_method_handler(behavior, request_deserializer=None,
-                                                    response_serializer=handler.response_serializer)
+        # answers are serialised by memserver.wire.to_bytes: a handler may answer with a Lazy
+        return grpc.stream_unary_rpc_method_handler(behavior, request_deserializer=None, response_serializer=to_bytes)
 
     def _observe(self, name: str, request: Any, code: grpc.StatusCode, t0: float) -> None:
         if self.metrics is not None:

@@ -64,6 +64,7 @@ class ShardActor:
         self.config = config or ServeConfig()
         self.servicer = DataPlaneServicer(self.device, threads)
         self.metrics = ShardMetrics(index, lambda: self.servicer.tables, self.restarted)
+        self.metrics.registry.register(self.servicer.regions)  # shared-memory regions attached now
         self.store = ShardStore(data_dir, index) if data_dir else None
         self.loop = LoopThread(f"shard{index}-grpc")
         self.server: grpc.aio.Server | None = None

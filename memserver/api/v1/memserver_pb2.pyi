@@ -67,14 +67,50 @@ UPDATES: SlotStat
 VALUE_SQ_NORM: SlotStat
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "shm")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shm: ShmSpan
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
+
+class ShmSpan(_message.Message):
+    __slots__ = ("offset", "nbytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ShmCall(_message.Message):
+    __slots__ = ("region", "answer")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    answer: ShmSpan
+    def __init__(self, region: _Optional[str] = ..., answer: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
+
+class AttachRegionRequest(_message.Message):
+    __slots__ = ("name", "size", "boot_id", "nonce")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    boot_id: str
+    nonce: bytes
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., boot_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class AttachRegionEvent(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    def __init__(self, region: _Optional[str] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "lr", "eps", "beta1", "beta2")
@@ -183,18 +219,20 @@ class WriteTag(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., acked_below: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("table", "layout_id", "ids", "wire_dtype", "uncounted")
+    __slots__ = ("table", "layout_id", "ids", "wire_dtype", "uncounted", "shm")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     UNCOUNTED_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     table: str
     layout_id: int
     ids: Tensor
     wire_dtype: DType
     uncounted: bool
-    def __init__(self, table: _Optional[str] = ..., layout_id: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., uncounted: _Optional[bool] = ...) -> None: ...
+    shm: ShmCall
+    def __init__(self, table: _Optional[str] = ..., layout_id: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., uncounted: _Optional[bool] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("rows",)
@@ -203,20 +241,22 @@ class LookupResponse(_message.Message):
     def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class BagRequest(_message.Message):
-    __slots__ = ("table", "ids", "weights", "offsets", "wire_dtype", "layout_id")
+    __slots__ = ("table", "ids", "weights", "offsets", "wire_dtype", "layout_id", "shm")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     weights: Tensor
     offsets: Tensor
     wire_dtype: DType
     layout_id: int
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., layout_id: _Optional[int] = ...) -> None: ...
+    shm: ShmCall
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., layout_id: _Optional[int] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
 
 class BagResponse(_message.Message):
     __slots__ = ("out",)
@@ -225,7 +265,7 @@ class BagResponse(_message.Message):
     def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class BagBackwardRequest(_message.Message):
-    __slots__ = ("table", "ids", "weights", "offsets", "grad_out", "tag", "defer_apply", "step", "layout_id", "gather")
+    __slots__ = ("table", "ids", "weights", "offsets", "grad_out", "tag", "defer_apply", "step", "layout_id", "gather", "shm")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +276,7 @@ class BagBackwardRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GATHER_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     weights: Tensor
@@ -246,7 +287,8 @@ class BagBackwardRequest(_message.Message):
     step: int
     layout_id: int
     gather: bool
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., step: _Optional[int] = ..., layout_id: _Optional[int] = ..., gather: _Optional[bool] = ...) -> None: ...
+    shm: ShmCall
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., step: _Optional[int] = ..., layout_id: _Optional[int] = ..., gather: _Optional[bool] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
 
 class BagBackwardResponse(_message.Message):
     __slots__ = ("grad_weights", "duplicate")
@@ -467,7 +509,7 @@ class RemoveRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("table", "queries", "k", "nprobe", "ef_search", "return_payload", "layout_id")
+    __slots__ = ("table", "queries", "k", "nprobe", "ef_search", "return_payload", "layout_id", "shm")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -475,6 +517,7 @@ class SearchRequest(_message.Message):
     EF_SEARCH_FIELD_NUMBER: _ClassVar[int]
     RETURN_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     table: str
     queries: Tensor
     k: int
@@ -482,7 +525,8 @@ class SearchRequest(_message.Message):
     ef_search: int
     return_payload: bool
     layout_id: int
-    def __init__(self, table: _Optional[str] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., ef_search: _Optional[int] = ..., return_payload: _Optional[bool] = ..., layout_id: _Optional[int] = ...) -> None: ...
+    shm: ShmCall
+    def __init__(self, table: _Optional[str] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., ef_search: _Optional[int] = ..., return_payload: _Optional[bool] = ..., layout_id: _Optional[int] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
     __slots__ = ("scores", "ids", "payload")

@@ -114,6 +114,11 @@ class DataPlaneStub:
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageRequest.SerializeToString,
                 response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageResponse.FromString,
                 _registered_method=True)
+        self.AttachRegion = channel.unary_stream(
+                '/memserver.v1.DataPlane/AttachRegion',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AttachRegionRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AttachRegionEvent.FromString,
+                _registered_method=True)
 
 
 class DataPlaneServicer:
@@ -216,6 +221,14 @@ class DataPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachRegion(self, request, context):
+        """Map the client's shared-memory region (same node); detached when the stream ends (the client
+        cancels it or dies). FAILED_PRECONDITION: not this shard's machine, or not the client's region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +311,11 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     servicer.SlotUsage,
                     request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageRequest.FromString,
                     response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageResponse.SerializeToString,
+            ),
+            'AttachRegion': grpc.unary_stream_rpc_method_handler(
+                    servicer.AttachRegion,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AttachRegionRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.AttachRegionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -732,6 +750,33 @@ class DataPlane:
             '/memserver.v1.DataPlane/SlotUsage',
             memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageRequest.SerializeToString,
             memserver_dot_api_dot_v1_dot_memserver__pb2.SlotUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/memserver.v1.DataPlane/AttachRegion',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.AttachRegionRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.AttachRegionEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,361 @@
+"""The client's side of shared memory with the shards on its own machine (memserver.server.shm is
+the shard's; docs/architecture.md "Shared memory" the whole protocol).
+
+Per shard on this machine the client makes one region (REGION_BYTES of /dev/shm, allocated up
+front so that a full tmpfs fails here and not as a SIGBUS at a write), attaches it with an
+AttachRegion stream and unlinks its name at once. A Lookup, Bag, BagBackward or Search to that
+shard then writes its tensors into a block of the region and sends only where they are; the shard
+writes its answer into the same block, and the client copies it out before the block is freed.
+Chosen automatically: on unless MEMSERVER_SHM=0 or the client's `shm=False`; a shard on another
+machine (its address is not one of ours, or the shard sees another boot id), a region that cannot
+be made, or a call that does not fit the free space goes over TCP as before.
+
+Bounds: one region per shard address (its blocks: the calls in flight to it); a shard that
+refused is asked again after RETRY_AFTER seconds, never when it is on another machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import mmap
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.wire import TORCH_DTYPES, WIRE_DTYPES, Lazy, tensor_bytes
+
+log = logging.getLogger(__name__)
+
+SHM_ENV = "MEMSERVER_SHM"
+#: One region per shard: requests and answers of the calls in flight to it.
+REGION_BYTES = 64 << 20
+#: The calls whose tensors may travel through shared memory.
+METHODS = frozenset({"Lookup", "Bag", "BagBackward", "Search"})
+#: Tensors start at multiples of this; the region's first bytes hold its nonce.
+ALIGN = 64
+HEADER = 64
+NONCE_BYTES = 16
+#: Seconds before asking again a shard that refused a region or whose stream ended.
+RETRY_AFTER = 30.0
+ATTACH_PATH = "/memserver.v1.DataPlane/AttachRegion"
+
+
+def enabled(option: bool | None) -> bool:
+    """Whether a client uses shared memory: its `shm` option, else $MEMSERVER_SHM (default on)."""
+    if option is not None:
+        return option and sys.platform.startswith("linux")
+    return os.environ.get(SHM_ENV, "1") != "0" and sys.platform.startswith("linux")
+
+
+def is_local(address: str) -> bool:
+    """Whether host:port names this machine (one of its addresses can be bound)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Region:
+    """One region: a /dev/shm object of `size` bytes mapped here, its blocks in use, its id on the
+    shard once attached. Thread-safe (the blocking client calls from any thread)."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"memserver-{os.getpid()}-{secrets.token_hex(16)}"
+        self.path = os.path.join("/dev/shm", self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # tmpfs full: ENOSPC now, not SIGBUS at a write later
+            self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.size = size
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.mm[:NONCE_BYTES] = self.nonce
+        self.id = ""
+        self.blocks: list[tuple[int, int]] = []  # (start, end) in use or abandoned, sorted
+        self.abandoned: set[int] = set()  # starts of blocks the shard may still write into: never reused
+        self.lock = threading.Lock()
+        self.retired = False
+
+    def unlink(self) -> None:
+        """Remove the name (the shard has it mapped, or never will): nothing to clean after a crash."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def alloc(self, n: int) -> int | None:
+        """The start of a free block of n bytes (first fit), or None: no room now."""
+        n = _up(max(n, 1))
+        with self.lock:
+            if self.retired:
+                return None
+            prev = HEADER
+            for i, (start, end) in enumerate(self.blocks):
+                if start - prev >= n:
+                    self.blocks.insert(i, (prev, prev + n))
+                    return prev
+                prev = end
+            if self.size - prev >= n:
+                self.blocks.append((prev, prev + n))
+                return prev
+            return None
+
+    def free(self, start: int) -> None:
+        with self.lock:
+            self.blocks = [b for b in self.blocks if b[0] != start]
+            done = self.retired and self._idle()
+        if done:
+            self._unmap()
+
+    def abandon(self, start: int) -> None:
+        """A call ended without the shard's answer (deadline, cancelled, connection lost): the
+        shard may still write into its block, so the block is never reused; past a quarter of the
+        region abandoned, the region is retired (the client attaches a fresh one)."""
+        with self.lock:
+            self.abandoned.add(start)
+            lost = sum(end - b for b, end in self.blocks if b in self.abandoned)
+            if lost > self.size // 4:
+                self.retired = True
+            done = self.retired and self._idle()
+        if done:
+            self._unmap()
+
+    def _idle(self) -> bool:
+        return all(b in self.abandoned for b, _ in self.blocks)
+
+    def retire(self) -> None:
+        """No new calls; unmapped once the calls in flight are done."""
+        with self.lock:
+            self.retired = True
+            done = self._idle()
+        if done:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:  # a view still alive: the garbage collector unmaps it
+            pass
+
+    def pack(self, req: Lazy) -> tuple[bytes, Lease] | None:
+        """The request with its tensors in a block of this region (and room for the answer), as
+        bytes, and the block's lease; None when it does not fit now."""
+        sizes = [_up(t.numel() * t.element_size()) for t in req.tensors.values()]
+        answer = req.answer_bytes + 4 * ALIGN if req.answer_bytes else 0
+        total = sum(sizes) + answer
+        start = self.alloc(total)
+        if start is None:
+            return None
+        msg = type(req.msg)()
+        msg.CopyFrom(req.msg)  # the Lazy may go to several shards: its message stays as it is
+        at = start
+        for (name, t), size in zip(req.tensors.items(), sizes):
+            data = tensor_bytes(t)
+            self.mm[at : at + len(data)] = data
+            field = getattr(msg, name)
+            field.dtype = WIRE_DTYPES[t.dtype]
+            field.shape[:] = list(t.shape)
+            field.shm.offset, field.shm.nbytes = at, len(data)
+            at += size
+        msg.shm.region = self.id
+        if answer:
+            msg.shm.answer.offset, msg.shm.answer.nbytes = at, answer
+        return msg.SerializeToString(), Lease(self, start, start + total)
+
+
+class Lease:
+    """A call's block of a region, from packing its request until its answer is read."""
+
+    __slots__ = ("region", "start", "end")
+
+    def __init__(self, region: Region, start: int, end: int) -> None:
+        self.region, self.start, self.end = region, start, end
+
+    def release(self) -> None:
+        self.region.free(self.start)
+
+    def abandon(self) -> None:
+        self.region.abandon(self.start)
+
+    def unpack(self, resp: Any) -> Any:
+        """The answer with each tensor the shard wrote into the block copied out (the block is
+        reused after the call); an answer that came inline is returned as it is."""
+        tensors: dict[str, torch.Tensor] = {}
+        for field in resp.DESCRIPTOR.fields:
+            if field.message_type is not pb.Tensor.DESCRIPTOR or not resp.HasField(field.name):
+                continue
+            msg = getattr(resp, field.name)
+            if not msg.HasField("shm"):
+                continue
+            off, n = int(msg.shm.offset), int(msg.shm.nbytes)
+            dtype = TORCH_DTYPES.get(msg.dtype)
+            shape = [int(s) for s in msg.shape]
+            if dtype is None or not (self.start <= off and n <= self.end - off) or \
+                    n != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+                raise RuntimeError(f"shard answered {field.name} at [{off}, {off}+{n}) of dtype {msg.dtype}, shape "
+                                   f"{shape}: not inside the call's block [{self.start}, {self.end})")
+            out = torch.empty(shape, dtype=dtype)
+            src = np.frombuffer(self.region.mm, np.uint8, n, off)
+            np.copyto(np.frombuffer(tensor_bytes(out), np.uint8), src)
+            del src  # no view of the region may outlive the call (it must be unmappable)
+            tensors[field.name] = out
+        return Resolved(resp, tensors) if tensors else resp
+
+
+class Resolved:
+    """An answer whose shared-memory tensors were read: those fields are torch tensors
+    (memserver.wire.decode takes them as they are), the others the message's."""
+
+    def __init__(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        self._msg, self._tensors = msg, tensors
+
+    def __getattr__(self, name: str) -> Any:
+        t = self._tensors.get(name)
+        return t if t is not None else getattr(self._msg, name)
+
+
+class ShmTransport:
+    """A client's regions, one per shard address on this machine, attached in the background on
+    the first eligible call to that shard (that call and those until the region is attached go
+    over TCP). `loop` runs the AttachRegion streams; `channel` gives the aio channel to an address."""
+
+    def __init__(self, on: bool, channel: Callable[[str], Any], size: int = REGION_BYTES) -> None:
+        self.on, self.channel, self.size = on, channel, size
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.regions: dict[str, Region] = {}
+        self.not_before: dict[str, float] = {}
+        self.attaching: set[str] = set()
+        self.streams: dict[str, Any] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.boot_id = boot_id() if on else ""
+
+    def pack(self, address: str, method: str, req: Any) -> tuple[bytes, Lease] | None:
+        """The call through shared memory, or None: send it over TCP."""
+        if not self.on or method not in METHODS or not isinstance(req, Lazy):
+            return None
+        region = self.regions.get(address)
+        if region is not None and region.retired:  # too much abandoned: detach it, attach a fresh one
+            self._drop(address, region)
+            region = None
+        if region is None:
+            self._start_attach(address)
+            return None
+        return region.pack(req)
+
+    def _drop(self, address: str, region: Region) -> None:
+        if self.regions.get(address) is region:
+            del self.regions[address]
+            stream = self.streams.pop(address, None)
+            if stream is not None and self.loop is not None:
+                self.loop.call_soon_threadsafe(stream.cancel)
+
+    def _start_attach(self, address: str) -> None:
+        loop = self.loop
+        if loop is None or address in self.attaching or time.monotonic() < self.not_before.get(address, 0.0):
+            return
+        self.attaching.add(address)
+
+        def start() -> None:
+            task = loop.create_task(self._attach(address))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+        loop.call_soon_threadsafe(start)
+
+    async def _attach(self, address: str) -> None:
+        region: Region | None = None
+        try:
+            if not self.boot_id or not is_local(address):
+                self.not_before[address] = math.inf  # another machine: never
+                return
+            try:
+                region = await asyncio.get_running_loop().run_in_executor(None, Region, self.size)
+            except OSError as exc:
+                log.info("no shared-memory region for %s (%s); using TCP", address, exc)
+                self.not_before[address] = time.monotonic() + RETRY_AFTER
+                return
+            attach = self.channel(address).unary_stream(ATTACH_PATH, request_serializer=pb.AttachRegionRequest.SerializeToString,
+                                                        response_deserializer=pb.AttachRegionEvent.FromString)
+            stream = attach(pb.AttachRegionRequest(name=region.name, size=region.size, boot_id=self.boot_id,
+                                                   nonce=region.nonce))
+            try:
+                event = await asyncio.wait_for(stream.read(), 30)
+            finally:
+                region.unlink()  # mapped by the shard now, or never: the name has no more use
+            if event is grpc.aio.EOF:
+                raise RuntimeError("the shard ended the stream without a region id")
+            region.id = event.region
+            self.regions[address] = region
+            self.streams[address] = stream
+            log.info("shared memory with shard %s: %d MiB region attached", address, region.size >> 20)
+        except (grpc.aio.AioRpcError, RuntimeError, asyncio.TimeoutError) as exc:
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+            never = code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+            self.not_before[address] = math.inf if never else time.monotonic() + RETRY_AFTER
+            log.info("no shared memory with shard %s (%s); using TCP", address,
+                     exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
+            if region is not None:
+                region.retire()
+            return
+        finally:
+            self.attaching.discard(address)
+        try:
+            await stream.read()  # returns (or raises) when the stream ends: shard gone, or detached
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            if self.regions.get(address) is region:
+                del self.regions[address]
+                self.streams.pop(address, None)
+            self.not_before[address] = time.monotonic() + 1.0
+            region.retire()
+
+    async def close(self) -> None:
+        """Detach every region (the shards unmap theirs when the streams end)."""
+        self.on = False
+        for stream in list(self.streams.values()):
+            stream.cancel()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for region in list(self.regions.values()):
+            region.retire()
+        self.regions.clear()
+        self.streams.clear()

@@ -1,0 +1,95 @@
+"""How a data-plane request goes on the wire, for every sender (the asyncio and blocking clients,
+the load test's users): each method as a bytes-in multi-callable of its channel, each distinct
+request serialised once (a cols bag sends the same memserver.wire.Lazy to every shard), or
+through shared memory with a shard on this machine (client.shm); answers parsed by the method's
+response type. One place, so no sender serialises differently."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf import message_factory
+
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.wire import to_bytes
+
+if TYPE_CHECKING:
+    from client.shm import Lease, ShmTransport
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["DataPlane"]
+#: method name -> its response message class.
+RESPONSES: dict[str, Any] = {m.name: message_factory.GetMessageClass(m.output_type) for m in _SERVICE.methods}
+
+
+def methods(channel: Any) -> dict[str, Any]:
+    """The DataPlane methods of a channel (grpc or grpc.aio) as multi-callables that take the
+    serialised request and return the parsed answer."""
+    return {name: channel.unary_unary(f"/{_SERVICE.full_name}/{name}", request_serializer=None,
+                                      response_deserializer=cls.FromString)
+            for name, cls in RESPONSES.items()}
+
+
+def serialised(calls: list[tuple[str, str, Any]]) -> list[bytes]:
+    """The bytes of each call's request; a request object shared by several calls is serialised once."""
+    done: dict[int, bytes] = {}
+    out = []
+    for _, _, req in calls:
+        raw = done.get(id(req))
+        if raw is None:
+            raw = done[id(req)] = to_bytes(req)
+        out.append(raw)
+    return out
+
+
+def prepare(calls: list[tuple[str, str, Any]], shm: ShmTransport | None) -> list[tuple[bytes, Lease | None]]:
+    """Each call's request bytes and, when it goes through shared memory, its block's lease
+    (release them all with `release`, however the calls end)."""
+    if shm is None:
+        return [(r, None) for r in serialised(calls)]
+    out: list[tuple[bytes, Lease | None]] = []
+    inline: dict[int, bytes] = {}
+    try:
+        for address, method, req in calls:
+            packed = shm.pack(address, method, req)
+            if packed is None:
+                data = inline.get(id(req))
+                if data is None:
+                    data = inline[id(req)] = to_bytes(req)
+                out.append((data, None))
+            else:
+                out.append(packed)
+    except BaseException:
+        release(out)
+        raise
+    return out
+
+
+def receive(sent: list[tuple[bytes, Lease | None]], answers: list[Any]) -> list[Any]:
+    """The answers, with what shards wrote into shared memory read out."""
+    return [a if lease is None else lease.unpack(a) for (_, lease), a in zip(sent, answers)]
+
+
+#: Statuses a shard answers itself, its handler done with the call's shared-memory block. After
+#: any other ending (deadline, cancelled, connection lost) the shard may still write into it.
+_ANSWERED = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.OUT_OF_RANGE,
+})
+
+
+def release(sent: list[tuple[bytes, Lease | None]], outcomes: list[Any]) -> None:
+    """Free each call's shared-memory block once its outcome (answer or exception; None: not
+    known) shows the shard is done with it; abandon it (never reused) otherwise."""
+    for (_, lease), outcome in zip(sent, outcomes):
+        if lease is None:
+            continue
+        if outcome is None:
+            lease.abandon()
+        elif isinstance(outcome, BaseException):
+            code = getattr(outcome, "code", None)
+            (lease.release if (code() if callable(code) else code) in _ANSWERED else lease.abandon)()
+        else:
+            lease.release()
