@@ -56,27 +56,30 @@ def test_matches_autograd_through_topk(dtype):
 
 
 def test_compiled_search_equals_torch_topk():
-    """float32 scores go through kernels.pkm_select: on scores without ties it picks the ids
-    torch.topk's path picks, in the same order, with bit-equal float32 sums."""
+    """float32 scores go through kernels.pkm_select: the same (bit-equal) float32 sums as torch.topk's
+    path, in the same order, and the same ids wherever a sum is not tied with another of its row
+    (float32 sums of two sub-key scores do tie now and then; torch.topk orders ties as it likes)."""
     knn = 32
     ci, cj = candidate_pairs(knn)
-    scores = torch.randn(256, 4, 2, 128, generator=torch.Generator().manual_seed(3))
+    scores = torch.randn(4, 2, 256, 128, generator=torch.Generator().manual_seed(3))  # [heads, 2, n, n_keys]
     ids, best = select_topk(scores, knn, ci, cj)
-    s1, i1 = scores[:, :, 0].topk(knn, dim=-1)
-    s2, i2 = scores[:, :, 1].topk(knn, dim=-1)
+    s1, i1 = scores[:, 0].transpose(0, 1).topk(knn, dim=-1)
+    s2, i2 = scores[:, 1].transpose(0, 1).topk(knn, dim=-1)
     want_best, pos = (s1[..., ci] + s2[..., cj]).topk(knn, dim=-1)
     want_ids = i1.gather(-1, ci[pos]) * 128 + i2.gather(-1, cj[pos])
-    assert torch.equal(ids, want_ids)
     assert torch.equal(best, want_best)
+    tied = (best[..., :, None] == best[..., None, :]).sum(-1) > 1
+    assert tied.float().mean() < 0.01
+    assert torch.equal(ids[~tied], want_ids[~tied])
 
 
 def test_compiled_search_breaks_ties_by_the_smaller_index():
     """Equal scores: the smaller sub-key first, then the earlier candidate pair, so a tie never
     makes the trainer and a product-key table (the same function) disagree."""
     ci, cj = candidate_pairs(4)
-    ids, best = select_topk(torch.zeros(1, 1, 2, 8), 4, ci, cj)
+    ids, best = select_topk(torch.zeros(1, 2, 1, 8), 4, ci, cj)  # [heads, 2, n, n_keys]
     assert ids.tolist() == [[[0, 1, 2, 3]]] and best.tolist() == [[[0.0] * 4]]
-    scores = torch.tensor([[[[3.0, 1.0, 3.0, 2.0, 2.0, 0.0], [-0.5, 4.0, 4.0, 1.0, -2.0, 1.0]]]])
+    scores = torch.tensor([[[[3.0, 1.0, 3.0, 2.0, 2.0, 0.0]], [[-0.5, 4.0, 4.0, 1.0, -2.0, 1.0]]]])
     ids, best = select_topk(scores, 4, ci, cj)
     # half 1: 0 (3), 2 (3), 3 (2), 4 (2); half 2: 1 (4), 2 (4), 3 (1), 5 (1); the top sums are 7, 7, 7, 7:
     # (0,1), (0,2), (2,1), (2,2) in candidate-pair order (0,0), (0,1), (1,0), (1,1)

@@ -300,11 +300,11 @@ def _order_keys(x, m, keys):  # pragma: no cover - compiled
 def pkm_select(scores, cand_i, cand_j, ids, best, nthreads):  # pragma: no cover - compiled
     """Product-key search over precomputed float32 sub-key scores, per (position, head).
 
-    scores [n, heads, 2, n_keys] -> ids [n, heads, knn] (i * n_keys + j) and best [n, heads, knn]
+    scores [heads, 2, n, n_keys] -> ids [n, heads, knn] (i * n_keys + j) and best [n, heads, knn]
     (the sums, descending): the top knn of each half (`_top_positions`), then the top knn of the
     candidate sums s1[cand_i[p]] + s2[cand_j[p]] (memserver.core.pkm's candidate_pairs). The
     same sums as torch.topk's path (plain float adds, no fastmath), ties to the smaller index."""
-    n, heads, _, n_keys = scores.shape
+    heads, _, n, n_keys = scores.shape
     knn = ids.shape[2]
     pairs = cand_i.shape[0]
     rows = n * heads
@@ -323,13 +323,13 @@ def pkm_select(scores, cand_i, cand_j, ids, best, nthreads):  # pragma: no cover
         for r in range(t * per, min(rows, (t + 1) * per)):
             a = r // heads
             h = r - a * heads
-            _order_keys(scores[a, h, 0], n_keys, keys)
+            _order_keys(scores[h, 0, a], n_keys, keys)
             _top_positions(keys, n_keys, knn, sel, order, top1)
-            _order_keys(scores[a, h, 1], n_keys, keys)
+            _order_keys(scores[h, 1, a], n_keys, keys)
             _top_positions(keys, n_keys, knn, sel, order, top2)
             for u in range(knn):
-                v1[u] = scores[a, h, 0, top1[u]]
-                v2[u] = scores[a, h, 1, top2[u]]
+                v1[u] = scores[h, 0, a, top1[u]]
+                v2[u] = scores[h, 1, a, top2[u]]
             for p in range(pairs):
                 cand[p] = v1[cand_i[p]] + v2[cand_j[p]]
             _order_keys(cand, pairs, keys)

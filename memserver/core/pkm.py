@@ -64,11 +64,11 @@ def product_key_topk_autograd(q: torch.Tensor, keys: torch.Tensor, knn: int, can
 
 
 def select_topk(scores: torch.Tensor, knn: int, cand_i: torch.Tensor, cand_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The search alone, no gradient: sub-key scores [n, heads, 2, n_keys] -> ids [n, heads, knn]
-    (int64) and the winning sums [n, heads, knn], descending. float32 on the CPU: the compiled
-    kernel (kernels.pkm_select, ~2x torch's three topk calls here); otherwise those topk calls."""
+    """The search alone, no gradient: sub-key scores [heads, 2, n, n_keys] (head-major, as the
+    batched matmul writes them) -> ids [n, heads, knn] (int64) and the winning sums [n, heads, knn],
+    descending. float32 on the CPU: the compiled kernel (kernels.pkm_select); otherwise torch.topk."""
     scores = scores.detach()
-    n, heads, _, n_keys = scores.shape
+    heads, _, n, n_keys = scores.shape
     if kernels is not None and scores.device.type == "cpu" and scores.dtype == torch.float32:
         scores = scores.contiguous()
         ids = torch.empty((n, heads, knn), dtype=torch.int64)
@@ -78,8 +78,8 @@ def select_topk(scores: torch.Tensor, knn: int, cand_i: torch.Tensor, cand_j: to
                                kernels.nb.get_num_threads())
         return ids, best
     with torch.no_grad():
-        s1, i1 = scores[:, :, 0].topk(knn, dim=-1)
-        s2, i2 = scores[:, :, 1].topk(knn, dim=-1)
+        s1, i1 = scores[:, 0].permute(1, 0, 2).topk(knn, dim=-1)  # [n, heads, knn]
+        s2, i2 = scores[:, 1].permute(1, 0, 2).topk(knn, dim=-1)
         best, pos = (s1[..., cand_i] + s2[..., cand_j]).topk(knn, dim=-1)
         ids = i1.gather(-1, cand_i[pos]) * n_keys + i2.gather(-1, cand_j[pos])
     return ids, best
@@ -91,20 +91,21 @@ class ProductKeyTopK(torch.autograd.Function):
     memory layer's cost: three torch.topk (sorting whole rows), index/gather copies and, in the
     backward, their scatters into zero-filled [n, heads, pairs] and [n, heads, 2, n_keys] buffers.
 
-    Forward: scores = q . keys (one batched matmul), the compiled search (`select_topk`), softmax.
-    Backward: dL/dbest of the softmax; each winning sum s1[i] + s2[j] passes it to sub-key score
-    i of the first half and j of the second, so dL/dscores is two scatter-adds of the knn
-    gradients; then dL/dq = dscores . keys and dL/dkeys = dscores^T . q (two batched matmuls)."""
+    Forward: scores = q . keys (one batched matmul, head-major), the compiled search
+    (`select_topk`), softmax. Backward: dL/dbest of the softmax; each winning sum s1[i] + s2[j]
+    passes it to sub-key score i of the first half and j of the second, so dL/dscores is two
+    scatter-adds of the knn gradients; then dL/dq = dscores . keys and dL/dkeys = dscores^T . q
+    (two batched matmuls, in the head-major layout so no operand is copied)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, keys: torch.Tensor, knn: int, cand_i: torch.Tensor,
                 cand_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, heads, n_keys = q.shape[0], keys.shape[0], keys.shape[2]
-        scores = torch.einsum("nhsd,hskd->nhsk", q, keys)  # [n, heads, 2, n_keys]
+        n, heads = q.shape[0], keys.shape[0]
+        qh = q.permute(1, 2, 0, 3)  # [heads, 2, n, half]
+        scores = torch.matmul(qh, keys.transpose(-1, -2))  # [heads, 2, n, n_keys]
         ids, best = select_topk(scores, knn, cand_i, cand_j)
         weights = F.softmax(best if best.dtype == torch.float64 else best.float(), dim=-1)  # [n, heads, knn]
         ctx.save_for_backward(q, keys, ids, weights)
-        ctx.n_keys = n_keys
         ctx.mark_non_differentiable(ids)
         return ids.view(n, heads * knn), weights.view(n, heads * knn)
 
@@ -114,14 +115,14 @@ class ProductKeyTopK(torch.autograd.Function):
         if grad_w is None:
             return None, None, None, None, None
         gw = grad_w.view(w.shape).to(w.dtype)
-        gbest = w * (gw - (w * gw).sum(-1, keepdim=True))  # softmax backward [n, heads, knn]
-        gbest = gbest.to(q.dtype)
-        n, heads, _, n_keys = q.shape[0], q.shape[1], q.shape[2], ctx.n_keys
-        gscores = torch.zeros((n, heads, 2, n_keys), dtype=q.dtype, device=q.device)
-        gscores[:, :, 0].scatter_add_(-1, ids // n_keys, gbest)
-        gscores[:, :, 1].scatter_add_(-1, ids % n_keys, gbest)
-        gq = torch.einsum("nhsk,hskd->nhsd", gscores, keys) if ctx.needs_input_grad[0] else None
-        gkeys = torch.einsum("nhsk,nhsd->hskd", gscores, q) if ctx.needs_input_grad[1] else None
+        gbest = (w * (gw - (w * gw).sum(-1, keepdim=True))).to(q.dtype)  # softmax backward [n, heads, knn]
+        n, heads, n_keys = q.shape[0], keys.shape[0], keys.shape[2]
+        gscores = torch.zeros((heads, 2, n, n_keys), dtype=q.dtype, device=q.device)
+        ids_h, gbest_h = ids.transpose(0, 1), gbest.transpose(0, 1)  # [heads, n, knn]
+        gscores[:, 0].scatter_add_(-1, ids_h // n_keys, gbest_h)
+        gscores[:, 1].scatter_add_(-1, ids_h % n_keys, gbest_h)
+        gq = torch.matmul(gscores, keys).permute(2, 0, 1, 3) if ctx.needs_input_grad[0] else None
+        gkeys = torch.matmul(gscores.transpose(-1, -2), q.permute(1, 2, 0, 3)) if ctx.needs_input_grad[1] else None
         return gq, gkeys, None, None, None
 
 
