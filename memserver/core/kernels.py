@@ -243,3 +243,98 @@ def count_reads(ids, weights, hits, weight_mass):  # pragma: no cover - compiled
         hits[r] += 1
         if with_w:
             weight_mass[r] += abs(weights[i])
+
+
+@nb.njit(inline="always")
+def _top_positions(keys, m, k, sel, order, out):  # pragma: no cover - compiled
+    """out[:k] = the positions of the k largest of keys[:m] (int32 order keys), largest first,
+    ties by the smaller position. Branch-light, so it vectorises: the k-th largest key by
+    bisection over the key range (count(keys >= t) per step), the positions above it and then
+    those equal to it (in position order) gathered, and each placed by its rank among them."""
+    lo = np.int64(keys[0])
+    hi = lo
+    for c in range(1, m):
+        x = np.int64(keys[c])
+        lo = min(lo, x)
+        hi = max(hi, x)
+    while lo < hi:  # the largest t with count(keys >= t) >= k
+        mid = lo + (hi - lo + 1) // 2
+        t32 = np.int32(mid)
+        cnt = 0
+        for c in range(m):
+            cnt += keys[c] >= t32
+        if cnt >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    t32 = np.int32(lo)
+    g = 0
+    for c in range(m):
+        sel[g] = c
+        g += keys[c] > t32
+    for c in range(m):
+        if g < k and keys[c] == t32:
+            sel[g] = c
+            g += 1
+    for i in range(k):
+        order[i] = keys[sel[i]]
+    for i in range(k):
+        ki = order[i]
+        r = 0
+        for j in range(k):
+            r += (order[j] > ki) | ((order[j] == ki) & (j < i))
+        out[r] = sel[i]
+
+
+@nb.njit(inline="always")
+def _order_keys(x, m, keys):  # pragma: no cover - compiled
+    """keys[:m] = int32 keys of the float32 x[:m] that order as the floats do (flip the magnitude
+    bits of negatives)."""
+    bits = x.view(np.int32)
+    for c in range(m):
+        b = bits[c]
+        keys[c] = b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def pkm_select(scores, cand_i, cand_j, ids, best, nthreads):  # pragma: no cover - compiled
+    """Product-key search over precomputed float32 sub-key scores, per (position, head).
+
+    scores [heads, 2, n, n_keys] -> ids [n, heads, knn] (i * n_keys + j) and best [n, heads, knn]
+    (the sums, descending): the top knn of each half (`_top_positions`), then the top knn of the
+    candidate sums s1[cand_i[p]] + s2[cand_j[p]] (memserver.core.pkm's candidate_pairs). The
+    same sums as torch.topk's path (plain float adds, no fastmath), ties to the smaller index."""
+    heads, _, n, n_keys = scores.shape
+    knn = ids.shape[2]
+    pairs = cand_i.shape[0]
+    rows = n * heads
+    width = max(n_keys, pairs)
+    per = (rows + nthreads - 1) // nthreads
+    for t in nb.prange(nthreads):
+        keys = np.empty(width, np.int32)
+        sel = np.empty(width, np.int64)
+        order = np.empty(knn, np.int32)
+        top1 = np.empty(knn, np.int64)
+        top2 = np.empty(knn, np.int64)
+        topb = np.empty(knn, np.int64)
+        v1 = np.empty(knn, np.float32)
+        v2 = np.empty(knn, np.float32)
+        cand = np.empty(pairs, np.float32)
+        for r in range(t * per, min(rows, (t + 1) * per)):
+            a = r // heads
+            h = r - a * heads
+            _order_keys(scores[h, 0, a], n_keys, keys)
+            _top_positions(keys, n_keys, knn, sel, order, top1)
+            _order_keys(scores[h, 1, a], n_keys, keys)
+            _top_positions(keys, n_keys, knn, sel, order, top2)
+            for u in range(knn):
+                v1[u] = scores[h, 0, a, top1[u]]
+                v2[u] = scores[h, 1, a, top2[u]]
+            for p in range(pairs):
+                cand[p] = v1[cand_i[p]] + v2[cand_j[p]]
+            _order_keys(cand, pairs, keys)
+            _top_positions(keys, pairs, knn, sel, order, topb)
+            for u in range(knn):
+                p = topb[u]
+                ids[a, h, u] = top1[cand_i[p]] * n_keys + top2[cand_j[p]]
+                best[a, h, u] = cand[p]

@@ -18,6 +18,11 @@ import torch.nn.functional as F
 
 from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 
+try:  # numba is a dependency; without it the search runs through torch (product_key_topk_autograd)
+    from memserver.core import kernels
+except ImportError:  # pragma: no cover
+    kernels = None  # type: ignore[assignment]
+
 #: Largest knn a product-key table accepts (the candidate pairs grow as knn log knn).
 MAX_KNN = 4096
 
@@ -34,7 +39,18 @@ def product_key_topk(q: torch.Tensor, keys: torch.Tensor, knn: int, cand_i: torc
                      cand_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, heads, 2, half], keys [heads, 2, n_keys, half] -> slot ids [n, heads*knn] (int64,
     id = i * n_keys + j, best first per head) and their softmax weights [n, heads*knn] (float32,
-    each head's knn weights sum to 1). `cand_i, cand_j` = candidate_pairs(knn)."""
+    float64 for float64 inputs; each head's knn weights sum to 1), differentiable in q and keys.
+    `cand_i, cand_j` = candidate_pairs(knn).
+
+    On the CPU with numba: `ProductKeyTopK` (one compiled pass for the search, an analytic
+    backward); elsewhere the same math through autograd (`product_key_topk_autograd`)."""
+    return ProductKeyTopK.apply(q, keys, knn, cand_i, cand_j)
+
+
+def product_key_topk_autograd(q: torch.Tensor, keys: torch.Tensor, knn: int, cand_i: torch.Tensor,
+                              cand_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`product_key_topk` in plain torch, differentiated by autograd through topk and gathers:
+    the reference the fast path is tested against, and the path off the CPU."""
     n, n_keys = q.shape[0], keys.shape[2]
     scores = torch.einsum("nhsd,hskd->nhsk", q, keys)  # [n, heads, 2, n_keys]
     s1, i1 = scores[:, :, 0].topk(knn, dim=-1)  # [n, heads, knn], sorted, best first
@@ -42,9 +58,72 @@ def product_key_topk(q: torch.Tensor, keys: torch.Tensor, knn: int, cand_i: torc
     cand = s1[..., cand_i] + s2[..., cand_j]  # [n, heads, pairs]: the sums that can win
     best, pos = cand.topk(knn, dim=-1)  # [n, heads, knn]
     ids = i1.gather(-1, cand_i[pos]) * n_keys + i2.gather(-1, cand_j[pos])
-    weights = F.softmax(best.float(), dim=-1)
+    weights = F.softmax(best if best.dtype == torch.float64 else best.float(), dim=-1)
     width = ids.shape[1] * ids.shape[2]  # heads * knn (explicit: n may be 0)
     return ids.reshape(n, width), weights.reshape(n, width)
+
+
+def select_topk(scores: torch.Tensor, knn: int, cand_i: torch.Tensor, cand_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The search alone, no gradient: sub-key scores [heads, 2, n, n_keys] (head-major, as the
+    batched matmul writes them) -> ids [n, heads, knn] (int64) and the winning sums [n, heads, knn],
+    descending. float32 on the CPU: the compiled kernel (kernels.pkm_select); otherwise torch.topk."""
+    scores = scores.detach()
+    heads, _, n, n_keys = scores.shape
+    if kernels is not None and scores.device.type == "cpu" and scores.dtype == torch.float32:
+        scores = scores.contiguous()
+        ids = torch.empty((n, heads, knn), dtype=torch.int64)
+        best = torch.empty((n, heads, knn), dtype=torch.float32)
+        if n:
+            kernels.pkm_select(scores.numpy(), cand_i.cpu().numpy(), cand_j.cpu().numpy(), ids.numpy(), best.numpy(),
+                               kernels.nb.get_num_threads())
+        return ids, best
+    with torch.no_grad():
+        s1, i1 = scores[:, 0].permute(1, 0, 2).topk(knn, dim=-1)  # [n, heads, knn]
+        s2, i2 = scores[:, 1].permute(1, 0, 2).topk(knn, dim=-1)
+        best, pos = (s1[..., cand_i] + s2[..., cand_j]).topk(knn, dim=-1)
+        ids = i1.gather(-1, cand_i[pos]) * n_keys + i2.gather(-1, cand_j[pos])
+    return ids, best
+
+
+class ProductKeyTopK(torch.autograd.Function):
+    """Product-key addressing with a hand-written backward (the same gradients as autograd's
+    through topk, gather and softmax, tested against it), because autograd's path was most of a
+    memory layer's cost: three torch.topk (sorting whole rows), index/gather copies and, in the
+    backward, their scatters into zero-filled [n, heads, pairs] and [n, heads, 2, n_keys] buffers.
+
+    Forward: scores = q . keys (one batched matmul, head-major), the compiled search
+    (`select_topk`), softmax. Backward: dL/dbest of the softmax; each winning sum s1[i] + s2[j]
+    passes it to sub-key score i of the first half and j of the second, so dL/dscores is two
+    scatter-adds of the knn gradients; then dL/dq = dscores . keys and dL/dkeys = dscores^T . q
+    (two batched matmuls, in the head-major layout so no operand is copied)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, keys: torch.Tensor, knn: int, cand_i: torch.Tensor,
+                cand_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, heads = q.shape[0], keys.shape[0]
+        qh = q.permute(1, 2, 0, 3)  # [heads, 2, n, half]
+        scores = torch.matmul(qh, keys.transpose(-1, -2))  # [heads, 2, n, n_keys]
+        ids, best = select_topk(scores, knn, cand_i, cand_j)
+        weights = F.softmax(best if best.dtype == torch.float64 else best.float(), dim=-1)  # [n, heads, knn]
+        ctx.save_for_backward(q, keys, ids, weights)
+        ctx.mark_non_differentiable(ids)
+        return ids.view(n, heads * knn), weights.view(n, heads * knn)
+
+    @staticmethod
+    def backward(ctx: Any, grad_ids: torch.Tensor | None, grad_w: torch.Tensor | None) -> tuple:
+        q, keys, ids, w = ctx.saved_tensors
+        if grad_w is None:
+            return None, None, None, None, None
+        gw = grad_w.view(w.shape).to(w.dtype)
+        gbest = (w * (gw - (w * gw).sum(-1, keepdim=True))).to(q.dtype)  # softmax backward [n, heads, knn]
+        n, heads, n_keys = q.shape[0], keys.shape[0], keys.shape[2]
+        gscores = torch.zeros((heads, 2, n, n_keys), dtype=q.dtype, device=q.device)
+        ids_h, gbest_h = ids.transpose(0, 1), gbest.transpose(0, 1)  # [heads, n, knn]
+        gscores[:, 0].scatter_add_(-1, ids_h // n_keys, gbest_h)
+        gscores[:, 1].scatter_add_(-1, ids_h % n_keys, gbest_h)
+        gq = torch.matmul(gscores, keys).permute(2, 0, 1, 3) if ctx.needs_input_grad[0] else None
+        gkeys = torch.matmul(gscores.transpose(-1, -2), q.permute(1, 2, 0, 3)) if ctx.needs_input_grad[1] else None
+        return gq, gkeys, None, None, None
 
 
 def _tensor(x: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
