@@ -151,3 +151,33 @@ def test_coordinator_killed_shards_keep_serving_and_catalog_comes_back(fclient, 
     assert fclient.lookup(table_name, np.arange(ROWS)).shape == (ROWS, DIM)
     fclient.drop_table(table_name)
     assert table_name not in [t.name for t in fclient.list_tables()]
+
+
+def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name):
+    """A client with shared-memory regions on both shards, writing through them to a table with
+    the write-ahead log; SIGKILL a shard: the client drops that region (nothing is left in
+    /dev/shm), its calls go on (TCP while the shard restarts), the restarted shard replays the
+    writes that came through shared memory (their log records hold the tensors) and the client
+    attaches a fresh region to it."""
+    from client import MemoryClient
+
+    with MemoryClient(fault_cluster.endpoint, timeout=30, retry_seconds=90, shm=True) as c:
+        c.create_table(table_name, ROWS, DIM, sharding="cols", wal=True)
+        wait_for(lambda: c.lookup(table_name, np.arange(2)) is not None and len(c.aio.shm.regions) == 2,
+                 "regions on both shards", 30)
+        rng = np.random.default_rng(5)
+        before = c.aio.shm.calls
+        for _ in range(3):
+            ids = rng.integers(0, ROWS, (32, 4))
+            c.bag_backward(table_name, ids, rng.random((32, 4), dtype=np.float32),
+                           rng.normal(size=(32, DIM)).astype(np.float32))
+        assert c.aio.shm.calls - before == 6
+        expect = c.lookup(table_name, np.arange(ROWS))
+        address = c.table(table_name).shards[0].address
+        kill_shard(c, 0)
+        wait_for(lambda: address not in c.aio.shm.regions, "the client to drop the dead shard's region", 30)
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{os.getpid()}-")]
+        np.testing.assert_array_equal(c.lookup(table_name, np.arange(ROWS)), expect)
+        wait_for(lambda: c.lookup(table_name, np.arange(2)) is not None and len(c.aio.shm.regions) == 2,
+                 "a region on the restarted shard", 60)
+        np.testing.assert_array_equal(c.lookup(table_name, np.arange(ROWS)), expect)

@@ -1,0 +1,247 @@
+"""Shared memory between a client and the shards on its machine (client.shm, memserver.server.shm):
+the same answers as over TCP, every span bounds-checked, regions private to their client, and
+nothing left behind when the client is SIGKILLed (the shard's death: tests/test_faults.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from client import MemoryClient
+from client.channels import sync_channel
+from client.shm import ALIGN, HEADER, Region, boot_id, enabled
+from client.transport import methods
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.wire import WIRE_DTYPES
+from tests.test_metrics_scrape import scrape, total
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shm_client(endpoint: str, table: str, shards: int, timeout: float = 30.0, **kwargs) -> MemoryClient:
+    """A client with regions attached to `shards` shards (its first calls go by TCP meanwhile)."""
+    c = MemoryClient(endpoint, timeout=60, shm=True, **kwargs)
+    t0 = time.monotonic()
+    while len(c.aio.shm.regions) < shards:
+        assert time.monotonic() - t0 < timeout, f"no shared memory after {timeout}s: {c.aio.shm.not_before}"
+        c.lookup(table, np.arange(2))
+        time.sleep(0.05)
+    return c
+
+
+def test_enabled_by_default_off_with_env(monkeypatch):
+    monkeypatch.delenv("MEMSERVER_SHM", raising=False)
+    assert enabled(None) and not enabled(False)
+    monkeypatch.setenv("MEMSERVER_SHM", "0")
+    assert not enabled(None) and enabled(True)
+
+
+@pytest.mark.parametrize("sharding", ["cols", "rows"])
+def test_same_answers_as_tcp(memory_cluster, table_name, sharding):
+    """Bag (dense and with offsets, float32 and bfloat16 on the wire), lookup and bag_backward on a
+    table with the write-ahead log (whose records must hold the tensors, not the spans): equal
+    through shared memory and TCP, and the shared-memory client really used it."""
+    rows, dim = 4096, 48
+    with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as tcp:
+        for name in (f"{table_name}-a", f"{table_name}-b"):
+            tcp.create_table(name, rows, dim, sharding=sharding, optimizer="adagrad", seed=3, wal=True)
+        shm = shm_client(memory_cluster.endpoint, f"{table_name}-a", 2)
+        shm16 = shm_client(memory_cluster.endpoint, f"{table_name}-a", 2, wire_dtype="bfloat16")
+        tcp16 = MemoryClient(memory_cluster.endpoint, timeout=60, shm=False, wire_dtype="bfloat16")
+        try:
+            rng = np.random.default_rng(0)
+            ids = torch.from_numpy(rng.integers(0, rows, (300, 16)))
+            w = torch.from_numpy(rng.random((300, 16), dtype=np.float32))
+            before = shm.aio.shm.calls
+            assert torch.equal(shm.bag(f"{table_name}-a", ids, w), tcp.bag(f"{table_name}-a", ids, w))
+            flat, off = ids.reshape(-1)[:1000], torch.tensor([0, 3, 3, 500, 999])
+            assert torch.equal(shm.bag(f"{table_name}-a", flat, w.reshape(-1)[:1000], off),
+                               tcp.bag(f"{table_name}-a", flat, w.reshape(-1)[:1000], off))
+            assert torch.equal(shm16.bag(f"{table_name}-a", ids, w), tcp16.bag(f"{table_name}-a", ids, w))
+            assert torch.equal(shm.lookup(f"{table_name}-a", ids), tcp.lookup(f"{table_name}-a", ids))
+            for step in range(3):
+                g = torch.from_numpy(rng.normal(size=(300, dim)).astype(np.float32))
+                ga = shm.bag_backward(f"{table_name}-a", ids, w, g)
+                gb = tcp.bag_backward(f"{table_name}-b", ids, w, g)
+                assert torch.equal(ga, gb), step
+            assert torch.equal(tcp.lookup(f"{table_name}-a", torch.arange(rows)), tcp.lookup(f"{table_name}-b", torch.arange(rows)))
+            # bag, bag with offsets, lookup and 3 backwards, each to both shards
+            assert shm.aio.shm.calls - before == 2 * 6
+            assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{os.getpid()}-")]
+        finally:
+            for c in (shm, shm16, tcp16):
+                c.close()
+
+
+def test_search_through_shared_memory(memory_cluster, table_name):
+    with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as tcp:
+        tcp.create_index(table_name, 16, payload_dim=3)
+        rng = np.random.default_rng(1)
+        tcp.add(table_name, np.arange(500), rng.normal(size=(500, 16)).astype(np.float32),
+                rng.normal(size=(500, 3)).astype(np.float32))
+        q = rng.normal(size=(20, 16)).astype(np.float32)
+        with MemoryClient(memory_cluster.endpoint, timeout=60, shm=True) as shm:
+            t0 = time.monotonic()
+            while len(shm.aio.shm.regions) < 2 and time.monotonic() - t0 < 30:
+                shm.search(table_name, q[:1], 1)
+                time.sleep(0.05)
+            before = shm.aio.shm.calls
+            got, want = shm.search(table_name, q, 7, return_payload=True), tcp.search(table_name, q, 7, return_payload=True)
+            assert shm.aio.shm.calls - before == 2
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture
+def raw_region(memory_cluster, table_name):
+    """A one-shard table and a region attached to its shard by hand, as a client would (the
+    stream open for the test), with the channel and methods to call the shard raw."""
+    with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as c:
+        meta = c.create_table(table_name, 1000, 8, num_shards=1, seed=1)
+        address = meta.shards[0].address
+        channel = sync_channel(address)
+        region = Region(1 << 20)
+        attach = channel.unary_stream("/memserver.v1.DataPlane/AttachRegion",
+                                      request_serializer=pb.AttachRegionRequest.SerializeToString,
+                                      response_deserializer=pb.AttachRegionEvent.FromString)
+        stream = attach(pb.AttachRegionRequest(name=region.name, size=region.size, boot_id=boot_id(), nonce=region.nonce))
+        region.id = next(stream).region
+        yield c, meta, channel, attach, region
+        stream.cancel()
+        region.unlink()
+        region.retire()
+        channel.close()
+
+
+def _put(region: Region, at: int, t: torch.Tensor) -> pb.Tensor:
+    data = t.numpy().tobytes()
+    region.mm[at : at + len(data)] = data
+    return pb.Tensor(dtype=WIRE_DTYPES[t.dtype], shape=list(t.shape), shm=pb.ShmSpan(offset=at, nbytes=len(data)))
+
+
+def test_spans_are_checked_and_regions_stay_private(raw_region, table_name):
+    c, meta, channel, attach, region = raw_region
+    call = methods(channel)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 999]], dtype=torch.int32)
+    w = torch.rand(2, 3)
+    values = c.lookup(table_name, torch.arange(1000))
+
+    def bag(**change) -> pb.BagRequest:
+        req = pb.BagRequest(table=table_name, ids=_put(region, HEADER, ids), weights=_put(region, HEADER + ALIGN, w),
+                            layout_id=meta.layout_id)
+        req.shm.region = region.id
+        req.shm.answer.offset, req.shm.answer.nbytes = 4096, 2 * 8 * 4
+        for path, value in change.items():
+            obj, *fields = path.split("__")
+            target = getattr(req, obj)
+            for f in fields[:-1]:
+                target = getattr(target, f)
+            setattr(target, fields[-1], value)
+        return req
+
+    answer = call["Bag"](bag().SerializeToString(), timeout=30)
+    assert answer.out.HasField("shm") and not answer.out.data
+    out = np.frombuffer(region.mm, np.float32, 16, answer.out.shm.offset).reshape(2, 8).copy()
+    np.testing.assert_array_equal(out, c.bag(table_name, ids, w).numpy())
+    # an answer that does not fit the span the client gave comes inline
+    small = call["Bag"](bag(shm__answer__nbytes=8).SerializeToString(), timeout=30)
+    assert not small.out.HasField("shm") and np.array_equal(np.frombuffer(small.out.data, np.float32).reshape(2, 8), out)
+
+    def refused(req, code=grpc.StatusCode.INVALID_ARGUMENT, method="Bag"):
+        with pytest.raises(grpc.RpcError) as err:
+            call[method](req.SerializeToString(), timeout=30)
+        assert err.value.code() == code, err.value.details()
+        return err.value.details()
+
+    assert "outside the region" in refused(bag(ids__shm__offset=region.size - 8))
+    assert "outside the region" in refused(bag(ids__shm__offset=0))  # the nonce is not the client's to read
+    assert "outside the region" in refused(bag(weights__shm__nbytes=2**62))
+    assert "outside the region" in refused(bag(shm__answer__offset=region.size))
+    assert "bytes do not hold shape" in refused(bag(ids__shm__nbytes=8))
+    assert "no such shared-memory region" in refused(bag(shm__region="0" * 32))
+    # a write with a bad span changes nothing
+    bb = pb.BagBackwardRequest(table=table_name, ids=_put(region, HEADER, ids), weights=_put(region, HEADER + ALIGN, w),
+                               grad_out=_put(region, 1024, torch.ones(2, 8)), layout_id=meta.layout_id)
+    bb.shm.region = region.id
+    bb.grad_out.shm.nbytes = region.size
+    refused(bb, method="BagBackward")
+    assert torch.equal(c.lookup(table_name, torch.arange(1000)), values)
+
+    # attaching: only the client's own region on this machine, by name, nonce and boot id
+    def attach_refused(code, **fields):
+        req = pb.AttachRegionRequest(name=region.name, size=region.size, boot_id=boot_id(), nonce=region.nonce)
+        for k, v in fields.items():
+            setattr(req, k, v)
+        with pytest.raises(grpc.RpcError) as err:
+            next(attach(req, timeout=30))
+        assert err.value.code() == code, err.value.details()
+
+    region.unlink()  # what the client does once attached: its name is gone, nobody else can map it
+    attach_refused(grpc.StatusCode.FAILED_PRECONDITION)
+    other = Region(1 << 16)
+    try:
+        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, name=other.name, size=other.size, nonce=b"x" * 16)
+        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, name=other.name, size=other.size, nonce=other.nonce,
+                       boot_id="another-machine")
+        attach_refused(grpc.StatusCode.INVALID_ARGUMENT, name="../../etc/passwd")
+        attach_refused(grpc.StatusCode.INVALID_ARGUMENT, name=other.name, size=other.size + 1, nonce=other.nonce)
+    finally:
+        other.unlink()
+        other.retire()
+
+
+def test_region_allocator_reuses_blocks_and_never_an_abandoned_one():
+    r = Region(HEADER + 16 * ALIGN)
+    try:
+        a, b, c = r.alloc(ALIGN), r.alloc(2 * ALIGN), r.alloc(1)
+        assert (a, b, c) == (HEADER, HEADER + ALIGN, HEADER + 3 * ALIGN)
+        assert r.alloc(13 * ALIGN) is None  # 12 blocks left
+        r.free(b)
+        assert r.alloc(2 * ALIGN) == b  # first fit
+        r.abandon(b)
+        assert r.alloc(3 * ALIGN) == HEADER + 4 * ALIGN  # not b: the shard may still write there
+        r.free(a)
+        r.free(c)
+        r.abandon(HEADER + 4 * ALIGN)  # over a quarter abandoned: retired, and unmapped (only abandoned blocks left)
+        assert r.retired and r.alloc(1) is None and r.mm.closed
+    finally:
+        r.unlink()
+
+
+def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
+    """SIGKILL a client with regions attached to both shards: the shards unmap them (the gauge
+    returns to where it was) and nothing is left in /dev/shm."""
+    with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as c:
+        meta = c.create_table(table_name, 1000, 8)
+        shards = [s.metrics_address for s in c.status().shards]
+        base = sum(total(scrape(a), "memserver_shm_regions") for a in shards)
+        script = ("import sys, time, numpy as np\nfrom client import MemoryClient\n"
+                  f"c = MemoryClient({memory_cluster.endpoint!r}, shm=True)\n"
+                  "while len(c.aio.shm.regions) < 2:\n"
+                  f"    c.lookup({table_name!r}, np.arange(3)); time.sleep(0.05)\n"
+                  "print('ready', flush=True)\ntime.sleep(600)\n")
+        child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            assert sum(total(scrape(a), "memserver_shm_regions") for a in shards) == base + len(meta.shards)
+            assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{child.pid}-")]
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(30)
+            t0 = time.monotonic()
+            while sum(total(scrape(a), "memserver_shm_regions") for a in shards) != base:
+                assert time.monotonic() - t0 < 30, "the shards kept a dead client's regions"
+                time.sleep(0.1)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{child.pid}-")]
