@@ -127,6 +127,13 @@ def target(name: str, what: str, value: float, threshold: float, higher_is_bette
             "measured": f"{value:.2f}{unit}", "pass": bool(ok)}
 
 
+def info(name: str, what: str, value: float, unit: str = "x", fmt: str = ".2f") -> dict[str, Any]:
+    """One row of the summary shown for information (INFO): a figure with no target, kept so a
+    run's summary still says where the time goes."""
+    return {"name": name, "what": what, "target": "info", "value": value, "measured": f"{value:{fmt}}{unit}",
+            "pass": None}
+
+
 def copy_bandwidth_gbs(nbytes: int = 256 * 1024 * 1024) -> float:
     """Measured memory copy bandwidth (read + write bytes per second), the ceiling for big calls."""
     src = np.ones(nbytes // 8)
