@@ -16,6 +16,7 @@ retry service config) and fan out like client.MemoryClient (`fan_out`).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -85,6 +86,18 @@ def echo_servers(n: int, num_cpus: float = 0.25) -> Iterator[list[str]]:
     finally:
         for a in actors:
             ray.kill(a)
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def ray_worker_nice() -> int:
+    """The nice value Ray runs its workers at, shards and echo actors included
+    (RAY_worker_niceness, 15 by default; the driver stays at its own, usually 0)."""
+    import ray
+
+    return int(ray.get(ray.remote(num_cpus=0)(_nice).remote()))
 
 
 def raw_method(channel: grpc.Channel, path: str = PATH) -> grpc.UnaryUnaryMultiCallable:
