@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     targets.append(info("bag_throughput", f"remote/in-process, worst config ({worst['shards']} shard{'s' if worst['shards'] > 1 else ''} "
                                           f"{worst['sharding']}, d={worst['dim']})", worst["ratio"]))
     out = {"benchmark": "bag_throughput", "config": vars(args), "machine": machine(), "copy_bandwidth_gbs": bw,
-           "torch_threads": torch.get_num_threads(), "results": results, "targets": targets}
+           "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+           "results": results, "targets": targets}
     if args.json:
         print(json.dumps(out, indent=2))
         return out

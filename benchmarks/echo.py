@@ -5,7 +5,8 @@ routing, copies, thread hops). The echo measures the first part alone: a grpc.ai
 actor (a process of its own, as a shard is), bound to 127.0.0.1 and configured like a shard's
 server (memserver.wire.GRPC_OPTIONS + memserver.server.admission.SERVER_OPTIONS), whose one
 method takes bytes and answers bytes (a generic handler with no serializers: no protobuf work on
-either side) of the size the request asks for. The first 8 bytes of a request carry that size
+either side; registered with the server as generated servicers are) of the size the request
+asks for. The first 8 bytes of a request carry that size
 (little endian); a request shorter than 8 bytes gets an empty answer (the empty call). Answers
 are preallocated per size, so the server allocates nothing per call after the first of a size.
 
@@ -46,7 +47,9 @@ class EchoServer:
 
         server = grpc.aio.server(options=[*GRPC_OPTIONS, *SERVER_OPTIONS])
         handler = grpc.unary_unary_rpc_method_handler(self._echo, request_deserializer=None, response_serializer=None)
+        # Added both ways, as the generated add_*Servicer_to_server registers the shard's methods.
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler}),))
+        server.add_registered_method_handlers(SERVICE, {METHOD: handler})
         port = server.add_insecure_port("127.0.0.1:0")
         if port == 0:
             raise RuntimeError("echo: could not bind 127.0.0.1")
