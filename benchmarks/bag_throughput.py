@@ -21,14 +21,16 @@ To split a remote call's time (issue 15), each configuration also times, in the 
 - client op: the client's own work alone (`ops.bag_op`: checks, routing, encoding, then
   assembling the answers, handed parsed answers; no transport, no serialization), in this
   thread (torch's default threads, as `client.bag` runs it) and on a thread with one torch
-  thread: on a busy 2-core machine the op's small parallel torch ops wait for a descheduled
-  OpenMP thread, and the two rows show how much of the client's time that is;
+  thread: on a busy 2-core machine the op's parallel torch ops wait for descheduled OpenMP
+  threads (and their spinning takes a core from the shards), and the two rows show how much
+  of the client's time that is;
 - client: `client.bag`.
 
 client overhead = client - max compute - floor; shard overhead = raw stub - max compute - floor
 (what the shard's server adds: protobuf, checks, thread hop, encoding the answer). Every candidate
-is timed interleaved with the others so they share the background load; bytes per shard are
-printed with the machine's copy bandwidth, so each figure can be read against its limit.
+is timed interleaved with the others, in a new order each round, so they share the background
+load; bytes per shard are printed with the machine's copy bandwidth, so each figure can be read
+against its limit.
 
     python -m benchmarks.bag_throughput [--tables 262144x256,65536x1024 --batch 4096 --knn 32] [--quick]
 
@@ -174,7 +176,7 @@ def measure(client: Any, meta: Any, ids: torch.Tensor, w: torch.Tensor, weight: 
             "client op, 1 thread": lambda: one_thread.submit(client_op).result(),
             **{f"compute shard {i}": compute.shard(i) for i in sorted(compute.tables)},
         }
-        return latencies(fns, repeat=repeat, warmup=2, max_seconds=max_seconds), match, sizes
+        return latencies(fns, repeat=repeat, warmup=2, max_seconds=max_seconds, shuffle=True), match, sizes
     finally:
         for ch in channels.values():
             ch.close()
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(out, indent=2))
         return out
     tbl = Table(title=f"bag: remote vs in-process embedding_bag, B={args.batch}, knn={args.knn}: p50 ms over "
-                      f"{min(v['n'] for r in results for v in r['timings'].values())}+ calls each, round robin "
+                      f"{min(v['n'] for r in results for v in r['timings'].values())}+ calls each, round robin in a shuffled order "
                       f"(in-process and client op: {torch.get_num_threads()} torch threads; shards, compute and op 1 thr: "
                       f"1; copy bandwidth {bw:.1f} GB/s). overhead = that time - compute (max shard) - TCP floor")
     for col in ("table", "shards", "sharding", "in-proc", "client", "remote/ in-proc", "raw stub", "compute", "TCP floor",

@@ -11,7 +11,7 @@ gRPC health check of that shard's server (transport + the shard server's interce
 health servicer, no shard code), and, for information, what one would write without memserver:
 a Ray actor holding a `memserver.core.table.ValueTable` of the same size and computing the same
 bag, called as `ray.get(actor.bag.remote(ids, w))`, and a Ray no-op call (Ray's floor). All
-candidates are called round robin so they share the background load.
+candidates are called round robin (in a new order each round) so they share the background load.
 
     python -m benchmarks.small_call_latency [--rows 65536 --dim 256 --knn 32 --calls 400] [--quick]
 
@@ -106,20 +106,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             next(op)
             return finish(op, [answer])
 
-        # Round robin order matters at this scale: a server process idle for a round wakes up
-        # slower than one just called. The empty call goes first, to an echo idle for a round,
-        # like the client's 1-shard call, whose shard was last called three candidates earlier.
+        # The order matters at this scale (a server process just called answers faster than one
+        # idle for a round), so it is shuffled every round (latencies(shuffle=True)).
         fns = {
-            EMPTY: lambda: echo(b"", timeout=10),
             "memserver client, 1 shard": lambda: client.bag("bench-lat-1", ids, w),
             "memserver client, 2 shards (cols)": lambda: client.bag("bench-lat-2", ids, w),
             "raw sync gRPC stub, 1 shard": lambda: stub.Bag(req, timeout=10),
             "client op alone (checks, routing, encode, assemble; no transport)": lambda: op_alone(),
+            EMPTY: lambda: echo(b"", timeout=10),
             "gRPC health check of that shard": lambda: health.Check(health_req, timeout=10),
             "Ray actor .bag (baseline)": lambda: ray.get(actor.bag.remote(ids_np, w_np)),
             "Ray actor no-op (ray.get of ping)": lambda: ray.get(actor.ping.remote()),
         }
-        t = latencies(fns, repeat=args.calls, warmup=20, max_seconds=args.max_seconds)
+        t = latencies(fns, repeat=args.calls, warmup=20, max_seconds=args.max_seconds, shuffle=True)
         channel.close()
         echo_channel.close()
         ray.kill(actor)
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(out, indent=2))
         return out
     tbl = Table(title=f"one bag of {args.knn} slots, d={args.dim} ({args.rows:,} rows): latency over {ours['n']} calls each, "
-                      f"round robin")
+                      f"round robin in a shuffled order")
     for col in ("path", "p50 ms", "p99 ms", "mean ms", "min ms", "p50 / empty gRPC", "p50 / Ray actor"):
         tbl.add_column(col, justify="right")
     for name, r in t.items():
