@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import resource
 import statistics
 import time
@@ -73,20 +74,28 @@ def timeit(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2, max_seco
 
 
 def latencies(fns: dict[str, Callable[[], Any]], *, repeat: int = 200, warmup: int = 10,
-              max_seconds: float = 30.0) -> dict[str, dict[str, float]]:
+              max_seconds: float = 30.0, shuffle: bool = False) -> dict[str, dict[str, float]]:
     """Call every fn in turn (round robin) and return per-fn ms statistics with p50 and p99.
 
     Interleaving puts the same background load on every candidate, so on a shared machine their
-    ratio stays meaningful even when the absolute numbers drift."""
+    ratio stays meaningful even when the absolute numbers drift. `shuffle`: a new (seeded) order
+    every round, so no candidate always follows the same one: a call right after another to the
+    same server process finds it awake (a process idle for a round answers a small call ~0.2 ms
+    slower here), and a call right after a parallel torch op may find its OpenMP threads still
+    spinning on a core the call needs."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns.items())
+    rng = random.Random(0)
     t_end = time.perf_counter() + max_seconds
     for _ in range(repeat):
         if time.perf_counter() >= t_end:
             break
-        for k, fn in fns.items():
+        if shuffle:
+            rng.shuffle(order)
+        for k, fn in order:
             t0 = time.perf_counter()
             fn()
             times[k].append((time.perf_counter() - t0) * 1e3)
@@ -125,6 +134,13 @@ def target(name: str, what: str, value: float, threshold: float, higher_is_bette
     sign = ">=" if higher_is_better else "<="
     return {"name": name, "what": what, "target": f"{sign} {threshold:g}{unit}", "value": value,
             "measured": f"{value:.2f}{unit}", "pass": bool(ok)}
+
+
+def info(name: str, what: str, value: float, unit: str = "x", fmt: str = ".2f") -> dict[str, Any]:
+    """One row of the summary shown for information (INFO): a figure with no target, kept so a
+    run's summary still says where the time goes."""
+    return {"name": name, "what": what, "target": "info", "value": value, "measured": f"{value:{fmt}}{unit}",
+            "pass": None}
 
 
 def copy_bandwidth_gbs(nbytes: int = 256 * 1024 * 1024) -> float:
