@@ -24,7 +24,9 @@ To split a remote call's time (issue 15), each configuration also times, in the 
   thread: on a busy 2-core machine the op's parallel torch ops wait for descheduled OpenMP
   threads (and their spinning takes a core from the shards), and the two rows show how much
   of the client's time that is;
-- client: `client.bag`.
+- client: `client.bag` over TCP (`shm=False`);
+- client shm: `client.bag` through shared memory (client.shm; the shards are on this machine):
+  the gRPC call carries only where the tensors are.
 
 client overhead = client - max compute - floor; shard overhead = raw stub - max compute - floor
 (what the shard's server adds: protobuf, checks, thread hop, encoding the answer). Every candidate
@@ -44,6 +46,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,6 +65,8 @@ from benchmarks.echo import echo_request, echo_servers, fan_out, raw_method, ray
 TARGET_D256, TARGET_D1024 = 0.6, 0.7
 #: Target: what the shard's server adds beyond its compute and the transport floor, ms.
 TARGET_SHARD_OVERHEAD_MS = 2.0
+#: Target: through shared memory, remote throughput at least this fraction of in-process.
+TARGET_SHM = 0.9
 BAG_PATH = "/memserver.v1.DataPlane/Bag"
 
 
@@ -108,6 +113,7 @@ class ShardCompute:
                     meta.layout.rows(sh.index), sh.col_end - sh.col_start, OptimizerConfig(meta.optimizer or "adagrad"),
                     init_std=meta.init_std, seed=meta.seed, global_rows=meta.layout.global_rows(sh.index),
                     col_start=sh.col_start, total_dim=meta.dim)
+            req = req.to_message()  # a memserver.wire.Lazy: its protobuf form, as the shard parses it
             ids = meta.layout.local(decode(req.ids, "ids").long())  # what TableSlice.local hands the table
             offsets = decode(req.offsets, "offsets") if req.HasField("offsets") else None
             self.work.setdefault(sh.index, []).append((ids, decode(req.weights, "weights"), offsets))
@@ -127,7 +133,7 @@ class ShardCompute:
         return [next(outs[i]) for i in self.order]
 
 
-def measure(client: Any, meta: Any, ids: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, expect: torch.Tensor,
+def measure(client: Any, shm_client: Any, meta: Any, ids: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, expect: torch.Tensor,
             echoes: list[Any], pool: ThreadPoolExecutor, one_thread: ThreadPoolExecutor, repeat: int,
             max_seconds: float
             ) -> tuple[dict[str, dict[str, float]], dict[str, bool], list[dict[str, int]]]:
@@ -136,19 +142,27 @@ def measure(client: Any, meta: Any, ids: torch.Tensor, w: torch.Tensor, weight: 
     from client import ops
     from client.channels import sync_channel
     from memserver.api.v1 import memserver_pb2 as pb
-    from memserver.wire import encode
+    from memserver.wire import encode, to_bytes
 
     def equal(got: torch.Tensor) -> bool:
         return bool(torch.allclose(got, expect, rtol=1e-4, atol=1e-5))
 
     match = {"client": equal(client.bag(meta.name, ids, w))}
+    t_end = time.monotonic() + 30  # shared memory is attached in the background on the first calls
+    while len(shm_client.aio.shm.regions) < len(meta.shards) and time.monotonic() < t_end:
+        shm_client.bag(meta.name, ids, w)
+        time.sleep(0.05)
+    calls_before = shm_client.aio.shm.calls
+    match["client shm"] = equal(shm_client.bag(meta.name, ids, w))
+    if shm_client.aio.shm.calls == calls_before:
+        raise RuntimeError("the shared-memory client did not use shared memory (see client.shm's log)")
     # The client's own requests, serialized once: the raw stub sends these bytes as they are.
     op = ops.bag_op(meta, ids, w, None, client.aio.opts)
     calls = next(op)
     shard_of = {sh.address: sh.index for sh in meta.shards}
     channels = {a: sync_channel(a) for a in shard_of}
     try:
-        raw = [(raw_method(channels[a], BAG_PATH), req.SerializeToString()) for a, _, req in calls]
+        raw = [(raw_method(channels[a], BAG_PATH), to_bytes(req)) for a, _, req in calls]
         answers = fan_out(raw)
         parsed = [pb.BagResponse.FromString(b) for b in answers]
         match["raw stub"] = equal(ops.finish(op, parsed))
@@ -170,13 +184,14 @@ def measure(client: Any, meta: Any, ids: torch.Tensor, w: torch.Tensor, weight: 
         fns: dict[str, Callable[[], Any]] = {
             "local": lambda: F.embedding_bag(ids, weight, None, mode="sum", per_sample_weights=w),
             "client": lambda: client.bag(meta.name, ids, w),
+            "client shm": lambda: shm_client.bag(meta.name, ids, w),
             "raw stub": lambda: fan_out(raw),
             "floor": lambda: fan_out(floor),
             "client op": client_op,
             "client op, 1 thread": lambda: one_thread.submit(client_op).result(),
             **{f"compute shard {i}": compute.shard(i) for i in sorted(compute.tables)},
         }
-        return latencies(fns, repeat=repeat, warmup=2, max_seconds=max_seconds, shuffle=True), match, sizes
+        return latencies(fns, repeat=repeat, warmup=2, max_seconds=max_seconds, shuffle=True, block=3), match, sizes
     finally:
         for ch in channels.values():
             ch.close()
@@ -199,14 +214,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     tables = [tuple(int(x) for x in t.split("x")) for t in args.tables.split(",")]
     if args.quick:
-        tables, args.repeat, args.max_seconds = tables[:1], min(args.repeat, 10), min(args.max_seconds, 8.0)
+        tables, args.repeat, args.max_seconds = tables[:1], min(args.repeat, 6), min(args.max_seconds, 8.0)
     bw = copy_bandwidth_gbs()
     rng = np.random.default_rng(0)
     results: list[dict[str, Any]] = []
     one_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-op", initializer=set_threads,
                                     initargs=(1,))
     max_shards = max(n for n, _ in configs(args.quick))
-    with (local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=600) as client,
+    with (local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=600, shm=False) as client,
+          MemoryClient(cluster.endpoint, timeout=600, shm=True) as shm_client,
           echo_servers(max_shards) as echo_addresses):
         nice = ray_worker_nice()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-compute", initializer=shard_like_thread,
@@ -222,14 +238,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for shards, sharding in configs(args.quick):
                 name = f"bench-bag-{rows}x{dim}-{sharding}-{shards}"
                 meta = client.create_table(name, rows, dim, sharding=sharding, num_shards=shards, init_std=0.02, seed=0)
-                t, match, sizes = measure(client, meta, ids, w, weight, expect, echoes, pool, one_thread, args.repeat,
+                t, match, sizes = measure(client, shm_client, meta, ids, w, weight, expect, echoes, pool, one_thread, args.repeat,
                                           args.max_seconds)
                 client.drop_table(name)
                 per_shard = [{"shard": i, "request": sum(s["request"] for s in sizes if s["shard"] == i),
                               "response": sum(s["response"] for s in sizes if s["shard"] == i)}
                              for i in sorted({s["shard"] for s in sizes})]
                 wire = sum(s["request"] + s["response"] for s in per_shard)
-                local_ms, remote_ms = t["local"]["p50_ms"], t["client"]["p50_ms"]
+                local_ms, remote_ms, shm_ms = t["local"]["p50_ms"], t["client"]["p50_ms"], t["client shm"]["p50_ms"]
                 compute_ms = max(v["p50_ms"] for k, v in t.items() if k.startswith("compute"))
                 floor_ms, raw_ms = t["floor"]["p50_ms"], t["raw stub"]["p50_ms"]
                 results.append({
@@ -240,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "client_overhead_ms": remote_ms - compute_ms - floor_ms,
                     "shard_overhead_ms": raw_ms - compute_ms - floor_ms,
                     "local_qps": args.batch / local_ms * 1e3, "remote_qps": args.batch / remote_ms * 1e3,
-                    "ratio": local_ms / remote_ms, "per_shard_bytes": per_shard, "calls": sizes, "wire_bytes": wire,
+                    "ratio": local_ms / remote_ms, "shm_ms": shm_ms, "shm_ratio": local_ms / shm_ms,
+                    "per_shard_bytes": per_shard, "calls": sizes, "wire_bytes": wire,
                     "gathered_bytes": gathered,
                     # one pass over the bytes at copy bandwidth: the floor of each side's memory traffic
                     "wire_floor_ms": wire / (bw * 1e9) * 1e3, "gather_floor_ms": gathered / (bw * 1e9) * 1e3,
@@ -257,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table = f"{r['rows']:,}x{r['dim']}, 2 shards cols"
         targets.append(target("bag_throughput", f"remote/in-process q/s, {table} (default)", r["ratio"],
                               ratio_target(r["dim"])))
+        targets.append(target("bag_throughput", f"remote through shared memory/in-process q/s, {table}", r["shm_ratio"],
+                              TARGET_SHM))
         targets.append(target("bag_throughput", f"shard overhead beyond compute and TCP floor, {table}",
                               r["shard_overhead_ms"], TARGET_SHARD_OVERHEAD_MS, higher_is_better=False, unit=" ms"))
         targets.append(info("bag_throughput", f"client overhead beyond compute and TCP floor, {table}",
@@ -273,14 +292,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{min(v['n'] for r in results for v in r['timings'].values())}+ calls each, round robin in a shuffled order "
                       f"(in-process and client op: {torch.get_num_threads()} torch threads; shards, compute and op 1 thr: "
                       f"1; copy bandwidth {bw:.1f} GB/s). overhead = that time - compute (max shard) - TCP floor")
-    for col in ("table", "shards", "sharding", "in-proc", "client", "remote/ in-proc", "raw stub", "compute", "TCP floor",
+    for col in ("table", "shards", "sharding", "in-proc", "client", "remote/ in-proc", "client shm", "shm/ in-proc", "raw stub", "compute", "TCP floor",
                 "client op", "op 1 thr", "client overhead", "shard overhead", "MB per shard req+resp", "gather floor",
                 "equal"):
         tbl.add_column(col, justify="right")
     for r in results:
         per = " ".join(f"{s['request'] / 1e6:.2f}+{s['response'] / 1e6:.2f}" for s in r["per_shard_bytes"])
         tbl.add_row(f"{r['rows']:,}x{r['dim']}", str(r["shards"]), r["sharding"], f"{r['local_ms']:.1f}",
-                    f"{r['remote_ms']:.1f}", f"{r['ratio']:.2f}x", f"{r['raw_stub_ms']:.1f}", f"{r['compute_ms']:.1f}",
+                    f"{r['remote_ms']:.1f}", f"{r['ratio']:.2f}x", f"{r['shm_ms']:.1f}", f"{r['shm_ratio']:.2f}x",
+                    f"{r['raw_stub_ms']:.1f}", f"{r['compute_ms']:.1f}",
                     f"{r['floor_ms']:.1f}", f"{r['client_op_ms']:.1f}", f"{r['client_op_1thread_ms']:.1f}",
                     f"{r['client_overhead_ms']:.1f}", f"{r['shard_overhead_ms']:.1f}", per, f"{r['gather_floor_ms']:.1f}",
                     "yes" if all(r["match"].values()) else "NO: " + ", ".join(k for k, v in r["match"].items() if not v))

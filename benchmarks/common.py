@@ -74,7 +74,7 @@ def timeit(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2, max_seco
 
 
 def latencies(fns: dict[str, Callable[[], Any]], *, repeat: int = 200, warmup: int = 10,
-              max_seconds: float = 30.0, shuffle: bool = False) -> dict[str, dict[str, float]]:
+              max_seconds: float = 30.0, shuffle: bool = False, block: int = 1) -> dict[str, dict[str, float]]:
     """Call every fn in turn (round robin) and return per-fn ms statistics with p50 and p99.
 
     Interleaving puts the same background load on every candidate, so on a shared machine their
@@ -82,7 +82,10 @@ def latencies(fns: dict[str, Callable[[], Any]], *, repeat: int = 200, warmup: i
     every round, so no candidate always follows the same one: a call right after another to the
     same server process finds it awake (a process idle for a round answers a small call ~0.2 ms
     slower here), and a call right after a parallel torch op may find its OpenMP threads still
-    spinning on a core the call needs."""
+    spinning on a core the call needs. `block` > 1: each candidate runs `block` calls in a row per
+    round and the first is not counted (it pays for whatever ran before it: libgomp's threads of
+    an in-process torch op spin on both cores for milliseconds after it, which a remote call's
+    shards would otherwise always meet), so `repeat` rounds count repeat x (block - 1) calls."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -96,9 +99,11 @@ def latencies(fns: dict[str, Callable[[], Any]], *, repeat: int = 200, warmup: i
         if shuffle:
             rng.shuffle(order)
         for k, fn in order:
-            t0 = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - t0) * 1e3)
+            for i in range(block):
+                t0 = time.perf_counter()
+                fn()
+                if block == 1 or i:
+                    times[k].append((time.perf_counter() - t0) * 1e3)
     return {k: summarize(v) for k, v in times.items()}
 
 

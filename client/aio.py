@@ -236,12 +236,12 @@ class AsyncMemoryClient:
                 errors = [o for o in outcomes if isinstance(o, BaseException)]
                 if errors:
                     raise errors[0]
-                answers = transport.receive(sent, outcomes)
+                if tags is not None:
+                    self.session.answered(meta)
+                # before the blocks are released: shared-memory answers are views of them
+                return finish(op, transport.receive(sent, outcomes))
             finally:
                 transport.release(sent, outcomes)
-            if tags is not None:
-                self.session.answered(meta)
-            return finish(op, answers)
 
         try:
             return await self._with_table(table, run, tags)

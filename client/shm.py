@@ -41,8 +41,12 @@ log = logging.getLogger(__name__)
 SHM_ENV = "MEMSERVER_SHM"
 #: One region per shard: requests and answers of the calls in flight to it.
 REGION_BYTES = 64 << 20
-#: The calls whose tensors may travel through shared memory.
-METHODS = frozenset({"Lookup", "Bag", "BagBackward", "Search"})
+#: The calls whose tensors may travel through shared memory, and whether their answers are read
+#: as copies (False: their ops copy the answers into their results before the block is freed).
+METHODS = {"Lookup": False, "Bag": False, "BagBackward": False, "Search": True}
+#: Calls whose tensors (request and answer) are smaller go over TCP: protobuf is as fast there,
+#: and a region's block is not worth its bookkeeping.
+MIN_BYTES = 64 << 10
 #: Tensors start at multiples of this; the region's first bytes hold its nonce.
 ALIGN = 64
 HEADER = 64
@@ -174,7 +178,7 @@ class Region:
         except BufferError:  # a view still alive: the garbage collector unmaps it
             pass
 
-    def pack(self, req: Lazy) -> tuple[bytes, Lease] | None:
+    def pack(self, method: str, req: Lazy) -> tuple[bytes, Lease] | None:
         """The request with its tensors in a block of this region (and room for the answer), as
         bytes, and the block's lease; None when it does not fit now."""
         sizes = [_up(t.numel() * t.element_size()) for t in req.tensors.values()]
@@ -197,16 +201,16 @@ class Region:
         msg.shm.region = self.id
         if answer:
             msg.shm.answer.offset, msg.shm.answer.nbytes = at, answer
-        return msg.SerializeToString(), Lease(self, start, start + total)
+        return msg.SerializeToString(), Lease(self, start, start + total, METHODS[method])
 
 
 class Lease:
     """A call's block of a region, from packing its request until its answer is read."""
 
-    __slots__ = ("region", "start", "end")
+    __slots__ = ("region", "start", "end", "copy")
 
-    def __init__(self, region: Region, start: int, end: int) -> None:
-        self.region, self.start, self.end = region, start, end
+    def __init__(self, region: Region, start: int, end: int, copy: bool = True) -> None:
+        self.region, self.start, self.end, self.copy = region, start, end, copy
 
     def release(self) -> None:
         self.region.free(self.start)
@@ -215,8 +219,10 @@ class Lease:
         self.region.abandon(self.start)
 
     def unpack(self, resp: Any) -> Any:
-        """The answer with each tensor the shard wrote into the block copied out (the block is
-        reused after the call); an answer that came inline is returned as it is."""
+        """The answer with each tensor the shard wrote into the block as a tensor: a view of the
+        block, or with the lease's `copy` a copy (a view is valid until the lease is released: only for an op
+        that copies its answers into its result before that); an answer that came inline is
+        returned as it is."""
         tensors: dict[str, torch.Tensor] = {}
         for field in resp.DESCRIPTOR.fields:
             if field.message_type is not pb.Tensor.DESCRIPTOR or not resp.HasField(field.name):
@@ -231,10 +237,13 @@ class Lease:
                     n != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
                 raise RuntimeError(f"shard answered {field.name} at [{off}, {off}+{n}) of dtype {msg.dtype}, shape "
                                    f"{shape}: not inside the call's block [{self.start}, {self.end})")
-            out = torch.empty(shape, dtype=dtype)
-            src = np.frombuffer(self.region.mm, np.uint8, n, off)
-            np.copyto(np.frombuffer(tensor_bytes(out), np.uint8), src)
-            del src  # no view of the region may outlive the call (it must be unmappable)
+            if self.copy:
+                out = torch.empty(shape, dtype=dtype)
+                src = np.frombuffer(self.region.mm, np.uint8, n, off)
+                np.copyto(np.frombuffer(tensor_bytes(out), np.uint8), src)
+                del src  # no view of the region may outlive the call (it must stay unmappable)
+            else:
+                out = torch.frombuffer(self.region.mm, dtype=dtype, count=math.prod(shape), offset=off).view(shape)
             tensors[field.name] = out
         return Resolved(resp, tensors) if tensors else resp
 
@@ -269,7 +278,8 @@ class ShmTransport:
 
     def pack(self, address: str, method: str, req: Any) -> tuple[bytes, Lease] | None:
         """The call through shared memory, or None: send it over TCP."""
-        if not self.on or method not in METHODS or not isinstance(req, Lazy):
+        if not self.on or method not in METHODS or not isinstance(req, Lazy) or \
+                req.answer_bytes + sum(t.numel() * t.element_size() for t in req.tensors.values()) < MIN_BYTES:
             return None
         region = self.regions.get(address)
         if region is not None and region.retired:  # too much abandoned: detach it, attach a fresh one
@@ -278,7 +288,7 @@ class ShmTransport:
         if region is None:
             self._start_attach(address)
             return None
-        packed = region.pack(req)
+        packed = region.pack(method, req)
         if packed is not None:
             self.calls += 1
         return packed

@@ -101,12 +101,12 @@ class MemoryClient:
                 for (where, _, _), o in zip(calls, outcomes):
                     if isinstance(o, grpc.RpcError):
                         raise from_rpc_error(o, f"shard {where}") from None
-                answers = transport.receive(sent, outcomes)
+                if tags is not None:
+                    self.aio.session.answered(meta)
+                # before the blocks are released: shared-memory answers are views of them
+                return finish(op, transport.receive(sent, outcomes))
             finally:
                 transport.release(sent, outcomes)
-            if tags is not None:
-                self.aio.session.answered(meta)
-            return finish(op, answers)
 
         try:
             meta = self.aio._tables.get(table)

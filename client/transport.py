@@ -66,7 +66,8 @@ def prepare(calls: list[tuple[str, str, Any]], shm: ShmTransport | None) -> list
 
 
 def receive(sent: list[tuple[bytes, Lease | None]], answers: list[Any]) -> list[Any]:
-    """The answers, with what shards wrote into shared memory read out."""
+    """The answers, with what shards wrote into shared memory read (client.shm.Lease.unpack: for
+    Lookup, Bag and BagBackward views of the blocks; hand them to the op before `release`)."""
     return [a if lease is None else lease.unpack(a) for (_, lease), a in zip(sent, answers)]
 
 

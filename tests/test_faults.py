@@ -163,14 +163,15 @@ def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name):
 
     with MemoryClient(fault_cluster.endpoint, timeout=30, retry_seconds=90, shm=True) as c:
         c.create_table(table_name, ROWS, DIM, sharding="cols", wal=True)
-        wait_for(lambda: c.lookup(table_name, np.arange(2)) is not None and len(c.aio.shm.regions) == 2,
+        big = (np.zeros((8192, 1), np.int64), np.ones((8192, 1), np.float32))  # above client.shm.MIN_BYTES
+        wait_for(lambda: c.bag(table_name, *big) is not None and len(c.aio.shm.regions) == 2,
                  "regions on both shards", 30)
         rng = np.random.default_rng(5)
         before = c.aio.shm.calls
         for _ in range(3):
-            ids = rng.integers(0, ROWS, (32, 4))
-            c.bag_backward(table_name, ids, rng.random((32, 4), dtype=np.float32),
-                           rng.normal(size=(32, DIM)).astype(np.float32))
+            ids = rng.integers(0, ROWS, (2048, 4))
+            c.bag_backward(table_name, ids, rng.random((2048, 4), dtype=np.float32),
+                           rng.normal(size=(2048, DIM)).astype(np.float32))
         assert c.aio.shm.calls - before == 6
         expect = c.lookup(table_name, np.arange(ROWS))
         address = c.table(table_name).shards[0].address
@@ -178,6 +179,6 @@ def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name):
         wait_for(lambda: address not in c.aio.shm.regions, "the client to drop the dead shard's region", 30)
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{os.getpid()}-")]
         np.testing.assert_array_equal(c.lookup(table_name, np.arange(ROWS)), expect)
-        wait_for(lambda: c.lookup(table_name, np.arange(2)) is not None and len(c.aio.shm.regions) == 2,
+        wait_for(lambda: c.bag(table_name, *big) is not None and len(c.aio.shm.regions) == 2,
                  "a region on the restarted shard", 60)
         np.testing.assert_array_equal(c.lookup(table_name, np.arange(ROWS)), expect)

@@ -18,7 +18,7 @@ import torch
 
 from client import MemoryClient
 from client.channels import sync_channel
-from client.shm import ALIGN, HEADER, Region, boot_id, enabled
+from client.shm import ALIGN, HEADER, MIN_BYTES, Region, boot_id, enabled
 from client.transport import methods
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import WIRE_DTYPES
@@ -27,15 +27,19 @@ from tests.test_metrics_scrape import scrape, total
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def shm_client(endpoint: str, table: str, shards: int, timeout: float = 30.0, **kwargs) -> MemoryClient:
-    """A client with regions attached to `shards` shards (its first calls go by TCP meanwhile)."""
-    c = MemoryClient(endpoint, timeout=60, shm=True, **kwargs)
+def attach(c: MemoryClient, table: str, shards: int, timeout: float = 30.0) -> MemoryClient:
+    """Make bags large enough for shared memory (client.shm.MIN_BYTES) until the client has
+    regions on `shards` shards (its first calls go by TCP meanwhile)."""
     t0 = time.monotonic()
     while len(c.aio.shm.regions) < shards:
         assert time.monotonic() - t0 < timeout, f"no shared memory after {timeout}s: {c.aio.shm.not_before}"
-        c.lookup(table, np.arange(2))
+        c.bag(table, np.zeros((MIN_BYTES // 8, 1), np.int64), np.ones((MIN_BYTES // 8, 1), np.float32))
         time.sleep(0.05)
     return c
+
+
+def shm_client(endpoint: str, table: str, shards: int, **kwargs) -> MemoryClient:
+    return attach(MemoryClient(endpoint, timeout=60, shm=True, **kwargs), table, shards)
 
 
 def test_enabled_by_default_off_with_env(monkeypatch):
@@ -49,7 +53,8 @@ def test_enabled_by_default_off_with_env(monkeypatch):
 def test_same_answers_as_tcp(memory_cluster, table_name, sharding):
     """Bag (dense and with offsets, float32 and bfloat16 on the wire), lookup and bag_backward on a
     table with the write-ahead log (whose records must hold the tensors, not the spans): equal
-    through shared memory and TCP, and the shared-memory client really used it."""
+    through shared memory and TCP, and the shared-memory client really used it (calls of at
+    least client.shm.MIN_BYTES; smaller ones go by TCP)."""
     rows, dim = 4096, 48
     with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as tcp:
         for name in (f"{table_name}-a", f"{table_name}-b"):
@@ -59,23 +64,23 @@ def test_same_answers_as_tcp(memory_cluster, table_name, sharding):
         tcp16 = MemoryClient(memory_cluster.endpoint, timeout=60, shm=False, wire_dtype="bfloat16")
         try:
             rng = np.random.default_rng(0)
-            ids = torch.from_numpy(rng.integers(0, rows, (300, 16)))
-            w = torch.from_numpy(rng.random((300, 16), dtype=np.float32))
-            before = shm.aio.shm.calls
+            ids = torch.from_numpy(rng.integers(0, rows, (2000, 16)))
+            w = torch.from_numpy(rng.random((2000, 16), dtype=np.float32))
+            before, before16 = shm.aio.shm.calls, shm16.aio.shm.calls
             assert torch.equal(shm.bag(f"{table_name}-a", ids, w), tcp.bag(f"{table_name}-a", ids, w))
-            flat, off = ids.reshape(-1)[:1000], torch.tensor([0, 3, 3, 500, 999])
-            assert torch.equal(shm.bag(f"{table_name}-a", flat, w.reshape(-1)[:1000], off),
-                               tcp.bag(f"{table_name}-a", flat, w.reshape(-1)[:1000], off))
+            flat, off = ids.reshape(-1)[:20000], torch.tensor([0, 3, 3, 500, 19999])
+            assert torch.equal(shm.bag(f"{table_name}-a", flat, w.reshape(-1)[:20000], off),
+                               tcp.bag(f"{table_name}-a", flat, w.reshape(-1)[:20000], off))
             assert torch.equal(shm16.bag(f"{table_name}-a", ids, w), tcp16.bag(f"{table_name}-a", ids, w))
             assert torch.equal(shm.lookup(f"{table_name}-a", ids), tcp.lookup(f"{table_name}-a", ids))
             for step in range(3):
-                g = torch.from_numpy(rng.normal(size=(300, dim)).astype(np.float32))
+                g = torch.from_numpy(rng.normal(size=(2000, dim)).astype(np.float32))
                 ga = shm.bag_backward(f"{table_name}-a", ids, w, g)
                 gb = tcp.bag_backward(f"{table_name}-b", ids, w, g)
                 assert torch.equal(ga, gb), step
             assert torch.equal(tcp.lookup(f"{table_name}-a", torch.arange(rows)), tcp.lookup(f"{table_name}-b", torch.arange(rows)))
-            # bag, bag with offsets, lookup and 3 backwards, each to both shards
-            assert shm.aio.shm.calls - before == 2 * 6
+            # bag, bag with offsets, lookup and 3 backwards, each to both shards (and the bfloat16 bag)
+            assert shm.aio.shm.calls - before == 2 * 6 and shm16.aio.shm.calls - before16 == 2
             assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{os.getpid()}-")]
         finally:
             for c in (shm, shm16, tcp16):
@@ -88,11 +93,11 @@ def test_search_through_shared_memory(memory_cluster, table_name):
         rng = np.random.default_rng(1)
         tcp.add(table_name, np.arange(500), rng.normal(size=(500, 16)).astype(np.float32),
                 rng.normal(size=(500, 3)).astype(np.float32))
-        q = rng.normal(size=(20, 16)).astype(np.float32)
+        q = rng.normal(size=(1100, 16)).astype(np.float32)  # 70 KB: above client.shm.MIN_BYTES
         with MemoryClient(memory_cluster.endpoint, timeout=60, shm=True) as shm:
             t0 = time.monotonic()
             while len(shm.aio.shm.regions) < 2 and time.monotonic() - t0 < 30:
-                shm.search(table_name, q[:1], 1)
+                shm.search(table_name, q, 1)
                 time.sleep(0.05)
             before = shm.aio.shm.calls
             got, want = shm.search(table_name, q, 7, return_payload=True), tcp.search(table_name, q, 7, return_payload=True)
@@ -227,7 +232,7 @@ def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
         script = ("import sys, time, numpy as np\nfrom client import MemoryClient\n"
                   f"c = MemoryClient({memory_cluster.endpoint!r}, shm=True)\n"
                   "while len(c.aio.shm.regions) < 2:\n"
-                  f"    c.lookup({table_name!r}, np.arange(3)); time.sleep(0.05)\n"
+                  f"    c.bag({table_name!r}, np.zeros((8192, 1), int), np.ones((8192, 1), np.float32)); time.sleep(0.05)\n"
                   "print('ready', flush=True)\ntime.sleep(600)\n")
         child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                  env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -151,10 +151,19 @@ class ValueTable:
             self._count_reads(ids, None)
         return self.weight.index_select(0, ids).float()
 
-    def bag(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """out[b] = sum_{i in bag b} weights_i * v[ids_i], in float32."""
-        ids, weights, offsets = self._on_device((ids, torch.int64), (weights, torch.float32), (offsets, torch.int64))
+    def count_reads(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """The slot statistics of a bag's reads (hits, weight mass), apart from the bag: a shard
+        counts them after it answered (memserver.server.dataplane)."""
         if self.track_stats:
+            ids, weights = self._on_device((ids, torch.int64), (weights, torch.float32))
+            self._count_reads(ids, weights)
+
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None = None,
+            count: bool = True) -> torch.Tensor:
+        """out[b] = sum_{i in bag b} weights_i * v[ids_i], in float32; `count` False: the reads are
+        counted later (count_reads)."""
+        ids, weights, offsets = self._on_device((ids, torch.int64), (weights, torch.float32), (offsets, torch.int64))
+        if self.track_stats and count:
             self._count_reads(ids, weights)
         if ids.numel() == 0:  # empty bags (legal): zeros, whatever the storage dtype
             return torch.zeros((ids.shape[0] if offsets is None else len(offsets), self.dim), device=self.device)

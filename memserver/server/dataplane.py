@@ -145,11 +145,19 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             ids, weights, offsets, num_bags = self._bag_inputs(request, region)
             check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
 
+            later = ids.numel() > INLINE_ENTRIES  # a large bag's read counters: after its answer
+
             def work() -> Any:
-                out = sl.table.bag(sl.local(ids), weights, offsets)
+                local = sl.local(ids)
+                out = sl.table.bag(local, weights, offsets, count=not later)
+                if later:  # on the compute thread before any later request: off the call's path
+                    self.pending.append((sl, lambda: sl.table.count_reads(local, weights)))
                 return answer(request, region, Lazy(pb.BagResponse()).put("out", out, request.wire_dtype))
 
-            return await self.run(work, ids.numel())
+            try:
+                return await self.run(work, ids.numel())
+            finally:
+                self._drain_soon()
 
     # Each write is built in two halves: validation (on the event loop, before anything changes)
     # and a work() that applies it on the compute thread. Replaying the write-ahead log after a
@@ -278,12 +286,16 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         sl = self.slice(request, kind)
         work, n = build(sl, request)
         response = await self.run(work, n)
-        if self.pending:  # a deferred update: apply it promptly even if no request follows
+        self._drain_soon()
+        await self._acknowledge(sl)
+        return response
+
+    def _drain_soon(self) -> None:
+        """Deferred work (an update, read counters) queued: run it promptly even if no request follows."""
+        if self.pending:
             task = asyncio.get_running_loop().create_task(self.run(lambda: None))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
-        await self._acknowledge(sl)
-        return response
 
     async def BagBackward(self, request: pb.BagBackwardRequest, context: grpc.aio.ServicerContext) -> pb.BagBackwardResponse:
         with self._region(request) as region:
