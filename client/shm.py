@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -88,6 +89,42 @@ def boot_id() -> str:
         return ""
 
 
+#: Where regions are made (posix_fallocate of REGION_BYTES takes milliseconds: not on the loop).
+_MAKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memserver-shm")
+_swept = False
+
+
+def _discard(made: Future[Region]) -> None:
+    if not made.cancelled() and made.exception() is None:
+        made.result().unlink()
+        made.result().retire()
+
+
+def sweep(directory: str = "/dev/shm") -> list[str]:
+    """Remove the region names of processes that are gone (killed between making a region and
+    the shard mapping it, the only moment a name exists). Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "memserver" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+        except PermissionError:  # another user's live process
+            continue
+    return removed
+
+
 def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -97,6 +134,10 @@ class Region:
     shard once attached. Thread-safe (the blocking client calls from any thread)."""
 
     def __init__(self, size: int) -> None:
+        global _swept
+        if not _swept:  # once per process: what killed processes left behind
+            _swept = True
+            sweep()
         self.name = f"memserver-{os.getpid()}-{secrets.token_hex(16)}"
         self.path = os.path.join("/dev/shm", self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -316,14 +357,24 @@ class ShmTransport:
     async def _attach(self, address: str) -> None:
         region: Region | None = None
         try:
+            if not self.on:  # closed meanwhile
+                return
             if not self.boot_id or not is_local(address):
                 self.not_before[address] = math.inf  # another machine: never
                 return
+            made = _MAKER.submit(Region, self.size)
             try:
-                region = await asyncio.get_running_loop().run_in_executor(None, Region, self.size)
+                region = await asyncio.wrap_future(made)
+            except asyncio.CancelledError:  # the client closing: the region, once made, goes too
+                made.add_done_callback(_discard)
+                raise
             except OSError as exc:
                 log.info("no shared-memory region for %s (%s); using TCP", address, exc)
                 self.not_before[address] = time.monotonic() + RETRY_AFTER
+                return
+            if not self.on:
+                region.unlink()
+                region.retire()
                 return
             attach = self.channel(address).unary_stream(ATTACH_PATH, request_serializer=pb.AttachRegionRequest.SerializeToString,
                                                         response_deserializer=pb.AttachRegionEvent.FromString)

@@ -250,3 +250,16 @@ def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
             if child.poll() is None:
                 child.kill()
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{child.pid}-")]
+
+
+def test_sweep_removes_the_names_of_dead_processes(tmp_path):
+    """A process killed between making a region and the shard mapping it leaves its name: the
+    next process to make a region removes it (client.shm.sweep), and only those of dead processes."""
+    from client.shm import sweep
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    names = [f"memserver-{dead.stdout.strip()}-{'a' * 32}", f"memserver-{os.getpid()}-{'b' * 32}", "other-file"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    assert sweep(str(tmp_path)) == names[:1]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
