@@ -275,7 +275,7 @@ class Lease:
             dtype = TORCH_DTYPES.get(msg.dtype)
             shape = [int(s) for s in msg.shape]
             if dtype is None or not (self.start <= off and n <= self.end - off) or \
-                    n != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+                    n != math.prod(shape) * dtype.itemsize:
                 raise RuntimeError(f"shard answered {field.name} at [{off}, {off}+{n}) of dtype {msg.dtype}, shape "
                                    f"{shape}: not inside the call's block [{self.start}, {self.end})")
             if self.copy:

@@ -41,6 +41,7 @@ TORCH_DTYPES: dict[int, torch.dtype] = {
     pb.INT32: torch.int32,
 }
 WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
+ITEMSIZE: dict[torch.dtype, int] = {t: t.itemsize for t in TORCH_DTYPES.values()}
 DTYPE_NAMES: dict[str, int] = {
     "float32": pb.FLOAT32,
     "float16": pb.FLOAT16,
@@ -126,7 +127,7 @@ def decode(msg: pb.Tensor | torch.Tensor, what: str, region: Any = None) -> torc
     if any(s < 0 for s in shape):
         raise InvalidArgumentError(f"{what}: negative extent in shape {list(shape)}")
     numel = math.prod(shape)  # exact (a Python int): a product past int64 is just too many bytes
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = ITEMSIZE[dtype]
     data = msg.data  # with upb every read of a bytes field is a copy: read it once
     if msg.HasField("shm"):
         if region is None:
@@ -147,7 +148,12 @@ def decode(msg: pb.Tensor | torch.Tensor, what: str, region: Any = None) -> torc
 # ------------------------------------------------------------------ messages with tensors kept aside
 
 
+_SMALL_VARINTS = [bytes((i,)) for i in range(128)]
+
+
 def _varint(n: int) -> bytes:
+    if n < 128:
+        return _SMALL_VARINTS[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)

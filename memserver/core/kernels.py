@@ -249,8 +249,10 @@ def count_reads(ids, weights, hits, weight_mass):  # pragma: no cover - compiled
 def _top_positions(keys, m, k, sel, order, out):  # pragma: no cover - compiled
     """out[:k] = the positions of the k largest of keys[:m] (int32 order keys), largest first,
     ties by the smaller position. Branch-light, so it vectorises: the k-th largest key by
-    bisection over the key range (count(keys >= t) per step), the positions above it and then
-    those equal to it (in position order) gathered, and each placed by its rank among them."""
+    bisection over the key range (count(keys >= t) per step; a t with exactly k keys at or above
+    it ends the search early: about 8 steps instead of 31 on continuous scores), the positions
+    above it and then those equal to it (in position order) gathered, and each placed by its
+    rank among them."""
     lo = np.int64(keys[0])
     hi = lo
     for c in range(1, m):
@@ -263,6 +265,9 @@ def _top_positions(keys, m, k, sel, order, out):  # pragma: no cover - compiled
         cnt = 0
         for c in range(m):
             cnt += keys[c] >= t32
+        if cnt == k:  # mid already parts the k largest from the rest: the same set (ties never stop here)
+            lo = mid
+            break
         if cnt >= k:
             lo = mid
         else:
