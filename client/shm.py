@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import TORCH_DTYPES, WIRE_DTYPES, Lazy, tensor_bytes
+from memserver.wire import TORCH_DTYPES, WIRE_DTYPES, Lazy, Resolved, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -287,18 +287,6 @@ class Lease:
                 out = torch.frombuffer(self.region.mm, dtype=dtype, count=math.prod(shape), offset=off).view(shape)
             tensors[field.name] = out
         return Resolved(resp, tensors) if tensors else resp
-
-
-class Resolved:
-    """An answer whose shared-memory tensors were read: those fields are torch tensors
-    (memserver.wire.decode takes them as they are), the others the message's."""
-
-    def __init__(self, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
-        self._msg, self._tensors = msg, tensors
-
-    def __getattr__(self, name: str) -> Any:
-        t = self._tensors.get(name)
-        return t if t is not None else getattr(self._msg, name)
 
 
 class ShmTransport:

@@ -6,13 +6,14 @@ response type. One place, so no sender serialises differently."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import message_factory
 
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import to_bytes
+from memserver.wire import parse_answer, to_bytes
 
 if TYPE_CHECKING:
     from client.shm import Lease, ShmTransport
@@ -22,11 +23,15 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["DataPlane"]
 RESPONSES: dict[str, Any] = {m.name: message_factory.GetMessageClass(m.output_type) for m in _SERVICE.methods}
 
 
+#: The methods whose answers carry large tensors: read as views of the answer's bytes (parse_answer).
+_VIEWED = frozenset({"Lookup", "Bag", "BagBackward", "Search"})
+
+
 def methods(channel: Any) -> dict[str, Any]:
     """The DataPlane methods of a channel (grpc or grpc.aio) as multi-callables that take the
     serialised request and return the parsed answer."""
     return {name: channel.unary_unary(f"/{_SERVICE.full_name}/{name}", request_serializer=None,
-                                      response_deserializer=cls.FromString)
+                                      response_deserializer=partial(parse_answer, cls) if name in _VIEWED else cls.FromString)
             for name, cls in RESPONSES.items()}
 
 

@@ -208,6 +208,120 @@ class Lazy:
         return type(self.msg).FromString(self.to_bytes())
 
 
+class Resolved:
+    """A message some of whose Tensor fields are already torch tensors: read without protobuf's
+    copies (`parse_answer`) or out of shared memory (client.shm). decode() takes such a field as
+    it is; every other attribute is the message's. `nbytes`: the size of the message it was read
+    from (ByteSize)."""
+
+    def __init__(self, msg: Any, tensors: dict[str, torch.Tensor], nbytes: int | None = None) -> None:
+        self._msg, self._tensors, self._nbytes = msg, tensors, nbytes
+
+    def __getattr__(self, name: str) -> Any:
+        t = self._tensors.get(name)
+        return t if t is not None else getattr(self._msg, name)
+
+    def ByteSize(self) -> int:  # noqa: N802 (protobuf's name)
+        if self._nbytes is not None:
+            return self._nbytes
+        return self._msg.ByteSize() + sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _tensor_view(raw: bytes, i: int, end: int) -> torch.Tensor | None:
+    """The Tensor message in raw[i:end] as a read-only view of its data bytes; None when it is
+    anything but plain inline data of a known dtype and a matching size (protobuf and decode()
+    then handle it, errors included)."""
+    dtype, shape, data = 0, [], None
+    while i < end:
+        key, i = _read_varint(raw, i)
+        num, wt = key >> 3, key & 7
+        if num == 1 and wt == 0:
+            dtype, i = _read_varint(raw, i)
+        elif num == 2 and wt == 2:
+            size, i = _read_varint(raw, i)
+            stop = i + size
+            while i < stop:
+                v, i = _read_varint(raw, i)
+                shape.append(v)
+        elif num == 2 and wt == 0:
+            v, i = _read_varint(raw, i)
+            shape.append(v)
+        elif num == 3 and wt == 2:
+            size, i = _read_varint(raw, i)
+            data = (i, size)
+            i += size
+        else:  # a shared-memory span, or a field this reader does not know
+            return None
+    torch_dtype = TORCH_DTYPES.get(dtype)
+    if torch_dtype is None or i != end or any(s >= 2**63 for s in shape):
+        return None
+    numel = math.prod(shape)
+    start, size = data if data is not None else (0, 0)
+    if size != numel * ITEMSIZE[torch_dtype] or start + size > len(raw):
+        return None
+    if numel == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    return torch.frombuffer(raw, dtype=torch_dtype, count=numel, offset=start).view(shape)
+
+
+def parse_answer(cls: Any, raw: bytes) -> Any:
+    """A data-plane answer whose inline Tensor fields are read-only views of `raw` (protobuf would
+    copy each twice: into its arena as it parses, out again when the field is read); its other
+    fields parsed by protobuf. Anything unusual (a repeated tensor field, bytes that do not
+    parse) goes to protobuf whole, which keeps its semantics and its errors."""
+    fields = cls.DESCRIPTOR.fields_by_number
+    tensors: dict[str, torch.Tensor] = {}
+    rest: list[bytes] = []
+    i, n = 0, len(raw)
+    try:
+        while i < n:
+            start = i
+            key, i = _read_varint(raw, i)
+            wt = key & 7
+            if wt == 2:
+                size, i = _read_varint(raw, i)
+                end = i + size
+                if end > n:
+                    raise ValueError("truncated")
+                f = fields.get(key >> 3)
+                if f is not None and f.message_type is pb.Tensor.DESCRIPTOR:
+                    if f.name in tensors:
+                        raise ValueError("a tensor field twice")
+                    t = _tensor_view(raw, i, end)
+                    if t is not None:
+                        tensors[f.name] = t
+                        i = end
+                        continue
+                i = end
+            elif wt == 0:
+                _, i = _read_varint(raw, i)
+            elif wt in (1, 5):
+                i += 8 if wt == 1 else 4
+            else:
+                raise ValueError("wire type")
+            rest.append(raw[start:i])
+        if i != n:
+            raise ValueError("truncated")
+    except (IndexError, ValueError):
+        return cls.FromString(raw)
+    if not tensors:
+        return cls.FromString(raw)
+    return Resolved(cls.FromString(b"".join(rest)), tensors, n)
+
+
 def inline(msg: Any, **tensors: torch.Tensor | None) -> Any:
     """A copy of a shared-memory request with `tensors` inline and no region: what the
     write-ahead log keeps (a replay has no client's region to read)."""
