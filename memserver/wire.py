@@ -277,11 +277,17 @@ def _tensor_view(raw: bytes, i: int, end: int) -> torch.Tensor | None:
     return torch.frombuffer(raw, dtype=torch_dtype, count=numel, offset=start).view(shape)
 
 
+#: Smaller answers are parsed by protobuf alone: its copies cost less than this reader's Python.
+VIEW_MIN_BYTES = 16 << 10
+
+
 def parse_answer(cls: Any, raw: bytes) -> Any:
     """A data-plane answer whose inline Tensor fields are read-only views of `raw` (protobuf would
     copy each twice: into its arena as it parses, out again when the field is read); its other
     fields parsed by protobuf. Anything unusual (a repeated tensor field, bytes that do not
     parse) goes to protobuf whole, which keeps its semantics and its errors."""
+    if len(raw) < VIEW_MIN_BYTES:
+        return cls.FromString(raw)
     fields = cls.DESCRIPTOR.fields_by_number
     tensors: dict[str, torch.Tensor] = {}
     rest: list[bytes] = []

@@ -11,8 +11,15 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memserver import wire
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import TORCH_DTYPES, Lazy, Resolved, decode, encode, parse_answer
+
+
+@pytest.fixture(autouse=True)
+def every_size(monkeypatch):
+    """The reader for every answer here, however small (it leaves small ones to protobuf)."""
+    monkeypatch.setattr(wire, "VIEW_MIN_BYTES", 0)
 
 DTYPES = sorted(TORCH_DTYPES)
 
