@@ -153,6 +153,8 @@ class Regions:
         if region is None:
             raise InvalidArgumentError("shm.region: no such shared-memory region on this shard (detached, or "
                                        "another client's)")
+        if request.shm.HasField("answer"):  # checked before any work is done for the call
+            region.span(request.shm.answer, "shm.answer")
         with region.lock:
             region.leases += 1
         return region
