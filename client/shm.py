@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import TORCH_DTYPES, WIRE_DTYPES, Lazy, Resolved, tensor_bytes
+from memserver.wire import SHM_ALIGN as ALIGN
+from memserver.wire import SHM_NONCE_BYTES as NONCE_BYTES
+from memserver.wire import TORCH_DTYPES, Lazy, Resolved, boot_id, shm_layout, shm_write, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +50,8 @@ METHODS = {"Lookup": False, "Bag": False, "BagBackward": False, "Search": True}
 #: Calls whose tensors (request and answer) are smaller go over TCP: protobuf is as fast there,
 #: and a region's block is not worth its bookkeeping.
 MIN_BYTES = 64 << 10
-#: Tensors start at multiples of this; the region's first bytes hold its nonce.
-ALIGN = 64
+#: Blocks start after the region's first bytes (its nonce), at multiples of ALIGN.
 HEADER = 64
-NONCE_BYTES = 16
 #: Seconds before asking again a shard that refused a region or whose stream ended.
 RETRY_AFTER = 30.0
 ATTACH_PATH = "/memserver.v1.DataPlane/AttachRegion"
@@ -79,14 +79,6 @@ def is_local(address: str) -> bool:
         except OSError:
             continue
     return False
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 #: Where regions are made (posix_fallocate of REGION_BYTES takes milliseconds: not on the loop).
@@ -222,27 +214,20 @@ class Region:
     def pack(self, method: str, req: Lazy) -> tuple[bytes, Lease] | None:
         """The request with its tensors in a block of this region (and room for the answer), as
         bytes, and the block's lease; None when it does not fit now."""
-        sizes = [_up(t.numel() * t.element_size()) for t in req.tensors.values()]
-        answer = req.answer_bytes + 4 * ALIGN if req.answer_bytes else 0
-        total = sum(sizes) + answer
-        start = self.alloc(total)
+        _, size = shm_layout(req.tensors, 0)
+        size = _up(size)
+        answer = req.answer_bytes + 4 * ALIGN if req.answer_bytes else 0  # room for the answers' alignment
+        start = self.alloc(size + answer)
         if start is None:
             return None
         msg = type(req.msg)()
         msg.CopyFrom(req.msg)  # the Lazy may go to several shards: its message stays as it is
-        at = start
-        for (name, t), size in zip(req.tensors.items(), sizes):
-            data = tensor_bytes(t)
-            self.mm[at : at + len(data)] = data
-            field = getattr(msg, name)
-            field.dtype = WIRE_DTYPES[t.dtype]
-            field.shape[:] = list(t.shape)
-            field.shm.offset, field.shm.nbytes = at, len(data)
-            at += size
+        spans, _ = shm_layout(req.tensors, start)
+        shm_write(self.mm, msg, req.tensors, spans)
         msg.shm.region = self.id
         if answer:
-            msg.shm.answer.offset, msg.shm.answer.nbytes = at, answer
-        return msg.SerializeToString(), Lease(self, start, start + total, METHODS[method])
+            msg.shm.answer.offset, msg.shm.answer.nbytes = start + size, answer
+        return msg.SerializeToString(), Lease(self, start, start + size + answer, METHODS[method])
 
 
 class Lease:

@@ -328,6 +328,46 @@ def parse_answer(cls: Any, raw: bytes) -> Any:
     return Resolved(cls.FromString(b"".join(rest)), tensors, n)
 
 
+# ------------------------------------------------------------------ shared memory (client.shm, memserver.server.shm)
+
+#: A region's first bytes: the client's random nonce; tensors start at multiples of SHM_ALIGN.
+SHM_NONCE_BYTES = 16
+SHM_ALIGN = 64
+
+
+def boot_id() -> str:
+    """This machine's boot id: a client and a shard with the same one share a kernel ("" where
+    there is none: then no shared memory)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def shm_layout(tensors: dict[str, torch.Tensor], start: int) -> tuple[list[int], int]:
+    """Where `tensors` go in a region from `start`, one after another at SHM_ALIGN boundaries:
+    (their offsets, the end of the last)."""
+    spans, at = [], start
+    for t in tensors.values():
+        at = -(-at // SHM_ALIGN) * SHM_ALIGN
+        spans.append(at)
+        at += t.numel() * t.element_size()
+    return spans, at
+
+
+def shm_write(mm: Any, msg: Any, tensors: dict[str, torch.Tensor], spans: list[int]) -> None:
+    """Write each tensor into `mm` at its offset and set msg's Tensor field to say where (dtype,
+    shape, Tensor.shm) instead of carrying the bytes."""
+    for (name, t), at in zip(tensors.items(), spans):
+        data = tensor_bytes(t)
+        mm[at : at + len(data)] = data
+        field = getattr(msg, name)
+        field.dtype = WIRE_DTYPES[t.dtype]
+        field.shape[:] = list(t.shape)
+        field.shm.offset, field.shm.nbytes = at, len(data)
+
+
 def inline(msg: Any, **tensors: torch.Tensor | None) -> Any:
     """A copy of a shared-memory request with `tensors` inline and no region: what the
     write-ahead log keeps (a replay has no client's region to read)."""

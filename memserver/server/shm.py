@@ -35,7 +35,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import WIRE_DTYPES, Lazy, tensor_bytes
+from memserver.wire import SHM_NONCE_BYTES as NONCE_BYTES
+from memserver.wire import Lazy, boot_id, shm_layout, shm_write
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +46,6 @@ MAX_REGION_BYTES = 1 << 30
 #: Where regions live, and the names a client may give them (no path: a name is not a file to open).
 SHM_DIR = "/dev/shm"
 NAME = re.compile(r"memserver-[0-9]+-[0-9a-f]{16,64}")
-NONCE_BYTES = 16
-#: Answer tensors start at multiples of this in the answer span.
-ALIGN = 64
-
-
-def boot_id() -> str:
-    """This machine's boot id ("" where there is none: then no shared memory)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 class Region:
@@ -186,22 +175,11 @@ def answer(request: Any, region: Region | None, reply: Lazy) -> Any:
     if region is None:
         return reply
     off, cap = region.span(request.shm.answer, "shm.answer")
-    spans, at = [], off
-    for t in reply.tensors.values():
-        at = -(-at // ALIGN) * ALIGN
-        spans.append(at)
-        at += t.numel() * t.element_size()
-    if at > off + cap:
+    spans, end = shm_layout(reply.tensors, off)
+    if end > off + cap:
         return reply
-    msg = reply.msg
-    for (name, t), start in zip(reply.tensors.items(), spans):
-        data = tensor_bytes(t)
-        region.mm[start : start + len(data)] = data
-        field = getattr(msg, name)
-        field.dtype = WIRE_DTYPES[t.dtype]
-        field.shape[:] = list(t.shape)
-        field.shm.offset, field.shm.nbytes = start, len(data)
-    return msg
+    shm_write(region.mm, reply.msg, reply.tensors, spans)
+    return reply.msg
 
 
 async def serve_attach(regions: Regions, request: pb.AttachRegionRequest,
