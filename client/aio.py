@@ -224,24 +224,28 @@ class AsyncMemoryClient:
             if tags is not None:
                 tags.begin_attempt(first)
                 first = False
-            op = make_op(meta)
-            calls = next(op)
             if self.shm.loop is None:
                 self.shm.loop = asyncio.get_running_loop()
-            sent = transport.prepare(calls, self.shm)
-            outcomes: list[Any] = [None] * len(calls)
-            try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
-                outcomes = await asyncio.gather(*(self._data(a, m, raw) for (a, m, _), (raw, _) in zip(calls, sent)),
-                                                return_exceptions=True)
-                errors = [o for o in outcomes if isinstance(o, BaseException)]
-                if errors:
-                    raise errors[0]
-                if tags is not None:
-                    self.session.answered(meta)
-                # before the blocks are released: shared-memory answers are views of them
-                return finish(op, transport.receive(sent, outcomes))
-            finally:
-                transport.release(sent, outcomes)
+            for again in (True, False):  # once more if a shard had lost its shared-memory region
+                op = make_op(meta)
+                calls = next(op)
+                sent = transport.prepare(calls, self.shm)
+                outcomes: list[Any] = [None] * len(calls)
+                try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
+                    outcomes = await asyncio.gather(*(self._data(a, m, raw) for (a, m, _), (raw, _) in zip(calls, sent)),
+                                                    return_exceptions=True)
+                    if again and transport.stale(sent, outcomes):
+                        continue
+                    errors = [o for o in outcomes if isinstance(o, BaseException)]
+                    if errors:
+                        raise errors[0]
+                    if tags is not None:
+                        self.session.answered(meta)
+                    # before the blocks are released: shared-memory answers are views of them
+                    return finish(op, transport.receive(sent, outcomes))
+                finally:
+                    transport.release(sent, outcomes)
+            raise AssertionError("unreachable")
 
         try:
             return await self._with_table(table, run, tags)

@@ -397,8 +397,8 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
             g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
             req = Lazy(pb.BagBackwardRequest(table=meta.name, tag=tags(part, meta, sh), defer_apply=defer_apply,
                                              step=step, layout_id=meta.layout_id, gather=parts is not None),
-                       {"ids": enc(s_ids, ids=True), "weights": enc(s_w), "grad_out": wire_tensor(g_sh, opts.wire_dtype)},
-                       answer_bytes=s_ids.numel() * 4)
+                       {"ids": enc(s_ids, ids=True), "weights": enc(s_w), "grad_out": wire_tensor(g_sh, opts.wire_dtype)})
+            # no answer space: dL/dw comes back inline (the session keeps it for a retry's answer)
             if s_off is not None:
                 req.tensors["offsets"] = enc(s_off)
             calls.append((sh.address, "BagBackward", req))

@@ -269,7 +269,10 @@ class Lease:
                 np.copyto(np.frombuffer(tensor_bytes(out), np.uint8), src)
                 del src  # no view of the region may outlive the call (it must stay unmappable)
             else:
-                out = torch.frombuffer(self.region.mm, dtype=dtype, count=math.prod(shape), offset=off).view(shape)
+                # through numpy, which holds the mmap's buffer while the view lives (torch.frombuffer
+                # lets go of it at once): the region cannot be unmapped under a live view
+                raw = np.frombuffer(self.region.mm, np.uint8, n, off)
+                out = torch.from_numpy(raw).view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
             tensors[field.name] = out
         return Resolved(resp, tensors) if tensors else resp
 
@@ -289,6 +292,7 @@ class ShmTransport:
         self.tasks: set[asyncio.Task[None]] = set()
         self.boot_id = boot_id() if on else ""
         self.calls = 0  # calls sent through shared memory (a count, for tests and curious users)
+        self.lock = threading.Lock()
 
     def pack(self, address: str, method: str, req: Any) -> tuple[bytes, Lease] | None:
         """The call through shared memory, or None: send it over TCP."""
@@ -308,17 +312,20 @@ class ShmTransport:
         return packed
 
     def _drop(self, address: str, region: Region) -> None:
-        if self.regions.get(address) is region:
+        with self.lock:
+            if self.regions.get(address) is not region:
+                return
             del self.regions[address]
             stream = self.streams.pop(address, None)
-            if stream is not None and self.loop is not None:
-                self.loop.call_soon_threadsafe(stream.cancel)
+        if stream is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(stream.cancel)
 
     def _start_attach(self, address: str) -> None:
         loop = self.loop
-        if loop is None or address in self.attaching or time.monotonic() < self.not_before.get(address, 0.0):
-            return
-        self.attaching.add(address)
+        with self.lock:  # callers on several threads: one attach per address
+            if loop is None or address in self.attaching or time.monotonic() < self.not_before.get(address, 0.0):
+                return
+            self.attaching.add(address)
 
         def start() -> None:
             task = loop.create_task(self._attach(address))
@@ -360,8 +367,9 @@ class ShmTransport:
             if event is grpc.aio.EOF:
                 raise RuntimeError("the shard ended the stream without a region id")
             region.id = event.region
-            self.regions[address] = region
-            self.streams[address] = stream
+            with self.lock:  # the stream first: whoever sees the region can cancel its stream
+                self.streams[address] = stream
+                self.regions[address] = region
             log.info("shared memory with shard %s: %d MiB region attached", address, region.size >> 20)
         except (grpc.aio.AioRpcError, RuntimeError, asyncio.TimeoutError) as exc:
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
@@ -379,9 +387,10 @@ class ShmTransport:
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         finally:
-            if self.regions.get(address) is region:
-                del self.regions[address]
-                self.streams.pop(address, None)
+            with self.lock:
+                if self.regions.get(address) is region:
+                    del self.regions[address]
+                    self.streams.pop(address, None)
             self.not_before[address] = time.monotonic() + 1.0
             region.retire()
 

@@ -79,34 +79,38 @@ class MemoryClient:
             if tags is not None:
                 tags.begin_attempt(first)
                 first = False
-            op = make_op(meta)
-            calls = next(op)
-            # All but the last in flight as futures; the last as a plain blocking call, which waits in
-            # this thread (a future's answer arrives through another thread: one more wake-up).
-            sent = transport.prepare(calls, self.aio.shm)
-            outcomes: list[Any] = [None] * len(calls)
-            try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
-                futures = [self._methods(a)[m].future(raw, timeout=timeout) for (a, m, _), (raw, _) in zip(calls[:-1], sent)]
-                if calls:
-                    where, method, _ = calls[-1]
-                    try:
-                        outcomes[-1] = self._methods(where)[method](sent[-1][0], timeout=timeout)
-                    except grpc.RpcError as err:
-                        outcomes[-1] = err
-                for i, fut in enumerate(futures):
-                    try:
-                        outcomes[i] = fut.result()
-                    except grpc.RpcError as err:
-                        outcomes[i] = err
-                for (where, _, _), o in zip(calls, outcomes):
-                    if isinstance(o, grpc.RpcError):
-                        raise from_rpc_error(o, f"shard {where}") from None
-                if tags is not None:
-                    self.aio.session.answered(meta)
-                # before the blocks are released: shared-memory answers are views of them
-                return finish(op, transport.receive(sent, outcomes))
-            finally:
-                transport.release(sent, outcomes)
+            for again in (True, False):  # once more if a shard had lost its shared-memory region
+                op = make_op(meta)
+                calls = next(op)
+                # All but the last in flight as futures; the last as a plain blocking call, which waits in
+                # this thread (a future's answer arrives through another thread: one more wake-up).
+                sent = transport.prepare(calls, self.aio.shm)
+                outcomes: list[Any] = [None] * len(calls)
+                try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
+                    futures = [self._methods(a)[m].future(raw, timeout=timeout) for (a, m, _), (raw, _) in zip(calls[:-1], sent)]
+                    if calls:
+                        where, method, _ = calls[-1]
+                        try:
+                            outcomes[-1] = self._methods(where)[method](sent[-1][0], timeout=timeout)
+                        except grpc.RpcError as err:
+                            outcomes[-1] = err
+                    for i, fut in enumerate(futures):
+                        try:
+                            outcomes[i] = fut.result()
+                        except grpc.RpcError as err:
+                            outcomes[i] = err
+                    if again and transport.stale(sent, outcomes):
+                        continue
+                    for (where, _, _), o in zip(calls, outcomes):
+                        if isinstance(o, grpc.RpcError):
+                            raise from_rpc_error(o, f"shard {where}") from None
+                    if tags is not None:
+                        self.aio.session.answered(meta)
+                    # before the blocks are released: shared-memory answers are views of them
+                    return finish(op, transport.receive(sent, outcomes))
+                finally:
+                    transport.release(sent, outcomes)
+            raise AssertionError("unreachable")
 
         try:
             meta = self.aio._tables.get(table)

@@ -65,7 +65,9 @@ def prepare(calls: list[tuple[str, str, Any]], shm: ShmTransport | None) -> list
             else:
                 out.append(packed)
     except BaseException:
-        release(out)
+        for _, lease in out:  # packed, never sent
+            if lease is not None:
+                lease.release()
         raise
     return out
 
@@ -81,9 +83,23 @@ def receive(sent: list[tuple[bytes, Lease | None]], answers: list[Any]) -> list[
 _ANSWERED = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.OUT_OF_RANGE,
-})
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+})  # not INTERNAL: gRPC itself says so of a reset stream whose handler may still be running
+#: What a shard answers a call naming a region it does not have (restarted, or detached it).
+STALE_REGION = "no such shared-memory region"
+
+
+def stale(sent: list[tuple[bytes, Lease | None]], outcomes: list[Any]) -> bool:
+    """Whether a call went to a shard that no longer has its region (a restart at the same
+    address the client has not noticed yet): the region is retired (the next calls go by TCP
+    while a fresh one is attached) and the caller sends the call again."""
+    found = False
+    for (_, lease), outcome in zip(sent, outcomes):
+        if lease is not None and isinstance(outcome, BaseException) and STALE_REGION in str(outcome):
+            lease.region.retire()
+            found = True
+    return found
 
 
 def release(sent: list[tuple[bytes, Lease | None]], outcomes: list[Any]) -> None:

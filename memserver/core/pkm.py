@@ -42,8 +42,8 @@ def product_key_topk(q: torch.Tensor, keys: torch.Tensor, knn: int, cand_i: torc
     float64 for float64 inputs; each head's knn weights sum to 1), differentiable in q and keys.
     `cand_i, cand_j` = candidate_pairs(knn).
 
-    On the CPU with numba: `ProductKeyTopK` (one compiled pass for the search, an analytic
-    backward); elsewhere the same math through autograd (`product_key_topk_autograd`)."""
+    `ProductKeyTopK`: an analytic backward; the search one compiled pass on the CPU with numba,
+    torch.topk elsewhere (`product_key_topk_autograd` is the autograd reference it is tested against)."""
     return ProductKeyTopK.apply(q, keys, knn, cand_i, cand_j)
 
 
@@ -69,6 +69,8 @@ def select_topk(scores: torch.Tensor, knn: int, cand_i: torch.Tensor, cand_j: to
     descending. float32 on the CPU: the compiled kernel (kernels.pkm_select); otherwise torch.topk."""
     scores = scores.detach()
     heads, _, n, n_keys = scores.shape
+    if knn > n_keys:  # the compiled kernel does not check bounds
+        raise ValueError(f"knn {knn} is larger than the {n_keys} sub-keys of a half")
     if kernels is not None and scores.device.type == "cpu" and scores.dtype == torch.float32:
         scores = scores.contiguous()
         ids = torch.empty((n, heads, knn), dtype=torch.int64)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, LOAD_PRODUCT_K
 from memserver.wire import Lazy, check_1d, check_answer, check_bag, check_rows, check_triggers, decode, encode, inline
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 #: What each table kind is and the calls it takes (the refusal of a call of another kind says so).
 _KIND_CALLS = {
@@ -151,7 +153,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 local = sl.local(ids)
                 out = sl.table.bag(local, weights, offsets, count=not later)
                 if later:  # on the compute thread before any later request: off the call's path
-                    self.pending.append((sl, lambda: sl.table.count_reads(local, weights)))
+                    self.pending.append((sl, lambda: _logged(sl.table.count_reads, local, weights)))
                 return answer(request, region, Lazy(pb.BagResponse()).put("out", out, request.wire_dtype))
 
             try:
@@ -476,3 +478,12 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         return await self.run(work)
 
 _SLOT_STATS = {pb.HITS: "hits", pb.WEIGHT_MASS: "weight_mass", pb.UPDATES: "updates", pb.VALUE_SQ_NORM: "value_sq_norm"}
+
+
+def _logged(fn: Callable[..., object], *args: Any) -> None:
+    """Deferred work that is not a write (read counters): a failure is logged, and the table
+    keeps taking writes (`_drain` refuses them after a failed update)."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("deferred %s failed", getattr(fn, "__name__", fn))

@@ -35,8 +35,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.wire import MAX_MESSAGE_BYTES, Lazy, boot_id, shm_layout, shm_write
 from memserver.wire import SHM_NONCE_BYTES as NONCE_BYTES
-from memserver.wire import Lazy, boot_id, shm_layout, shm_write
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class Region:
 
     def span(self, span: pb.ShmSpan, what: str) -> tuple[int, int]:
         off, n = int(span.offset), int(span.nbytes)
+        if n > MAX_MESSAGE_BYTES:  # what a message may carry: shared memory is no way around the limit
+            raise InvalidArgumentError(f"{what}: a shared-memory span of {n} bytes; at most {MAX_MESSAGE_BYTES}")
         if off < NONCE_BYTES or n > self.size or off > self.size - n:
             raise InvalidArgumentError(f"{what}: shared-memory span [{off}, {off}+{n}) is outside the region "
                                        f"[{NONCE_BYTES}, {self.size})")
