@@ -13,7 +13,7 @@ import grpc
 from google.protobuf import message_factory
 
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import parse_answer, to_bytes
+from memserver.wire import STALE_REGION, parse_answer, to_bytes
 
 if TYPE_CHECKING:
     from client.shm import Lease, ShmTransport
@@ -86,8 +86,6 @@ _ANSWERED = frozenset({
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.OUT_OF_RANGE,
 })  # not INTERNAL: gRPC itself says so of a reset stream whose handler may still be running
-#: What a shard answers a call naming a region it does not have (restarted, or detached it).
-STALE_REGION = "no such shared-memory region"
 
 
 def stale(sent: list[tuple[bytes, Lease | None]], outcomes: list[Any]) -> bool:

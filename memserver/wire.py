@@ -330,6 +330,9 @@ def parse_answer(cls: Any, raw: bytes) -> Any:
 
 # ------------------------------------------------------------------ shared memory (client.shm, memserver.server.shm)
 
+#: What a shard answers (INVALID_ARGUMENT) a call naming a region it does not have; the client
+#: then sends the call again over TCP (client.transport.stale).
+STALE_REGION = "no such shared-memory region"
 #: A region's first bytes: the client's random nonce; tensors start at multiples of SHM_ALIGN.
 SHM_NONCE_BYTES = 16
 SHM_ALIGN = 64

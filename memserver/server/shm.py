@@ -35,7 +35,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import MAX_MESSAGE_BYTES, Lazy, boot_id, shm_layout, shm_write
+from memserver.wire import MAX_MESSAGE_BYTES, STALE_REGION, Lazy, boot_id, shm_layout, shm_write
 from memserver.wire import SHM_NONCE_BYTES as NONCE_BYTES
 
 log = logging.getLogger(__name__)
@@ -142,8 +142,7 @@ class Regions:
             return None
         region = self.by_id.get(request.shm.region)
         if region is None:
-            raise InvalidArgumentError("shm.region: no such shared-memory region on this shard (detached, or "
-                                       "another client's)")
+            raise InvalidArgumentError(f"shm.region: {STALE_REGION} on this shard (detached, or another client's)")
         if request.shm.HasField("answer"):  # checked before any work is done for the call
             region.span(request.shm.answer, "shm.answer")
         with region.lock:
