@@ -99,7 +99,6 @@ class Regions:
     def __init__(self) -> None:
         self.by_id: dict[str, Region] = {}
         self.boot_id = boot_id()
-        self.attached_total = 0
 
     def attach(self, request: pb.AttachRegionRequest) -> str:
         """Map a client's region; returns its id. FailedPrecondition-like refusals are
@@ -128,7 +127,6 @@ class Regions:
             raise _NotHere("the region does not start with the client's nonce: not the client's region")
         region_id = secrets.token_hex(16)
         self.by_id[region_id] = Region(request.name, mm)
-        self.attached_total += 1
         return region_id
 
     def detach(self, region_id: str) -> None:
@@ -148,10 +146,6 @@ class Regions:
         with region.lock:
             region.leases += 1
         return region
-
-    def close(self) -> None:
-        for region_id in list(self.by_id):
-            self.detach(region_id)
 
     def collect(self) -> Any:
         g = GaugeMetricFamily("memserver_shm_regions", "Shared-memory regions of clients on this node attached now")
