@@ -3,7 +3,8 @@
 Each side runs in its own child process (MEMSERVER_MALLOC_TUNE=0 or 1, since mallopt settings
 are per process and cannot be undone), timing the steps of a memtrain-shaped call: building a
 4 MiB two-tensor BagRequest (4096 x 128 int32 ids + float32 weights), serialising it, and
-encoding plus serialising a [4096, 128] float32 answer. Also counts minor page faults per
+encoding plus serialising a [4096, 128] float32 answer, and a shard reading the request's
+tensors with protobuf or as views of its bytes (memserver.wire.parse_views). Also counts minor page faults per
 serialisation. glibc adapts its mmap threshold to the blocks a process frees, so whether a given
 process hits the slow path depends on what it allocated before; `tune_malloc` makes it never.
 See docs/benchmarks.md, "Fresh memory".
@@ -27,7 +28,7 @@ from benchmarks.common import machine
 
 CHILD = """if True:
     import json, resource, statistics, time, torch
-    from memserver.wire import encode, tune_malloc
+    from memserver.wire import decode, encode, parse_views, tune_malloc
     from memserver.api.v1 import memserver_pb2 as pb
     tuned = tune_malloc()
     ids = torch.randint(0, 1 << 18, (4096, 128), dtype=torch.int32)
@@ -49,6 +50,13 @@ CHILD = """if True:
          "build_request_ms": ms(lambda: pb.BagRequest(table="x", ids=encode(ids), weights=encode(w))),
          "serialise_request_ms": ms(req.SerializeToString),
          "answer_ms": ms(lambda: pb.BagResponse(out=encode(out)).SerializeToString())}
+    # A shard reading the request's tensors: protobuf (its parse, then each field's bytes), or
+    # as views of the request's bytes (memserver.wire.parse_views, what shards do)
+    raw = req.SerializeToString()
+    def read(m):
+        return decode(m.ids, "ids"), decode(m.weights, "weights")
+    r["read_request_protobuf_ms"] = ms(lambda: read(pb.BagRequest.FromString(raw)))
+    r["read_request_views_ms"] = ms(lambda: read(parse_views(pb.BagRequest, raw)))
     # Last, because a large free raises glibc's adaptive mmap threshold and would hide the effect.
     parts = [ids.numpy(), w.numpy()]
     r["join_same_bytes_ms"] = ms(lambda: b"".join(memoryview(a).cast("B") for a in parts))
@@ -56,7 +64,7 @@ CHILD = """if True:
     r["serialise_one_tensor_4mib_ms"] = ms(one.SerializeToString)
     print(json.dumps(r))
 """
-STEPS = ("build_request_ms", "serialise_request_ms", "answer_ms")
+STEPS = ("build_request_ms", "serialise_request_ms", "answer_ms", "read_request_protobuf_ms", "read_request_views_ms")
 #: Reference points, not steps of a call: the same payload joined as bytes, and a one-tensor message.
 REFERENCES = ("join_same_bytes_ms", "serialise_one_tensor_4mib_ms")
 
@@ -76,6 +84,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     targets = [{"name": "fresh_memory", "what": f"{k.removesuffix('_ms').replace('_', ' ')}: untuned / tuned ms",
                 "target": "info", "value": off[k] / on[k], "measured": f"{off[k] / on[k]:.1f}x", "pass": None}
                for k in STEPS]
+    views = on["read_request_views_ms"] / on["read_request_protobuf_ms"]
+    targets.append({"name": "fresh_memory", "what": "a shard reading a request: views / protobuf (tuned)", "target": "info",
+                    "value": views, "measured": f"{views:.2f}x", "pass": None})
     result = {"benchmark": "fresh_memory", "machine": machine(), "untuned": off, "tuned": on, "targets": targets}
     if args.json:
         print(json.dumps(result, indent=2))

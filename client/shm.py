@@ -254,7 +254,7 @@ class Lease:
             if field.message_type is not pb.Tensor.DESCRIPTOR or not resp.HasField(field.name):
                 continue
             msg = getattr(resp, field.name)
-            if not msg.HasField("shm"):
+            if isinstance(msg, torch.Tensor) or not msg.HasField("shm"):  # came inline (read by parse_views)
                 continue
             off, n = int(msg.shm.offset), int(msg.shm.nbytes)
             dtype = TORCH_DTYPES.get(msg.dtype)

@@ -13,7 +13,7 @@ import grpc
 from google.protobuf import message_factory
 
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import STALE_REGION, parse_answer, to_bytes
+from memserver.wire import STALE_REGION, parse_views, to_bytes
 
 if TYPE_CHECKING:
     from client.shm import Lease, ShmTransport
@@ -23,7 +23,7 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["DataPlane"]
 RESPONSES: dict[str, Any] = {m.name: message_factory.GetMessageClass(m.output_type) for m in _SERVICE.methods}
 
 
-#: The methods whose answers carry large tensors: read as views of the answer's bytes (parse_answer).
+#: The methods whose answers carry large tensors: read as views of the answer's bytes (parse_views).
 _VIEWED = frozenset({"Lookup", "Bag", "BagBackward", "Search"})
 
 
@@ -31,7 +31,7 @@ def methods(channel: Any) -> dict[str, Any]:
     """The DataPlane methods of a channel (grpc or grpc.aio) as multi-callables that take the
     serialised request and return the parsed answer."""
     return {name: channel.unary_unary(f"/{_SERVICE.full_name}/{name}", request_serializer=None,
-                                      response_deserializer=partial(parse_answer, cls) if name in _VIEWED else cls.FromString)
+                                      response_deserializer=partial(parse_views, cls) if name in _VIEWED else cls.FromString)
             for name, cls in RESPONSES.items()}
 
 

@@ -210,9 +210,10 @@ class Lazy:
 
 class Resolved:
     """A message some of whose Tensor fields are already torch tensors: read without protobuf's
-    copies (`parse_answer`) or out of shared memory (client.shm). decode() takes such a field as
-    it is; every other attribute is the message's. `nbytes`: the size of the message it was read
-    from (ByteSize)."""
+    copies (`parse_views`) or out of shared memory (client.shm). decode() takes such a field as
+    it is; HasField sees it; every other attribute is the message's. `nbytes`: the size of the
+    message it was read from (ByteSize). SerializeToString writes the whole message again (a
+    shard's write-ahead log keeps a request that way)."""
 
     def __init__(self, msg: Any, tensors: dict[str, torch.Tensor], nbytes: int | None = None) -> None:
         self._msg, self._tensors, self._nbytes = msg, tensors, nbytes
@@ -220,6 +221,12 @@ class Resolved:
     def __getattr__(self, name: str) -> Any:
         t = self._tensors.get(name)
         return t if t is not None else getattr(self._msg, name)
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 (protobuf's name)
+        return name in self._tensors or self._msg.HasField(name)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's name)
+        return Lazy(self._msg, dict(self._tensors)).to_bytes()
 
     def ByteSize(self) -> int:  # noqa: N802 (protobuf's name)
         if self._nbytes is not None:
@@ -281,15 +288,17 @@ def _tensor_view(raw: bytes, i: int, end: int) -> torch.Tensor | None:
 VIEW_MIN_BYTES = 16 << 10
 
 
-def parse_answer(cls: Any, raw: bytes) -> Any:
-    """A data-plane answer whose inline Tensor fields are read-only views of `raw` (protobuf would
-    copy each twice: into its arena as it parses, out again when the field is read); its other
-    fields parsed by protobuf. Anything unusual (a repeated tensor field, bytes that do not
-    parse) goes to protobuf whole, which keeps its semantics and its errors."""
+def parse_views(cls: Any, raw: bytes) -> Any:
+    """A data-plane message (a shard's request, a client's answer) whose inline Tensor fields are
+    read-only views of `raw` (protobuf would copy each twice: into its arena as it parses, out
+    again when the field is read); its other fields parsed by protobuf. Anything unusual (a tensor
+    field twice, bytes that do not parse) goes to protobuf whole, which keeps its semantics and
+    its errors."""
     if len(raw) < VIEW_MIN_BYTES:
         return cls.FromString(raw)
     fields = cls.DESCRIPTOR.fields_by_number
     tensors: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()  # tensor fields met, viewed or not: protobuf merges a field sent twice
     rest: list[bytes] = []
     i, n = 0, len(raw)
     try:
@@ -304,8 +313,9 @@ def parse_answer(cls: Any, raw: bytes) -> Any:
                     raise ValueError("truncated")
                 f = fields.get(key >> 3)
                 if f is not None and f.message_type is pb.Tensor.DESCRIPTOR:
-                    if f.name in tensors:
+                    if f.name in seen:
                         raise ValueError("a tensor field twice")
+                    seen.add(f.name)
                     t = _tensor_view(raw, i, end)
                     if t is not None:
                         tensors[f.name] = t
@@ -374,8 +384,9 @@ def shm_write(mm: Any, msg: Any, tensors: dict[str, torch.Tensor], spans: list[i
 def inline(msg: Any, **tensors: torch.Tensor | None) -> Any:
     """A copy of a shared-memory request with `tensors` inline and no region: what the
     write-ahead log keeps (a replay has no client's region to read)."""
-    out = type(msg)()
-    out.CopyFrom(msg)
+    src = msg._msg if isinstance(msg, Resolved) else msg  # its tensors are all among `tensors`
+    out = type(src)()
+    out.CopyFrom(src)
     out.ClearField("shm")
     for name, t in tensors.items():
         if t is not None:

@@ -130,6 +130,43 @@ def test_shard_recovers_its_tables_from_the_data_dir(tmp_path, checkpoint):
     assert not (tmp_path / "shard-0000" / "m").exists()
 
 
+def test_writes_read_as_views_are_logged_whole(tmp_path, monkeypatch):
+    """The shard reads large requests' tensors as views of their bytes (memserver.wire.parse_views);
+    the log must still keep every tensor of them: a restart replays the same rows."""
+    from memserver import wire
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.shard_actor import ShardActor
+
+    views = []
+    made = wire.Resolved.__init__
+    monkeypatch.setattr(wire.Resolved, "__init__", lambda self, msg, *a: views.append(type(msg).__name__) or made(self, msg, *a))
+    spec = validate_spec(pb.TableSpec(name="v", num_rows=512, dim=16, optimizer=pb.OptimizerSpec(name="adagrad", lr=0.1),
+                                      sharding=pb.ROWS, wal=True, seed=1), 1)
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(0, 512, (256, 8)))
+    with grpc.insecure_channel(shard.address) as ch:
+        stub = pb_grpc.DataPlaneStub(ch)
+        for seq in range(1, 4):
+            stub.BagBackward(pb.BagBackwardRequest(
+                table="v", ids=encode(ids), weights=encode(torch.rand(256, 8)), grad_out=encode(torch.randn(256, 16)),
+                tag=pb.WriteTag(client_id="t", seq=seq)))
+            _push(stub, "v", rng.integers(0, 512, 2048), rng.normal(size=(2048, 16)).astype(np.float32), 10 + seq)
+        rows = decode(stub.Lookup(pb.LookupRequest(table="v", ids=encode(torch.arange(512)))).rows, "rows").clone()
+    shard.stop()
+    # the writes were read as views
+    assert views.count("BagBackwardRequest") == 3 and views.count("PushGradientsRequest") == 3
+
+    again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    assert again.servicer.tables["v"].recovered_from == "initial values + 6 logged writes"
+    with grpc.insecure_channel(again.address) as ch:
+        got = decode(pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="v", ids=encode(torch.arange(512)))).rows, "rows")
+        torch.testing.assert_close(got, rows, rtol=0, atol=0)
+    again.drop_table("v")
+    again.stop()
+
+
 def test_serve_on_comes_back_on_its_port_or_a_new_one_if_taken(tmp_path):
     import socket
 

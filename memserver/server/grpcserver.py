@@ -16,6 +16,7 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +31,7 @@ from memserver.loop import LoopThread
 from memserver.server.admission import SERVER_OPTIONS, Admission
 from memserver.server.config import ServeConfig
 from memserver.storage.fsutil import atomic_write
-from memserver.wire import GRPC_OPTIONS, to_bytes
+from memserver.wire import GRPC_OPTIONS, parse_views, to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,12 @@ CONTROL_PLANE = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 #: Calls of these services go through the error mapping and the metrics (health and reflection do not).
 _OUR_SERVICES = ("/memserver.",)
 _METHODS = frozenset(m.name for svc in pb.DESCRIPTOR.services_by_name.values() for m in svc.methods)
+#: Data-plane requests whose tensors are read as views of the request's bytes (memserver.wire.
+#: parse_views: protobuf copies each twice). Only those whose tensors the shard does not keep
+#: past the call (a kept view would keep the whole request's bytes).
+_VIEWED = ("Lookup", "Bag", "BagBackward", "Search", "PushGradients", "WriteRows", "Address", "SlotStats")
+_REQUEST_PARSERS = {f"/{DATA_PLANE}/{m.name}": partial(parse_views, getattr(pb, m.input_type.name))
+                    for m in pb.DESCRIPTOR.services_by_name["DataPlane"].methods if m.name in _VIEWED}
 
 
 class CallMetrics(Protocol):
@@ -79,12 +86,14 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
         method = details.method
         if handler is None or not method.startswith(_OUR_SERVICES):
             return handler
-        wrap = self._wrap if handler.unary_unary is not None else self._wrap_stream if handler.unary_stream else None
-        if wrap is None:
+        if handler.unary_unary is None and handler.unary_stream is None:
             return handler
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not handler:  # one wrapper per method, built once
-            cached = self._wrapped[method] = (handler, wrap(handler, method.rsplit("/", 1)[-1]))
+            name = method.rsplit("/", 1)[-1]
+            wrapped = (self._wrap(handler, name, _REQUEST_PARSERS.get(method)) if handler.unary_unary is not None
+                       else self._wrap_stream(handler, name))
+            cached = self._wrapped[method] = (handler, wrapped)
         return cached[1]
 
     def _wrap_stream(self, handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
@@ -109,9 +118,11 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
         return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer=None,
                                                     response_serializer=handler.response_serializer)
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
+    def _wrap(self, handler: grpc.RpcMethodHandler, name: str,
+              parser: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
+        """`parser`: the request's reader, if not the handler's own (protobuf's)."""
         inner = handler.unary_unary
-        parse = handler.request_deserializer
+        parse = parser or handler.request_deserializer
         admission = self.admission
 
         async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> Any:
