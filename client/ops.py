@@ -481,12 +481,12 @@ def slot_stats_op(meta: TableMeta, ids: Any) -> Op:
     routes = route_ids(meta, uniq)
     reqs = [(sh.address, "SlotStats", pb.SlotStatsRequest(table=meta.name, ids=encode(uniq[sel]), layout_id=meta.layout_id))
             for sh, sel in routes]
-    for i, ((_, sel), resp) in enumerate(zip(routes, (yield reqs))):
+    for (sh, sel), resp in zip(routes, (yield reqs)):
         for key in out:
             got = decode(getattr(resp, key), key)
             if key == "value_sq_norm" and not meta.by_rows:
                 out[key] += got  # cols: each shard holds part of the row
-            elif meta.by_rows or i == 0:  # cols: counters are identical on every shard
+            elif meta.layout.counts_reads(sh.index):  # cols: shard 0 keeps the counters
                 out[key][sel] = got
     norm = out.pop("value_sq_norm").sqrt()
     out["value_norm"] = norm
@@ -600,8 +600,8 @@ def top_slots_plan(by: str, n: int, coldest: bool) -> Plan:
     """The n hottest (coldest) slots by hits, mass (summed read weight), updates or norm (of the
     value): (ids int64 [n], values float64 [n]), best first, ties by the smaller id.
 
-    Each shard ranks its own rows; the client merges. On COLS tables the counters are equal on
-    every shard (one shard answers), while a norm is split over the column blocks: the client then
+    Each shard ranks its own rows; the client merges. On COLS tables shard 0 keeps the counters
+    (`ShardLayout.counts_reads`: it answers), while a norm is split over the column blocks: the client then
     runs Fagin's threshold algorithm: each shard's top m partial norms, the candidates' exact norms
     (SlotStats), and the answer is exact once the n-th candidate is at least as good as the sum of
     the shards' m-th partials (no unseen row can be better; one with an equal norm may have a
@@ -615,7 +615,7 @@ def top_slots_plan(by: str, n: int, coldest: bool) -> Plan:
     _value_table(meta, "top_slots")
     stat = SLOT_STATS[by]
     if meta.layout.by_rows or len(meta.shards) == 1 or by != "norm":
-        shards = meta.shards if meta.layout.by_rows else meta.shards[:1]
+        shards = [sh for sh in meta.shards if meta.layout.counts_reads(sh.index)]
         got = yield lambda m: _top_round_op(m, stat, n, coldest, shards)
         ids, values = _best(torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got]), n, coldest)
         return ids, values.sqrt() if by == "norm" else values
@@ -654,9 +654,9 @@ def _meta_op(meta: TableMeta) -> Op:
 
 def usage_op(meta: TableMeta) -> Op:
     """The table's usage histograms (memserver.api.usage), each shard's added up: {"hits",
-    "weight_mass", "updates"} -> Histogram. COLS shards count the same reads: one answers."""
+    "weight_mass", "updates"} -> Histogram. COLS: shard 0 keeps the counters (ShardLayout.counts_reads)."""
     _value_table(meta, "usage")
-    shards = meta.shards if meta.layout.by_rows else meta.shards[:1]
+    shards = [sh for sh in meta.shards if meta.layout.counts_reads(sh.index)]
     req = pb.SlotUsageRequest(table=meta.name, layout_id=meta.layout_id)
     answers = yield [(sh.address, "SlotUsage", req) for sh in shards]
     out = {k: Histogram.empty() for k in ("hits", "weight_mass", "updates")}

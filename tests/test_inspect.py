@@ -193,6 +193,34 @@ def test_inspection_reads_are_not_counted(client, used_table):
     assert np.array_equal(all_stats(client, used_table)["hits"][:10], before["hits"][:10] + 1)
 
 
+def test_each_read_is_counted_once_by_the_shard_keeping_the_counters(client, used_table):
+    """Hits are exactly the reads made (the fixture's bags, drawn again here); on cols only shard 0
+    counts them (ShardLayout.counts_reads): the others do not repeat the work."""
+    import grpc
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.wire import decode, encode
+
+    rng = np.random.default_rng(5)
+    want = np.zeros(300, np.int64)
+    for _ in range(3):  # the fixture's draws, in its order
+        ids = rng.zipf(1.5, (64, 4)) % 300
+        rng.random((64, 4))
+        rng.normal(size=(64, 8))
+        np.add.at(want, ids.reshape(-1), 1)
+    assert np.array_equal(all_stats(client, used_table)["hits"], want)
+    meta = client.table(used_table)
+    for sh in meta.shards:
+        with grpc.insecure_channel(sh.address) as ch:
+            mine = np.arange(300) if not meta.layout.by_rows else np.arange(sh.index, 300, len(meta.shards))
+            got = pb_grpc.DataPlaneStub(ch).SlotStats(pb.SlotStatsRequest(table=used_table, ids=encode(mine)))
+        hits = decode(got.hits, "hits").numpy()
+        assert np.array_equal(hits, want[mine] if meta.layout.counts_reads(sh.index) else np.zeros_like(hits))
+    assert [meta.layout.counts_reads(sh.index) for sh in meta.shards] == ([True, True] if meta.layout.by_rows
+                                                                            else [True, False])
+
+
 def test_triggers_round_trip_on_the_owning_shards(client, used_table):
     rng = np.random.default_rng(2)
     contexts = rng.integers(0, 20, (40, 12)).astype(np.int32)

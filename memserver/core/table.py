@@ -117,6 +117,8 @@ class ValueTable:
     # -- reads ---------------------------------------------------------------------------
 
     STATE = ("weight", "acc", "exp_avg", "exp_avg_sq", "hits", "weight_mass", "updates", "last_update")
+    #: The counters of reads: kept by the shards ShardLayout.counts_reads names (on cols, shard 0).
+    READ_COUNTERS = ("hits", "weight_mass")
 
     def state(self) -> dict[str, torch.Tensor]:
         """Everything a checkpoint keeps: values, optimizer state, slot statistics."""

@@ -136,7 +136,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             check_answer(ids.numel(), sl.table.dim, "ids")
 
             def work() -> Any:
-                rows = sl.table.lookup(sl.local(ids), count=not request.uncounted)
+                rows = sl.table.lookup(sl.local(ids), count=sl.counts_reads and not request.uncounted)
                 return answer(request, region, Lazy(pb.LookupResponse()).put("rows", rows, request.wire_dtype))
 
             return await self.run(work, ids.numel())
@@ -147,11 +147,12 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             ids, weights, offsets, num_bags = self._bag_inputs(request, region)
             check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
 
-            later = ids.numel() > INLINE_ENTRIES  # a large bag's read counters: after its answer
+            # a large bag's read counters: after its answer (on the shard keeping them)
+            later = sl.counts_reads and ids.numel() > INLINE_ENTRIES
 
             def work() -> Any:
                 local = sl.local(ids)
-                out = sl.table.bag(local, weights, offsets, count=not later)
+                out = sl.table.bag(local, weights, offsets, count=sl.counts_reads and not later)
                 if later:  # on the compute thread before any later request: off the call's path
                     self.pending.append((sl, lambda: _logged(sl.table.count_reads, local, weights)))
                 return answer(request, region, Lazy(pb.BagResponse()).put("out", out, request.wire_dtype))

@@ -50,6 +50,7 @@ class TableSlice:
         self.spec, self.info, self.num_shards = spec, info, num_shards
         self.layout = ShardLayout.of(spec, num_shards)
         self.by_rows = self.layout.by_rows
+        self.counts_reads = self.layout.counts_reads(info.index)
         self.kind = spec.kind or pb.VALUE
         self.is_index = self.kind == pb.INDEX
         self.table: Any

@@ -20,6 +20,7 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError, PermissionDeniedError
 from memserver.api.types import ShardLayout
+from memserver.core.table import ValueTable
 from memserver.storage.fsutil import atomic_write
 
 MANIFEST = "manifest.json"
@@ -108,7 +109,8 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
     checkpoint entries in manifests and shard records do) and holds nothing of `target` is not
     opened at all (restoring 4 COLS slices into 2, each new slice opens 2 files, not 4).
 
-    2-D state (values, Adam moments) and per-row state (counters) copy exactly. The row-wise
+    2-D state (values, Adam moments) and per-row state (counters) copy exactly; read counters
+    only from a slice that keeps them (ShardLayout.counts_reads: on cols, shard 0). The row-wise
     Adagrad accumulator of a COLS slice is per column block; when old and new blocks differ it
     becomes the column-weighted mean of the old blocks' accumulators (exact when they match).
     """
@@ -144,9 +146,10 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
             continue
         src_idx = torch.from_numpy(np.flatnonzero(keep))
         dst_idx = torch.from_numpy(dst[keep])
+        counted = slice_layout(meta).counts_reads(meta["index"])
         for name, src in state.items():
-            if not hasattr(table, name):
-                continue  # e.g. Adam moments restored into an Adagrad table
+            if not hasattr(table, name) or (name in ValueTable.READ_COUNTERS and not counted):
+                continue  # e.g. Adam moments restored into an Adagrad table; another cols shard's idle counters
             dst_t = getattr(table, name)
             if src.dim() == 2:
                 if c1 > c0:  # the columns first: copy only the block target holds
