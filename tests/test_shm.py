@@ -1,9 +1,13 @@
 """Shared memory between a client and the shards on its machine (client.shm, memserver.server.shm):
-the same answers as over TCP, every span bounds-checked, regions private to their client, and
-nothing left behind when the client is SIGKILLed (the shard's death: tests/test_faults.py)."""
+the same answers as over TCP, every span bounds-checked, regions private to their client and
+sealed (a client cannot shrink one under the shard), their tensors counted by the shard's
+admission, at most MAX_REGIONS_PER_CLIENT per client, a call naming a region the shard lost sent
+again over TCP, and the memory gone when the client is SIGKILLed (the shard's death:
+tests/test_faults.py)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -85,7 +89,8 @@ def test_same_answers_as_tcp(memory_cluster, table_name, sharding):
                                        tcp.lookup(f"{table_name}-b", torch.arange(rows)), rtol=1e-5, atol=1e-6)
             # bag, bag with offsets, lookup and 3 backwards, each to both shards (and the bfloat16 bag)
             assert shm.aio.shm.calls - before == 2 * 6 and shm16.aio.shm.calls - before16 == 2
-            assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{os.getpid()}-")]
+            # attached: the client has closed its descriptors (the shards opened the memfds)
+            assert all(r.fd == -1 for c in (shm, shm16) for r in c.aio.shm.regions.values())
         finally:
             regions = [r for c in (shm, shm16) for r in c.aio.shm.regions.values()]  # kept alive: the GC must not unmap them
             for c in (shm, shm16, tcp16):
@@ -115,23 +120,35 @@ def test_search_through_shared_memory(memory_cluster, table_name):
                 np.testing.assert_array_equal(a, b)
 
 
+def attach_request(region: Region, **fields) -> pb.AttachRegionRequest:
+    """What client.shm sends to attach `region` (its descriptor in this process), with `fields` changed."""
+    req = pb.AttachRegionRequest(pid=os.getpid(), fd=region.fd, size=region.size, boot_id=boot_id(), nonce=region.nonce)
+    for k, v in fields.items():
+        setattr(req, k, v)
+    return req
+
+
+def attach_method(channel):
+    return channel.unary_stream("/memserver.v1.DataPlane/AttachRegion",
+                                request_serializer=pb.AttachRegionRequest.SerializeToString,
+                                response_deserializer=pb.AttachRegionEvent.FromString)
+
+
 @pytest.fixture
 def raw_region(memory_cluster, table_name):
     """A one-shard table and a region attached to its shard by hand, as a client would (the
-    stream open for the test), with the channel and methods to call the shard raw."""
+    stream open for the test, the descriptor too), with the channel and methods to call the shard raw."""
     with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as c:
         meta = c.create_table(table_name, 1000, 8, num_shards=1, seed=1)
         address = meta.shards[0].address
         channel = sync_channel(address)
         region = Region(1 << 20)
-        attach = channel.unary_stream("/memserver.v1.DataPlane/AttachRegion",
-                                      request_serializer=pb.AttachRegionRequest.SerializeToString,
-                                      response_deserializer=pb.AttachRegionEvent.FromString)
-        stream = attach(pb.AttachRegionRequest(name=region.name, size=region.size, boot_id=boot_id(), nonce=region.nonce))
+        attach = attach_method(channel)
+        stream = attach(attach_request(region))
         region.id = next(stream).region
         yield c, meta, channel, attach, region
         stream.cancel()
-        region.unlink()
+        region.close_fd()
         region.retire()
         channel.close()
 
@@ -192,27 +209,79 @@ def test_spans_are_checked_and_regions_stay_private(raw_region, table_name):
     refused(bb, method="BagBackward")
     assert torch.equal(c.lookup(table_name, torch.arange(1000)), values)
 
-    # attaching: only the client's own region on this machine, by name, nonce and boot id
-    def attach_refused(code, **fields):
-        req = pb.AttachRegionRequest(name=region.name, size=region.size, boot_id=boot_id(), nonce=region.nonce)
-        for k, v in fields.items():
-            setattr(req, k, v)
-        with pytest.raises(grpc.RpcError) as err:
-            next(attach(req, timeout=30))
-        assert err.value.code() == code, err.value.details()
+    # a sealed region: the client cannot shrink it under the shard's mapping (the shard would die
+    # of SIGBUS at its next access past the end), nor grow it
+    with pytest.raises(PermissionError):
+        os.ftruncate(region.fd, 4096)
+    with pytest.raises(PermissionError):
+        os.ftruncate(region.fd, 2 * region.size)
+    assert call["Bag"](bag().SerializeToString(), timeout=30).out.HasField("shm")  # the shard is alive and well
 
-    region.unlink()  # what the client does once attached: its name is gone, nobody else can map it
-    attach_refused(grpc.StatusCode.FAILED_PRECONDITION)
+    # attaching: only the client's own sealed memfd on this machine, by descriptor, nonce and boot id
+    def attach_refused(code, **fields):
+        with pytest.raises(grpc.RpcError) as err:
+            next(attach(attach_request(region, **fields), timeout=30))
+        assert err.value.code() == code, err.value.details()
+        return err.value.details()
+
+    def memfd(size: int, nonce: bytes, seals: int) -> int:
+        fd = os.memfd_create("memserver-test", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        os.pwrite(fd, nonce, 0)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        return fd
+
     other = Region(1 << 16)
+    unsealed = memfd(1 << 16, region.nonce, 0)
+    write_sealed = memfd(1 << 16, region.nonce, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    tmpfs = os.open("/dev/shm", os.O_RDWR | os.O_TMPFILE, 0o600)  # a tmpfs file, but no memfd
+    os.ftruncate(tmpfs, 1 << 16)
+    os.pwrite(tmpfs, region.nonce, 0)
+    r, w = os.pipe()
     try:
-        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, name=other.name, size=other.size, nonce=b"x" * 16)
-        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, name=other.name, size=other.size, nonce=other.nonce,
-                       boot_id="another-machine")
-        attach_refused(grpc.StatusCode.INVALID_ARGUMENT, name="../../etc/passwd")
-        attach_refused(grpc.StatusCode.INVALID_ARGUMENT, name=other.name, size=other.size + 1, nonce=other.nonce)
+        other_id = dict(size=other.size, fd=other.fd)
+        assert "not the client's region" in attach_refused(grpc.StatusCode.FAILED_PRECONDITION, **other_id)
+        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, **other_id, nonce=other.nonce, boot_id="another-machine")
+        assert "fd" in attach_refused(grpc.StatusCode.FAILED_PRECONDITION, fd=1000)  # no such descriptor
+        fd = region.fd
+        region.close_fd()  # what the client does once attached: nobody can open the memfd any more
+        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, fd=fd)
+        assert "F_SEAL_SHRINK" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=unsealed, size=1 << 16)
+        assert "cannot be mapped" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=write_sealed, size=1 << 16)
+        assert "not a memfd" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=tmpfs, size=1 << 16)
+        assert "not a memfd" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=r, size=1 << 16)
+        assert "holds" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=other.fd, nonce=other.nonce,
+                                         size=other.size + 1)
+        assert "pid" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, pid=0)
     finally:
-        other.unlink()
+        for fd in (unsealed, write_sealed, tmpfs, r, w):
+            os.close(fd)
+        other.close_fd()
         other.retire()
+
+
+def test_another_process_memfd_is_attached_only_with_its_nonce(raw_region):
+    """The pid in AttachRegion is the caller's word (the shard cannot tell which process is at the
+    other end of a TCP connection): a client naming another process's memfd (its pid and a guessed
+    descriptor) is refused unless it also knows the nonce the region starts with, i.e. its contents."""
+    c, meta, channel, attach, region = raw_region
+    script = ("import os, sys\nfrom client.shm import Region\nr = Region(1 << 16)\n"
+              "print(os.getpid(), r.fd, r.nonce.hex(), flush=True)\nsys.stdin.read()\n")
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        pid, fd, nonce = child.stdout.readline().split()
+        theirs = dict(pid=int(pid), fd=int(fd), size=1 << 16)
+        with pytest.raises(grpc.RpcError) as err:
+            next(attach(attach_request(region, **theirs), timeout=30))  # our nonce
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not the client's region" in err.value.details()
+        stream = attach(attach_request(region, **theirs, nonce=bytes.fromhex(nonce)))
+        assert next(stream).region  # whoever knows the nonce knows the region's contents: the owner
+        stream.cancel()
+    finally:
+        child.stdin.close()
+        child.wait(30)
 
 
 def test_region_allocator_reuses_blocks_and_never_an_abandoned_one():
@@ -230,27 +299,44 @@ def test_region_allocator_reuses_blocks_and_never_an_abandoned_one():
         r.abandon(HEADER + 4 * ALIGN)  # over a quarter abandoned: retired, and unmapped (only abandoned blocks left)
         assert r.retired and r.alloc(1) is None and r.mm.closed
     finally:
-        r.unlink()
+        r.close_fd()
+
+
+def _held(pid: int, names: list[str]) -> list[str]:
+    """Those of `names` (memfd labels, client.shm.Region.name) that process `pid` maps or has a
+    descriptor of: while it does, the memfd's memory is not freed."""
+    with open(f"/proc/{pid}/maps") as f:
+        maps = f.read()
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            pass
+    return [n for n in names if f"/memfd:{n} " in maps or any(link.startswith(f"/memfd:{n} ") for link in links)]
 
 
 def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
     """SIGKILL a client with regions attached to both shards: the shards unmap them (the gauge
-    returns to where it was) and nothing is left in /dev/shm."""
+    returns to where it was, and no shard maps the memfds or holds a descriptor of them: their
+    memory is gone, a memfd has no name that could outlive those)."""
     with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as c:
         meta = c.create_table(table_name, 1000, 8)
-        shards = [s.metrics_address for s in c.status().shards]
+        status = c.status().shards
+        shards, pids = [s.metrics_address for s in status], [s.pid for s in status]
         base = sum(total(scrape(a), "memserver_shm_regions") for a in shards)
         script = ("import sys, time, numpy as np\nfrom client import MemoryClient\n"
                   f"c = MemoryClient({memory_cluster.endpoint!r}, shm=True)\n"
                   "while len(c.aio.shm.regions) < 2:\n"
                   f"    c.bag({table_name!r}, np.zeros((8192, 1), int), np.ones((8192, 1), np.float32)); time.sleep(0.05)\n"
-                  "print('ready', flush=True)\ntime.sleep(600)\n")
+                  "print('ready', *[r.name for r in c.aio.shm.regions.values()], flush=True)\ntime.sleep(600)\n")
         child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
-            assert child.stdout.readline().strip() == "ready"
+            ready, *names = child.stdout.readline().split()
+            assert ready == "ready" and len(names) == 2
             assert sum(total(scrape(a), "memserver_shm_regions") for a in shards) == base + len(meta.shards)
-            assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{child.pid}-")]
+            assert sorted(n for pid in pids for n in _held(pid, names)) == sorted(names)  # one on each shard
             os.kill(child.pid, signal.SIGKILL)
             child.wait(30)
             t0 = time.monotonic()
@@ -260,17 +346,4 @@ def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
         finally:
             if child.poll() is None:
                 child.kill()
-        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{child.pid}-")]
-
-
-def test_sweep_removes_the_names_of_dead_processes(tmp_path):
-    """A process killed between making a region and the shard mapping it leaves its name: the
-    next process to make a region removes it (client.shm.sweep), and only those of dead processes."""
-    from client.shm import sweep
-
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    names = [f"memserver-{dead.stdout.strip()}-{'a' * 32}", f"memserver-{os.getpid()}-{'b' * 32}", "other-file"]
-    for n in names:
-        (tmp_path / n).write_bytes(b"x")
-    assert sweep(str(tmp_path)) == names[:1]
-    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+        assert not [n for pid in pids for n in _held(pid, names)]
