@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -25,6 +26,7 @@ from client.channels import sync_channel
 from client.shm import ALIGN, HEADER, MIN_BYTES, Region, boot_id, enabled
 from client.transport import methods
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import WIRE_DTYPES, decode
 from tests.test_metrics_scrape import scrape, total
 
@@ -347,3 +349,124 @@ def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
             if child.poll() is None:
                 child.kill()
         assert not [n for pid in pids for n in _held(pid, names)]
+
+
+# ------------------------------------------------------------------ a shard in this process
+
+class ShardMap(pb_grpc.ControlPlaneServicer):
+    """The coordinator of `local_shard`: it only answers the shard map."""
+
+    def __init__(self, info: pb.TableInfo) -> None:
+        self.info = info
+
+    async def GetShardMap(self, request, context):
+        return self.info
+
+
+LOCAL_ROWS, LOCAL_DIM = 4096, 16
+
+
+@pytest.fixture
+def local_shard():
+    """A shard (the real DataPlaneServicer and start_server, wired as memserver.server.shard_actor
+    wires them: its Regions count against its Admission) holding a one-shard table "t", and a
+    coordinator that answers its shard map, in this process: the test reaches into the shard."""
+    from memserver.loop import LoopThread
+    from memserver.server.admission import Admission
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.config import Limits
+    from memserver.server.dataplane import DataPlaneServicer
+    from memserver.server.grpcserver import CONTROL_PLANE, DATA_PLANE, start_server
+    from memserver.server.slice import TableSlice
+
+    loop = LoopThread("shm-local-shard")
+    servicer = DataPlaneServicer(torch.device("cpu"), 1)
+    servicer.regions.admission = admission = Admission(Limits())
+    server, port = loop.call(start_server(lambda s: pb_grpc.add_DataPlaneServicer_to_server(servicer, s), [DATA_PLANE],
+                                          "127.0.0.1", admission=admission))
+    address = f"127.0.0.1:{port}"
+    spec = validate_spec(pb.TableSpec(name="t", num_rows=LOCAL_ROWS, dim=LOCAL_DIM, num_shards=1, seed=4), 1)
+    info = plan_table(spec, [{"address": address, "node_id": "", "pid": os.getpid()}])
+    servicer.tables["t"] = TableSlice(spec, info.shards[0], 1, torch.device("cpu"))
+    coord, coord_port = loop.call(start_server(lambda s: pb_grpc.add_ControlPlaneServicer_to_server(ShardMap(info), s),
+                                               [CONTROL_PLANE], "127.0.0.1"))
+
+    async def on_loop(fn):  # the shard's state is its event loop's
+        return fn()
+
+    try:
+        yield SimpleNamespace(endpoint=f"127.0.0.1:{coord_port}", address=address, servicer=servicer,
+                              regions=servicer.regions, admission=admission, run=lambda fn: loop.call(on_loop(fn)))
+    finally:
+        for s in (server, coord):
+            loop.call(s.stop(None))
+        loop.stop()
+        servicer.pool.shutdown()
+
+
+def settled(adm) -> tuple[int, int]:
+    """The admission's counts once the calls the client saw end have left it (the shard sends a
+    call's status before its interceptor counts it out)."""
+    t0 = time.monotonic()
+    while (adm.bytes, adm.calls) != (0, 0) and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    return adm.bytes, adm.calls
+
+
+def local_client(shard, **kwargs) -> MemoryClient:
+    return MemoryClient(shard.endpoint, timeout=30, token="", **kwargs)
+
+
+def _bag_inputs(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, LOCAL_ROWS, (n, 1)), rng.random((n, 1), dtype=np.float32)
+
+
+def test_shared_memory_tensors_count_against_the_byte_limit(local_shard):
+    """A shared-memory call's message is tiny, but the shard copies its tensors out of the region:
+    their bytes count against max_inflight_bytes while the call is in progress, with the rule of a
+    TCP request of those bytes (refused on top of other requests past the limit, admitted alone),
+    and leave the count when it ends, however it ends."""
+    from memserver.api.errors import OverloadedError
+    from memserver.server.config import Limits
+
+    shard, adm = local_shard, local_shard.admission
+    limit = 48 << 10
+    adm.limits = Limits(max_inflight_bytes=limit)
+    big, small = _bag_inputs(8192), _bag_inputs(2048, 1)  # 64 KiB of ids (int32) and weights; 16 KiB
+    with local_client(shard, shm=True, retry_seconds=0) as c, local_client(shard, shm=False) as tcp:
+        want_big, want_small = tcp.bag("t", *big), tcp.bag("t", *small)  # TCP: alone, admitted
+        attach(c, "t", 1)
+        before = c.aio.shm.calls
+        np.testing.assert_array_equal(c.bag("t", *big), want_big)  # alone: admitted, as TCP, though past the limit
+        held = 1 << 10  # another request of 1 KiB in progress
+        shard.run(lambda: (adm.enter("Held"), adm.take("Held", held)))
+        try:
+            with pytest.raises(OverloadedError, match=r"this call's shared-memory tensors' 64\.0 KiB on top of .* "
+                                                      rf"would pass the limit max_inflight_bytes={limit}"):
+                c.bag("t", *big)
+            assert adm.rejected[("Bag", "max_inflight_bytes")] == 1
+            np.testing.assert_array_equal(c.bag("t", *small), want_small)  # within the limit beside the other: admitted
+        finally:
+            shard.run(lambda: adm.leave(held))
+        np.testing.assert_array_equal(c.bag("t", *big), want_big)  # the other request done: admitted again
+        assert c.aio.shm.calls - before == 4  # all of them through shared memory
+    assert settled(adm) == (0, 0)
+    # a call that fails once its region is leased gives its bytes back too
+    channel = sync_channel(shard.address)
+    region = Region(1 << 20)
+    stream = attach_method(channel)(attach_request(region))
+    try:
+        region.id = next(stream).region
+        req = pb.BagRequest(table="t", ids=_put(region, HEADER, torch.zeros(4, 2, dtype=torch.int32)),
+                            weights=_put(region, HEADER + ALIGN, torch.ones(4, 3)))
+        req.shm.region = region.id
+        with pytest.raises(grpc.RpcError) as err:
+            methods(channel)["Bag"](req.SerializeToString(), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert settled(adm) == (0, 0)
+    finally:
+        stream.cancel()
+        region.close_fd()
+        region.retire()
+        channel.close()

@@ -18,10 +18,12 @@ shard cannot tell in general which process is at the other end of a TCP connecti
 is what proves the region is the caller's. A region is reached only through its id; every span
 is checked against the region's bounds before any byte is touched; request tensors are copied out
 of the region before they are validated or used (the client could change them meanwhile:
-check-then-use on shared bytes would let it pass a bad id to the kernels); answers are written
-only inside the span the client gave. A region stays attached while its AttachRegion stream is
-open: when the client cancels it or dies (its connection closes), the shard unmaps the region
-once no call is using it. At most MAX_REGIONS are attached at once, each at most MAX_REGION_BYTES.
+check-then-use on shared bytes would let it pass a bad id to the kernels), and their bytes count
+against the shard's admission (max_inflight_bytes) while the call is in progress, as a TCP
+request's do; answers are written only inside the span the client gave. A region stays attached
+while its AttachRegion stream is open: when the client cancels it or dies (its connection
+closes), the shard unmaps the region once no call is using it. At most MAX_REGIONS are attached
+at once, each at most MAX_REGION_BYTES.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.server.admission import Admission
 from memserver.wire import MAX_MESSAGE_BYTES, STALE_REGION, Lazy, boot_id, shm_layout, shm_write
 from memserver.wire import SHM_NONCE_BYTES as NONCE_BYTES
 
@@ -66,8 +69,8 @@ def memfd_device() -> int | None:
         os.close(fd)
 
 
-class Region:
-    """One client's mapped region on this shard. `leases`: calls using it now; it is unmapped once
+class Attached:
+    """One client's region mapped on this shard. `leases`: calls using it now; it is unmapped once
     detached and unused. `pid`: the process that holds it (its nonce proved that)."""
 
     def __init__(self, pid: int, mm: mmap.mmap) -> None:
@@ -84,11 +87,6 @@ class Region:
             raise InvalidArgumentError(f"{what}: shared-memory span [{off}, {off}+{n}) is outside the region "
                                        f"[{NONCE_BYTES}, {self.size})")
         return off, n
-
-    def read(self, span: pb.ShmSpan, what: str) -> bytes:
-        """A copy of a span's bytes (never a view: the client may change the region meanwhile)."""
-        off, n = self.span(span, what)
-        return self.mm[off : off + n]
 
     def release(self) -> None:
         with self.lock:
@@ -111,13 +109,50 @@ class Region:
             log.warning("shared-memory region of pid %d: still referenced; left to the garbage collector", self.pid)
 
 
-class Regions:
-    """The regions attached to one shard, by id."""
+class Region:
+    """One call's use of an attached region, from Regions.acquire to release(): its spans read
+    (copies) and its answer written; its request tensors' bytes counted by the admission."""
 
-    def __init__(self) -> None:
-        self.by_id: dict[str, Region] = {}
+    __slots__ = ("attached", "nbytes", "admission")
+
+    def __init__(self, attached: Attached, nbytes: int, admission: Admission | None) -> None:
+        self.attached, self.nbytes, self.admission = attached, nbytes, admission
+
+    @property
+    def mm(self) -> mmap.mmap:
+        return self.attached.mm
+
+    def span(self, span: pb.ShmSpan, what: str) -> tuple[int, int]:
+        return self.attached.span(span, what)
+
+    def read(self, span: pb.ShmSpan, what: str) -> bytes:
+        """A copy of a span's bytes (never a view: the client may change the region meanwhile)."""
+        off, n = self.attached.span(span, what)
+        return self.attached.mm[off : off + n]
+
+    def release(self) -> None:
+        """The call is done with the region: its bytes leave the admission's count."""
+        if self.admission is not None:
+            self.admission.give_back(self.nbytes)
+        self.attached.release()
+
+
+def _request_spans(request: Any) -> list[tuple[str, pb.ShmSpan]]:
+    """The request's tensors that are in shared memory: (field, span)."""
+    return [(f.name, value.shm) for f, value in request.ListFields()
+            if f.message_type is pb.Tensor.DESCRIPTOR and value.HasField("shm")]
+
+
+class Regions:
+    """The regions attached to one shard, by id. `admission`: the shard's (memserver.server.admission),
+    which counts the bytes of the tensors a call copies out of a region as it counts a TCP
+    request's; None: not counted (a servicer without a server)."""
+
+    def __init__(self, admission: Admission | None = None) -> None:
+        self.by_id: dict[str, Attached] = {}
         self.boot_id = boot_id()
         self.memfd_dev = memfd_device()
+        self.admission = admission
 
     def attach(self, request: pb.AttachRegionRequest) -> str:
         """Map a client's region; returns its id. Refusals: _NotHere (FAILED_PRECONDITION: shared
@@ -136,7 +171,7 @@ class Regions:
             raise _Full(f"{MAX_REGIONS} shared-memory regions are attached to this shard; use TCP")
         mm = self._map(pid, fd, size, request.nonce)
         region_id = secrets.token_hex(16)
-        self.by_id[region_id] = Region(pid, mm)
+        self.by_id[region_id] = Attached(pid, mm)
         return region_id
 
     def _map(self, pid: int, fd: int, size: int, nonce: bytes) -> mmap.mmap:
@@ -181,17 +216,24 @@ class Regions:
             region.detach()
 
     def acquire(self, request: Any) -> Region | None:
-        """The region a data-plane request's tensors are in (None: inline), leased until release()."""
+        """The region a data-plane request's tensors are in (None: inline), leased until release():
+        every span checked, and the request tensors' bytes taken from the admission (OverloadedError
+        past max_inflight_bytes, as a TCP request of those bytes would be)."""
         if not request.HasField("shm"):
             return None
-        region = self.by_id.get(request.shm.region)
-        if region is None:
+        attached = self.by_id.get(request.shm.region)
+        if attached is None:
             raise InvalidArgumentError(f"shm.region: {STALE_REGION} on this shard (detached, or another client's)")
         if request.shm.HasField("answer"):  # checked before any work is done for the call
-            region.span(request.shm.answer, "shm.answer")
-        with region.lock:
-            region.leases += 1
-        return region
+            attached.span(request.shm.answer, "shm.answer")
+        nbytes = sum(attached.span(span, name)[1] for name, span in _request_spans(request))
+        if self.admission is not None and nbytes:
+            # the call's own message is counted already; alone, it is admitted whatever its size
+            self.admission.take(type(request).__name__.removesuffix("Request"), nbytes, own=request.ByteSize(),
+                                what="this call's shared-memory tensors'")
+        with attached.lock:
+            attached.leases += 1
+        return Region(attached, nbytes, self.admission)
 
     def collect(self) -> Any:
         g = GaugeMetricFamily("memserver_shm_regions", "Shared-memory regions of clients on this node attached now")
