@@ -470,3 +470,66 @@ def test_shared_memory_tensors_count_against_the_byte_limit(local_shard):
         region.close_fd()
         region.retire()
         channel.close()
+
+
+def test_one_client_holds_at_most_a_few_regions(local_shard):
+    """A process holds at most MAX_REGIONS_PER_CLIENT regions on a shard (one client cannot take
+    all MAX_REGIONS); another process is another client; a client refused a region uses TCP."""
+    from memserver.server.shm import MAX_REGIONS_PER_CLIENT
+
+    shard = local_shard
+    channel = sync_channel(shard.address)
+    attach_ = attach_method(channel)
+    held = []
+    try:
+        for _ in range(MAX_REGIONS_PER_CLIENT):
+            region = Region(1 << 16)
+            stream = attach_(attach_request(region))
+            region.id = next(stream).region
+            held.append((region, stream))
+        extra = Region(1 << 16)
+        with pytest.raises(grpc.RpcError) as err:
+            next(attach_(attach_request(extra), timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"MAX_REGIONS_PER_CLIENT={MAX_REGIONS_PER_CLIENT}" in err.value.details()
+        assert len(shard.regions.by_id) == MAX_REGIONS_PER_CLIENT
+        # a client of this process is refused too, and sends its calls over TCP
+        ids, w = _bag_inputs(8192)
+        with local_client(shard, shm=True) as c, local_client(shard, shm=False) as tcp:
+            want = tcp.bag("t", ids, w)
+            t0 = time.monotonic()
+            while shard.address not in c.aio.shm.not_before:  # its attach, started by the first large call, refused
+                assert time.monotonic() - t0 < 30, "the client never tried to attach a region"
+                np.testing.assert_array_equal(c.bag("t", ids, w), want)
+                time.sleep(0.05)
+            assert c.aio.shm.not_before[shard.address] > time.monotonic() + 20  # asked again in RETRY_AFTER
+            np.testing.assert_array_equal(c.bag("t", ids, w), want)
+            assert not c.aio.shm.regions and c.aio.shm.calls == 0
+        # another process is another client
+        script = ("import os\nfrom client.channels import sync_channel\nfrom client.shm import Region\n"
+                  "from memserver.api.v1 import memserver_pb2 as pb\nfrom memserver.wire import boot_id\n"
+                  "r = Region(1 << 16)\n"
+                  f"attach = sync_channel({shard.address!r}).unary_stream('/memserver.v1.DataPlane/AttachRegion', "
+                  "request_serializer=pb.AttachRegionRequest.SerializeToString, "
+                  "response_deserializer=pb.AttachRegionEvent.FromString)\n"
+                  "print(len(next(attach(pb.AttachRegionRequest(pid=os.getpid(), fd=r.fd, size=r.size, boot_id=boot_id(), "
+                  "nonce=r.nonce), timeout=30)).region))\n")
+        out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.stdout.strip() == "32", out.stderr[-2000:]
+        # one of this process's regions detached: it may attach another
+        region, stream = held.pop()
+        stream.cancel()
+        t0 = time.monotonic()
+        while len(shard.regions.by_id) >= MAX_REGIONS_PER_CLIENT:
+            assert time.monotonic() - t0 < 30, "the shard kept a detached region"
+            time.sleep(0.05)
+        stream = attach_(attach_request(extra))
+        extra.id = next(stream).region
+        held.append((extra, stream))
+    finally:
+        for region, stream in held:
+            stream.cancel()
+            region.close_fd()
+            region.retire()
+        channel.close()

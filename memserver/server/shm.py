@@ -23,7 +23,8 @@ against the shard's admission (max_inflight_bytes) while the call is in progress
 request's do; answers are written only inside the span the client gave. A region stays attached
 while its AttachRegion stream is open: when the client cancels it or dies (its connection
 closes), the shard unmaps the region once no call is using it. At most MAX_REGIONS are attached
-at once, each at most MAX_REGION_BYTES.
+at once, at most MAX_REGIONS_PER_CLIENT of them held by one process, each at most
+MAX_REGION_BYTES.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 #: Regions one shard maps at once, and the largest it maps.
 MAX_REGIONS = 64
 MAX_REGION_BYTES = 1 << 30
+#: Regions one client process may hold on one shard. An honest client holds one (and for a moment
+#: a second, while a retired one's stream ends): one client cannot take all MAX_REGIONS.
+MAX_REGIONS_PER_CLIENT = 4
 
 
 def memfd_device() -> int | None:
@@ -170,6 +174,11 @@ class Regions:
         if len(self.by_id) >= MAX_REGIONS:
             raise _Full(f"{MAX_REGIONS} shared-memory regions are attached to this shard; use TCP")
         mm = self._map(pid, fd, size, request.nonce)
+        held = sum(1 for a in self.by_id.values() if a.pid == pid)  # the pid is proven now: its memfd, its nonce
+        if held >= MAX_REGIONS_PER_CLIENT:
+            mm.close()
+            raise _Full(f"process {pid} holds {held} shared-memory regions on this shard, the most one client may "
+                        f"(MAX_REGIONS_PER_CLIENT={MAX_REGIONS_PER_CLIENT}); use TCP")
         region_id = secrets.token_hex(16)
         self.by_id[region_id] = Attached(pid, mm)
         return region_id
