@@ -7,6 +7,7 @@ tests/test_faults.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import signal
@@ -533,3 +534,52 @@ def test_one_client_holds_at_most_a_few_regions(local_shard):
             region.close_fd()
             region.retire()
         channel.close()
+
+
+def test_a_call_naming_a_region_the_shard_lost_is_sent_again_over_tcp(local_shard):
+    """The shard no longer has the client's region (it restarted at the same address before the
+    client noticed; here: detached behind the client's back): the call is refused STALE_REGION,
+    sent again over TCP with the right answer, the region retired, and a fresh one attached later.
+    Both senders: the blocking client (client.sync) and the asyncio one (client.aio)."""
+    from client import AsyncMemoryClient
+
+    shard = local_shard
+    ids, w = _bag_inputs(8192)
+    with local_client(shard, shm=False) as tcp:
+        want = tcp.bag("t", ids, w)
+
+    def lose(region: Region) -> None:
+        shard.run(lambda: shard.regions.detach(region.id))
+        assert region.id not in shard.regions.by_id
+
+    with local_client(shard, shm=True) as c:
+        attach(c, "t", 1)
+        region = c.aio.shm.regions[shard.address]
+        lose(region)
+        before = c.aio.shm.calls
+        np.testing.assert_array_equal(c.bag("t", ids, w), want)
+        assert c.aio.shm.calls - before == 1  # the first attempt through the lost region, the second by TCP
+        assert region.retired and region.mm.closed
+        t0 = time.monotonic()
+        while c.aio.shm.regions.get(shard.address) in (None, region):  # the next calls drop it and attach afresh
+            assert time.monotonic() - t0 < 30, "no fresh region"
+            np.testing.assert_array_equal(c.bag("t", ids, w), want)
+            time.sleep(0.05)
+        before = c.aio.shm.calls
+        np.testing.assert_array_equal(c.bag("t", ids, w), want)
+        assert c.aio.shm.calls - before == 1
+
+    async def asynchronous() -> None:
+        async with AsyncMemoryClient(shard.endpoint, timeout=30, token="", shm=True) as ac:
+            t0 = time.monotonic()
+            while shard.address not in ac.shm.regions:
+                assert time.monotonic() - t0 < 30, "no region"
+                await ac.bag("t", ids, w)
+                await asyncio.sleep(0.05)
+            region = ac.shm.regions[shard.address]
+            lose(region)
+            before = ac.shm.calls
+            np.testing.assert_array_equal(await ac.bag("t", ids, w), want)
+            assert ac.shm.calls - before == 1 and region.retired
+
+    asyncio.run(asynchronous())
