@@ -1,14 +1,18 @@
 """The client's side of shared memory with the shards on its own machine (memserver.server.shm is
 the shard's; docs/architecture.md "Shared memory" the whole protocol).
 
-Per shard on this machine the client makes one region (REGION_BYTES of /dev/shm, allocated up
-front so that a full tmpfs fails here and not as a SIGBUS at a write), attaches it with an
-AttachRegion stream and unlinks its name at once. A Lookup, Bag, BagBackward or Search to that
-shard then writes its tensors into a block of the region and sends only where they are; the shard
-writes its answer into the same block, and the client copies it out before the block is freed.
-Chosen automatically: on unless MEMSERVER_SHM=0 or the client's `shm=False`; a shard on another
-machine (its address is not one of ours, or the shard sees another boot id), a region that cannot
-be made, or a call that does not fit the free space goes over TCP as before.
+Per shard on this machine the client makes one region: a memfd of REGION_BYTES, allocated up
+front (so that memory that cannot be had fails here and not as a SIGBUS at a write), its first
+bytes a random nonce, sealed so that it can never shrink or grow (the shard refuses a region that
+could shrink under its mapping). It attaches the region with an AttachRegion stream that names
+the memfd as this process's descriptor, and closes the descriptor once the shard has answered. A
+memfd has no name: nothing is left anywhere when this process or the shard dies. A Lookup, Bag,
+BagBackward or Search to that shard then writes its tensors into a block of the region and sends
+only where they are; the shard writes its answer into the same block, and the client copies it
+out before the block is freed. Chosen automatically: on unless MEMSERVER_SHM=0 or the client's
+`shm=False`; a shard on another machine (its address is not one of ours, or the shard sees
+another boot id or cannot open our descriptor), a region that cannot be made or is refused, or a
+call that does not fit the free space goes over TCP as before.
 
 Bounds: one region per shard address (its blocks: the calls in flight to it); a shard that
 refused is asked again after RETRY_AFTER seconds, never when it is on another machine.
@@ -17,6 +21,7 @@ refused is asked again after RETRY_AFTER seconds, never when it is on another ma
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import math
 import mmap
@@ -83,38 +88,14 @@ def is_local(address: str) -> bool:
 
 #: Where regions are made (posix_fallocate of REGION_BYTES takes milliseconds: not on the loop).
 _MAKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memserver-shm")
-_swept = False
+#: A region's seals: its size is fixed for good (the shard requires F_SEAL_SHRINK).
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def _discard(made: Future[Region]) -> None:
     if not made.cancelled() and made.exception() is None:
-        made.result().unlink()
+        made.result().close_fd()
         made.result().retire()
-
-
-def sweep(directory: str = "/dev/shm") -> list[str]:
-    """Remove the region names of processes that are gone (killed between making a region and
-    the shard mapping it, the only moment a name exists). Returns the names removed."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "memserver" or not parts[1].isdigit():
-            continue
-        try:
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-            except OSError:
-                pass
-        except PermissionError:  # another user's live process
-            continue
-    return removed
 
 
 def _up(n: int) -> int:
@@ -122,40 +103,37 @@ def _up(n: int) -> int:
 
 
 class Region:
-    """One region: a /dev/shm object of `size` bytes mapped here, its blocks in use, its id on the
-    shard once attached. Thread-safe (the blocking client calls from any thread)."""
+    """One region: a sealed memfd of `size` bytes mapped here, its blocks in use, its id on the
+    shard once attached. `fd` stays open until the shard has answered the attach (it opens the
+    memfd through it). Thread-safe (the blocking client calls from any thread)."""
 
     def __init__(self, size: int) -> None:
-        global _swept
-        if not _swept:  # once per process: what killed processes left behind
-            _swept = True
-            sweep()
-        self.name = f"memserver-{os.getpid()}-{secrets.token_hex(16)}"
-        self.path = os.path.join("/dev/shm", self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self.name = f"memserver-{os.getpid()}-{secrets.token_hex(8)}"  # only a label: /proc/<pid>/maps shows it
+        fd = os.memfd_create(self.name, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         try:
-            os.posix_fallocate(fd, 0, size)  # tmpfs full: ENOSPC now, not SIGBUS at a write later
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # no memory: an error now, not SIGBUS at a write later
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             self.mm = mmap.mmap(fd, size)
         except BaseException:
-            os.unlink(self.path)
-            raise
-        finally:
             os.close(fd)
-        self.size = size
+            raise
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.mm[:NONCE_BYTES] = self.nonce
+        self.fd = fd
+        self.size = size
         self.id = ""
         self.blocks: list[tuple[int, int]] = []  # (start, end) in use or abandoned, sorted
         self.abandoned: set[int] = set()  # starts of blocks the shard may still write into: never reused
         self.lock = threading.Lock()
         self.retired = False
 
-    def unlink(self) -> None:
-        """Remove the name (the shard has it mapped, or never will): nothing to clean after a crash."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+    def close_fd(self) -> None:
+        """Close the memfd's descriptor (the shard has opened it, or never will): the mappings
+        keep the memory, and it goes with the last of them."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def alloc(self, n: int) -> int | None:
         """The start of a free block of n bytes (first fit), or None: no room now."""
@@ -353,17 +331,17 @@ class ShmTransport:
                 self.not_before[address] = time.monotonic() + RETRY_AFTER
                 return
             if not self.on:
-                region.unlink()
+                region.close_fd()
                 region.retire()
                 return
             attach = self.channel(address).unary_stream(ATTACH_PATH, request_serializer=pb.AttachRegionRequest.SerializeToString,
                                                         response_deserializer=pb.AttachRegionEvent.FromString)
-            stream = attach(pb.AttachRegionRequest(name=region.name, size=region.size, boot_id=self.boot_id,
-                                                   nonce=region.nonce))
+            stream = attach(pb.AttachRegionRequest(pid=os.getpid(), fd=region.fd, size=region.size,
+                                                   boot_id=self.boot_id, nonce=region.nonce))
             try:
                 event = await asyncio.wait_for(stream.read(), 30)
             finally:
-                region.unlink()  # mapped by the shard now, or never: the name has no more use
+                region.close_fd()  # opened by the shard now, or never: the descriptor has no more use
             if event is grpc.aio.EOF:
                 raise RuntimeError("the shard ended the stream without a region id")
             region.id = event.region

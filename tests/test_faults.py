@@ -155,8 +155,8 @@ def test_coordinator_killed_shards_keep_serving_and_catalog_comes_back(fclient, 
 
 def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name):
     """A client with shared-memory regions on both shards, writing through them to a table with
-    the write-ahead log; SIGKILL a shard: the client drops that region (nothing is left in
-    /dev/shm), its calls go on (TCP while the shard restarts), the restarted shard replays the
+    the write-ahead log; SIGKILL a shard: the client drops that region (and unmaps it: its memfd
+    is gone with the shard's mapping), its calls go on (TCP while the shard restarts), the restarted shard replays the
     writes that came through shared memory (their log records hold the tensors) and the client
     attaches a fresh region to it."""
     from client import MemoryClient
@@ -175,9 +175,12 @@ def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name):
         assert c.aio.shm.calls - before == 6
         expect = c.lookup(table_name, np.arange(ROWS))
         address = c.table(table_name).shards[0].address
+        region = c.aio.shm.regions[address]
         kill_shard(c, 0)
         wait_for(lambda: address not in c.aio.shm.regions, "the client to drop the dead shard's region", 30)
-        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{os.getpid()}-")]
+        wait_for(lambda: region.mm.closed, "the client to unmap the dead shard's region", 30)
+        with open("/proc/self/maps") as f:
+            assert f"/memfd:{region.name} " not in f.read()
         np.testing.assert_array_equal(c.lookup(table_name, np.arange(ROWS)), expect)
         wait_for(lambda: c.bag(table_name, *big) is not None and len(c.aio.shm.regions) == 2,
                  "a region on the restarted shard", 60)

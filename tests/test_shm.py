@@ -1,15 +1,21 @@
 """Shared memory between a client and the shards on its machine (client.shm, memserver.server.shm):
-the same answers as over TCP, every span bounds-checked, regions private to their client, and
-nothing left behind when the client is SIGKILLed (the shard's death: tests/test_faults.py)."""
+the same answers as over TCP, every span bounds-checked, regions private to their client and
+sealed (a client cannot shrink one under the shard), their tensors counted by the shard's
+admission, at most MAX_REGIONS_PER_CLIENT per client, a call naming a region the shard lost sent
+again over TCP, and the memory gone when the client is SIGKILLed (the shard's death:
+tests/test_faults.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -21,6 +27,7 @@ from client.channels import sync_channel
 from client.shm import ALIGN, HEADER, MIN_BYTES, Region, boot_id, enabled
 from client.transport import methods
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import WIRE_DTYPES, decode
 from tests.test_metrics_scrape import scrape, total
 
@@ -85,7 +92,8 @@ def test_same_answers_as_tcp(memory_cluster, table_name, sharding):
                                        tcp.lookup(f"{table_name}-b", torch.arange(rows)), rtol=1e-5, atol=1e-6)
             # bag, bag with offsets, lookup and 3 backwards, each to both shards (and the bfloat16 bag)
             assert shm.aio.shm.calls - before == 2 * 6 and shm16.aio.shm.calls - before16 == 2
-            assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{os.getpid()}-")]
+            # attached: the client has closed its descriptors (the shards opened the memfds)
+            assert all(r.fd == -1 for c in (shm, shm16) for r in c.aio.shm.regions.values())
         finally:
             regions = [r for c in (shm, shm16) for r in c.aio.shm.regions.values()]  # kept alive: the GC must not unmap them
             for c in (shm, shm16, tcp16):
@@ -115,23 +123,35 @@ def test_search_through_shared_memory(memory_cluster, table_name):
                 np.testing.assert_array_equal(a, b)
 
 
+def attach_request(region: Region, **fields) -> pb.AttachRegionRequest:
+    """What client.shm sends to attach `region` (its descriptor in this process), with `fields` changed."""
+    req = pb.AttachRegionRequest(pid=os.getpid(), fd=region.fd, size=region.size, boot_id=boot_id(), nonce=region.nonce)
+    for k, v in fields.items():
+        setattr(req, k, v)
+    return req
+
+
+def attach_method(channel):
+    return channel.unary_stream("/memserver.v1.DataPlane/AttachRegion",
+                                request_serializer=pb.AttachRegionRequest.SerializeToString,
+                                response_deserializer=pb.AttachRegionEvent.FromString)
+
+
 @pytest.fixture
 def raw_region(memory_cluster, table_name):
     """A one-shard table and a region attached to its shard by hand, as a client would (the
-    stream open for the test), with the channel and methods to call the shard raw."""
+    stream open for the test, the descriptor too), with the channel and methods to call the shard raw."""
     with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as c:
         meta = c.create_table(table_name, 1000, 8, num_shards=1, seed=1)
         address = meta.shards[0].address
         channel = sync_channel(address)
         region = Region(1 << 20)
-        attach = channel.unary_stream("/memserver.v1.DataPlane/AttachRegion",
-                                      request_serializer=pb.AttachRegionRequest.SerializeToString,
-                                      response_deserializer=pb.AttachRegionEvent.FromString)
-        stream = attach(pb.AttachRegionRequest(name=region.name, size=region.size, boot_id=boot_id(), nonce=region.nonce))
+        attach = attach_method(channel)
+        stream = attach(attach_request(region))
         region.id = next(stream).region
         yield c, meta, channel, attach, region
         stream.cancel()
-        region.unlink()
+        region.close_fd()
         region.retire()
         channel.close()
 
@@ -192,27 +212,88 @@ def test_spans_are_checked_and_regions_stay_private(raw_region, table_name):
     refused(bb, method="BagBackward")
     assert torch.equal(c.lookup(table_name, torch.arange(1000)), values)
 
-    # attaching: only the client's own region on this machine, by name, nonce and boot id
-    def attach_refused(code, **fields):
-        req = pb.AttachRegionRequest(name=region.name, size=region.size, boot_id=boot_id(), nonce=region.nonce)
-        for k, v in fields.items():
-            setattr(req, k, v)
-        with pytest.raises(grpc.RpcError) as err:
-            next(attach(req, timeout=30))
-        assert err.value.code() == code, err.value.details()
+    # a sealed region: the client cannot shrink it under the shard's mapping (the shard would die
+    # of SIGBUS at its next access past the end), nor grow it
+    with pytest.raises(PermissionError):
+        os.ftruncate(region.fd, 4096)
+    with pytest.raises(PermissionError):
+        os.ftruncate(region.fd, 2 * region.size)
+    assert call["Bag"](bag().SerializeToString(), timeout=30).out.HasField("shm")  # the shard is alive and well
 
-    region.unlink()  # what the client does once attached: its name is gone, nobody else can map it
-    attach_refused(grpc.StatusCode.FAILED_PRECONDITION)
+    # attaching: only the client's own sealed memfd on this machine, by descriptor, nonce and boot id
+    def attach_refused(code, **fields):
+        with pytest.raises(grpc.RpcError) as err:
+            next(attach(attach_request(region, **fields), timeout=30))
+        assert err.value.code() == code, err.value.details()
+        return err.value.details()
+
+    def memfd(size: int, nonce: bytes, seals: int) -> int:
+        fd = os.memfd_create("memserver-test", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        os.pwrite(fd, nonce, 0)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        return fd
+
     other = Region(1 << 16)
+    unsealed = memfd(1 << 16, region.nonce, 0)
+    write_sealed = memfd(1 << 16, region.nonce, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    tmpfs = os.open("/dev/shm", os.O_RDWR | os.O_TMPFILE, 0o600)  # a tmpfs file, but no memfd
+    os.ftruncate(tmpfs, 1 << 16)
+    os.pwrite(tmpfs, region.nonce, 0)
+    r, w = os.pipe()
     try:
-        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, name=other.name, size=other.size, nonce=b"x" * 16)
-        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, name=other.name, size=other.size, nonce=other.nonce,
-                       boot_id="another-machine")
-        attach_refused(grpc.StatusCode.INVALID_ARGUMENT, name="../../etc/passwd")
-        attach_refused(grpc.StatusCode.INVALID_ARGUMENT, name=other.name, size=other.size + 1, nonce=other.nonce)
+        other_id = dict(size=other.size, fd=other.fd)
+        assert "not the client's region" in attach_refused(grpc.StatusCode.FAILED_PRECONDITION, **other_id)
+        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, **other_id, nonce=other.nonce, boot_id="another-machine")
+        assert "fd" in attach_refused(grpc.StatusCode.FAILED_PRECONDITION, fd=1000)  # no such descriptor
+        fd = region.fd
+        region.close_fd()  # what the client does once attached: nobody can open the memfd any more
+        attach_refused(grpc.StatusCode.FAILED_PRECONDITION, fd=fd)
+        assert "F_SEAL_SHRINK" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=unsealed, size=1 << 16)
+        assert "cannot be mapped" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=write_sealed, size=1 << 16)
+        assert "not a memfd" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=tmpfs, size=1 << 16)
+        assert "not a memfd" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=r, size=1 << 16)
+        try:  # hugetlbfs: a page the kernel cannot find when the shard touches it is a SIGBUS too
+            huge = os.memfd_create("memserver-test", os.MFD_HUGETLB | os.MFD_CLOEXEC)
+        except OSError:
+            pass
+        else:
+            try:
+                assert "not a memfd" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=huge, size=1 << 16)
+            finally:
+                os.close(huge)
+        assert "holds" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, fd=other.fd, nonce=other.nonce,
+                                         size=other.size + 1)
+        assert "pid" in attach_refused(grpc.StatusCode.INVALID_ARGUMENT, pid=0)
     finally:
-        other.unlink()
+        for fd in (unsealed, write_sealed, tmpfs, r, w):
+            os.close(fd)
+        other.close_fd()
         other.retire()
+
+
+def test_another_process_memfd_is_attached_only_with_its_nonce(raw_region):
+    """The pid in AttachRegion is the caller's word (the shard cannot tell which process is at the
+    other end of a TCP connection): a client naming another process's memfd (its pid and a guessed
+    descriptor) is refused unless it also knows the nonce the region starts with, i.e. its contents."""
+    c, meta, channel, attach, region = raw_region
+    script = ("import os, sys\nfrom client.shm import Region\nr = Region(1 << 16)\n"
+              "print(os.getpid(), r.fd, r.nonce.hex(), flush=True)\nsys.stdin.read()\n")
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        pid, fd, nonce = child.stdout.readline().split()
+        theirs = dict(pid=int(pid), fd=int(fd), size=1 << 16)
+        with pytest.raises(grpc.RpcError) as err:
+            next(attach(attach_request(region, **theirs), timeout=30))  # our nonce
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not the client's region" in err.value.details()
+        stream = attach(attach_request(region, **theirs, nonce=bytes.fromhex(nonce)))
+        assert next(stream).region  # whoever knows the nonce knows the region's contents: the owner
+        stream.cancel()
+    finally:
+        child.stdin.close()
+        child.wait(30)
 
 
 def test_region_allocator_reuses_blocks_and_never_an_abandoned_one():
@@ -230,27 +311,44 @@ def test_region_allocator_reuses_blocks_and_never_an_abandoned_one():
         r.abandon(HEADER + 4 * ALIGN)  # over a quarter abandoned: retired, and unmapped (only abandoned blocks left)
         assert r.retired and r.alloc(1) is None and r.mm.closed
     finally:
-        r.unlink()
+        r.close_fd()
+
+
+def _held(pid: int, names: list[str]) -> list[str]:
+    """Those of `names` (memfd labels, client.shm.Region.name) that process `pid` maps or has a
+    descriptor of: while it does, the memfd's memory is not freed."""
+    with open(f"/proc/{pid}/maps") as f:
+        maps = f.read()
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            pass
+    return [n for n in names if f"/memfd:{n} " in maps or any(link.startswith(f"/memfd:{n} ") for link in links)]
 
 
 def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
     """SIGKILL a client with regions attached to both shards: the shards unmap them (the gauge
-    returns to where it was) and nothing is left in /dev/shm."""
+    returns to where it was, and no shard maps the memfds or holds a descriptor of them: their
+    memory is gone, a memfd has no name that could outlive those)."""
     with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as c:
         meta = c.create_table(table_name, 1000, 8)
-        shards = [s.metrics_address for s in c.status().shards]
+        status = c.status().shards
+        shards, pids = [s.metrics_address for s in status], [s.pid for s in status]
         base = sum(total(scrape(a), "memserver_shm_regions") for a in shards)
         script = ("import sys, time, numpy as np\nfrom client import MemoryClient\n"
                   f"c = MemoryClient({memory_cluster.endpoint!r}, shm=True)\n"
                   "while len(c.aio.shm.regions) < 2:\n"
                   f"    c.bag({table_name!r}, np.zeros((8192, 1), int), np.ones((8192, 1), np.float32)); time.sleep(0.05)\n"
-                  "print('ready', flush=True)\ntime.sleep(600)\n")
+                  "print('ready', *[r.name for r in c.aio.shm.regions.values()], flush=True)\ntime.sleep(600)\n")
         child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
-            assert child.stdout.readline().strip() == "ready"
+            ready, *names = child.stdout.readline().split()
+            assert ready == "ready" and len(names) == 2
             assert sum(total(scrape(a), "memserver_shm_regions") for a in shards) == base + len(meta.shards)
-            assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{child.pid}-")]
+            assert sorted(n for pid in pids for n in _held(pid, names)) == sorted(names)  # one on each shard
             os.kill(child.pid, signal.SIGKILL)
             child.wait(30)
             t0 = time.monotonic()
@@ -260,17 +358,237 @@ def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
         finally:
             if child.poll() is None:
                 child.kill()
-        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"memserver-{child.pid}-")]
+        assert not [n for pid in pids for n in _held(pid, names)]
 
 
-def test_sweep_removes_the_names_of_dead_processes(tmp_path):
-    """A process killed between making a region and the shard mapping it leaves its name: the
-    next process to make a region removes it (client.shm.sweep), and only those of dead processes."""
-    from client.shm import sweep
+# ------------------------------------------------------------------ a shard in this process
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    names = [f"memserver-{dead.stdout.strip()}-{'a' * 32}", f"memserver-{os.getpid()}-{'b' * 32}", "other-file"]
-    for n in names:
-        (tmp_path / n).write_bytes(b"x")
-    assert sweep(str(tmp_path)) == names[:1]
-    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+class ShardMap(pb_grpc.ControlPlaneServicer):
+    """The coordinator of `local_shard`: it only answers the shard map."""
+
+    def __init__(self, info: pb.TableInfo) -> None:
+        self.info = info
+
+    async def GetShardMap(self, request, context):
+        return self.info
+
+
+LOCAL_ROWS, LOCAL_DIM = 4096, 16
+
+
+@pytest.fixture
+def local_shard():
+    """A shard (the real DataPlaneServicer and start_server, wired as memserver.server.shard_actor
+    wires them: its Regions count against its Admission) holding a one-shard table "t", and a
+    coordinator that answers its shard map, in this process: the test reaches into the shard."""
+    from memserver.loop import LoopThread
+    from memserver.server.admission import Admission
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.config import Limits
+    from memserver.server.dataplane import DataPlaneServicer
+    from memserver.server.grpcserver import CONTROL_PLANE, DATA_PLANE, start_server
+    from memserver.server.slice import TableSlice
+
+    loop = LoopThread("shm-local-shard")
+    servicer = DataPlaneServicer(torch.device("cpu"), 1)
+    servicer.regions.admission = admission = Admission(Limits())
+    server, port = loop.call(start_server(lambda s: pb_grpc.add_DataPlaneServicer_to_server(servicer, s), [DATA_PLANE],
+                                          "127.0.0.1", admission=admission))
+    address = f"127.0.0.1:{port}"
+    spec = validate_spec(pb.TableSpec(name="t", num_rows=LOCAL_ROWS, dim=LOCAL_DIM, num_shards=1, seed=4), 1)
+    info = plan_table(spec, [{"address": address, "node_id": "", "pid": os.getpid()}])
+    servicer.tables["t"] = TableSlice(spec, info.shards[0], 1, torch.device("cpu"))
+    coord, coord_port = loop.call(start_server(lambda s: pb_grpc.add_ControlPlaneServicer_to_server(ShardMap(info), s),
+                                               [CONTROL_PLANE], "127.0.0.1"))
+
+    async def on_loop(fn):  # the shard's state is its event loop's
+        return fn()
+
+    try:
+        yield SimpleNamespace(endpoint=f"127.0.0.1:{coord_port}", address=address, servicer=servicer,
+                              regions=servicer.regions, admission=admission, run=lambda fn: loop.call(on_loop(fn)))
+    finally:
+        for s in (server, coord):
+            loop.call(s.stop(None))
+        loop.stop()
+        servicer.pool.shutdown()
+
+
+def settled(adm) -> tuple[int, int]:
+    """The admission's counts once the calls the client saw end have left it (the shard sends a
+    call's status before its interceptor counts it out)."""
+    t0 = time.monotonic()
+    while (adm.bytes, adm.calls) != (0, 0) and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    return adm.bytes, adm.calls
+
+
+def local_client(shard, **kwargs) -> MemoryClient:
+    return MemoryClient(shard.endpoint, timeout=30, token="", **kwargs)
+
+
+def _bag_inputs(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, LOCAL_ROWS, (n, 1)), rng.random((n, 1), dtype=np.float32)
+
+
+def test_shared_memory_tensors_count_against_the_byte_limit(local_shard):
+    """A shared-memory call's message is tiny, but the shard copies its tensors out of the region:
+    their bytes count against max_inflight_bytes while the call is in progress, with the rule of a
+    TCP request of those bytes (refused on top of other requests past the limit, admitted alone),
+    and leave the count when it ends, however it ends."""
+    from memserver.api.errors import OverloadedError
+    from memserver.server.config import Limits
+
+    shard, adm = local_shard, local_shard.admission
+    limit = 48 << 10
+    adm.limits = Limits(max_inflight_bytes=limit)
+    big, small = _bag_inputs(8192), _bag_inputs(2048, 1)  # 64 KiB of ids (int32) and weights; 16 KiB
+    with local_client(shard, shm=True, retry_seconds=0) as c, local_client(shard, shm=False) as tcp:
+        want_big, want_small = tcp.bag("t", *big), tcp.bag("t", *small)  # TCP: alone, admitted
+        attach(c, "t", 1)
+        before = c.aio.shm.calls
+        np.testing.assert_array_equal(c.bag("t", *big), want_big)  # alone: admitted, as TCP, though past the limit
+        held = 1 << 10  # another request of 1 KiB in progress
+        shard.run(lambda: (adm.enter("Held"), adm.take("Held", held)))
+        try:
+            with pytest.raises(OverloadedError, match=r"this call's shared-memory tensors' 64\.0 KiB on top of .* "
+                                                      rf"would pass the limit max_inflight_bytes={limit}"):
+                c.bag("t", *big)
+            assert adm.rejected[("Bag", "max_inflight_bytes")] == 1
+            np.testing.assert_array_equal(c.bag("t", *small), want_small)  # within the limit beside the other: admitted
+        finally:
+            shard.run(lambda: adm.leave(held))
+        np.testing.assert_array_equal(c.bag("t", *big), want_big)  # the other request done: admitted again
+        assert c.aio.shm.calls - before == 4  # all of them through shared memory
+    assert settled(adm) == (0, 0)
+    # a call that fails once its region is leased gives its bytes back too
+    channel = sync_channel(shard.address)
+    region = Region(1 << 20)
+    stream = attach_method(channel)(attach_request(region))
+    try:
+        region.id = next(stream).region
+        req = pb.BagRequest(table="t", ids=_put(region, HEADER, torch.zeros(4, 2, dtype=torch.int32)),
+                            weights=_put(region, HEADER + ALIGN, torch.ones(4, 3)))
+        req.shm.region = region.id
+        with pytest.raises(grpc.RpcError) as err:
+            methods(channel)["Bag"](req.SerializeToString(), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert settled(adm) == (0, 0)
+    finally:
+        stream.cancel()
+        region.close_fd()
+        region.retire()
+        channel.close()
+
+
+def test_one_client_holds_at_most_a_few_regions(local_shard):
+    """A process holds at most MAX_REGIONS_PER_CLIENT regions on a shard (one client cannot take
+    all MAX_REGIONS); another process is another client; a client refused a region uses TCP."""
+    from memserver.server.shm import MAX_REGIONS_PER_CLIENT
+
+    shard = local_shard
+    channel = sync_channel(shard.address)
+    attach_ = attach_method(channel)
+    held = []
+    try:
+        for _ in range(MAX_REGIONS_PER_CLIENT):
+            region = Region(1 << 16)
+            stream = attach_(attach_request(region))
+            region.id = next(stream).region
+            held.append((region, stream))
+        extra = Region(1 << 16)
+        with pytest.raises(grpc.RpcError) as err:
+            next(attach_(attach_request(extra), timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"MAX_REGIONS_PER_CLIENT={MAX_REGIONS_PER_CLIENT}" in err.value.details()
+        assert len(shard.regions.by_id) == MAX_REGIONS_PER_CLIENT
+        # a client of this process is refused too, and sends its calls over TCP
+        ids, w = _bag_inputs(8192)
+        with local_client(shard, shm=True) as c, local_client(shard, shm=False) as tcp:
+            want = tcp.bag("t", ids, w)
+            t0 = time.monotonic()
+            while shard.address not in c.aio.shm.not_before:  # its attach, started by the first large call, refused
+                assert time.monotonic() - t0 < 30, "the client never tried to attach a region"
+                np.testing.assert_array_equal(c.bag("t", ids, w), want)
+                time.sleep(0.05)
+            assert c.aio.shm.not_before[shard.address] > time.monotonic() + 20  # asked again in RETRY_AFTER
+            np.testing.assert_array_equal(c.bag("t", ids, w), want)
+            assert not c.aio.shm.regions and c.aio.shm.calls == 0
+        # another process is another client
+        script = ("import os\nfrom client.channels import sync_channel\nfrom client.shm import Region\n"
+                  "from memserver.api.v1 import memserver_pb2 as pb\nfrom memserver.wire import boot_id\n"
+                  "r = Region(1 << 16)\n"
+                  f"attach = sync_channel({shard.address!r}).unary_stream('/memserver.v1.DataPlane/AttachRegion', "
+                  "request_serializer=pb.AttachRegionRequest.SerializeToString, "
+                  "response_deserializer=pb.AttachRegionEvent.FromString)\n"
+                  "print(len(next(attach(pb.AttachRegionRequest(pid=os.getpid(), fd=r.fd, size=r.size, boot_id=boot_id(), "
+                  "nonce=r.nonce), timeout=30)).region))\n")
+        out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.stdout.strip() == "32", out.stderr[-2000:]
+        # one of this process's regions detached: it may attach another
+        region, stream = held.pop()
+        stream.cancel()
+        t0 = time.monotonic()
+        while len(shard.regions.by_id) >= MAX_REGIONS_PER_CLIENT:
+            assert time.monotonic() - t0 < 30, "the shard kept a detached region"
+            time.sleep(0.05)
+        stream = attach_(attach_request(extra))
+        extra.id = next(stream).region
+        held.append((extra, stream))
+    finally:
+        for region, stream in held:
+            stream.cancel()
+            region.close_fd()
+            region.retire()
+        channel.close()
+
+
+def test_a_call_naming_a_region_the_shard_lost_is_sent_again_over_tcp(local_shard):
+    """The shard no longer has the client's region (it restarted at the same address before the
+    client noticed; here: detached behind the client's back): the call is refused STALE_REGION,
+    sent again over TCP with the right answer, the region retired, and a fresh one attached later.
+    Both senders: the blocking client (client.sync) and the asyncio one (client.aio)."""
+    from client import AsyncMemoryClient
+
+    shard = local_shard
+    ids, w = _bag_inputs(8192)
+    with local_client(shard, shm=False) as tcp:
+        want = tcp.bag("t", ids, w)
+
+    def lose(region: Region) -> None:
+        shard.run(lambda: shard.regions.detach(region.id))
+        assert region.id not in shard.regions.by_id
+
+    with local_client(shard, shm=True) as c:
+        attach(c, "t", 1)
+        region = c.aio.shm.regions[shard.address]
+        lose(region)
+        before = c.aio.shm.calls
+        np.testing.assert_array_equal(c.bag("t", ids, w), want)
+        assert c.aio.shm.calls - before == 1  # the first attempt through the lost region, the second by TCP
+        assert region.retired and region.mm.closed
+        t0 = time.monotonic()
+        while c.aio.shm.regions.get(shard.address) in (None, region):  # the next calls drop it and attach afresh
+            assert time.monotonic() - t0 < 30, "no fresh region"
+            np.testing.assert_array_equal(c.bag("t", ids, w), want)
+            time.sleep(0.05)
+        before = c.aio.shm.calls
+        np.testing.assert_array_equal(c.bag("t", ids, w), want)
+        assert c.aio.shm.calls - before == 1
+
+    async def asynchronous() -> None:
+        async with AsyncMemoryClient(shard.endpoint, timeout=30, token="", shm=True) as ac:
+            t0 = time.monotonic()
+            while shard.address not in ac.shm.regions:
+                assert time.monotonic() - t0 < 30, "no region"
+                await ac.bag("t", ids, w)
+                await asyncio.sleep(0.05)
+            region = ac.shm.regions[shard.address]
+            lose(region)
+            before = ac.shm.calls
+            np.testing.assert_array_equal(await ac.bag("t", ids, w), want)
+            assert ac.shm.calls - before == 1 and region.retired
+
+    asyncio.run(asynchronous())

@@ -16,6 +16,11 @@ so it admits a call *before* gRPC reads its request, then again once the size is
    so that a legal request larger than the limit still runs (alone).
 3. `leave`, when the call ends, however it ends (answer, error, the caller gone).
 
+A shared-memory call (memserver.server.shm) carries a few hundred bytes; the tensors its handler
+copies out of the client's region are taken too, when the handler leases the region (`take` with
+the call's own message as `own`: the same rule, alone it is admitted), and given back
+(`give_back`) when the handler is done with it.
+
 What that bounds: the admitted requests of a server are at most max(`max_inflight_bytes`, one
 request), and the requests being received at most `max_inflight_calls` (each below gRPC's message
 limit, memserver.wire.MAX_MESSAGE_BYTES: many large requests arriving at once, before any is
@@ -92,14 +97,21 @@ class Admission:
                          f"max_inflight_bytes={nbytes} ({fmt_bytes(nbytes)})")
         self.calls += 1
 
-    def take(self, method: str, size: int) -> None:
+    def take(self, method: str, size: int, own: int = 0, what: str = "this request's") -> None:
         """The call's request is read: `size` bytes. Count them, or raise OverloadedError (the call
-        keeps its slot until `leave`). Always admitted when no other request is in progress."""
+        keeps its slot until `leave`). Always admitted when no other request is in progress.
+        A call that takes more bytes later (a shared-memory call's tensors, memserver.server.shm)
+        passes `own`, the bytes it counted already, and `what` they are; it gives them back with
+        `give_back`."""
         limit = self.limits.max_inflight_bytes
-        if limit and self.bytes and self.bytes + size > limit:
-            self._refuse(method, "max_inflight_bytes", f"this request's {fmt_bytes(size)} on top of {fmt_bytes(self.bytes)} "
+        if limit and self.bytes > own and self.bytes + size > limit:
+            self._refuse(method, "max_inflight_bytes", f"{what} {fmt_bytes(size)} on top of {fmt_bytes(self.bytes)} "
                          f"in progress would pass the limit max_inflight_bytes={limit} ({fmt_bytes(limit)})")
         self.bytes += size
+
+    def give_back(self, size: int) -> None:
+        """Bytes a call took on top of its request (take's `own`) are no longer in use."""
+        self.bytes -= size
 
     def leave(self, size: int) -> None:
         """A call that `enter` admitted ended; `size`: the bytes `take` counted for it (0 if none)."""
@@ -127,7 +139,8 @@ class Admission:
         calls = GaugeMetricFamily("memserver_inflight_calls",
                                   "Calls of the memserver services in progress (being received, queued or computing)")
         calls.add_metric([], self.calls)
-        nbytes = GaugeMetricFamily("memserver_inflight_bytes", "Request bytes of the calls in progress")
+        nbytes = GaugeMetricFamily("memserver_inflight_bytes", "Request bytes of the calls in progress (a "
+                                   "shared-memory call's: its tensors in the region)")
         nbytes.add_metric([], self.bytes)
         limits = GaugeMetricFamily("memserver_inflight_limit", "This server's limits on work in progress (0: none)",
                                    labels=["limit"])

@@ -238,14 +238,15 @@ async def start_server(
     *,
     metrics: CallMetrics | None = None,
     config: ServeConfig | None = None,
+    admission: Admission | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server on host:port (0 = the OS picks) with health, reflection and the
     interceptors; `config`: tokens, TLS and limits (memserver.server.config). Must be awaited on
     the event loop that will own the server. The limits are enforced by an Admission
-    (memserver.server.admission), attached to `metrics`."""
+    (memserver.server.admission), attached to `metrics`: `admission`, or one of config.limits."""
     config = config or ServeConfig()
     chain: list[grpc.aio.ServerInterceptor] = [Authenticate(config.auth, metrics)] if config.auth is not None else []
-    admission = Admission(config.limits)
+    admission = Admission(config.limits) if admission is None else admission
     server = grpc.aio.server(options=[*GRPC_OPTIONS, *SERVER_OPTIONS],
                              interceptors=[*chain, ErrorsAndMetrics(metrics, admission)])
     register(server)
@@ -268,18 +269,21 @@ async def start_server(
 
 def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], service_names: list[str], host: str,
              port: int = 0, state: Path | None = None, what: str = "server",
-             metrics: CallMetrics | None = None, config: ServeConfig | None = None) -> tuple[grpc.aio.Server, int]:
+             metrics: CallMetrics | None = None, config: ServeConfig | None = None,
+             admission: Admission | None = None) -> tuple[grpc.aio.Server, int]:
     """Start a server on `loop`, on the port recorded in `state` if there is one (a restarted
     process comes back where clients look for it), else on `port`; record the bound port.
     If the recorded port is taken, serve on a new one (callers re-advertise their address)."""
     wanted = int(json.loads(state.read_text()).get("port", port)) if state is not None and state.exists() else port
     try:
-        server, bound = loop.call(start_server(register, service_names, host, wanted, metrics=metrics, config=config))
+        server, bound = loop.call(start_server(register, service_names, host, wanted, metrics=metrics, config=config,
+                                               admission=admission))
     except RuntimeError:
         if not wanted:
             raise
         log.warning("%s: port %d is taken; serving on a new port", what, wanted)
-        server, bound = loop.call(start_server(register, service_names, host, 0, metrics=metrics, config=config))
+        server, bound = loop.call(start_server(register, service_names, host, 0, metrics=metrics, config=config,
+                                               admission=admission))
     if state is not None:
         atomic_write(state, lambda f: f.write(json.dumps({"port": bound}).encode()))
     return server, bound

@@ -22,6 +22,7 @@ from memserver.api.types import METRIC_NAMES
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
+from memserver.server.admission import Admission
 from memserver.server.catalog import refuse_oversized, slice_size
 from memserver.server.config import ServeConfig
 from memserver.server.dataplane import DataPlaneServicer
@@ -63,6 +64,8 @@ class ShardActor:
         self.session_ttl = session_ttl
         self.config = config or ServeConfig()
         self.servicer = DataPlaneServicer(self.device, threads)
+        # the server's admission counts shared-memory calls' tensors too (memserver.server.shm)
+        self.servicer.regions.admission = Admission(self.config.limits)
         self.metrics = ShardMetrics(index, lambda: self.servicer.tables, self.restarted)
         self.metrics.registry.register(self.servicer.regions)  # shared-memory regions attached now
         self.store = ShardStore(data_dir, index) if data_dir else None
@@ -100,6 +103,7 @@ class ShardActor:
             what=f"shard {self.index}",
             metrics=self.metrics,
             config=self.config,
+            admission=self.servicer.regions.admission,
         )
         self.address = f"{host}:{bound}"
         log.info("shard %d serving DataPlane at %s on %s", self.index, self.address, self.device)

@@ -1,31 +1,42 @@
 """A shard's side of shared memory with the clients on its own machine (client.shm is the other).
 
-A client on the shard's node makes a region (a POSIX shared-memory object under /dev/shm, 0600,
-its first 16 bytes a random nonce) and calls AttachRegion: the shard checks that the client runs
-on its machine (the same boot id), maps the object, checks the nonce (the client's region, not a
-namesake) and answers a random 128-bit region id, which only that client learns. From then on the
-client's Lookup, Bag, BagBackward and Search calls may carry their tensors as spans of the region
-(Tensor.shm) and name where the answer may go (ShmCall.answer); the gRPC call carries only those
-offsets. The client unlinks the object's name as soon as the shard mapped it, so nothing is left
-in /dev/shm whichever process dies; the memory goes with the last mapping.
+A client on the shard's node makes a region (a memfd, its first 16 bytes a random nonce, sealed
+so that it can never shrink) and calls AttachRegion with its pid, the memfd's descriptor number,
+the size and the nonce. The shard checks that the client runs on its machine (the same boot id),
+opens the memfd as /proc/<pid>/fd/<fd>, checks that it is a memfd whose first bytes are the
+client's nonce (the client's region, not another process's it guessed the descriptor of), that it
+is sealed against shrinking (F_SEAL_SHRINK) and of the size declared, maps it and answers a random
+128-bit region id, which only that client learns. From then on the client's Lookup, Bag,
+BagBackward and Search calls may carry their tensors as spans of the region (Tensor.shm) and name
+where the answer may go (ShmCall.answer); the gRPC call carries only those offsets. A memfd has no
+name: its memory goes with the last mapping or descriptor, so nothing is left behind whichever
+process dies.
 
-Safety. A region is reached only through its id; every span is checked against the region's
-bounds before any byte is touched; request tensors are copied out of the region before they are
-validated or used (the client could change them meanwhile: check-then-use on shared bytes would
-let it pass a bad id to the kernels); answers are written only inside the span the client gave.
-A region stays attached while its AttachRegion stream is open: when the client cancels it or dies
-(its connection closes), the shard unmaps the region once no call is using it. At most
-MAX_REGIONS are attached at once, each at most MAX_REGION_BYTES.
+Safety. The seal is what keeps the shard alive: a region that could shrink under the shard's
+mapping would make its next access to the lost pages a SIGBUS. The pid is the client's word (a
+shard cannot tell in general which process is at the other end of a TCP connection); the nonce
+is what proves the region is the caller's. A region is reached only through its id; every span
+is checked against the region's bounds before any byte is touched; request tensors are copied out
+of the region before they are validated or used (the client could change them meanwhile:
+check-then-use on shared bytes would let it pass a bad id to the kernels), and their bytes count
+against the shard's admission (max_inflight_bytes) while the call is in progress, as a TCP
+request's do; answers are written only inside the span the client gave. A region stays attached
+while its AttachRegion stream is open: when the client cancels it or dies (its connection
+closes), the shard unmaps the region once no call is using it. At most MAX_REGIONS are attached
+at once, at most MAX_REGIONS_PER_CLIENT of them held by one process, each at most
+MAX_REGION_BYTES.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import hmac
 import logging
 import mmap
 import os
-import re
 import secrets
+import stat
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +46,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.server.admission import Admission
 from memserver.wire import MAX_MESSAGE_BYTES, STALE_REGION, Lazy, boot_id, shm_layout, shm_write
 from memserver.wire import SHM_NONCE_BYTES as NONCE_BYTES
 
@@ -43,17 +55,30 @@ log = logging.getLogger(__name__)
 #: Regions one shard maps at once, and the largest it maps.
 MAX_REGIONS = 64
 MAX_REGION_BYTES = 1 << 30
-#: Where regions live, and the names a client may give them (no path: a name is not a file to open).
-SHM_DIR = "/dev/shm"
-NAME = re.compile(r"memserver-[0-9]+-[0-9a-f]{16,64}")
+#: Regions one client process may hold on one shard. An honest client holds one (and for a moment
+#: a second, while a retired one's stream ends): one client cannot take all MAX_REGIONS.
+MAX_REGIONS_PER_CLIENT = 4
 
 
-class Region:
-    """One client's mapped region on this shard. `leases`: calls using it now; it is unmapped once
-    detached and unused."""
+def memfd_device() -> int | None:
+    """The device of every memfd (the kernel's internal tmpfs; not /dev/shm's, not hugetlbfs'),
+    from one made here; None where there are none."""
+    try:
+        fd = os.memfd_create("memserver-probe", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return None
+    try:
+        return os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
 
-    def __init__(self, name: str, mm: mmap.mmap) -> None:
-        self.name, self.mm, self.size = name, mm, len(mm)
+
+class Attached:
+    """One client's region mapped on this shard. `leases`: calls using it now; it is unmapped once
+    detached and unused. `pid`: the process that holds it (its nonce proved that)."""
+
+    def __init__(self, pid: int, mm: mmap.mmap) -> None:
+        self.pid, self.mm, self.size = pid, mm, len(mm)
         self.leases = 0
         self.detached = False
         self.lock = threading.Lock()
@@ -66,11 +91,6 @@ class Region:
             raise InvalidArgumentError(f"{what}: shared-memory span [{off}, {off}+{n}) is outside the region "
                                        f"[{NONCE_BYTES}, {self.size})")
         return off, n
-
-    def read(self, span: pb.ShmSpan, what: str) -> bytes:
-        """A copy of a span's bytes (never a view: the client may change the region meanwhile)."""
-        off, n = self.span(span, what)
-        return self.mm[off : off + n]
 
     def release(self) -> None:
         with self.lock:
@@ -90,44 +110,114 @@ class Region:
         try:
             self.mm.close()
         except BufferError:  # a view still alive (should not happen: reads copy); the GC unmaps it
-            log.warning("shared-memory region %s: still referenced; left to the garbage collector", self.name)
+            log.warning("shared-memory region of pid %d: still referenced; left to the garbage collector", self.pid)
+
+
+class Region:
+    """One call's use of an attached region, from Regions.acquire to release(): its spans read
+    (copies) and its answer written; its request tensors' bytes counted by the admission."""
+
+    __slots__ = ("attached", "nbytes", "admission")
+
+    def __init__(self, attached: Attached, nbytes: int, admission: Admission | None) -> None:
+        self.attached, self.nbytes, self.admission = attached, nbytes, admission
+
+    @property
+    def mm(self) -> mmap.mmap:
+        return self.attached.mm
+
+    def span(self, span: pb.ShmSpan, what: str) -> tuple[int, int]:
+        return self.attached.span(span, what)
+
+    def read(self, span: pb.ShmSpan, what: str) -> bytes:
+        """A copy of a span's bytes (never a view: the client may change the region meanwhile)."""
+        off, n = self.attached.span(span, what)
+        return self.attached.mm[off : off + n]
+
+    def release(self) -> None:
+        """The call is done with the region: its bytes leave the admission's count."""
+        if self.admission is not None:
+            self.admission.give_back(self.nbytes)
+        self.attached.release()
+
+
+def _request_spans(request: Any) -> list[tuple[str, pb.ShmSpan]]:
+    """The request's tensors that are in shared memory: (field, span)."""
+    return [(f.name, value.shm) for f, value in request.ListFields()
+            if f.message_type is pb.Tensor.DESCRIPTOR and value.HasField("shm")]
 
 
 class Regions:
-    """The regions attached to one shard, by id."""
+    """The regions attached to one shard, by id. `admission`: the shard's (memserver.server.admission),
+    which counts the bytes of the tensors a call copies out of a region as it counts a TCP
+    request's; None: not counted (a servicer without a server)."""
 
-    def __init__(self) -> None:
-        self.by_id: dict[str, Region] = {}
+    def __init__(self, admission: Admission | None = None) -> None:
+        self.by_id: dict[str, Attached] = {}
         self.boot_id = boot_id()
+        self.memfd_dev = memfd_device()
+        self.admission = admission
 
     def attach(self, request: pb.AttachRegionRequest) -> str:
-        """Map a client's region; returns its id. FailedPrecondition-like refusals are
-        InvalidArgumentError here; the servicer maps them to FAILED_PRECONDITION."""
-        if not self.boot_id or request.boot_id != self.boot_id:
+        """Map a client's region; returns its id. Refusals: _NotHere (FAILED_PRECONDITION: shared
+        memory cannot work between this client and this shard), InvalidArgumentError (not a region
+        the shard may map), _Full (RESOURCE_EXHAUSTED)."""
+        if not self.boot_id or self.memfd_dev is None or request.boot_id != self.boot_id:
             raise _NotHere("the client runs on another machine (boot ids differ)")
-        if not NAME.fullmatch(request.name):
-            raise InvalidArgumentError(f"name: {request.name!r} is not a memserver region name ({NAME.pattern})")
-        size = int(request.size)
+        size, pid, fd = int(request.size), int(request.pid), int(request.fd)
         if not NONCE_BYTES < size <= MAX_REGION_BYTES:
             raise InvalidArgumentError(f"size: {size} bytes; a region is ({NONCE_BYTES}, {MAX_REGION_BYTES}] bytes")
+        if len(request.nonce) != NONCE_BYTES:
+            raise InvalidArgumentError(f"nonce: {len(request.nonce)} bytes; a region's nonce is {NONCE_BYTES}")
+        if pid <= 0 or fd < 0:
+            raise InvalidArgumentError(f"pid, fd: {pid}, {fd}: the client's process id and its memfd's descriptor")
         if len(self.by_id) >= MAX_REGIONS:
             raise _Full(f"{MAX_REGIONS} shared-memory regions are attached to this shard; use TCP")
-        try:
-            fd = os.open(os.path.join(SHM_DIR, request.name), os.O_RDWR | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise _NotHere(f"no region {request.name!r} here ({exc.strerror}): another machine or container") from None
-        try:
-            if os.fstat(fd).st_size != size:
-                raise InvalidArgumentError(f"size: the region holds {os.fstat(fd).st_size} bytes, not {size}")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if mm[:NONCE_BYTES] != request.nonce or len(request.nonce) != NONCE_BYTES:
+        mm = self._map(pid, fd, size, request.nonce)
+        held = sum(1 for a in self.by_id.values() if a.pid == pid)  # the pid is proven now: its memfd, its nonce
+        if held >= MAX_REGIONS_PER_CLIENT:
             mm.close()
-            raise _NotHere("the region does not start with the client's nonce: not the client's region")
+            raise _Full(f"process {pid} holds {held} shared-memory regions on this shard, the most one client may "
+                        f"(MAX_REGIONS_PER_CLIENT={MAX_REGIONS_PER_CLIENT}); use TCP")
         region_id = secrets.token_hex(16)
-        self.by_id[region_id] = Region(request.name, mm)
+        self.by_id[region_id] = Attached(pid, mm)
         return region_id
+
+    def _map(self, pid: int, fd: int, size: int, nonce: bytes) -> mmap.mmap:
+        """The client's memfd mapped, once it is shown to be the client's, sealed and of `size` bytes."""
+        where = f"/proc/{pid}/fd/{fd}"
+        try:  # O_PATH: whatever the descriptor is, its file is not opened (no device's open runs)
+            ref = os.open(where, os.O_PATH | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _NotHere(f"cannot open the client's memfd {where} ({exc.strerror}): another container, user "
+                           "or machine") from None
+        try:
+            st = os.fstat(ref)
+            if not stat.S_ISREG(st.st_mode) or st.st_dev != self.memfd_dev:
+                raise InvalidArgumentError(f"fd: {where} is not a memfd (a region is made by memfd_create)")
+            try:
+                rw = os.open(f"/proc/self/fd/{ref}", os.O_RDWR | os.O_CLOEXEC)  # the same file, now opened
+            except OSError as exc:
+                raise _NotHere(f"cannot open the client's memfd {where} read-write ({exc.strerror})") from None
+        finally:
+            os.close(ref)
+        try:
+            # the nonce first: nothing is said about another process's memfd but that it is not the caller's
+            if not hmac.compare_digest(os.pread(rw, NONCE_BYTES, 0), nonce):
+                raise _NotHere("the region does not start with the client's nonce: not the client's region")
+            seals = fcntl.fcntl(rw, fcntl.F_GET_SEALS)
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise InvalidArgumentError("fd: the memfd is not sealed against shrinking (F_SEAL_SHRINK): it could "
+                                           "shrink under the shard's mapping")
+            actual = os.fstat(rw).st_size  # with the seal: never less from now on
+            if actual != size:
+                raise InvalidArgumentError(f"size: the region holds {actual} bytes, not {size}")
+            try:
+                return mmap.mmap(rw, size)
+            except OSError as exc:  # e.g. a write seal
+                raise InvalidArgumentError(f"fd: the memfd cannot be mapped read-write ({exc.strerror})") from None
+        finally:
+            os.close(rw)
 
     def detach(self, region_id: str) -> None:
         region = self.by_id.pop(region_id, None)
@@ -135,17 +225,24 @@ class Regions:
             region.detach()
 
     def acquire(self, request: Any) -> Region | None:
-        """The region a data-plane request's tensors are in (None: inline), leased until release()."""
+        """The region a data-plane request's tensors are in (None: inline), leased until release():
+        every span checked, and the request tensors' bytes taken from the admission (OverloadedError
+        past max_inflight_bytes, as a TCP request of those bytes would be)."""
         if not request.HasField("shm"):
             return None
-        region = self.by_id.get(request.shm.region)
-        if region is None:
+        attached = self.by_id.get(request.shm.region)
+        if attached is None:
             raise InvalidArgumentError(f"shm.region: {STALE_REGION} on this shard (detached, or another client's)")
         if request.shm.HasField("answer"):  # checked before any work is done for the call
-            region.span(request.shm.answer, "shm.answer")
-        with region.lock:
-            region.leases += 1
-        return region
+            attached.span(request.shm.answer, "shm.answer")
+        nbytes = sum(attached.span(span, name)[1] for name, span in _request_spans(request))
+        if self.admission is not None and nbytes:
+            # the call's own message is counted already; alone, it is admitted whatever its size
+            self.admission.take(type(request).__name__.removesuffix("Request"), nbytes, own=request.ByteSize(),
+                                what="this call's shared-memory tensors'")
+        with attached.lock:
+            attached.leases += 1
+        return Region(attached, nbytes, self.admission)
 
     def collect(self) -> Any:
         g = GaugeMetricFamily("memserver_shm_regions", "Shared-memory regions of clients on this node attached now")
@@ -189,13 +286,12 @@ async def serve_attach(regions: Regions, request: pb.AttachRegionRequest,
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shared memory: {exc}")
         return
     except InvalidArgumentError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.details)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shared memory: {exc.details}")
         return
-    log.info("attached shared-memory region %s (%d bytes) as %s...", request.name, request.size, region_id[:8])
+    log.info("attached shared-memory region of pid %d (%d bytes) as %s...", request.pid, request.size, region_id[:8])
     try:
         yield pb.AttachRegionEvent(region=region_id)
         await asyncio.Event().wait()  # until the client cancels the stream or its connection closes
     finally:
         regions.detach(region_id)
-        log.info("detached shared-memory region %s", request.name)
-
+        log.info("detached shared-memory region %s... of pid %d", region_id[:8], request.pid)

@@ -95,16 +95,18 @@ class ShmCall(_message.Message):
     def __init__(self, region: _Optional[str] = ..., answer: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class AttachRegionRequest(_message.Message):
-    __slots__ = ("name", "size", "boot_id", "nonce")
-    NAME_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("size", "boot_id", "nonce", "pid", "fd")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
-    name: str
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
     size: int
     boot_id: str
     nonce: bytes
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., boot_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    pid: int
+    fd: int
+    def __init__(self, size: _Optional[int] = ..., boot_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class AttachRegionEvent(_message.Message):
     __slots__ = ("region",)

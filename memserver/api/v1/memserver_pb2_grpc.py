@@ -223,7 +223,8 @@ class DataPlaneServicer:
 
     def AttachRegion(self, request, context):
         """Map the client's shared-memory region (same node); detached when the stream ends (the client
-        cancels it or dies). FAILED_PRECONDITION: not this shard's machine, or not the client's region.
+        cancels it or dies). FAILED_PRECONDITION: not this shard's machine, or not the client's region;
+        INVALID_ARGUMENT: not a sealed memfd of the size declared; RESOURCE_EXHAUSTED: too many regions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
