@@ -41,12 +41,11 @@ import torch
 
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import SHM_ALIGN as ALIGN
+from memserver.wire import SHM_ENV, TORCH_DTYPES, Lazy, Resolved, boot_id, shm_layout, shm_write, tensor_bytes
 from memserver.wire import SHM_NONCE_BYTES as NONCE_BYTES
-from memserver.wire import TORCH_DTYPES, Lazy, Resolved, boot_id, shm_layout, shm_write, tensor_bytes
 
 log = logging.getLogger(__name__)
 
-SHM_ENV = "MEMSERVER_SHM"
 #: One region per shard: requests and answers of the calls in flight to it.
 REGION_BYTES = 64 << 20
 #: The calls whose tensors may travel through shared memory, and whether their answers are read

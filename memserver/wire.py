@@ -340,6 +340,9 @@ def parse_views(cls: Any, raw: bytes) -> Any:
 
 # ------------------------------------------------------------------ shared memory (client.shm, memserver.server.shm)
 
+#: Shared memory is on unless this is "0": in a client's environment for its calls, in a shard's
+#: (`memserver up`'s, or `ray start`'s on other nodes) for every client of that shard.
+SHM_ENV = "MEMSERVER_SHM"
 #: What a shard answers (INVALID_ARGUMENT) a call naming a region it does not have; the client
 #: then sends the call again over TCP (client.transport.stale).
 STALE_REGION = "no such shared-memory region"

@@ -131,6 +131,24 @@ def attach_request(region: Region, **fields) -> pb.AttachRegionRequest:
     return req
 
 
+def test_a_shard_with_shared_memory_off_refuses_every_region(monkeypatch):
+    """MEMSERVER_SHM=0 in a shard's environment is the operator's switch: the shard refuses
+    regions (FAILED_PRECONDITION, so clients use TCP) whatever a client asks."""
+    from memserver.server.shm import Regions, _NotHere
+
+    region = Region(1 << 20)
+    try:
+        monkeypatch.setenv("MEMSERVER_SHM", "0")
+        with pytest.raises(_NotHere, match="off on this shard"):
+            Regions().attach(attach_request(region))
+        monkeypatch.delenv("MEMSERVER_SHM")
+        regions = Regions()
+        regions.detach(regions.attach(attach_request(region)))
+    finally:
+        region.close_fd()
+        region.retire()
+
+
 def attach_method(channel):
     return channel.unary_stream("/memserver.v1.DataPlane/AttachRegion",
                                 request_serializer=pb.AttachRegionRequest.SerializeToString,
