@@ -384,17 +384,18 @@ def shm_write(mm: Any, msg: Any, tensors: dict[str, torch.Tensor], spans: list[i
         field.shm.offset, field.shm.nbytes = at, len(data)
 
 
-def inline(msg: Any, **tensors: torch.Tensor | None) -> Any:
-    """A copy of a shared-memory request with `tensors` inline and no region: what the
-    write-ahead log keeps (a replay has no client's region to read)."""
+def inline(msg: Any, **tensors: torch.Tensor | None) -> Resolved:
+    """A shared-memory request with `tensors` in place of its spans and no region: what the
+    write-ahead log keeps (a replay has no client's region to read). The tensors stay tensors
+    (Resolved): the log's SerializeToString writes them once, with no copy into protobuf first."""
     src = msg._msg if isinstance(msg, Resolved) else msg  # its tensors are all among `tensors`
     out = type(src)()
     out.CopyFrom(src)
     out.ClearField("shm")
-    for name, t in tensors.items():
-        if t is not None:
-            getattr(out, name).CopyFrom(encode(t))
-    return out
+    kept = {name: wire_tensor(t) for name, t in tensors.items() if t is not None}
+    for name in kept:
+        out.ClearField(name)  # the span: the tensor takes its place
+    return Resolved(out, kept)
 
 
 def to_bytes(message: Any) -> bytes:
