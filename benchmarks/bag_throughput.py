@@ -29,7 +29,8 @@ To split a remote call's time (issue 15), each configuration also times, in the 
   the gRPC call carries only where the tensors are.
 
 client overhead = client - max compute - floor; shard overhead = raw stub - max compute - floor
-(what the shard's server adds: protobuf, checks, thread hop, encoding the answer). Every candidate
+(what the shard's server adds: checks, the hop to its compute thread and back, its read counters,
+encoding the answer; `python -m benchmarks.shard_profile` shows where it goes). Every candidate
 is timed interleaved with the others, in a new order each round, so they share the background
 load; bytes per shard are printed with the machine's copy bandwidth, so each figure can be read
 against its limit.
