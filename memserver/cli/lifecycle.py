@@ -17,6 +17,7 @@ from typing import Any
 
 from memserver.cli.common import CliError, pid_alive
 from memserver.cluster import PLACEMENT_STRATEGIES
+from memserver.cluster.secure import is_loopback
 from memserver.server.sessions import SESSION_TTL
 
 log = logging.getLogger("memserver")
@@ -118,14 +119,24 @@ def cmd_up(args: argparse.Namespace) -> int:
         tls=tls,
         checkpoint_root=args.checkpoint_root,
         limits=_limits(args),
+        insecure=args.insecure,
     )
+    if args.insecure and cluster.shard_infos and not all(is_loopback(i["address"].rsplit(":", 1)[0])
+                                                        for i in cluster.shard_infos):
+        print(f"WARNING: --insecure: the servers listen on {', '.join(i['address'] for i in cluster.shard_infos)} "
+              f"{'without tokens' if not tokens else ''}{' and ' if not tokens and not tls else ''}"
+              f"{'without TLS' if not tls else ''}: anyone who reaches them can read and write every table",
+              file=sys.stderr, flush=True)
+    tokens = tokens or cluster.tokens
+    ca = cluster.tls_ca or (_ca(args) if tls else None)
+    server_name = cluster.tls_server_name or args.tls_server_name
     try:
         tables = cfg.get("tables") or []
         if tables:
             from client import TableExistsError
 
             with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None,
-                              tls=ClientTls(_ca(args), args.tls_server_name) if tls else None) as client:
+                              tls=ClientTls(ca, server_name) if ca else None) as client:
                 for t in tables:
                     t = dict(t)
                     try:
@@ -143,10 +154,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         }
         if tokens:  # the file is written with mode 0600: whoever can read it may call as its owner
             record["token"], record["read_token"] = tokens[0], tokens[1]
-        if tls:  # what clients check the servers' certificate against
-            record["tls_ca"] = _ca(args).decode()
-            if args.tls_server_name:
-                record["tls_server_name"] = args.tls_server_name
+        if ca:  # what clients check the servers' certificate against
+            record["tls_ca"] = ca.decode()
+            if server_name:
+                record["tls_server_name"] = server_name
         path = write_endpoint(record)
         print(f"memserver ready at {cluster.endpoint}", flush=True)
         log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
@@ -271,7 +282,11 @@ def cmd_down(args: argparse.Namespace) -> int:
         print("no memserver is running (no endpoint file)")
         return 0
     rec = read_endpoint()
-    pid = int(rec.get("pid", -1))
+    if "pid" not in rec:  # a join-info file: the cluster runs on another host
+        print(f"{endpoint_file()} names a cluster started elsewhere ({rec.get('endpoint')}); stop it where "
+              "`memserver up` runs")
+        return 0
+    pid = int(rec["pid"])
     if not pid_alive(pid):
         endpoint_file().unlink(missing_ok=True)
         print(f"memserver (pid {pid}) was not running; removed its stale endpoint file")
@@ -290,8 +305,30 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_join_info(args: argparse.Namespace) -> int:
+    """Print (or write, mode 0600) what a client on another host needs; see endpoint.join_info."""
+    from memserver.cluster.endpoint import ENDPOINT_FILE_ENV, join_info, read_endpoint, write_endpoint
+
+    try:
+        info = join_info(read_endpoint(), read_only=args.read_only)
+    except FileNotFoundError as exc:
+        raise CliError(str(exc)) from None
+    except ValueError as exc:
+        raise CliError(f"--read-only: {exc}") from None
+    if args.output:
+        path = write_endpoint(info, Path(args.output))
+        print(f"wrote {path} (mode 0600); on the client's host: export {ENDPOINT_FILE_ENV}={path}", file=sys.stderr)
+        return 0
+    import stat
+
+    if stat.S_ISREG(os.fstat(sys.stdout.fileno()).st_mode):  # `> file`: the shell made it with its umask
+        os.fchmod(sys.stdout.fileno(), 0o600)
+    print(json.dumps(info, indent=2), flush=True)
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """`up` and `down`."""
+    """`up`, `down` and `join-info`."""
     from memserver.server.config import Limits
 
     up = sub.add_parser("up", help="start a memory cluster (embedded Ray head unless --address)",
@@ -316,6 +353,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--tls-server-name", metavar="NAME", help="the DNS name the certificate names, which clients "
                     "check instead of the address they dial (for pods whose addresses change; written to the endpoint "
                     "file; elsewhere set $MEMSERVER_TLS_SERVER_NAME)")
+    up.add_argument("--insecure", action="store_true", help="servers that listen beyond loopback (a multi-node "
+                    "cluster) turn tokens and TLS on by themselves (a generated token pair in the endpoint file, a "
+                    "self-signed certificate under --data-dir/tls; `memserver join-info` hands them to other hosts); "
+                    "this flag turns that off, and every start prints a warning")
     up.add_argument("--checkpoint-root", metavar="DIR", help="checkpoints are written and restored only below this "
                     "directory (relative paths land in it; others get PERMISSION_DENIED). Default: --data-dir if "
                     "given, else $MEMSERVER_HOME")
@@ -356,3 +397,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     down = sub.add_parser("down", help="stop the cluster that `up` started", description="Stop the running memserver cleanly.")
     down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait before killing it")
     down.set_defaults(func=cmd_down)
+
+    join = sub.add_parser(
+        "join-info", help="what a client on another host needs to reach this cluster (endpoint, token, CA)",
+        description="Print the coordinator's address, a token and the TLS CA of the running cluster as JSON: an "
+        "endpoint file for another host. Keep it secret (it grants the token's role); `> FILE` and -o FILE leave it "
+        "mode 0600. There: export MEMSERVER_ENDPOINT_FILE=FILE, then memtrain/memserver/clients find the cluster.")
+    join.add_argument("-o", "--output", metavar="FILE", help="write it to FILE (mode 0600) instead of stdout")
+    join.add_argument("--read-only", action="store_true", help="hand out the read token (reads, inspection) "
+                      "instead of the write token")
+    join.set_defaults(func=cmd_join_info)

@@ -21,10 +21,32 @@ def _url(address: str) -> str:
     return f"http://{address}/metrics" if address else ""
 
 
+def host_of(address: str) -> str:
+    """The host part of HOST:PORT ([v6]:port too)."""
+    return address.rsplit(":", 1)[0].strip("[]") if address else ""
+
+
+def hosts_of(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The shards grouped by the host they serve on: its Ray node, GPUs, data directories, and
+    the shards that moved there (Ray restarted them after their host was lost)."""
+    hosts: dict[str, dict[str, Any]] = {}
+    for s in shards:
+        h = hosts.setdefault(host_of(s["address"]), {"host": host_of(s["address"]), "node_ids": [], "gpus": 0.0,
+                                                      "data_dirs": [], "shards": [], "moved_here": []})
+        h["shards"].append(s["index"])
+        h["gpus"] += s["gpus"]
+        for key, value in (("node_ids", s["node_id"]), ("data_dirs", s["data_dir"])):
+            if value and value not in h[key]:
+                h[key].append(value)
+        if s["moved_from"]:
+            h["moved_here"].append({"shard": s["index"], "from": s["moved_from"]})
+    return sorted(hosts.values(), key=lambda h: h["host"])
+
+
 def status_dict(resp: Any) -> dict[str, Any]:
     from memserver.api.types import TableMeta
 
-    return {
+    out = {
         "version": resp.version,
         "epoch": resp.epoch,
         "coordinator_pid": resp.coordinator_pid,
@@ -46,6 +68,9 @@ def status_dict(resp: Any) -> dict[str, Any]:
                 "requests": s.requests,
                 "rss_bytes": s.rss_bytes,
                 "deferred_updates": s.deferred_updates,
+                "moved_from": s.moved_from,
+                "data_dir": s.data_dir,
+                "gpus": s.gpus,
                 "tables": [{"table": t.table, "rows": t.rows, "bytes": t.bytes, "requests": t.requests,
                             "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from, "sessions": t.sessions,
                             "remembered": t.remembered, "unavailable": t.unavailable, "vectors": t.vectors,
@@ -55,6 +80,8 @@ def status_dict(resp: Any) -> dict[str, Any]:
             for s in resp.shards
         ],
     }
+    out["hosts"] = hosts_of(out["shards"])
+    return out
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -104,13 +131,22 @@ def cmd_status(args: argparse.Namespace) -> int:
                          str(t["pkm_k_dim"]), str(t["pkm_d_in"] or "-"), "yes" if all(x["trained"] for x in loads) else "no")
     if pkms.row_count:
         console.print(pkms)
+    hosts = Table(title="hosts")
+    for col in ("host", "Ray node", "GPUs", "shards", "data dir"):
+        hosts.add_column(col, justify="right" if col == "GPUs" else "left")
+    for h in st["hosts"]:
+        moved = "".join(f" ({m['shard']} moved from {m['from']})" for m in h["moved_here"])
+        hosts.add_row(h["host"], ", ".join(n[:12] for n in h["node_ids"]), f"{h['gpus']:g}",
+                      ", ".join(map(str, h["shards"])) + moved, ", ".join(h["data_dirs"]))
+    console.print(hosts)
     shards = Table(title="shards")
     for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "rss", "sessions", "requests"):
         shards.add_column(col, justify="left" if col in ("address", "node", "state", "device") else "right")
-    for s in st["shards"]:
+    for s in sorted(st["shards"], key=lambda s: (host_of(s["address"]), s["index"])):
         rows = sum(t["rows"] for t in s["tables"])
         nbytes = sum(t["bytes"] for t in s["tables"])
-        state = s["state"] + (" (restarted)" if s["restarted"] else "")
+        state = s["state"] + (" (restarted)" if s["restarted"] else "") + (f" (moved from {s['moved_from']})"
+                                                                            if s["moved_from"] else "")
         sessions = max((t["sessions"] for t in s["tables"]), default=0)
         shards.add_row(str(s["index"]), s["address"], s["node_id"][:12], str(s["pid"]), state, s["device"], str(len(s["tables"])),
                        f"{rows:,}", fmt_bytes(nbytes), fmt_bytes(s["rss_bytes"]), str(sessions), f"{s['requests']:,}")

@@ -13,8 +13,30 @@ def memserver_home() -> Path:
     return Path(os.environ.get("MEMSERVER_HOME") or Path.home() / ".memserver")
 
 
+#: A client on another host points this at the file `memserver join-info` wrote.
+ENDPOINT_FILE_ENV = "MEMSERVER_ENDPOINT_FILE"
+
+
 def endpoint_file() -> Path:
-    return memserver_home() / "endpoint.json"
+    """$MEMSERVER_ENDPOINT_FILE, else $MEMSERVER_HOME/endpoint.json."""
+    return Path(os.environ.get(ENDPOINT_FILE_ENV) or memserver_home() / "endpoint.json")
+
+
+def join_info(record: dict[str, Any], read_only: bool = False) -> dict[str, Any]:
+    """What a client on another host needs of an endpoint record: the coordinator's address, one
+    token (the write token, or the read token with `read_only`), the CA and the name its
+    certificate carries. A file of it is an endpoint file ($MEMSERVER_ENDPOINT_FILE) without a pid,
+    so `memserver down` there stops nothing."""
+    if read_only and record.get("token") and not record.get("read_token"):
+        raise ValueError("this cluster has no read token")
+    out = {"endpoint": record["endpoint"]}
+    token = record.get("read_token") if read_only else record.get("token")
+    if token:
+        out["token"] = token
+    for key in ("tls_ca", "tls_server_name"):
+        if record.get(key):
+            out[key] = record[key]
+    return out
 
 
 def read_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:

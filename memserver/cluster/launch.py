@@ -16,9 +16,10 @@ from typing import Any
 
 import ray
 
-from memserver.api.auth import AuthConfig
+from memserver.api.auth import AuthConfig, generate_token
 from memserver.cluster import PLACEMENT_STRATEGIES
 from memserver.cluster.endpoint import memserver_home
+from memserver.cluster.secure import SERVER_NAME, network_facing, self_signed
 from memserver.server.config import Limits, ServeConfig, TlsFiles
 from memserver.server.coordinator import CoordinatorActor
 from memserver.server.rayutil import LOCALHOST, bind_host, check_host, forced_host
@@ -69,6 +70,11 @@ class MemoryCluster:
     placement_group: Any = None
     data_dir: str = ""
     owns_data_dir: bool = False  # a scratch directory start_cluster made (removed at shutdown)
+    #: what start_cluster made because the servers face the network (memserver.cluster.secure):
+    #: (write, read) tokens, the CA clients trust and the name they check; None when given or not made
+    tokens: tuple[str, str] | None = None
+    tls_ca: bytes | None = None
+    tls_server_name: str | None = None
 
     def shutdown(self) -> None:
         for actor in [self.coordinator, *self.shards]:
@@ -109,6 +115,7 @@ def start_cluster(
     tls: TlsFiles | None = None,
     checkpoint_root: str | os.PathLike[str] | None = None,
     limits: Limits | None = None,
+    insecure: bool = False,
 ) -> MemoryCluster:
     """Start `num_shards` shard actors and a named coordinator on the connected Ray cluster.
 
@@ -128,6 +135,11 @@ def start_cluster(
     certificate and key (files every node can read). `checkpoint_root`: checkpoints and restores
     only below this directory (default: `data_dir` if given, else $MEMSERVER_HOME); relative
     checkpoint paths are taken under it. `limits`: memserver.server.config.Limits.
+
+    Secure by default: when the servers listen beyond loopback (several nodes, or a `host` that
+    is not loopback) and `auth` or `tls` is missing, the missing ones are made here (tokens, and
+    a self-signed certificate under `data_dir`/tls: memserver.cluster.secure) and returned in the
+    MemoryCluster for the endpoint file. `insecure`: make none, and log a warning.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -151,6 +163,21 @@ def start_cluster(
     if tls is not None:
         tls.read()  # a missing or unreadable file is the caller's error, not every actor's
     root = checkpoint_root or (memserver_home() if owns_dir else data_dir)  # not a scratch dir removed at shutdown
+    made_tokens, tls_ca, server_name = None, None, None
+    missing = [what for what, given in (("tokens", auth), ("TLS", tls)) if given is None]
+    if network_facing(host) and insecure and missing:
+        log.warning("INSECURE: servers listen on %s without %s: anyone who reaches their ports can read and "
+                    "write every table", host or "each node's address", " or ".join(missing))
+    elif network_facing(host):
+        if auth is None:
+            made_tokens = (generate_token(), generate_token())
+            auth = AuthConfig.from_tokens(*made_tokens)
+        if tls is None:
+            nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+            tls, tls_ca = self_signed(Path(data_dir) / "tls", [*([host] if host else []), *nodes])
+            server_name = SERVER_NAME
+        log.info("servers listen on %s: tokens%s and TLS%s on", host or "each node's address",
+                 " (made)" if made_tokens else "", " (self-signed, made)" if tls_ca else "")
     config = ServeConfig(auth=auth, tls=tls, checkpoint_root=str(Path(root).absolute()), limits=limits or Limits())
     pg = _place_shards(num_shards, shard_bundle(shard_cpus, shard_gpus), strategy, placement_timeout)
     coord = None
@@ -191,7 +218,8 @@ def start_cluster(
         raise
     log.info("memory cluster %s up in %.1fs: coordinator %s, %d shards (%s)", name, time.perf_counter() - t0, endpoint,
              num_shards, strategy)
-    return MemoryCluster(endpoint, coord, shards, infos, placement_group=pg, data_dir=data_dir, owns_data_dir=owns_dir)
+    return MemoryCluster(endpoint, coord, shards, infos, placement_group=pg, data_dir=data_dir, owns_data_dir=owns_dir,
+                         tokens=made_tokens, tls_ca=tls_ca, tls_server_name=server_name)
 
 
 def _mkdir(p: Path) -> Path:

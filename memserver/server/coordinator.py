@@ -299,7 +299,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             if isinstance(blob, BaseException):  # dead or restarting: say what we last knew
                 why = str(blob).splitlines()[0] if str(blob) else type(blob).__name__
                 st = pb.ShardStatus(address=self.infos[i]["address"], node_id=self.infos[i]["node_id"],
-                                    pid=self.infos[i]["pid"], state=f"unavailable: {why}")
+                                    pid=self.infos[i]["pid"], state=f"unavailable: {why}",
+                                    moved_from=self.infos[i].get("moved_from", ""))
             else:
                 st = pb.ShardStatus.FromString(blob)
                 st.state = "serving"

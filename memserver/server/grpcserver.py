@@ -285,5 +285,5 @@ def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], serv
         server, bound = loop.call(start_server(register, service_names, host, 0, metrics=metrics, config=config,
                                                admission=admission))
     if state is not None:
-        atomic_write(state, lambda f: f.write(json.dumps({"port": bound}).encode()))
+        atomic_write(state, lambda f: f.write(json.dumps({"port": bound, "host": host}).encode()))
     return server, bound

@@ -35,6 +35,13 @@ def node_id() -> str:
     return (ray.get_runtime_context().get_node_id() or "") if ray.is_initialized() else ""
 
 
+def gpus() -> float:
+    """GPUs Ray gave this actor (0 outside Ray)."""
+    import ray
+
+    return float(len(ray.get_gpu_ids())) if in_actor() else 0.0
+
+
 def shard_device() -> torch.device:
     """Rows live on the GPU only when Ray gave this actor one (never start Ray from here)."""
     import ray

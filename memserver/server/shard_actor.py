@@ -9,6 +9,7 @@ describe, status). The requests themselves are memserver.server.dataplane's.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 import time
@@ -28,7 +29,7 @@ from memserver.server.config import ServeConfig
 from memserver.server.dataplane import DataPlaneServicer
 from memserver.server.grpcserver import DATA_PLANE, serve_on
 from memserver.server.metrics import ShardMetrics, rss_bytes
-from memserver.server.rayutil import bind_host, memory_available, node_id, shard_device, was_restarted
+from memserver.server.rayutil import bind_host, gpus, memory_available, node_id, shard_device, was_restarted
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.slice import TableSlice
 from memserver.storage.checkpoint import load_index, load_into, load_whole, save_slice, trigger_states
@@ -94,12 +95,18 @@ class ShardActor:
 
     def _serve(self, host: str | None) -> None:
         host = host or bind_host()
+        state = self.store.dir / "shard.json" if self.store else None
+        # a shard Ray restarted on another host (its data directory on shared storage) says so
+        before = json.loads(state.read_text()).get("host", "") if state is not None and state.exists() else ""
+        self.moved_from = before if before and before != host else ""
+        if self.moved_from:
+            log.warning("shard %d moved: it served on host %s before this restart, now on %s", self.index, before, host)
         self.server, bound = serve_on(
             self.loop,
             lambda s: pb_grpc.add_DataPlaneServicer_to_server(self.servicer, s),
             [DATA_PLANE],
             host,
-            state=self.store.dir / "shard.json" if self.store else None,
+            state=state,
             what=f"shard {self.index}",
             metrics=self.metrics,
             config=self.config,
@@ -110,7 +117,7 @@ class ShardActor:
 
     def info(self) -> dict[str, Any]:
         return {"address": self.address, "pid": os.getpid(), "node_id": node_id(), "device": str(self.device),
-                "restarted": self.restarted, "metrics": self.metrics.address}
+                "restarted": self.restarted, "metrics": self.metrics.address, "moved_from": self.moved_from}
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -342,7 +349,9 @@ class ShardActor:
             st = pb.ShardStatus(address=self.address, node_id=node_id(), pid=os.getpid(), device=str(self.device),
                                 requests=self.servicer.requests, restarted=self.restarted,
                                 metrics_address=self.metrics.address, rss_bytes=rss_bytes(),
-                                deferred_updates=self.servicer.deferred, calls=self.metrics.summary())
+                                deferred_updates=self.servicer.deferred, calls=self.metrics.summary(),
+                                moved_from=self.moved_from, data_dir=str(self.store.dir) if self.store else "",
+                                gpus=gpus())
             for name, sl in self.servicer.tables.items():
                 load = st.tables.add(table=name, bytes=sl.table.nbytes(), requests=sl.requests,
                                      wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from,

@@ -17,12 +17,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], mode: int | None = None) -> None:
     """write(file object) into a temporary file, fsync it, rename it into place, fsync the folder:
-    a reader sees the old file or the whole new one, and after a crash the new one is there."""
+    a reader sees the old file or the whole new one, and after a crash the new one is there.
+    `mode`: the file's permissions from its creation on (a key is never readable by others)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    if mode is not None:
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        os.fchmod(fd, mode)  # the umask cannot take bits away
+    with (os.fdopen(fd, "wb") if mode is not None else open(tmp, "wb")) as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())

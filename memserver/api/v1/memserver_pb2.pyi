@@ -655,7 +655,7 @@ class TableLoad(_message.Message):
     def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ..., trigger_slots: _Optional[int] = ..., trigger_bytes: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates", "calls")
+    __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates", "calls", "moved_from", "data_dir", "gpus")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -669,6 +669,9 @@ class ShardStatus(_message.Message):
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_UPDATES_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FROM_FIELD_NUMBER: _ClassVar[int]
+    DATA_DIR_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     node_id: str
@@ -682,7 +685,10 @@ class ShardStatus(_message.Message):
     rss_bytes: int
     deferred_updates: int
     calls: CallSummary
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ..., restarted: _Optional[bool] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., deferred_updates: _Optional[int] = ..., calls: _Optional[_Union[CallSummary, _Mapping]] = ...) -> None: ...
+    moved_from: str
+    data_dir: str
+    gpus: float
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., requests: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableLoad, _Mapping]]] = ..., restarted: _Optional[bool] = ..., state: _Optional[str] = ..., metrics_address: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., deferred_updates: _Optional[int] = ..., calls: _Optional[_Union[CallSummary, _Mapping]] = ..., moved_from: _Optional[str] = ..., data_dir: _Optional[str] = ..., gpus: _Optional[float] = ...) -> None: ...
 
 class CallSummary(_message.Message):
     __slots__ = ("requests", "errors", "auth_failures", "rejected", "inflight_calls", "inflight_bytes")

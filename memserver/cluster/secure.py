@@ -1,0 +1,83 @@
+"""Secure by default: a cluster whose servers listen beyond loopback gets tokens and TLS by itself.
+
+`start_cluster` asks `network_facing` where its servers will listen; when that is more than this
+machine's loopback and the caller gave no tokens (or no TLS), it makes them here: a write and a
+read token, and a self-signed certificate (its own CA) for the DNS name `SERVER_NAME` and every
+alive node's address, written with its key (mode 0600) under the cluster's data directory, which
+every node must read (memserver.server.config.TlsFiles: Ray replays actors' arguments, so the key
+travels as a path, never as bytes). Clients check the certificate against the name, not the
+address they dial (`grpc.ssl_target_name_override`), so a shard that Ray restarts on another host
+is still verified. `memserver join-info` hands a client on another host the endpoint, the CA and
+a token in one file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from pathlib import Path
+
+from memserver.server.config import TlsFiles
+
+#: The DNS name in every generated certificate; clients verify it whatever address they dial.
+SERVER_NAME = "memserver"
+#: How long a generated certificate is valid; `memserver up` makes a new one at each start.
+CERT_DAYS = 365
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is an address of this machine's loopback (127.0.0.0/8, ::1, "localhost")."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it resolves to an interface clients on other hosts reach
+
+
+def network_facing(host: str | None) -> bool:
+    """Whether servers told to bind `host` listen beyond loopback (None: each on its node's
+    address, which start_cluster chooses when the Ray cluster has several nodes)."""
+    return host is None or not is_loopback(host)
+
+
+def self_signed(directory: str | os.PathLike[str], addresses: list[str]) -> tuple[TlsFiles, bytes]:
+    """A fresh EC P-256 certificate for SERVER_NAME and `addresses`, its own CA, valid CERT_DAYS;
+    returns the files (cert 0644, key 0600, written atomically) and the CA bytes clients trust."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from memserver.storage.fsutil import atomic_write
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{SERVER_NAME} cluster CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    sans: list[x509.GeneralName] = [x509.DNSName(SERVER_NAME)]
+    for a in dict.fromkeys(addresses):
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(a.strip("[]"))))
+        except ValueError:
+            sans.append(x509.DNSName(a))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CERT_DAYS))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    atomic_write(d / "server-key.pem", lambda f: f.write(key_pem), mode=0o600)
+    atomic_write(d / "server-cert.pem", lambda f: f.write(pem), mode=0o644)
+    return TlsFiles(str(d / "server-cert.pem"), str(d / "server-key.pem")), pem

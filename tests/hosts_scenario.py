@@ -1,0 +1,92 @@
+"""What a client on another host does against a memory cluster in network namespaces (tests/hosts.py).
+
+Run inside a host namespace by tests/test_hosts.py and benchmarks.host_loss, as
+`python -m tests.hosts_scenario CHECK OUT.json`, with $MEMSERVER_ENDPOINT_FILE naming the join-info
+file (the client knows the cluster through that file alone). It writes one JSON object to OUT.json.
+
+- `basic`: the cluster as a client sees it (status grouped by host), tables of both shardings
+  against the numpy reference (tests/multinode_scenario.check_tables), a few memtrain steps
+  with remote values against the same steps with local values, and that the servers refuse a
+  call without the token and a plaintext connection.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+        "--n-keys", "16", "--heads", "2", "--knn", "4", "--k-dim", "16", "--mem-layers", "1",
+        "--eval-every", "100", "--eval-iters", "1", "--log-every", "1", "--threads", "1"]
+
+
+def refusals(endpoint: str, shard: str) -> dict[str, str]:
+    """What a caller without the cluster's token, and one without TLS, get from its servers."""
+    import grpc
+
+    from client import MemoryClient
+    from client.channels import client_tls
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+
+    out: dict[str, str] = {}
+    with MemoryClient(endpoint, token="", tls=client_tls(None), retry_seconds=0, timeout=10) as anon:
+        try:
+            anon.list_tables()
+            out["no_token"] = "OK"
+        except Exception as exc:  # the class the status maps to
+            out["no_token"] = type(exc).__name__
+    with grpc.insecure_channel(shard) as ch:  # plaintext to a TLS port: the handshake never completes
+        try:
+            pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="x"), timeout=5)
+            out["plaintext"] = "OK"
+        except grpc.RpcError as exc:
+            out["plaintext"] = exc.code().name
+    return out
+
+
+def basic() -> dict[str, Any]:
+    import numpy as np
+
+    from client import MemoryClient
+    from memserver.cli import status_dict
+    from memserver.cluster.endpoint import read_endpoint
+    from tests.multinode_scenario import check_tables
+    from trainer.train import build_parser, train
+
+    t0 = time.perf_counter()
+    record = read_endpoint()
+    out: dict[str, Any] = {"join_keys": sorted(record)}
+    with MemoryClient(timeout=60) as client:
+        st = status_dict(client.status())
+        out["hosts"] = st["hosts"]
+        out["shard_addresses"] = [s["address"] for s in st["shards"]]
+    out.update(check_tables(record["endpoint"]))
+    common = [*TINY, "--steps", "3", "--seed", "3", "--value-lr", "0.05"]
+    local = [r["loss"] for r in train(build_parser().parse_args([*common, "--memory", "local"]))]
+    with MemoryClient(timeout=60) as client:
+        remote = [r["loss"] for r in train(build_parser().parse_args([*common, "--memory", "remote", "--table", "hosts-pkm",
+                                                                      "--sharding", "cols", "--wal"]), client=client)]
+        out["train_table_shards"] = sorted({s.address for s in client.table("hosts-pkm").shards})
+    out["losses_local"], out["losses_remote"] = local, remote
+    out["max_loss_diff"] = float(np.max(np.abs(np.array(local) - np.array(remote))))
+    out.update(refusals(record["endpoint"], out["shard_addresses"][0]))
+    out["client_s"] = time.perf_counter() - t0
+    return out
+
+
+CHECKS = {"basic": basic}
+
+
+def main(argv: list[str]) -> int:
+    check, out = argv
+    result = CHECKS[check]()
+    Path(out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,93 @@
+"""Three hosts for real: network namespaces on a bridge (tests/hosts.py), a Ray node in each, the
+memory cluster's shards on two of them and a client on the third that knows the cluster only
+through `memserver join-info`. Nothing here uses loopback between hosts: every call crosses a veth.
+
+The cluster is started with no security flag at all: because its servers listen on their hosts'
+addresses, tokens and TLS are on by themselves (memserver.cluster.secure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+
+import pytest
+
+from tests import hosts as hosts_mod
+from tests.conftest import TIMINGS
+
+pytestmark = pytest.mark.skipif((why := hosts_mod.available()) is not None, reason=why or "")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with hosts_mod.Hosts(3) as hosts:
+        mh = hosts_mod.MemoryHosts(hosts, shard_hosts=[1, 2], up_args=["--placement", "STRICT_SPREAD"])
+        try:
+            mh.start()
+            yield mh
+        finally:
+            mh.down_status = mh.stop()  # type: ignore[attr-defined]
+
+
+def test_shards_on_two_hosts_serve_a_client_on_the_third_with_tokens_and_tls(cluster):
+    hosts = cluster.hosts
+    # the join-info file: mode 0600 (it grants the write token), and an endpoint file without a pid
+    info = json.loads(cluster.join_file.read_text())
+    assert stat.S_IMODE(os.stat(cluster.join_file).st_mode) == 0o600
+    assert set(info) == {"endpoint", "token", "tls_ca", "tls_server_name"}
+    assert info["endpoint"].startswith(hosts.addr(0) + ":") and info["token"] == cluster.record["token"]
+    assert stat.S_IMODE(os.stat(cluster.data_dir / "tls" / "server-key.pem").st_mode) == 0o600
+
+    out = hosts.work / "basic.json"
+    r = hosts.run(0, [sys.executable, "-m", "tests.hosts_scenario", "basic", str(out)], env=cluster.client_env(),
+                  check=False, timeout=240)
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}\nup.log:\n{hosts.log('up.log')}"
+    res = json.loads(out.read_text())
+    # status groups the shards by host: one shard on each of the two shard hosts, none on the client's
+    assert [(h["host"], h["shards"]) for h in res["hosts"]] == [(hosts.addr(1), [0]), (hosts.addr(2), [1])] or \
+        [(h["host"], h["shards"]) for h in res["hosts"]] == [(hosts.addr(1), [1]), (hosts.addr(2), [0])]
+    assert all(h["data_dirs"] == [str(cluster.data_dir / f"shard-{h['shards'][0]:04d}")] for h in res["hosts"])
+    assert sorted(a.rsplit(":", 1)[0] for a in res["shard_addresses"]) == [hosts.addr(1), hosts.addr(2)]
+    # tables of both shardings and the trainer's table span both hosts, and equal the references
+    assert res["rows_shards"] == res["cols_shards"] == res["train_table_shards"] == sorted(res["shard_addresses"])
+    assert res["max_abs_err"] < 1e-4
+    assert len(res["losses_remote"]) == 3 and res["max_loss_diff"] < 1e-4
+    # on without any flag: no token -> UNAUTHENTICATED; plaintext -> the TLS port never answers
+    assert res["no_token"] == "UnauthenticatedError"
+    assert res["plaintext"] == "UNAVAILABLE"
+    TIMINGS.append(f"3 hosts: Ray nodes {cluster.times['ray_nodes_s']:.0f}s, memserver up "
+                   f"{cluster.times['memserver_up_s']:.0f}s, client checks {res['client_s']:.0f}s")
+
+
+def test_harness_leaves_nothing_behind():
+    """Processes, namespaces and the work directory go at close, also after a host's processes
+    were killed mid-way; a run whose pytest died is swept by the next one."""
+    import subprocess
+
+    hosts = hosts_mod.Hosts(2)
+    hosts.build()
+    names = [hosts.ns(0), hosts.ns(1), hosts.bridge_ns]
+    sleeper = hosts.popen(1, ["sleep", "600"])
+    assert hosts_mod._pids(hosts.ns(1)) == [sleeper.pid]
+    assert hosts.run(0, ["ip", "-o", "-4", "addr", "show", "eth0"]).stdout.split()[3] == f"{hosts.addr(0)}/24"
+    # the only route in a host is its subnet: nothing else is reachable
+    routes = hosts.run(0, ["ip", "route"]).stdout.strip().splitlines()
+    assert routes == [f"{hosts_mod.SUBNET}.0/24 dev eth0 proto kernel scope link src {hosts.addr(0)}"]
+    # the partition switch: host 0 reaches host 1 with its cable in, not with it out
+    assert hosts.reachable(0, 1)
+    hosts.link(1, up=False)
+    assert not hosts.reachable(0, 1)
+    hosts.link(1, up=True)
+    assert hosts_mod.wait_for("link up", lambda: hosts.reachable(0, 1) or None, 10)
+    assert hosts.kill_host(1) == 1 and sleeper.wait(timeout=5) == -9
+    work = hosts.work
+    hosts.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names) and not work.exists()
+    # a leftover of a run whose process is gone (pid 2^22 + 1 is above any pid_max default)
+    stale = f"ms{(1 << 22) + 1}-1-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    assert stale in hosts_mod.sweep()
+    assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
