@@ -27,6 +27,7 @@ Needs root and iproute2 (`ip netns`); `available()` says why not where they are 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -122,6 +123,10 @@ class Hosts:
         self.work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="msh-", dir="/tmp"))
         self.own_work = workdir is None
         self.bridge_ns = f"{self.tag}-br"
+        # Ray's own token auth on every node and driver of these hosts (Ray >= 2.52; a local
+        # ray.init() elsewhere on this machine writes ~/.ray/auth_token, which turns a head's check
+        # on by itself and leaves workers without it refused): one token per harness, explicit
+        self.ray_token = secrets.token_hex(32)
         self.procs: list[subprocess.Popen[Any]] = []
         self._built = False
 
@@ -177,7 +182,8 @@ class Hosts:
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         # RAY_TMPDIR: `ray start` records the cluster's address for `ray.init("auto")` there; never in
         # this machine's /tmp/ray, where the test session's own Ray (and a user's) would read it
-        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", RAY_TMPDIR=str(self.work))
+        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", RAY_TMPDIR=str(self.work),
+                   RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.ray_token)
         env.pop("MEMSERVER_BIND_HOST", None)
         env.update(extra)
         return env
@@ -300,9 +306,11 @@ class MemoryHosts:
     host reads (MEMSERVER_ENDPOINT_FILE)."""
 
     def __init__(self, hosts: Hosts, shard_hosts: Sequence[int], *, shards: int = 2, up_args: Sequence[str] = (),
-                 spare_hosts: Sequence[int] = (), shard_cpus: float = 0.5) -> None:
+                 spare_hosts: Sequence[int] = (), shard_cpus: float = 0.5,
+                 ray_env: dict[str, str] | None = None) -> None:
         self.hosts, self.shard_hosts, self.shards = hosts, list(shard_hosts), shards
         self.up_args, self.spare_hosts, self.shard_cpus = list(up_args), list(spare_hosts), shard_cpus
+        self.ray_env = FAST_FAILURE_DETECTION if ray_env is None else ray_env  # the head's Ray settings
         self.home = hosts.work / "home0"  # host 0's $MEMSERVER_HOME (its endpoint file)
         self.data_dir = hosts.work / "data"  # "NFS": every host reaches it
         self.join_file = hosts.work / "join.json"
@@ -322,7 +330,7 @@ class MemoryHosts:
         import json
 
         h, t0 = self.hosts, time.monotonic()
-        h.ray_head(0, num_cpus=0, env=self.env(**FAST_FAILURE_DETECTION))
+        h.ray_head(0, num_cpus=0, env=self.env(**self.ray_env))
         for i in [*self.shard_hosts, *self.spare_hosts]:
             h.ray_worker(i, num_cpus=1, env=self.env())
         self.times["ray_nodes_s"] = time.monotonic() - t0

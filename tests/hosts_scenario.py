@@ -78,10 +78,74 @@ def basic() -> dict[str, Any]:
     return out
 
 
+def train_run(table: str, steps: int, progress: Path | None, checkpoint_dir: str | None,
+              watch: bool) -> dict[str, Any]:
+    """memtrain with remote values on `table` (wal, cols): each step's end time and loss, and the
+    table's final values; while `watch`, the status every 0.2 s (when each shard served where)."""
+    import threading
+
+    import numpy as np
+
+    from client import MemoryClient
+    from memserver.cli import status_dict
+    from trainer.train import build_parser, train
+
+    args = [*TINY, "--steps", str(steps), "--seed", "7", "--value-lr", "0.05", "--memory", "remote", "--table", table,
+            "--sharding", "cols", "--wal"]
+    if checkpoint_dir:
+        args += ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", "5"]
+    seen: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def watcher() -> None:  # its own client: the trainer's calls may be waiting in retries
+        with MemoryClient(timeout=2, retry_seconds=0) as c:
+            while not stop.wait(0.2):
+                try:
+                    st = status_dict(c.status())
+                except Exception as exc:  # the coordinator is busy or a shard is away: note it
+                    seen.append({"t": time.time(), "error": type(exc).__name__})
+                    continue
+                seen.append({"t": time.time(), "shards": [(s["index"], s["address"], s["state"], s["moved_from"])
+                                                          for s in st["shards"]]})
+
+    w = threading.Thread(target=watcher, daemon=True)
+    if watch:
+        w.start()
+    records = []
+    with MemoryClient(timeout=30, retry_seconds=120) as client:
+        for r in train(build_parser().parse_args(args), client=client):
+            records.append({"step": r["step"], "loss": r["loss"], "t": time.time()})
+            if progress is not None:
+                progress.write_text(str(r["step"]))
+        meta = client.table(table)
+        values = client.lookup(table, np.arange(meta.num_rows), count=False)
+        stop.set()
+        if watch:
+            w.join(timeout=10)
+        st = status_dict(client.status())
+    return {"records": records, "values": np.asarray(values).tolist(), "status_seen": seen,
+            "shards_after": [(s["index"], s["address"], s["state"], s["moved_from"]) for s in st["shards"]],
+            "hosts_after": st["hosts"]}
+
+
 CHECKS = {"basic": basic}
 
 
 def main(argv: list[str]) -> int:
+    if argv[0] == "train":  # train TABLE STEPS OUT [--progress F] [--checkpoint-dir D] [--watch]
+        import argparse
+
+        p = argparse.ArgumentParser()
+        p.add_argument("table")
+        p.add_argument("steps", type=int)
+        p.add_argument("out")
+        p.add_argument("--progress")
+        p.add_argument("--checkpoint-dir")
+        p.add_argument("--watch", action="store_true")
+        a = p.parse_args(argv[1:])
+        result = train_run(a.table, a.steps, Path(a.progress) if a.progress else None, a.checkpoint_dir, a.watch)
+        Path(a.out).write_text(json.dumps(result))
+        return 0
     check, out = argv
     result = CHECKS[check]()
     Path(out).write_text(json.dumps(result))

@@ -152,6 +152,10 @@ def scenario(work: Path) -> dict[str, Any]:
             record = _wait("memserver up", ready, 90, up, log)
             times["memserver_up_s"] = time.perf_counter() - t0
             result["endpoint"] = record["endpoint"]
+            # several Ray nodes: `up` turned tokens and TLS on (memserver.cluster.secure); the
+            # client finds them in the endpoint file, as a user's client on this machine would
+            os.environ["MEMSERVER_HOME"] = str(home)
+            result["secured"] = bool(record.get("token") and record.get("tls_ca"))
             result.update(check_tables(record["endpoint"]))
             times["checks_s"] = time.perf_counter() - t0
             groups = cluster.global_state.placement_group_table()

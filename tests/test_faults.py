@@ -185,3 +185,38 @@ def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name):
         wait_for(lambda: c.bag(table_name, *big) is not None and len(c.aio.shm.regions) == 2,
                  "a region on the restarted shard", 60)
         np.testing.assert_array_equal(c.lookup(table_name, np.arange(ROWS)), expect)
+
+
+def test_a_shard_restarted_without_its_data_says_what_was_lost_and_how_to_restore(fault_cluster, fclient, table_name,
+                                                                                 tmp_path):
+    """A shard that Ray restarts where its data directory does not reach (another host, no shared
+    storage; here: its table folder removed before the kill) comes back without the slice: calls
+    to it answer DATA_LOSS naming the slice, the data directory and `memserver restore`, status
+    says so, and restoring the table from its checkpoint serves it again."""
+    import shutil
+
+    from client import DataLossError
+
+    fclient.create_table(table_name, ROWS, DIM, sharding="cols", optimizer="sgd", lr=0.1, seed=8)
+    ids, g = batches(7, 1)[0]
+    fclient.push_gradients(table_name, ids, g)
+    fclient.checkpoint(str(tmp_path), step=1, tables=[table_name])
+    saved = fclient.lookup(table_name, np.arange(ROWS))
+    folder = os.path.join(fault_cluster.data_dir, "shard-0001", table_name)
+    assert os.path.exists(os.path.join(folder, "table.json"))
+    shutil.rmtree(folder)  # the new host's (unshared) data directory has never seen this table
+    kill_shard(fclient, 1)
+
+    def lost():
+        st = fclient.status().shards[1]
+        return st.restarted and [t.unavailable for t in st.tables if t.table == table_name and t.unavailable]
+
+    [text] = wait_for(lost, "the restarted shard to report the lost slice")
+    for words in (f"table {table_name!r}: shard 1's slice is lost", "holds no record of it", "shared", "memserver restore"):
+        assert words in text, text
+    with pytest.raises(DataLossError, match="slice is lost"):
+        fclient.lookup(table_name, np.arange(ROWS))
+    fclient.restore(str(tmp_path), step=1, tables=[table_name], replace=True)
+    np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), saved)
+    assert not any(t.unavailable for s in fclient.status().shards for t in s.tables)
+    fclient.drop_table(table_name)

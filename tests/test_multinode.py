@@ -45,6 +45,7 @@ def test_shards_spread_over_nodes_and_serve_across_them():
     assert all(a.startswith("127.0.0.1:") for a in r["shard_addresses"]) and r["endpoint"].startswith("127.0.0.1:")
     assert r["rows_shards"] == r["cols_shards"] == sorted(r["shard_addresses"])  # both tables span both nodes
     assert r["max_abs_err"] < 1e-4 and r["status_rows"] == 100 + 100 + 200 + 200
+    assert r["secured"]  # several nodes: tokens and TLS on without any flag
     [pg] = r["placement_groups_while_up"]
     assert pg["strategy"] == "SPREAD" and pg["state"] == "CREATED" and pg["bundle_nodes"] == sorted(r["shard_nodes"])
     assert r["down_status"] == 0 and r["up_exit"] == 0, r["up_log_tail"]

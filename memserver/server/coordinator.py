@@ -109,6 +109,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                         self.tables[name].epoch = self.epoch
         log.warning("shard %d restarted at %s (pid %s); recovered %s", j, info["address"], info["pid"],
                     ", ".join(f"{r['table']} from {r['from']}" for r in recovered) or "no tables")
+        got = {r["table"] for r in recovered}
+        lost = [name for name, order in self.placement.items() if j in order and name not in got]
+        for name, res in zip(lost, await asyncio.gather(
+                *(self.handles[j].lost_table.remote(name) for name in lost), return_exceptions=True)):
+            log.error("table %s: shard %d came back without its slice: %s", name, j, res)
         calls, names = [], []
         for r in recovered:
             if r["wal"] or r["table"] not in self.placement:

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 import torch
 
-from memserver.api.errors import InvalidArgumentError, TableNotFoundError
+from memserver.api.errors import DataLossError, InvalidArgumentError, TableNotFoundError
 from memserver.api.types import MAX_INSPECT_SLOTS
 from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
@@ -56,6 +56,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         setting is per thread)."""
         self.device = device
         self.tables: dict[str, TableSlice] = {}
+        #: tables whose slice this shard should hold and does not (it restarted where its data
+        #: directory is not): name -> what was lost and how to restore it (DATA_LOSS until then)
+        self.lost: dict[str, str] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute", initializer=set_threads,
                                        initargs=(threads,))
         self.requests = 0
@@ -98,6 +101,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         (a call of another kind's is refused with INVALID_ARGUMENT naming the table's calls)."""
         sl = self.tables.get(request.table)
         if sl is None:
+            if request.table in self.lost:
+                raise DataLossError(self.lost[request.table])
             raise TableNotFoundError(f"table {request.table!r} does not exist")
         if sl.kind != kind:
             raise InvalidArgumentError(f"table: {request.table!r} is {_KIND_CALLS[sl.kind]}, not {_KIND_CALLS[kind]}")

@@ -230,6 +230,7 @@ class ShardActor:
 
         async def add() -> None:
             self.servicer.tables[s.name] = await self.servicer.run(work)
+            self.servicer.lost.pop(s.name, None)
 
         self.loop.call(add())
         log.info("shard %d: %s table %s", self.index, "restored" if files else "created", s.name)
@@ -332,8 +333,30 @@ class ShardActor:
 
         return self.loop.call(describe())
 
+    def lost_table(self, name: str) -> str:
+        """The coordinator placed a slice of `name` here that this shard did not recover: refuse
+        its calls with DATA_LOSS saying what was lost and how to restore it; returns that text."""
+        record = self.store.record(name) if self.store is not None else None
+        where = str(self.store.dir) if self.store is not None else "(none: the cluster has no data directory)"
+        why = ("its record there could not be loaded (see this shard's log)" if record is not None else
+               "that directory holds no record of it: on several hosts --data-dir must be storage every host reaches "
+               "(NFS), or a shard that Ray restarts on another host starts empty")
+        moved = f" on host {self.address.rsplit(':', 1)[0]} (moved from {self.moved_from})" if self.moved_from else ""
+        text = (f"table {name!r}: shard {self.index}'s slice is lost: the shard restarted{moved} with data directory "
+                f"{where}, and {why}. Every write to this slice since the table's last checkpoint is lost. Restore "
+                f"the whole table from a checkpoint (`memserver restore --dir DIR`), or drop it")
+
+        async def mark() -> None:
+            if name not in self.servicer.tables:
+                self.servicer.lost[name] = text
+
+        self.loop.call(mark())
+        log.error("shard %d: %s", self.index, text)
+        return text
+
     def drop_table(self, name: str) -> bool:
         async def drop() -> bool:
+            self.servicer.lost.pop(name, None)
             sl = self.servicer.tables.pop(name, None)
             if sl is not None and sl.wal is not None:
                 sl.wal.close()
@@ -352,6 +375,8 @@ class ShardActor:
                                 deferred_updates=self.servicer.deferred, calls=self.metrics.summary(),
                                 moved_from=self.moved_from, data_dir=str(self.store.dir) if self.store else "",
                                 gpus=gpus())
+            for name, text in self.servicer.lost.items():
+                st.tables.add(table=name, unavailable=text)
             for name, sl in self.servicer.tables.items():
                 load = st.tables.add(table=name, bytes=sl.table.nbytes(), requests=sl.requests,
                                      wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from,
