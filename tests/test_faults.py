@@ -212,7 +212,7 @@ def test_a_shard_restarted_without_its_data_says_what_was_lost_and_how_to_restor
         return st.restarted and [t.unavailable for t in st.tables if t.table == table_name and t.unavailable]
 
     [text] = wait_for(lost, "the restarted shard to report the lost slice")
-    for words in (f"table {table_name!r}: shard 1's slice is lost", "holds no record of it", "shared", "memserver restore"):
+    for words in (f"table {table_name!r}: shard 1's slice is lost", "holds no record of it", "storage every host reaches", "memserver restore"):
         assert words in text, text
     with pytest.raises(DataLossError, match="slice is lost"):
         fclient.lookup(table_name, np.arange(ROWS))
