@@ -31,14 +31,15 @@ def init_ray() -> bool:
 
 
 @contextlib.contextmanager
-def local_cluster(num_shards: int = 2, shard_cpus: float = 0.25) -> Iterator[Any]:
-    """A Ray head in this process plus a memory cluster; everything on 127.0.0.1."""
+def local_cluster(num_shards: int = 2, shard_cpus: float = 0.25, **kwargs: Any) -> Iterator[Any]:
+    """A Ray head in this process plus a memory cluster; everything on 127.0.0.1. `kwargs`: more
+    of start_cluster's (auth, tls, ...)."""
     import ray
 
     from memserver.cluster.launch import start_cluster
 
     started = init_ray()
-    cluster = start_cluster(num_shards, shard_cpus=shard_cpus, name=f"bench{time.monotonic_ns()}")
+    cluster = start_cluster(num_shards, shard_cpus=shard_cpus, name=f"bench{time.monotonic_ns()}", **kwargs)
     try:
         yield cluster
     finally:

@@ -17,7 +17,6 @@ from typing import Any
 
 from memserver.cli.common import CliError, pid_alive
 from memserver.cluster import PLACEMENT_STRATEGIES
-from memserver.cluster.secure import is_loopback
 from memserver.server.sessions import SESSION_TTL
 
 log = logging.getLogger("memserver")
@@ -121,12 +120,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         limits=_limits(args),
         insecure=args.insecure,
     )
-    if args.insecure and cluster.shard_infos and not all(is_loopback(i["address"].rsplit(":", 1)[0])
-                                                        for i in cluster.shard_infos):
-        print(f"WARNING: --insecure: the servers listen on {', '.join(i['address'] for i in cluster.shard_infos)} "
-              f"{'without tokens' if not tokens else ''}{' and ' if not tokens and not tls else ''}"
-              f"{'without TLS' if not tls else ''}: anyone who reaches them can read and write every table",
-              file=sys.stderr, flush=True)
     tokens = tokens or cluster.tokens
     ca = cluster.tls_ca or (_ca(args) if tls else None)
     server_name = cluster.tls_server_name or args.tls_server_name

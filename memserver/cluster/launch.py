@@ -16,10 +16,10 @@ from typing import Any
 
 import ray
 
-from memserver.api.auth import AuthConfig, generate_token
+from memserver.api.auth import AuthConfig
 from memserver.cluster import PLACEMENT_STRATEGIES
 from memserver.cluster.endpoint import memserver_home
-from memserver.cluster.secure import SERVER_NAME, network_facing, self_signed
+from memserver.cluster.secure import network_facing, secure_defaults
 from memserver.server.config import Limits, ServeConfig, TlsFiles
 from memserver.server.coordinator import CoordinatorActor
 from memserver.server.rayutil import LOCALHOST, bind_host, check_host, forced_host
@@ -163,21 +163,14 @@ def start_cluster(
     if tls is not None:
         tls.read()  # a missing or unreadable file is the caller's error, not every actor's
     root = checkpoint_root or (memserver_home() if owns_dir else data_dir)  # not a scratch dir removed at shutdown
-    made_tokens, tls_ca, server_name = None, None, None
-    missing = [what for what, given in (("tokens", auth), ("TLS", tls)) if given is None]
-    if network_facing(host) and insecure and missing:
-        log.warning("INSECURE: servers listen on %s without %s: anyone who reaches their ports can read and "
-                    "write every table", host or "each node's address", " or ".join(missing))
-    elif network_facing(host):
-        if auth is None:
-            made_tokens = (generate_token(), generate_token())
-            auth = AuthConfig.from_tokens(*made_tokens)
-        if tls is None:
-            nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
-            tls, tls_ca = self_signed(Path(data_dir) / "tls", [*([host] if host else []), *nodes])
-            server_name = SERVER_NAME
-        log.info("servers listen on %s: tokens%s and TLS%s on", host or "each node's address",
-                 " (made)" if made_tokens else "", " (self-signed, made)" if tls_ca else "")
+    nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")] if network_facing(host) else []
+    sec = secure_defaults(host, auth, tls, insecure, Path(data_dir) / "tls", nodes)
+    auth, tls = sec.auth, sec.tls
+    if sec.warning:
+        log.warning("%s", sec.warning)
+    elif sec.tokens or sec.ca:
+        log.info("servers listen on %s: %s made and on", host or "each node's address",
+                 " and ".join(w for w, made in (("tokens", sec.tokens), ("a self-signed TLS certificate", sec.ca)) if made))
     config = ServeConfig(auth=auth, tls=tls, checkpoint_root=str(Path(root).absolute()), limits=limits or Limits())
     pg = _place_shards(num_shards, shard_bundle(shard_cpus, shard_gpus), strategy, placement_timeout)
     coord = None
@@ -219,7 +212,7 @@ def start_cluster(
     log.info("memory cluster %s up in %.1fs: coordinator %s, %d shards (%s)", name, time.perf_counter() - t0, endpoint,
              num_shards, strategy)
     return MemoryCluster(endpoint, coord, shards, infos, placement_group=pg, data_dir=data_dir, owns_data_dir=owns_dir,
-                         tokens=made_tokens, tls_ca=tls_ca, tls_server_name=server_name)
+                         tokens=sec.tokens, tls_ca=sec.ca, tls_server_name=sec.server_name)
 
 
 def _mkdir(p: Path) -> Path:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+from memserver.api.auth import AuthConfig, generate_token
 from memserver.server.config import TlsFiles
 
 #: The DNS name in every generated certificate; clients verify it whatever address they dial.
@@ -81,3 +83,39 @@ def self_signed(directory: str | os.PathLike[str], addresses: list[str]) -> tupl
     atomic_write(d / "server-key.pem", lambda f: f.write(key_pem), mode=0o600)
     atomic_write(d / "server-cert.pem", lambda f: f.write(pem), mode=0o644)
     return TlsFiles(str(d / "server-cert.pem"), str(d / "server-key.pem")), pem
+
+
+@dataclass(frozen=True)
+class Security:
+    """What a cluster's servers are started with, and what was made for them (for the endpoint
+    file): `tokens` (write, read) and `ca`/`server_name` only when made here. `warning`: the line to
+    log when servers face the network without tokens or TLS (--insecure)."""
+
+    auth: AuthConfig | None
+    tls: TlsFiles | None
+    tokens: tuple[str, str] | None = None
+    ca: bytes | None = None
+    server_name: str | None = None
+    warning: str = ""
+
+
+def secure_defaults(host: str | None, auth: AuthConfig | None, tls: TlsFiles | None, insecure: bool,
+                    tls_dir: str | os.PathLike[str], nodes: list[str]) -> Security:
+    """The one rule: servers listening beyond loopback (`network_facing(host)`) get the tokens and
+    TLS the caller did not give, made here (the certificate for SERVER_NAME, `host` and `nodes`,
+    written under `tls_dir`), unless `insecure`, which makes none and says so."""
+    missing = [what for what, given in (("tokens", auth), ("TLS", tls)) if given is None]
+    if not network_facing(host) or not missing:
+        return Security(auth, tls)
+    where = host or "each node's address"
+    if insecure:
+        return Security(auth, tls, warning=f"INSECURE (--insecure): servers listen on {where} without "
+                        f"{' or '.join(missing)}: anyone who reaches their ports can read and write every table")
+    tokens, ca, name = None, None, None
+    if auth is None:
+        tokens = (generate_token(), generate_token())
+        auth = AuthConfig.from_tokens(*tokens)
+    if tls is None:
+        tls, ca = self_signed(tls_dir, [*([host] if host else []), *nodes])
+        name = SERVER_NAME
+    return Security(auth, tls, tokens, ca, name)

@@ -1,0 +1,140 @@
+"""Secure by default (memserver.cluster.secure) and `memserver join-info`: the rule, the files it
+makes and their modes, the certificate a client checks by name, and the join-info file. The whole
+path on real hosts is tests/test_hosts.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memserver.api.auth import AuthConfig
+from memserver.cluster.endpoint import join_info, write_endpoint
+from memserver.cluster.secure import SERVER_NAME, is_loopback, network_facing, secure_defaults
+from memserver.server.config import TlsFiles
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_which_addresses_face_the_network():
+    for host in ("127.0.0.1", "127.5.0.1", "::1", "[::1]", "localhost"):
+        assert is_loopback(host) and not network_facing(host)
+    for host in ("10.213.0.12", "192.168.1.4", "fe80::1", "node-3.cluster.local"):
+        assert not is_loopback(host) and network_facing(host)
+    assert network_facing(None)  # each server on its own node's address
+
+
+def test_loopback_changes_nothing(tmp_path):
+    sec = secure_defaults("127.0.0.1", None, None, False, tmp_path / "tls", [])
+    assert (sec.auth, sec.tls, sec.tokens, sec.ca, sec.warning) == (None, None, None, None, "")
+    assert not (tmp_path / "tls").exists()
+
+
+def test_network_facing_servers_get_tokens_and_a_certificate(tmp_path):
+    from cryptography import x509
+
+    sec = secure_defaults(None, None, None, False, tmp_path / "tls", ["10.213.0.11", "10.213.0.12"])
+    write, read = sec.tokens
+    assert write != read and sec.auth == AuthConfig.from_tokens(write, read)
+    assert sec.server_name == SERVER_NAME and sec.warning == ""
+    key, cert = Path(sec.tls.key), Path(sec.tls.cert)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and cert.read_bytes() == sec.ca
+    sans = x509.load_pem_x509_certificate(sec.ca).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == [SERVER_NAME]
+    assert [str(a) for a in sans.get_values_for_type(x509.IPAddress)] == ["10.213.0.11", "10.213.0.12"]
+    # only what is missing is made: given tokens stay, a certificate is still made (and the reverse)
+    given = AuthConfig.from_tokens("w" * 8)
+    sec2 = secure_defaults("10.0.0.5", given, None, False, tmp_path / "tls2", [])
+    assert sec2.auth is given and sec2.tokens is None and sec2.ca is not None
+    files = TlsFiles("c.pem", "k.pem")
+    sec3 = secure_defaults("10.0.0.5", None, files, False, tmp_path / "tls3", [])
+    assert sec3.tls is files and sec3.tokens is not None and sec3.ca is None and not (tmp_path / "tls3").exists()
+
+
+def test_insecure_makes_nothing_and_says_so(tmp_path):
+    sec = secure_defaults("10.0.0.5", None, None, True, tmp_path / "tls", [])
+    assert sec.auth is None and sec.tls is None and not (tmp_path / "tls").exists()
+    assert sec.warning.startswith("INSECURE") and "10.0.0.5" in sec.warning and "tokens or TLS" in sec.warning
+
+
+def test_a_certificate_made_for_the_name_is_checked_by_the_name(tmp_path):
+    """A client dials 127.0.0.1 and checks the certificate against SERVER_NAME (a shard Ray moved
+    to another host has another address): accepted; against another name: refused."""
+    import grpc
+    import torch
+
+    from client.channels import ClientTls, sync_channel
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.loop import LoopThread
+    from memserver.server.config import ServeConfig
+    from memserver.server.dataplane import DataPlaneServicer
+    from memserver.server.grpcserver import serve_on
+
+    sec = secure_defaults("10.9.9.9", None, None, False, tmp_path / "tls", [])  # not this machine's address
+    loop = LoopThread("secure-test")
+    server, port = serve_on(loop, lambda s: pb_grpc.add_DataPlaneServicer_to_server(DataPlaneServicer(torch.device("cpu")), s),
+                            ["memserver.v1.DataPlane"], "127.0.0.1", config=ServeConfig(auth=sec.auth, tls=sec.tls))
+    try:
+        def lookup(name: str) -> str:
+            with sync_channel(f"127.0.0.1:{port}", retries=False, token=sec.tokens[0],
+                              tls=ClientTls(sec.ca, name)) as ch:
+                try:
+                    pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="nope"), timeout=10)
+                except grpc.RpcError as exc:
+                    return exc.code().name
+            return "OK"
+
+        assert lookup(SERVER_NAME) == "NOT_FOUND"  # through TLS and the token check to the handler
+        assert lookup("someone-else") == "UNAVAILABLE"  # the certificate does not name it
+    finally:
+        loop.call(server.stop(None))
+        loop.stop()
+
+
+def test_join_info_carries_one_token_and_the_ca():
+    rec = {"endpoint": "10.213.0.11:5000", "pid": 7, "token": "W", "read_token": "R", "tls_ca": "PEM",
+           "tls_server_name": "memserver", "shards": ["x"], "ray_address": "y"}
+    assert join_info(rec) == {"endpoint": "10.213.0.11:5000", "token": "W", "tls_ca": "PEM", "tls_server_name": "memserver"}
+    assert join_info(rec, read_only=True)["token"] == "R"
+    with pytest.raises(ValueError, match="no read token"):
+        join_info({**rec, "read_token": None}, read_only=True)
+    assert join_info({"endpoint": "127.0.0.1:1", "pid": 1}) == {"endpoint": "127.0.0.1:1"}
+
+
+def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
+    home = tmp_path / "home"
+    write_endpoint({"endpoint": "10.213.0.11:5000", "pid": 999999, "token": "W", "read_token": "R",
+                    "tls_ca": "PEM"}, home / "endpoint.json")
+    env = {**os.environ, "MEMSERVER_HOME": str(home)}
+    env.pop("MEMSERVER_ENDPOINT_FILE", None)
+    out = tmp_path / "join.json"
+    with open(out, "w") as f:  # `memserver join-info > join.json`, under a permissive umask
+        os.chmod(out, 0o644)
+        r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info"], stdout=f, stderr=subprocess.PIPE,
+                           env=env, cwd=ROOT, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert json.loads(out.read_text()) == {"endpoint": "10.213.0.11:5000", "token": "W", "tls_ca": "PEM"}
+    o = tmp_path / "ro.json"
+    r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info", "--read-only", "-o", str(o)],
+                       capture_output=True, env=env, cwd=ROOT, text=True, timeout=60)
+    assert r.returncode == 0 and "MEMSERVER_ENDPOINT_FILE" in r.stderr
+    assert stat.S_IMODE(o.stat().st_mode) == 0o600 and json.loads(o.read_text())["token"] == "R"
+    # on the client's host the file is the endpoint file: clients read it, `down` stops nothing
+    env2 = {**env, "MEMSERVER_ENDPOINT_FILE": str(out)}
+    r = subprocess.run([sys.executable, "-m", "memserver.cli", "down"], capture_output=True, env=env2, cwd=ROOT,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "started elsewhere" in r.stdout and out.exists()
+    from client.channels import client_tls, client_token
+
+    os.environ["MEMSERVER_ENDPOINT_FILE"] = str(out)
+    try:
+        assert client_token(None) == "W" and client_tls(None).ca == b"PEM"
+    finally:
+        del os.environ["MEMSERVER_ENDPOINT_FILE"]
