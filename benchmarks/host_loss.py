@@ -14,9 +14,10 @@ data directory in the shared work directory, standing in for NFS):
   declares the node dead (health checks tuned to ~3 s on the head), reschedules the shard's
   placement bundle on h3 and restarts the actor there; the shard loads its checkpoint and log
   from the shared directory and serves at h3's address; the trainer's calls retry and go on.
-- `partition`: after step K, h1's cable out for `--down` seconds, then back in (Ray's default
-  30 s health checks, so the node is not declared dead). Calls to h1 wait and retry within their
-  deadlines; no push is applied twice.
+- `partition`: after step K, h1's cable out for `--down` seconds (8), then back in (Ray's default
+  30 s health checks, so the node is not declared dead). The trainer's calls have a 3 s deadline
+  per attempt (`--call-timeout`): calls to h1 time out and are sent again (same write tags) until
+  the link is back; no push is applied twice.
 
 The reference is the same training (same seed, same flags) on another table of the same cluster,
 run first: every acknowledged update is in the table exactly when the two tables are equal.
@@ -42,6 +43,7 @@ def _train(hosts: Hosts, mh: MemoryHosts, table: str, steps: int, **kw: Any) -> 
             "--checkpoint-dir", str(mh.data_dir / f"ck-{table}")]
     if kw.get("progress"):
         argv += ["--progress", str(kw["progress"]), "--watch"]
+    argv += ["--timeout", str(kw.get("timeout", 30))]
     return hosts.popen(0, argv, log=f"{table}.log", env=mh.client_env()), out
 
 
@@ -56,7 +58,7 @@ def _finish(hosts: Hosts, proc: Any, out: Path, table: str, timeout: float) -> d
     return json.loads(out.read_text())
 
 
-def scenario(kind: str, steps: int, at: int, down: float) -> dict[str, Any]:
+def scenario(kind: str, steps: int, at: int, down: float, call_timeout: float) -> dict[str, Any]:
     t0 = time.monotonic()
     with Hosts(4) as hosts:
         mh = MemoryHosts(hosts, shard_hosts=[1, 2], up_args=["--placement", "STRICT_SPREAD"],
@@ -64,10 +66,11 @@ def scenario(kind: str, steps: int, at: int, down: float) -> dict[str, Any]:
         try:
             mh.start()
             hosts.ray_worker(3, num_cpus=1, env=mh.env())  # the spare: joins after the shards were placed
-            ref_proc, ref_out = _train(hosts, mh, "ref", steps)
+            ref_proc, ref_out = _train(hosts, mh, "ref", steps, timeout=call_timeout)
             ref = _finish(hosts, ref_proc, ref_out, "ref", 300)
             progress = hosts.work / "progress"
-            proc, out = _train(hosts, mh, "run", steps, progress=progress)
+            # the partition outlasts a call's deadline: attempts time out and are sent again
+            proc, out = _train(hosts, mh, "run", steps, progress=progress, timeout=call_timeout)
             wait_for(f"step {at}", lambda: int(progress.read_text() or 0) >= at or None if progress.exists() else None,
                      180, interval=0.02)
             t_fault = time.time()
@@ -80,6 +83,7 @@ def scenario(kind: str, steps: int, at: int, down: float) -> dict[str, Any]:
                 hosts.link(victim, up=True)
                 killed = 0
             run = _finish(hosts, proc, out, "run", 300)
+            run_log = hosts.log("run.log", tail=1 << 30)
         finally:
             mh.stop()
     ref_values, run_values = np.array(ref["values"]), np.array(run["values"])
@@ -110,6 +114,8 @@ def scenario(kind: str, steps: int, at: int, down: float) -> dict[str, Any]:
         result["moved"] = [(s[0], s[3], s[1]) for s in run["shards_after"] if s[3]]
     else:
         result["down_s"] = down
+        result["deadline_retries"] = sum("DEADLINE_EXCEEDED" in line and "retrying in" in line
+                                         for line in run_log.splitlines())
     return result
 
 
@@ -118,14 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", choices=["loss", "partition", "both"], default="both")
     p.add_argument("--steps", type=int, default=40, help="training steps per run")
     p.add_argument("--at", type=int, default=10, help="the fault comes after this step")
-    p.add_argument("--down", type=float, default=5.0, help="partition: seconds the cable is out")
+    p.add_argument("--down", type=float, default=8.0, help="partition: seconds the cable is out")
+    p.add_argument("--call-timeout", type=float, default=3.0, help="the trainer client's deadline per call attempt (s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
     a = p.parse_args(argv)
     if (why := available()) is not None:
         print(f"host_loss: skipped: {why}")
         return 0
     kinds = ["loss", "partition"] if a.scenario == "both" else [a.scenario]
-    results = [scenario(k, a.steps, a.at, a.down) for k in kinds]
+    results = [scenario(k, a.steps, a.at, a.down, a.call_timeout) for k in kinds]
     if a.json:
         for r in results:
             print(json.dumps(r))
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t = Table(title="a lost host, a partition (4 hosts in network namespaces; memtrain remote, wal, cols)")
     for col in ("scenario", "steps", "fault at step", "table vs reference", "losses vs reference",
-                "acknowledged updates lost", "step p50", "the fault's step", "seconds to serve again", "wall"):
+                "acknowledged updates lost", "step p50", "the fault's step", "seconds to serve again",
+                "attempts past their deadline, sent again", "wall"):
         t.add_column(col, justify="left" if col == "scenario" else "right")
     for r in results:
         t.add_row(r["scenario"] + (f" ({r['down_s']:g} s)" if "down_s" in r else ""), str(r["steps"]),
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['loss_max_abs_diff']:.3g}", "0" if r["table_equal"] else "some",
                   f"{r['step_ms_p50']:.0f} ms", f"{r['fault_step_ms']:.0f} ms",
                   f"{r['seconds_to_serve']:.1f}" if r.get("seconds_to_serve") is not None else "-",
+                  str(r.get("deadline_retries", "-")),
                   f"{r['wall_s']:.0f} s")
     Console().print(t)
     for r in results:

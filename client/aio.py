@@ -5,7 +5,8 @@ of its shard requests at once with grpc.aio. Every RPC carries a deadline. Reads
 and writes carry a (client_id, seq) tag the shards deduplicate, so every data-plane call is safe
 to retry: gRPC retries UNAVAILABLE briefly itself (client.channels), and the client keeps
 retrying, re-reading the shard map, for up to `retry_seconds` while a shard or the coordinator
-restarts.
+restarts, or while its attempts run past their deadline (`timeout` is per attempt: a host cut off
+by a partition answers nothing until its link is back).
 
 A server at one of its limits refuses a call with RESOURCE_EXHAUSTED "server overloaded: ..."
 (OverloadedError; memserver.server.admission) before parsing it. The client retries such calls
@@ -35,6 +36,7 @@ from client.ops import ClientSession, Op, OpOptions, WriteTags, finish, like
 from client.shm import ShmTransport
 from client.shm import enabled as shm_enabled
 from memserver.api.errors import (
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     OverloadedError,
@@ -152,19 +154,24 @@ class AsyncMemoryClient:
 
     async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None) -> Any:
         """call(), again with backoff (Backoff) for up to retry_seconds while it fails with
-        UNAVAILABLE (then `on_retry` first: a fresh shard map) or is refused by an overloaded
-        server (OverloadedError: the same map; the server is there, only busy)."""
+        UNAVAILABLE or DEADLINE_EXCEEDED (then `on_retry` first: a fresh shard map) or is refused
+        by an overloaded server (OverloadedError: the same map; the server is there, only busy).
+
+        `timeout` bounds each attempt, `retry_seconds` the retries: an attempt that outlived its
+        deadline (a partitioned host, a lost one before Ray notices) is sent again, reads as
+        they are and writes with the same tags, so a write that did land is answered from the
+        shard's session, never applied twice."""
         backoff = Backoff(self.retry_seconds)
         while True:
             try:
                 return await call()
-            except (UnavailableError, OverloadedError) as exc:
+            except (UnavailableError, DeadlineExceededError, OverloadedError) as exc:
                 sleep = backoff.next()
                 if sleep is None:
                     raise
                 (log.info if isinstance(exc, OverloadedError) else log.warning)("%s; retrying in %.2fs", exc, sleep)
                 await asyncio.sleep(sleep)
-                if on_retry is not None and isinstance(exc, UnavailableError):
+                if on_retry is not None and not isinstance(exc, OverloadedError):
                     await on_retry()
 
     async def _data(self, address: str, method: str, request: bytes) -> Any:

@@ -23,6 +23,7 @@ from client.aio import AsyncMemoryClient, Backoff
 from client.channels import sync_channel
 from client.ops import Op, WriteTags, finish, like
 from memserver.api.errors import (
+    DeadlineExceededError,
     FailedPreconditionError,
     OverloadedError,
     TableNotFoundError,
@@ -68,7 +69,7 @@ class MemoryClient:
         """Run an op with blocking stubs, all its requests in flight at once.
 
         The first attempt runs right here when the shard map is cached. A first call, a shard that
-        is UNAVAILABLE (restarting) or overloaded (after one backoff here) or a table that moved
+        is UNAVAILABLE (restarting) or past its deadline (a partition) or overloaded (after one backoff here) or a table that moved
         goes through the asyncio client's retrying path instead, which runs this same blocking
         attempt in an executor thread; the op keeps its write tags across attempts."""
         timeout = self.aio.timeout
@@ -117,7 +118,7 @@ class MemoryClient:
             if meta is not None:
                 try:
                     return attempt(meta)
-                except (UnavailableError, TableNotFoundError, FailedPreconditionError):
+                except (UnavailableError, DeadlineExceededError, TableNotFoundError, FailedPreconditionError):
                     pass
                 except OverloadedError:
                     sleep = Backoff(self.aio.retry_seconds).next()

@@ -79,7 +79,7 @@ def basic() -> dict[str, Any]:
 
 
 def train_run(table: str, steps: int, progress: Path | None, checkpoint_dir: str | None,
-              watch: bool) -> dict[str, Any]:
+              watch: bool, timeout: float = 30) -> dict[str, Any]:
     """memtrain with remote values on `table` (wal, cols): each step's end time and loss, and the
     table's final values; while `watch`, the status every 0.2 s (when each shard served where)."""
     import threading
@@ -112,7 +112,7 @@ def train_run(table: str, steps: int, progress: Path | None, checkpoint_dir: str
     if watch:
         w.start()
     records = []
-    with MemoryClient(timeout=30, retry_seconds=120) as client:
+    with MemoryClient(timeout=timeout, retry_seconds=120) as client:
         for r in train(build_parser().parse_args(args), client=client):
             records.append({"step": r["step"], "loss": r["loss"], "t": time.time()})
             if progress is not None:
@@ -142,8 +142,10 @@ def main(argv: list[str]) -> int:
         p.add_argument("--progress")
         p.add_argument("--checkpoint-dir")
         p.add_argument("--watch", action="store_true")
+        p.add_argument("--timeout", type=float, default=30, help="each call attempt's deadline, s")
         a = p.parse_args(argv[1:])
-        result = train_run(a.table, a.steps, Path(a.progress) if a.progress else None, a.checkpoint_dir, a.watch)
+        result = train_run(a.table, a.steps, Path(a.progress) if a.progress else None, a.checkpoint_dir, a.watch,
+                           a.timeout)
         Path(a.out).write_text(json.dumps(result))
         return 0
     check, out = argv

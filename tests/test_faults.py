@@ -220,3 +220,36 @@ def test_a_shard_restarted_without_its_data_says_what_was_lost_and_how_to_restor
     np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), saved)
     assert not any(t.unavailable for s in fclient.status().shards for t in s.tables)
     fclient.drop_table(table_name)
+
+
+def test_attempts_past_their_deadline_are_sent_again_and_applied_once(fault_cluster, fclient, client, table_name):
+    """A shard that stops answering for longer than a call's deadline (SIGSTOP: a partition's
+    or a stalled host's view from the client): the attempts time out and are sent again within
+    retry_seconds; when the shard answers, every write was applied exactly once (the late first
+    attempt applies, the retries are answered from the session)."""
+    from client import MemoryClient
+
+    fclient.create_table(table_name, ROWS, DIM, sharding="cols", optimizer="adam", lr=0.05, seed=9)
+    with MemoryClient(fault_cluster.endpoint, timeout=1.0, retry_seconds=60) as c:
+        client.create_table(table_name, ROWS, DIM, sharding="cols", optimizer="adam", lr=0.05, seed=9)
+        stream = batches(8, 4)
+        for ids, g in stream[:2]:
+            c.push_gradients(table_name, ids, g)
+        pid = fclient.status().shards[1].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            timer = threading.Timer(3.5, os.kill, (pid, signal.SIGCONT))
+            timer.start()
+            t0 = time.monotonic()
+            for ids, g in stream[2:]:
+                c.push_gradients(table_name, ids, g)
+            stalled = time.monotonic() - t0
+        finally:
+            timer.join()
+            os.kill(pid, signal.SIGCONT)
+        assert stalled > 3.0  # the calls waited for the shard, through deadlines of 1 s
+        for ids, g in stream:
+            client.push_gradients(table_name, ids, g)
+    np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), client.lookup(table_name, np.arange(ROWS)))
+    fclient.drop_table(table_name)
+    client.drop_table(table_name)
