@@ -253,3 +253,18 @@ def test_attempts_past_their_deadline_are_sent_again_and_applied_once(fault_clus
     np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), client.lookup(table_name, np.arange(ROWS)))
     fclient.drop_table(table_name)
     client.drop_table(table_name)
+
+
+def test_a_checkpoint_asked_while_a_shard_restarts_waits_for_it(fclient, table_name, tmp_path):
+    """A trainer checkpoints at a step barrier while a shard is down (its host was lost): the
+    coordinator answers UNAVAILABLE, the client asks again until the shard is back, and the
+    checkpoint is complete (a manifest, every slice)."""
+    fclient.create_table(table_name, ROWS, DIM, sharding="cols", optimizer="sgd", lr=0.1, wal=True, seed=10)
+    ids, g = batches(9, 1)[0]
+    fclient.push_gradients(table_name, ids, g)
+    before = fclient.lookup(table_name, np.arange(ROWS))
+    kill_shard(fclient, 0)
+    done = fclient.checkpoint(str(tmp_path), step=3, tables=[table_name])
+    assert done["tables"] == [table_name] and (tmp_path / "step-0000000003" / "manifest.json").exists()
+    np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), before)
+    fclient.drop_table(table_name)
