@@ -138,3 +138,18 @@ def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
         assert client_token(None) == "W" and client_tls(None).ca == b"PEM"
     finally:
         del os.environ["MEMSERVER_ENDPOINT_FILE"]
+
+
+def test_status_groups_shards_by_host_and_shows_a_moved_one():
+    from memserver.cli.tables import hosts_of
+
+    def shard(i, address, node, moved="", gpus=0.0):
+        return {"index": i, "address": address, "node_id": node, "data_dir": f"/nfs/data/shard-{i:04d}",
+                "moved_from": moved, "gpus": gpus}
+
+    hosts = hosts_of([shard(0, "10.213.0.13:5001", "n3"), shard(1, "10.213.0.14:5002", "n4", moved="10.213.0.12"),
+                      shard(2, "10.213.0.13:5003", "n3", gpus=1.0), shard(3, "[fe80::1]:5004", "n6")])
+    assert [(h["host"], h["shards"], h["node_ids"], h["gpus"]) for h in hosts] == [
+        ("10.213.0.13", [0, 2], ["n3"], 1.0), ("10.213.0.14", [1], ["n4"], 0.0), ("fe80::1", [3], ["n6"], 0.0)]
+    assert hosts[1]["moved_here"] == [{"shard": 1, "from": "10.213.0.12"}] and hosts[0]["moved_here"] == []
+    assert hosts[0]["data_dirs"] == ["/nfs/data/shard-0000", "/nfs/data/shard-0002"]
