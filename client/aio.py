@@ -16,7 +16,7 @@ through a restart, and more so: the refusing shard applied nothing, and the shar
 apply their part of the call answer the retry from the client's session (same tags) instead of
 applying it twice. Control-plane writes (create, drop, restore, train) are not retried, as on
 UNAVAILABLE: their OverloadedError reaches the caller; a checkpoint is (writing a step again is
-safe), except past its deadline.
+safe).
 """
 
 from __future__ import annotations
@@ -153,8 +153,7 @@ class AsyncMemoryClient:
         """A read-only coordinator call, retried while the coordinator restarts."""
         return await self._retrying(lambda: self._control(method, request))
 
-    async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None,
-                        deadlines: bool = True) -> Any:
+    async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None) -> Any:
         """call(), again with backoff (Backoff) for up to retry_seconds while it fails with
         UNAVAILABLE or DEADLINE_EXCEEDED (then `on_retry` first: a fresh shard map) or is refused
         by an overloaded server (OverloadedError: the same map; the server is there, only busy).
@@ -162,15 +161,12 @@ class AsyncMemoryClient:
         `timeout` bounds each attempt, `retry_seconds` the retries: an attempt that outlived its
         deadline (a partitioned host, a lost one before Ray notices) is sent again, reads as
         they are and writes with the same tags, so a write that did land is answered from the
-        shard's session, never applied twice. `deadlines` False: a call past its deadline is not
-        sent again (it may still be running: a checkpoint)."""
+        shard's session, never applied twice."""
         backoff = Backoff(self.retry_seconds)
         while True:
             try:
                 return await call()
             except (UnavailableError, DeadlineExceededError, OverloadedError) as exc:
-                if isinstance(exc, DeadlineExceededError) and not deadlines:
-                    raise
                 sleep = backoff.next()
                 if sleep is None:
                     raise
@@ -423,11 +419,12 @@ class AsyncMemoryClient:
 
     async def checkpoint(self, dir: str, step: int = 0, tables: list[str] | None = None) -> dict[str, Any]:
         """Make every shard write its slices as of now (call it at a step barrier); returns
-        {path, step, bytes, tables, seconds}. Retried while a shard restarts (UNAVAILABLE) or the
-        coordinator is overloaded: writing the same step again replaces its files one by one and
-        the manifest last, so a retry is safe where a trainer checkpoints through a lost host."""
+        {path, step, bytes, tables, seconds}. Retried like a data-plane call (a shard restarting,
+        an attempt past its deadline while a host is cut off, an overloaded coordinator): writing
+        the same step again replaces each slice file and its record entry, then the manifest, so
+        a trainer checkpoints through a lost host or a partition."""
         request = pb.CheckpointRequest(dir=str(dir), step=step, tables=tables or [])
-        r = await self._retrying(lambda: self._control("Checkpoint", request), deadlines=False)
+        r = await self._retrying(lambda: self._control("Checkpoint", request))
         return {"path": r.path, "step": r.step, "bytes": r.bytes, "tables": list(r.tables), "seconds": r.seconds}
 
     async def restore(self, dir: str, step: int = 0, *, replace: bool = False, num_shards: int = 0,

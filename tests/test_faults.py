@@ -255,10 +255,12 @@ def test_attempts_past_their_deadline_are_sent_again_and_applied_once(fault_clus
     client.drop_table(table_name)
 
 
-def test_a_checkpoint_asked_while_a_shard_restarts_waits_for_it(fclient, table_name, tmp_path):
+def test_a_checkpoint_asked_while_a_shard_restarts_waits_for_it(fault_cluster, fclient, table_name, tmp_path):
     """A trainer checkpoints at a step barrier while a shard is down (its host was lost): the
     coordinator answers UNAVAILABLE, the client asks again until the shard is back, and the
-    checkpoint is complete (a manifest, every slice)."""
+    checkpoint is complete (a manifest, every slice). Asking for the same step again (a retry
+    whose first attempt did land) keeps one record entry per file."""
+    import json
     fclient.create_table(table_name, ROWS, DIM, sharding="cols", optimizer="sgd", lr=0.1, wal=True, seed=10)
     ids, g = batches(9, 1)[0]
     fclient.push_gradients(table_name, ids, g)
@@ -267,4 +269,10 @@ def test_a_checkpoint_asked_while_a_shard_restarts_waits_for_it(fclient, table_n
     done = fclient.checkpoint(str(tmp_path), step=3, tables=[table_name])
     assert done["tables"] == [table_name] and (tmp_path / "step-0000000003" / "manifest.json").exists()
     np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), before)
+    fclient.checkpoint(str(tmp_path), step=3, tables=[table_name])
+    for i in range(2):
+        record = json.loads(open(os.path.join(fault_cluster.data_dir, f"shard-{i:04d}", table_name,
+                                              "table.json")).read())
+        files = [c["file"] for c in record["checkpoints"]]
+        assert len(files) == len(set(files)) == 1, files
     fclient.drop_table(table_name)

@@ -253,7 +253,8 @@ class ShardActor:
                 record = self.store.record(name)
                 if record is not None:
                     previous = latest_committed(record)
-                    kept = [*record["checkpoints"], entry][-KEEP_CHECKPOINTS:]
+                    # the same step again (a client's retry) replaces its entry: checkpointing is idempotent
+                    kept = [*(c for c in record["checkpoints"] if c["file"] != path), entry][-KEEP_CHECKPOINTS:]
                     if previous is not None and previous not in kept:  # the log after it is all we have
                         kept = [previous, *kept[1:]]
                     record["checkpoints"] = kept
