@@ -183,8 +183,9 @@ def _raw_steps(pair: Pair, seeds: tuple[int, ...], step: int, first_seq: int) ->
     return stubs
 
 
-def _phase(stubs, step: int, phase: int, seq: int, acked_below: int, parts: list[int] = (), attempt: int = 0):
-    return [stub.CommitStep(pb.CommitStepRequest(table=NAME, step=step, phase=phase, part_seqs=parts,
+def _phase(stubs, step: int, phase: int, seq: int, acked_below: int, seqs: list[int] = (), attempt: int = 0,
+           parts: int = 0):
+    return [stub.CommitStep(pb.CommitStepRequest(table=NAME, step=step, phase=phase, part_seqs=seqs, parts=parts,
                                                  tag=pb.WriteTag(client_id="raw", seq=seq, acked_below=acked_below,
                                                                  attempt=attempt)))
             for stub in stubs]
@@ -358,3 +359,16 @@ def test_a_sync_table_applies_the_mean_once_every_trainer_committed(pairs, defer
     for got, want in zip(run.state(), ref.state()):
         for k in ("weight", "acc", "updates"):
             torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def test_an_old_client_s_count_commit_still_applies_on_its_shard(pairs):
+    """Backward compatibility: CommitStep without a phase carries a part count and is decided by
+    each shard alone, as before the two phases."""
+    run, ref = pairs("run"), pairs("ref", client_id="raw")
+    train_step(ref.client, 1, (1, 2))
+    stubs = _raw_steps(run, (1, 2), 1, 1)
+    with pytest.raises(grpc.RpcError) as err:
+        _phase(stubs[:1], 1, pb.STEP_PHASE_UNSPECIFIED, 3, 1, parts=3)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "this shard has 2" in err.value.details()
+    _phase(stubs, 1, pb.STEP_PHASE_UNSPECIFIED, 4, 1, parts=2)
+    assert_same(run.state(), ref.state())
