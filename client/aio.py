@@ -40,6 +40,7 @@ from memserver.api.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
+    MemserverError,
     OverloadedError,
     TableNotFoundError,
     UnavailableError,
@@ -469,10 +470,21 @@ class AsyncMemoryClient:
 
     async def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
         """Apply this client's `gather` parts of `step` as one optimizer step (a sync_updates table:
-        once every trainer committed, their mean). Returns the rows updated now."""
-        tags = self.tags()
-        parts = self.session.pop_step_parts(table, step)
-        return await self._call(table, lambda meta: ops.commit_step_op(meta, step, parts, tags, defer_apply), tags)
+        once every trainer committed, their mean), on every shard of the table or on none: two
+        phases, PREPARE then COMMIT or ABORT (client.ops.commit_step_plan; one call on a table of
+        one shard). Raises StepAbortedError, naming the shard, when a shard lacks a part it
+        acknowledged: nothing of the step is applied anywhere. Returns the rows updated now."""
+        plan = ops.commit_step_plan(self.session, table, step, len((await self.table(table)).shards), defer_apply)
+        make, tags = next(plan)
+        while True:
+            try:
+                got: Any = await self._call(table, make, tags)
+            except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
+                got = exc
+            try:
+                make, tags = plan.send(got)
+            except StopIteration as done:
+                return done.value
 
     async def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         """Apply row gradients through the table's optimizer; duplicate ids are summed first.

@@ -10,6 +10,7 @@ the load test's users under gevent. One implementation of each call for all of t
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
@@ -18,7 +19,13 @@ from typing import Any
 import torch
 
 from client.merge import merge_topk
-from memserver.api.errors import InvalidArgumentError
+from memserver.api.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    MemserverError,
+    StepAbortedError,
+    TableNotFoundError,
+)
 from memserver.api.types import MAX_INSPECT_SLOTS, MAX_SEARCH_K, ShardMeta, TableMeta
 from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
@@ -42,6 +49,7 @@ from memserver.wire import (
 Op = Generator[list[tuple[str, str, Any]], list[Any], Any]
 #: Requests and responses are kept below this size; larger batches are split into parts.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,12 +63,14 @@ class OpOptions:
 class ClientSession:
     """The client's side of its sessions on the shards (memserver.server.sessions): its write
     seqs, which of them are in flight (the lowest one is what the shards may forget below), which
-    table slices have answered one of its writes, and the parts of training steps it has sent
-    and not yet committed. Shared by the asyncio and blocking clients, hence the lock.
+    table slices have answered one of its writes, the parts of training steps it has sent and not
+    yet committed, and the commit decisions that have not reached every shard yet. Shared by the
+    asyncio and blocking clients, hence the lock.
 
-    Bounds: `_in_flight` holds the seqs of calls running now; `_known` one entry per slice of the
-    tables this client has written to; `_parts` the steps sent and not committed (at most
-    MAX_OPEN_STEPS, the oldest dropped first)."""
+    Bounds: `_in_flight` holds the seqs of calls running now (and of undecided commits);
+    `_known` one entry per slice of the tables this client has written to; `_parts` the steps
+    sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
+    decisions a shard could not be reached with, re-sent by the table's next commit_step."""
 
     MAX_OPEN_STEPS = 64
 
@@ -70,7 +80,9 @@ class ClientSession:
         self._next = 1
         self._in_flight: set[int] = set()
         self._known: set[tuple[int, int]] = set()  # (layout_id, shard index)
-        self._parts: dict[tuple[str, int], dict[int, int]] = {}  # (table, step) -> shard index -> parts
+        # (table, step) -> shard index -> the seqs of the gather parts that shard acknowledged
+        self._parts: dict[tuple[str, int], dict[int, set[int]]] = {}
+        self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]] = {}
 
     def new_seq(self) -> int:
         with self._lock:
@@ -96,29 +108,51 @@ class ClientSession:
         return (meta.layout_id, shard.index) in self._known
 
     def step_parts(self, table: str, step: int) -> StepParts:
-        """Where bag_backward_op (gather) counts the parts of `step` it delivered, per shard."""
+        """Where bag_backward_op (gather) records the parts of `step` each shard acknowledged."""
         return StepParts(self, (table, step))
 
-    def count_part(self, key: tuple[str, int], shard: int) -> None:
+    def add_part(self, key: tuple[str, int], shard: int, seq: int) -> None:
         with self._lock:  # several threads may send parts of one step
             if key not in self._parts and len(self._parts) >= self.MAX_OPEN_STEPS:
                 del self._parts[next(iter(self._parts))]
-            counts = self._parts.setdefault(key, {})
-            counts[shard] = counts.get(shard, 0) + 1
+            self._parts.setdefault(key, {}).setdefault(shard, set()).add(seq)
 
-    def pop_step_parts(self, table: str, step: int) -> dict[int, int]:
+    def parts_of(self, table: str, step: int) -> dict[int, list[int]]:
+        """shard index -> the seqs of the parts of `step` it acknowledged, in order."""
         with self._lock:
-            return self._parts.pop((table, step), {})
+            return {sh: sorted(seqs) for sh, seqs in self._parts.get((table, step), {}).items()}
+
+    def forget_step(self, table: str, step: int) -> None:
+        with self._lock:
+            self._parts.pop((table, step), None)
+
+    def undecided(self, table: str) -> dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]:
+        """The commit decisions of `table` some shard may not have: step -> (phase, tags, parts)."""
+        with self._lock:
+            return dict(self._undecided.get(table, {}))
+
+    def set_undecided(self, table: str, step: int,
+                      decision: tuple[int, WriteTags, dict[int, list[int]] | None] | None) -> None:
+        """Keep a decision to re-send (its tags are held: their seqs stay in flight, so every shard
+        keeps its answer for the re-send), or (None) forget it once delivered, releasing them."""
+        with self._lock:
+            if decision is not None:
+                self._undecided.setdefault(table, {})[step] = decision
+                return
+            _, tags, _ = self._undecided.get(table, {}).pop(step, (0, None, None))
+        if tags is not None:
+            tags.held = False
+            tags.close()
 
 
 class StepParts:
-    """The part counter of one (table, step) of a ClientSession."""
+    """The parts of one (table, step) of a ClientSession."""
 
     def __init__(self, session: ClientSession, key: tuple[str, int]) -> None:
         self.session, self.key = session, key
 
-    def add(self, shard: int) -> None:
-        self.session.count_part(self.key, shard)
+    def add(self, shard: int, seq: int) -> None:
+        self.session.add_part(self.key, shard, seq)
 
 
 class WriteTags:
@@ -127,15 +161,17 @@ class WriteTags:
 
     `attempt` tells a shard the write may have been applied before; it is sent only to slices
     that have answered one of this session's writes, since a slice that never did cannot have
-    forgotten the session (see memserver.server.sessions)."""
+    forgotten the session (see memserver.server.sessions). `held`: the call's seqs stay in flight
+    when it ends (a commit decision to re-send later)."""
 
     def __init__(self, session: ClientSession) -> None:
         self.session = session
         self.seqs: dict[int, int] = {}
         self.attempt = 0
+        self.held = False
 
     def begin_attempt(self, first: bool) -> None:
-        self.attempt = 0 if first else self.attempt + 1
+        self.attempt = 0 if first and not self.seqs else self.attempt + 1
 
     def __call__(self, part: int, meta: TableMeta, shard: ShardMeta) -> pb.WriteTag:
         seq = self.seqs.get(part)
@@ -147,13 +183,14 @@ class WriteTags:
 
     def reset(self) -> None:
         """Start over with new seqs: the table was re-created, so these writes never reached it."""
-        self.close()
+        self.session.release(self.seqs.values())
         self.seqs.clear()
         self.attempt = 0
 
     def close(self) -> None:
         """The call is over (answered or failed for good): the shards may forget its answers."""
-        self.session.release(self.seqs.values())
+        if not self.held:
+            self.session.release(self.seqs.values())
 
 
 def finish(op: Op, answers: list[Any]) -> Any:
@@ -379,8 +416,10 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
                     tags: WriteTags, defer_apply: bool = False, step: int = 0, parts: StepParts | None = None) -> Op:
     """dL/dweights (shape of ids); the shards apply weights * grad_out to the rows (exactly once).
 
-    `parts` given: each request is a `gather` part of `step` (the update waits for commit_step_op),
-    and `parts` counts, per shard index, the parts this call delivered."""
+    `parts` given: each request is a `gather` part of `step` (the update waits for commit_step_plan),
+    and `parts` records, per shard index, the seqs of the parts this call delivered: only once
+    every shard answered (a call that fails for good lists none; shards that stored a part of it
+    drop it when the step is prepared)."""
     t_ids, w, off, num_bags = _bag_args(meta, ids, weights, offsets)
     g = _floats(grad_out, "grad_out")
     check_rows(g, num_bags, meta.dim, "grad_out")
@@ -395,34 +434,103 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
         enc = _encoder(meta)
         for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
             g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
-            req = Lazy(pb.BagBackwardRequest(table=meta.name, tag=tags(part, meta, sh), defer_apply=defer_apply,
+            tag = tags(part, meta, sh)
+            req = Lazy(pb.BagBackwardRequest(table=meta.name, tag=tag, defer_apply=defer_apply,
                                              step=step, layout_id=meta.layout_id, gather=parts is not None),
                        {"ids": enc(s_ids, ids=True), "weights": enc(s_w), "grad_out": wire_tensor(g_sh, opts.wire_dtype)})
             # no answer space: dL/dw comes back inline (the session keeps it for a retry's answer)
             if s_off is not None:
                 req.tensors["offsets"] = enc(s_off)
             calls.append((sh.address, "BagBackward", req))
-            places.append((sh, entries, mask))
-    for (sh, entries, mask), resp in zip(places, (yield calls)):
+            places.append((sh, entries, mask, tag.seq))
+    for (sh, entries, mask, seq), resp in zip(places, (yield calls)):
         got = decode(resp.grad_weights, "grad_weights").reshape(-1)
         if mask is None:
             _into(flat_gw, (entries,), got, add=True)  # cols: each shard's dot product covers its columns
         else:
             flat_gw[entries][mask] = got  # rows: each entry lives on one shard
         if parts is not None:
-            parts.add(sh.index)
+            parts.add(sh.index, seq)
     return grad_w
 
 
-def commit_step_op(meta: TableMeta, step: int, parts: dict[int, int], tags: WriteTags, defer_apply: bool = False) -> Op:
-    """Close this client's contribution to `step` on every shard (see CommitStepRequest); returns
-    the rows updated now (0 while a sync table waits for other trainers, or when deferred)."""
+def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts: dict[int, list[int]] | None = None,
+                  defer_apply: bool = False) -> Op:
+    """One phase of closing this client's contribution to `step`, on every shard (see
+    CommitStepRequest). PREPARE on a table of one shard is PREPARE_COMMIT. Returns (rows updated
+    now, whether the step is committed)."""
+    if phase == pb.STEP_PREPARE and len(meta.shards) == 1:
+        phase = pb.STEP_PREPARE_COMMIT
     calls = [(sh.address, "CommitStep",
-              pb.CommitStepRequest(table=meta.name, step=step, parts=parts.get(sh.index, 0), tag=tags(0, meta, sh),
-                                   defer_apply=defer_apply, layout_id=meta.layout_id))
+              pb.CommitStepRequest(table=meta.name, step=step, phase=phase, tag=tags(0, meta, sh),
+                                   part_seqs=(parts or {}).get(sh.index, []), defer_apply=defer_apply,
+                                   layout_id=meta.layout_id))
              for sh in meta.shards]
     acks = yield calls
-    return int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
+    rows = int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
+    return rows, phase in (pb.STEP_COMMIT, pb.STEP_PREPARE_COMMIT)
+
+
+#: A commit plan yields (make_op, tags) and is sent the op's result, or the MemserverError it
+#: raised (client.sync and client.aio run it: `commit_step`).
+CommitPlan = Generator[tuple[Callable[[TableMeta], Op], WriteTags], Any, int]
+
+_PHASES = {pb.STEP_COMMIT: "commit", pb.STEP_ABORT: "abort", pb.STEP_PREPARE_COMMIT: "commit"}
+#: Refusals that re-sending cannot change (the shard answered): a decision refused so is not kept.
+_FINAL = (FailedPreconditionError, StepAbortedError, TableNotFoundError, InvalidArgumentError)
+
+
+def commit_step_plan(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool = False
+                     ) -> CommitPlan:
+    """Commit this client's `gather` parts of `step` on every shard of `table` (`shards` of them),
+    or on none: PREPARE on every shard (each checks it holds exactly the parts it acknowledged),
+    then COMMIT on every shard if all prepared, else ABORT on every shard and raise
+    StepAbortedError naming the shard that refused. One shard: one call (PREPARE_COMMIT). A
+    decision that cannot reach a shard (unavailable past the client's retries) is kept, its seqs
+    in flight, and re-sent with the same tags before the table's next commit, which raises until
+    it is delivered. Returns the rows updated now."""
+    for st, (phase, tags, parts) in session.undecided(table).items():
+        got = yield (lambda meta, st=st, phase=phase, tags=tags, parts=parts:
+                     step_phase_op(meta, st, phase, tags, parts)), tags
+        if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
+            raise type(got)(f"table {table}: step {step} is not committed: the {_PHASES[phase]} of step {st} has not "
+                            f"reached every shard yet ({got.details}); commit step {step} again later",
+                            target=got.target)
+        if isinstance(got, MemserverError):
+            log.warning("table %s: the %s of step %d was refused: %s", table, _PHASES[phase], st, got)
+        session.set_undecided(table, st, None)
+    parts = session.parts_of(table, step)
+    session.forget_step(table, step)
+    prepare = WriteTags(session)
+    prepare.held = shards == 1  # PREPARE_COMMIT is a decision: kept if it may not have arrived
+    voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply)), prepare
+    if shards == 1 and isinstance(voted, MemserverError) and not isinstance(voted, _FINAL):
+        session.set_undecided(table, step, (pb.STEP_PREPARE_COMMIT, prepare, parts))
+        raise _undelivered(voted, table, step, pb.STEP_PREPARE_COMMIT)
+    prepare.held = False
+    prepare.close()
+    if not isinstance(voted, MemserverError) and voted[1]:  # one shard: prepared and committed at once
+        return voted[0]
+    decision = pb.STEP_ABORT if isinstance(voted, MemserverError) else pb.STEP_COMMIT
+    decide = WriteTags(session)
+    decide.held = True  # its seqs stay in flight until every shard has the decision
+    got = yield (lambda meta: step_phase_op(meta, step, decision, decide, None, defer_apply)), decide
+    if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
+        session.set_undecided(table, step, (decision, decide, None))
+        raise _undelivered(got, table, step, decision)
+    decide.held = False
+    decide.close()
+    if isinstance(got, MemserverError):
+        raise got
+    if isinstance(voted, MemserverError):
+        raise StepAbortedError(f"table {table}: step {step} aborted on every shard, nothing of it applied: "
+                               f"{voted.details}", target=voted.target)
+    return got[0]
+
+
+def _undelivered(exc: MemserverError, table: str, step: int, phase: int) -> MemserverError:
+    return type(exc)(f"table {table}: step {step}: the {_PHASES[phase]} did not reach every shard ({exc.details}); "
+                     "this client re-sends it before the table's next commit", target=exc.target)
 
 
 def push_op(meta: TableMeta, ids: Any, grads: Any, opts: OpOptions, tags: WriteTags) -> Op:

@@ -25,6 +25,7 @@ from client.ops import Op, WriteTags, finish, like
 from memserver.api.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
+    MemserverError,
     OverloadedError,
     TableNotFoundError,
     UnavailableError,
@@ -197,9 +198,18 @@ class MemoryClient:
         return like(self._call(table, op, tags), weights)
 
     def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
-        tags = self.aio.tags()
-        parts = self.aio.session.pop_step_parts(table, step)
-        return self._call(table, lambda meta: ops.commit_step_op(meta, step, parts, tags, defer_apply), tags)
+        meta = self.aio._tables.get(table) or self.table(table)
+        plan = ops.commit_step_plan(self.aio.session, table, step, len(meta.shards), defer_apply)
+        make, tags = next(plan)
+        while True:
+            try:
+                got: Any = self._call(table, make, tags)
+            except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
+                got = exc
+            try:
+                make, tags = plan.send(got)
+            except StopIteration as done:
+                return done.value
 
     def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         tags = self.aio.tags()

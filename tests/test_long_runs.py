@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import FailedPreconditionError
+from client import FailedPreconditionError, StepAbortedError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.server.catalog import plan_table, validate_spec
@@ -130,14 +130,14 @@ def test_parts_of_a_step_make_one_optimizer_step(client, table_name):
 
 
 def test_a_commit_whose_parts_did_not_all_arrive_is_refused(client, table_name):
-    """The shard refuses and applies nothing of the step (on a table of several shards, each
-    shard decides for its own slice: see CommitStepRequest)."""
+    """The shard refuses and nothing of the step is applied (on a table of several shards, on none
+    of them: tests/test_commit.py)."""
     client.create_table(table_name, 64, DIM, sharding="cols", optimizer="sgd", lr=1.0, num_shards=1)
     before = client.lookup(table_name, np.arange(64))
     client.bag_backward(table_name, [[1, 2]], np.ones((1, 2), np.float32), np.ones((1, DIM), np.float32), step=7,
                         gather=True)
-    client.aio.session.step_parts(table_name, 7).add(0)  # claim a part shard 0 never received
-    with pytest.raises(FailedPreconditionError, match="sent 2 part"):
+    client.aio.session.step_parts(table_name, 7).add(0, 10**9)  # claim a part shard 0 never received
+    with pytest.raises(StepAbortedError, match="shard 0 does not hold part.s. seq 1000000000"):
         client.commit_step(table_name, 7)
     np.testing.assert_array_equal(client.lookup(table_name, np.arange(64)), before)
 
@@ -329,8 +329,8 @@ def test_dropping_old_open_steps_never_drops_the_step_just_sent():
     sl = _slice()
     part = (torch.tensor([1]), torch.tensor([0]), torch.tensor([1.0]), torch.ones(1, 4))
     for step in range(1, MAX_OPEN_STEPS + 1):
-        sl.gather(step, "c", part)
-    sl.gather(0, "late", part)  # a lagging trainer's step is the oldest one
+        sl.gather(step, "c", step, part)
+    sl.gather(0, "late", 1, part)  # a lagging trainer's step is the oldest one
     assert 0 in sl.steps and 1 not in sl.steps and len(sl.steps) == MAX_OPEN_STEPS
 
 

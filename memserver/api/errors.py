@@ -46,9 +46,17 @@ class TableExistsError(MemserverError):
 class FailedPreconditionError(MemserverError):
     """The request is well formed but the server's state does not allow it: the client's shard map
     is of an earlier incarnation of the table (it refreshes the map and retries once), a retry from
-    a session the shard no longer remembers, a step whose parts did not all arrive."""
+    a session the shard no longer remembers, a commit of a step that is not prepared."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StepAbortedError(MemserverError):
+    """A training step's commit was aborted on every shard of the table: a shard did not hold every
+    part the client sent it (the message names the shard and the parts). Nothing of the client's
+    step is applied anywhere; the table stays at the previous step."""
+
+    code = grpc.StatusCode.ABORTED
 
 
 class DataLossError(MemserverError):
@@ -104,6 +112,7 @@ ERRORS: tuple[type[MemserverError], ...] = (
     TableNotFoundError,
     TableExistsError,
     FailedPreconditionError,
+    StepAbortedError,
     DataLossError,
     ResourceExhaustedError,
     UnavailableError,

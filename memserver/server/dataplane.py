@@ -194,7 +194,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             def apply() -> pb.Tensor:
                 grad_w, update = sl.table.bag_grad(local, weights, offsets, grad_out)
                 if gathered:
-                    sl.gather(request.step, client, bag_entries(local, weights, offsets, grad_out, copy=True))
+                    sl.gather(request.step, client, request.tag.seq, bag_entries(local, weights, offsets, grad_out, copy=True))
                     if not request.gather:
                         self._update(sl, sl.commit(request.step, client), request.defer_apply)
                 else:
@@ -217,16 +217,21 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         return int(update() or 0)
 
     def _commit_step(self, sl: TableSlice, request: pb.CommitStepRequest) -> tuple[Callable[[], pb.WriteAck], int]:
-        client = request.tag.client_id or "anonymous"
+        # `contributor`: the shard's own commit of an expired client's prepared step (log only)
+        client = request.contributor or request.tag.client_id or "anonymous"
+        seqs = list(request.part_seqs)
 
         def work() -> pb.WriteAck:
             sl.check_writable()
+            checked: list[Callable[[], Callable[[], int] | None]] = []
 
-            def apply() -> int:
-                return self._update(sl, sl.commit(request.step, client), request.defer_apply)
+            def check() -> None:
+                checked.append(sl.step_phase(request.phase, request.step, client, seqs, request.parts))
 
-            rows, dup = sl.once(request.tag, COMMIT_STEP, request, apply,
-                                lambda: sl.check_commit(request.step, client, request.parts))
+            def apply() -> int:  # once() ran check() first, also when replaying the log
+                return self._update(sl, checked[0](), request.defer_apply)
+
+            rows, dup = sl.once(request.tag, COMMIT_STEP, request, apply, check)
             return pb.WriteAck(rows=rows, duplicate=dup)
 
         return work, 1
@@ -409,6 +414,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         return await self.run(work, queries.shape[0] * sl.table.heads * sl.table.knn if queries.dim() else 1)
 
     async def CommitStep(self, request: pb.CommitStepRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+        if request.contributor:
+            raise InvalidArgumentError("contributor: set only by a shard in its own log, never by a client")
         return await self._apply_write(request, self._commit_step)
 
     async def SlotStats(self, request: pb.SlotStatsRequest, context: grpc.aio.ServicerContext) -> pb.SlotStatsResponse:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
+from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, StepAbortedError
 from memserver.api.types import KIND_NAMES, METRIC_NAMES, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.steps import Entries, combine
@@ -23,7 +23,7 @@ from memserver.core.table import ValueTable
 from memserver.core.triggers import TriggerHeaps
 from memserver.server.catalog import optimizer_config
 from memserver.server.sessions import SESSION_TTL, Sessions
-from memserver.storage.wal import WriteAheadLog
+from memserver.storage.wal import COMMIT_STEP, WriteAheadLog
 from memserver.wire import TORCH_DTYPES, check_ids
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,12 @@ MAX_OPEN_STEPS = 64
 
 @dataclass
 class Contribution:
-    """One client's gathered parts of one step on this slice."""
+    """One client's gathered parts of one step on this slice, by the seq of the write that sent
+    each (a tagless write gets a negative key), and how far its commit has come."""
 
-    parts: list[Entries] = field(default_factory=list)
-    committed: bool = False
+    parts: dict[int, Entries] = field(default_factory=dict)
+    prepared: bool = False  # voted: exactly these parts make the step here; no part is added after
+    committed: bool = False  # decided (a sync_updates table: waits for the other trainers)
 
 
 class TableSlice:
@@ -142,6 +144,9 @@ class TableSlice:
         seen, answer = self.sessions.recall(tag, self.spec.name, self.replaying) if tag.client_id else (False, None)
         if seen:
             return answer, True
+        if not self.replaying:  # the steps of expired sessions first, by logged writes of their own (replayed)
+            for st, client, phase in self.expired(self.sessions.expire()):
+                self._resolve(st, client, phase)
         if check is not None:
             check()
         self._log(kind, request)
@@ -153,9 +158,22 @@ class TableSlice:
         if not tag.client_id:
             return answer, False
         self.sessions.remember(tag, answer)
-        if not self.replaying:
-            self.sessions.expire()  # open steps stay: they are dropped in log order (MAX_OPEN_STEPS), as replay does
         return answer, False
+
+    def _resolve(self, step: int, client: str, phase: int) -> None:
+        """Decide the step of a client whose session expired (see `expired`), as a logged write of
+        its own, replayed like a client's COMMIT or ABORT."""
+        if phase == pb.STEP_COMMIT:
+            log.warning("table %s: step %d: client %s went away between PREPARE and COMMIT; committing its "
+                        "prepared contribution", self.spec.name, step, client)
+        self._log(COMMIT_STEP, pb.CommitStepRequest(table=self.spec.name, step=step, phase=phase, contributor=client))
+        update = self.step_phase(phase, step, client, [])()
+        try:
+            if update is not None:
+                update()
+        except Exception as exc:
+            self.fail_writes(f"a logged write failed to apply ({exc!r})")
+            raise
 
     def fail_writes(self, why: str) -> None:
         """A write is in the log but not in memory: the table no longer equals its log, so refuse
@@ -170,36 +188,92 @@ class TableSlice:
             self.last_lsn = self.wal.append(kind, request.SerializeToString())
 
     # -- training steps in parts -----------------------------------------------------------
+    #
+    # A client's contribution to a step is committed by two phases over every shard of the table
+    # (CommitStepRequest): PREPARE (check the listed parts are here, drop the others, vote) and
+    # COMMIT or ABORT. Each phase is a logged, exactly-once write; a prepared step is kept in
+    # checkpoints and rebuilt from the log, so a shard that restarts between the phases still
+    # commits. `step_phase` checks a phase (changing nothing) and returns what applies it.
 
     def check_gather(self, step: int, client: str) -> None:
         c = self.steps.get(step, {}).get(client)
-        if c is not None and c.committed:
-            raise FailedPreconditionError(f"table {self.spec.name}: step {step}: client {client} already committed "
-                                          "its contribution; a part after CommitStep is not applied")
+        if c is not None and (c.prepared or c.committed):
+            raise FailedPreconditionError(f"table {self.spec.name}: step {step}: client {client} already "
+                                          f"{'committed' if c.committed else 'prepared'} its contribution on shard "
+                                          f"{self.info.index}; a part sent after that is not applied")
 
-    def gather(self, step: int, client: str, entries: Entries) -> None:
-        """Keep one part of `client`'s contribution to `step` until it commits (check_gather first)."""
-        self.steps.setdefault(step, {}).setdefault(client, Contribution()).parts.append(entries)
+    def gather(self, step: int, client: str, seq: int, entries: Entries) -> None:
+        """Keep one part (the write `seq`) of `client`'s contribution to `step` until it commits
+        (check_gather first)."""
+        parts = self.steps.setdefault(step, {}).setdefault(client, Contribution()).parts
+        parts[seq if seq > 0 else -1 - len(parts)] = entries
         if len(self.steps) > MAX_OPEN_STEPS:  # a trainer vanished: say so rather than grow forever
             old = min(st for st in self.steps if st != step)  # never the step just accepted
             log.error("table %s: dropping unfinished step %d (contributions from %d client(s))", self.spec.name, old,
                       len(self.steps[old]))
             del self.steps[old]
 
-    def check_commit(self, step: int, client: str, parts: int) -> None:
-        """Refuse a commit whose part count does not match what arrived (nothing of it is applied)."""
+    def step_phase(self, phase: int, step: int, client: str, seqs: list[int], count: int = 0
+                   ) -> Callable[[], Callable[[], int] | None]:
+        """Check one phase of closing `client`'s contribution to `step` (raising, nothing
+        changed) and return the function that applies it; that function returns the row update
+        to run now (commit) or None."""
         c = self.steps.get(step, {}).get(client)
-        have = len(c.parts) if c is not None else 0
-        if c is not None and c.committed:
-            raise FailedPreconditionError(f"table {self.spec.name}: step {step}: client {client} committed already")
-        if have != parts:
-            raise FailedPreconditionError(f"table {self.spec.name}: step {step}: client {client} sent {parts} part(s), "
-                                          f"this shard has {have} (lost in a restart?); the client's step is not applied")
+        where = f"table {self.spec.name}: step {step}: client {client}"
+        if phase in (pb.STEP_PREPARE, pb.STEP_PREPARE_COMMIT):
+            if c is not None and c.committed:
+                raise FailedPreconditionError(f"{where}: already committed on shard {self.info.index}")
+            have = c.parts if c is not None else {}
+            missing = sorted(set(seqs) - have.keys())
+            if missing:
+                raise StepAbortedError(
+                    f"{where}: shard {self.info.index} does not hold part(s) {_seqs(missing)} of the {len(seqs)} "
+                    f"the client sent it (lost in a restart?); the step is aborted on every shard of the table")
+
+            def prepare() -> Callable[[], int] | None:
+                self._prepare(step, client, set(seqs))
+                return self.commit(step, client) if phase == pb.STEP_PREPARE_COMMIT else None
+
+            return prepare
+        if phase == pb.STEP_COMMIT:
+            if c is None or not c.prepared or c.committed:
+                why = "committed already" if c is not None and c.committed else "not prepared (aborted, or lost in a restart)"
+                raise FailedPreconditionError(f"{where}: cannot commit on shard {self.info.index}: the step is {why}")
+            return lambda: self.commit(step, client)
+        if phase == pb.STEP_ABORT:
+            if c is not None and c.committed:
+                raise FailedPreconditionError(f"{where}: cannot abort on shard {self.info.index}: committed already")
+            return lambda: self._abort(step, client)
+        if phase != pb.STEP_PHASE_UNSPECIFIED:
+            raise InvalidArgumentError(f"phase: unknown step phase {phase}")
+        # the one-shard decision of older clients: a part count, checked and applied here alone
+        have_count = len(c.parts) if c is not None else 0
+        if c is not None and (c.committed or c.prepared):
+            raise FailedPreconditionError(f"{where}: {'committed' if c.committed else 'prepared'} already")
+        if have_count != count:
+            raise FailedPreconditionError(f"{where}: sent {count} part(s), this shard has {have_count} "
+                                          "(lost in a restart?); the client's step is not applied")
+        return lambda: self.commit(step, client)
+
+    def _prepare(self, step: int, client: str, seqs: set[int]) -> None:
+        c = self.steps.setdefault(step, {}).setdefault(client, Contribution())
+        dropped = [q for q in c.parts if q not in seqs]
+        for q in dropped:  # parts of calls that failed for good: the client does not count them
+            del c.parts[q]
+        if dropped:
+            log.warning("table %s: step %d: client %s: dropped %d part(s) the client did not list", self.spec.name,
+                        step, client, len(dropped))
+        c.prepared = True
+
+    def _abort(self, step: int, client: str) -> None:
+        got = self.steps.get(step, {})
+        if got.pop(client, None) is not None and not got:
+            del self.steps[step]
 
     def commit(self, step: int, client: str) -> Callable[[], int] | None:
-        """Close `client`'s contribution to `step` (check_commit first). Returns the update to run
-        once the step is complete: at once for an ordinary table, when every trainer committed for
-        a sync_updates table (the mean of their contributions); else None."""
+        """Close `client`'s contribution to `step` (checked by step_phase). Returns the update to
+        run once the step is complete: at once for an ordinary table, when every trainer committed
+        for a sync_updates table (the mean of their contributions); else None."""
         got = self.steps.setdefault(step, {})
         got.setdefault(client, Contribution()).committed = True
         workers = self.spec.sync_workers if self.spec.sync_updates else 1
@@ -212,19 +286,28 @@ class TableSlice:
             contributions = [got.pop(client)]
             if not got:
                 del self.steps[step]
-        parts = [p for x in contributions for p in x.parts]
+        parts = [p for x in contributions for _, p in sorted(x.parts.items(), key=_part_order)]
         if not parts:
             return None
         entries = combine(parts, 1.0 / workers)
         return lambda: self.table.apply_entries(*entries)
 
+    def expired(self, clients: list[str]) -> list[tuple[int, str, int]]:
+        """How to close the undecided steps of clients whose sessions expired: (step, client,
+        phase). Their client is gone, so the shard decides: a prepared step commits (presumed
+        commit: a client sends ABORT only after some shard refused PREPARE, and that shard then
+        holds nothing prepared; see docs/architecture.md), open parts never prepared are aborted."""
+        gone = set(clients)
+        return [(st, client, pb.STEP_COMMIT if c.prepared else pb.STEP_ABORT)
+                for st, got in self.steps.items() for client, c in got.items() if client in gone and not c.committed]
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def extras(self) -> dict[str, Any]:
         """What a checkpoint keeps beside the values: sessions and the open steps' parts."""
-        steps = [(st, client, c.committed, [list(p) for p in c.parts]) for st, got in self.steps.items()
-                 for client, c in got.items()]
-        out: dict[str, Any] = {"sessions": self.sessions.state(), "steps": steps}
+        steps = [(st, client, c.committed, c.prepared, [(q, list(p)) for q, p in c.parts.items()])
+                 for st, got in self.steps.items() for client, c in got.items()]
+        out: dict[str, Any] = {"sessions": self.sessions.state(), "step_parts": steps}
         if self.triggers is not None and (self.triggers.slots or self.triggers.info):
             out["triggers"] = self.triggers.state()
         return out
@@ -233,8 +316,12 @@ class TableSlice:
         if "sessions" in extras:
             self.sessions.load(extras["sessions"])
         self.steps = {}
-        for st, client, committed, parts in extras.get("steps", []):
-            self.steps.setdefault(int(st), {})[client] = Contribution([tuple(p) for p in parts], bool(committed))
+        for st, client, committed, prepared, parts in extras.get("step_parts", []):
+            self.steps.setdefault(int(st), {})[client] = Contribution({int(q): tuple(p) for q, p in parts},
+                                                                      bool(prepared), bool(committed))
+        for st, client, committed, parts in extras.get("steps", []):  # checkpoints before parts had seqs
+            self.steps.setdefault(int(st), {})[client] = Contribution({-1 - i: tuple(p) for i, p in enumerate(parts)},
+                                                                      False, bool(committed))
 
     def owns(self, ids: torch.Tensor, what: str = "ids") -> None:
         """Refuse slot ids outside the table or whose per-slot records (trigger contexts) another
@@ -248,3 +335,13 @@ class TableSlice:
                 "index": self.info.index, "num_shards": self.num_shards,
                 "num_rows": int(self.spec.num_rows), "dim": int(self.spec.dim), "col_start": int(self.info.col_start),
                 "col_end": int(self.info.col_end)}
+
+
+def _part_order(item: tuple[int, Entries]) -> tuple[bool, int]:
+    """Parts in the order the client sent them: by seq; parts without one in arrival order after."""
+    q = item[0]
+    return (q < 0, -q if q < 0 else q)
+
+
+def _seqs(seqs: list[int]) -> str:
+    return ", ".join(f"seq {q}" for q in seqs[:8]) + (f" and {len(seqs) - 8} more" if len(seqs) > 8 else "")

@@ -36,6 +36,14 @@ class Metric(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INNER_PRODUCT: _ClassVar[Metric]
     L2: _ClassVar[Metric]
 
+class StepPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_PHASE_UNSPECIFIED: _ClassVar[StepPhase]
+    STEP_PREPARE: _ClassVar[StepPhase]
+    STEP_COMMIT: _ClassVar[StepPhase]
+    STEP_ABORT: _ClassVar[StepPhase]
+    STEP_PREPARE_COMMIT: _ClassVar[StepPhase]
+
 class SlotStat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SLOT_STAT_UNSPECIFIED: _ClassVar[SlotStat]
@@ -60,6 +68,11 @@ PRODUCT_KEYS: TableKind
 METRIC_UNSPECIFIED: Metric
 INNER_PRODUCT: Metric
 L2: Metric
+STEP_PHASE_UNSPECIFIED: StepPhase
+STEP_PREPARE: StepPhase
+STEP_COMMIT: StepPhase
+STEP_ABORT: StepPhase
+STEP_PREPARE_COMMIT: StepPhase
 SLOT_STAT_UNSPECIFIED: SlotStat
 HITS: SlotStat
 WEIGHT_MASS: SlotStat
@@ -301,20 +314,26 @@ class BagBackwardResponse(_message.Message):
     def __init__(self, grad_weights: _Optional[_Union[Tensor, _Mapping]] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
-    __slots__ = ("table", "step", "parts", "tag", "defer_apply", "layout_id")
+    __slots__ = ("table", "step", "parts", "tag", "defer_apply", "layout_id", "phase", "part_seqs", "contributor")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     DEFER_APPLY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PART_SEQS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
     table: str
     step: int
     parts: int
     tag: WriteTag
     defer_apply: bool
     layout_id: int
-    def __init__(self, table: _Optional[str] = ..., step: _Optional[int] = ..., parts: _Optional[int] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., layout_id: _Optional[int] = ...) -> None: ...
+    phase: StepPhase
+    part_seqs: _containers.RepeatedScalarFieldContainer[int]
+    contributor: str
+    def __init__(self, table: _Optional[str] = ..., step: _Optional[int] = ..., parts: _Optional[int] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., layout_id: _Optional[int] = ..., phase: _Optional[_Union[StepPhase, str]] = ..., part_seqs: _Optional[_Iterable[int]] = ..., contributor: _Optional[str] = ...) -> None: ...
 
 class PushGradientsRequest(_message.Message):
     __slots__ = ("table", "ids", "grads", "tag", "layout_id")

@@ -1,0 +1,374 @@
+"""A training step applies on every shard of its table or on none: the two-phase commit of
+`commit_step` (client.ops.commit_step_plan, TableSlice.step_phase; docs/architecture.md, "A training
+step is one optimizer step"). Two shards run in this process (no Ray) per table; a second pair that
+gets the same calls without the fault is the reference, compared exactly, every shard's values and
+optimizer state included."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from client import MemoryClient, MemserverError, StepAbortedError, ops
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+from memserver.server.catalog import plan_table, validate_spec
+from memserver.wire import encode
+
+NAME, ROWS, DIM = "m", 64, 8
+
+
+def spec(sharding: int = pb.COLS, wal: bool = True, **kwargs) -> pb.TableSpec:
+    return pb.TableSpec(name=NAME, num_rows=ROWS, dim=DIM, sharding=sharding, wal=wal, seed=3, init_std=0.3,
+                        optimizer=pb.OptimizerSpec(name="adagrad", lr=0.5), **kwargs)
+
+
+class _Maps(pb_grpc.ControlPlaneServicer):
+    """The one coordinator call a data-plane client makes: the shard map (re-read after a refusal)."""
+
+    def __init__(self, info: pb.TableInfo) -> None:
+        self.info = info
+
+    def GetShardMap(self, request, context):
+        return self.info
+
+
+class Pair:
+    """Two shards in this process holding one table, a stand-in coordinator serving its shard map,
+    and clients."""
+
+    def __init__(self, root, table: pb.TableSpec, session_ttl: float = 3600.0, client_id: str = "trainer") -> None:
+        from memserver.server.shard_actor import ShardActor
+
+        self.root, self.ttl = root, session_ttl
+        self.shards = [ShardActor(i, host="127.0.0.1", data_dir=str(root), session_ttl=session_ttl) for i in range(2)]
+        table = validate_spec(table, 2)
+        self.info = plan_table(table, [s.info() for s in self.shards])
+        for s, sh in zip(self.shards, self.info.shards):
+            s.create_table(table.SerializeToString(), sh.SerializeToString(), 2)
+        self.maps = grpc.server(ThreadPoolExecutor(2))
+        pb_grpc.add_ControlPlaneServicer_to_server(_Maps(self.info), self.maps)
+        self.endpoint = f"127.0.0.1:{self.maps.add_insecure_port('127.0.0.1:0')}"
+        self.maps.start()
+        self.clients: list[MemoryClient] = []
+        self.client = self.new_client(client_id)
+
+    def new_client(self, client_id: str) -> MemoryClient:
+        c = MemoryClient(self.endpoint, timeout=10, retry_seconds=0, client_id=client_id)
+        self.clients.append(c)
+        return c
+
+    def slice(self, i: int):
+        return self.shards[i].servicer.tables[NAME]
+
+    def state(self) -> list[dict[str, torch.Tensor]]:
+        """Every shard's values, optimizer state and slot statistics (not the update times: a clock)."""
+        return [{k: v.clone() for k, v in self.slice(i).table.state().items() if k != "last_update"} for i in range(2)]
+
+    def checkpoint(self, step: int) -> None:
+        for i, s in enumerate(self.shards):
+            s.checkpoint_table(NAME, str(self.root / "ck" / f"step-{step:010d}" / NAME / f"shard-{i:04d}.pt"), step)
+        (self.root / "ck" / f"step-{step:010d}" / "manifest.json").write_text("{}")
+
+    def restart(self, i: int) -> str:
+        """Stop shard i and start it again on its data directory (same port): what Ray does after
+        a crash. Returns what it recovered from."""
+        from memserver.server.shard_actor import ShardActor
+
+        self.shards[i].stop()
+        self.shards[i] = ShardActor(i, host="127.0.0.1", data_dir=str(self.root), session_ttl=self.ttl)
+        return self.slice(i).recovered_from
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for s in self.shards:
+            s.stop()
+        self.maps.stop(None)
+
+
+@pytest.fixture
+def pairs(tmp_path):
+    made: list[Pair] = []
+
+    def make(name: str, table: pb.TableSpec | None = None, **kwargs) -> Pair:
+        made.append(Pair(tmp_path / name, table or spec(), **kwargs))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def batch(seed: int, bags: int = 6, k: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, ROWS, (bags, k)), rng.random((bags, k)).astype(np.float32),
+            rng.normal(size=(bags, DIM)).astype(np.float32))
+
+
+def send_part(client: MemoryClient, step: int, seed: int) -> None:
+    client.bag_backward(NAME, *batch(seed), step=step, gather=True)
+
+
+def train_step(client: MemoryClient, step: int, seeds: tuple[int, ...], **commit) -> None:
+    for seed in seeds:
+        send_part(client, step, seed)
+    client.commit_step(NAME, step, **commit)
+
+
+def assert_same(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.keys() == w.keys()
+        for k in g:
+            torch.testing.assert_close(g[k], w[k], rtol=0, atol=0, msg=lambda m, i=i, k=k: f"shard {i}, {k}: {m}")
+
+
+@pytest.mark.parametrize("sharding", [pb.COLS, pb.ROWS], ids=["cols", "rows"])
+def test_a_part_lost_on_one_shard_aborts_the_step_on_every_shard(pairs, sharding):
+    """Shard 1 lost a part of step 2 (as a shard restarted without it): PREPARE fails there, so the
+    step is aborted on both shards; the client's error names the shard and the part; the table is
+    the previous step on every shard; the next step commits as usual."""
+    run, ref = pairs("run", spec(sharding)), pairs("ref", spec(sharding))
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+    before = run.state()
+    for seed in (2, 3):
+        send_part(run.client, 2, seed)
+    parts = run.slice(1).steps[2]["trainer"].parts
+    lost = min(parts)
+    del parts[lost]
+    with pytest.raises(StepAbortedError, match=f"step 2 aborted on every shard.*shard 1 does not hold part.s. seq {lost}"):
+        run.client.commit_step(NAME, 2)
+    assert_same(run.state(), before)
+    assert not run.slice(0).steps and not run.slice(1).steps  # the step's parts are gone everywhere
+    for p in (run, ref):
+        train_step(p.client, 3, (4, 5))
+    assert_same(run.state(), ref.state())
+
+
+def test_a_gather_call_that_failed_on_one_shard_commits_only_the_listed_parts(pairs, monkeypatch):
+    """A gather call fails for good on shard 1 after shard 0 stored its part: the client lists
+    only the parts every shard acknowledged, so shard 0 drops the extra part and the step equals
+    one without the failed call, on both shards."""
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+    broken = run.slice(1)
+    with monkeypatch.context() as m:
+        m.setattr(broken, "check_writable", lambda: (_ for _ in ()).throw(RuntimeError("disk on fire")))
+        with pytest.raises(MemserverError, match="disk on fire"):
+            send_part(run.client, 2, 2)
+    assert len(run.slice(0).steps[2]["trainer"].parts) == 1 and 2 not in run.slice(1).steps
+    train_step(run.client, 2, (3,))
+    train_step(ref.client, 2, (3,))
+    assert_same(run.state(), ref.state())
+
+
+def _raw_steps(pair: Pair, seeds: tuple[int, ...], step: int, first_seq: int) -> list[pb_grpc.DataPlaneStub]:
+    """Stubs of both shards, after sending them the gather parts of `step` as client "raw" would
+    (a cols table: each shard its columns of grad_out), seqs first_seq, first_seq + 1, ..."""
+    stubs = [pb_grpc.DataPlaneStub(grpc.insecure_channel(s.address)) for s in pair.shards]
+    for n, seed in enumerate(seeds):
+        ids, w, g = batch(seed)
+        for stub, sh in zip(stubs, pair.info.shards):
+            stub.BagBackward(pb.BagBackwardRequest(
+                table=NAME, ids=encode(torch.as_tensor(ids)), weights=encode(torch.as_tensor(w)),
+                grad_out=encode(torch.as_tensor(g[:, sh.col_start : sh.col_end]).contiguous()), step=step, gather=True,
+                tag=pb.WriteTag(client_id="raw", seq=first_seq + n, acked_below=first_seq)))
+    return stubs
+
+
+def _phase(stubs, step: int, phase: int, seq: int, acked_below: int, seqs: list[int] = (), attempt: int = 0,
+           parts: int = 0):
+    return [stub.CommitStep(pb.CommitStepRequest(table=NAME, step=step, phase=phase, part_seqs=seqs, parts=parts,
+                                                 tag=pb.WriteTag(client_id="raw", seq=seq, acked_below=acked_below,
+                                                                 attempt=attempt)))
+            for stub in stubs]
+
+
+def test_retried_phases_apply_once(pairs):
+    """PREPARE, COMMIT and ABORT resent with the same tag (a lost answer) are answered as
+    duplicates and applied once; a COMMIT of an aborted step is refused and changes nothing."""
+    run, ref = pairs("run"), pairs("ref", client_id="raw")
+    train_step(ref.client, 1, (1, 2))
+    stubs = _raw_steps(run, (1, 2), 1, 1)
+    for attempt in (0, 1):
+        acks = _phase(stubs, 1, pb.STEP_PREPARE, 3, 1, [1, 2], attempt)
+        assert [a.duplicate for a in acks] == [bool(attempt)] * 2
+    for attempt in (0, 1, 2):
+        acks = _phase(stubs, 1, pb.STEP_COMMIT, 4, 3, attempt=attempt)
+        assert [a.duplicate for a in acks] == [bool(attempt)] * 2
+    assert_same(run.state(), ref.state())
+
+    _raw_steps(run, (3,), 2, 5)
+    _phase(stubs, 2, pb.STEP_PREPARE, 6, 5, [5])
+    for attempt in (0, 1):
+        assert [a.duplicate for a in _phase(stubs, 2, pb.STEP_ABORT, 7, 6, attempt=attempt)] == [bool(attempt)] * 2
+    assert not run.slice(0).steps and not run.slice(1).steps
+    with pytest.raises(grpc.RpcError) as err:
+        _phase(stubs[:1], 2, pb.STEP_COMMIT, 8, 8)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not prepared" in err.value.details()
+    assert_same(run.state(), ref.state())
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["log", "checkpoint+log"])
+def test_a_wal_shard_restarted_between_prepare_and_commit_still_commits(pairs, checkpoint):
+    """Shard 1 restarts after voting (its parts and its prepared mark come back from its log, or
+    from a checkpoint taken while prepared plus the log after it): the client's COMMIT applies the
+    step there as on shard 0, and the table equals a run without the restart."""
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+        for seed in (2, 3):
+            send_part(p.client, 2, seed)
+    plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
+    make, tags = next(plan)
+    voted = run.client._call(NAME, make, tags)
+    assert run.slice(1).steps[2]["trainer"].prepared
+    if checkpoint:
+        run.checkpoint(2)
+    recovered = run.restart(1)
+    assert recovered == ("checkpoint step 2 + 0 logged writes" if checkpoint else "initial values + 6 logged writes")
+    assert run.slice(1).steps[2]["trainer"].prepared
+    make, tags = plan.send(voted)
+    with pytest.raises(StopIteration):
+        plan.send(run.client._call(NAME, make, tags))
+    ref.client.commit_step(NAME, 2)
+    assert_same(run.state(), ref.state())
+
+
+def test_a_shard_without_wal_restarted_between_prepare_and_commit_leaves_one_checkpoint(pairs):
+    """Without the log, shard 1 comes back as its last checkpoint (step 1), without the prepared
+    step: its COMMIT is refused while shard 0 applies; the coordinator then rolls shard 0 back to
+    the same checkpoint (ShardActor.rollback_table, as on a real restart), so the table is step 1
+    on every shard, as a run that never sent step 2."""
+    from client import FailedPreconditionError
+
+    run, ref = pairs("run", spec(wal=False)), pairs("ref", spec(wal=False))
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+    run.checkpoint(1)
+    send_part(run.client, 2, 2)
+    plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
+    make, tags = next(plan)
+    voted = run.client._call(NAME, make, tags)
+    assert run.restart(1) == "checkpoint step 1"
+    make, tags = plan.send(voted)
+    with pytest.raises(FailedPreconditionError, match="cannot commit on shard 1: the step is not prepared"):
+        plan.send(run.client._call(NAME, make, tags))
+    run.shards[0].rollback_table(NAME, str(run.root / "ck" / f"step-{1:010d}"))
+    assert_same(run.state(), ref.state())
+
+
+def test_a_decision_that_missed_a_shard_is_resent_before_the_next_step(pairs, monkeypatch):
+    """The COMMIT reaches shard 0 but not shard 1 (unavailable past the client's retries): the
+    call raises, and the client's next commit_step on the table sends it again, same tags, before
+    its own step; then the table equals a run where nothing failed."""
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+        send_part(p.client, 2, 2)
+    shard1 = run.shards[1].address
+    real = run.client._methods
+
+    def methods(address):  # shard 1 answers PREPARE, then is unreachable for the decision
+        got = dict(real(address))
+        if address == shard1 and run.slice(1).steps.get(2, {}).get("trainer") is not None \
+                and run.slice(1).steps[2]["trainer"].prepared:
+            def down(*a, **k):
+                raise _Unavailable()
+
+            got["CommitStep"] = down
+        return got
+
+    monkeypatch.setattr(run.client, "_methods", methods)
+    with pytest.raises(MemserverError, match="the commit did not reach every shard"):
+        run.client.commit_step(NAME, 2)
+    assert 2 not in run.slice(0).steps and run.slice(1).steps[2]["trainer"].prepared
+    monkeypatch.undo()
+    send_part(run.client, 3, 3)
+    run.client.commit_step(NAME, 3)
+    assert not run.client.aio.session.undecided(NAME)
+    ref.client.commit_step(NAME, 2)
+    train_step(ref.client, 3, (3,))
+    assert_same(run.state(), ref.state())
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "shard unreachable (test)"
+
+
+def test_a_prepared_step_of_a_client_that_went_away_commits_when_its_session_expires(pairs):
+    """The client prepares step 2 on both shards and dies before COMMIT. Once its session expires,
+    each shard commits the prepared step itself (a logged write) before the next write it serves;
+    the table equals a run where the client committed, and still does after a restart replays
+    the log."""
+    run, ref = pairs("run", session_ttl=2.0), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+        send_part(p.client, 2, 2)
+    plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
+    make, tags = next(plan)
+    run.client._call(NAME, make, tags)  # PREPARE on both; then the client is gone
+    plan.close()
+    time.sleep(3.0)
+    other = run.new_client("other")
+    train_step(other, 1, (4,))
+    ref.client.commit_step(NAME, 2)
+    train_step(ref.new_client("other"), 1, (4,))
+    assert_same(run.state(), ref.state())
+    run.restart(1)
+    assert_same(run.state(), ref.state())
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["now", "defer_apply"])
+def test_a_sync_table_applies_the_mean_once_every_trainer_committed(pairs, defer):
+    """Two data-parallel trainers on a sync_updates table, each committing in two phases (with
+    defer_apply the shards apply right after answering). Trainer b has only prepared when a
+    commits: nothing applies; b's COMMIT applies the step on both shards, equal to one trainer
+    stepping their mean on a table without sync."""
+    run = pairs("run", spec(sync_updates=True, sync_workers=2))
+    ref = pairs("ref")
+    a, b = run.client, run.new_client("b")
+    send_part(a, 1, 1)
+    send_part(b, 1, 2)
+    plan = ops.commit_step_plan(b.aio.session, NAME, 1, 2, defer)
+    make, tags = next(plan)
+    voted = b._call(NAME, make, tags)  # b prepared, not committed
+    a.commit_step(NAME, 1, defer_apply=defer)
+    assert [run.slice(i).steps[1]["trainer"].committed for i in range(2)] == [True, True]
+    assert_same(run.state(), ref.state())  # one trainer committed: nothing applied yet
+    make, tags = plan.send(voted)
+    with pytest.raises(StopIteration):
+        plan.send(b._call(NAME, make, tags))
+    ids1, w1, g1 = batch(1)
+    ids2, w2, g2 = batch(2)
+    ref.client.bag_backward(NAME, np.concatenate([ids1, ids2]), np.concatenate([w1, w2]),
+                            np.concatenate([g1, g2]) / 2, step=1, gather=True)
+    ref.client.commit_step(NAME, 1)
+    run.client.lookup(NAME, [0])  # after any deferred update (it runs before the next request)
+    for got, want in zip(run.state(), ref.state()):
+        for k in ("weight", "acc", "updates"):
+            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def test_an_old_client_s_count_commit_still_applies_on_its_shard(pairs):
+    """Backward compatibility: CommitStep without a phase carries a part count and is decided by
+    each shard alone, as before the two phases."""
+    run, ref = pairs("run"), pairs("ref", client_id="raw")
+    train_step(ref.client, 1, (1, 2))
+    stubs = _raw_steps(run, (1, 2), 1, 1)
+    with pytest.raises(grpc.RpcError) as err:
+        _phase(stubs[:1], 1, pb.STEP_PHASE_UNSPECIFIED, 3, 1, parts=3)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "this shard has 2" in err.value.details()
+    _phase(stubs, 1, pb.STEP_PHASE_UNSPECIFIED, 4, 1, parts=2)
+    assert_same(run.state(), ref.state())
