@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['seconds_to_serve']:.1f}" if r.get("seconds_to_serve") is not None else "-",
                   str(r.get("deadline_retries", "-")),
                   f"{r['wall_s']:.0f} s")
-    Console().print(t)
+    Console(width=max(160, Console().width)).print(t)  # wide: often piped to a file
     for r in results:
         if r.get("moved"):
             print(f"{r['scenario']}: moved " + ", ".join(f"shard {i} from {a} to {b}" for i, a, b in r["moved"]))
