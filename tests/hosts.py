@@ -354,6 +354,43 @@ class MemoryHosts:
         h.run(0, ["sh", "-c", f"{sys.executable} -m memserver.cli join-info > {self.join_file}"], env=self.env())
         return self.record
 
+    def loadtest(self, master: int, workers: Sequence[int], args: Sequence[str], *, port: int = 5557,
+                 worker_env: dict[str, str] | None = None, timeout: float = 240) -> dict[str, Any]:
+        """`memserver loadtest` from several hosts (locust's distributed mode, the issue's
+        `--workers-on`): the master in host `master`, bound to that host's address, with `args`
+        (users, duration, table shape...) and no load of its own; one `--worker-of` in each host
+        of `workers`. Every one is a client on another host (client_env: the join-info file, its
+        token and CA), unless `worker_env` replaces the workers'. Returns each one's exit status,
+        JSON report, log and the .npz its latencies were saved to (--save-latencies)."""
+        import json
+        import shlex
+
+        h, tag = self.hosts, f"lt{port}"
+        cli = [sys.executable, "-m", "memserver.cli", "loadtest", "--json", "--wait", "60s"]
+
+        def start(i: int, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[Any]:
+            cmd = [*cli, *argv, "--save-latencies", str(h.work / f"{name}.npz")]
+            return h.popen(i, ["sh", "-c", f"exec {shlex.join(cmd)} > {h.work / (name + '.json')}"], log=f"{name}.log",
+                           env=env)
+
+        names = [f"{tag}-master", *(f"{tag}-worker{i}" for i in workers)]
+        procs = [start(master, names[0], ["--expect-workers", str(len(workers)), "--master-bind",
+                                          f"{h.addr(master)}:{port}", *args], self.client_env())]
+        procs += [start(i, name, ["--worker-of", f"{h.addr(master)}:{port}"], worker_env or self.client_env())
+                  for i, name in zip(workers, names[1:])]
+        deadline = time.monotonic() + timeout
+        out: dict[str, Any] = {"rc": [], "reports": [], "logs": [], "npz": [h.work / f"{n}.npz" for n in names]}
+        for p, name in zip(procs, names):
+            try:
+                out["rc"].append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out["rc"].append(p.wait())
+            text = (h.work / f"{name}.json").read_text() if (h.work / f"{name}.json").exists() else ""
+            out["reports"].append(json.loads(text) if text.strip() else None)
+            out["logs"].append(h.log(f"{name}.log"))
+        return out
+
     def stop(self) -> int | None:
         """`memserver down` in host 0; None if `up` had already exited."""
         if self.up is None or self.up.poll() is not None:

@@ -61,6 +61,40 @@ def test_shards_on_two_hosts_serve_a_client_on_the_third_with_tokens_and_tls(clu
                    f"{cluster.times['memserver_up_s']:.0f}s, client checks {res['client_s']:.0f}s")
 
 
+def test_loadtest_from_two_hosts_merges_every_workers_latencies_exactly(cluster):
+    """`memserver loadtest` in locust's distributed mode across hosts: the master in host 0, a
+    worker in each shard host; the merged percentiles are those of the workers' latencies together,
+    over tokens and TLS (a worker without the token gets UNAUTHENTICATED)."""
+    from tests.test_loadtest import check_merged
+
+    hosts = cluster.hosts
+    args = ["--users", "4", "--spawn-rate", "4", "--duration", "3s", "--batch", "32", "--knn", "4", "--num-rows",
+            "4096", "--dim", "16", "--mix", "bag:2,lookup:1,bag_backward:1"]
+    res = cluster.loadtest(0, [1, 2], args, port=5557)
+    assert res["rc"] == [0, 0, 0], "\n".join(log[-3000:] for log in res["logs"])
+    master, workers = res["reports"][0], res["reports"][1:]
+    check_merged(master, workers, res["npz"][0], res["npz"][1:])
+    # one worker per shard host, each its own share; the table spans both shard hosts
+    assert sorted(w["address"] for w in master["workers"].values()) == [hosts.addr(1), hosts.addr(2)]
+    assert sorted(w["address"] for w in workers) == [hosts.addr(1), hosts.addr(2)]
+    assert master["table"]["shards"] == 2 and master["endpoint"].startswith(hosts.addr(0) + ":")
+    assert [w["users"] for w in workers] == [2, 2] and all(w["endpoint"] == master["endpoint"] for w in workers)
+    TIMINGS.append(f"loadtest over 2 worker hosts: {master['requests']} requests in {master['elapsed_s']:.1f}s, "
+                   f"p50 {master['total']['p50_ms']} ms, p99 {master['total']['p99_ms']} ms (batch 32 x knn 4)")
+
+    # the same worker with the CA but not the token (its own way to the cluster): refused
+    info = json.loads(cluster.join_file.read_text())
+    ca = hosts.work / "ca-only.pem"
+    ca.write_text(info["tls_ca"])
+    no_token = hosts.env(MEMSERVER_HOME=str(hosts.work / "no-token-home"), MEMSERVER_ENDPOINT=info["endpoint"],
+                         MEMSERVER_TLS_CA=str(ca), MEMSERVER_TLS_SERVER_NAME=info.get("tls_server_name") or "")
+    res = cluster.loadtest(0, [2], ["--users", "1", "--duration", "1s", "--batch", "8", "--knn", "2", "--num-rows",
+                                    "1024", "--dim", "8"], port=5558, worker_env=no_token)
+    assert res["rc"][0] == 1 and res["reports"][0] is not None, res["logs"][0][-3000:]
+    assert "UNAUTHENTICATED" in json.dumps(res["reports"][0]["errors"]), res["reports"][0]["errors"]
+    assert res["reports"][0]["requests"] == 0
+
+
 def test_harness_leaves_nothing_behind():
     """Processes, namespaces and the work directory go at close, also after a host's processes
     were killed mid-way; a run whose pytest died is swept by the next one."""

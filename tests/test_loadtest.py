@@ -4,18 +4,22 @@ exact percentiles and its argument errors."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import memserver.cli as cli
 from client.ops import ClientSession, WriteTags
 from memserver.loadtest.caller import ShardCaller, fetch_table
-from memserver.loadtest.config import LoadConfig, parse_duration, parse_mix
-from memserver.loadtest.recorder import LatencyRecorder
+from memserver.loadtest.config import LoadConfig, parse_duration, parse_host_port, parse_mix
+from memserver.loadtest.recorder import LatencyRecorder, percentile
 
 
 def test_loadtest_reports_exact_numbers_and_drops_its_table(memory_cluster, client):
@@ -112,6 +116,12 @@ def test_config_travels_through_the_environment():
         (["--mix", "bag:1,scan:2"], "--mix: unknown call 'scan'"),
         (["--users", "0"], "--users must be at least 1"),
         (["--table", "t", "--dim", "8"], "cannot be used with --table"),
+        (["--worker-of", "127.0.0.1:5557", "--users", "8"], "--worker-of: --users belong(s) to the master"),
+        (["--worker-of", "0.0.0.0"], "--worker-of: 0.0.0.0 is a wildcard"),
+        (["--expect-workers", "2", "--master-bind", "*:5557"], "--master-bind: * is a wildcard"),
+        (["--expect-workers", "4", "--users", "2"], "--users (2) must be at least --expect-workers (4)"),
+        (["--master-bind", "127.0.0.1"], "--master-bind: only with --expect-workers"),
+        (["--wait", "soon"], "--wait: expected a time"),
     ],
 )
 def test_bad_loadtest_flags_are_named(tmp_path, monkeypatch, capsys, args, message):
@@ -128,3 +138,192 @@ def test_loadtest_without_a_cluster_says_how_to_start_one(tmp_path, monkeypatch,
     with pytest.raises(SystemExit) as exit_:
         cli.main(["loadtest", "--duration", "1s"])
     assert exit_.value.code == 2 and "memserver up" in capsys.readouterr().err
+
+
+# distributed: every worker's latencies merged on the master
+
+def _recorder(latencies: dict[str, list[float]], failures: int = 0) -> LatencyRecorder:
+    rec = LatencyRecorder()
+    for name, ms in latencies.items():
+        for x in ms:
+            rec.on_request(request_type="grpc", name=name, response_time=x, response_length=3)
+    for _ in range(failures):
+        rec.on_request(request_type="grpc", name="bag", response_time=1.0, response_length=0, exception=TimeoutError("t"))
+    return rec
+
+
+_MS = st.floats(min_value=0.001, max_value=1e4, allow_nan=False)
+_WORKER = st.fixed_dictionaries({}, optional={n: st.lists(_MS, max_size=40) for n in ("bag", "lookup", "bag_backward")})
+
+
+@settings(max_examples=60, deadline=None)
+@given(workers=st.lists(st.tuples(_WORKER, st.integers(0, 3)), min_size=1, max_size=5))
+def test_merged_percentiles_are_those_of_every_latency_together(workers):
+    """The master's merge of the workers' messages: its report equals that of one recorder that
+    saw every response (percentiles of the concatenation), per call and in total."""
+    merged, union = LatencyRecorder(), LatencyRecorder()
+    for lat, fails in workers:
+        rec = _recorder(lat, fails)
+        merged.merge(LatencyRecorder.from_message(rec.to_message()))
+        for name, ms in lat.items():
+            for x in ms:
+                union.on_request(request_type="grpc", name=name, response_time=x, response_length=3)
+        for _ in range(fails):
+            union.on_request(request_type="grpc", name="bag", response_time=1.0, response_length=0,
+                             exception=TimeoutError("t"))
+    names = ["bag", "lookup", "bag_backward"]
+    assert merged.report(2.0, names) == union.report(2.0, names)
+    every = np.sort(np.array([x for lat, _ in workers for ms in lat.values() for x in ms]))
+    if len(every):
+        assert merged.report(2.0)["total"]["p99_ms"] == round(percentile(every, 99), 4)
+
+
+def test_a_workers_message_is_bounded_and_checked():
+    rec = LatencyRecorder(max_samples=5)
+    for i in range(12):
+        rec.on_request(request_type="grpc", name="bag" if i % 2 else "lookup", response_time=float(i), response_length=1)
+    msg = rec.to_message()
+    assert sum(len(b) for b in msg["ok"].values()) == 5 * 8  # at most max_samples x 8 bytes of latencies
+    assert rec.report()["dropped"] == 7 and rec.report()["requests"] == 5
+    back = LatencyRecorder.from_message(msg, max_samples=5)
+    assert back.report(1.0) == rec.report(1.0)
+    with pytest.raises(ValueError, match="more than the bound of 4"):
+        LatencyRecorder.from_message(msg, max_samples=4)
+    for bad in ({}, {**msg, "ok": {"bag": b"1234567"}}, {**msg, "failures": {"bag": -1}}, {**msg, "ok": [1]},
+                {**msg, "errors": {"x": "many"}}):
+        with pytest.raises(ValueError):
+            LatencyRecorder.from_message(bad)
+
+
+def test_master_sends_settings_but_never_the_endpoint():
+    """The master/worker channel is plaintext: no endpoint (a worker's token goes only where the
+    worker's own endpoint file says), no token; the worker's own endpoint wins."""
+    from memserver.loadtest.config import LoadConfig as Cfg
+
+    cfg = Cfg(endpoint="10.0.0.1:50051", table="t", batch=7, max_requests=9)
+    sent = {k: v for k, v in cfg.to_env().items() if k != "MEMSERVER_ENDPOINT"}
+    code = ("import json, sys; from memserver.loadtest import distributed as d; "
+            "print(json.dumps(d.config_message(d.LoadConfig.from_env(json.loads(sys.argv[1])))))")
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(cfg.to_env())], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "MEMSERVER_TOKEN": "secret"})
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == sent
+    code = ("import json, sys; from memserver.loadtest import distributed as d; "
+            "print(d.worker_config({**json.loads(sys.argv[1]), 'MEMSERVER_ENDPOINT': 'evil:1'}, "
+            "{'MEMSERVER_ENDPOINT': '10.0.0.2:50051'}))")
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(sent)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "endpoint='10.0.0.2:50051'" in run.stdout and "batch=7" in run.stdout and "evil" not in run.stdout
+
+
+def test_master_address_parsing():
+    assert parse_host_port("10.0.0.1:6000") == ("10.0.0.1", 6000) and parse_host_port("h") == ("h", 5557)
+    for bad in ("0.0.0.0:1", "*:5557", ":1", "h:x", "h:0", "h:70000"):
+        with pytest.raises(ValueError):
+            parse_host_port(bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _union(paths) -> dict[str, np.ndarray]:
+    out: dict[str, list[np.ndarray]] = {}
+    for p in paths:
+        with np.load(p) as z:
+            for name in z.files:
+                out.setdefault(name, []).append(z[name])
+    return {name: np.sort(np.concatenate(a)) for name, a in out.items()}
+
+
+def check_merged(master: dict, workers: list[dict], master_npz, worker_npzs) -> None:
+    """The master's report is exact over the union of the workers' latencies (shared with
+    tests/test_hosts.py)."""
+    assert master["failures"] == 0 and master["errors"] == {} and master["missing_workers"] == []
+    assert master["rejected_workers"] == {} and master["locust_exceptions"] == 0
+    assert all(w["sent"] and w["failures"] == 0 and w["requests"] > 0 for w in workers)
+    assert master["requests"] == sum(w["requests"] for w in workers) == \
+        sum(w["requests"] for w in master["workers"].values())
+    assert sorted(w["requests"] for w in master["workers"].values()) == sorted(w["requests"] for w in workers)
+    union = _union(worker_npzs)
+    merged = _union([master_npz])
+    assert union.keys() == merged.keys() and all(np.array_equal(union[n], merged[n]) for n in union)
+    every = np.sort(np.concatenate(list(union.values())))
+    assert master["total"]["requests"] == len(every)
+    for key, q in (("p50_ms", 50), ("p95_ms", 95), ("p99_ms", 99)):
+        assert master["total"][key] == round(percentile(every, q), 4), key
+        for name, ms in union.items():
+            assert master["per_type"][name][key] == round(percentile(ms, q), 4), (name, key)
+    assert master["total"]["max_ms"] == round(float(every[-1]), 4)
+
+
+def test_loadtest_master_merges_two_local_workers_exactly(memory_cluster, client, tmp_path):
+    port = _free_port()
+    ep = memory_cluster.endpoint
+    cli_ = [sys.executable, "-m", "memserver.cli", "loadtest"]
+    master = subprocess.Popen(
+        [*cli_, "--endpoint", ep, "--expect-workers", "2", "--master-bind", f"127.0.0.1:{port}", "--users", "2",
+         "--spawn-rate", "2", "--duration", "3s", "--batch", "32", "--knn", "4", "--num-rows", "2048", "--dim", "16",
+         "--mix", "bag:2,lookup:1,bag_backward:1", "--wait", "60s", "--json", "--save-latencies", str(tmp_path / "m.npz")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    workers = [subprocess.Popen([*cli_, "--worker-of", f"127.0.0.1:{port}", "--endpoint", ep, "--wait", "60s", "--json",
+                                 "--save-latencies", str(tmp_path / f"w{i}.npz")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+               for i in range(2)]
+    try:
+        out, err = master.communicate(timeout=240)
+        w_out = [w.communicate(timeout=60) for w in workers]
+    finally:
+        for p in (master, *workers):
+            if p.poll() is None:
+                p.kill()
+    assert master.returncode == 0, err[-4000:] + out[:1500] + "".join(e[-2000:] for _, e in w_out)
+    assert all(w.returncode == 0 for w in workers), [e[-3000:] for _, e in w_out]
+    report = json.loads(out)
+    reports = [json.loads(o) for o, _ in w_out]
+    check_merged(report, reports, tmp_path / "m.npz", [tmp_path / f"w{i}.npz" for i in range(2)])
+    assert report["expect_workers"] == 2 and len(report["workers"]) == 2 and report["table"]["scratch"]
+    assert all(w["users"] == 1 and w["config"]["batch"] == 32 and w["table"]["name"] == report["table"]["name"]
+               for w in reports)  # the master's settings reached both workers
+    assert 2.5 <= report["elapsed_s"] < 60
+    assert not [t.name for t in client.list_tables() if t.name == report["table"]["name"]]
+
+
+def test_plain_locust_master_and_workers_merge_the_same_way(memory_cluster, client, table_name, tmp_path):
+    """`locust -f deploy/locustfile.py --master / --worker`: the workers have no MEMSERVER_TABLE
+    (the master's settings reach them), the master logs the same merge."""
+    client.create_table(table_name, 2048, 16)
+    port = _free_port()
+    locust_bin = os.path.join(os.path.dirname(sys.executable), "locust")
+    env = {**os.environ, "MEMSERVER_ENDPOINT": memory_cluster.endpoint}
+    master = subprocess.Popen(
+        [locust_bin, "-f", "deploy/locustfile.py", "--master", "--master-bind-host", "127.0.0.1", "--master-bind-port",
+         str(port), "--headless", "-u", "2", "-r", "2", "-t", "3s", "--expect-workers", "2",
+         "--expect-workers-max-wait", "60"],
+        env={**env, "MEMSERVER_TABLE": table_name, "MEMSERVER_BATCH": "16", "MEMSERVER_KNN": "4"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    workers = [subprocess.Popen([locust_bin, "-f", "deploy/locustfile.py", "--worker", "--master-host", "127.0.0.1",
+                                 "--master-port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, stdin=subprocess.DEVNULL) for _ in range(2)]
+    try:
+        _, err = master.communicate(timeout=240)
+        w_err = [w.communicate(timeout=60)[1] for w in workers]
+    finally:
+        for p in (master, *workers):
+            if p.poll() is None:
+                p.kill()
+        client.drop_table(table_name)
+
+    def exact(log: str) -> dict:
+        at = log.rindex("exact latencies (ms): ") + len("exact latencies (ms): ")
+        return json.JSONDecoder().raw_decode(log[at:])[0]
+
+    assert master.returncode == 0, err[-4000:]
+    report = exact(err)
+    own = [exact(e) for e in w_err]  # each worker logs its own share
+    assert report["failures"] == 0 and report["missing_workers"] == [] and len(report["workers"]) == 2
+    assert report["requests"] > 0 and report["requests"] == sum(r["requests"] for r in own) == \
+        sum(w["requests"] for w in report["workers"].values())
+    assert report["total"]["max_ms"] == max(r["total"]["max_ms"] for r in own)

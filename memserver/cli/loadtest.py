@@ -10,6 +10,11 @@ from typing import Any
 
 from memserver.cli.common import CliError, endpoint_of
 
+#: Flag defaults (a worker refuses any master-only flag that differs from these).
+DEFAULTS: dict[str, Any] = {"users": 4, "spawn_rate": 4.0, "duration": "30s", "mix": "bag:8,lookup:1,bag_backward:1",
+                            "batch": 256, "knn": 32, "wire_dtype": "float32", "timeout": 10.0,
+                            "max_requests": 1_000_000}
+
 
 def _parsed(parse: Any, value: str, flag: str) -> Any:
     try:
@@ -18,12 +23,39 @@ def _parsed(parse: Any, value: str, flag: str) -> Any:
         raise CliError(f"{flag}: {exc}") from None
 
 
+#: What a worker takes from its master: giving one of these with --worker-of is an error.
+MASTER_ONLY = ("users", "spawn_rate", "duration", "table", "mix", "batch", "knn", "wire_dtype", "timeout", "max_requests",
+               "num_rows", "dim", "sharding", "expect_workers", "master_bind")
+
+
 def cmd_loadtest(args: argparse.Namespace) -> int:
     """Check every flag before touching the cluster, then run memserver.loadtest and print."""
     # locust and gevent are imported only in the child process that run_loadtest starts (see there)
-    from memserver.loadtest.config import LoadConfig, parse_duration, parse_mix
-    from memserver.loadtest.run import LoadTestError, ScratchTable, run_loadtest
+    from memserver.loadtest.config import LoadConfig, parse_duration, parse_host_port, parse_mix
+    from memserver.loadtest.run import LoadTestError, Master, ScratchTable, run_loadtest, run_worker
 
+    wait = _parsed(parse_duration, args.wait, "--wait")
+    if args.worker_of is not None:
+        given = [f"--{name.replace('_', '-')}" for name in MASTER_ONLY if getattr(args, name) != DEFAULTS.get(name)]
+        if given:
+            raise CliError(f"--worker-of: {', '.join(given)} belong(s) to the master; a worker takes the master's")
+        master_addr = _parsed(parse_host_port, args.worker_of, "--worker-of")
+        try:
+            report = run_worker(master_addr, wait, endpoint=args.endpoint, save_latencies=args.save_latencies)
+        except LoadTestError as exc:
+            print(f"memserver: error: {exc}", file=sys.stderr)
+            return 1
+        return _print_and_exit(report, args.json)
+    master = None
+    if args.expect_workers is not None:
+        if args.expect_workers < 1:
+            raise CliError(f"--expect-workers must be at least 1, got {args.expect_workers}")
+        if args.users < args.expect_workers:
+            raise CliError(f"--users ({args.users}) must be at least --expect-workers ({args.expect_workers}): "
+                           "every worker runs at least one user")
+        master = Master(_parsed(parse_host_port, args.master_bind or "127.0.0.1", "--master-bind"), args.expect_workers, wait)
+    elif args.master_bind is not None:
+        raise CliError("--master-bind: only with --expect-workers (the master's workers)")
     duration = _parsed(parse_duration, args.duration, "--duration")
     mix = _parsed(parse_mix, args.mix, "--mix")
     for flag, value in (("--users", args.users), ("--batch", args.batch), ("--knn", args.knn),
@@ -41,17 +73,24 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     cfg = LoadConfig(endpoint=endpoint_of(args), table=args.table or "(scratch)", mix=mix, batch=args.batch, knn=args.knn,
                      wire_dtype=args.wire_dtype, timeout=args.timeout, max_requests=args.max_requests)
     try:
-        report = run_loadtest(cfg, args.users, args.spawn_rate, duration, scratch=scratch)
+        report = run_loadtest(cfg, args.users, args.spawn_rate, duration, scratch=scratch, master=master,
+                              save_latencies=args.save_latencies)
     except LoadTestError as exc:
         print(f"memserver: error: {exc}", file=sys.stderr)
         return 1
-    if args.json:
+    return _print_and_exit(report, args.json)
+
+
+def _print_and_exit(report: dict[str, Any], as_json: bool) -> int:
+    if as_json:
         print(json.dumps(report, indent=2))
     else:
         print_load_report(report)
     if report["interrupted"]:
         return 130
-    return 1 if report["failures"] or report["locust_exceptions"] else 0
+    bad = report["failures"] or report["locust_exceptions"] or report.get("missing_workers") or \
+        report.get("rejected_workers") or report.get("sent") is False
+    return 1 if bad else 0
 
 
 def _ms(x: float | None) -> str:
@@ -85,6 +124,19 @@ def print_load_report(report: dict[str, Any]) -> None:
                     *(_ms(s[k]) for k in ("mean_ms", "p50_ms", "p95_ms", "p99_ms", "max_ms")),
                     end_section=i == len(rows) - 2)
     console.print(out)
+    if "workers" in report:  # a master: every worker's share of the merged rows above
+        console.print(f"merged over {len(report['workers'])} of {report['expect_workers']} workers (master "
+                      f"{report['master']}):")
+        for wid, w in sorted(report["workers"].items(), key=lambda kv: kv[1]["address"]):
+            console.print(f"  {w['address']}: {w['requests']:,} requests, {w['failures']:,} failures, "
+                          f"p50 {_ms(w['p50_ms'])} ms, p99 {_ms(w['p99_ms'])} ms  [dim]{wid}[/]")
+        for wid in report["missing_workers"]:
+            console.print(f"[red]worker {wid} sent no latencies: left out of the percentiles[/]")
+        for wid, why in report["rejected_workers"].items():
+            console.print(f"[red]worker {wid}'s latencies refused: {why}[/]")
+    elif "master" in report:  # a worker
+        console.print(f"this worker ({report['address']}) of master {report['master']}: its own share; "
+                      f"{'sent to' if report['sent'] else '[red]not sent to[/]'} the master")
     for err, n in report["errors"].items():
         console.print(f"[red]{n} x {err}[/]")
     if report["interrupted"]:
@@ -97,21 +149,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="Run locust headless against the running cluster: --users closed-loop clients call "
                         "the shards directly with a weighted mix of bag / lookup / bag_backward for --duration, then print "
                         "requests/s, failures and exact p50/p95/p99/max latency per call type. Without --table, a scratch "
-                        "table is created for the run and dropped afterwards. Exit status 1 if any request failed.")
-    lt.add_argument("--users", type=int, default=4, help="concurrent simulated clients (default 4)")
-    lt.add_argument("--spawn-rate", type=float, default=4.0, help="users started per second (default 4)")
-    lt.add_argument("--duration", default="30s", help="how long to load, e.g. 30s, 2m, 500ms (default 30s)")
+                        "table is created for the run and dropped afterwards. Exit status 1 if any request failed. "
+                        "From several hosts (locust's distributed mode): on one host `--expect-workers N --master-bind "
+                        "ADDR:PORT` with the usual flags runs the master, which makes no load itself; on each load host "
+                        "`--worker-of ADDR:PORT` runs a worker, which takes table and settings from the master and reaches "
+                        "the cluster its own way (--endpoint or the endpoint file, e.g. MEMSERVER_ENDPOINT_FILE=join.json, "
+                        "with that file's token and CA). The master prints exact percentiles over every worker's "
+                        "responses and each worker's counts; exit status 1 also if a worker's latencies are missing. "
+                        "The master's port has no authentication: bind it to a private address.")
+    lt.add_argument("--users", type=int, default=DEFAULTS["users"],
+                    help="concurrent simulated clients (default 4); with --expect-workers, in total over the workers")
+    lt.add_argument("--spawn-rate", type=float, default=DEFAULTS["spawn_rate"], help="users started per second (default 4)")
+    lt.add_argument("--duration", default=DEFAULTS["duration"], help="how long to load, e.g. 30s, 2m, 500ms (default 30s)")
     lt.add_argument("--table", help="existing table to load (bag_backward updates its rows!); default: a scratch table")
-    lt.add_argument("--mix", default="bag:8,lookup:1,bag_backward:1", help="weighted calls (default bag:8,lookup:1,bag_backward:1)")
-    lt.add_argument("--batch", type=int, default=256, help="bags per bag/bag_backward call, ids per lookup (default 256)")
-    lt.add_argument("--knn", type=int, default=32, help="entries per bag (default 32)")
-    lt.add_argument("--wire-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    lt.add_argument("--mix", default=DEFAULTS["mix"], help="weighted calls (default bag:8,lookup:1,bag_backward:1)")
+    lt.add_argument("--batch", type=int, default=DEFAULTS["batch"],
+                    help="bags per bag/bag_backward call, ids per lookup (default 256)")
+    lt.add_argument("--knn", type=int, default=DEFAULTS["knn"], help="entries per bag (default 32)")
+    lt.add_argument("--wire-dtype", default=DEFAULTS["wire_dtype"], choices=["float32", "bfloat16", "float16"],
                     help="dtype rows, bag outputs and gradients travel in (default float32)")
-    lt.add_argument("--timeout", type=float, default=10.0, help="deadline of every request, seconds (default 10)")
-    lt.add_argument("--max-requests", type=int, default=1_000_000, help="stop after this many calls even before --duration")
+    lt.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="deadline of every request, seconds (default 10)")
+    lt.add_argument("--max-requests", type=int, default=DEFAULTS["max_requests"],
+                    help="stop after this many calls even before --duration (per worker with --expect-workers)")
     lt.add_argument("--num-rows", type=int, help="scratch table rows (default 65536)")
     lt.add_argument("--dim", type=int, help="scratch table dim (default 128)")
     lt.add_argument("--sharding", choices=["rows", "cols"], help="scratch table sharding (default cols)")
     lt.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
     lt.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    lt.add_argument("--expect-workers", type=int, metavar="N",
+                    help="run as locust master: wait for N workers (--worker-of) and spread --users over them; "
+                    "no load from this process")
+    lt.add_argument("--master-bind", metavar="HOST[:PORT]",
+                    help="the master's address for its workers (default 127.0.0.1:5557); one private address, "
+                    "never a wildcard: the port has no authentication")
+    lt.add_argument("--worker-of", metavar="HOST[:PORT]",
+                    help="run as a locust worker of the master there (port default 5557): table and settings come "
+                    "from the master, the way to the cluster (--endpoint, endpoint file, token, CA) is this host's")
+    lt.add_argument("--wait", default="60s",
+                    help="distributed mode: how long the master waits for its workers to connect and, after the run, "
+                    "for each one's latencies; how long a worker waits for its master's test (default 60s)")
+    lt.add_argument("--save-latencies", metavar="FILE.npz",
+                    help="also write every response time kept (float64 ms per call type, numpy .npz): a master's "
+                    "are every worker's, a worker's its own")
     lt.set_defaults(func=cmd_loadtest)

@@ -132,3 +132,23 @@ def _endpoint_from_file() -> str:
         return read_endpoint()["endpoint"]
     except FileNotFoundError as exc:
         raise ValueError(f"MEMSERVER_ENDPOINT: not set, and {exc}") from None
+
+
+def parse_host_port(text: str, default_port: int = 5557) -> tuple[str, int]:
+    """'HOST:PORT' or 'HOST' -> (host, port) of a locust master (locust's port by default). A
+    wildcard host is refused: the master's port has no authentication, bind one private address."""
+    host, sep, port = str(text).strip().rpartition(":")
+    if not sep:
+        host, port = port, str(default_port)
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"expected HOST[:PORT], got {text!r}")
+    if host in ("*", "0.0.0.0", "::"):
+        raise ValueError(f"{host} is a wildcard (every interface); name one (private) address")
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"port of {text!r} is not a number") from None
+    if not 0 < p < 65536:
+        raise ValueError(f"port of {text!r} must be 1..65535")
+    return host, p

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from memserver.loadtest.config import LoadConfig
+from memserver.loadtest.config import MAX_DURATION_S, LoadConfig
 
 
 class LoadTestError(RuntimeError):
@@ -28,11 +28,24 @@ class ScratchTable:
     sharding: str = "cols"
 
 
+@dataclass(frozen=True)
+class Master:
+    """Run as locust master (memserver/loadtest/distributed.py): no local users; `users` spread
+    over `expect_workers` workers that connect to `bind` (HOST:PORT); `wait_s` bounds the wait
+    for them to connect and, after the run, for each one's latencies."""
+
+    bind: tuple[str, int]
+    expect_workers: int
+    wait_s: float = 60.0
+
+
 def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: float,
-                 scratch: ScratchTable | None = None) -> dict[str, Any]:
+                 scratch: ScratchTable | None = None, master: Master | None = None,
+                 save_latencies: str | None = None) -> dict[str, Any]:
     """Run a headless locust load against cfg.table and return the report (LatencyRecorder.report
     plus what was run). With `scratch`, creates a fresh table for the run instead and drops it
-    afterwards, also on errors and Ctrl-C.
+    afterwards, also on errors and Ctrl-C. With `master`, the load comes from locust workers
+    (`run_worker` elsewhere) and the report merges every worker's latencies exactly.
 
     Locust runs in a child process (memserver/loadtest/user.py): importing locust monkey-patches
     sockets, threads and time with gevent for the whole process, which breaks the MemoryClient's
@@ -49,7 +62,13 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
             meta = mem.table(cfg.table)  # TableNotFoundError before any locust starts
             # the users stop themselves a little after the duration even if the runner does not
             cfg = replace(cfg, max_seconds=min(cfg.max_seconds, duration_s + cfg.timeout + 5))
-            report = _run_child(cfg, users, spawn_rate, duration_s)
+            args = ["--users", str(users), "--spawn-rate", str(spawn_rate), "--duration", str(duration_s)]
+            grace = duration_s + 2 * cfg.timeout + 120
+            if master is not None:
+                args += ["--master-bind", f"{master.bind[0]}:{master.bind[1]}", "--expect-workers",
+                         str(master.expect_workers), "--wait", str(master.wait_s)]
+                grace += 2 * master.wait_s
+            report = _run_child(cfg.to_env(), args, grace, save_latencies)
         finally:
             if scratch is not None:
                 mem.drop_table(cfg.table)
@@ -63,25 +82,37 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
     return report
 
 
-def _run_child(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: float) -> dict[str, Any]:
+def run_worker(master: tuple[str, int], wait_s: float = 60.0, endpoint: str | None = None,
+               save_latencies: str | None = None) -> dict[str, Any]:
+    """Run as a locust worker of `master` (memserver/loadtest/distributed.py) and return this
+    worker's own report once the master ends the test. The table and every setting come from the
+    master; the way to the cluster (`endpoint`, else MEMSERVER_ENDPOINT or the endpoint file, with
+    its token and CA) is this host's own. The child bounds itself (see distributed.run_worker)."""
+    env = {"MEMSERVER_ENDPOINT": endpoint} if endpoint else {}
+    args = ["--worker-of", f"{master[0]}:{master[1]}", "--wait", str(wait_s)]
+    return _run_child(env, args, MAX_DURATION_S + 3 * wait_s + 300, save_latencies)
+
+
+def _run_child(env: dict[str, str], args: list[str], timeout: float, save_latencies: str | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="memserver-loadtest-") as tmp:
         report_path = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, "-m", "memserver.loadtest.user", "--users", str(users), "--spawn-rate", str(spawn_rate),
-               "--duration", str(duration_s), "--report", report_path]
-        proc = subprocess.Popen(cmd, env={**os.environ, **cfg.to_env()}, stdin=subprocess.DEVNULL)
+        cmd = [sys.executable, "-m", "memserver.loadtest.user", *args, "--report", report_path]
+        if save_latencies:
+            cmd += ["--save-latencies", save_latencies]
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
         interrupted = False
         try:
             try:
                 # start-up (imports) + the run + the users' last answers; after that it is stuck
-                rc = proc.wait(timeout=duration_s + 2 * cfg.timeout + 120)
+                rc = proc.wait(timeout=timeout)
             except KeyboardInterrupt:
                 # Ctrl-C: the child (same process group) got it too and stops early, writing its
                 # report; tell it again in case it runs elsewhere, and wait for that report
                 interrupted = True
                 proc.send_signal(signal.SIGINT)
-                rc = proc.wait(timeout=cfg.timeout + 30)
+                rc = proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            raise LoadTestError(f"the locust process did not finish within {duration_s:.0f}s + grace; killed it") from None
+            raise LoadTestError(f"the locust process did not finish within {timeout:.0f} s; killed it") from None
         finally:
             if proc.poll() is None:  # timed out, a second Ctrl-C, an error: stop the load before the table goes
                 proc.kill()

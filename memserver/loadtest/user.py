@@ -33,7 +33,7 @@ from locust.exception import StopUser
 
 from client.ops import ClientSession, WriteTags
 from memserver.loadtest.caller import Batches, ShardCaller, fetch_table
-from memserver.loadtest.config import LoadConfig
+from memserver.loadtest.config import LoadConfig, parse_host_port
 from memserver.loadtest.recorder import LatencyRecorder
 
 grpc_gevent.init_gevent()  # before any channel exists, as gRPC requires under gevent
@@ -52,12 +52,22 @@ class _Process:
     caller: ShardCaller | None = None
     started: float | None = None
     issued = itertools.count()
+    override: LoadConfig | None = None  # on a locust worker: the master's settings (distributed.py)
+
+    @classmethod
+    def configure(cls, cfg: LoadConfig) -> None:
+        """Load with `cfg` instead of MEMSERVER_*: a new test's settings, before its users start."""
+        with cls.lock:
+            if cls.caller is not None and cls.cfg != cfg:
+                cls.caller.close()
+                cls.caller = cls.cfg = None
+            cls.override = cfg
 
     @classmethod
     def get(cls) -> tuple[LoadConfig, ShardCaller]:
         with cls.lock:
             if cls.caller is None:
-                cfg = LoadConfig.from_env()
+                cfg = cls.override or LoadConfig.from_env()
                 meta = fetch_table(cfg.endpoint, cfg.table, cfg.timeout)  # GetShardMap, once
                 caller = ShardCaller(meta, cfg)
                 caller.connect()
@@ -104,30 +114,39 @@ class MemserverUser(locust.User):
                                              exception=exc, context={})
 
 
-def attach_recorder(environment: Any) -> LatencyRecorder:
-    """Record every request of this environment exactly (idempotent)."""
+def attach_recorder(environment: Any, max_samples: int | None = None) -> LatencyRecorder:
+    """Record every request of this environment exactly (idempotent; `max_samples`: see
+    LatencyRecorder)."""
     rec = getattr(environment, "memserver_latency", None)
     if rec is None:
         rec = environment.memserver_latency = LatencyRecorder()
         environment.events.request.add_listener(rec.on_request)
+    if max_samples is not None:
+        rec.max_samples = max_samples
     return rec
 
 
-def run_headless(users: int, spawn_rate: float, duration_s: float) -> dict[str, Any]:
+def on_signals() -> gevent.event.Event:
+    """An event Ctrl-C / SIGTERM set: the run ends early but cleanly (users finish their call, the
+    report is written); without this, KeyboardInterrupt lands in whichever greenlet runs, e.g.
+    gRPC's. Kept until exit: a second signal must not kill us mid-report."""
+    interrupted = gevent.event.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        gevent.signal_handler(sig, interrupted.set)
+    return interrupted
+
+
+def run_headless(users: int, spawn_rate: float, duration_s: float) -> tuple[dict[str, Any], LatencyRecorder]:
     """locust as a library: a local runner with `users` MemserverUsers for `duration_s`, then
     stop (users finish their call in flight, up to the request deadline). Bounded by duration
-    and by cfg.max_requests, whichever comes first."""
+    and by cfg.max_requests, whichever comes first. Returns the report and the recorder."""
     from locust.env import Environment
 
     cfg, _ = _Process.get()  # a missing table or dead coordinator fails here, not in every user
     env = Environment(user_classes=[MemserverUser], events=locust.events, stop_timeout=cfg.timeout + 1)
-    rec = attach_recorder(env)
+    rec = attach_recorder(env, max_samples=cfg.max_requests)
     runner = env.create_local_runner()
-    # Ctrl-C / SIGTERM end the run early but cleanly (users finish their call, the report is
-    # written); without this, KeyboardInterrupt lands in whichever greenlet runs, e.g. gRPC's.
-    interrupted = gevent.event.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # kept until exit: a second signal must not kill us mid-report
-        gevent.signal_handler(sig, interrupted.set)
+    interrupted = on_signals()
     t0 = time.perf_counter()
     try:
         runner.start(users, spawn_rate=spawn_rate)
@@ -145,24 +164,47 @@ def run_headless(users: int, spawn_rate: float, duration_s: float) -> dict[str, 
     report["locust_exceptions"] = sum(e["count"] for e in runner.exceptions.values())
     for e in runner.exceptions.values():
         report["errors"][f"user: {e['msg']}"] = e["count"]
-    return report
+    return report, rec
+
+
+def save_latencies(rec: LatencyRecorder, path: str) -> None:
+    """Every kept response time, float64 ms, one array per call name, as a numpy .npz."""
+    np.savez(path, **{name: np.frombuffer(a, dtype=np.float64) for name, a in rec.ok.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m memserver.loadtest.user --users N --spawn-rate R --duration S --report FILE`."""
+    """`python -m memserver.loadtest.user --users N --spawn-rate R --duration S --report FILE`, as a
+    master (`--master-bind H:P --expect-workers N --wait S`) or a worker (`--worker-of H:P --wait S`)."""
     p = argparse.ArgumentParser(prog="python -m memserver.loadtest.user", description=__doc__)
-    p.add_argument("--users", type=int, required=True)
-    p.add_argument("--spawn-rate", type=float, required=True)
-    p.add_argument("--duration", type=float, required=True, help="seconds")
+    p.add_argument("--users", type=int, default=1)
+    p.add_argument("--spawn-rate", type=float, default=1.0)
+    p.add_argument("--duration", type=float, default=1.0, help="seconds")
     p.add_argument("--report", required=True, help="write the JSON report here")
+    p.add_argument("--master-bind", help="HOST:PORT: run as locust master of --expect-workers workers")
+    p.add_argument("--expect-workers", type=int, default=0)
+    p.add_argument("--worker-of", help="HOST:PORT: run as a locust worker of that master")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds: bounded waits for workers / for the master")
+    p.add_argument("--save-latencies", help="write every kept response time here (.npz)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="locust: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        report = run_headless(args.users, args.spawn_rate, args.duration)
-    except (ValueError, grpc.RpcError) as exc:  # bad MEMSERVER_* settings, unknown table, no coordinator
+        if args.master_bind or args.worker_of:
+            from memserver.loadtest import distributed
+
+            if args.master_bind:
+                report, rec = distributed.run_master(args.users, args.spawn_rate, args.duration,
+                                                     parse_host_port(args.master_bind), args.expect_workers,
+                                                     args.wait)
+            else:
+                report, rec = distributed.run_worker(parse_host_port(args.worker_of), args.wait)
+        else:
+            report, rec = run_headless(args.users, args.spawn_rate, args.duration)
+    except (ValueError, grpc.RpcError) as exc:  # bad MEMSERVER_* settings, unknown table, no coordinator, no workers
         detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
         print(f"memserver loadtest: error: {detail}", file=sys.stderr)
         return 2
+    if args.save_latencies:
+        save_latencies(rec, args.save_latencies)
     with open(args.report, "w") as f:
         json.dump(report, f)
     return 0

@@ -1,0 +1,296 @@
+"""Locust's distributed mode (a master, workers on other hosts) with exact percentiles over every
+worker's responses. One piece of code for `memserver loadtest --expect-workers / --worker-of` and
+for plain `locust -f deploy/locustfile.py --master / --worker`: `setup(environment)` hooks it onto
+the environment's runner, over locust's own custom messages.
+
+- Test start, master -> workers (`memserver_config`): the master's LoadConfig as MEMSERVER_*
+  variables, before the spawn message (same connection, in order), so a worker needs only the
+  master's address. Never a token and never the endpoint: locust's master/worker channel is
+  plaintext and unauthenticated (docs/security.md), and a master that could name the endpoint
+  could make a worker send its token anywhere. A worker loads through its own way to the cluster
+  (its MEMSERVER_ENDPOINT or endpoint file, MEMSERVER_ENDPOINT_FILE, with that file's token and CA).
+- Test stopping, master -> workers (`memserver_collect`): each worker stops its users (calls in
+  flight finish, up to locust's stop timeout) and answers (`memserver_latencies`) with its
+  LatencyRecorder's to_message: at most max_requests x 8 bytes of latencies. The master waits for
+  every worker it knows, at most `wait_s`, merges what came (LatencyRecorder.merge) and names the
+  workers that did not answer. Stopping is where locust's headless `-t` and Ctrl-C both pass, and
+  it comes before locust tells workers to quit.
+
+Import this only where locust may monkey-patch the process (it imports memserver.loadtest.user).
+"""
+
+from __future__ import annotations
+
+# isort: off
+from memserver.loadtest import user  # first: locust's gevent monkey-patching
+
+# isort: on
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import gevent
+import locust
+from locust.env import Environment
+from locust.runners import MasterRunner, WorkerRunner
+
+from memserver.loadtest.config import LoadConfig
+from memserver.loadtest.recorder import LatencyRecorder
+
+CONFIG = "memserver_config"
+COLLECT = "memserver_collect"
+LATENCIES = "memserver_latencies"
+#: What the master sends: every LoadConfig variable but the endpoint (see the module docstring).
+SENT_VARS = tuple(v for k, v in LoadConfig.ENV.items() if k != "endpoint")
+
+log = logging.getLogger("memserver.loadtest")
+
+
+def config_message(cfg: LoadConfig) -> dict[str, str]:
+    """What the master sends its workers: cfg's MEMSERVER_* variables, no endpoint, no token."""
+    return {k: v for k, v in cfg.to_env().items() if k in SENT_VARS}
+
+
+def worker_config(data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> LoadConfig:
+    """A worker's LoadConfig: the master's settings, the worker's own endpoint (MEMSERVER_ENDPOINT
+    or its endpoint file). Anything but SENT_VARS in the message is ignored."""
+    sent = {k: v for k, v in dict(data).items() if k in SENT_VARS}
+    if not all(isinstance(v, str) for v in sent.values()):
+        raise ValueError("the master's settings are not strings")
+    return LoadConfig.from_env({**(os.environ if environ is None else environ), **sent})
+
+
+@dataclass
+class MasterState:
+    """The master's merge of one test: every worker's latencies, per-worker counts, who is missing."""
+
+    cfg: LoadConfig | None
+    wait_s: float
+    merged: LatencyRecorder = field(default_factory=LatencyRecorder)
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    expected: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+    started: float | None = None
+    stopped: float | None = None
+
+    def reset(self) -> None:
+        self.merged, self.workers, self.expected, self.missing, self.rejected = LatencyRecorder(), {}, [], [], {}
+        self.started, self.stopped = time.monotonic(), None
+
+    def report(self, names: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+        """LatencyRecorder.report over every worker's responses (req/s over the master's span,
+        test start to collect), plus `workers` (each one's own counts), `missing_workers` and
+        `rejected_workers` (malformed or over-bound messages)."""
+        span = (self.stopped or time.monotonic()) - self.started if self.started is not None else 0.0
+        out = self.merged.report(span, names=names)
+        out.update(workers=self.workers, missing_workers=self.missing, rejected_workers=self.rejected)
+        return out
+
+
+@dataclass
+class WorkerState:
+    """A worker's side: the master's address, the address this host reaches it from, the config of
+    the current test, whether its latencies were sent, and its peak user count."""
+
+    master: str
+    address: str
+    cfg: LoadConfig | None = None
+    config_error: str | None = None
+    sent: bool = False
+    users: int = 0
+
+
+def setup(environment: Environment, cfg: LoadConfig | None = None, wait_s: float | None = None) -> Any:
+    """Hook the distributed merge onto environment.runner (create the runner first; idempotent).
+    Any runner records exactly (attach_recorder). On a master: `cfg` is what the workers are sent
+    (default: the master's own MEMSERVER_* at each test start, if they name a table; if not, the
+    workers use their own), `wait_s` bounds the wait for the workers' latencies (default: the
+    request deadline + 30 s). Returns MasterState, WorkerState or None (a local runner)."""
+    user.attach_recorder(environment)
+    runner = environment.runner
+    if getattr(environment, "memserver_distributed", None) is not None:
+        return environment.memserver_distributed
+    state: Any = None
+    if isinstance(runner, MasterRunner):
+        state = MasterState(cfg, wait_s if wait_s is not None else (cfg.timeout if cfg else 10.0) + 30.0)
+        runner.register_message(LATENCIES, _on_latencies)
+        environment.events.test_start.add_listener(_master_test_start)
+        environment.events.test_stopping.add_listener(_master_test_stopping)
+    elif isinstance(runner, WorkerRunner):
+        state = WorkerState(f"{runner.master_host}:{runner.master_port}",
+                            _local_address(runner.master_host, runner.master_port))
+        runner.register_message(CONFIG, _on_config)
+        runner.register_message(COLLECT, _on_collect)
+    environment.memserver_distributed = state
+    return state
+
+
+def _local_address(host: str, port: int) -> str:
+    """This host's address towards the master (a UDP socket's connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+# the master's side
+def _master_test_start(environment: Environment, **_: Any) -> None:
+    state: MasterState = environment.memserver_distributed
+    if not isinstance(state, MasterState):
+        return
+    state.reset()
+    cfg = state.cfg
+    if cfg is None:
+        try:
+            cfg = LoadConfig.from_env()
+        except ValueError as exc:
+            log.warning("the master has no load settings (%s): each worker uses its own MEMSERVER_*", exc)
+    if cfg is not None:
+        environment.runner.send_message(CONFIG, config_message(cfg))
+
+
+def _master_test_stopping(environment: Environment, **_: Any) -> None:
+    state: MasterState = environment.memserver_distributed
+    runner = environment.runner
+    if not isinstance(state, MasterState) or state.stopped is not None:
+        return
+    state.stopped = time.monotonic()
+    alive = [c.id for c in runner.clients.ready + runner.clients.spawning + runner.clients.running]
+    state.expected = sorted({c.id for c in runner.clients.all})
+    if alive:  # none alive: the last worker quit, and this may run in the greenlet that receives
+        runner.send_message(COLLECT, None)
+        deadline = time.monotonic() + state.wait_s
+        while time.monotonic() < deadline and not set(state.expected) <= set(state.workers) | set(state.rejected):
+            gevent.sleep(0.05)
+    state.missing = [w for w in state.expected if w not in state.workers and w not in state.rejected]
+    if state.missing:
+        log.error("no latencies from worker(s) %s within %.0f s: the merged percentiles leave them out",
+                  ", ".join(state.missing), state.wait_s)
+
+
+def _on_latencies(environment: Environment, msg: Any, **_: Any) -> None:
+    state: MasterState = environment.memserver_distributed
+    wid = str(msg.node_id)
+    if wid in state.workers or wid in state.rejected:
+        return  # one message per worker and test
+    bound = state.cfg.max_requests if state.cfg else None
+    try:
+        rec = LatencyRecorder.from_message(msg.data, max_samples=bound)
+    except (ValueError, AttributeError) as exc:
+        state.rejected[wid] = str(exc)[:200]
+        log.error("worker %s sent latencies the master refuses: %s", wid, exc)
+        return
+    state.merged.merge(rec)
+    r = rec.report()
+    address = msg.data.get("address")
+    state.workers[wid] = {"address": address[:100] if isinstance(address, str) else "?",
+                          "requests": r["requests"], "failures": r["failures"], "dropped": r["dropped"],
+                          "rps": r["rps"], "elapsed_s": r["elapsed_s"], "p50_ms": r["total"]["p50_ms"],
+                          "p99_ms": r["total"]["p99_ms"]}
+
+
+# the worker's side
+def _on_config(environment: Environment, msg: Any, **_: Any) -> None:
+    state: WorkerState = environment.memserver_distributed
+    try:
+        cfg = worker_config(msg.data or {})
+    except (ValueError, TypeError) as exc:
+        state.config_error = f"the master's settings: {exc}"
+        log.error("%s", state.config_error)
+        return
+    user._Process.configure(cfg)
+    rec = user.attach_recorder(environment, max_samples=cfg.max_requests)
+    rec.clear()
+    state.cfg, state.config_error, state.sent, state.users = cfg, None, False, 0
+
+
+def _on_collect(environment: Environment, msg: Any, **_: Any) -> None:
+    state: WorkerState = environment.memserver_distributed
+    runner = environment.runner
+    state.users = max(state.users, runner.user_count)
+    runner.stop()  # graceful: calls in flight are answered and recorded first
+    rec = user.attach_recorder(environment)
+    runner.send_message(LATENCIES, {"address": state.address, **rec.to_message()})
+    state.sent = True
+
+
+# what `memserver loadtest --expect-workers / --worker-of` runs (python -m memserver.loadtest.user)
+def run_master(users: int, spawn_rate: float, duration_s: float, bind: tuple[str, int], expect_workers: int,
+               wait_s: float) -> tuple[dict[str, Any], LatencyRecorder]:
+    """A locust master on `bind`, no local users: waits at most `wait_s` for `expect_workers`
+    workers, spreads `users` over them for `duration_s`, then collects every worker's latencies
+    (at most `wait_s` more) and returns the merged report and recorder."""
+    cfg = LoadConfig.from_env()
+    env = Environment(user_classes=[user.MemserverUser], events=locust.events, stop_timeout=cfg.timeout + 1)
+    runner = env.create_master_runner(*bind)
+    state: MasterState = setup(env, cfg=cfg, wait_s=wait_s)
+    interrupted = user.on_signals()
+    try:
+        deadline = time.monotonic() + wait_s
+        while runner.worker_count < expect_workers and time.monotonic() < deadline and not interrupted.is_set():
+            interrupted.wait(0.1)
+        if runner.worker_count < expect_workers:
+            raise ValueError(f"--expect-workers: {runner.worker_count} of {expect_workers} workers connected to "
+                             f"{bind[0]}:{bind[1]} within {wait_s:g} s")
+        runner.start(users, spawn_rate=spawn_rate)
+        deadline = time.monotonic() + duration_s
+        while time.monotonic() < deadline and not interrupted.is_set():
+            interrupted.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+    finally:
+        runner.quit()  # test_stopping: the collect above; then locust tells the workers to quit
+    report = state.report(names=list(cfg.mix))
+    report["interrupted"] = interrupted.is_set()
+    report["expect_workers"] = expect_workers
+    report["master"] = f"{bind[0]}:{bind[1]}"
+    report["locust_exceptions"] = sum(e["count"] for e in runner.exceptions.values())
+    for e in runner.exceptions.values():
+        report["errors"][f"user: {e['msg']}"] = e["count"]
+    return report, state.merged
+
+
+def run_worker(master: tuple[str, int], wait_s: float) -> tuple[dict[str, Any], LatencyRecorder]:
+    """A locust worker of `master`: waits at most `wait_s` for a test, runs the master's users
+    with the master's settings and this host's way to the cluster, sends its latencies when the
+    master stops, and returns its own report once the master says quit (bounded: the test's
+    max_seconds + `wait_s` + the request deadline)."""
+    env = Environment(user_classes=[user.MemserverUser], events=locust.events)
+    runner = env.create_worker_runner(*master)
+    state: WorkerState = setup(env)
+    interrupted = user.on_signals()
+    try:
+        deadline = time.monotonic() + wait_s
+        while state.cfg is None and state.config_error is None and time.monotonic() < deadline \
+                and not interrupted.is_set() and len(runner.greenlet):
+            interrupted.wait(0.1)
+        if state.config_error:
+            raise ValueError(state.config_error)
+        if state.cfg is None:
+            raise ValueError(f"--worker-of: no test from the master at {master[0]}:{master[1]} within {wait_s:g} s")
+        cfg = state.cfg
+        deadline = time.monotonic() + cfg.max_seconds + cfg.timeout + wait_s
+        while len(runner.greenlet) and time.monotonic() < deadline and not interrupted.is_set():
+            state.users = max(state.users, runner.user_count)
+            interrupted.wait(0.1)
+    finally:
+        if len(runner.greenlet):
+            runner.quit()  # tells the master this worker leaves
+    rec = user.attach_recorder(env)
+    report = rec.report(names=list(cfg.mix))
+    meta = user._Process.caller.meta if user._Process.caller is not None else None
+    report.update({
+        "master": f"{master[0]}:{master[1]}", "address": state.address, "sent": state.sent,
+        "interrupted": interrupted.is_set(), "endpoint": cfg.endpoint, "users": state.users,
+        "locust_exceptions": sum(e["count"] for e in runner.exceptions.values()),
+        "table": {"name": cfg.table, "num_rows": meta.num_rows if meta else 0, "dim": meta.dim if meta else 0,
+                  "sharding": meta.sharding if meta else "?", "shards": len(meta.shards) if meta else 0,
+                  "scratch": False},
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("endpoint", "table")},
+    })
+    return report, rec
