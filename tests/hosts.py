@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from memserver.cli.common import pid_alive
+
 SUBNET = "10.213.0"
 RAY_PORT = 6379
 #: Ray's smallest object store (75 MiB) and a little over: the hosts share this machine's RAM.
@@ -93,22 +95,12 @@ def sweep() -> list[str]:
         if not name.startswith("ms") or "-" not in name:
             continue
         owner = name[2:].split("-", 1)[0]
-        if not owner.isdigit() or _alive(int(owner)):
+        if not owner.isdigit() or pid_alive(int(owner)):
             continue
         _kill_all(name)
         _ip("netns", "del", name, check=False)
         removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Hosts:
