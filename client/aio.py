@@ -51,7 +51,7 @@ from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.cluster.endpoint import read_endpoint
-from memserver.wire import as_tensor, dtype_code, encode, tune_malloc
+from memserver.wire import as_tensor, check_wire_dtype, dtype_code, encode, tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class AsyncMemoryClient:
                         self.endpoint)
         self.timeout = timeout
         self.retry_seconds = retry_seconds
+        check_wire_dtype(dtype_code(wire_dtype))  # the shards' rule: the client refuses it before any call
         self.opts = OpOptions(wire_dtype=dtype_code(wire_dtype), max_request_bytes=max_request_bytes)
         self.session = ClientSession(client_id or uuid.uuid4().hex)
         self._channels: dict[str, grpc.aio.Channel] = {}
