@@ -429,6 +429,13 @@ class AsyncMemoryClient:
         r = await self._retrying(lambda: self._control("Checkpoint", request))
         return {"path": r.path, "step": r.step, "bytes": r.bytes, "tables": list(r.tables), "seconds": r.seconds}
 
+    async def check_checkpoint_dir(self, dir: str) -> str:
+        """Whether the cluster would checkpoint to `dir` (its checkpoint root, the one rule of
+        memserver.storage.checkpoint.under_root): the directory it resolves to, or
+        PermissionDeniedError. Writes nothing."""
+        request = pb.CheckpointRequest(dir=str(dir), dry_run=True)
+        return (await self._retrying(lambda: self._control("Checkpoint", request))).path
+
     async def restore(self, dir: str, step: int = 0, *, replace: bool = False, num_shards: int = 0,
                       tables: list[str] | None = None) -> list[TableMeta]:
         """Load tables from a checkpoint (the latest complete one when step is 0), optionally
