@@ -51,7 +51,7 @@ from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.cluster.endpoint import read_endpoint
-from memserver.wire import as_tensor, dtype_code, encode, tune_malloc
+from memserver.wire import as_tensor, check_wire_dtype, dtype_code, encode, tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class AsyncMemoryClient:
                         self.endpoint)
         self.timeout = timeout
         self.retry_seconds = retry_seconds
+        check_wire_dtype(dtype_code(wire_dtype))  # the shards' rule: the client refuses it before any call
         self.opts = OpOptions(wire_dtype=dtype_code(wire_dtype), max_request_bytes=max_request_bytes)
         self.session = ClientSession(client_id or uuid.uuid4().hex)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -427,6 +428,13 @@ class AsyncMemoryClient:
         request = pb.CheckpointRequest(dir=str(dir), step=step, tables=tables or [])
         r = await self._retrying(lambda: self._control("Checkpoint", request))
         return {"path": r.path, "step": r.step, "bytes": r.bytes, "tables": list(r.tables), "seconds": r.seconds}
+
+    async def check_checkpoint_dir(self, dir: str) -> str:
+        """Whether the cluster would checkpoint to `dir` (its checkpoint root, the one rule of
+        memserver.storage.checkpoint.under_root): the directory it resolves to, or
+        PermissionDeniedError. Writes nothing."""
+        request = pb.CheckpointRequest(dir=str(dir), dry_run=True)
+        return (await self._retrying(lambda: self._control("Checkpoint", request))).path
 
     async def restore(self, dir: str, step: int = 0, *, replace: bool = False, num_shards: int = 0,
                       tables: list[str] | None = None) -> list[TableMeta]:

@@ -177,6 +177,9 @@ class MemoryClient:
     def status(self) -> Any:
         return self._run(self.aio.status())
 
+    def check_checkpoint_dir(self, dir: str) -> str:
+        return self._run(self.aio.check_checkpoint_dir(dir))
+
     def checkpoint(self, dir: str, step: int = 0, tables: list[str] | None = None) -> dict[str, Any]:
         return self._run(self.aio.checkpoint(dir, step, tables))
 

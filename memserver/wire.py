@@ -124,8 +124,7 @@ def decode(msg: pb.Tensor | torch.Tensor, what: str, region: Any = None) -> torc
     if dtype is None:
         raise InvalidArgumentError(f"{what}: missing or unknown dtype ({msg.dtype})")
     shape = tuple(int(s) for s in msg.shape)
-    if any(s < 0 for s in shape):
-        raise InvalidArgumentError(f"{what}: negative extent in shape {list(shape)}")
+    check_shape(shape, what)
     numel = math.prod(shape)  # exact (a Python int): a product past int64 is just too many bytes
     itemsize = ITEMSIZE[dtype]
     data = msg.data  # with upb every read of a bytes field is a copy: read it once
@@ -273,7 +272,7 @@ def _tensor_view(raw: bytes, i: int, end: int) -> torch.Tensor | None:
         else:  # a shared-memory span, or a field this reader does not know
             return None
     torch_dtype = TORCH_DTYPES.get(dtype)
-    if torch_dtype is None or i != end or any(s >= 2**63 for s in shape):
+    if torch_dtype is None or i != end or not _shape_ok(shape):
         return None
     numel = math.prod(shape)
     start, size = data if data is not None else (0, 0)
@@ -404,6 +403,78 @@ def to_bytes(message: Any) -> bytes:
 
 
 # ------------------------------------------------------------------ validation
+#
+# One check per kind of field, run before any work: shapes (check_shape, by decode), enums
+# (check_enums, by the server's interceptor for every request), the answer's dtype
+# (check_wire_dtype), answer sizes (check_answer), ids, offsets and floats below.
+
+#: The most elements (and bytes) one tensor may describe: what torch's int64 strides can count.
+_MAX_ELEMENTS = 2**63 - 1
+
+
+def _shape_ok(shape: tuple[int, ...] | list[int]) -> bool:
+    nonzero = [s for s in shape if s]
+    return all(s >= 0 for s in shape) and math.prod(nonzero) * 8 <= _MAX_ELEMENTS
+
+
+def check_shape(shape: tuple[int, ...] | list[int], what: str) -> None:
+    """Extents >= 0 whose product, zeros left out, fits int64 strides (of 8-byte elements): an
+    empty tensor of shape [0, 2^40, 2^40] holds nothing, but torch cannot lay it out."""
+    if any(s < 0 for s in shape):
+        raise InvalidArgumentError(f"{what}: negative extent in shape {list(shape)}")
+    if not _shape_ok(shape):
+        raise InvalidArgumentError(f"{what}: shape {list(shape)}: the product of its extents overflows int64")
+
+
+#: Dtypes an answer's rows may travel in (the request's wire_dtype; UNSPECIFIED = float32).
+ANSWER_DTYPES = (pb.DTYPE_UNSPECIFIED, *VALUE_DTYPES)
+
+
+def check_wire_dtype(code: int, what: str = "wire_dtype") -> None:
+    if code not in ANSWER_DTYPES:
+        raise InvalidArgumentError(f"{what}: rows travel as float32, float16 or bfloat16, not {_enum_name(pb.DType, code)}")
+
+
+def _enum_name(enum: Any, value: int) -> str:
+    try:
+        return enum.Name(value)
+    except ValueError:
+        return f"unknown value {value}"
+
+
+_ENUM_PLAN: dict[str, tuple[list[Any], list[Any]]] = {}
+
+
+def _plan(desc: Any) -> tuple[list[Any], list[Any]]:
+    """(enum fields, message fields that hold enums somewhere) of a message type, computed once."""
+    plan = _ENUM_PLAN.get(desc.full_name)
+    if plan is None:
+        _ENUM_PLAN[desc.full_name] = ([], [])  # a recursive type: no enums through itself
+        enums = [f for f in desc.fields if f.enum_type is not None]
+        nested = [f for f in desc.fields if f.message_type is not None and f.message_type is not pb.Tensor.DESCRIPTOR
+                  and not f.message_type.GetOptions().map_entry and any(_plan(f.message_type))]
+        plan = _ENUM_PLAN[desc.full_name] = (enums, nested)
+    return plan
+
+
+def check_enums(msg: Any, prefix: str = "") -> None:
+    """Every enum field of a request (nested messages included; a Tensor's dtype is decode's)
+    holds a value its enum defines: proto3 enums are open, so 99 parses and would otherwise
+    reach a dict lookup deep in a handler."""
+    msg = msg._msg if isinstance(msg, Resolved) else msg
+    enums, nested = _plan(msg.DESCRIPTOR)
+    for f in enums:
+        values = getattr(msg, f.name)
+        for v in (values if f.is_repeated else (values,)):
+            if f.enum_type.values_by_number.get(v) is None:
+                raise InvalidArgumentError(f"{prefix}{f.name}: unknown {f.enum_type.name} value {v}; one of "
+                                           f"{', '.join(f.enum_type.values_by_name)}")
+    for f in nested:
+        if f.is_repeated:
+            for i, item in enumerate(getattr(msg, f.name)):
+                check_enums(item, f"{prefix}{f.name}[{i}].")
+        elif msg.HasField(f.name):
+            check_enums(getattr(msg, f.name), f"{prefix}{f.name}.")
 
 
 def check_ids(ids: torch.Tensor, num_rows: int, what: str = "ids") -> None:

@@ -278,3 +278,14 @@ def test_a_manifest_cannot_lead_a_restore_out_of_its_directory(client, table_nam
             client.restore(str(tmp_path), 1, replace=True)
     finally:
         client.drop_table(table_name)
+
+
+def test_dry_run_checks_the_root_and_writes_nothing(client, table_name, tmp_path):
+    """CheckpointRequest.dry_run (client.check_checkpoint_dir): the root's rule, nothing written."""
+    from memserver.api.errors import PermissionDeniedError
+
+    where = tmp_path / "dry"
+    assert client.check_checkpoint_dir(str(where)) == str(where.resolve())
+    assert not where.exists()
+    with pytest.raises(PermissionDeniedError, match="outside the cluster's checkpoint root"):
+        client.check_checkpoint_dir("/etc")

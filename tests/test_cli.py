@@ -119,3 +119,18 @@ def test_help_explains_every_command():
     up_help = run(["up", "--help"], os.environ).stdout
     for flag in ("--shards", "--config", "--address", "--detach", "--max-table-bytes", "--table-memory-fraction"):
         assert flag in up_help
+
+
+def test_api_errors_are_one_line_and_the_traceback_only_under_v(memory_cluster):
+    """`memserver checkpoint --dir /etc` against a running cluster: PERMISSION_DENIED as one line
+    naming the flag that changes it, exit status 1, no traceback; with -v, the traceback."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = ["checkpoint", "--dir", "/etc", "--endpoint", memory_cluster.endpoint]
+    proc = run(args, env, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("memserver: error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "PERMISSION_DENIED" in errors[0] and "--checkpoint-root" in errors[0]
+    debug = run(["-v", *args], env, timeout=120)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "PermissionDeniedError" in debug.stderr

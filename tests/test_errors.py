@@ -156,10 +156,12 @@ def test_sync_workers_needs_sync_updates(client, table_name):
         client.create_table(table_name, 10, 4, sync_workers=-1)
 
 
-def test_interceptor_maps_every_exception_and_counts_every_call():
+def test_interceptor_maps_every_exception_and_counts_every_call(caplog):
     """Handlers only raise: the interceptor start_server installs sends the api's exceptions as
-    their status with their text, anything else as INTERNAL, and has counted the call by the time
-    the caller sees the status. Health checks pass through uncounted."""
+    their status with their text, anything else as INTERNAL (logged with its method and table,
+    and counted as an internal error), and has counted the call by the time the caller sees the
+    status. An unknown enum value is refused before the handler runs. Health checks pass through
+    uncounted."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from memserver.api.errors import TableNotFoundError
@@ -189,10 +191,14 @@ def test_interceptor_maps_every_exception_and_counts_every_call():
         def refused(self, method, code):
             raise AssertionError("no tokens here")
 
+        def internal(self, method):
+            self.internals.append(method)
+
         def attach(self, admission):
             pass
 
     seen = Seen()
+    seen.internals = []
     loop = LoopThread("test-interceptor")
     server, port = loop.call(start_server(lambda s: pb_grpc.add_DataPlaneServicer_to_server(Failing(), s), [DATA_PLANE],
                                           "127.0.0.1", metrics=seen))
@@ -201,16 +207,21 @@ def test_interceptor_maps_every_exception_and_counts_every_call():
             stub = pb_grpc.DataPlaneStub(ch)
             cases = [(stub.Lookup, pb.LookupRequest(table="a"), grpc.StatusCode.INVALID_ARGUMENT, "ids: must be 1-D"),
                      (stub.SlotStats, pb.SlotStatsRequest(table="b"), grpc.StatusCode.NOT_FOUND, "table 'b' does not exist"),
-                     (stub.Bag, pb.BagRequest(table="c"), grpc.StatusCode.INTERNAL, "ZeroDivisionError: a bug")]
+                     (stub.Bag, pb.BagRequest(table="c"), grpc.StatusCode.INTERNAL, "ZeroDivisionError: a bug"),
+                     (stub.Bag, pb.BagRequest(table="e", wire_dtype=99), grpc.StatusCode.INVALID_ARGUMENT,
+                      "wire_dtype: unknown DType value 99; one of DTYPE_UNSPECIFIED, FLOAT32, FLOAT16, BFLOAT16, "
+                      "FLOAT64, INT64, INT32")]
             for call, req, code, text in cases:
                 with pytest.raises(grpc.RpcError) as err:
                     call(req, timeout=10)
                 assert (err.value.code(), err.value.details()) == (code, text)
                 assert seen.calls[-1] == (call._method.decode().rsplit("/", 1)[1], req.table, code.name)
+            assert seen.internals == ["Bag"]  # the bug, not the refused enum
+            assert any(r.levelname == "ERROR" and "Bag failed on table 'c'" in r.getMessage() for r in caplog.records)
             assert stub.WriteRows(pb.WriteRowsRequest(table="d"), timeout=10).rows == 3
             assert seen.calls[-1] == ("WriteRows", "d", "OK")
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
-            assert len(seen.calls) == 4
+            assert len(seen.calls) == 5
     finally:
         loop.call(server.stop(None))
         loop.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+import torch
 from google.protobuf import descriptor as d
 from google.protobuf import message_factory
 from hypothesis import HealthCheck, given, settings
@@ -236,3 +237,210 @@ def test_random_bytes_as_every_method_with_and_without_a_token(fuzz_cluster):
                 sent += 3
     assert sent == 3 * 50 * sum(len(m) for m in SERVICES.values())
     scratch(fuzz_cluster["client"])
+
+
+# ------------------------------------------------------------------ one lie in a valid request
+#
+# The fuzz above mostly sends tensors that are wrong from the start, so a handler refuses them
+# at the first decode and the deeper code never runs (a Lookup naming wire_dtype 99 on a cols
+# table answered INTERNAL, KeyError: 99, and was never sent). Here every DataPlane method gets a
+# request valid for the shard it goes to, on a table of every kind and both shardings (the
+# session's two-shard cluster: a cols slice holds half the columns), with exactly one field made
+# to lie: an enum out of its range, a tensor whose shape overflows, is huge, of the wrong dtype or
+# rank, holding NaN or out-of-range ids, an integer at its extremes. Every answer is OK or a
+# documented status (never INTERNAL or UNKNOWN), and a refused request changes nothing.
+
+LIE_TABLES = ("lie-r", "lie-c", "lie-i", "lie-p")  # value by rows, value by cols, index, product keys
+LIE_EXAMPLES = 24  # per method and table whose kind takes the method (6 for the others): ~1,000 requests
+#: A data-plane answer to a request that lies (ABORTED: a step's commit refused whole).
+LIE_ANSWERS = DOCUMENTED | {grpc.StatusCode.OK, grpc.StatusCode.ABORTED}
+_KIND_OF = {"lie-r": "value", "lie-c": "value", "lie-i": "index", "lie-p": "product_keys"}
+_METHOD_KIND = {"Add": "index", "Remove": "index", "Search": "index", "LoadProductKeys": "product_keys",
+                "Address": "product_keys"}
+
+
+@pytest.fixture(scope="module")
+def lie_cluster(memory_cluster):
+    from client import MemoryClient
+
+    client = MemoryClient(memory_cluster.endpoint, timeout=60)
+    client.create_table("lie-r", 64, 8, sharding="rows", seed=5)
+    client.create_table("lie-c", 64, 8, sharding="cols", seed=5)
+    client.create_index("lie-i", 8)
+    client.add("lie-i", np.arange(8), np.eye(8, dtype=np.float32))
+    client.create_table("lie-pv", 16, 8, seed=5)
+    client.create_product_keys("lie-p", "lie-pv", 1, 4, 2, 4)
+    client.load_product_keys("lie-p", np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 2, 4, 2))
+    channels: dict[str, grpc.Channel] = {}
+    metas = {name: client.table(name) for name in LIE_TABLES}
+    for meta in metas.values():
+        address = meta.shards[0].address
+        channels.setdefault(address, grpc.insecure_channel(address))
+    yield {"client": client, "metas": metas, "channels": channels}
+    for name in (*LIE_TABLES, "lie-pv"):
+        client.drop_table(name)
+    client.close()
+    for ch in channels.values():
+        ch.close()
+
+
+def lie_state(client, name: str) -> list[bytes]:
+    """What a refused request must not change: values and slot statistics, index hits, addresses."""
+    kind = _KIND_OF[name]
+    if kind == "value":
+        return [client.lookup(name, np.arange(64), count=False).tobytes(),
+                *(v.tobytes() for v in client.slot_stats(name, np.arange(64)).values())]
+    if kind == "index":
+        return [h.tobytes() for h in client.search(name, np.eye(8, dtype=np.float32), 8)]
+    ids, weights = client.address(name, np.eye(4, dtype=np.float32))
+    return [np.asarray(ids).tobytes(), np.asarray(weights).tobytes()]
+
+
+def valid_request(method: str, meta, seq: int) -> dict:
+    """The fields of a request valid for the table's first shard (where it is sent)."""
+    from client.ops import _owned, route_ids
+    from memserver.wire import encode
+
+    sh = meta.shards[0]
+    every = torch.arange(meta.num_rows if meta.kind != "index" else 64)
+    if method in ("RecordTriggers", "Triggers"):  # the shard keeping the slots' records, on cols tables too
+        owned = [int(every[i]) for s, sel in _owned(meta, every) if s.index == sh.index for i in sel[:4]]
+    else:
+        owned = [int(i) for s, ids in route_ids(meta, every) if s.index == sh.index for i in ids[:4]]
+    ids = np.array(owned[:4] or [0, 1, 2, 3], np.int64)
+    width = sh.col_end - sh.col_start if meta.kind == "value" and meta.sharding == "cols" else meta.dim
+    f32 = lambda *shape: encode(np.linspace(0.1, 1, int(np.prod(shape)), dtype=np.float32).reshape(shape))  # noqa: E731
+    tag = pb.WriteTag(client_id="lie-fuzz", seq=seq)
+    bags = ids.reshape(2, 2)
+    out = {
+        "Lookup": dict(ids=encode(ids), wire_dtype=pb.FLOAT32),
+        "Bag": dict(ids=encode(bags), weights=f32(2, 2), wire_dtype=pb.BFLOAT16),
+        "BagBackward": dict(ids=encode(bags), weights=f32(2, 2), grad_out=f32(2, width), tag=tag),
+        "PushGradients": dict(ids=encode(ids[:2]), grads=f32(2, width), tag=tag),
+        "WriteRows": dict(ids=encode(ids[:2]), rows=f32(2, width), tag=tag),
+        "CommitStep": dict(step=1, phase=pb.STEP_PREPARE_COMMIT, tag=tag),
+        "Add": dict(ids=encode(ids[:2]), vectors=f32(2, meta.dim), tag=tag),
+        "Remove": dict(ids=encode(ids[:1]), tag=tag),
+        "Search": dict(queries=f32(2, meta.dim), k=3),
+        "SlotStats": dict(ids=encode(ids)),
+        "LoadProductKeys": dict(keys=f32(1, 2, 4, 2), tag=tag),
+        "Address": dict(queries=f32(2, 4)),
+        "RecordTriggers": dict(ids=encode(ids[:2]), weights=f32(2), positions=encode(np.zeros(2, np.int64)),
+                               contexts=encode(np.ones((1, 4), np.int32)), next=encode(np.ones(1, np.int32))),
+        "Triggers": dict(ids=encode(ids[:2])),
+        "TopSlots": dict(n=3, by=pb.HITS),
+        "SlotUsage": {},
+    }[method]
+    return dict(table=meta.name, layout_id=meta.layout_id, **out)
+
+
+#: Tensors that lie, each made from the valid one (t): (name, function).
+def _tensor_lies() -> list:
+    def with_(t, **kw):
+        out = pb.Tensor()
+        out.CopyFrom(t)
+        for k, v in kw.items():
+            if k == "shape":
+                out.ClearField("shape")
+                out.shape.extend(v)
+            else:
+                setattr(out, k, v)
+        return out
+
+    def recast(t, np_dtype, code):
+        from memserver.wire import decode
+
+        arr = decode(t, "t").numpy().astype(np_dtype)
+        return pb.Tensor(dtype=code, shape=list(arr.shape), data=arr.tobytes())
+
+    return [
+        ("overflowing empty shape", lambda t: with_(t, shape=[0, 2**40, 2**40], data=b"")),
+        ("overflowing shape", lambda t: with_(t, shape=[2**62, 2**62])),
+        ("huge extent", lambda t: with_(t, shape=[2**31, 2**31, 0], data=b"")),
+        ("unknown dtype", lambda t: with_(t, dtype=99)),
+        ("negative dtype", lambda t: with_(t, dtype=-1)),
+        ("empty", lambda t: with_(t, shape=[0], data=b"")),
+        ("a rank more", lambda t: with_(t, shape=[1, *t.shape])),
+        ("flattened", lambda t: with_(t, shape=[int(np.prod(t.shape))])),
+        ("float64", lambda t: recast(t, np.float64, pb.FLOAT64)),
+        ("int32", lambda t: recast(t, np.int32, pb.INT32)),
+        ("float16", lambda t: recast(t, np.float16, pb.FLOAT16)),
+        ("int64", lambda t: recast(t, np.int64, pb.INT64)),
+        ("nan", lambda t: with_(t, data=np.full(len(t.data) // 4, np.nan, np.float32).tobytes())),
+        ("huge values", lambda t: with_(t, data=np.full(len(t.data) // 8, 2**62, np.int64).tobytes()
+                                        + bytes(len(t.data) % 8))),
+        ("negative values", lambda t: with_(t, data=np.full(len(t.data) // 8, -1, np.int64).tobytes()
+                                            + bytes(len(t.data) % 8))),
+        ("missing", None),
+    ]
+
+
+TENSOR_LIES = _tensor_lies()
+INT_EXTREMES = {d.FieldDescriptor.TYPE_INT32: [-1, 0, 2**31 - 1, -2**31], d.FieldDescriptor.TYPE_INT64: [-1, 2**63 - 1, -2**63],
+                d.FieldDescriptor.TYPE_UINT64: [0, 2**64 - 1], d.FieldDescriptor.TYPE_UINT32: [0, 2**32 - 1],
+                d.FieldDescriptor.TYPE_SINT32: [-1, 2**31 - 1, -2**31]}
+
+
+def lies(desc: d.Descriptor) -> st.SearchStrategy:
+    """One lie to tell in a request of this type: (field name, what to do with it)."""
+    options: list[st.SearchStrategy] = []
+    for f in desc.fields:
+        if f.name in ("table", "shm", "tag", "contributor", "info", "bn"):
+            continue
+        if f.enum_type is not None:
+            top = max(v.number for v in f.enum_type.values)
+            options.append(st.tuples(st.just(f.name), st.sampled_from([("set", v) for v in (-1, top + 1, 99, 2**31 - 1)])))
+        elif f.message_type is pb.Tensor.DESCRIPTOR:
+            options.append(st.tuples(st.just(f.name), st.sampled_from([("tensor", lie) for lie in TENSOR_LIES])))
+        elif f.type in INT_EXTREMES and not f.is_repeated:
+            options.append(st.tuples(st.just(f.name), st.sampled_from([("set", v) for v in INT_EXTREMES[f.type]])))
+    return st.one_of(*options) if options else st.just(("", ("none", None)))
+
+
+def tell(cls, fields: dict, lie) -> bytes:
+    name, (how, what) = lie
+    msg = cls(**{k: v for k, v in fields.items() if k != name or how != "tensor"})
+    if how == "set":
+        setattr(msg, name, what)
+    elif how == "tensor":
+        _, make = what
+        if make is not None:
+            base = fields.get(name, pb.Tensor(dtype=pb.FLOAT32, shape=[2, 2], data=bytes(16)))
+            getattr(msg, name).CopyFrom(make(base))
+    return msg.SerializeToString()
+
+
+LIE_METHODS = [m for m in pb.DESCRIPTOR.services_by_name["DataPlane"].methods if m.name != "AttachRegion"]
+
+
+@pytest.mark.parametrize("table", LIE_TABLES)
+@pytest.mark.parametrize("method", LIE_METHODS, ids=lambda m: m.name)
+def test_one_lie_in_a_valid_request(lie_cluster, method, table):
+    import itertools
+
+    meta = lie_cluster["metas"][table]
+    channel = lie_cluster["channels"][meta.shards[0].address]
+    client = lie_cluster["client"]
+    path = f"/memserver.v1.DataPlane/{method.name}"
+    cls = message_factory.GetMessageClass(method.input_type)
+    fits = _METHOD_KIND.get(method.name, "value") == _KIND_OF[table]
+    seqs = itertools.count(int(np.random.default_rng(len(SENT)).integers(1, 2**40)))
+    sent: list[str] = []
+
+    @settings(max_examples=LIE_EXAMPLES if fits else 6, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(lies(method.input_type))
+    def run(lie):
+        before = lie_state(client, table)
+        body = tell(cls, valid_request(method.name, meta, next(seqs)), lie)
+        code = send(channel, path, body, None)
+        assert code in LIE_ANSWERS, (method.name, table, lie[0], lie[1][0], lie[1][1], code)
+        if code != grpc.StatusCode.OK:
+            assert lie_state(client, table) == before, (method.name, table, lie, code)
+        sent.append(code.name)
+
+    run()
+    # the request untouched is valid: it answers OK where the table's kind takes the method
+    valid = send(channel, path, cls(**valid_request(method.name, meta, next(seqs))).SerializeToString(), None)
+    assert valid == (grpc.StatusCode.OK if fits else grpc.StatusCode.INVALID_ARGUMENT), (method.name, table, valid)
+    SENT[f"{method.name}@{table}"] = {c: sent.count(c) for c in set(sent)}

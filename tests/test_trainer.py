@@ -182,3 +182,30 @@ def test_resumed_run_continues_with_the_same_losses(client, table_name, tmp_path
     assert [r["step"] for r in first + rest] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(full, first + rest):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+
+
+def test_memtrain_refuses_a_checkpoint_dir_outside_the_root_before_step_one(memory_cluster, table_name, tmp_path):
+    """--checkpoint-dir outside the cluster's checkpoint root: refused before any step (the cluster
+    asked with a dry-run checkpoint), as one line naming the flag and the fix, no traceback; the
+    traceback only with --debug. A directory under the root is accepted (the run trains)."""
+    import tempfile
+
+    outside = tempfile.mkdtemp(prefix="memtrain-outside-")  # not under pytest's base (the cluster's root)
+    assert memory_cluster and not str(outside).startswith(str(tmp_path.parent.parent))
+    base = [sys.executable, "-m", "trainer.train", *TINY, "--memory", "remote", "--table", table_name, "--steps", "2",
+            "--endpoint", memory_cluster.endpoint, "--log-json", str(tmp_path / "run.jsonl")]
+    proc = subprocess.run([*base, "--checkpoint-dir", outside], capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("memtrain: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "PERMISSION_DENIED" in errors[0] and f"--checkpoint-dir {outside}" in errors[0], errors[0]
+    assert "--checkpoint-root" in errors[0]
+    assert not (tmp_path / "run.jsonl").exists() or not (tmp_path / "run.jsonl").read_text()  # not one step
+    debug = subprocess.run([*base, "--checkpoint-dir", outside, "--debug"], capture_output=True, text=True, timeout=300,
+                           stdin=subprocess.DEVNULL)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "PermissionDeniedError" in debug.stderr
+    inside = subprocess.run([*base, "--checkpoint-dir", str(tmp_path / "ck")], capture_output=True, text=True,
+                            timeout=300, stdin=subprocess.DEVNULL)
+    assert inside.returncode == 0, inside.stderr
+    assert (tmp_path / "ck" / "memory" / table_name).is_dir()

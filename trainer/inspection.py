@@ -68,6 +68,9 @@ class PeekValues:
     def end_step(self, step: int) -> None:
         pass
 
+    def check_save(self, directory: Path) -> None:
+        raise RuntimeError("PeekValues is read-only (inspection)")
+
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         raise RuntimeError("PeekValues is read-only (inspection)")
 

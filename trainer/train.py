@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from memserver.api.errors import MemserverError
+from memserver.cli.common import one_line
 from trainer.checkpoints import latest_trainer_file, trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
 from trainer.memory import (
@@ -47,6 +49,7 @@ MAX_LSH_ROWS = 1 << 31  # buckets per LSH table (hashes x 2^bits): far beyond an
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memtrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--debug", action="store_true", help="a failing call's traceback instead of its one-line error")
     d = p.add_argument_group("data and run")
     d.add_argument("--data", default=str(DEFAULT_DATA), help="text file (split 90/10) or WikiText-2 folder (default: tiny Shakespeare)")
     d.add_argument("--steps", type=int, default=1000, help="optimizer steps")
@@ -408,6 +411,9 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         rank, world = distributed()
         if world > 1 and (args.checkpoint_dir or args.resume):
             raise SystemExit("memtrain: error: --checkpoint-dir/--resume are for single-trainer runs for now")
+        if args.checkpoint_dir:  # refused now, not at the first checkpoint after hours of training
+            for backend in _unique(run.values).values():
+                backend.check_save(Path(args.checkpoint_dir))
         first = load_checkpoint(run, opt, gen, args.resume) + 1 if args.resume else 1
         tracer = LiveTracer(run, args.trace_sample, args.seed, args.checkpoint_dir) if args.trace_every else None
         tokens = args.batch_size * args.block_size * world
@@ -515,7 +521,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["trace"]:
         return trace_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _main(args)
+    except MemserverError as exc:
+        if args.debug:
+            raise
+        parser.exit(1, f"memtrain: error: {one_line(exc)} (--debug: the traceback)\n")
+
+
+def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     out = open(args.log_json, "a") if args.log_json else None  # noqa: SIM115
     tty = sys.stderr.isatty()

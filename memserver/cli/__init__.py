@@ -13,7 +13,7 @@ import logging
 import sys
 
 from memserver.cli import index, lifecycle, loadtest, slots, tables, web
-from memserver.cli.common import CliError
+from memserver.cli.common import CliError, one_line
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         "index tables sharded over Ray actors behind a gRPC lookup/update/search API.",
         epilog="The endpoint file lives in $MEMSERVER_HOME (default ~/.memserver); clients find the cluster through it.",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging, and a failing call's traceback")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     lifecycle.add_parsers(sub)
@@ -56,6 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         from memserver.api.errors import MemserverError
 
-        if isinstance(exc, (MemserverError, FileNotFoundError)):
-            parser.exit(1, f"memserver: error: {exc}\n")
+        if isinstance(exc, (MemserverError, FileNotFoundError)) and not args.verbose:
+            parser.exit(1, f"memserver: error: {one_line(exc)} (-v: the traceback)\n")
         raise

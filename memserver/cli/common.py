@@ -11,6 +11,12 @@ class CliError(Exception):
     """A user error: printed as `memserver: error: ...`, exit status 2."""
 
 
+def one_line(exc: BaseException) -> str:
+    """An error as the one line a CLI prints (the api's errors name the flag and the fix; a
+    traceback only under the CLI's debug flag)."""
+    return " ".join(str(exc).split())
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

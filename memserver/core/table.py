@@ -48,6 +48,13 @@ def set_threads(n: int) -> None:
         pass
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, copied if its data is not at a multiple of its element size: a view of a TCP request's
+    bytes (memserver.wire.parse_views) can start anywhere, and the compiled kernels (LLVM) assume
+    naturally aligned elements, so both transports hand them the same kind of array."""
+    return t if t.data_ptr() % t.element_size() == 0 else t.clone()
+
+
 # ------------------------------------------------------------------ the table
 
 
@@ -132,7 +139,7 @@ class ValueTable:
         tensor of that dtype on self.device (None stays None; numpy arrays and lists are taken
         too). A no-op for inputs already right; every public method calls it first, so rows,
         ids, offsets and gradients never mix devices and results live on self.device."""
-        return tuple(None if t is None else torch.as_tensor(t).to(device=self.device, dtype=dt).contiguous()
+        return tuple(None if t is None else _aligned(torch.as_tensor(t).to(device=self.device, dtype=dt).contiguous())
                      for t, dt in inputs)
 
     def _count_reads(self, ids: torch.Tensor, weights: torch.Tensor | None) -> None:

@@ -200,6 +200,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         root = under_root(self.checkpoint_root, request.dir)
         if request.step < 0:
             raise InvalidArgumentError(f"step: must be >= 0, got {request.step}")
+        if request.dry_run:  # the same rule as a real checkpoint, and nothing touched
+            return pb.CheckpointResponse(path=str(root), step=request.step)
         names = list(request.tables) or sorted(self.tables)
         for name in names:
             self._get(name)

@@ -32,7 +32,18 @@ from memserver.core.table import set_threads
 from memserver.server.shm import Region, Regions, answer, serve_attach
 from memserver.server.slice import TableSlice
 from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, LOAD_PRODUCT_KEYS, PUSH_GRADIENTS, REMOVE, WRITE_ROWS
-from memserver.wire import Lazy, check_1d, check_answer, check_bag, check_rows, check_triggers, decode, encode, inline
+from memserver.wire import (
+    Lazy,
+    check_1d,
+    check_answer,
+    check_bag,
+    check_rows,
+    check_triggers,
+    check_wire_dtype,
+    decode,
+    encode,
+    inline,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -135,6 +146,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> Any:
         sl = self.slice(request)
+        check_wire_dtype(request.wire_dtype)
         with self._region(request) as region:
             ids = decode(request.ids, "ids", region)
             check_1d(ids, "ids")
@@ -148,6 +160,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
     async def Bag(self, request: pb.BagRequest, context: grpc.aio.ServicerContext) -> Any:
         sl = self.slice(request)
+        check_wire_dtype(request.wire_dtype)
         with self._region(request) as region:
             ids, weights, offsets, num_bags = self._bag_inputs(request, region)
             check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")

@@ -31,7 +31,7 @@ from memserver.loop import LoopThread
 from memserver.server.admission import SERVER_OPTIONS, Admission
 from memserver.server.config import ServeConfig
 from memserver.storage.fsutil import atomic_write
-from memserver.wire import GRPC_OPTIONS, parse_views, to_bytes
+from memserver.wire import GRPC_OPTIONS, check_enums, parse_views, to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ class CallMetrics(Protocol):
 
     def refused(self, method: str, code: str) -> None:
         """A call Authenticate refused (an authentication failure; counted as a request too)."""
+
+    def internal(self, method: str) -> None:
+        """A call that ended in an exception the error table does not map (answered INTERNAL)."""
 
     def attach(self, admission: Admission) -> None:
         """The server's admission: its in-flight counts and refusals join these metrics."""
@@ -111,6 +114,11 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                 self._observe(name, None, grpc.StatusCode.INVALID_ARGUMENT, t0)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"request: not a valid {name} request ({type(exc).__name__})")
+            try:
+                check_enums(request)
+            except InvalidArgumentError as exc:
+                self._observe(name, request, grpc.StatusCode.INVALID_ARGUMENT, t0)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.details)
             self._observe(name, request, grpc.StatusCode.OK, t0)
             async for item in inner(request, context):
                 yield item
@@ -147,6 +155,7 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                     except Exception as exc:
                         raise InvalidArgumentError(f"request: not a valid {name} request ({type(exc).__name__})") from None
                     raw = None
+                    check_enums(request)  # every enum field of every request, before any handler runs
                     response = await inner(request, context)
                 except MemserverError as exc:
                     code, text = exc.code, exc.details
@@ -156,8 +165,10 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                 except Exception as exc:
                     if _is_actor_error(exc):
                         code, text = grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}"
-                    else:  # a bug: say so, with the traceback in the server log
-                        log.exception("%s failed", name)
+                    else:  # a bug: say so, with the traceback in the server log, and count it
+                        log.exception("%s failed on table %r", name, getattr(request, "table", ""))
+                        if self.metrics is not None:
+                            self.metrics.internal(name)
                         code, text = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
                 else:
                     self._observe(name, request, grpc.StatusCode.OK, t0)

@@ -46,6 +46,9 @@ class ServerMetrics:
         self.auth_failures = Counter("memserver_auth_failures", "Calls refused for their token, by method and gRPC "
                                      "status (UNAUTHENTICATED: none or unknown; PERMISSION_DENIED: the read token on "
                                      "a write)", ["method", "code"], registry=self.registry)
+        self.internal_errors = Counter("memserver_internal_errors", "Calls answered INTERNAL (a bug: an exception the "
+                                       "error table does not map; the server log has its traceback), by method",
+                                       ["method"], registry=self.registry)
         self._tables = tables
         self.admission: Any = None  # memserver.server.admission.Admission, once the server started
         self.address = ""
@@ -59,6 +62,10 @@ class ServerMetrics:
             table = UNKNOWN_TABLE
         self.requests.labels(method, table, code).inc()
         self.latency.labels(method).observe(seconds)
+
+    def internal(self, method: str) -> None:
+        """A call that ended in an unexpected exception (also counted by observe as INTERNAL)."""
+        self.internal_errors.labels(method).inc()
 
     def forget(self, table: str) -> None:
         """A dropped table's series go with it: names come and go, the series must not pile up."""

@@ -50,6 +50,11 @@ class ValueBackend(Protocol):
         backward; data-parallel trainers before they synchronise, so the next step reads them)."""
         ...
 
+    def check_save(self, directory: Path) -> None:
+        """Raise now (a MemserverError naming the flag and the fix) if `save` to `directory`
+        would be refused later: before step 1, not at the first checkpoint."""
+        ...
+
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         """Checkpoint the values at a step barrier; returns what the trainer's file keeps of them."""
         ...
@@ -91,6 +96,9 @@ class LocalValues:
         parts, self.parts = self.parts, None
         if parts:
             self.table.apply_entries(*combine(parts))
+
+    def check_save(self, directory: Path) -> None:
+        pass  # the trainer's own file: the trainer writes it
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         return {"state": self.table.state()}  # stored in the trainer's own checkpoint file
@@ -146,6 +154,19 @@ class RemoteValues:
         if self.step is not None:
             self.step = None
             self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
+
+    def check_save(self, directory: Path) -> None:
+        """Ask the cluster (a dry-run checkpoint: its root's rule, nothing written)."""
+        from memserver.api.errors import PermissionDeniedError
+
+        where = directory.resolve() / "memory" / self.name
+        try:
+            self.client.check_checkpoint_dir(str(where))
+        except PermissionDeniedError as exc:
+            raise PermissionDeniedError(
+                f"--checkpoint-dir {directory}: the cluster checkpoints remote tables to {where}, outside its "
+                "checkpoint root; give a --checkpoint-dir below the root, or start the cluster with `memserver up "
+                f"--checkpoint-root` above it ({exc.details})", exc.code, target=exc.target) from None
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         """The cluster checkpoints the table under <directory>/memory/<table> (each table its own
