@@ -211,7 +211,7 @@ def test_coordinator_rebuilds_its_catalog_and_follows_a_moved_shard():
     assert [s.address for s in servicer.tables["m"].shards] == ["127.0.0.1:7002", "127.0.0.1:7000"]
     epoch = servicer.epoch
     moved = {"address": "127.0.0.1:7999", "node_id": "n", "pid": 99}
-    asyncio.run(servicer.shard_restarted(0, moved, []))
+    asyncio.run(servicer.shard_restarted(0, moved, [{"table": "m", "from": "its log", "wal": True, "checkpoint": ""}]))
     assert [s.address for s in servicer.tables["m"].shards] == ["127.0.0.1:7002", "127.0.0.1:7999"]
     assert servicer.tables["m"].shards[1].pid == 99 and servicer.epoch == epoch + 1
 
