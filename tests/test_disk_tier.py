@@ -206,3 +206,121 @@ def test_full_disk_is_refused_at_creation(tmp_path, monkeypatch):
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# ------------------------------------------------------------------ checkpoints, restore, the shard
+
+
+def test_checkpoint_streams_and_restores_into_another_sharding(tmp_path):
+    """A disk slice's checkpoint (its state is views of its file) restores into 2 rows slices,
+    disk and RAM alike, and into 2 cols slices, with the same numbers as the RAM table's."""
+    from memserver.api.types import ShardLayout
+    from memserver.storage.checkpoint import load_into, save_slice
+
+    ram, disk = _pair(tmp_path, "adagrad", rows=101, dim=6)
+    _random_calls(ram, disk, seed=3, calls=30)
+    for t in (ram, disk):  # steps after the last flush: dirty cached rows
+        t.push_gradients(torch.arange(0, 101, 3), torch.ones(34, 6))
+    meta = {"table": "t", "kind": "value", "by_rows": True, "index": 0, "num_shards": 1, "num_rows": 101, "dim": 6,
+            "col_start": 0, "col_end": 6}
+    dirty = int(disk._dirty.sum())
+    assert dirty  # the checkpoint must flush these
+    save_slice(tmp_path / "d.pt", meta, disk.checkpoint_state())
+    save_slice(tmp_path / "r.pt", meta, ram.state())
+    assert not disk._dirty.any()
+    files = [{"file": str(tmp_path / "d.pt")}]
+    for by_rows in (True, False):
+        layout = ShardLayout(by_rows, 101, 6, 2)
+        for i in range(2):
+            rows, (c0, c1) = layout.global_rows(i), layout.cols(i)
+            target = {**meta, "by_rows": by_rows, "index": i, "num_shards": 2, "col_start": c0, "col_end": c1}
+            new = DiskTable(tmp_path / f"n{by_rows}{i}", len(rows), c1 - c0, ram.optimizer, cache_bytes=4096,
+                            init_std=0.0, name="t")
+            load_into(new, target, files)
+            want = ValueTable(len(rows), c1 - c0, ram.optimizer, init_std=0.0)
+            load_into(want, target, [{"file": str(tmp_path / "r.pt")}])
+            _same_state(want, new)
+            assert torch.equal(new.lookup(torch.arange(len(rows)), count=False), ram.weight[rows][:, c0:c1])
+
+
+_SHARD_SCRIPT = r"""
+import os, signal, sys
+import grpc, numpy as np, torch
+from memserver.api.v1 import memserver_pb2 as pb, memserver_pb2_grpc as pb_grpc
+from memserver.core import disk
+from memserver.server.catalog import plan_table, validate_spec
+from memserver.server.shard_actor import ShardActor
+from memserver.wire import encode
+
+data, kill_at, acked_file = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+puts = [0]
+real_put = disk.DiskTable._put
+
+
+def put(self, rows, recs):
+    puts[0] += 1
+    if puts[0] == kill_at and len(rows) > 1:  # a write-back cut in the middle: half its rows written
+        real_put(self, rows[: len(rows) // 2], recs[: len(rows) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_put(self, rows, recs)
+
+
+disk.DiskTable._put = put
+spec = validate_spec(pb.TableSpec(name="d", num_rows=400, dim=8, optimizer=pb.OptimizerSpec(name="adam", lr=0.1),
+                                  sharding=pb.ROWS, wal=True, seed=1, tier="disk", cache_bytes=4096), 1)
+shard = ShardActor(0, host="127.0.0.1", data_dir=data)
+shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+puts[0] = 0
+with grpc.insecure_channel(shard.address) as ch:
+    stub = pb_grpc.DataPlaneStub(ch)
+    for seq in range(1, 200):
+        rng = np.random.default_rng(seq)
+        ids, g = rng.integers(0, 400, 24), rng.normal(size=(24, 8)).astype(np.float32)
+        stub.PushGradients(pb.PushGradientsRequest(table="d", ids=encode(torch.as_tensor(ids)), grads=encode(torch.as_tensor(g)),
+                                                   tag=pb.WriteTag(client_id="t", seq=seq)))
+        with open(acked_file, "w") as f:
+            f.write(str(seq))
+        if seq == 40:
+            shard.checkpoint_table("d", os.path.join(data, "ck", "step-0000000040", "d", "shard-0000.pt"), 40)
+            open(os.path.join(data, "ck", "step-0000000040", "manifest.json"), "w").write("{}")
+print("never killed")
+"""
+
+
+def _expected(seqs: int) -> torch.Tensor:
+    ram = ValueTable(400, 8, OptimizerConfig("adam", 0.1), seed=1, init_std=0.0)  # the spec leaves init_std 0
+    for seq in range(1, seqs + 1):
+        rng = np.random.default_rng(seq)
+        ram.push_gradients(torch.from_numpy(rng.integers(0, 400, 24)), torch.from_numpy(rng.normal(size=(24, 8)).astype(np.float32)))
+    return ram.weight.clone()
+
+
+@pytest.mark.parametrize("kill_at", [30, 260])  # before and after the checkpoint at write 40
+def test_sigkill_mid_write_back_loses_nothing_acknowledged(tmp_path, kill_at):
+    import sys
+
+    import grpc
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.server.shard_actor import ShardActor
+    from memserver.wire import decode, encode
+
+    acked = tmp_path / "acked"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT, str(tmp_path / "data"), str(kill_at), str(acked)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -9, proc.stdout + proc.stderr[-3000:]
+    n = int(acked.read_text())
+    assert (n >= 40) == (kill_at > 100), n  # the kill came where the case says: before or after the checkpoint
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    try:
+        sl = shard.servicer.tables["d"]
+        assert sl.recovered_from.startswith("checkpoint step 40" if n >= 40 else "initial values")
+        with grpc.insecure_channel(shard.address) as ch:
+            got = decode(pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="d", ids=encode(torch.arange(400)),
+                                                                           uncounted=True)).rows, "rows")
+        # every acknowledged write is there; the one being applied was logged first, so it is too
+        assert torch.equal(got, _expected(n + 1)), n
+    finally:
+        shard.stop()

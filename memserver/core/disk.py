@@ -59,6 +59,26 @@ _HAND, _EPOCH, _ADDS, _SAMPLE, _USED, _EVICT, _HITS, _MISSES, _SHIFT = range(9)
 _EMPTY = np.int64(-1)
 
 
+_OPTIONAL_FIELDS = ("weight", "acc", "exp_avg", "exp_avg_sq")
+
+
+def unpack(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's state as `ValueTable.state()` names it: a disk slice's records and counters
+    (`DiskTable.checkpoint_state`) become views of them (nothing copied); any other state as it is."""
+    if "records" not in state:
+        return state
+    recs, stats = state["records"], state["stats"]
+    out = {}
+    for name, (off, k) in zip(_OPTIONAL_FIELDS, state["record_fields"].tolist()):
+        if off >= 0:
+            v = recs[:, off : off + 4 * k].view(torch.float32)
+            out[name] = v[:, 0] if name == "acc" else v
+    s64 = stats.reshape(-1).view(torch.int64).view(-1, 2)
+    out.update(updates=recs[:, 0:8].view(torch.int64)[:, 0], last_update=recs[:, 8:16].view(torch.float64)[:, 0],
+               hits=s64[:, 0], weight_mass=stats.reshape(-1).view(torch.float64).view(-1, 2)[:, 1])
+    return out
+
+
 def record_layout(dim: int, optimizer: str) -> tuple[int, dict[str, tuple[int, int]]]:
     """(record bytes, {field: (byte offset, float32 count)}) of a row of `dim` values."""
     fields = {"weight": (HEADER, dim)}
@@ -273,6 +293,7 @@ class DiskTable(ValueTable):
         self._fd, self._map, raw = self._open(self.path, self.num_rows * self.record)
         self._raw = raw.reshape(self.num_rows, self.record)
         self._sfd, self._smap, sraw = self._open(self.stats_path, self.num_rows * 16)
+        self._sraw = sraw
         self.hits = torch.from_numpy(sraw.view(np.int64)[0::2])  # hits, weight_mass interleaved per row
         self.weight_mass = torch.from_numpy(sraw.view(np.float64)[1::2])
         if global_rows is None:
@@ -565,6 +586,18 @@ class DiskTable(ValueTable):
         out.update(hits=self.hits, weight_mass=self.weight_mass, updates=raw[:, 0:8].view(torch.int64)[:, 0],
                    last_update=raw[:, 8:16].view(torch.float64)[:, 0])
         return out
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint file keeps (`unpack` turns it into `state()`'s fields): the records
+        and read counters as the byte tensors they are in the files, one storage each, so
+        torch.save writes them straight from the mapped files (dirty rows flushed first) and
+        memory never holds the table."""
+        self.flush()
+        if self.num_rows:
+            self._check_file()
+        fields = [list(self.fields.get(f, (-1, 0))) for f in _OPTIONAL_FIELDS]
+        return {"records": torch.from_numpy(self._raw), "stats": torch.from_numpy(self._sraw),
+                "record_fields": torch.tensor(fields, dtype=torch.int64)}
 
     def after_load(self) -> None:
         """A restore wrote the fields in place (memserver.storage.checkpoint.load_into): seal the
