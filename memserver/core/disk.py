@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import time
 from pathlib import Path
 
 import numba as nb
@@ -289,6 +290,7 @@ class DiskTable(ValueTable):
         self.record, self.fields = record_layout(self.dim, optimizer.name)
         self.cache_bound = int(cache_bytes)
         self.disk_reads = self.disk_writes = 0  # rows read from / written to rows.dat
+        self.since = time.monotonic()  # the counters' start (status shows rates over it)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._fd, self._map, raw = self._open(self.path, self.num_rows * self.record)
         self._raw = raw.reshape(self.num_rows, self.record)
@@ -376,7 +378,7 @@ class DiskTable(ValueTable):
                 "disk_reads": self.disk_reads, "disk_writes": self.disk_writes,
                 "cached_rows": int((self._slot_row >= 0).sum()), "capacity": self.capacity,
                 "cache_bytes": self.cache_nbytes(), "cache_bound": self.cache_bound,
-                "file_bytes": self.num_rows * self.record}
+                "file_bytes": self.num_rows * self.record, "seconds": time.monotonic() - self.since}
 
     # -- moving rows ---------------------------------------------------------------------
 

@@ -395,9 +395,10 @@ class ShardActor:
                     load.tier = sl.spec.tier or "ram"
                     if hasattr(sl.table, "cache_stats"):
                         c = sl.table.cache_stats()
+                        load.bytes = c["cache_bytes"]  # held in memory: the cache
                         load.cache_bound, load.cache_hits, load.cache_misses = c["cache_bound"], c["hits"], c["misses"]
                         load.cache_evictions, load.disk_reads, load.disk_writes = c["evictions"], c["disk_reads"], c["disk_writes"]
-                        load.data_file, load.data_bytes = str(sl.table.path), c["file_bytes"]
+                        load.data_file, load.data_bytes, load.disk_seconds = str(sl.table.path), c["file_bytes"], c["seconds"]
             return st.SerializeToString()
 
         return self.loop.call(status())

@@ -646,7 +646,7 @@ class GetShardMapRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableLoad(_message.Message):
-    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable", "vectors", "trained", "index_device", "trigger_slots", "trigger_bytes", "tier", "cache_bound", "cache_hits", "cache_misses", "cache_evictions", "disk_reads", "disk_writes", "data_file", "data_bytes")
+    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable", "vectors", "trained", "index_device", "trigger_slots", "trigger_bytes", "tier", "cache_bound", "cache_hits", "cache_misses", "cache_evictions", "disk_reads", "disk_writes", "data_file", "data_bytes", "disk_seconds")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -670,6 +670,7 @@ class TableLoad(_message.Message):
     DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
     DATA_FILE_FIELD_NUMBER: _ClassVar[int]
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     table: str
     rows: int
     bytes: int
@@ -693,7 +694,8 @@ class TableLoad(_message.Message):
     disk_writes: int
     data_file: str
     data_bytes: int
-    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ..., trigger_slots: _Optional[int] = ..., trigger_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., cache_bound: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., data_file: _Optional[str] = ..., data_bytes: _Optional[int] = ...) -> None: ...
+    disk_seconds: float
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ..., trigger_slots: _Optional[int] = ..., trigger_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., cache_bound: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., data_file: _Optional[str] = ..., data_bytes: _Optional[int] = ..., disk_seconds: _Optional[float] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates", "calls", "moved_from", "data_dir", "gpus")
