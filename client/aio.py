@@ -294,8 +294,12 @@ class AsyncMemoryClient:
         betas: tuple[float, float] = (0.9, 0.999),
         sync_workers: int = 0,
         wal: bool = False,
+        tier: str = "ram",
+        cache_bytes: int = 0,
     ) -> TableMeta:
         """Create a value table. `sharding` is "rows" or "cols" (None: the server's default).
+        `tier` "disk": the rows and their optimizer state live in files on the shards under a RAM
+        cache of `cache_bytes` for the whole table (split over its shards; float32 only).
         `sync_workers` > 0 makes it a sync_updates table for that many data-parallel trainers.
         `wal`: log every write before acknowledging it, so a restarted shard loses none (see
         docs/architecture.md for what it costs); without it a restart returns the table to its
@@ -316,6 +320,8 @@ class AsyncMemoryClient:
             sync_updates=sync_workers > 0,
             sync_workers=sync_workers,
             wal=wal,
+            tier=tier,
+            cache_bytes=cache_bytes,
         )
         meta = TableMeta.from_proto(await self._control("CreateTable", pb.CreateTableRequest(spec=spec)))
         self._tables[name] = meta

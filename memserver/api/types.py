@@ -131,6 +131,8 @@ class TableMeta:
     pkm_k_dim: int = 0
     pkm_d_in: int = 0
     values_table: str = ""
+    tier: str = "ram"  # value tables: "ram", or "disk" (rows in files under a cache of cache_bytes)
+    cache_bytes: int = 0
 
     @classmethod
     def from_proto(cls, info: pb.TableInfo) -> TableMeta:
@@ -162,6 +164,8 @@ class TableMeta:
             pkm_k_dim=s.pkm_k_dim,
             pkm_d_in=s.pkm_d_in,
             values_table=s.values_table,
+            tier=s.tier or "ram",
+            cache_bytes=s.cache_bytes,
         )
 
     @property

@@ -21,7 +21,8 @@ from memserver.server.sessions import SESSION_TTL
 
 log = logging.getLogger("memserver")
 
-TABLE_KEYS = {"name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype", "init_std", "seed", "num_shards", "eps", "wal"}
+TABLE_KEYS = {"name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype", "init_std", "seed", "num_shards", "eps", "wal", "tier",
+              "cache_bytes"}
 CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "data_dir", "session_ttl", "tables"}
 
 

@@ -75,13 +75,25 @@ def status_dict(resp: Any) -> dict[str, Any]:
                             "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from, "sessions": t.sessions,
                             "remembered": t.remembered, "unavailable": t.unavailable, "vectors": t.vectors,
                             "trained": t.trained, "index_device": t.index_device, "trigger_slots": t.trigger_slots,
-                            "trigger_bytes": t.trigger_bytes} for t in s.tables],
+                            "trigger_bytes": t.trigger_bytes, **_disk_dict(t)} for t in s.tables],
             }
             for s in resp.shards
         ],
     }
     out["hosts"] = hosts_of(out["shards"])
     return out
+
+
+def _disk_dict(t: Any) -> dict[str, Any]:
+    """A tier "disk" slice's cache and file figures (rates over the seconds its counters cover)."""
+    if t.tier != "disk":
+        return {"tier": t.tier or "ram"}
+    seen, secs = t.cache_hits + t.cache_misses, max(t.disk_seconds, 1e-9)
+    return {"tier": "disk", "cache_bytes": t.bytes, "cache_bound": t.cache_bound, "cache_hits": t.cache_hits,
+            "cache_misses": t.cache_misses, "hit_rate": t.cache_hits / seen if seen else 0.0,
+            "evictions": t.cache_evictions, "disk_reads": t.disk_reads, "disk_writes": t.disk_writes,
+            "disk_reads_per_s": t.disk_reads / secs, "disk_writes_per_s": t.disk_writes / secs,
+            "data_file": t.data_file, "data_bytes": t.data_bytes}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -101,12 +113,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     console.print(f"memserver {st['version']} at [bold]{endpoint}[/], coordinator pid {st['coordinator_pid']}{restarted}, "
                   f"catalog epoch {st['epoch']}")
     tables = Table(title="tables")
-    for col in ("name", "rows", "dim", "sharding", "optimizer", "lr", "dtype", "wal", "shards"):
+    for col in ("name", "rows", "dim", "sharding", "optimizer", "lr", "dtype", "wal", "tier", "shards"):
         tables.add_column(col, justify="right" if col in ("rows", "dim", "lr", "shards") else "left")
     for t in st["tables"]:
         if t["kind"] == "value":
+            tier = f"disk, cache {fmt_bytes(t['cache_bytes'])}" if t.get("tier") == "disk" else "ram"
             tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}",
-                           t["dtype"], "yes" if t["wal"] else "no", str(len(t["shards"])))
+                           t["dtype"], "yes" if t["wal"] else "no", tier, str(len(t["shards"])))
     if tables.row_count:
         console.print(tables)
     indexes = Table(title="index tables")
@@ -121,6 +134,17 @@ def cmd_status(args: argparse.Namespace) -> int:
                             "yes" if t["wal"] else "no", str(len(t["shards"])))
     if indexes.row_count:
         console.print(indexes)
+    disks = Table(title="disk tables (tier disk: rows in files under a row cache; rates since each slice loaded)")
+    for col in ("name", "shard", "cache", "bound", "hit rate", "evictions", "disk reads/s", "disk writes/s", "file"):
+        disks.add_column(col, justify="left" if col in ("name", "file") else "right")
+    for s in st["shards"]:
+        for x in s["tables"]:
+            if x.get("tier") == "disk":
+                disks.add_row(x["table"], str(s["index"]), fmt_bytes(x["cache_bytes"]), fmt_bytes(x["cache_bound"]),
+                              f"{x['hit_rate']:.1%}", f"{x['evictions']:,}", f"{x['disk_reads_per_s']:,.0f}",
+                              f"{x['disk_writes_per_s']:,.0f}", f"{x['data_file']} ({fmt_bytes(x['data_bytes'])})")
+    if disks.row_count:
+        console.print(disks)
     pkms = Table(title="product-key tables (serving a trained memory layer)")
     for col in ("name", "values table", "heads", "n_keys", "knn", "k_dim", "query in", "loaded"):
         pkms.add_column(col, justify="left" if col in ("name", "values table", "loaded") else "right")

@@ -121,6 +121,25 @@ class ValueTable:
         self.updates = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
         self.last_update = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
 
+    @classmethod
+    def over(cls, weight: torch.Tensor, optimizer: OptimizerConfig, updates: torch.Tensor, last_update: torch.Tensor,
+             acc: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None,
+             exp_avg_sq: torch.Tensor | None = None) -> ValueTable:
+        """A table over tensors it does not own (float32, CPU; strided views are fine), without
+        read counters: the working set a disk table gathers for a call (memserver.core.disk), so
+        both tiers run this class's math on the same rows."""
+        t = cls.__new__(cls)
+        t.num_rows, t.dim = weight.shape
+        t.optimizer, t.dtype, t.device = optimizer, weight.dtype, weight.device
+        t.weight, t.updates, t.last_update = weight, updates, last_update
+        for name, x in (("acc", acc), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if x is not None:
+                setattr(t, name, x)
+        t.track_stats = False
+        fast_ok = kernels is not None and t.device.type == "cpu" and t.dtype == torch.float32
+        t.backend = "numba" if fast_ok and (os.environ.get("MEMSERVER_BACKEND") or "auto") != "torch" else "torch"
+        return t
+
     # -- reads ---------------------------------------------------------------------------
 
     STATE = ("weight", "acc", "exp_avg", "exp_avg_sq", "hits", "weight_mass", "updates", "last_update")

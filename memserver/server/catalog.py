@@ -75,11 +75,39 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         raise InvalidArgumentError(f"dim: {spec.dim} columns cannot be split over {spec.num_shards} shards (sharding=cols)")
     if spec.sharding == pb.ROWS and spec.num_rows < spec.num_shards:
         raise InvalidArgumentError(f"num_rows: {spec.num_rows} rows cannot be split over {spec.num_shards} shards")
+    _validate_tier(spec)
     if spec.sync_updates and spec.sync_workers < 1:
         raise InvalidArgumentError(f"sync_workers: a sync_updates table needs the number of trainers (>= 1), got {spec.sync_workers}")
     if not spec.sync_updates and spec.sync_workers:
         raise InvalidArgumentError("sync_workers: only meaningful with sync_updates")
     return spec
+
+
+#: Where a value table's rows may live (TableSpec.tier); "" is "ram".
+TIERS = ("ram", "disk")
+
+
+def _validate_tier(spec: pb.TableSpec) -> None:
+    """tier "disk": float32 rows under a cache of at least MIN_CACHE_BYTES per slice."""
+    from memserver.core.disk import MIN_CACHE_BYTES
+
+    spec.tier = spec.tier or "ram"
+    if spec.tier not in TIERS:
+        raise InvalidArgumentError(f"tier: expected one of {', '.join(TIERS)}, got {spec.tier!r}")
+    if spec.tier == "ram":
+        if spec.cache_bytes:
+            raise InvalidArgumentError("cache_bytes: only a tier 'disk' table has a cache")
+        return
+    if spec.dtype != pb.FLOAT32:
+        raise InvalidArgumentError(f"dtype: a tier 'disk' table stores float32, not {pb.DType.Name(spec.dtype)}")
+    if spec.cache_bytes < MIN_CACHE_BYTES * spec.num_shards:
+        raise InvalidArgumentError(f"cache_bytes: a tier 'disk' table needs at least {MIN_CACHE_BYTES} bytes of cache per "
+                                   f"shard ({MIN_CACHE_BYTES * spec.num_shards} over {spec.num_shards}), got {spec.cache_bytes}")
+
+
+def slice_cache_bytes(spec: pb.TableSpec) -> int:
+    """A disk table's cache bound per slice: its cache_bytes split evenly over its shards."""
+    return int(spec.cache_bytes) // max(1, int(spec.num_shards))
 
 
 #: The ids an INDEX table accepts are [0, ID_SPACE): its spec's num_rows.
@@ -160,7 +188,7 @@ class SliceSize:
 
     `held`: what the slice holds once created, what status and /metrics report as its bytes
     (`table.nbytes()`): values, optimizer state (adagrad 4 B a row, adam 8 B a value, sgd none)
-    and slot statistics; product keys: keys and query network once loaded; index tables: the
+    and slot statistics; a tier "disk" slice: its cache bound (the rest is on disk); product keys: keys and query network once loaded; index tables: the
     empty index (it grows as vectors are added). `peak`: `held` plus what creating it briefly
     needs on top (the row ids, and float32 initial values of a 16-bit table)."""
 
@@ -181,6 +209,8 @@ def slice_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> SliceSize:
         net = (q_dim * d_in + q_dim + 4 * q_dim) * 4 if d_in else 0  # Linear, bias, BatchNorm (at most)
         return SliceSize(keys + net, keys + net)
     rows, cols = int(shard.num_rows), int(shard.col_end - shard.col_start)
+    if spec.tier == "disk":  # rows, optimizer state and read counters are files; memory holds the cache
+        return SliceSize(slice_cache_bytes(spec), slice_cache_bytes(spec) + rows * 8)
     dtype = TORCH_DTYPES[spec.dtype or pb.FLOAT32]
     values = rows * cols * dtype.itemsize
     optimizer = {"sgd": 0, "adagrad": rows * 4, "adam": 2 * rows * cols * 4}[spec.optimizer.name or "adagrad"]

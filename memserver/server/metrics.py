@@ -203,7 +203,22 @@ class _TableCollector:
                                        "Write answers kept for retries (bounded by writes in flight)", labels=["table"])
         open_steps = GaugeMetricFamily("memserver_open_steps", "Training steps with parts not yet applied",
                                        labels=["table"])
+        disk = {key: family(f"memserver_disk_{key}", text, labels=["table"]) for key, family, text in (
+            ("cache_bytes", GaugeMetricFamily, "Bytes a disk table's row cache holds (tier disk)"),
+            ("cache_bound_bytes", GaugeMetricFamily, "The bound of a disk table's row cache (its cache_bytes per shard)"),
+            ("cache_hits", CounterMetricFamily, "Distinct rows of a call found in the cache"),
+            ("cache_misses", CounterMetricFamily, "Distinct rows of a call read from the data file"),
+            ("cache_evictions", CounterMetricFamily, "Rows evicted from the cache"),
+            ("row_reads", CounterMetricFamily, "Rows read from the data file (rate(): reads per second)"),
+            ("row_writes", CounterMetricFamily, "Rows written to the data file (rate(): writes per second)"))}
         for name, sl in list(self.tables().items()):
+            if hasattr(sl.table, "cache_stats"):
+                c = sl.table.cache_stats()
+                for key, value in (("cache_bytes", c["cache_bytes"]), ("cache_bound_bytes", c["cache_bound"]),
+                                   ("cache_hits", c["hits"]), ("cache_misses", c["misses"]),
+                                   ("cache_evictions", c["evictions"]), ("row_reads", c["disk_reads"]),
+                                   ("row_writes", c["disk_writes"])):
+                    disk[key].add_metric([name], value)
             held = sl.table.ntotal if sl.is_index else getattr(sl.table, "num_rows", 0)  # product keys: no rows
             rows.add_metric([name], held)
             if sl.triggers is not None:
@@ -224,7 +239,8 @@ class _TableCollector:
         up.add_metric([str(self.index)], _START)
         rss = GaugeMetricFamily("memserver_shard_rss_bytes", "Resident memory of this shard process", labels=["shard"])
         rss.add_metric([str(self.index)], rss_bytes())
-        yield from (rows, triggers, nbytes, sessions, remembered, open_steps, wal_records, wal_bytes, wal_syncs, restarted, up, rss)
+        yield from (rows, triggers, nbytes, sessions, remembered, open_steps, wal_records, wal_bytes, wal_syncs, restarted, up, rss,
+                    *disk.values())
 
 
 def rss_bytes() -> int:

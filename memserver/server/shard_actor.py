@@ -142,7 +142,8 @@ class ShardActor:
         spec = pb.TableSpec.FromString(base64.b64decode(record["spec"]))
         info = pb.ShardInfo.FromString(base64.b64decode(record["info"]))
         files = [checkpoint] if checkpoint else record.get("base_files") or []
-        sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files, session_ttl=self.session_ttl)
+        sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files, session_ttl=self.session_ttl,
+                        directory=self.store.table_dir(spec.name) if self.store is not None else None)
         start, how = 0, "initial values"
         extras: dict[str, Any] = {}
         if files and sl.kind == pb.PRODUCT_KEYS:
@@ -222,8 +223,7 @@ class ShardActor:
                 try:
                     self.store.save(record)
                 except BaseException:
-                    if sl.wal is not None:
-                        sl.wal.close()
+                    sl.close()  # its log, a disk table's files
                     raise
             sl.recovered_from = ""
             return sl
@@ -247,7 +247,8 @@ class ShardActor:
                 raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
             meta = sl.slice_meta()
             lsn = sl.wal.next_lsn if sl.wal is not None else 0
-            nbytes = save_slice(Path(path), meta, sl.table.state(), extra={**sl.extras(), "lsn": lsn})
+            state = sl.table.checkpoint_state() if hasattr(sl.table, "checkpoint_state") else sl.table.state()
+            nbytes = save_slice(Path(path), meta, state, extra={**sl.extras(), "lsn": lsn})
             entry = {"file": path, "bytes": nbytes, **meta, "lsn": lsn, "step": step}
             if self.store is not None:
                 record = self.store.record(name)
@@ -278,6 +279,7 @@ class ShardActor:
             if record is None:
                 raise TableNotFoundError(f"table {name!r} has no record on shard {self.index}")
             match = [c for c in record["checkpoints"] if checkpoint_dir and Path(c["file"]).parent.parent == Path(checkpoint_dir)]
+            sl.close()  # a disk table's files are rebuilt in place
             new, how = self._load_slice(record, match[-1] if match else None, replay=False)
             new.requests = sl.requests
             new.recovered_from = f"rollback to {how}"
@@ -359,8 +361,8 @@ class ShardActor:
         async def drop() -> bool:
             self.servicer.lost.pop(name, None)
             sl = self.servicer.tables.pop(name, None)
-            if sl is not None and sl.wal is not None:
-                sl.wal.close()
+            if sl is not None:
+                sl.close()
             self.metrics.forget(name)
             if self.store is not None:
                 self.store.drop(name)
@@ -390,6 +392,13 @@ class ShardActor:
                 else:
                     load.rows = sl.table.num_rows
                     load.trigger_slots, load.trigger_bytes = sl.triggers.slots, sl.triggers.nbytes()
+                    load.tier = sl.spec.tier or "ram"
+                    if hasattr(sl.table, "cache_stats"):
+                        c = sl.table.cache_stats()
+                        load.bytes = c["cache_bytes"]  # held in memory: the cache
+                        load.cache_bound, load.cache_hits, load.cache_misses = c["cache_bound"], c["hits"], c["misses"]
+                        load.cache_evictions, load.disk_reads, load.disk_writes = c["evictions"], c["disk_reads"], c["disk_writes"]
+                        load.data_file, load.data_bytes, load.disk_seconds = str(sl.table.path), c["file_bytes"], c["seconds"]
             return st.SerializeToString()
 
         return self.loop.call(status())
@@ -400,8 +409,6 @@ class ShardActor:
                 await self.server.stop(grace=1.0)
             self.metrics.stop()
             for sl in self.servicer.tables.values():
-                if sl.wal is not None:
-                    sl.wal.close()
-                    sl.wal = None
+                sl.close()
 
         self.loop.call(stop())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -21,7 +22,7 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.steps import Entries, combine
 from memserver.core.table import ValueTable
 from memserver.core.triggers import TriggerHeaps
-from memserver.server.catalog import optimizer_config
+from memserver.server.catalog import optimizer_config, slice_cache_bytes
 from memserver.server.sessions import SESSION_TTL, Sessions
 from memserver.storage.wal import COMMIT_STEP, WriteAheadLog
 from memserver.wire import TORCH_DTYPES, check_ids
@@ -47,8 +48,9 @@ class TableSlice:
     """The rows (rows sharding) or columns (cols) of one table that this shard owns."""
 
     def __init__(self, spec: pb.TableSpec, info: pb.ShardInfo, num_shards: int, device: torch.device,
-                 initialise: bool = True, session_ttl: float = SESSION_TTL):
-        """`initialise` False leaves the values zero (a restore fills them)."""
+                 initialise: bool = True, session_ttl: float = SESSION_TTL, directory: Path | None = None):
+        """`initialise` False leaves the values zero (a restore fills them). `directory`: the
+        slice's folder in the shard's data directory, where a tier "disk" table keeps its rows."""
         self.spec, self.info, self.num_shards = spec, info, num_shards
         self.layout = ShardLayout.of(spec, num_shards)
         self.by_rows = self.layout.by_rows
@@ -66,6 +68,17 @@ class TableSlice:
 
             self.table = VectorIndex(int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim),
                                      device="auto")
+        elif spec.tier == "disk":
+            if directory is None:
+                raise FailedPreconditionError(f"table {spec.name}: a tier 'disk' table needs a data directory on its "
+                                              "shards (memserver up --data-dir)")
+            from memserver.core.disk import DiskTable
+
+            rows = self.layout.global_rows(info.index)
+            self.table = DiskTable(
+                directory / "disk", len(rows), int(info.col_end - info.col_start), optimizer_config(spec.optimizer),
+                cache_bytes=slice_cache_bytes(spec), init_std=spec.init_std if initialise else 0.0, seed=spec.seed,
+                global_rows=rows, col_start=int(info.col_start), total_dim=int(spec.dim), name=spec.name)
         else:
             global_rows = self.layout.global_rows(info.index)
             self.table = ValueTable(
@@ -103,6 +116,14 @@ class TableSlice:
             raise FailedPreconditionError(
                 f"table {self.spec.name}: the request is for layout {layout_id}, this shard holds layout "
                 f"{self.info.layout_id} (the table was dropped and re-created or restored): refresh the shard map")
+
+    def close(self) -> None:
+        """Close what the slice holds open: its log, a disk table's files (kept until dropped)."""
+        if self.wal is not None:
+            self.wal.close()
+            self.wal = None
+        if hasattr(self.table, "close"):
+            self.table.close()
 
     def check_writable(self) -> None:
         """Refuse writes once the log failed (an update applied but not logged could not be

@@ -20,10 +20,13 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError, PermissionDeniedError
 from memserver.api.types import ShardLayout
+from memserver.core.disk import unpack
 from memserver.core.table import ValueTable
 from memserver.storage.fsutil import atomic_write
 
 MANIFEST = "manifest.json"
+#: Rows a restore copies at a time (its temporaries are this many rows of one state tensor).
+_RESTORE_ROWS = 1 << 16
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -109,6 +112,9 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
     checkpoint entries in manifests and shard records do) and holds nothing of `target` is not
     opened at all (restoring 4 COLS slices into 2, each new slice opens 2 files, not 4).
 
+    Rows are copied a chunk at a time into `table.state()` (a disk table's are views of its file,
+    sealed by its `after_load`), so memory never holds the slice.
+
     2-D state (values, Adam moments) and per-row state (counters) copy exactly; read counters
     only from a slice that keeps them (ShardLayout.counts_reads: on cols, shard 0). The row-wise
     Adagrad accumulator of a COLS slice is per column block; when old and new blocks differ it
@@ -131,35 +137,40 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
             placed[key] = local_of[slice_layout(meta).global_rows(meta["index"])]
         return placed[key], max(meta["col_start"], t_c0), min(meta["col_end"], t_c1)
 
+    dst_state = table.state() if hasattr(table, "state") else vars(table)  # in place: a disk table's are views of its file
     for f in files:
         if not empty_target and all(k in f for k in _PLACE):
             dst, c0, c1 = overlap(f, f["file"])
             if c1 <= c0 or not (dst >= 0).any():
                 continue  # holds nothing of target
         blob = _open_slice(f["file"])
-        meta, state = blob["meta"], blob["state"]
+        meta, state = blob["meta"], unpack(blob["state"])
         if extras is not None:
             extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
         dst, c0, c1 = overlap(meta, f["file"])
         keep = dst >= 0
         if not keep.any():
             continue
-        src_idx = torch.from_numpy(np.flatnonzero(keep))
-        dst_idx = torch.from_numpy(dst[keep])
+        all_src = np.flatnonzero(keep)
         counted = slice_layout(meta).counts_reads(meta["index"])
-        for name, src in state.items():
-            if not hasattr(table, name) or (name in ValueTable.READ_COUNTERS and not counted):
-                continue  # e.g. Adam moments restored into an Adagrad table; another cols shard's idle counters
-            dst_t = getattr(table, name)
-            if src.dim() == 2:
-                if c1 > c0:  # the columns first: copy only the block target holds
-                    block = src[:, c0 - meta["col_start"] : c1 - meta["col_start"]].index_select(0, src_idx)
-                    dst_t[dst_idx, c0 - t_c0 : c1 - t_c0] = block.to(dst_t.dtype)
-            elif name == "acc":
-                if c1 > c0:
-                    dst_t[dst_idx] += src.index_select(0, src_idx) * ((c1 - c0) / t_cols)
-            else:
-                dst_t[dst_idx] = src.index_select(0, src_idx).to(dst_t.dtype)
+        for s in range(0, len(all_src), _RESTORE_ROWS):  # a chunk of rows at a time: bounded temporaries
+            src_idx = torch.from_numpy(all_src[s : s + _RESTORE_ROWS])
+            dst_idx = torch.from_numpy(dst[all_src[s : s + _RESTORE_ROWS]])
+            for name, src in state.items():
+                if name not in dst_state or (name in ValueTable.READ_COUNTERS and not counted):
+                    continue  # e.g. Adam moments restored into an Adagrad table; another cols shard's idle counters
+                dst_t = dst_state[name]
+                if src.dim() == 2:
+                    if c1 > c0:  # the columns first: copy only the block target holds
+                        block = src[:, c0 - meta["col_start"] : c1 - meta["col_start"]].index_select(0, src_idx)
+                        dst_t[dst_idx, c0 - t_c0 : c1 - t_c0] = block.to(dst_t.dtype)
+                elif name == "acc":
+                    if c1 > c0:
+                        dst_t[dst_idx] += src.index_select(0, src_idx) * ((c1 - c0) / t_cols)
+                else:
+                    dst_t[dst_idx] = src.index_select(0, src_idx).to(dst_t.dtype)
+    if hasattr(table, "after_load"):  # a disk table seals the records written in place
+        table.after_load()
 
 
 def load_index(make: Callable[[dict[str, Any] | None], Any], target: dict[str, Any], files: list[dict[str, Any]],

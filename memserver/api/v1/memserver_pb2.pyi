@@ -142,7 +142,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory", "sync_workers", "wal", "metric", "payload_dim", "pkm_heads", "pkm_n_keys", "pkm_knn", "pkm_k_dim", "pkm_d_in", "values_table")
+    __slots__ = ("name", "kind", "num_rows", "dim", "sharding", "optimizer", "dtype", "init_std", "seed", "num_shards", "sync_updates", "index_factory", "sync_workers", "wal", "metric", "payload_dim", "pkm_heads", "pkm_n_keys", "pkm_knn", "pkm_k_dim", "pkm_d_in", "values_table", "tier", "cache_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,8 @@ class TableSpec(_message.Message):
     PKM_K_DIM_FIELD_NUMBER: _ClassVar[int]
     PKM_D_IN_FIELD_NUMBER: _ClassVar[int]
     VALUES_TABLE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: TableKind
     num_rows: int
@@ -187,7 +189,9 @@ class TableSpec(_message.Message):
     pkm_k_dim: int
     pkm_d_in: int
     values_table: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ..., wal: _Optional[bool] = ..., metric: _Optional[_Union[Metric, str]] = ..., payload_dim: _Optional[int] = ..., pkm_heads: _Optional[int] = ..., pkm_n_keys: _Optional[int] = ..., pkm_knn: _Optional[int] = ..., pkm_k_dim: _Optional[int] = ..., pkm_d_in: _Optional[int] = ..., values_table: _Optional[str] = ...) -> None: ...
+    tier: str
+    cache_bytes: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ..., wal: _Optional[bool] = ..., metric: _Optional[_Union[Metric, str]] = ..., payload_dim: _Optional[int] = ..., pkm_heads: _Optional[int] = ..., pkm_n_keys: _Optional[int] = ..., pkm_knn: _Optional[int] = ..., pkm_k_dim: _Optional[int] = ..., pkm_d_in: _Optional[int] = ..., values_table: _Optional[str] = ..., tier: _Optional[str] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows", "layout_id")
@@ -642,7 +646,7 @@ class GetShardMapRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableLoad(_message.Message):
-    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable", "vectors", "trained", "index_device", "trigger_slots", "trigger_bytes")
+    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable", "vectors", "trained", "index_device", "trigger_slots", "trigger_bytes", "tier", "cache_bound", "cache_hits", "cache_misses", "cache_evictions", "disk_reads", "disk_writes", "data_file", "data_bytes", "disk_seconds")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -657,6 +661,16 @@ class TableLoad(_message.Message):
     INDEX_DEVICE_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BOUND_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READS_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FILE_FIELD_NUMBER: _ClassVar[int]
+    DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     table: str
     rows: int
     bytes: int
@@ -671,7 +685,17 @@ class TableLoad(_message.Message):
     index_device: str
     trigger_slots: int
     trigger_bytes: int
-    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ..., trigger_slots: _Optional[int] = ..., trigger_bytes: _Optional[int] = ...) -> None: ...
+    tier: str
+    cache_bound: int
+    cache_hits: int
+    cache_misses: int
+    cache_evictions: int
+    disk_reads: int
+    disk_writes: int
+    data_file: str
+    data_bytes: int
+    disk_seconds: float
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ..., trigger_slots: _Optional[int] = ..., trigger_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., cache_bound: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., data_file: _Optional[str] = ..., data_bytes: _Optional[int] = ..., disk_seconds: _Optional[float] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates", "calls", "moved_from", "data_dir", "gpus")

@@ -1,0 +1,172 @@
+"""The disk tier: a table 8x its cache against the same table in RAM, in the same run.
+
+For each read distribution (Zipf 1.0 and 1.2 over the rows, ranks scattered by a random
+permutation, and uniform), `bag` and `bag_backward` (adagrad) on a `DiskTable` whose cache is
+1/8 of its file and on a `ValueTable` of the same spec, alternating call by call so both share the
+machine's load: calls/s, queries (bags)/s, p99, and the cache's hit rate (distinct rows of a call
+found in the cache). Uniform reads are bounded by the disk: their row reads per second are set
+against the disk's own random read rate of rows, measured in the same run on the same file
+(`os.pread` of one record at a random row, after dropping the file from the page cache).
+
+The cache policy: the same traces replayed through TinyLFU-over-CLOCK (ours), CLOCK without
+admission, and an exact LRU (an OrderedDict), hit rates side by side.
+
+    python -m benchmarks.disk_tier [--rows 2000000 --dim 64 --bags 512 --ids 32 --calls 40 --dir /tmp]
+
+The page cache: the data file is dropped from it (POSIX_FADV_DONTNEED) before each distribution,
+but on a machine whose free memory exceeds the file it fills again as the run reads; the figure
+says how many of the misses the device really served only on a file larger than free memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memserver.core.disk import DiskTable
+from memserver.core.optim import OptimizerConfig
+from memserver.core.table import ValueTable
+
+
+def zipf_sampler(n: int, s: float, rng: np.random.Generator):
+    """Rows drawn with P(rank k) ~ 1/k^s over n rows (s = 0: uniform), ranks scattered."""
+    perm = rng.permutation(n)
+    if s == 0:
+        return lambda size: rng.integers(0, n, size)
+    cdf = np.cumsum(1.0 / np.arange(1, n + 1, dtype=np.float64) ** s)
+    cdf /= cdf[-1]
+    return lambda size: perm[np.minimum(np.searchsorted(cdf, rng.random(size)), n - 1)]
+
+
+def drop_page_cache(t: DiskTable) -> None:
+    t._map.flush()  # dirty pages cannot be dropped
+    os.posix_fadvise(t._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def disk_random_reads(t: DiskTable, seconds: float, rng: np.random.Generator) -> float:
+    """Rows per second the device gives one thread reading one record at a random row."""
+    drop_page_cache(t)
+    n, done, t0 = t.num_rows, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for r in rng.integers(0, n, 256):
+            os.pread(t._fd, t.record, int(r) * t.record)
+        done += 256
+    return done / (time.perf_counter() - t0)
+
+
+def lru_hit_rate(batches: list[np.ndarray], capacity: int) -> float:
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for b in batches:
+        for r in np.unique(b).tolist():
+            total += 1
+            if r in cache:
+                hits += 1
+                cache.move_to_end(r)
+            else:
+                cache[r] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits / max(total, 1)
+
+
+def p99(xs: list[float]) -> float:
+    return float(np.percentile(xs, 99)) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=2_000_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--ratio", type=int, default=8, help="file bytes / cache bytes")
+    ap.add_argument("--bags", type=int, default=512)
+    ap.add_argument("--ids", type=int, default=32)
+    ap.add_argument("--calls", type=int, default=40, help="timed calls per kind, table and distribution")
+    ap.add_argument("--warm", type=int, default=40, help="untimed calls first (fill the cache)")
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = OptimizerConfig("adagrad", 0.01)
+    work = Path(tempfile.mkdtemp(prefix="disk-tier-", dir=args.dir))
+    try:
+        t0 = time.perf_counter()
+        probe = DiskTable(work / "probe", 1, args.dim, cfg, cache_bytes=4096)
+        cache = args.rows * probe.record // args.ratio
+        probe.close()
+        disk = DiskTable(work / "t", args.rows, args.dim, cfg, cache_bytes=cache, seed=1, name="bench")
+        ram = ValueTable(args.rows, args.dim, cfg, seed=1, track_stats=True)
+        print(f"table: {args.rows:,} rows x {args.dim} float32 + adagrad, record {disk.record} B, file "
+              f"{disk.num_rows * disk.record / 2**20:,.0f} MiB, cache bound {cache / 2**20:,.1f} MiB "
+              f"({disk.capacity:,} rows, 1/{args.ratio}); RAM table {ram.nbytes() / 2**20:,.0f} MiB; built in "
+              f"{time.perf_counter() - t0:.1f}s; dir {work}")
+        rng = np.random.default_rng(0)
+        disk_rate = disk_random_reads(disk, 3.0, rng)
+        print(f"disk random reads (pread of one {disk.record} B record, page cache dropped): {disk_rate:,.0f} rows/s")
+        shape = (args.bags, args.ids)
+        print(f"calls: {args.bags} bags x {args.ids} ids; {args.warm} warm-up calls, then {args.calls} timed per kind")
+        print(f"{'reads':>9} {'call':>13} {'RAM q/s':>10} {'disk q/s':>10} {'ratio':>6} {'RAM p99':>9} {'disk p99':>9} "
+              f"{'hit rate':>8} {'rows read/s':>12} {'vs disk':>8}")
+        policy_traces = {}
+        for label, s in (("zipf 1.0", 1.0), ("zipf 1.2", 1.2), ("uniform", 0.0)):
+            draw = zipf_sampler(args.rows, s, rng)
+            drop_page_cache(disk)
+            disk._make_cache()  # each distribution from a cold cache
+            batches = [draw(shape[0] * shape[1]).reshape(shape) for _ in range(args.warm + 2 * args.calls)]
+            policy_traces[label] = batches
+            w = torch.rand(shape)
+            g = torch.randn(args.bags, args.dim) * 1e-3
+            for b in batches[: args.warm]:  # both tables: the RAM one's first calls are slow too
+                disk.bag(torch.from_numpy(b), w)
+                ram.bag(torch.from_numpy(b), w, count=False)
+            for k, kind in enumerate(("bag", "bag_backward")):  # fresh draws for each: no replayed rows
+                lat: dict[str, list[float]] = {"ram": [], "disk": []}
+                before = disk.cache_stats()
+                for b in batches[args.warm + k * args.calls : args.warm + (k + 1) * args.calls]:
+                    ids = torch.from_numpy(b)
+                    for name, t in (("ram", ram), ("disk", disk)):
+                        c0 = time.perf_counter()
+                        if kind == "bag":
+                            t.bag(ids, w)
+                        else:
+                            t.bag_backward(ids, w, None, g)
+                        lat[name].append(time.perf_counter() - c0)
+                after = disk.cache_stats()
+                hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+                reads = after["disk_reads"] - before["disk_reads"]
+                qs = {k: args.bags * len(v) / sum(v) for k, v in lat.items()}
+                read_rate = reads / sum(lat["disk"])
+                print(f"{label:>9} {kind:>13} {qs['ram']:>10,.0f} {qs['disk']:>10,.0f} {qs['disk'] / qs['ram']:>5.2f}x "
+                      f"{p99(lat['ram']):>7.1f}ms {p99(lat['disk']):>7.1f}ms {hits / max(hits + misses, 1):>8.1%} "
+                      f"{read_rate:>12,.0f} {read_rate / disk_rate:>7.2f}x")
+        print("cache policy on the same traces (distinct rows per call; cache of "
+              f"{disk.capacity:,} rows):")
+        print(f"{'reads':>9} {'TinyLFU+CLOCK':>14} {'CLOCK':>7} {'LRU':>7}")
+        for label, batches in policy_traces.items():
+            rates = []
+            for policy in ("tinylfu", "clock"):
+                t = DiskTable(work / f"p-{policy}", args.rows, 1, OptimizerConfig("sgd", 0.1),
+                              cache_bytes=disk.capacity * (8 + 24 + 18 + 40), init_std=0.0, policy=policy)
+                t._make_cache()
+                cap = t.capacity
+                for b in batches:
+                    t.bag(torch.from_numpy(b), torch.ones(shape), count=False)
+                c = t.cache_stats()
+                rates.append(c["hits"] / (c["hits"] + c["misses"]))
+                t.close()
+                shutil.rmtree(work / f"p-{policy}")
+            print(f"{label:>9} {rates[0]:>14.1%} {rates[1]:>7.1%} {lru_hit_rate(batches, cap):>7.1%}")
+        disk.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

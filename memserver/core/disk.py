@@ -1,0 +1,623 @@
+"""A value table slice larger than memory: its rows on disk under a bounded cache of hot rows.
+
+`DiskTable` answers every call `ValueTable` answers with the same numbers, because it runs the
+same code: a call gathers the rows it touches (each distinct row once, from the cache or the
+file) into a small dense working set, runs `ValueTable`'s math on it (`ValueTable.over`: the
+same numba kernels, the same optimizer step), and scatters the changed rows back. The working
+set grows with the rows a call touches, never with the table.
+
+On disk, one file per slice, `rows.dat`: a fixed-stride record per row holding everything a
+step reads and writes, so a miss is one read and a write-back one write of one place:
+
+    updates int64 | last_update float64 | check uint32 | pad | weight f32[dim] | acc f32 (adagrad)
+                                                              | exp_avg f32[dim], exp_avg_sq f32[dim] (adam)
+
+(`check` is a checksum of the rest of the record: a corrupt row is refused by name, never
+served). The read counters (hits, weight mass: written by every read, never by a step) are a
+second file, `stats.dat`, mapped and left to the page cache, so reads never dirty a row. The
+cache keeps whole records in the same layout, so moving a row is one copy.
+
+The cache: CLOCK (a reference bit per slot, a hand that sweeps) for the victim, and TinyLFU
+admission (a 4-bit count-min sketch of recent reads, halved every 10 x capacity additions): a
+missed row replaces the victim only when it was read more often recently. Memory layers read
+Zipf-like, and a scan of cold rows (a uniform batch) then cannot flush the hot ones; measured
+against plain LRU in `benchmarks.disk_tier` (docs/benchmarks.md). Everything the cache holds
+(records, the row -> slot hash, CLOCK bits, sketch) is counted against `cache_bytes`.
+
+The file is the slice's working copy, not its durable state: as for an in-memory slice, that
+is the latest checkpoint plus the write-ahead log (memserver.server.shard_actor rebuilds the
+file from them on every restart), so a process killed in the middle of a write-back loses
+nothing acknowledged. The file is allocated whole at creation (`posix_fallocate`), so a full
+disk is refused then, by name, and never hits a write-back later.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import time
+from pathlib import Path
+
+import numba as nb
+import numpy as np
+import torch
+
+from memserver.api.errors import DataLossError, ResourceExhaustedError
+from memserver.core.init import init_values
+from memserver.core.optim import OptimizerConfig
+from memserver.core.table import ValueTable
+
+#: Bytes of a record before its values: updates, last_update, check, pad.
+HEADER = 24
+#: Rows per chunk when the whole file is streamed (creation, checksums, statistics).
+_CHUNK_ROWS = 1 << 14
+POLICIES = ("tinylfu", "clock")
+#: The smallest cache bound: the cache's fixed bookkeeping fits in it with room for slots.
+MIN_CACHE_BYTES = 1024
+# indices into the cache's small state array
+_HAND, _EPOCH, _ADDS, _SAMPLE, _USED, _EVICT, _HITS, _MISSES, _SHIFT = range(9)
+_EMPTY = np.int64(-1)
+
+
+_OPTIONAL_FIELDS = ("weight", "acc", "exp_avg", "exp_avg_sq")
+
+
+def unpack(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's state as `ValueTable.state()` names it: a disk slice's records and counters
+    (`DiskTable.checkpoint_state`) become views of them (nothing copied); any other state as it is."""
+    if "records" not in state:
+        return state
+    recs, stats = state["records"], state["stats"]
+    out = {}
+    for name, (off, k) in zip(_OPTIONAL_FIELDS, state["record_fields"].tolist()):
+        if off >= 0:
+            v = recs[:, off : off + 4 * k].view(torch.float32)
+            out[name] = v[:, 0] if name == "acc" else v
+    s64 = stats.reshape(-1).view(torch.int64).view(-1, 2)
+    out.update(updates=recs[:, 0:8].view(torch.int64)[:, 0], last_update=recs[:, 8:16].view(torch.float64)[:, 0],
+               hits=s64[:, 0], weight_mass=stats.reshape(-1).view(torch.float64).view(-1, 2)[:, 1])
+    return out
+
+
+def record_layout(dim: int, optimizer: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(record bytes, {field: (byte offset, float32 count)}) of a row of `dim` values."""
+    fields = {"weight": (HEADER, dim)}
+    end = HEADER + 4 * dim
+    if optimizer == "adagrad":
+        fields["acc"] = (end, 1)
+        end += 4
+    elif optimizer == "adam":
+        fields["exp_avg"] = (end, dim)
+        fields["exp_avg_sq"] = (end + 4 * dim, dim)
+        end += 8 * dim
+    return (end + 7) // 8 * 8, fields
+
+
+# ------------------------------------------------------------------ compiled bookkeeping
+
+
+@nb.njit(inline="always")
+def _mix(x, k):  # pragma: no cover - compiled
+    h = (np.uint64(x) + np.uint64(k)) * np.uint64(0x9E3779B97F4A7C15)
+    return h ^ (h >> np.uint64(29))
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _set_checks(words):  # pragma: no cover - compiled
+    """words [n, R/4] (records as uint32): word 4 = FNV-1a of every word but 4 and 5."""
+    for i in nb.prange(words.shape[0]):
+        h = np.uint64(2166136261)
+        for j in range(words.shape[1]):
+            if j != 4 and j != 5:
+                h = ((h ^ np.uint64(words[i, j])) * np.uint64(16777619)) & np.uint64(0xFFFFFFFF)
+        words[i, 4] = np.uint32(h)
+
+
+@nb.njit(nogil=True, cache=True)
+def _first_bad(words):  # pragma: no cover - compiled
+    """The first record whose check word is wrong, or -1."""
+    for i in range(words.shape[0]):
+        h = np.uint64(2166136261)
+        for j in range(words.shape[1]):
+            if j != 4 and j != 5:
+                h = ((h ^ np.uint64(words[i, j])) * np.uint64(16777619)) & np.uint64(0xFFFFFFFF)
+        if np.uint32(h) != words[i, 4]:
+            return i
+    return -1
+
+
+@nb.njit(inline="always")
+def _probe(keys, row, shift):  # pragma: no cover - compiled
+    """Position of `row` in the open-addressing table, or of the empty place it would take."""
+    mask = keys.shape[0] - 1
+    i = np.int64(_mix(row, 0) >> np.uint64(shift)) & mask
+    while keys[i] != row and keys[i] != -1:
+        i = (i + 1) & mask
+    return i
+
+
+@nb.njit(inline="always")
+def _delete(keys, vals, pos, shift):  # pragma: no cover - compiled
+    """Remove keys[pos] by backward shift (linear probing keeps no tombstones)."""
+    mask = keys.shape[0] - 1
+    i = pos
+    j = pos
+    while True:
+        j = (j + 1) & mask
+        if keys[j] == -1:
+            break
+        k = np.int64(_mix(keys[j], 0) >> np.uint64(shift)) & mask
+        if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
+            continue  # keys[j] is still reachable from its home
+        keys[i] = keys[j]
+        vals[i] = vals[j]
+        i = j
+    keys[i] = -1
+
+
+@nb.njit(inline="always")
+def _estimate(sketch, row):  # pragma: no cover - compiled
+    mask = sketch.shape[1] - 1
+    best = 255
+    for d in range(sketch.shape[0]):
+        best = min(best, sketch[d, np.int64(_mix(row, d + 1)) & mask])
+    return best
+
+
+@nb.njit(inline="always")
+def _add(sketch, row, st):  # pragma: no cover - compiled
+    mask = sketch.shape[1] - 1
+    for d in range(sketch.shape[0]):
+        p = np.int64(_mix(row, d + 1)) & mask
+        if sketch[d, p] < 15:
+            sketch[d, p] += 1
+    st[_ADDS] += 1
+    if st[_ADDS] >= st[_SAMPLE]:  # age: halve every counter, so the sketch follows recent reads
+        for d in range(sketch.shape[0]):
+            for p in range(sketch.shape[1]):
+                sketch[d, p] >>= 1
+        st[_ADDS] //= 2
+
+
+@nb.njit(nogil=True, cache=True)
+def _resolve(rows, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all, slot_of, hit, victim_slot,
+             victim_row):  # pragma: no cover - compiled
+    """Place each distinct row of a call: slot_of[i] its cache slot (a hit, or
+    a miss admitted now) or -1 (a miss served from the file only); hit[i]. Slots of this call are
+    pinned (never evicted by a later row of it). Dirty victims are listed (victim_slot,
+    victim_row) for the caller to write back before it fills their slots. Returns their count."""  # noqa: D401
+    cap = slot_row.shape[0]
+    shift = st[_SHIFT]
+    epoch = st[_EPOCH]
+    nv = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if not admit_all:
+            _add(sketch, r, st)
+        pos = _probe(keys, r, shift)
+        if keys[pos] == r:
+            s = vals[pos]
+            ref[s] = 1
+            pin[s] = epoch
+            slot_of[i] = s
+            hit[i] = 1
+            st[_HITS] += 1
+            continue
+        hit[i] = 0
+        st[_MISSES] += 1
+        slot_of[i] = -1
+        if cap == 0:
+            continue
+        s = -1
+        if st[_USED] < cap:
+            s = st[_USED]
+            st[_USED] += 1
+        else:
+            for _ in range(2 * cap + 1):  # CLOCK: the first unpinned slot whose bit is clear
+                c = st[_HAND]
+                st[_HAND] = (c + 1) % cap
+                if pin[c] == epoch:
+                    continue
+                if slot_row[c] == -1:
+                    s = c
+                    break
+                if ref[c]:
+                    ref[c] = 0
+                    continue
+                s = c
+                break
+            if s < 0:
+                continue  # every slot is this call's: serve the row from the file
+            old = slot_row[s]
+            if old != -1:
+                if not admit_all and _estimate(sketch, r) <= _estimate(sketch, old):
+                    continue  # TinyLFU: the victim was read at least as often recently; keep it
+                if dirty[s]:
+                    victim_slot[nv] = s
+                    victim_row[nv] = old
+                    nv += 1
+                st[_EVICT] += 1
+                _delete(keys, vals, _probe(keys, old, shift), shift)
+            pos = _probe(keys, r, shift)  # the delete may have moved entries
+        keys[pos] = r
+        vals[pos] = s
+        slot_row[s] = r
+        ref[s] = 1
+        pin[s] = epoch
+        dirty[s] = 0
+        slot_of[i] = s
+    return nv
+
+
+@nb.njit(nogil=True, cache=True)
+def _forget(slots, keys, vals, slot_row, dirty, st):  # pragma: no cover - compiled
+    """Drop slots from the cache (rows whose load failed): free, clean, not in the hash."""
+    for s in slots:
+        r = slot_row[s]
+        if r != -1:
+            _delete(keys, vals, _probe(keys, r, st[_SHIFT]), st[_SHIFT])
+            slot_row[s] = -1
+            dirty[s] = 0
+
+
+# ------------------------------------------------------------------ the table
+
+
+class DiskTable(ValueTable):
+    """One slice of a value table kept in `directory` (rows.dat, stats.dat) under a RAM cache of
+    at most `cache_bytes`. float32, CPU. Same calls and answers as `ValueTable`.
+
+    Only the shard's compute thread calls it (like every slice), so it takes no lock."""
+
+    def __init__(self, directory: str | os.PathLike[str], num_rows: int, dim: int, optimizer: OptimizerConfig, *,
+                 cache_bytes: int, init_std: float = 0.02, seed: int = 0, global_rows: np.ndarray | None = None,
+                 col_start: int = 0, total_dim: int | None = None, track_stats: bool = True, name: str = "",
+                 policy: str = "tinylfu") -> None:
+        """Create (or overwrite) the slice's files with the seeded initial values (init_std 0:
+        zeros, for a restore to fill). Refused with RESOURCE_EXHAUSTED naming the file when the
+        disk cannot hold it."""
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if cache_bytes < MIN_CACHE_BYTES:
+            raise ValueError(f"cache_bytes must be at least {MIN_CACHE_BYTES}, got {cache_bytes}")
+        self.num_rows, self.dim, self.optimizer = int(num_rows), int(dim), optimizer
+        self.dtype, self.device, self.backend = torch.float32, torch.device("cpu"), "numba"
+        self.track_stats, self.name, self.policy = track_stats, name or "?", policy
+        self.dir = Path(directory)
+        self.path = self.dir / "rows.dat"
+        self.stats_path = self.dir / "stats.dat"
+        self.record, self.fields = record_layout(self.dim, optimizer.name)
+        self.cache_bound = int(cache_bytes)
+        self.disk_reads = self.disk_writes = 0  # rows read from / written to rows.dat
+        self.since = time.monotonic()  # the counters' start (status shows rates over it)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._fd, self._map, raw = self._open(self.path, self.num_rows * self.record)
+        self._raw = raw.reshape(self.num_rows, self.record)
+        self._sfd, self._smap, sraw = self._open(self.stats_path, self.num_rows * 16)
+        self._sraw = sraw
+        self.hits = torch.from_numpy(sraw.view(np.int64)[0::2])  # hits, weight_mass interleaved per row
+        self.weight_mass = torch.from_numpy(sraw.view(np.float64)[1::2])
+        if global_rows is None:
+            global_rows = np.arange(self.num_rows, dtype=np.int64)
+        total_dim = total_dim or dim
+        w0, _ = self.fields["weight"]
+        for s in range(0, self.num_rows, _CHUNK_ROWS):  # bounded temporaries: a chunk of records
+            e = min(s + _CHUNK_ROWS, self.num_rows)
+            recs = np.zeros((e - s, self.record), dtype=np.uint8)
+            vals = init_values(global_rows[s:e], col_start, col_start + dim, total_dim, init_std, seed).numpy()
+            recs[:, w0 : w0 + 4 * dim] = vals.view(np.uint8).reshape(e - s, 4 * dim)
+            self._put(np.arange(s, e), recs)
+        self.disk_writes = 0
+        self._make_cache()
+
+    def _open(self, path: Path, size: int) -> tuple[int, mmap.mmap | None, np.ndarray]:
+        """A new file of `size` bytes, allocated whole, and its shared mapping as uint8."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if size:
+                os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhaustedError(
+                    f"table {self.name}: cannot allocate {size:,} bytes for {path}: the disk is full ({exc.strerror}); "
+                    "free space in the shard's data directory or use fewer rows per shard") from None
+            raise
+        if not size:
+            return fd, None, np.zeros(0, dtype=np.uint8)
+        m = mmap.mmap(fd, size)
+        return fd, m, np.frombuffer(m, dtype=np.uint8)
+
+    @staticmethod
+    def _shape(cap: int) -> tuple[int, int]:
+        """(hash places, sketch width) of a cache of `cap` slots: >= 2 x cap places keep probes short."""
+        return (1 << max(1, int(2 * cap - 1).bit_length()) if cap else 2), (1 << max(1, int(cap - 1).bit_length()) if cap else 1)
+
+    def _cache_size(self, cap: int) -> int:
+        """The bytes `_make_cache` allocates for `cap` slots (what `cache_nbytes` counts)."""
+        h, w = self._shape(cap)
+        return cap * (self.record + 8 + 1 + 1 + 8) + h * 16 + 4 * (w if self.policy == "tinylfu" and cap else 1) + 16 * 8
+
+    def _make_cache(self) -> None:
+        """Slots for as many whole records as `cache_bound` holds with their bookkeeping."""
+        lo, hi = 0, min(self.num_rows, self.cache_bound // (self.record + 18))
+        while lo < hi:  # the most slots that fit (the hash and sketch grow by powers of two)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._cache_size(mid) <= self.cache_bound else (lo, mid - 1)
+        cap = lo
+        h, w = self._shape(cap)
+        self.capacity = cap
+        self._slots = np.zeros((cap, self.record), dtype=np.uint8)
+        self._keys = np.full(h, -1, dtype=np.int64)
+        self._vals = np.zeros(h, dtype=np.int64)
+        self._slot_row = np.full(cap, -1, dtype=np.int64)
+        self._ref = np.zeros(cap, dtype=np.uint8)
+        self._dirty = np.zeros(cap, dtype=np.uint8)
+        self._pin = np.zeros(cap, dtype=np.int64)
+        self._sketch = np.zeros((4, w), dtype=np.uint8) if self.policy == "tinylfu" and cap else np.zeros((4, 1), np.uint8)
+        self._st = np.zeros(16, dtype=np.int64)
+        self._st[_SAMPLE] = max(16, 10 * cap)
+        self._st[_SHIFT] = 64 - max(1, (h - 1).bit_length())
+
+    # -- what the cache holds, and what status shows ------------------------------------------
+
+    def cache_nbytes(self) -> int:
+        """The bytes the cache holds now (its arrays are allocated at their bound at creation)."""
+        return sum(a.nbytes for a in (self._slots, self._keys, self._vals, self._slot_row, self._ref, self._dirty,
+                                      self._pin, self._sketch, self._st))
+
+    def nbytes(self) -> int:
+        return self.cache_nbytes()
+
+    def cache_stats(self) -> dict[str, int]:
+        """Counters since creation: distinct-row hits and misses per call, evictions, rows read
+        from and written to rows.dat, cached rows, slots, bytes and their bound."""
+        return {"hits": int(self._st[_HITS]), "misses": int(self._st[_MISSES]), "evictions": int(self._st[_EVICT]),
+                "disk_reads": self.disk_reads, "disk_writes": self.disk_writes,
+                "cached_rows": int((self._slot_row >= 0).sum()), "capacity": self.capacity,
+                "cache_bytes": self.cache_nbytes(), "cache_bound": self.cache_bound,
+                "file_bytes": self.num_rows * self.record, "seconds": time.monotonic() - self.since}
+
+    # -- moving rows ---------------------------------------------------------------------
+
+    def _check_file(self) -> None:
+        """Refuse (DATA_LOSS, naming the file) when rows.dat is gone, replaced or shorter than the
+        table: a mapping of a truncated file would kill the process on its next read."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise DataLossError(f"table {self.name}: its data file {self.path} is missing (deleted under the running "
+                                "shard); restart the shard to rebuild it from its checkpoint and write-ahead log") from None
+        mine = os.fstat(self._fd)
+        if (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev) or mine.st_size < self.num_rows * self.record:
+            raise DataLossError(f"table {self.name}: its data file {self.path} was replaced or truncated "
+                                f"({mine.st_size:,} bytes, the table needs {self.num_rows * self.record:,}); restart "
+                                "the shard to rebuild it from its checkpoint and write-ahead log")
+
+    def _put(self, rows: np.ndarray, recs: np.ndarray) -> None:
+        """Write whole records to the file (with their checksums). `recs` is modified."""
+        if len(rows):
+            _set_checks(recs.view(np.uint32))
+            self._raw[rows] = recs
+            self.disk_writes += len(rows)
+
+    def _gather(self, rows: np.ndarray, admit: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """The records of distinct local `rows` as a new [n, record] array (hits copied from the
+        cache, misses read from the file and checked), and each row's slot (-1: not cached).
+        `admit` False: an inspection read, which changes nothing in the cache."""
+        self._check_file()
+        n = len(rows)
+        recs = np.empty((n, self.record), dtype=np.uint8)
+        slot_of = np.full(n, -1, dtype=np.int64)
+        hit = np.zeros(n, dtype=np.uint8)
+        if admit and self.capacity:
+            self._st[_EPOCH] += 1
+            vs, vr = np.empty(n, np.int64), np.empty(n, np.int64)
+            nv = _resolve(rows, self._keys, self._vals, self._slot_row, self._ref, self._pin, self._dirty, self._sketch,
+                          self._st, self.policy == "clock", slot_of, hit, vs, vr)
+            if nv:  # dirty victims go back before their slots are refilled
+                self._put(vr[:nv], self._slots[vs[:nv]])
+        elif self.capacity:
+            for i, r in enumerate(rows):  # inspection: look, never place
+                pos = _probe(self._keys, r, self._st[_SHIFT])
+                if self._keys[pos] == r:
+                    slot_of[i], hit[i] = self._vals[pos], 1
+        h = hit.astype(bool)
+        recs[h] = self._slots[slot_of[h]]
+        miss = ~h
+        if miss.any():
+            got = self._raw[rows[miss]]
+            self.disk_reads += len(got)
+            bad = _first_bad(got.view(np.uint32))
+            if bad >= 0:
+                _forget(slot_of[miss & (slot_of >= 0)], self._keys, self._vals, self._slot_row, self._dirty, self._st)
+                raise DataLossError(f"table {self.name}: row {int(rows[miss][bad])} of {self.path} is corrupt (its "
+                                    "checksum does not match); restart the shard to rebuild the file from its checkpoint "
+                                    "and write-ahead log, or restore the table")
+            recs[miss] = got
+            new = miss & (slot_of >= 0)
+            self._slots[slot_of[new]] = recs[new]
+        return recs, slot_of
+
+    def _scatter(self, rows: np.ndarray, recs: np.ndarray, slot_of: np.ndarray) -> None:
+        """Changed records back: into their cache slots (dirty, written back on eviction or
+        flush), straight to the file for rows the cache did not admit."""
+        c = slot_of >= 0
+        self._slots[slot_of[c]] = recs[c]
+        self._dirty[slot_of[c]] = 1
+        if not c.all():
+            self._put(rows[~c], recs[~c])
+
+    def flush(self) -> int:
+        """Write every dirty cached row back; returns how many. O(cache)."""
+        d = np.flatnonzero(self._dirty)
+        if len(d):
+            self._check_file()
+            self._put(self._slot_row[d], self._slots[d])
+            self._dirty[d] = 0
+        return len(d)
+
+    def _view(self, recs: np.ndarray | torch.Tensor, field: str) -> torch.Tensor:
+        t = torch.from_numpy(recs) if isinstance(recs, np.ndarray) else recs
+        off, k = self.fields[field]
+        v = t[:, off : off + 4 * k].view(torch.float32)
+        return v[:, 0] if field == "acc" else v
+
+    def _working_set(self, recs: np.ndarray) -> ValueTable:
+        """`ValueTable.over` dense copies of the gathered records' fields: the one implementation
+        of the math, on the same memory layout as an in-memory table (numba reduces a strided
+        row in another order, which would change the last bits)."""
+        t = torch.from_numpy(recs)
+        opt = {f: self._view(t, f).contiguous() for f in ("acc", "exp_avg", "exp_avg_sq") if f in self.fields}
+        return ValueTable.over(self._view(t, "weight").contiguous(), self.optimizer,
+                               t[:, 0:8].view(torch.int64)[:, 0].contiguous(),
+                               t[:, 8:16].view(torch.float64)[:, 0].contiguous(), **opt)
+
+    def _store(self, ws: ValueTable, recs: np.ndarray) -> None:
+        """The working set's fields back into its records (after a step)."""
+        t = torch.from_numpy(recs)
+        for f in self.fields:
+            self._view(t, f).copy_(getattr(ws, f))
+        t[:, 0:8].view(torch.int64)[:, 0].copy_(ws.updates)
+        t[:, 8:16].view(torch.float64)[:, 0].copy_(ws.last_update)
+
+    def _distinct(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """(distinct rows ascending, each id's position among them, shaped as ids)."""
+        uniq, inv = np.unique(ids.reshape(-1).numpy(), return_inverse=True)
+        return uniq.astype(np.int64, copy=False), torch.from_numpy(inv.astype(np.int64, copy=False)).view(ids.shape)
+
+    # -- the calls -----------------------------------------------------------------------
+
+    def lookup(self, ids: torch.Tensor, count: bool = True) -> torch.Tensor:
+        (ids,) = self._on_device((ids, torch.int64))
+        if self.track_stats and count:
+            self._count_reads(ids, None)
+        rows, inv = self._distinct(ids)
+        recs, _ = self._gather(rows)
+        return self._working_set(recs).lookup(inv, count=False)
+
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None = None,
+            count: bool = True) -> torch.Tensor:
+        ids, weights, offsets = self._on_device((ids, torch.int64), (weights, torch.float32), (offsets, torch.int64))
+        if self.track_stats and count:
+            self._count_reads(ids, weights)
+        rows, inv = self._distinct(ids)
+        recs, _ = self._gather(rows)
+        return self._working_set(recs).bag(inv, weights, offsets, count=False)
+
+    def slot_stats(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        (ids,) = self._on_device((ids, torch.int64))
+        rows, inv = self._distinct(ids)
+        recs, _ = self._gather(rows, admit=False)
+        ws = self._working_set(recs)
+        flat = inv.reshape(-1)
+        w = ws.weight.index_select(0, flat).double()
+        return {"hits": self.hits[ids].clone(), "weight_mass": self.weight_mass[ids].clone(),
+                "updates": ws.updates[flat].clone(), "last_update": ws.last_update[flat].clone(),
+                "value_sq_norm": (w * w).sum(1)}
+
+    def stat(self, name: str) -> np.ndarray:
+        if name not in self.STATS:
+            raise ValueError(f"unknown slot statistic {name!r}")
+        if name in ("hits", "weight_mass"):
+            return getattr(self, name).numpy().astype(np.float64)
+        self.flush()
+        out = np.empty(self.num_rows, dtype=np.float64)
+        raw = torch.from_numpy(self._raw)
+        for s in range(0, self.num_rows, _CHUNK_ROWS):  # streamed: bounded temporaries
+            chunk = raw[s : s + _CHUNK_ROWS]
+            if name == "updates":
+                out[s : s + len(chunk)] = chunk[:, 0:8].view(torch.int64)[:, 0].numpy()
+            else:
+                w = self._view(chunk, "weight").double()
+                out[s : s + len(chunk)] = (w * w).sum(1).numpy()
+        return out
+
+    def bag_grad(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None,
+                 grad_out: torch.Tensor):  # type: ignore[override]
+        (ids,) = self._on_device((ids, torch.int64))
+        rows, inv = self._distinct(ids)
+        recs, slot_of = self._gather(rows)
+        ws = self._working_set(recs)
+        grad_w, update = ws.bag_grad(inv, weights, offsets, grad_out)
+
+        def apply() -> int:  # runs before any later call (memserver.server.dataplane): the slots still hold these rows
+            n = update()
+            self._store(ws, recs)
+            self._scatter(rows, recs, slot_of)
+            return n
+
+        return grad_w, apply
+
+    def apply_entries(self, ids: torch.Tensor, src_index: torch.Tensor, scale: torch.Tensor, src: torch.Tensor) -> int:
+        (ids,) = self._on_device((ids, torch.int64))
+        rows, inv = self._distinct(ids)
+        recs, slot_of = self._gather(rows)
+        ws = self._working_set(recs)
+        n = ws.apply_entries(inv, src_index, scale, src)
+        self._store(ws, recs)
+        self._scatter(rows, recs, slot_of)
+        return n
+
+    def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> int:
+        ids, rows = self._on_device((ids, torch.int64), (rows, torch.float32))
+        distinct, inv = self._distinct(ids)
+        recs, slot_of = self._gather(distinct)
+        ws = self._working_set(recs)
+        ws.weight[inv] = rows
+        self._store(ws, recs)
+        self._scatter(distinct, recs, slot_of)
+        return len(ids)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The slice's state as views of its files (dirty rows flushed first): a checkpoint
+        streams them from the page cache (torch.save writes a storage from its memory), so
+        memory never holds the table. Consistent: only the compute thread changes rows."""
+        self.flush()
+        if self.num_rows:
+            self._check_file()
+        raw = torch.from_numpy(self._raw)
+        out = {"weight": self._view(raw, "weight")}
+        for f in ("acc", "exp_avg", "exp_avg_sq"):
+            if f in self.fields:
+                out[f] = self._view(raw, f)
+        out.update(hits=self.hits, weight_mass=self.weight_mass, updates=raw[:, 0:8].view(torch.int64)[:, 0],
+                   last_update=raw[:, 8:16].view(torch.float64)[:, 0])
+        return out
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint file keeps (`unpack` turns it into `state()`'s fields): the records
+        and read counters as the byte tensors they are in the files, one storage each, so
+        torch.save writes them straight from the mapped files (dirty rows flushed first) and
+        memory never holds the table."""
+        self.flush()
+        if self.num_rows:
+            self._check_file()
+        fields = [list(self.fields.get(f, (-1, 0))) for f in _OPTIONAL_FIELDS]
+        return {"records": torch.from_numpy(self._raw), "stats": torch.from_numpy(self._sraw),
+                "record_fields": torch.tensor(fields, dtype=torch.int64)}
+
+    def after_load(self) -> None:
+        """A restore wrote the fields in place (memserver.storage.checkpoint.load_into): seal the
+        records again (checksums, streamed) and forget what the cache held."""
+        for s in range(0, self.num_rows, _CHUNK_ROWS):
+            _set_checks(self._raw[s : s + _CHUNK_ROWS].view(np.uint32))
+        self._make_cache()
+
+    def close(self) -> None:
+        """Unmap and close the files (they stay on disk until the table is dropped)."""
+        for m in (self._map, self._smap):
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:  # a tensor still views it: the mapping goes with the last view
+                    pass
+        for fd in (self._fd, self._sfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,386 @@
+"""The disk tier (memserver.core.disk): the same answers as the in-memory table, a counted cache
+bound, durability through checkpoint + write-ahead log, and disk errors named by table and path."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from memserver.api.errors import DataLossError, ResourceExhaustedError
+from memserver.core.disk import MIN_CACHE_BYTES, DiskTable, record_layout
+from memserver.core.optim import OptimizerConfig
+from memserver.core.table import ValueTable
+
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+
+
+def _pair(tmp_path: Path, optimizer: str, rows: int = 300, dim: int = 8, cache_rows: int = 40, **kw):
+    cfg = OptimizerConfig(optimizer, 0.05)
+    ram = ValueTable(rows, dim, cfg, seed=5, init_std=0.5, **kw)
+    record = record_layout(dim, optimizer)[0]
+    disk = DiskTable(tmp_path / "slice", rows, dim, cfg, cache_bytes=max(MIN_CACHE_BYTES, cache_rows * (record + 40)),
+                     seed=5, init_std=0.5, name="t", **kw)
+    return ram, disk
+
+
+def _same_state(ram: ValueTable, disk: DiskTable) -> None:
+    a, b = ram.state(), disk.state()
+    assert set(a) == set(b)
+    for k in a:
+        if k != "last_update":  # wall-clock time of the step
+            assert torch.equal(a[k], b[k]), k
+
+
+def _random_calls(ram: ValueTable, disk: DiskTable, seed: int, calls: int = 60, check_bound: bool = True) -> None:
+    """Seeded random reads, writes and optimizer steps on both tables; every answer equal."""
+    rng = np.random.default_rng(seed)
+    n, d = ram.num_rows, ram.dim
+    for _ in range(calls):
+        op = rng.choice(["bag", "ragged", "lookup", "backward", "push", "write", "stats"])
+        hot = rng.random() < 0.7  # Zipf-ish: mostly a small hot set, sometimes anything
+        size = int(rng.integers(1, 40))
+        ids = torch.from_numpy(rng.integers(0, 20 if hot else n, size))
+        if op == "bag":
+            ids2 = ids[: size // 4 * 4].view(-1, 4) if size >= 4 else ids.view(1, -1)
+            w = torch.from_numpy(rng.standard_normal(ids2.shape).astype(np.float32))
+            assert torch.equal(ram.bag(ids2, w), disk.bag(ids2, w))
+        elif op == "ragged":
+            offsets = torch.from_numpy(np.sort(rng.integers(0, size + 1, 3))).long()
+            offsets[0] = 0
+            w = torch.from_numpy(rng.random(size).astype(np.float32))
+            assert torch.equal(ram.bag(ids, w, offsets), disk.bag(ids, w, offsets))
+        elif op == "lookup":
+            assert torch.equal(ram.lookup(ids), disk.lookup(ids))
+        elif op == "backward":
+            offsets = torch.tensor([0, size // 2])
+            w = torch.from_numpy(rng.random(size).astype(np.float32))
+            g = torch.from_numpy(rng.standard_normal((2, d)).astype(np.float32))
+            assert torch.equal(ram.bag_backward(ids, w, offsets, g), disk.bag_backward(ids, w, offsets, g))
+        elif op == "push":
+            g = torch.from_numpy(rng.standard_normal((size, d)).astype(np.float32))
+            assert ram.push_gradients(ids, g) == disk.push_gradients(ids, g)
+        elif op == "write":
+            u = torch.from_numpy(np.unique(ids.numpy()))
+            v = torch.from_numpy(rng.standard_normal((len(u), d)).astype(np.float32))
+            assert ram.write_rows(u, v) == disk.write_rows(u, v)
+        else:
+            a, b = ram.slot_stats(ids), disk.slot_stats(ids)
+            for k in ("hits", "weight_mass", "updates", "value_sq_norm"):
+                assert torch.equal(a[k], b[k]), k
+        if check_bound:
+            assert disk.cache_nbytes() <= disk.cache_bound
+    _same_state(ram, disk)
+    for name in ValueTable.STATS:
+        np.testing.assert_array_equal(ram.stat(name), disk.stat(name))
+    assert np.array_equal(ram.top_slots("hits", 5)[0], disk.top_slots("hits", 5)[0])
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_equal_to_ram_table_under_random_calls(tmp_path, optimizer):
+    ram, disk = _pair(tmp_path, optimizer)
+    _random_calls(ram, disk, seed=OPTIMIZERS.index(optimizer))
+    s = disk.cache_stats()
+    assert s["hits"] and s["misses"] and s["evictions"] and s["disk_writes"]  # the cache was exercised
+
+
+@pytest.mark.parametrize("policy", ["tinylfu", "clock"])
+def test_equal_with_cols_slice_and_tiny_or_no_cache(tmp_path, policy):
+    """A cols slice (columns 3..9 of 16) under the smallest cache (a few rows: calls touch more
+    rows than it holds, so slots are pinned and the rest read from the file), and rows too wide
+    for it (no slot at all: every call from the file)."""
+    for dim, slots in ((6, True), (300, False)):
+        kw = dict(global_rows=np.arange(120), col_start=3, total_dim=dim + 10)
+        cfg = OptimizerConfig("adam", 0.05)
+        ram = ValueTable(120, dim, cfg, seed=1, **kw)
+        disk = DiskTable(tmp_path / f"c{dim}", 120, dim, cfg, cache_bytes=MIN_CACHE_BYTES, seed=1, policy=policy, **kw)
+        assert (disk.capacity > 0) == slots
+        _random_calls(ram, disk, seed=7, calls=40)
+
+
+def test_cache_bound_counted(tmp_path):
+    cfg = OptimizerConfig("adagrad", 0.1)
+    with pytest.raises(ValueError, match="cache_bytes must be at least"):
+        DiskTable(tmp_path / "x", 10, 4, cfg, cache_bytes=MIN_CACHE_BYTES - 1)
+    for bound in (MIN_CACHE_BYTES, 1500, 4096, 10_000, 123_457):
+        t = DiskTable(tmp_path / str(bound), 5000, 16, cfg, cache_bytes=bound)
+        arrays = [v for v in vars(t).values() if isinstance(v, np.ndarray) and v.base is None]
+        held = sum(a.nbytes for a in arrays)  # every array the table owns in RAM (the files are mapped)
+        assert held == t.cache_nbytes() <= bound
+        assert t.capacity * t.record <= bound
+        t.bag(torch.arange(0, 5000, 7).view(-1, 1), torch.ones(715, 1))
+        assert t.cache_nbytes() == held and t.cache_stats()["cached_rows"] <= t.capacity
+    # the capacity is as large as the bound allows: one slot more would not fit
+    assert t._cache_size(t.capacity + 1) > bound >= t._cache_size(t.capacity)
+
+
+def _lru_hit_rate(trace: list[np.ndarray], capacity: int) -> float:
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for batch in trace:
+        for r in np.unique(batch).tolist():
+            total += 1
+            if r in cache:
+                hits += 1
+                cache.move_to_end(r)
+            else:
+                cache[r] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits / total
+
+
+def test_tinylfu_beats_lru_on_zipf_with_scans(tmp_path):
+    """Zipf 1.0 reads mixed with uniform scans: admission keeps the hot rows."""
+    rng = np.random.default_rng(0)
+    n = 20_000
+    p = 1.0 / np.arange(1, n + 1)
+    p /= p.sum()
+    perm = rng.permutation(n)
+    trace = [perm[rng.choice(n, 256, p=p)] if i % 3 else rng.integers(0, n, 256) for i in range(300)]
+    t = DiskTable(tmp_path / "z", n, 8, OptimizerConfig("sgd", 0.1), cache_bytes=1000 * 100)
+    for b in trace:
+        t.bag(torch.from_numpy(b).view(-1, 1), torch.ones(len(b), 1), count=False)
+    s = t.cache_stats()
+    ours = s["hits"] / (s["hits"] + s["misses"])
+    lru = _lru_hit_rate(trace, t.capacity)
+    assert ours > lru + 0.05, (ours, lru)
+
+
+# ------------------------------------------------------------------ disk errors
+
+
+def test_corrupt_row_is_refused_by_name(tmp_path):
+    ram, disk = _pair(tmp_path, "adagrad", cache_rows=4)
+    good = torch.tensor([[0, 1]])
+    disk.bag(good, torch.ones(1, 2))
+    with open(disk.path, "r+b") as f:  # flip a byte in row 200's values (not cached)
+        f.seek(200 * disk.record + 30)
+        b = f.read(1)
+        f.seek(200 * disk.record + 30)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(DataLossError, match=rf"table t: row 200 of {disk.path} is corrupt"):
+        disk.bag(torch.tensor([[199, 200]]), torch.ones(1, 2))
+    with pytest.raises(DataLossError):  # never cached: still refused
+        disk.lookup(torch.tensor([200]))
+    assert torch.equal(ram.bag(good, torch.ones(1, 2)), disk.bag(good, torch.ones(1, 2)))  # the rest still served
+
+
+def test_missing_or_truncated_file_is_refused_by_name(tmp_path):
+    _, disk = _pair(tmp_path, "sgd")
+    os.unlink(disk.path)
+    with pytest.raises(DataLossError, match=rf"table t: its data file {disk.path} is missing"):
+        disk.bag(torch.tensor([[1]]), torch.ones(1, 1))
+    _, disk = _pair(tmp_path / "b", "sgd")
+    os.truncate(disk.path, 100)
+    with pytest.raises(DataLossError, match="truncated"):
+        disk.lookup(torch.tensor([250]))
+
+
+def test_full_disk_is_refused_at_creation(tmp_path, monkeypatch):
+    """A real full disk (a 64 KiB tmpfs) when we may mount one, else a failing fallocate."""
+    cfg = OptimizerConfig("adagrad", 0.1)
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                                                   capture_output=True).returncode == 0
+    try:
+        if not mounted:
+            def full(fd, off, n):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(os, "posix_fallocate", full)
+        with pytest.raises(ResourceExhaustedError, match=rf"table big: cannot allocate .* for {mnt}/big/rows.dat: the disk is full"):
+            DiskTable(mnt / "big", 10_000, 16, cfg, cache_bytes=4096, name="big")
+        assert not (mnt / "big" / "rows.dat").exists()
+        if mounted:  # the disk still serves a table that fits
+            small = DiskTable(mnt / "small", 100, 4, cfg, cache_bytes=4096, name="small")
+            assert small.lookup(torch.tensor([3])).shape == (1, 4)
+            small.close()
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# ------------------------------------------------------------------ checkpoints, restore, the shard
+
+
+def test_checkpoint_streams_and_restores_into_another_sharding(tmp_path):
+    """A disk slice's checkpoint (its state is views of its file) restores into 2 rows slices,
+    disk and RAM alike, and into 2 cols slices, with the same numbers as the RAM table's."""
+    from memserver.api.types import ShardLayout
+    from memserver.storage.checkpoint import load_into, save_slice
+
+    ram, disk = _pair(tmp_path, "adagrad", rows=101, dim=6)
+    _random_calls(ram, disk, seed=3, calls=30)
+    for t in (ram, disk):  # steps after the last flush: dirty cached rows
+        t.push_gradients(torch.arange(0, 101, 3), torch.ones(34, 6))
+    meta = {"table": "t", "kind": "value", "by_rows": True, "index": 0, "num_shards": 1, "num_rows": 101, "dim": 6,
+            "col_start": 0, "col_end": 6}
+    dirty = int(disk._dirty.sum())
+    assert dirty  # the checkpoint must flush these
+    save_slice(tmp_path / "d.pt", meta, disk.checkpoint_state())
+    save_slice(tmp_path / "r.pt", meta, ram.state())
+    assert not disk._dirty.any()
+    files = [{"file": str(tmp_path / "d.pt")}]
+    for by_rows in (True, False):
+        layout = ShardLayout(by_rows, 101, 6, 2)
+        for i in range(2):
+            rows, (c0, c1) = layout.global_rows(i), layout.cols(i)
+            target = {**meta, "by_rows": by_rows, "index": i, "num_shards": 2, "col_start": c0, "col_end": c1}
+            new = DiskTable(tmp_path / f"n{by_rows}{i}", len(rows), c1 - c0, ram.optimizer, cache_bytes=4096,
+                            init_std=0.0, name="t")
+            load_into(new, target, files)
+            want = ValueTable(len(rows), c1 - c0, ram.optimizer, init_std=0.0)
+            load_into(want, target, [{"file": str(tmp_path / "r.pt")}])
+            _same_state(want, new)
+            assert torch.equal(new.lookup(torch.arange(len(rows)), count=False), ram.weight[rows][:, c0:c1])
+
+
+_SHARD_SCRIPT = r"""
+import os, signal, sys
+import grpc, numpy as np, torch
+from memserver.api.v1 import memserver_pb2 as pb, memserver_pb2_grpc as pb_grpc
+from memserver.core import disk
+from memserver.server.catalog import plan_table, validate_spec
+from memserver.server.shard_actor import ShardActor
+from memserver.wire import encode
+
+data, kill_at, acked_file = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+puts = [0]
+real_put = disk.DiskTable._put
+
+
+def put(self, rows, recs):
+    puts[0] += 1
+    if puts[0] == kill_at and len(rows) > 1:  # a write-back cut in the middle: half its rows written
+        real_put(self, rows[: len(rows) // 2], recs[: len(rows) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_put(self, rows, recs)
+
+
+disk.DiskTable._put = put
+spec = validate_spec(pb.TableSpec(name="d", num_rows=400, dim=8, optimizer=pb.OptimizerSpec(name="adam", lr=0.1),
+                                  sharding=pb.ROWS, wal=True, seed=1, tier="disk", cache_bytes=4096), 1)
+shard = ShardActor(0, host="127.0.0.1", data_dir=data)
+shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+puts[0] = 0
+with grpc.insecure_channel(shard.address) as ch:
+    stub = pb_grpc.DataPlaneStub(ch)
+    for seq in range(1, 200):
+        rng = np.random.default_rng(seq)
+        ids, g = rng.integers(0, 400, 24), rng.normal(size=(24, 8)).astype(np.float32)
+        stub.PushGradients(pb.PushGradientsRequest(table="d", ids=encode(torch.as_tensor(ids)), grads=encode(torch.as_tensor(g)),
+                                                   tag=pb.WriteTag(client_id="t", seq=seq)))
+        with open(acked_file, "w") as f:
+            f.write(str(seq))
+        if seq == 40:
+            shard.checkpoint_table("d", os.path.join(data, "ck", "step-0000000040", "d", "shard-0000.pt"), 40)
+            open(os.path.join(data, "ck", "step-0000000040", "manifest.json"), "w").write("{}")
+print("never killed")
+"""
+
+
+def _expected(seqs: int) -> torch.Tensor:
+    ram = ValueTable(400, 8, OptimizerConfig("adam", 0.1), seed=1, init_std=0.0)  # the spec leaves init_std 0
+    for seq in range(1, seqs + 1):
+        rng = np.random.default_rng(seq)
+        ram.push_gradients(torch.from_numpy(rng.integers(0, 400, 24)), torch.from_numpy(rng.normal(size=(24, 8)).astype(np.float32)))
+    return ram.weight.clone()
+
+
+@pytest.mark.parametrize("kill_at", [30, 260])  # before and after the checkpoint at write 40
+def test_sigkill_mid_write_back_loses_nothing_acknowledged(tmp_path, kill_at):
+    import sys
+
+    import grpc
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.server.shard_actor import ShardActor
+    from memserver.wire import decode, encode
+
+    acked = tmp_path / "acked"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT, str(tmp_path / "data"), str(kill_at), str(acked)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -9, proc.stdout + proc.stderr[-3000:]
+    n = int(acked.read_text())
+    assert (n >= 40) == (kill_at > 100), n  # the kill came where the case says: before or after the checkpoint
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    try:
+        sl = shard.servicer.tables["d"]
+        assert sl.recovered_from.startswith("checkpoint step 40" if n >= 40 else "initial values")
+        with grpc.insecure_channel(shard.address) as ch:
+            got = decode(pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="d", ids=encode(torch.arange(400)),
+                                                                           uncounted=True)).rows, "rows")
+        # every acknowledged write is there; the one being applied was logged first, so it is too
+        assert torch.equal(got, _expected(n + 1)), n
+    finally:
+        shard.stop()
+
+
+def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_path):
+    """Through a shard: a disk table answers as a RAM table of the same spec does; status and
+    /metrics show its cache and disk counters; a corrupt row fails its table only."""
+    import grpc
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.cli.tables import _disk_dict
+    from memserver.server.catalog import plan_table, slice_size, validate_spec
+    from memserver.server.shard_actor import ShardActor
+    from memserver.wire import decode, encode
+
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    specs = {}
+    for name, tier in (("r", ""), ("d", "disk")):
+        specs[name] = validate_spec(pb.TableSpec(name=name, num_rows=500, dim=8, sharding=pb.ROWS, seed=2, init_std=0.1,
+                                                 tier=tier, cache_bytes=8192 if tier else 0), 1)
+        info = plan_table(specs[name], [shard.info()]).shards[0]
+        shard.create_table(specs[name].SerializeToString(), info.SerializeToString(), 1)
+    assert slice_size(specs["d"], info).held == 8192  # the catalog counts the cache, not the rows
+    rng = np.random.default_rng(0)
+    try:
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+            for i in range(20):
+                ids = torch.from_numpy(rng.zipf(1.2, 64) % 500).view(16, 4)
+                w, g = torch.rand(16, 4), torch.randn(16, 8)
+                out = {}
+                for name in ("r", "d"):
+                    bag = stub.Bag(pb.BagRequest(table=name, ids=encode(ids), weights=encode(w)))
+                    back = stub.BagBackward(pb.BagBackwardRequest(table=name, ids=encode(ids), weights=encode(w),
+                                                                  grad_out=encode(g), tag=pb.WriteTag(client_id="c", seq=i + 1)))
+                    out[name] = (decode(bag.out, "out"), decode(back.grad_weights, "g"))
+                assert all(torch.equal(a, b) for a, b in zip(out["r"], out["d"]))
+            load = next(t for t in pb.ShardStatus.FromString(shard.status()).tables if t.table == "d")
+            d = _disk_dict(load)
+            assert d["tier"] == "disk" and 0 < d["cache_bytes"] <= d["cache_bound"] == 8192
+            assert d["cache_hits"] > 0 and 0 < d["hit_rate"] < 1 and d["disk_reads"] > 0 and d["disk_reads_per_s"] > 0
+            reg = shard.metrics.registry
+            assert reg.get_sample_value("memserver_disk_cache_bound_bytes", {"table": "d"}) == 8192
+            assert reg.get_sample_value("memserver_disk_cache_hits_total", {"table": "d"}) == d["cache_hits"]
+            assert reg.get_sample_value("memserver_disk_row_reads_total", {"table": "d"}) >= d["disk_reads"]
+            assert reg.get_sample_value("memserver_disk_cache_bytes", {"table": "r"}) is None  # RAM tables: no series
+            # a corrupt row: DATA_LOSS naming the table and the file; the other table still serves
+            path = load.data_file
+            sl = shard.servicer.tables["d"].table
+            row = next(r for r in range(500) if r not in set(sl._slot_row.tolist()))
+            with open(path, "r+b") as f:
+                f.seek(row * sl.record + 24)
+                f.write(b"\xff\xff\xff\xff")
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Lookup(pb.LookupRequest(table="d", ids=encode(torch.tensor([row]))))
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS and f"table d: row {row} of {path}" in err.value.details()
+            assert stub.Lookup(pb.LookupRequest(table="r", ids=encode(torch.tensor([row])))).rows
+    finally:
+        shard.drop_table("d")
+        shard.stop()
+    assert not (tmp_path / "shard-0000" / "d").exists()
