@@ -25,20 +25,25 @@ from __future__ import annotations
 from memserver.loadtest import user  # first: locust's gevent monkey-patching
 
 # isort: on
+import argparse
+import json
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import gevent
+import grpc
 import locust
+import numpy as np
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
-from memserver.loadtest.config import LoadConfig
+from memserver.loadtest.config import LoadConfig, parse_host_port
 from memserver.loadtest.recorder import LatencyRecorder
 
 CONFIG = "memserver_config"
@@ -221,7 +226,7 @@ def _on_collect(environment: Environment, msg: Any, **_: Any) -> None:
     state.sent = True
 
 
-# what `memserver loadtest --expect-workers / --worker-of` runs (python -m memserver.loadtest.user)
+# what `memserver loadtest --expect-workers / --worker-of` runs (python -m memserver.loadtest.distributed)
 def run_master(users: int, spawn_rate: float, duration_s: float, bind: tuple[str, int], expect_workers: int,
                wait_s: float) -> tuple[dict[str, Any], LatencyRecorder]:
     """A locust master on `bind`, no local users: waits at most `wait_s` for `expect_workers`
@@ -294,3 +299,48 @@ def run_worker(master: tuple[str, int], wait_s: float) -> tuple[dict[str, Any], 
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("endpoint", "table")},
     })
     return report, rec
+
+
+def save_latencies(rec: LatencyRecorder, path: str) -> None:
+    """Every kept response time, float64 ms, one array per call name, as a numpy .npz."""
+    np.savez(path, **{name: np.frombuffer(a, dtype=np.float64) for name, a in rec.ok.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m memserver.loadtest.distributed --users N --spawn-rate R --duration S --report FILE`, as a
+    master (`--master-bind H:P --expect-workers N --wait S`) or a worker (`--worker-of H:P --wait S`)."""
+    p = argparse.ArgumentParser(prog="python -m memserver.loadtest.distributed", description=user.__doc__)
+    p.add_argument("--users", type=int, default=1)
+    p.add_argument("--spawn-rate", type=float, default=1.0)
+    p.add_argument("--duration", type=float, default=1.0, help="seconds")
+    p.add_argument("--report", required=True, help="write the JSON report here")
+    p.add_argument("--master-bind", help="HOST:PORT: run as locust master of --expect-workers workers")
+    p.add_argument("--expect-workers", type=int, default=0)
+    p.add_argument("--worker-of", help="HOST:PORT: run as a locust worker of that master")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds: bounded waits for workers / for the master")
+    p.add_argument("--save-latencies", help="write every kept response time here (.npz)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="locust: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        if args.master_bind or args.worker_of:
+            if args.master_bind:
+                report, rec = run_master(args.users, args.spawn_rate, args.duration,
+                                                     parse_host_port(args.master_bind), args.expect_workers,
+                                                     args.wait)
+            else:
+                report, rec = run_worker(parse_host_port(args.worker_of), args.wait)
+        else:
+            report, rec = user.run_headless(args.users, args.spawn_rate, args.duration)
+    except (ValueError, grpc.RpcError) as exc:  # bad MEMSERVER_* settings, unknown table, no coordinator, no workers
+        detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"memserver loadtest: error: {detail}", file=sys.stderr)
+        return 2
+    if args.save_latencies:
+        save_latencies(rec, args.save_latencies)
+    with open(args.report, "w") as f:
+        json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -47,7 +47,7 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
     afterwards, also on errors and Ctrl-C. With `master`, the load comes from locust workers
     (`run_worker` elsewhere) and the report merges every worker's latencies exactly.
 
-    Locust runs in a child process (memserver/loadtest/user.py): importing locust monkey-patches
+    Locust runs in a child process (memserver/loadtest/distributed.py): importing locust monkey-patches
     sockets, threads and time with gevent for the whole process, which breaks the MemoryClient's
     asyncio loop thread and grpc.aio here, and cannot be undone. The child is bounded in time
     (duration + grace, then killed) and in requests (cfg.max_requests).
@@ -96,7 +96,7 @@ def run_worker(master: tuple[str, int], wait_s: float = 60.0, endpoint: str | No
 def _run_child(env: dict[str, str], args: list[str], timeout: float, save_latencies: str | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="memserver-loadtest-") as tmp:
         report_path = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, "-m", "memserver.loadtest.user", *args, "--report", report_path]
+        cmd = [sys.executable, "-m", "memserver.loadtest.distributed", *args, "--report", report_path]
         if save_latencies:
             cmd += ["--save-latencies", save_latencies]
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.DEVNULL)

@@ -2,7 +2,7 @@
 
 Importing this module imports locust, which monkey-patches the whole process with gevent, and
 switches gRPC to gevent-friendly polling. Import it only in a process that exists to make load:
-`locust -f deploy/locustfile.py`, or `python -m memserver.loadtest.user` (what `memserver loadtest`
+`locust -f deploy/locustfile.py`, or `python -m memserver.loadtest.distributed` (what `memserver loadtest`
 starts). What the users send comes from MEMSERVER_* variables (memserver.loadtest.config.LoadConfig).
 """
 
@@ -12,12 +12,8 @@ from __future__ import annotations
 import locust  # first: it monkey-patches the process with gevent before grpc or torch are loaded
 
 # isort: on
-import argparse
 import itertools
-import json
-import logging
 import signal
-import sys
 import time
 import uuid
 from typing import Any
@@ -25,7 +21,6 @@ from typing import Any
 import gevent
 import gevent.event
 import gevent.lock
-import grpc
 import grpc.experimental.gevent as grpc_gevent
 import numpy as np
 import torch
@@ -33,7 +28,7 @@ from locust.exception import StopUser
 
 from client.ops import ClientSession, WriteTags
 from memserver.loadtest.caller import Batches, ShardCaller, fetch_table
-from memserver.loadtest.config import LoadConfig, parse_host_port
+from memserver.loadtest.config import LoadConfig
 from memserver.loadtest.recorder import LatencyRecorder
 
 grpc_gevent.init_gevent()  # before any channel exists, as gRPC requires under gevent
@@ -165,50 +160,3 @@ def run_headless(users: int, spawn_rate: float, duration_s: float) -> tuple[dict
     for e in runner.exceptions.values():
         report["errors"][f"user: {e['msg']}"] = e["count"]
     return report, rec
-
-
-def save_latencies(rec: LatencyRecorder, path: str) -> None:
-    """Every kept response time, float64 ms, one array per call name, as a numpy .npz."""
-    np.savez(path, **{name: np.frombuffer(a, dtype=np.float64) for name, a in rec.ok.items()})
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m memserver.loadtest.user --users N --spawn-rate R --duration S --report FILE`, as a
-    master (`--master-bind H:P --expect-workers N --wait S`) or a worker (`--worker-of H:P --wait S`)."""
-    p = argparse.ArgumentParser(prog="python -m memserver.loadtest.user", description=__doc__)
-    p.add_argument("--users", type=int, default=1)
-    p.add_argument("--spawn-rate", type=float, default=1.0)
-    p.add_argument("--duration", type=float, default=1.0, help="seconds")
-    p.add_argument("--report", required=True, help="write the JSON report here")
-    p.add_argument("--master-bind", help="HOST:PORT: run as locust master of --expect-workers workers")
-    p.add_argument("--expect-workers", type=int, default=0)
-    p.add_argument("--worker-of", help="HOST:PORT: run as a locust worker of that master")
-    p.add_argument("--wait", type=float, default=60.0, help="seconds: bounded waits for workers / for the master")
-    p.add_argument("--save-latencies", help="write every kept response time here (.npz)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="locust: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        if args.master_bind or args.worker_of:
-            from memserver.loadtest import distributed
-
-            if args.master_bind:
-                report, rec = distributed.run_master(args.users, args.spawn_rate, args.duration,
-                                                     parse_host_port(args.master_bind), args.expect_workers,
-                                                     args.wait)
-            else:
-                report, rec = distributed.run_worker(parse_host_port(args.worker_of), args.wait)
-        else:
-            report, rec = run_headless(args.users, args.spawn_rate, args.duration)
-    except (ValueError, grpc.RpcError) as exc:  # bad MEMSERVER_* settings, unknown table, no coordinator, no workers
-        detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
-        print(f"memserver loadtest: error: {detail}", file=sys.stderr)
-        return 2
-    if args.save_latencies:
-        save_latencies(rec, args.save_latencies)
-    with open(args.report, "w") as f:
-        json.dump(report, f)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
