@@ -265,3 +265,30 @@ def test_interrupted_checkpoints_never_push_out_the_last_complete_one(tmp_path):
         got = decode(pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="m", ids=encode(torch.arange(32)))).rows, "rows")
     torch.testing.assert_close(got, rows, rtol=0, atol=0)
     again.stop()
+
+
+def test_the_coordinator_waits_for_a_shard_still_finishing_its_restart():
+    """A restarted shard tells the coordinator it is back from inside its __init__; Ray refuses
+    calls to it until that returns (ActorUnavailableError). The coordinator's call to it (telling
+    it which slice it lost) is sent again until the actor takes it, within a bound."""
+    import asyncio
+
+    import ray
+
+    from memserver.server.coordinator import _when_ready
+
+    tries = []
+
+    async def call():
+        tries.append(1)
+        if len(tries) < 3:
+            raise ray.exceptions.ActorUnavailableError("The actor is restarting.", None)
+        return "marked"
+
+    assert asyncio.run(_when_ready(call)) == "marked" and len(tries) == 3
+
+    async def never():
+        raise ray.exceptions.ActorUnavailableError("The actor is restarting.", None)
+
+    with pytest.raises(ray.exceptions.ActorUnavailableError):
+        asyncio.run(_when_ready(never, timeout=0.3))

@@ -112,7 +112,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         got = {r["table"] for r in recovered}
         lost = [name for name, order in self.placement.items() if j in order and name not in got]
         for name, res in zip(lost, await asyncio.gather(
-                *(self.handles[j].lost_table.remote(name) for name in lost), return_exceptions=True)):
+                *(_when_ready(lambda name=name: self.handles[j].lost_table.remote(name)) for name in lost),
+                return_exceptions=True)):
             log.error("table %s: shard %d came back without its slice: %s", name, j, res)
         calls, names = [], []
         for r in recovered:
@@ -324,6 +325,22 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                                            return_exceptions=True)
             for i, answer in enumerate(answers):
                 self.serving[i] = not isinstance(answer, BaseException)
+
+
+async def _when_ready(call: Any, timeout: float = 120.0) -> Any:
+    """await call() on an actor that may still be finishing its restart: the shard tells the
+    coordinator it is back from inside its __init__, and Ray refuses calls to an actor that is
+    still restarting (ActorUnavailableError) rather than queueing them. Bounded by `timeout`."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 class CoordinatorActor:
