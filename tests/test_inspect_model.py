@@ -260,3 +260,16 @@ def test_lsh_memories_are_inspected_through_their_sketch(client, tmp_path):
         assert [t["id"] for t in r["top_tokens"]] == logits[0].topk(3).indices.tolist()
     finally:
         client.drop_table(table)
+
+
+def test_backends_say_where_their_reads_are_traced(client):
+    """Live tracing asks the backend (ValueBackend.trace_table / record_triggers), never its type:
+    a remote table keeps trigger records (test_live_tracing_during_training sends them), an
+    in-process one says it cannot."""
+    from trainer.memory import LocalValues, RemoteValues
+
+    local = LocalValues(16, 4)
+    assert local.trace_table is None
+    with pytest.raises(NotImplementedError, match="--memory remote"):
+        local.record_triggers(())
+    assert RemoteValues(client, "inspect-t", 16, 4, create=False).trace_table == "inspect-t"

@@ -373,8 +373,9 @@ class LiveTracer:
         self.layers = []  # (layer name, layer, table name): each table once, through its first layer
         seen = set()
         for name, layer in run.model.memories().items():
-            table = getattr(layer.values, "name", None)
-            if table is not None and table not in seen and isinstance(layer.values, RemoteValues):
+            # the backend says where its reads are recorded, if anywhere (KIF layers have no value table)
+            table = layer.values.trace_table if layer.values is not None else None
+            if table is not None and table not in seen:
                 seen.add(table)
                 self.layers.append((name, layer, table))
         self.info_sent: set[str] = set()
@@ -396,7 +397,7 @@ class LiveTracer:
                                    "data": self.run.corpus.name, "live": True,
                                    **({"checkpoint": self.checkpoint} if self.checkpoint else {})})
                 self.info_sent.add(table)
-            layer.values.client.record_triggers(table, *trigger_records(ids, w, ctx, nxt, keep), info=info)
+            layer.values.record_triggers(trigger_records(ids, w, ctx, nxt, keep), info=info)
         self.seconds += time.perf_counter() - t0
 
 

@@ -55,6 +55,16 @@ class ValueBackend(Protocol):
         would be refused later: before step 1, not at the first checkpoint."""
         ...
 
+    @property
+    def trace_table(self) -> str | None:
+        """The table whose slots keep trigger records of this backend's reads (live tracing,
+        `memtrain --trace-every`); None where no server keeps them (local values)."""
+        ...
+
+    def record_triggers(self, records: tuple[Any, ...], info: str = "") -> None:
+        """Send trigger records (trainer.inspection.trigger_records) to `trace_table`."""
+        ...
+
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         """Checkpoint the values at a step barrier; returns what the trainer's file keeps of them."""
         ...
@@ -99,6 +109,11 @@ class LocalValues:
 
     def check_save(self, directory: Path) -> None:
         pass  # the trainer's own file: the trainer writes it
+
+    trace_table = None  # no server keeps trigger records of an in-process table
+
+    def record_triggers(self, records: tuple[Any, ...], info: str = "") -> None:
+        raise NotImplementedError("local values keep no trigger records: trace a --memory remote run")
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         return {"state": self.table.state()}  # stored in the trainer's own checkpoint file
@@ -154,6 +169,13 @@ class RemoteValues:
         if self.step is not None:
             self.step = None
             self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
+
+    @property
+    def trace_table(self) -> str:
+        return self.name
+
+    def record_triggers(self, records: tuple[Any, ...], info: str = "") -> None:
+        self.client.record_triggers(self.name, *records, info=info)
 
     def check_save(self, directory: Path) -> None:
         """Ask the cluster (a dry-run checkpoint: its root's rule, nothing written)."""
