@@ -45,6 +45,7 @@ class PeekValues:
         if meta.kind != "value":
             raise ValueError(f"table {name!r} is a {meta.kind} table, not a value table")
         self.client, self.name, self.num_rows, self.dim = client, name, meta.num_rows, meta.dim
+        self.version = 0  # never updated
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(self.client.lookup(self.name, ids.reshape(-1).cpu(), count=False)).view(*ids.shape, self.dim)
