@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from trainer.checkpoints import trainer_file
 from trainer.memory import EngramMemory, LocalValues, RemoteValues
 from trainer.memory.engram import PAD, engram_hash_params, hash_grams, slot_ngrams, suffix_grams
 from trainer.train import build_parser, train
@@ -239,8 +240,8 @@ def test_engram_resume_continues_the_run(tmp_path, staleness):
     resume reads current rows (the older ones are gone), so only that step's loss may differ."""
     common = ["--memory", "local", "--memory-kind", "engram", "--seed", "2", "--value-lr", "0.05",
               "--engram-slots", "60", "--staleness", str(staleness)]
-    straight = _train([*common, "--steps", "5"])
-    _train([*common, "--steps", "3", "--checkpoint-dir", str(tmp_path)])
+    straight = _train([*common, "--steps", "5", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3"])
+    trainer_file(tmp_path, 5).unlink()  # resume from step 3's, written with step 4's batch drawn ahead
     resumed = _train([*common, "--steps", "5", "--resume", str(tmp_path)])
     assert [r["step"] for r in resumed] == [4, 5]
     if staleness == 0:
