@@ -94,6 +94,14 @@ def test_engram_forward_and_value_update_match_a_dense_reference():
     assert m.last_gate.shape == (27,) and ((m.last_gate > 0) & (m.last_gate < 1)).all()
 
 
+def test_engram_slot_output_is_its_segment_of_the_value_projection():
+    m = layer(LocalValues(6 * 50, 4))
+    slots, v = torch.tensor([0, 49, 50, 299, 170]), torch.randn(5, 4)
+    read = torch.zeros(5, 6, 4)
+    read[torch.arange(5), slots // 50] = v  # a read holding only that row, in its segment's place
+    torch.testing.assert_close(m.slot_output(slots, v), m.value(read.view(5, 24)))
+
+
 def test_engram_convolution_is_causal():
     m = layer(LocalValues(6 * 50, 4))
     torch.nn.init.normal_(m.conv.weight)
@@ -290,3 +298,51 @@ def test_slot_ngrams_are_every_ngram_of_the_corpus_hashing_there():
         assert counts == sorted(counts, reverse=True)
     capped = slot_ngrams(stream, slot, m.orders, m.heads, m.segment, m.seed, limit=2, max_tokens=500)
     assert len(capped["ngrams"]) == 2 and capped["tokens_scanned"] == 500
+
+
+def test_engram_slots_are_named_by_their_ngrams_in_inspect_and_the_page(client, memory_cluster, table_name, tmp_path,
+                                                                       capsys):
+    """No trace: a checkpoint and the training text name a slot by the n-grams hashing to it, in
+    the slot report, `memserver inspect` and the page (collisions: several n-grams, their counts)."""
+    import urllib.request
+
+    from memserver.cli import main as memserver
+    from memserver.web import create_app
+    from tests.browser import serve_app
+    from trainer.data import load_corpus
+    from trainer.inspection import Inspector, engram_names, slot_report
+
+    _train(["--memory", "remote", "--memory-kind", "engram", "--table", table_name, "--steps", "2",
+            "--checkpoint-dir", str(tmp_path)], client=client)
+    table = f"{table_name}-engram"
+    try:
+        ins = Inspector.load(tmp_path, client)
+        assert [(v.name, v.kind, v.table) for v in ins.views] == [("engram1", "engram", table)]
+        layer = ins.views[0].layer
+        text = load_corpus().train
+        the = ins.encode(" the")
+        slot = int(layer.address_tokens(the[None])[0][3, 4])  # the row hash head 1 of order 3 reads for "the"
+        report = slot_report(client, table, slot, ins)
+        a = report["address"]
+        assert (a["order"], a["head"], a["bucket"]) == (3, 1, slot % layer.segment)
+        grams = {g["ngram"]: g["count"] for g in a["ngrams"] if not g["window_start"]}
+        assert grams["the"] == int((text.unfold(0, 3, 1) == the[1:]).all(1).sum())  # counted in the whole text
+        full = engram_names(ins, layer, slot, limit=10**6)
+        assert full["ngrams"][:20] == a["ngrams"] and len(full["ngrams"]) == a["ngrams_distinct"] > 20  # collisions
+        assert sum(g["count"] for g in full["ngrams"] if not g["window_start"]) <= a["ngrams_occurrences"]
+        assert "top_tokens" in report  # projected through W_v's columns of its segment
+        ep = ["--endpoint", memory_cluster.endpoint]
+        assert memserver(["inspect", table, str(slot), "--checkpoint", str(tmp_path), "--json", *ep]) == 0
+        assert json.loads(capsys.readouterr().out)["address"]["ngrams"] == a["ngrams"]
+        assert memserver(["inspect", table, str(slot), "--checkpoint", str(tmp_path), *ep]) == 0
+        out = capsys.readouterr().out
+        assert "3-grams, hash head 1" in out and "distinct" in out
+        with serve_app(create_app(client, checkpoint=tmp_path)) as base:
+            with urllib.request.urlopen(f"{base}/api/table/{table}/slot/{slot}", timeout=60) as r:
+                assert json.loads(r.read())["address"]["ngrams"] == a["ngrams"]
+            with urllib.request.urlopen(f"{base}/table/{table}/slot/{slot}", timeout=60) as r:
+                page = r.read().decode()
+        assert 'id="ngrams"' in page and page.count('class="ngram-row"') == len(a["ngrams"])
+        assert 'id="engram-order">3<' in page
+    finally:
+        client.drop_table(table)

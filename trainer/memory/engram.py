@@ -145,7 +145,7 @@ class EngramMemory(MemoryLayer):
         (gate and convolution left out)."""
         dim = values.shape[-1]
         w = self.value.weight.view(self.value.weight.shape[0], self.groups, dim)  # [d_out, groups, dim]
-        return torch.einsum("nd,ond->no", values, w[:, slots // self.segment].permute(1, 0, 2))
+        return torch.einsum("nd,ond->no", values, w[:, slots // self.segment])
 
     def describe_slot(self, slot: int) -> dict[str, Any]:
         return ngram_address(slot, self.orders, self.heads, self.segment)
