@@ -346,3 +346,15 @@ def test_engram_slots_are_named_by_their_ngrams_in_inspect_and_the_page(client, 
         assert 'id="engram-order">3<' in page
     finally:
         client.drop_table(table)
+
+
+def test_a_load_makes_every_earlier_prefetch_too_old(tmp_path):
+    values = LocalValues(600, 4, lr=0.05)
+    m = layer(values)
+    tokens = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(5))
+    saved = values.save(tmp_path, 1)
+    m.prefetch(tokens, max_age=1)
+    values.table.weight.add_(1.0)
+    values.load(tmp_path, 1, saved)  # the rows the prefetch read are gone
+    m(torch.randn(2, 8, 12), tokens)
+    assert m.prefetch_dropped == 1 and m.prefetch_used == 0

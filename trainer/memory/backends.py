@@ -24,11 +24,14 @@ from memserver.core.optim import OptimizerConfig
 from memserver.core.steps import Entries, bag_entries, combine
 from memserver.core.table import ValueTable
 
+#: What a load adds to a backend's `version`: every read sent before it is then too old to use.
+LOADED = 1 << 30
+
 
 class ValueBackend(Protocol):
     num_rows: int  # memory slots
     dim: int  # floats per slot
-    version: int  # updates this process applied or committed (and loads): how old a prefetched read is
+    version: int  # updates this process applied or committed: how old a prefetched read is (a load adds LOADED)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """ids, weights [N, n] -> [N, dim]: out[i] = sum_j weights[i, j] * v[ids[i, j]]."""
@@ -100,7 +103,7 @@ class LocalValues:
         return {"state": self.table.state()}  # stored in the trainer's own checkpoint file
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
-        self.version += 1
+        self.version += LOADED
         for name, t in saved["state"].items():
             getattr(self.table, name).copy_(t)
 
@@ -163,5 +166,5 @@ class RemoteValues:
         return {"checkpoint": where, "table": self.name}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
-        self.version += 1
+        self.version += LOADED
         self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])

@@ -150,9 +150,11 @@ class MemoryLayer(nn.Module):
         return ids, w, self.values.submit_bag(flat_ids, flat_w) if now else None
 
     def _send_tokens(self, tokens: torch.Tensor, chunks: int, now: bool) -> list[Any]:
+        """A token-addressed forward's reads, cut into the chunks `forward` cuts its queries into."""
         ids, w = self.address_tokens(tokens)
-        return [self.send(i, v, now) for i, v in zip(ids.chunk(chunks), w.chunk(chunks))] if chunks > 1 \
-            else [self.send(ids, w, now)]
+        if chunks == 1:
+            return [self.send(ids, w, now)]
+        return [self.send(i, v, now) for i, v in zip(ids.chunk(chunks), w.chunk(chunks))]
 
     def prefetch(self, tokens: torch.Tensor, max_age: int = 0) -> None:
         """Send the reads of a forward on `tokens` [B, T] now. The forward of the same tokens uses
@@ -177,9 +179,10 @@ class MemoryLayer(nn.Module):
             self.prefetch_used += 1
             started = match.started
         else:
-            self.prefetch_dropped += match is not None  # too old (or from before a load): read afresh
+            self.prefetch_dropped += match is not None  # too old (or sent before a load): read afresh
             started = self._send_tokens(tokens, chunks, chunks > 1)
-        # the weights take part in autograd only so the backward updates the rows
+        # the weights take part in autograd only so the backward updates the rows (they come from
+        # the tokens alone: no gradient of them has anywhere to go)
         return [(ids, w.detach().requires_grad_(torch.is_grad_enabled()), pending) for ids, w, pending in started]
 
     def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
