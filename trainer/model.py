@@ -2,8 +2,9 @@
 
 In the style of nanoGPT: one file, read top to bottom. Memory layers sit at chosen blocks,
 either replacing the block's feed-forward network ("replace") or beside it ("parallel": the
-block adds FFN(x) + Memory(x)); a block may hold several kinds (product keys, LSH, one KIF layer
-per knowledge source), their outputs summed. Value tables live in a value backend and knowledge
+block adds FFN(x) + Memory(x)); a block may hold several kinds (product keys, LSH, Engram, one KIF
+layer per knowledge source), their outputs summed. Blocks pass the token ids on to their memory
+layers: Engram addresses by them (and `GPT.prefetch` sends its reads before the forward). Value tables live in a value backend and knowledge
 in a knowledge source (local or remote, see trainer.memory); keys, query networks, f_E, gates
 and projections are ordinary parameters of this model.
 """
