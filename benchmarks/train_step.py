@@ -9,7 +9,10 @@ memory (the same `ValueTable` in this process), remote memory (2 shards, cols), 
 kinds, local and remote: LSH sketch memory (4 x 2^12 buckets, the same 16,384 slots) and KIF
 (4,096 training sentences encoded with all-MiniLM-L6-v2, 8 hits per position; the first run
 encodes them, later ones read the cache); and remote product keys with live tracing of trigger
-contexts (`--trace-every 1` and `10`, 5% of the positions), compared with plain remote. Each
+contexts (`--trace-every 1` and `10`, 5% of the positions), compared with plain remote; and
+Engram (orders 2,3 x 4 hash heads, 65,536 rows of 32 floats: the product-key default's bytes)
+locally, remotely with its reads prefetched (exact, and `--staleness 1`), remotely without the
+prefetch, and locally with a table 8x the product-key default's bytes (524,288 rows). Each
 remote run is compared with the local run of its kind, and every run with no memory.
 
 The runs are advanced in blocks of --block steps, round robin, so background load on the
@@ -37,7 +40,10 @@ from benchmarks.common import local_cluster, machine, target
 #: on this machine: the client sends the tensors through shared memory) at most TARGET_STALE.
 TARGET, TARGET_STALE = 1.3, 1.1
 #: Targets against the same model without memory (issue 15: a memory layer that costs little).
-TARGETS_VS_NONE = {"local": 1.3, "remote staleness 1": 1.4}
+TARGETS_VS_NONE = {"local": 1.3, "remote staleness 1": 1.4, "local engram": 1.2}
+#: Engram (issue 25): its prefetched remote reads cost what local ones do; a table 8x larger costs the same.
+TARGETS_ENGRAM = {"remote engram / local engram": 1.05, "remote engram staleness 1 / local engram": 1.02,
+                  "local engram 8x / local engram": 1.05}
 
 RUNS: dict[str, list[str]] = {
     "none": ["--memory", "none"],
@@ -52,12 +58,18 @@ RUNS: dict[str, list[str]] = {
     # live tracing of trigger contexts (5% of a batch's positions), every step and every 10th
     "remote trace 1": ["--memory", "remote", "--trace-every", "1", "--trace-sample", "0.05"],
     "remote trace 10": ["--memory", "remote", "--trace-every", "10", "--trace-sample", "0.05"],
+    # Engram: reads prefetched as soon as the batch is drawn (exact by default)
+    "local engram": ["--memory", "local", "--memory-kind", "engram"],
+    "remote engram": ["--memory", "remote", "--memory-kind", "engram"],
+    "remote engram staleness 1": ["--memory", "remote", "--memory-kind", "engram", "--staleness", "1"],
+    "remote engram no prefetch": ["--memory", "remote", "--memory-kind", "engram", "--no-prefetch"],
+    "local engram 8x": ["--memory", "local", "--memory-kind", "engram", "--engram-slots", str(8 * 65536)],
 }
 
 
 def local_of(run: str) -> str:
     """The local run a remote run compares with: the same memory kind, in this process."""
-    kind = run.split()[1] if len(run.split()) > 1 and run.split()[1] in ("lsh", "kif") else ""
+    kind = run.split()[1] if len(run.split()) > 1 and run.split()[1] in ("lsh", "kif", "engram") else ""
     return f"local {kind}".strip()
 
 
@@ -124,6 +136,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                for n in names if n.startswith("remote") and local_of(n) == "local" and "local" in ms]
     targets += [target("train_step", f"{n} / none (ms/step)", ms[n] / ms["none"], limit, higher_is_better=False)
                 for n, limit in TARGETS_VS_NONE.items() if n in ms and "none" in ms]
+    for what, limit in TARGETS_ENGRAM.items():
+        a, b = what.split(" / ")
+        if a in ms and b in ms:
+            ratios.setdefault(what, ms[a] / ms[b])
+            targets.append(target("train_step", f"{what} (ms/step)", ms[a] / ms[b], limit, higher_is_better=False))
     out = {"benchmark": "train_step", "config": vars(args), "machine": machine(), "results": res, "ratios": ratios,
            "targets": targets}
     if args.json:

@@ -119,8 +119,10 @@ def test_shared_values_take_one_optimizer_step_per_training_step(client, table_n
     assert updates.max() == 3
 
 
-@pytest.mark.parametrize("extra", [[], ["--micro-batches", "2", "--mem-layers", "0,1", "--shared-values"]],
-                         ids=["plain", "micro-batches+shared"])
+@pytest.mark.parametrize("extra", [[], ["--micro-batches", "2", "--mem-layers", "0,1", "--shared-values"],
+                                   ["--memory-kind", "pkm,engram", "--engram-slots", "4096"],
+                                   ["--memory-kind", "engram", "--engram-slots", "4096", "--staleness", "1"]],
+                         ids=["plain", "micro-batches+shared", "engram-prefetch", "engram-stale-prefetch"])
 def test_two_data_parallel_trainers_equal_one_on_the_combined_batch(client, memory_cluster, table_name, tmp_path, extra):
     """Two gloo trainers (batch 2 each) against a sync_updates table == one trainer of batch 4,
     also when each trainer sends a step in several parts (micro-batches, two layers on one table)."""
@@ -150,6 +152,8 @@ def test_two_data_parallel_trainers_equal_one_on_the_combined_batch(client, memo
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
     assert ddp[-1]["val_loss"] == pytest.approx(single[-1]["val_loss"], rel=1e-3)
     assert ddp[0]["tokens_per_s"] > 0
+    if "--memory-kind" in extra:  # every step but the first used its prefetched reads, on both sides
+        assert ddp[-1]["engram1_prefetched"] == single[-1]["engram1_prefetched"] == 3
 
 
 def test_memory_plus_shared_values_replacing_ffn_trains():

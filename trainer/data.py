@@ -18,6 +18,7 @@ class Corpus:
     val: torch.Tensor
     vocab: list[str]
     name: str
+    path: str = ""  # where it was read from (recorded in checkpoints: inspection names Engram slots by its n-grams)
 
     @property
     def vocab_size(self) -> int:
@@ -46,7 +47,7 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
     def encode(s: str) -> torch.Tensor:
         return torch.tensor([index[c] for c in s], dtype=torch.int64)
 
-    return Corpus(encode(train_text), encode(val_text), vocab, p.name)
+    return Corpus(encode(train_text), encode(val_text), vocab, p.name, str(p.resolve()))
 
 
 def get_batch(data: torch.Tensor, batch_size: int, block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,8 @@ thin over this module.
 - What a slot stores: its value as it reaches the residual stream (`MemoryLayer.slot_output`)
   through the output embedding, softmax(W_out v) (Geva et al.; no final LayerNorm), and the
   agreement of those tokens with the triggers' next tokens, against random slots.
+- An Engram slot's name: the n-grams of the training text that hash to it, with their counts
+  (`engram_names`), computed from the text and the layer's seed alone: no trace needed.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import torch
 
 from memserver.core.triggers import CAPACITY, best_per_slot, record_keys
 from trainer.checkpoints import latest_trainer_file
-from trainer.memory import MemoryConfig, MemoryLayer, RemoteKnowledge
+from trainer.data import DATA_DIR, Corpus, load_corpus
+from trainer.memory import EngramMemory, MemoryConfig, MemoryLayer, RemoteKnowledge
+from trainer.memory.engram import PAD, slot_ngrams
 from trainer.memory.lsh import bucket_address
 from trainer.memory.pkm import slot_address
 from trainer.model import GPT, ModelConfig, value_key
@@ -45,6 +49,7 @@ class PeekValues:
         if meta.kind != "value":
             raise ValueError(f"table {name!r} is a {meta.kind} table, not a value table")
         self.client, self.name, self.num_rows, self.dim = client, name, meta.num_rows, meta.dim
+        self.version = 0  # never updated
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(self.client.lookup(self.name, ids.reshape(-1).cpu(), count=False)).view(*ids.shape, self.dim)
@@ -92,8 +97,8 @@ def checkpoint_file(path: str | Path) -> Path:
 class MemoryView:
     """One memory layer of the model and the table it reads."""
 
-    name: str  # "mem2", "lsh2"
-    kind: str  # "pkm" | "lsh"
+    name: str  # "mem2", "lsh2", "engram2"
+    kind: str  # "pkm" | "lsh" | "engram"
     block: int
     table: str
     layer: MemoryLayer
@@ -103,17 +108,20 @@ class MemoryView:
 
 
 def layer_kind_block(name: str) -> tuple[str, int]:
-    """GPT.memories() names -> (kind, block): "mem2" -> ("pkm", 2), "lsh2" -> ("lsh", 2)."""
-    return ("pkm" if name.startswith("mem") else "lsh"), int("".join(c for c in name if c.isdigit()))
+    """GPT.memories() names -> (kind, block): "mem2" -> ("pkm", 2), "lsh2" -> ("lsh", 2), "engram2" -> ("engram", 2)."""
+    kind = name.rstrip("0123456789")
+    return ("pkm" if kind == "mem" else kind), int(name[len(kind):])
 
 
 def layer_info(name: str, layer: MemoryLayer) -> dict[str, Any]:
     """What a table's trace info says of the layer reading it (its addressing's shape)."""
     kind, block = layer_kind_block(name)
     out: dict[str, Any] = {"layer": name, "kind": kind, "block": block, "slots": layer.num_slots}
-    for key in ("n_keys", "heads", "knn", "hashes", "bits"):
+    for key in ("n_keys", "heads", "knn", "hashes", "bits", "segment", "seed"):
         if hasattr(layer, key):
             out[key] = int(getattr(layer, key))
+    if isinstance(layer, EngramMemory):
+        out["orders"] = list(layer.orders)
     return out
 
 
@@ -127,7 +135,9 @@ class Inspector:
     step: int
     path: Path
     data: str = ""
+    data_path: str = ""  # the training text's path when memtrain recorded it
     index: dict[str, int] = field(default_factory=dict)
+    _corpus: Corpus | None = None
 
     def __post_init__(self) -> None:
         self.index = {ch: i for i, ch in enumerate(self.vocab)}
@@ -179,7 +189,20 @@ class Inspector:
                 continue  # KIF: no slots of a value table
             kind, block = layer_kind_block(name)
             views.append(MemoryView(name, kind, block, tables[value_key(kind, block)], layer))
-        return cls(model, list(vocab), views, int(blob.get("step", 0)), path, str(blob.get("data", "")))
+        return cls(model, list(vocab), views, int(blob.get("step", 0)), path, str(blob.get("data", "")),
+                   str(blob.get("data_path", "")))
+
+    def corpus(self) -> Corpus | None:
+        """The training text (its recorded path, else data/<name>), when it is there and has the
+        model's vocabulary; read once."""
+        if self._corpus is None:
+            for p in (self.data_path, DATA_DIR / self.data if self.data else "", DATA_DIR / "tinyshakespeare" / self.data):
+                if p and Path(p).exists():
+                    c = load_corpus(p)
+                    if c.vocab == self.vocab:
+                        self._corpus = c
+                        break
+        return self._corpus
 
     # -- tokens ----------------------------------------------------------------------------
 
@@ -361,6 +384,8 @@ def slot_report(client: Any, table: str, slot: int, inspector: Inspector | None 
             view = None
     if view is not None:
         out["address"] = {"layer": view.name, "block": view.block, "kind": view.kind, **view.layer.describe_slot(slot)}
+        if isinstance(view.layer, EngramMemory):
+            out["address"].update(engram_names(inspector, view.layer, slot))
     elif layer_info.get("kind") == "pkm" and layer_info.get("n_keys"):  # no model: the traced layer's shape
         out["address"] = {"layer": layer_info.get("layer"), "kind": "pkm",
                           **slot_address(slot, int(layer_info["n_keys"]))}
@@ -379,6 +404,20 @@ def slot_report(client: Any, table: str, slot: int, inspector: Inspector | None 
         if triggers:
             out["agreement"] = sum(r["next_id"] in top for r in triggers) / len(triggers)
     return out
+
+
+def engram_names(inspector: Inspector, layer: EngramMemory, slot: int, limit: int = 20) -> dict[str, Any]:
+    """An Engram slot's n-grams in the training text, most frequent first (`slot_ngrams`): each
+    with its text, count, and `window_start` when it begins with PADs (the n-gram of a window's
+    first positions, counted by its real suffix). Several n-grams in one slot are its collisions."""
+    corpus = inspector.corpus()
+    if corpus is None:
+        return {"ngrams_note": f"the training text {inspector.data or '(unrecorded)'} is not here"}
+    got = slot_ngrams(corpus.train, slot, layer.orders, layer.heads, layer.segment, layer.seed, limit=limit)
+    grams = [{"ngram": inspector.decode(t for t in g["tokens"] if t != PAD), "window_start": PAD in g["tokens"],
+              "count": g["count"]} for g in got.pop("ngrams")]
+    return {"ngrams": grams, "ngrams_distinct": got["distinct"], "ngrams_occurrences": got["occurrences"],
+            "ngrams_text": corpus.name, "ngrams_tokens_scanned": got["tokens_scanned"]}
 
 
 def agreement(inspector: Inspector, client: Any, table: str, *, slots: int = 500, k: int = 5, baselines: int = 10,

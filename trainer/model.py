@@ -2,8 +2,9 @@
 
 In the style of nanoGPT: one file, read top to bottom. Memory layers sit at chosen blocks,
 either replacing the block's feed-forward network ("replace") or beside it ("parallel": the
-block adds FFN(x) + Memory(x)); a block may hold several kinds (product keys, LSH, one KIF layer
-per knowledge source), their outputs summed. Value tables live in a value backend and knowledge
+block adds FFN(x) + Memory(x)); a block may hold several kinds (product keys, LSH, Engram, one KIF
+layer per knowledge source), their outputs summed. Blocks pass the token ids on to their memory
+layers: Engram addresses by them (and `GPT.prefetch` sends its reads before the forward). Value tables live in a value backend and knowledge
 in a knowledge source (local or remote, see trainer.memory); keys, query networks, f_E, gates
 and projections are ordinary parameters of this model.
 """
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.memory import (
+    EngramMemory,
     KIFMemory,
     KnowledgeSource,
     LSHMemory,
@@ -74,12 +76,13 @@ class Block(nn.Module):
         self.memory = nn.ModuleDict(memory or {})  # kind ("pkm", "lsh", "kif0", ...) -> layer
         self.mlp = MLP(cfg) if not self.memory or cfg.memory.mode == "parallel" else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` [B, T]: the input's token ids (token-addressed memories read by them)."""
         x = x + self.attn(self.ln1(x))
         h = self.ln2(x)
         out = self.mlp(h) if self.mlp is not None else 0
         for layer in self.memory.values():
-            out = out + layer(h)
+            out = out + layer(h, tokens)
         return x + out
 
 
@@ -123,6 +126,10 @@ class GPT(nn.Module):
                     layers[kind] = LSHMemory(d, d, values[value_key(kind, i)], hashes=mem.lsh_hashes, bits=mem.lsh_bits,
                                              seed=mem.lsh_seed + i, mem_plus=mem.mem_plus,
                                              micro_batches=mem.micro_batches)
+                elif kind == "engram":
+                    layers[kind] = EngramMemory(d, d, values[value_key(kind, i)], orders=mem.engram_orders,
+                                                heads=mem.engram_heads, seed=mem.engram_seed + i,
+                                                conv=mem.engram_conv, micro_batches=mem.micro_batches)
                 elif kind == "kif":
                     for j, source in enumerate(knowledge):
                         layers[f"kif{j}"] = KIFMemory(d, d, source, knn=mem.kif_knn, micro_batches=mem.micro_batches)
@@ -134,6 +141,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying
         self.apply(self._init)
+        for layer in self.memories().values():
+            if isinstance(layer, EngramMemory):
+                layer.reset_conv()
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -146,11 +156,11 @@ class GPT(nn.Module):
 
     def memories(self) -> dict[str, MemoryLayer]:
         """Every memory layer by a readable name: "mem2" (product keys at block 2, the name the
-        metrics had before other kinds), "lsh2", "kif0_2" (source 0 at block 2)."""
+        metrics had before other kinds), "lsh2", "engram2", "kif0_2" (source 0 at block 2)."""
         out = {}
         for i, b in enumerate(self.blocks):
             for kind, layer in b.memory.items():
-                name = f"mem{i}" if kind == "pkm" else f"{kind}{i}" if kind == "lsh" else f"{kind}_{i}"
+                name = f"mem{i}" if kind == "pkm" else f"{kind}{i}" if kind in ("lsh", "engram") else f"{kind}_{i}"
                 out[name] = layer
         return out
 
@@ -160,15 +170,23 @@ class GPT(nn.Module):
         -> today's `blocks.i.memory.pkm.*`."""
         import re
 
-        old = re.compile(r"^(blocks\.\d+\.memory\.)(?!pkm\.|lsh\.|kif\d+\.)")
+        old = re.compile(r"^(blocks\.\d+\.memory\.)(?!pkm\.|lsh\.|engram\.|kif\d+\.)")
         return {old.sub(r"\1pkm.", k): v for k, v in sd.items()}
+
+    def prefetch(self, idx: torch.Tensor, max_age: int = 0) -> int:
+        """Send the reads of every token-addressed memory layer for a forward on `idx` [B, T] now
+        (see MemoryLayer.prefetch); returns how many layers did."""
+        layers = [m for m in self.memories().values() if m.token_addressed]
+        for layer in layers:
+            layer.prefetch(idx, max_age)
+        return len(layers)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = idx.shape
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, idx)
         logits = self.head(self.ln_f(x))
         loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss

@@ -1,11 +1,12 @@
 """`memtrain`: train a character-level transformer LM with memory layers (product keys, LSH
-sketch memory, KIF knowledge fetch) whose tables live in the memserver cluster (`--memory
+sketch memory, KIF knowledge fetch, Engram hashed n-grams) whose tables live in the memserver cluster (`--memory
 remote`), in this process (`--memory local`) or nowhere (`--memory none`). One JSON object per
 log step with --log-json.
 
     memtrain --memory remote --steps 1000 --mem-layers 2 --n-keys 128 --log-json run.jsonl
     memtrain --memory local --memory-kind lsh --steps 1000
     memtrain --memory remote --memory-kind pkm,kif          # KIF over the corpus's own sentences
+    memtrain --memory remote --memory-kind engram --engram-slots 1048576  # hashed n-grams, reads prefetched
     memtrain trace --checkpoint ckpt --table memtrain-values  # record slots' trigger contexts (trace --help)
 """
 
@@ -39,6 +40,7 @@ from trainer.memory import (
     UsageCounter,
     ValueBackend,
 )
+from trainer.memory.engram import MAX_ORDER
 from trainer.memory.knowledge import check_encoder_name, corpus_sentences, encode_cached, make_encoder, upload_source
 from trainer.memory.lsh import MAX_BITS
 from trainer.model import GPT, ModelConfig, value_key
@@ -75,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--mem-mode", choices=["parallel", "replace"], default="parallel", help="memory beside the FFN, or instead of it")
     mem.add_argument("--memory-kind", default="pkm", metavar="KINDS",
                      help="comma-separated kinds of memory at each --mem-layers block: pkm (product keys), lsh (LSH "
-                          "sketch memory), kif (kNN fetch over fixed sentence encodings); several are summed")
+                          "sketch memory), kif (kNN fetch over fixed sentence encodings), engram (hashed n-grams); "
+                          "several are summed")
     mem.add_argument("--shared-values", action="store_true", help="one value table for all memory layers")
     mem.add_argument("--n-keys", type=int, default=128, help="sub-keys per half: n_keys^2 memory slots")
     mem.add_argument("--heads", type=int, default=4, help="memory heads")
@@ -88,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--sharding", choices=["rows", "cols"], default=None, help="remote table sharding (default: server's)")
     mem.add_argument("--staleness", type=int, default=0,
                      help="0: a step's value update is applied before its backward returns; >=1: the shards answer "
-                          "first and apply it while the next step starts (reads still never see a table without it)")
+                          "first and apply it while the next step starts (reads still never see a table without it). "
+                          "Token-addressed layers (engram): >=1 also sends step t+1's prefetched reads while step t "
+                          "computes, so they read rows one update old (local and remote alike)")
+    mem.add_argument("--no-prefetch", action="store_true",
+                     help="token-addressed layers (engram) read when the forward reaches them instead of as soon as "
+                          "the batch is drawn (same losses at --staleness 0; for measuring the prefetch)")
     mem.add_argument("--wal", action="store_true",
                      help="remote tables log every update before acknowledging it, so a restarted shard loses none "
                           "(without it, a shard restart returns the table to its latest checkpoint)")
@@ -97,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     lsh.add_argument("--lsh-bits", type=int, default=12, help="hyperplanes per hash: 2^bits buckets per hash "
                      "(4 x 2^12 = 16384 slots, the product-key default's count)")
     lsh.add_argument("--lsh-seed", type=int, default=0, help="seed of the fixed hash planes and sketch matrices")
+    eng = p.add_argument_group("Engram hashed n-gram memory (--memory-kind engram)")
+    eng.add_argument("--engram-orders", default="2,3", help="n-gram orders hashed at each position (2..8)")
+    eng.add_argument("--engram-heads", type=int, default=4, help="hash heads per order, each its own table segment")
+    eng.add_argument("--engram-slots", type=int, default=65536,
+                     help="rows of each Engram value table, split evenly into orders x heads segments (rounded down "
+                          "to a multiple of that)")
+    eng.add_argument("--engram-dim", type=int, default=32, help="floats per row (a position reads orders x heads rows)")
+    eng.add_argument("--engram-seed", type=int, default=0, help="seed of the n-gram hashes (block i uses seed + i)")
+    eng.add_argument("--no-engram-conv", action="store_true", help="no short causal convolution after the gate")
     kif = p.add_argument_group("KIF knowledge memory (--memory-kind kif)")
     kif.add_argument("--kif-source", action="append", default=[], metavar="NAME",
                      help="an index table in the cluster (metric ip, payload = the encodings) to read; repeatable. "
@@ -169,6 +186,20 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
                                 ("--kif-knn", args.kif_knn, 1, 4096), ("--kif-sentences", args.kif_sentences, 1, 1 << 24)):
         if not lo <= value <= hi:
             raise SystemExit(f"memtrain: error: {flag}: must be in [{lo}, {hi}], got {value}")
+    try:
+        orders = tuple(sorted({int(n) for n in args.engram_orders.split(",") if n.strip()}))
+    except ValueError:
+        orders = ()
+    if not orders or not all(2 <= n <= MAX_ORDER for n in orders):
+        raise SystemExit(f"memtrain: error: --engram-orders {args.engram_orders}: comma-separated orders in "
+                         f"[2, {MAX_ORDER}]")
+    if not 1 <= args.engram_heads <= 64 or not 1 <= args.engram_dim <= 4096:
+        raise SystemExit("memtrain: error: --engram-heads must be in [1, 64] and --engram-dim in [1, 4096]")
+    segments = len(orders) * args.engram_heads
+    engram_rows = args.engram_slots - args.engram_slots % segments
+    if "engram" in kinds and not segments <= engram_rows <= MAX_LSH_ROWS:
+        raise SystemExit(f"memtrain: error: --engram-slots {args.engram_slots}: at least one row per segment "
+                         f"({segments}) and at most {MAX_LSH_ROWS:,}")
     if "lsh" in kinds and args.lsh_hashes << args.lsh_bits > MAX_LSH_ROWS:
         raise SystemExit(f"memtrain: error: --lsh-hashes {args.lsh_hashes} x 2^--lsh-bits {args.lsh_bits} buckets: "
                          f"at most {MAX_LSH_ROWS:,} per table")
@@ -180,7 +211,9 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     memory = MemoryConfig(layers=mem_layers, mode=args.mem_mode, kinds=kinds, n_keys=args.n_keys, heads=args.heads,
                           k_dim=args.k_dim, knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
                           micro_batches=args.micro_batches, lsh_hashes=args.lsh_hashes, lsh_bits=args.lsh_bits,
-                          lsh_seed=args.lsh_seed, kif_knn=args.kif_knn)
+                          lsh_seed=args.lsh_seed, kif_knn=args.kif_knn, engram_orders=orders,
+                          engram_heads=args.engram_heads, engram_slots=engram_rows, engram_dim=args.engram_dim,
+                          engram_seed=args.engram_seed, engram_conv=not args.no_engram_conv)
     values: dict[str, ValueBackend] = {}
     own_client = False
     wants_cluster = args.memory == "remote" or ("kif" in kinds and args.kif_source)
@@ -198,17 +231,18 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
             if kind in shared:
                 values[key] = shared[kind]
                 continue
-            rows = args.n_keys**2 if kind == "pkm" else args.lsh_hashes << args.lsh_bits
-            seed = args.seed * 1000 + i + (0 if kind == "pkm" else 500)  # each table its own initial values
+            rows = {"pkm": args.n_keys**2, "lsh": args.lsh_hashes << args.lsh_bits, "engram": engram_rows}[kind]
+            width = args.engram_dim if kind == "engram" else args.n_embd
+            seed = args.seed * 1000 + i + {"pkm": 0, "lsh": 500, "engram": 700}[kind]  # each table its own initial values
             common = dict(optimizer=args.value_optimizer, lr=args.value_lr, seed=seed)
             if kind == "lsh":  # a sketch of random buckets is noise at the residual's own scale: start at zero
                 common["init_std"] = 0.0
             if args.memory == "local":
-                backend: ValueBackend = LocalValues(rows, args.n_embd, **common)
+                backend: ValueBackend = LocalValues(rows, width, **common)
             else:
                 base = args.table if kind == "pkm" else f"{args.table}-{kind}"
                 name = base if args.shared_values or len(mem_layers) == 1 else f"{base}-{i}"
-                backend = RemoteValues(client, name, rows, args.n_embd, sharding=args.sharding,
+                backend = RemoteValues(client, name, rows, width, sharding=args.sharding,
                                        defer_apply=args.staleness > 0, create=rank == 0,
                                        sync_workers=world if world > 1 else 0, wal=args.wal, **common)
             values[key] = backend
@@ -312,18 +346,19 @@ def _unique(values: dict[str, ValueBackend]) -> dict[str, ValueBackend]:
     return seen
 
 
-def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, step: int, directory: str) -> None:
+def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, step: int, directory: str) -> None:
     """The trainer's state and, at the same step barrier, the memory (each backend saves its own:
     remote tables are checkpointed by the cluster under <dir>/memory/<table>, local ones go into
-    the trainer file)."""
+    the trainer file). `gen`: the batch generator's state before the next step's batch."""
     from memserver.storage.fsutil import atomic_write
 
     root = Path(directory)
     values = {key: b.save(root, step) for key, b in _unique(run.values).items()}
     cfg = {k: v for k, v in asdict(run.model.cfg).items() if k != "memory"}
-    blob = {"step": step, "model": run.model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+    blob = {"step": step, "model": run.model.state_dict(), "opt": opt.state_dict(), "gen": gen,
             "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
-            "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name}  # enough to rebuild it (trainer.inspection)
+            "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name,  # enough to rebuild it (trainer.inspection)
+            "data_path": run.corpus.path}
     atomic_write(trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
 
@@ -335,7 +370,8 @@ def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
         raise SystemExit(f"memtrain: error: --resume {directory}: no trainer checkpoint there") from None
     blob = torch.load(latest, map_location="cpu", weights_only=False)
     saved_memory, current = blob.get("memory", {}), asdict(run.model.cfg.memory)
-    for key in ("layers", "kinds", "lsh_hashes", "lsh_bits", "lsh_seed", "kif_sources"):
+    for key in ("layers", "kinds", "lsh_hashes", "lsh_bits", "lsh_seed", "kif_sources", "engram_orders", "engram_heads",
+                "engram_slots", "engram_dim", "engram_seed", "engram_conv"):
         if key not in saved_memory:
             continue  # written before the setting existed
         was, now = saved_memory[key], current[key]
@@ -419,14 +455,20 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         tracer = LiveTracer(run, args.trace_sample, args.seed, args.checkpoint_dir) if args.trace_every else None
         tokens = args.batch_size * args.block_size * world
         window_t, window_steps = 0.0, 0
+        batches = Batches(run.corpus.train, args.batch_size, args.block_size, gen, rank, world)
+        # Prefetch: token-addressed layers (Engram) read by the batch alone, so step t+1's reads
+        # are sent before its forward. Exact (--staleness 0): after step t's update is committed
+        # (every trainer's, past the all-reduce), overlapping the dense optimizer step and the
+        # blocks below the layer. Stale (>= 1): when step t starts, overlapping all of step t, so
+        # they read rows without step t's update (the table as of step t-1).
+        prefetch = not args.no_prefetch and any(m.token_addressed for m in model.memories().values())
         for step in range(first, args.steps + 1):
-            # Every trainer draws the same combined batch and takes its own slice of it, so W
-            # trainers of batch B see exactly what one trainer of batch W*B would.
-            x, y = get_batch(run.corpus.train, args.batch_size * world, args.block_size, gen)
-            x, y = (z[rank * args.batch_size : (rank + 1) * args.batch_size] for z in (x, y))
+            x, y = batches.next()
             for backend in _unique(run.values).values():
                 backend.begin_step(step)
             t0 = time.perf_counter()
+            if prefetch and args.staleness > 0 and step < args.steps:
+                model.prefetch(batches.peek(), max_age=1)
             _, loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -437,6 +479,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
             loss = loss.detach()
             if world > 1:
                 average_across_trainers([p.grad for p in dense if p.grad is not None] + [loss], world)
+            if prefetch and args.staleness == 0 and step < args.steps:
+                model.prefetch(batches.peek(), max_age=0)  # every trainer has committed step t
             opt.step()
             dt = time.perf_counter() - t0
             window_t, window_steps = window_t + dt, window_steps + 1
@@ -457,12 +501,52 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                     rec.update(evaluate(run, args, torch.Generator().manual_seed(args.seed + 1)))
                 if tracer is not None:
                     rec["trace_s"] = tracer.seconds  # time spent tracing so far (inside step_ms)
+                for name, layer in model.memories().items():
+                    if layer.token_addressed:  # training forwards that used a prefetched read, so far
+                        rec[f"{name}_prefetched"] = layer.prefetch_used
                 if rank == 0:
                     yield rec
             if args.checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
-                save_checkpoint(run, opt, gen, step, args.checkpoint_dir)
+                save_checkpoint(run, opt, batches.state(), step, args.checkpoint_dir)
     finally:
         run.close()
+
+
+class Batches:
+    """The training batches in order, one of them drawn ahead when asked (`peek`: the prefetch)
+    without changing which batches come or the generator state a checkpoint records. Every
+    trainer draws the same combined batch and takes its own slice of it, so W trainers of batch B
+    see exactly what one trainer of batch W*B would."""
+
+    def __init__(self, data: torch.Tensor, batch_size: int, block_size: int, gen: torch.Generator, rank: int = 0,
+                 world: int = 1) -> None:
+        self.data, self.batch_size, self.block_size, self.gen, self.rank, self.world = (
+            data, batch_size, block_size, gen, rank, world)
+        self.ahead: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.before_ahead: torch.Tensor | None = None  # the generator's state before `ahead` was drawn
+
+    def _draw(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = get_batch(self.data, self.batch_size * self.world, self.block_size, self.gen)
+        part = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        return x[part], y[part]
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch (x, y) [B, T]."""
+        if self.ahead is None:
+            return self._draw()
+        out, self.ahead, self.before_ahead = self.ahead, None, None
+        return out
+
+    def peek(self) -> torch.Tensor:
+        """The tokens x of the batch `next` returns next (drawn now if need be)."""
+        if self.ahead is None:
+            self.before_ahead = self.gen.get_state()
+            self.ahead = self._draw()
+        return self.ahead[0]
+
+    def state(self) -> torch.Tensor:
+        """The generator's state as if no batch had been drawn ahead (what a checkpoint keeps)."""
+        return self.before_ahead if self.before_ahead is not None else self.gen.get_state()
 
 
 def trace_parser() -> argparse.ArgumentParser:

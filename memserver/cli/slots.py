@@ -72,11 +72,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     console = _console()
     where = ""
-    if "address" in report:
-        a = report["address"]
-        where = f" = layer {a.get('layer')}, " + (f"sub-keys ({a['sub_keys'][0]}, {a['sub_keys'][1]})" if "sub_keys" in a
-                                                  else f"hash {a.get('hash')}, bucket {a.get('bucket')}")
+    a = report.get("address", {})
+    if a:
+        where = f" = layer {a.get('layer')}, " + (
+            f"sub-keys ({a['sub_keys'][0]}, {a['sub_keys'][1]})" if "sub_keys" in a
+            else f"{a['order']}-grams, hash head {a['head']}, bucket {a['bucket']}" if "order" in a
+            else f"hash {a.get('hash')}, bucket {a.get('bucket')}")
     console.print(f"[bold]{args.table}[/] slot [bold]{args.slot}[/]{where}")
+    if "ngrams" in a:  # an Engram slot is named by the n-grams of the training text hashing to it
+        grams = Table(title=f"n-grams of {a['ngrams_text']} in this slot: {a['ngrams_distinct']:,} distinct, "
+                            f"{a['ngrams_occurrences']:,} occurrences (^: a window's start)")
+        for col in ("n-gram", "count"):
+            grams.add_column(col, justify="right" if col == "count" else "left")
+        for g in a["ngrams"]:
+            grams.add_row(("^" if g["window_start"] else "") + show(g["ngram"]), f"{g['count']:,}")
+        console.print(grams)
+    elif "ngrams_note" in a:
+        console.print(f"(no n-grams: {a['ngrams_note']})")
     last = "never" if not report["last_update"] else (
         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report["last_update"])) + f" ({report['last_update_age_s']:.0f}s ago)")
     console.print(f"value norm {report['value_norm']:.4f} · hits {report['hits']:,} · weight mass "

@@ -24,10 +24,14 @@ from memserver.core.optim import OptimizerConfig
 from memserver.core.steps import Entries, bag_entries, combine
 from memserver.core.table import ValueTable
 
+#: What a load adds to a backend's `version`: every read sent before it is then too old to use.
+LOADED = 1 << 30
+
 
 class ValueBackend(Protocol):
     num_rows: int  # memory slots
     dim: int  # floats per slot
+    version: int  # updates this process applied or committed: how old a prefetched read is (a load adds LOADED)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """ids, weights [N, n] -> [N, dim]: out[i] = sum_j weights[i, j] * v[ids[i, j]]."""
@@ -83,6 +87,7 @@ class LocalValues:
         std = init_std if init_std is not None else dim**-0.5
         self.table = ValueTable(num_rows, dim, OptimizerConfig(optimizer, lr), init_std=std, seed=seed, track_stats=False)
         self.parts: list[Entries] | None = None  # inside a step: its value updates so far
+        self.version = 0
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.table.bag(ids, weights)
@@ -94,6 +99,7 @@ class LocalValues:
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
         if self.parts is None:  # outside a step: apply at once
+            self.version += 1
             return self.table.bag_backward(ids, weights, None, grad_out)
         grad_w, _ = self.table.bag_grad(ids, weights, None, grad_out)  # on the values before the step
         self.parts.append(bag_entries(ids, weights, None, grad_out))
@@ -104,6 +110,7 @@ class LocalValues:
 
     def end_step(self, step: int) -> None:
         parts, self.parts = self.parts, None
+        self.version += 1
         if parts:
             self.table.apply_entries(*combine(parts))
 
@@ -119,6 +126,7 @@ class LocalValues:
         return {"state": self.table.state()}  # stored in the trainer's own checkpoint file
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        self.version += LOADED
         for name, t in saved["state"].items():
             getattr(self.table, name).copy_(t)
 
@@ -138,6 +146,7 @@ class RemoteValues:
         self.client, self.name, self.num_rows, self.dim = client, name, num_rows, dim
         self.defer_apply = defer_apply
         self.step: int | None = None  # inside a step (begin_step .. end_step): its number
+        self.version = 0
         std = init_std if init_std is not None else dim**-0.5
         if create:
             try:
@@ -155,6 +164,7 @@ class RemoteValues:
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
         if self.step is None:  # outside a step: one call, applied at once
+            self.version += 1
             return self.client.bag_backward(self.name, ids, weights.detach(), grad_out.contiguous(),
                                             defer_apply=self.defer_apply)
         return self.client.bag_backward(self.name, ids, weights.detach(), grad_out.contiguous(), step=self.step,
@@ -168,6 +178,7 @@ class RemoteValues:
         trainer committed). With defer_apply the shards answer first and apply it right after."""
         if self.step is not None:
             self.step = None
+            self.version += 1
             self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
 
     @property
@@ -198,4 +209,5 @@ class RemoteValues:
         return {"checkpoint": where, "table": self.name}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        self.version += LOADED
         self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])

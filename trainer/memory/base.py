@@ -14,6 +14,12 @@ Three hooks let a kind differ beyond addressing without copying the loop:
   bag; KIF: a kNN search whose hits it weighs itself);
 - `output`: the read -> the residual stream (default: as is, or Memory+).
 
+A kind whose addresses depend on the token ids alone (`token_addressed`: Engram) gives
+`address_tokens(tokens)` instead of `address`; its reads can then be sent before the model runs
+(`prefetch`, which the trainer calls as soon as it has drawn a batch). A prefetched read is used
+only by the forward of the very same tokens, and only while its values are at most `max_age`
+updates old (`ValueBackend.version`): anything else reads afresh.
+
 Micro-batches are an overlap only: queries see the whole batch, and the backends gather every
 chunk's value update of a training step into one optimizer step (`begin_step`/`end_step`), with
 dL/dweights of every chunk computed on the values before the step, so losses equal one chunk's.
@@ -30,7 +36,7 @@ import torch.nn.functional as F
 
 from trainer.memory.backends import ValueBackend
 
-KINDS = ("pkm", "lsh", "kif")  # the memory layer kinds memtrain builds (--memory-kind)
+KINDS = ("pkm", "lsh", "kif", "engram")  # the memory layer kinds memtrain builds (--memory-kind)
 
 
 @dataclass
@@ -50,6 +56,12 @@ class MemoryConfig:
     lsh_seed: int = 0  # LSH: seed of the hash planes and sketch matrices (same ids in every process)
     kif_knn: int = 8  # KIF: hits per query and source
     kif_sources: tuple[str, ...] = field(default_factory=tuple)  # KIF: the knowledge sources' names
+    engram_orders: tuple[int, ...] = (2, 3)  # Engram: the n-gram orders hashed at each position
+    engram_heads: int = 4  # Engram: hash heads per order, each its own table segment
+    engram_slots: int = 65536  # Engram: rows of its value table (split into orders x heads segments)
+    engram_dim: int = 32  # Engram: floats per row (a position reads orders x heads rows, concatenated)
+    engram_seed: int = 0  # Engram: seed of the hash multipliers (same ids in every process)
+    engram_conv: bool = True  # Engram: the paper's short causal convolution after the gate
 
 
 class _Bag(torch.autograd.Function):
@@ -76,10 +88,22 @@ def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: tor
     return _Bag.apply(weights, ids, values, out)
 
 
+@dataclass(eq=False)
+class Prefetch:
+    """A read sent before its forward: for these tokens, cut into `chunks`, at values `version`."""
+
+    tokens: torch.Tensor
+    chunks: int
+    version: int
+    max_age: int  # the forward may use it while the values are at most this many updates newer
+    started: list[Any]  # per chunk what `send` returned
+
+
 class MemoryLayer(nn.Module):
     """Base of the memory layers: subclasses implement `address` (and the hooks above they need)."""
 
     groups = 1  # bags read per position (see the module docstring)
+    token_addressed = False  # addresses from the token ids alone (`address_tokens`): reads can be prefetched
 
     def __init__(self, d_in: int, d_out: int, values: ValueBackend | None, *, read_dim: int | None = None,
                  mem_plus: bool = False, micro_batches: int = 1) -> None:
@@ -95,6 +119,9 @@ class MemoryLayer(nn.Module):
         elif read_dim != d_out and type(self).output is MemoryLayer.output:
             raise ValueError(f"the memory's read dim {read_dim} must equal the layer's output dim {d_out} (or use mem_plus)")
         self.last_access: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, weights) of the last forward
+        self.batch_shape: tuple[int, ...] = ()  # the input's leading dims in this forward ([B, T]), for `output`
+        self.prefetched: list[Prefetch] = []  # reads sent ahead, oldest first (at most two: stale mode)
+        self.prefetch_used = self.prefetch_dropped = 0  # prefetched reads a forward used / could not use
 
     @property
     def num_slots(self) -> int:
@@ -109,11 +136,54 @@ class MemoryLayer(nn.Module):
         """queries [n, *] (a chunk of them) -> slot ids [n, slots] (int64) and their weights [n, slots]."""
         raise NotImplementedError
 
+    def address_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """token ids [B, T] -> slot ids [B*T, slots] and weights (kinds with `token_addressed`)."""
+        raise NotImplementedError
+
     def start(self, q: torch.Tensor, overlap: bool) -> Any:
         """Begin a chunk's read: address it and, when chunks overlap, send its bag now."""
-        ids, w = self.address(q)
+        return self.send(*self.address(q), overlap)
+
+    def send(self, ids: torch.Tensor, w: torch.Tensor, now: bool) -> Any:
+        """A chunk's addresses -> what `finish` takes: (ids, weights, the bag in flight or None)."""
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
-        return ids, w, self.values.submit_bag(flat_ids, flat_w) if overlap else None
+        return ids, w, self.values.submit_bag(flat_ids, flat_w) if now else None
+
+    def _send_tokens(self, tokens: torch.Tensor, chunks: int, now: bool) -> list[Any]:
+        """A token-addressed forward's reads, cut into the chunks `forward` cuts its queries into."""
+        ids, w = self.address_tokens(tokens)
+        if chunks == 1:
+            return [self.send(ids, w, now)]
+        return [self.send(i, v, now) for i, v in zip(ids.chunk(chunks), w.chunk(chunks))]
+
+    def prefetch(self, tokens: torch.Tensor, max_age: int = 0) -> None:
+        """Send the reads of a forward on `tokens` [B, T] now. The forward of the same tokens uses
+        them if the values took at most `max_age` updates since (0: exact, the read the forward
+        would make; 1: one update old, the trainer's stale mode). Keeps the two latest."""
+        if not self.token_addressed:
+            return
+        version = self.values.version
+        started = self._send_tokens(tokens, self.micro_batches, True)
+        self.prefetched = [*self.prefetched[-1:], Prefetch(tokens.clone(), self.micro_batches, version, max_age, started)]
+
+    def _token_reads(self, tokens: torch.Tensor | None, chunks: int) -> list[Any]:
+        """The chunks' reads of a token-addressed forward: prefetched when valid, else sent now."""
+        if tokens is None:
+            raise ValueError(f"{type(self).__name__} addresses by token ids: call it with the tokens")
+        version = self.values.version
+        match = next((p for p in self.prefetched if p.chunks == chunks and p.tokens.shape == tokens.shape
+                      and torch.equal(p.tokens, tokens)), None)
+        if match is not None:
+            self.prefetched = [p for p in self.prefetched if p is not match]
+        if match is not None and 0 <= version - match.version <= match.max_age:
+            self.prefetch_used += 1
+            started = match.started
+        else:
+            self.prefetch_dropped += match is not None  # too old (or sent before a load): read afresh
+            started = self._send_tokens(tokens, chunks, chunks > 1)
+        # the weights take part in autograd only so the backward updates the rows (they come from
+        # the tokens alone: no gradient of them has anywhere to go)
+        return [(ids, w.detach().requires_grad_(torch.is_grad_enabled()), pending) for ids, w, pending in started]
 
     def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A chunk's (ids, weights, read [n, read_dim]) from what `start` returned."""
@@ -143,14 +213,20 @@ class MemoryLayer(nn.Module):
         """Where a slot id sits in this kind's addressing (product keys: its sub-key pair)."""
         return {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., d_in] -> [..., d_out]; `tokens` [B, T]: the token ids of x's positions (what a
+        token-addressed kind reads by; the others ignore them)."""
         shape = x.shape
+        self.batch_shape = tuple(shape[:-1])
         flat = x.reshape(-1, shape[-1])  # [N, d_in], N = batch * time
         q = self.queries(flat)  # [N, *]: batch statistics over all N, however many chunks follow
         chunks = q.chunk(self.micro_batches) if self.micro_batches > 1 else (q,)
         # several chunks: each chunk's read is sent as soon as it is addressed, so the next
         # chunk's addressing overlaps it
-        started = [self.start(c, len(chunks) > 1) for c in chunks]
+        if self.token_addressed:
+            started = self._token_reads(tokens, len(chunks))
+        else:
+            started = [self.start(c, len(chunks) > 1) for c in chunks]
         reads = [self.finish(c, s) for c, s in zip(chunks, started)]
         out = torch.cat([r[2] for r in reads]) if len(reads) > 1 else reads[0][2]  # [N, read_dim]
         self.last_access = (torch.cat([r[0] for r in reads]).detach(), torch.cat([r[1] for r in reads]).detach())

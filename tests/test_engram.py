@@ -1,0 +1,360 @@
+"""Engram: hashed n-gram memory (its hash, layer and slot names) and the prefetch of reads that
+depend on the tokens alone, local and remote alike."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainer.checkpoints import trainer_file
+from trainer.memory import EngramMemory, LocalValues, RemoteValues
+from trainer.memory.engram import PAD, engram_hash_params, hash_grams, slot_ngrams, suffix_grams
+from trainer.train import build_parser, train
+
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+        "--n-keys", "16", "--heads", "2", "--knn", "4", "--k-dim", "16", "--mem-layers", "1",
+        "--eval-every", "5", "--eval-iters", "2", "--log-every", "1", "--threads", "1",
+        "--engram-slots", "1200", "--engram-dim", "8", "--engram-heads", "3", "--engram-orders", "2,3"]
+
+
+def layer(values: LocalValues | RemoteValues, **kw) -> EngramMemory:
+    torch.manual_seed(0)
+    return EngramMemory(12, 10, values, orders=(2, 3), heads=3, seed=5, **kw)
+
+
+# --- the hash -----------------------------------------------------------------------------
+
+
+def test_engram_ids_are_the_same_in_another_process():
+    torch.manual_seed(999)  # the global RNG plays no part
+    tokens = torch.randint(0, 60, (4, 50), generator=torch.Generator().manual_seed(1))
+    here = layer(LocalValues(6 * 100, 4)).address_tokens(tokens)[0]
+    code = ("import torch; from trainer.memory import EngramMemory, LocalValues; "
+            "t = torch.randint(0, 60, (4, 50), generator=torch.Generator().manual_seed(1)); "
+            "print(EngramMemory(12, 10, LocalValues(600, 4), orders=(2, 3), heads=3, seed=5).address_tokens(t)[0].tolist())")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(there) == here.tolist()
+    assert here.shape == (200, 6)
+    assert torch.equal(here // 100, torch.arange(6).expand(200, 6))  # (order i, head k) reads segment i*heads + k
+    assert all(len(here[:, g].unique()) > 60 for g in range(6))  # and spreads over it
+    other = EngramMemory(12, 10, LocalValues(600, 4), orders=(2, 3), heads=3, seed=6).address_tokens(tokens)[0]
+    assert (other != here).float().mean() > 0.9  # another seed, other rows
+
+
+def test_engram_ids_are_a_function_of_the_suffix_ngram():
+    """Equal suffix n-grams read equal rows; one token older than the n-gram changes nothing; a
+    window's first positions read PAD-prefixed n-grams (not those of the characters before it)."""
+    m = layer(LocalValues(6 * 97, 4))
+    a = torch.tensor([[5, 6, 7, 8, 9, 7, 8, 9]])
+    ids = m.address_tokens(a)[0]
+    assert torch.equal(ids[3, :3], ids[6, :3])  # the bigram "7 8" ends at both (order 2: segments 0-2)
+    assert not torch.equal(ids[3, 3:], ids[6, 3:])  # the trigrams "6 7 8" and "9 7 8" differ
+    assert torch.equal(ids[4], ids[7])  # "8 9" and "7 8 9" at both: what came before them changes nothing
+    assert not torch.equal(ids[4, 3:], ids[2, 3:])
+    b = torch.tensor([[8, 9]])  # the window starting at "8": its position 1 reads "8 9" but the trigram "PAD 8 9"
+    ib = m.address_tokens(b)[0]
+    assert torch.equal(ib[1, :3], ids[4, :3]) and not torch.equal(ib[1, 3:], ids[4, 3:])
+    assert suffix_grams(b, 3)[0, 1].tolist() == [PAD, 8, 9]
+
+
+def test_hash_never_overflows_int64():
+    mult, start = engram_hash_params(0, 3, 8)
+    assert (mult % 2 == 1).all() and (mult < 2**31).all() and (start < 2**31).all()
+    grams = torch.tensor([[PAD, PAD, PAD], [0, 0, 0], [PAD - 1, 3, PAD]])
+    h = hash_grams(grams, mult[2], start[2])
+    assert ((h >= 0) & (h < 2**31)).all()
+
+
+# --- the layer ----------------------------------------------------------------------------
+
+
+def test_engram_forward_and_value_update_match_a_dense_reference():
+    """The read is the concatenation of the (order, head) rows; gate, projection and convolution
+    follow; one SGD step moves each row by -lr * dL/drow: the numbers of autograd through a dense
+    table."""
+    values = LocalValues(6 * 50, 4, optimizer="sgd", lr=0.1, seed=3)
+    m = layer(values)
+    torch.nn.init.normal_(m.conv.weight, std=0.3)  # a live convolution (it starts at zero)
+    ref = torch.nn.Parameter(values.table.weight.clone())
+    tokens = torch.randint(0, 20, (3, 9), generator=torch.Generator().manual_seed(2))
+    x, r = torch.randn(3, 9, 12), torch.randn(3, 9, 10)
+    ids = m.address_tokens(tokens)[0]
+    m.batch_shape = (3, 9)
+    ref_out = m.output(ref[ids].reshape(27, -1), x.reshape(27, 12)).view(3, 9, 10)
+    out = m(x, tokens)
+    torch.testing.assert_close(out, ref_out)
+    (out * r).sum().backward()
+    (ref_out * r).sum().backward()
+    torch.testing.assert_close(values.table.weight, (ref - 0.1 * ref.grad).detach(), rtol=1e-5, atol=1e-6)
+    assert ref.grad.abs().sum() > 0 and m.key.weight.grad.abs().sum() > 0 and m.conv.weight.grad.abs().sum() > 0
+    assert m.last_gate.shape == (27,) and ((m.last_gate > 0) & (m.last_gate < 1)).all()
+
+
+def test_engram_slot_output_is_its_segment_of_the_value_projection():
+    m = layer(LocalValues(6 * 50, 4))
+    slots, v = torch.tensor([0, 49, 50, 299, 170]), torch.randn(5, 4)
+    read = torch.zeros(5, 6, 4)
+    read[torch.arange(5), slots // 50] = v  # a read holding only that row, in its segment's place
+    torch.testing.assert_close(m.slot_output(slots, v), m.value(read.view(5, 24)))
+
+
+def test_engram_convolution_is_causal():
+    m = layer(LocalValues(6 * 50, 4))
+    torch.nn.init.normal_(m.conv.weight)
+    tokens = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, 16, 12)
+    out = m(x, tokens)
+    x2, t2 = x.clone(), tokens.clone()
+    x2[:, 10:], t2[:, 10:] = torch.randn(2, 6, 12), (t2[:, 10:] + 1) % 20
+    torch.testing.assert_close(m(x2, t2)[:, :10], out[:, :10])  # no position sees a later one
+
+
+def test_engram_refuses_what_it_cannot_address():
+    with pytest.raises(ValueError, match="multiple of the 6 segments"):
+        EngramMemory(8, 8, LocalValues(100, 4), orders=(2, 3), heads=3)
+    with pytest.raises(ValueError, match="distinct orders"):
+        EngramMemory(8, 8, LocalValues(60, 4), orders=(1, 2), heads=3)
+    m = layer(LocalValues(600, 4))
+    with pytest.raises(ValueError, match="token ids"):
+        m(torch.randn(2, 3, 12))
+
+
+# --- prefetch -----------------------------------------------------------------------------
+
+
+def _step(m: EngramMemory, tokens: torch.Tensor, step: int, stale: torch.Tensor | None = None) -> torch.Tensor:
+    """One training step of the layer alone (prefetching `stale`'s reads one update old at its start)."""
+    m.values.begin_step(step)
+    if stale is not None:
+        m.prefetch(stale, max_age=1)
+    out = m(torch.ones(*tokens.shape, 12), tokens)
+    out.square().sum().backward()
+    m.values.end_step(step)
+    return out.detach()
+
+
+def _read(m: EngramMemory, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """What the layer's read of `tokens` is on a table of `rows`: the concatenated rows."""
+    return rows[m.address_tokens(tokens)[0]].reshape(tokens.numel(), -1)
+
+
+@pytest.mark.parametrize("memory", ["local", "remote"])
+def test_prefetch_exact_sees_the_update_and_stale_is_one_update_old(client, table_name, memory):
+    values = (LocalValues(600, 4, lr=0.05, seed=1) if memory == "local" else
+              RemoteValues(client, table_name, 600, 4, lr=0.05, seed=1, defer_apply=True))
+
+    def rows() -> torch.Tensor:
+        if memory == "local":
+            return values.table.weight.clone()
+        return torch.as_tensor(client.lookup(table_name, torch.arange(600), count=False))
+
+    m = layer(values)
+    gen = torch.Generator().manual_seed(0)
+    t1, t2, t3 = (torch.randint(0, 8, (2, 12), generator=gen) for _ in range(3))  # few tokens: shared rows
+    _step(m, t1, 1)
+    # exact: sent after step 1 committed, it reads step 1's update
+    m.prefetch(t2, max_age=0)
+    after_1 = rows()
+    torch.testing.assert_close(m.prefetched[-1].started[0][2].result(), _read(m, t2, after_1).view(-1, 4))
+    # stale: step 2 prefetches step 3's reads at its start, before its own update
+    _step(m, t2, 2, stale=t3)
+    assert m.prefetch_used == 1
+    after_2 = rows()
+    assert not torch.allclose(after_1[m.address_tokens(t3)[0]], after_2[m.address_tokens(t3)[0]])  # step 2 moved them
+    pending = m.prefetched[-1].started[0][2].result()
+    torch.testing.assert_close(pending, _read(m, t3, after_1).view(-1, 4))  # one update old
+    m.values.begin_step(3)
+    m(torch.ones(2, 12, 12), t3)
+    assert m.prefetch_used == 2 and not m.prefetched
+    # two updates old is too old: dropped, read afresh
+    m.values.end_step(3)
+    m.prefetch(t1, max_age=1)
+    for s in (4, 5):
+        m.values.begin_step(s)
+        m.values.end_step(s)
+    m.values.begin_step(6)
+    m(torch.ones(2, 12, 12), t1)
+    assert m.prefetch_dropped == 1 and m.prefetch_used == 2
+    m.values.end_step(6)
+
+
+def test_a_prefetch_serves_only_its_own_tokens():
+    m = layer(LocalValues(600, 4))
+    a, b = torch.randint(0, 30, (2, 2, 8), generator=torch.Generator().manual_seed(3))
+    m.prefetch(a)
+    with torch.no_grad():
+        m(torch.randn(2, 8, 12), b)  # another batch (e.g. an evaluation) reads afresh, the prefetch stays
+    assert m.prefetch_used == 0 and len(m.prefetched) == 1
+    m.micro_batches = 2
+    m(torch.randn(2, 8, 12), a)  # chunked otherwise: not that prefetch's reads
+    assert m.prefetch_used == 0 and len(m.prefetched) == 1
+    m.prefetch(a)
+    m.prefetch(b)
+    m.prefetch(b)  # at most the two latest are kept
+    assert len(m.prefetched) == 2 and all(torch.equal(p.tokens, b) for p in m.prefetched)
+    m.prefetch(a)
+    m(torch.randn(2, 8, 12), a)
+    assert m.prefetch_used == 1 and len(m.prefetched) == 1
+
+
+# --- memtrain -------------------------------------------------------------------------------
+
+
+def _train(argv: list[str], client=None) -> list[dict]:
+    return list(train(build_parser().parse_args([*TINY, *argv]), client=client))
+
+
+@pytest.mark.parametrize("kinds, staleness", [("engram", 0), ("pkm,engram", 0), ("engram", 1)])
+def test_engram_trains_the_same_locally_and_remotely(client, table_name, kinds, staleness):
+    steps = ["--steps", "5", "--seed", "3", "--value-lr", "0.05", "--memory-kind", kinds, "--staleness", str(staleness)]
+    local = _train([*steps, "--memory", "local"])
+    remote = _train([*steps, "--memory", "remote", "--table", table_name], client=client)
+    assert [r["step"] for r in local] == [r["step"] for r in remote] == [1, 2, 3, 4, 5]
+    for a, b in zip(local, remote):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+    assert remote[-1]["val_loss"] == pytest.approx(local[-1]["val_loss"], rel=1e-3)
+    assert local[-1]["engram1_prefetched"] == remote[-1]["engram1_prefetched"] == 4  # every step but the first
+    assert "engram1_used_pct" in local[-1] and 0 < local[-1]["engram1_gate"] < 1
+    assert local[-1]["loss"] < local[0]["loss"]
+
+
+def test_exact_prefetch_changes_no_loss_and_stale_does():
+    steps = ["--steps", "6", "--seed", "4", "--value-lr", "0.2", "--memory-kind", "engram", "--memory", "local",
+             "--engram-slots", "60"]  # a tiny table: consecutive batches share rows
+    plain = _train([*steps, "--no-prefetch"])
+    exact = _train(steps)
+    stale = _train([*steps, "--staleness", "1"])
+    assert "engram1_prefetched" not in plain[-1] or plain[-1]["engram1_prefetched"] == 0
+    assert [r["loss"] for r in exact] == [r["loss"] for r in plain]
+    assert stale[0]["loss"] == exact[0]["loss"]  # step 1 reads the initial rows either way
+    assert stale[1]["loss"] != pytest.approx(exact[1]["loss"], rel=1e-5)  # step 2 read them too: without step 1's update
+
+
+def test_engram_micro_batches_are_an_overlap_only():
+    common = ["--steps", "4", "--seed", "4", "--value-lr", "0.05", "--memory-kind", "pkm,engram", "--memory", "local"]
+    one, three = _train(common), _train([*common, "--micro-batches", "3"])
+    for a, b in zip(one, three):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+    assert three[-1]["engram1_prefetched"] == 3
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_engram_resume_continues_the_run(tmp_path, staleness):
+    """Exact mode: a resumed run is the uninterrupted one. Stale mode: the first step after the
+    resume reads current rows (the older ones are gone), so only that step's loss may differ."""
+    common = ["--memory", "local", "--memory-kind", "engram", "--seed", "2", "--value-lr", "0.05",
+              "--engram-slots", "60", "--staleness", str(staleness)]
+    straight = _train([*common, "--steps", "5", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3"])
+    trainer_file(tmp_path, 5).unlink()  # resume from step 3's, written with step 4's batch drawn ahead
+    resumed = _train([*common, "--steps", "5", "--resume", str(tmp_path)])
+    assert [r["step"] for r in resumed] == [4, 5]
+    if staleness == 0:
+        assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[3:]], rel=1e-6)
+    else:
+        assert resumed[0]["loss"] != pytest.approx(straight[3]["loss"], rel=1e-7, abs=0)
+    with pytest.raises(SystemExit, match="engram_seed = 0.*this run 5"):
+        _train([*common, "--steps", "5", "--resume", str(tmp_path), "--engram-seed", "5"])
+    with pytest.raises(SystemExit, match="engram_slots = 60.*this run 120"):
+        _train([*common, "--steps", "5", "--resume", str(tmp_path), "--engram-slots", "120"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engram-orders", "1,2"], "--engram-orders 1,2"),
+    (["--engram-orders", "x"], "--engram-orders x"),
+    (["--engram-slots", "3"], "--engram-slots 3: at least one row per segment (6)"),
+])
+def test_bad_engram_flags_are_named(argv, message):
+    with pytest.raises(SystemExit, match=message.replace("(", "\\(").replace(")", "\\)")):
+        _train(["--memory", "local", "--memory-kind", "engram", "--steps", "1", *argv])
+
+
+# --- slot names -----------------------------------------------------------------------------
+
+
+def test_slot_ngrams_are_every_ngram_of_the_corpus_hashing_there():
+    gen = torch.Generator().manual_seed(7)
+    stream = torch.randint(0, 6, (3000,), generator=gen)
+    m = EngramMemory(8, 8, LocalValues(6 * 40, 4), orders=(2, 3), heads=3, seed=9)
+    ids = m.address_tokens(stream[None])[0]
+    for g in (0, 4):  # a bigram segment and a trigram one
+        slot = int(ids[1000, g])
+        got = slot_ngrams(stream, slot, m.orders, m.heads, m.segment, m.seed, limit=1000)
+        n = m.orders[g // m.heads]
+        assert got["order"] == n and got["head"] == g % m.heads
+        # brute force: every position whose n-gram reads `slot` (the first n-1 positions read PAD-grams)
+        want: dict[tuple, int] = {}
+        for t in range(n - 1, len(stream)):
+            if int(ids[t, g]) == slot:
+                key = tuple(stream[t - n + 1 : t + 1].tolist())
+                want[key] = want.get(key, 0) + 1
+        stream_grams = {tuple(e["tokens"]): e["count"] for e in got["ngrams"] if PAD not in e["tokens"]}
+        assert stream_grams == want and len(want) >= 2  # collisions are visible: several n-grams per row
+        assert tuple(stream[1000 - n + 1 : 1001].tolist()) in stream_grams
+        counts = [e["count"] for e in got["ngrams"]]
+        assert counts == sorted(counts, reverse=True)
+    capped = slot_ngrams(stream, slot, m.orders, m.heads, m.segment, m.seed, limit=2, max_tokens=500)
+    assert len(capped["ngrams"]) == 2 and capped["tokens_scanned"] == 500
+
+
+def test_engram_slots_are_named_by_their_ngrams_in_inspect_and_the_page(client, memory_cluster, table_name, tmp_path,
+                                                                       capsys):
+    """No trace: a checkpoint and the training text name a slot by the n-grams hashing to it, in
+    the slot report, `memserver inspect` and the page (collisions: several n-grams, their counts)."""
+    import urllib.request
+
+    from memserver.cli import main as memserver
+    from memserver.web import create_app
+    from tests.browser import serve_app
+    from trainer.data import load_corpus
+    from trainer.inspection import Inspector, engram_names, slot_report
+
+    _train(["--memory", "remote", "--memory-kind", "engram", "--table", table_name, "--steps", "2",
+            "--checkpoint-dir", str(tmp_path)], client=client)
+    table = f"{table_name}-engram"
+    try:
+        ins = Inspector.load(tmp_path, client)
+        assert [(v.name, v.kind, v.table) for v in ins.views] == [("engram1", "engram", table)]
+        layer = ins.views[0].layer
+        text = load_corpus().train
+        the = ins.encode(" the")
+        slot = int(layer.address_tokens(the[None])[0][3, 4])  # the row hash head 1 of order 3 reads for "the"
+        report = slot_report(client, table, slot, ins)
+        a = report["address"]
+        assert (a["order"], a["head"], a["bucket"]) == (3, 1, slot % layer.segment)
+        grams = {g["ngram"]: g["count"] for g in a["ngrams"] if not g["window_start"]}
+        assert grams["the"] == int((text.unfold(0, 3, 1) == the[1:]).all(1).sum())  # counted in the whole text
+        full = engram_names(ins, layer, slot, limit=10**6)
+        assert full["ngrams"][:20] == a["ngrams"] and len(full["ngrams"]) == a["ngrams_distinct"] > 20  # collisions
+        assert sum(g["count"] for g in full["ngrams"] if not g["window_start"]) <= a["ngrams_occurrences"]
+        assert "top_tokens" in report  # projected through W_v's columns of its segment
+        ep = ["--endpoint", memory_cluster.endpoint]
+        assert memserver(["inspect", table, str(slot), "--checkpoint", str(tmp_path), "--json", *ep]) == 0
+        assert json.loads(capsys.readouterr().out)["address"]["ngrams"] == a["ngrams"]
+        assert memserver(["inspect", table, str(slot), "--checkpoint", str(tmp_path), *ep]) == 0
+        out = capsys.readouterr().out
+        assert "3-grams, hash head 1" in out and "distinct" in out
+        with serve_app(create_app(client, checkpoint=tmp_path)) as base:
+            with urllib.request.urlopen(f"{base}/api/table/{table}/slot/{slot}", timeout=60) as r:
+                assert json.loads(r.read())["address"]["ngrams"] == a["ngrams"]
+            with urllib.request.urlopen(f"{base}/table/{table}/slot/{slot}", timeout=60) as r:
+                page = r.read().decode()
+        assert 'id="ngrams"' in page and page.count('class="ngram-row"') == len(a["ngrams"])
+        assert 'id="engram-order">3<' in page
+    finally:
+        client.drop_table(table)
+
+
+def test_a_load_makes_every_earlier_prefetch_too_old(tmp_path):
+    values = LocalValues(600, 4, lr=0.05)
+    m = layer(values)
+    tokens = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(5))
+    saved = values.save(tmp_path, 1)
+    m.prefetch(tokens, max_age=1)
+    values.table.weight.add_(1.0)
+    values.load(tmp_path, 1, saved)  # the rows the prefetch read are gone
+    m(torch.randn(2, 8, 12), tokens)
+    assert m.prefetch_dropped == 1 and m.prefetch_used == 0
