@@ -6,13 +6,13 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from benchmarks.disk_tier import lru_hit_rate
 from memserver.api.errors import DataLossError, ResourceExhaustedError
 from memserver.core.disk import MIN_CACHE_BYTES, DiskTable, record_layout
 from memserver.core.optim import OptimizerConfig
@@ -120,22 +120,6 @@ def test_cache_bound_counted(tmp_path):
     assert t._cache_size(t.capacity + 1) > bound >= t._cache_size(t.capacity)
 
 
-def _lru_hit_rate(trace: list[np.ndarray], capacity: int) -> float:
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = total = 0
-    for batch in trace:
-        for r in np.unique(batch).tolist():
-            total += 1
-            if r in cache:
-                hits += 1
-                cache.move_to_end(r)
-            else:
-                cache[r] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits / total
-
-
 def test_tinylfu_beats_lru_on_zipf_with_scans(tmp_path):
     """Zipf 1.0 reads mixed with uniform scans: admission keeps the hot rows."""
     rng = np.random.default_rng(0)
@@ -149,7 +133,7 @@ def test_tinylfu_beats_lru_on_zipf_with_scans(tmp_path):
         t.bag(torch.from_numpy(b).view(-1, 1), torch.ones(len(b), 1), count=False)
     s = t.cache_stats()
     ours = s["hits"] / (s["hits"] + s["misses"])
-    lru = _lru_hit_rate(trace, t.capacity)
+    lru = lru_hit_rate(trace, t.capacity)
     assert ours > lru + 0.05, (ours, lru)
 
 
