@@ -298,10 +298,10 @@ class MemoryHosts:
     host reads (MEMSERVER_ENDPOINT_FILE)."""
 
     def __init__(self, hosts: Hosts, shard_hosts: Sequence[int], *, shards: int = 2, up_args: Sequence[str] = (),
-                 spare_hosts: Sequence[int] = (), shard_cpus: float = 0.5,
+                 shard_cpus: float = 0.5,
                  ray_env: dict[str, str] | None = None) -> None:
         self.hosts, self.shard_hosts, self.shards = hosts, list(shard_hosts), shards
-        self.up_args, self.spare_hosts, self.shard_cpus = list(up_args), list(spare_hosts), shard_cpus
+        self.up_args, self.shard_cpus = list(up_args), shard_cpus
         self.ray_env = FAST_FAILURE_DETECTION if ray_env is None else ray_env  # the head's Ray settings
         self.home = hosts.work / "home0"  # host 0's $MEMSERVER_HOME (its endpoint file)
         self.data_dir = hosts.work / "data"  # "NFS": every host reaches it
@@ -323,7 +323,7 @@ class MemoryHosts:
 
         h, t0 = self.hosts, time.monotonic()
         h.ray_head(0, num_cpus=0, env=self.env(**self.ray_env))
-        for i in [*self.shard_hosts, *self.spare_hosts]:
+        for i in self.shard_hosts:  # a spare joins later, once the shards are placed (benchmarks.host_loss)
             h.ray_worker(i, num_cpus=1, env=self.env())
         self.times["ray_nodes_s"] = time.monotonic() - t0
         argv = [sys.executable, "-m", "memserver.cli", "up", "--address", h.ray_address(), "--shards", str(self.shards),

@@ -28,7 +28,7 @@ def cluster():
             mh.start()
             yield mh
         finally:
-            mh.down_status = mh.stop()  # type: ignore[attr-defined]
+            mh.stop()
 
 
 def test_shards_on_two_hosts_serve_a_client_on_the_third_with_tokens_and_tls(cluster):
