@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export MEMSERVER_HOME ?= $(CURDIR)/.memserver
 
-.PHONY: install browser demo test lint proto bench clean
+.PHONY: install install-gpu browser demo test test-gpu lint proto bench clean
 
 install: $(STAMP)
 
@@ -13,8 +13,16 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch is pinned to 2.13.0 (the CPU wheel on this machine); pip resolves the rest from pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,cpu]'
 	touch $(STAMP)
+
+# A GPU node: the same install, then faiss-gpu in place of faiss-cpu (both ship the module `faiss`,
+# so the CPU one goes first; pyproject's extras cpu and gpu). torch stays the node's own CUDA build: torch==2.13.0 is satisfied by
+# 2.13.0+cuXXX, so install that build before `make install-gpu` (docs/deploy.md, "A GPU node").
+install-gpu: install
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make install-gpu: torch sees no CUDA device: install the CUDA build of torch 2.13.0 first (docs/deploy.md)')"
+	$(BIN)/python -m pip uninstall --quiet --yes faiss-cpu
+	$(BIN)/python -m pip install --quiet -e '.[dev,gpu]'
 
 demo: install
 	$(BIN)/memserver down >/dev/null 2>&1 || true
@@ -37,6 +45,10 @@ browser:
 test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# The GPU tests alone (tests/gpu; every one skips, saying why, where torch sees no CUDA device).
+test-gpu: install
+	$(BIN)/python -m pytest -m gpu tests/gpu -v
 
 lint: install
 	$(BIN)/ruff check .

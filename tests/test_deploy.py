@@ -134,7 +134,7 @@ def test_ray_cluster_launcher_config():
     assert sum(t["min_workers"] for t in types.values()) <= cfg["max_workers"]
     validate_config(prepare_config(copy.deepcopy(cfg)))  # Ray's own schema, with its defaults filled in
     setup = " ".join(cfg["setup_commands"])
-    assert "torch==2.13.0" in setup and "ray[default]==2.60.0" in setup and "~/memserver" in setup
+    assert "torch==2.13.0" in setup and "ray[default]==2.60.0" in setup and "$HOME/memserver[cpu]" in setup
     assert any("ray start --head" in c for c in cfg["head_start_ray_commands"])
     ups = [argv for c in cfg["head_start_ray_commands"] for prog, argv in commands(c) if argv[:1] == ["up"]]
     assert len(ups) == 1
@@ -217,7 +217,7 @@ def test_dockerfile():
     assert instructions[0] == ("FROM", "python:3.11-slim")
     runs = [arg for ins, arg in instructions if ins == "RUN"]
     torch_at = next(i for i, r in enumerate(runs) if "pip install" in r and "torch==2.13.0" in r)
-    project_at = next(i for i, r in enumerate(runs) if "pip install" in r and re.search(r"\s\.(\s|$)", r))
+    project_at = next(i for i, r in enumerate(runs) if "pip install" in r and re.search(r"\s\"?\.(\[[^]]+\])?\"?(\s|$)", r))
     assert torch_at < project_at  # torch pinned and installed before the project
     for ins, arg in instructions:  # every COPY source exists in the build context (the repo root)
         if ins == "COPY":
