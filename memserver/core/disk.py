@@ -42,6 +42,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from memserver.api.errors import DataLossError, ResourceExhaustedError
 from memserver.core.init import init_values
@@ -115,16 +116,38 @@ def _set_checks(words):  # pragma: no cover - compiled
 
 
 @nb.njit(nogil=True, cache=True)
-def _first_bad(words):  # pragma: no cover - compiled
-    """The first record whose check word is wrong, or -1."""
-    for i in range(words.shape[0]):
+def _copy_records(rows, slot_of, hit, slots, raw, recs):  # pragma: no cover - compiled
+    """One pass over a call's distinct rows: hits copied from their cache slots, misses read from
+    the file's mapping, checked, and copied into the slot they were admitted to (slot_of >= 0).
+    Records as uint64 words (8-byte moves; records are a multiple of 8 bytes). Returns (misses
+    read, the first corrupt miss's index or -1); a corrupt record stops the pass before it
+    reaches the cache."""
+    nw = recs.shape[1]
+    misses = 0
+    for i in range(rows.shape[0]):
+        if hit[i]:
+            s = slot_of[i]
+            for j in range(nw):
+                recs[i, j] = slots[s, j]
+            continue
+        r = rows[i]
+        for j in range(nw):
+            recs[i, j] = raw[r, j]
+        misses += 1
         h = np.uint64(2166136261)
-        for j in range(words.shape[1]):
-            if j != 4 and j != 5:
-                h = ((h ^ np.uint64(words[i, j])) * np.uint64(16777619)) & np.uint64(0xFFFFFFFF)
-        if np.uint32(h) != words[i, 4]:
-            return i
-    return -1
+        for j in range(nw):  # FNV-1a over the uint32 words but 4 and 5 (the check word and its pad)
+            w = recs[i, j]
+            lo, hi = w & np.uint64(0xFFFFFFFF), w >> np.uint64(32)
+            if j != 2:
+                h = ((h ^ lo) * np.uint64(16777619)) & np.uint64(0xFFFFFFFF)
+                h = ((h ^ hi) * np.uint64(16777619)) & np.uint64(0xFFFFFFFF)
+        if h != recs[i, 2] & np.uint64(0xFFFFFFFF):
+            return misses, i
+        s = slot_of[i]
+        if s >= 0:
+            for j in range(nw):
+                slots[s, j] = recs[i, j]
+    return misses, -1
 
 
 @nb.njit(inline="always")
@@ -424,21 +447,14 @@ class DiskTable(ValueTable):
                 pos = _probe(self._keys, r, self._st[_SHIFT])
                 if self._keys[pos] == r:
                     slot_of[i], hit[i] = self._vals[pos], 1
-        h = hit.astype(bool)
-        recs[h] = self._slots[slot_of[h]]
-        miss = ~h
-        if miss.any():
-            got = self._raw[rows[miss]]
-            self.disk_reads += len(got)
-            bad = _first_bad(got.view(np.uint32))
-            if bad >= 0:
-                _forget(slot_of[miss & (slot_of >= 0)], self._keys, self._vals, self._slot_row, self._dirty, self._st)
-                raise DataLossError(f"table {self.name}: row {int(rows[miss][bad])} of {self.path} is corrupt (its "
-                                    "checksum does not match); restart the shard to rebuild the file from its checkpoint "
-                                    "and write-ahead log, or restore the table")
-            recs[miss] = got
-            new = miss & (slot_of >= 0)
-            self._slots[slot_of[new]] = recs[new]
+        read, bad = _copy_records(rows, slot_of, hit, self._slots.view(np.uint64), self._raw.view(np.uint64),
+                                   recs.view(np.uint64))
+        self.disk_reads += read
+        if bad >= 0:  # the misses admitted by this call never got their records: out of the cache
+            _forget(slot_of[(hit == 0) & (slot_of >= 0)], self._keys, self._vals, self._slot_row, self._dirty, self._st)
+            raise DataLossError(f"table {self.name}: row {int(rows[bad])} of {self.path} is corrupt (its "
+                                "checksum does not match); restart the shard to rebuild the file from its checkpoint "
+                                "and write-ahead log, or restore the table")
         return recs, slot_of
 
     def _scatter(self, rows: np.ndarray, recs: np.ndarray, slot_of: np.ndarray) -> None:
@@ -505,7 +521,12 @@ class DiskTable(ValueTable):
             self._count_reads(ids, weights)
         rows, inv = self._distinct(ids)
         recs, _ = self._gather(rows)
-        return self._working_set(recs).bag(inv, weights, offsets, count=False)
+        # a read needs the weights alone: one contiguous copy of them, the in-memory table's layout
+        # (its embedding_bag, so the same bits), no optimizer state
+        if ids.numel() == 0:
+            return torch.zeros((ids.shape[0] if offsets is None else len(offsets), self.dim))
+        return F.embedding_bag(inv, self._view(recs, "weight").contiguous(), offsets, mode="sum",
+                               per_sample_weights=weights)
 
     def slot_stats(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         (ids,) = self._on_device((ids, torch.int64))
