@@ -26,11 +26,11 @@ def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cpu":
         return CPU
-    kind, _, index = spec.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise ValueError(f"{spec!r} is not a device: {DEVICES}")
+    kind, colon, index = spec.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise ValueError(f"not a device: {DEVICES}")
     if not torch.cuda.is_available():
-        raise ValueError(f"{spec}: torch sees no CUDA device (this torch is {torch.__version__}); use --device cpu or auto")
+        raise ValueError(f"torch sees no CUDA device (torch {torch.__version__}): use cpu, or auto")
     count = torch.cuda.device_count()
     if index:
         n = int(index)
@@ -38,7 +38,7 @@ def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
         rank = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
         n = rank % count
     if n >= count:
-        raise ValueError(f"{spec}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        raise ValueError(f"this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return torch.device("cuda", n)
 
 
