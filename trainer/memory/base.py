@@ -34,6 +34,7 @@ dL/dweights of every chunk computed on the values before the step, so losses equ
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,7 +136,7 @@ class MemoryLayer(nn.Module):
         """Module moves (`to`, `cuda`, `cpu`) take the values along: a backend held in this
         process keeps its table on the device of the layer's parameters and buffers."""
         super()._apply(fn, recurse)
-        where = next((t for t in (*self.parameters(), *self.buffers())), None)
+        where = next(itertools.chain(self.parameters(), self.buffers()), None)
         if self.values is not None and where is not None:
             self.values.to(where.device)
         return self
