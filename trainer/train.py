@@ -7,6 +7,7 @@ log step with --log-json.
     memtrain --memory local --memory-kind lsh --steps 1000
     memtrain --memory remote --memory-kind pkm,kif          # KIF over the corpus's own sentences
     memtrain --memory remote --memory-kind engram --engram-slots 1048576  # hashed n-grams, reads prefetched
+    memtrain --memory local --device cuda --dtype bf16   # on a GPU, the dense part in bf16 autocast
     memtrain trace --checkpoint ckpt --table memtrain-values  # record slots' trigger contexts (trace --help)
 """
 
@@ -29,6 +30,7 @@ from memserver.api.errors import MemserverError
 from memserver.cli.common import one_line
 from trainer.checkpoints import latest_trainer_file, trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
+from trainer.device import CPU, DEVICES, DTYPES, autocast, dist_backend, resolve_device
 from trainer.memory import (
     KINDS,
     KnowledgeSource,
@@ -40,6 +42,7 @@ from trainer.memory import (
     UsageCounter,
     ValueBackend,
 )
+from trainer.memory.backends import to_device
 from trainer.memory.engram import MAX_ORDER
 from trainer.memory.knowledge import check_encoder_name, corpus_sentences, encode_cached, make_encoder, upload_source
 from trainer.memory.lsh import MAX_BITS
@@ -64,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--log-every", type=int, default=10, help="log every N steps")
     d.add_argument("--log-json", help="append one JSON object per log step to this file")
     d.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
+    d.add_argument("--device", default="auto", help=f"where the model, the memory's addressing, local values and the "
+                   f"dense optimizer run: {DEVICES} (auto: CUDA when torch sees a GPU; data-parallel: the LOCAL_RANK's)")
+    d.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                   help="fp32, or bf16 autocast of the dense part (memory addressing and values stay float32)")
     m = p.add_argument_group("model")
     m.add_argument("--n-layer", type=int, default=4)
     m.add_argument("--n-head", type=int, default=4)
@@ -141,27 +148,34 @@ class Run:
     corpus: Corpus
     values: dict[int, ValueBackend]
     client: Any = None
+    device: torch.device = CPU
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
 
 
-def distributed() -> tuple[int, int]:
-    """(rank, world size); joins the gloo process group when launched with WORLD_SIZE > 1
-    (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand)."""
+def distributed(backend: str = "gloo") -> tuple[int, int]:
+    """(rank, world size); joins the process group (`backend`: gloo on the CPU, nccl between GPUs)
+    when launched with WORLD_SIZE > 1 (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand)."""
     import os
 
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def setup(args: argparse.Namespace, client: Any = None) -> Run:
-    rank, world = distributed()
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise SystemExit(f"memtrain: error: --device {args.device}: {exc}") from None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and the default stream of this process: its GPU
+    rank, world = distributed(dist_backend(device))
     if world > 1 and args.memory == "local":
         raise SystemExit("memtrain: error: --memory local with several trainers would give each its own copy of the "
                          "values; use --memory remote (a sync_updates table)")
@@ -238,7 +252,7 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
             if kind == "lsh":  # a sketch of random buckets is noise at the residual's own scale: start at zero
                 common["init_std"] = 0.0
             if args.memory == "local":
-                backend: ValueBackend = LocalValues(rows, width, **common)
+                backend: ValueBackend = LocalValues(rows, width, device=device, **common)
             else:
                 base = args.table if kind == "pkm" else f"{args.table}-{kind}"
                 name = base if args.shared_values or len(mem_layers) == 1 else f"{base}-{i}"
@@ -261,8 +275,8 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     cfg = ModelConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                       n_embd=args.n_embd, dropout=args.dropout, memory=memory)
     torch.manual_seed(args.seed)
-    model = GPT(cfg, values, knowledge)
-    return Run(model, corpus, values, client if own_client else None)
+    model = GPT(cfg, values, knowledge).to(device)  # built on the CPU: the same initial weights on every device
+    return Run(model, corpus, values, client if own_client else None, device)
 
 
 def knowledge_sources(args: argparse.Namespace, corpus: Corpus, client: Any, rank: int) -> list[KnowledgeSource]:
@@ -302,7 +316,8 @@ def evaluate(run: Run, args: argparse.Namespace, gen: torch.Generator) -> dict[s
     _, world = distributed()
     for _ in range(args.eval_iters):
         x, y = get_batch(run.corpus.val, args.batch_size * world, args.block_size, gen)  # the combined batch
-        _, loss = model(x, y)
+        with autocast(run.device, args.dtype):
+            _, loss = model(to_device(x, run.device), to_device(y, run.device))
         losses.append(float(loss))
         for name, counter in usage.items():
             counter.add(*layers[name].last_access)
@@ -353,14 +368,27 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, ste
     from memserver.storage.fsutil import atomic_write
 
     root = Path(directory)
-    values = {key: b.save(root, step) for key, b in _unique(run.values).items()}
+    values = _on_cpu({key: b.save(root, step) for key, b in _unique(run.values).items()})
     cfg = {k: v for k, v in asdict(run.model.cfg).items() if k != "memory"}
-    blob = {"step": step, "model": run.model.state_dict(), "opt": opt.state_dict(), "gen": gen,
+    blob = {"step": step, "model": _on_cpu(run.model.state_dict()), "opt": _on_cpu(opt.state_dict()), "gen": gen,
             "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
             "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name,  # enough to rebuild it (trainer.inspection)
             "data_path": run.corpus.path}
     atomic_write(trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
+
+
+def _on_cpu(obj: Any) -> Any:
+    """A checkpoint's tensors on the CPU, whatever the run's device: the file loads anywhere (a GPU
+    run resumes on the CPU and back: `load_state_dict` copies onto the model's device, the dense
+    optimizer's state follows its parameters, LocalValues copies into its table's device)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
 
 
 def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, directory: str) -> int:
@@ -421,12 +449,12 @@ class LiveTracer:
         from trainer.inspection import layer_info, trigger_records, window_contexts
 
         t0 = time.perf_counter()
-        ctx, nxt = window_contexts(x, y, self.context)
+        ctx, nxt = window_contexts(x.cpu(), y.cpu(), self.context)
         keep = torch.rand(ctx.shape[0], generator=self.gen) < self.sample
         for name, layer, table in self.layers:
             if layer.last_access is None:
                 continue
-            ids, w = layer.last_access
+            ids, w = (t.cpu() for t in layer.last_access)
             info = ""
             if table not in self.info_sent:
                 info = json.dumps({**layer_info(name, layer), "vocab": self.run.corpus.vocab, "context": self.context,
@@ -455,7 +483,7 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         tracer = LiveTracer(run, args.trace_sample, args.seed, args.checkpoint_dir) if args.trace_every else None
         tokens = args.batch_size * args.block_size * world
         window_t, window_steps = 0.0, 0
-        batches = Batches(run.corpus.train, args.batch_size, args.block_size, gen, rank, world)
+        batches = Batches(run.corpus.train, args.batch_size, args.block_size, gen, rank, world, run.device)
         # Prefetch: token-addressed layers (Engram) read by the batch alone, so step t+1's reads
         # are sent before its forward. Exact (--staleness 0): after step t's update is committed
         # (every trainer's, past the all-reduce), overlapping the dense optimizer step and the
@@ -469,7 +497,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
             t0 = time.perf_counter()
             if prefetch and args.staleness > 0 and step < args.steps:
                 model.prefetch(batches.peek(), max_age=1)
-            _, loss = model(x, y)
+            with autocast(run.device, args.dtype):
+                _, loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             for backend in _unique(run.values).values():
@@ -519,16 +548,17 @@ class Batches:
     see exactly what one trainer of batch W*B would."""
 
     def __init__(self, data: torch.Tensor, batch_size: int, block_size: int, gen: torch.Generator, rank: int = 0,
-                 world: int = 1) -> None:
-        self.data, self.batch_size, self.block_size, self.gen, self.rank, self.world = (
-            data, batch_size, block_size, gen, rank, world)
+                 world: int = 1, device: torch.device = CPU) -> None:
+        """Drawn on the CPU (the same batches on every device), then moved to `device`."""
+        self.data, self.batch_size, self.block_size, self.gen, self.rank, self.world, self.device = (
+            data, batch_size, block_size, gen, rank, world, device)
         self.ahead: tuple[torch.Tensor, torch.Tensor] | None = None
         self.before_ahead: torch.Tensor | None = None  # the generator's state before `ahead` was drawn
 
     def _draw(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = get_batch(self.data, self.batch_size * self.world, self.block_size, self.gen)
         part = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
-        return x[part], y[part]
+        return to_device(x[part], self.device), to_device(y[part], self.device)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch (x, y) [B, T]."""

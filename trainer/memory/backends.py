@@ -10,13 +10,21 @@ in the dense optimizer), so both backends compute the same numbers. Within a tra
 the step's contributions as one optimizer step (memserver.core.steps): micro-batches and layers
 sharing a table then make the same step as one backward over the whole batch. The protocol
 declares every call a layer or the training loop makes, so neither ever asks which backend it holds.
+
+Devices: a backend answers on the device of the ids it is given, so a layer on a GPU reads
+either backend as it reads on the CPU. Every crossing between host and device is here
+(`to_host`, `to_device`, `DeviceFuture`): what goes to the client is copied into pinned host
+memory without blocking and waited for once, answers are pinned as they arrive and reach the
+device by non-blocking copies on the consumer's stream, so a chunk's remote call overlaps the
+GPU's work on the next. On the CPU each of them is the identity: the CPU path is unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -26,6 +34,77 @@ from memserver.core.table import ValueTable
 
 #: What a load adds to a backend's `version`: every read sent before it is then too old to use.
 LOADED = 1 << 30
+
+T = TypeVar("T")
+
+
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in host memory, for the client (which sends host bytes): CPU tensors as they
+    are; device tensors copied into pinned buffers without blocking, then one event on their
+    stream waited for, so the wait covers only the work that produced them."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return tensors
+    out = []
+    for t in tensors:
+        if t.device.type == "cpu":
+            out.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        out.append(host)
+        stream = torch.cuda.current_stream(t.device)
+    done = torch.cuda.Event()
+    done.record(stream)
+    done.synchronize()
+    return tuple(out)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on `device`: as it is when already there; host to GPU through pinned memory by a
+    non-blocking copy on the current stream (later work on that stream is ordered after it, and
+    torch keeps the pinned block until the copy is done)."""
+    if t.device == device:
+        return t
+    if device.type == "cpu":
+        return t.cpu()
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.to(device, non_blocking=True)
+
+
+def _each(value: T, fn: Callable[[torch.Tensor], torch.Tensor]) -> T:
+    """fn applied to a tensor, or to each tensor of a tuple (a search's answer)."""
+    if isinstance(value, tuple):
+        return tuple(fn(v) if isinstance(v, torch.Tensor) else v for v in value)  # type: ignore[return-value]
+    return fn(value) if isinstance(value, torch.Tensor) else value  # type: ignore[arg-type,return-value]
+
+
+class DeviceFuture(Future):
+    """A host answer that reaches `device` when taken: pinned on the client's thread as soon as it
+    arrives, copied to the device on the taker's thread and stream when `result()` is called, so
+    the copy is ordered before whatever the taker does with it next."""
+
+    def __init__(self, answer: Future, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        answer.add_done_callback(self._arrived)
+
+    def _arrived(self, answer: Future) -> None:
+        try:
+            value = _each(answer.result(), lambda t: t if t.is_pinned() else
+                          torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t))
+        except BaseException as exc:  # the call's own error, or the pinning's
+            self.set_exception(exc)
+        else:
+            self.set_result(value)
+
+    def result(self, timeout: float | None = None) -> Any:
+        return _each(super().result(timeout), lambda t: to_device(t, self.device))
+
+
+def on_device(answer: Future[T], device: torch.device) -> Future[T]:
+    """`answer` (host tensors) as a future of tensors on `device`; on the CPU the future itself."""
+    return answer if device.type == "cpu" else DeviceFuture(answer, device)
 
 
 class ValueBackend(Protocol):
@@ -69,6 +148,11 @@ class ValueBackend(Protocol):
         """Send trigger records (trainer.inspection.trigger_records) to `trace_table`."""
         ...
 
+    def to(self, device: torch.device | str) -> ValueBackend:
+        """Keep the values on `device` where the backend holds them in this process (a memory
+        layer calls it when its module moves: `model.to("cuda")`); returns self."""
+        ...
+
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         """Checkpoint the values at a step barrier; returns what the trainer's file keeps of them."""
         ...
@@ -82,15 +166,29 @@ class LocalValues:
     """The value table in this process (same math as a shard)."""
 
     def __init__(self, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3, init_std: float | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, device: torch.device | str = "cpu") -> None:
+        """`device`: where the table lives (the values are made on the CPU, the same numbers
+        everywhere, then moved); a layer's module moving elsewhere moves it along (`to`)."""
         self.num_rows, self.dim = num_rows, dim
         std = init_std if init_std is not None else dim**-0.5
-        self.table = ValueTable(num_rows, dim, OptimizerConfig(optimizer, lr), init_std=std, seed=seed, track_stats=False)
+        self.table = ValueTable(num_rows, dim, OptimizerConfig(optimizer, lr), init_std=std, seed=seed, track_stats=False,
+                                device=_indexed(torch.device(device)))
         self.parts: list[Entries] | None = None  # inside a step: its value updates so far
         self.version = 0
 
+    def to(self, device: torch.device | str) -> LocalValues:
+        """Move the table (values and optimizer state) to `device`; a no-op where it is."""
+        device = _indexed(torch.device(device))
+        if device == self.table.device:
+            return self
+        moved = ValueTable(self.num_rows, self.dim, self.table.optimizer, device=device, init_std=0.0, track_stats=False)
+        for name, t in self.table.state().items():
+            getattr(moved, name).copy_(t)
+        self.table = moved
+        return self
+
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.table.bag(ids, weights)
+        return to_device(self.table.bag(ids, weights), ids.device)
 
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
         done: Future[torch.Tensor] = Future()
@@ -100,10 +198,10 @@ class LocalValues:
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
         if self.parts is None:  # outside a step: apply at once
             self.version += 1
-            return self.table.bag_backward(ids, weights, None, grad_out)
+            return to_device(self.table.bag_backward(ids, weights, None, grad_out), ids.device)
         grad_w, _ = self.table.bag_grad(ids, weights, None, grad_out)  # on the values before the step
         self.parts.append(bag_entries(ids, weights, None, grad_out))
-        return grad_w
+        return to_device(grad_w, ids.device)
 
     def begin_step(self, step: int) -> None:
         self.parts = []
@@ -157,18 +255,24 @@ class RemoteValues:
                                 sharding=sharding, sync_workers=sync_workers, wal=wal)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.client.bag(self.name, ids, weights.detach())
+        h_ids, h_w = to_host(ids, weights.detach())
+        return to_device(self.client.bag(self.name, h_ids, h_w), ids.device)
 
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
-        return self.client.submit_bag(self.name, ids, weights.detach())
+        h_ids, h_w = to_host(ids, weights.detach())
+        return on_device(self.client.submit_bag(self.name, h_ids, h_w), ids.device)
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        h_ids, h_w, h_grad = to_host(ids, weights.detach(), grad_out.contiguous())
         if self.step is None:  # outside a step: one call, applied at once
             self.version += 1
-            return self.client.bag_backward(self.name, ids, weights.detach(), grad_out.contiguous(),
-                                            defer_apply=self.defer_apply)
-        return self.client.bag_backward(self.name, ids, weights.detach(), grad_out.contiguous(), step=self.step,
-                                        gather=True)
+            grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, defer_apply=self.defer_apply)
+        else:
+            grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, step=self.step, gather=True)
+        return to_device(grad_w, ids.device)
+
+    def to(self, device: torch.device | str) -> RemoteValues:
+        return self  # the cluster holds the values; answers come to the ids' device
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -211,3 +315,10 @@ class RemoteValues:
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
         self.version += LOADED
         self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` as the GPU it means now (`cuda:N`), so devices compare equal to a tensor's."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

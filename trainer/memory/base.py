@@ -20,6 +20,12 @@ A kind whose addresses depend on the token ids alone (`token_addressed`: Engram)
 only by the forward of the very same tokens, and only while its values are at most `max_age`
 updates old (`ValueBackend.version`): anything else reads afresh.
 
+Devices: a layer runs where its module is, and `model.to(device)` moves a value backend held in
+this process along (`ValueBackend.to`: a LocalValues' table follows its layer). Under autocast
+(memtrain --dtype bf16) the addressing and the read run in float32, autocast off: a top-k or a
+hash decided on bf16 scores would pick other slots than the float32 model; only `output` (the
+projections into the residual stream, the dense part) runs in the autocast dtype.
+
 Micro-batches are an overlap only: queries see the whole batch, and the backends gather every
 chunk's value update of a training step into one optimizer step (`begin_step`/`end_step`), with
 dL/dweights of every chunk computed on the values before the step, so losses equal one chunk's.
@@ -27,6 +33,9 @@ dL/dweights of every chunk computed on the values before the step, so losses equ
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +131,15 @@ class MemoryLayer(nn.Module):
         self.batch_shape: tuple[int, ...] = ()  # the input's leading dims in this forward ([B, T]), for `output`
         self.prefetched: list[Prefetch] = []  # reads sent ahead, oldest first (at most two: stale mode)
         self.prefetch_used = self.prefetch_dropped = 0  # prefetched reads a forward used / could not use
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MemoryLayer:
+        """Module moves (`to`, `cuda`, `cpu`) take the values along: a backend held in this
+        process keeps its table on the device of the layer's parameters and buffers."""
+        super()._apply(fn, recurse)
+        where = next(itertools.chain(self.parameters(), self.buffers()), None)
+        if self.values is not None and where is not None:
+            self.values.to(where.device)
+        return self
 
     @property
     def num_slots(self) -> int:
@@ -219,16 +237,28 @@ class MemoryLayer(nn.Module):
         shape = x.shape
         self.batch_shape = tuple(shape[:-1])
         flat = x.reshape(-1, shape[-1])  # [N, d_in], N = batch * time
-        q = self.queries(flat)  # [N, *]: batch statistics over all N, however many chunks follow
-        chunks = q.chunk(self.micro_batches) if self.micro_batches > 1 else (q,)
-        # several chunks: each chunk's read is sent as soon as it is addressed, so the next
-        # chunk's addressing overlaps it
-        if self.token_addressed:
-            started = self._token_reads(tokens, len(chunks))
-        else:
-            started = [self.start(c, len(chunks) > 1) for c in chunks]
-        reads = [self.finish(c, s) for c, s in zip(chunks, started)]
+        with _float32_addressing(flat) as full:
+            q = self.queries(full)  # [N, *]: batch statistics over all N, however many chunks follow
+            chunks = q.chunk(self.micro_batches) if self.micro_batches > 1 else (q,)
+            # several chunks: each chunk's read is sent as soon as it is addressed, so the next
+            # chunk's addressing overlaps it
+            if self.token_addressed:
+                started = self._token_reads(tokens, len(chunks))
+            else:
+                started = [self.start(c, len(chunks) > 1) for c in chunks]
+            reads = [self.finish(c, s) for c, s in zip(chunks, started)]
         out = torch.cat([r[2] for r in reads]) if len(reads) > 1 else reads[0][2]  # [N, read_dim]
         self.last_access = (torch.cat([r[0] for r in reads]).detach(), torch.cat([r[1] for r in reads]).detach())
         out = self.output(out, flat)
         return out.view(*shape[:-1], out.shape[-1])
+
+
+@contextlib.contextmanager
+def _float32_addressing(x: torch.Tensor) -> Any:
+    """x as the addressing sees it: as it is without autocast (the context is then nothing at
+    all); under autocast, as float32 with autocast off until the read is done."""
+    if not torch.is_autocast_enabled(x.device.type):
+        yield x
+        return
+    with torch.autocast(x.device.type, enabled=False):
+        yield x.float()

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from trainer.memory.backends import on_device, to_device, to_host
+
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n")
 DEFAULT_ENCODER = "minilm"
 ENCODE_BATCH = 64
@@ -59,8 +61,9 @@ class LocalKnowledge:
 
     def submit_search(self, queries: torch.Tensor, k: int) -> Future[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         done: Future[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = Future()
-        s, ids, enc = self.index.search(queries.detach().float().cpu(), k, with_payload=True)
-        done.set_result(tuple(t.to(queries.device) for t in (s, ids, enc)))  # type: ignore[arg-type]
+        (q,) = to_host(queries.detach().float())
+        s, ids, enc = self.index.search(q, k, with_payload=True)
+        done.set_result(tuple(to_device(t, queries.device) for t in (s, ids, enc)))  # type: ignore[arg-type]
         return done
 
 
@@ -81,7 +84,8 @@ class RemoteKnowledge:
             raise ValueError(f"KIF source {name!r} is empty")
 
     def submit_search(self, queries: torch.Tensor, k: int) -> Future[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        return self.client.submit_search(self.name, queries.detach().float().contiguous(), k, return_payload=True)
+        (q,) = to_host(queries.detach().float().contiguous())
+        return on_device(self.client.submit_search(self.name, q, k, return_payload=True), queries.device)
 
 
 def upload_source(client: Any, name: str, encodings: torch.Tensor, *, shards: int | None = None,
