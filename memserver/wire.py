@@ -83,15 +83,18 @@ def as_tensor(x: Any) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x))
 
 
-def wire_tensor(t: torch.Tensor | np.ndarray, wire_dtype: int | None = None) -> torch.Tensor:
+def wire_tensor(t: torch.Tensor | np.ndarray, wire_dtype: int | None = None, keep_device: bool = False) -> torch.Tensor:
     """What a tensor travels as: cast to `wire_dtype` (e.g. bfloat16 to halve the bytes), detached,
-    contiguous, on the CPU (a no-op for a tensor already so)."""
+    contiguous, on the CPU (a no-op for a tensor already so). A GPU tensor is cast on its GPU and
+    copied to the host once; `keep_device`: not even that (the copy is made later, straight into
+    the answer's buffer: Lazy.to_host, shm_write)."""
     t = as_tensor(t).detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
     want = TORCH_DTYPES[wire_dtype] if wire_dtype is not None and wire_dtype != pb.DTYPE_UNSPECIFIED else t.dtype
     if want not in WIRE_DTYPES:
         raise InvalidArgumentError(f"dtype {t.dtype} cannot be sent; use one of {sorted(DTYPE_NAMES)}")
+    if t.device.type != "cpu":
+        t = t.to(want).contiguous()  # on the device: the host sees only the bytes that travel
+        return t if keep_device else t.cpu()
     if want == t.dtype and t.is_contiguous():
         return t
     if torch.bfloat16 in (want, t.dtype):
@@ -190,10 +193,21 @@ class Lazy:
         self.msg, self.tensors, self.answer_bytes = msg, tensors or {}, answer_bytes
 
     def put(self, name: str, t: torch.Tensor, wire_dtype: int | None = None) -> Lazy:
-        self.tensors[name] = wire_tensor(t, wire_dtype)
+        """Add a Tensor field; a GPU tensor stays on its GPU until the answer's buffer is known
+        (to_host for the gRPC bytes, shm_write for the caller's shared memory): one copy to the host."""
+        self.tensors[name] = wire_tensor(t, wire_dtype, keep_device=True)
+        return self
+
+    def to_host(self) -> Lazy:
+        """Copy GPU tensors to the host (one copy each; a no-op for CPU ones). A shard calls it on
+        its compute thread, so serialising (on the event loop) never waits for a GPU."""
+        for name, t in self.tensors.items():
+            if t.device.type != "cpu":
+                self.tensors[name] = t.cpu()
         return self
 
     def to_bytes(self) -> bytes:
+        self.to_host()
         parts: list[bytes | memoryview] = [self.msg.SerializeToString()]
         fields = self.msg.DESCRIPTOR.fields_by_name
         for name, t in self.tensors.items():
@@ -373,14 +387,19 @@ def shm_layout(tensors: dict[str, torch.Tensor], start: int) -> tuple[list[int],
 
 def shm_write(mm: Any, msg: Any, tensors: dict[str, torch.Tensor], spans: list[int]) -> None:
     """Write each tensor into `mm` at its offset and set msg's Tensor field to say where (dtype,
-    shape, Tensor.shm) instead of carrying the bytes."""
+    shape, Tensor.shm) instead of carrying the bytes. A GPU tensor is copied from the device
+    straight into `mm` (the one device-to-host copy of a GPU shard's answer)."""
     for (name, t), at in zip(tensors.items(), spans):
-        data = tensor_bytes(t)
-        mm[at : at + len(data)] = data
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu":
+            if nbytes:
+                torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=at).copy_(t.reshape(-1))
+        else:
+            mm[at : at + nbytes] = tensor_bytes(t)
         field = getattr(msg, name)
         field.dtype = WIRE_DTYPES[t.dtype]
         field.shape[:] = list(t.shape)
-        field.shm.offset, field.shm.nbytes = at, len(data)
+        field.shm.offset, field.shm.nbytes = at, nbytes
 
 
 def inline(msg: Any, **tensors: torch.Tensor | None) -> Resolved:

@@ -718,7 +718,7 @@ def test_gpu_branch_moves_the_index_and_keeps_answers(gpu, factory):
         vi.remove(ids[50:100])
         vis[device] = vi
     g = vis["auto"]
-    assert g.device == "cuda" and vis["cpu"].device == "cpu"
+    assert g.device == "cuda:0" and vis["cpu"].device == "cpu"
     assert len(gpu.resources) == 1 and g._gpu_res is gpu.resources[0]
     to_gpu = [c for c in gpu.calls if c[0] == "cpu_to_gpu"]
     assert to_gpu and all(c[1] is gpu.resources[0] and c[2] == 0 for c in to_gpu)
@@ -745,6 +745,27 @@ def test_gpu_is_used_only_where_faiss_has_it(gpu, monkeypatch):
     assert VectorIndex(8, "HNSW8", "ip", device="auto").device == "cpu"  # no GPU HNSW
     assert VectorIndex(8, "Flat", "ip", device="cpu").device == "cpu"
     assert not gpu.calls and not gpu.resources
-    assert VectorIndex(8, "Flat", "ip", device="cuda").device == "cuda"
+    assert VectorIndex(8, "Flat", "ip", device="cuda").device == "cuda:0"
+    assert "no GPU version" in VectorIndex(8, "HNSW8", "ip", device="cuda:0").placement
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 0)
     assert VectorIndex(8, "Flat", "ip", device="cuda").device == "cpu"
+
+
+def test_faiss_gpu_is_the_shards_own_gpu():
+    """The rule (plain inputs, no GPU needed): a slice goes to the GPU its device names when faiss
+    sees that GPU and has the kind there; a CPU shard's slice stays on the CPU even where faiss
+    sees GPUs (they are other actors'); each CPU answer says why."""
+    from memserver.core.index import faiss_gpu
+
+    assert faiss_gpu("cuda:0", 1, "Flat", "IndexFlat") == (0, "faiss GPU 0")
+    assert faiss_gpu(torch.device("cuda", 1), 2, "IVF16,PQ4", "IndexIVFPQ") == (1, "faiss GPU 1")
+    assert faiss_gpu("auto", 1, "Flat", "IndexFlat")[0] == 0 and faiss_gpu("cuda", 1, "Flat", "IndexFlat")[0] == 0
+    assert faiss_gpu("cpu", 4, "Flat", "IndexFlat") == (None, "CPU: the shard has no GPU")
+    assert faiss_gpu(torch.device("cpu"), 4, "Flat", "IndexFlat")[0] is None
+    gpu, why = faiss_gpu("cuda:0", 1, "HNSW32", "IndexHNSWFlat")
+    assert gpu is None and why == "CPU: factory 'HNSW32' (IndexHNSWFlat) has no GPU version in faiss"
+    assert faiss_gpu("cuda:0", 0, "Flat", "IndexFlat") == (None, "CPU: this faiss has no GPU support (faiss-cpu) or sees no GPU")
+    assert faiss_gpu("cuda:1", 1, "Flat", "IndexFlat") == (None, "CPU: faiss sees 1 GPU(s), not GPU 1")
+    for bad in ("gpu", "mps", "cuda:x"):
+        with pytest.raises(InvalidArgumentError, match="device: must be one of"):
+            faiss_gpu(bad, 1, "Flat", "IndexFlat")

@@ -118,6 +118,7 @@ def test_bind_host_rules(monkeypatch):
     from memserver.server import rayutil
 
     monkeypatch.delenv(rayutil.BIND_HOST_ENV, raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}, {"Alive": False}])
     assert rayutil.bind_host() == "127.0.0.1"
@@ -133,16 +134,18 @@ def test_bind_host_rules(monkeypatch):
 
 def test_shard_rows_live_on_the_gpu_ray_assigned(monkeypatch):
     """A shard puts its tables on cuda exactly when Ray gave the actor a GPU (no GPU here:
-    torch.cuda.is_available and ray.get_gpu_ids are stubbed; nothing is allocated)."""
+    torch.cuda.is_available, being an actor and ray.get_gpu_ids are stubbed; nothing is
+    allocated). The rule itself: tests/test_inprocess.py."""
     import ray
     import torch
 
+    from memserver.server import rayutil
     from memserver.server.rayutil import shard_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(rayutil, "in_actor", lambda: True)
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
-    assert shard_device().type == "cuda"
+    assert shard_device() == torch.device("cuda", 0) and rayutil.gpus() == 1.0
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
     assert shard_device().type == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -37,9 +37,10 @@ Training. Trained kinds are trained ONCE (`train_template`, on the coordinator) 
 slice `install`s the same bytes: the same centroids and codebooks everywhere, so a sharded
 index searches exactly like one unsharded index trained the same way.
 
-GPU. `device="cuda"` or `"auto"` moves the index to GPU 0 with `faiss.index_cpu_to_gpu` when
-faiss has GPU support, sees a GPU and implements the kind there (Flat, IVF-Flat, IVF-PQ,
-IVF-SQ); otherwise the slice runs on the CPU (`device` says which). faiss's GPU indexes ignore
+GPU. `device="cuda:N"` (a shard's own GPU; "cuda" and "auto" mean GPU 0) moves the index to that
+GPU with `faiss.index_cpu_to_gpu` when faiss has GPU support, sees that GPU and implements the
+kind there (Flat, IVF-Flat, IVF-PQ, IVF-SQ); otherwise the slice runs on the CPU (`device` says
+which, `placement` why: `faiss_gpu` is the rule). State is always taken on the CPU. faiss's GPU indexes ignore
 IDSelectors and cannot remove, so on a GPU every kind keeps dead entries and over-fetches them
 (compacting through a CPU copy above 1024), and `k` is at most `MAX_K_GPU`.
 """
@@ -70,7 +71,7 @@ MAX_EF_SEARCH = 1 << 16
 #: once this many entries are dead, which bounds the over-fetch.
 MAX_DEAD_OVERFETCH = 1024
 METRICS: dict[str, int] = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
-DEVICES = ("cpu", "cuda", "auto")
+DEVICES = ("cpu", "cuda", "cuda:N", "auto")
 
 # The faiss classes an index table may be built of (after any pre-transform).
 _FLAT = ("IndexFlat", "IndexFlatIP", "IndexFlatL2")
@@ -166,6 +167,29 @@ def _signature(index: faiss.Index) -> tuple:
     return (_kind_name(inner), chain, index.d, inner.d, int(index.metric_type), code, ivf.nlist if ivf else 0)
 
 
+def faiss_gpu(device: str | torch.device, faiss_gpus: int, factory: str, kind: str) -> tuple[int | None, str]:
+    """The one rule for where faiss keeps an index slice: (GPU number, or None for the CPU; why,
+    as the shard logs it). `device`: the slice's, the shard's device for a shard ("cpu" for a
+    shard Ray gave no GPU, even where faiss sees GPUs: they are other actors'), "cuda" or "auto"
+    meaning GPU 0; `faiss_gpus`: the GPUs faiss sees (0 for a CPU build); `kind`: the faiss class
+    `factory` builds (its pre-transform left out)."""
+    name = str(device)
+    if name == "cpu":
+        return None, "CPU: the shard has no GPU"
+    try:
+        gpu = 0 if name in ("cuda", "auto") else int(torch.device(name).index or 0)
+        if torch.device("cuda" if name == "auto" else name).type != "cuda":
+            raise ValueError(name)
+    except (RuntimeError, ValueError):
+        raise InvalidArgumentError(f"device: must be one of {list(DEVICES)}, got {device!r}") from None
+    if faiss_gpus <= gpu:
+        return None, (f"CPU: faiss sees {faiss_gpus} GPU(s), not GPU {gpu}" if faiss_gpus else
+                      "CPU: this faiss has no GPU support (faiss-cpu) or sees no GPU")
+    if kind not in _GPU_KINDS:
+        return None, f"CPU: factory {factory!r} ({kind}) has no GPU version in faiss"
+    return gpu, f"faiss GPU {gpu}"
+
+
 class VectorIndex:
     """One slice of an index table: a faiss index of `dim`-dim vectors under user ids (>= 0), with
     `payload_dim` floats per id returned with the hits. See the module docstring for the kinds.
@@ -173,7 +197,8 @@ class VectorIndex:
     Not thread-safe by design: the shard's compute thread is its only caller."""
 
     def __init__(
-        self, dim: int, factory: str = "Flat", metric: str = "ip", payload_dim: int = 0, device: str = "cpu"
+        self, dim: int, factory: str = "Flat", metric: str = "ip", payload_dim: int = 0,
+        device: str | torch.device = "cpu"
     ) -> None:
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
             raise InvalidArgumentError(f"dim: must be a positive integer, got {dim!r}")
@@ -181,8 +206,6 @@ class VectorIndex:
             raise InvalidArgumentError(f"metric: must be one of {sorted(METRICS)}, got {metric!r}")
         if isinstance(payload_dim, bool) or not isinstance(payload_dim, (int, np.integer)) or payload_dim < 0:
             raise InvalidArgumentError(f"payload_dim: must be an integer >= 0, got {payload_dim!r}")
-        if device not in DEVICES:
-            raise InvalidArgumentError(f"device: must be one of {list(DEVICES)}, got {device!r}")
         self.dim, self.factory, self.metric, self.payload_dim = int(dim), factory, metric, int(payload_dim)
         fresh = self._build(self.dim, factory, metric)
         inner = _inner(fresh)
@@ -190,11 +213,11 @@ class VectorIndex:
         self._is_ivf = faiss.try_extract_index_ivf(fresh) is not None
         self._is_hnsw = isinstance(inner, faiss.IndexHNSW)
         self._nlist = faiss.extract_index_ivf(fresh).nlist if self._is_ivf else 0
+        faiss_gpus = faiss.get_num_gpus() if hasattr(faiss, "index_cpu_to_gpu") else 0
+        #: (GPU number or None, why): see faiss_gpu; the shard logs `placement`
+        self._gpu, self.placement = faiss_gpu(device, faiss_gpus, factory, _kind_name(inner))
         # GPU: kept alive on the instance for as long as the GPU index lives.
-        self._gpu_res: Any = None
-        if (device != "cpu" and hasattr(faiss, "index_cpu_to_gpu") and faiss.get_num_gpus() > 0
-                and _kind_name(inner) in _GPU_KINDS):
-            self._gpu_res = faiss.StandardGpuResources()
+        self._gpu_res: Any = faiss.StandardGpuResources() if self._gpu is not None else None
         # Dead entries are filtered inside faiss where it takes an IDSelector; otherwise fetched
         # and dropped (IndexPQ, every GPU index). IVF on the CPU removes at once instead.
         self._physical = self._is_ivf and not self.on_gpu
@@ -237,9 +260,9 @@ class VectorIndex:
 
     @property
     def device(self) -> str:
-        """Where the index lives: "cuda" or "cpu" (a GPU was asked for but is not there, or faiss
-        has no GPU implementation of this kind: "cpu")."""
-        return "cuda" if self.on_gpu else "cpu"
+        """Where faiss put the index: "cuda:N" or "cpu" (a GPU was asked for but faiss does not see
+        it, or has no GPU implementation of this kind: "cpu"; `placement` says why)."""
+        return f"cuda:{self._gpu}" if self.on_gpu else "cpu"
 
     @property
     def on_gpu(self) -> bool:
@@ -340,7 +363,7 @@ class VectorIndex:
                 ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
         self._nprobe = faiss.extract_index_ivf(cpu_index).nprobe if self._is_ivf else 0
         self._ef_search = inner.hnsw.efSearch if isinstance(inner, faiss.IndexHNSW) else 0
-        self._index = faiss.index_cpu_to_gpu(self._gpu_res, 0, cpu_index) if self.on_gpu else cpu_index
+        self._index = faiss.index_cpu_to_gpu(self._gpu_res, self._gpu, cpu_index) if self.on_gpu else cpu_index
 
     def _cpu_index(self) -> faiss.Index:
         """The index on the CPU (a copy when the slice is on a GPU; then IVF gets its hashtable)."""
@@ -679,7 +702,8 @@ class VectorIndex:
 
     @classmethod
     def from_state(
-        cls, dim: int, factory: str, metric: str, payload_dim: int, state: dict[str, Any], device: str = "cpu"
+        cls, dim: int, factory: str, metric: str, payload_dim: int, state: dict[str, Any],
+        device: str | torch.device = "cpu"
     ) -> VectorIndex:
         """The slice a `state()` was taken of (InvalidArgumentError if it is not of this spec,
         DataLossError if its parts do not agree)."""

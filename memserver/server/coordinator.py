@@ -361,9 +361,22 @@ class CoordinatorActor:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
         shard_handles = [ray.get_actor(n) for n in shard_names]
-        restarted = was_restarted()
         infos = ray.get([h.info.remote() for h in shard_handles])
         described = ray.get([h.describe_tables.remote() for h in shard_handles])
+        self._serve(shard_handles, infos, described, was_restarted(), host, port, data_dir, config)
+
+    @classmethod
+    def over(cls, shard_handles: list[Any], infos: list[dict[str, Any]], described: list[Any], host: str,
+             port: int = 0, data_dir: str | None = None, config: ServeConfig | None = None) -> CoordinatorActor:
+        """A coordinator over shards it is given rather than looks up in Ray: handles whose
+        methods are called as `handle.method.remote(...)` and awaited, with each shard's `info()`
+        and `describe_tables()` (memserver.cluster.inprocess: shards in this process, no Ray)."""
+        self = cls.__new__(cls)
+        self._serve(shard_handles, infos, described, False, host, port, data_dir, config)
+        return self
+
+    def _serve(self, shard_handles: list[Any], infos: list[dict[str, Any]], described: list[Any], restarted: bool,
+               host: str, port: int, data_dir: str | None, config: ServeConfig | None) -> None:
         config = config or ServeConfig()
         self.servicer = ControlPlaneServicer(shard_handles, infos, restarted, config.checkpoint_root, config.limits)
         self.servicer.recover_catalog(described)

@@ -7,6 +7,7 @@ these answers without importing each other.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -15,40 +16,61 @@ BIND_HOST_ENV = "MEMSERVER_BIND_HOST"
 LOCALHOST = "127.0.0.1"
 
 
+def _ray():  # noqa: ANN202 (the ray module, or None)
+    """Ray if this process has imported it, else None: a Ray actor's process always has (Ray's
+    worker imports it before any actor code), so a process without it is in no Ray cluster and
+    never needs Ray installed (memserver.cluster.inprocess)."""
+    return sys.modules.get("ray")
+
+
 def in_actor() -> bool:
     """Whether this code runs inside a Ray actor (not a driver, not a plain process)."""
-    import ray
-
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    ray = _ray()
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def was_restarted() -> bool:
     """Whether this actor process is a restart (Ray re-created it after its process died)."""
-    import ray
-
-    return in_actor() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    return in_actor() and bool(_ray().get_runtime_context().was_current_actor_reconstructed)
 
 
 def node_id() -> str:
-    import ray
+    ray = _ray()
+    return (ray.get_runtime_context().get_node_id() or "") if ray is not None and ray.is_initialized() else ""
 
-    return (ray.get_runtime_context().get_node_id() or "") if ray.is_initialized() else ""
+
+def ray_gpu_ids() -> list[int] | None:
+    """The GPUs Ray gave this actor (Ray's ids; the process sees them as cuda:0, cuda:1, ...: Ray
+    sets CUDA_VISIBLE_DEVICES), or None outside a Ray actor."""
+    return [int(g) for g in _ray().get_gpu_ids()] if in_actor() else None
 
 
 def gpus() -> float:
     """GPUs Ray gave this actor (0 outside Ray)."""
-    import ray
-
-    return float(len(ray.get_gpu_ids())) if in_actor() else 0.0
+    return float(len(ray_gpu_ids() or []))
 
 
-def shard_device() -> torch.device:
-    """Rows live on the GPU only when Ray gave this actor one (never start Ray from here)."""
-    import ray
+def choose_device(requested: str | torch.device | None, ray_gpus: list[int] | None, cuda: bool) -> torch.device:
+    """The one rule for where a shard keeps its rows, optimizer state and read counters.
 
-    if torch.cuda.is_available() and (not ray.is_initialized() or ray.get_gpu_ids()):
-        return torch.device("cuda")
+    `requested` (a shard started in-process for one device, memserver.cluster.inprocess) wins,
+    refused if it is a GPU that torch cannot use; else, in a Ray actor (`ray_gpus` not None), the
+    first GPU Ray assigned it (cuda:0 in its process), and the CPU when Ray gave it none, even on
+    a machine with GPUs (they are other actors'); else, outside Ray, the CPU: a plain process
+    uses a GPU only when asked to. `cuda`: torch.cuda.is_available()."""
+    if requested is not None:
+        device = torch.device(requested)
+        if device.type == "cuda" and not cuda:
+            raise ValueError(f"device {device} asked for, but torch sees no CUDA device")
+        return device
+    if ray_gpus and cuda:
+        return torch.device("cuda", 0)
     return torch.device("cpu")
+
+
+def shard_device(requested: str | torch.device | None = None) -> torch.device:
+    """This process's answer to `choose_device` (never starts Ray, never needs it outside Ray)."""
+    return choose_device(requested, ray_gpu_ids(), torch.cuda.is_available())
 
 
 def forced_host() -> str | None:
@@ -87,8 +109,9 @@ def bind_host() -> str:
     """
     if forced := forced_host():
         return forced
-    import ray
-
+    ray = _ray()
+    if ray is None or not ray.is_initialized():  # a server in a process of its own, in no Ray cluster
+        return LOCALHOST
     alive = [n for n in ray.nodes() if n.get("Alive")]
     return LOCALHOST if len(alive) <= 1 else ray.util.get_node_ip_address()
 

@@ -55,12 +55,14 @@ class ShardActor:
 
     def __init__(self, index: int, threads: int = 1, host: str | None = None, data_dir: str | None = None,
                  coordinator: str | None = None, session_ttl: float = SESSION_TTL,
-                 config: ServeConfig | None = None) -> None:
-        """`config`: tokens, TLS, the checkpoint root and limits (memserver.server.config)."""
+                 config: ServeConfig | None = None, device: str | None = None) -> None:
+        """`config`: tokens, TLS, the checkpoint root and limits (memserver.server.config);
+        `device`: where the slices live, for a shard started without Ray (memserver.cluster.inprocess);
+        None: the GPU Ray assigned this actor, else the CPU (rayutil.choose_device)."""
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
         tune_malloc()
         self.index = index
-        self.device = shard_device()
+        self.device = shard_device(device)
         self.restarted = was_restarted()
         self.session_ttl = session_ttl
         self.config = config or ServeConfig()
@@ -163,6 +165,8 @@ class ShardActor:
         template = self.store.table_dir(spec.name) / INDEX_TEMPLATE if self.store is not None else None
         if sl.is_index and not sl.table.is_trained and template is not None and template.exists():
             sl.table.install(template.read_bytes())  # trained after the state it was loaded from
+        if sl.is_index:
+            log.info("index %s on shard %d: %s", spec.name, self.index, sl.table.placement)
         if checkpoint:
             start = int(checkpoint.get("lsn", 0))
             sl.load_extras(extras)
@@ -290,13 +294,14 @@ class ShardActor:
         log.warning("shard %d: table %s rolled back to %s with its restarted sibling", self.index, name, how)
         return how
 
-    @staticmethod
-    def _index_of(spec: pb.TableSpec, state: dict[str, Any] | None) -> Any:
-        """An index slice of `spec`: empty, or the one `state` (a checkpoint's) describes."""
+    def _index_of(self, spec: pb.TableSpec, state: dict[str, Any] | None) -> Any:
+        """An index slice of `spec` on this shard's device (faiss's GPU version where it has one):
+        empty, or the one `state` (a checkpoint's, taken on the CPU) describes."""
         from memserver.core.index import VectorIndex
 
         args = (int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim))
-        return VectorIndex(*args, device="auto") if state is None else VectorIndex.from_state(*args, state, device="auto")
+        return (VectorIndex(*args, device=self.device) if state is None
+                else VectorIndex.from_state(*args, state, device=self.device))
 
     def _index_slice(self, name: str) -> TableSlice:
         sl = self.servicer.tables.get(name)

@@ -67,7 +67,7 @@ class TableSlice:
             from memserver.core.index import VectorIndex
 
             self.table = VectorIndex(int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim),
-                                     device="auto")
+                                     device=device)
         elif spec.tier == "disk":
             if directory is None:
                 raise FailedPreconditionError(f"table {spec.name}: a tier 'disk' table needs a data directory on its "

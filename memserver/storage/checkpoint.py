@@ -155,20 +155,22 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
         counted = slice_layout(meta).counts_reads(meta["index"])
         for s in range(0, len(all_src), _RESTORE_ROWS):  # a chunk of rows at a time: bounded temporaries
             src_idx = torch.from_numpy(all_src[s : s + _RESTORE_ROWS])
-            dst_idx = torch.from_numpy(dst[all_src[s : s + _RESTORE_ROWS]])
+            dst_rows = torch.from_numpy(dst[all_src[s : s + _RESTORE_ROWS]])
             for name, src in state.items():
                 if name not in dst_state or (name in ValueTable.READ_COUNTERS and not counted):
                     continue  # e.g. Adam moments restored into an Adagrad table; another cols shard's idle counters
                 dst_t = dst_state[name]
+                # saved on the CPU, restored onto the table's device (a GPU shard's, or the CPU)
+                to, dst_idx = dict(device=dst_t.device, dtype=dst_t.dtype), dst_rows.to(dst_t.device)
                 if src.dim() == 2:
                     if c1 > c0:  # the columns first: copy only the block target holds
                         block = src[:, c0 - meta["col_start"] : c1 - meta["col_start"]].index_select(0, src_idx)
-                        dst_t[dst_idx, c0 - t_c0 : c1 - t_c0] = block.to(dst_t.dtype)
+                        dst_t[dst_idx, c0 - t_c0 : c1 - t_c0] = block.to(**to)
                 elif name == "acc":
                     if c1 > c0:
-                        dst_t[dst_idx] += src.index_select(0, src_idx) * ((c1 - c0) / t_cols)
+                        dst_t[dst_idx] += (src.index_select(0, src_idx) * ((c1 - c0) / t_cols)).to(**to)
                 else:
-                    dst_t[dst_idx] = src.index_select(0, src_idx).to(dst_t.dtype)
+                    dst_t[dst_idx] = src.index_select(0, src_idx).to(**to)
     if hasattr(table, "after_load"):  # a disk table seals the records written in place
         table.after_load()
 

@@ -1,0 +1,140 @@
+"""The one-process memory server (memserver.cluster.inprocess) and the rules that place a shard's
+data: no Ray cluster is used here (the session cluster of conftest.py is not started), and one
+test runs the server in a fresh interpreter where importing Ray or faiss fails.
+
+`serve_like_a_table` is also what tests/gpu runs on GPU shards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+from client import MemoryClient
+from memserver.cluster.inprocess import InProcessServer
+from memserver.core.optim import OptimizerConfig
+from memserver.core.table import ValueTable
+from memserver.server import shm as server_shm
+from memserver.server.rayutil import choose_device, shard_device
+
+ROOT = Path(__file__).resolve().parents[1]
+N, D = 600, 16
+
+
+def close(got: Any, want: torch.Tensor, **tol: float) -> None:
+    """A client's answer (numpy) against a CPU torch reference."""
+    torch.testing.assert_close(torch.as_tensor(np.asarray(got)), want, **tol)
+
+
+def serve_like_a_table(devices: list[str], tmp_path: Path, dtype: str = "float32") -> Any:
+    """`check_serving` on an in-process server with one shard per device; returns its status."""
+    with InProcessServer(len(devices), devices, data_dir=str(tmp_path / "data")) as server:
+        return check_serving(server.endpoint, len(devices), tmp_path, dtype, in_process=True)
+
+
+def check_serving(endpoint: str, num_shards: int, tmp_path: Path, dtype: str = "float32",
+                  in_process: bool = False) -> Any:
+    """The cluster at `endpoint` answers lookup, bag (over TCP and through shared memory) and
+    bag_backward + its adagrad step like one torch ValueTable on the CPU over the same rows, and its
+    checkpoint restores into an in-process server on the CPU; returns its status. `in_process`: the
+    shards run here, so their shared-memory answers are counted too."""
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=2e-2, atol=2e-3)
+    rng = np.random.default_rng(0)
+    with MemoryClient(endpoint, timeout=60, shm=False) as tcp, MemoryClient(endpoint, timeout=60, shm=True) as shm:
+        tcp.create_table("t", N, D, sharding="rows", optimizer="adagrad", lr=0.05, dtype=dtype, seed=3)
+        ref = ValueTable(N, D, OptimizerConfig("adagrad", lr=0.05), backend="torch", track_stats=False,
+                         dtype=getattr(torch, dtype))
+        ref.weight.copy_(torch.as_tensor(tcp.lookup("t", np.arange(N))))
+        ids = torch.from_numpy(rng.integers(0, N, size=(256, 8)))
+        w = torch.from_numpy(rng.random((256, 8), dtype=np.float32))
+        g = torch.from_numpy(rng.normal(size=(256, D)).astype(np.float32))
+        close(tcp.bag("t", ids, w), ref.bag(ids, w), **tol)
+        big = torch.from_numpy(rng.integers(0, N, size=(4096, 8)))  # above client.shm.MIN_BYTES
+        wb = torch.from_numpy(rng.random((4096, 8), dtype=np.float32))
+        t0 = time.monotonic()
+        while len(shm.aio.shm.regions) < num_shards:  # attached in the background; the first calls go by TCP
+            assert time.monotonic() - t0 < 30, "no shared-memory region attached"
+            shm.bag("t", big, wb)
+        before = shm.aio.shm.calls
+        with mock.patch.object(server_shm, "shm_write", wraps=server_shm.shm_write) as wrote:  # the shards' side
+            close(shm.bag("t", big, wb), ref.bag(big, wb), **tol)
+        # every shard got the request, and (in this process) wrote its answer through shared memory
+        assert shm.aio.shm.calls - before == num_shards and wrote.call_count == (num_shards if in_process else 0)
+        close(tcp.bag_backward("t", ids, w, g), ref.bag_backward(ids, w, None, g), **tol)
+        close(tcp.lookup("t", np.arange(N)), ref.lookup(torch.arange(N)), **tol)
+        tcp.checkpoint(str(tmp_path / "ckpt"), step=1)
+        status = tcp.status()
+        tcp.drop_table("t")
+    with InProcessServer(1, ["cpu"]) as cpu, MemoryClient(cpu.endpoint, timeout=60, shm=False) as c:
+        c.restore(str(tmp_path / "ckpt"), step=1, num_shards=1)  # saved as CPU tensors, restored onto this shard's device
+        close(c.lookup("t", np.arange(N)), ref.lookup(torch.arange(N)), **tol)
+    return status
+
+
+def test_a_shard_keeps_its_rows_where_the_one_rule_says():
+    """choose_device: a shard started for a device keeps it (a GPU torch cannot use is refused);
+    in a Ray actor, the GPU Ray gave it (cuda:0 in its process) and else the CPU, even on a machine
+    with GPUs; outside Ray, the CPU. This process is in no Ray actor: shard_device() is the CPU."""
+    cuda = torch.device("cuda", 0)
+    assert choose_device("cuda:1", None, True) == torch.device("cuda", 1)
+    assert choose_device("cpu", [0], True) == torch.device("cpu")
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        choose_device("cuda", None, False)
+    assert choose_device(None, [3], True) == cuda
+    assert choose_device(None, [], True) == torch.device("cpu")
+    assert choose_device(None, [0], False) == torch.device("cpu")
+    assert choose_device(None, None, True) == torch.device("cpu")
+    assert shard_device() == torch.device("cpu") and shard_device("cpu") == torch.device("cpu")
+
+
+def test_in_process_server_serves_like_a_table(tmp_path):
+    """Two CPU shards in this process, no Ray: the same answers as a ValueTable, shared memory,
+    checkpoint and restore through the real coordinator; status says where the rows are."""
+    status = serve_like_a_table(["cpu", "cpu"], tmp_path)
+    assert [(s.device, s.gpus, s.state) for s in status.shards] == [("cpu", 0.0, "serving")] * 2
+
+
+def test_index_table_says_where_faiss_put_it(tmp_path, caplog):
+    """An index table on a CPU shard is on faiss's CPU index, says so in status, and the shard logs why."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(200, 8)).astype(np.float32)
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, timeout=60, shm=False) as c:
+        with caplog.at_level("INFO", logger="memserver.server.shard_actor"):
+            c.create_index("ix", 8, index_factory="Flat", metric="l2")
+        c.add("ix", np.arange(200), x)
+        assert c.search("ix", x[:5], 1)[1].reshape(-1).tolist() == [0, 1, 2, 3, 4]
+        (load,) = c.status().shards[0].tables
+        assert load.index_device == "cpu" and load.vectors == 200
+    assert "index ix on shard 0: CPU: the shard has no GPU" in caplog.text
+
+
+def test_in_process_server_needs_neither_ray_nor_faiss(tmp_path):
+    """What a GPU machine without Ray or faiss runs (tests/gpu): the server, a client, bags and
+    updates, in an interpreter where importing either fails."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["ray"] = sys.modules["faiss"] = None  # importing either raises ImportError
+        import numpy as np
+        from client import MemoryClient
+        from memserver.cluster.inprocess import InProcessServer
+        with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=60) as c:
+            c.create_table("t", 100, 8, optimizer="sgd", lr=0.1)
+            before = c.lookup("t", np.arange(100))
+            c.bag_backward("t", np.array([[1, 2]]), np.ones((1, 2), np.float32), np.ones((1, 8), np.float32))
+            after = c.lookup("t", np.arange(100))
+            assert np.allclose(after[1:3], before[1:3] - 0.1) and np.array_equal(after[3:], before[3:])
+            assert c.status().shards[0].device == "cpu"
+        print("served without", [m for m in ("ray", "faiss") if sys.modules.get(m) is not None] or "ray, faiss")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "served without ray, faiss" in out.stdout
