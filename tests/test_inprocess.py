@@ -123,7 +123,7 @@ def test_in_process_server_needs_neither_ray_nor_faiss(tmp_path):
         import sys
         sys.modules["ray"] = sys.modules["faiss"] = None  # importing either raises ImportError
         import numpy as np
-        from client import MemoryClient
+        from client import FailedPreconditionError, MemoryClient
         from memserver.cluster.inprocess import InProcessServer
         with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=60) as c:
             c.create_table("t", 100, 8, optimizer="sgd", lr=0.1)
@@ -132,9 +132,47 @@ def test_in_process_server_needs_neither_ray_nor_faiss(tmp_path):
             after = c.lookup("t", np.arange(100))
             assert np.allclose(after[1:3], before[1:3] - 0.1) and np.array_equal(after[3:], before[3:])
             assert c.status().shards[0].device == "cpu"
+            try:  # index tables need faiss: refused, saying which extra brings it
+                c.create_index("ix", 8)
+            except FailedPreconditionError as e:
+                assert "pip install 'memserver[cpu]'" in str(e), e
+            else:
+                raise AssertionError("an index table without faiss")
         print("served without", [m for m in ("ray", "faiss") if sys.modules.get(m) is not None] or "ray, faiss")
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "served without ray, faiss" in out.stdout
+
+
+def test_memtrain_against_the_in_process_server_without_ray_or_faiss():
+    """tests/gpu's remote memtrain, on CPU shards: in an interpreter where importing Ray or faiss
+    fails, memtrain --memory remote against an in-process server gives the losses of local values."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["ray"] = sys.modules["faiss"] = None  # importing either raises ImportError
+        from client import MemoryClient
+        from memserver.cluster.inprocess import InProcessServer
+        from trainer.train import build_parser, train
+        tiny = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+                "--n-keys", "16", "--heads", "2", "--knn", "4", "--k-dim", "16", "--mem-layers", "1", "--steps", "4",
+                "--eval-every", "4", "--eval-iters", "2", "--log-every", "1", "--threads", "1", "--seed", "3",
+                "--value-lr", "0.05", "--memory-kind", "pkm,engram", "--engram-slots", "4096", "--device", "cpu"]
+        def losses(argv, client=None):
+            return [(r["loss"], r.get("val_loss")) for r in train(build_parser().parse_args(argv), client=client)]
+        local = losses([*tiny, "--memory", "local"])
+        with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=60) as c:
+            remote = losses([*tiny, "--memory", "remote", "--table", "m"], c)
+        print("local", local)
+        print("remote", remote)
+        assert len(local) == len(remote) == 4
+        for (a, va), (b, vb) in zip(local, remote):  # tests/gpu's tolerance (the CPU gives equal train losses)
+            assert abs(a - b) <= 1e-3 * abs(a), (a, b)
+            assert (va is None) == (vb is None) and (va is None or abs(va - vb) <= 1e-3 * abs(va))
+        print("trained without", [m for m in ("ray", "faiss") if sys.modules.get(m) is not None] or "ray, faiss")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "trained without ray, faiss" in out.stdout

@@ -50,7 +50,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import faiss
+try:
+    import faiss
+except ImportError as exc:  # an extra of the project: one of the two wheels, never both
+    raise ImportError("index tables and KIF need faiss: pip install 'memserver[cpu]' (faiss-cpu), or "
+                      "'memserver[gpu]' on a GPU node (faiss-gpu); `make install` / `make install-gpu`") from exc
 import numpy as np
 import torch
 

@@ -10,7 +10,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from memserver.api.errors import InvalidArgumentError, ResourceExhaustedError
+from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from memserver.api.types import METRIC_NAMES, ShardLayout, fmt_bytes
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import OptimizerConfig
@@ -117,7 +117,10 @@ ID_SPACE = 2**63 - 1
 def _validate_index(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
     """An INDEX table: ids are the user's (any int64 >= 0), sharded by id like ROWS; the factory
     string, metric and payload are checked by building an empty index of them."""
-    from memserver.core.index import VectorIndex
+    try:
+        from memserver.core.index import VectorIndex
+    except ImportError as exc:  # this server was installed without faiss
+        raise FailedPreconditionError(f"{spec.name}: {exc}") from None
 
     if spec.dim <= 0:
         raise InvalidArgumentError(f"dim: must be positive, got {spec.dim}")

@@ -3,9 +3,9 @@ memtrain's losses, bf16 autocast, RemoteValues' pinned and non-blocking transfer
 overlap with the GPU's work, checkpoints across devices. Every tensor of a run lives on one
 device; TF32 is off while comparing, so float32 is float32 on both sides.
 
-Ray and faiss are imported only inside the tests that need them (pytest.importorskip): the
-remote transfer path is checked Ray-free against `TableClient`, an in-process stand-in for the
-client's calls over a CPU ValueTable."""
+Neither Ray nor faiss is needed (the local KIF run imports faiss or skips): the remote transfer
+path is checked against `TableClient`, an in-process stand-in for the client's calls over a CPU
+ValueTable, and memtrain's remote runs against GPU shards of `memserver.cluster.inprocess`."""
 
 from __future__ import annotations
 
@@ -254,18 +254,31 @@ def test_a_remote_read_overlaps_the_gpus_work():
     assert both < 0.8 * (t_gpu + client.delay), (both, t_gpu, client.delay)
 
 
-# -- with a memory cluster (Ray) ------------------------------------------------------------------
+# -- with a memory server on the GPU (in this process: no Ray) -----------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_server():
+    """Two shards on cuda:0 and their coordinator in this process (memserver.cluster.inprocess),
+    with a client: remote values served from the GPU without Ray."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2, ["cuda:0", "cuda:0"]) as server, MemoryClient(server.endpoint, timeout=60) as client:
+        yield server, client
+
 
 @pytest.mark.parametrize("extra", [["--micro-batches", "2"], ["--memory-kind", "engram", *ENGRAM],
                                    ["--memory-kind", "engram", *ENGRAM, "--staleness", "1"]],
                          ids=["pkm-micro-batches", "engram-prefetch", "engram-stale"])
-def test_memtrain_remote_on_cuda_gives_the_cpu_losses(exact_cuda, extra, request):
-    """memtrain --memory remote --device cuda against the cluster: the losses of --device cpu.
-    (Waits for Ray here; the shard side's in-process server will make it Ray-free.)"""
-    pytest.importorskip("ray", reason="the memory cluster fixture runs on Ray")
-    client, table = request.getfixturevalue("client"), request.getfixturevalue("table_name")
-    common = [*TINY, "--steps", "5", "--seed", "3", "--value-lr", "0.05", "--memory", "remote", "--table", table, *extra]
-    assert_same_losses(losses([*common, "--device", "cpu"], client), losses([*common, "--device", "cuda"], client))
+def test_memtrain_remote_on_cuda_gives_the_cpu_losses(exact_cuda, extra, gpu_server):
+    """memtrain --device cuda --memory remote, values on GPU shards: the losses of the same run
+    with --device cpu and local values (the same math on every path)."""
+    _, client = gpu_server
+    table = "gpu-" + "-".join(a.strip("-") for a in extra)
+    common = [*TINY, "--steps", "5", "--seed", "3", "--value-lr", "0.05", *extra]
+    want = losses([*common, "--device", "cpu"])
+    got = losses([*common, "--device", "cuda", "--memory", "remote", "--table", table], client)
+    assert_same_losses(want, got)
 
 
 def test_two_trainers_on_nccl_equal_one_on_the_combined_batch(exact_cuda, request, tmp_path):
@@ -277,8 +290,8 @@ def test_two_trainers_on_nccl_equal_one_on_the_combined_batch(exact_cuda, reques
 
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs one GPU per trainer: this machine has fewer than 2")
-    pytest.importorskip("ray", reason="data-parallel trainers share a remote sync_updates table")
-    cluster, table = request.getfixturevalue("memory_cluster"), request.getfixturevalue("table_name")
+    server, _ = request.getfixturevalue("gpu_server")
+    table = "gpu-ddp"
     common = [*TINY, "--steps", "4", "--seed", "5", "--value-lr", "0.05", "--no-query-bn", "--eval-every", "4"]
     single = losses([*common, "--batch-size", "4", "--device", "cuda:0"])
     with socket.socket() as s:
@@ -290,7 +303,7 @@ def test_two_trainers_on_nccl_equal_one_on_the_combined_batch(exact_cuda, reques
         env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "NVIDIA_TF32_OVERRIDE": "0"}
         argv = [sys.executable, "-m", "trainer.train", *common, "--memory", "remote", "--batch-size", "2",
-                "--device", "cuda", "--endpoint", cluster.endpoint, "--table", table, "--log-json", str(log)]
+                "--device", "cuda", "--endpoint", server.endpoint, "--table", table, "--log-json", str(log)]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       stdin=subprocess.DEVNULL))
     for p in procs:
