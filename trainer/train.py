@@ -511,6 +511,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
             if prefetch and args.staleness == 0 and step < args.steps:
                 model.prefetch(batches.peek(), max_age=0)  # every trainer has committed step t
             opt.step()
+            if run.device.type == "cuda":  # the step's queued kernels count in its own time (float(loss) syncs anyway)
+                torch.cuda.synchronize(run.device)
             dt = time.perf_counter() - t0
             window_t, window_steps = window_t + dt, window_steps + 1
             loss_value = float(loss)
