@@ -287,6 +287,12 @@ class MemoryClient:
         one chunk's bag and addresses the next chunk meanwhile)."""
         return self._loop.submit(self.aio.bag(table, ids, weights, offsets))
 
+    def submit_bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
+                            step: int, gather: bool = True) -> Future[Any]:
+        """`bag_backward` without waiting (a part of `step` whose dL/dweights the caller does not
+        use: it sends the update and goes on; `commit_step` after every such future is done)."""
+        return self._loop.submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, step=step, gather=gather))
+
     def submit_search(self, table: str, queries: Any, k: int, **kwargs: Any) -> Future[tuple[Any, ...]]:
         """`search` without waiting (a KIF layer sends a chunk's search and goes on)."""
         return self._loop.submit(self.aio.search(table, queries, k, **kwargs))

@@ -358,3 +358,53 @@ def test_a_load_makes_every_earlier_prefetch_too_old(tmp_path):
     values.load(tmp_path, 1, saved)  # the rows the prefetch read are gone
     m(torch.randn(2, 8, 12), tokens)
     assert m.prefetch_dropped == 1 and m.prefetch_used == 0
+
+
+class _Counting:
+    """The session client, counting the backward calls a trainer makes (the rest passes through)."""
+
+    def __init__(self, client) -> None:
+        self.client, self.calls = client, {"bag_backward": 0, "submit_bag_backward": 0}
+
+    def __getattr__(self, name):
+        if name in self.calls:
+            self.calls[name] += 1
+        return getattr(self.client, name)
+
+
+@pytest.mark.parametrize("kinds, want_sync", [("engram", 0), ("lsh", 0), ("pkm,engram", 5)])
+def test_constant_weights_send_their_update_without_waiting(client, table_name, kinds, want_sync):
+    """Engram and LSH read with constant weights: their backward never waits for dL/dweights
+    (submit_bag_backward, awaited by end_step before the commit); product keys' learned weights
+    still take the blocking call. The losses are those of local values (test above)."""
+    counting = _Counting(client)
+    _train(["--steps", "5", "--seed", "3", "--memory-kind", kinds, "--memory", "remote", "--table", table_name],
+           client=counting)
+    assert counting.calls == {"bag_backward": want_sync, "submit_bag_backward": 5}
+
+
+def test_an_update_sent_without_waiting_that_fails_fails_its_step():
+    """A part sent without waiting that the cluster refused is raised by end_step, before the
+    commit: nothing is committed as if it had arrived."""
+    from concurrent.futures import Future
+
+    from memserver.api.errors import UnavailableError
+
+    class Refusing:
+        committed = False
+
+        def submit_bag_backward(self, *args, **kwargs):
+            done = Future()
+            done.set_exception(UnavailableError("shard 1 is restarting"))
+            return done
+
+        def commit_step(self, *args, **kwargs):
+            Refusing.committed = True
+
+    values = RemoteValues(Refusing(), "t", 16, 4, create=False)
+    values.begin_step(1)
+    assert values.bag_backward(torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 3), torch.ones(2, 4),
+                               weight_grad=False) is None
+    with pytest.raises(UnavailableError, match="restarting"):
+        values.end_step(1)
+    assert not Refusing.committed

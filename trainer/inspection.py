@@ -64,7 +64,8 @@ class PeekValues:
         done.set_result(self.bag(ids, weights))
         return done
 
-    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
+                     weight_grad: bool = True) -> torch.Tensor | None:
         raise RuntimeError("PeekValues is read-only (inspection)")
 
     def begin_step(self, step: int) -> None:

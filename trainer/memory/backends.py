@@ -120,8 +120,11 @@ class ValueBackend(Protocol):
         """`bag`, answered in a future, so the caller can address its next chunk meanwhile."""
         ...
 
-    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        """dL/dweights [N, n] from dL/d(out) [N, dim]; applies the rows' update with the table's optimizer."""
+    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
+                     weight_grad: bool = True) -> torch.Tensor | None:
+        """dL/dweights [N, n] from dL/d(out) [N, dim]; applies the rows' update with the table's
+        optimizer. `weight_grad` False (constant weights): None, and inside a step the backend
+        need not wait for the update's delivery until `end_step`."""
         ...
 
     def begin_step(self, step: int) -> None:
@@ -195,12 +198,15 @@ class LocalValues:
         done.set_result(self.bag(ids, weights))
         return done
 
-    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
+                     weight_grad: bool = True) -> torch.Tensor | None:
         if self.parts is None:  # outside a step: apply at once
             self.version += 1
             return to_device(self.table.bag_backward(ids, weights, None, grad_out), ids.device)
-        grad_w, _ = self.table.bag_grad(ids, weights, None, grad_out)  # on the values before the step
         self.parts.append(bag_entries(ids, weights, None, grad_out))
+        if not weight_grad:
+            return None
+        grad_w, _ = self.table.bag_grad(ids, weights, None, grad_out)  # on the values before the step
         return to_device(grad_w, ids.device)
 
     def begin_step(self, step: int) -> None:
@@ -244,6 +250,7 @@ class RemoteValues:
         self.client, self.name, self.num_rows, self.dim = client, name, num_rows, dim
         self.defer_apply = defer_apply
         self.step: int | None = None  # inside a step (begin_step .. end_step): its number
+        self.sent: list[Future] = []  # the step's parts sent without waiting (constant weights): end_step waits
         self.version = 0
         std = init_std if init_std is not None else dim**-0.5
         if create:
@@ -262,11 +269,15 @@ class RemoteValues:
         h_ids, h_w = to_host(ids, weights.detach())
         return on_device(self.client.submit_bag(self.name, h_ids, h_w), ids.device)
 
-    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
+                     weight_grad: bool = True) -> torch.Tensor | None:
         h_ids, h_w, h_grad = to_host(ids, weights.detach(), grad_out.contiguous())
         if self.step is None:  # outside a step: one call, applied at once
             self.version += 1
             grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, defer_apply=self.defer_apply)
+        elif not weight_grad:  # constant weights: the part goes out while the backward goes on
+            self.sent.append(self.client.submit_bag_backward(self.name, h_ids, h_w, h_grad, step=self.step))
+            return None
         else:
             grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, step=self.step, gather=True)
         return to_device(grad_w, ids.device)
@@ -283,6 +294,9 @@ class RemoteValues:
         if self.step is not None:
             self.step = None
             self.version += 1
+            sent, self.sent = self.sent, []
+            for part in sent:  # every part delivered (or its error raised) before the commit
+                part.result()
             self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
 
     @property

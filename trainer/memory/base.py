@@ -78,23 +78,27 @@ class _Bag(torch.autograd.Function):
     applies the value update itself: values are not parameters of the model)."""
 
     @staticmethod
-    def forward(ctx: Any, weights: torch.Tensor, ids: torch.Tensor, backend: ValueBackend, out: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, weights: torch.Tensor, ids: torch.Tensor, backend: ValueBackend, out: torch.Tensor | None,
+                weight_grad: bool) -> torch.Tensor:
         ctx.save_for_backward(ids, weights)
-        ctx.backend = backend
+        ctx.backend, ctx.weight_grad = backend, weight_grad
         return out if out is not None else backend.bag(ids, weights.detach())
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         ids, weights = ctx.saved_tensors
-        grad_w = ctx.backend.bag_backward(ids, weights.detach(), grad_out.float())
-        return grad_w.to(weights.dtype), None, None, None
+        grad_w = ctx.backend.bag_backward(ids, weights.detach(), grad_out.float(), weight_grad=ctx.weight_grad)
+        return (grad_w.to(weights.dtype) if grad_w is not None else None), None, None, None, None
 
 
-def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None, *,
+        weight_grad: bool = True) -> torch.Tensor:
     """Differentiable weighted bag over a value backend: ids, weights [N, n] -> [N, dim]
     (`out`: the bag already fetched, e.g. through submit_bag). The values are updated in the
-    backward only when the weights take part in autograd (they require grad)."""
-    return _Bag.apply(weights, ids, values, out)
+    backward only when the weights take part in autograd (they require grad). `weight_grad`
+    False: the weights are constants (they require grad only so the backward updates the rows),
+    so the backward need not wait for dL/dweights (a remote backend sends the update and goes on)."""
+    return _Bag.apply(weights, ids, values, out, weight_grad)
 
 
 @dataclass(eq=False)
@@ -113,6 +117,7 @@ class MemoryLayer(nn.Module):
 
     groups = 1  # bags read per position (see the module docstring)
     token_addressed = False  # addresses from the token ids alone (`address_tokens`): reads can be prefetched
+    constant_weights = False  # the read weights are constants (no gradient of them is used): see `bag`
 
     def __init__(self, d_in: int, d_out: int, values: ValueBackend | None, *, read_dim: int | None = None,
                  mem_plus: bool = False, micro_batches: int = 1) -> None:
@@ -208,7 +213,8 @@ class MemoryLayer(nn.Module):
         ids, w, pending = started
         n = ids.shape[0]
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
-        out = bag(self.values, flat_ids, flat_w, None if pending is None else pending.result())  # [n*groups, dim]
+        out = bag(self.values, flat_ids, flat_w, None if pending is None else pending.result(),
+                  weight_grad=not (self.constant_weights or self.token_addressed))  # [n*groups, dim]
         return ids, w, self.combine(out.view(n, self.groups, -1))
 
     def combine(self, reads: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ class LSHMemory(MemoryLayer):
             raise ValueError(f"the value table has {values.num_rows} rows, hashes * 2^bits = {hashes << bits}")
         super().__init__(d_in, d_out, values, read_dim=d_out, mem_plus=mem_plus, micro_batches=micro_batches)
         self.groups = hashes  # one bag (of one bucket) per hash function, combined by the sketch
+        self.constant_weights = True  # weights 1: the backward only updates the buckets
         self.hashes, self.bits, self.seed = hashes, bits, seed
         planes, sketch = lsh_tables(d_in, hashes, bits, values.dim, d_out, seed)
         self.register_buffer("planes", planes, persistent=False)
