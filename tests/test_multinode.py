@@ -70,6 +70,8 @@ def test_one_node_cluster_uses_a_placement_group(memory_cluster):
     [
         ({"num_shards": 2, "shard_cpus": 0.25, "placement": "STRICT_SPREAD"}, ["STRICT_SPREAD needs 2 nodes", "CPU=0.25"]),
         ({"num_shards": 1, "shard_cpus": 0.25, "shard_gpus": 1}, ["CPU=0.25, GPU=1", "placement SPREAD"]),
+        # a mixed cluster: one bundle per shard, each with its own GPUs
+        ({"num_shards": 2, "shard_cpus": 0.25, "shard_gpus": [1, 0]}, ["of {CPU=0.25, GPU=1} / {CPU=0.25} with"]),
     ],
 )
 def test_unplaceable_shards_fail_clearly_and_release_everything(memory_cluster, kwargs, words):
@@ -96,6 +98,25 @@ def test_bad_placement_arguments(memory_cluster):
         start_cluster(1, placement="RANDOM")
     with pytest.raises(ValueError, match="shard_cpus > 0 or shard_gpus > 0"):
         start_cluster(1, shard_cpus=0)
+    with pytest.raises(ValueError, match=r"one per shard \(2\), got 3"):
+        start_cluster(2, shard_gpus=[1, 0, 0])
+
+
+def test_shard_gpus_flag_is_one_number_or_one_per_shard(tmp_path):
+    import argparse
+
+    from memserver.cli.common import CliError
+    from memserver.cli.lifecycle import add_parsers, cmd_up
+
+    parser = argparse.ArgumentParser(prog="memserver")
+    add_parsers(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["up", "--shard-gpus", "0.5"]).shard_gpus == 0.5
+    assert parser.parse_args(["up", "--shard-gpus", "1,1,0,0"]).shard_gpus == [1.0, 1.0, 0.0, 0.0]
+    for bad in ("x", "1,-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["up", "--shard-gpus", bad])
+    with pytest.raises(CliError, match="--shard-gpus 1,0: one number for every shard, or one per shard \\(3\\), got 2"):
+        cmd_up(parser.parse_args(["up", "--shards", "3", "--shard-gpus", "1,0"]))
 
 
 def test_placement_flag_and_config_key(tmp_path):

@@ -71,6 +71,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if (rec := running_cluster()) is not None:
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
     _limits(args)  # a bad value is the caller's error, before anything starts
+    gpus = cfg.get("shard_gpus", args.shard_gpus)
+    if isinstance(gpus, list) and len(gpus) != shards:
+        raise CliError(f"--shard-gpus {','.join(f'{g:g}' for g in gpus)}: one number for every shard, or one per "
+                       f"shard ({shards}), got {len(gpus)}")
     if args.detach:
         return _up_detached(args)
 
@@ -195,6 +199,17 @@ def parse_size(text: str) -> int:
     if value != int(value):  # "0.5" would become 0, which turns a limit off
         raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
     return int(value)
+
+
+def parse_gpus(text: str) -> float | list[float]:
+    """--shard-gpus: one number for every shard ("0.5") or one per shard ("1,1,0,0": a mixed cluster)."""
+    try:
+        gpus = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not GPUs: {text!r} (e.g. 1, 0.5, or one per shard: 1,1,0,0)") from None
+    if any(g < 0 for g in gpus):
+        raise argparse.ArgumentTypeError(f"GPUs must be >= 0, got {text!r}")
+    return gpus[0] if len(gpus) == 1 else gpus
 
 
 def _limits(args: argparse.Namespace) -> Any:
@@ -369,7 +384,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
     up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")
-    up.add_argument("--shard-gpus", type=float, default=0.0, help="Ray GPUs per shard actor (rows then live on the GPU)")
+    up.add_argument("--shard-gpus", type=parse_gpus, default=0.0, metavar="G[,G...]",
+                    help="Ray GPUs per shard actor (its value slices then live on its GPU): one number for every "
+                         "shard (0.5: two shards per GPU), or one per shard for a mixed cluster (1,1,0,0)")
     up.add_argument("--threads-per-shard", type=int, default=1, help="torch and numba compute threads in each shard")
     up.add_argument("--session-ttl", type=float, default=0.0,
                     help=f"seconds a client may stay silent before its shards forget its session (default {SESSION_TTL:.0f}); "

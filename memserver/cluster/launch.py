@@ -10,6 +10,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,21 +40,37 @@ def shard_bundle(shard_cpus: float, shard_gpus: float) -> dict[str, float]:
     return bundle
 
 
-def _place_shards(num_shards: int, bundle: dict[str, float], strategy: str, timeout: float) -> Any:
+def shard_gpu_list(num_shards: int, shard_gpus: float | Sequence[float]) -> list[float]:
+    """GPUs per shard: one number for every shard, or one per shard (a mixed cluster: GPU and
+    CPU shards in one table, e.g. [1, 1, 0, 0])."""
+    if isinstance(shard_gpus, (int, float)):
+        gpus = [float(shard_gpus)] * num_shards
+    else:
+        gpus = [float(g) for g in shard_gpus]
+        if len(gpus) != num_shards:
+            raise ValueError(f"shard_gpus: one number for every shard, or one per shard ({num_shards}), got {len(gpus)}")
+    if any(g < 0 for g in gpus):
+        raise ValueError(f"shard_gpus: must be >= 0, got {gpus}")
+    return gpus
+
+
+def _place_shards(bundles: list[dict[str, float]], strategy: str, timeout: float) -> Any:
     """A ready placement group of one bundle per shard; a clear error if Ray cannot place it in time."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    pg = placement_group([dict(bundle) for _ in range(num_shards)], strategy=strategy)
+    pg = placement_group([dict(b) for b in bundles], strategy=strategy)
     if pg.wait(timeout_seconds=timeout):
         return pg
     remove_placement_group(pg)
     alive = [n for n in ray.nodes() if n.get("Alive")]
-    need = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
+    kinds = list(dict.fromkeys("{" + ", ".join(f"{k}={v:g}" for k, v in b.items()) + "}" for b in bundles))
+    need = f"{kinds[0]} each" if len(kinds) == 1 else "of " + " / ".join(kinds)
     total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
     free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-    hint = f" (STRICT_SPREAD needs {num_shards} nodes)" if strategy == "STRICT_SPREAD" else ""
+    n = len(bundles)
+    hint = f" (STRICT_SPREAD needs {n} nodes)" if strategy == "STRICT_SPREAD" else ""
     raise RuntimeError(
-        f"could not place {num_shards} shards of {{{need}}} each with placement {strategy}{hint} within {timeout:g}s: "
+        f"could not place {n} shards of {need} with placement {strategy}{hint} within {timeout:g}s: "
         f"the Ray cluster has {len(alive)} alive node(s), resources {total}, free {free}. Lower --shard-cpus / "
         "--shard-gpus or --shards, add nodes, pick another --placement, or raise --placement-timeout"
     )
@@ -101,7 +118,7 @@ def start_cluster(
     num_shards: int = 2,
     *,
     shard_cpus: float = 0.5,
-    shard_gpus: float = 0.0,
+    shard_gpus: float | Sequence[float] = 0.0,
     threads_per_shard: int = 1,
     name: str = "memserver",
     host: str | None = None,
@@ -120,7 +137,7 @@ def start_cluster(
     """Start `num_shards` shard actors and a named coordinator on the connected Ray cluster.
 
     Shards go into a placement group (one bundle of `shard_cpus` CPUs / `shard_gpus` GPUs each,
-    laid out by `placement`), so SPREAD puts them on different nodes when the cluster has them and
+    or per shard when `shard_gpus` is a list: GPU and CPU shards in one cluster; laid out by `placement`), so SPREAD puts them on different nodes when the cluster has them and
     Ray reserves their resources up front. The coordinator runs on the caller's node, so its
     address is the machine `memserver up` ran on. `host` None: 127.0.0.1 on one node, each
     server's own node address on several ($MEMSERVER_BIND_HOST overrides both).
@@ -172,7 +189,8 @@ def start_cluster(
         log.info("servers listen on %s: %s made and on", host or "each node's address",
                  " and ".join(w for w, made in (("tokens", sec.tokens), ("a self-signed TLS certificate", sec.ca)) if made))
     config = ServeConfig(auth=auth, tls=tls, checkpoint_root=str(Path(root).absolute()), limits=limits or Limits())
-    pg = _place_shards(num_shards, shard_bundle(shard_cpus, shard_gpus), strategy, placement_timeout)
+    gpus = shard_gpu_list(num_shards, shard_gpus)
+    pg = _place_shards([shard_bundle(shard_cpus, g) for g in gpus], strategy, placement_timeout)
     coord = None
     try:
         shard_cls = ray.remote(ShardActor)
@@ -180,7 +198,7 @@ def start_cluster(
             shard_cls.options(
                 name=f"{name}-shard-{i}",
                 num_cpus=shard_cpus,
-                num_gpus=shard_gpus,
+                num_gpus=gpus[i],
                 max_concurrency=16,  # threads for Ray calls; data-plane traffic is gRPC
                 max_restarts=max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),

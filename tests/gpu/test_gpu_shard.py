@@ -171,8 +171,9 @@ def test_index_table_on_a_gpu_shard_says_so(tmp_path, caplog):
 
 
 def test_ray_shard_with_a_gpu(tmp_path):
-    """`memserver up --shard-gpus 0.5`: Ray gives each shard actor the GPU, the shard keeps its
-    slices there (status: cuda:0, 1 GPU id) and serves like a CPU table."""
+    """`memserver up --shards 3 --shard-gpus 0.5,0.5,0`: Ray gives two shard actors the GPU, they
+    keep their slices there (status: cuda:0, 1 GPU id), the third stays on the CPU, and the mixed
+    table serves like a CPU table."""
     ray = pytest.importorskip("ray", reason="Ray is not installed: the Ray-actor GPU test needs it")
     from memserver.cluster.launch import start_cluster
 
@@ -181,10 +182,10 @@ def test_ray_shard_with_a_gpu(tmp_path):
         ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, namespace="memserver-gpu-tests", log_to_driver=False)
     if ray.cluster_resources().get("GPU", 0) < 1:
         pytest.skip("the Ray cluster of this session has no GPU")
-    cluster = start_cluster(2, shard_cpus=0.25, shard_gpus=0.5, name="memserver-gpu")
-    try:
-        status = check_serving(cluster.endpoint, 2, tmp_path)
-        assert [(s.device, s.gpus) for s in status.shards] == [("cuda:0", 1.0)] * 2
+    cluster = start_cluster(3, shard_cpus=0.25, shard_gpus=[0.5, 0.5, 0], name="memserver-gpu")
+    try:  # a mixed cluster: two shards share the GPU, the third is on the CPU
+        status = check_serving(cluster.endpoint, 3, tmp_path)
+        assert [(s.device, s.gpus) for s in status.shards] == [("cuda:0", 1.0)] * 2 + [("cpu", 0.0)]
     finally:
         cluster.shutdown()
         if started:
