@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# Which faiss wheel the venv holds (pyproject's extras cpu and gpu, never both): `make install-gpu`
+# records gpu here, so a later reinstall (pyproject.toml changed) keeps faiss-gpu.
+FAISS ?= $(shell cat $(VENV)/.faiss 2>/dev/null || echo cpu)
 export MEMSERVER_HOME ?= $(CURDIR)/.memserver
 
 .PHONY: install install-gpu browser demo test test-gpu lint proto bench clean
@@ -13,16 +16,19 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch is pinned to 2.13.0 (the CPU wheel on this machine); pip resolves the rest from pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[dev,cpu]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,$(FAISS)]'
+	echo $(FAISS) > $(VENV)/.faiss
 	touch $(STAMP)
 
-# A GPU node: the same install, then faiss-gpu in place of faiss-cpu (both ship the module `faiss`,
-# so the CPU one goes first; pyproject's extras cpu and gpu). torch stays the node's own CUDA build: torch==2.13.0 is satisfied by
+# A GPU node: the same install with faiss-gpu in place of faiss-cpu (both ship the module `faiss`,
+# so a CPU one goes first). torch stays the node's own CUDA build: torch==2.13.0 is satisfied by
 # 2.13.0+cuXXX, so install that build before `make install-gpu` (docs/deploy.md, "A GPU node").
-install-gpu: install
+install-gpu:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make install-gpu: torch sees no CUDA device: install the CUDA build of torch 2.13.0 first (docs/deploy.md)')"
-	$(BIN)/python -m pip uninstall --quiet --yes faiss-cpu
-	$(BIN)/python -m pip install --quiet -e '.[dev,gpu]'
+	$(BIN)/python -m pip uninstall --quiet --yes faiss-cpu || true
+	rm -f $(STAMP)
+	$(MAKE) install FAISS=gpu
 
 demo: install
 	$(BIN)/memserver down >/dev/null 2>&1 || true

@@ -408,3 +408,32 @@ def test_an_update_sent_without_waiting_that_fails_fails_its_step():
     with pytest.raises(UnavailableError, match="restarting"):
         values.end_step(1)
     assert not Refusing.committed
+
+
+def test_a_refused_part_fails_the_step_before_any_table_commits(client, table_name):
+    """pkm + Engram in one model, separate tables: Engram's part (sent without waiting) refused ->
+    the step raises before either table commits (memtrain delivers every table's parts first)."""
+    from concurrent.futures import Future
+
+    from memserver.api.errors import UnavailableError
+
+    class RefusingEngram(_Counting):
+        commits: list = []
+
+        def __getattr__(self, name):
+            if name == "submit_bag_backward":
+                def refuse(*args, **kwargs):
+                    done = Future()
+                    done.set_exception(UnavailableError("shard 1 is restarting"))
+                    return done
+                return refuse
+            if name == "commit_step":
+                return lambda table, step, **kw: (self.commits.append((table, step)),
+                                                  self.client.commit_step(table, step, **kw))[1]
+            return getattr(self.client, name)
+
+    refusing = RefusingEngram(client)
+    with pytest.raises(UnavailableError, match="restarting"):
+        _train(["--steps", "3", "--memory-kind", "pkm,engram", "--memory", "remote", "--table", table_name],
+               client=refusing)
+    assert refusing.commits == []

@@ -71,6 +71,12 @@ class PeekValues:
     def begin_step(self, step: int) -> None:
         pass
 
+    def deliver(self) -> None:
+        pass
+
+    def to(self, device: torch.device | str) -> PeekValues:
+        return self  # the values stay in the cluster (inspection models run on the CPU)
+
     def end_step(self, step: int) -> None:
         pass
 

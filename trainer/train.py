@@ -264,13 +264,13 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
                 shared[kind] = backend
     knowledge: list[KnowledgeSource] = []
     if "kif" in kinds and mem_layers and rank == 0 and not args.kif_source:  # built and uploaded before the barrier
-        knowledge = knowledge_sources(args, corpus, client, rank)
+        knowledge = knowledge_sources(args, corpus, client, rank, device)
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()  # rank 0 has created the tables (and uploaded the KIF source)
     if "kif" in kinds and mem_layers and (rank > 0 or args.kif_source):  # every rank resolves named sources
-        knowledge = knowledge_sources(args, corpus, client, rank)
+        knowledge = knowledge_sources(args, corpus, client, rank, device)
     memory.kif_sources = tuple(s.name for s in knowledge)
     cfg = ModelConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                       n_embd=args.n_embd, dropout=args.dropout, memory=memory)
@@ -279,7 +279,8 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     return Run(model, corpus, values, client if own_client else None, device)
 
 
-def knowledge_sources(args: argparse.Namespace, corpus: Corpus, client: Any, rank: int) -> list[KnowledgeSource]:
+def knowledge_sources(args: argparse.Namespace, corpus: Corpus, client: Any, rank: int,
+                      device: torch.device = CPU) -> list[KnowledgeSource]:
     """The KIF layers' sources: the named index tables, or one built from the training text's
     sentences (encoded once and cached on disk; in the cluster for --memory remote, else faiss here)."""
     if args.kif_source:
@@ -299,8 +300,8 @@ def knowledge_sources(args: argparse.Namespace, corpus: Corpus, client: Any, ran
                          "to build a knowledge source from; give --kif-source")
     log.info("KIF source: %d sentences of %s encoded with %s", len(sentences), corpus.name, encoder.name)
     e = encode_cached(encoder, sentences)
-    if args.memory == "local":
-        return [LocalKnowledge(name, e)]
+    if args.memory == "local":  # faiss where the run is (--device cpu: the CPU, even where faiss sees GPUs)
+        return [LocalKnowledge(name, e, device=str(device))]
     return [upload_source(client, name, e)]
 
 
@@ -501,6 +502,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                 _, loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            for backend in _unique(run.values).values():
+                backend.deliver()  # every table's parts arrived (or the step fails here) before any commits
             for backend in _unique(run.values).values():
                 backend.end_step(step)  # one optimizer step per table, before the trainers synchronise
             if args.trace_every and step % args.trace_every == 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memserver.cli.common import CliError, pid_alive
-from memserver.cluster import PLACEMENT_STRATEGIES
+from memserver.cluster import PLACEMENT_STRATEGIES, parse_gpus, shard_gpu_list
 from memserver.server.sessions import SESSION_TTL
 
 log = logging.getLogger("memserver")
@@ -71,10 +71,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if (rec := running_cluster()) is not None:
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
     _limits(args)  # a bad value is the caller's error, before anything starts
-    gpus = cfg.get("shard_gpus", args.shard_gpus)
-    if isinstance(gpus, list) and len(gpus) != shards:
-        raise CliError(f"--shard-gpus {','.join(f'{g:g}' for g in gpus)}: one number for every shard, or one per "
-                       f"shard ({shards}), got {len(gpus)}")
+    try:  # the flag, or the config's number, list or "1,1,0,0"
+        shard_gpus = shard_gpu_list(shards, cfg.get("shard_gpus", args.shard_gpus))
+    except ValueError as exc:
+        raise CliError(f"--shard-gpus (or the config's shard_gpus): {exc}") from None
     if args.detach:
         return _up_detached(args)
 
@@ -111,7 +111,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster = start_cluster(
         shards,
         shard_cpus=cfg.get("shard_cpus", args.shard_cpus),
-        shard_gpus=cfg.get("shard_gpus", args.shard_gpus),
+        shard_gpus=shard_gpus,
         threads_per_shard=cfg.get("threads_per_shard", args.threads_per_shard),
         port=args.port,
         placement=args.placement or cfg.get("placement") or "SPREAD",
@@ -201,15 +201,12 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def parse_gpus(text: str) -> float | list[float]:
+def gpus_flag(text: str) -> float | list[float]:
     """--shard-gpus: one number for every shard ("0.5") or one per shard ("1,1,0,0": a mixed cluster)."""
     try:
-        gpus = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not GPUs: {text!r} (e.g. 1, 0.5, or one per shard: 1,1,0,0)") from None
-    if any(g < 0 for g in gpus):
-        raise argparse.ArgumentTypeError(f"GPUs must be >= 0, got {text!r}")
-    return gpus[0] if len(gpus) == 1 else gpus
+        return parse_gpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _limits(args: argparse.Namespace) -> Any:
@@ -384,7 +381,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
     up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")
-    up.add_argument("--shard-gpus", type=parse_gpus, default=0.0, metavar="G[,G...]",
+    up.add_argument("--shard-gpus", type=gpus_flag, default=0.0, metavar="G[,G...]",
                     help="Ray GPUs per shard actor (its value slices then live on its GPU): one number for every "
                          "shard (0.5: two shards per GPU), or one per shard for a mixed cluster (1,1,0,0)")
     up.add_argument("--threads-per-shard", type=int, default=1, help="torch and numba compute threads in each shard")

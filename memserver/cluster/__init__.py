@@ -6,3 +6,27 @@ the constants here; only `launch` starts actors.
 
 #: How shard bundles are laid out over Ray nodes (Ray placement-group strategies).
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
+
+
+def parse_gpus(value: float | str | list[float]) -> float | list[float]:
+    """GPUs per shard as a flag or config value: one number for every shard (1, 0.5, "0.5") or one
+    per shard ("1,1,0,0", [1, 1, 0, 0]: a mixed cluster). ValueError saying why not."""
+    if isinstance(value, str):
+        try:
+            value = [float(x) for x in value.split(",")]
+        except ValueError:
+            raise ValueError(f"not GPUs: {value!r} (e.g. 1, 0.5, or one per shard: 1,1,0,0)") from None
+    gpus = [float(value)] if isinstance(value, (int, float)) else [float(g) for g in value]
+    if not gpus or any(g < 0 for g in gpus):
+        raise ValueError(f"GPUs must be >= 0, got {value!r}")
+    return gpus[0] if len(gpus) == 1 else gpus
+
+
+def shard_gpu_list(num_shards: int, shard_gpus: float | str | list[float]) -> list[float]:
+    """GPUs of each of `num_shards` shards (see parse_gpus); ValueError on a list of another length."""
+    gpus = parse_gpus(shard_gpus)
+    if isinstance(gpus, float):
+        return [gpus] * num_shards
+    if len(gpus) != num_shards:
+        raise ValueError(f"one number for every shard, or one per shard ({num_shards}), got {len(gpus)}")
+    return gpus

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from memserver.api.auth import AuthConfig
-from memserver.cluster import PLACEMENT_STRATEGIES
+from memserver.cluster import PLACEMENT_STRATEGIES, shard_gpu_list
 from memserver.cluster.endpoint import memserver_home
 from memserver.cluster.secure import network_facing, secure_defaults
 from memserver.server.config import Limits, ServeConfig, TlsFiles
@@ -38,20 +38,6 @@ def shard_bundle(shard_cpus: float, shard_gpus: float) -> dict[str, float]:
     if not bundle:
         raise ValueError("a shard needs shard_cpus > 0 or shard_gpus > 0 (they are reserved in its placement bundle)")
     return bundle
-
-
-def shard_gpu_list(num_shards: int, shard_gpus: float | Sequence[float]) -> list[float]:
-    """GPUs per shard: one number for every shard, or one per shard (a mixed cluster: GPU and
-    CPU shards in one table, e.g. [1, 1, 0, 0])."""
-    if isinstance(shard_gpus, (int, float)):
-        gpus = [float(shard_gpus)] * num_shards
-    else:
-        gpus = [float(g) for g in shard_gpus]
-        if len(gpus) != num_shards:
-            raise ValueError(f"shard_gpus: one number for every shard, or one per shard ({num_shards}), got {len(gpus)}")
-    if any(g < 0 for g in gpus):
-        raise ValueError(f"shard_gpus: must be >= 0, got {gpus}")
-    return gpus
 
 
 def _place_shards(bundles: list[dict[str, float]], strategy: str, timeout: float) -> Any:
@@ -118,7 +104,7 @@ def start_cluster(
     num_shards: int = 2,
     *,
     shard_cpus: float = 0.5,
-    shard_gpus: float | Sequence[float] = 0.0,
+    shard_gpus: float | str | Sequence[float] = 0.0,
     threads_per_shard: int = 1,
     name: str = "memserver",
     host: str | None = None,

@@ -22,7 +22,7 @@ GPU's work on the next. On the CPU each of them is the identity: the CPU path is
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -90,6 +90,8 @@ class DeviceFuture(Future):
         answer.add_done_callback(self._arrived)
 
     def _arrived(self, answer: Future) -> None:
+        if self.cancelled():  # nobody will take it
+            return
         try:
             value = _each(answer.result(), lambda t: t if t.is_pinned() else
                           torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t))
@@ -129,6 +131,12 @@ class ValueBackend(Protocol):
 
     def begin_step(self, step: int) -> None:
         """A training step starts: until `end_step`, backwards gather their value updates."""
+        ...
+
+    def deliver(self) -> None:
+        """Wait until every update part this step sent without waiting has arrived; raise the
+        first refused one (a trainer calls it on every table before any `end_step`, so a refused
+        part fails the step before any table commits it)."""
         ...
 
     def end_step(self, step: int) -> None:
@@ -212,6 +220,9 @@ class LocalValues:
     def begin_step(self, step: int) -> None:
         self.parts = []
 
+    def deliver(self) -> None:
+        pass  # nothing travels
+
     def end_step(self, step: int) -> None:
         parts, self.parts = self.parts, None
         self.version += 1
@@ -287,16 +298,24 @@ class RemoteValues:
 
     def begin_step(self, step: int) -> None:
         self.step = step
+        self.sent = []  # a failed step's parts (its error was raised then) are not this step's
+
+    def deliver(self) -> None:
+        """Wait for every part sent without waiting, all of them, then raise the first refused one."""
+        sent, self.sent = self.sent, []
+        wait(sent)
+        for part in sent:
+            part.result()
 
     def end_step(self, step: int) -> None:
         """Commit the step's parts on every shard: one optimizer step (sync tables: once every
-        trainer committed). With defer_apply the shards answer first and apply it right after."""
+        trainer committed). With defer_apply the shards answer first and apply it right after.
+        Parts sent without waiting are delivered first (`deliver`): a refused one raises here
+        and this table commits nothing."""
         if self.step is not None:
+            self.deliver()
             self.step = None
             self.version += 1
-            sent, self.sent = self.sent, []
-            for part in sent:  # every part delivered (or its error raised) before the commit
-                part.result()
             self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
 
     @property
