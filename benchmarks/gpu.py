@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -193,5 +192,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()

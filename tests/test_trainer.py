@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.ddp import run_trainers
 from trainer.memory import LocalValues, ProductKeyMemory, usage_metrics
 from trainer.train import build_parser, train
 
@@ -126,27 +127,10 @@ def test_shared_values_take_one_optimizer_step_per_training_step(client, table_n
 def test_two_data_parallel_trainers_equal_one_on_the_combined_batch(client, memory_cluster, table_name, tmp_path, extra):
     """Two gloo trainers (batch 2 each) against a sync_updates table == one trainer of batch 4,
     also when each trainer sends a step in several parts (micro-batches, two layers on one table)."""
-    import os
-    import socket
-
     common = [*TINY, "--steps", "4", "--seed", "5", "--value-lr", "0.05", "--no-query-bn", "--eval-every", "4", *extra]
     single = list(train(build_parser().parse_args([*common, "--memory", "local", "--batch-size", "4"])))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "ddp.jsonl"
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "GLOO_SOCKET_IFNAME": "lo"}
-        argv = [sys.executable, "-m", "trainer.train", *common, "--memory", "remote", "--batch-size", "2",
-                "--endpoint", memory_cluster.endpoint, "--table", table_name, "--log-json", str(log)]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      stdin=subprocess.DEVNULL))
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
-    ddp = [json.loads(line) for line in log.read_text().splitlines()]
+    ddp = run_trainers([*common, "--memory", "remote", "--batch-size", "2", "--endpoint", memory_cluster.endpoint,
+                        "--table", table_name], tmp_path / "ddp.jsonl", env={"GLOO_SOCKET_IFNAME": "lo"})
     assert [r["step"] for r in ddp] == [r["step"] for r in single] == [1, 2, 3, 4]
     for a, b in zip(single, ddp):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)

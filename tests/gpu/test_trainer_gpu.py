@@ -10,7 +10,6 @@ ValueTable, and memtrain's remote runs against GPU shards of `memserver.cluster.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ import torch
 from memserver.core.optim import OptimizerConfig
 from memserver.core.steps import bag_entries, combine
 from memserver.core.table import ValueTable
+from tests.ddp import run_trainers
 from trainer.memory import EngramMemory, LocalValues, LSHMemory, ProductKeyMemory, RemoteValues
 from trainer.memory.backends import DeviceFuture
 from trainer.train import build_parser, train
@@ -286,31 +286,13 @@ def test_memtrain_remote_on_cuda_gives_the_cpu_losses(exact_cuda, extra, gpu_ser
 
 def test_two_trainers_on_nccl_equal_one_on_the_combined_batch(exact_cuda, request, tmp_path):
     """Data-parallel on GPUs: two NCCL trainers (batch 2 each, one GPU each) == one of batch 4."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs one GPU per trainer: this machine has fewer than 2")
     server, _ = request.getfixturevalue("gpu_server")
     table = "gpu-ddp"
     common = [*TINY, "--steps", "4", "--seed", "5", "--value-lr", "0.05", "--no-query-bn", "--eval-every", "4"]
     single = losses([*common, "--batch-size", "4", "--device", "cuda:0"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "ddp.jsonl"
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "NVIDIA_TF32_OVERRIDE": "0"}
-        argv = [sys.executable, "-m", "trainer.train", *common, "--memory", "remote", "--batch-size", "2",
-                "--device", "cuda", "--endpoint", server.endpoint, "--table", table, "--log-json", str(log)]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      stdin=subprocess.DEVNULL))
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
-    ddp = [(r["loss"], r.get("val_loss")) for r in map(json.loads, log.read_text().splitlines())]
+    ddp = run_trainers([*common, "--memory", "remote", "--batch-size", "2", "--device", "cuda", "--endpoint",
+                        server.endpoint, "--table", table], tmp_path / "ddp.jsonl", env={"NVIDIA_TF32_OVERRIDE": "0"})
+    ddp = [(r["loss"], r.get("val_loss")) for r in ddp]
     assert_same_losses(single, ddp)
