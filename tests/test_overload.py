@@ -456,7 +456,7 @@ def test_clients_retry_calls_an_overloaded_server_refused(fake_cluster):
 #: The flood's limits: 3 calls, 48 MiB of requests in progress, so with 32 MiB requests one runs,
 #: a second is refused once read (it would pass 48 MiB) and the rest before they are read.
 FLOOD_LIMITS = Limits(max_inflight_calls=3, max_inflight_bytes=48 * MiB)
-THREADS, CALLS_PER_THREAD, FLOOD_SECONDS = 16, 12, 60.0
+THREADS, CALLS_PER_THREAD, FLOOD_SECONDS, FLOOD_ROUNDS = 16, 12, 60.0, 6
 BAGS, PER_BAG = 1024, 4096  # a [1024, 4096] bag batch: int32 ids + float32 weights = 32 MiB
 REQUEST = 32 * MiB
 
@@ -480,6 +480,11 @@ def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def rejected_by(samples, method: str) -> dict[str, float]:
     return {dict(labels)["limit"]: v for (name, labels), v in samples.items()
             if name == "memserver_rejected_total" and dict(labels)["method"] == method}
+
+
+def readers_refused(samples) -> float:
+    """How many of the readers' calls (Lookup on `other`, SlotStats on `flooded`) were refused."""
+    return sum(rejected_by(samples, "SlotStats").values()) + sum(rejected_by(samples, "Lookup").values())
 
 
 def bag_request(table: str, layout_id: int) -> bytes:
@@ -603,7 +608,16 @@ def test_a_flooded_shard_refuses_stays_bounded_and_recovers(overload_cluster):
             with RssWatch(metrics_address) as watch:
                 for t in readers:
                     t.start()
-                seen = flood(address, body, THREADS, CALLS_PER_THREAD, FLOOD_SECONDS, threading.Event())
+                # floods until a reader's call was refused too (on a fast machine one flood of
+                # 192 calls can pass between the readers' calls), bounded in rounds and time
+                seen: dict[str, int] = {}
+                deadline = time.monotonic() + FLOOD_SECONDS
+                for _ in range(FLOOD_ROUNDS):
+                    left = deadline - time.monotonic()
+                    for code, n in flood(address, body, THREADS, CALLS_PER_THREAD, left, threading.Event()).items():
+                        seen[code] = seen.get(code, 0) + n
+                    if readers_refused(scrape(metrics_address)) or time.monotonic() > deadline:
+                        break
                 stop.set()
                 for t in readers:
                     t.join(120)
@@ -627,7 +641,7 @@ def test_a_flooded_shard_refuses_stays_bounded_and_recovers(overload_cluster):
     assert not failures, failures
     assert answered["other"] > 0 and answered["flooded"] > 0
     # some of the readers' calls were refused on the way (which reader's is timing: either table's)
-    assert sum(rejected_by(samples, "SlotStats").values()) + sum(rejected_by(samples, "Lookup").values()) > 0
+    assert readers_refused(samples) > 0
     # (d) in-flight gauges back to 0
     for name in ("memserver_inflight_calls", "memserver_inflight_bytes"):
         assert after[(name, ())] == 0, name
