@@ -63,6 +63,7 @@ RUNS: dict[str, list[str]] = {
     "remote engram": ["--memory", "remote", "--memory-kind", "engram"],
     "remote engram staleness 1": ["--memory", "remote", "--memory-kind", "engram", "--staleness", "1"],
     "remote engram no prefetch": ["--memory", "remote", "--memory-kind", "engram", "--no-prefetch"],
+    "remote engram sync commit": ["--memory", "remote", "--memory-kind", "engram", "--sync-commit"],
     "local engram 8x": ["--memory", "local", "--memory-kind", "engram", "--engram-slots", str(8 * 65536)],
 }
 
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=3, help="uncounted steps at the start of each run")
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of: " + ", ".join(RUNS))
     p.add_argument("--max-seconds", type=float, default=600.0, help="stop starting new blocks after this")
+    p.add_argument("--threads", type=int, default=0, help="memtrain --threads of every run (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="2 blocks of 6 steps, 2 warm-up")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for i, n in enumerate(names):
             # --steps beyond what we run: memtrain evaluates at its last step, which we never reach
             run_argv = [*RUNS[n], "--steps", str(total + 1000), "--eval-every", "1000000", "--log-every", "1",
-                        "--table", f"bench-train-{i}"]
+                        *(["--threads", str(args.threads)] if args.threads else []), "--table", f"bench-train-{i}"]
             commands[n] = "memtrain " + " ".join(run_argv[:-2])
             gens[n] = train(build_parser().parse_args(run_argv), client=client)
         try:

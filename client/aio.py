@@ -468,7 +468,8 @@ class AsyncMemoryClient:
         return like(await self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.opts)), weights)
 
     async def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
-                           defer_apply: bool = False, step: int = 0, gather: bool = False) -> Any:
+                           defer_apply: bool = False, step: int = 0, gather: bool = False,
+                           weight_grad: bool = True) -> Any:
         """Backward of `bag`: returns dL/dweights (shape of ids) and makes the shards apply
         weights * grad_out to the rows through the table's optimizer (exactly once).
 
@@ -476,11 +477,14 @@ class AsyncMemoryClient:
         anything else), so the caller overlaps it with its next step; see docs/architecture.md.
         `step`: the trainer's step, which sync_updates tables use to gather all trainers' pushes.
         `gather`: this call is one part of `step`; dL/dw is computed on the values before the step
-        and the update waits for `commit_step`, so any number of parts make one optimizer step."""
+        and the update waits for `commit_step`, so any number of parts make one optimizer step.
+        `weight_grad` False (the caller does not use dL/dweights): the shards skip it; returns None."""
         tags = self.tags()
         parts = self.session.step_parts(table, step) if gather else None
-        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply, step, parts)  # noqa: E731
-        return like(await self._call(table, op, tags), weights)
+        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply, step,  # noqa: E731
+                                              parts, weight_grad)
+        grad_w = await self._call(table, op, tags)
+        return None if grad_w is None else like(grad_w, weights)
 
     async def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
         """Apply this client's `gather` parts of `step` as one optimizer step (a sync_updates table:

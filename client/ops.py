@@ -413,8 +413,10 @@ def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOption
 
 
 def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offsets: Any, opts: OpOptions,
-                    tags: WriteTags, defer_apply: bool = False, step: int = 0, parts: StepParts | None = None) -> Op:
+                    tags: WriteTags, defer_apply: bool = False, step: int = 0, parts: StepParts | None = None,
+                    weight_grad: bool = True) -> Op:
     """dL/dweights (shape of ids); the shards apply weights * grad_out to the rows (exactly once).
+    `weight_grad` False: the shards skip dL/dweights and the op returns None.
 
     `parts` given: each request is a `gather` part of `step` (the update waits for commit_step_plan),
     and `parts` records, per shard index, the seqs of the parts this call delivered: only once
@@ -423,7 +425,7 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
     t_ids, w, off, num_bags = _bag_args(meta, ids, weights, offsets)
     g = _floats(grad_out, "grad_out")
     check_rows(g, num_bags, meta.dim, "grad_out")
-    grad_w = torch.zeros(t_ids.shape, dtype=torch.float32)
+    grad_w = torch.zeros(t_ids.shape if weight_grad else (0,), dtype=torch.float32)
     flat_gw = grad_w.view(-1)
     calls, places = [], []
     k = _entries_per_bag(t_ids, off, num_bags)
@@ -436,7 +438,8 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
             g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
             tag = tags(part, meta, sh)
             req = Lazy(pb.BagBackwardRequest(table=meta.name, tag=tag, defer_apply=defer_apply,
-                                             step=step, layout_id=meta.layout_id, gather=parts is not None),
+                                             step=step, layout_id=meta.layout_id, gather=parts is not None,
+                                             no_weight_grad=not weight_grad),
                        {"ids": enc(s_ids, ids=True), "weights": enc(s_w), "grad_out": wire_tensor(g_sh, opts.wire_dtype)})
             # no answer space: dL/dw comes back inline (the session keeps it for a retry's answer)
             if s_off is not None:
@@ -444,14 +447,16 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
             calls.append((sh.address, "BagBackward", req))
             places.append((sh, entries, mask, tag.seq))
     for (sh, entries, mask, seq), resp in zip(places, (yield calls)):
+        if parts is not None:
+            parts.add(sh.index, seq)
+        if not weight_grad:
+            continue
         got = decode(resp.grad_weights, "grad_weights").reshape(-1)
         if mask is None:
             _into(flat_gw, (entries,), got, add=True)  # cols: each shard's dot product covers its columns
         else:
             flat_gw[entries][mask] = got  # rows: each entry lives on one shard
-        if parts is not None:
-            parts.add(sh.index, seq)
-    return grad_w
+    return grad_w if weight_grad else None
 
 
 def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts: dict[int, list[int]] | None = None,

@@ -194,11 +194,13 @@ class MemoryClient:
         return like(self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.aio.opts)), weights)
 
     def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
-                     defer_apply: bool = False, step: int = 0, gather: bool = False) -> Any:
+                     defer_apply: bool = False, step: int = 0, gather: bool = False, weight_grad: bool = True) -> Any:
         tags = self.aio.tags()
         parts = self.aio.session.step_parts(table, step) if gather else None
-        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.aio.opts, tags, defer_apply, step, parts)  # noqa: E731
-        return like(self._call(table, op, tags), weights)
+        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.aio.opts, tags, defer_apply,  # noqa: E731
+                                              step, parts, weight_grad)
+        grad_w = self._call(table, op, tags)
+        return None if grad_w is None else like(grad_w, weights)
 
     def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
         meta = self.aio._tables.get(table) or self.table(table)
@@ -288,10 +290,18 @@ class MemoryClient:
         return self._loop.submit(self.aio.bag(table, ids, weights, offsets))
 
     def submit_bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
-                            step: int, gather: bool = True) -> Future[Any]:
-        """`bag_backward` without waiting (a part of `step` whose dL/dweights the caller does not
-        use: it sends the update and goes on; `commit_step` after every such future is done)."""
-        return self._loop.submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, step=step, gather=gather))
+                            step: int, gather: bool = True) -> Future[None]:
+        """`bag_backward` without waiting, for a part of `step` whose dL/dweights the caller does
+        not use (the shards skip it; the future gives None): it sends the update and goes on;
+        `commit_step` after every such future is done."""
+        return self._loop.submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, step=step, gather=gather,
+                                                       weight_grad=False))
+
+    def submit_commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> Future[int]:
+        """`commit_step` without waiting (a trainer overlaps it with its next step's first work).
+        Until the future is done the step may not be applied: a caller that reads the table
+        meanwhile, or commits its next step, waits for it first (trainer.memory.RemoteValues)."""
+        return self._loop.submit(self.aio.commit_step(table, step, defer_apply=defer_apply))
 
     def submit_search(self, table: str, queries: Any, k: int, **kwargs: Any) -> Future[tuple[Any, ...]]:
         """`search` without waiting (a KIF layer sends a chunk's search and goes on)."""

@@ -372,3 +372,34 @@ def test_an_old_client_s_count_commit_still_applies_on_its_shard(pairs):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "this shard has 2" in err.value.details()
     _phase(stubs, 1, pb.STEP_PHASE_UNSPECIFIED, 4, 1, parts=2)
     assert_same(run.state(), ref.state())
+
+
+@pytest.mark.parametrize("sharding", [pb.COLS, pb.ROWS], ids=["cols", "rows"])
+def test_parts_without_dl_dw_make_the_same_step_and_the_shards_skip_it(pairs, sharding, monkeypatch):
+    """bag_backward(weight_grad=False) (Engram's constant weights): None back, no dL/dw computed on
+    any shard, and the very step (values and optimizer state) of parts that asked for it."""
+    from memserver.core.table import ValueTable
+
+    calls = {"n": 0}
+    bag_grad = ValueTable.bag_grad
+
+    def counting(self, *args, **kwargs):
+        calls["n"] += 1
+        return bag_grad(self, *args, **kwargs)
+
+    monkeypatch.setattr(ValueTable, "bag_grad", counting)
+    skipping, asking = pairs("skip", spec(sharding)), pairs("ask", spec(sharding))
+    for step in (1, 2):
+        for seed in (step, step + 10):
+            assert skipping.client.bag_backward(NAME, *batch(seed), step=step, gather=True, weight_grad=False) is None
+        skipping.client.commit_step(NAME, step)
+    assert calls["n"] == 0
+    for step in (1, 2):
+        for seed in (step, step + 10):
+            asking.client.bag_backward(NAME, *batch(seed), step=step, gather=True)
+        asking.client.commit_step(NAME, step)
+    assert_same(skipping.state(), asking.state())
+    assert calls["n"] == 2 * 2 * 2  # the asking pair's: 2 steps x 2 parts x 2 shards
+    # the trainer's call (memtrain's Engram and LSH parts) skips it too
+    assert skipping.client.submit_bag_backward(NAME, *batch(5), step=3).result() is None
+    assert calls["n"] == 8

@@ -437,3 +437,94 @@ def test_a_refused_part_fails_the_step_before_any_table_commits(client, table_na
         _train(["--steps", "3", "--memory-kind", "pkm,engram", "--memory", "remote", "--table", table_name],
                client=refusing)
     assert refusing.commits == []
+
+
+# --- the commit in flight (end_step(wait=False), memtrain's default) -------------------------
+
+
+class _SlowCommits:
+    """The cluster's client with its commits sent without waiting arriving 0.3 s late, so a call
+    that does not wait for the commit reads the rows without the step."""
+
+    def __init__(self, client) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.client, self.pool = client, ThreadPoolExecutor(1)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def submit_commit_step(self, table, step, **kwargs):
+        import time
+
+        return self.pool.submit(lambda: (time.sleep(0.3), self.client.commit_step(table, step, **kwargs))[1])
+
+
+def test_every_call_after_a_commit_in_flight_sees_its_step(client, table_name):
+    """end_step(wait=False) returns with the commit in flight; a bag, a prefetch (chained, not
+    waited for), the next step's backward and its commit all act on the table with the step
+    applied: the rows equal local values' after the same calls."""
+    local = LocalValues(64, 4, lr=0.1, seed=2)
+    remote = RemoteValues(_SlowCommits(client), table_name, 64, 4, lr=0.1, seed=2)
+    ids, w = torch.tensor([[1, 2], [2, 3]]), torch.ones(2, 2)
+    grad = torch.arange(8, dtype=torch.float32).view(2, 4)
+    for step in (1, 2):
+        for v in (local, remote):
+            v.begin_step(step)
+            v.bag_backward(ids, w, grad, weight_grad=False)
+            v.end_step(step, wait=False)
+        assert remote.committing is not None and not remote.committing.done()  # still in flight
+        one = (torch.tensor([[1], [2], [3]]), torch.ones(3, 1))
+        prefetch = remote.submit_bag(*one)  # chained after the commit: returns at once
+        assert not prefetch.done()
+        # (the shards' Adam and the local one differ in the last bits; a read without the step
+        # is off by about lr = 0.1)
+        torch.testing.assert_close(remote.bag(*one), local.bag(*one), rtol=0, atol=1e-6)  # waits for the commit
+        torch.testing.assert_close(prefetch.result(), local.bag(*one), rtol=0, atol=1e-6)
+    remote.settle()
+    rows = torch.as_tensor(client.lookup(table_name, torch.arange(64), count=False))
+    torch.testing.assert_close(rows, local.table.weight, rtol=0, atol=1e-6)
+
+
+def test_a_commit_refused_in_flight_fails_the_next_call_once():
+    from concurrent.futures import Future
+
+    from memserver.api.errors import StepAbortedError
+
+    class Refusing:
+        bags = 0
+
+        def submit_bag_backward(self, *args, **kwargs):
+            done = Future()
+            done.set_result(None)
+            return done
+
+        def submit_commit_step(self, *args, **kwargs):
+            done = Future()
+            done.set_exception(StepAbortedError("shard 1 lacks part 3"))
+            return done
+
+        def bag(self, *args):
+            Refusing.bags += 1
+            return torch.zeros(1, 4)
+
+    values = RemoteValues(Refusing(), "t", 16, 4, create=False)
+    values.begin_step(1)
+    values.bag_backward(torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2), torch.ones(1, 4), weight_grad=False)
+    values.end_step(1, wait=False)
+    with pytest.raises(StepAbortedError, match="lacks part 3"):
+        values.bag(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1))
+    assert Refusing.bags == 0  # nothing read past a failed commit
+    values.bag(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1))  # raised once: the caller decides
+    assert Refusing.bags == 1
+
+
+def test_memtrain_commits_in_flight_with_the_losses_of_waiting(client, table_name):
+    """memtrain's default (commits overlapped, the exact prefetch chained after them) trains to the
+    very losses of --sync-commit, on a table small enough that consecutive batches share rows."""
+    steps = ["--steps", "6", "--seed", "4", "--value-lr", "0.2", "--memory-kind", "pkm,engram", "--memory", "remote",
+             "--table", table_name, "--engram-slots", "60"]
+    waiting = _train([*steps, "--sync-commit"], client=client)
+    overlapped = _train(steps, client=_SlowCommits(client))
+    assert [r["loss"] for r in overlapped] == [r["loss"] for r in waiting]
+    assert overlapped[-1]["val_loss"] == waiting[-1]["val_loss"]

@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--no-prefetch", action="store_true",
                      help="token-addressed layers (engram) read when the forward reaches them instead of as soon as "
                           "the batch is drawn (same losses at --staleness 0; for measuring the prefetch)")
+    mem.add_argument("--sync-commit", action="store_true",
+                     help="remote tables: wait for each step's commit before going on, instead of overlapping it "
+                          "with the dense optimizer step and the next step's first work (same losses; for measuring "
+                          "the overlap)")
     mem.add_argument("--wal", action="store_true",
                      help="remote tables log every update before acknowledging it, so a restarted shard loses none "
                           "(without it, a shard restart returns the table to its latest checkpoint)")
@@ -505,11 +509,15 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
             for backend in _unique(run.values).values():
                 backend.deliver()  # every table's parts arrived (or the step fails here) before any commits
             for backend in _unique(run.values).values():
-                backend.end_step(step)  # one optimizer step per table, before the trainers synchronise
+                # one optimizer step per table; remote: committed while the loop goes on (the
+                # backend's next call waits for it, the exact prefetch chains after it)
+                backend.end_step(step, wait=args.sync_commit)
             if args.trace_every and step % args.trace_every == 0:
                 tracer.send(x, y, step)
             loss = loss.detach()
             if world > 1:
+                for backend in _unique(run.values).values():
+                    backend.settle()  # every trainer's step applied before any trainer reads again
                 average_across_trainers([p.grad for p in dense if p.grad is not None] + [loss], world)
             if prefetch and args.staleness == 0 and step < args.steps:
                 model.prefetch(batches.peek(), max_age=0)  # every trainer has committed step t
@@ -542,6 +550,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                     yield rec
             if args.checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
                 save_checkpoint(run, opt, batches.state(), step, args.checkpoint_dir)
+        for backend in _unique(run.values).values():
+            backend.settle()  # the last step's commit (or its error) before the run counts as done
     finally:
         run.close()
 

@@ -205,14 +205,15 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                     sl.check_gather(request.step, client)
 
             def apply() -> pb.Tensor:
-                grad_w, update = sl.table.bag_grad(local, weights, offsets, grad_out)
-                if gathered:
+                if gathered:  # dL/dw on the values before the step (not computed if unused)
+                    grad_w = None if request.no_weight_grad else sl.table.bag_grad(local, weights, offsets, grad_out)[0]
                     sl.gather(request.step, client, request.tag.seq, bag_entries(local, weights, offsets, grad_out, copy=True))
                     if not request.gather:
                         self._update(sl, sl.commit(request.step, client), request.defer_apply)
                 else:
+                    grad_w, update = sl.table.bag_grad(local, weights, offsets, grad_out)
                     self._update(sl, update, request.defer_apply)
-                return encode(grad_w)
+                return pb.Tensor() if request.no_weight_grad else encode(grad_w)
 
             grad_w, dup = sl.once(request.tag, BAG_BACKWARD, request, apply, check)
             return pb.BagBackwardResponse(grad_weights=grad_w, duplicate=dup)

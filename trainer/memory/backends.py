@@ -104,6 +104,32 @@ class DeviceFuture(Future):
         return _each(super().result(timeout), lambda t: to_device(t, self.device))
 
 
+def after(first: Future, then: Callable[[], Future[T]]) -> Future[T]:
+    """A future of what `then()`'s future gives, `then` called once `first` is done (on the thread
+    that completes it); `first`'s error, or `then`'s, is the result's."""
+    out: Future[T] = Future()
+
+    def _copy(done: Future[T]) -> None:
+        if done.cancelled():
+            out.cancel()
+        elif done.exception() is not None:
+            out.set_exception(done.exception())
+        else:
+            out.set_result(done.result())
+
+    def _next(done: Future) -> None:
+        try:
+            if done.cancelled() or done.exception() is not None:
+                _copy(done)
+                return
+            then().add_done_callback(_copy)
+        except BaseException as exc:  # then() itself refused (a closed client)
+            out.set_exception(exc)
+
+    first.add_done_callback(_next)
+    return out
+
+
 def on_device(answer: Future[T], device: torch.device) -> Future[T]:
     """`answer` (host tensors) as a future of tensors on `device`; on the CPU the future itself."""
     return answer if device.type == "cpu" else DeviceFuture(answer, device)
@@ -139,9 +165,17 @@ class ValueBackend(Protocol):
         part fails the step before any table commits it)."""
         ...
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, *, wait: bool = True) -> None:
         """Apply the step's gathered value updates as one optimizer step (call it after the
-        backward; data-parallel trainers before they synchronise, so the next step reads them)."""
+        backward; data-parallel trainers before they synchronise, so the next step reads them).
+        `wait` False: the backend may return before the step is applied (a remote commit in
+        flight); every later call of this backend is ordered after it, so reads see the same
+        values, and `settle` waits for it."""
+        ...
+
+    def settle(self) -> None:
+        """Wait until the last `end_step` is applied; raise its error (data-parallel trainers call
+        it before they synchronise: the others' next reads must see this trainer's step)."""
         ...
 
     def check_save(self, directory: Path) -> None:
@@ -223,11 +257,14 @@ class LocalValues:
     def deliver(self) -> None:
         pass  # nothing travels
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, *, wait: bool = True) -> None:
         parts, self.parts = self.parts, None
         self.version += 1
         if parts:
             self.table.apply_entries(*combine(parts))
+
+    def settle(self) -> None:
+        pass  # end_step applied it
 
     def check_save(self, directory: Path) -> None:
         pass  # the trainer's own file: the trainer writes it
@@ -262,6 +299,7 @@ class RemoteValues:
         self.defer_apply = defer_apply
         self.step: int | None = None  # inside a step (begin_step .. end_step): its number
         self.sent: list[Future] = []  # the step's parts sent without waiting (constant weights): end_step waits
+        self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
         self.version = 0
         std = init_std if init_std is not None else dim**-0.5
         if create:
@@ -274,15 +312,21 @@ class RemoteValues:
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         h_ids, h_w = to_host(ids, weights.detach())
+        self.settle()
         return to_device(self.client.bag(self.name, h_ids, h_w), ids.device)
 
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
+        """Sent now, or, while a commit is in flight, as soon as it is applied (chained, not
+        waited for: the exact prefetch of step t+1 overlaps step t's commit too)."""
         h_ids, h_w = to_host(ids, weights.detach())
-        return on_device(self.client.submit_bag(self.name, h_ids, h_w), ids.device)
+        if self.committing is None:
+            return on_device(self.client.submit_bag(self.name, h_ids, h_w), ids.device)
+        return on_device(after(self.committing, lambda: self.client.submit_bag(self.name, h_ids, h_w)), ids.device)
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:
         h_ids, h_w, h_grad = to_host(ids, weights.detach(), grad_out.contiguous())
+        self.settle()
         if self.step is None:  # outside a step: one call, applied at once
             self.version += 1
             grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, defer_apply=self.defer_apply)
@@ -307,23 +351,35 @@ class RemoteValues:
         for part in sent:
             part.result()
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, *, wait: bool = True) -> None:
         """Commit the step's parts on every shard: one optimizer step (sync tables: once every
         trainer committed). With defer_apply the shards answer first and apply it right after.
         Parts sent without waiting are delivered first (`deliver`): a refused one raises here
-        and this table commits nothing."""
+        and this table commits nothing. `wait` False: the commit is sent and this returns; the
+        next call of this backend waits for it (a read chains after it), so it reads what it would
+        have read; its error is raised there, or by `settle`."""
         if self.step is not None:
             self.deliver()
+            self.settle()
             self.step = None
             self.version += 1
-            self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
+            if wait:
+                self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
+            else:
+                self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply)
+
+    def settle(self) -> None:
+        """Wait for the commit in flight, if any; raise its error (once)."""
+        committing, self.committing = self.committing, None
+        if committing is not None:
+            committing.result()
 
     @property
     def trace_table(self) -> str:
         return self.name
 
     def record_triggers(self, records: tuple[Any, ...], info: str = "") -> None:
-        self.client.record_triggers(self.name, *records, info=info)
+        self.client.record_triggers(self.name, *records, info=info)  # the slots' trigger heaps, not the rows
 
     def check_save(self, directory: Path) -> None:
         """Ask the cluster (a dry-run checkpoint: its root's rule, nothing written)."""
@@ -342,10 +398,12 @@ class RemoteValues:
         """The cluster checkpoints the table under <directory>/memory/<table> (each table its own
         checkpoint root, so every backend saves on its own)."""
         where = f"memory/{self.name}"
+        self.settle()
         self.client.checkpoint(str(directory.resolve() / where), step, [self.name])
         return {"checkpoint": where, "table": self.name}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        self.settle()
         self.version += LOADED
         self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
 

@@ -284,7 +284,7 @@ class BagResponse(_message.Message):
     def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class BagBackwardRequest(_message.Message):
-    __slots__ = ("table", "ids", "weights", "offsets", "grad_out", "tag", "defer_apply", "step", "layout_id", "gather", "shm")
+    __slots__ = ("table", "ids", "weights", "offsets", "grad_out", "tag", "defer_apply", "step", "layout_id", "gather", "no_weight_grad", "shm")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,7 @@ class BagBackwardRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GATHER_FIELD_NUMBER: _ClassVar[int]
+    NO_WEIGHT_GRAD_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
@@ -306,8 +307,9 @@ class BagBackwardRequest(_message.Message):
     step: int
     layout_id: int
     gather: bool
+    no_weight_grad: bool
     shm: ShmCall
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., step: _Optional[int] = ..., layout_id: _Optional[int] = ..., gather: _Optional[bool] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., step: _Optional[int] = ..., layout_id: _Optional[int] = ..., gather: _Optional[bool] = ..., no_weight_grad: _Optional[bool] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
 
 class BagBackwardResponse(_message.Message):
     __slots__ = ("grad_weights", "duplicate")
