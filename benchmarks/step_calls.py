@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import time
 from typing import Any
 
 from benchmarks.common import local_cluster
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) a process has used so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class TimedClient:
@@ -59,14 +66,22 @@ def main(argv: list[str] | None = None) -> None:
                 ["--memory", memory, "--memory-kind", args.kind, "--steps", str(args.steps + 1000), "--eval-every",
                  "1000000", "--log-every", "1", "--table", "step-calls", "--threads", str(args.threads)]), client=timed)
             steps = []
+            pids = [s["pid"] for s in cluster.shard_infos]
             try:
                 for i in range(args.steps):
+                    if i == args.warmup:
+                        t0, mine0, shards0 = time.perf_counter(), time.process_time(), sum(map(cpu_seconds, pids))
                     rec = next(run)
                     if i >= args.warmup:
                         steps.append(rec["step_ms"])
+                n = len(steps)
+                wall, mine = (time.perf_counter() - t0) / n, (time.process_time() - mine0) / n
+                shards = (sum(map(cpu_seconds, pids)) - shards0) / n
             finally:
                 run.close()
-            print(f"{memory} {args.kind}: step p50 {statistics.median(steps):.1f} ms ({len(steps)} steps)")
+            print(f"{memory} {args.kind}: step p50 {statistics.median(steps):.1f} ms ({n} steps); per step: wall "
+                  f"{1e3 * wall:.1f} ms, CPU of the trainer process {1e3 * mine:.1f} ms, of the shards "
+                  f"{1e3 * shards:.1f} ms ({os.cpu_count()} cores)")
             for name, v in sorted(timed.times.items()):
                 last = v[-(args.steps - args.warmup):]
                 print(f"    {name:>38}: p50 {1e3 * statistics.median(last):8.2f} ms ({len(v)} calls)")

@@ -197,3 +197,21 @@ def test_memtrain_refuses_a_checkpoint_dir_outside_the_root_before_step_one(memo
                             timeout=300, stdin=subprocess.DEVNULL)
     assert inside.returncode == 0, inside.stderr
     assert (tmp_path / "ck" / "memory" / table_name).is_dir()
+
+
+def test_every_value_backend_answers_the_whole_protocol():
+    """LocalValues, RemoteValues and inspection's PeekValues have every ValueBackend method with its
+    signature, so the training loop never asks which backend it holds (PeekValues once lacked
+    `settle` and end_step's `wait`)."""
+    import inspect
+
+    from trainer.inspection import PeekValues
+    from trainer.memory.backends import LocalValues, RemoteValues, ValueBackend
+
+    wanted = {n: f for n, f in vars(ValueBackend).items() if callable(f) and not n.startswith("_")}
+    assert {"end_step", "settle", "bag", "submit_bag", "deliver"} <= set(wanted)
+    for cls in (LocalValues, RemoteValues, PeekValues):
+        for name, proto in wanted.items():
+            got = getattr(cls, name, None)
+            assert got is not None, f"{cls.__name__} lacks {name}"
+            assert list(inspect.signature(got).parameters) == list(inspect.signature(proto).parameters), (cls, name)

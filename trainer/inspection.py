@@ -77,10 +77,18 @@ class PeekValues:
     def to(self, device: torch.device | str) -> PeekValues:
         return self  # the values stay in the cluster (inspection models run on the CPU)
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, *, wait: bool = True) -> None:
+        pass
+
+    def settle(self) -> None:
         pass
 
     def check_save(self, directory: Path) -> None:
+        raise RuntimeError("PeekValues is read-only (inspection)")
+
+    trace_table = None  # inspection reads; it records no triggers
+
+    def record_triggers(self, records: tuple[Any, ...], info: str = "") -> None:
         raise RuntimeError("PeekValues is read-only (inspection)")
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
