@@ -10,6 +10,7 @@ own compute) run on the asyncio client in a private event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -36,6 +37,11 @@ from memserver.api.usage import TableUsage
 from memserver.loop import LoopThread
 
 T = TypeVar("T")
+log = logging.getLogger("memserver.client")
+
+#: How long `close` waits for the asyncio side (shared-memory detach, channels) before it leaves
+#: the rest to the process's exit: a close never hangs its caller.
+CLOSE_SECONDS = 10.0
 
 
 class MemoryClient:
@@ -142,7 +148,11 @@ class MemoryClient:
             self._channels.clear()
             self._stubs.clear()
         if self._loop.loop.is_running():
-            self._run(self.aio.close())
+            try:
+                self._loop.call(self.aio.close(), timeout=CLOSE_SECONDS)
+            except TimeoutError:  # e.g. a channel whose close never completes
+                log.warning("client close: the asyncio side did not finish closing within %.0f s; leaving it to "
+                            "the process's exit", CLOSE_SECONDS)
             self._loop.stop()
 
     def __enter__(self) -> MemoryClient:
