@@ -1,7 +1,9 @@
 """Where a remote memtrain step's extra time goes, seen from the client: every client call the
 trainer makes is timed (a blocking call: its own time; a `submit_*` call: the time to send it, and
 the time until its answer arrived), over the steps after a warm-up, beside the same run with
-local values. A profile, not a benchmark (no baseline ratio, no target).
+local values, and the CPU time per step of the trainer's process and of the shards' processes
+(on a machine whose cores the trainer fills, the shards' CPU time is step time: nothing overlaps).
+A profile, not a benchmark (no baseline ratio, no target).
 
     python -m benchmarks.step_calls [--kind engram] [--steps 25 --warmup 5] [--threads 0]
 
