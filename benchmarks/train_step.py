@@ -12,7 +12,8 @@ encodes them, later ones read the cache); and remote product keys with live trac
 contexts (`--trace-every 1` and `10`, 5% of the positions), compared with plain remote; and
 Engram (orders 2,3 x 4 hash heads, 65,536 rows of 32 floats: the product-key default's bytes)
 locally, remotely with its reads prefetched (exact, and `--staleness 1`), remotely without the
-prefetch, and locally with a table 8x the product-key default's bytes (524,288 rows). Each
+prefetch, remotely with each step's commit waited for (`--sync-commit`; memtrain's default sends
+it and goes on), and locally with a table 8x the product-key default's bytes (524,288 rows). Each
 remote run is compared with the local run of its kind, and every run with no memory.
 
 The runs are advanced in blocks of --block steps, round robin, so background load on the
