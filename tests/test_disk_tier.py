@@ -104,22 +104,24 @@ def test_equal_with_cols_slice_and_tiny_or_no_cache(tmp_path, policy):
         _random_calls(ram, disk, seed=7, calls=40)
 
 
+def _owned(t: DiskTable) -> int:
+    """The bytes of every array the table owns in RAM (the files are mapped)."""
+    return sum(v.nbytes for v in vars(t).values() if isinstance(v, np.ndarray) and v.base is None)
+
+
 def test_cache_bound_counted(tmp_path):
     cfg = OptimizerConfig("adagrad", 0.1)
     with pytest.raises(ValueError, match="cache_bytes must be at least"):
         DiskTable(tmp_path / "x", 10, 4, cfg, cache_bytes=MIN_CACHE_BYTES - 1)
     for bound in (MIN_CACHE_BYTES, 1500, 4096, 10_000, 123_457):
         t = DiskTable(tmp_path / str(bound), 5000, 16, cfg, cache_bytes=bound)
-        def owned() -> int:  # every array the table owns in RAM (the files are mapped)
-            return sum(v.nbytes for v in vars(t).values() if isinstance(v, np.ndarray) and v.base is None)
-
-        held = owned()
+        held = _owned(t)
         assert held == t.cache_nbytes() <= bound
         assert t.capacity * t.record <= bound
         t.bag(torch.arange(0, 5000, 7).view(-1, 1), torch.ones(715, 1))
         t.lookup(torch.arange(0, 5000, 3))
         t.push_gradients(torch.arange(0, 5000, 11), torch.ones(455, 16))
-        assert owned() == t.cache_nbytes() == held and t.cache_stats()["cached_rows"] <= t.capacity
+        assert _owned(t) == t.cache_nbytes() == held and t.cache_stats()["cached_rows"] <= t.capacity
     # the capacity is as large as the bound allows: one slot more would not fit
     assert t._cache_size(t.capacity + 1) > bound >= t._cache_size(t.capacity)
 

@@ -267,6 +267,13 @@ def _estimate(sketch, row):  # pragma: no cover - compiled
 
 
 @nb.njit(inline="always")
+def _prefetch_counts(sketch, row):  # pragma: no cover - compiled
+    mask = sketch.shape[1] - 1
+    for d in range(sketch.shape[0]):
+        _prefetch2(sketch, d, np.int64(_mix(row, d + 1)) & mask)
+
+
+@nb.njit(inline="always")
 def _add(sketch, row, st):  # pragma: no cover - compiled
     mask = sketch.shape[1] - 1
     for d in range(sketch.shape[0]):
@@ -281,56 +288,102 @@ def _add(sketch, row, st):  # pragma: no cover - compiled
         st[_ADDS] //= 2
 
 
+#: How many rows ahead the compiled loops prefetch: a miss's record is one random read of the
+#: file's mapping (4 KiB pages: a TLB miss too), and a loop that waits for each is 4-6x slower.
+_AHEAD = 16
+
+
 @nb.njit(inline="always")
-def _place(r, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all, slots, raw):  # pragma: no cover - compiled
-    """A missed row `r` (not in the hash) into a slot of this call (pinned), or not: returns
-    (its slot or -1, records written back). The victim: a free slot while any is left, else
-    CLOCK's (the first unpinned slot whose bit is clear), kept when TinyLFU says it was read at
-    least as often recently. A dirty victim goes back to the file (sealed) before its slot is
-    given away; the caller fills the slot with r's record."""
+def _prefetch_record(a, r, nw):  # pragma: no cover - compiled
+    """Prefetch the cache lines of record r of a [rows, nw] array (8-byte words), nw > 0."""
+    for j in range(0, nw, 8):
+        _prefetch2(a, r, j)
+    _prefetch2(a, r, nw - 1)
+
+
+@nb.njit(inline="always")
+def _sweep(slot_row, ref, pin, st, epoch, victims):  # pragma: no cover - compiled
+    """CLOCK's victims for a call's misses, in the order they come: from the hand on, each slot
+    not pinned by this call that is free or whose bit is clear is taken (and pinned, so no later
+    miss of the call takes it again), the bit of every other unpinned slot passed is cleared.
+    At most two turns of the hand. Branch-free (its branches were a miss's largest cost: a
+    random bit per slot passed). Returns how many it found (fewer than asked: every other slot
+    is this call's)."""
+    cap = slot_row.shape[0]
+    want = victims.shape[0]
+    c = st[_HAND]
+    k = 0
+    for _ in range(2 * cap + 1):
+        if k >= want:
+            break
+        mine = pin[c] == epoch
+        take = (not mine) and (slot_row[c] == -1 or ref[c] == 0)
+        victims[k] = c
+        k += take
+        ref[c] = ref[c] if mine else 0
+        pin[c] = epoch if take else pin[c]
+        c = c + 1 if c + 1 < cap else 0
+    st[_HAND] = c
+    return k
+
+
+@nb.njit(inline="always")
+def _admit(missed, nmiss, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all, slots, raw,
+           slot_out):  # pragma: no cover - compiled
+    """Place a call's missed rows (distinct, none cached; the call's hits already pinned):
+    slot_out[k] the slot missed[k] takes, or -1 (served from the file only). A free slot while
+    any is left, else its CLOCK victim (`_sweep`: each miss is offered the next one), kept when
+    TinyLFU says it was read at least as often recently. A dirty victim goes back to the file
+    (sealed) before its slot is given away; the caller fills the slots. Returns the records
+    written back."""
     cap = slot_row.shape[0]
     shift = st[_SHIFT]
     epoch = st[_EPOCH]
-    s = -1
     written = 0
-    if st[_USED] < cap:
-        s = st[_USED]
-        st[_USED] += 1
-    else:
-        for _ in range(2 * cap + 1):
-            c = st[_HAND]
-            st[_HAND] = (c + 1) % cap
-            if pin[c] == epoch:
-                continue
-            if slot_row[c] == -1:
-                s = c
-                break
-            if ref[c]:
-                ref[c] = 0
-                continue
-            s = c
-            break
-        if s < 0:
-            return -1, 0  # every slot is this call's: serve the row from the file
-        old = slot_row[s]
-        if old != -1:
-            if not admit_all and _estimate(sketch, r) <= _estimate(sketch, old):
-                return -1, 0  # TinyLFU: the victim was read at least as often recently; keep it
-            if dirty[s]:
-                for j in range(slots.shape[1]):
-                    raw[old, j] = slots[s, j]
-                _seal(raw[old])
-                written = 1
-            st[_EVICT] += 1
-            _delete(keys, vals, _probe(keys, old, shift), shift)
-    pos = _probe(keys, r, shift)  # after the delete, which may have moved entries
-    keys[pos] = r
-    vals[pos] = s
-    slot_row[s] = r
-    ref[s] = 1
-    pin[s] = epoch
-    dirty[s] = 0
-    return s, written
+    k0 = 0
+    victims = np.empty(0, np.int64)
+    found = 0
+    first = st[_USED]
+    if cap:
+        k0 = min(nmiss, cap - first)  # a cache still filling: its next free slots first
+        st[_USED] += k0
+        pin[first : first + k0] = epoch  # theirs: the sweep passes them
+        victims = np.empty(nmiss - k0, np.int64)
+        found = _sweep(slot_row, ref, pin, st, epoch, victims) if nmiss > k0 else 0
+    for k in range(nmiss):
+        slot_out[k] = -1
+        r = missed[k]
+        if k < k0:
+            s = first + k
+        elif k - k0 < found:
+            if not admit_all and k - k0 + _AHEAD < found:  # the estimates' counters, ahead
+                _prefetch_counts(sketch, missed[k + _AHEAD])
+                ahead = slot_row[victims[k - k0 + _AHEAD]]
+                if ahead != -1:
+                    _prefetch_counts(sketch, ahead)
+            s = victims[k - k0]
+            old = slot_row[s]
+            if old != -1:
+                if not admit_all and _estimate(sketch, r) <= _estimate(sketch, old):
+                    continue  # TinyLFU: the victim was read at least as often recently; keep it
+                if dirty[s]:
+                    for j in range(slots.shape[1]):
+                        raw[old, j] = slots[s, j]
+                    _seal(raw[old])
+                    written += 1
+                st[_EVICT] += 1
+                _delete(keys, vals, _probe(keys, old, shift), shift)
+        else:
+            continue  # every slot is this call's: served from the file
+        pos = _probe(keys, r, shift)
+        keys[pos] = r
+        vals[pos] = s
+        slot_row[s] = r
+        ref[s] = 1
+        pin[s] = epoch
+        dirty[s] = 0
+        slot_out[k] = s
+    return written
 
 
 @nb.njit(nogil=True, cache=True)
@@ -338,13 +391,15 @@ def _resolve(rows, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all,
              hit):  # pragma: no cover - compiled
     """Place each distinct row of a call (a write's gather): slot_of[i] its cache slot (a hit, or
     a miss admitted now, its slot to be filled by `_copy_records`) or -1 (a miss served from the
-    file only); hit[i]. Slots of this call are pinned (never evicted by a later row of it).
-    Records as uint64 words. Returns the dirty victims written back."""
-    cap = slot_row.shape[0]
+    file only); hit[i]. The hits first (pinned: no miss of the call evicts them), then the misses
+    (`_admit`). Records as uint64 words. Returns the dirty victims written back."""
     shift = st[_SHIFT]
     epoch = st[_EPOCH]
-    written = 0
-    for i in range(rows.shape[0]):
+    n = rows.shape[0]
+    missed = np.empty(n, np.int64)
+    at = np.empty(n, np.int64)
+    nmiss = 0
+    for i in range(n):
         r = rows[i]
         if not admit_all:
             _add(sketch, r, st)
@@ -359,38 +414,29 @@ def _resolve(rows, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all,
             continue
         hit[i] = 0
         st[_MISSES] += 1
-        slot_of[i] = -1
-        if cap:
-            slot_of[i], w = _place(r, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all, slots, raw)
-            written += w
+        missed[nmiss] = r
+        at[nmiss] = i
+        nmiss += 1
+    placed = np.empty(nmiss, np.int64)
+    written = _admit(missed, nmiss, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all, slots, raw, placed)
+    for k in range(nmiss):
+        slot_of[at[k]] = placed[k]
     return written
-
-
-#: How many ids (rows) ahead the read kernels prefetch: a miss's record is one random read of
-#: the file's mapping (4 KiB pages: a TLB miss too), and a loop that waits for each is 4-6x slower.
-_AHEAD = 16
-
-
-@nb.njit(inline="always")
-def _prefetch_record(a, r, nw):  # pragma: no cover - compiled
-    """Prefetch the cache lines of record r of a [rows, nw] array (8-byte words), nw > 0."""
-    for j in range(0, nw, 8):
-        _prefetch2(a, r, j)
-    _prefetch2(a, r, nw - 1)
 
 
 @nb.njit(nogil=True, cache=True)
 def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all, slots,
                raw, src):  # pragma: no cover - compiled
     """Where each id's row is for a read: src[i] = the cache slot holding row ids[i] (>= 0) or
-    -1 - the row, read in place from the file's mapping. Two passes. The ids, in order: a hit
-    pins its slot (and counts once: its first id in the call), a miss joins this call's misses
-    (distinct, a small set), the read counters (hits, weight_mass; empty: not counted) counted.
-    Then the misses, in order of first read: each checked (its checksum) before anything uses
-    it and placed as `_resolve` places a row (`_place`, which cannot evict a row this call hit),
-    its record copied into its slot; its ids still read the file (the same bytes). Both passes
-    prefetch `_AHEAD` rows ahead. Returns (rows read from the file, records written back,
-    0 or 1 = a corrupt row or 2 = a row out of range, that row)."""
+    -1 - the row, read in place from the file's mapping. First the ids, in order: a hit pins
+    its slot (and counts once: its first id in the call), a miss joins this call's misses
+    (distinct: a small set), the read counters (hits, weight_mass; empty: not counted) counted.
+    Then the misses, in order of first read: every one checked (its checksum) before any is
+    placed, so a call that meets a corrupt row changes no slot; then placed (`_admit`, as a
+    write's `_resolve` places them), each admitted record copied into its slot; their ids still
+    read the file (the same bytes). The loops prefetch `_AHEAD` rows ahead. Returns (rows read
+    from the file, records written back, 0 or 1 = a corrupt row or 2 = a row out of range, that
+    row)."""
     n = ids.shape[0]
     num_rows = raw.shape[0]
     nw = raw.shape[1]
@@ -444,19 +490,21 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
         st[_MISSES] += 1
         if not admit_all:
             _add(sketch, r, st)
-    written = 0
     for k in range(nmiss):
         if k + _AHEAD < nmiss:
             _prefetch_record(raw, missed[k + _AHEAD], nw)
-        r = missed[k]
-        if not _intact(raw[r]):
-            return k + 1, written, 1, r
-        if cap:
-            s, w = _place(r, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all, slots, raw)
-            written += w
-            if s >= 0:
-                for j in range(nw):
-                    slots[s, j] = raw[r, j]
+        if not _intact(raw[missed[k]]):
+            return k + 1, 0, 1, missed[k]
+    if cap == 0:
+        return nmiss, 0, 0, -1
+    placed = np.empty(nmiss, np.int64)
+    written = _admit(missed, nmiss, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all, slots, raw, placed)
+    for k in range(nmiss):
+        s = placed[k]
+        if s >= 0:
+            r = missed[k]
+            for j in range(nw):
+                slots[s, j] = raw[r, j]
     return nmiss, written, 0, -1
 
 
