@@ -424,6 +424,23 @@ def _resolve(rows, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all,
     return written
 
 
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _check_rows(raw, rows):  # pragma: no cover - compiled
+    """The first of `rows` (its position) whose record in the file fails its checksum, or -1;
+    the records read in parallel, prefetched `_AHEAD` ahead."""
+    n = rows.shape[0]
+    nw = raw.shape[1]
+    bad = np.zeros(n, np.uint8)
+    for k in nb.prange(n):
+        if k + _AHEAD < n:
+            _prefetch_record(raw, rows[k + _AHEAD], nw)
+        bad[k] = not _intact(raw[rows[k]])
+    for k in range(n):
+        if bad[k]:
+            return k
+    return -1
+
+
 @nb.njit(nogil=True, cache=True)
 def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all, slots,
                raw, src):  # pragma: no cover - compiled
@@ -490,11 +507,9 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
         st[_MISSES] += 1
         if not admit_all:
             _add(sketch, r, st)
-    for k in range(nmiss):
-        if k + _AHEAD < nmiss:
-            _prefetch_record(raw, missed[k + _AHEAD], nw)
-        if not _intact(raw[missed[k]]):
-            return k + 1, 0, 1, missed[k]
+    bad = _check_rows(raw, missed[:nmiss])
+    if bad >= 0:
+        return bad + 1, 0, 1, missed[bad]
     if cap == 0:
         return nmiss, 0, 0, -1
     placed = np.empty(nmiss, np.int64)
