@@ -61,6 +61,8 @@ POLICIES = ("tinylfu", "clock")
 MIN_CACHE_BYTES = 1024
 # indices into the cache's small state array
 _HAND, _EPOCH, _ADDS, _SAMPLE, _USED, _EVICT, _HITS, _MISSES, _SHIFT = range(9)
+# and the CPU ticks (`_ticks`) reads spent in each stage of `_read_rows`: benchmarks.disk_profile
+_T_IDS, _T_CHECK, _T_PLACE = range(9, 12)
 _EMPTY = np.int64(-1)
 
 
@@ -184,6 +186,24 @@ def _prefetch2(typingctx, a, i, j):  # pragma: no cover - compiled
     if isinstance(a, types.Array) and a.ndim == 2:
         return types.void(a, types.intp, types.intp), _prefetch_codegen
     return None
+
+
+@intrinsic
+def _ticks(typingctx):  # pragma: no cover - compiled
+    """The CPU's cycle counter (llvm.readcyclecounter: the TSC on x86, 0 where there is none)."""
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
+@nb.njit(nogil=True)
+def ticks():  # pragma: no cover - compiled
+    """`_ticks` for Python (benchmarks.disk_profile calibrates the stages' counts with it)."""
+    return _ticks()
 
 
 @intrinsic
@@ -469,6 +489,7 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
     mshift = 64
     while (np.int64(1) << (64 - mshift)) < m:
         mshift -= 1
+    t0 = _ticks()
     seen = np.full(m, -1, np.int64)  # this call's misses, a set
     missed = np.empty(n, np.int64)  # and in order of first read
     nmiss = 0
@@ -507,7 +528,11 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
         st[_MISSES] += 1
         if not admit_all:
             _add(sketch, r, st)
+    t1 = _ticks()
+    st[_T_IDS] += t1 - t0
     bad = _check_rows(raw, missed[:nmiss])
+    t2 = _ticks()
+    st[_T_CHECK] += t2 - t1
     if bad >= 0:
         return bad + 1, 0, 1, missed[bad]
     if cap == 0:
@@ -520,6 +545,7 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
             r = missed[k]
             for j in range(nw):
                 slots[s, j] = raw[r, j]
+    st[_T_PLACE] += _ticks() - t2
     return nmiss, written, 0, -1
 
 
