@@ -1,10 +1,14 @@
 """A value table slice larger than memory: its rows on disk under a bounded cache of hot rows.
 
-`DiskTable` answers every call `ValueTable` answers with the same numbers, because it runs the
-same code: a call gathers the rows it touches (each distinct row once, from the cache or the
-file) into a small dense working set, runs `ValueTable`'s math on it (`ValueTable.over`: the
-same numba kernels, the same optimizer step), and scatters the changed rows back. The working
-set grows with the rows a call touches, never with the table.
+`DiskTable` answers every call `ValueTable` answers with the same numbers. A write (a step, a
+push, write_rows) runs the same code: it gathers the rows it touches (each distinct row once,
+from the cache or the file) into a small dense working set, runs `ValueTable`'s math on it
+(`ValueTable.over`: the same numba kernels, the same optimizer step), and scatters the changed
+rows back. A read (bag, lookup) takes no working set: one compiled pass (`_read_rows`) finds
+each id's row where it is, its cache slot or its record in the file's mapping (misses checked,
+then placed in the cache), and a second sums (`_bag_sum`, in the order and with the roundings
+of torch's CPU embedding_bag, the in-memory table's bag) or copies the values straight from
+there. Either way a call's memory grows with the rows it touches, never with the table.
 
 On disk, one file per slice, `rows.dat`: a fixed-stride record per row holding everything a
 step reads and writes, so a miss is one read and a write-back one write of one place:
@@ -12,14 +16,16 @@ step reads and writes, so a miss is one read and a write-back one write of one p
     updates int64 | last_update float64 | check uint32 | pad | weight f32[dim] | acc f32 (adagrad)
                                                               | exp_avg f32[dim], exp_avg_sq f32[dim] (adam)
 
-(`check` is a checksum of the rest of the record: a corrupt row is refused by name, never
-served). The read counters (hits, weight mass: written by every read, never by a step) are a
+(`check` is a checksum of the rest of the record, `_check_of`: a corrupt row is refused by
+name, never served). The read counters (hits, weight mass: written by every read, never by a step) are a
 second file, `stats.dat`, mapped and left to the page cache, so reads never dirty a row. The
 cache keeps whole records in the same layout, so moving a row is one copy.
 
 The cache: CLOCK (a reference bit per slot, a hand that sweeps) for the victim, and TinyLFU
 admission (a 4-bit count-min sketch of recent reads, halved every 10 x capacity additions): a
-missed row replaces the victim only when it was read more often recently. Memory layers read
+missed row replaces the victim only when it was read more often recently. A call pins its hits
+first, then places its misses together (`_admit`: one CLOCK victim offered to each miss, in
+order), so no miss of a call evicts a row the same call read. Memory layers read
 Zipf-like, and a scan of cold rows (a uniform batch) then cannot flush the hot ones; measured
 against plain LRU in `benchmarks.disk_tier` (docs/benchmarks.md). Everything the cache holds
 (records, the row -> slot hash, CLOCK bits, sketch) is counted against `cache_bytes`.
