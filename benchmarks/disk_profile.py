@@ -1,8 +1,13 @@
-"""Where a disk-tier bag's time goes: one `DiskTable.bag` call split into its stages (read
-counters, distinct rows, the cache's bookkeeping `_resolve`, the record copy `_copy_records`, the
-sum), p50 over calls drawn Zipf-like, beside the same table in RAM. A profile, not a benchmark.
+"""Where a disk-tier bag's time goes: one `DiskTable.bag` call split into its stages, p50 over
+calls drawn Zipf-like, beside the same table in RAM, both on the same threads (`--threads`,
+torch's and numba's). The stages: `_read_rows` (where each id's row is), itself in three (the
+pass over the ids: hash probes, pins, the sketch's counts, the read counters; the misses'
+checksums; their placement: CLOCK's sweep, TinyLFU, evictions, records copied into slots),
+counted inside the kernel by the CPU's cycle counter (disk._T_IDS ...), converted to ms at the
+counter's rate measured here; then the sum `_bag_sum`, from the cache slots and the file's
+mapping. A profile, not a benchmark.
 
-    python -m benchmarks.disk_profile [--rows 400000 --dim 64 --zipf 1.0 --calls 30 --warm 40]
+    python -m benchmarks.disk_profile [--rows 400000 --dim 64 --zipf 1.0 --calls 30 --warm 40 --threads 1]
 
 docs/benchmarks.md ("Disk tier") quotes it.
 """
@@ -23,7 +28,7 @@ import torch
 import memserver.core.disk as disk
 from benchmarks.disk_tier import zipf_sampler
 from memserver.core.optim import OptimizerConfig
-from memserver.core.table import ValueTable
+from memserver.core.table import ValueTable, set_threads
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 
@@ -48,8 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ids", type=int, default=32)
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--warm", type=int, default=40)
+    p.add_argument("--threads", type=int, default=1, help="torch and numba threads (a shard's compute thread's)")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    set_threads(args.threads)
     cfg = OptimizerConfig("adagrad", 0.01)
     with tempfile.TemporaryDirectory(prefix="disk-profile-") as work:
         record, _ = disk.record_layout(args.dim, cfg.name)
@@ -62,23 +68,34 @@ def main(argv: list[str] | None = None) -> None:
                  for _ in range(args.warm + args.calls)]
         for ids in calls[: args.warm]:
             t.bag(ids, w)
-        disk._resolve, disk._copy_records = timed("_resolve", disk._resolve), timed("_copy_records", disk._copy_records)
-        t._count_reads, t._distinct = timed("read counters", t._count_reads), timed("distinct rows", t._distinct)
-        t._gather = timed("_gather (resolve + copy + rest)", t._gather)
+        disk._read_rows, disk._bag_sum = timed("_read_rows (read pass)", disk._read_rows), timed("_bag_sum", disk._bag_sum)
+        t._check_file = timed("_check_file (stat, fstat)", t._check_file)
         distinct: list[int] = []
+        stages = ("the ids (probe, pin, count)", "the misses' checksums", "placing the misses")
+        disk.ticks()  # compiled before the clock starts
+        t0, c0 = time.perf_counter(), disk.ticks()
         for ids in calls[args.warm :]:
             timed("RAM table bag", ram.bag)(ids, w)
+            before = t._st[[disk._T_IDS, disk._T_CHECK, disk._T_PLACE]].copy()
             timed("disk table bag (whole call)", t.bag)(ids, w)
+            for name, n in zip(stages, t._st[[disk._T_IDS, disk._T_CHECK, disk._T_PLACE]] - before):
+                TIMES[name].append(float(n))
             distinct.append(len(np.unique(ids.numpy())))
+        rate = (disk.ticks() - c0) / (time.perf_counter() - t0)  # counter ticks a second
+        for name in stages:
+            TIMES[name] = [n / rate for n in TIMES[name]] if rate > 0 else [float("nan")]
         t.close()
     print(f"{args.rows:,} rows x {args.dim}, cache 1/{args.ratio}, zipf {args.zipf}, {args.bags} x {args.ids} ids "
           f"(~{statistics.median(distinct):,.0f} distinct rows a call), p50 ms over {args.calls} calls:")
     p50 = {name: 1e3 * statistics.median(v) for name, v in TIMES.items()}
     for name, ms in p50.items():
-        print(f"  {name:>32}: {ms:7.3f}")
-    rest = p50["disk table bag (whole call)"] - sum(p50[k] for k in ("read counters", "distinct rows",
-                                                                      "_gather (resolve + copy + rest)"))
-    print(f"  {'the sum (weights copy + bag)':>32}: {rest:7.3f}  (the whole call less the stages above)")
+        print(f"  {'  ' + name if name in stages else name:>32}: {ms:7.3f}")
+    rest = p50["disk table bag (whole call)"] - sum(p50[k] for k in ("_read_rows (read pass)", "_bag_sum",
+                                                                      "_check_file (stat, fstat)"))
+    print(f"  {'the rest (Python, arguments)':>32}: {rest:7.3f}  (the whole call less the stages above)")
+    s = t.cache_stats()
+    print(f"  hit rate {s['hits'] / max(1, s['hits'] + s['misses']):.3f} (distinct rows of a call found in the cache), "
+          f"disk / RAM q/s {p50['RAM table bag'] / p50['disk table bag (whole call)']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ against the disk's own random read rate of rows, measured in the same run on the
 The cache policy: the same traces replayed through TinyLFU-over-CLOCK (ours), CLOCK without
 admission, and an exact LRU (an OrderedDict), hit rates side by side.
 
-    python -m benchmarks.disk_tier [--rows 2000000 --dim 64 --bags 512 --ids 32 --calls 40 --dir /tmp]
+    python -m benchmarks.disk_tier [--rows 2000000 --dim 64 --bags 512 --ids 32 --calls 40 --dir /tmp --threads 1]
 
 The page cache: the data file is dropped from it (POSIX_FADV_DONTNEED) before each distribution,
 but on a machine whose free memory exceeds the file it fills again as the run reads; the figure
@@ -33,7 +33,7 @@ import torch
 
 from memserver.core.disk import DiskTable
 from memserver.core.optim import OptimizerConfig
-from memserver.core.table import ValueTable
+from memserver.core.table import ValueTable, set_threads
 
 
 def zipf_sampler(n: int, s: float, rng: np.random.Generator):
@@ -92,8 +92,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40, help="timed calls per kind, table and distribution")
     ap.add_argument("--warm", type=int, default=40, help="untimed calls first (fill the cache)")
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--threads", type=int, default=1, help="torch and numba threads, both tables (a shard's compute thread's)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    set_threads(args.threads)
     cfg = OptimizerConfig("adagrad", 0.01)
     work = Path(tempfile.mkdtemp(prefix="disk-tier-", dir=args.dir))
     try:
@@ -126,6 +127,8 @@ def main() -> None:
             for b in batches[: args.warm]:  # both tables: the RAM one's first calls are slow too
                 disk.bag(torch.from_numpy(b), w)
                 ram.bag(torch.from_numpy(b), w, count=False)
+            for t in (disk, ram):  # and one backward each, so no timed call compiles a kernel (numba, first use)
+                t.bag_backward(torch.from_numpy(batches[0]), w, None, g)
             for k, kind in enumerate(("bag", "bag_backward")):  # fresh draws for each: no replayed rows
                 lat: dict[str, list[float]] = {"ram": [], "disk": []}
                 before = disk.cache_stats()

@@ -250,10 +250,16 @@ def count_reads(ids, weights, hits, weight_mass):  # pragma: no cover - compiled
     (weights may be empty for a lookup). Replaces two index_add_ calls and their temporaries."""
     with_w = weights.shape[0] == ids.shape[0]
     for i in range(ids.shape[0]):
-        r = ids[i]
-        hits[r] += 1
-        if with_w:
-            weight_mass[r] += abs(weights[i])
+        count_read(ids[i], weights, i, with_w, hits, weight_mass)
+
+
+@nb.njit(inline="always")
+def count_read(r, weights, i, with_w, hits, weight_mass):  # pragma: no cover - compiled
+    """One read of row r (entry i) counted: hits[r] += 1, weight_mass[r] += |weights[i]| when
+    with_w. `count_reads`' step, and the disk tier's read pass's (memserver.core.disk)."""
+    hits[r] += 1
+    if with_w:
+        weight_mass[r] += abs(weights[i])
 
 
 @nb.njit(inline="always")

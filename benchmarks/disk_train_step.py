@@ -1,0 +1,93 @@
+"""memtrain's step with its product-key values on a disk table about 8x its cache, against the
+same table in RAM: the runs side by side in one process, round robin in blocks of steps as in
+benchmarks.train_step (same warm-up rules), on one local cluster of 2 shards.
+
+memtrain itself creates its remote tables in RAM; here its client is wrapped so that a table
+whose name contains "disk" is created with `tier="disk"` and `cache_bytes` = the rows' records /
+--ratio (records as one rows-sharded slice lays them out; a cols table's records on 2 shards
+are a header longer, ~1.5% more file). The cache's hit rate and disk reads come from the
+shards' status at the end.
+
+    python -m benchmarks.disk_train_step [--blocks 4 --block 11 --warmup 3 --ratio 8 --n-keys 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from benchmarks.common import local_cluster
+from memserver.core.disk import MIN_CACHE_BYTES, record_layout
+
+
+class DiskTables:
+    """A client whose create_table puts tables named "*disk*" on the disk tier, cache 1/ratio."""
+
+    def __init__(self, client: Any, ratio: int) -> None:
+        self.client, self.ratio = client, ratio
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def create_table(self, name: str, num_rows: int, dim: int, **kw: Any) -> Any:
+        if "disk" in name:
+            record = record_layout(dim, kw.get("optimizer", "adam"))[0]
+            kw.update(tier="disk", cache_bytes=max(4 * MIN_CACHE_BYTES, num_rows * record // self.ratio))
+        return self.client.create_table(name, num_rows, dim, **kw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--block", type=int, default=11)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ratio", type=int, default=8, help="file bytes / cache bytes")
+    p.add_argument("--n-keys", type=int, default=128, help="memtrain's --n-keys (n_keys^2 rows)")
+    args = p.parse_args(argv)
+    from client import MemoryClient
+    from trainer.train import build_parser, train
+
+    runs = {"remote RAM table": "bench-ram", f"remote disk table, cache 1/{args.ratio}": "bench-disk"}
+    total = args.blocks * args.block
+    step_ms: dict[str, list[float]] = {n: [] for n in runs}
+    with local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=300) as client:
+        wrapped = DiskTables(client, args.ratio)
+        gens = {}
+        for n, table in runs.items():
+            run_argv = ["--memory", "remote", "--n-keys", str(args.n_keys), "--steps", str(total + 1000),
+                        "--eval-every", "1000000", "--log-every", "1", "--table", table]
+            gens[n] = train(build_parser().parse_args(run_argv), client=wrapped)
+        try:
+            for b in range(args.blocks):
+                for n in runs:
+                    for s in range(args.block):
+                        rec = next(gens[n])
+                        if (b == 0 and s < args.warmup) or (b > 0 and s == 0):
+                            continue
+                        step_ms[n].append(rec["step_ms"])
+            disk: dict[str, int] = {}
+            for shard in client.status().shards:  # the disk table's cache, summed over its slices
+                for t in shard.tables:
+                    if t.tier == "disk":
+                        for k in ("cache_hits", "cache_misses", "cache_evictions", "disk_reads", "disk_writes"):
+                            disk[k] = disk.get(k, 0) + getattr(t, k)
+        finally:
+            for gen in gens.values():
+                gen.close()
+    print(f"memtrain defaults, --n-keys {args.n_keys} ({args.n_keys ** 2:,} rows x 128, adam), 2 shards; "
+          f"{args.blocks} blocks of {args.block} steps round robin, {time.strftime('%Y-%m-%d %H:%M')}")
+    ms = {n: statistics.median(v) for n, v in step_ms.items()}
+    ram = next(iter(ms.values()))
+    for n, v in ms.items():
+        print(f"  {n:>32}: p50 {v:8.1f} ms/step, min {min(step_ms[n]):8.1f} ({len(step_ms[n])} steps)  "
+              f"{v / ram:5.2f}x the RAM table's")
+    if disk:
+        seen = disk["cache_hits"] + disk["cache_misses"]
+        print(f"  disk cache: hit rate {disk['cache_hits'] / max(1, seen):.1%} of distinct rows per call, "
+              f"{disk['cache_evictions']:,} evictions, {disk['disk_reads']:,} rows read, {disk['disk_writes']:,} written")
+
+
+if __name__ == "__main__":
+    main()
