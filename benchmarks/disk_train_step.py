@@ -2,11 +2,9 @@
 same table in RAM: the runs side by side in one process, round robin in blocks of steps as in
 benchmarks.train_step (same warm-up rules), on one local cluster of 2 shards.
 
-memtrain itself creates its remote tables in RAM; here its client is wrapped so that a table
-whose name contains "disk" is created with `tier="disk"` and `cache_bytes` = the rows' records /
---ratio (records as one rows-sharded slice lays them out; a cols table's records on 2 shards
-are a header longer, ~1.5% more file). The cache's hit rate and disk reads come from the
-shards' status at the end.
+The disk run is `memtrain --tier disk --cache-bytes` (the rows' records / --ratio; records as one
+rows-sharded slice lays them out: a cols table's records on 2 shards are a header longer, ~1.5%
+more file). The cache's hit rate and disk reads come from the shards' status at the end.
 
     python -m benchmarks.disk_train_step [--blocks 4 --block 11 --warmup 3 --ratio 8 --n-keys 128]
 """
@@ -16,26 +14,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
 
 from benchmarks.common import local_cluster
 from memserver.core.disk import MIN_CACHE_BYTES, record_layout
-
-
-class DiskTables:
-    """A client whose create_table puts tables named "*disk*" on the disk tier, cache 1/ratio."""
-
-    def __init__(self, client: Any, ratio: int) -> None:
-        self.client, self.ratio = client, ratio
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-    def create_table(self, name: str, num_rows: int, dim: int, **kw: Any) -> Any:
-        if "disk" in name:
-            record = record_layout(dim, kw.get("optimizer", "adam"))[0]
-            kw.update(tier="disk", cache_bytes=max(4 * MIN_CACHE_BYTES, num_rows * record // self.ratio))
-        return self.client.create_table(name, num_rows, dim, **kw)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,16 +30,17 @@ def main(argv: list[str] | None = None) -> None:
     from client import MemoryClient
     from trainer.train import build_parser, train
 
-    runs = {"remote RAM table": "bench-ram", f"remote disk table, cache 1/{args.ratio}": "bench-disk"}
+    cache = max(4 * MIN_CACHE_BYTES, args.n_keys**2 * record_layout(128, "adam")[0] // args.ratio)  # memtrain: d=128, adam
+    runs = {"remote RAM table": ["--table", "bench-ram"],
+            f"remote disk table, cache 1/{args.ratio}": ["--table", "bench-disk", "--tier", "disk", "--cache-bytes", str(cache)]}
     total = args.blocks * args.block
     step_ms: dict[str, list[float]] = {n: [] for n in runs}
     with local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=300) as client:
-        wrapped = DiskTables(client, args.ratio)
         gens = {}
-        for n, table in runs.items():
+        for n, extra in runs.items():
             run_argv = ["--memory", "remote", "--n-keys", str(args.n_keys), "--steps", str(total + 1000),
-                        "--eval-every", "1000000", "--log-every", "1", "--table", table]
-            gens[n] = train(build_parser().parse_args(run_argv), client=wrapped)
+                        "--eval-every", "1000000", "--log-every", "1", *extra]
+            gens[n] = train(build_parser().parse_args(run_argv), client=client)
         try:
             for b in range(args.blocks):
                 for n in runs:

@@ -215,3 +215,28 @@ def test_every_value_backend_answers_the_whole_protocol():
             got = getattr(cls, name, None)
             assert got is not None, f"{cls.__name__} lacks {name}"
             assert list(inspect.signature(got).parameters) == list(inspect.signature(proto).parameters), (cls, name)
+
+
+def test_memtrain_on_a_disk_table_trains_as_on_a_ram_table(client, table_name):
+    """--tier disk (a cache of ~1/8 of the records, so most steps miss): the very losses of the RAM
+    table, and the shards report the table on the disk tier with its cache bounded as asked."""
+    common = [*TINY, "--steps", "4", "--seed", "2", "--value-lr", "0.05", "--memory", "remote", "--eval-every", "4"]
+    ram = list(train(build_parser().parse_args([*common, "--table", table_name]), client=client))
+    disk = list(train(build_parser().parse_args([*common, "--table", f"{table_name}-d", "--tier", "disk",
+                                                 "--cache-bytes", "4K"]), client=client))
+    assert [r["loss"] for r in disk] == [r["loss"] for r in ram]
+    # (the validation loss of a cluster's first such run can differ from later ones in the 5th
+    # digit, RAM tables alike: not the tier's doing; docs/architecture.md "Bit-exact paths")
+    assert disk[-1]["val_loss"] == pytest.approx(ram[-1]["val_loss"], rel=1e-4)
+    loads = [t for s in client.status().shards for t in s.tables if t.table == f"{table_name}-d"]
+    assert loads and all(t.tier == "disk" and t.cache_bound <= 4096 for t in loads)
+    assert sum(t.cache_misses for t in loads) > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--memory", "local", "--tier", "disk"], "--tier disk: disk tables live in the cluster"),
+    (["--memory", "remote", "--cache-bytes", "1M"], "--cache-bytes sizes a disk table's cache: add --tier disk"),
+])
+def test_disk_tier_flags_are_named(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        list(train(build_parser().parse_args([*TINY, "--steps", "1", *argv])))

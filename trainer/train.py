@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from memserver.api.errors import MemserverError
-from memserver.cli.common import one_line
+from memserver.cli.common import one_line, parse_size
+from memserver.core.disk import record_layout
 from trainer.checkpoints import latest_trainer_file, trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
 from trainer.device import CPU, DEVICES, DTYPES, autocast, dist_backend, resolve_device
@@ -104,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--no-prefetch", action="store_true",
                      help="token-addressed layers (engram) read when the forward reaches them instead of as soon as "
                           "the batch is drawn (same losses at --staleness 0; for measuring the prefetch)")
+    mem.add_argument("--tier", choices=["ram", "disk"], default="ram",
+                     help="remote value tables: rows in the shards' RAM, or (disk) in files on the shards' data "
+                          "directories under a RAM cache of hot rows (a table many times the cluster's memory)")
+    mem.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
+                     help="--tier disk: each table's RAM cache, over all its shards, e.g. 512M (default: 1/8 of "
+                          "the table's rows and optimizer state)")
     mem.add_argument("--sync-commit", action="store_true",
                      help="remote tables: wait for each step's commit before going on, instead of overlapping it "
                           "with the dense optimizer step and the next step's first work (same losses; for measuring "
@@ -196,6 +203,10 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     mem_layers = tuple(int(x) for x in args.mem_layers.split(",") if x.strip()) if args.memory != "none" else ()
     if any(not 0 <= i < args.n_layer for i in mem_layers):
         raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
+    if args.tier == "disk" and args.memory != "remote":
+        raise SystemExit("memtrain: error: --tier disk: disk tables live in the cluster; use --memory remote")
+    if args.cache_bytes is not None and args.tier != "disk":
+        raise SystemExit("memtrain: error: --cache-bytes sizes a disk table's cache: add --tier disk")
     if args.trace_every and (args.memory != "remote" or args.trace_every < 0 or not 0 < args.trace_sample <= 1):
         raise SystemExit("memtrain: error: --trace-every needs --memory remote, N >= 1 and --trace-sample in (0, 1]")
     if args.kif_source and "kif" not in kinds:
@@ -260,9 +271,13 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
             else:
                 base = args.table if kind == "pkm" else f"{args.table}-{kind}"
                 name = base if args.shared_values or len(mem_layers) == 1 else f"{base}-{i}"
+                tier = {}
+                if args.tier == "disk":  # default cache: 1/8 of the records (rows and their optimizer state)
+                    cache = args.cache_bytes or rows * record_layout(width, args.value_optimizer)[0] // 8
+                    tier = dict(tier="disk", cache_bytes=cache)
                 backend = RemoteValues(client, name, rows, width, sharding=args.sharding,
                                        defer_apply=args.staleness > 0, create=rank == 0,
-                                       sync_workers=world if world > 1 else 0, wal=args.wal, **common)
+                                       sync_workers=world if world > 1 else 0, wal=args.wal, **tier, **common)
             values[key] = backend
             if args.shared_values:
                 shared[kind] = backend

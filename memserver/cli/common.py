@@ -54,3 +54,19 @@ GLYPHS = {"\n": "⏎", "\t": "⇥", "\r": "␍", " ": "·"}
 def show(text: str) -> str:
     """A context made readable on one line (GLYPHS)."""
     return "".join(GLYPHS.get(ch, ch) for ch in text)
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes: a number with an optional binary suffix (K, M, G, T; "KiB", "GB" and "g" alike)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 512M, 2G)")
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if value != int(value):  # "0.5" would become 0, which turns a limit off
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
+    return int(value)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memserver.cli.common import CliError, pid_alive
+from memserver.cli.common import CliError, parse_size, pid_alive
 from memserver.cluster import PLACEMENT_STRATEGIES, parse_gpus, shard_gpu_list
 from memserver.server.sessions import SESSION_TTL
 
@@ -183,22 +183,6 @@ def _tokens(args: argparse.Namespace) -> tuple[str, str | None] | None:
     if args.auth:
         return generate_token(), generate_token()
     return None
-
-
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes: a number with an optional binary suffix (K, M, G, T; "KiB", "GB" and "g" alike)."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
-    if m is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 512M, 2G)")
-    value = float(m.group(1)) * _UNITS[m.group(2)]
-    if value != int(value):  # "0.5" would become 0, which turns a limit off
-        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
-    return int(value)
 
 
 def gpus_flag(text: str) -> float | list[float]:

@@ -289,10 +289,12 @@ class RemoteValues:
 
     def __init__(self, client: Any, name: str, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3,
                  init_std: float | None = None, seed: int = 0, sharding: str | None = None, defer_apply: bool = False,
-                 create: bool = True, sync_workers: int = 0, wal: bool = False) -> None:
+                 create: bool = True, sync_workers: int = 0, wal: bool = False, tier: str = "ram",
+                 cache_bytes: int = 0) -> None:
         """`create`: (re-)create the table (data-parallel trainers: rank 0 only); `sync_workers`:
         that many trainers push each step and the shards apply the mean once (see the proto);
-        `wal`: the shards log every update before acknowledging it (survives a shard restart)."""
+        `wal`: the shards log every update before acknowledging it (survives a shard restart);
+        `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table)."""
         from client import TableNotFoundError
 
         self.client, self.name, self.num_rows, self.dim = client, name, num_rows, dim
@@ -308,7 +310,8 @@ class RemoteValues:
             except TableNotFoundError:
                 pass
             client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
-                                sharding=sharding, sync_workers=sync_workers, wal=wal)
+                                sharding=sharding, sync_workers=sync_workers, wal=wal, tier=tier,
+                                cache_bytes=cache_bytes)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         h_ids, h_w = to_host(ids, weights.detach())
