@@ -10,6 +10,7 @@ own compute) run on the asyncio client in a private event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -148,9 +149,11 @@ class MemoryClient:
             self._channels.clear()
             self._stubs.clear()
         if self._loop.loop.is_running():
+            closing = self._loop.submit(self.aio.close())
             try:
-                self._loop.call(self.aio.close(), timeout=CLOSE_SECONDS)
-            except TimeoutError:  # e.g. a channel whose close never completes
+                closing.result(CLOSE_SECONDS)
+            except (TimeoutError, concurrent.futures.TimeoutError):  # one class from Python 3.11 on
+                closing.cancel()  # e.g. a channel whose close never completes
                 log.warning("client close: the asyncio side did not finish closing within %.0f s; leaving it to "
                             "the process's exit", CLOSE_SECONDS)
             self._loop.stop()

@@ -427,16 +427,18 @@ def test_a_refused_part_fails_the_step_before_any_table_commits(client, table_na
                     done.set_exception(UnavailableError("shard 1 is restarting"))
                     return done
                 return refuse
-            if name == "commit_step":
+            if name in ("commit_step", "submit_commit_step"):  # waited for or in flight (memtrain's default)
                 return lambda table, step, **kw: (self.commits.append((table, step)),
-                                                  self.client.commit_step(table, step, **kw))[1]
+                                                  getattr(self.client, name)(table, step, **kw))[1]
             return getattr(self.client, name)
 
-    refusing = RefusingEngram(client)
-    with pytest.raises(UnavailableError, match="restarting"):
-        _train(["--steps", "3", "--memory-kind", "pkm,engram", "--memory", "remote", "--table", table_name],
-               client=refusing)
-    assert refusing.commits == []
+    for extra in ([], ["--sync-commit"]):
+        refusing = RefusingEngram(client)
+        refusing.commits = []
+        with pytest.raises(UnavailableError, match="restarting"):
+            _train(["--steps", "3", "--memory-kind", "pkm,engram", "--memory", "remote", "--table", table_name, *extra],
+                   client=refusing)
+        assert refusing.commits == []
 
 
 # --- the commit in flight (end_step(wait=False), memtrain's default) -------------------------
@@ -449,7 +451,7 @@ class _SlowCommits:
     def __init__(self, client) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.client, self.pool = client, ThreadPoolExecutor(1)
+        self.client, self.pool, self.sent = client, ThreadPoolExecutor(1), []
 
     def __getattr__(self, name):
         return getattr(self.client, name)
@@ -457,7 +459,8 @@ class _SlowCommits:
     def submit_commit_step(self, table, step, **kwargs):
         import time
 
-        return self.pool.submit(lambda: (time.sleep(0.3), self.client.commit_step(table, step, **kwargs))[1])
+        self.sent.append(self.pool.submit(lambda: (time.sleep(0.3), self.client.commit_step(table, step, **kwargs))[1]))
+        return self.sent[-1]
 
 
 def test_every_call_after_a_commit_in_flight_sees_its_step(client, table_name):
@@ -481,6 +484,29 @@ def test_every_call_after_a_commit_in_flight_sees_its_step(client, table_name):
         # is off by about lr = 0.1)
         torch.testing.assert_close(remote.bag(*one), local.bag(*one), rtol=0, atol=1e-6)  # waits for the commit
         torch.testing.assert_close(prefetch.result(), local.bag(*one), rtol=0, atol=1e-6)
+    remote.settle()
+    rows = torch.as_tensor(client.lookup(table_name, torch.arange(64), count=False))
+    torch.testing.assert_close(rows, local.table.weight, rtol=0, atol=1e-6)
+
+
+def test_a_backward_and_the_next_commit_wait_for_the_commit_in_flight(client, table_name):
+    """Step 2's backward right after step 1's end_step(wait=False): its dL/dweights are computed on
+    the values with step 1 applied, and step 2's commit follows step 1's (rows equal local values')."""
+    local = LocalValues(64, 4, lr=0.1, seed=2)
+    remote = RemoteValues(_SlowCommits(client), table_name, 64, 4, lr=0.1, seed=2)
+    ids, w = torch.tensor([[1, 2], [2, 3]]), torch.ones(2, 2)
+    grad = torch.arange(8, dtype=torch.float32).view(2, 4)
+    for v in (local, remote):
+        v.begin_step(1)
+        v.bag_backward(ids, w, grad)
+        v.end_step(1, wait=False)
+    assert remote.committing is not None and not remote.committing.done()
+    got = {}
+    for v in (local, remote):
+        v.begin_step(2)
+        got[v is remote] = v.bag_backward(ids, w, -grad)  # dL/dw: on the values after step 1
+        v.end_step(2, wait=False)
+    torch.testing.assert_close(got[True], got[False], rtol=0, atol=1e-5)
     remote.settle()
     rows = torch.as_tensor(client.lookup(table_name, torch.arange(64), count=False))
     torch.testing.assert_close(rows, local.table.weight, rtol=0, atol=1e-6)
@@ -519,6 +545,18 @@ def test_a_commit_refused_in_flight_fails_the_next_call_once():
     assert Refusing.bags == 1
 
 
+def test_a_run_stopped_at_a_yield_waits_for_its_commit_in_flight(client, table_name):
+    """Closing memtrain's generator (or an error) while a commit is in flight waits for it before
+    the client may close: a commit is never cut between its phases."""
+    slow = _SlowCommits(client)
+    run = train(build_parser().parse_args([*TINY, "--steps", "5", "--memory-kind", "engram", "--memory", "remote",
+                                           "--table", table_name]), client=slow)
+    next(run)  # step 1 logged, its commit 0.3 s from done
+    assert len(slow.sent) == 1 and not slow.sent[0].done()
+    run.close()
+    assert slow.sent[0].done() and slow.sent[0].exception() is None
+
+
 def test_memtrain_commits_in_flight_with_the_losses_of_waiting(client, table_name):
     """memtrain's default (commits overlapped, the exact prefetch chained after them) trains to the
     very losses of --sync-commit, on a table small enough that consecutive batches share rows."""
@@ -527,4 +565,5 @@ def test_memtrain_commits_in_flight_with_the_losses_of_waiting(client, table_nam
     waiting = _train([*steps, "--sync-commit"], client=client)
     overlapped = _train(steps, client=_SlowCommits(client))
     assert [r["loss"] for r in overlapped] == [r["loss"] for r in waiting]
-    assert overlapped[-1]["val_loss"] == waiting[-1]["val_loss"]
+    # (within 1e-4: a cluster's first such run can differ in the 5th digit, docs/architecture.md)
+    assert overlapped[-1]["val_loss"] == pytest.approx(waiting[-1]["val_loss"], rel=1e-4)

@@ -28,7 +28,7 @@ import torch
 
 from memserver.api.errors import MemserverError
 from memserver.cli.common import one_line, parse_size
-from memserver.core.disk import record_layout
+from memserver.core.disk import MIN_CACHE_BYTES, record_layout
 from trainer.checkpoints import latest_trainer_file, trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
 from trainer.device import CPU, DEVICES, DTYPES, autocast, dist_backend, resolve_device
@@ -273,7 +273,8 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
                 name = base if args.shared_values or len(mem_layers) == 1 else f"{base}-{i}"
                 tier = {}
                 if args.tier == "disk":  # default cache: 1/8 of the records (rows and their optimizer state)
-                    cache = args.cache_bytes or rows * record_layout(width, args.value_optimizer)[0] // 8
+                    cache = (args.cache_bytes if args.cache_bytes is not None else  # at least 1 KiB a shard, up to 64
+                             max(rows * record_layout(width, args.value_optimizer)[0] // 8, 64 * MIN_CACHE_BYTES))
                     tier = dict(tier="disk", cache_bytes=cache)
                 backend = RemoteValues(client, name, rows, width, sharding=args.sharding,
                                        defer_apply=args.staleness > 0, create=rank == 0,
@@ -568,6 +569,13 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         for backend in _unique(run.values).values():
             backend.settle()  # the last step's commit (or its error) before the run counts as done
     finally:
+        # a run that stops early (an error, an interrupt, the generator closed at a yield) still
+        # waits for a commit in flight, so closing the client never cuts it between its phases
+        for backend in _unique(run.values).values():
+            try:
+                backend.settle()
+            except Exception as exc:  # the run's own error, if any, is the one that propagates
+                log.warning("memtrain: a step's commit in flight failed while the run stopped: %s", one_line(exc))
         run.close()
 
 

@@ -360,7 +360,7 @@ class RemoteValues:
         Parts sent without waiting are delivered first (`deliver`): a refused one raises here
         and this table commits nothing. `wait` False: the commit is sent and this returns; the
         next call of this backend waits for it (a read chains after it), so it reads what it would
-        have read; its error is raised there, or by `settle`."""
+        have read; its error is raised there (and by any read chained after it), or by `settle`."""
         if self.step is not None:
             self.deliver()
             self.settle()
@@ -372,7 +372,8 @@ class RemoteValues:
                 self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply)
 
     def settle(self) -> None:
-        """Wait for the commit in flight, if any; raise its error (once)."""
+        """Wait for the commit in flight, if any, and forget it; raise its error (a read chained
+        after it has already carried the same error)."""
         committing, self.committing = self.committing, None
         if committing is not None:
             committing.result()
