@@ -247,12 +247,13 @@ def test_corrupt_row_is_refused_by_name(tmp_path):
     with pytest.raises(DataLossError):  # never cached: still refused
         disk.lookup(torch.tensor([200]))
     assert torch.equal(ram.bag(good, torch.ones(1, 2)), disk.bag(good, torch.ones(1, 2)))  # the rest still served
-    # a ragged call that hits, misses and admits rows before it meets the corrupt one: refused, and
-    # what it admitted is still right (the corrupt record never reaches the cache)
+    # a ragged call that hits and misses rows around the corrupt one: refused, and no slot changes
+    # (every miss is checked before any is placed; the corrupt record never reaches the cache)
     ids = torch.tensor([0, 1, 50, 60, 0, 70, 200, 80, 1])
+    slots = disk._slot_row.copy()
     with pytest.raises(DataLossError, match=rf"row 200 of {disk.path} is corrupt"):
         disk.bag(ids, torch.ones(9), torch.tensor([0, 4]))
-    assert 200 not in disk._slot_row.tolist()
+    assert np.array_equal(disk._slot_row, slots)
     rest = torch.tensor([0, 1, 50, 60, 70, 80])
     assert torch.equal(ram.lookup(rest), disk.lookup(rest))
 
