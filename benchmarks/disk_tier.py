@@ -1,7 +1,7 @@
 """The disk tier: a table 8x its cache against the same table in RAM, in the same run.
 
 For each read distribution (Zipf 1.0 and 1.2 over the rows, ranks scattered by a random
-permutation, and uniform), `bag` and `bag_backward` (adagrad) on a `DiskTable` whose cache is
+permutation, uniform, and the reads of a trained memtrain layer: `trained_reads`), `bag` and `bag_backward` (adagrad) on a `DiskTable` whose cache is
 1/8 of its file and on a `ValueTable` of the same spec, alternating call by call so both share the
 machine's load: calls/s, queries (bags)/s, p99, and the cache's hit rate (distinct rows of a call
 found in the cache). Uniform reads are bounded by the disk: their row reads per second are set
@@ -12,6 +12,7 @@ The cache policy: the same traces replayed through TinyLFU-over-CLOCK (ours), CL
 admission, and an exact LRU (an OrderedDict), hit rates side by side.
 
     python -m benchmarks.disk_tier [--rows 2000000 --dim 64 --bags 512 --ids 32 --calls 40 --dir /tmp --threads 1]
+                                   [--trained-steps 200]  (0: no trained distribution, no cluster)
 
 The page cache: the data file is dropped from it (POSIX_FADV_DONTNEED) before each distribution,
 but on a machine whose free memory exceeds the file it fills again as the run reads; the figure
@@ -44,6 +45,35 @@ def zipf_sampler(n: int, s: float, rng: np.random.Generator):
     cdf = np.cumsum(1.0 / np.arange(1, n + 1, dtype=np.float64) ** s)
     cdf /= cdf[-1]
     return lambda size: perm[np.minimum(np.searchsorted(cdf, rng.random(size)), n - 1)]
+
+
+def trained_reads(steps: int) -> np.ndarray:
+    """How often each slot of a memtrain product-key layer was read over `steps` training steps
+    (memtrain's defaults, remote values on a local 2-shard cluster, whose shards count every read:
+    the slots' `hits`), so the benchmark reads as a trained layer does."""
+    from benchmarks.common import local_cluster
+    from client import MemoryClient
+    from trainer.train import build_parser, train
+
+    table = "disk-tier-trained"
+    with local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=120) as client:
+        args = build_parser().parse_args(["--memory", "remote", "--steps", str(steps), "--eval-every", str(10**9),
+                                          "--log-every", str(10**9), "--table", table])
+        for _ in train(args, client=client):
+            pass
+        rows = client.table(table).num_rows
+        return np.asarray(client.slot_stats(table, np.arange(rows))["hits"], dtype=np.float64)
+
+
+def trained_sampler(n: int, hits: np.ndarray, rng: np.random.Generator):
+    """Rows drawn as the trained layer read its slots: slot s with probability hits[s] / sum,
+    spread evenly over n / len(hits) rows of this table (the slots' skew at a larger size: the
+    top 1% of rows carry the mass the top 1% of slots did), the groups scattered."""
+    k = len(hits)
+    m = max(1, n // k)
+    cdf = np.cumsum(hits / hits.sum())
+    perm = rng.permutation(k * m)
+    return lambda size: perm[np.minimum(np.searchsorted(cdf, rng.random(size)), k - 1) * m + rng.integers(0, m, size)]
 
 
 def drop_page_cache(t: DiskTable) -> None:
@@ -93,7 +123,15 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=40, help="untimed calls first (fill the cache)")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--threads", type=int, default=1, help="torch and numba threads, both tables (a shard's compute thread's)")
+    ap.add_argument("--trained-steps", type=int, default=200,
+                    help="memtrain steps whose product-key reads make the 'trained' distribution (0: skip it)")
     args = ap.parse_args()
+    trained = trained_reads(args.trained_steps) if args.trained_steps else None
+    if trained is not None:
+        top = np.sort(trained)[::-1]
+        print(f"trained reads: memtrain's product-key layer after {args.trained_steps} steps, {len(trained):,} slots, "
+              f"{(trained > 0).mean():.1%} read; the top 1% of slots take {top[: max(1, len(top) // 100)].sum() / top.sum():.1%} "
+              f"of the reads, the top 10% {top[: max(1, len(top) // 10)].sum() / top.sum():.1%}")
     set_threads(args.threads)
     cfg = OptimizerConfig("adagrad", 0.01)
     work = Path(tempfile.mkdtemp(prefix="disk-tier-", dir=args.dir))
@@ -116,8 +154,9 @@ def main() -> None:
         print(f"{'reads':>9} {'call':>13} {'RAM q/s':>10} {'disk q/s':>10} {'ratio':>6} {'RAM p99':>9} {'disk p99':>9} "
               f"{'hit rate':>8} {'rows read/s':>12} {'vs disk':>8}")
         policy_traces = {}
-        for label, s in (("zipf 1.0", 1.0), ("zipf 1.2", 1.2), ("uniform", 0.0)):
-            draw = zipf_sampler(args.rows, s, rng)
+        dists = [("zipf 1.0", 1.0), ("zipf 1.2", 1.2), ("uniform", 0.0)] + ([("trained", None)] if trained is not None else [])
+        for label, s in dists:
+            draw = trained_sampler(args.rows, trained, rng) if s is None else zipf_sampler(args.rows, s, rng)
             drop_page_cache(disk)
             disk._make_cache()  # each distribution from a cold cache
             batches = [draw(shape[0] * shape[1]).reshape(shape) for _ in range(args.warm + 2 * args.calls)]
