@@ -61,6 +61,25 @@ def cluster_client(wanted: bool, num_shards: int = 2) -> Iterator[Any]:
         yield client
 
 
+def round_robin_steps(gens: dict[str, Iterator[dict[str, Any]]], blocks: int, block: int, warmup: int,
+                      until: float = float("inf")) -> dict[str, list[float]]:
+    """memtrain runs (generators of log records, one a step) advanced `block` steps each in turn,
+    `blocks` rounds (none started after `until`, a perf_counter time), so background load falls on
+    all alike; their step_ms, without the first round's first `warmup` steps and every later
+    round's first step (it follows another run's steps)."""
+    step_ms: dict[str, list[float]] = {n: [] for n in gens}
+    for b in range(blocks):
+        if b and time.perf_counter() > until:
+            break
+        for n, gen in gens.items():
+            for s in range(block):
+                rec = next(gen)
+                if (b == 0 and s < warmup) or (b > 0 and s == 0):
+                    continue
+                step_ms[n].append(rec["step_ms"])
+    return step_ms
+
+
 def timeit(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2, max_seconds: float = 20.0) -> dict[str, float]:
     """Run fn `repeat` times (bounded by max_seconds) and return ms statistics."""
     for _ in range(warmup):

@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.common import local_cluster
+from benchmarks.common import local_cluster, round_robin_steps
 from memserver.core.disk import MIN_CACHE_BYTES, record_layout
 
 
@@ -34,7 +34,6 @@ def main(argv: list[str] | None = None) -> None:
     runs = {"remote RAM table": ["--table", "bench-ram"],
             f"remote disk table, cache 1/{args.ratio}": ["--table", "bench-disk", "--tier", "disk", "--cache-bytes", str(cache)]}
     total = args.blocks * args.block
-    step_ms: dict[str, list[float]] = {n: [] for n in runs}
     with local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=300) as client:
         gens = {}
         for n, extra in runs.items():
@@ -42,13 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                         "--eval-every", "1000000", "--log-every", "1", *extra]
             gens[n] = train(build_parser().parse_args(run_argv), client=client)
         try:
-            for b in range(args.blocks):
-                for n in runs:
-                    for s in range(args.block):
-                        rec = next(gens[n])
-                        if (b == 0 and s < args.warmup) or (b > 0 and s == 0):
-                            continue
-                        step_ms[n].append(rec["step_ms"])
+            step_ms = round_robin_steps(gens, args.blocks, args.block, args.warmup)
             disk: dict[str, int] = {}
             for shard in client.status().shards:  # the disk table's cache, summed over its slices
                 for t in shard.tables:

@@ -35,7 +35,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import local_cluster, machine, target
+from benchmarks.common import local_cluster, machine, round_robin_steps, target
 
 #: Target: remote step time at most this multiple of local; with `--staleness 1` (the shards are
 #: on this machine: the client sends the tensors through shared memory) at most TARGET_STALE.
@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     names = [r.strip() for r in args.runs.split(",") if r.strip()]
     total = args.blocks * args.block
-    step_ms: dict[str, list[float]] = {n: [] for n in names}
     commands: dict[str, str] = {}
     t_end = time.perf_counter() + args.max_seconds
     with local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=120) as client:
@@ -108,15 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             commands[n] = "memtrain " + " ".join(run_argv[:-2])
             gens[n] = train(build_parser().parse_args(run_argv), client=client)
         try:
-            for b in range(args.blocks):
-                if b and time.perf_counter() > t_end:
-                    break
-                for n in names:
-                    for s in range(args.block):
-                        rec = next(gens[n])
-                        if (b == 0 and s < args.warmup) or (b > 0 and s == 0):
-                            continue
-                        step_ms[n].append(rec["step_ms"])
+            step_ms = round_robin_steps(gens, args.blocks, args.block, args.warmup, until=t_end)
         finally:
             for gen in gens.values():
                 gen.close()  # runs memtrain's cleanup
