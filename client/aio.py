@@ -299,7 +299,8 @@ class AsyncMemoryClient:
     ) -> TableMeta:
         """Create a value table. `sharding` is "rows" or "cols" (None: the server's default).
         `tier` "disk": the rows and their optimizer state live in files on the shards under a RAM
-        cache of `cache_bytes` for the whole table (split over its shards; float32 only).
+        cache of `cache_bytes` for the whole table (split over its shards; float32 only; 0: 1/8 of
+        the table's records).
         `sync_workers` > 0 makes it a sync_updates table for that many data-parallel trainers.
         `wal`: log every write before acknowledging it, so a restarted shard loses none (see
         docs/architecture.md for what it costs); without it a restart returns the table to its

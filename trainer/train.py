@@ -28,7 +28,6 @@ import torch
 
 from memserver.api.errors import MemserverError
 from memserver.cli.common import one_line, parse_size
-from memserver.core.disk import MIN_CACHE_BYTES, record_layout
 from trainer.checkpoints import latest_trainer_file, trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
 from trainer.device import CPU, DEVICES, DTYPES, autocast, dist_backend, resolve_device
@@ -109,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="remote value tables: rows in the shards' RAM, or (disk) in files on the shards' data "
                           "directories under a RAM cache of hot rows (a table many times the cluster's memory)")
     mem.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
-                     help="--tier disk: each table's RAM cache, over all its shards, e.g. 512M (default: 1/8 of "
-                          "the table's rows and optimizer state)")
+                     help="--tier disk: each table's RAM cache, over all its shards, e.g. 512M (default: the "
+                          "cluster's, 1/8 of the table's rows and optimizer state)")
     mem.add_argument("--sync-commit", action="store_true",
                      help="remote tables: wait for each step's commit before going on, instead of overlapping it "
                           "with the dense optimizer step and the next step's first work (same losses; for measuring "
@@ -271,14 +270,10 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
             else:
                 base = args.table if kind == "pkm" else f"{args.table}-{kind}"
                 name = base if args.shared_values or len(mem_layers) == 1 else f"{base}-{i}"
-                tier = {}
-                if args.tier == "disk":  # default cache: 1/8 of the records (rows and their optimizer state)
-                    cache = (args.cache_bytes if args.cache_bytes is not None else  # at least 1 KiB a shard, up to 64
-                             max(rows * record_layout(width, args.value_optimizer)[0] // 8, 64 * MIN_CACHE_BYTES))
-                    tier = dict(tier="disk", cache_bytes=cache)
                 backend = RemoteValues(client, name, rows, width, sharding=args.sharding,
                                        defer_apply=args.staleness > 0, create=rank == 0,
-                                       sync_workers=world if world > 1 else 0, wal=args.wal, **tier, **common)
+                                       sync_workers=world if world > 1 else 0, wal=args.wal, tier=args.tier,
+                                       cache_bytes=args.cache_bytes or 0, **common)
             values[key] = backend
             if args.shared_values:
                 shared[kind] = backend

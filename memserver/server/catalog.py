@@ -85,11 +85,15 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
 
 #: Where a value table's rows may live (TableSpec.tier); "" is "ram".
 TIERS = ("ram", "disk")
+#: A disk table created without cache_bytes caches this fraction of its records (rows and their
+#: optimizer state): the benchmarks' "a table 8x its cache".
+DEFAULT_CACHE_FRACTION = 8
 
 
 def _validate_tier(spec: pb.TableSpec) -> None:
-    """tier "disk": float32 rows under a cache of at least MIN_CACHE_BYTES per slice."""
-    from memserver.core.disk import MIN_CACHE_BYTES
+    """tier "disk": float32 rows under a cache of at least MIN_CACHE_BYTES per slice; no
+    cache_bytes: 1/DEFAULT_CACHE_FRACTION of the table's records (at least that minimum)."""
+    from memserver.core.disk import MIN_CACHE_BYTES, record_layout
 
     spec.tier = spec.tier or "ram"
     if spec.tier not in TIERS:
@@ -100,6 +104,9 @@ def _validate_tier(spec: pb.TableSpec) -> None:
         return
     if spec.dtype != pb.FLOAT32:
         raise InvalidArgumentError(f"dtype: a tier 'disk' table stores float32, not {pb.DType.Name(spec.dtype)}")
+    if not spec.cache_bytes:
+        records = spec.num_rows * record_layout(spec.dim, spec.optimizer.name)[0]
+        spec.cache_bytes = max(records // DEFAULT_CACHE_FRACTION, MIN_CACHE_BYTES * spec.num_shards)
     if spec.cache_bytes < MIN_CACHE_BYTES * spec.num_shards:
         raise InvalidArgumentError(f"cache_bytes: a tier 'disk' table needs at least {MIN_CACHE_BYTES} bytes of cache per "
                                    f"shard ({MIN_CACHE_BYTES * spec.num_shards} over {spec.num_shards}), got {spec.cache_bytes}")
