@@ -225,8 +225,8 @@ def test_memtrain_on_a_disk_table_trains_as_on_a_ram_table(client, table_name):
     disk = list(train(build_parser().parse_args([*common, "--table", f"{table_name}-d", "--tier", "disk",
                                                  "--cache-bytes", "4K"]), client=client))
     assert [r["loss"] for r in disk] == [r["loss"] for r in ram]
-    # (the validation loss of a cluster's first such run can differ from later ones in the 5th
-    # digit, RAM tables alike: not the tier's doing; docs/architecture.md "Bit-exact paths")
+    # (a remote run's validation loss can differ in the 5th digit with what its process ran
+    # before, RAM tables alike: not the tier's doing; docs/architecture.md "Bit-exact paths")
     assert disk[-1]["val_loss"] == pytest.approx(ram[-1]["val_loss"], rel=1e-4)
     loads = [t for s in client.status().shards for t in s.tables if t.table == f"{table_name}-d"]
     assert loads and all(t.tier == "disk" for t in loads) and sum(t.cache_bound for t in loads) <= 4096
