@@ -181,7 +181,8 @@ def test_a_server_refuses_past_its_limits_and_never_health_checks(holding_server
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
     release()
     assert all(f.result(timeout=30) == pb.LookupResponse() for f in held)
-    assert inflight() == (0, 0)
+    # released when each handler ends, which can be just after its answer reached the client
+    wait_for(lambda: inflight() == (0, 0), "the calls' admission released")
     # one request larger than the byte limit runs alone; while it runs, any other call is refused
     # before its request is read, and a second large one too
     big = stub.Lookup.future(lookup(6 * MiB), timeout=30)
@@ -199,7 +200,7 @@ def test_a_server_refuses_past_its_limits_and_never_health_checks(holding_server
     release()
     for f in held:
         f.result(timeout=30)
-    assert inflight() == (0, 0)
+    wait_for(lambda: inflight() == (0, 0), "the calls' admission released")
     rejected = {(s.labels["method"], s.labels["limit"]): s.value
                 for fam in metrics.registry.collect() if fam.name == "memserver_rejected" for s in fam.samples}
     assert rejected == {("Lookup", "max_inflight_calls"): 1, ("Lookup", "max_inflight_bytes"): 2}
