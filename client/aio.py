@@ -186,6 +186,13 @@ class AsyncMemoryClient:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, f"shard {address}") from None
 
+    async def _rung(self, rung: tuple[Any, int], method: str) -> Any:
+        """A call sent by a shard's doorbell (client.doorbell): its answer, waited for off the loop."""
+        out = await asyncio.get_running_loop().run_in_executor(None, transport.answer, rung, method, self.timeout)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
     async def table(self, name: str, *, refresh: bool = False) -> TableMeta:
         """The table's metadata and shard map (cached; `refresh` asks the coordinator again)."""
         if refresh or name not in self._tables:
@@ -242,7 +249,9 @@ class AsyncMemoryClient:
                 sent = transport.prepare(calls, self.shm)
                 outcomes: list[Any] = [None] * len(calls)
                 try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
-                    outcomes = await asyncio.gather(*(self._data(a, m, raw) for (a, m, _), (raw, _) in zip(calls, sent)),
+                    rung = transport.ring(calls, sent, self.shm, self.timeout)
+                    outcomes = await asyncio.gather(*(self._data(a, m, raw) if r is None else self._rung(r, m)
+                                                      for (a, m, _), (raw, _), r in zip(calls, sent, rung)),
                                                     return_exceptions=True)
                     if again and transport.stale(sent, outcomes):
                         continue

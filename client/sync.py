@@ -91,28 +91,37 @@ class MemoryClient:
             for again in (True, False):  # once more if a shard had lost its shared-memory region
                 op = make_op(meta)
                 calls = next(op)
-                # All but the last in flight as futures; the last as a plain blocking call, which waits in
-                # this thread (a future's answer arrives through another thread: one more wake-up).
+                # Calls to shards with a doorbell go first (client.doorbell); then all other calls
+                # but the last in flight as futures; the last as a plain blocking call, which waits
+                # in this thread (a future's answer arrives through another thread: one more wake-up).
                 sent = transport.prepare(calls, self.aio.shm)
                 outcomes: list[Any] = [None] * len(calls)
                 try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
-                    futures = [self._methods(a)[m].future(raw, timeout=timeout) for (a, m, _), (raw, _) in zip(calls[:-1], sent)]
-                    if calls:
-                        where, method, _ = calls[-1]
+                    rung = transport.ring(calls, sent, self.aio.shm, timeout)
+                    by_grpc = [i for i, r in enumerate(rung) if r is None]
+                    futures = {i: self._methods(calls[i][0])[calls[i][1]].future(sent[i][0], timeout=timeout)
+                               for i in by_grpc[:-1]}
+                    if by_grpc:
+                        i = by_grpc[-1]
                         try:
-                            outcomes[-1] = self._methods(where)[method](sent[-1][0], timeout=timeout)
+                            outcomes[i] = self._methods(calls[i][0])[calls[i][1]](sent[i][0], timeout=timeout)
                         except grpc.RpcError as err:
-                            outcomes[-1] = err
-                    for i, fut in enumerate(futures):
+                            outcomes[i] = err
+                    for i, fut in futures.items():
                         try:
                             outcomes[i] = fut.result()
                         except grpc.RpcError as err:
                             outcomes[i] = err
+                    for i, r in enumerate(rung):
+                        if r is not None:
+                            outcomes[i] = transport.answer(r, calls[i][1], timeout)
                     if again and transport.stale(sent, outcomes):
                         continue
                     for (where, _, _), o in zip(calls, outcomes):
                         if isinstance(o, grpc.RpcError):
                             raise from_rpc_error(o, f"shard {where}") from None
+                        if isinstance(o, MemserverError):
+                            raise o
                     if tags is not None:
                         self.aio.session.answered(meta)
                     # before the blocks are released: shared-memory answers are views of them

@@ -1,8 +1,9 @@
 """How a data-plane request goes on the wire, for every sender (the asyncio and blocking clients,
 the load test's users): each method as a bytes-in multi-callable of its channel, each distinct
 request serialised once (a cols bag sends the same memserver.wire.Lazy to every shard), or
-through shared memory with a shard on this machine (client.shm); answers parsed by the method's
-response type. One place, so no sender serialises differently."""
+through shared memory with a shard on this machine (client.shm), and then by that shard's
+doorbell (client.doorbell: no gRPC) where it has one; answers parsed by the method's response
+type. One place, so no sender serialises differently."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf import message_factory
 
+from client import doorbell
+from client.doorbell import Bell
+from memserver.api.errors import MemserverError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import STALE_REGION, parse_views, to_bytes
 
@@ -27,12 +31,44 @@ RESPONSES: dict[str, Any] = {m.name: message_factory.GetMessageClass(m.output_ty
 _VIEWED = frozenset({"Lookup", "Bag", "BagBackward", "Search"})
 
 
+#: method name -> how its answer's bytes are read (by gRPC's channels and by the doorbell).
+PARSERS: dict[str, Any] = {name: partial(parse_views, cls) if name in _VIEWED else cls.FromString
+                           for name, cls in RESPONSES.items()}
+
+
 def methods(channel: Any) -> dict[str, Any]:
     """The DataPlane methods of a channel (grpc or grpc.aio) as multi-callables that take the
     serialised request and return the parsed answer."""
     return {name: channel.unary_unary(f"/{_SERVICE.full_name}/{name}", request_serializer=None,
-                                      response_deserializer=partial(parse_views, cls) if name in _VIEWED else cls.FromString)
-            for name, cls in RESPONSES.items()}
+                                      response_deserializer=PARSERS[name])
+            for name in RESPONSES}
+
+
+Rung = tuple[Bell, int] | None
+
+
+def ring(calls: list[tuple[str, str, Any]], sent: list[tuple[bytes, Lease | None]], shm: ShmTransport | None,
+         timeout: float | None) -> list[Rung]:
+    """Send each call that can go by its shard's doorbell now; (bell, ticket) for each, None for
+    those to send by gRPC (no doorbell with that shard, too large, too many in flight)."""
+    if shm is None or not shm.regions:
+        return [None] * len(calls)
+    out: list[Rung] = []
+    for (address, method, _), (raw, _) in zip(calls, sent):
+        bell = shm.bell(address)
+        ticket = bell.send(method, raw, timeout) if bell is not None else None
+        out.append(None if ticket is None else (bell, ticket))
+    return out
+
+
+def answer(rung: tuple[Bell, int], method: str, timeout: float | None) -> Any:
+    """A doorbell call's outcome: its parsed answer, or the MemserverError of its status (returned,
+    not raised: handled with the gRPC calls' outcomes)."""
+    bell, ticket = rung
+    try:
+        return doorbell.outcome(bell.wait(ticket, timeout), PARSERS[method], bell.target)
+    except MemserverError as exc:
+        return exc
 
 
 def serialised(calls: list[tuple[str, str, Any]]) -> list[bytes]:

@@ -9,6 +9,7 @@ accepts and another rejects would leave the table half-changed), and the shard c
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import warnings
 from typing import Any
@@ -356,6 +357,17 @@ def parse_views(cls: Any, raw: bytes) -> Any:
 #: Shared memory is on unless this is "0": in a client's environment for its calls, in a shard's
 #: (`memserver up`'s, or `ray start`'s on other nodes) for every client of that shard.
 SHM_ENV = "MEMSERVER_SHM"
+#: With shared memory on, calls to a shard on this machine go by its doorbell (no gRPC per call:
+#: client.doorbell, memserver.server.doorbell) unless this is "0", in either side's environment:
+#: then they go by gRPC, their tensors still in shared memory.
+DOORBELL_ENV = "MEMSERVER_DOORBELL"
+#: The doorbell's frames (memserver.server.doorbell has the protocol): a request's head (body
+#: length, call id, timeout in ms or 0, method name length), an answer's (body length, call id,
+#: gRPC status code), the hello's method name, and the largest request body a doorbell reads.
+DOORBELL_HEAD = struct.Struct("<IQIB")
+DOORBELL_REPLY = struct.Struct("<IQH")
+DOORBELL_HELLO = "Hello"
+DOORBELL_MAX_REQUEST = 1 << 20
 #: What a shard answers (INVALID_ARGUMENT) a call naming a region it does not have; the client
 #: then sends the call again over TCP (client.transport.stale).
 STALE_REGION = "no such shared-memory region"

@@ -13,16 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
 import torch
 
-from memserver.api.errors import DataLossError, InvalidArgumentError, TableNotFoundError
+from memserver.api.errors import DataLossError, DeadlineExceededError, InvalidArgumentError, TableNotFoundError
 from memserver.api.types import MAX_INSPECT_SLOTS
 from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
@@ -61,6 +63,18 @@ INLINE_ENTRIES = 2048
 INLINE_SEARCH_WORK = 1 << 22
 
 
+class Call(NamedTuple):
+    """One data-plane call, validated: `work` computes its answer with the tables to itself;
+    `entries` sizes it (small ones may run inline); `write`: answered only once durable (the
+    slice's log). Built by a plan (DataPlaneServicer.PLANS) and run by gRPC's handler (`_serve`)
+    or by the doorbell's thread (`serve_now`): one path of checks and math for both."""
+
+    sl: TableSlice
+    work: Callable[[], Any]
+    entries: int
+    write: bool = False
+
+
 class DataPlaneServicer(pb_grpc.DataPlaneServicer):
     def __init__(self, device: torch.device, threads: int = 1) -> None:
         """`threads`: torch and numba threads of the compute thread (set on that thread: numba's
@@ -80,6 +94,10 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         self.deferred = 0  # updates queued to run after their answer (a count, for status)
         self.tasks: set[asyncio.Task[None]] = set()
         self.regions = Regions()  # clients' shared memory (memserver.server.shm)
+        # Whoever computes holds this: the compute thread, the event loop (a small call while the
+        # compute thread is idle) or a doorbell thread (memserver.server.doorbell). Table state
+        # is only touched under it, so a write's exactly-once check and its application are atomic.
+        self.exclusive = threading.Lock()
 
     def _drain(self) -> None:
         while self.pending:
@@ -90,22 +108,65 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 sl.fail_writes(f"a deferred update failed to apply ({exc!r})")
 
     async def run(self, fn: Callable[[], T], entries: int = INLINE_ENTRIES + 1) -> T:
-        """Run fn with exclusive access to the tables: on the compute thread, or, for a small
-        request (`entries` ids) while that thread is idle, right here on the event loop. Both are
-        exclusive because only this loop hands work to the compute thread; inline saves two
-        thread hops on the latency-bound calls."""
+        """Run fn with exclusive access to the tables (`exclusive`): on the compute thread, or,
+        for a small request (`entries` ids) while no one else computes, right here on the event
+        loop (inline saves two thread hops on the latency-bound calls)."""
 
         def work() -> T:
-            self._drain()
-            return fn()
+            with self.exclusive:
+                self._drain()
+                return fn()
 
-        if entries <= INLINE_ENTRIES and self.busy == 0:
-            return work()
+        if entries <= INLINE_ENTRIES and self.busy == 0 and self.exclusive.acquire(blocking=False):
+            try:
+                self._drain()
+                return fn()
+            finally:
+                self.exclusive.release()
         self.busy += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, work)
         finally:
             self.busy -= 1
+
+    async def _serve(self, name: str, request: Any) -> Any:
+        """A gRPC call: its plan's checks on the event loop, its work by `run`, its answer once durable."""
+        with self._region(request) as region:
+            call = self.PLANS[name](self, request, region)
+            try:
+                response = await self.run(call.work, call.entries)
+            finally:
+                self._drain_soon()
+            if call.write:
+                await self._acknowledge(call.sl)
+            return response
+
+    def drain_now(self) -> None:
+        """Deferred work (updates after their answer, read counters) run now unless someone is
+        computing (who drains it first): a doorbell thread's call after its answer is sent."""
+        if self.pending and self.exclusive.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self.exclusive.release()
+
+    def serve_now(self, name: str, request: Any, deadline: float | None = None) -> Any:
+        """A doorbell call, on the calling thread (not the event loop): the same plan as `_serve`,
+        its work under `exclusive` (DEADLINE_EXCEEDED, nothing done, if that is not had before
+        `deadline`, a time.monotonic()), deferred updates run after it, the answer once durable."""
+        with self._region(request) as region:
+            call = self.PLANS[name](self, request, region)
+            wait = -1 if deadline is None else deadline - time.monotonic()
+            if (deadline is not None and wait <= 0) or not self.exclusive.acquire(timeout=wait):
+                raise DeadlineExceededError(f"{name}: the call's deadline passed before the shard could run it")
+            try:
+                self._drain()
+                response = call.work()
+            finally:
+                self.exclusive.release()
+        if call.write and call.sl.wal is not None and call.sl.last_lsn >= 0:
+            call.sl.wal.durable(call.sl.last_lsn).result()
+        return response
 
     def slice(self, request: Any, kind: int = pb.VALUE) -> TableSlice:
         """The slice a request is for, checked against the request's layout_id and table kind
@@ -144,41 +205,39 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         async for event in serve_attach(self.regions, request, context):
             yield event
 
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> Any:
+    # Plans: one per call of the service (PLANS, at the end of the class), each its checks (any
+    # failure raises before anything changes) and the work that answers it.
+
+    def _lookup(self, request: pb.LookupRequest, region: Region | None) -> Call:
         sl = self.slice(request)
         check_wire_dtype(request.wire_dtype)
-        with self._region(request) as region:
-            ids = decode(request.ids, "ids", region)
-            check_1d(ids, "ids")
-            check_answer(ids.numel(), sl.table.dim, "ids")
+        ids = decode(request.ids, "ids", region)
+        check_1d(ids, "ids")
+        check_answer(ids.numel(), sl.table.dim, "ids")
 
-            def work() -> Any:
-                rows = sl.table.lookup(sl.local(ids), count=sl.counts_reads and not request.uncounted)
-                return answer(request, region, Lazy(pb.LookupResponse()).put("rows", rows, request.wire_dtype))
+        def work() -> Any:
+            rows = sl.table.lookup(sl.local(ids), count=sl.counts_reads and not request.uncounted)
+            return answer(request, region, Lazy(pb.LookupResponse()).put("rows", rows, request.wire_dtype))
 
-            return await self.run(work, ids.numel())
+        return Call(sl, work, ids.numel())
 
-    async def Bag(self, request: pb.BagRequest, context: grpc.aio.ServicerContext) -> Any:
+    def _bag(self, request: pb.BagRequest, region: Region | None) -> Call:
         sl = self.slice(request)
         check_wire_dtype(request.wire_dtype)
-        with self._region(request) as region:
-            ids, weights, offsets, num_bags = self._bag_inputs(request, region)
-            check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
+        ids, weights, offsets, num_bags = self._bag_inputs(request, region)
+        check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
 
-            # a large bag's read counters: after its answer (on the shard keeping them)
-            later = sl.counts_reads and ids.numel() > INLINE_ENTRIES
+        # a large bag's read counters: after its answer (on the shard keeping them)
+        later = sl.counts_reads and ids.numel() > INLINE_ENTRIES
 
-            def work() -> Any:
-                local = sl.local(ids)
-                out = sl.table.bag(local, weights, offsets, count=sl.counts_reads and not later)
-                if later:  # on the compute thread before any later request: off the call's path
-                    self.pending.append((sl, lambda: _logged(sl.table.count_reads, local, weights)))
-                return answer(request, region, Lazy(pb.BagResponse()).put("out", out, request.wire_dtype))
+        def work() -> Any:
+            local = sl.local(ids)
+            out = sl.table.bag(local, weights, offsets, count=sl.counts_reads and not later)
+            if later:  # run before any later request's work: off the call's path
+                self.pending.append((sl, lambda: _logged(sl.table.count_reads, local, weights)))
+            return answer(request, region, Lazy(pb.BagResponse()).put("out", out, request.wire_dtype))
 
-            try:
-                return await self.run(work, ids.numel())
-            finally:
-                self._drain_soon()
+        return Call(sl, work, ids.numel())
 
     # Each write is built in two halves: validation (on the event loop, before anything changes)
     # and a work() that applies it on the compute thread. Replaying the write-ahead log after a
@@ -307,15 +366,12 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         if sl.wal is not None and sl.last_lsn >= 0:
             await asyncio.wrap_future(sl.wal.durable(sl.last_lsn))
 
-    async def _apply_write(self, request: Any, build: Callable[[TableSlice, Any], tuple[Callable[[], T], int]],
-                           kind: int = pb.VALUE) -> T:
-        """Validate, apply on the compute thread, then answer once the write is logged durably."""
+    def _write(self, request: Any, build: Callable[[TableSlice, Any], tuple[Callable[[], Any], int]],
+               kind: int = pb.VALUE) -> Call:
+        """A write: validated by its builder, applied by its work, answered once logged durably."""
         sl = self.slice(request, kind)
         work, n = build(sl, request)
-        response = await self.run(work, n)
-        self._drain_soon()
-        await self._acknowledge(sl)
-        return response
+        return Call(sl, work, n, write=True)
 
     def _drain_soon(self) -> None:
         """Deferred work (an update, read counters) queued: run it promptly even if no request follows."""
@@ -324,15 +380,14 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    async def BagBackward(self, request: pb.BagBackwardRequest, context: grpc.aio.ServicerContext) -> pb.BagBackwardResponse:
-        with self._region(request) as region:
-            return await self._apply_write(request, lambda sl, r: self._bag_backward(sl, r, region))
+    def _plan_bag_backward(self, request: pb.BagBackwardRequest, region: Region | None) -> Call:
+        return self._write(request, lambda sl, r: self._bag_backward(sl, r, region))
 
-    async def PushGradients(self, request: pb.PushGradientsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        return await self._apply_write(request, self._push_gradients)
+    def _plan_push_gradients(self, request: pb.PushGradientsRequest, region: Region | None) -> Call:
+        return self._write(request, self._push_gradients)
 
-    async def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        return await self._apply_write(request, self._write_rows)
+    def _plan_write_rows(self, request: pb.WriteRowsRequest, region: Region | None) -> Call:
+        return self._write(request, self._write_rows)
 
     # -- index tables ----------------------------------------------------------------------
 
@@ -363,17 +418,13 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
         return work, ids.numel()
 
-    async def Add(self, request: pb.AddRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        return await self._apply_write(request, self._add, kind=pb.INDEX)
+    def _plan_add(self, request: pb.AddRequest, region: Region | None) -> Call:
+        return self._write(request, self._add, kind=pb.INDEX)
 
-    async def Remove(self, request: pb.RemoveRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        return await self._apply_write(request, self._remove, kind=pb.INDEX)
+    def _plan_remove(self, request: pb.RemoveRequest, region: Region | None) -> Call:
+        return self._write(request, self._remove, kind=pb.INDEX)
 
-    async def Search(self, request: pb.SearchRequest, context: grpc.aio.ServicerContext) -> Any:
-        with self._region(request) as region:
-            return await self._search(request, region)
-
-    async def _search(self, request: pb.SearchRequest, region: Region | None) -> Any:
+    def _search(self, request: pb.SearchRequest, region: Region | None) -> Call:
         sl = self.slice(request, pb.INDEX)
         queries = decode(request.queries, "queries", region)
         nprobe = request.nprobe if request.HasField("nprobe") else None
@@ -391,7 +442,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         # Inline (on the event loop) only a search that is small whatever the kind: a few queries
         # over a slice a brute-force scan reads in about a millisecond.
         small = b <= 4 and b * sl.table.ntotal * sl.table.dim <= INLINE_SEARCH_WORK
-        return await self.run(work, 0 if small else INLINE_ENTRIES + 1)
+        return Call(sl, work, 0 if small else INLINE_ENTRIES + 1)
 
     # -- product-key tables ----------------------------------------------------------------
 
@@ -414,10 +465,10 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
         return work, INLINE_ENTRIES + 1
 
-    async def LoadProductKeys(self, request: pb.LoadProductKeysRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
-        return await self._apply_write(request, self._load_product_keys, kind=pb.PRODUCT_KEYS)
+    def _plan_load_product_keys(self, request: pb.LoadProductKeysRequest, region: Region | None) -> Call:
+        return self._write(request, self._load_product_keys, kind=pb.PRODUCT_KEYS)
 
-    async def Address(self, request: pb.AddressRequest, context: grpc.aio.ServicerContext) -> pb.AddressResponse:
+    def _address(self, request: pb.AddressRequest, region: Region | None) -> Call:
         sl = self.slice(request, pb.PRODUCT_KEYS)
         queries = decode(request.queries, "queries")
 
@@ -425,14 +476,14 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             ids, weights = sl.table.address(queries)
             return pb.AddressResponse(ids=encode(ids), weights=encode(weights))
 
-        return await self.run(work, queries.shape[0] * sl.table.heads * sl.table.knn if queries.dim() else 1)
+        return Call(sl, work, queries.shape[0] * sl.table.heads * sl.table.knn if queries.dim() else 1)
 
-    async def CommitStep(self, request: pb.CommitStepRequest, context: grpc.aio.ServicerContext) -> pb.WriteAck:
+    def _plan_commit_step(self, request: pb.CommitStepRequest, region: Region | None) -> Call:
         if request.contributor:
             raise InvalidArgumentError("contributor: set only by a shard in its own log, never by a client")
-        return await self._apply_write(request, self._commit_step)
+        return self._write(request, self._commit_step)
 
-    async def SlotStats(self, request: pb.SlotStatsRequest, context: grpc.aio.ServicerContext) -> pb.SlotStatsResponse:
+    def _slot_stats(self, request: pb.SlotStatsRequest, region: Region | None) -> Call:
         sl = self.slice(request)
         ids = decode(request.ids, "ids")
         check_1d(ids, "ids")
@@ -441,12 +492,11 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             stats = sl.table.slot_stats(sl.local(ids))
             return pb.SlotStatsResponse(**{k: encode(v) for k, v in stats.items()})
 
-        return await self.run(work, ids.numel())
+        return Call(sl, work, ids.numel())
 
     # -- inspection ------------------------------------------------------------------------
 
-    async def RecordTriggers(self, request: pb.RecordTriggersRequest,
-                             context: grpc.aio.ServicerContext) -> pb.RecordTriggersResponse:
+    def _record_triggers(self, request: pb.RecordTriggersRequest, region: Region | None) -> Call:
         sl = self.slice(request)
         ids, weights = decode(request.ids, "ids"), decode(request.weights, "weights")
         positions, contexts, nxt = (decode(getattr(request, f), f) for f in ("positions", "contexts", "next"))
@@ -460,9 +510,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             heaps.add(ids.numpy(), weights.float().numpy(), positions.long().numpy(), contexts.numpy(), nxt.numpy())
             return pb.RecordTriggersResponse(slots=heaps.slots, dropped=heaps.dropped)
 
-        return await self.run(work, ids.numel() + contexts.numel())
+        return Call(sl, work, ids.numel() + contexts.numel())
 
-    async def Triggers(self, request: pb.TriggersRequest, context: grpc.aio.ServicerContext) -> pb.TriggersResponse:
+    def _triggers(self, request: pb.TriggersRequest, region: Region | None) -> Call:
         sl = self.slice(request)
         ids = decode(request.ids, "ids")
         check_1d(ids, "ids")
@@ -474,9 +524,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             w, ctx, nx = sl.triggers.get(ids.long().numpy())
             return pb.TriggersResponse(weights=encode(w), contexts=encode(ctx), next=encode(nx), info=sl.triggers.info)
 
-        return await self.run(work, ids.numel())
+        return Call(sl, work, ids.numel())
 
-    async def TopSlots(self, request: pb.TopSlotsRequest, context: grpc.aio.ServicerContext) -> pb.TopSlotsResponse:
+    def _top_slots(self, request: pb.TopSlotsRequest, region: Region | None) -> Call:
         sl = self.slice(request)
         if not 1 <= request.n <= MAX_INSPECT_SLOTS:
             raise InvalidArgumentError(f"n: must be in [1, {MAX_INSPECT_SLOTS}], got {request.n}")
@@ -489,9 +539,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             ids = sl.layout.to_global(sl.info.index, rows)
             return pb.TopSlotsResponse(ids=encode(ids.astype(np.int64)), values=encode(values.astype(np.float64)))
 
-        return await self.run(work)
+        return Call(sl, work, INLINE_ENTRIES + 1)
 
-    async def SlotUsage(self, request: pb.SlotUsageRequest, context: grpc.aio.ServicerContext) -> pb.SlotUsageResponse:
+    def _slot_usage(self, request: pb.SlotUsageRequest, region: Region | None) -> Call:
         sl = self.slice(request)
 
         def work() -> pb.SlotUsageResponse:
@@ -502,7 +552,28 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                                                counts=encode(h.counts), sums=encode(h.sums))
             return pb.SlotUsageResponse(**out)
 
-        return await self.run(work)
+        return Call(sl, work, INLINE_ENTRIES + 1)
+
+    #: Every call of the service but AttachRegion: its plan. The gRPC methods below and the
+    #: doorbell (memserver.server.doorbell) serve exactly these.
+    PLANS: dict[str, Callable[[Any, Any, Region | None], Call]] = {
+        "Lookup": _lookup, "Bag": _bag, "BagBackward": _plan_bag_backward, "PushGradients": _plan_push_gradients,
+        "WriteRows": _plan_write_rows, "CommitStep": _plan_commit_step, "Add": _plan_add, "Remove": _plan_remove,
+        "Search": _search, "SlotStats": _slot_stats, "LoadProductKeys": _plan_load_product_keys, "Address": _address,
+        "RecordTriggers": _record_triggers, "Triggers": _triggers, "TopSlots": _top_slots, "SlotUsage": _slot_usage,
+    }
+
+
+def _grpc_method(name: str) -> Callable[..., Any]:
+    async def method(self: DataPlaneServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._serve(name, request)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in DataPlaneServicer.PLANS:
+    setattr(DataPlaneServicer, _name, _grpc_method(_name))
 
 _SLOT_STATS = {pb.HITS: "hits", pb.WEIGHT_MASS: "weight_mass", pb.UPDATES: "updates", pb.VALUE_SQ_NORM: "value_sq_norm"}
 

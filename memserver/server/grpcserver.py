@@ -48,6 +48,40 @@ _REQUEST_PARSERS = {f"/{DATA_PLANE}/{m.name}": partial(parse_views, getattr(pb, 
                     for m in pb.DESCRIPTOR.services_by_name["DataPlane"].methods if m.name in _VIEWED}
 
 
+def request_parser(service: str, method: str) -> Callable[[bytes], Any]:
+    """How a server reads a request of `method` (views of its tensors' bytes where the shard keeps
+    none past the call): the interceptor's and the doorbell's one reader."""
+    full = f"/{service}/{method}"
+    parse = _REQUEST_PARSERS.get(full)
+    if parse is None:
+        svc = pb.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[-1]]
+        parse = getattr(pb, svc.methods_by_name[method].input_type.name).FromString
+    return parse
+
+
+def status_of(exc: BaseException, name: str, request: Any, metrics: CallMetrics | None) -> tuple[grpc.StatusCode, str]:
+    """The status and text a call that raised `exc` answers, on every path (gRPC's interceptor,
+    the doorbell): the api's exceptions their own; a lost Ray actor UNAVAILABLE; anything else a
+    bug: INTERNAL, its traceback logged with the method and table, and counted."""
+    if isinstance(exc, MemserverError):
+        return exc.code, exc.details
+    if _is_actor_error(exc):
+        return grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}"
+    log.error("%s failed on table %r", name, getattr(request, "table", ""), exc_info=exc)
+    if metrics is not None:
+        metrics.internal(name)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def parse_request(parse: Callable[[bytes], Any] | None, raw: bytes, name: str) -> Any:
+    """A request's bytes as its message (INVALID_ARGUMENT, never gRPC's UNKNOWN "Unexpected
+    DecodeError", for bytes that are no such message). Then check_enums, before any handler."""
+    try:
+        return parse(raw) if parse is not None else raw
+    except Exception as exc:
+        raise InvalidArgumentError(f"request: not a valid {name} request ({type(exc).__name__})") from None
+
+
 class CallMetrics(Protocol):
     """Where the interceptors record each call (memserver.server.metrics.ServerMetrics)."""
 
@@ -148,28 +182,16 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                     admission.take(name, len(raw))
                     size = len(raw)
                     t0 = time.perf_counter()
-                    # parsed here, not by gRPC, so bytes that are no such message get INVALID_ARGUMENT
-                    # (gRPC's own failure is UNKNOWN "Unexpected DecodeError")
-                    try:
-                        request = parse(raw) if parse is not None else raw
-                    except Exception as exc:
-                        raise InvalidArgumentError(f"request: not a valid {name} request ({type(exc).__name__})") from None
+                    # parsed here, not by gRPC (see parse_request)
+                    request = parse_request(parse, raw, name)
                     raw = None
                     check_enums(request)  # every enum field of every request, before any handler runs
                     response = await inner(request, context)
-                except MemserverError as exc:
-                    code, text = exc.code, exc.details
                 except grpc.aio.AbortError:  # the handler aborted by itself
                     self._observe(name, request, grpc.StatusCode.UNKNOWN, t0)
                     raise
                 except Exception as exc:
-                    if _is_actor_error(exc):
-                        code, text = grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}"
-                    else:  # a bug: say so, with the traceback in the server log, and count it
-                        log.exception("%s failed on table %r", name, getattr(request, "table", ""))
-                        if self.metrics is not None:
-                            self.metrics.internal(name)
-                        code, text = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+                    code, text = status_of(exc, name, request, self.metrics)
                 else:
                     self._observe(name, request, grpc.StatusCode.OK, t0)
                     return response

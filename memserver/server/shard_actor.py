@@ -27,6 +27,7 @@ from memserver.server.admission import Admission
 from memserver.server.catalog import refuse_oversized, slice_size
 from memserver.server.config import ServeConfig
 from memserver.server.dataplane import DataPlaneServicer
+from memserver.server.doorbell import Doorbell
 from memserver.server.grpcserver import DATA_PLANE, serve_on
 from memserver.server.metrics import ShardMetrics, rss_bytes
 from memserver.server.rayutil import bind_host, gpus, memory_available, node_id, shard_device, was_restarted
@@ -36,7 +37,7 @@ from memserver.storage.checkpoint import load_index, load_into, load_whole, save
 from memserver.storage.fsutil import atomic_write
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, latest_committed, table_record
 from memserver.storage.wal import LogGapError, WriteAheadLog, read_log, repair_log
-from memserver.wire import tune_malloc
+from memserver.wire import DOORBELL_ENV, tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class ShardActor:
         self.servicer.regions.admission = Admission(self.config.limits)
         self.metrics = ShardMetrics(index, lambda: self.servicer.tables, self.restarted)
         self.metrics.registry.register(self.servicer.regions)  # shared-memory regions attached now
+        self.servicer.regions.auth = self.config.auth
         self.store = ShardStore(data_dir, index) if data_dir else None
         self.loop = LoopThread(f"shard{index}-grpc")
         self.server: grpc.aio.Server | None = None
@@ -81,6 +83,11 @@ class ShardActor:
             log.info("shard %d: recovered %d table(s) in %.2fs: %s", index, len(recovered), time.perf_counter() - t0,
                      ", ".join(f"{r['table']} from {r['from']}" for r in recovered))
         self._serve(host)
+        self.doorbell: Doorbell | None = None
+        if self.servicer.regions.on and os.environ.get(DOORBELL_ENV, "1") != "0":
+            self.doorbell = Doorbell(self.servicer, self.servicer.regions.admission, self.metrics)
+            self.metrics.registry.register(self.doorbell)
+            self.servicer.regions.doorbell = self.doorbell.name
         self.metrics.serve(self.address.rsplit(":", 1)[0])
         if self.restarted and coordinator:
             import ray
@@ -410,6 +417,8 @@ class ShardActor:
 
     def stop(self) -> None:
         async def stop() -> None:
+            if self.doorbell is not None:
+                self.doorbell.close()
             if self.server is not None:
                 await self.server.stop(grace=1.0)
             self.metrics.stop()

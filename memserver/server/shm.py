@@ -36,6 +36,7 @@ import logging
 import mmap
 import os
 import secrets
+import socket
 import stat
 import threading
 from collections.abc import AsyncIterator
@@ -44,6 +45,7 @@ from typing import Any
 import grpc
 from prometheus_client.core import GaugeMetricFamily
 
+from memserver.api.auth import AuthConfig
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.server.admission import Admission
@@ -75,12 +77,16 @@ def memfd_device() -> int | None:
 
 class Attached:
     """One client's region mapped on this shard. `leases`: calls using it now; it is unmapped once
-    detached and unused. `pid`: the process that holds it (its nonce proved that)."""
+    detached and unused. `pid`: the process that holds it (its nonce proved that); `role`: its
+    token's ("write", or "read": the doorbell serves it reads only); `doorbells`: the client's
+    doorbell connections for it (memserver.server.doorbell), ended when it is detached."""
 
-    def __init__(self, pid: int, mm: mmap.mmap) -> None:
+    def __init__(self, pid: int, mm: mmap.mmap, role: str = "write") -> None:
         self.pid, self.mm, self.size = pid, mm, len(mm)
+        self.role = role
         self.leases = 0
         self.detached = False
+        self.doorbells: set[Any] = set()
         self.lock = threading.Lock()
 
     def span(self, span: pb.ShmSpan, what: str) -> tuple[int, int]:
@@ -103,6 +109,12 @@ class Attached:
         with self.lock:
             self.detached = True
             last = self.leases == 0
+            doorbells, self.doorbells = self.doorbells, set()
+        for conn in doorbells:  # their threads see the stream end and exit
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if last:
             self._unmap()
 
@@ -158,8 +170,10 @@ class Regions:
         self.boot_id = boot_id()
         self.memfd_dev = memfd_device()
         self.admission = admission
+        self.auth: AuthConfig | None = None  # the server's tokens: a region's role is its attach's token's
+        self.doorbell = ""  # the shard's doorbell (memserver.server.doorbell), told to every attached client
 
-    def attach(self, request: pb.AttachRegionRequest) -> str:
+    def attach(self, request: pb.AttachRegionRequest, role: str = "write") -> str:
         """Map a client's region; returns its id. Refusals: _NotHere (FAILED_PRECONDITION: shared
         memory cannot work between this client and this shard), InvalidArgumentError (not a region
         the shard may map), _Full (RESOURCE_EXHAUSTED)."""
@@ -183,7 +197,7 @@ class Regions:
             raise _Full(f"process {pid} holds {held} shared-memory regions on this shard, the most one client may "
                         f"(MAX_REGIONS_PER_CLIENT={MAX_REGIONS_PER_CLIENT}); use TCP")
         region_id = secrets.token_hex(16)
-        self.by_id[region_id] = Attached(pid, mm)
+        self.by_id[region_id] = Attached(pid, mm, role)
         return region_id
 
     def _map(self, pid: int, fd: int, size: int, nonce: bytes) -> mmap.mmap:
@@ -231,7 +245,7 @@ class Regions:
         """The region a data-plane request's tensors are in (None: inline), leased until release():
         every span checked, and the request tensors' bytes taken from the admission (OverloadedError
         past max_inflight_bytes, as a TCP request of those bytes would be)."""
-        if not request.HasField("shm"):
+        if "shm" not in request.DESCRIPTOR.fields_by_name or not request.HasField("shm"):
             return None
         attached = self.by_id.get(request.shm.region)
         if attached is None:
@@ -281,9 +295,12 @@ def answer(request: Any, region: Region | None, reply: Lazy) -> Any:
 
 async def serve_attach(regions: Regions, request: pb.AttachRegionRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AttachRegionEvent]:
-    """AttachRegion: map the region, answer its id, hold it until the stream ends."""
+    """AttachRegion: map the region, answer its id (and the doorbell's name), hold it until the
+    stream ends. The region keeps the role of the token it was attached with (the interceptor let
+    the call in with a valid one)."""
+    role = (regions.auth.role(context.invocation_metadata()) or "read") if regions.auth is not None else "write"
     try:
-        region_id = regions.attach(request)
+        region_id = regions.attach(request, role)
     except _NotHere as exc:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shared memory: {exc}")
         return
@@ -295,7 +312,7 @@ async def serve_attach(regions: Regions, request: pb.AttachRegionRequest,
         return
     log.info("attached shared-memory region of pid %d (%d bytes) as %s...", request.pid, request.size, region_id[:8])
     try:
-        yield pb.AttachRegionEvent(region=region_id)
+        yield pb.AttachRegionEvent(region=region_id, doorbell=regions.doorbell)
         await asyncio.Event().wait()  # until the client cancels the stream or its connection closes
     finally:
         regions.detach(region_id)

@@ -122,10 +122,12 @@ class AttachRegionRequest(_message.Message):
     def __init__(self, size: _Optional[int] = ..., boot_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class AttachRegionEvent(_message.Message):
-    __slots__ = ("region",)
+    __slots__ = ("region", "doorbell")
     REGION_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_FIELD_NUMBER: _ClassVar[int]
     region: str
-    def __init__(self, region: _Optional[str] = ...) -> None: ...
+    doorbell: str
+    def __init__(self, region: _Optional[str] = ..., doorbell: _Optional[str] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "lr", "eps", "beta1", "beta2")

@@ -1,0 +1,181 @@
+"""The client's side of a shard's doorbell (memserver.server.doorbell has the protocol): data-plane
+calls to a shard on this machine as frames on a Unix socket, their tensors in the client's
+shared-memory region with that shard (client.shm), no gRPC per call.
+
+A `Bell` is one connection, opened once the region is attached (client.shm.ShmTransport) and
+said hello to with the region's id. Any thread may send on it (`send`, under a lock) and wait
+for its answer (`wait`): whichever waiter finds no one reading becomes the reader and hands
+the answers it reads to their waiters (leader/follower), so two calls to two shards from one
+thread are both in flight before either is waited for. A call not answered by its deadline
+raises DeadlineExceededError (its block is abandoned, as after a gRPC deadline) and its late
+answer is dropped. A connection that breaks fails every call waiting on it UNAVAILABLE and is
+not used again (the client's retry sends those calls by gRPC while the region is attached anew).
+
+Bounds: at most MAX_OUTSTANDING calls in flight per connection (more go by gRPC), so the
+answers a shard writes never fill the socket's buffer while the client is sending.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from memserver.api.errors import DeadlineExceededError, UnavailableError, error_for
+from memserver.wire import DOORBELL_HEAD as HEAD
+from memserver.wire import DOORBELL_HELLO as HELLO
+from memserver.wire import DOORBELL_MAX_REQUEST as MAX_REQUEST_BYTES
+from memserver.wire import DOORBELL_REPLY as REPLY
+
+#: Calls in flight on one connection at most.
+MAX_OUTSTANDING = 32
+#: Seconds the hello may take.
+HELLO_SECONDS = 5.0
+_STATUS = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("the shard closed its doorbell")
+        got += k
+    return bytes(buf)
+
+
+class Bell:
+    """One connection to a shard's doorbell, for the region `region_id` (see the module docstring).
+    `target`: where the calls go, for error messages ("shard HOST:PORT")."""
+
+    def __init__(self, name: str, region_id: str, target: str) -> None:
+        self.target = target
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(HELLO_SECONDS)
+            sock.connect("\0" + name)
+            body = region_id.encode()
+            sock.sendall(HEAD.pack(len(body), 0, 0, len(HELLO)) + HELLO.encode() + body)
+            size, _, code = REPLY.unpack(_recv_exact(sock, REPLY.size))
+            text = _recv_exact(sock, size)
+            if code != 0:
+                raise ConnectionError(f"refused: {text.decode(errors='replace')}")
+            sock.settimeout(None)  # blocking from now on: the reader polls before it reads
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.next_id = 1
+        self.send_lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.waiting: set[int] = set()  # calls sent and not given up
+        self.answers: dict[int, tuple[int, bytes]] = {}
+        self.reading = False
+        self.broken: str = ""  # why the connection is unusable ("" while it works)
+        self.calls = 0
+
+    @property
+    def alive(self) -> bool:
+        return not self.broken
+
+    def send(self, method: str, raw: bytes, timeout: float | None) -> int | None:
+        """Send a call; its ticket for `wait`, or None: send it by gRPC (too large, too many in
+        flight, or the connection broken)."""
+        if len(raw) > MAX_REQUEST_BYTES or self.broken:
+            return None
+        name = method.encode()
+        with self.send_lock:
+            with self.cond:
+                # answers filed and never collected (a caller interrupted) count too: bounded
+                if len(self.waiting) + len(self.answers) >= MAX_OUTSTANDING or self.broken:
+                    return None
+                call_id = self.next_id
+                self.next_id += 1
+                self.waiting.add(call_id)
+            ms = 0 if timeout is None else max(1, int(timeout * 1000))
+            try:
+                self.sock.sendmsg([HEAD.pack(len(raw), call_id, ms, len(name)), name, raw])
+            except OSError as exc:
+                self._break(f"sending failed ({exc})")
+                return call_id  # wait() raises UNAVAILABLE: the call may or may not have gone
+        self.calls += 1
+        return call_id
+
+    def wait(self, call_id: int, timeout: float | None) -> tuple[grpc.StatusCode, bytes]:
+        """The call's status and answer bytes (or status text). Raises DeadlineExceededError past
+        `timeout` seconds and UnavailableError if the connection breaks first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self.cond:
+                while True:
+                    got = self.answers.pop(call_id, None)
+                    if got is not None:
+                        return _STATUS.get(got[0], grpc.StatusCode.UNKNOWN), got[1]
+                    if self.broken:
+                        self.waiting.discard(call_id)
+                        raise UnavailableError(f"doorbell: {self.broken}", target=self.target)
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        self.waiting.discard(call_id)  # its answer, if it comes, is dropped
+                        raise DeadlineExceededError(f"doorbell: no answer within {timeout:.3g}s", target=self.target)
+                    if not self.reading:
+                        self.reading = True
+                        break
+                    self.cond.wait(left)
+            try:
+                self._read_one(left)
+            finally:
+                with self.cond:
+                    self.reading = False
+                    self.cond.notify_all()
+
+    def _read_one(self, timeout: float | None) -> None:
+        """Read one answer (waiting at most `timeout` for it to start) and file it for its waiter."""
+        try:
+            ready, _, _ = select.select([self.sock], [], [], timeout)
+            if not ready:
+                return
+            size, call_id, code = REPLY.unpack(_recv_exact(self.sock, REPLY.size))
+            body = _recv_exact(self.sock, size)  # a started answer is read whole: the shard sends it at once
+        except (OSError, ValueError) as exc:
+            self._break(f"the connection to the shard broke ({exc})")
+            return
+        with self.cond:
+            if call_id in self.waiting:
+                self.waiting.discard(call_id)
+                self.answers[call_id] = (code, body)
+
+    def _break(self, why: str) -> None:
+        with self.cond:
+            if not self.broken:
+                self.broken = why
+            self.cond.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def call(self, method: str, raw: bytes, timeout: float | None) -> tuple[grpc.StatusCode, bytes] | None:
+        """send + wait in one; None: send it by gRPC."""
+        ticket = self.send(method, raw, timeout)
+        return None if ticket is None else self.wait(ticket, timeout)
+
+    def close(self) -> None:
+        self._break("closed by the client")
+        self.sock.close()
+
+
+def outcome(answer: tuple[grpc.StatusCode, bytes], parse: Any, target: str) -> Any:
+    """A doorbell answer as the call's outcome: the parsed answer, or the exception of its status
+    (a MemserverError, which client.transport handles as it does a gRPC error)."""
+    code, body = answer
+    if code == grpc.StatusCode.OK:
+        return parse(body)
+    return error_for(code, body.decode(errors="replace"), target)
+

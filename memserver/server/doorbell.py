@@ -1,0 +1,271 @@
+"""A shard's doorbell: data-plane calls from clients on its own machine without gRPC
+(client.doorbell is the other side; docs/architecture.md "The doorbell").
+
+A client that has attached a shared-memory region (memserver.server.shm) learns, in the attach's
+answer, the name of this shard's doorbell: an abstract Unix stream socket (no file anywhere; it
+goes with the process). It connects and says hello with the region's id, the 128-bit secret only
+it learnt through its token-checked AttachRegion call, and the shard checks that the peer the
+kernel reports (SO_PEERCRED) is the process that attached the region. From then on the client
+sends any DataPlane call but AttachRegion as one frame, the call's request message whose tensors
+are spans of the region (or inline, for small ones), and one serving thread per connection, not
+the asyncio loop, reads it, runs the call's plan (DataPlaneServicer.serve_now: the same checks
+and kernels as gRPC's handler, the compiled kernels releasing the GIL), writes the answer's
+tensors into the region and sends back a frame that says where. No HTTP/2, no grpc.aio, no event
+loop hop per call.
+
+Every guarantee of the gRPC path holds: the calls run with the role of the token the region was
+attached with (the read token's region takes reads only); each call is admitted by the server's
+Admission (the same limits and refusals); writes carry their tags (exactly once) and are
+answered once logged durably; stale layouts are refused; a call carries its deadline, and one
+that cannot start before it is refused with nothing done (the client abandons its block at the
+deadline either way); every call is counted in the server's metrics, and errors get their
+statuses from the one table (memserver.server.grpcserver.status_of).
+
+Frames (little-endian): a request is `HEAD` (body length, call id, timeout in ms, 0: none,
+method name length) then the method's name and the request's bytes; an answer is `REPLY` (body
+length, call id, status code) then the answer's bytes (OK) or the status text. The hello is a
+request of method HELLO whose body is the region id. A request body is at most MAX_REQUEST_BYTES
+(the client sends larger calls by gRPC); a connection that breaks the protocol is closed.
+
+Bounds: at most MAX_CONNECTIONS connections (one per attached region, MAX_REGIONS, plus a few
+saying hello, each given HELLO_SECONDS), each with one thread; a connection ends when its
+region is detached (the client's AttachRegion stream ended), when the client closes it or dies,
+or when the shard stops. Nothing is left behind: the socket has no file, its threads are daemons.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from memserver.api.auth import READ_METHODS
+from memserver.api.errors import InvalidArgumentError, PermissionDeniedError, UnavailableError
+from memserver.server.admission import Admission
+from memserver.server.grpcserver import DATA_PLANE, CallMetrics, parse_request, request_parser, status_of
+from memserver.server.shm import MAX_REGIONS, Attached, Regions
+from memserver.wire import DOORBELL_HEAD as HEAD
+from memserver.wire import DOORBELL_HELLO as HELLO
+from memserver.wire import DOORBELL_MAX_REQUEST as MAX_REQUEST_BYTES
+from memserver.wire import DOORBELL_REPLY as REPLY
+from memserver.wire import check_enums, to_bytes
+
+log = logging.getLogger(__name__)
+
+#: Connections at once: one per attachable region and a few saying hello.
+MAX_CONNECTIONS = MAX_REGIONS + 8
+#: Seconds a new connection has to say hello.
+HELLO_SECONDS = 2.0
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """n bytes from the stream, or None when it ended first."""
+    if n == 0:
+        return b""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+def _reply(sock: socket.socket, call_id: int, code: grpc.StatusCode, body: bytes) -> None:
+    sock.sendall(REPLY.pack(len(body), call_id, code.value[0]) + body)
+
+
+class Doorbell:
+    """One shard's doorbell: a listening socket, an accepting thread and a thread per connection.
+    `servicer`: the shard's DataPlaneServicer (its regions, plans and tables); `admission` and
+    `metrics`: the gRPC server's, so both paths count against the same limits and in the same
+    series. Its metrics (register on a registry): `memserver_doorbell_connections` and
+    `memserver_doorbell_refused_total{why}`."""
+
+    def __init__(self, servicer: Any, admission: Admission | None = None, metrics: CallMetrics | None = None) -> None:
+        self.servicer = servicer
+        self.regions: Regions = servicer.regions
+        self.admission, self.metrics = admission, metrics
+        self.name = f"memserver-doorbell-{os.getpid()}-{secrets.token_hex(8)}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock.bind("\0" + self.name)  # abstract: no file, gone with the process
+        self.sock.listen(16)
+        self.conns: set[socket.socket] = set()
+        self.refused: dict[str, int] = {}
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.closed = False
+        self.parsers = {name: request_parser(DATA_PLANE, name) for name in servicer.PLANS}
+        self.thread = threading.Thread(target=self._accept, name="doorbell-accept", daemon=True)
+        self.thread.start()
+
+    def _refuse(self, why: str) -> None:
+        with self.lock:
+            self.refused[why] = self.refused.get(why, 0) + 1
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                if self.closed:
+                    return
+                log.exception("doorbell: accept failed")
+                time.sleep(0.1)
+                continue
+            with self.lock:
+                full = len(self.conns) >= MAX_CONNECTIONS
+                if not full:
+                    self.conns.add(conn)
+            if full:
+                self._refuse("connections")
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="doorbell", daemon=True).start()
+
+    def _hello(self, conn: socket.socket) -> tuple[str, Attached] | None:
+        """The connection's region, once its hello names one attached by the peer process."""
+        conn.settimeout(HELLO_SECONDS)
+        try:
+            head = _recv_exact(conn, HEAD.size)
+            if head is None:
+                return None
+            size, call_id, _, name_len = HEAD.unpack(head)
+            if size > 64 or name_len > 32:
+                self._refuse("protocol")
+                return None
+            body = _recv_exact(conn, name_len + size)
+            if body is None or body[:name_len].decode(errors="replace") != HELLO:
+                self._refuse("protocol")
+                return None
+            region_id = body[name_len:].decode(errors="replace")
+            attached = self.regions.by_id.get(region_id)
+            if attached is None or attached.detached or _peer_pid(conn) != attached.pid:
+                # not a region the peer attached: say nothing more than that
+                self._refuse("region")
+                _reply(conn, call_id, grpc.StatusCode.PERMISSION_DENIED, b"doorbell: not a region this process attached")
+                return None
+            _reply(conn, call_id, grpc.StatusCode.OK, b"")
+            conn.settimeout(None)
+            return region_id, attached
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            hello = self._hello(conn)
+            if hello is None:
+                return
+            region_id, attached = hello
+            with attached.lock:
+                attached.doorbells.add(conn)  # shut down when the region is detached
+            log.info("doorbell: pid %d connected (region %s..., %s role)", attached.pid, region_id[:8], attached.role)
+            while not attached.detached:
+                head = _recv_exact(conn, HEAD.size)
+                if head is None:
+                    return
+                size, call_id, timeout_ms, name_len = HEAD.unpack(head)
+                if size > MAX_REQUEST_BYTES:
+                    self._refuse("protocol")
+                    log.warning("doorbell: pid %d sent a %d-byte request (at most %d); closing", attached.pid, size,
+                                MAX_REQUEST_BYTES)
+                    return
+                body = _recv_exact(conn, name_len + size)
+                if body is None:
+                    return
+                deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms else None
+                name = body[:name_len].decode(errors="replace")
+                code, out = self.call(name, memoryview(body)[name_len:], region_id, attached, deadline)
+                _reply(conn, call_id, code, out)
+                self.servicer.drain_now()  # deferred work after the answer, as gRPC's path does
+        except OSError:
+            return
+        finally:
+            with self.lock:
+                self.conns.discard(conn)
+            conn.close()
+
+    def call(self, name: str, raw: memoryview, region_id: str, attached: Attached,
+             deadline: float | None) -> tuple[grpc.StatusCode, bytes]:
+        """One call: admitted, parsed, checked, run; its status and answer bytes (or status text)."""
+        t0 = time.perf_counter()
+        request: Any = None
+        entered, size = False, 0
+        admission = self.admission
+        try:
+            try:
+                parse = self.parsers.get(name)
+                if parse is None:
+                    raise InvalidArgumentError(f"doorbell: {name!r} is not a call the doorbell serves "
+                                               f"({', '.join(self.parsers)})")
+                if attached.role == "read" and name not in READ_METHODS:
+                    raise PermissionDeniedError(f"{name}: the region was attached with the read token, which may not "
+                                                "make this call; it needs the write token")
+                if admission is not None:
+                    admission.enter(name)
+                    entered = True
+                    admission.take(name, len(raw))
+                    size = len(raw)
+                request = parse_request(parse, bytes(raw), name)
+                check_enums(request)
+                if "shm" in request.DESCRIPTOR.fields_by_name and request.HasField("shm") and \
+                        request.shm.region != region_id:
+                    raise InvalidArgumentError("shm.region: not the region this doorbell connection was opened for")
+                if attached.detached:
+                    raise UnavailableError("doorbell: the region was detached; call again (by gRPC)")
+                response = self.servicer.serve_now(name, request, deadline)
+                code, out = grpc.StatusCode.OK, to_bytes(response)
+            except Exception as exc:
+                code, text = status_of(exc, name, request, self.metrics)
+                out = text.encode()
+        finally:
+            if entered and admission is not None:
+                admission.leave(size)
+        with self.lock:
+            self.calls += 1
+        if self.metrics is not None:
+            self.metrics.observe(name if name in self.parsers else "other", getattr(request, "table", ""), code.name,
+                                 time.perf_counter() - t0)
+        return code, out
+
+    def close(self) -> None:
+        """Stop accepting and end every connection (their threads exit)."""
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        with self.lock:
+            conns = list(self.conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def collect(self) -> Any:
+        g = GaugeMetricFamily("memserver_doorbell_connections", "Clients on this node connected to the shard's doorbell")
+        g.add_metric([], len(self.conns))
+        c = CounterMetricFamily("memserver_doorbell_calls", "Calls served by the doorbell (also in memserver_requests_total)")
+        c.add_metric([], self.calls)
+        r = CounterMetricFamily("memserver_doorbell_refused", "Doorbell connections refused, by why", labels=["why"])
+        for why, n in list(self.refused.items()):
+            r.add_metric([why], n)
+        yield from (g, c, r)
+
