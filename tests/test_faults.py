@@ -155,10 +155,11 @@ def test_coordinator_killed_shards_keep_serving_and_catalog_comes_back(fclient, 
 
 def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name):
     """A client with shared-memory regions on both shards, writing through them to a table with
-    the write-ahead log; SIGKILL a shard: the client drops that region (and unmaps it: its memfd
-    is gone with the shard's mapping), its calls go on (TCP while the shard restarts), the restarted shard replays the
-    writes that came through shared memory (their log records hold the tensors) and the client
-    attaches a fresh region to it."""
+    the write-ahead log, by the shards' doorbells; SIGKILL a shard: the client drops that region
+    (and unmaps it: its memfd is gone with the shard's mapping) and its doorbell connection, its
+    calls go on (TCP while the shard restarts), the restarted shard replays the writes that came
+    through shared memory (their log records hold the tensors) and the client attaches a fresh
+    region to it, with a doorbell again."""
     from client import MemoryClient
 
     with MemoryClient(fault_cluster.endpoint, timeout=30, retry_seconds=90, shm=True) as c:
@@ -168,23 +169,26 @@ def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name):
                  "regions on both shards", 30)
         rng = np.random.default_rng(5)
         before = c.aio.shm.calls
+        rung = sum(r.bell.calls for r in c.aio.shm.regions.values())
         for _ in range(3):
             ids = rng.integers(0, ROWS, (2048, 4))
             c.bag_backward(table_name, ids, rng.random((2048, 4), dtype=np.float32),
                            rng.normal(size=(2048, DIM)).astype(np.float32))
-        assert c.aio.shm.calls - before == 6
+        assert c.aio.shm.calls - before == 6 and sum(r.bell.calls for r in c.aio.shm.regions.values()) - rung == 6
         expect = c.lookup(table_name, np.arange(ROWS))
         address = c.table(table_name).shards[0].address
         region = c.aio.shm.regions[address]
         kill_shard(c, 0)
         wait_for(lambda: address not in c.aio.shm.regions, "the client to drop the dead shard's region", 30)
         wait_for(lambda: region.mm.closed, "the client to unmap the dead shard's region", 30)
+        assert not region.bell.alive  # its doorbell connection is closed with it
         with open("/proc/self/maps") as f:
             assert f"/memfd:{region.name} " not in f.read()
         np.testing.assert_array_equal(c.lookup(table_name, np.arange(ROWS)), expect)
         wait_for(lambda: c.bag(table_name, *big) is not None and len(c.aio.shm.regions) == 2,
                  "a region on the restarted shard", 60)
         np.testing.assert_array_equal(c.lookup(table_name, np.arange(ROWS)), expect)
+        assert c.aio.shm.bell(address) is not None and c.aio.shm.bell(address) is not region.bell
 
 
 def test_a_shard_restarted_without_its_data_says_what_was_lost_and_how_to_restore(fault_cluster, fclient, table_name,

@@ -8,6 +8,7 @@ tests/test_faults.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import signal
@@ -45,8 +46,17 @@ def attach(c: MemoryClient, table: str, shards: int, timeout: float = 30.0) -> M
     return c
 
 
-def shm_client(endpoint: str, table: str, shards: int, **kwargs) -> MemoryClient:
-    return attach(MemoryClient(endpoint, timeout=60, shm=True, **kwargs), table, shards)
+def shm_client(endpoint: str, table: str, shards: int, doorbell: bool = True, **kwargs) -> MemoryClient:
+    """A client with regions on `shards` shards; its calls go by their doorbells (client.doorbell),
+    or with `doorbell` False by gRPC, their tensors in shared memory."""
+    c = MemoryClient(endpoint, timeout=60, shm=True, **kwargs)
+    c.aio.shm.doorbell = doorbell
+    return attach(c, table, shards)
+
+
+def bell_calls(c: MemoryClient) -> int:
+    """Calls the client has sent by its shards' doorbells."""
+    return sum(r.bell.calls for r in c.aio.shm.regions.values() if r.bell is not None)
 
 
 def test_enabled_by_default_off_with_env(monkeypatch):
@@ -56,24 +66,27 @@ def test_enabled_by_default_off_with_env(monkeypatch):
     assert not enabled(None) and enabled(True)
 
 
-@pytest.mark.parametrize("sharding", ["cols", "rows"])
-def test_same_answers_as_tcp(memory_cluster, table_name, sharding):
+@pytest.mark.parametrize("sharding,path", [("cols", "doorbell"), ("rows", "doorbell"), ("cols", "grpc")])
+def test_same_answers_as_tcp(memory_cluster, table_name, sharding, path):
     """Bag (dense and with offsets, float32 and bfloat16 on the wire), lookup and bag_backward on a
     table with the write-ahead log (whose records must hold the tensors, not the spans): equal
     through shared memory and TCP, and the shared-memory client really used it (calls of at
-    least client.shm.MIN_BYTES; smaller ones go by TCP)."""
+    least client.shm.MIN_BYTES; smaller ones go inline). `path`: the calls go by the shards'
+    doorbells (the default), or by gRPC with their tensors in shared memory."""
     rows, dim = 4096, 48
     with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as tcp:
         for name in (f"{table_name}-a", f"{table_name}-b"):
             tcp.create_table(name, rows, dim, sharding=sharding, optimizer="adagrad", seed=3, wal=True)
-        shm = shm_client(memory_cluster.endpoint, f"{table_name}-a", 2)
-        shm16 = shm_client(memory_cluster.endpoint, f"{table_name}-a", 2, wire_dtype="bfloat16")
+        shm = shm_client(memory_cluster.endpoint, f"{table_name}-a", 2, doorbell=path == "doorbell")
+        shm16 = shm_client(memory_cluster.endpoint, f"{table_name}-a", 2, doorbell=path == "doorbell",
+                           wire_dtype="bfloat16")
         tcp16 = MemoryClient(memory_cluster.endpoint, timeout=60, shm=False, wire_dtype="bfloat16")
         try:
             rng = np.random.default_rng(0)
             ids = torch.from_numpy(rng.integers(0, rows, (2000, 16)))
             w = torch.from_numpy(rng.random((2000, 16), dtype=np.float32))
             before, before16 = shm.aio.shm.calls, shm16.aio.shm.calls
+            rung, rung16 = bell_calls(shm), bell_calls(shm16)
             assert torch.equal(shm.bag(f"{table_name}-a", ids, w), tcp.bag(f"{table_name}-a", ids, w))
             flat, off = ids.reshape(-1)[:20000], torch.tensor([0, 3, 3, 500, 19999])
             assert torch.equal(shm.bag(f"{table_name}-a", flat, w.reshape(-1)[:20000], off),
@@ -91,6 +104,9 @@ def test_same_answers_as_tcp(memory_cluster, table_name, sharding):
                                           tcp.lookup(f"{table_name}-b", torch.arange(rows)).numpy())
             # bag, bag with offsets, lookup and 3 backwards, each to both shards (and the bfloat16 bag)
             assert shm.aio.shm.calls - before == 2 * 6 and shm16.aio.shm.calls - before16 == 2
+            # ... by the shards' doorbells, or none of them
+            expect = (2 * 6, 2) if path == "doorbell" else (0, 0)
+            assert (bell_calls(shm) - rung, bell_calls(shm16) - rung16) == expect
             # attached: the client has closed its descriptors (the shards opened the memfds)
             assert all(r.fd == -1 for c in (shm, shm16) for r in c.aio.shm.regions.values())
         finally:
@@ -346,14 +362,16 @@ def _held(pid: int, names: list[str]) -> list[str]:
 
 
 def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
-    """SIGKILL a client with regions attached to both shards: the shards unmap them (the gauge
-    returns to where it was, and no shard maps the memfds or holds a descriptor of them: their
-    memory is gone, a memfd has no name that could outlive those)."""
+    """SIGKILL a client with regions attached to both shards and connected to their doorbells:
+    the shards unmap the regions (the gauge returns to where it was, and no shard maps the memfds
+    or holds a descriptor of them: their memory is gone, a memfd has no name that could outlive
+    those) and end the doorbell connections."""
     with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as c:
         meta = c.create_table(table_name, 1000, 8)
         status = c.status().shards
         shards, pids = [s.metrics_address for s in status], [s.pid for s in status]
         base = sum(total(scrape(a), "memserver_shm_regions") for a in shards)
+        bells = sum(total(scrape(a), "memserver_doorbell_connections") for a in shards)
         script = ("import sys, time, numpy as np\nfrom client import MemoryClient\n"
                   f"c = MemoryClient({memory_cluster.endpoint!r}, shm=True)\n"
                   "while len(c.aio.shm.regions) < 2:\n"
@@ -365,12 +383,14 @@ def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
             ready, *names = child.stdout.readline().split()
             assert ready == "ready" and len(names) == 2
             assert sum(total(scrape(a), "memserver_shm_regions") for a in shards) == base + len(meta.shards)
+            assert sum(total(scrape(a), "memserver_doorbell_connections") for a in shards) == bells + len(meta.shards)
             assert sorted(n for pid in pids for n in _held(pid, names)) == sorted(names)  # one on each shard
             os.kill(child.pid, signal.SIGKILL)
             child.wait(30)
             t0 = time.monotonic()
-            while sum(total(scrape(a), "memserver_shm_regions") for a in shards) != base:
-                assert time.monotonic() - t0 < 30, "the shards kept a dead client's regions"
+            while sum(total(scrape(a), "memserver_shm_regions") for a in shards) != base or \
+                    sum(total(scrape(a), "memserver_doorbell_connections") for a in shards) != bells:
+                assert time.monotonic() - t0 < 30, "the shards kept a dead client's regions or doorbell connections"
                 time.sleep(0.1)
         finally:
             if child.poll() is None:
@@ -383,52 +403,70 @@ def test_regions_go_when_the_client_is_killed(memory_cluster, table_name):
 class ShardMap(pb_grpc.ControlPlaneServicer):
     """The coordinator of `local_shard`: it only answers the shard map."""
 
-    def __init__(self, info: pb.TableInfo) -> None:
-        self.info = info
+    def __init__(self, infos: dict[str, pb.TableInfo]) -> None:
+        self.infos = infos
 
     async def GetShardMap(self, request, context):
-        return self.info
+        if request.name not in self.infos:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"table {request.name!r} does not exist")
+        return self.infos[request.name]
 
 
 LOCAL_ROWS, LOCAL_DIM = 4096, 16
 
 
-@pytest.fixture
-def local_shard():
+@contextlib.contextmanager
+def make_local_shard(limits=None, doorbell: bool = False, tables: tuple[str, ...] = ("t",)):
     """A shard (the real DataPlaneServicer and start_server, wired as memserver.server.shard_actor
-    wires them: its Regions count against its Admission) holding a one-shard table "t", and a
-    coordinator that answers its shard map, in this process: the test reaches into the shard."""
+    wires them: its Regions count against its Admission; with `doorbell`, its Doorbell too)
+    holding one-shard tables `tables`, and a coordinator that answers their shard map, in this
+    process: the test reaches into the shard."""
     from memserver.loop import LoopThread
     from memserver.server.admission import Admission
     from memserver.server.catalog import plan_table, validate_spec
     from memserver.server.config import Limits
     from memserver.server.dataplane import DataPlaneServicer
+    from memserver.server.doorbell import Doorbell
     from memserver.server.grpcserver import CONTROL_PLANE, DATA_PLANE, start_server
     from memserver.server.slice import TableSlice
 
     loop = LoopThread("shm-local-shard")
     servicer = DataPlaneServicer(torch.device("cpu"), 1)
-    servicer.regions.admission = admission = Admission(Limits())
+    servicer.regions.admission = admission = Admission(limits or Limits())
     server, port = loop.call(start_server(lambda s: pb_grpc.add_DataPlaneServicer_to_server(servicer, s), [DATA_PLANE],
                                           "127.0.0.1", admission=admission))
+    bell = Doorbell(servicer, admission) if doorbell else None
+    if bell is not None:
+        servicer.regions.doorbell = bell.name
     address = f"127.0.0.1:{port}"
-    spec = validate_spec(pb.TableSpec(name="t", num_rows=LOCAL_ROWS, dim=LOCAL_DIM, num_shards=1, seed=4), 1)
-    info = plan_table(spec, [{"address": address, "node_id": "", "pid": os.getpid()}])
-    servicer.tables["t"] = TableSlice(spec, info.shards[0], 1, torch.device("cpu"))
-    coord, coord_port = loop.call(start_server(lambda s: pb_grpc.add_ControlPlaneServicer_to_server(ShardMap(info), s),
+    infos = {}
+    for name in tables:  # twins: the same seed
+        spec = validate_spec(pb.TableSpec(name=name, num_rows=LOCAL_ROWS, dim=LOCAL_DIM, num_shards=1, seed=4), 1)
+        infos[name] = info = plan_table(spec, [{"address": address, "node_id": "", "pid": os.getpid()}])
+        servicer.tables[name] = TableSlice(spec, info.shards[0], 1, torch.device("cpu"))
+    coord, coord_port = loop.call(start_server(lambda s: pb_grpc.add_ControlPlaneServicer_to_server(ShardMap(infos), s),
                                                [CONTROL_PLANE], "127.0.0.1"))
 
     async def on_loop(fn):  # the shard's state is its event loop's
         return fn()
 
     try:
-        yield SimpleNamespace(endpoint=f"127.0.0.1:{coord_port}", address=address, servicer=servicer,
+        yield SimpleNamespace(endpoint=f"127.0.0.1:{coord_port}", address=address, servicer=servicer, doorbell=bell,
                               regions=servicer.regions, admission=admission, run=lambda fn: loop.call(on_loop(fn)))
     finally:
+        if bell is not None:
+            bell.close()
         for s in (server, coord):
             loop.call(s.stop(None))
         loop.stop()
         servicer.pool.shutdown()
+
+
+@pytest.fixture
+def local_shard():
+    """make_local_shard's shard without a doorbell: its calls come by gRPC, tensors in shared memory."""
+    with make_local_shard() as shard:
+        yield shard
 
 
 def settled(adm) -> tuple[int, int]:

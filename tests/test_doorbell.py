@@ -1,0 +1,409 @@
+"""The doorbell (client.doorbell, memserver.server.doorbell): a same-host client's data-plane calls
+without gRPC, keeping every guarantee of the gRPC path. Equality with TCP is
+tests/test_shm.py::test_same_answers_as_tcp (both paths); the shard's death is
+tests/test_faults.py::test_shared_memory_when_a_shard_is_killed; the client's death
+tests/test_shm.py::test_regions_go_when_the_client_is_killed. Here: the hello (only the process
+that attached a region may ring for it), the read token's region, admission limits, deadlines,
+exactly-once writes, the answer only once the write is durable, hostile frames, and the switches."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from client import MemoryClient
+from client.doorbell import Bell
+from memserver.api.errors import DeadlineExceededError, OverloadedError, PermissionDeniedError
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.wire import DOORBELL_HEAD, DOORBELL_MAX_REQUEST, DOORBELL_REPLY, encode
+from tests.conftest import READ, WRITE
+from tests.test_fuzz import DOCUMENTED
+from tests.test_shm import LOCAL_DIM, LOCAL_ROWS, ROOT, bell_calls, make_local_shard, settled
+
+
+def rung_client(shard, **kwargs) -> MemoryClient:
+    """A client of `shard` whose calls go by its doorbell (its first call attaches the region)."""
+    c = MemoryClient(shard.endpoint, timeout=30, token="", **kwargs)
+    t0 = time.monotonic()
+    while c.aio.shm.bell(shard.address) is None:
+        assert time.monotonic() - t0 < 20, f"no doorbell: {c.aio.shm.not_before}"
+        c.lookup("t", [0], count=False)
+        time.sleep(0.02)
+    return c
+
+
+@pytest.fixture
+def bell_shard():
+    with make_local_shard(doorbell=True, tables=("t", "u")) as shard:
+        yield shard
+
+
+def raw(shard) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect("\0" + shard.doorbell.name)
+    return s
+
+
+def frame(method: str, body: bytes, call_id: int = 1, timeout_ms: int = 0) -> bytes:
+    return DOORBELL_HEAD.pack(len(body), call_id, timeout_ms, len(method)) + method.encode() + body
+
+
+def answer(s: socket.socket) -> tuple[int, int, bytes]:
+    """(call id, status code, body) of the next answer; raises ConnectionError when the shard closed."""
+    def exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            got = s.recv(n - len(out))
+            if not got:
+                raise ConnectionError("closed")
+            out += got
+        return out
+
+    size, call_id, code = DOORBELL_REPLY.unpack(exact(DOORBELL_REPLY.size))
+    return call_id, code, exact(size)
+
+
+def test_calls_go_by_the_doorbell_and_answer_as_grpc(bell_shard):
+    """Every kind of call a value table takes goes by the doorbell, small (inline in the frame)
+    and large (tensors in the region), and answers what the same calls by gRPC answer (a client
+    with the doorbell off, on a second table with the same values); errors keep their statuses."""
+    bell = rung_client(bell_shard)
+    grpc_c = MemoryClient(bell_shard.endpoint, timeout=30, token="")
+    grpc_c.aio.shm.doorbell = False
+    try:
+        before = bell_calls(bell)
+        rng = np.random.default_rng(3)
+        for n in (4, 20000):  # inline, then through the region
+            ids, w = rng.integers(0, LOCAL_ROWS, (n, 2)), rng.random((n, 2), dtype=np.float32)
+            g = rng.normal(size=(n, LOCAL_DIM)).astype(np.float32)
+            np.testing.assert_array_equal(bell.bag("t", ids, w), grpc_c.bag("u", ids, w))
+            a, b = bell.bag_backward("t", ids, w, g), grpc_c.bag_backward("u", ids, w, g)
+            assert a.tobytes() == b.tobytes()
+            np.testing.assert_array_equal(bell.lookup("t", np.arange(LOCAL_ROWS)), grpc_c.lookup("u", np.arange(LOCAL_ROWS)))
+        bell.push_gradients("t", [1, 2], np.ones((2, LOCAL_DIM), np.float32))
+        grpc_c.push_gradients("u", [1, 2], np.ones((2, LOCAL_DIM), np.float32))
+        bell.write_rows("t", [7], np.full((1, LOCAL_DIM), 0.5, np.float32))
+        grpc_c.write_rows("u", [7], np.full((1, LOCAL_DIM), 0.5, np.float32))
+        theirs = grpc_c.slot_stats("u", np.arange(64))
+        for stat, value in bell.slot_stats("t", np.arange(64)).items():
+            if stat != "last_update":  # a time
+                np.testing.assert_array_equal(value, theirs[stat])
+        np.testing.assert_array_equal(bell.lookup("t", np.arange(LOCAL_ROWS)), grpc_c.lookup("u", np.arange(LOCAL_ROWS)))
+        assert bell_calls(bell) - before == 10  # 2 x (bag, backward, lookup), push, write, stats, lookup
+        assert bell_calls(grpc_c) == 0
+    finally:
+        bell.close()
+        grpc_c.close()
+
+
+def test_only_the_process_that_attached_a_region_rings_for_it(bell_shard):
+    """The hello must name a region attached by the process at the other end of the socket (the
+    kernel says which: SO_PEERCRED): another process with the right id, an unknown id or bytes
+    that are no hello are refused, and nothing else is answered on such a connection."""
+    c = rung_client(bell_shard)
+    try:
+        region = c.aio.shm.regions[bell_shard.address].id
+        s = raw(bell_shard)
+        s.sendall(frame("Hello", b"0" * 32))
+        assert answer(s)[1] == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        with pytest.raises((ConnectionError, OSError)):
+            s.sendall(frame("Lookup", b""))
+            answer(s)
+        s = raw(bell_shard)
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        with pytest.raises(ConnectionError):
+            answer(s)
+        script = ("import socket, sys\nfrom memserver.wire import DOORBELL_HEAD as H, DOORBELL_REPLY as R\n"
+                  f"s = socket.socket(socket.AF_UNIX); s.connect('\\0' + {bell_shard.doorbell.name!r})\n"
+                  f"body = {region!r}.encode()\ns.sendall(H.pack(len(body), 1, 0, 5) + b'Hello' + body)\n"
+                  "print(R.unpack(s.recv(R.size))[2])\n")
+        out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.stdout.strip() == str(grpc.StatusCode.PERMISSION_DENIED.value[0]), out.stderr
+        assert bell_shard.doorbell.refused == {"region": 2, "protocol": 1}
+        # the rightful process still rings
+        assert c.lookup("t", [1], count=False).shape == (1, LOCAL_DIM)
+    finally:
+        c.close()
+
+
+def test_the_read_tokens_region_takes_reads_only(auth_cluster, table_name):
+    """A region attached with the read token: its doorbell answers reads and refuses writes
+    PERMISSION_DENIED, as gRPC does for that token; the write token's region takes both."""
+    from tests.test_shm import attach
+
+    with MemoryClient(auth_cluster.endpoint, timeout=60, token=WRITE, shm=False) as admin:
+        admin.create_table(table_name, 4096, 8)  # the cluster has one shard
+    reader = attach(MemoryClient(auth_cluster.endpoint, timeout=60, token=READ, shm=True), table_name, 1)
+    writer = attach(MemoryClient(auth_cluster.endpoint, timeout=60, token=WRITE, shm=True), table_name, 1)
+    try:
+        ids, w, g = np.arange(8).reshape(4, 2), np.ones((4, 2), np.float32), np.ones((4, 8), np.float32)
+        before = bell_calls(reader)
+        assert reader.bag(table_name, ids, w).shape == (4, 8)
+        with pytest.raises(PermissionDeniedError, match="read token"):
+            reader.bag_backward(table_name, ids, w, g)
+        assert bell_calls(reader) - before == 2  # both by the doorbell
+        before = bell_calls(writer)
+        writer.bag_backward(table_name, ids, w, g)
+        assert bell_calls(writer) - before == 1
+    finally:
+        for c in (reader, writer):
+            c.close()
+        with MemoryClient(auth_cluster.endpoint, timeout=60, token=WRITE, shm=False) as admin:
+            admin.drop_table(table_name)
+
+
+def test_doorbell_calls_are_admitted_within_the_shards_limits():
+    """The doorbell's calls count against the server's Admission like gRPC's: refused
+    RESOURCE_EXHAUSTED (OverloadedError, nothing done) past max_inflight_calls, admitted again
+    once below, and counted out when they end."""
+    from memserver.server.config import Limits
+
+    with make_local_shard(Limits(max_inflight_calls=1), doorbell=True) as shard:
+        c = rung_client(shard, retry_seconds=0)
+        try:
+            values = c.lookup("t", np.arange(8), count=False)
+            shard.admission.enter("held by the test")  # the one call the shard takes
+            try:
+                before = bell_calls(c)
+                with pytest.raises(OverloadedError, match="max_inflight_calls"):
+                    c.bag_backward("t", [[1]], [[1.0]], np.ones((1, LOCAL_DIM), np.float32))
+                assert bell_calls(c) - before == 1
+            finally:
+                shard.admission.leave(0)
+            np.testing.assert_array_equal(c.lookup("t", np.arange(8), count=False), values)  # nothing applied
+            assert shard.admission.rejected == {("BagBackward", "max_inflight_calls"): 1}
+            c.bag_backward("t", [[1]], [[1.0]], np.ones((1, LOCAL_DIM), np.float32))
+            assert settled(shard.admission) == (0, 0)
+        finally:
+            c.close()
+
+
+def test_a_call_past_its_deadline_is_abandoned_and_nothing_is_applied(bell_shard):
+    """The shard cannot start a write before the call's deadline (the test holds its tables): the
+    call ends DEADLINE_EXCEEDED (the client's wait or the shard's refusal, whichever comes first),
+    the client abandons its block (never reused: the shard could still write there) and the shard
+    applies nothing. A call the client stops waiting for is answered later: that answer is
+    dropped, and the next calls are answered in order."""
+    c = rung_client(bell_shard, retry_seconds=0)
+    try:
+        n = 20000  # through the region: a block to abandon
+        ids, w = np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32)
+        row0 = c.lookup("t", [0], count=False)
+        region = c.aio.shm.regions[bell_shard.address]
+        bell = region.bell
+        c.aio.timeout = 0.5
+        bell_shard.servicer.exclusive.acquire()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceededError):
+                c.bag_backward("t", ids, w, np.ones((n, LOCAL_DIM), np.float32))
+            assert 0.4 < time.monotonic() - t0 < 5
+            # two attempts (the blocking one, then the retrying path's, which gives up: retry_seconds 0)
+            assert len(region.abandoned) == 2
+            time.sleep(0.3)  # past the shard's deadline for it too
+        finally:
+            bell_shard.servicer.exclusive.release()
+        c.aio.timeout = 30
+        np.testing.assert_array_equal(c.lookup("t", [0], count=False), row0)  # the write was not applied
+        # a call the client stops waiting for before the shard's deadline: answered late, dropped
+        meta = c.table("t")
+        late = pb.LookupRequest(table="t", layout_id=meta.layout_id, ids=encode(np.arange(3, dtype=np.int64)),
+                                uncounted=True).SerializeToString()
+        with bell_shard.servicer.exclusive:
+            ticket = bell.send("Lookup", late, 30)
+            with pytest.raises(DeadlineExceededError, match="doorbell: no answer"):
+                bell.wait(ticket, 0.2)
+        assert c.bag("t", ids, w).shape == (n, LOCAL_DIM)  # read after the late answer on the same connection
+        assert not bell.answers and not bell.waiting and bell.alive
+    finally:
+        c.close()
+
+
+def test_a_write_answers_once_and_only_once_durable(tmp_path):
+    """A write by the doorbell to a table with the write-ahead log is answered only once its log
+    record is on disk (the test holds the log's answer back: the call waits), and a write sent
+    twice with the same tag is applied once (the second answer says duplicate)."""
+    from concurrent.futures import Future
+
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1, data_dir=str(tmp_path)) as srv, MemoryClient(srv.endpoint, timeout=30) as c:
+        c.create_table("w", 64, 4, wal=True)
+        c.create_table("twin", 64, 4)
+        address = c.table("w").shards[0].address
+        t0 = time.monotonic()
+        while c.aio.shm.bell(address) is None:
+            assert time.monotonic() - t0 < 20
+            c.lookup("w", [0], count=False)
+            time.sleep(0.02)
+        bell = c.aio.shm.bell(address)
+        sl = srv.shards[0].servicer.tables["w"]
+        gate, asked = threading.Event(), []
+        real = sl.wal.durable
+
+        def held(lsn: int) -> Future:  # the log's answer, given only once the test opens the gate
+            asked.append(lsn)
+            out: Future = Future()
+            threading.Thread(target=lambda: (gate.wait(10), real(lsn).result(), out.set_result(None))).start()
+            return out
+
+        sl.wal.durable = held
+        req = pb.BagBackwardRequest(table="w", layout_id=sl.info.layout_id, ids=encode(np.array([[3]], np.int64)),
+                                    weights=encode(np.ones((1, 1), np.float32)),
+                                    grad_out=encode(np.ones((1, 4), np.float32)),
+                                    tag=pb.WriteTag(client_id="bell-once", seq=1)).SerializeToString()
+        before = c.lookup("w", [3], count=False)
+        got: list = []
+        caller = threading.Thread(target=lambda: got.append(bell.call("BagBackward", req, 10)))
+        caller.start()
+        time.sleep(0.5)
+        assert not got and asked  # applied and logged, not answered: the log has not said durable
+        syncs = sl.wal.syncs
+        gate.set()
+        caller.join(10)
+        assert got and got[0][0] == grpc.StatusCode.OK
+        assert sl.wal.durable_lsn > asked[0] and sl.wal.syncs > syncs  # on disk when answered
+        again = bell.call("BagBackward", req, 10)
+        assert [pb.BagBackwardResponse.FromString(a[1]).duplicate for a in (got[0], again)] == [False, True]
+        once = c.lookup("w", [3], count=False)
+        c.bag_backward("twin", [[3]], [[1.0]], np.ones((1, 4), np.float32))
+        np.testing.assert_array_equal(once, c.lookup("twin", [3], count=False))
+        assert not np.array_equal(once, before)
+
+
+def test_hostile_frames_get_documented_statuses_and_change_nothing(bell_shard):
+    """After a valid hello: random bodies and mutated valid requests for every method, unknown
+    methods, a body above the limit. Every answer is a documented status (never INTERNAL or
+    UNKNOWN), the table is unchanged, and an oversized frame closes only that connection."""
+    c = rung_client(bell_shard)
+    try:
+        region = c.aio.shm.regions[bell_shard.address]
+        bell = region.bell
+        before = c.lookup("t", np.arange(LOCAL_ROWS), count=False)
+        valid = pb.BagRequest(table="t", ids=encode(np.arange(4, dtype=np.int64)[None]),
+                              weights=encode(np.ones((1, 4), np.float32))).SerializeToString()
+        rng = np.random.default_rng(26)
+        methods = [*bell_shard.servicer.PLANS, "AttachRegion", "Nope", ""]
+        reads = {"Lookup", "Bag", "Search", "SlotStats", "Address", "Triggers", "TopSlots", "SlotUsage"}
+        codes: dict[str, int] = {}
+        for i in range(600):
+            method = methods[i % len(methods)]
+            if method in reads and rng.random() < 0.5:  # a valid bag, mutated (never as a write)
+                body = bytearray(valid)
+                for _ in range(int(rng.integers(1, 4))):
+                    body[int(rng.integers(0, len(body)))] = int(rng.integers(0, 256))
+                body = bytes(body[: int(rng.integers(1, len(body) + 1))])
+            else:
+                body = rng.bytes(int(rng.integers(0, 64)))
+            got = bell.call(method, body, 10)
+            assert got is not None
+            code, text = got
+            assert code in DOCUMENTED | {grpc.StatusCode.OK}, (method, body, code, text)
+            codes[code.name] = codes.get(code.name, 0) + 1
+        assert codes.get("INVALID_ARGUMENT", 0) > 200
+        np.testing.assert_array_equal(c.lookup("t", np.arange(LOCAL_ROWS), count=False), before)
+        s = raw(bell_shard)  # a second connection for the region, from this process: allowed
+        s.sendall(frame("Hello", region.id.encode()))
+        assert answer(s)[1] == 0
+        s.sendall(DOORBELL_HEAD.pack(DOORBELL_MAX_REQUEST + 1, 2, 0, 3) + b"Bag")
+        with pytest.raises((ConnectionError, OSError)):
+            answer(s)
+        assert c.lookup("t", [0], count=False).shape == (1, LOCAL_DIM)  # the client's own connection is fine
+        assert bell_shard.doorbell.refused == {"protocol": 1}
+    finally:
+        c.close()
+
+
+def test_a_detached_region_ends_its_doorbell_connections(bell_shard):
+    """Closing the client detaches its region (its AttachRegion stream ends): the shard ends the
+    region's doorbell connections, and the threads serving them exit."""
+    c = rung_client(bell_shard)
+    assert len(bell_shard.doorbell.conns) == 1
+    threads = {t for t in threading.enumerate() if t.name == "doorbell"}
+    assert len(threads) == 1
+    c.close()
+    t0 = time.monotonic()
+    while bell_shard.doorbell.conns or any(t.is_alive() for t in threads):
+        assert time.monotonic() - t0 < 10, "the doorbell kept a detached region's connection"
+        time.sleep(0.02)
+
+
+def _bells(monkeypatch, shard_env: dict[str, str], client_env: dict[str, str]) -> list:
+    """The regions (their bells) a client has after a few calls to a one-shard in-process cluster
+    started with `shard_env`, the client made with `client_env`."""
+    from memserver.cluster.inprocess import InProcessServer
+
+    for k, v in shard_env.items():
+        monkeypatch.setenv(k, v)
+    with InProcessServer(1) as srv:
+        for k in shard_env:
+            monkeypatch.delenv(k)
+        for k, v in client_env.items():
+            monkeypatch.setenv(k, v)
+        with MemoryClient(srv.endpoint, timeout=30) as c:
+            c.create_table("t", 64, 4)
+            for _ in range(100):
+                c.lookup("t", [0], count=False)
+                if c.aio.shm.regions or not c.aio.shm.on:
+                    break
+                time.sleep(0.02)
+            c.lookup("t", [0], count=False)
+            assert bell_calls(c) == 0 or not (shard_env or client_env)
+            out = [r.bell for r in c.aio.shm.regions.values()]
+        for k in client_env:
+            monkeypatch.delenv(k)
+    return out
+
+
+def test_the_switches(monkeypatch):
+    """By default a client rings; MEMSERVER_DOORBELL=0 in a shard's environment: it has no doorbell
+    (its clients call it by gRPC, tensors in shared memory); in a client's: it does not ring;
+    MEMSERVER_SHM=0: no region either (TCP only)."""
+    assert [b is not None for b in _bells(monkeypatch, {}, {})] == [True]
+    assert _bells(monkeypatch, {"MEMSERVER_DOORBELL": "0"}, {}) == [None]
+    assert _bells(monkeypatch, {}, {"MEMSERVER_DOORBELL": "0"}) == [None]
+    assert _bells(monkeypatch, {}, {"MEMSERVER_SHM": "0"}) == []
+
+
+def test_bell_unit_bounds():
+    """A Bell refuses (None: send by gRPC) a body above the doorbell's limit and more than
+    MAX_OUTSTANDING calls in flight, and fails the waiting calls UNAVAILABLE when its shard goes."""
+    from client.doorbell import MAX_OUTSTANDING
+    from memserver.api.errors import UnavailableError
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"memserver-test-bell-{os.getpid()}"
+    server.bind("\0" + name)
+    server.listen(1)
+
+    def fake_shard() -> None:
+        conn, _ = server.accept()
+        head = conn.recv(DOORBELL_HEAD.size)
+        size, call_id, _, n = DOORBELL_HEAD.unpack(head)
+        conn.recv(size + n)
+        conn.sendall(DOORBELL_REPLY.pack(0, call_id, 0))
+        time.sleep(0.5)
+        conn.close()  # the shard dies with calls in flight
+
+    t = threading.Thread(target=fake_shard)
+    t.start()
+    bell = Bell(name, "r" * 32, "shard test")
+    assert bell.send("Bag", b"x" * (DOORBELL_MAX_REQUEST + 1), 1) is None
+    tickets = [bell.send("Bag", b"", None) for _ in range(MAX_OUTSTANDING + 1)]
+    assert tickets[-1] is None and None not in tickets[:-1]
+    with pytest.raises(UnavailableError, match="doorbell"):
+        bell.wait(tickets[0], 10)
+    assert not bell.alive and bell.send("Bag", b"", 1) is None
+    t.join()
+    bell.close()
+    server.close()
