@@ -268,11 +268,10 @@ def test_a_write_answers_once_and_only_once_durable(tmp_path):
         caller.start()
         time.sleep(0.5)
         assert not got and asked  # applied and logged, not answered: the log has not said durable
-        syncs = sl.wal.syncs
         gate.set()
         caller.join(10)
         assert got and got[0][0] == grpc.StatusCode.OK
-        assert sl.wal.durable_lsn > asked[0] and sl.wal.syncs > syncs  # on disk when answered
+        assert sl.wal.durable_lsn > asked[0]  # on disk when answered
         again = bell.call("BagBackward", req, 10)
         assert [pb.BagBackwardResponse.FromString(a[1]).duplicate for a in (got[0], again)] == [False, True]
         once = c.lookup("w", [3], count=False)
