@@ -80,6 +80,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         """`threads`: torch and numba threads of the compute thread (set on that thread: numba's
         setting is per thread)."""
         self.device = device
+        self.threads = threads  # every thread that computes sets them (set_threads): the doorbell's too
         self.tables: dict[str, TableSlice] = {}
         #: tables whose slice this shard should hold and does not (it restarted where its data
         #: directory is not): name -> what was lost and how to restore it (DATA_LOSS until then)

@@ -49,6 +49,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memserver.api.auth import READ_METHODS
 from memserver.api.errors import InvalidArgumentError, PermissionDeniedError, UnavailableError
+from memserver.core.table import set_threads
 from memserver.server.admission import Admission
 from memserver.server.grpcserver import DATA_PLANE, CallMetrics, parse_request, request_parser, status_of
 from memserver.server.shm import MAX_REGIONS, Attached, Regions
@@ -167,6 +168,7 @@ class Doorbell:
             return None
 
     def _serve(self, conn: socket.socket) -> None:
+        set_threads(self.servicer.threads)  # as the compute thread: per-thread settings (torch, numba)
         try:
             hello = self._hello(conn)
             if hello is None:
