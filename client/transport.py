@@ -16,6 +16,7 @@ from google.protobuf import message_factory
 from client import doorbell
 from client.doorbell import Bell
 from memserver.api.errors import MemserverError
+from memserver.api.methods import marked
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import STALE_REGION, parse_views, to_bytes
 
@@ -27,8 +28,9 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["DataPlane"]
 RESPONSES: dict[str, Any] = {m.name: message_factory.GetMessageClass(m.output_type) for m in _SERVICE.methods}
 
 
-#: The methods whose answers carry large tensors: read as views of the answer's bytes (parse_views).
-_VIEWED = frozenset({"Lookup", "Bag", "BagBackward", "Search"})
+#: The methods whose answers carry large tensors: read as views of the answer's bytes (parse_views);
+#: the proto marks them (`option (answer_views)`).
+_VIEWED = marked(pb.answer_views, "DataPlane")
 
 
 #: method name -> how its answer's bytes are read (by gRPC's channels and by the doorbell).

@@ -298,13 +298,13 @@ def lie_state(client, name: str) -> list[bytes]:
 
 def valid_request(method: str, meta, seq: int) -> dict:
     """The fields of a request valid for the table's first shard (where it is sent)."""
-    from client.ops import _owned, route_ids
+    from client.ops import route_ids, route_owned
     from memserver.wire import encode
 
     sh = meta.shards[0]
     every = torch.arange(meta.num_rows if meta.kind != "index" else 64)
     if method in ("RecordTriggers", "Triggers"):  # the shard keeping the slots' records, on cols tables too
-        owned = [int(every[i]) for s, sel in _owned(meta, every) if s.index == sh.index for i in sel[:4]]
+        owned = [int(every[i]) for s, sel in route_owned(meta, every) if s.index == sh.index for i in sel[:4]]
     else:
         owned = [int(i) for s, ids in route_ids(meta, every) if s.index == sh.index for i in ids[:4]]
     ids = np.array(owned[:4] or [0, 1, 2, 3], np.int64)

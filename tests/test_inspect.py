@@ -364,9 +364,9 @@ def test_trace_info_is_merged_and_kept_by_every_shard(client, used_table, tmp_pa
 
 
 def test_top_norm_on_cols_falls_back_to_a_scan_past_one_calls_bound(client, used_table, monkeypatch):
-    import client.ops as ops
+    import client.ops.inspect as inspect_ops
 
-    monkeypatch.setattr(ops, "MAX_INSPECT_SLOTS", 8)  # the threshold rounds stop at 8: scans of 8 rows at a time
+    monkeypatch.setattr(inspect_ops, "MAX_INSPECT_SLOTS", 8)  # the threshold rounds stop at 8: scans of 8 rows at a time
     stats = all_stats(client, used_table)["value_norm"].astype(np.float64)
     for coldest in (False, True):
         ids, values = client.top_slots(used_table, "norm", 6, coldest=coldest)

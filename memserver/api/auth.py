@@ -18,12 +18,13 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from memserver.api.methods import marked
+from memserver.api.v1 import memserver_pb2 as pb
+
 HEADER = "authorization"
-#: Calls the read token may make: every call that changes nothing (DataPlane and ControlPlane).
-READ_METHODS = frozenset({
-    "Lookup", "Bag", "Search", "SlotStats", "Address", "Triggers", "TopSlots", "SlotUsage", "AttachRegion",  # DataPlane
-    "ListTables", "GetShardMap", "Status",  # ControlPlane
-})
+#: Calls the read token may make: every call that changes nothing (DataPlane and ControlPlane),
+#: as the proto marks them (`option (read_only) = true`).
+READ_METHODS = marked(pb.read_only)
 #: Where a client finds its token when none is given: this variable, then the endpoint file.
 TOKEN_ENV = "MEMSERVER_TOKEN"
 #: A PEM file of the CA a client trusts when none is given (else the endpoint file's `tls_ca`).

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from memserver.api.auth import READ_METHODS, AuthConfig
 from memserver.api.errors import InvalidArgumentError, MemserverError
+from memserver.api.methods import marked
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
 from memserver.server.admission import SERVER_OPTIONS, Admission
@@ -41,9 +42,10 @@ CONTROL_PLANE = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 _OUR_SERVICES = ("/memserver.",)
 _METHODS = frozenset(m.name for svc in pb.DESCRIPTOR.services_by_name.values() for m in svc.methods)
 #: Data-plane requests whose tensors are read as views of the request's bytes (memserver.wire.
-#: parse_views: protobuf copies each twice). Only those whose tensors the shard does not keep
-#: past the call (a kept view would keep the whole request's bytes).
-_VIEWED = ("Lookup", "Bag", "BagBackward", "Search", "PushGradients", "WriteRows", "Address", "SlotStats")
+#: parse_views: protobuf copies each twice): the proto marks them (`option (request_views)`), only
+#: those whose tensors the shard does not keep past the call (a kept view would keep the whole
+#: request's bytes).
+_VIEWED = marked(pb.request_views, "DataPlane")
 _REQUEST_PARSERS = {f"/{DATA_PLANE}/{m.name}": partial(parse_views, getattr(pb, m.input_type.name))
                     for m in pb.DESCRIPTOR.services_by_name["DataPlane"].methods if m.name in _VIEWED}
 

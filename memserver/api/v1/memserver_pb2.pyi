@@ -1,3 +1,4 @@
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -78,6 +79,12 @@ HITS: SlotStat
 WEIGHT_MASS: SlotStat
 UPDATES: SlotStat
 VALUE_SQ_NORM: SlotStat
+READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+read_only: _descriptor.FieldDescriptor
+REQUEST_VIEWS_FIELD_NUMBER: _ClassVar[int]
+request_views: _descriptor.FieldDescriptor
+ANSWER_VIEWS_FIELD_NUMBER: _ClassVar[int]
+answer_views: _descriptor.FieldDescriptor
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "shm")

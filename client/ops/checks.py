@@ -1,0 +1,58 @@
+"""The client's input checks: a call's arguments as tensors of the right kind, checked with the
+rules the shards run too (memserver.wire), so a write is refused whole before any shard sees it;
+and the table kind a call is for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memserver.api.errors import InvalidArgumentError
+from memserver.api.types import TableMeta
+from memserver.wire import as_tensor, check_bag, check_float, check_ids, check_rows
+
+
+def checked_ids(x: Any, meta: TableMeta, what: str = "ids") -> torch.Tensor:
+    """Ids as an int64 CPU tensor, each in the table's range."""
+    t = as_tensor(x)
+    if t.dtype == torch.int32:
+        t = t.long()
+    check_ids(t, meta.num_rows, what)
+    return t.cpu()
+
+
+def checked_floats(x: Any, what: str) -> torch.Tensor:
+    """A floating-point input as a detached CPU tensor (its dtype kept)."""
+    t = as_tensor(x)
+    if not t.dtype.is_floating_point:
+        raise InvalidArgumentError(f"{what}: dtype must be floating point, got {str(t.dtype).removeprefix('torch.')}")
+    return t.detach().cpu()
+
+
+def bag_args(meta: TableMeta, ids: Any, weights: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """A bag's (ids, weights, offsets or None, number of bags), their shapes checked together."""
+    t_ids = checked_ids(ids, meta)
+    w = checked_floats(weights, "weights")
+    off = None if offsets is None else as_tensor(offsets).cpu()
+    return t_ids, w, off, check_bag(t_ids, w, off)
+
+
+def checked_vectors(x: Any, n: int, dim: int, what: str) -> torch.Tensor:
+    """n finite float32 rows of `dim`."""
+    v = checked_floats(x, what).float()
+    check_rows(v, n, dim, what)
+    check_float(v, what)
+    return v
+
+
+def value_table(meta: TableMeta, what: str) -> None:
+    """Refuse a call for value tables (`what`) on a table of another kind."""
+    if meta.kind != "value":
+        raise InvalidArgumentError(f"table: {meta.name!r} is a {meta.kind} table; {what} is for value tables")
+
+
+def product_keys_table(meta: TableMeta) -> None:
+    """Refuse a product-key call on a table of another kind."""
+    if meta.kind != "product_keys":
+        raise InvalidArgumentError(f"table: {meta.name!r} is a {meta.kind} table, not a product-key table")

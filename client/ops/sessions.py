@@ -1,0 +1,144 @@
+"""The client's side of its sessions on the shards (memserver.server.sessions): the seqs and tags
+that make every write exactly-once, the parts of training steps sent and not yet committed, and
+the commit decisions that have not reached every shard yet."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from memserver.api.types import ShardMeta, TableMeta
+from memserver.api.v1 import memserver_pb2 as pb
+
+
+class ClientSession:
+    """The client's side of its sessions on the shards (memserver.server.sessions): its write
+    seqs, which of them are in flight (the lowest one is what the shards may forget below), which
+    table slices have answered one of its writes, the parts of training steps it has sent and not
+    yet committed, and the commit decisions that have not reached every shard yet. Shared by the
+    asyncio and blocking clients, hence the lock.
+
+    Bounds: `_in_flight` holds the seqs of calls running now (and of undecided commits);
+    `_known` one entry per slice of the tables this client has written to; `_parts` the steps
+    sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
+    decisions a shard could not be reached with, re-sent by the table's next commit_step."""
+
+    MAX_OPEN_STEPS = 64
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id = client_id
+        self._lock = threading.Lock()
+        self._next = 1
+        self._in_flight: set[int] = set()
+        self._known: set[tuple[int, int]] = set()  # (layout_id, shard index)
+        # (table, step) -> shard index -> the seqs of the gather parts that shard acknowledged
+        self._parts: dict[tuple[str, int], dict[int, set[int]]] = {}
+        self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]] = {}
+
+    def new_seq(self) -> int:
+        with self._lock:
+            seq = self._next
+            self._next += 1
+            self._in_flight.add(seq)
+            return seq
+
+    def release(self, seqs: Iterable[int]) -> None:
+        with self._lock:
+            self._in_flight.difference_update(seqs)
+
+    def acked_below(self) -> int:
+        """Every write with a lower seq has finished: the shards may forget its answer."""
+        with self._lock:
+            return min(self._in_flight, default=self._next)
+
+    def answered(self, meta: TableMeta) -> None:
+        with self._lock:
+            self._known.update((meta.layout_id, sh.index) for sh in meta.shards)
+
+    def knows(self, meta: TableMeta, shard: ShardMeta) -> bool:
+        return (meta.layout_id, shard.index) in self._known
+
+    def step_parts(self, table: str, step: int) -> StepParts:
+        """Where bag_backward_op (gather) records the parts of `step` each shard acknowledged."""
+        return StepParts(self, (table, step))
+
+    def add_part(self, key: tuple[str, int], shard: int, seq: int) -> None:
+        with self._lock:  # several threads may send parts of one step
+            if key not in self._parts and len(self._parts) >= self.MAX_OPEN_STEPS:
+                del self._parts[next(iter(self._parts))]
+            self._parts.setdefault(key, {}).setdefault(shard, set()).add(seq)
+
+    def parts_of(self, table: str, step: int) -> dict[int, list[int]]:
+        """shard index -> the seqs of the parts of `step` it acknowledged, in order."""
+        with self._lock:
+            return {sh: sorted(seqs) for sh, seqs in self._parts.get((table, step), {}).items()}
+
+    def forget_step(self, table: str, step: int) -> None:
+        with self._lock:
+            self._parts.pop((table, step), None)
+
+    def undecided(self, table: str) -> dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]:
+        """The commit decisions of `table` some shard may not have: step -> (phase, tags, parts)."""
+        with self._lock:
+            return dict(self._undecided.get(table, {}))
+
+    def set_undecided(self, table: str, step: int,
+                      decision: tuple[int, WriteTags, dict[int, list[int]] | None] | None) -> None:
+        """Keep a decision to re-send (its tags are held: their seqs stay in flight, so every shard
+        keeps its answer for the re-send), or (None) forget it once delivered, releasing them."""
+        with self._lock:
+            if decision is not None:
+                self._undecided.setdefault(table, {})[step] = decision
+                return
+            _, tags, _ = self._undecided.get(table, {}).pop(step, (0, None, None))
+        if tags is not None:
+            tags.held = False
+            tags.close()
+
+
+class StepParts:
+    """The parts of one (table, step) of a ClientSession."""
+
+    def __init__(self, session: ClientSession, key: tuple[str, int]) -> None:
+        self.session, self.key = session, key
+
+    def add(self, shard: int, seq: int) -> None:
+        self.session.add_part(self.key, shard, seq)
+
+
+class WriteTags:
+    """The tags of one write call, one seq per part, the same on every attempt: a retried part
+    that a shard already applied is answered from the client's session there, not applied twice.
+
+    `attempt` tells a shard the write may have been applied before; it is sent only to slices
+    that have answered one of this session's writes, since a slice that never did cannot have
+    forgotten the session (see memserver.server.sessions). `held`: the call's seqs stay in flight
+    when it ends (a commit decision to re-send later)."""
+
+    def __init__(self, session: ClientSession) -> None:
+        self.session = session
+        self.seqs: dict[int, int] = {}
+        self.attempt = 0
+        self.held = False
+
+    def begin_attempt(self, first: bool) -> None:
+        self.attempt = 0 if first and not self.seqs else self.attempt + 1
+
+    def __call__(self, part: int, meta: TableMeta, shard: ShardMeta) -> pb.WriteTag:
+        seq = self.seqs.get(part)
+        if seq is None:
+            seq = self.seqs[part] = self.session.new_seq()
+        attempt = self.attempt if self.attempt and self.session.knows(meta, shard) else 0
+        return pb.WriteTag(client_id=self.session.client_id, seq=seq, acked_below=self.session.acked_below(),
+                           attempt=attempt)
+
+    def reset(self) -> None:
+        """Start over with new seqs: the table was re-created, so these writes never reached it."""
+        self.session.release(self.seqs.values())
+        self.seqs.clear()
+        self.attempt = 0
+
+    def close(self) -> None:
+        """The call is over (answered or failed for good): the shards may forget its answers."""
+        if not self.held:
+            self.session.release(self.seqs.values())

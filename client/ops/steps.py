@@ -1,0 +1,101 @@
+"""A training step's commit: this client's `gather` parts of a step applied as one optimizer step
+on every shard of a value table or on none, in two phases (PREPARE, then COMMIT or ABORT)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator
+from typing import Any
+
+from client.ops.base import Op
+from client.ops.sessions import ClientSession, WriteTags
+from memserver.api.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    MemserverError,
+    StepAbortedError,
+    TableNotFoundError,
+)
+from memserver.api.types import TableMeta
+from memserver.api.v1 import memserver_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts: dict[int, list[int]] | None = None,
+                  defer_apply: bool = False) -> Op:
+    """One phase of closing this client's contribution to `step`, on every shard (see
+    CommitStepRequest). PREPARE on a table of one shard is PREPARE_COMMIT. Returns (rows updated
+    now, whether the step is committed)."""
+    if phase == pb.STEP_PREPARE and len(meta.shards) == 1:
+        phase = pb.STEP_PREPARE_COMMIT
+    calls = [(sh.address, "CommitStep",
+              pb.CommitStepRequest(table=meta.name, step=step, phase=phase, tag=tags(0, meta, sh),
+                                   part_seqs=(parts or {}).get(sh.index, []), defer_apply=defer_apply,
+                                   layout_id=meta.layout_id))
+             for sh in meta.shards]
+    acks = yield calls
+    rows = int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
+    return rows, phase in (pb.STEP_COMMIT, pb.STEP_PREPARE_COMMIT)
+
+
+#: A commit plan yields (make_op, tags) and is sent the op's result, or the MemserverError it
+#: raised (client.sync and client.aio run it: `commit_step`).
+CommitPlan = Generator[tuple[Callable[[TableMeta], Op], WriteTags], Any, int]
+
+_PHASES = {pb.STEP_COMMIT: "commit", pb.STEP_ABORT: "abort", pb.STEP_PREPARE_COMMIT: "commit"}
+#: Refusals that re-sending cannot change (the shard answered): a decision refused so is not kept.
+_FINAL = (FailedPreconditionError, StepAbortedError, TableNotFoundError, InvalidArgumentError)
+
+
+def commit_step_plan(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool = False
+                     ) -> CommitPlan:
+    """Commit this client's `gather` parts of `step` on every shard of `table` (`shards` of them),
+    or on none: PREPARE on every shard (each checks it holds exactly the parts it acknowledged),
+    then COMMIT on every shard if all prepared, else ABORT on every shard and raise
+    StepAbortedError naming the shard that refused. One shard: one call (PREPARE_COMMIT). A
+    decision that cannot reach a shard (unavailable past the client's retries) is kept, its seqs
+    in flight, and re-sent with the same tags before the table's next commit, which raises until
+    it is delivered. Returns the rows updated now."""
+    for st, (phase, tags, parts) in session.undecided(table).items():
+        got = yield (lambda meta, st=st, phase=phase, tags=tags, parts=parts:
+                     step_phase_op(meta, st, phase, tags, parts)), tags
+        if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
+            raise type(got)(f"table {table}: step {step} is not committed: the {_PHASES[phase]} of step {st} has not "
+                            f"reached every shard yet ({got.details}); commit step {step} again later",
+                            target=got.target)
+        if isinstance(got, MemserverError):
+            log.warning("table %s: the %s of step %d was refused: %s", table, _PHASES[phase], st, got)
+        session.set_undecided(table, st, None)
+    parts = session.parts_of(table, step)
+    session.forget_step(table, step)
+    prepare = WriteTags(session)
+    prepare.held = shards == 1  # PREPARE_COMMIT is a decision: kept if it may not have arrived
+    voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply)), prepare
+    if shards == 1 and isinstance(voted, MemserverError) and not isinstance(voted, _FINAL):
+        session.set_undecided(table, step, (pb.STEP_PREPARE_COMMIT, prepare, parts))
+        raise _undelivered(voted, table, step, pb.STEP_PREPARE_COMMIT)
+    prepare.held = False
+    prepare.close()
+    if not isinstance(voted, MemserverError) and voted[1]:  # one shard: prepared and committed at once
+        return voted[0]
+    decision = pb.STEP_ABORT if isinstance(voted, MemserverError) else pb.STEP_COMMIT
+    decide = WriteTags(session)
+    decide.held = True  # its seqs stay in flight until every shard has the decision
+    got = yield (lambda meta: step_phase_op(meta, step, decision, decide, None, defer_apply)), decide
+    if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
+        session.set_undecided(table, step, (decision, decide, None))
+        raise _undelivered(got, table, step, decision)
+    decide.held = False
+    decide.close()
+    if isinstance(got, MemserverError):
+        raise got
+    if isinstance(voted, MemserverError):
+        raise StepAbortedError(f"table {table}: step {step} aborted on every shard, nothing of it applied: "
+                               f"{voted.details}", target=voted.target)
+    return got[0]
+
+
+def _undelivered(exc: MemserverError, table: str, step: int, phase: int) -> MemserverError:
+    return type(exc)(f"table {table}: step {step}: the {_PHASES[phase]} did not reach every shard ({exc.details}); "
+                     "this client re-sends it before the table's next commit", target=exc.target)
