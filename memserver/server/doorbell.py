@@ -175,6 +175,8 @@ class Doorbell:
                 return
             region_id, attached = hello
             with attached.lock:
+                if attached.detached:  # detached since the hello: its connections are ended
+                    return
                 attached.doorbells.add(conn)  # shut down when the region is detached
             log.info("doorbell: pid %d connected (region %s..., %s role)", attached.pid, region_id[:8], attached.role)
             while not attached.detached:
