@@ -61,6 +61,20 @@ def cluster_client(wanted: bool, num_shards: int = 2) -> Iterator[Any]:
         yield client
 
 
+def shm_attached(client: Any, meta: Any, ids: Any, w: Any, doorbell: bool) -> None:
+    """Bag (ids, w) until the client has a region (and, with `doorbell`, a doorbell) with every shard of
+    the table: they are attached in the background on the first calls."""
+    shm = client.aio.shm
+    t_end = time.monotonic() + 30
+    while time.monotonic() < t_end:
+        if all(sh.address in shm.regions and (not doorbell or shm.bell(sh.address) is not None) for sh in meta.shards):
+            return
+        client.bag(meta.name, ids, w)
+        time.sleep(0.05)
+    raise RuntimeError(f"no shared-memory region{' and doorbell' if doorbell else ''} with every shard within 30 s "
+                       "(see client.shm's log)")
+
+
 def round_robin_steps(gens: dict[str, Iterator[dict[str, Any]]], blocks: int, block: int, warmup: int,
                       until: float = float("inf")) -> dict[str, list[float]]:
     """memtrain runs (generators of log records, one a step) advanced `block` steps each in turn,

@@ -1,7 +1,7 @@
 """The benchmark suite (`make bench`): every benchmark against its in-run baseline, one summary.
 
 Runs bag_throughput, small_call_latency, update_throughput, write_cost, wal_cost, fresh_memory, train_step,
-index_search (one Ray head in this process, shared) and scale (in a child process: its figure is that process's peak
+small_model, index_search (one Ray head in this process, shared) and scale (in a child process: its figure is that process's peak
 RSS), writes bench-results.json at the repository root and prints each target with the measured ratio and
 PASS / MISS. The machine may be shared and noisy: every ratio is against a baseline measured in
 the same run, interleaved with it where the benchmark allows.
@@ -33,7 +33,7 @@ from benchmarks.common import copy_bandwidth_gbs, init_ray, machine, write_resul
 ROOT = Path(__file__).resolve().parents[1]
 #: In running order. scale runs in a child process (see module docstring).
 BENCHMARKS = ("bag_throughput", "small_call_latency", "update_throughput", "write_cost", "wal_cost", "fresh_memory",
-              "train_step", "index_search", "scale")
+              "train_step", "small_model", "index_search", "scale")
 ISOLATED = {"scale"}
 
 

@@ -1,0 +1,61 @@
+"""Issue 26's benchmark pieces, without Ray: the doorbell's floor (benchmarks.bell_echo) answers the
+frame sizes it is asked through the client's own Bell, and the small model of benchmarks.small_model
+trains the same with remote values (by the doorbell and with it off) as with local ones."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from benchmarks.bell_echo import BellEcho, connect, echo_body, ring_all
+
+
+def test_bell_echo_answers_the_asked_sizes() -> None:
+    import grpc
+
+    echo = BellEcho()
+    bell = connect(echo.address())
+    try:
+        answers = ring_all([(bell, "Bag", echo_body(300, 50)), (bell, "Bag", b""), (bell, "Bag", echo_body(3, 0)),
+                            (bell, "BagBackward", echo_body(100, 2 << 20))])
+        assert [code for code, _ in answers] == [grpc.StatusCode.OK] * 4
+        assert [len(body) for _, body in answers] == [50, 0, 0, 2 << 20]
+        assert len(echo_body(300, 50)) == 300 and len(echo_body(3, 5)) == 8  # at least the header
+        assert bell.calls == 4
+    finally:
+        bell.close()
+        echo.close()
+
+
+def test_the_suite_runs_the_new_benchmark() -> None:
+    from benchmarks.run import BENCHMARKS
+
+    assert "small_model" in BENCHMARKS
+    for name in ("bag_throughput", "small_call_latency", "small_model"):
+        assert callable(importlib.import_module(f"benchmarks.{name}").main)
+
+
+@pytest.mark.timeout(60)
+def test_small_model_remote_trains_like_local() -> None:
+    from benchmarks.small_model import N_KEYS, D, steps
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from trainer.memory import LocalValues, RemoteValues
+
+    rows = N_KEYS**2
+    local = steps(LocalValues(rows, D, seed=0))
+    want = [next(local)["loss"] for _ in range(3)]
+    local.close()
+    with (InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=60) as bell_client,
+          MemoryClient(server.endpoint, timeout=60) as grpc_client):
+        bell_client.aio.shm.doorbell, grpc_client.aio.shm.doorbell = True, False
+        for client, table in ((bell_client, "sm-bell"), (grpc_client, "sm-grpc")):
+            run = steps(RemoteValues(client, table, rows, D, seed=0))
+            got = [next(run)["loss"] for _ in range(3)]
+            run.close()
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        rung = {name: sum(r.bell.calls for r in c.aio.shm.regions.values() if r.bell is not None)
+                for name, c in (("bell", bell_client), ("grpc", grpc_client))}
+    # the regions are attached in the background on the first calls: later steps go by the doorbell
+    assert rung["bell"] > 0 and rung["grpc"] == 0
