@@ -9,7 +9,9 @@ the memfd as this process's descriptor, and closes the descriptor once the shard
 memfd has no name: nothing is left anywhere when this process or the shard dies. A Lookup, Bag,
 BagBackward or Search to that shard then writes its tensors into a block of the region and sends
 only where they are; the shard writes its answer into the same block, and the client copies it
-out before the block is freed. Chosen automatically: on unless MEMSERVER_SHM=0 or the client's
+out before the block is freed. Once the region is attached, every call to that shard, large or
+small, goes by the shard's doorbell (client.doorbell: no gRPC per call) when the shard has one
+and MEMSERVER_DOORBELL is not 0. Chosen automatically: on unless MEMSERVER_SHM=0 or the client's
 `shm=False`; a shard on another machine (its address is not one of ours, or the shard sees
 another boot id or cannot open our descriptor), a region that cannot be made or is refused, or a
 call that does not fit the free space goes over TCP as before.
