@@ -248,6 +248,7 @@ class AsyncMemoryClient:
                 calls = next(op)
                 sent = transport.prepare(calls, self.shm)
                 outcomes: list[Any] = [None] * len(calls)
+                rung: list[Any] = []
                 try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
                     rung = transport.ring(calls, sent, self.shm, self.timeout)
                     outcomes = await asyncio.gather(*(self._data(a, m, raw) if r is None else self._rung(r, m)
@@ -263,6 +264,7 @@ class AsyncMemoryClient:
                     # before the blocks are released: shared-memory answers are views of them
                     return finish(op, transport.receive(sent, outcomes))
                 finally:
+                    transport.forget(rung, outcomes)
                     transport.release(sent, outcomes)
             raise AssertionError("unreachable")
 

@@ -11,12 +11,16 @@ raises DeadlineExceededError (its block is abandoned, as after a gRPC deadline) 
 answer is dropped. A connection that breaks fails every call waiting on it UNAVAILABLE and is
 not used again (the client's retry sends those calls by gRPC while the region is attached anew).
 
-Bounds: at most MAX_OUTSTANDING calls in flight per connection (more go by gRPC), so the
-answers a shard writes never fill the socket's buffer while the client is sending.
+Bounds: at most MAX_OUTSTANDING calls in flight per connection (more go by gRPC); the shard sends
+answers from a thread of their own, so a client blocked sending a request never waits on a shard
+blocked sending an answer. A connection that is interrupted mid-frame (a signal's exception) is
+broken, never read or written again out of step, and one inherited across fork is not used by
+the child (its calls go by gRPC).
 """
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -30,6 +34,7 @@ from memserver.wire import DOORBELL_HEAD as HEAD
 from memserver.wire import DOORBELL_HELLO as HELLO
 from memserver.wire import DOORBELL_MAX_REQUEST as MAX_REQUEST_BYTES
 from memserver.wire import DOORBELL_REPLY as REPLY
+from memserver.wire import MAX_MESSAGE_BYTES
 
 #: Calls in flight on one connection at most.
 MAX_OUTSTANDING = 32
@@ -71,6 +76,7 @@ class Bell:
             sock.close()
             raise
         self.sock = sock
+        self.pid = os.getpid()  # a child of a fork shares the socket: it must not use it
         self.next_id = 1
         self.send_lock = threading.Lock()
         self.cond = threading.Condition()
@@ -82,12 +88,12 @@ class Bell:
 
     @property
     def alive(self) -> bool:
-        return not self.broken
+        return not self.broken and os.getpid() == self.pid
 
     def send(self, method: str, raw: bytes, timeout: float | None) -> int | None:
         """Send a call; its ticket for `wait`, or None: send it by gRPC (too large, too many in
         flight, or the connection broken)."""
-        if len(raw) > MAX_REQUEST_BYTES or self.broken:
+        if len(raw) > MAX_REQUEST_BYTES or not self.alive:
             return None
         name = method.encode()
         with self.send_lock:
@@ -98,14 +104,28 @@ class Bell:
                 call_id = self.next_id
                 self.next_id += 1
                 self.waiting.add(call_id)
-            ms = 0 if timeout is None else max(1, int(timeout * 1000))
+            deadline = 0.0 if timeout is None else time.monotonic() + timeout  # one machine, one clock
+            frame = [memoryview(HEAD.pack(len(raw), call_id, deadline, len(name))), memoryview(name), memoryview(raw)]
             try:
-                self.sock.sendmsg([HEAD.pack(len(raw), call_id, ms, len(name)), name, raw])
-            except OSError as exc:
-                self._break(f"sending failed ({exc})")
+                while frame:  # the whole frame, or the connection is broken: never half a frame
+                    sent = self.sock.sendmsg(frame)
+                    while frame and sent >= len(frame[0]):
+                        sent -= len(frame.pop(0))
+                    if frame:
+                        frame[0] = frame[0][sent:]
+            except BaseException as exc:  # noqa: BLE001 - interrupted mid-frame too: out of step for good
+                self._break(f"sending failed ({exc!r})")
+                if not isinstance(exc, OSError):
+                    raise
                 return call_id  # wait() raises UNAVAILABLE: the call may or may not have gone
         self.calls += 1
         return call_id
+
+    def forget(self, call_id: int) -> None:
+        """A call nobody will wait for (its caller failed before waiting): drop it and its answer."""
+        with self.cond:
+            self.waiting.discard(call_id)
+            self.answers.pop(call_id, None)
 
     def wait(self, call_id: int, timeout: float | None) -> tuple[grpc.StatusCode, bytes]:
         """The call's status and answer bytes (or status text). Raises DeadlineExceededError past
@@ -142,9 +162,13 @@ class Bell:
             if not ready:
                 return
             size, call_id, code = REPLY.unpack(_recv_exact(self.sock, REPLY.size))
+            if size > 2 * MAX_MESSAGE_BYTES or not 0 < call_id < self.next_id:
+                raise ValueError(f"an answer frame of {size} bytes for call {call_id}: out of step")
             body = _recv_exact(self.sock, size)  # a started answer is read whole: the shard sends it at once
-        except (OSError, ValueError) as exc:
-            self._break(f"the connection to the shard broke ({exc})")
+        except BaseException as exc:  # noqa: BLE001 - interrupted mid-frame too: out of step for good
+            self._break(f"the connection to the shard broke ({exc!r})")
+            if not isinstance(exc, (OSError, ValueError)):
+                raise
             return
         with self.cond:
             if call_id in self.waiting:

@@ -285,13 +285,14 @@ class ShmTransport:
         self.tasks: set[asyncio.Task[None]] = set()
         self.boot_id = boot_id() if on else ""
         self.doorbell = os.environ.get(DOORBELL_ENV, "1") != "0"  # calls by the shards' doorbells
+        self.pid = os.getpid()  # a forked child shares the regions' memory: it must not use them
         self.calls = 0  # calls sent through shared memory (a count, for tests and curious users)
         self.lock = threading.Lock()
 
     def pack(self, address: str, method: str, req: Any) -> tuple[bytes, Lease] | None:
         """The call through shared memory, or None: send it inline (by the doorbell or TCP). The
         first call to a shard on this machine, whatever its size, starts attaching a region."""
-        if not self.on:
+        if not self.on or os.getpid() != self.pid:
             return None
         region = self.regions.get(address)
         if region is not None and (region.retired or (region.bell is not None and not region.bell.alive)):
@@ -312,7 +313,7 @@ class ShmTransport:
         """The doorbell of the shard at `address` (client.doorbell), or None: call it by gRPC."""
         region = self.regions.get(address)
         if region is None or region.retired or region.bell is None or not region.bell.alive:
-            return None
+            return None  # (a forked child's bells are never alive: Bell.alive)
         return region.bell
 
     def _drop(self, address: str, region: Region) -> None:

@@ -96,6 +96,7 @@ class MemoryClient:
                 # in this thread (a future's answer arrives through another thread: one more wake-up).
                 sent = transport.prepare(calls, self.aio.shm)
                 outcomes: list[Any] = [None] * len(calls)
+                rung: list[Any] = []
                 try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
                     rung = transport.ring(calls, sent, self.aio.shm, timeout)
                     by_grpc = [i for i, r in enumerate(rung) if r is None]
@@ -127,6 +128,7 @@ class MemoryClient:
                     # before the blocks are released: shared-memory answers are views of them
                     return finish(op, transport.receive(sent, outcomes))
                 finally:
+                    transport.forget(rung, outcomes)
                     transport.release(sent, outcomes)
             raise AssertionError("unreachable")
 

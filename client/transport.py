@@ -56,21 +56,35 @@ def ring(calls: list[tuple[str, str, Any]], sent: list[tuple[bytes, Lease | None
     if shm is None or not shm.regions:
         return [None] * len(calls)
     out: list[Rung] = []
-    for (address, method, _), (raw, _) in zip(calls, sent):
-        bell = shm.bell(address)
-        ticket = bell.send(method, raw, timeout) if bell is not None else None
+    for (address, method, _), (raw, lease) in zip(calls, sent):
+        # a call packed into a region goes by that region's own doorbell (the one it names)
+        bell = shm.bell(address) if lease is None else lease.region.bell
+        ticket = bell.send(method, raw, timeout) if bell is not None and bell.alive else None
         out.append(None if ticket is None else (bell, ticket))
     return out
 
 
 def answer(rung: tuple[Bell, int], method: str, timeout: float | None) -> Any:
     """A doorbell call's outcome: its parsed answer, or the MemserverError of its status (returned,
-    not raised: handled with the gRPC calls' outcomes)."""
+    not raised: handled with the gRPC calls' outcomes). An error the shard answered says so
+    (`answered`): the shard is done with the call's shared-memory block, which can be freed."""
     bell, ticket = rung
     try:
-        return doorbell.outcome(bell.wait(ticket, timeout), PARSERS[method], bell.target)
-    except MemserverError as exc:
+        got = bell.wait(ticket, timeout)
+    except MemserverError as exc:  # no answer (deadline, connection lost): the shard may still write
         return exc
+    out = doorbell.outcome(got, PARSERS[method], bell.target)
+    if isinstance(out, MemserverError):
+        out.answered = True  # type: ignore[attr-defined]
+    return out
+
+
+def forget(rung: list[Rung], outcomes: list[Any]) -> None:
+    """Doorbell calls whose outcome is not known (the caller failed before waiting): their bells
+    drop them, so answers nobody reads do not count against the bell's calls in flight."""
+    for r, o in zip(rung, outcomes):
+        if r is not None and o is None:
+            r[0].forget(r[1])
 
 
 def serialised(calls: list[tuple[str, str, Any]]) -> list[bytes]:
@@ -148,6 +162,7 @@ def release(sent: list[tuple[bytes, Lease | None]], outcomes: list[Any]) -> None
             lease.abandon()
         elif isinstance(outcome, BaseException):
             code = getattr(outcome, "code", None)
-            (lease.release if (code() if callable(code) else code) in _ANSWERED else lease.abandon)()
+            answered = getattr(outcome, "answered", False) or (code() if callable(code) else code) in _ANSWERED
+            (lease.release if answered else lease.abandon)()
         else:
             lease.release()

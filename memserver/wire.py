@@ -362,9 +362,10 @@ SHM_ENV = "MEMSERVER_SHM"
 #: then they go by gRPC, their tensors still in shared memory.
 DOORBELL_ENV = "MEMSERVER_DOORBELL"
 #: The doorbell's frames (memserver.server.doorbell has the protocol): a request's head (body
-#: length, call id, timeout in ms or 0, method name length), an answer's (body length, call id,
-#: gRPC status code), the hello's method name, and the largest request body a doorbell reads.
-DOORBELL_HEAD = struct.Struct("<IQIB")
+#: length, call id, deadline as time.monotonic() seconds or 0: none, method name length; one
+#: machine, one monotonic clock), an answer's (body length, call id, gRPC status code), the
+#: hello's method name, and the largest request body a doorbell reads.
+DOORBELL_HEAD = struct.Struct("<IQdB")
 DOORBELL_REPLY = struct.Struct("<IQH")
 DOORBELL_HELLO = "Hello"
 DOORBELL_MAX_REQUEST = 1 << 20

@@ -165,8 +165,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 response = call.work()
             finally:
                 self.exclusive.release()
-        if call.write and call.sl.wal is not None and call.sl.last_lsn >= 0:
-            call.sl.wal.durable(call.sl.last_lsn).result()
+        wal = call.sl.wal  # read once: a dropped slice's is set to None
+        if call.write and wal is not None and call.sl.last_lsn >= 0:
+            wal.durable(call.sl.last_lsn).result()
         return response
 
     def slice(self, request: Any, kind: int = pb.VALUE) -> TableSlice:

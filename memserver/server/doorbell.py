@@ -21,22 +21,29 @@ that cannot start before it is refused with nothing done (the client abandons it
 deadline either way); every call is counted in the server's metrics, and errors get their
 statuses from the one table (memserver.server.grpcserver.status_of).
 
-Frames (little-endian): a request is `HEAD` (body length, call id, timeout in ms, 0: none,
-method name length) then the method's name and the request's bytes; an answer is `REPLY` (body
-length, call id, status code) then the answer's bytes (OK) or the status text. The hello is a
-request of method HELLO whose body is the region id. A request body is at most MAX_REQUEST_BYTES
-(the client sends larger calls by gRPC); a connection that breaks the protocol is closed.
+Frames (little-endian): a request is `HEAD` (body length, call id, deadline as the machine's
+monotonic clock in seconds, 0: none, method name length) then the method's name and the
+request's bytes; an answer is `REPLY` (body length, call id, status code) then the answer's bytes
+(OK) or the status text. The hello is a request of method HELLO whose body is the region id. A
+request body is at most MAX_REQUEST_BYTES (the client sends larger calls by gRPC); a connection
+that breaks the protocol is closed.
 
-Bounds: at most MAX_CONNECTIONS connections (one per attached region, MAX_REGIONS, plus a few
-saying hello, each given HELLO_SECONDS), each with one thread; a connection ends when its
-region is detached (the client's AttachRegion stream ended), when the client closes it or dies,
-or when the shard stops. Nothing is left behind: the socket has no file, its threads are daemons.
+Answers are sent by a writer thread per connection, from a queue of at most MAX_QUEUED, so the
+serving thread keeps reading requests while an answer waits for the client to read: neither side
+can block sending to the other for good (an answer may be large: inline tensors).
+
+Bounds: at most MAX_CONNECTIONS connections (one per attached region, MAX_REGIONS, plus
+MAX_HELLOS saying hello, each within HELLO_SECONDS in all), each with two threads; a connection
+ends when its region is detached (the client's AttachRegion stream ended), when the client
+closes it or dies, or when the shard stops. Nothing is left behind: the socket has no file, its
+threads are daemons.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import secrets
 import socket
 import struct
@@ -61,20 +68,29 @@ from memserver.wire import check_enums, to_bytes
 
 log = logging.getLogger(__name__)
 
-#: Connections at once: one per attachable region and a few saying hello.
-MAX_CONNECTIONS = MAX_REGIONS + 8
-#: Seconds a new connection has to say hello.
+#: Connections still saying hello at once, and connections in all (one per attachable region more).
+MAX_HELLOS = 8
+MAX_CONNECTIONS = MAX_REGIONS + MAX_HELLOS
+#: Seconds a new connection has to say its whole hello.
 HELLO_SECONDS = 2.0
+#: Answers of one connection waiting for the client to read them (the client has at most
+#: client.doorbell.MAX_OUTSTANDING calls in flight, so this is never reached by a client of ours).
+MAX_QUEUED = 64
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """n bytes from the stream, or None when it ended first."""
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
+    """n bytes from the stream, or None when it ended first (or `deadline` passed: a monotonic time)."""
     if n == 0:
         return b""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             return None
@@ -107,6 +123,7 @@ class Doorbell:
         self.sock.bind("\0" + self.name)  # abstract: no file, gone with the process
         self.sock.listen(16)
         self.conns: set[socket.socket] = set()
+        self.hellos = 0  # connections not past their hello yet
         self.refused: dict[str, int] = {}
         self.calls = 0
         self.lock = threading.Lock()
@@ -130,9 +147,10 @@ class Doorbell:
                 time.sleep(0.1)
                 continue
             with self.lock:
-                full = len(self.conns) >= MAX_CONNECTIONS
+                full = len(self.conns) >= MAX_CONNECTIONS or self.hellos >= MAX_HELLOS
                 if not full:
                     self.conns.add(conn)
+                    self.hellos += 1
             if full:
                 self._refuse("connections")
                 conn.close()
@@ -141,17 +159,18 @@ class Doorbell:
 
     def _hello(self, conn: socket.socket) -> tuple[str, Attached] | None:
         """The connection's region, once its hello names one attached by the peer process."""
-        conn.settimeout(HELLO_SECONDS)
+        deadline = time.monotonic() + HELLO_SECONDS  # for the whole hello, however it trickles in
         try:
-            head = _recv_exact(conn, HEAD.size)
-            if head is None:
+            head = _recv_exact(conn, HEAD.size, deadline)
+            if head is None:  # closed, or no whole hello in time
+                self._refuse("protocol")
                 return None
             size, call_id, _, name_len = HEAD.unpack(head)
             if size > 64 or name_len > 32:
                 self._refuse("protocol")
                 return None
-            body = _recv_exact(conn, name_len + size)
-            if body is None or body[:name_len].decode(errors="replace") != HELLO:
+            body = _recv_exact(conn, name_len + size, deadline)
+            if body is None or body[:name_len].decode(errors="replace") != HELLO:  # (None: as above)
                 self._refuse("protocol")
                 return None
             region_id = body[name_len:].decode(errors="replace")
@@ -164,16 +183,25 @@ class Doorbell:
             _reply(conn, call_id, grpc.StatusCode.OK, b"")
             conn.settimeout(None)
             return region_id, attached
-        except (OSError, UnicodeDecodeError):
+        except (OSError, UnicodeDecodeError):  # its time ran out mid-read, or the peer went
+            self._refuse("protocol")
             return None
 
     def _serve(self, conn: socket.socket) -> None:
         set_threads(self.servicer.threads)  # as the compute thread: per-thread settings (torch, numba)
+        answers: queue.Queue[tuple[int, grpc.StatusCode, bytes] | None] = queue.Queue(MAX_QUEUED)
+        writer: threading.Thread | None = None
         try:
-            hello = self._hello(conn)
+            try:
+                hello = self._hello(conn)
+            finally:
+                with self.lock:
+                    self.hellos -= 1
             if hello is None:
                 return
             region_id, attached = hello
+            writer = threading.Thread(target=self._write, args=(conn, answers), name="doorbell-writer", daemon=True)
+            writer.start()
             with attached.lock:
                 if attached.detached:  # detached since the hello: its connections are ended
                     return
@@ -183,7 +211,7 @@ class Doorbell:
                 head = _recv_exact(conn, HEAD.size)
                 if head is None:
                     return
-                size, call_id, timeout_ms, name_len = HEAD.unpack(head)
+                size, call_id, deadline, name_len = HEAD.unpack(head)
                 if size > MAX_REQUEST_BYTES:
                     self._refuse("protocol")
                     log.warning("doorbell: pid %d sent a %d-byte request (at most %d); closing", attached.pid, size,
@@ -192,17 +220,37 @@ class Doorbell:
                 body = _recv_exact(conn, name_len + size)
                 if body is None:
                     return
-                deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms else None
                 name = body[:name_len].decode(errors="replace")
-                code, out = self.call(name, memoryview(body)[name_len:], region_id, attached, deadline)
-                _reply(conn, call_id, code, out)
+                code, out = self.call(name, memoryview(body)[name_len:], region_id, attached, deadline or None)
+                answers.put((call_id, code, out))  # blocks only past MAX_QUEUED unread answers
                 self.servicer.drain_now()  # deferred work after the answer, as gRPC's path does
         except OSError:
             return
         finally:
+            if writer is not None:
+                answers.put(None)
+                writer.join(10)
             with self.lock:
                 self.conns.discard(conn)
             conn.close()
+
+    @staticmethod
+    def _write(conn: socket.socket, answers: queue.Queue[tuple[int, grpc.StatusCode, bytes] | None]) -> None:
+        """Send a connection's answers in order; on a broken connection, end it (the reader exits)."""
+        while True:
+            item = answers.get()
+            if item is None:
+                return
+            try:
+                _reply(conn, *item)
+            except OSError:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                while answers.get() is not None:  # let the reader finish; drop what is left
+                    pass
+                return
 
     def call(self, name: str, raw: memoryview, region_id: str, attached: Attached,
              deadline: float | None) -> tuple[grpc.StatusCode, bytes]:

@@ -372,7 +372,8 @@ class ShardActor:
     def drop_table(self, name: str) -> bool:
         async def drop() -> bool:
             self.servicer.lost.pop(name, None)
-            sl = self.servicer.tables.pop(name, None)
+            # under the tables' lock (servicer.run): no call of a doorbell thread is computing on it
+            sl = await self.servicer.run(lambda: self.servicer.tables.pop(name, None))
             if sl is not None:
                 sl.close()
             self.metrics.forget(name)
@@ -422,7 +423,8 @@ class ShardActor:
             if self.server is not None:
                 await self.server.stop(grace=1.0)
             self.metrics.stop()
-            for sl in self.servicer.tables.values():
-                sl.close()
+            with self.servicer.exclusive:  # no doorbell thread computes on a slice being closed
+                for sl in self.servicer.tables.values():
+                    sl.close()
 
         self.loop.call(stop())

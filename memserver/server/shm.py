@@ -258,6 +258,10 @@ class Regions:
             self.admission.take(type(request).__name__.removesuffix("Request"), nbytes, own=request.ByteSize(),
                                 what="this call's shared-memory tensors'")
         with attached.lock:
+            if attached.detached:  # detached meanwhile (a doorbell thread's call): maybe unmapped already
+                if self.admission is not None and nbytes:
+                    self.admission.give_back(nbytes)
+                raise InvalidArgumentError(f"shm.region: {STALE_REGION} on this shard (detached)")
             attached.leases += 1
         return Region(attached, nbytes, self.admission)
 
