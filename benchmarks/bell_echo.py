@@ -29,25 +29,11 @@ from typing import Any
 from memserver.wire import DOORBELL_HEAD as HEAD
 from memserver.wire import DOORBELL_HELLO as HELLO
 from memserver.wire import DOORBELL_REPLY as REPLY
+from memserver.wire import recv_exact
 
 #: A request body's header: the answer body's size in bytes.
 HEADER_BYTES = 8
 HELLO_BYTES = HELLO.encode()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """n bytes from the stream, or None when it ended first (as the shard's doorbell reads)."""
-    if n == 0:
-        return b""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            return None
-        got += k
-    return bytes(buf)
 
 
 class BellEcho:
@@ -88,11 +74,11 @@ class BellEcho:
     def _serve(self, conn: socket.socket) -> None:
         try:
             while True:
-                head = _recv_exact(conn, HEAD.size)
+                head = recv_exact(conn, HEAD.size)
                 if head is None:
                     return
                 size, call_id, _, name_len = HEAD.unpack(head)
-                body = _recv_exact(conn, name_len + size)
+                body = recv_exact(conn, name_len + size)
                 if body is None:
                     return
                 raw = memoryview(body)[name_len:]

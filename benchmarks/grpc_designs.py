@@ -260,50 +260,25 @@ class Shard:
         return self._sync(grpc.stream_unary_rpc_method_handler(self._full_behavior("Bag")))
 
     def _full_behavior(self, name: str) -> Callable[[Any, Any], bytes]:
-        """ErrorsAndMetrics' wrapper and the doorbell's call, on a thread-pool server: admitted
-        before the request is read (stream-unary: the handler pulls the one message itself),
-        parsed by the servers' one reader, enums checked, run by serve_now (the plan, under the
-        exclusive lock, refused at the deadline, answered once the log is durable), errors by
-        status_of, counted in the metrics; deferred work (read counters) after the answer."""
-        from memserver.api.errors import InvalidArgumentError
-        from memserver.server.grpcserver import DATA_PLANE, parse_request, request_parser, status_of
-        from memserver.wire import check_enums, to_bytes
+        """ErrorsAndMetrics' steps on a thread-pool server, as the doorbell runs them
+        (memserver.server.doorbell.serve_off_loop): admitted before the request is read
+        (stream-unary: the handler pulls the one message itself), parsed, checked, run by
+        serve_now (the plan, under the exclusive lock, refused at the deadline, answered once the
+        log is durable), errors by status_of, counted; deferred work (read counters) after the answer."""
+        from memserver.server.doorbell import serve_off_loop
+        from memserver.server.grpcserver import DATA_PLANE, request_parser
 
         parse = request_parser(DATA_PLANE, name)
         servicer, admission, metrics = self.servicer, self.admission, self.metrics
 
         def behavior(requests: Any, context: Any) -> bytes:
-            t0 = time.perf_counter()
-            request: Any = None
-            entered, size = False, 0
-            out, code, text = b"", grpc.StatusCode.OK, ""
-            try:
-                try:
-                    admission.enter(name)  # before the request is read
-                    entered = True
-                    raw = next(requests, None)
-                    if raw is None:
-                        raise InvalidArgumentError(f"request: no {name} request was sent")
-                    admission.take(name, len(raw))
-                    size = len(raw)
-                    t0 = time.perf_counter()
-                    request = parse_request(parse, raw, name)
-                    raw = None
-                    check_enums(request)
-                    left = context.time_remaining()
-                    deadline = None if left is None else time.monotonic() + left
-                    out = to_bytes(servicer.serve_now(name, request, deadline))
-                except Exception as exc:
-                    code, text = status_of(exc, name, request, metrics)
-            finally:
-                if entered:
-                    admission.leave(size)
-            metrics.observe(name, getattr(request, "table", ""), code.name, time.perf_counter() - t0)
+            left = context.time_remaining()
+            deadline = None if left is None else time.monotonic() + left
+            code, out = serve_off_loop(servicer, admission, metrics, name, parse, lambda: next(requests, None), deadline)
             if servicer.pending:
                 self.after.submit(servicer.drain_now)
             if code != grpc.StatusCode.OK:
-                request = None
-                context.abort(code, text)
+                context.abort(code, out.decode())
             return out
 
         return behavior

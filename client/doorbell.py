@@ -34,7 +34,7 @@ from memserver.wire import DOORBELL_HEAD as HEAD
 from memserver.wire import DOORBELL_HELLO as HELLO
 from memserver.wire import DOORBELL_MAX_REQUEST as MAX_REQUEST_BYTES
 from memserver.wire import DOORBELL_REPLY as REPLY
-from memserver.wire import MAX_MESSAGE_BYTES
+from memserver.wire import MAX_MESSAGE_BYTES, recv_exact
 
 #: Calls in flight on one connection at most.
 MAX_OUTSTANDING = 32
@@ -44,15 +44,10 @@ _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("the shard closed its doorbell")
-        got += k
-    return bytes(buf)
+    got = recv_exact(sock, n)
+    if got is None:
+        raise ConnectionError("the shard closed its doorbell")
+    return got
 
 
 class Bell:

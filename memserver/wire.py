@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -369,6 +370,25 @@ DOORBELL_HEAD = struct.Struct("<IQdB")
 DOORBELL_REPLY = struct.Struct("<IQH")
 DOORBELL_HELLO = "Hello"
 DOORBELL_MAX_REQUEST = 1 << 20
+
+
+def recv_exact(sock: Any, n: int, deadline: float | None = None) -> bytes | None:
+    """n bytes from a stream socket (a doorbell's frames), or None when it ended first or
+    `deadline` (a time.monotonic() time; it sets the socket's timeout) passed."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            sock.settimeout(left)
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
 #: What a shard answers (INVALID_ARGUMENT) a call naming a region it does not have; the client
 #: then sends the call again over TCP (client.transport.stale).
 STALE_REGION = "no such shared-memory region"

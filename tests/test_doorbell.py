@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from client import MemoryClient
-from client.doorbell import Bell
+from client.doorbell import Bell, _recv_exact
 from memserver.api.errors import DeadlineExceededError, OverloadedError, PermissionDeniedError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import DOORBELL_HEAD, DOORBELL_MAX_REQUEST, DOORBELL_REPLY, encode
@@ -59,17 +59,8 @@ def frame(method: str, body: bytes, call_id: int = 1, deadline: float = 0.0) -> 
 
 def answer(s: socket.socket) -> tuple[int, int, bytes]:
     """(call id, status code, body) of the next answer; raises ConnectionError when the shard closed."""
-    def exact(n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            got = s.recv(n - len(out))
-            if not got:
-                raise ConnectionError("closed")
-            out += got
-        return out
-
-    size, call_id, code = DOORBELL_REPLY.unpack(exact(DOORBELL_REPLY.size))
-    return call_id, code, exact(size)
+    size, call_id, code = DOORBELL_REPLY.unpack(_recv_exact(s, DOORBELL_REPLY.size))
+    return call_id, code, _recv_exact(s, size)
 
 
 def test_calls_go_by_the_doorbell_and_answer_as_grpc(bell_shard):

@@ -154,7 +154,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
     def serve_now(self, name: str, request: Any, deadline: float | None = None) -> Any:
         """A doorbell call, on the calling thread (not the event loop): the same plan as `_serve`,
         its work under `exclusive` (DEADLINE_EXCEEDED, nothing done, if that is not had before
-        `deadline`, a time.monotonic()), deferred updates run after it, the answer once durable."""
+        `deadline`, a time.monotonic()), returned once durable; the caller runs deferred work
+        (`drain_now`) after sending the answer."""
         with self._region(request) as region:
             call = self.PLANS[name](self, request, region)
             wait = -1 if deadline is None else deadline - time.monotonic()

@@ -49,6 +49,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -64,7 +65,7 @@ from memserver.wire import DOORBELL_HEAD as HEAD
 from memserver.wire import DOORBELL_HELLO as HELLO
 from memserver.wire import DOORBELL_MAX_REQUEST as MAX_REQUEST_BYTES
 from memserver.wire import DOORBELL_REPLY as REPLY
-from memserver.wire import check_enums, to_bytes
+from memserver.wire import check_enums, recv_exact, to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -76,26 +77,6 @@ HELLO_SECONDS = 2.0
 #: Answers of one connection waiting for the client to read them (the client has at most
 #: client.doorbell.MAX_OUTSTANDING calls in flight, so this is never reached by a client of ours).
 MAX_QUEUED = 64
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
-    """n bytes from the stream, or None when it ended first (or `deadline` passed: a monotonic time)."""
-    if n == 0:
-        return b""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            sock.settimeout(left)
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            return None
-        got += k
-    return bytes(buf)
 
 
 def _peer_pid(sock: socket.socket) -> int:
@@ -161,7 +142,7 @@ class Doorbell:
         """The connection's region, once its hello names one attached by the peer process."""
         deadline = time.monotonic() + HELLO_SECONDS  # for the whole hello, however it trickles in
         try:
-            head = _recv_exact(conn, HEAD.size, deadline)
+            head = recv_exact(conn, HEAD.size, deadline)
             if head is None:  # closed, or no whole hello in time
                 self._refuse("protocol")
                 return None
@@ -169,7 +150,7 @@ class Doorbell:
             if size > 64 or name_len > 32:
                 self._refuse("protocol")
                 return None
-            body = _recv_exact(conn, name_len + size, deadline)
+            body = recv_exact(conn, name_len + size, deadline)
             if body is None or body[:name_len].decode(errors="replace") != HELLO:  # (None: as above)
                 self._refuse("protocol")
                 return None
@@ -208,7 +189,7 @@ class Doorbell:
                 attached.doorbells.add(conn)  # shut down when the region is detached
             log.info("doorbell: pid %d connected (region %s..., %s role)", attached.pid, region_id[:8], attached.role)
             while not attached.detached:
-                head = _recv_exact(conn, HEAD.size)
+                head = recv_exact(conn, HEAD.size)
                 if head is None:
                     return
                 size, call_id, deadline, name_len = HEAD.unpack(head)
@@ -217,11 +198,11 @@ class Doorbell:
                     log.warning("doorbell: pid %d sent a %d-byte request (at most %d); closing", attached.pid, size,
                                 MAX_REQUEST_BYTES)
                     return
-                body = _recv_exact(conn, name_len + size)
+                body = recv_exact(conn, name_len + size)
                 if body is None:
                     return
                 name = body[:name_len].decode(errors="replace")
-                code, out = self.call(name, memoryview(body)[name_len:], region_id, attached, deadline or None)
+                code, out = self.call(name, body[name_len:], region_id, attached, deadline or None)
                 answers.put((call_id, code, out))  # blocks only past MAX_QUEUED unread answers
                 self.servicer.drain_now()  # deferred work after the answer, as gRPC's path does
         except OSError:
@@ -252,48 +233,26 @@ class Doorbell:
                     pass
                 return
 
-    def call(self, name: str, raw: memoryview, region_id: str, attached: Attached,
+    def call(self, name: str, raw: bytes, region_id: str, attached: Attached,
              deadline: float | None) -> tuple[grpc.StatusCode, bytes]:
-        """One call: admitted, parsed, checked, run; its status and answer bytes (or status text)."""
-        t0 = time.perf_counter()
-        request: Any = None
-        entered, size = False, 0
-        admission = self.admission
-        try:
-            try:
-                parse = self.parsers.get(name)
-                if parse is None:
-                    raise InvalidArgumentError(f"doorbell: {name!r} is not a call the doorbell serves "
-                                               f"({', '.join(self.parsers)})")
-                if attached.role == "read" and name not in READ_METHODS:
-                    raise PermissionDeniedError(f"{name}: the region was attached with the read token, which may not "
-                                                "make this call; it needs the write token")
-                if admission is not None:
-                    admission.enter(name)
-                    entered = True
-                    admission.take(name, len(raw))
-                    size = len(raw)
-                request = parse_request(parse, bytes(raw), name)
-                check_enums(request)
-                if "shm" in request.DESCRIPTOR.fields_by_name and request.HasField("shm") and \
-                        request.shm.region != region_id:
-                    raise InvalidArgumentError("shm.region: not the region this doorbell connection was opened for")
-                if attached.detached:
-                    raise UnavailableError("doorbell: the region was detached; call again (by gRPC)")
-                response = self.servicer.serve_now(name, request, deadline)
-                code, out = grpc.StatusCode.OK, to_bytes(response)
-            except Exception as exc:
-                code, text = status_of(exc, name, request, self.metrics)
-                out = text.encode()
-        finally:
-            if entered and admission is not None:
-                admission.leave(size)
+        """One call of a connection: its status and answer bytes (or status text)."""
+
+        def allowed() -> None:
+            if attached.role == "read" and name not in READ_METHODS:
+                raise PermissionDeniedError(f"{name}: the region was attached with the read token, which may not "
+                                            "make this call; it needs the write token")
+
+        def in_region(request: Any) -> None:
+            if "shm" in request.DESCRIPTOR.fields_by_name and request.HasField("shm") and \
+                    request.shm.region != region_id:
+                raise InvalidArgumentError("shm.region: not the region this doorbell connection was opened for")
+            if attached.detached:
+                raise UnavailableError("doorbell: the region was detached; call again (by gRPC)")
+
         with self.lock:
             self.calls += 1
-        if self.metrics is not None:
-            self.metrics.observe(name if name in self.parsers else "other", getattr(request, "table", ""), code.name,
-                                 time.perf_counter() - t0)
-        return code, out
+        return serve_off_loop(self.servicer, self.admission, self.metrics, name, self.parsers.get(name), lambda: raw,
+                              deadline, before=allowed, check=in_region)
 
     def close(self) -> None:
         """Stop accepting and end every connection (their threads exit)."""
@@ -321,3 +280,48 @@ class Doorbell:
             r.add_metric([why], n)
         yield from (g, c, r)
 
+
+def serve_off_loop(servicer: Any, admission: Admission | None, metrics: CallMetrics | None, name: str,
+                   parse: Callable[[bytes], Any] | None, read: Callable[[], bytes | None], deadline: float | None, *,
+                   before: Callable[[], None] | None = None,
+                   check: Callable[[Any], None] | None = None) -> tuple[grpc.StatusCode, bytes]:
+    """A data-plane call served on the calling thread, not the event loop: the steps of
+    grpcserver.ErrorsAndMetrics (`before`, admitted, `read` (None: nothing sent), parsed by the
+    servers' one reader (`parse` None: not a call served here), enums checked, `check`, run by
+    DataPlaneServicer.serve_now, errors by status_of, counted in the metrics). Returns the status
+    and the answer's bytes, or the status text. The doorbell's calls, and the thread-pool server
+    benchmarks.grpc_designs measures."""
+    t0 = time.perf_counter()
+    request: Any = None
+    entered, size = False, 0
+    try:
+        try:
+            if parse is None:
+                raise InvalidArgumentError(f"{name!r} is not a call served here ({', '.join(servicer.PLANS)})")
+            if before is not None:
+                before()
+            if admission is not None:
+                admission.enter(name)  # before the request is read
+                entered = True
+            raw = read()
+            if raw is None:
+                raise InvalidArgumentError(f"request: no {name} request was sent")
+            if admission is not None:
+                admission.take(name, len(raw))
+                size = len(raw)
+            request = parse_request(parse, raw, name)
+            raw = None
+            check_enums(request)
+            if check is not None:
+                check(request)
+            code, out = grpc.StatusCode.OK, to_bytes(servicer.serve_now(name, request, deadline))
+        except Exception as exc:
+            code, text = status_of(exc, name, request, metrics)
+            out = text.encode()
+    finally:
+        if entered and admission is not None:
+            admission.leave(size)
+    if metrics is not None:
+        metrics.observe(name if parse is not None else "other", getattr(request, "table", ""), code.name,
+                        time.perf_counter() - t0)
+    return code, out
