@@ -77,7 +77,16 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.bell_echo import bell_echoes, connect, echo_body, ring_all
-from benchmarks.common import copy_bandwidth_gbs, info, latencies, local_cluster, machine, shm_attached, target
+from benchmarks.common import (
+    copy_bandwidth_gbs,
+    info,
+    latencies,
+    local_cluster,
+    machine,
+    print_targets,
+    shm_attached,
+    target,
+)
 from benchmarks.echo import echo_request, echo_servers, fan_out, raw_method, ray_worker_nice
 
 #: Targets (issue 15): remote throughput at least this fraction of in-process, 2 shards cols,
@@ -453,9 +462,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    f"{r['doorbell_shard_overhead_together_ms']:.2f}", frames, f"{r['shm_bytes_per_shard'] / 1e6:.2f}",
                    f"{r['shm_copy_floor_ms']:.2f}", f"{r['shm_ms']:.2f}", f"{r['remote_ms']:.2f}")
     console.print(bt)
-    for t in targets:
-        if t["pass"] is not None:
-            console.print(f"target {t['what']}: {t['measured']} ({t['target']}): {'pass' if t['pass'] else 'MISS'}")
+    print_targets(targets, console.print)
     return out
 
 

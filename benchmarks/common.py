@@ -182,6 +182,13 @@ def info(name: str, what: str, value: float, unit: str = "x", fmt: str = ".2f") 
             "pass": None}
 
 
+def print_targets(targets: list[dict[str, Any]], out: Callable[[str], Any] = print) -> None:
+    """A benchmark's target lines ("target WHAT: MEASURED (TARGET): pass|MISS"); INFO rows are left out."""
+    for t in targets:
+        if t["pass"] is not None:
+            out(f"target {t['what']}: {t['measured']} ({t['target']}): {'pass' if t['pass'] else 'MISS'}")
+
+
 def copy_bandwidth_gbs(nbytes: int = 256 * 1024 * 1024) -> float:
     """Measured memory copy bandwidth (read + write bytes per second), the ceiling for big calls."""
     src = np.ones(nbytes // 8)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import target
+from benchmarks.common import print_targets, target
 
 #: Targets (issue 29): remote memtrain with --staleness 1 against local, local against none.
 TARGET_REMOTE_STALE, TARGET_LOCAL = 1.1, 1.3
@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {n:>20}: {r['p50_ms']:8.1f}  (min {r['min_ms']:.1f}, {r['n']} steps)  x none {r['p50_ms'] / ms['none']:.2f}")
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}")
-    for t in targets:
-        print(f"target {t['what']}: {t['measured']} ({t['target']}): {'pass' if t['pass'] else 'MISS'}")
+    print_targets(targets)
     return out
 
 

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import info, local_cluster, machine, round_robin_steps, target
+from benchmarks.common import info, local_cluster, machine, print_targets, round_robin_steps, target
 
 #: Target (issue 26): remote step time at most this multiple of local.
 TARGET = 2.0
@@ -181,9 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     console.print(f"losses over {done} steps: largest difference from local {loss_diff:.2e}; calls by the doorbells: "
                   f"{rung['remote']} (doorbell client), {rung['remote, doorbell off']} (doorbell off); "
                   f"remote, doorbell off / remote: {ratios['remote, doorbell off / remote']:.2f}x")
-    for t in targets:
-        if t["pass"] is not None:
-            console.print(f"target {t['what']}: {t['measured']} ({t['target']}): {'pass' if t['pass'] else 'MISS'}")
+    print_targets(targets, console.print)
     return out
 
 

@@ -35,7 +35,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import local_cluster, machine, round_robin_steps, target
+from benchmarks.common import local_cluster, machine, print_targets, round_robin_steps, target
 
 #: Target: remote step time at most this multiple of local; with `--staleness 1` (the shards are
 #: on this machine: the client sends the tensors through shared memory) at most TARGET_STALE.
@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for k, v in ratios.items():
         if "trace" in k and k.endswith("/ remote"):
             console.print(f"{k}: {v:.3f}x")
-    for t in targets:
-        console.print(f"target {t['what']}: {t['measured']} ({t['target']}): {'pass' if t['pass'] else 'MISS'}")
+    print_targets(targets, console.print)
     return out
 
 
