@@ -15,16 +15,24 @@ admission, and an exact LRU (an OrderedDict), hit rates side by side.
                                    [--trained-steps 200]  (0: no trained distribution, no cluster)
 
 The page cache: the data file is dropped from it (POSIX_FADV_DONTNEED) before each distribution,
-but on a machine whose free memory exceeds the file it fills again as the run reads; the figure
-says how many of the misses the device really served only on a file larger than free memory.
+but on a machine whose free memory exceeds the file it fills again as the run reads, so misses
+are served from RAM. `--page-cache MIB` runs the timed calls in a memory cgroup (tests/memlimit.py)
+that holds the cache's bound, MIB of page cache and 64 MiB for a call's temporaries: the file
+(8x the cache) no longer fits, and misses and write-backs go to the device as on a host whose
+table is larger than its memory. The process joins the group for the disk table's work only
+(the RAM table's calls run outside it, as a table that fits in memory); the tables are built
+outside (their pages are charged there until dropped), the cache's slots inside.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import mmap
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -77,19 +85,34 @@ def trained_sampler(n: int, hits: np.ndarray, rng: np.random.Generator):
 
 
 def drop_page_cache(t: DiskTable) -> None:
-    t._map.flush()  # dirty pages cannot be dropped
+    """Out of the page cache: written back, unmapped from this process (the kernel keeps a
+    mapped page whatever fadvise says), dropped. The cache's dirty rows are written back first."""
+    t.flush()
+    t._map.flush()
+    t._map.madvise(mmap.MADV_DONTNEED)
     os.posix_fadvise(t._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def disk_random_reads(t: DiskTable, seconds: float, rng: np.random.Generator) -> float:
-    """Rows per second the device gives one thread reading one record at a random row."""
+def disk_random_reads(t: DiskTable, seconds: float, rng: np.random.Generator, threads: int = 1) -> float:
+    """Rows per second the device gives `threads` threads each reading one record at a random
+    row at a time (`threads` reads in flight: the device's queue depth)."""
     drop_page_cache(t)
-    n, done, t0 = t.num_rows, 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for r in rng.integers(0, n, 256):
-            os.pread(t._fd, t.record, int(r) * t.record)
-        done += 256
-    return done / (time.perf_counter() - t0)
+    n, t0 = t.num_rows, time.perf_counter()
+    done = [0] * threads
+
+    def reader(k: int) -> None:
+        local = np.random.default_rng([k, int(rng.integers(1 << 30))])
+        while time.perf_counter() - t0 < seconds:
+            for r in local.integers(0, n, 64):
+                os.pread(t._fd, t.record, int(r) * t.record)
+            done[k] += 64
+
+    pool = [threading.Thread(target=reader, args=(k,)) for k in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return sum(done) / (time.perf_counter() - t0)
 
 
 def lru_hit_rate(batches: list[np.ndarray], capacity: int) -> float:
@@ -123,6 +146,9 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=40, help="untimed calls first (fill the cache)")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--threads", type=int, default=1, help="torch and numba threads, both tables (a shard's compute thread's)")
+    ap.add_argument("--page-cache", type=int, default=0, metavar="MIB",
+                    help="run the timed calls in a memory cgroup with room for the cache, MIB of page cache "
+                         "and 64 MiB of temporaries (0: no limit; needs root and a memory cgroup)")
     ap.add_argument("--trained-steps", type=int, default=200,
                     help="memtrain steps whose product-key reads make the 'trained' distribution (0: skip it)")
     args = ap.parse_args()
@@ -135,7 +161,8 @@ def main() -> None:
     set_threads(args.threads)
     cfg = OptimizerConfig("adagrad", 0.01)
     work = Path(tempfile.mkdtemp(prefix="disk-tier-", dir=args.dir))
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, work, ignore_errors=True)
         t0 = time.perf_counter()
         probe = DiskTable(work / "probe", 1, args.dim, cfg, cache_bytes=4096)
         cache = args.rows * probe.record // args.ratio
@@ -146,9 +173,35 @@ def main() -> None:
               f"{disk.num_rows * disk.record / 2**20:,.0f} MiB, cache bound {cache / 2**20:,.1f} MiB "
               f"({disk.capacity:,} rows, 1/{args.ratio}); RAM table {ram.nbytes() / 2**20:,.0f} MiB; built in "
               f"{time.perf_counter() - t0:.1f}s; dir {work}")
+        limit = None
+        if args.page_cache:
+            from tests.memlimit import MemoryLimit
+
+            limit = MemoryLimit(cache + (args.page_cache + 64) * 2**20, name="disk-tier")
+            stack.callback(limit.close)
+            print(f"memory cgroup: {limit.limit / 2**20:,.0f} MiB (the cache's {cache / 2**20:,.1f}, "
+                  f"{args.page_cache} of page cache for a {disk.num_rows * disk.record / 2**20:,.0f} MiB file, 64 "
+                  f"of temporaries) for the disk table's calls; the RAM table's run outside it; {limit.dir}")
+
+        @contextlib.contextmanager
+        def held(t: ValueTable):
+            """The disk table's work inside the memory cgroup (when there is one), the RAM
+            table's outside: it is the table that fits in memory."""
+            inside = limit is not None and t is disk
+            if inside:
+                limit.add()
+            try:
+                yield
+            finally:
+                if inside:
+                    limit.leave()
+
         rng = np.random.default_rng(0)
-        disk_rate = disk_random_reads(disk, 3.0, rng)
-        print(f"disk random reads (pread of one {disk.record} B record, page cache dropped): {disk_rate:,.0f} rows/s")
+        with held(disk):
+            disk_rate = disk_random_reads(disk, 3.0, rng)
+            disk_rate16 = disk_random_reads(disk, 3.0, rng, threads=16)
+        print(f"disk random reads (pread of one {disk.record} B record, page cache dropped): {disk_rate:,.0f} rows/s "
+              f"one at a time, {disk_rate16:,.0f} rows/s 16 at a time (16 threads); 'vs disk' below is against the first")
         shape = (args.bags, args.ids)
         print(f"calls: {args.bags} bags x {args.ids} ids; {args.warm} warm-up calls, then {args.calls} timed per kind")
         print(f"{'reads':>9} {'call':>13} {'RAM q/s':>10} {'disk q/s':>10} {'ratio':>6} {'RAM p99':>9} {'disk p99':>9} "
@@ -157,29 +210,33 @@ def main() -> None:
         dists = [("zipf 1.0", 1.0), ("zipf 1.2", 1.2), ("uniform", 0.0)] + ([("trained", None)] if trained is not None else [])
         for label, s in dists:
             draw = trained_sampler(args.rows, trained, rng) if s is None else zipf_sampler(args.rows, s, rng)
-            drop_page_cache(disk)
-            disk._make_cache()  # each distribution from a cold cache
+            with held(disk):
+                drop_page_cache(disk)
+                disk._make_cache()  # each distribution from a cold cache
             batches = [draw(shape[0] * shape[1]).reshape(shape) for _ in range(args.warm + 2 * args.calls)]
             policy_traces[label] = batches
             w = torch.rand(shape)
             g = torch.randn(args.bags, args.dim) * 1e-3
             for b in batches[: args.warm]:  # both tables: the RAM one's first calls are slow too
-                disk.bag(torch.from_numpy(b), w)
+                with held(disk):
+                    disk.bag(torch.from_numpy(b), w)
                 ram.bag(torch.from_numpy(b), w, count=False)
             for t in (disk, ram):  # and one backward each, so no timed call compiles a kernel (numba, first use)
-                t.bag_backward(torch.from_numpy(batches[0]), w, None, g)
+                with held(t):
+                    t.bag_backward(torch.from_numpy(batches[0]), w, None, g)
             for k, kind in enumerate(("bag", "bag_backward")):  # fresh draws for each: no replayed rows
                 lat: dict[str, list[float]] = {"ram": [], "disk": []}
                 before = disk.cache_stats()
                 for b in batches[args.warm + k * args.calls : args.warm + (k + 1) * args.calls]:
                     ids = torch.from_numpy(b)
                     for name, t in (("ram", ram), ("disk", disk)):
-                        c0 = time.perf_counter()
-                        if kind == "bag":
-                            t.bag(ids, w)
-                        else:
-                            t.bag_backward(ids, w, None, g)
-                        lat[name].append(time.perf_counter() - c0)
+                        with held(t):
+                            c0 = time.perf_counter()
+                            if kind == "bag":
+                                t.bag(ids, w)
+                            else:
+                                t.bag_backward(ids, w, None, g)
+                            lat[name].append(time.perf_counter() - c0)
                 after = disk.cache_stats()
                 hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
                 reads = after["disk_reads"] - before["disk_reads"]
@@ -205,9 +262,11 @@ def main() -> None:
                 t.close()
                 shutil.rmtree(work / f"p-{policy}")
             print(f"{label:>9} {rates[0]:>14.1%} {rates[1]:>7.1%} {lru_hit_rate(batches, cap):>7.1%}")
+        if args.page_cache:
+            st = limit.stat()
+            print(f"memory cgroup: peak {limit.peak() / 2**20:,.0f} MiB of {limit.limit / 2**20:,.0f}; "
+                  f"{st.get('pgmajfault', 0):,} major faults (pages read from the device on a touch)")
         disk.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -508,3 +508,98 @@ def test_a_disk_table_without_cache_bytes_caches_an_eighth_of_its_records():
         validate_spec(spec(80_000, tier="disk", cache_bytes=100), 2)
     with pytest.raises(InvalidArgumentError, match="only a tier 'disk' table has a cache"):
         validate_spec(spec(80_000, cache_bytes=1 << 20), 2)
+
+
+def _vm_flags(path: Path) -> set[str]:
+    """The kernel's flags of this process's mapping of `path` (/proc/self/smaps VmFlags)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(str(path)):
+            for flags in lines[i + 1 :]:
+                if flags.startswith("VmFlags:"):
+                    return set(flags.split()[1:])
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_files_are_mapped_for_random_reads_and_a_resident_file_is_not_read_ahead(tmp_path):
+    """Both files are advised MADV_RANDOM ('rr': a fault reads the page it needs, not the 32
+    around it, 100x the rows/s once the file is larger than memory), and a file in memory is
+    never read ahead: only `_read_ahead`'s look (mincore) is paid."""
+    ram, disk = _pair(tmp_path, "adagrad", rows=20_000, cache_rows=500)
+    assert "rr" in _vm_flags(disk.path) and "rr" in _vm_flags(disk.stats_path)
+    _random_calls(ram, disk, seed=11, calls=30)
+    rng = np.random.default_rng(0)
+    for _ in range(5):  # calls with thousands of misses, every page of the file in memory
+        ids = torch.from_numpy(rng.integers(0, 20_000, (64, 32)))
+        assert torch.equal(ram.bag(ids, torch.ones(64, 32)), disk.bag(ids, torch.ones(64, 32)))
+        ram.push_gradients(ids.view(-1), torch.ones(2048, 8))
+        disk.push_gradients(ids.view(-1), torch.ones(2048, 8))
+    s = disk.cache_stats()
+    assert s["misses"] > 5000 and s["read_ahead"] == 0
+
+
+_LARGER_THAN_MEMORY = r"""
+import json, mmap, os, resource, sys
+from pathlib import Path
+import numpy as np, torch
+from memserver.core.disk import DiskTable
+from memserver.core.optim import OptimizerConfig
+from memserver.core.table import ValueTable, set_threads
+from tests.memlimit import MemoryLimit
+
+set_threads(1)
+rows, dim = 160_000, 64
+cfg = OptimizerConfig("adagrad", 0.05)
+disk = DiskTable(Path(sys.argv[1]), rows, dim, cfg, cache_bytes=rows * 288 // 8, seed=3, name="big")
+ram = ValueTable(rows, dim, cfg, seed=3)
+rng = np.random.default_rng(0)
+perm = rng.permutation(rows)
+cdf = np.cumsum(1.0 / np.arange(1, rows + 1)); cdf /= cdf[-1]
+def draw(shape):  # Zipf 1.0, ranks scattered over the file
+    return torch.from_numpy(perm[np.minimum(np.searchsorted(cdf, rng.random(shape)), rows - 1)])
+w, g = torch.rand(128, 16), torch.randn(128, dim) * 0.1
+warm = draw((128, 16))
+for t in (ram, disk):  # every kernel compiled (loaded) before the limit, so only the work counts
+    t.bag(warm, w); t.lookup(warm[0]); t.bag_backward(warm, w, None, g)
+file_bytes = rows * disk.record
+with MemoryLimit(disk.cache_bound + 32 * 2**20, name="disk-test") as limit:
+    limit.add()
+    disk.flush()  # the cache's dirty rows into the file: the cache starts again empty inside the limit
+    for m, fd in ((disk._map, disk._fd), (disk._smap, disk._sfd)):  # the files out of memory
+        m.flush(); m.madvise(mmap.MADV_DONTNEED); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    disk._make_cache()  # the cache's slots inside the limit
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    for step in range(30):
+        ids = draw((128, 16))
+        assert torch.equal(ram.bag(ids, w), disk.bag(ids, w)), step
+        ids = draw((128, 16))
+        assert torch.equal(ram.bag_backward(ids, w, None, g), disk.bag_backward(ids, w, None, g)), step
+        ids = draw(256)
+        assert torch.equal(ram.lookup(ids), disk.lookup(ids)), step
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
+    for k in ("weight", "acc", "updates"):
+        assert torch.equal(ram.state()[k], disk.state()[k]), k
+    print(json.dumps({"limit": limit.limit, "peak": limit.peak(), "file": file_bytes, "faults": faults,
+                      **disk.cache_stats()}))
+"""
+
+
+def test_a_table_larger_than_its_memory_answers_as_in_ram(tmp_path):
+    """The mission's case: a process whose memory (a cgroup: anonymous memory and page cache)
+    is smaller than its table's file serves Zipf reads, optimizer steps and lookups with the
+    in-memory table's bits; the misses come from the device (read ahead), not the page cache."""
+    import json
+    import sys
+
+    from tests.memlimit import available
+
+    why = available()
+    if why:
+        pytest.skip(why)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _LARGER_THAN_MEMORY, str(tmp_path / "big")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["peak"] <= got["limit"] < got["file"]  # the file never fit in the process's memory
+    assert got["read_ahead"] > 1000 and got["misses"] > 1000 and got["hits"] > 1000, got

@@ -69,6 +69,8 @@ MIN_CACHE_BYTES = 1024
 _HAND, _EPOCH, _ADDS, _SAMPLE, _USED, _EVICT, _HITS, _MISSES, _SHIFT = range(9)
 # and the CPU ticks (`_ticks`) reads spent in each stage of `_read_rows`: benchmarks.disk_profile
 _T_IDS, _T_CHECK, _T_PLACE = range(9, 12)
+# and the rows whose pages `_read_ahead` asked the kernel for (the file was not in memory)
+_AHEAD_ROWS = 12
 _EMPTY = np.int64(-1)
 
 
@@ -226,6 +228,71 @@ def _fma32(typingctx, a, b, c):  # pragma: no cover - compiled
     return sig, codegen
 
 
+def _libc_codegen(name: str):  # pragma: no cover - compiled
+    """A call of libc's `name`(void *addr, size_t length, int-or-pointer arg) -> int, linked by
+    name (so numba's cache keeps the function, as it would not a ctypes pointer)."""
+
+    def codegen(context, builder, signature, args):
+        i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
+        third = i8p if name == "mincore" else ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [i8p, i64, third]), name)
+        addr, length, arg = args
+        arg = builder.inttoptr(arg, i8p) if name == "mincore" else builder.trunc(arg, ir.IntType(32))
+        return builder.call(fn, [builder.inttoptr(addr, i8p), length, arg])
+
+    return codegen
+
+
+@intrinsic
+def _madvise(typingctx, addr, length, advice):  # pragma: no cover - compiled
+    """madvise(2) on [addr, addr + length) (addr page-aligned): 0 or -1."""
+    return types.int32(types.int64, types.int64, types.int64), _libc_codegen("madvise")
+
+
+@intrinsic
+def _mincore(typingctx, addr, length, vec):  # pragma: no cover - compiled
+    """mincore(2): one byte per page of [addr, addr + length) into vec (an address), bit 0 set
+    when the page is in memory."""
+    return types.int32(types.int64, types.int64, types.int64), _libc_codegen("mincore")
+
+
+#: A page of the mappings (the unit the kernel reads a miss in).
+PAGE = mmap.PAGESIZE
+#: How many of a call's rows `_read_ahead` looks up in the page cache before it decides.
+_LOOK = 32
+_WILLNEED = mmap.MADV_WILLNEED
+
+
+@nb.njit(nogil=True, cache=True)
+def _read_ahead(raw, rows, n):  # pragma: no cover - compiled
+    """When the file's pages of rows[:n] (records of the mapping `raw`) are not in memory (a
+    sample of `_LOOK` of them looked up with mincore: an eighth or more missing), ask the
+    kernel to read them all now (madvise WILLNEED, one page span per row): the reads go to the
+    device together, its queue full, instead of one page fault at a time as the loops meet
+    them (4x the rows/s on this machine's disk: docs/benchmarks.md). A resident file costs only
+    the look (a WILLNEED of a resident page is ~0.6 us, a call's misses 2 ms). Returns the
+    rows advised."""
+    if n == 0 or raw.shape[0] == 0:
+        return 0
+    rec = raw.shape[1] * raw.itemsize
+    base = raw.ctypes.data
+    vec = np.zeros(2, np.uint8)
+    look = min(n, _LOOK)
+    cold = 0
+    for k in range(look):
+        a = base + rows[(k * n) // look] * rec
+        p = a & ~np.int64(PAGE - 1)
+        _mincore(p, PAGE, vec.ctypes.data)
+        cold += 1 - (vec[0] & 1)
+    if cold * 8 < look:
+        return 0
+    for k in range(n):
+        a = base + rows[k] * rec
+        p = a & ~np.int64(PAGE - 1)
+        _madvise(p, ((a + rec + PAGE - 1) & ~np.int64(PAGE - 1)) - p, _WILLNEED)
+    return n
+
+
 @nb.njit(nogil=True, cache=True)
 def _copy_records(rows, slot_of, hit, slots, raw, recs):  # pragma: no cover - compiled
     """One pass over a call's distinct rows: hits copied from their cache slots, misses read from
@@ -376,6 +443,13 @@ def _admit(missed, nmiss, keys, vals, slot_row, ref, pin, dirty, sketch, st, adm
         pin[first : first + k0] = epoch  # theirs: the sweep passes them
         victims = np.empty(nmiss - k0, np.int64)
         found = _sweep(slot_row, ref, pin, st, epoch, victims) if nmiss > k0 else 0
+        dirty_rows = np.empty(found, np.int64)  # their write-backs: pages read ahead like misses
+        nd = 0
+        for k in range(found):
+            if slot_row[victims[k]] != -1 and dirty[victims[k]]:
+                dirty_rows[nd] = slot_row[victims[k]]
+                nd += 1
+        st[_AHEAD_ROWS] += _read_ahead(raw, dirty_rows, nd)
     for k in range(nmiss):
         slot_out[k] = -1
         r = missed[k]
@@ -536,6 +610,7 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
             _add(sketch, r, st)
     t1 = _ticks()
     st[_T_IDS] += t1 - t0
+    st[_AHEAD_ROWS] += _read_ahead(raw, missed, nmiss)
     bad = _check_rows(raw, missed[:nmiss])
     t2 = _ticks()
     st[_T_CHECK] += t2 - t1
@@ -697,6 +772,9 @@ class DiskTable(ValueTable):
         if not size:
             return fd, None, np.zeros(0, dtype=np.uint8)
         m = mmap.mmap(fd, size)
+        # rows are read where they fall: no read-around (a fault would read 32 pages for one
+        # record, 100x fewer rows/s once the file is larger than memory: docs/benchmarks.md)
+        m.madvise(mmap.MADV_RANDOM)
         return fd, m, np.frombuffer(m, dtype=np.uint8)
 
     @staticmethod
@@ -742,9 +820,11 @@ class DiskTable(ValueTable):
 
     def cache_stats(self) -> dict[str, int]:
         """Counters since creation: distinct-row hits and misses per call, evictions, rows read
-        from and written to rows.dat, cached rows, slots, bytes and their bound."""
+        from and written to rows.dat, rows read ahead (their pages were not in memory: the
+        device served them), cached rows, slots, bytes and their bound."""
         return {"hits": int(self._st[_HITS]), "misses": int(self._st[_MISSES]), "evictions": int(self._st[_EVICT]),
                 "disk_reads": self.disk_reads, "disk_writes": self.disk_writes,
+                "read_ahead": int(self._st[_AHEAD_ROWS]),
                 "cached_rows": int((self._slot_row >= 0).sum()), "capacity": self.capacity,
                 "cache_bytes": self.cache_nbytes(), "cache_bound": self.cache_bound,
                 "file_bytes": self.num_rows * self.record, "seconds": time.monotonic() - self.since}
@@ -791,6 +871,8 @@ class DiskTable(ValueTable):
                 pos = _probe(self._keys, r, self._st[_SHIFT])
                 if self._keys[pos] == r:
                     slot_of[i], hit[i] = self._vals[pos], 1
+        cold = rows[hit == 0]
+        self._st[_AHEAD_ROWS] += _read_ahead(self._raw, cold, len(cold))
         read, bad = _copy_records(rows, slot_of, hit, self._slots.view(np.uint64), self._raw.view(np.uint64),
                                    recs.view(np.uint64))
         self.disk_reads += read
