@@ -6,7 +6,9 @@ permutation, uniform, and the reads of a trained memtrain layer: `trained_reads`
 machine's load: calls/s, queries (bags)/s, p99, and the cache's hit rate (distinct rows of a call
 found in the cache). Uniform reads are bounded by the disk: their row reads per second are set
 against the disk's own random read rate of rows, measured in the same run on the same file
-(`os.pread` of one record at a random row, after dropping the file from the page cache).
+(`os.pread` of one record at a random row, after dropping the file from the page cache; one at a
+time and 16 at a time), and the disk table's calls' major faults (pages the device served on a
+touch rather than ahead).
 
 The cache policy: the same traces replayed through TinyLFU-over-CLOCK (ours), CLOCK without
 admission, and an exact LRU (an OrderedDict), hit rates side by side.
@@ -30,6 +32,7 @@ import argparse
 import contextlib
 import mmap
 import os
+import resource
 import shutil
 import tempfile
 import threading
@@ -113,6 +116,23 @@ def disk_random_reads(t: DiskTable, seconds: float, rng: np.random.Generator, th
     for th in pool:
         th.join()
     return sum(done) / (time.perf_counter() - t0)
+
+
+def mapped_random_reads(t: DiskTable, seconds: float, rng: np.random.Generator, advice: int) -> float:
+    """Rows per second one thread reads through the table's mapping (a byte of a record at a
+    random row: a page fault each) under `advice` (MADV_RANDOM, as the table maps its file, or
+    MADV_NORMAL: the kernel's default read-around); the table's advice is restored after."""
+    drop_page_cache(t)
+    t._map.madvise(advice)
+    n, done, t0 = t.num_rows, 0, time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            for r in rng.integers(0, n, 16):
+                t._raw[int(r), 0]
+            done += 16
+    finally:
+        t._map.madvise(mmap.MADV_RANDOM)
+    return done / (time.perf_counter() - t0)
 
 
 def lru_hit_rate(batches: list[np.ndarray], capacity: int) -> float:
@@ -202,10 +222,16 @@ def main() -> None:
             disk_rate16 = disk_random_reads(disk, 3.0, rng, threads=16)
         print(f"disk random reads (pread of one {disk.record} B record, page cache dropped): {disk_rate:,.0f} rows/s "
               f"one at a time, {disk_rate16:,.0f} rows/s 16 at a time (16 threads); 'vs disk' below is against the first")
+        if limit is not None:
+            with held(disk):
+                plain = mapped_random_reads(disk, 3.0, rng, mmap.MADV_NORMAL)
+                rand = mapped_random_reads(disk, 3.0, rng, mmap.MADV_RANDOM)
+            print(f"through the mapping, a fault each: {plain:,.0f} rows/s with the kernel's read-around (MADV_NORMAL), "
+                  f"{rand:,.0f} rows/s with MADV_RANDOM (the table's)")
         shape = (args.bags, args.ids)
         print(f"calls: {args.bags} bags x {args.ids} ids; {args.warm} warm-up calls, then {args.calls} timed per kind")
         print(f"{'reads':>9} {'call':>13} {'RAM q/s':>10} {'disk q/s':>10} {'ratio':>6} {'RAM p99':>9} {'disk p99':>9} "
-              f"{'hit rate':>8} {'rows read/s':>12} {'vs disk':>8}")
+              f"{'hit rate':>8} {'rows read/s':>12} {'vs disk':>8} {'faults/call':>11}")
         policy_traces = {}
         dists = [("zipf 1.0", 1.0), ("zipf 1.2", 1.2), ("uniform", 0.0)] + ([("trained", None)] if trained is not None else [])
         for label, s in dists:
@@ -227,16 +253,20 @@ def main() -> None:
             for k, kind in enumerate(("bag", "bag_backward")):  # fresh draws for each: no replayed rows
                 lat: dict[str, list[float]] = {"ram": [], "disk": []}
                 before = disk.cache_stats()
+                faults = 0
                 for b in batches[args.warm + k * args.calls : args.warm + (k + 1) * args.calls]:
                     ids = torch.from_numpy(b)
                     for name, t in (("ram", ram), ("disk", disk)):
                         with held(t):
+                            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
                             c0 = time.perf_counter()
                             if kind == "bag":
                                 t.bag(ids, w)
                             else:
                                 t.bag_backward(ids, w, None, g)
                             lat[name].append(time.perf_counter() - c0)
+                            if t is disk:
+                                faults += resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
                 after = disk.cache_stats()
                 hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
                 reads = after["disk_reads"] - before["disk_reads"]
@@ -244,7 +274,7 @@ def main() -> None:
                 read_rate = reads / sum(lat["disk"])
                 print(f"{label:>9} {kind:>13} {qs['ram']:>10,.0f} {qs['disk']:>10,.0f} {qs['disk'] / qs['ram']:>5.2f}x "
                       f"{p99(lat['ram']):>7.1f}ms {p99(lat['disk']):>7.1f}ms {hits / max(hits + misses, 1):>8.1%} "
-                      f"{read_rate:>12,.0f} {read_rate / disk_rate:>7.2f}x")
+                      f"{read_rate:>12,.0f} {read_rate / disk_rate:>7.2f}x {faults / args.calls:>8,.0f}")
         print("cache policy on the same traces (distinct rows per call; cache of "
               f"{disk.capacity:,} rows):")
         print(f"{'reads':>9} {'TinyLFU+CLOCK':>14} {'CLOCK':>7} {'LRU':>7}")
