@@ -49,6 +49,24 @@ def available() -> str | None:
     return None
 
 
+def _remove_stale(parent: Path, name: str) -> None:
+    """Groups a killed run of `name` left behind (its pid gone, no process in it)."""
+    for d in parent.glob(f"{name}-*-*"):
+        try:
+            pid = int(d.name[len(name) + 1 :].split("-")[0])
+            os.kill(pid, 0)
+            continue  # its process is alive
+        except (ValueError, ProcessLookupError):
+            pass
+        except PermissionError:
+            continue
+        try:
+            if not (d / "cgroup.procs").read_text().strip():
+                d.rmdir()
+        except OSError:
+            pass
+
+
 class MemoryLimit:
     """A child memory cgroup of this process's own, limited to `limit` bytes (no swap here).
     `add(pid)` moves a process in; leaving the block moves them back and removes the group."""
@@ -59,6 +77,7 @@ class MemoryLimit:
             raise RuntimeError(why)
         parent, self.version = _own_group()  # type: ignore[misc]
         self.parent = parent
+        _remove_stale(parent, name)
         self.dir = parent / f"{name}-{os.getpid()}-{time.monotonic_ns()}"
         self.dir.mkdir()
         self.limit = int(limit)

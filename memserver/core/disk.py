@@ -269,9 +269,10 @@ def _read_ahead(raw, rows, n):  # pragma: no cover - compiled
     sample of `_LOOK` of them looked up with mincore: an eighth or more missing), ask the
     kernel to read them all now (madvise WILLNEED, one page span per row): the reads go to the
     device together, its queue full, instead of one page fault at a time as the loops meet
-    them (4x the rows/s on this machine's disk: docs/benchmarks.md). A resident file costs only
-    the look (a WILLNEED of a resident page is ~0.6 us, a call's misses 2 ms). Returns the
-    rows advised."""
+    them (3-6x the rows/s on this machine's disk: docs/benchmarks.md). A resident file costs
+    only the look (~27 us; a WILLNEED of a resident page is ~0.6 us, a call's misses 2 ms).
+    A look that fails (an address outside the mapping) counts as resident. Returns the rows
+    advised."""
     if n == 0 or raw.shape[0] == 0:
         return 0
     rec = raw.shape[1] * raw.itemsize
@@ -282,6 +283,7 @@ def _read_ahead(raw, rows, n):  # pragma: no cover - compiled
     for k in range(look):
         a = base + rows[(k * n) // look] * rec
         p = a & ~np.int64(PAGE - 1)
+        vec[0] = 1
         _mincore(p, PAGE, vec.ctypes.data)
         cold += 1 - (vec[0] & 1)
     if cold * 8 < look:
@@ -773,7 +775,7 @@ class DiskTable(ValueTable):
             return fd, None, np.zeros(0, dtype=np.uint8)
         m = mmap.mmap(fd, size)
         # rows are read where they fall: no read-around (a fault would read 32 pages for one
-        # record, 100x fewer rows/s once the file is larger than memory: docs/benchmarks.md)
+        # record, ~80x fewer rows/s once the file is larger than memory: docs/benchmarks.md)
         m.madvise(mmap.MADV_RANDOM)
         return fd, m, np.frombuffer(m, dtype=np.uint8)
 
