@@ -448,7 +448,7 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
                                                  tier=tier, cache_bytes=8192 if tier else 0), 1)
         info = plan_table(specs[name], [shard.info()]).shards[0]
         shard.create_table(specs[name].SerializeToString(), info.SerializeToString(), 1)
-    assert slice_size(specs["d"], info).held == 8192  # the catalog counts the cache, not the rows
+    assert slice_size(specs["d"], info).held == 8192 + 500 * 16  # the cache and read counters, not the rows
     rng = np.random.default_rng(0)
     try:
         with grpc.insecure_channel(shard.address) as ch:
@@ -522,11 +522,14 @@ def _vm_flags(path: Path) -> set[str]:
 
 
 def test_files_are_mapped_for_random_reads_and_a_resident_file_is_not_read_ahead(tmp_path):
-    """Both files are advised MADV_RANDOM ('rr': a fault reads the page it needs, not the 32
+    """The read counters are kept in memory and counted. Both files are advised MADV_RANDOM ('rr': a fault reads the page it needs, not the 32
     around it, 100x the rows/s once the file is larger than memory), and a file in memory is
     never read ahead: only `_read_ahead`'s look (mincore) is paid."""
     ram, disk = _pair(tmp_path, "adagrad", rows=20_000, cache_rows=500)
     assert "rr" in _vm_flags(disk.path) and "rr" in _vm_flags(disk.stats_path)
+    # the read counters are locked in memory ('lo') where the process may (root here; else said)
+    assert disk.counters_resident == ("lo" in _vm_flags(disk.stats_path)) == (os.geteuid() == 0)
+    assert "lo" not in _vm_flags(disk.path) and disk.nbytes() == disk.cache_nbytes() + 20_000 * 16
     _random_calls(ram, disk, seed=11, calls=30)
     rng = np.random.default_rng(0)
     for _ in range(5):  # calls with thousands of misses, every page of the file in memory
@@ -565,8 +568,8 @@ file_bytes = rows * disk.record
 with MemoryLimit(disk.cache_bound + 32 * 2**20, name="disk-test") as limit:
     limit.add()
     disk.flush()  # the cache's dirty rows into the file: the cache starts again empty inside the limit
-    for m, fd in ((disk._map, disk._fd), (disk._smap, disk._sfd)):  # the files out of memory
-        m.flush(); m.madvise(mmap.MADV_DONTNEED); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    assert disk.counters_resident  # the read counters stay in memory (mlock); the rows go
+    disk._map.flush(); disk._map.madvise(mmap.MADV_DONTNEED); os.posix_fadvise(disk._fd, 0, 0, os.POSIX_FADV_DONTNEED)
     disk._make_cache()  # the cache's slots inside the limit
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     for step in range(30):

@@ -18,7 +18,7 @@ step reads and writes, so a miss is one read and a write-back one write of one p
 
 (`check` is a checksum of the rest of the record, `_check_of`: a corrupt row is refused by
 name, never served). The read counters (hits, weight mass: written by every read, never by a step) are a
-second file, `stats.dat`, mapped and left to the page cache, so reads never dirty a row. The
+second file, `stats.dat`, mapped and locked in memory (`COUNTER_BYTES`), so reads never dirty a row. The
 cache keeps whole records in the same layout, so moving a row is one copy.
 
 The cache: CLOCK (a reference bit per slot, a hand that sweeps) for the victim, and TinyLFU
@@ -39,7 +39,9 @@ disk is refused then, by name, and never hits a write-back later.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import logging
 import mmap
 import os
 import time
@@ -60,6 +62,12 @@ from memserver.core.table import ValueTable
 
 #: Bytes of a record before its values: updates, last_update, check, pad.
 HEADER = 24
+#: Bytes of a row's read counters (hits int64, weight_mass float64) in stats.dat, which a slice
+#: keeps in memory (mlock): every read writes them, and a Zipf call touches most of their
+#: pages, so left to the page cache they are evicted by the records streaming through and a
+#: call faults on them one at a time (1.65-1.9x a bag's time once the file exceeds memory:
+#: docs/benchmarks.md). The catalog counts them with the cache (catalog.slice_size).
+COUNTER_BYTES = 16
 #: Rows per chunk when the whole file is streamed (creation, checksums, statistics).
 _CHUNK_ROWS = 1 << 14
 POLICIES = ("tinylfu", "clock")
@@ -75,6 +83,8 @@ _EMPTY = np.int64(-1)
 
 
 _OPTIONAL_FIELDS = ("weight", "acc", "exp_avg", "exp_avg_sq")
+_LIBC = ctypes.CDLL(None, use_errno=True)
+log = logging.getLogger(__name__)
 
 
 def unpack(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -740,8 +750,9 @@ class DiskTable(ValueTable):
         self.dir.mkdir(parents=True, exist_ok=True)
         self._fd, self._map, raw = self._open(self.path, self.num_rows * self.record)
         self._raw = raw.reshape(self.num_rows, self.record)
-        self._sfd, self._smap, sraw = self._open(self.stats_path, self.num_rows * 16)
+        self._sfd, self._smap, sraw = self._open(self.stats_path, self.num_rows * COUNTER_BYTES)
         self._sraw = sraw
+        self.counters_resident = self._lock_counters() if track_stats else False
         self.hits = torch.from_numpy(sraw.view(np.int64)[0::2])  # hits, weight_mass interleaved per row
         self.weight_mass = torch.from_numpy(sraw.view(np.float64)[1::2])
         if global_rows is None:
@@ -778,6 +789,19 @@ class DiskTable(ValueTable):
         # record, ~80x fewer rows/s once the file is larger than memory: docs/benchmarks.md)
         m.madvise(mmap.MADV_RANDOM)
         return fd, m, np.frombuffer(m, dtype=np.uint8)
+
+    def _lock_counters(self) -> bool:
+        """Keep the read counters' pages in memory (mlock; see COUNTER_BYTES). Without the
+        privilege (RLIMIT_MEMLOCK, CAP_IPC_LOCK) they stay in the page cache, said once."""
+        if not self.num_rows:
+            return False
+        if _LIBC.mlock(ctypes.c_void_p(self._sraw.ctypes.data), ctypes.c_size_t(self._sraw.nbytes)) == 0:
+            return True
+        err = ctypes.get_errno()
+        log.warning("table %s: cannot keep its read counters (%s, %s bytes) in memory: %s; they stay in the page "
+                    "cache, where reads of a table larger than memory may fault on them (raise RLIMIT_MEMLOCK)",
+                    self.name, self.stats_path, f"{self._sraw.nbytes:,}", os.strerror(err))
+        return False
 
     @staticmethod
     def _shape(cap: int) -> tuple[int, int]:
@@ -818,7 +842,8 @@ class DiskTable(ValueTable):
                                       self._pin, self._sketch, self._st))
 
     def nbytes(self) -> int:
-        return self.cache_nbytes()
+        """The cache and the read counters (kept in memory); the rows are on disk."""
+        return self.cache_nbytes() + self.num_rows * COUNTER_BYTES
 
     def cache_stats(self) -> dict[str, int]:
         """Counters since creation: distinct-row hits and misses per call, evictions, rows read
@@ -826,7 +851,7 @@ class DiskTable(ValueTable):
         device served them), cached rows, slots, bytes and their bound."""
         return {"hits": int(self._st[_HITS]), "misses": int(self._st[_MISSES]), "evictions": int(self._st[_EVICT]),
                 "disk_reads": self.disk_reads, "disk_writes": self.disk_writes,
-                "read_ahead": int(self._st[_AHEAD_ROWS]),
+                "read_ahead": int(self._st[_AHEAD_ROWS]), "counters_resident": int(self.counters_resident),
                 "cached_rows": int((self._slot_row >= 0).sum()), "capacity": self.capacity,
                 "cache_bytes": self.cache_nbytes(), "cache_bound": self.cache_bound,
                 "file_bytes": self.num_rows * self.record, "seconds": time.monotonic() - self.since}

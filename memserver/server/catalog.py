@@ -198,7 +198,7 @@ class SliceSize:
 
     `held`: what the slice holds once created, what status and /metrics report as its bytes
     (`table.nbytes()`): values, optimizer state (adagrad 4 B a row, adam 8 B a value, sgd none)
-    and slot statistics; a tier "disk" slice: its cache bound (the rest is on disk); product keys: keys and query network once loaded; index tables: the
+    and slot statistics; a tier "disk" slice: its cache bound and read counters (the rest is on disk); product keys: keys and query network once loaded; index tables: the
     empty index (it grows as vectors are added). `peak`: `held` plus what creating it briefly
     needs on top (the row ids, and float32 initial values of a 16-bit table)."""
 
@@ -219,8 +219,11 @@ def slice_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> SliceSize:
         net = (q_dim * d_in + q_dim + 4 * q_dim) * 4 if d_in else 0  # Linear, bias, BatchNorm (at most)
         return SliceSize(keys + net, keys + net)
     rows, cols = int(shard.num_rows), int(shard.col_end - shard.col_start)
-    if spec.tier == "disk":  # rows, optimizer state and read counters are files; memory holds the cache
-        return SliceSize(slice_cache_bytes(spec), slice_cache_bytes(spec) + rows * 8)
+    if spec.tier == "disk":  # rows and optimizer state are a file; memory holds the cache and the read counters
+        from memserver.core.disk import COUNTER_BYTES
+
+        held = slice_cache_bytes(spec) + rows * COUNTER_BYTES
+        return SliceSize(held, held + rows * 8)
     dtype = TORCH_DTYPES[spec.dtype or pb.FLOAT32]
     values = rows * cols * dtype.itemsize
     optimizer = {"sgd": 0, "adagrad": rows * 4, "adam": 2 * rows * cols * 4}[spec.optimizer.name or "adagrad"]
