@@ -196,7 +196,7 @@ def measure(client: Any, shm_client: Any, bell_client: Any, meta: Any, ids: torc
     match["client shm"] = equal(shm_client.bag(meta.name, ids, w))
     if shm_client.aio.shm.calls == calls_before:
         raise RuntimeError("the shared-memory client did not use shared memory (see client.shm's log)")
-    if any(r.bell is not None and r.bell.calls for r in shm_client.aio.shm.regions.values()):
+    if shm_client.aio.shm.bell_calls:
         raise RuntimeError("the gRPC + shared-memory client sent calls by a doorbell")
     shm_attached(bell_client, meta, ids, w, doorbell=True)
     bells = {sh.address: bell_client.aio.shm.bell(sh.address) for sh in meta.shards}

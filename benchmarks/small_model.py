@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for gen in gens.values():
                 gen.close()
         shm = {"remote": bell_client.aio.shm, "remote, doorbell off": grpc_client.aio.shm}
-        rung = {n: sum(r.bell.calls for r in s.regions.values() if r.bell is not None) for n, s in shm.items()}
+        rung = {n: s.bell_calls for n, s in shm.items()}
         shm_calls = {n: s.calls for n, s in shm.items()}
         for n in ("bench-small-model-0", "bench-small-model-1", "bench-small-model-2"):
             bell_client.drop_table(n)

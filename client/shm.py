@@ -287,6 +287,7 @@ class ShmTransport:
         self.doorbell = os.environ.get(DOORBELL_ENV, "1") != "0"  # calls by the shards' doorbells
         self.pid = os.getpid()  # a forked child shares the regions' memory: it must not use them
         self.calls = 0  # calls sent through shared memory (a count, for tests and curious users)
+        self.bell_calls = 0  # and calls sent by the shards' doorbells (client.transport.ring)
         self.lock = threading.Lock()
 
     def pack(self, address: str, method: str, req: Any) -> tuple[bytes, Lease] | None:
@@ -310,11 +311,11 @@ class ShmTransport:
         return packed
 
     def bell(self, address: str) -> Bell | None:
-        """The doorbell of the shard at `address` (client.doorbell), or None: call it by gRPC."""
+        """The doorbell of the shard at `address` (client.doorbell), or None: call it by gRPC.
+        (`pack`, which every call passes first, dropped a retired region or one with a broken
+        bell; `Bell.send` refuses a bell that broke since, or a forked child's.)"""
         region = self.regions.get(address)
-        if region is None or region.retired or region.bell is None or not region.bell.alive:
-            return None  # (a forked child's bells are never alive: Bell.alive)
-        return region.bell
+        return region.bell if region is not None else None
 
     def _drop(self, address: str, region: Region) -> None:
         with self.lock:

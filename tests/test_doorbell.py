@@ -26,7 +26,7 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import DOORBELL_HEAD, DOORBELL_MAX_REQUEST, DOORBELL_REPLY, encode
 from tests.conftest import READ, WRITE
 from tests.test_fuzz import DOCUMENTED
-from tests.test_shm import LOCAL_DIM, LOCAL_ROWS, ROOT, bell_calls, make_local_shard, settled
+from tests.test_shm import LOCAL_DIM, LOCAL_ROWS, ROOT, make_local_shard, settled
 
 
 def rung_client(shard, **kwargs) -> MemoryClient:
@@ -71,7 +71,7 @@ def test_calls_go_by_the_doorbell_and_answer_as_grpc(bell_shard):
     grpc_c = MemoryClient(bell_shard.endpoint, timeout=30, token="")
     grpc_c.aio.shm.doorbell = False
     try:
-        before = bell_calls(bell)
+        before = bell.aio.shm.bell_calls
         rng = np.random.default_rng(3)
         for n in (4, 20000):  # inline, then through the region
             ids, w = rng.integers(0, LOCAL_ROWS, (n, 2)), rng.random((n, 2), dtype=np.float32)
@@ -89,8 +89,8 @@ def test_calls_go_by_the_doorbell_and_answer_as_grpc(bell_shard):
             if stat != "last_update":  # a time
                 np.testing.assert_array_equal(value, theirs[stat])
         np.testing.assert_array_equal(bell.lookup("t", np.arange(LOCAL_ROWS)), grpc_c.lookup("u", np.arange(LOCAL_ROWS)))
-        assert bell_calls(bell) - before == 10  # 2 x (bag, backward, lookup), push, write, stats, lookup
-        assert bell_calls(grpc_c) == 0
+        assert bell.aio.shm.bell_calls - before == 10  # 2 x (bag, backward, lookup), push, write, stats, lookup
+        assert grpc_c.aio.shm.bell_calls == 0
     finally:
         bell.close()
         grpc_c.close()
@@ -138,14 +138,14 @@ def test_the_read_tokens_region_takes_reads_only(auth_cluster, table_name):
     writer = attach(MemoryClient(auth_cluster.endpoint, timeout=60, token=WRITE, shm=True), table_name, 1)
     try:
         ids, w, g = np.arange(8).reshape(4, 2), np.ones((4, 2), np.float32), np.ones((4, 8), np.float32)
-        before = bell_calls(reader)
+        before = reader.aio.shm.bell_calls
         assert reader.bag(table_name, ids, w).shape == (4, 8)
         with pytest.raises(PermissionDeniedError, match="read token"):
             reader.bag_backward(table_name, ids, w, g)
-        assert bell_calls(reader) - before == 2  # both by the doorbell
-        before = bell_calls(writer)
+        assert reader.aio.shm.bell_calls - before == 2  # both by the doorbell
+        before = writer.aio.shm.bell_calls
         writer.bag_backward(table_name, ids, w, g)
-        assert bell_calls(writer) - before == 1
+        assert writer.aio.shm.bell_calls - before == 1
     finally:
         for c in (reader, writer):
             c.close()
@@ -165,10 +165,10 @@ def test_doorbell_calls_are_admitted_within_the_shards_limits():
             values = c.lookup("t", np.arange(8), count=False)
             shard.admission.enter("held by the test")  # the one call the shard takes
             try:
-                before = bell_calls(c)
+                before = c.aio.shm.bell_calls
                 with pytest.raises(OverloadedError, match="max_inflight_calls"):
                     c.bag_backward("t", [[1]], [[1.0]], np.ones((1, LOCAL_DIM), np.float32))
-                assert bell_calls(c) - before == 1
+                assert c.aio.shm.bell_calls - before == 1
             finally:
                 shard.admission.leave(0)
             np.testing.assert_array_equal(c.lookup("t", np.arange(8), count=False), values)  # nothing applied
@@ -379,7 +379,7 @@ def _bells(monkeypatch, shard_env: dict[str, str], client_env: dict[str, str]) -
                     break
                 time.sleep(0.02)
             c.lookup("t", [0], count=False)
-            assert bell_calls(c) == 0 or not (shard_env or client_env)
+            assert c.aio.shm.bell_calls == 0 or not (shard_env or client_env)
             out = [r.bell for r in c.aio.shm.regions.values()]
         for k in client_env:
             monkeypatch.delenv(k)

@@ -54,11 +54,6 @@ def shm_client(endpoint: str, table: str, shards: int, doorbell: bool = True, **
     return attach(c, table, shards)
 
 
-def bell_calls(c: MemoryClient) -> int:
-    """Calls the client has sent by its shards' doorbells."""
-    return sum(r.bell.calls for r in c.aio.shm.regions.values() if r.bell is not None)
-
-
 def test_enabled_by_default_off_with_env(monkeypatch):
     monkeypatch.delenv("MEMSERVER_SHM", raising=False)
     assert enabled(None) and not enabled(False)
@@ -86,7 +81,7 @@ def test_same_answers_as_tcp(memory_cluster, table_name, sharding, path):
             ids = torch.from_numpy(rng.integers(0, rows, (2000, 16)))
             w = torch.from_numpy(rng.random((2000, 16), dtype=np.float32))
             before, before16 = shm.aio.shm.calls, shm16.aio.shm.calls
-            rung, rung16 = bell_calls(shm), bell_calls(shm16)
+            rung, rung16 = shm.aio.shm.bell_calls, shm16.aio.shm.bell_calls
             assert torch.equal(shm.bag(f"{table_name}-a", ids, w), tcp.bag(f"{table_name}-a", ids, w))
             flat, off = ids.reshape(-1)[:20000], torch.tensor([0, 3, 3, 500, 19999])
             assert torch.equal(shm.bag(f"{table_name}-a", flat, w.reshape(-1)[:20000], off),
@@ -106,7 +101,7 @@ def test_same_answers_as_tcp(memory_cluster, table_name, sharding, path):
             assert shm.aio.shm.calls - before == 2 * 6 and shm16.aio.shm.calls - before16 == 2
             # ... by the shards' doorbells, or none of them
             expect = (2 * 6, 2) if path == "doorbell" else (0, 0)
-            assert (bell_calls(shm) - rung, bell_calls(shm16) - rung16) == expect
+            assert (shm.aio.shm.bell_calls - rung, shm16.aio.shm.bell_calls - rung16) == expect
             # attached: the client has closed its descriptors (the shards opened the memfds)
             assert all(r.fd == -1 for c in (shm, shm16) for r in c.aio.shm.regions.values())
         finally:
