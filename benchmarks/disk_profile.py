@@ -1,8 +1,9 @@
 """Where a disk-tier bag's time goes: one `DiskTable.bag` call split into its stages, p50 over
 calls drawn Zipf-like, beside the same table in RAM, both on the same threads (`--threads`,
 torch's and numba's). The stages: `_read_rows` (where each id's row is), itself in three (the
-pass over the ids: hash probes, pins, the sketch's counts, the read counters; the misses'
-checksums; their placement: CLOCK's sweep, TinyLFU, evictions, records copied into slots),
+pass over the ids: hash probes, pins, the sketch's counts, the read counters; `_read_ahead`'s
+look at whether the misses' pages are in memory (mincore; here they are, so no more); the
+misses' checksums; their placement: CLOCK's sweep, TinyLFU, evictions, records copied into slots),
 counted inside the kernel by the CPU's cycle counter (disk._T_IDS ...), converted to ms at the
 counter's rate measured here; then the sum `_bag_sum`, from the cache slots and the file's
 mapping. A profile, not a benchmark.
@@ -71,14 +72,16 @@ def main(argv: list[str] | None = None) -> None:
         disk._read_rows, disk._bag_sum = timed("_read_rows (read pass)", disk._read_rows), timed("_bag_sum", disk._bag_sum)
         t._check_file = timed("_check_file (stat, fstat)", t._check_file)
         distinct: list[int] = []
-        stages = ("the ids (probe, pin, count)", "the misses' checksums", "placing the misses")
+        stages = ("the ids (probe, pin, count)", "the look for cold pages", "the misses' checksums",
+                  "placing the misses")
+        ticks = [disk._T_IDS, disk._T_AHEAD, disk._T_CHECK, disk._T_PLACE]
         disk.ticks()  # compiled before the clock starts
         t0, c0 = time.perf_counter(), disk.ticks()
         for ids in calls[args.warm :]:
             timed("RAM table bag", ram.bag)(ids, w)
-            before = t._st[[disk._T_IDS, disk._T_CHECK, disk._T_PLACE]].copy()
+            before = t._st[ticks].copy()
             timed("disk table bag (whole call)", t.bag)(ids, w)
-            for name, n in zip(stages, t._st[[disk._T_IDS, disk._T_CHECK, disk._T_PLACE]] - before):
+            for name, n in zip(stages, t._st[ticks] - before):
                 TIMES[name].append(float(n))
             distinct.append(len(np.unique(ids.numpy())))
         rate = (disk.ticks() - c0) / (time.perf_counter() - t0)  # counter ticks a second

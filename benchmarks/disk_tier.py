@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import mmap
 import os
 import resource
@@ -43,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memserver.core.disk import DiskTable
+from memserver.core.disk import DiskTable, record_layout
 from memserver.core.optim import OptimizerConfig
 from memserver.core.table import ValueTable, set_threads
 
@@ -89,11 +90,13 @@ def trained_sampler(n: int, hits: np.ndarray, rng: np.random.Generator):
 
 def drop_page_cache(t: DiskTable) -> None:
     """Out of the page cache: written back, unmapped from this process (the kernel keeps a
-    mapped page whatever fadvise says), dropped. The cache's dirty rows are written back first."""
+    mapped page whatever fadvise says), dropped. The cache's dirty rows are written back first.
+    The read counters too when they are not locked in memory (`--unlocked-counters`)."""
     t.flush()
-    t._map.flush()
-    t._map.madvise(mmap.MADV_DONTNEED)
-    os.posix_fadvise(t._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    for m, fd in ((t._map, t._fd),) + (() if t.counters_resident else ((t._smap, t._sfd),)):
+        m.flush()
+        m.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def disk_random_reads(t: DiskTable, seconds: float, rng: np.random.Generator, threads: int = 1) -> float:
@@ -169,6 +172,9 @@ def main() -> None:
     ap.add_argument("--page-cache", type=int, default=0, metavar="MIB",
                     help="run the timed calls in a memory cgroup with room for the cache, MIB of page cache "
                          "and 64 MiB of temporaries (0: no limit; needs root and a memory cgroup)")
+    ap.add_argument("--unlocked-counters", action="store_true",
+                    help="leave the disk table's read counters to the page cache (munlock), as before they were "
+                         "locked in memory: the A/B of that choice")
     ap.add_argument("--trained-steps", type=int, default=200,
                     help="memtrain steps whose product-key reads make the 'trained' distribution (0: skip it)")
     args = ap.parse_args()
@@ -184,11 +190,12 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, work, ignore_errors=True)
         t0 = time.perf_counter()
-        probe = DiskTable(work / "probe", 1, args.dim, cfg, cache_bytes=4096)
-        cache = args.rows * probe.record // args.ratio
-        probe.close()
+        cache = args.rows * record_layout(args.dim, cfg.name)[0] // args.ratio
         disk = DiskTable(work / "t", args.rows, args.dim, cfg, cache_bytes=cache, seed=1, name="bench")
         ram = ValueTable(args.rows, args.dim, cfg, seed=1, track_stats=True)
+        if args.unlocked_counters and disk.counters_resident:
+            ctypes.CDLL(None).munlock(ctypes.c_void_p(disk._sraw.ctypes.data), ctypes.c_size_t(disk._sraw.nbytes))
+            disk.counters_resident = False
         print(f"table: {args.rows:,} rows x {args.dim} float32 + adagrad, record {disk.record} B, file "
               f"{disk.num_rows * disk.record / 2**20:,.0f} MiB, cache bound {cache / 2**20:,.1f} MiB "
               f"({disk.capacity:,} rows, 1/{args.ratio}); RAM table {ram.nbytes() / 2**20:,.0f} MiB; built in "

@@ -96,12 +96,8 @@ class MemoryLimit:
         (self.parent / "cgroup.procs").write_text(str(pid))
         self.pids.remove(pid)
 
-    def usage(self) -> int:
-        """Bytes charged to the group now (anonymous memory and page cache)."""
-        knob = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
-        return int((self.dir / knob).read_text())
-
     def peak(self) -> int:
+        """The most bytes charged to the group at once (anonymous memory and page cache)."""
         knob = "memory.max_usage_in_bytes" if self.version == "v1" else "memory.peak"
         return int((self.dir / knob).read_text())
 

@@ -604,5 +604,6 @@ def test_a_table_larger_than_its_memory_answers_as_in_ram(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["peak"] <= got["limit"] < got["file"]  # the file never fit in the process's memory
+    # the group's memory (smaller than the file) filled: the process ran in it, under pressure
+    assert got["peak"] > 0.9 * got["limit"] and got["limit"] < got["file"], got
     assert got["read_ahead"] > 1000 and got["misses"] > 1000 and got["hits"] > 1000, got

@@ -77,8 +77,9 @@ MIN_CACHE_BYTES = 1024
 _HAND, _EPOCH, _ADDS, _SAMPLE, _USED, _EVICT, _HITS, _MISSES, _SHIFT = range(9)
 # and the CPU ticks (`_ticks`) reads spent in each stage of `_read_rows`: benchmarks.disk_profile
 _T_IDS, _T_CHECK, _T_PLACE = range(9, 12)
-# and the rows whose pages `_read_ahead` asked the kernel for (the file was not in memory)
-_AHEAD_ROWS = 12
+# and the rows whose pages `_read_ahead` asked the kernel for (the file was not in memory), and
+# the ticks `_read_rows` spent in it (the look, and the requests when the file was cold)
+_AHEAD_ROWS, _T_AHEAD = 12, 13
 _EMPTY = np.int64(-1)
 
 
@@ -274,8 +275,8 @@ _WILLNEED = mmap.MADV_WILLNEED
 
 
 @nb.njit(nogil=True, cache=True)
-def _read_ahead(raw, rows, n):  # pragma: no cover - compiled
-    """When the file's pages of rows[:n] (records of the mapping `raw`) are not in memory (a
+def _read_ahead(raw, rows):  # pragma: no cover - compiled
+    """When the file's pages of `rows` (records of the mapping `raw`) are not in memory (a
     sample of `_LOOK` of them looked up with mincore: an eighth or more missing), ask the
     kernel to read them all now (madvise WILLNEED, one page span per row): the reads go to the
     device together, its queue full, instead of one page fault at a time as the loops meet
@@ -283,6 +284,7 @@ def _read_ahead(raw, rows, n):  # pragma: no cover - compiled
     only the look (~27 us; a WILLNEED of a resident page is ~0.6 us, a call's misses 2 ms).
     A look that fails (an address outside the mapping) counts as resident. Returns the rows
     advised."""
+    n = rows.shape[0]
     if n == 0 or raw.shape[0] == 0:
         return 0
     rec = raw.shape[1] * raw.itemsize
@@ -461,7 +463,7 @@ def _admit(missed, nmiss, keys, vals, slot_row, ref, pin, dirty, sketch, st, adm
             if slot_row[victims[k]] != -1 and dirty[victims[k]]:
                 dirty_rows[nd] = slot_row[victims[k]]
                 nd += 1
-        st[_AHEAD_ROWS] += _read_ahead(raw, dirty_rows, nd)
+        st[_AHEAD_ROWS] += _read_ahead(raw, dirty_rows[:nd])
     for k in range(nmiss):
         slot_out[k] = -1
         r = missed[k]
@@ -622,10 +624,12 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
             _add(sketch, r, st)
     t1 = _ticks()
     st[_T_IDS] += t1 - t0
-    st[_AHEAD_ROWS] += _read_ahead(raw, missed, nmiss)
+    st[_AHEAD_ROWS] += _read_ahead(raw, missed[:nmiss])
+    t1b = _ticks()
+    st[_T_AHEAD] += t1b - t1
     bad = _check_rows(raw, missed[:nmiss])
     t2 = _ticks()
-    st[_T_CHECK] += t2 - t1
+    st[_T_CHECK] += t2 - t1b
     if bad >= 0:
         return bad + 1, 0, 1, missed[bad]
     if cap == 0:
@@ -898,8 +902,7 @@ class DiskTable(ValueTable):
                 pos = _probe(self._keys, r, self._st[_SHIFT])
                 if self._keys[pos] == r:
                     slot_of[i], hit[i] = self._vals[pos], 1
-        cold = rows[hit == 0]
-        self._st[_AHEAD_ROWS] += _read_ahead(self._raw, cold, len(cold))
+        self._st[_AHEAD_ROWS] += _read_ahead(self._raw, rows[hit == 0])
         read, bad = _copy_records(rows, slot_of, hit, self._slots.view(np.uint64), self._raw.view(np.uint64),
                                    recs.view(np.uint64))
         self.disk_reads += read
