@@ -21,8 +21,10 @@ import pytest
 
 from client import MemoryClient
 from client.doorbell import Bell, _recv_exact
+from memserver.api.auth import READ_METHODS
 from memserver.api.errors import DeadlineExceededError, OverloadedError, PermissionDeniedError
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import DOORBELL_HEAD, DOORBELL_MAX_REQUEST, DOORBELL_REPLY, encode
 from tests.conftest import READ, WRITE
 from tests.test_fuzz import DOCUMENTED
@@ -63,10 +65,21 @@ def answer(s: socket.socket) -> tuple[int, int, bytes]:
     return call_id, code, _recv_exact(s, size)
 
 
+def by_grpc(shard, method: str, request) -> tuple[grpc.StatusCode, bytes]:
+    """A call to the shard by gRPC, as the doorbell answers it: its status and answer (or text)."""
+    with grpc.insecure_channel(shard.address) as channel:
+        try:
+            return grpc.StatusCode.OK, getattr(pb_grpc.DataPlaneStub(channel), method)(request, timeout=10).SerializeToString()
+        except grpc.RpcError as err:
+            return err.code(), err.details().encode()
+
+
 def test_calls_go_by_the_doorbell_and_answer_as_grpc(bell_shard):
-    """Every kind of call a value table takes goes by the doorbell, small (inline in the frame)
-    and large (tensors in the region), and answers what the same calls by gRPC answer (a client
-    with the doorbell off, on a second table with the same values); errors keep their statuses."""
+    """A value table's reads and writes (Bag, BagBackward, Lookup, PushGradients, WriteRows,
+    SlotStats) go by the doorbell, small (inline in the frame) and large (tensors in the region),
+    and answer what the same calls by gRPC answer (a client with the doorbell off, on a second
+    table with the same values); an error keeps its status and text (a table the shard does not
+    hold: NOT_FOUND on both paths)."""
     bell = rung_client(bell_shard)
     grpc_c = MemoryClient(bell_shard.endpoint, timeout=30, token="")
     grpc_c.aio.shm.doorbell = False
@@ -91,6 +104,10 @@ def test_calls_go_by_the_doorbell_and_answer_as_grpc(bell_shard):
         np.testing.assert_array_equal(bell.lookup("t", np.arange(LOCAL_ROWS)), grpc_c.lookup("u", np.arange(LOCAL_ROWS)))
         assert bell.aio.shm.bell_calls - before == 10  # 2 x (bag, backward, lookup), push, write, stats, lookup
         assert grpc_c.aio.shm.bell_calls == 0
+        nope = pb.LookupRequest(table="nope", ids=encode(np.arange(2, dtype=np.int64)))
+        rung = bell.aio.shm.bell(bell_shard.address).call("Lookup", nope.SerializeToString(), 10)
+        assert rung == by_grpc(bell_shard, "Lookup", nope)
+        assert rung[0] == grpc.StatusCode.NOT_FOUND and b"nope" in rung[1]
     finally:
         bell.close()
         grpc_c.close()
@@ -286,7 +303,7 @@ def test_hostile_frames_get_documented_statuses_and_change_nothing(bell_shard):
                               weights=encode(np.ones((1, 4), np.float32))).SerializeToString()
         rng = np.random.default_rng(26)
         methods = [*bell_shard.servicer.PLANS, "AttachRegion", "Nope", ""]
-        reads = {"Lookup", "Bag", "Search", "SlotStats", "Address", "Triggers", "TopSlots", "SlotUsage"}
+        reads = READ_METHODS - {"AttachRegion"}
         codes: dict[str, int] = {}
         for i in range(600):
             method = methods[i % len(methods)]
@@ -347,16 +364,67 @@ def test_large_inline_answers_never_block_the_senders(bell_shard):
 
 def test_a_detached_region_ends_its_doorbell_connections(bell_shard):
     """Closing the client detaches its region (its AttachRegion stream ends): the shard ends the
-    region's doorbell connections, and the threads serving them exit."""
+    region's doorbell connections, and the threads serving them (reader and writer) exit. A
+    connection that ends before is forgotten by its region (a reconnecting client leaves none)."""
+    def until(done, why: str) -> None:
+        t0 = time.monotonic()
+        while not done():
+            assert time.monotonic() - t0 < 10, why
+            time.sleep(0.02)
+
     c = rung_client(bell_shard)
-    assert len(bell_shard.doorbell.conns) == 1
-    threads = {t for t in threading.enumerate() if t.name == "doorbell"}
-    assert len(threads) == 1
+    region = c.aio.shm.regions[bell_shard.address]
+    attached, conns = bell_shard.regions.by_id[region.id], bell_shard.doorbell.conns
+    s = raw(bell_shard)  # a second connection for the region, closed by the client
+    s.sendall(frame("Hello", region.id.encode()))
+    assert answer(s)[1] == 0
+    until(lambda: len(attached.doorbells) == len(conns) == 2, "a connection not served")
+    s.close()
+    until(lambda: len(attached.doorbells) == len(conns) == 1, "the region kept an ended connection")
+    threads = {t for t in threading.enumerate() if t.name in ("doorbell", "doorbell-writer")}
+    assert {t.name for t in threads} == {"doorbell", "doorbell-writer"}
     c.close()
-    t0 = time.monotonic()
-    while bell_shard.doorbell.conns or any(t.is_alive() for t in threads):
-        assert time.monotonic() - t0 < 10, "the doorbell kept a detached region's connection"
-        time.sleep(0.02)
+    until(lambda: not conns and not any(t.is_alive() for t in threads),
+          "the doorbell kept a detached region's connection or its threads")
+
+
+def test_a_call_whose_table_goes_while_it_waits_never_runs_on_the_old_slice(bell_shard):
+    """Calls planned on a slice that is dropped (popped and closed under the tables' lock, as
+    ShardActor.drop_table does) or replaced (a rollback) before their work gets the lock: a
+    dropped table's answer NOT_FOUND, by the doorbell and by gRPC (the compute thread) alike, a
+    replaced one's UNAVAILABLE (call again); none computes on the old, closed slice."""
+    from memserver.server.slice import TableSlice
+
+    c = rung_client(bell_shard)
+    try:
+        bell = c.aio.shm.bell(bell_shard.address)
+        servicer = bell_shard.servicer
+        u, t = (pb.LookupRequest(table=name, ids=encode(np.arange(3, dtype=np.int64)), uncounted=True)
+                for name in ("u", "t"))
+        got: dict[str, tuple] = {}
+        callers = [threading.Thread(target=lambda r=r: got.setdefault(r.table, by_grpc(bell_shard, "Lookup", r)))
+                   for r in (u, t)]
+        with servicer.exclusive:  # the calls are planned, then wait for the tables
+            ticket = bell.send("Lookup", u.SerializeToString(), 30)
+            for caller in callers:
+                caller.start()
+            t0 = time.monotonic()
+            while servicer.busy != 2 or bell_shard.admission.calls != 3:
+                assert time.monotonic() - t0 < 10
+                time.sleep(0.01)
+            time.sleep(0.2)  # the doorbell's plan too (after its admission)
+            servicer.tables.pop("u").close()
+            old = servicer.tables["t"]
+            servicer.tables["t"] = TableSlice(old.spec, old.info, 1, old.table.device)
+            old.close()
+        assert bell.wait(ticket, 10)[0] == grpc.StatusCode.NOT_FOUND
+        for caller in callers:
+            caller.join(10)
+        assert {name: code for name, (code, _) in got.items()} == {"u": grpc.StatusCode.NOT_FOUND,
+                                                                  "t": grpc.StatusCode.UNAVAILABLE}
+        assert c.lookup("t", [0], count=False).shape == (1, LOCAL_DIM)  # the new slice serves
+    finally:
+        c.close()
 
 
 def _bells(monkeypatch, shard_env: dict[str, str], client_env: dict[str, str]) -> list:

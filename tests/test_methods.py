@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from memserver.api.auth import READ_METHODS
-from memserver.api.methods import SERVICES, marked, methods
+from memserver.api.methods import SERVICES, methods
 from memserver.api.v1 import memserver_pb2 as pb
 
 PROTO = Path(__file__).resolve().parents[1] / "protos/memserver/api/v1/memserver.proto"
@@ -28,7 +28,6 @@ def test_read_methods_are_the_methods_the_proto_marks_read_only():
     text = declared()
     assert set(text) == {m.name for m in methods()}  # the parse saw every rpc
     assert READ_METHODS == {name for name, opts in text.items() if opts.get("read_only") == "true"}
-    assert READ_METHODS == marked(pb.read_only)
     assert {"Lookup", "Bag", "Search", "GetShardMap"} <= READ_METHODS  # spot checks of the parse
     assert not {"BagBackward", "PushGradients", "CreateTable", "Checkpoint"} & READ_METHODS
 

@@ -17,14 +17,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
 import torch
 
-from memserver.api.errors import DataLossError, DeadlineExceededError, InvalidArgumentError, TableNotFoundError
+from memserver.api.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    TableNotFoundError,
+    UnavailableError,
+)
 from memserver.api.types import MAX_INSPECT_SLOTS
 from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
@@ -108,25 +114,41 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             except Exception as exc:  # acknowledged and logged: the table must not serve writes without it
                 sl.fail_writes(f"a deferred update failed to apply ({exc!r})")
 
-    async def run(self, fn: Callable[[], T], entries: int = INLINE_ENTRIES + 1) -> T:
-        """Run fn with exclusive access to the tables (`exclusive`): on the compute thread, or,
-        for a small request (`entries` ids) while no one else computes, right here on the event
-        loop (inline saves two thread hops on the latency-bound calls)."""
+    def _held(self, fn: Callable[[], T], sl: TableSlice | None = None) -> T:
+        """fn with the tables to itself: called holding `exclusive` (released here), deferred work
+        first. The one place every call's work runs (gRPC's on the compute thread or inline, the
+        doorbell's): its plan was built on `sl` outside the lock, so it runs only if `sl` is still
+        its table's (a slice dropped meanwhile is closed: NOT_FOUND; one replaced, by a rollback or
+        a drop and create: UNAVAILABLE, call again), and it is counted here, under the lock."""
+        try:
+            self._drain()
+            if sl is not None:
+                name = sl.spec.name
+                now = self.tables.get(name)
+                if now is not sl:
+                    if now is None:
+                        raise TableNotFoundError(f"table {name!r} does not exist (dropped while the call waited)")
+                    raise UnavailableError(f"table {name!r}: its slice was replaced while the call waited; call again")
+                sl.requests += 1
+                self.requests += 1
+            return fn()
+        finally:
+            self.exclusive.release()
 
-        def work() -> T:
-            with self.exclusive:
-                self._drain()
-                return fn()
+    def _exclusively(self, fn: Callable[[], T], sl: TableSlice | None) -> T:
+        """`_held` once `exclusive` is had, however long that takes (the compute thread)."""
+        self.exclusive.acquire()
+        return self._held(fn, sl)
 
+    async def run(self, fn: Callable[[], T], entries: int = INLINE_ENTRIES + 1, sl: TableSlice | None = None) -> T:
+        """Run fn with exclusive access to the tables (`_held`; `sl`: a call's slice): on the
+        compute thread, or, for a small request (`entries` ids) while no one else computes, right
+        here on the event loop (inline saves two thread hops on the latency-bound calls)."""
         if entries <= INLINE_ENTRIES and self.busy == 0 and self.exclusive.acquire(blocking=False):
-            try:
-                self._drain()
-                return fn()
-            finally:
-                self.exclusive.release()
+            return self._held(fn, sl)
         self.busy += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._exclusively, fn, sl)
         finally:
             self.busy -= 1
 
@@ -135,25 +157,24 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         with self._region(request) as region:
             call = self.PLANS[name](self, request, region)
             try:
-                response = await self.run(call.work, call.entries)
+                response = await self.run(call.work, call.entries, call.sl)
             finally:
                 self._drain_soon()
             if call.write:
-                await self._acknowledge(call.sl)
+                durable = self._durable(call.sl)
+                if durable is not None:
+                    await asyncio.wrap_future(durable)
             return response
 
     def drain_now(self) -> None:
         """Deferred work (updates after their answer, read counters) run now unless someone is
         computing (who drains it first): a doorbell thread's call after its answer is sent."""
         if self.pending and self.exclusive.acquire(blocking=False):
-            try:
-                self._drain()
-            finally:
-                self.exclusive.release()
+            self._held(_nothing)
 
     def serve_now(self, name: str, request: Any, deadline: float | None = None) -> Any:
         """A doorbell call, on the calling thread (not the event loop): the same plan as `_serve`,
-        its work under `exclusive` (DEADLINE_EXCEEDED, nothing done, if that is not had before
+        its work by `_held` (DEADLINE_EXCEEDED, nothing done, if `exclusive` is not had before
         `deadline`, a time.monotonic()), returned once durable; the caller runs deferred work
         (`drain_now`) after sending the answer."""
         with self._region(request) as region:
@@ -161,14 +182,11 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             wait = -1 if deadline is None else deadline - time.monotonic()
             if (deadline is not None and wait <= 0) or not self.exclusive.acquire(timeout=wait):
                 raise DeadlineExceededError(f"{name}: the call's deadline passed before the shard could run it")
-            try:
-                self._drain()
-                response = call.work()
-            finally:
-                self.exclusive.release()
-        wal = call.sl.wal  # read once: a dropped slice's is set to None
-        if call.write and wal is not None and call.sl.last_lsn >= 0:
-            wal.durable(call.sl.last_lsn).result()
+            response = self._held(call.work, call.sl)
+        if call.write:
+            durable = self._durable(call.sl)
+            if durable is not None:
+                durable.result()
         return response
 
     def slice(self, request: Any, kind: int = pb.VALUE) -> TableSlice:
@@ -182,8 +200,6 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         if sl.kind != kind:
             raise InvalidArgumentError(f"table: {request.table!r} is {_KIND_CALLS[sl.kind]}, not {_KIND_CALLS[kind]}")
         sl.check_request(request.layout_id)
-        sl.requests += 1
-        self.requests += 1
         return sl
 
     @staticmethod
@@ -363,11 +379,13 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         finally:
             sl.replaying = False
 
-    async def _acknowledge(self, sl: TableSlice) -> None:
-        """Wait until every write this slice logged so far is on disk (group commit): a write is
-        acknowledged only once it would survive a crash. A replayed duplicate waits too."""
-        if sl.wal is not None and sl.last_lsn >= 0:
-            await asyncio.wrap_future(sl.wal.durable(sl.last_lsn))
+    @staticmethod
+    def _durable(sl: TableSlice) -> Future[None] | None:
+        """Done once every write this slice logged so far is on disk (group commit): a write is
+        acknowledged only then, when it would survive a crash (a replayed duplicate waits too).
+        None: nothing to wait for (no log; a dropped slice's log is set to None: read once)."""
+        wal = sl.wal
+        return wal.durable(sl.last_lsn) if wal is not None and sl.last_lsn >= 0 else None
 
     def _write(self, request: Any, build: Callable[[TableSlice, Any], tuple[Callable[[], Any], int]],
                kind: int = pb.VALUE) -> Call:
@@ -579,6 +597,10 @@ for _name in DataPlaneServicer.PLANS:
     setattr(DataPlaneServicer, _name, _grpc_method(_name))
 
 _SLOT_STATS = {pb.HITS: "hits", pb.WEIGHT_MASS: "weight_mass", pb.UPDATES: "updates", pb.VALUE_SQ_NORM: "value_sq_norm"}
+
+
+def _nothing() -> None:
+    """The work of a call to `_held` for its deferred work alone."""
 
 
 def _logged(fn: Callable[..., object], *args: Any) -> None:

@@ -32,11 +32,12 @@ Answers are sent by a writer thread per connection, from a queue of at most MAX_
 serving thread keeps reading requests while an answer waits for the client to read: neither side
 can block sending to the other for good (an answer may be large: inline tensors).
 
-Bounds: at most MAX_CONNECTIONS connections (one per attached region, MAX_REGIONS, plus
-MAX_HELLOS saying hello, each within HELLO_SECONDS in all), each with two threads; a connection
-ends when its region is detached (the client's AttachRegion stream ended), when the client
-closes it or dies, or when the shard stops. Nothing is left behind: the socket has no file, its
-threads are daemons.
+Bounds: at most MAX_CONNECTIONS connections in all (room for one per attachable region,
+MAX_REGIONS, plus MAX_HELLOS; a region may have more: a client reconnecting), of which at most
+MAX_HELLOS still saying hello, each within HELLO_SECONDS in all; each has two threads. A
+connection ends when its region is detached (the client's AttachRegion stream ended), when the
+client closes it or dies, or when the shard stops, and is then forgotten. Nothing is left behind:
+the socket has no file, its threads are daemons.
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ from memserver.wire import check_enums, recv_exact, to_bytes
 
 log = logging.getLogger(__name__)
 
-#: Connections still saying hello at once, and connections in all (one per attachable region more).
+Bytes = bytes | memoryview
+_HELLO = HELLO.encode()
+
+#: Connections still saying hello at once, and connections in all (room for one per attachable region more).
 MAX_HELLOS = 8
 MAX_CONNECTIONS = MAX_REGIONS + MAX_HELLOS
 #: Seconds a new connection has to say its whole hello.
@@ -85,15 +89,22 @@ def _peer_pid(sock: socket.socket) -> int:
 
 
 def _reply(sock: socket.socket, call_id: int, code: grpc.StatusCode, body: bytes) -> None:
-    sock.sendall(REPLY.pack(len(body), call_id, code.value[0]) + body)
+    """Send an answer's frame, its head and body as they are (a large inline answer is not copied)."""
+    parts = [memoryview(REPLY.pack(len(body), call_id, code.value[0])), memoryview(body)]
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts.pop(0))
+        if parts:
+            parts[0] = parts[0][sent:]
 
 
 class Doorbell:
     """One shard's doorbell: a listening socket, an accepting thread and a thread per connection.
     `servicer`: the shard's DataPlaneServicer (its regions, plans and tables); `admission` and
     `metrics`: the gRPC server's, so both paths count against the same limits and in the same
-    series. Its metrics (register on a registry): `memserver_doorbell_connections` and
-    `memserver_doorbell_refused_total{why}`."""
+    series. Its metrics (register on a registry): `memserver_doorbell_connections`,
+    `memserver_doorbell_calls_total` and `memserver_doorbell_refused_total{why}`."""
 
     def __init__(self, servicer: Any, admission: Admission | None = None, metrics: CallMetrics | None = None) -> None:
         self.servicer = servicer
@@ -103,11 +114,12 @@ class Doorbell:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.bind("\0" + self.name)  # abstract: no file, gone with the process
         self.sock.listen(16)
-        self.conns: set[socket.socket] = set()
+        #: connections -> calls served on each (written by the connection's thread alone: no lock)
+        self.conns: dict[socket.socket, int] = {}
+        self.ended = 0  # calls of the connections that ended
         self.hellos = 0  # connections not past their hello yet
         self.refused: dict[str, int] = {}
-        self.calls = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # conns' keys, ended, hellos, refused
         self.closed = False
         self.parsers = {name: request_parser(DATA_PLANE, name) for name in servicer.PLANS}
         self.thread = threading.Thread(target=self._accept, name="doorbell-accept", daemon=True)
@@ -130,7 +142,7 @@ class Doorbell:
             with self.lock:
                 full = len(self.conns) >= MAX_CONNECTIONS or self.hellos >= MAX_HELLOS
                 if not full:
-                    self.conns.add(conn)
+                    self.conns[conn] = 0
                     self.hellos += 1
             if full:
                 self._refuse("connections")
@@ -151,27 +163,33 @@ class Doorbell:
                 self._refuse("protocol")
                 return None
             body = recv_exact(conn, name_len + size, deadline)
-            if body is None or body[:name_len].decode(errors="replace") != HELLO:  # (None: as above)
+            if body is None or body[:name_len] != _HELLO:  # (None: as above)
                 self._refuse("protocol")
                 return None
             region_id = body[name_len:].decode(errors="replace")
             attached = self.regions.by_id.get(region_id)
             if attached is None or attached.detached or _peer_pid(conn) != attached.pid:
-                # not a region the peer attached: say nothing more than that
-                self._refuse("region")
-                _reply(conn, call_id, grpc.StatusCode.PERMISSION_DENIED, b"doorbell: not a region this process attached")
-                return None
-            _reply(conn, call_id, grpc.StatusCode.OK, b"")
-            conn.settimeout(None)
-            return region_id, attached
-        except (OSError, UnicodeDecodeError):  # its time ran out mid-read, or the peer went
+                denied = True
+            else:
+                denied = False
+                _reply(conn, call_id, grpc.StatusCode.OK, b"")
+                conn.settimeout(None)
+        except OSError:  # its time ran out mid-read, or the peer went
             self._refuse("protocol")
             return None
+        if denied:  # not a region the peer attached: say nothing more than that (counted once, said or not)
+            self._refuse("region")
+            try:
+                _reply(conn, call_id, grpc.StatusCode.PERMISSION_DENIED, b"doorbell: not a region this process attached")
+            except OSError:
+                pass
+            return None
+        return region_id, attached
 
     def _serve(self, conn: socket.socket) -> None:
-        set_threads(self.servicer.threads)  # as the compute thread: per-thread settings (torch, numba)
         answers: queue.Queue[tuple[int, grpc.StatusCode, bytes] | None] = queue.Queue(MAX_QUEUED)
         writer: threading.Thread | None = None
+        attached: Attached | None = None
         try:
             try:
                 hello = self._hello(conn)
@@ -181,6 +199,7 @@ class Doorbell:
             if hello is None:
                 return
             region_id, attached = hello
+            set_threads(self.servicer.threads)  # as the compute thread: per-thread settings (torch, numba)
             writer = threading.Thread(target=self._write, args=(conn, answers), name="doorbell-writer", daemon=True)
             writer.start()
             with attached.lock:
@@ -188,6 +207,8 @@ class Doorbell:
                     return
                 attached.doorbells.add(conn)  # shut down when the region is detached
             log.info("doorbell: pid %d connected (region %s..., %s role)", attached.pid, region_id[:8], attached.role)
+            allowed, in_region = self._checks(region_id, attached)
+            servicer, admission, metrics, parsers = self.servicer, self.admission, self.metrics, self.parsers
             while not attached.detached:
                 head = recv_exact(conn, HEAD.size)
                 if head is None:
@@ -202,17 +223,23 @@ class Doorbell:
                 if body is None:
                     return
                 name = body[:name_len].decode(errors="replace")
-                code, out = self.call(name, body[name_len:], region_id, attached, deadline or None)
+                code, out = serve_off_loop(servicer, admission, metrics, name, parsers.get(name),
+                                           memoryview(body)[name_len:], deadline or None, before=allowed,
+                                           check=in_region)
+                self.conns[conn] += 1
                 answers.put((call_id, code, out))  # blocks only past MAX_QUEUED unread answers
-                self.servicer.drain_now()  # deferred work after the answer, as gRPC's path does
+                servicer.drain_now()  # deferred work after the answer, as gRPC's path does
         except OSError:
             return
         finally:
             if writer is not None:
                 answers.put(None)
                 writer.join(10)
+            if attached is not None:
+                with attached.lock:
+                    attached.doorbells.discard(conn)
             with self.lock:
-                self.conns.discard(conn)
+                self.ended += self.conns.pop(conn)
             conn.close()
 
     @staticmethod
@@ -233,12 +260,14 @@ class Doorbell:
                     pass
                 return
 
-    def call(self, name: str, raw: bytes, region_id: str, attached: Attached,
-             deadline: float | None) -> tuple[grpc.StatusCode, bytes]:
-        """One call of a connection: its status and answer bytes (or status text)."""
+    @staticmethod
+    def _checks(region_id: str, attached: Attached) -> tuple[Callable[[str], None], Callable[[Any], None]]:
+        """A connection's checks of each call (serve_off_loop's `before` and `check`), made once:
+        its region's role allows the call; its tensors are in that region, still attached."""
+        read_only = attached.role == "read"
 
-        def allowed() -> None:
-            if attached.role == "read" and name not in READ_METHODS:
+        def allowed(name: str) -> None:
+            if read_only and name not in READ_METHODS:
                 raise PermissionDeniedError(f"{name}: the region was attached with the read token, which may not "
                                             "make this call; it needs the write token")
 
@@ -249,10 +278,13 @@ class Doorbell:
             if attached.detached:
                 raise UnavailableError("doorbell: the region was detached; call again (by gRPC)")
 
+        return allowed, in_region
+
+    @property
+    def calls(self) -> int:
+        """Calls served, by every connection there has been."""
         with self.lock:
-            self.calls += 1
-        return serve_off_loop(self.servicer, self.admission, self.metrics, name, self.parsers.get(name), lambda: raw,
-                              deadline, before=allowed, check=in_region)
+            return self.ended + sum(self.conns.values())
 
     def close(self) -> None:
         """Stop accepting and end every connection (their threads exit)."""
@@ -272,25 +304,27 @@ class Doorbell:
 
     def collect(self) -> Any:
         g = GaugeMetricFamily("memserver_doorbell_connections", "Clients on this node connected to the shard's doorbell")
-        g.add_metric([], len(self.conns))
         c = CounterMetricFamily("memserver_doorbell_calls", "Calls served by the doorbell (also in memserver_requests_total)")
-        c.add_metric([], self.calls)
         r = CounterMetricFamily("memserver_doorbell_refused", "Doorbell connections refused, by why", labels=["why"])
-        for why, n in list(self.refused.items()):
-            r.add_metric([why], n)
+        with self.lock:
+            g.add_metric([], len(self.conns))
+            c.add_metric([], self.ended + sum(self.conns.values()))
+            for why, n in self.refused.items():
+                r.add_metric([why], n)
         yield from (g, c, r)
 
 
 def serve_off_loop(servicer: Any, admission: Admission | None, metrics: CallMetrics | None, name: str,
-                   parse: Callable[[bytes], Any] | None, read: Callable[[], bytes | None], deadline: float | None, *,
-                   before: Callable[[], None] | None = None,
+                   parse: Callable[[bytes], Any] | None, read: Bytes | Callable[[], Bytes | None],
+                   deadline: float | None, *, before: Callable[[str], None] | None = None,
                    check: Callable[[Any], None] | None = None) -> tuple[grpc.StatusCode, bytes]:
     """A data-plane call served on the calling thread, not the event loop: the steps of
-    grpcserver.ErrorsAndMetrics (`before`, admitted, `read` (None: nothing sent), parsed by the
-    servers' one reader (`parse` None: not a call served here), enums checked, `check`, run by
-    DataPlaneServicer.serve_now, errors by status_of, counted in the metrics). Returns the status
-    and the answer's bytes, or the status text. The doorbell's calls, and the thread-pool server
-    benchmarks.grpc_designs measures."""
+    grpcserver.ErrorsAndMetrics (`before(name)`, admitted, the request read (`read`: its bytes, or
+    what reads them once admitted, None: nothing sent), parsed by the servers' one reader (`parse`
+    None: not a call served here), enums checked, `check`, run by DataPlaneServicer.serve_now,
+    errors by status_of, counted in the metrics). Returns the status and the answer's bytes, or
+    the status text. The doorbell's calls, and the thread-pool server benchmarks.grpc_designs
+    measures."""
     t0 = time.perf_counter()
     request: Any = None
     entered, size = False, 0
@@ -299,11 +333,11 @@ def serve_off_loop(servicer: Any, admission: Admission | None, metrics: CallMetr
             if parse is None:
                 raise InvalidArgumentError(f"{name!r} is not a call served here ({', '.join(servicer.PLANS)})")
             if before is not None:
-                before()
+                before(name)
             if admission is not None:
                 admission.enter(name)  # before the request is read
                 entered = True
-            raw = read()
+            raw = read() if callable(read) else read
             if raw is None:
                 raise InvalidArgumentError(f"request: no {name} request was sent")
             if admission is not None:

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from memserver.api.auth import READ_METHODS, AuthConfig
 from memserver.api.errors import InvalidArgumentError, MemserverError
-from memserver.api.methods import marked
+from memserver.api.methods import marked, methods
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
 from memserver.server.admission import SERVER_OPTIONS, Admission
@@ -40,25 +40,21 @@ DATA_PLANE = pb.DESCRIPTOR.services_by_name["DataPlane"].full_name
 CONTROL_PLANE = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 #: Calls of these services go through the error mapping and the metrics (health and reflection do not).
 _OUR_SERVICES = ("/memserver.",)
-_METHODS = frozenset(m.name for svc in pb.DESCRIPTOR.services_by_name.values() for m in svc.methods)
+_METHODS = frozenset(m.name for m in methods())
 #: Data-plane requests whose tensors are read as views of the request's bytes (memserver.wire.
 #: parse_views: protobuf copies each twice): the proto marks them (`option (request_views)`), only
 #: those whose tensors the shard does not keep past the call (a kept view would keep the whole
 #: request's bytes).
 _VIEWED = marked(pb.request_views, "DataPlane")
-_REQUEST_PARSERS = {f"/{DATA_PLANE}/{m.name}": partial(parse_views, getattr(pb, m.input_type.name))
-                    for m in pb.DESCRIPTOR.services_by_name["DataPlane"].methods if m.name in _VIEWED}
 
 
 def request_parser(service: str, method: str) -> Callable[[bytes], Any]:
-    """How a server reads a request of `method` (views of its tensors' bytes where the shard keeps
-    none past the call): the interceptor's and the doorbell's one reader."""
-    full = f"/{service}/{method}"
-    parse = _REQUEST_PARSERS.get(full)
-    if parse is None:
-        svc = pb.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[-1]]
-        parse = getattr(pb, svc.methods_by_name[method].input_type.name).FromString
-    return parse
+    """How a server reads a request of `method` of `service` (a full name: DATA_PLANE,
+    CONTROL_PLANE): views of its tensors' bytes where the proto marks it, else protobuf's. The
+    interceptor's and the doorbell's one reader."""
+    svc = pb.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[-1]]
+    cls = getattr(pb, svc.methods_by_name[method].input_type.name)
+    return partial(parse_views, cls) if service == DATA_PLANE and method in _VIEWED else cls.FromString
 
 
 def status_of(exc: BaseException, name: str, request: Any, metrics: CallMetrics | None) -> tuple[grpc.StatusCode, str]:
@@ -129,8 +125,8 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
             return handler
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not handler:  # one wrapper per method, built once
-            name = method.rsplit("/", 1)[-1]
-            wrapped = (self._wrap(handler, name, _REQUEST_PARSERS.get(method)) if handler.unary_unary is not None
+            service, name = method[1:].rsplit("/", 1)
+            wrapped = (self._wrap(handler, name, request_parser(service, name)) if handler.unary_unary is not None
                        else self._wrap_stream(handler, name))
             cached = self._wrapped[method] = (handler, wrapped)
         return cached[1]
@@ -162,11 +158,9 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
         return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer=None,
                                                     response_serializer=handler.response_serializer)
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, name: str,
-              parser: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
-        """`parser`: the request's reader, if not the handler's own (protobuf's)."""
+    def _wrap(self, handler: grpc.RpcMethodHandler, name: str, parse: Callable[[bytes], Any]) -> grpc.RpcMethodHandler:
+        """`parse`: the request's reader (request_parser), in place of the handler's own."""
         inner = handler.unary_unary
-        parse = parser or handler.request_deserializer
         admission = self.admission
 
         async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -82,12 +82,19 @@ class ShardActor:
         if recovered:
             log.info("shard %d: recovered %d table(s) in %.2fs: %s", index, len(recovered), time.perf_counter() - t0,
                      ", ".join(f"{r['table']} from {r['from']}" for r in recovered))
-        self._serve(host)
+        # the doorbell before serving: an AttachRegion answered before it existed would tell its
+        # client there is none for the region's life
         self.doorbell: Doorbell | None = None
         if self.servicer.regions.on and os.environ.get(DOORBELL_ENV, "1") != "0":
             self.doorbell = Doorbell(self.servicer, self.servicer.regions.admission, self.metrics)
             self.metrics.registry.register(self.doorbell)
             self.servicer.regions.doorbell = self.doorbell.name
+        try:
+            self._serve(host)
+        except BaseException:
+            if self.doorbell is not None:
+                self.doorbell.close()
+            raise
         self.metrics.serve(self.address.rsplit(":", 1)[0])
         if self.restarted and coordinator:
             import ray
@@ -372,14 +379,18 @@ class ShardActor:
     def drop_table(self, name: str) -> bool:
         async def drop() -> bool:
             self.servicer.lost.pop(name, None)
-            # under the tables' lock (servicer.run): no call of a doorbell thread is computing on it
-            sl = await self.servicer.run(lambda: self.servicer.tables.pop(name, None))
-            if sl is not None:
-                sl.close()
+
+            def gone() -> bool:  # under the tables' lock (servicer.run): no call computes on it as it closes
+                sl = self.servicer.tables.pop(name, None)
+                if sl is not None:
+                    sl.close()
+                return sl is not None
+
+            dropped = await self.servicer.run(gone)
             self.metrics.forget(name)
             if self.store is not None:
                 self.store.drop(name)
-            return sl is not None
+            return dropped
 
         return self.loop.call(drop())
 

@@ -79,7 +79,8 @@ class Attached:
     """One client's region mapped on this shard. `leases`: calls using it now; it is unmapped once
     detached and unused. `pid`: the process that holds it (its nonce proved that); `role`: its
     token's ("write", or "read": the doorbell serves it reads only); `doorbells`: the client's
-    doorbell connections for it (memserver.server.doorbell), ended when it is detached."""
+    doorbell connections for it now (memserver.server.doorbell: each removed as it ends), ended when it is
+    detached."""
 
     def __init__(self, pid: int, mm: mmap.mmap, role: str = "write") -> None:
         self.pid, self.mm, self.size = pid, mm, len(mm)
