@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.bell_echo import bell_echoes, connect, echo_body, ring_all
+from benchmarks.bell_echo import BellEcho, connect, ring_all
 from benchmarks.common import (
     copy_bandwidth_gbs,
     info,
@@ -137,7 +137,6 @@ class ShardCompute:
         from memserver.wire import decode
 
         self.pools = pools
-        self.pool = pools[0]
         by_address = {sh.address: sh for sh in meta.shards}
         self.tables: dict[int, Any] = {}
         self.work: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
@@ -160,8 +159,8 @@ class ShardCompute:
         return [table.bag(ids, w, off) for ids, w, off in self.work[index]]
 
     def shard(self, index: int) -> Callable[[], list[torch.Tensor]]:
-        """A timed candidate: shard `index`'s calls, on the one-thread compute thread."""
-        return lambda: self.pool.submit(self._run, index).result()
+        """A timed candidate: shard `index`'s calls alone, on a one-thread compute thread (the first pool's)."""
+        return lambda: self.pools[0].submit(self._run, index).result()
 
     def together(self) -> list[list[torch.Tensor]]:
         """A timed candidate: every shard's calls at once, each shard on its own thread."""
@@ -241,7 +240,7 @@ def measure(client: Any, shm_client: Any, bell_client: Any, meta: Any, ids: torc
         floor = [(echoes[s["shard"]], echo_request(s["request"], s["response"])) for s in sizes]
         if [len(b) for b in fan_out(floor)] != [s["response"] for s in sizes]:
             raise RuntimeError("the echo answered other sizes than asked")
-        bell_floor = [(bell_echoes[s["shard"]], m, echo_body(s["bell_request"], s["bell_response"]))
+        bell_floor = [(bell_echoes[s["shard"]], m, echo_request(s["bell_request"], s["bell_response"]))
                       for s, (_, m, _) in zip(sizes, rung)]
         if [len(b) for _, b in ring_all(bell_floor)] != [s["bell_response"] for s in sizes]:
             raise RuntimeError("the doorbell echo answered other sizes than asked")
@@ -325,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with (local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=600, shm=False) as client,
           MemoryClient(cluster.endpoint, timeout=600, shm=True) as shm_client,
           MemoryClient(cluster.endpoint, timeout=600, shm=True) as bell_client,
-          echo_servers(max_shards) as echo_addresses, bell_echoes(max_shards) as bell_addresses):
+          echo_servers(max_shards) as echo_addresses, echo_servers(max_shards, cls=BellEcho) as bell_addresses):
         # Read from $MEMSERVER_DOORBELL when a client is made, used from its first attach: set here
         # so each client takes its path whatever the environment says.
         shm_client.aio.shm.doorbell = False  # gRPC + shared memory (MEMSERVER_DOORBELL=0)

@@ -8,12 +8,13 @@ serves each on a thread of its own as the shard's doorbell does, reading a reque
 (memserver.wire.DOORBELL_HEAD, the method's name, the body) and sending back an answer frame
 (memserver.wire.DOORBELL_REPLY and a body) with one `sendall`, as the shard's doorbell does. The
 first 8 bytes of a request's body carry the answer body's size (little endian; a shorter body:
-an empty answer), so the echo carries the very frame sizes of a shard's calls. Answers are
-preallocated per size. It answers the client's hello (any region id) with OK, so the client's
-own `client.doorbell.Bell` (the same sends and reads as the client's calls) is its caller.
+an empty answer), so the echo carries the very frame sizes of a shard's calls: the gRPC echo's
+requests (benchmarks.echo.echo_request) as bodies. Answers are preallocated per size. It answers
+the client's hello (any region id) with OK, so the client's own `client.doorbell.Bell` (the same
+sends and reads as the client's calls) is its caller.
 
-Run it in a Ray actor (`bell_echoes`: a process of its own, at Ray's worker nice value, as a
-shard) or in this process (`BellEcho()`, then `close()`: for tests).
+Run it in a Ray actor (`benchmarks.echo.echo_servers(n, cls=BellEcho)`: a process of its own,
+at Ray's worker nice value, as a shard) or in this process (`BellEcho()`, then `close()`: for tests).
 """
 
 from __future__ import annotations
@@ -23,16 +24,15 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.echo import Answers, asked
 from memserver.wire import DOORBELL_HEAD as HEAD
 from memserver.wire import DOORBELL_HELLO as HELLO
 from memserver.wire import DOORBELL_REPLY as REPLY
 from memserver.wire import recv_exact
 
-#: A request body's header: the answer body's size in bytes.
-HEADER_BYTES = 8
 HELLO_BYTES = HELLO.encode()
 
 
@@ -44,7 +44,7 @@ class BellEcho:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.bind("\0" + self.name)
         self.sock.listen(16)
-        self.answers: dict[int, bytes] = {0: b""}
+        self.answers = Answers()
         self.conns: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.closed = False
@@ -65,12 +65,6 @@ class BellEcho:
                 self.conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="bench-bell", daemon=True).start()
 
-    def _answer(self, n: int) -> bytes:
-        answer = self.answers.get(n)
-        if answer is None:
-            answer = self.answers[n] = bytes(n)
-        return answer
-
     def _serve(self, conn: socket.socket) -> None:
         try:
             while True:
@@ -81,10 +75,8 @@ class BellEcho:
                 body = recv_exact(conn, name_len + size)
                 if body is None:
                     return
-                raw = memoryview(body)[name_len:]
                 hello = body[:name_len] == HELLO_BYTES  # its body is a region id: an empty OK
-                n = int.from_bytes(raw[:HEADER_BYTES], "little") if len(raw) >= HEADER_BYTES and not hello else 0
-                answer = self._answer(n)
+                answer = self.answers[0 if hello else asked(memoryview(body)[name_len:])]
                 conn.sendall(REPLY.pack(len(answer), call_id, 0) + answer)  # as the shard's _reply
         except OSError:
             return
@@ -106,30 +98,11 @@ class BellEcho:
                 conn.shutdown(socket.SHUT_RDWR)
 
 
-def echo_body(request_bytes: int, answer_bytes: int) -> bytes:
-    """A request body of `request_bytes` (at least the header) asking for `answer_bytes` back."""
-    return answer_bytes.to_bytes(HEADER_BYTES, "little") + bytes(max(0, request_bytes - HEADER_BYTES))
-
-
 def connect(name: str) -> Any:
     """A client.doorbell.Bell to the echo named `name` (the client's own connection class)."""
     from client.doorbell import Bell
 
     return Bell(name, "bench-echo", f"bell echo {name}")
-
-
-@contextlib.contextmanager
-def bell_echoes(n: int, num_cpus: float = 0.25) -> Iterator[list[str]]:
-    """`n` echo actors (one process each, like `n` shards); yields their socket names, kills them
-    on exit. Needs Ray up (benchmarks.common.local_cluster / init_ray)."""
-    import ray
-
-    actors = [ray.remote(BellEcho).options(num_cpus=num_cpus).remote() for _ in range(n)]
-    try:
-        yield ray.get([a.address.remote() for a in actors])
-    finally:
-        for a in actors:
-            ray.kill(a)
 
 
 def ring_all(calls: Sequence[tuple[Any, str, bytes]], timeout: float = 60.0) -> list[tuple[Any, bytes]]:

@@ -8,7 +8,8 @@ method takes bytes and answers bytes (a generic handler with no serializers: no 
 either side; registered with the server as generated servicers are) of the size the request
 asks for. The first 8 bytes of a request carry that size
 (little endian); a request shorter than 8 bytes gets an empty answer (the empty call). Answers
-are preallocated per size, so the server allocates nothing per call after the first of a size.
+are preallocated per size (`Answers`), so the server allocates nothing per call after the first
+of a size. benchmarks.bell_echo and benchmarks.grpc_designs reuse these pieces.
 
 Callers use the client's own channels (client.channels.sync_channel: the same options, the same
 retry service config) and fan out like client.MemoryClient (`fan_out`).
@@ -30,6 +31,26 @@ PATH = f"/{SERVICE}/{METHOD}"
 HEADER_BYTES = 8
 
 
+def asked(request: bytes | memoryview) -> int:
+    """The answer size a request asks for (0 for one shorter than the header: the empty call)."""
+    return int.from_bytes(request[:HEADER_BYTES], "little") if len(request) >= HEADER_BYTES else 0
+
+
+class Answers(dict[int, bytes]):
+    """Answers by size, each made on first use: an echo allocates nothing per call after that."""
+
+    def __missing__(self, n: int) -> bytes:
+        answer = self[n] = bytes(n)
+        return answer
+
+
+def register(server: grpc.Server | grpc.aio.Server, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    """Add `handlers` both ways, as the generated add_*Servicer_to_server registers a shard's
+    methods (a registered call is cheaper)."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
 class EchoServer:
     """A Ray actor serving the echo on a grpc.aio server run on a loop thread of its own, as a
     shard actor serves (memserver.loop.LoopThread)."""
@@ -37,7 +58,7 @@ class EchoServer:
     def __init__(self) -> None:
         from memserver.loop import LoopThread
 
-        self.answers: dict[int, bytes] = {0: b""}
+        self.answers = Answers()
         self.loop = LoopThread("bench-echo")
         self.server, self.port = self.loop.call(self._start())
 
@@ -47,9 +68,7 @@ class EchoServer:
 
         server = grpc.aio.server(options=[*GRPC_OPTIONS, *SERVER_OPTIONS])
         handler = grpc.unary_unary_rpc_method_handler(self._echo, request_deserializer=None, response_serializer=None)
-        # Added both ways, as the generated add_*Servicer_to_server registers the shard's methods.
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler}),))
-        server.add_registered_method_handlers(SERVICE, {METHOD: handler})
+        register(server, SERVICE, {METHOD: handler})
         port = server.add_insecure_port("127.0.0.1:0")
         if port == 0:
             raise RuntimeError("echo: could not bind 127.0.0.1")
@@ -57,11 +76,7 @@ class EchoServer:
         return server, port
 
     async def _echo(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        n = int.from_bytes(request[:HEADER_BYTES], "little") if len(request) >= HEADER_BYTES else 0
-        answer = self.answers.get(n)
-        if answer is None:
-            answer = self.answers[n] = bytes(n)
-        return answer
+        return self.answers[asked(request)]
 
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
@@ -78,12 +93,13 @@ def echo_request(request_bytes: int, answer_bytes: int) -> bytes:
 
 
 @contextlib.contextmanager
-def echo_servers(n: int, num_cpus: float = 0.25) -> Iterator[list[str]]:
-    """`n` echo actors (one process each, like `n` shards); yields their addresses, kills them on
-    exit. Needs Ray up (benchmarks.common.local_cluster / init_ray)."""
+def echo_servers(n: int, num_cpus: float = 0.25, cls: type = EchoServer) -> Iterator[list[str]]:
+    """`n` echo actors of `cls` (one process each, like `n` shards; benchmarks.bell_echo.BellEcho
+    for the doorbell's); yields their addresses, kills them on exit. Needs Ray up
+    (benchmarks.common.local_cluster / init_ray)."""
     import ray
 
-    actors = [ray.remote(EchoServer).options(num_cpus=num_cpus).remote() for _ in range(n)]
+    actors = [ray.remote(cls).options(num_cpus=num_cpus).remote() for _ in range(n)]
     try:
         yield ray.get([a.address.remote() for a in actors])
     finally:

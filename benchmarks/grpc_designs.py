@@ -73,9 +73,10 @@ import numpy as np
 import torch
 
 from benchmarks.common import latencies, machine
+from benchmarks.echo import METHOD as ECHO_METHOD
+from benchmarks.echo import SERVICE as ECHO_SERVICE
+from benchmarks.echo import EchoServer, echo_request, raw_method, register
 
-ECHO_SERVICE, ECHO_METHOD = "bench.Echo", "Echo"
-ECHO_PATH = f"/{ECHO_SERVICE}/{ECHO_METHOD}"
 BAG_PATH = "/memserver.v1.DataPlane/Bag"
 BASELINE = "aio-prod"
 #: name -> (kind of server, what it is)
@@ -108,12 +109,6 @@ def _echo_handler(kind: str) -> grpc.RpcMethodHandler:
         return b""
 
     return grpc.unary_unary_rpc_method_handler(echo)
-
-
-def _register(server: Any, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-    """Both ways, as the generated add_*Servicer_to_server registers (a registered call is cheaper)."""
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    server.add_registered_method_handlers(service, handlers)
 
 
 class Shard:
@@ -190,16 +185,16 @@ class Shard:
         from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
         from memserver.server.grpcserver import DATA_PLANE, start_server
 
-        def register(server: Any) -> None:
+        def add_methods(server: Any) -> None:
             pb_grpc.add_DataPlaneServicer_to_server(self.servicer, server)
-            _register(server, ECHO_SERVICE, {ECHO_METHOD: _echo_handler("aio")})
+            register(server, ECHO_SERVICE, {ECHO_METHOD: _echo_handler("aio")})
 
-        return self._aio(lambda: start_server(register, [DATA_PLANE], "127.0.0.1", metrics=self.metrics,
+        return self._aio(lambda: start_server(add_methods, [DATA_PLANE], "127.0.0.1", metrics=self.metrics,
                                               admission=self.admission))
 
     async def _bind(self, server: Any, bag: grpc.RpcMethodHandler) -> tuple[Any, int]:
-        _register(server, "memserver.v1.DataPlane", {"Bag": bag})
-        _register(server, ECHO_SERVICE, {ECHO_METHOD: _echo_handler("aio")})
+        register(server, "memserver.v1.DataPlane", {"Bag": bag})
+        register(server, ECHO_SERVICE, {ECHO_METHOD: _echo_handler("aio")})
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         return server, port
@@ -244,8 +239,8 @@ class Shard:
     def _sync(self, bag: grpc.RpcMethodHandler) -> int:
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="grpc-sync", initializer=_one_thread)
         self.server = grpc.server(pool, options=self.options)
-        _register(self.server, "memserver.v1.DataPlane", {"Bag": bag})
-        _register(self.server, ECHO_SERVICE, {ECHO_METHOD: _echo_handler("sync")})
+        register(self.server, "memserver.v1.DataPlane", {"Bag": bag})
+        register(self.server, ECHO_SERVICE, {ECHO_METHOD: _echo_handler("sync")})
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         return port
@@ -298,8 +293,6 @@ def serve(design: str, rows: int, dim: int, workers: int) -> None:
     tune_malloc()  # as a shard does
     set_threads(1)  # as a shard's compute thread (and Ray's OMP_NUM_THREADS=1) has it
     if design == "echo":
-        from benchmarks.echo import EchoServer
-
         echo = EchoServer()
         print(json.dumps({"address": echo.address()}), flush=True)
     else:
@@ -370,10 +363,6 @@ def _bag_method(channel: grpc.Channel) -> Any:
     from client.transport import methods
 
     return methods(channel)["Bag"]
-
-
-def _empty_method(channel: grpc.Channel) -> Any:
-    return channel.unary_unary(ECHO_PATH, _registered_method=True)
 
 
 def throughput(fns: list[Callable[[], Any]], threads: int, seconds: float) -> float:
@@ -487,9 +476,9 @@ def measure(args: argparse.Namespace, designs: list[str], children: Children) ->
             return channels[-1]
 
         stubs = {d: _bag_method(chan(ready[d]["address"])) for d in designs}
-        empties = {d: _empty_method(chan(ready[d]["address"])) for d in designs}
+        empties = {d: raw_method(chan(ready[d]["address"])) for d in designs}
         echo_ch = chan(ready["echo"]["address"])
-        floor = _empty_method(echo_ch)
+        floor = raw_method(echo_ch)
         small_req = {d: request(d, *small) for d in designs}
         large_req = {d: request(d, *large) for d in designs}
 
@@ -514,8 +503,6 @@ def measure(args: argparse.Namespace, designs: list[str], children: Children) ->
         small_t = latencies(fns, repeat=args.calls, warmup=20, max_seconds=120.0, shuffle=True, block=2)
 
         # -- large bag
-        from benchmarks.echo import echo_request, raw_method
-
         answer_bytes = args.batch * args.dim * 4
         echo_large = raw_method(echo_ch)
         floor_req = echo_request(len(large_req[BASELINE]), answer_bytes + 16)  # the answer's tensor head too
@@ -541,7 +528,7 @@ def measure(args: argparse.Namespace, designs: list[str], children: Children) ->
             for i in order:
                 d, what, nch, chs = cands[i]  # nch: "1" or "each"
                 if what == "empty":
-                    calls = [partial(_empty_method(c), b"", timeout=10) for c in chs]
+                    calls = [partial(raw_method(c), b"", timeout=10) for c in chs]
                     threads, seconds = args.threads_small, args.window
                 else:
                     req = small_req[d] if what == "one query" else large_req[d]

@@ -41,8 +41,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.bell_echo import bell_echoes, connect, ring_all
-from benchmarks.common import info, latencies, local_cluster, machine, shm_attached, target
+from benchmarks.bell_echo import BellEcho, connect, ring_all
+from benchmarks.common import info, latencies, local_cluster, machine, print_targets, shm_attached, target
 from benchmarks.echo import echo_servers, raw_method
 
 #: Target: the client's p50 (1 shard, TCP) at most this multiple of the empty gRPC call's p50.
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ids, w = torch.from_numpy(ids_np), torch.from_numpy(w_np)
     with (local_cluster(2) as cluster, MemoryClient(cluster.endpoint, timeout=60, shm=False) as client,
           MemoryClient(cluster.endpoint, timeout=60, shm=True) as bell_client,
-          echo_servers(1) as (echo_address,), bell_echoes(1) as (bell_address,)):
+          echo_servers(1) as (echo_address,), echo_servers(1, cls=BellEcho) as (bell_address,)):
         bell_client.aio.shm.doorbell = True  # whatever $MEMSERVER_DOORBELL says
         client.create_table("bench-lat-1", args.rows, args.dim, num_shards=1, init_std=0.02, seed=0)
         meta2 = client.create_table("bench-lat-2", args.rows, args.dim, num_shards=2, init_std=0.02, seed=0)
@@ -214,9 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{r['p50_ms'] / ray_bag['p50_ms']:.2f}")
     console = Console(width=160)
     console.print(tbl)
-    for row in targets:
-        verdict = "info" if row["pass"] is None else "pass" if row["pass"] else "MISS"
-        console.print(f"{row['what']}: {row['measured']} ({row['target']}): {verdict}")
+    print_targets(targets, console.print)  # the INFO rows' ratios are the table's columns
     return out
 
 

@@ -9,7 +9,8 @@ bag_backward: the values' update gathered, dL/dweights back), the backend's deli
 end_step (the commit: one optimizer step of the values, `end_step(step)`, which waits for it, as
 a user calling the backend's defaults gets), then AdamW on the dense parameters.
 
-Runs (each its own model, the same initial weights and batches, so their losses must agree):
+Runs (each its own model, the same initial weights and batches, so their losses must agree: the
+run fails where a remote one's is more than LOSS_TOLERANCE from local's):
 
 - local: `LocalValues` (the table in this process, torch's default threads);
 - remote: `RemoteValues` on a local cluster of 2 shards (benchmarks.common.local_cluster), the
@@ -53,6 +54,11 @@ from benchmarks.common import info, local_cluster, machine, print_targets, round
 
 #: Target (issue 26): remote step time at most this multiple of local.
 TARGET = 2.0
+#: The largest |remote loss - local loss| at any step: the same math, with float32 sums in another
+#: order (this process's torch threads, a shard's one) an ulp apart (<= 1e-6 for 100 steps), and
+#: once a near-tie in the keys' top-k falls the other way, up to 3.4e-4 by step 126 (the default
+#: run's last; 7.5e-4 by step 200; measured in process); one commit lost moves the next loss by 2e-3.
+LOSS_TOLERANCE = 1e-3
 RUNS = ("local", "remote", "remote, doorbell off", "remote, commit in flight")
 VOCAB, D, N_KEYS, HEADS, KNN, K_DIM, BATCH = 512, 64, 128, 4, 32, 64, 128
 
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise RuntimeError(f"calls by the doorbells: {rung} (the doorbell client must use them, the other not)")
     done = min(len(v) for v in losses.values())
     loss_diff = max(abs(losses[n][i] - losses["local"][i]) for n in losses for i in range(done))
+    if loss_diff > LOSS_TOLERANCE:
+        raise RuntimeError(f"remote losses differ from local by {loss_diff:.2e} (at most {LOSS_TOLERANCE:g}): "
+                           "not the same math")
     res = {n: {"p50_ms": statistics.median(v), "mean_ms": statistics.fmean(v), "min_ms": min(v), "n": len(v)}
            for n, v in step_ms.items()}
     ms = {n: r["p50_ms"] for n, r in res.items()}

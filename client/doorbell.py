@@ -25,11 +25,11 @@ import select
 import socket
 import threading
 import time
-from typing import Any
 
 import grpc
 
-from memserver.api.errors import DeadlineExceededError, UnavailableError, error_for
+from memserver.api.errors import DeadlineExceededError, UnavailableError
+from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import DOORBELL_HEAD as HEAD
 from memserver.wire import DOORBELL_HELLO as HELLO
 from memserver.wire import DOORBELL_MAX_REQUEST as MAX_REQUEST_BYTES
@@ -41,6 +41,8 @@ MAX_OUTSTANDING = 32
 #: Seconds the hello may take.
 HELLO_SECONDS = 5.0
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
+#: The data-plane methods' names as a frame carries them, encoded once (any other: per call).
+_NAMES = {m.name: m.name.encode() for m in pb.DESCRIPTOR.services_by_name["DataPlane"].methods}
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -90,7 +92,7 @@ class Bell:
         flight, or the connection broken)."""
         if len(raw) > MAX_REQUEST_BYTES or not self.alive:
             return None
-        name = method.encode()
+        name = _NAMES.get(method) or method.encode()
         with self.send_lock:
             with self.cond:
                 # answers filed and never collected (a caller interrupted) count too: bounded
@@ -188,13 +190,4 @@ class Bell:
     def close(self) -> None:
         self._break("closed by the client")
         self.sock.close()
-
-
-def outcome(answer: tuple[grpc.StatusCode, bytes], parse: Any, target: str) -> Any:
-    """A doorbell answer as the call's outcome: the parsed answer, or the exception of its status
-    (a MemserverError, which client.transport handles as it does a gRPC error)."""
-    code, body = answer
-    if code == grpc.StatusCode.OK:
-        return parse(body)
-    return error_for(code, body.decode(errors="replace"), target)
 

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf import message_factory
 
-from client import doorbell
 from client.doorbell import Bell
-from memserver.api.errors import MemserverError
+from memserver.api.errors import MemserverError, error_for
 from memserver.api.methods import marked
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import STALE_REGION, parse_views, to_bytes
@@ -72,13 +71,14 @@ def answer(rung: tuple[Bell, int], method: str, timeout: float | None) -> Any:
     (`answered`): the shard is done with the call's shared-memory block, which can be freed."""
     bell, ticket = rung
     try:
-        got = bell.wait(ticket, timeout)
+        code, body = bell.wait(ticket, timeout)
     except MemserverError as exc:  # no answer (deadline, connection lost): the shard may still write
         return exc
-    out = doorbell.outcome(got, PARSERS[method], bell.target)
-    if isinstance(out, MemserverError):
-        out.answered = True  # type: ignore[attr-defined]
-    return out
+    if code == grpc.StatusCode.OK:
+        return PARSERS[method](body)
+    err = error_for(code, body.decode(errors="replace"), bell.target)
+    err.answered = True  # type: ignore[attr-defined]
+    return err
 
 
 def forget(rung: list[Rung], outcomes: list[Any]) -> None:

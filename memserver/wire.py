@@ -374,9 +374,10 @@ DOORBELL_MAX_REQUEST = 1 << 20
 
 def recv_exact(sock: Any, n: int, deadline: float | None = None) -> bytes | None:
     """n bytes from a stream socket (a doorbell's frames), or None when it ended first or
-    `deadline` (a time.monotonic() time; it sets the socket's timeout) passed."""
-    buf = bytearray(n)
-    view = memoryview(buf)
+    `deadline` (a time.monotonic() time; it sets the socket's timeout) passed. A frame that is
+    all there at the first read (a small one, the usual) is that read's bytes, not copied; one
+    that comes in pieces is gathered in a buffer, then copied once into bytes."""
+    view: memoryview | None = None
     got = 0
     while got < n:
         if deadline is not None:
@@ -384,11 +385,21 @@ def recv_exact(sock: Any, n: int, deadline: float | None = None) -> bytes | None
             if left <= 0:
                 return None
             sock.settimeout(left)
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            return None
+        if view is None:
+            first = sock.recv(n)
+            if len(first) == n:
+                return first
+            if not first:
+                return None
+            view = memoryview(bytearray(n))
+            view[:len(first)] = first
+            k = len(first)
+        else:
+            k = sock.recv_into(view[got:], n - got)
+            if k == 0:
+                return None
         got += k
-    return bytes(buf)
+    return b"" if view is None else bytes(view)  # (None: n == 0)
 #: What a shard answers (INVALID_ARGUMENT) a call naming a region it does not have; the client
 #: then sends the call again over TCP (client.transport.stale).
 STALE_REGION = "no such shared-memory region"
