@@ -65,8 +65,8 @@ HEADER = 24
 #: Bytes of a row's read counters (hits int64, weight_mass float64) in stats.dat, which a slice
 #: keeps in memory (mlock): every read writes them, and a Zipf call touches most of their
 #: pages, so left to the page cache they are evicted by the records streaming through and a
-#: call faults on them one at a time (1.65-1.9x a bag's time once the file exceeds memory:
-#: docs/benchmarks.md). The catalog counts them with the cache (catalog.slice_size).
+#: call faults on them one at a time (a Zipf 1.0 bag's q/s 1.3-1.6x lower once the file exceeds
+#: memory: docs/benchmarks.md). The catalog counts them with the cache (catalog.slice_size).
 COUNTER_BYTES = 16
 #: Rows per chunk when the whole file is streamed (creation, checksums, statistics).
 _CHUNK_ROWS = 1 << 14
@@ -281,8 +281,7 @@ def _read_ahead(raw, rows):  # pragma: no cover - compiled
     kernel to read them all now (madvise WILLNEED, one page span per row): the reads go to the
     device together, its queue full, instead of one page fault at a time as the loops meet
     them (3-6x the rows/s on this machine's disk: docs/benchmarks.md). A resident file costs
-    only the look (~27 us; a WILLNEED of a resident page is ~0.6 us, a call's misses 2 ms).
-    A look that fails (an address outside the mapping) counts as resident. Returns the rows
+    only the look (benchmarks.disk_profile prints it), not a request per row. A look that fails (an address outside the mapping) counts as resident. Returns the rows
     advised."""
     n = rows.shape[0]
     if n == 0 or raw.shape[0] == 0:
