@@ -558,6 +558,13 @@ class AsyncMemoryClient:
         """How the table's slots are used (memserver.api.usage): histograms; `.metrics()`."""
         return TableUsage(**await self._call(table, ops.usage_op))
 
+    async def warm(self, table: str, ids: Any) -> int:
+        """A hint that `ids` will be read soon: a disk table's shards read the pages of the rows
+        their caches do not hold ahead, while the caller goes on, so the read (exact as ever)
+        does not wait on the device. Changes nothing; a RAM table is sent nothing. Returns the
+        rows handed to the shards' read-ahead threads."""
+        return await self._call(table, lambda meta: ops.warm_op(meta, ids, self.opts))
+
     async def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         """Per-slot statistics: hits, weight_mass, updates, last_update (unix s), value_norm."""
         stats = await self._call(table, lambda meta: ops.slot_stats_op(meta, ids))

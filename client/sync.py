@@ -304,6 +304,13 @@ class MemoryClient:
     def usage(self, table: str) -> TableUsage:
         return TableUsage(**self._call(table, ops.usage_op))
 
+    def warm(self, table: str, ids: Any) -> int:
+        return self._call(table, lambda meta: ops.warm_op(meta, ids, self.aio.opts))
+
+    def submit_warm(self, table: str, ids: Any) -> Future[int]:
+        """`warm` without waiting (a trainer sends the next step's rows and goes on computing)."""
+        return self._loop.submit(self.aio.warm(table, ids))
+
     def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         stats = self._call(table, lambda meta: ops.slot_stats_op(meta, ids))
         return {k: like(v, ids) for k, v in stats.items()}

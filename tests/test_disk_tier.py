@@ -3,16 +3,21 @@ bound, durability through checkpoint + write-ahead log, and disk errors named by
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from benchmarks.disk_tier import lru_hit_rate
+import memserver.core.disk as disk_mod
+from benchmarks.disk_tier import drop_page_cache, lru_hit_rate
 from memserver.api.errors import DataLossError, ResourceExhaustedError
 from memserver.core.disk import MIN_CACHE_BYTES, DiskTable, record_layout
 from memserver.core.optim import OptimizerConfig
@@ -463,6 +468,14 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
                                                                   grad_out=encode(g), tag=pb.WriteTag(client_id="c", seq=i + 1)))
                     out[name] = (decode(bag.out, "out"), decode(back.grad_weights, "g"))
                 assert all(torch.equal(a, b) for a, b in zip(out["r"], out["d"]))
+            # a hint: the rows the cache does not hold (none for a RAM table); a bad id refused by name
+            sl = shard.servicer.tables["d"].table
+            cold = np.setdiff1d(np.arange(500), sl._slot_row)[:100]
+            assert stub.Warm(pb.WarmRequest(table="d", ids=encode(torch.from_numpy(cold)))).rows == len(cold)
+            assert stub.Warm(pb.WarmRequest(table="r", ids=encode(torch.from_numpy(cold)))).rows == 0
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Warm(pb.WarmRequest(table="d", ids=encode(torch.tensor([3, 500]))))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ids" in err.value.details()
             load = next(t for t in pb.ShardStatus.FromString(shard.status()).tables if t.table == "d")
             d = _disk_dict(load)
             assert d["tier"] == "disk" and 0 < d["cache_bytes"] <= d["cache_bound"] == 8192
@@ -471,10 +484,10 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
             assert reg.get_sample_value("memserver_disk_cache_bound_bytes", {"table": "d"}) == 8192
             assert reg.get_sample_value("memserver_disk_cache_hits_total", {"table": "d"}) == d["cache_hits"]
             assert reg.get_sample_value("memserver_disk_row_reads_total", {"table": "d"}) >= d["disk_reads"]
+            assert d["hinted"] == len(cold) == reg.get_sample_value("memserver_disk_row_hinted_total", {"table": "d"})
             assert reg.get_sample_value("memserver_disk_cache_bytes", {"table": "r"}) is None  # RAM tables: no series
             # a corrupt row: DATA_LOSS naming the table and the file; the other table still serves
             path = load.data_file
-            sl = shard.servicer.tables["d"].table
             row = next(r for r in range(500) if r not in set(sl._slot_row.tolist()))
             with open(path, "r+b") as f:
                 f.seek(row * sl.record + 24)
@@ -539,6 +552,91 @@ def test_files_are_mapped_for_random_reads_and_a_resident_file_is_not_read_ahead
         disk.push_gradients(ids.view(-1), torch.ones(2048, 8))
     s = disk.cache_stats()
     assert s["misses"] > 5000 and s["read_ahead"] == 0
+
+
+def _resident(t: DiskTable, rows: np.ndarray) -> np.ndarray:
+    """Whether the first page of each row's record is in memory (mincore on the table's mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    vec = (ctypes.c_ubyte * 1)()
+    out = np.zeros(len(rows), dtype=bool)
+    for i, r in enumerate(rows):
+        page = (t._raw.ctypes.data + int(r) * t.record) & ~(mmap.PAGESIZE - 1)
+        assert libc.mincore(ctypes.c_void_p(page), ctypes.c_size_t(mmap.PAGESIZE), vec) == 0
+        out[i] = vec[0] & 1
+    return out
+
+
+def _until(cond, seconds: float = 20.0) -> None:
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_hint_reads_cold_rows_ahead_and_changes_nothing(tmp_path):
+    """warm (a trainer's hint at its next step's rows): the distinct rows the cache does not hold
+    go to the read-ahead thread, which brings their pages into memory while the caller goes on;
+    the read that follows finds them there (no read-ahead of its own) and answers as the RAM
+    table does. The hint reads, counts and changes nothing; rows it does not name stay out."""
+    ram, disk = _pair(tmp_path, "sgd", rows=4000, dim=1024, cache_rows=100)  # records of a page and more
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        ids = torch.from_numpy(rng.integers(0, 4000, (16, 4)))
+        assert torch.equal(ram.bag(ids, torch.ones(16, 4)), disk.bag(ids, torch.ones(16, 4)))
+    cached = disk._slot_row[disk._slot_row >= 0]
+    cold = np.setdiff1d(np.arange(0, 4000, 2), cached)  # no two share a page (a record > a page)
+    hinted, other = cold[0::2], cold[1::2]
+    drop_page_cache(disk)
+    assert not _resident(disk, cold).any()
+    before = disk.cache_stats()
+    hits = disk.hits.clone()
+    ids = np.concatenate([hinted, hinted[:50], cached[:20]])  # repeats and cached rows: not handed on
+    assert disk.warm(torch.from_numpy(rng.permutation(ids))) == len(hinted)
+    _until(lambda: disk.cache_stats()["warmed"] == len(hinted))
+    after = disk.cache_stats()
+    assert after["hinted"] == len(hinted) and after["warm_dropped"] == 0
+    assert {k: after[k] for k in ("hits", "misses", "evictions", "read_ahead", "cached_rows")} == {
+        k: before[k] for k in ("hits", "misses", "evictions", "read_ahead", "cached_rows")}
+    assert torch.equal(disk.hits, hits)
+    assert _resident(disk, hinted).all() and not _resident(disk, other).any()
+    q = torch.from_numpy(hinted[:600])
+    assert torch.equal(disk.lookup(q), ram.lookup(q))
+    assert disk.cache_stats()["read_ahead"] == before["read_ahead"]  # found in memory
+    q = torch.from_numpy(other[:600])
+    assert torch.equal(disk.lookup(q), ram.lookup(q))
+    assert disk.cache_stats()["read_ahead"] == before["read_ahead"] + 600  # cold: the call read them ahead itself
+    assert disk.warm(torch.tensor([-1, 4000], dtype=torch.int64)) == 0  # out of range: a hint never fails
+    disk.close()
+
+
+def test_the_read_ahead_thread_holds_two_hints_and_close_waits_for_it(monkeypatch):
+    """At most WARM_HINTS hints wait: a newer one drops the oldest, counted. close() drops what
+    waits, waits for the hint in flight (no request outlives the mapping), and takes no more."""
+    entered, release = threading.Event(), threading.Event()
+    done: list[int] = []
+
+    def slow(raw, rows):
+        entered.set()
+        release.wait(20)
+        done.append(len(rows))
+        return len(rows)
+
+    monkeypatch.setattr(disk_mod, "_read_ahead", slow)
+    ahead = disk_mod._ReadAhead(np.zeros((10, 8), np.uint8), "t")
+    ahead.put(np.arange(1))
+    assert entered.wait(20)
+    for n in (2, 3, 4):
+        ahead.put(np.arange(n))
+    assert disk_mod.WARM_HINTS == 2 and [len(h) for h in ahead.hints] == [3, 4] and ahead.dropped == 2
+    closing = threading.Thread(target=ahead.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive()  # the hint in flight holds it
+    release.set()
+    closing.join(20)
+    assert not closing.is_alive() and done == [1] and ahead.dropped == 2 + 3 + 4 and ahead.hinted == 10
+    ahead.put(np.arange(5))
+    assert not ahead.hints and ahead.hinted == 10
 
 
 _LARGER_THAN_MEMORY = r"""

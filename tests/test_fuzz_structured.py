@@ -323,6 +323,7 @@ def valid_request(method: str, meta, seq: int) -> dict:
         "Remove": dict(ids=encode(ids[:1]), tag=tag),
         "Search": dict(queries=f32(2, meta.dim), k=3),
         "SlotStats": dict(ids=encode(ids)),
+        "Warm": dict(ids=encode(ids)),
         "LoadProductKeys": dict(keys=f32(1, 2, 4, 2), tag=tag),
         "Address": dict(queries=f32(2, 4)),
         "RecordTriggers": dict(ids=encode(ids[:2]), weights=f32(2), positions=encode(np.zeros(2, np.int64)),

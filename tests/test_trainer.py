@@ -233,6 +233,26 @@ def test_memtrain_on_a_disk_table_trains_as_on_a_ram_table(client, table_name):
     assert sum(t.cache_misses for t in loads) > 0
 
 
+def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram_table(client, table_name):
+    """Engram's rows come from the tokens alone, so memtrain hints a disk table at step t+1's rows
+    while step t runs (client.warm: the shards read their pages ahead). A hint changes nothing:
+    the losses of the RAM table and of --no-warm; the shards were hinted at the steps' uncached
+    rows (all steps but the last), and not with --no-warm."""
+    common = [*TINY, "--steps", "4", "--seed", "2", "--value-lr", "0.05", "--memory", "remote", "--memory-kind",
+              "engram", "--engram-slots", "4096", "--eval-every", "4"]
+    disk = ["--tier", "disk", "--cache-bytes", "64K"]
+    runs = {name: list(train(build_parser().parse_args([*common, "--table", f"{table_name}-{name}", *extra]),
+                             client=client))
+            for name, extra in (("ram", []), ("d", disk), ("nw", [*disk, "--no-warm"]))}
+    assert [r["loss"] for r in runs["d"]] == [r["loss"] for r in runs["nw"]] == [r["loss"] for r in runs["ram"]]
+
+    def hinted(name: str) -> int:
+        return sum(t.disk_hinted for s in client.status().shards for t in s.tables if t.table.startswith(f"{table_name}-{name}"))
+
+    assert hinted("d") > 0 and hinted("nw") == 0
+    assert all(r["engram1_read_ms"] > 0 for r in runs["d"])  # the forward's time on its reads, logged
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--memory", "local", "--tier", "disk"], "--tier disk: disk tables live in the cluster"),
     (["--memory", "remote", "--cache-bytes", "1M"], "--cache-bytes sizes a disk table's cache: add --tier disk"),

@@ -173,6 +173,12 @@ class GPT(nn.Module):
         old = re.compile(r"^(blocks\.\d+\.memory\.)(?!pkm\.|lsh\.|engram\.|kif\d+\.)")
         return {old.sub(r"\1pkm.", k): v for k, v in sd.items()}
 
+    def warm(self, idx: torch.Tensor) -> None:
+        """Hint every token-addressed memory layer that a forward on `idx` [B, T] comes soon
+        (MemoryLayer.warm: disk tables read its rows' pages ahead)."""
+        for layer in self.memories().values():
+            layer.warm(idx)
+
     def prefetch(self, idx: torch.Tensor, max_age: int = 0) -> int:
         """Send the reads of every token-addressed memory layer for a forward on `idx` [B, T] now
         (see MemoryLayer.prefetch); returns how many layers did."""

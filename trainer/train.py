@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--no-prefetch", action="store_true",
                      help="token-addressed layers (engram) read when the forward reaches them instead of as soon as "
                           "the batch is drawn (same losses at --staleness 0; for measuring the prefetch)")
+    mem.add_argument("--no-warm", action="store_true",
+                     help="token-addressed layers on disk tables (--tier disk): no read-ahead hint of step t+1's rows "
+                          "once step t's forward is done (same losses; for measuring the hint)")
     mem.add_argument("--tier", choices=["ram", "disk"], default="ram",
                      help="remote value tables: rows in the shards' RAM, or (disk) in files on the shards' data "
                           "directories under a RAM cache of hot rows (a table many times the cluster's memory)")
@@ -499,11 +502,13 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         tracer = LiveTracer(run, args.trace_sample, args.seed, args.checkpoint_dir) if args.trace_every else None
         tokens = args.batch_size * args.block_size * world
         window_t, window_steps = 0.0, 0
+        read_s: dict[str, float] = {}  # each memory layer's read seconds at the last log record
         batches = Batches(run.corpus.train, args.batch_size, args.block_size, gen, rank, world, run.device)
         # Prefetch: token-addressed layers (Engram) read by the batch alone, so step t+1's reads
         # are sent before its forward. Exact (--staleness 0): after step t's update is committed
         # (every trainer's, past the all-reduce), overlapping the dense optimizer step and the
-        # blocks below the layer. Stale (>= 1): when step t starts, overlapping all of step t, so
+        # blocks below the layer; a disk table is hinted at step t+1's rows once step t's forward
+        # is done (`warm`: their pages read ahead while the backward runs, values unread). Stale (>= 1): when step t starts, overlapping all of step t, so
         # they read rows without step t's update (the table as of step t-1).
         prefetch = not args.no_prefetch and any(m.token_addressed for m in model.memories().values())
         for step in range(first, args.steps + 1):
@@ -515,6 +520,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                 model.prefetch(batches.peek(), max_age=1)
             with autocast(run.device, args.dtype):
                 _, loss = model(x, y)
+            if prefetch and not args.no_warm and args.staleness == 0 and step < args.steps:
+                model.warm(batches.peek())  # step t+1's rows read ahead on disk tables while step t goes on
             opt.zero_grad(set_to_none=True)
             loss.backward()
             for backend in _unique(run.values).values():
@@ -549,12 +556,15 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                     "step_ms": 1e3 * window_t / window_steps,
                     "memory": args.memory,
                 }
+                for name, layer in model.memories().items():  # the steps' reads, not the evaluation's
+                    rec[f"{name}_read_ms"] = 1e3 * (layer.read_s - read_s.get(name, 0.0)) / window_steps
                 window_t, window_steps = 0.0, 0
                 if evaluate_now:
                     rec.update(evaluate(run, args, torch.Generator().manual_seed(args.seed + 1)))
                 if tracer is not None:
                     rec["trace_s"] = tracer.seconds  # time spent tracing so far (inside step_ms)
                 for name, layer in model.memories().items():
+                    read_s[name] = layer.read_s  # after the evaluation: its reads are not the next window's
                     if layer.token_addressed:  # training forwards that used a prefetched read, so far
                         rec[f"{name}_prefetched"] = layer.prefetch_used
                 if rank == 0:
@@ -565,7 +575,10 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
             backend.settle()  # the last step's commit (or its error) before the run counts as done
     finally:
         # a run that stops early (an error, an interrupt, the generator closed at a yield) still
-        # waits for a commit in flight, so closing the client never cuts it between its phases
+        # waits for a commit in flight, so closing the client never cuts it between its phases,
+        # and for the reads and hints it sent ahead
+        for layer in run.model.memories().values():
+            layer.drop_prefetched()
         for backend in _unique(run.values).values():
             try:
                 backend.settle()

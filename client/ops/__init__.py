@@ -26,7 +26,7 @@ from client.ops.product_keys import address_op, load_product_keys_op
 from client.ops.routing import route_bags, route_ids, route_owned
 from client.ops.sessions import ClientSession, StepParts, WriteTags
 from client.ops.steps import CommitPlan, commit_step_plan, step_phase_op
-from client.ops.values import aggregate, bag_backward_op, bag_op, lookup_op, push_op, wire_ids, write_rows_op
+from client.ops.values import aggregate, bag_backward_op, bag_op, lookup_op, push_op, warm_op, wire_ids, write_rows_op
 
 __all__ = [
     "MAX_REQUEST_BYTES",
@@ -60,6 +60,7 @@ __all__ = [
     "top_slots_plan",
     "triggers_op",
     "usage_op",
+    "warm_op",
     "wire_ids",
     "write_rows_op",
 ]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from client.ops.base import Op, OpOptions, request_parts
-from client.ops.checks import bag_args, checked_floats, checked_ids
+from client.ops.checks import bag_args, checked_floats, checked_ids, value_table
 from client.ops.routing import route_bags, route_ids
 from client.ops.sessions import StepParts, WriteTags
 from memserver.api.errors import InvalidArgumentError
@@ -84,6 +84,26 @@ def lookup_op(meta: TableMeta, ids: Any, opts: OpOptions, count: bool = True) ->
     for (sh, sel, part), resp in zip(places, (yield calls)):
         rows[sel[part], sh.col_start : sh.col_end] = decode(resp.rows, "rows").float()
     return rows[inv].view(*t.shape, meta.dim)
+
+
+def warm_op(meta: TableMeta, ids: Any, opts: OpOptions) -> Op:
+    """A hint that `ids` (any shape) will be read soon: a disk table's shards hand the rows their
+    caches do not hold to their read-ahead threads, which ask the kernel for the pages while the
+    caller goes on (WarmRequest); a RAM table is sent nothing. Returns the rows handed on, summed
+    over the shards (cols: every shard reads its own columns' file)."""
+    value_table(meta, "warm")
+    t = checked_ids(ids, meta).reshape(-1)
+    if meta.tier != "disk" or not len(t):
+        yield []
+        return 0
+    calls = []
+    for sh, sel in route_ids(meta, t):
+        sub = t[sel]
+        for p in request_parts(len(sub), 8, opts.max_request_bytes):
+            if p.stop > p.start:
+                calls.append((sh.address, "Warm", Lazy(pb.WarmRequest(table=meta.name, layout_id=meta.layout_id),
+                                                     {"ids": wire_ids(sub[p], meta)})))
+    return sum(resp.rows for resp in (yield calls))
 
 
 def _into(out: torch.Tensor, where: tuple[Any, ...], got: torch.Tensor, add: bool) -> None:

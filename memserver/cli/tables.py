@@ -93,6 +93,7 @@ def _disk_dict(t: Any) -> dict[str, Any]:
             "cache_misses": t.cache_misses, "hit_rate": t.cache_hits / seen if seen else 0.0,
             "evictions": t.cache_evictions, "disk_reads": t.disk_reads, "disk_writes": t.disk_writes,
             "disk_reads_per_s": t.disk_reads / secs, "disk_writes_per_s": t.disk_writes / secs,
+            "read_ahead": t.disk_read_ahead, "hinted": t.disk_hinted, "warmed": t.disk_warmed,
             "data_file": t.data_file, "data_bytes": t.data_bytes}
 
 

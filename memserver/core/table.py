@@ -179,6 +179,11 @@ class ValueTable:
             self._count_reads(ids, None)
         return self.weight.index_select(0, ids).float()
 
+    def warm(self, ids: torch.Tensor) -> int:
+        """A hint that `ids` will be read soon (a disk table reads their pages ahead: DiskTable.warm).
+        Rows in memory need nothing: 0 rows handed on."""
+        return 0
+
     def count_reads(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """The slot statistics of a bag's reads (hits, weight mass), apart from the bag: a shard
         counts them after it answered (memserver.server.dataplane)."""

@@ -562,6 +562,17 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
         return Call(sl, work, INLINE_ENTRIES + 1)
 
+    def _warm(self, request: pb.WarmRequest, region: Region | None) -> Call:
+        sl = self.slice(request)
+        ids = decode(request.ids, "ids", region)
+        check_1d(ids, "ids")
+        local = sl.local(ids)
+
+        def work() -> pb.WarmResponse:
+            return pb.WarmResponse(rows=sl.table.warm(local))
+
+        return Call(sl, work, ids.numel())
+
     def _slot_usage(self, request: pb.SlotUsageRequest, region: Region | None) -> Call:
         sl = self.slice(request)
 
@@ -582,6 +593,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         "WriteRows": _plan_write_rows, "CommitStep": _plan_commit_step, "Add": _plan_add, "Remove": _plan_remove,
         "Search": _search, "SlotStats": _slot_stats, "LoadProductKeys": _plan_load_product_keys, "Address": _address,
         "RecordTriggers": _record_triggers, "Triggers": _triggers, "TopSlots": _top_slots, "SlotUsage": _slot_usage,
+        "Warm": _warm,
     }
 
 

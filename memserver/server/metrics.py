@@ -212,14 +212,18 @@ class _TableCollector:
             ("row_reads", CounterMetricFamily, "Rows read from the data file (rate(): reads per second)"),
             ("row_writes", CounterMetricFamily, "Rows written to the data file (rate(): writes per second)"),
             ("row_read_ahead", CounterMetricFamily,
-             "Rows whose data file pages were not in memory, read ahead from the device together"))}
+             "Rows whose data file pages were not in memory, read ahead from the device together"),
+            ("row_hinted", CounterMetricFamily, "Rows Warm hints named that the cache did not hold"),
+            ("row_warmed", CounterMetricFamily,
+             "Rows whose data file pages a Warm hint read ahead, before the call that reads them"))}
         for name, sl in list(self.tables().items()):
             if hasattr(sl.table, "cache_stats"):
                 c = sl.table.cache_stats()
                 for key, value in (("cache_bytes", c["cache_bytes"]), ("cache_bound_bytes", c["cache_bound"]),
                                    ("cache_hits", c["hits"]), ("cache_misses", c["misses"]),
                                    ("cache_evictions", c["evictions"]), ("row_reads", c["disk_reads"]),
-                                   ("row_writes", c["disk_writes"]), ("row_read_ahead", c["read_ahead"])):
+                                   ("row_writes", c["disk_writes"]), ("row_read_ahead", c["read_ahead"]),
+                                   ("row_hinted", c["hinted"]), ("row_warmed", c["warmed"])):
                     disk[key].add_metric([name], value)
             held = sl.table.ntotal if sl.is_index else getattr(sl.table, "num_rows", 0)  # product keys: no rows
             rows.add_metric([name], held)

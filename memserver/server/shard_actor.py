@@ -423,6 +423,7 @@ class ShardActor:
                         load.cache_bound, load.cache_hits, load.cache_misses = c["cache_bound"], c["hits"], c["misses"]
                         load.cache_evictions, load.disk_reads, load.disk_writes = c["evictions"], c["disk_reads"], c["disk_writes"]
                         load.data_file, load.data_bytes, load.disk_seconds = str(sl.table.path), c["file_bytes"], c["seconds"]
+                        load.disk_read_ahead, load.disk_hinted, load.disk_warmed = c["read_ahead"], c["hinted"], c["warmed"]
             return st.SerializeToString()
 
         return self.loop.call(status())

@@ -21,6 +21,7 @@ GPU's work on the next. On the CPU each of them is the identity: the CPU path is
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -31,6 +32,8 @@ import torch
 from memserver.core.optim import OptimizerConfig
 from memserver.core.steps import Entries, bag_entries, combine
 from memserver.core.table import ValueTable
+
+log = logging.getLogger(__name__)
 
 #: What a load adds to a backend's `version`: every read sent before it is then too old to use.
 LOADED = 1 << 30
@@ -155,6 +158,11 @@ class ValueBackend(Protocol):
         need not wait for the update's delivery until `end_step`."""
         ...
 
+    def warm(self, ids: torch.Tensor) -> None:
+        """A hint that `ids` will be read soon (a disk table reads their rows' pages ahead, while
+        the caller goes on); changes nothing a read returns."""
+        ...
+
     def begin_step(self, step: int) -> None:
         """A training step starts: until `end_step`, backwards gather their value updates."""
         ...
@@ -235,6 +243,9 @@ class LocalValues:
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return to_device(self.table.bag(ids, weights), ids.device)
 
+    def warm(self, ids: torch.Tensor) -> None:
+        """In memory already: nothing to do."""
+
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
         done: Future[torch.Tensor] = Future()
         done.set_result(self.bag(ids, weights))
@@ -298,7 +309,8 @@ class RemoteValues:
         from client import TableNotFoundError
 
         self.client, self.name, self.num_rows, self.dim = client, name, num_rows, dim
-        self.defer_apply = defer_apply
+        self.defer_apply, self.tier = defer_apply, tier
+        self.warming: Future | None = None  # the latest hint in flight (`warm`)
         self.step: int | None = None  # inside a step (begin_step .. end_step): its number
         self.sent: list[Future] = []  # the step's parts sent without waiting (constant weights): end_step waits
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
@@ -317,6 +329,22 @@ class RemoteValues:
         h_ids, h_w = to_host(ids, weights.detach())
         self.settle()
         return to_device(self.client.bag(self.name, h_ids, h_w), ids.device)
+
+    def warm(self, ids: torch.Tensor) -> None:
+        """Disk tables: the rows' pages read ahead by the shards while this goes on (client.warm,
+        not waited for; a hint that failed is logged, and the read will fetch its rows itself).
+        RAM tables: nothing to do. One hint in flight: a new one while the last is still out
+        is not sent (the shards are still busy with the last)."""
+        if self.tier != "disk" or (self.warming is not None and not self.warming.done()):
+            return
+        (h_ids,) = to_host(ids)
+        self.warming = self.client.submit_warm(self.name, h_ids)
+        self.warming.add_done_callback(self._warmed)
+
+    def _warmed(self, done: Future) -> None:
+        if done.exception() is not None:
+            log.warning("table %s: a read-ahead hint failed (the read fetches its rows itself): %s", self.name,
+                        done.exception())
 
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
         """Sent now, or, while a commit is in flight, as soon as it is applied (chained, not
@@ -373,10 +401,13 @@ class RemoteValues:
 
     def settle(self) -> None:
         """Wait for the commit in flight, if any, and forget it; raise its error (a read chained
-        after it has already carried the same error)."""
+        after it has already carried the same error). A hint in flight is waited for too (its
+        error is only logged: `warm`)."""
         committing, self.committing = self.committing, None
         if committing is not None:
             committing.result()
+        if self.warming is not None:  # a hint: answered before the shards read anything, so short
+            wait([self.warming])
 
     @property
     def trace_table(self) -> str:

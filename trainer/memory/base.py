@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +138,7 @@ class MemoryLayer(nn.Module):
         self.batch_shape: tuple[int, ...] = ()  # the input's leading dims in this forward ([B, T]), for `output`
         self.prefetched: list[Prefetch] = []  # reads sent ahead, oldest first (at most two: stale mode)
         self.prefetch_used = self.prefetch_dropped = 0  # prefetched reads a forward used / could not use
+        self.read_s = 0.0  # seconds forwards spent getting their reads (waiting for one sent ahead, or making it)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MemoryLayer:
         """Module moves (`to`, `cuda`, `cpu`) take the values along: a backend held in this
@@ -189,6 +192,19 @@ class MemoryLayer(nn.Module):
         started = self._send_tokens(tokens, self.micro_batches, True)
         self.prefetched = [*self.prefetched[-1:], Prefetch(tokens.clone(), self.micro_batches, version, max_age, started)]
 
+    def warm(self, tokens: torch.Tensor) -> None:
+        """A hint that a forward on `tokens` [B, T] comes soon: its rows' pages are read ahead
+        where the values are on disk (ValueBackend.warm); nothing a read returns changes."""
+        if self.token_addressed:
+            self.values.warm(self.address_tokens(tokens)[0])
+
+    def drop_prefetched(self) -> None:
+        """Forget the reads sent ahead once they have arrived: a run that stops leaves none in
+        flight for the client's close to cut (their answers, or errors, are no longer needed)."""
+        pending = [p for pf in self.prefetched for _, _, p in pf.started if p is not None]
+        self.prefetched = []
+        wait(pending)
+
     def _token_reads(self, tokens: torch.Tensor | None, chunks: int) -> list[Any]:
         """The chunks' reads of a token-addressed forward: prefetched when valid, else sent now."""
         if tokens is None:
@@ -213,8 +229,10 @@ class MemoryLayer(nn.Module):
         ids, w, pending = started
         n = ids.shape[0]
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
+        t0 = time.perf_counter()
         out = bag(self.values, flat_ids, flat_w, None if pending is None else pending.result(),
                   weight_grad=not (self.constant_weights or self.token_addressed))  # [n*groups, dim]
+        self.read_s += time.perf_counter() - t0
         return ids, w, self.combine(out.view(n, self.groups, -1))
 
     def combine(self, reads: torch.Tensor) -> torch.Tensor:

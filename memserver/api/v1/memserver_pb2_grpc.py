@@ -84,6 +84,11 @@ class DataPlaneStub:
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsRequest.SerializeToString,
                 response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsResponse.FromString,
                 _registered_method=True)
+        self.Warm = channel.unary_unary(
+                '/memserver.v1.DataPlane/Warm',
+                request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WarmRequest.SerializeToString,
+                response_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WarmResponse.FromString,
+                _registered_method=True)
         self.LoadProductKeys = channel.unary_unary(
                 '/memserver.v1.DataPlane/LoadProductKeys',
                 request_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.LoadProductKeysRequest.SerializeToString,
@@ -179,6 +184,12 @@ class DataPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SlotStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Warm(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -282,6 +293,11 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     servicer.SlotStats,
                     request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsRequest.FromString,
                     response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsResponse.SerializeToString,
+            ),
+            'Warm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Warm,
+                    request_deserializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WarmRequest.FromString,
+                    response_serializer=memserver_dot_api_dot_v1_dot_memserver__pb2.WarmResponse.SerializeToString,
             ),
             'LoadProductKeys': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadProductKeys,
@@ -589,6 +605,33 @@ class DataPlane:
             '/memserver.v1.DataPlane/SlotStats',
             memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsRequest.SerializeToString,
             memserver_dot_api_dot_v1_dot_memserver__pb2.SlotStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Warm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memserver.v1.DataPlane/Warm',
+            memserver_dot_api_dot_v1_dot_memserver__pb2.WarmRequest.SerializeToString,
+            memserver_dot_api_dot_v1_dot_memserver__pb2.WarmResponse.FromString,
             options,
             channel_credentials,
             insecure,
