@@ -76,12 +76,14 @@ def shm_attached(client: Any, meta: Any, ids: Any, w: Any, doorbell: bool) -> No
 
 
 def round_robin_steps(gens: dict[str, Iterator[dict[str, Any]]], blocks: int, block: int, warmup: int,
-                      until: float = float("inf")) -> dict[str, list[float]]:
+                      until: float = float("inf"), key: str = "step_ms") -> dict[str, list[float]]:
     """memtrain runs (generators of log records, one a step) advanced `block` steps each in turn,
     `blocks` rounds (none started after `until`, a perf_counter time), so background load falls on
-    all alike; their step_ms, without the first round's first `warmup` steps and every later
+    all alike; their step_ms (or the records' `key`s: a list of them per step, in key order when
+    `key` is comma-separated), without the first round's first `warmup` steps and every later
     round's first step (it follows another run's steps)."""
-    step_ms: dict[str, list[float]] = {n: [] for n in gens}
+    keys = key.split(",")
+    step_ms: dict[str, list[Any]] = {n: [] for n in gens}
     for b in range(blocks):
         if b and time.perf_counter() > until:
             break
@@ -90,7 +92,7 @@ def round_robin_steps(gens: dict[str, Iterator[dict[str, Any]]], blocks: int, bl
                 rec = next(gen)
                 if (b == 0 and s < warmup) or (b > 0 and s == 0):
                     continue
-                step_ms[n].append(rec["step_ms"])
+                step_ms[n].append(rec[key] if len(keys) == 1 else [rec[k] for k in keys])
     return step_ms
 
 

@@ -300,9 +300,8 @@ def main() -> None:
                 shutil.rmtree(work / f"p-{policy}")
             print(f"{label:>9} {rates[0]:>14.1%} {rates[1]:>7.1%} {lru_hit_rate(batches, cap):>7.1%}")
         if args.page_cache:
-            st = limit.stat()
             print(f"memory cgroup: peak {limit.peak() / 2**20:,.0f} MiB of {limit.limit / 2**20:,.0f}; "
-                  f"{st.get('pgmajfault', 0):,} major faults (pages read from the device on a touch)")
+                  f"{limit.major_faults():,} major faults (pages read from the device on a touch)")
         disk.close()
 
 

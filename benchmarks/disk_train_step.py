@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         rows, dim = args.n_keys**2, 128
         kind = ["--n-keys", str(args.n_keys)]
     else:
-        segments = len(args.engram_orders.split(",")) * 4
+        segments = len(args.engram_orders.split(",")) * build_parser().get_default("engram_heads")
         rows, dim = args.engram_slots - args.engram_slots % segments, args.engram_dim
         kind = ["--memory-kind", "engram", "--engram-slots", str(args.engram_slots), "--engram-orders",
                 args.engram_orders, "--engram-dim", str(args.engram_dim)]
@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> None:
         for n, (_, on_disk) in runs.items():
             if on_disk:
                 start(n)
-        faults0 = [_faults(g.stat()) for g in limits]  # the tables' creation faulted their files in: not counted
-        reads: dict[str, list[float]] = {n: [] for n in gens}  # the memory layer's read ms per step
-        for n, gen in list(gens.items()):
-            gens[n] = _reads_of(gen, reads[n])
-        step_ms = round_robin_steps(gens, args.blocks, args.block, args.warmup)
+        faults0 = [g.major_faults() for g in limits]  # the tables' creation faulted their files in: not counted
+        layer = "engram2_read_ms" if args.memory_kind == "engram" else "mem2_read_ms"  # memtrain's --mem-layers 2
+        counted = round_robin_steps(gens, args.blocks, args.block, args.warmup, key=f"step_ms,{layer}")
+        step_ms = {n: [s for s, _ in v] for n, v in counted.items()}
+        reads = {n: [r for _, r in v] for n, v in counted.items()}  # the forward's ms on its reads, same steps
         tables: dict[str, dict[str, int]] = {}
         for shard in client.status().shards:  # each disk table's cache, summed over its slices
             for t in shard.tables:
@@ -119,13 +119,13 @@ def main(argv: list[str] | None = None) -> None:
                     c = tables.setdefault(t.table, {})
                     for k in ("cache_hits", "cache_misses", "cache_evictions", "disk_reads", "disk_writes"):
                         c[k] = c.get(k, 0) + getattr(t, k)
-        groups = [(g.peak(), _faults(g.stat()) - f0, g.stat()) for g, f0 in zip(limits, faults0)]
+        groups = [(g.peak(), g.major_faults() - f0, g.stat()) for g, f0 in zip(limits, faults0)]
     print(f"  {args.blocks} blocks of {args.block} steps round robin, {time.strftime('%Y-%m-%d %H:%M')}")
     ms = {n: statistics.median(v) for n, v in step_ms.items()}
     ram = next(iter(ms.values()))
     for n, v in ms.items():
         print(f"  {n:>44}: p50 {v:8.1f} ms/step, min {min(step_ms[n]):8.1f} ({len(step_ms[n])} steps)  "
-              f"{v / ram:5.2f}x the RAM table's; its forward's reads p50 {statistics.median(reads[n][3:]):6.1f} ms/step")
+              f"{v / ram:5.2f}x the RAM table's; its forward's reads p50 {statistics.median(reads[n]):6.1f} ms/step")
     for name, c in tables.items():
         seen = c["cache_hits"] + c["cache_misses"]
         print(f"  {name}: hit rate {c['cache_hits'] / max(1, seen):.1%} of distinct rows per call, "
@@ -133,19 +133,6 @@ def main(argv: list[str] | None = None) -> None:
     for i, (peak, faults, stat) in enumerate(groups):
         print(f"  shard {i}'s group: peak {peak / 2**20:,.0f} MiB, {faults:,} major faults during the steps, "
               f"page cache {stat.get('total_cache', stat.get('file', 0)) / 2**20:,.0f} MiB at the end")
-
-
-def _reads_of(gen: Any, into: list[float]) -> Any:
-    """memtrain's records, with the ms per step its memory layer's forward spent on its reads
-    (`<layer>_read_ms`: waiting for a prefetched read, or making it) kept aside."""
-    for rec in gen:
-        into.append(sum(v for k, v in rec.items() if k.endswith("_read_ms")))
-        yield rec
-
-
-def _faults(stat: dict[str, int]) -> int:
-    """Major page faults of a group's processes (cgroup v1 and v2 name them differently)."""
-    return stat.get("total_pgmajfault", stat.get("pgmajfault", 0))
 
 
 if __name__ == "__main__":

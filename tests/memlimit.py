@@ -108,6 +108,10 @@ class MemoryLimit:
             out[k] = int(v)
         return out
 
+    def major_faults(self) -> int:
+        """Page faults of the group's processes that waited for the device (pages read on a touch)."""
+        return self.stat()["pgmajfault"]
+
     def close(self) -> None:
         for pid in self.pids:
             try:

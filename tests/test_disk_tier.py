@@ -9,7 +9,6 @@ import mmap
 import os
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from memserver.api.errors import DataLossError, ResourceExhaustedError
 from memserver.core.disk import MIN_CACHE_BYTES, DiskTable, record_layout
 from memserver.core.optim import OptimizerConfig
 from memserver.core.table import ValueTable
+from tests.hosts import wait_for
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 
@@ -484,7 +484,11 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
             assert reg.get_sample_value("memserver_disk_cache_bound_bytes", {"table": "d"}) == 8192
             assert reg.get_sample_value("memserver_disk_cache_hits_total", {"table": "d"}) == d["cache_hits"]
             assert reg.get_sample_value("memserver_disk_row_reads_total", {"table": "d"}) >= d["disk_reads"]
-            assert d["hinted"] == len(cold) == reg.get_sample_value("memserver_disk_row_hinted_total", {"table": "d"})
+            c = sl.cache_stats()
+            assert d["hinted"] == len(cold) == c["hinted"] == reg.get_sample_value("memserver_disk_row_hinted_total",
+                                                                                  {"table": "d"})
+            assert (d["warmed"], d["read_ahead"]) == (c["warmed"], c["read_ahead"])
+            assert reg.get_sample_value("memserver_disk_row_warmed_total", {"table": "d"}) == c["warmed"]
             assert reg.get_sample_value("memserver_disk_cache_bytes", {"table": "r"}) is None  # RAM tables: no series
             # a corrupt row: DATA_LOSS naming the table and the file; the other table still serves
             path = load.data_file
@@ -556,21 +560,13 @@ def test_files_are_mapped_for_random_reads_and_a_resident_file_is_not_read_ahead
 
 def _resident(t: DiskTable, rows: np.ndarray) -> np.ndarray:
     """Whether the first page of each row's record is in memory (mincore on the table's mapping)."""
-    libc = ctypes.CDLL(None, use_errno=True)
     vec = (ctypes.c_ubyte * 1)()
     out = np.zeros(len(rows), dtype=bool)
     for i, r in enumerate(rows):
         page = (t._raw.ctypes.data + int(r) * t.record) & ~(mmap.PAGESIZE - 1)
-        assert libc.mincore(ctypes.c_void_p(page), ctypes.c_size_t(mmap.PAGESIZE), vec) == 0
+        assert disk_mod._LIBC.mincore(ctypes.c_void_p(page), ctypes.c_size_t(mmap.PAGESIZE), vec) == 0
         out[i] = vec[0] & 1
     return out
-
-
-def _until(cond, seconds: float = 20.0) -> None:
-    end = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
 
 
 def test_a_hint_reads_cold_rows_ahead_and_changes_nothing(tmp_path):
@@ -587,18 +583,20 @@ def test_a_hint_reads_cold_rows_ahead_and_changes_nothing(tmp_path):
     cold = np.setdiff1d(np.arange(0, 4000, 2), cached)  # no two share a page (a record > a page)
     hinted, other = cold[0::2], cold[1::2]
     drop_page_cache(disk)
-    assert not _resident(disk, cold).any()
+    if _resident(disk, cold).any():
+        pytest.skip(f"{tmp_path}: the page cache keeps this file's pages (tmpfs?): nothing to read ahead")
     before = disk.cache_stats()
     hits = disk.hits.clone()
     ids = np.concatenate([hinted, hinted[:50], cached[:20]])  # repeats and cached rows: not handed on
     assert disk.warm(torch.from_numpy(rng.permutation(ids))) == len(hinted)
-    _until(lambda: disk.cache_stats()["warmed"] == len(hinted))
+    # (WILLNEED returns once the reads are queued: the pages are in memory a little later)
+    wait_for("the hinted pages", lambda: True if _resident(disk, hinted).all() else None, timeout=20, interval=0.01)
     after = disk.cache_stats()
-    assert after["hinted"] == len(hinted) and after["warm_dropped"] == 0
+    assert after["hinted"] == after["warmed"] == len(hinted) and after["warm_dropped"] == 0
     assert {k: after[k] for k in ("hits", "misses", "evictions", "read_ahead", "cached_rows")} == {
         k: before[k] for k in ("hits", "misses", "evictions", "read_ahead", "cached_rows")}
     assert torch.equal(disk.hits, hits)
-    assert _resident(disk, hinted).all() and not _resident(disk, other).any()
+    assert not _resident(disk, other).any()
     q = torch.from_numpy(hinted[:600])
     assert torch.equal(disk.lookup(q), ram.lookup(q))
     assert disk.cache_stats()["read_ahead"] == before["read_ahead"]  # found in memory

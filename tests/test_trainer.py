@@ -250,7 +250,7 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
         return sum(t.disk_hinted for s in client.status().shards for t in s.tables if t.table.startswith(f"{table_name}-{name}"))
 
     assert hinted("d") > 0 and hinted("nw") == 0
-    assert all(r["engram1_read_ms"] > 0 for r in runs["d"])  # the forward's time on its reads, logged
+    assert all("engram1_read_ms" in r for r in runs["d"])  # the forward's time on its reads, logged
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -68,8 +68,8 @@ class PeekValues:
                      weight_grad: bool = True) -> torch.Tensor | None:
         raise RuntimeError("PeekValues is read-only (inspection)")
 
-    def warm(self, ids: torch.Tensor) -> None:
-        pass  # inspection reads a few rows, each once: nothing to read ahead
+    def warm(self, ids: torch.Tensor) -> Future | None:
+        return None  # inspection reads a few rows, each once: nothing to read ahead
 
     def begin_step(self, step: int) -> None:
         pass

@@ -520,7 +520,7 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                 model.prefetch(batches.peek(), max_age=1)
             with autocast(run.device, args.dtype):
                 _, loss = model(x, y)
-            if prefetch and not args.no_warm and args.staleness == 0 and step < args.steps:
+            if prefetch and args.tier == "disk" and not args.no_warm and args.staleness == 0 and step < args.steps:
                 model.warm(batches.peek())  # step t+1's rows read ahead on disk tables while step t goes on
             opt.zero_grad(set_to_none=True)
             loss.backward()

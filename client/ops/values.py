@@ -96,6 +96,7 @@ def warm_op(meta: TableMeta, ids: Any, opts: OpOptions) -> Op:
     if meta.tier != "disk" or not len(t):
         yield []
         return 0
+    t = torch.unique(t)  # one request part per shard where it can: parts beyond a slice's two hints drop
     calls = []
     for sh, sel in route_ids(meta, t):
         sub = t[sel]

@@ -158,9 +158,9 @@ class ValueBackend(Protocol):
         need not wait for the update's delivery until `end_step`."""
         ...
 
-    def warm(self, ids: torch.Tensor) -> None:
+    def warm(self, ids: torch.Tensor) -> Future | None:
         """A hint that `ids` will be read soon (a disk table reads their rows' pages ahead, while
-        the caller goes on); changes nothing a read returns."""
+        the caller goes on); changes nothing a read returns. The hint in flight, or None."""
         ...
 
     def begin_step(self, step: int) -> None:
@@ -243,8 +243,9 @@ class LocalValues:
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return to_device(self.table.bag(ids, weights), ids.device)
 
-    def warm(self, ids: torch.Tensor) -> None:
+    def warm(self, ids: torch.Tensor) -> Future | None:
         """In memory already: nothing to do."""
+        return None
 
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
         done: Future[torch.Tensor] = Future()
@@ -330,19 +331,20 @@ class RemoteValues:
         self.settle()
         return to_device(self.client.bag(self.name, h_ids, h_w), ids.device)
 
-    def warm(self, ids: torch.Tensor) -> None:
+    def warm(self, ids: torch.Tensor) -> Future | None:
         """Disk tables: the rows' pages read ahead by the shards while this goes on (client.warm,
         not waited for; a hint that failed is logged, and the read will fetch its rows itself).
         RAM tables: nothing to do. One hint in flight: a new one while the last is still out
         is not sent (the shards are still busy with the last)."""
         if self.tier != "disk" or (self.warming is not None and not self.warming.done()):
-            return
+            return None
         (h_ids,) = to_host(ids)
         self.warming = self.client.submit_warm(self.name, h_ids)
         self.warming.add_done_callback(self._warmed)
+        return self.warming
 
     def _warmed(self, done: Future) -> None:
-        if done.exception() is not None:
+        if not done.cancelled() and done.exception() is not None:
             log.warning("table %s: a read-ahead hint failed (the read fetches its rows itself): %s", self.name,
                         done.exception())
 
@@ -401,13 +403,11 @@ class RemoteValues:
 
     def settle(self) -> None:
         """Wait for the commit in flight, if any, and forget it; raise its error (a read chained
-        after it has already carried the same error). A hint in flight is waited for too (its
-        error is only logged: `warm`)."""
+        after it has already carried the same error)."""
         committing, self.committing = self.committing, None
         if committing is not None:
             committing.result()
-        if self.warming is not None:  # a hint: answered before the shards read anything, so short
-            wait([self.warming])
+
 
     @property
     def trace_table(self) -> str:

@@ -138,6 +138,7 @@ class MemoryLayer(nn.Module):
         self.batch_shape: tuple[int, ...] = ()  # the input's leading dims in this forward ([B, T]), for `output`
         self.prefetched: list[Prefetch] = []  # reads sent ahead, oldest first (at most two: stale mode)
         self.prefetch_used = self.prefetch_dropped = 0  # prefetched reads a forward used / could not use
+        self.hints: list[Any] = []  # the latest hint in flight (`warm`), waited for by `drop_prefetched`
         self.read_s = 0.0  # seconds forwards spent getting their reads (waiting for one sent ahead, or making it)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MemoryLayer:
@@ -196,13 +197,15 @@ class MemoryLayer(nn.Module):
         """A hint that a forward on `tokens` [B, T] comes soon: its rows' pages are read ahead
         where the values are on disk (ValueBackend.warm); nothing a read returns changes."""
         if self.token_addressed:
-            self.values.warm(self.address_tokens(tokens)[0])
+            hint = self.values.warm(self.address_tokens(tokens)[0])
+            self.hints = [hint] if hint is not None else self.hints
 
     def drop_prefetched(self) -> None:
-        """Forget the reads sent ahead once they have arrived: a run that stops leaves none in
-        flight for the client's close to cut (their answers, or errors, are no longer needed)."""
-        pending = [p for pf in self.prefetched for _, _, p in pf.started if p is not None]
-        self.prefetched = []
+        """Forget the reads and hints sent ahead once they have arrived: a run that stops leaves
+        none in flight for the client's close to cut (their answers, or errors, are no longer
+        needed)."""
+        pending = [p for pf in self.prefetched for _, _, p in pf.started if p is not None] + self.hints
+        self.prefetched, self.hints = [], []
         wait(pending)
 
     def _token_reads(self, tokens: torch.Tensor | None, chunks: int) -> list[Any]:
