@@ -76,7 +76,7 @@ def shm_attached(client: Any, meta: Any, ids: Any, w: Any, doorbell: bool) -> No
 
 
 def round_robin_steps(gens: dict[str, Iterator[dict[str, Any]]], blocks: int, block: int, warmup: int,
-                      until: float = float("inf"), key: str = "step_ms") -> dict[str, list[float]]:
+                      until: float = float("inf"), key: str = "step_ms") -> dict[str, list[Any]]:
     """memtrain runs (generators of log records, one a step) advanced `block` steps each in turn,
     `blocks` rounds (none started after `until`, a perf_counter time), so background load falls on
     all alike; their step_ms (or the records' `key`s: a list of them per step, in key order when

@@ -408,7 +408,6 @@ class RemoteValues:
         if committing is not None:
             committing.result()
 
-
     @property
     def trace_table(self) -> str:
         return self.name
