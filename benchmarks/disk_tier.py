@@ -8,7 +8,8 @@ found in the cache). Uniform reads are bounded by the disk: their row reads per 
 against the disk's own random read rate of rows, measured in the same run on the same file
 (`os.pread` of one record at a random row, after dropping the file from the page cache; one at a
 time and 16 at a time), and the disk table's calls' major faults (pages the device served on a
-touch rather than ahead).
+touch rather than ahead). Also how long madvise(WILLNEED) of 3,000 cold rows takes to return
+(why a hint's read-ahead, DiskTable.warm, runs off the compute thread).
 
 The cache policy: the same traces replayed through TinyLFU-over-CLOCK (ours), CLOCK without
 admission, and an exact LRU (an OrderedDict), hit rates side by side.
@@ -44,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memserver.core.disk import DiskTable, record_layout
+from memserver.core.disk import DiskTable, _read_ahead, record_layout
 from memserver.core.optim import OptimizerConfig
 from memserver.core.table import ValueTable, set_threads
 
@@ -119,6 +120,17 @@ def disk_random_reads(t: DiskTable, seconds: float, rng: np.random.Generator, th
     for th in pool:
         th.join()
     return sum(done) / (time.perf_counter() - t0)
+
+
+def willneed_ms(t: DiskTable, rows: int, rng: np.random.Generator) -> float:
+    """How long `_read_ahead` (madvise WILLNEED) takes to return for `rows` cold rows at random:
+    the call waits until the device has taken the requests, which is why a hint's read-ahead
+    (DiskTable.warm) runs on a thread of its own, not on the compute thread."""
+    drop_page_cache(t)
+    sel = np.unique(rng.integers(0, t.num_rows, rows)).astype(np.int64)
+    t0 = time.perf_counter()
+    _read_ahead(t._raw, sel)
+    return 1e3 * (time.perf_counter() - t0)
 
 
 def mapped_random_reads(t: DiskTable, seconds: float, rng: np.random.Generator, advice: int) -> float:
@@ -227,8 +239,11 @@ def main() -> None:
         with held(disk):
             disk_rate = disk_random_reads(disk, 3.0, rng)
             disk_rate16 = disk_random_reads(disk, 3.0, rng, threads=16)
+            ahead = willneed_ms(disk, 3000, rng)
         print(f"disk random reads (pread of one {disk.record} B record, page cache dropped): {disk_rate:,.0f} rows/s "
               f"one at a time, {disk_rate16:,.0f} rows/s 16 at a time (16 threads); 'vs disk' below is against the first")
+        print(f"madvise(WILLNEED) of 3,000 cold rows at random returns after {ahead:,.1f} ms (it waits for the "
+              "device to take them: a hint's read-ahead runs off the compute thread)")
         if limit is not None:
             with held(disk):
                 plain = mapped_random_reads(disk, 3.0, rng, mmap.MADV_NORMAL)

@@ -539,18 +539,25 @@ def _resolve(rows, keys, vals, slot_row, ref, pin, dirty, sketch, st, admit_all,
     return written
 
 
+@nb.njit(inline="always")
+def _row_set(n):  # pragma: no cover - compiled
+    """An empty set of up to `n` rows for `_probe` (open addressing, at least 2n places): (its
+    places, -1 each, and the shift `_probe` takes for that size)."""
+    m = 16
+    while m < 2 * n:
+        m *= 2
+    shift = 64
+    while (np.int64(1) << (64 - shift)) < m:
+        shift -= 1
+    return np.full(m, -1, np.int64), shift
+
+
 @nb.njit(nogil=True, cache=True)
 def _uncached(ids, keys, shift, num_rows):  # pragma: no cover - compiled
     """The distinct rows of `ids` the cache does not hold, in order of first id (ids out of
     range: skipped; a hint never fails)."""
     n = ids.shape[0]
-    m = 16
-    while m < 2 * n:
-        m *= 2
-    mshift = 64
-    while (np.int64(1) << (64 - mshift)) < m:
-        mshift -= 1
-    seen = np.full(m, -1, np.int64)
+    seen, mshift = _row_set(n)
     out = np.empty(n, np.int64)
     k = 0
     for i in range(n):
@@ -608,14 +615,8 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
     epoch = st[_EPOCH]
     count = hits.shape[0] > 0
     with_w = weights.shape[0] == n
-    m = 16
-    while m < 2 * n:
-        m *= 2
-    mshift = 64
-    while (np.int64(1) << (64 - mshift)) < m:
-        mshift -= 1
     t0 = _ticks()
-    seen = np.full(m, -1, np.int64)  # this call's misses, a set
+    seen, mshift = _row_set(n)  # this call's misses, a set
     missed = np.empty(n, np.int64)  # and in order of first read
     nmiss = 0
     for i in range(n):
@@ -763,8 +764,8 @@ WARM_HINTS = 2
 class _ReadAhead:
     """The thread that reads hinted rows' pages ahead of the calls that will read them
     (DiskTable.warm). madvise(WILLNEED) returns only once the device has taken the requests,
-    which takes as long as reading them while its queue is full (~100,000 rows/s here: 30 ms for
-    3,000 rows), so it runs here, not on the compute thread. Holds at most WARM_HINTS hints
+    which takes as long as reading them while its queue is full (30.7 ms for 3,000 cold rows here:
+    benchmarks.disk_tier prints it), so it runs here, not on the compute thread. Holds at most WARM_HINTS hints
     (arrays of rows); a newer one drops the oldest (counted: `dropped`). `close` waits for the
     thread, so no request outlives the mapping."""
 
