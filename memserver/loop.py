@@ -34,9 +34,28 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the loop, wait for its thread and close it."""
+        """End the tasks still on the loop, stop it, wait for its thread and close it.
+
+        As `asyncio.run` does at its end: every task left (grpc.aio's own, e.g. a closed call's
+        status handler that has not run yet) is cancelled and given the loop to finish, so none is
+        destroyed pending when the loop closes ("Task was destroyed but it is pending!")."""
         if self.loop.is_running():
+            ending = asyncio.run_coroutine_threadsafe(_end_tasks(), self.loop)
+            try:
+                ending.result(timeout)
+            except Exception:  # a task that will not end in time, or the loop stopping: stop anyway
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=timeout)
         if not self.loop.is_running():
             self.loop.close()
+
+
+async def _end_tasks() -> None:
+    """Cancel every other task on the running loop and wait for them, then its async generators."""
+    loop = asyncio.get_running_loop()
+    tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await loop.shutdown_asyncgens()
