@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 FAISS ?= $(shell cat $(VENV)/.faiss 2>/dev/null || echo cpu)
 export MEMSERVER_HOME ?= $(CURDIR)/.memserver
 
-.PHONY: install install-gpu browser demo test test-gpu lint proto bench clean
+.PHONY: install install-gpu browser demo test test-gpu gpu-wheels lint proto bench clean
 
 install: $(STAMP)
 
@@ -55,6 +55,14 @@ test: install browser
 # The GPU tests alone (tests/gpu; every one skips, saying why, where torch sees no CUDA device).
 test-gpu: install
 	$(BIN)/python -m pytest -m gpu tests/gpu -v
+
+# The wheels a lent GPU machine (the device tool: its image has CUDA torch but older or no gRPC
+# packages) needs to run tests/gpu, for its Python 3.12 on x86-64, in .whl/ (the versions this
+# venv runs): tests/gpu/device_run.sh.
+gpu-wheels: install
+	rm -rf .whl && $(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$($(BIN)/python -c "import grpc, google.protobuf as p; v = grpc.__version__; print(f'grpcio=={v} grpcio-health-checking=={v} grpcio-reflection=={v} protobuf=={p.__version__}')")
 
 lint: install
 	$(BIN)/ruff check .

@@ -248,3 +248,26 @@ def test_every_command_parses(name):
     assert len(found) >= minimum.get(name, 0), found
     for prog, argv in found:
         parse(prog, argv)
+
+
+def test_the_gpu_machine_script_records_versions_and_runs_the_gpu_tests(tmp_path):
+    """tests/gpu/device_run.sh, as a lent GPU machine runs it, here without CUDA: it records the
+    versions, runs tests/gpu (all skipped, saying why), and fails because benchmarks.gpu refuses
+    to measure without a GPU (a run that measured nothing must not look like a success)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "BENCH_ARGS": "--quick",
+           "WHEELS": str(tmp_path / "no-wheels")}  # .whl/ (make gpu-wheels) holds Python 3.12 wheels
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", "tests/gpu/device_run.sh"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 1, done.stdout + done.stderr
+    versions = (tmp_path / "versions.txt").read_text()
+    assert "torch 2.13.0" in versions and "GPU: none" in versions and "grpc 1.85.1" in versions
+    tests = (tmp_path / "test-gpu.log").read_text()
+    assert re.search(r"=+ \d+ skipped in ", tests), tests[-2000:]
+    assert "SKIPPED" in tests and "no CUDA device" in tests
+    assert "no CUDA device: this benchmark measures a GPU" in (tmp_path / "bench-gpu.log").read_text()

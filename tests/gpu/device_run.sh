@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU tests and benchmarks.gpu on a lent GPU machine, in one call (the device tool's `run`;
+# its README). That machine's image has a CUDA build of torch, numpy, numba, pytest, rich, tqdm
+# and prometheus-client, but not Ray or faiss (the tests needing them skip, saying why), nor the
+# small gRPC packages at the versions this project's generated code needs. `make gpu-wheels`,
+# run here first, puts those in .whl/ (git-ignored; carried by the call) and this installs them:
+#
+#   make gpu-wheels
+#   run(command="bash tests/gpu/device_run.sh", carry=[".whl"], timeout_s=600)
+#
+# Everything is printed and written to $OUT (the device tool brings it back): versions.txt
+# (with nvidia-smi's head), test-gpu.log and bench-gpu.log. BENCH_ARGS (e.g. --quick) go to benchmarks.gpu.
+# Each part has a time limit (TEST_SECONDS, default 300; BENCH_SECONDS, 240) so that its logs
+# come back within the call's 10 minutes. Exit status: non-zero when a part failed or ran out.
+set -uo pipefail
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+        || { echo "device_run: installing $WHEELS/ failed" >&2; exit 2; }
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+
+"$PY" - <<'PYEOF' 2>&1 | tee "$OUT/versions.txt"
+import importlib
+import platform
+
+import torch
+
+print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"GPU {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs")
+else:
+    print("GPU: none (torch.cuda.is_available() is False)")
+for name in ("numpy", "numba", "grpc", "google.protobuf", "grpc_health", "prometheus_client", "ray", "faiss"):
+    try:
+        mod = importlib.import_module(name)
+        print(name, getattr(mod, "__version__", "(no version)"))
+    except Exception as exc:  # what is missing is part of the record
+        print(name, "missing:", type(exc).__name__, exc)
+PYEOF
+nvidia-smi 2>&1 | head -15 >>"$OUT/versions.txt" || true
+
+status=0
+timeout "${TEST_SECONDS:-300}" "$PY" -m pytest -m gpu tests/gpu -v -p no:cacheprovider 2>&1 | tee "$OUT/test-gpu.log" || status=1
+# shellcheck disable=SC2086  # BENCH_ARGS: several arguments
+timeout "${BENCH_SECONDS:-240}" "$PY" -m benchmarks.gpu ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.log" || status=1
+exit $status
