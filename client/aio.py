@@ -108,7 +108,9 @@ class AsyncMemoryClient:
         `tls`: speak TLS, trusting its CA (default: $MEMSERVER_TLS_CA, else the endpoint file's;
         none of them: plaintext; see client.channels.client_tls).
         `shm`: send the tensors of lookups, bags and searches to shards on this machine through
-        shared memory (client.shm); default $MEMSERVER_SHM, on unless it is 0."""
+        shared memory (client.shm); default $MEMSERVER_SHM, on unless it is 0 (or false, off, no).
+        With shared memory on, calls go by the shards' doorbells (no gRPC per call) unless
+        $MEMSERVER_DOORBELL is 0."""
         tune_malloc()  # large calls build their messages in reused memory (see memserver.wire)
         record = read_endpoint() if not endpoint else None
         self.endpoint = endpoint or record["endpoint"]

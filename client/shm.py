@@ -52,6 +52,7 @@ from memserver.wire import (
     boot_id,
     shm_layout,
     shm_write,
+    switch_on,
     tensor_bytes,
 )
 from memserver.wire import SHM_ALIGN as ALIGN
@@ -78,7 +79,7 @@ def enabled(option: bool | None) -> bool:
     """Whether a client uses shared memory: its `shm` option, else $MEMSERVER_SHM (default on)."""
     if option is not None:
         return option and sys.platform.startswith("linux")
-    return os.environ.get(SHM_ENV, "1") != "0" and sys.platform.startswith("linux")
+    return switch_on(SHM_ENV) and sys.platform.startswith("linux")
 
 
 def is_local(address: str) -> bool:
@@ -284,7 +285,7 @@ class ShmTransport:
         self.streams: dict[str, Any] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.boot_id = boot_id() if on else ""
-        self.doorbell = os.environ.get(DOORBELL_ENV, "1") != "0"  # calls by the shards' doorbells
+        self.doorbell = switch_on(DOORBELL_ENV)  # calls by the shards' doorbells
         self.pid = os.getpid()  # a forked child shares the regions' memory: it must not use them
         self.calls = 0  # calls sent through shared memory (a count, for tests and curious users)
         self.bell_calls = 0  # and calls sent by the shards' doorbells (client.transport.ring)

@@ -9,6 +9,7 @@ accepts and another rejects would leave the table half-changed), and the shard c
 from __future__ import annotations
 
 import math
+import os
 import struct
 import sys
 import time
@@ -355,13 +356,21 @@ def parse_views(cls: Any, raw: bytes) -> Any:
 
 # ------------------------------------------------------------------ shared memory (client.shm, memserver.server.shm)
 
-#: Shared memory is on unless this is "0": in a client's environment for its calls, in a shard's
-#: (`memserver up`'s, or `ray start`'s on other nodes) for every client of that shard.
+#: Shared memory is on unless this is off (`switch_on`): in a client's environment for its calls,
+#: in a shard's (`memserver up`'s, or `ray start`'s on other nodes) for every client of that shard.
 SHM_ENV = "MEMSERVER_SHM"
 #: With shared memory on, calls to a shard on this machine go by its doorbell (no gRPC per call:
-#: client.doorbell, memserver.server.doorbell) unless this is "0", in either side's environment:
+#: client.doorbell, memserver.server.doorbell) unless this is off, in either side's environment:
 #: then they go by gRPC, their tensors still in shared memory.
 DOORBELL_ENV = "MEMSERVER_DOORBELL"
+#: What turns an on/off environment switch off (any case; anything else leaves it on).
+SWITCH_OFF = ("0", "false", "off", "no")
+
+
+def switch_on(name: str) -> bool:
+    """Whether an environment switch (SHM_ENV, DOORBELL_ENV) is on: unset, or not one of
+    SWITCH_OFF. "false" and "off" mean off as "0" does: a user who wrote them meant it."""
+    return os.environ.get(name, "1").strip().lower() not in SWITCH_OFF
 #: The doorbell's frames (memserver.server.doorbell has the protocol): a request's head (body
 #: length, call id, deadline as time.monotonic() seconds or 0: none, method name length; one
 #: machine, one monotonic clock), an answer's (body length, call id, gRPC status code), the

@@ -109,9 +109,78 @@ def test_bad_config_names_the_problem(tmp_path, text, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ("{name: a, num_rows: '10', dim: 2}", "num_rows must be an integer, got '10'"),
+        ("{name: a, num_rows: 10, dim: 2, tier: tape}", "tier must be one of ram, disk, got 'tape'"),
+        ("{name: a, num_rows: 10, dim: 2, cache_bytes: 4Q}", "cache_bytes: not a size: '4Q'"),
+        ("{name: a, num_rows: 10, dim: 2, lr: fast}", "lr must be a number, got 'fast'"),
+        ("{name: a, num_rows: 10, dim: 2, wal: 'yes please'}", "wal must be true or false"),
+    ],
+)
+def test_a_tables_values_are_checked_before_any_cluster_starts(tmp_path, table, message):
+    """A value of the wrong type names its key, the table and the file (it used to pass the key
+    check and fail inside the client, after the cluster had started, naming nothing)."""
+    path = tmp_path / "t.yaml"
+    path.write_text(f"tables:\n  - {table}\n")
+    with pytest.raises(cli.CliError) as err:
+        cli.load_config(str(path))
+    assert message in str(err.value) and f"tables[0] in {path}" in str(err.value)
+
+
+def test_sizes_and_numbers_in_a_tables_yaml_are_read_as_a_user_writes_them(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("tables:\n  - {name: a, num_rows: 10, dim: 2, tier: disk, cache_bytes: 4G, lr: 1e-3}\n")
+    [table] = cli.load_config(str(path))["tables"]
+    assert table["cache_bytes"] == 4 << 30 and table["lr"] == 0.001  # YAML reads 1e-3 as a string
+
+
+def test_create_table_and_drop_table_from_the_cli(memory_cluster):
+    """A tier disk table made from the command line, as `memserver up --config` makes one, seen by
+    status, refused a second time, then dropped; a bad size is refused naming the flag."""
+    from client import MemoryClient
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    at = ["--endpoint", memory_cluster.endpoint]
+    made = run(["create-table", "cli-disk", "--rows", "3000", "--dim", "16", "--tier", "disk", "--cache-bytes", "64K",
+                "--optimizer", "adam", "--sharding", "rows", "--json", *at], env, timeout=120)
+    assert made.returncode == 0, made.stderr
+    meta = json.loads(made.stdout)
+    assert (meta["name"], meta["num_rows"], meta["dim"], meta["tier"], meta["cache_bytes"], meta["optimizer"],
+            meta["sharding"]) == ("cli-disk", 3000, 16, "disk", 64 << 10, "adam", "rows")
+    try:
+        again = run(["create-table", "cli-disk", "--rows", "3000", "--dim", "16", *at], env, timeout=120)
+        assert again.returncode == 1 and "already exist" in again.stderr, again.stderr
+        status = json.loads(run(["status", "--json", *at], env, timeout=120).stdout)
+        loads = [t for s in status["shards"] for t in s["tables"] if t["table"] == "cli-disk"]
+        assert len(loads) == 2 and all(t["tier"] == "disk" for t in loads)
+        human = run(["create-table", "cli-ram", "--rows", "100", "--dim", "4", "--wal", *at], env, timeout=120)
+        assert human.returncode == 0 and "created cli-ram: 100 x 4 float32" in human.stdout and "wal" in human.stdout
+    finally:
+        for name in ("cli-disk", "cli-ram"):
+            dropped = run(["drop-table", name, *at], env, timeout=120)
+            assert dropped.returncode == 0 and f"dropped {name}" in dropped.stdout, dropped.stderr
+    with MemoryClient(memory_cluster.endpoint) as client:
+        assert not {"cli-disk", "cli-ram"} & {t.name for t in client.list_tables()}
+    bad = run(["create-table", "x", "--rows", "10", "--dim", "2", "--cache-bytes", "4Q", *at], env, timeout=60)
+    assert bad.returncode == 2 and "--cache-bytes" in bad.stderr and "not a size" in bad.stderr
+
+
+def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default():
+    from memserver.cli.lifecycle import _flag_or_config
+
+    cfg = {"shard_cpus": 0.25, "threads_per_shard": 3}
+    given = cli.build_parser().parse_args(["up", "--shard-cpus", "1", "--shard-gpus", "1,0"])
+    plain = cli.build_parser().parse_args(["up"])
+    assert _flag_or_config(given, cfg, "shard_cpus", 0.5) == 1.0 and _flag_or_config(plain, cfg, "shard_cpus", 0.5) == 0.25
+    assert _flag_or_config(plain, cfg, "threads_per_shard", 1) == 3 and _flag_or_config(plain, {}, "threads_per_shard", 1) == 1
+    assert _flag_or_config(given, cfg, "shard_gpus", 0.0) == [1.0, 0.0] and _flag_or_config(plain, cfg, "shard_gpus", 0.0) == 0.0
+
+
 def test_help_explains_every_command():
     out = run(["--help"], os.environ).stdout
-    for word in ("up", "status", "down", "index"):
+    for word in ("up", "status", "down", "index", "create-table", "drop-table"):
         assert word in out
     build_help = run(["index", "build", "--help"], os.environ).stdout
     for flag in ("--vectors", "--ids", "--payload", "--factory", "--train-sample"):

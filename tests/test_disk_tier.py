@@ -479,6 +479,8 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
             load = next(t for t in pb.ShardStatus.FromString(shard.status()).tables if t.table == "d")
             d = _disk_dict(load)
             assert d["tier"] == "disk" and 0 < d["cache_bytes"] <= d["cache_bound"] == 8192
+            assert d["memory_bytes"] == load.bytes == sl.nbytes() == d["cache_bytes"] + 500 * 16  # and the counters
+            assert (d["cached_rows"], d["capacity"]) == (int((sl._slot_row >= 0).sum()), sl.capacity) and d["cached_rows"] > 0
             assert d["cache_hits"] > 0 and 0 < d["hit_rate"] < 1 and d["disk_reads"] > 0 and d["disk_reads_per_s"] > 0
             reg = shard.metrics.registry
             assert reg.get_sample_value("memserver_disk_cache_bound_bytes", {"table": "d"}) == 8192
@@ -487,8 +489,11 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
             c = sl.cache_stats()
             assert d["hinted"] == len(cold) == c["hinted"] == reg.get_sample_value("memserver_disk_row_hinted_total",
                                                                                   {"table": "d"})
-            assert (d["warmed"], d["read_ahead"]) == (c["warmed"], c["read_ahead"])
+            assert (d["warmed"], d["read_ahead"], d["warm_dropped"]) == (c["warmed"], c["read_ahead"], c["warm_dropped"])
             assert reg.get_sample_value("memserver_disk_row_warmed_total", {"table": "d"}) == c["warmed"]
+            assert reg.get_sample_value("memserver_disk_row_warm_dropped_total", {"table": "d"}) == c["warm_dropped"]
+            assert reg.get_sample_value("memserver_disk_cache_rows", {"table": "d"}) == d["cached_rows"]
+            assert reg.get_sample_value("memserver_disk_cache_slots", {"table": "d"}) == d["capacity"]
             assert reg.get_sample_value("memserver_disk_cache_bytes", {"table": "r"}) is None  # RAM tables: no series
             # a corrupt row: DATA_LOSS naming the table and the file; the other table still serves
             path = load.data_file

@@ -464,6 +464,30 @@ def test_the_switches(monkeypatch):
     assert _bells(monkeypatch, {}, {"MEMSERVER_SHM": "0"}) == []
 
 
+def test_a_ray_clusters_shards_take_the_switches_set_where_it_is_started(memory_cluster, monkeypatch):
+    """`MEMSERVER_DOORBELL=0 memserver up --address auto`: the shard actors run in worker processes
+    of a Ray started earlier (`ray start`: its environment, not this one's), yet they take the
+    switch as set where the cluster is started."""
+    from memserver.cluster.launch import start_cluster
+
+    monkeypatch.setenv("MEMSERVER_DOORBELL", "0")  # after this session's Ray started: not in its environment
+    cluster = start_cluster(1, shard_cpus=0.1, name="switchtest")
+    try:
+        monkeypatch.delenv("MEMSERVER_DOORBELL")  # the client would ring if its shard had a doorbell
+        with MemoryClient(cluster.endpoint, timeout=60) as c:
+            c.create_table("switched", 64, 4)
+            for _ in range(100):
+                c.lookup("switched", [0], count=False)
+                if c.aio.shm.regions:
+                    break
+                time.sleep(0.02)
+            c.lookup("switched", [0], count=False)
+            assert [r.bell for r in c.aio.shm.regions.values()] == [None]
+            assert c.aio.shm.bell_calls == 0
+    finally:
+        cluster.shutdown()
+
+
 def test_bell_unit_bounds():
     """A Bell refuses (None: send by gRPC) a body above the doorbell's limit and more than
     MAX_OUTSTANDING calls in flight, and fails the waiting calls UNAVAILABLE when its shard goes."""

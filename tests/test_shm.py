@@ -642,3 +642,22 @@ def test_a_call_naming_a_region_the_shard_lost_is_sent_again_over_tcp(local_shar
             assert ac.shm.calls - before == 1 and region.retired
 
     asyncio.run(asynchronous())
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("OFF", False), (" no ", False), ("1", True),
+                                       ("yes", True), (None, True)])
+def test_the_shared_memory_and_doorbell_switches_read_off_as_a_user_writes_it(monkeypatch, value, on):
+    """MEMSERVER_SHM=false or off turns shared memory off as 0 does (they used to leave it on,
+    silently); the doorbell's switch reads the same way, by the same rule."""
+    from client.shm import ShmTransport, enabled
+    from memserver.server.shm import Regions
+    from memserver.wire import DOORBELL_ENV, SHM_ENV
+
+    for name in (SHM_ENV, DOORBELL_ENV):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert enabled(None) is on  # the client's
+    assert Regions().on is on  # the shard's
+    assert ShmTransport(True, lambda address: None).doorbell is on

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "the batch is drawn (same losses at --staleness 0; for measuring the prefetch)")
     mem.add_argument("--no-warm", action="store_true",
                      help="token-addressed layers on disk tables (--tier disk): no read-ahead hint of step t+1's rows "
-                          "once step t's forward is done (same losses; for measuring the hint)")
+                          "once step t's forward is done (same losses; for measuring the hint). The hint is sent only "
+                          "with --staleness 0 and the prefetch on (not --no-prefetch)")
     mem.add_argument("--tier", choices=["ram", "disk"], default="ram",
                      help="remote value tables: rows in the shards' RAM, or (disk) in files on the shards' data "
                           "directories under a RAM cache of hot rows (a table many times the cluster's memory)")

@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from memserver.cli.common import CliError, parse_size, pid_alive
+from memserver.cli.tables import table_args
 from memserver.cluster import PLACEMENT_STRATEGIES, parse_gpus, shard_gpu_list
 from memserver.server.sessions import SESSION_TTL
 
 log = logging.getLogger("memserver")
 
-TABLE_KEYS = {"name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype", "init_std", "seed", "num_shards", "eps", "wal", "tier",
-              "cache_bytes"}
 CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "data_dir", "session_ttl", "tables"}
 
 
@@ -46,12 +45,17 @@ def load_config(path: str | None) -> dict[str, Any]:
         if str(cfg["placement"]).upper() not in PLACEMENT_STRATEGIES:
             raise CliError(f"--config: placement in {path} must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {cfg['placement']!r}")
         cfg["placement"] = str(cfg["placement"]).upper()
-    for i, table in enumerate(cfg.get("tables") or []):
-        if not isinstance(table, dict) or not {"name", "num_rows", "dim"} <= set(table):
-            raise CliError(f"--config: tables[{i}] in {path} needs at least name, num_rows and dim")
-        if unknown := set(table) - TABLE_KEYS:
-            raise CliError(f"--config: tables[{i}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(TABLE_KEYS)}")
+    if not isinstance(cfg.get("tables") or [], list):
+        raise CliError(f"--config: tables in {path} must be a list of tables")
+    cfg["tables"] = [table_args(table, f"--config: tables[{i}] in {path}") for i, table in enumerate(cfg.get("tables") or [])]
     return cfg
+
+
+def _flag_or_config(args: argparse.Namespace, cfg: dict[str, Any], key: str, default: Any) -> Any:
+    """The one rule for `up`'s settings: a flag given wins over the config's key, which wins over
+    the default."""
+    flag = getattr(args, key)
+    return flag if flag is not None else cfg.get(key, default)
 
 
 def running_cluster() -> dict[str, Any] | None:
@@ -72,7 +76,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
     _limits(args)  # a bad value is the caller's error, before anything starts
     try:  # the flag, or the config's number, list or "1,1,0,0"
-        shard_gpus = shard_gpu_list(shards, cfg.get("shard_gpus", args.shard_gpus))
+        shard_gpus = shard_gpu_list(shards, _flag_or_config(args, cfg, "shard_gpus", 0.0))
     except ValueError as exc:
         raise CliError(f"--shard-gpus (or the config's shard_gpus): {exc}") from None
     if args.detach:
@@ -110,9 +114,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     cluster = start_cluster(
         shards,
-        shard_cpus=cfg.get("shard_cpus", args.shard_cpus),
+        shard_cpus=_flag_or_config(args, cfg, "shard_cpus", 0.5),
         shard_gpus=shard_gpus,
-        threads_per_shard=cfg.get("threads_per_shard", args.threads_per_shard),
+        threads_per_shard=_flag_or_config(args, cfg, "threads_per_shard", 1),
         port=args.port,
         placement=args.placement or cfg.get("placement") or "SPREAD",
         placement_timeout=args.placement_timeout,
@@ -323,9 +327,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     up = sub.add_parser("up", help="start a memory cluster (embedded Ray head unless --address)",
                         description="Start shard actors and the coordinator. With no --address, starts a local Ray "
-                        "head in this process. Prints 'memserver ready at HOST:PORT' and writes the endpoint file.")
+                        "head in this process. Prints 'memserver ready at HOST:PORT' and writes the endpoint file.",
+                        epilog="Environment: clients on a shard's machine send it their tensors through shared memory "
+                        "and call it by its doorbell (no gRPC per call). MEMSERVER_SHM=0 (or false, off, no) here "
+                        "turns both off for every client of these shards: TCP only; MEMSERVER_DOORBELL=0 keeps shared "
+                        "memory but calls by gRPC. The shards take them from this command's environment, also on "
+                        "nodes joined with `ray start`; a client's own environment turns them off for its calls.")
     up.add_argument("--shards", type=int, default=0, help="number of shard actors (default: the config's, else 2)")
-    up.add_argument("--config", help="YAML file: shards, shard_cpus, shard_gpus, threads_per_shard, placement, tables: [{name, num_rows, dim, ...}]")
+    up.add_argument("--config", help="YAML file (deploy/tables.yaml): shards, shard_cpus, shard_gpus, threads_per_shard, "
+                    "placement, data_dir, session_ttl, and tables: [{name, num_rows, dim, and any of sharding, optimizer, "
+                    "lr, dtype, init_std, seed, num_shards, eps, wal, sync_workers, tier, cache_bytes}] (memserver "
+                    "create-table's flags)")
     up.add_argument("--address", help="join an existing Ray cluster ('auto' or HOST:PORT) instead of starting one")
     up.add_argument("--detach", action="store_true", help="return once ready and leave the cluster running in the background")
     up.add_argument("--port", type=int, default=0, help="coordinator gRPC port (default: any free port)")
@@ -364,11 +376,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "(0: no limit; default 1G)")
     up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
-    up.add_argument("--shard-cpus", type=float, default=0.5, help="Ray CPUs reserved per shard actor")
-    up.add_argument("--shard-gpus", type=gpus_flag, default=0.0, metavar="G[,G...]",
+    up.add_argument("--shard-cpus", type=float, help="Ray CPUs reserved per shard actor (default: the config's, else 0.5)")
+    up.add_argument("--shard-gpus", type=gpus_flag, metavar="G[,G...]",
                     help="Ray GPUs per shard actor (its value slices then live on its GPU): one number for every "
-                         "shard (0.5: two shards per GPU), or one per shard for a mixed cluster (1,1,0,0)")
-    up.add_argument("--threads-per-shard", type=int, default=1, help="torch and numba compute threads in each shard")
+                         "shard (0.5: two shards per GPU), or one per shard for a mixed cluster (1,1,0,0); default: the "
+                         "config's, else 0")
+    up.add_argument("--threads-per-shard", type=int,
+                    help="torch and numba compute threads in each shard (default: the config's, else 1)")
     up.add_argument("--session-ttl", type=float, default=0.0,
                     help=f"seconds a client may stay silent before its shards forget its session (default {SESSION_TTL:.0f}); "
                          "a retry from a forgotten session is refused, since it may have been applied")
@@ -377,8 +391,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "(different nodes where possible), STRICT_SPREAD (one node each, or fail), PACK (fewest nodes); "
                     "default: the config's, else SPREAD")
     up.add_argument("--data-dir", help="where shards keep their table records and write-ahead logs, so a restarted shard "
-                    "(and a later `up` on the same directory) recovers its tables; every node must be able to write it "
-                    "(default: a scratch directory under $MEMSERVER_HOME/run, removed when the cluster stops)")
+                    "(and a later `up` on the same directory) recovers its tables, and tier disk tables their row files "
+                    "(size it for them); every node must be able to write it (default: a scratch directory under "
+                    "$MEMSERVER_HOME/run, removed when the cluster stops)")
     up.add_argument("--max-restarts", type=int, default=-1,
                     help="times Ray restarts a dead shard or coordinator (-1: always, 0: never)")
     up.add_argument("--placement-timeout", type=float, default=120.0,

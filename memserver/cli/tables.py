@@ -1,5 +1,5 @@
-"""`memserver status`, `checkpoint` and `restore`: what the running cluster holds, and saving and
-loading its tables."""
+"""`memserver status`, `create-table`, `drop-table`, `checkpoint` and `restore`: what the running
+cluster holds, making and dropping value tables, and saving and loading them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from memserver.api.types import fmt_bytes
-from memserver.cli.common import CliError, cluster_flags, endpoint_of
+from memserver.cli.common import CliError, cluster_flags, endpoint_of, parse_size
 
 
 def calls_dict(c: Any) -> dict[str, Any]:
@@ -89,11 +89,13 @@ def _disk_dict(t: Any) -> dict[str, Any]:
     if t.tier != "disk":
         return {"tier": t.tier or "ram"}
     seen, secs = t.cache_hits + t.cache_misses, max(t.disk_seconds, 1e-9)
-    return {"tier": "disk", "cache_bytes": t.bytes, "cache_bound": t.cache_bound, "cache_hits": t.cache_hits,
+    return {"tier": "disk", "cache_bytes": t.cache_bytes, "cache_bound": t.cache_bound, "cached_rows": t.cache_rows,
+            "capacity": t.cache_capacity, "memory_bytes": t.bytes, "cache_hits": t.cache_hits,
             "cache_misses": t.cache_misses, "hit_rate": t.cache_hits / seen if seen else 0.0,
             "evictions": t.cache_evictions, "disk_reads": t.disk_reads, "disk_writes": t.disk_writes,
             "disk_reads_per_s": t.disk_reads / secs, "disk_writes_per_s": t.disk_writes / secs,
             "read_ahead": t.disk_read_ahead, "hinted": t.disk_hinted, "warmed": t.disk_warmed,
+            "warm_dropped": t.disk_warm_dropped,
             "data_file": t.data_file, "data_bytes": t.data_bytes}
 
 
@@ -135,15 +137,18 @@ def cmd_status(args: argparse.Namespace) -> int:
                             "yes" if t["wal"] else "no", str(len(t["shards"])))
     if indexes.row_count:
         console.print(indexes)
-    disks = Table(title="disk tables (tier disk: rows in files under a row cache; rates since each slice loaded)")
-    for col in ("name", "shard", "cache", "bound", "hit rate", "evictions", "disk reads/s", "disk writes/s", "file"):
+    disks = Table(title="disk tables (tier disk: rows in files under a row cache; rates since each slice loaded; "
+                  "memory: the cache and the rows' read counters)")
+    for col in ("name", "shard", "cached rows", "cache", "memory", "hit rate", "evictions", "disk reads/s",
+                "disk writes/s", "hinted (read ahead)", "file"):
         disks.add_column(col, justify="left" if col in ("name", "file") else "right")
     for s in st["shards"]:
         for x in s["tables"]:
             if x.get("tier") == "disk":
-                disks.add_row(x["table"], str(s["index"]), fmt_bytes(x["cache_bytes"]), fmt_bytes(x["cache_bound"]),
-                              f"{x['hit_rate']:.1%}", f"{x['evictions']:,}", f"{x['disk_reads_per_s']:,.0f}",
-                              f"{x['disk_writes_per_s']:,.0f}", f"{x['data_file']} ({fmt_bytes(x['data_bytes'])})")
+                disks.add_row(x["table"], str(s["index"]), f"{x['cached_rows']:,} / {x['capacity']:,}",
+                              fmt_bytes(x["cache_bound"]), fmt_bytes(x["memory_bytes"]), f"{x['hit_rate']:.1%}",
+                              f"{x['evictions']:,}", f"{x['disk_reads_per_s']:,.0f}", f"{x['disk_writes_per_s']:,.0f}",
+                              f"{x['hinted']:,} ({x['warmed']:,})", f"{x['data_file']} ({fmt_bytes(x['data_bytes'])})")
     if disks.row_count:
         console.print(disks)
     pkms = Table(title="product-key tables (serving a trained memory layer)")
@@ -205,6 +210,92 @@ def _calls_table(st: dict[str, Any]) -> Any:
     return calls
 
 
+# ----------------------------------------------------------------- create-table, drop-table
+
+#: A value table's keys, as a table of tables.yaml (`memserver up --config`) and as `memserver
+#: create-table`'s flags: `create_table`'s arguments.
+TABLE_KEYS = ("name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype", "init_std", "seed", "num_shards",
+              "eps", "wal", "sync_workers", "tier", "cache_bytes")
+_INTS = ("num_rows", "dim", "seed", "num_shards", "sync_workers")
+_NUMBERS = ("lr", "init_std", "eps")
+_CHOICES = {"sharding": ("rows", "cols"), "tier": ("ram", "disk")}
+
+
+def table_args(table: Any, where: str) -> dict[str, Any]:
+    """`create_table`'s arguments from a table's keys, checked before any cluster is asked: a key
+    of the wrong type would otherwise fail deep in the client, naming neither key nor file.
+    Sizes may carry a suffix (cache_bytes: 4G); numbers may be strings (YAML reads 1e-3 as
+    one). `where` names the table in the errors ("tables[0] in t.yaml")."""
+    if not isinstance(table, dict) or not {"name", "num_rows", "dim"} <= set(table):
+        raise CliError(f"{where} needs at least name, num_rows and dim")
+    if unknown := set(table) - set(TABLE_KEYS):
+        raise CliError(f"{where} has unknown key(s) {sorted(unknown)}; allowed: {sorted(TABLE_KEYS)}")
+    out = dict(table)
+
+    def bad(key: str, want: str) -> CliError:
+        return CliError(f"{where}: {key} must be {want}, got {table[key]!r}")
+
+    if not isinstance(out["name"], str) or not out["name"]:
+        raise bad("name", "a non-empty string")
+    for key in _INTS:
+        if key in out and (isinstance(out[key], bool) or not isinstance(out[key], int)):
+            raise bad(key, "an integer")
+    for key in _NUMBERS:
+        if key in out:
+            try:
+                if isinstance(out[key], bool):
+                    raise ValueError
+                out[key] = float(out[key])
+            except (TypeError, ValueError):
+                raise bad(key, "a number") from None
+    for key in ("optimizer", "dtype"):
+        if key in out and not isinstance(out[key], str):
+            raise bad(key, "a string")
+    for key, choices in _CHOICES.items():
+        if key in out and out[key] not in choices:
+            raise bad(key, f"one of {', '.join(choices)}")
+    if "wal" in out and not isinstance(out["wal"], bool):
+        raise bad("wal", "true or false")
+    if "cache_bytes" in out:
+        size = out["cache_bytes"]
+        if isinstance(size, str):
+            try:
+                out["cache_bytes"] = parse_size(size)
+            except argparse.ArgumentTypeError as exc:
+                raise CliError(f"{where}: cache_bytes: {exc}") from None
+        elif isinstance(size, bool) or not isinstance(size, int):
+            raise bad("cache_bytes", "a number of bytes (e.g. 1073741824 or 1G)")
+    return out
+
+
+def cmd_create_table(args: argparse.Namespace) -> int:
+    from client import MemoryClient
+
+    given = {k: getattr(args, k) for k in TABLE_KEYS if getattr(args, k, None) is not None}
+    kwargs = table_args({**given, "wal": args.wal}, "memserver create-table")
+    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+        meta = client.create_table(kwargs.pop("name"), kwargs.pop("num_rows"), kwargs.pop("dim"), **kwargs)
+    if args.json:
+        print(json.dumps(meta.to_dict(), indent=2))
+    else:
+        tier = f"tier disk, cache {fmt_bytes(meta.cache_bytes)}" if meta.tier == "disk" else "tier ram"
+        print(f"created {meta.name}: {meta.num_rows:,} x {meta.dim} {meta.dtype}, {meta.sharding} over "
+              f"{len(meta.shards)} shards, {meta.optimizer} lr {meta.lr:g}, {tier}" + (", wal" if meta.wal else ""))
+    return 0
+
+
+def cmd_drop_table(args: argparse.Namespace) -> int:
+    from client import MemoryClient
+
+    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+        client.drop_table(args.name)
+    if args.json:
+        print(json.dumps({"dropped": args.name}))
+    else:
+        print(f"dropped {args.name}")
+    return 0
+
+
 # ----------------------------------------------------------------- checkpoint, restore
 
 
@@ -243,13 +334,53 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """`status`, `checkpoint` and `restore`."""
+    """`status`, `create-table`, `drop-table`, `checkpoint` and `restore`."""
     st = sub.add_parser("status", help="tables and shards of the running cluster",
                         description="Show tables and shards (node, pid, port, state, rows, bytes, requests served, "
-                        "metrics URL), the calls each server answered (requests, errors by status, authentication "
-                        "failures, rejected, in flight) and what each restarted shard recovered its tables from.")
+                        "metrics URL), tier disk tables' caches per shard (rows cached, memory, hit rate, evictions, "
+                        "disk reads and writes per second, rows hinted), the calls each server answered (requests, "
+                        "errors by status, authentication failures, rejected, in flight) and what each restarted "
+                        "shard recovered its tables from.")
     cluster_flags(st, timeout=30.0, json_help="print one JSON object instead of tables")
     st.set_defaults(func=cmd_status)
+
+    ct = sub.add_parser("create-table", help="create a value table in the running cluster",
+                        description="Create a value table (the keys of a table in `memserver up --config`'s "
+                        "tables.yaml, as flags; the client's create_table). A tier disk table keeps its rows "
+                        "and optimizer state in files in each shard's data directory (memserver up --data-dir) "
+                        "under a RAM cache of --cache-bytes for the whole table.",
+                        epilog="example: memserver create-table values --rows 100000000 --dim 64 --tier disk "
+                        "--cache-bytes 4G --wal")
+    ct.add_argument("name", help="the table's name")
+    ct.add_argument("--rows", dest="num_rows", type=int, required=True, metavar="N", help="number of rows (memory slots)")
+    ct.add_argument("--dim", type=int, required=True, metavar="D", help="floats per row")
+    ct.add_argument("--sharding", choices=_CHOICES["sharding"],
+                    help="rows: each shard holds some rows; cols: every row, some columns (default: the cluster's)")
+    ct.add_argument("--optimizer", help="the sparse optimizer of its rows: sgd, adagrad or adam (default adagrad)")
+    ct.add_argument("--lr", type=float, help="learning rate (default 0.01)")
+    ct.add_argument("--dtype", help="storage: float32, float16 or bfloat16 (default float32; tier disk: float32)")
+    ct.add_argument("--init-std", type=float, help="std of the rows' normal initialisation (default 0.02)")
+    ct.add_argument("--seed", type=int, help="initialisation seed (default 0)")
+    ct.add_argument("--num-shards", type=int, help="shards to spread it over (default: every shard)")
+    ct.add_argument("--eps", type=float, help="the optimizer's epsilon (default: the optimizer's own)")
+    ct.add_argument("--sync-workers", type=int,
+                    help="data-parallel trainers whose steps are summed into one update (default 0: none)")
+    ct.add_argument("--wal", action="store_true",
+                    help="log every write before acknowledging it, so a restarted shard loses none")
+    ct.add_argument("--tier", choices=_CHOICES["tier"],
+                    help="ram (default): rows in the shards' memory; disk: in files under a row cache")
+    ct.add_argument("--cache-bytes", type=parse_size,
+                    help="tier disk: the row cache's bound for the whole table, split over its shards (e.g. 4G; "
+                    "default 1/8 of the rows' records)")
+    cluster_flags(ct, timeout=600.0, json_help="print the table's description as JSON")
+    ct.set_defaults(func=cmd_create_table)
+
+    dt = sub.add_parser("drop-table", help="drop a table and everything of it",
+                        description="Drop a table: every shard frees its slice (and removes its files: a tier disk "
+                        "table's rows, the write-ahead log). Checkpoints are kept.")
+    dt.add_argument("name", help="the table's name")
+    cluster_flags(dt, timeout=120.0)
+    dt.set_defaults(func=cmd_drop_table)
 
     ck = sub.add_parser("checkpoint", help="write a consistent checkpoint of the tables",
                         description="Every shard writes its slices (temporary name, fsync, rename); the manifest is "

@@ -26,6 +26,7 @@ from memserver.server.coordinator import CoordinatorActor
 from memserver.server.rayutil import LOCALHOST, bind_host, check_host, forced_host
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.shard_actor import ShardActor
+from memserver.wire import DOORBELL_ENV, SHM_ENV
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,9 @@ def start_cluster(
     coord = None
     try:
         shard_cls = ray.remote(ShardActor)
+        # The same-host switches as set where the cluster is started, also for shards on nodes
+        # whose processes came from `ray start` (they inherit its environment, not this one's)
+        switches = {n: os.environ[n] for n in (SHM_ENV, DOORBELL_ENV) if n in os.environ}
         shards = [
             shard_cls.options(
                 name=f"{name}-shard-{i}",
@@ -188,6 +192,7 @@ def start_cluster(
                 max_concurrency=16,  # threads for Ray calls; data-plane traffic is gRPC
                 max_restarts=max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": switches} if switches else None,
             ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator", session_ttl, config)
             for i in range(num_shards)
         ]

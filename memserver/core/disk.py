@@ -874,7 +874,8 @@ class DiskTable(ValueTable):
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise ResourceExhaustedError(
                     f"table {self.name}: cannot allocate {size:,} bytes for {path}: the disk is full ({exc.strerror}); "
-                    "free space in the shard's data directory or use fewer rows per shard") from None
+                    "free space there, give the shards a larger data directory (memserver up --data-dir), or spread the "
+                    "table's rows over more shards (sharding rows)") from None
             raise
         if not size:
             return fd, None, np.zeros(0, dtype=np.uint8)

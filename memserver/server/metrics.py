@@ -206,6 +206,8 @@ class _TableCollector:
         disk = {key: family(f"memserver_disk_{key}", text, labels=["table"]) for key, family, text in (
             ("cache_bytes", GaugeMetricFamily, "Bytes a disk table's row cache holds (tier disk)"),
             ("cache_bound_bytes", GaugeMetricFamily, "The bound of a disk table's row cache (its cache_bytes per shard)"),
+            ("cache_rows", GaugeMetricFamily, "Rows a disk table's row cache holds now (of memserver_disk_cache_slots)"),
+            ("cache_slots", GaugeMetricFamily, "Rows a disk table's row cache can hold (its bound, in rows)"),
             ("cache_hits", CounterMetricFamily, "Distinct rows of a call found in the cache"),
             ("cache_misses", CounterMetricFamily, "Distinct rows of a call read from the data file"),
             ("cache_evictions", CounterMetricFamily, "Rows evicted from the cache"),
@@ -215,15 +217,18 @@ class _TableCollector:
              "Rows whose data file pages were not in memory, read ahead from the device together"),
             ("row_hinted", CounterMetricFamily, "Rows Warm hints named that the cache did not hold"),
             ("row_warmed", CounterMetricFamily,
-             "Rows whose data file pages a Warm hint read ahead, before the call that reads them"))}
+             "Rows whose data file pages a Warm hint read ahead, before the call that reads them"),
+            ("row_warm_dropped", CounterMetricFamily, "Rows of Warm hints dropped unread (a newer hint took their place)"))}
         for name, sl in list(self.tables().items()):
             if hasattr(sl.table, "cache_stats"):
                 c = sl.table.cache_stats()
                 for key, value in (("cache_bytes", c["cache_bytes"]), ("cache_bound_bytes", c["cache_bound"]),
+                                   ("cache_rows", c["cached_rows"]), ("cache_slots", c["capacity"]),
                                    ("cache_hits", c["hits"]), ("cache_misses", c["misses"]),
                                    ("cache_evictions", c["evictions"]), ("row_reads", c["disk_reads"]),
                                    ("row_writes", c["disk_writes"]), ("row_read_ahead", c["read_ahead"]),
-                                   ("row_hinted", c["hinted"]), ("row_warmed", c["warmed"])):
+                                   ("row_hinted", c["hinted"]), ("row_warmed", c["warmed"]),
+                                   ("row_warm_dropped", c["warm_dropped"])):
                     disk[key].add_metric([name], value)
             held = sl.table.ntotal if sl.is_index else getattr(sl.table, "num_rows", 0)  # product keys: no rows
             rows.add_metric([name], held)

@@ -37,7 +37,7 @@ from memserver.storage.checkpoint import load_index, load_into, load_whole, save
 from memserver.storage.fsutil import atomic_write
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, latest_committed, table_record
 from memserver.storage.wal import LogGapError, WriteAheadLog, read_log, repair_log
-from memserver.wire import DOORBELL_ENV, tune_malloc
+from memserver.wire import DOORBELL_ENV, switch_on, tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ShardActor:
         # the doorbell before serving: an AttachRegion answered before it existed would tell its
         # client there is none for the region's life
         self.doorbell: Doorbell | None = None
-        if self.servicer.regions.on and os.environ.get(DOORBELL_ENV, "1") != "0":
+        if self.servicer.regions.on and switch_on(DOORBELL_ENV):
             self.doorbell = Doorbell(self.servicer, self.servicer.regions.admission, self.metrics)
             self.metrics.registry.register(self.doorbell)
             self.servicer.regions.doorbell = self.doorbell.name
@@ -419,11 +419,13 @@ class ShardActor:
                     load.tier = sl.spec.tier or "ram"
                     if hasattr(sl.table, "cache_stats"):
                         c = sl.table.cache_stats()
-                        load.bytes = c["cache_bytes"]  # held in memory: the cache
+                        load.cache_bytes, load.cache_rows, load.cache_capacity = (c["cache_bytes"], c["cached_rows"],
+                                                                                  c["capacity"])
                         load.cache_bound, load.cache_hits, load.cache_misses = c["cache_bound"], c["hits"], c["misses"]
                         load.cache_evictions, load.disk_reads, load.disk_writes = c["evictions"], c["disk_reads"], c["disk_writes"]
                         load.data_file, load.data_bytes, load.disk_seconds = str(sl.table.path), c["file_bytes"], c["seconds"]
                         load.disk_read_ahead, load.disk_hinted, load.disk_warmed = c["read_ahead"], c["hinted"], c["warmed"]
+                        load.disk_warm_dropped = c["warm_dropped"]
             return st.SerializeToString()
 
         return self.loop.call(status())

@@ -49,7 +49,7 @@ from memserver.api.auth import AuthConfig
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.server.admission import Admission
-from memserver.wire import MAX_MESSAGE_BYTES, SHM_ENV, STALE_REGION, Lazy, boot_id, shm_layout, shm_write
+from memserver.wire import MAX_MESSAGE_BYTES, SHM_ENV, STALE_REGION, Lazy, boot_id, shm_layout, shm_write, switch_on
 from memserver.wire import SHM_NONCE_BYTES as NONCE_BYTES
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class Regions:
 
     def __init__(self, admission: Admission | None = None) -> None:
         self.by_id: dict[str, Attached] = {}
-        self.on = os.environ.get(SHM_ENV, "1") != "0"  # the operator's switch: clients cannot turn it on
+        self.on = switch_on(SHM_ENV)  # the operator's switch: clients cannot turn it on
         self.boot_id = boot_id()
         self.memfd_dev = memfd_device()
         self.admission = admission
@@ -179,7 +179,7 @@ class Regions:
         memory cannot work between this client and this shard), InvalidArgumentError (not a region
         the shard may map), _Full (RESOURCE_EXHAUSTED)."""
         if not self.on:
-            raise _NotHere(f"shared memory is off on this shard ({SHM_ENV}=0)")
+            raise _NotHere(f"shared memory is off on this shard ({SHM_ENV}={os.environ.get(SHM_ENV)})")
         if not self.boot_id or self.memfd_dev is None or request.boot_id != self.boot_id:
             raise _NotHere("the client runs on another machine (boot ids differ)")
         size, pid, fd = int(request.size), int(request.pid), int(request.fd)
