@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -38,15 +39,18 @@ class LoopThread:
 
         As `asyncio.run` does at its end: every task left (grpc.aio's own, e.g. a closed call's
         status handler that has not run yet) is cancelled and given the loop to finish, so none is
-        destroyed pending when the loop closes ("Task was destroyed but it is pending!")."""
+        destroyed pending when the loop closes ("Task was destroyed but it is pending!"). All of
+        it within `timeout` seconds (half of it at most for the tasks): a task that will not end
+        by then is left, and destroyed with the loop."""
+        deadline = time.monotonic() + timeout
         if self.loop.is_running():
             ending = asyncio.run_coroutine_threadsafe(_end_tasks(), self.loop)
             try:
-                ending.result(timeout)
+                ending.result(timeout / 2)  # the rest is the thread's, to stop
             except Exception:  # a task that will not end in time, or the loop stopping: stop anyway
                 pass
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=timeout)
+            self.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if not self.loop.is_running():
             self.loop.close()
 

@@ -363,14 +363,9 @@ SHM_ENV = "MEMSERVER_SHM"
 #: client.doorbell, memserver.server.doorbell) unless this is off, in either side's environment:
 #: then they go by gRPC, their tensors still in shared memory.
 DOORBELL_ENV = "MEMSERVER_DOORBELL"
-#: What turns an on/off environment switch off (any case; anything else leaves it on).
+#: What turns an on/off environment switch (SHM_ENV, DOORBELL_ENV, `switch_on`) off: any case;
+#: anything else leaves it on.
 SWITCH_OFF = ("0", "false", "off", "no")
-
-
-def switch_on(name: str) -> bool:
-    """Whether an environment switch (SHM_ENV, DOORBELL_ENV) is on: unset, or not one of
-    SWITCH_OFF. "false" and "off" mean off as "0" does: a user who wrote them meant it."""
-    return os.environ.get(name, "1").strip().lower() not in SWITCH_OFF
 #: The doorbell's frames (memserver.server.doorbell has the protocol): a request's head (body
 #: length, call id, deadline as time.monotonic() seconds or 0: none, method name length; one
 #: machine, one monotonic clock), an answer's (body length, call id, gRPC status code), the
@@ -379,6 +374,12 @@ DOORBELL_HEAD = struct.Struct("<IQdB")
 DOORBELL_REPLY = struct.Struct("<IQH")
 DOORBELL_HELLO = "Hello"
 DOORBELL_MAX_REQUEST = 1 << 20
+
+
+def switch_on(name: str) -> bool:
+    """Whether an environment switch (SHM_ENV, DOORBELL_ENV) is on: unset, or not one of
+    SWITCH_OFF. "false" and "off" mean off as "0" does: a user who wrote them meant it."""
+    return os.environ.get(name, "1").strip().lower() not in SWITCH_OFF
 
 
 def recv_exact(sock: Any, n: int, deadline: float | None = None) -> bytes | None:

@@ -167,15 +167,57 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster):
     assert bad.returncode == 2 and "--cache-bytes" in bad.stderr and "not a size" in bad.stderr
 
 
-def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default():
-    from memserver.cli.lifecycle import _flag_or_config
+def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default(tmp_path, monkeypatch):
+    """What `memserver up` hands start_cluster: each setting from its flag if given, else the
+    config's key, else the default (shard_cpus, shard_gpus and threads_per_shard used to take
+    the config's over a flag given)."""
+    import signal
 
-    cfg = {"shard_cpus": 0.25, "threads_per_shard": 3}
-    given = cli.build_parser().parse_args(["up", "--shard-cpus", "1", "--shard-gpus", "1,0"])
-    plain = cli.build_parser().parse_args(["up"])
-    assert _flag_or_config(given, cfg, "shard_cpus", 0.5) == 1.0 and _flag_or_config(plain, cfg, "shard_cpus", 0.5) == 0.25
-    assert _flag_or_config(plain, cfg, "threads_per_shard", 1) == 3 and _flag_or_config(plain, {}, "threads_per_shard", 1) == 1
-    assert _flag_or_config(given, cfg, "shard_gpus", 0.0) == [1.0, 0.0] and _flag_or_config(plain, cfg, "shard_gpus", 0.0) == 0.0
+    import ray
+
+    import memserver.cluster.launch as launch
+    from memserver.server.sessions import SESSION_TTL
+
+    class Started(Exception):
+        pass
+
+    got: dict = {}
+
+    def start_cluster(shards, **kwargs):
+        got.update(kwargs, shards=shards)
+        raise Started
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    monkeypatch.setattr(launch, "start_cluster", start_cluster)
+    config = tmp_path / "c.yaml"
+    config.write_text("shards: 3\nshard_cpus: 0.25\nthreads_per_shard: 3\nshard_gpus: 0\nplacement: PACK\n"
+                      "data_dir: /from/config\nsession_ttl: 60\n")
+
+    def up(*flags: str) -> dict:
+        got.clear()
+        with pytest.raises(Started):
+            cli.main(["up", "--config", str(config), *flags])
+        return got
+
+    keys = ("shards", "shard_cpus", "threads_per_shard", "shard_gpus", "placement", "data_dir", "session_ttl")
+    assert tuple(up()[k] for k in keys) == (3, 0.25, 3, [0.0, 0.0, 0.0], "PACK", "/from/config", 60)
+    flags = ["--shards", "2", "--shard-cpus", "1", "--threads-per-shard", "2", "--shard-gpus", "1,0", "--placement",
+             "spread", "--data-dir", "/from/flag", "--session-ttl", "30"]
+    assert tuple(up(*flags)[k] for k in keys) == (2, 1.0, 2, [1.0, 0.0], "SPREAD", "/from/flag", 30)
+    config.write_text("tables: []\n")
+    assert tuple(up()[k] for k in keys) == (2, 0.5, 1, [0.0, 0.0], "SPREAD", None, SESSION_TTL)
+
+
+@pytest.mark.parametrize("text, message", [("shard_cpus: '4'\n", "shard_cpus in"), ("shards: 2.5\n", "shards in"),
+                                           ("data_dir: 7\n", "data_dir in")])
+def test_a_configs_cluster_keys_are_checked_before_anything_starts(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(cli.CliError, match="must be") as err:
+        cli.load_config(str(path))
+    assert message in str(err.value)
 
 
 def test_help_explains_every_command():

@@ -250,6 +250,8 @@ def test_every_command_parses(name):
         parse(prog, argv)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the script where there is no GPU; on a "
+                    "GPU machine the script itself is the run (make test-gpu)")
 def test_the_gpu_machine_script_records_versions_and_runs_the_gpu_tests(tmp_path):
     """tests/gpu/device_run.sh, as a lent GPU machine runs it, here without CUDA: it records the
     versions, runs tests/gpu (all skipped, saying why), and fails because benchmarks.gpu refuses

@@ -476,6 +476,7 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
             with pytest.raises(grpc.RpcError) as err:
                 stub.Warm(pb.WarmRequest(table="d", ids=encode(torch.tensor([3, 500]))))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ids" in err.value.details()
+            assert sl._ahead.wait_idle(30)  # the hint's counts settle before they are compared
             load = next(t for t in pb.ShardStatus.FromString(shard.status()).tables if t.table == "d")
             d = _disk_dict(load)
             assert d["tier"] == "disk" and 0 < d["cache_bytes"] <= d["cache_bound"] == 8192

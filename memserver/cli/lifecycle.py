@@ -23,6 +23,11 @@ from memserver.server.sessions import SESSION_TTL
 log = logging.getLogger("memserver")
 
 CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "data_dir", "session_ttl", "tables"}
+#: The cluster keys' types, checked with the tables' before anything starts (shard_gpus: by
+#: shard_gpu_list, placement: below).
+_CLUSTER_TYPES = {"shards": (int, "an integer"), "threads_per_shard": (int, "an integer"),
+                  "shard_cpus": ((int, float), "a number"), "session_ttl": ((int, float), "a number"),
+                  "data_dir": (str, "a directory's path")}
 
 
 def load_config(path: str | None) -> dict[str, Any]:
@@ -41,6 +46,10 @@ def load_config(path: str | None) -> dict[str, Any]:
         raise CliError(f"--config: {path} must hold a mapping with a 'tables' list")
     if unknown := set(cfg) - CONFIG_KEYS:
         raise CliError(f"--config: unknown key(s) {sorted(unknown)} in {path}; allowed: {sorted(CONFIG_KEYS)}")
+    for key, (types, want) in _CLUSTER_TYPES.items():
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise CliError(f"--config: {key} in {path} must be {want}, got {value!r}")
     if "placement" in cfg:
         if str(cfg["placement"]).upper() not in PLACEMENT_STRATEGIES:
             raise CliError(f"--config: placement in {path} must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {cfg['placement']!r}")
@@ -69,9 +78,11 @@ def running_cluster() -> dict[str, Any] | None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    shards = args.shards or cfg.get("shards") or 2
+    shards = _flag_or_config(args, cfg, "shards", 2)
     if shards < 1:
         raise CliError(f"--shards must be at least 1, got {shards}")
+    if _flag_or_config(args, cfg, "session_ttl", SESSION_TTL) <= 0:
+        raise CliError("--session-ttl (or the config's session_ttl) must be > 0 seconds")
     if (rec := running_cluster()) is not None:
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
     _limits(args)  # a bad value is the caller's error, before anything starts
@@ -118,11 +129,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         shard_gpus=shard_gpus,
         threads_per_shard=_flag_or_config(args, cfg, "threads_per_shard", 1),
         port=args.port,
-        placement=args.placement or cfg.get("placement") or "SPREAD",
+        placement=_flag_or_config(args, cfg, "placement", "SPREAD"),
         placement_timeout=args.placement_timeout,
-        data_dir=args.data_dir or cfg.get("data_dir"),
+        data_dir=_flag_or_config(args, cfg, "data_dir", None),
         max_restarts=args.max_restarts,
-        session_ttl=args.session_ttl or cfg.get("session_ttl") or SESSION_TTL,
+        session_ttl=_flag_or_config(args, cfg, "session_ttl", SESSION_TTL),
         auth=AuthConfig.from_tokens(*tokens) if tokens else None,
         tls=tls,
         checkpoint_root=args.checkpoint_root,
@@ -333,7 +344,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "turns both off for every client of these shards: TCP only; MEMSERVER_DOORBELL=0 keeps shared "
                         "memory but calls by gRPC. The shards take them from this command's environment, also on "
                         "nodes joined with `ray start`; a client's own environment turns them off for its calls.")
-    up.add_argument("--shards", type=int, default=0, help="number of shard actors (default: the config's, else 2)")
+    up.add_argument("--shards", type=int, help="number of shard actors (default: the config's, else 2)")
     up.add_argument("--config", help="YAML file (deploy/tables.yaml): shards, shard_cpus, shard_gpus, threads_per_shard, "
                     "placement, data_dir, session_ttl, and tables: [{name, num_rows, dim, and any of sharding, optimizer, "
                     "lr, dtype, init_std, seed, num_shards, eps, wal, sync_workers, tier, cache_bytes}] (memserver "
@@ -383,7 +394,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "config's, else 0")
     up.add_argument("--threads-per-shard", type=int,
                     help="torch and numba compute threads in each shard (default: the config's, else 1)")
-    up.add_argument("--session-ttl", type=float, default=0.0,
+    up.add_argument("--session-ttl", type=float,
                     help=f"seconds a client may stay silent before its shards forget its session (default {SESSION_TTL:.0f}); "
                          "a retry from a forgotten session is refused, since it may have been applied")
     up.add_argument("--placement", type=str.upper, choices=PLACEMENT_STRATEGIES, default=None,

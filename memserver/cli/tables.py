@@ -139,8 +139,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(indexes)
     disks = Table(title="disk tables (tier disk: rows in files under a row cache; rates since each slice loaded; "
                   "memory: the cache and the rows' read counters)")
-    for col in ("name", "shard", "cached rows", "cache", "memory", "hit rate", "evictions", "disk reads/s",
-                "disk writes/s", "hinted (read ahead)", "file"):
+    for col in ("name", "shard", "cached rows", "bound", "memory", "hit rate", "evictions", "disk reads/s",
+                "disk writes/s", "hinted (warmed)", "file"):
         disks.add_column(col, justify="left" if col in ("name", "file") else "right")
     for s in st["shards"]:
         for x in s["tables"]:
@@ -230,7 +230,7 @@ def table_args(table: Any, where: str) -> dict[str, Any]:
         raise CliError(f"{where} needs at least name, num_rows and dim")
     if unknown := set(table) - set(TABLE_KEYS):
         raise CliError(f"{where} has unknown key(s) {sorted(unknown)}; allowed: {sorted(TABLE_KEYS)}")
-    out = dict(table)
+    out = {k: v for k, v in table.items() if v is not None or k in ("name", "num_rows", "dim")}  # null: the default
 
     def bad(key: str, want: str) -> CliError:
         return CliError(f"{where}: {key} must be {want}, got {table[key]!r}")

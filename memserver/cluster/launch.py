@@ -26,7 +26,7 @@ from memserver.server.coordinator import CoordinatorActor
 from memserver.server.rayutil import LOCALHOST, bind_host, check_host, forced_host
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.shard_actor import ShardActor
-from memserver.wire import DOORBELL_ENV, SHM_ENV
+from memserver.wire import DOORBELL_ENV, SHM_ENV, switch_on
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +181,10 @@ def start_cluster(
     coord = None
     try:
         shard_cls = ray.remote(ShardActor)
-        # The same-host switches as set where the cluster is started, also for shards on nodes
-        # whose processes came from `ray start` (they inherit its environment, not this one's)
-        switches = {n: os.environ[n] for n in (SHM_ENV, DOORBELL_ENV) if n in os.environ}
+        # A same-host switch turned off where the cluster is started also reaches shards on nodes
+        # whose processes came from `ray start` (they inherit its environment, not this one's).
+        # Only "off" travels: a node's own off switch (docs/security.md) is never turned back on.
+        switches = {n: os.environ[n] for n in (SHM_ENV, DOORBELL_ENV) if not switch_on(n)}
         shards = [
             shard_cls.options(
                 name=f"{name}-shard-{i}",

@@ -776,6 +776,7 @@ class _ReadAhead:
         self.closed = False
         self.hinted = self.asked = self.dropped = 0  # rows hinted / asked for ahead (cold pages) / dropped
         self.thread: threading.Thread | None = None
+        self.working = False  # a hint taken and not yet done
 
     def put(self, rows: np.ndarray) -> None:
         with self.cond:
@@ -788,7 +789,7 @@ class _ReadAhead:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name=f"read-ahead {self.name}", daemon=True)
                 self.thread.start()
-            self.cond.notify()
+            self.cond.notify_all()  # the thread, and any wait_idle
 
     def _run(self) -> None:
         while True:
@@ -798,17 +799,29 @@ class _ReadAhead:
                 if self.closed:
                     return
                 rows = self.hints.popleft()
+                self.working = True
             try:
-                self.asked += _read_ahead(self.raw, rows)
+                asked = _read_ahead(self.raw, rows)
             except Exception:  # a hint: the read will fault the pages in itself
+                asked = 0
                 log.exception("table %s: reading %d hinted rows ahead failed", self.name, len(rows))
+            with self.cond:
+                self.asked += asked
+                self.working = False
+                self.cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether every hint handed on was done within `timeout` seconds (for counts that must
+        not move while they are read: tests, benchmarks)."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.closed or not (self.hints or self.working), timeout)
 
     def close(self) -> None:
         with self.cond:
             self.closed = True
             self.dropped += sum(len(h) for h in self.hints)
             self.hints.clear()
-            self.cond.notify()
+            self.cond.notify_all()
         if self.thread is not None:
             self.thread.join()
 

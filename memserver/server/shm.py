@@ -168,6 +168,7 @@ class Regions:
     def __init__(self, admission: Admission | None = None) -> None:
         self.by_id: dict[str, Attached] = {}
         self.on = switch_on(SHM_ENV)  # the operator's switch: clients cannot turn it on
+        self.switch = os.environ.get(SHM_ENV, "")  # as it was read (the refusal says it)
         self.boot_id = boot_id()
         self.memfd_dev = memfd_device()
         self.admission = admission
@@ -179,7 +180,7 @@ class Regions:
         memory cannot work between this client and this shard), InvalidArgumentError (not a region
         the shard may map), _Full (RESOURCE_EXHAUSTED)."""
         if not self.on:
-            raise _NotHere(f"shared memory is off on this shard ({SHM_ENV}={os.environ.get(SHM_ENV)})")
+            raise _NotHere(f"shared memory is off on this shard ({SHM_ENV}={self.switch})")
         if not self.boot_id or self.memfd_dev is None or request.boot_id != self.boot_id:
             raise _NotHere("the client runs on another machine (boot ids differ)")
         size, pid, fd = int(request.size), int(request.pid), int(request.fd)

@@ -20,7 +20,7 @@ WHEELS=${WHEELS:-.whl}
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
         || { echo "device_run: installing $WHEELS/ failed" >&2; exit 2; }
-    export PYTHONPATH=/tmp/site
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 
