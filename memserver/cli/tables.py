@@ -120,7 +120,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         tables.add_column(col, justify="right" if col in ("rows", "dim", "lr", "shards") else "left")
     for t in st["tables"]:
         if t["kind"] == "value":
-            tier = f"disk, cache {fmt_bytes(t['cache_bytes'])}" if t.get("tier") == "disk" else "ram"
+            tier = tier_text(t.get("tier") or "ram", t.get("cache_bytes", 0))
             tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}",
                            t["dtype"], "yes" if t["wal"] else "no", tier, str(len(t["shards"])))
     if tables.row_count:
@@ -268,6 +268,13 @@ def table_args(table: Any, where: str) -> dict[str, Any]:
     return out
 
 
+def tier_text(tier: str, cache_bytes: int) -> str:
+    """A table's tier as status and create-table print it (cache 0: the default bound)."""
+    if tier != "disk":
+        return tier
+    return f"disk, cache {fmt_bytes(cache_bytes) if cache_bytes else '1/8 of its records'}"
+
+
 def cmd_create_table(args: argparse.Namespace) -> int:
     from client import MemoryClient
 
@@ -278,9 +285,9 @@ def cmd_create_table(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(meta.to_dict(), indent=2))
     else:
-        tier = f"tier disk, cache {fmt_bytes(meta.cache_bytes)}" if meta.tier == "disk" else "tier ram"
         print(f"created {meta.name}: {meta.num_rows:,} x {meta.dim} {meta.dtype}, {meta.sharding} over "
-              f"{len(meta.shards)} shards, {meta.optimizer} lr {meta.lr:g}, {tier}" + (", wal" if meta.wal else ""))
+              f"{len(meta.shards)} shards, {meta.optimizer} lr {meta.lr:g}, tier {tier_text(meta.tier, meta.cache_bytes)}"
+              + (", wal" if meta.wal else ""))
     return 0
 
 
