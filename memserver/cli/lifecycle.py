@@ -342,8 +342,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         epilog="Environment: clients on a shard's machine send it their tensors through shared memory "
                         "and call it by its doorbell (no gRPC per call). MEMSERVER_SHM=0 (or false, off, no) here "
                         "turns both off for every client of these shards: TCP only; MEMSERVER_DOORBELL=0 keeps shared "
-                        "memory but calls by gRPC. The shards take them from this command's environment, also on "
-                        "nodes joined with `ray start`; a client's own environment turns them off for its calls.")
+                        "memory but calls by gRPC. Turned off here, they reach the shards also on nodes joined with "
+                        "`ray start` (a node's own off switch stays off); a client's own environment turns them off "
+                        "for its calls.")
     up.add_argument("--shards", type=int, help="number of shard actors (default: the config's, else 2)")
     up.add_argument("--config", help="YAML file (deploy/tables.yaml): shards, shard_cpus, shard_gpus, threads_per_shard, "
                     "placement, data_dir, session_ttl, and tables: [{name, num_rows, dim, and any of sharding, optimizer, "
