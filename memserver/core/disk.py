@@ -552,6 +552,16 @@ def _row_set(n):  # pragma: no cover - compiled
     return np.full(m, -1, np.int64), shift
 
 
+@nb.njit(inline="always")
+def _first_time(seen, row, shift):  # pragma: no cover - compiled
+    """Whether `row` was not in the set `seen` (`_row_set`) yet; it is now."""
+    q = _probe(seen, row, shift)
+    if seen[q] == row:
+        return False
+    seen[q] = row
+    return True
+
+
 @nb.njit(nogil=True, cache=True)
 def _uncached(ids, keys, shift, num_rows):  # pragma: no cover - compiled
     """The distinct rows of `ids` the cache does not hold, in order of first id (ids out of
@@ -565,12 +575,8 @@ def _uncached(ids, keys, shift, num_rows):  # pragma: no cover - compiled
         if r < 0 or r >= num_rows:
             continue
         pos = _probe(keys, r, shift)
-        if keys[pos] == r:
+        if keys[pos] == r or not _first_time(seen, r, mshift):
             continue
-        q = _probe(seen, r, mshift)
-        if seen[q] == r:
-            continue
-        seen[q] = r
         out[k] = r
         k += 1
     return out[:k]
@@ -645,10 +651,8 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
                         _add(sketch, r, st)
                 continue
         src[i] = -1 - r
-        q = _probe(seen, r, mshift)
-        if seen[q] == r:
+        if not _first_time(seen, r, mshift):
             continue
-        seen[q] = r
         missed[nmiss] = r
         nmiss += 1
         st[_MISSES] += 1
