@@ -104,7 +104,8 @@ def test_harness_leaves_nothing_behind():
     hosts.build()
     names = [hosts.ns(0), hosts.ns(1), hosts.bridge_ns]
     sleeper = hosts.popen(1, ["sleep", "600"])
-    assert hosts_mod._pids(hosts.ns(1)) == [sleeper.pid]
+    # `ip netns exec` enters the namespace after Popen returns: the pid shows there a moment later
+    assert hosts_mod.wait_for("sleeper in host 1", lambda: hosts_mod._pids(hosts.ns(1)) or None, 10) == [sleeper.pid]
     assert hosts.run(0, ["ip", "-o", "-4", "addr", "show", "eth0"]).stdout.split()[3] == f"{hosts.addr(0)}/24"
     # the only route in a host is its subnet: nothing else is reachable
     routes = hosts.run(0, ["ip", "route"]).stdout.strip().splitlines()
