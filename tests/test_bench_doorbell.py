@@ -6,6 +6,7 @@ values (by the doorbell and with it off) as with local ones."""
 from __future__ import annotations
 
 import importlib
+import time
 
 import pytest
 
@@ -57,10 +58,15 @@ def test_small_model_remote_trains_like_local() -> None:
           MemoryClient(server.endpoint, timeout=60) as grpc_client):
         bell_client.aio.shm.doorbell, grpc_client.aio.shm.doorbell = True, False
         for client, table in ((bell_client, "sm-bell"), (grpc_client, "sm-grpc")):
-            run = steps(RemoteValues(client, table, rows, D, seed=0))
+            values = RemoteValues(client, table, rows, D, seed=0)
+            t0 = time.monotonic()  # the regions attach in the background: lookups that change nothing until both are
+            while len(client.aio.shm.regions) < 2:
+                assert time.monotonic() - t0 < 20, f"no shared memory after 20s: {client.aio.shm.not_before}"
+                client.lookup(table, [0], count=False)
+                time.sleep(0.02)
+            run = steps(values)
             got = [next(run)["loss"] for _ in range(3)]
             run.close()
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
         rung = {name: c.aio.shm.bell_calls for name, c in (("bell", bell_client), ("grpc", grpc_client))}
-    # the regions are attached in the background on the first calls: later steps go by the doorbell
     assert rung["bell"] > 0 and rung["grpc"] == 0

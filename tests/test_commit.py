@@ -315,7 +315,7 @@ def test_a_prepared_step_of_a_client_that_went_away_commits_when_its_session_exp
     the table equals a run where the client committed, and still does after a restart replays
     the log."""
     run, ref = pairs("run", session_ttl=2.0), pairs("ref")
-    for p in (run, ref):
+    for p in (ref, run):  # run's last write right before its PREPARE: a stall there cannot outlive the ttl
         train_step(p.client, 1, (1,))
         send_part(p.client, 2, 2)
     plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)

@@ -382,8 +382,9 @@ with grpc.insecure_channel(shard.address) as ch:
         ids, g = rng.integers(0, 400, 24), rng.normal(size=(24, 8)).astype(np.float32)
         stub.PushGradients(pb.PushGradientsRequest(table="d", ids=encode(torch.as_tensor(ids)), grads=encode(torch.as_tensor(g)),
                                                    tag=pb.WriteTag(client_id="t", seq=seq)))
-        with open(acked_file, "w") as f:
+        with open(acked_file + ".tmp", "w") as f:  # replaced whole: a kill mid-write leaves the last one
             f.write(str(seq))
+        os.replace(acked_file + ".tmp", acked_file)
         if seq == 40:
             shard.checkpoint_table("d", os.path.join(data, "ck", "step-0000000040", "d", "shard-0000.pt"), 40)
             open(os.path.join(data, "ck", "step-0000000040", "manifest.json"), "w").write("{}")

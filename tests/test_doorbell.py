@@ -276,8 +276,12 @@ def test_a_write_answers_once_and_only_once_durable(tmp_path):
         got: list = []
         caller = threading.Thread(target=lambda: got.append(bell.call("BagBackward", req, 10)))
         caller.start()
-        time.sleep(0.5)
-        assert not got and asked  # applied and logged, not answered: the log has not said durable
+        t0 = time.monotonic()
+        while not asked:  # the doorbell's thread applies and logs the write, then asks the log
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert not got  # applied and logged, not answered: the log has not said durable
         gate.set()
         caller.join(10)
         assert got and got[0][0] == grpc.StatusCode.OK
@@ -499,13 +503,15 @@ def test_bell_unit_bounds():
     server.bind("\0" + name)
     server.listen(1)
 
+    sent = threading.Event()
+
     def fake_shard() -> None:
         conn, _ = server.accept()
         head = conn.recv(DOORBELL_HEAD.size)
         size, call_id, _, n = DOORBELL_HEAD.unpack(head)
         conn.recv(size + n)
         conn.sendall(DOORBELL_REPLY.pack(0, call_id, 0))
-        time.sleep(0.5)
+        sent.wait(30)
         conn.close()  # the shard dies with calls in flight
 
     t = threading.Thread(target=fake_shard)
@@ -516,6 +522,7 @@ def test_bell_unit_bounds():
     assert tickets[-1] is None and None not in tickets[:-1]
     bell.forget(tickets[1])  # a call its caller gave up before waiting: no longer counted
     assert bell.send("Bag", b"", None) is not None
+    sent.set()
     with pytest.raises(UnavailableError, match="doorbell"):
         bell.wait(tickets[0], 10)
     assert not bell.alive and bell.send("Bag", b"", 1) is None

@@ -43,8 +43,10 @@ def test_log_round_trip_and_group_commit(tmp_path, monkeypatch):
         t.join()
     assert sorted(lsns) == list(range(200))
     assert wal.durable_lsn == 200
-    # 4 writers each waiting for its record: one fsync per record would be 200; shared, about 50-70
-    assert wal.syncs <= 4 * 50 // 2, f"{wal.syncs} fsyncs for 200 records: concurrent writers do not share them"
+    # 4 writers each waiting for its record: one fsync per record would be 200. Shared, they settle in
+    # two groups taking turns (one group appends while the other's sync runs): 100 on a quiet machine,
+    # a few more when a writer is held up (a 60 ms stall of one made 101)
+    assert wal.syncs <= 150, f"{wal.syncs} fsyncs for 200 records: concurrent writers do not share them"
     wal.close()
     monkeypatch.undo()
     records = list(read_log(tmp_path, 0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -445,21 +446,29 @@ def test_a_refused_part_fails_the_step_before_any_table_commits(client, table_na
 
 
 class _SlowCommits:
-    """The cluster's client with its commits sent without waiting arriving 0.3 s late, so a call
-    that does not wait for the commit reads the rows without the step."""
+    """The cluster's client with its commits sent without waiting arriving late, so a call that
+    does not wait for the commit reads the rows without the step: `hold` True, each commit waits
+    until the test opens `gate` (a test's "still in flight" cannot race a timer); False, 0.3 s."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client, hold: bool = False) -> None:
+        import threading
         from concurrent.futures import ThreadPoolExecutor
 
-        self.client, self.pool, self.sent = client, ThreadPoolExecutor(1), []
+        self.client, self.pool, self.sent, self.hold, self.gate = client, ThreadPoolExecutor(1), [], hold, threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.client, name)
 
-    def submit_commit_step(self, table, step, **kwargs):
+    def _late(self) -> None:
         import time
 
-        self.sent.append(self.pool.submit(lambda: (time.sleep(0.3), self.client.commit_step(table, step, **kwargs))[1]))
+        if not self.hold:
+            time.sleep(0.3)
+        elif not self.gate.wait(60):
+            raise TimeoutError("the test never opened the gate")
+
+    def submit_commit_step(self, table, step, **kwargs):
+        self.sent.append(self.pool.submit(lambda: (self._late(), self.client.commit_step(table, step, **kwargs))[1]))
         return self.sent[-1]
 
 
@@ -468,10 +477,12 @@ def test_every_call_after_a_commit_in_flight_sees_its_step(client, table_name):
     waited for), the next step's backward and its commit all act on the table with the step
     applied: the rows equal local values' after the same calls."""
     local = LocalValues(64, 4, lr=0.1, seed=2)
-    remote = RemoteValues(_SlowCommits(client), table_name, 64, 4, lr=0.1, seed=2)
+    slow = _SlowCommits(client, hold=True)
+    remote = RemoteValues(slow, table_name, 64, 4, lr=0.1, seed=2)
     ids, w = torch.tensor([[1, 2], [2, 3]]), torch.ones(2, 2)
     grad = torch.arange(8, dtype=torch.float32).view(2, 4)
     for step in (1, 2):
+        slow.gate.clear()
         for v in (local, remote):
             v.begin_step(step)
             v.bag_backward(ids, w, grad, weight_grad=False)
@@ -480,6 +491,7 @@ def test_every_call_after_a_commit_in_flight_sees_its_step(client, table_name):
         one = (torch.tensor([[1], [2], [3]]), torch.ones(3, 1))
         prefetch = remote.submit_bag(*one)  # chained after the commit: returns at once
         assert not prefetch.done()
+        slow.gate.set()
         # (the shards' Adam and the local one differ in the last bits; a read without the step
         # is off by about lr = 0.1)
         torch.testing.assert_close(remote.bag(*one), local.bag(*one), rtol=0, atol=1e-6)  # waits for the commit
@@ -493,7 +505,8 @@ def test_a_backward_and_the_next_commit_wait_for_the_commit_in_flight(client, ta
     """Step 2's backward right after step 1's end_step(wait=False): its dL/dweights are computed on
     the values with step 1 applied, and step 2's commit follows step 1's (rows equal local values')."""
     local = LocalValues(64, 4, lr=0.1, seed=2)
-    remote = RemoteValues(_SlowCommits(client), table_name, 64, 4, lr=0.1, seed=2)
+    slow = _SlowCommits(client, hold=True)
+    remote = RemoteValues(slow, table_name, 64, 4, lr=0.1, seed=2)
     ids, w = torch.tensor([[1, 2], [2, 3]]), torch.ones(2, 2)
     grad = torch.arange(8, dtype=torch.float32).view(2, 4)
     for v in (local, remote):
@@ -501,6 +514,7 @@ def test_a_backward_and_the_next_commit_wait_for_the_commit_in_flight(client, ta
         v.bag_backward(ids, w, grad)
         v.end_step(1, wait=False)
     assert remote.committing is not None and not remote.committing.done()
+    slow.gate.set()
     got = {}
     for v in (local, remote):
         v.begin_step(2)
@@ -548,11 +562,12 @@ def test_a_commit_refused_in_flight_fails_the_next_call_once():
 def test_a_run_stopped_at_a_yield_waits_for_its_commit_in_flight(client, table_name):
     """Closing memtrain's generator (or an error) while a commit is in flight waits for it before
     the client may close: a commit is never cut between its phases."""
-    slow = _SlowCommits(client)
+    slow = _SlowCommits(client, hold=True)
     run = train(build_parser().parse_args([*TINY, "--steps", "5", "--memory-kind", "engram", "--memory", "remote",
                                            "--table", table_name]), client=slow)
-    next(run)  # step 1 logged, its commit 0.3 s from done
+    next(run)  # step 1 logged, its commit held
     assert len(slow.sent) == 1 and not slow.sent[0].done()
+    threading.Timer(0.3, slow.gate.set).start()  # close must wait for it
     run.close()
     assert slow.sent[0].done() and slow.sent[0].exception() is None
 

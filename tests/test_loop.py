@@ -55,6 +55,6 @@ def test_stop_does_not_wait_past_its_timeout_for_a_task_that_will_not_end() -> N
 
     loop.call(start())
     t0 = time.monotonic()
-    loop.stop(timeout=0.5)
-    assert time.monotonic() - t0 < 1.5  # one deadline for the tasks and the thread
+    loop.stop(timeout=2.0)
+    assert time.monotonic() - t0 < 3.0  # one deadline for the tasks and the thread
     assert not loop.thread.is_alive()
