@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ def test_loadtest_reports_exact_numbers_and_drops_its_table(memory_cluster, clie
     report = json.loads(run.stdout)
     assert report["failures"] == 0 and report["errors"] == {}, report["errors"]
     assert report["locust_exceptions"] == 0 and not report["interrupted"]
+    assert report["users"] == 2 and report["users_reached"] == 2
     assert report["requests"] > 0 and report["rps"] > 0
     assert 2.5 <= report["elapsed_s"] < 30
     assert report["table"]["scratch"] and report["table"]["shards"] == 2 and report["table"]["sharding"] == "cols"
@@ -122,6 +124,10 @@ def test_config_travels_through_the_environment():
         (["--expect-workers", "4", "--users", "2"], "--users (2) must be at least --expect-workers (4)"),
         (["--master-bind", "127.0.0.1"], "--master-bind: only with --expect-workers"),
         (["--wait", "soon"], "--wait: expected a time"),
+        (["--knn", "100000"], "--batch 256 x --knn 100000 ids and weights make 292 MiB per message"),
+        (["--batch", "100000", "--dim", "512"], "--batch 100000 x dim 512 rows make 195 MiB per message"),
+        (["--save-latencies", "/nonexistent/x.npz"], "--save-latencies: the directory /nonexistent does not exist"),
+        (["--save-latencies", "/"], "--save-latencies: / is a directory"),
     ],
 )
 def test_bad_loadtest_flags_are_named(tmp_path, monkeypatch, capsys, args, message):
@@ -138,6 +144,41 @@ def test_loadtest_without_a_cluster_says_how_to_start_one(tmp_path, monkeypatch,
     with pytest.raises(SystemExit) as exit_:
         cli.main(["loadtest", "--duration", "1s"])
     assert exit_.value.code == 2 and "memserver up" in capsys.readouterr().err
+
+
+def test_loadtest_refuses_an_index_table_before_any_load(memory_cluster, client, table_name, capsys):
+    client.create_index(table_name, 8)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["loadtest", "--endpoint", memory_cluster.endpoint, "--table", table_name, "--duration", "1s"])
+    assert exit_.value.code == 2
+    assert f"--table: {table_name} is an index table; loadtest calls bag" in capsys.readouterr().err
+    assert "locust" not in sys.modules
+
+
+def test_a_worker_with_no_master_gives_up_after_its_wait(tmp_path):
+    """locust alone would retry its master for 5 minutes; --wait bounds the connection too."""
+    port = _free_port()  # nothing listens there
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "memserver.cli", "loadtest", "--worker-of", f"127.0.0.1:{port}",
+                          "--wait", "2s"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                         env={**os.environ, "MEMSERVER_HOME": str(tmp_path), "MEMSERVER_ENDPOINT": "127.0.0.1:1"})
+    assert run.returncode == 1, run.stderr
+    assert f"--worker-of: no locust master answered at 127.0.0.1:{port} within 2 s" in run.stderr
+    assert "Traceback" not in run.stderr and time.monotonic() - t0 < 60
+
+
+def test_a_ramp_longer_than_the_run_is_reported(capsys):
+    """The report's header names the users that ran, and says why fewer than asked for did."""
+    from memserver.cli.loadtest import print_load_report
+
+    report = {**_recorder({"bag": [1.0, 2.0]}).report(3.0, names=["bag"]), "interrupted": False, "users": 20,
+              "users_reached": 3, "spawn_rate": 1.0, "duration_s": 3.0, "endpoint": "127.0.0.1:1",
+              "table": {"name": "t", "num_rows": 8, "dim": 4, "sharding": "cols", "shards": 1, "scratch": True},
+              "config": {"batch": 1, "knn": 1, "wire_dtype": "float32"}}
+    print_load_report(report)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "3 users for 3.0 s" in out
+    assert "3 of the 20 users asked for ran at once: at --spawn-rate 1/s they take 20.0 s to start" in out
 
 
 # distributed: every worker's latencies merged on the master

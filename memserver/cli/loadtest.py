@@ -31,10 +31,13 @@ MASTER_ONLY = ("users", "spawn_rate", "duration", "table", "mix", "batch", "knn"
 def cmd_loadtest(args: argparse.Namespace) -> int:
     """Check every flag before touching the cluster, then run memserver.loadtest and print."""
     # locust and gevent are imported only in the child process that run_loadtest starts (see there)
+    from memserver.loadtest.caller import check_call_size
     from memserver.loadtest.config import LoadConfig, parse_duration, parse_host_port, parse_mix
     from memserver.loadtest.run import LoadTestError, Master, ScratchTable, run_loadtest, run_worker
 
     wait = _parsed(parse_duration, args.wait, "--wait")
+    if args.save_latencies is not None:
+        _check_writable(args.save_latencies, "--save-latencies")
     if args.worker_of is not None:
         given = [f"--{name.replace('_', '-')}" for name in MASTER_ONLY if getattr(args, name) != DEFAULTS.get(name)]
         if given:
@@ -68,6 +71,10 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     scratch = None
     if args.table is None:
         scratch = ScratchTable(args.num_rows or 65536, args.dim or 128, args.sharding or "cols")
+        try:
+            check_call_size(args.batch, args.knn, scratch.dim)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     elif args.num_rows is not None or args.dim is not None or args.sharding:
         raise CliError("--num-rows, --dim and --sharding shape the scratch table; they cannot be used with --table")
     cfg = LoadConfig(endpoint=endpoint_of(args), table=args.table or "(scratch)", mix=mix, batch=args.batch, knn=args.knn,
@@ -75,10 +82,27 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     try:
         report = run_loadtest(cfg, args.users, args.spawn_rate, duration, scratch=scratch, master=master,
                               save_latencies=args.save_latencies)
+    except ValueError as exc:  # the table or the calls' sizes, refused before any load (loadtest.caller)
+        raise CliError(str(exc)) from None
     except LoadTestError as exc:
         print(f"memserver: error: {exc}", file=sys.stderr)
         return 1
     return _print_and_exit(report, args.json)
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """A file the run can write at its end: refused now rather than after the load."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise CliError(f"{flag}: {path} is a directory; name a file (e.g. latencies.npz)")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise CliError(f"{flag}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise CliError(f"{flag}: {path} is not writable")
 
 
 def _print_and_exit(report: dict[str, Any], as_json: bool) -> int:
@@ -86,10 +110,12 @@ def _print_and_exit(report: dict[str, Any], as_json: bool) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_load_report(report)
+    if report.get("save_error"):
+        print(f"memserver: error: {report['save_error']}", file=sys.stderr)
     if report["interrupted"]:
         return 130
     bad = report["failures"] or report["locust_exceptions"] or report.get("missing_workers") or \
-        report.get("rejected_workers") or report.get("sent") is False
+        report.get("rejected_workers") or report.get("sent") is False or report.get("save_error")
     return 1 if bad else 0
 
 
@@ -109,11 +135,17 @@ def print_load_report(report: dict[str, Any]) -> None:
     console = Console()
     if not console.is_terminal:  # piped or logged: rich would assume 80 columns and cut the table
         console = Console(width=120)
+    reached = report.get("users_reached", report["users"])
     console.print(
         f"loadtest of [bold]{t['name']}[/] ({t['num_rows']:,} x {t['dim']} {t['sharding']}, {t['shards']} shards"
-        f"{', scratch' if t['scratch'] else ''}) at {report['endpoint']}\n{report['users']} users for "
+        f"{', scratch' if t['scratch'] else ''}) at {report['endpoint']}\n{reached} users for "
         f"{report['elapsed_s']:.1f} s, batch {c['batch']} x knn {c['knn']}, wire {c['wire_dtype']}"
     )
+    if reached < report["users"] and "spawn_rate" in report and \
+            report["users"] / report["spawn_rate"] > report["duration_s"]:
+        console.print(f"[yellow]{reached} of the {report['users']} users asked for ran at once: at --spawn-rate "
+                      f"{report['spawn_rate']:g}/s they take {report['users'] / report['spawn_rate']:.1f} s to start "
+                      f"(--duration {report['duration_s']:g} s); req/s counts the ramp-up too[/]")
     out = Table(title="latency in ms: exact, over successful requests", box=box.SIMPLE_HEAD)
     for col in ("call", "requests", "failures", "req/s", "MB/s", "mean", "p50", "p95", "p99", "max"):
         out.add_column(col, justify="left" if col == "call" else "right", no_wrap=True)

@@ -32,6 +32,26 @@ def fetch_table(endpoint: str, table: str, timeout: float) -> TableMeta:
     return TableMeta.from_proto(info)
 
 
+def check_call_size(batch: int, knn: int, dim: int, max_bytes: int = OpOptions.max_request_bytes) -> None:
+    """Refuse (ValueError naming the flags) a call the load test could not send whole: it sends
+    each call as one request per shard, never split as the client would."""
+    ids = batch * knn * 12  # int64 ids + float32 weights
+    rows = batch * dim * 4  # a bag's answer or a backward's gradients, float32
+    if max(ids, rows) > max_bytes:
+        what = (f"--batch {batch} x --knn {knn} ids and weights make {ids >> 20} MiB" if ids >= rows else
+                f"--batch {batch} x dim {dim} rows make {rows >> 20} MiB")
+        raise ValueError(f"{what} per message; keep them under {max_bytes >> 20} MiB")
+
+
+def check_table(meta: TableMeta, batch: int, knn: int, max_bytes: int = OpOptions.max_request_bytes) -> None:
+    """A table the load test can call (a value table), with calls it can send whole."""
+    if meta.kind != "value":
+        article = "an" if meta.kind == "index" else "a"
+        raise ValueError(f"--table: {meta.name} is {article} {meta.kind.replace('_', '-')} table; loadtest calls "
+                         "bag, lookup and bag_backward, which need a value table")
+    check_call_size(batch, knn, meta.dim, max_bytes)
+
+
 class ShardCaller:
     """Sends the client's ops for one table; see the module docstring."""
 
@@ -46,10 +66,7 @@ class ShardCaller:
             if sh.address not in self.channels:
                 self.channels[sh.address] = sync_channel(sh.address, retries=False, token=token, tls=tls)
         self.stubs = {sh.address: transport.methods(self.channels[sh.address]) for sh in meta.shards}
-        biggest = max(cfg.batch * meta.dim * 4, cfg.batch * cfg.knn * 12)
-        if biggest > self.opts.max_request_bytes:
-            raise ValueError(f"batch: {cfg.batch} x dim {meta.dim} makes messages of {biggest >> 20} MiB; "
-                             f"keep them under {self.opts.max_request_bytes >> 20} MiB")
+        check_table(meta, cfg.batch, cfg.knn, self.opts.max_request_bytes)
 
     def connect(self) -> None:
         """Open every shard connection now, so no call's latency includes connection set-up."""

@@ -237,6 +237,7 @@ def run_master(users: int, spawn_rate: float, duration_s: float, bind: tuple[str
     runner = env.create_master_runner(*bind)
     state: MasterState = setup(env, cfg=cfg, wait_s=wait_s)
     interrupted = user.on_signals()
+    peak = 0
     try:
         deadline = time.monotonic() + wait_s
         while runner.worker_count < expect_workers and time.monotonic() < deadline and not interrupted.is_set():
@@ -247,11 +248,13 @@ def run_master(users: int, spawn_rate: float, duration_s: float, bind: tuple[str
         runner.start(users, spawn_rate=spawn_rate)
         deadline = time.monotonic() + duration_s
         while time.monotonic() < deadline and not interrupted.is_set():
+            peak = max(peak, runner.user_count)  # the workers' counts, as their heartbeats report them
             interrupted.wait(min(0.05, max(0.0, deadline - time.monotonic())))
     finally:
         runner.quit()  # test_stopping: the collect above; then locust tells the workers to quit
     report = state.report(names=list(cfg.mix))
     report["interrupted"] = interrupted.is_set()
+    report["users_reached"] = peak
     report["expect_workers"] = expect_workers
     report["master"] = f"{bind[0]}:{bind[1]}"
     report["locust_exceptions"] = sum(e["count"] for e in runner.exceptions.values())
@@ -266,11 +269,11 @@ def run_worker(master: tuple[str, int], wait_s: float) -> tuple[dict[str, Any], 
     master stops, and returns its own report once the master says quit (bounded: the test's
     max_seconds + `wait_s` + the request deadline)."""
     env = Environment(user_classes=[user.MemserverUser], events=locust.events)
-    runner = env.create_worker_runner(*master)
+    deadline = time.monotonic() + wait_s
+    runner = _connect_worker(env, master, wait_s)
     state: WorkerState = setup(env)
     interrupted = user.on_signals()
     try:
-        deadline = time.monotonic() + wait_s
         while state.cfg is None and state.config_error is None and time.monotonic() < deadline \
                 and not interrupted.is_set() and len(runner.greenlet):
             interrupted.wait(0.1)
@@ -291,7 +294,7 @@ def run_worker(master: tuple[str, int], wait_s: float) -> tuple[dict[str, Any], 
     meta = user._Process.caller.meta if user._Process.caller is not None else None
     report.update({
         "master": f"{master[0]}:{master[1]}", "address": state.address, "sent": state.sent,
-        "interrupted": interrupted.is_set(), "endpoint": cfg.endpoint, "users": state.users,
+        "interrupted": interrupted.is_set(), "endpoint": cfg.endpoint, "users": state.users, "users_reached": state.users,
         "locust_exceptions": sum(e["count"] for e in runner.exceptions.values()),
         "table": {"name": cfg.table, "num_rows": meta.num_rows if meta else 0, "dim": meta.dim if meta else 0,
                   "sharding": meta.sharding if meta else "?", "shards": len(meta.shards) if meta else 0,
@@ -299,6 +302,26 @@ def run_worker(master: tuple[str, int], wait_s: float) -> tuple[dict[str, Any], 
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("endpoint", "table")},
     })
     return report, rec
+
+
+def _connect_worker(env: Environment, master: tuple[str, int], wait_s: float) -> WorkerRunner:
+    """locust's worker runner, connected to `master` within `wait_s`. locust's own connection
+    retries 60 times 5 s (5 minutes) whatever the caller's bound; its two module settings are set
+    for this one call, which is all a worker process makes."""
+    import math
+
+    from locust import runners
+
+    saved = runners.CONNECT_TIMEOUT, runners.CONNECT_RETRY_COUNT
+    runners.CONNECT_TIMEOUT = max(0.1, min(saved[0], wait_s))
+    runners.CONNECT_RETRY_COUNT = max(0, math.ceil(wait_s / runners.CONNECT_TIMEOUT) - 1)
+    try:
+        return env.create_worker_runner(*master)
+    except ConnectionError:
+        raise ValueError(f"--worker-of: no locust master answered at {master[0]}:{master[1]} within {wait_s:g} s "
+                         "(is `memserver loadtest --expect-workers N --master-bind` running there?)") from None
+    finally:
+        runners.CONNECT_TIMEOUT, runners.CONNECT_RETRY_COUNT = saved
 
 
 def save_latencies(rec: LatencyRecorder, path: str) -> None:
@@ -336,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memserver loadtest: error: {detail}", file=sys.stderr)
         return 2
     if args.save_latencies:
-        save_latencies(rec, args.save_latencies)
+        try:
+            save_latencies(rec, args.save_latencies)
+        except OSError as exc:  # the run's report still comes back; the command fails on this
+            report["save_error"] = f"--save-latencies: cannot write {args.save_latencies}: {exc.strerror or exc}"
     with open(args.report, "w") as f:
         json.dump(report, f)
     return 0

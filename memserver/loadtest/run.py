@@ -53,13 +53,17 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
     (duration + grace, then killed) and in requests (cfg.max_requests).
     """
     from client import MemoryClient
+    from memserver.loadtest.caller import check_call_size, check_table
 
+    if scratch is not None:  # the calls' sizes before a table is made for them
+        check_call_size(cfg.batch, cfg.knn, scratch.dim)
     with MemoryClient(cfg.endpoint, timeout=60.0) as mem:
         if scratch is not None:
             cfg = replace(cfg, table=f"loadtest-{uuid.uuid4().hex[:8]}")
             mem.create_table(cfg.table, scratch.num_rows, scratch.dim, sharding=scratch.sharding)
         try:
             meta = mem.table(cfg.table)  # TableNotFoundError before any locust starts
+            check_table(meta, cfg.batch, cfg.knn)  # an index table, a call too large: before any locust
             # the users stop themselves a little after the duration even if the runner does not
             cfg = replace(cfg, max_seconds=min(cfg.max_seconds, duration_s + cfg.timeout + 5))
             args = ["--users", str(users), "--spawn-rate", str(spawn_rate), "--duration", str(duration_s)]

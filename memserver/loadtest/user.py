@@ -143,10 +143,12 @@ def run_headless(users: int, spawn_rate: float, duration_s: float) -> tuple[dict
     runner = env.create_local_runner()
     interrupted = on_signals()
     t0 = time.perf_counter()
+    peak = 0
     try:
         runner.start(users, spawn_rate=spawn_rate)
         deadline = time.monotonic() + duration_s
         while time.monotonic() < deadline and rec.total < cfg.max_requests and not interrupted.is_set():
+            peak = max(peak, runner.user_count)
             if runner.user_count == 0 and runner.spawning_greenlet is not None and runner.spawning_greenlet.ready():
                 break  # every user stopped itself (request bound)
             interrupted.wait(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -156,6 +158,7 @@ def run_headless(users: int, spawn_rate: float, duration_s: float) -> tuple[dict
     elapsed = time.perf_counter() - t0
     report = rec.report(elapsed, names=list(cfg.mix))
     report["interrupted"] = interrupted.is_set()
+    report["users_reached"] = peak
     report["locust_exceptions"] = sum(e["count"] for e in runner.exceptions.values())
     for e in runner.exceptions.values():
         report["errors"][f"user: {e['msg']}"] = e["count"]
