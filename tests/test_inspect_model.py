@@ -5,6 +5,7 @@ slot reports (projected tokens, agreement), search by token, text activations an
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 
 import numpy as np
@@ -154,6 +155,13 @@ def test_local_checkpoints_say_why_they_cannot_be_inspected(client, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no memtrain checkpoint"):
         Inspector.load(tmp_path / "empty", client)
+    # not memtrain's: any other file, and a table slice of `memserver checkpoint` (an easy mix-up)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"notes.txt is not a memtrain checkpoint .*: torch.load says"):
+        Inspector.load(tmp_path / "notes.txt", client)
+    torch.save({"meta": {"table": "t"}, "state": {"weight": torch.zeros(2, 2)}}, tmp_path / "shard-0000.pt")
+    with pytest.raises(ValueError, match="it has no model \\(a table slice of `memserver checkpoint`"):
+        Inspector.load(tmp_path / "shard-0000.pt", client)
 
 
 def test_lsh_slots_project_through_their_hash_sketch():
@@ -198,6 +206,26 @@ def test_inspect_top_usage_search_commands(client, trained, capsys, tmp_path, me
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "random_slots" in u["agreement"]
     code, out = cli(capsys, "search-token", table, "e", "-n", "2", "--json", *ep)
     assert code == 0 and json.loads(out.out)["slots"] == search_token(trained["inspector"], client, table, "e", 2)
+    spaces = search_token(trained["inspector"], client, table, " ", 2)
+    for written in ("␣", "·", "\\s"):  # as the page and `inspect` draw a space, and its escape
+        code, out = cli(capsys, "search-token", table, written, "-n", "2", "--json", *ep)
+        assert code == 0 and json.loads(out.out) == {"table": table, "token": " ", "slots": spaces}, written
+    code, out = cli(capsys, "search-token", table, "␣", "-n", "2", *ep)  # ranks 0-based, as --json and the page
+    assert code == 0 and "0: the slot's top token" in " ".join(out.out.split())
+    assert re.search(rf"\b{spaces[0]['slot']}\b[^0-9]+{spaces[0]['p']:.4f}[^0-9]+{spaces[0]['rank']}\b", out.out)
+
+
+def test_usage_of_a_table_never_read_says_so(client, table_name, capsys, memory_cluster):
+    """No reads: no KL or Gini (they would read 0, \"perfectly even\"), for the histograms as for the exact counts."""
+    from memserver.api.usage import Histogram, histogram_metrics, usage_metrics
+
+    assert set(usage_metrics(np.zeros(8), np.zeros(8))) == {"used_pct"}
+    assert set(histogram_metrics(Histogram.of(np.zeros(8)), Histogram.of(np.zeros(8)))) == {"used_pct"}
+    client.create_table(table_name, 64, 4)
+    code, out = cli(capsys, "usage", table_name, "--json", "--endpoint", memory_cluster.endpoint)
+    assert code == 0 and not {"kl_counts", "kl_weights", "gini_weights"} & set(json.loads(out.out))
+    code, out = cli(capsys, "usage", table_name, "--endpoint", memory_cluster.endpoint)
+    assert code == 0 and out.out.count("no reads yet") == 3
 
 
 @pytest.mark.parametrize("argv,status,message", [
@@ -209,6 +237,9 @@ def test_inspect_top_usage_search_commands(client, trained, capsys, tmp_path, me
     (["usage", "inspect-model", "--plot", "/nonexistent/dir/u.png"], 2, "--plot:"),
     (["inspect", "inspect-model", "1", "-k", "0"], 2, "-k: must be in"),
     (["search-token", "inspect-model", "\\"], 2, "not a valid escape"),
+    (["inspect", "inspect-model", "1", "--checkpoint", __file__], 2, "is not a memtrain checkpoint"),
+    (["inspect", "inspect-model", "1", "--timeout", "-1"], 2, "argument --timeout: must be more than 0 seconds"),
+    (["top", "inspect-model", "--timeout", "0"], 2, "argument --timeout: must be more than 0 seconds"),
 ])
 def test_command_errors_name_the_argument(trained, capsys, memory_cluster, argv, status, message):
     with pytest.raises(SystemExit) as exit_:

@@ -293,6 +293,10 @@ def test_cli_web_parser_and_serving(client, traced, monkeypatch):
     assert (args.host, args.port, args.checkpoint, args.func) == ("127.0.0.1", web.DEFAULT_PORT, None, web.cmd_web)
     with pytest.raises(CliError, match="--checkpoint"):
         web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--checkpoint", "/no/such/dir"]))
+    with pytest.raises(CliError, match="--checkpoint: .*test_web.py is not a memtrain checkpoint"):
+        web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--checkpoint", __file__]))
+    with pytest.raises(CliError, match=r"--port must be in \[1, 65535\], got 0"):
+        web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--port", "0"]))
     served = {}
 
     def run(app, host, port, **kwargs):  # instead of binding the port: serve what cmd_web built, read one page
@@ -306,6 +310,27 @@ def test_cli_web_parser_and_serving(client, traced, monkeypatch):
     assert (served["host"], served["port"]) == ("127.0.0.1", 9999)
     assert served["slot"]["model"]["note"].endswith(f"(--checkpoint, step {traced.inspector.step})")
     assert served["slot"]["hits"] == int(client.slot_stats(traced.table, np.array([3]))["hits"][0])
+
+
+def test_a_bad_checkpoint_flag_is_said_beside_the_model_used_and_loaded_once(client, traced, monkeypatch):
+    """--checkpoint names a file that is not memtrain's: the page uses the recorded model and says
+    why not the flag's; the bad file is tried once per change of the file, not on every view."""
+    import trainer.inspection as inspection
+    from memserver.web.models import ModelCache
+
+    loads = []
+    real = inspection.inspector_for
+
+    def counted(client_, table, checkpoint=None):
+        loads.append(str(checkpoint))
+        return real(client_, table, checkpoint)
+
+    monkeypatch.setattr(inspection, "inspector_for", counted)
+    cache = ModelCache(client, checkpoint=__file__)
+    notes = [cache.for_table(traced.table).note for _ in range(3)]
+    assert notes[0] == notes[2] and "(recorded by memtrain trace, step" in notes[0]
+    assert f"not --checkpoint {__file__}: " in notes[0] and "is not a memtrain checkpoint" in notes[0]
+    assert loads.count(__file__) == 1
 
 
 # ------------------------------------------------------------------ in the browser

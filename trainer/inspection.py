@@ -164,7 +164,18 @@ class Inspector:
     def load(cls, checkpoint: str | Path, client: Any, vocab: list[str] | None = None) -> Inspector:
         """`vocab`: for checkpoints written before memtrain recorded its vocabulary."""
         path = checkpoint_file(checkpoint)
-        blob = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code
+        not_ours = f"{path} is not a memtrain checkpoint (memtrain --checkpoint-dir's trainer-step-*.pt)"
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any other bytes: torch's unpickler fails in many ways (KeyError too)
+            said = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            raise ValueError(f"{not_ours}: torch.load says {said}") from None
+        if not isinstance(blob, dict) or "model" not in blob:
+            raise ValueError(f"{not_ours}: it has no model" + (
+                " (a table slice of `memserver checkpoint`: those restore tables, they hold no model)"
+                if isinstance(blob, dict) and "meta" in blob and "state" in blob else ""))
         sd = GPT.upgrade_state_dict(blob["model"])
         mem = MemoryConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in blob.get("memory", {}).items()})
         vocab = blob.get("vocab") or vocab
@@ -467,6 +478,19 @@ def agreement(inspector: Inspector, client: Any, table: str, *, slots: int = 500
     base = [score(tok[other_slots()]) for _ in range(baselines)] if len(ids) > 1 else [float("nan")]
     return {"table": table, "slots": int(len(ids)), "k": k, "agreement": score(tok),
             "random_slots": float(np.mean(base)), "random_slots_std": float(np.std(base))}
+
+
+#: How a token that cannot be typed on one line may be written, here and on the page: an escape, or
+#: the glyph the page and the CLI (memserver.cli.common.GLYPHS) draw it with.
+TOKEN_ALIASES = {"\\n": "\n", "⏎": "\n", "\\t": "\t", "⇥": "\t", "\\r": "\r", "␍": "\r", "␣": " ", "\\s": " "}
+
+
+def vocab_token(text: str, index: dict[str, int]) -> str:
+    """The vocabulary's token `text` names: itself where the vocabulary has it, else its alias
+    (TOKEN_ALIASES, and the CLI's '·' for a space: a real '·' in a vocabulary stays itself)."""
+    if text in index:
+        return text
+    return {**TOKEN_ALIASES, "·": " "}.get(text, text)
 
 
 def search_token(inspector: Inspector, client: Any, table: str, token: str, n: int = 20, chunk: int = 8192,

@@ -111,8 +111,10 @@ def usage_metrics(counts: np.ndarray, mass: np.ndarray) -> dict[str, float]:
     out: dict[str, float] = {"used_pct": 100.0 * float((counts > 0).sum()) / n}
     for key, x in (("kl_counts", counts), ("kl_weights", mass)):
         nz = x[x > 0]
-        out[key] = kl_to_uniform(float(x.sum()), float((nz * np.log(nz)).sum()), n)
-    out["gini_weights"] = gini(np.ones(n, dtype=np.int64), mass)
+        if nz.size:  # (no reads: no distribution to compare, not an even one; left out as the quantiles are)
+            out[key] = kl_to_uniform(float(x.sum()), float((nz * np.log(nz)).sum()), n)
+    if mass.sum() > 0:
+        out["gini_weights"] = gini(np.ones(n, dtype=np.int64), mass)
     hot = np.sort(mass)[::-1]
     out.update(mass_quantiles(np.ones(n, dtype=np.int64), hot))
     return out
@@ -124,12 +126,14 @@ def histogram_metrics(hits: Histogram, mass: Histogram) -> dict[str, float]:
     n = hits.slots
     if n == 0:
         return {}
-    out: dict[str, float] = {"used_pct": 100.0 * hits.used / n,
-                             "kl_counts": kl_to_uniform(hits.total, hits.sum_xlogx, n),
-                             "kl_weights": kl_to_uniform(mass.total, mass.sum_xlogx, n)}
-    c, v = mass.descending()
-    out["gini_weights"] = gini(np.r_[c, mass.counts[0]], np.r_[v, 0.0])
-    out.update(mass_quantiles(c, v))
+    out: dict[str, float] = {"used_pct": 100.0 * hits.used / n}
+    if hits.total > 0:  # (no reads: left out, as in usage_metrics)
+        out["kl_counts"] = kl_to_uniform(hits.total, hits.sum_xlogx, n)
+    if mass.total > 0:
+        out["kl_weights"] = kl_to_uniform(mass.total, mass.sum_xlogx, n)
+        c, v = mass.descending()
+        out["gini_weights"] = gini(np.r_[c, mass.counts[0]], np.r_[v, 0.0])
+        out.update(mass_quantiles(c, v))
     return out
 
 

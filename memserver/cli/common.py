@@ -27,11 +27,23 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def seconds(text: str) -> float:
+    """argparse type of every --timeout (and other waits in seconds): a number above 0. A deadline
+    of 0 or less would make each call fail at once, after retries, naming no flag."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number), got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
 def cluster_flags(p: argparse.ArgumentParser, timeout: float, json_help: str = "print one JSON object") -> None:
     """--endpoint, --json and --timeout of the commands that talk to a running cluster."""
     p.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
     p.add_argument("--json", action="store_true", help=json_help)
-    p.add_argument("--timeout", type=float, default=timeout, help="RPC deadline, seconds")
+    p.add_argument("--timeout", type=seconds, default=timeout, help="RPC deadline, seconds")
 
 
 def endpoint_of(args: argparse.Namespace) -> str:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memserver.cli.common import CliError, parse_size, pid_alive
+from memserver.cli.common import CliError, parse_size, pid_alive, seconds
 from memserver.cli.tables import table_args
 from memserver.cluster import PLACEMENT_STRATEGIES, parse_gpus, shard_gpu_list
 from memserver.server.sessions import SESSION_TTL
@@ -408,13 +408,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "$MEMSERVER_HOME/run, removed when the cluster stops)")
     up.add_argument("--max-restarts", type=int, default=-1,
                     help="times Ray restarts a dead shard or coordinator (-1: always, 0: never)")
-    up.add_argument("--placement-timeout", type=float, default=120.0,
+    up.add_argument("--placement-timeout", type=seconds, default=120.0,
                     help="seconds to wait for Ray to place the shards (raise it when an autoscaler must add nodes first)")
-    up.add_argument("--timeout", type=float, default=180.0, help="with --detach: seconds to wait for readiness (at least --placement-timeout + 60)")
+    up.add_argument("--timeout", type=seconds, default=180.0, help="with --detach: seconds to wait for readiness (at least --placement-timeout + 60)")
     up.set_defaults(func=cmd_up)
 
     down = sub.add_parser("down", help="stop the cluster that `up` started", description="Stop the running memserver cleanly.")
-    down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait before killing it")
+    down.add_argument("--timeout", type=seconds, default=60.0, help="seconds to wait before killing it")
     down.set_defaults(func=cmd_down)
 
     join = sub.add_parser(

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from memserver.cli.common import CliError, endpoint_of
+from memserver.cli.common import CliError, endpoint_of, seconds
 
 #: Flag defaults (a worker refuses any master-only flag that differs from these).
 DEFAULTS: dict[str, Any] = {"users": 4, "spawn_rate": 4.0, "duration": "30s", "mix": "bag:8,lookup:1,bag_backward:1",
@@ -65,9 +65,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
                         ("--max-requests", args.max_requests), ("--num-rows", args.num_rows), ("--dim", args.dim)):
         if value is not None and value < 1:
             raise CliError(f"{flag} must be at least 1, got {value}")
-    for flag, value in (("--spawn-rate", args.spawn_rate), ("--timeout", args.timeout)):
-        if not value > 0:
-            raise CliError(f"{flag} must be more than 0, got {value}")
+    if not args.spawn_rate > 0:
+        raise CliError(f"--spawn-rate must be more than 0, got {args.spawn_rate}")
     scratch = None
     if args.table is None:
         scratch = ScratchTable(args.num_rows or 65536, args.dim or 128, args.sharding or "cols")
@@ -200,7 +199,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lt.add_argument("--knn", type=int, default=DEFAULTS["knn"], help="entries per bag (default 32)")
     lt.add_argument("--wire-dtype", default=DEFAULTS["wire_dtype"], choices=["float32", "bfloat16", "float16"],
                     help="dtype rows, bag outputs and gradients travel in (default float32)")
-    lt.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="deadline of every request, seconds (default 10)")
+    lt.add_argument("--timeout", type=seconds, default=DEFAULTS["timeout"], help="deadline of every request, seconds (default 10)")
     lt.add_argument("--max-requests", type=int, default=DEFAULTS["max_requests"],
                     help="stop after this many calls even before --duration (per worker with --expect-workers)")
     lt.add_argument("--num-rows", type=int, help="scratch table rows (default 65536)")

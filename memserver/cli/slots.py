@@ -186,6 +186,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
     for key, (label, fmt, note) in says.items():
         if key in out:
             t.add_row(label, fmt.format(out[key]), note)
+        elif key in ("kl_counts", "kl_weights", "gini_weights"):
+            t.add_row(label, "–", "no reads yet: nothing to compare")
     if "agreement" in out and out["agreement"].get("slots"):
         a = out["agreement"]
         t.add_row(f"agreement (top {a['k']} tokens)", f"{a['agreement']:.1%}",
@@ -202,19 +204,21 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 
 def cmd_search_token(args: argparse.Namespace) -> int:
-    from trainer.inspection import search_token
+    from trainer.inspection import search_token, vocab_token
 
     _positive(args, "n")
-    try:
-        token = args.token.encode().decode("unicode_escape") if args.token.startswith("\\") else args.token
-    except UnicodeDecodeError:
-        raise CliError(f"TOKEN: {args.token!r} is not a valid escape (e.g. '\\n' for a newline)") from None
     with _client(args) as client:
         _check_value_table(client, args.table)
         inspector = _inspector(client, args.table, args.checkpoint)
         if inspector is None:
             raise CliError("--checkpoint: search-token projects every slot through a model; give one (or trace the "
                            "table with `memtrain trace` first)")
+        token = vocab_token(args.token, inspector.index)  # ⏎, ␣, · (as inspect draws them), \n, \s
+        if token == args.token and token.startswith("\\") and token not in inspector.index:
+            try:
+                token = token.encode().decode("unicode_escape")  # any other escape: \x41, \u00e9
+            except UnicodeDecodeError:
+                raise CliError(f"TOKEN: {args.token!r} is not a valid escape (e.g. '\\n' for a newline)") from None
         try:
             hits = search_token(inspector, client, args.table, token, args.n, progress=not args.json)
         except ValueError as exc:
@@ -225,10 +229,10 @@ def cmd_search_token(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(title=f"{args.table}: slots whose projected value gives {show(token)!r} the highest probability")
-    for col in ("slot", "p(token)", "its rank in the slot"):
+    for col in ("slot", "p(token)", "its rank in the slot (0: the slot's top token)"):
         t.add_column(col, justify="right")
     for h in hits:
-        t.add_row(str(h["slot"]), f"{h['p']:.4f}", str(h["rank"] + 1))
+        t.add_row(str(h["slot"]), f"{h['p']:.4f}", str(h["rank"]))  # 0-based, as --json and the page
     _console().print(t)
     return 0
 
@@ -276,7 +280,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("search-token", help="the slots whose values promote a token most",
                         description="Project every slot's value through the model's output embedding (a scan of the "
                         "table in chunks, uncounted reads) and list the slots giving TOKEN the highest probability. "
-                        "Escapes like '\\n' name whitespace tokens.")
+                        "Whitespace tokens: '\\n' or ⏎ (a newline), '\\s', ␣ or · (a space), '\\t' or ⇥ (a tab), as inspect draws them.")
     st.add_argument("table", metavar="TABLE")
     st.add_argument("token", metavar="TOKEN")
     st.add_argument("--checkpoint", help=ckpt_help)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from memserver.cli.common import CliError, endpoint_of
+from memserver.cli.common import CliError, endpoint_of, seconds
 
 log = logging.getLogger("memserver.web")
 DEFAULT_PORT = 8377
@@ -18,8 +18,8 @@ def cmd_web(args: argparse.Namespace) -> int:
     from client import MemoryClient
     from memserver.web import create_app
 
-    if not 0 <= args.port <= 65535:
-        raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    if not 1 <= args.port <= 65535:  # (0 would print a URL nobody can open)
+        raise CliError(f"--port must be in [1, 65535], got {args.port}")
     if args.checkpoint:
         from trainer.inspection import checkpoint_file
 
@@ -30,6 +30,13 @@ def cmd_web(args: argparse.Namespace) -> int:
     endpoint = endpoint_of(args)
     with MemoryClient(endpoint, timeout=args.timeout) as client:
         client.list_tables()  # an unreachable cluster is an error now, not on the first page view
+        if args.checkpoint:  # a file that is not memtrain's, now rather than a note on every page
+            from trainer.inspection import Inspector
+
+            try:
+                Inspector.load(args.checkpoint, client)
+            except ValueError as exc:
+                raise CliError(f"--checkpoint: {exc}") from None
         app = create_app(client, checkpoint=args.checkpoint)
         host = f"[{args.host}]" if ":" in args.host else args.host
         log.info("inspection page of the cluster at %s: http://%s:%d/ (Ctrl-C stops it)", endpoint, host, args.port)
@@ -59,5 +66,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="memtrain --checkpoint-dir (its latest step) or a trainer-step-*.pt to project slots through "
                    "(default: the one `memtrain trace` recorded for each table)")
     w.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
-    w.add_argument("--timeout", type=float, default=30.0, help="RPC deadline, seconds (default 30)")
+    w.add_argument("--timeout", type=seconds, default=30.0, help="RPC deadline, seconds (default 30)")
     w.set_defaults(func=cmd_web)

@@ -17,8 +17,6 @@ RANK_BY = {"hits": "hits", "mass": "weight_mass", "updates": "updates", "norm": 
 MAX_LIST = 200
 #: Longest text the "try your own text" box takes (the model reads only its last block_size characters).
 MAX_TEXT = 10_000
-#: How a token the user cannot type into a one-line field may be written in the search box.
-TOKEN_ALIASES = {"\\n": "\n", "⏎": "\n", "\\t": "\t", "⇥": "\t", "␣": " ", "\\s": " "}
 
 
 class PageError(Exception):
@@ -149,6 +147,8 @@ def parse_token(token: str | None) -> str:
     """One character of the vocabulary; ⏎ or \\n for a newline, ␣ or \\s for a space, ⇥ or \\t for a tab."""
     if token is None or token == "":
         raise PageError("type one token (a character of the model's vocabulary) to search for")
+    from trainer.inspection import TOKEN_ALIASES  # the search box takes what search-token takes
+
     token = TOKEN_ALIASES.get(token, token)
     if len(token) != 1 and token.strip():
         token = token.strip()  # " e " typed with spaces around it: the character meant
@@ -183,7 +183,7 @@ def table_summary(client: Any, meta: TableMeta, by: str, n: int, inspector: Any 
     rows = _stats_rows(client, meta.name, np.r_[hot, cold].astype(np.int64))
     out: dict[str, Any] = {
         "table": meta.name, "info": table_info(meta), "by": by, "stat": RANK_BY[by], "n": n,
-        "usage": {**metrics, "slots": usage.hits.slots, "used_slots": usage.hits.used, "hits": usage.hits.total,
+        "usage": {"kl_counts": None, "kl_weights": None, "gini_weights": None, **metrics, "slots": usage.hits.slots, "used_slots": usage.hits.used, "hits": usage.hits.total,
                   "weight_mass": usage.weight_mass.total, "updates": usage.updates.total},
         "hottest": rows[: len(hot)], "coldest": rows[len(hot):],
     }

@@ -37,7 +37,9 @@ class ModelCache:
     def __init__(self, client: Any, checkpoint: str | Path | None = None) -> None:
         self.client = client
         self.checkpoint = str(checkpoint) if checkpoint else None
-        self._cache: dict[str, tuple[tuple[str, int], Any]] = {}
+        # per table and file: (the file's mtime, its inspector or why it failed): one entry per
+        # table the page was asked about and candidate file (two at most), replaced when the file changes
+        self._cache: dict[tuple[str, str], tuple[int, Any]] = {}
         self._lock = threading.Lock()
 
     def for_table(self, table: str) -> Model:
@@ -54,14 +56,22 @@ class ModelCache:
         for source, path in candidates:
             try:
                 file = checkpoint_file(path)
-                key = (str(file.resolve()), file.stat().st_mtime_ns)
+                key, mtime = (table, str(file.resolve())), file.stat().st_mtime_ns
                 with self._lock:
-                    cached = self._cache.get(table)
-                    if cached is None or cached[0] != key:
+                    cached = self._cache.get(key)
+                    if cached is None or cached[0] != mtime:
                         log.info("loading %s for table %s", file, table)
-                        self._cache[table] = (key, inspector_for(self.client, table, file))
-                    inspector = self._cache[table][1]
-                return Model(table, inspector, f"{file} ({source}, step {inspector.step})")
+                        try:
+                            got: Any = inspector_for(self.client, table, file)
+                        except Exception as exc:  # noqa: BLE001 - kept, so a bad file is not loaded again per view
+                            got = str(exc)
+                        self._cache[key] = (mtime, got)
+                    inspector = self._cache[key][1]
+                if isinstance(inspector, str):  # why this file failed, the last time it changed
+                    why.append(f"{source} {path}: {inspector}")
+                    continue
+                skipped = f"; not {'; '.join(why)}" if why else ""
+                return Model(table, inspector, f"{file} ({source}, step {inspector.step}){skipped}")
             except Exception as exc:  # noqa: BLE001 - an unusable checkpoint is said on the page, not raised
                 why.append(f"{source} {path}: {exc}")
         if not why:
