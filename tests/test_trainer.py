@@ -256,7 +256,92 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
 @pytest.mark.parametrize("argv, message", [
     (["--memory", "local", "--tier", "disk"], "--tier disk: disk tables live in the cluster"),
     (["--memory", "remote", "--cache-bytes", "1M"], "--cache-bytes sizes a disk table's cache: add --tier disk"),
+    (["--eval-every", "0"], "--eval-every: must be in [1, "),
+    (["--log-every", "0"], "--log-every: must be in [1, "),
+    (["--eval-iters", "0"], "--eval-iters: must be in [1, "),
+    (["--steps", "0"], "--steps: must be in [1, "),
+    (["--knn", "32"], "--knn: must be in [1, 16], got 32 (--n-keys"),
+    (["--k-dim", "7"], "--k-dim: must be even"),
+    (["--heads", "0"], "--heads: must be in [1, "),
+    (["--n-head", "3"], "--n-embd 32 must be a multiple of --n-head 3"),
+    (["--micro-batches", "0"], "--micro-batches: must be in [1, "),
+    (["--value-lr", "0"], "--value-lr: must be a positive number"),
+    (["--lr", "nan"], "--lr: must be a positive number"),
+    (["--dropout", "2"], "--dropout: must be in [0, 1)"),
+    (["--block-size", "100000000"], "--block-size: must be in [1, 65536]"),
+    (["--checkpoint-every", "2"], "--checkpoint-every: give --checkpoint-dir"),
+    (["--memory", "local", "--wal", "--sharding", "rows"], "--wal, --sharding: for tables in the cluster"),
+    (["--memory", "none", "--sync-commit"], "--sync-commit: for tables in the cluster"),
+    (["--memory", "local", "--endpoint", "127.0.0.1:1"], "--endpoint: this run uses no cluster"),
+    (["--memory-kind", "engram", "--mem-plus"], "--mem-plus: Memory\\+ gates the product-key and LSH"),
+    (["--memory", "local", "--data", "/nonexistent"], "--data: "),
 ])
-def test_disk_tier_flags_are_named(argv, message):
-    with pytest.raises(SystemExit, match=message):
+def test_bad_memtrain_flags_are_named(argv, message):
+    with pytest.raises(SystemExit, match=message.replace("[", "\\[").replace("(", "\\(").replace(")", "\\)")
+                       if "\\" not in message else message):
         list(train(build_parser().parse_args([*TINY, "--steps", "1", *argv])))
+
+
+def test_remote_values_attach_only_to_a_table_of_their_shape(client, table_name, caplog):
+    """create=False attaches (the values stay) and checks the shape; create=True says it replaced a table."""
+    from trainer.memory import RemoteValues
+
+    client.create_table(table_name, 64, 8, seed=4)
+    before = client.lookup(table_name, np.arange(64), count=False)
+    RemoteValues(client, table_name, 64, 8, create=False)
+    np.testing.assert_array_equal(client.lookup(table_name, np.arange(64), count=False), before)
+    with pytest.raises(ValueError, match=f"table {table_name} has 64 x 8 values, this layer needs 64 x 16"):
+        RemoteValues(client, table_name, 64, 16, create=False)
+    with caplog.at_level("WARNING", logger="trainer.memory.backends"):
+        RemoteValues(client, table_name, 64, 8, seed=5)
+    assert f"table {table_name} existed; dropped and made anew" in caplog.text
+
+
+def test_a_block_longer_than_the_text_is_named(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("to be or not to be, that is the question " * 30)
+    with pytest.raises(SystemExit, match="--block-size 200: short.txt.s validation text has 123 tokens"):
+        list(train(build_parser().parse_args([*TINY, "--memory", "local", "--steps", "1", "--data", str(text),
+                                              "--block-size", "200"])))
+
+
+def test_memtrain_without_a_cluster_says_how_to_get_one(tmp_path, monkeypatch):
+    """--memory remote is the default: with no endpoint file, one line says what to do, not a traceback."""
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
+    monkeypatch.delenv("MEMSERVER_ENDPOINT", raising=False)
+    with pytest.raises(SystemExit, match="--memory remote needs a memserver cluster .*`memserver up`.*--memory local"):
+        list(train(build_parser().parse_args([*TINY, "--steps", "1"])))
+
+
+def test_resume_refuses_other_flags_and_keeps_checkpointing(tmp_path):
+    """A resume under other optimizer, model or memory flags is refused by name (they would be
+    silently the checkpoint's); under --memory none a local checkpoint is refused; --steps at or
+    below the checkpoint's step is refused; a resume goes on checkpointing in its directory; a
+    trainer file resumes as its directory's latest does."""
+    from trainer.checkpoints import trainer_file
+
+    common = [*TINY, "--memory", "local", "--seed", "3"]
+    ck = tmp_path / "ck"
+    list(train(build_parser().parse_args([*common, "--steps", "2", "--checkpoint-dir", str(ck)])))
+    for extra, message in ((["--lr", "0.5"], "lr = 0.001, this run gives 0.5 \\(--lr\\)"),
+                           (["--value-lr", "5"], "value_lr = 0.01, this run gives 5.0 \\(--value-lr\\)"),
+                           (["--value-optimizer", "sgd"], "value_optimizer = 'adam', this run gives 'sgd'"),
+                           (["--knn", "8"], "knn = 4, this run gives 8 \\(--knn\\)"),
+                           (["--n-keys", "32", "--knn", "4"], "n_keys = 16, this run gives 32"),
+                           (["--no-query-bn"], "query_bn = True, this run gives False \\(--no-query-bn\\)"),
+                           (["--n-embd", "64"], "n_embd = 32, this run gives 64"),
+                           (["--memory", "none"], "written with --memory local, this run is --memory none"),
+                           ([], "--steps 2: the checkpoint is at step 2 already")):
+        steps = "2" if not extra else "4"
+        with pytest.raises(SystemExit, match=message):
+            list(train(build_parser().parse_args([*common, "--steps", steps, "--resume", str(ck), *extra])))
+    rest = list(train(build_parser().parse_args([*common, "--steps", "4", "--checkpoint-every", "1", "--resume", str(ck)])))
+    assert [r["step"] for r in rest] == [3, 4]
+    assert sorted(p.name for p in ck.glob("trainer-step-*.pt")) == [trainer_file(ck, i).name for i in (2, 3, 4)]
+    again = list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(trainer_file(ck, 2)),
+                                                   "--checkpoint-dir", str(tmp_path / "other")])))
+    assert [r["loss"] for r in again] == [r["loss"] for r in rest]  # from the file named, not the latest
+    with pytest.raises(SystemExit, match="it holds checkpoints after step 2"):
+        list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(trainer_file(ck, 2)),
+                                              "--checkpoint-dir", str(ck)])))

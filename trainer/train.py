@@ -28,7 +28,7 @@ import torch
 
 from memserver.api.errors import MemserverError
 from memserver.cli.common import one_line, parse_size
-from trainer.checkpoints import latest_trainer_file, trainer_file
+from trainer.checkpoints import trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
 from trainer.device import CPU, DEVICES, DTYPES, autocast, dist_backend, resolve_device
 from trainer.memory import (
@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--n-embd", type=int, default=128)
     m.add_argument("--dropout", type=float, default=0.0)
     mem = p.add_argument_group("memory")
-    mem.add_argument("--memory", choices=["none", "local", "remote"], default="remote", help="where the memory values live")
+    mem.add_argument("--memory", choices=["none", "local", "remote"], default="remote",
+                     help="where the memory values live (default remote: tables in the cluster `memserver up` "
+                          "started, or --endpoint's; local: in this process)")
     mem.add_argument("--endpoint", help="memserver coordinator HOST:PORT (default: the endpoint file of `memserver up`)")
     mem.add_argument("--table", default="memtrain-values", help="name of the remote value table (re-created at start)")
     mem.add_argument("--mem-layers", default="2", help="comma-separated block indices that get a memory layer")
@@ -96,10 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--value-optimizer", choices=["adam", "adagrad", "sgd"], default="adam")
     mem.add_argument("--value-lr", type=float, default=1e-2, help="learning rate of the memory values")
     mem.add_argument("--sharding", choices=["rows", "cols"], default=None, help="remote table sharding (default: server's)")
-    mem.add_argument("--staleness", type=int, default=0,
-                     help="0: a step's value update is applied before its backward returns; >=1: the shards answer "
+    mem.add_argument("--staleness", type=int, choices=[0, 1], default=0,
+                     help="0: a step's value update is applied before its backward returns; 1: the shards answer "
                           "first and apply it while the next step starts (reads still never see a table without it). "
-                          "Token-addressed layers (engram): >=1 also sends step t+1's prefetched reads while step t "
+                          "Token-addressed layers (engram): 1 also sends step t+1's prefetched reads while step t "
                           "computes, so they read rows one update old (local and remote alike)")
     mem.add_argument("--no-prefetch", action="store_true",
                      help="token-addressed layers (engram) read when the forward reaches them instead of as soon as "
@@ -149,9 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--trace-sample", type=float, default=0.05, metavar="F",
                     help="fraction of the batch's positions traced (default 0.05)")
     ck = p.add_argument_group("checkpoints")
-    ck.add_argument("--checkpoint-dir", help="save the trainer's state here (and checkpoint the remote tables under <dir>/memory)")
-    ck.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: only at the end, if --checkpoint-dir)")
-    ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and memory)")
+    ck.add_argument("--checkpoint-dir", help="save the trainer's state here (and checkpoint the remote tables under "
+                    "<dir>/memory); with --resume, default: the --resume directory")
+    ck.add_argument("--checkpoint-every", type=int, default=0,
+                    help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir or --resume")
+    ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
+                    "memory), or from that trainer-step-*.pt file; the model, memory and optimizer flags must be the "
+                    "checkpoint's (a different one is refused by name); --steps is the total to reach")
     mem.add_argument("--micro-batches", type=int, default=1, help="split memory lookups so one chunk's call overlaps the next chunk's addressing")
     return p
 
@@ -182,7 +188,54 @@ def distributed(backend: str = "gloo") -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+#: Flags a run records in its checkpoints and a resumed run must give alike (besides the model's
+#: and the memory's shapes, which the checkpoint's config and memory record): the dense and value
+#: optimizers and where the values live. What a resume may change: steps, logging, evaluation,
+#: threads, device, dtype, staleness, micro-batches, prefetch and tracing.
+RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal", "tier", "cache_bytes", "table",
+                 "shared_values")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Every number in range and no flag that the run would ignore, before anything is built (an
+    error naming the flag, not a traceback from deep inside, or a run that silently does something else)."""
+    for flag, value, lo, hi in (
+            ("--steps", args.steps, 1, 1 << 40), ("--batch-size", args.batch_size, 1, 1 << 20),
+            ("--block-size", args.block_size, 1, 1 << 16), ("--eval-every", args.eval_every, 1, 1 << 40),
+            ("--eval-iters", args.eval_iters, 1, 1 << 20), ("--log-every", args.log_every, 1, 1 << 40),
+            ("--threads", args.threads, 0, 4096), ("--n-layer", args.n_layer, 1, 1024), ("--n-head", args.n_head, 1, 1024),
+            ("--n-embd", args.n_embd, 1, 1 << 16), ("--n-keys", args.n_keys, 1, 1 << 16), ("--heads", args.heads, 1, 1024),
+            ("--k-dim", args.k_dim, 2, 1 << 16), ("--knn", args.knn, 1, args.n_keys),
+            ("--micro-batches", args.micro_batches, 1, 1024), ("--checkpoint-every", args.checkpoint_every, 0, 1 << 40)):
+        if not lo <= value <= hi:
+            extra = " (--n-keys: a head reads at most n_keys slots of each half)" if flag == "--knn" else ""
+            raise SystemExit(f"memtrain: error: {flag}: must be in [{lo}, {hi}], got {value}{extra}")
+    if args.k_dim % 2:
+        raise SystemExit(f"memtrain: error: --k-dim: must be even (two halves of k_dim/2), got {args.k_dim}")
+    if args.n_embd % args.n_head:
+        raise SystemExit(f"memtrain: error: --n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    if not 0 <= args.dropout < 1:
+        raise SystemExit(f"memtrain: error: --dropout: must be in [0, 1), got {args.dropout}")
+    for flag, value in (("--lr", args.lr), ("--value-lr", args.value_lr)):
+        if not 0 < value < math.inf:
+            raise SystemExit(f"memtrain: error: {flag}: must be a positive number, got {value}")
+    if args.checkpoint_every and not (args.checkpoint_dir or args.resume):
+        raise SystemExit("memtrain: error: --checkpoint-every: give --checkpoint-dir (where the checkpoints go)")
+    remote_only = [flag for flag, given in (("--wal", args.wal), ("--sharding", args.sharding is not None),
+                                            ("--sync-commit", args.sync_commit)) if given]
+    if args.memory != "remote" and remote_only:
+        raise SystemExit(f"memtrain: error: {', '.join(remote_only)}: for tables in the cluster (--memory remote); "
+                         f"this run is --memory {args.memory}")
+    if args.endpoint and args.memory != "remote" and not args.kif_source:
+        raise SystemExit(f"memtrain: error: --endpoint: this run uses no cluster (--memory {args.memory}, no --kif-source)")
+    kinds = {k.strip() for k in args.memory_kind.split(",")}
+    if args.mem_plus and not kinds & {"pkm", "lsh"}:
+        raise SystemExit("memtrain: error: --mem-plus: Memory+ gates the product-key and LSH layers' output; "
+                         f"--memory-kind {args.memory_kind} has neither")
+
+
 def setup(args: argparse.Namespace, client: Any = None) -> Run:
+    check_flags(args)
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
@@ -198,7 +251,13 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
                     "differs slightly from one trainer on the combined batch (use --no-query-bn for equality)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    corpus = load_corpus(args.data)
+    try:
+        corpus = load_corpus(args.data)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"memtrain: error: --data: {exc}") from None
+    if args.block_size + 1 >= min(len(corpus.train), len(corpus.val)):
+        raise SystemExit(f"memtrain: error: --block-size {args.block_size}: {corpus.name}'s validation text has "
+                         f"{len(corpus.val):,} tokens; a window and its next token must fit in it")
     kinds = tuple(k.strip() for k in args.memory_kind.split(",") if k.strip())
     if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
         raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: a comma-separated list of distinct "
@@ -252,8 +311,17 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     if wants_cluster and mem_layers and client is None:
         from client import MemoryClient
 
-        client = MemoryClient(args.endpoint)
+        try:
+            client = MemoryClient(args.endpoint)
+        except FileNotFoundError as exc:  # no endpoint file: no cluster started here
+            raise SystemExit(f"memtrain: error: --memory {args.memory} needs a memserver cluster and found none ({exc}); "
+                             "start one with `memserver up`, give --endpoint HOST:PORT, or train with --memory local"
+                             ) from None
         own_client = True
+    if world > 1 and rank > 0:
+        import torch.distributed as dist
+
+        dist.barrier()  # rank 0 has created the tables (and uploaded the KIF source): attached below
     shared: dict[str, ValueBackend] = {}  # --shared-values: one table per kind
     for i in mem_layers:
         for kind in kinds:
@@ -284,10 +352,10 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     knowledge: list[KnowledgeSource] = []
     if "kif" in kinds and mem_layers and rank == 0 and not args.kif_source:  # built and uploaded before the barrier
         knowledge = knowledge_sources(args, corpus, client, rank, device)
-    if world > 1:
+    if world > 1 and rank == 0:
         import torch.distributed as dist
 
-        dist.barrier()  # rank 0 has created the tables (and uploaded the KIF source)
+        dist.barrier()  # the tables and the KIF source are there: the other trainers attach to them
     if "kif" in kinds and mem_layers and (rank > 0 or args.kif_source):  # every rank resolves named sources
         knowledge = knowledge_sources(args, corpus, client, rank, device)
     memory.kif_sources = tuple(s.name for s in knowledge)
@@ -381,7 +449,8 @@ def _unique(values: dict[str, ValueBackend]) -> dict[str, ValueBackend]:
     return seen
 
 
-def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, step: int, directory: str) -> None:
+def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, step: int, directory: str,
+                    flags: dict[str, Any] | None = None) -> None:
     """The trainer's state and, at the same step barrier, the memory (each backend saves its own:
     remote tables are checkpointed by the cluster under <dir>/memory/<table>, local ones go into
     the trainer file). `gen`: the batch generator's state before the next step's batch."""
@@ -393,7 +462,7 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, ste
     blob = {"step": step, "model": _on_cpu(run.model.state_dict()), "opt": _on_cpu(opt.state_dict()), "gen": gen,
             "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
             "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name,  # enough to rebuild it (trainer.inspection)
-            "data_path": run.corpus.path}
+            "data_path": run.corpus.path, "flags": flags or {}}  # RESUMED_ALIKE: what a resume must give alike
     atomic_write(trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
 
@@ -411,23 +480,60 @@ def _on_cpu(obj: Any) -> Any:
     return obj
 
 
-def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, directory: str) -> int:
+#: The flag of a recorded setting where it is not `--` + the setting's name.
+_FLAG_OF = {"layers": "--mem-layers", "kinds": "--memory-kind", "mode": "--mem-mode", "query_bn": "--no-query-bn",
+            "engram_conv": "--no-engram-conv", "kif_sources": "--kif-source", "vocab_size": "--data"}
+
+
+def resume_file(path: str) -> Path:
+    """--resume's trainer file: the latest in a directory, or the file named."""
+    from trainer.inspection import checkpoint_file
+
     try:
-        latest = latest_trainer_file(directory)
-    except FileNotFoundError:
-        raise SystemExit(f"memtrain: error: --resume {directory}: no trainer checkpoint there") from None
+        return checkpoint_file(path)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"memtrain: error: --resume {path}: {exc}") from None
+
+
+def _memory_mode(saved_values: dict[str, Any]) -> str | None:
+    """Where a checkpoint's values were: "local" (their state in the trainer file) or "remote"."""
+    kinds = {"local" if "state" in v else "remote" for v in saved_values.values()}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, path: str,
+                    flags: dict[str, Any] | None = None) -> int:
+    """Continue from `path` (a --checkpoint-dir's latest, or a trainer file): refused by flag name
+    where this run's model, memory or RESUMED_ALIKE flags differ from the checkpoint's."""
+    latest = resume_file(path)
+    directory = latest.parent
     blob = torch.load(latest, map_location="cpu", weights_only=False)
-    saved_memory, current = blob.get("memory", {}), asdict(run.model.cfg.memory)
-    for key in ("layers", "kinds", "lsh_hashes", "lsh_bits", "lsh_seed", "kif_sources", "engram_orders", "engram_heads",
-                "engram_slots", "engram_dim", "engram_seed", "engram_conv"):
-        if key not in saved_memory:
-            continue  # written before the setting existed
-        was, now = saved_memory[key], current[key]
+
+    def differ(key: str, was: Any, now: Any) -> None:
         if isinstance(was, (list, tuple)):
             was, now = tuple(was), tuple(now)
         if was != now:
-            raise SystemExit(f"memtrain: error: --resume {directory}: the checkpoint's memory has {key} = {was!r}, "
-                             f"this run {now!r} (the same flags are needed to continue it)")
+            flag = _FLAG_OF.get(key, "--" + key.replace("_", "-"))
+            raise SystemExit(f"memtrain: error: --resume {path}: the checkpoint was trained with {key} = {was!r}, this "
+                             f"run gives {now!r} ({flag}); a resumed run continues the checkpoint's: give its flags")
+
+    mode = _memory_mode(blob.get("values", {})) if "values" in blob else None
+    if mode is not None and flags is not None and flags.get("memory") not in (None, mode):
+        raise SystemExit(f"memtrain: error: --resume {path}: the checkpoint was written with --memory {mode}, this run "
+                         f"is --memory {flags['memory']} (its values are {'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
+    saved_memory, current = blob.get("memory", {}), asdict(run.model.cfg.memory)
+    for key in ("layers", "kinds", "mode", "n_keys", "heads", "k_dim", "knn", "query_bn", "mem_plus", "lsh_hashes",
+                "lsh_bits", "lsh_seed", "kif_sources", "engram_orders", "engram_heads", "engram_slots", "engram_dim",
+                "engram_seed", "engram_conv"):
+        if key in saved_memory:  # (absent: written before the setting existed)
+            differ(key, saved_memory[key], current[key])
+    model_cfg = asdict(run.model.cfg)
+    for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        if key in blob.get("config", {}):
+            differ(key, blob["config"][key], model_cfg[key])
+    for key, was in blob.get("flags", {}).items():
+        if flags is not None and key in flags:
+            differ(key, was, flags[key])
     run.model.load_state_dict(GPT.upgrade_state_dict(blob["model"]))
     opt.load_state_dict(blob["opt"])
     gen.set_state(blob["gen"])
@@ -436,7 +542,7 @@ def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
         local = blob["local_values"]
         blob["values"] = {key: {"state": local[key]} if key in local else {"checkpoint": "memory"} for key in run.values}
     for key, b in _unique(run.values).items():
-        b.load(Path(directory), step, blob["values"][key])
+        b.load(directory, step, blob["values"][key])
     log.info("resumed from %s (step %d)", latest, step)
     return step
 
@@ -496,11 +602,24 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         rank, world = distributed()
         if world > 1 and (args.checkpoint_dir or args.resume):
             raise SystemExit("memtrain: error: --checkpoint-dir/--resume are for single-trainer runs for now")
-        if args.checkpoint_dir:  # refused now, not at the first checkpoint after hours of training
+        flags = {k: getattr(args, k) for k in RESUMED_ALIKE}
+        checkpoint_dir = args.checkpoint_dir
+        if args.resume and not checkpoint_dir and Path(args.resume).is_dir():
+            checkpoint_dir = args.resume  # a resumed run goes on checkpointing where it came from
+        if checkpoint_dir:  # refused now, not at the first checkpoint after hours of training
             for backend in _unique(run.values).values():
-                backend.check_save(Path(args.checkpoint_dir))
-        first = load_checkpoint(run, opt, gen, args.resume) + 1 if args.resume else 1
-        tracer = LiveTracer(run, args.trace_sample, args.seed, args.checkpoint_dir) if args.trace_every else None
+                backend.check_save(Path(checkpoint_dir))
+        first = 1
+        if args.resume:
+            first = load_checkpoint(run, opt, gen, args.resume, flags) + 1
+            if first > args.steps:
+                raise SystemExit(f"memtrain: error: --steps {args.steps}: the checkpoint is at step {first - 1} "
+                                 "already (--steps is the total to reach); give more to train on")
+            if checkpoint_dir and Path(checkpoint_dir).resolve() == resume_file(args.resume).parent.resolve() \
+                    and resume_file(str(checkpoint_dir)) != resume_file(args.resume):
+                raise SystemExit(f"memtrain: error: --checkpoint-dir {checkpoint_dir}: it holds checkpoints after "
+                                 f"step {first - 1}, which this run's would mix with; give another directory")
+        tracer = LiveTracer(run, args.trace_sample, args.seed, checkpoint_dir) if args.trace_every else None
         tokens = args.batch_size * args.block_size * world
         window_t, window_steps = 0.0, 0
         read_s: dict[str, float] = {}  # each memory layer's read seconds at the last log record
@@ -570,8 +689,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                         rec[f"{name}_prefetched"] = layer.prefetch_used
                 if rank == 0:
                     yield rec
-            if args.checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
-                save_checkpoint(run, opt, batches.state(), step, args.checkpoint_dir)
+            if checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
+                save_checkpoint(run, opt, batches.state(), step, checkpoint_dir, flags)
         for backend in _unique(run.values).values():
             backend.settle()  # the last step's commit (or its error) before the run counts as done
     finally:
@@ -727,7 +846,10 @@ def _main(args: argparse.Namespace) -> int:
             bar.close()
         if out is not None:
             out.close()
-    log.info("done in %.1fs: final val_loss %.4f", time.perf_counter() - t_start, last.get("val_loss", float("nan")))
+    if "val_loss" in last:
+        log.info("done in %.1fs: final val_loss %.4f", time.perf_counter() - t_start, last["val_loss"])
+    else:  # a data-parallel trainer other than rank 0: rank 0 logs the run's records
+        log.info("done in %.1fs", time.perf_counter() - t_start)
     return 0
 
 

@@ -296,14 +296,17 @@ class LocalValues:
 
 
 class RemoteValues:
-    """A value table in the memserver cluster; created on first use with the same
-    deterministic initialisation as `LocalValues` of the same seed."""
+    """A value table in the memserver cluster, made fresh (`create`, the default: a table of that
+    name is dropped first, as memtrain's --table says) with the same deterministic initialisation
+    as `LocalValues` of the same seed, or an existing one attached (`create=False`)."""
 
     def __init__(self, client: Any, name: str, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3,
                  init_std: float | None = None, seed: int = 0, sharding: str | None = None, defer_apply: bool = False,
                  create: bool = True, sync_workers: int = 0, wal: bool = False, tier: str = "ram",
                  cache_bytes: int = 0) -> None:
-        """`create`: (re-)create the table (data-parallel trainers: rank 0 only); `sync_workers`:
+        """`create`: (re-)create the table, dropping one of that name and its values (data-parallel
+        trainers: rank 0 only); False: attach to the existing table, which must have `num_rows` x
+        `dim` (ValueError otherwise: a layer would read rows of another shape); `sync_workers`:
         that many trainers push each step and the shards apply the mean once (see the proto);
         `wal`: the shards log every update before acknowledging it (survives a shard restart);
         `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table)."""
@@ -317,9 +320,15 @@ class RemoteValues:
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
         self.version = 0
         std = init_std if init_std is not None else dim**-0.5
+        if not create:
+            meta = client.table(name)  # TableNotFoundError: there is none to attach to
+            if (meta.num_rows, meta.dim) != (num_rows, dim):
+                raise ValueError(f"table {name} has {meta.num_rows} x {meta.dim} values, this layer needs "
+                                 f"{num_rows} x {dim}")
         if create:
             try:
                 client.drop_table(name)
+                log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
             except TableNotFoundError:
                 pass
             client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
