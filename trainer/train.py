@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--checkpoint-dir", help="save the trainer's state here (and checkpoint the remote tables under "
                     "<dir>/memory); with --resume, default: the --resume directory")
     ck.add_argument("--checkpoint-every", type=int, default=0,
-                    help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir or --resume")
+                    help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir or a --resume directory")
     ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
                     "memory), or from that trainer-step-*.pt file; the model, memory and optimizer flags must be the "
                     "checkpoint's (a different one is refused by name); --steps is the total to reach")
@@ -196,16 +196,25 @@ RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal
                  "shared_values")
 
 
+def checkpoint_dir_of(args: argparse.Namespace) -> str | None:
+    """Where the run's checkpoints go: --checkpoint-dir, else a --resume directory (a resumed run
+    goes on checkpointing where it came from; not after a --resume file, whose directory may hold later ones)."""
+    if args.checkpoint_dir:
+        return args.checkpoint_dir
+    return args.resume if args.resume and Path(args.resume).is_dir() else None
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Every number in range and no flag that the run would ignore, before anything is built (an
     error naming the flag, not a traceback from deep inside, or a run that silently does something else)."""
+    kinds = {k.strip() for k in args.memory_kind.split(",")}
     for flag, value, lo, hi in (
             ("--steps", args.steps, 1, 1 << 40), ("--batch-size", args.batch_size, 1, 1 << 20),
             ("--block-size", args.block_size, 1, 1 << 16), ("--eval-every", args.eval_every, 1, 1 << 40),
             ("--eval-iters", args.eval_iters, 1, 1 << 20), ("--log-every", args.log_every, 1, 1 << 40),
             ("--threads", args.threads, 0, 4096), ("--n-layer", args.n_layer, 1, 1024), ("--n-head", args.n_head, 1, 1024),
             ("--n-embd", args.n_embd, 1, 1 << 16), ("--n-keys", args.n_keys, 1, 1 << 16), ("--heads", args.heads, 1, 1024),
-            ("--k-dim", args.k_dim, 2, 1 << 16), ("--knn", args.knn, 1, args.n_keys),
+            ("--k-dim", args.k_dim, 2, 1 << 16), ("--knn", args.knn, 1, args.n_keys if "pkm" in kinds else 1 << 16),
             ("--micro-batches", args.micro_batches, 1, 1024), ("--checkpoint-every", args.checkpoint_every, 0, 1 << 40)):
         if not lo <= value <= hi:
             extra = " (--n-keys: a head reads at most n_keys slots of each half)" if flag == "--knn" else ""
@@ -219,7 +228,7 @@ def check_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--lr", args.lr), ("--value-lr", args.value_lr)):
         if not 0 < value < math.inf:
             raise SystemExit(f"memtrain: error: {flag}: must be a positive number, got {value}")
-    if args.checkpoint_every and not (args.checkpoint_dir or args.resume):
+    if args.checkpoint_every and not checkpoint_dir_of(args):
         raise SystemExit("memtrain: error: --checkpoint-every: give --checkpoint-dir (where the checkpoints go)")
     remote_only = [flag for flag, given in (("--wal", args.wal), ("--sharding", args.sharding is not None),
                                             ("--sync-commit", args.sync_commit)) if given]
@@ -228,7 +237,6 @@ def check_flags(args: argparse.Namespace) -> None:
                          f"this run is --memory {args.memory}")
     if args.endpoint and args.memory != "remote" and not args.kif_source:
         raise SystemExit(f"memtrain: error: --endpoint: this run uses no cluster (--memory {args.memory}, no --kif-source)")
-    kinds = {k.strip() for k in args.memory_kind.split(",")}
     if args.mem_plus and not kinds & {"pkm", "lsh"}:
         raise SystemExit("memtrain: error: --mem-plus: Memory+ gates the product-key and LSH layers' output; "
                          f"--memory-kind {args.memory_kind} has neither")
@@ -603,9 +611,7 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         if world > 1 and (args.checkpoint_dir or args.resume):
             raise SystemExit("memtrain: error: --checkpoint-dir/--resume are for single-trainer runs for now")
         flags = {k: getattr(args, k) for k in RESUMED_ALIKE}
-        checkpoint_dir = args.checkpoint_dir
-        if args.resume and not checkpoint_dir and Path(args.resume).is_dir():
-            checkpoint_dir = args.resume  # a resumed run goes on checkpointing where it came from
+        checkpoint_dir = checkpoint_dir_of(args)
         if checkpoint_dir:  # refused now, not at the first checkpoint after hours of training
             for backend in _unique(run.values).values():
                 backend.check_save(Path(checkpoint_dir))
