@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -392,6 +393,9 @@ def test_an_update_sent_without_waiting_that_fails_fails_its_step():
     from memserver.api.errors import UnavailableError
 
     class Refusing:
+        def table(self, name):  # the table RemoteValues(create=False) attaches to
+            return SimpleNamespace(num_rows=16, dim=4)
+
         committed = False
 
         def submit_bag_backward(self, *args, **kwargs):
@@ -532,6 +536,9 @@ def test_a_commit_refused_in_flight_fails_the_next_call_once():
     from memserver.api.errors import StepAbortedError
 
     class Refusing:
+        def table(self, name):  # the table RemoteValues(create=False) attaches to
+            return SimpleNamespace(num_rows=16, dim=4)
+
         bags = 0
 
         def submit_bag_backward(self, *args, **kwargs):

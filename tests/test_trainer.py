@@ -283,7 +283,8 @@ def test_bad_memtrain_flags_are_named(argv, message):
 
 
 def test_remote_values_attach_only_to_a_table_of_their_shape(client, table_name, caplog):
-    """create=False attaches (the values stay) and checks the shape; create=True says it replaced a table."""
+    """create=False attaches (the values stay) and checks the shape of a table that exists;
+    create=True says it replaced a table."""
     from trainer.memory import RemoteValues
 
     client.create_table(table_name, 64, 8, seed=4)
@@ -292,6 +293,7 @@ def test_remote_values_attach_only_to_a_table_of_their_shape(client, table_name,
     np.testing.assert_array_equal(client.lookup(table_name, np.arange(64), count=False), before)
     with pytest.raises(ValueError, match=f"table {table_name} has 64 x 8 values, this layer needs 64 x 16"):
         RemoteValues(client, table_name, 64, 16, create=False)
+    RemoteValues(client, f"{table_name}-later", 64, 16, create=False)  # made later (a data-parallel rank 0's)
     with caplog.at_level("WARNING", logger="trainer.memory.backends"):
         RemoteValues(client, table_name, 64, 8, seed=5)
     assert f"table {table_name} existed; dropped and made anew" in caplog.text

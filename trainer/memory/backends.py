@@ -305,8 +305,8 @@ class RemoteValues:
                  create: bool = True, sync_workers: int = 0, wal: bool = False, tier: str = "ram",
                  cache_bytes: int = 0) -> None:
         """`create`: (re-)create the table, dropping one of that name and its values (data-parallel
-        trainers: rank 0 only); False: attach to the existing table, which must have `num_rows` x
-        `dim` (ValueError otherwise: a layer would read rows of another shape); `sync_workers`:
+        trainers: rank 0 only); False: attach to the table, which where it exists must have
+        `num_rows` x `dim` (ValueError otherwise: a layer would read rows of another shape); `sync_workers`:
         that many trainers push each step and the shards apply the mean once (see the proto);
         `wal`: the shards log every update before acknowledging it (survives a shard restart);
         `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table)."""
@@ -321,8 +321,11 @@ class RemoteValues:
         self.version = 0
         std = init_std if init_std is not None else dim**-0.5
         if not create:
-            meta = client.table(name)  # TableNotFoundError: there is none to attach to
-            if (meta.num_rows, meta.dim) != (num_rows, dim):
+            try:
+                meta = client.table(name)
+            except TableNotFoundError:
+                meta = None  # made by another process later (a data-parallel rank 0): its calls will say if not
+            if meta is not None and (meta.num_rows, meta.dim) != (num_rows, dim):
                 raise ValueError(f"table {name} has {meta.num_rows} x {meta.dim} values, this layer needs "
                                  f"{num_rows} x {dim}")
         if create:
