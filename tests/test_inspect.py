@@ -340,7 +340,20 @@ def test_the_async_client_has_the_same_inspection_calls(memory_cluster, client, 
             return (got, await ac.triggers(used_table, np.arange(30)), await ac.top_slots(used_table, "norm", 4),
                     await ac.usage(used_table), await ac.lookup(used_table, np.arange(5), count=False))
 
-    got, trig, top, usage, rows = asyncio.run(run())
+    async def bounded():  # a hang (seen once in a full run: the loop waiting with nothing scheduled) says where
+        task = asyncio.ensure_future(run())
+        done, _ = await asyncio.wait({task}, timeout=120)
+        if not done:
+            import io
+
+            where = io.StringIO()
+            for t in asyncio.all_tasks():
+                t.print_stack(file=where)
+            task.cancel()
+            pytest.fail(f"the async client's calls did not finish in 120 s; the tasks:\n{where.getvalue()}")
+        return task.result()
+
+    got, trig, top, usage, rows = asyncio.run(bounded())
     assert got["slots"] == 20
     sync = client.triggers(used_table, np.arange(30))
     assert all(np.array_equal(trig[k], sync[k]) for k in ("weights", "contexts", "next")) and trig["info"] == {"a": 1}
