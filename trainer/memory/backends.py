@@ -328,7 +328,7 @@ class RemoteValues:
             if meta is not None and (meta.num_rows, meta.dim) != (num_rows, dim):
                 raise ValueError(f"table {name} has {meta.num_rows} x {meta.dim} values, this layer needs "
                                  f"{num_rows} x {dim}")
-        if create:
+        else:
             try:
                 client.drop_table(name)
                 log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
