@@ -258,10 +258,11 @@ def test_engram_resume_continues_the_run(tmp_path, staleness):
         assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[3:]], rel=1e-6)
     else:
         assert resumed[0]["loss"] != pytest.approx(straight[3]["loss"], rel=1e-7, abs=0)
+    # (the resumed run checkpointed step 5 where it came from: these go on to step 6)
     with pytest.raises(SystemExit, match="engram_seed = 0, this run gives 5"):
-        _train([*common, "--steps", "5", "--resume", str(tmp_path), "--engram-seed", "5"])
+        _train([*common, "--steps", "6", "--resume", str(tmp_path), "--engram-seed", "5"])
     with pytest.raises(SystemExit, match="engram_slots = 60, this run gives 120"):
-        _train([*common, "--steps", "5", "--resume", str(tmp_path), "--engram-slots", "120"])
+        _train([*common, "--steps", "6", "--resume", str(tmp_path), "--engram-slots", "120"])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -312,6 +312,15 @@ def test_cli_web_parser_and_serving(client, traced, monkeypatch):
     assert served["slot"]["hits"] == int(client.slot_stats(traced.table, np.array([3]))["hits"][0])
 
 
+def test_the_search_box_takes_whitespace_as_the_page_draws_it():
+    from memserver.cli.common import GLYPHS
+    from memserver.web.data import parse_token
+
+    for ch, glyph in GLYPHS.items():  # what the page and the CLI print for a whitespace token
+        assert parse_token(glyph) == ch, glyph
+    assert [parse_token(t) for t in ("\\n", "\\s", "␣", " e ")] == ["\n", " ", " ", "e"]
+
+
 def test_a_bad_checkpoint_flag_is_said_beside_the_model_used_and_loaded_once(client, traced, monkeypatch):
     """--checkpoint names a file that is not memtrain's: the page uses the recorded model and says
     why not the flag's; the bad file is tried once per change of the file, not on every view."""

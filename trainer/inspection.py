@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memserver.cli.common import GLYPHS
 from memserver.core.triggers import CAPACITY, best_per_slot, record_keys
 from trainer.checkpoints import latest_trainer_file
 from trainer.data import DATA_DIR, Corpus, load_corpus
@@ -481,16 +482,14 @@ def agreement(inspector: Inspector, client: Any, table: str, *, slots: int = 500
 
 
 #: How a token that cannot be typed on one line may be written, here and on the page: an escape, or
-#: the glyph the page and the CLI (memserver.cli.common.GLYPHS) draw it with.
-TOKEN_ALIASES = {"\\n": "\n", "⏎": "\n", "\\t": "\t", "⇥": "\t", "\\r": "\r", "␍": "\r", "␣": " ", "\\s": " "}
+#: the glyph the page and the CLI draw it with (memserver.cli.common.GLYPHS, read backwards).
+TOKEN_ALIASES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\s": " ", "␣": " ", **{g: ch for ch, g in GLYPHS.items()}}
 
 
 def vocab_token(text: str, index: dict[str, int]) -> str:
-    """The vocabulary's token `text` names: itself where the vocabulary has it, else its alias
-    (TOKEN_ALIASES, and the CLI's '·' for a space: a real '·' in a vocabulary stays itself)."""
-    if text in index:
-        return text
-    return {**TOKEN_ALIASES, "·": " "}.get(text, text)
+    """The vocabulary's token `text` names: itself where the vocabulary has it (a real '·' stays
+    itself), else what it stands for (TOKEN_ALIASES)."""
+    return text if text in index else TOKEN_ALIASES.get(text, text)
 
 
 def search_token(inspector: Inspector, client: Any, table: str, token: str, n: int = 20, chunk: int = 8192,

@@ -215,7 +215,9 @@ def check_flags(args: argparse.Namespace) -> None:
             ("--threads", args.threads, 0, 4096), ("--n-layer", args.n_layer, 1, 1024), ("--n-head", args.n_head, 1, 1024),
             ("--n-embd", args.n_embd, 1, 1 << 16), ("--n-keys", args.n_keys, 1, 1 << 16), ("--heads", args.heads, 1, 1024),
             ("--k-dim", args.k_dim, 2, 1 << 16), ("--knn", args.knn, 1, args.n_keys if "pkm" in kinds else 1 << 16),
-            ("--micro-batches", args.micro_batches, 1, 1024), ("--checkpoint-every", args.checkpoint_every, 0, 1 << 40)):
+            ("--micro-batches", args.micro_batches, 1, 1024), ("--checkpoint-every", args.checkpoint_every, 0, 1 << 40),
+            ("--lsh-hashes", args.lsh_hashes, 1, 1024), ("--lsh-bits", args.lsh_bits, 1, MAX_BITS),
+            ("--kif-knn", args.kif_knn, 1, 4096), ("--kif-sentences", args.kif_sentences, 1, 1 << 24)):
         if not lo <= value <= hi:
             extra = " (--n-keys: a head reads at most n_keys slots of each half)" if flag == "--knn" else ""
             raise SystemExit(f"memtrain: error: {flag}: must be in [{lo}, {hi}], got {value}{extra}")
@@ -281,10 +283,6 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
         raise SystemExit("memtrain: error: --trace-every needs --memory remote, N >= 1 and --trace-sample in (0, 1]")
     if args.kif_source and "kif" not in kinds:
         raise SystemExit("memtrain: error: --kif-source: add kif to --memory-kind")
-    for flag, value, lo, hi in (("--lsh-hashes", args.lsh_hashes, 1, 1024), ("--lsh-bits", args.lsh_bits, 1, MAX_BITS),
-                                ("--kif-knn", args.kif_knn, 1, 4096), ("--kif-sentences", args.kif_sentences, 1, 1 << 24)):
-        if not lo <= value <= hi:
-            raise SystemExit(f"memtrain: error: {flag}: must be in [{lo}, {hi}], got {value}")
     try:
         orders = tuple(sorted({int(n) for n in args.engram_orders.split(",") if n.strip()}))
     except ValueError:
@@ -458,7 +456,7 @@ def _unique(values: dict[str, ValueBackend]) -> dict[str, ValueBackend]:
 
 
 def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, step: int, directory: str,
-                    flags: dict[str, Any] | None = None) -> None:
+                    flags: dict[str, Any]) -> None:
     """The trainer's state and, at the same step barrier, the memory (each backend saves its own:
     remote tables are checkpointed by the cluster under <dir>/memory/<table>, local ones go into
     the trainer file). `gen`: the batch generator's state before the next step's batch."""
@@ -470,7 +468,7 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, ste
     blob = {"step": step, "model": _on_cpu(run.model.state_dict()), "opt": _on_cpu(opt.state_dict()), "gen": gen,
             "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
             "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name,  # enough to rebuild it (trainer.inspection)
-            "data_path": run.corpus.path, "flags": flags or {}}  # RESUMED_ALIKE: what a resume must give alike
+            "data_path": run.corpus.path, "flags": flags}  # RESUMED_ALIKE: what a resume must give alike
     atomic_write(trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
 
@@ -509,39 +507,58 @@ def _memory_mode(saved_values: dict[str, Any]) -> str | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
-def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, path: str,
-                    flags: dict[str, Any] | None = None) -> int:
-    """Continue from `path` (a --checkpoint-dir's latest, or a trainer file): refused by flag name
-    where this run's model, memory or RESUMED_ALIKE flags differ from the checkpoint's."""
-    latest = resume_file(path)
-    directory = latest.parent
+def _refuse_other(resume: str, key: str, was: Any, now: Any) -> None:
+    """A resumed run's setting `key` must be the checkpoint's: refused by flag name otherwise."""
+    if isinstance(was, (list, tuple)):
+        was, now = tuple(was), tuple(now)
+    if was != now:
+        flag = _FLAG_OF.get(key, "--" + key.replace("_", "-"))
+        raise SystemExit(f"memtrain: error: --resume {resume}: the checkpoint was trained with {key} = {was!r}, this "
+                         f"run gives {now!r} ({flag}); a resumed run continues the checkpoint's: give its flags")
+
+
+def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """--resume's trainer file and its contents, with what can be refused before anything is built
+    (the model, the connection, the tables made anew): another --memory mode, RESUMED_ALIKE flags
+    that differ, --steps already reached, a --checkpoint-dir holding later checkpoints. The
+    model's and the memory's shapes are compared once built (load_checkpoint)."""
+    latest = resume_file(args.resume)
     blob = torch.load(latest, map_location="cpu", weights_only=False)
+    mode = _memory_mode(blob["values"]) if "values" in blob else None
+    if mode is not None and args.memory != mode:
+        raise SystemExit(f"memtrain: error: --resume {args.resume}: the checkpoint was written with --memory {mode}, "
+                         f"this run is --memory {args.memory} (its values are "
+                         f"{'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
+    for key, was in blob.get("flags", {}).items():  # (absent: written before checkpoints recorded them)
+        if key in RESUMED_ALIKE:
+            _refuse_other(args.resume, key, was, getattr(args, key))
+    step = int(blob["step"])
+    if step >= args.steps:
+        raise SystemExit(f"memtrain: error: --steps {args.steps}: the checkpoint is at step {step} already (--steps "
+                         "is the total to reach); give more to train on")
+    checkpoint_dir = checkpoint_dir_of(args)
+    if checkpoint_dir and Path(checkpoint_dir).resolve() == latest.parent.resolve() \
+            and resume_file(checkpoint_dir) != latest:
+        raise SystemExit(f"memtrain: error: --checkpoint-dir {checkpoint_dir}: it holds checkpoints after step "
+                         f"{step}, which this run's would mix with; give another directory")
+    return latest, blob
 
-    def differ(key: str, was: Any, now: Any) -> None:
-        if isinstance(was, (list, tuple)):
-            was, now = tuple(was), tuple(now)
-        if was != now:
-            flag = _FLAG_OF.get(key, "--" + key.replace("_", "-"))
-            raise SystemExit(f"memtrain: error: --resume {path}: the checkpoint was trained with {key} = {was!r}, this "
-                             f"run gives {now!r} ({flag}); a resumed run continues the checkpoint's: give its flags")
 
-    mode = _memory_mode(blob.get("values", {})) if "values" in blob else None
-    if mode is not None and flags is not None and flags.get("memory") not in (None, mode):
-        raise SystemExit(f"memtrain: error: --resume {path}: the checkpoint was written with --memory {mode}, this run "
-                         f"is --memory {flags['memory']} (its values are {'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
+def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, latest: Path,
+                    blob: dict[str, Any], resume: str) -> int:
+    """Continue from the trainer file `latest` (`blob`, from open_resume): refused by flag name
+    where the model's or the memory's shape differs from the checkpoint's."""
+    directory = latest.parent
     saved_memory, current = blob.get("memory", {}), asdict(run.model.cfg.memory)
     for key in ("layers", "kinds", "mode", "n_keys", "heads", "k_dim", "knn", "query_bn", "mem_plus", "lsh_hashes",
                 "lsh_bits", "lsh_seed", "kif_sources", "engram_orders", "engram_heads", "engram_slots", "engram_dim",
                 "engram_seed", "engram_conv"):
         if key in saved_memory:  # (absent: written before the setting existed)
-            differ(key, saved_memory[key], current[key])
+            _refuse_other(resume, key, saved_memory[key], current[key])
     model_cfg = asdict(run.model.cfg)
     for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
         if key in blob.get("config", {}):
-            differ(key, blob["config"][key], model_cfg[key])
-    for key, was in blob.get("flags", {}).items():
-        if flags is not None and key in flags:
-            differ(key, was, flags[key])
+            _refuse_other(resume, key, blob["config"][key], model_cfg[key])
     run.model.load_state_dict(GPT.upgrade_state_dict(blob["model"]))
     opt.load_state_dict(blob["opt"])
     gen.set_state(blob["gen"])
@@ -601,6 +618,7 @@ class LiveTracer:
 
 def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, Any]]:
     """Run training; yields one record per log step (what --log-json writes)."""
+    resumed = open_resume(args) if args.resume else None
     run = setup(args, client)
     try:
         model = run.model
@@ -615,16 +633,7 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         if checkpoint_dir:  # refused now, not at the first checkpoint after hours of training
             for backend in _unique(run.values).values():
                 backend.check_save(Path(checkpoint_dir))
-        first = 1
-        if args.resume:
-            first = load_checkpoint(run, opt, gen, args.resume, flags) + 1
-            if first > args.steps:
-                raise SystemExit(f"memtrain: error: --steps {args.steps}: the checkpoint is at step {first - 1} "
-                                 "already (--steps is the total to reach); give more to train on")
-            if checkpoint_dir and Path(checkpoint_dir).resolve() == resume_file(args.resume).parent.resolve() \
-                    and resume_file(str(checkpoint_dir)) != resume_file(args.resume):
-                raise SystemExit(f"memtrain: error: --checkpoint-dir {checkpoint_dir}: it holds checkpoints after "
-                                 f"step {first - 1}, which this run's would mix with; give another directory")
+        first = load_checkpoint(run, opt, gen, *resumed, args.resume) + 1 if resumed else 1
         tracer = LiveTracer(run, args.trace_sample, args.seed, checkpoint_dir) if args.trace_every else None
         tokens = args.batch_size * args.block_size * world
         window_t, window_steps = 0.0, 0

@@ -102,33 +102,31 @@ def mass_quantiles(counts: np.ndarray, values: np.ndarray, qs: tuple[int, ...] =
     return out
 
 
-def usage_metrics(counts: np.ndarray, mass: np.ndarray) -> dict[str, float]:
+def usage_metrics(counts: np.ndarray, mass: np.ndarray) -> dict[str, float | None]:
     """Exact, from per-slot access counts and summed weights (empty: {})."""
     counts, mass = np.asarray(counts, dtype=np.float64), np.asarray(mass, dtype=np.float64)
     n = counts.size
     if n == 0:
         return {}
-    out: dict[str, float] = {"used_pct": 100.0 * float((counts > 0).sum()) / n}
+    out: dict[str, float | None] = {"used_pct": 100.0 * float((counts > 0).sum()) / n}
     for key, x in (("kl_counts", counts), ("kl_weights", mass)):
-        nz = x[x > 0]
-        if nz.size:  # (no reads: no distribution to compare, not an even one; left out as the quantiles are)
-            out[key] = kl_to_uniform(float(x.sum()), float((nz * np.log(nz)).sum()), n)
-    if mass.sum() > 0:
-        out["gini_weights"] = gini(np.ones(n, dtype=np.int64), mass)
+        nz = x[x > 0]  # (no reads: None, no distribution to compare; not 0, an even one)
+        out[key] = kl_to_uniform(float(x.sum()), float((nz * np.log(nz)).sum()), n) if nz.size else None
+    out["gini_weights"] = gini(np.ones(n, dtype=np.int64), mass) if mass.sum() > 0 else None
     hot = np.sort(mass)[::-1]
     out.update(mass_quantiles(np.ones(n, dtype=np.int64), hot))
     return out
 
 
-def histogram_metrics(hits: Histogram, mass: Histogram) -> dict[str, float]:
+def histogram_metrics(hits: Histogram, mass: Histogram) -> dict[str, float | None]:
     """The same metrics from the shards' histograms: used %, both KLs exact; Gini and the mass
     quantiles from the bins."""
     n = hits.slots
     if n == 0:
         return {}
-    out: dict[str, float] = {"used_pct": 100.0 * hits.used / n}
-    if hits.total > 0:  # (no reads: left out, as in usage_metrics)
-        out["kl_counts"] = kl_to_uniform(hits.total, hits.sum_xlogx, n)
+    out: dict[str, float | None] = {"used_pct": 100.0 * hits.used / n,  # (no reads: None, as in usage_metrics)
+                                    "kl_counts": kl_to_uniform(hits.total, hits.sum_xlogx, n) if hits.total > 0 else None,
+                                    "kl_weights": None, "gini_weights": None}
     if mass.total > 0:
         out["kl_weights"] = kl_to_uniform(mass.total, mass.sum_xlogx, n)
         c, v = mass.descending()

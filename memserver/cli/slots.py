@@ -185,9 +185,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
             "top99_slots": ("slots with 99% of the mass", "{:,.0f}", "")}
     for key, (label, fmt, note) in says.items():
         if key in out:
-            t.add_row(label, fmt.format(out[key]), note)
-        elif key in ("kl_counts", "kl_weights", "gini_weights"):
-            t.add_row(label, "–", "no reads yet: nothing to compare")
+            t.add_row(*((label, fmt.format(out[key]), note) if out[key] is not None else
+                        (label, "–", "no reads yet: nothing to compare")))
     if "agreement" in out and out["agreement"].get("slots"):
         a = out["agreement"]
         t.add_row(f"agreement (top {a['k']} tokens)", f"{a['agreement']:.1%}",

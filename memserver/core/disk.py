@@ -768,7 +768,7 @@ WARM_HINTS = 2
 class _ReadAhead:
     """The thread that reads hinted rows' pages ahead of the calls that will read them
     (DiskTable.warm). madvise(WILLNEED) returns only once the device has taken the requests,
-    which takes as long as reading them while its queue is full (30.7 ms for 3,000 cold rows here:
+    which takes as long as reading them while its queue is full (26.3 ms for 3,000 cold rows here:
     benchmarks.disk_tier prints it), so it runs here, not on the compute thread. Holds at most WARM_HINTS hints
     (arrays of rows); a newer one drops the oldest (counted: `dropped`). `close` waits for the
     thread, so no request outlives the mapping."""

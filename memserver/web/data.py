@@ -183,10 +183,8 @@ def table_summary(client: Any, meta: TableMeta, by: str, n: int, inspector: Any 
     rows = _stats_rows(client, meta.name, np.r_[hot, cold].astype(np.int64))
     out: dict[str, Any] = {
         "table": meta.name, "info": table_info(meta), "by": by, "stat": RANK_BY[by], "n": n,
-        # (no reads: no KL or Gini, shown as "–")
-        "usage": {"kl_counts": None, "kl_weights": None, "gini_weights": None, **metrics, "slots": usage.hits.slots,
-                  "used_slots": usage.hits.used, "hits": usage.hits.total, "weight_mass": usage.weight_mass.total,
-                  "updates": usage.updates.total},
+        "usage": {**metrics, "slots": usage.hits.slots, "used_slots": usage.hits.used, "hits": usage.hits.total,
+                  "weight_mass": usage.weight_mass.total, "updates": usage.updates.total},
         "hottest": rows[: len(hot)], "coldest": rows[len(hot):],
     }
     if inspector is not None:
