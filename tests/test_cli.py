@@ -120,6 +120,9 @@ def test_bad_config_names_the_problem(tmp_path, text, message):
         ("{name: a, num_rows: 10, dim: 2, cache_bytes: 4Q}", "cache_bytes: not a size: '4Q'"),
         ("{name: a, num_rows: 10, dim: 2, lr: fast}", "lr must be a number, got 'fast'"),
         ("{name: a, num_rows: 10, dim: 2, wal: 'yes please'}", "wal must be true or false"),
+        ("{name: a, num_rows: 10, dim: 2, optimizer: adamw}", "optimizer must be one of sgd, adagrad, adam, got 'adamw'"),
+        ("{name: a, num_rows: 10, dim: 2, dtype: int64}", "dtype must be one of float32, float16, bfloat16, got 'int64'"),
+        ("{name: a, num_rows: 10, dim: 2, optimizer: [adam]}", "optimizer must be one of"),
     ],
 )
 def test_a_tables_values_are_checked_before_any_cluster_starts(tmp_path, table, message):
@@ -211,6 +214,17 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     assert tuple(up(*flags)[k] for k in keys) == (2, 1.0, 2, [1.0, 0.0], "SPREAD", "/from/flag", 30)
     config.write_text("tables: []\n")
     assert tuple(up()[k] for k in keys) == (2, 0.5, 1, [0.0, 0.0], "SPREAD", None, SESSION_TTL)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["up", "--session-ttl", "0"], "argument --session-ttl: must be more than 0 seconds"),
+    (["create-table", "t", "--rows", "4", "--dim", "2", "--optimizer", "adamw"], "argument --optimizer: invalid choice"),
+    (["create-table", "t", "--rows", "4", "--dim", "2", "--dtype", "int64"], "argument --dtype: invalid choice"),
+])
+def test_flags_are_refused_by_name_before_any_cluster_is_asked(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_help_explains_every_command():

@@ -323,23 +323,26 @@ def test_the_search_box_takes_whitespace_as_the_page_draws_it():
 
 def test_a_bad_checkpoint_flag_is_said_beside_the_model_used_and_loaded_once(client, traced, monkeypatch):
     """--checkpoint names a file that is not memtrain's: the page uses the recorded model and says
-    why not the flag's; the bad file is tried once per change of the file, not on every view."""
+    why not the flag's; each file is read once per change of the file, not on every view, and the
+    start-up check's load is the one the pages use."""
     import trainer.inspection as inspection
     from memserver.web.models import ModelCache
 
     loads = []
-    real = inspection.inspector_for
+    real = inspection.Inspector.load.__func__
 
-    def counted(client_, table, checkpoint=None):
+    def counted(cls, checkpoint, client_, vocab=None):
         loads.append(str(checkpoint))
-        return real(client_, table, checkpoint)
+        return real(cls, checkpoint, client_, vocab)
 
-    monkeypatch.setattr(inspection, "inspector_for", counted)
+    monkeypatch.setattr(inspection.Inspector, "load", classmethod(counted))
     cache = ModelCache(client, checkpoint=__file__)
+    with pytest.raises(ValueError, match="is not a memtrain checkpoint"):
+        cache.load(__file__)  # what `memserver web` checks at start-up
     notes = [cache.for_table(traced.table).note for _ in range(3)]
     assert notes[0] == notes[2] and "(recorded by memtrain trace, step" in notes[0]
     assert f"not --checkpoint {__file__}: " in notes[0] and "is not a memtrain checkpoint" in notes[0]
-    assert loads.count(__file__) == 1
+    assert loads.count(__file__) == 1 and len(loads) == 2, loads  # the bad file once, the recorded one once
 
 
 # ------------------------------------------------------------------ in the browser

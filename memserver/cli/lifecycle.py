@@ -17,7 +17,15 @@ from typing import Any
 
 from memserver.cli.common import CliError, parse_size, pid_alive, seconds
 from memserver.cli.tables import table_args
-from memserver.cluster import PLACEMENT_STRATEGIES, parse_gpus, shard_gpu_list
+from memserver.cluster import (
+    DEFAULT_PLACEMENT,
+    DEFAULT_SHARD_CPUS,
+    DEFAULT_SHARDS,
+    DEFAULT_THREADS_PER_SHARD,
+    PLACEMENT_STRATEGIES,
+    parse_gpus,
+    shard_gpu_list,
+)
 from memserver.server.sessions import SESSION_TTL
 
 log = logging.getLogger("memserver")
@@ -78,7 +86,7 @@ def running_cluster() -> dict[str, Any] | None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    shards = _flag_or_config(args, cfg, "shards", 2)
+    shards = _flag_or_config(args, cfg, "shards", DEFAULT_SHARDS)
     if shards < 1:
         raise CliError(f"--shards must be at least 1, got {shards}")
     if _flag_or_config(args, cfg, "session_ttl", SESSION_TTL) <= 0:
@@ -125,11 +133,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     cluster = start_cluster(
         shards,
-        shard_cpus=_flag_or_config(args, cfg, "shard_cpus", 0.5),
+        shard_cpus=_flag_or_config(args, cfg, "shard_cpus", DEFAULT_SHARD_CPUS),
         shard_gpus=shard_gpus,
-        threads_per_shard=_flag_or_config(args, cfg, "threads_per_shard", 1),
+        threads_per_shard=_flag_or_config(args, cfg, "threads_per_shard", DEFAULT_THREADS_PER_SHARD),
         port=args.port,
-        placement=_flag_or_config(args, cfg, "placement", "SPREAD"),
+        placement=_flag_or_config(args, cfg, "placement", DEFAULT_PLACEMENT),
         placement_timeout=args.placement_timeout,
         data_dir=_flag_or_config(args, cfg, "data_dir", None),
         max_restarts=args.max_restarts,
@@ -345,7 +353,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "memory but calls by gRPC. Turned off here, they reach the shards also on nodes joined with "
                         "`ray start` (a node's own off switch stays off); a client's own environment turns them off "
                         "for its calls.")
-    up.add_argument("--shards", type=int, help="number of shard actors (default: the config's, else 2)")
+    up.add_argument("--shards", type=int, help=f"number of shard actors (default: the config's, else {DEFAULT_SHARDS})")
     up.add_argument("--config", help="YAML file (deploy/tables.yaml): shards, shard_cpus, shard_gpus, threads_per_shard, "
                     "placement, data_dir, session_ttl, and tables: [{name, num_rows, dim, and any of sharding, optimizer, "
                     "lr, dtype, init_std, seed, num_shards, eps, wal, sync_workers, tier, cache_bytes}] (memserver "
@@ -388,20 +396,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "(0: no limit; default 1G)")
     up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
-    up.add_argument("--shard-cpus", type=float, help="Ray CPUs reserved per shard actor (default: the config's, else 0.5)")
+    up.add_argument("--shard-cpus", type=float, help=f"Ray CPUs reserved per shard actor (default: the config's, else {DEFAULT_SHARD_CPUS})")
     up.add_argument("--shard-gpus", type=gpus_flag, metavar="G[,G...]",
                     help="Ray GPUs per shard actor (its value slices then live on its GPU): one number for every "
                          "shard (0.5: two shards per GPU), or one per shard for a mixed cluster (1,1,0,0); default: the "
                          "config's, else 0")
     up.add_argument("--threads-per-shard", type=int,
-                    help="torch and numba compute threads in each shard (default: the config's, else 1)")
-    up.add_argument("--session-ttl", type=float,
+                    help=f"torch and numba compute threads in each shard (default: the config's, else {DEFAULT_THREADS_PER_SHARD})")
+    up.add_argument("--session-ttl", type=seconds,
                     help=f"seconds a client may stay silent before its shards forget its session (default {SESSION_TTL:.0f}); "
                          "a retry from a forgotten session is refused, since it may have been applied")
     up.add_argument("--placement", type=str.upper, choices=PLACEMENT_STRATEGIES, default=None,
                     help="how shards are laid out over Ray nodes (a placement group, one bundle per shard): SPREAD "
                     "(different nodes where possible), STRICT_SPREAD (one node each, or fail), PACK (fewest nodes); "
-                    "default: the config's, else SPREAD")
+                    f"default: the config's, else {DEFAULT_PLACEMENT}")
     up.add_argument("--data-dir", help="where shards keep their table records and write-ahead logs, so a restarted shard "
                     "(and a later `up` on the same directory) recovers its tables, and tier disk tables their row files "
                     "(size it for them); every node must be able to write it (default: a scratch directory under "

@@ -7,8 +7,11 @@ import argparse
 import json
 from typing import Any
 
-from memserver.api.types import fmt_bytes
+from memserver.api.types import SHARDINGS, fmt_bytes
 from memserver.cli.common import CliError, cluster_flags, endpoint_of, parse_size
+from memserver.core.optim import OPTIMIZERS
+from memserver.server.catalog import TIERS
+from memserver.wire import DTYPE_NAMES, VALUE_DTYPES
 
 
 def calls_dict(c: Any) -> dict[str, Any]:
@@ -218,7 +221,11 @@ TABLE_KEYS = ("name", "num_rows", "dim", "sharding", "optimizer", "lr", "dtype",
               "eps", "wal", "sync_workers", "tier", "cache_bytes")
 _INTS = ("num_rows", "dim", "seed", "num_shards", "sync_workers")
 _NUMBERS = ("lr", "init_std", "eps")
-_CHOICES = {"sharding": ("rows", "cols"), "tier": ("ram", "disk")}
+#: The names each choice key takes, from the modules that own them (the server checks them again).
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "sharding": tuple(SHARDINGS), "tier": TIERS, "optimizer": OPTIMIZERS,
+    "dtype": tuple(name for name, code in DTYPE_NAMES.items() if code in VALUE_DTYPES),
+}
 
 
 def table_args(table: Any, where: str) -> dict[str, Any]:
@@ -248,9 +255,6 @@ def table_args(table: Any, where: str) -> dict[str, Any]:
                 out[key] = float(out[key])
             except (TypeError, ValueError):
                 raise bad(key, "a number") from None
-    for key in ("optimizer", "dtype"):
-        if key in out and not isinstance(out[key], str):
-            raise bad(key, "a string")
     for key, choices in _CHOICES.items():
         if key in out and out[key] not in choices:
             raise bad(key, f"one of {', '.join(choices)}")
@@ -363,9 +367,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ct.add_argument("--dim", type=int, required=True, metavar="D", help="floats per row")
     ct.add_argument("--sharding", choices=_CHOICES["sharding"],
                     help="rows: each shard holds some rows; cols: every row, some columns (default: the cluster's)")
-    ct.add_argument("--optimizer", help="the sparse optimizer of its rows: sgd, adagrad or adam (default adagrad)")
+    ct.add_argument("--optimizer", choices=_CHOICES["optimizer"], help="the sparse optimizer of its rows (default adagrad)")
     ct.add_argument("--lr", type=float, help="learning rate (default 0.01)")
-    ct.add_argument("--dtype", help="storage: float32, float16 or bfloat16 (default float32; tier disk: float32)")
+    ct.add_argument("--dtype", choices=_CHOICES["dtype"], help="storage (default float32; tier disk: float32)")
     ct.add_argument("--init-std", type=float, help="std of the rows' normal initialisation (default 0.02)")
     ct.add_argument("--seed", type=int, help="initialisation seed (default 0)")
     ct.add_argument("--num-shards", type=int, help="shards to spread it over (default: every shard)")

@@ -20,24 +20,15 @@ def cmd_web(args: argparse.Namespace) -> int:
 
     if not 1 <= args.port <= 65535:  # (0 would print a URL nobody can open)
         raise CliError(f"--port must be in [1, 65535], got {args.port}")
-    if args.checkpoint:
-        from trainer.inspection import checkpoint_file
-
-        try:
-            checkpoint_file(args.checkpoint)
-        except FileNotFoundError as exc:
-            raise CliError(f"--checkpoint: {exc}") from None
     endpoint = endpoint_of(args)
     with MemoryClient(endpoint, timeout=args.timeout) as client:
         client.list_tables()  # an unreachable cluster is an error now, not on the first page view
-        if args.checkpoint:  # a file that is not memtrain's, now rather than a note on every page
-            from trainer.inspection import Inspector
-
-            try:
-                Inspector.load(args.checkpoint, client)
-            except ValueError as exc:
-                raise CliError(f"--checkpoint: {exc}") from None
         app = create_app(client, checkpoint=args.checkpoint)
+        if args.checkpoint:  # a missing file or one not memtrain's: now, not a note on every page (and loaded once)
+            try:
+                app.state.models.load(args.checkpoint)
+            except (FileNotFoundError, ValueError) as exc:
+                raise CliError(f"--checkpoint: {exc}") from None
         host = f"[{args.host}]" if ":" in args.host else args.host
         log.info("inspection page of the cluster at %s: http://%s:%d/ (Ctrl-C stops it)", endpoint, host, args.port)
         if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -7,6 +7,13 @@ the constants here; only `launch` starts actors.
 #: How shard bundles are laid out over Ray nodes (Ray placement-group strategies).
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
 
+#: A cluster's shape when neither a flag nor the config says: start_cluster's defaults, and
+#: `memserver up`'s (its checks and its --help quote them).
+DEFAULT_SHARDS = 2
+DEFAULT_SHARD_CPUS = 0.5
+DEFAULT_THREADS_PER_SHARD = 1
+DEFAULT_PLACEMENT = "SPREAD"
+
 
 def parse_gpus(value: float | str | list[float]) -> float | list[float]:
     """GPUs per shard as a flag or config value: one number for every shard (1, 0.5, "0.5") or one

@@ -18,7 +18,14 @@ from typing import Any
 import ray
 
 from memserver.api.auth import AuthConfig
-from memserver.cluster import PLACEMENT_STRATEGIES, shard_gpu_list
+from memserver.cluster import (
+    DEFAULT_PLACEMENT,
+    DEFAULT_SHARD_CPUS,
+    DEFAULT_SHARDS,
+    DEFAULT_THREADS_PER_SHARD,
+    PLACEMENT_STRATEGIES,
+    shard_gpu_list,
+)
 from memserver.cluster.endpoint import memserver_home
 from memserver.cluster.secure import network_facing, secure_defaults
 from memserver.server.config import Limits, ServeConfig, TlsFiles
@@ -102,15 +109,15 @@ class MemoryCluster:
 
 
 def start_cluster(
-    num_shards: int = 2,
+    num_shards: int = DEFAULT_SHARDS,
     *,
-    shard_cpus: float = 0.5,
+    shard_cpus: float = DEFAULT_SHARD_CPUS,
     shard_gpus: float | str | Sequence[float] = 0.0,
-    threads_per_shard: int = 1,
+    threads_per_shard: int = DEFAULT_THREADS_PER_SHARD,
     name: str = "memserver",
     host: str | None = None,
     port: int = 0,
-    placement: str = "SPREAD",
+    placement: str = DEFAULT_PLACEMENT,
     placement_timeout: float = 120.0,
     data_dir: str | os.PathLike[str] | None = None,
     max_restarts: int = -1,

@@ -30,22 +30,42 @@ class Model:
 
 
 class ModelCache:
-    """One Inspector per table, for the checkpoint given to `memserver web --checkpoint`, else the one
-    `memtrain trace` recorded for the table; reloaded when that file changes (another checkpoint
-    recorded, or the file rewritten)."""
+    """The model per table: the checkpoint given to `memserver web --checkpoint`, else the one
+    `memtrain trace` recorded for the table. Each file is loaded once for every table it serves
+    (and the start-up check), and again only when it changes (another checkpoint recorded, or the
+    file rewritten)."""
 
     def __init__(self, client: Any, checkpoint: str | Path | None = None) -> None:
         self.client = client
         self.checkpoint = str(checkpoint) if checkpoint else None
-        # per table and file: (the file's mtime, its inspector or why it failed): one entry per
-        # table the page was asked about and candidate file (two at most), replaced when the file changes
-        self._cache: dict[tuple[str, str], tuple[int, Any]] = {}
+        # per checkpoint file: (its mtime, its inspector or why it failed). One entry per file a
+        # table's page named (--checkpoint, or a table's recorded one): at most one per table, plus one
+        self._files: dict[str, tuple[int, Any]] = {}
         self._lock = threading.Lock()
+
+    def load(self, path: str | Path) -> Any:
+        """The Inspector of the memtrain checkpoint at `path` (a directory: its latest step),
+        loaded once per change of the file; FileNotFoundError or ValueError saying why not (kept,
+        so a bad file is not read again per page view)."""
+        from trainer.inspection import Inspector, checkpoint_file
+
+        file = checkpoint_file(path)
+        key, mtime = str(file.resolve()), file.stat().st_mtime_ns
+        with self._lock:
+            cached = self._files.get(key)
+            if cached is None or cached[0] != mtime:
+                log.info("loading %s", file)
+                try:
+                    got: Any = Inspector.load(file, self.client)
+                except Exception as exc:  # noqa: BLE001 - kept, so a bad file is not loaded again per view
+                    got = ValueError(str(exc))
+                self._files[key] = cached = (mtime, got)
+        if isinstance(cached[1], Exception):
+            raise cached[1]
+        return cached[1]
 
     def for_table(self, table: str) -> Model:
         """The model for `table`; never raises for a bad checkpoint (the page says why there is none)."""
-        from trainer.inspection import checkpoint_file, inspector_for
-
         candidates = []
         if self.checkpoint:
             candidates.append(("--checkpoint", self.checkpoint))
@@ -55,25 +75,13 @@ class ModelCache:
         why = []
         for source, path in candidates:
             try:
-                file = checkpoint_file(path)
-                key, mtime = (table, str(file.resolve())), file.stat().st_mtime_ns
-                with self._lock:
-                    cached = self._cache.get(key)
-                    if cached is None or cached[0] != mtime:
-                        log.info("loading %s for table %s", file, table)
-                        try:
-                            got: Any = inspector_for(self.client, table, file)
-                        except Exception as exc:  # noqa: BLE001 - kept, so a bad file is not loaded again per view
-                            got = str(exc)
-                        self._cache[key] = (mtime, got)
-                    inspector = self._cache[key][1]
-                if isinstance(inspector, str):  # why this file failed, the last time it changed
-                    why.append(f"{source} {path}: {inspector}")
-                    continue
-                skipped = f"; not {'; '.join(why)}" if why else ""
-                return Model(table, inspector, f"{file} ({source}, step {inspector.step}){skipped}")
+                inspector = self.load(path)
+                inspector.view(table)  # says which tables it reads when not this one
             except Exception as exc:  # noqa: BLE001 - an unusable checkpoint is said on the page, not raised
                 why.append(f"{source} {path}: {exc}")
+                continue
+            skipped = f"; not {'; '.join(why)}" if why else ""
+            return Model(table, inspector, f"{inspector.path} ({source}, step {inspector.step}){skipped}")
         if not why:
             why.append("none given (--checkpoint) and none recorded: run `memtrain trace --checkpoint DIR "
                        f"--table {table}` to record trigger contexts and the model")
