@@ -167,8 +167,10 @@ def test_resumed_run_continues_with_the_same_losses(client, table_name, tmp_path
     # something else scribbles on the memory before the resume: the restore must undo it
     if memory == "remote":
         client.write_rows(table_name, [0], np.full((1, 32), 9.0, np.float32))
-        with pytest.raises(SystemExit, match="lr = 0.001, this run gives 0.5"):  # refused before the table is made anew
-            list(train(build_parser().parse_args([*common, "--steps", "6", "--resume", ck, "--lr", "0.5"]), client=client))
+        for extra, refused in ((["--lr", "0.5"], "lr = 0.001, this run gives 0.5"),  # refused before the table
+                               (["--n-keys", "32"], "n_keys = 16, this run gives 32")):  # is made anew
+            with pytest.raises(SystemExit, match=refused):
+                list(train(build_parser().parse_args([*common, "--steps", "6", "--resume", ck, *extra]), client=client))
         np.testing.assert_array_equal(client.lookup(table_name, [0], count=False), np.full((1, 32), 9.0, np.float32))
     rest = list(train(build_parser().parse_args([*common, "--steps", "6", "--resume", ck]), client=client))
     assert [r["step"] for r in first + rest] == [1, 2, 3, 4, 5, 6]

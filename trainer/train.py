@@ -244,6 +244,41 @@ def check_flags(args: argparse.Namespace) -> None:
                          f"--memory-kind {args.memory_kind} has neither")
 
 
+def memory_config(args: argparse.Namespace) -> MemoryConfig:
+    """The memory layers' settings from the flags, refused by flag name where out of range: what
+    setup builds, and what a resumed run is compared with before anything is built."""
+    kinds = tuple(k.strip() for k in args.memory_kind.split(",") if k.strip())
+    if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
+        raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: a comma-separated list of distinct "
+                         f"kinds from {', '.join(KINDS)}")
+    mem_layers = tuple(int(x) for x in args.mem_layers.split(",") if x.strip()) if args.memory != "none" else ()
+    if any(not 0 <= i < args.n_layer for i in mem_layers):
+        raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
+    try:
+        orders = tuple(sorted({int(n) for n in args.engram_orders.split(",") if n.strip()}))
+    except ValueError:
+        orders = ()
+    if not orders or not all(2 <= n <= MAX_ORDER for n in orders):
+        raise SystemExit(f"memtrain: error: --engram-orders {args.engram_orders}: comma-separated orders in "
+                         f"[2, {MAX_ORDER}]")
+    if not 1 <= args.engram_heads <= 64 or not 1 <= args.engram_dim <= 4096:
+        raise SystemExit("memtrain: error: --engram-heads must be in [1, 64] and --engram-dim in [1, 4096]")
+    segments = len(orders) * args.engram_heads
+    engram_rows = args.engram_slots - args.engram_slots % segments
+    if "engram" in kinds and not segments <= engram_rows <= MAX_LSH_ROWS:
+        raise SystemExit(f"memtrain: error: --engram-slots {args.engram_slots}: at least one row per segment "
+                         f"({segments}) and at most {MAX_LSH_ROWS:,}")
+    if "lsh" in kinds and args.lsh_hashes << args.lsh_bits > MAX_LSH_ROWS:
+        raise SystemExit(f"memtrain: error: --lsh-hashes {args.lsh_hashes} x 2^--lsh-bits {args.lsh_bits} buckets: "
+                         f"at most {MAX_LSH_ROWS:,} per table")
+    return MemoryConfig(layers=mem_layers, mode=args.mem_mode, kinds=kinds, n_keys=args.n_keys, heads=args.heads,
+                        k_dim=args.k_dim, knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
+                        micro_batches=args.micro_batches, lsh_hashes=args.lsh_hashes, lsh_bits=args.lsh_bits,
+                        lsh_seed=args.lsh_seed, kif_knn=args.kif_knn, engram_orders=orders,
+                        engram_heads=args.engram_heads, engram_slots=engram_rows, engram_dim=args.engram_dim,
+                        engram_seed=args.engram_seed, engram_conv=not args.no_engram_conv)
+
+
 def setup(args: argparse.Namespace, client: Any = None) -> Run:
     check_flags(args)
     try:
@@ -268,13 +303,8 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     if args.block_size + 1 >= min(len(corpus.train), len(corpus.val)):
         raise SystemExit(f"memtrain: error: --block-size {args.block_size}: {corpus.name}'s validation text has "
                          f"{len(corpus.val):,} tokens; a window and its next token must fit in it")
-    kinds = tuple(k.strip() for k in args.memory_kind.split(",") if k.strip())
-    if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
-        raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: a comma-separated list of distinct "
-                         f"kinds from {', '.join(KINDS)}")
-    mem_layers = tuple(int(x) for x in args.mem_layers.split(",") if x.strip()) if args.memory != "none" else ()
-    if any(not 0 <= i < args.n_layer for i in mem_layers):
-        raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
+    memory = memory_config(args)
+    kinds, mem_layers, engram_rows = memory.kinds, memory.layers, memory.engram_slots
     if args.tier == "disk" and args.memory != "remote":
         raise SystemExit("memtrain: error: --tier disk: disk tables live in the cluster; use --memory remote")
     if args.cache_bytes is not None and args.tier != "disk":
@@ -283,34 +313,11 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
         raise SystemExit("memtrain: error: --trace-every needs --memory remote, N >= 1 and --trace-sample in (0, 1]")
     if args.kif_source and "kif" not in kinds:
         raise SystemExit("memtrain: error: --kif-source: add kif to --memory-kind")
-    try:
-        orders = tuple(sorted({int(n) for n in args.engram_orders.split(",") if n.strip()}))
-    except ValueError:
-        orders = ()
-    if not orders or not all(2 <= n <= MAX_ORDER for n in orders):
-        raise SystemExit(f"memtrain: error: --engram-orders {args.engram_orders}: comma-separated orders in "
-                         f"[2, {MAX_ORDER}]")
-    if not 1 <= args.engram_heads <= 64 or not 1 <= args.engram_dim <= 4096:
-        raise SystemExit("memtrain: error: --engram-heads must be in [1, 64] and --engram-dim in [1, 4096]")
-    segments = len(orders) * args.engram_heads
-    engram_rows = args.engram_slots - args.engram_slots % segments
-    if "engram" in kinds and not segments <= engram_rows <= MAX_LSH_ROWS:
-        raise SystemExit(f"memtrain: error: --engram-slots {args.engram_slots}: at least one row per segment "
-                         f"({segments}) and at most {MAX_LSH_ROWS:,}")
-    if "lsh" in kinds and args.lsh_hashes << args.lsh_bits > MAX_LSH_ROWS:
-        raise SystemExit(f"memtrain: error: --lsh-hashes {args.lsh_hashes} x 2^--lsh-bits {args.lsh_bits} buckets: "
-                         f"at most {MAX_LSH_ROWS:,} per table")
     if "kif" in kinds and not args.kif_source:
         try:
             check_encoder_name(args.kif_encoder)  # on every rank, before rank 0 builds anything
         except ValueError as exc:
             raise SystemExit(f"memtrain: error: --kif-encoder: {exc}") from None
-    memory = MemoryConfig(layers=mem_layers, mode=args.mem_mode, kinds=kinds, n_keys=args.n_keys, heads=args.heads,
-                          k_dim=args.k_dim, knn=args.knn, query_bn=not args.no_query_bn, mem_plus=args.mem_plus,
-                          micro_batches=args.micro_batches, lsh_hashes=args.lsh_hashes, lsh_bits=args.lsh_bits,
-                          lsh_seed=args.lsh_seed, kif_knn=args.kif_knn, engram_orders=orders,
-                          engram_heads=args.engram_heads, engram_slots=engram_rows, engram_dim=args.engram_dim,
-                          engram_seed=args.engram_seed, engram_conv=not args.no_engram_conv)
     values: dict[str, ValueBackend] = {}
     own_client = False
     wants_cluster = args.memory == "remote" or ("kif" in kinds and args.kif_source)
@@ -517,11 +524,28 @@ def _refuse_other(resume: str, key: str, was: Any, now: Any) -> None:
                          f"run gives {now!r} ({flag}); a resumed run continues the checkpoint's: give its flags")
 
 
+#: A checkpoint's shapes, compared with the run's: the memory's settings and the model's.
+_MEMORY_SHAPE = ("layers", "kinds", "mode", "n_keys", "heads", "k_dim", "knn", "query_bn", "mem_plus", "lsh_hashes",
+                 "lsh_bits", "lsh_seed", "kif_sources", "engram_orders", "engram_heads", "engram_slots", "engram_dim",
+                 "engram_seed", "engram_conv")
+_MODEL_SHAPE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+
+
+def _refuse_other_shapes(resume: str, blob: dict[str, Any], memory: dict[str, Any], model: dict[str, Any]) -> None:
+    """Refuse, by flag name, a run whose shapes differ from the checkpoint's `blob`, among those
+    `memory` and `model` give (before setup, the ones the flags alone decide)."""
+    saved_memory, saved_model = blob.get("memory", {}), blob.get("config", {})
+    for saved, now, keys in ((saved_memory, memory, _MEMORY_SHAPE), (saved_model, model, _MODEL_SHAPE)):
+        for key in keys:
+            if key in saved and key in now:  # (absent from the checkpoint: written before the setting existed)
+                _refuse_other(resume, key, saved[key], now[key])
+
+
 def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """--resume's trainer file and its contents, with what can be refused before anything is built
     (the model, the connection, the tables made anew): another --memory mode, RESUMED_ALIKE flags
-    that differ, --steps already reached, a --checkpoint-dir holding later checkpoints. The
-    model's and the memory's shapes are compared once built (load_checkpoint)."""
+    or shapes that differ, --steps already reached, a --checkpoint-dir holding later checkpoints.
+    load_checkpoint compares the shapes again once built (the KIF sources and the vocabulary too)."""
     latest = resume_file(args.resume)
     blob = torch.load(latest, map_location="cpu", weights_only=False)
     mode = _memory_mode(blob["values"]) if "values" in blob else None
@@ -532,6 +556,9 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     for key, was in blob.get("flags", {}).items():  # (absent: written before checkpoints recorded them)
         if key in RESUMED_ALIKE:
             _refuse_other(args.resume, key, was, getattr(args, key))
+    # the shapes the flags alone decide (the KIF sources' names and the vocabulary: once built)
+    memory = {k: v for k, v in asdict(memory_config(args)).items() if k != "kif_sources"}
+    _refuse_other_shapes(args.resume, blob, memory, {k: getattr(args, k) for k in _MODEL_SHAPE if k != "vocab_size"})
     step = int(blob["step"])
     if step >= args.steps:
         raise SystemExit(f"memtrain: error: --steps {args.steps}: the checkpoint is at step {step} already (--steps "
@@ -549,16 +576,7 @@ def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
     """Continue from the trainer file `latest` (`blob`, from open_resume): refused by flag name
     where the model's or the memory's shape differs from the checkpoint's."""
     directory = latest.parent
-    saved_memory, current = blob.get("memory", {}), asdict(run.model.cfg.memory)
-    for key in ("layers", "kinds", "mode", "n_keys", "heads", "k_dim", "knn", "query_bn", "mem_plus", "lsh_hashes",
-                "lsh_bits", "lsh_seed", "kif_sources", "engram_orders", "engram_heads", "engram_slots", "engram_dim",
-                "engram_seed", "engram_conv"):
-        if key in saved_memory:  # (absent: written before the setting existed)
-            _refuse_other(resume, key, saved_memory[key], current[key])
-    model_cfg = asdict(run.model.cfg)
-    for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-        if key in blob.get("config", {}):
-            _refuse_other(resume, key, blob["config"][key], model_cfg[key])
+    _refuse_other_shapes(resume, blob, asdict(run.model.cfg.memory), asdict(run.model.cfg))
     run.model.load_state_dict(GPT.upgrade_state_dict(blob["model"]))
     opt.load_state_dict(blob["opt"])
     gen.set_state(blob["gen"])
