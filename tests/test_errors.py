@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from client import FailedPreconditionError, InvalidArgumentError, TableExistsError, TableNotFoundError
+from client import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    TableExistsError,
+    TableNotFoundError,
+)
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.wire import encode
@@ -83,6 +89,26 @@ def test_duplicate_table_is_already_exists(client, table_name):
     assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
     np.testing.assert_array_equal(client.lookup(table_name, [0]), np.full((1, 4), 7.0))  # untouched
     assert client.table(table_name, refresh=True).num_rows == 10
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(optimizer="adamw"), InvalidArgumentError, "unknown optimizer"),
+    (dict(lr=-1.0), InvalidArgumentError, "lr must be"),
+    (dict(num_rows=1 << 40), ResourceExhaustedError, "memory available there"),
+    (dict(tier="disk", dtype="float16"), InvalidArgumentError, "a tier .disk. table stores float32"),
+])
+def test_a_replace_that_is_refused_leaves_the_table(client, table_name, kwargs, error, message):
+    """create_table(replace=True) drops the old table only once the coordinator has accepted the
+    new one (RemoteValues and `memserver create-table --replace` go through it): a bad spec or
+    one over the size limit used to be refused after the drop, the table and its values gone."""
+    client.create_table(table_name, 10, 4, seed=1)
+    client.write_rows(table_name, [0], np.full((1, 4), 7.0, np.float32))
+    with pytest.raises(error, match=message):
+        client.create_table(table_name, **(dict(num_rows=10, dim=4) | kwargs), replace=True)
+    np.testing.assert_array_equal(client.lookup(table_name, [0]), np.full((1, 4), 7.0))
+    meta = client.create_table(table_name, 20, 4, seed=1, replace=True)  # accepted: made in its place
+    assert client.table(table_name, refresh=True).num_rows == 20 == meta.num_rows
+    assert not np.array_equal(client.lookup(table_name, [0]), np.full((1, 4), 7.0))
 
 
 @pytest.mark.parametrize(

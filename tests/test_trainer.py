@@ -352,3 +352,32 @@ def test_resume_refuses_other_flags_and_keeps_checkpointing(tmp_path):
     with pytest.raises(SystemExit, match="it holds checkpoints after step 2"):
         list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(trainer_file(ck, 2)),
                                               "--checkpoint-dir", str(ck)])))
+
+
+def test_local_values_refuse_what_the_shards_refuse_and_change_nothing(client, table_name):
+    """The library's in-process table checks a call as the cluster does, with the same message:
+    its compiled kernels do not check, so an id out of range used to update row 253 for -3,
+    write outside the table for 260 and crash the process for 10**8; a grad_out of another width
+    passed silently."""
+    from memserver.api.errors import InvalidArgumentError
+    from trainer.memory import LocalValues, RemoteValues
+
+    local = LocalValues(256, 32, seed=1)
+    remote = RemoteValues(client, table_name, 256, 32, seed=1)
+    before = local.table.weight.clone()
+    ids, w, g = torch.randint(0, 256, (4, 8)), torch.rand(4, 8), torch.rand(4, 32)
+    for bad, message in (((torch.full((4, 8), -3), w, g), "ids: negative id -3"),
+                         ((torch.full((4, 8), 10**8), w, g), "ids: id 100000000 out of range for a table of 256 rows"),
+                         ((ids, w, torch.rand(4, 31)), r"grad_out: shape must be \[4, 32\], got \[4, 31\]"),
+                         ((ids.float(), w, g), "ids: dtype must be int64, got float32"),
+                         ((ids, w[:, :4], g), r"weights: shape \[4, 4\] does not match ids \[4, 8\]")):
+        for values in (local, remote):
+            with pytest.raises(InvalidArgumentError, match=message):
+                values.bag_backward(*bad)
+    with pytest.raises(InvalidArgumentError, match="id 260 out of range"):
+        local.bag(torch.full((1, 2), 260), torch.ones(1, 2))
+    assert torch.equal(local.table.weight, before)
+    assert torch.equal(local.bag(ids, w), remote.bag(ids, w))  # and the remote table is as made
+    for shape in ((0, 4), (4, 0), (4.0, 4)):
+        with pytest.raises(InvalidArgumentError, match="num_rows and dim: positive integers"):
+            LocalValues(*shape)

@@ -285,7 +285,8 @@ def cmd_create_table(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in TABLE_KEYS if getattr(args, k, None) is not None}
     kwargs = table_args({**given, "wal": args.wal}, "memserver create-table")
     with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
-        meta = client.create_table(kwargs.pop("name"), kwargs.pop("num_rows"), kwargs.pop("dim"), **kwargs)
+        meta = client.create_table(kwargs.pop("name"), kwargs.pop("num_rows"), kwargs.pop("dim"), replace=args.replace,
+                                   **kwargs)
     if args.json:
         print(json.dumps(meta.to_dict(), indent=2))
     else:
@@ -378,6 +379,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="data-parallel trainers whose steps are summed into one update (default 0: none)")
     ct.add_argument("--wal", action="store_true",
                     help="log every write before acknowledging it, so a restarted shard loses none")
+    ct.add_argument("--replace", action="store_true",
+                    help="drop a table of that name and make this one instead (its values are lost), once the "
+                         "cluster has accepted the new table's settings; without it an existing name is an error")
     ct.add_argument("--tier", choices=_CHOICES["tier"],
                     help="ram (default): rows in the shards' memory; disk: in files under a row cache")
     ct.add_argument("--cache-bytes", type=parse_size,

@@ -44,6 +44,16 @@ log = logging.getLogger(__name__)
 PROBE_SECONDS = 10.0
 
 
+
+def _raise_refusal(results: list[Any], what: str) -> None:
+    """Raise the first failure among shard calls' `results`: a shard's refusal with its own
+    status (RESOURCE_EXHAUSTED stays RESOURCE_EXHAUSTED), anything else as an internal error."""
+    errors = [getattr(r, "cause", None) or r for r in results if isinstance(r, BaseException)]
+    if refusal := next((e for e in errors if isinstance(e, MemserverError)), None):
+        raise type(refusal)(refusal.details)
+    if errors:
+        raise RuntimeError(f"{what} failed on a shard: {errors[0]}")
+
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]], restarted: bool = False,
                  checkpoint_root: str | None = None, limits: Limits | None = None) -> None:
@@ -136,7 +146,42 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return self.tables[name]
 
     async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
-        return await self._place(validate_spec(request.spec, len(self.handles)))
+        spec = validate_spec(request.spec, len(self.handles))
+        if request.replace and spec.name in self.tables and spec.name not in self.pending:
+            # every refusal the new table could meet, the old one's memory counted as free: before it goes
+            order, info, on_node = self._plan(spec)
+            old, freed = self.tables[spec.name], {}
+            for j, sh in zip(self.placement[spec.name], old.shards):
+                node = self.infos[j]["node_id"]
+                freed[node] = freed.get(node, 0) + slice_size(old.spec, sh).held
+            blob = spec.SerializeToString()
+            _raise_refusal(await asyncio.gather(
+                *(self.handles[j].check_fits.remote(blob, sh.SerializeToString(), node_bytes,
+                                                    freed.get(self.infos[j]["node_id"], 0))
+                  for j, sh, node_bytes in zip(order, info.shards, on_node)), return_exceptions=True), "checking")
+            log.info("replacing table %s", spec.name)
+            try:
+                await self._drop(spec.name)
+            except TableNotFoundError:
+                pass  # another replace or drop got there first: make it, or say it exists again
+        return await self._place(spec)
+
+    def _plan(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
+        """Where a validated table would go: (its shards' indices, its map, the bytes each slice
+        holds at its peak summed per node, as each shard is told), refused (RESOURCE_EXHAUSTED)
+        where a slice is larger than the limits allow. Decided from the spec before any shard
+        records or allocates anything; each shard then checks the memory its node has."""
+        # Start each table on a different shard so small tables spread over the cluster.
+        first = len(self.tables) % len(self.handles)
+        order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
+        info = plan_table(spec, [self.infos[j] for j in order])
+        sizes = [slice_size(spec, sh) for sh in info.shards]
+        for sh, size in zip(info.shards, sizes):
+            refuse_oversized(spec, sh.index, size, self.limits)
+        on_node: dict[str, int] = {}
+        for j, size in zip(order, sizes):
+            on_node[self.infos[j]["node_id"]] = on_node.get(self.infos[j]["node_id"], 0) + size.peak
+        return order, info, [on_node[self.infos[j]["node_id"]] for j in order]
 
     async def _place(self, spec: pb.TableSpec, files: list[dict[str, Any]] | None = None) -> pb.TableInfo:
         """Create a validated table on its shards: fresh, or restored from checkpoint `files`."""
@@ -144,35 +189,19 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             raise TableExistsError(f"table {spec.name!r} already exists")
         self.pending.add(spec.name)
         try:
-            # Start each table on a different shard so small tables spread over the cluster.
-            first = len(self.tables) % len(self.handles)
-            order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
-            info = plan_table(spec, [self.infos[j] for j in order])
-            # What fits is decided from the spec before any shard records or allocates anything:
-            # the cap here; each shard then checks the memory its node has for the table's
-            # slices there (their peaks summed per node, passed along).
-            sizes = [slice_size(spec, sh) for sh in info.shards]
-            for sh, size in zip(info.shards, sizes):
-                refuse_oversized(spec, sh.index, size, self.limits)
-            on_node: dict[str, int] = {}
-            for j, size in zip(order, sizes):
-                on_node[self.infos[j]["node_id"]] = on_node.get(self.infos[j]["node_id"], 0) + size.peak
+            order, info, on_node = self._plan(spec)
             blob = spec.SerializeToString()
             refs = [
-                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards,
-                                                    on_node[self.infos[j]["node_id"]])
+                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards, node_bytes)
                 if files is None
                 else self.handles[j].restore_table.remote(blob, sh.SerializeToString(), spec.num_shards, files,
-                                                          on_node[self.infos[j]["node_id"]])
-                for j, sh in zip(order, info.shards)
+                                                          node_bytes)
+                for j, sh, node_bytes in zip(order, info.shards, on_node)
             ]
             results = await asyncio.gather(*refs, return_exceptions=True)
-            errors = [getattr(r, "cause", None) or r for r in results if isinstance(r, BaseException)]
-            if errors:
+            if any(isinstance(r, BaseException) for r in results):
                 await asyncio.gather(*(self.handles[j].drop_table.remote(spec.name) for j in order), return_exceptions=True)
-                if refusal := next((e for e in errors if isinstance(e, MemserverError)), None):
-                    raise type(refusal)(refusal.details)  # a shard's refusal keeps its status (RESOURCE_EXHAUSTED)
-                raise RuntimeError(f"{'restoring' if files else 'creating'} {spec.name!r} failed on a shard: {errors[0]}")
+                _raise_refusal(results, f"{'restoring' if files else 'creating'} {spec.name!r}")
             async with self.lock:
                 self.epoch += 1
                 info.epoch = self.epoch

@@ -213,6 +213,14 @@ class ShardActor:
         """`node_bytes`: what the table's slices on this node need together (see _add_table)."""
         self._add_table(spec, info, num_shards, None, node_bytes)
 
+    def check_fits(self, spec: bytes, info: bytes, node_bytes: int, freed: int) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) what _add_table would refuse for this memory, once `freed`
+        bytes are released (the slices here of a table the new one replaces): asked before that
+        table is dropped, so a replace that cannot fit leaves it."""
+        s, shard = pb.TableSpec.FromString(spec), pb.ShardInfo.FromString(info)
+        refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits,
+                         memory_available(self.device) + freed, node_bytes)
+
     def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]],
                       node_bytes: int = 0) -> None:
         """Create this shard's slice of a table from checkpoint files of any earlier sharding."""

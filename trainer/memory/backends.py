@@ -22,6 +22,7 @@ GPU's work on the next. On the CPU each of them is the identity: the CPU path is
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -29,9 +30,11 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from memserver.api.errors import InvalidArgumentError
 from memserver.core.optim import OptimizerConfig
 from memserver.core.steps import Entries, bag_entries, combine
 from memserver.core.table import ValueTable
+from memserver.wire import check_bag, check_ids, check_rows
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +225,14 @@ class LocalValues:
                  seed: int = 0, device: torch.device | str = "cpu") -> None:
         """`device`: where the table lives (the values are made on the CPU, the same numbers
         everywhere, then moved); a layer's module moving elsewhere moves it along (`to`)."""
+        try:
+            if isinstance(num_rows, bool) or isinstance(dim, bool):
+                raise TypeError
+            num_rows, dim = operator.index(num_rows), operator.index(dim)
+            if num_rows <= 0 or dim <= 0:
+                raise TypeError
+        except TypeError:
+            raise InvalidArgumentError(f"num_rows and dim: positive integers, got {num_rows!r} x {dim!r}") from None
         self.num_rows, self.dim = num_rows, dim
         std = init_std if init_std is not None else dim**-0.5
         self.table = ValueTable(num_rows, dim, OptimizerConfig(optimizer, lr), init_std=std, seed=seed, track_stats=False,
@@ -240,7 +251,21 @@ class LocalValues:
         self.table = moved
         return self
 
+    def _check(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor | None = None) -> None:
+        """The shards' rules for a bag's arguments (memserver.wire), so a bad call is refused with
+        their message, changing nothing, instead of reaching the compiled kernels, which do not
+        check: an id out of range would read or write outside the table. On a GPU the ids' range
+        is left to torch's own kernels (device-side asserts), which would need a sync per call."""
+        num_bags = check_bag(ids, weights, None)
+        if ids.device.type == "cpu":
+            check_ids(ids, self.num_rows)
+        elif ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidArgumentError(f"ids: dtype must be int64, got {str(ids.dtype).removeprefix('torch.')}")
+        if grad_out is not None:
+            check_rows(grad_out, num_bags, self.dim, "grad_out")
+
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        self._check(ids, weights)
         return to_device(self.table.bag(ids, weights), ids.device)
 
     def warm(self, ids: torch.Tensor) -> Future | None:
@@ -254,6 +279,7 @@ class LocalValues:
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:
+        self._check(ids, weights, grad_out)
         if self.parts is None:  # outside a step: apply at once
             self.version += 1
             return to_device(self.table.bag_backward(ids, weights, None, grad_out), ids.device)
@@ -297,8 +323,11 @@ class LocalValues:
 
 class RemoteValues:
     """A value table in the memserver cluster, made fresh (`create`, the default: a table of that
-    name is dropped first, as memtrain's --table says) with the same deterministic initialisation
-    as `LocalValues` of the same seed, or an existing one attached (`create=False`)."""
+    name is replaced, as memtrain's --table says) with the same deterministic initialisation
+    as `LocalValues` of the same seed, or an existing one attached (`create=False`). Either way the
+    table is pinned (client.pin_table): if anyone else replaces or restores it while this backend
+    uses it (another run of the same table name), its calls fail instead of going on with rows
+    that are not the ones it trained."""
 
     def __init__(self, client: Any, name: str, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3,
                  init_std: float | None = None, seed: int = 0, sharding: str | None = None, defer_apply: bool = False,
@@ -328,15 +357,21 @@ class RemoteValues:
             if meta is not None and (meta.num_rows, meta.dim) != (num_rows, dim):
                 raise ValueError(f"table {name} has {meta.num_rows} x {meta.dim} values, this layer needs "
                                  f"{num_rows} x {dim}")
+            if meta is not None:
+                client.pin_table(name)
         else:
             try:
-                client.drop_table(name)
-                log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
+                client.table(name, refresh=True)
+                existed = True
             except TableNotFoundError:
-                pass
+                existed = False
+            # replaced only once the coordinator accepts the new spec: a bad argument leaves the table
             client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
                                 sharding=sharding, sync_workers=sync_workers, wal=wal, tier=tier,
-                                cache_bytes=cache_bytes)
+                                cache_bytes=cache_bytes, replace=True)
+            if existed:
+                log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
+            client.pin_table(name)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         h_ids, h_w = to_host(ids, weights.detach())
@@ -452,6 +487,7 @@ class RemoteValues:
         self.settle()
         self.version += LOADED
         self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
+        self.client.pin_table(self.name)  # the restored table is this run's now
 
 
 def _indexed(device: torch.device) -> torch.device:

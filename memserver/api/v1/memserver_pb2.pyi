@@ -641,10 +641,12 @@ class AddressResponse(_message.Message):
     def __init__(self, ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "replace")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ...) -> None: ...
+    replace: bool
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class DropTableRequest(_message.Message):
     __slots__ = ("name",)
