@@ -154,7 +154,10 @@ class AsyncMemoryClient:
         try:
             return await getattr(stub, method)(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err, f"coordinator {self.endpoint}") from None
+            where = f"coordinator {self.endpoint}"
+            if err.code() == grpc.StatusCode.UNAVAILABLE:  # the first thing a stale endpoint file meets
+                where += "; is a memserver cluster running there? `memserver status` says, `memserver up` starts one"
+            raise from_rpc_error(err, where) from None
 
     async def _read_control(self, method: str, request: Any) -> Any:
         """A read-only coordinator call, retried while the coordinator restarts."""

@@ -92,6 +92,20 @@ def test_status_without_cluster_names_the_fix(tmp_path):
     assert st.returncode == 2 and "memserver up" in st.stderr
 
 
+def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
+    """An endpoint file left by a cluster that has stopped (or a wrong --endpoint): the refused
+    connection says what to run, for every tool (the client's one coordinator call path)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on (bound, not listening: refused)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        st = run(["create-table", "t", "--rows", "4", "--dim", "2", "--endpoint", f"127.0.0.1:{port}",
+                  "--timeout", "5"], {**os.environ, "MEMSERVER_HOME": str(tmp_path)}, timeout=120)
+    assert st.returncode == 1 and "Traceback" not in st.stderr, st.stderr
+    assert f"coordinator 127.0.0.1:{port}; is a memserver cluster running there? `memserver status` says" in st.stderr
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -86,6 +86,15 @@ def test_lsh_layer_rejects_a_table_of_the_wrong_size():
 # --- product keys: the addressing path ------------------------------------------------------
 
 
+@pytest.mark.parametrize("kwargs, message", [(dict(knn=0), "heads and knn must be >= 1, got 4 and 0"),
+                                             (dict(heads=0), "heads and knn must be >= 1, got 0 and 4"),
+                                             (dict(knn=9), "knn \\(9\\) cannot exceed n_keys \\(8\\)")])
+def test_product_key_layer_refuses_settings_it_cannot_address(kwargs, message):
+    """(knn 0 and heads 0 used to fail later, in a reshape or an index, naming neither.)"""
+    with pytest.raises(ValueError, match=message):
+        ProductKeyMemory(8, 8, LocalValues(64, 8), **({"n_keys": 8, "k_dim": 8, "knn": 4} | kwargs))
+
+
 def test_product_key_addressing_gradient_matches_a_dense_reference():
     """dL/d(query weights, keys) through the backend's dL/dweights == autograd through a plain
     weighted sum of the same rows (the addressing path keys -> scores -> top-k -> softmax)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -280,7 +281,7 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
     (["--memory", "none", "--sync-commit"], "--sync-commit: for tables in the cluster"),
     (["--memory", "local", "--endpoint", "127.0.0.1:1"], "--endpoint: this run uses no cluster"),
     (["--memory-kind", "engram", "--mem-plus"], "--mem-plus: Memory+ gates the product-key and LSH"),
-    (["--memory", "local", "--data", "/nonexistent"], "--data: "),
+    (["--memory", "local", "--data", "/nonexistent"], "error: --data: no such file or folder: /nonexistent"),
 ])
 def test_bad_memtrain_flags_are_named(argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -321,7 +322,7 @@ def test_memtrain_without_a_cluster_says_how_to_get_one(tmp_path, monkeypatch):
         list(train(build_parser().parse_args([*TINY, "--steps", "1"])))
 
 
-def test_resume_refuses_other_flags_and_keeps_checkpointing(tmp_path):
+def test_resume_refuses_other_flags_and_keeps_checkpointing(tmp_path, caplog):
     """A resume under other optimizer, model or memory flags is refused by name (they would be
     silently the checkpoint's); under --memory none a local checkpoint is refused; --steps at or
     below the checkpoint's step is refused; a resume goes on checkpointing in its directory; a
@@ -349,6 +350,10 @@ def test_resume_refuses_other_flags_and_keeps_checkpointing(tmp_path):
     again = list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(trainer_file(ck, 2)),
                                                    "--checkpoint-dir", str(tmp_path / "other")])))
     assert [r["loss"] for r in again] == [r["loss"] for r in rest]  # from the file named, not the latest
+    with caplog.at_level(logging.WARNING, logger="trainer.train"):
+        list(train(build_parser().parse_args([*common, "--steps", "3", "--resume", str(trainer_file(ck, 2))])))
+    assert "is a file: this run writes no checkpoints" in caplog.text  # said, not silent
+    assert len(list(ck.glob("trainer-step-*.pt"))) == 3
     with pytest.raises(SystemExit, match="it holds checkpoints after step 2"):
         list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(trainer_file(ck, 2)),
                                               "--checkpoint-dir", str(ck)])))

@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of the batch's positions traced (default 0.05)")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--checkpoint-dir", help="save the trainer's state here (and checkpoint the remote tables under "
-                    "<dir>/memory); with --resume, default: the --resume directory")
+                    "<dir>/memory); with --resume DIR, default: DIR (after a --resume file: none, since its "
+                    "directory may hold later checkpoints)")
     ck.add_argument("--checkpoint-every", type=int, default=0,
                     help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir or a --resume directory")
     ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
@@ -299,7 +300,7 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     try:
         corpus = load_corpus(args.data)
     except FileNotFoundError as exc:
-        raise SystemExit(f"memtrain: error: --data: {exc}") from None
+        raise SystemExit(f"memtrain: error: {exc}") from None
     if args.block_size + 1 >= min(len(corpus.train), len(corpus.val)):
         raise SystemExit(f"memtrain: error: --block-size {args.block_size}: {corpus.name}'s validation text has "
                          f"{len(corpus.val):,} tokens; a window and its next token must fit in it")
@@ -648,6 +649,9 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
             raise SystemExit("memtrain: error: --checkpoint-dir/--resume are for single-trainer runs for now")
         flags = {k: getattr(args, k) for k in RESUMED_ALIKE}
         checkpoint_dir = checkpoint_dir_of(args)
+        if args.resume and not checkpoint_dir:
+            log.warning("--resume %s is a file: this run writes no checkpoints (its directory may hold later ones); "
+                        "give --checkpoint-dir to keep them", args.resume)
         if checkpoint_dir:  # refused now, not at the first checkpoint after hours of training
             for backend in _unique(run.values).values():
                 backend.check_save(Path(checkpoint_dir))
@@ -866,7 +870,7 @@ def _main(args: argparse.Namespace) -> int:
             if "val_loss" in rec:
                 msg += f" | val {rec['val_loss']:.4f}"
                 mem = [k for k in rec if k.endswith("_used_pct")]
-                msg += "".join(f" | {k.split('_')[0]} used {rec[k]:.1f}%" for k in mem)
+                msg += "".join(f" | {k.removesuffix('_used_pct')} used {rec[k]:.1f}%" for k in mem)
             if bar is not None:
                 bar.update(rec["step"] - bar.n)
                 bar.set_postfix_str(msg.split(" ", 2)[2][:80])

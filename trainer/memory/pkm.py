@@ -28,6 +28,8 @@ class ProductKeyMemory(MemoryLayer):
         super().__init__(d_in, d_out, values, mem_plus=mem_plus, micro_batches=micro_batches)
         if values.num_rows != n_keys**2:
             raise ValueError(f"the value table has {values.num_rows} rows, n_keys^2 = {n_keys**2}")
+        if heads < 1 or knn < 1:
+            raise ValueError(f"heads and knn must be >= 1, got {heads} and {knn}")
         if k_dim % 2:
             raise ValueError(f"k_dim must be even, got {k_dim}")
         if knn > n_keys:
