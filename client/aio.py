@@ -50,7 +50,7 @@ from memserver.api.types import METRICS, SHARDINGS, TableMeta
 from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
-from memserver.cluster.endpoint import read_endpoint
+from memserver.cluster.endpoint import live_endpoint
 from memserver.wire import as_tensor, check_wire_dtype, dtype_code, encode, tune_malloc
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class AsyncMemoryClient:
         With shared memory on, calls go by the shards' doorbells (no gRPC per call) unless
         $MEMSERVER_DOORBELL is 0."""
         tune_malloc()  # large calls build their messages in reused memory (see memserver.wire)
-        record = read_endpoint() if not endpoint else None
+        record = live_endpoint() if not endpoint else None
         self.endpoint = endpoint or record["endpoint"]
         self.token = token if token is not None else client_token(self.endpoint, record)
         self.tls = tls if tls is not None else client_tls(self.endpoint, record)
@@ -354,6 +354,8 @@ class AsyncMemoryClient:
         latest checkpoint. `eps` None: the optimizer's default (0 is a value, as is a beta of 0)."""
         if sharding is not None and sharding not in SHARDINGS:
             raise InvalidArgumentError(f"sharding: expected 'rows' or 'cols', got {sharding!r}")
+        if sync_workers < 0:  # (the spec would say "only meaningful with sync_updates", a field no caller sets)
+            raise InvalidArgumentError(f"sync_workers: must be >= 0 (0: not a sync_updates table), got {sync_workers}")
         spec = pb.TableSpec(
             name=name,
             kind=pb.VALUE,

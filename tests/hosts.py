@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from memserver.cli.common import pid_alive
+from memserver.cluster.endpoint import pid_alive
 
 SUBNET = "10.213.0"
 RAY_PORT = 6379

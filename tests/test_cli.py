@@ -92,18 +92,50 @@ def test_status_without_cluster_names_the_fix(tmp_path):
     assert st.returncode == 2 and "memserver up" in st.stderr
 
 
+def test_a_stale_endpoint_file_is_said_at_once(tmp_path, monkeypatch):
+    """The file of an `up` that was killed (kill -9 leaves it): status and every client say so
+    at once instead of retrying the dead address for a minute."""
+    import socket
+    import time
+
+    from client import MemoryClient
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    (tmp_path / "endpoint.json").write_text(json.dumps({"endpoint": "127.0.0.1:9", "pid": proc.pid,
+                                                        "host": socket.gethostname()}))
+    t0 = time.monotonic()
+    st = run(["status"], {**os.environ, "MEMSERVER_HOME": str(tmp_path)}, timeout=60)
+    assert st.returncode == 2 and time.monotonic() - t0 < 30, st.stderr
+    assert f"names a memserver (pid {proc.pid}, 127.0.0.1:9) that is no longer running: start one with `memserver up`" \
+        in st.stderr
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no longer running"):
+        MemoryClient()
+    assert run(["down"], {**os.environ, "MEMSERVER_HOME": str(tmp_path)}).returncode == 0
+    assert not (tmp_path / "endpoint.json").exists()
+
+
 def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     """An endpoint file left by a cluster that has stopped (or a wrong --endpoint): the refused
     connection says what to run, for every tool (the client's one coordinator call path)."""
     import socket
+    import time
 
     with socket.socket() as s:  # a port nothing listens on (bound, not listening: refused)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+        env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
         st = run(["create-table", "t", "--rows", "4", "--dim", "2", "--endpoint", f"127.0.0.1:{port}",
-                  "--timeout", "5"], {**os.environ, "MEMSERVER_HOME": str(tmp_path)}, timeout=120)
-    assert st.returncode == 1 and "Traceback" not in st.stderr, st.stderr
-    assert f"coordinator 127.0.0.1:{port}; is a memserver cluster running there? `memserver status` says" in st.stderr
+                  "--timeout", "5"], env, timeout=120)
+        assert st.returncode == 1 and "Traceback" not in st.stderr, st.stderr
+        assert f"coordinator 127.0.0.1:{port}; is a memserver cluster running there? `memserver status` says" in st.stderr
+        t0 = time.monotonic()  # a read is retried, within --timeout (it was the client's 60 s whatever --timeout said)
+        st = run(["status", "--endpoint", f"127.0.0.1:{port}", "--timeout", "2"], env, timeout=120)
+        assert st.returncode == 1 and "is a memserver cluster running there?" in st.stderr
+        assert time.monotonic() - t0 < 30
+    st = run(["status", "--endpoint", "garbage"], env, timeout=60)
+    assert st.returncode == 2 and "--endpoint: expected the coordinator's HOST:PORT, got 'garbage'" in st.stderr
 
 
 @pytest.mark.parametrize(
@@ -116,6 +148,7 @@ def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
         ("shard_cpus: '4'\n", "shard_cpus in"),  # a cluster key of the wrong type: before anything starts
         ("shards: 2.5\n", "shards in"),
         ("data_dir: 7\n", "data_dir in"),
+        ("tables:\n  - {name: a, num_rows: 4, dim: 2}\n  - {name: a, num_rows: 8, dim: 2}\n", "names 'a' more than once"),
     ],
 )
 def test_bad_config_names_the_problem(tmp_path, text, message):
@@ -232,13 +265,55 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
 
 @pytest.mark.parametrize("argv, message", [
     (["up", "--session-ttl", "0"], "argument --session-ttl: must be more than 0 seconds"),
+    (["up", "--port", "99999"], "--port must be in [0, 65535] (0: any free port), got 99999"),
+    (["up", "--port", "-3"], "--port must be in [0, 65535]"),
+    (["up", "--shard-cpus", "-1"], "--shard-cpus (or the config's shard_cpus): must be >= 0, got -1.0"),
+    (["up", "--shard-cpus", "0"], "a shard needs shard_cpus > 0 or shard_gpus > 0"),
+    (["up", "--threads-per-shard", "0"], "--threads-per-shard (or the config's threads_per_shard) must be at least 1"),
+    (["up", "--max-restarts", "-5"], "--max-restarts must be -1 (always) or a count >= 0, got -5"),
+    (["up", "--object-store-mb", "1"], "--object-store-mb must be at least 75 (Ray's minimum), got 1"),
+    (["up", "--data-dir", __file__], "not a directory"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--optimizer", "adamw"], "argument --optimizer: invalid choice"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--dtype", "int64"], "argument --dtype: invalid choice"),
 ])
-def test_flags_are_refused_by_name_before_any_cluster_is_asked(capsys, argv, message):
+def test_flags_are_refused_by_name_before_any_cluster_is_asked(capsys, tmp_path, monkeypatch, argv, message):
+    """(Each of `up`'s used to start Ray and end in its traceback, or, for --port, to come up
+    silently on another port.)"""
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_up_refuses_a_data_dir_whose_tables_need_more_shards(tmp_path, capsys, monkeypatch):
+    """Shard i loads only shard-i of the data directory: with fewer shards a table's other
+    slices were left out, the table dropped from the catalog with a line in the log, and a
+    create-table of its name then deleted the slice that was still there."""
+    import json as json_
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    data = tmp_path / "data"
+    for i in (0, 1):
+        (data / f"shard-{i:04d}" / "values").mkdir(parents=True)
+        (data / f"shard-{i:04d}" / "values" / "table.json").write_text(json_.dumps({"name": "values"}))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["up", "--shards", "1", "--data-dir", str(data)])
+    assert exit_.value.code == 2
+    assert (f"--data-dir (or the config's data_dir): data directory {data} holds table slices of 2 shards "
+            "(shard-0001 keeps values); start at least 2 shards on it") in capsys.readouterr().err
+    from memserver.storage.store import check_data_dir
+
+    check_data_dir(data, 2)
+    check_data_dir(data, 3)  # more shards than before: the new ones start empty
+    check_data_dir(tmp_path / "nothing-yet", 1)
+
+
+def test_verbose_goes_before_or_after_the_command():
+    """The errors say `(-v: the traceback)`; a user adds it at the end of the line they typed."""
+    parse = cli.build_parser().parse_args
+    assert parse(["drop-table", "t", "-v"]).verbose and parse(["-v", "drop-table", "t"]).verbose
+    assert parse(["index", "build", "x", "--vectors", "v.npy", "-v"]).verbose
+    assert not parse(["drop-table", "t"]).verbose
 
 
 def test_help_explains_every_command():

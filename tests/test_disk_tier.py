@@ -274,6 +274,17 @@ def test_missing_or_truncated_file_is_refused_by_name(tmp_path):
         disk.lookup(torch.tensor([250]))
 
 
+def _open_files() -> list[str]:
+    """What this process's file descriptors point at."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
 def test_full_disk_is_refused_at_creation(tmp_path, monkeypatch):
     """A real full disk (a 64 KiB tmpfs) when we may mount one, else a failing fallocate."""
     cfg = OptimizerConfig("adagrad", 0.1)
@@ -290,6 +301,12 @@ def test_full_disk_is_refused_at_creation(tmp_path, monkeypatch):
         with pytest.raises(ResourceExhaustedError, match=rf"table big: cannot allocate .* for {mnt}/big/rows.dat: the disk is full"):
             DiskTable(mnt / "big", 10_000, 16, cfg, cache_bytes=4096, name="big")
         assert not (mnt / "big" / "rows.dat").exists()
+        if mounted:  # rows.dat fits, stats.dat does not: the first is closed and removed too
+            with pytest.raises(ResourceExhaustedError, match=rf"for {mnt}/half/stats.dat: the disk is full"):
+                DiskTable(mnt / "half", 600, 16, cfg, cache_bytes=4096, name="half")  # 15 + 3 pages of 16
+            assert not list((mnt / "half").iterdir())
+            assert not [f for f in _open_files() if f.startswith(str(mnt))]  # (it kept rows.dat open, deleted)
+            assert DiskTable(mnt / "again", 600, 8, cfg, cache_bytes=4096, name="again").num_rows == 600  # space back
         if mounted:  # the disk still serves a table that fits
             small = DiskTable(mnt / "small", 100, 4, cfg, cache_bytes=4096, name="small")
             assert small.lookup(torch.tensor([3])).shape == (1, 4)

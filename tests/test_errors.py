@@ -91,6 +91,25 @@ def test_duplicate_table_is_already_exists(client, table_name):
     assert client.table(table_name, refresh=True).num_rows == 10
 
 
+def test_a_create_that_meets_a_slice_outside_the_catalog_leaves_it(memory_cluster, client, table_name):
+    """A shard still holding a slice of that name that the catalog left out (its table came back
+    incomplete): the create is ALREADY_EXISTS, and that slice is not dropped by the create's undo
+    (it was, deleting its files, a wal table's log included)."""
+    import ray
+
+    spec = pb.TableSpec(name=table_name, kind=pb.VALUE, num_rows=8, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0),
+                        init_std=1.0, num_shards=1)
+    info = pb.ShardInfo(index=0, address="", col_start=0, col_end=4)
+    ray.get(memory_cluster.shards[1].create_table.remote(spec.SerializeToString(), info.SerializeToString(), 1))
+    try:
+        for _ in range(2):  # the second: the slice was not dropped by the first's undo
+            with pytest.raises(TableExistsError, match="already exists on shard 1, outside the catalog"):
+                client.create_table(table_name, 8, 4)
+        assert table_name not in {t.name for t in client.list_tables()}
+    finally:
+        ray.get(memory_cluster.shards[1].drop_table.remote(table_name))
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(optimizer="adamw"), InvalidArgumentError, "unknown optimizer"),
     (dict(lr=-1.0), InvalidArgumentError, "lr must be"),
@@ -122,6 +141,7 @@ def test_a_replace_that_is_refused_leaves_the_table(client, table_name, kwargs, 
         (dict(dim=1, sharding="cols"), "cannot be split over 2 shards"),
         (dict(dtype="int64"), "dtype: values are stored as"),
         (dict(init_std=float("nan")), "init_std"),
+        (dict(sync_workers=-2), "sync_workers: must be >= 0"),
     ],
 )
 def test_bad_table_specs(client, table_name, kwargs, message):

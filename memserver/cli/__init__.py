@@ -36,7 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     slots.add_parsers(sub)
     web.add_parser(sub)
     loadtest.add_parser(sub)
+    _verbose_anywhere(sub)
     return p
+
+
+def _verbose_anywhere(sub: argparse._SubParsersAction) -> None:
+    """-v after the command too (`memserver drop-table t -v`, as the errors' hint reads):
+    SUPPRESS keeps the top-level flag's value where a command's parser does not see one."""
+    for parser in sub.choices.values():
+        parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                            help="debug logging, and a failing call's traceback")
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _verbose_anywhere(action)
 
 
 def main(argv: list[str] | None = None) -> int:

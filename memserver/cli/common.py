@@ -4,7 +4,7 @@ talk to a running cluster, and small formatting helpers."""
 from __future__ import annotations
 
 import argparse
-import os
+from typing import Any
 
 
 class CliError(Exception):
@@ -15,16 +15,6 @@ def one_line(exc: BaseException) -> str:
     """An error as the one line a CLI prints (the api's errors name the flag and the fix; a
     traceback only under the CLI's debug flag)."""
     return " ".join(str(exc).split())
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def seconds(text: str) -> float:
@@ -43,17 +33,39 @@ def cluster_flags(p: argparse.ArgumentParser, timeout: float, json_help: str = "
     """--endpoint, --json and --timeout of the commands that talk to a running cluster."""
     p.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
     p.add_argument("--json", action="store_true", help=json_help)
-    p.add_argument("--timeout", type=seconds, default=timeout, help="RPC deadline, seconds")
+    p.add_argument("--timeout", type=seconds, default=timeout,
+                   help="seconds to wait for the cluster: each call's deadline, and how long it is retried while "
+                        "the cluster does not answer")
+
+
+def console() -> Any:
+    """The rich console of a command's tables: piped or logged, rich would assume 80 columns and
+    cut the status table's addresses and pids to `127…`; then it is as wide as the tables need."""
+    from rich.console import Console
+
+    out = Console()
+    return out if out.is_terminal else Console(width=200)
+
+
+def cli_client(args: argparse.Namespace, endpoint: str | None = None) -> Any:
+    """The client of a one-shot command: --timeout bounds each call and its retries together,
+    so a cluster that is gone is said within it (not after the client's minute of retries)."""
+    from client import MemoryClient
+
+    return MemoryClient(endpoint or endpoint_of(args), timeout=args.timeout, retry_seconds=args.timeout)
 
 
 def endpoint_of(args: argparse.Namespace) -> str:
     """--endpoint, else the endpoint file's; a CliError that says how to start a cluster."""
     if getattr(args, "endpoint", None):
+        host, sep, port = args.endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise CliError(f"--endpoint: expected the coordinator's HOST:PORT, got {args.endpoint!r}")
         return args.endpoint
-    from memserver.cluster.endpoint import read_endpoint
+    from memserver.cluster.endpoint import live_endpoint
 
     try:
-        return read_endpoint()["endpoint"]
+        return live_endpoint()["endpoint"]
     except FileNotFoundError as exc:
         raise CliError(str(exc)) from None
 

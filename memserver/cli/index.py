@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from memserver.api.types import fmt_bytes
-from memserver.cli.common import CliError, cluster_flags, endpoint_of
+from memserver.cli.common import CliError, cli_client, cluster_flags
 
 #: Vectors sent per add call while loading (each call is split further below the request limit).
 LOAD_BATCH = 65536
@@ -36,8 +36,6 @@ def _load(path: str | None, flag: str, ndim: int) -> np.ndarray | None:
 def cmd_build(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from client import MemoryClient
-
     vectors = _load(args.vectors, "--vectors", 2)
     assert vectors is not None
     n, dim = vectors.shape
@@ -51,7 +49,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"--train-sample must be >= 0, got {args.train_sample}")
     out: dict[str, Any] = {"table": args.name, "vectors": n, "dim": dim, "index_factory": args.factory}
     t0 = time.perf_counter()
-    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+    with cli_client(args) as client:
         client.create_index(args.name, dim, index_factory=args.factory, metric=args.metric,
                             payload_dim=0 if payload is None else payload.shape[1], num_shards=args.shards, wal=args.wal)
         if args.train:
@@ -123,7 +121,7 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from client import MemoryClient, TableNotFoundError
+    from client import TableNotFoundError
 
     path, blob = _trainer_checkpoint(args.checkpoint_dir)
     from trainer.model import GPT
@@ -152,7 +150,7 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
                            "heads": int(heads), "n_keys": int(n_keys), "knn": args.knn, "k_dim": k_dim, "d_in": d_in,
                            "query_bn": bn is not None, "mem_plus": prefix + "gate.weight" in sd}
     t0 = time.perf_counter()
-    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+    with cli_client(args) as client:
         def drop(table: str) -> None:
             try:
                 client.drop_table(table)

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memserver.cli.common import CliError, parse_size, pid_alive, seconds
+from memserver.cli.common import CliError, one_line, parse_size, seconds
 from memserver.cli.tables import table_args
 from memserver.cluster import (
     DEFAULT_PLACEMENT,
@@ -24,12 +25,18 @@ from memserver.cluster import (
     DEFAULT_THREADS_PER_SHARD,
     PLACEMENT_STRATEGIES,
     parse_gpus,
+    shard_bundle,
     shard_gpu_list,
 )
+from memserver.cluster.endpoint import pid_alive
 from memserver.server.sessions import SESSION_TTL
+from memserver.storage.store import check_data_dir
 
 log = logging.getLogger("memserver")
 
+#: Ray's smallest object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES, 75 MiB), checked
+#: before Ray starts so a smaller --object-store-mb is one line, not Ray's traceback.
+OBJECT_STORE_MIN_MB = 75
 CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "data_dir", "session_ttl", "tables"}
 #: The cluster keys' types, checked with the tables' before anything starts (shard_gpus: by
 #: shard_gpu_list, placement: below).
@@ -65,6 +72,9 @@ def load_config(path: str | None) -> dict[str, Any]:
     if not isinstance(cfg.get("tables") or [], list):
         raise CliError(f"--config: tables in {path} must be a list of tables")
     cfg["tables"] = [table_args(table, f"--config: tables[{i}] in {path}") for i, table in enumerate(cfg.get("tables") or [])]
+    names = [t["name"] for t in cfg["tables"]]
+    if dup := sorted({n for n in names if names.count(n) > 1}):  # (the second was dropped as "recovered")
+        raise CliError(f"--config: tables in {path} names {', '.join(map(repr, dup))} more than once")
     return cfg
 
 
@@ -84,20 +94,48 @@ def running_cluster() -> dict[str, Any] | None:
     return rec if pid_alive(int(rec.get("pid", -1))) else None
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
+def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[int, float, list[float]]:
+    """`up`'s flags (each over the config's key) checked before anything starts, each refusal a
+    line naming its flag: (shards, CPUs per shard, GPUs of each shard)."""
     shards = _flag_or_config(args, cfg, "shards", DEFAULT_SHARDS)
     if shards < 1:
         raise CliError(f"--shards must be at least 1, got {shards}")
     if _flag_or_config(args, cfg, "session_ttl", SESSION_TTL) <= 0:
         raise CliError("--session-ttl (or the config's session_ttl) must be > 0 seconds")
-    if (rec := running_cluster()) is not None:
-        raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
     _limits(args)  # a bad value is the caller's error, before anything starts
     try:  # the flag, or the config's number, list or "1,1,0,0"
         shard_gpus = shard_gpu_list(shards, _flag_or_config(args, cfg, "shard_gpus", 0.0))
     except ValueError as exc:
         raise CliError(f"--shard-gpus (or the config's shard_gpus): {exc}") from None
+    shard_cpus = _flag_or_config(args, cfg, "shard_cpus", DEFAULT_SHARD_CPUS)
+    try:
+        if shard_cpus < 0:
+            raise ValueError(f"must be >= 0, got {shard_cpus}")
+        for gpus in set(shard_gpus):
+            shard_bundle(shard_cpus, gpus)
+    except ValueError as exc:
+        raise CliError(f"--shard-cpus (or the config's shard_cpus): {exc}") from None
+    if _flag_or_config(args, cfg, "threads_per_shard", DEFAULT_THREADS_PER_SHARD) < 1:
+        raise CliError("--threads-per-shard (or the config's threads_per_shard) must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
+    if args.max_restarts < -1:
+        raise CliError(f"--max-restarts must be -1 (always) or a count >= 0, got {args.max_restarts}")
+    if not args.address and args.object_store_mb < OBJECT_STORE_MIN_MB:
+        raise CliError(f"--object-store-mb must be at least {OBJECT_STORE_MIN_MB} (Ray's minimum), got {args.object_store_mb}")
+    if (data_dir := _flag_or_config(args, cfg, "data_dir", None)) is not None:
+        try:
+            check_data_dir(data_dir, shards)
+        except ValueError as exc:
+            raise CliError(f"--data-dir (or the config's data_dir): {exc}") from None
+    return shards, shard_cpus, shard_gpus
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    shards, shard_cpus, shard_gpus = _checked_up_flags(args, cfg)
+    if (rec := running_cluster()) is not None:
+        raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
     if args.detach:
         return _up_detached(args)
 
@@ -105,7 +143,6 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from client import MemoryClient
     from client.channels import ClientTls
-    from memserver.api.auth import AuthConfig
     from memserver.cluster.endpoint import endpoint_file, write_endpoint
     from memserver.cluster.launch import start_cluster
 
@@ -131,23 +168,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = start_cluster(
-        shards,
-        shard_cpus=_flag_or_config(args, cfg, "shard_cpus", DEFAULT_SHARD_CPUS),
-        shard_gpus=shard_gpus,
-        threads_per_shard=_flag_or_config(args, cfg, "threads_per_shard", DEFAULT_THREADS_PER_SHARD),
-        port=args.port,
-        placement=_flag_or_config(args, cfg, "placement", DEFAULT_PLACEMENT),
-        placement_timeout=args.placement_timeout,
-        data_dir=_flag_or_config(args, cfg, "data_dir", None),
-        max_restarts=args.max_restarts,
-        session_ttl=_flag_or_config(args, cfg, "session_ttl", SESSION_TTL),
-        auth=AuthConfig.from_tokens(*tokens) if tokens else None,
-        tls=tls,
-        checkpoint_root=args.checkpoint_root,
-        limits=_limits(args),
-        insecure=args.insecure,
-    )
+    try:
+        cluster = _start(args, cfg, start_cluster, shards, shard_cpus, shard_gpus, tokens, tls)
+    except (RuntimeError, ValueError, OSError) as exc:  # placement timed out, a data directory not writable, ...
+        ray.shutdown()
+        if getattr(args, "verbose", False):
+            raise
+        raise CliError(f"the cluster did not start: {one_line(exc)} (-v: the traceback)") from None
     tokens = tokens or cluster.tokens
     ca = cluster.tls_ca or (_ca(args) if tls else None)
     server_name = cluster.tls_server_name or args.tls_server_name
@@ -172,6 +199,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "shards": [i["address"] for i in cluster.shard_infos],
             "ray_address": ray.get_runtime_context().gcs_address,
             "started": time.time(),
+            "host": socket.gethostname(),  # whose pid: a client elsewhere (a shared home) does not check it
         }
         if tokens:  # the file is written with mode 0600: whoever can read it may call as its owner
             record["token"], record["read_token"] = tokens[0], tokens[1]
@@ -192,6 +220,30 @@ def cmd_up(args: argparse.Namespace) -> int:
             endpoint_file().unlink(missing_ok=True)
     log.info("memserver stopped")
     return 0
+
+
+def _start(args: argparse.Namespace, cfg: dict[str, Any], start_cluster: Any, shards: int, shard_cpus: float,
+           shard_gpus: list[float], tokens: tuple[str, str | None] | None, tls: Any) -> Any:
+    """start_cluster with `up`'s flags, each over the config's key over the default."""
+    from memserver.api.auth import AuthConfig
+
+    return start_cluster(
+        shards,
+        shard_cpus=shard_cpus,
+        shard_gpus=shard_gpus,
+        threads_per_shard=_flag_or_config(args, cfg, "threads_per_shard", DEFAULT_THREADS_PER_SHARD),
+        port=args.port,
+        placement=_flag_or_config(args, cfg, "placement", DEFAULT_PLACEMENT),
+        placement_timeout=args.placement_timeout,
+        data_dir=_flag_or_config(args, cfg, "data_dir", None),
+        max_restarts=args.max_restarts,
+        session_ttl=_flag_or_config(args, cfg, "session_ttl", SESSION_TTL),
+        auth=AuthConfig.from_tokens(*tokens) if tokens else None,
+        tls=tls,
+        checkpoint_root=args.checkpoint_root,
+        limits=_limits(args),
+        insecure=args.insecure,
+    )
 
 
 def _tokens(args: argparse.Namespace) -> tuple[str, str | None] | None:

@@ -127,13 +127,12 @@ def _ms(x: float | None) -> str:
 def print_load_report(report: dict[str, Any]) -> None:
     """The rich table of `memserver loadtest`: one row per call type and the total."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
+    from memserver.cli.common import console as common_console
+
     t, c = report["table"], report["config"]
-    console = Console()
-    if not console.is_terminal:  # piped or logged: rich would assume 80 columns and cut the table
-        console = Console(width=120)
+    console = common_console()
     reached = report.get("users_reached", report["users"])
     console.print(
         f"loadtest of [bold]{t['name']}[/] ({t['num_rows']:,} x {t['dim']} {t['sharding']}, {t['shards']} shards"

@@ -10,16 +10,14 @@ import json
 import time
 from typing import Any
 
-from memserver.cli.common import CliError, cluster_flags, endpoint_of, show
+from memserver.cli.common import CliError, cli_client, cluster_flags, console, show
 
 #: What `--by` accepts (client.ops.SLOT_STATS).
 BY = ("hits", "mass", "updates", "norm")
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from client import MemoryClient
-
-    return MemoryClient(endpoint_of(args), timeout=args.timeout)
+    return cli_client(args)
 
 
 def _inspector(client: Any, table: str, checkpoint: str | None) -> Any:
@@ -40,9 +38,7 @@ def _check_value_table(client: Any, table: str) -> Any:
 
 
 def _console() -> Any:
-    from rich.console import Console
-
-    return Console()
+    return console()
 
 
 # ------------------------------------------------------------------ inspect

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from memserver.api.types import SHARDINGS, fmt_bytes
-from memserver.cli.common import CliError, cluster_flags, endpoint_of, parse_size
+from memserver.cli.common import CliError, cli_client, cluster_flags, console, endpoint_of, parse_size
 from memserver.core.optim import OPTIMIZERS
 from memserver.server.catalog import TIERS
 from memserver.wire import DTYPE_NAMES, VALUE_DTYPES
@@ -103,20 +103,17 @@ def _disk_dict(t: Any) -> dict[str, Any]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from client import MemoryClient
-
     endpoint = endpoint_of(args)
-    with MemoryClient(endpoint, timeout=args.timeout) as client:
+    with cli_client(args, endpoint) as client:
         st = status_dict(client.status())
     if args.json:
         print(json.dumps({"endpoint": endpoint, **st}, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    out = console()
     restarted = " (restarted: catalog rebuilt from the shards)" if st["coordinator_restarted"] else ""
-    console.print(f"memserver {st['version']} at [bold]{endpoint}[/], coordinator pid {st['coordinator_pid']}{restarted}, "
+    out.print(f"memserver {st['version']} at [bold]{endpoint}[/], coordinator pid {st['coordinator_pid']}{restarted}, "
                   f"catalog epoch {st['epoch']}")
     tables = Table(title="tables")
     for col in ("name", "rows", "dim", "sharding", "optimizer", "lr", "dtype", "wal", "tier", "shards"):
@@ -127,7 +124,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}",
                            t["dtype"], "yes" if t["wal"] else "no", tier, str(len(t["shards"])))
     if tables.row_count:
-        console.print(tables)
+        out.print(tables)
     indexes = Table(title="index tables")
     for col in ("name", "factory", "metric", "dim", "payload", "vectors", "trained", "device", "bytes", "wal", "shards"):
         indexes.add_column(col, justify="right" if col in ("dim", "payload", "vectors", "bytes", "shards") else "left")
@@ -139,7 +136,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                             ", ".join(sorted({x["index_device"] for x in loads})), fmt_bytes(sum(x["bytes"] for x in loads)),
                             "yes" if t["wal"] else "no", str(len(t["shards"])))
     if indexes.row_count:
-        console.print(indexes)
+        out.print(indexes)
     disks = Table(title="disk tables (tier disk: rows in files under a row cache; rates since each slice loaded; "
                   "memory: the cache and the rows' read counters)")
     for col in ("name", "shard", "cached rows", "bound", "memory", "hit rate", "evictions", "disk reads/s",
@@ -153,7 +150,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                               f"{x['evictions']:,}", f"{x['disk_reads_per_s']:,.0f}", f"{x['disk_writes_per_s']:,.0f}",
                               f"{x['hinted']:,} ({x['warmed']:,})", f"{x['data_file']} ({fmt_bytes(x['data_bytes'])})")
     if disks.row_count:
-        console.print(disks)
+        out.print(disks)
     pkms = Table(title="product-key tables (serving a trained memory layer)")
     for col in ("name", "values table", "heads", "n_keys", "knn", "k_dim", "query in", "loaded"):
         pkms.add_column(col, justify="left" if col in ("name", "values table", "loaded") else "right")
@@ -163,7 +160,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             pkms.add_row(t["name"], t["values_table"], str(t["pkm_heads"]), str(t["pkm_n_keys"]), str(t["pkm_knn"]),
                          str(t["pkm_k_dim"]), str(t["pkm_d_in"] or "-"), "yes" if all(x["trained"] for x in loads) else "no")
     if pkms.row_count:
-        console.print(pkms)
+        out.print(pkms)
     hosts = Table(title="hosts")
     for col in ("host", "Ray node", "GPUs", "shards", "data dir"):
         hosts.add_column(col, justify="right" if col == "GPUs" else "left")
@@ -171,7 +168,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         moved = "".join(f" ({m['shard']} moved from {m['from']})" for m in h["moved_here"])
         hosts.add_row(h["host"], ", ".join(n[:12] for n in h["node_ids"]), f"{h['gpus']:g}",
                       ", ".join(map(str, h["shards"])) + moved, ", ".join(h["data_dirs"]))
-    console.print(hosts)
+    out.print(hosts)
     shards = Table(title="shards")
     for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "rss", "sessions", "requests"):
         shards.add_column(col, justify="left" if col in ("address", "node", "state", "device") else "right")
@@ -183,17 +180,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         sessions = max((t["sessions"] for t in s["tables"]), default=0)
         shards.add_row(str(s["index"]), s["address"], s["node_id"][:12], str(s["pid"]), state, s["device"], str(len(s["tables"])),
                        f"{rows:,}", fmt_bytes(nbytes), fmt_bytes(s["rss_bytes"]), str(sessions), f"{s['requests']:,}")
-    console.print(shards)
-    console.print(_calls_table(st))
+    out.print(shards)
+    out.print(_calls_table(st))
     urls = [u for u in (st["coordinator_metrics"], *(s["metrics"] for s in st["shards"])) if u]
     if urls:
-        console.print("Prometheus metrics: " + ", ".join(urls))
+        out.print("Prometheus metrics: " + ", ".join(urls))
     for s in st["shards"]:
         for t in s["tables"]:
             if t["recovered_from"]:
-                console.print(f"shard {s['index']}: table {t['table']} recovered from {t['recovered_from']}")
+                out.print(f"shard {s['index']}: table {t['table']} recovered from {t['recovered_from']}")
             if t["unavailable"]:
-                console.print(f"[bold red]shard {s['index']}: table {t['table']} is not served: {t['unavailable']}[/]")
+                out.print(f"[bold red]shard {s['index']}: table {t['table']} is not served: {t['unavailable']}[/]")
     return 0
 
 
@@ -280,11 +277,9 @@ def tier_text(tier: str, cache_bytes: int) -> str:
 
 
 def cmd_create_table(args: argparse.Namespace) -> int:
-    from client import MemoryClient
-
     given = {k: getattr(args, k) for k in TABLE_KEYS if getattr(args, k, None) is not None}
     kwargs = table_args({**given, "wal": args.wal}, "memserver create-table")
-    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+    with cli_client(args) as client:
         meta = client.create_table(kwargs.pop("name"), kwargs.pop("num_rows"), kwargs.pop("dim"), replace=args.replace,
                                    **kwargs)
     if args.json:
@@ -297,9 +292,7 @@ def cmd_create_table(args: argparse.Namespace) -> int:
 
 
 def cmd_drop_table(args: argparse.Namespace) -> int:
-    from client import MemoryClient
-
-    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+    with cli_client(args) as client:
         client.drop_table(args.name)
     if args.json:
         print(json.dumps({"dropped": args.name}))
@@ -317,11 +310,9 @@ def _checkpoint_dir(args: argparse.Namespace) -> str:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from client import MemoryClient
-
     if args.step < 0:
         raise CliError(f"--step must be >= 0, got {args.step}")
-    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+    with cli_client(args) as client:
         r = client.checkpoint(_checkpoint_dir(args), args.step, args.table or None)
     if args.json:
         print(json.dumps(r, indent=2))
@@ -332,16 +323,15 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from client import MemoryClient
-
-    with MemoryClient(endpoint_of(args), timeout=args.timeout) as client:
+    with cli_client(args) as client:
         metas = client.restore(_checkpoint_dir(args), args.step, replace=args.replace, num_shards=args.shards,
                                tables=args.table or None)
     if args.json:
         print(json.dumps([m.to_dict() for m in metas], indent=2))
     else:
         for m in metas:
-            print(f"restored {m.name}: {m.num_rows:,} x {m.dim} ({m.sharding}) over {len(m.shards)} shards")
+            what = f"{m.num_rows:,} x {m.dim} ({m.sharding})" if m.kind == "value" else f"{m.kind} table, dim {m.dim}"
+            print(f"restored {m.name}: {what} over {len(m.shards)} shards")
     return 0
 
 
@@ -417,6 +407,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rs.add_argument("--step", type=int, default=0, help="which step (default: the latest complete checkpoint)")
     rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name first")
-    rs.add_argument("--shards", type=int, default=0, help="restore into this many shards (default: as saved)")
+    rs.add_argument("--shards", type=int, default=0, help="restore into this many shards, at most the cluster's (default: as saved, or the cluster's "
+                    "shards if fewer)")
     cluster_flags(rs, timeout=600.0)
     rs.set_defaults(func=cmd_restore)

@@ -37,3 +37,13 @@ def shard_gpu_list(num_shards: int, shard_gpus: float | str | list[float]) -> li
     if len(gpus) != num_shards:
         raise ValueError(f"one number for every shard, or one per shard ({num_shards}), got {len(gpus)}")
     return gpus
+
+
+def shard_bundle(shard_cpus: float, shard_gpus: float) -> dict[str, float]:
+    """The resources one shard reserves in the placement group (Ray rejects empty bundles)."""
+    bundle = {"CPU": float(shard_cpus)} if shard_cpus > 0 else {}
+    if shard_gpus > 0:
+        bundle["GPU"] = float(shard_gpus)
+    if not bundle:
+        raise ValueError("a shard needs shard_cpus > 0 or shard_gpus > 0 (they are reserved in its placement bundle)")
+    return bundle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,31 @@ def read_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
             f"no memserver endpoint file at {p}: start a cluster with `memserver up`, "
             "or pass the coordinator's HOST:PORT explicitly"
         ) from None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this host)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """read_endpoint, refused (FileNotFoundError, like no file) when the record names a `memserver
+    up` of this host that is no longer running: its clients would otherwise retry the dead
+    address for a minute before saying so."""
+    record = read_endpoint(path)
+    pid, host = record.get("pid"), record.get("host")
+    if pid is not None and host in (None, socket.gethostname()) and not pid_alive(int(pid)):
+        raise FileNotFoundError(
+            f"the endpoint file {Path(path) if path else endpoint_file()} names a memserver (pid {pid}, "
+            f"{record.get('endpoint')}) that is no longer running: start one with `memserver up` (`memserver down` "
+            "removes the stale file)")
+    return record
 
 
 def write_endpoint(record: dict[str, Any], path: Path | None = None) -> Path:

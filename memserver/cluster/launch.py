@@ -24,6 +24,7 @@ from memserver.cluster import (
     DEFAULT_SHARDS,
     DEFAULT_THREADS_PER_SHARD,
     PLACEMENT_STRATEGIES,
+    shard_bundle,
     shard_gpu_list,
 )
 from memserver.cluster.endpoint import memserver_home
@@ -33,19 +34,10 @@ from memserver.server.coordinator import CoordinatorActor
 from memserver.server.rayutil import LOCALHOST, bind_host, check_host, forced_host
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.shard_actor import ShardActor
+from memserver.storage.store import check_data_dir
 from memserver.wire import DOORBELL_ENV, SHM_ENV, switch_on
 
 log = logging.getLogger(__name__)
-
-
-def shard_bundle(shard_cpus: float, shard_gpus: float) -> dict[str, float]:
-    """The resources one shard reserves in the placement group (Ray rejects empty bundles)."""
-    bundle = {"CPU": float(shard_cpus)} if shard_cpus > 0 else {}
-    if shard_gpus > 0:
-        bundle["GPU"] = float(shard_gpus)
-    if not bundle:
-        raise ValueError("a shard needs shard_cpus > 0 or shard_gpus > 0 (they are reserved in its placement bundle)")
-    return bundle
 
 
 def _place_shards(bundles: list[dict[str, float]], strategy: str, timeout: float) -> Any:
@@ -167,6 +159,8 @@ def start_cluster(
     else:
         alive = [n for n in ray.nodes() if n.get("Alive")]
         host = forced_host() or (LOCALHOST if len(alive) <= 1 else None)
+    if data_dir is not None:
+        check_data_dir(data_dir, num_shards)  # before any actor: a slice left out loses its table
     owns_dir = data_dir is None
     if data_dir is None:
         data_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(memserver_home() / "run"))

@@ -858,23 +858,36 @@ class DiskTable(ValueTable):
         self.disk_reads = self.disk_writes = 0  # rows read from / written to rows.dat
         self.since = time.monotonic()  # the counters' start (status shows rates over it)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._fd = self._sfd = -1
+        self._map = self._smap = None
+        self._ahead = _ReadAhead(np.zeros((0, self.record), np.uint8), self.name)
+        try:
+            self._create(global_rows, col_start, total_dim or dim, init_std, seed)
+        except BaseException:  # (the stats file's disk full, an interrupt): nothing left open or on disk
+            self.close()
+            self.path.unlink(missing_ok=True)
+            self.stats_path.unlink(missing_ok=True)
+            raise
+
+    def _create(self, global_rows: np.ndarray | None, col_start: int, total_dim: int, init_std: float,
+                seed: int) -> None:
+        """The files, their mappings and the seeded initial records (see __init__)."""
         self._fd, self._map, raw = self._open(self.path, self.num_rows * self.record)
         self._raw = raw.reshape(self.num_rows, self.record)
         self._ahead = _ReadAhead(self._raw, self.name)
         self._sfd, self._smap, sraw = self._open(self.stats_path, self.num_rows * COUNTER_BYTES)
         self._sraw = sraw
-        self.counters_resident = self._lock_counters() if track_stats else False
+        self.counters_resident = self._lock_counters() if self.track_stats else False
         self.hits = torch.from_numpy(sraw.view(np.int64)[0::2])  # hits, weight_mass interleaved per row
         self.weight_mass = torch.from_numpy(sraw.view(np.float64)[1::2])
         if global_rows is None:
             global_rows = np.arange(self.num_rows, dtype=np.int64)
-        total_dim = total_dim or dim
         w0, _ = self.fields["weight"]
         for s in range(0, self.num_rows, _CHUNK_ROWS):  # bounded temporaries: a chunk of records
             e = min(s + _CHUNK_ROWS, self.num_rows)
             recs = np.zeros((e - s, self.record), dtype=np.uint8)
-            vals = init_values(global_rows[s:e], col_start, col_start + dim, total_dim, init_std, seed).numpy()
-            recs[:, w0 : w0 + 4 * dim] = vals.view(np.uint8).reshape(e - s, 4 * dim)
+            vals = init_values(global_rows[s:e], col_start, col_start + self.dim, total_dim, init_std, seed).numpy()
+            recs[:, w0 : w0 + 4 * self.dim] = vals.view(np.uint8).reshape(e - s, 4 * self.dim)
             self._put(np.arange(s, e), recs)
         self.disk_writes = 0
         self._make_cache()
@@ -1233,6 +1246,10 @@ class DiskTable(ValueTable):
     def close(self) -> None:
         """Unmap and close the files (they stay on disk until the table is dropped)."""
         self._ahead.close()  # no read-ahead request outlives the mapping
+        # this object's views of the mappings go first, or closing a mapping fails (BufferError)
+        # and keeps its file open, a dropped file's space held until the views are collected
+        self._ahead.raw = self._raw = self._sraw = None
+        self.hits = self.weight_mass = None
         for m in (self._map, self._smap):
             if m is not None:
                 try:
@@ -1241,6 +1258,7 @@ class DiskTable(ValueTable):
                     pass
         for fd in (self._fd, self._sfd):
             try:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             except OSError:
                 pass

@@ -126,10 +126,10 @@ _CASTS: dict[str, Any] = {"endpoint": str, "table": str, "mix": parse_mix, "batc
 
 
 def _endpoint_from_file() -> str:
-    from memserver.cluster.endpoint import read_endpoint
+    from memserver.cluster.endpoint import live_endpoint
 
     try:
-        return read_endpoint()["endpoint"]
+        return live_endpoint()["endpoint"]
     except FileNotFoundError as exc:
         raise ValueError(f"MEMSERVER_ENDPOINT: not set, and {exc}") from None
 

@@ -238,6 +238,12 @@ def _bytes(n: float) -> str:
 
 _SMALLER = ("spread it over more shards, or make it smaller (fewer rows or columns, dtype float16/bfloat16, "
             "optimizer adagrad or sgd instead of adam)")
+#: A tier "disk" slice holds its cache and read counters in memory (float32 only: no dtype to change).
+_SMALLER_DISK = "spread it over more shards, or give it a smaller cache_bytes (or fewer rows: 16 bytes of counters each)"
+
+
+def _smaller(spec: pb.TableSpec) -> str:
+    return _SMALLER_DISK if spec.tier == "disk" else _SMALLER
 
 
 def refuse_oversized(spec: pb.TableSpec, index: int, size: SliceSize, limits: Limits, available: int | None = None,
@@ -252,7 +258,7 @@ def refuse_oversized(spec: pb.TableSpec, index: int, size: SliceSize, limits: Li
         raise ResourceExhaustedError(
             f"table {spec.name!r}: shard {index}'s slice would hold {_bytes(size.held)} (values, optimizer state and "
             f"slot statistics), above the cluster's limit of {_bytes(cap)} per table slice (max_table_bytes: "
-            f"`memserver up --max-table-bytes`, or start_cluster(limits=Limits(max_table_bytes=...))); {_SMALLER}")
+            f"`memserver up --max-table-bytes`, or start_cluster(limits=Limits(max_table_bytes=...))); {_smaller(spec)}")
     fraction = limits.table_memory_fraction
     need = max(on_node, size.peak)
     if available is not None and fraction and need > fraction * available:
@@ -260,4 +266,4 @@ def refuse_oversized(spec: pb.TableSpec, index: int, size: SliceSize, limits: Li
             f"table {spec.name!r}: its slices on shard {index}'s node need {_bytes(need)} while they are created, "
             f"above {fraction:.0%} of the {_bytes(available)} of memory available there (table_memory_fraction: "
             "`memserver up --table-memory-fraction`, or start_cluster(limits=Limits(table_memory_fraction=...))); "
-            f"{_SMALLER}, or free memory on that node")
+            f"{_smaller(spec)}, or free memory on that node")

@@ -200,7 +200,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             ]
             results = await asyncio.gather(*refs, return_exceptions=True)
             if any(isinstance(r, BaseException) for r in results):
-                await asyncio.gather(*(self.handles[j].drop_table.remote(spec.name) for j in order), return_exceptions=True)
+                # undone where made; never where a shard already held a slice of that name (not this call's)
+                await asyncio.gather(*(self.handles[j].drop_table.remote(spec.name) for j, r in zip(order, results)
+                                       if not isinstance(getattr(r, "cause", None) or r, TableExistsError)),
+                                     return_exceptions=True)
                 _raise_refusal(results, f"{'restoring' if files else 'creating'} {spec.name!r}")
             async with self.lock:
                 self.epoch += 1
@@ -296,11 +299,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
         directory, manifest = find_checkpoint(under_root(self.checkpoint_root, request.dir), request.step)
-        names = list(request.tables) or sorted(manifest["tables"])
+        names = list(dict.fromkeys(request.tables)) or sorted(manifest["tables"])  # each once, in the order asked
         if missing := [n for n in names if n not in manifest["tables"]]:
             raise TableNotFoundError(f"table(s) {missing} are not in the checkpoint {directory}")
         if not request.replace and (present := [n for n in names if n in self.tables]):
-            raise TableExistsError(f"table(s) {present} already exist; restore with replace to overwrite them")
+            raise TableExistsError(f"table(s) {present} already exist; restore with replace (memserver restore --replace) to overwrite them")
         specs = {}
         for name in names:
             spec = pb.TableSpec.FromString(base64.b64decode(manifest["tables"][name]["spec"]))

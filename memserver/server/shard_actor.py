@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from memserver.api.errors import DataLossError, FailedPreconditionError, TableNotFoundError
+from memserver.api.errors import DataLossError, FailedPreconditionError, TableExistsError, TableNotFoundError
 from memserver.api.types import METRIC_NAMES
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
@@ -234,8 +234,9 @@ class ShardActor:
         once its memory is allocated. A recorded table is created again on every restart, so one
         that got the process killed would never let it come back."""
         s = pb.TableSpec.FromString(spec)
-        if s.name in self.servicer.tables:
-            raise ValueError(f"table {s.name!r} already exists on shard {self.index}")
+        if s.name in self.servicer.tables:  # (a slice the catalog left out: its table was incomplete)
+            raise TableExistsError(f"table {s.name!r} already exists on shard {self.index}, outside the catalog "
+                                   "(a slice of a table whose other slices are missing)")
         shard = pb.ShardInfo.FromString(info)
         refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits, memory_available(self.device),
                          node_bytes)

@@ -60,6 +60,29 @@ class ShardStore:
         shutil.rmtree(self.table_dir(name), ignore_errors=True)
 
 
+def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
+    """Refuse (ValueError) to start `num_shards` shards on a data directory whose tables have
+    slices kept by more shards: shard i loads only `shard-i`, so the slices of the others would
+    be left out and their tables with them (and a new table of the same name would meet a
+    stale slice). More shards than before is fine: the new ones start empty."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"data directory {path}: not a directory")
+    held: dict[int, list[str]] = {}
+    for p in path.glob("shard-*/*/table.json"):
+        try:
+            index = int(p.parent.parent.name.removeprefix("shard-"))
+        except ValueError:
+            continue
+        held.setdefault(index, []).append(p.parent.name)
+    beyond = {i: names for i, names in held.items() if i >= num_shards}
+    if beyond:
+        names = sorted({n for ns in beyond.values() for n in ns})
+        raise ValueError(f"data directory {path} holds table slices of {max(held) + 1} shards (shard-{max(beyond):04d} "
+                         f"keeps {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); start at least "
+                         f"{max(held) + 1} shards on it, or give another data directory")
+
+
 def table_record(spec: bytes, info: bytes, num_shards: int, base_files: list[dict[str, Any]] | None) -> dict[str, Any]:
     """A new slice's record: serialized TableSpec and ShardInfo, and the files it was restored from."""
     return {
