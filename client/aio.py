@@ -129,9 +129,6 @@ class AsyncMemoryClient:
         self._methods: dict[str, dict[str, Any]] = {}  # address -> its DataPlane methods (client.transport)
         self.shm = ShmTransport(shm_enabled(shm), self._channel)
         self._tables: dict[str, TableMeta] = {}
-        # table -> the layout its caller holds to (pin_table): one per table pinned, forgotten when
-        # this client drops, creates or restores the table itself
-        self._pinned: dict[str, int] = {}
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -208,31 +205,6 @@ class AsyncMemoryClient:
             self._tables[name] = TableMeta.from_proto(info)
         return self._tables[name]
 
-    async def pin_table(self, name: str) -> TableMeta:
-        """Hold this client's calls on `name` to the table as it is now. Calls otherwise follow a
-        table that was dropped and made anew, or restored, under the same name (its map is read
-        again); once pinned they raise FailedPreconditionError instead, having sent nothing to the
-        new table: a training run must not go on, silently, with rows that are not the ones it
-        trained (another run of the same --table replaced them). The client's own create, drop
-        and restore of the table end the pin; pin again to hold to the new one."""
-        meta = await self.table(name, refresh=True)
-        self._pinned[name] = meta.layout_id
-        return meta
-
-    async def _pinned_table(self, name: str) -> TableMeta:
-        """The table's map, refused where it is no longer the incarnation pinned (pin_table)."""
-        return self._check_pin(await self.table(name))
-
-    def _check_pin(self, meta: TableMeta) -> TableMeta:
-        """`meta`, refused where it is not the incarnation of its table pinned (pin_table)."""
-        name, pinned = meta.name, self._pinned.get(meta.name)
-        if pinned is not None and meta.layout_id != pinned:
-            raise FailedPreconditionError(
-                f"table {name!r} was dropped and made anew, or restored, by another client since this one began "
-                "using it (pin_table): its rows are no longer the ones this client read and wrote; nothing was sent "
-                "to the new table")
-        return meta
-
     async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None) -> Any:
         """Run fn(meta). If the shards no longer know the table, or hold another incarnation of it
         (dropped and re-created, restored), refresh the map and run it once more, with new write
@@ -241,12 +213,12 @@ class AsyncMemoryClient:
 
         async def attempt() -> Any:
             try:
-                return await fn(await self._pinned_table(name))
+                return await fn(await self.table(name))
             except (TableNotFoundError, FailedPreconditionError) as exc:
                 old = self._tables.pop(name, None)
                 if old is None:
                     raise
-                meta = await self._pinned_table(name)
+                meta = await self.table(name)
                 if meta.layout_id != old.layout_id:
                     if tags is not None:  # a new incarnation: the write never reached it
                         tags.reset()
@@ -375,7 +347,6 @@ class AsyncMemoryClient:
         )
         info = await self._control("CreateTable", pb.CreateTableRequest(spec=spec, replace=replace))
         meta = self._tables[name] = TableMeta.from_proto(info)
-        self._pinned.pop(name, None)
         return meta
 
     async def create_index(self, name: str, dim: int, *, index_factory: str = "Flat", metric: str = "ip",
@@ -467,7 +438,6 @@ class AsyncMemoryClient:
 
     async def drop_table(self, name: str) -> None:
         self._tables.pop(name, None)
-        self._pinned.pop(name, None)
         await self._control("DropTable", pb.DropTableRequest(name=name))
 
     async def list_tables(self) -> list[TableMeta]:
@@ -503,7 +473,6 @@ class AsyncMemoryClient:
         metas = [TableMeta.from_proto(t) for t in r.tables]
         for m in metas:
             self._tables[m.name] = m
-            self._pinned.pop(m.name, None)
         return metas
 
     # -- data plane (the ops are client.ops'; see there for what each computes) ----------

@@ -136,7 +136,7 @@ class MemoryClient:
             meta = self.aio._tables.get(table)
             if meta is not None:
                 try:
-                    return attempt(self.aio._check_pin(meta))
+                    return attempt(meta)
                 except (UnavailableError, DeadlineExceededError, TableNotFoundError, FailedPreconditionError):
                     pass
                 except OverloadedError:
@@ -197,9 +197,6 @@ class MemoryClient:
 
     def table(self, name: str, *, refresh: bool = False) -> TableMeta:
         return self._run(self.aio.table(name, refresh=refresh))
-
-    def pin_table(self, name: str) -> TableMeta:
-        return self._run(self.aio.pin_table(name))
 
     def status(self) -> Any:
         return self._run(self.aio.status())

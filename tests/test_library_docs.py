@@ -23,3 +23,7 @@ def test_the_library_guide_runs_as_written(memory_cluster, capsys):
     assert len(losses) == 5 and losses == scope["train"](scope["LocalValues"](1024, 64, optimizer="adam", lr=1e-2,
                                                                                seed=1))
     assert losses[-1] < losses[0]  # it learns
+    from client import MemoryClient
+
+    with MemoryClient(memory_cluster.endpoint) as client:
+        client.drop_table("tiny-memory")  # the guide's table: a second run of this test makes it anew

@@ -204,30 +204,6 @@ def test_a_client_with_a_stale_map_is_refused_then_refreshes(memory_cluster, cli
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "layout" in err.value.details()
 
 
-def test_a_pinned_table_replaced_by_another_client_fails_the_calls_instead(memory_cluster, client, table_name):
-    """Two training runs of the same --table: the second replaces the table under the first, whose
-    RemoteValues pinned it. The first run's calls used to follow the new table silently (its
-    updates mixed into the second run's); now they fail, naming the table, and send nothing to the
-    new table. Its own restore (a resume) holds to the restored table."""
-    from client import MemoryClient
-    from trainer.memory import RemoteValues
-
-    ids, w = torch.tensor([[1, 2]]), torch.ones(1, 2)
-    with MemoryClient(memory_cluster.endpoint, timeout=60) as first_client, \
-            MemoryClient(memory_cluster.endpoint, timeout=60) as second_client:
-        first = RemoteValues(first_client, table_name, 16, DIM, seed=1)
-        first.bag(ids, w)
-        RemoteValues(second_client, table_name, 16, DIM, seed=2)  # made anew under the first
-        made = second_client.lookup(table_name, np.arange(16), count=False)
-        for call in (lambda: first.bag(ids, w), lambda: first.bag_backward(ids, w, torch.ones(1, DIM))):
-            with pytest.raises(FailedPreconditionError, match=f"table '{table_name}' was dropped and made anew"):
-                call()
-        np.testing.assert_array_equal(second_client.lookup(table_name, np.arange(16), count=False), made)
-        assert second_client.slot_stats(table_name, np.arange(16))["hits"].sum() == 0  # not even a read
-        attached = RemoteValues(first_client, table_name, 16, DIM, create=False)  # attaching pins the new one
-        assert attached.bag(ids, w).shape == (1, DIM)
-
-
 # ------------------------------------------------------------------ log, then apply
 
 

@@ -1262,3 +1262,5 @@ class DiskTable(ValueTable):
                     os.close(fd)
             except OSError:
                 pass
+        self._fd = self._sfd = -1  # a second close closes nothing (the numbers may be reused by then)
+        self._map = self._smap = None

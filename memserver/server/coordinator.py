@@ -164,6 +164,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 await self._drop(spec.name)
             except TableNotFoundError:
                 pass  # another replace or drop got there first: make it, or say it exists again
+            return await self._place(spec, plan=(order, info, on_node))  # on the shards checked
         return await self._place(spec)
 
     def _plan(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
@@ -183,13 +184,15 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             on_node[self.infos[j]["node_id"]] = on_node.get(self.infos[j]["node_id"], 0) + size.peak
         return order, info, [on_node[self.infos[j]["node_id"]] for j in order]
 
-    async def _place(self, spec: pb.TableSpec, files: list[dict[str, Any]] | None = None) -> pb.TableInfo:
-        """Create a validated table on its shards: fresh, or restored from checkpoint `files`."""
+    async def _place(self, spec: pb.TableSpec, files: list[dict[str, Any]] | None = None,
+                     plan: tuple[list[int], pb.TableInfo, list[int]] | None = None) -> pb.TableInfo:
+        """Create a validated table on its shards: fresh, or restored from checkpoint `files`;
+        `plan`: where `_plan` put it already (a replace checked those shards)."""
         if spec.name in self.tables or spec.name in self.pending:
             raise TableExistsError(f"table {spec.name!r} already exists")
         self.pending.add(spec.name)
         try:
-            order, info, on_node = self._plan(spec)
+            order, info, on_node = plan or self._plan(spec)
             blob = spec.SerializeToString()
             refs = [
                 self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards, node_bytes)

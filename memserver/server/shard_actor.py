@@ -218,8 +218,9 @@ class ShardActor:
         bytes are released (the slices here of a table the new one replaces): asked before that
         table is dropped, so a replace that cannot fit leaves it."""
         s, shard = pb.TableSpec.FromString(spec), pb.ShardInfo.FromString(info)
+        available = memory_available(self.device)  # None: not known here, and not checked (as _add_table)
         refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits,
-                         memory_available(self.device) + freed, node_bytes)
+                         None if available is None else available + freed, node_bytes)
 
     def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]],
                       node_bytes: int = 0) -> None:

@@ -254,13 +254,18 @@ class LocalValues:
     def _check(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor | None = None) -> None:
         """The shards' rules for a bag's arguments (memserver.wire), so a bad call is refused with
         their message, changing nothing, instead of reaching the compiled kernels, which do not
-        check: an id out of range would read or write outside the table. On a GPU the ids' range
-        is left to torch's own kernels (device-side asserts), which would need a sync per call."""
+        check: an id out of range would read or write outside the table. On a GPU only shapes and
+        dtypes: ranges and NaNs are left to torch's kernels (device-side asserts), since reading a
+        value back would make the trainer wait for the device on every call."""
+        if ids.device.type != "cpu":  # shapes and dtypes only: a value check would wait for the device
+            if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2 or weights.shape != ids.shape or (
+                    grad_out is not None and tuple(grad_out.shape) != (ids.shape[0], self.dim)):
+                raise InvalidArgumentError(f"ids {list(ids.shape)} {ids.dtype}, weights {list(weights.shape)}"
+                                           + ("" if grad_out is None else f", grad_out {list(grad_out.shape)}")
+                                           + f": expected int64 ids [B, k], weights of their shape, grad_out [B, {self.dim}]")
+            return
         num_bags = check_bag(ids, weights, None)
-        if ids.device.type == "cpu":
-            check_ids(ids, self.num_rows)
-        elif ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidArgumentError(f"ids: dtype must be int64, got {str(ids.dtype).removeprefix('torch.')}")
+        check_ids(ids, self.num_rows)
         if grad_out is not None:
             check_rows(grad_out, num_bags, self.dim, "grad_out")
 
@@ -324,10 +329,7 @@ class LocalValues:
 class RemoteValues:
     """A value table in the memserver cluster, made fresh (`create`, the default: a table of that
     name is replaced, as memtrain's --table says) with the same deterministic initialisation
-    as `LocalValues` of the same seed, or an existing one attached (`create=False`). Either way the
-    table is pinned (client.pin_table): if anyone else replaces or restores it while this backend
-    uses it (another run of the same table name), its calls fail instead of going on with rows
-    that are not the ones it trained."""
+    as `LocalValues` of the same seed, or an existing one attached (`create=False`)."""
 
     def __init__(self, client: Any, name: str, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3,
                  init_std: float | None = None, seed: int = 0, sharding: str | None = None, defer_apply: bool = False,
@@ -357,8 +359,6 @@ class RemoteValues:
             if meta is not None and (meta.num_rows, meta.dim) != (num_rows, dim):
                 raise ValueError(f"table {name} has {meta.num_rows} x {meta.dim} values, this layer needs "
                                  f"{num_rows} x {dim}")
-            if meta is not None:
-                client.pin_table(name)
         else:
             try:
                 client.table(name, refresh=True)
@@ -371,7 +371,6 @@ class RemoteValues:
                                 cache_bytes=cache_bytes, replace=True)
             if existed:
                 log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
-            client.pin_table(name)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         h_ids, h_w = to_host(ids, weights.detach())
@@ -487,7 +486,6 @@ class RemoteValues:
         self.settle()
         self.version += LOADED
         self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
-        self.client.pin_table(self.name)  # the restored table is this run's now
 
 
 def _indexed(device: torch.device) -> torch.device:
