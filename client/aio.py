@@ -51,6 +51,7 @@ from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.cluster.endpoint import live_endpoint
+from memserver.loop import settle_grpc
 from memserver.wire import as_tensor, check_wire_dtype, dtype_code, encode, tune_malloc
 
 log = logging.getLogger(__name__)
@@ -280,10 +281,13 @@ class AsyncMemoryClient:
                 tags.close()
 
     async def close(self) -> None:
+        """Detach the shared-memory regions and close the channels; returns once gRPC has ended
+        every call of this client (memserver.loop.settle_grpc), so the loop may close at once."""
         await self.shm.close()
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))
         self._channels.clear()
         self._methods.clear()
+        await settle_grpc()
 
     async def __aenter__(self) -> AsyncMemoryClient:
         return self

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import time
 from collections.abc import Awaitable
@@ -55,11 +56,52 @@ class LoopThread:
             self.loop.close()
 
 
+#: A closing loop waits for grpc.aio's calls to hear their end from gRPC's core until none is
+#: left, or none has ended for GRPC_QUIET_SECONDS (the rest are live calls of other channels),
+#: and GRPC_SETTLE_SECONDS at most in all.
+GRPC_QUIET_SECONDS, GRPC_SETTLE_SECONDS = 0.25, 2.0
+
+
+def _grpc_call_task(task: asyncio.Task) -> bool:
+    """A task of grpc.aio's own client call code (the one that waits for a call's status)."""
+    code = getattr(task.get_coro(), "cr_code", None)
+    return code is not None and code.co_filename.replace(os.sep, "/").endswith(("/aio/call.pyx.pxi", "/aio/_call.py"))
+
+
+async def settle_grpc(quiet: float = GRPC_QUIET_SECONDS, timeout: float = GRPC_SETTLE_SECONDS) -> int:
+    """Let the grpc.aio calls of the running loop hear their end from gRPC's core; call it after
+    closing the loop's channels and before the loop closes. Returns how many were waited for.
+
+    Why: grpc.aio delivers every completion through one queue per process, drained by whichever
+    loop wakes first, which hands each event to its call's loop (`call_soon_threadsafe`). A call
+    cancelled by a channel's close still gets its status event a moment later; if its loop has
+    closed by then (asyncio.run's end, LoopThread.stop), handing it over raises "Event loop is
+    closed" inside the drain, which stops there: the events queued behind it, other loops'
+    answers, wait for the next event of the process, for ever if none comes (a call that hung
+    for minutes in the test suite). A cancelled call's status comes within a millisecond; a live
+    call of a channel still open (not this closer's) is waited for `quiet` seconds only."""
+    tasks = {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and _grpc_call_task(t)}
+    waited = len(tasks)
+    end = time.monotonic() + timeout
+    while tasks:
+        done, tasks = await asyncio.wait(tasks, timeout=min(quiet, max(0.0, end - time.monotonic())),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        if not done or time.monotonic() >= end:
+            break
+    return waited
+
+
 async def _end_tasks() -> None:
-    """Cancel every other task on the running loop and wait for them, then its async generators."""
+    """Cancel every other task on the running loop and wait for them, then its async generators;
+    grpc.aio's own call tasks are left to hear their end first (settle_grpc)."""
     loop = asyncio.get_running_loop()
-    tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+    tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task() and not _grpc_call_task(t)]
     for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await settle_grpc()
+    tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+    for task in tasks:  # grpc's that did not settle in time, and any the cancelled ones started
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await loop.shutdown_asyncgens()
