@@ -30,6 +30,25 @@ def init_ray() -> bool:
     return True
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) a process has used so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def context_switches(pid: int) -> int:
+    """Context switches (voluntary and not) of every thread of a process so far: each a thread put
+    to sleep or woken, what a call's hand-offs between threads and processes cost on few cores."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
 @contextlib.contextmanager
 def local_cluster(num_shards: int = 2, shard_cpus: float = 0.25, **kwargs: Any) -> Iterator[Any]:
     """A Ray head in this process plus a memory cluster; everything on 127.0.0.1. `kwargs`: more

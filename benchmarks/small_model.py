@@ -23,7 +23,9 @@ run fails where a remote one's is more than LOSS_TOLERANCE from local's):
 They are advanced in blocks of --block steps, round robin, so the background load of a shared
 machine falls on all alike; the first block's first --warmup steps and the first step of every
 later block are not counted. A step's time is wall time from begin_step to the end of end_step.
-Target (issue 26): remote step time at most 2x local.
+Target (issue 26): remote step time at most 2x local. Beside it, per step: the shards' CPU time
+and their context switches (both shard processes, every thread; a switch is a thread put to sleep
+or woken: on few cores, what each hand-off on a call's path costs).
 
 On a machine with few cores the trainer's own torch threads matter: libgomp's threads spin on
 the cores for a while after each parallel op (OMP_WAIT_POLICY unset: active), while the shards
@@ -50,7 +52,16 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import info, local_cluster, machine, print_targets, round_robin_steps, target
+from benchmarks.common import (
+    context_switches,
+    cpu_seconds,
+    info,
+    local_cluster,
+    machine,
+    print_targets,
+    round_robin_steps,
+    target,
+)
 
 #: Target (issue 26): remote step time at most this multiple of local.
 TARGET = 2.0
@@ -134,14 +145,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gens = {n: steps(b, wait=n != "remote, commit in flight") for n, b in backends.items()}
         losses: dict[str, list[float]] = {n: [] for n in gens}
 
+        pids = [sh["pid"] for sh in cluster.shard_infos]
+
         def recorded(name: str) -> Iterator[dict[str, Any]]:
-            for rec in gens[name]:
+            while True:
+                cpu, switches = sum(map(cpu_seconds, pids)), sum(map(context_switches, pids))
+                rec = next(gens[name])
+                rec["shard_cpu_ms"] = (sum(map(cpu_seconds, pids)) - cpu) * 1e3
+                rec["shard_switches"] = sum(map(context_switches, pids)) - switches
                 losses[name].append(rec["loss"])
                 yield rec
 
         try:
-            step_ms = round_robin_steps({n: recorded(n) for n in gens}, args.blocks, args.block, args.warmup,
-                                        until=t_end)
+            counted = round_robin_steps({n: recorded(n) for n in gens}, args.blocks, args.block, args.warmup,
+                                        until=t_end, key="step_ms,shard_cpu_ms,shard_switches")
         finally:
             for gen in gens.values():
                 gen.close()
@@ -157,7 +174,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if loss_diff > LOSS_TOLERANCE:
         raise RuntimeError(f"remote losses differ from local by {loss_diff:.2e} (at most {LOSS_TOLERANCE:g}): "
                            "not the same math")
-    res = {n: {"p50_ms": statistics.median(v), "mean_ms": statistics.fmean(v), "min_ms": min(v), "n": len(v)}
+    step_ms = {n: [r[0] for r in v] for n, v in counted.items()}
+    res = {n: {"p50_ms": statistics.median(v), "mean_ms": statistics.fmean(v), "min_ms": min(v), "n": len(v),
+               "shard_cpu_ms": statistics.fmean(r[1] for r in counted[n]),
+               "shard_switches": statistics.fmean(r[2] for r in counted[n])}
            for n, v in step_ms.items()}
     ms = {n: r["p50_ms"] for n, r in res.items()}
     targets = [target("small_model", "remote (doorbell) / local, small model step (ms/step)", ms["remote"] / ms["local"],
@@ -180,11 +200,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"batch {BATCH}): bag + bag_backward + commit per step; {args.blocks} blocks of {args.block} steps "
                       f"round robin; this process: {torch.get_num_threads()} torch threads, OMP_WAIT_POLICY "
                       f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; remote: 2 shards, 1 thread each")
-    for col in ("run", "steps counted", "p50 ms/step", "mean ms/step", "min ms/step", "x local"):
+    for col in ("run", "steps counted", "p50 ms/step", "mean ms/step", "min ms/step", "x local",
+                "shards' CPU ms/step", "shards' context switches/step"):
         tbl.add_column(col, justify="right")
     for n, r in res.items():
         tbl.add_row(n, str(r["n"]), f"{r['p50_ms']:.2f}", f"{r['mean_ms']:.2f}", f"{r['min_ms']:.2f}",
-                    f"{r['p50_ms'] / ms['local']:.2f}")
+                    f"{r['p50_ms'] / ms['local']:.2f}", f"{r['shard_cpu_ms']:.2f}", f"{r['shard_switches']:.1f}")
     console = Console(width=160)
     console.print(tbl)
     console.print(f"losses over {done} steps: largest difference from local {loss_diff:.2e}; calls by the doorbells: "

@@ -19,13 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import local_cluster
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, every thread) a process has used so far."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from benchmarks.common import cpu_seconds, local_cluster
 
 
 class TimedClient:

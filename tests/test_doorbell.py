@@ -104,6 +104,7 @@ def test_calls_go_by_the_doorbell_and_answer_as_grpc(bell_shard):
         np.testing.assert_array_equal(bell.lookup("t", np.arange(LOCAL_ROWS)), grpc_c.lookup("u", np.arange(LOCAL_ROWS)))
         assert bell.aio.shm.bell_calls - before == 10  # 2 x (bag, backward, lookup), push, write, stats, lookup
         assert grpc_c.aio.shm.bell_calls == 0
+        assert bell_shard.doorbell.queued == 0  # each answer sent by the thread that served it: no hop
         nope = pb.LookupRequest(table="nope", ids=encode(np.arange(2, dtype=np.int64)))
         rung = bell.aio.shm.bell(bell_shard.address).call("Lookup", nope.SerializeToString(), 10)
         assert rung == by_grpc(bell_shard, "Lookup", nope)
@@ -340,8 +341,9 @@ def test_hostile_frames_get_documented_statuses_and_change_nothing(bell_shard):
 def test_large_inline_answers_never_block_the_senders(bell_shard):
     """A client sends many calls whose answers come inline and large (far more than the socket
     holds) before it reads any: the shard keeps reading requests while its answers wait for the
-    client (a writer thread per connection), so the sends complete and every answer arrives, in
-    order. With answers sent by the reading thread itself, both sides block sending for good."""
+    client (what the socket does not take goes to the connection's writer thread: counted), so
+    the sends complete and every answer arrives whole. With answers sent by the reading thread
+    itself, waiting, both sides block sending for good."""
     c = rung_client(bell_shard)
     try:
         bell = c.aio.shm.bell(bell_shard.address)
@@ -360,8 +362,10 @@ def test_large_inline_answers_never_block_the_senders(bell_shard):
         assert not t.is_alive(), "the client and the shard blocked each other"
         expect = c.lookup("t", np.arange(LOCAL_ROWS), count=False)
         assert len(done) == 24 and {code for code, _ in done} == {grpc.StatusCode.OK}
-        rows = pb.LookupResponse.FromString(done[-1][1]).rows
-        assert np.frombuffer(rows.data, np.float32).reshape(LOCAL_ROWS, LOCAL_DIM).tobytes() == expect.tobytes()
+        for _, body in done:  # whole frames, never interleaved
+            rows = pb.LookupResponse.FromString(body).rows
+            assert np.frombuffer(rows.data, np.float32).reshape(LOCAL_ROWS, LOCAL_DIM).tobytes() == expect.tobytes()
+        assert bell_shard.doorbell.queued > 0
     finally:
         c.close()
 

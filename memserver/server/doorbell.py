@@ -28,7 +28,8 @@ request's bytes; an answer is `REPLY` (body length, call id, status code) then t
 request body is at most MAX_REQUEST_BYTES (the client sends larger calls by gRPC); a connection
 that breaks the protocol is closed.
 
-Answers are sent by a writer thread per connection, from a queue of at most MAX_QUEUED, so the
+Answers are sent by the serving thread itself when the socket takes the whole frame at once, else
+by a writer thread per connection, from a queue of at most MAX_QUEUED (`_Answers`), so the
 serving thread keeps reading requests while an answer waits for the client to read: neither side
 can block sending to the other for good (an answer may be large: inline tensors).
 
@@ -44,12 +45,12 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import secrets
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -88,15 +89,117 @@ def _peer_pid(sock: socket.socket) -> int:
     return struct.unpack("3i", creds)[0]
 
 
-def _reply(sock: socket.socket, call_id: int, code: grpc.StatusCode, body: bytes) -> None:
-    """Send an answer's frame, its head and body as they are (a large inline answer is not copied)."""
-    parts = [memoryview(REPLY.pack(len(body), call_id, code.value[0])), memoryview(body)]
+def _frame(call_id: int, code: grpc.StatusCode, body: Bytes) -> list[memoryview]:
+    """An answer's frame: its head and its body as they are (a large inline answer is not copied)."""
+    return [memoryview(REPLY.pack(len(body), call_id, code.value[0])), memoryview(body)]
+
+
+def _send(sock: socket.socket, parts: list[memoryview], wait: bool = True) -> list[memoryview]:
+    """Send the parts of a frame; what is left unsent ([] when all went): all of it when `wait`,
+    else what the socket's buffer takes now (the rest to send later, first)."""
     while parts:
-        sent = sock.sendmsg(parts)
+        try:
+            sent = sock.sendmsg(parts) if wait else sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return parts
         while parts and sent >= len(parts[0]):
             sent -= len(parts.pop(0))
         if parts:
             parts[0] = parts[0][sent:]
+    return parts
+
+
+def _reply(sock: socket.socket, call_id: int, code: grpc.StatusCode, body: bytes) -> None:
+    """Send an answer's whole frame (the hello's)."""
+    _send(sock, _frame(call_id, code, body))
+
+
+class _Answers:
+    """A connection's answers, in whole frames. The serving thread sends an answer itself when the
+    socket's buffer takes the whole frame at once (the common case: no hop to another thread on a
+    call's path); what does not fit goes to the connection's writer thread, first in its queue,
+    and the answers after it wait there too, so the serving thread never blocks sending and goes
+    on reading requests while the client reads a large answer: neither side can block the other
+    for good. One sender at a time (`busy`), so frames never interleave.
+
+    Bounds: at most MAX_QUEUED frames wait for the writer (the serving thread waits past that).
+    Only the serving thread adds answers; only the writer takes them. `queued` is called for each
+    answer that waits for the writer (a client slow to read: memserver_doorbell_answers_queued)."""
+
+    def __init__(self, conn: socket.socket, queued: Callable[[], None]) -> None:
+        self.conn, self.queued = conn, queued
+        self.cond = threading.Condition()
+        self.queue: deque[list[memoryview]] = deque()
+        self.busy = False  # someone is sending a frame: the serving thread (now) or the writer
+        self.closed = False  # no more answers: the writer sends what waits and ends
+        self.broken = False  # sending failed: the connection is shut down, answers dropped
+
+    def send(self, call_id: int, code: grpc.StatusCode, body: Bytes) -> None:
+        """The serving thread's answer: sent now if it can be, else queued for the writer."""
+        frame = _frame(call_id, code, body)
+        with self.cond:
+            while len(self.queue) >= MAX_QUEUED and not self.broken:
+                self.cond.wait()
+            if self.broken:
+                return
+            if self.busy or self.queue:
+                self.queue.append(frame)
+                self.cond.notify_all()
+                queued = True
+            else:
+                self.busy, queued = True, False
+        if queued:
+            self.queued()
+            return
+        try:
+            rest = _send(self.conn, frame, wait=False)
+        except OSError:
+            self._break()
+            return
+        with self.cond:
+            if rest:  # the writer finishes this frame before any other (and is the sender from now on)
+                self.queue.appendleft(rest)
+                self.cond.notify_all()
+            else:
+                self.busy = False
+        if rest:
+            self.queued()
+
+    def write(self) -> None:
+        """The writer thread: send what is queued, in order, until closed and empty; on a broken
+        connection, end it (the reader exits)."""
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed and not self.broken:
+                    self.cond.wait()
+                if not self.queue:
+                    return
+                frame = self.queue.popleft()
+                self.busy = True
+                self.cond.notify_all()  # room in the queue
+            try:
+                _send(self.conn, frame)
+            except OSError:
+                self._break()
+                return
+            with self.cond:
+                if not self.queue:
+                    self.busy = False
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def _break(self) -> None:
+        with self.cond:
+            self.broken = True
+            self.queue.clear()
+            self.cond.notify_all()
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class Doorbell:
@@ -104,7 +207,8 @@ class Doorbell:
     `servicer`: the shard's DataPlaneServicer (its regions, plans and tables); `admission` and
     `metrics`: the gRPC server's, so both paths count against the same limits and in the same
     series. Its metrics (register on a registry): `memserver_doorbell_connections`,
-    `memserver_doorbell_calls_total` and `memserver_doorbell_refused_total{why}`."""
+    `memserver_doorbell_calls_total`, `memserver_doorbell_refused_total{why}` and
+    `memserver_doorbell_answers_queued_total`."""
 
     def __init__(self, servicer: Any, admission: Admission | None = None, metrics: CallMetrics | None = None) -> None:
         self.servicer = servicer
@@ -117,13 +221,18 @@ class Doorbell:
         #: connections -> calls served on each (written by the connection's thread alone: no lock)
         self.conns: dict[socket.socket, int] = {}
         self.ended = 0  # calls of the connections that ended
+        self.queued = 0  # answers that waited for a connection's writer thread
         self.hellos = 0  # connections not past their hello yet
         self.refused: dict[str, int] = {}
-        self.lock = threading.Lock()  # conns' keys, ended, hellos, refused
+        self.lock = threading.Lock()  # conns' keys, ended, queued, hellos, refused
         self.closed = False
         self.parsers = {name: request_parser(DATA_PLANE, name) for name in servicer.PLANS}
         self.thread = threading.Thread(target=self._accept, name="doorbell-accept", daemon=True)
         self.thread.start()
+
+    def _queued(self) -> None:
+        with self.lock:
+            self.queued += 1
 
     def _refuse(self, why: str) -> None:
         with self.lock:
@@ -187,7 +296,7 @@ class Doorbell:
         return region_id, attached
 
     def _serve(self, conn: socket.socket) -> None:
-        answers: queue.Queue[tuple[int, grpc.StatusCode, bytes] | None] = queue.Queue(MAX_QUEUED)
+        answers = _Answers(conn, self._queued)
         writer: threading.Thread | None = None
         attached: Attached | None = None
         try:
@@ -200,7 +309,7 @@ class Doorbell:
                 return
             region_id, attached = hello
             set_threads(self.servicer.threads)  # as the compute thread: per-thread settings (torch, numba)
-            writer = threading.Thread(target=self._write, args=(conn, answers), name="doorbell-writer", daemon=True)
+            writer = threading.Thread(target=answers.write, name="doorbell-writer", daemon=True)
             writer.start()
             with attached.lock:
                 if attached.detached:  # detached since the hello: its connections are ended
@@ -227,13 +336,13 @@ class Doorbell:
                                            memoryview(body)[name_len:], deadline or None, before=allowed,
                                            check=in_region)
                 self.conns[conn] += 1
-                answers.put((call_id, code, out))  # blocks only past MAX_QUEUED unread answers
+                answers.send(call_id, code, out)  # waits only past MAX_QUEUED unsent answers
                 servicer.drain_now()  # deferred work after the answer, as gRPC's path does
         except OSError:
             return
         finally:
             if writer is not None:
-                answers.put(None)
+                answers.close()
                 writer.join(10)
             if attached is not None:
                 with attached.lock:
@@ -241,24 +350,6 @@ class Doorbell:
             with self.lock:
                 self.ended += self.conns.pop(conn)
             conn.close()
-
-    @staticmethod
-    def _write(conn: socket.socket, answers: queue.Queue[tuple[int, grpc.StatusCode, bytes] | None]) -> None:
-        """Send a connection's answers in order; on a broken connection, end it (the reader exits)."""
-        while True:
-            item = answers.get()
-            if item is None:
-                return
-            try:
-                _reply(conn, *item)
-            except OSError:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                while answers.get() is not None:  # let the reader finish; drop what is left
-                    pass
-                return
 
     @staticmethod
     def _checks(region_id: str, attached: Attached) -> tuple[Callable[[str], None], Callable[[Any], None]]:
@@ -306,12 +397,16 @@ class Doorbell:
         g = GaugeMetricFamily("memserver_doorbell_connections", "Clients on this node connected to the shard's doorbell")
         c = CounterMetricFamily("memserver_doorbell_calls", "Calls served by the doorbell (also in memserver_requests_total)")
         r = CounterMetricFamily("memserver_doorbell_refused", "Doorbell connections refused, by why", labels=["why"])
+        q = CounterMetricFamily("memserver_doorbell_answers_queued", "Doorbell answers that waited for their "
+                                "connection's writer thread (the socket full: a client slow to read); the others "
+                                "were sent by the thread that served the call")
         with self.lock:
             g.add_metric([], len(self.conns))
             c.add_metric([], self.ended + sum(self.conns.values()))
+            q.add_metric([], self.queued)
             for why, n in self.refused.items():
                 r.add_metric([why], n)
-        yield from (g, c, r)
+        yield from (g, c, r, q)
 
 
 def serve_off_loop(servicer: Any, admission: Admission | None, metrics: CallMetrics | None, name: str,
