@@ -116,6 +116,30 @@ def test_a_stale_endpoint_file_is_said_at_once(tmp_path, monkeypatch):
     assert not (tmp_path / "endpoint.json").exists()
 
 
+def test_down_sees_an_up_that_exited_unreaped_as_stopped(tmp_path):
+    """An `up` that has exited but whose parent has not reaped it yet (a zombie: a harness that
+    waits for it after `down`) is stopped: `down` says so at once, where it waited out its
+    --timeout (60 s in the hosts tests' teardown) and killed it."""
+    import socket
+    import time
+
+    proc = subprocess.Popen(["true"])
+    t0 = time.monotonic()
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not reaped
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.01)
+    try:
+        os.kill(proc.pid, 0)  # signal 0 still finds it: what `down` looked at
+        (tmp_path / "endpoint.json").write_text(json.dumps({"endpoint": "127.0.0.1:9", "pid": proc.pid,
+                                                            "host": socket.gethostname()}))
+        t0 = time.monotonic()
+        down = run(["down", "--timeout", "20"], {**os.environ, "MEMSERVER_HOME": str(tmp_path)})
+        assert down.returncode == 0 and time.monotonic() - t0 < 15, down.stdout + down.stderr
+        assert "was not running" in down.stdout and not (tmp_path / "endpoint.json").exists()
+    finally:
+        proc.wait()
+
+
 def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     """An endpoint file left by a cluster that has stopped (or a wrong --endpoint): the refused
     connection says what to run, for every tool (the client's one coordinator call path)."""

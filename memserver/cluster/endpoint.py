@@ -53,14 +53,24 @@ def read_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists (on this host)."""
+    """Whether process `pid` runs (on this host). A zombie does not: it has exited and waits for
+    its parent to reap it (a `memserver up` started by a program that waits for it only later, as
+    a test harness or a supervisor may), so `memserver down` sees it stopped at once instead of
+    waiting out its --timeout and killing a process that is already gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # reaped meanwhile, or a system without /proc
+        return not os.path.isdir("/proc/self")
+    except (OSError, IndexError):
         return True
-    return True
+    return state not in ("Z", "X")
 
 
 def live_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
