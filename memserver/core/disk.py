@@ -46,6 +46,7 @@ import mmap
 import os
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 
@@ -863,7 +864,10 @@ class DiskTable(ValueTable):
         self._ahead = _ReadAhead(np.zeros((0, self.record), np.uint8), self.name)
         try:
             self._create(global_rows, col_start, total_dim or dim, init_std, seed)
-        except BaseException:  # (the stats file's disk full, an interrupt): nothing left open or on disk
+        except BaseException as exc:  # (the stats file's disk full, an interrupt): nothing left open or on disk
+            # _create's locals in the traceback view the mappings: closing one fails while they live,
+            # and the deleted file stays open (its space held) for as long as the caller keeps the error
+            traceback.clear_frames(exc.__traceback__)
             self.close()
             self.path.unlink(missing_ok=True)
             self.stats_path.unlink(missing_ok=True)
