@@ -160,7 +160,7 @@ def test_shared_values_are_one_table():
 
 
 @pytest.mark.parametrize("memory", ["local", "remote"])
-def test_resumed_run_continues_with_the_same_losses(client, table_name, tmp_path, memory):
+def test_resumed_run_continues_with_the_same_losses(client, table_name, tmp_path, memory, monkeypatch):
     common = [*TINY, "--seed", "2", "--value-lr", "0.05", "--memory", memory, "--table", table_name]
     full = list(train(build_parser().parse_args([*common, "--steps", "6"]), client=client))
     ck = str(tmp_path / "ck")
@@ -172,6 +172,18 @@ def test_resumed_run_continues_with_the_same_losses(client, table_name, tmp_path
                                (["--n-keys", "32"], "n_keys = 16, this run gives 32")):  # is made anew
             with pytest.raises(SystemExit, match=refused):
                 list(train(build_parser().parse_args([*common, "--steps", "6", "--resume", ck, *extra]), client=client))
+        import tempfile
+
+        from memserver.api.errors import PermissionDeniedError
+
+        outside = tempfile.mkdtemp(prefix="memtrain-outside-")  # not under the cluster's checkpoint root
+        with pytest.raises(PermissionDeniedError, match=f"--checkpoint-dir {outside}"):
+            list(train(build_parser().parse_args([*common, "--steps", "6", "--resume", ck, "--checkpoint-dir", outside]),
+                       client=client))
+        with monkeypatch.context() as env:  # launched as one of two trainers (torchrun sets it)
+            env.setenv("WORLD_SIZE", "2")
+            with pytest.raises(SystemExit, match="single-trainer runs"):
+                list(train(build_parser().parse_args([*common, "--steps", "6", "--resume", ck]), client=client))
         np.testing.assert_array_equal(client.lookup(table_name, [0], count=False), np.full((1, 32), 9.0, np.float32))
     rest = list(train(build_parser().parse_args([*common, "--steps", "6", "--resume", ck]), client=client))
     assert [r["step"] for r in first + rest] == [1, 2, 3, 4, 5, 6]

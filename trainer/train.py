@@ -176,14 +176,19 @@ class Run:
             self.client.close()
 
 
+def _world_size() -> int:
+    """How many trainers this run was launched as (torchrun's WORLD_SIZE; 1 without it)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def distributed(backend: str = "gloo") -> tuple[int, int]:
     """(rank, world size); joins the process group (`backend`: gloo on the CPU, nccl between GPUs)
     when launched with WORLD_SIZE > 1 (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand)."""
-    import os
-
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _world_size()
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend)
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -319,7 +324,6 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
             check_encoder_name(args.kif_encoder)  # on every rank, before rank 0 builds anything
         except ValueError as exc:
             raise SystemExit(f"memtrain: error: --kif-encoder: {exc}") from None
-    values: dict[str, ValueBackend] = {}
     own_client = False
     wants_cluster = args.memory == "remote" or ("kif" in kinds and args.kif_source)
     if wants_cluster and mem_layers and client is None:
@@ -336,33 +340,42 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
         import torch.distributed as dist
 
         dist.barrier()  # rank 0 has created the tables (and uploaded the KIF source): attached below
-    shared: dict[str, ValueBackend] = {}  # --shared-values: one table per kind
+    # each value table once (--shared-values: one per kind, every layer's key naming it): its key,
+    # then (rows, width, the backends' common arguments, its table name where remote)
+    planned: dict[str, str] = {}  # key -> the key of the table it reads
+    tables: dict[str, tuple[int, int, dict[str, Any], str]] = {}
+    first_of: dict[str, str] = {}  # kind -> its first table's key (--shared-values)
     for i in mem_layers:
         for kind in kinds:
             if kind == "kif":
                 continue
             key = value_key(kind, i)
-            if kind in shared:
-                values[key] = shared[kind]
+            if args.shared_values and kind in first_of:
+                planned[key] = first_of[kind]
                 continue
+            first_of.setdefault(kind, key)
             rows = {"pkm": args.n_keys**2, "lsh": args.lsh_hashes << args.lsh_bits, "engram": engram_rows}[kind]
             width = args.engram_dim if kind == "engram" else args.n_embd
             seed = args.seed * 1000 + i + {"pkm": 0, "lsh": 500, "engram": 700}[kind]  # each table its own initial values
             common = dict(optimizer=args.value_optimizer, lr=args.value_lr, seed=seed)
             if kind == "lsh":  # a sketch of random buckets is noise at the residual's own scale: start at zero
                 common["init_std"] = 0.0
-            if args.memory == "local":
-                backend: ValueBackend = LocalValues(rows, width, device=device, **common)
-            else:
-                base = args.table if kind == "pkm" else f"{args.table}-{kind}"
-                name = base if args.shared_values or len(mem_layers) == 1 else f"{base}-{i}"
-                backend = RemoteValues(client, name, rows, width, sharding=args.sharding,
-                                       defer_apply=args.staleness > 0, create=rank == 0,
-                                       sync_workers=world if world > 1 else 0, wal=args.wal, tier=args.tier,
-                                       cache_bytes=args.cache_bytes or 0, **common)
-            values[key] = backend
-            if args.shared_values:
-                shared[kind] = backend
+            base = args.table if kind == "pkm" else f"{args.table}-{kind}"
+            tables[key] = (rows, width, common, base if args.shared_values or len(mem_layers) == 1 else f"{base}-{i}")
+            planned[key] = key
+    checkpoint_dir = checkpoint_dir_of(args)
+    if args.memory == "remote" and checkpoint_dir and rank == 0:  # refused before any table is made anew
+        for _, _, _, name in tables.values():
+            RemoteValues.check_save_to(client, name, Path(checkpoint_dir))
+    made: dict[str, ValueBackend] = {}
+    for key, (rows, width, common, name) in tables.items():
+        if args.memory == "local":
+            made[key] = LocalValues(rows, width, device=device, **common)
+        else:
+            made[key] = RemoteValues(client, name, rows, width, sharding=args.sharding, defer_apply=args.staleness > 0,
+                                     create=rank == 0, sync_workers=world if world > 1 else 0, wal=args.wal,
+                                     tier=args.tier, cache_bytes=args.cache_bytes or 0, **common)
+    values = {key: made[table] for key, table in planned.items()}
     knowledge: list[KnowledgeSource] = []
     if "kif" in kinds and mem_layers and rank == 0 and not args.kif_source:  # built and uploaded before the barrier
         knowledge = knowledge_sources(args, corpus, client, rank, device)
@@ -637,24 +650,21 @@ class LiveTracer:
 
 def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, Any]]:
     """Run training; yields one record per log step (what --log-json writes)."""
+    if _world_size() > 1 and (args.checkpoint_dir or args.resume):  # before anything is built or made anew
+        raise SystemExit("memtrain: error: --checkpoint-dir/--resume are for single-trainer runs for now")
     resumed = open_resume(args) if args.resume else None
-    run = setup(args, client)
+    run = setup(args, client)  # (a remote table's --checkpoint-dir is checked there, before the table is made)
     try:
         model = run.model
         dense = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(dense, lr=args.lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(args.seed)
         rank, world = distributed()
-        if world > 1 and (args.checkpoint_dir or args.resume):
-            raise SystemExit("memtrain: error: --checkpoint-dir/--resume are for single-trainer runs for now")
         flags = {k: getattr(args, k) for k in RESUMED_ALIKE}
         checkpoint_dir = checkpoint_dir_of(args)
         if args.resume and not checkpoint_dir:
             log.warning("--resume %s is a file: this run writes no checkpoints (its directory may hold later ones); "
                         "give --checkpoint-dir to keep them", args.resume)
-        if checkpoint_dir:  # refused now, not at the first checkpoint after hours of training
-            for backend in _unique(run.values).values():
-                backend.check_save(Path(checkpoint_dir))
         first = load_checkpoint(run, opt, gen, *resumed, args.resume) + 1 if resumed else 1
         tracer = LiveTracer(run, args.trace_sample, args.seed, checkpoint_dir) if args.trace_every else None
         tokens = args.batch_size * args.block_size * world

@@ -463,11 +463,17 @@ class RemoteValues:
 
     def check_save(self, directory: Path) -> None:
         """Ask the cluster (a dry-run checkpoint: its root's rule, nothing written)."""
+        self.check_save_to(self.client, self.name, directory)
+
+    @staticmethod
+    def check_save_to(client: Any, name: str, directory: Path) -> None:
+        """check_save of table `name` before its RemoteValues exists (memtrain asks before making
+        its tables anew, so a refused --checkpoint-dir leaves them as they were)."""
         from memserver.api.errors import PermissionDeniedError
 
-        where = directory.resolve() / "memory" / self.name
+        where = directory.resolve() / "memory" / name
         try:
-            self.client.check_checkpoint_dir(str(where))
+            client.check_checkpoint_dir(str(where))
         except PermissionDeniedError as exc:
             raise PermissionDeniedError(
                 f"--checkpoint-dir {directory}: the cluster checkpoints remote tables to {where}, outside its "
