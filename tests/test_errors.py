@@ -91,23 +91,45 @@ def test_duplicate_table_is_already_exists(client, table_name):
     assert client.table(table_name, refresh=True).num_rows == 10
 
 
-def test_a_create_that_meets_a_slice_outside_the_catalog_leaves_it(memory_cluster, client, table_name):
+def test_a_create_that_meets_a_slice_outside_the_catalog_leaves_it(memory_cluster, client, table_name, tmp_path):
     """A shard still holding a slice of that name that the catalog left out (its table came back
-    incomplete): the create is ALREADY_EXISTS, and that slice is not dropped by the create's undo
-    (it was, deleting its files, a wal table's log included)."""
+    incomplete): the create is ALREADY_EXISTS naming the fix, and that slice is not dropped by the
+    create's undo (it was, deleting its files, a wal table's log included). Dropping the name drops
+    it (it was TableNotFound, and the name refused every create for good), as do a create with
+    replace and a restore."""
     import ray
+
+    from memserver.api.errors import TableNotFoundError
 
     spec = pb.TableSpec(name=table_name, kind=pb.VALUE, num_rows=8, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0),
                         init_std=1.0, num_shards=1)
     info = pb.ShardInfo(index=0, address="", col_start=0, col_end=4)
-    ray.get(memory_cluster.shards[1].create_table.remote(spec.SerializeToString(), info.SerializeToString(), 1))
+
+    def stray() -> None:
+        ray.get(memory_cluster.shards[1].create_table.remote(spec.SerializeToString(), info.SerializeToString(), 1))
+
+    stray()
     try:
         for _ in range(2):  # the second: the slice was not dropped by the first's undo
-            with pytest.raises(TableExistsError, match="already exists on shard 1, outside the catalog"):
+            with pytest.raises(TableExistsError, match=f"already exists on shard 1, outside the catalog.*drop-table {table_name}"):
                 client.create_table(table_name, 8, 4)
         assert table_name not in {t.name for t in client.list_tables()}
+        client.drop_table(table_name)  # the stray goes
+        with pytest.raises(TableNotFoundError):
+            client.drop_table(table_name)  # nothing left anywhere
+        assert client.create_table(table_name, 8, 4).num_rows == 8
+        client.drop_table(table_name)
+        stray()
+        assert client.create_table(table_name, 6, 4, replace=True).num_rows == 6  # replace: whatever was there goes
+        client.checkpoint(str(tmp_path), step=1, tables=[table_name])
+        client.drop_table(table_name)
+        stray()
+        [restored] = client.restore(str(tmp_path), tables=[table_name])  # a restore too
+        assert restored.num_rows == 6
     finally:
         ray.get(memory_cluster.shards[1].drop_table.remote(table_name))
+        if table_name in {t.name for t in client.list_tables()}:
+            client.drop_table(table_name)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

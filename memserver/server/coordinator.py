@@ -147,6 +147,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
         spec = validate_spec(request.spec, len(self.handles))
+        if request.replace and spec.name not in self.tables and spec.name not in self.pending:
+            await self._drop_strays(spec.name)  # what is there goes: slices no table owns too
         if request.replace and spec.name in self.tables and spec.name not in self.pending:
             # every refusal the new table could meet, the old one's memory counted as free: before it goes
             order, info, on_node = self._plan(spec)
@@ -224,6 +226,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return pb.DropTableResponse()
 
     async def _drop(self, name: str) -> None:
+        if name not in self.tables and name not in self.pending and await self._drop_strays(name):
+            return
         self._get(name)
         del self.tables[name]
         order = self.placement.pop(name)
@@ -231,6 +235,17 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         async with self.lock:
             self.epoch += 1
         log.info("dropped table %s", name)
+
+    async def _drop_strays(self, name: str) -> list[int]:
+        """Drop the slices of `name` that shards hold outside the catalog (a table left out at
+        start-up because some of its slices were missing: usable by no one, and refusing every
+        create of its name with ALREADY_EXISTS); returns the shards that held one. A shard that
+        does not answer keeps its own (dropped by a later drop, create with replace or restore)."""
+        got = await asyncio.gather(*(h.drop_table.remote(name) for h in self.handles), return_exceptions=True)
+        held = [j for j, dropped in enumerate(got) if dropped is True]
+        if held:
+            log.warning("table %s: dropped the slices shards %s held outside the catalog", name, held)
+        return held
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointResponse:
         root = under_root(self.checkpoint_root, request.dir)
@@ -319,6 +334,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for name in names:
             if name in self.tables:
                 await self._drop(name)
+            else:
+                await self._drop_strays(name)  # (replace, or a name the catalog has not: nothing of it may stay)
             files = [{**f, "file": str(directory / name / Path(f["file"]).name)} for f in manifest["tables"][name]["files"]]
             resp.tables.append(await self._place(specs[name], files))
         return resp
