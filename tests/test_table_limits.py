@@ -220,3 +220,51 @@ def test_a_table_is_recorded_only_once_its_memory_is_allocated(capped_shard, tmp
     assert "doomed" not in shard.servicer.tables
     shard.create_table(spec.SerializeToString(), info, 1)  # and once it fits, it is recorded
     assert (Path(tmp_path) / "shard-0000" / "doomed" / "table.json").exists()
+
+
+def test_a_tables_slices_are_summed_per_memory_they_share():
+    """What a table's slices need together is summed per memory (rayutil.memory_domain): the host
+    memory of a node, or one GPU. Two GPU shards on one node each count their own slice (their
+    sum against one GPU refused tables that fit); two CPU shards on a node, or two shards on one
+    GPU, share it."""
+    from memserver.server.coordinator import ControlPlaneServicer
+
+    spec = validate_spec(pb.TableSpec(name="t", num_rows=1000, dim=8, sharding=pb.COLS, num_shards=2), 2)
+    infos = [{"address": f"127.0.0.1:{7000 + j}", "node_id": "n", "pid": j} for j in range(2)]
+    one = slice_size(spec, plan_table(spec, infos).shards[0]).peak
+    for memories, together in (([None, None], 2 * one), (["n", "n"], 2 * one), (["n/gpu-a", "n/gpu-b"], one),
+                               (["n/gpu-a", "n/gpu-a"], 2 * one)):
+        cp = ControlPlaneServicer([object()] * 2, [{**info, **({"memory": m} if m else {})}
+                                                   for info, m in zip(infos, memories)])
+        _, _, on_node = cp._plan(spec)
+        assert on_node == [together, together], memories
+
+
+def test_a_replace_whose_old_memory_does_not_show_free_yet_is_made(monkeypatch):
+    """A replace checks the new table against the memory available with the old table's counted
+    as free, then drops the old one. Its memory may not show as free at once (PyTorch's GPU cache
+    keeps it, for the new slice's allocation to reuse): the create after the drop checked the
+    memory again without that credit, refused the new table, and the old one was gone. Here the
+    memory available is held at a figure that fits the new table only with the old one's bytes."""
+    import numpy as np
+
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.server import shard_actor
+
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+        c.create_table("t", 20_000, 16, optimizer="sgd")
+        c.write_rows("t", [0], np.full((1, 16), 3.0, np.float32))
+        held = server.shards[0].servicer.tables["t"].table.nbytes()
+        # room for the new table (the same size) only with the old one's memory counted free
+        monkeypatch.setattr(shard_actor, "memory_available", lambda device=None: int(held * 0.8))
+        meta = c.create_table("t", 20_000, 16, optimizer="sgd", seed=5, replace=True)
+        assert meta.num_rows == 20_000 and "t" in {t.name for t in c.list_tables()}
+        assert not np.array_equal(c.lookup("t", [0]), np.full((1, 16), 3.0, np.float32))  # the new one
+        monkeypatch.setattr(shard_actor, "memory_available", lambda device=None: 1 << 10)  # nothing fits
+        from memserver.api.errors import ResourceExhaustedError
+
+        c.write_rows("t", [0], np.full((1, 16), 4.0, np.float32))
+        with pytest.raises(ResourceExhaustedError, match="memory available"):
+            c.create_table("t", 20_000, 16, optimizer="sgd", replace=True)
+        np.testing.assert_array_equal(c.lookup("t", [0]), np.full((1, 16), 4.0, np.float32))  # refused: left as it was

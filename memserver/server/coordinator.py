@@ -154,26 +154,31 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             order, info, on_node = self._plan(spec)
             old, freed = self.tables[spec.name], {}
             for j, sh in zip(self.placement[spec.name], old.shards):
-                node = self.infos[j]["node_id"]
-                freed[node] = freed.get(node, 0) + slice_size(old.spec, sh).held
+                freed[self._memory(j)] = freed.get(self._memory(j), 0) + slice_size(old.spec, sh).held
             blob = spec.SerializeToString()
             _raise_refusal(await asyncio.gather(
                 *(self.handles[j].check_fits.remote(blob, sh.SerializeToString(), node_bytes,
-                                                    freed.get(self.infos[j]["node_id"], 0))
+                                                    freed.get(self._memory(j), 0))
                   for j, sh, node_bytes in zip(order, info.shards, on_node)), return_exceptions=True), "checking")
             log.info("replacing table %s", spec.name)
             try:
                 await self._drop(spec.name)
             except TableNotFoundError:
                 pass  # another replace or drop got there first: make it, or say it exists again
-            return await self._place(spec, plan=(order, info, on_node))  # on the shards checked
+            # on the shards checked, and as checked: the old table's memory may not show as free yet
+            return await self._place(spec, plan=(order, info, on_node), checked=True)
         return await self._place(spec)
+
+    def _memory(self, j: int) -> str:
+        """The memory shard j's slices live in (rayutil.memory_domain: its node's, or its GPU's)."""
+        return self.infos[j].get("memory") or self.infos[j]["node_id"]
 
     def _plan(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
         """Where a validated table would go: (its shards' indices, its map, the bytes each slice
-        holds at its peak summed per node, as each shard is told), refused (RESOURCE_EXHAUSTED)
-        where a slice is larger than the limits allow. Decided from the spec before any shard
-        records or allocates anything; each shard then checks the memory its node has."""
+        holds at its peak summed per memory (a node's, or one GPU's: `_memory`), as each shard is
+        told), refused (RESOURCE_EXHAUSTED) where a slice is larger than the limits allow.
+        Decided from the spec before any shard records or allocates anything; each shard then
+        checks the memory it has."""
         # Start each table on a different shard so small tables spread over the cluster.
         first = len(self.tables) % len(self.handles)
         order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
@@ -183,13 +188,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             refuse_oversized(spec, sh.index, size, self.limits)
         on_node: dict[str, int] = {}
         for j, size in zip(order, sizes):
-            on_node[self.infos[j]["node_id"]] = on_node.get(self.infos[j]["node_id"], 0) + size.peak
-        return order, info, [on_node[self.infos[j]["node_id"]] for j in order]
+            on_node[self._memory(j)] = on_node.get(self._memory(j), 0) + size.peak
+        return order, info, [on_node[self._memory(j)] for j in order]
 
     async def _place(self, spec: pb.TableSpec, files: list[dict[str, Any]] | None = None,
-                     plan: tuple[list[int], pb.TableInfo, list[int]] | None = None) -> pb.TableInfo:
+                     plan: tuple[list[int], pb.TableInfo, list[int]] | None = None, checked: bool = False) -> pb.TableInfo:
         """Create a validated table on its shards: fresh, or restored from checkpoint `files`;
-        `plan`: where `_plan` put it already (a replace checked those shards)."""
+        `plan`: where `_plan` put it already; `checked`: those shards checked its memory already
+        (a replace, before it dropped the old table)."""
         if spec.name in self.tables or spec.name in self.pending:
             raise TableExistsError(f"table {spec.name!r} already exists")
         self.pending.add(spec.name)
@@ -197,7 +203,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             order, info, on_node = plan or self._plan(spec)
             blob = spec.SerializeToString()
             refs = [
-                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards, node_bytes)
+                self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards, node_bytes, checked)
                 if files is None
                 else self.handles[j].restore_table.remote(blob, sh.SerializeToString(), spec.num_shards, files,
                                                           node_bytes)

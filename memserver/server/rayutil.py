@@ -39,6 +39,16 @@ def node_id() -> str:
     return (ray.get_runtime_context().get_node_id() or "") if ray is not None and ray.is_initialized() else ""
 
 
+def memory_domain(device: torch.device) -> str:
+    """What a shard's table memory is shared with, for the coordinator's sums of what a table's
+    slices need together and of what a replaced table frees: its node's host memory (the node's
+    id), or its GPU, named by the GPU's UUID (Ray shows each actor its GPUs as cuda:0, cuda:1, ...,
+    so the number names no GPU across actors; two shards on one GPU share its memory)."""
+    if device.type == "cuda":
+        return f"{node_id()}/gpu-{torch.cuda.get_device_properties(device).uuid}"
+    return node_id()
+
+
 def ray_gpu_ids() -> list[int] | None:
     """The GPUs Ray gave this actor (Ray's ids; the process sees them as cuda:0, cuda:1, ...: Ray
     sets CUDA_VISIBLE_DEVICES), or None outside a Ray actor."""

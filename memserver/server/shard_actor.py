@@ -30,7 +30,15 @@ from memserver.server.dataplane import DataPlaneServicer
 from memserver.server.doorbell import Doorbell
 from memserver.server.grpcserver import DATA_PLANE, serve_on
 from memserver.server.metrics import ShardMetrics, rss_bytes
-from memserver.server.rayutil import bind_host, gpus, memory_available, node_id, shard_device, was_restarted
+from memserver.server.rayutil import (
+    bind_host,
+    gpus,
+    memory_available,
+    memory_domain,
+    node_id,
+    shard_device,
+    was_restarted,
+)
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.slice import TableSlice
 from memserver.storage.checkpoint import load_index, load_into, load_whole, save_slice, trigger_states
@@ -133,7 +141,8 @@ class ShardActor:
 
     def info(self) -> dict[str, Any]:
         return {"address": self.address, "pid": os.getpid(), "node_id": node_id(), "device": str(self.device),
-                "restarted": self.restarted, "metrics": self.metrics.address, "moved_from": self.moved_from}
+                "memory": memory_domain(self.device), "restarted": self.restarted, "metrics": self.metrics.address,
+                "moved_from": self.moved_from}
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -209,9 +218,12 @@ class ShardActor:
 
     # -- table management (called by the coordinator) ---------------------------------------
 
-    def create_table(self, spec: bytes, info: bytes, num_shards: int, node_bytes: int = 0) -> None:
-        """`node_bytes`: what the table's slices on this node need together (see _add_table)."""
-        self._add_table(spec, info, num_shards, None, node_bytes)
+    def create_table(self, spec: bytes, info: bytes, num_shards: int, node_bytes: int = 0, checked: bool = False) -> None:
+        """`node_bytes`: what the table's slices in this shard's memory need together (see
+        _add_table); `checked`: the memory was checked by check_fits just before (a replace: the
+        table it replaces is gone now, but its memory may not show as free yet, e.g. in PyTorch's
+        GPU cache, which the new slice's allocation reuses), so only the cluster's limits are."""
+        self._add_table(spec, info, num_shards, None, node_bytes, checked)
 
     def check_fits(self, spec: bytes, info: bytes, node_bytes: int, freed: int) -> None:
         """Refuse (RESOURCE_EXHAUSTED) what _add_table would refuse for this memory, once `freed`
@@ -228,7 +240,7 @@ class ShardActor:
         self._add_table(spec, info, num_shards, files, node_bytes)
 
     def _add_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]] | None,
-                   node_bytes: int = 0) -> None:
+                   node_bytes: int = 0, checked: bool = False) -> None:
         """Refuse a slice that does not fit (RESOURCE_EXHAUSTED: above the cluster's cap, or more
         than its share of the memory available on this node, the table's other slices here
         included: `node_bytes`) before anything is allocated or recorded; and record it only
@@ -240,8 +252,8 @@ class ShardActor:
                                    "(a slice of a table whose other slices are missing): drop it (memserver drop-table "
                                    f"{s.name}) or create with replace")
         shard = pb.ShardInfo.FromString(info)
-        refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits, memory_available(self.device),
-                         node_bytes)
+        refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits,
+                         None if checked else memory_available(self.device), node_bytes)
 
         def work() -> TableSlice:
             record = table_record(spec, info, num_shards, files)

@@ -98,6 +98,17 @@ def test_mixed_cluster_of_gpu_and_cpu_shards(tmp_path):
     assert [s.device for s in status.shards] == ["cuda:0", "cpu"]
 
 
+def test_a_gpu_shards_memory_is_its_gpu():
+    """What the coordinator sums a table's slices over (rayutil.memory_domain): a GPU shard's is its
+    GPU, named by the GPU's UUID (the same GPU for two devices only if they are one), a CPU
+    shard's its node."""
+    from memserver.server.rayutil import memory_domain, node_id
+
+    gpu = memory_domain(torch.device("cuda:0"))
+    assert gpu == f"{node_id()}/gpu-{torch.cuda.get_device_properties(0).uuid}" and gpu == memory_domain(torch.device("cuda", 0))
+    assert memory_domain(torch.device("cpu")) == node_id() != gpu
+
+
 def test_shared_memory_answer_is_written_from_the_device():
     """memserver.wire.shm_write: a CUDA tensor lands in the region byte for byte as the CPU copy
     would (float32 and bfloat16, at an aligned offset), and the message says where."""
