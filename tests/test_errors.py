@@ -132,6 +132,38 @@ def test_a_create_that_meets_a_slice_outside_the_catalog_leaves_it(memory_cluste
             client.drop_table(table_name)
 
 
+def test_dropping_slices_outside_the_catalog_holds_the_name():
+    """While the shards drop slices of a name outside the catalog, a create of that name is refused
+    (ALREADY_EXISTS) rather than run beside the drops, which would delete the new slices' files."""
+    import asyncio
+
+    from memserver.server.catalog import validate_spec
+    from memserver.server.coordinator import ControlPlaneServicer
+
+    class SlowShard:  # a Ray actor handle's shape: handle.method.remote(...) is awaited
+        class drop_table:  # noqa: N801
+            @staticmethod
+            async def remote(name: str) -> bool:
+                await asyncio.sleep(0.2)
+                return True
+
+    cp = ControlPlaneServicer([SlowShard(), SlowShard()], [{"address": f"a{j}", "node_id": "n", "pid": j} for j in range(2)])
+    spec = validate_spec(pb.TableSpec(name="x", num_rows=8, dim=4, num_shards=2), 2)
+
+    async def race() -> tuple[list[int], BaseException | None]:
+        dropping = asyncio.ensure_future(cp._drop_strays("x"))
+        await asyncio.sleep(0.05)
+        try:
+            await cp._place(spec)
+            refused = None
+        except TableExistsError as exc:
+            refused = exc
+        return await dropping, refused
+
+    held, refused = asyncio.run(race())
+    assert held == [0, 1] and refused is not None and "x" not in cp.pending
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(optimizer="adamw"), InvalidArgumentError, "unknown optimizer"),
     (dict(lr=-1.0), InvalidArgumentError, "lr must be"),

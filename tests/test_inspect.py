@@ -344,7 +344,7 @@ def test_the_async_client_has_the_same_inspection_calls(memory_cluster, client, 
         task = asyncio.ensure_future(run())
         done, _ = await asyncio.wait({task}, timeout=120)
         if not done:  # each task's frames (print_stack fails on grpc's compiled frames: no line numbers)
-            where = "\n".join(f"{t.get_name()}: " + " <- ".join(f"{f.f_code.co_qualname} ({f.f_code.co_filename}:"
+            where = "\n".join(f"{t.get_name()}: " + " <- ".join(f"{f.f_code.co_name} ({f.f_code.co_filename}:"
                                                                f"{f.f_lineno})" for f in t.get_stack())
                               for t in asyncio.all_tasks())
             task.cancel()

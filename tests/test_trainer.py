@@ -212,6 +212,24 @@ def test_memtrain_refuses_a_checkpoint_dir_outside_the_root_before_step_one(memo
     debug = subprocess.run([*base, "--checkpoint-dir", outside, "--debug"], capture_output=True, text=True, timeout=300,
                            stdin=subprocess.DEVNULL)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "PermissionDeniedError" in debug.stderr
+    # in process: the refusal closes the client setup made for the run (it was left open)
+    from client import MemoryClient
+    from memserver.api.errors import PermissionDeniedError
+    from trainer.train import setup
+
+    made: list = []
+
+    class Recorded(MemoryClient):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("client.MemoryClient", Recorded)
+        with pytest.raises(PermissionDeniedError, match=f"--checkpoint-dir {outside}"):
+            setup(build_parser().parse_args([*TINY, "--memory", "remote", "--table", table_name, "--endpoint",
+                                             memory_cluster.endpoint, "--checkpoint-dir", outside]))
+    assert len(made) == 1 and not made[0]._loop.loop.is_running()
     inside = subprocess.run([*base, "--checkpoint-dir", str(tmp_path / "ck")], capture_output=True, text=True,
                             timeout=300, stdin=subprocess.DEVNULL)
     assert inside.returncode == 0, inside.stderr

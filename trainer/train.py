@@ -310,7 +310,7 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
         raise SystemExit(f"memtrain: error: --block-size {args.block_size}: {corpus.name}'s validation text has "
                          f"{len(corpus.val):,} tokens; a window and its next token must fit in it")
     memory = memory_config(args)
-    kinds, mem_layers, engram_rows = memory.kinds, memory.layers, memory.engram_slots
+    kinds, mem_layers = memory.kinds, memory.layers
     if args.tier == "disk" and args.memory != "remote":
         raise SystemExit("memtrain: error: --tier disk: disk tables live in the cluster; use --memory remote")
     if args.cache_bytes is not None and args.tier != "disk":
@@ -336,6 +336,19 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
                              "start one with `memserver up`, give --endpoint HOST:PORT, or train with --memory local"
                              ) from None
         own_client = True
+    try:
+        model, values = _build(args, client, device, rank, world, corpus, memory)
+    except BaseException:  # refused while the tables or the model were made: the client made here goes too
+        if own_client:
+            client.close()
+        raise
+    return Run(model, corpus, values, client if own_client else None, device)
+
+
+def _build(args: argparse.Namespace, client: Any, device: torch.device, rank: int, world: int, corpus: Corpus,
+           memory: MemoryConfig) -> tuple[GPT, dict[str, ValueBackend]]:
+    """setup's model and value backends (remote tables made anew by rank 0), on `client`."""
+    kinds, mem_layers, engram_rows = memory.kinds, memory.layers, memory.engram_slots
     if world > 1 and rank > 0:
         import torch.distributed as dist
 
@@ -390,7 +403,7 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
                       n_embd=args.n_embd, dropout=args.dropout, memory=memory)
     torch.manual_seed(args.seed)
     model = GPT(cfg, values, knowledge).to(device)  # built on the CPU: the same initial weights on every device
-    return Run(model, corpus, values, client if own_client else None, device)
+    return model, values
 
 
 def knowledge_sources(args: argparse.Namespace, corpus: Corpus, client: Any, rank: int,

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between the coordinator's probes of its shards (what /metrics says of them).
 PROBE_SECONDS = 10.0
+#: Seconds a shard has to drop a slice outside the catalog (_drop_strays) before it is left for later.
+STRAY_SECONDS = 10.0
 
 
 
@@ -245,9 +247,18 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def _drop_strays(self, name: str) -> list[int]:
         """Drop the slices of `name` that shards hold outside the catalog (a table left out at
         start-up because some of its slices were missing: usable by no one, and refusing every
-        create of its name with ALREADY_EXISTS); returns the shards that held one. A shard that
-        does not answer keeps its own (dropped by a later drop, create with replace or restore)."""
-        got = await asyncio.gather(*(h.drop_table.remote(name) for h in self.handles), return_exceptions=True)
+        create of its name with ALREADY_EXISTS); returns the shards that held one. Not for a name
+        in the catalog, or one being made (`pending`, which holds the name meanwhile, so no create
+        of it runs beside these drops). A shard that does not answer within STRAY_SECONDS keeps
+        its own (dropped by a later drop, create with replace or restore)."""
+        if name in self.tables or name in self.pending:
+            return []
+        self.pending.add(name)
+        try:
+            got = await asyncio.gather(*(asyncio.wait_for(h.drop_table.remote(name), STRAY_SECONDS)
+                                         for h in self.handles), return_exceptions=True)
+        finally:
+            self.pending.discard(name)
         held = [j for j, dropped in enumerate(got) if dropped is True]
         if held:
             log.warning("table %s: dropped the slices shards %s held outside the catalog", name, held)
