@@ -147,12 +147,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         pids = [sh["pid"] for sh in cluster.shard_infos]
 
+        def counters() -> tuple[float, int]:
+            return sum(map(cpu_seconds, pids)), sum(map(context_switches, pids))
+
         def recorded(name: str) -> Iterator[dict[str, Any]]:
+            """The run's steps with the shards' CPU and switches since this run's last step: read once
+            a step (a block's first step, which follows another run's, is not counted anyway)."""
+            last = counters()
             while True:
-                cpu, switches = sum(map(cpu_seconds, pids)), sum(map(context_switches, pids))
                 rec = next(gens[name])
-                rec["shard_cpu_ms"] = (sum(map(cpu_seconds, pids)) - cpu) * 1e3
-                rec["shard_switches"] = sum(map(context_switches, pids)) - switches
+                now = counters()
+                rec["shard_cpu_ms"], rec["shard_switches"] = (now[0] - last[0]) * 1e3, now[1] - last[1]
+                last = now
                 losses[name].append(rec["loss"])
                 yield rec
 

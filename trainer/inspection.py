@@ -87,9 +87,6 @@ class PeekValues:
     def settle(self) -> None:
         pass
 
-    def check_save(self, directory: Path) -> None:
-        raise RuntimeError("PeekValues is read-only (inspection)")
-
     trace_table = None  # inspection reads; it records no triggers
 
     def record_triggers(self, records: tuple[Any, ...], info: str = "") -> None:

@@ -42,7 +42,7 @@ from trainer.memory import (
     UsageCounter,
     ValueBackend,
 )
-from trainer.memory.backends import to_device
+from trainer.memory.backends import check_remote_save, to_device
 from trainer.memory.engram import MAX_ORDER
 from trainer.memory.knowledge import check_encoder_name, corpus_sentences, encode_cached, make_encoder, upload_source
 from trainer.memory.lsh import MAX_BITS
@@ -379,7 +379,7 @@ def _build(args: argparse.Namespace, client: Any, device: torch.device, rank: in
     checkpoint_dir = checkpoint_dir_of(args)
     if args.memory == "remote" and checkpoint_dir and rank == 0:  # refused before any table is made anew
         for _, _, _, name in tables.values():
-            RemoteValues.check_save_to(client, name, Path(checkpoint_dir))
+            check_remote_save(client, name, Path(checkpoint_dir))
     made: dict[str, ValueBackend] = {}
     for key, (rows, width, common, name) in tables.items():
         if args.memory == "local":

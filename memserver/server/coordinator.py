@@ -149,7 +149,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
         spec = validate_spec(request.spec, len(self.handles))
-        if request.replace and spec.name not in self.tables and spec.name not in self.pending:
+        if request.replace:
             await self._drop_strays(spec.name)  # what is there goes: slices no table owns too
         if request.replace and spec.name in self.tables and spec.name not in self.pending:
             # every refusal the new table could meet, the old one's memory counted as free: before it goes
@@ -234,7 +234,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return pb.DropTableResponse()
 
     async def _drop(self, name: str) -> None:
-        if name not in self.tables and name not in self.pending and await self._drop_strays(name):
+        if await self._drop_strays(name):  # (not a table of the catalog: slices no table owns)
             return
         self._get(name)
         del self.tables[name]
@@ -351,8 +351,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for name in names:
             if name in self.tables:
                 await self._drop(name)
-            else:
-                await self._drop_strays(name)  # (replace, or a name the catalog has not: nothing of it may stay)
+            else:  # nothing of it may stay: slices no table owns either
+                await self._drop_strays(name)
             files = [{**f, "file": str(directory / name / Path(f["file"]).name)} for f in manifest["tables"][name]["files"]]
             resp.tables.append(await self._place(specs[name], files))
         return resp

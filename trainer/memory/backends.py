@@ -189,11 +189,6 @@ class ValueBackend(Protocol):
         it before they synchronise: the others' next reads must see this trainer's step)."""
         ...
 
-    def check_save(self, directory: Path) -> None:
-        """Raise now (a MemserverError naming the flag and the fix) if `save` to `directory`
-        would be refused later: before step 1, not at the first checkpoint."""
-        ...
-
     @property
     def trace_table(self) -> str | None:
         """The table whose slots keep trigger records of this backend's reads (live tracing,
@@ -308,9 +303,6 @@ class LocalValues:
 
     def settle(self) -> None:
         pass  # end_step applied it
-
-    def check_save(self, directory: Path) -> None:
-        pass  # the trainer's own file: the trainer writes it
 
     trace_table = None  # no server keeps trigger records of an in-process table
 
@@ -461,25 +453,6 @@ class RemoteValues:
     def record_triggers(self, records: tuple[Any, ...], info: str = "") -> None:
         self.client.record_triggers(self.name, *records, info=info)  # the slots' trigger heaps, not the rows
 
-    def check_save(self, directory: Path) -> None:
-        """Ask the cluster (a dry-run checkpoint: its root's rule, nothing written)."""
-        self.check_save_to(self.client, self.name, directory)
-
-    @staticmethod
-    def check_save_to(client: Any, name: str, directory: Path) -> None:
-        """check_save of table `name` before its RemoteValues exists (memtrain asks before making
-        its tables anew, so a refused --checkpoint-dir leaves them as they were)."""
-        from memserver.api.errors import PermissionDeniedError
-
-        where = directory.resolve() / "memory" / name
-        try:
-            client.check_checkpoint_dir(str(where))
-        except PermissionDeniedError as exc:
-            raise PermissionDeniedError(
-                f"--checkpoint-dir {directory}: the cluster checkpoints remote tables to {where}, outside its "
-                "checkpoint root; give a --checkpoint-dir below the root, or start the cluster with `memserver up "
-                f"--checkpoint-root` above it ({exc.details})", exc.code, target=exc.target) from None
-
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         """The cluster checkpoints the table under <directory>/memory/<table> (each table its own
         checkpoint root, so every backend saves on its own)."""
@@ -499,3 +472,20 @@ def _indexed(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def check_remote_save(client: Any, name: str, directory: Path) -> None:
+    """Raise now (PermissionDeniedError naming --checkpoint-dir and the fix) if the cluster would
+    refuse to checkpoint remote table `name` under `directory` (a dry-run checkpoint: its root's
+    rule, nothing written): memtrain asks before it makes its tables anew, so a refused
+    --checkpoint-dir leaves them as they were, and before step 1, not at the first checkpoint."""
+    from memserver.api.errors import PermissionDeniedError
+
+    where = directory.resolve() / "memory" / name
+    try:
+        client.check_checkpoint_dir(str(where))
+    except PermissionDeniedError as exc:
+        raise PermissionDeniedError(
+            f"--checkpoint-dir {directory}: the cluster checkpoints remote tables to {where}, outside its "
+            "checkpoint root; give a --checkpoint-dir below the root, or start the cluster with `memserver up "
+            f"--checkpoint-root` above it ({exc.details})", exc.code, target=exc.target) from None
