@@ -22,29 +22,23 @@ def _tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
 
 
-def merge_topk(
-    scores: Sequence[Any],
-    ids: Sequence[Any],
-    k: int,
-    metric: str,
-    payloads: Sequence[Any] | None = None,
-) -> tuple[Any, Any, Any]:
+def merge_topk(scores: Sequence[Any], ids: Sequence[Any], k: int, metric: str) -> tuple[Any, Any]:
     """The best k of several top-k answers, query by query.
 
-    `scores[i]`, `ids[i]`: [B, k_i] (torch or numpy; the k_i may differ), `payloads[i]`:
-    [B, k_i, P] or None. Order: the metric's own (ip: larger first; l2: smaller first), ties by
-    smaller id, missing hits (id -1) last. Exact: no hit better than the k-th of the answer is
-    left out, given each part is its slice's best k_i. Returns (scores [B, k] float32, ids
-    [B, k] int64, payload [B, k, P] float32 or None), torch if scores[0] is a tensor, else
-    numpy; where fewer than k hits exist, id -1, score -inf (ip) / +inf (l2), payload zeros.
+    `scores[i]`, `ids[i]`: [B, k_i] (torch or numpy; the k_i may differ). Order: the metric's own
+    (ip: larger first; l2: smaller first), ties by smaller id, missing hits (id -1) last. Exact:
+    no hit better than the k-th of the answer is left out, given each part is its slice's best
+    k_i. Returns (scores [B, k] float32, ids [B, k] int64), torch if scores[0] is a tensor, else
+    numpy; where fewer than k hits exist, id -1 and score -inf (ip) / +inf (l2). The hits'
+    payload comes apart, each distinct hit's row once (`hit_payload`).
 
     Cost: O(B * K log K) for K = sum of k_i (three stable sorts)."""
     if metric not in METRIC_LARGER_IS_BETTER:
         raise InvalidArgumentError(f"metric: must be one of {sorted(METRIC_LARGER_IS_BETTER)}, got {metric!r}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
         raise InvalidArgumentError(f"k: must be an integer >= 0, got {k!r}")
-    if not scores or len(scores) != len(ids) or (payloads is not None and len(payloads) != len(scores)):
-        raise InvalidArgumentError("scores, ids (and payloads): one answer per part, at least one")
+    if not scores or len(scores) != len(ids):
+        raise InvalidArgumentError("scores, ids: one answer per part, at least one")
     as_torch = isinstance(scores[0], torch.Tensor)
     s_parts = [_tensor(s) for s in scores]
     i_parts = [_tensor(i) for i in ids]
@@ -73,18 +67,31 @@ def merge_topk(
     miss = out_i < 0
     out_s = out_s.masked_fill(miss, fill)
     out_i = out_i.masked_fill(miss, -1)
-    out_p = None
-    if payloads is not None:
-        p_parts = [_tensor(p).to(device=device, dtype=torch.float32) for p in payloads]
-        dims = {p.shape[2] if p.dim() == 3 else -1 for p in p_parts}
-        if len(dims) != 1 or -1 in dims or any(p.shape[:2] != q.shape for p, q in zip(p_parts, s_parts)):
-            raise InvalidArgumentError("payloads: every part must be [B, k_i, P] with its scores' B and k_i")
-        p = torch.cat(p_parts, 1)
-        width = p.shape[2]
-        out_p = p.gather(1, order[:, :, None].expand(-1, -1, width))
-        if out_p.shape[1] < k:
-            out_p = torch.cat([out_p, out_p.new_zeros((b, k - out_p.shape[1], width))], 1)
-        out_p = out_p.masked_fill(miss[:, :, None], 0.0)
     if as_torch:
-        return out_s, out_i, out_p
-    return out_s.cpu().numpy(), out_i.cpu().numpy(), (out_p.cpu().numpy() if out_p is not None else None)
+        return out_s, out_i
+    return out_s.cpu().numpy(), out_i.cpu().numpy()
+
+
+def hit_payload(ids: torch.Tensor, payload_ids: Sequence[torch.Tensor], payloads: Sequence[torch.Tensor],
+                width: int) -> torch.Tensor:
+    """The payload of each hit, [B, k, width] float32 (zeros where id is -1), from the shards'
+    distinct hits' rows: `payload_ids[i]` [U_i] int64 ascending and `payloads[i]` [U_i, width]
+    (a shard sends each row once, however many queries hit it). Every hit id must be among them:
+    an answer that lacks one is refused (InvalidArgumentError names the id), never filled in."""
+    for n, (u, p) in enumerate(zip(payload_ids, payloads)):
+        if u.dim() != 1 or p.shape != (len(u), width):
+            raise InvalidArgumentError(f"payload_ids[{n}], payload[{n}]: shapes {list(u.shape)} and {list(p.shape)}; "
+                                       f"expected [U] and [U, {width}]")
+    known = torch.cat([u.to(torch.int64) for u in payload_ids])
+    rows = torch.cat([p.to(torch.float32) for p in payloads]) if len(payloads) > 1 else payloads[0].float()
+    known, order = torch.sort(known)
+    hit = ids >= 0
+    if len(known) == 0:
+        if bool(hit.any()):
+            raise InvalidArgumentError(f"payload: the answer has no payload row for hit id {int(ids[hit][0])}")
+        return torch.zeros((*ids.shape, width), dtype=torch.float32)
+    at = torch.searchsorted(known, ids.clamp(min=0)).clamp_(max=len(known) - 1)
+    lacking = hit & (known[at] != ids)
+    if bool(lacking.any()):
+        raise InvalidArgumentError(f"payload: the answer has no payload row for hit id {int(ids[lacking][0])}")
+    return rows[order[at]].masked_fill_(~hit[..., None], 0.0)

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.merge import merge_topk
+from client.merge import hit_payload, merge_topk
 from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from memserver.core.index import MAX_K, MAX_K_GPU, VectorIndex
 
@@ -45,10 +45,15 @@ def sharded(factory, metric, ids, x, shards, template=None, payload=None, payloa
     return slices
 
 
-def search_merged(slices, q, k, metric, **kw):
-    answers = [vi.search(q, k, **kw) for vi in slices]
-    return merge_topk([a[0] for a in answers], [a[1] for a in answers], k, metric,
-                      [a[2] for a in answers] if answers[0][2] is not None else None)
+def search_merged(slices, q, k, metric, with_payload=False, **kw):
+    """What the client makes of the slices' answers (client.ops.index.search_op): the merged top
+    k and, with_payload, each hit's row from the slices' distinct rows."""
+    if not with_payload:
+        answers = [vi.search(q, k, **kw) for vi in slices]
+        return (*merge_topk([a[0] for a in answers], [a[1] for a in answers], k, metric), None)
+    answers = [vi.search_distinct(q, k, **kw) for vi in slices]
+    s, i = merge_topk([a[0] for a in answers], [a[1] for a in answers], k, metric)
+    return s, i, hit_payload(i, [a[2] for a in answers], [a[3] for a in answers], slices[0].payload_dim)
 
 
 def brute_topk(ids, x, q, k, metric):
@@ -115,6 +120,49 @@ def test_three_flat_slices_merged_equal_one_faiss_index(metric, data):
         assert (s[:, 4] == s[:, 5]).float().mean() > 0.5
 
 
+def test_a_slice_sends_each_distinct_hit_payload_once():
+    """search_distinct: the same hits as search, each hit's payload row once (not once per hit),
+    upserted rows as they are now, removed ids never; spread back over the hits by hit_payload
+    it is search's [B, k, P] exactly, misses included (zeros)."""
+    rng = np.random.default_rng(3)
+    ids = rng.choice(10**6, 60, replace=False)
+    x = rng.normal(size=(60, 8)).astype(np.float32)
+    pay = rng.normal(size=(60, 3)).astype(np.float32)
+    vi = VectorIndex(8, "Flat", "ip", payload_dim=3)
+    vi.add(ids, x, pay)
+    vi.add(ids[:5], x[:5], pay[:5] + 100)  # upserts: their new rows
+    vi.remove(ids[50:])  # gone: never a hit, never a row
+    q = np.repeat(rng.normal(size=(4, 8)).astype(np.float32), 25, axis=0)  # 100 queries, 4 distinct
+    for k in (3, 70):  # 70 > the 50 live entries: misses
+        s, i, p = vi.search(q, k, with_payload=True)
+        s2, i2, u, rows = vi.search_distinct(q, k)
+        assert torch.equal(s, s2) and torch.equal(i, i2)
+        assert u.tolist() == sorted(set(i[i >= 0].tolist()))  # distinct, ascending, every hit's
+        assert len(u) <= min(4 * k, 50) < i.numel()
+        want = {int(a): b for a, b in zip(ids, pay)} | {int(a): b + 100 for a, b in zip(ids[:5], pay[:5])}
+        np.testing.assert_array_equal(rows.numpy(), np.stack([want[int(a)] for a in u]))
+        assert torch.equal(hit_payload(i2, [u], [rows], 3), p)
+    none = VectorIndex(8, "Flat", "ip")  # no payload: empty rows, the ids still listed
+    none.add(ids[:4], x[:4])
+    _, i, u, rows = none.search_distinct(q[:2], 2)
+    assert rows.shape == (len(u), 0) and u.tolist() == sorted(set(i.flatten().tolist()))
+
+
+def test_hit_payload_refuses_an_answer_that_lacks_a_row():
+    """A row missing for a hit, or rows of the wrong shape: refused, saying which, never zeros."""
+    ids = torch.tensor([[5, 9, -1], [9, 7, -1]])
+    u, rows = torch.tensor([5, 9]), torch.tensor([[1.0, 1.0], [2.0, 2.0]])
+    with pytest.raises(InvalidArgumentError, match="no payload row for hit id 7"):
+        hit_payload(ids, [u], [rows], 2)
+    with pytest.raises(InvalidArgumentError, match="no payload row for hit id 5"):
+        hit_payload(ids, [u[:0]], [rows[:0]], 2)
+    with pytest.raises(InvalidArgumentError, match=r"expected \[U\] and \[U, 2\]"):
+        hit_payload(ids, [u], [rows[:1]], 2)
+    got = hit_payload(ids, [u, torch.tensor([7])], [rows, torch.tensor([[3.0, 3.0]])], 2)  # two slices' rows
+    assert got.tolist() == [[[1, 1], [2, 2], [0, 0]], [[2, 2], [3, 3], [0, 0]]]
+    assert hit_payload(torch.full((1, 2), -1), [u[:0]], [rows[:0]], 2).tolist() == [[[0, 0], [0, 0]]]
+
+
 def test_a_slice_breaks_ties_by_smaller_id_whatever_the_insertion_order():
     """40 copies of one vector: a slice answers the k smallest ids, not the first inserted."""
     ids = np.arange(1000, 1040)[::-1].copy()
@@ -135,7 +183,7 @@ def test_merge_topk_matches_brute_force(data):
     pool = iter(data.draw(st.permutations(range(100))))  # distinct ids: at most 3 rows x 4 parts x 6 = 72 drawn
     value = st.sampled_from([-2.0, -1.0, -0.0, 0.0, 0.5, 3.0])  # ties, and -0.0 == 0.0
     fill = -np.inf if metric == "ip" else np.inf
-    scores, ids, payloads = [], [], []
+    scores, ids = [], []
     for w in widths:
         s = np.array([[data.draw(value) for _ in range(w)] for _ in range(b)], np.float32).reshape(b, w)
         i = np.array([[next(pool) for _ in range(w)] for _ in range(b)], np.int64).reshape(b, w)
@@ -143,12 +191,14 @@ def test_merge_topk_matches_brute_force(data):
         s[~hit], i[~hit] = fill, -1
         scores.append(s)
         ids.append(i)
-        payloads.append(np.stack([i, 2 * i], -1).astype(np.float32) * hit[:, :, None])
     as_torch = data.draw(st.booleans())
     conv = torch.from_numpy if as_torch else (lambda a: a)
-    got_s, got_i, got_p = merge_topk([conv(s) for s in scores], [conv(i) for i in ids], k, metric,
-                                     [conv(p) for p in payloads])
+    got_s, got_i = merge_topk([conv(s) for s in scores], [conv(i) for i in ids], k, metric)
     assert isinstance(got_s, torch.Tensor) == as_torch
+    # each part's distinct hits' rows (payload [id, 2 id]), as a shard sends them
+    distinct = [torch.from_numpy(np.unique(i[i >= 0])) for i in ids]
+    got_p = hit_payload(torch.as_tensor(np.asarray(got_i)), distinct,
+                        [torch.stack([u, 2 * u], 1).float() for u in distinct], 2)
     got_s, got_i, got_p = (np.asarray(a) for a in (got_s, got_i, got_p))
     for row in range(b):
         hits = [(float(s[row, j]), int(i[row, j])) for s, i in zip(scores, ids) for j in range(i.shape[1])

@@ -93,6 +93,36 @@ def test_a_trained_index_has_one_quantizer_for_all_shards(client, table_name):
     np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
 
 
+def test_search_payload_travels_once_per_distinct_hit(client, table_name):
+    """Each shard answers a search with the payload rows of its distinct hits (100 queries that
+    share their hits: at most k rows a shard, not 100 k); the client gives every hit its row,
+    zeros for misses, over both shards."""
+    from memserver.wire import decode
+
+    client.create_index(table_name, DIM, payload_dim=3)
+    ids, vectors = _data(40, seed=9)
+    payload = np.stack([ids, -ids, ids * 0.5], 1).astype(np.float32)
+    client.add(table_name, ids, vectors, payload)
+    queries = np.repeat(_data(1, seed=10)[1], 100, axis=0)
+    k = 50  # > the 40 entries: misses too
+    _, hit, pay = client.search(table_name, queries, k, return_payload=True)
+    row_of = {int(a): b for a, b in zip(ids, payload)}
+    assert (hit[:, :40] >= 0).all() and (hit[:, 40:] == -1).all()
+    np.testing.assert_array_equal(pay[:, :40], np.stack([[row_of[int(a)] for a in r[:40]] for r in hit]))
+    assert (pay[:, 40:] == 0).all()
+    rows = 0
+    for shard in client.table(table_name).shards:
+        with grpc.insecure_channel(shard.address) as ch:
+            r = pb_grpc.DataPlaneStub(ch).Search(pb.SearchRequest(table=table_name, queries=encode(queries), k=k,
+                                                                  return_payload=True))
+        got_ids, u, rows_u = (decode(t, n).numpy() for t, n in ((r.ids, "ids"), (r.payload_ids, "payload_ids"),
+                                                                (r.payload, "payload")))
+        assert u.tolist() == sorted(set(got_ids[got_ids >= 0].tolist())) and rows_u.shape == (len(u), 3)
+        np.testing.assert_array_equal(rows_u, np.stack([row_of[int(a)] for a in u]))
+        rows += len(u)
+    assert rows == 40  # every entry once, over both shards: not 100 x 40
+
+
 def test_index_checkpoint_restores_into_another_shard_count(client, table_name, tmp_path):
     client.create_index(table_name, DIM, payload_dim=2)
     ids, vectors = _data(300, seed=5)

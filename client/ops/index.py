@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from client.merge import merge_topk
+from client.merge import hit_payload, merge_topk
 from client.ops.base import Op, OpOptions, request_parts
 from client.ops.checks import checked_floats, checked_ids, checked_vectors
 from client.ops.routing import route_ids
@@ -68,7 +68,9 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
         if value is not None and value <= 0:
             raise InvalidArgumentError(f"{name}: must be positive, got {value}")
     with_payload = return_payload and meta.payload_dim > 0
-    per_query = max(4 * meta.dim, k * (12 + (4 * meta.payload_dim if with_payload else 0)))
+    # at most a row per hit: score and id, and with the payload a distinct hit's id and row
+    per_hit = 12 + (8 + 4 * meta.payload_dim if with_payload else 0)
+    per_query = max(4 * meta.dim, k * per_hit)
     chunks = request_parts(q.shape[0], per_query, opts.max_request_bytes)
     calls, places = [], []
     for part in chunks:
@@ -78,7 +80,7 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
         if ef_search is not None:
             msg.ef_search = ef_search
         n_q = len(range(q.shape[0])[part])
-        req = Lazy(msg, {"queries": wire_tensor(q[part])}, answer_bytes=n_q * k * (12 + 4 * meta.payload_dim * with_payload))
+        req = Lazy(msg, {"queries": wire_tensor(q[part])}, answer_bytes=n_q * k * per_hit)
         for sh in meta.shards:  # one request for every shard
             calls.append((sh.address, "Search", req))
             places.append(part)
@@ -89,11 +91,11 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
         got = answers[c * n : (c + 1) * n]
         scores = [decode(a.scores, "scores") for a in got]
         ids = [decode(a.ids, "ids").long() for a in got]
-        payloads = [decode(a.payload, "payload") for a in got] if with_payload else None
-        s, i, p = merge_topk(scores, ids, k, meta.metric, payloads)
+        s, i = merge_topk(scores, ids, k, meta.metric)
         out_s.append(torch.as_tensor(s))
         out_i.append(torch.as_tensor(i))
-        if p is not None:
-            out_p.append(torch.as_tensor(p))
+        if with_payload:
+            out_p.append(hit_payload(i, [decode(a.payload_ids, "payload_ids") for a in got],
+                                     [decode(a.payload, "payload") for a in got], meta.payload_dim))
     cat = (lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0])  # noqa: E731
     return cat(out_s), cat(out_i), (cat(out_p) if out_p else None)

@@ -592,6 +592,33 @@ class VectorIndex:
         are over-fetched), again with twice as many only for rows with a tie at the k-th place.
 
         nprobe (IVF) and ef_search (HNSW) apply to this call only."""
+        scores, ids, labels, hit = self._search(queries, k, nprobe, ef_search)
+        payload = None
+        if with_payload and self.payload_dim:
+            payload = np.zeros((*ids.shape, self.payload_dim), dtype=np.float32)
+            payload[hit] = self._payload[labels[hit]]
+        return (torch.from_numpy(scores), torch.from_numpy(ids),
+                torch.from_numpy(payload) if payload is not None else None)
+
+    def search_distinct(
+        self, queries: Any, k: int, nprobe: int | None = None, ef_search: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`search` with each distinct hit's payload once, not once per hit: scores [B, k], ids
+        [B, k], payload_ids [U] int64 (the distinct ids >= 0 of `ids`, ascending) and payload
+        [U, payload_dim], row j that of payload_ids[j]. A shard's search answer: queries that
+        share hits (a knowledge source's: a batch of positions over a few thousand encodings)
+        would otherwise send the same rows many times (B * k rows against U <= B * k)."""
+        scores, ids, labels, hit = self._search(queries, k, nprobe, ef_search)
+        found = np.unique(labels[hit])  # live labels: one id each
+        found_ids = self._label_ids[found]
+        order = np.argsort(found_ids, kind="stable")
+        payload = self._payload[found[order]] if self.payload_dim else np.zeros((len(found), 0), dtype=np.float32)
+        return (torch.from_numpy(scores), torch.from_numpy(ids), torch.from_numpy(found_ids[order]),
+                torch.from_numpy(payload))
+
+    def _search(self, queries: Any, k: int, nprobe: int | None, ef_search: int | None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`search`'s hits: scores, ids, their labels and where there is a hit ([B, k] each)."""
         self._require_trained("search")
         k = _positive_int(k, "k", MAX_K_GPU if self.on_gpu else MAX_K)
         q = _check_rows(queries, None, self.dim, "queries")
@@ -621,12 +648,7 @@ class VectorIndex:
         ids[hit] = self._label_ids[labels[hit]]
         hit &= ids >= 0
         ids[~hit], scores[~hit] = -1, fill
-        payload = None
-        if with_payload and self.payload_dim:
-            payload = np.zeros((b, k, self.payload_dim), dtype=np.float32)
-            payload[hit] = self._payload[labels[hit]]
-        return (torch.from_numpy(scores), torch.from_numpy(ids),
-                torch.from_numpy(payload) if payload is not None else None)
+        return scores, ids, labels, hit
 
     def _params(self, nprobe: int | None, ef_search: int | None) -> Any:
         """This call's faiss SearchParameters: nprobe/efSearch (the index's own by default) and

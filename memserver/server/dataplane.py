@@ -451,14 +451,19 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         nprobe = request.nprobe if request.HasField("nprobe") else None
         ef_search = request.ef_search if request.HasField("ef_search") else None
         b = queries.shape[0] if queries.dim() else 1
-        # an answer row per hit: a float32 score, an int64 id (2 floats' worth) and the payload
-        check_answer(b * max(int(request.k), 0), 3 + (sl.table.payload_dim if request.return_payload else 0), "k")
+        with_payload = request.return_payload and sl.table.payload_dim > 0
+        # at most a row per hit: a float32 score, an int64 id (2 floats' worth) and, with the
+        # payload, a distinct hit's id and payload row (each distinct hit once: U <= B * k)
+        check_answer(b * max(int(request.k), 0), 3 + (2 + sl.table.payload_dim if with_payload else 0), "k")
 
         def work() -> Any:
-            scores, ids, payload = sl.table.search(queries, int(request.k), nprobe=nprobe, ef_search=ef_search,
-                                                   with_payload=request.return_payload)
-            resp = Lazy(pb.SearchResponse()).put("scores", torch.as_tensor(scores)).put("ids", torch.as_tensor(ids))
-            return answer(request, region, resp.put("payload", torch.as_tensor(payload)) if payload is not None else resp)
+            if not with_payload:
+                scores, ids, _ = sl.table.search(queries, int(request.k), nprobe=nprobe, ef_search=ef_search)
+                return answer(request, region, Lazy(pb.SearchResponse()).put("scores", scores).put("ids", ids))
+            scores, ids, payload_ids, payload = sl.table.search_distinct(queries, int(request.k), nprobe=nprobe,
+                                                                         ef_search=ef_search)
+            return answer(request, region, Lazy(pb.SearchResponse()).put("scores", scores).put("ids", ids)
+                          .put("payload", payload).put("payload_ids", payload_ids))
 
         # Inline (on the event loop) only a search that is small whatever the kind: a few queries
         # over a slice a brute-force scan reads in about a millisecond.

@@ -581,14 +581,16 @@ class SearchRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., ef_search: _Optional[int] = ..., return_payload: _Optional[bool] = ..., layout_id: _Optional[int] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("scores", "ids", "payload")
+    __slots__ = ("scores", "ids", "payload", "payload_ids")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_IDS_FIELD_NUMBER: _ClassVar[int]
     scores: Tensor
     ids: Tensor
     payload: Tensor
-    def __init__(self, scores: _Optional[_Union[Tensor, _Mapping]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    payload_ids: Tensor
+    def __init__(self, scores: _Optional[_Union[Tensor, _Mapping]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[_Union[Tensor, _Mapping]] = ..., payload_ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class QueryBatchNorm(_message.Message):
     __slots__ = ("running_mean", "running_var", "weight", "bias", "eps")
