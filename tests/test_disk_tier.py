@@ -95,6 +95,30 @@ def test_equal_to_ram_table_under_random_calls(tmp_path, optimizer):
     assert s["hits"] and s["misses"] and s["evictions"] and s["disk_writes"]  # the cache was exercised
 
 
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_calls_with_no_ids_answer_like_the_ram_table_and_change_nothing(tmp_path, optimizer):
+    """A rows-sharded table's shard that owns none of a call's ids gets the call with none
+    (client.ops.routing): an empty answer, nothing written, for every call the RAM table takes."""
+    ram, disk = _pair(tmp_path, optimizer)
+    none, d = torch.zeros(0, dtype=torch.int64), ram.dim
+    before = {k: v.clone() for k, v in disk.state().items()}
+    for table in (ram, disk):
+        table.track_stats = True
+    answers = []
+    for table in (ram, disk):
+        answers.append([
+            table.lookup(none), table.bag(none.view(1, 0), torch.zeros(1, 0)),
+            table.bag(none, torch.zeros(0), torch.tensor([0, 0])),
+            table.bag_backward(none, torch.zeros(0), torch.tensor([0, 0]), torch.ones(2, d)),
+            table.push_gradients(none, torch.zeros(0, d)), table.write_rows(none, torch.zeros(0, d)),
+            *table.slot_stats(none).values()])
+    for a, b in zip(*answers):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    after = disk.state()
+    assert all(torch.equal(before[k], after[k]) for k in before if k != "last_update")
+    assert disk.cache_stats()["disk_writes"] == 0
+
+
 @pytest.mark.parametrize("policy", ["tinylfu", "clock"])
 def test_equal_with_cols_slice_and_tiny_or_no_cache(tmp_path, policy):
     """A cols slice (columns 3..9 of 16) under the smallest cache (a few rows: calls touch more
@@ -460,7 +484,7 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
 
     from memserver.api.v1 import memserver_pb2 as pb
     from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
-    from memserver.cli.tables import _disk_dict
+    from memserver.cli.tables import _disk_dict, status_dict
     from memserver.server.catalog import plan_table, slice_size, validate_spec
     from memserver.server.shard_actor import ShardActor
     from memserver.wire import decode, encode
@@ -525,6 +549,13 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
                 stub.Lookup(pb.LookupRequest(table="d", ids=encode(torch.tensor([row]))))
             assert err.value.code() == grpc.StatusCode.DATA_LOSS and f"table d: row {row} of {path}" in err.value.details()
             assert stub.Lookup(pb.LookupRequest(table="r", ids=encode(torch.tensor([row])))).rows
+            # a slice refusing writes says so in status, reads still served
+            assert load.writes_refused == ""
+            shard.servicer.tables["r"].fail_writes("a logged write failed to apply (a test)")
+            load = next(t for t in pb.ShardStatus.FromString(shard.status()).tables if t.table == "r")
+            assert load.writes_refused == "a logged write failed to apply (a test)" and not load.unavailable
+            shown = status_dict(pb.StatusResponse(shards=[pb.ShardStatus.FromString(shard.status())]))
+            assert {t["table"]: t["writes_refused"] for t in shown["shards"][0]["tables"]}["r"] == load.writes_refused
     finally:
         shard.drop_table("d")
         shard.stop()
@@ -728,3 +759,25 @@ def test_a_table_larger_than_its_memory_answers_as_in_ram(tmp_path):
     # the group's memory (smaller than the file) filled: the process ran in it, under pressure
     assert got["peak"] > 0.9 * got["limit"] and got["limit"] < got["file"], got
     assert got["read_ahead"] > 1000 and got["misses"] > 1000 and got["hits"] > 1000, got
+
+
+def test_a_rows_disk_table_serves_calls_whose_ids_one_shard_owns(client, table_name):
+    """2 shards by rows: each call below reaches one shard with its ids and the other with none
+    (client.ops.routing), which must answer and write nothing; the table stays writable and
+    equal to a RAM table of the same spec."""
+    ram = table_name + "-ram"
+    for name, tier in ((table_name, "disk"), (ram, "ram")):
+        client.create_table(name, 1000, 16, sharding="rows", tier=tier, seed=3, init_std=0.1)
+    ids, g = np.array([[3]]), np.ones((1, 16), np.float32)
+    for name in (table_name, ram):
+        client.bag_backward(name, ids, np.ones((1, 1), np.float32), g)
+        client.write_rows(name, np.array([5]), np.full((1, 16), 2.0, np.float32))
+    a, b = client.slot_stats(table_name, np.array([3, 5])), client.slot_stats(ram, np.array([3, 5]))
+    assert set(a) == set(b) and a["updates"][0] == 1  # the step reached row 3
+    for k in a:
+        if k != "last_update":  # wall-clock time of the step
+            np.testing.assert_array_equal(a[k], b[k])
+    np.testing.assert_array_equal(client.lookup(table_name, np.arange(8)), client.lookup(ram, np.arange(8)))
+    loads = [t for s in client.status().shards for t in s.tables if t.table == table_name]
+    assert len(loads) == 2 and not any(t.writes_refused or t.unavailable for t in loads)
+    client.drop_table(ram)

@@ -76,7 +76,8 @@ def status_dict(resp: Any) -> dict[str, Any]:
                 "gpus": s.gpus,
                 "tables": [{"table": t.table, "rows": t.rows, "bytes": t.bytes, "requests": t.requests,
                             "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from, "sessions": t.sessions,
-                            "remembered": t.remembered, "unavailable": t.unavailable, "vectors": t.vectors,
+                            "remembered": t.remembered, "unavailable": t.unavailable,
+                            "writes_refused": t.writes_refused, "vectors": t.vectors,
                             "trained": t.trained, "index_device": t.index_device, "trigger_slots": t.trigger_slots,
                             "trigger_bytes": t.trigger_bytes, **_disk_dict(t)} for t in s.tables],
             }
@@ -191,6 +192,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 out.print(f"shard {s['index']}: table {t['table']} recovered from {t['recovered_from']}")
             if t["unavailable"]:
                 out.print(f"[bold red]shard {s['index']}: table {t['table']} is not served: {t['unavailable']}[/]")
+            elif t["writes_refused"]:
+                out.print(f"[bold red]shard {s['index']}: table {t['table']} refuses writes until the shard "
+                          f"restarts (reads are served): {t['writes_refused']}[/]")
     return 0
 
 

@@ -831,6 +831,15 @@ class _ReadAhead:
             self.thread.join()
 
 
+def _as(fields: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Records' bytes [n, b] as `dtype` [n, b / itemsize], no copy. No records: an empty tensor
+    (torch will not reinterpret an empty slice, whose strides it makes 0: a shard that owns none
+    of a call's ids is handed none)."""
+    if fields.shape[0] == 0:
+        return torch.empty((0, fields.shape[1] // dtype.itemsize), dtype=dtype)
+    return fields.view(dtype)
+
+
 class DiskTable(ValueTable):
     """One slice of a value table kept in `directory` (rows.dat, stats.dat) under a RAM cache of
     at most `cache_bytes`. float32, CPU. Same calls and answers as `ValueTable`.
@@ -1085,7 +1094,7 @@ class DiskTable(ValueTable):
     def _view(self, recs: np.ndarray | torch.Tensor, field: str) -> torch.Tensor:
         t = torch.from_numpy(recs) if isinstance(recs, np.ndarray) else recs
         off, k = self.fields[field]
-        v = t[:, off : off + 4 * k].view(torch.float32)
+        v = _as(t[:, off : off + 4 * k], torch.float32)
         return v[:, 0] if field == "acc" else v
 
     def _working_set(self, recs: np.ndarray) -> ValueTable:
@@ -1095,16 +1104,16 @@ class DiskTable(ValueTable):
         t = torch.from_numpy(recs)
         opt = {f: self._view(t, f).contiguous() for f in ("acc", "exp_avg", "exp_avg_sq") if f in self.fields}
         return ValueTable.over(self._view(t, "weight").contiguous(), self.optimizer,
-                               t[:, 0:8].view(torch.int64)[:, 0].contiguous(),
-                               t[:, 8:16].view(torch.float64)[:, 0].contiguous(), **opt)
+                               _as(t[:, 0:8], torch.int64)[:, 0].contiguous(),
+                               _as(t[:, 8:16], torch.float64)[:, 0].contiguous(), **opt)
 
     def _store(self, ws: ValueTable, recs: np.ndarray) -> None:
         """The working set's fields back into its records (after a step)."""
         t = torch.from_numpy(recs)
         for f in self.fields:
             self._view(t, f).copy_(getattr(ws, f))
-        t[:, 0:8].view(torch.int64)[:, 0].copy_(ws.updates)
-        t[:, 8:16].view(torch.float64)[:, 0].copy_(ws.last_update)
+        _as(t[:, 0:8], torch.int64)[:, 0].copy_(ws.updates)
+        _as(t[:, 8:16], torch.float64)[:, 0].copy_(ws.last_update)
 
     def _distinct(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
         """(distinct rows ascending, each id's position among them, shaped as ids)."""

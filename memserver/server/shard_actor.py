@@ -431,7 +431,7 @@ class ShardActor:
                 load = st.tables.add(table=name, bytes=sl.table.nbytes(), requests=sl.requests,
                                      wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from,
                                      sessions=len(sl.sessions.by_client), remembered=sl.sessions.remembered(),
-                                     unavailable=sl.unavailable)
+                                     unavailable=sl.unavailable, writes_refused=sl.writes_refused())
                 if sl.is_index:
                     load.vectors, load.trained, load.index_device = sl.table.ntotal, sl.table.is_trained, sl.table.device
                 elif sl.kind == pb.PRODUCT_KEYS:

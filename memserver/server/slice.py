@@ -125,14 +125,21 @@ class TableSlice:
         if hasattr(self.table, "close"):
             self.table.close()
 
-    def check_writable(self) -> None:
-        """Refuse writes once the log failed (an update applied but not logged could not be
-        acknowledged, and a retry would apply it twice) or a logged write failed to apply."""
+    def writes_refused(self) -> str:
+        """Why this slice refuses writes ("" = it takes them): its log failed (an update applied
+        but not logged could not be acknowledged, and a retry would apply it twice) or a logged
+        write failed to apply. Shown by status (TableLoad.writes_refused)."""
         if self.write_failure:
-            raise RuntimeError(f"table {self.spec.name}: {self.write_failure}; writes are refused until the shard restarts")
+            return self.write_failure
         if self.wal is not None and self.wal.failed is not None:
-            raise RuntimeError(f"table {self.spec.name}: its write-ahead log failed ({self.wal.failed}); "
-                               "writes are refused until the shard restarts")
+            return f"its write-ahead log failed ({self.wal.failed})"
+        return ""
+
+    def check_writable(self) -> None:
+        """Refuse writes while `writes_refused` says why."""
+        why = self.writes_refused()
+        if why:
+            raise RuntimeError(f"table {self.spec.name}: {why}; writes are refused until the shard restarts")
 
     def local(self, ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
         """Global ids -> local rows (an index keeps the global ids), rejecting ids this shard
