@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         st = client.status()
         console.print(f"cluster: {len(st.shards)} shards, {len(st.tables)} tables, "
                       f"{sum(s.requests for s in st.shards):,} data-plane requests served")
-        for t in st.tables:
-            client.drop_table(t.spec.name)
+        for t in st.tables:  # its own tables only: the cluster may hold the user's
+            if t.spec.name.startswith("demo-"):
+                client.drop_table(t.spec.name)
         if args.train_steps:
             from memserver.cluster.endpoint import memserver_home
 

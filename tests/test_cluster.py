@@ -280,3 +280,16 @@ def test_close_never_hangs_its_caller(memory_cluster, monkeypatch, caplog):
         c.close()
     assert time.monotonic() - t0 < 10
     assert "did not finish closing within" in caplog.text
+
+
+def test_the_demo_drops_only_its_own_tables(client, table_name, memory_cluster):
+    """`python -m memserver.demo` runs against whatever cluster it is given: the user's tables
+    stay (it dropped every table of the cluster)."""
+    from memserver.demo import main as demo
+
+    client.create_table(table_name, 100, 4)
+    assert demo(["--endpoint", memory_cluster.endpoint, "--rows", "1000", "--dim", "8", "--steps", "2", "--batch", "16",
+                 "--train-steps", "0", "--warmup-pairs", "0", "--trace-chars", "0"]) == 0
+    names = [t.name for t in client.list_tables()]
+    assert table_name in names and not [n for n in names if n.startswith("demo-")]
+    client.drop_table(table_name)
