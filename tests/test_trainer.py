@@ -86,6 +86,12 @@ def test_memtrain_rejects_bad_layer_index():
     proc = subprocess.run([sys.executable, "-m", "trainer.train", *TINY, "--memory", "local", "--mem-layers", "7"],
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode != 0 and "--mem-layers" in proc.stderr
+    from trainer.train import build_parser, memory_config
+
+    for bad in ("2,x", "", "1,1", "-1"):  # each refused by the flag's name, no traceback, no silent no-memory run
+        with pytest.raises(SystemExit, match="memtrain: error: --mem-layers"):
+            memory_config(build_parser().parse_args([*TINY, "--memory", "remote", "--mem-layers", bad]))
+    assert memory_config(build_parser().parse_args([*TINY, "--memory", "none", "--mem-layers", ""])).layers == ()
 
 
 @pytest.mark.parametrize("memory", ["local", "remote"])

@@ -257,9 +257,17 @@ def memory_config(args: argparse.Namespace) -> MemoryConfig:
     if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
         raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: a comma-separated list of distinct "
                          f"kinds from {', '.join(KINDS)}")
-    mem_layers = tuple(int(x) for x in args.mem_layers.split(",") if x.strip()) if args.memory != "none" else ()
-    if any(not 0 <= i < args.n_layer for i in mem_layers):
-        raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers}: indices must be in [0, {args.n_layer})")
+    mem_layers: tuple[int, ...] = ()
+    if args.memory != "none":
+        try:
+            mem_layers = tuple(int(x) for x in args.mem_layers.split(",") if x.strip())
+        except ValueError:
+            mem_layers = (-1,)  # refused below, by the flag's name
+        if not mem_layers or len(set(mem_layers)) != len(mem_layers) or any(not 0 <= i < args.n_layer
+                                                                            for i in mem_layers):
+            raise SystemExit(f"memtrain: error: --mem-layers {args.mem_layers!r}: comma-separated distinct block "
+                             f"indices in [0, {args.n_layer}) (--memory {args.memory} needs at least one; "
+                             "--memory none trains without)")
     try:
         orders = tuple(sorted({int(n) for n in args.engram_orders.split(",") if n.strip()}))
     except ValueError:
