@@ -75,14 +75,20 @@ def test_up_status_down(tmp_path):
     assert not (tmp_path / "endpoint.json").exists()
     assert "no memserver is running" in run(["down"], env).stdout
 
+    # the config changed meanwhile: the recovered table is kept as it is, and `up` says how it differs
+    config.write_text(config.read_text().replace("dim: 32", "dim: 64"))
     up = run(up_args, env)
     assert up.returncode == 0, up.stderr + up.stdout
+    assert "note: table emb: kept as recovered from the data directory" in up.stderr
+    assert "dim: 32 here, 64 in the config" in up.stderr and "num_rows" not in up.stderr
     try:
         endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
         with MemoryClient(endpoint) as client:
             [emb] = client.list_tables()
             assert emb.name == "emb" and len(emb.shards) == 1  # as restored, not as the config says
             np.testing.assert_array_equal(client.lookup("emb", np.arange(5000)), before)
+        status = json.loads(run(["status", "--json"], env).stdout)
+        assert status["coordinator_calls"]["errors"] == {}  # no create was refused on the way (ALREADY_EXISTS)
     finally:
         assert run(["down"], env).returncode == 0
 

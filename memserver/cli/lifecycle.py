@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -180,18 +181,25 @@ def cmd_up(args: argparse.Namespace) -> int:
     server_name = cluster.tls_server_name or args.tls_server_name
     try:
         tables = cfg.get("tables") or []
+        notes: list[str] = []  # what the user should read: in the log, and said by a detached `up`
         if tables:
-            from client import TableExistsError
-
             with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None,
                               tls=ClientTls(ca, server_name) if ca else None) as client:
+                recovered = {m.name: m for m in client.list_tables()}  # from --data-dir: kept as they are
                 for t in tables:
                     t = dict(t)
-                    try:
-                        meta = client.create_table(t.pop("name"), t.pop("num_rows"), t.pop("dim"), **t)
-                    except TableExistsError as exc:  # recovered from --data-dir: keep its contents
-                        log.info("keeping the recovered table (%s)", exc)
+                    name = t.pop("name")
+                    if name in recovered:  # not created again (a refused create would count as an error)
+                        differ = config_differences(recovered[name], t)
+                        if differ:
+                            notes.append(f"table {name}: kept as recovered from the data directory, which differs "
+                                         f"from --config ({'; '.join(differ)}); drop it, or restore a checkpoint, "
+                                         "to change it")
+                            log.warning("%s", notes[-1])
+                        else:
+                            log.info("table %s: kept as recovered from the data directory", name)
                         continue
+                    meta = client.create_table(name, t.pop("num_rows"), t.pop("dim"), **t)
                     log.info("table %s: %d x %d (%s)", meta.name, meta.num_rows, meta.dim, meta.sharding)
         record = {
             "endpoint": cluster.endpoint,
@@ -201,6 +209,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             "started": time.time(),
             "host": socket.gethostname(),  # whose pid: a client elsewhere (a shared home) does not check it
         }
+        if notes:
+            record["notes"] = notes
         if tokens:  # the file is written with mode 0600: whoever can read it may call as its owner
             record["token"], record["read_token"] = tokens[0], tokens[1]
         if ca:  # what clients check the servers' certificate against
@@ -308,6 +318,20 @@ def _ca(args: argparse.Namespace) -> bytes:
         raise CliError(f"--tls-ca: {path}: {exc.strerror or exc}") from None
 
 
+def config_differences(meta: Any, entry: dict[str, Any]) -> list[str]:
+    """How a table recovered from the data directory differs from its --config entry (the entry's
+    settings other than the name), as "key: N here, M in the config"; [] when they agree."""
+    out = []
+    for key, want in entry.items():
+        have = len(meta.shards) if key == "num_shards" else getattr(meta, key, None)
+        if have is None or want is None:
+            continue  # a setting the table's map does not keep
+        same = math.isclose(float(have), float(want), rel_tol=1e-6) if isinstance(have, float) else have == want
+        if not same:
+            out.append(f"{key}: {have} here, {want} in the config")
+    return out
+
+
 def _up_detached(args: argparse.Namespace) -> int:
     from memserver.cluster.endpoint import endpoint_file, memserver_home
 
@@ -333,6 +357,8 @@ def _up_detached(args: argparse.Namespace) -> int:
             rec = json.loads(endpoint_file().read_text())
             if rec.get("pid") == proc.pid:
                 print(f"memserver ready at {rec['endpoint']}", flush=True)
+                for note in rec.get("notes", []):
+                    print(f"note: {note}", file=sys.stderr)
                 print(f"(running in the background as pid {proc.pid}; log {logfile}; stop with `memserver down`)")
                 return 0
         time.sleep(0.2)
