@@ -13,10 +13,17 @@ def blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
-def test_the_library_guide_runs_as_written(memory_cluster, capsys):
+def test_the_library_guide_runs_as_written(memory_cluster, capsys, tmp_path, monkeypatch):
+    """Each block as a user copies it: nothing defined beforehand; `MemoryClient()` finds the
+    cluster by the endpoint file, as after `memserver up` (written here for the session's)."""
+    from memserver.cluster.endpoint import write_endpoint
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
+    write_endpoint({"endpoint": memory_cluster.endpoint})
     code = blocks()
     assert len(code) == 3, "the guide's three examples: local, remote, saving"
-    scope: dict = {"__name__": "library_docs", "ENDPOINT": memory_cluster.endpoint}
+    scope: dict = {"__name__": "library_docs"}
     for i, block in enumerate(code):
         exec(compile(block, f"{DOC.name} block {i + 1}", "exec"), scope)  # noqa: S102 - the doc's own code
     losses = eval(capsys.readouterr().out.strip().splitlines()[0])  # noqa: S307 - what the first block printed

@@ -58,6 +58,12 @@ def test_served_layer_equals_the_trainers_layer(client, memory_cluster, table_na
     values = f"{table_name}-v"
     directory = _train(tmp_path, values, memory, client if memory == "remote" else None)
     extra = ["--replace"] if memory == "remote" else ["--values-table", values]  # remote: the trainer's table is live
+    if memory == "remote":  # without --replace: refused, naming the flag (not another command's)
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["index", "load-pkm", str(directory), "--layer", str(LAYER), "--name", table_name,
+                      "--knn", str(KNN), "--endpoint", memory_cluster.endpoint])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "add --replace" in err and values in err and "memserver restore" not in err
     out = _load_pkm(memory_cluster.endpoint, directory, table_name, *extra, capsys=capsys)
     assert out["values_table"] == values and out["query_bn"] and out["d_in"] == D_IN and out["sub_keys"] == HEADS * 2 * N_KEYS
     layer = _trained_layer(directory, memory, client, values)

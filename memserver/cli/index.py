@@ -121,7 +121,7 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from client import TableNotFoundError
+    from client import TableExistsError, TableNotFoundError
 
     path, blob = _trainer_checkpoint(args.checkpoint_dir)
     from trainer.model import GPT
@@ -176,7 +176,11 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
             out["values_from"] = "trainer file"
         else:  # a remote run: the cluster checkpointed the table under <dir>/memory/<table>
             root = Path(args.checkpoint_dir).resolve() / saved["checkpoint"]
-            restored = client.restore(str(root), out["step"], replace=args.replace)
+            try:
+                restored = client.restore(str(root), out["step"], replace=args.replace)
+            except TableExistsError as exc:  # the run's own table, still live: the restore's advice is not this command's
+                raise CliError(f"the run's value table is in the cluster ({exc.details.split(';')[0]}): add "
+                               "--replace to replace it with the checkpoint's values") from None
             if len(restored) != 1:
                 raise CliError(f"{root}: expected the checkpoint of one value table, got {[m.name for m in restored]}")
             values_table = restored[0].name
