@@ -248,6 +248,11 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster):
         assert not {"cli-disk", "cli-ram"} & {t.name for t in client.list_tables()}
     bad = run(["create-table", "x", "--rows", "10", "--dim", "2", "--cache-bytes", "4Q", *at], env, timeout=60)
     assert bad.returncode == 2 and "--cache-bytes" in bad.stderr and "not a size" in bad.stderr
+    # what only the cluster checks is refused naming the flag, not the spec's field
+    for argv, flag in ((["--rows", "0", "--dim", "2"], "--rows: "), (["--rows", "10", "--dim", "2", "--num-shards", "9"],
+                                                                   "--num-shards: ")):
+        bad = run(["create-table", "x", *argv, *at], env, timeout=60)
+        assert bad.returncode == 2 and f"memserver: error: {flag}" in bad.stderr, bad.stderr
 
 
 def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default(tmp_path, monkeypatch):
@@ -305,6 +310,9 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     (["up", "--data-dir", __file__], "not a directory"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--optimizer", "adamw"], "argument --optimizer: invalid choice"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--dtype", "int64"], "argument --dtype: invalid choice"),
+    (["create-table", "t", "--rows", "4", "--dim", "2", "--num-shards", "0"], "argument --num-shards: must be >= 1, got 0"),
+    (["restore", "--shards", "0"], "argument --shards: must be >= 1, got 0"),
+    (["restore", "--shards", "-1"], "argument --shards: must be >= 1, got -1"),
 ])
 def test_flags_are_refused_by_name_before_any_cluster_is_asked(capsys, tmp_path, monkeypatch, argv, message):
     """(Each of `up`'s used to start Ray and end in its traceback, or, for --port, to come up

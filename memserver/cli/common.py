@@ -29,6 +29,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def count(text: str) -> int:
+    """An argparse type: an integer >= 1 (a number of shards, steps, ...)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def cluster_flags(p: argparse.ArgumentParser, timeout: float, json_help: str = "print one JSON object") -> None:
     """--endpoint, --json and --timeout of the commands that talk to a running cluster."""
     p.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")

@@ -7,8 +7,9 @@ import argparse
 import json
 from typing import Any
 
+from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import SHARDINGS, fmt_bytes
-from memserver.cli.common import CliError, cli_client, cluster_flags, console, endpoint_of, parse_size
+from memserver.cli.common import CliError, cli_client, cluster_flags, console, count, endpoint_of, parse_size
 from memserver.core.optim import OPTIMIZERS
 from memserver.server.catalog import TIERS
 from memserver.wire import DTYPE_NAMES, VALUE_DTYPES
@@ -273,6 +274,11 @@ def table_args(table: Any, where: str) -> dict[str, Any]:
     return out
 
 
+def flag_of(key: str) -> str:
+    """The create-table flag of a table key (tables.yaml's, the client's keyword)."""
+    return "--rows" if key == "num_rows" else "--" + key.replace("_", "-")
+
+
 def tier_text(tier: str, cache_bytes: int) -> str:
     """A table's tier as status and create-table print it (cache 0: the default bound)."""
     if tier != "disk":
@@ -284,8 +290,14 @@ def cmd_create_table(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in TABLE_KEYS if getattr(args, k, None) is not None}
     kwargs = table_args({**given, "wal": args.wal}, "memserver create-table")
     with cli_client(args) as client:
-        meta = client.create_table(kwargs.pop("name"), kwargs.pop("num_rows"), kwargs.pop("dim"), replace=args.replace,
-                                   **kwargs)
+        try:
+            meta = client.create_table(kwargs.pop("name"), kwargs.pop("num_rows"), kwargs.pop("dim"),
+                                       replace=args.replace, **kwargs)
+        except InvalidArgumentError as exc:  # the cluster names the spec's field: say which flag that is
+            key, sep, why = exc.details.partition(": ")
+            if not sep or key not in TABLE_KEYS:
+                raise
+            raise CliError(f"{flag_of(key)}: {why}") from None
     if args.json:
         print(json.dumps(meta.to_dict(), indent=2))
     else:
@@ -328,8 +340,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     with cli_client(args) as client:
-        metas = client.restore(_checkpoint_dir(args), args.step, replace=args.replace, num_shards=args.shards,
-                               tables=args.table or None)
+        try:
+            metas = client.restore(_checkpoint_dir(args), args.step, replace=args.replace, num_shards=args.shards,
+                                   tables=args.table or None)
+        except InvalidArgumentError as exc:
+            if not exc.details.startswith("num_shards: "):
+                raise
+            raise CliError(f"--shards: {exc.details.removeprefix('num_shards: ')}") from None
     if args.json:
         print(json.dumps([m.to_dict() for m in metas], indent=2))
     else:
@@ -367,7 +384,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ct.add_argument("--dtype", choices=_CHOICES["dtype"], help="storage (default float32; tier disk: float32)")
     ct.add_argument("--init-std", type=float, help="std of the rows' normal initialisation (default 0.02)")
     ct.add_argument("--seed", type=int, help="initialisation seed (default 0)")
-    ct.add_argument("--num-shards", type=int, help="shards to spread it over (default: every shard)")
+    ct.add_argument("--num-shards", type=count, help="shards to spread it over (default: every shard)")
     ct.add_argument("--eps", type=float, help="the optimizer's epsilon (default: the optimizer's own)")
     ct.add_argument("--sync-workers", type=int,
                     help="data-parallel trainers whose steps are summed into one update (default 0: none)")
@@ -411,7 +428,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rs.add_argument("--step", type=int, default=0, help="which step (default: the latest complete checkpoint)")
     rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name first")
-    rs.add_argument("--shards", type=int, default=0, help="restore into this many shards, at most the cluster's (default: as saved, or the cluster's "
+    rs.add_argument("--shards", type=count, default=0, help="restore into this many shards, at most the cluster's (default: as saved, or the cluster's "
                     "shards if fewer)")
     cluster_flags(rs, timeout=600.0)
     rs.set_defaults(func=cmd_restore)
