@@ -301,6 +301,38 @@ def test_a_decision_that_missed_a_shard_is_resent_before_the_next_step(pairs, mo
     assert_same(run.state(), ref.state())
 
 
+def test_a_step_whose_shard_cannot_be_reached_says_so_and_is_aborted_when_it_can(pairs, monkeypatch):
+    """Shard 1 is unreachable for both phases (its cluster went away): the error says the shards
+    could not be reached (not only that an abort is pending); once it is back, the next commit
+    delivers the abort first, and the table equals a run that never sent step 2."""
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+    send_part(run.client, 2, 2)
+    shard1 = run.shards[1].address
+    real = run.client._methods
+
+    def methods(address):
+        got = dict(real(address))
+        if address == shard1:
+            def down(*a, **k):
+                raise _Unavailable()
+
+            got["CommitStep"] = down
+        return got
+
+    monkeypatch.setattr(run.client, "_methods", methods)
+    with pytest.raises(MemserverError, match="step 2 is not committed: shards could not be reached, neither by its "
+                                             "prepare .*shard unreachable.* nor by the abort that followed"):
+        run.client.commit_step(NAME, 2)
+    monkeypatch.undo()
+    for p in (run, ref):
+        send_part(p.client, 3, 3)
+        p.client.commit_step(NAME, 3)
+    assert not run.client.aio.session.undecided(NAME)
+    assert_same(run.state(), ref.state())
+
+
 class _Unavailable(grpc.RpcError):
     def code(self):
         return grpc.StatusCode.UNAVAILABLE

@@ -85,6 +85,10 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     got = yield (lambda meta: step_phase_op(meta, step, decision, decide, None, defer_apply)), decide
     if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
         session.set_undecided(table, step, (decision, decide, None))
+        if isinstance(voted, MemserverError) and not isinstance(voted, _FINAL):  # neither phase got through
+            raise type(got)(f"table {table}: step {step} is not committed: shards could not be reached, neither by "
+                            f"its prepare ({voted.details}) nor by the abort that followed ({got.details}); this "
+                            "client re-sends the abort before the table's next commit", target=got.target)
         raise _undelivered(got, table, step, decision)
     decide.held = False
     decide.close()
