@@ -293,3 +293,16 @@ def test_the_demo_drops_only_its_own_tables(client, table_name, memory_cluster):
     names = [t.name for t in client.list_tables()]
     assert table_name in names and not [n for n in names if n.startswith("demo-")]
     client.drop_table(table_name)
+
+
+def test_a_second_cluster_on_the_same_ray_cluster_is_refused_before_anything_is_made(client, memory_cluster):
+    """(Ray's own error said only that an actor name was taken, after placing the shards.)"""
+    import ray
+
+    from memserver.cluster.launch import start_cluster
+
+    groups = len(ray.util.placement_group_table())
+    with pytest.raises(RuntimeError, match="a memserver already runs on this Ray cluster .*memserver down"):
+        start_cluster(1, shard_cpus=0.25)
+    assert len(ray.util.placement_group_table()) == groups
+    client.list_tables()  # the running one still answers

@@ -153,6 +153,16 @@ def start_cluster(
     strategy = placement.upper()
     if strategy not in PLACEMENT_STRATEGIES:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement!r}")
+    gpus = shard_gpu_list(num_shards, shard_gpus)
+    bundles = [shard_bundle(shard_cpus, g) for g in gpus]  # bad sizes refused here, before anything is made
+    for actor in (f"{name}-coordinator", f"{name}-shard-0"):  # before anything is placed or made
+        try:
+            ray.get_actor(actor)
+        except ValueError:
+            continue
+        raise RuntimeError(f"a memserver already runs on this Ray cluster (its actor {actor!r}, Ray namespace "
+                           f"{ray.get_runtime_context().namespace!r}): stop it with `memserver down` where it was "
+                           "started, or use it (its endpoint file)")
     t0 = time.perf_counter()
     if host:
         check_host(host)
@@ -177,8 +187,7 @@ def start_cluster(
         log.info("servers listen on %s: %s made and on", host or "each node's address",
                  " and ".join(w for w, made in (("tokens", sec.tokens), ("a self-signed TLS certificate", sec.ca)) if made))
     config = ServeConfig(auth=auth, tls=tls, checkpoint_root=str(Path(root).absolute()), limits=limits or Limits())
-    gpus = shard_gpu_list(num_shards, shard_gpus)
-    pg = _place_shards([shard_bundle(shard_cpus, g) for g in gpus], strategy, placement_timeout)
+    pg = _place_shards(bundles, strategy, placement_timeout)
     coord = None
     try:
         shard_cls = ray.remote(ShardActor)
