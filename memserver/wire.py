@@ -553,7 +553,7 @@ def check_enums(msg: Any, prefix: str = "") -> None:
 def check_ids(ids: torch.Tensor, num_rows: int, what: str = "ids") -> None:
     """Ids must be int64 (int32 is widened by callers) and inside [0, num_rows)."""
     if ids.dtype not in (torch.int64, torch.int32):
-        raise InvalidArgumentError(f"{what}: dtype must be int64, got {str(ids.dtype).removeprefix('torch.')}")
+        raise InvalidArgumentError(f"{what}: dtype must be int64 or int32, got {str(ids.dtype).removeprefix('torch.')}")
     if ids.numel() == 0:
         return
     # numpy, one thread: a torch reduction of this size waits for torch's second thread, which a

@@ -98,7 +98,7 @@ def test_health_is_open_and_reflection_needs_a_token(auth_cluster):
     assert "memserver.v1.ControlPlane" in {s.name for s in got[0].list_services_response.service}
 
 
-def test_clients_send_their_token(auth_cluster, monkeypatch, table_name):
+def test_clients_send_their_token(auth_cluster, monkeypatch, table_name, capsys):
     from client import AsyncMemoryClient, MemoryClient, PermissionDeniedError, UnauthenticatedError
 
     ep = auth_cluster.endpoint
@@ -118,6 +118,13 @@ def test_clients_send_their_token(auth_cluster, monkeypatch, table_name):
     monkeypatch.setenv("MEMSERVER_TOKEN", READ)  # found in the environment
     with MemoryClient(ep, retry_seconds=0) as c:
         assert table_name in [t.name for t in c.list_tables()]
+    from memserver.cli import main as cli_main
+
+    monkeypatch.setenv("MEMSERVER_TOKEN", "stale")  # the CLI says where a refused token came from
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["status", "--endpoint", ep, "--timeout", "5"])
+    assert exc.value.code == 1 and "the token sent was $MEMSERVER_TOKEN's" in capsys.readouterr().err
+    monkeypatch.setenv("MEMSERVER_TOKEN", READ)
 
     import asyncio
 

@@ -38,7 +38,7 @@ IDS = np.array([[1, 2, 3], [4, 5, 6]])
 BAD_WRITES = [
     ("out of range", lambda c, t: c.bag_backward(t, np.array([[1, 2, 100], [4, 5, 6]]), W, G), "id 100 out of range"),
     ("negative id", lambda c, t: c.bag_backward(t, np.array([[1, -2, 3], [4, 5, 6]]), W, G), "negative id -2"),
-    ("float ids", lambda c, t: c.bag_backward(t, IDS.astype(np.float32), W, G), "dtype must be int64"),
+    ("float ids", lambda c, t: c.bag_backward(t, IDS.astype(np.float32), W, G), "dtype must be int64 or int32, got float32"),
     ("weights shape", lambda c, t: c.bag_backward(t, IDS, np.ones((2, 2), np.float32), G), "weights: shape"),
     ("grad_out shape", lambda c, t: c.bag_backward(t, IDS, W, np.ones((2, DIM + 1), np.float32)), "grad_out: shape"),
     ("grad_out batch", lambda c, t: c.bag_backward(t, IDS, W, np.ones((3, DIM), np.float32)), "grad_out: shape"),

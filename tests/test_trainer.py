@@ -410,7 +410,7 @@ def test_local_values_refuse_what_the_shards_refuse_and_change_nothing(client, t
     for bad, message in (((torch.full((4, 8), -3), w, g), "ids: negative id -3"),
                          ((torch.full((4, 8), 10**8), w, g), "ids: id 100000000 out of range for a table of 256 rows"),
                          ((ids, w, torch.rand(4, 31)), r"grad_out: shape must be \[4, 32\], got \[4, 31\]"),
-                         ((ids.float(), w, g), "ids: dtype must be int64, got float32"),
+                         ((ids.float(), w, g), "ids: dtype must be int64 or int32, got float32"),
                          ((ids, w[:, :4], g), r"weights: shape \[4, 4\] does not match ids \[4, 8\]")):
         for values in (local, remote):
             with pytest.raises(InvalidArgumentError, match=message):

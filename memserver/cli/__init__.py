@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from memserver.cli import index, lifecycle, loadtest, slots, tables, web
@@ -69,5 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         from memserver.api.errors import MemserverError
 
         if isinstance(exc, (MemserverError, FileNotFoundError)) and not args.verbose:
-            parser.exit(1, f"memserver: error: {one_line(exc)} (-v: the traceback)\n")
+            parser.exit(1, f"memserver: error: {one_line(exc)}{_token_source(exc)} (-v: the traceback)\n")
         raise
+
+
+def _token_source(exc: BaseException) -> str:
+    """Where the refused token came from, when the environment gave it (it wins over the endpoint
+    file's, so a stale one there is easy to miss)."""
+    from memserver.api.auth import TOKEN_ENV
+    from memserver.api.errors import PermissionDeniedError, UnauthenticatedError
+
+    if isinstance(exc, (UnauthenticatedError, PermissionDeniedError)) and os.environ.get(TOKEN_ENV):
+        return f"; the token sent was ${TOKEN_ENV}'s (unset it to use the endpoint file's)"
+    return ""

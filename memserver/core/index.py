@@ -109,7 +109,7 @@ def _check_ids(ids: Any, what: str = "ids") -> np.ndarray:
     if a.size == 0:
         return np.zeros(0, dtype=np.int64)
     if a.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"{what}: dtype must be int64, got {a.dtype}")
+        raise InvalidArgumentError(f"{what}: dtype must be an integer type (e.g. int64), got {a.dtype}")
     if a.dtype == np.uint64 and int(a.max()) > np.iinfo(np.int64).max:
         raise InvalidArgumentError(f"{what}: id {int(a.max())} does not fit in int64")
     a = np.ascontiguousarray(a, dtype=np.int64)
