@@ -318,14 +318,20 @@ def _ca(args: argparse.Namespace) -> bytes:
         raise CliError(f"--tls-ca: {path}: {exc.strerror or exc}") from None
 
 
+#: Keys whose 0 in a config means "the cluster's default" (every shard; 1/8 of the records), which
+#: the table then holds resolved: not a difference.
+_ZERO_IS_DEFAULT = ("num_shards", "cache_bytes")
+
+
 def config_differences(meta: Any, entry: dict[str, Any]) -> list[str]:
     """How a table recovered from the data directory differs from its --config entry (the entry's
-    settings other than the name), as "key: N here, M in the config"; [] when they agree."""
+    settings other than the name), as "key: N here, M in the config"; [] when they agree. Keys
+    the table's map does not keep (eps, sync_workers) are not compared."""
     out = []
     for key, want in entry.items():
         have = len(meta.shards) if key == "num_shards" else getattr(meta, key, None)
-        if have is None or want is None:
-            continue  # a setting the table's map does not keep
+        if have is None or want is None or (key in _ZERO_IS_DEFAULT and want == 0):
+            continue
         same = math.isclose(float(have), float(want), rel_tol=1e-6) if isinstance(have, float) else have == want
         if not same:
             out.append(f"{key}: {have} here, {want} in the config")

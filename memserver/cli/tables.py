@@ -295,7 +295,9 @@ def cmd_create_table(args: argparse.Namespace) -> int:
                                        replace=args.replace, **kwargs)
         except InvalidArgumentError as exc:  # the cluster names the spec's field: say which flag that is
             key, sep, why = exc.details.partition(": ")
-            if not sep or key not in TABLE_KEYS:
+            if key == "optimizer" and why.split(" ", 1)[0] in ("lr", "eps"):  # the optimizer's own settings
+                key = why.split(" ", 1)[0]
+            if not sep or key not in TABLE_KEYS or key == "name":  # the name is no flag: said as it is
                 raise
             raise CliError(f"{flag_of(key)}: {why}") from None
     if args.json:
