@@ -554,6 +554,7 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
             shard.servicer.tables["r"].fail_writes("a logged write failed to apply (a test)")
             load = next(t for t in pb.ShardStatus.FromString(shard.status()).tables if t.table == "r")
             assert load.writes_refused == "a logged write failed to apply (a test)" and not load.unavailable
+            assert [reg.get_sample_value("memserver_table_writes_refused", {"table": t}) for t in ("r", "d")] == [1, 0]
             shown = status_dict(pb.StatusResponse(shards=[pb.ShardStatus.FromString(shard.status())]))
             assert {t["table"]: t["writes_refused"] for t in shown["shards"][0]["tables"]}["r"] == load.writes_refused
     finally:

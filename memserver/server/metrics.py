@@ -7,7 +7,7 @@ memserver.server.grpcserver record into): a counter by method, table and status 
 latency histogram by method, as the server sees it (from its request read to its answer),
 and a counter of calls refused for their token, by method and code. A shard (`ShardMetrics`)
 adds, per table slice, read at scrape time: rows, bytes, client sessions and the answers kept
-for them, open training steps, write-ahead-log records, bytes and fsyncs; per process, its
+for them, open training steps, whether it refuses writes, write-ahead-log records, bytes and fsyncs; per process, its
 resident memory. The coordinator (`CoordinatorMetrics`) adds its catalog: tables by kind, shards
 serving, and its last checkpoint's time, age, duration and size.
 start_server adds the admission's gauges and refusal counter to a server's registry
@@ -203,6 +203,9 @@ class _TableCollector:
                                        "Write answers kept for retries (bounded by writes in flight)", labels=["table"])
         open_steps = GaugeMetricFamily("memserver_open_steps", "Training steps with parts not yet applied",
                                        labels=["table"])
+        refusing = GaugeMetricFamily("memserver_table_writes_refused", "1 while the slice refuses writes until a "
+                                     "restart (its log failed, or a logged write failed to apply; status says why)",
+                                     labels=["table"])
         disk = {key: family(f"memserver_disk_{key}", text, labels=["table"]) for key, family, text in (
             ("cache_bytes", GaugeMetricFamily, "Bytes a disk table's row cache holds (tier disk)"),
             ("cache_bound_bytes", GaugeMetricFamily, "The bound of a disk table's row cache (its cache_bytes per shard)"),
@@ -238,6 +241,7 @@ class _TableCollector:
             sessions.add_metric([name], len(sl.sessions.by_client))
             remembered.add_metric([name], sl.sessions.remembered())
             open_steps.add_metric([name], len(sl.steps))
+            refusing.add_metric([name], 1.0 if sl.writes_refused() else 0.0)
             if sl.wal is not None:
                 wal_records.add_metric([name], sl.wal.next_lsn)
                 wal_bytes.add_metric([name], sl.wal.bytes_written)
@@ -250,7 +254,7 @@ class _TableCollector:
         up.add_metric([str(self.index)], _START)
         rss = GaugeMetricFamily("memserver_shard_rss_bytes", "Resident memory of this shard process", labels=["shard"])
         rss.add_metric([str(self.index)], rss_bytes())
-        yield from (rows, triggers, nbytes, sessions, remembered, open_steps, wal_records, wal_bytes, wal_syncs, restarted, up, rss,
+        yield from (rows, triggers, nbytes, sessions, remembered, open_steps, refusing, wal_records, wal_bytes, wal_syncs, restarted, up, rss,
                     *disk.values())
 
 
