@@ -156,6 +156,9 @@ def test_faiss_gpu_flat_equals_the_cpu_flat(metric):
     assert torch.equal(torch.as_tensor(i_gpu), torch.as_tensor(i_cpu))
     close(s_gpu, torch.as_tensor(s_cpu), rtol=1e-4, atol=1e-4)
     close(p_gpu, torch.as_tensor(p_cpu))
+    _, i_d, u, rows = pair["cuda:0"].search_distinct(q, 20)  # what a GPU shard's search answer carries
+    assert torch.equal(torch.as_tensor(i_d), torch.as_tensor(i_cpu))
+    assert u.tolist() == sorted(set(i_d[i_d >= 0].tolist())) and rows.shape == (len(u), 2)
     back = VectorIndex.from_state(24, "Flat", metric, 2, pair["cuda:0"].state(), device="cpu")
     assert back.device == "cpu" and torch.equal(torch.as_tensor(back.search(q, 20)[1]), torch.as_tensor(i_cpu))
 
