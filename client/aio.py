@@ -241,6 +241,7 @@ class AsyncMemoryClient:
     async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None) -> Any:
         """Run the op for `table`'s shard map: its requests all at once over grpc.aio."""
         first = True
+        counted: set[tuple[str, int]] = set()  # shards that answered a read: not counted again on a retry
 
         async def run(meta: TableMeta) -> Any:
             nonlocal first
@@ -251,7 +252,7 @@ class AsyncMemoryClient:
                 self.shm.loop = asyncio.get_running_loop()
             for again in (True, False):  # once more if a shard had lost its shared-memory region
                 op = make_op(meta)
-                calls = next(op)
+                calls = transport.recount(next(op), counted)
                 sent = transport.prepare(calls, self.shm)
                 outcomes: list[Any] = [None] * len(calls)
                 rung: list[Any] = []
@@ -260,6 +261,7 @@ class AsyncMemoryClient:
                     outcomes = await asyncio.gather(*(self._data(a, m, raw) if r is None else self._rung(r, m)
                                                       for (a, m, _), (raw, _), r in zip(calls, sent, rung)),
                                                     return_exceptions=True)
+                    transport.note_counted(calls, outcomes, counted)
                     if again and transport.stale(sent, outcomes):
                         continue
                     errors = [o for o in outcomes if isinstance(o, BaseException)]

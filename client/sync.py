@@ -82,6 +82,7 @@ class MemoryClient:
         attempt in an executor thread; the op keeps its write tags across attempts."""
         timeout = self.aio.timeout
         first = True
+        counted: set[tuple[str, int]] = set()  # shards that answered a read: not counted again on a retry
 
         def attempt(meta: TableMeta) -> Any:
             nonlocal first
@@ -90,7 +91,7 @@ class MemoryClient:
                 first = False
             for again in (True, False):  # once more if a shard had lost its shared-memory region
                 op = make_op(meta)
-                calls = next(op)
+                calls = transport.recount(next(op), counted)
                 # Calls to shards with a doorbell go first (client.doorbell); then all other calls
                 # but the last in flight as futures; the last as a plain blocking call, which waits
                 # in this thread (a future's answer arrives through another thread: one more wake-up).
@@ -116,6 +117,7 @@ class MemoryClient:
                     for i, r in enumerate(rung):
                         if r is not None:
                             outcomes[i] = transport.answer(r, calls[i][1], timeout)
+                    transport.note_counted(calls, outcomes, counted)
                     if again and transport.stale(sent, outcomes):
                         continue
                     for (where, _, _), o in zip(calls, outcomes):

@@ -17,7 +17,7 @@ from client.doorbell import Bell
 from memserver.api.errors import MemserverError, error_for
 from memserver.api.methods import marked
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import STALE_REGION, parse_views, to_bytes
+from memserver.wire import STALE_REGION, Lazy, parse_views, to_bytes
 
 if TYPE_CHECKING:
     from client.shm import Lease, ShmTransport
@@ -87,6 +87,39 @@ def forget(rung: list[Rung], outcomes: list[Any]) -> None:
     for r, o in zip(rung, outcomes):
         if r is not None and o is None:
             r[0].forget(r[1])
+
+
+def recount(calls: list[tuple[str, str, Any]], counted: set[tuple[str, int]]) -> list[tuple[str, str, Any]]:
+    """An op's calls on a later attempt: a read to a shard that already answered it (`counted`:
+    (address, layout_id), filled by `note_counted`) is marked uncounted, so the shard answers it
+    again without counting its slots' hits and weight mass twice (when one shard of a table
+    refuses a call, the whole op is sent again). Other calls as they are; a request shared by
+    several shards (a cols bag) is copied for the one marked."""
+    if not counted:
+        return calls
+    out = []
+    for address, method, req in calls:
+        msg = req.msg if isinstance(req, Lazy) else req
+        if _counts(msg) and (address, msg.layout_id) in counted:
+            marked = type(msg)()
+            marked.CopyFrom(msg)
+            marked.uncounted = True
+            req = Lazy(marked, req.tensors, req.answer_bytes) if isinstance(req, Lazy) else marked
+        out.append((address, method, req))
+    return out
+
+
+def note_counted(calls: list[tuple[str, str, Any]], outcomes: list[Any], counted: set[tuple[str, int]]) -> None:
+    """Add the shards that answered a counted read of this attempt to `counted` (see `recount`)."""
+    for (address, _, req), outcome in zip(calls, outcomes):
+        msg = req.msg if isinstance(req, Lazy) else req
+        if outcome is not None and not isinstance(outcome, BaseException) and _counts(msg):
+            counted.add((address, msg.layout_id))
+
+
+def _counts(msg: Any) -> bool:
+    """A read the shard counts in its slots' statistics (a Lookup or Bag not marked uncounted)."""
+    return "uncounted" in msg.DESCRIPTOR.fields_by_name and not msg.uncounted
 
 
 def serialised(calls: list[tuple[str, str, Any]]) -> list[bytes]:

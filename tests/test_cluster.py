@@ -306,3 +306,75 @@ def test_a_second_cluster_on_the_same_ray_cluster_is_refused_before_anything_is_
         start_cluster(1, shard_cpus=0.25)
     assert len(ray.util.placement_group_table()) == groups
     client.list_tables()  # the running one still answers
+
+
+class _UnavailableOnce(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "shard restarting (test)"
+
+
+@pytest.mark.parametrize("path", ["sync", "asyncio"])
+def test_a_read_retried_for_one_shard_counts_once_on_the_others(memory_cluster, table_name, path):
+    """A bag whose call to shard 1 fails once (UNAVAILABLE) is sent again to every shard; the
+    shard that answered the first attempt answers again without counting its slots' hits and
+    weight mass a second time (it counted them twice)."""
+    from concurrent.futures import Future
+
+    from client import MemoryClient, UnavailableError
+
+    with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as c:
+        meta = c.create_table(table_name, 40, 4, sharding="rows", init_std=1.0)
+        shard1 = next(sh.address for sh in meta.shards if sh.index == 1)
+        ids, w = np.array([[0, 1]]), np.array([[0.5, 2.0]], np.float32)  # id 0 on shard 0, id 1 on shard 1
+        want = c.bag(table_name, ids, w)  # counted once on each shard
+        failed = []
+        if path == "sync":
+            real = c._methods
+
+            class Once:
+                def __init__(self, call):
+                    self.call = call
+
+                def __call__(self, req, timeout=None):
+                    if not failed:
+                        failed.append(1)
+                        raise _UnavailableOnce()
+                    return self.call(req, timeout=timeout)
+
+                def future(self, req, timeout=None):
+                    if not failed:
+                        failed.append(1)
+                        f = Future()
+                        f.set_exception(_UnavailableOnce())
+                        return f
+                    return self.call.future(req, timeout=timeout)
+
+            def methods(address):
+                got = dict(real(address))
+                if address == shard1:
+                    got["Bag"] = Once(got["Bag"])
+                return got
+
+            c._methods = methods
+            got = c.bag(table_name, ids, w)
+            del c._methods
+        else:
+            real = c.aio._data
+
+            async def data(address, method, request):
+                if address == shard1 and method == "Bag" and not failed:
+                    failed.append(1)
+                    raise UnavailableError("shard restarting (test)")
+                return await real(address, method, request)
+
+            c.aio._data = data
+            got = c.submit_bag(table_name, ids, w).result()
+            del c.aio._data
+        assert failed and np.array_equal(np.asarray(got), np.asarray(want))
+        s = c.slot_stats(table_name, [0, 1])
+        assert s["hits"].tolist() == [2, 2]  # two bags each, whatever the retries
+        np.testing.assert_allclose(s["weight_mass"], [1.0, 4.0])
+        c.drop_table(table_name)

@@ -246,12 +246,13 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         ids, weights, offsets, num_bags = self._bag_inputs(request, region)
         check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
 
+        counts = sl.counts_reads and not request.uncounted
         # a large bag's read counters: after its answer (on the shard keeping them)
-        later = sl.counts_reads and ids.numel() > INLINE_ENTRIES
+        later = counts and ids.numel() > INLINE_ENTRIES
 
         def work() -> Any:
             local = sl.local(ids)
-            out = sl.table.bag(local, weights, offsets, count=sl.counts_reads and not later)
+            out = sl.table.bag(local, weights, offsets, count=counts and not later)
             if later:  # run before any later request's work: off the call's path
                 self.pending.append((sl, lambda: _logged(sl.table.count_reads, local, weights)))
             return answer(request, region, Lazy(pb.BagResponse()).put("out", out, request.wire_dtype))

@@ -269,13 +269,14 @@ class LookupResponse(_message.Message):
     def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class BagRequest(_message.Message):
-    __slots__ = ("table", "ids", "weights", "offsets", "wire_dtype", "layout_id", "shm")
+    __slots__ = ("table", "ids", "weights", "offsets", "wire_dtype", "layout_id", "uncounted", "shm")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    UNCOUNTED_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
@@ -283,8 +284,9 @@ class BagRequest(_message.Message):
     offsets: Tensor
     wire_dtype: DType
     layout_id: int
+    uncounted: bool
     shm: ShmCall
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., layout_id: _Optional[int] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., layout_id: _Optional[int] = ..., uncounted: _Optional[bool] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
 
 class BagResponse(_message.Message):
     __slots__ = ("out",)
