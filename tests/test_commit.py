@@ -275,20 +275,11 @@ def test_a_decision_that_missed_a_shard_is_resent_before_the_next_step(pairs, mo
     for p in (run, ref):
         train_step(p.client, 1, (1,))
         send_part(p.client, 2, 2)
-    shard1 = run.shards[1].address
-    real = run.client._methods
+    def prepared() -> bool:  # shard 1 answers PREPARE, then is unreachable for the decision
+        c = run.slice(1).steps.get(2, {}).get("trainer")
+        return c is not None and c.prepared
 
-    def methods(address):  # shard 1 answers PREPARE, then is unreachable for the decision
-        got = dict(real(address))
-        if address == shard1 and run.slice(1).steps.get(2, {}).get("trainer") is not None \
-                and run.slice(1).steps[2]["trainer"].prepared:
-            def down(*a, **k):
-                raise _Unavailable()
-
-            got["CommitStep"] = down
-        return got
-
-    monkeypatch.setattr(run.client, "_methods", methods)
+    monkeypatch.setattr(run.client, "_methods", _commit_step_down(run, 1, prepared))
     with pytest.raises(MemserverError, match="the commit did not reach every shard"):
         run.client.commit_step(NAME, 2)
     assert 2 not in run.slice(0).steps and run.slice(1).steps[2]["trainer"].prepared
@@ -309,19 +300,7 @@ def test_a_step_whose_shard_cannot_be_reached_says_so_and_is_aborted_when_it_can
     for p in (run, ref):
         train_step(p.client, 1, (1,))
     send_part(run.client, 2, 2)
-    shard1 = run.shards[1].address
-    real = run.client._methods
-
-    def methods(address):
-        got = dict(real(address))
-        if address == shard1:
-            def down(*a, **k):
-                raise _Unavailable()
-
-            got["CommitStep"] = down
-        return got
-
-    monkeypatch.setattr(run.client, "_methods", methods)
+    monkeypatch.setattr(run.client, "_methods", _commit_step_down(run, 1))
     with pytest.raises(MemserverError, match="step 2 is not committed: shards could not be reached, neither by its "
                                              "prepare .*shard unreachable.* nor by the abort that followed"):
         run.client.commit_step(NAME, 2)
@@ -331,6 +310,22 @@ def test_a_step_whose_shard_cannot_be_reached_says_so_and_is_aborted_when_it_can
         p.client.commit_step(NAME, 3)
     assert not run.client.aio.session.undecided(NAME)
     assert_same(run.state(), ref.state())
+
+
+def _commit_step_down(run, shard: int, when=lambda: True):
+    """run.client's methods with shard `shard`'s CommitStep unreachable (UNAVAILABLE) while `when()`."""
+    address, real = run.shards[shard].address, run.client._methods
+
+    def methods(at):
+        got = dict(real(at))
+        if at == address and when():
+            def down(*a, **k):
+                raise _Unavailable()
+
+            got["CommitStep"] = down
+        return got
+
+    return methods
 
 
 class _Unavailable(grpc.RpcError):
