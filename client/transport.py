@@ -110,7 +110,10 @@ def recount(calls: list[tuple[str, str, Any]], counted: set[tuple[str, int]]) ->
 
 
 def note_counted(calls: list[tuple[str, str, Any]], outcomes: list[Any], counted: set[tuple[str, int]]) -> None:
-    """Add the shards that answered a counted read of this attempt to `counted` (see `recount`)."""
+    """Add the shards that answered a counted read of this attempt to `counted` (see `recount`);
+    nothing when no call failed (no attempt follows: every op's path, so it costs one scan then)."""
+    if not any(isinstance(o, BaseException) for o in outcomes):
+        return
     for (address, _, req), outcome in zip(calls, outcomes):
         msg = req.msg if isinstance(req, Lazy) else req
         if outcome is not None and not isinstance(outcome, BaseException) and _counts(msg):

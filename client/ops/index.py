@@ -72,7 +72,7 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
     per_hit = 12 + (8 + 4 * meta.payload_dim if with_payload else 0)
     per_query = max(4 * meta.dim, k * per_hit)
     chunks = request_parts(q.shape[0], per_query, opts.max_request_bytes)
-    calls, places = [], []
+    calls = []
     for part in chunks:
         msg = pb.SearchRequest(table=meta.name, k=k, return_payload=with_payload, layout_id=meta.layout_id)
         if nprobe is not None:
@@ -83,7 +83,6 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
         req = Lazy(msg, {"queries": wire_tensor(q[part])}, answer_bytes=n_q * k * per_hit)
         for sh in meta.shards:  # one request for every shard
             calls.append((sh.address, "Search", req))
-            places.append(part)
     answers = yield calls
     out_s, out_i, out_p = [], [], []
     n = len(meta.shards)
