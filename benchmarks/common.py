@@ -32,7 +32,9 @@ def init_ray() -> bool:
 
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system, every thread) a process has used so far."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    from memserver.cluster.endpoint import proc_stat
+
+    fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

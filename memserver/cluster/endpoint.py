@@ -52,6 +52,13 @@ def read_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         ) from None
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command's name (which may hold spaces and
+    parentheses): [0] the state (R, S, Z...), [11] and [12] user and system CPU in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` runs (on this host). A zombie does not: it has exited and waits for
     its parent to reap it (a `memserver up` started by a program that waits for it only later, as
@@ -64,8 +71,7 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         pass
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+        state = proc_stat(pid)[0]
     except FileNotFoundError:  # reaped meanwhile, or a system without /proc
         return not os.path.isdir("/proc/self")
     except (OSError, IndexError):
