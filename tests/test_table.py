@@ -271,7 +271,7 @@ def test_entries_of_a_row_are_summed_in_the_order_given(optimizer, backend):
 def test_inputs_of_any_dtype_and_layout_are_accepted(backend):
     """int32 ids and offsets, float64 weights and gradients, non-contiguous views and numpy
     arrays give the same numbers as canonical int64 / float32 tensors, on the table's device.
-    (Only the CPU exists here: CUDA tables go through the same `_on_device`, untested.)"""
+    (Only the CPU exists here: CUDA tables go through the same `on_device`, untested.)"""
     rng = np.random.default_rng(3)
     tables = [ValueTable(100, 8, OptimizerConfig("adam", 0.01), init_std=1.0, seed=4, backend=backend) for _ in range(2)]
     ids = rng.integers(0, 100, 40)

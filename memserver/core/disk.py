@@ -1130,14 +1130,14 @@ class DiskTable(ValueTable):
         read-ahead thread (`_ReadAhead`), which asks the kernel for their pages while the caller
         goes on, so the read finds them in memory. Reads, counts and changes nothing (exact reads
         stay exact); returns the rows handed on."""
-        (ids,) = self._on_device((ids, torch.int64))
+        (ids,) = self.on_device((ids, torch.int64))
         rows = _uncached(ids.reshape(-1).numpy(), self._keys, self._st[_SHIFT], self.num_rows)
         if len(rows):
             self._ahead.put(rows)
         return len(rows)
 
     def lookup(self, ids: torch.Tensor, count: bool = True) -> torch.Tensor:
-        (ids,) = self._on_device((ids, torch.int64))
+        (ids,) = self.on_device((ids, torch.int64))
         if ids.dim() != 1:
             raise ValueError(f"lookup takes 1-D ids, got shape {tuple(ids.shape)}")
         src = self._read(ids, None, count)
@@ -1147,7 +1147,7 @@ class DiskTable(ValueTable):
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None = None,
             count: bool = True) -> torch.Tensor:
-        ids, weights, offsets = self._on_device((ids, torch.int64), (weights, torch.float32), (offsets, torch.int64))
+        ids, weights, offsets = self.on_device((ids, torch.int64), (weights, torch.float32), (offsets, torch.int64))
         starts = _bag_starts(ids, weights, offsets)
         src = self._read(ids, weights, count)
         out = np.empty((len(starts) - 1, self.dim), dtype=np.float32)
@@ -1156,7 +1156,7 @@ class DiskTable(ValueTable):
         return torch.from_numpy(out)
 
     def slot_stats(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        (ids,) = self._on_device((ids, torch.int64))
+        (ids,) = self.on_device((ids, torch.int64))
         rows, inv = self._distinct(ids)
         recs, _ = self._gather(rows, admit=False)
         ws = self._working_set(recs)
@@ -1185,7 +1185,7 @@ class DiskTable(ValueTable):
 
     def bag_grad(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None,
                  grad_out: torch.Tensor):  # type: ignore[override]
-        (ids,) = self._on_device((ids, torch.int64))
+        (ids,) = self.on_device((ids, torch.int64))
         rows, inv = self._distinct(ids)
         recs, slot_of = self._gather(rows)
         ws = self._working_set(recs)
@@ -1200,7 +1200,7 @@ class DiskTable(ValueTable):
         return grad_w, apply
 
     def apply_entries(self, ids: torch.Tensor, src_index: torch.Tensor, scale: torch.Tensor, src: torch.Tensor) -> int:
-        (ids,) = self._on_device((ids, torch.int64))
+        (ids,) = self.on_device((ids, torch.int64))
         rows, inv = self._distinct(ids)
         recs, slot_of = self._gather(rows)
         ws = self._working_set(recs)
@@ -1210,7 +1210,7 @@ class DiskTable(ValueTable):
         return n
 
     def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> int:
-        ids, rows = self._on_device((ids, torch.int64), (rows, torch.float32))
+        ids, rows = self.on_device((ids, torch.int64), (rows, torch.float32))
         distinct, inv = self._distinct(ids)
         recs, slot_of = self._gather(distinct)
         ws = self._working_set(recs)

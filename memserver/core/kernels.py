@@ -29,7 +29,7 @@ def grad_weights(weight, ids, src_index, src, out):  # pragma: no cover - compil
     """out[i] = <weight[ids[i]], src[src_index[i]]>, i.e. dL/dw_i with src = grad_out. Full
     fastmath: the dot product's sum is vectorised (4x faster than in source order); its rounding
     is fixed for a given compiled kernel, and the shards make sure every path runs the same one
-    (memserver.core.table.ValueTable._on_device: one argument type whatever the path)."""
+    (memserver.core.table.ValueTable.on_device: one argument type whatever the path)."""
     d = weight.shape[1]
     for i in nb.prange(ids.shape[0]):
         r = ids[i]

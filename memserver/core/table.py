@@ -153,7 +153,7 @@ class ValueTable:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state().values())
 
-    def _on_device(self, *inputs: tuple[torch.Tensor | np.ndarray | None, torch.dtype]) -> tuple:
+    def on_device(self, *inputs: tuple[torch.Tensor | np.ndarray | None, torch.dtype]) -> tuple:
         """The one place inputs reach the table's device: each (tensor, dtype) as a contiguous
         tensor of that dtype on self.device (None stays None; numpy arrays and lists are taken
         too). A no-op for inputs already right; every public method calls it first, so rows,
@@ -174,7 +174,7 @@ class ValueTable:
 
     def lookup(self, ids: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Rows as float32; `count` False: an inspection read, not counted in the slots' hits."""
-        (ids,) = self._on_device((ids, torch.int64))
+        (ids,) = self.on_device((ids, torch.int64))
         if self.track_stats and count:
             self._count_reads(ids, None)
         return self.weight.index_select(0, ids).float()
@@ -188,14 +188,14 @@ class ValueTable:
         """The slot statistics of a bag's reads (hits, weight mass), apart from the bag: a shard
         counts them after it answered (memserver.server.dataplane)."""
         if self.track_stats:
-            ids, weights = self._on_device((ids, torch.int64), (weights, torch.float32))
+            ids, weights = self.on_device((ids, torch.int64), (weights, torch.float32))
             self._count_reads(ids, weights)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None = None,
             count: bool = True) -> torch.Tensor:
         """out[b] = sum_{i in bag b} weights_i * v[ids_i], in float32; `count` False: the reads are
         counted later (count_reads)."""
-        ids, weights, offsets = self._on_device((ids, torch.int64), (weights, torch.float32), (offsets, torch.int64))
+        ids, weights, offsets = self.on_device((ids, torch.int64), (weights, torch.float32), (offsets, torch.int64))
         if self.track_stats and count:
             self._count_reads(ids, weights)
         if ids.numel() == 0:  # empty bags (legal): zeros, whatever the storage dtype
@@ -211,7 +211,7 @@ class ValueTable:
         return out
 
     def slot_stats(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        (ids,) = self._on_device((ids, torch.int64))
+        (ids,) = self.on_device((ids, torch.int64))
         rows = self.weight.index_select(0, ids).double()
         return {
             "hits": self.hits[ids],
@@ -280,7 +280,7 @@ class ValueTable:
         A shard answers a deferred BagBackward with dL/dw first and runs the update right after,
         before any later request, so the trainer's next step overlaps the update.
         """
-        ids, weights, offsets, grad_out = self._on_device(
+        ids, weights, offsets, grad_out = self.on_device(
             (ids, torch.int64), (weights, torch.float32), (offsets, torch.int64), (grad_out, torch.float32))
         flat_ids = ids.reshape(-1)
         flat_w = weights.reshape(-1)
@@ -308,7 +308,7 @@ class ValueTable:
         with `kernels.group_by_row`; the torch path sorts the n ids (torch.unique) and sums with
         index_add_, which on the CPU adds in entry order (on CUDA, with atomics, in no fixed
         order), and `torch_step` gathers and scatters only the distinct rows."""
-        ids, src_index, scale, src = self._on_device(
+        ids, src_index, scale, src = self.on_device(
             (ids, torch.int64), (src_index, torch.int64), (scale, torch.float32), (src, torch.float32))
         if self.backend == "numba":
             return self._step_numba(ids, src_index, scale, src.numpy())
@@ -321,19 +321,19 @@ class ValueTable:
         return len(uniq)
 
     def push_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
-        (ids,) = self._on_device((ids, torch.int64))
+        (ids,) = self.on_device((ids, torch.int64))
         n = ids.shape[0]
         return self.apply_entries(ids, torch.arange(n, device=self.device), torch.ones(n, device=self.device), grads)
 
     def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> int:
         """Overwrite rows (optimizer state is kept). Ids must be distinct (checked by callers)."""
-        ids, rows = self._on_device((ids, torch.int64), (rows, self.dtype))
+        ids, rows = self.on_device((ids, torch.int64), (rows, self.dtype))
         self.weight[ids] = rows
         return len(ids)
 
     def _step_numba(self, ids: torch.Tensor, src_index: torch.Tensor, scale: torch.Tensor, src: np.ndarray) -> int:
         """The fused kernel: sum each distinct row's gradient, then step it in place. Inputs are
-        contiguous int64 / float32 CPU tensors (apply_entries' `_on_device`)."""
+        contiguous int64 / float32 CPU tensors (apply_entries' `on_device`)."""
         opt = self.optimizer
         kind = {"sgd": kernels.SGD, "adagrad": kernels.ADAGRAD, "adam": kernels.ADAM}[opt.name]
         acc = self.acc.numpy() if opt.name == "adagrad" else _EMPTY1

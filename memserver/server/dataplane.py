@@ -278,6 +278,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         def work() -> pb.BagBackwardResponse:
             sl.check_writable()
             local = sl.local(ids)
+            # on the table's device once, for dL/dw and the kept entries alike (a GPU shard: one
+            # host-to-device copy of each, where the step's commit would copy them again)
+            w, g = sl.table.on_device((weights, torch.float32), (grad_out, torch.float32))
 
             def check() -> None:
                 if gathered:
@@ -285,12 +288,15 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
 
             def apply() -> pb.Tensor:
                 if gathered:  # dL/dw on the values before the step (not computed if unused)
-                    grad_w = None if request.no_weight_grad else sl.table.bag_grad(local, weights, offsets, grad_out)[0]
-                    sl.gather(request.step, client, request.tag.seq, bag_entries(local, weights, offsets, grad_out, copy=True))
+                    grad_w = None if request.no_weight_grad else sl.table.bag_grad(local, w, offsets, g)[0]
+                    # kept until the commit: a copy where they may still be the request's bytes (on the
+                    # CPU); a device's tensors are the shard's own already
+                    owned = sl.table.device.type != "cpu"
+                    sl.gather(request.step, client, request.tag.seq, bag_entries(local, w, offsets, g, copy=not owned))
                     if not request.gather:
                         self._update(sl, sl.commit(request.step, client), request.defer_apply)
                 else:
-                    grad_w, update = sl.table.bag_grad(local, weights, offsets, grad_out)
+                    grad_w, update = sl.table.bag_grad(local, w, offsets, g)
                     self._update(sl, update, request.defer_apply)
                 return pb.Tensor() if request.no_weight_grad else encode(grad_w)
 

@@ -145,7 +145,7 @@ class TableSlice:
         """Global ids -> local rows (an index keeps the global ids), rejecting ids this shard
         does not own."""
         check_ids(ids, self.spec.num_rows, what)
-        ids = ids.long() if self.is_index else ids.long().to(self.table.device)
+        ids = ids.long() if self.is_index else ids.to(self.table.device).long()  # int32 ids: half the bytes travel
         if self.layout.whole_rows:
             return ids
         self._check_owner(ids, what, "belongs to shard")
