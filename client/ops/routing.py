@@ -12,13 +12,12 @@ from memserver.api.types import ShardMeta, TableMeta
 
 
 def route_ids(meta: TableMeta, ids: torch.Tensor) -> list[tuple[ShardMeta, torch.Tensor]]:
-    """(shard, positions in `ids`) pairs: rows -> the ids each shard owns; cols -> every shard
-    sees all ids."""
+    """(shard, positions in `ids`) pairs: rows -> the ids each shard owns, a shard owning none of
+    them left out (no empty call, nor an empty logged write); cols -> every shard sees all ids."""
     if meta.layout.whole_rows:
         every = torch.arange(len(ids))
         return [(sh, every) for sh in meta.shards]
-    owner = meta.layout.owner(ids)
-    return [(sh, (owner == sh.index).nonzero().squeeze(1)) for sh in meta.shards]
+    return route_owned(meta, ids)
 
 
 def route_bags(
@@ -29,7 +28,8 @@ def route_bags(
     with_mask: bool = False,
 ) -> list[Any]:
     """Per shard, the (ids, weights, offsets) of its entries. cols: the whole batch to every
-    shard. rows: each shard gets its own entries as 1-D ids + offsets (bags may be empty).
+    shard. rows: each shard gets its own entries as 1-D ids + offsets (bags may be empty), a
+    shard owning no entry of the batch left out.
     With `with_mask`, each item also carries the boolean mask of its entries in the flat batch
     (None for cols), which puts per-entry answers back in place."""
     if meta.layout.whole_rows:
@@ -46,6 +46,8 @@ def route_bags(
     routed = []
     for sh in meta.shards:
         mask = owner == sh.index
+        if not bool(mask.any()):  # no entry of the batch is this shard's: no call (rows: partial sums)
+            continue
         counts = torch.bincount(bag_of[mask], minlength=num_bags)
         s_off = torch.cumsum(counts, 0) - counts
         item = (sh, (flat_ids[mask], flat_w[mask], s_off))

@@ -51,9 +51,12 @@ class ClientSession:
         with self._lock:
             return min(self._in_flight, default=self._next)
 
-    def answered(self, meta: TableMeta) -> None:
+    def answered(self, meta: TableMeta, addresses: Iterable[str]) -> None:
+        """The slices of `meta` at `addresses` (the shards a write call reached) answered it; the
+        others of the table, sent nothing, still may not know this session."""
+        where = set(addresses)
         with self._lock:
-            self._known.update((meta.layout_id, sh.index) for sh in meta.shards)
+            self._known.update((meta.layout_id, sh.index) for sh in meta.shards if sh.address in where)
 
     def knows(self, meta: TableMeta, shard: ShardMeta) -> bool:
         return (meta.layout_id, shard.index) in self._known

@@ -1,0 +1,89 @@
+"""Which shards a call reaches (client.ops.routing): on a rows-sharded table a shard that owns
+none of a call's ids is sent nothing (no empty call, no empty logged write), and the client's
+session then marks only the shards a write reached as knowing it (client.ops.sessions)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from client.ops import (
+    ClientSession,
+    OpOptions,
+    WriteTags,
+    add_op,
+    bag_backward_op,
+    bag_op,
+    lookup_op,
+    push_op,
+    remove_op,
+    slot_stats_op,
+    write_rows_op,
+)
+
+OPTS = OpOptions()
+
+
+def _reached(op) -> list[str]:
+    """The addresses of the calls an op sends (its first round), without sending them."""
+    calls = next(op)
+    op.close()
+    return [address for address, _, _ in calls]
+
+
+def test_a_rows_call_reaches_only_the_shards_owning_its_ids(client, table_name):
+    """Ids all owned by shard 0 (even ids over 2 shards): every value op sends shard 0 one call
+    and shard 1 none, and the answers are the table's (checked end to end)."""
+    meta = client.create_table(table_name, 64, 4, sharding="rows", num_shards=2, optimizer="sgd", lr=1.0)
+    s0, s1 = meta.shards
+    assert (s0.index, s1.index) == (0, 1)
+    ids = torch.tensor([0, 2, 4, 6])
+    bag_ids, w = ids.reshape(2, 2), torch.ones(2, 2)
+    tags = WriteTags(ClientSession("routing-test"))
+    ops = {"lookup": lookup_op(meta, ids, OPTS), "slot_stats": slot_stats_op(meta, ids),
+           "push": push_op(meta, ids, torch.ones(4, 4), OPTS, tags),
+           "write_rows": write_rows_op(meta, ids, torch.ones(4, 4), OPTS, tags),
+           "bag": bag_op(meta, bag_ids, w, None, OPTS),
+           "bag_backward": bag_backward_op(meta, bag_ids, w, torch.ones(2, 4), None, OPTS, tags)}
+    assert {name: _reached(op) for name, op in ops.items()} == {name: [s0.address] for name in ops}
+    # ids on both shards still reach both, each once
+    assert sorted(_reached(lookup_op(meta, torch.arange(4), OPTS))) == sorted([s0.address, s1.address])
+
+    rows = np.arange(16, dtype=np.float32).reshape(4, 4)
+    client.write_rows(table_name, ids.numpy(), rows)
+    np.testing.assert_array_equal(client.lookup(table_name, ids.numpy()), rows)
+    np.testing.assert_array_equal(client.bag(table_name, bag_ids.numpy(), w.numpy()), rows.reshape(2, 2, 4).sum(1))
+    client.bag_backward(table_name, bag_ids.numpy(), w.numpy(), np.ones((2, 4), np.float32))  # sgd, lr 1: -1 each
+    np.testing.assert_array_equal(client.lookup(table_name, ids.numpy()), rows - 1)
+    assert client.slot_stats(table_name, ids.numpy())["updates"].tolist() == [1, 1, 1, 1]
+
+
+def test_an_index_write_reaches_only_the_shards_owning_its_ids(client, table_name):
+    meta = client.create_index(table_name, 4, num_shards=2)
+    s0 = meta.shards[0]
+    ids = np.array([0, 2, 4])
+    tags = WriteTags(ClientSession("routing-test"))
+    assert _reached(add_op(meta, ids, np.eye(3, 4, dtype=np.float32), None, OPTS, tags)) == [s0.address]
+    assert _reached(remove_op(meta, ids, OPTS, tags)) == [s0.address]
+    assert client.add(table_name, ids, np.eye(3, 4, dtype=np.float32)) == 3
+    assert client.remove(table_name, ids) == 3
+
+
+def test_a_write_marks_only_the_shards_it_reached(client, table_name):
+    """A retried write tells a shard it may have applied it before (attempt > 0) only where the
+    session is known; a shard the earlier write never reached must get attempt 0, since a shard
+    that does not know a session refuses a retry (memserver.server.sessions)."""
+    meta = client.create_table(table_name, 64, 4, sharding="rows", num_shards=2)
+    s0, s1 = meta.shards
+    session = ClientSession("routing-test")
+    session.answered(meta, [s0.address])
+    assert session.knows(meta, s0) and not session.knows(meta, s1)
+    tags = WriteTags(session)
+    tags.begin_attempt(True)
+    tags(0, meta, s0)
+    tags.begin_attempt(False)  # the call's second attempt
+    assert (tags(0, meta, s0).attempt, tags(0, meta, s1).attempt) == (1, 0)
+    # through the client: a write of even ids reaches shard 0 alone, and only it is known after
+    client.push_gradients(table_name, np.array([0, 2]), np.ones((2, 4), np.float32))
+    known = client.aio.session
+    assert known.knows(meta, s0) and not known.knows(meta, s1)
