@@ -58,11 +58,13 @@ test-gpu: install
 
 # The wheels a lent GPU machine (the device tool: its image has CUDA torch but older or no gRPC
 # packages) needs to run tests/gpu, for its Python 3.12 on x86-64, in .whl/ (the versions this
-# venv runs): tests/gpu/device_run.sh.
+# venv runs), and py-spy for benchmarks.gpu_profile: tests/gpu/device_run.sh.
 gpu-wheels: install
 	rm -rf .whl && $(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 		$$($(BIN)/python -c "import grpc, google.protobuf as p; v = grpc.__version__; print(f'grpcio=={v} grpcio-health-checking=={v} grpcio-reflection=={v} protobuf=={p.__version__}')")
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d .whl \
+		py-spy==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('py-spy'))")
 
 lint: install
 	$(BIN)/ruff check .

@@ -84,18 +84,18 @@ def table_figures(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def gpu_shards(n: int = 2) -> Iterator[str]:
-    """`n` shards on cuda:0 and their coordinator (memserver.cluster.inprocess) in a process of
+def gpu_shards(n: int = 2, device: str = "cuda:0") -> Iterator[tuple[str, int]]:
+    """`n` shards on `device` and their coordinator (memserver.cluster.inprocess) in a process of
     their own, as a deployment runs them (not sharing this process's GIL with the trainer);
-    yields its endpoint."""
+    yields its endpoint and the process's id."""
     code = ("import sys; from memserver.cluster.inprocess import InProcessServer; "
-            f"s = InProcessServer({n}, ['cuda:0'] * {n}); print(s.endpoint, flush=True); sys.stdin.read(); s.stop()")
+            f"s = InProcessServer({n}, [{device!r}] * {n}); print(s.endpoint, flush=True); sys.stdin.read(); s.stop()")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         endpoint = proc.stdout.readline().strip() if proc.stdout else ""
         if not endpoint:
             raise RuntimeError(f"the shards' process ended before serving (exit status {proc.wait(30)})")
-        yield endpoint
+        yield endpoint, proc.pid
     finally:
         if proc.stdin:
             proc.stdin.close()  # its end of input: it stops
@@ -111,7 +111,7 @@ def shard_figures(args: argparse.Namespace, ids: torch.Tensor, w: torch.Tensor, 
 
     h_ids, h_w, h_grad = ids.cpu().numpy(), w.cpu().numpy(), grad.cpu().numpy()
     out: dict[str, Any] = {}
-    with gpu_shards() as endpoint, MemoryClient(endpoint, timeout=120) as c:
+    with gpu_shards() as (endpoint, _), MemoryClient(endpoint, timeout=120) as c:
         c.create_table("gpu-bench", args.rows, args.dim, optimizer="adagrad", lr=0.01, sharding="cols")
         out["status"] = [(s.index, s.device, s.gpus) for s in c.status().shards]
         ms = {"shard bag": cuda_ms(lambda: c.bag("gpu-bench", h_ids, h_w), args.repeat),
@@ -144,7 +144,7 @@ def memtrain_figures(args: argparse.Namespace) -> dict[str, Any]:
 
     step_ms: dict[str, list[float]] = {n: [] for n in RUNS}
     total = args.blocks * args.block
-    with gpu_shards() as endpoint, MemoryClient(endpoint, timeout=120) as c:
+    with gpu_shards() as (endpoint, _), MemoryClient(endpoint, timeout=120) as c:
         gens = {n: train(build_parser().parse_args([*a, "--device", "cuda", "--steps", str(total + 1000),
                                                     "--eval-every", "1000000", "--log-every", "1",
                                                     "--table", f"gpu-train-{i}"]), client=c)

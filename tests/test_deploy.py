@@ -273,3 +273,4 @@ def test_the_gpu_machine_script_records_versions_and_runs_the_gpu_tests(tmp_path
     assert re.search(r"=+ \d+ skipped in ", tests), tests[-2000:]
     assert "SKIPPED" in tests and "no CUDA device" in tests
     assert "no CUDA device: this benchmark measures a GPU" in (tmp_path / "bench-gpu.log").read_text()
+    assert "--device cuda: no CUDA device here" in (tmp_path / "profile-gpu.log").read_text()

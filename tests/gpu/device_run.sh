@@ -9,9 +9,10 @@
 #   run(command="bash tests/gpu/device_run.sh", carry=[".whl"], timeout_s=600)
 #
 # Everything is printed and written to $OUT (the device tool brings it back): versions.txt
-# (with nvidia-smi's head), test-gpu.log and bench-gpu.log. BENCH_ARGS (e.g. --quick) go to benchmarks.gpu.
-# Each part has a time limit (TEST_SECONDS, default 300; BENCH_SECONDS, 240) so that its logs
-# come back within the call's 10 minutes. Exit status: non-zero when a part failed or ran out.
+# (with nvidia-smi's head), test-gpu.log, bench-gpu.log and profile-gpu.log (benchmarks.gpu_profile: where
+# a remote memtrain step's time goes). BENCH_ARGS (e.g. --quick) go to benchmarks.gpu. Each part has a
+# time limit (TEST_SECONDS, default 300; BENCH_SECONDS, 240; PROFILE_SECONDS, 120) so that its logs come
+# back within the call's 10 minutes. Exit status: non-zero when a part failed or ran out.
 set -uo pipefail
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
@@ -49,4 +50,7 @@ status=0
 timeout "${TEST_SECONDS:-300}" "$PY" -m pytest -m gpu tests/gpu -v -p no:cacheprovider 2>&1 | tee "$OUT/test-gpu.log" || status=1
 # shellcheck disable=SC2086  # BENCH_ARGS: several arguments
 timeout "${BENCH_SECONDS:-240}" "$PY" -m benchmarks.gpu ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.log" || status=1
+# where a remote step's time goes on the GPU (py-spy, from the wheels: its binary in /tmp/site/bin)
+PATH="/tmp/site/bin:$PATH" timeout "${PROFILE_SECONDS:-120}" "$PY" -m benchmarks.gpu_profile --device cuda 2>&1 \
+    | tee "$OUT/profile-gpu.log" || status=1
 exit $status
