@@ -44,8 +44,12 @@ def test_a_rows_call_reaches_only_the_shards_owning_its_ids(client, table_name):
            "push": push_op(meta, ids, torch.ones(4, 4), OPTS, tags),
            "write_rows": write_rows_op(meta, ids, torch.ones(4, 4), OPTS, tags),
            "bag": bag_op(meta, bag_ids, w, None, OPTS),
-           "bag_backward": bag_backward_op(meta, bag_ids, w, torch.ones(2, 4), None, OPTS, tags)}
+           "bag_backward part": bag_backward_op(meta, bag_ids, w, torch.ones(2, 4), None, OPTS, tags, step=1,
+                                                parts=tags.session.step_parts(table_name, 1))}
     assert {name: _reached(op) for name, op in ops.items()} == {name: [s0.address] for name in ops}
+    # a whole bag_backward still reaches every shard: on a sync table it is a trainer's whole
+    # contribution to its step there (test_a_sync_tables_step_completes_where_a_trainer_had_no_entries)
+    assert _reached(bag_backward_op(meta, bag_ids, w, torch.ones(2, 4), None, OPTS, tags)) == [s0.address, s1.address]
     # ids on both shards still reach both, each once
     assert sorted(_reached(lookup_op(meta, torch.arange(4), OPTS))) == sorted([s0.address, s1.address])
 
@@ -87,3 +91,19 @@ def test_a_write_marks_only_the_shards_it_reached(client, table_name):
     client.push_gradients(table_name, np.array([0, 2]), np.ones((2, 4), np.float32))
     known = client.aio.session
     assert known.knows(meta, s0) and not known.knows(meta, s1)
+
+
+def test_a_sync_tables_step_completes_where_a_trainer_had_no_entries(memory_cluster, table_name):
+    """A sync table (2 trainers) on 2 rows shards: trainer a's bag_backward of step 1 touches only
+    shard 0's rows, trainer b's both shards'. Each shard applies the mean of both contributions,
+    so shard 1 needs a's (empty) one too: the update of row 1 is b's gradient over 2."""
+    from client import MemoryClient
+
+    with MemoryClient(memory_cluster.endpoint, timeout=60) as a, MemoryClient(memory_cluster.endpoint, timeout=60) as b:
+        a.create_table(table_name, 64, 4, sharding="rows", num_shards=2, optimizer="sgd", lr=1.0, init_std=0.0,
+                       sync_workers=2)
+        g = np.ones((1, 4), np.float32)
+        a.bag_backward(table_name, np.array([[0]]), np.ones((1, 1), np.float32), g, step=1)
+        b.bag_backward(table_name, np.array([[0, 1]]), np.ones((1, 2), np.float32), g, step=1)
+        got = a.lookup(table_name, np.array([0, 1]))
+    np.testing.assert_array_equal(got, [[-1.0] * 4, [-0.5] * 4])  # row 0: both trainers' 1s; row 1: b's alone

@@ -26,10 +26,12 @@ def route_bags(
     w: torch.Tensor,
     off: torch.Tensor | None,
     with_mask: bool = False,
+    every_shard: bool = False,
 ) -> list[Any]:
     """Per shard, the (ids, weights, offsets) of its entries. cols: the whole batch to every
     shard. rows: each shard gets its own entries as 1-D ids + offsets (bags may be empty), a
-    shard owning no entry of the batch left out.
+    shard owning no entry of the batch left out unless `every_shard` (a call that must reach
+    every shard even empty: a sync table's bag_backward is each shard's whole contribution).
     With `with_mask`, each item also carries the boolean mask of its entries in the flat batch
     (None for cols), which puts per-entry answers back in place."""
     if meta.layout.whole_rows:
@@ -46,7 +48,7 @@ def route_bags(
     routed = []
     for sh in meta.shards:
         mask = owner == sh.index
-        if not bool(mask.any()):  # no entry of the batch is this shard's: no call (rows: partial sums)
+        if not every_shard and not bool(mask.any()):  # no entry of the batch is this shard's: no call
             continue
         counts = torch.bincount(bag_of[mask], minlength=num_bags)
         s_off = torch.cumsum(counts, 0) - counts

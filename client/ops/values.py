@@ -174,7 +174,10 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
         b_g = g[bags]
         entries = _entry_range(t_ids, off, bags)
         enc = _encoder(meta)
-        for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True):
+        # a whole call (not a part of a step gathered for commit_step) reaches every shard: on a
+        # sync table it is this trainer's whole contribution to `step` there, empty or not
+        for sh, (s_ids, s_w, s_off), mask in route_bags(meta, b_ids, b_w, b_off, with_mask=True,
+                                                        every_shard=parts is None):
             g_sh = b_g if meta.by_rows else b_g[:, sh.col_start : sh.col_end]
             tag = tags(part, meta, sh)
             req = Lazy(pb.BagBackwardRequest(table=meta.name, tag=tag, defer_apply=defer_apply,
