@@ -121,25 +121,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "--staleness", str(args.staleness), "--device", args.device, "--endpoint", endpoint,
                "--steps", "1000000", "--eval-every", "1000000", "--log-every", "1", "--log-json", str(log_json),
                "--table", "gpu-profile", *args.memtrain.split()]
-        trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        err = Path(tmp) / "memtrain.err"  # a file, not a pipe: a log line a step would fill a pipe nobody reads
+        with open(err, "w") as err_file:
+            trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file)
         try:
             deadline = time.monotonic() + 600
             while not log_json.exists() or len(log_json.read_text().splitlines()) < args.warmup:
                 if trainer.poll() is not None:
-                    raise RuntimeError(f"memtrain ended before its warm-up: {trainer.stderr.read()[-2000:]}")
+                    raise RuntimeError(f"memtrain ended before its warm-up: {err.read_text()[-2000:]}")
                 if time.monotonic() > deadline:
                     raise RuntimeError("memtrain did not reach its warm-up steps in 600 s")
                 time.sleep(0.2)
             first = len(log_json.read_text().splitlines())
             spies = {"trainer": (spy(trainer.pid, args.seconds, args.rate, Path(tmp) / "trainer.txt"), True),
                      "shards": (spy(shards_pid, args.seconds, args.rate, Path(tmp) / "shards.txt"), False)}
-            for name, (proc, _) in spies.items():
-                if proc.wait() != 0:
-                    raise RuntimeError(f"py-spy of the {name} failed: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+            failed = {name: proc.stderr.read()[-2000:] if proc.stderr else "" for name, (proc, _) in spies.items()
+                      if proc.wait() != 0}  # both waited for, whichever fails
+            if failed:
+                raise RuntimeError(f"py-spy failed: {failed}")
             records = [json.loads(r) for r in log_json.read_text().splitlines()[first:]]
         finally:
             trainer.terminate()
-            trainer.wait(30)
+            try:
+                trainer.wait(30)
+            except subprocess.TimeoutExpired:
+                trainer.kill()
+                trainer.wait()
         steps = len(records)
         step_ms = statistics.median(r["step_ms"] for r in records) if records else float("nan")
         out: dict[str, Any] = {"device": args.device, "kind": args.kind, "staleness": args.staleness,
