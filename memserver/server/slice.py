@@ -344,11 +344,17 @@ class TableSlice:
         if "sessions" in extras:
             self.sessions.load(extras["sessions"])
         self.steps = {}
+
+        def here(part: Any) -> tuple:
+            """A checkpoint's part (loaded on the CPU) on the slice's device, where the parts sent
+            after the restore are: one step's parts are concatenated at its commit."""
+            return tuple(t.to(self.table.device) for t in part)
+
         for st, client, committed, prepared, parts in extras.get("step_parts", []):
-            self.steps.setdefault(int(st), {})[client] = Contribution({int(q): tuple(p) for q, p in parts},
+            self.steps.setdefault(int(st), {})[client] = Contribution({int(q): here(p) for q, p in parts},
                                                                       bool(prepared), bool(committed))
         for st, client, committed, parts in extras.get("steps", []):  # checkpoints before parts had seqs
-            self.steps.setdefault(int(st), {})[client] = Contribution({-1 - i: tuple(p) for i, p in enumerate(parts)},
+            self.steps.setdefault(int(st), {})[client] = Contribution({-1 - i: here(p) for i, p in enumerate(parts)},
                                                                       False, bool(committed))
 
     def owns(self, ids: torch.Tensor, what: str = "ids") -> None:

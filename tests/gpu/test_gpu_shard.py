@@ -204,3 +204,39 @@ def test_ray_shard_with_a_gpu(tmp_path):
         cluster.shutdown()
         if started:
             ray.shutdown()
+
+
+def _open_step_recovered(device: str) -> torch.Tensor:
+    """A slice gathers part 1 of step 1, is checkpointed (its extras saved, loaded back on the
+    CPU as a restarted shard reads them), a new slice on the same device loads them, gathers part 2
+    sent after the restart and commits the step; returns its values."""
+    import io
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.core.steps import bag_entries
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.slice import TableSlice
+
+    spec = validate_spec(pb.TableSpec(name="s", num_rows=64, dim=8, optimizer=pb.OptimizerSpec(name="adagrad", lr=0.05),
+                                      sharding=pb.ROWS, seed=3), 1)
+    info = plan_table(spec, [{"address": "x", "node_id": "n", "pid": 1}]).shards[0]
+    before, after = (TableSlice(spec, info, 1, torch.device(device)) for _ in range(2))
+    rng = np.random.default_rng(5)
+    ids = torch.from_numpy(rng.integers(0, 64, (8, 4))).to(device)
+    w = torch.from_numpy(rng.random((8, 4), dtype=np.float32)).to(device)
+    g = torch.from_numpy(rng.normal(size=(8, 8)).astype(np.float32)).to(device)
+    before.gather(1, "c", 1, bag_entries(ids[:4], w[:4], None, g[:4]))  # as the dataplane keeps a part
+    saved = io.BytesIO()
+    torch.save(before.extras(), saved)
+    saved.seek(0)
+    after.load_extras(torch.load(saved, map_location="cpu", weights_only=False))
+    after.gather(1, "c", 2, bag_entries(ids[4:], w[4:], None, g[4:]))
+    after.step_phase(pb.STEP_PREPARE_COMMIT, 1, "c", [1, 2])()()  # prepared and committed: the update applied
+    return after.table.weight.cpu()
+
+
+def test_an_open_step_recovered_on_a_gpu_shard_commits_with_parts_sent_after():
+    """A shard restarted from its checkpoint reloads the parts of a step not yet committed, read
+    on the CPU; a GPU slice moves them back to its device, so its commit concatenates them with a
+    part sent after the restart (mixed devices failed there) and applies what the CPU slice does."""
+    torch.testing.assert_close(_open_step_recovered("cuda:0"), _open_step_recovered("cpu"), rtol=1e-5, atol=1e-6)
