@@ -241,7 +241,7 @@ class AsyncMemoryClient:
     async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None) -> Any:
         """Run the op for `table`'s shard map: its requests all at once over grpc.aio."""
         first = True
-        counted: set[tuple[str, int]] = set()  # shards that answered a read: not counted again on a retry
+        counted: set[tuple[str, int, int]] = set()  # reads a shard answered: not counted again on a retry
 
         async def run(meta: TableMeta) -> Any:
             nonlocal first

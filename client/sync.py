@@ -82,7 +82,7 @@ class MemoryClient:
         attempt in an executor thread; the op keeps its write tags across attempts."""
         timeout = self.aio.timeout
         first = True
-        counted: set[tuple[str, int]] = set()  # shards that answered a read: not counted again on a retry
+        counted: set[tuple[str, int, int]] = set()  # reads a shard answered: not counted again on a retry
 
         def attempt(meta: TableMeta) -> Any:
             nonlocal first

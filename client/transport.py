@@ -89,18 +89,20 @@ def forget(rung: list[Rung], outcomes: list[Any]) -> None:
             r[0].forget(r[1])
 
 
-def recount(calls: list[tuple[str, str, Any]], counted: set[tuple[str, int]]) -> list[tuple[str, str, Any]]:
-    """An op's calls on a later attempt: a read to a shard that already answered it (`counted`:
-    (address, layout_id), filled by `note_counted`) is marked uncounted, so the shard answers it
-    again without counting its slots' hits and weight mass twice (when one shard of a table
-    refuses a call, the whole op is sent again). Other calls as they are; a request shared by
-    several shards (a cols bag) is copied for the one marked."""
+def recount(calls: list[tuple[str, str, Any]], counted: set[tuple[str, int, int]]) -> list[tuple[str, str, Any]]:
+    """An op's calls on a later attempt: a read that a shard already answered (`counted`, filled
+    by `note_counted`: (address, layout_id, the call's rank among the op's calls to that address),
+    the same on every attempt of an op, which routes alike) is marked uncounted, so the shard
+    answers it again without counting its slots' hits and weight mass twice (when one shard of a
+    table refuses a call, the whole op is sent again; a shard sent a large read in several parts
+    counts each part once). Other calls as they are; a request shared by several shards (a cols
+    bag) is copied for the one marked."""
     if not counted:
         return calls
     out = []
-    for address, method, req in calls:
+    for (address, method, req), key in zip(calls, _keys(calls)):
         msg = req.msg if isinstance(req, Lazy) else req
-        if _counts(msg) and (address, msg.layout_id) in counted:
+        if _counts(msg) and key in counted:
             marked = type(msg)()
             marked.CopyFrom(msg)
             marked.uncounted = True
@@ -109,15 +111,26 @@ def recount(calls: list[tuple[str, str, Any]], counted: set[tuple[str, int]]) ->
     return out
 
 
-def note_counted(calls: list[tuple[str, str, Any]], outcomes: list[Any], counted: set[tuple[str, int]]) -> None:
-    """Add the shards that answered a counted read of this attempt to `counted` (see `recount`);
+def note_counted(calls: list[tuple[str, str, Any]], outcomes: list[Any], counted: set[tuple[str, int, int]]) -> None:
+    """Add the calls of this attempt that answered a counted read to `counted` (see `recount`);
     nothing when no call failed (no attempt follows: every op's path, so it costs one scan then)."""
     if not any(isinstance(o, BaseException) for o in outcomes):
         return
-    for (address, _, req), outcome in zip(calls, outcomes):
+    for (_, _, req), outcome, key in zip(calls, outcomes, _keys(calls)):
         msg = req.msg if isinstance(req, Lazy) else req
         if outcome is not None and not isinstance(outcome, BaseException) and _counts(msg):
-            counted.add((address, msg.layout_id))
+            counted.add(key)
+
+
+def _keys(calls: list[tuple[str, str, Any]]) -> list[tuple[str, int, int]]:
+    """Each call's (address, layout_id, rank among the calls to that address)."""
+    rank: dict[str, int] = {}
+    out = []
+    for address, _, req in calls:
+        msg = req.msg if isinstance(req, Lazy) else req
+        n = rank[address] = rank.get(address, -1) + 1
+        out.append((address, getattr(msg, "layout_id", 0), n))
+    return out
 
 
 def _counts(msg: Any) -> bool:

@@ -378,3 +378,26 @@ def test_a_read_retried_for_one_shard_counts_once_on_the_others(memory_cluster, 
         assert s["hits"].tolist() == [2, 2]  # two bags each, whatever the retries
         np.testing.assert_allclose(s["weight_mass"], [1.0, 4.0])
         c.drop_table(table_name)
+
+
+def test_a_retry_marks_uncounted_only_the_read_parts_a_shard_answered():
+    """client.transport: a read split in two parts to one shard, one answered and one failed: the
+    retry marks the answered part uncounted and sends the failed one counted (it was marked
+    whole by shard: the failed part's hits were then never counted); another shard's answered
+    read is marked too, a write never."""
+    from client import transport
+    from memserver.wire import Lazy
+
+    def lookup(layout: int) -> Lazy:
+        return Lazy(pb.LookupRequest(table="t", layout_id=layout), {})
+
+    calls = [("a", "Lookup", lookup(7)), ("a", "Lookup", lookup(7)), ("b", "Lookup", lookup(7)),
+             ("b", "PushGradients", pb.PushGradientsRequest(table="t", layout_id=7))]
+    counted: set = set()
+    transport.note_counted(calls, [object(), _UnavailableOnce(), object(), object()], counted)
+    again = transport.recount(calls, counted)
+    marks = [getattr(req.msg if isinstance(req, Lazy) else req, "uncounted", None) for _, _, req in again]
+    assert marks == [True, False, True, None]
+    assert [req.msg.uncounted for _, _, req in calls[:3]] == [False] * 3  # the first attempt's messages unchanged
+    # a refreshed layout (the table re-made) is another table: nothing of it was counted
+    assert not any(req.msg.uncounted for _, _, req in transport.recount([("a", "Lookup", lookup(8))], counted))
