@@ -176,15 +176,16 @@ class TableClient:
 
     def __init__(self, rows: int, dim: int, *, delay: float = 0.0) -> None:
         self.values = ValueTable(rows, dim, OptimizerConfig("adam", 0.05), init_std=dim**-0.5, seed=1, track_stats=False)
-        self.delay, self.parts, self.handed = delay, [], []
+        self.delay, self.parts, self.handed, self.ids_dtypes = delay, [], [], set()
         self.pool = ThreadPoolExecutor(1)
 
     def table(self, name: str, refresh: bool = False) -> SimpleNamespace:
         """What RemoteValues(create=False) checks its shape against (client.table's answer)."""
         return SimpleNamespace(num_rows=self.values.num_rows, dim=self.values.dim)
 
-    def _hand(self, *tensors: torch.Tensor) -> None:
-        self.handed += [(t.device.type, t.is_pinned()) for t in tensors]
+    def _hand(self, ids: torch.Tensor, *tensors: torch.Tensor) -> None:
+        self.handed += [(t.device.type, t.is_pinned()) for t in (ids, *tensors)]
+        self.ids_dtypes.add(ids.dtype)
 
     def bag(self, table, ids, weights):
         self._hand(ids, weights)
@@ -225,6 +226,7 @@ def test_remote_values_on_cuda_send_pinned_host_tensors_and_answer_on_the_device
     assert isinstance(sent, DeviceFuture) and sent.result().is_cuda
     want, got = one_step(local, x, None), one_step(remote, x, None)
     assert client.handed and set(client.handed) == {("cpu", True)}
+    assert client.ids_dtypes == {torch.int32}  # narrowed on the GPU: half the bytes cross (RemoteValues._ids)
     for key in ("out", "ids", "weights", "grad.keys", "grad.query.weight"):
         assert torch.allclose(got[key], want[key], rtol=1e-4, atol=1e-5), key
     assert torch.allclose(client.values.weight, want["table"], rtol=1e-4, atol=1e-5)

@@ -364,8 +364,15 @@ class RemoteValues:
             if existed:
                 log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
 
+    def _ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Ids as they travel (client.ops.values.wire_ids: int32 below 2^31 rows), narrowed on the
+        GPU, so half the bytes cross to the host and the client has nothing left to convert."""
+        if ids.device.type == "cpu" or ids.dtype == torch.int32 or self.num_rows >= 2**31:
+            return ids
+        return ids.to(torch.int32)
+
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        h_ids, h_w = to_host(ids, weights.detach())
+        h_ids, h_w = to_host(self._ids(ids), weights.detach())
         self.settle()
         return to_device(self.client.bag(self.name, h_ids, h_w), ids.device)
 
@@ -376,7 +383,7 @@ class RemoteValues:
         is not sent (the shards are still busy with the last)."""
         if self.tier != "disk" or (self.warming is not None and not self.warming.done()):
             return None
-        (h_ids,) = to_host(ids)
+        (h_ids,) = to_host(self._ids(ids))
         self.warming = self.client.submit_warm(self.name, h_ids)
         self.warming.add_done_callback(self._warmed)
         return self.warming
@@ -389,14 +396,14 @@ class RemoteValues:
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
         """Sent now, or, while a commit is in flight, as soon as it is applied (chained, not
         waited for: the exact prefetch of step t+1 overlaps step t's commit too)."""
-        h_ids, h_w = to_host(ids, weights.detach())
+        h_ids, h_w = to_host(self._ids(ids), weights.detach())
         if self.committing is None:
             return on_device(self.client.submit_bag(self.name, h_ids, h_w), ids.device)
         return on_device(after(self.committing, lambda: self.client.submit_bag(self.name, h_ids, h_w)), ids.device)
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:
-        h_ids, h_w, h_grad = to_host(ids, weights.detach(), grad_out.contiguous())
+        h_ids, h_w, h_grad = to_host(self._ids(ids), weights.detach(), grad_out.contiguous())
         self.settle()
         if self.step is None:  # outside a step: one call, applied at once
             self.version += 1
