@@ -37,11 +37,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def attach(c: MemoryClient, table: str, shards: int, timeout: float = 30.0) -> MemoryClient:
     """Make bags large enough for shared memory (client.shm.MIN_BYTES) until the client has
-    regions on `shards` shards (its first calls go by TCP meanwhile)."""
+    regions on `shards` shards (its first calls go by TCP meanwhile). The ids take every shard in
+    turn: a rows table's shard owning none of a bag's ids is sent nothing (client.ops.routing)."""
     t0 = time.monotonic()
+    n = MIN_BYTES // 8 * shards
+    ids = (np.arange(n, dtype=np.int64) % shards).reshape(n, 1)
     while len(c.aio.shm.regions) < shards:
         assert time.monotonic() - t0 < timeout, f"no shared memory after {timeout}s: {c.aio.shm.not_before}"
-        c.bag(table, np.zeros((MIN_BYTES // 8, 1), np.int64), np.ones((MIN_BYTES // 8, 1), np.float32))
+        c.bag(table, ids, np.ones((n, 1), np.float32))
         time.sleep(0.05)
     return c
 
