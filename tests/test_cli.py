@@ -384,3 +384,14 @@ def test_api_errors_are_one_line_and_the_traceback_only_under_v(memory_cluster):
     assert "PERMISSION_DENIED" in errors[0] and "--checkpoint-root" in errors[0]
     debug = run(["-v", *args], env, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "PermissionDeniedError" in debug.stderr
+
+
+def test_an_error_without_text_is_said_by_its_type():
+    """(memtrain logged "a step's commit in flight failed while the run stopped: " and nothing when
+    a run was stopped with its client closed under a commit: the call's CancelledError has no text.)"""
+    from concurrent.futures import CancelledError
+
+    from memserver.cli.common import one_line
+
+    assert one_line(CancelledError()) == "CancelledError"
+    assert one_line(ValueError("two\n  lines")) == "two lines"

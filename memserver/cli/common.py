@@ -13,8 +13,8 @@ class CliError(Exception):
 
 def one_line(exc: BaseException) -> str:
     """An error as the one line a CLI prints (the api's errors name the flag and the fix; a
-    traceback only under the CLI's debug flag)."""
-    return " ".join(str(exc).split())
+    traceback only under the CLI's debug flag); one without text (a cancelled call's) by its type."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def seconds(text: str) -> float:
