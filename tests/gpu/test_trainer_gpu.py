@@ -83,12 +83,14 @@ def one_step(layer: torch.nn.Module, x: torch.Tensor, tokens: torch.Tensor) -> d
     return {k: v.detach().cpu() for k, v in got.items()}
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 @pytest.mark.parametrize("kind", ["pkm", "lsh", "engram"])
-def test_memory_layer_with_local_values_on_cuda_equals_cpu(exact_cuda, kind):
+def test_memory_layer_with_local_values_on_cuda_equals_cpu(exact_cuda, kind, optimizer):
     """The layer moved to CUDA takes its LocalValues' table along; forward, dense gradients and the
-    values' update equal the CPU's (float32 tolerance), the addressing exactly."""
+    values' update equal the CPU's (float32 tolerance), the addressing exactly. SGD beside Adam:
+    Adam's first step is about lr * sign(g), blind to a wrongly scaled value gradient; SGD's is not."""
     torch.manual_seed(0)
-    cpu = make_layer(kind, LocalValues(ROWS[kind], DIM[kind], optimizer="adam", lr=0.05, seed=1))
+    cpu = make_layer(kind, LocalValues(ROWS[kind], DIM[kind], optimizer=optimizer, lr=0.05, seed=1))
     gpu = copy.deepcopy(cpu).to("cuda")
     assert gpu.values is not cpu.values
     assert {t.device.type for t in gpu.values.table.state().values()} == {"cuda"}
