@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import print_targets, target
+from benchmarks.common import print_targets, round_robin_steps, target
 
 #: Targets (issue 29): remote memtrain with --staleness 1 against local, local against none.
 TARGET_REMOTE_STALE, TARGET_LOCAL = 1.1, 1.3
@@ -142,7 +142,6 @@ def memtrain_figures(args: argparse.Namespace) -> dict[str, Any]:
     from client import MemoryClient
     from trainer.train import build_parser, train
 
-    step_ms: dict[str, list[float]] = {n: [] for n in RUNS}
     total = args.blocks * args.block
     with gpu_shards() as (endpoint, _), MemoryClient(endpoint, timeout=120) as c:
         gens = {n: train(build_parser().parse_args([*a, "--device", "cuda", "--steps", str(total + 1000),
@@ -150,13 +149,7 @@ def memtrain_figures(args: argparse.Namespace) -> dict[str, Any]:
                                                     "--table", f"gpu-train-{i}"]), client=c)
                 for i, (n, a) in enumerate(RUNS.items())}
         try:
-            for b in range(args.blocks):
-                for n, gen in gens.items():
-                    for s in range(args.block):
-                        rec = next(gen)
-                        if (b == 0 and s < args.warmup) or (b > 0 and s == 0):
-                            continue
-                        step_ms[n].append(rec["step_ms"])
+            step_ms = round_robin_steps(gens, args.blocks, args.block, args.warmup)
         finally:
             for gen in gens.values():
                 gen.close()

@@ -28,7 +28,6 @@ import argparse
 import collections
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -40,11 +39,14 @@ from typing import Any
 import torch
 
 from benchmarks.gpu import gpu_shards
-from benchmarks.shard_profile import frames
+from benchmarks.shard_profile import IDLE_LEAVES as SHARD_IDLE
+from benchmarks.shard_profile import frames, record
 
-#: Innermost Python frames of a thread that waits, not works: for a request or a connection (a
-#: doorbell's socket, the event loop's selector), for a lock, a condition or a pool's queue.
-IDLE_LEAVES = ("recv_exact", "accept", "select", "_worker", "wait")
+#: Innermost Python frames of a thread that waits, not works: shard_profile's (the event loop's
+#: selector, a pool's queue, a lock), a doorbell's socket waiting for a request or a connection,
+#: the metrics server's selector, and a thread blocked in a C call at its own entry (the shards'
+#: process on its stdin, gRPC's poller).
+IDLE_LEAVES = (*SHARD_IDLE, "recv_exact", "socket.accept", "_PollLikeSelector.select", "<module>", "Thread.run")
 #: Frames that only wrap the work under them (threads' and loops' entry points), not shown.
 WRAPPERS = ("Thread.", "BaseEventLoop.run_forever", "<module>", "_run_module", "_run_code", "_main", "main")
 #: A custom autograd function's backward, run by a device thread of torch's autograd engine (on
@@ -52,20 +54,8 @@ WRAPPERS = ("Thread.", "BaseEventLoop.run_forever", "<module>", "_run_module", "
 BACKWARD = "BackwardCFunction.apply"
 
 
-def spy(pid: int, seconds: float, rate: int, out: Path) -> subprocess.Popen:
-    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    return subprocess.Popen([exe, "record", "--threads", "--idle", "--nonblocking", "-f", "raw", "-r", str(rate),
-                             "-d", str(int(seconds)), "-o", str(out), "-p", str(pid)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-#: Leaves that are a thread's own entry: blocked in a C call right there (the shards' process
-#: waiting on its stdin, gRPC's poller thread), never where a shard's work is.
-IDLE_ENTRIES = ("<module>", "Thread.run")
-
-
 def idle(fr: list[str]) -> bool:
-    return not fr or fr[-1] in IDLE_ENTRIES or fr[-1].rsplit(".", 1)[-1] in IDLE_LEAVES
+    return not fr or fr[-1] in IDLE_LEAVES
 
 
 def summarise(lines: list[str], step_ms: float, top: int, *, trainer: bool) -> dict[str, Any]:
@@ -133,8 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise RuntimeError("memtrain did not reach its warm-up steps in 600 s")
                 time.sleep(0.2)
             first = len(log_json.read_text().splitlines())
-            spies = {"trainer": (spy(trainer.pid, args.seconds, args.rate, Path(tmp) / "trainer.txt"), True),
-                     "shards": (spy(shards_pid, args.seconds, args.rate, Path(tmp) / "shards.txt"), False)}
+            spies = {"trainer": (record(trainer.pid, int(args.seconds), args.rate, f"{tmp}/trainer.txt"), True),
+                     "shards": (record(shards_pid, int(args.seconds), args.rate, f"{tmp}/shards.txt"), False)}
             failed = {name: proc.stderr.read()[-2000:] if proc.stderr else "" for name, (proc, _) in spies.items()
                       if proc.wait() != 0}  # both waited for, whichever fails
             if failed:

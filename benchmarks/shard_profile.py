@@ -43,6 +43,18 @@ IDLE_LEAVES = ("EpollSelector.select", "_worker", "Condition.wait", "Event.wait"
 THREADS = {"loop": "shard0-grpc", "compute": "shard-compute"}
 
 
+def py_spy() -> str:
+    """The py-spy binary: on the PATH, else beside this Python (the venv's, from the dev extra)."""
+    return shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+
+
+def record(pid: int, seconds: int, rate: int, out: str) -> subprocess.Popen:
+    """`py-spy record --threads --idle` of process `pid` into `out` (raw stacks), started now."""
+    return subprocess.Popen([py_spy(), "record", "-p", str(pid), "-r", str(rate), "-d", str(seconds), "--threads",
+                             "--idle", "--format", "raw", "-o", out, "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def frames(stack: str) -> tuple[str, list[str]]:
     """A py-spy raw stack -> (its thread's name, its frames root first, without file:line)."""
     parts = stack.split(";")
@@ -95,8 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if not 1 <= args.seconds <= 120:
         p.error("--seconds: must be in [1, 120]")
-    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if not os.path.exists(spy):
+    if not os.path.exists(py_spy()):
         p.error("py-spy is not installed (it comes with the project: make install)")
 
     from benchmarks.bag_throughput import BAG_PATH
@@ -118,9 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             call(raw)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "shard.txt")
-            spy_proc = subprocess.Popen([spy, "record", "-p", str(pid), "-r", str(args.rate), "-d", str(int(args.seconds) + 1),
-                                         "--threads", "--idle", "--format", "raw", "-o", out, "--nonblocking"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            spy_proc = record(pid, int(args.seconds) + 1, args.rate, out)
             time.sleep(0.5)  # py-spy attaches
             times: list[float] = []
             t_start = time.perf_counter()

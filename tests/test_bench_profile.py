@@ -53,6 +53,7 @@ def test_gpu_profile_reads_a_step_from_the_trainer_and_the_shards_busy_time():
               f"{bell};serve_off_loop (d.py:2);ValueTable.bag (t.py:1) 30\n",
               "thread (4): MainThread;<module> (<string>:1) 100\n",  # the process waiting on its stdin
               "thread (5): Thread-1 (_poll_wrapper);Thread.run (threading.py:1) 100\n",  # gRPC's poller
+              "thread (7): Thread-2;BaseServer.serve_forever (s.py:1);_PollLikeSelector.select (s.py:2) 100\n",  # metrics
               "thread (6): doorbell-accept;Thread.run (threading.py:1);Doorbell._accept (d.py:1);socket.accept (s.py:1) 100\n"]
     got = step_summary(shards, step_ms=10.0, top=20, trainer=False)
     assert got["ms_per_step"] == pytest.approx(3.0)  # 30 of 100 ticks busy
