@@ -26,7 +26,17 @@ from client.ops.product_keys import address_op, load_product_keys_op
 from client.ops.routing import route_bags, route_ids, route_owned
 from client.ops.sessions import ClientSession, StepParts, WriteTags
 from client.ops.steps import CommitPlan, commit_step_plan, step_phase_op
-from client.ops.values import aggregate, bag_backward_op, bag_op, lookup_op, push_op, warm_op, wire_ids, write_rows_op
+from client.ops.values import (
+    aggregate,
+    bag_backward_op,
+    bag_op,
+    ids_fit_int32,
+    lookup_op,
+    push_op,
+    warm_op,
+    wire_ids,
+    write_rows_op,
+)
 
 __all__ = [
     "MAX_REQUEST_BYTES",
@@ -61,6 +71,7 @@ __all__ = [
     "triggers_op",
     "usage_op",
     "warm_op",
+    "ids_fit_int32",
     "wire_ids",
     "write_rows_op",
 ]

@@ -18,9 +18,15 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import Lazy, check_1d, check_rows, decode, encode, wire_tensor
 
 
+def ids_fit_int32(num_rows: int) -> bool:
+    """Whether a table's ids travel as int32 (the one rule: wire_ids, and RemoteValues narrowing
+    them on a GPU before the host copy)."""
+    return num_rows < 2**31
+
+
 def wire_ids(ids: torch.Tensor, meta: TableMeta) -> torch.Tensor:
     """Ids travel as int32 when the table allows it: a third less request bytes for a bag."""
-    return wire_tensor(ids, pb.INT32 if meta.num_rows < 2**31 else None)
+    return wire_tensor(ids, pb.INT32 if ids_fit_int32(meta.num_rows) else None)
 
 
 def _encoder(meta: TableMeta) -> Callable[..., torch.Tensor]:

@@ -334,8 +334,10 @@ class RemoteValues:
         `wal`: the shards log every update before acknowledging it (survives a shard restart);
         `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table)."""
         from client import TableNotFoundError
+        from client.ops import ids_fit_int32
 
         self.client, self.name, self.num_rows, self.dim = client, name, num_rows, dim
+        self.int32_ids = ids_fit_int32(num_rows)  # as they travel: `_ids` narrows them on a GPU
         self.defer_apply, self.tier = defer_apply, tier
         self.warming: Future | None = None  # the latest hint in flight (`warm`)
         self.step: int | None = None  # inside a step (begin_step .. end_step): its number
@@ -365,9 +367,9 @@ class RemoteValues:
                 log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
 
     def _ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Ids as they travel (client.ops.values.wire_ids: int32 below 2^31 rows), narrowed on the
-        GPU, so half the bytes cross to the host and the client has nothing left to convert."""
-        if ids.device.type == "cpu" or ids.dtype == torch.int32 or self.num_rows >= 2**31:
+        """Ids as they travel (client.ops.ids_fit_int32), narrowed on the GPU, so half the bytes
+        cross to the host and the client has nothing left to convert."""
+        if ids.device.type == "cpu" or ids.dtype == torch.int32 or not self.int32_ids:
             return ids
         return ids.to(torch.int32)
 
