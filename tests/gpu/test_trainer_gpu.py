@@ -71,7 +71,7 @@ def one_step(layer: torch.nn.Module, x: torch.Tensor, tokens: torch.Tensor) -> d
     layer.values.begin_step(1)
     out = layer(x, tokens)
     # a sum, not a mean: Adam's first step moves a value by lr * g / (|g| + eps), so where a
-    # gradient is within ~1e-6 of zero (97 of pkm's 6,304 under a mean's 1e-4-sized gradients)
+    # gradient is within ~1e-6 of zero (dozens of pkm's values under a mean's 1e-4-sized gradients)
     # it turns CUDA's atomic summation order (1e-7 relative) into differences above float32's
     # tolerance; the sum's gradients are O(1) and none is that close to zero
     (out**2).sum().backward()
