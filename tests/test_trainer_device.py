@@ -51,6 +51,38 @@ def test_device_cpu_and_auto_without_cuda_give_exactly_the_default_losses(no_cud
     assert losses([*common, "--device", "auto", "--dtype", "fp32"]) == default
 
 
+THREADS_RUN = """
+import json, sys, numba, torch
+sys.path.insert(0, "tests")
+from test_trainer_device import TINY, losses
+common = [*TINY, "--steps", "3", "--seed", "3", "--memory", "none", "--threads", sys.argv[1]]
+first = losses(common)
+counts = [torch.get_num_threads(), numba.get_num_threads()]
+print(json.dumps({"same": losses(common) == first, "counts": counts}))
+"""
+
+
+@pytest.mark.parametrize("threads, env, want", [("1", {}, 1), ("0", {"OMP_NUM_THREADS": "1"}, 1)],
+                         ids=["--threads 1", "OMP_NUM_THREADS=1"])
+def test_threads_hold_for_the_whole_run_torch_and_numba_alike(threads, env, want):
+    """memtrain's thread count holds from the first step to the last, for torch and numba alike,
+    in a process where numba's pool has not started yet: starting, it sets the OpenMP count that
+    torch shares back to every core. Before, the first run in a process trained on 1 thread until
+    numba's first kernel and on 2 after, so its losses differed from a second run's in the 7th digit."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", THREADS_RUN, threads], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "NUMBA_NUM_THREADS": "2", **env}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"same": True, "counts": [want, want]}
+
+
 def test_device_rule_without_cuda(no_cuda):
     assert resolve_device("auto") == CPU and resolve_device("cpu") == CPU and resolve_device(" CPU ") == CPU
     for spec in ("cuda", "cuda:0"):

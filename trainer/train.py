@@ -28,6 +28,7 @@ import torch
 
 from memserver.api.errors import MemserverError
 from memserver.cli.common import one_line, parse_size
+from memserver.core.table import set_threads
 from trainer.checkpoints import trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
 from trainer.device import CPU, DEVICES, DTYPES, autocast, dist_backend, resolve_device
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
     d.add_argument("--log-every", type=int, default=10, help="log every N steps")
     d.add_argument("--log-json", help="append one JSON object per log step to this file")
-    d.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
+    d.add_argument("--threads", type=int, default=0, help="CPU threads of torch and of the compiled kernels (numba) in this process (0: torch's default)")
     d.add_argument("--device", default="auto", help=f"where the model, the memory's addressing, local values and the "
                    f"dense optimizer run: {DEVICES} (auto: CUDA when torch sees a GPU; data-parallel: the LOCAL_RANK's)")
     d.add_argument("--dtype", choices=list(DTYPES), default="fp32",
@@ -308,8 +309,10 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     if world > 1 and not args.no_query_bn:
         log.warning("data-parallel run with query BatchNorm: its statistics are per trainer, so the result "
                     "differs slightly from one trainer on the combined batch (use --no-query-bn for equality)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # torch's and numba's threads alike (0: torch's default count): numba's pool, started lazily by
+    # its first parallel kernel, sets the OpenMP count it shares with torch back to every core,
+    # mid-run; set_threads starts it here, before anything computes
+    set_threads(args.threads or torch.get_num_threads())
     try:
         corpus = load_corpus(args.data)
     except FileNotFoundError as exc:
