@@ -65,6 +65,10 @@ gpu-wheels: install
 		$$($(BIN)/python -c "import grpc, google.protobuf as p; v = grpc.__version__; print(f'grpcio=={v} grpcio-health-checking=={v} grpcio-reflection=={v} protobuf=={p.__version__}')")
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d .whl \
 		py-spy==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('py-spy'))")
+	# faiss-cpu (19 MB; faiss-gpu's 135 MB and its CUDA 12 runtime exceed a call's carry): local KIF on
+	# the GPU and an index table's CPU fallback on a GPU shard run there
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 -d .whl faiss-cpu==$$($(BIN)/python -c "import faiss; print(faiss.__version__)")
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks.gpu on a lent GPU machine, in one call (the device tool's `run`;
 # its README). That machine's image has a CUDA build of torch, numpy, numba, pytest, rich, tqdm
-# and prometheus-client, but not Ray or faiss (the tests needing them skip, saying why), nor the
-# small gRPC packages at the versions this project's generated code needs. `make gpu-wheels`,
-# run here first, puts those in .whl/ (git-ignored; carried by the call) and this installs them:
+# and prometheus-client, but not Ray or faiss, nor the small gRPC packages at the versions this
+# project's generated code needs. `make gpu-wheels`, run here first, puts those gRPC packages,
+# py-spy and faiss-cpu in .whl/ (git-ignored; carried by the call: 29 MB of its 64 MiB) and this
+# installs them. Ray (79 MB) and faiss-gpu (135 MB, plus a CUDA 12 runtime) do not fit a call: the
+# Ray-actor and faiss-GPU tests skip, saying why.
 #
 #   make gpu-wheels
 #   run(command="bash tests/gpu/device_run.sh", carry=[".whl"], timeout_s=600)

@@ -184,6 +184,29 @@ def test_index_table_on_a_gpu_shard_says_so(tmp_path, caplog):
     assert "index hnsw on shard 0: CPU: factory 'HNSW8' (IndexHNSWFlat) has no GPU version in faiss" in caplog.text
 
 
+def test_index_table_on_a_gpu_shard_with_faiss_cpu_stays_on_the_cpu(caplog):
+    """faiss-cpu on a GPU node (what `make gpu-wheels` carries to a lent GPU machine): a shard on
+    cuda:0 keeps its value tables there and its index tables on the CPU, says why in status and
+    the log, and the index answers as on a CPU shard."""
+    faiss = pytest.importorskip("faiss", reason="faiss is not installed")
+    if hasattr(faiss, "index_cpu_to_gpu") and faiss.get_num_gpus() > 0:
+        pytest.skip("this faiss has GPU support: test_index_table_on_a_gpu_shard_says_so covers it")
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    x = np.random.default_rng(5).normal(size=(500, 8)).astype(np.float32)
+    with InProcessServer(1, ["cuda:0"]) as server, MemoryClient(server.endpoint, timeout=60) as c:
+        with caplog.at_level("INFO", logger="memserver.server.shard_actor"):
+            c.create_index("flat", 8, index_factory="Flat", metric="l2")
+        c.create_table("values", num_rows=64, dim=8)
+        c.add("flat", np.arange(500) * 2, x)
+        assert (c.search("flat", x[:10], 1)[1].reshape(-1) // 2).tolist() == list(range(10))
+        shard = c.status().shards[0]
+        assert c.bag("values", np.array([[1, 2]]), np.ones((1, 2), np.float32)).shape == (1, 8)
+    assert shard.device == "cuda:0" and {t.table: t.index_device for t in shard.tables}["flat"] == "cpu"
+    assert "index flat on shard 0: CPU: this faiss has no GPU support (faiss-cpu) or sees no GPU" in caplog.text
+
+
 def test_ray_shard_with_a_gpu(tmp_path):
     """`memserver up --shards 3 --shard-gpus 0.5,0.5,0`: Ray gives two shard actors the GPU, they
     keep their slices there (status: cuda:0, 1 GPU id), the third stays on the CPU, and the mixed
