@@ -52,7 +52,15 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.cluster.endpoint import live_endpoint
 from memserver.loop import settle_grpc
-from memserver.wire import as_tensor, check_wire_dtype, dtype_code, encode, tune_malloc
+from memserver.wire import (
+    MAX_MESSAGE_BYTES,
+    as_tensor,
+    check_wire_dtype,
+    dtype_code,
+    encode,
+    train_sample_limit,
+    tune_malloc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -351,23 +359,27 @@ class AsyncMemoryClient:
             tier=tier,
             cache_bytes=cache_bytes,
         )
+        return await self._create(spec, replace)
+
+    async def _create(self, spec: pb.TableSpec, replace: bool) -> TableMeta:
+        """Every kind's create: the coordinator checks the spec, places and makes the slices."""
         info = await self._control("CreateTable", pb.CreateTableRequest(spec=spec, replace=replace))
-        meta = self._tables[name] = TableMeta.from_proto(info)
+        meta = self._tables[spec.name] = TableMeta.from_proto(info)
         return meta
 
     async def create_index(self, name: str, dim: int, *, index_factory: str = "Flat", metric: str = "ip",
-                           payload_dim: int = 0, num_shards: int = 0, wal: bool = False) -> TableMeta:
+                           payload_dim: int = 0, num_shards: int = 0, wal: bool = False,
+                           replace: bool = False) -> TableMeta:
         """Create an index table: a faiss `index_factory` index ("Flat", "IVF1024,Flat",
         "IVF1024,PQ16", "HNSW32", ...) of `dim`-float vectors under your int64 ids, sharded by id,
         compared by `metric` ("ip": inner product, larger is better; "l2": squared distance), with
-        `payload_dim` floats per id returned with hits. Trained kinds need `train_index` before `add`."""
+        `payload_dim` floats per id returned with hits. Trained kinds need `train_index` before `add`.
+        `replace`: as for create_table (a table of that name is dropped once the spec is accepted)."""
         if metric not in METRICS:
             raise InvalidArgumentError(f"metric: expected 'ip' or 'l2', got {metric!r}")
         spec = pb.TableSpec(name=name, kind=pb.INDEX, dim=dim, index_factory=index_factory, metric=METRICS[metric],
                             payload_dim=payload_dim, num_shards=num_shards, wal=wal)
-        meta = TableMeta.from_proto(await self._control("CreateTable", pb.CreateTableRequest(spec=spec)))
-        self._tables[name] = meta
-        return meta
+        return await self._create(spec, replace)
 
     async def train_index(self, name: str, sample: Any) -> dict[str, Any]:
         """Train the index's quantizer or codebooks ONCE on `sample` [m, dim] and install the result
@@ -376,6 +388,10 @@ class AsyncMemoryClient:
         t = as_tensor(sample)
         if not t.dtype.is_floating_point:
             raise InvalidArgumentError(f"sample: dtype must be floating point, got {str(t.dtype).removeprefix('torch.')}")
+        if t.dim() == 2 and t.shape[0] > (most := train_sample_limit(t.shape[1])):
+            raise InvalidArgumentError(f"sample: {t.shape[0]:,} rows of {t.shape[1]} floats do not fit one request "
+                                       f"({MAX_MESSAGE_BYTES >> 20} MiB); train on at most {most:,} rows (a random "
+                                       "subset of the vectors)")
         r = await self._control("TrainIndex", pb.TrainIndexRequest(name=name, sample=encode(t.detach().cpu().float())))
         return {"sample_rows": r.sample_rows, "seconds": r.seconds}
 
@@ -401,12 +417,13 @@ class AsyncMemoryClient:
         return (*out, like(p, queries)) if return_payload and p is not None else out
 
     async def create_product_keys(self, name: str, values_table: str, heads: int, n_keys: int, knn: int, k_dim: int,
-                                  d_in: int = 0, *, wal: bool = False) -> TableMeta:
+                                  d_in: int = 0, *, wal: bool = False, replace: bool = False) -> TableMeta:
         """Create a product-key table: the frozen addressing of a trained product-key memory layer
         (`heads` heads of `knn` slots over `n_keys`^2 slots, queries of `k_dim` per head). `d_in` > 0:
         it stores the layer's query network and `address` takes inputs [B, d_in]; 0: `address`
         takes the queries. `values_table` must be a value table of `n_keys`^2 rows (its slots'
-        values, read by `pkm_lookup`). Load it with `load_product_keys`. One shard."""
+        values, read by `pkm_lookup`). Load it with `load_product_keys`. One shard. `replace`: as
+        for create_table."""
         values = await self.table(values_table, refresh=True)
         if values.kind != "value":
             raise InvalidArgumentError(f"values_table: {values_table!r} is a {values.kind} table, not a value table")
@@ -414,9 +431,7 @@ class AsyncMemoryClient:
             raise InvalidArgumentError(f"values_table: {values_table!r} has {values.num_rows} rows, n_keys^2 = {n_keys * n_keys}")
         spec = pb.TableSpec(name=name, kind=pb.PRODUCT_KEYS, pkm_heads=heads, pkm_n_keys=n_keys, pkm_knn=knn,
                             pkm_k_dim=k_dim, pkm_d_in=d_in, values_table=values_table, wal=wal)
-        meta = TableMeta.from_proto(await self._control("CreateTable", pb.CreateTableRequest(spec=spec)))
-        self._tables[name] = meta
-        return meta
+        return await self._create(spec, replace)
 
     async def load_product_keys(self, name: str, keys: Any, query_weight: Any = None, query_bias: Any = None,
                                 bn: dict[str, Any] | None = None) -> int:

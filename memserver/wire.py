@@ -550,6 +550,10 @@ def check_enums(msg: Any, prefix: str = "") -> None:
             check_enums(getattr(msg, f.name), f"{prefix}{f.name}.")
 
 
+#: The ids an INDEX table accepts are [0, INDEX_ID_SPACE): its spec's num_rows.
+INDEX_ID_SPACE = 2**63 - 1
+
+
 def check_ids(ids: torch.Tensor, num_rows: int, what: str = "ids") -> None:
     """Ids must be int64 (int32 is widened by callers) and inside [0, num_rows)."""
     if ids.dtype not in (torch.int64, torch.int32):
@@ -562,6 +566,8 @@ def check_ids(ids: torch.Tensor, num_rows: int, what: str = "ids") -> None:
     lo, hi = (int(arr.min()), int(arr.max())) if arr is not None else (int(ids.min()), int(ids.max()))
     if lo < 0:
         raise InvalidArgumentError(f"{what}: negative id {lo}")
+    if hi >= num_rows == INDEX_ID_SPACE:
+        raise InvalidArgumentError(f"{what}: id {hi} is above the largest id an index table takes ({INDEX_ID_SPACE - 1})")
     if hi >= num_rows:
         raise InvalidArgumentError(f"{what}: id {hi} out of range for a table of {num_rows} rows")
 
@@ -577,6 +583,16 @@ def _all_finite(x: torch.Tensor) -> bool:
     if x.device.type == "cpu" and x.dtype != torch.bfloat16:  # numpy, one thread (see check_ids)
         return bool(np.isfinite(x.detach().numpy()).all())
     return bool(torch.isfinite(x).all())
+
+
+#: Room kept below MAX_MESSAGE_BYTES for what a request carries besides its tensor's bytes (the
+#: table name, shapes, tags) when rows are counted to fit one message.
+MESSAGE_MARGIN = 64 * 1024
+
+
+def train_sample_limit(dim: int) -> int:
+    """The most rows of a [rows, dim] float32 training sample one TrainIndex request carries."""
+    return (MAX_MESSAGE_BYTES - MESSAGE_MARGIN) // (4 * max(1, dim))
 
 
 def check_answer(rows: int, cols: int, what: str) -> None:

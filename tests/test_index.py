@@ -463,11 +463,17 @@ def test_bad_specs_name_their_field():
         (dict(factory="IVF16,PQ4x4fs"), "index_factory"), (dict(factory="IVF16,PQ4+8"), "index_factory"),
         (dict(factory="IVF16,Flat,RFlat"), "index_factory"), (dict(factory="LSH"), "index_factory"),
         (dict(factory=""), "index_factory"), (dict(metric="cosine"), "metric"), (dict(device="tpu"), "device"),
-        (dict(payload_dim=-1), "payload_dim"), (dict(dim=0), "dim"),
+        (dict(payload_dim=-1), "payload_dim"), (dict(dim=0), "dim"), (dict(factory="IVF0,Flat"), "index_factory"),
+        (dict(factory="OPQ4,IVF0,PQ4"), "index_factory"),
     ]:
         spec = dict(dim=8, factory="Flat", metric="ip") | kwargs
         with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {field}:"):
             VectorIndex(**spec)
+    from memserver.wire import INDEX_ID_SPACE, check_ids
+
+    with pytest.raises(InvalidArgumentError, match="^INVALID_ARGUMENT: ids: id 9223372036854775807 is above the largest "
+                       "id an index table takes \\(9223372036854775806\\)"):
+        check_ids(torch.tensor([1, INDEX_ID_SPACE]), INDEX_ID_SPACE)
     vi = VectorIndex(8, "Flat", "ip")
     with pytest.raises(InvalidArgumentError, match="^INVALID_ARGUMENT: payload: this index stores no payload"):
         vi.add([1], np.ones((1, 8), np.float32), np.ones((1, 1), np.float32))

@@ -247,6 +247,75 @@ def test_cli_builds_an_index_from_files_and_status_lists_it(memory_cluster, clie
     assert exit_.value.code == 2 and "--vectors" in capsys.readouterr().err
 
 
+def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_making_one(memory_cluster, client,
+                                                                                        table_name, tmp_path, capsys):
+    """A build that fails once the table is made (NaN vectors, refused by the shards) drops it, so
+    the corrected rerun works; files whose dtype the clients refuse are refused before anything is
+    made (a cast would turn 0.5 into 0), as is an .npz archive; an existing name is refused naming
+    --replace, which replaces it; training follows faiss's own answer (PCA needs it)."""
+    import memserver.cli as cli
+
+    ep = ["--endpoint", memory_cluster.endpoint]
+    ids, vectors = _data(300, seed=12)
+    bad = vectors.copy()
+    bad[250, 3] = np.nan
+    files = {"v": vectors, "nan": bad, "i": ids, "fi": ids.astype(np.float64) + 0.5, "iv": (vectors * 100).astype(np.int64)}
+    for name, a in files.items():
+        np.save(tmp_path / f"{name}.npy", a)
+    np.savez(tmp_path / "z.npz", v=vectors)
+
+    def build(*argv: str) -> tuple[int, str]:
+        try:
+            rc = cli.main(["index", "build", table_name, *argv, *ep])
+        except SystemExit as exc:
+            rc = exc.code
+        return rc, capsys.readouterr().err
+
+    def tables() -> set[str]:
+        return {m.name for m in client.list_tables()}
+
+    rc, err = build("--vectors", str(tmp_path / "nan.npy"))
+    assert rc != 0 and "NaN" in err and table_name not in tables()
+    for argv, says in ((["--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "fi.npy")],
+                        "--ids: dtype must be int64 or int32, got float64"),
+                       (["--vectors", str(tmp_path / "iv.npy")], "--vectors: dtype must be floating point, got int64"),
+                       (["--vectors", str(tmp_path / "z.npz")], "is not a .npy array (an .npz archive?")):
+        rc, err = build(*argv)
+        assert rc != 0 and says in err and "Traceback" not in err, (argv, err)
+        assert table_name not in tables()
+    rc, err = build("--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "i.npy"), "--factory", "PCA8,Flat")
+    assert rc == 0 and client.search(table_name, vectors[:3], 1)[1][:, 0].tolist() != []
+    rc, err = build("--vectors", str(tmp_path / "v.npy"))
+    assert rc != 0 and "already exists: add --replace to replace it" in err
+    assert build("--vectors", str(tmp_path / "v.npy"), "--replace")[0] == 0
+    assert client.search(table_name, vectors[:4], 1)[1][:, 0].tolist() == [0, 1, 2, 3]  # ids 0..n-1 now
+
+
+def test_index_build_trains_on_what_one_request_carries():
+    """index build's default sample: 100,000 rows or as many as fit one TrainIndex message; an
+    explicit one past that is refused naming the flag (the client refuses the call itself)."""
+    import torch
+
+    from memserver.cli.common import CliError
+    from memserver.cli.index import TRAIN_SAMPLE, train_rows
+    from memserver.wire import MAX_MESSAGE_BYTES, train_sample_limit
+
+    most = train_sample_limit(4096)
+    assert most * 4096 * 4 <= MAX_MESSAGE_BYTES < (most + 20) * 4096 * 4
+    assert train_rows(10**6, 4096, None) == most < TRAIN_SAMPLE and train_rows(10**6, 64, None) == TRAIN_SAMPLE
+    assert train_rows(500, 64, None) == 500 and train_rows(500, 64, 0) == 500 and train_rows(10**6, 4096, most) == most
+    with pytest.raises(CliError, match="--train-sample: 16,381 vectors of dim 4096 exceed one request; at most 16,380"):
+        train_rows(10**6, 4096, most + 1)
+    with pytest.raises(CliError, match="--train-sample must be >= 0"):
+        train_rows(10, 4, -1)
+    from client import MemoryClient
+
+    with MemoryClient("127.0.0.1:1", timeout=1) as c:  # refused before anything is sent
+        dim = 1 << 20
+        with pytest.raises(InvalidArgumentError, match="sample: 64 rows of 1048576 floats do not fit one request"):
+            c.train_index("any", torch.zeros(1, dim).expand(train_sample_limit(dim) + 1, dim))
+
+
 def test_searches_keep_working_while_adds_run(client, table_name):
     """A writer upserts batches while a reader searches: every search answers, with whole
     entries only (each hit is an id that was added, with its own score), and finds what was there."""

@@ -84,6 +84,9 @@ def test_served_layer_equals_the_trainers_layer(client, memory_cluster, table_na
     if memory == "local":  # the human line, and a layer without a memory
         args = ["index", "load-pkm", str(directory), "--layer", str(LAYER), "--name", table_name,  # knn: as recorded
                 "--values-table", values, "--replace", "--endpoint", memory_cluster.endpoint]
+        with pytest.raises(SystemExit) as exc:  # the tables exist: refused naming the flag that replaces them
+            cli_main(args[:-3] + args[-2:])
+        assert exc.value.code == 2 and "already exists: add --replace to replace it" in capsys.readouterr().err
         assert cli_main(args) == 0
         assert f"product-key table {table_name}: layer 1 of trainer-step-" in capsys.readouterr().out
         assert torch.equal(client.address(table_name, x)[0], want_ids)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,9 @@ import numpy as np
 
 from memserver.api.types import fmt_bytes
 from memserver.cli.common import CliError, cli_client, cluster_flags
+from memserver.wire import train_sample_limit
+
+log = logging.getLogger("memserver.cli")
 
 #: Vectors sent per add call while loading (each call is split further below the request limit).
 LOAD_BATCH = 65536
@@ -28,41 +33,69 @@ def _load(path: str | None, flag: str, ndim: int) -> np.ndarray | None:
         a = np.load(p, mmap_mode="r", allow_pickle=False)  # mapped: a large file is read as it is sent
     except ValueError as exc:
         raise CliError(f"{flag}: {path} is not a .npy array ({exc})") from None
+    if not isinstance(a, np.ndarray):  # an .npz archive: several arrays, which one is not ours to guess
+        raise CliError(f"{flag}: {path} is not a .npy array (an .npz archive? save the one array with np.save)")
     if a.ndim != ndim:
         raise CliError(f"{flag}: expected a {ndim}-D array, {path} has shape {list(a.shape)}")
     return a
 
 
+def _check_dtype(a: np.ndarray | None, flag: str, ids: bool = False) -> None:
+    """The clients' dtype rules (memserver.wire), checked on the file before anything is made:
+    a cast here would turn 0.5 into 0 or 2^64-1 into -1 silently."""
+    if a is None:
+        return
+    if ids and a.dtype not in (np.int64, np.int32):
+        raise CliError(f"{flag}: dtype must be int64 or int32, got {a.dtype}")
+    if not ids and a.dtype.kind != "f":
+        raise CliError(f"{flag}: dtype must be floating point, got {a.dtype}")
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
+    from client import TableNotFoundError
 
     vectors = _load(args.vectors, "--vectors", 2)
     assert vectors is not None
     n, dim = vectors.shape
     payload = _load(args.payload, "--payload", 2)
     ids = _load(args.ids, "--ids", 1)
+    for a, flag in ((vectors, "--vectors"), (payload, "--payload")):
+        _check_dtype(a, flag)
+    _check_dtype(ids, "--ids", ids=True)
     if payload is not None and len(payload) != n:
         raise CliError(f"--payload: {len(payload)} rows for {n} vectors")
     if ids is not None and len(ids) != n:
         raise CliError(f"--ids: {len(ids)} ids for {n} vectors")
-    if args.train_sample < 0:
-        raise CliError(f"--train-sample must be >= 0, got {args.train_sample}")
+    sample = train_rows(n, dim, args.train_sample) if args.train is not False else 0
     out: dict[str, Any] = {"table": args.name, "vectors": n, "dim": dim, "index_factory": args.factory}
     t0 = time.perf_counter()
     with cli_client(args) as client:
-        client.create_index(args.name, dim, index_factory=args.factory, metric=args.metric,
-                            payload_dim=0 if payload is None else payload.shape[1], num_shards=args.shards, wal=args.wal)
-        if args.train:
-            m = min(n, args.train_sample or n)
-            rows = np.sort(np.random.default_rng(0).choice(n, m, replace=False))
-            out["train"] = client.train_index(args.name, np.ascontiguousarray(vectors[rows], dtype=np.float32))
-        with tqdm(total=n, unit="vec", desc=f"loading {args.name}", disable=args.json or None) as bar:
-            for s in range(0, n, LOAD_BATCH):
-                e = min(n, s + LOAD_BATCH)
-                batch_ids = np.asarray(ids[s:e], dtype=np.int64) if ids is not None else np.arange(s, e, dtype=np.int64)
-                client.add(args.name, batch_ids, np.ascontiguousarray(vectors[s:e], dtype=np.float32),
-                           None if payload is None else np.ascontiguousarray(payload[s:e], dtype=np.float32))
-                bar.update(e - s)
+        exists_hint(lambda: client.create_index(args.name, dim, index_factory=args.factory, metric=args.metric,
+                                                payload_dim=0 if payload is None else payload.shape[1],
+                                                num_shards=args.shards, wal=args.wal, replace=args.replace))
+        try:  # a build that fails leaves no half-built table behind (a rerun would be refused)
+            if args.train is None:  # as the shards built it: faiss says whether its kind needs training
+                args.train = any(not t.trained for sh in client.status().shards for t in sh.tables if t.table == args.name)
+            if args.train:
+                rows = np.sort(np.random.default_rng(0).choice(n, sample, replace=False))
+                out["train"] = client.train_index(args.name, np.ascontiguousarray(vectors[rows], dtype=np.float32))
+            with tqdm(total=n, unit="vec", desc=f"loading {args.name}", disable=args.json or None) as bar:
+                for s in range(0, n, LOAD_BATCH):
+                    e = min(n, s + LOAD_BATCH)
+                    batch_ids = np.asarray(ids[s:e]) if ids is not None else np.arange(s, e, dtype=np.int64)
+                    client.add(args.name, batch_ids, np.ascontiguousarray(vectors[s:e], dtype=np.float32),
+                               None if payload is None else np.ascontiguousarray(payload[s:e], dtype=np.float32))
+                    bar.update(e - s)
+        except BaseException:
+            try:
+                client.drop_table(args.name)
+            except TableNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the build's own error is the one to raise
+                log.warning("index build %s failed, and dropping the table it had made failed too: %s", args.name, exc)
+            raise
         st = client.status()
     out["seconds"] = time.perf_counter() - t0
     loads = [t for sh in st.shards for t in sh.tables if t.table == args.name]
@@ -71,9 +104,39 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
+        trained = f", trained on {out['train']['sample_rows']:,}" if "train" in out else ""
         print(f"index {args.name} ({args.factory}, {args.metric}): {out['held']:,} vectors of dim {dim} over "
-              f"{len(loads)} shards, {fmt_bytes(out['bytes'])}, loaded in {out['seconds']:.1f}s")
+              f"{len(loads)} shards{trained}, {fmt_bytes(out['bytes'])}, loaded in {out['seconds']:.1f}s")
     return 0
+
+
+#: index build's default training sample (rows), when that many fit in one request.
+TRAIN_SAMPLE = 100_000
+
+
+def train_rows(n: int, dim: int, asked: int | None) -> int:
+    """The rows `index build` trains on: --train-sample (0: all n), by default TRAIN_SAMPLE or as
+    many as one TrainIndex request carries, whichever is fewer; an explicit one that does not fit
+    is refused naming the flag."""
+    most = train_sample_limit(dim)
+    if asked is None:
+        return min(n, TRAIN_SAMPLE, most)
+    if asked < 0:
+        raise CliError(f"--train-sample must be >= 0, got {asked}")
+    rows = min(n, asked or n)
+    if rows > most:
+        raise CliError(f"--train-sample: {rows:,} vectors of dim {dim} exceed one request; at most {most:,}")
+    return rows
+
+
+def exists_hint(create: Callable[[], Any]) -> Any:
+    """Run a create; a table that exists already is refused with the flag that replaces it."""
+    from client import TableExistsError
+
+    try:
+        return create()
+    except TableExistsError as exc:
+        raise CliError(f"{exc.details}: add --replace to replace it") from None
 
 
 #: Value rows written per write_rows call while loading a local run's values.
@@ -167,7 +230,8 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
             values_table = args.values_table or f"{name}-values"
             if args.replace:
                 drop(values_table)
-            client.create_table(values_table, rows, dim, optimizer="sgd", init_std=0.0, dtype=str(values.dtype).removeprefix("torch."))
+            exists_hint(lambda: client.create_table(values_table, rows, dim, optimizer="sgd", init_std=0.0,
+                                                    dtype=str(values.dtype).removeprefix("torch.")))
             with tqdm(total=rows, unit="row", desc=f"values {values_table}", disable=args.json or None) as bar:
                 for s in range(0, rows, PKM_ROWS_BATCH):
                     e = min(rows, s + PKM_ROWS_BATCH)
@@ -188,7 +252,7 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
                 raise CliError(f"--values-table: a remote run's values are restored under their own name, {values_table!r}")
             out["values_from"] = str(root)
         out["values_table"] = values_table
-        client.create_product_keys(name, values_table, int(heads), int(n_keys), args.knn, k_dim, d_in)
+        exists_hint(lambda: client.create_product_keys(name, values_table, int(heads), int(n_keys), args.knn, k_dim, d_in))
         out["sub_keys"] = client.load_product_keys(name, keys, weight, None if bias is None else bias.float(), bn)
     out["seconds"] = time.perf_counter() - t0
     if args.json:
@@ -208,7 +272,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     isub = ix.add_subparsers(dest="index_command", required=True, metavar="SUBCOMMAND")
     b = isub.add_parser("build", help="create an index table and load it from .npy files",
                         description="Create index table NAME, train it once on a sample when its kind needs training "
-                        "(IVF, PQ, SQ: one quantizer for all shards), then add every vector with a progress bar.")
+                        "(IVF, PQ, SQ, OPQ, PCA: one quantizer for all shards), then add every vector with a progress "
+                        "bar. A build that fails drops the table it made.")
     b.add_argument("name", help="table name")
     b.add_argument("--vectors", required=True, help=".npy file of float vectors [n, dim]")
     b.add_argument("--ids", help=".npy file of int64 ids [n] (default: 0..n-1)")
@@ -217,12 +282,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "HNSW32 (default: Flat)")
     b.add_argument("--metric", choices=("ip", "l2"), default="ip", help="inner product (default) or squared L2")
     b.add_argument("--train", action=argparse.BooleanOptionalAction, default=None,
-                   help="train before loading (default: when the factory names IVF, PQ or SQ)")
-    b.add_argument("--train-sample", type=int, default=100_000, help="vectors to train on (0: all; default 100,000)")
+                   help="train before loading (default: when faiss says the factory's index needs training: IVF, "
+                   "PQ, SQ, OPQ, PCA)")
+    b.add_argument("--train-sample", type=int, default=None, help="vectors to train on (0: all; default: 100,000, or "
+                   "as many as one request carries at this dim)")
     b.add_argument("--shards", type=int, default=0, help="shards to spread it over (default: all)")
     b.add_argument("--wal", action="store_true", help="log every add and remove before acknowledging it")
+    b.add_argument("--replace", action="store_true", help="drop a table of that name first (else an existing one is "
+                   "refused); a build that fails drops the table it made")
     cluster_flags(b, timeout=600.0, json_help="print one JSON object instead of a line")
-    b.set_defaults(func=_build)
+    b.set_defaults(func=cmd_build)
     p = isub.add_parser("load-pkm", help="serve a trained product-key memory layer of a memtrain checkpoint",
                         description="Read memtrain's latest trainer-step-*.pt in CHECKPOINT_DIR; put layer L's values "
                         "in a value table (a remote run's cluster checkpoint is restored, a local run's values are "
@@ -238,9 +307,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replace", action="store_true", help="drop tables of the same names first")
     cluster_flags(p, timeout=600.0, json_help="print one JSON object instead of a line")
     p.set_defaults(func=cmd_load_pkm)
-
-
-def _build(args: argparse.Namespace) -> int:
-    if args.train is None:
-        args.train = any(k in args.factory.upper() for k in ("IVF", "PQ", "SQ"))
-    return cmd_build(args)

@@ -244,6 +244,8 @@ class VectorIndex:
         except RuntimeError as e:
             raise InvalidArgumentError(f"index_factory: faiss cannot build {factory!r}: {_faiss_message(e)}") from None
         name = type(_inner(index)).__name__
+        if name in _IVF and faiss.extract_index_ivf(index).nlist < 1:  # faiss builds it; every search then fails
+            raise InvalidArgumentError(f"index_factory: {factory!r} has no inverted lists; IVF{{n}} needs n >= 1")
         if name == "IndexHNSWPQ" and metric == "ip":
             # faiss 1.15.1 answers HNSW,PQ inner-product searches with scores that are not those
             # of the stored vectors, nor in order (checked against reconstruct()).

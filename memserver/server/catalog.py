@@ -15,7 +15,7 @@ from memserver.api.types import METRIC_NAMES, ShardLayout, fmt_bytes
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import OptimizerConfig
 from memserver.server.config import Limits
-from memserver.wire import TORCH_DTYPES, VALUE_DTYPES
+from memserver.wire import INDEX_ID_SPACE, TORCH_DTYPES, VALUE_DTYPES
 
 TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 #: Sharding a table gets when its spec leaves it unspecified (see docs/architecture.md).
@@ -117,10 +117,6 @@ def slice_cache_bytes(spec: pb.TableSpec) -> int:
     return int(spec.cache_bytes) // max(1, int(spec.num_shards))
 
 
-#: The ids an INDEX table accepts are [0, ID_SPACE): its spec's num_rows.
-ID_SPACE = 2**63 - 1
-
-
 def _validate_index(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
     """An INDEX table: ids are the user's (any int64 >= 0), sharded by id like ROWS; the factory
     string, metric and payload are checked by building an empty index of them."""
@@ -137,7 +133,7 @@ def _validate_index(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         raise InvalidArgumentError("sharding: index tables are sharded by id (ROWS)")
     if spec.sync_updates or spec.sync_workers:
         raise InvalidArgumentError("sync_updates: only value tables take training steps")
-    spec.sharding, spec.num_rows = pb.ROWS, ID_SPACE
+    spec.sharding, spec.num_rows = pb.ROWS, INDEX_ID_SPACE
     spec.index_factory = spec.index_factory or "Flat"
     if spec.metric == pb.METRIC_UNSPECIFIED:
         spec.metric = pb.INNER_PRODUCT
