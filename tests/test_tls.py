@@ -104,3 +104,28 @@ def test_a_certificate_naming_a_dns_name_is_checked_for_that_name(tls_server):
 def test_unreadable_tls_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="TLS key file .*missing-key.pem"):
         TlsFiles(str(tmp_path / "c.pem"), str(tmp_path / "missing-key.pem")).read()
+
+
+def test_a_key_that_is_not_the_certificates_is_refused_before_anything_starts(tmp_path):
+    """check_pair, and `memserver up` with it before Ray starts: one line naming the flags, where
+    the shard used to abort in gRPC's TLS setup ("Failed to bind") with the cause only in the log."""
+    import os
+    import subprocess
+    import sys
+
+    from memserver.cluster.secure import check_pair
+    from tests.certs import self_signed
+
+    cert, key = self_signed(tmp_path, "a")
+    _, other_key = self_signed(tmp_path, "b")
+    check_pair(cert.read_bytes(), key.read_bytes())
+    for c, k, says in ((cert, other_key, "the key is not the certificate's"), (key, key, "holds no PEM certificate"),
+                       (cert, cert, "holds no unencrypted PEM private key")):
+        with pytest.raises(ValueError, match=says):
+            check_pair(c.read_bytes(), k.read_bytes())
+    env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
+    up = subprocess.run([sys.executable, "-m", "memserver.cli", "up", "--shards", "1", "--tls-cert", str(cert),
+                         "--tls-key", str(other_key)], env=env, capture_output=True, text=True, timeout=120)
+    assert up.returncode == 2 and "--tls-cert/--tls-key: the key is not the certificate's" in up.stderr, up.stderr
+    assert "Traceback" not in up.stderr and "starting an embedded Ray head" not in up.stderr
+

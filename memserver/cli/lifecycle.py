@@ -148,6 +148,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from memserver.cluster.launch import start_cluster
 
     t0 = time.perf_counter()
+    tokens = _tokens(args)  # files checked before Ray starts
+    tls = _tls(args)
     if args.address:
         log.info("joining Ray cluster at %s", args.address)
         ray.init(address=args.address, namespace="memserver", logging_level=logging.WARNING)
@@ -164,8 +166,6 @@ def cmd_up(args: argparse.Namespace) -> int:
             namespace="memserver",
             logging_level=logging.WARNING,
         )
-    tokens = _tokens(args)
-    tls = _tls(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -180,6 +180,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     ca = cluster.tls_ca or (_ca(args) if tls else None)
     server_name = cluster.tls_server_name or args.tls_server_name
     try:
+        if ca:
+            _check_clients_verify(cluster.endpoint, tokens[0] if tokens else None, ClientTls(ca, server_name))
         tables = cfg.get("tables") or []
         notes: list[str] = []  # what the user should read: in the log, and said by a detached `up`
         if tables:
@@ -300,13 +302,33 @@ def _tls(args: argparse.Namespace) -> Any:
         if args.tls_ca or args.tls_server_name:
             raise CliError("--tls-ca and --tls-server-name need --tls-cert and --tls-key")
         return None
+    from memserver.cluster.secure import check_pair
+
     tls = TlsFiles(str(Path(args.tls_cert).absolute()), str(Path(args.tls_key).absolute()))
     try:
-        tls.read()
+        key, cert = tls.read()
+        check_pair(cert, key)
         _ca(args)
     except ValueError as exc:
         raise CliError(f"--tls-cert/--tls-key: {exc}") from None
     return tls
+
+
+def _check_clients_verify(endpoint: str, token: str | None, tls: Any) -> None:
+    """A client with what the endpoint file will say (the CA, the server name) reaches the
+    cluster, or `up` stops: a certificate that does not name the address clients dial would
+    otherwise be "ready" to no client."""
+    from client import MemoryClient
+    from memserver.api.errors import MemserverError
+
+    try:
+        with MemoryClient(endpoint, token=token, tls=tls, timeout=10) as client:
+            client.list_tables()
+    except MemserverError as exc:
+        host = endpoint.rsplit(":", 1)[0]
+        raise CliError(f"clients cannot verify the servers' TLS certificate at {endpoint}: {exc.details}; the "
+                       f"certificate must name {host} (what clients dial) in its subjectAltName, or give "
+                       "--tls-server-name with a name it holds") from None
 
 
 def _ca(args: argparse.Namespace) -> bytes:

@@ -44,6 +44,26 @@ def network_facing(host: str | None) -> bool:
     return host is None or not is_loopback(host)
 
 
+def check_pair(cert_pem: bytes, key_pem: bytes) -> None:
+    """Refuse (ValueError, saying which) a certificate file that holds no PEM certificate, a key
+    file that holds no unencrypted PEM private key, or a key that is not the certificate's: a
+    server given them would abort in gRPC's TLS setup with "Failed to bind"."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)  # the first of a chain: the server's own
+    except ValueError as exc:
+        raise ValueError(f"the certificate file holds no PEM certificate ({exc})") from None
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"the key file holds no unencrypted PEM private key ({exc})") from None
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        raise ValueError("the key is not the certificate's (its public key differs from the one the certificate holds)")
+
+
 def self_signed(directory: str | os.PathLike[str], addresses: list[str]) -> tuple[TlsFiles, bytes]:
     """A fresh EC P-256 certificate for SERVER_NAME and `addresses`, its own CA, valid CERT_DAYS;
     returns the files (cert 0644, key 0600, written atomically) and the CA bytes clients trust."""
