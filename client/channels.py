@@ -67,8 +67,11 @@ def client_tls(endpoint: str | None, record: dict[str, Any] | None = None) -> Cl
     $MEMSERVER_TLS_SERVER_NAME), else the endpoint file's when the client talks to that file's
     endpoint. None: plaintext."""
     if path := os.environ.get(TLS_CA_ENV):
-        with open(path, "rb") as f:
-            return ClientTls(f.read(), os.environ.get(TLS_SERVER_NAME_ENV) or None)
+        try:
+            with open(path, "rb") as f:
+                return ClientTls(f.read(), os.environ.get(TLS_SERVER_NAME_ENV) or None)
+        except OSError as exc:  # the variable is what the user can fix: name it
+            raise OSError(exc.errno, f"${TLS_CA_ENV}: {exc.strerror}", path) from None
     ca = _from_endpoint_file(endpoint, record, "tls_ca")
     return ClientTls(ca.encode(), _from_endpoint_file(endpoint, record, "tls_server_name")) if ca else None
 

@@ -82,6 +82,9 @@ def test_client_channels_speak_tls_given_the_ca(tls_server, monkeypatch, tmp_pat
     (tmp_path / "ca.pem").write_bytes(ca)
     monkeypatch.setenv("MEMSERVER_TLS_CA", str(tmp_path / "ca.pem"))
     assert client_tls("anything:1") == ClientTls(ca)
+    monkeypatch.setenv("MEMSERVER_TLS_CA", str(tmp_path / "nope.pem"))
+    with pytest.raises(FileNotFoundError, match=r"\$MEMSERVER_TLS_CA: No such file or directory: '.*nope.pem'"):
+        client_tls("anything:1")
     monkeypatch.delenv("MEMSERVER_TLS_CA")
     record = {"endpoint": address, "tls_ca": ca.decode(), "tls_server_name": "memserver.test"}
     assert client_tls(address, record) == ClientTls(ca, "memserver.test")
