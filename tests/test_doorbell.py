@@ -157,10 +157,12 @@ def test_the_read_tokens_region_takes_reads_only(auth_cluster, table_name):
     try:
         ids, w, g = np.arange(8).reshape(4, 2), np.ones((4, 2), np.float32), np.ones((4, 8), np.float32)
         before = reader.aio.shm.bell_calls
+        failures = writer.status().shards[0].calls.auth_failures
         assert reader.bag(table_name, ids, w).shape == (4, 8)
         with pytest.raises(PermissionDeniedError, match="read token"):
             reader.bag_backward(table_name, ids, w, g)
         assert reader.aio.shm.bell_calls - before == 2  # both by the doorbell
+        assert writer.status().shards[0].calls.auth_failures == failures + 1  # counted as gRPC's refusals are
         before = writer.aio.shm.bell_calls
         writer.bag_backward(table_name, ids, w, g)
         assert writer.aio.shm.bell_calls - before == 1

@@ -422,13 +422,17 @@ def serve_off_loop(servicer: Any, admission: Admission | None, metrics: CallMetr
     measures."""
     t0 = time.perf_counter()
     request: Any = None
-    entered, size = False, 0
+    entered, size, for_token = False, 0, False
     try:
         try:
             if parse is None:
                 raise InvalidArgumentError(f"{name!r} is not a call served here ({', '.join(servicer.PLANS)})")
             if before is not None:
-                before(name)
+                try:
+                    before(name)
+                except PermissionDeniedError:  # the token's role: an auth failure, as Authenticate counts it
+                    for_token = True
+                    raise
             if admission is not None:
                 admission.enter(name)  # before the request is read
                 entered = True
@@ -450,7 +454,9 @@ def serve_off_loop(servicer: Any, admission: Admission | None, metrics: CallMetr
     finally:
         if entered and admission is not None:
             admission.leave(size)
-    if metrics is not None:
+    if metrics is not None and for_token:
+        metrics.refused(name, code.name)
+    elif metrics is not None:
         metrics.observe(name if parse is not None else "other", getattr(request, "table", ""), code.name,
                         time.perf_counter() - t0)
     return code, out
