@@ -349,6 +349,21 @@ def test_up_refuses_a_data_dir_whose_tables_need_more_shards(tmp_path, capsys, m
     check_data_dir(data, 2)
     check_data_dir(data, 3)  # more shards than before: the new ones start empty
     check_data_dir(tmp_path / "nothing-yet", 1)
+    # a read-only mount (in a mount namespace of its own): refused naming it, where the shards used
+    # to abort in Ray ("Read-only file system" only in the log); a missing directory below it too
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    script = ("import sys; from memserver.storage.store import check_data_dir\n"
+              "for d in sys.argv[1:]:\n"
+              "    try:\n        check_data_dir(d, 1); print('accepted', d)\n"
+              "    except ValueError as e:\n        print('refused', e)\n")
+    out = subprocess.run(["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o ro none "{ro}" && "{sys.executable}" -c '
+                          f'"$0" "{ro}" "{ro}/new/data"', script], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.splitlines() == [f"refused data directory {ro}: {ro} is not writable here (a read-only mount, or "
+                                       "permissions); the shards keep their records and logs there",
+                                       f"refused data directory {ro}/new/data: {ro} is not writable here (a read-only "
+                                       "mount, or permissions); the shards keep their records and logs there"], out.stderr
 
 
 def test_verbose_goes_before_or_after_the_command():

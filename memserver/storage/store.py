@@ -68,6 +68,12 @@ def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
     path = Path(root)
     if path.exists() and not path.is_dir():
         raise ValueError(f"data directory {path}: not a directory")
+    existing = path.absolute()
+    while not existing.exists():  # what the shards will create their directories in
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):  # (a read-only mount too: access() says EROFS)
+        raise ValueError(f"data directory {path}: {existing} is not writable here (a read-only mount, or "
+                         "permissions); the shards keep their records and logs there")
     held: dict[int, list[str]] = {}
     for p in path.glob("shard-*/*/table.json"):
         try:
