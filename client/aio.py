@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 import random
 import time
 import uuid
@@ -87,6 +88,52 @@ class Backoff:
             return None
         self.delay = min(2 * self.delay, RETRY_MAX_DELAY)
         return sleep
+
+
+#: A value table spec's integer fields and the bits of their protobuf type (a larger value would
+#: fail inside protobuf, naming no field).
+_SPEC_INTS = {"num_rows": 63, "dim": 63, "seed": 63, "num_shards": 31, "sync_workers": 31, "cache_bytes": 63}
+
+
+def value_table_spec(name: str, num_rows: int, dim: int, *, sharding: str | None = None, optimizer: str = "adagrad",
+                     lr: float = 0.01, dtype: str = "float32", init_std: float = 0.02, seed: int = 0, num_shards: int = 0,
+                     eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999), sync_workers: int = 0,
+                     wal: bool = False, tier: str = "ram", cache_bytes: int = 0) -> pb.TableSpec:
+    """The CreateTable spec of `create_table`'s arguments, each field's type and range checked here
+    (InvalidArgumentError naming it); what the spec means is the coordinator's to check
+    (memserver.server.catalog.validate_spec, which `memserver up --config` also runs first)."""
+    given = {"num_rows": num_rows, "dim": dim, "seed": seed, "num_shards": num_shards, "sync_workers": sync_workers,
+             "cache_bytes": cache_bytes}
+    for key, bits in _SPEC_INTS.items():
+        v = given[key]
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise InvalidArgumentError(f"{key}: must be an integer, got {v!r}")
+        if not -(1 << bits) <= v < 1 << bits:
+            raise InvalidArgumentError(f"{key}: {v} is out of range (at most {(1 << bits) - 1:,})")
+    for key, f in (("lr", lr), ("init_std", init_std), ("eps", eps), ("betas", betas[0]), ("betas", betas[1])):
+        if f is not None and (isinstance(f, bool) or not isinstance(f, numbers.Real)):
+            raise InvalidArgumentError(f"{key}: must be a number, got {f!r}")
+    if sharding is not None and sharding not in SHARDINGS:
+        raise InvalidArgumentError(f"sharding: expected 'rows' or 'cols', got {sharding!r}")
+    if sync_workers < 0:  # (the spec would say "only meaningful with sync_updates", a field no caller sets)
+        raise InvalidArgumentError(f"sync_workers: must be >= 0 (0: not a sync_updates table), got {sync_workers}")
+    return pb.TableSpec(
+        name=name,
+        kind=pb.VALUE,
+        num_rows=num_rows,
+        dim=dim,
+        sharding=SHARDINGS[sharding] if sharding else pb.SHARDING_UNSPECIFIED,
+        optimizer=pb.OptimizerSpec(name=optimizer, lr=lr, eps=eps, beta1=betas[0], beta2=betas[1]),
+        dtype=dtype_code(dtype),
+        init_std=init_std,
+        seed=seed,
+        num_shards=num_shards,
+        sync_updates=sync_workers > 0,
+        sync_workers=sync_workers,
+        wal=wal,
+        tier=tier,
+        cache_bytes=cache_bytes,
+    )
 
 
 class AsyncMemoryClient:
@@ -338,27 +385,9 @@ class AsyncMemoryClient:
         `wal`: log every write before acknowledging it, so a restarted shard loses none (see
         docs/architecture.md for what it costs); without it a restart returns the table to its
         latest checkpoint. `eps` None: the optimizer's default (0 is a value, as is a beta of 0)."""
-        if sharding is not None and sharding not in SHARDINGS:
-            raise InvalidArgumentError(f"sharding: expected 'rows' or 'cols', got {sharding!r}")
-        if sync_workers < 0:  # (the spec would say "only meaningful with sync_updates", a field no caller sets)
-            raise InvalidArgumentError(f"sync_workers: must be >= 0 (0: not a sync_updates table), got {sync_workers}")
-        spec = pb.TableSpec(
-            name=name,
-            kind=pb.VALUE,
-            num_rows=num_rows,
-            dim=dim,
-            sharding=SHARDINGS[sharding] if sharding else pb.SHARDING_UNSPECIFIED,
-            optimizer=pb.OptimizerSpec(name=optimizer, lr=lr, eps=eps, beta1=betas[0], beta2=betas[1]),
-            dtype=dtype_code(dtype),
-            init_std=init_std,
-            seed=seed,
-            num_shards=num_shards,
-            sync_updates=sync_workers > 0,
-            sync_workers=sync_workers,
-            wal=wal,
-            tier=tier,
-            cache_bytes=cache_bytes,
-        )
+        spec = value_table_spec(name, num_rows, dim, sharding=sharding, optimizer=optimizer, lr=lr, dtype=dtype,
+                                init_std=init_std, seed=seed, num_shards=num_shards, eps=eps, betas=betas,
+                                sync_workers=sync_workers, wal=wal, tier=tier, cache_bytes=cache_bytes)
         return await self._create(spec, replace)
 
     async def _create(self, spec: pb.TableSpec, replace: bool) -> TableMeta:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -220,6 +221,36 @@ def test_sizes_and_numbers_in_a_tables_yaml_are_read_as_a_user_writes_them(tmp_p
     path.write_text("tables:\n  - {name: a, num_rows: 10, dim: 2, tier: disk, cache_bytes: 4G, lr: 1e-3}\n")
     [table] = cli.load_config(str(path))["tables"]
     assert table["cache_bytes"] == 4 << 30 and table["lr"] == 0.001  # YAML reads 1e-3 as a string
+
+
+@pytest.mark.parametrize("table, message", [
+    ("{name: b1, num_rows: 1000, dim: 8, cache_bytes: 4M}", "cache_bytes: only a tier 'disk' table has a cache"),
+    ("{name: b1, num_rows: 1000, dim: 8, tier: disk, dtype: float16}", "dtype: a tier 'disk' table stores float32"),
+    ("{name: b1, num_rows: 1000, dim: 8, num_shards: 3}", "num_shards: 3 requested, the cluster has 2 shards"),
+    ("{name: b1, num_rows: 99999999999999999999, dim: 8}", "num_rows: 99999999999999999999 is out of range"),
+    ("{name: 'b 1', num_rows: 1000, dim: 8}", "name: 'b 1' is not a table name"),
+])
+def test_up_checks_every_config_table_as_the_cluster_would_before_anything_starts(tmp_path, capsys, monkeypatch,
+                                                                                   table, message):
+    """What only the coordinator checks (tier and cache, dtype, shards, ranges) is refused before
+    Ray starts, naming the entry: `up` used to stop halfway, the tables before it made and kept."""
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    path = tmp_path / "t.yaml"
+    path.write_text(f"tables:\n  - {{name: ok1, num_rows: 1000, dim: 8, tier: disk}}\n  - {table}\n")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["up", "--shards", "2", "--config", str(path), "--data-dir", str(tmp_path / "data")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--config: tables[1] (" in err and f") in {path}: {message}" in err, err
+    assert "starting an embedded Ray head" not in err and not (tmp_path / "data").exists()
+
+
+def test_sizes_are_exact_and_bounded():
+    from memserver.cli.common import parse_size
+
+    assert parse_size("9223372036854775807") == 2**63 - 1 and parse_size("1.5K") == 1536  # a float rounds the first up
+    for text, says in (("9223372036854775808", "too large"), ("0.5", "not a whole number"), ("9999999999T", "too large")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            parse_size(text)
 
 
 def test_create_table_and_drop_table_from_the_cli(memory_cluster):

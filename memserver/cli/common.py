@@ -101,7 +101,11 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
     if m is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 512M, 2G)")
-    value = float(m.group(1)) * _UNITS[m.group(2)]
-    if value != int(value):  # "0.5" would become 0, which turns a limit off
+    from fractions import Fraction
+
+    value = Fraction(m.group(1)) * _UNITS[m.group(2)]  # exact: a float would round 2^63-1 up
+    if value.denominator != 1:  # "0.5" would become 0, which turns a limit off
         raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
+    if value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"too large: {text!r} (at most 2^63 - 1 bytes)")
     return int(value)

@@ -129,7 +129,23 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
             check_data_dir(data_dir, shards)
         except ValueError as exc:
             raise CliError(f"--data-dir (or the config's data_dir): {exc}") from None
+    _check_config_tables(args, cfg, shards)
     return shards, shard_cpus, shard_gpus
+
+
+def _check_config_tables(args: argparse.Namespace, cfg: dict[str, Any], shards: int) -> None:
+    """Every --config table through the coordinator's own spec check (catalog.validate_spec) before
+    anything starts: one the cluster would refuse used to stop `up` halfway, the tables before it
+    made (and kept in --data-dir), the error naming no entry."""
+    from client.aio import value_table_spec
+    from memserver.api.errors import InvalidArgumentError
+    from memserver.server.catalog import validate_spec
+
+    for i, table in enumerate(cfg.get("tables") or []):
+        try:
+            validate_spec(value_table_spec(**table), shards)
+        except InvalidArgumentError as exc:
+            raise CliError(f"--config: tables[{i}] ({table['name']}) in {args.config}: {exc.details}") from None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
