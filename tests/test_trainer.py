@@ -395,6 +395,29 @@ def test_resume_refuses_other_flags_and_keeps_checkpointing(tmp_path, caplog):
                                               "--checkpoint-dir", str(ck)])))
 
 
+def test_a_resume_continues_the_checkpoints_settings_of_flags_left_out(tmp_path):
+    """memtrain's own parse (main): a RESUMED_ALIKE flag left out of the resume's command line is
+    the checkpoint's (a run with --value-optimizer sgd, resumed as the README shows, used to be
+    refused for the default it had not given); one given otherwise is still refused by name; the
+    resumed losses equal an uninterrupted run's."""
+    from trainer.train import given_flags
+
+    def run(argv: list[str]) -> list[tuple[float, float | None]]:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.given = given_flags(parser, argv)
+        return [(r["loss"], r.get("val_loss")) for r in train(args)]
+
+    common = [*TINY, "--seed", "3", "--eval-every", "2"]
+    setting = ["--memory", "local", "--value-optimizer", "sgd", "--value-lr", "0.2", "--lr", "0.003"]
+    whole = run([*common, *setting, "--steps", "4"])
+    ck = tmp_path / "ck"
+    run([*common, *setting, "--steps", "2", "--checkpoint-dir", str(ck)])
+    with pytest.raises(SystemExit, match="value_lr = 0.2, this run gives 0.5 \\(--value-lr\\)"):
+        run([*common, "--steps", "4", "--resume", str(ck), "--value-lr", "0.5"])
+    assert run([*common, "--steps", "4", "--resume", str(ck)]) == whole[2:]
+
+
 def test_local_values_refuse_what_the_shards_refuse_and_change_nothing(client, table_name):
     """The library's in-process table checks a call as the cluster does, with the same message:
     its compiled kernels do not check, so an id out of range used to update row 253 for -3,

@@ -14,6 +14,7 @@ log step with --log-json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import math
@@ -559,7 +560,8 @@ def _refuse_other(resume: str, key: str, was: Any, now: Any) -> None:
     if was != now:
         flag = _FLAG_OF.get(key, "--" + key.replace("_", "-"))
         raise SystemExit(f"memtrain: error: --resume {resume}: the checkpoint was trained with {key} = {was!r}, this "
-                         f"run gives {now!r} ({flag}); a resumed run continues the checkpoint's: give its flags")
+                         f"run gives {now!r} ({flag}); a resumed run continues the checkpoint's: give its flags "
+                         "(those of its optimizers and tables may be left out)")
 
 
 #: A checkpoint's shapes, compared with the run's: the memory's settings and the model's.
@@ -587,12 +589,19 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     latest = resume_file(args.resume)
     blob = torch.load(latest, map_location="cpu", weights_only=False)
     mode = _memory_mode(blob["values"]) if "values" in blob else None
+    if mode is not None and "memory" not in getattr(args, "given", {"memory"}):
+        args.memory = mode
     if mode is not None and args.memory != mode:
         raise SystemExit(f"memtrain: error: --resume {args.resume}: the checkpoint was written with --memory {mode}, "
                          f"this run is --memory {args.memory} (its values are "
                          f"{'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
+    given = getattr(args, "given", None)  # the flags the command line set (main's parse; None: unknown)
     for key, was in blob.get("flags", {}).items():  # (absent: written before checkpoints recorded them)
-        if key in RESUMED_ALIKE:
+        if key in RESUMED_ALIKE and given is not None and key not in given:
+            if getattr(args, key) != was:  # left out: continued as the checkpoint has it
+                log.info("--resume: %s = %r, as the checkpoint was trained", key, was)
+            setattr(args, key, was)
+        elif key in RESUMED_ALIKE:
             _refuse_other(args.resume, key, was, getattr(args, key))
     # the shapes the flags alone decide (the KIF sources' names and the vocabulary: once built)
     memory = {k: v for k, v in asdict(memory_config(args)).items() if k != "kif_sources"}
@@ -877,12 +886,22 @@ def main(argv: list[str] | None = None) -> int:
         return trace_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.given = given_flags(parser, argv)
     try:
         return _main(args)
     except MemserverError as exc:
         if args.debug:
             raise
         parser.exit(1, f"memtrain: error: {one_line(exc)} (--debug: the traceback)\n")
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
+    """The settings `argv` gives itself (its flags' dests), not left at their defaults: a resume
+    continues the checkpoint's setting of a flag left out, and refuses one given otherwise."""
+    probe = copy.deepcopy(parser)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(probe.parse_known_args(argv)[0]))
 
 
 def _main(args: argparse.Namespace) -> int:
