@@ -311,15 +311,24 @@ def _slice(**spec_fields):
     return TableSlice(spec, info, 1, torch.device("cpu"))
 
 
-def test_a_write_that_fails_after_it_was_logged_stops_the_slices_writes():
-    sl = _slice()
+@pytest.mark.parametrize("wal", [True, False])
+def test_a_write_that_fails_after_it_was_logged_stops_the_slices_writes(tmp_path, wal):
+    """Said as it is: a logged write where the table has a log, a write applied part way where
+    it has none (it used to say "logged" there too); and what lifts it."""
+    sl = _slice(wal=wal)
+    if wal:
+        from memserver.storage.wal import WriteAheadLog
+
+        sl.wal = WriteAheadLog(tmp_path / "wal")
 
     def boom():
         raise MemoryError("no room for the update")
 
     with pytest.raises(MemoryError):
         sl.once(pb.WriteTag(client_id="c", seq=1, acked_below=1), 2, pb.PushGradientsRequest(), boom)
-    with pytest.raises(RuntimeError, match="logged write failed to apply"):
+    said = "a logged write failed to apply" if wal else "a write failed part way"
+    with pytest.raises(RuntimeError, match=f"table s: {said} .*; writes are refused until the shard restarts, or the "
+                       "table is restored \\(memserver restore --replace --table s\\)"):
         sl.check_writable()
 
 

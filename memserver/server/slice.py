@@ -139,7 +139,8 @@ class TableSlice:
         """Refuse writes while `writes_refused` says why."""
         why = self.writes_refused()
         if why:
-            raise RuntimeError(f"table {self.spec.name}: {why}; writes are refused until the shard restarts")
+            raise RuntimeError(f"table {self.spec.name}: {why}; writes are refused until the shard restarts, or the "
+                               f"table is restored (memserver restore --replace --table {self.spec.name})")
 
     def local(self, ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
         """Global ids -> local rows (an index keeps the global ids), rejecting ids this shard
@@ -181,7 +182,7 @@ class TableSlice:
         try:
             answer = apply()
         except Exception as exc:
-            self.fail_writes(f"a logged write failed to apply ({exc!r})")
+            self.fail_writes(self._apply_failed(exc))
             raise
         if not tag.client_id:
             return answer, False
@@ -200,8 +201,15 @@ class TableSlice:
             if update is not None:
                 update()
         except Exception as exc:
-            self.fail_writes(f"a logged write failed to apply ({exc!r})")
+            self.fail_writes(self._apply_failed(exc))
             raise
+
+    def _apply_failed(self, exc: BaseException) -> str:
+        """Why writes stop after `exc` interrupted a write: logged (the log holds it, memory does not)
+        or, without a log, applied part way."""
+        if self.wal is not None:
+            return f"a logged write failed to apply ({exc!r})"
+        return f"a write failed part way ({exc!r})"
 
     def fail_writes(self, why: str) -> None:
         """A write is in the log but not in memory: the table no longer equals its log, so refuse
