@@ -259,7 +259,7 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
     ids, vectors = _data(300, seed=12)
     bad = vectors.copy()
     bad[250, 3] = np.nan
-    files = {"v": vectors, "nan": bad, "i": ids, "fi": ids.astype(np.float64) + 0.5, "iv": (vectors * 100).astype(np.int64)}
+    files = {"v": vectors, "nan": bad, "i": ids, "fi": ids.astype(np.float64) + 0.5, "u64": ids.astype(np.uint64)}
     for name, a in files.items():
         np.save(tmp_path / f"{name}.npy", a)
     np.savez(tmp_path / "z.npz", v=vectors)
@@ -277,14 +277,15 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
     rc, err = build("--vectors", str(tmp_path / "nan.npy"))
     assert rc != 0 and "NaN" in err and table_name not in tables()
     for argv, says in ((["--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "fi.npy")],
-                        "--ids: dtype must be int64 or int32, got float64"),
-                       (["--vectors", str(tmp_path / "iv.npy")], "--vectors: dtype must be floating point, got int64"),
+                        "--ids: dtype must be an integer type int64 holds exactly (int64, int32, uint32, ...), got float64"),
+                       (["--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "u64.npy")],
+                        "--ids: dtype must be an integer type int64 holds exactly"),
                        (["--vectors", str(tmp_path / "z.npz")], "is not a .npy array (an .npz archive?")):
         rc, err = build(*argv)
         assert rc != 0 and says in err and "Traceback" not in err, (argv, err)
         assert table_name not in tables()
     rc, err = build("--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "i.npy"), "--factory", "PCA8,Flat")
-    assert rc == 0 and client.search(table_name, vectors[:3], 1)[1][:, 0].tolist() != []
+    assert rc == 0 and client.search(table_name, vectors[:3], 1)[1][:, 0].tolist() == ids[:3].tolist()  # trained PCA
     rc, err = build("--vectors", str(tmp_path / "v.npy"))
     assert rc != 0 and "already exists: add --replace to replace it" in err
     assert build("--vectors", str(tmp_path / "v.npy"), "--replace")[0] == 0

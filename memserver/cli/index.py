@@ -45,10 +45,11 @@ def _check_dtype(a: np.ndarray | None, flag: str, ids: bool = False) -> None:
     a cast here would turn 0.5 into 0 or 2^64-1 into -1 silently."""
     if a is None:
         return
-    if ids and a.dtype not in (np.int64, np.int32):
-        raise CliError(f"{flag}: dtype must be int64 or int32, got {a.dtype}")
-    if not ids and a.dtype.kind != "f":
-        raise CliError(f"{flag}: dtype must be floating point, got {a.dtype}")
+    if ids and not np.can_cast(a.dtype, np.int64, "safe"):  # (uint8/16/32 and int8/16 are exact in int64)
+        raise CliError(f"{flag}: dtype must be an integer type int64 holds exactly (int64, int32, uint32, ...), "
+                       f"got {a.dtype}")
+    if not ids and a.dtype.kind not in "fiu":  # integer vectors (uint8 SIFT/BIGANN files) become float32
+        raise CliError(f"{flag}: dtype must be a number type, got {a.dtype}")
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -68,7 +69,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"--payload: {len(payload)} rows for {n} vectors")
     if ids is not None and len(ids) != n:
         raise CliError(f"--ids: {len(ids)} ids for {n} vectors")
-    sample = train_rows(n, dim, args.train_sample) if args.train is not False else 0
+    if args.train:  # an explicit --train: its sample checked before anything is made
+        train_rows(n, dim, args.train_sample)
     out: dict[str, Any] = {"table": args.name, "vectors": n, "dim": dim, "index_factory": args.factory}
     t0 = time.perf_counter()
     with cli_client(args) as client:
@@ -79,7 +81,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             if args.train is None:  # as the shards built it: faiss says whether its kind needs training
                 args.train = any(not t.trained for sh in client.status().shards for t in sh.tables if t.table == args.name)
             if args.train:
-                rows = np.sort(np.random.default_rng(0).choice(n, sample, replace=False))
+                rows = np.sort(np.random.default_rng(0).choice(n, train_rows(n, dim, args.train_sample), replace=False))
                 out["train"] = client.train_index(args.name, np.ascontiguousarray(vectors[rows], dtype=np.float32))
             with tqdm(total=n, unit="vec", desc=f"loading {args.name}", disable=args.json or None) as bar:
                 for s in range(0, n, LOAD_BATCH):

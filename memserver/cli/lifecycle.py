@@ -141,7 +141,11 @@ def _check_config_tables(args: argparse.Namespace, cfg: dict[str, Any], shards: 
     from memserver.api.errors import InvalidArgumentError
     from memserver.server.catalog import validate_spec
 
+    data_dir = _flag_or_config(args, cfg, "data_dir", None)
+    held = {p.parent.name for p in Path(data_dir).glob("shard-*/*/table.json")} if data_dir else set()
     for i, table in enumerate(cfg.get("tables") or []):
+        if table["name"] in held:  # recovered as it is, not made (another --shards may not suit its spec)
+            continue
         try:
             validate_spec(value_table_spec(**table), shards)
         except InvalidArgumentError as exc:
@@ -338,11 +342,11 @@ def _check_clients_verify(endpoint: str, token: str | None, tls: Any) -> None:
     from memserver.api.errors import MemserverError
 
     try:
-        with MemoryClient(endpoint, token=token, tls=tls, timeout=10) as client:
+        with MemoryClient(endpoint, token=token, tls=tls, timeout=10, retry_seconds=5) as client:
             client.list_tables()
     except MemserverError as exc:
         host = endpoint.rsplit(":", 1)[0]
-        raise CliError(f"clients cannot verify the servers' TLS certificate at {endpoint}: {exc.details}; the "
+        raise CliError(f"clients cannot reach or verify the servers' TLS certificate at {endpoint}: {exc.details}; the "
                        f"certificate must name {host} (what clients dial) in its subjectAltName, or give "
                        "--tls-server-name with a name it holds") from None
 

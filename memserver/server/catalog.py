@@ -92,8 +92,7 @@ DEFAULT_CACHE_FRACTION = 8
 
 def _validate_tier(spec: pb.TableSpec) -> None:
     """tier "disk": float32 rows under a cache of at least MIN_CACHE_BYTES per slice; no
-    cache_bytes: 1/DEFAULT_CACHE_FRACTION of the table's records (at least that minimum); more
-    than all its records: all its records."""
+    cache_bytes: 1/DEFAULT_CACHE_FRACTION of the table's records (at least that minimum)."""
     from memserver.core.disk import MIN_CACHE_BYTES, record_layout
 
     spec.tier = spec.tier or "ram"
@@ -105,14 +104,12 @@ def _validate_tier(spec: pb.TableSpec) -> None:
         return
     if spec.dtype != pb.FLOAT32:
         raise InvalidArgumentError(f"dtype: a tier 'disk' table stores float32, not {pb.DType.Name(spec.dtype)}")
-    records = spec.num_rows * record_layout(spec.dim, spec.optimizer.name)[0]
     if not spec.cache_bytes:
+        records = spec.num_rows * record_layout(spec.dim, spec.optimizer.name)[0]
         spec.cache_bytes = max(records // DEFAULT_CACHE_FRACTION, MIN_CACHE_BYTES * spec.num_shards)
     if spec.cache_bytes < MIN_CACHE_BYTES * spec.num_shards:
         raise InvalidArgumentError(f"cache_bytes: a tier 'disk' table needs at least {MIN_CACHE_BYTES} bytes of cache per "
                                    f"shard ({MIN_CACHE_BYTES * spec.num_shards} over {spec.num_shards}), got {spec.cache_bytes}")
-    # a cache larger than every record would be allocated (and counted against memory) for nothing
-    spec.cache_bytes = min(spec.cache_bytes, max(records, MIN_CACHE_BYTES * spec.num_shards))
 
 
 def slice_cache_bytes(spec: pb.TableSpec) -> int:
