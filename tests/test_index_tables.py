@@ -280,7 +280,8 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
                         "--ids: dtype must be an integer type int64 holds exactly (int64, int32, uint32, ...), got float64"),
                        (["--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "u64.npy")],
                         "--ids: dtype must be an integer type int64 holds exactly"),
-                       (["--vectors", str(tmp_path / "z.npz")], "is not a .npy array (an .npz archive?")):
+                       (["--vectors", str(tmp_path / "z.npz")], "is not a .npy array (an .npz archive?"),
+                       (["--vectors", str(tmp_path / "v.npy"), "--train-sample", "-1"], "--train-sample must be >= 0")):
         rc, err = build(*argv)
         assert rc != 0 and says in err and "Traceback" not in err, (argv, err)
         assert table_name not in tables()
@@ -307,8 +308,6 @@ def test_index_build_trains_on_what_one_request_carries():
     assert train_rows(500, 64, None) == 500 and train_rows(500, 64, 0) == 500 and train_rows(10**6, 4096, most) == most
     with pytest.raises(CliError, match="--train-sample: 16,381 vectors of dim 4096 exceed one request; at most 16,380"):
         train_rows(10**6, 4096, most + 1)
-    with pytest.raises(CliError, match="--train-sample must be >= 0"):
-        train_rows(10, 4, -1)
     from client import MemoryClient
 
     with MemoryClient("127.0.0.1:1", timeout=1) as c:  # refused before anything is sent

@@ -41,8 +41,8 @@ def _load(path: str | None, flag: str, ndim: int) -> np.ndarray | None:
 
 
 def _check_dtype(a: np.ndarray | None, flag: str, ids: bool = False) -> None:
-    """The clients' dtype rules (memserver.wire), checked on the file before anything is made:
-    a cast here would turn 0.5 into 0 or 2^64-1 into -1 silently."""
+    """A file's dtype, checked before anything is made: ids cast to int64 only where exact (a cast
+    would turn 0.5 into 0 or 2^64-1 into -1 silently), vectors and payload from any number type."""
     if a is None:
         return
     if ids and not np.can_cast(a.dtype, np.int64, "safe"):  # (uint8/16/32 and int8/16 are exact in int64)
@@ -69,6 +69,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"--payload: {len(payload)} rows for {n} vectors")
     if ids is not None and len(ids) != n:
         raise CliError(f"--ids: {len(ids)} ids for {n} vectors")
+    if args.train_sample is not None and args.train_sample < 0:
+        raise CliError(f"--train-sample must be >= 0, got {args.train_sample}")
     if args.train:  # an explicit --train: its sample checked before anything is made
         train_rows(n, dim, args.train_sample)
     out: dict[str, Any] = {"table": args.name, "vectors": n, "dim": dim, "index_factory": args.factory}
@@ -123,8 +125,6 @@ def train_rows(n: int, dim: int, asked: int | None) -> int:
     most = train_sample_limit(dim)
     if asked is None:
         return min(n, TRAIN_SAMPLE, most)
-    if asked < 0:
-        raise CliError(f"--train-sample must be >= 0, got {asked}")
     rows = min(n, asked or n)
     if rows > most:
         raise CliError(f"--train-sample: {rows:,} vectors of dim {dim} exceed one request; at most {most:,}")

@@ -31,7 +31,7 @@ from memserver.cluster import (
 )
 from memserver.cluster.endpoint import pid_alive
 from memserver.server.sessions import SESSION_TTL
-from memserver.storage.store import check_data_dir
+from memserver.storage.store import check_data_dir, held_slices
 
 log = logging.getLogger("memserver")
 
@@ -142,7 +142,7 @@ def _check_config_tables(args: argparse.Namespace, cfg: dict[str, Any], shards: 
     from memserver.server.catalog import validate_spec
 
     data_dir = _flag_or_config(args, cfg, "data_dir", None)
-    held = {p.parent.name for p in Path(data_dir).glob("shard-*/*/table.json")} if data_dir else set()
+    held = {name for names in held_slices(data_dir).values() for name in names} if data_dir else set()
     for i, table in enumerate(cfg.get("tables") or []):
         if table["name"] in held:  # recovered as it is, not made (another --shards may not suit its spec)
             continue

@@ -212,8 +212,9 @@ class TableSlice:
         return f"a write failed part way ({exc!r})"
 
     def fail_writes(self, why: str) -> None:
-        """A write is in the log but not in memory: the table no longer equals its log, so refuse
-        every later write (a restart rebuilds it from the log)."""
+        """A write failed after it was logged (or, without a log, part way): the table no longer
+        equals its log or what was acknowledged, so refuse every later write (a restart rebuilds it
+        from its checkpoint and log)."""
         if not self.write_failure:
             log.error("table %s: %s; writes are refused until the shard restarts", self.spec.name, why)
             self.write_failure = why

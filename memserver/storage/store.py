@@ -60,6 +60,18 @@ class ShardStore:
         shutil.rmtree(self.table_dir(name), ignore_errors=True)
 
 
+def held_slices(root: str | os.PathLike[str]) -> dict[int, list[str]]:
+    """The tables a data directory keeps slices of, by shard index (what a restart recovers)."""
+    held: dict[int, list[str]] = {}
+    for p in Path(root).glob("shard-*/*/table.json"):
+        try:
+            index = int(p.parent.parent.name.removeprefix("shard-"))
+        except ValueError:
+            continue
+        held.setdefault(index, []).append(p.parent.name)
+    return held
+
+
 def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
     """Refuse (ValueError) to start `num_shards` shards on a data directory whose tables have
     slices kept by more shards: shard i loads only `shard-i`, so the slices of the others would
@@ -74,13 +86,7 @@ def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):  # (a read-only mount too: access() says EROFS)
         raise ValueError(f"data directory {path}: {existing} is not writable here (a read-only mount, or "
                          "permissions); the shards keep their records and logs there")
-    held: dict[int, list[str]] = {}
-    for p in path.glob("shard-*/*/table.json"):
-        try:
-            index = int(p.parent.parent.name.removeprefix("shard-"))
-        except ValueError:
-            continue
-        held.setdefault(index, []).append(p.parent.name)
+    held = held_slices(path)
     beyond = {i: names for i, names in held.items() if i >= num_shards}
     if beyond:
         names = sorted({n for ns in beyond.values() for n in ns})
