@@ -400,13 +400,16 @@ def test_a_resume_continues_the_checkpoints_settings_of_flags_left_out(tmp_path)
     the checkpoint's (a run with --value-optimizer sgd, resumed as the README shows, used to be
     refused for the default it had not given); one given otherwise is still refused by name; the
     resumed losses equal an uninterrupted run's."""
-    from trainer.train import given_flags
+    import json
+
+    from trainer.train import main
+
+    runs = iter(range(100))
 
     def run(argv: list[str]) -> list[tuple[float, float | None]]:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        args.given = given_flags(parser, argv)
-        return [(r["loss"], r.get("val_loss")) for r in train(args)]
+        log_json = tmp_path / f"run{next(runs)}.jsonl"
+        assert main([*argv, "--log-json", str(log_json)]) == 0
+        return [(r["loss"], r.get("val_loss")) for r in map(json.loads, log_json.read_text().splitlines())]
 
     common = [*TINY, "--seed", "3", "--eval-every", "2"]
     setting = ["--memory", "local", "--value-optimizer", "sgd", "--value-lr", "0.2", "--lr", "0.003"]

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
     d.add_argument("--log-every", type=int, default=10, help="log every N steps")
     d.add_argument("--log-json", help="append one JSON object per log step to this file")
-    d.add_argument("--threads", type=int, default=0, help="CPU threads of torch and of the compiled kernels (numba) in this process (0: torch's default)")
+    d.add_argument("--threads", type=int, default=0, help="CPU threads of torch and of the compiled kernels (numba) "
+                   "in this process (0: torch's default)")
     d.add_argument("--device", default="auto", help=f"where the model, the memory's addressing, local values and the "
                    f"dense optimizer run: {DEVICES} (auto: CUDA when torch sees a GPU; data-parallel: the LOCAL_RANK's)")
     d.add_argument("--dtype", choices=list(DTYPES), default="fp32",
@@ -588,14 +589,14 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     load_checkpoint compares the shapes again once built (the KIF sources and the vocabulary too)."""
     latest = resume_file(args.resume)
     blob = torch.load(latest, map_location="cpu", weights_only=False)
+    given = getattr(args, "given", None)  # the flags the command line set (main's parse; None: unknown)
     mode = _memory_mode(blob["values"]) if "values" in blob else None
-    if mode is not None and "memory" not in getattr(args, "given", {"memory"}):
+    if mode is not None and given is not None and "memory" not in given:
         args.memory = mode
     if mode is not None and args.memory != mode:
         raise SystemExit(f"memtrain: error: --resume {args.resume}: the checkpoint was written with --memory {mode}, "
                          f"this run is --memory {args.memory} (its values are "
                          f"{'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
-    given = getattr(args, "given", None)  # the flags the command line set (main's parse; None: unknown)
     for key, was in blob.get("flags", {}).items():  # (absent: written before checkpoints recorded them)
         if key in RESUMED_ALIKE and given is not None and key not in given:
             if getattr(args, key) != was:  # left out: continued as the checkpoint has it
