@@ -515,11 +515,13 @@ class AsyncMemoryClient:
         return (await self._retrying(lambda: self._control("Checkpoint", request))).path
 
     async def restore(self, dir: str, step: int = 0, *, replace: bool = False, num_shards: int = 0,
-                      tables: list[str] | None = None) -> list[TableMeta]:
+                      tables: list[str] | None = None, tier: str = "", cache_bytes: int = 0) -> list[TableMeta]:
         """Load tables from a checkpoint (the latest complete one when step is 0), optionally
-        into a different number of shards."""
+        into a different number of shards, and the value tables into another `tier` ("ram" or
+        "disk": a table that outgrew its shards' memory) or `cache_bytes` ("" and 0: as saved)."""
         r = await self._control("Restore", pb.RestoreRequest(dir=str(dir), step=step, replace=replace,
-                                                             num_shards=num_shards, tables=tables or []))
+                                                             num_shards=num_shards, tables=tables or [], tier=tier,
+                                                             cache_bytes=cache_bytes))
         metas = [TableMeta.from_proto(t) for t in r.tables]
         for m in metas:
             self._tables[m.name] = m

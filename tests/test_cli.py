@@ -253,9 +253,10 @@ def test_sizes_are_exact_and_bounded():
             parse_size(text)
 
 
-def test_create_table_and_drop_table_from_the_cli(memory_cluster):
+def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path):
     """A tier disk table made from the command line, as `memserver up --config` makes one, seen by
-    status, refused a second time, then dropped; a bad size is refused naming the flag."""
+    status, refused a second time, then dropped; a RAM table restored onto disk; a bad size is
+    refused naming the flag."""
     from client import MemoryClient
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -274,6 +275,14 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster):
         assert len(loads) == 2 and all(t["tier"] == "disk" for t in loads)
         human = run(["create-table", "cli-ram", "--rows", "100", "--dim", "4", "--wal", *at], env, timeout=120)
         assert human.returncode == 0 and "created cli-ram: 100 x 4 float32" in human.stdout and "wal" in human.stdout
+        # the RAM table outgrew its shards: restored onto disk, under a cache of --cache-bytes
+        ck = ["--dir", str(tmp_path / "ck"), "--table", "cli-ram", *at]
+        assert run(["checkpoint", *ck], env, timeout=120).returncode == 0
+        bad = run(["restore", *ck, "--replace", "--tier", "ram", "--cache-bytes", "4K"], env, timeout=120)
+        assert bad.returncode == 2 and "memserver: error: --cache-bytes: only a tier 'disk' table" in bad.stderr, bad.stderr
+        moved = run(["restore", *ck, "--replace", "--tier", "disk", "--cache-bytes", "4K"], env, timeout=120)
+        assert moved.returncode == 0 and "restored cli-ram: 100 x 4 (cols, tier disk, cache 4.0 KiB) over 2 shards" in moved.stdout, \
+            moved.stdout + moved.stderr
     finally:
         for name in ("cli-disk", "cli-ram"):
             dropped = run(["drop-table", name, *at], env, timeout=120)

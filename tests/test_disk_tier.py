@@ -17,7 +17,7 @@ import torch
 
 import memserver.core.disk as disk_mod
 from benchmarks.disk_tier import drop_page_cache, lru_hit_rate
-from memserver.api.errors import DataLossError, ResourceExhaustedError
+from memserver.api.errors import DataLossError, InvalidArgumentError, ResourceExhaustedError
 from memserver.core.disk import MIN_CACHE_BYTES, DiskTable, record_layout
 from memserver.core.optim import OptimizerConfig
 from memserver.core.table import ValueTable
@@ -782,3 +782,61 @@ def test_a_rows_disk_table_serves_calls_whose_ids_one_shard_owns(client, table_n
     loads = [t for s in client.status().shards for t in s.tables if t.table == table_name]
     assert len(loads) == 2 and not any(t.writes_refused or t.unavailable for t in loads)
     client.drop_table(ram)
+
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_restore_moves_a_table_between_tiers_and_it_continues_identically(client, table_name, tmp_path, optimizer):
+    """A RAM table's checkpoint restored onto disk (a table that outgrew its shards' memory, its
+    cache a fraction of it), then that table's checkpoint restored back into RAM: each time it
+    holds the rows, optimizer state and counters it was saved with, and goes on exactly as a RAM
+    twin given the same calls. A bad tier or cache is refused, naming the field, and changes nothing."""
+    twin = table_name + "-twin"
+    rng = np.random.default_rng(5)
+    for name in (table_name, twin):
+        client.create_table(name, 400, 16, optimizer=optimizer, lr=0.05, seed=3, init_std=0.1)
+
+    def assert_same() -> None:
+        np.testing.assert_array_equal(client.lookup(table_name, np.arange(400), count=False),
+                                      client.lookup(twin, np.arange(400), count=False))
+        a, b = client.slot_stats(table_name, np.arange(400)), client.slot_stats(twin, np.arange(400))
+        for k in a:
+            if k != "last_update":  # wall-clock time of each row's step
+                np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+    def same_steps(n: int = 3) -> None:
+        for _ in range(n):
+            ids = rng.integers(0, 400, (32, 8))
+            w, g = rng.random((32, 8)).astype(np.float32), rng.normal(size=(32, 16)).astype(np.float32)
+            np.testing.assert_array_equal(client.bag_backward(table_name, ids, w, g), client.bag_backward(twin, ids, w, g))
+        assert_same()
+
+    def tiers() -> set[tuple[str, int]]:
+        return {(t.tier or "ram", t.cache_bound) for s in client.status().shards for t in s.tables if t.table == table_name}
+
+    try:
+        same_steps()
+        client.checkpoint(str(tmp_path / "a"), step=1, tables=[table_name])
+        meta = client.restore(str(tmp_path / "a"), replace=True, tables=[table_name], tier="disk",
+                              cache_bytes=2 * MIN_CACHE_BYTES)[0]
+        assert (meta.tier, meta.cache_bytes, len(meta.shards)) == ("disk", 2 * MIN_CACHE_BYTES, 2)
+        assert tiers() == {("disk", MIN_CACHE_BYTES)}  # each slice's cache: a few of its 200 rows
+        assert_same()
+        same_steps()
+        for bad, says in (({"tier": "tape"}, "tier: expected one of ram, disk"),
+                          ({"tier": "ram", "cache_bytes": 1 << 20}, "cache_bytes: only a tier 'disk' table"),
+                          ({"cache_bytes": 10}, "cache_bytes: only a tier 'disk' table"),  # a RAM checkpoint
+                          ({"tier": "disk", "cache_bytes": 10}, "cache_bytes: a tier 'disk' table needs at least")):
+            with pytest.raises(InvalidArgumentError, match=says):
+                client.restore(str(tmp_path / "a"), replace=True, tables=[table_name], **bad)
+        assert tiers() == {("disk", MIN_CACHE_BYTES)}
+        assert_same()  # the refused restores dropped nothing
+        client.checkpoint(str(tmp_path / "b"), step=2, tables=[table_name])
+        meta = client.restore(str(tmp_path / "b"), replace=True, tables=[table_name], tier="ram")[0]
+        assert (meta.tier, meta.cache_bytes) == ("ram", 0) and tiers() == {("ram", 0)}
+        assert_same()
+        same_steps()
+        meta = client.restore(str(tmp_path / "b"), replace=True, tables=[table_name])[0]  # as saved: on disk
+        assert (meta.tier, meta.cache_bytes) == ("disk", 2 * MIN_CACHE_BYTES)
+    finally:
+        client.drop_table(twin)

@@ -131,6 +131,9 @@ def test_index_checkpoint_restores_into_another_shard_count(client, table_name, 
     queries = _data(10, seed=6)[1]
     before = client.search(table_name, queries, 8, return_payload=True)
     client.checkpoint(str(tmp_path), 1, [table_name])
+    for bad in ({"tier": "disk"}, {"cache_bytes": 1 << 20}):  # an index has no tier: refused, the table kept
+        with pytest.raises(InvalidArgumentError, match="only value tables have a tier and a cache"):
+            client.restore(str(tmp_path), 1, replace=True, tables=[table_name], **bad)
     for shards in (1, 2):
         (meta,) = client.restore(str(tmp_path), 1, replace=True, num_shards=shards, tables=[table_name])
         assert len(meta.shards) == shards

@@ -344,16 +344,18 @@ def cmd_restore(args: argparse.Namespace) -> int:
     with cli_client(args) as client:
         try:
             metas = client.restore(_checkpoint_dir(args), args.step, replace=args.replace, num_shards=args.shards,
-                                   tables=args.table or None)
+                                   tables=args.table or None, tier=args.tier or "", cache_bytes=args.cache_bytes or 0)
         except InvalidArgumentError as exc:
-            if not exc.details.startswith("num_shards: "):
+            key, sep, why = exc.details.partition(": ")
+            if not sep or key not in ("num_shards", "tier", "cache_bytes"):
                 raise
-            raise CliError(f"--shards: {exc.details.removeprefix('num_shards: ')}") from None
+            raise CliError(f"{'--shards' if key == 'num_shards' else flag_of(key)}: {why}") from None
     if args.json:
         print(json.dumps([m.to_dict() for m in metas], indent=2))
     else:
         for m in metas:
-            what = f"{m.num_rows:,} x {m.dim} ({m.sharding})" if m.kind == "value" else f"{m.kind} table, dim {m.dim}"
+            what = (f"{m.num_rows:,} x {m.dim} ({m.sharding}, tier {tier_text(m.tier, m.cache_bytes)})" if m.kind == "value"
+                    else f"{m.kind} table, dim {m.dim}")
             print(f"restored {m.name}: {what} over {len(m.shards)} shards")
     return 0
 
@@ -424,7 +426,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     rs = sub.add_parser("restore", help="load tables from a checkpoint",
                         description="Load tables from the latest complete checkpoint in --dir (or --step), into any "
-                        "number of shards (--shards reshards).")
+                        "number of shards (--shards reshards) and either tier (--tier).",
+                        epilog="example: memserver restore --dir ckpt --table values --replace --tier disk --cache-bytes 4G")
     rs.add_argument("--dir", help="the checkpoint's directory, as given to `memserver checkpoint` (a relative one is "
                     "under the cluster's checkpoint root; default: 'checkpoints' there)")
     rs.add_argument("--step", type=int, default=0, help="which step (default: the latest complete checkpoint)")
@@ -432,5 +435,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name first")
     rs.add_argument("--shards", type=count, default=0, help="restore into this many shards, at most the cluster's (default: as saved, or the cluster's "
                     "shards if fewer)")
+    rs.add_argument("--tier", choices=_CHOICES["tier"],
+                    help="the value tables' tier (default: as saved): disk moves a table that outgrew the shards' "
+                    "memory into files under a row cache; ram moves it back")
+    rs.add_argument("--cache-bytes", type=parse_size,
+                    help="the value tables' disk cache for each whole table, e.g. 4G (default: as saved, or 1/8 of "
+                    "the rows' records when --tier changes it to disk)")
     cluster_flags(rs, timeout=600.0)
     rs.set_defaults(func=cmd_restore)

@@ -90,6 +90,17 @@ TIERS = ("ram", "disk")
 DEFAULT_CACHE_FRACTION = 8
 
 
+def retier(spec: pb.TableSpec, tier: str = "", cache_bytes: int = 0) -> pb.TableSpec:
+    """A saved value table's spec with a restore's tier and cache (Restore's `tier`,
+    `cache_bytes`; "" and 0: as saved). A new tier drops the saved cache unless one is given:
+    the disk tier's default, or none in RAM. validate_spec checks the result."""
+    if tier and tier != (spec.tier or "ram"):
+        spec.tier, spec.cache_bytes = tier, 0
+    if cache_bytes:
+        spec.cache_bytes = cache_bytes
+    return spec
+
+
 def _validate_tier(spec: pb.TableSpec) -> None:
     """tier "disk": float32 rows under a cache of at least MIN_CACHE_BYTES per slice; no
     cache_bytes: 1/DEFAULT_CACHE_FRACTION of the table's records (at least that minimum)."""
@@ -103,7 +114,7 @@ def _validate_tier(spec: pb.TableSpec) -> None:
             raise InvalidArgumentError("cache_bytes: only a tier 'disk' table has a cache")
         return
     if spec.dtype != pb.FLOAT32:
-        raise InvalidArgumentError(f"dtype: a tier 'disk' table stores float32, not {pb.DType.Name(spec.dtype)}")
+        raise InvalidArgumentError(f"dtype: a tier 'disk' table stores float32, not {pb.DType.Name(spec.dtype).lower()}")
     if not spec.cache_bytes:
         records = spec.num_rows * record_layout(spec.dim, spec.optimizer.name)[0]
         spec.cache_bytes = max(records // DEFAULT_CACHE_FRACTION, MIN_CACHE_BYTES * spec.num_shards)

@@ -30,7 +30,7 @@ from memserver.api.types import METRIC_NAMES
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
-from memserver.server.catalog import plan_table, refuse_oversized, slice_size, validate_spec
+from memserver.server.catalog import plan_table, refuse_oversized, retier, slice_size, validate_spec
 from memserver.server.config import Limits, ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, serve_on
 from memserver.server.metrics import CoordinatorMetrics
@@ -339,10 +339,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             raise TableNotFoundError(f"table(s) {missing} are not in the checkpoint {directory}")
         if not request.replace and (present := [n for n in names if n in self.tables]):
             raise TableExistsError(f"table(s) {present} already exist; restore with replace (memserver restore --replace) to overwrite them")
-        specs = {}
-        for name in names:
-            spec = pb.TableSpec.FromString(base64.b64decode(manifest["tables"][name]["spec"]))
+        specs = {name: pb.TableSpec.FromString(base64.b64decode(manifest["tables"][name]["spec"])) for name in names}
+        if (request.tier or request.cache_bytes) and all(s.kind != pb.VALUE for s in specs.values()):
+            field = "tier" if request.tier else "cache_bytes"
+            raise InvalidArgumentError(f"{field}: only value tables have a tier and a cache, and {names} holds none")
+        for name, spec in specs.items():
             spec.num_shards = request.num_shards or min(spec.num_shards, len(self.handles))
+            if spec.kind == pb.VALUE:  # a tier and cache of the restore's, where it gives them
+                retier(spec, request.tier, request.cache_bytes)
             specs[name] = validate_spec(spec, len(self.handles))  # its name is a table name: no path in it
             if spec.name != name:  # the manifest's key names the folder its files are read from
                 raise InvalidArgumentError(f"dir: the checkpoint's manifest lists table {name!r} with the spec of "
