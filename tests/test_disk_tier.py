@@ -840,3 +840,9 @@ def test_restore_moves_a_table_between_tiers_and_it_continues_identically(client
         assert (meta.tier, meta.cache_bytes) == ("disk", 2 * MIN_CACHE_BYTES)
     finally:
         client.drop_table(twin)
+
+
+def test_a_disk_table_of_half_floats_is_refused_in_the_dtype_users_write(client, table_name):
+    with pytest.raises(InvalidArgumentError, match="dtype: a tier 'disk' table stores float32, not bfloat16 "):
+        client.create_table(table_name, 10, 4, tier="disk", dtype="bfloat16")
+    assert table_name not in {t.name for t in client.list_tables()}
