@@ -21,6 +21,7 @@ from memserver.api.errors import (
     StepAbortedError,
     TableExistsError,
     TableNotFoundError,
+    TlsError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "TableExistsError",
     "TableMeta",
     "TableNotFoundError",
+    "TlsError",
     "UnauthenticatedError",
     "UnavailableError",
 ]

@@ -44,8 +44,10 @@ from memserver.api.errors import (
     MemserverError,
     OverloadedError,
     TableNotFoundError,
+    TlsError,
     UnavailableError,
     from_rpc_error,
+    tls_problem,
 )
 from memserver.api.types import METRICS, SHARDINGS, TableMeta
 from memserver.api.usage import TableUsage
@@ -208,8 +210,11 @@ class AsyncMemoryClient:
             return await getattr(stub, method)(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as err:
             where = f"coordinator {self.endpoint}"
-            if err.code() == grpc.StatusCode.UNAVAILABLE:  # the first thing a stale endpoint file meets
+            details = err.details() or ""
+            if err.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem(details):  # a stale endpoint file
                 where += "; is a memserver cluster running there? `memserver status` says, `memserver up` starts one"
+                if self.tls is None and "Socket closed" in details:  # what a plaintext client meets at a TLS server
+                    where += "; or it serves TLS: give this client its CA ($MEMSERVER_TLS_CA)"
             raise from_rpc_error(err, where) from None
 
     async def _read_control(self, method: str, request: Any) -> Any:
@@ -230,6 +235,8 @@ class AsyncMemoryClient:
             try:
                 return await call()
             except (UnavailableError, DeadlineExceededError, OverloadedError) as exc:
+                if isinstance(exc, TlsError):  # the same handshake fails again
+                    raise
                 sleep = backoff.next()
                 if sleep is None:
                     raise

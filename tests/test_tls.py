@@ -132,3 +132,35 @@ def test_a_key_that_is_not_the_certificates_is_refused_before_anything_starts(tm
     assert up.returncode == 2 and "--tls-cert/--tls-key: the key is not the certificate's" in up.stderr, up.stderr
     assert "Traceback" not in up.stderr and "starting an embedded Ray head" not in up.stderr
 
+
+
+def test_a_client_whose_handshake_fails_says_what_to_fix_at_once(tls_server):
+    """A client with the wrong CA, one whose certificate names another address, or one speaking TLS
+    to a plaintext server: the handshake fails the same way every time, so the client raises
+    TlsError (an UnavailableError) at once, not after its retry_seconds, naming the fix. A
+    plaintext client at a TLS server hears only "Socket closed": it retries, then says TLS may be why."""
+    import time
+
+    from client import MemoryClient, TlsError, UnavailableError
+    from client.channels import ClientTls
+
+    loop = LoopThread("plain-test")
+    plain_server, port = loop.call(start_server(lambda s: None, [DATA_PLANE], "127.0.0.1"))
+    plain = f"127.0.0.1:{port}"
+    cases = ((tls_server["address"], ClientTls(tls_server["other_ca"]), "is not signed by the CA this client trusts"),
+             (tls_server["named"], ClientTls(tls_server["named_ca"]), "does not name the address dialled"),
+             (plain, ClientTls(tls_server["ca"]), "the server does not speak TLS"))
+    try:
+        for address, tls, says in cases:
+            with MemoryClient(address, token=TOKEN, tls=tls, timeout=5, retry_seconds=30) as client:
+                t0 = time.monotonic()
+                with pytest.raises(TlsError, match=f"the TLS handshake failed: .*{says}") as err:
+                    client.lookup("t", [1])
+                assert time.monotonic() - t0 < 5 and isinstance(err.value, UnavailableError)
+                assert "is a memserver cluster running there" not in str(err.value)
+        with MemoryClient(tls_server["address"], token=TOKEN, timeout=5, retry_seconds=1) as client:
+            with pytest.raises(UnavailableError, match="or it serves TLS: give this client its CA") as err:
+                client.lookup("t", [1])
+            assert not isinstance(err.value, TlsError)
+    finally:
+        loop.call(plain_server.stop(grace=0))

@@ -89,6 +89,34 @@ class UnavailableError(MemserverError, ConnectionError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class TlsError(UnavailableError):
+    """The TLS handshake failed: the server's certificate is not one the client trusts, does not
+    name the address dialled, or the server does not speak TLS. A retry cannot change that, so
+    clients raise it at once (grpc says UNAVAILABLE; `tls_problem` tells it apart), with the fix."""
+
+
+#: grpc core's words for a failed handshake (its details, which vary by version: matched by
+#: part) -> what to fix. The first that matches wins.
+_TLS_FAILURES = (
+    ("Hostname Verification Check failed",
+     "the server's certificate does not name the address dialled: set $MEMSERVER_TLS_SERVER_NAME (or "
+     "ClientTls.server_name) to a name the certificate holds, or give the server a certificate for its address"),
+    ("CERTIFICATE_VERIFY_FAILED",
+     "the server's certificate is not signed by the CA this client trusts ($MEMSERVER_TLS_CA, ClientTls.ca or "
+     "the endpoint file's tls_ca): give the client the CA of the cluster's --tls-cert"),
+    ("WRONG_VERSION_NUMBER",
+     "the server does not speak TLS (a cluster started without --tls-cert): connect without a CA"),
+    ("Tls handshake failed",
+     "check that the client's CA ($MEMSERVER_TLS_CA, ClientTls.ca or the endpoint file's tls_ca) signed the "
+     "server's certificate and that the certificate names the address dialled"),
+)
+
+
+def tls_problem(details: str) -> str | None:
+    """What to fix, when an UNAVAILABLE call's details say its TLS handshake failed; else None."""
+    return next((fix for words, fix in _TLS_FAILURES if words in details), None)
+
+
 class DeadlineExceededError(MemserverError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -125,9 +153,11 @@ _BY_CODE = {cls.code: cls for cls in ERRORS}
 
 def error_for(code: grpc.StatusCode, details: str, target: str = "") -> MemserverError:
     """The exception for a status: its own class where it has one (a server's overload refusal:
-    OverloadedError)."""
+    OverloadedError; a failed TLS handshake: TlsError)."""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(OVERLOADED):
         return OverloadedError(details, code, target=target)
+    if code == grpc.StatusCode.UNAVAILABLE and (fix := tls_problem(details)):
+        return TlsError(f"the TLS handshake failed: {fix} ({details})", code, target=target)
     return _BY_CODE.get(code, MemserverError)(details, code, target=target)
 
 
