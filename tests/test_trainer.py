@@ -448,3 +448,15 @@ def test_local_values_refuse_what_the_shards_refuse_and_change_nothing(client, t
     for shape in ((0, 4), (4, 0), (4.0, 4)):
         with pytest.raises(InvalidArgumentError, match="num_rows and dim: positive integers"):
             LocalValues(*shape)
+
+
+def test_a_remote_table_the_cluster_refuses_is_named_by_memtrains_flag(memory_cluster, table_name, capsys):
+    """The cluster checks the tables memtrain asks for; its refusal names the spec's field, which
+    memtrain says as the flag that set it (it said `cache_bytes:` and left the user to map it)."""
+    from trainer.train import main
+
+    with pytest.raises(SystemExit) as done:
+        main([*TINY, "--memory", "remote", "--endpoint", memory_cluster.endpoint, "--table", table_name, "--steps", "1",
+              "--tier", "disk", "--cache-bytes", "10"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "memtrain: error: --cache-bytes: a tier 'disk' table needs at least 1024 bytes" in err, err

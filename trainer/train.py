@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memserver.api.errors import MemserverError
+from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.cli.common import one_line, parse_size
 from memserver.core.table import set_threads
 from trainer.checkpoints import trainer_file
@@ -893,7 +893,15 @@ def main(argv: list[str] | None = None) -> int:
     except MemserverError as exc:
         if args.debug:
             raise
+        field, sep, why = exc.details.partition(": ")
+        if isinstance(exc, InvalidArgumentError) and sep and field in _FLAG_OF_FIELD:  # a table spec memtrain made
+            parser.exit(2, f"memtrain: error: {_FLAG_OF_FIELD[field]}: {why}\n")
         parser.exit(1, f"memtrain: error: {one_line(exc)} (--debug: the traceback)\n")
+
+
+#: The remote tables' spec fields (what the cluster's refusal names) that a memtrain flag sets.
+_FLAG_OF_FIELD = {"cache_bytes": "--cache-bytes", "tier": "--tier", "sharding": "--sharding",
+                  "optimizer": "--value-optimizer", "lr": "--value-lr"}
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
