@@ -35,6 +35,7 @@ import grpc
 from client import ops, transport
 from client.channels import ClientTls, aio_channel, client_tls, client_token
 from client.ops import ClientSession, Op, OpOptions, WriteTags, finish, like
+from client.ops.checks import INT32, INT64, check_ints
 from client.shm import ShmTransport
 from client.shm import enabled as shm_enabled
 from memserver.api.errors import (
@@ -92,11 +93,6 @@ class Backoff:
         return sleep
 
 
-#: A value table spec's integer fields and the bits of their protobuf type (a larger value would
-#: fail inside protobuf, naming no field).
-_SPEC_INTS = {"num_rows": 63, "dim": 63, "seed": 63, "num_shards": 31, "sync_workers": 31, "cache_bytes": 63}
-
-
 def value_table_spec(name: str, num_rows: int, dim: int, *, sharding: str | None = None, optimizer: str = "adagrad",
                      lr: float = 0.01, dtype: str = "float32", init_std: float = 0.02, seed: int = 0, num_shards: int = 0,
                      eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999), sync_workers: int = 0,
@@ -104,14 +100,8 @@ def value_table_spec(name: str, num_rows: int, dim: int, *, sharding: str | None
     """The CreateTable spec of `create_table`'s arguments, each field's type and range checked here
     (InvalidArgumentError naming it); what the spec means is the coordinator's to check
     (memserver.server.catalog.validate_spec, which `memserver up --config` also runs first)."""
-    given = {"num_rows": num_rows, "dim": dim, "seed": seed, "num_shards": num_shards, "sync_workers": sync_workers,
-             "cache_bytes": cache_bytes}
-    for key, bits in _SPEC_INTS.items():
-        v = given[key]
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise InvalidArgumentError(f"{key}: must be an integer, got {v!r}")
-        if not -(1 << bits) <= v < 1 << bits:
-            raise InvalidArgumentError(f"{key}: {v} is out of range (at most {(1 << bits) - 1:,})")
+    check_ints(INT64, num_rows=num_rows, dim=dim, seed=seed, cache_bytes=cache_bytes)
+    check_ints(INT32, num_shards=num_shards, sync_workers=sync_workers)
     for key, f in (("lr", lr), ("init_std", init_std), ("eps", eps), ("betas", betas[0]), ("betas", betas[1])):
         if f is not None and (isinstance(f, bool) or not isinstance(f, numbers.Real)):
             raise InvalidArgumentError(f"{key}: must be a number, got {f!r}")
@@ -413,6 +403,8 @@ class AsyncMemoryClient:
         `replace`: as for create_table (a table of that name is dropped once the spec is accepted)."""
         if metric not in METRICS:
             raise InvalidArgumentError(f"metric: expected 'ip' or 'l2', got {metric!r}")
+        check_ints(INT64, dim=dim, payload_dim=payload_dim)
+        check_ints(INT32, num_shards=num_shards)
         spec = pb.TableSpec(name=name, kind=pb.INDEX, dim=dim, index_factory=index_factory, metric=METRICS[metric],
                             payload_dim=payload_dim, num_shards=num_shards, wal=wal)
         return await self._create(spec, replace)
@@ -460,6 +452,7 @@ class AsyncMemoryClient:
         takes the queries. `values_table` must be a value table of `n_keys`^2 rows (its slots'
         values, read by `pkm_lookup`). Load it with `load_product_keys`. One shard. `replace`: as
         for create_table."""
+        check_ints(INT32, heads=heads, n_keys=n_keys, knn=knn, k_dim=k_dim, d_in=d_in)
         values = await self.table(values_table, refresh=True)
         if values.kind != "value":
             raise InvalidArgumentError(f"values_table: {values_table!r} is a {values.kind} table, not a value table")
@@ -510,6 +503,7 @@ class AsyncMemoryClient:
         an attempt past its deadline while a host is cut off, an overloaded coordinator): writing
         the same step again replaces each slice file and its record entry, then the manifest, so
         a trainer checkpoints through a lost host or a partition."""
+        check_ints(INT64, step=step)
         request = pb.CheckpointRequest(dir=str(dir), step=step, tables=tables or [])
         r = await self._retrying(lambda: self._control("Checkpoint", request))
         return {"path": r.path, "step": r.step, "bytes": r.bytes, "tables": list(r.tables), "seconds": r.seconds}
@@ -526,6 +520,8 @@ class AsyncMemoryClient:
         """Load tables from a checkpoint (the latest complete one when step is 0), optionally
         into a different number of shards, and the value tables into another `tier` ("ram" or
         "disk": a table that outgrew its shards' memory) or `cache_bytes` ("" and 0: as saved)."""
+        check_ints(INT64, step=step, cache_bytes=cache_bytes)
+        check_ints(INT32, num_shards=num_shards)
         r = await self._control("Restore", pb.RestoreRequest(dir=str(dir), step=step, replace=replace,
                                                              num_shards=num_shards, tables=tables or [], tier=tier,
                                                              cache_bytes=cache_bytes))

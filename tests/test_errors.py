@@ -51,6 +51,11 @@ BAD_WRITES = [
     ("write range", lambda c, t: c.write_rows(t, [1, 1000], np.ones((2, DIM), np.float32)), "out of range"),
     ("write nan", lambda c, t: c.write_rows(t, [1, 2], np.full((2, DIM), np.nan, np.float32)), "NaN"),
     ("1-d bag ids", lambda c, t: c.bag_backward(t, np.array([1, 2]), np.ones(2, np.float32), G), r"shape \[B, k\]"),
+    # an integer argument that is not one, or that its protobuf field cannot hold: named (protobuf's
+    # own TypeError or ValueError named nothing)
+    ("float step", lambda c, t: c.bag_backward(t, IDS, W, G, step=1.5, gather=True), "step: must be an integer, got 1.5"),
+    ("negative step", lambda c, t: c.bag_backward(t, IDS, W, G, step=-1, gather=True), r"step: -1 is out of range \(0 \.\."),
+    ("float commit", lambda c, t: c.commit_step(t, 2.0), "step: must be an integer, got 2.0"),
 ]
 
 
@@ -69,6 +74,16 @@ def test_bad_writes_are_rejected_whole(client, table, case):
 def test_bad_reads(client, table):
     with pytest.raises(InvalidArgumentError, match="out of range"):
         client.lookup(table, [0, 100])
+    for bad, says in ((lambda: client.top_slots(table, n=2.5), "n: must be an integer, got 2.5"),
+                      (lambda: client.top_slots(table, n=1 << 40), "n: 1099511627776 is out of range"),
+                      (lambda: client.checkpoint("ck", step="7"), "step: must be an integer, got '7'"),
+                      (lambda: client.restore("ck", num_shards=1.0), "num_shards: must be an integer, got 1.0"),
+                      (lambda: client.restore("ck", cache_bytes="4G"), "cache_bytes: must be an integer, got '4G'"),
+                      (lambda: client.create_index(table + "-ix", 8.0), "dim: must be an integer, got 8.0"),
+                      (lambda: client.create_product_keys(table + "-pk", table, 2, 10, knn=4.0, k_dim=8),
+                       "knn: must be an integer, got 4.0")):
+        with pytest.raises(InvalidArgumentError, match=says):
+            bad()
     with pytest.raises(InvalidArgumentError, match="offsets"):
         client.bag(table, np.array([1, 2, 3]), np.ones(3, np.float32), offsets=np.array([1, 2]))
 

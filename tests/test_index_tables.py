@@ -158,6 +158,8 @@ def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
         (lambda: client.search(table_name, vectors, 5000), "k"),
         (lambda: client.search(table_name, vectors[:, :3], 1), "queries"),
         (lambda: client.search(table_name, vectors, 1, nprobe=4), "nprobe"),
+        (lambda: client.search(table_name, vectors, 3.5), "k: must be an integer, got 3.5"),
+        (lambda: client.search(table_name, vectors, 3, ef_search=2.5), "ef_search: must be an integer, got 2.5"),
         (lambda: client.create_index(table_name + "-x", DIM, index_factory="NoSuchIndex"), "index_factory"),
         (lambda: client.create_index(table_name + "-x", DIM, metric="cosine"), "metric"),
     ]:

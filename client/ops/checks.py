@@ -4,6 +4,7 @@ and the table kind a call is for."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -11,6 +12,24 @@ import torch
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import TableMeta
 from memserver.wire import as_tensor, check_bag, check_float, check_ids, check_rows
+
+#: The bits (beside the sign) of the protobuf integer types the client's integer arguments go into.
+INT32, INT64 = 31, 63
+UINT64 = -64  # unsigned: 0 .. 2^64 - 1
+
+
+def check_ints(bits: int = INT64, **values: Any) -> None:
+    """Each keyword argument an integer its protobuf field holds (`bits`: INT32, INT64, UINT64),
+    else InvalidArgumentError naming it: protobuf's own TypeError names no field. None (an
+    optional argument left out) passes. What the value means is the server's to check."""
+    lo, hi = (0, (1 << -bits) - 1) if bits < 0 else (-(1 << bits), (1 << bits) - 1)
+    for name, v in values.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise InvalidArgumentError(f"{name}: must be an integer, got {v!r}")
+        if not lo <= v <= hi:
+            raise InvalidArgumentError(f"{name}: {v} is out of range ({lo:,} .. {hi:,})")
 
 
 def checked_ids(x: Any, meta: TableMeta, what: str = "ids") -> torch.Tensor:

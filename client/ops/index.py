@@ -8,7 +8,7 @@ import torch
 
 from client.merge import hit_payload, merge_topk
 from client.ops.base import Op, OpOptions, request_parts
-from client.ops.checks import checked_floats, checked_ids, checked_vectors
+from client.ops.checks import INT32, check_ints, checked_floats, checked_ids, checked_vectors
 from client.ops.routing import route_ids
 from client.ops.sessions import WriteTags
 from memserver.api.errors import InvalidArgumentError
@@ -58,6 +58,7 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
               opts: OpOptions) -> Op:
     """Every shard's top k of each query, merged exactly in the metric's order (client.merge):
     (scores [B, k], ids [B, k], payload [B, k, payload_dim] or None); a missing hit is id -1."""
+    check_ints(INT32, k=k, nprobe=nprobe, ef_search=ef_search)
     q = checked_floats(queries, "queries").float()
     if q.dim() != 2 or q.shape[1] != meta.dim:
         raise InvalidArgumentError(f"queries: expected shape [B, {meta.dim}], got {list(q.shape)}")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from client.ops.base import Op, OpOptions, Plan, meta_op, request_parts
-from client.ops.checks import checked_floats, checked_ids, value_table
+from client.ops.checks import INT32, check_ints, checked_floats, checked_ids, value_table
 from client.ops.routing import route_ids, route_owned
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import MAX_INSPECT_SLOTS, ShardMeta, TableMeta
@@ -140,6 +140,7 @@ def top_slots_plan(by: str, n: int, coldest: bool) -> Plan:
     the shards' m-th partials (no unseen row can be better; one with an equal norm may have a
     smaller id); else m grows x4, and past what one call ranks, every row's norm is read
     (`_scan_norms`)."""
+    check_ints(INT32, n=n)
     if by not in SLOT_STATS:
         raise InvalidArgumentError(f"by: one of {', '.join(SLOT_STATS)}, got {by!r}")
     if not 1 <= n <= MAX_INSPECT_SLOTS:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from client.ops.base import Op
+from client.ops.checks import UINT64, check_ints
 from client.ops.sessions import ClientSession, WriteTags
 from memserver.api.errors import (
     FailedPreconditionError,
@@ -57,6 +58,7 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     decision that cannot reach a shard (unavailable past the client's retries) is kept, its seqs
     in flight, and re-sent with the same tags before the table's next commit, which raises until
     it is delivered. Returns the rows updated now."""
+    check_ints(UINT64, step=step)
     for st, (phase, tags, parts) in session.undecided(table).items():
         got = yield (lambda meta, st=st, phase=phase, tags=tags, parts=parts:
                      step_phase_op(meta, st, phase, tags, parts)), tags

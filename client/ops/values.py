@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from client.ops.base import Op, OpOptions, request_parts
-from client.ops.checks import bag_args, checked_floats, checked_ids, value_table
+from client.ops.checks import UINT64, bag_args, check_ints, checked_floats, checked_ids, value_table
 from client.ops.routing import route_bags, route_ids
 from client.ops.sessions import StepParts, WriteTags
 from memserver.api.errors import InvalidArgumentError
@@ -168,6 +168,7 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
     and `parts` records, per shard index, the seqs of the parts this call delivered: only once
     every shard answered (a call that fails for good lists none; shards that stored a part of it
     drop it when the step is prepared)."""
+    check_ints(UINT64, step=step)
     t_ids, w, off, num_bags = bag_args(meta, ids, weights, offsets)
     g = checked_floats(grad_out, "grad_out")
     check_rows(g, num_bags, meta.dim, "grad_out")
