@@ -825,3 +825,21 @@ def test_faiss_gpu_is_the_shards_own_gpu():
     for bad in ("gpu", "mps", "cuda:x"):
         with pytest.raises(InvalidArgumentError, match="device: must be one of"):
             faiss_gpu(bad, 1, "Flat", "IndexFlat")
+
+
+def test_faiss_training_warnings_are_logged_once_each_not_written_hundreds_of_times(capfd, caplog):
+    """faiss's C++ training warnings go straight to fd 2, one per sub-quantizer and OPQ iteration
+    (hundreds for one OPQ train, into `up`'s memserver.log): each distinct line is logged once
+    with its count, and fd 2 is the process's stderr again afterwards."""
+    import logging
+    import os
+
+    sample = np.random.default_rng(0).random((500, 32), dtype=np.float32)
+    with caplog.at_level(logging.WARNING, logger="memserver.core.index"):
+        VectorIndex.train_template(32, "OPQ8,IVF16,PQ8", "l2", sample)
+    os.write(2, b"stderr after the train\n")
+    err = capfd.readouterr().err
+    assert "WARNING clustering" not in err and "stderr after the train" in err
+    said = [r.getMessage() for r in caplog.records if "faiss: WARNING clustering" in r.getMessage()]
+    assert len(said) == 2 and len(set(said)) == 2, said  # 256 centroids per sub-quantizer; 16 IVF lists
+    assert any(m.startswith("training 'OPQ8,IVF16,PQ8' on 500 vectors: ") and "times)" in m for m in said), said

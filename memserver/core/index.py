@@ -47,7 +47,15 @@ IDSelectors and cannot remove, so on a GPU every kind keeps dead entries and ove
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import sys
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 try:
@@ -60,6 +68,8 @@ import torch
 
 from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from memserver.api.types import MAX_SEARCH_K
+
+log = logging.getLogger(__name__)
 
 #: Largest k a search may ask for (faiss's GPU kernels stop at 2048, half of it on a GPU:
 #: room for the over-fetched dead entries).
@@ -407,7 +417,8 @@ class VectorIndex:
             if len(x) == 0:
                 raise InvalidArgumentError("sample: empty; training needs vectors")
             try:
-                index.train(x)
+                with _faiss_stderr_logged(f"training {self.factory!r} on {len(x):,} vectors"):
+                    index.train(x)
             except RuntimeError as e:
                 raise InvalidArgumentError(
                     f"sample: faiss cannot train {self.factory!r} on {len(x)} vectors: {_faiss_message(e)}") from None
@@ -781,3 +792,30 @@ class VectorIndex:
                 self._n_dead = 0
         self._reallocs = 0
         return self
+
+
+#: One redirect of file descriptor 2 at a time in a process (a second, nested in another thread,
+#: would restore the first one's file, not the real stderr).
+_STDERR_LOCK = threading.Lock()
+
+
+@contextmanager
+def _faiss_stderr_logged(what: str) -> Iterator[None]:
+    """faiss's C++ code writes its training warnings straight to file descriptor 2, one per
+    sub-quantizer and per OPQ iteration: hundreds of the same line for one train (into `up`'s
+    memserver.log). While the block runs, fd 2 goes to a temporary file; after it, each distinct
+    line is logged once, with its count. What another thread wrote to fd 2 meanwhile is logged
+    too, not lost. Bounds: the file holds one train's output and is gone after it."""
+    with _STDERR_LOCK, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = Counter(line.strip() for line in tmp.read().decode(errors="replace").splitlines() if line.strip())
+            for line, n in lines.items():
+                log.warning("%s: faiss: %s%s", what, line, f" ({n} times)" if n > 1 else "")
