@@ -124,8 +124,16 @@ def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
     o = tmp_path / "ro.json"
     r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info", "--read-only", "-o", str(o)],
                        capture_output=True, env=env, cwd=ROOT, text=True, timeout=60)
-    assert r.returncode == 0 and "MEMSERVER_ENDPOINT_FILE" in r.stderr
+    assert r.returncode == 0 and "MEMSERVER_ENDPOINT_FILE" in r.stderr and "only this host reaches" not in r.stderr
     assert stat.S_IMODE(o.stat().st_mode) == 0o600 and json.loads(o.read_text())["token"] == "R"
+    # a cluster on loopback: the file would send other hosts to their own loopback, so it says so
+    write_endpoint({"endpoint": "127.0.0.1:5000", "pid": 999999}, home / "endpoint.json")
+    r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info"], capture_output=True, env=env, cwd=ROOT,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"endpoint": "127.0.0.1:5000"}
+    assert "note: the cluster listens on 127.0.0.1, which only this host reaches" in r.stderr, r.stderr
+    write_endpoint({"endpoint": "10.213.0.11:5000", "pid": 999999, "token": "W", "read_token": "R",
+                    "tls_ca": "PEM"}, home / "endpoint.json")
     # on the client's host the file is the endpoint file: clients read it, `down` stops nothing
     env2 = {**env, "MEMSERVER_ENDPOINT_FILE": str(out)}
     r = subprocess.run([sys.executable, "-m", "memserver.cli", "down"], capture_output=True, env=env2, cwd=ROOT,

@@ -447,6 +447,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_join_info(args: argparse.Namespace) -> int:
     """Print (or write, mode 0600) what a client on another host needs; see endpoint.join_info."""
     from memserver.cluster.endpoint import ENDPOINT_FILE_ENV, join_info, read_endpoint, write_endpoint
+    from memserver.cluster.secure import is_loopback
 
     try:
         info = join_info(read_endpoint(), read_only=args.read_only)
@@ -454,6 +455,11 @@ def cmd_join_info(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     except ValueError as exc:
         raise CliError(f"--read-only: {exc}") from None
+    host = info["endpoint"].rsplit(":", 1)[0]
+    if is_loopback(host):  # the file would send other hosts to their own loopback
+        print(f"note: the cluster listens on {host}, which only this host reaches: for clients on other hosts, "
+              "start it on an address they reach (MEMSERVER_BIND_HOST=ADDR memserver up --port P; docs/deploy.md)",
+              file=sys.stderr)
     if args.output:
         path = write_endpoint(info, Path(args.output))
         print(f"wrote {path} (mode 0600); on the client's host: export {ENDPOINT_FILE_ENV}={path}", file=sys.stderr)
