@@ -846,3 +846,27 @@ def test_a_disk_table_of_half_floats_is_refused_in_the_dtype_users_write(client,
     with pytest.raises(InvalidArgumentError, match="dtype: a tier 'disk' table stores float32, not bfloat16 "):
         client.create_table(table_name, 10, 4, tier="disk", dtype="bfloat16")
     assert table_name not in {t.name for t in client.list_tables()}
+
+
+def test_recent_rate_is_the_rate_of_the_last_minute_and_falls_to_zero_when_idle():
+    """`memserver status`'s disk rates: an average since the slice loaded stayed up for hours
+    after the work stopped. The recent rate follows a steady rate from the start, then decays."""
+    from memserver.core.disk import RecentRate
+
+    now = [0.0]
+    r = RecentRate(60.0, clock=lambda: now[0])
+    assert r.per_second() == 0.0
+    for _ in range(30):  # 100 rows/s for 3 s: the rate since the start
+        now[0] += 0.1
+        r.add(10)
+    assert r.per_second() == pytest.approx(100, rel=0.02)
+    for _ in range(6000):  # ten minutes more at 100 rows/s
+        now[0] += 0.1
+        r.add(10)
+    assert r.per_second() == pytest.approx(100, rel=0.01)
+    now[0] += 60  # a minute idle: down to 1/e of it; an hour: nothing left
+    assert r.per_second() == pytest.approx(100 / np.e, rel=0.01)
+    now[0] += 3600
+    assert r.per_second() < 1e-20
+    r.add(0)  # no events: no change of its clock
+    assert r.per_second() < 1e-20

@@ -90,15 +90,16 @@ def status_dict(resp: Any) -> dict[str, Any]:
 
 
 def _disk_dict(t: Any) -> dict[str, Any]:
-    """A tier "disk" slice's cache and file figures (rates over the seconds its counters cover)."""
+    """A tier "disk" slice's cache and file figures (rates over about the last minute; the
+    counters since the slice loaded, `seconds` ago)."""
     if t.tier != "disk":
         return {"tier": t.tier or "ram"}
-    seen, secs = t.cache_hits + t.cache_misses, max(t.disk_seconds, 1e-9)
+    seen = t.cache_hits + t.cache_misses
     return {"tier": "disk", "cache_bytes": t.cache_bytes, "cache_bound": t.cache_bound, "cached_rows": t.cache_rows,
             "capacity": t.cache_capacity, "memory_bytes": t.bytes, "cache_hits": t.cache_hits,
             "cache_misses": t.cache_misses, "hit_rate": t.cache_hits / seen if seen else 0.0,
             "evictions": t.cache_evictions, "disk_reads": t.disk_reads, "disk_writes": t.disk_writes,
-            "disk_reads_per_s": t.disk_reads / secs, "disk_writes_per_s": t.disk_writes / secs,
+            "disk_reads_per_s": t.disk_reads_per_s, "disk_writes_per_s": t.disk_writes_per_s, "seconds": t.disk_seconds,
             "read_ahead": t.disk_read_ahead, "hinted": t.disk_hinted, "warmed": t.disk_warmed,
             "warm_dropped": t.disk_warm_dropped,
             "data_file": t.data_file, "data_bytes": t.data_bytes}
@@ -139,8 +140,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                             "yes" if t["wal"] else "no", str(len(t["shards"])))
     if indexes.row_count:
         out.print(indexes)
-    disks = Table(title="disk tables (tier disk: rows in files under a row cache; rates since each slice loaded; "
-                  "memory: the cache and the rows' read counters)")
+    disks = Table(title="disk tables (tier disk: rows in files under a row cache; disk rates over about the last "
+                  "minute, hits and evictions since each slice loaded; memory: the cache and the rows' read counters)")
     for col in ("name", "shard", "cached rows", "bound", "memory", "hit rate", "evictions", "disk reads/s",
                 "disk writes/s", "hinted (warmed)", "file"):
         disks.add_column(col, justify="left" if col in ("name", "file") else "right")

@@ -42,12 +42,14 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import mmap
 import os
 import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import numba as nb
@@ -766,6 +768,33 @@ def _bag_starts(ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor 
 WARM_HINTS = 2
 
 
+#: The span of `memserver status`'s disk rates: about the last minute.
+RATE_SECONDS = 60.0
+
+
+class RecentRate:
+    """Events per second over about the last `tau` seconds: an exponentially weighted average (a
+    load average's), corrected while younger than `tau` (then it is the rate since the start).
+    O(1) state and work per batch of events; it falls towards 0 while none come, where an average
+    since the slice loaded stays up for hours after the work stopped."""
+
+    def __init__(self, tau: float = RATE_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tau, self.clock = tau, clock
+        self.start = self.t = clock()
+        self.level = 0.0  # events / tau, decayed to time self.t
+
+    def add(self, n: int) -> None:
+        if n:
+            now = self.clock()
+            self.level = self.level * math.exp(-(now - self.t) / self.tau) + n / self.tau
+            self.t = now
+
+    def per_second(self) -> float:
+        now = self.clock()
+        seen = 1.0 - math.exp(-(now - self.start) / self.tau)  # the weight the average has had time to gather
+        return self.level * math.exp(-(now - self.t) / self.tau) / seen if seen > 0 else 0.0
+
+
 class _ReadAhead:
     """The thread that reads hinted rows' pages ahead of the calls that will read them
     (DiskTable.warm). madvise(WILLNEED) returns only once the device has taken the requests,
@@ -866,7 +895,8 @@ class DiskTable(ValueTable):
         self.record, self.fields = record_layout(self.dim, optimizer.name)
         self.cache_bound = int(cache_bytes)
         self.disk_reads = self.disk_writes = 0  # rows read from / written to rows.dat
-        self.since = time.monotonic()  # the counters' start (status shows rates over it)
+        self.since = time.monotonic()  # the counters' start
+        self.read_rate, self.write_rate = RecentRate(), RecentRate()  # their recent rates (status)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._fd = self._sfd = -1
         self._map = self._smap = None
@@ -902,7 +932,7 @@ class DiskTable(ValueTable):
             vals = init_values(global_rows[s:e], col_start, col_start + self.dim, total_dim, init_std, seed).numpy()
             recs[:, w0 : w0 + 4 * self.dim] = vals.view(np.uint8).reshape(e - s, 4 * self.dim)
             self._put(np.arange(s, e), recs)
-        self.disk_writes = 0
+        self.disk_writes, self.write_rate = 0, RecentRate()  # the file's making is no write of the table's
         self._make_cache()
 
     def _open(self, path: Path, size: int) -> tuple[int, mmap.mmap | None, np.ndarray]:
@@ -979,6 +1009,13 @@ class DiskTable(ValueTable):
         return sum(a.nbytes for a in (self._slots, self._keys, self._vals, self._slot_row, self._ref, self._dirty,
                                       self._pin, self._sketch, self._st))
 
+    def _count(self, reads: int, writes: int) -> None:
+        """Rows read from / written to rows.dat: the totals and their recent rates."""
+        self.disk_reads += reads
+        self.disk_writes += writes
+        self.read_rate.add(reads)
+        self.write_rate.add(writes)
+
     def nbytes(self) -> int:
         """The cache and the read counters (kept in memory); the rows are on disk."""
         return self.cache_nbytes() + self.num_rows * COUNTER_BYTES
@@ -994,7 +1031,8 @@ class DiskTable(ValueTable):
                 "warm_dropped": self._ahead.dropped, "counters_resident": int(self.counters_resident),
                 "cached_rows": int((self._slot_row >= 0).sum()), "capacity": self.capacity,
                 "cache_bytes": self.cache_nbytes(), "cache_bound": self.cache_bound,
-                "file_bytes": self.num_rows * self.record, "seconds": time.monotonic() - self.since}
+                "file_bytes": self.num_rows * self.record, "seconds": time.monotonic() - self.since,
+                "disk_reads_per_s": self.read_rate.per_second(), "disk_writes_per_s": self.write_rate.per_second()}
 
     # -- moving rows ---------------------------------------------------------------------
 
@@ -1017,7 +1055,7 @@ class DiskTable(ValueTable):
         if len(rows):
             _set_checks(recs.view(np.uint64))
             self._raw[rows] = recs
-            self.disk_writes += len(rows)
+            self._count(0, len(rows))
 
     def _gather(self, rows: np.ndarray, admit: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """The records of distinct local `rows` as a new [n, record] array (hits copied from the
@@ -1030,9 +1068,9 @@ class DiskTable(ValueTable):
         hit = np.zeros(n, dtype=np.uint8)
         if admit and self.capacity:
             self._st[_EPOCH] += 1
-            self.disk_writes += _resolve(rows, self._keys, self._vals, self._slot_row, self._ref, self._pin, self._dirty,
-                                         self._sketch, self._st, self.policy == "clock", self._slots.view(np.uint64),
-                                         self._raw.view(np.uint64), slot_of, hit)
+            self._count(0, _resolve(rows, self._keys, self._vals, self._slot_row, self._ref, self._pin, self._dirty,
+                                    self._sketch, self._st, self.policy == "clock", self._slots.view(np.uint64),
+                                    self._raw.view(np.uint64), slot_of, hit))
         elif self.capacity:
             for i, r in enumerate(rows):  # inspection: look, never place
                 pos = _probe(self._keys, r, self._st[_SHIFT])
@@ -1041,7 +1079,7 @@ class DiskTable(ValueTable):
         self._st[_AHEAD_ROWS] += _read_ahead(self._raw, rows[hit == 0])
         read, bad = _copy_records(rows, slot_of, hit, self._slots.view(np.uint64), self._raw.view(np.uint64),
                                    recs.view(np.uint64))
-        self.disk_reads += read
+        self._count(read, 0)
         if bad >= 0:  # the misses admitted by this call never got their records: out of the cache
             _forget(slot_of[(hit == 0) & (slot_of >= 0)], self._keys, self._vals, self._slot_row, self._dirty, self._st)
             raise DataLossError(f"table {self.name}: row {int(rows[bad])} of {self.path} is corrupt (its "
@@ -1063,8 +1101,7 @@ class DiskTable(ValueTable):
         reads, written, err, row = _read_rows(flat, w, hits, mass, self._keys, self._vals, self._slot_row, self._ref,
                                              self._pin, self._dirty, self._sketch, self._st, self.policy == "clock",
                                              self._slots.view(np.uint64), self._raw.view(np.uint64), src)
-        self.disk_reads += reads
-        self.disk_writes += written
+        self._count(reads, written)
         if err == 1:
             raise DataLossError(f"table {self.name}: row {row} of {self.path} is corrupt (its checksum does "
                                 "not match); restart the shard to rebuild the file from its checkpoint and write-ahead "

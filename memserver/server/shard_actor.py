@@ -449,6 +449,7 @@ class ShardActor:
                         load.data_file, load.data_bytes, load.disk_seconds = str(sl.table.path), c["file_bytes"], c["seconds"]
                         load.disk_read_ahead, load.disk_hinted, load.disk_warmed = c["read_ahead"], c["hinted"], c["warmed"]
                         load.disk_warm_dropped = c["warm_dropped"]
+                        load.disk_reads_per_s, load.disk_writes_per_s = c["disk_reads_per_s"], c["disk_writes_per_s"]
             return st.SerializeToString()
 
         return self.loop.call(status())
