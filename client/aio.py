@@ -391,6 +391,7 @@ class AsyncMemoryClient:
         """Every kind's create: the coordinator checks the spec, places and makes the slices."""
         info = await self._control("CreateTable", pb.CreateTableRequest(spec=spec, replace=replace))
         meta = self._tables[spec.name] = TableMeta.from_proto(info)
+        self.session.forget_table(spec.name)  # a namesake's steps are not this table's
         return meta
 
     async def create_index(self, name: str, dim: int, *, index_factory: str = "Flat", metric: str = "ip",
@@ -489,6 +490,7 @@ class AsyncMemoryClient:
     async def drop_table(self, name: str) -> None:
         self._tables.pop(name, None)
         await self._control("DropTable", pb.DropTableRequest(name=name))
+        self.session.forget_table(name)
 
     async def list_tables(self) -> list[TableMeta]:
         resp = await self._read_control("ListTables", pb.ListTablesRequest())
@@ -528,6 +530,7 @@ class AsyncMemoryClient:
         metas = [TableMeta.from_proto(t) for t in r.tables]
         for m in metas:
             self._tables[m.name] = m
+            self.session.forget_table(m.name)
         return metas
 
     # -- data plane (the ops are client.ops'; see there for what each computes) ----------
@@ -580,6 +583,12 @@ class AsyncMemoryClient:
                 make, tags = plan.send(got)
             except StopIteration as done:
                 return done.value
+
+    def abandon_step(self, table: str, step: int) -> None:
+        """Forget the `gather` parts of `step` this client sent so far (a step that failed before
+        its commit): the step's next commit lists only parts sent after this, and each shard drops
+        the others when it prepares. Nothing is sent."""
+        self.session.forget_step(table, step)
 
     async def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         """Apply row gradients through the table's optimizer; duplicate ids are summed first.

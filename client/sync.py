@@ -228,6 +228,9 @@ class MemoryClient:
         grad_w = self._call(table, op, tags)
         return None if grad_w is None else like(grad_w, weights)
 
+    def abandon_step(self, table: str, step: int) -> None:
+        self.aio.abandon_step(table, step)
+
     def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
         meta = self.aio._tables.get(table) or self.table(table)
         plan = ops.commit_step_plan(self.aio.session, table, step, len(meta.shards), defer_apply)

@@ -460,3 +460,43 @@ def test_a_remote_table_the_cluster_refuses_is_named_by_memtrains_flag(memory_cl
               "--tier", "disk", "--cache-bytes", "10"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "memtrain: error: --cache-bytes: a tier 'disk' table needs at least 1024 bytes" in err, err
+
+
+def test_a_step_that_failed_is_dropped_by_the_next_begin_step_on_either_backend(client, table_name):
+    """docs/library.md: a step that failed (begun, a part sent, never ended) is dropped by the next
+    begin_step. RemoteValues applied it with the retried step's part (the client still listed it
+    in the commit); a table made anew under the same client then failed its first step for the
+    old table's part ("lost in a restart?"); end_step under another number than begin_step's
+    committed nothing and said nothing."""
+    from memserver.api.errors import InvalidArgumentError
+    from trainer.memory import LocalValues, RemoteValues
+
+    ids, w = torch.randint(0, 64, (4, 8)), torch.rand(4, 8)
+    g1, g2 = torch.rand(4, 16), torch.rand(4, 16)
+    local = LocalValues(64, 16, optimizer="sgd", lr=1.0, seed=1)
+    remote = RemoteValues(client, table_name, 64, 16, optimizer="sgd", lr=1.0, seed=1)
+    for values in (local, remote):
+        values.begin_step(2)
+        values.bag_backward(ids, w, g1)  # the step fails here: no end_step
+        values.begin_step(2)  # retried
+        values.bag_backward(ids, w, g2)
+        values.deliver()
+        values.end_step(2)
+        values.begin_step(3)
+        values.bag_backward(ids, w, g1)
+        with pytest.raises(InvalidArgumentError, match=r"end_step\(4\) ends the step begun as begin_step\(3\)"):
+            values.end_step(4)
+        values.end_step(3)
+    every = torch.arange(64).reshape(8, 8)
+    assert torch.equal(local.bag(every, torch.ones(8, 8)), remote.bag(every, torch.ones(8, 8)))
+    assert not torch.equal(local.table.weight, LocalValues(64, 16, optimizer="sgd", lr=1.0, seed=1).table.weight)
+    # a step left open, then the table made anew under the same client: its first step commits
+    remote.begin_step(5)
+    remote.bag_backward(ids, w, g1)
+    fresh = RemoteValues(client, table_name, 64, 16, optimizer="sgd", lr=1.0, seed=1)
+    again = LocalValues(64, 16, optimizer="sgd", lr=1.0, seed=1)
+    for values in (fresh, again):
+        values.begin_step(5)
+        values.bag_backward(ids, w, g2)
+        values.end_step(5)
+    assert torch.equal(again.bag(every, torch.ones(8, 8)), fresh.bag(every, torch.ones(8, 8)))

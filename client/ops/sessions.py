@@ -80,6 +80,18 @@ class ClientSession:
         with self._lock:
             self._parts.pop((table, step), None)
 
+    def forget_table(self, table: str) -> None:
+        """The table was made anew, restored or dropped: its steps' parts and undecided decisions
+        were the old table's (a commit listing them would fail on the new one; a decision re-sent
+        would reach a table that never saw the step)."""
+        with self._lock:
+            for key in [k for k in self._parts if k[0] == table]:
+                del self._parts[key]
+            decisions = self._undecided.pop(table, {})
+        for _, tags, _ in decisions.values():
+            tags.held = False
+            tags.close()
+
     def undecided(self, table: str) -> dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]:
         """The commit decisions of `table` some shard may not have: step -> (phase, tags, parts)."""
         with self._lock:

@@ -233,6 +233,7 @@ class LocalValues:
         self.table = ValueTable(num_rows, dim, OptimizerConfig(optimizer, lr), init_std=std, seed=seed, track_stats=False,
                                 device=_indexed(torch.device(device)))
         self.parts: list[Entries] | None = None  # inside a step: its value updates so far
+        self.step: int | None = None  # inside a step: its number
         self.version = 0
 
     def to(self, device: torch.device | str) -> LocalValues:
@@ -290,13 +291,14 @@ class LocalValues:
         return to_device(grad_w, ids.device)
 
     def begin_step(self, step: int) -> None:
-        self.parts = []
+        self.parts, self.step = [], step  # a step begun and never ended: its parts are dropped
 
     def deliver(self) -> None:
         pass  # nothing travels
 
     def end_step(self, step: int, *, wait: bool = True) -> None:
-        parts, self.parts = self.parts, None
+        check_end_step(self.step, step)
+        parts, self.parts, self.step = self.parts, None, None
         self.version += 1
         if parts:
             self.table.apply_entries(*combine(parts))
@@ -421,6 +423,8 @@ class RemoteValues:
         return self  # the cluster holds the values; answers come to the ids' device
 
     def begin_step(self, step: int) -> None:
+        if self.step is not None:  # begun and never ended (it failed): the shards drop its parts at the next prepare
+            self.client.abandon_step(self.name, self.step)
         self.step = step
         self.sent = []  # a failed step's parts (its error was raised then) are not this step's
 
@@ -438,6 +442,7 @@ class RemoteValues:
         and this table commits nothing. `wait` False: the commit is sent and this returns; the
         next call of this backend waits for it (a read chains after it), so it reads what it would
         have read; its error is raised there (and by any read chained after it), or by `settle`."""
+        check_end_step(self.step, step)
         if self.step is not None:
             self.deliver()
             self.settle()
@@ -474,6 +479,14 @@ class RemoteValues:
         self.settle()
         self.version += LOADED
         self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
+
+
+def check_end_step(begun: int | None, step: int) -> None:
+    """A step ends under the number it began with: the parts were sent under that one, and a
+    commit of another number would apply none of them (and no error would say so)."""
+    if begun is not None and step != begun:
+        raise InvalidArgumentError(f"step: end_step({step}) ends the step begun as begin_step({begun}); give "
+                                   "both the same number")
 
 
 def _indexed(device: torch.device) -> torch.device:
