@@ -500,3 +500,73 @@ def test_a_step_that_failed_is_dropped_by_the_next_begin_step_on_either_backend(
         values.bag_backward(ids, w, g2)
         values.end_step(5)
     assert torch.equal(again.bag(every, torch.ones(8, 8)), fresh.bag(every, torch.ones(8, 8)))
+
+
+def test_backends_and_layers_refuse_bad_settings_by_name_and_change_nothing(client, table_name, tmp_path):
+    """From a library walkthrough: LocalValues took a NaN or negative init_std (a table of NaNs)
+    that RemoteValues refused; RemoteValues with dim -1 named init_std (dim**-0.5 is complex), with
+    dim 0 raised ZeroDivisionError; a load of another optimizer's or shape's values overwrote the
+    values, then failed with AttributeError; one backend's save in the other gave KeyError;
+    layers given no backend, or Engram given tokens not of x's shape, failed deep inside or read
+    other rows silently."""
+    from memserver.api.errors import InvalidArgumentError
+    from trainer.memory import EngramMemory, LocalValues, ProductKeyMemory, RemoteValues
+
+    for kwargs, message in (({"init_std": float("nan")}, "init_std: must be a finite number >= 0, got nan"),
+                            ({"init_std": -1.0}, "init_std: must be a finite number >= 0"),
+                            ({"lr": "0.1"}, "lr: must be a number, got '0.1'"),
+                            ({"optimizer": "rmsprop"}, "optimizer: unknown optimizer 'rmsprop'")):
+        with pytest.raises(InvalidArgumentError, match=message):
+            LocalValues(16, 4, **kwargs)
+        with pytest.raises(InvalidArgumentError, match=message):
+            RemoteValues(client, table_name, 16, 4, **kwargs)
+    for rows, dim in ((16, -1), (16, 0), (0, 4)):
+        with pytest.raises(InvalidArgumentError, match="num_rows and dim: positive integers"):
+            RemoteValues(client, table_name, rows, dim)
+    with pytest.raises(InvalidArgumentError, match="name: a table name is a string, got 123"):
+        RemoteValues(client, 123, 16, 4)
+    # loads: refused whole, nothing changed
+    sgd = LocalValues(64, 8, optimizer="sgd", seed=1)
+    before = sgd.table.weight.clone()
+    for other, says in ((LocalValues(64, 8, optimizer="adam"), r"values of 64x8 with exp_avg, exp_avg_sq; this backend "
+                                                               r"holds 64x8 \(sgd\)"),
+                        (LocalValues(32, 8, optimizer="sgd"), r"values of 32x8 \(sgd\); this backend holds 64x8")):
+        with pytest.raises(InvalidArgumentError, match=says):
+            sgd.load(tmp_path, 1, other.save(tmp_path, 1))
+    assert torch.equal(sgd.table.weight, before)
+    remote = RemoteValues(client, table_name, 64, 8, optimizer="sgd", seed=1)
+    saved = remote.save(str(tmp_path), 1)  # a str directory, as LocalValues takes one
+    with pytest.raises(InvalidArgumentError, match="not what LocalValues.save returned .a RemoteValues save"):
+        sgd.load(tmp_path, 1, saved)
+    with pytest.raises(InvalidArgumentError, match="not what RemoteValues.save returned .a LocalValues save"):
+        remote.load(tmp_path, 1, sgd.save(tmp_path, 1))
+    remote.load(str(tmp_path), 1, saved)
+    assert torch.equal(sgd.table.weight, before)
+    # layers
+    with pytest.raises(TypeError, match="ProductKeyMemory: values must be a value backend .* got NoneType"):
+        ProductKeyMemory(16, 16, None, n_keys=4)
+    engram = EngramMemory(16, 16, LocalValues(64, 4), heads=2)
+    x, t = torch.rand(2, 5, 16), torch.randint(0, 50, (2, 5))
+    for args, says in (((x, t.t()), r"tokens must be \[B, T\] = \[2, 5\] for x \[2, 5, 16\], got \[5, 2\]"),
+                       ((x.reshape(1, 10, 16), t), r"tokens must be \[B, T\] = \[1, 10\]"),
+                       ((x, t.half()), "tokens must be integer token ids, got float16"),
+                       ((x.reshape(10, 16), t), r"x must be \[B, T, d_in\]"),
+                       ((x, None), r"tokens \[B, T\] are needed")):
+        with pytest.raises(ValueError, match=says):
+            engram(*args)
+    with pytest.raises(ValueError, match=r"orders is a tuple of n-gram orders, e.g. \(2, 3\), got 2"):
+        EngramMemory(16, 16, LocalValues(64, 4), orders=2)
+    assert engram(x, t).shape == (2, 5, 16)
+
+
+def test_trigger_contexts_of_a_users_own_model_show_their_token_ids(client, table_name):
+    """Records sent without a vocabulary (a user's own model: no info={"vocab": ...}) showed blank
+    contexts in `memserver inspect` and the web page; they show the token ids now."""
+    from trainer.inspection import slot_report
+    from trainer.memory import RemoteValues
+
+    RemoteValues(client, table_name, 16, 4)
+    client.record_triggers(table_name, np.array([3]), np.array([0.5], np.float32), np.array([0]),
+                           np.array([[7, 11, 2]]), np.array([5]))
+    (trig,) = slot_report(client, table_name, 3)["triggers"]
+    assert (trig["context"], trig["next"], trig["next_id"], trig["context_ids"]) == ("7 11 2", "5", 5, [7, 11, 2])

@@ -395,6 +395,10 @@ def slot_report(client: Any, table: str, slot: int, inspector: Inspector | None 
     vocab = inspector.vocab if inspector is not None else info.get("vocab", [])
 
     def text(ids: Any) -> str:
+        """The ids as the vocabulary's text; without one (records sent by a user's own model, no
+        `info={"vocab": ...}`), the ids themselves, so a context never shows blank."""
+        if not vocab:
+            return " ".join(str(int(i)) for i in ids if i >= 0)
         return "".join(vocab[i] if 0 <= i < len(vocab) else "" for i in ids)
 
     out: dict[str, Any] = {"table": table, "slot": int(slot)}
@@ -422,7 +426,8 @@ def slot_report(client: Any, table: str, slot: int, inspector: Inspector | None 
     triggers = []
     for w, ctx, nx in zip(trig["weights"][0], trig["contexts"][0], trig["next"][0]):
         if w > 0:
-            triggers.append({"weight": float(w), "context": text(ctx), "next": text([nx]), "next_id": int(nx)})
+            triggers.append({"weight": float(w), "context": text(ctx), "next": text([nx]), "next_id": int(nx),
+                             "context_ids": [int(i) for i in ctx if i >= 0]})
     out["triggers"] = triggers
     if inspector is not None and view is not None:
         tok, prob = inspector.top_tokens(table, [slot], k)

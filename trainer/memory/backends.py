@@ -219,17 +219,12 @@ class LocalValues:
     def __init__(self, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3, init_std: float | None = None,
                  seed: int = 0, device: torch.device | str = "cpu") -> None:
         """`device`: where the table lives (the values are made on the CPU, the same numbers
-        everywhere, then moved); a layer's module moving elsewhere moves it along (`to`)."""
-        try:
-            if isinstance(num_rows, bool) or isinstance(dim, bool):
-                raise TypeError
-            num_rows, dim = operator.index(num_rows), operator.index(dim)
-            if num_rows <= 0 or dim <= 0:
-                raise TypeError
-        except TypeError:
-            raise InvalidArgumentError(f"num_rows and dim: positive integers, got {num_rows!r} x {dim!r}") from None
+        everywhere, then moved); a layer's module moving elsewhere moves it along (`to`). The
+        settings are checked by the cluster's own rules (`checked_settings`)."""
+        num_rows, dim = checked_shape(num_rows, dim)
         self.num_rows, self.dim = num_rows, dim
         std = init_std if init_std is not None else dim**-0.5
+        checked_settings(num_rows, dim, optimizer, lr, std, seed)
         self.table = ValueTable(num_rows, dim, OptimizerConfig(optimizer, lr), init_std=std, seed=seed, track_stats=False,
                                 device=_indexed(torch.device(device)))
         self.parts: list[Entries] | None = None  # inside a step: its value updates so far
@@ -315,8 +310,19 @@ class LocalValues:
         return {"state": self.table.state()}  # stored in the trainer's own checkpoint file
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        """Refused whole (InvalidArgumentError, nothing changed) unless `saved` is a LocalValues
+        save of this shape and optimizer: copying field by field used to overwrite the values,
+        then fail on the optimizer's state with a raw AttributeError."""
+        state = saved.get("state") if isinstance(saved, dict) else None
+        if not isinstance(state, dict):
+            raise InvalidArgumentError(f"saved: not what LocalValues.save returned ({_saved_kind(saved)})")
+        mine = self.table.state()
+        if set(state) != set(mine) or any(tuple(state[k].shape) != tuple(t.shape) for k, t in mine.items()):
+            raise InvalidArgumentError(
+                f"saved: values of {_state_text(state)}; this backend holds {_state_text(mine)} (the same num_rows, "
+                "dim and optimizer are needed)")
         self.version += LOADED
-        for name, t in saved["state"].items():
+        for name, t in state.items():
             getattr(self.table, name).copy_(t)
 
 
@@ -338,6 +344,9 @@ class RemoteValues:
         from client import TableNotFoundError
         from client.ops import ids_fit_int32
 
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"name: a table name is a string, got {name!r}")
+        num_rows, dim = checked_shape(num_rows, dim)  # before dim**-0.5 below (dim -1 made a complex init_std)
         self.client, self.name, self.num_rows, self.dim = client, name, num_rows, dim
         self.int32_ids = ids_fit_int32(num_rows)  # as they travel: `_ids` narrows them on a GPU
         self.defer_apply, self.tier = defer_apply, tier
@@ -472,13 +481,56 @@ class RemoteValues:
         checkpoint root, so every backend saves on its own)."""
         where = f"memory/{self.name}"
         self.settle()
-        self.client.checkpoint(str(directory.resolve() / where), step, [self.name])
+        self.client.checkpoint(str(Path(directory).resolve() / where), step, [self.name])
         return {"checkpoint": where, "table": self.name}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        if not isinstance(saved, dict) or not isinstance(saved.get("checkpoint"), str):
+            raise InvalidArgumentError(f"saved: not what RemoteValues.save returned ({_saved_kind(saved)})")
         self.settle()
         self.version += LOADED
-        self.client.restore(str(directory.resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
+        self.client.restore(str(Path(directory).resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
+
+
+def _saved_kind(saved: Any) -> str:
+    """What a backend's `load` was given instead of its own save, in words."""
+    if isinstance(saved, dict) and "state" in saved:
+        return "a LocalValues save: load it into LocalValues"
+    if isinstance(saved, dict) and "checkpoint" in saved:
+        return "a RemoteValues save: load it into RemoteValues"
+    return f"got {type(saved).__name__}{' with keys ' + str(sorted(saved)) if isinstance(saved, dict) else ''}"
+
+
+def _state_text(state: dict[str, Any]) -> str:
+    """A table state's shape and optimizer fields, as `load` names them."""
+    w = state.get("weight")
+    shape = "x".join(map(str, w.shape)) if w is not None else "no weight"
+    extra = sorted(k for k in state if k in ("acc", "exp_avg", "exp_avg_sq"))
+    return f"{shape}{' with ' + ', '.join(extra) if extra else ' (sgd)'}"
+
+
+def checked_shape(num_rows: Any, dim: Any) -> tuple[int, int]:
+    """A backend's table shape as ints, refused (naming both) unless positive integers."""
+    try:
+        if isinstance(num_rows, bool) or isinstance(dim, bool):
+            raise TypeError
+        num_rows, dim = operator.index(num_rows), operator.index(dim)
+        if num_rows <= 0 or dim <= 0:
+            raise TypeError
+    except TypeError:
+        raise InvalidArgumentError(f"num_rows and dim: positive integers, got {num_rows!r} x {dim!r}") from None
+    return num_rows, dim
+
+
+def checked_settings(num_rows: int, dim: int, optimizer: str, lr: Any, init_std: Any, seed: Any) -> None:
+    """LocalValues' settings by the rules the cluster checks a value table's with
+    (client.aio.value_table_spec for the types, memserver.server.catalog.validate_spec for what
+    they mean), so both backends take and refuse the same, with the same messages: a NaN or
+    negative init_std used to make a table of NaNs here and be refused there."""
+    from client.aio import value_table_spec
+    from memserver.server.catalog import validate_spec
+
+    validate_spec(value_table_spec("local", num_rows, dim, optimizer=optimizer, lr=lr, init_std=init_std, seed=seed), 1)
 
 
 def check_end_step(begun: int | None, step: int) -> None:

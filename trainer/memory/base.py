@@ -114,6 +114,29 @@ class Prefetch:
     started: list[Any]  # per chunk what `send` returned
 
 
+def check_values(values: Any, layer: str) -> None:
+    """A layer's value backend is one (LocalValues, RemoteValues or another ValueBackend), named
+    if not, before the layer reads its shape."""
+    if not all(hasattr(values, a) for a in ("num_rows", "dim", "bag", "bag_backward")):
+        raise TypeError(f"{layer}: values must be a value backend (LocalValues or RemoteValues), got "
+                        f"{type(values).__name__}")
+
+
+def check_tokens(x: torch.Tensor, tokens: torch.Tensor | None, layer: str) -> None:
+    """A token-addressed layer reads by `tokens` [B, T], the integer ids of x [B, T, d_in]'s
+    positions: anything else would address other rows (transposed tokens, a reshaped x) or fail
+    deep inside with a raw shape error."""
+    if tokens is None:
+        raise ValueError(f"{layer}: tokens [B, T] are needed, the token ids of x [B, T, d_in]'s positions")
+    if x.dim() != 3:
+        raise ValueError(f"{layer}: x must be [B, T, d_in] (its sequences are what tokens index), got {list(x.shape)}")
+    if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise ValueError(f"{layer}: tokens must be integer token ids, got {str(tokens.dtype).removeprefix('torch.')}")
+    if tuple(tokens.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{layer}: tokens must be [B, T] = {list(x.shape[:2])} for x {list(x.shape)}, got "
+                         f"{list(tokens.shape)}")
+
+
 class MemoryLayer(nn.Module):
     """Base of the memory layers: subclasses implement `address` (and the hooks above they need)."""
 
@@ -261,6 +284,8 @@ class MemoryLayer(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., d_in] -> [..., d_out]; `tokens` [B, T]: the token ids of x's positions (what a
         token-addressed kind reads by; the others ignore them)."""
+        if self.token_addressed:
+            check_tokens(x, tokens, type(self).__name__)
         shape = x.shape
         self.batch_shape = tuple(shape[:-1])
         flat = x.reshape(-1, shape[-1])  # [N, d_in], N = batch * time
