@@ -48,12 +48,7 @@ IDSelectors and cannot remove, so on a GPU every kind keeps dead entries and ove
 from __future__ import annotations
 
 import logging
-import os
 import re
-import sys
-import tempfile
-import threading
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -417,7 +412,7 @@ class VectorIndex:
             if len(x) == 0:
                 raise InvalidArgumentError("sample: empty; training needs vectors")
             try:
-                with _faiss_stderr_logged(f"training {self.factory!r} on {len(x):,} vectors"):
+                with _clustering_quieted(index, f"training {self.factory!r} on {len(x):,} vectors", len(x)):
                     index.train(x)
             except RuntimeError as e:
                 raise InvalidArgumentError(
@@ -794,28 +789,51 @@ class VectorIndex:
         return self
 
 
-#: One redirect of file descriptor 2 at a time in a process (a second, nested in another thread,
-#: would restore the first one's file, not the real stderr).
-_STDERR_LOCK = threading.Lock()
+
+#: faiss's advice for k-means: at least this many training points per centroid (its
+#: ClusteringParameters.min_points_per_centroid, below which it prints a warning per k-means).
+POINTS_PER_CENTROID = 39
 
 
 @contextmanager
-def _faiss_stderr_logged(what: str) -> Iterator[None]:
-    """faiss's C++ code writes its training warnings straight to file descriptor 2, one per
-    sub-quantizer and per OPQ iteration: hundreds of the same line for one train (into `up`'s
-    memserver.log). While the block runs, fd 2 goes to a temporary file; after it, each distinct
-    line is logged once, with its count. What another thread wrote to fd 2 meanwhile is logged
-    too, not lost. Bounds: the file holds one train's output and is gone after it."""
-    with _STDERR_LOCK, tempfile.TemporaryFile() as tmp:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            lines = Counter(line.strip() for line in tmp.read().decode(errors="replace").splitlines() if line.strip())
-            for line, n in lines.items():
-                log.warning("%s: faiss: %s%s", what, line, f" ({n} times)" if n > 1 else "")
+def _clustering_quieted(index: Any, what: str, n: int) -> Iterator[None]:
+    """faiss's C++ prints "WARNING clustering n points to k centroids" to stderr for every k-means
+    run on fewer than 39 points per centroid: one per sub-quantizer, and per OPQ iteration (408
+    lines for one OPQ8,IVF16,PQ8 train, into `up`'s memserver.log). Its threshold only decides that
+    warning, so it is set to 0 on the k-means this train runs (the IVF's coarse quantizer, a PQ's,
+    an OPQ rotation's own PQ, given for the train and taken back after: the same numbers), and the
+    advice is logged here once per k-means size. Factories not walked here warn as faiss does."""
+    ks: list[int] = []
+    opqs: list[tuple[Any, Any]] = []  # (OPQMatrix, the ProductQuantizer lent to its train)
+
+    def quiet(q: Any, k: int) -> None:  # a ProductQuantizer's or an IVF's ClusteringParameters holder
+        q.cp.min_points_per_centroid = 0
+        ks.append(k)
+
+    inner = index
+    if isinstance(index, faiss.IndexPreTransform):
+        for i in range(index.chain.size()):
+            vt = faiss.downcast_VectorTransform(index.chain.at(i))
+            if isinstance(vt, faiss.OPQMatrix) and vt.pq is None:
+                pq = faiss.ProductQuantizer(vt.d_out, vt.M, 8)  # as OPQMatrix::train's own default
+                quiet(pq, 1 << 8)
+                vt.pq = pq
+                opqs.append((vt, pq))
+        inner = faiss.downcast_index(index.index)
+    ivf = faiss.try_extract_index_ivf(inner)
+    if ivf is not None:
+        quiet(ivf, ivf.nlist)
+        inner = faiss.downcast_index(ivf)
+    if isinstance(inner, faiss.IndexHNSW):
+        inner = faiss.downcast_index(inner.storage)
+    if isinstance(getattr(inner, "pq", None), faiss.ProductQuantizer):
+        quiet(inner.pq, 1 << inner.pq.nbits)
+    try:
+        yield
+    finally:
+        for vt, _ in opqs:
+            vt.pq = None  # the lent quantizer is freed with this frame: no pointer to it stays
+    for k in sorted(set(ks)):
+        if n < POINTS_PER_CENTROID * k:
+            log.warning("%s: k-means of %d centroids wants at least %d training vectors (faiss's advice: %d per "
+                        "centroid); this quantizer will be coarse", what, k, POINTS_PER_CENTROID * k, POINTS_PER_CENTROID)
