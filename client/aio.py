@@ -531,6 +531,9 @@ class AsyncMemoryClient:
         for m in metas:
             self._tables[m.name] = m
             self.session.forget_table(m.name)
+        if tier and (other := [m.name for m in metas if m.kind == "value" and (m.tier or "ram") != tier]):
+            raise FailedPreconditionError(f"tier: the cluster restored {other} but not as tier {tier!r}: its coordinator "
+                                          "predates restore's tier (upgrade it)")
         return metas
 
     # -- data plane (the ops are client.ops'; see there for what each computes) ----------

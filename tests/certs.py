@@ -8,8 +8,9 @@ from pathlib import Path
 
 
 def self_signed(directory: Path, name: str = "server", ip: str | None = "127.0.0.1",
-                dns: str = "localhost") -> tuple[Path, Path]:
-    """(cert.pem, key.pem) of a fresh EC key, valid for `ip` (None: no address) and `dns` for one day."""
+                dns: str = "localhost", expired: bool = False) -> tuple[Path, Path]:
+    """(cert.pem, key.pem) of a fresh EC key, valid for `ip` (None: no address) and `dns` for one day
+    (`expired`: the day before yesterday)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -17,7 +18,7 @@ def self_signed(directory: Path, name: str = "server", ip: str | None = "127.0.0
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"memserver-test-{name}")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=2 if expired else 0)
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject)

@@ -280,15 +280,22 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path):
         assert run(["checkpoint", *ck], env, timeout=120).returncode == 0
         bad = run(["restore", *ck, "--replace", "--tier", "ram", "--cache-bytes", "4K"], env, timeout=120)
         assert bad.returncode == 2 and "memserver: error: --cache-bytes: only a tier 'disk' table" in bad.stderr, bad.stderr
+        half = ["--dir", str(tmp_path / "ck-half"), "--table", "cli-half", *at]
+        assert run(["create-table", "cli-half", "--rows", "10", "--dim", "2", "--dtype", "float16", *at], env,
+                   timeout=120).returncode == 0
+        assert run(["checkpoint", *half], env, timeout=120).returncode == 0
+        bad = run(["restore", *half, "--replace", "--tier", "disk"], env, timeout=120)
+        assert bad.returncode == 2 and "memserver: error: --tier: a tier 'disk' table stores float32, not float16" \
+            in bad.stderr, bad.stderr
         moved = run(["restore", *ck, "--replace", "--tier", "disk", "--cache-bytes", "4K"], env, timeout=120)
         assert moved.returncode == 0 and "restored cli-ram: 100 x 4 (cols, tier disk, cache 4.0 KiB) over 2 shards" in moved.stdout, \
             moved.stdout + moved.stderr
     finally:
-        for name in ("cli-disk", "cli-ram"):
+        for name in ("cli-disk", "cli-ram", "cli-half"):
             dropped = run(["drop-table", name, *at], env, timeout=120)
             assert dropped.returncode == 0 and f"dropped {name}" in dropped.stdout, dropped.stderr
     with MemoryClient(memory_cluster.endpoint) as client:
-        assert not {"cli-disk", "cli-ram"} & {t.name for t in client.list_tables()}
+        assert not {"cli-disk", "cli-ram", "cli-half"} & {t.name for t in client.list_tables()}
     bad = run(["create-table", "x", "--rows", "10", "--dim", "2", "--cache-bytes", "4Q", *at], env, timeout=60)
     assert bad.returncode == 2 and "--cache-bytes" in bad.stderr and "not a size" in bad.stderr
     # what only the cluster checks is refused naming the flag, not the spec's field

@@ -17,7 +17,7 @@ import torch
 
 import memserver.core.disk as disk_mod
 from benchmarks.disk_tier import drop_page_cache, lru_hit_rate
-from memserver.api.errors import DataLossError, InvalidArgumentError, ResourceExhaustedError
+from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from memserver.core.disk import MIN_CACHE_BYTES, DiskTable, record_layout
 from memserver.core.optim import OptimizerConfig
 from memserver.core.table import ValueTable
@@ -838,6 +838,20 @@ def test_restore_moves_a_table_between_tiers_and_it_continues_identically(client
         same_steps()
         meta = client.restore(str(tmp_path / "b"), replace=True, tables=[table_name])[0]  # as saved: on disk
         assert (meta.tier, meta.cache_bytes) == ("disk", 2 * MIN_CACHE_BYTES)
+        # a coordinator that predates the tier field ignores it: the client says so instead of a silent RAM table
+        real = client.aio._control
+
+        async def old_coordinator(method, request):
+            if method == "Restore":
+                request.tier, request.cache_bytes = "", 0
+            return await real(method, request)
+
+        client.aio._control = old_coordinator
+        try:
+            with pytest.raises(FailedPreconditionError, match=r"tier: the cluster restored \[.*\] but not as tier 'ram'"):
+                client.restore(str(tmp_path / "b"), replace=True, tables=[table_name], tier="ram")
+        finally:
+            client.aio._control = real
     finally:
         client.drop_table(twin)
 
@@ -870,3 +884,21 @@ def test_recent_rate_is_the_rate_of_the_last_minute_and_falls_to_zero_when_idle(
     assert r.per_second() < 1e-20
     r.add(0)  # no events: no change of its clock
     assert r.per_second() < 1e-20
+    fresh = RecentRate(60.0, clock=lambda: now[0])  # one call just after the start is not a rate
+    now[0] += 0.001
+    fresh.add(1000)
+    now[0] += 0.001
+    assert fresh.per_second() == pytest.approx(1000, rel=0.01)
+
+
+def test_status_of_a_shard_without_recent_rates_falls_back_to_its_counters():
+    """A shard that predates TableLoad's rates sends 0 for them: status then shows its counters'
+    average since load, not 0 reads/s for a busy table."""
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.cli.tables import _disk_dict
+
+    old = pb.TableLoad(tier="disk", disk_reads=600, disk_writes=120, disk_seconds=60.0, cache_hits=3, cache_misses=1)
+    d = _disk_dict(old)
+    assert (d["disk_reads_per_s"], d["disk_writes_per_s"], d["hit_rate"]) == (10.0, 2.0, 0.75)
+    new = pb.TableLoad(tier="disk", disk_reads=600, disk_seconds=60.0, disk_reads_per_s=0.5)
+    assert _disk_dict(new)["disk_reads_per_s"] == 0.5 and _disk_dict(pb.TableLoad(tier="disk"))["disk_reads_per_s"] == 0

@@ -74,7 +74,10 @@ def test_bad_writes_are_rejected_whole(client, table, case):
 def test_bad_reads(client, table):
     with pytest.raises(InvalidArgumentError, match="out of range"):
         client.lookup(table, [0, 100])
+    assert len(client.top_slots(table, n=np.int64(2))[0]) == len(client.top_slots(table, n=torch.tensor(2))[0]) == 2
     for bad, says in ((lambda: client.top_slots(table, n=2.5), "n: must be an integer, got 2.5"),
+                      (lambda: client.top_slots(table, n=None), "n: must be an integer, got None"),
+                      (lambda: client.checkpoint("ck", step=None), "step: must be an integer, got None"),
                       (lambda: client.top_slots(table, n=1 << 40), "n: 1099511627776 is out of range"),
                       (lambda: client.checkpoint("ck", step="7"), "step: must be an integer, got '7'"),
                       (lambda: client.restore("ck", num_shards=1.0), "num_shards: must be an integer, got 1.0"),

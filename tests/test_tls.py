@@ -134,9 +134,9 @@ def test_a_key_that_is_not_the_certificates_is_refused_before_anything_starts(tm
 
 
 
-def test_a_client_whose_handshake_fails_says_what_to_fix_at_once(tls_server):
-    """A client with the wrong CA, one whose certificate names another address, or one speaking TLS
-    to a plaintext server: the handshake fails the same way every time, so the client raises
+def test_a_client_whose_handshake_fails_says_what_to_fix_at_once(tls_server, tmp_path):
+    """A client with the wrong CA, one whose certificate names another address, one speaking TLS
+    to a plaintext server, or a server whose certificate expired: the handshake fails the same way every time, so the client raises
     TlsError (an UnavailableError) at once, not after its retry_seconds, naming the fix. A
     plaintext client at a TLS server hears only "Socket closed": it retries, then says TLS may be why."""
     import time
@@ -147,9 +147,13 @@ def test_a_client_whose_handshake_fails_says_what_to_fix_at_once(tls_server):
     loop = LoopThread("plain-test")
     plain_server, port = loop.call(start_server(lambda s: None, [DATA_PLANE], "127.0.0.1"))
     plain = f"127.0.0.1:{port}"
+    old_cert, old_key = self_signed(tmp_path, "expired", expired=True)
+    old_server, old_port = loop.call(start_server(lambda s: None, [DATA_PLANE], "127.0.0.1",
+                                                  config=ServeConfig(tls=TlsFiles(str(old_cert), str(old_key)))))
     cases = ((tls_server["address"], ClientTls(tls_server["other_ca"]), "is not signed by the CA this client trusts"),
              (tls_server["named"], ClientTls(tls_server["named_ca"]), "does not name the address dialled"),
-             (plain, ClientTls(tls_server["ca"]), "the server does not speak TLS"))
+             (plain, ClientTls(tls_server["ca"]), "the server does not speak TLS"),
+             (f"127.0.0.1:{old_port}", ClientTls(old_cert.read_bytes()), "the server's certificate has expired"))
     try:
         for address, tls, says in cases:
             with MemoryClient(address, token=TOKEN, tls=tls, timeout=5, retry_seconds=30) as client:
@@ -164,3 +168,4 @@ def test_a_client_whose_handshake_fails_says_what_to_fix_at_once(tls_server):
             assert not isinstance(err.value, TlsError)
     finally:
         loop.call(plain_server.stop(grace=0))
+        loop.call(old_server.stop(grace=0))

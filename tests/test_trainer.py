@@ -459,7 +459,7 @@ def test_a_remote_table_the_cluster_refuses_is_named_by_memtrains_flag(memory_cl
         main([*TINY, "--memory", "remote", "--endpoint", memory_cluster.endpoint, "--table", table_name, "--steps", "1",
               "--tier", "disk", "--cache-bytes", "10"])
     err = capsys.readouterr().err
-    assert done.value.code == 2 and "memtrain: error: --cache-bytes: a tier 'disk' table needs at least 1024 bytes" in err, err
+    assert done.value.code == 1 and "memtrain: error: --cache-bytes: a tier 'disk' table needs at least 1024 bytes" in err, err
 
 
 def test_a_step_that_failed_is_dropped_by_the_next_begin_step_on_either_backend(client, table_name):

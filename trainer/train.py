@@ -894,14 +894,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         field, sep, why = exc.details.partition(": ")
+        if field == "optimizer" and why.startswith("lr "):  # the optimizer's settings: its lr is --value-lr's
+            field = "lr"
         if isinstance(exc, InvalidArgumentError) and sep and field in _FLAG_OF_FIELD:  # a table spec memtrain made
-            parser.exit(2, f"memtrain: error: {_FLAG_OF_FIELD[field]}: {why}\n")
+            parser.exit(1, f"memtrain: error: {_FLAG_OF_FIELD[field]}: {why}\n")
         parser.exit(1, f"memtrain: error: {one_line(exc)} (--debug: the traceback)\n")
 
 
 #: The remote tables' spec fields (what the cluster's refusal names) that a memtrain flag sets.
-_FLAG_OF_FIELD = {"cache_bytes": "--cache-bytes", "tier": "--tier", "sharding": "--sharding",
-                  "optimizer": "--value-optimizer", "lr": "--value-lr"}
+_FLAG_OF_FIELD = {"cache_bytes": "--cache-bytes", "tier": "--tier", "optimizer": "--value-optimizer", "lr": "--value-lr"}
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:

@@ -4,7 +4,7 @@ and the table kind a call is for."""
 
 from __future__ import annotations
 
-import numbers
+import operator
 from typing import Any
 
 import torch
@@ -18,18 +18,23 @@ INT32, INT64 = 31, 63
 UINT64 = -64  # unsigned: 0 .. 2^64 - 1
 
 
-def check_ints(bits: int = INT64, **values: Any) -> None:
+def check_ints(bits: int = INT64, *, optional: bool = False, **values: Any) -> None:
     """Each keyword argument an integer its protobuf field holds (`bits`: INT32, INT64, UINT64),
-    else InvalidArgumentError naming it: protobuf's own TypeError names no field. None (an
-    optional argument left out) passes. What the value means is the server's to check."""
+    else InvalidArgumentError naming it: protobuf's own TypeError names no field. Anything with
+    `__index__` counts (numpy integers, a 0-d integer tensor), bool does not; None only where
+    `optional` (an argument left out). What the value means is the server's to check."""
     lo, hi = (0, (1 << -bits) - 1) if bits < 0 else (-(1 << bits), (1 << bits) - 1)
     for name, v in values.items():
-        if v is None:
+        if v is None and optional:
             continue
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise InvalidArgumentError(f"{name}: must be an integer, got {v!r}")
-        if not lo <= v <= hi:
-            raise InvalidArgumentError(f"{name}: {v} is out of range ({lo:,} .. {hi:,})")
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            i = operator.index(v)
+        except TypeError:
+            raise InvalidArgumentError(f"{name}: must be an integer, got {v!r}") from None
+        if not lo <= i <= hi:
+            raise InvalidArgumentError(f"{name}: {i} is out of range ({lo:,} .. {hi:,})")
 
 
 def checked_ids(x: Any, meta: TableMeta, what: str = "ids") -> torch.Tensor:

@@ -58,7 +58,8 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
               opts: OpOptions) -> Op:
     """Every shard's top k of each query, merged exactly in the metric's order (client.merge):
     (scores [B, k], ids [B, k], payload [B, k, payload_dim] or None); a missing hit is id -1."""
-    check_ints(INT32, k=k, nprobe=nprobe, ef_search=ef_search)
+    check_ints(INT32, k=k)
+    check_ints(INT32, optional=True, nprobe=nprobe, ef_search=ef_search)
     q = checked_floats(queries, "queries").float()
     if q.dim() != 2 or q.shape[1] != meta.dim:
         raise InvalidArgumentError(f"queries: expected shape [B, {meta.dim}], got {list(q.shape)}")

@@ -98,6 +98,10 @@ class TlsError(UnavailableError):
 #: grpc core's words for a failed handshake (its details, which vary by version: matched by
 #: part) -> what to fix. The first that matches wins.
 _TLS_FAILURES = (
+    ("certificate has expired",
+     "the server's certificate has expired: renew it (or check this host's clock)"),
+    ("certificate is not yet valid",
+     "the server's certificate is not valid yet: check the clocks of this host and the server's"),
     ("Hostname Verification Check failed",
      "the server's certificate does not name the address dialled: set $MEMSERVER_TLS_SERVER_NAME (or "
      "ClientTls.server_name) to a name the certificate holds, or give the server a certificate for its address"),

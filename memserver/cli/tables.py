@@ -95,11 +95,14 @@ def _disk_dict(t: Any) -> dict[str, Any]:
     if t.tier != "disk":
         return {"tier": t.tier or "ram"}
     seen = t.cache_hits + t.cache_misses
+    reads_per_s, writes_per_s = t.disk_reads_per_s, t.disk_writes_per_s
+    if not (reads_per_s or writes_per_s) and (t.disk_reads or t.disk_writes) and t.disk_seconds:  # a shard too old to say
+        reads_per_s, writes_per_s = t.disk_reads / t.disk_seconds, t.disk_writes / t.disk_seconds
     return {"tier": "disk", "cache_bytes": t.cache_bytes, "cache_bound": t.cache_bound, "cached_rows": t.cache_rows,
             "capacity": t.cache_capacity, "memory_bytes": t.bytes, "cache_hits": t.cache_hits,
             "cache_misses": t.cache_misses, "hit_rate": t.cache_hits / seen if seen else 0.0,
             "evictions": t.cache_evictions, "disk_reads": t.disk_reads, "disk_writes": t.disk_writes,
-            "disk_reads_per_s": t.disk_reads_per_s, "disk_writes_per_s": t.disk_writes_per_s, "seconds": t.disk_seconds,
+            "disk_reads_per_s": reads_per_s, "disk_writes_per_s": writes_per_s, "seconds": t.disk_seconds,
             "read_ahead": t.disk_read_ahead, "hinted": t.disk_hinted, "warmed": t.disk_warmed,
             "warm_dropped": t.disk_warm_dropped,
             "data_file": t.data_file, "data_bytes": t.data_bytes}
@@ -348,6 +351,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
                                    tables=args.table or None, tier=args.tier or "", cache_bytes=args.cache_bytes or 0)
         except InvalidArgumentError as exc:
             key, sep, why = exc.details.partition(": ")
+            if key == "dtype" and args.tier:  # a half-float table cannot go to disk: what --tier asked for
+                key = "tier"
             if not sep or key not in ("num_shards", "tier", "cache_bytes"):
                 raise
             raise CliError(f"{'--shards' if key == 'num_shards' else flag_of(key)}: {why}") from None

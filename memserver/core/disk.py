@@ -790,9 +790,10 @@ class RecentRate:
             self.t = now
 
     def per_second(self) -> float:
+        """The rate now; over at least a second (one call just after the start is not a rate)."""
         now = self.clock()
-        seen = 1.0 - math.exp(-(now - self.start) / self.tau)  # the weight the average has had time to gather
-        return self.level * math.exp(-(now - self.t) / self.tau) / seen if seen > 0 else 0.0
+        seen = 1.0 - math.exp(-max(now - self.start, 1.0) / self.tau)  # the weight the average has gathered
+        return self.level * math.exp(-(now - self.t) / self.tau) / seen
 
 
 class _ReadAhead:
