@@ -343,3 +343,33 @@ def test_interceptor_maps_every_exception_and_counts_every_call(caplog):
     finally:
         loop.call(server.stop(None))
         loop.stop()
+
+
+def test_a_drop_of_what_is_no_table_name_is_refused_and_removes_nothing(client, tmp_path):
+    """`memserver drop-table ..` (or "", "../victim") answered NOT_FOUND after every shard had
+    removed that folder: its data directory's parent, the whole shard directory with its logs,
+    or a folder outside it. A name is checked before any shard is asked, by the shard itself and
+    by its store: no folder is touched."""
+    from memserver.api.types import check_table_name
+    from memserver.server.shard_actor import ShardActor
+    from memserver.storage.store import ShardStore
+
+    for name in ("", ".", "..", "../victim", "a/b", "-x"):
+        with pytest.raises(InvalidArgumentError, match="is not a table name"):
+            client.drop_table(name)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("x")
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    try:
+        shard_dir = next((tmp_path / "data").glob("shard-*"))
+        (shard_dir / "keep").write_text("x")
+        for name in ("..", "../../victim", "."):
+            with pytest.raises(InvalidArgumentError, match="is not a table name"):
+                shard.drop_table(name)
+            with pytest.raises(InvalidArgumentError, match="is not a table name"):
+                ShardStore(tmp_path / "data", 0).drop(name)
+    finally:
+        shard.stop()
+    assert (victim / "keep").exists() and (shard_dir / "keep").exists()
+    assert check_table_name("a.b-c_1") == "a.b-c_1"

@@ -7,6 +7,7 @@ table slice, the coordinator's planner and checkpoint resharding all ask it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -14,8 +15,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import dtype_name
+
+#: What a table name may be. It names a folder in every shard's data directory and in checkpoints,
+#: so it is checked wherever a name arrives, drops included (`..` must never reach a path).
+TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def check_table_name(name: object, field: str = "name") -> str:
+    """`name` if it is a table name, else InvalidArgumentError naming `field`."""
+    if not isinstance(name, str) or not TABLE_NAME.fullmatch(name):
+        raise InvalidArgumentError(f"{field}: {name!r} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
+    return name
 
 #: Sharding names as users write them, and their proto values.
 SHARDINGS: dict[str, int] = {"rows": pb.ROWS, "cols": pb.COLS}

@@ -5,19 +5,17 @@ optimizer from them, and tests call them without a cluster."""
 from __future__ import annotations
 
 import math
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
-from memserver.api.types import METRIC_NAMES, ShardLayout, fmt_bytes
+from memserver.api.types import METRIC_NAMES, TABLE_NAME, ShardLayout, check_table_name, fmt_bytes
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import OptimizerConfig
 from memserver.server.config import Limits
 from memserver.wire import INDEX_ID_SPACE, TORCH_DTYPES, VALUE_DTYPES
 
-TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 #: Sharding a table gets when its spec leaves it unspecified (see docs/architecture.md).
 DEFAULT_SHARDING = pb.COLS
 
@@ -37,8 +35,7 @@ def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
 def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
     """Check a CreateTable spec and fill its defaults; the error names the offending field."""
     spec = pb.TableSpec.FromString(spec.SerializeToString())
-    if not TABLE_NAME.fullmatch(spec.name):
-        raise InvalidArgumentError(f"name: {spec.name!r} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
+    check_table_name(spec.name)
     if spec.kind == pb.TABLE_KIND_UNSPECIFIED:
         spec.kind = pb.VALUE
     if spec.kind == pb.INDEX:

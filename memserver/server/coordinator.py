@@ -26,7 +26,7 @@ from memserver.api.errors import (
     TableExistsError,
     TableNotFoundError,
 )
-from memserver.api.types import METRIC_NAMES
+from memserver.api.types import METRIC_NAMES, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
@@ -230,6 +230,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             self.pending.discard(spec.name)
 
     async def DropTable(self, request: pb.DropTableRequest, context: grpc.aio.ServicerContext) -> pb.DropTableResponse:
+        check_table_name(request.name)  # before any shard is asked to drop its folder of that name
         await self._drop(request.name)
         return pb.DropTableResponse()
 

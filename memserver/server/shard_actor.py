@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from memserver.api.errors import DataLossError, FailedPreconditionError, TableExistsError, TableNotFoundError
-from memserver.api.types import METRIC_NAMES
+from memserver.api.types import METRIC_NAMES, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
@@ -400,6 +400,8 @@ class ShardActor:
         return text
 
     def drop_table(self, name: str) -> bool:
+        check_table_name(name)  # its folder is removed below: never a path
+
         async def drop() -> bool:
             self.servicer.lost.pop(name, None)
 

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from memserver.api.types import check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.storage.checkpoint import MANIFEST
 from memserver.storage.fsutil import atomic_write
@@ -37,7 +38,9 @@ class ShardStore:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def table_dir(self, name: str) -> Path:
-        return self.dir / name
+        """The folder of table `name` in this shard's directory; a name that is no table name
+        (`..`, `a/b`, "") is refused, so a drop or a record never reaches another folder."""
+        return self.dir / check_table_name(name)
 
     def records(self) -> list[dict[str, Any]]:
         out = []
