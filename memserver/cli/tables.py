@@ -420,7 +420,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     ck = sub.add_parser("checkpoint", help="write a consistent checkpoint of the tables",
                         description="Every shard writes its slices (temporary name, fsync, rename); the manifest is "
-                        "written last, so an interrupted checkpoint leaves the previous one intact. Run it at a step "
+                        "written last, so an interrupted checkpoint leaves the previous one intact (a checkpoint at a step "
+                        "that has one makes that step incomplete until it is rewritten whole). Run it at a step "
                         "barrier (no writes in flight) for a consistent cut.")
     ck.add_argument("--dir", help="directory on the servers, below the cluster's checkpoint root (memserver up "
                     "--checkpoint-root); a relative one is taken under that root (default: 'checkpoints' there); "

@@ -35,7 +35,7 @@ from memserver.server.config import Limits, ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, serve_on
 from memserver.server.metrics import CoordinatorMetrics
 from memserver.server.rayutil import was_restarted
-from memserver.storage.checkpoint import find_checkpoint, step_dir, under_root, write_manifest
+from memserver.storage.checkpoint import find_checkpoint, step_dir, under_root, withdraw_manifest, write_manifest
 from memserver.wire import check_float, check_rows, decode
 
 log = logging.getLogger(__name__)
@@ -276,6 +276,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             self._get(name)
         t0 = time.perf_counter()
         directory = step_dir(root, request.step)
+        if withdraw_manifest(directory):
+            log.warning("checkpoint of step %d: replacing the complete one in %s (incomplete until this one is)",
+                        request.step, directory)
         calls, where = [], []
         for name in names:
             for j, sh in zip(self.placement[name], self.tables[name].shards):

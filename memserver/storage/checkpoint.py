@@ -22,7 +22,7 @@ from memserver.api.errors import InvalidArgumentError, PermissionDeniedError
 from memserver.api.types import ShardLayout
 from memserver.core.disk import unpack
 from memserver.core.table import ValueTable
-from memserver.storage.fsutil import atomic_write
+from memserver.storage.fsutil import atomic_write, fsync_dir
 
 MANIFEST = "manifest.json"
 #: Rows a restore copies at a time (its temporaries are this many rows of one state tensor).
@@ -58,6 +58,19 @@ def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor],
     blob = {"meta": meta, "state": {k: v.cpu() for k, v in state.items()}, **(extra or {})}
     atomic_write(path, lambda f: torch.save(blob, f))
     return path.stat().st_size
+
+
+def withdraw_manifest(directory: Path) -> bool:
+    """Before a checkpoint is written again at a step that has a complete one: its manifest goes
+    first (durably), so while the slice files are rewritten, and if the rewrite fails, the step
+    is incomplete (a restore of the latest skips it, one of this step says so) instead of an old
+    manifest over new files. Returns whether there was one."""
+    try:
+        (directory / MANIFEST).unlink()
+    except FileNotFoundError:
+        return False
+    fsync_dir(directory)
+    return True
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
