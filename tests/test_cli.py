@@ -298,6 +298,10 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path):
         assert not {"cli-disk", "cli-ram", "cli-half"} & {t.name for t in client.list_tables()}
     bad = run(["create-table", "x", "--rows", "10", "--dim", "2", "--cache-bytes", "4Q", *at], env, timeout=60)
     assert bad.returncode == 2 and "--cache-bytes" in bad.stderr and "not a size" in bad.stderr
+    for cmd in (["create-table", "x", "--rows", "10", "--dim", "2", "--tier", "disk"], ["restore", "--tier", "disk"]):
+        zero = run([*cmd, "--cache-bytes", "0", *at], env, timeout=60)  # silently the default, 1/8, before
+        assert zero.returncode == 2 and "--cache-bytes: 0 bytes of cache: leave --cache-bytes out" in zero.stderr, \
+            zero.stderr
     # what only the cluster checks is refused naming the flag, not the spec's field
     for argv, flag in ((["--rows", "0", "--dim", "2"], "--rows: "), (["--rows", "10", "--dim", "2", "--num-shards", "9"],
                                                                    "--num-shards: "),

@@ -570,3 +570,10 @@ def test_trigger_contexts_of_a_users_own_model_show_their_token_ids(client, tabl
                            np.array([[7, 11, 2]]), np.array([5]))
     (trig,) = slot_report(client, table_name, 3)["triggers"]
     assert (trig["context"], trig["next"], trig["next_id"], trig["context_ids"]) == ("7 11 2", "5", 5, [7, 11, 2])
+
+
+def test_a_cache_of_zero_bytes_is_refused_by_its_flag(capsys):
+    """--cache-bytes 0 was taken silently as the default (1/8 of the records)."""
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--memory", "remote", "--tier", "disk", "--cache-bytes", "0"])
+    assert done.value.code == 2 and "--cache-bytes: 0 bytes of cache: leave --cache-bytes out" in capsys.readouterr().err

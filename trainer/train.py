@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from memserver.api.errors import InvalidArgumentError, MemserverError
-from memserver.cli.common import one_line, parse_size
+from memserver.cli.common import cache_size, one_line
 from memserver.core.table import set_threads
 from trainer.checkpoints import trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--tier", choices=["ram", "disk"], default="ram",
                      help="remote value tables: rows in the shards' RAM, or (disk) in files on the shards' data "
                           "directories under a RAM cache of hot rows (a table many times the cluster's memory)")
-    mem.add_argument("--cache-bytes", type=parse_size, default=None, metavar="SIZE",
+    mem.add_argument("--cache-bytes", type=cache_size, default=None, metavar="SIZE",
                      help="--tier disk: each table's RAM cache, over all its shards, e.g. 512M (default: the "
                           "cluster's, 1/8 of the table's rows and optimizer state)")
     mem.add_argument("--sync-commit", action="store_true",

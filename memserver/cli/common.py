@@ -109,3 +109,13 @@ def parse_size(text: str) -> int:
     if value >= 1 << 63:
         raise argparse.ArgumentTypeError(f"too large: {text!r} (at most 2^63 - 1 bytes)")
     return int(value)
+
+
+def cache_size(text: str) -> int:
+    """A disk table's --cache-bytes: a size above 0 (0 would silently mean the default, 1/8 of the
+    records: leave the flag out for that)."""
+    size = parse_size(text)
+    if size == 0:
+        raise argparse.ArgumentTypeError("0 bytes of cache: leave --cache-bytes out for the default (1/8 of the "
+                                         "rows' records)")
+    return size

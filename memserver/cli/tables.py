@@ -9,7 +9,16 @@ from typing import Any
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import SHARDINGS, fmt_bytes
-from memserver.cli.common import CliError, cli_client, cluster_flags, console, count, endpoint_of, parse_size
+from memserver.cli.common import (
+    CliError,
+    cache_size,
+    cli_client,
+    cluster_flags,
+    console,
+    count,
+    endpoint_of,
+    parse_size,
+)
 from memserver.core.optim import OPTIMIZERS
 from memserver.server.catalog import TIERS
 from memserver.wire import DTYPE_NAMES, VALUE_DTYPES
@@ -405,7 +414,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "cluster has accepted the new table's settings; without it an existing name is an error")
     ct.add_argument("--tier", choices=_CHOICES["tier"],
                     help="ram (default): rows in the shards' memory; disk: in files under a row cache")
-    ct.add_argument("--cache-bytes", type=parse_size,
+    ct.add_argument("--cache-bytes", type=cache_size,
                     help="tier disk: the row cache's bound for the whole table, split over its shards (e.g. 4G; "
                     "default 1/8 of the rows' records)")
     cluster_flags(ct, timeout=600.0, json_help="print the table's description as JSON")
@@ -445,7 +454,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rs.add_argument("--tier", choices=_CHOICES["tier"],
                     help="the value tables' tier (default: as saved): disk moves a table that outgrew the shards' "
                     "memory into files under a row cache; ram moves it back")
-    rs.add_argument("--cache-bytes", type=parse_size,
+    rs.add_argument("--cache-bytes", type=cache_size,
                     help="the value tables' disk cache for each whole table, e.g. 4G (default: as saved, or 1/8 of "
                     "the rows' records when --tier changes it to disk)")
     cluster_flags(rs, timeout=600.0)
