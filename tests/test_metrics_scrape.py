@@ -224,17 +224,26 @@ def test_status_shows_each_servers_calls(auth_cluster, monkeypatch, capsys):
     assert st["coordinator_metrics"] in out
 
 
-def test_a_dropped_tables_series_go_with_it():
-    """Tables come and go under new names: their request series must not pile up."""
-    from memserver.server.metrics import ServerMetrics
+def test_a_dropped_tables_series_go_with_it_and_its_counts_stay():
+    """Tables come and go under new names: their request series must not pile up. Their counts
+    go to the "(dropped)" series: status's calls since the process started went down on a drop."""
+    from memserver.server.metrics import DROPPED_TABLE, ServerMetrics
 
-    held = {"a", "b"}
+    held = {"a", "b", "c"}
     m = ServerMetrics(lambda: held)
-    for table in ("a", "b"):
+    for table in ("a", "b", "c"):
         m.observe("Lookup", table, "OK", 0.001)
         m.observe("Bag", table, "NOT_FOUND", 0.001)
+    m.observe("Lookup", "a", "OK", 0.001)
+    before = m.summary()
     m.forget("a")
+    m.forget("c")
     tables = {s.labels["table"] for f in m.requests.collect() for s in f.samples}
-    assert tables == {"b"}
+    assert tables == {"b", DROPPED_TABLE}
+    after = m.summary()
+    assert (after.requests, dict(after.errors)) == (before.requests, dict(before.errors)) == (7, {"NOT_FOUND": 3})
+    get = m.registry.get_sample_value
+    assert get("memserver_requests_total", {"method": "Lookup", "table": DROPPED_TABLE, "code": "OK"}) == 3
+    assert get("memserver_requests_total", {"method": "Bag", "table": DROPPED_TABLE, "code": "NOT_FOUND"}) == 2
     m.observe("Lookup", "b", "OK", 0.001)  # the others count on
-    assert m.registry.get_sample_value("memserver_requests_total", {"method": "Lookup", "table": "b", "code": "OK"}) == 2
+    assert get("memserver_requests_total", {"method": "Lookup", "table": "b", "code": "OK"}) == 2

@@ -30,6 +30,8 @@ from memserver.api.v1 import memserver_pb2 as pb
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 #: The table label of a call naming a table this server does not hold.
 UNKNOWN_TABLE = "(unknown)"
+#: The table label that takes over a dropped table's calls (their series go, their counts stay).
+DROPPED_TABLE = "(dropped)"
 
 
 class ServerMetrics:
@@ -68,10 +70,14 @@ class ServerMetrics:
         self.internal_errors.labels(method).inc()
 
     def forget(self, table: str) -> None:
-        """A dropped table's series go with it: names come and go, the series must not pile up."""
+        """A dropped table's series go with it (names come and go, the series must not pile up),
+        their counts to the DROPPED_TABLE series of the same method and code: a count of calls
+        since the process started never goes down (bound: methods x codes series)."""
         for sample in list(_totals(self.requests)):
             if sample.labels["table"] == table:
-                self.requests.remove(sample.labels["method"], table, sample.labels["code"])
+                method, code = sample.labels["method"], sample.labels["code"]
+                self.requests.remove(method, table, code)
+                self.requests.labels(method, DROPPED_TABLE, code).inc(sample.value)
 
     def refused(self, method: str, code: str) -> None:
         """A call the `Authenticate` interceptor refused: an authentication failure, and a request
