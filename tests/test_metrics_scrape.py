@@ -247,3 +247,21 @@ def test_a_dropped_tables_series_go_with_it_and_its_counts_stay():
     assert get("memserver_requests_total", {"method": "Bag", "table": DROPPED_TABLE, "code": "NOT_FOUND"}) == 2
     m.observe("Lookup", "b", "OK", 0.001)  # the others count on
     assert get("memserver_requests_total", {"method": "Lookup", "table": "b", "code": "OK"}) == 2
+
+
+def test_a_shard_whose_status_call_failed_is_described_in_words():
+    """`memserver status` during a shard's restart printed Ray's exception text (an actor id,
+    "The task may or may not have been executed", cut off by the table)."""
+    import asyncio
+
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from memserver.server.coordinator import unavailable_state
+
+    restarting = ActorUnavailableError("The actor is temporarily unavailable: IOError: The actor is restarting.",
+                                       bytes(16))
+    assert unavailable_state(restarting) == ("unavailable: restarting (Ray is making its process anew; the pid is the "
+                                             "last one's)")
+    assert unavailable_state(ActorDiedError()).startswith("unavailable: its process died and is not restarted")
+    assert unavailable_state(asyncio.TimeoutError()).startswith("unavailable: no answer to its status call within 10 s")
+    assert unavailable_state(RuntimeError("first line\nsecond")) == "unavailable: first line"

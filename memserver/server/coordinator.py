@@ -382,9 +382,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for i, blob in enumerate(blobs):
             self.serving[i] = not isinstance(blob, BaseException)
             if isinstance(blob, BaseException):  # dead or restarting: say what we last knew
-                why = str(blob).splitlines()[0] if str(blob) else type(blob).__name__
                 st = pb.ShardStatus(address=self.infos[i]["address"], node_id=self.infos[i]["node_id"],
-                                    pid=self.infos[i]["pid"], state=f"unavailable: {why}",
+                                    pid=self.infos[i]["pid"], state=unavailable_state(blob),
                                     moved_from=self.infos[i].get("moved_from", ""))
             else:
                 st = pb.ShardStatus.FromString(blob)
@@ -402,6 +401,24 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                                            return_exceptions=True)
             for i, answer in enumerate(answers):
                 self.serving[i] = not isinstance(answer, BaseException)
+
+
+def unavailable_state(exc: BaseException) -> str:
+    """A shard's status state when its status call failed, in words rather than Ray's exception
+    text (which names actor ids and may or may not have run the task): restarting, gone, or
+    silent. The pid status shows with it is the last one the coordinator learnt."""
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+    except ImportError:  # an in-process server (no Ray): its shards are threads of this process
+        ActorDiedError = ActorUnavailableError = ()  # type: ignore[assignment,misc]  # noqa: N806
+    if isinstance(exc, ActorUnavailableError):
+        return "unavailable: restarting (Ray is making its process anew; the pid is the last one's)"
+    if isinstance(exc, ActorDiedError):
+        return "unavailable: its process died and is not restarted (out of restarts, or its node is gone)"
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return "unavailable: no answer to its status call within 10 s (busy, or cut off)"
+    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"unavailable: {why}"
 
 
 async def _when_ready(call: Any, timeout: float = 120.0) -> Any:
