@@ -83,7 +83,8 @@ def test_up_status_down(tmp_path):
     try:  # (the cluster is stopped whatever fails below)
         assert "note: table emb: kept as recovered from the data directory" in up.stderr
         notes = [line for line in up.stderr.splitlines() if line.startswith("note: ")]
-        assert len(notes) == 1 and notes[0].count(" here, ") == 1 and "(dim: 32 here, 64 in the config)" in notes[0]
+        assert len(notes) == 1 and notes[0].count(" here, ") == 2, notes  # restored on 1 shard above, and dim
+        assert "(num_shards: 1 here, every shard (2) in the config; dim: 32 here, 64 in the config)" in notes[0], notes
         endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
         with MemoryClient(endpoint) as client:
             [emb] = client.list_tables()
@@ -461,3 +462,21 @@ def test_an_error_without_text_is_said_by_its_type():
 
     assert one_line(CancelledError()) == "CancelledError"
     assert one_line(ValueError("two\n  lines")) == "two lines"
+
+
+def test_a_recovered_table_is_compared_with_the_defaults_its_config_entry_leaves_out():
+    """`up --config` said nothing about a table recovered on disk on 1 of 2 shards whose entry
+    left tier and num_shards out (so: ram, every shard); it noted the difference only when the
+    entry spelt the default out."""
+    from types import SimpleNamespace
+
+    from memserver.cli.lifecycle import config_differences
+
+    meta = SimpleNamespace(name="t", num_rows=100, dim=8, sharding="cols", optimizer="adagrad", lr=0.01,
+                           dtype="float32", wal=False, tier="disk", cache_bytes=4096, shards=(object(),))
+    entry = {"num_rows": 100, "dim": 8}
+    assert config_differences(meta, entry, 2) == ["tier: disk here, ram in the config (its default)",
+                                                  "num_shards: 1 here, every shard (2) in the config (its default)"]
+    assert config_differences(meta, {**entry, "tier": "disk", "num_shards": 1, "cache_bytes": 0}, 2) == []
+    assert config_differences(meta, {**entry, "tier": "disk", "num_shards": 0, "lr": 0.5}, 1) == [
+        "lr: 0.01 here, 0.5 in the config"]

@@ -212,7 +212,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     t = dict(t)
                     name = t.pop("name")
                     if name in recovered:  # not created again (a refused create would count as an error)
-                        differ = config_differences(recovered[name], t)
+                        differ = config_differences(recovered[name], t, len(cluster.shard_infos))
                         if differ:
                             notes.append(f"table {name}: kept as recovered from the data directory, which differs "
                                          f"from --config ({'; '.join(differ)}); drop it, or restore a checkpoint, "
@@ -360,23 +360,42 @@ def _ca(args: argparse.Namespace) -> bytes:
         raise CliError(f"--tls-ca: {path}: {exc.strerror or exc}") from None
 
 
-#: Keys whose 0 in a config means "the cluster's default" (every shard; 1/8 of the records), which
-#: the table then holds resolved: not a difference.
-_ZERO_IS_DEFAULT = ("num_shards", "cache_bytes")
+def _config_defaults() -> dict[str, Any]:
+    """What a tables.yaml entry means by a key it leaves out: create_table's defaults
+    (client.aio.value_table_spec), the sharding the cluster gives, every shard."""
+    import inspect
+
+    from client.aio import value_table_spec
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.server.catalog import DEFAULT_SHARDING
+
+    params = inspect.signature(value_table_spec).parameters
+    out = {k: params[k].default for k in ("optimizer", "lr", "dtype", "wal", "tier")}
+    return {**out, "sharding": pb.Sharding.Name(DEFAULT_SHARDING).lower(), "num_shards": 0}
 
 
-def config_differences(meta: Any, entry: dict[str, Any]) -> list[str]:
+def config_differences(meta: Any, entry: dict[str, Any], shards: int) -> list[str]:
     """How a table recovered from the data directory differs from its --config entry (the entry's
-    settings other than the name), as "key: N here, M in the config"; [] when they agree. Keys
-    the table's map does not keep (eps, sync_workers) are not compared."""
+    settings other than the name, and the defaults of those it leaves out), as "key: N here, M in
+    the config"; [] when they agree. `shards`: the cluster's (a num_shards of 0 or left out means
+    every one). Keys the table's map does not keep (eps, sync_workers) are not compared."""
     out = []
-    for key, want in entry.items():
-        have = len(meta.shards) if key == "num_shards" else getattr(meta, key, None)
-        if have is None or want is None or (key in _ZERO_IS_DEFAULT and want == 0):
+    defaults = _config_defaults()
+    for key, want in {**defaults, **{k: v for k, v in entry.items() if v is not None}}.items():
+        default = " (its default)" if key not in entry or entry[key] is None else ""
+        said = want
+        if key == "num_shards":
+            have, want = len(meta.shards), want or shards
+            said = want if said else f"every shard ({shards})"
+        elif key == "tier":
+            have = getattr(meta, "tier", None) or "ram"
+        else:
+            have = getattr(meta, key, None)
+        if have is None or (key == "cache_bytes" and want == 0):  # 0: the default bound, resolved by now
             continue
         same = math.isclose(float(have), float(want), rel_tol=1e-6) if isinstance(have, float) else have == want
         if not same:
-            out.append(f"{key}: {have} here, {want} in the config")
+            out.append(f"{key}: {have} here, {said} in the config{default}")
     return out
 
 
