@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -161,3 +163,31 @@ def test_status_groups_shards_by_host_and_shows_a_moved_one():
         ("10.213.0.13", [0, 2], ["n3"], 1.0), ("10.213.0.14", [1], ["n4"], 0.0), ("fe80::1", [3], ["n6"], 0.0)]
     assert hosts[1]["moved_here"] == [{"shard": 1, "from": "10.213.0.12"}] and hosts[0]["moved_here"] == []
     assert hosts[0]["data_dirs"] == ["/nfs/data/shard-0000", "/nfs/data/shard-0002"]
+
+
+def test_down_after_a_killed_up_stops_what_it_left_running(tmp_path, monkeypatch, capsys):
+    """A `memserver up` killed by SIGKILL (the OOM killer) left Ray's agents running for good. Its
+    endpoint file records what it started, [pid, start time] each: `down` stops those still
+    running with the same start time (a reused pid is never hit), and says so."""
+    import memserver.cli as cli
+    from memserver.cluster.endpoint import descendants, started_at
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
+    left = subprocess.Popen(["sleep", "60"])
+    bystander = subprocess.Popen(["sleep", "60"])  # recorded with another start time: a reused pid
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        assert [left.pid, started_at(left.pid)] in descendants(os.getpid())
+        write_endpoint({"endpoint": "127.0.0.1:1", "pid": gone.pid, "host": socket.gethostname(),
+                        "processes": [[left.pid, started_at(left.pid)], [bystander.pid, started_at(bystander.pid) + 1]]},
+                       tmp_path / "endpoint.json")
+        assert cli.main(["down"]) == 0
+        assert "and stopped 1 process(es) it had left running" in capsys.readouterr().out
+        assert left.wait(timeout=10) == -signal.SIGTERM
+        assert bystander.poll() is None
+    finally:
+        for p in (left, bystander):
+            p.kill()
+            p.wait()

@@ -4,6 +4,7 @@ and stop it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -29,7 +30,7 @@ from memserver.cluster import (
     shard_bundle,
     shard_gpu_list,
 )
-from memserver.cluster.endpoint import pid_alive
+from memserver.cluster.endpoint import descendants, pid_alive, started_at
 from memserver.server.sessions import SESSION_TTL
 from memserver.storage.store import check_data_dir, held_slices
 
@@ -87,12 +88,18 @@ def _flag_or_config(args: argparse.Namespace, cfg: dict[str, Any], key: str, def
 
 
 def running_cluster() -> dict[str, Any] | None:
+    """The endpoint record of a `memserver up` still running; None if none is. One that was
+    killed: what it left running is stopped here (reap_leftovers), before a new one starts."""
     from memserver.cluster.endpoint import endpoint_file, read_endpoint
 
     if not endpoint_file().exists():
         return None
     rec = read_endpoint()
-    return rec if pid_alive(int(rec.get("pid", -1))) else None
+    if pid_alive(int(rec.get("pid", -1))):
+        return rec
+    if left := reap_leftovers(rec):
+        log.warning("stopped %d process(es) a killed memserver (pid %s) had left running", left, rec.get("pid"))
+    return None
 
 
 def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[int, float, list[float]]:
@@ -230,6 +237,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "ray_address": ray.get_runtime_context().gcs_address,
             "started": time.time(),
             "host": socket.gethostname(),  # whose pid: a client elsewhere (a shared home) does not check it
+            "processes": descendants(os.getpid()),  # what `down` stops if this process is killed (reap_leftovers)
         }
         if notes:
             record["notes"] = notes
@@ -446,8 +454,10 @@ def cmd_down(args: argparse.Namespace) -> int:
         return 0
     pid = int(rec["pid"])
     if not pid_alive(pid):
+        left = reap_leftovers(rec)
         endpoint_file().unlink(missing_ok=True)
-        print(f"memserver (pid {pid}) was not running; removed its stale endpoint file")
+        print(f"memserver (pid {pid}) was not running; removed its stale endpoint file"
+              + (f" and stopped {left} process(es) it had left running (Ray's)" if left else ""))
         return 0
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
@@ -461,6 +471,26 @@ def cmd_down(args: argparse.Namespace) -> int:
     endpoint_file().unlink(missing_ok=True)
     print(f"memserver at {rec['endpoint']} stopped")
     return 0
+
+
+def reap_leftovers(record: dict[str, Any], grace: float = 5.0) -> int:
+    """Stop what a killed `memserver up` left running (its record's `processes`: those still alive
+    with the same start time, so a reused pid is never hit): SIGTERM, then SIGKILL after `grace`
+    seconds. Only for a record of this host. Returns how many were running."""
+    if record.get("host") not in (None, socket.gethostname()):
+        return 0
+    left = [pid for pid, start in record.get("processes", []) if pid_alive(pid) and started_at(pid) == start]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(pid_alive(p) for p in left) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    return len(left)
 
 
 def cmd_join_info(args: argparse.Namespace) -> int:

@@ -54,9 +54,40 @@ def read_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
 
 def proc_stat(pid: int) -> list[str]:
     """The fields of /proc/<pid>/stat after the command's name (which may hold spaces and
-    parentheses): [0] the state (R, S, Z...), [11] and [12] user and system CPU in clock ticks."""
+    parentheses): [0] the state (R, S, Z...), [1] the parent's pid, [11] and [12] user and system
+    CPU in clock ticks, [19] the start time."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()
+
+
+def started_at(pid: int) -> int | None:
+    """Process `pid`'s start time (clock ticks since boot): with the pid, it names one process,
+    not a later one that reused the number. None where it cannot be read."""
+    try:
+        return int(proc_stat(pid)[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(pid: int) -> list[list[int]]:
+    """[pid, start time] of every process below `pid` (children, theirs, ...), from /proc: what
+    `memserver up` started (the embedded Ray head's GCS, raylet, agents and workers). Recorded in
+    the endpoint file so a `down` after `up` was killed (SIGKILL, the OOM killer) can stop what it
+    left behind: Ray's agents outlive their raylet. Cost: one read per process on the host."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                children.setdefault(int(proc_stat(int(entry))[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        if (start := started_at(p)) is not None:
+            out.append([p, start])
+        todo.extend(children.get(p, []))
+    return sorted(out)
 
 
 def pid_alive(pid: int) -> bool:
