@@ -91,6 +91,55 @@ def test_a_failed_checkpoint_at_a_step_that_had_one_leaves_that_step_incomplete(
     np.testing.assert_array_equal(client.lookup(table_name, [1, 2]), np.full((2, DIM), 3.0))
 
 
+def test_a_restore_checks_every_file_before_it_drops_anything(client, table_name, tmp_path):
+    """A restore with replace dropped the live table (its log too), then found a slice file
+    missing; a checkpoint asked for a table twice listed its slices twice, and the restore added
+    the Adagrad accumulator twice; a manifest listing some slices restored the others as zeros.
+    Each is refused now, naming the checkpoint, and the live table is as it was."""
+    import base64
+    import json
+
+    client.create_table(table_name, 60, DIM, num_shards=2, sharding="rows", optimizer="adagrad", lr=0.1)
+    client.push_gradients(table_name, np.arange(60), np.ones((60, DIM), np.float32))
+    r = client.checkpoint(str(tmp_path / "twice"), step=1, tables=[table_name, table_name])
+    assert r["tables"] == [table_name]
+    manifest = json.loads((tmp_path / "twice/step-0000000001/manifest.json").read_text())
+    assert len(manifest["tables"][table_name]["files"]) == 2
+    acc = client.slot_stats(table_name, np.arange(60))
+    client.restore(str(tmp_path / "twice"), replace=True, tables=[table_name])
+    after = client.slot_stats(table_name, np.arange(60))
+    for k in acc:
+        if k != "last_update":
+            np.testing.assert_array_equal(after[k], acc[k], err_msg=k)
+    live = state(client, table_name)
+    step = tmp_path / "twice/step-0000000001"
+    good = (step / "manifest.json").read_text()
+    files = manifest["tables"][table_name]["files"]
+    spec = manifest["tables"][table_name]["spec"]
+    for broken, says in (
+            ({**manifest, "tables": {table_name: {"spec": spec, "files": files + files[:1]}}}, r"slices \[0, 0, 1\], not each"),
+            ({**manifest, "tables": {table_name: {"spec": spec, "files": files[:1]}}}, r"slices \[0\], not each of its 2"),
+            ({**manifest, "tables": {table_name: {"spec": spec, "files": []}}}, "without its slice files"),
+            ({**manifest, "tables": {table_name: {"spec": "not base64!", "files": files}}}, "does not hold a table spec"),
+            ({**manifest, "tables": [table_name]}, "not a manifest memserver wrote"),
+            ({**manifest, "step": "x"}, "not a manifest memserver wrote")):
+        (step / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(InvalidArgumentError, match=says):
+            client.restore(str(tmp_path / "twice"), replace=True, tables=[table_name])
+    (step / "manifest.json").write_text("{not json")
+    with pytest.raises(InvalidArgumentError, match="cannot be read as a manifest"):
+        client.restore(str(tmp_path / "twice"), replace=True)
+    (step / "manifest.json").write_text(good)
+    (step / table_name / "shard-0001.pt").unlink()
+    with pytest.raises(InvalidArgumentError, match=r"its slice files \[.*shard-0001.pt'\] are missing"):
+        client.restore(str(tmp_path / "twice"), replace=True, tables=[table_name])
+    values, updates, hits = state(client, table_name)  # nothing dropped
+    np.testing.assert_array_equal(values, live[0])
+    np.testing.assert_array_equal(updates, live[1])
+    np.testing.assert_array_equal(hits, live[2] + 1)  # the reads of state() itself
+    assert base64.b64decode(spec)  # (the spec the broken manifests kept was a real one)
+
+
 def test_checkpoint_and_restore_errors(client, table_name, tmp_path):
     with pytest.raises(InvalidArgumentError, match="no complete checkpoint"):
         client.restore(str(tmp_path / "empty"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from memserver import __version__
 from memserver.api.errors import (
@@ -35,7 +37,14 @@ from memserver.server.config import Limits, ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, serve_on
 from memserver.server.metrics import CoordinatorMetrics
 from memserver.server.rayutil import was_restarted
-from memserver.storage.checkpoint import find_checkpoint, step_dir, under_root, withdraw_manifest, write_manifest
+from memserver.storage.checkpoint import (
+    checked_files,
+    find_checkpoint,
+    step_dir,
+    under_root,
+    withdraw_manifest,
+    write_manifest,
+)
 from memserver.wire import check_float, check_rows, decode
 
 log = logging.getLogger(__name__)
@@ -271,8 +280,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             raise InvalidArgumentError(f"step: must be >= 0, got {request.step}")
         if request.dry_run:  # the same rule as a real checkpoint, and nothing touched
             return pb.CheckpointResponse(path=str(root), step=request.step)
-        names = list(request.tables) or sorted(self.tables)
-        for name in names:
+        names = list(dict.fromkeys(request.tables)) or sorted(self.tables)  # each once: a slice saved twice
+        for name in names:                                                  # would restore twice
             self._get(name)
         t0 = time.perf_counter()
         directory = step_dir(root, request.step)
@@ -343,7 +352,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             raise TableNotFoundError(f"table(s) {missing} are not in the checkpoint {directory}")
         if not request.replace and (present := [n for n in names if n in self.tables]):
             raise TableExistsError(f"table(s) {present} already exist; restore with replace (memserver restore --replace) to overwrite them")
-        specs = {name: pb.TableSpec.FromString(base64.b64decode(manifest["tables"][name]["spec"])) for name in names}
+        try:
+            specs = {name: pb.TableSpec.FromString(base64.b64decode(manifest["tables"][name]["spec"], validate=True))
+                     for name in names}
+        except (KeyError, TypeError, ValueError, binascii.Error, DecodeError):
+            raise InvalidArgumentError(f"dir: the checkpoint {directory}'s manifest does not hold a table spec for "
+                                       f"each of {names}; it is not one memserver wrote") from None
         if (request.tier or request.cache_bytes) and all(s.kind != pb.VALUE for s in specs.values()):
             field = "tier" if request.tier else "cache_bytes"
             raise InvalidArgumentError(f"{field}: only value tables have a tier and a cache, and {names} holds none")
@@ -355,14 +369,16 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             if spec.name != name:  # the manifest's key names the folder its files are read from
                 raise InvalidArgumentError(f"dir: the checkpoint's manifest lists table {name!r} with the spec of "
                                            f"{spec.name!r}; it is not one memserver wrote")
-        resp = pb.RestoreResponse(path=str(directory), step=int(manifest["step"]))
+        # every table's files checked before anything is dropped: a refused restore leaves the tables
+        files = {name: checked_files(directory, name, manifest["tables"][name], int(specs[name].num_rows))
+                 for name in names}
+        resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
         for name in names:
             if name in self.tables:
                 await self._drop(name)
             else:  # nothing of it may stay: slices no table owns either
                 await self._drop_strays(name)
-            files = [{**f, "file": str(directory / name / Path(f["file"]).name)} for f in manifest["tables"][name]["files"]]
-            resp.tables.append(await self._place(specs[name], files))
+            resp.tables.append(await self._place(specs[name], files[name]))
         return resp
 
     async def ListTables(self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext) -> pb.ListTablesResponse:

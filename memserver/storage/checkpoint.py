@@ -73,6 +73,34 @@ def withdraw_manifest(directory: Path) -> bool:
     return True
 
 
+def checked_files(directory: Path, name: str, entry: Any, num_rows: int) -> list[dict[str, Any]]:
+    """A manifest's slice files of table `name`, checked before a restore drops anything: each an
+    entry memserver writes (its place), a regular file in `directory/name`, the saved slices each
+    once (index 0 .. num_shards-1, one sharding, the table's rows). Returns them with their paths
+    resolved there. A manifest that lists a slice twice made a restore add an Adagrad accumulator
+    twice; one missing a file or a slice restored part of a table as zeros, or dropped the live
+    table first. InvalidArgumentError names what is wrong."""
+    where = f"dir: the checkpoint {directory} lists table {name!r}"
+    files = entry.get("files") if isinstance(entry, dict) else None
+    if not isinstance(files, list) or not files or not all(isinstance(f, dict) for f in files):
+        raise InvalidArgumentError(f"{where} without its slice files; it is not one memserver wrote")
+    try:
+        places = {(bool(f["by_rows"]), int(f["num_rows"]), int(f["num_shards"])) for f in files}
+        indexes = sorted(int(f["index"]) for f in files)
+        paths = [directory / name / Path(str(f["file"])).name for f in files]
+    except (KeyError, TypeError, ValueError):
+        raise InvalidArgumentError(f"{where} with slice entries that do not say where they sit") from None
+    if len(places) != 1 or next(iter(places))[1] != num_rows:
+        raise InvalidArgumentError(f"{where} with slices of different shardings or row counts ({sorted(places)}); "
+                                   f"the table has {num_rows} rows")
+    shards = next(iter(places))[2]
+    if indexes != list(range(shards)):
+        raise InvalidArgumentError(f"{where} with slices {indexes}, not each of its {shards} once")
+    if missing := [str(p) for p in paths if not p.is_file()]:
+        raise InvalidArgumentError(f"{where}, but its slice files {missing} are missing")
+    return [{**f, "file": str(p)} for f, p in zip(files, paths)]
+
+
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     atomic_write(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
 
@@ -84,14 +112,28 @@ def find_checkpoint(root: str | os.PathLike[str], step: int = 0) -> tuple[Path, 
         d = step_dir(root, step)
         if not (d / MANIFEST).exists():
             raise InvalidArgumentError(f"dir: no complete checkpoint of step {step} in {root}")
-        return d, json.loads((d / MANIFEST).read_text())
+        return d, _read_manifest(d)
     steps = sorted(
         (int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else []) if (m := _STEP_DIR.match(p.name))
     )
     for _, d in reversed(steps):
         if (d / MANIFEST).exists():  # a directory without a manifest is an interrupted checkpoint
-            return d, json.loads((d / MANIFEST).read_text())
+            return d, _read_manifest(d)
     raise InvalidArgumentError(f"dir: no complete checkpoint in {root}")
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    """A step directory's manifest: a JSON object whose `tables` is an object (what a restore reads
+    next is checked where it is read: checked_files), else InvalidArgumentError naming the file."""
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise InvalidArgumentError(f"dir: {path} cannot be read as a manifest ({exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("tables"), dict) or \
+            isinstance(manifest.get("step"), bool) or not isinstance(manifest.get("step"), int):
+        raise InvalidArgumentError(f"dir: {path} is not a manifest memserver wrote (an object of tables and a step)")
+    return manifest
 
 
 def slice_layout(meta: dict[str, Any]) -> ShardLayout:
