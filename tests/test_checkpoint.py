@@ -361,3 +361,23 @@ def test_dry_run_checks_the_root_and_writes_nothing(client, table_name, tmp_path
     assert not where.exists()
     with pytest.raises(PermissionDeniedError, match="outside the cluster's checkpoint root"):
         client.check_checkpoint_dir("/etc")
+
+
+def test_a_checkpoint_refused_at_a_step_that_had_one_keeps_that_one(tmp_path):
+    """A checkpoint written again at a step withdraws its manifest first; a rewrite that a shard
+    refuses at once (a slice that lost its state: the DATA_LOSS that tells the operator to
+    restore) then destroyed the checkpoint to restore from. The shards are asked first now."""
+    from client import DataLossError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2, data_dir=str(tmp_path)) as server, \
+            MemoryClient(server.endpoint, timeout=30, retry_seconds=1) as c:
+        c.create_table("a", 10, 4)
+        c.create_table("b", 10, 4)
+        ck = str(tmp_path / "ck")  # (no checkpoint root here: an absolute path, never the working directory)
+        manifest = Path(c.checkpoint(ck, step=1)["path"]) / "manifest.json"
+        server.shards[1].servicer.tables["b"].unavailable = "its log has a gap (a test)"
+        with pytest.raises(DataLossError, match="its log has a gap"):
+            c.checkpoint(ck, step=1)
+        assert manifest.exists()
+        assert [m.name for m in c.restore(ck, step=1, replace=True, tables=["a"])] == ["a"]

@@ -285,6 +285,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             self._get(name)
         t0 = time.perf_counter()
         directory = step_dir(root, request.step)
+        holders: dict[int, list[str]] = {}
+        for name in names:
+            for j in self.placement[name]:
+                holders.setdefault(j, []).append(name)
+        # what the shards would refuse, before a complete checkpoint of this step is withdrawn
+        await asyncio.gather(*(self.handles[j].check_checkpoint.remote(held) for j, held in holders.items()))
         if withdraw_manifest(directory):
             log.warning("checkpoint of step %d: replacing the complete one in %s (incomplete until this one is)",
                         request.step, directory)

@@ -276,6 +276,21 @@ class ShardActor:
         self.loop.call(add())
         log.info("shard %d: %s table %s", self.index, "restored" if files else "created", s.name)
 
+    def check_checkpoint(self, names: list[str]) -> None:
+        """Raise what checkpoint_table would refuse first for these tables (TableNotFoundError, or
+        DataLossError for a slice that lost its state), writing nothing: the coordinator asks
+        before it withdraws a step's manifest, so a rewrite refused here destroys no checkpoint."""
+
+        def check() -> None:
+            for name in names:
+                sl = self.servicer.tables.get(name)
+                if sl is None:
+                    raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
+                if sl.unavailable:
+                    raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
+
+        self.loop.call(self.servicer.run(check))
+
     def checkpoint_table(self, name: str, path: str, step: int = 0) -> dict[str, Any]:
         """Write this shard's slice of `name` on the compute thread, i.e. after every write it
         has acknowledged (deferred updates included), and remember it for recovery."""
