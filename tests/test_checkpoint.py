@@ -381,3 +381,17 @@ def test_a_checkpoint_refused_at_a_step_that_had_one_keeps_that_one(tmp_path):
             c.checkpoint(ck, step=1)
         assert manifest.exists()
         assert [m.name for m in c.restore(ck, step=1, replace=True, tables=["a"])] == ["a"]
+
+
+def test_a_replace_the_shards_cannot_make_leaves_the_table(tmp_path):
+    """create_table(replace=True) of a disk table on shards without a data directory dropped the
+    table, then the shards refused the new one: the shards are asked before the drop now."""
+    from client import FailedPreconditionError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=1) as c:
+        c.create_table("t", 10, 4)
+        c.write_rows("t", [1], np.full((1, 4), 7.0, np.float32))
+        with pytest.raises(FailedPreconditionError, match="a tier 'disk' table needs a data directory"):
+            c.create_table("t", 8, 4, tier="disk", replace=True)
+        np.testing.assert_array_equal(c.lookup("t", [1]), np.full((1, 4), 7.0))

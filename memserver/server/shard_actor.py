@@ -40,7 +40,7 @@ from memserver.server.rayutil import (
     was_restarted,
 )
 from memserver.server.sessions import SESSION_TTL
-from memserver.server.slice import TableSlice
+from memserver.server.slice import TableSlice, check_placeable
 from memserver.storage.checkpoint import load_index, load_into, load_whole, save_slice, trigger_states
 from memserver.storage.fsutil import atomic_write
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, latest_committed, table_record
@@ -226,10 +226,12 @@ class ShardActor:
         self._add_table(spec, info, num_shards, None, node_bytes, checked)
 
     def check_fits(self, spec: bytes, info: bytes, node_bytes: int, freed: int) -> None:
-        """Refuse (RESOURCE_EXHAUSTED) what _add_table would refuse for this memory, once `freed`
+        """Refuse what _add_table would refuse: a spec this shard cannot hold (check_placeable),
+        and (RESOURCE_EXHAUSTED) a slice too large for this memory, once `freed`
         bytes are released (the slices here of a table the new one replaces): asked before that
         table is dropped, so a replace that cannot fit leaves it."""
         s, shard = pb.TableSpec.FromString(spec), pb.ShardInfo.FromString(info)
+        check_placeable(s, self.store is not None)
         available = memory_available(self.device)  # None: not known here, and not checked (as _add_table)
         refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits,
                          None if available is None else available + freed, node_bytes)

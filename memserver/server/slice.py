@@ -69,9 +69,7 @@ class TableSlice:
             self.table = VectorIndex(int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim),
                                      device=device)
         elif spec.tier == "disk":
-            if directory is None:
-                raise FailedPreconditionError(f"table {spec.name}: a tier 'disk' table needs a data directory on its "
-                                              "shards (memserver up --data-dir)")
+            check_placeable(spec, directory is not None)
             from memserver.core.disk import DiskTable
 
             rows = self.layout.global_rows(info.index)
@@ -378,6 +376,14 @@ class TableSlice:
                 "index": self.info.index, "num_shards": self.num_shards,
                 "num_rows": int(self.spec.num_rows), "dim": int(self.spec.dim), "col_start": int(self.info.col_start),
                 "col_end": int(self.info.col_end)}
+
+
+def check_placeable(spec: pb.TableSpec, has_data_dir: bool) -> None:
+    """What a shard refuses of a spec for what it is, not for its memory: a tier "disk" table
+    without a data directory. Asked by a replace before it drops the old table too (check_fits)."""
+    if spec.tier == "disk" and not has_data_dir:
+        raise FailedPreconditionError(f"table {spec.name}: a tier 'disk' table needs a data directory on its "
+                                      "shards (memserver up --data-dir)")
 
 
 def _part_order(item: tuple[int, Entries]) -> tuple[bool, int]:
