@@ -373,3 +373,38 @@ def test_a_drop_of_what_is_no_table_name_is_refused_and_removes_nothing(client, 
         shard.stop()
     assert (victim / "keep").exists() and (shard_dir / "keep").exists()
     assert check_table_name("a.b-c_1") == "a.b-c_1"
+
+
+def test_answers_deadlines_and_names_are_bounded_before_any_work(monkeypatch):
+    """From a hostile-input audit: Address and SlotStats computed their whole answer before it
+    failed the message limit (an Address of a few hundred bytes held the shard's compute thread
+    for 45 s); a doorbell deadline of NaN or inf answered INTERNAL; a 20,000-character table name
+    came back in the error and overflowed gRPC's metadata (RESOURCE_EXHAUSTED, not NOT_FOUND);
+    a write a slice refuses after a failed write answered INTERNAL."""
+    import memserver.wire as wire
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.wire import encode
+
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=1) as c:
+        c.create_table("v", 64, 4)
+        c.create_product_keys("pk", "v", heads=2, n_keys=8, knn=4, k_dim=4)
+        servicer = server.shards[0].servicer
+        monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 1000)  # answers above 1,000 bytes: refused
+        with pytest.raises(InvalidArgumentError, match="ids: 100 rows of 10 floats make an answer of"):
+            servicer._slot_stats(pb.SlotStatsRequest(table="v", ids=encode(np.arange(100) % 64)), None)
+        with pytest.raises(InvalidArgumentError, match="queries: 30 rows of 24 floats make an answer of"):
+            servicer._address(pb.AddressRequest(table="pk", queries=encode(np.zeros((30, 8), np.float32))), None)
+        monkeypatch.undo()
+        for deadline in (float("nan"), float("inf")):
+            with pytest.raises(InvalidArgumentError, match="deadline: a time on the shard's monotonic clock"):
+                servicer.serve_now("Lookup", pb.LookupRequest(table="v", ids=encode(np.arange(2))), deadline)
+        assert servicer.serve_now("Lookup", pb.LookupRequest(table="v", ids=encode(np.arange(2))), 1e300)
+        long = "x" * 20_000
+        with pytest.raises(InvalidArgumentError, match=r"'xxxx.*\.\.\. \(20,000 characters\) is not a table name"):
+            c.lookup(long, [0])
+        with pytest.raises(InvalidArgumentError, match=r"\(20,000 characters\) is not a table name"):
+            servicer.slice(pb.LookupRequest(table=long))
+        servicer.tables["v"].write_failure = "a write failed part way (a test)"
+        with pytest.raises(FailedPreconditionError, match="a write failed part way"):
+            c.write_rows("v", [1], np.ones((1, 4), np.float32))

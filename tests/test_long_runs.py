@@ -327,7 +327,7 @@ def test_a_write_that_fails_after_it_was_logged_stops_the_slices_writes(tmp_path
     with pytest.raises(MemoryError):
         sl.once(pb.WriteTag(client_id="c", seq=1, acked_below=1), 2, pb.PushGradientsRequest(), boom)
     said = "a logged write failed to apply" if wal else "a write failed part way"
-    with pytest.raises(RuntimeError, match=f"table s: {said} .*; writes are refused until the shard restarts, or the "
+    with pytest.raises(FailedPreconditionError, match=f"table s: {said} .*; writes are refused until the shard restarts, or the "
                        "table is restored \\(memserver restore --replace --table s\\)"):
         sl.check_writable()
 

@@ -25,9 +25,11 @@ TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 
 def check_table_name(name: object, field: str = "name") -> str:
-    """`name` if it is a table name, else InvalidArgumentError naming `field`."""
+    """`name` if it is a table name, else InvalidArgumentError naming `field` (and at most the
+    start of a long name: an error echoing 20,000 characters overflowed gRPC's metadata limit)."""
     if not isinstance(name, str) or not TABLE_NAME.fullmatch(name):
-        raise InvalidArgumentError(f"{field}: {name!r} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
+        shown = repr(name[:64]) + f"... ({len(name):,} characters)" if isinstance(name, str) and len(name) > 64 else repr(name)
+        raise InvalidArgumentError(f"{field}: {shown} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
     return name
 
 #: Sharding names as users write them, and their proto values.

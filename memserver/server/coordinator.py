@@ -153,6 +153,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     def _get(self, name: str) -> pb.TableInfo:
         if name not in self.tables:
+            check_table_name(name)  # a name no table can have: said so, and not echoed whole
             raise TableNotFoundError(f"table {name!r} does not exist")
         return self.tables[name]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -31,7 +32,7 @@ from memserver.api.errors import (
     TableNotFoundError,
     UnavailableError,
 )
-from memserver.api.types import MAX_INSPECT_SLOTS
+from memserver.api.types import MAX_INSPECT_SLOTS, check_table_name
 from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
@@ -177,9 +178,11 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         its work by `_held` (DEADLINE_EXCEEDED, nothing done, if `exclusive` is not had before
         `deadline`, a time.monotonic()), returned once durable; the caller runs deferred work
         (`drain_now`) after sending the answer."""
+        if deadline is not None and not math.isfinite(deadline):
+            raise InvalidArgumentError(f"deadline: a time on the shard's monotonic clock, got {deadline}")
         with self._region(request) as region:
             call = self.PLANS[name](self, request, region)
-            wait = -1 if deadline is None else deadline - time.monotonic()
+            wait = -1 if deadline is None else min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
             if (deadline is not None and wait <= 0) or not self.exclusive.acquire(timeout=wait):
                 raise DeadlineExceededError(f"{name}: the call's deadline passed before the shard could run it")
             response = self._held(call.work, call.sl)
@@ -196,6 +199,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         if sl is None:
             if request.table in self.lost:
                 raise DataLossError(self.lost[request.table])
+            check_table_name(request.table, "table")  # a name no table can have: said so, and not echoed whole
             raise TableNotFoundError(f"table {request.table!r} does not exist")
         if sl.kind != kind:
             raise InvalidArgumentError(f"table: {request.table!r} is {_KIND_CALLS[sl.kind]}, not {_KIND_CALLS[kind]}")
@@ -504,12 +508,14 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
     def _address(self, request: pb.AddressRequest, region: Region | None) -> Call:
         sl = self.slice(request, pb.PRODUCT_KEYS)
         queries = decode(request.queries, "queries")
+        b = queries.shape[0] if queries.dim() else 1
+        check_answer(b, 3 * sl.table.heads * sl.table.knn, "queries")  # int64 ids and float32 weights per hit
 
         def work() -> pb.AddressResponse:
             ids, weights = sl.table.address(queries)
             return pb.AddressResponse(ids=encode(ids), weights=encode(weights))
 
-        return Call(sl, work, queries.shape[0] * sl.table.heads * sl.table.knn if queries.dim() else 1)
+        return Call(sl, work, b * sl.table.heads * sl.table.knn)
 
     def _plan_commit_step(self, request: pb.CommitStepRequest, region: Region | None) -> Call:
         if request.contributor:
@@ -520,6 +526,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         sl = self.slice(request)
         ids = decode(request.ids, "ids")
         check_1d(ids, "ids")
+        check_answer(ids.numel(), 10, "ids")  # five 8-byte statistics per id
 
         def work() -> pb.SlotStatsResponse:
             stats = sl.table.slot_stats(sl.local(ids))

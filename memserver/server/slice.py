@@ -134,11 +134,13 @@ class TableSlice:
         return ""
 
     def check_writable(self) -> None:
-        """Refuse writes while `writes_refused` says why."""
+        """Refuse writes while `writes_refused` says why (FAILED_PRECONDITION: the client's call was
+        fine, the slice's state refuses it; it used to answer INTERNAL, counted as a bug)."""
         why = self.writes_refused()
         if why:
-            raise RuntimeError(f"table {self.spec.name}: {why}; writes are refused until the shard restarts, or the "
-                               f"table is restored (memserver restore --replace --table {self.spec.name})")
+            raise FailedPreconditionError(f"table {self.spec.name}: {why}; writes are refused until the shard restarts, "
+                                          f"or the table is restored (memserver restore --replace --table "
+                                          f"{self.spec.name})")
 
     def local(self, ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
         """Global ids -> local rows (an index keeps the global ids), rejecting ids this shard
