@@ -678,7 +678,7 @@ def check_triggers(ids: torch.Tensor, weights: torch.Tensor, positions: torch.Te
 
         try:
             ok = isinstance(json.loads(info), dict)
-        except ValueError:
+        except (ValueError, RecursionError):  # (deep nesting: "[" x 100,000)
             ok = False
         if not ok:
             raise InvalidArgumentError("info: must be a JSON object (or empty to keep the stored one)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import numpy as np
 import pytest
@@ -408,3 +410,21 @@ def test_answers_deadlines_and_names_are_bounded_before_any_work(monkeypatch):
         servicer.tables["v"].write_failure = "a write failed part way (a test)"
         with pytest.raises(FailedPreconditionError, match="a write failed part way"):
             c.write_rows("v", [1], np.ones((1, 4), np.float32))
+
+
+def test_trigger_info_stays_bounded_call_after_call(client, table_name):
+    """Each RecordTriggers' info was bounded, but new keys call after call merged into a stored
+    info (and every Triggers answer) without end; deeply nested JSON answered INTERNAL."""
+    import memserver.wire as wire
+
+    client.create_table(table_name, 16, 4)
+    rec = (np.array([3]), np.array([0.5], np.float32), np.array([0]), np.array([[7, 11]]), np.array([5]))
+    chunk = "x" * (wire.MAX_TRIGGER_INFO // 3)
+    for i in range(2):
+        client.record_triggers(table_name, *rec, info=json.dumps({f"k{i}": chunk}))
+    with pytest.raises(InvalidArgumentError, match=r"info: merged with the .* bytes stored, .* at most 4,194,304"):
+        client.record_triggers(table_name, *rec, info=json.dumps({"k2": chunk}))
+    assert set(client.triggers(table_name, [3])["info"]) == {"k0", "k1"}
+    client.record_triggers(table_name, *rec, info=json.dumps({"k1": "short"}))  # a key reused: it fits again
+    with pytest.raises(InvalidArgumentError, match="info: must be a JSON object"):
+        client.record_triggers(table_name, *rec, info="[" * 100_000)

@@ -71,13 +71,22 @@ class TriggerHeaps:
         self.dropped = 0  # records refused at the bound since this heap set was created (or loaded)
         self.info = ""  # JSON: what the tokens are (RecordTriggersRequest.info)
 
-    def set_info(self, info: str) -> None:
+    def set_info(self, info: str, limit: int) -> None:
         """Merge a JSON object into the stored info (its keys replace the stored ones, the others
-        stay: live tracing does not erase what `memtrain trace` recorded). Checked by the caller."""
+        stay: live tracing does not erase what `memtrain trace` recorded). Checked by the caller;
+        the merge is refused (InvalidArgumentError, nothing stored) past `limit` bytes: each call's
+        info is bounded, and new keys call after call grew the stored one, and every Triggers
+        answer, without end."""
         import json
 
-        merged = {**(json.loads(self.info) if self.info else {}), **json.loads(info)}
-        self.info = json.dumps(merged)
+        from memserver.api.errors import InvalidArgumentError
+
+        merged = json.dumps({**(json.loads(self.info) if self.info else {}), **json.loads(info)})
+        if len(merged.encode()) > limit:
+            raise InvalidArgumentError(f"info: merged with the {len(self.info.encode()):,} bytes stored, "
+                                       f"{len(merged.encode()):,} bytes, at most {limit:,} (the keys of every call's "
+                                       "info are kept; reuse keys rather than adding new ones)")
+        self.info = merged
 
     @property
     def slots(self) -> int:
@@ -187,7 +196,7 @@ class TriggerHeaps:
             ids = np.asarray(st["ids"], dtype=np.int64)
             mine = np.ones(len(ids), dtype=bool) if owned is None else np.asarray(owned(ids), dtype=bool)
             if st.get("info"):
-                self.set_info(st["info"])
+                self.set_info(st["info"], 1 << 62)  # bounded when it was recorded: a restore takes it whole
             w, ctx, nx = (np.asarray(st[k])[mine] for k in ("weights", "contexts", "next"))
             if not len(w):
                 continue

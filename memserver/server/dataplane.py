@@ -42,6 +42,7 @@ from memserver.server.shm import Region, Regions, answer, serve_attach
 from memserver.server.slice import TableSlice
 from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, LOAD_PRODUCT_KEYS, PUSH_GRADIENTS, REMOVE, WRITE_ROWS
 from memserver.wire import (
+    MAX_TRIGGER_INFO,
     Lazy,
     check_1d,
     check_answer,
@@ -546,7 +547,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         def work() -> pb.RecordTriggersResponse:
             heaps = sl.triggers
             if request.info:
-                heaps.set_info(request.info)
+                heaps.set_info(request.info, MAX_TRIGGER_INFO)
             heaps.add(ids.numpy(), weights.float().numpy(), positions.long().numpy(), contexts.numpy(), nxt.numpy())
             return pb.RecordTriggersResponse(slots=heaps.slots, dropped=heaps.dropped)
 
