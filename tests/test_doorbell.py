@@ -398,6 +398,36 @@ def test_a_detached_region_ends_its_doorbell_connections(bell_shard):
           "the doorbell kept a detached region's connection or its threads")
 
 
+def test_one_region_holds_a_few_connections_not_every_one(bell_shard):
+    """One process opened 72 connections for one region and took every connection the doorbell
+    has, leaving the other clients to gRPC: a region holds at most MAX_CONNECTIONS_PER_REGION."""
+    from memserver.server.doorbell import MAX_CONNECTIONS_PER_REGION
+
+    c = rung_client(bell_shard)
+    region = c.aio.shm.regions[bell_shard.address]
+    extra = []
+    try:
+        for _ in range(MAX_CONNECTIONS_PER_REGION - 1):  # the client's own is the first
+            s = raw(bell_shard)
+            s.sendall(frame("Hello", region.id.encode()))
+            assert answer(s)[1] == 0
+            extra.append(s)
+        t0 = time.monotonic()
+        while len(bell_shard.regions.by_id[region.id].doorbells) < MAX_CONNECTIONS_PER_REGION:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.02)
+        s = raw(bell_shard)
+        extra.append(s)
+        s.sendall(frame("Hello", region.id.encode()))
+        _, code, text = answer(s)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and b"connections already" in text
+        assert len(c.lookup("t", [1])) == 1  # the client's own connection still serves
+    finally:
+        for s in extra:
+            s.close()
+        c.close()
+
+
 def test_a_call_whose_table_goes_while_it_waits_never_runs_on_the_old_slice(bell_shard):
     """Calls planned on a slice that is dropped (popped and closed under the tables' lock, as
     ShardActor.drop_table does) or replaced (a rollback) before their work gets the lock: a

@@ -77,6 +77,9 @@ _HELLO = HELLO.encode()
 #: Connections still saying hello at once, and connections in all (room for one per attachable region more).
 MAX_HELLOS = 8
 MAX_CONNECTIONS = MAX_REGIONS + MAX_HELLOS
+#: Connections of one region at once (a client holds one; room for its next while the last ends):
+#: one process could otherwise take every connection and leave the other clients to gRPC.
+MAX_CONNECTIONS_PER_REGION = 4
 #: Seconds a new connection has to say its whole hello.
 HELLO_SECONDS = 2.0
 #: Answers of one connection waiting for the client to read them (the client has at most
@@ -279,6 +282,11 @@ class Doorbell:
             attached = self.regions.by_id.get(region_id)
             if attached is None or attached.detached or _peer_pid(conn) != attached.pid:
                 denied = True
+            elif len(attached.doorbells) >= MAX_CONNECTIONS_PER_REGION:
+                self._refuse("connections")
+                _reply(conn, call_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"doorbell: this region has {MAX_CONNECTIONS_PER_REGION} connections already".encode())
+                return None
             else:
                 denied = False
                 _reply(conn, call_id, grpc.StatusCode.OK, b"")
