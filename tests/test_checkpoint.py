@@ -395,3 +395,30 @@ def test_a_replace_the_shards_cannot_make_leaves_the_table(tmp_path):
         with pytest.raises(FailedPreconditionError, match="a tier 'disk' table needs a data directory"):
             c.create_table("t", 8, 4, tier="disk", replace=True)
         np.testing.assert_array_equal(c.lookup("t", [1]), np.full((1, 4), 7.0))
+
+
+def test_a_symlink_below_the_checkpoint_root_does_not_lead_outside_it(client, table_name, tmp_path):
+    """The root check resolved only `dir`: a step folder linked outside the root took the slice
+    files and the manifest there, and a slice file linked outside was read by a restore."""
+    import shutil
+    import tempfile
+
+    from client import PermissionDeniedError
+
+    client.create_table(table_name, 20, DIM, num_shards=2, sharding="rows")
+    outside = Path(tempfile.mkdtemp(prefix="memserver-outside-"))
+    try:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "a" / "step-0000000001").symlink_to(outside)
+        with pytest.raises(PermissionDeniedError, match="outside the cluster's checkpoint root"):
+            client.checkpoint(str(tmp_path / "a"), step=1, tables=[table_name])
+        assert not any(outside.iterdir())
+        client.checkpoint(str(tmp_path / "b"), step=1, tables=[table_name])
+        slice_file = tmp_path / "b" / "step-0000000001" / table_name / "shard-0001.pt"
+        shutil.move(slice_file, outside / "shard-0001.pt")
+        slice_file.symlink_to(outside / "shard-0001.pt")
+        with pytest.raises(PermissionDeniedError, match="outside the cluster's checkpoint root"):
+            client.restore(str(tmp_path / "b"), replace=True, tables=[table_name])
+        assert table_name in {t.name for t in client.list_tables()}
+    finally:
+        shutil.rmtree(outside)

@@ -286,6 +286,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             self._get(name)
         t0 = time.perf_counter()
         directory = step_dir(root, request.step)
+        for path in (directory, *(directory / name for name in names)):  # a symlink below the root
+            under_root(self.checkpoint_root, str(path))                   # must not lead outside it
         holders: dict[int, list[str]] = {}
         for name in names:
             for j in self.placement[name]:
@@ -379,6 +381,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         # every table's files checked before anything is dropped: a refused restore leaves the tables
         files = {name: checked_files(directory, name, manifest["tables"][name], int(specs[name].num_rows))
                  for name in names}
+        for f in (f for fs in files.values() for f in fs):  # a symlink below the root must not lead outside it
+            under_root(self.checkpoint_root, f["file"])
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
         for name in names:
             if name in self.tables:
