@@ -162,6 +162,12 @@ def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
         (lambda: client.search(table_name, vectors, 3, ef_search=2.5), "ef_search: must be an integer, got 2.5"),
         (lambda: client.create_index(table_name + "-x", DIM, index_factory="NoSuchIndex"), "index_factory"),
         (lambda: client.create_index(table_name + "-x", DIM, metric="cosine"), "metric"),
+        # sizes faiss would allocate on construction, before any limit counts them: refused first
+        (lambda: client.create_index(table_name + "-x", 4, index_factory="PQ1x24"), r"'PQ1x24' .* at most 16 bits"),
+        (lambda: client.create_index(table_name + "-x", 1, index_factory="IVF2000000,Flat"), "at most 1,048,576 lists"),
+        (lambda: client.create_index(table_name + "-x", 8, index_factory="OPQ1_1000000,PQ1"),
+         "a transform to at most 64 dimensions"),
+        (lambda: client.create_index(table_name + "-x", DIM, index_factory="HNSW1000"), "at most 256 links"),
     ]:
         with pytest.raises(InvalidArgumentError, match=match):
             call()

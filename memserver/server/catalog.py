@@ -5,6 +5,7 @@ optimizer from them, and tests call them without a cluster."""
 from __future__ import annotations
 
 import math
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -147,12 +148,42 @@ def _validate_index(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         spec.metric = pb.INNER_PRODUCT
     if spec.metric not in METRIC_NAMES:
         raise InvalidArgumentError(f"metric: unknown metric {spec.metric}; INNER_PRODUCT or L2")
+    check_factory_sizes(int(spec.dim), spec.index_factory)  # before faiss allocates what the string asks for
     VectorIndex(int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], int(spec.payload_dim))  # raises on a bad one
     if spec.num_shards == 0:
         spec.num_shards = available_shards
     if not 0 < spec.num_shards <= available_shards:
         raise InvalidArgumentError(f"num_shards: {spec.num_shards} requested, the cluster has {available_shards} shards")
     return spec
+
+
+#: The sizes a faiss factory string may ask for: faiss allocates a PQ's codebook (dim x 2^nbits
+#: floats), an IVF's lists and a transform's matrix when it builds the index, before any limit
+#: could count them ("PQ1x24" of dim 4 took 530 MiB; "OPQ1_1000000,PQ1" 4 GiB, in the coordinator).
+MAX_PQ_BITS = 16
+MAX_NLIST = 1 << 20
+MAX_TRANSFORM_DIM = 1 << 14
+MAX_HNSW_M = 256
+
+
+def check_factory_sizes(dim: int, factory: str) -> None:
+    """Refuse (INVALID_ARGUMENT, naming the part) a factory whose sizes exceed the bounds above."""
+    def bad(part: str, why: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"index_factory: {part!r} in {factory!r}: {why}")
+
+    for m in re.finditer(r"PQ(\d+)(?:x(\d+))?", factory):
+        if m.group(2) and int(m.group(2)) > MAX_PQ_BITS:
+            raise bad(m.group(0), f"at most {MAX_PQ_BITS} bits per code (2^bits centroids of each sub-vector)")
+    for m in re.finditer(r"IVF(\d+)", factory):
+        if int(m.group(1)) > MAX_NLIST:
+            raise bad(m.group(0), f"at most {MAX_NLIST:,} lists")
+    for m in re.finditer(r"(?:OPQ\d+_|PCAW?R?|RR|ITQ)(\d+)", factory):
+        if int(m.group(1)) > max(4 * dim, 64) or int(m.group(1)) > MAX_TRANSFORM_DIM:
+            raise bad(m.group(0), f"a transform to at most {min(max(4 * dim, 64), MAX_TRANSFORM_DIM):,} dimensions "
+                                  f"(4 x dim or 64, at most {MAX_TRANSFORM_DIM:,})")
+    for m in re.finditer(r"HNSW(\d+)", factory):
+        if int(m.group(1)) > MAX_HNSW_M:
+            raise bad(m.group(0), f"at most {MAX_HNSW_M} links per node")
 
 
 def _validate_product_keys(spec: pb.TableSpec) -> pb.TableSpec:
