@@ -18,11 +18,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from memserver.api.errors import FailedPreconditionError
+from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from memserver.api.v1 import memserver_pb2 as pb
 
 #: Default idle time after which a client's session is forgotten (memserver up --session-ttl).
 SESSION_TTL = 3600.0
+#: Answers a session keeps that its client has not acknowledged (its writes in flight: a client
+#: keeps far fewer in flight), and sessions a slice keeps: past them a write is refused, so neither
+#: grows with requests (a client that never acknowledges, or a new client id per request).
+MAX_ANSWERS = 4096
+MAX_SESSIONS = 1 << 16
+#: Characters of a client id (it is kept per session, logged and echoed in errors).
+MAX_CLIENT_ID = 256
 
 
 @dataclass
@@ -51,7 +58,14 @@ class Sessions:
         gone. `replaying`: the log is being replayed (every logged write was accepted once)."""
         s = self.by_client.get(tag.client_id)
         now = time.time()
+        if len(tag.client_id) > MAX_CLIENT_ID:
+            raise InvalidArgumentError(f"tag: a client id of {len(tag.client_id):,} characters, at most {MAX_CLIENT_ID}")
         if s is None:
+            if len(self.by_client) >= MAX_SESSIONS and not replaying:
+                self.expire(now)
+                if len(self.by_client) >= MAX_SESSIONS:
+                    raise ResourceExhaustedError(f"table {table}: {MAX_SESSIONS:,} client sessions already; a new "
+                                                 f"client's write waits until idle ones expire ({self.ttl:g} s)")
             if tag.attempt > 0 and not replaying:
                 raise FailedPreconditionError(
                     f"table {table}: write {tag.seq} of client {tag.client_id} is a retry (attempt {tag.attempt}), "
@@ -64,6 +78,10 @@ class Sessions:
         s.forget_below(tag.acked_below)
         if tag.seq in s.answers:
             return True, s.answers[tag.seq]
+        if len(s.answers) >= MAX_ANSWERS and not replaying:
+            raise FailedPreconditionError(
+                f"table {table}: client {tag.client_id[:64]} has {len(s.answers):,} answers it has not acknowledged "
+                f"(its acked_below is {s.acked_below}); a client acknowledges its answers in its next writes' tags")
         if tag.seq < s.acked_below:
             raise FailedPreconditionError(
                 f"table {table}: write {tag.seq} of client {tag.client_id} was already answered (the client "
