@@ -63,7 +63,9 @@ def test_remote_memory_trains_like_local_memory(client, sharding, staleness, wal
     assert [r["step"] for r in local] == [r["step"] for r in remote] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(local, remote):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
-    assert remote[-1]["val_loss"] == pytest.approx(local[-1]["val_loss"], rel=1e-3)
+    # (validation too: the query's bias before the BatchNorm learnt rounding noise, which differs
+    # between the backends' sums, through Adam into real steps: 4e-4 apart after one step)
+    assert remote[-1]["val_loss"] == pytest.approx(local[-1]["val_loss"], rel=1e-5)
     assert remote[-1]["mem1_used_pct"] == pytest.approx(local[-1]["mem1_used_pct"], abs=1.0)  # near-ties in top-k
     assert local[-1]["loss"] < local[0]["loss"]
 
