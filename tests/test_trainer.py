@@ -579,3 +579,22 @@ def test_a_cache_of_zero_bytes_is_refused_by_its_flag(capsys):
     with pytest.raises(SystemExit) as done:
         build_parser().parse_args(["--memory", "remote", "--tier", "disk", "--cache-bytes", "0"])
     assert done.value.code == 2 and "--cache-bytes: 0 bytes of cache: leave --cache-bytes out" in capsys.readouterr().err
+
+
+def test_the_files_a_run_writes_are_checked_before_step_one(tmp_path):
+    """From a training walkthrough: --log-json in a missing folder was a traceback; --checkpoint-dir
+    naming a file trained the whole run, then failed; a fresh run into another run's checkpoint
+    folder mixed the two (a --resume then took the other run's latest); --resume of a file that
+    is no checkpoint was an UnpicklingError traceback."""
+    from trainer.checkpoints import trainer_file
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "other").mkdir()
+    trainer_file(tmp_path / "other", 15).write_bytes(b"")
+    for argv, says in ((["--log-json", str(tmp_path / "no" / "x.jsonl")], "--log-json .*: no folder"),
+                       (["--checkpoint-dir", str(tmp_path / "afile")], "--checkpoint-dir .*: a file, not a folder"),
+                       (["--checkpoint-dir", str(tmp_path / "other")],
+                        r"it holds another run's checkpoints \(trainer-step-0000000015.pt .. trainer-step-0000000015.pt\)"),
+                       (["--resume", str(tmp_path / "afile")], "is not a memtrain checkpoint")):
+        with pytest.raises(SystemExit, match=says):
+            list(train(build_parser().parse_args([*TINY, "--memory", "local", "--steps", "2", *argv])))

@@ -296,8 +296,24 @@ def memory_config(args: argparse.Namespace) -> MemoryConfig:
                         engram_seed=args.engram_seed, engram_conv=not args.no_engram_conv)
 
 
+def check_paths(args: argparse.Namespace) -> None:
+    """The files a run writes, before step 1 (they failed after the whole run, or mixed runs):
+    --log-json's folder exists; --checkpoint-dir is no file, and a fresh run's holds no other
+    run's checkpoints (a later --resume would take the other run's latest)."""
+    if args.log_json and not Path(args.log_json).resolve().parent.is_dir():
+        raise SystemExit(f"memtrain: error: --log-json {args.log_json}: no folder {Path(args.log_json).parent}")
+    where = args.checkpoint_dir
+    if where and Path(where).exists() and not Path(where).is_dir():
+        raise SystemExit(f"memtrain: error: --checkpoint-dir {where}: a file, not a folder")
+    if where and not args.resume and Path(where).is_dir() and (held := sorted(Path(where).glob("trainer-step-*.pt"))):
+        raise SystemExit(f"memtrain: error: --checkpoint-dir {where}: it holds another run's checkpoints ({held[0].name} "
+                         f".. {held[-1].name}), which this run's would mix with; give another folder, or --resume "
+                         f"{where} to continue that run")
+
+
 def setup(args: argparse.Namespace, client: Any = None) -> Run:
     check_flags(args)
+    check_paths(args)
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
@@ -588,7 +604,13 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     or shapes that differ, --steps already reached, a --checkpoint-dir holding later checkpoints.
     load_checkpoint compares the shapes again once built (the KIF sources and the vocabulary too)."""
     latest = resume_file(args.resume)
-    blob = torch.load(latest, map_location="cpu", weights_only=False)
+    try:
+        blob = torch.load(latest, map_location="cpu", weights_only=False)
+    except Exception as exc:  # (a file that is not a checkpoint: pickle, zip or EOF errors of any kind)
+        raise SystemExit(f"memtrain: error: --resume {args.resume}: {latest} is not a memtrain checkpoint "
+                         f"({type(exc).__name__}: {str(exc)[:120]})") from None
+    if not isinstance(blob, dict) or "step" not in blob:
+        raise SystemExit(f"memtrain: error: --resume {args.resume}: {latest} is not a memtrain checkpoint")
     given = getattr(args, "given", None)  # the flags the command line set (main's parse; None: unknown)
     mode = _memory_mode(blob["values"]) if "values" in blob else None
     if mode is not None and given is not None and "memory" not in given:
