@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -598,3 +599,28 @@ def test_the_files_a_run_writes_are_checked_before_step_one(tmp_path):
                        (["--resume", str(tmp_path / "afile")], "is not a memtrain checkpoint")):
         with pytest.raises(SystemExit, match=says):
             list(train(build_parser().parse_args([*TINY, "--memory", "local", "--steps", "2", *argv])))
+
+
+def test_a_resume_with_dropout_continues_its_draws_and_its_rate(tmp_path, caplog):
+    """From a training walkthrough: a run with --dropout resumed at dropout 0 when the flag was
+    left out (another model, silently), took another rate when given one, and was not exact even
+    with the same rate (the draws restarted). The rate is a resumed setting now and the draws are
+    checkpointed."""
+    common = [*TINY, "--memory", "local", "--seed", "5", "--eval-every", "2", "--dropout", "0.3"]
+    whole = list(train(build_parser().parse_args([*common, "--steps", "4"])))
+    list(train(build_parser().parse_args([*common, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck")])))
+    from trainer.train import given_flags
+
+    def parsed(argv: list[str]) -> argparse.Namespace:  # as memtrain's main parses: the flags given known
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.given = given_flags(parser, argv)
+        return args
+
+    left_out = [a for a in common if a not in ("--dropout", "0.3")]
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        rest = list(train(parsed([*left_out, "--steps", "4", "--resume", str(tmp_path / "ck")])))
+    assert "--resume: dropout = 0.3, as the checkpoint was trained" in caplog.text
+    assert [r["loss"] for r in rest] == [r["loss"] for r in whole[2:]]
+    with pytest.raises(SystemExit, match=r"trained with dropout = 0.3, this run gives 0.1 \(--dropout\)"):
+        list(train(parsed([*left_out, "--dropout", "0.1", "--steps", "4", "--resume", str(tmp_path / "ck")])))

@@ -199,10 +199,10 @@ def distributed(backend: str = "gloo") -> tuple[int, int]:
 
 #: Flags a run records in its checkpoints and a resumed run must give alike (besides the model's
 #: and the memory's shapes, which the checkpoint's config and memory record): the dense and value
-#: optimizers and where the values live. What a resume may change: steps, logging, evaluation,
+#: optimizers, where the values live, the dropout rate and how the KIF source was built. What a resume may change: steps, logging, evaluation,
 #: threads, device, dtype, staleness, micro-batches, prefetch and tracing.
 RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal", "tier", "cache_bytes", "table",
-                 "shared_values")
+                 "shared_values", "dropout", "kif_knn", "kif_sentences", "kif_encoder")
 
 
 def checkpoint_dir_of(args: argparse.Namespace) -> str | None:
@@ -528,7 +528,11 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, ste
     root = Path(directory)
     values = _on_cpu({key: b.save(root, step) for key, b in _unique(run.values).items()})
     cfg = {k: v for k, v in asdict(run.model.cfg).items() if k != "memory"}
+    rng = {"cpu": torch.get_rng_state()}  # dropout's draws: a resume continues them (it restarted them)
+    if run.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(run.device)
     blob = {"step": step, "model": _on_cpu(run.model.state_dict()), "opt": _on_cpu(opt.state_dict()), "gen": gen,
+            "rng": rng,
             "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
             "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name,  # enough to rebuild it (trainer.inspection)
             "data_path": run.corpus.path, "flags": flags}  # RESUMED_ALIKE: what a resume must give alike
@@ -650,6 +654,11 @@ def load_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Generator, 
     run.model.load_state_dict(GPT.upgrade_state_dict(blob["model"]))
     opt.load_state_dict(blob["opt"])
     gen.set_state(blob["gen"])
+    rng = blob.get("rng", {})  # (absent: written before checkpoints kept it)
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and run.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], run.device)
     step = int(blob["step"])
     if "values" not in blob:  # written before each backend saved itself: one memory/ root for every table
         local = blob["local_values"]
