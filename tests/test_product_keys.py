@@ -92,6 +92,10 @@ def test_served_layer_equals_the_trainers_layer(client, memory_cluster, table_na
         assert torch.equal(client.address(table_name, x)[0], want_ids)
         assert cli_main(["status", "--endpoint", memory_cluster.endpoint]) == 0
         assert "product-key tables" in capsys.readouterr().out
+        with pytest.raises(SystemExit) as exc:  # another knn than the layer read with: not the trained layer
+            cli_main([*args, "--knn", str(KNN + 1)])
+        assert exc.value.code == 2 and f"--knn: the checkpoint's layers read {KNN} slots per head, not {KNN + 1}" \
+            in capsys.readouterr().err
         args[4] = "0"
         with pytest.raises(SystemExit) as exc:
             cli_main(args)

@@ -205,8 +205,12 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
     if prefix + "query_bn.running_mean" in sd:
         bn = {k: sd[prefix + f"query_bn.{k}"].float() for k in ("running_mean", "running_var", "weight", "bias")}
         bn["eps"] = BN_EPS
+    saved_knn = blob.get("memory", {}).get("knn")
     if args.knn is None:  # memtrain records its memory config; older checkpoints need --knn
-        args.knn = int(blob.get("memory", {}).get("knn", 32))
+        args.knn = int(saved_knn if saved_knn is not None else 32)
+    elif saved_knn is not None and args.knn != int(saved_knn):  # a served layer reads as it was trained
+        raise CliError(f"--knn: the checkpoint's layers read {int(saved_knn)} slots per head, not {args.knn}; leave "
+                       "--knn out (it is taken from the checkpoint)")
     if args.knn < 1 or args.knn > n_keys:
         raise CliError(f"--knn: must be in [1, {n_keys}] (n_keys of layer {args.layer}), got {args.knn}")
     name = args.name or f"pkm-layer{args.layer}"
