@@ -300,6 +300,9 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--memory", "none", "--memory-kind", "lsh"], "--memory-kind lsh: this run trains without memory"),
+    (["--trace-sample", "0.5"], "--trace-sample: samples what --trace-every traces"),
+    (["--memory-kind", "engram", "--engram-orders", "2,2"], "--engram-orders 2,2: comma-separated distinct orders"),
     (["--memory", "local", "--tier", "disk"], "--tier disk: disk tables live in the cluster"),
     (["--memory", "remote", "--cache-bytes", "1M"], "--cache-bytes sizes a disk table's cache: add --tier disk"),
     (["--eval-every", "0"], "--eval-every: must be in [1, "),

@@ -248,6 +248,11 @@ def check_flags(args: argparse.Namespace) -> None:
                          f"this run is --memory {args.memory}")
     if args.endpoint and args.memory != "remote" and not args.kif_source:
         raise SystemExit(f"memtrain: error: --endpoint: this run uses no cluster (--memory {args.memory}, no --kif-source)")
+    if args.memory == "none" and args.memory_kind != "pkm":
+        raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: this run trains without memory "
+                         "(--memory none); give --memory local or remote")
+    if args.trace_sample != 0.05 and not args.trace_every:
+        raise SystemExit("memtrain: error: --trace-sample: samples what --trace-every traces; give --trace-every N")
     if args.mem_plus and not kinds & {"pkm", "lsh"}:
         raise SystemExit("memtrain: error: --mem-plus: Memory+ gates the product-key and LSH layers' output; "
                          f"--memory-kind {args.memory_kind} has neither")
@@ -272,11 +277,12 @@ def memory_config(args: argparse.Namespace) -> MemoryConfig:
                              f"indices in [0, {args.n_layer}) (--memory {args.memory} needs at least one; "
                              "--memory none trains without)")
     try:
-        orders = tuple(sorted({int(n) for n in args.engram_orders.split(",") if n.strip()}))
+        given_orders = [int(n) for n in args.engram_orders.split(",") if n.strip()]
     except ValueError:
-        orders = ()
-    if not orders or not all(2 <= n <= MAX_ORDER for n in orders):
-        raise SystemExit(f"memtrain: error: --engram-orders {args.engram_orders}: comma-separated orders in "
+        given_orders = []
+    orders = tuple(sorted(set(given_orders)))
+    if not orders or len(orders) != len(given_orders) or not all(2 <= n <= MAX_ORDER for n in orders):
+        raise SystemExit(f"memtrain: error: --engram-orders {args.engram_orders}: comma-separated distinct orders in "
                          f"[2, {MAX_ORDER}]")
     if not 1 <= args.engram_heads <= 64 or not 1 <= args.engram_dim <= 4096:
         raise SystemExit("memtrain: error: --engram-heads must be in [1, 64] and --engram-dim in [1, 4096]")
