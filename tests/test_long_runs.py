@@ -264,8 +264,7 @@ def test_a_write_whose_log_append_fails_changes_nothing(tmp_path, monkeypatch):
 
 def test_zero_is_a_value_for_eps_and_beta1(client, table_name):
     """eps=0 and beta1=0 reach the shards as 0 (proto3 optional), not as "use the default"."""
-    from memserver.core.optim import OptimizerConfig
-    from memserver.server.catalog import optimizer_config
+    from memserver.core.optim import OptimizerConfig, optimizer_config
 
     client.create_table(table_name, 16, 4, optimizer="adam", eps=0.0, betas=(0.0, 0.999))
     with grpc.insecure_channel(client.endpoint) as ch:

@@ -74,3 +74,32 @@ def torch_step(table: Any, ids: torch.Tensor, g: torch.Tensor) -> None:
         bc2 = (1 - opt.beta2**step).float()[:, None]
         w.sub_(opt.lr * (m / bc1) / ((v / bc2).sqrt_().add_(opt.effective_eps)))
     table.weight[ids] = w.to(table.dtype)
+
+
+def optimizer_config(spec: Any) -> OptimizerConfig:
+    """A table's optimizer from its spec (a pb.OptimizerSpec: unset fields mean the defaults; 0 is
+    a value)."""
+    defaults = OptimizerConfig()
+    return OptimizerConfig(
+        name=spec.name or defaults.name,
+        lr=spec.lr or defaults.lr,
+        eps=spec.eps if spec.HasField("eps") else None,
+        beta1=spec.beta1 if spec.HasField("beta1") else defaults.beta1,
+        beta2=spec.beta2 if spec.HasField("beta2") else defaults.beta2,
+    )
+
+
+def check_value_settings(spec: Any) -> OptimizerConfig:
+    """A value table's initialisation and optimizer settings (of a pb.TableSpec; an unset optimizer
+    name becomes adagrad), checked: the rules a shard's table and an in-process one (the trainer's
+    LocalValues) share. InvalidArgumentError names the field."""
+    from memserver.api.errors import InvalidArgumentError
+
+    if not math.isfinite(spec.init_std) or spec.init_std < 0:
+        raise InvalidArgumentError(f"init_std: must be a finite number >= 0, got {spec.init_std}")
+    if not spec.optimizer.name:
+        spec.optimizer.name = "adagrad"
+    try:
+        return optimizer_config(spec.optimizer)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"optimizer: {exc}") from None

@@ -4,7 +4,6 @@ optimizer from them, and tests call them without a cluster."""
 
 from __future__ import annotations
 
-import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -13,24 +12,12 @@ from typing import Any
 from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from memserver.api.types import METRIC_NAMES, TABLE_NAME, ShardLayout, check_table_name, fmt_bytes
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.core.optim import OptimizerConfig
+from memserver.core.optim import check_value_settings
 from memserver.server.config import Limits
 from memserver.wire import INDEX_ID_SPACE, TORCH_DTYPES, VALUE_DTYPES
 
 #: Sharding a table gets when its spec leaves it unspecified (see docs/architecture.md).
 DEFAULT_SHARDING = pb.COLS
-
-
-def optimizer_config(spec: pb.OptimizerSpec) -> OptimizerConfig:
-    """A table's optimizer from its spec (unset fields mean the defaults; 0 is a value)."""
-    defaults = OptimizerConfig()
-    return OptimizerConfig(
-        name=spec.name or defaults.name,
-        lr=spec.lr or defaults.lr,
-        eps=spec.eps if spec.HasField("eps") else None,
-        beta1=spec.beta1 if spec.HasField("beta1") else defaults.beta1,
-        beta2=spec.beta2 if spec.HasField("beta2") else defaults.beta2,
-    )
 
 
 def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
@@ -55,14 +42,7 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         spec.dtype = pb.FLOAT32
     if spec.dtype not in VALUE_DTYPES:
         raise InvalidArgumentError(f"dtype: values are stored as float32, float16 or bfloat16, not {pb.DType.Name(spec.dtype)}")
-    if not math.isfinite(spec.init_std) or spec.init_std < 0:
-        raise InvalidArgumentError(f"init_std: must be a finite number >= 0, got {spec.init_std}")
-    if not spec.optimizer.name:
-        spec.optimizer.name = "adagrad"
-    try:
-        cfg = optimizer_config(spec.optimizer)
-    except ValueError as exc:
-        raise InvalidArgumentError(f"optimizer: {exc}") from None
+    cfg = check_value_settings(spec)
     spec.optimizer.lr, spec.optimizer.eps = cfg.lr, cfg.effective_eps
     spec.optimizer.beta1, spec.optimizer.beta2 = cfg.beta1, cfg.beta2
     if spec.num_shards == 0:

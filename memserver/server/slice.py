@@ -19,10 +19,11 @@ import torch
 from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, StepAbortedError
 from memserver.api.types import KIND_NAMES, METRIC_NAMES, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.core.optim import optimizer_config
 from memserver.core.steps import Entries, combine
 from memserver.core.table import ValueTable
 from memserver.core.triggers import TriggerHeaps
-from memserver.server.catalog import optimizer_config, slice_cache_bytes
+from memserver.server.catalog import slice_cache_bytes
 from memserver.server.sessions import SESSION_TTL, Sessions
 from memserver.storage.wal import COMMIT_STEP, WriteAheadLog
 from memserver.wire import TORCH_DTYPES, check_ids

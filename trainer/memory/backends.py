@@ -524,13 +524,13 @@ def checked_shape(num_rows: Any, dim: Any) -> tuple[int, int]:
 
 def checked_settings(num_rows: int, dim: int, optimizer: str, lr: Any, init_std: Any, seed: Any) -> None:
     """LocalValues' settings by the rules the cluster checks a value table's with
-    (client.aio.value_table_spec for the types, memserver.server.catalog.validate_spec for what
+    (client.aio.value_table_spec for the types, memserver.core.optim.check_value_settings for what
     they mean), so both backends take and refuse the same, with the same messages: a NaN or
     negative init_std used to make a table of NaNs here and be refused there."""
     from client.aio import value_table_spec
-    from memserver.server.catalog import validate_spec
+    from memserver.core.optim import check_value_settings
 
-    validate_spec(value_table_spec("local", num_rows, dim, optimizer=optimizer, lr=lr, init_std=init_std, seed=seed), 1)
+    check_value_settings(value_table_spec("local", num_rows, dim, optimizer=optimizer, lr=lr, init_std=init_std, seed=seed))
 
 
 def check_end_step(begun: int | None, step: int) -> None:
