@@ -627,3 +627,11 @@ def test_a_resume_with_dropout_continues_its_draws_and_its_rate(tmp_path, caplog
     assert [r["loss"] for r in rest] == [r["loss"] for r in whole[2:]]
     with pytest.raises(SystemExit, match=r"trained with dropout = 0.3, this run gives 0.1 \(--dropout\)"):
         list(train(parsed([*left_out, "--dropout", "0.1", "--steps", "4", "--resume", str(tmp_path / "ck")])))
+
+
+def test_a_resume_refusal_says_default_not_none():
+    """A resume refusal printed "trained with sharding = None" for a flag left out (the default)."""
+    from trainer.train import _refuse_other
+
+    with pytest.raises(SystemExit, match=r"trained with sharding = its default \(left out\), this run gives 'rows'"):
+        _refuse_other("ck", "sharding", None, "rows")

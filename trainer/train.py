@@ -586,9 +586,13 @@ def _refuse_other(resume: str, key: str, was: Any, now: Any) -> None:
         was, now = tuple(was), tuple(now)
     if was != now:
         flag = _FLAG_OF.get(key, "--" + key.replace("_", "-"))
-        raise SystemExit(f"memtrain: error: --resume {resume}: the checkpoint was trained with {key} = {was!r}, this "
-                         f"run gives {now!r} ({flag}); a resumed run continues the checkpoint's: give its flags "
-                         "(those of its optimizers and tables may be left out)")
+
+        def said(v: Any) -> str:  # None: the flag left out, the cluster's or memtrain's default
+            return "its default (left out)" if v is None else repr(v)
+
+        raise SystemExit(f"memtrain: error: --resume {resume}: the checkpoint was trained with {key} = {said(was)}, "
+                         f"this run gives {said(now)} ({flag}); a resumed run continues the checkpoint's: give its "
+                         "flags (those of its optimizers and tables may be left out)")
 
 
 #: A checkpoint's shapes, compared with the run's: the memory's settings and the model's.
