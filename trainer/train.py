@@ -877,7 +877,7 @@ def trace_parser() -> argparse.ArgumentParser:
         "next one), kept in bounded per-slot heaps; `memserver inspect TABLE SLOT` then shows them. Reads are not "
         "counted in the slots' statistics.")
     p.add_argument("--checkpoint", required=True, help="memtrain --checkpoint-dir (its latest step) or a trainer-step-*.pt")
-    p.add_argument("--table", required=True, help="the value table to trace (a product-key or LSH layer of the model reads it)")
+    p.add_argument("--table", required=True, help="the value table to trace (a product-key, LSH or Engram layer of the model reads it)")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="text file or WikiText-2 folder (default: tiny Shakespeare)")
     p.add_argument("--split", choices=["train", "val"], default="train", help="which part of the text (default: train)")
     p.add_argument("--tokens", type=int, default=100_000, help="characters to run through the model (0: all)")
