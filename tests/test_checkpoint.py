@@ -385,7 +385,8 @@ def test_a_checkpoint_refused_at_a_step_that_had_one_keeps_that_one(tmp_path):
 
 def test_a_replace_the_shards_cannot_make_leaves_the_table(tmp_path):
     """create_table(replace=True) of a disk table on shards without a data directory dropped the
-    table, then the shards refused the new one: the shards are asked before the drop now."""
+    table, then the shards refused the new one; a restore with replace did the same. The shards
+    are asked before the drop now."""
     from client import FailedPreconditionError, MemoryClient
     from memserver.cluster.inprocess import InProcessServer
 
@@ -394,6 +395,11 @@ def test_a_replace_the_shards_cannot_make_leaves_the_table(tmp_path):
         c.write_rows("t", [1], np.full((1, 4), 7.0, np.float32))
         with pytest.raises(FailedPreconditionError, match="a tier 'disk' table needs a data directory"):
             c.create_table("t", 8, 4, tier="disk", replace=True)
+        np.testing.assert_array_equal(c.lookup("t", [1]), np.full((1, 4), 7.0))
+        ck = str(tmp_path / "ck")
+        c.checkpoint(ck, step=1)
+        with pytest.raises(FailedPreconditionError, match="a tier 'disk' table needs a data directory"):
+            c.restore(ck, replace=True, tier="disk")
         np.testing.assert_array_equal(c.lookup("t", [1]), np.full((1, 4), 7.0))
 
 
@@ -422,3 +428,19 @@ def test_a_symlink_below_the_checkpoint_root_does_not_lead_outside_it(client, ta
         assert table_name in {t.name for t in client.list_tables()}
     finally:
         shutil.rmtree(outside)
+
+
+def test_an_atomic_write_never_follows_a_link_planted_at_its_temporary_name(tmp_path):
+    """The temporary name is predictable (the writer's pid): a link planted there led a slice file,
+    a manifest or a record outside the checkpoint root, past the root's checks."""
+    import os
+
+    from memserver.storage.fsutil import atomic_write
+
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    target = tmp_path / "root" / "manifest.json"
+    target.parent.mkdir()
+    target.with_name(f".{target.name}.tmp-{os.getpid()}").symlink_to(outside)
+    atomic_write(target, lambda f: f.write(b"new"))
+    assert outside.read_bytes() == b"keep" and target.read_bytes() == b"new" and not target.is_symlink()

@@ -168,6 +168,7 @@ def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
         (lambda: client.create_index(table_name + "-x", 8, index_factory="OPQ1_1000000,PQ1"),
          "a transform to at most 64 dimensions"),
         (lambda: client.create_index(table_name + "-x", DIM, index_factory="HNSW1000"), "at most 256 links"),
+        (lambda: client.create_index(table_name + "-x", 4, index_factory="IMI2x14,Flat"), r"'IMI2x14' .* lists"),
     ]:
         with pytest.raises(InvalidArgumentError, match=match):
             call()

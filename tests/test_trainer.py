@@ -635,3 +635,14 @@ def test_a_resume_refusal_says_default_not_none():
 
     with pytest.raises(SystemExit, match=r"trained with sharding = its default \(left out\), this run gives 'rows'"):
         _refuse_other("ck", "sharding", None, "rows")
+
+
+def test_the_query_bias_before_a_batchnorm_learns_nothing_and_stays_a_parameter():
+    """Its gradient (rounding noise, the BatchNorm removes a constant) is zeroed; it stays a
+    parameter with requires_grad, so the optimizer's groups of older checkpoints still load."""
+    from trainer.memory import LocalValues, ProductKeyMemory
+
+    layer = ProductKeyMemory(8, 8, LocalValues(16, 8), n_keys=4, heads=1, k_dim=4, knn=2)
+    layer(torch.randn(6, 8)).sum().backward()
+    assert layer.query.bias.requires_grad and torch.count_nonzero(layer.query.bias.grad) == 0
+    assert torch.count_nonzero(layer.query.weight.grad) > 0

@@ -157,6 +157,9 @@ def check_factory_sizes(dim: int, factory: str) -> None:
     for m in re.finditer(r"IVF(\d+)", factory):
         if int(m.group(1)) > MAX_NLIST:
             raise bad(m.group(0), f"at most {MAX_NLIST:,} lists")
+    for m in re.finditer(r"IMI(\d+)x(\d+)", factory):  # 2^(M x bits) lists
+        if int(m.group(1)) * int(m.group(2)) > MAX_NLIST.bit_length() - 1:
+            raise bad(m.group(0), f"at most {MAX_NLIST:,} lists (2^(M x bits))")
     for m in re.finditer(r"(?:OPQ\d+_|PCAW?R?|RR|ITQ)(\d+)", factory):
         if int(m.group(1)) > max(4 * dim, 64) or int(m.group(1)) > MAX_TRANSFORM_DIM:
             raise bad(m.group(0), f"a transform to at most {min(max(4 * dim, 64), MAX_TRANSFORM_DIM):,} dimensions "

@@ -162,24 +162,29 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if request.replace:
             await self._drop_strays(spec.name)  # what is there goes: slices no table owns too
         if request.replace and spec.name in self.tables and spec.name not in self.pending:
-            # every refusal the new table could meet, the old one's memory counted as free: before it goes
-            order, info, on_node = self._plan(spec)
-            old, freed = self.tables[spec.name], {}
-            for j, sh in zip(self.placement[spec.name], old.shards):
-                freed[self._memory(j)] = freed.get(self._memory(j), 0) + slice_size(old.spec, sh).held
-            blob = spec.SerializeToString()
-            _raise_refusal(await asyncio.gather(
-                *(self.handles[j].check_fits.remote(blob, sh.SerializeToString(), node_bytes,
-                                                    freed.get(self._memory(j), 0))
-                  for j, sh, node_bytes in zip(order, info.shards, on_node)), return_exceptions=True), "checking")
+            plan = await self._check_replace(spec)
             log.info("replacing table %s", spec.name)
             try:
                 await self._drop(spec.name)
             except TableNotFoundError:
                 pass  # another replace or drop got there first: make it, or say it exists again
             # on the shards checked, and as checked: the old table's memory may not show as free yet
-            return await self._place(spec, plan=(order, info, on_node), checked=True)
+            return await self._place(spec, plan=plan, checked=True)
         return await self._place(spec)
+
+    async def _check_replace(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
+        """Every refusal a table replacing the one of its name could meet (the shards' check_fits:
+        what they cannot hold, and memory, the old table's counted as free), before the old one is
+        dropped; returns where it goes (`_plan`). A create or restore with replace asks this first."""
+        order, info, on_node = self._plan(spec)
+        old, freed = self.tables[spec.name], {}
+        for j, sh in zip(self.placement[spec.name], old.shards):
+            freed[self._memory(j)] = freed.get(self._memory(j), 0) + slice_size(old.spec, sh).held
+        blob = spec.SerializeToString()
+        _raise_refusal(await asyncio.gather(
+            *(self.handles[j].check_fits.remote(blob, sh.SerializeToString(), node_bytes, freed.get(self._memory(j), 0))
+              for j, sh, node_bytes in zip(order, info.shards, on_node)), return_exceptions=True), "checking")
+        return order, info, on_node
 
     def _memory(self, j: int) -> str:
         """The memory shard j's slices live in (rayutil.memory_domain: its node's, or its GPU's)."""
@@ -288,18 +293,22 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         directory = step_dir(root, request.step)
         for path in (directory, *(directory / name for name in names)):  # a symlink below the root
             under_root(self.checkpoint_root, str(path))                   # must not lead outside it
+        placed = {name: (list(self.placement[name]), self.tables[name]) for name in names}  # as checked
         holders: dict[int, list[str]] = {}
-        for name in names:
-            for j in self.placement[name]:
+        for name, (order, _) in placed.items():
+            for j in order:
                 holders.setdefault(j, []).append(name)
         # what the shards would refuse, before a complete checkpoint of this step is withdrawn
         await asyncio.gather(*(self.handles[j].check_checkpoint.remote(held) for j, held in holders.items()))
+        if any(self.tables.get(name) is not info for name, (_, info) in placed.items()):  # dropped or replaced meanwhile
+            raise FailedPreconditionError(f"checkpoint of step {request.step}: a table of {names} was dropped or "
+                                          "replaced while it began; nothing was written")
         if withdraw_manifest(directory):
             log.warning("checkpoint of step %d: replacing the complete one in %s (incomplete until this one is)",
                         request.step, directory)
         calls, where = [], []
-        for name in names:
-            for j, sh in zip(self.placement[name], self.tables[name].shards):
+        for name, (order, info) in placed.items():
+            for j, sh in zip(order, info.shards):
                 path = str(directory / name / f"shard-{sh.index:04d}.pt")
                 calls.append(self.handles[j].checkpoint_table.remote(name, path, request.step))
                 where.append(name)
@@ -307,7 +316,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__, "tables": {}}
         for name in names:
             manifest["tables"][name] = {
-                "spec": base64.b64encode(self.tables[name].spec.SerializeToString()).decode(),
+                "spec": base64.b64encode(placed[name][1].spec.SerializeToString()).decode(),
                 "files": [r for r, n in zip(results, where) if n == name],
             }
         write_manifest(directory, manifest)
@@ -383,13 +392,15 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                  for name in names}
         for f in (f for fs in files.values() for f in fs):  # a symlink below the root must not lead outside it
             under_root(self.checkpoint_root, f["file"])
+        # what the shards would refuse of a table that replaces a live one, before any is dropped
+        plans = {name: await self._check_replace(specs[name]) for name in names if name in self.tables}
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
         for name in names:
             if name in self.tables:
                 await self._drop(name)
             else:  # nothing of it may stay: slices no table owns either
                 await self._drop_strays(name)
-            resp.tables.append(await self._place(specs[name], files[name]))
+            resp.tables.append(await self._place(specs[name], files[name], plan=plans.get(name)))
         return resp
 
     async def ListTables(self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext) -> pb.ListTablesResponse:

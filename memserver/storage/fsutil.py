@@ -23,11 +23,11 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], mode: int | None
     `mode`: the file's permissions from its creation on (a key is never readable by others)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # a name planted there (a link out of a checkpoint root) is never followed:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666 if mode is None else mode)
     if mode is not None:
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         os.fchmod(fd, mode)  # the umask cannot take bits away
-    with (os.fdopen(fd, "wb") if mode is not None else open(tmp, "wb")) as f:
+    with os.fdopen(fd, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())

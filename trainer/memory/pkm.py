@@ -38,8 +38,10 @@ class ProductKeyMemory(MemoryLayer):
         self.n_keys, self.heads, self.k_dim, self.knn = n_keys, heads, k_dim, knn
         self.query = nn.Linear(d_in, heads * k_dim)
         self.query_bn = nn.BatchNorm1d(heads * k_dim) if query_bn else nn.Identity()
-        if query_bn:  # the BatchNorm removes a constant bias: its gradient is rounding noise, which Adam
-            self.query.bias.requires_grad_(False)  # scaled into real steps (eval, which reads running stats, drifted)
+        if query_bn:  # the BatchNorm removes a constant bias: its gradient is rounding noise, which Adam scaled
+            # into real steps (eval, which reads running stats, drifted): zeroed. It stays a trained parameter, so
+            # optimizer states of older checkpoints load
+            self.query.bias.register_hook(torch.zeros_like)
         half = k_dim // 2
         bound = 1 / math.sqrt(half)
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, half).uniform_(-bound, bound))  # [heads, 2, n_keys, half]
