@@ -789,7 +789,6 @@ class VectorIndex:
         return self
 
 
-
 #: faiss's advice for k-means: at least this many training points per centroid (its
 #: ClusteringParameters.min_points_per_centroid, below which it prints a warning per k-means).
 POINTS_PER_CENTROID = 39
