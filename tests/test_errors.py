@@ -380,7 +380,7 @@ def test_a_drop_of_what_is_no_table_name_is_refused_and_removes_nothing(client, 
 def test_answers_deadlines_and_names_are_bounded_before_any_work(monkeypatch):
     """From a hostile-input audit: Address and SlotStats computed their whole answer before it
     failed the message limit (an Address of a few hundred bytes held the shard's compute thread
-    for 45 s); a doorbell deadline of NaN or inf answered INTERNAL; a 20,000-character table name
+    for tens of seconds); a doorbell deadline of NaN or inf answered INTERNAL; a 20,000-character table name
     came back in the error and overflowed gRPC's metadata (RESOURCE_EXHAUSTED, not NOT_FOUND);
     a write a slice refuses after a failed write answered INTERNAL."""
     import memserver.wire as wire

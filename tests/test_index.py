@@ -830,8 +830,8 @@ def test_faiss_gpu_is_the_shards_own_gpu():
 @pytest.mark.parametrize("factory, ks", [("OPQ4,IVF8,PQ4x4", [8, 16, 256]), ("IVF8,PQ4x4", [8, 16]), ("HNSW16,PQ4x4", [16]),
                                          ("IVF32,Flat", [32])])
 def test_faiss_k_means_warnings_are_one_log_line_each_and_the_training_is_unchanged(capfd, caplog, factory, ks):
-    """faiss prints a warning per k-means on a small sample straight to stderr (408 lines for one
-    OPQ train, into `up`'s memserver.log): its threshold is set to 0 for the train, the advice is
+    """faiss prints a warning per k-means on a small sample straight to stderr (hundreds of lines
+    for one OPQ train, into `up`'s memserver.log): its threshold is set to 0 for the train, the advice is
     logged once per k-means size, and the trained index is byte-equal to faiss's own train."""
     import logging
 

@@ -797,8 +797,8 @@ POINTS_PER_CENTROID = 39
 @contextmanager
 def _clustering_quieted(index: Any, what: str, n: int) -> Iterator[None]:
     """faiss's C++ prints "WARNING clustering n points to k centroids" to stderr for every k-means
-    run on fewer than 39 points per centroid: one per sub-quantizer, and per OPQ iteration (408
-    lines for one OPQ8,IVF16,PQ8 train, into `up`'s memserver.log). Its threshold only decides that
+    run on fewer than 39 points per centroid: one per sub-quantizer, and per OPQ iteration
+    (hundreds of lines for one OPQ train, into `up`'s memserver.log). Its threshold only decides that
     warning, so it is set to 0 on the k-means this train runs (the IVF's coarse quantizer, a PQ's,
     an OPQ rotation's own PQ, given for the train and taken back after: the same numbers), and the
     advice is logged here once per k-means size. Factories not walked here warn as faiss does."""

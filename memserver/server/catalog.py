@@ -139,7 +139,7 @@ def _validate_index(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
 
 #: The sizes a faiss factory string may ask for: faiss allocates a PQ's codebook (dim x 2^nbits
 #: floats), an IVF's lists and a transform's matrix when it builds the index, before any limit
-#: could count them ("PQ1x24" of dim 4 took 530 MiB; "OPQ1_1000000,PQ1" 4 GiB, in the coordinator).
+#: could count them (in the coordinator, which builds the empty index to check the string).
 MAX_PQ_BITS = 16
 MAX_NLIST = 1 << 20
 MAX_TRANSFORM_DIM = 1 << 14

@@ -285,24 +285,26 @@ class ShardActor:
 
         def check() -> None:
             for name in names:
-                sl = self.servicer.tables.get(name)
-                if sl is None:
-                    raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
-                if sl.unavailable:
-                    raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
+                self._to_save(name)
 
         self.loop.call(self.servicer.run(check))
+
+    def _to_save(self, name: str) -> TableSlice:
+        """The slice of `name` a checkpoint may save (on the compute thread), or what refuses it:
+        none here, or one that lost its state (a checkpoint would make the loss look healthy)."""
+        sl = self.servicer.tables.get(name)
+        if sl is None:
+            raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
+        if sl.unavailable:
+            raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
+        return sl
 
     def checkpoint_table(self, name: str, path: str, step: int = 0) -> dict[str, Any]:
         """Write this shard's slice of `name` on the compute thread, i.e. after every write it
         has acknowledged (deferred updates included), and remember it for recovery."""
 
         def work() -> dict[str, Any]:
-            sl = self.servicer.tables.get(name)
-            if sl is None:
-                raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
-            if sl.unavailable:  # a checkpoint would make the loss look healthy
-                raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
+            sl = self._to_save(name)
             meta = sl.slice_meta()
             lsn = sl.wal.next_lsn if sl.wal is not None else 0
             state = sl.table.checkpoint_state() if hasattr(sl.table, "checkpoint_state") else sl.table.state()
