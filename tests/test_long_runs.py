@@ -111,6 +111,28 @@ def test_a_shard_remembers_only_the_writes_in_flight_and_checkpoints_stay_the_sa
     assert abs(sizes[1] - sizes[0]) < 1024, sizes
 
 
+def test_a_decision_held_for_one_table_does_not_make_another_tables_shards_keep_answers(client, table_name):
+    """A commit decision that missed a shard stays in flight until the table's next commit_step
+    re-sends it; a client that trains another table meanwhile tells that table's shards to forget
+    its answers as before (an acknowledgement over every table made them keep all of them)."""
+    from client.ops.sessions import WriteTags
+
+    held, other = f"{table_name}-held", f"{table_name}-other"
+    held_meta = client.create_table(held, 64, DIM, sharding="cols")
+    client.create_table(other, 4096, DIM, sharding="cols")
+    session = client.aio.session
+    decision = WriteTags(session)  # what commit_step_plan keeps when a decision could not be delivered
+    decision(0, held_meta, held_meta.shards[0])
+    session.set_undecided(held, 1, (pb.STEP_COMMIT, decision, None))
+    rng = np.random.default_rng(1)
+    for _ in range(12):
+        client.bag_backward(other, rng.integers(0, 4096, (64, 32)), np.ones((64, 32), np.float32),
+                            rng.normal(size=(64, DIM)).astype(np.float32))
+    loads = [t for shard in client.status().shards for t in shard.tables if t.table == other]
+    assert [load.remembered for load in loads] == [1] * len(loads)
+    session.set_undecided(held, 1, None)
+
+
 def test_an_expired_sessions_retry_is_refused_and_changes_nothing(tmp_path):
     spec = pb.TableSpec(name="m", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0), sharding=pb.ROWS)
     shard = _shard(tmp_path, spec, session_ttl=0.2)

@@ -18,7 +18,9 @@ class ClientSession:
     yet committed, and the commit decisions that have not reached every shard yet. Shared by the
     asyncio and blocking clients, hence the lock.
 
-    Bounds: `_in_flight` holds the seqs of calls running now (and of undecided commits);
+    Bounds: `_in_flight` holds the seqs of calls running now (and of undecided commits), each
+    with its table: a table's slices are told to keep only the answers of that table's writes in
+    flight, so a decision held for one table never makes another table's shards keep answers;
     `_known` one entry per slice of the tables this client has written to; `_parts` the steps
     sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
     decisions a shard could not be reached with, re-sent by the table's next commit_step."""
@@ -29,27 +31,29 @@ class ClientSession:
         self.client_id = client_id
         self._lock = threading.Lock()
         self._next = 1
-        self._in_flight: set[int] = set()
+        self._in_flight: dict[int, str] = {}  # seq -> its table
         self._known: set[tuple[int, int]] = set()  # (layout_id, shard index)
         # (table, step) -> shard index -> the seqs of the gather parts that shard acknowledged
         self._parts: dict[tuple[str, int], dict[int, set[int]]] = {}
         self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]] = {}
 
-    def new_seq(self) -> int:
+    def new_seq(self, table: str) -> int:
         with self._lock:
             seq = self._next
             self._next += 1
-            self._in_flight.add(seq)
+            self._in_flight[seq] = table
             return seq
 
     def release(self, seqs: Iterable[int]) -> None:
         with self._lock:
-            self._in_flight.difference_update(seqs)
+            for seq in seqs:
+                self._in_flight.pop(seq, None)
 
-    def acked_below(self) -> int:
-        """Every write with a lower seq has finished: the shards may forget its answer."""
+    def acked_below(self, table: str) -> int:
+        """Every write to `table` with a lower seq has finished: its shards may forget the answer.
+        Per table, since a slice keeps the sessions of its own table's writes only."""
         with self._lock:
-            return min(self._in_flight, default=self._next)
+            return min((seq for seq, t in self._in_flight.items() if t == table), default=self._next)
 
     def answered(self, meta: TableMeta, addresses: Iterable[str]) -> None:
         """The slices of `meta` at `addresses` (the shards a write call reached) answered it; the
@@ -142,9 +146,9 @@ class WriteTags:
     def __call__(self, part: int, meta: TableMeta, shard: ShardMeta) -> pb.WriteTag:
         seq = self.seqs.get(part)
         if seq is None:
-            seq = self.seqs[part] = self.session.new_seq()
+            seq = self.seqs[part] = self.session.new_seq(meta.name)
         attempt = self.attempt if self.attempt and self.session.knows(meta, shard) else 0
-        return pb.WriteTag(client_id=self.session.client_id, seq=seq, acked_below=self.session.acked_below(),
+        return pb.WriteTag(client_id=self.session.client_id, seq=seq, acked_below=self.session.acked_below(meta.name),
                            attempt=attempt)
 
     def reset(self) -> None:

@@ -25,8 +25,8 @@ from memserver.api.v1 import memserver_pb2 as pb
 SESSION_TTL = 3600.0
 #: Sessions a slice keeps: past it a new client's write is refused, so sessions do not grow with
 #: requests (a new client id per request). The answers a session keeps are not capped: a client's
-#: acked_below is its oldest write in flight over every table, so one long call of a healthy client
-#: holds every slice's answers meanwhile (docs/security.md, "Gaps").
+#: acked_below is its oldest write in flight to the table, so one long call of a healthy client
+#: holds the answers of its other calls to that table meanwhile (docs/security.md, "Gaps").
 MAX_SESSIONS = 1 << 16
 #: Characters of a client id (it is kept per session, logged and echoed in errors).
 MAX_CLIENT_ID = 256
