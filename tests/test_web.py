@@ -345,6 +345,32 @@ def test_a_bad_checkpoint_flag_is_said_beside_the_model_used_and_loaded_once(cli
     assert loads.count(__file__) == 1 and len(loads) == 2, loads  # the bad file once, the recorded one once
 
 
+def test_the_model_cache_holds_one_model_per_path_and_a_bounded_number_of_paths(tmp_path, monkeypatch):
+    """Live tracing records a checkpoint folder whose newest step changes as training goes on: the
+    newer step's model replaces the older one (one model per folder, not one per step ever shown),
+    and at most MAX_MODELS paths stay loaded."""
+    import trainer.inspection as inspection
+    from memserver.web import models
+
+    loads = []
+    monkeypatch.setattr(inspection.Inspector, "load", classmethod(lambda cls, file, client: loads.append(file) or object()))
+    cache = models.ModelCache(client=None)
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in range(1, 6):
+        (run / f"trainer-step-{step:08d}.pt").write_bytes(b"x")
+        got = cache.load(run)
+        assert cache.load(run) is got and len(loads) == step  # loaded once per new step
+        assert len(cache._paths) == 1
+    for i in range(models.MAX_MODELS + 3):
+        (tmp_path / f"r{i}").mkdir()
+        (tmp_path / f"r{i}" / "trainer-step-00000001.pt").write_bytes(b"x")
+        cache.load(tmp_path / f"r{i}")
+    assert len(cache._paths) == models.MAX_MODELS
+    cache.load(tmp_path / f"r{models.MAX_MODELS + 2}")  # the most recent: still loaded
+    assert len(loads) == 5 + models.MAX_MODELS + 3
+
+
 # ------------------------------------------------------------------ in the browser
 
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+#: Models kept loaded (each a whole memtrain model): the most recently used paths, so a server that
+#: runs for weeks over many tables or checkpoint folders holds at most this many.
+MAX_MODELS = 8
 
 
 @dataclass
@@ -31,16 +36,16 @@ class Model:
 
 class ModelCache:
     """The model per table: the checkpoint given to `memserver web --checkpoint`, else the one
-    `memtrain trace` recorded for the table. Each file is loaded once for every table it serves
-    (and the start-up check), and again only when it changes (another checkpoint recorded, or the
-    file rewritten)."""
+    `memtrain trace` recorded for the table. Each path is loaded once for every table it serves
+    (and the start-up check), and again only when the file it names changes (a folder's newer
+    step, or the file rewritten), which then replaces the old model."""
 
     def __init__(self, client: Any, checkpoint: str | Path | None = None) -> None:
         self.client = client
         self.checkpoint = str(checkpoint) if checkpoint else None
-        # per checkpoint file: (its mtime, its inspector or why it failed). One entry per file a
-        # table's page named (--checkpoint, or a table's recorded one): at most one per table, plus one
-        self._files: dict[str, tuple[int, Any]] = {}
+        # per path as named (a file, or a --checkpoint-dir whose latest step it loaded): (the
+        # file, its mtime, its inspector or why it failed); the MAX_MODELS most recently used
+        self._paths: OrderedDict[str, tuple[str, int, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
     def load(self, path: str | Path) -> Any:
@@ -50,19 +55,23 @@ class ModelCache:
         from trainer.inspection import Inspector, checkpoint_file
 
         file = checkpoint_file(path)
-        key, mtime = str(file.resolve()), file.stat().st_mtime_ns
+        key, name, mtime = str(Path(path).resolve()), str(file.resolve()), file.stat().st_mtime_ns
         with self._lock:
-            cached = self._files.get(key)
-            if cached is None or cached[0] != mtime:
+            cached = self._paths.get(key)
+            if cached is None or cached[:2] != (name, mtime):
                 log.info("loading %s", file)
                 try:
                     got: Any = Inspector.load(file, self.client)
                 except Exception as exc:  # noqa: BLE001 - kept, so a bad file is not loaded again per view
                     got = ValueError(str(exc))
-                self._files[key] = cached = (mtime, got)
-        if isinstance(cached[1], Exception):
-            raise cached[1]
-        return cached[1]
+                cached = (name, mtime, got)
+            self._paths[key] = cached
+            self._paths.move_to_end(key)
+            while len(self._paths) > MAX_MODELS:
+                self._paths.popitem(last=False)
+        if isinstance(cached[2], Exception):
+            raise cached[2]
+        return cached[2]
 
     def for_table(self, table: str) -> Model:
         """The model for `table`; never raises for a bad checkpoint (the page says why there is none)."""
