@@ -1204,21 +1204,22 @@ class DiskTable(ValueTable):
                 "updates": ws.updates[flat].clone(), "last_update": ws.last_update[flat].clone(),
                 "value_sq_norm": (w * w).sum(1)}
 
-    def stat(self, name: str) -> np.ndarray:
+    def stat(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         if name not in self.STATS:
             raise ValueError(f"unknown slot statistic {name!r}")
+        stop = self.num_rows if stop is None else min(stop, self.num_rows)
         if name in ("hits", "weight_mass"):
-            return getattr(self, name).numpy().astype(np.float64)
-        self.flush()
-        out = np.empty(self.num_rows, dtype=np.float64)
+            return getattr(self, name)[start:stop].numpy().astype(np.float64)
+        self.flush()  # O(cache): the file then holds every row as it is
+        out = np.empty(max(0, stop - start), dtype=np.float64)
         raw = torch.from_numpy(self._raw)
-        for s in range(0, self.num_rows, _CHUNK_ROWS):  # streamed: bounded temporaries
-            chunk = raw[s : s + _CHUNK_ROWS]
+        for s in range(start, stop, _CHUNK_ROWS):  # streamed: bounded temporaries
+            chunk = raw[s : min(s + _CHUNK_ROWS, stop)]
             if name == "updates":
-                out[s : s + len(chunk)] = chunk[:, 0:8].view(torch.int64)[:, 0].numpy()
+                out[s - start : s - start + len(chunk)] = chunk[:, 0:8].view(torch.int64)[:, 0].numpy()
             else:
                 w = self._view(chunk, "weight").double()
-                out[s : s + len(chunk)] = (w * w).sum(1).numpy()
+                out[s - start : s - start + len(chunk)] = (w * w).sum(1).numpy()
         return out
 
     def bag_grad(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None,

@@ -29,6 +29,32 @@ except ImportError:  # pragma: no cover
 _CHUNK_ENTRIES = 1 << 16
 
 
+class TopN:
+    """The n best (largest, or coldest: smallest) values of a statistic seen chunk by chunk, ties
+    to the smaller row: what one partition of the whole array gives, in memory of a chunk plus n."""
+
+    def __init__(self, n: int, coldest: bool = False) -> None:
+        self.n, self.coldest = n, coldest
+        self.rows = np.zeros(0, dtype=np.int64)  # best first
+        self.values = np.zeros(0, dtype=np.float64)
+
+    def add(self, start: int, values: np.ndarray) -> None:
+        """values[i] is row start + i's."""
+        m = min(self.n, len(values))
+        if m == 0:
+            return
+        key = values if self.coldest else -values
+        if m < len(values):
+            t = np.partition(key, m - 1)[m - 1]  # the chunk's m-th best key
+            better = np.flatnonzero(key < t)
+            idx = np.r_[better, np.flatnonzero(key == t)[: m - len(better)]]  # ascending rows: the smaller ones
+        else:
+            idx = np.arange(len(values))
+        rows, vals = np.r_[self.rows, idx + start], np.r_[self.values, values[idx]]
+        order = np.lexsort((rows, vals if self.coldest else -vals))[: self.n]
+        self.rows, self.values = rows[order], vals[order]
+
+
 def set_threads(n: int) -> None:
     """Use `n` torch, numba and faiss (OpenMP) threads (numba's clamped to
     numba.config.NUMBA_NUM_THREADS; a library that is missing is skipped) in the *calling thread*.
@@ -223,33 +249,31 @@ class ValueTable:
 
     #: The per-slot statistics `top_slots` and `usage` rank and bin.
     STATS = ("hits", "weight_mass", "updates", "value_sq_norm")
+    #: Rows a scan of every slot (top_slots, usage) reads at a time: its temporaries are ~40 bytes a
+    #: row of one chunk, never of the slice, and a shard runs each chunk as its own work item.
+    STAT_CHUNK = 1 << 16
 
-    def stat(self, name: str) -> np.ndarray:
-        """One statistic of every row of the slice, float64 (value_sq_norm: over its columns)."""
-        if name == "value_sq_norm":
-            out = np.empty(self.num_rows, dtype=np.float64)
-            for s in range(0, self.num_rows, _CHUNK_ENTRIES):  # bounded temporaries
-                rows = self.weight[s : s + _CHUNK_ENTRIES].double()
-                out[s : s + _CHUNK_ENTRIES] = (rows * rows).sum(1).cpu().numpy()
-            return out
+    def stat(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """One statistic of rows [start, stop) of the slice (default all), float64
+        (value_sq_norm: over its columns)."""
         if name not in self.STATS:
             raise ValueError(f"unknown slot statistic {name!r}")
-        return getattr(self, name).cpu().numpy().astype(np.float64, copy=False)
+        stop = self.num_rows if stop is None else min(stop, self.num_rows)
+        if name == "value_sq_norm":
+            out = np.empty(max(0, stop - start), dtype=np.float64)
+            for s in range(start, stop, _CHUNK_ENTRIES):  # bounded temporaries
+                rows = self.weight[s : min(s + _CHUNK_ENTRIES, stop)].double()
+                out[s - start : s - start + len(rows)] = (rows * rows).sum(1).cpu().numpy()
+            return out
+        return getattr(self, name)[start:stop].cpu().numpy().astype(np.float64)
 
     def top_slots(self, name: str, n: int, coldest: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(local rows, values) of the n largest (coldest: smallest) values of a statistic, best
-        first, ties broken by the smaller row. O(rows): a partition, then a sort of n."""
-        v = self.stat(name)
-        n = min(n, len(v))
-        if n == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0)
-        key = v if coldest else -v
-        t = np.partition(key, n - 1)[n - 1]  # the n-th best key
-        better = np.flatnonzero(key < t)
-        tied = np.flatnonzero(key == t)[: n - len(better)]  # ascending rows: the smaller ones
-        rows = np.r_[better, tied]
-        rows = rows[np.lexsort((rows, key[rows]))]
-        return rows, v[rows]
+        first, ties broken by the smaller row: one pass in chunks of STAT_CHUNK rows."""
+        best = TopN(n, coldest)
+        for start in range(0, self.num_rows, self.STAT_CHUNK):
+            best.add(start, self.stat(name, start, start + self.STAT_CHUNK))
+        return best.rows, best.values
 
     # -- writes --------------------------------------------------------------------------
 

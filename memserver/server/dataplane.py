@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
@@ -37,7 +37,7 @@ from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.steps import bag_entries
-from memserver.core.table import set_threads
+from memserver.core.table import TopN, set_threads
 from memserver.server.shm import Region, Regions, answer, serve_attach
 from memserver.server.slice import TableSlice
 from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, LOAD_PRODUCT_KEYS, PUSH_GRADIENTS, REMOVE, WRITE_ROWS
@@ -75,12 +75,16 @@ class Call(NamedTuple):
     """One data-plane call, validated: `work` computes its answer with the tables to itself;
     `entries` sizes it (small ones may run inline); `write`: answered only once durable (the
     slice's log). Built by a plan (DataPlaneServicer.PLANS) and run by gRPC's handler (`_serve`)
-    or by the doorbell's thread (`serve_now`): one path of checks and math for both."""
+    or by the doorbell's thread (`serve_now`): one path of checks and math for both. `scan`: a
+    pass over every row of the slice, in chunks that each run as their own work item before
+    `work` (the shard's other calls run between them, so an inspection never holds the shard for
+    the whole slice; each chunk sees the table as it is then)."""
 
     sl: TableSlice
     work: Callable[[], Any]
     entries: int
     write: bool = False
+    scan: Iterable[Callable[[], None]] = ()
 
 
 class DataPlaneServicer(pb_grpc.DataPlaneServicer):
@@ -116,12 +120,13 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             except Exception as exc:  # acknowledged and logged: the table must not serve writes without it
                 sl.fail_writes(f"a deferred update failed to apply ({exc!r})")
 
-    def _held(self, fn: Callable[[], T], sl: TableSlice | None = None) -> T:
+    def _held(self, fn: Callable[[], T], sl: TableSlice | None = None, count: bool = True) -> T:
         """fn with the tables to itself: called holding `exclusive` (released here), deferred work
         first. The one place every call's work runs (gRPC's on the compute thread or inline, the
         doorbell's): its plan was built on `sl` outside the lock, so it runs only if `sl` is still
         its table's (a slice dropped meanwhile is closed: NOT_FOUND; one replaced, by a rollback or
-        a drop and create: UNAVAILABLE, call again), and it is counted here, under the lock."""
+        a drop and create: UNAVAILABLE, call again), and it is counted here, under the lock (a
+        call's scan chunks are not: the call counts once)."""
         try:
             self._drain()
             if sl is not None:
@@ -131,26 +136,28 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                     if now is None:
                         raise TableNotFoundError(f"table {name!r} does not exist (dropped while the call waited)")
                     raise UnavailableError(f"table {name!r}: its slice was replaced while the call waited; call again")
-                sl.requests += 1
-                self.requests += 1
+                if count:
+                    sl.requests += 1
+                    self.requests += 1
             return fn()
         finally:
             self.exclusive.release()
 
-    def _exclusively(self, fn: Callable[[], T], sl: TableSlice | None) -> T:
+    def _exclusively(self, fn: Callable[[], T], sl: TableSlice | None, count: bool = True) -> T:
         """`_held` once `exclusive` is had, however long that takes (the compute thread)."""
         self.exclusive.acquire()
-        return self._held(fn, sl)
+        return self._held(fn, sl, count)
 
-    async def run(self, fn: Callable[[], T], entries: int = INLINE_ENTRIES + 1, sl: TableSlice | None = None) -> T:
+    async def run(self, fn: Callable[[], T], entries: int = INLINE_ENTRIES + 1, sl: TableSlice | None = None,
+                  count: bool = True) -> T:
         """Run fn with exclusive access to the tables (`_held`; `sl`: a call's slice): on the
         compute thread, or, for a small request (`entries` ids) while no one else computes, right
         here on the event loop (inline saves two thread hops on the latency-bound calls)."""
         if entries <= INLINE_ENTRIES and self.busy == 0 and self.exclusive.acquire(blocking=False):
-            return self._held(fn, sl)
+            return self._held(fn, sl, count)
         self.busy += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, self._exclusively, fn, sl)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._exclusively, fn, sl, count)
         finally:
             self.busy -= 1
 
@@ -159,6 +166,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         with self._region(request) as region:
             call = self.PLANS[name](self, request, region)
             try:
+                for chunk in call.scan:  # each its own work item: queued calls run between them
+                    await self.run(chunk, INLINE_ENTRIES + 1, call.sl, count=False)
                 response = await self.run(call.work, call.entries, call.sl)
             finally:
                 self._drain_soon()
@@ -183,15 +192,23 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             raise InvalidArgumentError(f"deadline: a time on the shard's monotonic clock, got {deadline}")
         with self._region(request) as region:
             call = self.PLANS[name](self, request, region)
-            wait = -1 if deadline is None else min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
-            if (deadline is not None and wait <= 0) or not self.exclusive.acquire(timeout=wait):
-                raise DeadlineExceededError(f"{name}: the call's deadline passed before the shard could run it")
+            for chunk in call.scan:  # `exclusive` let go between chunks, as on the compute thread
+                self._acquire_by(deadline, name)
+                self._held(chunk, call.sl, count=False)
+            self._acquire_by(deadline, name)
             response = self._held(call.work, call.sl)
         if call.write:
             durable = self._durable(call.sl)
             if durable is not None:
                 durable.result()
         return response
+
+    def _acquire_by(self, deadline: float | None, name: str) -> None:
+        """`exclusive`, had before `deadline` (a time.monotonic(); None: however long it takes),
+        else DEADLINE_EXCEEDED."""
+        wait = -1 if deadline is None else min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
+        if (deadline is not None and wait <= 0) or not self.exclusive.acquire(timeout=wait):
+            raise DeadlineExceededError(f"{name}: the call's deadline passed before the shard could run it")
 
     def slice(self, request: Any, kind: int = pb.VALUE) -> TableSlice:
         """The slice a request is for, checked against the request's layout_id and table kind
@@ -575,12 +592,15 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         if stat is None:
             raise InvalidArgumentError(f"by: unknown slot statistic {request.by}")
 
-        def work() -> pb.TopSlotsResponse:
-            rows, values = sl.table.top_slots(stat, int(request.n), request.coldest)
-            ids = sl.layout.to_global(sl.info.index, rows)
-            return pb.TopSlotsResponse(ids=encode(ids.astype(np.int64)), values=encode(values.astype(np.float64)))
+        best, table = TopN(int(request.n), request.coldest), sl.table
 
-        return Call(sl, work, INLINE_ENTRIES + 1)
+        def work() -> pb.TopSlotsResponse:
+            ids = sl.layout.to_global(sl.info.index, best.rows)
+            return pb.TopSlotsResponse(ids=encode(ids.astype(np.int64)), values=encode(best.values.astype(np.float64)))
+
+        return Call(sl, work, INLINE_ENTRIES + 1,
+                    scan=(_chunk(lambda s, e: best.add(s, table.stat(stat, s, e)), start, table.STAT_CHUNK)
+                          for start in range(0, table.num_rows, table.STAT_CHUNK)))
 
     def _warm(self, request: pb.WarmRequest, region: Region | None) -> Call:
         sl = self.slice(request)
@@ -596,15 +616,21 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
     def _slot_usage(self, request: pb.SlotUsageRequest, region: Region | None) -> Call:
         sl = self.slice(request)
 
-        def work() -> pb.SlotUsageResponse:
-            out = {}
-            for field, stat in (("hits", "hits"), ("weight_mass", "weight_mass"), ("updates", "updates")):
-                h = Histogram.of(sl.table.stat(stat))
-                out[field] = pb.UsageHistogram(slots=h.slots, total=h.total, sum_xlogx=h.sum_xlogx, max=h.max,
-                                               counts=encode(h.counts), sums=encode(h.sums))
-            return pb.SlotUsageResponse(**out)
+        table, fields = sl.table, ("hits", "weight_mass", "updates")
+        hists = dict.fromkeys(fields, Histogram.empty())
 
-        return Call(sl, work, INLINE_ENTRIES + 1)
+        def add(start: int, stop: int) -> None:
+            for f in fields:
+                hists[f] = hists[f] + Histogram.of(table.stat(f, start, stop))
+
+        def work() -> pb.SlotUsageResponse:
+            return pb.SlotUsageResponse(**{
+                f: pb.UsageHistogram(slots=h.slots, total=h.total, sum_xlogx=h.sum_xlogx, max=h.max,
+                                     counts=encode(h.counts), sums=encode(h.sums))
+                for f, h in hists.items()})
+
+        return Call(sl, work, INLINE_ENTRIES + 1,
+                    scan=(_chunk(add, start, table.STAT_CHUNK) for start in range(0, table.num_rows, table.STAT_CHUNK)))
 
     #: Every call of the service but AttachRegion: its plan. The gRPC methods below and the
     #: doorbell (memserver.server.doorbell) serve exactly these.
@@ -615,6 +641,11 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         "RecordTriggers": _record_triggers, "Triggers": _triggers, "TopSlots": _top_slots, "SlotUsage": _slot_usage,
         "Warm": _warm,
     }
+
+
+def _chunk(fn: Callable[[int, int], None], start: int, size: int) -> Callable[[], None]:
+    """One chunk of a scan: fn over rows [start, start + size)."""
+    return lambda: fn(start, start + size)
 
 
 def _grpc_method(name: str) -> Callable[..., Any]:
