@@ -157,6 +157,29 @@ def _open_slice(path: str | os.PathLike[str]) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _shares_rows(src: ShardLayout, i_src: int, dst: ShardLayout, i_dst: int) -> bool:
+    """Whether slice i_dst of `dst` holds any row slice i_src of `src` holds (same table), in
+    O(shards): a rows slice holds the ids congruent to its index, so the first S_dst of the
+    source's ids cover every residue the target could share with it."""
+    if src.rows(i_src) == 0 or dst.rows(i_dst) == 0:
+        return False
+    if dst.whole_rows or src.whole_rows:
+        return True
+    ids = src.to_global(i_src, np.arange(min(dst.num_shards, src.rows(i_src)), dtype=np.int64))
+    return bool((dst.owner(ids) == i_dst).any())
+
+
+def _row_map(src: ShardLayout, i_src: int, dst: ShardLayout, i_dst: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """(source local rows, their target local rows) of source slice i_src's local rows
+    [start, stop) that target slice i_dst holds: memory of the chunk, not of the table."""
+    local = np.arange(start, min(stop, src.rows(i_src)), dtype=np.int64)
+    ids = src.to_global(i_src, local)
+    if dst.whole_rows:
+        return local, ids
+    mine = dst.owner(ids) == i_dst
+    return local[mine], dst.local(ids[mine])
+
+
 def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
               extras: dict[str, Any] | None = None) -> None:
     """Fill `table` (a ValueTable holding slice `target`) from saved slices `files`; `extras`, if
@@ -168,64 +191,61 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
     opened at all (restoring 4 COLS slices into 2, each new slice opens 2 files, not 4).
 
     Rows are copied a chunk at a time into `table.state()` (a disk table's are views of its file,
-    sealed by its `after_load`), so memory never holds the slice.
+    sealed by its `after_load`), which rows go where worked out per chunk (ShardLayout's rule), so
+    memory never holds the slice, nor any array of the table's rows.
 
     2-D state (values, Adam moments) and per-row state (counters) copy exactly; read counters
     only from a slice that keeps them (ShardLayout.counts_reads: on cols, shard 0). The row-wise
     Adagrad accumulator of a COLS slice is per column block; when old and new blocks differ it
     becomes the column-weighted mean of the old blocks' accumulators (exact when they match).
     """
-    t_rows = slice_layout(target).global_rows(target["index"])
+    t_layout, t_index = slice_layout(target), target["index"]
     t_c0, t_c1 = target["col_start"], target["col_end"]
     t_cols = t_c1 - t_c0
-    local_of = np.full(target["num_rows"], -1, dtype=np.int64)
-    local_of[t_rows] = np.arange(len(t_rows))
-    empty_target = len(t_rows) == 0 or t_cols <= 0  # overlaps nothing: open every file (for its extras)
-    placed: dict[tuple[Any, ...], np.ndarray] = {}  # a source slice's place -> its rows' local index in target
+    empty_target = t_layout.rows(t_index) == 0 or t_cols <= 0  # overlaps nothing: open every file (for its extras)
 
-    def overlap(meta: dict[str, Any], name: Any) -> tuple[np.ndarray, int, int]:
-        """(target-local row of each source row or -1, first and end column both hold)."""
+    def overlap(meta: dict[str, Any], name: Any) -> tuple[bool, int, int]:
+        """(whether target holds any of the source's rows, first and end column both hold)."""
         if meta["num_rows"] != target["num_rows"]:
             raise InvalidArgumentError(f"checkpoint slice {name} has {meta['num_rows']} rows, the table {target['num_rows']}")
-        key = tuple(meta[k] for k in _PLACE)
-        if key not in placed:
-            placed[key] = local_of[slice_layout(meta).global_rows(meta["index"])]
-        return placed[key], max(meta["col_start"], t_c0), min(meta["col_end"], t_c1)
+        rows = _shares_rows(slice_layout(meta), meta["index"], t_layout, t_index)
+        return rows, max(meta["col_start"], t_c0), min(meta["col_end"], t_c1)
 
     dst_state = table.state() if hasattr(table, "state") else vars(table)  # in place: a disk table's are views of its file
     for f in files:
         if not empty_target and all(k in f for k in _PLACE):
-            dst, c0, c1 = overlap(f, f["file"])
-            if c1 <= c0 or not (dst >= 0).any():
+            rows, c0, c1 = overlap(f, f["file"])
+            if c1 <= c0 or not rows:
                 continue  # holds nothing of target
         blob = _open_slice(f["file"])
         meta, state = blob["meta"], unpack(blob["state"])
         if extras is not None:
             extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
-        dst, c0, c1 = overlap(meta, f["file"])
-        keep = dst >= 0
-        if not keep.any():
+        rows, c0, c1 = overlap(meta, f["file"])
+        if not rows:
             continue
-        all_src = np.flatnonzero(keep)
-        counted = slice_layout(meta).counts_reads(meta["index"])
-        for s in range(0, len(all_src), _RESTORE_ROWS):  # a chunk of rows at a time: bounded temporaries
-            src_idx = torch.from_numpy(all_src[s : s + _RESTORE_ROWS])
-            dst_rows = torch.from_numpy(dst[all_src[s : s + _RESTORE_ROWS]])
-            for name, src in state.items():
+        s_layout, s_index = slice_layout(meta), meta["index"]
+        counted = s_layout.counts_reads(s_index)
+        for s in range(0, s_layout.rows(s_index), _RESTORE_ROWS):  # a chunk of rows at a time: bounded temporaries
+            src, dst = _row_map(s_layout, s_index, t_layout, t_index, s, s + _RESTORE_ROWS)
+            if not len(src):
+                continue
+            src_idx, dst_rows = torch.from_numpy(src), torch.from_numpy(dst)
+            for name, src_t in state.items():
                 if name not in dst_state or (name in ValueTable.READ_COUNTERS and not counted):
                     continue  # e.g. Adam moments restored into an Adagrad table; another cols shard's idle counters
                 dst_t = dst_state[name]
                 # saved on the CPU, restored onto the table's device (a GPU shard's, or the CPU)
                 to, dst_idx = dict(device=dst_t.device, dtype=dst_t.dtype), dst_rows.to(dst_t.device)
-                if src.dim() == 2:
+                if src_t.dim() == 2:
                     if c1 > c0:  # the columns first: copy only the block target holds
-                        block = src[:, c0 - meta["col_start"] : c1 - meta["col_start"]].index_select(0, src_idx)
+                        block = src_t[:, c0 - meta["col_start"] : c1 - meta["col_start"]].index_select(0, src_idx)
                         dst_t[dst_idx, c0 - t_c0 : c1 - t_c0] = block.to(**to)
                 elif name == "acc":
                     if c1 > c0:
-                        dst_t[dst_idx] += (src.index_select(0, src_idx) * ((c1 - c0) / t_cols)).to(**to)
+                        dst_t[dst_idx] += (src_t.index_select(0, src_idx) * ((c1 - c0) / t_cols)).to(**to)
                 else:
-                    dst_t[dst_idx] = src.index_select(0, src_idx).to(**to)
+                    dst_t[dst_idx] = src_t.index_select(0, src_idx).to(**to)
     if hasattr(table, "after_load"):  # a disk table seals the records written in place
         table.after_load()
 
