@@ -93,6 +93,22 @@ def test_a_write_marks_only_the_shards_it_reached(client, table_name):
     assert known.knows(meta, s0) and not known.knows(meta, s1)
 
 
+def test_a_table_made_anew_replaces_the_slices_a_session_knows(client, memory_cluster, table_name):
+    """The session's known slices are per table incarnation: a table dropped and made again (here,
+    or by another client) leaves the new one's slices, not one more set per incarnation."""
+    from client import MemoryClient
+
+    session = client.aio.session
+    write = np.arange(4), np.ones((4, 4), np.float32)
+    with MemoryClient(memory_cluster.endpoint, timeout=30) as other:
+        for _ in range(3):
+            client.create_table(table_name, 64, 4, sharding="rows", num_shards=2, replace=True)
+            client.push_gradients(table_name, *write)
+            other.create_table(table_name, 64, 4, sharding="rows", num_shards=2, replace=True)
+            client.push_gradients(table_name, *write)  # finds the new layout, writes there
+            assert len([k for k in session._known if k[0] == table_name]) == 2
+
+
 def test_a_sync_tables_step_completes_where_a_trainer_had_no_entries(memory_cluster, table_name):
     """A sync table (2 trainers) on 2 rows shards: trainer a's bag_backward of step 1 touches only
     shard 0's rows, trainer b's both shards'. Each shard applies the mean of both contributions,

@@ -21,7 +21,8 @@ class ClientSession:
     Bounds: `_in_flight` holds the seqs of calls running now (and of undecided commits), each
     with its table: a table's slices are told to keep only the answers of that table's writes in
     flight, so a decision held for one table never makes another table's shards keep answers;
-    `_known` one entry per slice of the tables this client has written to; `_parts` the steps
+    `_known` one entry per slice of the tables this client has written to (a table made anew
+    replaces its old slices' entries); `_parts` the steps
     sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
     decisions a shard could not be reached with, re-sent by the table's next commit_step."""
 
@@ -32,7 +33,7 @@ class ClientSession:
         self._lock = threading.Lock()
         self._next = 1
         self._in_flight: dict[int, str] = {}  # seq -> its table
-        self._known: set[tuple[int, int]] = set()  # (layout_id, shard index)
+        self._known: set[tuple[str, int, int]] = set()  # (table, layout_id, shard index)
         # (table, step) -> shard index -> the seqs of the gather parts that shard acknowledged
         self._parts: dict[tuple[str, int], dict[int, set[int]]] = {}
         self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]] = {}
@@ -60,10 +61,13 @@ class ClientSession:
         others of the table, sent nothing, still may not know this session."""
         where = set(addresses)
         with self._lock:
-            self._known.update((meta.layout_id, sh.index) for sh in meta.shards if sh.address in where)
+            new = {(meta.name, meta.layout_id, sh.index) for sh in meta.shards if sh.address in where} - self._known
+            if new:  # a table made anew (here or by another client): its old slices' entries go
+                self._known.difference_update([k for k in self._known if k[0] == meta.name and k[1] != meta.layout_id])
+                self._known |= new
 
     def knows(self, meta: TableMeta, shard: ShardMeta) -> bool:
-        return (meta.layout_id, shard.index) in self._known
+        return (meta.name, meta.layout_id, shard.index) in self._known
 
     def step_parts(self, table: str, step: int) -> StepParts:
         """Where bag_backward_op (gather) records the parts of `step` each shard acknowledged."""
@@ -91,6 +95,7 @@ class ClientSession:
         with self._lock:
             for key in [k for k in self._parts if k[0] == table]:
                 del self._parts[key]
+            self._known.difference_update([k for k in self._known if k[0] == table])
             decisions = self._undecided.pop(table, {})
         for _, tags, _ in decisions.values():
             tags.held = False
