@@ -73,6 +73,16 @@ def test_trace_records_each_slots_best_contexts_and_counts_nothing(client, train
             assert (ctx, nxt) == wkey
 
 
+def test_a_text_shorter_than_one_window_is_traced_whole(client, trained):
+    """Fewer tokens than the model's context: one short window (it raised in torch.arange). Its
+    records are the first window's own, so the table's heaps stay as the other tests expect."""
+    ins, stream = trained["inspector"], trained["stream"]
+    assert ins.model.cfg.block_size > 11
+    for n in (1, 2, 11):
+        got = trace(ins, client, trained["table"], stream[:n], progress=False)
+        assert got["positions"] == n - 1
+
+
 def test_slot_report_equals_the_model_by_hand(client, trained):
     table, ins = trained["table"], trained["inspector"]
     ids, _ = client.top_slots(table, "mass", 1)

@@ -358,7 +358,7 @@ def trace(inspector: Inspector, client: Any, table: str, stream: torch.Tensor, *
     view = inspector.view(table)
     t = inspector.model.cfg.block_size
     end = max(len(stream) - 1, 0)  # positions with a next token
-    full = torch.arange(0, end - t + 1, t)  # windows of t positions, in batches; then the short rest alone
+    full = torch.arange(0, max(end - t + 1, 0), t)  # windows of t positions, in batches; then the short rest alone
     batches = [(full[b : b + batch_size], t) for b in range(0, len(full), batch_size)]
     rest = end - len(full) * t
     if rest > 0:
