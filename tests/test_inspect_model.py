@@ -282,6 +282,30 @@ def test_memtrain_trace_command(trained, capsys, memory_cluster):
             memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint", memory_cluster.endpoint, *argv])
 
 
+def test_memtrain_trace_reads_the_text_the_checkpoint_was_trained_on(client, memory_cluster, capsys, tmp_path):
+    """Without --data, trace runs the model's own training text (its recorded path), not tiny
+    Shakespeare (whose vocabulary then differed: an error that never named the way out); with
+    that text gone, the error says to give --data."""
+    from trainer.train import main as memtrain
+
+    text = tmp_path / "own.txt"
+    rng = np.random.default_rng(0)
+    text.write_text("".join(rng.choice(list("ab <&>\n"), 4000)))
+    ckpt = tmp_path / "ckpt"
+    run_memtrain(client, ["--table", "own-text", "--data", str(text), "--steps", "2", "--eval-every", "2",
+                          "--checkpoint-dir", str(ckpt)])
+    try:
+        base = ["trace", "--checkpoint", str(ckpt), "--table", "own-text", "--endpoint", memory_cluster.endpoint]
+        assert memtrain([*base, "--tokens", "50", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["positions"] == 50
+        text.rename(tmp_path / "moved.txt")
+        with pytest.raises(SystemExit, match=r"training text \(.*own.txt\) is not here .*give the text to trace with --data"):
+            memtrain(base)
+        assert memtrain([*base, "--data", str(tmp_path / "moved.txt"), "--tokens", "20", "--json"]) == 0
+    finally:
+        client.drop_table("own-text")
+
+
 def test_lsh_memories_are_inspected_through_their_sketch(client, tmp_path):
     """An LSH layer's buckets: traced, addressed as (hash, bucket), projected through R_h."""
     run_memtrain(client, ["--table", "inspect-lsh", "--memory-kind", "lsh", "--lsh-hashes", "2", "--lsh-bits", "4",

@@ -878,7 +878,7 @@ def trace_parser() -> argparse.ArgumentParser:
         "counted in the slots' statistics.")
     p.add_argument("--checkpoint", required=True, help="memtrain --checkpoint-dir (its latest step) or a trainer-step-*.pt")
     p.add_argument("--table", required=True, help="the value table to trace (a product-key, LSH or Engram layer of the model reads it)")
-    p.add_argument("--data", default=str(DEFAULT_DATA), help="text file or WikiText-2 folder (default: tiny Shakespeare)")
+    p.add_argument("--data", help="text file or WikiText-2 folder (default: the text the checkpoint was trained on)")
     p.add_argument("--split", choices=["train", "val"], default="train", help="which part of the text (default: train)")
     p.add_argument("--tokens", type=int, default=100_000, help="characters to run through the model (0: all)")
     p.add_argument("--batch-size", type=int, default=16, help="windows of block_size per forward")
@@ -894,21 +894,22 @@ def trace_main(argv: list[str]) -> int:
     args = trace_parser().parse_args(argv)
     if args.tokens < 0 or args.batch_size < 1:
         raise SystemExit("memtrain trace: error: --tokens must be >= 0 and --batch-size >= 1")
-    try:
-        corpus = load_corpus(args.data)
-    except FileNotFoundError as exc:
-        raise SystemExit(f"memtrain trace: error: {exc}") from None
-    stream = corpus.train if args.split == "train" else corpus.val
-    if args.tokens:
-        stream = stream[: args.tokens + 1]
     with MemoryClient(args.endpoint) as client:
         try:
-            inspector = Inspector.load(args.checkpoint, client, vocab=corpus.vocab)
+            given = load_corpus(args.data) if args.data else None
+            inspector = Inspector.load(args.checkpoint, client, vocab=given.vocab if given else None)
+            inspector.view(args.table)
+            corpus = given or inspector.corpus()  # the text the model was trained on, where it was
+            if corpus is None:
+                raise ValueError(f"the checkpoint's training text ({inspector.data_path or inspector.data or 'not recorded'}) "
+                                 "is not here with the model's vocabulary: give the text to trace with --data")
             if inspector.vocab != corpus.vocab:
                 raise ValueError(f"--data {args.data}: its characters differ from the model's vocabulary")
-            inspector.view(args.table)
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"memtrain trace: error: {exc}") from None
+        stream = corpus.train if args.split == "train" else corpus.val
+        if args.tokens:
+            stream = stream[: args.tokens + 1]
         t0 = time.perf_counter()
         out = trace(inspector, client, args.table, stream, batch_size=args.batch_size,
                     progress=not args.json and sys.stderr.isatty())
