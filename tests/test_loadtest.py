@@ -46,6 +46,30 @@ def test_loadtest_reports_exact_numbers_and_drops_its_table(memory_cluster, clie
     assert not [t.name for t in client.list_tables() if t.name == report["table"]["name"]]
 
 
+def test_a_terminated_loadtest_drops_its_table(memory_cluster, client):
+    """SIGTERM (what `timeout` and `kill` send) stops the run as Ctrl-C does: the scratch table is
+    dropped (the default action left it in the cluster)."""
+    import signal
+
+    cmd = [sys.executable, "-m", "memserver.cli", "loadtest", "--endpoint", memory_cluster.endpoint, "--users", "1",
+           "--duration", "60s", "--batch", "8", "--knn", "4", "--num-rows", "1024", "--dim", "8"]
+    before = {t.name for t in client.list_tables()}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not {t.name for t in client.list_tables()} - before:  # the scratch table is made
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(3)  # the locust child is running
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert {t.name for t in client.list_tables()} == before, err[-2000:]
+
+
 @pytest.mark.parametrize("sharding", ["rows", "cols"])
 def test_shard_caller_answers_like_the_client(memory_cluster, client, table_name, sharding):
     """The load test sends the client's own ops over its own channels: the same answers."""

@@ -4,8 +4,11 @@ report."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from memserver.cli.common import CliError, endpoint_of, seconds
@@ -44,7 +47,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
             raise CliError(f"--worker-of: {', '.join(given)} belong(s) to the master; a worker takes the master's")
         master_addr = _parsed(parse_host_port, args.worker_of, "--worker-of")
         try:
-            report = run_worker(master_addr, wait, endpoint=args.endpoint, save_latencies=args.save_latencies)
+            with _terminate_as_interrupt():
+                report = run_worker(master_addr, wait, endpoint=args.endpoint, save_latencies=args.save_latencies)
         except LoadTestError as exc:
             print(f"memserver: error: {exc}", file=sys.stderr)
             return 1
@@ -79,14 +83,30 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     cfg = LoadConfig(endpoint=endpoint_of(args), table=args.table or "(scratch)", mix=mix, batch=args.batch, knn=args.knn,
                      wire_dtype=args.wire_dtype, timeout=args.timeout, max_requests=args.max_requests)
     try:
-        report = run_loadtest(cfg, args.users, args.spawn_rate, duration, scratch=scratch, master=master,
-                              save_latencies=args.save_latencies)
+        with _terminate_as_interrupt():
+            report = run_loadtest(cfg, args.users, args.spawn_rate, duration, scratch=scratch, master=master,
+                                  save_latencies=args.save_latencies)
     except ValueError as exc:  # the table or the calls' sizes, refused before any load (loadtest.caller)
         raise CliError(str(exc)) from None
     except LoadTestError as exc:
         print(f"memserver: error: {exc}", file=sys.stderr)
         return 1
     return _print_and_exit(report, args.json)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (`timeout`, `kill`, a scheduler) stops the run as Ctrl-C does: the load stops and
+    a scratch table is dropped (the default action killed the process and left the table)."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_writable(path: str, flag: str) -> None:
