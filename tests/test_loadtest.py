@@ -356,6 +356,35 @@ def test_loadtest_master_merges_two_local_workers_exactly(memory_cluster, client
     assert not [t.name for t in client.list_tables() if t.name == report["table"]["name"]]
 
 
+def test_a_master_stops_when_its_workers_reach_max_requests(memory_cluster, client, tmp_path):
+    """--max-requests ends a distributed run too (the master waited out --duration), and req/s is
+    over the workers' own span (it was over the master's whole wait: 10 req/s for 265)."""
+    port = _free_port()
+    ep = memory_cluster.endpoint
+    cli_ = [sys.executable, "-m", "memserver.cli", "loadtest"]
+    t0 = time.monotonic()
+    master = subprocess.Popen(
+        [*cli_, "--endpoint", ep, "--expect-workers", "1", "--master-bind", f"127.0.0.1:{port}", "--users", "2",
+         "--duration", "120s", "--max-requests", "60", "--batch", "16", "--knn", "4", "--num-rows", "2048", "--dim", "16",
+         "--wait", "60s", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    worker = subprocess.Popen([*cli_, "--worker-of", f"127.0.0.1:{port}", "--endpoint", ep, "--wait", "60s", "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        out, err = master.communicate(timeout=240)
+        w_out, w_err = worker.communicate(timeout=60)
+    finally:
+        for p in (master, worker):
+            if p.poll() is None:
+                p.kill()
+    assert master.returncode == 0 and worker.returncode == 0, err[-3000:] + w_err[-3000:]
+    assert time.monotonic() - t0 < 100  # not the 120 s of --duration
+    report, own = json.loads(out), json.loads(w_out)
+    assert report["requests"] == own["requests"] == 60
+    (w,) = report["workers"].values()
+    assert report["elapsed_s"] == w["elapsed_s"] == own["elapsed_s"] and report["rps"] == pytest.approx(own["rps"], rel=1e-2)  # its span, rounded to ms
+
+
 def test_plain_locust_master_and_workers_merge_the_same_way(memory_cluster, client, table_name, tmp_path):
     """`locust -f deploy/locustfile.py --master / --worker`: the workers have no MEMSERVER_TABLE
     (the master's settings reach them), the master logs the same merge."""

@@ -88,10 +88,14 @@ class MasterState:
         self.started, self.stopped = time.monotonic(), None
 
     def report(self, names: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-        """LatencyRecorder.report over every worker's responses (req/s over the master's span,
-        test start to collect), plus `workers` (each one's own counts), `missing_workers` and
-        `rejected_workers` (malformed or over-bound messages)."""
-        span = (self.stopped or time.monotonic()) - self.started if self.started is not None else 0.0
+        """LatencyRecorder.report over every worker's responses, plus `workers` (each one's own
+        counts), `missing_workers` and `rejected_workers` (malformed or over-bound messages).
+        req/s is over the longest worker's span (its first request to its last answer: workers
+        start together, and hosts share no clock); with no worker's report, the master's, test
+        start to collect (which also counts the wait for the workers' reports)."""
+        spans = [w["elapsed_s"] for w in self.workers.values()]
+        span = max(spans) if spans else (
+            (self.stopped or time.monotonic()) - self.started if self.started is not None else 0.0)
         out = self.merged.report(span, names=names)
         out.update(workers=self.workers, missing_workers=self.missing, rejected_workers=self.rejected)
         return out
@@ -249,6 +253,8 @@ def run_master(users: int, spawn_rate: float, duration_s: float, bind: tuple[str
         deadline = time.monotonic() + duration_s
         while time.monotonic() < deadline and not interrupted.is_set():
             peak = max(peak, runner.user_count)  # the workers' counts, as their heartbeats report them
+            if peak and runner.user_count == 0:
+                break  # every user stopped itself (--max-requests): no need to wait for --duration
             interrupted.wait(min(0.05, max(0.0, deadline - time.monotonic())))
     finally:
         runner.quit()  # test_stopping: the collect above; then locust tells the workers to quit
