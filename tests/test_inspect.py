@@ -125,6 +125,15 @@ def test_usage_histogram_metrics_match_exact():
     assert usage_metrics(np.ones(10), np.r_[1.0, np.zeros(9)])["gini_weights"] == pytest.approx(0.9)
 
 
+def test_a_percentage_never_rounds_a_share_to_all_or_none():
+    """The page showed 100.0% of slots read with one of 16,384 never read."""
+    from memserver.api.usage import percent
+
+    assert percent(100 * 16383 / 16384) == "99.99%" and percent(100 * 99999 / 100000, 2) == "99.999%"
+    assert percent(100 / 1e5) == "0.001%" and percent(1e-9) == "<0.000001%" and percent(100 - 1e-9) == ">99.999999%"
+    assert [percent(x) for x in (0.0, 50.0, 100.0, 12.34)] == ["0.0%", "50.0%", "100.0%", "12.3%"]
+
+
 def test_value_table_top_slots_ties_and_coldest():
     t = ValueTable(10, 4, OptimizerConfig("sgd", 0.1))
     t.hits[:] = __import__("torch").tensor([3, 1, 3, 0, 5, 0, 1, 3, 0, 2])

@@ -140,6 +140,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
+    from memserver.api.usage import percent
     from memserver.plots import usage_png
 
     _positive(args, "k")
@@ -172,7 +173,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_column("what it says")
-    says = {"used_pct": ("used", "{:.2f}%", "slots read at least once"),
+    says = {"used_pct": ("used", "{}", "slots read at least once"),
             "kl_counts": ("KL to uniform, counts", "{:.4f}", "0 = every slot read equally often"),
             "kl_weights": ("KL to uniform, weights", "{:.4f}", "the same over summed read weights"),
             "gini_weights": ("Gini of weights", "{:.4f}", "0 = even, 1 = one slot takes everything"),
@@ -181,7 +182,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
             "top99_slots": ("slots with 99% of the mass", "{:,.0f}", "")}
     for key, (label, fmt, note) in says.items():
         if key in out:
-            t.add_row(*((label, fmt.format(out[key]), note) if out[key] is not None else
+            value = percent(out[key], 2) if key == "used_pct" and out[key] is not None else out[key]
+            t.add_row(*((label, fmt.format(value), note) if out[key] is not None else
                         (label, "–", "no reads yet: nothing to compare")))
     if "agreement" in out and out["agreement"].get("slots"):
         a = out["agreement"]

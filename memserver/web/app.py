@@ -33,6 +33,7 @@ from memserver.api.errors import (
     TableNotFoundError,
     UnavailableError,
 )
+from memserver.api.usage import percent
 from memserver.cli.common import GLYPHS
 from memserver.web import data
 from memserver.web.data import PageError
@@ -77,7 +78,7 @@ def make_env() -> jinja2.Environment:
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     env.filters.update(num=fmt_num, int=fmt_int, bytes=fmt_bytes, vis=visible, q=lambda s: quote(str(s), safe=""),
                        tok=lambda s: visible(s, space="␣"), when=data.human_time,
-                       pct=lambda x: f"{x:.1f}%", prob=lambda p: f"{p:.4f}")
+                       pct=percent, prob=lambda p: f"{p:.4f}")
     return env
 
 
