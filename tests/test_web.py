@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import threading
 import urllib.error
 import urllib.parse
@@ -282,8 +283,6 @@ def test_cli_web_parser_and_serving(client, traced, monkeypatch):
     """`memserver web` parses its flags, refuses a missing checkpoint, and serves the app create_app makes."""
     import argparse
 
-    import uvicorn
-
     from memserver.cli import web
     from memserver.cli.common import CliError
 
@@ -297,17 +296,22 @@ def test_cli_web_parser_and_serving(client, traced, monkeypatch):
         web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--checkpoint", __file__]))
     with pytest.raises(CliError, match=r"--port must be in \[1, 65535\], got 0"):
         web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--port", "0"]))
+    taken = socket.create_server(("127.0.0.1", 0))  # a port another server listens on
+    port = taken.getsockname()[1]
+    with taken, pytest.raises(CliError, match=f"--port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"):
+        web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--port", str(port)]))
     served = {}
 
-    def run(app, host, port, **kwargs):  # instead of binding the port: serve what cmd_web built, read one page
+    def run(app, sock, log_level):  # instead of uvicorn: serve what cmd_web built, read one page
         with serve_app(app) as base:
-            served.update(host=host, port=port, slot=fetch(f"{base}/api/table/{q(traced.table)}/slot/3").json)
+            served.update(address=sock.getsockname(), slot=fetch(f"{base}/api/table/{q(traced.table)}/slot/3").json)
+        sock.close()
 
-    monkeypatch.setattr(uvicorn, "run", run)
-    args = parser.parse_args(["web", "--endpoint", client.endpoint, "--port", "9999",
+    monkeypatch.setattr(web, "serve", run)
+    args = parser.parse_args(["web", "--endpoint", client.endpoint, "--port", str(port),
                               "--checkpoint", str(traced.checkpoint)])
     assert web.cmd_web(args) == 0
-    assert (served["host"], served["port"]) == ("127.0.0.1", 9999)
+    assert served["address"] == ("127.0.0.1", port)
     assert served["slot"]["model"]["note"].endswith(f"(--checkpoint, step {traced.inspector.step})")
     assert served["slot"]["hits"] == int(client.slot_stats(traced.table, np.array([3]))["hits"][0])
 

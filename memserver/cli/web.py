@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from memserver.cli.common import CliError, endpoint_of, seconds
 
@@ -12,9 +13,8 @@ DEFAULT_PORT = 8377
 
 
 def cmd_web(args: argparse.Namespace) -> int:
-    """Check the cluster answers and the checkpoint exists before binding, so a typo fails at once."""
-    import uvicorn
-
+    """Check the cluster answers, the checkpoint exists and the port is free before serving, so a
+    typo fails at once."""
     from client import MemoryClient
     from memserver.web import create_app
 
@@ -29,14 +29,38 @@ def cmd_web(args: argparse.Namespace) -> int:
                 app.state.models.load(args.checkpoint)
             except (FileNotFoundError, ValueError) as exc:
                 raise CliError(f"--checkpoint: {exc}") from None
+        sock = listen(args.host, args.port)  # before saying where: a port in use is an error, not a wrong URL
         host = f"[{args.host}]" if ":" in args.host else args.host
         log.info("inspection page of the cluster at %s: http://%s:%d/ (Ctrl-C stops it)", endpoint, host, args.port)
         if args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s: anyone who can reach it can read the tables' statistics (no login)",
                         args.host)
         verbose = getattr(args, "verbose", False)  # memserver -v: uvicorn's access log too
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info" if verbose else "warning")
+        serve(app, sock, "info" if verbose else "warning")
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or a CliError naming --port / --host."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise CliError(f"--host {host}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT, not one in use
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CliError(f"--port {port}: cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def serve(app: object, sock: socket.socket, log_level: str) -> None:
+    """uvicorn on the bound socket until Ctrl-C."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
