@@ -294,3 +294,45 @@ def test_the_coordinator_waits_for_a_shard_still_finishing_its_restart():
 
     with pytest.raises(ray.exceptions.ActorUnavailableError):
         asyncio.run(_when_ready(never, timeout=0.3))
+
+
+def test_a_table_that_cannot_be_recovered_is_listed_refused_and_its_files_kept(tmp_path):
+    """`up` again on a data directory where one table's log is damaged inside (not a torn tail)
+    and another's record is garbage: the other tables serve as before; the damaged ones stay
+    known (status says why, naming the file; calls get DATA_LOSS), and their files stay as they
+    are until the table is dropped: a create of that name is refused, not run over them (they
+    vanished from the catalog, and a create deleted them)."""
+    from client import DataLossError, MemoryClient, TableExistsError
+    from memserver.cluster.inprocess import InProcessServer
+
+    ids, grads = np.arange(8), np.ones((8, 4), np.float32)
+    with InProcessServer(2, data_dir=str(tmp_path)) as server, MemoryClient(server.endpoint, timeout=30) as c:
+        for name in ("ok", "bad", "rec"):
+            c.create_table(name, 64, 4, sharding="cols", wal=True)
+            for _ in range(6):
+                c.push_gradients(name, ids, grads)
+        rows = c.lookup("ok", np.arange(64))
+    seg = sorted((tmp_path / "shard-0001" / "bad").glob("wal-*.log"))[-1]
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 3 : len(data) // 3 + 16] = bytes(16)  # inside the second record
+    seg.write_bytes(bytes(data))
+    (tmp_path / "shard-0000" / "rec" / "table.json").write_text("garbage{")
+
+    with InProcessServer(2, data_dir=str(tmp_path)) as server, \
+            MemoryClient(server.endpoint, timeout=30, retry_seconds=0) as c:
+        np.testing.assert_array_equal(c.lookup("ok", np.arange(64)), rows)
+        assert "bad" in [t.name for t in c.list_tables()]  # kept in the catalog: its other slice is fine
+        why = {(s.index, t.table): t.unavailable for s in c.status().shards for t in s.tables}
+        assert f"could not recover its slice from {tmp_path / 'shard-0001' / 'bad'}: RuntimeError: write-ahead log " \
+               f"{seg}: damaged record at byte" in why[(1, "bad")]
+        assert "its record" in why[(0, "rec")] and "cannot be read" in why[(0, "rec")]
+        with pytest.raises(DataLossError, match="could not recover its slice"):
+            c.lookup("bad", np.arange(4))
+        for name in ("bad", "rec"):
+            with pytest.raises(TableExistsError):
+                c.create_table(name, 16, 4)
+        assert seg.read_bytes() == bytes(data) and (tmp_path / "shard-0000" / "rec" / "table.json").exists()
+        for name in ("bad", "rec"):  # dropped: their files go, and the name is free again
+            c.drop_table(name)
+            c.create_table(name, 16, 4)
+        assert not seg.exists()

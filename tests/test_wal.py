@@ -216,6 +216,32 @@ def test_damage_before_the_last_segment_is_not_cut(tmp_path):
         list(read_log(tmp_path, 0))
 
 
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_damage_inside_the_last_segment_is_not_cut_as_a_torn_tail(tmp_path, where):
+    """Zeros over a record in the middle of the last segment (its payload, or its header so its
+    length is lost too): the acknowledged records after it are intact, so this is corruption,
+    refused with the place, and nothing is cut (the log was cut there, losing them silently)."""
+    wal = WriteAheadLog(tmp_path)
+    for i in range(10):
+        wal.append(PUSH_GRADIENTS, b"record %d " % i * 50)
+    wal.durable(9).result(10)
+    wal.close()
+    seg = _segment(tmp_path, 0)
+    data = bytearray(seg.read_bytes())
+    record = len(data) // 10
+    at = 4 * record + (walmod._HEADER.size + 20 if where == "payload" else 0)
+    data[at : at + 16] = bytes(16)
+    seg.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=f"damaged record at byte {4 * record}, followed by intact record 5 at "
+                                           f"byte {5 * record}: not a torn tail"):
+        repair_log(tmp_path)
+    assert seg.read_bytes() == bytes(data)
+    data[-3:] = bytes(3)  # and damage at the very end, after the middle's: still refused
+    seg.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="not a torn tail"):
+        repair_log(tmp_path)
+
+
 # -- streaming reads -------------------------------------------------------------------------
 
 

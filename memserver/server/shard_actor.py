@@ -82,6 +82,8 @@ class ShardActor:
         self.metrics.registry.register(self.servicer.regions)  # shared-memory regions attached now
         self.servicer.regions.auth = self.config.auth
         self.store = ShardStore(data_dir, index) if data_dir else None
+        # tables recorded here that did not recover: name -> (spec, info, num_shards), for the catalog
+        self.unrecovered: dict[str, tuple[bytes, bytes, int]] = {}
         self.loop = LoopThread(f"shard{index}-grpc")
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -147,18 +149,37 @@ class ShardActor:
     # -- recovery --------------------------------------------------------------------------
 
     def _recover(self) -> list[dict[str, Any]]:
+        """Every table recorded in the data directory, back as it was; one that cannot be (a
+        damaged log, record or checkpoint, a missing file) stays `lost`: listed by status with
+        why, DATA_LOSS to its calls, its files untouched until the table is dropped or restored."""
         assert self.store is not None
         out = []
-        for record in self.store.records():
+        records, unreadable = self.store.records()
+        for name, why in unreadable.items():
+            self._unrecovered(name, why)
+        for record in records:
             try:
                 sl, how = self._load_slice(record, latest_committed(record), replay=True)
-            except Exception:
-                log.exception("shard %d: could not recover table %s; it stays unavailable", self.index, record.get("name"))
+            except Exception as exc:
+                log.exception("shard %d: could not recover table %s; it stays unavailable", self.index, record["name"])
+                said = (str(exc).splitlines() or [""])[0][:500]
+                self._unrecovered(record["name"], f"{type(exc).__name__}: {said}", record)
                 continue
             self.servicer.tables[sl.spec.name] = sl
             out.append({"table": sl.spec.name, "from": how, "wal": bool(sl.spec.wal),
                         "checkpoint": (latest_committed(record) or {}).get("file", "")})
         return out
+
+    def _unrecovered(self, name: str, why: str, record: dict[str, Any] | None = None) -> None:
+        """A table this shard could not recover from its data directory (see _recover)."""
+        assert self.store is not None
+        self.servicer.lost[name] = (
+            f"table {name!r}: shard {self.index} could not recover its slice from {self.store.table_dir(name)}: {why}. "
+            "Its files there are kept as they are: repair them and restart the shard, or restore the table from a "
+            f"checkpoint (`memserver restore --replace`), or drop it (`memserver drop-table {name}`)")
+        if record is not None:  # the catalog keeps the table, this slice refusing with the reason
+            self.unrecovered[name] = (base64.b64decode(record["spec"]), base64.b64decode(record["info"]),
+                                      int(record["num_shards"]))
 
     def _load_slice(self, record: dict[str, Any], checkpoint: dict[str, Any] | None,
                     replay: bool) -> tuple[TableSlice, str]:
@@ -249,6 +270,9 @@ class ShardActor:
         once its memory is allocated. A recorded table is created again on every restart, so one
         that got the process killed would never let it come back."""
         s = pb.TableSpec.FromString(spec)
+        if s.name in self.servicer.lost and self.store is not None and self.store.table_dir(s.name).exists():
+            # ALREADY_EXISTS: the name is this table's, and a failed create's undo must not drop its files
+            raise TableExistsError(f"{self.servicer.lost[s.name]}; a new table of that name would delete them")
         if s.name in self.servicer.tables:  # (a slice the catalog left out: its table was incomplete)
             raise TableExistsError(f"table {s.name!r} already exists on shard {self.index}, outside the catalog "
                                    "(a slice of a table whose other slices are missing): drop it (memserver drop-table "
@@ -274,6 +298,7 @@ class ShardActor:
         async def add() -> None:
             self.servicer.tables[s.name] = await self.servicer.run(work)
             self.servicer.lost.pop(s.name, None)
+            self.unrecovered.pop(s.name, None)
 
         self.loop.call(add())
         log.info("shard %d: %s table %s", self.index, "restored" if files else "created", s.name)
@@ -392,8 +417,9 @@ class ShardActor:
         """(spec, shard info, num_shards) of every slice held: a restarted coordinator's catalog."""
 
         async def describe() -> list[tuple[bytes, bytes, int]]:
-            return [(sl.spec.SerializeToString(), sl.info.SerializeToString(), sl.num_shards)
-                    for sl in self.servicer.tables.values()]
+            return [*((sl.spec.SerializeToString(), sl.info.SerializeToString(), sl.num_shards)
+                      for sl in self.servicer.tables.values()),
+                    *(held for name, held in self.unrecovered.items() if name in self.servicer.lost)]
 
         return self.loop.call(describe())
 
@@ -410,11 +436,14 @@ class ShardActor:
                 f"{where}, and {why}. Every write to this slice since the table's last checkpoint is lost. Restore "
                 f"the whole table from a checkpoint (`memserver restore --dir DIR`), or drop it")
 
-        async def mark() -> None:
+        async def mark() -> str:
+            if name in self.servicer.lost:  # why recovery failed, said when it did
+                return self.servicer.lost[name]
             if name not in self.servicer.tables:
                 self.servicer.lost[name] = text
+            return text
 
-        self.loop.call(mark())
+        text = self.loop.call(mark())
         log.error("shard %d: %s", self.index, text)
         return text
 
@@ -423,6 +452,7 @@ class ShardActor:
 
         async def drop() -> bool:
             self.servicer.lost.pop(name, None)
+            self.unrecovered.pop(name, None)
 
             def gone() -> bool:  # under the tables' lock (servicer.run): no call computes on it as it closes
                 sl = self.servicer.tables.pop(name, None)

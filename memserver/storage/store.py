@@ -42,14 +42,19 @@ class ShardStore:
         (`..`, `a/b`, "") is refused, so a drop or a record never reaches another folder."""
         return self.dir / check_table_name(name)
 
-    def records(self) -> list[dict[str, Any]]:
-        out = []
+    def records(self) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """(the table records here, table name -> why its record cannot be read)."""
+        out, unreadable = [], {}
         for p in sorted(self.dir.glob("*/table.json")):
             try:
-                out.append(json.loads(p.read_text()))
-            except (OSError, ValueError):
-                log.exception("unreadable table record %s: skipping that table", p)
-        return out
+                record = json.loads(p.read_text())
+                if not isinstance(record, dict) or record.get("name") != p.parent.name:
+                    raise ValueError(f"not the record of table {p.parent.name!r}")
+                out.append(record)
+            except (OSError, ValueError) as exc:
+                log.error("unreadable table record %s: %s", p, exc)
+                unreadable[p.parent.name] = f"its record {p} cannot be read ({exc})"
+        return out, unreadable
 
     def record(self, name: str) -> dict[str, Any] | None:
         path = self.table_dir(name) / "table.json"

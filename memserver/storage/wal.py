@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -358,8 +359,10 @@ def repair_log(directory: Path) -> int:
     intact record). Reads only the last segment, streaming.
 
     Only the tail can be torn (records are appended and fsynced in order; a failed write is cut
-    by the writer) and a torn record was never acknowledged, so dropping it loses nothing.
-    Damage before the last segment is real corruption: `read_log` raises on it when it reads it.
+    by the writer) and a torn record was never acknowledged, so dropping it loses nothing. A
+    damaged record followed by an intact one is not a torn tail but real corruption, which would
+    lose acknowledged records: RuntimeError, nothing cut (as `read_log` raises on damage before
+    the last segment).
     """
     segments = _segments(directory)
     if not segments:
@@ -368,6 +371,30 @@ def repair_log(directory: Path) -> int:
     end, good = _intact_end(path)
     size = path.stat().st_size
     if good != size:
+        later = _next_intact(path, good)
+        if later is not None:  # damage with acknowledged records after it: cutting would lose them
+            raise RuntimeError(f"write-ahead log {path}: damaged record at byte {good}, followed by intact record "
+                               f"{later[1]} at byte {later[0]}: not a torn tail; the log is damaged")
         log.warning("write-ahead log %s: cutting %d bytes of a torn record (never acknowledged)", path, size - good)
         os.truncate(path, good)
     return start if end is None else end
+
+
+def _next_intact(path: Path, after: int) -> tuple[int, int] | None:
+    """(byte, lsn) of the first intact record starting past byte `after` of a segment, or None:
+    a torn tail has none (it is the one record being written), damage inside the log does.
+    Looks at every place the record magic appears, through a mapping (memory holds one candidate
+    record at a time)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= after + _HEADER.size:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            at = m.find(_MAGIC, after + 1)
+            while 0 <= at and at + _HEADER.size < size:
+                _, crc, lsn, length = _HEADER.unpack_from(m, at)
+                body_at = at + _HEADER.size
+                if 1 <= length <= size - body_at and zlib.crc32(m[body_at : body_at + length]) == crc:
+                    return at, lsn
+                at = m.find(_MAGIC, at + 1)
+    return None
