@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client import InvalidArgumentError, TableExistsError, TableNotFoundError
+from client import DataLossError, InvalidArgumentError, TableExistsError, TableNotFoundError
 
 DIM = 8
 
@@ -131,6 +132,17 @@ def test_a_restore_checks_every_file_before_it_drops_anything(client, table_name
     with pytest.raises(InvalidArgumentError, match="cannot be read as a manifest"):
         client.restore(str(tmp_path / "twice"), replace=True)
     (step / "manifest.json").write_text(good)
+    size, whole = (step / table_name / "shard-0000.pt").stat().st_size, (step / table_name / "shard-0000.pt").read_bytes()
+    os.truncate(step / table_name / "shard-0000.pt", size // 2)  # the restore failed on a shard, the table dropped
+    with pytest.raises(DataLossError, match=f"slice files are not as written: .*shard-0000.pt \\({size // 2:,} bytes, "
+                                            f"the manifest says {size:,}\\)"):
+        client.restore(str(tmp_path / "twice"), replace=True, tables=[table_name])
+    (step / table_name / "shard-0000.pt").write_bytes(whole)
+    blob = bytearray((step / table_name / "shard-0001.pt").read_bytes())
+    blob[-64:] = bytes(64)  # the archive's directory, at the end: same size
+    (step / table_name / "shard-0001.pt").write_bytes(bytes(blob))
+    with pytest.raises(DataLossError, match="checkpoint slice file .*shard-0001.pt is damaged"):
+        client.restore(str(tmp_path / "twice"), replace=True, tables=[table_name])
     (step / table_name / "shard-0001.pt").unlink()
     with pytest.raises(InvalidArgumentError, match=r"its slice files \[.*shard-0001.pt'\] are missing"):
         client.restore(str(tmp_path / "twice"), replace=True, tables=[table_name])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memserver.api.errors import InvalidArgumentError, PermissionDeniedError
+from memserver.api.errors import DataLossError, InvalidArgumentError, PermissionDeniedError
 from memserver.api.types import ShardLayout
 from memserver.core.disk import unpack
 from memserver.core.table import ValueTable
@@ -79,7 +80,8 @@ def checked_files(directory: Path, name: str, entry: Any, num_rows: int) -> list
     once (index 0 .. num_shards-1, one sharding, the table's rows). Returns them with their paths
     resolved there. A manifest that lists a slice twice made a restore add an Adagrad accumulator
     twice; one missing a file or a slice restored part of a table as zeros, or dropped the live
-    table first. InvalidArgumentError names what is wrong."""
+    table first. InvalidArgumentError names what is wrong; DataLossError a file whose size is not
+    the one the manifest recorded (truncated or rewritten since)."""
     where = f"dir: the checkpoint {directory} lists table {name!r}"
     files = entry.get("files") if isinstance(entry, dict) else None
     if not isinstance(files, list) or not files or not all(isinstance(f, dict) for f in files):
@@ -98,7 +100,27 @@ def checked_files(directory: Path, name: str, entry: Any, num_rows: int) -> list
         raise InvalidArgumentError(f"{where} with slices {indexes}, not each of its {shards} once")
     if missing := [str(p) for p in paths if not p.is_file()]:
         raise InvalidArgumentError(f"{where}, but its slice files {missing} are missing")
+    if short := [f"{p} ({p.stat().st_size:,} bytes, the manifest says {f['bytes']:,})" for f, p in zip(files, paths)
+                 if isinstance(f.get("bytes"), int) and p.stat().st_size != f["bytes"]]:
+        raise DataLossError(f"{where}, but its slice files are not as written: {', '.join(short)}")
+    for p in paths:
+        _check_archive(p)
     return [{**f, "file": str(p)} for f, p in zip(files, paths)]
+
+
+def _check_archive(path: Path) -> None:
+    """A slice file torch.save wrote (a zip archive) has its directory intact: read here, in
+    O(entries), so a damaged end is refused before a restore drops anything (its data is read,
+    mapped, only where rows are copied). DataLossError names the file."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            return  # the legacy (pre-zip) torch.save format: nothing to look at cheaply
+    try:
+        with zipfile.ZipFile(path) as z:
+            if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist()):
+                raise zipfile.BadZipFile("no data.pkl in it")
+    except zipfile.BadZipFile as exc:
+        raise DataLossError(f"checkpoint slice file {path} is damaged: {exc}") from None
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
@@ -150,11 +172,17 @@ def _open_slice(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A slice file's contents, its tensors mapped from the file rather than read: only the parts
     a restore copies are paged in, and memory never holds the whole file."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:  # the legacy (non-zip) torch.save format cannot be mapped
-        if "mmap" not in str(exc):
-            raise
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:  # the legacy (non-zip) torch.save format cannot be mapped
+            if "mmap" not in str(exc):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - damaged bytes fail torch's reader in many ways
+        said = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise DataLossError(f"checkpoint slice file {path} cannot be read (damaged?): {said}") from None
 
 
 def _shares_rows(src: ShardLayout, i_src: int, dst: ShardLayout, i_dst: int) -> bool:
