@@ -497,6 +497,13 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
         info = plan_table(specs[name], [shard.info()]).shards[0]
         shard.create_table(specs[name].SerializeToString(), info.SerializeToString(), 1)
     assert slice_size(specs["d"], info).held == 8192 + 500 * 16  # the cache and read counters, not the rows
+    # a bound above what the slice's rows need counts what its cache allocates (it counted the bound:
+    # RESOURCE_EXHAUSTED, "need 10 TiB", for a 48 KB table)
+    huge = validate_spec(pb.TableSpec(name="h", num_rows=500, dim=8, sharding=pb.ROWS, tier="disk", cache_bytes=10 << 40), 1)
+    hinfo = plan_table(huge, [shard.info()]).shards[0]
+    shard.create_table(huge.SerializeToString(), hinfo.SerializeToString(), 1)
+    assert slice_size(huge, hinfo).held == shard.servicer.tables["h"].table.cache_nbytes() + 500 * 16
+    shard.drop_table("h")
     rng = np.random.default_rng(0)
     try:
         with grpc.insecure_channel(shard.address) as ch:

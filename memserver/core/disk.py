@@ -110,6 +110,14 @@ def unpack(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def cache_size(cap: int, record: int, policy: str = "tinylfu") -> int:
+    """The bytes a cache of `cap` slots of `record`-byte records allocates: the records, each
+    slot's row, CLOCK and dirty bits and pin, the row -> slot hash (>= 2 x cap places) and the
+    TinyLFU sketch (DiskTable._make_cache)."""
+    h, w = DiskTable._shape(cap)
+    return cap * (record + 8 + 1 + 1 + 8) + h * 16 + 4 * (w if policy == "tinylfu" and cap else 1) + 16 * 8
+
+
 def record_layout(dim: int, optimizer: str) -> tuple[int, dict[str, tuple[int, int]]]:
     """(record bytes, {field: (byte offset, float32 count)}) of a row of `dim` values."""
     fields = {"weight": (HEADER, dim)}
@@ -979,8 +987,7 @@ class DiskTable(ValueTable):
 
     def _cache_size(self, cap: int) -> int:
         """The bytes `_make_cache` allocates for `cap` slots (what `cache_nbytes` counts)."""
-        h, w = self._shape(cap)
-        return cap * (self.record + 8 + 1 + 1 + 8) + h * 16 + 4 * (w if self.policy == "tinylfu" and cap else 1) + 16 * 8
+        return cache_size(cap, self.record, self.policy)
 
     def _make_cache(self) -> None:
         """Slots for as many whole records as `cache_bound` holds with their bookkeeping."""

@@ -238,9 +238,11 @@ def slice_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> SliceSize:
         return SliceSize(keys + net, keys + net)
     rows, cols = int(shard.num_rows), int(shard.col_end - shard.col_start)
     if spec.tier == "disk":  # rows and optimizer state are a file; memory holds the cache and the read counters
-        from memserver.core.disk import COUNTER_BYTES
+        from memserver.core.disk import COUNTER_BYTES, cache_size, record_layout
 
-        held = slice_cache_bytes(spec) + rows * COUNTER_BYTES
+        # a cache never holds more than the slice's rows, whatever its bound
+        whole = cache_size(rows, record_layout(cols, spec.optimizer.name or "adagrad")[0])
+        held = min(slice_cache_bytes(spec), whole) + rows * COUNTER_BYTES
         return SliceSize(held, held + rows * 8)
     dtype = TORCH_DTYPES[spec.dtype or pb.FLOAT32]
     values = rows * cols * dtype.itemsize
