@@ -200,6 +200,7 @@ def test_bad_config_names_the_problem(tmp_path, text, message):
         ("{name: a, num_rows: '10', dim: 2}", "num_rows must be an integer, got '10'"),
         ("{name: a, num_rows: 10, dim: 2, tier: tape}", "tier must be one of ram, disk, got 'tape'"),
         ("{name: a, num_rows: 10, dim: 2, cache_bytes: 4Q}", "cache_bytes: not a size: '4Q'"),
+        ("{name: a, num_rows: 10, dim: 2, tier: disk, cache_bytes: 0}", "cache_bytes: 0 bytes of cache: leave"),
         ("{name: a, num_rows: 10, dim: 2, lr: fast}", "lr must be a number, got 'fast'"),
         ("{name: a, num_rows: 10, dim: 2, wal: 'yes please'}", "wal must be true or false"),
         ("{name: a, num_rows: 10, dim: 2, optimizer: adamw}", "optimizer must be one of sgd, adagrad, adam, got 'adamw'"),

@@ -17,7 +17,6 @@ from memserver.cli.common import (
     console,
     count,
     endpoint_of,
-    parse_size,
 )
 from memserver.core.optim import OPTIMIZERS
 from memserver.server.catalog import TIERS
@@ -277,13 +276,12 @@ def table_args(table: Any, where: str) -> dict[str, Any]:
         raise bad("wal", "true or false")
     if "cache_bytes" in out:
         size = out["cache_bytes"]
-        if isinstance(size, str):
-            try:
-                out["cache_bytes"] = parse_size(size)
-            except argparse.ArgumentTypeError as exc:
-                raise CliError(f"{where}: cache_bytes: {exc}") from None
-        elif isinstance(size, bool) or not isinstance(size, int):
+        if isinstance(size, bool) or not isinstance(size, (int, str)):
             raise bad("cache_bytes", "a number of bytes (e.g. 1073741824 or 1G)")
+        try:  # the --cache-bytes rule: 0 would silently mean the default
+            out["cache_bytes"] = cache_size(str(size))
+        except argparse.ArgumentTypeError as exc:
+            raise CliError(f"{where}: cache_bytes: {exc}") from None
     return out
 
 
