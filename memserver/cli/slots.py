@@ -51,6 +51,13 @@ def _positive(args: argparse.Namespace, *flags: str) -> None:
             raise CliError(f"-{flag}: must be in [1, 65536], got {value}")
 
 
+def _check_k(args: argparse.Namespace, inspector: Any) -> None:
+    """-k below the model's vocabulary: over all of its tokens, agreement is 100% whatever the slot."""
+    if inspector is not None and args.k >= len(inspector.vocab):
+        raise CliError(f"-k: the model has {len(inspector.vocab)} tokens; agreement over {args.k} of them says "
+                       f"nothing (always 100%): give at most {len(inspector.vocab) - 1}")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from trainer.inspection import slot_report
 
@@ -60,6 +67,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not 0 <= args.slot < meta.num_rows:
             raise CliError(f"SLOT: {args.slot} is outside the table's {meta.num_rows:,} slots")
         inspector = _inspector(client, args.table, args.checkpoint)
+        _check_k(args, inspector)
         report = slot_report(client, args.table, args.slot, inspector, k=args.k)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -144,17 +152,20 @@ def cmd_usage(args: argparse.Namespace) -> int:
     from memserver.plots import usage_png
 
     _positive(args, "k")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise CliError(f"--plot: the plot is a PNG image: give a .png path, got {args.plot}")
     with _client(args) as client:
         _check_value_table(client, args.table)
         usage = client.usage(args.table)
-        out: dict[str, Any] = {"table": args.table, "slots": usage.hits.slots, "reads": usage.hits.total,
-                               "updates": usage.updates.total, **usage.metrics()}
+        out: dict[str, Any] = {"table": args.table, "slots": usage.hits.slots, "reads": int(usage.hits.total),
+                               "updates": int(usage.updates.total), **usage.metrics()}
         inspector = _inspector(client, args.table, args.checkpoint) if args.agreement else None
         if args.agreement and inspector is None:
             raise CliError("--agreement: needs a model (--checkpoint, or a table traced by `memtrain trace`)")
         if inspector is not None:
             from trainer.inspection import agreement
 
+            _check_k(args, inspector)
             out["agreement"] = agreement(inspector, client, args.table, k=args.k)
     if args.plot:
         try:
