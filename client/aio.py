@@ -273,6 +273,7 @@ class AsyncMemoryClient:
                     raise
                 meta = await self.table(name)
                 if meta.layout_id != old.layout_id:
+                    self.session.forget_layouts(name, keep=meta.layout_id)  # the old incarnation's slices
                     if tags is not None:  # a new incarnation: the write never reached it
                         tags.reset()
                 elif isinstance(exc, FailedPreconditionError):

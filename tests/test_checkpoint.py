@@ -508,3 +508,29 @@ def test_an_atomic_write_never_follows_a_link_planted_at_its_temporary_name(tmp_
     target.with_name(f".{target.name}.tmp-{os.getpid()}").symlink_to(outside)
     atomic_write(target, lambda f: f.write(b"new"))
     assert outside.read_bytes() == b"keep" and target.read_bytes() == b"new" and not target.is_symlink()
+
+
+def test_a_slice_file_that_cannot_be_read_is_said_by_name(tmp_path, monkeypatch):
+    """Damaged bytes are DATA_LOSS naming the file, whatever the reader raises (a header can make
+    zipfile raise NotImplementedError, not BadZipFile); a whole file holding objects no checkpoint
+    holds is INVALID_ARGUMENT, not "damaged"."""
+    import fractions
+
+    import torch
+
+    import memserver.storage.checkpoint as checkpoint
+
+    path = tmp_path / "s.pt"
+    torch.save({"meta": {}, "state": {}}, path)
+
+    def odd(*args, **kwargs):
+        raise NotImplementedError("zip file version 15.4")
+
+    monkeypatch.setattr(checkpoint.zipfile, "ZipFile", odd)
+    with pytest.raises(DataLossError, match=f"checkpoint slice file {path} is damaged: zip file version 15.4"):
+        checkpoint._check_archive(path)
+    monkeypatch.undo()
+    checkpoint._check_archive(path)
+    torch.save({"meta": fractions.Fraction(1, 3)}, path)
+    with pytest.raises(InvalidArgumentError, match="holds objects a checkpoint never holds"):
+        checkpoint._open_slice(path)

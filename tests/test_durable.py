@@ -206,10 +206,14 @@ def test_coordinator_rebuilds_its_catalog_and_follows_a_moved_shard():
             [(spec.SerializeToString(), info.shards[0].SerializeToString(), 2)]]
     partial = validate_spec(pb.TableSpec(name="half", num_rows=10, dim=4, num_shards=2), 3)
     held[1].append((partial.SerializeToString(), plan_table(partial, infos[:2]).shards[0].SerializeToString(), 2))
+    stale = plan_table(spec, [infos[0], infos[1]])  # a dropped namesake's slice 1, left on shard 1
+    assert stale.layout_id != info.layout_id
+    held[1].append((spec.SerializeToString(), stale.shards[1].SerializeToString(), 2))
     servicer = ControlPlaneServicer([None] * 3, infos)
     servicer.recover_catalog(held)
     assert list(servicer.tables) == ["m"]  # "half" lost a slice: left out, with an error logged
-    assert servicer.placement["m"] == [2, 0]
+    assert servicer.placement["m"] == [2, 0]  # the stale slice of another layout took no index of it
+    assert servicer.tables["m"].layout_id == info.layout_id
     assert [s.address for s in servicer.tables["m"].shards] == ["127.0.0.1:7002", "127.0.0.1:7000"]
     epoch = servicer.epoch
     moved = {"address": "127.0.0.1:7999", "node_id": "n", "pid": 99}
@@ -307,11 +311,15 @@ def test_a_table_that_cannot_be_recovered_is_listed_refused_and_its_files_kept(t
 
     ids, grads = np.arange(8), np.ones((8, 4), np.float32)
     with InProcessServer(2, data_dir=str(tmp_path)) as server, MemoryClient(server.endpoint, timeout=30) as c:
-        for name in ("ok", "bad", "rec"):
-            c.create_table(name, 64, 4, sharding="cols", wal=True)
+        for name in ("ok", "bad", "rec", "one"):
+            c.create_table(name, 64, 4, sharding="cols", wal=True, **({"num_shards": 1} if name == "one" else {}))
             for _ in range(6):
                 c.push_gradients(name, ids, grads)
         rows = c.lookup("ok", np.arange(64))
+        one_shard = server.coordinator.servicer.placement["one"][0]
+    (tmp_path / f"shard-{one_shard:04d}" / "one" / "table.json").write_text("[]")  # its only slice's record
+    import shutil
+    shutil.copytree(tmp_path / "shard-0000" / "ok", tmp_path / "shard-0000" / "ok (copy)")  # an operator's copy
     seg = sorted((tmp_path / "shard-0001" / "bad").glob("wal-*.log"))[-1]
     data = bytearray(seg.read_bytes())
     data[len(data) // 3 : len(data) // 3 + 16] = bytes(16)  # inside the second record
@@ -328,11 +336,13 @@ def test_a_table_that_cannot_be_recovered_is_listed_refused_and_its_files_kept(t
         assert "its record" in why[(0, "rec")] and "cannot be read" in why[(0, "rec")]
         with pytest.raises(DataLossError, match="could not recover its slice"):
             c.lookup("bad", np.arange(4))
-        for name in ("bad", "rec"):
+        for name in ("bad", "rec", "one"):
             with pytest.raises(TableExistsError):
                 c.create_table(name, 16, 4)
         assert seg.read_bytes() == bytes(data) and (tmp_path / "shard-0000" / "rec" / "table.json").exists()
-        for name in ("bad", "rec"):  # dropped: their files go, and the name is free again
+        with pytest.raises(DataLossError, match="could not recover its slice"):  # not "does not exist"
+            c.checkpoint("ck", step=1, tables=["ok", "bad"])
+        for name in ("bad", "rec", "one"):  # dropped: their files go, and the name is free again
             c.drop_table(name)
             c.create_table(name, 16, 4)
-        assert not seg.exists()
+        assert not seg.exists() and (tmp_path / "shard-0000" / "ok (copy)").exists()

@@ -21,8 +21,8 @@ class ClientSession:
     Bounds: `_in_flight` holds the seqs of calls running now (and of undecided commits), each
     with its table: a table's slices are told to keep only the answers of that table's writes in
     flight, so a decision held for one table never makes another table's shards keep answers;
-    `_known` one entry per slice of the tables this client has written to (a table made anew
-    replaces its old slices' entries); `_parts` the steps
+    `_known` one entry per slice of the tables this client has written to (a table made anew,
+    here or by another client, replaces its old slices' entries); `_parts` the steps
     sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
     decisions a shard could not be reached with, re-sent by the table's next commit_step."""
 
@@ -61,10 +61,14 @@ class ClientSession:
         others of the table, sent nothing, still may not know this session."""
         where = set(addresses)
         with self._lock:
-            new = {(meta.name, meta.layout_id, sh.index) for sh in meta.shards if sh.address in where} - self._known
-            if new:  # a table made anew (here or by another client): its old slices' entries go
-                self._known.difference_update([k for k in self._known if k[0] == meta.name and k[1] != meta.layout_id])
-                self._known |= new
+            self._known.update((meta.name, meta.layout_id, sh.index) for sh in meta.shards if sh.address in where)
+
+    def forget_layouts(self, table: str, keep: int) -> None:
+        """`table` was made anew (the client found another layout): its old incarnations' slices
+        go (here, not as a write is answered: a late answer of the old layout must not remove the
+        new one's)."""
+        with self._lock:
+            self._known.difference_update([k for k in self._known if k[0] == table and k[1] != keep])
 
     def knows(self, meta: TableMeta, shard: ShardMeta) -> bool:
         return (meta.name, meta.layout_id, shard.index) in self._known

@@ -30,29 +30,67 @@ _CHUNK_ENTRIES = 1 << 16
 
 
 class TopN:
-    """The n best (largest, or coldest: smallest) values of a statistic seen chunk by chunk, ties
-    to the smaller row: what one partition of the whole array gives, in memory of a chunk plus n."""
+    """The n best (largest, or coldest: smallest) values of a statistic seen chunk by chunk, in
+    ascending rows, ties to the smaller row: what ranking the whole array gives, in memory of a
+    chunk plus 2n. Candidates are pooled and cut back to the n best (a partition) when the pool
+    passes 2n; once n are held, a chunk's rows not strictly better than the n-th are dropped
+    first (a later row loses a tie). `rows` and `values` are the result, best first."""
 
     def __init__(self, n: int, coldest: bool = False) -> None:
         self.n, self.coldest = n, coldest
-        self.rows = np.zeros(0, dtype=np.int64)  # best first
-        self.values = np.zeros(0, dtype=np.float64)
+        self._rows: list[np.ndarray] = []
+        self._vals: list[np.ndarray] = []
+        self._size = 0
+        self._worst: float | None = None  # the n-th best key, once n are held
+        self._done: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _key(self, values: np.ndarray) -> np.ndarray:
+        return values if self.coldest else -values
 
     def add(self, start: int, values: np.ndarray) -> None:
-        """values[i] is row start + i's."""
-        m = min(self.n, len(values))
-        if m == 0:
+        """values[i] is row start + i's; each call's rows after the previous call's."""
+        if self.n <= 0 or not len(values):
             return
-        key = values if self.coldest else -values
-        if m < len(values):
-            t = np.partition(key, m - 1)[m - 1]  # the chunk's m-th best key
-            better = np.flatnonzero(key < t)
-            idx = np.r_[better, np.flatnonzero(key == t)[: m - len(better)]]  # ascending rows: the smaller ones
-        else:
-            idx = np.arange(len(values))
-        rows, vals = np.r_[self.rows, idx + start], np.r_[self.values, values[idx]]
-        order = np.lexsort((rows, vals if self.coldest else -vals))[: self.n]
-        self.rows, self.values = rows[order], vals[order]
+        rows = np.arange(start, start + len(values), dtype=np.int64)
+        if self._worst is not None:
+            keep = np.flatnonzero(self._key(values) < self._worst)
+            rows, values = rows[keep], values[keep]
+        if len(rows):
+            self._rows.append(rows)
+            self._vals.append(np.asarray(values, dtype=np.float64))
+            self._size += len(rows)
+            self._done = None
+            if self._size > 2 * self.n:
+                self._cut()
+
+    def _cut(self) -> None:
+        """Keep the n best of the pool (ties: the smaller rows)."""
+        rows, vals = np.concatenate(self._rows), np.concatenate(self._vals)
+        if len(rows) > self.n:
+            key = self._key(vals)
+            t = np.partition(key, self.n - 1)[self.n - 1]
+            better, tied = np.flatnonzero(key < t), np.flatnonzero(key == t)
+            idx = np.r_[better, tied[np.argsort(rows[tied], kind="stable")][: self.n - len(better)]]
+            rows, vals, self._worst = rows[idx], vals[idx], float(t)
+        self._rows, self._vals, self._size = [rows], [vals], len(rows)
+
+    def _result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._done is None:
+            if self._rows:
+                self._cut()
+            rows = self._rows[0] if self._rows else np.zeros(0, dtype=np.int64)
+            vals = self._vals[0] if self._vals else np.zeros(0, dtype=np.float64)
+            order = np.lexsort((rows, self._key(vals)))
+            self._done = rows[order], vals[order]
+        return self._done
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self._result()[0]
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._result()[1]
 
 
 def set_threads(n: int) -> None:

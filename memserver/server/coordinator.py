@@ -90,16 +90,23 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     def recover_catalog(self, described: list[list[tuple[bytes, bytes, int]]]) -> None:
         """Rebuild the catalog from what each shard holds (`describe_tables` of every shard, in
         pool order): the shards are the truth, so a restarted coordinator loses nothing."""
-        slices: dict[str, dict[int, tuple[int, pb.TableSpec, pb.ShardInfo, int]]] = {}
+        # per table, per layout (a stale slice of a dropped namesake has another): index -> its place
+        slices: dict[str, dict[int, dict[int, tuple[int, pb.TableSpec, pb.ShardInfo, int]]]] = {}
         for j, held in enumerate(described):
             for spec_b, info_b, n in held:
                 spec, info = pb.TableSpec.FromString(spec_b), pb.ShardInfo.FromString(info_b)
-                slices.setdefault(spec.name, {})[info.index] = (j, spec, info, n)
-        for name, parts in sorted(slices.items()):
-            n = next(iter(parts.values()))[3]
-            if sorted(parts) != list(range(n)):
-                log.error("table %s: shards hold slices %s of %d; leaving it out of the catalog", name, sorted(parts), n)
+                slices.setdefault(spec.name, {}).setdefault(info.layout_id, {})[info.index] = (j, spec, info, n)
+        for name, layouts in sorted(slices.items()):
+            whole = [p for p in layouts.values() if sorted(p) == list(range(next(iter(p.values()))[3]))]
+            if len(whole) != 1:
+                log.error("table %s: shards hold slices %s; %s; leaving it out of the catalog", name,
+                          {lid: sorted(p) for lid, p in layouts.items()},
+                          "no layout has every slice" if not whole else "several layouts are whole")
                 continue
+            parts = whole[0]
+            n = next(iter(parts.values()))[3]
+            if len(layouts) > 1:
+                log.warning("table %s: slices of another layout (a dropped namesake's) stay outside the catalog", name)
             order = [parts[i][0] for i in range(n)]
             info = pb.TableInfo(spec=parts[0][1], epoch=self.epoch + 1, layout_id=parts[0][2].layout_id)
             for i in range(n):
@@ -168,6 +175,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 await self._drop(spec.name)
             except TableNotFoundError:
                 pass  # another replace or drop got there first: make it, or say it exists again
+            await self._drop_strays(spec.name)  # and any slice of that name beyond its shards (a stale one)
             # on the shards checked, and as checked: the old table's memory may not show as free yet
             return await self._place(spec, plan=plan, checked=True)
         return await self._place(spec)
@@ -398,8 +406,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for name in names:
             if name in self.tables:
                 await self._drop(name)
-            else:  # nothing of it may stay: slices no table owns either
-                await self._drop_strays(name)
+            await self._drop_strays(name)  # nothing of it may stay: slices no table owns either
             resp.tables.append(await self._place(specs[name], files[name], plan=plans.get(name)))
         return resp
 

@@ -18,7 +18,13 @@ from typing import Any
 
 import grpc
 
-from memserver.api.errors import DataLossError, FailedPreconditionError, TableExistsError, TableNotFoundError
+from memserver.api.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TableExistsError,
+    TableNotFoundError,
+)
 from memserver.api.types import METRIC_NAMES, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
@@ -171,15 +177,33 @@ class ShardActor:
         return out
 
     def _unrecovered(self, name: str, why: str, record: dict[str, Any] | None = None) -> None:
-        """A table this shard could not recover from its data directory (see _recover)."""
+        """A table this shard could not recover from its data directory (see _recover). Never
+        raises: whatever the folder holds, the shard starts. A folder whose name no table can have
+        (an operator's copy, `T (old)`) is left alone; a record whose spec and place read back
+        whole offers its slice to the catalog (which then keeps the table, this slice refusing)."""
         assert self.store is not None
+        try:
+            check_table_name(name)
+        except InvalidArgumentError:
+            log.warning("shard %d: %s in its data directory is no table's folder; left alone", self.index,
+                        self.store.dir / name)
+            return
         self.servicer.lost[name] = (
-            f"table {name!r}: shard {self.index} could not recover its slice from {self.store.table_dir(name)}: {why}. "
+            f"table {name!r}: shard {self.index} could not recover its slice from {self.store.dir / name}: {why}. "
             "Its files there are kept as they are: repair them and restart the shard, or restore the table from a "
             f"checkpoint (`memserver restore --replace`), or drop it (`memserver drop-table {name}`)")
-        if record is not None:  # the catalog keeps the table, this slice refusing with the reason
-            self.unrecovered[name] = (base64.b64decode(record["spec"]), base64.b64decode(record["info"]),
-                                      int(record["num_shards"]))
+        try:
+            spec = pb.TableSpec.FromString(base64.b64decode(record["spec"]))  # type: ignore[index]
+            info = pb.ShardInfo.FromString(base64.b64decode(record["info"]))  # type: ignore[index]
+            n = int(record["num_shards"])  # type: ignore[index]
+            if spec.name != name or not 0 <= info.index < n:
+                raise ValueError(f"the record describes slice {info.index} of {n} of table {spec.name!r}")
+        except Exception as exc:  # noqa: BLE001 - no record, or one that does not say whole what it holds
+            if record is not None:
+                log.error("shard %d: table %s: its record does not say which slice it holds (%s); the slice is "
+                          "listed by this shard only", self.index, name, exc)
+            return
+        self.unrecovered[name] = (spec.SerializeToString(), info.SerializeToString(), n)
 
     def _load_slice(self, record: dict[str, Any], checkpoint: dict[str, Any] | None,
                     replay: bool) -> tuple[TableSlice, str]:
@@ -319,6 +343,8 @@ class ShardActor:
         none here, or one that lost its state (a checkpoint would make the loss look healthy)."""
         sl = self.servicer.tables.get(name)
         if sl is None:
+            if name in self.servicer.lost:
+                raise DataLossError(self.servicer.lost[name])
             raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
         if sl.unavailable:
             raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
@@ -451,7 +477,7 @@ class ShardActor:
         check_table_name(name)  # its folder is removed below: never a path
 
         async def drop() -> bool:
-            self.servicer.lost.pop(name, None)
+            was_lost = self.servicer.lost.pop(name, None) is not None  # a slice it could not recover: held too
             self.unrecovered.pop(name, None)
 
             def gone() -> bool:  # under the tables' lock (servicer.run): no call computes on it as it closes
@@ -464,7 +490,7 @@ class ShardActor:
             self.metrics.forget(name)
             if self.store is not None:
                 self.store.drop(name)
-            return dropped
+            return dropped or was_lost
 
         return self.loop.call(drop())
 

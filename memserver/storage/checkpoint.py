@@ -119,7 +119,9 @@ def _check_archive(path: Path) -> None:
         with zipfile.ZipFile(path) as z:
             if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist()):
                 raise zipfile.BadZipFile("no data.pkl in it")
-    except zipfile.BadZipFile as exc:
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - BadZipFile, and what damaged headers raise besides it
         raise DataLossError(f"checkpoint slice file {path} is damaged: {exc}") from None
 
 
@@ -178,9 +180,12 @@ def _open_slice(path: str | os.PathLike[str]) -> dict[str, Any]:
             if "mmap" not in str(exc):
                 raise
             return torch.load(path, map_location="cpu", weights_only=True)
-    except OSError:
+    except (OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - damaged bytes fail torch's reader in many ways
+        if "Weights only load failed" in str(exc):  # whole, but holding what weights_only refuses
+            raise InvalidArgumentError(f"checkpoint slice file {path} holds objects a checkpoint never "
+                                       "holds (torch.load with weights_only refuses them)") from None
         said = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
         raise DataLossError(f"checkpoint slice file {path} cannot be read (damaged?): {said}") from None
 

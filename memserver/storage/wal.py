@@ -373,8 +373,12 @@ def repair_log(directory: Path) -> int:
     if good != size:
         later = _next_intact(path, good)
         if later is not None:  # damage with acknowledged records after it: cutting would lose them
-            raise RuntimeError(f"write-ahead log {path}: damaged record at byte {good}, followed by intact record "
-                               f"{later[1]} at byte {later[0]}: not a torn tail; the log is damaged")
+            raise RuntimeError(
+                f"write-ahead log {path}: damaged record at byte {good}, followed by intact record {later[1]} at byte "
+                f"{later[0]}: not a torn tail, so records after it may have been acknowledged. If the shard's host "
+                f"lost power (then nothing after the damage was synced, so none of it was acknowledged), cut the log "
+                f"there with the cluster down (`truncate -s {good} {path}`) and start it again; else restore the "
+                "table from a checkpoint")
         log.warning("write-ahead log %s: cutting %d bytes of a torn record (never acknowledged)", path, size - good)
         os.truncate(path, good)
     return start if end is None else end
