@@ -176,6 +176,7 @@ def test_down_after_a_killed_up_stops_what_it_left_running(tmp_path, monkeypatch
     monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
     left = subprocess.Popen(["sleep", "60"])
     bystander = subprocess.Popen(["sleep", "60"])  # recorded with another start time: a reused pid
+    started = [left, bystander]
     gone = subprocess.Popen(["true"])
     gone.wait()
     try:
@@ -187,7 +188,15 @@ def test_down_after_a_killed_up_stops_what_it_left_running(tmp_path, monkeypatch
         assert "and stopped 1 process(es) it had left running" in capsys.readouterr().out
         assert left.wait(timeout=10) == -signal.SIGTERM
         assert bystander.poll() is None
+        # an `up` refused for its flags stops them too (it checked its flags first and left them)
+        again = subprocess.Popen(["sleep", "60"])
+        started.append(again)
+        write_endpoint({"endpoint": "127.0.0.1:1", "pid": gone.pid, "host": socket.gethostname(),
+                        "processes": [[again.pid, started_at(again.pid)]]}, tmp_path / "endpoint.json")
+        with pytest.raises(SystemExit):
+            cli.main(["up", "--shards", "0"])
+        assert again.wait(timeout=10) == -signal.SIGTERM
     finally:
-        for p in (left, bystander):
+        for p in started:
             p.kill()
             p.wait()

@@ -160,10 +160,11 @@ def _check_config_tables(args: argparse.Namespace, cfg: dict[str, Any], shards: 
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
-    shards, shard_cpus, shard_gpus = _checked_up_flags(args, cfg)
+    # first: a killed `up`'s leftovers are stopped even when this one is then refused
     if (rec := running_cluster()) is not None:
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
+    cfg = load_config(args.config)
+    shards, shard_cpus, shard_gpus = _checked_up_flags(args, cfg)
     if args.detach:
         return _up_detached(args)
 
