@@ -534,3 +534,26 @@ def test_a_slice_file_that_cannot_be_read_is_said_by_name(tmp_path, monkeypatch)
     torch.save({"meta": fractions.Fraction(1, 3)}, path)
     with pytest.raises(InvalidArgumentError, match="holds objects a checkpoint never holds"):
         checkpoint._open_slice(path)
+
+
+def test_a_flipped_bit_in_a_saved_row_is_refused_by_name(tmp_path):
+    """Each saved row carries a checksum, checked as a restore copies it: one flipped bit inside a
+    tensor (same size, the archive whole) is DATA_LOSS naming the file, the tensor and the row,
+    where it loaded (0xff bytes in a slice file served NaNs)."""
+    import torch
+
+    n, d = 2048, 64
+    values = torch.randn(n, d)
+    entries = _save_table(tmp_path, True, 1, values, torch.zeros(n, dtype=torch.int64))
+    path = Path(entries[0]["file"])
+    blob = bytearray(path.read_bytes())
+    at = bytes(blob).find(values[1000].numpy().tobytes())  # row 1000's values, as torch.save wrote them
+    assert at > 0
+    blob[at + 5] ^= 0x10
+    path.write_bytes(bytes(blob))
+    with pytest.raises(DataLossError, match=f"checkpoint slice file {path}: weight of row 1000 .* does not match"):
+        _load_table(entries, True, 2, n, d, [])
+    blob[at + 5] ^= 0x10
+    path.write_bytes(bytes(blob))
+    restored, _, _ = _load_table(entries, True, 2, n, d, [])
+    torch.testing.assert_close(restored, values, rtol=0, atol=0)

@@ -53,10 +53,51 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step-{step:010d}"
 
 
+#: Entries of a slice file that are neither its place, its state nor its checksums: the extras.
+_OWN = ("meta", "state", "row_checks")
+#: Odd multipliers of the row checksum's 8-byte words (word j: _MULT[j % len]): any one flipped
+#: bit changes a row's sum, so a damaged row is refused by name instead of loading.
+_MULT = np.random.default_rng(0x6D656D).integers(0, 1 << 62, 4096, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+#: Bytes of rows a checksum pass reads at a time (its temporaries are ~2x this).
+_CHECK_BYTES = 4 << 20
+
+
+def _per_row(t: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """A state tensor as [rows, bytes of a row] (a disk slice's counters are one flat byte
+    tensor), or None for one that is not per row."""
+    if rows and t.dim() >= 1 and t.shape[0] == rows:
+        return t.reshape(rows, -1)
+    if rows and t.dim() == 1 and t.numel() % rows == 0:
+        return t.view(rows, -1)
+    return None
+
+
+def row_checks(rows: torch.Tensor) -> np.ndarray:
+    """One uint64 checksum per row of a [n, ...] CPU tensor: the sum of its 8-byte words, each
+    times an odd constant (mod 2^64); in chunks of _CHECK_BYTES."""
+    b = rows.contiguous().view(torch.uint8).reshape(len(rows), -1).numpy()
+    out = np.zeros(len(b), dtype=np.uint64)
+    step = max(1, _CHECK_BYTES // max(1, b.shape[1]))
+    for s in range(0, len(b), step):
+        chunk = b[s : s + step]
+        if chunk.shape[1] % 8:
+            chunk = np.pad(chunk, ((0, 0), (0, 8 - chunk.shape[1] % 8)))
+        words = np.ascontiguousarray(chunk).view(np.uint64)
+        out[s : s + len(words)] = (words * _MULT[np.arange(words.shape[1]) % len(_MULT)]).sum(axis=1, dtype=np.uint64)
+    return out
+
+
 def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], extra: dict[str, Any] | None = None) -> int:
     """One table slice: `meta` says where it sits (sharding, index, num_shards, columns); `extra`
-    holds what only the same shard's recovery reads (its exactly-once window, its log position)."""
-    blob = {"meta": meta, "state": {k: v.cpu() for k, v in state.items()}, **(extra or {})}
+    holds what only the same shard's recovery reads (its exactly-once window, its log position).
+    A value slice's per-row tensors get a checksum per row (`row_checks`), checked as a restore
+    copies the rows (load_into)."""
+    cpu = {k: v.cpu() for k, v in state.items()}
+    blob: dict[str, Any] = {"meta": meta, "state": cpu, **(extra or {})}
+    if meta.get("kind", "value") == "value":
+        rows = slice_layout(meta).rows(meta["index"])
+        blob["row_checks"] = {k: torch.from_numpy(row_checks(r).view(np.int64)) for k, v in cpu.items()
+                              if (r := _per_row(v, rows)) is not None}
     atomic_write(path, lambda f: torch.save(blob, f))
     return path.stat().st_size
 
@@ -252,8 +293,9 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
                 continue  # holds nothing of target
         blob = _open_slice(f["file"])
         meta, state = blob["meta"], unpack(blob["state"])
+        checks = blob.get("row_checks") or {}  # (files written before checksums have none)
         if extras is not None:
-            extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
+            extras.update({k: v for k, v in blob.items() if k not in _OWN})
         rows, c0, c1 = overlap(meta, f["file"])
         if not rows:
             continue
@@ -264,6 +306,13 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
             if not len(src):
                 continue
             src_idx, dst_rows = torch.from_numpy(src), torch.from_numpy(dst)
+            for name, saved in checks.items():  # the rows as saved (before unpack), each against its checksum
+                whole = _per_row(blob["state"][name], s_layout.rows(s_index))
+                bad = np.flatnonzero(row_checks(whole.index_select(0, src_idx)) != saved.numpy().view(np.uint64)[src])
+                if len(bad):
+                    raise DataLossError(f"checkpoint slice file {f['file']}: {name} of row {int(src[bad[0]])} (and "
+                                        f"{len(bad) - 1} more of these {len(src)}) does not match its checksum: "
+                                        "the file is damaged")
             for name, src_t in state.items():
                 if name not in dst_state or (name in ValueTable.READ_COUNTERS and not counted):
                     continue  # e.g. Adam moments restored into an Adagrad table; another cols shard's idle counters
@@ -295,7 +344,7 @@ def load_index(make: Callable[[dict[str, Any] | None], Any], target: dict[str, A
     opened = [_open_slice(f["file"]) for f in files]
     for blob in opened:
         if extras is not None:
-            extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
+            extras.update({k: v for k, v in blob.items() if k not in _OWN})
     if len(opened) == 1 and tuple(opened[0]["meta"][k] for k in ("num_shards", "index")) == place:
         return make(opened[0]["state"])
     index = make(None)
@@ -322,7 +371,7 @@ def load_whole(target: dict[str, Any], files: list[dict[str, Any]], extras: dict
         raise InvalidArgumentError(f"table {target['table']}: the checkpoint holds a {blob['meta'].get('kind')} slice, "
                                    f"not {target.get('kind')}")
     if extras is not None:
-        extras.update({k: v for k, v in blob.items() if k not in ("meta", "state")})
+        extras.update({k: v for k, v in blob.items() if k not in _OWN})
     return dict(blob["state"])
 
 
