@@ -551,9 +551,35 @@ def test_a_flipped_bit_in_a_saved_row_is_refused_by_name(tmp_path):
     assert at > 0
     blob[at + 5] ^= 0x10
     path.write_bytes(bytes(blob))
-    with pytest.raises(DataLossError, match=f"checkpoint slice file {path}: weight of row 1000 .* does not match"):
+    with pytest.raises(DataLossError, match=f"checkpoint slice file {path}: weight of row 1000 does not match its checksum"):
         _load_table(entries, True, 2, n, d, [])
     blob[at + 5] ^= 0x10
     path.write_bytes(bytes(blob))
     restored, _, _ = _load_table(entries, True, 2, n, d, [])
+    torch.testing.assert_close(restored, values, rtol=0, atol=0)
+
+
+def test_the_row_checksum_is_pinned_and_a_file_whose_checksums_do_not_fit_is_data_loss(tmp_path):
+    """The checksum is a fixed definition (splitmix64 constants, not a library's random stream):
+    files written by one version load in the next. Checksum entries that do not fit the state
+    are DATA_LOSS; another definition's are not checked."""
+    import torch
+
+    from memserver.storage.checkpoint import row_checks
+
+    assert row_checks(torch.arange(6, dtype=torch.float32).reshape(2, 3)).tolist() == [15538659559471054848,
+                                                                                      11894538480327327744]
+    assert row_checks(torch.arange(3, dtype=torch.int64)).tolist() == [0, 13166790918009305073, 7886837762309058530]
+    n, d = 64, 4
+    values = torch.randn(n, d)
+    entries = _save_table(tmp_path, True, 1, values, torch.zeros(n, dtype=torch.int64))
+    path = Path(entries[0]["file"])
+    blob = torch.load(path, weights_only=True)
+    blob["row_checks"]["weight"] = blob["row_checks"]["weight"][:10]
+    torch.save(blob, path)
+    with pytest.raises(DataLossError, match="its checksums of 'weight' do not fit its state"):
+        _load_table(entries, True, 1, n, d, [])
+    blob["row_checks_version"] = 99  # another definition: not checked, loads
+    torch.save(blob, path)
+    restored, _, _ = _load_table(entries, True, 1, n, d, [])
     torch.testing.assert_close(restored, values, rtol=0, atol=0)

@@ -153,12 +153,24 @@ def test_top_n_seen_chunk_by_chunk_is_one_partition_of_the_whole(seed, n, chunk,
     from memserver.core.table import TopN
 
     rng = np.random.default_rng(seed)
-    v = rng.choice([0.0, 1.0, 2.0, 3.0, rng.random()], int(rng.integers(0, 300)))  # many ties; pools past 2n
+    v = rng.choice([0.0, 1.0, 2.0, 3.0, rng.random(), np.nan], int(rng.integers(0, 300)))  # ties, NaN; pools past 2n
     best = TopN(n, coldest)
     for start in range(0, len(v), chunk):
         best.add(start, v[start : start + chunk])
-    want = np.lexsort((np.arange(len(v)), v if coldest else -v))[:n]
-    assert best.rows.tolist() == want.tolist() and best.values.tolist() == v[want].tolist()
+    key = v if coldest else -v
+    want = np.lexsort((np.arange(len(v)), np.where(np.isnan(key), np.inf, key)))[:n]  # NaN last
+    assert best.rows.tolist() == want.tolist()
+    np.testing.assert_array_equal(best.values, v[want])
+
+
+def test_top_n_ranks_nan_last_and_keeps_going_after_a_chunk_of_them():
+    """A NaN n-th best compared false with every later value, so every later row was dropped."""
+    from memserver.core.table import TopN
+
+    best = TopN(2)
+    best.add(0, np.full(5, np.nan))
+    best.add(5, np.array([5.0, 7.0]))
+    assert best.rows.tolist() == [6, 5]
 
 
 def test_a_slot_scans_temporaries_do_not_grow_with_the_table():

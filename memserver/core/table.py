@@ -45,7 +45,9 @@ class TopN:
         self._done: tuple[np.ndarray, np.ndarray] | None = None
 
     def _key(self, values: np.ndarray) -> np.ndarray:
-        return values if self.coldest else -values
+        """Smaller is better; NaN is worst (a NaN n-th best would compare false with everything)."""
+        key = values if self.coldest else -values
+        return np.where(np.isnan(key), np.inf, key) if np.isnan(key).any() else key
 
     def add(self, start: int, values: np.ndarray) -> None:
         """values[i] is row start + i's; each call's rows after the previous call's."""

@@ -484,12 +484,12 @@ class ShardActor:
                 sl = self.servicer.tables.pop(name, None)
                 if sl is not None:
                     sl.close()
+                if self.store is not None:  # here too, in the compute thread's order: a create queued
+                    self.store.drop(name)   # after this drop never has its new files removed by it
                 return sl is not None
 
             dropped = await self.servicer.run(gone)
             self.metrics.forget(name)
-            if self.store is not None:
-                self.store.drop(name)
             return dropped or was_lost
 
         return self.loop.call(drop())

@@ -54,10 +54,26 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
 
 
 #: Entries of a slice file that are neither its place, its state nor its checksums: the extras.
-_OWN = ("meta", "state", "row_checks")
+_OWN = ("meta", "state", "row_checks", "row_checks_version")
+#: The row checksum's definition (row_checks); a file with another one is not checked.
+ROW_CHECKS_VERSION = 1
+
+
+def _splitmix64(n: int, seed: int = 0x6D656D) -> np.ndarray:
+    """n odd 64-bit constants from splitmix64: plain integer arithmetic, the same on every
+    machine and version (a library's random stream may change between releases)."""
+    out, x, m = [], seed, (1 << 64) - 1
+    for _ in range(n):
+        x = (x + 0x9E3779B97F4A7C15) & m
+        z = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        out.append((z ^ (z >> 31)) | 1)
+    return np.array(out, dtype=np.uint64)
+
+
 #: Odd multipliers of the row checksum's 8-byte words (word j: _MULT[j % len]): any one flipped
 #: bit changes a row's sum, so a damaged row is refused by name instead of loading.
-_MULT = np.random.default_rng(0x6D656D).integers(0, 1 << 62, 4096, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+_MULT = _splitmix64(4096)
 #: Bytes of rows a checksum pass reads at a time (its temporaries are ~2x this).
 _CHECK_BYTES = 4 << 20
 
@@ -76,14 +92,18 @@ def row_checks(rows: torch.Tensor) -> np.ndarray:
     """One uint64 checksum per row of a [n, ...] CPU tensor: the sum of its 8-byte words, each
     times an odd constant (mod 2^64); in chunks of _CHECK_BYTES."""
     b = rows.contiguous().view(torch.uint8).reshape(len(rows), -1).numpy()
+    width = b.shape[1]
+    if width in (1, 2, 4, 8):  # one word a row (counters): the same sum, without padding
+        return b.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])[:, 0].astype(np.uint64) * _MULT[0]
     out = np.zeros(len(b), dtype=np.uint64)
-    step = max(1, _CHECK_BYTES // max(1, b.shape[1]))
+    step = max(1, _CHECK_BYTES // max(1, width))
+    mult = _MULT[np.arange((width + 7) // 8) % len(_MULT)]
     for s in range(0, len(b), step):
         chunk = b[s : s + step]
-        if chunk.shape[1] % 8:
-            chunk = np.pad(chunk, ((0, 0), (0, 8 - chunk.shape[1] % 8)))
+        if width % 8:
+            chunk = np.pad(chunk, ((0, 0), (0, 8 - width % 8)))
         words = np.ascontiguousarray(chunk).view(np.uint64)
-        out[s : s + len(words)] = (words * _MULT[np.arange(words.shape[1]) % len(_MULT)]).sum(axis=1, dtype=np.uint64)
+        out[s : s + len(words)] = (words * mult).sum(axis=1, dtype=np.uint64)
     return out
 
 
@@ -98,6 +118,7 @@ def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor],
         rows = slice_layout(meta).rows(meta["index"])
         blob["row_checks"] = {k: torch.from_numpy(row_checks(r).view(np.int64)) for k, v in cpu.items()
                               if (r := _per_row(v, rows)) is not None}
+        blob["row_checks_version"] = ROW_CHECKS_VERSION
     atomic_write(path, lambda f: torch.save(blob, f))
     return path.stat().st_size
 
@@ -254,6 +275,25 @@ def _row_map(src: ShardLayout, i_src: int, dst: ShardLayout, i_dst: int, start: 
     return local[mine], dst.local(ids[mine])
 
 
+def _checks_of(blob: dict[str, Any], path: Any) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
+    """A value slice file's row checksums: name -> (its tensor as saved, per row; the checksums);
+    none for a file written before them or with another definition. Entries that do not fit the
+    state are a damaged file (DATA_LOSS), checked here once."""
+    saved = blob.get("row_checks")
+    if not saved or blob.get("row_checks_version") != ROW_CHECKS_VERSION:
+        return {}
+    meta, state = blob["meta"], blob["state"]
+    rows = slice_layout(meta).rows(meta["index"])
+    out = {}
+    for name, checks in saved.items() if isinstance(saved, dict) else ():
+        whole = _per_row(state[name], rows) if isinstance(state.get(name), torch.Tensor) else None
+        if whole is None or not isinstance(checks, torch.Tensor) or checks.shape != (rows,):
+            raise DataLossError(f"checkpoint slice file {path}: its checksums of {name!r} do not fit its state: "
+                                "the file is damaged")
+        out[name] = (whole, checks.numpy().view(np.uint64))
+    return out
+
+
 def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
               extras: dict[str, Any] | None = None) -> None:
     """Fill `table` (a ValueTable holding slice `target`) from saved slices `files`; `extras`, if
@@ -293,7 +333,7 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
                 continue  # holds nothing of target
         blob = _open_slice(f["file"])
         meta, state = blob["meta"], unpack(blob["state"])
-        checks = blob.get("row_checks") or {}  # (files written before checksums have none)
+        checks = _checks_of(blob, f["file"])
         if extras is not None:
             extras.update({k: v for k, v in blob.items() if k not in _OWN})
         rows, c0, c1 = overlap(meta, f["file"])
@@ -306,13 +346,14 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
             if not len(src):
                 continue
             src_idx, dst_rows = torch.from_numpy(src), torch.from_numpy(dst)
-            for name, saved in checks.items():  # the rows as saved (before unpack), each against its checksum
-                whole = _per_row(blob["state"][name], s_layout.rows(s_index))
-                bad = np.flatnonzero(row_checks(whole.index_select(0, src_idx)) != saved.numpy().view(np.uint64)[src])
-                if len(bad):
-                    raise DataLossError(f"checkpoint slice file {f['file']}: {name} of row {int(src[bad[0]])} (and "
-                                        f"{len(bad) - 1} more of these {len(src)}) does not match its checksum: "
-                                        "the file is damaged")
+            for name, (whole, saved) in checks.items():  # the rows as saved (before unpack), against their checksums
+                step = max(1, _CHECK_BYTES // max(1, whole.shape[1] * whole.element_size()))
+                for a in range(0, len(src), step):  # a few MB of rows at a time, whatever a row's width
+                    part = src[a : a + step]
+                    bad = np.flatnonzero(row_checks(whole.index_select(0, torch.from_numpy(part))) != saved[part])
+                    if len(bad):
+                        raise DataLossError(f"checkpoint slice file {f['file']}: {name} of row {int(part[bad[0]])} "
+                                            "does not match its checksum: the file is damaged")
             for name, src_t in state.items():
                 if name not in dst_state or (name in ValueTable.READ_COUNTERS and not counted):
                     continue  # e.g. Adam moments restored into an Adagrad table; another cols shard's idle counters

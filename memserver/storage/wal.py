@@ -18,6 +18,7 @@ import errno
 import logging
 import mmap
 import os
+import shlex
 import struct
 import threading
 import zlib
@@ -377,7 +378,7 @@ def repair_log(directory: Path) -> int:
                 f"write-ahead log {path}: damaged record at byte {good}, followed by intact record {later[1]} at byte "
                 f"{later[0]}: not a torn tail, so records after it may have been acknowledged. If the shard's host "
                 f"lost power (then nothing after the damage was synced, so none of it was acknowledged), cut the log "
-                f"there with the cluster down (`truncate -s {good} {path}`) and start it again; else restore the "
+                f"there with the cluster down (`truncate -s {good} {shlex.quote(str(path))}`) and start it again; else restore the "
                 "table from a checkpoint")
         log.warning("write-ahead log %s: cutting %d bytes of a torn record (never acknowledged)", path, size - good)
         os.truncate(path, good)
