@@ -432,3 +432,19 @@ def test_parts_without_dl_dw_make_the_same_step_and_the_shards_skip_it(pairs, sh
     # the trainer's call (memtrain's Engram and LSH parts) skips it too
     assert skipping.client.submit_bag_backward(NAME, *batch(5), step=3).result() is None
     assert calls["n"] == 8
+
+
+def test_a_rollback_whose_checkpoint_is_damaged_leaves_the_slice_lost_not_closed(pairs):
+    """Rolling back to a damaged checkpoint fails, and the slice is then lost (DATA_LOSS with the
+    reason, listed), not a closed slice still served."""
+    from client import DataLossError
+
+    run = pairs("run", spec(wal=False))
+    train_step(run.client, 1, (1,))
+    run.checkpoint(1)
+    (run.root / "ck" / f"step-{1:010d}" / NAME / "shard-0000.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(DataLossError):
+        run.shards[0].rollback_table(NAME, str(run.root / "ck" / f"step-{1:010d}"))
+    assert NAME not in run.shards[0].servicer.tables
+    with pytest.raises(DataLossError, match="rolling back with its restarted sibling failed"):
+        run.client.lookup(NAME, np.arange(4))

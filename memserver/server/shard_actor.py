@@ -391,7 +391,14 @@ class ShardActor:
                 raise TableNotFoundError(f"table {name!r} has no record on shard {self.index}")
             match = [c for c in record["checkpoints"] if checkpoint_dir and Path(c["file"]).parent.parent == Path(checkpoint_dir)]
             sl.close()  # a disk table's files are rebuilt in place
-            new, how = self._load_slice(record, match[-1] if match else None, replay=False)
+            try:
+                new, how = self._load_slice(record, match[-1] if match else None, replay=False)
+            except Exception as exc:  # its checkpoint damaged or gone: lost, not a closed slice still listed
+                del self.servicer.tables[name]
+                said = (str(exc).splitlines() or [""])[0][:500]
+                self._unrecovered(name, f"rolling back with its restarted sibling failed: {type(exc).__name__}: {said}",
+                                  record)
+                raise
             new.requests = sl.requests
             new.recovered_from = f"rollback to {how}"
             self.servicer.tables[name] = new

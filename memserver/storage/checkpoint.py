@@ -244,12 +244,11 @@ def _open_slice(path: str | os.PathLike[str]) -> dict[str, Any]:
             return torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, MemoryError):
         raise
-    except Exception as exc:  # noqa: BLE001 - damaged bytes fail torch's reader in many ways
-        if "Weights only load failed" in str(exc):  # whole, but holding what weights_only refuses
-            raise InvalidArgumentError(f"checkpoint slice file {path} holds objects a checkpoint never "
-                                       "holds (torch.load with weights_only refuses them)") from None
+    except Exception as exc:  # noqa: BLE001 - damaged bytes fail torch's reader in many ways (weights_only's
+        # unpickler says "Weights only load failed" for garbage and for foreign objects alike)
         said = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-        raise DataLossError(f"checkpoint slice file {path} cannot be read (damaged?): {said}") from None
+        raise DataLossError(f"checkpoint slice file {path} cannot be read (damaged, or not a slice file): "
+                            f"{said}") from None
 
 
 def _shares_rows(src: ShardLayout, i_src: int, dst: ShardLayout, i_dst: int) -> bool:
