@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memserver.api.errors import first_line
 from memserver.cli.common import GLYPHS
 from memserver.core.triggers import CAPACITY, best_per_slot, record_keys
 from trainer.checkpoints import latest_trainer_file
@@ -168,7 +169,7 @@ class Inspector:
         except OSError:
             raise
         except Exception as exc:  # noqa: BLE001 - any other bytes: torch's unpickler fails in many ways (KeyError too)
-            said = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            said = first_line(exc, 200)
             raise ValueError(f"{not_ours}: torch.load says {said}") from None
         if not isinstance(blob, dict) or "model" not in blob:
             raise ValueError(f"{not_ours}: it has no model" + (

@@ -168,3 +168,9 @@ def error_for(code: grpc.StatusCode, details: str, target: str = "") -> Memserve
 def from_rpc_error(err: grpc.RpcError, target: str = "") -> MemserverError:
     """A failed gRPC call (sync or aio) as the exception of its status."""
     return error_for(err.code(), err.details() or "", target)
+
+
+def first_line(exc: BaseException, limit: int = 500) -> str:
+    """An exception's first line, at most `limit` characters, or its type when it has no text:
+    what an error quoting a library's failure (torch's reader, faiss, a recovery) carries of it."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:limit]

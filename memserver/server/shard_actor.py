@@ -24,6 +24,7 @@ from memserver.api.errors import (
     InvalidArgumentError,
     TableExistsError,
     TableNotFoundError,
+    first_line,
 )
 from memserver.api.types import METRIC_NAMES, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
@@ -168,8 +169,7 @@ class ShardActor:
                 sl, how = self._load_slice(record, latest_committed(record), replay=True)
             except Exception as exc:
                 log.exception("shard %d: could not recover table %s; it stays unavailable", self.index, record["name"])
-                said = (str(exc).splitlines() or [""])[0][:500]
-                self._unrecovered(record["name"], f"{type(exc).__name__}: {said}", record)
+                self._unrecovered(record["name"], f"{type(exc).__name__}: {first_line(exc)}", record)
                 continue
             self.servicer.tables[sl.spec.name] = sl
             out.append({"table": sl.spec.name, "from": how, "wal": bool(sl.spec.wal),
@@ -395,9 +395,8 @@ class ShardActor:
                 new, how = self._load_slice(record, match[-1] if match else None, replay=False)
             except Exception as exc:  # its checkpoint damaged or gone: lost, not a closed slice still listed
                 del self.servicer.tables[name]
-                said = (str(exc).splitlines() or [""])[0][:500]
-                self._unrecovered(name, f"rolling back with its restarted sibling failed: {type(exc).__name__}: {said}",
-                                  record)
+                self._unrecovered(name, "rolling back with its restarted sibling failed: "
+                                  f"{type(exc).__name__}: {first_line(exc)}", record)
                 raise
             new.requests = sl.requests
             new.recovered_from = f"rollback to {how}"

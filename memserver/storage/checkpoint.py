@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memserver.api.errors import DataLossError, InvalidArgumentError, PermissionDeniedError
+from memserver.api.errors import DataLossError, InvalidArgumentError, PermissionDeniedError, first_line
 from memserver.api.types import ShardLayout
 from memserver.core.disk import unpack
 from memserver.core.table import ValueTable
@@ -246,9 +246,8 @@ def _open_slice(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise
     except Exception as exc:  # noqa: BLE001 - damaged bytes fail torch's reader in many ways (weights_only's
         # unpickler says "Weights only load failed" for garbage and for foreign objects alike)
-        said = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
         raise DataLossError(f"checkpoint slice file {path} cannot be read (damaged, or not a slice file): "
-                            f"{said}") from None
+                            f"{first_line(exc, 300)}") from None
 
 
 def _shares_rows(src: ShardLayout, i_src: int, dst: ShardLayout, i_dst: int) -> bool:
