@@ -135,12 +135,15 @@ def test_a_percentage_never_rounds_a_share_to_all_or_none():
 
 
 def test_value_table_top_slots_ties_and_coldest():
+    from memserver.core.table import TopN
+
     t = ValueTable(10, 4, OptimizerConfig("sgd", 0.1))
     t.hits[:] = __import__("torch").tensor([3, 1, 3, 0, 5, 0, 1, 3, 0, 2])
-    rows, values = t.top_slots("hits", 4)
-    assert rows.tolist() == [4, 0, 2, 7] and values.tolist() == [5, 3, 3, 3]
-    rows, values = t.top_slots("hits", 4, coldest=True)
-    assert rows.tolist() == [3, 5, 8, 1] and values.tolist() == [0, 0, 0, 1]
+    for coldest, rows, values in ((False, [4, 0, 2, 7], [5, 3, 3, 3]), (True, [3, 5, 8, 1], [0, 0, 0, 1])):
+        best = TopN(4, coldest)
+        for start in range(0, 10, 3):  # as a shard scans: chunks of the slice
+            best.add(start, t.stat("hits", start, start + 3))
+        assert best.rows.tolist() == rows and best.values.tolist() == values
     with pytest.raises(ValueError):
         t.stat("bogus")
 

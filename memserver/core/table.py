@@ -287,7 +287,7 @@ class ValueTable:
             "value_sq_norm": (rows * rows).sum(1),
         }
 
-    #: The per-slot statistics `top_slots` and `usage` rank and bin.
+    #: The per-slot statistics `top` (TopN over `stat`'s chunks) and `usage` rank and bin.
     STATS = ("hits", "weight_mass", "updates", "value_sq_norm")
     #: Rows a scan of every slot (top_slots, usage) reads at a time: its temporaries are ~40 bytes a
     #: row of one chunk, never of the slice, and a shard runs each chunk as its own work item.
@@ -307,13 +307,6 @@ class ValueTable:
             return out
         return getattr(self, name)[start:stop].cpu().numpy().astype(np.float64)
 
-    def top_slots(self, name: str, n: int, coldest: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(local rows, values) of the n largest (coldest: smallest) values of a statistic, best
-        first, ties broken by the smaller row: one pass in chunks of STAT_CHUNK rows."""
-        best = TopN(n, coldest)
-        for start in range(0, self.num_rows, self.STAT_CHUNK):
-            best.add(start, self.stat(name, start, start + self.STAT_CHUNK))
-        return best.rows, best.values
 
     # -- writes --------------------------------------------------------------------------
 
