@@ -152,6 +152,29 @@ def test_a_restore_checks_every_file_before_it_drops_anything(client, table_name
     np.testing.assert_array_equal(hits, live[2] + 1)  # the reads of state() itself
 
 
+def test_a_replace_from_a_checkpoint_with_a_damaged_row_leaves_the_live_table(client, table_name, tmp_path):
+    """A restore checks each row as it copies it, after a replace dropped the live table: a damaged
+    row there left neither table. The replace reads every checksum first now: DATA_LOSS naming
+    the file, tensor and row, and the live table as it was."""
+    rng = np.random.default_rng(5)
+    client.create_table(table_name, 60, DIM, num_shards=2, sharding="rows", optimizer="adagrad", lr=0.1)
+    train_a_little(client, table_name, rng)
+    saved = client.lookup(table_name, np.arange(60))
+    client.checkpoint(str(tmp_path / "c"), step=1, tables=[table_name])
+    train_a_little(client, table_name, rng)
+    live = state(client, table_name)
+    path = tmp_path / "c/step-0000000001" / table_name / "shard-0001.pt"  # ids 1, 3, 5, ...: row 20 is id 41
+    blob = bytearray(path.read_bytes())
+    at = bytes(blob).find(saved[41].tobytes())
+    assert at > 0
+    blob[at + 3] ^= 0x01
+    path.write_bytes(bytes(blob))
+    with pytest.raises(DataLossError, match=f"checkpoint slice file {path}: weight of row 20 does not match its checksum"):
+        client.restore(str(tmp_path / "c"), replace=True, tables=[table_name])
+    for now, before in zip(state(client, table_name)[:2], live[:2]):  # (its hits count state's own lookups)
+        np.testing.assert_array_equal(now, before)
+
+
 def test_checkpoint_and_restore_errors(client, table_name, tmp_path):
     with pytest.raises(InvalidArgumentError, match="no complete checkpoint"):
         client.restore(str(tmp_path / "empty"))
@@ -586,3 +609,34 @@ def test_the_row_checksum_is_pinned_and_a_file_whose_checksums_do_not_fit_is_dat
     torch.save(blob, path)
     restored, _, _ = _load_table(entries, True, 1, n, d, [])
     torch.testing.assert_close(restored, values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["product_keys", "index"])
+def test_a_flipped_bit_in_a_slice_saved_whole_is_refused_by_name(tmp_path, kind):
+    """What loads whole (product keys; an index's faiss bytes, ids and payload) carries a checksum
+    per 4 KiB: a flipped bit is DATA_LOSS naming the file, the tensor and the bytes, where it
+    loaded as keys or vectors no one asked for. verify_files (a replace's check before it drops
+    anything) says the same of the file."""
+    import torch
+
+    from memserver.storage.checkpoint import load_index, load_whole, save_slice, verify_files
+
+    keys = torch.randn(3000, 4)  # 48,000 bytes: 12 blocks, the last one short
+    meta = {"table": "k", "kind": kind, "by_rows": True, "index": 0, "num_shards": 1, "num_rows": 3000, "dim": 4,
+            "col_start": 0, "col_end": 4}
+    path = tmp_path / "s.pt"
+    entry = {"file": str(path), **meta}
+    save_slice(path, meta, {"keys": keys, "dead": torch.zeros(3000, dtype=torch.bool)})
+    load = (lambda: load_whole(meta, [entry])) if kind == "product_keys" else (lambda: load_index(lambda s: s, meta, [entry]))
+    torch.testing.assert_close(load()["keys"], keys, rtol=0, atol=0)
+    verify_files([entry])
+    blob = bytearray(path.read_bytes())
+    at = bytes(blob).find(keys[2500].numpy().tobytes())  # byte 40,000 of keys: block 9
+    assert at > 0
+    blob[at + 2] ^= 0x40
+    path.write_bytes(bytes(blob))
+    says = f"checkpoint slice file {path}: keys bytes 36,864..40,960 do not match their checksum"
+    with pytest.raises(DataLossError, match=says):
+        load()
+    with pytest.raises(DataLossError, match=says):
+        verify_files([entry])

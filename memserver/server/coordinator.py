@@ -42,6 +42,7 @@ from memserver.storage.checkpoint import (
     find_checkpoint,
     step_dir,
     under_root,
+    verify_files,
     withdraw_manifest,
     write_manifest,
 )
@@ -402,6 +403,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             under_root(self.checkpoint_root, f["file"])
         # what the shards would refuse of a table that replaces a live one, before any is dropped
         plans = {name: await self._check_replace(specs[name]) for name in names if name in self.tables}
+        for name in plans:  # and every byte it would load checked: a damaged file found later would leave neither table
+            await asyncio.get_running_loop().run_in_executor(None, verify_files, files[name])
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
         for name in names:
             if name in self.tables:

@@ -54,7 +54,7 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
 
 
 #: Entries of a slice file that are neither its place, its state nor its checksums: the extras.
-_OWN = ("meta", "state", "row_checks", "row_checks_version")
+_OWN = ("meta", "state", "row_checks", "block_checks", "row_checks_version")
 #: The row checksum's definition (row_checks); a file with another one is not checked.
 ROW_CHECKS_VERSION = 1
 
@@ -76,6 +76,9 @@ def _splitmix64(n: int, seed: int = 0x6D656D) -> np.ndarray:
 _MULT = _splitmix64(4096)
 #: Bytes of rows a checksum pass reads at a time (its temporaries are ~2x this).
 _CHECK_BYTES = 4 << 20
+#: Bytes per checksum of a tensor that is not per row (an index's faiss bytes, a product-key
+#: table's keys): 8 bytes of checksum per 4 KiB, and a damaged block named by its offset.
+_BLOCK = 4096
 
 
 def _per_row(t: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -107,18 +110,31 @@ def row_checks(rows: torch.Tensor) -> np.ndarray:
     return out
 
 
+def block_checks(t: torch.Tensor) -> np.ndarray:
+    """One uint64 checksum (row_checks' sum) per _BLOCK bytes of a CPU tensor, the last block
+    the rest."""
+    b = t.contiguous().reshape(-1).view(torch.uint8)
+    full = b.numel() // _BLOCK
+    parts = [row_checks(b[: full * _BLOCK].view(full, _BLOCK))] if full else []
+    if b.numel() % _BLOCK:
+        parts.append(row_checks(b[full * _BLOCK :].view(1, -1)))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+
+
 def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], extra: dict[str, Any] | None = None) -> int:
     """One table slice: `meta` says where it sits (sharding, index, num_shards, columns); `extra`
     holds what only the same shard's recovery reads (its exactly-once window, its log position).
-    A value slice's per-row tensors get a checksum per row (`row_checks`), checked as a restore
-    copies the rows (load_into)."""
+    Every tensor gets checksums: a value slice's per-row tensors one per row (`row_checks`,
+    checked as a restore copies the rows: load_into), any other one per 4 KiB (`block_checks`,
+    checked as a whole slice loads), so damaged bytes are refused by name instead of loading."""
     cpu = {k: v.cpu() for k, v in state.items()}
     blob: dict[str, Any] = {"meta": meta, "state": cpu, **(extra or {})}
-    if meta.get("kind", "value") == "value":
-        rows = slice_layout(meta).rows(meta["index"])
-        blob["row_checks"] = {k: torch.from_numpy(row_checks(r).view(np.int64)) for k, v in cpu.items()
-                              if (r := _per_row(v, rows)) is not None}
-        blob["row_checks_version"] = ROW_CHECKS_VERSION
+    rows = slice_layout(meta).rows(meta["index"]) if meta.get("kind", "value") == "value" else 0
+    by_row = {k: r for k, v in cpu.items() if (r := _per_row(v, rows)) is not None}
+    blob["row_checks"] = {k: torch.from_numpy(row_checks(r).view(np.int64)) for k, r in by_row.items()}
+    blob["block_checks"] = {k: torch.from_numpy(block_checks(v).view(np.int64)) for k, v in cpu.items()
+                            if k not in by_row}
+    blob["row_checks_version"] = ROW_CHECKS_VERSION
     atomic_write(path, lambda f: torch.save(blob, f))
     return path.stat().st_size
 
@@ -292,6 +308,53 @@ def _checks_of(blob: dict[str, Any], path: Any) -> dict[str, tuple[torch.Tensor,
     return out
 
 
+def _check_rows(whole: torch.Tensor, saved: np.ndarray, rows: np.ndarray, path: Any, name: str) -> None:
+    """Rows `rows` of `whole` (a tensor as saved, per row) against their checksums `saved`, a
+    few MB at a time whatever a row's width; DataLossError names the file, tensor and row."""
+    step = max(1, _CHECK_BYTES // max(1, whole.shape[1] * whole.element_size()))
+    for a in range(0, len(rows), step):
+        part = rows[a : a + step]
+        bad = np.flatnonzero(row_checks(whole.index_select(0, torch.from_numpy(part))) != saved[part])
+        if len(bad):
+            raise DataLossError(f"checkpoint slice file {path}: {name} of row {int(part[bad[0]])} "
+                                "does not match its checksum: the file is damaged")
+
+
+def _check_blocks(blob: dict[str, Any], path: Any) -> None:
+    """Every tensor of a slice file that has block checksums (those not checked per row), read
+    whole against them: what loads whole (an index, product keys) is checked whole. Files
+    written before these checksums have none."""
+    saved = blob.get("block_checks")
+    if not saved or blob.get("row_checks_version") != ROW_CHECKS_VERSION:
+        return
+    state = blob["state"]
+    for name, checks in saved.items() if isinstance(saved, dict) else ():
+        t = state.get(name)
+        if not isinstance(t, torch.Tensor) or not isinstance(checks, torch.Tensor) or \
+                checks.shape != ((t.numel() * t.element_size() + _BLOCK - 1) // _BLOCK,):
+            raise DataLossError(f"checkpoint slice file {path}: its checksums of {name!r} do not fit its state: "
+                                "the file is damaged")
+        bad = np.flatnonzero(block_checks(t) != checks.numpy().view(np.uint64))
+        if len(bad):
+            raise DataLossError(f"checkpoint slice file {path}: {name} bytes {int(bad[0]) * _BLOCK:,}.."
+                                f"{min((int(bad[0]) + 1) * _BLOCK, t.numel() * t.element_size()):,} do not match "
+                                "their checksum: the file is damaged")
+
+
+def verify_files(files: list[dict[str, Any]]) -> None:
+    """Every checksum of every slice file in `files` compared with the bytes: the whole files
+    read, in bounded pieces. A restore with replace asks this before it drops the live table
+    (restoring checks only what each slice copies, as it copies it, when the old table is gone
+    already). DataLossError names the first damaged file, tensor and row or bytes."""
+    for f in files:
+        blob = _open_slice(f["file"])
+        for name, (whole, saved) in _checks_of(blob, f["file"]).items():
+            for s in range(0, len(saved), _RESTORE_ROWS):
+                _check_rows(whole, saved, np.arange(s, min(s + _RESTORE_ROWS, len(saved)), dtype=np.int64),
+                            f["file"], name)
+        _check_blocks(blob, f["file"])
+
+
 def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
               extras: dict[str, Any] | None = None) -> None:
     """Fill `table` (a ValueTable holding slice `target`) from saved slices `files`; `extras`, if
@@ -332,6 +395,7 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
         blob = _open_slice(f["file"])
         meta, state = blob["meta"], unpack(blob["state"])
         checks = _checks_of(blob, f["file"])
+        _check_blocks(blob, f["file"])
         if extras is not None:
             extras.update({k: v for k, v in blob.items() if k not in _OWN})
         rows, c0, c1 = overlap(meta, f["file"])
@@ -345,13 +409,7 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
                 continue
             src_idx, dst_rows = torch.from_numpy(src), torch.from_numpy(dst)
             for name, (whole, saved) in checks.items():  # the rows as saved (before unpack), against their checksums
-                step = max(1, _CHECK_BYTES // max(1, whole.shape[1] * whole.element_size()))
-                for a in range(0, len(src), step):  # a few MB of rows at a time, whatever a row's width
-                    part = src[a : a + step]
-                    bad = np.flatnonzero(row_checks(whole.index_select(0, torch.from_numpy(part))) != saved[part])
-                    if len(bad):
-                        raise DataLossError(f"checkpoint slice file {f['file']}: {name} of row {int(part[bad[0]])} "
-                                            "does not match its checksum: the file is damaged")
+                _check_rows(whole, saved, src, f["file"], name)
             for name, src_t in state.items():
                 if name not in dst_state or (name in ValueTable.READ_COUNTERS and not counted):
                     continue  # e.g. Adam moments restored into an Adagrad table; another cols shard's idle counters
@@ -381,7 +439,8 @@ def load_index(make: Callable[[dict[str, Any] | None], Any], target: dict[str, A
     for Flat, IVF-Flat and HNSW,Flat; the decoded codes for PQ/SQ kinds). `extras` as in load_into."""
     place = tuple(target[k] for k in ("num_shards", "index"))
     opened = [_open_slice(f["file"]) for f in files]
-    for blob in opened:
+    for f, blob in zip(files, opened):
+        _check_blocks(blob, f["file"])
         if extras is not None:
             extras.update({k: v for k, v in blob.items() if k not in _OWN})
     if len(opened) == 1 and tuple(opened[0]["meta"][k] for k in ("num_shards", "index")) == place:
@@ -406,6 +465,7 @@ def load_whole(target: dict[str, Any], files: list[dict[str, Any]], extras: dict
     if len(files) != 1:
         raise InvalidArgumentError(f"table {target['table']}: a one-shard table has one checkpoint file, got {len(files)}")
     blob = _open_slice(files[0]["file"])
+    _check_blocks(blob, files[0]["file"])
     if blob["meta"].get("kind") != target.get("kind"):
         raise InvalidArgumentError(f"table {target['table']}: the checkpoint holds a {blob['meta'].get('kind')} slice, "
                                    f"not {target.get('kind')}")
