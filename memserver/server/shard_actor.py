@@ -50,7 +50,7 @@ from memserver.server.sessions import SESSION_TTL
 from memserver.server.slice import TableSlice, check_placeable
 from memserver.storage.checkpoint import load_index, load_into, load_whole, save_slice, trigger_states
 from memserver.storage.fsutil import atomic_write
-from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, latest_committed, table_record
+from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, committed_checkpoints, latest_committed, table_record
 from memserver.storage.wal import LogGapError, WriteAheadLog, read_log, repair_log
 from memserver.wire import DOORBELL_ENV, switch_on, tune_malloc
 
@@ -166,7 +166,7 @@ class ShardActor:
             self._unrecovered(name, why)
         for record in records:
             try:
-                sl, how = self._load_slice(record, latest_committed(record), replay=True)
+                sl, how = self._recover_slice(record)
             except Exception as exc:
                 log.exception("shard %d: could not recover table %s; it stays unavailable", self.index, record["name"])
                 self._unrecovered(record["name"], f"{type(exc).__name__}: {first_line(exc)}", record)
@@ -205,6 +205,37 @@ class ShardActor:
             return
         self.unrecovered[name] = (spec.SerializeToString(), info.SerializeToString(), n)
 
+    def _recover_slice(self, record: dict[str, Any]) -> tuple[TableSlice, str]:
+        """A recorded slice back as it was: its latest complete checkpoint and the log after it.
+        A logged table whose checkpoint file is damaged (DATA_LOSS) comes back from the one
+        before it, or from its start, and more of the log: checkpoints keep the log from the
+        previous complete one on (`rotate`), so nothing acknowledged is lost, and `how` (status,
+        the log) says which file was passed over. A table without a log has nothing to replay
+        after an older checkpoint: it stays lost (the caller), for the operator to restore."""
+        points = committed_checkpoints(record)
+        latest = points[-1] if points else None
+        try:
+            return self._load_slice(record, latest, replay=True)
+        except DataLossError as exc:
+            if latest is None or not pb.TableSpec.FromString(base64.b64decode(record["spec"])).wal:
+                raise
+            damaged = exc
+        for older in [*reversed(points[:-1]), None]:
+            try:
+                sl, how = self._load_slice(record, older, replay=True)
+            except Exception:  # noqa: BLE001 - this one does not load either: an older one may
+                log.exception("shard %d: table %s: no recovery from %s either", self.index, record["name"],
+                              f"checkpoint step {older.get('step', 0)}" if older else "its start")
+                continue
+            if sl.unavailable:  # the log does not reach back to it: no older one's does
+                sl.close()
+                break
+            sl.recovered_from = how = (f"{how} (checkpoint step {latest.get('step', 0)} passed over: "
+                                       f"{first_line(damaged, 300)})")
+            log.warning("shard %d: table %s: recovered from %s", self.index, record["name"], how)
+            return sl, how
+        raise damaged
+
     def _load_slice(self, record: dict[str, Any], checkpoint: dict[str, Any] | None,
                     replay: bool) -> tuple[TableSlice, str]:
         """Build a slice from its record: the given checkpoint, else its restore files, else the
@@ -214,52 +245,56 @@ class ShardActor:
         files = [checkpoint] if checkpoint else record.get("base_files") or []
         sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files, session_ttl=self.session_ttl,
                         directory=self.store.table_dir(spec.name) if self.store is not None else None)
-        start, how = 0, "initial values"
-        extras: dict[str, Any] = {}
-        if files and sl.kind == pb.PRODUCT_KEYS:
-            from memserver.core.pkm import ProductKeyIndex
+        try:  # a slice that does not load closes what it opened (a disk table's files: a recovery tries again)
+            start, how = 0, "initial values"
+            extras: dict[str, Any] = {}
+            if files and sl.kind == pb.PRODUCT_KEYS:
+                from memserver.core.pkm import ProductKeyIndex
 
-            state = load_whole(sl.slice_meta(), files, extras)
-            sl.table = ProductKeyIndex.from_state(int(spec.pkm_heads), int(spec.pkm_n_keys), int(spec.pkm_knn),
-                                                  int(spec.pkm_k_dim), int(spec.pkm_d_in), state)
-        elif files and sl.is_index:
-            sl.table = load_index(lambda state: self._index_of(spec, state), sl.slice_meta(), files, extras)
-        elif files:
-            load_into(sl.table, sl.slice_meta(), files, extras)
-            index = sl.info.index
-            sl.triggers.load(trigger_states(files), lambda ids: sl.layout.owner(ids) == index)
-        if files:
-            how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
-        template = self.store.table_dir(spec.name) / INDEX_TEMPLATE if self.store is not None else None
-        if sl.is_index and not sl.table.is_trained and template is not None and template.exists():
-            sl.table.install(template.read_bytes())  # trained after the state it was loaded from
-        if sl.is_index:
-            log.info("index %s on shard %d: %s", spec.name, self.index, sl.table.placement)
-        if checkpoint:
-            start = int(checkpoint.get("lsn", 0))
-            sl.load_extras(extras)
-        if spec.wal and self.store is not None:
-            wal_dir = self.store.table_dir(spec.name)
-            end = repair_log(wal_dir) if replay else start
-            replayed = 0
-            if replay:
-                try:
-                    for _, kind, payload in read_log(wal_dir, start):
-                        self.servicer.replay(sl, kind, payload)
-                        replayed += 1
-                except LogGapError as gap:
-                    # Writes that were acknowledged are missing: serving the slice would silently
-                    # lose them. It stays listed (status says why) and refuses every request.
-                    after = f"continues at record {gap.found}" if gap.found is not None else "ends before it"
-                    sl.unavailable = (f"its write-ahead log misses record {gap.expected} (replayed from "
-                                      f"{how}, {replayed} records; the log {after}): acknowledged writes are "
-                                      "missing; restore the table from a checkpoint")
-                    log.error("shard %d: table %s: %s", self.index, spec.name, sl.unavailable)
-                how += f" + {replayed} logged writes"
-            if not sl.unavailable:
-                sl.wal = WriteAheadLog(wal_dir, max(start, end))
-        sl.recovered_from = how
-        return sl, how
+                state = load_whole(sl.slice_meta(), files, extras)
+                sl.table = ProductKeyIndex.from_state(int(spec.pkm_heads), int(spec.pkm_n_keys), int(spec.pkm_knn),
+                                                      int(spec.pkm_k_dim), int(spec.pkm_d_in), state)
+            elif files and sl.is_index:
+                sl.table = load_index(lambda state: self._index_of(spec, state), sl.slice_meta(), files, extras)
+            elif files:
+                load_into(sl.table, sl.slice_meta(), files, extras)
+                index = sl.info.index
+                sl.triggers.load(trigger_states(files), lambda ids: sl.layout.owner(ids) == index)
+            if files:
+                how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
+            template = self.store.table_dir(spec.name) / INDEX_TEMPLATE if self.store is not None else None
+            if sl.is_index and not sl.table.is_trained and template is not None and template.exists():
+                sl.table.install(template.read_bytes())  # trained after the state it was loaded from
+            if sl.is_index:
+                log.info("index %s on shard %d: %s", spec.name, self.index, sl.table.placement)
+            if checkpoint:
+                start = int(checkpoint.get("lsn", 0))
+                sl.load_extras(extras)
+            if spec.wal and self.store is not None:
+                wal_dir = self.store.table_dir(spec.name)
+                end = repair_log(wal_dir) if replay else start
+                replayed = 0
+                if replay:
+                    try:
+                        for _, kind, payload in read_log(wal_dir, start):
+                            self.servicer.replay(sl, kind, payload)
+                            replayed += 1
+                    except LogGapError as gap:
+                        # Writes that were acknowledged are missing: serving the slice would silently
+                        # lose them. It stays listed (status says why) and refuses every request.
+                        after = f"continues at record {gap.found}" if gap.found is not None else "ends before it"
+                        sl.unavailable = (f"its write-ahead log misses record {gap.expected} (replayed from "
+                                          f"{how}, {replayed} records; the log {after}): acknowledged writes are "
+                                          "missing; restore the table from a checkpoint")
+                        log.error("shard %d: table %s: %s", self.index, spec.name, sl.unavailable)
+                    how += f" + {replayed} logged writes"
+                if not sl.unavailable:
+                    sl.wal = WriteAheadLog(wal_dir, max(start, end))
+            sl.recovered_from = how
+            return sl, how
+        except BaseException:
+            sl.close()
+            raise
 
     # -- table management (called by the coordinator) ---------------------------------------
 

@@ -120,6 +120,12 @@ def committed(checkpoint: dict[str, Any]) -> bool:
     return (Path(checkpoint["file"]).parent.parent / MANIFEST).exists()
 
 
+def committed_checkpoints(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A slice's checkpoints that belong to complete checkpoints and whose files exist, oldest
+    first (at most KEEP_CHECKPOINTS)."""
+    return [c for c in record.get("checkpoints", []) if committed(c) and Path(c["file"]).exists()]
+
+
 def latest_committed(record: dict[str, Any]) -> dict[str, Any] | None:
-    done = [c for c in record.get("checkpoints", []) if committed(c) and Path(c["file"]).exists()]
+    done = committed_checkpoints(record)
     return done[-1] if done else None
