@@ -222,6 +222,33 @@ def test_coordinator_rebuilds_its_catalog_and_follows_a_moved_shard():
     assert servicer.tables["m"].shards[1].pid == 99 and servicer.epoch == epoch + 1
 
 
+def test_of_two_whole_layouts_of_a_name_the_catalog_keeps_the_newer():
+    """A drop that missed a shard (down at the time) leaves a whole one-shard layout there; a create
+    of the name then makes another. A coordinator rebuilding its catalog kept neither (random
+    layout ids cannot say which is newer); it keeps the newer now, whatever order the shards
+    describe them in."""
+    import time
+
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.coordinator import ControlPlaneServicer
+
+    infos = [{"address": f"127.0.0.1:{7000 + j}", "node_id": "n", "pid": 10 + j} for j in range(2)]
+    spec = validate_spec(pb.TableSpec(name="w", num_rows=10, dim=4, num_shards=1), 2)
+    old = plan_table(spec, [infos[1]])
+    time.sleep(0.002)
+    new = plan_table(spec, [infos[0]])
+    for order in ((0, 1), (1, 0)):
+        held = [[(spec.SerializeToString(), (new if j == 0 else old).shards[0].SerializeToString(), 1)] for j in order]
+        servicer = ControlPlaneServicer([None] * 2, [infos[j] for j in order])
+        servicer.recover_catalog(held)
+        assert servicer.tables["w"].layout_id == new.layout_id and servicer.placement["w"] == [order.index(0)]
+    made = []
+    for _ in range(16):  # a millisecond apart: each later than the one before (random ids: 1 in 2^15)
+        made.append(plan_table(spec, [infos[0]]).layout_id)
+        time.sleep(0.0011)
+    assert made == sorted(made) and made[-1] < 1 << 63
+
+
 def test_a_failed_fsync_acknowledges_nothing_after_it(tmp_path, monkeypatch):
     import memserver.storage.wal as durable
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,11 +193,19 @@ def _validate_product_keys(spec: pb.TableSpec) -> pb.TableSpec:
     return spec
 
 
+def new_layout_id() -> int:
+    """A layout_id later than every earlier one: the milliseconds since the epoch above 20 random
+    bits (two incarnations made in one millisecond still differ). A coordinator rebuilding its
+    catalog from shards that hold two whole layouts of a name (a drop that missed a shard, then
+    a create) keeps the newer; ids fit 63 bits until the year 2248."""
+    return (time.time_ns() // 1_000_000) << 20 | secrets.randbits(20)
+
+
 def plan_table(spec: pb.TableSpec, shards: list[dict[str, Any]]) -> pb.TableInfo:
     """Place a validated spec on `shards` (dicts with address, node_id, pid): the shard map, with
-    a new random layout_id naming this incarnation of the table (see TableInfo.layout_id)."""
+    a new layout_id naming this incarnation of the table (see TableInfo.layout_id)."""
     layout = ShardLayout.of(spec, len(shards))
-    info = pb.TableInfo(spec=spec, layout_id=secrets.randbits(63) + 1)
+    info = pb.TableInfo(spec=spec, layout_id=new_layout_id())
     for i, sh in enumerate(shards):
         c0, c1 = layout.cols(i)
         info.shards.add(index=i, address=sh["address"], node_id=sh["node_id"], pid=sh["pid"], col_start=c0, col_end=c1,

@@ -98,13 +98,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 spec, info = pb.TableSpec.FromString(spec_b), pb.ShardInfo.FromString(info_b)
                 slices.setdefault(spec.name, {}).setdefault(info.layout_id, {})[info.index] = (j, spec, info, n)
         for name, layouts in sorted(slices.items()):
-            whole = [p for p in layouts.values() if sorted(p) == list(range(next(iter(p.values()))[3]))]
-            if len(whole) != 1:
-                log.error("table %s: shards hold slices %s; %s; leaving it out of the catalog", name,
-                          {lid: sorted(p) for lid, p in layouts.items()},
-                          "no layout has every slice" if not whole else "several layouts are whole")
+            whole = {lid: p for lid, p in layouts.items() if sorted(p) == list(range(next(iter(p.values()))[3]))}
+            if not whole:
+                log.error("table %s: shards hold slices %s; no layout has every slice; leaving it out of the catalog",
+                          name, {lid: sorted(p) for lid, p in layouts.items()})
                 continue
-            parts = whole[0]
+            parts = whole[max(whole)]  # the newest (new_layout_id): a namesake's whole layout a drop missed is older
             n = next(iter(parts.values()))[3]
             if len(layouts) > 1:
                 log.warning("table %s: slices of another layout (a dropped namesake's) stay outside the catalog", name)
