@@ -429,3 +429,27 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_and_more_of_the_
     torch.testing.assert_close(got, rows, rtol=0, atol=0)
     assert "n" not in again.servicer.tables and f"{rows_of} of row 7 does not match" in again.servicer.lost["n"]
     again.stop()
+
+
+def test_a_plain_restore_does_not_run_over_a_lost_slices_files(tmp_path):
+    """A table left out of the catalog because a shard's record of it cannot be read keeps its
+    files for repair, and a create of the name is refused. A restore without replace dropped
+    them (and restored over them); it is refused the same way now, and with replace it runs."""
+    from client import MemoryClient, TableExistsError
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2, data_dir=str(tmp_path / "data")) as server, MemoryClient(server.endpoint, timeout=30) as c:
+        c.create_table("rec", 64, 4, sharding="cols", wal=True)
+        c.push_gradients("rec", np.arange(8), np.ones((8, 4), np.float32))
+        c.checkpoint(str(tmp_path / "ck"), step=1)
+        rows = c.lookup("rec", np.arange(64))
+    record = tmp_path / "data" / "shard-0000" / "rec" / "table.json"
+    record.write_text("garbage{")
+    with InProcessServer(2, data_dir=str(tmp_path / "data")) as server, \
+            MemoryClient(server.endpoint, timeout=30, retry_seconds=0) as c:
+        assert "rec" not in [t.name for t in c.list_tables()]
+        with pytest.raises(TableExistsError, match="a new table of that name would delete them"):
+            c.restore(str(tmp_path / "ck"), tables=["rec"])
+        assert record.read_text() == "garbage{"
+        c.restore(str(tmp_path / "ck"), tables=["rec"], replace=True)
+        np.testing.assert_array_equal(c.lookup("rec", np.arange(64)), rows)

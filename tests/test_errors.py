@@ -115,8 +115,8 @@ def test_a_create_that_meets_a_slice_outside_the_catalog_leaves_it(memory_cluste
     """A shard still holding a slice of that name that the catalog left out (its table came back
     incomplete): the create is ALREADY_EXISTS naming the fix, and that slice is not dropped by the
     create's undo (it was, deleting its files, a wal table's log included). Dropping the name drops
-    it (it was TableNotFound, and the name refused every create for good), as do a create with
-    replace and a restore."""
+    it (it was TableNotFound, and the name refused every create for good), as do a create or a
+    restore with replace."""
     import ray
 
     from memserver.api.errors import TableNotFoundError
@@ -144,7 +144,9 @@ def test_a_create_that_meets_a_slice_outside_the_catalog_leaves_it(memory_cluste
         client.checkpoint(str(tmp_path), step=1, tables=[table_name])
         client.drop_table(table_name)
         stray()
-        [restored] = client.restore(str(tmp_path), tables=[table_name])  # a restore too
+        with pytest.raises(TableExistsError, match="outside the catalog.*or create or restore with replace"):
+            client.restore(str(tmp_path), tables=[table_name])  # a plain restore leaves it, as a create does
+        [restored] = client.restore(str(tmp_path), tables=[table_name], replace=True)  # a restore with replace too
         assert restored.num_rows == 6
     finally:
         ray.get(memory_cluster.shards[1].drop_table.remote(table_name))

@@ -408,7 +408,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for name in names:
             if name in self.tables:
                 await self._drop(name)
-            await self._drop_strays(name)  # nothing of it may stay: slices no table owns either
+            if request.replace:  # nothing of it may stay: slices no table owns either (without replace
+                await self._drop_strays(name)  # the shards holding one refuse, as for a create: a lost slice's files stay)
             resp.tables.append(await self._place(specs[name], files[name], plan=plans.get(name)))
         return resp
 

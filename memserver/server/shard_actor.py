@@ -335,7 +335,7 @@ class ShardActor:
         if s.name in self.servicer.tables:  # (a slice the catalog left out: its table was incomplete)
             raise TableExistsError(f"table {s.name!r} already exists on shard {self.index}, outside the catalog "
                                    "(a slice of a table whose other slices are missing): drop it (memserver drop-table "
-                                   f"{s.name}) or create with replace")
+                                   f"{s.name}), or create or restore with replace")
         shard = pb.ShardInfo.FromString(info)
         refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits,
                          None if checked else memory_available(self.device), node_bytes)
