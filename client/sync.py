@@ -55,13 +55,40 @@ class MemoryClient:
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, dict[str, Any]] = {}  # address -> DataPlane methods (client.transport)
         self._lock = threading.Lock()
+        # What submit_* sent and has not finished (at most the caller's calls in flight): close
+        # waits for them, or a commit still in flight when a with-block ends was cut off and lost.
+        self._pending: set[Future[Any]] = set()
+        self._closed = False
 
     @property
     def endpoint(self) -> str:
         return self.aio.endpoint
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPreconditionError("this MemoryClient is closed (close(), or the end of its with-block): "
+                                          "make a new one")
+
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()  # never started: no "was never awaited" warning
+            self._check_open()
         return self._loop.call(coro)
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Run `coro` on the client's loop without waiting; close() waits for it."""
+        if self._closed:
+            coro.close()
+            self._check_open()
+        fut = self._loop.submit(coro)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(fut)
 
     def _methods(self, address: str) -> dict[str, Any]:
         methods = self._stubs.get(address)
@@ -80,6 +107,7 @@ class MemoryClient:
         is UNAVAILABLE (restarting) or past its deadline (a partition) or overloaded (after one backoff here) or a table that moved
         goes through the asyncio client's retrying path instead, which runs this same blocking
         attempt in an executor thread; the op keeps its write tags across attempts."""
+        self._check_open()
         timeout = self.aio.timeout
         first = True
         counted: set[tuple[str, int, int]] = set()  # reads a shard answered: not counted again on a retry
@@ -156,6 +184,19 @@ class MemoryClient:
                 tags.close()
 
     def close(self) -> None:
+        """Wait for the calls submit_* sent (a commit a trainer did not wait for: its step's
+        update), then close the channels and the loop. Later calls are refused
+        (FAILED_PRECONDITION). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            pending = list(self._pending)
+        if pending:  # each ends by its deadline and retry budget
+            _, late = concurrent.futures.wait(pending, self.aio.retry_seconds + 2 * self.aio.timeout)
+            if late:
+                log.error("client close: %d submitted call(s) did not finish; a write among them may not be applied",
+                          len(late))
         with self._lock:
             for ch in self._channels.values():
                 ch.close()
@@ -314,7 +355,7 @@ class MemoryClient:
 
     def submit_warm(self, table: str, ids: Any) -> Future[int]:
         """`warm` without waiting (a trainer sends the next step's rows and goes on computing)."""
-        return self._loop.submit(self.aio.warm(table, ids))
+        return self._submit(self.aio.warm(table, ids))
 
     def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:
         stats = self._call(table, lambda meta: ops.slot_stats_op(meta, ids))
@@ -323,22 +364,22 @@ class MemoryClient:
     def submit_bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Future[Any]:
         """`bag` without waiting: the answer arrives in the returned future (a memory layer sends
         one chunk's bag and addresses the next chunk meanwhile)."""
-        return self._loop.submit(self.aio.bag(table, ids, weights, offsets))
+        return self._submit(self.aio.bag(table, ids, weights, offsets))
 
     def submit_bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
                             step: int, gather: bool = True) -> Future[None]:
         """`bag_backward` without waiting, for a part of `step` whose dL/dweights the caller does
         not use (the shards skip it; the future gives None): it sends the update and goes on;
         `commit_step` after every such future is done."""
-        return self._loop.submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, step=step, gather=gather,
+        return self._submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, step=step, gather=gather,
                                                        weight_grad=False))
 
     def submit_commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> Future[int]:
         """`commit_step` without waiting (a trainer overlaps it with its next step's first work).
         Until the future is done the step may not be applied: a caller that reads the table
         meanwhile, or commits its next step, waits for it first (trainer.memory.RemoteValues)."""
-        return self._loop.submit(self.aio.commit_step(table, step, defer_apply=defer_apply))
+        return self._submit(self.aio.commit_step(table, step, defer_apply=defer_apply))
 
     def submit_search(self, table: str, queries: Any, k: int, **kwargs: Any) -> Future[tuple[Any, ...]]:
         """`search` without waiting (a KIF layer sends a chunk's search and goes on)."""
-        return self._loop.submit(self.aio.search(table, queries, k, **kwargs))
+        return self._submit(self.aio.search(table, queries, k, **kwargs))

@@ -646,3 +646,34 @@ def test_the_query_bias_before_a_batchnorm_learns_nothing_and_stays_a_parameter(
     layer(torch.randn(6, 8)).sum().backward()
     assert layer.query.bias.requires_grad and torch.count_nonzero(layer.query.bias.grad) == 0
     assert torch.count_nonzero(layer.query.weight.grad) > 0
+
+
+def test_closing_the_client_waits_for_a_commit_in_flight_and_refuses_later_calls(memory_cluster, table_name):
+    """`end_step(wait=False)` sends the step's commit and returns; the client's with-block ended
+    right after, and its close cut the commit off: the last step's update was lost without a
+    word (the table equal to one step fewer). close() waits for what submit_* sent now. A closed
+    client refuses every call by name; it reopened channels it never closed again, or failed
+    with "Event loop is closed"."""
+    from client import FailedPreconditionError, MemoryClient
+    from trainer.memory import RemoteValues
+
+    g = torch.Generator().manual_seed(0)
+    ids, w = torch.randint(0, 64, (5, 8, 4), generator=g), torch.rand(5, 8, 4, generator=g)
+    go = torch.randn(5, 8, 16, generator=g)
+    local = LocalValues(64, 16, optimizer="adam", lr=0.1, seed=2)
+    with MemoryClient(memory_cluster.endpoint, timeout=60) as c:
+        remote = RemoteValues(c, table_name, 64, 16, optimizer="adam", lr=0.1, seed=2)
+        for s in range(5):
+            for values in (local, remote):
+                values.begin_step(s)
+                values.bag_backward(ids[s], w[s], go[s])
+                values.end_step(s, wait=s < 4)  # the last one not waited for
+        assert remote.committing is not None
+    with MemoryClient(memory_cluster.endpoint, timeout=60) as other:
+        torch.testing.assert_close(torch.as_tensor(other.lookup(table_name, np.arange(64))),
+                                   local.table.weight, rtol=0, atol=1e-5)  # (one step fewer: ~0.1 apart)
+        other.drop_table(table_name)
+    for call in (lambda: c.bag(table_name, ids[0], w[0]), c.list_tables, lambda: c.submit_commit_step(table_name, 9)):
+        with pytest.raises(FailedPreconditionError, match="this MemoryClient is closed"):
+            call()
+    c.close()  # again: nothing
