@@ -677,3 +677,31 @@ def test_closing_the_client_waits_for_a_commit_in_flight_and_refuses_later_calls
         with pytest.raises(FailedPreconditionError, match="this MemoryClient is closed"):
             call()
     c.close()  # again: nothing
+
+
+def test_backends_take_numpy_and_refuse_the_async_client_and_index_tables(client, memory_cluster, table_name):
+    """numpy arrays, which the client takes, failed inside either backend ("'str' object has no
+    attribute 'type'"); RemoteValues over the asyncio client made no table and failed at the first
+    bag on a coroutine; attached to an index table it said the table had 2^63-1 rows."""
+    from client import AsyncMemoryClient
+    from trainer.memory import RemoteValues
+
+    local = LocalValues(64, 8, optimizer="sgd", lr=1.0, seed=1)
+    remote = RemoteValues(client, table_name, 64, 8, optimizer="sgd", lr=1.0, seed=1)
+    ids, w, g = np.arange(12).reshape(3, 4), np.full((3, 4), 0.5, np.float32), np.ones((3, 8), np.float32)
+    for values in (local, remote):
+        torch.testing.assert_close(values.bag(ids, w), values.bag(torch.from_numpy(ids), torch.from_numpy(w)))
+        values.bag_backward(ids, w, g)
+        values.submit_bag(ids, w).result()
+    torch.testing.assert_close(torch.as_tensor(client.lookup(table_name, np.arange(64))), local.table.weight)
+    with pytest.raises(TypeError, match="a value backend takes torch tensors .or numpy arrays., got list"):
+        local.bag([[1]], [[1.0]])
+    with pytest.raises(TypeError, match="needs the blocking client.MemoryClient, not AsyncMemoryClient"):
+        RemoteValues(AsyncMemoryClient(memory_cluster.endpoint), f"{table_name}-a", 8, 8)
+    assert f"{table_name}-a" not in {t.name for t in client.list_tables()}
+    client.create_index(f"{table_name}-i", 8)
+    try:
+        with pytest.raises(ValueError, match=f"table {table_name}-i is an index table, not a value table"):
+            RemoteValues(client, f"{table_name}-i", 10, 8, create=False)
+    finally:
+        client.drop_table(f"{table_name}-i")

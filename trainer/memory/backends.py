@@ -28,6 +28,7 @@ from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from memserver.api.errors import InvalidArgumentError
@@ -139,6 +140,20 @@ def after(first: Future, then: Callable[[], Future[T]]) -> Future[T]:
 def on_device(answer: Future[T], device: torch.device) -> Future[T]:
     """`answer` (host tensors) as a future of tensors on `device`; on the CPU the future itself."""
     return answer if device.type == "cpu" else DeviceFuture(answer, device)
+
+
+def tensors(*xs: Any) -> tuple[torch.Tensor, ...]:
+    """A backend's arguments as tensors: numpy arrays taken as they are (the client takes both,
+    and a backend handed one failed deep inside with "'str' object has no attribute 'type'"),
+    anything else refused by name."""
+    out = []
+    for x in xs:
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(x)
+        elif not isinstance(x, torch.Tensor):
+            raise TypeError(f"a value backend takes torch tensors (or numpy arrays), got {type(x).__name__}")
+        out.append(x)
+    return tuple(out)
 
 
 class ValueBackend(Protocol):
@@ -261,6 +276,7 @@ class LocalValues:
             check_rows(grad_out, num_bags, self.dim, "grad_out")
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ids, weights = tensors(ids, weights)
         self._check(ids, weights)
         return to_device(self.table.bag(ids, weights), ids.device)
 
@@ -275,6 +291,7 @@ class LocalValues:
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:
+        ids, weights, grad_out = tensors(ids, weights, grad_out)
         self._check(ids, weights, grad_out)
         if self.parts is None:  # outside a step: apply at once
             self.version += 1
@@ -342,8 +359,12 @@ class RemoteValues:
         `wal`: the shards log every update before acknowledging it (survives a shard restart);
         `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table)."""
         from client import TableNotFoundError
+        from client.aio import AsyncMemoryClient
         from client.ops import ids_fit_int32
 
+        if isinstance(client, AsyncMemoryClient):  # its calls are coroutines: a layer would get one, not values
+            raise TypeError("client: RemoteValues calls the cluster from the training step and needs the blocking "
+                            "client.MemoryClient, not AsyncMemoryClient")
         if not isinstance(name, str):
             raise InvalidArgumentError(f"name: a table name is a string, got {name!r}")
         num_rows, dim = checked_shape(num_rows, dim)  # before dim**-0.5 below (dim -1 made a complex init_std)
@@ -361,6 +382,9 @@ class RemoteValues:
                 meta = client.table(name)
             except TableNotFoundError:
                 meta = None  # made by another process later (a data-parallel rank 0): its calls will say if not
+            if meta is not None and meta.kind != "value":
+                raise ValueError(f"table {name} is {'an' if meta.kind == 'index' else 'a'} {meta.kind.replace('_', ' ')} "
+                                 "table, not a value table")
             if meta is not None and (meta.num_rows, meta.dim) != (num_rows, dim):
                 raise ValueError(f"table {name} has {meta.num_rows} x {meta.dim} values, this layer needs "
                                  f"{num_rows} x {dim}")
@@ -385,6 +409,7 @@ class RemoteValues:
         return ids.to(torch.int32)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ids, weights = tensors(ids, weights)
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         self.settle()
         return to_device(self.client.bag(self.name, h_ids, h_w), ids.device)
@@ -396,7 +421,7 @@ class RemoteValues:
         is not sent (the shards are still busy with the last)."""
         if self.tier != "disk" or (self.warming is not None and not self.warming.done()):
             return None
-        (h_ids,) = to_host(self._ids(ids))
+        (h_ids,) = to_host(self._ids(*tensors(ids)))
         self.warming = self.client.submit_warm(self.name, h_ids)
         self.warming.add_done_callback(self._warmed)
         return self.warming
@@ -409,6 +434,7 @@ class RemoteValues:
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
         """Sent now, or, while a commit is in flight, as soon as it is applied (chained, not
         waited for: the exact prefetch of step t+1 overlaps step t's commit too)."""
+        ids, weights = tensors(ids, weights)
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         if self.committing is None:
             return on_device(self.client.submit_bag(self.name, h_ids, h_w), ids.device)
@@ -416,6 +442,7 @@ class RemoteValues:
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:
+        ids, weights, grad_out = tensors(ids, weights, grad_out)
         h_ids, h_w, h_grad = to_host(self._ids(ids), weights.detach(), grad_out.contiguous())
         self.settle()
         if self.step is None:  # outside a step: one call, applied at once
