@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -333,3 +334,36 @@ def test_resume_refuses_other_memory_settings(tmp_path):
         list(train(again))
     same = build_parser().parse_args([*common, "--steps", "3", "--resume", str(tmp_path)])
     assert [r["step"] for r in train(same)][-1] == 3
+
+
+def _each_kind(d: int = 16) -> dict[str, Any]:
+    from trainer.memory import EngramMemory, KIFMemory, LocalKnowledge, LocalValues, LSHMemory, ProductKeyMemory
+
+    return {"pkm": ProductKeyMemory(d, d, LocalValues(64, d), n_keys=8, heads=2, k_dim=8, knn=4, mem_plus=True),
+            "lsh": LSHMemory(d, d, LocalValues(4 << 4, d), hashes=4, bits=4),
+            "engram": EngramMemory(d, d, LocalValues(8 * 16, 4), orders=(2, 3), heads=4),
+            "kif": KIFMemory(d, d, LocalKnowledge("e", _source(50, 8)), knn=4)}
+
+
+@pytest.mark.parametrize("kind", ["pkm", "lsh", "engram", "kif"])
+def test_every_kind_reads_an_empty_batch_and_follows_the_models_dtype(kind):
+    """An empty batch failed in PKM, LSH and Engram ("cannot reshape tensor of 0 elements"); a
+    model moved to bfloat16 failed in its next Linear (the read stayed float32), and a float64
+    one silently mixed in float32. The read now takes the input's dtype; the table stays float32
+    and is still updated."""
+    layer = _each_kind()[kind]
+    x = torch.randn(0, 5, 16, requires_grad=True)
+    out = layer(x, torch.zeros(0, 5, dtype=torch.long)) if kind == "engram" else layer(x)
+    assert out.shape == (0, 5, 16)
+    out.sum().backward()
+    for dtype in (torch.bfloat16, torch.float64):
+        layer = _each_kind()[kind].to(dtype)
+        x = torch.randn(2, 5, 16, dtype=dtype, requires_grad=True)
+        tokens = torch.randint(0, 50, (2, 5))
+        out = layer(x, tokens) if kind == "engram" else layer(x)
+        assert out.dtype == dtype
+        before = None if kind == "kif" else layer.values.table.weight.clone()
+        out.sum().backward()
+        assert x.grad is None or x.grad.dtype == dtype  # (an LSH read does not depend on x: no gradient)
+        if before is not None:  # the rows read were updated (in float32)
+            assert layer.values.table.weight.dtype == torch.float32 and not torch.equal(layer.values.table.weight, before)

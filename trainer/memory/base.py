@@ -259,7 +259,8 @@ class MemoryLayer(nn.Module):
         out = bag(self.values, flat_ids, flat_w, None if pending is None else pending.result(),
                   weight_grad=not (self.constant_weights or self.token_addressed))  # [n*groups, dim]
         self.read_s += time.perf_counter() - t0
-        return ids, w, self.combine(out.view(n, self.groups, -1))
+        out = out.to(q.dtype)  # the table's float32 read in the model's dtype (a bf16 or float64 model)
+        return ids, w, self.combine(out.view(n, self.groups, out.shape[-1]))  # (n may be 0: an empty batch)
 
     def combine(self, reads: torch.Tensor) -> torch.Tensor:
         """The groups' bags [n, groups, dim] -> one read [n, read_dim]."""
@@ -300,6 +301,7 @@ class MemoryLayer(nn.Module):
                 started = [self.start(c, len(chunks) > 1) for c in chunks]
             reads = [self.finish(c, s) for c, s in zip(chunks, started)]
         out = torch.cat([r[2] for r in reads]) if len(reads) > 1 else reads[0][2]  # [N, read_dim]
+        out = out.to(flat.dtype)  # (KIF's own finish reads its source in float32 too)
         self.last_access = (torch.cat([r[0] for r in reads]).detach(), torch.cat([r[1] for r in reads]).detach())
         out = self.output(out, flat)
         return out.view(*shape[:-1], out.shape[-1])

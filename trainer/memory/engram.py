@@ -124,7 +124,7 @@ class EngramMemory(MemoryLayer):
 
     def combine(self, reads: torch.Tensor) -> torch.Tensor:
         """The (order, head) rows [n, groups, dim] -> their concatenation [n, groups * dim]."""
-        return reads.reshape(reads.shape[0], -1)
+        return reads.reshape(reads.shape[0], reads.shape[1] * reads.shape[2])  # (-1 is ambiguous for 0 rows)
 
     def output(self, read: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The context gate (the hidden state against a projection of the memory), the value
@@ -136,10 +136,10 @@ class EngramMemory(MemoryLayer):
         if self.conv is None:
             return v
         b, t = self.batch_shape
-        c = self.norm_c(v).view(b, t, -1).transpose(1, 2)  # [B, d_out, T]
+        c = self.norm_c(v).view(b, t, v.shape[-1]).transpose(1, 2)  # [B, d_out, T] (b may be 0: no -1)
         reach = (self.conv.kernel_size[0] - 1) * self.conv.dilation[0]
         y = F.silu(self.conv(F.pad(c, (reach, 0))))  # causal: position t sees t, t-N, t-2N, ...
-        return v + y.transpose(1, 2).reshape(b * t, -1)
+        return v + y.transpose(1, 2).reshape(b * t, v.shape[-1])
 
     # -- inspection ------------------------------------------------------------------------
 
