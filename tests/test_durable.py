@@ -453,3 +453,76 @@ def test_a_plain_restore_does_not_run_over_a_lost_slices_files(tmp_path):
         assert record.read_text() == "garbage{"
         c.restore(str(tmp_path / "ck"), tables=["rec"], replace=True)
         np.testing.assert_array_equal(c.lookup("rec", np.arange(64)), rows)
+
+
+def _two_checkpoints_and_two_writes(tmp_path):
+    """A logged table on a new shard: checkpoints at steps 1 and 2 (complete), two writes after.
+    Returns the shard (stopped), the rows as acknowledged, and step 2's slice file damaged."""
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.shard_actor import ShardActor
+
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    spec = validate_spec(pb.TableSpec(name="m", num_rows=32, dim=4, optimizer=pb.OptimizerSpec(name="adagrad", lr=0.5),
+                                      sharding=pb.ROWS, wal=True), 1)
+    shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+    rng, seq = np.random.default_rng(2), 0
+    with grpc.insecure_channel(shard.address) as ch:
+        stub = pb_grpc.DataPlaneStub(ch)
+        for step in (1, 2, None):
+            for _ in range(3 if step else 2):
+                seq += 1
+                _push(stub, "m", rng.integers(0, 32, 8), rng.normal(size=(8, 4)).astype(np.float32), seq)
+            if step:
+                shard.checkpoint_table("m", str(tmp_path / "ck" / f"step-{step:010d}" / "m" / "shard-0000.pt"), step)
+                (tmp_path / "ck" / f"step-{step:010d}" / "manifest.json").write_text("{}")
+        rows = decode(stub.Lookup(pb.LookupRequest(table="m", ids=encode(torch.arange(32)))).rows, "rows").clone()
+    shard.stop()
+    path = tmp_path / "ck" / "step-0000000002" / "m" / "shard-0000.pt"
+    blob = bytearray(path.read_bytes())
+    at = bytes(blob).find(torch.load(path, weights_only=True)["state"]["weight"].numpy().tobytes())
+    blob[at + 7 * 16 + 1] ^= 0x04
+    path.write_bytes(bytes(blob))
+    return rows
+
+
+def _lookup(shard):
+    with grpc.insecure_channel(shard.address) as ch:
+        return decode(pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="m", ids=encode(torch.arange(32)))).rows,
+                      "rows").clone()
+
+
+def test_no_fallback_where_the_log_after_the_damaged_checkpoint_is_gone(tmp_path):
+    """The segment the damaged checkpoint started (its writes after it) is gone too: replaying
+    from the older checkpoint ends where that segment began, which looks like a whole log. It
+    served rows without the two writes, with no error; the slice stays lost now, as it is
+    (loudly) when the checkpoint is intact."""
+    from memserver.server.shard_actor import ShardActor
+
+    _two_checkpoints_and_two_writes(tmp_path)
+    sorted((tmp_path / "data" / "shard-0000" / "m").glob("wal-*.log"))[-1].unlink()
+    again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    assert "m" not in again.servicer.tables and "weight of row 7 does not match" in again.servicer.lost["m"]
+    again.stop()
+
+
+def test_after_a_fallback_the_next_checkpoint_keeps_the_log_it_needs(tmp_path):
+    """After a fallback the damaged checkpoint stayed in the shard's record: the next checkpoint
+    (here one whose manifest is never written) took it for the previous complete one and deleted
+    the log from the one the slice came back from, so the next start lost the table. The damaged
+    entry leaves the record now: a second start comes back the same way, with the later writes."""
+    from memserver.server.shard_actor import ShardActor
+
+    rows = _two_checkpoints_and_two_writes(tmp_path)
+    again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    assert again.servicer.tables["m"].recovered_from.startswith("checkpoint step 1 + 5 logged writes (checkpoint step 2 "
+                                                               "passed over: ")
+    torch.testing.assert_close(_lookup(again), rows, rtol=0, atol=0)
+    with grpc.insecure_channel(again.address) as ch:
+        _push(pb_grpc.DataPlaneStub(ch), "m", np.arange(8), np.ones((8, 4), np.float32), 99)
+    rows = _lookup(again)
+    again.checkpoint_table("m", str(tmp_path / "ck" / "step-0000000003" / "m" / "shard-0000.pt"), 3)  # no manifest
+    again.stop()
+    third = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    assert third.servicer.tables["m"].recovered_from == "checkpoint step 1 + 6 logged writes"
+    torch.testing.assert_close(_lookup(third), rows, rtol=0, atol=0)
+    third.stop()

@@ -274,7 +274,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         create of its name with ALREADY_EXISTS); returns the shards that held one. Not for a name
         in the catalog, or one being made (`pending`, which holds the name meanwhile, so no create
         of it runs beside these drops). A shard that does not answer within STRAY_SECONDS keeps
-        its own (dropped by a later drop, create with replace or restore)."""
+        its own (dropped by a later drop, or create or restore with replace)."""
         if name in self.tables or name in self.pending:
             return []
         self.pending.add(name)

@@ -48,10 +48,17 @@ from memserver.server.rayutil import (
 )
 from memserver.server.sessions import SESSION_TTL
 from memserver.server.slice import TableSlice, check_placeable
-from memserver.storage.checkpoint import load_index, load_into, load_whole, save_slice, trigger_states
+from memserver.storage.checkpoint import (
+    CheckpointDamagedError,
+    load_index,
+    load_into,
+    load_whole,
+    save_slice,
+    trigger_states,
+)
 from memserver.storage.fsutil import atomic_write
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, committed_checkpoints, latest_committed, table_record
-from memserver.storage.wal import LogGapError, WriteAheadLog, read_log, repair_log
+from memserver.storage.wal import LogGapError, WriteAheadLog, reaches, read_log, repair_log
 from memserver.wire import DOORBELL_ENV, switch_on, tune_malloc
 
 log = logging.getLogger(__name__)
@@ -166,14 +173,14 @@ class ShardActor:
             self._unrecovered(name, why)
         for record in records:
             try:
-                sl, how = self._recover_slice(record)
+                sl, how, used = self._recover_slice(record)
             except Exception as exc:
                 log.exception("shard %d: could not recover table %s; it stays unavailable", self.index, record["name"])
                 self._unrecovered(record["name"], f"{type(exc).__name__}: {first_line(exc)}", record)
                 continue
             self.servicer.tables[sl.spec.name] = sl
             out.append({"table": sl.spec.name, "from": how, "wal": bool(sl.spec.wal),
-                        "checkpoint": (latest_committed(record) or {}).get("file", "")})
+                        "checkpoint": (used or {}).get("file", "")})
         return out
 
     def _unrecovered(self, name: str, why: str, record: dict[str, Any] | None = None) -> None:
@@ -205,35 +212,45 @@ class ShardActor:
             return
         self.unrecovered[name] = (spec.SerializeToString(), info.SerializeToString(), n)
 
-    def _recover_slice(self, record: dict[str, Any]) -> tuple[TableSlice, str]:
-        """A recorded slice back as it was: its latest complete checkpoint and the log after it.
-        A logged table whose checkpoint file is damaged (DATA_LOSS) comes back from the one
-        before it, or from its start, and more of the log: checkpoints keep the log from the
-        previous complete one on (`rotate`), so nothing acknowledged is lost, and `how` (status,
-        the log) says which file was passed over. A table without a log has nothing to replay
-        after an older checkpoint: it stays lost (the caller), for the operator to restore."""
+    def _recover_slice(self, record: dict[str, Any]) -> tuple[TableSlice, str, dict[str, Any] | None]:
+        """A recorded slice back as it was: its latest complete checkpoint and the log after it;
+        returns the slice, how, and the checkpoint it came from. A logged table whose checkpoint
+        file is damaged (CheckpointDamagedError) comes back from the one before it, or from its
+        start, and more of the log: checkpoints keep the log from the previous complete one on
+        (`rotate`), so nothing acknowledged is lost, and `how` (status, the log) says which file
+        was passed over. Only where the log still reaches past the damaged checkpoint (`reaches`:
+        else the writes after it are gone, which an older start cannot tell). The passed-over
+        entries leave the record, so the next checkpoint's rotate keeps the log from the one used.
+        A table without a log has nothing to replay after an older checkpoint: it stays lost (the
+        caller), for the operator to restore."""
         points = committed_checkpoints(record)
         latest = points[-1] if points else None
         try:
-            return self._load_slice(record, latest, replay=True)
-        except DataLossError as exc:
-            if latest is None or not pb.TableSpec.FromString(base64.b64decode(record["spec"])).wal:
+            return (*self._load_slice(record, latest, replay=True), latest)
+        except CheckpointDamagedError as exc:
+            if latest is None or not pb.TableSpec.FromString(base64.b64decode(record["spec"])).wal or self.store is None:
                 raise
             damaged = exc
-        for older in [*reversed(points[:-1]), None]:
+        if not reaches(self.store.table_dir(record["name"]), int(latest.get("lsn", 0))):
+            raise damaged  # (asked before a replay below opens the log, which starts a segment of its own)
+        for k in range(len(points) - 2, -2, -1):  # the older checkpoints, newest first, then the start (-1)
+            older = points[k] if k >= 0 else None
             try:
                 sl, how = self._load_slice(record, older, replay=True)
             except Exception:  # noqa: BLE001 - this one does not load either: an older one may
                 log.exception("shard %d: table %s: no recovery from %s either", self.index, record["name"],
                               f"checkpoint step {older.get('step', 0)}" if older else "its start")
                 continue
-            if sl.unavailable:  # the log does not reach back to it: no older one's does
-                sl.close()
+            if sl.unavailable:
+                sl.close()  # the log does not reach back to it: no older one's does
                 break
+            passed = {c["file"] for c in points[k + 1 :]}
+            record["checkpoints"] = [c for c in record["checkpoints"] if c["file"] not in passed]
+            self.store.save(record)
             sl.recovered_from = how = (f"{how} (checkpoint step {latest.get('step', 0)} passed over: "
                                        f"{first_line(damaged, 300)})")
             log.warning("shard %d: table %s: recovered from %s", self.index, record["name"], how)
-            return sl, how
+            return sl, how, older
         raise damaged
 
     def _load_slice(self, record: dict[str, Any], checkpoint: dict[str, Any] | None,

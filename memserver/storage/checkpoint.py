@@ -26,6 +26,13 @@ from memserver.core.table import ValueTable
 from memserver.storage.fsutil import atomic_write, fsync_dir
 
 MANIFEST = "manifest.json"
+
+
+class CheckpointDamagedError(DataLossError):
+    """A checkpoint's slice file is not as written (its size, its archive, a checksum): told apart
+    from other data loss (a log's, a disk table's own file) where a recovery falls back to an
+    older checkpoint."""
+
 #: Rows a restore copies at a time (its temporaries are this many rows of one state tensor).
 _RESTORE_ROWS = 1 << 16
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -180,7 +187,7 @@ def checked_files(directory: Path, name: str, entry: Any, num_rows: int) -> list
         raise InvalidArgumentError(f"{where}, but its slice files {missing} are missing")
     if short := [f"{p} ({p.stat().st_size:,} bytes, the manifest says {f['bytes']:,})" for f, p in zip(files, paths)
                  if isinstance(f.get("bytes"), int) and p.stat().st_size != f["bytes"]]:
-        raise DataLossError(f"{where}, but its slice files are not as written: {', '.join(short)}")
+        raise CheckpointDamagedError(f"{where}, but its slice files are not as written: {', '.join(short)}")
     for p in paths:
         _check_archive(p)
     return [{**f, "file": str(p)} for f, p in zip(files, paths)]
@@ -200,7 +207,7 @@ def _check_archive(path: Path) -> None:
     except OSError:
         raise
     except Exception as exc:  # noqa: BLE001 - BadZipFile, and what damaged headers raise besides it
-        raise DataLossError(f"checkpoint slice file {path} is damaged: {exc}") from None
+        raise CheckpointDamagedError(f"checkpoint slice file {path} is damaged: {exc}") from None
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
@@ -262,7 +269,7 @@ def _open_slice(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise
     except Exception as exc:  # noqa: BLE001 - damaged bytes fail torch's reader in many ways (weights_only's
         # unpickler says "Weights only load failed" for garbage and for foreign objects alike)
-        raise DataLossError(f"checkpoint slice file {path} cannot be read (damaged, or not a slice file): "
+        raise CheckpointDamagedError(f"checkpoint slice file {path} cannot be read (damaged, or not a slice file): "
                             f"{first_line(exc, 300)}") from None
 
 
@@ -302,7 +309,7 @@ def _checks_of(blob: dict[str, Any], path: Any) -> dict[str, tuple[torch.Tensor,
     for name, checks in saved.items() if isinstance(saved, dict) else ():
         whole = _per_row(state[name], rows) if isinstance(state.get(name), torch.Tensor) else None
         if whole is None or not isinstance(checks, torch.Tensor) or checks.shape != (rows,):
-            raise DataLossError(f"checkpoint slice file {path}: its checksums of {name!r} do not fit its state: "
+            raise CheckpointDamagedError(f"checkpoint slice file {path}: its checksums of {name!r} do not fit its state: "
                                 "the file is damaged")
         out[name] = (whole, checks.numpy().view(np.uint64))
     return out
@@ -316,7 +323,7 @@ def _check_rows(whole: torch.Tensor, saved: np.ndarray, rows: np.ndarray, path: 
         part = rows[a : a + step]
         bad = np.flatnonzero(row_checks(whole.index_select(0, torch.from_numpy(part))) != saved[part])
         if len(bad):
-            raise DataLossError(f"checkpoint slice file {path}: {name} of row {int(part[bad[0]])} "
+            raise CheckpointDamagedError(f"checkpoint slice file {path}: {name} of row {int(part[bad[0]])} "
                                 "does not match its checksum: the file is damaged")
 
 
@@ -332,11 +339,11 @@ def _check_blocks(blob: dict[str, Any], path: Any) -> None:
         t = state.get(name)
         if not isinstance(t, torch.Tensor) or not isinstance(checks, torch.Tensor) or \
                 checks.shape != ((t.numel() * t.element_size() + _BLOCK - 1) // _BLOCK,):
-            raise DataLossError(f"checkpoint slice file {path}: its checksums of {name!r} do not fit its state: "
+            raise CheckpointDamagedError(f"checkpoint slice file {path}: its checksums of {name!r} do not fit its state: "
                                 "the file is damaged")
         bad = np.flatnonzero(block_checks(t) != checks.numpy().view(np.uint64))
         if len(bad):
-            raise DataLossError(f"checkpoint slice file {path}: {name} bytes {int(bad[0]) * _BLOCK:,}.."
+            raise CheckpointDamagedError(f"checkpoint slice file {path}: {name} bytes {int(bad[0]) * _BLOCK:,}.."
                                 f"{min((int(bad[0]) + 1) * _BLOCK, t.numel() * t.element_size()):,} do not match "
                                 "their checksum: the file is damaged")
 

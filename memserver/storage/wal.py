@@ -264,6 +264,13 @@ class WriteAheadLog:
         self._retired = []
 
 
+def reaches(directory: Path, lsn: int) -> bool:
+    """Whether the log holds a segment starting at or after `lsn`: a checkpoint's rotate starts
+    one at its position, so a log without one lost the records written after that checkpoint
+    (replaying from an older one would end early without noticing)."""
+    return any(start >= lsn for start, _ in _segments(directory))
+
+
 def _segments(directory: Path) -> list[tuple[int, Path]]:
     out = []
     for p in directory.glob("wal-*.log"):
