@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -195,10 +196,17 @@ def _validate_product_keys(spec: pb.TableSpec) -> pb.TableSpec:
 
 def new_layout_id() -> int:
     """A layout_id later than every earlier one: the milliseconds since the epoch above 20 random
-    bits (two incarnations made in one millisecond still differ). A coordinator rebuilding its
+    bits (in one process strictly increasing). A coordinator rebuilding its
     catalog from shards that hold two whole layouts of a name (a drop that missed a shard, then
     a create) keeps the newer; ids fit 63 bits until the year 2248."""
-    return (time.time_ns() // 1_000_000) << 20 | secrets.randbits(20)
+    global _last_layout_id
+    with _layout_lock:  # strictly increasing within this process, whatever the clock does
+        _last_layout_id = max((time.time_ns() // 1_000_000) << 20 | secrets.randbits(20), _last_layout_id + 1)
+        return _last_layout_id
+
+
+_layout_lock = threading.Lock()
+_last_layout_id = 0
 
 
 def plan_table(spec: pb.TableSpec, shards: list[dict[str, Any]]) -> pb.TableInfo:

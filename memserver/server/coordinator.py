@@ -79,6 +79,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.pending: set[str] = set()
         self.training: set[str] = set()  # index tables with a TrainIndex running (one at a time)
         self.placement: dict[str, list[int]] = {}  # table -> pool index of each of its shards
+        # table -> shards that held an older layout of it at the catalog's rebuild (at most one per shard)
+        self.stale: dict[str, set[int]] = {}
         self.epoch = 0
         self.restarted = restarted
         self.lock = asyncio.Lock()
@@ -93,20 +95,31 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         pool order): the shards are the truth, so a restarted coordinator loses nothing."""
         # per table, per layout (a stale slice of a dropped namesake has another): index -> its place
         slices: dict[str, dict[int, dict[int, tuple[int, pb.TableSpec, pb.ShardInfo, int]]]] = {}
+        horizon = time.time_ns() // 1_000_000 + 86_400_000  # ms: a day of clock skew between coordinators
         for j, held in enumerate(described):
             for spec_b, info_b, n in held:
                 spec, info = pb.TableSpec.FromString(spec_b), pb.ShardInfo.FromString(info_b)
                 slices.setdefault(spec.name, {}).setdefault(info.layout_id, {})[info.index] = (j, spec, info, n)
         for name, layouts in sorted(slices.items()):
             whole = {lid: p for lid, p in layouts.items() if sorted(p) == list(range(next(iter(p.values()))[3]))}
-            if not whole:
-                log.error("table %s: shards hold slices %s; no layout has every slice; leaving it out of the catalog",
-                          name, {lid: sorted(p) for lid, p in layouts.items()})
+            if legacy := any(lid >> 20 > horizon for lid in layouts):  # a random id from before ids told time
+                pick = next(iter(whole)) if len(whole) == 1 else None
+            else:  # the newest (new_layout_id); a newer one with slices missing is not stood in for by an older one
+                pick = max(layouts) if max(layouts) in whole else None
+            if pick is None:
+                why = ("no layout has every slice" if not whole else "several are whole, and ids made before they told "
+                       "time cannot say which is newer" if legacy else "the newest layout lacks slices")
+                log.error("table %s: shards hold slices %s of its layouts; %s; leaving it out of the catalog", name,
+                          {lid: sorted(p) for lid, p in layouts.items()}, why)
                 continue
-            parts = whole[max(whole)]  # the newest (new_layout_id): a namesake's whole layout a drop missed is older
+            parts = whole[pick]
+            # an older layout's slices (a namesake a drop missed): dropped with the table, or they would
+            # come back as it at the next rebuild
+            self.stale[name] = {j for lid, p in layouts.items() if lid != pick for j, *_ in p.values()}
             n = next(iter(parts.values()))[3]
-            if len(layouts) > 1:
-                log.warning("table %s: slices of another layout (a dropped namesake's) stay outside the catalog", name)
+            if self.stale[name]:
+                log.warning("table %s: shards %s hold slices of another layout (a dropped namesake's): outside the "
+                            "catalog, dropped with the table", name, sorted(self.stale[name]))
             order = [parts[i][0] for i in range(n)]
             info = pb.TableInfo(spec=parts[0][1], epoch=self.epoch + 1, layout_id=parts[0][2].layout_id)
             for i in range(n):
@@ -263,7 +276,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self._get(name)
         del self.tables[name]
         order = self.placement.pop(name)
-        await asyncio.gather(*(self.handles[j].drop_table.remote(name) for j in order))
+        got = await asyncio.gather(*(self.handles[j].drop_table.remote(name) for j in order),
+                                   *(asyncio.wait_for(self.handles[j].drop_table.remote(name), STRAY_SECONDS)
+                                     for j in self.stale.pop(name, ())), return_exceptions=True)
+        if failed := [r for r in got[: len(order)] if isinstance(r, BaseException)]:  # (a stale one's: best effort)
+            raise failed[0]
         async with self.lock:
             self.epoch += 1
         log.info("dropped table %s", name)
