@@ -141,11 +141,15 @@ def test_a_create_that_meets_a_slice_outside_the_catalog_leaves_it(memory_cluste
         client.drop_table(table_name)
         stray()
         assert client.create_table(table_name, 6, 4, replace=True).num_rows == 6  # replace: whatever was there goes
-        client.checkpoint(str(tmp_path), step=1, tables=[table_name])
+        client.create_table(f"{table_name}-b", 6, 4)
+        client.checkpoint(str(tmp_path), step=1, tables=[table_name, f"{table_name}-b"])
         client.drop_table(table_name)
+        client.drop_table(f"{table_name}-b")
         stray()
         with pytest.raises(TableExistsError, match="outside the catalog.*or create or restore with replace"):
-            client.restore(str(tmp_path), tables=[table_name])  # a plain restore leaves it, as a create does
+            # a plain restore leaves it, as a create does, and makes none of the tables (not the first, either)
+            client.restore(str(tmp_path), tables=[f"{table_name}-b", table_name])
+        assert {t.name for t in client.list_tables()}.isdisjoint({table_name, f"{table_name}-b"})
         [restored] = client.restore(str(tmp_path), tables=[table_name], replace=True)  # a restore with replace too
         assert restored.num_rows == 6
     finally:

@@ -422,12 +422,20 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for name in plans:  # and every byte it would load checked: a damaged file found later would leave neither table
             await asyncio.get_running_loop().run_in_executor(None, verify_files, files[name])
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
-        for name in names:
-            if name in self.tables:
-                await self._drop(name)
-            if request.replace:  # nothing of it may stay: slices no table owns either (without replace
-                await self._drop_strays(name)  # the shards holding one refuse, as for a create: a lost slice's files stay)
-            resp.tables.append(await self._place(specs[name], files[name], plan=plans.get(name)))
+        made: list[str] = []
+        try:
+            for name in names:
+                if name in self.tables:
+                    await self._drop(name)
+                if request.replace:  # nothing of it may stay: slices no table owns either (without replace
+                    await self._drop_strays(name)  # the shards holding one refuse, as for a create: a lost slice's files stay)
+                resp.tables.append(await self._place(specs[name], files[name], plan=plans.get(name)))
+                made.append(name)
+        except BaseException:
+            if not request.replace:  # a refused restore makes none of its tables (with replace the old ones are gone)
+                for name in made:
+                    await self._drop(name)
+            raise
         return resp
 
     async def ListTables(self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext) -> pb.ListTablesResponse:
