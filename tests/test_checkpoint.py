@@ -355,7 +355,7 @@ def test_loading_a_slice_reads_only_what_it_needs(tmp_path):
         torch.testing.assert_close(table.weight, values[rows], rtol=0, atol=0)
 
 
-def test_own_checkpoint_extras_legacy_files_and_a_wrong_table(tmp_path):
+def test_own_checkpoint_extras_legacy_files_and_a_wrong_table(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     import torch
@@ -378,6 +378,14 @@ def test_own_checkpoint_extras_legacy_files_and_a_wrong_table(tmp_path):
     target0 = {**target, "index": 0}
     load_into(table, target0, [{"file": str(legacy)}])
     torch.testing.assert_close(table.weight, values[0::2], rtol=0, atol=0)
+    import memserver.storage.checkpoint as checkpoint
+
+    def whole(path):
+        raise AssertionError(f"{path} read whole for checksums it does not have")
+
+    monkeypatch.setattr(checkpoint, "_open_slice", whole)
+    checkpoint.verify_files([{"file": str(legacy)}])  # a replace's check: nothing to check in it, not read
+    monkeypatch.undo()
     with pytest.raises(ServerInvalidArgument, match="rows"):  # a file of another table, even one with no overlap
         load_into(table, target0, [{**entries[1], "num_rows": 8}])
 

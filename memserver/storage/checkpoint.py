@@ -131,9 +131,10 @@ def block_checks(t: torch.Tensor) -> np.ndarray:
 def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], extra: dict[str, Any] | None = None) -> int:
     """One table slice: `meta` says where it sits (sharding, index, num_shards, columns); `extra`
     holds what only the same shard's recovery reads (its exactly-once window, its log position).
-    Every tensor gets checksums: a value slice's per-row tensors one per row (`row_checks`,
-    checked as a restore copies the rows: load_into), any other one per 4 KiB (`block_checks`,
-    checked as a whole slice loads), so damaged bytes are refused by name instead of loading."""
+    Every tensor of `state` gets checksums: a value slice's per-row tensors one per row
+    (`row_checks`, checked as a restore copies the rows: load_into), any other one per 4 KiB
+    (`block_checks`, checked as a whole slice loads), so damaged bytes are refused by name
+    instead of loading. `extra` (and its prepared step parts) carries none."""
     cpu = {k: v.cpu() for k, v in state.items()}
     blob: dict[str, Any] = {"meta": meta, "state": cpu, **(extra or {})}
     rows = slice_layout(meta).rows(meta["index"]) if meta.get("kind", "value") == "value" else 0
@@ -354,6 +355,9 @@ def verify_files(files: list[dict[str, Any]]) -> None:
     (restoring checks only what each slice copies, as it copies it, when the old table is gone
     already). DataLossError names the first damaged file, tensor and row or bytes."""
     for f in files:
+        with open(f["file"], "rb") as fh:
+            if fh.read(4) != b"PK\x03\x04":
+                continue  # the legacy (pre-zip) format: no checksums, and it cannot be mapped (it loads whole)
         blob = _open_slice(f["file"])
         for name, (whole, saved) in _checks_of(blob, f["file"]).items():
             for s in range(0, len(saved), _RESTORE_ROWS):
