@@ -326,7 +326,8 @@ def test_warmup_task_an_lsh_memory_memorises_what_the_plain_network_cannot():
 
 def test_resume_refuses_other_memory_settings(tmp_path):
     """The checkpoint records the memory's shape; a resume with another LSH seed (other buckets)
-    or other kinds is refused by name instead of reading the wrong slots."""
+    or other kinds is refused by name instead of reading the wrong slots; a setting of a kind the
+    run does not have is not compared."""
     common = [*TINY, "--memory", "local", "--memory-kind", "lsh", "--steps", "2", "--eval-every", "2"]
     list(train(build_parser().parse_args([*common, "--checkpoint-dir", str(tmp_path)])))
     again = build_parser().parse_args([*common, "--steps", "3", "--resume", str(tmp_path), "--lsh-seed", "5"])
@@ -334,6 +335,9 @@ def test_resume_refuses_other_memory_settings(tmp_path):
         list(train(again))
     same = build_parser().parse_args([*common, "--steps", "3", "--resume", str(tmp_path)])
     assert [r["step"] for r in train(same)][-1] == 3
+    # a setting no kind of the run reads (product keys' --n-keys, TINY's 16) is not compared
+    other = build_parser().parse_args([*common, "--steps", "4", "--resume", str(tmp_path), "--n-keys", "8"])
+    assert [r["step"] for r in train(other)][-1] == 4
 
 
 def _each_kind(d: int = 16) -> dict[str, Any]:

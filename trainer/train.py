@@ -608,8 +608,23 @@ def _refuse_other_shapes(resume: str, blob: dict[str, Any], memory: dict[str, An
     saved_memory, saved_model = blob.get("memory", {}), blob.get("config", {})
     for saved, now, keys in ((saved_memory, memory, _MEMORY_SHAPE), (saved_model, model, _MODEL_SHAPE)):
         for key in keys:
-            if key in saved and key in now:  # (absent from the checkpoint: written before the setting existed)
+            if key in saved and key in now and _in_use(key, now):  # (absent: written before the setting existed)
                 _refuse_other(resume, key, saved[key], now[key])
+
+
+#: The memory settings only some kinds read: a resume does not compare those of kinds neither run has
+#: (`--lsh-bits` left out of a resume of a pkm,engram run was refused).
+_KIND_KEYS = {"n_keys": ("pkm",), "heads": ("pkm",), "k_dim": ("pkm",), "knn": ("pkm",), "query_bn": ("pkm",),
+              "mem_plus": ("pkm", "lsh"), "lsh_hashes": ("lsh",), "lsh_bits": ("lsh",), "lsh_seed": ("lsh",),
+              "kif_sources": ("kif",), "engram_orders": ("engram",), "engram_heads": ("engram",),
+              "engram_slots": ("engram",), "engram_dim": ("engram",), "engram_seed": ("engram",),
+              "engram_conv": ("engram",)}
+
+
+def _in_use(key: str, memory: dict[str, Any]) -> bool:
+    """Whether a memory setting matters to a run of these `kinds` (compared first: equal here)."""
+    kinds = memory.get("kinds")
+    return key not in _KIND_KEYS or kinds is None or any(k in kinds for k in _KIND_KEYS[key])
 
 
 def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
