@@ -556,6 +556,8 @@ def test_backends_and_layers_refuse_bad_settings_by_name_and_change_nothing(clie
     for args, says in (((x, t.t()), r"tokens must be \[B, T\] = \[2, 5\] for x \[2, 5, 16\], got \[5, 2\]"),
                        ((x.reshape(1, 10, 16), t), r"tokens must be \[B, T\] = \[1, 10\]"),
                        ((x, t.half()), "tokens must be integer token ids, got float16"),
+                       ((x, t - 100), "tokens must be token ids >= 0, got -"),
+                       ((x[..., :8], t), r"EngramMemory: x must be \[..., d_in = 16\], got \[2, 5, 8\]"),
                        ((x.reshape(10, 16), t), r"x must be \[B, T, d_in\]"),
                        ((x, None), r"tokens \[B, T\] are needed")):
         with pytest.raises(ValueError, match=says):
@@ -682,7 +684,8 @@ def test_closing_the_client_waits_for_a_commit_in_flight_and_refuses_later_calls
 def test_backends_take_numpy_and_refuse_the_async_client_and_index_tables(client, memory_cluster, table_name):
     """numpy arrays, which the client takes, failed inside either backend ("'str' object has no
     attribute 'type'"); RemoteValues over the asyncio client made no table and failed at the first
-    bag on a coroutine; attached to an index table it said the table had 2^63-1 rows."""
+    bag on a coroutine; attached to an index table it said the table had 2^63-1 rows; a model
+    holding it could not be saved whole or copied, with "cannot pickle '_thread.lock' object"."""
     from client import AsyncMemoryClient
     from trainer.memory import RemoteValues
 
@@ -699,6 +702,13 @@ def test_backends_take_numpy_and_refuse_the_async_client_and_index_tables(client
     with pytest.raises(TypeError, match="needs the blocking client.MemoryClient, not AsyncMemoryClient"):
         RemoteValues(AsyncMemoryClient(memory_cluster.endpoint), f"{table_name}-a", 8, 8)
     assert f"{table_name}-a" not in {t.name for t in client.list_tables()}
+    import copy
+    import io
+
+    model = ProductKeyMemory(8, 8, remote, n_keys=8, heads=1, k_dim=4, knn=2)
+    for save in (lambda: torch.save(model, io.BytesIO()), lambda: copy.deepcopy(model)):
+        with pytest.raises(TypeError, match=f"RemoteValues.'{table_name}'. holds a connection .* values.save"):
+            save()
     client.create_index(f"{table_name}-i", 8)
     try:
         with pytest.raises(ValueError, match=f"table {table_name}-i is an index table, not a value table"):

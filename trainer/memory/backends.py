@@ -401,6 +401,12 @@ class RemoteValues:
             if existed:
                 log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused by name: a copy or a pickle of a model holding this (torch.save(model),
+        copy.deepcopy) failed with "cannot pickle '_thread.lock' object"."""
+        raise TypeError(f"RemoteValues({self.name!r}) holds a connection to the memory cluster and cannot be pickled "
+                        "or copied: save the model's state_dict() and the values with values.save(directory, step)")
+
     def _ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids as they travel (client.ops.ids_fit_int32), narrowed on the GPU, so half the bytes
         cross to the host and the client has nothing left to convert."""

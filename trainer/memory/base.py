@@ -135,6 +135,10 @@ def check_tokens(x: torch.Tensor, tokens: torch.Tensor | None, layer: str) -> No
     if tuple(tokens.shape) != tuple(x.shape[:2]):
         raise ValueError(f"{layer}: tokens must be [B, T] = {list(x.shape[:2])} for x {list(x.shape)}, got "
                          f"{list(tokens.shape)}")
+    # on the CPU only: reading a GPU tensor's minimum would make every step wait for the device
+    if tokens.device.type == "cpu" and tokens.numel() and int(tokens.min()) < 0:
+        raise ValueError(f"{layer}: tokens must be token ids >= 0, got {int(tokens.min())} (a padding id such as -100 "
+                         "would be hashed into n-grams as if it were a token)")
 
 
 class MemoryLayer(nn.Module):
@@ -149,6 +153,7 @@ class MemoryLayer(nn.Module):
         """`read_dim`: the width of a position's read after `combine` (default: the values' dim)."""
         super().__init__()
         self.values = values
+        self.d_in = d_in
         self.micro_batches = max(1, micro_batches)
         self.mem_plus = mem_plus
         read_dim = read_dim if read_dim is not None else values.dim if values is not None else d_out
@@ -285,6 +290,8 @@ class MemoryLayer(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., d_in] -> [..., d_out]; `tokens` [B, T]: the token ids of x's positions (what a
         token-addressed kind reads by; the others ignore them)."""
+        if x.dim() == 0 or x.shape[-1] != self.d_in:  # (a raw matmul error inside named no layer)
+            raise ValueError(f"{type(self).__name__}: x must be [..., d_in = {self.d_in}], got {list(x.shape)}")
         if self.token_addressed:
             check_tokens(x, tokens, type(self).__name__)
         shape = x.shape
