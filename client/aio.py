@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import numbers
 import random
 import time
@@ -70,6 +71,11 @@ log = logging.getLogger(__name__)
 
 #: Retry backoff (seconds): the first delay, doubled after each retry up to the cap.
 RETRY_FIRST_DELAY, RETRY_MAX_DELAY = 0.1, 2.0
+
+
+#: Seconds between the warnings of one call's retries (the first is said at once; at RETRY_MAX_DELAY
+#: a minute of retries was ~29 lines per call).
+RETRY_WARN_SECONDS = 10.0
 
 
 class Backoff:
@@ -221,6 +227,7 @@ class AsyncMemoryClient:
         they are and writes with the same tags, so a write that did land is answered from the
         shard's session, never applied twice."""
         backoff = Backoff(self.retry_seconds)
+        warned, said = -math.inf, ""  # a call's retries warn once, then on news or every RETRY_WARN_SECONDS
         while True:
             try:
                 return await call()
@@ -230,7 +237,14 @@ class AsyncMemoryClient:
                 sleep = backoff.next()
                 if sleep is None:
                     raise
-                (log.info if isinstance(exc, OverloadedError) else log.warning)("%s; retrying in %.2fs", exc, sleep)
+                now, text = time.monotonic(), str(exc)
+                if isinstance(exc, OverloadedError):
+                    log.info("%s; retrying in %.2fs", exc, sleep)
+                elif text != said or now - warned >= RETRY_WARN_SECONDS:
+                    log.warning("%s; retrying (for up to %.0fs more)", exc, backoff.deadline - now)
+                    warned, said = now, text
+                else:
+                    log.debug("%s; retrying in %.2fs", exc, sleep)
                 await asyncio.sleep(sleep)
                 if on_retry is not None and not isinstance(exc, OverloadedError):
                     await on_retry()

@@ -434,3 +434,33 @@ def test_trigger_info_stays_bounded_call_after_call(client, table_name):
     client.record_triggers(table_name, *rec, info=json.dumps({"k1": "short"}))  # a key reused: it fits again
     with pytest.raises(InvalidArgumentError, match="info: must be a JSON object"):
         client.record_triggers(table_name, *rec, info="[" * 100_000)
+
+
+def test_a_calls_retries_warn_once_then_on_news_or_every_ten_seconds(caplog, monkeypatch):
+    """A cluster that is not there (a wrong endpoint, or down mid-training) made each call log a
+    warning per retry: ~29 lines a minute per call. One warning now (saying how long it goes
+    on), the other retries at debug, until the error changes or RETRY_WARN_SECONDS pass."""
+    import logging
+    import re
+    import socket
+
+    import client.aio as aio
+    from client import MemoryClient, UnavailableError
+
+    with socket.socket() as s:  # a port nothing listens on: each attempt is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(aio, "RETRY_MAX_DELAY", 0.05)
+    caplog.set_level(logging.DEBUG, logger="client.aio")
+    with MemoryClient(f"127.0.0.1:{port}", retry_seconds=3, timeout=5) as c:  # (gRPC's reconnect: ~0.75 s a try)
+        with pytest.raises(UnavailableError):
+            c.list_tables()
+        retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+        warned = [r for r in retries if r.levelno == logging.WARNING]
+        assert len(retries) >= 2 and len(warned) == 1
+        assert re.search(r"; retrying \(for up to [0-3]s more\)$", warned[0].getMessage())
+        caplog.clear()
+        monkeypatch.setattr(aio, "RETRY_WARN_SECONDS", 0.1)
+        with pytest.raises(UnavailableError):
+            c.list_tables()
+        assert sum(r.levelno == logging.WARNING and "retrying" in r.getMessage() for r in caplog.records) >= 2
