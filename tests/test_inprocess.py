@@ -176,3 +176,19 @@ def test_memtrain_against_the_in_process_server_without_ray_or_faiss():
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "trained without ray, faiss" in out.stdout
+
+
+def test_an_in_process_server_leaves_the_users_logging_alone():
+    """A shard configured the process's root logger (basicConfig, INFO, "shard0" in every line):
+    in a user's process that labelled the user's own warnings "shard0" and let the server's INFO
+    lines in. Only a shard in its own Ray actor process configures logging now."""
+    code = textwrap.dedent("""
+        import logging
+        from memserver.cluster.inprocess import InProcessServer
+        with InProcessServer(1):
+            pass
+        print(logging.getLogger().handlers, logging.getLogger().level)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] 30" and "shard0" not in out.stderr  # (30: WARNING, the default)

@@ -40,6 +40,7 @@ from memserver.server.metrics import ShardMetrics, rss_bytes
 from memserver.server.rayutil import (
     bind_host,
     gpus,
+    in_actor,
     memory_available,
     memory_domain,
     node_id,
@@ -82,7 +83,9 @@ class ShardActor:
         """`config`: tokens, TLS, the checkpoint root and limits (memserver.server.config);
         `device`: where the slices live, for a shard started without Ray (memserver.cluster.inprocess);
         None: the GPU Ray assigned this actor, else the CPU (rayutil.choose_device)."""
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
+        if in_actor():  # its own process: its log lines say which shard. In a user's process (InProcessServer)
+            # the user's logging is left as it is (it labelled the user's own lines "shard0")
+            logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
         tune_malloc()
         self.index = index
         self.device = shard_device(device)
