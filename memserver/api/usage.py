@@ -12,7 +12,7 @@ inside its bin (12% wide) is approximated (by the bin's mean) in Gini and the ma
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,8 +29,8 @@ class Histogram:
     total: float
     sum_xlogx: float
     max: float
-    counts: np.ndarray  # int64 [BINS]
-    sums: np.ndarray  # float64 [BINS]
+    counts: np.ndarray = field(repr=False)  # int64 [BINS] (left out of repr: ~7 kB of bins each)
+    sums: np.ndarray = field(repr=False)  # float64 [BINS]
 
     @classmethod
     def of(cls, x: np.ndarray) -> Histogram:
