@@ -371,3 +371,12 @@ def test_every_kind_reads_an_empty_batch_and_follows_the_models_dtype(kind):
         assert x.grad is None or x.grad.dtype == dtype  # (an LSH read does not depend on x: no gradient)
         if before is not None:  # the rows read were updated (in float32)
             assert layer.values.table.weight.dtype == torch.float32 and not torch.equal(layer.values.table.weight, before)
+
+
+def test_a_product_key_layer_says_why_one_position_cannot_train_with_query_bn():
+    """BatchNorm over one position failed with torch's "Expected more than 1 value per channel",
+    naming no layer; library.md says any leading shape works: it does, except this."""
+    layer = _each_kind()["pkm"]
+    with pytest.raises(ValueError, match="ProductKeyMemory: query_bn normalises .* one position"):
+        layer(torch.randn(16))
+    assert layer(torch.randn(2, 16)).shape == (2, 16) and layer.eval()(torch.randn(16)).shape == (16,)

@@ -53,6 +53,10 @@ class ProductKeyMemory(MemoryLayer):
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d_in] -> queries [N, heads * k_dim] (the BatchNorm sees the whole batch)."""
+        # one position in training: BatchNorm's own error names no layer
+        if self.training and x.shape[0] == 1 and isinstance(self.query_bn, nn.BatchNorm1d):
+            raise ValueError("ProductKeyMemory: query_bn normalises the queries over the batch's positions, and a "
+                             "training forward of one position has none to compare; give it more, or query_bn=False")
         return self.query_bn(self.query(x))
 
     def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
