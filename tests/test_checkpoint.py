@@ -634,7 +634,8 @@ def test_a_flipped_bit_in_a_slice_saved_whole_is_refused_by_name(tmp_path, kind)
             "col_start": 0, "col_end": 4}
     path = tmp_path / "s.pt"
     entry = {"file": str(path), **meta}
-    save_slice(path, meta, {"keys": keys, "dead": torch.zeros(3000, dtype=torch.bool)})
+    empty = torch.empty(0, dtype=torch.int64).as_strided((0,), (0,))  # (an index's empty state: a view as bytes failed)
+    save_slice(path, meta, {"keys": keys, "dead": torch.zeros(3000, dtype=torch.bool), "none": empty})
     load = (lambda: load_whole(meta, [entry])) if kind == "product_keys" else (lambda: load_index(lambda s: s, meta, [entry]))
     torch.testing.assert_close(load()["keys"], keys, rtol=0, atol=0)
     verify_files([entry])

@@ -101,6 +101,8 @@ def _per_row(t: torch.Tensor, rows: int) -> torch.Tensor | None:
 def row_checks(rows: torch.Tensor) -> np.ndarray:
     """One uint64 checksum per row of a [n, ...] CPU tensor: the sum of its 8-byte words, each
     times an odd constant (mod 2^64); in chunks of _CHECK_BYTES."""
+    if rows.numel() == 0:  # rows of no bytes (or none): a view as bytes refuses their strides
+        return np.zeros(len(rows), dtype=np.uint64)
     b = rows.contiguous().view(torch.uint8).reshape(len(rows), -1).numpy()
     width = b.shape[1]
     if width in (1, 2, 4, 8):  # one word a row (counters): the same sum, without padding
@@ -120,6 +122,8 @@ def row_checks(rows: torch.Tensor) -> np.ndarray:
 def block_checks(t: torch.Tensor) -> np.ndarray:
     """One uint64 checksum (row_checks' sum) per _BLOCK bytes of a CPU tensor, the last block
     the rest."""
+    if t.numel() == 0:  # (an empty tensor's strides may be 0: no view as bytes)
+        return np.zeros(0, dtype=np.uint64)
     b = t.contiguous().reshape(-1).view(torch.uint8)
     full = b.numel() // _BLOCK
     parts = [row_checks(b[: full * _BLOCK].view(full, _BLOCK))] if full else []
