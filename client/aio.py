@@ -183,12 +183,16 @@ class AsyncMemoryClient:
         self._methods: dict[str, dict[str, Any]] = {}  # address -> its DataPlane methods (client.transport)
         self.shm = ShmTransport(shm_enabled(shm), self._channel)
         self._tables: dict[str, TableMeta] = {}
+        self._closed = False
 
     # -- plumbing ------------------------------------------------------------------------
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
+            if self._closed:  # (a call after close opened channels no one closed)
+                raise FailedPreconditionError("this client is closed (close(), or the end of its with-block): make "
+                                              "a new one")
             ch = self._channels[address] = aio_channel(address, token=self.token, tls=self.tls)
         return ch
 
@@ -351,8 +355,10 @@ class AsyncMemoryClient:
 
     async def close(self) -> None:
         """Detach the shared-memory regions and close the channels; returns once gRPC has ended
-        every call of this client (memserver.loop.settle_grpc), so the loop may close at once."""
+        every call of this client (memserver.loop.settle_grpc), so the loop may close at once.
+        Later calls are refused (FAILED_PRECONDITION)."""
         await self.shm.close()
+        self._closed = True
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))
         self._channels.clear()
         self._methods.clear()

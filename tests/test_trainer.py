@@ -679,6 +679,10 @@ def test_closing_the_client_waits_for_a_commit_in_flight_and_refuses_later_calls
         with pytest.raises(FailedPreconditionError, match="this MemoryClient is closed"):
             call()
     c.close()  # again: nothing
+    import asyncio
+
+    with pytest.raises(FailedPreconditionError, match="this client is closed"):  # the asyncio client's too
+        asyncio.run(c.aio.list_tables())
 
 
 def test_backends_take_numpy_and_refuse_the_async_client_and_index_tables(client, memory_cluster, table_name):
