@@ -456,6 +456,13 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_and_more_of_the_
         got = decode(pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="m", ids=encode(torch.arange(32)))).rows, "rows")
     torch.testing.assert_close(got, rows, rtol=0, atol=0)
     assert "n" not in again.servicer.tables and f"{rows_of} of row 7 does not match" in again.servicer.lost["n"]
+    if tier:  # what the attempts that failed opened is closed: only the live slice's files stay open
+        import os
+
+        held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")]
+        assert sorted(p.rsplit("/", 3)[1:] for p in held if "/disk/" in p and str(tmp_path) in p) == [
+            ["m", "disk", "rows.dat"]] * 2 + [["m", "disk", "stats.dat"]] * 2  # (a mapping holds its own copy)
     again.stop()
 
 

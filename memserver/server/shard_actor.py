@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +313,9 @@ class ShardActor:
                     sl.wal = WriteAheadLog(wal_dir, max(start, end))
             sl.recovered_from = how
             return sl, how
-        except BaseException:
+        except BaseException as exc:
+            # its frames' views of a disk table's mappings would keep them (and their files) open
+            traceback.clear_frames(exc.__traceback__)
             sl.close()
             raise
 
