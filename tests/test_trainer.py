@@ -189,6 +189,15 @@ def test_resumed_run_continues_with_the_same_losses(client, table_name, tmp_path
         with pytest.raises(PermissionDeniedError, match=f"--checkpoint-dir {outside}"):
             list(train(build_parser().parse_args([*common, "--steps", "6", "--resume", ck, "--checkpoint-dir", outside]),
                        client=client))
+        import shutil
+
+        shutil.copytree(ck, tmp_path / "lost")  # a copy whose tables' checkpoints are gone: the resume fails at
+        shutil.rmtree(tmp_path / "lost" / "memory")  # its restore, which made the live table anew first (zeroed)
+        from memserver.api.errors import InvalidArgumentError
+
+        with pytest.raises(InvalidArgumentError, match="no complete checkpoint of step 3"):
+            list(train(build_parser().parse_args([*common, "--steps", "6", "--resume", str(tmp_path / "lost")]),
+                       client=client))
         with monkeypatch.context() as env:  # launched as one of two trainers (torchrun sets it)
             env.setenv("WORLD_SIZE", "2")
             with pytest.raises(SystemExit, match="single-trainer runs"):
