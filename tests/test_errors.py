@@ -193,6 +193,7 @@ def test_dropping_slices_outside_the_catalog_holds_the_name():
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(optimizer="adamw"), InvalidArgumentError, "unknown optimizer"),
     (dict(lr=-1.0), InvalidArgumentError, "lr must be"),
+    (dict(lr=0.0), InvalidArgumentError, "lr must be a positive finite number, got 0.0"),  # (was taken as unset: 0.01)
     (dict(num_rows=1 << 40), ResourceExhaustedError, "memory available there"),
     (dict(tier="disk", dtype="float16"), InvalidArgumentError, "a tier .disk. table stores float32"),
 ])

@@ -82,7 +82,7 @@ def optimizer_config(spec: Any) -> OptimizerConfig:
     defaults = OptimizerConfig()
     return OptimizerConfig(
         name=spec.name or defaults.name,
-        lr=spec.lr or defaults.lr,
+        lr=spec.lr if spec.HasField("lr") else defaults.lr,  # (0 was taken for unset: --lr 0 trained at 0.01)
         eps=spec.eps if spec.HasField("eps") else None,
         beta1=spec.beta1 if spec.HasField("beta1") else defaults.beta1,
         beta2=spec.beta2 if spec.HasField("beta2") else defaults.beta2,
