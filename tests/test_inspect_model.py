@@ -278,11 +278,20 @@ def test_memtrain_trace_command(trained, capsys, memory_cluster):
     assert client_triggers["info"]["step"] == 40
     for argv, message in [
         (["--table", "no-such-table"], "no memory layer"),
-        (["--table", table, "--tokens", "-1"], "--tokens must be >= 0"),
+        (["--table", table, "--tokens", "-1"], "--tokens must be >= 0, got -1"),
+        (["--table", table, "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--table", table, "--data", "/nonexistent"], "no such file"),
     ]:
         with pytest.raises(SystemExit, match=message):
             memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint", memory_cluster.endpoint, *argv])
+    # no cluster (no endpoint file): one line (was a traceback)
+    import tempfile
+
+    with pytest.MonkeyPatch.context() as env, tempfile.TemporaryDirectory() as home:
+        env.setenv("MEMSERVER_HOME", home)
+        env.delenv("MEMSERVER_ENDPOINT", raising=False)
+        with pytest.raises(SystemExit, match="memtrain trace: error: no memserver endpoint file"):
+            memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--table", table])
 
 
 def test_memtrain_trace_reads_the_text_the_checkpoint_was_trained_on(client, memory_cluster, capsys, tmp_path):
@@ -307,6 +316,8 @@ def test_memtrain_trace_reads_the_text_the_checkpoint_was_trained_on(client, mem
         assert memtrain([*base, "--data", str(tmp_path / "moved.txt"), "--tokens", "20", "--json"]) == 0
     finally:
         client.drop_table("own-text")
+    with pytest.raises(SystemExit, match="memtrain trace: error: NOT_FOUND: table 'own-text' does not exist"):
+        memtrain([*base, "--data", str(tmp_path / "moved.txt")])  # (was a traceback)
 
 
 def test_lsh_memories_are_inspected_through_their_sketch(client, tmp_path):

@@ -905,12 +905,21 @@ def trace_parser() -> argparse.ArgumentParser:
 
 
 def trace_main(argv: list[str]) -> int:
+    args = trace_parser().parse_args(argv)
+    if args.tokens < 0:
+        raise SystemExit(f"memtrain trace: error: --tokens must be >= 0, got {args.tokens}")
+    if args.batch_size < 1:
+        raise SystemExit(f"memtrain trace: error: --batch-size must be >= 1, got {args.batch_size}")
+    try:  # no cluster, a table that is not there: one line, not a traceback
+        return _trace(args)
+    except (FileNotFoundError, MemserverError) as exc:
+        raise SystemExit(f"memtrain trace: error: {one_line(exc)}") from None
+
+
+def _trace(args: argparse.Namespace) -> int:
     from client import MemoryClient
     from trainer.inspection import Inspector, trace
 
-    args = trace_parser().parse_args(argv)
-    if args.tokens < 0 or args.batch_size < 1:
-        raise SystemExit("memtrain trace: error: --tokens must be >= 0 and --batch-size >= 1")
     with MemoryClient(args.endpoint) as client:
         try:
             given = load_corpus(args.data) if args.data else None
