@@ -366,6 +366,8 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     (["up", "--max-restarts", "-5"], "--max-restarts must be -1 (always) or a count >= 0, got -5"),
     (["up", "--object-store-mb", "1"], "--object-store-mb must be at least 75 (Ray's minimum), got 1"),
     (["up", "--data-dir", __file__], "not a directory"),
+    (["up", "--address", "127.0.0.1:1"], "--address 127.0.0.1:1: no Ray cluster answers there (Connection refused)"),
+    (["up", "--address", "somewhere"], "--address: expected 'auto' or HOST:PORT"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--optimizer", "adamw"], "argument --optimizer: invalid choice"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--dtype", "int64"], "argument --dtype: invalid choice"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--num-shards", "0"], "argument --num-shards: must be >= 1, got 0"),

@@ -131,6 +131,8 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
         raise CliError(f"--max-restarts must be -1 (always) or a count >= 0, got {args.max_restarts}")
     if not args.address and args.object_store_mb < OBJECT_STORE_MIN_MB:
         raise CliError(f"--object-store-mb must be at least {OBJECT_STORE_MIN_MB} (Ray's minimum), got {args.object_store_mb}")
+    if args.address and args.address != "auto" and "://" not in args.address:
+        _check_ray_answers(args.address)
     if (data_dir := _flag_or_config(args, cfg, "data_dir", None)) is not None:
         try:
             check_data_dir(data_dir, shards)
@@ -138,6 +140,19 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
             raise CliError(f"--data-dir (or the config's data_dir): {exc}") from None
     _check_config_tables(args, cfg, shards)
     return shards, shard_cpus, shard_gpus
+
+
+def _check_ray_answers(address: str) -> None:
+    """--address HOST:PORT takes connections (Ray's GCS): ray.init retries an address where nothing
+    listens for minutes, ignoring Ctrl-C, and a detached `up` left that process behind."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise CliError(f"--address: expected 'auto' or HOST:PORT (Ray's head, as `ray start --head` prints), got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        raise CliError(f"--address {address}: no Ray cluster answers there ({exc.strerror or exc}); start its head "
+                       "(`ray start --head`) or leave --address out for an embedded one") from None
 
 
 def _check_config_tables(args: argparse.Namespace, cfg: dict[str, Any], shards: int) -> None:
@@ -438,8 +453,13 @@ def _up_detached(args: argparse.Namespace) -> int:
                 print(f"(running in the background as pid {proc.pid}; log {logfile}; stop with `memserver down`)")
                 return 0
         time.sleep(0.2)
-    proc.terminate()
-    raise CliError(f"memserver was not ready after {wait:.0f}s (--timeout); log {logfile}")
+    proc.terminate()  # and its process group, if it does not stop (it ignored SIGTERM inside ray.init)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    raise CliError(f"memserver was not ready after {wait:.0f}s (--timeout), and is stopped; log {logfile}")
 
 
 def cmd_down(args: argparse.Namespace) -> int:
