@@ -225,6 +225,16 @@ def test_table_without_a_model_still_shows_statistics_and_triggers(client, url, 
     assert re.sub(r"<[^>]+>", "", re.search(r'<td class="mono context">(.*?)</td>', page.text)[1]) == "a·b⏎a"
     empty = fetch(f"{url}/table/{q(others.plain)}/slot/3")
     assert empty.status == 200 and 'id="no-triggers"' in empty.text
+    unread = f"web-unread-{uuid.uuid4().hex[:6]}"  # no reads yet: its mass quantiles are None, drawn as –
+    client.create_table(unread, 16, 4)
+    try:
+        api = fetch(f"{url}/api/table/{q(unread)}").json
+        assert {k: api["usage"][k] for k in ("top50_slots", "top90_slots", "top99_slots")} == dict.fromkeys(
+            ("top50_slots", "top90_slots", "top99_slots"))
+        page = fetch(f"{url}/table/{q(unread)}")
+        assert page.status == 200 and 'id="top50-slots">–<' in page.text
+    finally:
+        client.drop_table(unread)
 
 
 def test_lsh_address_renders():

@@ -94,11 +94,12 @@ def gini(counts: np.ndarray, values: np.ndarray) -> float:
     return float(((2 * rank_sum - (n + 1) * c) * v).sum() / (n * total))
 
 
-def mass_quantiles(counts: np.ndarray, values: np.ndarray, qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
-    """How many of the hottest slots hold q% of the mass, for (slots, value) groups hottest first."""
+def mass_quantiles(counts: np.ndarray, values: np.ndarray, qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """How many of the hottest slots hold q% of the mass, for (slots, value) groups hottest first;
+    None with no mass (the keys are there either way: `usage --json` keeps its shape)."""
     mass = counts * values
     total = float(mass.sum())
-    out: dict[str, float] = {}
+    out: dict[str, float | None] = {f"top{q}_slots": None for q in qs}
     if total <= 0:
         return out
     cum = np.cumsum(mass) / total
@@ -137,6 +138,7 @@ def histogram_metrics(hits: Histogram, mass: Histogram) -> dict[str, float | Non
     out: dict[str, float | None] = {"used_pct": 100.0 * hits.used / n,  # (no reads: None, as in usage_metrics)
                                     "kl_counts": kl_to_uniform(hits.total, hits.sum_xlogx, n) if hits.total > 0 else None,
                                     "kl_weights": None, "gini_weights": None}
+    out.update(mass_quantiles(np.zeros(0), np.zeros(0)))  # (None each, until there is mass)
     if mass.total > 0:
         out["kl_weights"] = kl_to_uniform(mass.total, mass.sum_xlogx, n)
         c, v = mass.descending()
