@@ -383,7 +383,7 @@ class ShmTransport:
             with self.lock:  # the stream first: whoever sees the region can cancel its stream
                 self.streams[address] = stream
                 self.regions[address] = region
-            log.info("shared memory with shard %s: %d MiB region attached%s", address, region.size >> 20,
+            log.debug("shared memory with shard %s: %d MiB region attached%s", address, region.size >> 20,
                      ", calls by its doorbell" if region.bell is not None else "")
         except (grpc.aio.AioRpcError, RuntimeError, asyncio.TimeoutError) as exc:
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None

@@ -83,6 +83,7 @@ def test_memtrain_cli_writes_json_log(tmp_path):
     for key in ("val_loss", "mem1_used_pct", "mem1_kl_counts", "mem1_kl_weights", "mem1_top50_slots", "mem1_top90_slots", "mem1_top99_slots"):
         assert key in last
     assert "val" in proc.stderr  # plain log lines without a terminal
+    assert "faiss.loader" not in proc.stderr  # its "ModuleNotFoundError ... avx512" lines read as a failure
 
 
 def test_memtrain_rejects_bad_layer_index():

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from memserver.api.errors import InvalidArgumentError, MemserverError
+from memserver.cli import quiet_libraries
 from memserver.cli.common import cache_size, one_line
 from memserver.core.table import set_threads
 from trainer.checkpoints import trainer_file
@@ -984,6 +985,7 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[s
 
 def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    quiet_libraries(getattr(args, "debug", False))
     out = open(args.log_json, "a") if args.log_json else None  # noqa: SIM115
     tty = sys.stderr.isatty()
     bar = None

@@ -52,6 +52,13 @@ def _verbose_anywhere(sub: argparse._SubParsersAction) -> None:
                 _verbose_anywhere(action)
 
 
+def quiet_libraries(verbose: bool = False) -> None:
+    """Libraries' INFO lines off the commands' stderr unless -v: faiss's loader says which CPU
+    build it tried (a `ModuleNotFoundError` for avx512 reads as a failure; it is not one)."""
+    if not verbose:
+        logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -60,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    quiet_libraries(args.verbose)
     try:
         return args.func(args)
     except KeyboardInterrupt:

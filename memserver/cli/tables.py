@@ -433,7 +433,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ck.add_argument("--dir", help="directory on the servers, below the cluster's checkpoint root (memserver up "
                     "--checkpoint-root); a relative one is taken under that root (default: 'checkpoints' there); "
                     "it must be visible to every shard")
-    ck.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint (its folder is step-<step>)")
+    ck.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint (its folder is step-<step in 10 digits>, "
+                    "e.g. step-0000000100)")
     ck.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     cluster_flags(ck, timeout=600.0)
     ck.set_defaults(func=cmd_checkpoint)
@@ -446,7 +447,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "under the cluster's checkpoint root; default: 'checkpoints' there)")
     rs.add_argument("--step", type=int, default=0, help="which step (default: the latest complete checkpoint)")
     rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
-    rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name first")
+    rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name, once every file "
+                    "to load is checked")
     rs.add_argument("--shards", type=count, default=0, help="restore into this many shards, at most the cluster's (default: as saved, or the cluster's "
                     "shards if fewer)")
     rs.add_argument("--tier", choices=_CHOICES["tier"],
@@ -455,5 +457,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rs.add_argument("--cache-bytes", type=cache_size,
                     help="the value tables' disk cache for each whole table, e.g. 4G (default: as saved, or 1/8 of "
                     "the rows' records when --tier changes it to disk)")
-    cluster_flags(rs, timeout=600.0)
+    cluster_flags(rs, timeout=600.0, json_help="print a JSON array of the restored tables")
     rs.set_defaults(func=cmd_restore)

@@ -48,7 +48,7 @@ def read_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no memserver endpoint file at {p}: start a cluster with `memserver up`, "
-            "or pass the coordinator's HOST:PORT explicitly"
+            "or give the coordinator's HOST:PORT (the commands' --endpoint, MemoryClient(endpoint))"
         ) from None
 
 
