@@ -403,8 +403,8 @@ def test_up_refuses_a_data_dir_whose_tables_need_more_shards(tmp_path, capsys, m
 
     check_data_dir(data, 2)
     check_data_dir(data, 3)  # more shards than before: the new ones start empty
-    check_data_dir(tmp_path / "nothing-yet", 1)
-    assert (tmp_path / "nothing-yet").is_dir()
+    check_data_dir(tmp_path / "nothing-yet" / "below", 1)
+    assert not (tmp_path / "nothing-yet").exists()  # (made to see that it can be, and removed)
     with pytest.raises(ValueError, match="data directory /proc/memserver-data: cannot be made"):  # (a traceback in
         check_data_dir("/proc/memserver-data", 1)  # the foreground `up`, a Ray stack dump in a detached one)
     # a read-only mount (in a mount namespace of its own): refused naming it, where the shards used

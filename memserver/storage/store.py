@@ -94,10 +94,15 @@ def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):  # (a read-only mount too: access() says EROFS)
         raise ValueError(f"data directory {path}: {existing} is not writable here (a read-only mount, or "
                          "permissions); the shards keep their records and logs there")
-    try:  # made here, as the shards would: a path no one can make (under /proc) failed inside a shard
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"data directory {path}: cannot be made ({exc.strerror})") from None
+    if not path.exists():  # made and removed here, as the shards would make it: a path no one can make
+        top = path.absolute()  # (under /proc) failed inside a shard; a refused `up` leaves nothing behind
+        while not top.parent.exists():
+            top = top.parent
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            raise ValueError(f"data directory {path}: cannot be made ({exc.strerror})") from None
+        shutil.rmtree(top)
     held = held_slices(path)
     beyond = {i: names for i, names in held.items() if i >= num_shards}
     if beyond:
