@@ -316,8 +316,19 @@ def test_memtrain_trace_reads_the_text_the_checkpoint_was_trained_on(client, mem
         assert memtrain([*base, "--data", str(tmp_path / "moved.txt"), "--tokens", "20", "--json"]) == 0
     finally:
         client.drop_table("own-text")
-    with pytest.raises(SystemExit, match="memtrain trace: error: NOT_FOUND: table 'own-text' does not exist"):
+    with pytest.raises(SystemExit, match="memtrain trace: error: .*: its model reads table 'own-text', which the "
+                                         "cluster does not hold"):
         memtrain([*base, "--data", str(tmp_path / "moved.txt")])  # (was a traceback)
+    from memserver import cli
+
+    client.create_table("own-other", 16, 4)
+    try:  # a model reading another table, gone: said of the flag (was NOT_FOUND of a table the user never named)
+        with pytest.raises(SystemExit):
+            cli.main(["inspect", "own-other", "1", "--checkpoint", str(ckpt), "--endpoint", memory_cluster.endpoint])
+        assert "--checkpoint: " in (err := capsys.readouterr().err) and "its model reads table 'own-text', which the " \
+            "cluster does not hold" in err
+    finally:
+        client.drop_table("own-other")
 
 
 def test_lsh_memories_are_inspected_through_their_sketch(client, tmp_path):

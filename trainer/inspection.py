@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memserver.api.errors import first_line
+from memserver.api.errors import TableNotFoundError, first_line
 from memserver.cli.common import GLYPHS
 from memserver.core.triggers import CAPACITY, best_per_slot, record_keys
 from trainer.checkpoints import latest_trainer_file
@@ -206,7 +206,12 @@ class Inspector:
                 if name is None:
                     raise ValueError(f"{path}: no table recorded for memory layer {key}")
                 tables[key] = name
-                values[key] = PeekValues(client, name)
+                try:
+                    values[key] = PeekValues(client, name)
+                except TableNotFoundError:  # (said NOT_FOUND of a table the user never named)
+                    raise ValueError(f"{path}: its model reads table {name!r}, which the cluster does not hold "
+                                     "(give the checkpoint of the model that reads the table you ask about, or "
+                                     f"restore {name!r})") from None
         knowledge = [RemoteKnowledge(client, s) for s in mem.kif_sources] if "kif" in mem.kinds else []
         model = GPT(ModelConfig(memory=mem, **cfg), values, knowledge)
         model.load_state_dict(sd)
