@@ -226,17 +226,19 @@ def test_inspect_top_usage_search_commands(client, trained, capsys, tmp_path, me
 
 
 def test_usage_of_a_table_never_read_says_so(client, table_name, capsys, memory_cluster):
-    """No reads: KL and Gini None (not 0, "perfectly even"), for the histograms as for the exact counts."""
+    """No reads: KL, Gini and the mass quantiles None (not 0, "perfectly even"; the quantiles' keys
+    were missing), for the histograms as for the exact counts."""
     from memserver.api.usage import Histogram, histogram_metrics, usage_metrics
 
-    none = {"used_pct": 0.0, "kl_counts": None, "kl_weights": None, "gini_weights": None}
+    none = {"used_pct": 0.0, "kl_counts": None, "kl_weights": None, "gini_weights": None, "top50_slots": None,
+            "top90_slots": None, "top99_slots": None}
     assert usage_metrics(np.zeros(8), np.zeros(8)) == none
     assert histogram_metrics(Histogram.of(np.zeros(8)), Histogram.of(np.zeros(8))) == none
     client.create_table(table_name, 64, 4)
     code, out = cli(capsys, "usage", table_name, "--json", "--endpoint", memory_cluster.endpoint)
     assert code == 0 and none.items() <= json.loads(out.out).items()
     code, out = cli(capsys, "usage", table_name, "--endpoint", memory_cluster.endpoint)
-    assert code == 0 and out.out.count("no reads yet") == 3
+    assert code == 0 and out.out.count("no reads yet") == 6
 
 
 @pytest.mark.parametrize("argv,status,message", [
