@@ -649,3 +649,8 @@ def test_a_flipped_bit_in_a_slice_saved_whole_is_refused_by_name(tmp_path, kind)
         load()
     with pytest.raises(DataLossError, match=says):
         verify_files([entry])
+    blob[at + 2] ^= 0x40
+    blob[0] ^= 0x01  # the archive's first byte: taken for the legacy format, it passed the checks unread
+    path.write_bytes(bytes(blob))
+    with pytest.raises(DataLossError, match=f"{path} is damaged: it begins with neither a zip archive's header"):
+        verify_files([entry])

@@ -198,13 +198,29 @@ def checked_files(directory: Path, name: str, entry: Any, num_rows: int) -> list
     return [{**f, "file": str(p)} for f, p in zip(files, paths)]
 
 
+#: How torch.save's legacy (pre-zip) format begins: pickle protocol 2, then its magic number.
+_LEGACY_HEAD = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+
+
+def _is_zip(path: Path | str) -> bool:
+    """Whether a slice file is torch.save's zip archive (True) or its legacy format (False); any
+    other first bytes are a damaged file (they were taken for the legacy format and passed)."""
+    with open(path, "rb") as f:
+        head = f.read(len(_LEGACY_HEAD))
+    if head.startswith(b"PK\x03\x04"):
+        return True
+    if head == _LEGACY_HEAD:
+        return False
+    raise CheckpointDamagedError(f"checkpoint slice file {path} is damaged: it begins with neither a zip archive's "
+                                 "header nor torch's legacy format's")
+
+
 def _check_archive(path: Path) -> None:
     """A slice file torch.save wrote (a zip archive) has its directory intact: read here, in
     O(entries), so a damaged end is refused before a restore drops anything (its data is read,
     mapped, only where rows are copied). DataLossError names the file."""
-    with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04":
-            return  # the legacy (pre-zip) torch.save format: nothing to look at cheaply
+    if not _is_zip(path):
+        return  # the legacy (pre-zip) torch.save format: nothing to look at cheaply
     try:
         with zipfile.ZipFile(path) as z:
             if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist()):
@@ -359,9 +375,8 @@ def verify_files(files: list[dict[str, Any]]) -> None:
     (restoring checks only what each slice copies, as it copies it, when the old table is gone
     already). DataLossError names the first damaged file, tensor and row or bytes."""
     for f in files:
-        with open(f["file"], "rb") as fh:
-            if fh.read(4) != b"PK\x03\x04":
-                continue  # the legacy (pre-zip) format: no checksums, and it cannot be mapped (it loads whole)
+        if not _is_zip(f["file"]):
+            continue  # the legacy (pre-zip) format: no checksums, and it cannot be mapped (it loads whole)
         blob = _open_slice(f["file"])
         for name, (whole, saved) in _checks_of(blob, f["file"]).items():
             for s in range(0, len(saved), _RESTORE_ROWS):
