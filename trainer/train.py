@@ -421,10 +421,10 @@ def _build(args: argparse.Namespace, client: Any, device: torch.device, rank: in
         if args.memory == "local":
             made[key] = LocalValues(rows, width, device=device, **common)
         else:
-            # a resume attaches (its restore replaces the table only once the checkpoint is checked): made
-            # anew first, a resume whose restore was refused left the live table zeroed
+            # a resume's restore replaces the table only once the checkpoint is checked: made anew first,
+            # a resume whose restore was refused left the live table zeroed
             made[key] = RemoteValues(client, name, rows, width, sharding=args.sharding, defer_apply=args.staleness > 0,
-                                     create=rank == 0 and not args.resume, sync_workers=world if world > 1 else 0,
+                                     create=rank == 0, restoring=bool(args.resume), sync_workers=world if world > 1 else 0,
                                      wal=args.wal, tier=args.tier, cache_bytes=args.cache_bytes or 0, **common)
     values = {key: made[table] for key, table in planned.items()}
     knowledge: list[KnowledgeSource] = []

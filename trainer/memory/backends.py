@@ -351,13 +351,15 @@ class RemoteValues:
     def __init__(self, client: Any, name: str, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3,
                  init_std: float | None = None, seed: int = 0, sharding: str | None = None, defer_apply: bool = False,
                  create: bool = True, sync_workers: int = 0, wal: bool = False, tier: str = "ram",
-                 cache_bytes: int = 0) -> None:
+                 cache_bytes: int = 0, restoring: bool = False) -> None:
         """`create`: (re-)create the table, dropping one of that name and its values (data-parallel
         trainers: rank 0 only); False: attach to the table, which where it exists must have
         `num_rows` x `dim` (ValueError otherwise: a layer would read rows of another shape); `sync_workers`:
         that many trainers push each step and the shards apply the mean once (see the proto);
         `wal`: the shards log every update before acknowledging it (survives a shard restart);
-        `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table)."""
+        `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table);
+        `restoring`: neither made nor checked, since `load` will restore it (a resume: the table of
+        that name, whatever it holds, is replaced only once the checkpoint's files are checked)."""
         from client import TableNotFoundError
         from client.aio import AsyncMemoryClient
         from client.ops import ids_fit_int32
@@ -377,6 +379,8 @@ class RemoteValues:
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
         self.version = 0
         std = init_std if init_std is not None else dim**-0.5
+        if restoring:  # (load restores it: neither made nor checked here)
+            return
         if not create:
             try:
                 meta = client.table(name)
