@@ -275,6 +275,12 @@ def test_of_two_whole_layouts_of_a_name_the_catalog_keeps_the_newer():
     assert "w" not in servicer.tables
     made = [plan_table(spec, [infos[0]]).layout_id for _ in range(1000)]  # many in one millisecond
     assert made == sorted(set(made)) and made[-1] < 1 << 63
+    import time
+
+    ahead = (time.time_ns() // 1_000_000 + 3_600_000) << 20  # made an hour "later": the clock stepped back since
+    held = [[(spec.SerializeToString(), pb.ShardInfo(index=0, layout_id=ahead).SerializeToString(), 1)], []]
+    ControlPlaneServicer([Shard(j) for j in range(2)], infos[:2]).recover_catalog(held)
+    assert plan_table(spec, [infos[0]]).layout_id > ahead  # (was below it: the stale one would win the next rebuild)
 
 
 def test_a_failed_fsync_acknowledges_nothing_after_it(tmp_path, monkeypatch):

@@ -205,6 +205,13 @@ def new_layout_id() -> int:
         return _last_layout_id
 
 
+def seen_layout_id(layout_id: int) -> None:
+    """A layout id found on the shards (a rebuilt catalog): later ones are made above it."""
+    global _last_layout_id
+    with _layout_lock:
+        _last_layout_id = max(_last_layout_id, layout_id)
+
+
 _layout_lock = threading.Lock()
 _last_layout_id = 0
 

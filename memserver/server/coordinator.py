@@ -32,7 +32,7 @@ from memserver.api.types import METRIC_NAMES, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
-from memserver.server.catalog import plan_table, refuse_oversized, retier, slice_size, validate_spec
+from memserver.server.catalog import plan_table, refuse_oversized, retier, seen_layout_id, slice_size, validate_spec
 from memserver.server.config import Limits, ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, serve_on
 from memserver.server.metrics import CoordinatorMetrics
@@ -113,6 +113,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                           {lid: sorted(p) for lid, p in layouts.items()}, why)
                 continue
             parts = whole[pick]
+            if not legacy:  # ids made after the rebuild stay above every one seen, whatever the clock did
+                seen_layout_id(max(layouts))
             # an older layout's slices (a namesake a drop missed): dropped with the table, or they would
             # come back as it at the next rebuild
             self.stale[name] = {j for lid, p in layouts.items() if lid != pick for j, *_ in p.values()}
@@ -276,10 +278,15 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self._get(name)
         del self.tables[name]
         order = self.placement.pop(name)
+        stale = sorted(self.stale.pop(name, ()))
         got = await asyncio.gather(*(self.handles[j].drop_table.remote(name) for j in order),
                                    *(asyncio.wait_for(self.handles[j].drop_table.remote(name), STRAY_SECONDS)
-                                     for j in self.stale.pop(name, ())), return_exceptions=True)
-        if failed := [r for r in got[: len(order)] if isinstance(r, BaseException)]:  # (a stale one's: best effort)
+                                     for j in stale), return_exceptions=True)
+        if kept := [j for j, r in zip(stale, got[len(order):]) if isinstance(r, BaseException)]:
+            log.error("table %s: shards %s did not drop their slices of an older layout: drop the name again "
+                      "(memserver drop-table %s), or they come back as the table when the catalog is rebuilt",
+                      name, kept, name)
+        if failed := [r for r in got[: len(order)] if isinstance(r, BaseException)]:
             raise failed[0]
         async with self.lock:
             self.epoch += 1
@@ -422,19 +429,25 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for name in plans:  # and every byte it would load checked: a damaged file found later would leave neither table
             await asyncio.get_running_loop().run_in_executor(None, verify_files, files[name])
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
-        made: list[str] = []
+        made: dict[str, int] = {}  # name -> the layout this restore made
         try:
             for name in names:
-                if name in self.tables:
+                if request.replace and name in self.tables:  # (without replace: another's, made meanwhile; _place refuses)
                     await self._drop(name)
                 if request.replace:  # nothing of it may stay: slices no table owns either (without replace
                     await self._drop_strays(name)  # the shards holding one refuse, as for a create: a lost slice's files stay)
-                resp.tables.append(await self._place(specs[name], files[name], plan=plans.get(name)))
-                made.append(name)
+                info = await self._place(specs[name], files[name], plan=plans.get(name))
+                resp.tables.append(info)
+                made[name] = info.layout_id
         except BaseException:
             if not request.replace:  # a refused restore makes none of its tables (with replace the old ones are gone)
-                for name in made:
-                    await self._drop(name)
+                for name, layout_id in made.items():
+                    if getattr(self.tables.get(name), "layout_id", None) != layout_id:
+                        continue  # dropped or replaced by someone else meanwhile: not this restore's any more
+                    try:
+                        await self._drop(name)
+                    except Exception:  # noqa: BLE001 - the refusal is what the caller must hear
+                        log.exception("restore: undoing table %s failed; it stays", name)
             raise
         return resp
 
