@@ -12,6 +12,7 @@ seeded initial values (a pure function of the spec), and replays the log after i
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -95,14 +96,21 @@ def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
         raise ValueError(f"data directory {path}: {existing} is not writable here (a read-only mount, or "
                          "permissions); the shards keep their records and logs there")
     if not path.exists():  # made and removed here, as the shards would make it: a path no one can make
-        top = path.absolute()  # (under /proc) failed inside a shard; a refused `up` leaves nothing behind
-        while not top.parent.exists():
-            top = top.parent
+        # (under /proc) failed inside a shard; a refused `up` leaves nothing behind. One level at a
+        # time, each removed only if still empty: nothing another process put there goes
+        full = Path(os.path.abspath(path))  # ("m/../e" as the shards resolve it)
+        missing = [p for p in (full, *full.parents) if not p.exists()][::-1]
+        made: list[Path] = []
         try:
-            path.mkdir(parents=True)
+            for level in missing:
+                level.mkdir()
+                made.append(level)
         except OSError as exc:
             raise ValueError(f"data directory {path}: cannot be made ({exc.strerror})") from None
-        shutil.rmtree(top)
+        finally:
+            for level in reversed(made):
+                with contextlib.suppress(OSError):
+                    level.rmdir()
     held = held_slices(path)
     beyond = {i: names for i, names in held.items() if i >= num_shards}
     if beyond:
