@@ -356,9 +356,9 @@ class AsyncMemoryClient:
     async def close(self) -> None:
         """Detach the shared-memory regions and close the channels; returns once gRPC has ended
         every call of this client (memserver.loop.settle_grpc), so the loop may close at once.
-        Later calls are refused (FAILED_PRECONDITION)."""
-        await self.shm.close()
+        Later calls are refused (FAILED_PRECONDITION): no new channel opens from here on."""
         self._closed = True
+        await self.shm.close()
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))
         self._channels.clear()
         self._methods.clear()

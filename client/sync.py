@@ -77,13 +77,16 @@ class MemoryClient:
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Run `coro` on the client's loop without waiting; close() waits for it."""
-        if self._closed:
-            coro.close()
+        fut: Future[T] | None = None
+        with self._lock:  # with close's flag and snapshot: no submit slips between them unwaited
+            if not self._closed:
+                fut = self._loop.submit(coro)
+                self._pending.add(fut)
+        if fut is None:
+            coro.close()  # never started: no "was never awaited" warning
             self._check_open()
-        fut = self._loop.submit(coro)
-        with self._lock:
-            self._pending.add(fut)
-        fut.add_done_callback(self._done)
+            raise AssertionError("unreachable")
+        fut.add_done_callback(self._done)  # (outside the lock: a done future calls back at once)
         return fut
 
     def _done(self, fut: Future[Any]) -> None:
@@ -187,10 +190,10 @@ class MemoryClient:
         """Wait for the calls submit_* sent (a commit a trainer did not wait for: its step's
         update), then close the channels and the loop. Later calls are refused
         (FAILED_PRECONDITION). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             pending = list(self._pending)
         if pending:  # each ends by its deadline and retry budget
             _, late = concurrent.futures.wait(pending, self.aio.retry_seconds + 2 * self.aio.timeout)
