@@ -375,7 +375,7 @@ class MemoryClient:
         not use (the shards skip it; the future gives None): it sends the update and goes on;
         `commit_step` after every such future is done."""
         return self._submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, step=step, gather=gather,
-                                                       weight_grad=False))
+                                                  weight_grad=False))
 
     def submit_commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> Future[int]:
         """`commit_step` without waiting (a trainer overlaps it with its next step's first work).
