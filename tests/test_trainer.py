@@ -697,7 +697,7 @@ def test_closing_the_client_waits_for_a_commit_in_flight_and_refuses_later_calls
 
 
 def test_backends_take_numpy_and_refuse_the_async_client_and_index_tables(client, memory_cluster, table_name):
-    """numpy arrays, which the client takes, failed inside either backend ("'str' object has no
+    """numpy arrays (and lists), which the client takes, failed inside either backend ("'str' object has no
     attribute 'type'"); RemoteValues over the asyncio client made no table and failed at the first
     bag on a coroutine; attached to an index table it said the table had 2^63-1 rows; a model
     holding it could not be saved whole or copied, with "cannot pickle '_thread.lock' object"."""
@@ -712,8 +712,8 @@ def test_backends_take_numpy_and_refuse_the_async_client_and_index_tables(client
         values.bag_backward(ids, w, g)
         values.submit_bag(ids, w).result()
     torch.testing.assert_close(torch.as_tensor(client.lookup(table_name, np.arange(64))), local.table.weight)
-    with pytest.raises(TypeError, match="a value backend takes torch tensors .or numpy arrays., got list"):
-        local.bag([[1]], [[1.0]])
+    torch.testing.assert_close(local.bag([[1, 2]], [[0.5, 0.5]]), local.bag(torch.tensor([[1, 2]]),
+                                                                           torch.full((1, 2), 0.5)))  # lists too
     with pytest.raises(TypeError, match="needs the blocking client.MemoryClient, not AsyncMemoryClient"):
         RemoteValues(AsyncMemoryClient(memory_cluster.endpoint), f"{table_name}-a", 8, 8)
     assert f"{table_name}-a" not in {t.name for t in client.list_tables()}

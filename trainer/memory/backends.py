@@ -28,14 +28,13 @@ from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import numpy as np
 import torch
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.core.optim import OptimizerConfig
 from memserver.core.steps import Entries, bag_entries, combine
 from memserver.core.table import ValueTable
-from memserver.wire import check_bag, check_ids, check_rows
+from memserver.wire import as_tensor, check_bag, check_ids, check_rows
 
 log = logging.getLogger(__name__)
 
@@ -140,20 +139,6 @@ def after(first: Future, then: Callable[[], Future[T]]) -> Future[T]:
 def on_device(answer: Future[T], device: torch.device) -> Future[T]:
     """`answer` (host tensors) as a future of tensors on `device`; on the CPU the future itself."""
     return answer if device.type == "cpu" else DeviceFuture(answer, device)
-
-
-def tensors(*xs: Any) -> tuple[torch.Tensor, ...]:
-    """A backend's arguments as tensors: numpy arrays taken as they are (the client takes both,
-    and a backend handed one failed deep inside with "'str' object has no attribute 'type'"),
-    anything else refused by name."""
-    out = []
-    for x in xs:
-        if isinstance(x, np.ndarray):
-            x = torch.from_numpy(x)
-        elif not isinstance(x, torch.Tensor):
-            raise TypeError(f"a value backend takes torch tensors (or numpy arrays), got {type(x).__name__}")
-        out.append(x)
-    return tuple(out)
 
 
 class ValueBackend(Protocol):
@@ -276,7 +261,7 @@ class LocalValues:
             check_rows(grad_out, num_bags, self.dim, "grad_out")
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        ids, weights = tensors(ids, weights)
+        ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         self._check(ids, weights)
         return to_device(self.table.bag(ids, weights), ids.device)
 
@@ -291,7 +276,7 @@ class LocalValues:
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:
-        ids, weights, grad_out = tensors(ids, weights, grad_out)
+        ids, weights, grad_out = as_tensor(ids), as_tensor(weights), as_tensor(grad_out)
         self._check(ids, weights, grad_out)
         if self.parts is None:  # outside a step: apply at once
             self.version += 1
@@ -419,7 +404,7 @@ class RemoteValues:
         return ids.to(torch.int32)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        ids, weights = tensors(ids, weights)
+        ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         self.settle()
         return to_device(self.client.bag(self.name, h_ids, h_w), ids.device)
@@ -431,7 +416,7 @@ class RemoteValues:
         is not sent (the shards are still busy with the last)."""
         if self.tier != "disk" or (self.warming is not None and not self.warming.done()):
             return None
-        (h_ids,) = to_host(self._ids(*tensors(ids)))
+        (h_ids,) = to_host(self._ids(as_tensor(ids)))
         self.warming = self.client.submit_warm(self.name, h_ids)
         self.warming.add_done_callback(self._warmed)
         return self.warming
@@ -444,7 +429,7 @@ class RemoteValues:
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
         """Sent now, or, while a commit is in flight, as soon as it is applied (chained, not
         waited for: the exact prefetch of step t+1 overlaps step t's commit too)."""
-        ids, weights = tensors(ids, weights)
+        ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         if self.committing is None:
             return on_device(self.client.submit_bag(self.name, h_ids, h_w), ids.device)
@@ -452,7 +437,7 @@ class RemoteValues:
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:
-        ids, weights, grad_out = tensors(ids, weights, grad_out)
+        ids, weights, grad_out = as_tensor(ids), as_tensor(weights), as_tensor(grad_out)
         h_ids, h_w, h_grad = to_host(self._ids(ids), weights.detach(), grad_out.contiguous())
         self.settle()
         if self.step is None:  # outside a step: one call, applied at once
