@@ -47,7 +47,8 @@ class TopN:
     def _key(self, values: np.ndarray) -> np.ndarray:
         """Smaller is better; NaN is worst (a NaN n-th best would compare false with everything)."""
         key = values if self.coldest else -values
-        return np.where(np.isnan(key), np.inf, key) if np.isnan(key).any() else key
+        nan = np.isnan(key)
+        return np.where(nan, np.inf, key) if nan.any() else key
 
     def add(self, start: int, values: np.ndarray) -> None:
         """values[i] is row start + i's; each call's rows after the previous call's."""

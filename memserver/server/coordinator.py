@@ -117,11 +117,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 seen_layout_id(max(layouts))
             # an older layout's slices (a namesake a drop missed): dropped with the table, or they would
             # come back as it at the next rebuild
-            self.stale[name] = {j for lid, p in layouts.items() if lid != pick for j, *_ in p.values()}
-            n = next(iter(parts.values()))[3]
-            if self.stale[name]:
+            if stale := {j for lid, p in layouts.items() if lid != pick for j, *_ in p.values()}:
+                self.stale[name] = stale
                 log.warning("table %s: shards %s hold slices of another layout (a dropped namesake's): outside the "
-                            "catalog, dropped with the table", name, sorted(self.stale[name]))
+                            "catalog, dropped with the table", name, sorted(stale))
+            n = next(iter(parts.values()))[3]
             order = [parts[i][0] for i in range(n)]
             info = pb.TableInfo(spec=parts[0][1], epoch=self.epoch + 1, layout_id=parts[0][2].layout_id)
             for i in range(n):
@@ -432,10 +432,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         made: dict[str, int] = {}  # name -> the layout this restore made
         try:
             for name in names:
-                if request.replace and name in self.tables:  # (without replace: another's, made meanwhile; _place refuses)
-                    await self._drop(name)
-                if request.replace:  # nothing of it may stay: slices no table owns either (without replace
-                    await self._drop_strays(name)  # the shards holding one refuse, as for a create: a lost slice's files stay)
+                if request.replace:  # nothing of it may stay, slices no table owns either. (Without replace a
+                    if name in self.tables:  # name here is another's, made meanwhile, and shards holding one
+                        await self._drop(name)  # refuse, as for a create: a lost slice's files stay.)
+                    await self._drop_strays(name)
                 info = await self._place(specs[name], files[name], plan=plans.get(name))
                 resp.tables.append(info)
                 made[name] = info.layout_id

@@ -266,58 +266,64 @@ class ShardActor:
         files = [checkpoint] if checkpoint else record.get("base_files") or []
         sl = TableSlice(spec, info, record["num_shards"], self.device, initialise=not files, session_ttl=self.session_ttl,
                         directory=self.store.table_dir(spec.name) if self.store is not None else None)
-        try:  # a slice that does not load closes what it opened (a disk table's files: a recovery tries again)
-            start, how = 0, "initial values"
-            extras: dict[str, Any] = {}
-            if files and sl.kind == pb.PRODUCT_KEYS:
-                from memserver.core.pkm import ProductKeyIndex
-
-                state = load_whole(sl.slice_meta(), files, extras)
-                sl.table = ProductKeyIndex.from_state(int(spec.pkm_heads), int(spec.pkm_n_keys), int(spec.pkm_knn),
-                                                      int(spec.pkm_k_dim), int(spec.pkm_d_in), state)
-            elif files and sl.is_index:
-                sl.table = load_index(lambda state: self._index_of(spec, state), sl.slice_meta(), files, extras)
-            elif files:
-                load_into(sl.table, sl.slice_meta(), files, extras)
-                index = sl.info.index
-                sl.triggers.load(trigger_states(files), lambda ids: sl.layout.owner(ids) == index)
-            if files:
-                how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
-            template = self.store.table_dir(spec.name) / INDEX_TEMPLATE if self.store is not None else None
-            if sl.is_index and not sl.table.is_trained and template is not None and template.exists():
-                sl.table.install(template.read_bytes())  # trained after the state it was loaded from
-            if sl.is_index:
-                log.info("index %s on shard %d: %s", spec.name, self.index, sl.table.placement)
-            if checkpoint:
-                start = int(checkpoint.get("lsn", 0))
-                sl.load_extras(extras)
-            if spec.wal and self.store is not None:
-                wal_dir = self.store.table_dir(spec.name)
-                end = repair_log(wal_dir) if replay else start
-                replayed = 0
-                if replay:
-                    try:
-                        for _, kind, payload in read_log(wal_dir, start):
-                            self.servicer.replay(sl, kind, payload)
-                            replayed += 1
-                    except LogGapError as gap:
-                        # Writes that were acknowledged are missing: serving the slice would silently
-                        # lose them. It stays listed (status says why) and refuses every request.
-                        after = f"continues at record {gap.found}" if gap.found is not None else "ends before it"
-                        sl.unavailable = (f"its write-ahead log misses record {gap.expected} (replayed from "
-                                          f"{how}, {replayed} records; the log {after}): acknowledged writes are "
-                                          "missing; restore the table from a checkpoint")
-                        log.error("shard %d: table %s: %s", self.index, spec.name, sl.unavailable)
-                    how += f" + {replayed} logged writes"
-                if not sl.unavailable:
-                    sl.wal = WriteAheadLog(wal_dir, max(start, end))
-            sl.recovered_from = how
-            return sl, how
-        except BaseException as exc:
-            # its frames' views of a disk table's mappings would keep them (and their files) open
+        try:
+            return self._fill_slice(sl, spec, files, checkpoint, replay)
+        except BaseException as exc:  # a slice that does not load closes what it opened (a disk table's
+            # files: a recovery tries again), its frames' views of the mappings cleared first (they kept
+            # the files open while the error was kept)
             traceback.clear_frames(exc.__traceback__)
             sl.close()
             raise
+
+    def _fill_slice(self, sl: TableSlice, spec: pb.TableSpec, files: list[dict[str, Any]],
+                    checkpoint: dict[str, Any] | None, replay: bool) -> tuple[TableSlice, str]:
+        """_load_slice's loading of the new `sl`: its files, then (wal tables, `replay`) the log."""
+        start, how = 0, "initial values"
+        extras: dict[str, Any] = {}
+        if files and sl.kind == pb.PRODUCT_KEYS:
+            from memserver.core.pkm import ProductKeyIndex
+
+            state = load_whole(sl.slice_meta(), files, extras)
+            sl.table = ProductKeyIndex.from_state(int(spec.pkm_heads), int(spec.pkm_n_keys), int(spec.pkm_knn),
+                                                  int(spec.pkm_k_dim), int(spec.pkm_d_in), state)
+        elif files and sl.is_index:
+            sl.table = load_index(lambda state: self._index_of(spec, state), sl.slice_meta(), files, extras)
+        elif files:
+            load_into(sl.table, sl.slice_meta(), files, extras)
+            index = sl.info.index
+            sl.triggers.load(trigger_states(files), lambda ids: sl.layout.owner(ids) == index)
+        if files:
+            how = f"checkpoint step {checkpoint.get('step', 0)}" if checkpoint else "its restore files"
+        template = self.store.table_dir(spec.name) / INDEX_TEMPLATE if self.store is not None else None
+        if sl.is_index and not sl.table.is_trained and template is not None and template.exists():
+            sl.table.install(template.read_bytes())  # trained after the state it was loaded from
+        if sl.is_index:
+            log.info("index %s on shard %d: %s", spec.name, self.index, sl.table.placement)
+        if checkpoint:
+            start = int(checkpoint.get("lsn", 0))
+            sl.load_extras(extras)
+        if spec.wal and self.store is not None:
+            wal_dir = self.store.table_dir(spec.name)
+            end = repair_log(wal_dir) if replay else start
+            replayed = 0
+            if replay:
+                try:
+                    for _, kind, payload in read_log(wal_dir, start):
+                        self.servicer.replay(sl, kind, payload)
+                        replayed += 1
+                except LogGapError as gap:
+                    # Writes that were acknowledged are missing: serving the slice would silently
+                    # lose them. It stays listed (status says why) and refuses every request.
+                    after = f"continues at record {gap.found}" if gap.found is not None else "ends before it"
+                    sl.unavailable = (f"its write-ahead log misses record {gap.expected} (replayed from "
+                                      f"{how}, {replayed} records; the log {after}): acknowledged writes are "
+                                      "missing; restore the table from a checkpoint")
+                    log.error("shard %d: table %s: %s", self.index, spec.name, sl.unavailable)
+                how += f" + {replayed} logged writes"
+            if not sl.unavailable:
+                sl.wal = WriteAheadLog(wal_dir, max(start, end))
+        sl.recovered_from = how
+        return sl, how
 
     # -- table management (called by the coordinator) ---------------------------------------
 

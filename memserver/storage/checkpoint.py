@@ -129,7 +129,7 @@ def block_checks(t: torch.Tensor) -> np.ndarray:
     parts = [row_checks(b[: full * _BLOCK].view(full, _BLOCK))] if full else []
     if b.numel() % _BLOCK:
         parts.append(row_checks(b[full * _BLOCK :].view(1, -1)))
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+    return np.concatenate(parts)
 
 
 def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], extra: dict[str, Any] | None = None) -> int:
@@ -291,7 +291,7 @@ def _open_slice(path: str | os.PathLike[str]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - damaged bytes fail torch's reader in many ways (weights_only's
         # unpickler says "Weights only load failed" for garbage and for foreign objects alike)
         raise CheckpointDamagedError(f"checkpoint slice file {path} cannot be read (damaged, or not a slice file): "
-                            f"{first_line(exc, 300)}") from None
+                                     f"{first_line(exc, 300)}") from None
 
 
 def _shares_rows(src: ShardLayout, i_src: int, dst: ShardLayout, i_dst: int) -> bool:
@@ -331,7 +331,7 @@ def _checks_of(blob: dict[str, Any], path: Any) -> dict[str, tuple[torch.Tensor,
         whole = _per_row(state[name], rows) if isinstance(state.get(name), torch.Tensor) else None
         if whole is None or not isinstance(checks, torch.Tensor) or checks.shape != (rows,):
             raise CheckpointDamagedError(f"checkpoint slice file {path}: its checksums of {name!r} do not fit its state: "
-                                "the file is damaged")
+                                         "the file is damaged")
         out[name] = (whole, checks.numpy().view(np.uint64))
     return out
 
@@ -345,7 +345,7 @@ def _check_rows(whole: torch.Tensor, saved: np.ndarray, rows: np.ndarray, path: 
         bad = np.flatnonzero(row_checks(whole.index_select(0, torch.from_numpy(part))) != saved[part])
         if len(bad):
             raise CheckpointDamagedError(f"checkpoint slice file {path}: {name} of row {int(part[bad[0]])} "
-                                "does not match its checksum: the file is damaged")
+                                         "does not match its checksum: the file is damaged")
 
 
 def _check_blocks(blob: dict[str, Any], path: Any) -> None:
@@ -361,12 +361,12 @@ def _check_blocks(blob: dict[str, Any], path: Any) -> None:
         if not isinstance(t, torch.Tensor) or not isinstance(checks, torch.Tensor) or \
                 checks.shape != ((t.numel() * t.element_size() + _BLOCK - 1) // _BLOCK,):
             raise CheckpointDamagedError(f"checkpoint slice file {path}: its checksums of {name!r} do not fit its state: "
-                                "the file is damaged")
+                                         "the file is damaged")
         bad = np.flatnonzero(block_checks(t) != checks.numpy().view(np.uint64))
         if len(bad):
             raise CheckpointDamagedError(f"checkpoint slice file {path}: {name} bytes {int(bad[0]) * _BLOCK:,}.."
-                                f"{min((int(bad[0]) + 1) * _BLOCK, t.numel() * t.element_size()):,} do not match "
-                                "their checksum: the file is damaged")
+                                         f"{min((int(bad[0]) + 1) * _BLOCK, t.numel() * t.element_size()):,} do not match "
+                                         "their checksum: the file is damaged")
 
 
 def verify_files(files: list[dict[str, Any]]) -> None:
