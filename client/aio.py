@@ -73,8 +73,8 @@ log = logging.getLogger(__name__)
 RETRY_FIRST_DELAY, RETRY_MAX_DELAY = 0.1, 2.0
 
 
-#: Seconds between the warnings of one call's retries (the first is said at once; at RETRY_MAX_DELAY
-#: a minute of retries was ~29 lines per call).
+#: Seconds between the warnings of one call's retries (the first is said at once; each retry
+#: warned before).
 RETRY_WARN_SECONDS = 10.0
 
 
