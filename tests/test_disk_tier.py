@@ -94,6 +94,27 @@ def test_equal_to_ram_table_under_random_calls(tmp_path, optimizer):
     assert s["hits"] and s["misses"] and s["evictions"] and s["disk_writes"]  # the cache was exercised
 
 
+def test_slot_statistics_read_dirty_cached_rows_in_place_without_writing_the_cache_back(tmp_path):
+    """`stat` (top slots, usage) over a range sees the cache's dirty rows where they are: it
+    writes nothing back (its cost is the range's, not the cache's), and equals the RAM table for
+    any range, the dirty rows included."""
+    ram, disk = _pair(tmp_path, "adagrad", rows=5000, cache_rows=200)
+    rng = np.random.default_rng(3)
+    for _ in range(6):
+        ids = torch.from_numpy(rng.integers(0, 5000, (64, 4)))
+        w = torch.from_numpy(rng.random((64, 4)).astype(np.float32))
+        g = torch.from_numpy(rng.standard_normal((64, 8)).astype(np.float32))
+        assert torch.equal(ram.bag_backward(ids, w, None, g), disk.bag_backward(ids, w, None, g))
+    dirty, writes = int(disk._dirty.sum()), disk.cache_stats()["disk_writes"]
+    assert dirty > 50
+    for name in ("updates", "value_sq_norm"):
+        np.testing.assert_array_equal(ram.stat(name), disk.stat(name))
+        for start, stop in ((0, 1), (17, 2500), (2500, 5000), (4999, 9000)):
+            np.testing.assert_array_equal(ram.stat(name, start, stop), disk.stat(name, start, stop))
+    assert int(disk._dirty.sum()) == dirty and disk.cache_stats()["disk_writes"] == writes
+    _same_state(ram, disk)
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_calls_with_no_ids_answer_like_the_ram_table_and_change_nothing(tmp_path, optimizer):
     """A rows-sharded table's shard that owns none of a call's ids gets the call with none

@@ -737,6 +737,15 @@ def _rows_out(src, slots, raw, w0, out):  # pragma: no cover - compiled
 
 
 @nb.njit(nogil=True, cache=True)
+def _look(rows, keys, vals, shift, slot_of, hit):  # pragma: no cover - compiled
+    """Each row's cache slot where the cache holds it (an inspection: nothing placed or counted)."""
+    for i in range(rows.shape[0]):
+        pos = _probe(keys, rows[i], shift)
+        if keys[pos] == rows[i]:
+            slot_of[i], hit[i] = vals[pos], 1
+
+
+@nb.njit(nogil=True, cache=True)
 def _forget(slots, keys, vals, slot_row, dirty, st):  # pragma: no cover - compiled
     """Drop slots from the cache (rows whose load failed): free, clean, not in the hash."""
     for s in slots:
@@ -1079,11 +1088,8 @@ class DiskTable(ValueTable):
             self._count(0, _resolve(rows, self._keys, self._vals, self._slot_row, self._ref, self._pin, self._dirty,
                                     self._sketch, self._st, self.policy == "clock", self._slots.view(np.uint64),
                                     self._raw.view(np.uint64), slot_of, hit))
-        elif self.capacity:
-            for i, r in enumerate(rows):  # inspection: look, never place
-                pos = _probe(self._keys, r, self._st[_SHIFT])
-                if self._keys[pos] == r:
-                    slot_of[i], hit[i] = self._vals[pos], 1
+        elif self.capacity:  # inspection: look, never place
+            _look(rows, self._keys, self._vals, self._st[_SHIFT], slot_of, hit)
         self._st[_AHEAD_ROWS] += _read_ahead(self._raw, rows[hit == 0])
         read, bad = _copy_records(rows, slot_of, hit, self._slots.view(np.uint64), self._raw.view(np.uint64),
                                    recs.view(np.uint64))
@@ -1217,17 +1223,25 @@ class DiskTable(ValueTable):
         stop = self.num_rows if stop is None else min(stop, self.num_rows)
         if name in ("hits", "weight_mass"):
             return getattr(self, name)[start:stop].numpy().astype(np.float64)
-        self.flush()  # O(cache): the file then holds every row as it is
         out = np.empty(max(0, stop - start), dtype=np.float64)
-        raw = torch.from_numpy(self._raw)
+        raw, slots = torch.from_numpy(self._raw), torch.from_numpy(self._slots)
         for s in range(start, stop, _CHUNK_ROWS):  # streamed: bounded temporaries
-            chunk = raw[s : min(s + _CHUNK_ROWS, stop)]
-            if name == "updates":
-                out[s - start : s - start + len(chunk)] = chunk[:, 0:8].view(torch.int64)[:, 0].numpy()
-            else:
-                w = self._view(chunk, "weight").double()
-                out[s - start : s - start + len(chunk)] = (w * w).sum(1).numpy()
+            e = min(s + _CHUNK_ROWS, stop)
+            out[s - start : e - start] = self._stat_of(raw[s:e], name)
+            if self.capacity:  # a cached row's record is its slot (dirty ones are newer than the file's)
+                rows = np.arange(s, e, dtype=np.int64)
+                slot_of, hit = np.full(e - s, -1, dtype=np.int64), np.zeros(e - s, dtype=np.uint8)
+                _look(rows, self._keys, self._vals, self._st[_SHIFT], slot_of, hit)
+                c = np.flatnonzero(hit)
+                if len(c):
+                    out[s - start + c] = self._stat_of(slots[torch.from_numpy(slot_of[c])], name)
         return out
+
+    def _stat_of(self, recs: torch.Tensor, name: str) -> np.ndarray:
+        if name == "updates":
+            return recs[:, 0:8].view(torch.int64)[:, 0].numpy()
+        w = self._view(recs, "weight").double()
+        return (w * w).sum(1).numpy()
 
     def bag_grad(self, ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None,
                  grad_out: torch.Tensor):  # type: ignore[override]
