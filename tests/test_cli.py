@@ -96,6 +96,42 @@ def test_up_status_down(tmp_path):
         assert run(["down"], env).returncode == 0
 
 
+def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves_nothing(tmp_path):
+    """`timeout`, `docker stop` and a terminal's hang-up signal the whole process group, the
+    embedded Ray head's processes too: `up` stopped within seconds (where it waited 60 s on the
+    dead head, and Ray then ended it before it removed its endpoint file)."""
+    import time
+
+    from memserver.cluster.endpoint import pid_alive, started_at
+
+    env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
+    log = open(tmp_path / "up.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "memserver.cli", "up", "--shards", "1", "--num-cpus", "1",
+                             "--object-store-mb", "96"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while "memserver ready" not in (tmp_path / "up.log").read_text():
+            assert proc.poll() is None and time.monotonic() - t0 < 120, (tmp_path / "up.log").read_text()
+            time.sleep(0.2)
+        started = json.loads((tmp_path / "endpoint.json").read_text())["processes"]
+        assert started  # the head's GCS, raylet, agents, the actors' workers
+        t0 = time.monotonic()
+        os.killpg(proc.pid, 15)
+        assert proc.wait(timeout=45) == 0
+        took = time.monotonic() - t0
+        assert took < 25, took
+        assert not (tmp_path / "endpoint.json").exists()
+        while (alive := [p for p, start in started if pid_alive(p) and started_at(p) == start]) and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        assert not alive, alive
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        proc.wait()
+        log.close()
+
+
 def test_status_without_cluster_names_the_fix(tmp_path):
     st = run(["status"], {**os.environ, "MEMSERVER_HOME": str(tmp_path)})
     assert st.returncode == 2 and "memserver up" in st.stderr

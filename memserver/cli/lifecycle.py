@@ -270,10 +270,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             pass
         log.info("stopping")
     finally:
-        cluster.shutdown()
-        ray.shutdown()
+        # first: no client finds an endpoint that is going away, however the rest ends
         if endpoint_file().exists() and json.loads(endpoint_file().read_text()).get("pid") == os.getpid():
             endpoint_file().unlink(missing_ok=True)
+        cluster.shutdown(release=bool(args.address))  # an embedded head takes the actors with it
+        ray.shutdown()
     log.info("memserver stopped")
     return 0
 
