@@ -209,6 +209,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             namespace="memserver",
             logging_level=logging.WARNING,
         )
+        try:
+            _check_fits_one_node(shards, shard_cpus, shard_gpus, ray.cluster_resources())
+        except CliError:
+            ray.shutdown()
+            raise
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -277,6 +282,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         ray.shutdown()
     log.info("memserver stopped")
     return 0
+
+
+def _check_fits_one_node(shards: int, shard_cpus: float, shard_gpus: list[float], have: dict[str, float]) -> None:
+    """An embedded head is one node: shards it cannot hold are said now, by flag, where the
+    placement would wait out --placement-timeout (120 s) for a node that never comes."""
+    need_cpus, need_gpus = shards * shard_cpus, sum(shard_gpus)
+    cpus, gpus = have.get("CPU", 0.0), have.get("GPU", 0.0)
+    if need_gpus > gpus + 1e-9:
+        raise CliError(f"--shard-gpus: the shards need {need_gpus:g} GPU(s) and this machine has {gpus:g} (as Ray "
+                       "sees it); leave --shard-gpus out, or join a cluster with GPU nodes (--address)")
+    if need_cpus > cpus + 1e-9:
+        raise CliError(f"--shards {shards} x --shard-cpus {shard_cpus:g} need {need_cpus:g} CPUs and the embedded "
+                       f"Ray head has {cpus:g} (--num-cpus); lower one of them, or raise --num-cpus")
 
 
 def _start(args: argparse.Namespace, cfg: dict[str, Any], start_cluster: Any, shards: int, shard_cpus: float,
