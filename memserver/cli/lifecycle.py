@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memserver.cli.common import CliError, one_line, parse_size, seconds
+from memserver.cli.common import CliError, count, one_line, parse_size, seconds
 from memserver.cli.tables import table_args
 from memserver.cluster import (
     DEFAULT_PLACEMENT,
@@ -133,6 +133,9 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
         raise CliError(f"--object-store-mb must be at least {OBJECT_STORE_MIN_MB} (Ray's minimum), got {args.object_store_mb}")
     if args.address and args.address != "auto" and "://" not in args.address:
         _check_ray_answers(args.address)
+    if args.checkpoint_root is not None and not Path(args.checkpoint_root).is_dir():
+        raise CliError(f"--checkpoint-root {args.checkpoint_root}: no such directory; create it first (checkpoints "
+                       "are written only below it)")
     if (data_dir := _flag_or_config(args, cfg, "data_dir", None)) is not None:
         try:
             check_data_dir(data_dir, shards)
@@ -615,7 +618,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--max-inflight-bytes", type=parse_size, default=Limits.max_inflight_bytes, metavar="SIZE",
                     help="... or past this many request bytes in progress; one larger request still runs alone "
                     "(0: no limit; default 1G)")
-    up.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded Ray head (default: all)")
+    up.add_argument("--num-cpus", type=count, help="CPUs of the embedded Ray head (default: all of this machine's)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store size of the embedded Ray head, MiB")
     up.add_argument("--shard-cpus", type=float, help=f"Ray CPUs reserved per shard actor (default: the config's, else {DEFAULT_SHARD_CPUS})")
     up.add_argument("--shard-gpus", type=gpus_flag, metavar="G[,G...]",
