@@ -133,6 +133,35 @@ def test_config_travels_through_the_environment():
         LoadConfig(endpoint="127.0.0.1:1", table="t", wire_dtype="float64")
 
 
+def test_a_scratch_table_that_cannot_be_dropped_leaves_the_report_standing(memory_cluster, client):
+    """The table gone before the run's end (dropped by someone else; the cluster stopped): the
+    figures gathered are still printed, with the failed drop said beside them (it threw the
+    whole report away)."""
+    cmd = [sys.executable, "-m", "memserver.cli", "loadtest", "--endpoint", memory_cluster.endpoint, "--users", "1",
+           "--duration", "4s", "--batch", "8", "--knn", "4", "--num-rows", "1024", "--dim", "8", "--json"]
+    before = {t.name for t in client.list_tables()}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (made := {t.name for t in client.list_tables()} - before):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        (scratch,) = made
+        while not client.top_slots(scratch, n=1)[1][0] > 0:  # the load has reached it
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        client.drop_table(scratch)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-2000:]
+    report = json.loads(out or "null") or pytest.fail(err[-3000:])
+    assert report["table"]["name"] == scratch and report["table"]["scratch"]
+    assert report["scratch_drop_error"].startswith(f"the scratch table {scratch} was not dropped: ")
+    assert f"memserver: error: the scratch table {scratch} was not dropped: " in err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -141,6 +170,8 @@ def test_config_travels_through_the_environment():
         (["--duration", "5 parsecs"], "--duration"),
         (["--mix", "bag:1,scan:2"], "--mix: unknown call 'scan'"),
         (["--users", "0"], "--users must be at least 1"),
+        (["--spawn-rate", "inf"], "--spawn-rate must be a number more than 0, got inf"),
+        (["--spawn-rate", "nan"], "--spawn-rate must be a number more than 0, got nan"),
         (["--table", "t", "--dim", "8"], "cannot be used with --table"),
         (["--worker-of", "127.0.0.1:5557", "--users", "8"], "--worker-of: --users belong(s) to the master"),
         (["--worker-of", "0.0.0.0"], "--worker-of: 0.0.0.0 is a wildcard"),

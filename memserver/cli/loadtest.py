@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import sys
 from collections.abc import Iterator
@@ -69,8 +70,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
                         ("--max-requests", args.max_requests), ("--num-rows", args.num_rows), ("--dim", args.dim)):
         if value is not None and value < 1:
             raise CliError(f"{flag} must be at least 1, got {value}")
-    if not args.spawn_rate > 0:
-        raise CliError(f"--spawn-rate must be more than 0, got {args.spawn_rate}")
+    if not 0 < args.spawn_rate < math.inf:
+        raise CliError(f"--spawn-rate must be a number more than 0, got {args.spawn_rate}")
     scratch = None
     if args.table is None:
         scratch = ScratchTable(args.num_rows or 65536, args.dim or 128, args.sharding or "cols")
@@ -129,12 +130,14 @@ def _print_and_exit(report: dict[str, Any], as_json: bool) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_load_report(report)
-    if report.get("save_error"):
-        print(f"memserver: error: {report['save_error']}", file=sys.stderr)
+    for key in ("save_error", "scratch_drop_error"):
+        if report.get(key):
+            print(f"memserver: error: {report[key]}", file=sys.stderr)
     if report["interrupted"]:
         return 130
     bad = report["failures"] or report["locust_exceptions"] or report.get("missing_workers") or \
-        report.get("rejected_workers") or report.get("sent") is False or report.get("save_error")
+        report.get("rejected_workers") or report.get("sent") is False or report.get("save_error") or \
+        report.get("scratch_drop_error")
     return 1 if bad else 0
 
 

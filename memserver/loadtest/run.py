@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -13,6 +14,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from memserver.loadtest.config import MAX_DURATION_S, LoadConfig
+
+log = logging.getLogger(__name__)
 
 
 class LoadTestError(RuntimeError):
@@ -71,9 +74,12 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
                          str(master.expect_workers), "--wait", str(master.wait_s)]
                 grace += 2 * master.wait_s
             report = _run_child(cfg.to_env(), args, grace, save_latencies)
-        finally:
+        except BaseException:
             if scratch is not None:
-                mem.drop_table(cfg.table)
+                _drop_scratch(mem, cfg.table)  # a failure to drop is logged; the run's own error is the one raised
+            raise
+        if scratch is not None and (error := _drop_scratch(mem, cfg.table)):
+            report["scratch_drop_error"] = error  # the run's figures still stand: printed, with this beside them
     report.update({
         "endpoint": cfg.endpoint,
         "table": {"name": meta.name, "num_rows": meta.num_rows, "dim": meta.dim, "sharding": meta.sharding,
@@ -82,6 +88,19 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("endpoint", "table")},
     })
     return report
+
+
+def _drop_scratch(mem: Any, table: str) -> str | None:
+    """Drop the run's scratch table; what went wrong (the cluster stopped, someone dropped it) or None."""
+    from memserver.cli.common import one_line
+
+    try:
+        mem.drop_table(table)
+    except Exception as exc:
+        error = f"the scratch table {table} was not dropped: {one_line(exc)}"
+        log.warning("%s", error)
+        return error
+    return None
 
 
 def run_worker(master: tuple[str, int], wait_s: float = 60.0, endpoint: str | None = None,
