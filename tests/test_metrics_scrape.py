@@ -265,3 +265,40 @@ def test_a_shard_whose_status_call_failed_is_described_in_words():
     assert unavailable_state(ActorDiedError()).startswith("unavailable: its process died and is not restarted")
     assert unavailable_state(asyncio.TimeoutError()).startswith("unavailable: no answer to its status call within 10 s")
     assert unavailable_state(RuntimeError("first line\nsecond")) == "unavailable: first line"
+
+
+def test_a_call_abandoned_before_its_request_came_is_counted_as_abandoned_not_as_a_bad_request(client, table_name):
+    """A client whose deadline passed while its request was on the way: the shard counted an
+    INVALID_ARGUMENT "no Bag request was sent" (an operator would hunt for a broken client). A
+    call that really sends no request still gets INVALID_ARGUMENT."""
+    client.create_table(table_name, 64, 4, sharding="rows")
+    st = client.status()
+    shard, metrics = st.shards[0].address, st.shards[0].metrics_address
+    channel = grpc.insecure_channel(shard)
+    bag = channel.stream_unary("/memserver.v1.DataPlane/Bag")
+
+    def late():  # the request never comes before the deadline
+        time.sleep(1.5)
+        yield b""
+
+    def counts():
+        s = scrape(metrics)
+        return {code: get(s, "memserver_requests_total", method="Bag", table="", code=code)
+                for code in ("INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "CANCELLED")}
+
+    try:
+        before = counts()
+        assert refused(lambda: bag(late(), timeout=0.3)) == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.RpcError) as empty:
+            bag(iter(()), timeout=30)
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert empty.value.details() == "request: no Bag request was sent"
+        deadline = time.monotonic() + 10
+        while (now := counts()) == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2)  # the abandoned call is counted once its stream ends
+        now = counts()
+    finally:
+        channel.close()
+    assert now["INVALID_ARGUMENT"] - before["INVALID_ARGUMENT"] == 1  # the empty one only
+    assert (now["DEADLINE_EXCEEDED"] - before["DEADLINE_EXCEEDED"]) + (now["CANCELLED"] - before["CANCELLED"]) == 1

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from memserver.api.auth import READ_METHODS, AuthConfig
-from memserver.api.errors import InvalidArgumentError, MemserverError
+from memserver.api.errors import DeadlineExceededError, InvalidArgumentError, MemserverError
 from memserver.api.methods import marked, methods
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
@@ -69,6 +69,18 @@ def status_of(exc: BaseException, name: str, request: Any, metrics: CallMetrics 
     if metrics is not None:
         metrics.internal(name)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def _no_request(name: str, context: grpc.aio.ServicerContext) -> MemserverError:
+    """A call that ended before its request came. Its client gave up (its deadline passed, it
+    cancelled): counted as such, not as a bad request, which an operator would go looking for."""
+    left = context.time_remaining()
+    if left is not None and left <= 0:
+        return DeadlineExceededError(f"{name}: the deadline passed before the request arrived")
+    if context.cancelled():
+        return MemserverError(f"{name}: the client cancelled the call before its request arrived",
+                              grpc.StatusCode.CANCELLED)
+    return InvalidArgumentError(f"request: no {name} request was sent")
 
 
 def parse_request(parse: Callable[[bytes], Any] | None, raw: bytes, name: str) -> Any:
@@ -174,7 +186,7 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                     entered = True
                     raw = await context.read()
                     if raw is grpc.aio.EOF:
-                        raise InvalidArgumentError(f"request: no {name} request was sent")
+                        raise _no_request(name, context)
                     admission.take(name, len(raw))
                     size = len(raw)
                     t0 = time.perf_counter()
