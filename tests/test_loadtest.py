@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 import memserver.cli as cli
 from client.ops import ClientSession, WriteTags
-from memserver.loadtest.caller import ShardCaller, fetch_table
+from memserver.loadtest.caller import ShardCaller, fetch_table, setup_seconds
 from memserver.loadtest.config import LoadConfig, parse_duration, parse_host_port, parse_mix
 from memserver.loadtest.recorder import LatencyRecorder, percentile
 
@@ -91,6 +92,23 @@ def test_shard_caller_answers_like_the_client(memory_cluster, client, table_name
         grad_w, _ = caller.bag_backward(ids, w, g, WriteTags(ClientSession("test-loadtest")))
         np.testing.assert_allclose(grad_w.numpy(), torch.einsum("bd,bkd->bk", g, rows).numpy(), rtol=1e-5, atol=1e-6)
         assert not np.allclose(client.lookup(table_name, ids[0].numpy()), rows[0].numpy())  # the update was applied
+    finally:
+        caller.close()
+        client.drop_table(table_name)
+
+
+def test_a_call_deadline_below_a_connections_set_up_time_still_connects(memory_cluster, client, table_name):
+    """--timeout bounds each call, not the set-up: a load test of 3 ms calls connected with that
+    deadline and sometimes ended in grpc.FutureTimeoutError's traceback."""
+    meta = client.create_table(table_name, 100, 4)
+    cfg = LoadConfig(endpoint=memory_cluster.endpoint, table=table_name, batch=4, knn=2, timeout=1e-6)
+    caller = ShardCaller(fetch_table(cfg.endpoint, table_name, setup_seconds(cfg.timeout)), cfg)
+    try:
+        assert caller.meta == meta
+        caller.connect()  # new channels: not ready within 1 us
+        with pytest.raises(grpc.RpcError) as late:
+            caller.lookup(torch.arange(4))
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the calls keep their deadline
     finally:
         caller.close()
         client.drop_table(table_name)

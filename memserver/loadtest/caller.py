@@ -25,6 +25,15 @@ from memserver.loadtest.config import LoadConfig
 from memserver.wire import dtype_code
 
 
+#: Seconds the set-up (the shard map, the shard connections) may take: not the calls' deadline,
+#: which a load test may set far below a connection's set-up time to measure its calls.
+SETUP_SECONDS = 30.0
+
+
+def setup_seconds(call_timeout: float) -> float:
+    return max(call_timeout, SETUP_SECONDS)
+
+
 def fetch_table(endpoint: str, table: str, timeout: float) -> TableMeta:
     """One GetShardMap from the coordinator (blocking gRPC: fine under gevent and outside it)."""
     with sync_channel(endpoint, retries=False, token=client_token(endpoint), tls=client_tls(endpoint)) as ch:
@@ -70,8 +79,13 @@ class ShardCaller:
 
     def connect(self) -> None:
         """Open every shard connection now, so no call's latency includes connection set-up."""
-        for ch in self.channels.values():
-            grpc.channel_ready_future(ch).result(timeout=self.timeout)
+        wait = setup_seconds(self.timeout)
+        for address, ch in self.channels.items():
+            try:
+                grpc.channel_ready_future(ch).result(timeout=wait)
+            except grpc.FutureTimeoutError:
+                raise ConnectionError(f"shard {address} of table {self.meta.name}: no connection within "
+                                      f"{wait:g} s") from None
 
     def close(self) -> None:
         for ch in self.channels.values():

@@ -27,7 +27,7 @@ import torch
 from locust.exception import StopUser
 
 from client.ops import ClientSession, WriteTags
-from memserver.loadtest.caller import Batches, ShardCaller, fetch_table
+from memserver.loadtest.caller import Batches, ShardCaller, fetch_table, setup_seconds
 from memserver.loadtest.config import LoadConfig
 from memserver.loadtest.recorder import LatencyRecorder
 
@@ -63,7 +63,7 @@ class _Process:
         with cls.lock:
             if cls.caller is None:
                 cfg = cls.override or LoadConfig.from_env()
-                meta = fetch_table(cfg.endpoint, cfg.table, cfg.timeout)  # GetShardMap, once
+                meta = fetch_table(cfg.endpoint, cfg.table, setup_seconds(cfg.timeout))  # GetShardMap, once
                 caller = ShardCaller(meta, cfg)
                 caller.connect()
                 cls.cfg, cls.caller, cls.started = cfg, caller, time.monotonic()
