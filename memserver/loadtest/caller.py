@@ -24,7 +24,6 @@ from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loadtest.config import LoadConfig
 from memserver.wire import dtype_code
 
-
 #: Seconds the set-up (the shard map, the shard connections) may take: not the calls' deadline,
 #: which a load test may set far below a connection's set-up time to measure its calls.
 SETUP_SECONDS = 30.0
