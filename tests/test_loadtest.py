@@ -114,6 +114,22 @@ def test_a_call_deadline_below_a_connections_set_up_time_still_connects(memory_c
         client.drop_table(table_name)
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "192.0.2.1"])  # a port in use; an address not this host's
+def test_a_master_address_it_cannot_listen_on_is_one_line(memory_cluster, host):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "memserver.cli", "loadtest", "--endpoint", memory_cluster.endpoint,
+               "--expect-workers", "1", "--master-bind", f"{host}:{port}", "--duration", "1s", "--wait", "5s",
+               "--num-rows", "64", "--dim", "4", "--batch", "2", "--knn", "2"]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert run.returncode == 1, run.stderr
+    why = "Address already in use" if host == "127.0.0.1" else "Cannot assign requested address"
+    assert f"memserver loadtest: error: --master-bind {host}:{port}: cannot listen there ({why})\n" in run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+
+
 def test_exact_percentiles():
     rec = LatencyRecorder()
     for ms in np.random.default_rng(0).permutation(np.arange(1, 101, dtype=np.float64)):

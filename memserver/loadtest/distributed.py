@@ -238,7 +238,7 @@ def run_master(users: int, spawn_rate: float, duration_s: float, bind: tuple[str
     (at most `wait_s` more) and returns the merged report and recorder."""
     cfg = LoadConfig.from_env()
     env = Environment(user_classes=[user.MemserverUser], events=locust.events, stop_timeout=cfg.timeout + 1)
-    runner = env.create_master_runner(*bind)
+    runner = _bind_master(env, bind)
     state: MasterState = setup(env, cfg=cfg, wait_s=wait_s)
     interrupted = user.on_signals()
     peak = 0
@@ -308,6 +308,20 @@ def run_worker(master: tuple[str, int], wait_s: float) -> tuple[dict[str, Any], 
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("endpoint", "table")},
     })
     return report, rec
+
+
+def _bind_master(env: Environment, bind: tuple[str, int]) -> Any:
+    """locust's master runner listening on `bind`; a port in use or an address not this host's
+    is one line naming the flag (locust raised zmq's error, or exited, after its traceback)."""
+    import zmq
+    from locust.exception import RPCError
+
+    try:
+        return env.create_master_runner(*bind)
+    except (RPCError, zmq.ZMQError, SystemExit) as exc:
+        zmq_error = exc if isinstance(exc, zmq.ZMQError) else exc.__context__  # RPCError wraps zmq's
+        why = os.strerror(zmq_error.errno) if isinstance(zmq_error, zmq.ZMQError) else "its port is in use"
+        raise ValueError(f"--master-bind {bind[0]}:{bind[1]}: cannot listen there ({why})") from None
 
 
 def _connect_worker(env: Environment, master: tuple[str, int], wait_s: float) -> WorkerRunner:
