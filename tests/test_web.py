@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -293,6 +294,7 @@ def test_cli_web_parser_and_serving(client, traced, monkeypatch):
     """`memserver web` parses its flags, refuses a missing checkpoint, and serves the app create_app makes."""
     import argparse
 
+    from client import UnavailableError
     from memserver.cli import web
     from memserver.cli.common import CliError
 
@@ -310,6 +312,14 @@ def test_cli_web_parser_and_serving(client, traced, monkeypatch):
     port = taken.getsockname()[1]
     with taken, pytest.raises(CliError, match=f"--port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"):
         web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--port", str(port)]))
+    with pytest.raises(CliError, match=f"--host 192.0.2.1: cannot listen on 192.0.2.1:{port}: Cannot assign requested"):
+        web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--host", "192.0.2.1", "--port", str(port)]))
+    with socket.socket() as gone:  # a cluster that is not there: said within --timeout, not the client's minute
+        gone.bind(("127.0.0.1", 0))
+        t0 = time.monotonic()
+        with pytest.raises(UnavailableError):
+            web.cmd_web(parser.parse_args(["web", "--endpoint", f"127.0.0.1:{gone.getsockname()[1]}", "--timeout", "2"]))
+        assert time.monotonic() - t0 < 10
     served = {}
 
     def run(app, sock, log_level):  # instead of uvicorn: serve what cmd_web built, read one page

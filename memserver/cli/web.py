@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import socket
 
-from memserver.cli.common import CliError, endpoint_of, seconds
+from memserver.cli.common import CliError, cli_client, endpoint_of, seconds
 
 log = logging.getLogger("memserver.web")
 DEFAULT_PORT = 8377
@@ -15,13 +16,12 @@ DEFAULT_PORT = 8377
 def cmd_web(args: argparse.Namespace) -> int:
     """Check the cluster answers, the checkpoint exists and the port is free before serving, so a
     typo fails at once."""
-    from client import MemoryClient
     from memserver.web import create_app
 
     if not 1 <= args.port <= 65535:  # (0 would print a URL nobody can open)
         raise CliError(f"--port must be in [1, 65535], got {args.port}")
     endpoint = endpoint_of(args)
-    with MemoryClient(endpoint, timeout=args.timeout) as client:
+    with cli_client(args, endpoint) as client:  # --timeout bounds a page's calls with their retries
         client.list_tables()  # an unreachable cluster is an error now, not on the first page view
         app = create_app(client, checkpoint=args.checkpoint)
         if args.checkpoint:  # a missing file or one not memtrain's: now, not a note on every page (and loaded once)
@@ -52,7 +52,8 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise CliError(f"--port {port}: cannot listen on {host}:{port}: {exc.strerror}") from None
+        flag = f"--host {host}" if exc.errno == errno.EADDRNOTAVAIL else f"--port {port}"  # not this machine's
+        raise CliError(f"{flag}: cannot listen on {host}:{port}: {exc.strerror}") from None
     return sock
 
 
@@ -81,5 +82,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="memtrain --checkpoint-dir (its latest step) or a trainer-step-*.pt to project slots through "
                    "(default: the one `memtrain trace` recorded for each table)")
     w.add_argument("--endpoint", help="coordinator HOST:PORT (default: from the endpoint file)")
-    w.add_argument("--timeout", type=seconds, default=30.0, help="RPC deadline, seconds (default 30)")
+    w.add_argument("--timeout", type=seconds, default=30.0,
+                   help="how long a page waits for the cluster, each call with its retries, seconds (default 30)")
     w.set_defaults(func=cmd_web)

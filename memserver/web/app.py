@@ -109,7 +109,7 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
     if owned:
         from client import MemoryClient
 
-        client = MemoryClient(endpoint, timeout=timeout)
+        client = MemoryClient(endpoint, timeout=timeout, retry_seconds=timeout)  # a page waits `timeout` at most
     models = ModelCache(client, checkpoint)
     templates = Jinja2Templates(env=make_env())
     lock = threading.Lock()
