@@ -101,6 +101,18 @@ def test_unknown_table_is_not_found(client):
         client.drop_table("nope")
 
 
+def test_a_shards_address_given_as_the_endpoint_says_what_to_give(client):
+    """A coordinator call at a shard answers gRPC's bare UNIMPLEMENTED "Method not found!"."""
+    from client import MemoryClient, MemserverError
+
+    shard = client.status().shards[0].address
+    with MemoryClient(shard, timeout=10, retry_seconds=0) as wrong, pytest.raises(MemserverError) as err:
+        wrong.list_tables()
+    assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert f"(coordinator {shard}; no memserver coordinator serves there (a shard's address?): give the " \
+           "coordinator's HOST:PORT, which `memserver status` and the endpoint file name)" in str(err.value)
+
+
 def test_duplicate_table_is_already_exists(client, table_name):
     client.create_table(table_name, 10, 4, seed=1)
     client.write_rows(table_name, [0], np.full((1, 4), 7.0, np.float32))
