@@ -480,7 +480,7 @@ class AsyncMemoryClient:
         check_ints(INT32, heads=heads, n_keys=n_keys, knn=knn, k_dim=k_dim, d_in=d_in)
         values = await self.table(values_table, refresh=True)
         if values.kind != "value":
-            raise InvalidArgumentError(f"values_table: {values_table!r} is a {values.kind} table, not a value table")
+            raise InvalidArgumentError(f"values_table: {values_table!r} is {values.a_kind}, not a value table")
         if values.num_rows != n_keys * n_keys:
             raise InvalidArgumentError(f"values_table: {values_table!r} has {values.num_rows} rows, n_keys^2 = {n_keys * n_keys}")
         spec = pb.TableSpec(name=name, kind=pb.PRODUCT_KEYS, pkm_heads=heads, pkm_n_keys=n_keys, pkm_knn=knn,

@@ -385,15 +385,19 @@ def test_inspection_errors_say_what_is_wrong(client, used_table):
     assert not client.triggers(used_table, np.arange(300))["weights"].any()  # nothing was recorded
 
 
-def test_inspection_calls_refuse_other_table_kinds(client, table_name):
+def test_inspection_calls_refuse_other_table_kinds(client, table_name, capsys):
+    import memserver.cli as cli
     from client import InvalidArgumentError
 
     client.create_index(table_name, 4)
     try:
-        with pytest.raises(InvalidArgumentError, match="for value tables"):
+        with pytest.raises(InvalidArgumentError, match=f"'{table_name}' is an index table; .* for value tables"):
             client.usage(table_name)
-        with pytest.raises(InvalidArgumentError, match="for value tables"):
+        with pytest.raises(InvalidArgumentError, match="is an index table; .* for value tables"):
             client.top_slots(table_name)
+        with pytest.raises(SystemExit):
+            cli.main(["top", table_name, "--endpoint", client.endpoint])
+        assert f"{table_name} is an index table; slots are inspected on value tables" in capsys.readouterr().err
     finally:
         client.drop_table(table_name)
 

@@ -49,7 +49,7 @@ class PeekValues:
     def __init__(self, client: Any, name: str) -> None:
         meta = client.table(name, refresh=True)
         if meta.kind != "value":
-            raise ValueError(f"table {name!r} is a {meta.kind} table, not a value table")
+            raise ValueError(f"table {name!r} is {meta.a_kind}, not a value table")
         self.client, self.name, self.num_rows, self.dim = client, name, meta.num_rows, meta.dim
         self.version = 0  # never updated
 

@@ -73,10 +73,10 @@ def checked_vectors(x: Any, n: int, dim: int, what: str) -> torch.Tensor:
 def value_table(meta: TableMeta, what: str) -> None:
     """Refuse a call for value tables (`what`) on a table of another kind."""
     if meta.kind != "value":
-        raise InvalidArgumentError(f"table: {meta.name!r} is a {meta.kind} table; {what} is for value tables")
+        raise InvalidArgumentError(f"table: {meta.name!r} is {meta.a_kind}; {what} is for value tables")
 
 
 def product_keys_table(meta: TableMeta) -> None:
     """Refuse a product-key call on a table of another kind."""
     if meta.kind != "product_keys":
-        raise InvalidArgumentError(f"table: {meta.name!r} is a {meta.kind} table, not a product-key table")
+        raise InvalidArgumentError(f"table: {meta.name!r} is {meta.a_kind}, not a product-key table")

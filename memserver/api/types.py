@@ -149,6 +149,11 @@ class TableMeta:
     tier: str = "ram"  # value tables: "ram", or "disk" (rows in files under a cache of cache_bytes)
     cache_bytes: int = 0
 
+    @property
+    def a_kind(self) -> str:
+        """Its kind as a message says it: "a value table", "an index table", "a product-key table"."""
+        return f"{'an' if self.kind == 'index' else 'a'} {self.kind.replace('_', '-')} table"
+
     @classmethod
     def from_proto(cls, info: pb.TableInfo) -> TableMeta:
         s = info.spec

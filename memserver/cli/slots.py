@@ -33,7 +33,7 @@ def _inspector(client: Any, table: str, checkpoint: str | None) -> Any:
 def _check_value_table(client: Any, table: str) -> Any:
     meta = client.table(table, refresh=True)
     if meta.kind != "value":
-        raise CliError(f"{table} is a {meta.kind} table; slots are inspected on value tables")
+        raise CliError(f"{table} is {meta.a_kind}; slots are inspected on value tables")
     return meta
 
 

@@ -54,8 +54,7 @@ def check_call_size(batch: int, knn: int, dim: int, max_bytes: int = OpOptions.m
 def check_table(meta: TableMeta, batch: int, knn: int, max_bytes: int = OpOptions.max_request_bytes) -> None:
     """A table the load test can call (a value table), with calls it can send whole."""
     if meta.kind != "value":
-        article = "an" if meta.kind == "index" else "a"
-        raise ValueError(f"--table: {meta.name} is {article} {meta.kind.replace('_', '-')} table; loadtest calls "
+        raise ValueError(f"--table: {meta.name} is {meta.a_kind}; loadtest calls "
                          "bag, lookup and bag_backward, which need a value table")
     check_call_size(batch, knn, meta.dim, max_bytes)
 

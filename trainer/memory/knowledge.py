@@ -73,7 +73,7 @@ class RemoteKnowledge:
     def __init__(self, client: Any, name: str) -> None:
         meta = client.table(name, refresh=True)
         if meta.kind != "index":
-            raise ValueError(f"KIF source {name!r} is a {meta.kind} table, not an index table")
+            raise ValueError(f"KIF source {name!r} is {meta.a_kind}, not an index table")
         if meta.metric != "ip" or meta.payload_dim != meta.dim:
             raise ValueError(f"KIF source {name!r}: needs metric ip and payload_dim = dim (the encodings), got "
                              f"metric {meta.metric}, dim {meta.dim}, payload_dim {meta.payload_dim}")
