@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from memserver.cli import main as cli_main
 from trainer.data import load_corpus
 from trainer.inspection import Inspector, agreement, search_token, slot_report, trace
 from trainer.train import build_parser, train
@@ -172,6 +173,22 @@ def test_local_checkpoints_say_why_they_cannot_be_inspected(client, tmp_path):
     torch.save({"meta": {"table": "t"}, "state": {"weight": torch.zeros(2, 2)}}, tmp_path / "shard-0000.pt")
     with pytest.raises(ValueError, match="it has no model \\(a table slice of `memserver checkpoint`"):
         Inspector.load(tmp_path / "shard-0000.pt", client)
+
+
+def test_a_checkpoint_whose_table_is_gone_says_the_restore_that_brings_it_back(client, tmp_path, table_name, capsys,
+                                                                              memory_cluster):
+    run_memtrain(client, ["--table", table_name, "--steps", "2", "--eval-every", "2", "--checkpoint-dir", str(tmp_path)])
+    client.drop_table(table_name)
+    saved = (tmp_path / "memory" / table_name).resolve()
+    with pytest.raises(ValueError, match=f"which the cluster does not hold .* or `memserver restore --dir {saved} "
+                       "--step 2`") as err:
+        Inspector.load(tmp_path, client)
+    command = re.search(r"`memserver (restore [^`]*)`", str(err.value)).group(1).split()
+    try:
+        assert cli_main([*command, "--endpoint", memory_cluster.endpoint]) == 0
+        assert Inspector.load(tmp_path, client).step == 2
+    finally:
+        client.drop_table(table_name)
 
 
 def test_lsh_slots_project_through_their_hash_sketch():

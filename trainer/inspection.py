@@ -190,12 +190,14 @@ class Inspector:
             raise ValueError(f"{path}: the model has {cfg['vocab_size']} tokens, the vocabulary {len(vocab)}")
         values: dict[str, Any] = {}
         tables: dict[str, str] = {}
+        saved_in: dict[str, Path] = {}  # each table's cluster checkpoint (RemoteValues.save): where to restore it from
         for key, saved in blob.get("values", {}).items():
             name = saved.get("table") or str(saved.get("checkpoint", "")).removeprefix("memory/")
             if "state" in saved or not name:
                 raise ValueError(f"{path}: a --memory local checkpoint: its values are not in the cluster "
                                  "(train with --memory remote to inspect them there)")
             tables[key] = name
+            saved_in[name] = path.parent / str(saved.get("checkpoint") or f"memory/{name}")
         for i in mem.layers:  # shared values: the key of the first layer reading the table
             for kind in mem.kinds:
                 if kind == "kif":
@@ -209,9 +211,12 @@ class Inspector:
                 try:
                     values[key] = PeekValues(client, name)
                 except TableNotFoundError:  # (said NOT_FOUND of a table the user never named)
+                    at = saved_in.get(name)
+                    how = (f"`memserver restore --dir {at} --step {int(blob.get('step', 0))}`" if at and at.is_dir()
+                           else f"restore {name!r}")
                     raise ValueError(f"{path}: its model reads table {name!r}, which the cluster does not hold "
-                                     "(give the checkpoint of the model that reads the table you ask about, or "
-                                     f"restore {name!r})") from None
+                                     f"(give the checkpoint of the model that reads the table you ask about, or {how})"
+                                     ) from None
         knowledge = [RemoteKnowledge(client, s) for s in mem.kif_sources] if "kif" in mem.kinds else []
         model = GPT(ModelConfig(memory=mem, **cfg), values, knowledge)
         model.load_state_dict(sd)
