@@ -395,8 +395,9 @@ def test_loadtest_master_merges_two_local_workers_exactly(memory_cluster, client
          "--spawn-rate", "2", "--duration", "3s", "--batch", "32", "--knn", "4", "--num-rows", "2048", "--dim", "16",
          "--mix", "bag:2,lookup:1,bag_backward:1", "--wait", "60s", "--json", "--save-latencies", str(tmp_path / "m.npz")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    saved = [tmp_path / "w0.npz", tmp_path / "w1.latencies"]  # written as named (not w1.latencies.npz)
     workers = [subprocess.Popen([*cli_, "--worker-of", f"127.0.0.1:{port}", "--endpoint", ep, "--wait", "60s", "--json",
-                                 "--save-latencies", str(tmp_path / f"w{i}.npz")],
+                                 "--save-latencies", str(saved[i])],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
                for i in range(2)]
     try:
@@ -410,7 +411,7 @@ def test_loadtest_master_merges_two_local_workers_exactly(memory_cluster, client
     assert all(w.returncode == 0 for w in workers), [e[-3000:] for _, e in w_out]
     report = json.loads(out)
     reports = [json.loads(o) for o, _ in w_out]
-    check_merged(report, reports, tmp_path / "m.npz", [tmp_path / f"w{i}.npz" for i in range(2)])
+    check_merged(report, reports, tmp_path / "m.npz", saved)
     assert report["expect_workers"] == 2 and len(report["workers"]) == 2 and report["table"]["scratch"]
     assert all(w["users"] == 1 and w["config"]["batch"] == 32 and w["table"]["name"] == report["table"]["name"]
                for w in reports)  # the master's settings reached both workers

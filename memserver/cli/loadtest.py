@@ -159,7 +159,7 @@ def print_load_report(report: dict[str, Any]) -> None:
     reached = report.get("users_reached", report["users"])
     console.print(
         f"loadtest of [bold]{t['name']}[/] ({t['num_rows']:,} x {t['dim']} {t['sharding']}, {t['shards']} shards"
-        f"{', scratch' if t['scratch'] else ''}) at {report['endpoint']}\n{reached} users for "
+        f"{', scratch' if t['scratch'] else ''}) at {report['endpoint']}\n{reached} user{'s' if reached != 1 else ''} for "
         f"{report['elapsed_s']:.1f} s, batch {c['batch']} x knn {c['knn']}, wire {c['wire_dtype']}"
     )
     if reached < report["users"] and "spawn_rate" in report and \

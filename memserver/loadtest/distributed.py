@@ -345,8 +345,10 @@ def _connect_worker(env: Environment, master: tuple[str, int], wait_s: float) ->
 
 
 def save_latencies(rec: LatencyRecorder, path: str) -> None:
-    """Every kept response time, float64 ms, one array per call name, as a numpy .npz."""
-    np.savez(path, **{name: np.frombuffer(a, dtype=np.float64) for name, a in rec.ok.items()})
+    """Every kept response time, float64 ms, one array per call name, as a numpy .npz written to
+    `path` as named (np.savez given a name adds ".npz" to one without it, silently)."""
+    with open(path, "wb") as f:
+        np.savez(f, **{name: np.frombuffer(a, dtype=np.float64) for name, a in rec.ok.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
