@@ -220,6 +220,10 @@ def test_inspect_top_usage_search_commands(client, trained, capsys, tmp_path, me
     ids, values = client.top_slots(table, "mass", 3)
     assert code == 0 and [s["slot"] for s in top["slots"]] == ids.tolist()
     slot = str(ids[0])
+    stats = client.slot_stats(table, ids)
+    assert [(s["hits"], s["updates"]) for s in top["slots"]] == list(zip(stats["hits"].tolist(),
+                                                                        stats["updates"].tolist()))
+    assert all(type(s["hits"]) is int and type(s["updates"]) is int for s in top["slots"])  # counts, as inspect's
     code, out = cli(capsys, "inspect", table, slot, "--json", *ep)  # the model: the one trace recorded
     report = json.loads(out.out)
     want = json.loads(json.dumps(slot_report(client, table, int(slot), trained["inspector"])))
@@ -230,6 +234,7 @@ def test_inspect_top_usage_search_commands(client, trained, capsys, tmp_path, me
     code, out = cli(capsys, "usage", table, "--plot", str(png), "--agreement", "--json", *ep)
     u = json.loads(out.out)
     assert code == 0 and u["used_pct"] == pytest.approx(client.usage(table).metrics()["used_pct"])
+    assert all(type(u[f"top{q}_slots"]) is int for q in (50, 90, 99))  # counts of slots
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "random_slots" in u["agreement"]
     code, out = cli(capsys, "search-token", table, "e", "-n", "2", "--json", *ep)
     assert code == 0 and json.loads(out.out)["slots"] == search_token(trained["inspector"], client, table, "e", 2)

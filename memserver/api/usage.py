@@ -109,7 +109,7 @@ def mass_quantiles(counts: np.ndarray, values: np.ndarray, qs: tuple[int, ...] =
         g = min(g, len(counts) - 1)
         reached = cum[g - 1] if g else 0.0
         need = (q / 100 - reached) * total / values[g]  # slots of group g still needed
-        out[f"top{q}_slots"] = float(before[g] + max(1, math.ceil(need - 1e-9)))
+        out[f"top{q}_slots"] = int(before[g] + max(1, math.ceil(need - 1e-9)))  # a count of slots
     return out
 
 

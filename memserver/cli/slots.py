@@ -127,8 +127,13 @@ def cmd_top(args: argparse.Namespace) -> int:
         _check_value_table(client, args.table)
         ids, values = client.top_slots(args.table, args.by, args.n, coldest=args.coldest)
         stats = client.slot_stats(args.table, ids) if len(ids) else {}
-    rows = [{"slot": int(i), args.by: float(v), **{k: float(stats[k][j]) for k in ("hits", "weight_mass", "updates",
-                                                                                  "value_norm")}}
+    counts = ("hits", "updates")  # counts as integers, as `inspect --json` gives them
+
+    def number(k: str, v: Any) -> int | float:
+        return int(v) if k in counts else float(v)
+
+    rows = [{"slot": int(i), args.by: number(args.by, v),
+             **{k: number(k, stats[k][j]) for k in ("hits", "weight_mass", "updates", "value_norm")}}
             for j, (i, v) in enumerate(zip(ids, values))]
     if args.json:
         print(json.dumps({"table": args.table, "by": args.by, "coldest": args.coldest, "slots": rows}, indent=2))
