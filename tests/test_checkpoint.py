@@ -654,3 +654,37 @@ def test_a_flipped_bit_in_a_slice_saved_whole_is_refused_by_name(tmp_path, kind)
     path.write_bytes(bytes(blob))
     with pytest.raises(DataLossError, match=f"{path} is damaged: it begins with neither a zip archive's header"):
         verify_files([entry])
+
+
+@pytest.mark.parametrize("load", ["load_into", "verify_files"])
+def test_a_flipped_bit_in_a_slice_files_recovery_records_is_refused_by_name(tmp_path, load):
+    """The records only recovery reads (the exactly-once window's answers, prepared step parts,
+    trigger records) carry a digest too: a flipped bit in a prepared gradient is DATA_LOSS naming
+    the file, where it was applied at the step's commit."""
+    import torch
+
+    from memserver.storage.checkpoint import extras_digest, load_into, save_slice, verify_files
+
+    n, d = 64, 8
+    meta = {"table": "t", "kind": "value", "by_rows": True, "index": 0, "num_shards": 1, "num_rows": n, "dim": d,
+            "col_start": 0, "col_end": d}
+    grad = torch.full((5, d), 0.25)
+    extra = {"sessions": [("client-a", 12.5, 3, [(3, b"\x08\x01answer"), (4, 7)])],
+             "step_parts": [(9, "client-a", False, True, [(0, [torch.arange(5), grad])])],
+             "triggers": {"slots": torch.arange(3)}, "lsn": 41}
+    path = tmp_path / "s.pt"
+    entry = {"file": str(path), **meta}
+    save_slice(path, meta, {"weight": torch.randn(n, d)}, extra)
+    table = type("T", (), {})()
+    table.weight = torch.zeros(n, d)
+    got: dict = {}
+    load_into(table, meta, [entry], got)
+    assert extras_digest(got) == extras_digest(extra) and got["lsn"] == 41
+    blob = bytearray(path.read_bytes())
+    at = bytes(blob).find(grad.numpy().tobytes())  # the prepared gradient, as torch.save wrote it
+    assert at > 0
+    blob[at + 9] ^= 0x04
+    path.write_bytes(bytes(blob))
+    says = f"checkpoint slice file {path}: its recovery records .* do not match their checksum"
+    with pytest.raises(DataLossError, match=says):
+        load_into(table, meta, [entry], {}) if load == "load_into" else verify_files([entry])

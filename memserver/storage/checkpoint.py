@@ -8,6 +8,7 @@ renamed; the coordinator writes the manifest last (see `write_manifest`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -61,7 +62,7 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
 
 
 #: Entries of a slice file that are neither its place, its state nor its checksums: the extras.
-_OWN = ("meta", "state", "row_checks", "block_checks", "row_checks_version")
+_OWN = ("meta", "state", "row_checks", "block_checks", "row_checks_version", "extras_check")
 #: The row checksum's definition (row_checks); a file with another one is not checked.
 ROW_CHECKS_VERSION = 1
 
@@ -132,15 +133,62 @@ def block_checks(t: torch.Tensor) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def extras_digest(extra: Any) -> str:
+    """One digest of what only recovery reads (the exactly-once window's answers, prepared step
+    parts, trigger records, the log position): damaged, they would be answered or applied at a
+    commit, not refused. Walks the nested data (dicts in order, lists and tuples alike, tensors'
+    dtype, shape and bytes), so the loaded copy digests as the saved one did."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(x, (bytes, bytearray, str)):
+            b = x.encode() if isinstance(x, str) else bytes(x)
+            h.update((b"S" if isinstance(x, str) else b"B") + b"%d;" % len(b))
+            h.update(b)
+        elif isinstance(x, dict):
+            h.update(b"D%d;" % len(x))
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(b"L%d;" % len(x))
+            for v in x:
+                walk(v)
+        elif x is None or isinstance(x, (bool, int, float)):
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+        else:
+            raise TypeError(f"a checkpoint's recovery records hold a {type(x).__name__}, which has no digest")
+
+    walk(extra)
+    return h.hexdigest()
+
+
+def _extras_of(blob: dict[str, Any], path: Any) -> dict[str, Any]:
+    """A slice file's recovery records (save_slice's `extra`), checked against their digest
+    (files written before it have none)."""
+    extras = {k: v for k, v in blob.items() if k not in _OWN}
+    saved = blob.get("extras_check")
+    if saved is not None and saved != extras_digest(extras):
+        raise CheckpointDamagedError(f"checkpoint slice file {path}: its recovery records (sessions, prepared step "
+                                     "parts, trigger records) do not match their checksum: the file is damaged")
+    return extras
+
+
 def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor], extra: dict[str, Any] | None = None) -> int:
     """One table slice: `meta` says where it sits (sharding, index, num_shards, columns); `extra`
     holds what only the same shard's recovery reads (its exactly-once window, its log position).
     Every tensor of `state` gets checksums: a value slice's per-row tensors one per row
     (`row_checks`, checked as a restore copies the rows: load_into), any other one per 4 KiB
     (`block_checks`, checked as a whole slice loads), so damaged bytes are refused by name
-    instead of loading. `extra` (and its prepared step parts) carries none."""
+    instead of loading; `extra` one digest (`extras_digest`)."""
     cpu = {k: v.cpu() for k, v in state.items()}
     blob: dict[str, Any] = {"meta": meta, "state": cpu, **(extra or {})}
+    blob["extras_check"] = extras_digest(extra or {})
     rows = slice_layout(meta).rows(meta["index"]) if meta.get("kind", "value") == "value" else 0
     by_row = {k: r for k, v in cpu.items() if (r := _per_row(v, rows)) is not None}
     blob["row_checks"] = {k: torch.from_numpy(row_checks(r).view(np.int64)) for k, r in by_row.items()}
@@ -383,6 +431,7 @@ def verify_files(files: list[dict[str, Any]]) -> None:
                 _check_rows(whole, saved, np.arange(s, min(s + _RESTORE_ROWS, len(saved)), dtype=np.int64),
                             f["file"], name)
         _check_blocks(blob, f["file"])
+        _extras_of(blob, f["file"])
 
 
 def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
@@ -427,7 +476,7 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
         checks = _checks_of(blob, f["file"])
         _check_blocks(blob, f["file"])
         if extras is not None:
-            extras.update({k: v for k, v in blob.items() if k not in _OWN})
+            extras.update(_extras_of(blob, f["file"]))
         rows, c0, c1 = overlap(meta, f["file"])
         if not rows:
             continue
@@ -472,7 +521,7 @@ def load_index(make: Callable[[dict[str, Any] | None], Any], target: dict[str, A
     for f, blob in zip(files, opened):
         _check_blocks(blob, f["file"])
         if extras is not None:
-            extras.update({k: v for k, v in blob.items() if k not in _OWN})
+            extras.update(_extras_of(blob, f["file"]))
     if len(opened) == 1 and tuple(opened[0]["meta"][k] for k in ("num_shards", "index")) == place:
         return make(opened[0]["state"])
     index = make(None)
@@ -500,7 +549,7 @@ def load_whole(target: dict[str, Any], files: list[dict[str, Any]], extras: dict
         raise InvalidArgumentError(f"table {target['table']}: the checkpoint holds a {blob['meta'].get('kind')} slice, "
                                    f"not {target.get('kind')}")
     if extras is not None:
-        extras.update({k: v for k, v in blob.items() if k not in _OWN})
+        extras.update(_extras_of(blob, files[0]["file"]))
     return dict(blob["state"])
 
 
@@ -512,5 +561,5 @@ def trigger_states(files: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for f in files:
         blob = _open_slice(f["file"])
         if "triggers" in blob:
-            out.append(blob["triggers"])
+            out.append(_extras_of(blob, f["file"])["triggers"])
     return out
