@@ -282,6 +282,34 @@ def test_close_never_hangs_its_caller(memory_cluster, monkeypatch, caplog):
     assert "did not finish closing within" in caplog.text
 
 
+def test_close_from_a_submitted_calls_callback_is_refused_not_a_wait_on_itself(memory_cluster):
+    """A done-callback runs on the client's loop thread: close() there waited on that thread
+    (its submitted calls, then the loop's own close) until its timeouts ran out."""
+    import threading
+
+    from client import MemoryClient
+
+    c = MemoryClient(memory_cluster.endpoint, timeout=30)
+    said: list[BaseException] = []
+    done = threading.Event()
+
+    def close_here(_fut) -> None:
+        try:
+            c.close()
+        except RuntimeError as exc:
+            said.append(exc)
+        done.set()
+
+    try:
+        c.list_tables()
+        c._loop.loop.call_soon_threadsafe(close_here, None)  # where a submit_* future's done-callback runs
+        assert done.wait(30)
+        assert said and "event-loop thread" in str(said[0])
+    finally:
+        c.close()  # from this thread: closes
+    assert c._closed
+
+
 def test_the_demo_drops_only_its_own_tables(client, table_name, memory_cluster):
     """`python -m memserver.demo` runs against whatever cluster it is given: the user's tables
     stay (it dropped every table of the cluster)."""
