@@ -58,7 +58,9 @@ class MemoryClient:
         # What submit_* sent and has not finished (at most the caller's calls in flight): close
         # waits for them, or a commit still in flight when a with-block ends was cut off and lost.
         self._pending: set[Future[Any]] = set()
-        self._closed = False
+        self._closed = False  # calls refused from here on
+        self._shut = False  # close() finished (an interrupted close is done again by the next)
+        self._closing = threading.Lock()  # one close at a time
 
     @property
     def endpoint(self) -> str:
@@ -193,8 +195,12 @@ class MemoryClient:
         if threading.current_thread() is self._loop.thread:  # a submit_* future's done-callback runs there
             raise RuntimeError("MemoryClient.close() on the client's own event-loop thread (from a submitted call's "
                                "done-callback?) would wait on that thread itself; close it from another thread")
+        with self._closing:
+            self._close()
+
+    def _close(self) -> None:
         with self._lock:
-            if self._closed:
+            if self._shut:
                 return
             self._closed = True
             pending = list(self._pending)
@@ -217,6 +223,7 @@ class MemoryClient:
                 log.warning("client close: the asyncio side did not finish closing within %.0f s; leaving it to "
                             "the process's exit", CLOSE_SECONDS)
             self._loop.stop()
+        self._shut = True
 
     def __enter__(self) -> MemoryClient:
         return self

@@ -310,6 +310,33 @@ def test_close_from_a_submitted_calls_callback_is_refused_not_a_wait_on_itself(m
     assert c._closed
 
 
+def test_an_interrupted_close_is_finished_by_the_next(memory_cluster, monkeypatch):
+    """Ctrl-C while close() waits for submitted calls: calls are refused from then on, and the
+    next close() closes (it returned at once, leaving the channels and the loop thread open)."""
+    import concurrent.futures
+
+    from client import FailedPreconditionError, MemoryClient
+
+    c = MemoryClient(memory_cluster.endpoint, timeout=30)
+    c.list_tables()
+    stuck: concurrent.futures.Future = concurrent.futures.Future()
+    c._pending.add(stuck)  # a submitted call still in flight
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(concurrent.futures, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        c.close()
+    with pytest.raises(FailedPreconditionError):
+        c.list_tables()
+    assert c._loop.thread.is_alive()
+    monkeypatch.undo()
+    stuck.set_result(None)
+    c.close()
+    assert not c._loop.thread.is_alive()
+
+
 def test_the_demo_drops_only_its_own_tables(client, table_name, memory_cluster):
     """`python -m memserver.demo` runs against whatever cluster it is given: the user's tables
     stay (it dropped every table of the cluster)."""
