@@ -76,6 +76,9 @@ RETRY_FIRST_DELAY, RETRY_MAX_DELAY = 0.1, 2.0
 #: Seconds between the warnings of one call's retries (the first is said at once; each retry
 #: warned before).
 RETRY_WARN_SECONDS = 10.0
+#: The error texts a call's retries remember having warned of (errors that alternate, e.g. two
+#: shards' refusals, warn once each per RETRY_WARN_SECONDS, not on every retry).
+RETRY_TEXTS = 8
 
 
 class Backoff:
@@ -234,7 +237,8 @@ class AsyncMemoryClient:
         they are and writes with the same tags, so a write that did land is answered from the
         shard's session, never applied twice."""
         backoff = Backoff(self.retry_seconds)
-        warned, said = -math.inf, ""  # a call's retries warn once, then on news or every RETRY_WARN_SECONDS
+        # a call's retries warn once per error text, again after RETRY_WARN_SECONDS (texts kept: RETRY_TEXTS)
+        warned: dict[str, float] = {}
         while True:
             try:
                 return await call()
@@ -247,9 +251,12 @@ class AsyncMemoryClient:
                 now, text = time.monotonic(), str(exc)
                 if isinstance(exc, OverloadedError):
                     log.info("%s; retrying in %.2fs", exc, sleep)
-                elif text != said or now - warned >= RETRY_WARN_SECONDS:
+                elif now - warned.get(text, -math.inf) >= RETRY_WARN_SECONDS:
                     log.warning("%s; retrying (for up to %.0fs more)", exc, backoff.deadline - now)
-                    warned, said = now, text
+                    warned.pop(text, None)
+                    warned[text] = now  # (newest last: the oldest text goes first)
+                    if len(warned) > RETRY_TEXTS:
+                        del warned[next(iter(warned))]
                 else:
                     log.debug("%s; retrying in %.2fs", exc, sleep)
                 await asyncio.sleep(sleep)

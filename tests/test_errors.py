@@ -477,3 +477,34 @@ def test_a_calls_retries_warn_once_then_on_news_or_every_ten_seconds(caplog, mon
         with pytest.raises(UnavailableError):
             c.list_tables()
         assert sum(r.levelno == logging.WARNING and "retrying" in r.getMessage() for r in caplog.records) >= 2
+
+
+def test_retries_whose_errors_alternate_warn_once_per_text(caplog, monkeypatch):
+    """Two errors taking turns (two shards down, a server flapping) warned on every retry: the
+    throttle compared each error with the last one only. The texts kept are bounded."""
+    import asyncio
+    import logging
+
+    import client.aio as aio
+    from client import UnavailableError
+
+    monkeypatch.setattr(aio, "RETRY_MAX_DELAY", 0.01)
+    caplog.set_level(logging.DEBUG, logger="client.aio")
+    c = aio.AsyncMemoryClient("127.0.0.1:9", retry_seconds=1.0, timeout=1)
+    tries = iter(range(10**6))
+
+    async def flapping(texts: int) -> None:
+        raise UnavailableError(f"shard {next(tries) % texts} is down")
+
+    for texts in (2, aio.RETRY_TEXTS + 4):
+        caplog.clear()
+        with pytest.raises(UnavailableError):
+            asyncio.run(c._retrying(lambda t=texts: flapping(t)))
+        retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+        warned = [r.getMessage() for r in retries if r.levelno == logging.WARNING]
+        assert len(retries) > 2 * texts, len(retries)
+        if texts == 2:
+            assert len(warned) == 2 and warned[0] != warned[1]
+        else:  # more texts than are kept: each is new again when its turn comes
+            assert len(warned) == len(retries)
+
