@@ -219,8 +219,8 @@ class AsyncMemoryClient:
                 if self.tls is None and "Socket closed" in details:  # what a plaintext client meets at a TLS server
                     where += "; or it serves TLS: give this client its CA ($MEMSERVER_TLS_CA)"
             elif err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a shard's address, or another gRPC server's
-                where += ("; no memserver coordinator serves there (a shard's address?): give the coordinator's "
-                          "HOST:PORT, which `memserver status` and the endpoint file name")
+                where += ("; not a memserver coordinator (a shard's address?), or an older one: give the "
+                          "coordinator's HOST:PORT, which `memserver status` and the endpoint file name")
             raise from_rpc_error(err, where) from None
 
     async def _read_control(self, method: str, request: Any) -> Any:

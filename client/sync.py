@@ -192,6 +192,8 @@ class MemoryClient:
         """Wait for the calls submit_* sent (a commit a trainer did not wait for: its step's
         update), then close the channels and the loop. Later calls are refused
         (FAILED_PRECONDITION). Idempotent."""
+        if self._shut:
+            return
         if threading.current_thread() is self._loop.thread:  # a submit_* future's done-callback runs there
             raise RuntimeError("MemoryClient.close() on the client's own event-loop thread (from a submitted call's "
                                "done-callback?) would wait on that thread itself; close it from another thread")

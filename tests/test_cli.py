@@ -135,14 +135,16 @@ def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves
 @pytest.mark.parametrize("flags, message", [
     (["--shard-gpus", "1"], "--shard-gpus: the shards need 2 GPU(s) and this machine has 0 (as Ray sees it)"),
     (["--shard-cpus", "1.5"], "--shards 2 x --shard-cpus 1.5 need 3 CPUs and the embedded Ray head has 2 (--num-cpus)"),
+    (["--placement", "STRICT_SPREAD"], "--placement STRICT_SPREAD puts each of the 2 shards on its own node, and the "
+                                       "embedded Ray head is one"),
 ])
 def test_shards_an_embedded_head_cannot_hold_are_refused_at_once(tmp_path, flags, message):
     """Where the placement waited out --placement-timeout (120 s) for a node that never comes."""
     import time
 
     t0 = time.monotonic()
-    up = run(["up", "--shards", "2", "--num-cpus", "2", "--object-store-mb", "96", *flags],
-             {**os.environ, "MEMSERVER_HOME": str(tmp_path)}, timeout=100)
+    up = run(["up", "--shards", "2", "--num-cpus", "2", "--object-store-mb", "96", *flags],  # (no GPU, as Ray sees it)
+             {**os.environ, "MEMSERVER_HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}, timeout=100)
     assert up.returncode == 2 and message in up.stderr, up.stderr
     assert time.monotonic() - t0 < 60 and not (tmp_path / "endpoint.json").exists()
 

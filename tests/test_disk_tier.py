@@ -316,6 +316,9 @@ def test_missing_or_truncated_file_is_refused_by_name(tmp_path):
     os.truncate(disk.path, 100)
     with pytest.raises(DataLossError, match="truncated"):
         disk.lookup(torch.tensor([250]))
+    for name in ("updates", "value_sq_norm"):  # a statistic streams the whole file: refused, not a SIGBUS
+        with pytest.raises(DataLossError, match="truncated"):
+            disk.stat(name)
 
 
 def _open_files() -> list[str]:

@@ -109,7 +109,7 @@ def test_a_shards_address_given_as_the_endpoint_says_what_to_give(client):
     with MemoryClient(shard, timeout=10, retry_seconds=0) as wrong, pytest.raises(MemserverError) as err:
         wrong.list_tables()
     assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
-    assert f"(coordinator {shard}; no memserver coordinator serves there (a shard's address?): give the " \
+    assert f"(coordinator {shard}; not a memserver coordinator (a shard's address?), or an older one: give the " \
            "coordinator's HOST:PORT, which `memserver status` and the endpoint file name)" in str(err.value)
 
 

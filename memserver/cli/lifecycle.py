@@ -213,7 +213,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             logging_level=logging.WARNING,
         )
         try:
-            _check_fits_one_node(shards, shard_cpus, shard_gpus, ray.cluster_resources())
+            _check_fits_one_node(shards, shard_cpus, shard_gpus, ray.cluster_resources(),
+                                 _flag_or_config(args, cfg, "placement", DEFAULT_PLACEMENT))
         except CliError:
             ray.shutdown()
             raise
@@ -279,17 +280,23 @@ def cmd_up(args: argparse.Namespace) -> int:
         log.info("stopping")
     finally:
         # first: no client finds an endpoint that is going away, however the rest ends
-        if endpoint_file().exists() and json.loads(endpoint_file().read_text()).get("pid") == os.getpid():
-            endpoint_file().unlink(missing_ok=True)
+        with contextlib.suppress(OSError, ValueError):  # (gone, or not ours and half written)
+            if json.loads(endpoint_file().read_text()).get("pid") == os.getpid():
+                endpoint_file().unlink(missing_ok=True)
         cluster.shutdown(release=bool(args.address))  # an embedded head takes the actors with it
         ray.shutdown()
+        cluster.remove_scratch_dir()  # after the head: no shard of it writes there any more
     log.info("memserver stopped")
     return 0
 
 
-def _check_fits_one_node(shards: int, shard_cpus: float, shard_gpus: list[float], have: dict[str, float]) -> None:
+def _check_fits_one_node(shards: int, shard_cpus: float, shard_gpus: list[float], have: dict[str, float],
+                         placement: str) -> None:
     """An embedded head is one node: shards it cannot hold are said now, by flag, where the
     placement would wait out --placement-timeout (120 s) for a node that never comes."""
+    if placement == "STRICT_SPREAD" and shards > 1:
+        raise CliError(f"--placement STRICT_SPREAD puts each of the {shards} shards on its own node, and the embedded "
+                       "Ray head is one; use another --placement, or join a cluster of nodes (--address)")
     need_cpus, need_gpus = shards * shard_cpus, sum(shard_gpus)
     cpus, gpus = have.get("CPU", 0.0), have.get("GPU", 0.0)
     if need_gpus > gpus + 1e-9:

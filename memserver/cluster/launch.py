@@ -81,13 +81,17 @@ class MemoryCluster:
     tls_server_name: str | None = None
 
     def shutdown(self, release: bool = True) -> None:
-        """Stop the servers (all at once, 10 s at most) and, with `release`, kill the actors and
-        give their resources back to Ray. Without it (the Ray head goes next, and everything with
-        it) no call waits on the head: one stopped by a signal to its process group, as `timeout`
-        and `docker stop` send, would hold each call 60 s."""
-        actors = [self.coordinator, *self.shards]
-        with contextlib.suppress(Exception):  # an actor already gone: its call fails, the rest still stop
-            ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=10)
+        """Stop the servers (all at once, 10 s at most) and, with `release`, kill the actors, give
+        their resources back to Ray and remove a scratch data directory. Without it (the Ray head
+        goes next, and everything with it; then `remove_scratch_dir`) no call waits on the head:
+        one stopped by a signal to its process group, as `timeout` and `docker stop` send, would
+        hold each call 60 s."""
+        actors, stopping = [self.coordinator, *self.shards], []
+        for a in actors:
+            with contextlib.suppress(Exception):  # an actor (or the head) already gone: the rest still stop
+                stopping.append(a.stop.remote())
+        with contextlib.suppress(Exception):
+            ray.wait(stopping, num_returns=len(stopping), timeout=10)
         if release:
             for actor in actors:
                 ray.kill(actor)
@@ -99,6 +103,11 @@ class MemoryCluster:
             except Exception:  # already removed
                 pass
             self.placement_group = None
+        if release:
+            self.remove_scratch_dir()
+
+    def remove_scratch_dir(self) -> None:
+        """The data directory start_cluster made (no --data-dir), once no shard writes there."""
         if self.owns_data_dir and self.data_dir:
             import shutil
 

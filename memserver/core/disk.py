@@ -1223,6 +1223,7 @@ class DiskTable(ValueTable):
         stop = self.num_rows if stop is None else min(stop, self.num_rows)
         if name in ("hits", "weight_mass"):
             return getattr(self, name)[start:stop].numpy().astype(np.float64)
+        self._check_file()  # a truncated file's mapping would kill the process where it is read
         out = np.empty(max(0, stop - start), dtype=np.float64)
         raw, slots = torch.from_numpy(self._raw), torch.from_numpy(self._slots)
         for s in range(start, stop, _CHUNK_ROWS):  # streamed: bounded temporaries
