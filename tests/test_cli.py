@@ -388,6 +388,7 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
 
     monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 8.0})  # (a head that holds them all)
     monkeypatch.setattr(signal, "signal", lambda *args: None)
     monkeypatch.setattr(launch, "start_cluster", start_cluster)
     config = tmp_path / "c.yaml"
