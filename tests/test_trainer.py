@@ -730,3 +730,20 @@ def test_backends_take_numpy_and_refuse_the_async_client_and_index_tables(client
             RemoteValues(client, f"{table_name}-i", 10, 8, create=False)
     finally:
         client.drop_table(f"{table_name}-i")
+
+
+def test_help_says_every_flags_default():
+    """`memtrain --help` (and `memtrain trace --help`) end each flag's help with its default,
+    where the help does not say it already (a newcomer checked them against the README)."""
+    from trainer.train import trace_parser
+
+    for parser in (build_parser(), trace_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            d = action.default
+            if not action.option_strings or d is None or d is False or d == [] or d == argparse.SUPPRESS:
+                continue
+            assert action.help, action.option_strings  # a flag with a default explains itself
+            shown = " ".join((action.help if "default" in action.help else f"{action.help} (default: {d})").split())
+            assert shown in text, action.option_strings
+    assert "optimizer steps (default: 1000)" in " ".join(build_parser().format_help().split())

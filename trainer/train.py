@@ -55,15 +55,26 @@ log = logging.getLogger("memtrain")
 MAX_LSH_ROWS = 1 << 31  # buckets per LSH table (hashes x 2^bits): far beyond any table this machine could hold
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each flag's help ends with its default, unless it says the default itself (or has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if "default" in text or d is None or d is False or d == argparse.SUPPRESS or d == [] or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memtrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="memtrain", description=__doc__, formatter_class=_Help)
     p.add_argument("-v", "--debug", action="store_true", help="a failing call's traceback instead of its one-line error")
     d = p.add_argument_group("data and run")
     d.add_argument("--data", default=str(DEFAULT_DATA), help="text file (split 90/10) or WikiText-2 folder (default: tiny Shakespeare)")
     d.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     d.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     d.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the batches and dropout")
     d.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of the dense part")
     d.add_argument("--eval-every", type=int, default=100, help="evaluate every N steps (and at the end)")
     d.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
@@ -76,10 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                    help="fp32, or bf16 autocast of the dense part (memory addressing and values stay float32)")
     m = p.add_argument_group("model")
-    m.add_argument("--n-layer", type=int, default=4)
-    m.add_argument("--n-head", type=int, default=4)
-    m.add_argument("--n-embd", type=int, default=128)
-    m.add_argument("--dropout", type=float, default=0.0)
+    m.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    m.add_argument("--n-head", type=int, default=4, help="attention heads per block")
+    m.add_argument("--n-embd", type=int, default=128, help="model width")
+    m.add_argument("--dropout", type=float, default=0.0, help="dropout probability of the dense part")
     mem = p.add_argument_group("memory")
     mem.add_argument("--memory", choices=["none", "local", "remote"], default="remote",
                      help="where the memory values live (default remote: tables in the cluster `memserver up` "
@@ -99,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--knn", type=int, default=32, help="slots read per head")
     mem.add_argument("--no-query-bn", action="store_true", help="no BatchNorm on memory queries")
     mem.add_argument("--mem-plus", action="store_true", help="Memory+: SiLU-gated output projection")
-    mem.add_argument("--value-optimizer", choices=["adam", "adagrad", "sgd"], default="adam")
+    mem.add_argument("--value-optimizer", choices=["adam", "adagrad", "sgd"], default="adam",
+                     help="sparse optimizer of the memory values (applied where they live)")
     mem.add_argument("--value-lr", type=float, default=1e-2, help="learning rate of the memory values")
     mem.add_argument("--sharding", choices=["rows", "cols"], default=None, help="remote table sharding (default: server's)")
     mem.add_argument("--staleness", type=int, choices=[0, 1], default=0,
@@ -889,7 +901,7 @@ class Batches:
 
 def trace_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="memtrain trace",
+        prog="memtrain trace", formatter_class=_Help,
         description="Run text through a trained model (a memtrain --memory remote checkpoint) and record, on the "
         "shards, every memory slot's top trigger contexts (the characters ending where the slot was read, and the "
         "next one), kept in bounded per-slot heaps; `memserver inspect TABLE SLOT` then shows them. Reads are not "
