@@ -189,6 +189,52 @@ def test_serve_on_comes_back_on_its_port_or_a_new_one_if_taken(tmp_path):
         assert other != port
         loop.call(third.stop(None))
     assert f'"port": {other}' in state.read_text()
+    # another memserver serving there (a second `up` on the same data directory, whose records name
+    # the first's ports): gRPC's SO_REUSEPORT let both bind it, and clients were split between them
+    first, at = serve_on(loop, lambda s: None, [], "127.0.0.1", state=state)
+    copy = tmp_path / "copy.json"
+    copy.write_text(state.read_text())
+    second, moved = serve_on(loop, lambda s: None, [], "127.0.0.1", state=copy)
+    assert moved != at
+    loop.call(second.stop(None))
+    loop.call(first.stop(None))
+
+
+def test_a_shards_data_directory_serves_one_shard_at_a_time(tmp_path):
+    """A second shard on a folder in use (a second `up` on the same --data-dir, with another
+    MEMSERVER_HOME) is refused naming the holder: both appended to the same logs, which then
+    read as damaged. A stopped shard lets go; a dead one's lock goes with its process."""
+    import os
+    import subprocess
+    import sys
+
+    from client import FailedPreconditionError
+    from memserver.server.shard_actor import ShardActor
+    from memserver.storage.store import ShardStore, check_data_dir
+
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    try:
+        with pytest.raises(FailedPreconditionError, match=f"data directory {tmp_path}/shard-0000 is in use by another "
+                           f"memserver shard \\(pid {os.getpid()}\\)"):
+            ShardStore(tmp_path, 0)
+        ShardStore(tmp_path, 1).close()  # another shard's folder: free
+        with pytest.raises(ValueError, match=f"shard-0000 is in use by another memserver shard \\(pid {os.getpid()}\\)"):
+            check_data_dir(tmp_path, 2)  # what `up` asks before any shard starts
+    finally:
+        shard.stop()
+    check_data_dir(tmp_path, 2)
+    ShardStore(tmp_path, 0).close()  # let go at stop
+    held = subprocess.Popen([sys.executable, "-c", "import sys, time; from memserver.storage.store import ShardStore; "
+                             f"s = ShardStore({str(tmp_path)!r}, 0); print('held', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().strip() == "held"
+        with pytest.raises(FailedPreconditionError, match=f"pid {held.pid}"):
+            ShardStore(tmp_path, 0)
+    finally:
+        held.kill()
+        held.wait()
+    ShardStore(tmp_path, 0).close()  # the killed holder's lock went with it
 
 
 def test_coordinator_rebuilds_its_catalog_and_follows_a_moved_shard():
@@ -567,3 +613,23 @@ def test_after_a_fallback_the_next_checkpoint_keeps_the_log_it_needs(tmp_path):
     assert third.servicer.tables["m"].recovered_from == "checkpoint step 1 + 6 logged writes"
     torch.testing.assert_close(_lookup(third), rows, rtol=0, atol=0)
     third.stop()
+
+
+def test_a_shard_that_cannot_start_is_said_in_one_line():
+    """A shard's constructor that raised (its data directory in use on another host) reached
+    `up` as Ray's ActorDiedError traceback, past its one-line error."""
+    import traceback
+
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from client import FailedPreconditionError
+    from memserver.cluster.launch import _why
+
+    try:
+        raise FailedPreconditionError("data directory /x/shard-0000 is in use by another memserver shard (pid 7)")
+    except FailedPreconditionError as exc:
+        err = RayTaskError("ShardActor.__init__", traceback.format_exc(), exc, proctitle="ray::ShardActor", pid=1,
+                           ip="127.0.0.1")
+    assert _why(ActorDiedError(err)) == "FAILED_PRECONDITION: data directory /x/shard-0000 is in use by another " \
+                                        "memserver shard (pid 7)"
+    assert _why(ActorDiedError()).startswith("The actor died unexpectedly")

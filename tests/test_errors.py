@@ -373,7 +373,6 @@ def test_a_drop_of_what_is_no_table_name_is_refused_and_removes_nothing(client, 
     by its store: no folder is touched."""
     from memserver.api.types import check_table_name
     from memserver.server.shard_actor import ShardActor
-    from memserver.storage.store import ShardStore
 
     for name in ("", ".", "..", "../victim", "a/b", "-x"):
         with pytest.raises(InvalidArgumentError, match="is not a table name"):
@@ -389,7 +388,7 @@ def test_a_drop_of_what_is_no_table_name_is_refused_and_removes_nothing(client, 
             with pytest.raises(InvalidArgumentError, match="is not a table name"):
                 shard.drop_table(name)
             with pytest.raises(InvalidArgumentError, match="is not a table name"):
-                ShardStore(tmp_path / "data", 0).drop(name)
+                shard.store.drop(name)
     finally:
         shard.stop()
     assert (victim / "keep").exists() and (shard_dir / "keep").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -112,6 +113,14 @@ class MemoryCluster:
             import shutil
 
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def _why(exc: BaseException) -> str:
+    """The error a shard's constructor raised, as one line, out of Ray's wrapping of it (the
+    error's last line, "module.Class: text"); Ray's own first line where there is none."""
+    lines = str(exc).splitlines()
+    ours = [m.group(1) for line in lines if (m := re.match(r"^memserver\.api\.errors\.\w+: (.+)$", line.strip()))]
+    return ours[-1] if ours else next((line for line in lines if line.strip()), type(exc).__name__)
 
 
 def start_cluster(
@@ -221,7 +230,10 @@ def start_cluster(
             ).remote(i, threads_per_shard, host, data_dir, f"{name}-coordinator", session_ttl, config)
             for i in range(num_shards)
         ]
-        infos = ray.get([s.info.remote() for s in shards])
+        try:
+            infos = ray.get([s.info.remote() for s in shards])
+        except ray.exceptions.RayActorError as exc:  # its __init__ raised (a data directory in use, ...)
+            raise RuntimeError(f"a shard could not start: {_why(exc)}") from None
         # Pinned to this node (0 CPUs, so even a head started with --num-cpus=0 takes it): the
         # endpoint is this machine's, and --port means a port here.
         coord = ray.remote(CoordinatorActor).options(

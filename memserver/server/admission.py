@@ -71,7 +71,10 @@ log = logging.getLogger(__name__)
 #: At most one log line per this many seconds about refused calls (a flood must not flood the log).
 LOG_EVERY = 10.0
 #: gRPC options of every server on top of memserver.wire.GRPC_OPTIONS (see the module docstring).
-SERVER_OPTIONS = [("grpc.http2.bdp_probe", 0)]
+#: so_reuseport off: gRPC turns it on, and a second process then bound a port already served (a
+#: second `up` on the same data directory took its shards' recorded ports: clients were split
+#: between two live copies of one table). Off, a taken port is refused and `serve_on` moves on.
+SERVER_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.so_reuseport", 0)]
 
 
 class Admission:

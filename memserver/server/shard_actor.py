@@ -611,5 +611,7 @@ class ShardActor:
             with self.servicer.exclusive:  # no doorbell thread computes on a slice being closed
                 for sl in self.servicer.tables.values():
                     sl.close()
+            if self.store is not None:
+                self.store.close()
 
         self.loop.call(stop())

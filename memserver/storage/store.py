@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from memserver.api.errors import FailedPreconditionError
 from memserver.api.types import check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.storage.checkpoint import MANIFEST
@@ -27,6 +29,8 @@ from memserver.storage.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 
+#: The file in each shard's folder whose lock says a shard serves from it (and its pid who).
+LOCK_FILE = "lock"
 #: Checkpoints remembered per slice (recovery falls back to an older one if the newest is incomplete).
 KEEP_CHECKPOINTS = 3
 
@@ -37,6 +41,30 @@ class ShardStore:
     def __init__(self, root: str | os.PathLike[str], index: int) -> None:
         self.dir = Path(root) / f"shard-{index:04d}"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = self._take(self.dir / LOCK_FILE)
+
+    @staticmethod
+    def _take(path: Path) -> int:
+        """An exclusive lock on the folder for this process's life (or `close`): a second shard on
+        it (a second `up` on the same --data-dir) would append to the same logs and files. The
+        kernel drops it when the holder dies, so a restarted shard takes it again."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise FailedPreconditionError(f"data directory {path.parent} is in use by another memserver shard (pid "
+                                          f"{holder}); stop that cluster, or give this one another --data-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    def close(self) -> None:
+        """Let go of the folder's lock (the shard stopped)."""
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
 
     def table_dir(self, name: str) -> Path:
         """The folder of table `name` in this shard's directory; a name that is no table name
@@ -111,6 +139,11 @@ def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
             for level in reversed(made):
                 with contextlib.suppress(OSError):
                     level.rmdir()
+    for lock in sorted(path.glob(f"shard-*/{LOCK_FILE}")):  # a folder a running shard serves: said before any starts
+        try:
+            os.close(ShardStore._take(lock))  # free: let go at once
+        except FailedPreconditionError as exc:
+            raise ValueError(exc.details) from None
     held = held_slices(path)
     beyond = {i: names for i, names in held.items() if i >= num_shards}
     if beyond:
