@@ -535,7 +535,9 @@ class AsyncMemoryClient:
         {path, step, bytes, tables, seconds}. Retried like a data-plane call (a shard restarting,
         an attempt past its deadline while a host is cut off, an overloaded coordinator): writing
         the same step again replaces each slice file and its record entry, then the manifest, so
-        a trainer checkpoints through a lost host or a partition."""
+        a trainer checkpoints through a lost host or a partition. `step` 0: one past the last step
+        in `dir` (1 in a new one), never replacing an earlier checkpoint (a retry of such a call
+        may write the step after too)."""
         check_ints(INT64, step=step)
         request = pb.CheckpointRequest(dir=str(dir), step=step, tables=tables or [])
         r = await self._retrying(lambda: self._control("Checkpoint", request))

@@ -71,6 +71,28 @@ def test_interrupted_checkpoint_leaves_the_previous_one(client, table_name, tmp_
     np.testing.assert_array_equal(client.lookup(table_name, [1]), np.full((1, DIM), 3.0))
 
 
+def test_a_checkpoint_given_no_step_takes_the_next_and_replaces_none(client, table_name, tmp_path):
+    """`memserver checkpoint --dir D --table a` then `... --table b` (no --step) both wrote step 0:
+    the second replaced the first, whose table was then not in any checkpoint. Each takes one past
+    the last step there now (an interrupted one too), and every earlier one stays."""
+    other = f"{table_name}-b"
+    client.create_table(table_name, 60, DIM, optimizer="sgd", lr=1.0)
+    client.create_table(other, 60, DIM, optimizer="sgd", lr=1.0)
+    try:
+        client.write_rows(table_name, [1], np.full((1, DIM), 3.0, np.float32))
+        first = client.checkpoint(str(tmp_path), tables=[table_name])
+        second = client.checkpoint(str(tmp_path), tables=[other])
+        assert (first["step"], second["step"]) == (1, 2) and second["path"].endswith("step-0000000002")
+        (tmp_path / "step-0000000007").mkdir()  # an interrupted checkpoint: no manifest, not replaced either
+        assert client.checkpoint(str(tmp_path), tables=[other])["step"] == 8
+        client.write_rows(table_name, [1], np.full((1, DIM), 5.0, np.float32))
+        assert [m.name for m in client.restore(str(tmp_path), step=1, replace=True)] == [table_name]
+        np.testing.assert_array_equal(client.lookup(table_name, [1]), np.full((1, DIM), 3.0))
+        assert client.checkpoint(str(tmp_path), step=2, tables=[table_name])["step"] == 2  # a step given: as asked
+    finally:
+        client.drop_table(other)
+
+
 def test_a_failed_checkpoint_at_a_step_that_had_one_leaves_that_step_incomplete(client, table_name, tmp_path):
     """Written again at a step with a complete checkpoint, the slice files were replaced in place
     under the old manifest: when the rewrite failed, a restore of that step read the newer files

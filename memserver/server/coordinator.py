@@ -40,6 +40,7 @@ from memserver.server.rayutil import was_restarted
 from memserver.storage.checkpoint import (
     checked_files,
     find_checkpoint,
+    next_step,
     step_dir,
     under_root,
     verify_files,
@@ -318,6 +319,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             raise InvalidArgumentError(f"step: must be >= 0, got {request.step}")
         if request.dry_run:  # the same rule as a real checkpoint, and nothing touched
             return pb.CheckpointResponse(path=str(root), step=request.step)
+        if not request.step:  # none given: the next one there (step 0 replaced the last checkpoint without one)
+            request.step = next_step(root)
         names = list(dict.fromkeys(request.tables)) or sorted(self.tables)  # each once: a slice saved twice
         for name in names:                                                  # would restore twice
             self._get(name)

@@ -283,6 +283,18 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     atomic_write(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
 
 
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    """The step directories under `root`, in step order (complete or not)."""
+    return sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else []) if (m := _STEP_DIR.match(p.name)))
+
+
+def next_step(root: str | os.PathLike[str]) -> int:
+    """The step a checkpoint given none takes: one past every step directory under `root` (a
+    complete or an interrupted one), so it never replaces an earlier checkpoint; 1 in a new one."""
+    steps = _steps(Path(root))
+    return steps[-1][0] + 1 if steps else 1
+
+
 def find_checkpoint(root: str | os.PathLike[str], step: int = 0) -> tuple[Path, dict[str, Any]]:
     """The step directory (latest complete one when step is 0) and its manifest."""
     root = Path(root)
@@ -291,10 +303,7 @@ def find_checkpoint(root: str | os.PathLike[str], step: int = 0) -> tuple[Path, 
         if not (d / MANIFEST).exists():
             raise InvalidArgumentError(f"dir: no complete checkpoint of step {step} in {root}")
         return d, _read_manifest(d)
-    steps = sorted(
-        (int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else []) if (m := _STEP_DIR.match(p.name))
-    )
-    for _, d in reversed(steps):
+    for _, d in reversed(_steps(root)):
         if (d / MANIFEST).exists():  # a directory without a manifest is an interrupted checkpoint
             return d, _read_manifest(d)
     raise InvalidArgumentError(f"dir: no complete checkpoint in {root}")
