@@ -93,6 +93,23 @@ def test_a_checkpoint_given_no_step_takes_the_next_and_replaces_none(client, tab
         client.drop_table(other)
 
 
+def test_a_checkpoint_the_disk_refuses_is_one_line_naming_the_path(client, table_name, tmp_path):
+    """A directory that cannot be written (a file in the path, an immutable folder, a full disk)
+    answered INTERNAL with the exception's class and a logged traceback, or through a shard
+    Ray's whole RayTaskError: now FAILED_PRECONDITION (RESOURCE_EXHAUSTED for a full disk) with
+    the error and the path."""
+    from client import FailedPreconditionError
+
+    client.create_table(table_name, 60, DIM)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FailedPreconditionError, match=rf"Checkpoint: Not a directory \({tmp_path}/afile/ck/"):
+        client.checkpoint(str(tmp_path / "afile" / "ck"), step=1, tables=[table_name])
+    (tmp_path / "ck" / "step-0000000001").mkdir(parents=True)
+    (tmp_path / "ck" / "step-0000000001" / table_name).write_text("x")  # where the shard writes its slice
+    with pytest.raises(FailedPreconditionError, match=rf"Checkpoint: .* \({tmp_path}/ck/step-0000000001/{table_name}"):
+        client.checkpoint(str(tmp_path / "ck"), step=1, tables=[table_name])
+
+
 def test_a_failed_checkpoint_at_a_step_that_had_one_leaves_that_step_incomplete(client, table_name, tmp_path):
     """Written again at a step with a complete checkpoint, the slice files were replaced in place
     under the old manifest: when the rewrite failed, a restore of that step read the newer files

@@ -11,8 +11,10 @@ checks stay open).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -65,6 +67,16 @@ def status_of(exc: BaseException, name: str, request: Any, metrics: CallMetrics 
         return exc.code, exc.details
     if _is_actor_error(exc):
         return grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}"
+    os_error = getattr(exc, "cause", exc)  # (a shard's, through Ray: its RayTaskError's cause)
+    if isinstance(os_error, OSError) and not isinstance(os_error, (TimeoutError, ConnectionError)) and \
+            os_error.errno is not None:
+        # the machine's refusal (a full disk, a path not writable or not a folder), not a bug: said
+        # as such, one line, whichever server (or shard) met it
+        where = f" ({os_error.filename})" if os_error.filename else ""
+        text = f"{name}: {os_error.strerror or os.strerror(os_error.errno)}{where}"
+        log.warning("%s failed on table %r: %s", name, getattr(request, "table", ""), text)
+        full = os_error.errno in (errno.ENOSPC, errno.EDQUOT)
+        return (grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.FAILED_PRECONDITION), text
     log.error("%s failed on table %r", name, getattr(request, "table", ""), exc_info=exc)
     if metrics is not None:
         metrics.internal(name)
