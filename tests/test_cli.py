@@ -178,6 +178,25 @@ def test_a_stale_endpoint_file_is_said_at_once(tmp_path, monkeypatch):
     assert not (tmp_path / "endpoint.json").exists()
 
 
+@pytest.mark.parametrize("scratch, removed", [("run/memserver-abc123", True), ("run/other", False), ("elsewhere", False)])
+def test_down_after_a_killed_up_removes_its_scratch_data_directory_and_nothing_else(tmp_path, scratch, removed):
+    """`up` without --data-dir keeps its tables in a scratch folder its shutdown removes; killed
+    (SIGKILL, the OOM killer), it left the folder for good. `down` removes it from the endpoint
+    record, and only a folder `up` makes ($MEMSERVER_HOME/run/memserver-*)."""
+    import socket
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    folder = tmp_path / scratch
+    (folder / "shard-0000").mkdir(parents=True)
+    (folder / "shard-0000" / "rows.dat").write_bytes(b"x")
+    (tmp_path / "endpoint.json").write_text(json.dumps({"endpoint": "127.0.0.1:9", "pid": proc.pid, "processes": [],
+                                                        "host": socket.gethostname(), "scratch_dir": str(folder)}))
+    down = run(["down"], {**os.environ, "MEMSERVER_HOME": str(tmp_path)}, timeout=60)
+    assert down.returncode == 0 and "was not running" in down.stdout, down.stderr
+    assert folder.exists() is not removed
+
+
 def test_down_sees_an_up_that_exited_unreaped_as_stopped(tmp_path):
     """An `up` that has exited but whose parent has not reaped it yet (a zombie: a harness that
     waits for it after `down`) is stopped: `down` says so at once, where it waited out its

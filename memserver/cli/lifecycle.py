@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -266,6 +267,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         }
         if notes:
             record["notes"] = notes
+        if cluster.owns_data_dir:  # what `down` removes if this process is killed before it could
+            record["scratch_dir"] = cluster.data_dir
         if tokens:  # the file is written with mode 0600: whoever can read it may call as its owner
             record["token"], record["read_token"] = tokens[0], tokens[1]
         if ca:  # what clients check the servers' certificate against
@@ -540,7 +543,20 @@ def reap_leftovers(record: dict[str, Any], grace: float = 5.0) -> int:
         if pid_alive(pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+    _remove_scratch(record.get("scratch_dir"))
     return len(left)
+
+
+def _remove_scratch(path: Any) -> None:
+    """A killed `up`'s scratch data directory (no --data-dir), which its own shutdown would have
+    removed: only a folder start_cluster makes, $MEMSERVER_HOME/run/memserver-*, never another."""
+    from memserver.cluster.endpoint import memserver_home
+
+    if not isinstance(path, str) or not path:
+        return
+    p, run = Path(path).resolve(), (memserver_home() / "run").resolve()
+    if p.parent == run and p.name.startswith("memserver-") and p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def cmd_join_info(args: argparse.Namespace) -> int:
