@@ -215,6 +215,9 @@ def test_a_replace_from_a_checkpoint_with_a_damaged_row_leaves_the_live_table(cl
 
 
 def test_checkpoint_and_restore_errors(client, table_name, tmp_path):
+    with pytest.raises(InvalidArgumentError, match=f"dir: {tmp_path}/nothing does not exist"):
+        client.restore(str(tmp_path / "nothing"))  # (said "no complete checkpoint", as of an empty one)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidArgumentError, match="no complete checkpoint"):
         client.restore(str(tmp_path / "empty"))
     with pytest.raises(TableNotFoundError):

@@ -485,6 +485,10 @@ def test_up_refuses_a_data_dir_whose_tables_need_more_shards(tmp_path, capsys, m
     check_data_dir(tmp_path / "m" / ".." / "e" / "new", 1)  # as the shards resolve it: nothing left behind
     check_data_dir(tmp_path / "m2" / ".." / "e", 1)  # an existing one (was refused, "File exists")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "e"] and not any((tmp_path / "e").iterdir())
+    (tmp_path / "afile").write_text("x")  # a file on the way (was said to be "not writable")
+    with pytest.raises(ValueError, match=f"data directory {tmp_path}/afile/sub: {tmp_path}/afile is a file, not a folder"):
+        check_data_dir(tmp_path / "afile" / "sub", 1)
+    (tmp_path / "afile").unlink()
     with pytest.raises(ValueError, match="data directory /proc/memserver-data: cannot be made"):  # (a traceback in
         check_data_dir("/proc/memserver-data", 1)  # the foreground `up`, a Ray stack dump in a detached one)
     # a read-only mount (in a mount namespace of its own): refused naming it, where the shards used

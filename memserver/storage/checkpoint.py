@@ -298,6 +298,8 @@ def next_step(root: str | os.PathLike[str]) -> int:
 def find_checkpoint(root: str | os.PathLike[str], step: int = 0) -> tuple[Path, dict[str, Any]]:
     """The step directory (latest complete one when step is 0) and its manifest."""
     root = Path(root)
+    if not root.is_dir():
+        raise InvalidArgumentError(f"dir: {root} does not exist (or is not a folder)")
     if step:
         d = step_dir(root, step)
         if not (d / MANIFEST).exists():

@@ -120,6 +120,8 @@ def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
     existing = path.absolute()
     while not existing.exists():  # what the shards will create their directories in
         existing = existing.parent
+    if not existing.is_dir():  # (a file on the way: access() would call it unwritable)
+        raise ValueError(f"data directory {path}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):  # (a read-only mount too: access() says EROFS)
         raise ValueError(f"data directory {path}: {existing} is not writable here (a read-only mount, or "
                          "permissions); the shards keep their records and logs there")
