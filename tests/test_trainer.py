@@ -747,3 +747,28 @@ def test_help_says_every_flags_default():
             shown = " ".join((action.help if "default" in action.help else f"{action.help} (default: {d})").split())
             assert shown in text, action.option_strings
     assert "optimizer steps (default: 1000)" in " ".join(build_parser().format_help().split())
+
+
+def test_a_damaged_trainer_file_is_refused_at_resume(tmp_path):
+    """The trainer file carries a digest of what it holds (the walkthrough flipped one byte of a
+    copy: AdamW's moments changed and the run resumed): a resume refuses it by name."""
+    import shutil
+
+    from trainer.checkpoints import trainer_file
+
+    common = [*TINY, "--memory", "local", "--seed", "3"]
+    list(train(build_parser().parse_args([*common, "--steps", "2", "--eval-every", "2", "--checkpoint-dir",
+                                          str(tmp_path / "ck")])))
+    saved = trainer_file(tmp_path / "ck", 2)
+    blob = torch.load(saved, weights_only=False)
+    target = blob["opt"]["state"][0]["exp_avg"].numpy().tobytes()  # the first parameter's first moment
+    (tmp_path / "bad").mkdir()
+    shutil.copy(saved, tmp_path / "bad" / saved.name)
+    raw = bytearray((tmp_path / "bad" / saved.name).read_bytes())
+    at = bytes(raw).find(target)
+    assert at > 0
+    raw[at + 3] ^= 0x20
+    (tmp_path / "bad" / saved.name).write_bytes(bytes(raw))
+    with pytest.raises(SystemExit, match=f"{tmp_path}/bad/{saved.name} is damaged"):
+        list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(tmp_path / "bad")])))
+    assert list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(tmp_path / "ck")])))

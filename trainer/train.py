@@ -31,6 +31,7 @@ from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.cli import quiet_libraries
 from memserver.cli.common import cache_size, one_line
 from memserver.core.table import set_threads
+from memserver.storage.checkpoint import extras_digest
 from trainer.checkpoints import trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
 from trainer.device import CPU, DEVICES, DTYPES, autocast, dist_backend, resolve_device
@@ -557,6 +558,7 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, ste
             "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
             "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name,  # enough to rebuild it (trainer.inspection)
             "data_path": run.corpus.path, "flags": flags}  # RESUMED_ALIKE: what a resume must give alike
+    blob["digest"] = extras_digest(blob)  # a flipped bit in the weights or the optimizer's moments: refused at --resume
     atomic_write(trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
 
@@ -655,6 +657,9 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
                          f"({type(exc).__name__}: {str(exc)[:120]})") from None
     if not isinstance(blob, dict) or "step" not in blob:
         raise SystemExit(f"memtrain: error: --resume {args.resume}: {latest} is not a memtrain checkpoint")
+    if "digest" in blob and blob.pop("digest") != extras_digest(blob):  # (files before it have none)
+        raise SystemExit(f"memtrain: error: --resume {args.resume}: {latest} is damaged (its contents do not match "
+                         "their checksum); resume from an earlier trainer-step file")
     given = getattr(args, "given", None)  # the flags the command line set (main's parse; None: unknown)
     mode = _memory_mode(blob["values"]) if "values" in blob else None
     if mode is not None and given is not None and "memory" not in given:
