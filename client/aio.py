@@ -227,7 +227,8 @@ class AsyncMemoryClient:
         """A read-only coordinator call, retried while the coordinator restarts."""
         return await self._retrying(lambda: self._control(method, request))
 
-    async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None) -> Any:
+    async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None,
+                        retry: bool = True) -> Any:
         """call(), again with backoff (Backoff) for up to retry_seconds while it fails with
         UNAVAILABLE or DEADLINE_EXCEEDED (then `on_retry` first: a fresh shard map) or is refused
         by an overloaded server (OverloadedError: the same map; the server is there, only busy).
@@ -235,8 +236,8 @@ class AsyncMemoryClient:
         `timeout` bounds each attempt, `retry_seconds` the retries: an attempt that outlived its
         deadline (a partitioned host, a lost one before Ray notices) is sent again, reads as
         they are and writes with the same tags, so a write that did land is answered from the
-        shard's session, never applied twice."""
-        backoff = Backoff(self.retry_seconds)
+        shard's session, never applied twice. `retry` False: one attempt."""
+        backoff = Backoff(self.retry_seconds if retry else 0.0)
         # a call's retries warn once per error text, again after RETRY_WARN_SECONDS (texts kept: RETRY_TEXTS)
         warned: dict[str, float] = {}
         while True:
@@ -286,7 +287,8 @@ class AsyncMemoryClient:
             self._tables[name] = TableMeta.from_proto(info)
         return self._tables[name]
 
-    async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None) -> Any:
+    async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None,
+                          retry: bool = True) -> Any:
         """Run fn(meta). If the shards no longer know the table, or hold another incarnation of it
         (dropped and re-created, restored), refresh the map and run it once more, with new write
         tags (the write never reached the new table). While a shard is UNAVAILABLE (restarting,
@@ -317,9 +319,10 @@ class AsyncMemoryClient:
             except UnavailableError:
                 pass
 
-        return await self._retrying(attempt, refresh)
+        return await self._retrying(attempt, refresh, retry)
 
-    async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None) -> Any:
+    async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,
+                    retry: bool = True) -> Any:
         """Run the op for `table`'s shard map: its requests all at once over grpc.aio."""
         first = True
         counted: set[tuple[str, int, int]] = set()  # reads a shard answered: not counted again on a retry
@@ -358,7 +361,7 @@ class AsyncMemoryClient:
             raise AssertionError("unreachable")
 
         try:
-            return await self._with_table(table, run, tags)
+            return await self._with_table(table, run, tags, retry)
         finally:
             if tags is not None:
                 tags.close()
@@ -609,14 +612,14 @@ class AsyncMemoryClient:
         one shard). Raises StepAbortedError, naming the shard, when a shard lacks a part it
         acknowledged: nothing of the step is applied anywhere. Returns the rows updated now."""
         plan = ops.commit_step_plan(self.session, table, step, len((await self.table(table)).shards), defer_apply)
-        make, tags = next(plan)
+        make, tags, retry = next(plan)
         while True:
             try:
-                got: Any = await self._call(table, make, tags)
+                got: Any = await self._call(table, make, tags, retry=retry)
             except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
                 got = exc
             try:
-                make, tags = plan.send(got)
+                make, tags, retry = plan.send(got)
             except StopIteration as done:
                 return done.value
 

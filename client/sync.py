@@ -105,13 +105,15 @@ class MemoryClient:
                 methods = self._stubs[address]
         return methods
 
-    def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None) -> Any:
+    def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,
+              retry: bool = True) -> Any:
         """Run an op with blocking stubs, all its requests in flight at once.
 
         The first attempt runs right here when the shard map is cached. A first call, a shard that
         is UNAVAILABLE (restarting) or past its deadline (a partition) or overloaded (after one backoff here) or a table that moved
         goes through the asyncio client's retrying path instead, which runs this same blocking
-        attempt in an executor thread; the op keeps its write tags across attempts."""
+        attempt in an executor thread; the op keeps its write tags across attempts. `retry` False:
+        no retries past the client's first attempt (a table that moved is still asked again)."""
         self._check_open()
         timeout = self.aio.timeout
         first = True
@@ -172,10 +174,13 @@ class MemoryClient:
             if meta is not None:
                 try:
                     return attempt(meta)
-                except (UnavailableError, DeadlineExceededError, TableNotFoundError, FailedPreconditionError):
+                except (UnavailableError, DeadlineExceededError):
+                    if not retry:
+                        raise
+                except (TableNotFoundError, FailedPreconditionError):
                     pass
                 except OverloadedError:
-                    sleep = Backoff(self.aio.retry_seconds).next()
+                    sleep = Backoff(self.aio.retry_seconds if retry else 0.0).next()
                     if sleep is None:  # retry_seconds 0 (or tiny): no retries
                         raise
                     time.sleep(sleep)
@@ -183,7 +188,7 @@ class MemoryClient:
             async def in_executor(meta: TableMeta) -> Any:
                 return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
 
-            return self._run(self.aio._with_table(table, in_executor, tags))
+            return self._run(self.aio._with_table(table, in_executor, tags, retry))
         finally:
             if tags is not None:
                 tags.close()
@@ -290,14 +295,14 @@ class MemoryClient:
     def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
         meta = self.aio._tables.get(table) or self.table(table)
         plan = ops.commit_step_plan(self.aio.session, table, step, len(meta.shards), defer_apply)
-        make, tags = next(plan)
+        make, tags, retry = next(plan)
         while True:
             try:
-                got: Any = self._call(table, make, tags)
+                got: Any = self._call(table, make, tags, retry=retry)
             except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
                 got = exc
             try:
-                make, tags = plan.send(got)
+                make, tags, retry = plan.send(got)
             except StopIteration as done:
                 return done.value
 

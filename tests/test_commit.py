@@ -229,7 +229,7 @@ def test_a_wal_shard_restarted_between_prepare_and_commit_still_commits(pairs, c
         for seed in (2, 3):
             send_part(p.client, 2, seed)
     plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
-    make, tags = next(plan)
+    make, tags, _ = next(plan)
     voted = run.client._call(NAME, make, tags)
     assert run.slice(1).steps[2]["trainer"].prepared
     if checkpoint:
@@ -237,7 +237,7 @@ def test_a_wal_shard_restarted_between_prepare_and_commit_still_commits(pairs, c
     recovered = run.restart(1)
     assert recovered == ("checkpoint step 2 + 0 logged writes" if checkpoint else "initial values + 6 logged writes")
     assert run.slice(1).steps[2]["trainer"].prepared
-    make, tags = plan.send(voted)
+    make, tags, _ = plan.send(voted)
     with pytest.raises(StopIteration):
         plan.send(run.client._call(NAME, make, tags))
     ref.client.commit_step(NAME, 2)
@@ -257,10 +257,10 @@ def test_a_shard_without_wal_restarted_between_prepare_and_commit_leaves_one_che
     run.checkpoint(1)
     send_part(run.client, 2, 2)
     plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
-    make, tags = next(plan)
+    make, tags, _ = next(plan)
     voted = run.client._call(NAME, make, tags)
     assert run.restart(1) == "checkpoint step 1"
-    make, tags = plan.send(voted)
+    make, tags, _ = plan.send(voted)
     with pytest.raises(FailedPreconditionError, match="cannot commit on shard 1: the step is not prepared"):
         plan.send(run.client._call(NAME, make, tags))
     run.shards[0].rollback_table(NAME, str(run.root / "ck" / f"step-{1:010d}"))
@@ -312,6 +312,38 @@ def test_a_step_whose_shard_cannot_be_reached_says_so_and_is_aborted_when_it_can
     assert_same(run.state(), ref.state())
 
 
+def test_the_abort_after_an_unreachable_prepare_gets_one_attempt_not_a_second_retry_window(pairs, monkeypatch):
+    """A client that retries: its PREPARE to an unreachable shard is retried for its window; the
+    ABORT that follows is sent once (it is kept and re-sent before the next commit), so a trainer
+    whose cluster went away fails after one window, not two."""
+    run = pairs("run")
+    client = MemoryClient(run.endpoint, timeout=10, retry_seconds=1.0, client_id="retrying", shm=False)
+    run.clients.append(client)
+    train_step(client, 1, (1,))
+    send_part(client, 2, 2)
+    address, real, sent = run.shards[1].address, client._methods, []
+
+    def methods(at):
+        got = dict(real(at))
+        if at == address:
+            def down(request, **kwargs):
+                sent.append(pb.CommitStepRequest.FromString(request).phase)
+                raise _Unavailable()
+
+            got["CommitStep"] = down
+        return got
+
+    monkeypatch.setattr(client, "_methods", methods)
+    with pytest.raises(MemserverError, match="neither by its prepare .* nor by the abort"):
+        client.commit_step(NAME, 2)
+    assert sent.count(pb.STEP_PREPARE) >= 3  # the prepare did use the retry window
+    assert sent.count(pb.STEP_ABORT) == 1 and sent[-1] == pb.STEP_ABORT
+    monkeypatch.undo()
+    send_part(client, 3, 3)
+    client.commit_step(NAME, 3)  # the kept abort is delivered first
+    assert not client.aio.session.undecided(NAME)
+
+
 def _commit_step_down(run, shard: int, when=lambda: True):
     """run.client's methods with shard `shard`'s CommitStep unreachable (UNAVAILABLE) while `when()`."""
     address, real = run.shards[shard].address, run.client._methods
@@ -346,7 +378,7 @@ def test_a_prepared_step_of_a_client_that_went_away_commits_when_its_session_exp
         train_step(p.client, 1, (1,))
         send_part(p.client, 2, 2)
     plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
-    make, tags = next(plan)
+    make, tags, _ = next(plan)
     run.client._call(NAME, make, tags)  # PREPARE on both; then the client is gone
     plan.close()
     time.sleep(3.0)
@@ -371,12 +403,12 @@ def test_a_sync_table_applies_the_mean_once_every_trainer_committed(pairs, defer
     send_part(a, 1, 1)
     send_part(b, 1, 2)
     plan = ops.commit_step_plan(b.aio.session, NAME, 1, 2, defer)
-    make, tags = next(plan)
+    make, tags, _ = next(plan)
     voted = b._call(NAME, make, tags)  # b prepared, not committed
     a.commit_step(NAME, 1, defer_apply=defer)
     assert [run.slice(i).steps[1]["trainer"].committed for i in range(2)] == [True, True]
     assert_same(run.state(), ref.state())  # one trainer committed: nothing applied yet
-    make, tags = plan.send(voted)
+    make, tags, _ = plan.send(voted)
     with pytest.raises(StopIteration):
         plan.send(b._call(NAME, make, tags))
     ids1, w1, g1 = batch(1)

@@ -40,9 +40,10 @@ def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts
     return rows, phase in (pb.STEP_COMMIT, pb.STEP_PREPARE_COMMIT)
 
 
-#: A commit plan yields (make_op, tags) and is sent the op's result, or the MemserverError it
-#: raised (client.sync and client.aio run it: `commit_step`).
-CommitPlan = Generator[tuple[Callable[[TableMeta], Op], WriteTags], Any, int]
+#: A commit plan yields (make_op, tags, retry) and is sent the op's result, or the MemserverError
+#: it raised (client.sync and client.aio run it: `commit_step`). `retry` False: one attempt, not
+#: the client's retry window (the call is kept and re-sent later anyway).
+CommitPlan = Generator[tuple[Callable[[TableMeta], Op], WriteTags, bool], Any, int]
 
 _PHASES = {pb.STEP_COMMIT: "commit", pb.STEP_ABORT: "abort", pb.STEP_PREPARE_COMMIT: "commit"}
 #: Refusals that re-sending cannot change (the shard answered): a decision refused so is not kept.
@@ -61,7 +62,7 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     check_ints(UINT64, step=step)
     for st, (phase, tags, parts) in session.undecided(table).items():
         got = yield (lambda meta, st=st, phase=phase, tags=tags, parts=parts:
-                     step_phase_op(meta, st, phase, tags, parts)), tags
+                     step_phase_op(meta, st, phase, tags, parts)), tags, True
         if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
             raise type(got)(f"table {table}: step {step} is not committed: the {_PHASES[phase]} of step {st} has not "
                             f"reached every shard yet ({got.details}); commit step {step} again later",
@@ -73,7 +74,7 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     session.forget_step(table, step)
     prepare = WriteTags(session)
     prepare.held = shards == 1  # PREPARE_COMMIT is a decision: kept if it may not have arrived
-    voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply)), prepare
+    voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply)), prepare, True
     if shards == 1 and isinstance(voted, MemserverError) and not isinstance(voted, _FINAL):
         session.set_undecided(table, step, (pb.STEP_PREPARE_COMMIT, prepare, parts))
         raise _undelivered(voted, table, step, pb.STEP_PREPARE_COMMIT)
@@ -84,10 +85,14 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     decision = pb.STEP_ABORT if isinstance(voted, MemserverError) else pb.STEP_COMMIT
     decide = WriteTags(session)
     decide.held = True  # its seqs stay in flight until every shard has the decision
-    got = yield (lambda meta: step_phase_op(meta, step, decision, decide, None, defer_apply)), decide
+    # A prepare that could not reach a shard has already waited out the client's retries: its abort
+    # gets one attempt (kept and re-sent before the next commit if it fails), so a trainer whose
+    # cluster went away fails after one retry window, not two.
+    unreachable = isinstance(voted, MemserverError) and not isinstance(voted, _FINAL)
+    got = yield (lambda meta: step_phase_op(meta, step, decision, decide, None, defer_apply)), decide, not unreachable
     if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
         session.set_undecided(table, step, (decision, decide, None))
-        if isinstance(voted, MemserverError) and not isinstance(voted, _FINAL):  # neither phase got through
+        if unreachable:  # neither phase got through
             raise type(got)(f"table {table}: step {step} is not committed: shards could not be reached, neither by "
                             f"its prepare ({voted.details}) nor by the abort that followed ({got.details}); this "
                             "client re-sends the abort before the table's next commit", target=got.target)
