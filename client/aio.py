@@ -40,10 +40,12 @@ from client.ops.checks import INT32, INT64, check_ints
 from client.shm import ShmTransport
 from client.shm import enabled as shm_enabled
 from memserver.api.errors import (
+    NOT_HTTP2,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     MemserverError,
+    NotGrpcError,
     OverloadedError,
     TableNotFoundError,
     TlsError,
@@ -214,7 +216,8 @@ class AsyncMemoryClient:
         except grpc.aio.AioRpcError as err:
             where = f"coordinator {self.endpoint}"
             details = err.details() or ""
-            if err.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem(details):  # a stale endpoint file
+            if err.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem(details) and NOT_HTTP2 not in details:
+                # a stale endpoint file
                 where += "; is a memserver cluster running there? `memserver status` says, `memserver up` starts one"
                 if self.tls is None and "Socket closed" in details:  # what a plaintext client meets at a TLS server
                     where += "; or it serves TLS: give this client its CA ($MEMSERVER_TLS_CA)"
@@ -244,7 +247,7 @@ class AsyncMemoryClient:
             try:
                 return await call()
             except (UnavailableError, DeadlineExceededError, OverloadedError) as exc:
-                if isinstance(exc, TlsError):  # the same handshake fails again
+                if isinstance(exc, (TlsError, NotGrpcError)):  # the same handshake, the same server again
                     raise
                 sleep = backoff.next()
                 if sleep is None:

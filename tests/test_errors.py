@@ -113,6 +113,30 @@ def test_a_shards_address_given_as_the_endpoint_says_what_to_give(client):
            "coordinator's HOST:PORT, which `memserver status` and the endpoint file name)" in str(err.value)
 
 
+def test_an_http_port_given_as_the_endpoint_fails_at_once_saying_so():
+    """A metrics or web page's port (HTTP/1) answers a gRPC call with bytes that are not HTTP/2:
+    no retry can change that, so the client raises NotGrpcError at once, not after its window
+    of retries (30 s here; the test's timeout would end it) as UnavailableError."""
+    import http.server
+    import threading
+
+    from client import MemoryClient, NotGrpcError
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"127.0.0.1:{server.server_address[1]}"
+        with MemoryClient(endpoint, timeout=10, retry_seconds=30) as wrong, pytest.raises(NotGrpcError) as err:
+            wrong.list_tables()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "the server there does not speak gRPC (an HTTP/1 server: a metrics or web page's port?): give the " \
+           "coordinator's HOST:PORT" in str(err.value) and f"(coordinator {endpoint})" in str(err.value)
+    assert "is a memserver cluster running there?" not in str(err.value)
+
+
 def test_duplicate_table_is_already_exists(client, table_name):
     client.create_table(table_name, 10, 4, seed=1)
     client.write_rows(table_name, [0], np.full((1, 4), 7.0, np.float32))

@@ -95,6 +95,14 @@ class TlsError(UnavailableError):
     clients raise it at once (grpc says UNAVAILABLE; `tls_problem` tells it apart), with the fix."""
 
 
+class NotGrpcError(UnavailableError):
+    """The address answers, but not with HTTP/2 (a metrics or web page's port, another service):
+    no retry can change that, so clients raise it at once, saying so."""
+
+
+#: grpc core's words for a peer that answered with something that is not HTTP/2 (matched by part).
+NOT_HTTP2 = "Failed parsing HTTP/2"
+
 #: grpc core's words for a failed handshake (its details, which vary by version: matched by
 #: part) -> what to fix. The first that matches wins.
 _TLS_FAILURES = (
@@ -157,11 +165,15 @@ _BY_CODE = {cls.code: cls for cls in ERRORS}
 
 def error_for(code: grpc.StatusCode, details: str, target: str = "") -> MemserverError:
     """The exception for a status: its own class where it has one (a server's overload refusal:
-    OverloadedError; a failed TLS handshake: TlsError)."""
+    OverloadedError; a failed TLS handshake: TlsError; a peer that is no gRPC server: NotGrpcError)."""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(OVERLOADED):
         return OverloadedError(details, code, target=target)
     if code == grpc.StatusCode.UNAVAILABLE and (fix := tls_problem(details)):
         return TlsError(f"the TLS handshake failed: {fix} ({details})", code, target=target)
+    if code == grpc.StatusCode.UNAVAILABLE and NOT_HTTP2 in details:
+        return NotGrpcError(f"the server there does not speak gRPC (an HTTP/1 server: a metrics or web page's port?): "
+                            f"give the coordinator's HOST:PORT (`memserver up` prints it and writes it to the endpoint file) ({details})", code,
+                            target=target)
     return _BY_CODE.get(code, MemserverError)(details, code, target=target)
 
 
