@@ -543,9 +543,9 @@ class AsyncMemoryClient:
         the same step again replaces each slice file and its record entry, then the manifest, so
         a trainer checkpoints through a lost host or a partition. `step` 0: one past the last step
         in `dir` (1 in a new one), never replacing an earlier checkpoint (a retry of such a call
-        may write the step after too)."""
+        writes the same step: its retries carry the call's request_id)."""
         check_ints(INT64, step=step)
-        request = pb.CheckpointRequest(dir=str(dir), step=step, tables=tables or [])
+        request = pb.CheckpointRequest(dir=str(dir), step=step, tables=tables or [], request_id=uuid.uuid4().hex)
         r = await self._retrying(lambda: self._control("Checkpoint", request))
         return {"path": r.path, "step": r.step, "bytes": r.bytes, "tables": list(r.tables), "seconds": r.seconds}
 

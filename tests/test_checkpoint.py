@@ -93,6 +93,56 @@ def test_a_checkpoint_given_no_step_takes_the_next_and_replaces_none(client, tab
         client.drop_table(other)
 
 
+def test_a_retried_checkpoint_given_no_step_writes_one_step(memory_cluster, table_name, tmp_path):
+    """The first attempt's checkpoint lands but its answer is lost (a deadline, a broken
+    connection): the client asks again with the same request_id and the coordinator answers
+    with that checkpoint; it wrote one more step per attempt before. A new call takes the next."""
+    from client import MemoryClient, UnavailableError
+
+    with MemoryClient(memory_cluster.endpoint, timeout=60, retry_seconds=20) as c:
+        c.create_table(table_name, 60, DIM)
+        real, attempts = c.aio._control, []
+
+        async def lossy(method, request):
+            got = await real(method, request)
+            if method == "Checkpoint":
+                attempts.append(request.request_id)
+                if len(attempts) == 1:
+                    raise UnavailableError("the answer was lost (test)")
+            return got
+
+        c.aio._control = lossy
+        try:
+            first = c.checkpoint(str(tmp_path), tables=[table_name])
+            assert len(attempts) == 2 and attempts[0] == attempts[1] != ""
+            assert first["step"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["step-0000000001"]
+            assert c.checkpoint(str(tmp_path), tables=[table_name])["step"] == 2 and attempts[2] != attempts[0]
+        finally:
+            c.drop_table(table_name)
+
+
+def test_the_coordinator_remembers_the_newest_checkpoint_calls_only(tmp_path):
+    """The request_ids kept for retries are bounded (CHECKPOINT_CALLS): a long run's checkpoints
+    do not grow the coordinator; a retry of a kept one is answered as its first attempt was."""
+    import asyncio
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.server.coordinator import CHECKPOINT_CALLS, ControlPlaneServicer
+
+    coord = ControlPlaneServicer([], [])
+
+    async def calls():
+        got = [await coord.Checkpoint(pb.CheckpointRequest(dir=str(tmp_path), request_id=f"c{i}"), None)
+               for i in range(CHECKPOINT_CALLS + 5)]
+        again = await coord.Checkpoint(pb.CheckpointRequest(dir=str(tmp_path), request_id=f"c{CHECKPOINT_CALLS}"), None)
+        return got, again
+
+    got, again = asyncio.run(calls())
+    assert [r.step for r in got] == list(range(1, CHECKPOINT_CALLS + 6))
+    assert list(coord.checkpoint_calls) == [f"c{i}" for i in range(5, CHECKPOINT_CALLS + 5)]
+    assert again.step == CHECKPOINT_CALLS + 1 and len(list(tmp_path.iterdir())) == CHECKPOINT_CALLS + 5
+
+
 def test_a_checkpoint_the_disk_refuses_is_one_line_naming_the_path(client, table_name, tmp_path):
     """A directory that cannot be written (a file in the path, an immutable folder, a full disk)
     answered INTERNAL with the exception's class and a logged traceback, or through a shard

@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 PROBE_SECONDS = 10.0
 #: Seconds a shard has to drop a slice outside the catalog (_drop_strays) before it is left for later.
 STRAY_SECONDS = 10.0
+#: Checkpoint calls remembered by request_id (their retries answered by the same checkpoint): the
+#: newest this many; a retry arrives within a client's retry window, far fewer calls than this.
+CHECKPOINT_CALLS = 64
 
 
 
@@ -89,6 +92,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         # from its probes, Status calls and restarted shards' reports; /metrics reads it.
         self.serving = [True] * len(shard_handles)
         self.last_checkpoint: dict[str, float] | None = None  # time, seconds, bytes, step (this process)
+        # request_id -> its checkpoint, running or done (the newest CHECKPOINT_CALLS; see Checkpoint)
+        self.checkpoint_calls: dict[str, asyncio.Task[pb.CheckpointResponse]] = {}
         self.metrics: CoordinatorMetrics | None = None  # set by CoordinatorActor
 
     def recover_catalog(self, described: list[list[tuple[bytes, bytes, int]]]) -> None:
@@ -314,6 +319,23 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return held
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointResponse:
+        """A retry of a call (its request_id) gets the checkpoint its first attempt made, waited
+        for while it runs: the work is not undone by a client's deadline, nor done twice (a call
+        given no step would write one more step per attempt). A failed attempt is run again."""
+        if request.dry_run or not request.request_id:
+            return await self._checkpoint(request)
+        task = self.checkpoint_calls.get(request.request_id)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.ensure_future(self._checkpoint(request))
+            self.checkpoint_calls.pop(request.request_id, None)
+            self.checkpoint_calls[request.request_id] = task
+            while len(self.checkpoint_calls) > CHECKPOINT_CALLS:  # the oldest goes (it runs on if it runs)
+                del self.checkpoint_calls[next(iter(self.checkpoint_calls))]
+        else:
+            log.info("checkpoint call %s again (a client's retry): answered by its first attempt", request.request_id)
+        return await asyncio.shield(task)
+
+    async def _checkpoint(self, request: pb.CheckpointRequest) -> pb.CheckpointResponse:
         root = under_root(self.checkpoint_root, request.dir)
         if request.step < 0:
             raise InvalidArgumentError(f"step: must be >= 0, got {request.step}")

@@ -834,16 +834,18 @@ class StatusResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., epoch: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., coordinator_pid: _Optional[int] = ..., coordinator_restarted: _Optional[bool] = ..., coordinator_metrics_address: _Optional[str] = ..., coordinator_calls: _Optional[_Union[CallSummary, _Mapping]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("dir", "step", "tables", "dry_run")
+    __slots__ = ("dir", "step", "tables", "dry_run", "request_id")
     DIR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     dir: str
     step: int
     tables: _containers.RepeatedScalarFieldContainer[str]
     dry_run: bool
-    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("path", "step", "bytes", "tables", "seconds")
