@@ -69,6 +69,7 @@ def test_up_status_down(tmp_path):
                 client.create_table("too-big", 10**6, 64)
             client.push_gradients("emb", np.arange(0, 5000, 7), np.ones((715, 32), np.float32))
             before = client.lookup("emb", np.arange(5000))
+            client.create_table("lost", 100, 8, wal=True)  # its record on shard 0 is damaged below
     finally:
         down = run(["down"], env)
     assert down.returncode == 0, down.stderr
@@ -76,15 +77,25 @@ def test_up_status_down(tmp_path):
     assert not (tmp_path / "endpoint.json").exists()
     assert "no memserver is running" in run(["down"], env).stdout
 
-    # the config changed meanwhile: the recovered table is kept as it is, and `up` says how it differs
+    # the config changed meanwhile: the recovered table is kept as it is, and `up` says how it differs;
+    # a table whose record is damaged is lost on that shard: `up` says so, and `status` exits 3
     config.write_text(config.read_text().replace("dim: 32", "dim: 64"))
+    (tmp_path / "data" / "shard-0000" / "lost" / "table.json").write_text("garbage{")
     up = run(up_args, env)
     assert up.returncode == 0, up.stderr + up.stdout
     try:  # (the cluster is stopped whatever fails below)
         assert "note: table emb: kept as recovered from the data directory" in up.stderr
         notes = [line for line in up.stderr.splitlines() if line.startswith("note: ")]
-        assert len(notes) == 1 and notes[0].count(" here, ") == 2, notes  # restored on 1 shard above, and dim
-        assert "(num_shards: 1 here, every shard (2) in the config; dim: 32 here, 64 in the config)" in notes[0], notes
+        assert len(notes) == 2 and notes[1].count(" here, ") == 2, notes  # restored on 1 shard above, and dim
+        assert "(num_shards: 1 here, every shard (2) in the config; dim: 32 here, 64 in the config)" in notes[1], notes
+        assert notes[0].startswith("note: shard 0: table lost is not served: table 'lost': shard 0 could not recover "
+                                   f"its slice from {tmp_path / 'data' / 'shard-0000' / 'lost'}"), notes
+        st = run(["status", "--json"], env)
+        assert st.returncode == 3 and [p.split(":")[:2] for p in json.loads(st.stdout)["problems"]] == \
+            [["shard 0", " table lost is not served"]], st.stdout[-2000:]
+        assert run(["status"], env).returncode == 3
+        assert run(["drop-table", "lost"], env).returncode == 0
+        assert run(["status"], env).returncode == 0
         endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
         with MemoryClient(endpoint) as client:
             [emb] = client.list_tables()

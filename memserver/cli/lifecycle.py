@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memserver.cli.common import CliError, count, one_line, parse_size, seconds
-from memserver.cli.tables import table_args
+from memserver.cli.tables import problems, status_dict, table_args
 from memserver.cluster import (
     DEFAULT_PLACEMENT,
     DEFAULT_SHARD_CPUS,
@@ -237,25 +237,27 @@ def cmd_up(args: argparse.Namespace) -> int:
             _check_clients_verify(cluster.endpoint, tokens[0] if tokens else None, ClientTls(ca, server_name))
         tables = cfg.get("tables") or []
         notes: list[str] = []  # what the user should read: in the log, and said by a detached `up`
-        if tables:
-            with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None,
-                              tls=ClientTls(ca, server_name) if ca else None) as client:
-                recovered = {m.name: m for m in client.list_tables()}  # from --data-dir: kept as they are
-                for t in tables:
-                    t = dict(t)
-                    name = t.pop("name")
-                    if name in recovered:  # not created again (a refused create would count as an error)
-                        differ = config_differences(recovered[name], t, len(cluster.shard_infos))
-                        if differ:
-                            notes.append(f"table {name}: kept as recovered from the data directory, which differs "
-                                         f"from --config ({'; '.join(differ)}); drop it, or restore a checkpoint, "
-                                         "to change it")
-                            log.warning("%s", notes[-1])
-                        else:
-                            log.info("table %s: kept as recovered from the data directory", name)
-                        continue
-                    meta = client.create_table(name, t.pop("num_rows"), t.pop("dim"), **t)
-                    log.info("table %s: %d x %d (%s)", meta.name, meta.num_rows, meta.dim, meta.sharding)
+        with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None,
+                          tls=ClientTls(ca, server_name) if ca else None) as client:
+            for line in problems(status_dict(client.status())):  # a table the data directory could not give back
+                notes.append(line)
+                log.warning("%s", line)
+            recovered = {m.name: m for m in client.list_tables()} if tables else {}  # from --data-dir: kept as they are
+            for t in tables:
+                t = dict(t)
+                name = t.pop("name")
+                if name in recovered:  # not created again (a refused create would count as an error)
+                    differ = config_differences(recovered[name], t, len(cluster.shard_infos))
+                    if differ:
+                        notes.append(f"table {name}: kept as recovered from the data directory, which differs "
+                                     f"from --config ({'; '.join(differ)}); drop it, or restore a checkpoint, "
+                                     "to change it")
+                        log.warning("%s", notes[-1])
+                    else:
+                        log.info("table %s: kept as recovered from the data directory", name)
+                    continue
+                meta = client.create_table(name, t.pop("num_rows"), t.pop("dim"), **t)
+                log.info("table %s: %d x %d (%s)", meta.name, meta.num_rows, meta.dim, meta.sharding)
         record = {
             "endpoint": cluster.endpoint,
             "pid": os.getpid(),

@@ -116,13 +116,37 @@ def _disk_dict(t: Any) -> dict[str, Any]:
             "data_file": t.data_file, "data_bytes": t.data_bytes}
 
 
+#: `memserver status`'s exit status when the cluster answers but does not serve everything it holds.
+DEGRADED = 3
+
+
+def problems(st: dict[str, Any]) -> list[str]:
+    """What a cluster's status (status_dict) says is not served: a shard that does not answer, a
+    table a shard could not recover (lost), a slice that refuses writes. One line each; empty when
+    every shard serves every table it holds. `memserver status` exits DEGRADED when there is one,
+    and `up` says them beside "ready"."""
+    out = []
+    for s in sorted(st["shards"], key=lambda s: s["index"]):
+        if s["state"] != "serving":
+            out.append(f"shard {s['index']} ({s['address']}) is {s['state']}")
+        for t in s["tables"]:
+            if t["unavailable"]:
+                out.append(f"shard {s['index']}: table {t['table']} is not served: {t['unavailable']}")
+            elif t["writes_refused"]:
+                out.append(f"shard {s['index']}: table {t['table']} refuses writes until the shard restarts (reads "
+                           f"are served): {t['writes_refused']}")
+    return out
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     endpoint = endpoint_of(args)
     with cli_client(args, endpoint) as client:
         st = status_dict(client.status())
+    wrong = problems(st)
     if args.json:
-        print(json.dumps({"endpoint": endpoint, **st}, indent=2))
-        return 0
+        print(json.dumps({"endpoint": endpoint, **st, "problems": wrong}, indent=2))
+        return DEGRADED if wrong else 0
+    from rich.markup import escape
     from rich.table import Table
 
     out = console()
@@ -203,12 +227,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for t in s["tables"]:
             if t["recovered_from"]:
                 out.print(f"shard {s['index']}: table {t['table']} recovered from {t['recovered_from']}")
-            if t["unavailable"]:
-                out.print(f"[bold red]shard {s['index']}: table {t['table']} is not served: {t['unavailable']}[/]")
-            elif t["writes_refused"]:
-                out.print(f"[bold red]shard {s['index']}: table {t['table']} refuses writes until the shard "
-                          f"restarts (reads are served): {t['writes_refused']}[/]")
-    return 0
+    for line in wrong:
+        out.print(f"[bold red]{escape(line)}[/]")
+    return DEGRADED if wrong else 0
 
 
 def _calls_table(st: dict[str, Any]) -> Any:
@@ -380,7 +401,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "metrics URL), tier disk tables' caches per shard (rows cached, memory, hit rate, evictions, "
                         "disk reads and writes per second, rows hinted), the calls each server answered (requests, "
                         "errors by status, authentication failures, rejected, in flight) and what each restarted "
-                        "shard recovered its tables from.")
+                        "shard recovered its tables from.",
+                        epilog=f"Exit status: 0 when every shard serves every table it holds; {DEGRADED} when the "
+                        "cluster answers but a shard does not, or a table is not served (lost at recovery: a damaged "
+                        "log or record) or refuses writes (listed in red, and under \"problems\" with --json); 1 "
+                        "when the cluster cannot be reached.")
     cluster_flags(st, timeout=30.0, json_help="print one JSON object instead of tables")
     st.set_defaults(func=cmd_status)
 

@@ -201,7 +201,8 @@ class ShardActor:
             return
         self.servicer.lost[name] = (
             f"table {name!r}: shard {self.index} could not recover its slice from {self.store.dir / name}: {why}. "
-            "Its files there are kept as they are: repair them and restart the shard, or restore the table from a "
+            "Its files there are kept as they are: repair them and start the cluster again (`memserver down`, `memserver "
+            "up`), or restore the table from a "
             f"checkpoint (`memserver restore --replace`), or drop it (`memserver drop-table {name}`)")
         try:
             spec = pb.TableSpec.FromString(base64.b64decode(record["spec"]))  # type: ignore[index]
