@@ -590,6 +590,61 @@ def test_a_replace_the_shards_cannot_make_leaves_the_table(tmp_path):
         np.testing.assert_array_equal(c.lookup("t", [1]), np.full((1, 4), 7.0))
 
 
+@pytest.mark.parametrize("how", ["restore", "create"])
+def test_a_trainers_calls_wait_through_a_replace_of_its_table(tmp_path, how):
+    """A table replaced (restore or create with replace) under a running trainer is missing from
+    the catalog between its drop and its placing: the trainer's calls there answered NOT_FOUND
+    ("does not exist") and the trainer died. The coordinator answers UNAVAILABLE for a table being
+    replaced, the client retries, and the call is served by the new table."""
+    import threading
+
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=30) as c, \
+            MemoryClient(server.endpoint, timeout=30, retry_seconds=30) as trainer:
+        c.create_table("t", 10, 4, init_std=0.0)
+        c.write_rows("t", [1], np.full((1, 4), 3.0, np.float32))
+        ck = str(tmp_path / "ck")
+        c.checkpoint(ck, step=1)
+        c.write_rows("t", [1], np.full((1, 4), 7.0, np.float32))
+        np.testing.assert_array_equal(trainer.lookup("t", [1]), np.full((1, 4), 7.0))  # its shard map is cached
+        coordinator = server.coordinator.servicer
+        real, dropped, go = coordinator._place, threading.Event(), threading.Event()
+
+        async def held_place(*args, **kwargs):  # the old table is dropped: hold the new one back a moment
+            import asyncio
+
+            dropped.set()
+            await asyncio.to_thread(go.wait, 30)
+            return await real(*args, **kwargs)
+
+        coordinator._place = held_place
+        replace = threading.Thread(target=lambda: c.restore(ck, replace=True) if how == "restore" else
+                                   c.create_table("t", 10, 4, init_std=0.0, replace=True))
+        replace.start()
+        try:
+            assert dropped.wait(30)
+            got: list = []
+            lookup = threading.Thread(target=lambda: got.append(_outcome(lambda: trainer.lookup("t", [1]))))
+            lookup.start()
+            lookup.join(1.0)
+            assert lookup.is_alive() and not got  # waiting for the table, not refused
+        finally:
+            go.set()
+            replace.join(30)
+        lookup.join(30)
+        want = 3.0 if how == "restore" else 0.0
+        np.testing.assert_array_equal(got[0], np.full((1, 4), want))
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the test compares what came back
+        return exc
+
+
 def test_a_symlink_below_the_checkpoint_root_does_not_lead_outside_it(client, table_name, tmp_path):
     """The root check resolved only `dir`: a step folder linked outside the root took the slice
     files and the manifest there, and a slice file linked outside was read by a restore."""

@@ -27,6 +27,7 @@ from memserver.api.errors import (
     MemserverError,
     TableExistsError,
     TableNotFoundError,
+    UnavailableError,
 )
 from memserver.api.types import METRIC_NAMES, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
@@ -81,6 +82,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.limits = limits or Limits()
         self.tables: dict[str, pb.TableInfo] = {}
         self.pending: set[str] = set()
+        # tables between the drop and the placing of a replace (restore or create with replace):
+        # their calls meanwhile answer UNAVAILABLE, which clients retry, not NOT_FOUND
+        self.replacing: set[str] = set()
         self.training: set[str] = set()  # index tables with a TrainIndex running (one at a time)
         self.placement: dict[str, list[int]] = {}  # table -> pool index of each of its shards
         # table -> shards that held an older layout of it at the catalog's rebuild (at most one per shard)
@@ -182,6 +186,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     def _get(self, name: str) -> pb.TableInfo:
         if name not in self.tables:
             check_table_name(name)  # a name no table can have: said so, and not echoed whole
+            if name in self.replacing:
+                raise UnavailableError(f"table {name!r} is being replaced (a restore or a create with replace): "
+                                       "its new shard map comes when it is placed")
             raise TableNotFoundError(f"table {name!r} does not exist")
         return self.tables[name]
 
@@ -192,13 +199,17 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if request.replace and spec.name in self.tables and spec.name not in self.pending:
             plan = await self._check_replace(spec)
             log.info("replacing table %s", spec.name)
+            self.replacing.add(spec.name)
             try:
-                await self._drop(spec.name)
-            except TableNotFoundError:
-                pass  # another replace or drop got there first: make it, or say it exists again
-            await self._drop_strays(spec.name)  # and any slice of that name beyond its shards (a stale one)
-            # on the shards checked, and as checked: the old table's memory may not show as free yet
-            return await self._place(spec, plan=plan, checked=True)
+                try:
+                    await self._drop(spec.name)
+                except TableNotFoundError:
+                    pass  # another replace or drop got there first: make it, or say it exists again
+                await self._drop_strays(spec.name)  # and any slice of that name beyond its shards (a stale one)
+                # on the shards checked, and as checked: the old table's memory may not show as free yet
+                return await self._place(spec, plan=plan, checked=True)
+            finally:
+                self.replacing.discard(spec.name)
         return await self._place(spec)
 
     async def _check_replace(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
@@ -457,11 +468,16 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         made: dict[str, int] = {}  # name -> the layout this restore made
         try:
             for name in names:
-                if request.replace:  # nothing of it may stay, slices no table owns either. (Without replace a
-                    if name in self.tables:  # name here is another's, made meanwhile, and shards holding one
-                        await self._drop(name)  # refuse, as for a create: a lost slice's files stay.)
-                    await self._drop_strays(name)
-                info = await self._place(specs[name], files[name], plan=plans.get(name))
+                if request.replace:
+                    self.replacing.add(name)
+                try:
+                    if request.replace:  # nothing of it may stay, slices no table owns either. (Without replace a
+                        if name in self.tables:  # name here is another's, made meanwhile, and shards holding one
+                            await self._drop(name)  # refuse, as for a create: a lost slice's files stay.)
+                        await self._drop_strays(name)
+                    info = await self._place(specs[name], files[name], plan=plans.get(name))
+                finally:
+                    self.replacing.discard(name)
                 resp.tables.append(info)
                 made[name] = info.layout_id
         except BaseException:
