@@ -69,3 +69,24 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("memserver quick timings (not asserted; benchmarks/ measures)")
         for line in TIMINGS:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def cli_in_process(capsys):
+    """`memserver ARGS` run in this process, answered as a subprocess.run would (returncode,
+    stdout, stderr): for the commands that only ask a running cluster, without a new
+    interpreter's 2 s of imports each. (`up` stays a subprocess where a test starts a cluster.)"""
+    import subprocess
+
+    import memserver.cli as cli
+
+    def call(args):
+        capsys.readouterr()
+        try:
+            code = cli.main(list(args))
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else 1
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    return call

@@ -155,17 +155,23 @@ def test_load_test_caller_sends_the_token(auth_cluster, monkeypatch):
             c.drop_table("authtest-load")
 
 
-def test_memserver_up_with_tokens_and_tls(tmp_path):
+def test_memserver_up_with_tokens_and_tls(tmp_path, monkeypatch, cli_in_process):
     """`memserver up --auth --tls-cert --tls-key`: tokens and the CA in a private endpoint file,
-    where the CLI finds them; raw channels get nowhere without TLS, or with TLS but no token."""
+    where the CLI finds them; raw channels get nowhere without TLS, or with TLS but no token.
+    (`up` in a subprocess; the commands that only ask the cluster in this process.)"""
     from tests.certs import self_signed
 
     cert, key = self_signed(tmp_path)
     env = {**os.environ, "MEMSERVER_HOME": str(tmp_path), "RAY_DEDUP_LOGS": "0"}
     env.pop("MEMSERVER_TOKEN", None)
     env.pop("MEMSERVER_TLS_CA", None)
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.delenv("MEMSERVER_TOKEN", raising=False)
+    monkeypatch.delenv("MEMSERVER_TLS_CA", raising=False)
 
     def cli(*args, timeout=240):
+        if args[0] != "up":
+            return cli_in_process(args)
         return subprocess.run([sys.executable, "-m", "memserver.cli", *args], env=env, capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
 

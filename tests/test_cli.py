@@ -18,14 +18,17 @@ def run(args, env, timeout=240):
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def test_up_status_down(tmp_path):
+def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
     """The whole life of a cluster, and a second life: `up` on the same --data-dir brings the
-    tables back with every acknowledged write (a wal table), and keeps the config's table."""
+    tables back with every acknowledged write (a wal table), and keeps the config's table. (`up`
+    in a subprocess, as a user starts it; the commands that only ask the cluster in this process.)"""
     import numpy as np
 
     from client import MemoryClient
 
     env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    cli = cli_in_process
     config = tmp_path / "tables.yaml"
     config.write_text("shards: 2\nshard_cpus: 0.25\ntables:\n  - {name: emb, num_rows: 5000, dim: 32, sharding: rows, optimizer: adam, lr: 0.001, wal: true, num_shards: 0}\n")
     up_args = ["up", "--detach", "--config", str(config), "--num-cpus", "2", "--object-store-mb", "96", "--data-dir", str(tmp_path / "data"),
@@ -35,9 +38,9 @@ def test_up_status_down(tmp_path):
     assert "memserver ready at 127.0.0.1:" in up.stdout
     try:
         endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
-        again = run(["up", "--detach"], env)
+        again = cli(["up", "--detach"])
         assert again.returncode == 2 and "already running" in again.stderr
-        st = run(["status", "--json"], env)
+        st = cli(["status", "--json"])
         assert st.returncode == 0, st.stderr
         status = json.loads(st.stdout)
         assert status["endpoint"] == endpoint
@@ -50,17 +53,17 @@ def test_up_status_down(tmp_path):
         assert status["coordinator_metrics"].startswith("http://127.0.0.1:")
         assert status["coordinator_calls"]["requests"] >= 1 and status["coordinator_calls"]["errors"] == {}
         assert all(s["calls"]["auth_failures"] == 0 for s in status["shards"])
-        human = run(["status"], env)
+        human = cli(["status"])
         assert human.returncode == 0 and "emb" in human.stdout and "shards" in human.stdout
         assert "calls answered" in human.stdout
-        ck = run(["checkpoint", "--dir", str(tmp_path / "ck"), "--step", "3", "--json"], env)
+        ck = cli(["checkpoint", "--dir", str(tmp_path / "ck"), "--step", "3", "--json"])
         assert ck.returncode == 0, ck.stderr
         assert json.loads(ck.stdout)["tables"] == ["emb"] and (tmp_path / "ck/step-0000000003/manifest.json").exists()
-        rs = run(["restore", "--dir", str(tmp_path / "ck"), "--replace", "--shards", "1", "--json"], env)
+        rs = cli(["restore", "--dir", str(tmp_path / "ck"), "--replace", "--shards", "1", "--json"])
         assert rs.returncode == 0, rs.stderr
         restored = json.loads(rs.stdout)
         assert restored[0]["name"] == "emb" and len(restored[0]["shards"]) == 1
-        again = run(["restore", "--dir", str(tmp_path / "ck")], env)
+        again = cli(["restore", "--dir", str(tmp_path / "ck")])
         assert again.returncode == 1 and "already exist" in again.stderr
         with MemoryClient(endpoint) as client:
             from client import ResourceExhaustedError
@@ -71,11 +74,11 @@ def test_up_status_down(tmp_path):
             before = client.lookup("emb", np.arange(5000))
             client.create_table("lost", 100, 8, wal=True)  # its record on shard 0 is damaged below
     finally:
-        down = run(["down"], env)
+        down = cli(["down"])
     assert down.returncode == 0, down.stderr
     assert "stopped" in down.stdout
     assert not (tmp_path / "endpoint.json").exists()
-    assert "no memserver is running" in run(["down"], env).stdout
+    assert "no memserver is running" in cli(["down"]).stdout
 
     # the config changed meanwhile: the recovered table is kept as it is, and `up` says how it differs;
     # a table whose record is damaged is lost on that shard: `up` says so, and `status` exits 3
@@ -90,21 +93,21 @@ def test_up_status_down(tmp_path):
         assert "(num_shards: 1 here, every shard (2) in the config; dim: 32 here, 64 in the config)" in notes[1], notes
         assert notes[0].startswith("note: shard 0: table lost is not served: table 'lost': shard 0 could not recover "
                                    f"its slice from {tmp_path / 'data' / 'shard-0000' / 'lost'}"), notes
-        st = run(["status", "--json"], env)
+        st = cli(["status", "--json"])
         assert st.returncode == 3 and [p.split(":")[:2] for p in json.loads(st.stdout)["problems"]] == \
             [["shard 0", " table lost is not served"]], st.stdout[-2000:]
-        assert run(["status"], env).returncode == 3
-        assert run(["drop-table", "lost"], env).returncode == 0
-        assert run(["status"], env).returncode == 0
+        assert cli(["status"]).returncode == 3
+        assert cli(["drop-table", "lost"]).returncode == 0
+        assert cli(["status"]).returncode == 0
         endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
         with MemoryClient(endpoint) as client:
             [emb] = client.list_tables()
             assert emb.name == "emb" and len(emb.shards) == 1  # as restored, not as the config says
             np.testing.assert_array_equal(client.lookup("emb", np.arange(5000)), before)
-        status = json.loads(run(["status", "--json"], env).stdout)
+        status = json.loads(cli(["status", "--json"]).stdout)
         assert status["coordinator_calls"]["errors"] == {}  # no create was refused on the way (ALREADY_EXISTS)
     finally:
-        assert run(["down"], env).returncode == 0
+        assert cli(["down"]).returncode == 0
 
 
 def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves_nothing(tmp_path):
@@ -338,53 +341,52 @@ def test_sizes_are_exact_and_bounded():
             parse_size(text)
 
 
-def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path):
+def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path, cli_in_process):
     """A tier disk table made from the command line, as `memserver up --config` makes one, seen by
     status, refused a second time, then dropped; a RAM table restored onto disk; a bad size is
     refused naming the flag."""
     from client import MemoryClient
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = cli_in_process
     at = ["--endpoint", memory_cluster.endpoint]
     made = run(["create-table", "cli-disk", "--rows", "3000", "--dim", "16", "--tier", "disk", "--cache-bytes", "64K",
-                "--optimizer", "adam", "--sharding", "rows", "--json", *at], env, timeout=120)
+                "--optimizer", "adam", "--sharding", "rows", "--json", *at])
     assert made.returncode == 0, made.stderr
     meta = json.loads(made.stdout)
     assert (meta["name"], meta["num_rows"], meta["dim"], meta["tier"], meta["cache_bytes"], meta["optimizer"],
             meta["sharding"]) == ("cli-disk", 3000, 16, "disk", 64 << 10, "adam", "rows")
     try:
-        again = run(["create-table", "cli-disk", "--rows", "3000", "--dim", "16", *at], env, timeout=120)
+        again = run(["create-table", "cli-disk", "--rows", "3000", "--dim", "16", *at])
         assert again.returncode == 1 and "already exist" in again.stderr, again.stderr
-        status = json.loads(run(["status", "--json", *at], env, timeout=120).stdout)
+        status = json.loads(run(["status", "--json", *at]).stdout)
         loads = [t for s in status["shards"] for t in s["tables"] if t["table"] == "cli-disk"]
         assert len(loads) == 2 and all(t["tier"] == "disk" for t in loads)
-        human = run(["create-table", "cli-ram", "--rows", "100", "--dim", "4", "--wal", *at], env, timeout=120)
+        human = run(["create-table", "cli-ram", "--rows", "100", "--dim", "4", "--wal", *at])
         assert human.returncode == 0 and "created cli-ram: 100 x 4 float32" in human.stdout and "wal" in human.stdout
         # the RAM table outgrew its shards: restored onto disk, under a cache of --cache-bytes
         ck = ["--dir", str(tmp_path / "ck"), "--table", "cli-ram", *at]
-        assert run(["checkpoint", *ck], env, timeout=120).returncode == 0
-        bad = run(["restore", *ck, "--replace", "--tier", "ram", "--cache-bytes", "4K"], env, timeout=120)
+        assert run(["checkpoint", *ck]).returncode == 0
+        bad = run(["restore", *ck, "--replace", "--tier", "ram", "--cache-bytes", "4K"])
         assert bad.returncode == 2 and "memserver: error: --cache-bytes: only a tier 'disk' table" in bad.stderr, bad.stderr
         half = ["--dir", str(tmp_path / "ck-half"), "--table", "cli-half", *at]
-        assert run(["create-table", "cli-half", "--rows", "10", "--dim", "2", "--dtype", "float16", *at], env,
-                   timeout=120).returncode == 0
-        assert run(["checkpoint", *half], env, timeout=120).returncode == 0
-        bad = run(["restore", *half, "--replace", "--tier", "disk"], env, timeout=120)
+        assert run(["create-table", "cli-half", "--rows", "10", "--dim", "2", "--dtype", "float16", *at]).returncode == 0
+        assert run(["checkpoint", *half]).returncode == 0
+        bad = run(["restore", *half, "--replace", "--tier", "disk"])
         assert bad.returncode == 2 and "memserver: error: --tier: a tier 'disk' table stores float32, not float16" \
             in bad.stderr, bad.stderr
-        moved = run(["restore", *ck, "--replace", "--tier", "disk", "--cache-bytes", "4K"], env, timeout=120)
+        moved = run(["restore", *ck, "--replace", "--tier", "disk", "--cache-bytes", "4K"])
         assert moved.returncode == 0 and "restored cli-ram: 100 x 4 (cols, tier disk, cache 4.0 KiB) over 2 shards" in moved.stdout, \
             moved.stdout + moved.stderr
     finally:
         for name in ("cli-disk", "cli-ram", "cli-half"):
-            dropped = run(["drop-table", name, *at], env, timeout=120)
+            dropped = run(["drop-table", name, *at])
             assert dropped.returncode == 0 and f"dropped {name}" in dropped.stdout, dropped.stderr
     with MemoryClient(memory_cluster.endpoint) as client:
         assert not {"cli-disk", "cli-ram", "cli-half"} & {t.name for t in client.list_tables()}
-    bad = run(["create-table", "x", "--rows", "10", "--dim", "2", "--cache-bytes", "4Q", *at], env, timeout=60)
+    bad = run(["create-table", "x", "--rows", "10", "--dim", "2", "--cache-bytes", "4Q", *at])
     assert bad.returncode == 2 and "--cache-bytes" in bad.stderr and "not a size" in bad.stderr
     for cmd in (["create-table", "x", "--rows", "10", "--dim", "2", "--tier", "disk"], ["restore", "--tier", "disk"]):
-        zero = run([*cmd, "--cache-bytes", "0", *at], env, timeout=60)  # silently the default, 1/8, before
+        zero = run([*cmd, "--cache-bytes", "0", *at])  # silently the default, 1/8, before
         assert zero.returncode == 2 and "--cache-bytes: 0 bytes of cache: leave --cache-bytes out" in zero.stderr, \
             zero.stderr
     # what only the cluster checks is refused naming the flag, not the spec's field
@@ -392,7 +394,7 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path):
                                                                    "--num-shards: "),
                        (["--rows", "10", "--dim", "2", "--lr", "-1"], "--lr: "),
                        (["--rows", "10", "--dim", "2", "--eps", "-1"], "--eps: ")):
-        bad = run(["create-table", "x", *argv, *at], env, timeout=60)
+        bad = run(["create-table", "x", *argv, *at])
         assert bad.returncode == 2 and f"memserver: error: {flag}" in bad.stderr, bad.stderr
 
 

@@ -153,15 +153,17 @@ def test_coordinator_killed_shards_keep_serving_and_catalog_comes_back(fclient, 
     assert table_name not in [t.name for t in fclient.list_tables()]
 
 
-def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name):
+def test_shared_memory_when_a_shard_is_killed(fault_cluster, table_name, monkeypatch):
     """A client with shared-memory regions on both shards, writing through them to a table with
     the write-ahead log, by the shards' doorbells; SIGKILL a shard: the client drops that region
     (and unmaps it: its memfd is gone with the shard's mapping) and its doorbell connection, its
     calls go on (TCP while the shard restarts), the restarted shard replays the writes that came
     through shared memory (their log records hold the tensors) and the client attaches a fresh
     region to it, with a doorbell again."""
+    import client.shm
     from client import MemoryClient
 
+    monkeypatch.setattr(client.shm, "RETRY_AFTER", 2.0)  # an attach refused while the shard restarts: asked sooner
     with MemoryClient(fault_cluster.endpoint, timeout=30, retry_seconds=90, shm=True) as c:
         c.create_table(table_name, ROWS, DIM, sharding="cols", wal=True)
         big = (np.zeros((8192, 1), np.int64), np.ones((8192, 1), np.float32))  # above client.shm.MIN_BYTES
