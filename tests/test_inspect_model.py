@@ -265,6 +265,8 @@ def test_usage_of_a_table_never_read_says_so(client, table_name, capsys, memory_
 
 @pytest.mark.parametrize("argv,status,message", [
     (["inspect", "inspect-model", "999"], 2, "SLOT: 999 is outside"),
+    (["inspect", "inspect-model", "1,999"], 2, "SLOT: 1999 is outside"),  # as status and top print ids
+    (["inspect", "inspect-model", "x1"], 2, "argument SLOT: expected a slot id, a whole number (1370 or 1,370), got 'x1'"),
     (["inspect", "no-such-table", "1"], 1, "does not exist"),
     (["inspect", "inspect-model", "1", "--checkpoint", "/nonexistent"], 2, "--checkpoint: /nonexistent"),
     (["top", "inspect-model", "-n", "0"], 2, "-n: must be in"),

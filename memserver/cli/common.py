@@ -29,6 +29,20 @@ def seconds(text: str) -> float:
     return value
 
 
+def whole_number(text: str) -> int:
+    """A whole number as a user types it, with or without the thousands separators our tables and
+    pages print (1,370) or Python's (1_370): what they show can be typed back. ValueError else."""
+    return int(text.strip().replace(",", "").replace("_", ""))
+
+
+def slot_id(text: str) -> int:
+    """An argparse type: a slot id (see whole_number); the command checks it against the table."""
+    try:
+        return whole_number(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a slot id, a whole number (1370 or 1,370), got {text!r}") from None
+
+
 def count(text: str) -> int:
     """An argparse type: an integer >= 1 (a number of shards, steps, ...)."""
     try:

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from memserver.cli.common import CliError, cli_client, cluster_flags, console, show
+from memserver.cli.common import CliError, cli_client, cluster_flags, console, show, slot_id
 
 #: What `--by` accepts (client.ops.SLOT_STATS).
 BY = ("hits", "mass", "updates", "norm")
@@ -260,7 +260,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "model, the tokens its value promotes (Geva et al.: softmax(W_out v)) and how often the "
                          "triggers' next tokens are among them. Product-key slots are shown as their sub-key pair.")
     ins.add_argument("table", metavar="TABLE")
-    ins.add_argument("slot", metavar="SLOT", type=int)
+    ins.add_argument("slot", metavar="SLOT", type=slot_id, help="the slot's id (row); 1370 or 1,370 as status and "
+                     "top print it")
     ins.add_argument("--checkpoint", help=ckpt_help)
     ins.add_argument("-k", type=int, default=10, help="projected tokens shown (default 10)")
     cluster_flags(ins, timeout=60.0)

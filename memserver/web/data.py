@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from memserver.api.types import TableMeta
+from memserver.cli.common import whole_number
 
 #: The statistics slots can be ranked by (client.MemoryClient.top_slots' `by`) and their slot_stats keys.
 RANK_BY = {"hits": "hits", "mass": "weight_mass", "updates": "updates", "norm": "value_norm"}
@@ -131,11 +132,10 @@ def parse_count(n: str | None, default: int = 20) -> int:
 
 def parse_slot(slot: str | None, meta: TableMeta) -> int:
     """A slot id as typed: 400 unless a whole number, 404 unless the table has it."""
-    text = (slot or "").strip().replace(",", "").replace("_", "")
-    if not text:
+    if not (slot or "").strip():
         raise PageError("type a slot id (a whole number)")
     try:
-        v = int(text)
+        v = whole_number(slot or "")
     except ValueError:
         raise PageError(f"a slot id is a whole number, not {slot!r}") from None
     if not 0 <= v < meta.num_rows:
