@@ -478,7 +478,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "shards if fewer)")
     rs.add_argument("--tier", choices=_CHOICES["tier"],
                     help="the value tables' tier (default: as saved): disk moves a table that outgrew the shards' "
-                    "memory into files under a row cache; ram moves it back")
+                    "memory into files under a row cache; ram moves it back. It applies to every value table "
+                    "restored: with several in the checkpoint, choose with --table (restore the others in another "
+                    "call)")
     rs.add_argument("--cache-bytes", type=cache_size,
                     help="the value tables' disk cache for each whole table, e.g. 4G (default: as saved, or 1/8 of "
                     "the rows' records when --tier changes it to disk)")
