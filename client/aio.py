@@ -218,7 +218,8 @@ class AsyncMemoryClient:
             details = err.details() or ""
             if err.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem(details) and NOT_HTTP2 not in details:
                 # a stale endpoint file
-                where += "; is a memserver cluster running there? `memserver status` says, `memserver up` starts one"
+                where += ("; is a memserver cluster running there (or is its coordinator restarting)? `memserver up` "
+                          "starts one")
                 if self.tls is None and "Socket closed" in details:  # what a plaintext client meets at a TLS server
                     where += "; or it serves TLS: give this client its CA ($MEMSERVER_TLS_CA)"
             elif err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a shard's address, or another gRPC server's
