@@ -333,6 +333,8 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
     (["--memory", "local", "--wal", "--sharding", "rows"], "--wal, --sharding: for tables in the cluster"),
     (["--memory", "none", "--sync-commit"], "--sync-commit: for tables in the cluster"),
     (["--memory", "local", "--endpoint", "127.0.0.1:1"], "--endpoint: this run uses no cluster"),
+    (["--memory", "none", "--retry-seconds", "300"], "--retry-seconds: this run uses no cluster"),
+    (["--memory", "local", "--timeout", "5"], "--timeout: this run uses no cluster"),
     (["--memory-kind", "engram", "--mem-plus"], "--mem-plus: Memory+ gates the product-key and LSH"),
     (["--memory", "local", "--data", "/nonexistent"], "error: --data: no such file or folder: /nonexistent"),
 ])
@@ -373,6 +375,30 @@ def test_memtrain_without_a_cluster_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.delenv("MEMSERVER_ENDPOINT", raising=False)
     with pytest.raises(SystemExit, match="--memory remote needs a memserver cluster .*`memserver up`.*--memory local"):
         list(train(build_parser().parse_args([*TINY, "--steps", "1"])))
+
+
+def test_memtrain_gives_its_client_the_timeout_and_retry_window_asked(monkeypatch, capsys):
+    """A lost host takes longer than the client's 60 s of retries when its table is large:
+    --retry-seconds (0: none) and --timeout reach the run's client; left out, the client's own."""
+    import client
+
+    made = []
+
+    class Spy:
+        def __init__(self, endpoint=None, **kwargs):
+            made.append(kwargs)
+            raise FileNotFoundError("no endpoint (the test stops here)")
+
+    monkeypatch.setattr(client, "MemoryClient", Spy)
+    for extra in (["--retry-seconds", "600", "--timeout", "7.5"], ["--retry-seconds", "0"], []):
+        with pytest.raises(SystemExit, match="needs a memserver cluster"):
+            list(train(build_parser().parse_args([*TINY, "--steps", "1", *extra])))
+    assert made == [{"retry_seconds": 600.0, "timeout": 7.5}, {"retry_seconds": 0.0}, {}]
+    for argv, message in ((["--retry-seconds", "-1"], "argument --retry-seconds: must be 0 (no retries) or more"),
+                          (["--timeout", "0"], "argument --timeout: must be more than 0 seconds")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_resume_refuses_other_flags_and_keeps_checkpointing(tmp_path, caplog):

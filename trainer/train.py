@@ -29,7 +29,7 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.cli import quiet_libraries
-from memserver.cli.common import cache_size, one_line
+from memserver.cli.common import cache_size, one_line, seconds
 from memserver.core.table import set_threads
 from memserver.storage.checkpoint import extras_digest
 from trainer.checkpoints import trainer_file
@@ -54,6 +54,23 @@ from trainer.model import GPT, ModelConfig, value_key
 
 log = logging.getLogger("memtrain")
 MAX_LSH_ROWS = 1 << 31  # buckets per LSH table (hashes x 2^bits): far beyond any table this machine could hold
+
+
+def retry_seconds(text: str) -> float:
+    """argparse type of --retry-seconds: seconds >= 0 (0: no retries)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number), got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be 0 (no retries) or more seconds, got {text}")
+    return value
+
+
+def client_waits(args: argparse.Namespace) -> dict[str, float]:
+    """The MemoryClient's timeout and retry_seconds that --timeout and --retry-seconds give (the
+    client's own defaults where they are not given)."""
+    return {k: v for k, v in (("timeout", args.timeout), ("retry_seconds", args.retry_seconds)) if v is not None}
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -97,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the memory values live (default remote: tables in the cluster `memserver up` "
                           "started, or --endpoint's; local: in this process)")
     mem.add_argument("--endpoint", help="memserver coordinator HOST:PORT (default: the endpoint file of `memserver up`)")
+    mem.add_argument("--timeout", type=seconds, help="each cluster call's deadline in seconds; an attempt past it is "
+                     "sent again within --retry-seconds (default: 60)")
+    mem.add_argument("--retry-seconds", type=retry_seconds, help="how long a call keeps retrying while a shard or the "
+                     "coordinator restarts before the run stops with its error; a lost host takes Ray about 30 s to "
+                     "notice, then the shard reloads its slice elsewhere, so give large tables more; 0: no retries "
+                     "(default: 60)")
     mem.add_argument("--table", default="memtrain-values", help="name of the remote value table (re-created at start)")
     mem.add_argument("--mem-layers", default="2", help="comma-separated block indices that get a memory layer")
     mem.add_argument("--mem-mode", choices=["parallel", "replace"], default="parallel", help="memory beside the FFN, or instead of it")
@@ -260,8 +283,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.memory != "remote" and remote_only:
         raise SystemExit(f"memtrain: error: {', '.join(remote_only)}: for tables in the cluster (--memory remote); "
                          f"this run is --memory {args.memory}")
-    if args.endpoint and args.memory != "remote" and not args.kif_source:
-        raise SystemExit(f"memtrain: error: --endpoint: this run uses no cluster (--memory {args.memory}, no --kif-source)")
+    for flag, given in (("--endpoint", args.endpoint), ("--timeout", args.timeout is not None),
+                        ("--retry-seconds", args.retry_seconds is not None)):
+        if given and args.memory != "remote" and not args.kif_source:
+            raise SystemExit(f"memtrain: error: {flag}: this run uses no cluster (--memory {args.memory}, no --kif-source)")
     if args.memory == "none" and args.memory_kind != "pkm":
         raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: this run trains without memory "
                          "(--memory none); give --memory local or remote")
@@ -379,7 +404,7 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
         from client import MemoryClient
 
         try:
-            client = MemoryClient(args.endpoint)
+            client = MemoryClient(args.endpoint, **client_waits(args))
         except FileNotFoundError as exc:  # no endpoint file: no cluster started here
             raise SystemExit(f"memtrain: error: --memory {args.memory} needs a memserver cluster and found none ({exc}); "
                              "start one with `memserver up`, give --endpoint HOST:PORT, or train with --memory local"
