@@ -338,6 +338,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         task = self.checkpoint_calls.get(request.request_id)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = asyncio.ensure_future(self._checkpoint(request))
+            # its caller may be gone (a deadline): the failure is then the retry's to hear, or no one's
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
             self.checkpoint_calls.pop(request.request_id, None)
             self.checkpoint_calls[request.request_id] = task
             while len(self.checkpoint_calls) > CHECKPOINT_CALLS:  # the oldest goes (it runs on if it runs)
