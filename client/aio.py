@@ -526,15 +526,21 @@ class AsyncMemoryClient:
         return like(ids, queries), like(w, queries), like(out, queries)
 
     async def drop_table(self, name: str) -> None:
+        """Drop the table from every shard: its rows, optimizer state, statistics and files (its
+        write-ahead log, a disk table's files; checkpoints stay). TableNotFoundError if it is not there."""
         self._tables.pop(name, None)
         await self._control("DropTable", pb.DropTableRequest(name=name))
         self.session.forget_table(name)
 
     async def list_tables(self) -> list[TableMeta]:
+        """Every table of the cluster (value, index and product-key tables), with its shard map."""
         resp = await self._read_control("ListTables", pb.ListTablesRequest())
         return [TableMeta.from_proto(t) for t in resp.tables]
 
     async def status(self) -> pb.StatusResponse:
+        """The cluster's state as `memserver status` shows it: tables, and per shard its address,
+        process, state, the tables it holds (rows, bytes, what each was recovered from, a disk
+        table's cache), the calls it answered; memserver.cli.tables.status_dict makes it a dict."""
         return await self._read_control("Status", pb.StatusRequest())
 
     async def checkpoint(self, dir: str, step: int = 0, tables: list[str] | None = None) -> dict[str, Any]:

@@ -403,3 +403,15 @@ class MemoryClient:
     def submit_search(self, table: str, queries: Any, k: int, **kwargs: Any) -> Future[tuple[Any, ...]]:
         """`search` without waiting (a KIF layer sends a chunk's search and goes on)."""
         return self._submit(self.aio.search(table, queries, k, **kwargs))
+
+
+def _share_docs() -> None:
+    """The blocking client's methods take the asyncio client's arguments and answer the same
+    (they run its code): `help(MemoryClient.bag)` says what `help(AsyncMemoryClient.bag)` says."""
+    for name, fn in vars(MemoryClient).items():
+        twin = getattr(AsyncMemoryClient, name, None)
+        if callable(fn) and not name.startswith("_") and not fn.__doc__ and twin is not None and twin.__doc__:
+            fn.__doc__ = twin.__doc__
+
+
+_share_docs()

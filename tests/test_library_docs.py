@@ -34,3 +34,14 @@ def test_the_library_guide_runs_as_written(memory_cluster, capsys, tmp_path, mon
 
     with MemoryClient(memory_cluster.endpoint) as client:
         client.drop_table("tiny-memory")  # the guide's table: a second run of this test makes it anew
+
+
+def test_every_public_method_of_both_clients_says_what_it_does():
+    """`help(MemoryClient.bag)` is where a user looks first: the blocking client's methods had no
+    docstrings (they share the asyncio client's, which run their code)."""
+    from client import AsyncMemoryClient, MemoryClient
+
+    for cls in (MemoryClient, AsyncMemoryClient):
+        bare = [name for name, fn in vars(cls).items()
+                if callable(fn) and not name.startswith("_") and not (fn.__doc__ or "").strip()]
+        assert not bare, f"{cls.__name__}: {bare} have no docstring"
