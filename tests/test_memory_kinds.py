@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from typing import Any
@@ -380,3 +381,86 @@ def test_a_product_key_layer_says_why_one_position_cannot_train_with_query_bn():
     with pytest.raises(ValueError, match="ProductKeyMemory: query_bn normalises .* one position"):
         layer(torch.randn(16))
     assert layer(torch.randn(2, 16)).shape == (2, 16) and layer.eval()(torch.randn(16)).shape == (16,)
+
+
+def _scaled_run(values, scaler, steps: int, seed: int = 0, scale_loss: float = 100.0):
+    """A product-key layer trained on mem(x)^2 with a GradScaler (None: none): its losses, and
+    how many steps the scaler skipped (it lowered its scale after them)."""
+    from trainer.memory import ProductKeyMemory
+
+    torch.manual_seed(seed)
+    mem = ProductKeyMemory(16, 16, values, n_keys=8, heads=1, k_dim=8, knn=4)
+    opt = torch.optim.SGD(mem.parameters(), lr=1e-3)
+    losses, skipped = [], 0
+    for step in range(1, steps + 1):
+        values.begin_step(step, grad_scale=scaler.get_scale() if scaler else 1.0)
+        loss = mem(torch.randn(6, 16)).pow(2).sum() * scale_loss
+        opt.zero_grad()
+        (scaler.scale(loss) if scaler else loss).backward()
+        values.deliver()
+        values.end_step(step)
+        if scaler:
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < scale
+        else:
+            opt.step()
+        losses.append(loss.item())
+    return mem, losses, skipped
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_grad_scalers_overflow_is_skipped_and_its_scale_taken_out_of_the_rows_update(client, table_name, where,
+                                                                                      caplog):
+    """fp16 training's GradScaler: its first scales overflow, and dL/d(out) reaching the memory
+    read is infinite. The backward raised INVALID_ARGUMENT ("grad_out: contains NaN or infinite
+    values"), so the scaler never lowered its scale and every step failed again; and the rows'
+    update was made of the scaled gradient (2^127 times too large). Now an overflowing read sends
+    no update and returns a NaN dL/dweights (the scaler skips the step), begin_step's grad_scale
+    is taken out of the update, and a run under a constant scale equals a run without one, rows
+    and losses; a forward whose input is not finite reads NaN rows instead of refusing."""
+    from trainer.memory import LocalValues, RemoteValues
+
+    def values(name):
+        return (LocalValues(64, 16, optimizer="sgd", lr=1e-3, seed=1) if where == "local"
+                else RemoteValues(client, name, 64, 16, optimizer="sgd", lr=1e-3, seed=1))
+
+    def rows(v, name):
+        return v.table.weight.clone() if where == "local" else torch.as_tensor(client.lookup(name, list(range(64)),
+                                                                                              count=False))
+
+    plain, scaled = values(f"{table_name}-a"), values(f"{table_name}-b")
+    _, want, _ = _scaled_run(plain, None, 6)
+    _, got, skipped = _scaled_run(scaled, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6), 6)
+    assert skipped == 0 and got == want and torch.equal(rows(scaled, f"{table_name}-b"), rows(plain, f"{table_name}-a"))
+
+    v = values(table_name)
+    before = rows(v, table_name)
+    with caplog.at_level("WARNING", logger="trainer.memory.base"):
+        mem, losses, skipped = _scaled_run(v, torch.amp.GradScaler("cpu", init_scale=2.0**127), 20)
+    assert skipped >= 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert "the rows' update of this read is not sent" in caplog.text
+    after = rows(v, table_name)
+    assert torch.isfinite(after).all() and not torch.equal(after, before)  # the steps after the overflows updated it
+    x = torch.randn(6, 16)
+    x[2, 3] = math.inf
+    mem.eval()
+    assert torch.isnan(mem(x)).any()
+
+
+def test_end_step_without_an_open_step_is_refused():
+    """docs/library.md: "end_step takes the number begin_step took; another one is refused".
+    Without begin_step (or a second time) it ended nothing and said nothing."""
+    from trainer.memory import LocalValues
+    from trainer.memory.backends import InvalidArgumentError
+
+    v = LocalValues(8, 4)
+    with pytest.raises(InvalidArgumentError, match=r"end_step\(3\) with no step open: call begin_step\(3\)"):
+        v.end_step(3)
+    v.begin_step(2)
+    v.end_step(2)
+    with pytest.raises(InvalidArgumentError, match="with no step open"):
+        v.end_step(2)
+    with pytest.raises(InvalidArgumentError, match="grad_scale: a loss scale is a positive number"):
+        v.begin_step(4, grad_scale=0.0)

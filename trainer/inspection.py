@@ -73,7 +73,9 @@ class PeekValues:
     def warm(self, ids: torch.Tensor) -> Future | None:
         return None  # inspection reads a few rows, each once: nothing to read ahead
 
-    def begin_step(self, step: int) -> None:
+    grad_scale = 1.0  # (read-only: no backward ever reaches it)
+
+    def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
         pass
 
     def deliver(self) -> None:

@@ -22,6 +22,7 @@ GPU's work on the next. On the CPU each of them is the identity: the CPU path is
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Callable
 from concurrent.futures import Future, wait
@@ -166,8 +167,13 @@ class ValueBackend(Protocol):
         the caller goes on); changes nothing a read returns. The hint in flight, or None."""
         ...
 
-    def begin_step(self, step: int) -> None:
-        """A training step starts: until `end_step`, backwards gather their value updates."""
+    grad_scale: float  # the loss scale this step's gradients carry (begin_step's); 1.0 outside a step
+
+    def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
+        """A training step starts: until `end_step`, backwards gather their value updates.
+        `grad_scale`: the loss scale of a float16 run's GradScaler (`scaler.get_scale()`): the
+        rows' updates are made of the gradients divided by it (the scaler unscales only the dense
+        optimizer's), and dL/dweights is returned scaled, as the rest of the backward is."""
         ...
 
     def deliver(self) -> None:
@@ -229,6 +235,7 @@ class LocalValues:
                                 device=_indexed(torch.device(device)))
         self.parts: list[Entries] | None = None  # inside a step: its value updates so far
         self.step: int | None = None  # inside a step: its number
+        self.grad_scale = 1.0
         self.version = 0
 
     def to(self, device: torch.device | str) -> LocalValues:
@@ -287,7 +294,8 @@ class LocalValues:
         grad_w, _ = self.table.bag_grad(ids, weights, None, grad_out)  # on the values before the step
         return to_device(grad_w, ids.device)
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
+        self.grad_scale = checked_grad_scale(grad_scale)
         self.parts, self.step = [], step  # a step begun and never ended: its parts are dropped
 
     def deliver(self) -> None:
@@ -295,7 +303,7 @@ class LocalValues:
 
     def end_step(self, step: int, *, wait: bool = True) -> None:
         check_end_step(self.step, step)
-        parts, self.parts, self.step = self.parts, None, None
+        parts, self.parts, self.step, self.grad_scale = self.parts, None, None, 1.0
         self.version += 1
         if parts:
             self.table.apply_entries(*combine(parts))
@@ -360,6 +368,7 @@ class RemoteValues:
         self.defer_apply, self.tier = defer_apply, tier
         self.warming: Future | None = None  # the latest hint in flight (`warm`)
         self.step: int | None = None  # inside a step (begin_step .. end_step): its number
+        self.grad_scale = 1.0
         self.sent: list[Future] = []  # the step's parts sent without waiting (constant weights): end_step waits
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
         self.version = 0
@@ -453,7 +462,8 @@ class RemoteValues:
     def to(self, device: torch.device | str) -> RemoteValues:
         return self  # the cluster holds the values; answers come to the ids' device
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
+        self.grad_scale = checked_grad_scale(grad_scale)
         if self.step is not None:  # begun and never ended (it failed): the shards drop its parts at the next prepare
             self.client.abandon_step(self.name, self.step)
         self.step = step
@@ -474,15 +484,14 @@ class RemoteValues:
         next call of this backend waits for it (a read chains after it), so it reads what it would
         have read; its error is raised there (and by any read chained after it), or by `settle`."""
         check_end_step(self.step, step)
-        if self.step is not None:
-            self.deliver()
-            self.settle()
-            self.step = None
-            self.version += 1
-            if wait:
-                self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
-            else:
-                self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply)
+        self.deliver()
+        self.settle()
+        self.step, self.grad_scale = None, 1.0
+        self.version += 1
+        if wait:
+            self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
+        else:
+            self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply)
 
     def settle(self) -> None:
         """Wait for the commit in flight, if any, and forget it; raise its error (a read chained
@@ -557,10 +566,22 @@ def checked_settings(num_rows: int, dim: int, optimizer: str, lr: Any, init_std:
 
 def check_end_step(begun: int | None, step: int) -> None:
     """A step ends under the number it began with: the parts were sent under that one, and a
-    commit of another number would apply none of them (and no error would say so)."""
-    if begun is not None and step != begun:
+    commit of another number would apply none of them (and no error would say so). One that
+    was not begun (or has ended) is refused too: it would end nothing, and say nothing."""
+    if begun is None:
+        raise InvalidArgumentError(f"step: end_step({step}) with no step open: call begin_step({step}) before the "
+                                   "step's backward (or this step has ended already)")
+    if step != begun:
         raise InvalidArgumentError(f"step: end_step({step}) ends the step begun as begin_step({begun}); give "
                                    "both the same number")
+
+
+def checked_grad_scale(scale: float) -> float:
+    """begin_step's grad_scale: a loss scale is a positive finite number."""
+    value = float(scale)
+    if not 0 < value < math.inf:
+        raise InvalidArgumentError(f"grad_scale: a loss scale is a positive number (GradScaler.get_scale()), got {scale}")
+    return value
 
 
 def _indexed(device: torch.device) -> torch.device:

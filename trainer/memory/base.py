@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import wait
@@ -46,6 +48,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.memory.backends import ValueBackend
+
+log = logging.getLogger(__name__)
 
 KINDS = ("pkm", "lsh", "kif", "engram")  # the memory layer kinds memtrain builds (--memory-kind)
 
@@ -89,8 +93,21 @@ class _Bag(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         ids, weights = ctx.saved_tensors
-        grad_w = ctx.backend.bag_backward(ids, weights.detach(), grad_out.float(), weight_grad=ctx.weight_grad)
+        if not (finite(grad_out) and finite(weights)):  # an fp16 overflow: GradScaler skips the step
+            log.warning("a memory read's backward got non-finite values (a float16 overflow that a GradScaler skips, "
+                        "or a diverged run): the rows' update of this read is not sent; dL/dweights is NaN")
+            return (torch.full_like(weights, math.nan) if ctx.weight_grad else None), None, None, None, None
+        scale = getattr(ctx.backend, "grad_scale", 1.0)  # a GradScaler's: the rows' update is of the unscaled gradient
+        grad_out = grad_out.float() if scale == 1.0 else grad_out.float() / scale
+        grad_w = ctx.backend.bag_backward(ids, weights.detach(), grad_out, weight_grad=ctx.weight_grad)
+        if grad_w is not None and scale != 1.0:
+            grad_w = grad_w * scale  # back into the scaled backward (the scaler unscales the dense grads)
         return (grad_w.to(weights.dtype) if grad_w is not None else None), None, None, None, None
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite (one reduction; on a GPU it waits for `t`)."""
+    return bool(torch.isfinite(t).all())
 
 
 def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -99,7 +116,16 @@ def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: tor
     (`out`: the bag already fetched, e.g. through submit_bag). The values are updated in the
     backward only when the weights take part in autograd (they require grad). `weight_grad`
     False: the weights are constants (they require grad only so the backward updates the rows),
-    so the backward need not wait for dL/dweights (a remote backend sends the update and goes on)."""
+    so the backward need not wait for dL/dweights (a remote backend sends the update and goes on).
+
+    Non-finite values pass through as a torch layer passes them, so a float16 run's GradScaler
+    sees its overflow and skips the step: NaN or infinite weights read NaN rows (nothing is
+    asked of the backend, which refuses them), and a backward whose dL/d(out) or weights are not
+    finite sends no update (the table is left as it was) and returns a NaN dL/dweights."""
+    if out is None and not finite(weights):
+        log.warning("a memory read got non-finite weights (its input overflowed or the run diverged): it reads NaN "
+                    "rows; nothing is asked of the values")
+        out = torch.full((weights.shape[0], values.dim), math.nan, device=weights.device)
     return _Bag.apply(weights, ids, values, out, weight_grad)
 
 
@@ -202,7 +228,7 @@ class MemoryLayer(nn.Module):
     def send(self, ids: torch.Tensor, w: torch.Tensor, now: bool) -> Any:
         """A chunk's addresses -> what `finish` takes: (ids, weights, the bag in flight or None)."""
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
-        return ids, w, self.values.submit_bag(flat_ids, flat_w) if now else None
+        return ids, w, self.values.submit_bag(flat_ids, flat_w) if now and finite(flat_w) else None  # (else: `bag`'s NaN)
 
     def _send_tokens(self, tokens: torch.Tensor, chunks: int, now: bool) -> list[Any]:
         """A token-addressed forward's reads, cut into the chunks `forward` cuts its queries into."""
