@@ -356,8 +356,36 @@ def test_remote_values_attach_only_to_a_table_of_their_shape(client, table_name,
         RemoteValues(client, table_name, 64, 16, create=False)
     RemoteValues(client, f"{table_name}-later", 64, 16, create=False)  # made later (a data-parallel rank 0's)
     with caplog.at_level("WARNING", logger="trainer.memory.backends"):
+        RemoteValues(client, table_name, 64, 8, create=False, optimizer="sgd", lr=5.0)  # the table's are adagrad 0.01
+        assert f"table {table_name} trains with its own optimizer, adagrad lr 0.01; this backend's optimizer='sgd', " \
+               "lr=5 are not applied" in caplog.text
+        caplog.clear()
+        RemoteValues(client, table_name, 64, 8, create=False, optimizer="adagrad", lr=0.01)
+        assert "its own optimizer" not in caplog.text
         RemoteValues(client, table_name, 64, 8, seed=5)
     assert f"table {table_name} existed; dropped and made anew" in caplog.text
+
+
+def test_remote_values_say_when_their_table_was_made_anew_in_another_shape(client, table_name):
+    """Another run of the same table name replaced it with another shape under a running layer:
+    its reads came back 4 wide (a raw shape error in the model) or with ids out of range, naming
+    neither the table nor the replacement."""
+    from client import MemoryClient
+    from trainer.memory import RemoteValues
+
+    v = RemoteValues(client, table_name, 64, 16)
+    ids, w = torch.tensor([[63, 1]]), torch.ones(1, 2)
+    assert v.bag(ids, w).shape == (1, 16)
+    with MemoryClient(client.endpoint) as other:
+        other.create_table(table_name, 100, 4, replace=True)
+    with pytest.raises(ValueError, match=f"table {table_name} is now 100 x 4 values: it was made anew since this "
+                                         "backend attached .* this layer needs 64 x 16"):
+        v.bag(ids, w)
+    with MemoryClient(client.endpoint) as other:
+        other.create_table(table_name, 10, 16, replace=True)
+    for call in (lambda: v.bag(ids, w), lambda: v.bag_backward(ids, w, torch.ones(1, 16))):
+        with pytest.raises(ValueError, match="is now 10 x 16 values"):
+            call()
 
 
 def test_a_block_longer_than_the_text_is_named(tmp_path):

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from memserver.api.errors import InvalidArgumentError
+from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.core.optim import OptimizerConfig
 from memserver.core.steps import Entries, bag_entries, combine
 from memserver.core.table import ValueTable
@@ -347,7 +347,8 @@ class RemoteValues:
                  cache_bytes: int = 0, restoring: bool = False) -> None:
         """`create`: (re-)create the table, dropping one of that name and its values (data-parallel
         trainers: rank 0 only); False: attach to the table, which where it exists must have
-        `num_rows` x `dim` (ValueError otherwise: a layer would read rows of another shape); `sync_workers`:
+        `num_rows` x `dim` (ValueError otherwise: a layer would read rows of another shape) and
+        keeps its own optimizer, lr and values (a warning says when `optimizer`/`lr` differ); `sync_workers`:
         that many trainers push each step and the shards apply the mean once (see the proto);
         `wal`: the shards log every update before acknowledging it (survives a shard restart);
         `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table);
@@ -386,6 +387,10 @@ class RemoteValues:
             if meta is not None and (meta.num_rows, meta.dim) != (num_rows, dim):
                 raise ValueError(f"table {name} has {meta.num_rows} x {meta.dim} values, this layer needs "
                                  f"{num_rows} x {dim}")
+            if meta is not None and (meta.optimizer, meta.lr) != (optimizer, lr):  # (the client's float64 = lr)
+                log.warning("RemoteValues: table %s trains with its own optimizer, %s lr %g; this backend's "
+                            "optimizer=%r, lr=%g are not applied to a table it attaches to (create=False)", name,
+                            meta.optimizer, meta.lr, optimizer, lr)
         else:
             try:
                 client.table(name, refresh=True)
@@ -416,7 +421,24 @@ class RemoteValues:
         ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         self.settle()
-        return to_device(self.client.bag(self.name, h_ids, h_w), ids.device)
+        try:
+            out = self.client.bag(self.name, h_ids, h_w)
+        except MemserverError:
+            self._check_table()  # an id out of range of a table made anew: said as that
+            raise
+        if out.shape[-1] != self.dim:
+            self._check_table()
+        return to_device(out, ids.device)
+
+    def _check_table(self) -> None:
+        """Raise ValueError naming both shapes when the table of this name is no longer of this
+        backend's (made anew since: another run of the same table name, a restore of another
+        table); its calls failed with a shape mismatch or an id out of range, naming neither."""
+        meta = self.client.table(self.name)
+        if (meta.num_rows, meta.dim) != (self.num_rows, self.dim):
+            raise ValueError(f"table {self.name} is now {meta.num_rows} x {meta.dim} values: it was made anew since this "
+                             f"backend attached (another run of the same table name, or a restore); this layer needs "
+                             f"{self.num_rows} x {self.dim}: give each run its own table name")
 
     def warm(self, ids: torch.Tensor) -> Future | None:
         """Disk tables: the rows' pages read ahead by the shards while this goes on (client.warm,
@@ -449,14 +471,18 @@ class RemoteValues:
         ids, weights, grad_out = as_tensor(ids), as_tensor(weights), as_tensor(grad_out)
         h_ids, h_w, h_grad = to_host(self._ids(ids), weights.detach(), grad_out.contiguous())
         self.settle()
-        if self.step is None:  # outside a step: one call, applied at once
-            self.version += 1
-            grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, defer_apply=self.defer_apply)
-        elif not weight_grad:  # constant weights: the part goes out while the backward goes on
-            self.sent.append(self.client.submit_bag_backward(self.name, h_ids, h_w, h_grad, step=self.step))
-            return None
-        else:
-            grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, step=self.step, gather=True)
+        try:
+            if self.step is None:  # outside a step: one call, applied at once
+                self.version += 1
+                grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, defer_apply=self.defer_apply)
+            elif not weight_grad:  # constant weights: the part goes out while the backward goes on
+                self.sent.append(self.client.submit_bag_backward(self.name, h_ids, h_w, h_grad, step=self.step))
+                return None
+            else:
+                grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, step=self.step, gather=True)
+        except MemserverError:
+            self._check_table()
+            raise
         return to_device(grad_w, ids.device)
 
     def to(self, device: torch.device | str) -> RemoteValues:
