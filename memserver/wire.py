@@ -576,7 +576,9 @@ def check_float(x: torch.Tensor, what: str) -> None:
     if not x.dtype.is_floating_point:
         raise InvalidArgumentError(f"{what}: dtype must be floating point, got {str(x.dtype).removeprefix('torch.')}")
     if x.numel() and not _all_finite(x):
-        raise InvalidArgumentError(f"{what}: contains NaN or infinite values")
+        why = (" (it travelled as float16, whose largest value is 65504: a larger finite one becomes infinite on the "
+               "way; send float32 or bfloat16, the client's wire_dtype)") if x.dtype == torch.float16 else ""
+        raise InvalidArgumentError(f"{what}: contains NaN or infinite values{why}")
 
 
 def _all_finite(x: torch.Tensor) -> bool:

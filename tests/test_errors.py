@@ -73,6 +73,20 @@ def test_bad_writes_are_rejected_whole(client, table, case):
     np.testing.assert_array_equal(after[1], before[1])
 
 
+def test_a_gradient_beyond_float16s_range_on_a_float16_wire_is_said_as_that(client, table, memory_cluster):
+    """A finite gradient of 1e6 sent with wire_dtype float16 becomes infinite in the cast: the
+    refusal blamed the caller's gradient ("contains NaN or infinite values"), which was finite."""
+    from client import MemoryClient
+
+    before = snapshot(client, table)
+    with MemoryClient(memory_cluster.endpoint, wire_dtype="float16") as half, \
+            pytest.raises(InvalidArgumentError, match="grads: contains NaN or infinite values \\(it travelled as "
+                                                      "float16, whose largest value is 65504"), \
+            pytest.warns(RuntimeWarning, match="overflow"):
+        half.push_gradients(table, [1, 2], np.full((2, DIM), 1e6, np.float32))
+    np.testing.assert_array_equal(snapshot(client, table)[0], before[0])
+
+
 def test_bad_reads(client, table):
     with pytest.raises(InvalidArgumentError, match="out of range"):
         client.lookup(table, [0, 100])
