@@ -535,7 +535,10 @@ class RemoteValues:
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         """The cluster checkpoints the table under <directory>/memory/<table> (each table its own
-        checkpoint root, so every backend saves on its own)."""
+        checkpoint root, so every backend saves on its own). `directory` is the trainer's folder,
+        its own files beside the table's: a relative one is from this process's working directory
+        (client.checkpoint's relative `dir` is under the cluster's root instead), and it must be
+        below the cluster's checkpoint root (PermissionDeniedError otherwise, naming both)."""
         where = f"memory/{self.name}"
         self.settle()
         self.client.checkpoint(str(Path(directory).resolve() / where), step, [self.name])
