@@ -57,10 +57,11 @@ from memserver.api.types import METRICS, SHARDINGS, TableMeta
 from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
-from memserver.cluster.endpoint import live_endpoint
+from memserver.cluster.endpoint import is_host_port, live_endpoint
 from memserver.loop import settle_grpc
 from memserver.wire import (
     MAX_MESSAGE_BYTES,
+    VALUE_DTYPES,
     as_tensor,
     check_wire_dtype,
     dtype_code,
@@ -127,7 +128,7 @@ def value_table_spec(name: str, num_rows: int, dim: int, *, sharding: str | None
         dim=dim,
         sharding=SHARDINGS[sharding] if sharding else pb.SHARDING_UNSPECIFIED,
         optimizer=pb.OptimizerSpec(name=optimizer, lr=lr, eps=eps, beta1=betas[0], beta2=betas[1]),
-        dtype=dtype_code(dtype),
+        dtype=dtype_code(dtype, VALUE_DTYPES),
         init_std=init_std,
         seed=seed,
         num_shards=num_shards,
@@ -171,6 +172,8 @@ class AsyncMemoryClient:
         With shared memory on, calls go by the shards' doorbells (no gRPC per call) unless
         $MEMSERVER_DOORBELL is 0."""
         tune_malloc()  # large calls build their messages in reused memory (see memserver.wire)
+        if endpoint and not is_host_port(endpoint):  # (gRPC dials port 443 when none is given)
+            raise InvalidArgumentError(f"endpoint: expected the coordinator's HOST:PORT, got {endpoint!r}")
         record = live_endpoint() if not endpoint else None
         self.endpoint = endpoint or record["endpoint"]
         self.token = token if token is not None else client_token(self.endpoint, record)
@@ -181,8 +184,9 @@ class AsyncMemoryClient:
                         self.endpoint)
         self.timeout = timeout
         self.retry_seconds = retry_seconds
-        check_wire_dtype(dtype_code(wire_dtype))  # the shards' rule: the client refuses it before any call
-        self.opts = OpOptions(wire_dtype=dtype_code(wire_dtype), max_request_bytes=max_request_bytes)
+        wire = dtype_code(wire_dtype, VALUE_DTYPES, what="wire_dtype")
+        check_wire_dtype(wire)  # the shards' rule: the client refuses it before any call
+        self.opts = OpOptions(wire_dtype=wire, max_request_bytes=max_request_bytes)
         self.session = ClientSession(client_id or uuid.uuid4().hex)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._methods: dict[str, dict[str, Any]] = {}  # address -> its DataPlane methods (client.transport)

@@ -58,16 +58,18 @@ _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float6
               torch.int32: np.int32}
 
 
-def dtype_code(name: str | int | torch.dtype) -> int:
-    """Accept 'float32', a torch dtype or a proto enum value and return the enum value."""
+def dtype_code(name: str | int | torch.dtype, choices: tuple[int, ...] | None = None, what: str = "dtype") -> int:
+    """Accept 'float32', a torch dtype or a proto enum value and return the enum value; `choices`:
+    the ones the caller takes (a table's values, a wire), the only ones a refusal lists."""
     if isinstance(name, torch.dtype):
         code = WIRE_DTYPES.get(name)
     elif isinstance(name, str):
         code = DTYPE_NAMES.get(name.lower())
     else:
         code = int(name) if int(name) in TORCH_DTYPES else None
-    if code is None:
-        raise InvalidArgumentError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_NAMES)}")
+    if code is None or (choices is not None and code not in choices):
+        names = sorted(n for n, c in DTYPE_NAMES.items() if choices is None or c in choices)
+        raise InvalidArgumentError(f"{what}: expected one of {names}, got {name!r}")
     return code
 
 

@@ -269,8 +269,10 @@ def test_a_replace_that_is_refused_leaves_the_table(client, table_name, kwargs, 
         (dict(optimizer="rmsprop"), "unknown optimizer"),
         (dict(lr=-0.1), "lr must be"),
         (dict(num_shards=3), "num_shards: 3 requested, the cluster has 2"),
-        (dict(dim=1, sharding="cols"), "cannot be split over 2 shards"),
-        (dict(dtype="int64"), "dtype: values are stored as"),
+        (dict(dim=1, sharding="cols"), r"cannot be split over 2 shards \(sharding=cols; give num_shards <= 1"),
+        (dict(num_rows=1, sharding="rows"), r"num_rows: 1 rows cannot be split over 2 shards \(give num_shards <= 1"),
+        (dict(dtype="int8"), r"dtype: expected one of \['bfloat16', 'float16', 'float32'\], got 'int8'"),
+        (dict(dtype="int64"), r"dtype: expected one of \['bfloat16', 'float16', 'float32'\], got 'int64'"),
         (dict(init_std=float("nan")), "init_std"),
         (dict(sync_workers=-2), "sync_workers: must be >= 0"),
     ],
@@ -280,6 +282,28 @@ def test_bad_table_specs(client, table_name, kwargs, message):
     with pytest.raises(InvalidArgumentError, match=message):
         client.create_table(table_name, args.pop("num_rows"), args.pop("dim"), **args)
     assert table_name not in {t.name for t in client.list_tables()}
+
+
+def test_a_client_given_an_endpoint_without_a_port_or_a_wire_dtype_it_cannot_send_says_so():
+    """MemoryClient("127.0.0.1") dialled port 443 (gRPC's default) and said only "coordinator
+    127.0.0.1"; wire_dtype="int8" listed int32 and float64 as choices, which are then refused."""
+    from client import MemoryClient
+
+    for endpoint in ("127.0.0.1", "127.0.0.1:0", "127.0.0.1:port", ":5000"):
+        with pytest.raises(InvalidArgumentError, match=f"endpoint: expected the coordinator's HOST:PORT, got '{endpoint}'"):
+            MemoryClient(endpoint)
+    with pytest.raises(InvalidArgumentError, match=r"wire_dtype: expected one of \['bfloat16', 'float16', 'float32'\]"):
+        MemoryClient("127.0.0.1:1", wire_dtype="float64")
+
+
+def test_index_calls_on_a_value_table_name_its_kind_whatever_their_width(client, table):
+    """A search whose queries were not the value table's width said "queries: expected shape
+    [B, 8]", as if only the width were wrong."""
+    for call, what in ((lambda: client.search(table, np.zeros((1, DIM + 3), np.float32), 1), "search"),
+                       (lambda: client.add(table, [1], np.zeros((1, 3), np.float32)), "add"),
+                       (lambda: client.remove(table, [1]), "remove")):
+        with pytest.raises(InvalidArgumentError, match=f"is a value table, not an index table; {what} is for index"):
+            call()
 
 
 def test_bad_table_name(client):

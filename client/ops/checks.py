@@ -76,6 +76,14 @@ def value_table(meta: TableMeta, what: str) -> None:
         raise InvalidArgumentError(f"table: {meta.name!r} is {meta.a_kind}; {what} is for value tables")
 
 
+def index_table(meta: TableMeta, what: str) -> None:
+    """Refuse an index call (`what`) on a table of another kind, before its arguments are checked
+    against a width that is not an index's."""
+    if meta.kind != "index":
+        raise InvalidArgumentError(f"table: {meta.name!r} is {meta.a_kind}, not an index table; {what} is for index "
+                                   "tables")
+
+
 def product_keys_table(meta: TableMeta) -> None:
     """Refuse a product-key call on a table of another kind."""
     if meta.kind != "product_keys":

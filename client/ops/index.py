@@ -8,7 +8,7 @@ import torch
 
 from client.merge import hit_payload, merge_topk
 from client.ops.base import Op, OpOptions, request_parts
-from client.ops.checks import INT32, check_ints, checked_floats, checked_ids, checked_vectors
+from client.ops.checks import INT32, check_ints, checked_floats, checked_ids, checked_vectors, index_table
 from client.ops.routing import route_ids
 from client.ops.sessions import WriteTags
 from memserver.api.errors import InvalidArgumentError
@@ -20,6 +20,7 @@ from memserver.wire import Lazy, check_1d, check_float, decode, encode, wire_ten
 def add_op(meta: TableMeta, ids: Any, vectors: Any, payload: Any, opts: OpOptions, tags: WriteTags) -> Op:
     """Upsert vectors (and payload rows) under the user's ids; each id goes to the shard that owns
     it. Returns how many vectors were added."""
+    index_table(meta, "add")
     t = checked_ids(ids, meta)
     check_1d(t, "ids")
     if len(torch.unique(t)) != len(t):
@@ -44,6 +45,7 @@ def add_op(meta: TableMeta, ids: Any, vectors: Any, payload: Any, opts: OpOption
 
 def remove_op(meta: TableMeta, ids: Any, opts: OpOptions, tags: WriteTags) -> Op:
     """Remove ids (absent ones are ignored); returns how many were present."""
+    index_table(meta, "remove")
     t = torch.unique(checked_ids(ids, meta).reshape(-1))
     calls = []
     for i, part in enumerate(request_parts(len(t), 8, opts.max_request_bytes)):
@@ -58,6 +60,7 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
               opts: OpOptions) -> Op:
     """Every shard's top k of each query, merged exactly in the metric's order (client.merge):
     (scores [B, k], ids [B, k], payload [B, k, payload_dim] or None); a missing hit is id -1."""
+    index_table(meta, "search")
     check_ints(INT32, k=k)
     check_ints(INT32, optional=True, nprobe=nprobe, ef_search=ef_search)
     q = checked_floats(queries, "queries").float()

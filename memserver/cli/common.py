@@ -82,12 +82,12 @@ def cli_client(args: argparse.Namespace, endpoint: str | None = None) -> Any:
 
 def endpoint_of(args: argparse.Namespace) -> str:
     """--endpoint, else the endpoint file's; a CliError that says how to start a cluster."""
+    from memserver.cluster.endpoint import is_host_port, live_endpoint
+
     if getattr(args, "endpoint", None):
-        host, sep, port = args.endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not is_host_port(args.endpoint):
             raise CliError(f"--endpoint: expected the coordinator's HOST:PORT, got {args.endpoint!r}")
         return args.endpoint
-    from memserver.cluster.endpoint import live_endpoint
 
     try:
         return live_endpoint()["endpoint"]

@@ -9,6 +9,13 @@ from pathlib import Path
 from typing import Any
 
 
+def is_host_port(endpoint: str) -> bool:
+    """Whether `endpoint` is HOST:PORT with a port in 1..65535 (what a client dials): the one rule
+    of the CLI's --endpoint and the client's `endpoint` (without a port gRPC dials 443)."""
+    host, sep, port = str(endpoint).rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
 def memserver_home() -> Path:
     """Where `up` writes its endpoint file: $MEMSERVER_HOME, else ~/.memserver."""
     return Path(os.environ.get("MEMSERVER_HOME") or Path.home() / ".memserver")

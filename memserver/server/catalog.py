@@ -52,9 +52,11 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
     if not 0 < spec.num_shards <= available_shards:
         raise InvalidArgumentError(f"num_shards: {spec.num_shards} requested, the cluster has {available_shards} shards")
     if spec.sharding == pb.COLS and spec.dim < spec.num_shards:
-        raise InvalidArgumentError(f"dim: {spec.dim} columns cannot be split over {spec.num_shards} shards (sharding=cols)")
+        raise InvalidArgumentError(f"dim: {spec.dim} columns cannot be split over {spec.num_shards} shards (sharding=cols; "
+                                   f"give num_shards <= {spec.dim}, or sharding=rows)")
     if spec.sharding == pb.ROWS and spec.num_rows < spec.num_shards:
-        raise InvalidArgumentError(f"num_rows: {spec.num_rows} rows cannot be split over {spec.num_shards} shards")
+        raise InvalidArgumentError(f"num_rows: {spec.num_rows} rows cannot be split over {spec.num_shards} shards (give "
+                                   f"num_shards <= {spec.num_rows}, or sharding=cols)")
     _validate_tier(spec)
     if spec.sync_updates and spec.sync_workers < 1:
         raise InvalidArgumentError(f"sync_workers: a sync_updates table needs the number of trainers (>= 1), got {spec.sync_workers}")
