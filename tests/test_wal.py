@@ -242,6 +242,37 @@ def test_damage_inside_the_last_segment_is_not_cut_as_a_torn_tail(tmp_path, wher
         repair_log(tmp_path)
 
 
+@pytest.mark.parametrize("how", ["flipped", "zero sectors", "short"])
+def test_a_whole_last_record_that_fails_its_checksum_is_damage_not_a_torn_tail(tmp_path, how):
+    """The last record reached the disk whole (its writer fsynced it, then acknowledged it) and a
+    few of its bytes changed since: it was cut as "a torn record (never acknowledged)", an
+    acknowledged write lost without a word, one shard of a cols table without it. Now it is
+    refused with the cut to make by hand (as damage inside the log is). A torn write still is cut:
+    one short of its length, or with sectors of zeros where its data did not reach the disk."""
+    wal = WriteAheadLog(tmp_path)
+    for i in range(3):
+        wal.append(PUSH_GRADIENTS, os.urandom(3000) if i == 2 else b"small %d" % i)
+    wal.durable(2).result(10)
+    wal.close()
+    seg = _segment(tmp_path, 0)
+    data = bytearray(seg.read_bytes())
+    last = len(data) - walmod._HEADER.size - 1 - 3000
+    if how == "flipped":
+        data[last + 1500 : last + 1504] = b"\xff\xff\xff\xff"
+    elif how == "zero sectors":
+        data[-1024:] = bytes(1024)
+    else:
+        data = data[:-10]
+    seg.write_bytes(bytes(data))
+    if how == "flipped":
+        with pytest.raises(RuntimeError, match=f"the last record, at byte {last}, is whole but does not match its "
+                                               f"checksum: .*cut it with the cluster down \\(`truncate -s {last} "):
+            repair_log(tmp_path)
+        assert seg.read_bytes() == bytes(data)  # nothing cut
+    else:
+        assert repair_log(tmp_path) == 2 and seg.stat().st_size == last
+
+
 # -- streaming reads -------------------------------------------------------------------------
 
 

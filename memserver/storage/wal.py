@@ -387,9 +387,42 @@ def repair_log(directory: Path) -> int:
                 f"lost power (then nothing after the damage was synced, so none of it was acknowledged), cut the log "
                 f"there with the cluster down (`truncate -s {good} {shlex.quote(str(path))}`) and start it again; else restore the "
                 "table from a checkpoint")
+        if _whole_but_damaged(path, good, size):  # fsynced whole before it was acknowledged, then damaged
+            raise RuntimeError(
+                f"write-ahead log {path}: the last record, at byte {good}, is whole but does not match its checksum: "
+                "it was damaged after it was written (a torn write leaves a record short, or zeros where it did not "
+                "reach the disk), so it may have been acknowledged. If the shard's host lost power, cut it with the "
+                f"cluster down (`truncate -s {good} {shlex.quote(str(path))}`) and start it again; else restore the "
+                "table from a checkpoint")
         log.warning("write-ahead log %s: cutting %d bytes of a torn record (never acknowledged)", path, size - good)
         os.truncate(path, good)
     return start if end is None else end
+
+
+#: The unit a write reaches the disk in: a record torn by a power loss has whole sectors of zeros
+#: where its data did not get to the disk (the file's size did).
+SECTOR = 512
+
+
+def _whole_but_damaged(path: Path, at: int, size: int) -> bool:
+    """Whether the bytes from `at` on (the segment's last, failing record) are one whole record,
+    filling the file to its end, with no zero sector in it: a record that reached the disk whole
+    and was damaged since, which its writer had fsynced and may have acknowledged. A torn one is
+    short of its length, or has sectors of zeros (its size reached the disk, some data did not)."""
+    if size - at < _HEADER.size:
+        return False
+    with open(path, "rb") as f:
+        f.seek(at)
+        magic, _, _, length = _HEADER.unpack(f.read(_HEADER.size))
+        if magic != _MAGIC or at + _HEADER.size + length != size:
+            return False
+        first = -(-at // SECTOR) * SECTOR  # the sectors lying wholly inside the record
+        f.seek(first)
+        while first + SECTOR <= size:
+            if not any(f.read(SECTOR)):
+                return False
+            first += SECTOR
+    return True
 
 
 def _next_intact(path: Path, after: int) -> tuple[int, int] | None:
