@@ -638,6 +638,49 @@ def test_a_trainers_calls_wait_through_a_replace_of_its_table(tmp_path, how):
         np.testing.assert_array_equal(got[0], np.full((1, 4), want))
 
 
+@pytest.mark.parametrize("when", ["before its commit", "between prepare and commit"])
+def test_a_step_open_while_its_table_is_restored_is_dropped_saying_so(tmp_path, caplog, when):
+    """A trainer's step straddles a `restore --replace` of its table: its parts went to the old
+    table, so the new one holds none of them; the commit failed with ABORTED ("does not hold
+    part(s)") or FAILED_PRECONDITION ("the step is not prepared") and the trainer died. Now the
+    step is dropped with a warning (commit_step answers 0 rows) and the next step trains on the
+    restored table as on any."""
+    from client import MemoryClient, MemserverError, ops
+    from memserver.cluster.inprocess import InProcessServer
+
+    ids, w = np.array([[1, 2]]), np.ones((1, 2), np.float32)
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=5) as admin, \
+            MemoryClient(server.endpoint, timeout=30, retry_seconds=5) as trainer:
+        admin.create_table("t", 10, 4, optimizer="sgd", lr=1.0, init_std=0.0)
+        admin.write_rows("t", [1], np.full((1, 4), 3.0, np.float32))
+        ck = str(tmp_path / "ck")
+        admin.checkpoint(ck, step=1)
+        trainer.bag_backward("t", ids, w, np.ones((1, 4), np.float32), step=2, gather=True)
+        with caplog.at_level("WARNING", logger="client.ops.steps"):
+            if when == "before its commit":
+                admin.restore(ck, replace=True)
+                assert trainer.commit_step("t", 2) == 0
+            else:
+                plan = ops.commit_step_plan(trainer.aio.session, "t", 2, 2)
+                make, tags, _ = next(plan)
+                voted = trainer._call("t", make, tags)  # prepared on the old table's two shards
+                admin.restore(ck, replace=True)
+                make, tags, _ = plan.send(voted)
+                try:
+                    got = trainer._call("t", make, tags)
+                except MemserverError as exc:
+                    got = exc
+                with pytest.raises(StopIteration) as done:
+                    plan.send(got)
+                assert done.value.value == 0
+        assert "table t: made anew (a restore, or a create with replace) while step 2 was open: its update went to " \
+               "the old table and is dropped" in caplog.text
+        np.testing.assert_array_equal(trainer.lookup("t", [1]), np.full((1, 4), 3.0))  # the checkpoint's row
+        trainer.bag_backward("t", ids, w, np.ones((1, 4), np.float32), step=3, gather=True)
+        assert trainer.commit_step("t", 3) == 2
+        np.testing.assert_array_equal(trainer.lookup("t", [1]), np.full((1, 4), 2.0))  # 3 - lr * 1
+
+
 def _outcome(call):
     try:
         return call()

@@ -36,6 +36,7 @@ class ClientSession:
         self._known: set[tuple[str, int, int]] = set()  # (table, layout_id, shard index)
         # (table, step) -> shard index -> the seqs of the gather parts that shard acknowledged
         self._parts: dict[tuple[str, int], dict[int, set[int]]] = {}
+        self._part_layouts: dict[tuple[str, int], int] = {}  # (table, step) -> the layout its parts went to
         self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]] = {}
 
     def new_seq(self, table: str) -> int:
@@ -77,11 +78,19 @@ class ClientSession:
         """Where bag_backward_op (gather) records the parts of `step` each shard acknowledged."""
         return StepParts(self, (table, step))
 
-    def add_part(self, key: tuple[str, int], shard: int, seq: int) -> None:
+    def add_part(self, key: tuple[str, int], shard: int, seq: int, layout_id: int = 0) -> None:
         with self._lock:  # several threads may send parts of one step
             if key not in self._parts and len(self._parts) >= self.MAX_OPEN_STEPS:
-                del self._parts[next(iter(self._parts))]
+                oldest = next(iter(self._parts))
+                del self._parts[oldest]
+                self._part_layouts.pop(oldest, None)
             self._parts.setdefault(key, {}).setdefault(shard, set()).add(seq)
+            self._part_layouts.setdefault(key, layout_id)
+
+    def parts_layout(self, table: str, step: int) -> int:
+        """The layout (table incarnation) the parts of `step` went to; 0 if none was sent."""
+        with self._lock:
+            return self._part_layouts.get((table, step), 0)
 
     def parts_of(self, table: str, step: int) -> dict[int, list[int]]:
         """shard index -> the seqs of the parts of `step` it acknowledged, in order."""
@@ -91,6 +100,7 @@ class ClientSession:
     def forget_step(self, table: str, step: int) -> None:
         with self._lock:
             self._parts.pop((table, step), None)
+            self._part_layouts.pop((table, step), None)
 
     def forget_table(self, table: str) -> None:
         """The table was made anew, restored or dropped: its steps' parts and undecided decisions
@@ -99,6 +109,7 @@ class ClientSession:
         with self._lock:
             for key in [k for k in self._parts if k[0] == table]:
                 del self._parts[key]
+                self._part_layouts.pop(key, None)
             self._known.difference_update([k for k in self._known if k[0] == table])
             decisions = self._undecided.pop(table, {})
         for _, tags, _ in decisions.values():
@@ -130,8 +141,8 @@ class StepParts:
     def __init__(self, session: ClientSession, key: tuple[str, int]) -> None:
         self.session, self.key = session, key
 
-    def add(self, shard: int, seq: int) -> None:
-        self.session.add_part(self.key, shard, seq)
+    def add(self, shard: int, seq: int, layout_id: int = 0) -> None:
+        self.session.add_part(self.key, shard, seq, layout_id)
 
 
 class WriteTags:

@@ -7,6 +7,8 @@ import logging
 from collections.abc import Callable, Generator
 from typing import Any
 
+import grpc
+
 from client.ops.base import Op
 from client.ops.checks import UINT64, check_ints
 from client.ops.sessions import ClientSession, WriteTags
@@ -23,11 +25,21 @@ from memserver.api.v1 import memserver_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+class TableRemadeError(MemserverError):
+    """The table was made anew (a restore, a create with replace) while a step was open: its
+    parts went to the incarnation that is gone, so the step has nothing to commit (commit_step_plan
+    drops it, saying so)."""
+
+
 def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts: dict[int, list[int]] | None = None,
-                  defer_apply: bool = False) -> Op:
+                  defer_apply: bool = False, layout_id: int = 0) -> Op:
     """One phase of closing this client's contribution to `step`, on every shard (see
     CommitStepRequest). PREPARE on a table of one shard is PREPARE_COMMIT. Returns (rows updated
-    now, whether the step is committed)."""
+    now, whether the step is committed). `layout_id`: the table incarnation the step's parts went
+    to (0: any); another one is TableRemadeError, nothing sent."""
+    if layout_id and meta.layout_id != layout_id:
+        raise TableRemadeError(f"table {meta.name}: made anew (a restore, or a create with replace) while step {step} "
+                               "was open: its update went to the old table and is dropped", grpc.StatusCode.ABORTED)
     if phase == pb.STEP_PREPARE and len(meta.shards) == 1:
         phase = pb.STEP_PREPARE_COMMIT
     calls = [(sh.address, "CommitStep",
@@ -70,11 +82,17 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
         if isinstance(got, MemserverError):
             log.warning("table %s: the %s of step %d was refused: %s", table, _PHASES[phase], st, got)
         session.set_undecided(table, st, None)
-    parts = session.parts_of(table, step)
+    parts, layout = session.parts_of(table, step), session.parts_layout(table, step)
     session.forget_step(table, step)
     prepare = WriteTags(session)
     prepare.held = shards == 1  # PREPARE_COMMIT is a decision: kept if it may not have arrived
-    voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply)), prepare, True
+    voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply, layout)), \
+        prepare, True
+    if isinstance(voted, TableRemadeError):  # nothing of the step is on the new table: nothing to decide
+        prepare.held = False
+        prepare.close()
+        log.warning("%s", voted.details)
+        return 0
     if shards == 1 and isinstance(voted, MemserverError) and not isinstance(voted, _FINAL):
         session.set_undecided(table, step, (pb.STEP_PREPARE_COMMIT, prepare, parts))
         raise _undelivered(voted, table, step, pb.STEP_PREPARE_COMMIT)
@@ -89,7 +107,13 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     # gets one attempt (kept and re-sent before the next commit if it fails), so a trainer whose
     # cluster went away fails after one retry window, not two.
     unreachable = isinstance(voted, MemserverError) and not isinstance(voted, _FINAL)
-    got = yield (lambda meta: step_phase_op(meta, step, decision, decide, None, defer_apply)), decide, not unreachable
+    got = yield (lambda meta: step_phase_op(meta, step, decision, decide, None, defer_apply, layout)), decide, \
+        not unreachable
+    if isinstance(got, TableRemadeError):  # made anew after the prepare: the prepared step went with the old table
+        decide.held = False
+        decide.close()
+        log.warning("%s", got.details)
+        return 0
     if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
         session.set_undecided(table, step, (decision, decide, None))
         if unreachable:  # neither phase got through

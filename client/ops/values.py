@@ -198,7 +198,7 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
             places.append((sh, entries, mask, tag.seq))
     for (sh, entries, mask, seq), resp in zip(places, (yield calls)):
         if parts is not None:
-            parts.add(sh.index, seq)
+            parts.add(sh.index, seq, meta.layout_id)
         if not weight_grad:
             continue
         got = decode(resp.grad_weights, "grad_weights").reshape(-1)
