@@ -470,7 +470,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         epilog="example: memserver restore --dir ckpt --table values --replace --tier disk --cache-bytes 4G")
     rs.add_argument("--dir", help="the checkpoint's directory, as given to `memserver checkpoint` (a relative one is "
                     "under the cluster's checkpoint root; default: 'checkpoints' there)")
-    rs.add_argument("--step", type=int, default=0, help="which step (default: the latest complete checkpoint)")
+    rs.add_argument("--step", type=int, default=0, help="which step (default: the latest complete checkpoint; with "
+                    "--table, the latest that holds those tables)")
     rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name, once every file "
                     "to load is checked")

@@ -434,10 +434,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return pb.TrainIndexResponse(sample_rows=sample.shape[0], seconds=time.perf_counter() - t0)
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
-        directory, manifest = find_checkpoint(under_root(self.checkpoint_root, request.dir), request.step)
-        names = list(dict.fromkeys(request.tables)) or sorted(manifest["tables"])  # each once, in the order asked
+        asked = list(dict.fromkeys(request.tables))  # each once, in the order asked
+        # no step given: the latest checkpoint holding the tables asked (one of others may have come since)
+        directory, manifest = find_checkpoint(under_root(self.checkpoint_root, request.dir), request.step, asked)
+        names = asked or sorted(manifest["tables"])
         if missing := [n for n in names if n not in manifest["tables"]]:
-            raise TableNotFoundError(f"table(s) {missing} are not in the checkpoint {directory}")
+            raise TableNotFoundError(f"table(s) {missing} are not in the checkpoint {directory} (leave the step out "
+                                     "for the latest checkpoint that holds them)")
         if not request.replace and (present := [n for n in names if n in self.tables]):
             raise TableExistsError(f"table(s) {present} already exist; restore with replace (memserver restore --replace) to overwrite them")
         try:

@@ -202,8 +202,8 @@ class ShardActor:
         self.servicer.lost[name] = (
             f"table {name!r}: shard {self.index} could not recover its slice from {self.store.dir / name}: {why}. "
             "Its files there are kept as they are: repair them and start the cluster again (`memserver down`, `memserver "
-            "up`), or restore the table from a "
-            f"checkpoint (`memserver restore --replace`), or drop it (`memserver drop-table {name}`)")
+            f"up`), or restore the table from a checkpoint (`memserver restore --replace --table {name} --dir DIR`: the "
+            f"latest checkpoint in DIR that holds it), or drop it (`memserver drop-table {name}`)")
         try:
             spec = pb.TableSpec.FromString(base64.b64decode(record["spec"]))  # type: ignore[index]
             info = pb.ShardInfo.FromString(base64.b64decode(record["info"]))  # type: ignore[index]

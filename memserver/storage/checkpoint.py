@@ -13,14 +13,20 @@ import json
 import os
 import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from memserver.api.errors import DataLossError, InvalidArgumentError, PermissionDeniedError, first_line
+from memserver.api.errors import (
+    DataLossError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    TableNotFoundError,
+    first_line,
+)
 from memserver.api.types import ShardLayout
 from memserver.core.disk import unpack
 from memserver.core.table import ValueTable
@@ -295,8 +301,10 @@ def next_step(root: str | os.PathLike[str]) -> int:
     return steps[-1][0] + 1 if steps else 1
 
 
-def find_checkpoint(root: str | os.PathLike[str], step: int = 0) -> tuple[Path, dict[str, Any]]:
-    """The step directory (latest complete one when step is 0) and its manifest."""
+def find_checkpoint(root: str | os.PathLike[str], step: int = 0, tables: Sequence[str] = ()
+                    ) -> tuple[Path, dict[str, Any]]:
+    """The step directory (latest complete one when step is 0; given `tables`, the latest that
+    holds every one of them: a checkpoint of other tables may have come since) and its manifest."""
     root = Path(root)
     if not root.is_dir():
         raise InvalidArgumentError(f"dir: {root} does not exist (or is not a folder)")
@@ -305,9 +313,16 @@ def find_checkpoint(root: str | os.PathLike[str], step: int = 0) -> tuple[Path, 
         if not (d / MANIFEST).exists():
             raise InvalidArgumentError(f"dir: no complete checkpoint of step {step} in {root}")
         return d, _read_manifest(d)
+    latest = None
     for _, d in reversed(_steps(root)):
         if (d / MANIFEST).exists():  # a directory without a manifest is an interrupted checkpoint
-            return d, _read_manifest(d)
+            manifest = _read_manifest(d)
+            if all(t in manifest["tables"] for t in tables):
+                return d, manifest
+            latest = latest or (d, manifest)
+    if latest is not None:
+        raise TableNotFoundError(f"no complete checkpoint in {root} holds table(s) {list(tables)} (the latest, "
+                                 f"{latest[0].name}, holds {sorted(latest[1]['tables'])})")
     raise InvalidArgumentError(f"dir: no complete checkpoint in {root}")
 
 
