@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client import DataLossError, InvalidArgumentError, TableExistsError, TableNotFoundError
+from client import DataLossError, FailedPreconditionError, InvalidArgumentError, TableExistsError, TableNotFoundError
 
 DIM = 8
 
@@ -95,7 +95,13 @@ def test_a_checkpoint_given_no_step_takes_the_next_and_replaces_none(client, tab
         client.write_rows(table_name, [1], np.full((1, DIM), 5.0, np.float32))
         assert [m.name for m in client.restore(str(tmp_path), step=1, replace=True)] == [table_name]
         np.testing.assert_array_equal(client.lookup(table_name, [1]), np.full((1, DIM), 3.0))
-        assert client.checkpoint(str(tmp_path), step=2, tables=[table_name])["step"] == 2  # a step given: as asked
+        # a step given: as asked; one holding another table too is refused (it dropped it from the manifest)
+        with pytest.raises(FailedPreconditionError, match=rf"step 2 in {tmp_path} holds a checkpoint of \['{other}'\] "
+                                                          "too: one of .* alone at that step would leave them out"):
+            client.checkpoint(str(tmp_path), step=2, tables=[table_name])
+        assert [m.name for m in client.restore(str(tmp_path), step=2, replace=True)] == [other]  # still there
+        client.checkpoint(str(tmp_path), step=2, tables=[table_name, other])  # together: replaced
+        assert client.checkpoint(str(tmp_path), step=2, tables=[table_name, other])["step"] == 2
     finally:
         client.drop_table(other)
 

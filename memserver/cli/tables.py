@@ -459,7 +459,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "--checkpoint-root); a relative one is taken under that root (default: 'checkpoints' there); "
                     "it must be visible to every shard")
     ck.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint (its folder is step-<step in 10 digits>, "
-                    "e.g. step-0000000100; the same step again replaces it); default: one past the last step in --dir")
+                    "e.g. step-0000000100; the same step again replaces it, with at least the tables it held); default: one past "
+                    "the last step in --dir")
     ck.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     cluster_flags(ck, timeout=600.0)
     ck.set_defaults(func=cmd_checkpoint)

@@ -43,6 +43,7 @@ from memserver.storage.checkpoint import (
     find_checkpoint,
     next_step,
     step_dir,
+    tables_at,
     under_root,
     verify_files,
     withdraw_manifest,
@@ -363,6 +364,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         directory = step_dir(root, request.step)
         for path in (directory, *(directory / name for name in names)):  # a symlink below the root
             under_root(self.checkpoint_root, str(path))                   # must not lead outside it
+        if left := sorted(set(tables_at(directory)) - set(names)):
+            raise FailedPreconditionError(
+                f"step {request.step} in {root} holds a checkpoint of {left} too: one of {names} alone at that step would "
+                "leave them out of it (a restore of them would find none); checkpoint them together, or give another "
+                "step (none given: the next one)")
         placed = {name: (list(self.placement[name]), self.tables[name]) for name in names}  # as checked
         holders: dict[int, list[str]] = {}
         for name, (order, _) in placed.items():

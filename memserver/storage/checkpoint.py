@@ -205,6 +205,11 @@ def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor],
     return path.stat().st_size
 
 
+def tables_at(directory: Path) -> list[str]:
+    """The tables of the complete checkpoint in a step directory; [] where there is none."""
+    return sorted(_read_manifest(directory)["tables"]) if (directory / MANIFEST).exists() else []
+
+
 def withdraw_manifest(directory: Path) -> bool:
     """Before a checkpoint is written again at a step that has a complete one: its manifest goes
     first (durably), so while the slice files are rewritten, and if the rewrite fails, the step
