@@ -189,6 +189,8 @@ def test_a_scratch_table_that_cannot_be_dropped_leaves_the_report_standing(memor
     report = json.loads(out or "null") or pytest.fail(err[-3000:])
     assert report["table"]["name"] == scratch and report["table"]["scratch"]
     assert report["scratch_drop_error"].startswith(f"the scratch table {scratch} was not dropped: ")
+    assert report["scratch_drop_error"].endswith(f"drop it with `memserver drop-table {scratch}` once the cluster "
+                                                 "serves it")
     assert f"memserver: error: the scratch table {scratch} was not dropped: " in err
 
 

@@ -405,7 +405,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         epilog=f"Exit status: 0 when every shard serves every table it holds; {DEGRADED} when the "
                         "cluster answers but a shard does not, or a table is not served (lost at recovery: a damaged "
                         "log or record) or refuses writes (listed in red, and under \"problems\" with --json); 1 "
-                        "when the cluster cannot be reached.")
+                        "when the cluster does not answer; 2 when there is none to ask (no endpoint file, one of a "
+                        "memserver that is no longer running, a bad --endpoint).")
     cluster_flags(st, timeout=30.0, json_help="print one JSON object instead of tables")
     st.set_defaults(func=cmd_status)
 

@@ -97,7 +97,8 @@ def _drop_scratch(mem: Any, table: str) -> str | None:
     try:
         mem.drop_table(table)
     except Exception as exc:
-        error = f"the scratch table {table} was not dropped: {one_line(exc)}"
+        error = (f"the scratch table {table} was not dropped: {one_line(exc)}; drop it with `memserver drop-table "
+                 f"{table}` once the cluster serves it")
         log.warning("%s", error)
         return error
     return None

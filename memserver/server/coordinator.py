@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from memserver import __version__
 from memserver.api.errors import (
+    DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
     MemserverError,
@@ -375,7 +376,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             for j in order:
                 holders.setdefault(j, []).append(name)
         # what the shards would refuse, before a complete checkpoint of this step is withdrawn
-        await asyncio.gather(*(self.handles[j].check_checkpoint.remote(held) for j, held in holders.items()))
+        try:
+            await asyncio.gather(*(self.handles[j].check_checkpoint.remote(held) for j, held in holders.items()))
+        except Exception as exc:
+            cause = getattr(exc, "cause", None) or exc  # (through Ray: the shard's own error)
+            if isinstance(cause, DataLossError) and not request.tables:  # one lost table: the others still can be
+                raise DataLossError(f"{cause.details}; nothing was written: checkpoint the other tables by name "
+                                    "(--table, each)") from None
+            raise
         if any(self.tables.get(name) is not info for name, (_, info) in placed.items()):  # dropped or replaced meanwhile
             raise FailedPreconditionError(f"checkpoint of step {request.step}: a table of {names} was dropped or "
                                           "replaced while it began; nothing was written")
