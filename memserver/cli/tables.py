@@ -122,15 +122,20 @@ DEGRADED = 3
 
 def problems(st: dict[str, Any]) -> list[str]:
     """What a cluster's status (status_dict) says is not served: a shard that does not answer, a
-    table a shard could not recover (lost), a slice that refuses writes. One line each; empty when
-    every shard serves every table it holds. `memserver status` exits DEGRADED when there is one,
+    table a shard could not recover (lost), a slice that refuses writes, a slice of a table the
+    catalog does not list. One line each; empty when every shard serves every table it holds. `memserver status` exits DEGRADED when there is one,
     and `up` says them beside "ready"."""
     out = []
+    catalog = {t["name"] for t in st["tables"]}
     for s in sorted(st["shards"], key=lambda s: s["index"]):
         if s["state"] != "serving":
             out.append(f"shard {s['index']} ({s['address']}) is {s['state']}")
         for t in s["tables"]:
-            if t["unavailable"]:
+            if t["table"] not in catalog and not t["unavailable"]:
+                out.append(f"shard {s['index']} holds a slice of table {t['table']}, which the catalog does not list (a "
+                           f"drop that did not reach it while it restarted?): `memserver drop-table {t['table']}` "
+                           "removes it")
+            elif t["unavailable"]:
                 out.append(f"shard {s['index']}: table {t['table']} is not served: {t['unavailable']}")
             elif t["writes_refused"]:
                 out.append(f"shard {s['index']}: table {t['table']} refuses writes until the shard restarts (reads "
