@@ -263,7 +263,8 @@ def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("tables:\n  - {name: a, num_rows: 4}\n", "needs at least name, num_rows and dim"),
+        ("tables:\n  - {name: a, num_rows: 4}\n", "needs at least name, num_rows and dim; dim missing"),
+        ("tables:\n  - {name: a, num_rows: 4, dimm: 2}\n", "has unknown key(s) ['dimm']"),
         ("tables:\n  - {name: a, num_rows: 4, dim: 2, colour: red}\n", "unknown key(s) ['colour']"),
         ("shardz: 2\n", "unknown key(s) ['shardz']"),
         ("tables: [\n", "not valid YAML"),
@@ -457,7 +458,7 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     (["up", "--address", "somewhere"], "--address: expected 'auto' or HOST:PORT"),
     (["up", "--num-cpus", "0"], "argument --num-cpus: must be >= 1, got 0"),
     (["up", "--checkpoint-root", "/nonexistent/ck"], "--checkpoint-root /nonexistent/ck: no such directory"),
-    (["up", "--checkpoint-root", __file__], f"--checkpoint-root {__file__}: no such directory"),
+    (["up", "--checkpoint-root", __file__], f"--checkpoint-root {__file__}: a file, not a directory"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--optimizer", "adamw"], "argument --optimizer: invalid choice"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--dtype", "int64"], "argument --dtype: invalid choice"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--num-shards", "0"], "argument --num-shards: must be >= 1, got 0"),

@@ -135,8 +135,8 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
     if args.address and args.address != "auto" and "://" not in args.address:
         _check_ray_answers(args.address)
     if args.checkpoint_root is not None and not Path(args.checkpoint_root).is_dir():
-        raise CliError(f"--checkpoint-root {args.checkpoint_root}: no such directory; create it first (checkpoints "
-                       "are written only below it)")
+        what = "a file, not a directory" if Path(args.checkpoint_root).exists() else "no such directory; create it first"
+        raise CliError(f"--checkpoint-root {args.checkpoint_root}: {what} (checkpoints are written only below it)")
     if (data_dir := _flag_or_config(args, cfg, "data_dir", None)) is not None:
         try:
             check_data_dir(data_dir, shards)

@@ -273,10 +273,12 @@ def table_args(table: Any, where: str) -> dict[str, Any]:
     of the wrong type would otherwise fail deep in the client, naming neither key nor file.
     Sizes may carry a suffix (cache_bytes: 4G); numbers may be strings (YAML reads 1e-3 as
     one). `where` names the table in the errors ("tables[0] in t.yaml")."""
-    if not isinstance(table, dict) or not {"name", "num_rows", "dim"} <= set(table):
+    if not isinstance(table, dict):
         raise CliError(f"{where} needs at least name, num_rows and dim")
-    if unknown := set(table) - set(TABLE_KEYS):
+    if unknown := set(table) - set(TABLE_KEYS):  # first: a misspelt dim is why dim is missing
         raise CliError(f"{where} has unknown key(s) {sorted(unknown)}; allowed: {sorted(TABLE_KEYS)}")
+    if missing := [k for k in ("name", "num_rows", "dim") if k not in table]:
+        raise CliError(f"{where} needs at least name, num_rows and dim; {', '.join(missing)} missing")
     out = {k: v for k, v in table.items() if v is not None or k in ("name", "num_rows", "dim")}  # null: the default
 
     def bad(key: str, want: str) -> CliError:
