@@ -448,10 +448,10 @@ def test_a_table_that_cannot_be_recovered_is_listed_refused_and_its_files_kept(t
                 c.create_table(name, 16, 4)
         assert seg.read_bytes() == bytes(data) and (tmp_path / "shard-0000" / "rec" / "table.json").exists()
         with pytest.raises(DataLossError, match="could not recover its slice"):  # not "does not exist"
-            c.checkpoint("ck", step=1, tables=["ok", "bad"])
+            c.checkpoint(str(tmp_path / "ck"), step=1, tables=["ok", "bad"])
         with pytest.raises(DataLossError, match="nothing was written: checkpoint the other tables by name"):
-            c.checkpoint("ck", step=1)  # every table: the lost ones stop it, saying how to save the others
-        c.checkpoint("ck", step=1, tables=["ok"])
+            c.checkpoint(str(tmp_path / "ck"), step=1)  # every table: the lost ones stop it, saying how to save the others
+        c.checkpoint(str(tmp_path / "ck"), step=1, tables=["ok"])
         for name in ("bad", "rec", "one"):  # dropped: their files go, and the name is free again
             c.drop_table(name)
             c.create_table(name, 16, 4)
