@@ -83,6 +83,8 @@ def test_lsh_forward_and_value_update_match_a_dense_reference():
 def test_lsh_layer_rejects_a_table_of_the_wrong_size():
     with pytest.raises(ValueError, match="hashes \\* 2\\^bits = 64"):
         LSHMemory(8, 8, LocalValues(100, 8), hashes=2, bits=5)
+    with pytest.raises(ValueError, match="LSHMemory: bits must be a whole number, got 5.0"):
+        LSHMemory(8, 8, LocalValues(64, 8), hashes=2, bits=5.0)
 
 
 # --- product keys: the addressing path ------------------------------------------------------
@@ -90,7 +92,9 @@ def test_lsh_layer_rejects_a_table_of_the_wrong_size():
 
 @pytest.mark.parametrize("kwargs, message", [(dict(knn=0), "heads and knn must be >= 1, got 4 and 0"),
                                              (dict(heads=0), "heads and knn must be >= 1, got 0 and 4"),
-                                             (dict(knn=9), "knn \\(9\\) cannot exceed n_keys \\(8\\)")])
+                                             (dict(knn=9), "knn \\(9\\) cannot exceed n_keys \\(8\\)"),
+                                             (dict(n_keys=8.0), "ProductKeyMemory: n_keys must be a whole number, got 8.0"),
+                                             (dict(micro_batches=2.5), "micro_batches must be a whole number")])
 def test_product_key_layer_refuses_settings_it_cannot_address(kwargs, message):
     """(knn 0 and heads 0 used to fail later, in a reshape or an index, naming neither.)"""
     with pytest.raises(ValueError, match=message):

@@ -37,6 +37,7 @@ import contextlib
 import itertools
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable
 from concurrent.futures import wait
@@ -148,6 +149,14 @@ def check_values(values: Any, layer: str) -> None:
                         f"{type(values).__name__}")
 
 
+def check_counts(layer: str, **counts: Any) -> None:
+    """A layer's sizes (n_keys, heads, knn, ...) are whole numbers: a float (32.0) passed the
+    range checks and failed deep in torch ("empty(): argument 'size' failed to unpack")."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (numpy's ints are whole too)
+            raise ValueError(f"{layer}: {name} must be a whole number, got {value!r}")
+
+
 def check_tokens(x: torch.Tensor, tokens: torch.Tensor | None, layer: str) -> None:
     """A token-addressed layer reads by `tokens` [B, T], the integer ids of x [B, T, d_in]'s
     positions: anything else would address other rows (transposed tokens, a reshaped x) or fail
@@ -177,6 +186,7 @@ class MemoryLayer(nn.Module):
     def __init__(self, d_in: int, d_out: int, values: ValueBackend | None, *, read_dim: int | None = None,
                  mem_plus: bool = False, micro_batches: int = 1) -> None:
         """`read_dim`: the width of a position's read after `combine` (default: the values' dim)."""
+        check_counts(type(self).__name__, d_in=d_in, d_out=d_out, micro_batches=micro_batches)
         super().__init__()
         self.values = values
         self.d_in = d_in

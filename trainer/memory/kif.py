@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from trainer.memory.base import MemoryLayer
+from trainer.memory.base import MemoryLayer, check_counts
 from trainer.memory.knowledge import KnowledgeSource
 
 
@@ -34,6 +34,7 @@ class KIFMemory(MemoryLayer):
                  residual_query: bool = False, micro_batches: int = 1) -> None:
         """`residual_query`: the input already lives in E's space (e.g. a model over the same
         encoder's vectors), so f_E starts as the identity: f_E(x) = x + MLP(x), the MLP zero at first."""
+        check_counts("KIFMemory", knn=knn)
         super().__init__(d_in, d_out, None, read_dim=source.dim, micro_batches=micro_batches)
         if knn < 1:
             raise ValueError(f"KIF memory: knn must be >= 1, got {knn}")

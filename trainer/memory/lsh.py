@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trainer.memory.backends import ValueBackend
-from trainer.memory.base import MemoryLayer, check_values
+from trainer.memory.base import MemoryLayer, check_counts, check_values
 
 MAX_BITS = 30  # 2^30 buckets per hash: beyond this, int64 ids and the tables get silly
 
@@ -50,6 +50,7 @@ class LSHMemory(MemoryLayer):
     def __init__(self, d_in: int, d_out: int, values: ValueBackend, *, hashes: int = 4, bits: int = 12, seed: int = 0,
                  mem_plus: bool = False, micro_batches: int = 1) -> None:
         check_values(values, "LSHMemory")
+        check_counts("LSHMemory", hashes=hashes, bits=bits, seed=seed)
         if hashes < 1 or not 1 <= bits <= MAX_BITS:
             raise ValueError(f"LSH memory: hashes must be >= 1 and bits in [1, {MAX_BITS}], got {hashes}, {bits}")
         if values.num_rows != hashes << bits:

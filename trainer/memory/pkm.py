@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from memserver.core.pkm import candidate_pairs, product_key_topk
 from trainer.memory.backends import ValueBackend
-from trainer.memory.base import MemoryLayer, check_values
+from trainer.memory.base import MemoryLayer, check_counts, check_values
 
 
 class ProductKeyMemory(MemoryLayer):
@@ -26,6 +26,7 @@ class ProductKeyMemory(MemoryLayer):
     def __init__(self, d_in: int, d_out: int, values: ValueBackend, *, n_keys: int, heads: int = 4, k_dim: int = 64,
                  knn: int = 32, query_bn: bool = True, mem_plus: bool = False, micro_batches: int = 1) -> None:
         check_values(values, "ProductKeyMemory")
+        check_counts("ProductKeyMemory", n_keys=n_keys, heads=heads, k_dim=k_dim, knn=knn)
         super().__init__(d_in, d_out, values, mem_plus=mem_plus, micro_batches=micro_batches)
         if values.num_rows != n_keys**2:
             raise ValueError(f"the value table has {values.num_rows} rows, n_keys^2 = {n_keys**2}")
