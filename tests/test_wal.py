@@ -242,7 +242,7 @@ def test_damage_inside_the_last_segment_is_not_cut_as_a_torn_tail(tmp_path, wher
         repair_log(tmp_path)
 
 
-@pytest.mark.parametrize("how", ["flipped", "zero sectors", "short"])
+@pytest.mark.parametrize("how", ["flipped", "zero sectors", "100 zero bytes", "300 zero bytes", "short"])
 def test_a_whole_last_record_that_fails_its_checksum_is_damage_not_a_torn_tail(tmp_path, how):
     """The last record reached the disk whole (its writer fsynced it, then acknowledged it) and a
     few of its bytes changed since: it was cut as "a torn record (never acknowledged)", an
@@ -261,6 +261,9 @@ def test_a_whole_last_record_that_fails_its_checksum_is_damage_not_a_torn_tail(t
         data[last + 1500 : last + 1504] = b"\xff\xff\xff\xff"
     elif how == "zero sectors":
         data[-1024:] = bytes(1024)
+    elif how.endswith("zero bytes"):  # a tail shorter than a sector (a 4 KiB block the record reached into)
+        n = int(how.split()[0])
+        data = data[: len(data) - len(data) % 512 - n] + bytes(n + len(data) % 512)
     else:
         data = data[:-10]
     seg.write_bytes(bytes(data))

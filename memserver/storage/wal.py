@@ -406,9 +406,12 @@ SECTOR = 512
 
 def _whole_but_damaged(path: Path, at: int, size: int) -> bool:
     """Whether the bytes from `at` on (the segment's last, failing record) are one whole record,
-    filling the file to its end, with no zero sector in it: a record that reached the disk whole
-    and was damaged since, which its writer had fsynced and may have acknowledged. A torn one is
-    short of its length, or has sectors of zeros (its size reached the disk, some data did not)."""
+    filling the file to its end, with no zeros where a torn write leaves them: a record that
+    reached the disk whole and was damaged since, which its writer had fsynced and may have
+    acknowledged. A torn one is short of its length, or has a sector of zeros (its size reached
+    the disk, some of its data did not): any 512-byte-aligned piece of it from its first sector
+    boundary to the end of the file, the last piece however short (or, for a record inside one
+    sector, its body) all zeros."""
     if size - at < _HEADER.size:
         return False
     with open(path, "rb") as f:
@@ -416,12 +419,13 @@ def _whole_but_damaged(path: Path, at: int, size: int) -> bool:
         magic, _, _, length = _HEADER.unpack(f.read(_HEADER.size))
         if magic != _MAGIC or at + _HEADER.size + length != size:
             return False
-        first = -(-at // SECTOR) * SECTOR  # the sectors lying wholly inside the record
+        first = -(-at // SECTOR) * SECTOR  # the record's first sector boundary
+        if first >= size:  # the whole record inside one sector: its body
+            return any(f.read(size - at - _HEADER.size))
         f.seek(first)
-        while first + SECTOR <= size:
-            if not any(f.read(SECTOR)):
+        for piece in range(first, size, SECTOR):
+            if not any(f.read(min(SECTOR, size - piece))):
                 return False
-            first += SECTOR
     return True
 
 
