@@ -468,3 +468,27 @@ def test_end_step_without_an_open_step_is_refused():
         v.end_step(2)
     with pytest.raises(InvalidArgumentError, match="grad_scale: a loss scale is a positive number"):
         v.begin_step(4, grad_scale=0.0)
+
+
+def test_a_step_whose_backward_overflowed_anywhere_drops_every_tables_update():
+    """Two memory layers, an overflow only below the upper one: the upper read got finite
+    gradients and its table took the step while the GradScaler skipped the dense step. Now every
+    backend's end_step drops the step's update once any backward of it met non-finite values;
+    the next step (no overflow) updates both tables."""
+    from trainer.memory import LocalValues, ProductKeyMemory
+
+    torch.manual_seed(0)
+    low, high = LocalValues(64, 16, optimizer="sgd", lr=1e-3, seed=1), LocalValues(64, 16, optimizer="sgd", lr=1e-3, seed=2)
+    m1 = ProductKeyMemory(16, 16, low, n_keys=8, heads=1, k_dim=8, knn=4)
+    m2 = ProductKeyMemory(16, 16, high, n_keys=8, heads=1, k_dim=8, knn=4)
+    before = (low.table.weight.clone(), high.table.weight.clone())
+    for step, scale in ((1, 2.0**100), (2, 1.0)):
+        for v in (low, high):
+            v.begin_step(step, grad_scale=scale)
+        y = m2(m1(torch.randn(6, 16)) * 1e30 * (1.0 if step == 1 else 1e-30))  # step 1: m1's gradient overflows
+        (y.pow(2).mean() * scale).backward()
+        for v in (low, high):
+            v.end_step(step)
+        if step == 1:
+            assert torch.equal(low.table.weight, before[0]) and torch.equal(high.table.weight, before[1])
+    assert not torch.equal(low.table.weight, before[0]) and not torch.equal(high.table.weight, before[1])

@@ -235,7 +235,7 @@ class LocalValues:
                                 device=_indexed(torch.device(device)))
         self.parts: list[Entries] | None = None  # inside a step: its value updates so far
         self.step: int | None = None  # inside a step: its number
-        self.grad_scale = 1.0
+        self.grad_scale, self.overflows_at = 1.0, 0
         self.version = 0
 
     def to(self, device: torch.device | str) -> LocalValues:
@@ -295,7 +295,7 @@ class LocalValues:
         return to_device(grad_w, ids.device)
 
     def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
-        self.grad_scale = checked_grad_scale(grad_scale)
+        self.grad_scale, self.overflows_at = checked_grad_scale(grad_scale), OVERFLOWS[0]
         self.parts, self.step = [], step  # a step begun and never ended: its parts are dropped
 
     def deliver(self) -> None:
@@ -304,6 +304,8 @@ class LocalValues:
     def end_step(self, step: int, *, wait: bool = True) -> None:
         check_end_step(self.step, step)
         parts, self.parts, self.step, self.grad_scale = self.parts, None, None, 1.0
+        if overflowed(self, step):
+            return
         self.version += 1
         if parts:
             self.table.apply_entries(*combine(parts))
@@ -369,7 +371,7 @@ class RemoteValues:
         self.defer_apply, self.tier = defer_apply, tier
         self.warming: Future | None = None  # the latest hint in flight (`warm`)
         self.step: int | None = None  # inside a step (begin_step .. end_step): its number
-        self.grad_scale = 1.0
+        self.grad_scale, self.overflows_at = 1.0, 0
         self.sent: list[Future] = []  # the step's parts sent without waiting (constant weights): end_step waits
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
         self.version = 0
@@ -489,7 +491,7 @@ class RemoteValues:
         return self  # the cluster holds the values; answers come to the ids' device
 
     def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
-        self.grad_scale = checked_grad_scale(grad_scale)
+        self.grad_scale, self.overflows_at = checked_grad_scale(grad_scale), OVERFLOWS[0]
         if self.step is not None:  # begun and never ended (it failed): the shards drop its parts at the next prepare
             self.client.abandon_step(self.name, self.step)
         self.step = step
@@ -513,6 +515,10 @@ class RemoteValues:
         self.deliver()
         self.settle()
         self.step, self.grad_scale = None, 1.0
+        if overflowed(self, step):
+            # its parts are forgotten: the commit lists none, so the shards drop theirs and apply
+            # nothing of this trainer's (a sync table still counts its commit)
+            self.client.abandon_step(self.name, step)
         self.version += 1
         if wait:
             self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
@@ -603,6 +609,22 @@ def check_end_step(begun: int | None, step: int) -> None:
     if step != begun:
         raise InvalidArgumentError(f"step: end_step({step}) ends the step begun as begin_step({begun}); give "
                                    "both the same number")
+
+
+#: Backwards of this process that met non-finite values (trainer.memory.base counts them): a
+#: step during which one did, in any layer, drops its whole update in every backend (end_step),
+#: as its GradScaler skips the whole dense step (a read nearer the loss got finite gradients).
+OVERFLOWS = [0]
+
+
+def overflowed(backend: Any, step: int) -> bool:
+    """Whether a backward met non-finite values since `backend` began `step` (then the step's
+    update is dropped: said here)."""
+    if OVERFLOWS[0] == backend.overflows_at:
+        return False
+    log.warning("%s: step %d met a non-finite gradient (a float16 overflow, which its GradScaler skips): the values' "
+                "update of the whole step is dropped", getattr(backend, "name", type(backend).__name__), step)
+    return True
 
 
 def checked_grad_scale(scale: float) -> float:

@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.memory.backends import ValueBackend
+from trainer.memory.backends import OVERFLOWS, ValueBackend
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,10 @@ class _Bag(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         ids, weights = ctx.saved_tensors
-        if not (finite(grad_out) and finite(weights)):  # an fp16 overflow: GradScaler skips the step
+        if looks_for_nonfinite(grad_out, ctx.backend) and not finite(grad_out, weights):  # an fp16 overflow
             log.warning("a memory read's backward got non-finite values (a float16 overflow that a GradScaler skips, "
                         "or a diverged run): the rows' update of this read is not sent; dL/dweights is NaN")
+            OVERFLOWS[0] += 1  # every backend's end_step drops the step's update, as the scaler skips the step
             return (torch.full_like(weights, math.nan) if ctx.weight_grad else None), None, None, None, None
         scale = getattr(ctx.backend, "grad_scale", 1.0)  # a GradScaler's: the rows' update is of the unscaled gradient
         grad_out = grad_out.float() if scale == 1.0 else grad_out.float() / scale
@@ -106,9 +107,20 @@ class _Bag(torch.autograd.Function):
         return (grad_w.to(weights.dtype) if grad_w is not None else None), None, None, None, None
 
 
-def finite(t: torch.Tensor) -> bool:
-    """Whether every value of `t` is finite (one reduction; on a GPU it waits for `t`)."""
-    return bool(torch.isfinite(t).all())
+def finite(*ts: torch.Tensor) -> bool:
+    """Whether every value of the tensors is finite (one wait for the device, on a GPU)."""
+    ok = torch.isfinite(ts[0]).all()
+    for t in ts[1:]:
+        ok = ok & torch.isfinite(t).all()
+    return bool(ok)
+
+
+def looks_for_nonfinite(t: torch.Tensor, values: Any) -> bool:
+    """Whether a read looks for non-finite values in `t`: always on the CPU (a reduction, no
+    wait); on a GPU only under a GradScaler (a step begun with grad_scale != 1, whose scaler waits
+    for its own check anyway), so a GPU run without one never waits for the device per read, as
+    before (LocalValues checks nothing there either: see its _check)."""
+    return t.device.type == "cpu" or getattr(values, "grad_scale", 1.0) != 1.0
 
 
 def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -122,8 +134,10 @@ def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: tor
     Non-finite values pass through as a torch layer passes them, so a float16 run's GradScaler
     sees its overflow and skips the step: NaN or infinite weights read NaN rows (nothing is
     asked of the backend, which refuses them), and a backward whose dL/d(out) or weights are not
-    finite sends no update (the table is left as it was) and returns a NaN dL/dweights."""
-    if out is None and not finite(weights):
+    finite sends no update and returns a NaN dL/dweights; the backend's end_step then drops the
+    whole step's update (the table is left as it was). On a GPU this is looked for only under a
+    GradScaler (looks_for_nonfinite)."""
+    if out is None and looks_for_nonfinite(weights, values) and not finite(weights):
         log.warning("a memory read got non-finite weights (its input overflowed or the run diverged): it reads NaN "
                     "rows; nothing is asked of the values")
         out = torch.full((weights.shape[0], values.dim), math.nan, device=weights.device)
@@ -238,7 +252,8 @@ class MemoryLayer(nn.Module):
     def send(self, ids: torch.Tensor, w: torch.Tensor, now: bool) -> Any:
         """A chunk's addresses -> what `finish` takes: (ids, weights, the bag in flight or None)."""
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
-        return ids, w, self.values.submit_bag(flat_ids, flat_w) if now and finite(flat_w) else None  # (else: `bag`'s NaN)
+        ok = not looks_for_nonfinite(flat_w, self.values) or finite(flat_w)  # (else: `bag` reads NaN rows)
+        return ids, w, self.values.submit_bag(flat_ids, flat_w) if now and ok else None
 
     def _send_tokens(self, tokens: torch.Tensor, chunks: int, now: bool) -> list[Any]:
         """A token-addressed forward's reads, cut into the chunks `forward` cuts its queries into."""
