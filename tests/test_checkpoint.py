@@ -656,8 +656,9 @@ def test_a_step_open_while_its_table_is_restored_is_dropped_saying_so(tmp_path, 
     """A trainer's step straddles a `restore --replace` of its table: its parts went to the old
     table, so the new one holds none of them; the commit failed with ABORTED ("does not hold
     part(s)") or FAILED_PRECONDITION ("the step is not prepared") and the trainer died. Now the
-    step is dropped with a warning (commit_step answers 0 rows) and the next step trains on the
-    restored table as on any."""
+    step's update is dropped with a warning and the step committed with no parts (commit_step
+    answers 0 rows; a sync table's other trainers are not left waiting), and the next step
+    trains on the restored table as on any."""
     from client import MemoryClient, MemserverError, ops
     from memserver.cluster.inprocess import InProcessServer
 
@@ -678,13 +679,14 @@ def test_a_step_open_while_its_table_is_restored_is_dropped_saying_so(tmp_path, 
                 make, tags, _ = next(plan)
                 voted = trainer._call("t", make, tags)  # prepared on the old table's two shards
                 admin.restore(ck, replace=True)
-                make, tags, _ = plan.send(voted)
-                try:
-                    got = trainer._call("t", make, tags)
-                except MemserverError as exc:
-                    got = exc
+                got = voted
                 with pytest.raises(StopIteration) as done:
-                    plan.send(got)
+                    while True:  # as commit_step drives it: the commit, then the step again with no parts
+                        make, tags, _ = plan.send(got)
+                        try:
+                            got = trainer._call("t", make, tags)
+                        except MemserverError as exc:
+                            got = exc
                 assert done.value.value == 0
         assert "table t: made anew (a restore, or a create with replace) while step 2 was open: its update went to " \
                "the old table and is dropped" in caplog.text
@@ -692,6 +694,32 @@ def test_a_step_open_while_its_table_is_restored_is_dropped_saying_so(tmp_path, 
         trainer.bag_backward("t", ids, w, np.ones((1, 4), np.float32), step=3, gather=True)
         assert trainer.commit_step("t", 3) == 2
         np.testing.assert_array_equal(trainer.lookup("t", [1]), np.full((1, 4), 2.0))  # 3 - lr * 1
+
+
+def test_a_sync_tables_step_across_a_restore_is_not_left_waiting_for_the_trainer_whose_parts_went(tmp_path, caplog):
+    """Two data-parallel trainers on a sync_updates table (the step applies once both commit):
+    A's parts of step 2 went to the old table, then the restore, then B's to the new one. A's
+    commit sent nothing, so the new table's step 2 waited for it for good and B's update never
+    applied. A commits the step with no parts now: B's part applies, as the mean of the two."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    ids, w, g = np.array([[1, 2]]), np.ones((1, 2), np.float32), np.ones((1, 4), np.float32)
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=5) as a, \
+            MemoryClient(server.endpoint, timeout=30, retry_seconds=5) as b:
+        a.create_table("t", 10, 4, optimizer="sgd", lr=1.0, init_std=0.0, sync_workers=2)
+        a.write_rows("t", [1], np.full((1, 4), 3.0, np.float32))
+        ck = str(tmp_path / "ck")
+        a.checkpoint(ck, step=1)
+        a.bag_backward("t", ids, w, g, step=2, gather=True)
+        with MemoryClient(server.endpoint, timeout=30) as admin:
+            admin.restore(ck, replace=True)
+        b.bag_backward("t", ids, w, g, step=2, gather=True)
+        with caplog.at_level("WARNING", logger="client.ops.steps"):
+            assert a.commit_step("t", 2) == 0
+        assert "while step 2 was open" in caplog.text
+        b.commit_step("t", 2)
+        np.testing.assert_array_equal(a.lookup("t", [1]), np.full((1, 4), 2.5))  # 3 - (1 + 0) / 2
 
 
 def _outcome(call):

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 class TableRemadeError(MemserverError):
     """The table was made anew (a restore, a create with replace) while a step was open: its
-    parts went to the incarnation that is gone, so the step has nothing to commit (commit_step_plan
-    drops it, saying so)."""
+    parts went to the incarnation that is gone (commit_step_plan commits the step with none,
+    saying so)."""
 
 
 def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts: dict[int, list[int]] | None = None,
@@ -39,7 +39,8 @@ def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts
     to (0: any); another one is TableRemadeError, nothing sent."""
     if layout_id and meta.layout_id != layout_id:
         raise TableRemadeError(f"table {meta.name}: made anew (a restore, or a create with replace) while step {step} "
-                               "was open: its update went to the old table and is dropped", grpc.StatusCode.ABORTED)
+                               "was open: its update went to the old table and is dropped (the step is committed with "
+                               "none of it)", grpc.StatusCode.ABORTED)
     if phase == pb.STEP_PREPARE and len(meta.shards) == 1:
         phase = pb.STEP_PREPARE_COMMIT
     calls = [(sh.address, "CommitStep",
@@ -84,15 +85,29 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
         session.set_undecided(table, st, None)
     parts, layout = session.parts_of(table, step), session.parts_layout(table, step)
     session.forget_step(table, step)
+    while True:  # twice at most: once more, with no parts, when the table was made anew meanwhile
+        outcome = yield from _prepare_and_decide(session, table, step, shards, defer_apply, parts, layout)
+        if not isinstance(outcome, TableRemadeError):
+            return outcome
+        # The parts went to the old table; the new one holds none of them. The step is committed
+        # there with no parts (nothing of this client's applied; a sync table still counts its
+        # commit, so the other trainers' step is not left waiting for it).
+        log.warning("%s", outcome.details)
+        parts, layout = {}, 0
+
+
+def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool,
+                        parts: dict[int, list[int]], layout: int) -> Generator[Any, Any, Any]:
+    """commit_step_plan's two phases for `parts` (sent to table incarnation `layout`): the rows
+    updated now, or the TableRemadeError of a table made anew since (nothing decided)."""
     prepare = WriteTags(session)
     prepare.held = shards == 1  # PREPARE_COMMIT is a decision: kept if it may not have arrived
     voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply, layout)), \
         prepare, True
-    if isinstance(voted, TableRemadeError):  # nothing of the step is on the new table: nothing to decide
+    if isinstance(voted, TableRemadeError):  # nothing of the step reached the new table: nothing to decide
         prepare.held = False
         prepare.close()
-        log.warning("%s", voted.details)
-        return 0
+        return voted
     if shards == 1 and isinstance(voted, MemserverError) and not isinstance(voted, _FINAL):
         session.set_undecided(table, step, (pb.STEP_PREPARE_COMMIT, prepare, parts))
         raise _undelivered(voted, table, step, pb.STEP_PREPARE_COMMIT)
@@ -112,8 +127,7 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     if isinstance(got, TableRemadeError):  # made anew after the prepare: the prepared step went with the old table
         decide.held = False
         decide.close()
-        log.warning("%s", got.details)
-        return 0
+        return got
     if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
         session.set_undecided(table, step, (decision, decide, None))
         if unreachable:  # neither phase got through
