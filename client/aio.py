@@ -72,6 +72,10 @@ from memserver.wire import (
 
 log = logging.getLogger(__name__)
 
+#: gRPC's words for a call that found no server to talk to (matched by part): a coordinator
+#: there that answered UNAVAILABLE itself gets no "is a cluster running there?" hint.
+NO_CONNECTION = ("failed to connect", "Socket closed", "Connection reset", "Connection refused", "unreachable")
+
 #: Retry backoff (seconds): the first delay, doubled after each retry up to the cap.
 RETRY_FIRST_DELAY, RETRY_MAX_DELAY = 0.1, 2.0
 
@@ -220,8 +224,9 @@ class AsyncMemoryClient:
         except grpc.aio.AioRpcError as err:
             where = f"coordinator {self.endpoint}"
             details = err.details() or ""
-            if err.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem(details) and NOT_HTTP2 not in details:
-                # a stale endpoint file
+            if err.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem(details) and NOT_HTTP2 not in details \
+                    and any(w in details for w in NO_CONNECTION):
+                # a stale endpoint file (not the coordinator's own UNAVAILABLE: a table being replaced)
                 where += ("; is a memserver cluster running there (or is its coordinator restarting)? `memserver up` "
                           "starts one")
                 if self.tls is None and "Socket closed" in details:  # what a plaintext client meets at a TLS server
@@ -569,7 +574,8 @@ class AsyncMemoryClient:
 
     async def restore(self, dir: str, step: int = 0, *, replace: bool = False, num_shards: int = 0,
                       tables: list[str] | None = None, tier: str = "", cache_bytes: int = 0) -> list[TableMeta]:
-        """Load tables from a checkpoint (the latest complete one when step is 0), optionally
+        """Load tables from a checkpoint (when step is 0: the latest complete one; given `tables`,
+        the latest that holds them), optionally
         into a different number of shards, and the value tables into another `tier` ("ram" or
         "disk": a table that outgrew its shards' memory) or `cache_bytes` ("" and 0: as saved)."""
         check_ints(INT64, step=step, cache_bytes=cache_bytes)

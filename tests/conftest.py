@@ -76,16 +76,29 @@ def cli_in_process(capsys):
     """`memserver ARGS` run in this process, answered as a subprocess.run would (returncode,
     stdout, stderr): for the commands that only ask a running cluster, without a new
     interpreter's 2 s of imports each. (`up` stays a subprocess where a test starts a cluster.)"""
+    import logging
     import subprocess
+    import sys
 
     import memserver.cli as cli
 
     def call(args):
+        assert args[0] != "up", "`up` runs as a subprocess: in-process it would start a cluster inside pytest"
         capsys.readouterr()
+        logged = logging.StreamHandler(sys.stderr)  # what the command logs reaches its stderr, as in a process
+        logged.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        root, level = logging.getLogger(), logging.getLogger().level
+        root.addHandler(logged)
+        root.setLevel(logging.DEBUG if "-v" in args else logging.INFO)  # (basicConfig's, which pytest's handlers stop)
         try:
             code = cli.main(list(args))
-        except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else 1
+        except SystemExit as done:  # as the interpreter ends on it: None is 0, a message is printed with 1
+            code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
+            if not isinstance(done.code, int) and done.code is not None:
+                print(done.code, file=sys.stderr)
+        finally:
+            root.removeHandler(logged)
+            root.setLevel(level)
         out = capsys.readouterr()
         return subprocess.CompletedProcess(args, code, out.out, out.err)
 

@@ -38,7 +38,7 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
     assert "memserver ready at 127.0.0.1:" in up.stdout
     try:
         endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
-        again = cli(["up", "--detach"])
+        again = run(["up", "--detach"], env)  # (a subprocess: were the check broken, it would start a cluster)
         assert again.returncode == 2 and "already running" in again.stderr
         st = cli(["status", "--json"])
         assert st.returncode == 0, st.stderr

@@ -168,7 +168,7 @@ def test_a_scratch_table_that_cannot_be_dropped_leaves_the_report_standing(memor
     figures gathered are still printed, with the failed drop said beside them (it threw the
     whole report away)."""
     cmd = [sys.executable, "-m", "memserver.cli", "loadtest", "--endpoint", memory_cluster.endpoint, "--users", "1",
-           "--duration", "8s", "--batch", "8", "--knn", "4", "--num-rows", "1024", "--dim", "8", "--json"]
+           "--duration", "12s", "--batch", "8", "--knn", "4", "--num-rows", "1024", "--dim", "8", "--json"]
     before = {t.name for t in client.list_tables()}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:

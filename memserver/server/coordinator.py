@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from memserver.api.errors import (
     TableExistsError,
     TableNotFoundError,
     UnavailableError,
+    first_line,
 )
 from memserver.api.types import METRIC_NAMES, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
@@ -86,7 +88,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.pending: set[str] = set()
         # tables between the drop and the placing of a replace (restore or create with replace):
         # their calls meanwhile answer UNAVAILABLE, which clients retry, not NOT_FOUND
-        self.replacing: set[str] = set()
+        self.replacing: collections.Counter[str] = collections.Counter()  # (two replaces of one name may overlap)
         self.training: set[str] = set()  # index tables with a TrainIndex running (one at a time)
         self.placement: dict[str, list[int]] = {}  # table -> pool index of each of its shards
         # table -> shards that held an older layout of it at the catalog's rebuild (at most one per shard)
@@ -201,7 +203,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if request.replace and spec.name in self.tables and spec.name not in self.pending:
             plan = await self._check_replace(spec)
             log.info("replacing table %s", spec.name)
-            self.replacing.add(spec.name)
+            self.replacing[spec.name] += 1
             try:
                 try:
                     await self._drop(spec.name)
@@ -211,7 +213,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 # on the shards checked, and as checked: the old table's memory may not show as free yet
                 return await self._place(spec, plan=plan, checked=True)
             finally:
-                self.replacing.discard(spec.name)
+                self.replacing[spec.name] -= 1
+                self.replacing += collections.Counter()  # (drops the names at 0)
         return await self._place(spec)
 
     async def _check_replace(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
@@ -340,8 +343,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         task = self.checkpoint_calls.get(request.request_id)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = asyncio.ensure_future(self._checkpoint(request))
-            # its caller may be gone (a deadline): the failure is then the retry's to hear, or no one's
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            task.add_done_callback(_said)  # its caller may be gone (a deadline): a failure is logged too
             self.checkpoint_calls.pop(request.request_id, None)
             self.checkpoint_calls[request.request_id] = task
             while len(self.checkpoint_calls) > CHECKPOINT_CALLS:  # the oldest goes (it runs on if it runs)
@@ -381,8 +383,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         except Exception as exc:
             cause = getattr(exc, "cause", None) or exc  # (through Ray: the shard's own error)
             if isinstance(cause, DataLossError) and not request.tables:  # one lost table: the others still can be
-                raise DataLossError(f"{cause.details}; nothing was written: checkpoint the other tables by name "
-                                    "(--table, each)") from None
+                raise DataLossError(f"{cause.details}; nothing was written: checkpoint the other tables by name, in "
+                                    "one call (--table A --table B ...)") from None
             raise
         if any(self.tables.get(name) is not info for name, (_, info) in placed.items()):  # dropped or replaced meanwhile
             raise FailedPreconditionError(f"checkpoint of step {request.step}: a table of {names} was dropped or "
@@ -488,7 +490,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         try:
             for name in names:
                 if request.replace:
-                    self.replacing.add(name)
+                    self.replacing[name] += 1
                 try:
                     if request.replace:  # nothing of it may stay, slices no table owns either. (Without replace a
                         if name in self.tables:  # name here is another's, made meanwhile, and shards holding one
@@ -496,7 +498,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                         await self._drop_strays(name)
                     info = await self._place(specs[name], files[name], plan=plans.get(name))
                 finally:
-                    self.replacing.discard(name)
+                    if request.replace:
+                        self.replacing[name] -= 1
+                        self.replacing += collections.Counter()  # (drops the names at 0)
                 resp.tables.append(info)
                 made[name] = info.layout_id
         except BaseException:
@@ -547,6 +551,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                                            return_exceptions=True)
             for i, answer in enumerate(answers):
                 self.serving[i] = not isinstance(answer, BaseException)
+
+
+def _said(task: asyncio.Task[Any]) -> None:
+    """A checkpoint's task ended: a failure is logged (its caller may have gone past its deadline
+    and not retried; the step folder it began stays incomplete, which restores pass over)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("a checkpoint failed: %s", first_line(exc))
 
 
 def unavailable_state(exc: BaseException) -> str:

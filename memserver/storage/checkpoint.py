@@ -206,8 +206,14 @@ def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor],
 
 
 def tables_at(directory: Path) -> list[str]:
-    """The tables of the complete checkpoint in a step directory; [] where there is none."""
-    return sorted(_read_manifest(directory)["tables"]) if (directory / MANIFEST).exists() else []
+    """The tables of the complete checkpoint in a step directory; [] where there is none (or its
+    manifest cannot be read: it is withdrawn and rewritten whole)."""
+    if not (directory / MANIFEST).exists():
+        return []
+    try:
+        return sorted(_read_manifest(directory)["tables"])
+    except InvalidArgumentError:
+        return []
 
 
 def withdraw_manifest(directory: Path) -> bool:
