@@ -156,6 +156,16 @@ def test_the_coordinator_remembers_the_newest_checkpoint_calls_only(tmp_path):
     assert again.step == CHECKPOINT_CALLS + 1 and len(list(tmp_path.iterdir())) == CHECKPOINT_CALLS + 5
 
 
+def test_a_step_whose_manifest_cannot_be_read_is_written_again(client, table_name, tmp_path):
+    """A damaged manifest at a step (an interrupted rewrite on a broken disk): the check of which
+    tables that step holds read it and refused the new checkpoint; it is withdrawn and rewritten."""
+    client.create_table(table_name, 60, DIM)
+    (tmp_path / "step-0000000004").mkdir()
+    (tmp_path / "step-0000000004" / "manifest.json").write_text("{not json")
+    assert client.checkpoint(str(tmp_path), step=4, tables=[table_name])["tables"] == [table_name]
+    assert [m.name for m in client.restore(str(tmp_path), step=4, replace=True)] == [table_name]
+
+
 def test_a_checkpoint_the_disk_refuses_is_one_line_naming_the_path(client, table_name, tmp_path):
     """A directory that cannot be written (a file in the path, an immutable folder, a full disk)
     answered INTERNAL with the exception's class and a logged traceback, or through a shard
@@ -611,7 +621,7 @@ def test_a_trainers_calls_wait_through_a_replace_of_its_table(tmp_path, how):
     replaced, the client retries, and the call is served by the new table."""
     import threading
 
-    from client import MemoryClient
+    from client import MemoryClient, UnavailableError
     from memserver.cluster.inprocess import InProcessServer
 
     with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=30) as c, \
@@ -643,6 +653,10 @@ def test_a_trainers_calls_wait_through_a_replace_of_its_table(tmp_path, how):
             lookup.start()
             lookup.join(1.0)
             assert lookup.is_alive() and not got  # waiting for the table, not refused
+            with MemoryClient(server.endpoint, timeout=30, retry_seconds=0) as other, \
+                    pytest.raises(UnavailableError, match="is being replaced") as err:
+                other.drop_table("t")  # a control write is not retried: said as the coordinator said it
+            assert "is a memserver cluster running there" not in str(err.value)
         finally:
             go.set()
             replace.join(30)
