@@ -134,6 +134,30 @@ def test_a_retried_checkpoint_given_no_step_writes_one_step(memory_cluster, tabl
             c.drop_table(table_name)
 
 
+def test_a_checkpoint_retried_while_its_first_attempt_runs_waits_for_that_one(tmp_path):
+    """The first attempt outlives the client's deadline (a slow disk): the retry, same request_id,
+    waits for that checkpoint (shielded from the first handler's cancellation) instead of starting
+    a second one, which, given no step, wrote the next step beside it."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, timeout=1.0, retry_seconds=30) as c:
+        c.create_table("t", 10, 4)
+        coordinator = server.coordinator.servicer
+        real, runs = coordinator._checkpoint, []
+
+        async def slow(request):
+            import asyncio
+
+            runs.append(request.request_id)
+            await asyncio.sleep(2.5)  # past the client's 1 s deadline: it retries meanwhile
+            return await real(request)
+
+        coordinator._checkpoint = slow
+        got = c.checkpoint(str(tmp_path))
+    assert len(runs) == 1 and got["step"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["step-0000000001"]
+
+
 def test_the_coordinator_remembers_the_newest_checkpoint_calls_only(tmp_path):
     """The request_ids kept for retries are bounded (CHECKPOINT_CALLS): a long run's checkpoints
     do not grow the coordinator; a retry of a kept one is answered as its first attempt was."""
