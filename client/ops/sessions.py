@@ -34,9 +34,9 @@ class ClientSession:
         self._next = 1
         self._in_flight: dict[int, str] = {}  # seq -> its table
         self._known: set[tuple[str, int, int]] = set()  # (table, layout_id, shard index)
-        # (table, step) -> shard index -> the seqs of the gather parts that shard acknowledged
-        self._parts: dict[tuple[str, int], dict[int, set[int]]] = {}
-        self._part_layouts: dict[tuple[str, int], int] = {}  # (table, step) -> the layout its parts went to
+        # (table, step) -> (the table layout its parts went to, shard index -> the seqs of the
+        # gather parts that shard acknowledged)
+        self._parts: dict[tuple[str, int], tuple[int, dict[int, set[int]]]] = {}
         self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]] = {}
 
     def new_seq(self, table: str) -> int:
@@ -81,26 +81,19 @@ class ClientSession:
     def add_part(self, key: tuple[str, int], shard: int, seq: int, layout_id: int = 0) -> None:
         with self._lock:  # several threads may send parts of one step
             if key not in self._parts and len(self._parts) >= self.MAX_OPEN_STEPS:
-                oldest = next(iter(self._parts))
-                del self._parts[oldest]
-                self._part_layouts.pop(oldest, None)
-            self._parts.setdefault(key, {}).setdefault(shard, set()).add(seq)
-            self._part_layouts.setdefault(key, layout_id)
+                del self._parts[next(iter(self._parts))]
+            self._parts.setdefault(key, (layout_id, {}))[1].setdefault(shard, set()).add(seq)
 
-    def parts_layout(self, table: str, step: int) -> int:
-        """The layout (table incarnation) the parts of `step` went to; 0 if none was sent."""
+    def take_step(self, table: str, step: int) -> tuple[dict[int, list[int]], int]:
+        """The parts of `step` (shard index -> the seqs it acknowledged, in order) and the layout
+        (table incarnation) they went to, 0 if none was sent; forgotten here (its commit has them)."""
         with self._lock:
-            return self._part_layouts.get((table, step), 0)
-
-    def parts_of(self, table: str, step: int) -> dict[int, list[int]]:
-        """shard index -> the seqs of the parts of `step` it acknowledged, in order."""
-        with self._lock:
-            return {sh: sorted(seqs) for sh, seqs in self._parts.get((table, step), {}).items()}
+            layout, shards = self._parts.pop((table, step), (0, {}))
+        return {sh: sorted(seqs) for sh, seqs in shards.items()}, layout
 
     def forget_step(self, table: str, step: int) -> None:
         with self._lock:
             self._parts.pop((table, step), None)
-            self._part_layouts.pop((table, step), None)
 
     def forget_table(self, table: str) -> None:
         """The table was made anew, restored or dropped: its steps' parts and undecided decisions
@@ -109,7 +102,6 @@ class ClientSession:
         with self._lock:
             for key in [k for k in self._parts if k[0] == table]:
                 del self._parts[key]
-                self._part_layouts.pop(key, None)
             self._known.difference_update([k for k in self._known if k[0] == table])
             decisions = self._undecided.pop(table, {})
         for _, tags, _ in decisions.values():

@@ -83,8 +83,7 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
         if isinstance(got, MemserverError):
             log.warning("table %s: the %s of step %d was refused: %s", table, _PHASES[phase], st, got)
         session.set_undecided(table, st, None)
-    parts, layout = session.parts_of(table, step), session.parts_layout(table, step)
-    session.forget_step(table, step)
+    parts, layout = session.take_step(table, step)
     while True:  # twice at most: once more, with no parts, when the table was made anew meanwhile
         outcome = yield from _prepare_and_decide(session, table, step, shards, defer_apply, parts, layout)
         if not isinstance(outcome, TableRemadeError):
