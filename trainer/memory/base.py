@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from memserver.wire import all_finite
 from trainer.memory.backends import OVERFLOWS, ValueBackend
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,10 @@ class _Bag(torch.autograd.Function):
 
 
 def finite(*ts: torch.Tensor) -> bool:
-    """Whether every value of the tensors is finite (one wait for the device, on a GPU)."""
+    """Whether every value of the tensors is finite (memserver.wire.all_finite on the CPU; on a
+    GPU one wait for the device for all of them)."""
+    if ts[0].device.type == "cpu":
+        return all(all_finite(t) for t in ts)
     ok = torch.isfinite(ts[0]).all()
     for t in ts[1:]:
         ok = ok & torch.isfinite(t).all()
