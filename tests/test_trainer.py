@@ -422,7 +422,7 @@ def test_memtrain_gives_its_client_the_timeout_and_retry_window_asked(monkeypatc
         with pytest.raises(SystemExit, match="needs a memserver cluster"):
             list(train(build_parser().parse_args([*TINY, "--steps", "1", *extra])))
     assert made == [{"retry_seconds": 600.0, "timeout": 7.5}, {"retry_seconds": 0.0}, {}]
-    for argv, message in ((["--retry-seconds", "-1"], "argument --retry-seconds: must be 0 (no retries) or more"),
+    for argv, message in ((["--retry-seconds", "-1"], "argument --retry-seconds: must be 0 (no retries) or more than 0 seconds"),
                           (["--timeout", "0"], "argument --timeout: must be more than 0 seconds")):
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)

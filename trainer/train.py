@@ -29,7 +29,7 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.cli import quiet_libraries
-from memserver.cli.common import cache_size, one_line, seconds
+from memserver.cli.common import cache_size, one_line, retry_window, seconds
 from memserver.core.table import set_threads
 from memserver.storage.checkpoint import extras_digest
 from trainer.checkpoints import trainer_file
@@ -54,17 +54,6 @@ from trainer.model import GPT, ModelConfig, value_key
 
 log = logging.getLogger("memtrain")
 MAX_LSH_ROWS = 1 << 31  # buckets per LSH table (hashes x 2^bits): far beyond any table this machine could hold
-
-
-def retry_seconds(text: str) -> float:
-    """argparse type of --retry-seconds: seconds >= 0 (0: no retries)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds (a number), got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be 0 (no retries) or more seconds, got {text}")
-    return value
 
 
 def client_waits(args: argparse.Namespace) -> dict[str, float]:
@@ -116,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--endpoint", help="memserver coordinator HOST:PORT (default: the endpoint file of `memserver up`)")
     mem.add_argument("--timeout", type=seconds, help="each cluster call's deadline in seconds; an attempt past it is "
                      "sent again within --retry-seconds (default: 60)")
-    mem.add_argument("--retry-seconds", type=retry_seconds, help="how long a call keeps retrying while a shard or the "
+    mem.add_argument("--retry-seconds", type=retry_window, help="how long a call keeps retrying while a shard or the "
                      "coordinator restarts before the run stops with its error; a lost host takes Ray about 30 s to "
                      "notice, then the shard reloads its slice elsewhere, so give large tables more; 0: no retries "
                      "(default: 60)")

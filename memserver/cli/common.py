@@ -17,16 +17,24 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def seconds(text: str) -> float:
+def seconds(text: str, zero: str = "") -> float:
     """argparse type of every --timeout (and other waits in seconds): a number above 0. A deadline
-    of 0 or less would make each call fail at once, after retries, naming no flag."""
+    of 0 or less would make each call fail at once, after retries, naming no flag. `zero`: what 0
+    means where it is allowed (retry_window)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds (a number), got {text!r}") from None
+    if zero and value == 0:
+        return 0.0
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be {'0 (' + zero + ') or ' if zero else ''}more than 0 seconds, got {text}")
     return value
+
+
+def retry_window(text: str) -> float:
+    """argparse type of a --retry-seconds: seconds, 0 for no retries."""
+    return seconds(text, zero="no retries")
 
 
 def whole_number(text: str) -> int:
