@@ -585,7 +585,8 @@ def check_float(x: torch.Tensor, what: str) -> None:
 
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every value of `x` is finite: the one check of the servers, the client and the
-    memory layers (numpy on the CPU, ~20x torch's isfinite().all() there; a GPU's waits for it)."""
+    memory layers (numpy on the CPU, where torch's isfinite().all() is many times slower; a GPU's waits
+    for it)."""
     if x.device.type == "cpu" and x.dtype != torch.bfloat16:  # numpy, one thread (see check_ids)
         return bool(np.isfinite(x.detach().numpy()).all())
     return bool(torch.isfinite(x).all())
