@@ -365,7 +365,7 @@ class AsyncMemoryClient:
                     if errors:
                         raise errors[0]
                     if tags is not None:
-                        self.session.answered(meta, (a for a, _, _ in calls))
+                        self.session.answered(meta, [a for a, _, _ in calls], outcomes)
                     # before the blocks are released: shared-memory answers are views of them
                     return finish(op, transport.receive(sent, outcomes))
                 finally:

@@ -161,7 +161,7 @@ class MemoryClient:
                         if isinstance(o, MemserverError):
                             raise o
                     if tags is not None:
-                        self.aio.session.answered(meta, (a for a, _, _ in calls))
+                        self.aio.session.answered(meta, [a for a, _, _ in calls], outcomes)
                     # before the blocks are released: shared-memory answers are views of them
                     return finish(op, transport.receive(sent, outcomes))
                 finally:

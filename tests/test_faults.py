@@ -7,6 +7,7 @@ from `memserver status --json`.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -57,7 +58,7 @@ def wait_for(predicate, what: str, timeout: float = 90.0):
 
 
 @pytest.mark.parametrize("sharding", ["cols", "rows"])
-def test_wal_table_loses_no_acknowledged_push_when_a_shard_is_killed(fclient, client, table_name, sharding):
+def test_wal_table_loses_no_acknowledged_push_when_a_shard_is_killed(fclient, client, table_name, sharding, caplog):
     """A stream of pushes with a shard SIGKILLed in the middle: the client retries through the
     restart, the shard replays its log, and the table equals the same stream on a cluster that
     never failed, values and optimizer state (the pushes after recovery would diverge otherwise)."""
@@ -94,6 +95,7 @@ def test_wal_table_loses_no_acknowledged_push_when_a_shard_is_killed(fclient, cl
     assert st.pid != old_pid and st.restarted
     load = next(t for t in st.tables if t.table == table_name)
     assert "logged writes" in load.recovered_from and load.wal_lsn > 0
+    assert not [r for r in caplog.records if r.name == "client.ops.sessions"]  # nothing lost, nothing said
     # optimizer state came back too: more pushes keep both tables equal
     for ids, g in batches(2, 5):
         fclient.push_gradients(table_name, ids, g)
@@ -103,9 +105,10 @@ def test_wal_table_loses_no_acknowledged_push_when_a_shard_is_killed(fclient, cl
     client.drop_table(table_name)
 
 
-def test_table_without_wal_returns_to_its_last_checkpoint(fclient, table_name, tmp_path):
+def test_table_without_wal_returns_to_its_last_checkpoint(fclient, table_name, tmp_path, caplog):
     """Without a log, a killed shard's table (every shard of it) comes back as the last complete
-    checkpoint, and later writes go on from there."""
+    checkpoint, and later writes go on from there; the client that wrote is told at its next write
+    (the shard kept its address: nothing else would tell it)."""
     fclient.create_table(table_name, ROWS, DIM, sharding="rows", optimizer="adagrad", lr=0.1, seed=6)
     for ids, g in batches(3, 10):
         fclient.push_gradients(table_name, ids, g)
@@ -124,7 +127,13 @@ def test_table_without_wal_returns_to_its_last_checkpoint(fclient, table_name, t
     assert sorted(t.recovered_from for t in loads) == ["checkpoint step 10", "rollback to checkpoint step 10"]
     np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), at_checkpoint)
     ids, g = batches(5, 1)[0]
+    caplog.set_level(logging.WARNING, logger="client.ops.sessions")
     assert fclient.push_gradients(table_name, ids, g) == len(np.unique(ids))
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "client.ops.sessions"]
+    assert said.startswith(f"table {table_name}: rebuilt without a write-ahead log")
+    assert "shard 0 from rollback to checkpoint step 10; shard 1 from checkpoint step 10" in said
+    fclient.push_gradients(table_name, ids, g)
+    assert len([r for r in caplog.records if r.name == "client.ops.sessions"]) == 1
     fclient.drop_table(table_name)
 
 

@@ -4,6 +4,8 @@ session then marks only the shards a write reached as knowing it (client.ops.ses
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -20,6 +22,8 @@ from client.ops import (
     slot_stats_op,
     write_rows_op,
 )
+from memserver.api.types import TableMeta
+from memserver.api.v1 import memserver_pb2 as pb
 
 OPTS = OpOptions()
 
@@ -80,7 +84,7 @@ def test_a_write_marks_only_the_shards_it_reached(client, table_name):
     meta = client.create_table(table_name, 64, 4, sharding="rows", num_shards=2)
     s0, s1 = meta.shards
     session = ClientSession("routing-test")
-    session.answered(meta, [s0.address])
+    session.answered(meta, [s0.address], [pb.WriteAck()])
     assert session.knows(meta, s0) and not session.knows(meta, s1)
     tags = WriteTags(session)
     tags.begin_attempt(True)
@@ -91,6 +95,34 @@ def test_a_write_marks_only_the_shards_it_reached(client, table_name):
     client.push_gradients(table_name, np.array([0, 2]), np.ones((2, 4), np.float32))
     known = client.aio.session
     assert known.knows(meta, s0) and not known.knows(meta, s1)
+
+
+def test_a_slice_rebuilt_without_its_log_is_said_to_the_clients_that_wrote_to_it(caplog):
+    """A table without `wal` rolls back when a shard restarts, at the same address: the client's
+    only sign is a write's answer carrying a new `rebuilt`. It warns once per rebuild, naming the
+    shards and what they came back as; a slice first written after its rebuild, a table made anew,
+    or the same rebuild again say nothing."""
+    shards = [pb.ShardInfo(index=i, address=f"127.0.0.1:{5000 + i}") for i in range(2)]
+    meta = TableMeta.from_proto(pb.TableInfo(spec=pb.TableSpec(name="t", num_rows=8, dim=4), shards=shards,
+                                             layout_id=7))
+    addresses = [sh.address for sh in meta.shards]
+    session = ClientSession("rebuilt-test")
+    caplog.set_level(logging.WARNING, logger="client.ops.sessions")
+    session.answered(meta, addresses[:1], [pb.WriteAck()])
+    session.answered(meta, addresses[1:], [pb.WriteAck(rebuilt=3, recovered_from="checkpoint step 2")])
+    assert not caplog.records  # shard 1: first written after its rebuild, nothing of this client's lost
+    rolled = [pb.WriteAck(rebuilt=5, recovered_from="rollback to checkpoint step 10"),
+              pb.BagBackwardResponse(rebuilt=9, recovered_from="checkpoint step 10")]
+    session.answered(meta, addresses, rolled)
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("table t: rebuilt without a write-ahead log")
+    assert "shard 0 from rollback to checkpoint step 10; shard 1 from checkpoint step 10" in said
+    session.answered(meta, addresses, rolled)  # the same rebuilds: said once
+    assert len(caplog.records) == 1
+    anew = TableMeta.from_proto(pb.TableInfo(spec=pb.TableSpec(name="t", num_rows=8, dim=4), shards=shards,
+                                             layout_id=8))
+    session.answered(anew, addresses, [pb.WriteAck(rebuilt=11), pb.WriteAck(rebuilt=12)])
+    assert len(caplog.records) == 1  # another incarnation of the table: its own slices
 
 
 def test_a_table_made_anew_replaces_the_slices_a_session_knows(client, memory_cluster, table_name):

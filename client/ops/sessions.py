@@ -4,11 +4,15 @@ the commit decisions that have not reached every shard yet."""
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from memserver.api.types import ShardMeta, TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 class ClientSession:
@@ -21,8 +25,9 @@ class ClientSession:
     Bounds: `_in_flight` holds the seqs of calls running now (and of undecided commits), each
     with its table: a table's slices are told to keep only the answers of that table's writes in
     flight, so a decision held for one table never makes another table's shards keep answers;
-    `_known` one entry per slice of the tables this client has written to (a table made anew,
-    here or by another client, replaces its old slices' entries); `_parts` the steps
+    `_known` one entry per slice of the tables this client has written to, with the slice's last
+    `rebuilt` (a table made anew, here or by another client, replaces its old slices' entries);
+    `_parts` the steps
     sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
     decisions a shard could not be reached with, re-sent by the table's next commit_step."""
 
@@ -33,7 +38,8 @@ class ClientSession:
         self._lock = threading.Lock()
         self._next = 1
         self._in_flight: dict[int, str] = {}  # seq -> its table
-        self._known: set[tuple[str, int, int]] = set()  # (table, layout_id, shard index)
+        # (table, layout_id, shard index) -> the slice's `rebuilt` in its last answer to a write
+        self._known: dict[tuple[str, int, int], int] = {}
         # (table, step) -> (the table layout its parts went to, shard index -> the seqs of the
         # gather parts that shard acknowledged)
         self._parts: dict[tuple[str, int], tuple[int, dict[int, set[int]]]] = {}
@@ -57,19 +63,33 @@ class ClientSession:
         with self._lock:
             return min((seq for seq, t in self._in_flight.items() if t == table), default=self._next)
 
-    def answered(self, meta: TableMeta, addresses: Iterable[str]) -> None:
-        """The slices of `meta` at `addresses` (the shards a write call reached) answered it; the
-        others of the table, sent nothing, still may not know this session."""
-        where = set(addresses)
+    def answered(self, meta: TableMeta, addresses: Sequence[str], answers: Sequence[Any]) -> None:
+        """The slices of `meta` at `addresses` (the shards a write call reached) gave `answers`;
+        the others of the table, sent nothing, still may not know this session. A slice this
+        client wrote to before that answers with a new `rebuilt` came back from its files without
+        its log: writes acknowledged to this client were lost, which is said here (the only sign a
+        trainer gets: the shard may keep its address, and the client its shard map)."""
+        shard = {sh.address: sh.index for sh in meta.shards}
+        lost: dict[int, str] = {}
         with self._lock:
-            self._known.update((meta.name, meta.layout_id, sh.index) for sh in meta.shards if sh.address in where)
+            for address, answer in zip(addresses, answers):
+                key, rebuilt = (meta.name, meta.layout_id, shard[address]), getattr(answer, "rebuilt", 0)
+                if rebuilt and self._known.get(key, rebuilt) != rebuilt:
+                    lost[key[2]] = answer.recovered_from
+                self._known[key] = rebuilt
+        if lost:
+            log.warning("table %s: rebuilt without a write-ahead log (the table has no `wal`), %s: writes acknowledged "
+                        "to this client after that point are lost. Give the table `wal`, or checkpoint it as often as "
+                        "you can afford to lose work", meta.name,
+                        "; ".join(f"shard {i} from {lost[i]}" for i in sorted(lost)))
 
     def forget_layouts(self, table: str, keep: int) -> None:
         """`table` was made anew (the client found another layout): its old incarnations' slices
         go (here, not as a write is answered: a late answer of the old layout must not remove the
         new one's)."""
         with self._lock:
-            self._known.difference_update([k for k in self._known if k[0] == table and k[1] != keep])
+            for k in [k for k in self._known if k[0] == table and k[1] != keep]:
+                del self._known[k]
 
     def knows(self, meta: TableMeta, shard: ShardMeta) -> bool:
         return (meta.name, meta.layout_id, shard.index) in self._known
@@ -102,7 +122,8 @@ class ClientSession:
         with self._lock:
             for key in [k for k in self._parts if k[0] == table]:
                 del self._parts[key]
-            self._known.difference_update([k for k in self._known if k[0] == table])
+            for k in [k for k in self._known if k[0] == table]:
+                del self._known[k]
             decisions = self._undecided.pop(table, {})
         for _, tags, _ in decisions.values():
             tags.held = False

@@ -323,7 +323,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 return pb.Tensor() if request.no_weight_grad else encode(grad_w)
 
             grad_w, dup = sl.once(request.tag, BAG_BACKWARD, request, apply, check)
-            return pb.BagBackwardResponse(grad_weights=grad_w, duplicate=dup)
+            return sl.said_rebuilt(pb.BagBackwardResponse(grad_weights=grad_w, duplicate=dup))
 
         return work, ids.numel()
 
@@ -353,7 +353,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 return self._update(sl, checked[0](), request.defer_apply)
 
             rows, dup = sl.once(request.tag, COMMIT_STEP, request, apply, check)
-            return pb.WriteAck(rows=rows, duplicate=dup)
+            return sl.ack(rows, dup)
 
         return work, 1
 
@@ -367,7 +367,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             local = sl.local(ids)
 
             rows, dup = sl.once(request.tag, PUSH_GRADIENTS, request, lambda: sl.table.push_gradients(local, grads))
-            return pb.WriteAck(rows=rows, duplicate=dup)
+            return sl.ack(rows, dup)
 
         return work, ids.numel()
 
@@ -383,7 +383,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 raise InvalidArgumentError("ids: write_rows needs distinct ids (which of two rows would win?)")
 
             n, dup = sl.once(request.tag, WRITE_ROWS, request, lambda: sl.table.write_rows(local, rows))
-            return pb.WriteAck(rows=n, duplicate=dup)
+            return sl.ack(n, dup)
 
         return work, ids.numel()
 
@@ -452,7 +452,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             checked: list[Any] = []  # check_add's arrays, validated once before the log and reused
             n, dup = sl.once(request.tag, ADD, request, lambda: sl.table.add_checked(*checked[0]),
                              lambda: checked.append(sl.table.check_add(local, vectors, payload)))
-            return pb.WriteAck(rows=n, duplicate=dup)
+            return sl.ack(n, dup)
 
         return work, ids.numel()
 
@@ -464,7 +464,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             sl.check_writable()
             local = sl.local(ids)
             n, dup = sl.once(request.tag, REMOVE, request, lambda: sl.table.remove(local))
-            return pb.WriteAck(rows=n, duplicate=dup)
+            return sl.ack(n, dup)
 
         return work, ids.numel()
 
@@ -516,7 +516,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             n, dup = sl.once(request.tag, LOAD_PRODUCT_KEYS, request,
                              lambda: sl.table.load(keys, weight, bias, bn, request.bn.eps),
                              lambda: sl.table.check_load(keys, weight, bias, bn, request.bn.eps))
-            return pb.WriteAck(rows=n, duplicate=dup)
+            return sl.ack(n, dup)
 
         return work, INLINE_ENTRIES + 1
 

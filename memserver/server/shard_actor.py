@@ -182,6 +182,8 @@ class ShardActor:
                 log.exception("shard %d: could not recover table %s; it stays unavailable", self.index, record["name"])
                 self._unrecovered(record["name"], f"{type(exc).__name__}: {first_line(exc)}", record)
                 continue
+            if not sl.spec.wal:
+                sl.mark_rebuilt()
             self.servicer.tables[sl.spec.name] = sl
             out.append({"table": sl.spec.name, "from": how, "wal": bool(sl.spec.wal),
                         "checkpoint": (used or {}).get("file", "")})
@@ -465,6 +467,7 @@ class ShardActor:
                 raise
             new.requests = sl.requests
             new.recovered_from = f"rollback to {how}"
+            new.mark_rebuilt()
             self.servicer.tables[name] = new
             return how
 

@@ -9,6 +9,7 @@ here takes a lock.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,9 @@ class TableSlice:
         self.replaying = False
         self.last_lsn = -1  # the newest log record this slice appended
         self.recovered_from = ""
+        # Non-zero once rebuilt from files without the writes acknowledged since (see WriteAck):
+        # every write's answer says so, the signal a client's trainer gets on its data path.
+        self.rebuilt = 0
         self.unavailable = ""  # why this slice refuses requests (e.g. a gap in its log); "" = serving
         self.write_failure = ""  # why this slice refuses writes (a logged write failed to apply); "" = none
         # Steps whose parts arrived and are not applied yet: step -> client_id -> its parts.
@@ -115,6 +119,20 @@ class TableSlice:
             raise FailedPreconditionError(
                 f"table {self.spec.name}: the request is for layout {layout_id}, this shard holds layout "
                 f"{self.info.layout_id} (the table was dropped and re-created or restored): refresh the shard map")
+
+    def mark_rebuilt(self) -> None:
+        """This slice was made from its files without the writes acknowledged since (no log)."""
+        self.rebuilt = secrets.randbits(64) | 1
+
+    def ack(self, rows: int, duplicate: bool) -> pb.WriteAck:
+        """A write's answer, saying whether this slice was rebuilt without acknowledged writes."""
+        return self.said_rebuilt(pb.WriteAck(rows=rows, duplicate=duplicate))
+
+    def said_rebuilt(self, answer: Any) -> Any:
+        """`answer` (a WriteAck, a BagBackwardResponse) with this slice's rebuild, if any, set."""
+        if self.rebuilt:
+            answer.rebuilt, answer.recovered_from = self.rebuilt, self.recovered_from
+        return answer
 
     def close(self) -> None:
         """Close what the slice holds open: its log, a disk table's files (kept until dropped)."""

@@ -323,12 +323,16 @@ class BagBackwardRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., grad_out: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., step: _Optional[int] = ..., layout_id: _Optional[int] = ..., gather: _Optional[bool] = ..., no_weight_grad: _Optional[bool] = ..., shm: _Optional[_Union[ShmCall, _Mapping]] = ...) -> None: ...
 
 class BagBackwardResponse(_message.Message):
-    __slots__ = ("grad_weights", "duplicate")
+    __slots__ = ("grad_weights", "duplicate", "rebuilt", "recovered_from")
     GRAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    REBUILT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_FROM_FIELD_NUMBER: _ClassVar[int]
     grad_weights: Tensor
     duplicate: bool
-    def __init__(self, grad_weights: _Optional[_Union[Tensor, _Mapping]] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    rebuilt: int
+    recovered_from: str
+    def __init__(self, grad_weights: _Optional[_Union[Tensor, _Mapping]] = ..., duplicate: _Optional[bool] = ..., rebuilt: _Optional[int] = ..., recovered_from: _Optional[str] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
     __slots__ = ("table", "step", "parts", "tag", "defer_apply", "layout_id", "phase", "part_seqs", "contributor")
@@ -381,12 +385,16 @@ class WriteRowsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
 
 class WriteAck(_message.Message):
-    __slots__ = ("rows", "duplicate")
+    __slots__ = ("rows", "duplicate", "rebuilt", "recovered_from")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    REBUILT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_FROM_FIELD_NUMBER: _ClassVar[int]
     rows: int
     duplicate: bool
-    def __init__(self, rows: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    rebuilt: int
+    recovered_from: str
+    def __init__(self, rows: _Optional[int] = ..., duplicate: _Optional[bool] = ..., rebuilt: _Optional[int] = ..., recovered_from: _Optional[str] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("table", "ids", "layout_id")
