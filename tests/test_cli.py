@@ -260,6 +260,23 @@ def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     assert st.returncode == 2 and "--endpoint: expected the coordinator's HOST:PORT, got 'garbage'" in st.stderr
 
 
+def test_status_json_with_no_cluster_prints_json_too(tmp_path, monkeypatch, cli_in_process):
+    """A script runs `status --json` and reads stdout: with no cluster to ask it gets a JSON object
+    saying why (the exit status 2 or 1 as documented), not an empty stdout that fails its parse."""
+    import socket
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    st = cli_in_process(["status", "--json"])
+    got = json.loads(st.stdout)
+    assert st.returncode == 2 and got["endpoint"] is None and got["error"].startswith("no memserver endpoint file")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+        st = cli_in_process(["status", "--json", "--endpoint", endpoint, "--timeout", "1"])
+    got = json.loads(st.stdout)
+    assert st.returncode == 1 and got["endpoint"] == endpoint and "is a memserver cluster running there" in got["error"]
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
