@@ -573,16 +573,20 @@ class AsyncMemoryClient:
         return (await self._retrying(lambda: self._control("Checkpoint", request))).path
 
     async def restore(self, dir: str, step: int = 0, *, replace: bool = False, num_shards: int = 0,
-                      tables: list[str] | None = None, tier: str = "", cache_bytes: int = 0) -> list[TableMeta]:
+                      tables: list[str] | None = None, tier: str = "", cache_bytes: int = 0,
+                      wal: bool | None = None) -> list[TableMeta]:
         """Load tables from a checkpoint (when step is 0: the latest complete one; given `tables`,
         the latest that holds them), optionally
         into a different number of shards, and the value tables into another `tier` ("ram" or
-        "disk": a table that outgrew its shards' memory) or `cache_bytes` ("" and 0: as saved)."""
+        "disk": a table that outgrew its shards' memory) or `cache_bytes` ("" and 0: as saved);
+        `wal` True/False: the tables log their writes or not (None: as saved)."""
         check_ints(INT64, step=step, cache_bytes=cache_bytes)
         check_ints(INT32, num_shards=num_shards)
+        if wal is not None and not isinstance(wal, bool):
+            raise InvalidArgumentError(f"wal: True, False or None (as saved), got {wal!r}")
         r = await self._control("Restore", pb.RestoreRequest(dir=str(dir), step=step, replace=replace,
                                                              num_shards=num_shards, tables=tables or [], tier=tier,
-                                                             cache_bytes=cache_bytes))
+                                                             cache_bytes=cache_bytes, wal=wal))
         metas = [TableMeta.from_proto(t) for t in r.tables]
         for m in metas:
             self._tables[m.name] = m

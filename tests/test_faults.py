@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from memserver.api.errors import InvalidArgumentError
+
 ROWS, DIM = 512, 16
 
 
@@ -134,6 +136,34 @@ def test_table_without_wal_returns_to_its_last_checkpoint(fclient, table_name, t
     assert "shard 0 from rollback to checkpoint step 10; shard 1 from checkpoint step 10" in said
     fclient.push_gradients(table_name, ids, g)
     assert len([r for r in caplog.records if r.name == "client.ops.sessions"]) == 1
+    fclient.drop_table(table_name)
+
+
+def test_a_table_restored_with_wal_logs_its_writes(fault_cluster, fclient, table_name, tmp_path, cli_in_process):
+    """`restore --wal` of a checkpoint taken before the table had a log: it comes back logging, so
+    a shard killed after more writes loses none of them (without the flag: as saved)."""
+    fclient.create_table(table_name, ROWS, DIM, sharding="cols", optimizer="adagrad", lr=0.1, seed=7)
+    for ids, g in batches(8, 3):
+        fclient.push_gradients(table_name, ids, g)
+    fclient.checkpoint(str(tmp_path), step=3, tables=[table_name])
+    assert not fclient.restore(str(tmp_path), replace=True, tables=[table_name])[0].wal  # as saved
+    with pytest.raises(InvalidArgumentError, match="wal: True, False or None"):
+        fclient.restore(str(tmp_path), replace=True, tables=[table_name], wal="yes")
+    st = cli_in_process(["restore", "--dir", str(tmp_path), "--table", table_name, "--replace", "--wal",
+                         "--endpoint", fault_cluster.endpoint])
+    assert st.returncode == 0 and f"restored {table_name}: " in st.stdout and ", with wal" in st.stdout, st
+    assert fclient.table(table_name, refresh=True).wal
+    for ids, g in batches(9, 5):  # acknowledged after the restore: logged now
+        fclient.push_gradients(table_name, ids, g)
+    before = fclient.lookup(table_name, np.arange(ROWS))
+    pid = kill_shard(fclient, 0)
+
+    def recovered():
+        s = fclient.status().shards[0]
+        return s.pid != pid and any(t.table == table_name and "5 logged writes" in t.recovered_from for t in s.tables)
+
+    wait_for(recovered, "shard 0 to replay the restored table's log")
+    np.testing.assert_array_equal(fclient.lookup(table_name, np.arange(ROWS)), before)
     fclient.drop_table(table_name)
 
 

@@ -398,7 +398,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     with cli_client(args) as client:
         try:
             metas = client.restore(_checkpoint_dir(args), args.step, replace=args.replace, num_shards=args.shards,
-                                   tables=args.table or None, tier=args.tier or "", cache_bytes=args.cache_bytes or 0)
+                                   tables=args.table or None, tier=args.tier or "", cache_bytes=args.cache_bytes or 0,
+                                   wal=args.wal)
         except InvalidArgumentError as exc:
             key, sep, why = exc.details.partition(": ")
             if key == "dtype" and args.tier:  # a half-float table cannot go to disk: what --tier asked for
@@ -412,7 +413,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         for m in metas:
             what = (f"{m.num_rows:,} x {m.dim} ({m.sharding}, tier {tier_text(m.tier, m.cache_bytes)})" if m.kind == "value"
                     else f"{m.kind} table, dim {m.dim}")
-            print(f"restored {m.name}: {what} over {len(m.shards)} shards")
+            print(f"restored {m.name}: {what} over {len(m.shards)} shards{', with wal' if m.wal else ''}")
     return 0
 
 
@@ -510,5 +511,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rs.add_argument("--cache-bytes", type=cache_size,
                     help="the value tables' disk cache for each whole table, e.g. 4G (default: as saved, or 1/8 of "
                     "the rows' records when --tier changes it to disk)")
+    rs.add_argument("--wal", action=argparse.BooleanOptionalAction, default=None,
+                    help="the tables restored log every write before acknowledging it (--wal) or not (--no-wal); "
+                    "default: as saved (a checkpoint taken before a table had wal comes back without it)")
     cluster_flags(rs, timeout=600.0, json_help="print a JSON array of the restored tables")
     rs.set_defaults(func=cmd_restore)

@@ -472,6 +472,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             spec.num_shards = request.num_shards or min(spec.num_shards, len(self.handles))
             if spec.kind == pb.VALUE:  # a tier and cache of the restore's, where it gives them
                 retier(spec, request.tier, request.cache_bytes)
+            if request.HasField("wal"):
+                spec.wal = request.wal
             specs[name] = validate_spec(spec, len(self.handles))  # its name is a table name: no path in it
             if spec.name != name:  # the manifest's key names the folder its files are read from
                 raise InvalidArgumentError(f"dir: the checkpoint's manifest lists table {name!r} with the spec of "

@@ -870,7 +870,7 @@ class CheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., bytes: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("dir", "step", "replace", "num_shards", "tables", "tier", "cache_bytes")
+    __slots__ = ("dir", "step", "replace", "num_shards", "tables", "tier", "cache_bytes", "wal")
     DIR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
@@ -878,6 +878,7 @@ class RestoreRequest(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAL_FIELD_NUMBER: _ClassVar[int]
     dir: str
     step: int
     replace: bool
@@ -885,7 +886,8 @@ class RestoreRequest(_message.Message):
     tables: _containers.RepeatedScalarFieldContainer[str]
     tier: str
     cache_bytes: int
-    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., replace: _Optional[bool] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
+    wal: bool
+    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., replace: _Optional[bool] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., cache_bytes: _Optional[int] = ..., wal: _Optional[bool] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("path", "step", "tables")
