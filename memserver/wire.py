@@ -583,6 +583,17 @@ def check_float(x: torch.Tensor, what: str) -> None:
         raise InvalidArgumentError(f"{what}: contains NaN or infinite values{why}")
 
 
+def check_stored(x: torch.Tensor, dtype: torch.dtype | str, table: str, what: str) -> None:
+    """Finite float32 values that a table storing `dtype` (or its name) keeps finite: float16 ends
+    at 65504 (one at 65520 or beyond would be stored as infinite). float32 and bfloat16 hold
+    float32's range. The client asks before sending (a cols table's shards take all or none) and
+    each shard again."""
+    if dtype in (torch.float16, "float16") and x.numel() and not all_finite(x.to(torch.float16)):
+        big = float(x.abs().max())
+        raise InvalidArgumentError(f"{what}: {big:g} is beyond float16's largest value (65504), which table {table} "
+                                   "stores: it would be stored as infinite")
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every value of `x` is finite: the one check of the servers, the client and the
     memory layers (numpy on the CPU, where torch's isfinite().all() is many times slower; a GPU's waits

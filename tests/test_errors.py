@@ -87,6 +87,65 @@ def test_a_gradient_beyond_float16s_range_on_a_float16_wire_is_said_as_that(clie
     np.testing.assert_array_equal(snapshot(client, table)[0], before[0])
 
 
+def test_rows_beyond_a_float16_tables_range_are_refused_whole(client, table_name):
+    """write_rows of 1e5 into a float16 table stored inf. Refused by the client before anything is
+    sent (here only shard 1's columns are too large: a cols table takes all or none), naming the
+    range and the table; the table is unchanged."""
+    client.create_table(table_name, 10, 4, sharding="cols", num_shards=2, dtype="float16", init_std=0.5)
+    before = client.lookup(table_name, np.arange(10))
+    rows = np.ones((2, 4), np.float32)
+    rows[1, 3] = 1e5
+    with pytest.raises(InvalidArgumentError, match=f"rows: 100000 is beyond float16's largest value \\(65504\\), "
+                                                   f"which table {table_name} stores"):
+        client.write_rows(table_name, [1, 2], rows)
+    np.testing.assert_array_equal(client.lookup(table_name, np.arange(10)), before)
+    rows[1, 3] = 6e4  # within the range: written (as float16 rounds it)
+    assert client.write_rows(table_name, [1, 2], rows) == 2
+    assert client.lookup(table_name, [2])[0, 3] == np.float16(6e4)
+
+
+def test_a_shard_refuses_float16_overflowing_rows_and_counts_overflowing_steps(tmp_path):
+    """Through a shard, without the client's check: write_rows beyond float16's range is refused
+    INVALID_ARGUMENT, nothing written; an optimizer step past it stores inf (the table's math, as
+    in torch) and is counted in status (TableLoad.nonfinite_updates, `status --json`) and in the
+    metrics."""
+    from memserver.cli.tables import status_dict
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.shard_actor import ShardActor
+    from memserver.wire import decode
+
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    spec = validate_spec(pb.TableSpec(name="h", num_rows=8, dim=2, sharding=pb.ROWS, dtype=pb.FLOAT16,
+                                      optimizer=pb.OptimizerSpec(name="sgd", lr=1.0)), 1)
+    shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+    try:
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+
+            def rows(ids):
+                return decode(stub.Lookup(pb.LookupRequest(table="h", ids=encode(torch.tensor(ids)))).rows, "rows")
+
+            before = rows([0, 1])
+            with pytest.raises(grpc.RpcError) as err:
+                stub.WriteRows(pb.WriteRowsRequest(table="h", ids=encode(torch.tensor([0, 1])),
+                                                   rows=encode(torch.tensor([[1.0, 1.0], [7e4, 0.0]])),
+                                                   tag=pb.WriteTag(client_id="c", seq=1)))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "rows: 70000 is beyond float16's largest value (65504), which table h stores" in err.value.details()
+            assert torch.equal(rows([0, 1]), before)
+            stub.PushGradients(pb.PushGradientsRequest(table="h", ids=encode(torch.tensor([0, 1])),
+                                                       grads=encode(torch.tensor([[-1e5, 0.0], [1.0, 1.0]])),
+                                                       tag=pb.WriteTag(client_id="c", seq=2)))
+            assert torch.isinf(rows([0])).any() and torch.isfinite(rows([1])).all()
+        load = next(t for t in pb.ShardStatus.FromString(shard.status()).tables if t.table == "h")
+        assert load.nonfinite_updates == 1
+        shown = status_dict(pb.StatusResponse(shards=[pb.ShardStatus.FromString(shard.status())]))
+        assert shown["shards"][0]["tables"][0]["nonfinite_updates"] == 1
+        assert shard.metrics.registry.get_sample_value("memserver_table_nonfinite_updates_total", {"table": "h"}) == 1
+    finally:
+        shard.stop()
+
+
 def test_bad_reads(client, table):
     with pytest.raises(InvalidArgumentError, match="out of range"):
         client.lookup(table, [0, 100])

@@ -88,6 +88,19 @@ def test_half_storage_uses_float32_math(dtype):
     assert t16.weight.dtype == dtype and t16.bag(ids, w).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_float16_step_past_its_range_is_counted(dtype):
+    """A float16 row stepped past 65504 is stored as inf (as a torch float16 parameter would be):
+    each such row update is counted, for status and the metrics. bfloat16 and float32 hold the
+    same values finite."""
+    t = ValueTable(4, 2, OptimizerConfig("sgd", 1.0), init_std=0.0, dtype=dtype)
+    t.push_gradients(torch.tensor([0, 1, 2]), torch.tensor([[-1e5, 0.0], [-10.0, 0.0], [0.0, 7e4]]))
+    t.push_gradients(torch.tensor([0, 3]), torch.ones(2, 2))  # row 0 stays inf: counted again
+    half = dtype == torch.float16
+    assert int(t.nonfinite_updates) == (3 if half else 0)
+    assert torch.isinf(t.weight.float()).any(1).tolist() == [half, False, half, False]
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 9), st.floats(-10, 10, allow_nan=False)), min_size=1, max_size=30))
 def test_aggregate_sums_duplicates(pairs):

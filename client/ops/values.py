@@ -15,7 +15,7 @@ from client.ops.sessions import StepParts, WriteTags
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import Lazy, check_1d, check_rows, decode, encode, wire_tensor
+from memserver.wire import Lazy, check_1d, check_rows, check_stored, decode, encode, wire_tensor
 
 
 def ids_fit_int32(num_rows: int) -> bool:
@@ -226,6 +226,7 @@ def write_rows_op(meta: TableMeta, ids: Any, rows: Any, opts: OpOptions, tags: W
     r = checked_floats(rows, "rows")
     check_1d(t, "ids")
     check_rows(r, len(t), meta.dim, "rows")
+    check_stored(r, meta.dtype, meta.name, "rows")
     if len(torch.unique(t)) != len(t):
         raise InvalidArgumentError("ids: write_rows needs distinct ids (which of two rows would win?)")
     return (yield from _write_op(meta, "WriteRows", t, r, opts, tags))

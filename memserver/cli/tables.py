@@ -88,6 +88,7 @@ def status_dict(resp: Any) -> dict[str, Any]:
                             "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from, "sessions": t.sessions,
                             "remembered": t.remembered, "unavailable": t.unavailable,
                             "writes_refused": t.writes_refused, "vectors": t.vectors,
+                            "nonfinite_updates": t.nonfinite_updates,
                             "trained": t.trained, "index_device": t.index_device, "trigger_slots": t.trigger_slots,
                             "trigger_bytes": t.trigger_bytes, **_disk_dict(t)} for t in s.tables],
             }
@@ -245,6 +246,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         for t in s["tables"]:
             if t["recovered_from"]:
                 out.print(f"shard {s['index']}: table {t['table']} recovered from {t['recovered_from']}")
+            if t["nonfinite_updates"]:
+                out.print(f"[yellow]shard {s['index']}: table {t['table']}: {t['nonfinite_updates']:,} row updates stored "
+                          "inf or NaN (float16 ends at 65504): training diverged on those rows; a lower lr or "
+                          "bfloat16 keeps them finite[/]")
     for line in unlisted(st):
         out.print(escape(line))
     for line in wrong:

@@ -187,6 +187,9 @@ class ValueTable:
         self.weight_mass = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
         self.updates = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
         self.last_update = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
+        # Row updates that stored inf or NaN (a float16 table's step past 65504): counted on the
+        # device, never waited for by the step; read by status and the metrics.
+        self.nonfinite_updates = torch.zeros((), dtype=torch.int64, device=self.device)
 
     @classmethod
     def over(cls, weight: torch.Tensor, optimizer: OptimizerConfig, updates: torch.Tensor, last_update: torch.Tensor,
@@ -203,6 +206,7 @@ class ValueTable:
             if x is not None:
                 setattr(t, name, x)
         t.track_stats = False
+        t.nonfinite_updates = torch.zeros((), dtype=torch.int64, device=t.device)
         fast_ok = kernels is not None and t.device.type == "cpu" and t.dtype == torch.float32
         t.backend = "numba" if fast_ok and (os.environ.get("MEMSERVER_BACKEND") or "auto") != "torch" else "torch"
         return t

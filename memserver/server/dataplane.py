@@ -48,6 +48,7 @@ from memserver.wire import (
     check_answer,
     check_bag,
     check_rows,
+    check_stored,
     check_triggers,
     check_wire_dtype,
     decode,
@@ -375,6 +376,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         ids, rows = decode(request.ids, "ids"), decode(request.rows, "rows")
         check_1d(ids, "ids")
         check_rows(rows, ids.shape[0], sl.table.dim, "rows")
+        check_stored(rows, sl.table.dtype, sl.spec.name, "rows")
 
         def work() -> pb.WriteAck:
             sl.check_writable()

@@ -209,6 +209,8 @@ class _TableCollector:
                                        "Write answers kept for retries (bounded by writes in flight)", labels=["table"])
         open_steps = GaugeMetricFamily("memserver_open_steps", "Training steps with parts not yet applied",
                                        labels=["table"])
+        nonfinite = CounterMetricFamily("memserver_table_nonfinite_updates", "Row updates of the optimizer that "
+                                        "stored inf or NaN (a float16 table's value past 65504)", labels=["table"])
         refusing = GaugeMetricFamily("memserver_table_writes_refused", "1 while the slice refuses writes until a "
                                      "restart (its log failed, or a logged write failed to apply; status says why)",
                                      labels=["table"])
@@ -248,6 +250,8 @@ class _TableCollector:
             remembered.add_metric([name], sl.sessions.remembered())
             open_steps.add_metric([name], len(sl.steps))
             refusing.add_metric([name], 1.0 if sl.writes_refused() else 0.0)
+            if hasattr(sl.table, "nonfinite_updates"):
+                nonfinite.add_metric([name], int(sl.table.nonfinite_updates))
             if sl.wal is not None:
                 wal_records.add_metric([name], sl.wal.next_lsn)
                 wal_bytes.add_metric([name], sl.wal.bytes_written)
@@ -260,7 +264,7 @@ class _TableCollector:
         up.add_metric([str(self.index)], _START)
         rss = GaugeMetricFamily("memserver_shard_rss_bytes", "Resident memory of this shard process", labels=["shard"])
         rss.add_metric([str(self.index)], rss_bytes())
-        yield from (rows, triggers, nbytes, sessions, remembered, open_steps, refusing, wal_records, wal_bytes, wal_syncs, restarted, up, rss,
+        yield from (rows, triggers, nbytes, sessions, remembered, open_steps, refusing, nonfinite, wal_records, wal_bytes, wal_syncs, restarted, up, rss,
                     *disk.values())
 
 
