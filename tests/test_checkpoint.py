@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -178,6 +179,32 @@ def test_the_coordinator_remembers_the_newest_checkpoint_calls_only(tmp_path):
     assert [r.step for r in got] == list(range(1, CHECKPOINT_CALLS + 6))
     assert list(coord.checkpoint_calls) == [f"c{i}" for i in range(5, CHECKPOINT_CALLS + 5)]
     assert again.step == CHECKPOINT_CALLS + 1 and len(list(tmp_path.iterdir())) == CHECKPOINT_CALLS + 5
+
+
+def test_a_retry_after_a_coordinator_restart_gets_the_checkpoint_its_first_attempt_wrote(tmp_path):
+    """The coordinator remembers calls in memory: one restarted between a checkpoint and its
+    client's retry wrote the next step too. The manifest names the call that wrote it, so the
+    retry gets that checkpoint; another call, or one whose first attempt wrote nothing, a new one."""
+    import asyncio
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.server.coordinator import ControlPlaneServicer
+
+    def call(request_id: str, step: int = 0) -> pb.CheckpointResponse:
+        restarted = ControlPlaneServicer([], [])  # a fresh coordinator each time: it remembers no call
+        return asyncio.run(restarted.Checkpoint(pb.CheckpointRequest(dir=str(tmp_path), step=step,
+                                                                     request_id=request_id), None))
+
+    first = call("a")
+    again = call("a")
+    assert (again.step, again.path) == (first.step, first.path) == (1, str(tmp_path / "step-0000000001"))
+    assert [p.name for p in tmp_path.iterdir()] == ["step-0000000001"]
+    assert call("b").step == 2 and call("a").step == 3  # not the newest step's call: a new checkpoint
+    written = (tmp_path / "step-0000000007" / "manifest.json")
+    assert call("c", step=7).step == 7
+    created = json.loads(written.read_text())["created"]
+    assert call("c", step=7).step == 7 and json.loads(written.read_text())["created"] == created  # not rewritten
+    assert call("d", step=7).step == 7 and json.loads(written.read_text())["created"] != created
 
 
 def test_a_step_whose_manifest_cannot_be_read_is_written_again(client, table_name, tmp_path):

@@ -44,6 +44,7 @@ from memserver.server.rayutil import was_restarted
 from memserver.storage.checkpoint import (
     checked_files,
     find_checkpoint,
+    made_by,
     next_step,
     step_dir,
     tables_at,
@@ -358,6 +359,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             raise InvalidArgumentError(f"step: must be >= 0, got {request.step}")
         if request.dry_run:  # the same rule as a real checkpoint, and nothing touched
             return pb.CheckpointResponse(path=str(root), step=request.step)
+        if done := made_by(root, request.request_id, request.step):  # a retry across a coordinator restart
+            log.info("checkpoint call %s again: answered by the checkpoint it wrote, %s", request.request_id, done[0])
+            files = [f for t in done[1]["tables"].values() for f in t["files"]]
+            return pb.CheckpointResponse(path=str(done[0]), step=done[1]["step"], tables=sorted(done[1]["tables"]),
+                                         bytes=sum(int(f.get("bytes", 0)) for f in files))
         if not request.step:  # none given: the next one there (step 0 replaced the last checkpoint without one)
             request.step = next_step(root)
         names = list(dict.fromkeys(request.tables)) or sorted(self.tables)  # each once: a slice saved twice
@@ -399,7 +405,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 calls.append(self.handles[j].checkpoint_table.remote(name, path, request.step))
                 where.append(name)
         results = await asyncio.gather(*calls)
-        manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__, "tables": {}}
+        manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__, "tables": {},
+                                    "request_id": request.request_id}
         for name in names:
             manifest["tables"][name] = {
                 "spec": base64.b64encode(placed[name][1].spec.SerializeToString()).decode(),

@@ -312,6 +312,21 @@ def next_step(root: str | os.PathLike[str]) -> int:
     return steps[-1][0] + 1 if steps else 1
 
 
+def made_by(root: str | os.PathLike[str], request_id: str, step: int = 0) -> tuple[Path, dict[str, Any]] | None:
+    """The complete checkpoint a call with `request_id` wrote under `root` (its manifest names the
+    call): what a retry of that call gets where the coordinator forgot it (restarted meanwhile).
+    Only the step given, or else the newest step directory, is read: a retry comes within its
+    client's retry window, before another checkpoint there."""
+    steps = [(step, step_dir(root, step))] if step else _steps(Path(root))[-1:]
+    if not request_id or not steps or not (steps[0][1] / MANIFEST).exists():
+        return None
+    try:
+        manifest = _read_manifest(steps[0][1])
+    except InvalidArgumentError:
+        return None
+    return (steps[0][1], manifest) if manifest.get("request_id") == request_id else None
+
+
 def find_checkpoint(root: str | os.PathLike[str], step: int = 0, tables: Sequence[str] = ()
                     ) -> tuple[Path, dict[str, Any]]:
     """The step directory (latest complete one when step is 0; given `tables`, the latest that
