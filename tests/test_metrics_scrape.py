@@ -261,7 +261,7 @@ def test_a_shard_whose_status_call_failed_is_described_in_words():
     restarting = ActorUnavailableError("The actor is temporarily unavailable: IOError: The actor is restarting.",
                                        bytes(16))
     assert unavailable_state(restarting) == ("unavailable: restarting (Ray is making its process anew; the pid is the "
-                                             "last one's)")
+                                             "last one reported: the new process reports its own before it serves)")
     assert unavailable_state(ActorDiedError()).startswith("unavailable: its process died and is not restarted")
     assert unavailable_state(asyncio.TimeoutError()).startswith("unavailable: no answer to its status call within 10 s")
     assert unavailable_state(RuntimeError("first line\nsecond")) == "unavailable: first line"

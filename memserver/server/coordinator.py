@@ -578,7 +578,8 @@ def unavailable_state(exc: BaseException) -> str:
     except ImportError:  # an in-process server (no Ray): its shards are threads of this process
         ActorDiedError = ActorUnavailableError = ()  # type: ignore[assignment,misc]  # noqa: N806
     if isinstance(exc, ActorUnavailableError):
-        return "unavailable: restarting (Ray is making its process anew; the pid is the last one's)"
+        return ("unavailable: restarting (Ray is making its process anew; the pid is the last one reported: the new "
+                "process reports its own before it serves)")
     if isinstance(exc, ActorDiedError):
         return "unavailable: its process died and is not restarted (out of restarts, or its node is gone)"
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
