@@ -137,6 +137,31 @@ def test_front_page_lists_tables_and_shards(client, url, traced, others):
     assert css.status == 200 and css.ctype.startswith("text/css") and b"--mono" in css.body
 
 
+def test_a_table_with_a_restarting_shard_is_marked_not_served_on_the_front_page():
+    """A restarting shard answers status with no tables: the front page showed its table whole
+    with half the bytes. The table's row says which shard is not serving (the badge's title)."""
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.web.data import overview
+
+    spec = pb.TableSpec(name="t", kind=pb.VALUE, num_rows=8, dim=4, sharding=pb.COLS)
+    shards = [pb.ShardInfo(index=i, address=a) for i, a in enumerate(("a:1", "b:2"))]
+    status = pb.StatusResponse(tables=[pb.TableInfo(spec=spec, shards=shards)], shards=[
+        pb.ShardStatus(index=0, address="a:1", state="serving", tables=[pb.TableLoad(table="t", bytes=64)]),
+        pb.ShardStatus(index=1, address="b:2", state="unavailable: restarting (a test)")])
+
+    class Client:
+        endpoint = "e:1"
+
+        def status(self):
+            return status
+
+    (row,) = overview(Client())["value_tables"]
+    assert row["bytes"] == 64
+    assert row["unavailable"] == ["shard 1 is unavailable: restarting (a test): its slice is not served, nor counted here"]
+    status.shards[1].state = "serving"
+    assert overview(Client())["value_tables"][0]["unavailable"] == []
+
+
 @pytest.mark.parametrize("by,key", [("hits", "hits"), ("mass", "weight_mass"), ("updates", "updates"),
                                     ("norm", "value_norm")])
 def test_table_json_equals_the_client(client, url, traced, by, key):

@@ -54,12 +54,15 @@ def overview(client: Any) -> dict[str, Any]:
     for s in st["shards"]:
         for t in s["tables"]:
             loads.setdefault(t["table"], []).append(t)
+    down = {s["address"]: s for s in st["shards"] if s["state"] != "serving"}  # (a restarting one says no tables)
     value_tables, other_tables = [], []
     for t in sorted(st["tables"], key=lambda t: t["name"]):
         held = loads.get(t["name"], [])
         row = {"name": t["name"], "kind": t["kind"], "shards": len(t["shards"]), "bytes": sum(x["bytes"] for x in held),
                "requests": sum(x["requests"] for x in held),
-               "unavailable": [x["unavailable"] for x in held if x["unavailable"]]}
+               "unavailable": [x["unavailable"] for x in held if x["unavailable"]]
+               + [f"shard {down[a]['index']} is {down[a]['state']}: its slice is not served, nor counted here"
+                  for a in sorted({sh["address"] for sh in t["shards"]} & set(down))]}
         if t["kind"] == "value":
             row.update(rows=t["num_rows"], dim=t["dim"], sharding=t["sharding"], optimizer=t["optimizer"], lr=t["lr"],
                        dtype=t["dtype"], wal=t["wal"])
