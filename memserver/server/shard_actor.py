@@ -589,7 +589,7 @@ class ShardActor:
                     load.trained = sl.table.loaded
                 else:
                     load.rows = sl.table.num_rows
-                    load.nonfinite_updates = int(sl.table.nonfinite_updates)
+                    load.nonfinite_updates = int(getattr(sl.table, "nonfinite_updates", 0))  # (disk tables: float32)
                     load.trigger_slots, load.trigger_bytes = sl.triggers.slots, sl.triggers.nbytes()
                     load.tier = sl.spec.tier or "ram"
                     if hasattr(sl.table, "cache_stats"):
