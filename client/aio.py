@@ -653,6 +653,14 @@ class AsyncMemoryClient:
         the others when it prepares. Nothing is sent."""
         self.session.forget_step(table, step)
 
+    def rebuilds(self, table: str) -> tuple[int, str]:
+        """How many times slices of `table` this client had written to came back from their files
+        without their log (a table without `wal` whose shard restarted, or a sibling rolled back with
+        it: writes acknowledged to this client were lost), and the latest as text ("" none); 0
+        again once this client makes the table anew. Seen on write answers (each is also logged as a
+        warning); a trainer compares it across its steps (trainer.memory.RemoteValues)."""
+        return self.session.rebuilds(table)
+
     async def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         """Apply row gradients through the table's optimizer; duplicate ids are summed first.
         Returns the number of distinct rows updated."""

@@ -292,6 +292,9 @@ class MemoryClient:
     def abandon_step(self, table: str, step: int) -> None:
         self.aio.abandon_step(table, step)
 
+    def rebuilds(self, table: str) -> tuple[int, str]:
+        return self.aio.rebuilds(table)
+
     def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
         meta = self.aio._tables.get(table) or self.table(table)
         plan = ops.commit_step_plan(self.aio.session, table, step, len(meta.shards), defer_apply)

@@ -481,3 +481,49 @@ def test_a_rollback_whose_checkpoint_is_damaged_leaves_the_slice_lost_not_closed
     assert NAME not in run.shards[0].servicer.tables
     with pytest.raises(DataLossError, match="rolling back with its restarted sibling failed"):
         run.client.lookup(NAME, np.arange(4))
+
+
+def test_a_rollback_under_a_trainer_is_named_by_the_step_it_breaks_and_raised_once_by_remote_values(pairs, caplog):
+    """A table without `wal`: shard 0 restarts from the checkpoint of step 1 and shard 1 rolls back
+    with it while step 2's parts are out. The commit is refused naming the rollback (it said "lost
+    in a restart?", of a shard that never restarted); the next step's answers carry the rebuild,
+    the client warns (naming each shard's address) and counts it, and RemoteValues raises
+    TableRolledBackError at that step's end, once: its model is ahead of the values."""
+    import logging
+
+    from client import StepAbortedError, TableRolledBackError
+    from trainer.memory import RemoteValues
+
+    run = pairs("run", spec(wal=False))
+    values = RemoteValues(run.client, NAME, ROWS, DIM, create=False)
+    assert run.client.rebuilds(NAME) == (0, "")
+
+    def step(n: int) -> None:
+        ids, w, g = (torch.from_numpy(x) for x in batch(n))
+        values.begin_step(n)
+        values.bag(ids, w)
+        values.bag_backward(ids, w, g)
+        values.end_step(n)
+
+    step(1)
+    run.checkpoint(1)
+    ids, w, g = (torch.from_numpy(x) for x in batch(2))
+    values.begin_step(2)
+    values.bag_backward(ids, w, g)
+    assert run.restart(0) == "checkpoint step 1"
+    run.shards[1].rollback_table(NAME, str(run.root / "ck" / f"step-{1:010d}"))
+    with pytest.raises(StepAbortedError, match="this slice came back from (rollback to )?checkpoint step 1 without a "
+                                               "log: the table has no `wal`"):
+        values.end_step(2)
+    caplog.set_level(logging.WARNING, logger="client.ops.sessions")
+    with pytest.raises(TableRolledBackError, match=f"table {NAME}: rebuilt without a write-ahead log .*: writes "
+                                                   "acknowledged to this client after that point are lost, while this "
+                                                   "trainer's model kept them"):
+        step(3)
+    count, what = run.client.rebuilds(NAME)
+    addresses = [s.address for s in run.shards]
+    assert count == 1 and (f"shard 0 ({addresses[0]}) from checkpoint step 1; shard 1 ({addresses[1]}) from "
+                           "rollback to checkpoint step 1") in what
+    assert [r.getMessage() for r in caplog.records if r.name == "client.ops.sessions"] == [
+        what + ". Give the table `wal`, or checkpoint it as often as you can afford to lose work"]
+    step(4)  # raised once: a trainer that chose to go on is not stopped again

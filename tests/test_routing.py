@@ -116,13 +116,19 @@ def test_a_slice_rebuilt_without_its_log_is_said_to_the_clients_that_wrote_to_it
     session.answered(meta, addresses, rolled)
     (said,) = [r.getMessage() for r in caplog.records]
     assert said.startswith("table t: rebuilt without a write-ahead log")
-    assert "shard 0 from rollback to checkpoint step 10; shard 1 from checkpoint step 10" in said
+    assert ("shard 0 (127.0.0.1:5000) from rollback to checkpoint step 10; shard 1 (127.0.0.1:5001) from checkpoint "
+            "step 10: writes acknowledged to this client after that point are lost") in said
+    assert session.rebuilds("t") == (1, said.removesuffix(". Give the table `wal`, or checkpoint it as often as you "
+                                                          "can afford to lose work"))
     session.answered(meta, addresses, rolled)  # the same rebuilds: said once
     assert len(caplog.records) == 1
     anew = TableMeta.from_proto(pb.TableInfo(spec=pb.TableSpec(name="t", num_rows=8, dim=4), shards=shards,
                                              layout_id=8))
     session.answered(anew, addresses, [pb.WriteAck(rebuilt=11), pb.WriteAck(rebuilt=12)])
     assert len(caplog.records) == 1  # another incarnation of the table: its own slices
+    assert session.rebuilds("t")[0] == 1
+    session.forget_table("t")  # made anew by this client: its count starts again
+    assert session.rebuilds("t") == (0, "")
 
 
 def test_a_table_made_anew_replaces_the_slices_a_session_knows(client, memory_cluster, table_name):

@@ -521,6 +521,29 @@ def test_local_values_refuse_what_the_shards_refuse_and_change_nothing(client, t
             LocalValues(*shape)
 
 
+def test_a_run_the_cluster_stops_on_the_way_says_how_to_go_on(tmp_path, monkeypatch, capsys):
+    """A run stopped by the cluster after it checkpointed (its table rolled back, a step aborted):
+    memtrain's error names the latest checkpoint and the --resume that goes on from it; without a
+    checkpoint, nothing more."""
+    import trainer.train as train
+    from client import TableRolledBackError
+
+    def fails(args):
+        raise TableRolledBackError("table t: rebuilt without a write-ahead log (a test)")
+
+    monkeypatch.setattr(train, "_main", fails)
+    for held in ([], ["trainer-step-0000000050.pt", "trainer-step-0000000100.pt"]):
+        for name in held:
+            (tmp_path / name).write_bytes(b"")
+        with pytest.raises(SystemExit) as done:
+            train.main([*TINY, "--checkpoint-dir", str(tmp_path), "--steps", "1"])
+        err = capsys.readouterr().err
+        assert done.value.code == 1 and "memtrain: error: DATA_LOSS: table t: rebuilt without a write-ahead log" in err
+        hint = (f"; its latest checkpoint is {tmp_path / 'trainer-step-0000000100.pt'}: go on from it with "
+                f"`memtrain --resume {tmp_path}` (the same flags)")
+        assert (hint in err) == bool(held), err
+
+
 def test_a_remote_table_the_cluster_refuses_is_named_by_memtrains_flag(memory_cluster, table_name, capsys):
     """The cluster checks the tables memtrain asks for; its refusal names the spec's field, which
     memtrain says as the flag that set it (it said `cache_bytes:` and left the user to map it)."""

@@ -998,7 +998,16 @@ def main(argv: list[str] | None = None) -> int:
             field = "lr"
         if isinstance(exc, InvalidArgumentError) and sep and field in _FLAG_OF_FIELD:  # a table spec memtrain made
             parser.exit(1, f"memtrain: error: {_FLAG_OF_FIELD[field]}: {why}\n")
-        parser.exit(1, f"memtrain: error: {one_line(exc)} (--debug: the traceback)\n")
+        parser.exit(1, f"memtrain: error: {one_line(exc)} (--debug: the traceback){_go_on(args)}\n")
+
+
+def _go_on(args: argparse.Namespace) -> str:
+    """How a run that failed on the way goes on: from its checkpoint folder's latest trainer file
+    ("" where it has none)."""
+    where = checkpoint_dir_of(args)
+    if not where or not Path(where).is_dir() or not (held := sorted(Path(where).glob("trainer-step-*.pt"))):
+        return ""
+    return f"; its latest checkpoint is {held[-1]}: go on from it with `memtrain --resume {where}` (the same flags)"
 
 
 #: The remote tables' spec fields (what the cluster's refusal names) that a memtrain flag sets.

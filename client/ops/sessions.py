@@ -29,7 +29,9 @@ class ClientSession:
     `rebuilt` (a table made anew, here or by another client, replaces its old slices' entries);
     `_parts` the steps
     sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
-    decisions a shard could not be reached with, re-sent by the table's next commit_step."""
+    decisions a shard could not be reached with, re-sent by the table's next commit_step;
+    `_rebuilds` one entry per table whose slices this client saw rebuilt (until it is made anew
+    here)."""
 
     MAX_OPEN_STEPS = 64
 
@@ -44,6 +46,8 @@ class ClientSession:
         # gather parts that shard acknowledged)
         self._parts: dict[tuple[str, int], tuple[int, dict[int, set[int]]]] = {}
         self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]] = {}
+        # table -> (the rebuilds of its slices seen since this client wrote to them, the latest's text)
+        self._rebuilds: dict[str, tuple[int, str]] = {}
 
     def new_seq(self, table: str) -> int:
         with self._lock:
@@ -75,13 +79,22 @@ class ClientSession:
             for address, answer in zip(addresses, answers):
                 key, rebuilt = (meta.name, meta.layout_id, shard[address]), getattr(answer, "rebuilt", 0)
                 if rebuilt and self._known.get(key, rebuilt) != rebuilt:
-                    lost[key[2]] = answer.recovered_from
+                    lost[key[2]] = f"shard {key[2]} ({address}) from {answer.recovered_from}"
                 self._known[key] = rebuilt
+            if lost:
+                what = (f"table {meta.name}: rebuilt without a write-ahead log (the table has no `wal`), "
+                        f"{'; '.join(lost[i] for i in sorted(lost))}: writes acknowledged to this client after that "
+                        "point are lost")
+                self._rebuilds[meta.name] = (self._rebuilds.get(meta.name, (0, ""))[0] + 1, what)
         if lost:
-            log.warning("table %s: rebuilt without a write-ahead log (the table has no `wal`), %s: writes acknowledged "
-                        "to this client after that point are lost. Give the table `wal`, or checkpoint it as often as "
-                        "you can afford to lose work", meta.name,
-                        "; ".join(f"shard {i} from {lost[i]}" for i in sorted(lost)))
+            log.warning("%s. Give the table `wal`, or checkpoint it as often as you can afford to lose work", what)
+
+    def rebuilds(self, table: str) -> tuple[int, str]:
+        """How many times this client saw slices of `table` it had written to come back without
+        their log (`answered`), and what the latest said ("" none); 0 again once the table is made
+        anew here (a restore, a create, a drop)."""
+        with self._lock:
+            return self._rebuilds.get(table, (0, ""))
 
     def forget_layouts(self, table: str, keep: int) -> None:
         """`table` was made anew (the client found another layout): its old incarnations' slices
@@ -124,6 +137,7 @@ class ClientSession:
                 del self._parts[key]
             for k in [k for k in self._known if k[0] == table]:
                 del self._known[k]
+            self._rebuilds.pop(table, None)
             decisions = self._undecided.pop(table, {})
         for _, tags, _ in decisions.values():
             tags.held = False

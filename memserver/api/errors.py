@@ -66,6 +66,14 @@ class DataLossError(MemserverError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class TableRolledBackError(DataLossError):
+    """A table without `wal` came back from its checkpoint while a trainer trained it (a shard
+    restarted; its siblings rolled back with it): the updates acknowledged since are lost and the
+    trainer's model is ahead of its values. Raised by the client's side (trainer.memory's
+    RemoteValues, at the end of the step that found it); load the model and the values from one
+    checkpoint to go on."""
+
+
 class ResourceExhaustedError(MemserverError):
     """Too large or too much (gRPC itself sends it for a message above the size limit)."""
 

@@ -70,7 +70,8 @@ class Sessions:
                 raise FailedPreconditionError(
                     f"table {table}: write {tag.seq} of client {tag.client_id} is a retry (attempt {tag.attempt}), "
                     "but this shard no longer knows the client's session (idle for longer than the session TTL, "
-                    "or the shard lost it): it may have been applied already, so it is not applied again")
+                    "or the shard lost it: a restart, or a rollback of a table without `wal`): it may have been "
+                    "applied already, so it is not applied again")
             s = self.by_client[tag.client_id] = Session(now)
         else:
             self.by_client.move_to_end(tag.client_id)

@@ -284,7 +284,7 @@ class TableSlice:
             if missing:
                 raise StepAbortedError(
                     f"{where}: shard {self.info.index} does not hold part(s) {_seqs(missing)} of the {len(seqs)} "
-                    f"the client sent it (lost in a restart?); the step is aborted on every shard of the table")
+                    f"the client sent it ({self._lost()}); the step is aborted on every shard of the table")
 
             def prepare() -> Callable[[], int] | None:
                 self._prepare(step, client, set(seqs))
@@ -293,7 +293,7 @@ class TableSlice:
             return prepare
         if phase == pb.STEP_COMMIT:
             if c is None or not c.prepared or c.committed:
-                why = "committed already" if c is not None and c.committed else "not prepared (aborted, or lost in a restart)"
+                why = "committed already" if c is not None and c.committed else f"not prepared (aborted, or {self._lost()})"
                 raise FailedPreconditionError(f"{where}: cannot commit on shard {self.info.index}: the step is {why}")
             return lambda: self.commit(step, client)
         if phase == pb.STEP_ABORT:
@@ -308,8 +308,15 @@ class TableSlice:
             raise FailedPreconditionError(f"{where}: {'committed' if c.committed else 'prepared'} already")
         if have_count != count:
             raise FailedPreconditionError(f"{where}: sent {count} part(s), this shard has {have_count} "
-                                          "(lost in a restart?); the client's step is not applied")
+                                          f"({self._lost()}); the client's step is not applied")
         return lambda: self.commit(step, client)
+
+    def _lost(self) -> str:
+        """Why a slice may lack a step's parts it acknowledged, as far as it knows."""
+        if self.rebuilt:
+            return (f"this slice came back from {self.recovered_from} without a log: the table has no `wal`, so what "
+                    "came after that is lost")
+        return "lost in a restart?"
 
     def _prepare(self, step: int, client: str, seqs: set[int]) -> None:
         c = self.steps.setdefault(step, {}).setdefault(client, Contribution())

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from memserver.api.errors import InvalidArgumentError, MemserverError
+from memserver.api.errors import InvalidArgumentError, MemserverError, TableRolledBackError
 from memserver.core.optim import OptimizerConfig
 from memserver.core.steps import Entries, bag_entries, combine
 from memserver.core.table import ValueTable
@@ -376,6 +376,7 @@ class RemoteValues:
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
         self.version = 0
         std = init_std if init_std is not None else dim**-0.5
+        self.rebuilds_seen = client.rebuilds(name)[0]  # (a create makes it 0: made anew here)
         if restoring:  # (load restores it: neither made nor checked here)
             return
         if not create:
@@ -405,6 +406,7 @@ class RemoteValues:
                                 cache_bytes=cache_bytes, replace=True)
             if existed:
                 log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
+            self.rebuilds_seen = client.rebuilds(name)[0]
 
     def __getstate__(self) -> dict[str, Any]:
         """Refused by name: a copy or a pickle of a model holding this (torch.save(model),
@@ -477,6 +479,7 @@ class RemoteValues:
             if self.step is None:  # outside a step: one call, applied at once
                 self.version += 1
                 grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, defer_apply=self.defer_apply)
+                self._check_rebuilt()
             elif not weight_grad:  # constant weights: the part goes out while the backward goes on
                 self.sent.append(self.client.submit_bag_backward(self.name, h_ids, h_w, h_grad, step=self.step))
                 return None
@@ -522,6 +525,7 @@ class RemoteValues:
         self.version += 1
         if wait:
             self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
+            self._check_rebuilt()
         else:
             self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply)
 
@@ -531,6 +535,17 @@ class RemoteValues:
         committing, self.committing = self.committing, None
         if committing is not None:
             committing.result()
+            self._check_rebuilt()
+
+    def _check_rebuilt(self) -> None:
+        """Raise TableRolledBackError once the client saw this table's slices come back without
+        their log since the last look: the values lost the updates of steps this trainer's model
+        kept, and training on would pair them for good (the client's warning alone let it)."""
+        count, what = self.client.rebuilds(self.name)
+        if count != self.rebuilds_seen:
+            self.rebuilds_seen = count
+            raise TableRolledBackError(f"{what}, while this trainer's model kept them: go on from one checkpoint of "
+                                       "both (the model's and values.load's; memtrain: --resume DIR)")
 
     @property
     def trace_table(self) -> str:
@@ -556,6 +571,7 @@ class RemoteValues:
         self.settle()
         self.version += LOADED
         self.client.restore(str(Path(directory).resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
+        self.rebuilds_seen = self.client.rebuilds(self.name)[0]  # (0: made anew here)
 
 
 def _saved_kind(saved: Any) -> str:
