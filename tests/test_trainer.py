@@ -492,6 +492,42 @@ def test_a_resume_continues_the_checkpoints_settings_of_flags_left_out(tmp_path)
     assert run([*common, "--steps", "4", "--resume", str(ck)]) == whole[2:]
 
 
+def test_a_resume_takes_the_shapes_batch_seed_and_checkpointing_it_leaves_out(tmp_path, caplog):
+    """`memtrain --resume DIR --steps N`, as the README shows it, with none of the run's shape flags:
+    the model's and the memory's shapes, the batch, the seed and --checkpoint-every are the
+    checkpoint's (they were refused one at a time, or silently the defaults: another batch size,
+    no more checkpoints), and the losses are the uninterrupted run's. Given otherwise they are
+    refused, every one in one message."""
+    import json
+
+    from trainer.checkpoints import trainer_file
+    from trainer.train import main
+
+    runs = iter(range(100))
+    quiet = ["--eval-every", "2", "--eval-iters", "2", "--log-every", "1", "--threads", "1"]  # (may change)
+
+    def run(argv: list[str]) -> list[float]:
+        log_json = tmp_path / f"run{next(runs)}.jsonl"
+        assert main([*argv, "--log-json", str(log_json)]) == 0
+        return [r["loss"] for r in map(json.loads, log_json.read_text().splitlines())]
+
+    own = [*TINY, "--memory", "local", "--memory-kind", "pkm,lsh", "--lsh-bits", "6", "--seed", "5",
+           "--batch-size", "3", "--no-query-bn"]
+    whole = run([*own, "--steps", "5"])
+    ck = tmp_path / "ck"
+    run([*own, "--steps", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "1"])
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        assert run([*quiet, "--steps", "5", "--resume", str(ck)]) == whole[2:]
+    assert "as the checkpoint was trained (flags left out): " in caplog.text and "batch_size = 3" in caplog.text
+    assert sorted(p.name for p in ck.glob("trainer-step-*.pt")) == [trainer_file(ck, i).name for i in range(1, 6)]
+    with pytest.raises(SystemExit) as refused:
+        run([*quiet, "--steps", "7", "--resume", str(ck), "--n-keys", "32", "--knn", "8", "--batch-size", "4"])
+    said = str(refused.value)
+    assert said.count("the checkpoint was trained with") == 3, said
+    assert all(x in said for x in ("batch_size = 3, this run gives 4 (--batch-size)", "knn = 4, this run gives 8",
+                                   "n_keys = 16, this run gives 32 (--n-keys)"))
+
+
 def test_local_values_refuse_what_the_shards_refuse_and_change_nothing(client, table_name):
     """The library's in-process table checks a call as the cluster does, with the same message:
     its compiled kernels do not check, so an id out of range used to update row 253 for -3,
@@ -713,7 +749,7 @@ def test_a_resume_with_dropout_continues_its_draws_and_its_rate(tmp_path, caplog
     left_out = [a for a in common if a not in ("--dropout", "0.3")]
     with caplog.at_level(logging.INFO, logger="memtrain"):
         rest = list(train(parsed([*left_out, "--steps", "4", "--resume", str(tmp_path / "ck")])))
-    assert "--resume: dropout = 0.3, as the checkpoint was trained" in caplog.text
+    assert "--resume: as the checkpoint was trained (flags left out): dropout = 0.3" in caplog.text
     assert [r["loss"] for r in rest] == [r["loss"] for r in whole[2:]]
     with pytest.raises(SystemExit, match=r"trained with dropout = 0.3, this run gives 0.1 \(--dropout\)"):
         list(train(parsed([*left_out, "--dropout", "0.1", "--steps", "4", "--resume", str(tmp_path / "ck")])))

@@ -18,9 +18,10 @@ import copy
 import json
 import logging
 import math
+import operator
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -186,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--checkpoint-every", type=int, default=0,
                     help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir or a --resume directory")
     ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
-                    "memory), or from that trainer-step-*.pt file; the model, memory and optimizer flags must be the "
-                    "checkpoint's (a different one is refused by name); --steps is the total to reach")
+                    "memory), or from that trainer-step-*.pt file; the model, memory, optimizer, batch and seed flags left "
+                    "out are the checkpoint's (a different one given is refused by name), and so is "
+                    "--checkpoint-every; --steps is the total to reach")
     mem.add_argument("--micro-batches", type=int, default=1, help="split memory lookups so one chunk's call overlaps the next chunk's addressing")
     return p
 
@@ -223,12 +225,17 @@ def distributed(backend: str = "gloo") -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-#: Flags a run records in its checkpoints and a resumed run must give alike (besides the model's
-#: and the memory's shapes, which the checkpoint's config and memory record): the dense and value
-#: optimizers, where the values live, the dropout rate and how the KIF source was built. What a resume may change: steps, logging, evaluation,
-#: threads, device, dtype, staleness, micro-batches, prefetch and tracing.
+#: Flags a run records in its checkpoints and a resumed run must give alike, or leave out to take
+#: the checkpoint's (as it does the model's and the memory's shapes, which the checkpoint's config
+#: and memory record): the dense and value optimizers, the batch, the seed, where the values live,
+#: the dropout rate and how the KIF source was built. What a resume may change: steps, logging,
+#: evaluation, threads, device, dtype, staleness, micro-batches, prefetch, tracing and
+#: RESUMED_TAKEN's.
 RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal", "tier", "cache_bytes", "table",
-                 "shared_values", "dropout", "kif_knn", "kif_sentences", "kif_encoder")
+                 "batch_size", "seed", "shared_values", "dropout", "kif_knn", "kif_sentences", "kif_encoder")
+#: Flags a resumed run takes from its checkpoint where they are left out, and may change: how often
+#: it checkpoints (in the folder it resumed from, or --checkpoint-dir).
+RESUMED_TAKEN = ("checkpoint_every",)
 
 
 def checkpoint_dir_of(args: argparse.Namespace) -> str | None:
@@ -611,19 +618,30 @@ def _memory_mode(saved_values: dict[str, Any]) -> str | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
-def _refuse_other(resume: str, key: str, was: Any, now: Any) -> None:
-    """A resumed run's setting `key` must be the checkpoint's: refused by flag name otherwise."""
+def _difference(key: str, was: Any, now: Any) -> str | None:
+    """How a resumed run's setting `key` differs from the checkpoint's, by flag name (None: alike)."""
     if isinstance(was, (list, tuple)):
         was, now = tuple(was), tuple(now)
-    if was != now:
-        flag = _FLAG_OF.get(key, "--" + key.replace("_", "-"))
+    if was == now:
+        return None
+    flag = _FLAG_OF.get(key, "--" + key.replace("_", "-"))
 
-        def said(v: Any) -> str:  # None: the flag left out, the cluster's or memtrain's default
-            return "its default (left out)" if v is None else repr(v)
+    def said(v: Any) -> str:  # None: the flag left out, the cluster's or memtrain's default
+        return "its default (left out)" if v is None else repr(v)
 
-        raise SystemExit(f"memtrain: error: --resume {resume}: the checkpoint was trained with {key} = {said(was)}, "
-                         f"this run gives {said(now)} ({flag}); a resumed run continues the checkpoint's: give its "
-                         "flags (those of its optimizers and tables may be left out)")
+    return f"the checkpoint was trained with {key} = {said(was)}, this run gives {said(now)} ({flag})"
+
+
+def _refuse(resume: str, differences: list[str]) -> None:
+    """Refuse a resumed run whose settings differ from the checkpoint's, naming every one at once."""
+    if differences:
+        raise SystemExit(f"memtrain: error: --resume {resume}: {'; '.join(differences)}; a resumed run continues the "
+                         "checkpoint's: leave those flags out (a flag left out is the checkpoint's) or give its values")
+
+
+def _refuse_other(resume: str, key: str, was: Any, now: Any) -> None:
+    """A resumed run's setting `key` must be the checkpoint's: refused by flag name otherwise."""
+    _refuse(resume, [d] if (d := _difference(key, was, now)) else [])
 
 
 #: A checkpoint's shapes, compared with the run's: the memory's settings and the model's.
@@ -633,14 +651,37 @@ _MEMORY_SHAPE = ("layers", "kinds", "mode", "n_keys", "heads", "k_dim", "knn", "
 _MODEL_SHAPE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 
 
-def _refuse_other_shapes(resume: str, blob: dict[str, Any], memory: dict[str, Any], model: dict[str, Any]) -> None:
-    """Refuse, by flag name, a run whose shapes differ from the checkpoint's `blob`, among those
-    `memory` and `model` give (before setup, the ones the flags alone decide)."""
+def _shape_differences(blob: dict[str, Any], memory: dict[str, Any], model: dict[str, Any]) -> list[str]:
+    """How the run's shapes differ from the checkpoint's `blob`, among those `memory` and `model`
+    give (before setup, the ones the flags alone decide)."""
     saved_memory, saved_model = blob.get("memory", {}), blob.get("config", {})
+    out = []
     for saved, now, keys in ((saved_memory, memory, _MEMORY_SHAPE), (saved_model, model, _MODEL_SHAPE)):
         for key in keys:
             if key in saved and key in now and _in_use(key, now):  # (absent: written before the setting existed)
-                _refuse_other(resume, key, saved[key], now[key])
+                out += [d] if (d := _difference(key, saved[key], now[key])) else []
+    return out
+
+
+def _refuse_other_shapes(resume: str, blob: dict[str, Any], memory: dict[str, Any], model: dict[str, Any]) -> None:
+    """Refuse, by flag name, a run whose shapes differ from the checkpoint's `blob` (every one at once)."""
+    _refuse(resume, _shape_differences(blob, memory, model))
+
+
+def _joined(values: Any) -> str:
+    return ",".join(map(str, values))
+
+
+#: The shapes a resume takes from its checkpoint where their flags are left out: the saved key ->
+#: (the flag's dest, the flag's value for a saved one). (The KIF sources are named once built.)
+_SHAPE_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    **{k: (k, int) for k in ("n_layer", "n_head", "n_embd", "block_size", "n_keys", "heads", "k_dim", "knn",
+                             "lsh_hashes", "lsh_bits", "lsh_seed", "engram_heads", "engram_slots", "engram_dim",
+                             "engram_seed")},
+    "layers": ("mem_layers", _joined), "kinds": ("memory_kind", _joined), "mode": ("mem_mode", str),
+    "query_bn": ("no_query_bn", operator.not_), "mem_plus": ("mem_plus", bool), "engram_orders": ("engram_orders", _joined),
+    "engram_conv": ("no_engram_conv", operator.not_),
+}
 
 
 #: The memory settings only some kinds read: a resume does not compare those of kinds neither run has
@@ -682,16 +723,28 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
         raise SystemExit(f"memtrain: error: --resume {args.resume}: the checkpoint was written with --memory {mode}, "
                          f"this run is --memory {args.memory} (its values are "
                          f"{'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
+    differences, taken = [], []
     for key, was in blob.get("flags", {}).items():  # (absent: written before checkpoints recorded them)
-        if key in RESUMED_ALIKE and given is not None and key not in given:
+        if key in (*RESUMED_ALIKE, *RESUMED_TAKEN) and given is not None and key not in given:
+            if key in RESUMED_TAKEN and not checkpoint_dir_of(args):
+                continue  # (--checkpoint-every, after a --resume file: this run writes no checkpoints)
             if getattr(args, key) != was:  # left out: continued as the checkpoint has it
-                log.info("--resume: %s = %r, as the checkpoint was trained", key, was)
+                taken.append(f"{key} = {was!r}")
             setattr(args, key, was)
         elif key in RESUMED_ALIKE:
-            _refuse_other(args.resume, key, was, getattr(args, key))
+            differences += [d] if (d := _difference(key, was, getattr(args, key))) else []
+    if given is not None:  # the shapes left out: the checkpoint's
+        for key, (dest, flag_value) in _SHAPE_FLAGS.items():
+            saved = blob.get("config" if key in _MODEL_SHAPE else "memory", {})
+            if key in saved and dest not in given and getattr(args, dest) != (value := flag_value(saved[key])):
+                taken.append(f"{key} = {saved[key]!r}")
+                setattr(args, dest, value)
+    if taken:
+        log.info("--resume: as the checkpoint was trained (flags left out): %s", ", ".join(taken))
     # the shapes the flags alone decide (the KIF sources' names and the vocabulary: once built)
     memory = {k: v for k, v in asdict(memory_config(args)).items() if k != "kif_sources"}
-    _refuse_other_shapes(args.resume, blob, memory, {k: getattr(args, k) for k in _MODEL_SHAPE if k != "vocab_size"})
+    differences += _shape_differences(blob, memory, {k: getattr(args, k) for k in _MODEL_SHAPE if k != "vocab_size"})
+    _refuse(args.resume, differences)
     step = int(blob["step"])
     if step >= args.steps:
         raise SystemExit(f"memtrain: error: --steps {args.steps}: the checkpoint is at step {step} already (--steps "
@@ -786,7 +839,7 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         opt = torch.optim.AdamW(dense, lr=args.lr, weight_decay=0.0, fused=True if run.device.type == "cuda" else None)
         gen = torch.Generator().manual_seed(args.seed)
         rank, world = distributed()
-        flags = {k: getattr(args, k) for k in RESUMED_ALIKE}
+        flags = {k: getattr(args, k) for k in (*RESUMED_ALIKE, *RESUMED_TAKEN)}
         checkpoint_dir = checkpoint_dir_of(args)
         if args.resume and not checkpoint_dir:
             log.warning("--resume %s is a file: this run writes no checkpoints (its directory may hold later ones); "
