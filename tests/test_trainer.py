@@ -885,3 +885,18 @@ def test_a_damaged_trainer_file_is_refused_at_resume(tmp_path):
     with pytest.raises(SystemExit, match=f"{tmp_path}/bad/{saved.name} is damaged"):
         list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(tmp_path / "bad")])))
     assert list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(tmp_path / "ck")])))
+
+
+def test_data_parallel_trainers_client_ids_sort_by_rank(monkeypatch):
+    """A sync table sums its trainers' contributions in client-id order: memtrain's ids start with
+    the rank (zero-padded), so the order is the ranks', the same every run (random ids made two
+    runs of one command differ in their last bits), and stay unique."""
+    from trainer.train import trainer_client_id
+
+    ids = []
+    for rank in (10, 2, 0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        ids.append(trainer_client_id())
+    assert sorted(ids) == [ids[2], ids[3], ids[1], ids[0]] and len(set(ids)) == 4
+    monkeypatch.delenv("RANK")
+    assert trainer_client_id().startswith("memtrain-rank000000-") and trainer_client_id() != trainer_client_id()

@@ -214,6 +214,17 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def trainer_client_id() -> str:
+    """This trainer's client id: its rank first (torchrun's RANK), so the shards, which sum a sync
+    table's contributions in client-id order, sum the trainers' in rank order, the same in every
+    run (random ids made two runs of one command differ in the last bits); a random tail keeps it
+    unique."""
+    import os
+    import uuid
+
+    return f"memtrain-rank{int(os.environ.get('RANK', '0')):06d}-{uuid.uuid4().hex[:16]}"
+
+
 def distributed(backend: str = "gloo") -> tuple[int, int]:
     """(rank, world size); joins the process group (`backend`: gloo on the CPU, nccl between GPUs)
     when launched with WORLD_SIZE > 1 (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand)."""
@@ -400,7 +411,7 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
         from client import MemoryClient
 
         try:
-            client = MemoryClient(args.endpoint, **client_waits(args))
+            client = MemoryClient(args.endpoint, client_id=trainer_client_id(), **client_waits(args))
         except FileNotFoundError as exc:  # no endpoint file: no cluster started here
             raise SystemExit(f"memtrain: error: --memory {args.memory} needs a memserver cluster and found none ({exc}); "
                              "start one with `memserver up`, give --endpoint HOST:PORT, or train with --memory local"
