@@ -260,21 +260,37 @@ def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     assert st.returncode == 2 and "--endpoint: expected the coordinator's HOST:PORT, got 'garbage'" in st.stderr
 
 
-def test_status_json_with_no_cluster_prints_json_too(tmp_path, monkeypatch, cli_in_process):
-    """A script runs `status --json` and reads stdout: with no cluster to ask it gets a JSON object
-    saying why (the exit status 2 or 1 as documented), not an empty stdout that fails its parse."""
+def test_a_json_command_that_fails_prints_json_too(tmp_path, monkeypatch, cli_in_process):
+    """A script runs `status --json` (or `usage`, `top`) and reads stdout: with no cluster to ask it
+    gets a JSON object saying why (the exit status 2 or 1 as documented), not an empty stdout that
+    fails its parse. A reader that goes away (`| head`) ends it quietly, not with a traceback."""
     import socket
+    import subprocess
 
     monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
-    st = cli_in_process(["status", "--json"])
-    got = json.loads(st.stdout)
-    assert st.returncode == 2 and got["endpoint"] is None and got["error"].startswith("no memserver endpoint file")
+    for command in (["status"], ["usage", "t"], ["top", "t"]):
+        st = cli_in_process([*command, "--json"])
+        assert st.returncode == 2 and json.loads(st.stdout)["error"].startswith("no memserver endpoint file"), st
+    assert cli_in_process(["usage", "t"]).stdout == ""  # (without --json: stderr only)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
         st = cli_in_process(["status", "--json", "--endpoint", endpoint, "--timeout", "1"])
-    got = json.loads(st.stdout)
-    assert st.returncode == 1 and got["endpoint"] == endpoint and "is a memserver cluster running there" in got["error"]
+    assert st.returncode == 1 and "is a memserver cluster running there" in json.loads(st.stdout)["error"]
+    proc = subprocess.Popen([sys.executable, "-m", "memserver.cli", "status", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "MEMSERVER_HOME": str(tmp_path)})
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read()
+    assert proc.wait(60) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_table_that_does_not_exist_is_the_commands_mistake(memory_cluster, cli_in_process):
+    """A mistyped table exited 1, as an unreachable cluster or a failed request does: it is the
+    command's error, exit status 2, as a bad flag is."""
+    at = ["--endpoint", memory_cluster.endpoint]
+    for command in (["inspect", "no-such-table", "1"], ["top", "no-such-table"], ["drop-table", "no-such-table"]):
+        st = cli_in_process([*command, *at])
+        assert st.returncode == 2 and "NOT_FOUND: table 'no-such-table' does not exist" in st.stderr, st
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="memserver",
         description="A distributed memory server for memory-augmented transformers: value tables and faiss "
         "index tables sharded over Ray actors behind a gRPC lookup/update/search API.",
-        epilog="The endpoint file lives in $MEMSERVER_HOME (default ~/.memserver); clients find the cluster through it.",
+        epilog="The endpoint file lives in $MEMSERVER_HOME (default ~/.memserver); clients find the cluster through it. "
+        "Exit status: 0 done; 2 the command was wrong (a flag, a table that does not exist, no cluster to ask); 1 the "
+        "cluster could not do it (unreachable, refused, a request failed); `status` exits 3 when a shard or table is "
+        "not served. With --json, a failure prints {\"error\": ...} too.",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging, and a failing call's traceback")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -60,6 +63,14 @@ def quiet_libraries(verbose: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `memserver ... --json | head`: the reader is gone, nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's own flush at exit would fail)
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -73,13 +84,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         parser.exit(130, "memserver: interrupted\n")
     except CliError as exc:
+        _said_as_json(args, str(exc))
         parser.exit(2, f"memserver: error: {exc}\n")
     except Exception as exc:
-        from memserver.api.errors import MemserverError
+        from memserver.api.errors import InvalidArgumentError, MemserverError, TableNotFoundError
 
         if isinstance(exc, (MemserverError, FileNotFoundError)) and not args.verbose:
-            parser.exit(1, f"memserver: error: {one_line(exc)}{_token_source(exc)} (-v: the traceback)\n")
+            _said_as_json(args, one_line(exc))
+            wrong = isinstance(exc, (InvalidArgumentError, TableNotFoundError))  # the command's, not the cluster's
+            parser.exit(2 if wrong else 1, f"memserver: error: {one_line(exc)}{_token_source(exc)} (-v: the traceback)\n")
         raise
+
+
+def _said_as_json(args: argparse.Namespace, error: str) -> None:
+    """A failed command asked for --json: the error as a JSON object on stdout too, so a script's
+    parse of it does not fail where the exit status already says what happened."""
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps({"error": error}, indent=2))
 
 
 def _token_source(exc: BaseException) -> str:

@@ -17,7 +17,6 @@ from memserver.cli.common import (
     console,
     count,
     endpoint_of,
-    one_line,
 )
 from memserver.core.optim import OPTIMIZERS
 from memserver.server.catalog import TIERS
@@ -152,15 +151,9 @@ def unlisted(st: dict[str, Any]) -> list[str]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    endpoint = None
-    try:
-        endpoint = endpoint_of(args)
-        with cli_client(args, endpoint) as client:
-            st = status_dict(client.status())
-    except Exception as exc:
-        if args.json:  # a script reading stdout gets JSON in every case; the exit status is main's
-            print(json.dumps({"endpoint": endpoint, "error": one_line(exc)}, indent=2))
-        raise
+    endpoint = endpoint_of(args)
+    with cli_client(args, endpoint) as client:
+        st = status_dict(client.status())
     wrong = problems(st)
     if args.json:
         print(json.dumps({"endpoint": endpoint, **st, "problems": wrong, "unlisted": unlisted(st)}, indent=2))
@@ -436,7 +429,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "when the cluster does not answer; 2 when there is none to ask (no endpoint file, one of a "
                         "memserver that is no longer running, a bad --endpoint).")
     cluster_flags(st, timeout=30.0, json_help="print one JSON object instead of tables (with no cluster to ask: "
-                  "{\"endpoint\": ..., \"error\": ...}, and the exit status says which)")
+                  "{\"error\": ...}, and the exit status says which)")
     st.set_defaults(func=cmd_status)
 
     ct = sub.add_parser("create-table", help="create a value table in the running cluster",
