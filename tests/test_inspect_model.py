@@ -111,6 +111,7 @@ def test_agreement_against_random_slots(client, trained):
     per_slot = [slot_report(client, table, int(s), ins, k=3) for s in ids]
     per_slot = [r["agreement"] for r in per_slot if r["triggers"]]
     assert a["slots"] == len(per_slot) and a["agreement"] == pytest.approx(np.mean(per_slot))
+    assert a["of"] == len(ids) == 50  # how many most-hit slots were looked at (those with records: "slots")
     assert 0 <= a["random_slots"] <= 1
 
 
@@ -267,7 +268,7 @@ def test_usage_of_a_table_never_read_says_so(client, table_name, capsys, memory_
     (["inspect", "inspect-model", "999"], 2, "SLOT: 999 is outside"),
     (["inspect", "inspect-model", "1,999"], 2, "SLOT: 1999 is outside"),  # as status and top print ids
     (["inspect", "inspect-model", "x1"], 2, "argument SLOT: expected a slot id, a whole number (1370 or 1,370), got 'x1'"),
-    (["inspect", "no-such-table", "1"], 1, "does not exist"),
+    (["inspect", "no-such-table", "1"], 2, "does not exist"),  # the command's mistake, as a bad flag
     (["inspect", "inspect-model", "1", "--checkpoint", "/nonexistent"], 2, "--checkpoint: /nonexistent"),
     (["top", "inspect-model", "-n", "0"], 2, "-n: must be in"),
     (["search-token", "inspect-model", "€"], 2, "TOKEN: token '€' is not in"),
@@ -276,6 +277,7 @@ def test_usage_of_a_table_never_read_says_so(client, table_name, capsys, memory_
     (["inspect", "inspect-model", "1", "-k", "1000"], 2, "tokens; agreement over 1000 of them says nothing"),
     (["usage", "inspect-model", "--agreement", "-k", "1000"], 2, "-k: the model has"),
     (["usage", "inspect-model", "--plot", "u.jpg"], 2, "--plot: the plot is a PNG image"),
+    (["usage", "inspect-model", "-k", "3"], 2, "-k: for --agreement; add it"),  # (it was ignored)
     (["search-token", "inspect-model", "\\"], 2, "not a valid escape"),
     (["inspect", "inspect-model", "1", "--checkpoint", __file__], 2, "is not a memtrain checkpoint"),
     (["inspect", "inspect-model", "1", "--timeout", "-1"], 2, "argument --timeout: must be more than 0 seconds"),

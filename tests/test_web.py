@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import html
 import re
 import socket
 import threading
@@ -284,8 +285,8 @@ ERRORS = [  # path, form (POST), status, what the message says
     ("/api/table/{table}/slot/99999999999999999999", None, 404, "there is no slot"),
     ("/table/{table}/slot?slot=x1", None, 400, "whole number"),
     ("/table/{table}/slot?slot=", None, 400, "type a slot id"),
-    ("/table/{table}?by=bogus", None, 400, "rank slots by one of"),
-    ("/table/{table}?n=0", None, 400, "between 1 and"),
+    ("/table/{table}?by=bogus", None, 400, "by: rank slots by one of"),
+    ("/api/table/{table}?n=0", None, 400, "n (how many slots): between 1 and"),  # the parameter named
     ("/table/{table}/search?token=%E2%82%AC", None, 400, "not in the model&#39;s vocabulary"),
     ("/api/table/{table}/search?token=%E2%82%AC", None, 400, "not in the model's vocabulary"),
     ("/table/{table}/search?token=abc", None, 400, "one character"),
@@ -313,6 +314,8 @@ def test_errors_are_readable_pages(url, traced, others, path, form, status, mess
         if "no table named" in message or "index table" in message:  # no link to a table that is not one
             assert 'href="/table/' not in got.text
         assert message in re.search(r'id="error"[^>]*>(.*?)</p>', got.text, re.S)[1]
+        api = fetch(url + html.unescape(re.search(r'This page as JSON: <a href="([^"]+)"', got.text)[1]))
+        assert api.status == status and api.json["status"] == status, (path, api.text[:300])  # its JSON twin exists
 
 
 def test_cli_web_parser_and_serving(client, traced, monkeypatch):
@@ -389,7 +392,7 @@ def test_a_bad_checkpoint_flag_is_said_beside_the_model_used_and_loaded_once(cli
     with pytest.raises(ValueError, match="is not a memtrain checkpoint"):
         cache.load(__file__)  # what `memserver web` checks at start-up
     notes = [cache.for_table(traced.table).note for _ in range(3)]
-    assert notes[0] == notes[2] and "(recorded by memtrain trace, step" in notes[0]
+    assert notes[0] == notes[2] and "(recorded with the trigger contexts, step" in notes[0]
     assert f"not --checkpoint {__file__}: " in notes[0] and "is not a memtrain checkpoint" in notes[0]
     assert loads.count(__file__) == 1 and len(loads) == 2, loads  # the bad file once, the recorded one once
 

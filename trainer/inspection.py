@@ -467,15 +467,16 @@ def engram_names(inspector: Inspector, layer: EngramMemory, slot: int, limit: in
 
 def agreement(inspector: Inspector, client: Any, table: str, *, slots: int = 500, k: int = 5, baselines: int = 10,
               seed: int = 0) -> dict[str, Any]:
-    """Geva et al.'s agreement: over the `slots` most-hit slots with trigger records, the mean
-    fraction of a slot's records whose next token is among its value's top-k projected tokens;
+    """Geva et al.'s agreement: over those of the `slots` most-hit slots that hold trigger records
+    (how many: "slots", of "of"), the mean fraction of a slot's records whose next token is among its value's top-k projected tokens;
     against the same with another random slot's top-k tokens (`baselines` permutations)."""
     ids, _ = client.top_slots(table, "hits", slots)
+    of = int(len(ids))  # (fewer than `slots` in a smaller table)
     trig = client.triggers(table, ids)
     have = (trig["weights"] > 0).any(1)
     ids, nxt, valid = ids[have], trig["next"][have], trig["weights"][have] > 0
     if len(ids) == 0:
-        return {"table": table, "slots": 0, "k": k}
+        return {"table": table, "slots": 0, "of": of, "k": k}
     tok, _ = inspector.top_tokens(table, ids, k)
 
     def score(top: np.ndarray) -> float:
@@ -492,7 +493,7 @@ def agreement(inspector: Inspector, client: Any, table: str, *, slots: int = 500
         return pick
 
     base = [score(tok[other_slots()]) for _ in range(baselines)] if len(ids) > 1 else [float("nan")]
-    return {"table": table, "slots": int(len(ids)), "k": k, "agreement": score(tok),
+    return {"table": table, "slots": int(len(ids)), "of": of, "k": k, "agreement": score(tok),
             "random_slots": float(np.mean(base)), "random_slots_std": float(np.std(base))}
 
 

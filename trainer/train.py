@@ -1039,7 +1039,8 @@ def _trace(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"traced {out['positions']:,} positions of {corpus.name} through {out['layer']} in {out['seconds']:.1f}s: "
+        print(f"traced {out['positions']:,} positions of {corpus.name} ({args.split} split) through {out['layer']} in "
+              f"{out['seconds']:.1f}s: "
               f"{out['records_sent']:,} records sent; {out['slots']:,} slots of {args.table} hold trigger contexts"
               + (f" ({out['dropped']:,} records dropped at the slot bound)" if out["dropped"] else ""))
     return 0

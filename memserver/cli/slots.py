@@ -156,6 +156,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
     from memserver.api.usage import percent
     from memserver.plots import usage_png
 
+    if not args.agreement and (args.k is not None or args.checkpoint):  # (they would be ignored)
+        raise CliError(f"{'-k' if args.k is not None else '--checkpoint'}: for --agreement; add it")
+    args.k = 5 if args.k is None else args.k
     _positive(args, "k")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise CliError(f"--plot: the plot is a PNG image: give a .png path, got {args.plot}")
@@ -204,7 +207,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if "agreement" in out and out["agreement"].get("slots"):
         a = out["agreement"]
         t.add_row(f"agreement (top {a['k']} tokens)", f"{a['agreement']:.1%}",
-                  f"trigger next-tokens among the slot's projected tokens, {a['slots']} most-hit slots")
+                  f"trigger next-tokens among the slot's projected tokens, over the {a['slots']} of the "
+                  f"{a['of']} most-hit slots that hold trigger records")
         t.add_row("  random-slot baseline", f"{a['random_slots']:.1%}", "the same against another slot's tokens")
     console = _console()
     console.print(t)
@@ -287,7 +291,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     us.add_argument("--agreement", action="store_true", help="also Geva et al.'s agreement of the most-hit slots, "
                     "against random slots (needs a model)")
     us.add_argument("--checkpoint", help=ckpt_help)
-    us.add_argument("-k", type=int, default=5, help="projected tokens per slot for --agreement (default 5)")
+    us.add_argument("-k", type=int, default=None, help="projected tokens per slot for --agreement (default 5)")
     cluster_flags(us, timeout=120.0)
     us.set_defaults(func=cmd_usage)
 

@@ -241,14 +241,16 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
         return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
 
     async def lookup(request: Request) -> Response:
-        """The "look up slot" form: check the id here, then go to the slot's own address."""
+        """The "look up slot" form (and its JSON twin under /api): check the id here, then go to the
+        slot's own address."""
         name = request.path_params["name"]
         try:
             meta = await work(data.value_table, client, name)
             s = data.parse_slot(request.query_params.get("slot"), meta)
         except Exception as exc:  # noqa: BLE001
             return error(request, exc)
-        return RedirectResponse(f"/table/{quote(name, safe='')}/slot/{s}", status_code=303)
+        api = "/api" if request.url.path.startswith("/api/") else ""
+        return RedirectResponse(f"{api}/table/{quote(name, safe='')}/slot/{s}", status_code=303)
 
     async def not_found(request: Request, exc: HTTPException) -> Response:
         return error(request, exc)
@@ -263,7 +265,8 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
     ):
         html, api = page(template, build)
         routes += [Route(path, html, methods=methods), Route(api_path, api, methods=methods)]
-    routes += [Route("/table/{name}/usage.png", usage_png), Route("/table/{name}/slot", lookup)]
+    routes += [Route("/table/{name}/usage.png", usage_png), Route("/table/{name}/slot", lookup),
+               Route("/api/table/{name}/slot", lookup)]
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> Any:

@@ -116,7 +116,7 @@ def parse_by(by: str | None) -> str:
     """The ranking statistic (default hits); 400 for another."""
     by = (by or "hits").strip()
     if by not in RANK_BY:
-        raise PageError(f"rank slots by one of {', '.join(RANK_BY)}, not {by!r}")
+        raise PageError(f"by: rank slots by one of {', '.join(RANK_BY)}, not {by!r}")
     return by
 
 
@@ -127,9 +127,9 @@ def parse_count(n: str | None, default: int = 20) -> int:
     try:
         v = int(n)
     except ValueError:
-        raise PageError(f"how many slots: a whole number, not {n!r}") from None
+        raise PageError(f"n (how many slots): a whole number, not {n!r}") from None
     if not 1 <= v <= MAX_LIST:
-        raise PageError(f"how many slots: between 1 and {MAX_LIST}, not {v}")
+        raise PageError(f"n (how many slots): between 1 and {MAX_LIST}, not {v}")
     return v
 
 

@@ -80,7 +80,7 @@ class ModelCache:
             candidates.append(("--checkpoint", self.checkpoint))
         recorded = self.client.triggers(table, [0])["info"].get("checkpoint")
         if recorded and recorded != self.checkpoint:
-            candidates.append(("recorded by memtrain trace", recorded))
+            candidates.append(("recorded with the trigger contexts", recorded))
         why = []
         for source, path in candidates:
             try:
