@@ -5,9 +5,9 @@ person sees equal the client's; tests/browser.py skips without a chromium)."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
-import html
 import re
 import socket
 import threading
