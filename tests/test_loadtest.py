@@ -485,3 +485,17 @@ def test_plain_locust_master_and_workers_merge_the_same_way(memory_cluster, clie
     assert report["requests"] > 0 and report["requests"] == sum(r["requests"] for r in own) == \
         sum(w["requests"] for w in report["workers"].values())
     assert report["total"]["max_ms"] == max(r["total"]["max_ms"] for r in own)
+
+
+def test_plain_locust_on_a_table_that_does_not_exist_stops_at_once(memory_cluster, tmp_path):
+    """Every user's first call failed (NOT_FOUND) with a traceback each, and locust then ran its
+    whole --run-time sending nothing, exit 1 at the end: it stops at once, saying why in one line."""
+    locust_bin = os.path.join(os.path.dirname(sys.executable), "locust")
+    env = {**os.environ, "MEMSERVER_ENDPOINT": memory_cluster.endpoint, "MEMSERVER_TABLE": "no-such-table"}
+    t0 = time.monotonic()
+    done = subprocess.run([locust_bin, "-f", "deploy/locustfile.py", "--headless", "-u", "3", "-r", "3", "-t", "60s"],
+                          env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.count("the load cannot start: ") == 1 and "table 'no-such-table' does not exist" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - t0 < 45  # not the 60 s asked for

@@ -18,6 +18,7 @@ import torch
 from client import ops, transport
 from client.channels import client_tls, client_token, sync_channel
 from client.ops import Op, OpOptions, WriteTags, finish
+from memserver.api.errors import from_rpc_error
 from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
@@ -34,9 +35,13 @@ def setup_seconds(call_timeout: float) -> float:
 
 
 def fetch_table(endpoint: str, table: str, timeout: float) -> TableMeta:
-    """One GetShardMap from the coordinator (blocking gRPC: fine under gevent and outside it)."""
+    """One GetShardMap from the coordinator (blocking gRPC: fine under gevent and outside it); a
+    refusal as the client's error of its status (TableNotFoundError, ...), naming the coordinator."""
     with sync_channel(endpoint, retries=False, token=client_token(endpoint), tls=client_tls(endpoint)) as ch:
-        info = pb_grpc.ControlPlaneStub(ch).GetShardMap(pb.GetShardMapRequest(name=table), timeout=timeout)
+        try:
+            info = pb_grpc.ControlPlaneStub(ch).GetShardMap(pb.GetShardMapRequest(name=table), timeout=timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, f"coordinator {endpoint}") from None
     return TableMeta.from_proto(info)
 
 

@@ -43,6 +43,7 @@ import numpy as np
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
+from memserver.api.errors import MemserverError
 from memserver.loadtest.config import LoadConfig, parse_host_port
 from memserver.loadtest.recorder import LatencyRecorder
 
@@ -376,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                 report, rec = run_worker(parse_host_port(args.worker_of), args.wait)
         else:
             report, rec = user.run_headless(args.users, args.spawn_rate, args.duration)
-    except (ValueError, grpc.RpcError) as exc:  # bad MEMSERVER_* settings, unknown table, no coordinator, no workers
+    except (ValueError, grpc.RpcError, MemserverError) as exc:  # bad MEMSERVER_* settings, unknown table, no
+        # coordinator, no workers
         detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
         print(f"memserver loadtest: error: {detail}", file=sys.stderr)
         return 2

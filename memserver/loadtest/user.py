@@ -13,6 +13,7 @@ import locust  # first: it monkey-patches the process with gevent before grpc or
 
 # isort: on
 import itertools
+import logging
 import signal
 import time
 import uuid
@@ -27,6 +28,7 @@ import torch
 from locust.exception import StopUser
 
 from client.ops import ClientSession, WriteTags
+from memserver.api.errors import first_line
 from memserver.loadtest.caller import Batches, ShardCaller, fetch_table, setup_seconds
 from memserver.loadtest.config import LoadConfig
 from memserver.loadtest.recorder import LatencyRecorder
@@ -48,6 +50,7 @@ class _Process:
     started: float | None = None
     issued = itertools.count()
     override: LoadConfig | None = None  # on a locust worker: the master's settings (distributed.py)
+    failed = ""  # why the load could not start (said once, by the first user)
 
     @classmethod
     def configure(cls, cfg: LoadConfig) -> None:
@@ -79,13 +82,25 @@ class MemserverUser(locust.User):
     wait_time = locust.constant(0)
 
     def on_start(self) -> None:
-        self.cfg, self.caller = _Process.get()
+        self.cfg: LoadConfig | None = None
+        try:
+            self.cfg, self.caller = _Process.get()
+        except Exception as exc:  # no such table, no cluster: every user would fail so for the whole run
+            if not _Process.failed:
+                _Process.failed = first_line(exc)
+                logging.getLogger("memserver.loadtest").error("the load cannot start: %s; stopping", _Process.failed)
+            self.environment.process_exit_code = 1
+            if self.environment.runner is not None:
+                gevent.spawn(self.environment.runner.quit)  # (not from inside this user's greenlet)
+            return  # (its task stops it: locust logs a traceback for anything raised here)
         self.batches = Batches(self.caller.meta, self.cfg)
         self.ops, self.weights = list(self.cfg.mix), np.array(list(self.cfg.mix.values())) / sum(self.cfg.mix.values())
         self.session = ClientSession(f"locust-{uuid.uuid4().hex}")  # one per user: its writes are exactly-once on their own
 
     @locust.task
     def call(self) -> None:
+        if self.cfg is None:  # (on_start said why)
+            raise StopUser()
         assert _Process.started is not None
         if next(_Process.issued) >= self.cfg.max_requests or time.monotonic() - _Process.started > self.cfg.max_seconds:
             raise StopUser()
