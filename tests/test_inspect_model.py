@@ -225,6 +225,8 @@ def test_inspect_top_usage_search_commands(client, trained, capsys, tmp_path, me
     assert [(s["hits"], s["updates"]) for s in top["slots"]] == list(zip(stats["hits"].tolist(),
                                                                         stats["updates"].tolist()))
     assert all(type(s["hits"]) is int and type(s["updates"]) is int for s in top["slots"])  # counts, as inspect's
+    assert [s["weight_mass"] for s in top["slots"]] == pytest.approx(values.tolist())  # the ranking's value
+    assert all(set(s) == {"slot", "hits", "weight_mass", "updates", "value_norm"} for s in top["slots"])  # any --by
     code, out = cli(capsys, "inspect", table, slot, "--json", *ep)  # the model: the one trace recorded
     report = json.loads(out.out)
     want = json.loads(json.dumps(slot_report(client, table, int(slot), trained["inspector"])))

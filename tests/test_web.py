@@ -223,6 +223,8 @@ def test_search_and_text_json_equal_inspection(client, url, traced):
     want = search_token(traced.inspector, client, traced.table, "e")
     assert [(r["slot"], r["rank"]) for r in api["results"]] == [(r["slot"], r["rank"]) for r in want]
     assert [r["p"] for r in api["results"]] == pytest.approx([r["p"] for r in want])
+    three = fetch(f"{url}/api/table/{q(traced.table)}/search?token=e&n=3").json  # (n was ignored: always 20)
+    assert [r["slot"] for r in three["results"]] == [r["slot"] for r in want[:3]]
     newline = fetch(f"{url}/api/table/{q(traced.table)}/search?token=%E2%8F%8E").json  # ⏎ means a newline
     assert newline["token"] == "\n"
     assert [r["slot"] for r in newline["results"]] == [r["slot"] for r in search_token(traced.inspector, client,

@@ -125,16 +125,17 @@ def cmd_top(args: argparse.Namespace) -> int:
     _positive(args, "n")
     with _client(args) as client:
         _check_value_table(client, args.table)
-        ids, values = client.top_slots(args.table, args.by, args.n, coldest=args.coldest)
+        ids, _ = client.top_slots(args.table, args.by, args.n, coldest=args.coldest)
         stats = client.slot_stats(args.table, ids) if len(ids) else {}
     counts = ("hits", "updates")  # counts as integers, as `inspect --json` gives them
 
     def number(k: str, v: Any) -> int | float:
         return int(v) if k in counts else float(v)
 
-    rows = [{"slot": int(i), args.by: number(args.by, v),
-             **{k: number(k, stats[k][j]) for k in ("hits", "weight_mass", "updates", "value_norm")}}
-            for j, (i, v) in enumerate(zip(ids, values))]
+    # every row the same keys whatever --by (the ranking value is one of them: mass is weight_mass,
+    # norm value_norm), as the page's rows
+    rows = [{"slot": int(i), **{k: number(k, stats[k][j]) for k in ("hits", "weight_mass", "updates", "value_norm")}}
+            for j, i in enumerate(ids)]
     if args.json:
         print(json.dumps({"table": args.table, "by": args.by, "coldest": args.coldest, "slots": rows}, indent=2))
         return 0

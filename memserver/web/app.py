@@ -200,12 +200,13 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
 
     async def search(request: Request) -> dict[str, Any]:
         name, typed = request.path_params["name"], request.query_params.get("token")
+        n = data.parse_count(request.query_params.get("n"))
 
         def build() -> dict[str, Any]:
             meta = data.value_table(client, name)
             token = data.parse_token(typed)
             model = models.for_table(name)
-            return {**data.search(client, meta, token, model.inspector), "model": model.info()}
+            return {**data.search(client, meta, token, model.inspector, n), "model": model.info()}
 
         return await work(build)
 
