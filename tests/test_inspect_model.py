@@ -312,16 +312,28 @@ def test_memtrain_trace_command(trained, capsys, memory_cluster):
         (["--table", table, "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--table", table, "--data", "/nonexistent"], "no such file"),
     ]:
-        with pytest.raises(SystemExit, match=message):
-            memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint", memory_cluster.endpoint, *argv])
+        refused(capsys, lambda: memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint",
+                                          memory_cluster.endpoint, *argv]), message)
     # no cluster (no endpoint file): one line (was a traceback)
     import tempfile
 
     with pytest.MonkeyPatch.context() as env, tempfile.TemporaryDirectory() as home:
         env.setenv("MEMSERVER_HOME", home)
         env.delenv("MEMSERVER_ENDPOINT", raising=False)
-        with pytest.raises(SystemExit, match="memtrain trace: error: no memserver endpoint file"):
-            memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--table", table])
+        refused(capsys, lambda: memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--table", table]),
+                "memtrain trace: error: no memserver endpoint file")
+
+
+def refused(capsys, call, message: str, status: int = 2) -> None:
+    """`call` (memtrain's main) exits `status` saying `message` (a regex) on stderr: 2, the command's
+    mistake, as argparse's refusals and `memserver`'s."""
+    import re
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        call()
+    err = capsys.readouterr().err
+    assert done.value.code == status and re.search(message, err), (done.value.code, err)
 
 
 def test_memtrain_trace_reads_the_text_the_checkpoint_was_trained_on(client, memory_cluster, capsys, tmp_path):
@@ -341,14 +353,13 @@ def test_memtrain_trace_reads_the_text_the_checkpoint_was_trained_on(client, mem
         assert memtrain([*base, "--tokens", "50", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["positions"] == 50
         text.rename(tmp_path / "moved.txt")
-        with pytest.raises(SystemExit, match=r"training text \(.*own.txt\) is not here .*give the text to trace with --data"):
-            memtrain(base)
+        refused(capsys, lambda: memtrain(base),
+                r"training text \(.*own.txt\) is not here .*give the text to trace with --data")
         assert memtrain([*base, "--data", str(tmp_path / "moved.txt"), "--tokens", "20", "--json"]) == 0
     finally:
         client.drop_table("own-text")
-    with pytest.raises(SystemExit, match="memtrain trace: error: .*: its model reads table 'own-text', which the "
-                                         "cluster does not hold"):
-        memtrain([*base, "--data", str(tmp_path / "moved.txt")])  # (was a traceback)
+    refused(capsys, lambda: memtrain([*base, "--data", str(tmp_path / "moved.txt")]),  # (was a traceback)
+            "memtrain trace: error: .*: its model reads table 'own-text', which the cluster does not hold")
     from memserver import cli
 
     client.create_table("own-other", 16, 4)

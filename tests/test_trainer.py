@@ -421,6 +421,7 @@ def test_memtrain_gives_its_client_the_timeout_and_retry_window_asked(monkeypatc
     for extra in (["--retry-seconds", "600", "--timeout", "7.5"], ["--retry-seconds", "0"], []):
         with pytest.raises(SystemExit, match="needs a memserver cluster"):
             list(train(build_parser().parse_args([*TINY, "--steps", "1", *extra])))
+    assert all(m.pop("client_id").startswith("memtrain-rank000000-") for m in made)  # (its rank first)
     assert made == [{"retry_seconds": 600.0, "timeout": 7.5}, {"retry_seconds": 0.0}, {}]
     for argv, message in ((["--retry-seconds", "-1"], "argument --retry-seconds: must be 0 (no retries) or more than 0 seconds"),
                           (["--timeout", "0"], "argument --timeout: must be more than 0 seconds")):
@@ -466,7 +467,7 @@ def test_resume_refuses_other_flags_and_keeps_checkpointing(tmp_path, caplog):
                                               "--checkpoint-dir", str(ck)])))
 
 
-def test_a_resume_continues_the_checkpoints_settings_of_flags_left_out(tmp_path):
+def test_a_resume_continues_the_checkpoints_settings_of_flags_left_out(tmp_path, capsys):
     """memtrain's own parse (main): a RESUMED_ALIKE flag left out of the resume's command line is
     the checkpoint's (a run with --value-optimizer sgd, resumed as the README shows, used to be
     refused for the default it had not given); one given otherwise is still refused by name; the
@@ -487,12 +488,13 @@ def test_a_resume_continues_the_checkpoints_settings_of_flags_left_out(tmp_path)
     whole = run([*common, *setting, "--steps", "4"])
     ck = tmp_path / "ck"
     run([*common, *setting, "--steps", "2", "--checkpoint-dir", str(ck)])
-    with pytest.raises(SystemExit, match="value_lr = 0.2, this run gives 0.5 \\(--value-lr\\)"):
+    with pytest.raises(SystemExit) as refused:  # the command's mistake: exit 2, as argparse's refusals
         run([*common, "--steps", "4", "--resume", str(ck), "--value-lr", "0.5"])
+    assert refused.value.code == 2 and "value_lr = 0.2, this run gives 0.5 (--value-lr)" in capsys.readouterr().err
     assert run([*common, "--steps", "4", "--resume", str(ck)]) == whole[2:]
 
 
-def test_a_resume_takes_the_shapes_batch_seed_and_checkpointing_it_leaves_out(tmp_path, caplog):
+def test_a_resume_takes_the_shapes_batch_seed_and_checkpointing_it_leaves_out(tmp_path, caplog, capsys):
     """`memtrain --resume DIR --steps N`, as the README shows it, with none of the run's shape flags:
     the model's and the memory's shapes, the batch, the seed and --checkpoint-every are the
     checkpoint's (they were refused one at a time, or silently the defaults: another batch size,
@@ -520,9 +522,11 @@ def test_a_resume_takes_the_shapes_batch_seed_and_checkpointing_it_leaves_out(tm
         assert run([*quiet, "--steps", "5", "--resume", str(ck)]) == whole[2:]
     assert "as the checkpoint was trained (flags left out): " in caplog.text and "batch_size = 3" in caplog.text
     assert sorted(p.name for p in ck.glob("trainer-step-*.pt")) == [trainer_file(ck, i).name for i in range(1, 6)]
+    capsys.readouterr()
     with pytest.raises(SystemExit) as refused:
         run([*quiet, "--steps", "7", "--resume", str(ck), "--n-keys", "32", "--knn", "8", "--batch-size", "4"])
-    said = str(refused.value)
+    said = capsys.readouterr().err
+    assert refused.value.code == 2
     assert said.count("the checkpoint was trained with") == 3, said
     assert all(x in said for x in ("batch_size = 3, this run gives 4 (--batch-size)", "knn = 4, this run gives 8",
                                    "n_keys = 16, this run gives 32 (--n-keys)"))
@@ -589,7 +593,7 @@ def test_a_remote_table_the_cluster_refuses_is_named_by_memtrains_flag(memory_cl
         main([*TINY, "--memory", "remote", "--endpoint", memory_cluster.endpoint, "--table", table_name, "--steps", "1",
               "--tier", "disk", "--cache-bytes", "10"])
     err = capsys.readouterr().err
-    assert done.value.code == 1 and "memtrain: error: --cache-bytes: a tier 'disk' table needs at least 1024 bytes" in err, err
+    assert done.value.code == 2 and "memtrain: error: --cache-bytes: a tier 'disk' table needs at least 1024 bytes" in err, err
 
 
 def test_a_step_that_failed_is_dropped_by_the_next_begin_step_on_either_backend(client, table_name):

@@ -111,10 +111,11 @@ def test_device_rule_with_gpus(two_gpus, monkeypatch):
                                            ("tpu", "--device tpu: not a device: auto, cpu, cuda or cuda:N")])
 def test_memtrain_names_the_device_flag_in_one_line(no_cuda, capsys, spec, message):
     """Like every memtrain error: one line, `memtrain: error: --flag value: why`, no traceback."""
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         main([*TINY, "--steps", "1", "--device", spec])
-    text = str(exc.value.code)
-    assert text.startswith(f"memtrain: error: {message}") and "\n" not in text, text
+    text = capsys.readouterr().err  # exit 2: the command's mistake, as argparse's refusals
+    assert exc.value.code == 2 and text.startswith(f"memtrain: error: {message}") and text.count("\n") == 1, text
 
 
 def test_dtype_is_fp32_or_bf16(capsys):

@@ -30,7 +30,7 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.cli import quiet_libraries
-from memserver.cli.common import cache_size, one_line, retry_window, seconds
+from memserver.cli.common import WRONG_COMMAND, cache_size, exit_status, one_line, retry_window, seconds
 from memserver.core.table import set_threads
 from memserver.storage.checkpoint import extras_digest
 from trainer.checkpoints import trainer_file
@@ -75,7 +75,10 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memtrain", description=__doc__, formatter_class=_Help)
+    p = argparse.ArgumentParser(prog="memtrain", description=__doc__, formatter_class=_Help,
+                                epilog="Exit status: 0 trained; 2 the command was wrong (a flag, a checkpoint to resume "
+                                "that does not fit it, no cluster for --memory remote); 1 training failed (the "
+                                "cluster's error; it names the latest checkpoint and the --resume that goes on).")
     p.add_argument("-v", "--debug", action="store_true", help="a failing call's traceback instead of its one-line error")
     d = p.add_argument_group("data and run")
     d.add_argument("--data", default=str(DEFAULT_DATA), help="text file (split 90/10) or WikiText-2 folder (default: tiny Shakespeare)")
@@ -1001,15 +1004,20 @@ def trace_parser() -> argparse.ArgumentParser:
 
 
 def trace_main(argv: list[str]) -> int:
-    args = trace_parser().parse_args(argv)
+    parser = trace_parser()
+    args = parser.parse_args(argv)
     if args.tokens < 0:
-        raise SystemExit(f"memtrain trace: error: --tokens must be >= 0, got {args.tokens}")
+        parser.exit(WRONG_COMMAND, f"memtrain trace: error: --tokens must be >= 0, got {args.tokens}\n")
     if args.batch_size < 1:
-        raise SystemExit(f"memtrain trace: error: --batch-size must be >= 1, got {args.batch_size}")
+        parser.exit(WRONG_COMMAND, f"memtrain trace: error: --batch-size must be >= 1, got {args.batch_size}\n")
     try:  # no cluster, a table that is not there: one line, not a traceback
         return _trace(args)
     except (FileNotFoundError, MemserverError) as exc:
-        raise SystemExit(f"memtrain trace: error: {one_line(exc)}") from None
+        parser.exit(exit_status(exc), f"memtrain trace: error: {one_line(exc)}\n")
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # (its own refusals of the checkpoint or text it was given)
+            parser.exit(WRONG_COMMAND, exc.code + "\n")
+        raise
 
 
 def _trace(args: argparse.Namespace) -> int:
@@ -1055,6 +1063,10 @@ def main(argv: list[str] | None = None) -> int:
     args.given = given_flags(parser, argv)
     try:
         return _main(args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # memtrain's own refusal of its command line, a flag named: argparse's status
+            parser.exit(WRONG_COMMAND, exc.code + "\n")
+        raise
     except MemserverError as exc:
         if args.debug:
             raise
@@ -1062,8 +1074,8 @@ def main(argv: list[str] | None = None) -> int:
         if field == "optimizer" and why.startswith("lr "):  # the optimizer's settings: its lr is --value-lr's
             field = "lr"
         if isinstance(exc, InvalidArgumentError) and sep and field in _FLAG_OF_FIELD:  # a table spec memtrain made
-            parser.exit(1, f"memtrain: error: {_FLAG_OF_FIELD[field]}: {why}\n")
-        parser.exit(1, f"memtrain: error: {one_line(exc)} (--debug: the traceback){_go_on(args)}\n")
+            parser.exit(WRONG_COMMAND, f"memtrain: error: {_FLAG_OF_FIELD[field]}: {why}\n")
+        parser.exit(exit_status(exc), f"memtrain: error: {one_line(exc)} (--debug: the traceback){_go_on(args)}\n")
 
 
 def _go_on(args: argparse.Namespace) -> str:

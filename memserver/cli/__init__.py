@@ -14,7 +14,7 @@ import os
 import sys
 
 from memserver.cli import index, lifecycle, loadtest, slots, tables, web
-from memserver.cli.common import CliError, one_line
+from memserver.cli.common import CliError, exit_status, one_line
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
 
@@ -87,12 +87,11 @@ def _main(argv: list[str] | None) -> int:
         _said_as_json(args, str(exc))
         parser.exit(2, f"memserver: error: {exc}\n")
     except Exception as exc:
-        from memserver.api.errors import InvalidArgumentError, MemserverError, TableNotFoundError
+        from memserver.api.errors import MemserverError
 
         if isinstance(exc, (MemserverError, FileNotFoundError)) and not args.verbose:
             _said_as_json(args, one_line(exc))
-            wrong = isinstance(exc, (InvalidArgumentError, TableNotFoundError))  # the command's, not the cluster's
-            parser.exit(2 if wrong else 1, f"memserver: error: {one_line(exc)}{_token_source(exc)} (-v: the traceback)\n")
+            parser.exit(exit_status(exc), f"memserver: error: {one_line(exc)}{_token_source(exc)} (-v: the traceback)\n")
         raise
 
 

@@ -11,6 +11,19 @@ class CliError(Exception):
     """A user error: printed as `memserver: error: ...`, exit status 2."""
 
 
+#: The exit statuses of `memserver` and `memtrain`: the command was wrong (a flag, a table that
+#: does not exist, no cluster to ask), or the cluster could not do it.
+WRONG_COMMAND, FAILED = 2, 1
+
+
+def exit_status(exc: BaseException) -> int:
+    """The one rule of both tools: what a refusal's exit status is."""
+    from memserver.api.errors import InvalidArgumentError, TableNotFoundError
+
+    return WRONG_COMMAND if isinstance(exc, (CliError, InvalidArgumentError, TableNotFoundError, FileNotFoundError)) \
+        else FAILED
+
+
 def one_line(exc: BaseException) -> str:
     """An error as the one line a CLI prints (the api's errors name the flag and the fix; a
     traceback only under the CLI's debug flag); one without text (a cancelled call's) by its type."""
