@@ -312,8 +312,8 @@ def test_memtrain_trace_command(trained, capsys, memory_cluster):
         (["--table", table, "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--table", table, "--data", "/nonexistent"], "no such file"),
     ]:
-        refused(capsys, lambda: memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint",
-                                          memory_cluster.endpoint, *argv]), message)
+        refused(capsys, lambda argv=argv: memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint",
+                                                    memory_cluster.endpoint, *argv]), message)
     # no cluster (no endpoint file): one line (was a traceback)
     import tempfile
 
