@@ -563,6 +563,7 @@ class AsyncMemoryClient:
         check_ints(INT64, step=step)
         request = pb.CheckpointRequest(dir=str(dir), step=step, tables=tables or [], request_id=uuid.uuid4().hex)
         r = await self._retrying(lambda: self._control("Checkpoint", request))
+        self.session.saw_checkpoint(r.rebuilt)  # a rollback after this client's last write shows first here
         return {"path": r.path, "step": r.step, "bytes": r.bytes, "tables": list(r.tables), "seconds": r.seconds}
 
     async def check_checkpoint_dir(self, dir: str) -> str:
@@ -656,9 +657,9 @@ class AsyncMemoryClient:
     def rebuilds(self, table: str) -> tuple[int, str]:
         """How many times slices of `table` this client had written to came back from their files
         without their log (a table without `wal` whose shard restarted, or a sibling rolled back with
-        it: writes acknowledged to this client were lost), and the latest as text ("" none); 0
-        again once this client makes the table anew. Seen on write answers (each is also logged as a
-        warning); a trainer compares it across its steps (trainer.memory.RemoteValues)."""
+        it: writes acknowledged to this client were lost), and the latest as text ("" none). Seen
+        on write answers and checkpoints (each is also logged as a warning); it only grows: a
+        trainer compares it across its steps (trainer.memory.RemoteValues)."""
         return self.session.rebuilds(table)
 
     async def push_gradients(self, table: str, ids: Any, grads: Any) -> int:

@@ -527,3 +527,31 @@ def test_a_rollback_under_a_trainer_is_named_by_the_step_it_breaks_and_raised_on
     assert [r.getMessage() for r in caplog.records if r.name == "client.ops.sessions"] == [
         what + ". Give the table `wal`, or checkpoint it as often as you can afford to lose work"]
     step(4)  # raised once: a trainer that chose to go on is not stopped again
+
+
+def test_remote_values_save_refuses_a_checkpoint_of_values_rolled_back_after_the_last_write(tmp_path):
+    """A rollback after a step's last write is first seen by the checkpoint (its rebuilt slices,
+    counted by the client): save raises before the trainer writes its file beside that checkpoint
+    (a model of step N paired with older values). Once: the next save goes through."""
+    from types import SimpleNamespace
+
+    from client import TableRolledBackError
+    from trainer.memory import RemoteValues
+
+    class Client:
+        seen = 0
+
+        def table(self, name):
+            return SimpleNamespace(num_rows=8, dim=4, kind="value", optimizer="adagrad", lr=0.01)
+
+        def rebuilds(self, name):
+            return self.seen, f"table {name}: rebuilt without a write-ahead log (a test)"
+
+        def checkpoint(self, directory, step, tables):
+            self.seen = 1  # this checkpoint's answer named a slice rebuilt since this client's writes
+
+    values = RemoteValues(Client(), "t", 8, 4, create=False)
+    with pytest.raises(TableRolledBackError, match="table t: rebuilt without a write-ahead log \\(a test\\), while "
+                                                   "this trainer's model kept them"):
+        values.save(tmp_path, 3)
+    assert values.save(tmp_path, 4) == {"checkpoint": "memory/t", "table": "t"}

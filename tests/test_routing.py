@@ -121,14 +121,23 @@ def test_a_slice_rebuilt_without_its_log_is_said_to_the_clients_that_wrote_to_it
     assert session.rebuilds("t") == (1, said.removesuffix(". Give the table `wal`, or checkpoint it as often as you "
                                                           "can afford to lose work"))
     session.answered(meta, addresses, rolled)  # the same rebuilds: said once
-    assert len(caplog.records) == 1
+    session.answered(meta, addresses, [pb.WriteAck(), pb.WriteAck()])  # answers sent before them, handled after
+    session.answered(meta, addresses, rolled)
+    assert len(caplog.records) == 1 and session.rebuilds("t")[0] == 1
     anew = TableMeta.from_proto(pb.TableInfo(spec=pb.TableSpec(name="t", num_rows=8, dim=4), shards=shards,
                                              layout_id=8))
     session.answered(anew, addresses, [pb.WriteAck(rebuilt=11), pb.WriteAck(rebuilt=12)])
     assert len(caplog.records) == 1  # another incarnation of the table: its own slices
     assert session.rebuilds("t")[0] == 1
-    session.forget_table("t")  # made anew by this client: its count starts again
-    assert session.rebuilds("t") == (0, "")
+    session.forget_table("t")  # made anew by this client: the count only grows (a trainer compares it)
+    assert session.rebuilds("t")[0] == 1
+    # a checkpoint's rebuilt slices: those this client wrote to tell it (the rollback after its last write)
+    session.answered(anew, addresses, [pb.WriteAck(rebuilt=11), pb.WriteAck(rebuilt=12)])
+    session.saw_checkpoint([pb.SliceRebuilt(table="t", layout_id=8, shard=0, address=addresses[0], rebuilt=13,
+                                            recovered_from="checkpoint step 20"),
+                            pb.SliceRebuilt(table="u", layout_id=1, shard=0, address=addresses[0], rebuilt=5)])
+    assert session.rebuilds("t")[0] == 2 and "shard 0 (127.0.0.1:5000) from checkpoint step 20" in session.rebuilds("t")[1]
+    assert session.rebuilds("u") == (0, "")  # never written here
 
 
 def test_a_table_made_anew_replaces_the_slices_a_session_knows(client, memory_cluster, table_name):

@@ -30,8 +30,8 @@ class ClientSession:
     `_parts` the steps
     sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
     decisions a shard could not be reached with, re-sent by the table's next commit_step;
-    `_rebuilds` one entry per table whose slices this client saw rebuilt (until it is made anew
-    here)."""
+    `_rebuilds` one entry per table whose slices this client saw rebuilt, kept (a count that only
+    grows): as many as the rollbacks this client lived through."""
 
     MAX_OPEN_STEPS = 64
 
@@ -74,25 +74,48 @@ class ClientSession:
         its log: writes acknowledged to this client were lost, which is said here (the only sign a
         trainer gets: the shard may keep its address, and the client its shard map)."""
         shard = {sh.address: sh.index for sh in meta.shards}
+        self._saw(meta.name, [((meta.layout_id, shard[address]), address, getattr(answer, "rebuilt", 0),
+                               getattr(answer, "recovered_from", "")) for address, answer in zip(addresses, answers)],
+                  known=True)
+
+    def saw_checkpoint(self, slices: Iterable[pb.SliceRebuilt]) -> None:
+        """A checkpoint's rebuilt slices (CheckpointResponse.rebuilt): a rollback after a writer's
+        last write is seen here, before the writer pairs anything with that checkpoint. Slices this
+        client never wrote to tell it nothing."""
+        by_table: dict[str, list[tuple[tuple[int, int], str, int, str]]] = {}
+        for s in slices:
+            by_table.setdefault(s.table, []).append(((s.layout_id, s.shard), s.address, s.rebuilt, s.recovered_from))
+        for table, seen in by_table.items():
+            self._saw(table, seen, known=False)
+
+    def _saw(self, table: str, seen: list[tuple[tuple[int, int], str, int, str]], known: bool) -> None:
+        """Note each slice's `rebuilt` ((layout, shard index), address, rebuilt, what it came back
+        as): one that changed since this client wrote to the slice is a rebuild, warned of and
+        counted once. A slice answering a write becomes known (`known`); a later answer of 0 (sent
+        before the rebuild, handled after it) never undoes a rebuild."""
         lost: dict[int, str] = {}
         with self._lock:
-            for address, answer in zip(addresses, answers):
-                key, rebuilt = (meta.name, meta.layout_id, shard[address]), getattr(answer, "rebuilt", 0)
-                if rebuilt and self._known.get(key, rebuilt) != rebuilt:
-                    lost[key[2]] = f"shard {key[2]} ({address}) from {answer.recovered_from}"
-                self._known[key] = rebuilt
+            for (layout, index), address, rebuilt, recovered_from in seen:
+                key = (table, layout, index)
+                if key not in self._known and not known:
+                    continue
+                was = self._known.get(key, rebuilt)
+                if rebuilt and was != rebuilt:
+                    lost[index] = f"shard {index} ({address}) from {recovered_from}"
+                if rebuilt or key not in self._known:
+                    self._known[key] = rebuilt
             if lost:
-                what = (f"table {meta.name}: rebuilt without a write-ahead log (the table has no `wal`), "
+                what = (f"table {table}: rebuilt without a write-ahead log (the table has no `wal`), "
                         f"{'; '.join(lost[i] for i in sorted(lost))}: writes acknowledged to this client after that "
                         "point are lost")
-                self._rebuilds[meta.name] = (self._rebuilds.get(meta.name, (0, ""))[0] + 1, what)
+                self._rebuilds[table] = (self._rebuilds.get(table, (0, ""))[0] + 1, what)
         if lost:
             log.warning("%s. Give the table `wal`, or checkpoint it as often as you can afford to lose work", what)
 
     def rebuilds(self, table: str) -> tuple[int, str]:
         """How many times this client saw slices of `table` it had written to come back without
-        their log (`answered`), and what the latest said ("" none); 0 again once the table is made
-        anew here (a restore, a create, a drop)."""
+        their log (`answered`, `saw_checkpoint`), and what the latest said ("" none). It only
+        grows, the table made anew or not: a trainer compares it across its steps."""
         with self._lock:
             return self._rebuilds.get(table, (0, ""))
 
@@ -137,7 +160,6 @@ class ClientSession:
                 del self._parts[key]
             for k in [k for k in self._known if k[0] == table]:
                 del self._known[k]
-            self._rebuilds.pop(table, None)
             decisions = self._undecided.pop(table, {})
         for _, tags, _ in decisions.values():
             tags.held = False

@@ -398,13 +398,17 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if withdraw_manifest(directory):
             log.warning("checkpoint of step %d: replacing the complete one in %s (incomplete until this one is)",
                         request.step, directory)
-        calls, where = [], []
+        calls, where, shards = [], [], []
         for name, (order, info) in placed.items():
             for j, sh in zip(order, info.shards):
                 path = str(directory / name / f"shard-{sh.index:04d}.pt")
                 calls.append(self.handles[j].checkpoint_table.remote(name, path, request.step))
                 where.append(name)
+                shards.append(sh)
         results = await asyncio.gather(*calls)
+        rebuilt = [pb.SliceRebuilt(table=name, layout_id=placed[name][1].layout_id, shard=sh.index,
+                                   address=sh.address, rebuilt=r.pop("rebuilt"), recovered_from=r.pop("recovered_from"))
+                   for r, name, sh in zip(results, where, shards) if "rebuilt" in r]
         manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__, "tables": {},
                                     "request_id": request.request_id}
         for name in names:
@@ -419,7 +423,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         log.info("checkpoint of %d tables at step %d: %s (%.1f MiB in %.2fs)", len(names), request.step, directory,
                  nbytes / 2**20, seconds)
         return pb.CheckpointResponse(path=str(directory), step=request.step, bytes=nbytes, tables=names,
-                                     seconds=seconds)
+                                     seconds=seconds, rebuilt=rebuilt)
 
     async def TrainIndex(self, request: pb.TrainIndexRequest, context: grpc.aio.ServicerContext) -> pb.TrainIndexResponse:
         """Train the table's quantizer/codebooks once, here, and install the trained empty index on

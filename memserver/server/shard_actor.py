@@ -440,6 +440,8 @@ class ShardActor:
                     self.store.save(record)
                     if sl.wal is not None:  # records before the previous complete checkpoint are no longer needed
                         sl.wal.rotate(previous["lsn"] if previous else None)
+            if sl.rebuilt:  # (for the caller: not kept in the record or the manifest)
+                return {**entry, "rebuilt": sl.rebuilt, "recovered_from": sl.recovered_from}
             return entry
 
         return self.loop.call(self.servicer.run(work))

@@ -183,7 +183,11 @@ class TableClient:
 
     def table(self, name: str, refresh: bool = False) -> SimpleNamespace:
         """What RemoteValues(create=False) checks its shape against (client.table's answer)."""
-        return SimpleNamespace(num_rows=self.values.num_rows, dim=self.values.dim)
+        return SimpleNamespace(num_rows=self.values.num_rows, dim=self.values.dim, kind="value", optimizer="adam", lr=0.05)
+
+    def rebuilds(self, table: str) -> tuple[int, str]:
+        """No slice here is ever rebuilt (RemoteValues looks after each commit and checkpoint)."""
+        return 0, ""
 
     def _hand(self, ids: torch.Tensor, *tensors: torch.Tensor) -> None:
         self.handed += [(t.device.type, t.is_pinned()) for t in (ids, *tensors)]
@@ -222,7 +226,7 @@ def test_remote_values_on_cuda_send_pinned_host_tensors_and_answer_on_the_device
     client = TableClient(ROWS["pkm"], DIM["pkm"])
     local = make_layer("pkm", LocalValues(ROWS["pkm"], DIM["pkm"], optimizer="adam", lr=0.05, seed=1)).to("cuda")
     remote = copy.deepcopy(local)
-    remote.values = RemoteValues(client, "t", ROWS["pkm"], DIM["pkm"], create=False)
+    remote.values = RemoteValues(client, "t", ROWS["pkm"], DIM["pkm"], optimizer="adam", lr=0.05, create=False)
     x = torch.randn(4, 16, 32, device="cuda")
     sent = remote.values.submit_bag(torch.zeros(2, 4, dtype=torch.int64, device="cuda"), torch.ones(2, 4, device="cuda"))
     assert isinstance(sent, DeviceFuture) and sent.result().is_cuda
@@ -238,7 +242,7 @@ def test_a_remote_read_overlaps_the_gpus_work():
     """submit_bag returns as soon as the ids are on the host: the GPU computes while the call is
     in flight, so both together take about the longer of the two, not their sum."""
     client = TableClient(4096, 64, delay=0.3)
-    values = RemoteValues(client, "t", 4096, 64, create=False)
+    values = RemoteValues(client, "t", 4096, 64, optimizer="adam", lr=0.05, create=False)
     ids = torch.randint(0, 4096, (8192, 16), device="cuda")
     w = torch.rand(8192, 16, device="cuda")
     a = torch.randn(4096, 4096, device="cuda") / 64

@@ -376,7 +376,7 @@ class RemoteValues:
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
         self.version = 0
         std = init_std if init_std is not None else dim**-0.5
-        self.rebuilds_seen = client.rebuilds(name)[0]  # (a create makes it 0: made anew here)
+        self.rebuilds_seen = client.rebuilds(name)[0]  # (the count only grows: from here on)
         if restoring:  # (load restores it: neither made nor checked here)
             return
         if not create:
@@ -563,6 +563,7 @@ class RemoteValues:
         where = f"memory/{self.name}"
         self.settle()
         self.client.checkpoint(str(Path(directory).resolve() / where), step, [self.name])
+        self._check_rebuilt()  # rolled back since the last write: this checkpoint holds older values than the model
         return {"checkpoint": where, "table": self.name}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
@@ -571,7 +572,7 @@ class RemoteValues:
         self.settle()
         self.version += LOADED
         self.client.restore(str(Path(directory).resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
-        self.rebuilds_seen = self.client.rebuilds(self.name)[0]  # (0: made anew here)
+        self.rebuilds_seen = self.client.rebuilds(self.name)[0]  # (what came before the values loaded is past)
 
 
 def _saved_kind(saved: Any) -> str:

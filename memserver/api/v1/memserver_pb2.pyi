@@ -858,18 +858,36 @@ class CheckpointRequest(_message.Message):
     def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
-    __slots__ = ("path", "step", "bytes", "tables", "seconds")
+    __slots__ = ("path", "step", "bytes", "tables", "seconds", "rebuilt")
     PATH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REBUILT_FIELD_NUMBER: _ClassVar[int]
     path: str
     step: int
     bytes: int
     tables: _containers.RepeatedScalarFieldContainer[str]
     seconds: float
-    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., bytes: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    rebuilt: _containers.RepeatedCompositeFieldContainer[SliceRebuilt]
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., bytes: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ..., seconds: _Optional[float] = ..., rebuilt: _Optional[_Iterable[_Union[SliceRebuilt, _Mapping]]] = ...) -> None: ...
+
+class SliceRebuilt(_message.Message):
+    __slots__ = ("table", "layout_id", "shard", "address", "rebuilt", "recovered_from")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REBUILT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_FROM_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    layout_id: int
+    shard: int
+    address: str
+    rebuilt: int
+    recovered_from: str
+    def __init__(self, table: _Optional[str] = ..., layout_id: _Optional[int] = ..., shard: _Optional[int] = ..., address: _Optional[str] = ..., rebuilt: _Optional[int] = ..., recovered_from: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("dir", "step", "replace", "num_shards", "tables", "tier", "cache_bytes", "wal")
