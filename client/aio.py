@@ -595,6 +595,9 @@ class AsyncMemoryClient:
         if tier and (other := [m.name for m in metas if m.kind == "value" and (m.tier or "ram") != tier]):
             raise FailedPreconditionError(f"tier: the cluster restored {other} but not as tier {tier!r}: its coordinator "
                                           "predates restore's tier (upgrade it)")
+        if wal is not None and (other := [m.name for m in metas if m.wal != wal]):
+            raise FailedPreconditionError(f"wal: the cluster restored {other} but not with wal={wal}: its coordinator "
+                                          "predates restore's wal (upgrade it)")
         return metas
 
     # -- data plane (the ops are client.ops'; see there for what each computes) ----------

@@ -585,13 +585,14 @@ def check_float(x: torch.Tensor, what: str) -> None:
 
 def check_stored(x: torch.Tensor, dtype: torch.dtype | str, table: str, what: str) -> None:
     """Finite float32 values that a table storing `dtype` (or its name) keeps finite: float16 ends
-    at 65504 (one at 65520 or beyond would be stored as infinite). float32 and bfloat16 hold
-    float32's range. The client asks before sending (a cols table's shards take all or none) and
-    each shard again."""
-    if dtype in (torch.float16, "float16") and x.numel() and not all_finite(x.to(torch.float16)):
-        big = float(x.abs().max())
-        raise InvalidArgumentError(f"{what}: {big:g} is beyond float16's largest value (65504), which table {table} "
-                                   "stores: it would be stored as infinite")
+    at 65504 (65520 and beyond round to infinity; below that, to 65504), bfloat16 just short of
+    float32's largest. The client asks before sending (a cols table's shards take all or none) and
+    each shard again (not for a logged write replayed: an older shard took it)."""
+    dt = TORCH_DTYPES[DTYPE_NAMES[dtype]] if isinstance(dtype, str) else dtype
+    if dt in (torch.float16, torch.bfloat16) and x.numel() and not all_finite(x.to(dt)):
+        big, name = float(x.abs().max()), str(dt).removeprefix("torch.")
+        raise InvalidArgumentError(f"{what}: {big:g} is beyond {name}'s largest value ({torch.finfo(dt).max:g}), which "
+                                   f"table {table} stores: it would be stored as infinite")
 
 
 def all_finite(x: torch.Tensor) -> bool:

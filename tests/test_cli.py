@@ -64,7 +64,7 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
         restored = json.loads(rs.stdout)
         assert restored[0]["name"] == "emb" and len(restored[0]["shards"]) == 1
         again = cli(["restore", "--dir", str(tmp_path / "ck")])
-        assert again.returncode == 1 and "already exist" in again.stderr
+        assert again.returncode == 2 and "already exist" in again.stderr
         with MemoryClient(endpoint) as client:
             from client import ResourceExhaustedError
 
@@ -392,7 +392,7 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path, cli_
             meta["sharding"]) == ("cli-disk", 3000, 16, "disk", 64 << 10, "adam", "rows")
     try:
         again = run(["create-table", "cli-disk", "--rows", "3000", "--dim", "16", *at])
-        assert again.returncode == 1 and "already exist" in again.stderr, again.stderr
+        assert again.returncode == 2 and "already exist" in again.stderr, again.stderr
         status = json.loads(run(["status", "--json", *at]).stdout)
         loads = [t for s in status["shards"] for t in s["tables"] if t["table"] == "cli-disk"]
         assert len(loads) == 2 and all(t["tier"] == "disk" for t in loads)
@@ -578,14 +578,14 @@ def test_help_explains_every_command():
 
 def test_api_errors_are_one_line_and_the_traceback_only_under_v(memory_cluster):
     """`memserver checkpoint --dir /etc` against a running cluster: PERMISSION_DENIED as one line
-    naming the flag that changes it, exit status 1, no traceback; with -v, the traceback."""
+    naming the flag that changes it, exit status 2 (the command's mistake), no traceback; with -v, the traceback."""
     import os
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     args = ["checkpoint", "--dir", "/etc", "--endpoint", memory_cluster.endpoint]
     proc = run(args, env, timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("memserver: error:")]
-    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "PERMISSION_DENIED" in errors[0] and "--checkpoint-root" in errors[0]
     debug = run(["-v", *args], env, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "PermissionDeniedError" in debug.stderr

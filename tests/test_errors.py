@@ -133,6 +133,12 @@ def test_a_shard_refuses_float16_overflowing_rows_and_counts_overflowing_steps(t
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "rows: 70000 is beyond float16's largest value (65504), which table h stores" in err.value.details()
             assert torch.equal(rows([0, 1]), before)
+            # such a write logged by an older shard (which took it) is replayed as it was, not refused at recovery
+            from memserver.storage.wal import WRITE_ROWS
+
+            old = pb.WriteRowsRequest(table="h", ids=encode(torch.tensor([5])), rows=encode(torch.tensor([[7e4, 1.0]])))
+            shard.servicer.replay(shard.servicer.tables["h"], WRITE_ROWS, old.SerializeToString())
+            assert torch.isinf(rows([5])[0, 0])
             stub.PushGradients(pb.PushGradientsRequest(table="h", ids=encode(torch.tensor([0, 1])),
                                                        grads=encode(torch.tensor([[-1e5, 0.0], [1.0, 1.0]])),
                                                        tag=pb.WriteTag(client_id="c", seq=2)))
@@ -628,3 +634,17 @@ def test_retries_whose_errors_alternate_warn_once_per_text(caplog, monkeypatch):
         else:  # more texts than are kept: each is new again when its turn comes
             assert len(warned) == len(retries)
 
+
+
+def test_values_a_half_table_would_store_as_infinite_are_named_by_its_range():
+    """check_stored, the client's and the shards' rule: float16 rounds up to 65519.99 to 65504
+    (taken) and from 65520 to inf (refused); bfloat16 ends just short of float32's largest;
+    float32 takes every finite value."""
+    from memserver.wire import check_stored
+
+    check_stored(torch.tensor([65519.0, -65519.0]), "float16", "t", "rows")
+    with pytest.raises(InvalidArgumentError, match="rows: 65520 is beyond float16's largest value \\(65504\\)"):
+        check_stored(torch.tensor([1.0, -65520.0]), torch.float16, "t", "rows")
+    with pytest.raises(InvalidArgumentError, match="beyond bfloat16's largest value \\(3.38953e\\+38\\), which table t"):
+        check_stored(torch.tensor([3.4e38]), "bfloat16", "t", "rows")
+    check_stored(torch.tensor([3.4e38]), "float32", "t", "rows")

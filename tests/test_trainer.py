@@ -8,6 +8,7 @@ import logging
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,7 +224,7 @@ def test_memtrain_refuses_a_checkpoint_dir_outside_the_root_before_step_one(memo
             "--endpoint", memory_cluster.endpoint, "--log-json", str(tmp_path / "run.jsonl")]
     proc = subprocess.run([*base, "--checkpoint-dir", outside], capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr  # the command's mistake (a path it may not use)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("memtrain: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "PERMISSION_DENIED" in errors[0] and f"--checkpoint-dir {outside}" in errors[0], errors[0]
@@ -513,8 +514,12 @@ def test_a_resume_takes_the_shapes_batch_seed_and_checkpointing_it_leaves_out(tm
         assert main([*argv, "--log-json", str(log_json)]) == 0
         return [r["loss"] for r in map(json.loads, log_json.read_text().splitlines())]
 
+    from trainer.train import DEFAULT_DATA
+
+    text = tmp_path / "own.txt"  # not the default text: a resume takes it too
+    text.write_text(Path(DEFAULT_DATA).read_text()[:20000])
     own = [*TINY, "--memory", "local", "--memory-kind", "pkm,lsh", "--lsh-bits", "6", "--seed", "5",
-           "--batch-size", "3", "--no-query-bn"]
+           "--batch-size", "3", "--no-query-bn", "--data", str(text)]
     whole = run([*own, "--steps", "5"])
     ck = tmp_path / "ck"
     run([*own, "--steps", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "1"])
@@ -530,6 +535,14 @@ def test_a_resume_takes_the_shapes_batch_seed_and_checkpointing_it_leaves_out(tm
     assert said.count("the checkpoint was trained with") == 3, said
     assert all(x in said for x in ("batch_size = 3, this run gives 4 (--batch-size)", "knn = 4, this run gives 8",
                                    "n_keys = 16, this run gives 32 (--n-keys)"))
+    with pytest.raises(SystemExit):  # the checkpoint's --mem-layers 1 does not fit a 1-block model: the flag given is named
+        run([*quiet, "--steps", "7", "--resume", str(ck), "--n-layer", "1"])
+    said = capsys.readouterr().err
+    assert "n_layer = 2, this run gives 1 (--n-layer)" in said and "--mem-layers" not in said, said
+    text.rename(tmp_path / "moved.txt")
+    with pytest.raises(SystemExit):
+        run([*quiet, "--steps", "7", "--resume", str(ck)])
+    assert f"the checkpoint was trained on {text}, which is not here: give --data" in capsys.readouterr().err
 
 
 def test_local_values_refuse_what_the_shards_refuse_and_change_nothing(client, table_name):
@@ -569,6 +582,7 @@ def test_a_run_the_cluster_stops_on_the_way_says_how_to_go_on(tmp_path, monkeypa
     from client import TableRolledBackError
 
     def fails(args):
+        args.training = True  # (as train() says once its first step begins: an error before that gets no hint)
         raise TableRolledBackError("table t: rebuilt without a write-ahead log (a test)")
 
     monkeypatch.setattr(train, "_main", fails)

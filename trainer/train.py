@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--checkpoint-every", type=int, default=0,
                     help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir or a --resume directory")
     ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
-                    "memory), or from that trainer-step-*.pt file; the model, memory, optimizer, batch and seed flags left "
-                    "out are the checkpoint's (a different one given is refused by name), and so is "
+                    "memory), or from that trainer-step-*.pt file; the text, model, memory, optimizer, batch and seed "
+                    "flags left out are the checkpoint's (a different one given is refused by name), and so is "
                     "--checkpoint-every; --steps is the total to reach")
     mem.add_argument("--micro-batches", type=int, default=1, help="split memory lookups so one chunk's call overlaps the next chunk's addressing")
     return p
@@ -747,6 +747,12 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             setattr(args, key, was)
         elif key in RESUMED_ALIKE:
             differences += [d] if (d := _difference(key, was, getattr(args, key))) else []
+    if given is not None and "data" not in given and (path := blob.get("data_path")) and path != args.data:
+        if not Path(path).exists():  # (the default text in its place would train on other batches, unsaid)
+            raise SystemExit(f"memtrain: error: --resume {args.resume}: the checkpoint was trained on {path}, which is "
+                             "not here: give --data (that text, moved)")
+        taken.append(f"data = {path!r}")
+        args.data = path
     if given is not None:  # the shapes left out: the checkpoint's
         for key, (dest, flag_value) in _SHAPE_FLAGS.items():
             saved = blob.get("config" if key in _MODEL_SHAPE else "memory", {})
@@ -756,9 +762,13 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     if taken:
         log.info("--resume: as the checkpoint was trained (flags left out): %s", ", ".join(taken))
     # the shapes the flags alone decide (the KIF sources' names and the vocabulary: once built)
-    memory = {k: v for k, v in asdict(memory_config(args)).items() if k != "kif_sources"}
-    differences += _shape_differences(blob, memory, {k: getattr(args, k) for k in _MODEL_SHAPE if k != "vocab_size"})
-    _refuse(args.resume, differences)
+    differences += _shape_differences(blob, {}, {k: getattr(args, k) for k in _MODEL_SHAPE if k != "vocab_size"})
+    try:
+        memory = {k: v for k, v in asdict(memory_config(args)).items() if k != "kif_sources"}
+    except SystemExit:  # the checkpoint's memory flags against another model or --memory given: say those
+        _refuse(args.resume, differences)
+        raise
+    _refuse(args.resume, differences + _shape_differences(blob, memory, {}))
     step = int(blob["step"])
     if step >= args.steps:
         raise SystemExit(f"memtrain: error: --steps {args.steps}: the checkpoint is at step {step} already (--steps "
@@ -871,6 +881,7 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         # is done (`warm`: their pages read ahead while the backward runs, values unread). Stale (>= 1): when step t starts, overlapping all of step t, so
         # they read rows without step t's update (the table as of step t-1).
         prefetch = not args.no_prefetch and any(m.token_addressed for m in model.memories().values())
+        args.training = True  # (an error from here on stopped a run on its way: `_go_on`)
         for step in range(first, args.steps + 1):
             x, y = batches.next()
             for backend in _unique(run.values).values():
@@ -1079,12 +1090,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _go_on(args: argparse.Namespace) -> str:
-    """How a run that failed on the way goes on: from its checkpoint folder's latest trainer file
-    ("" where it has none)."""
+    """How a run that failed on its way (after its first step began) goes on: from its checkpoint
+    folder's latest trainer file ("" before that, or where it has none)."""
+    from trainer.checkpoints import latest_trainer_file
+
     where = checkpoint_dir_of(args)
-    if not where or not Path(where).is_dir() or not (held := sorted(Path(where).glob("trainer-step-*.pt"))):
+    if not getattr(args, "training", False) or not where:
         return ""
-    return f"; its latest checkpoint is {held[-1]}: go on from it with `memtrain --resume {where}` (the same flags)"
+    try:
+        latest = latest_trainer_file(where)
+    except FileNotFoundError:
+        return ""
+    return f"; its latest checkpoint is {latest}: go on from it with `memtrain --resume {where}` (the same flags)"
 
 
 #: The remote tables' spec fields (what the cluster's refusal names) that a memtrain flag sets.

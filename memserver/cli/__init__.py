@@ -27,9 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="A distributed memory server for memory-augmented transformers: value tables and faiss "
         "index tables sharded over Ray actors behind a gRPC lookup/update/search API.",
         epilog="The endpoint file lives in $MEMSERVER_HOME (default ~/.memserver); clients find the cluster through it. "
-        "Exit status: 0 done; 2 the command was wrong (a flag, a table that does not exist, no cluster to ask); 1 the "
-        "cluster could not do it (unreachable, refused, a request failed); `status` exits 3 when a shard or table is "
-        "not served. With --json, a failure prints {\"error\": ...} too.",
+        "Exit status: 0 done; 2 the command was wrong (a flag, a table that does not exist or already does, a path "
+        "it may not use, no cluster to ask); 1 the cluster could not do it (unreachable, refused, a request failed); "
+        "`status` exits 3 when a shard or table is not served. With --json, a failure after the command line was "
+        "read prints {\"error\": ...} on stdout too.",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging, and a failing call's traceback")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

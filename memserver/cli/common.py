@@ -12,16 +12,18 @@ class CliError(Exception):
 
 
 #: The exit statuses of `memserver` and `memtrain`: the command was wrong (a flag, a table that
-#: does not exist, no cluster to ask), or the cluster could not do it.
+#: does not exist or already does, a path it may not use, no cluster to ask), or the cluster
+#: could not do it.
 WRONG_COMMAND, FAILED = 2, 1
 
 
 def exit_status(exc: BaseException) -> int:
     """The one rule of both tools: what a refusal's exit status is."""
-    from memserver.api.errors import InvalidArgumentError, TableNotFoundError
+    from memserver.api.errors import InvalidArgumentError, PermissionDeniedError, TableExistsError, TableNotFoundError
 
-    return WRONG_COMMAND if isinstance(exc, (CliError, InvalidArgumentError, TableNotFoundError, FileNotFoundError)) \
-        else FAILED
+    wrong = (CliError, InvalidArgumentError, TableNotFoundError, TableExistsError, PermissionDeniedError,
+             FileNotFoundError)
+    return WRONG_COMMAND if isinstance(exc, wrong) else FAILED
 
 
 def one_line(exc: BaseException) -> str:

@@ -74,8 +74,8 @@ def torch_step(table: Any, ids: torch.Tensor, g: torch.Tensor) -> None:
         bc2 = (1 - opt.beta2**step).float()[:, None]
         w.sub_(opt.lr * (m / bc1) / ((v / bc2).sqrt_().add_(opt.effective_eps)))
     new = w.to(table.dtype)
-    if table.dtype == torch.float16:  # float16 ends at 65504: a step past it stores inf, as a torch
-        # float16 parameter would; counted (on the device: no wait) for status and the metrics
+    if table.nonfinite_updates is not None:  # float16 ends at 65504: a step past it stores inf, as a
+        # torch float16 parameter would; counted (on the device: no wait) for status and the metrics
         table.nonfinite_updates += (~torch.isfinite(new)).any(1).sum()
     table.weight[ids] = new
 

@@ -188,8 +188,10 @@ class ValueTable:
         self.updates = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
         self.last_update = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
         # Row updates that stored inf or NaN (a float16 table's step past 65504): counted on the
-        # device, never waited for by the step; read by status and the metrics.
-        self.nonfinite_updates = torch.zeros((), dtype=torch.int64, device=self.device)
+        # device, never waited for by the step; read by status and the metrics (which, on a GPU,
+        # waits for the device then: float16 tables only, the others keep None).
+        self.nonfinite_updates = torch.zeros((), dtype=torch.int64, device=self.device) if dtype == torch.float16 \
+            else None
 
     @classmethod
     def over(cls, weight: torch.Tensor, optimizer: OptimizerConfig, updates: torch.Tensor, last_update: torch.Tensor,
@@ -206,7 +208,7 @@ class ValueTable:
             if x is not None:
                 setattr(t, name, x)
         t.track_stats = False
-        t.nonfinite_updates = torch.zeros((), dtype=torch.int64, device=t.device)
+        t.nonfinite_updates = None  # (float32: nothing to count)
         fast_ok = kernels is not None and t.device.type == "cpu" and t.dtype == torch.float32
         t.backend = "numba" if fast_ok and (os.environ.get("MEMSERVER_BACKEND") or "auto") != "torch" else "torch"
         return t

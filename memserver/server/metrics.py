@@ -250,8 +250,8 @@ class _TableCollector:
             remembered.add_metric([name], sl.sessions.remembered())
             open_steps.add_metric([name], len(sl.steps))
             refusing.add_metric([name], 1.0 if sl.writes_refused() else 0.0)
-            if hasattr(sl.table, "nonfinite_updates"):
-                nonfinite.add_metric([name], int(sl.table.nonfinite_updates))
+            if (overflows := getattr(sl.table, "nonfinite_updates", None)) is not None:  # float16 tables
+                nonfinite.add_metric([name], int(overflows))
             if sl.wal is not None:
                 wal_records.add_metric([name], sl.wal.next_lsn)
                 wal_bytes.add_metric([name], sl.wal.bytes_written)

@@ -591,7 +591,8 @@ class ShardActor:
                     load.trained = sl.table.loaded
                 else:
                     load.rows = sl.table.num_rows
-                    load.nonfinite_updates = int(getattr(sl.table, "nonfinite_updates", 0))  # (disk tables: float32)
+                    if (overflows := getattr(sl.table, "nonfinite_updates", None)) is not None:  # float16 tables
+                        load.nonfinite_updates = int(overflows)
                     load.trigger_slots, load.trigger_bytes = sl.triggers.slots, sl.triggers.nbytes()
                     load.tier = sl.spec.tier or "ram"
                     if hasattr(sl.table, "cache_stats"):

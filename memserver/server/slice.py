@@ -312,10 +312,11 @@ class TableSlice:
         return lambda: self.commit(step, client)
 
     def _lost(self) -> str:
-        """Why a slice may lack a step's parts it acknowledged, as far as it knows."""
+        """Why a slice may lack a step's parts it acknowledged, as far as it knows (a rebuild may be
+        long past: named as what it was, not as the cause)."""
         if self.rebuilt:
-            return (f"this slice came back from {self.recovered_from} without a log: the table has no `wal`, so what "
-                    "came after that is lost")
+            return (f"lost in a restart? this slice came back from {self.recovered_from} without a log (the table has "
+                    "no `wal`): parts sent before that are gone")
         return "lost in a restart?"
 
     def _prepare(self, step: int, client: str, seqs: set[int]) -> None:
