@@ -588,7 +588,7 @@ def check_stored(x: torch.Tensor, dtype: torch.dtype | str, table: str, what: st
     at 65504 (65520 and beyond round to infinity; below that, to 65504), bfloat16 just short of
     float32's largest. The client asks before sending (a cols table's shards take all or none) and
     each shard again (not for a logged write replayed: an older shard took it)."""
-    dt = TORCH_DTYPES[DTYPE_NAMES[dtype]] if isinstance(dtype, str) else dtype
+    dt = TORCH_DTYPES.get(DTYPE_NAMES.get(dtype, -1)) if isinstance(dtype, str) else dtype
     if dt in (torch.float16, torch.bfloat16) and x.numel() and not all_finite(x.to(dt)):
         big, name = float(x.abs().max()), str(dt).removeprefix("torch.")
         raise InvalidArgumentError(f"{what}: {big:g} is beyond {name}'s largest value ({torch.finfo(dt).max:g}), which "

@@ -26,6 +26,7 @@ import grpc.experimental.gevent as grpc_gevent
 import numpy as np
 import torch
 from locust.exception import StopUser
+from locust.runners import WorkerRunner
 
 from client.ops import ClientSession, WriteTags
 from memserver.api.errors import first_line
@@ -86,13 +87,17 @@ class MemserverUser(locust.User):
         try:
             self.cfg, self.caller = _Process.get()
         except Exception as exc:  # no such table, no cluster: every user would fail so for the whole run
+            # counted as locust counts a user's error (a worker's reach its master's report), but not
+            # raised here, where locust logs a traceback per user; its task stops it
+            self.environment.events.user_error.fire(user_instance=self, exception=exc, tb=exc.__traceback__)
             if not _Process.failed:
                 _Process.failed = first_line(exc)
                 logging.getLogger("memserver.loadtest").error("the load cannot start: %s; stopping", _Process.failed)
             self.environment.process_exit_code = 1
-            if self.environment.runner is not None:
-                gevent.spawn(self.environment.runner.quit)  # (not from inside this user's greenlet)
-            return  # (its task stops it: locust logs a traceback for anything raised here)
+            runner = self.environment.runner
+            if runner is not None and not isinstance(runner, WorkerRunner):  # (a worker's master ends the test)
+                gevent.spawn(runner.quit)  # (not from inside this user's greenlet)
+            return
         self.batches = Batches(self.caller.meta, self.cfg)
         self.ops, self.weights = list(self.cfg.mix), np.array(list(self.cfg.mix.values())) / sum(self.cfg.mix.values())
         self.session = ClientSession(f"locust-{uuid.uuid4().hex}")  # one per user: its writes are exactly-once on their own
