@@ -40,7 +40,8 @@ class ClientSession:
         self._lock = threading.Lock()
         self._next = 1
         self._in_flight: dict[int, str] = {}  # seq -> its table
-        # (table, layout_id, shard index) -> the slice's `rebuilt` in its last answer to a write
+        # (table, layout_id, shard index) -> the slice's latest `rebuilt` seen (0: none since this
+        # client first wrote to it)
         self._known: dict[tuple[str, int, int], int] = {}
         # (table, step) -> (the table layout its parts went to, shard index -> the seqs of the
         # gather parts that shard acknowledged)
