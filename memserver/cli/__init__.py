@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from memserver.cli import index, lifecycle, loadtest, slots, tables, web
 from memserver.cli.common import CliError, exit_status, one_line
@@ -21,16 +22,30 @@ from memserver.cli.tables import status_dict
 __all__ = ["CliError", "build_parser", "load_config", "main", "status_dict"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too: they take the parent's class), whose refusal of a
+    command line that asks for --json is also a JSON object on stdout, as every other failure's."""
+
+    def error(self, message: str) -> NoReturn:
+        if "--json" in _ARGV:
+            _print_json_error(f"{self.prog}: {message}")
+        super().error(message)
+
+
+#: The command line being parsed (what _Parser.error looks for --json in).
+_ARGV: list[str] = []
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="memserver",
         description="A distributed memory server for memory-augmented transformers: value tables and faiss "
         "index tables sharded over Ray actors behind a gRPC lookup/update/search API.",
         epilog="The endpoint file lives in $MEMSERVER_HOME (default ~/.memserver); clients find the cluster through it. "
         "Exit status: 0 done; 2 the command was wrong (a flag, a table that does not exist or already does, a path "
         "it may not use, no cluster to ask); 1 the cluster could not do it (unreachable, refused, a request failed); "
-        "`status` exits 3 when a shard or table is not served. With --json, a failure after the command line was "
-        "read prints {\"error\": ...} on stdout too.",
+        "`status` exits 3 when a shard or table is not served. With --json, a failure prints {\"error\": ...} on "
+        "stdout too.",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging, and a failing call's traceback")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -72,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    global _ARGV
+    _ARGV = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -100,9 +117,13 @@ def _said_as_json(args: argparse.Namespace, error: str) -> None:
     """A failed command asked for --json: the error as a JSON object on stdout too, so a script's
     parse of it does not fail where the exit status already says what happened."""
     if getattr(args, "json", False):
-        import json
+        _print_json_error(error)
 
-        print(json.dumps({"error": error}, indent=2))
+
+def _print_json_error(error: str) -> None:
+    import json
+
+    print(json.dumps({"error": error}, indent=2))
 
 
 def _token_source(exc: BaseException) -> str:
