@@ -775,10 +775,11 @@ def test_a_resume_with_dropout_continues_its_draws_and_its_rate(tmp_path, caplog
 
 def test_a_resume_refusal_says_default_not_none():
     """A resume refusal printed "trained with sharding = None" for a flag left out (the default)."""
-    from trainer.train import _refuse_other
+    from trainer.train import _difference
 
-    with pytest.raises(SystemExit, match=r"trained with sharding = its default \(left out\), this run gives 'rows'"):
-        _refuse_other("ck", "sharding", None, "rows")
+    assert _difference("sharding", None, "rows") == ("the checkpoint was trained with sharding = its default (left "
+                                                     "out), this run gives 'rows' (--sharding)")
+    assert _difference("sharding", "rows", "rows") is None
 
 
 def test_the_query_bias_before_a_batchnorm_learns_nothing_and_stays_a_parameter():

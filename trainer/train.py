@@ -653,11 +653,6 @@ def _refuse(resume: str, differences: list[str]) -> None:
                          "checkpoint's: leave those flags out (a flag left out is the checkpoint's) or give its values")
 
 
-def _refuse_other(resume: str, key: str, was: Any, now: Any) -> None:
-    """A resumed run's setting `key` must be the checkpoint's: refused by flag name otherwise."""
-    _refuse(resume, [d] if (d := _difference(key, was, now)) else [])
-
-
 #: A checkpoint's shapes, compared with the run's: the memory's settings and the model's.
 _MEMORY_SHAPE = ("layers", "kinds", "mode", "n_keys", "heads", "k_dim", "knn", "query_bn", "mem_plus", "lsh_hashes",
                  "lsh_bits", "lsh_seed", "kif_sources", "engram_orders", "engram_heads", "engram_slots", "engram_dim",

@@ -406,7 +406,6 @@ class RemoteValues:
                                 cache_bytes=cache_bytes, replace=True)
             if existed:
                 log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
-            self.rebuilds_seen = client.rebuilds(name)[0]
 
     def __getstate__(self) -> dict[str, Any]:
         """Refused by name: a copy or a pickle of a model holding this (torch.save(model),
