@@ -192,3 +192,39 @@ def test_an_in_process_server_leaves_the_users_logging_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] 30" and "shard0" not in out.stderr  # (30: WARNING, the default)
+
+
+def test_int32_ids_are_sent_as_they_are_and_answer_like_int64(tmp_path):
+    """A bag's int32 ids (what RemoteValues hands over from a GPU: narrowed before the host copy)
+    reach the wire as they are: bag_args keeps them (it widened them to int64, and wire_ids then
+    narrowed them back, two copies per call on the host), and every answer, bag, dL/dw and the
+    committed step, equals the int64 call's, on both shardings, by TCP and through shared memory."""
+    from client.ops.checks import bag_args, checked_ids
+    from memserver.api.types import TableMeta
+
+    def meta(rows: int) -> TableMeta:
+        return TableMeta("t", rows, 4, "rows", "sgd", 0.1, "float32", 0.0, 0, (), 0)
+
+    ids32 = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    assert bag_args(meta(10), ids32, torch.ones(2, 2), None)[0].dtype == torch.int32
+    assert checked_ids(ids32, meta(2**31), keep_int32=True).dtype == torch.int64  # they travel as int64 there
+    assert checked_ids(ids32, meta(10)).dtype == torch.int64  # other calls' ids: int64, as their answers say
+
+    rng = np.random.default_rng(7)
+    ids = torch.from_numpy(rng.integers(0, N, size=(512, 8)))
+    w = torch.from_numpy(rng.random((512, 8), dtype=np.float32))
+    g = torch.from_numpy(rng.normal(size=(512, D)).astype(np.float32))
+    with InProcessServer(2, ["cpu", "cpu"], data_dir=str(tmp_path / "data")) as server:
+        for shm in (False, True):
+            with MemoryClient(server.endpoint, timeout=60, shm=shm) as c:
+                for sharding in ("rows", "cols"):
+                    got = {}
+                    for dt in (torch.int64, torch.int32):
+                        name = f"t-{shm}-{sharding}-{dt}".replace("torch.", "")
+                        c.create_table(name, N, D, sharding=sharding, optimizer="adam", lr=0.05, seed=3)
+                        out = c.bag(name, ids.to(dt), w)
+                        gw = c.bag_backward(name, ids.to(dt), w, g, step=1, gather=True)
+                        c.commit_step(name, 1)
+                        got[dt] = (out, gw, c.lookup(name, np.arange(N)))
+                    for a, b in zip(got[torch.int64], got[torch.int32]):
+                        assert np.array_equal(np.asarray(a), np.asarray(b))

@@ -37,10 +37,18 @@ def check_ints(bits: int = INT64, *, optional: bool = False, **values: Any) -> N
             raise InvalidArgumentError(f"{name}: {i} is out of range ({lo:,} .. {hi:,})")
 
 
-def checked_ids(x: Any, meta: TableMeta, what: str = "ids") -> torch.Tensor:
-    """Ids as an int64 CPU tensor, each in the table's range."""
+def ids_fit_int32(num_rows: int) -> bool:
+    """Whether a table's ids travel as int32 (the one rule: wire_ids, bag_args keeping int32 ids,
+    and RemoteValues narrowing them on a GPU before the host copy)."""
+    return num_rows < 2**31
+
+
+def checked_ids(x: Any, meta: TableMeta, what: str = "ids", keep_int32: bool = False) -> torch.Tensor:
+    """Ids as an int64 CPU tensor, each in the table's range; `keep_int32`: int32 ids stay int32
+    where they travel so (a bag's, which the client only routes and sends: no widening and
+    narrowing back per call)."""
     t = as_tensor(x)
-    if t.dtype == torch.int32:
+    if t.dtype == torch.int32 and not (keep_int32 and ids_fit_int32(meta.num_rows)):
         t = t.long()
     check_ids(t, meta.num_rows, what)
     return t.cpu()
@@ -56,7 +64,7 @@ def checked_floats(x: Any, what: str) -> torch.Tensor:
 
 def bag_args(meta: TableMeta, ids: Any, weights: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """A bag's (ids, weights, offsets or None, number of bags), their shapes checked together."""
-    t_ids = checked_ids(ids, meta)
+    t_ids = checked_ids(ids, meta, keep_int32=True)
     w = checked_floats(weights, "weights")
     off = None if offsets is None else as_tensor(offsets).cpu()
     return t_ids, w, off, check_bag(t_ids, w, off)

@@ -9,19 +9,13 @@ from typing import Any
 import torch
 
 from client.ops.base import Op, OpOptions, request_parts
-from client.ops.checks import UINT64, bag_args, check_ints, checked_floats, checked_ids, value_table
+from client.ops.checks import UINT64, bag_args, check_ints, checked_floats, checked_ids, ids_fit_int32, value_table
 from client.ops.routing import route_bags, route_ids
 from client.ops.sessions import StepParts, WriteTags
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import Lazy, check_1d, check_rows, check_stored, decode, encode, wire_tensor
-
-
-def ids_fit_int32(num_rows: int) -> bool:
-    """Whether a table's ids travel as int32 (the one rule: wire_ids, and RemoteValues narrowing
-    them on a GPU before the host copy)."""
-    return num_rows < 2**31
 
 
 def wire_ids(ids: torch.Tensor, meta: TableMeta) -> torch.Tensor:
