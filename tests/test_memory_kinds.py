@@ -492,3 +492,21 @@ def test_a_step_whose_backward_overflowed_anywhere_drops_every_tables_update():
         if step == 1:
             assert torch.equal(low.table.weight, before[0]) and torch.equal(high.table.weight, before[1])
     assert not torch.equal(low.table.weight, before[0]) and not torch.equal(high.table.weight, before[1])
+
+
+@pytest.mark.parametrize("kind", ["pkm", "lsh", "engram"])
+def test_a_read_checks_its_weights_for_nonfinite_values_once(kind, monkeypatch):
+    """`send` checked a read's weights even when it sent nothing (one forward chunk: the bag is
+    asked for later), and `bag` then checked them again: on a GPU under a GradScaler each check
+    waits for the device. One check per read, and none in the backward but its own (grad_out)."""
+    import trainer.memory.base as base
+
+    seen = []
+    real = base.finite
+    monkeypatch.setattr(base, "finite", lambda *ts: seen.append(len(ts)) or real(*ts))
+    layer = _each_kind()[kind]
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    out = layer(x, torch.randint(0, 50, (2, 5))) if kind == "engram" else layer(x)
+    assert seen == [1]  # the forward: the weights, once
+    out.sum().backward()
+    assert seen == [1, 2]  # the backward: grad_out and the weights together

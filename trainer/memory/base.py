@@ -256,7 +256,8 @@ class MemoryLayer(nn.Module):
     def send(self, ids: torch.Tensor, w: torch.Tensor, now: bool) -> Any:
         """A chunk's addresses -> what `finish` takes: (ids, weights, the bag in flight or None)."""
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
-        ok = not looks_for_nonfinite(flat_w, self.values) or finite(flat_w)  # (else: `bag` reads NaN rows)
+        # checked only when sent now: a read not sent yet is checked once, by `bag` (a GPU waits per check)
+        ok = not now or not looks_for_nonfinite(flat_w, self.values) or finite(flat_w)  # (else: `bag` reads NaN rows)
         return ids, w, self.values.submit_bag(flat_ids, flat_w) if now and ok else None
 
     def _send_tokens(self, tokens: torch.Tensor, chunks: int, now: bool) -> list[Any]:
