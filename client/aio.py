@@ -651,11 +651,12 @@ class AsyncMemoryClient:
             except StopIteration as done:
                 return done.value
 
-    def abandon_step(self, table: str, step: int) -> None:
+    def abandon_step(self, table: str, step: int) -> int:
         """Forget the `gather` parts of `step` this client sent so far (a step that failed before
         its commit): the step's next commit lists only parts sent after this, and each shard drops
-        the others when it prepares. Nothing is sent."""
-        self.session.forget_step(table, step)
+        the others when it prepares. Nothing is sent. Returns how many parts were forgotten (one
+        per shard a call reached)."""
+        return self.session.forget_step(table, step)
 
     def rebuilds(self, table: str) -> tuple[int, str]:
         """How many times slices of `table` this client had written to came back from their files

@@ -289,8 +289,8 @@ class MemoryClient:
         grad_w = self._call(table, op, tags)
         return None if grad_w is None else like(grad_w, weights)
 
-    def abandon_step(self, table: str, step: int) -> None:
-        self.aio.abandon_step(table, step)
+    def abandon_step(self, table: str, step: int) -> int:
+        return self.aio.abandon_step(table, step)
 
     def rebuilds(self, table: str) -> tuple[int, str]:
         return self.aio.rebuilds(table)

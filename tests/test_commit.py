@@ -554,4 +554,4 @@ def test_remote_values_save_refuses_a_checkpoint_of_values_rolled_back_after_the
     with pytest.raises(TableRolledBackError, match="table t: rebuilt without a write-ahead log \\(a test\\), while "
                                                    "this trainer's model kept them"):
         values.save(tmp_path, 3)
-    assert values.save(tmp_path, 4) == {"checkpoint": "memory/t", "table": "t"}
+    assert values.save(tmp_path, 4) == {"checkpoint": "memory/t", "table": "t", "num_rows": 8, "dim": 4}

@@ -919,3 +919,57 @@ def test_data_parallel_trainers_client_ids_sort_by_rank(monkeypatch):
     assert sorted(ids) == [ids[2], ids[3], ids[1], ids[0]] and len(set(ids)) == 4
     monkeypatch.delenv("RANK")
     assert trainer_client_id().startswith("memtrain-rank000000-") and trainer_client_id() != trainer_client_id()
+
+
+def test_saves_are_snapshots_loads_check_shapes_and_forgotten_steps_are_said(client, table_name, tmp_path, caplog):
+    """From a walkthrough of a user's own model: LocalValues.save returned the live tensors, so a
+    save kept in memory changed with training and loading it later restored nothing (RemoteValues'
+    is a checkpoint); RemoteValues.load of another shape's save restored it without a word and a
+    layer then read rows of another table; a step begun and never ended (end_step forgotten)
+    dropped its updates silently; RemoteValues (create=True) replaced an index table of its
+    name, saying "create=False attaches to it", which refuses an index table."""
+    from memserver.api.errors import InvalidArgumentError
+    from trainer.memory import LocalValues, RemoteValues
+
+    ids, w, g = torch.tensor([[0, 1]]), torch.ones(1, 2), torch.ones(1, 4)
+    local = LocalValues(16, 4, optimizer="adam", lr=0.1)
+    saved = local.save(tmp_path, 1)
+    at_save = local.table.weight.clone()
+    local.bag_backward(ids, w, g)
+    assert torch.equal(saved["state"]["weight"], at_save)
+    local.load(tmp_path, 1, saved)
+    assert torch.equal(local.table.weight, at_save)
+
+    big = RemoteValues(client, table_name, 32, 4)
+    saved = big.save(str(tmp_path), 1)
+    small = RemoteValues(client, f"{table_name}-s", 16, 4)
+    small.bag_backward(ids, w, g)
+    before = client.lookup(f"{table_name}-s", np.arange(16), count=False)
+    mine = RemoteValues(client, table_name, 16, 4, restoring=True)
+    with pytest.raises(InvalidArgumentError, match=r"saved: values of 32 x 4; this backend holds 16 x 4"):
+        mine.load(str(tmp_path), 1, saved)
+    with pytest.raises(InvalidArgumentError, match=rf"table {table_name}: restored from memory/{table_name} with 32 x 4; "
+                                                   r"this backend holds 16 x 4"):
+        mine.load(str(tmp_path), 1, {"checkpoint": saved["checkpoint"], "table": table_name})  # an older save's keys
+    np.testing.assert_array_equal(client.lookup(f"{table_name}-s", np.arange(16), count=False), before)
+
+    with caplog.at_level("WARNING", logger="trainer.memory.backends"):
+        for values, what in ((LocalValues(16, 4), "local values"), (small, f"table {table_name}-s")):
+            values.begin_step(1)
+            values.bag_backward(ids, w, g)
+            values.begin_step(2)  # end_step(1) forgotten
+            assert f"{what}: step 1 was begun and never ended (end_step(1) was not called, or it failed): its " \
+                   f"{1 if what == 'local values' else 2} value update part(s) are dropped" in caplog.text
+            caplog.clear()
+            values.begin_step(3)  # step 2 sent nothing: nothing to say
+            values.end_step(3)
+            assert "never ended" not in caplog.text
+
+    client.create_index(f"{table_name}-i", 8)
+    try:
+        with pytest.raises(ValueError, match=rf"table {table_name}-i is an index table: RemoteValues replaces only a "
+                                             rf"value table of that name; drop it first \(client.drop_table\("):
+            RemoteValues(client, f"{table_name}-i", 10, 8)
+        assert client.table(f"{table_name}-i").kind == "index"
+    finally:
+        client.drop_table(f"{table_name}-i")

@@ -148,9 +148,11 @@ class ClientSession:
             layout, shards = self._parts.pop((table, step), (0, {}))
         return {sh: sorted(seqs) for sh, seqs in shards.items()}, layout
 
-    def forget_step(self, table: str, step: int) -> None:
+    def forget_step(self, table: str, step: int) -> int:
+        """Forget the parts of `step`; returns how many there were."""
         with self._lock:
-            self._parts.pop((table, step), None)
+            _, shards = self._parts.pop((table, step), (0, {}))
+        return sum(len(seqs) for seqs in shards.values())
 
     def forget_table(self, table: str) -> None:
         """The table was made anew, restored or dropped: its steps' parts and undecided decisions

@@ -217,6 +217,15 @@ class TableClient:
         if parts:
             self.values.apply_entries(*combine(parts))
 
+    def submit_commit_step(self, table, step, *, defer_apply=False):
+        """end_step(wait=False)'s commit (after the parts sent before it: one thread)."""
+        return self.pool.submit(self.commit_step, table, step, defer_apply=defer_apply)
+
+    def abandon_step(self, table, step) -> int:
+        """A step begun again, or one whose backward overflowed: its parts are dropped."""
+        parts, self.parts = self.parts, []
+        return len(parts)
+
 
 def test_remote_values_on_cuda_send_pinned_host_tensors_and_answer_on_the_device(exact_cuda):
     """A layer on CUDA over RemoteValues: the client is handed pinned host copies of ids, weights

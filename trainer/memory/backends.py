@@ -296,7 +296,9 @@ class LocalValues:
 
     def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
         self.grad_scale, self.overflows_at = checked_grad_scale(grad_scale), OVERFLOWS[0]
-        self.parts, self.step = [], step  # a step begun and never ended: its parts are dropped
+        if self.step is not None and self.parts:  # a step begun and never ended: its parts are dropped
+            never_ended(self.step, len(self.parts), "local values")
+        self.parts, self.step = [], step
 
     def deliver(self) -> None:
         pass  # nothing travels
@@ -319,7 +321,10 @@ class LocalValues:
         raise NotImplementedError("local values keep no trigger records: trace a --memory remote run")
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
-        return {"state": self.table.state()}  # stored in the trainer's own checkpoint file
+        """A copy of the table on the CPU, stored in the trainer's own checkpoint file: a snapshot,
+        as the cluster's checkpoint is (the live tensors changed with the next step, so a save kept
+        in memory and loaded later restored nothing)."""
+        return {"state": {name: t.detach().to("cpu", copy=True) for name, t in self.table.state().items()}}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
         """Refused whole (InvalidArgumentError, nothing changed) unless `saved` is a LocalValues
@@ -396,10 +401,13 @@ class RemoteValues:
                             meta.optimizer, meta.lr, optimizer, lr)
         else:
             try:
-                client.table(name, refresh=True)
-                existed = True
+                existing = client.table(name, refresh=True)
             except TableNotFoundError:
-                existed = False
+                existing = None
+            if existing is not None and existing.kind != "value":  # (its vectors may have taken hours to build)
+                raise ValueError(f"table {name} is {existing.a_kind}: RemoteValues replaces only a value table of that "
+                                 f"name; drop it first (client.drop_table({name!r})) or choose another name")
+            existed = existing is not None
             # replaced only once the coordinator accepts the new spec: a bad argument leaves the table
             client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
                                 sharding=sharding, sync_workers=sync_workers, wal=wal, tier=tier,
@@ -494,8 +502,10 @@ class RemoteValues:
 
     def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
         self.grad_scale, self.overflows_at = checked_grad_scale(grad_scale), OVERFLOWS[0]
-        if self.step is not None:  # begun and never ended (it failed): the shards drop its parts at the next prepare
-            self.client.abandon_step(self.name, self.step)
+        if self.step is not None:  # begun and never ended: the shards drop its parts at the next prepare
+            dropped = self.client.abandon_step(self.name, self.step) + len(self.sent)
+            if dropped:
+                never_ended(self.step, dropped, f"table {self.name}")
         self.step = step
         self.sent = []  # a failed step's parts (its error was raised then) are not this step's
 
@@ -563,15 +573,28 @@ class RemoteValues:
         self.settle()
         self.client.checkpoint(str(Path(directory).resolve() / where), step, [self.name])
         self._check_rebuilt()  # rolled back since the last write: this checkpoint holds older values than the model
-        return {"checkpoint": where, "table": self.name}
+        return {"checkpoint": where, "table": self.name, "num_rows": self.num_rows, "dim": self.dim}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
+        """Refused before anything changes (InvalidArgumentError) when `saved` is of another shape
+        (saves that do not say theirs are checked once restored: a layer would read rows of another
+        shape, or ids past its table's end)."""
         if not isinstance(saved, dict) or not isinstance(saved.get("checkpoint"), str):
             raise InvalidArgumentError(f"saved: not what RemoteValues.save returned ({_saved_kind(saved)})")
+        if "num_rows" in saved:
+            self._same_shape(saved.get("num_rows"), saved.get("dim"), "saved: values of")
         self.settle()
         self.version += LOADED
         self.client.restore(str(Path(directory).resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
         self.rebuilds_seen = self.client.rebuilds(self.name)[0]  # (what came before the values loaded is past)
+        if "num_rows" not in saved:
+            meta = self.client.table(self.name)
+            self._same_shape(meta.num_rows, meta.dim, f"table {self.name}: restored from {saved['checkpoint']} with")
+
+    def _same_shape(self, num_rows: Any, dim: Any, what: str) -> None:
+        if (num_rows, dim) != (self.num_rows, self.dim):
+            raise InvalidArgumentError(f"{what} {num_rows} x {dim}; this backend holds {self.num_rows} x {self.dim} (the "
+                                       "same num_rows and dim are needed)")
 
 
 def _saved_kind(saved: Any) -> str:
@@ -613,6 +636,13 @@ def checked_settings(num_rows: int, dim: int, optimizer: str, lr: Any, init_std:
     from memserver.core.optim import check_value_settings
 
     check_value_settings(value_table_spec("local", num_rows, dim, optimizer=optimizer, lr=lr, init_std=init_std, seed=seed))
+
+
+def never_ended(step: int, parts: int, what: str) -> None:
+    """Say that a step begun and never ended (end_step not called, or it failed) is dropped."""
+    log.warning("%s: step %d was begun and never ended (end_step(%d) was not called, or it failed): its %d value "
+                "update part(s) are dropped; the values learn only from steps that end_step commits", what, step, step,
+                parts)
 
 
 def check_end_step(begun: int | None, step: int) -> None:
