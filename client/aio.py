@@ -57,7 +57,7 @@ from memserver.api.types import METRICS, SHARDINGS, TableMeta
 from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
-from memserver.cluster.endpoint import is_host_port, live_endpoint
+from memserver.cluster.endpoint import is_host_port, live_endpoint, stopped_since, this_clusters_record
 from memserver.loop import settle_grpc
 from memserver.wire import (
     MAX_MESSAGE_BYTES,
@@ -180,6 +180,9 @@ class AsyncMemoryClient:
             raise InvalidArgumentError(f"endpoint: expected the coordinator's HOST:PORT, got {endpoint!r}")
         record = live_endpoint() if not endpoint else None
         self.endpoint = endpoint or record["endpoint"]
+        # the endpoint file's record of this cluster, if one names it: a stopped cluster is told
+        # from a restarting one by it (_retrying)
+        self._home = this_clusters_record(self.endpoint)
         self.token = token if token is not None else client_token(self.endpoint, record)
         self.tls = tls if tls is not None else client_tls(self.endpoint, record)
         if self.token and self.tls is None and not self.endpoint.startswith(("127.", "localhost:", "[::1]:")):
@@ -259,6 +262,9 @@ class AsyncMemoryClient:
             except (UnavailableError, DeadlineExceededError, OverloadedError) as exc:
                 if isinstance(exc, (TlsError, NotGrpcError)):  # the same handshake, the same server again
                     raise
+                stopped = stopped_since(*self._home) if self._home and isinstance(exc, UnavailableError) else None
+                if stopped:  # not restarting: no retry will reach it
+                    raise type(exc)(f"{exc.details}; {stopped}", target=exc.target) from None
                 sleep = backoff.next()
                 if sleep is None:
                     raise

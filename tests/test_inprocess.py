@@ -228,3 +228,40 @@ def test_int32_ids_are_sent_as_they_are_and_answer_like_int64(tmp_path):
                         got[dt] = (out, gw, c.lookup(name, np.arange(N)))
                     for a, b in zip(got[torch.int64], got[torch.int32]):
                         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_client_of_a_stopped_cluster_says_so_at_once(tmp_path, monkeypatch):
+    """From a walkthrough: after `memserver down`, a trainer's client retried the dead shards for
+    its whole retry window (60 s) and then said only "failed to connect"; after `down` and a new
+    `up`, every call did the same. A client whose cluster the endpoint file named stops retrying
+    once the file says the cluster is gone (removed, or naming another), saying why; while the
+    file still names it (a restart), it retries as before."""
+    import json
+    import os
+    import socket
+
+    from client import UnavailableError
+
+    path = tmp_path / "endpoint.json"
+    monkeypatch.setenv("MEMSERVER_ENDPOINT_FILE", str(path))
+    runs = iter(range(3))
+
+    def stopped_then(change, retry_seconds: float = 30.0) -> tuple[float, str]:
+        server = InProcessServer(1, data_dir=str(tmp_path / f"data{next(runs)}"))  # (each its own tables)
+        path.write_text(json.dumps({"endpoint": server.endpoint, "pid": os.getpid(), "host": socket.gethostname()}))
+        with MemoryClient(timeout=5, retry_seconds=retry_seconds, shm=False) as c:  # the file's cluster
+            c.create_table("t", 8, 4)
+            c.lookup("t", [1])
+            server.stop()
+            change()
+            t0 = time.monotonic()
+            with pytest.raises(UnavailableError) as got:
+                c.lookup("t", [1])
+            return time.monotonic() - t0, str(got.value)
+
+    took, said = stopped_then(path.unlink)  # memserver down
+    assert took < 10 and f"was stopped (its endpoint file {path} is gone: `memserver down`)" in said, (took, said)
+    took, said = stopped_then(lambda: path.write_text(json.dumps({"endpoint": "127.0.0.1:1", "pid": 1})))  # a new up
+    assert took < 10 and f"the endpoint file {path} now names another (127.0.0.1:1); make a new client" in said
+    took, said = stopped_then(lambda: None, retry_seconds=3)  # the file still names it: a restart, retried
+    assert took >= 3 and "was stopped" not in said, (took, said)

@@ -131,6 +131,42 @@ def live_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     return record
 
 
+def this_clusters_record(endpoint: str) -> tuple[Path, dict[str, Any]] | None:
+    """The endpoint file and its record, when that record names the cluster at `endpoint` (a
+    client of the cluster `memserver up` started here); None otherwise."""
+    p = endpoint_file()
+    try:
+        record = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return (p, record) if isinstance(record, dict) and record.get("endpoint") == endpoint else None
+
+
+def stopped_since(path: Path, record: dict[str, Any]) -> str | None:
+    """Why the cluster of `record` (read from `path` when a client was made) is no longer there,
+    or None when nothing says so: `memserver down` removed its file, another `up` wrote its own,
+    or its `up` of this host exited. A client retrying an unreachable cluster asks (one small file
+    read per retry) and stops at once, instead of retrying a stopped cluster for its whole
+    retry_seconds."""
+    try:
+        now = json.loads(path.read_text())
+    except FileNotFoundError:
+        return (f"the cluster at {record.get('endpoint')} was stopped (its endpoint file {path} is gone: `memserver "
+                "down`); start one with `memserver up` and make a new client")
+    except (OSError, ValueError):  # being rewritten: nothing to say yet
+        return None
+    if not isinstance(now, dict):
+        return None
+    if (now.get("endpoint"), now.get("pid")) != (record.get("endpoint"), record.get("pid")):
+        return (f"the cluster at {record.get('endpoint')} was stopped: the endpoint file {path} now names another "
+                f"({now.get('endpoint')}); make a new client for it")
+    pid = record.get("pid")
+    if pid is not None and record.get("host") in (None, socket.gethostname()) and not pid_alive(int(pid)):
+        return (f"the cluster at {record.get('endpoint')} was stopped: its `memserver up` (pid {pid}) has exited; "
+                "start one with `memserver up` and make a new client")
+    return None
+
+
 def write_endpoint(record: dict[str, Any], path: Path | None = None) -> Path:
     p = path or endpoint_file()
     p.parent.mkdir(parents=True, exist_ok=True)
