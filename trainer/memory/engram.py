@@ -63,6 +63,8 @@ def hash_grams(grams: torch.Tensor, mult: torch.Tensor, start: torch.Tensor) -> 
 def suffix_grams(tokens: torch.Tensor, order: int) -> torch.Tensor:
     """tokens [B, T] -> the n-gram ending at each position [B, T, order], oldest first, PAD
     before the window's start."""
+    if not tokens.shape[1]:  # no positions (unfold cannot cut a window out of the padding alone)
+        return tokens.new_zeros((tokens.shape[0], 0, order), dtype=torch.long)
     padded = F.pad(tokens.long(), (order - 1, 0), value=PAD)
     return padded.unfold(1, order, 1)
 
@@ -134,9 +136,9 @@ class EngramMemory(MemoryLayer):
         gate = torch.sigmoid(s.sign() * s.abs().clamp_min(1e-6).sqrt())  # [N]
         self.last_gate = gate.detach()
         v = gate[:, None] * self.value(read)  # [N, d_out]
-        if self.conv is None:
-            return v
         b, t = self.batch_shape
+        if self.conv is None or not t:  # (no positions: nothing to convolve, and conv1d refuses it)
+            return v
         c = self.norm_c(v).view(b, t, v.shape[-1]).transpose(1, 2)  # [B, d_out, T] (b may be 0: no -1)
         reach = (self.conv.kernel_size[0] - 1) * self.conv.dilation[0]
         y = F.silu(self.conv(F.pad(c, (reach, 0))))  # causal: position t sees t, t-N, t-2N, ...
