@@ -511,3 +511,17 @@ def test_a_read_checks_its_weights_for_nonfinite_values_once(kind, monkeypatch):
     assert seen == [1]  # the forward: the weights, once
     out.sum().backward()
     assert seen == [1, 2]  # the backward: grad_out and the weights together
+
+
+def test_a_copied_product_key_layer_keeps_its_query_bias_still():
+    """The query's bias (removed by the BatchNorm after it) gets a zero gradient: a hook on the
+    parameter did it, and copy.deepcopy (an EMA model, the GPU tests' twin) dropped the hook, so
+    the copy's bias took rounding noise that Adam scales into real steps."""
+    import copy
+
+    layer = ProductKeyMemory(16, 16, LocalValues(64, 16), n_keys=8, heads=2, k_dim=8, knn=4)
+    twin = copy.deepcopy(layer)
+    for m in (layer, twin):
+        m(torch.randn(32, 16)).pow(2).sum().backward()
+        assert m.query.bias.grad is not None and not m.query.bias.grad.any()
+        assert m.query.weight.grad.any()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from memserver.core.pkm import candidate_pairs, product_key_topk
 from trainer.memory.backends import ValueBackend
@@ -39,10 +40,11 @@ class ProductKeyMemory(MemoryLayer):
         self.n_keys, self.heads, self.k_dim, self.knn = n_keys, heads, k_dim, knn
         self.query = nn.Linear(d_in, heads * k_dim)
         self.query_bn = nn.BatchNorm1d(heads * k_dim) if query_bn else nn.Identity()
-        if query_bn:  # the BatchNorm removes a constant bias: its gradient is rounding noise, which Adam scaled
-            # into real steps (eval, which reads running stats, drifted): zeroed. It stays a trained parameter, so
-            # optimizer states of older checkpoints load
-            self.query.bias.register_hook(torch.zeros_like)
+        # the BatchNorm removes a constant bias: its gradient is rounding noise, which Adam scaled into real
+        # steps (eval, which reads running stats, drifted): zeroed in `queries` (_ZeroGrad; a hook on the
+        # parameter was lost by copy.deepcopy). It stays a trained parameter, so optimizer states of older
+        # checkpoints load
+        self.query_bn_on = query_bn
         half = k_dim // 2
         bound = 1 / math.sqrt(half)
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, half).uniform_(-bound, bound))  # [heads, 2, n_keys, half]
@@ -58,7 +60,9 @@ class ProductKeyMemory(MemoryLayer):
         if self.training and x.shape[0] == 1 and isinstance(self.query_bn, nn.BatchNorm1d):
             raise ValueError("ProductKeyMemory: query_bn normalises the queries over the batch's positions, and a "
                              "training forward of one position has none to compare; give it more, or query_bn=False")
-        return self.query_bn(self.query(x))
+        if not self.query_bn_on:
+            return self.query_bn(self.query(x))
+        return self.query_bn(F.linear(x, self.query.weight, _ZeroGrad.apply(self.query.bias)))
 
     def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """queries [n, heads * k_dim] -> slot ids [n, heads*knn] and their softmax weights (per head)."""
@@ -69,6 +73,19 @@ class ProductKeyMemory(MemoryLayer):
         """Slot i * n_keys + j is the product of sub-key i of the first half and sub-key j of the
         second, in every head's key pair."""
         return {**slot_address(slot, self.n_keys), "heads": self.heads}
+
+
+class _ZeroGrad(torch.autograd.Function):
+    """The identity whose gradient is zero (not None: the optimizer still steps the parameter, as
+    it did under the hook this replaced, so the numbers are the same)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(grad)
 
 
 def slot_address(slot: int, n_keys: int) -> dict[str, Any]:
