@@ -364,6 +364,37 @@ def test_full_disk_is_refused_at_creation(tmp_path, monkeypatch):
             subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def test_a_replace_the_disk_cannot_hold_leaves_the_table(tmp_path):
+    """From an operator's walkthrough: `create-table T --replace --tier disk` (or `restore
+    --replace --tier disk`) too large for the shards' disk dropped T, then failed to allocate the
+    new files: the refusal destroyed the table it was refused for. The shards now check the disk
+    with the memory, before the drop (the old table's files counted as freed), on a real full
+    disk (a 1 MiB tmpfs)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("could not mount a tmpfs here")
+    try:
+        with InProcessServer(1, data_dir=str(mnt)) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+            c.create_table("t", 2000, 16, tier="disk", cache_bytes=MIN_CACHE_BYTES, optimizer="sgd")  # ~230 KB
+            c.write_rows("t", np.arange(2000), np.full((2000, 16), 3.0, np.float32))
+            with pytest.raises(ResourceExhaustedError, match=r"table t: shard 0's slice needs 1,040,000 bytes .* of disk "
+                                                             rf"for its files in {mnt}/shard-0000 \(tier disk\); "
+                                                             r".* are free there, and the table it replaces frees"):
+                c.create_table("t", 10_000, 16, tier="disk", cache_bytes=MIN_CACHE_BYTES, optimizer="sgd", replace=True)
+            assert (c.lookup("t", np.arange(2000)) == 3.0).all()  # still there, as it was
+            # fits only once the old files are gone: made
+            c.create_table("t", 2500, 16, tier="disk", cache_bytes=MIN_CACHE_BYTES, optimizer="sgd", replace=True, seed=1)
+            assert c.table("t").num_rows == 2500
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 # ------------------------------------------------------------------ checkpoints, restore, the shard
 
 

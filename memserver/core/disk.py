@@ -118,6 +118,12 @@ def cache_size(cap: int, record: int, policy: str = "tinylfu") -> int:
     return cap * (record + 8 + 1 + 1 + 8) + h * 16 + 4 * (w if policy == "tinylfu" and cap else 1) + 16 * 8
 
 
+def files_bytes(rows: int, dim: int, optimizer: str) -> int:
+    """The disk a slice's files take (rows.dat's records and stats.dat's counters, allocated whole
+    at creation: DiskTable._create)."""
+    return rows * (record_layout(dim, optimizer)[0] + COUNTER_BYTES)
+
+
 def record_layout(dim: int, optimizer: str) -> tuple[int, dict[str, tuple[int, int]]]:
     """(record bytes, {field: (byte offset, float32 count)}) of a row of `dim` values."""
     fields = {"weight": (HEADER, dim)}

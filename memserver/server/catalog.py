@@ -9,6 +9,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
@@ -275,6 +276,27 @@ def slice_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> SliceSize:
     optimizer = {"sgd": 0, "adagrad": rows * 4, "adam": 2 * rows * cols * 4}[spec.optimizer.name or "adagrad"]
     held = values + optimizer + rows * STATS_BYTES_PER_ROW
     return SliceSize(held, held + rows * 8 + (rows * cols * 4 if dtype.itemsize != 4 else 0))
+
+
+def disk_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> int:
+    """The bytes shard `shard`'s slice of a validated `spec` allocates in its data directory at
+    creation: a disk table's files (the write-ahead log grows later, with the writes); 0 else."""
+    if spec.kind in (pb.INDEX, pb.PRODUCT_KEYS) or spec.tier != "disk":
+        return 0
+    from memserver.core.disk import files_bytes
+
+    return files_bytes(int(shard.num_rows), int(shard.col_end - shard.col_start), spec.optimizer.name or "adagrad")
+
+
+def refuse_disk_full(spec: pb.TableSpec, index: int, need: int, where: Path, free: int, freed: int) -> None:
+    """RESOURCE_EXHAUSTED when `need` bytes do not fit the `free` ones of the data directory
+    `where`, once `freed` bytes (the files of the table a replace drops first) are released."""
+    if need > free + freed:
+        also = f", and the table it replaces frees {_bytes(freed)}" if freed else ""
+        raise ResourceExhaustedError(
+            f"table {spec.name}: shard {index}'s slice needs {_bytes(need)} of disk for its files in {where} (tier "
+            f"disk); {_bytes(free)} are free there{also}: free space there, give the shards a larger data directory "
+            "(memserver up --data-dir), or spread the rows over more shards")
 
 
 def _bytes(n: float) -> str:

@@ -12,6 +12,7 @@ import base64
 import json
 import logging
 import os
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -32,7 +33,7 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 from memserver.server.admission import Admission
-from memserver.server.catalog import refuse_oversized, slice_size
+from memserver.server.catalog import disk_size, refuse_disk_full, refuse_oversized, slice_size
 from memserver.server.config import ServeConfig
 from memserver.server.dataplane import DataPlaneServicer
 from memserver.server.doorbell import Doorbell
@@ -347,6 +348,10 @@ class ShardActor:
         available = memory_available(self.device)  # None: not known here, and not checked (as _add_table)
         refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits,
                          None if available is None else available + freed, node_bytes)
+        if (need := disk_size(s, shard)) and self.store is not None:  # a disk table's files, allocated whole
+            old = self.store.table_dir(s.name)  # the replaced table's files here, deleted before the new ones
+            freed_disk = sum(f.stat().st_size for f in old.rglob("*") if f.is_file()) if old.exists() else 0
+            refuse_disk_full(s, shard.index, need, self.store.dir, shutil.disk_usage(self.store.dir).free, freed_disk)
 
     def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]],
                       node_bytes: int = 0) -> None:
