@@ -837,6 +837,52 @@ def test_an_atomic_write_never_follows_a_link_planted_at_its_temporary_name(tmp_
     assert outside.read_bytes() == b"keep" and target.read_bytes() == b"new" and not target.is_symlink()
 
 
+def test_a_checkpoint_on_a_full_disk_says_so_and_leaves_no_temporaries(tmp_path):
+    """From an operator's walkthrough (a full data disk): a checkpoint failed with INTERNAL and a
+    Ray traceback (torch.save says a full disk as a RuntimeError), named no path, and left its
+    temporary file, holding space on the full disk; one left by a shard killed mid-checkpoint (57
+    MB) stayed after the retry that succeeded. Now: RESOURCE_EXHAUSTED naming the table and the
+    file, no temporary left, and a dead writer's temporary of that file removed by the next write
+    (a live writer's, or another file's, kept). On a real full disk (a 256 KiB tmpfs)."""
+    import subprocess
+
+    import torch
+
+    from memserver.api.errors import ResourceExhaustedError
+    from memserver.storage.checkpoint import save_slice
+    from memserver.storage.fsutil import atomic_write
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = folder / f".shard-0000.pt.tmp-{dead.pid}"  # a writer killed mid-write
+    live = folder / f".shard-0000.pt.tmp-{os.getppid()}"  # a writer at work
+    other = folder / f".shard-0001.pt.tmp-{dead.pid}"  # another file's: its own writer's business
+    for f in (stale, live, other):
+        f.write_bytes(b"x" * 1000)
+    meta = {"table": "t", "kind": "index", "index": 0}
+    save_slice(folder / "shard-0000.pt", meta, {"keys": torch.zeros(10)})
+    assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, other.name, "shard-0000.pt"])
+    with pytest.raises(ZeroDivisionError):  # any failure: the part written goes
+        atomic_write(folder / "x", lambda f: (f.write(b"part"), 1 / 0))
+    assert not list(folder.glob(".x.tmp-*"))
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("could not mount a tmpfs here")
+    try:
+        with pytest.raises(ResourceExhaustedError, match=rf"table t: cannot write checkpoint file {mnt}/shard-0000.pt: "
+                                                         r"the disk is full \(No space left on device\)"):
+            save_slice(mnt / "shard-0000.pt", meta, {"keys": torch.zeros(200_000)})
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def test_a_slice_file_that_cannot_be_read_is_said_by_name(tmp_path, monkeypatch):
     """Damaged bytes are DATA_LOSS naming the file, whatever the reader raises (a header can make
     zipfile raise NotImplementedError, not BadZipFile; torch's weights_only reader refuses garbage

@@ -271,9 +271,11 @@ def test_a_write_whose_log_append_fails_changes_nothing(tmp_path, monkeypatch):
                 raise OSError(28, "No space left on device")
 
             monkeypatch.setattr(wal.os, "write", full_disk)
-            with pytest.raises(grpc.RpcError):
+            with pytest.raises(grpc.RpcError) as full:
                 _push(stub, "m", [1], np.ones((1, 4), np.float32), 1)
             monkeypatch.undo()
+            assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert full.value.details() == "PushGradients on table m: No space left on device"  # (whose log: its table)
             torch.testing.assert_close(_rows(stub, "m", 16), before, rtol=0, atol=0)
     finally:
         shard.stop()

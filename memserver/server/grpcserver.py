@@ -73,7 +73,8 @@ def status_of(exc: BaseException, name: str, request: Any, metrics: CallMetrics 
         # the machine's refusal (a full disk, a path not writable or not a folder), not a bug: said
         # as such, one line, whichever server (or shard) met it
         where = f" ({os_error.filename})" if os_error.filename else ""
-        text = f"{name}: {os_error.strerror or os.strerror(os_error.errno)}{where}"
+        table = getattr(request, "table", "")  # (a log's write names no file: the table says whose)
+        text = f"{name}{f' on table {table}' if table else ''}: {os_error.strerror or os.strerror(os_error.errno)}{where}"
         log.warning("%s failed on table %r: %s", name, getattr(request, "table", ""), text)
         full = os_error.errno in (errno.ENOSPC, errno.EDQUOT)
         return (grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.FAILED_PRECONDITION), text

@@ -8,6 +8,7 @@ renamed; the coordinator writes the manifest last (see `write_manifest`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -24,13 +25,14 @@ from memserver.api.errors import (
     DataLossError,
     InvalidArgumentError,
     PermissionDeniedError,
+    ResourceExhaustedError,
     TableNotFoundError,
     first_line,
 )
 from memserver.api.types import ShardLayout
 from memserver.core.disk import unpack
 from memserver.core.table import ValueTable
-from memserver.storage.fsutil import atomic_write, fsync_dir
+from memserver.storage.fsutil import atomic_write, fsync_dir, remove_stale_temporaries
 
 MANIFEST = "manifest.json"
 
@@ -201,8 +203,29 @@ def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor],
     blob["block_checks"] = {k: torch.from_numpy(block_checks(v).view(np.int64)) for k, v in cpu.items()
                             if k not in by_row}
     blob["row_checks_version"] = ROW_CHECKS_VERSION
-    atomic_write(path, lambda f: torch.save(blob, f))
+    remove_stale_temporaries(path)  # an earlier try's, killed mid-write (its space held since)
+    try:
+        atomic_write(path, lambda f: torch.save(blob, f))
+    except Exception as exc:  # torch.save says a full disk as a RuntimeError over the OSError
+        full = disk_full(exc)
+        if full is None:
+            raise
+        raise ResourceExhaustedError(f"table {meta.get('table', '?')}: cannot write checkpoint file {path}: the disk is "
+                                     f"full ({full.strerror}); free space there, or checkpoint to another folder") from None
     return path.stat().st_size
+
+
+def disk_full(exc: BaseException) -> OSError | None:
+    """The full disk's OSError (ENOSPC, EDQUOT) behind `exc`, if one is: raised, or the cause or
+    context of what was raised."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # (a chain is short; a loop in one is not followed)
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def tables_at(directory: Path) -> list[str]:
