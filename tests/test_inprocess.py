@@ -265,3 +265,39 @@ def test_a_client_of_a_stopped_cluster_says_so_at_once(tmp_path, monkeypatch):
     assert took < 10 and f"the endpoint file {path} now names another (127.0.0.1:1); make a new client" in said
     took, said = stopped_then(lambda: None, retry_seconds=3)  # the file still names it: a restart, retried
     assert took >= 3 and "was stopped" not in said, (took, said)
+
+
+def test_a_replace_that_fails_after_the_drop_says_the_table_is_gone(tmp_path, monkeypatch):
+    """From an operator's walkthrough: a shard killed during `restore --replace`, after the old
+    table was dropped, failed the call with INTERNAL ("restoring 'big' failed on a shard: The
+    actor ... is unavailable"), and the next call found no table, which the error never said.
+    Now: a lost shard is UNAVAILABLE, and a replace failing after its drop says the table was
+    dropped and how to get it back (the same restore does)."""
+    from ray.exceptions import ActorDiedError
+
+    from client import UnavailableError
+    from memserver.server.coordinator import _raise_refusal
+    from memserver.server.shard_actor import ShardActor
+
+    with pytest.raises(UnavailableError, match="restoring 't' failed: a shard is unavailable .restarting..: The actor "
+                                               "died"):
+        _raise_refusal([None, ActorDiedError()], "restoring 't'")
+    with InProcessServer(2, data_dir=str(tmp_path / "data")) as server, \
+            MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+        c.create_table("t", 64, 4, seed=2)
+        want = c.lookup("t", np.arange(64))
+        c.checkpoint(str(tmp_path / "ck"), 1)
+        real = ShardActor.restore_table
+
+        def dies(self, *args, **kwargs):
+            if self.index == 1:
+                raise RuntimeError("shard 1 went away")  # (its process killed while it placed its slice)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(ShardActor, "restore_table", dies)
+        with pytest.raises(Exception, match="restoring 't' failed on a shard: shard 1 went away; table 't' was dropped "
+                                            r"before \(the call replaces it\): the same restore brings it back"):
+            c.restore(str(tmp_path / "ck"), 1, replace=True)
+        monkeypatch.undo()
+        c.restore(str(tmp_path / "ck"), 1, replace=True)
+        assert np.array_equal(c.lookup("t", np.arange(64)), want)

@@ -38,7 +38,7 @@ from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 from memserver.server.catalog import plan_table, refuse_oversized, retier, seen_layout_id, slice_size, validate_spec
 from memserver.server.config import Limits, ServeConfig
-from memserver.server.grpcserver import CONTROL_PLANE, serve_on
+from memserver.server.grpcserver import CONTROL_PLANE, is_actor_error, serve_on
 from memserver.server.metrics import CoordinatorMetrics
 from memserver.server.rayutil import was_restarted
 from memserver.storage.checkpoint import (
@@ -73,8 +73,19 @@ def _raise_refusal(results: list[Any], what: str) -> None:
     errors = [getattr(r, "cause", None) or r for r in results if isinstance(r, BaseException)]
     if refusal := next((e for e in errors if isinstance(e, MemserverError)), None):
         raise type(refusal)(refusal.details)
+    if lost := next((e for e in errors if is_actor_error(e)), None):  # a shard process died meanwhile
+        raise UnavailableError(f"{what} failed: a shard is unavailable (restarting?): {first_line(lost)}")
     if errors:
         raise RuntimeError(f"{what} failed on a shard: {errors[0]}")
+
+
+def _after_the_drop(exc: BaseException, name: str, again: str) -> BaseException:
+    """A replace's failure once the table it replaces was dropped, saying so (the table is gone:
+    `again` says how to make it)."""
+    text = f"; table {name!r} was dropped before (the call replaces it): {again}"
+    if isinstance(exc, MemserverError):
+        return type(exc)(exc.details + text)
+    return RuntimeError(f"{exc}{text}")
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]], restarted: bool = False,
@@ -212,7 +223,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                     pass  # another replace or drop got there first: make it, or say it exists again
                 await self._drop_strays(spec.name)  # and any slice of that name beyond its shards (a stale one)
                 # on the shards checked, and as checked: the old table's memory may not show as free yet
-                return await self._place(spec, plan=plan, checked=True)
+                try:
+                    return await self._place(spec, plan=plan, checked=True)
+                except Exception as exc:  # (a shard lost between the check and the placing)
+                    raise _after_the_drop(exc, spec.name, "create it again") from None
             finally:
                 self.replacing[spec.name] -= 1
                 self.replacing += collections.Counter()  # (drops the names at 0)
@@ -504,12 +518,19 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             for name in names:
                 if request.replace:
                     self.replacing[name] += 1
+                dropped = request.replace and name in self.tables
                 try:
                     if request.replace:  # nothing of it may stay, slices no table owns either. (Without replace a
                         if name in self.tables:  # name here is another's, made meanwhile, and shards holding one
                             await self._drop(name)  # refuse, as for a create: a lost slice's files stay.)
                         await self._drop_strays(name)
-                    info = await self._place(specs[name], files[name], plan=plans.get(name))
+                    try:
+                        info = await self._place(specs[name], files[name], plan=plans.get(name))
+                    except Exception as exc:
+                        if not dropped:
+                            raise
+                        raise _after_the_drop(exc, name, "the same restore brings it back from the checkpoint") \
+                            from None
                 finally:
                     if request.replace:
                         self.replacing[name] -= 1

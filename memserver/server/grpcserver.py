@@ -65,7 +65,7 @@ def status_of(exc: BaseException, name: str, request: Any, metrics: CallMetrics 
     bug: INTERNAL, its traceback logged with the method and table, and counted."""
     if isinstance(exc, MemserverError):
         return exc.code, exc.details
-    if _is_actor_error(exc):
+    if is_actor_error(exc):
         return grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {exc}"
     os_error = getattr(exc, "cause", exc)  # (a shard's, through Ray: its RayTaskError's cause)
     if isinstance(os_error, OSError) and not isinstance(os_error, (TimeoutError, ConnectionError)) and \
@@ -276,7 +276,8 @@ class Authenticate(grpc.aio.ServerInterceptor):
         return (grpc.stream_unary_rpc_method_handler(refuse) if ours else grpc.stream_stream_rpc_method_handler(refuse))
 
 
-def _is_actor_error(exc: BaseException) -> bool:
+def is_actor_error(exc: BaseException) -> bool:
+    """A Ray actor lost (its process died, or it is restarting): the coordinator's calls to shards."""
     if "ray" not in sys.modules:  # only the coordinator calls Ray actors; never import Ray for this
         return False
     from ray.exceptions import RayActorError
