@@ -334,6 +334,40 @@ def test_a_slice_whose_log_has_a_gap_is_not_served(tmp_path):
         again.stop()
 
 
+def test_a_slice_whose_whole_log_is_gone_is_not_served(tmp_path):
+    """From an operator's walkthrough: a `wal` table with no checkpoint whose log files were
+    removed came back from its initial values ("initial values + 0 logged writes"), every
+    acknowledged write lost without a word. A table's log has a segment from its making on, so
+    none at all is a loss: the slice is listed with the reason and answers DATA_LOSS."""
+    spec = pb.TableSpec(name="m", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0),
+                        sharding=pb.ROWS, wal=True)
+    shard = _shard(tmp_path / "data", spec)
+    with grpc.insecure_channel(shard.address) as ch:
+        _push(pb_grpc.DataPlaneStub(ch), "m", [1], np.ones((1, 4), np.float32), 1, acked_below=1)  # acknowledged
+    shard.stop()
+    for segment in (tmp_path / "data" / "shard-0000" / "m").glob("wal-*.log"):
+        segment.unlink()
+    again = _shard_again(tmp_path / "data")
+    try:
+        (load,) = pb.ShardStatus.FromString(again.status()).tables
+        assert load.unavailable.startswith(f"its write-ahead log is gone (no wal-*.log in {tmp_path}/data/shard-0000/m")
+        assert "writes acknowledged since initial values may be missing" in load.unavailable
+        with grpc.insecure_channel(again.address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                _rows(pb_grpc.DataPlaneStub(ch), "m", 16)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    finally:
+        again.stop()
+    fresh = _shard(tmp_path / "fresh", spec)  # a table made and never written: its log is there, empty
+    fresh.stop()
+    served = _shard_again(tmp_path / "fresh")
+    try:
+        (load,) = pb.ShardStatus.FromString(served.status()).tables
+        assert not load.unavailable and load.recovered_from == "initial values + 0 logged writes"
+    finally:
+        served.stop()
+
+
 def test_threads_per_shard_reach_the_compute_thread():
     """numba's thread count is per thread: the shard sets it on the thread that computes."""
     import numba

@@ -61,7 +61,7 @@ from memserver.storage.checkpoint import (
 )
 from memserver.storage.fsutil import atomic_write
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, committed_checkpoints, latest_committed, table_record
-from memserver.storage.wal import LogGapError, WriteAheadLog, reaches, read_log, repair_log
+from memserver.storage.wal import LogGapError, WriteAheadLog, has_log, reaches, read_log, repair_log
 from memserver.wire import DOORBELL_ENV, switch_on, tune_malloc
 
 log = logging.getLogger(__name__)
@@ -310,7 +310,12 @@ class ShardActor:
             wal_dir = self.store.table_dir(spec.name)
             end = repair_log(wal_dir) if replay else start
             replayed = 0
-            if replay:
+            if replay and not has_log(wal_dir):  # removed (by hand, a disk's loss): what it held is unknown
+                sl.unavailable = (f"its write-ahead log is gone (no wal-*.log in {wal_dir}: the table's log has one "
+                                  f"from its making on): writes acknowledged since {how} may be missing; restore the "
+                                  "table from a checkpoint")
+                log.error("shard %d: table %s: %s", self.index, spec.name, sl.unavailable)
+            elif replay:
                 try:
                     for _, kind, payload in read_log(wal_dir, start):
                         self.servicer.replay(sl, kind, payload)

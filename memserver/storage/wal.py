@@ -271,6 +271,12 @@ def reaches(directory: Path, lsn: int) -> bool:
     return any(start >= lsn for start, _ in _segments(directory))
 
 
+def has_log(directory: Path) -> bool:
+    """Whether a log is there: a table's log has a segment from its making on (WriteAheadLog
+    opens one at once, and a cut keeps the newest), so none at all means it was removed."""
+    return bool(_segments(directory))
+
+
 def _segments(directory: Path) -> list[tuple[int, Path]]:
     out = []
     for p in directory.glob("wal-*.log"):
