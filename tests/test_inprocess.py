@@ -301,3 +301,31 @@ def test_a_replace_that_fails_after_the_drop_says_the_table_is_gone(tmp_path, mo
         monkeypatch.undo()
         c.restore(str(tmp_path / "ck"), 1, replace=True)
         assert np.array_equal(c.lookup("t", np.arange(64)), want)
+
+
+def test_a_table_a_shard_cannot_load_its_slice_of_answers_data_loss(tmp_path):
+    """From an operator's walkthrough: a damaged table.json on one shard left the table out of the
+    catalog, and its calls said NOT_FOUND "does not exist" (the other shard's files are there, and
+    the docs promise DATA_LOSS with the reason for a damaged table). Dropping it, or a restore
+    with replace, makes the name usable again."""
+    from client import DataLossError, TableNotFoundError
+
+    data = str(tmp_path / "data")
+    with InProcessServer(2, data_dir=data) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+        c.create_table("t", 64, 4, seed=2)
+        c.create_table("u", 64, 4, seed=2)
+        want = c.lookup("t", np.arange(64))
+        c.checkpoint(str(tmp_path / "ck"), 1, ["t"])
+    for name in ("t", "u"):
+        (tmp_path / "data" / "shard-0001" / name / "table.json").write_text("{")  # damaged
+    with InProcessServer(2, data_dir=data) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+        for name in ("t", "u"):
+            with pytest.raises(DataLossError, match=rf"table '{name}' is not served: the shards hold slices \[[01]\] of 2 "
+                                                    r"of it \(no layout has every slice\): a shard could not load its "
+                                                    r"slice \(`memserver status` says why\)"):
+                c.lookup(name, [1])
+        c.restore(str(tmp_path / "ck"), 1, replace=True)
+        assert np.array_equal(c.lookup("t", np.arange(64)), want)
+        c.drop_table("u")
+        with pytest.raises(TableNotFoundError):
+            c.lookup("u", [1])

@@ -105,6 +105,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.placement: dict[str, list[int]] = {}  # table -> pool index of each of its shards
         # table -> shards that held an older layout of it at the catalog's rebuild (at most one per shard)
         self.stale: dict[str, set[int]] = {}
+        # tables the catalog's rebuild left out (slices missing: a shard could not load its own)
+        # -> why: their calls answer DATA_LOSS with it, not NOT_FOUND; at most the names the shards
+        # held at the rebuild, each forgotten once the name is dropped or made again
+        self.left_out: dict[str, str] = {}
         self.epoch = 0
         self.restarted = restarted
         self.lock = asyncio.Lock()
@@ -135,8 +139,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             if pick is None:
                 why = ("no layout has every slice" if not whole else "several are whole, and ids made before they told "
                        "time cannot say which is newer" if legacy else "the newest layout lacks slices")
-                log.error("table %s: shards hold slices %s of its layouts; %s; leaving it out of the catalog", name,
-                          {lid: sorted(p) for lid, p in layouts.items()}, why)
+                held = "; ".join(f"slices {sorted(p)} of {next(iter(p.values()))[3]}" for p in layouts.values())
+                log.error("table %s: shards hold %s; %s; leaving it out of the catalog", name, held, why)
+                self.left_out[name] = f"the shards hold {held} of it ({why})"
                 continue
             parts = whole[pick]
             if not legacy:  # ids made after the rebuild stay above every one seen, whatever the clock did
@@ -205,6 +210,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             if name in self.replacing:
                 raise UnavailableError(f"table {name!r} is being replaced (a restore or a create with replace): "
                                        "its new shard map comes when it is placed")
+            if name in self.left_out:  # (its slices' files are there: not a table that does not exist)
+                raise DataLossError(f"table {name!r} is not served: {self.left_out[name]}: a shard could not load "
+                                    "its slice (`memserver status` says why); restore it from a checkpoint (restore "
+                                    "--replace) or drop it")
             raise TableNotFoundError(f"table {name!r} does not exist")
         return self.tables[name]
 
@@ -298,6 +307,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 info.epoch = self.epoch
                 self.tables[spec.name] = info
                 self.placement[spec.name] = order
+                self.left_out.pop(spec.name, None)
             log.info("%s table %s: %d x %d, %s over %d shards", "restored" if files else "created", spec.name,
                      spec.num_rows, spec.dim, pb.Sharding.Name(spec.sharding).lower(), spec.num_shards)
             return info
@@ -347,6 +357,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         held = [j for j, dropped in enumerate(got) if dropped is True]
         if held:
             log.warning("table %s: dropped the slices shards %s held outside the catalog", name, held)
+            self.left_out.pop(name, None)
         return held
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointResponse:
