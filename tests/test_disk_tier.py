@@ -624,6 +624,48 @@ def test_shard_serves_a_disk_table_beside_a_ram_one_and_reports_its_cache(tmp_pa
     assert not (tmp_path / "shard-0000" / "d").exists()
 
 
+def test_a_logged_write_that_fails_to_apply_says_the_restart_applies_it(tmp_path):
+    """From an operator's walkthrough: a write to a `wal` disk table met a corrupt row and was
+    refused DATA_LOSS, then applied whole at the shard's restart (it was logged first); a client
+    taking the refusal at its word and sending it again as a new write would apply it twice. The
+    refusal now says the restart applies it."""
+    import grpc
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.shard_actor import ShardActor
+    from memserver.wire import decode, encode
+
+    spec = validate_spec(pb.TableSpec(name="d", num_rows=500, dim=8, sharding=pb.ROWS, seed=2, init_std=0.1, tier="disk",
+                                      cache_bytes=8192, wal=True, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0)), 1)
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+    sl = shard.servicer.tables["d"]
+    row = 321
+    assert row not in set(sl.table._slot_row.tolist())  # (nothing read yet: the cache holds no row)
+    with open(sl.table.path, "r+b") as f:  # a record the cache does not hold, damaged on disk
+        f.seek(row * sl.table.record + 24)
+        f.write(b"\xff\xff\xff\xff")
+    ids = torch.tensor([row])
+    with grpc.insecure_channel(shard.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.DataPlaneStub(ch).WriteRows(pb.WriteRowsRequest(
+                table="d", ids=encode(ids), rows=encode(torch.full((1, 8), 7.0)),
+                tag=pb.WriteTag(client_id="c", seq=1)))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert err.value.details().endswith("; this write is in the table's write-ahead log, so the shard's restart "
+                                        "applies it: do not send it again"), err.value.details()
+    shard.stop()
+    again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    try:
+        with grpc.insecure_channel(again.address) as ch:
+            got = pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="d", ids=encode(ids)))
+        assert (decode(got.rows, "rows") == 7.0).all()  # as said: applied by the restart
+    finally:
+        again.stop()
+
+
 def test_a_disk_table_without_cache_bytes_caches_an_eighth_of_its_records():
     """One default for every entry point (client, CLI, tables.yaml, memtrain --tier disk): the
     catalog fills cache_bytes with 1/8 of the records, never below the per-shard minimum; a cache

@@ -134,8 +134,8 @@ def problems(st: dict[str, Any]) -> list[str]:
             if t["unavailable"]:
                 out.append(f"shard {s['index']}: table {t['table']} is not served: {t['unavailable']}")
             elif t["writes_refused"]:
-                out.append(f"shard {s['index']}: table {t['table']} refuses writes until the shard restarts (reads "
-                           f"are served): {t['writes_refused']}")
+                out.append(f"shard {s['index']}: table {t['table']} refuses writes until the shard restarts: "
+                           f"{t['writes_refused']}")
     return out
 
 

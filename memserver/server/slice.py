@@ -17,7 +17,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, StepAbortedError
+from memserver.api.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    MemserverError,
+    StepAbortedError,
+)
 from memserver.api.types import KIND_NAMES, METRIC_NAMES, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import optimizer_config
@@ -202,6 +208,11 @@ class TableSlice:
             answer = apply()
         except Exception as exc:
             self.fail_writes(self._apply_failed(exc))
+            if self.wal is not None and isinstance(exc, MemserverError) and not self.replaying:
+                # the log holds it: the restart that rebuilds the slice applies it (a client sending it
+                # again as a new write would apply it twice)
+                raise type(exc)(f"{exc.details}; this write is in the table's write-ahead log, so the shard's "
+                                "restart applies it: do not send it again") from None
             raise
         if not tag.client_id:
             return answer, False
