@@ -648,3 +648,15 @@ def test_values_a_half_table_would_store_as_infinite_are_named_by_its_range():
     with pytest.raises(InvalidArgumentError, match="beyond bfloat16's largest value \\(3.38953e\\+38\\), which table t"):
         check_stored(torch.tensor([3.4e38]), "bfloat16", "t", "rows")
     check_stored(torch.tensor([3.4e38]), "float32", "t", "rows")
+
+
+def test_a_quoted_failure_is_cut_at_a_word_and_says_so():
+    """A recovery note quoting a long failure was cut at 500 characters mid-word ("...; else
+    restore the table from a c. Its files ..."): it ends after a whole word, marked as cut."""
+    from memserver.api.errors import first_line
+
+    long = RuntimeError("restore the table from a checkpoint " * 20 + "\nsecond line")
+    cut = first_line(long, 60)
+    assert cut == "restore the table from a checkpoint restore the table ..." and len(cut) <= 60
+    assert first_line(RuntimeError("short\nmore")) == "short" and first_line(RuntimeError()) == "RuntimeError"
+    assert first_line(RuntimeError("x" * 80), 20) == "x" * 16 + " ..."  # one word: cut where it must be

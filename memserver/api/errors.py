@@ -192,5 +192,10 @@ def from_rpc_error(err: grpc.RpcError, target: str = "") -> MemserverError:
 
 def first_line(exc: BaseException, limit: int = 500) -> str:
     """An exception's first line, at most `limit` characters, or its type when it has no text:
-    what an error quoting a library's failure (torch's reader, faiss, a recovery) carries of it."""
-    return (str(exc).splitlines() or [type(exc).__name__])[0][:limit]
+    what an error quoting a library's failure (torch's reader, faiss, a recovery) carries of it.
+    A longer line is cut after its last whole word that fits, and says so ("...")."""
+    line = (str(exc).splitlines() or [type(exc).__name__])[0]
+    if len(line) <= limit:
+        return line
+    cut = line[: max(0, limit - 4)]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
