@@ -22,7 +22,7 @@ def test_the_library_guide_runs_as_written(memory_cluster, capsys, tmp_path, mon
     monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
     write_endpoint({"endpoint": memory_cluster.endpoint})
     code = blocks()
-    assert len(code) == 4, "the guide's four examples: local, float16 with a GradScaler, remote, saving"
+    assert len(code) == 5, "the guide's examples: local, float16 with a GradScaler, remote, saving, trigger contexts"
     scope: dict = {"__name__": "library_docs"}
     for i, block in enumerate(code):
         exec(compile(block, f"{DOC.name} block {i + 1}", "exec"), scope)  # noqa: S102 - the doc's own code

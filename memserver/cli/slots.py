@@ -106,7 +106,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         console.print(trig)
     else:
         console.print("no trigger contexts recorded: run `memtrain trace --checkpoint DIR --table "
-                      f"{args.table}` (or train with --trace-every)")
+                      f"{args.table}` (or train with --trace-every); a model of your own sends them with "
+                      "`record_triggers` (docs/library.md, \"Recording what a slot is used for\")")
     if "top_tokens" in report:
         console.print("projected tokens (softmax of the output embedding times the slot's value): " + "  ".join(
             f"{show(t['token'])!s} {t['p']:.3f}" for t in report["top_tokens"]))
