@@ -70,6 +70,25 @@ def test_value_table_on_cuda_computes_what_the_cpu_does(opt, dtype):
             torch.testing.assert_close(gpu.state()[name].cpu(), t, **tol, msg=name)
 
 
+def test_a_float16_step_past_its_range_is_counted_on_cuda_and_in_a_gpu_shards_status(tmp_path):
+    """The count stays on the device (no wait per step) and a GPU shard's status reads it (on its
+    compute thread): what the CPU counts (tests/test_table.py, tests/test_errors.py)."""
+    from client import MemoryClient
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.cluster.inprocess import InProcessServer
+
+    t = ValueTable(4, 2, OptimizerConfig("sgd", 1.0), init_std=0.0, dtype=torch.float16, device=CUDA)
+    t.push_gradients(torch.tensor([0, 1, 2]), torch.tensor([[-1e5, 0.0], [-10.0, 0.0], [0.0, 7e4]]))
+    t.push_gradients(torch.tensor([0, 3]), torch.ones(2, 2))
+    assert t.nonfinite_updates.device == CUDA and int(t.nonfinite_updates) == 3
+    with InProcessServer(1, ["cuda:0"], data_dir=str(tmp_path / "data")) as server, \
+            MemoryClient(server.endpoint, timeout=60) as c:
+        c.create_table("h", 4, 2, optimizer="sgd", lr=1.0, init_std=0.0, dtype="float16")
+        c.push_gradients("h", [0], [[-1e5, 0.0]])
+        (load,) = pb.ShardStatus.FromString(server.shards[0].status()).tables
+        assert load.nonfinite_updates == 1
+
+
 def test_numba_cpu_and_cuda_agree():
     """The CPU's compiled kernels (float32's default there) and CUDA's torch path: the same step."""
     cfg = OptimizerConfig("adam", lr=0.05)
