@@ -140,13 +140,14 @@ def test_bf16_autocast_on_cuda_trains():
 
 
 def test_a_checkpoint_resumes_across_devices(exact_cuda, tmp_path):
-    """Saved on CUDA, resumed on the CPU, and back: the losses of one uninterrupted CPU run; the
-    file holds CPU tensors only, so it loads without map_location on a machine without CUDA."""
+    """Saved on CUDA, resumed on the CPU, and back, and on CUDA again (its CUDA rng state set back):
+    the losses of one uninterrupted CPU run; the file holds CPU tensors only, so it loads without
+    map_location on a machine without CUDA."""
     from trainer.checkpoints import latest_trainer_file
 
     common = [*TINY, "--seed", "2", "--value-lr", "0.05", "--memory-kind", "pkm,engram", *ENGRAM]
     full = losses([*common, "--steps", "6", "--device", "cpu"])
-    for first, then in (("cuda", "cpu"), ("cpu", "cuda")):
+    for first, then in (("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")):
         ck = str(tmp_path / f"{first}-then-{then}")
         a = losses([*common, "--steps", "3", "--checkpoint-dir", ck, "--device", first])
         b = losses([*common, "--steps", "6", "--resume", ck, "--device", then])
