@@ -325,7 +325,7 @@ def test_bad_config_names_the_problem(tmp_path, text, message):
         ("{name: a, num_rows: '10', dim: 2}", "num_rows must be an integer, got '10'"),
         ("{name: a, num_rows: 10, dim: 2, tier: tape}", "tier must be one of ram, disk, got 'tape'"),
         ("{name: a, num_rows: 10, dim: 2, cache_bytes: 4Q}", "cache_bytes: not a size: '4Q'"),
-        ("{name: a, num_rows: 10, dim: 2, tier: disk, cache_bytes: 0}", "cache_bytes: 0 bytes of cache: leave"),
+        ("{name: a, num_rows: 10, dim: 2, tier: disk, cache_bytes: 0}", "cache_bytes: 0 bytes of cache: leave it out for the default"),
         ("{name: a, num_rows: 10, dim: 2, lr: fast}", "lr must be a number, got 'fast'"),
         ("{name: a, num_rows: 10, dim: 2, wal: 'yes please'}", "wal must be true or false"),
         ("{name: a, num_rows: 10, dim: 2, optimizer: adamw}", "optimizer must be one of sgd, adagrad, adam, got 'adamw'"),
@@ -426,7 +426,7 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path, cli_
     assert bad.returncode == 2 and "--cache-bytes" in bad.stderr and "not a size" in bad.stderr
     for cmd in (["create-table", "x", "--rows", "10", "--dim", "2", "--tier", "disk"], ["restore", "--tier", "disk"]):
         zero = run([*cmd, "--cache-bytes", "0", *at])  # silently the default, 1/8, before
-        assert zero.returncode == 2 and "--cache-bytes: 0 bytes of cache: leave --cache-bytes out" in zero.stderr, \
+        assert zero.returncode == 2 and "--cache-bytes: 0 bytes of cache: leave it out" in zero.stderr, \
             zero.stderr
     # what only the cluster checks is refused naming the flag, not the spec's field
     for argv, flag in ((["--rows", "0", "--dim", "2"], "--rows: "), (["--rows", "10", "--dim", "2", "--num-shards", "9"],

@@ -726,7 +726,7 @@ def test_a_cache_of_zero_bytes_is_refused_by_its_flag(capsys):
     """--cache-bytes 0 was taken silently as the default (1/8 of the records)."""
     with pytest.raises(SystemExit) as done:
         build_parser().parse_args(["--memory", "remote", "--tier", "disk", "--cache-bytes", "0"])
-    assert done.value.code == 2 and "--cache-bytes: 0 bytes of cache: leave --cache-bytes out" in capsys.readouterr().err
+    assert done.value.code == 2 and "--cache-bytes: 0 bytes of cache: leave it out" in capsys.readouterr().err
 
 
 def test_the_files_a_run_writes_are_checked_before_step_one(tmp_path):

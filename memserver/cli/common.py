@@ -153,6 +153,6 @@ def cache_size(text: str) -> int:
     records: leave the flag out for that)."""
     size = parse_size(text)
     if size == 0:
-        raise argparse.ArgumentTypeError("0 bytes of cache: leave --cache-bytes out for the default (1/8 of the "
+        raise argparse.ArgumentTypeError("0 bytes of cache: leave it out for the default (1/8 of the "
                                          "rows' records)")
     return size
