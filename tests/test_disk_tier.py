@@ -368,8 +368,9 @@ def test_a_replace_the_disk_cannot_hold_leaves_the_table(tmp_path):
     """From an operator's walkthrough: `create-table T --replace --tier disk` (or `restore
     --replace --tier disk`) too large for the shards' disk dropped T, then failed to allocate the
     new files: the refusal destroyed the table it was refused for. The shards now check the disk
-    with the memory, before the drop (the old table's files counted as freed), on a real full
-    disk (a 1 MiB tmpfs)."""
+    with the memory, before the drop (the old tables' files counted as freed), summed over the
+    shards that share a disk and over a restore's tables (a reviewer's cases: each slice, or each
+    table, fitting alone), on a real full disk (a 1 MiB tmpfs)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
     from client import MemoryClient
@@ -380,17 +381,29 @@ def test_a_replace_the_disk_cannot_hold_leaves_the_table(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("could not mount a tmpfs here")
     try:
-        with InProcessServer(1, data_dir=str(mnt)) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
-            c.create_table("t", 2000, 16, tier="disk", cache_bytes=MIN_CACHE_BYTES, optimizer="sgd")  # ~230 KB
+        # two shards on one disk: each slice alone fits it, both together do not (the check sums them)
+        with InProcessServer(2, data_dir=str(mnt)) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+            kw = dict(tier="disk", cache_bytes=2 * MIN_CACHE_BYTES, optimizer="sgd", sharding="rows")
+            c.create_table("t", 2000, 16, **kw)  # 208 KB of files
             c.write_rows("t", np.arange(2000), np.full((2000, 16), 3.0, np.float32))
-            with pytest.raises(ResourceExhaustedError, match=r"table t: shard 0's slice needs 1,040,000 bytes .* of disk "
-                                                             rf"for its files in {mnt}/shard-0000 \(tier disk\); "
-                                                             r".* are free there, and the table it replaces frees"):
-                c.create_table("t", 10_000, 16, tier="disk", cache_bytes=MIN_CACHE_BYTES, optimizer="sgd", replace=True)
+            with pytest.raises(ResourceExhaustedError, match=r"table t: its slices on shard \d's disk .* need 1,040,000 "
+                                                             rf"bytes .* for their files in {mnt}/shard-000\d; .* are "
+                                                             r"free there, and the tables it replaces free 208,000"):
+                c.create_table("t", 10_000, 16, replace=True, **kw)  # 520 KB a slice
             assert (c.lookup("t", np.arange(2000)) == 3.0).all()  # still there, as it was
-            # fits only once the old files are gone: made
-            c.create_table("t", 2500, 16, tier="disk", cache_bytes=MIN_CACHE_BYTES, optimizer="sgd", replace=True, seed=1)
+            c.create_table("t", 2500, 16, replace=True, seed=1, **kw)  # fits once the old files are gone: made
             assert c.table("t").num_rows == 2500
+            c.drop_table("t")
+            # a restore of two tables: each alone fits beside the rest, both do not
+            for name in ("a", "b"):
+                c.create_table(name, 3000, 16, **kw)  # 312,000 bytes each
+            c.checkpoint(str(tmp_path / "ck"), 1)
+            for name in ("a", "b"):
+                c.create_table(name, 500, 16, replace=True, **kw)  # 52,000 each
+            c.create_table("c", 4200, 16, **kw)  # 436,800: about 500 KB stay free
+            with pytest.raises(ResourceExhaustedError, match=r"need 624,000 bytes .* the tables it replaces free 104,000"):
+                c.restore(str(tmp_path / "ck"), 1, replace=True)
+            assert [c.table(n).num_rows for n in ("a", "b")] == [500, 500]  # both as they were
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 

@@ -289,14 +289,16 @@ def disk_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> int:
 
 
 def refuse_disk_full(spec: pb.TableSpec, index: int, need: int, where: Path, free: int, freed: int) -> None:
-    """RESOURCE_EXHAUSTED when `need` bytes do not fit the `free` ones of the data directory
-    `where`, once `freed` bytes (the files of the table a replace drops first) are released."""
+    """RESOURCE_EXHAUSTED when `need` bytes (every slice a call allocates on one disk) do not fit
+    the `free` ones of the data directory `where`, once `freed` bytes (the files of the tables a
+    replace drops first) are released."""
     if need > free + freed:
-        also = f", and the table it replaces frees {_bytes(freed)}" if freed else ""
+        also = f", and the tables it replaces free {_bytes(freed)}" if freed else ""
         raise ResourceExhaustedError(
-            f"table {spec.name}: shard {index}'s slice needs {_bytes(need)} of disk for its files in {where} (tier "
-            f"disk); {_bytes(free)} are free there{also}: free space there, give the shards a larger data directory "
-            "(memserver up --data-dir), or spread the rows over more shards")
+            f"table {spec.name}: its slices on shard {index}'s disk (tier disk; with the other tables of the same call, "
+            f"if any) need {_bytes(need)} for their files in {where}; {_bytes(free)} are free there{also}: free space "
+            "there, give the shards a larger data directory (memserver up --data-dir), or spread the rows over more "
+            "shards")
 
 
 def _bytes(n: float) -> str:

@@ -36,7 +36,15 @@ from memserver.api.types import METRIC_NAMES, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
-from memserver.server.catalog import plan_table, refuse_oversized, retier, seen_layout_id, slice_size, validate_spec
+from memserver.server.catalog import (
+    disk_size,
+    plan_table,
+    refuse_oversized,
+    retier,
+    seen_layout_id,
+    slice_size,
+    validate_spec,
+)
 from memserver.server.config import Limits, ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, is_actor_error, serve_on
 from memserver.server.metrics import CoordinatorMetrics
@@ -243,17 +251,40 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def _check_replace(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
         """Every refusal a table replacing the one of its name could meet (the shards' check_fits:
-        what they cannot hold, and memory, the old table's counted as free), before the old one is
-        dropped; returns where it goes (`_plan`). A create or restore with replace asks this first."""
+        what they cannot hold, memory and disk, the old table's counted as free), before the old
+        one is dropped; returns where it goes (`_plan`). A create with replace asks this first (a
+        restore of several tables: `_replace_plan` for all, then `_check_plan` for each)."""
+        disks: dict[str, list[int]] = {}
+        plan = self._replace_plan(spec, disks)
+        await self._check_plan(spec, plan, disks)
+        return plan[:3]
+
+    def _replace_plan(self, spec: pb.TableSpec, disks: dict[str, list[int]]
+                      ) -> tuple[list[int], pb.TableInfo, list[int], dict[str, int]]:
+        """Where a table replacing its namesake goes (`_plan`) and the memory the namesake frees
+        per memory domain; adds its files to `disks` (filesystem -> [bytes allocated, bytes
+        freed]: shards of a host share their data directory's disk, and one call's tables do)."""
         order, info, on_node = self._plan(spec)
         old, freed = self.tables[spec.name], {}
         for j, sh in zip(self.placement[spec.name], old.shards):
             freed[self._memory(j)] = freed.get(self._memory(j), 0) + slice_size(old.spec, sh).held
+            disks.setdefault(self._disk(j), [0, 0])[1] += disk_size(old.spec, sh)
+        for j, sh in zip(order, info.shards):
+            disks.setdefault(self._disk(j), [0, 0])[0] += disk_size(spec, sh)
+        return order, info, on_node, freed
+
+    async def _check_plan(self, spec: pb.TableSpec, plan: tuple[list[int], pb.TableInfo, list[int], dict[str, int]],
+                          disks: dict[str, list[int]]) -> None:
+        order, info, on_node, freed = plan
         blob = spec.SerializeToString()
         _raise_refusal(await asyncio.gather(
-            *(self.handles[j].check_fits.remote(blob, sh.SerializeToString(), node_bytes, freed.get(self._memory(j), 0))
+            *(self.handles[j].check_fits.remote(blob, sh.SerializeToString(), node_bytes, freed.get(self._memory(j), 0),
+                                                *(disks[self._disk(j)] if disk_size(spec, sh) else (0, 0)))
               for j, sh, node_bytes in zip(order, info.shards, on_node)), return_exceptions=True), "checking")
-        return order, info, on_node
+
+    def _disk(self, j: int) -> str:
+        """The filesystem of shard j's data directory ("" none, or an older shard: then its own)."""
+        return self.infos[j].get("disk") or f"shard {j}"
 
     def _memory(self, j: int) -> str:
         """The memory shard j's slices live in (rayutil.memory_domain: its node's, or its GPU's)."""
@@ -520,7 +551,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for f in (f for fs in files.values() for f in fs):  # a symlink below the root must not lead outside it
             under_root(self.checkpoint_root, f["file"])
         # what the shards would refuse of a table that replaces a live one, before any is dropped
-        plans = {name: await self._check_replace(specs[name]) for name in names if name in self.tables}
+        disks: dict[str, list[int]] = {}  # every table's files on each disk, summed before any is checked
+        replacing = {name: self._replace_plan(specs[name], disks) for name in names if name in self.tables}
+        for name, plan in replacing.items():
+            await self._check_plan(specs[name], plan, disks)
+        plans = {name: plan[:3] for name, plan in replacing.items()}
         for name in plans:  # and every byte it would load checked: a damaged file found later would leave neither table
             await asyncio.get_running_loop().run_in_executor(None, verify_files, files[name])
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])

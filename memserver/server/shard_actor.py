@@ -33,7 +33,7 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 from memserver.server.admission import Admission
-from memserver.server.catalog import disk_size, refuse_disk_full, refuse_oversized, slice_size
+from memserver.server.catalog import refuse_disk_full, refuse_oversized, slice_size
 from memserver.server.config import ServeConfig
 from memserver.server.dataplane import DataPlaneServicer
 from memserver.server.doorbell import Doorbell
@@ -163,7 +163,9 @@ class ShardActor:
     def info(self) -> dict[str, Any]:
         return {"address": self.address, "pid": os.getpid(), "node_id": node_id(), "device": str(self.device),
                 "memory": memory_domain(self.device), "restarted": self.restarted, "metrics": self.metrics.address,
-                "moved_from": self.moved_from}
+                "moved_from": self.moved_from,
+                # the filesystem of its data directory (shards of one host share one): disk checks sum over it
+                "disk": f"{node_id()}:{os.stat(self.store.dir).st_dev}" if self.store is not None else ""}
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -343,20 +345,22 @@ class ShardActor:
         GPU cache, which the new slice's allocation reuses), so only the cluster's limits are."""
         self._add_table(spec, info, num_shards, None, node_bytes, checked)
 
-    def check_fits(self, spec: bytes, info: bytes, node_bytes: int, freed: int) -> None:
+    def check_fits(self, spec: bytes, info: bytes, node_bytes: int, freed: int, disk_need: int = 0,
+                   disk_freed: int = 0) -> None:
         """Refuse what _add_table would refuse: a spec this shard cannot hold (check_placeable),
         and (RESOURCE_EXHAUSTED) a slice too large for this memory, once `freed`
-        bytes are released (the slices here of a table the new one replaces): asked before that
-        table is dropped, so a replace that cannot fit leaves it."""
+        bytes are released (the slices here of a table the new one replaces), or files too large
+        for its data directory's disk (`disk_need`: what every slice on that disk allocates, the
+        replaced tables' `disk_freed` counted as free): asked before that table is dropped, so a
+        replace that cannot fit leaves it."""
         s, shard = pb.TableSpec.FromString(spec), pb.ShardInfo.FromString(info)
         check_placeable(s, self.store is not None)
         available = memory_available(self.device)  # None: not known here, and not checked (as _add_table)
         refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits,
                          None if available is None else available + freed, node_bytes)
-        if (need := disk_size(s, shard)) and self.store is not None:  # a disk table's files, allocated whole
-            old = self.store.table_dir(s.name)  # the replaced table's files here, deleted before the new ones
-            freed_disk = sum(f.stat().st_size for f in old.rglob("*") if f.is_file()) if old.exists() else 0
-            refuse_disk_full(s, shard.index, need, self.store.dir, shutil.disk_usage(self.store.dir).free, freed_disk)
+        if disk_need and self.store is not None:  # disk tables' files, allocated whole
+            refuse_disk_full(s, shard.index, disk_need, self.store.dir, shutil.disk_usage(self.store.dir).free,
+                             disk_freed)
 
     def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]],
                       node_bytes: int = 0) -> None:
