@@ -329,3 +329,9 @@ def test_a_table_a_shard_cannot_load_its_slice_of_answers_data_loss(tmp_path):
         c.drop_table("u")
         with pytest.raises(TableNotFoundError):
             c.lookup("u", [1])
+    (tmp_path / "data" / "shard-0001" / "t" / "table.json").write_text("{")
+    with InProcessServer(2, data_dir=data) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+        from trainer.memory import RemoteValues  # (a reviewer's case: RemoteValues(create=True) replaces any table)
+
+        RemoteValues(c, "t", 64, 4)
+        assert c.table("t").num_rows == 64 and c.lookup("t", [1]).shape == (1, 4)

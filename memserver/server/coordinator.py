@@ -353,6 +353,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def _drop(self, name: str) -> None:
         if await self._drop_strays(name):  # (not a table of the catalog: slices no table owns)
             return
+        if name in self.left_out and name not in self.tables:  # its slices' shards did not answer in time
+            raise UnavailableError(f"table {name!r}: the shards holding its slices did not answer within "
+                                   f"{STRAY_SECONDS:.0f} s; drop it again")
         self._get(name)
         del self.tables[name]
         order = self.placement.pop(name)
