@@ -391,6 +391,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         held = [j for j, dropped in enumerate(got) if dropped is True]
         if held:
             log.warning("table %s: dropped the slices shards %s held outside the catalog", name, held)
+        if held or not any(isinstance(r, BaseException) for r in got):  # (every shard answered: none is left)
             self.left_out.pop(name, None)
         return held
 
