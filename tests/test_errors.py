@@ -660,3 +660,6 @@ def test_a_quoted_failure_is_cut_at_a_word_and_says_so():
     assert cut == "restore the table from a checkpoint restore the table ..." and len(cut) <= 60
     assert first_line(RuntimeError("short\nmore")) == "short" and first_line(RuntimeError()) == "RuntimeError"
     assert first_line(RuntimeError("x" * 80), 20) == "x" * 16 + " ..."  # one word: cut where it must be
+    path = first_line(RuntimeError("cannot read " + "/data/x" * 100), 100)  # (a reviewer's: the path went whole)
+    assert path.startswith("cannot read /data/x/data/x") and path.endswith(" ...") and len(path) == 100
+    assert first_line(RuntimeError("abcdefgh"), 3) == "abc"

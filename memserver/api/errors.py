@@ -197,5 +197,8 @@ def first_line(exc: BaseException, limit: int = 500) -> str:
     line = (str(exc).splitlines() or [type(exc).__name__])[0]
     if len(line) <= limit:
         return line
-    cut = line[: max(0, limit - 4)]
-    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
+    if limit < 8:
+        return line[:limit]
+    cut = line[: limit - 4]
+    word = cut.rfind(" ")
+    return (cut[:word] if 0 <= word and word >= len(cut) - 30 else cut) + " ..."  # (a long token: cut inside it)
