@@ -98,6 +98,7 @@ def test_a_float16_step_past_its_range_is_counted(dtype):
     t.push_gradients(torch.tensor([0, 3]), torch.ones(2, 2))  # row 0 stays inf: counted again
     half = dtype == torch.float16
     assert (int(t.nonfinite_updates) if half else t.nonfinite_updates) == (3 if half else None)  # (others: no counter)
+    assert t.nonfinite_count() == (3 if half else None) and t.nonfinite_seen is None  # (a GPU's host copy only)
     assert torch.isinf(t.weight.float()).any(1).tolist() == [half, False, half, False]
 
 

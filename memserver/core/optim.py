@@ -77,6 +77,8 @@ def torch_step(table: Any, ids: torch.Tensor, g: torch.Tensor) -> None:
     if table.nonfinite_updates is not None:  # float16 ends at 65504: a step past it stores inf, as a
         # torch float16 parameter would; counted (on the device: no wait) for status and the metrics
         table.nonfinite_updates += (~torch.isfinite(new)).any(1).sum()
+        if table.nonfinite_seen is not None:  # a GPU's: copied to the host when the device gets there
+            table.nonfinite_seen.copy_(table.nonfinite_updates, non_blocking=True)
     table.weight[ids] = new
 
 

@@ -188,10 +188,14 @@ class ValueTable:
         self.updates = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
         self.last_update = torch.zeros(num_rows, dtype=torch.float64, device=self.device)
         # Row updates that stored inf or NaN (a float16 table's step past 65504): counted on the
-        # device, never waited for by the step; read by status and the metrics (which, on a GPU,
-        # waits for the device then: float16 tables only, the others keep None).
+        # device, never waited for by the step; read by status and the metrics (nonfinite_count;
+        # float16 tables only, the others keep None).
         self.nonfinite_updates = torch.zeros((), dtype=torch.int64, device=self.device) if dtype == torch.float16 \
             else None
+        # on a GPU, a pinned host copy each step refreshes without waiting: what status and the
+        # metrics read (int() of the device's count waits for the whole queue of the GPU)
+        self.nonfinite_seen = torch.zeros((), dtype=torch.int64, pin_memory=True) \
+            if self.nonfinite_updates is not None and self.device.type == "cuda" else None
 
     @classmethod
     def over(cls, weight: torch.Tensor, optimizer: OptimizerConfig, updates: torch.Tensor, last_update: torch.Tensor,
@@ -208,7 +212,7 @@ class ValueTable:
             if x is not None:
                 setattr(t, name, x)
         t.track_stats = False
-        t.nonfinite_updates = None  # (float32: nothing to count)
+        t.nonfinite_updates = t.nonfinite_seen = None  # (float32: nothing to count)
         fast_ok = kernels is not None and t.device.type == "cpu" and t.dtype == torch.float32
         t.backend = "numba" if fast_ok and (os.environ.get("MEMSERVER_BACKEND") or "auto") != "torch" else "torch"
         return t
@@ -293,6 +297,14 @@ class ValueTable:
             "last_update": self.last_update[ids],
             "value_sq_norm": (rows * rows).sum(1),
         }
+
+    def nonfinite_count(self) -> int | None:
+        """Row updates stored as inf or NaN (float16 tables; None for the others). On a GPU the
+        count of a recent step, read without waiting for the device (the pinned copy each step
+        refreshes); on the CPU, exact."""
+        if self.nonfinite_updates is None:
+            return None
+        return int(self.nonfinite_seen if self.nonfinite_seen is not None else self.nonfinite_updates)
 
     #: The per-slot statistics `top` (TopN over `stat`'s chunks) and `usage` rank and bin.
     STATS = ("hits", "weight_mass", "updates", "value_sq_norm")

@@ -33,7 +33,7 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 from memserver.server.admission import Admission
-from memserver.server.catalog import refuse_disk_full, refuse_oversized, slice_size
+from memserver.server.catalog import nonfinite_count, refuse_disk_full, refuse_oversized, slice_size
 from memserver.server.config import ServeConfig
 from memserver.server.dataplane import DataPlaneServicer
 from memserver.server.doorbell import Doorbell
@@ -586,12 +586,6 @@ class ShardActor:
 
     def status(self) -> bytes:
         async def status() -> bytes:
-            # float16 tables' overflow counts live on their device: a GPU's are read on the compute
-            # thread (int() waits for the device's queue), never blocking this loop's serving
-            counts = {name: sl.table.nonfinite_updates for name, sl in self.servicer.tables.items()
-                      if getattr(sl.table, "nonfinite_updates", None) is not None}
-            if any(t.device.type != "cpu" for t in counts.values()):
-                counts = await self.servicer.run(lambda: {name: int(t) for name, t in counts.items()})
             st = pb.ShardStatus(address=self.address, node_id=node_id(), pid=os.getpid(), device=str(self.device),
                                 requests=self.servicer.requests, restarted=self.restarted,
                                 metrics_address=self.metrics.address, rss_bytes=rss_bytes(),
@@ -611,8 +605,8 @@ class ShardActor:
                     load.trained = sl.table.loaded
                 else:
                     load.rows = sl.table.num_rows
-                    if name in counts:  # float16 tables
-                        load.nonfinite_updates = int(counts[name])
+                    if (overflows := nonfinite_count(sl.table)) is not None:  # float16 tables (a GPU's: no wait)
+                        load.nonfinite_updates = overflows
                     load.trigger_slots, load.trigger_bytes = sl.triggers.slots, sl.triggers.nbytes()
                     load.tier = sl.spec.tier or "ram"
                     if hasattr(sl.table, "cache_stats"):

@@ -71,8 +71,9 @@ def test_value_table_on_cuda_computes_what_the_cpu_does(opt, dtype):
 
 
 def test_a_float16_step_past_its_range_is_counted_on_cuda_and_in_a_gpu_shards_status(tmp_path):
-    """The count stays on the device (no wait per step) and a GPU shard's status reads it (on its
-    compute thread): what the CPU counts (tests/test_table.py, tests/test_errors.py)."""
+    """The count stays on the device (no wait per step) and a GPU shard's status reads its pinned
+    host copy (no wait for the device either): what the CPU counts (tests/test_table.py,
+    tests/test_errors.py)."""
     from client import MemoryClient
     from memserver.api.v1 import memserver_pb2 as pb
     from memserver.cluster.inprocess import InProcessServer
@@ -81,10 +82,13 @@ def test_a_float16_step_past_its_range_is_counted_on_cuda_and_in_a_gpu_shards_st
     t.push_gradients(torch.tensor([0, 1, 2]), torch.tensor([[-1e5, 0.0], [-10.0, 0.0], [0.0, 7e4]]))
     t.push_gradients(torch.tensor([0, 3]), torch.ones(2, 2))
     assert t.nonfinite_updates.device == CUDA and int(t.nonfinite_updates) == 3
+    torch.cuda.synchronize()  # (the host copy is the count of a step the device finished)
+    assert t.nonfinite_seen.is_pinned() and t.nonfinite_count() == 3
     with InProcessServer(1, ["cuda:0"], data_dir=str(tmp_path / "data")) as server, \
             MemoryClient(server.endpoint, timeout=60) as c:
         c.create_table("h", 4, 2, optimizer="sgd", lr=1.0, init_std=0.0, dtype="float16")
         c.push_gradients("h", [0], [[-1e5, 0.0]])
+        torch.cuda.synchronize()
         (load,) = pb.ShardStatus.FromString(server.shards[0].status()).tables
         assert load.nonfinite_updates == 1
 
