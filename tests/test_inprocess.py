@@ -265,6 +265,16 @@ def test_a_client_of_a_stopped_cluster_says_so_at_once(tmp_path, monkeypatch):
     assert took < 10 and f"the endpoint file {path} now names another (127.0.0.1:1); make a new client" in said
     took, said = stopped_then(lambda: None, retry_seconds=3)  # the file still names it: a restart, retried
     assert took >= 3 and "was stopped" not in said, (took, said)
+    # a record whose `up` had exited before the client was made says nothing of its cluster (a
+    # reviewer's: a client given the address would have stopped retrying a shard's restart)
+    from memserver.cluster.endpoint import this_clusters_record
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    path.write_text(json.dumps({"endpoint": "127.0.0.1:5", "pid": dead.pid, "host": socket.gethostname()}))
+    assert this_clusters_record("127.0.0.1:5") is None
+    path.write_text(json.dumps({"endpoint": "127.0.0.1:5", "pid": os.getpid(), "host": socket.gethostname()}))
+    assert this_clusters_record("127.0.0.1:5") == (path, json.loads(path.read_text()))
 
 
 def test_a_replace_that_fails_after_the_drop_says_the_table_is_gone(tmp_path, monkeypatch):

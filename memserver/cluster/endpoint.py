@@ -122,8 +122,8 @@ def live_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     up` of this host that is no longer running: its clients would otherwise retry the dead
     address for a minute before saying so."""
     record = read_endpoint(path)
-    pid, host = record.get("pid"), record.get("host")
-    if pid is not None and host in (None, socket.gethostname()) and not pid_alive(int(pid)):
+    if up_exited(record):
+        pid = record.get("pid")
         raise FileNotFoundError(
             f"the endpoint file {Path(path) if path else endpoint_file()} names a memserver (pid {pid}, "
             f"{record.get('endpoint')}) that is no longer running: start one with `memserver up` (`memserver down` "
@@ -131,15 +131,25 @@ def live_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     return record
 
 
+def up_exited(record: dict[str, Any]) -> bool:
+    """Whether the `memserver up` an endpoint record names ran on this host and has exited (its
+    cluster went with it)."""
+    pid, host = record.get("pid"), record.get("host")
+    return pid is not None and host in (None, socket.gethostname()) and not pid_alive(int(pid))
+
+
 def this_clusters_record(endpoint: str) -> tuple[Path, dict[str, Any]] | None:
-    """The endpoint file and its record, when that record names the cluster at `endpoint` (a
-    client of the cluster `memserver up` started here); None otherwise."""
+    """The endpoint file and its record, when that record names the cluster at `endpoint` and
+    its `up` still runs (a client of the cluster `memserver up` started here); None otherwise (a
+    stale record says nothing of a cluster a client was given by address)."""
     p = endpoint_file()
     try:
         record = json.loads(p.read_text())
     except (OSError, ValueError):
         return None
-    return (p, record) if isinstance(record, dict) and record.get("endpoint") == endpoint else None
+    if not isinstance(record, dict) or record.get("endpoint") != endpoint or up_exited(record):
+        return None
+    return p, record
 
 
 def stopped_since(path: Path, record: dict[str, Any]) -> str | None:
@@ -160,10 +170,9 @@ def stopped_since(path: Path, record: dict[str, Any]) -> str | None:
     if (now.get("endpoint"), now.get("pid")) != (record.get("endpoint"), record.get("pid")):
         return (f"the cluster at {record.get('endpoint')} was stopped: the endpoint file {path} now names another "
                 f"({now.get('endpoint')}); make a new client for it")
-    pid = record.get("pid")
-    if pid is not None and record.get("host") in (None, socket.gethostname()) and not pid_alive(int(pid)):
-        return (f"the cluster at {record.get('endpoint')} was stopped: its `memserver up` (pid {pid}) has exited; "
-                "start one with `memserver up` and make a new client")
+    if up_exited(record):
+        return (f"the cluster at {record.get('endpoint')} was stopped: its `memserver up` (pid {record.get('pid')}) has "
+                "exited; start one with `memserver up` and make a new client")
     return None
 
 
