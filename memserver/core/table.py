@@ -302,9 +302,11 @@ class ValueTable:
         """Row updates stored as inf or NaN (float16 tables; None for the others). On a GPU the
         count of a recent step, read without waiting for the device (the pinned copy each step
         refreshes); on the CPU, exact."""
-        if self.nonfinite_updates is None:
+        count = getattr(self, "nonfinite_updates", None)  # (a DiskTable, float32, keeps none)
+        if count is None:
             return None
-        return int(self.nonfinite_seen if self.nonfinite_seen is not None else self.nonfinite_updates)
+        seen = getattr(self, "nonfinite_seen", None)
+        return int(seen if seen is not None else count)
 
     #: The per-slot statistics `top` (TopN over `stat`'s chunks) and `usage` rank and bin.
     STATS = ("hits", "weight_mass", "updates", "value_sq_norm")
