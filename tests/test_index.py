@@ -465,6 +465,9 @@ def test_bad_specs_name_their_field():
         (dict(factory=""), "index_factory"), (dict(metric="cosine"), "metric"), (dict(device="tpu"), "device"),
         (dict(payload_dim=-1), "payload_dim"), (dict(dim=0), "dim"), (dict(factory="IVF0,Flat"), "index_factory"),
         (dict(factory="OPQ4,IVF0,PQ4"), "index_factory"),
+        # faiss builds these, then aborts the shard's process at the first add (a walkthrough's)
+        (dict(factory="HNSW0"), "index_factory"), (dict(factory="HNSW1,SQ8"), "index_factory"),
+        (dict(factory="IVF16_HNSW1,Flat"), "index_factory"),
     ]:
         spec = dict(dim=8, factory="Flat", metric="ip") | kwargs
         with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {field}:"):
@@ -478,6 +481,9 @@ def test_bad_specs_name_their_field():
     with pytest.raises(InvalidArgumentError, match="^INVALID_ARGUMENT: payload: this index stores no payload"):
         vi.add([1], np.ones((1, 8), np.float32), np.ones((1, 1), np.float32))
     assert vi.ntotal == 0
+    two = VectorIndex(8, "HNSW2", "ip")  # the fewest links faiss takes
+    two.add(np.arange(300), np.random.default_rng(1).normal(size=(300, 8)).astype(np.float32))
+    assert two.ntotal == 300
     hnsw = VectorIndex(8, "HNSW8", "ip")
     with pytest.raises(InvalidArgumentError, match="^INVALID_ARGUMENT: ef_search:"):
         hnsw.search(np.ones((1, 8), np.float32), 1, ef_search=0)

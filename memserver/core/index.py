@@ -244,6 +244,9 @@ class VectorIndex:
             raise InvalidArgumentError(
                 f"index_factory: {factory!r} is not supported by index tables (no IDMap: ids are the "
                 "table's own; no refinement, fast-scan or IVFPQR)")
+        if any(int(m) < 2 for m in re.findall(r"HNSW(\d+)", factory)):  # faiss builds it, then aborts the process
+            raise InvalidArgumentError(f"index_factory: {factory!r}: HNSW{{M}} needs M >= 2 (faiss builds a graph of "
+                                       "fewer links, then aborts the process at the first add)")
         try:
             index = faiss.index_factory(dim, factory, METRICS[metric])
         except RuntimeError as e:
