@@ -142,6 +142,24 @@ def test_index_checkpoint_restores_into_another_shard_count(client, table_name, 
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("factory", ["HNSW16", "PQ4"])
+def test_an_index_restored_into_its_own_sharding_loads_as_saved(client, table_name, tmp_path, factory):
+    """Restored into the same shard count, each slice loads its own file as saved (a walkthrough:
+    with 2 shards every slice was rebuilt from all the files, a new HNSW graph and PQ codes
+    encoded again from decoded ones, and searches answered otherwise than before)."""
+    client.create_index(table_name, DIM, index_factory=factory, metric="l2")
+    ids, vectors = _data(2000, seed=8)
+    if factory.startswith("PQ"):
+        client.train_index(table_name, vectors)
+    client.add(table_name, ids, vectors)
+    queries = _data(50, seed=9)[1]
+    before = client.search(table_name, queries, 10)
+    client.checkpoint(str(tmp_path), 1, [table_name])
+    client.restore(str(tmp_path), 1, replace=True, tables=[table_name])
+    after = client.search(table_name, queries, 10)
+    assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+
+
 def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
     client.create_index(table_name, DIM)
     ids, vectors = _data(10, seed=7)

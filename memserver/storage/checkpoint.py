@@ -592,13 +592,20 @@ def load_index(make: Callable[[dict[str, Any] | None], Any], target: dict[str, A
     template (`make(None)`, then `install`) gets every saved entry whose id it owns, re-added (exact
     for Flat, IVF-Flat and HNSW,Flat; the decoded codes for PQ/SQ kinds). `extras` as in load_into."""
     place = tuple(target[k] for k in ("num_shards", "index"))
+    # this slice's own file, among every slice's (a restore into the same sharding is given them all)
+    own = [f for f in files if tuple(f.get(k) for k in ("num_shards", "index")) == place]
+    if len(own) == 1:
+        blob = _open_slice(own[0]["file"])
+        if tuple(blob["meta"][k] for k in ("num_shards", "index")) == place:
+            _check_blocks(blob, own[0]["file"])
+            if extras is not None:
+                extras.update(_extras_of(blob, own[0]["file"]))
+            return make(blob["state"])
     opened = [_open_slice(f["file"]) for f in files]
     for f, blob in zip(files, opened):
         _check_blocks(blob, f["file"])
         if extras is not None:
             extras.update(_extras_of(blob, f["file"]))
-    if len(opened) == 1 and tuple(opened[0]["meta"][k] for k in ("num_shards", "index")) == place:
-        return make(opened[0]["state"])
     index = make(None)
     for blob in opened:
         template = blob["state"]["template"]
