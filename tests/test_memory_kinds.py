@@ -224,6 +224,27 @@ def test_remote_knowledge_answers_like_local_faiss(client, table_name):
     torch.testing.assert_close(a.f_e[0].weight.grad, b.f_e[0].weight.grad)
 
 
+def test_upload_source_checks_before_it_replaces_anything(client, table_name):
+    """From a walkthrough: upload_source dropped the table of its name first, then made the new
+    one: a value table of that name was replaced by an index, and encodings with a NaN (or of the
+    wrong shape) destroyed the source they were to replace, leaving an empty table."""
+    from client import InvalidArgumentError
+
+    good = upload_source(client, table_name, _source(50, 8))
+    for bad, says in ((torch.full((5, 8), math.nan), "encodings: contains NaN"),
+                      (torch.ones(8), r"encodings: a source needs \[n, dim\] encodings .* got \[8\]"),
+                      (torch.ones(0, 8), r"got \[0, 8\]")):
+        with pytest.raises(InvalidArgumentError, match=says):
+            upload_source(client, table_name, bad)
+    assert RemoteKnowledge(client, table_name).size == good.size == 50  # the source as it was
+    assert upload_source(client, table_name, _source(30, 8)).size == 30  # an index table is replaced
+    client.create_table(f"{table_name}-v", 16, 4)
+    with pytest.raises(ValueError, match=f"table {table_name}-v is a value table: upload_source replaces only an index"):
+        upload_source(client, f"{table_name}-v", _source(5, 4))
+    assert client.table(f"{table_name}-v").kind == "value"
+    client.drop_table(f"{table_name}-v")
+
+
 def test_remote_knowledge_refuses_a_table_without_encodings(client, table_name):
     client.create_index(table_name, 8, metric="ip")
     with pytest.raises(ValueError, match="payload_dim = dim"):
