@@ -942,16 +942,16 @@ def test_saves_are_snapshots_loads_check_shapes_and_forgotten_steps_are_said(cli
 
     big = RemoteValues(client, table_name, 32, 4)
     saved = big.save(str(tmp_path), 1)
-    small = RemoteValues(client, f"{table_name}-s", 16, 4)
-    small.bag_backward(ids, w, g)
-    before = client.lookup(f"{table_name}-s", np.arange(16), count=False)
+    big.bag_backward(ids, w, g)  # after the save: a restore would undo it
+    before = client.lookup(table_name, np.arange(32), count=False)
     mine = RemoteValues(client, table_name, 16, 4, restoring=True)
     with pytest.raises(InvalidArgumentError, match=r"saved: values of 32 x 4; this backend holds 16 x 4"):
         mine.load(str(tmp_path), 1, saved)
+    np.testing.assert_array_equal(client.lookup(table_name, np.arange(32), count=False), before)  # not restored
     with pytest.raises(InvalidArgumentError, match=rf"table {table_name}: restored from memory/{table_name} with 32 x 4; "
                                                    r"this backend holds 16 x 4"):
         mine.load(str(tmp_path), 1, {"checkpoint": saved["checkpoint"], "table": table_name})  # an older save's keys
-    np.testing.assert_array_equal(client.lookup(f"{table_name}-s", np.arange(16), count=False), before)
+    small = RemoteValues(client, f"{table_name}-s", 16, 4)
 
     with caplog.at_level("WARNING", logger="trainer.memory.backends"):
         for values, what in ((LocalValues(16, 4), "local values"), (small, f"table {table_name}-s")):

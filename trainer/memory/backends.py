@@ -323,7 +323,8 @@ class LocalValues:
     def save(self, directory: Path, step: int) -> dict[str, Any]:
         """A copy of the table on the CPU, stored in the trainer's own checkpoint file: a snapshot,
         as the cluster's checkpoint is (the live tensors changed with the next step, so a save kept
-        in memory and loaded later restored nothing)."""
+        in memory and loaded later restored nothing). The copy holds the table and its optimizer
+        state once more in host memory until the caller drops it (after torch.save)."""
         return {"state": {name: t.detach().to("cpu", copy=True) for name, t in self.table.state().items()}}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
@@ -507,8 +508,8 @@ class RemoteValues:
     def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
         self.grad_scale, self.overflows_at = checked_grad_scale(grad_scale), OVERFLOWS[0]
         if self.step is not None:  # begun and never ended: the shards drop its parts at the next prepare
-            dropped = self.client.abandon_step(self.name, self.step) + len(self.sent)
-            if dropped:
+            wait(self.sent)  # (its parts sent without waiting: in the session once answered, then forgotten)
+            if dropped := self.client.abandon_step(self.name, self.step):
                 never_ended(self.step, dropped, f"table {self.name}")
         self.step = step
         self.sent = []  # a failed step's parts (its error was raised then) are not this step's
