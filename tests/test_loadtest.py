@@ -500,3 +500,15 @@ def test_plain_locust_on_a_table_that_does_not_exist_stops_at_once(memory_cluste
     assert done.stderr.count("the load cannot start: ") == 1 and "table 'no-such-table' does not exist" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert time.monotonic() - t0 < 45  # not the 60 s asked for
+    # a table of another kind: refused by the load's own check (ValueError), 2 as under memserver loadtest
+    from client import MemoryClient
+
+    with MemoryClient(memory_cluster.endpoint) as client:
+        client.create_index("locust-not-values", 4)
+        try:
+            env["MEMSERVER_TABLE"] = "locust-not-values"
+            done = subprocess.run([locust_bin, "-f", "deploy/locustfile.py", "--headless", "-u", "1", "-r", "1", "-t",
+                                   "60s"], env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+        finally:
+            client.drop_table("locust-not-values")
+    assert done.returncode == 2 and "--table: locust-not-values is an index table" in done.stderr, done.stderr[-3000:]

@@ -30,7 +30,7 @@ from locust.runners import WorkerRunner
 
 from client.ops import ClientSession, WriteTags
 from memserver.api.errors import first_line
-from memserver.cli.common import exit_status
+from memserver.cli.common import WRONG_COMMAND, exit_status
 from memserver.loadtest.caller import Batches, ShardCaller, fetch_table, setup_seconds
 from memserver.loadtest.config import LoadConfig
 from memserver.loadtest.recorder import LatencyRecorder
@@ -94,7 +94,9 @@ class MemserverUser(locust.User):
             if not _Process.failed:
                 _Process.failed = first_line(exc)
                 logging.getLogger("memserver.loadtest").error("the load cannot start: %s; stopping", _Process.failed)
-            self.environment.process_exit_code = exit_status(exc)  # the memserver CLI's rule: 2 for a wrong table
+            # the memserver CLI's rule: 2 for a wrong table, or settings the load's own checks refused
+            # (ValueError, which `memserver loadtest` says as a CliError), 1 for a cluster that failed
+            self.environment.process_exit_code = WRONG_COMMAND if isinstance(exc, ValueError) else exit_status(exc)
             runner = self.environment.runner
             if runner is not None and not isinstance(runner, WorkerRunner):  # (a worker's master ends the test)
                 gevent.spawn(runner.quit)  # (not from inside this user's greenlet)
