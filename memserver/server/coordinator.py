@@ -240,10 +240,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                     pass  # another replace or drop got there first: make it, or say it exists again
                 await self._drop_strays(spec.name)  # and any slice of that name beyond its shards (a stale one)
                 # on the shards checked, and as checked: the old table's memory may not show as free yet
-                try:
-                    return await self._place(spec, plan=plan, checked=True)
-                except Exception as exc:  # (a shard lost between the check and the placing)
-                    raise _after_the_drop(exc, spec.name, "create it again") from None
+                return await self._place(spec, plan=plan, checked=True)
+            except Exception as exc:  # (a shard lost between the check and the placing, or in the drop)
+                if spec.name in self.tables:  # not dropped (or made by another call meanwhile): as it is
+                    raise
+                raise _after_the_drop(exc, spec.name, "create it again") from None
             finally:
                 self.replacing[spec.name] -= 1
                 self.replacing += collections.Counter()  # (drops the names at 0)
@@ -574,13 +575,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                         if name in self.tables:  # name here is another's, made meanwhile, and shards holding one
                             await self._drop(name)  # refuse, as for a create: a lost slice's files stay.)
                         await self._drop_strays(name)
-                    try:
-                        info = await self._place(specs[name], files[name], plan=plans.get(name))
-                    except Exception as exc:
-                        if not dropped:
-                            raise
-                        raise _after_the_drop(exc, name, "the same restore brings it back from the checkpoint") \
-                            from None
+                    info = await self._place(specs[name], files[name], plan=plans.get(name))
+                except Exception as exc:  # (a shard lost in the drop or the placing)
+                    if not dropped or name in self.tables:
+                        raise
+                    raise _after_the_drop(exc, name, "the same restore brings it back from the checkpoint") from None
                 finally:
                     if request.replace:
                         self.replacing[name] -= 1
