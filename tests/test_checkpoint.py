@@ -824,15 +824,14 @@ def test_a_symlink_below_the_checkpoint_root_does_not_lead_outside_it(client, ta
 def test_an_atomic_write_never_follows_a_link_planted_at_its_temporary_name(tmp_path):
     """The temporary name is predictable (the writer's pid): a link planted there led a slice file,
     a manifest or a record outside the checkpoint root, past the root's checks."""
-    import os
 
-    from memserver.storage.fsutil import atomic_write
+    from memserver.storage.fsutil import atomic_write, temporary
 
     outside = tmp_path / "outside"
     outside.write_bytes(b"keep")
     target = tmp_path / "root" / "manifest.json"
     target.parent.mkdir()
-    target.with_name(f".{target.name}.tmp-{os.getpid()}").symlink_to(outside)
+    temporary(target).symlink_to(outside)
     atomic_write(target, lambda f: f.write(b"new"))
     assert outside.read_bytes() == b"keep" and target.read_bytes() == b"new" and not target.is_symlink()
 
@@ -850,20 +849,21 @@ def test_a_checkpoint_on_a_full_disk_says_so_and_leaves_no_temporaries(tmp_path)
 
     from memserver.api.errors import ResourceExhaustedError
     from memserver.storage.checkpoint import save_slice
-    from memserver.storage.fsutil import atomic_write
+    from memserver.storage.fsutil import atomic_write, temporary
 
     folder = tmp_path / "ck"
     folder.mkdir()
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = folder / f".shard-0000.pt.tmp-{dead.pid}"  # a writer killed mid-write
-    live = folder / f".shard-0000.pt.tmp-{os.getppid()}"  # a writer at work
-    other = folder / f".shard-0001.pt.tmp-{dead.pid}"  # another file's: its own writer's business
-    for f in (stale, live, other):
+    stale = temporary(folder / "shard-0000.pt", dead.pid)  # a writer killed mid-write
+    live = temporary(folder / "shard-0000.pt", os.getppid())  # a writer at work
+    other = temporary(folder / "shard-0001.pt", dead.pid)  # another file's: its own writer's business
+    elsewhere = folder / f".shard-0000.pt.tmp-another-host-{dead.pid}"  # another host's (a shared folder)
+    for f in (stale, live, other, elsewhere):
         f.write_bytes(b"x" * 1000)
     meta = {"table": "t", "kind": "index", "index": 0}
     save_slice(folder / "shard-0000.pt", meta, {"keys": torch.zeros(10)})
-    assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, other.name, "shard-0000.pt"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, other.name, elsewhere.name, "shard-0000.pt"])
     with pytest.raises(ZeroDivisionError):  # any failure: the part written goes
         atomic_write(folder / "x", lambda f: (f.write(b"part"), 1 / 0))
     assert not list(folder.glob(".x.tmp-*"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -23,7 +24,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], mode: int | None
     a reader sees the old file or the whole new one, and after a crash the new one is there.
     `mode`: the file's permissions from its creation on (a key is never readable by others)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary(path)
     tmp.unlink(missing_ok=True)  # a name planted there (a link out of a checkpoint root) is never followed:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666 if mode is None else mode)
     if mode is not None:
@@ -40,16 +41,23 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], mode: int | None
     fsync_dir(path.parent)
 
 
+def temporary(path: Path, pid: int | None = None) -> Path:
+    """atomic_write's temporary for `path`: named after the writer's host and pid, so a checkpoint
+    folder shared by several hosts tells whose it is."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid() if pid is None else pid}")
+
+
 def remove_stale_temporaries(path: Path) -> int:
-    """Remove atomic_write's temporaries of `path` left by writers that are gone (a shard killed
-    mid-checkpoint: each holds up to a whole file's space, and a retry under a new pid never
-    reused it); returns how many. Only `path`'s own (one writer at a time writes a given file), and
-    not those of a process alive on this host."""
+    """Remove atomic_write's temporaries of `path` left by writers of this host that are gone (a
+    shard killed mid-checkpoint: each holds up to a whole file's space, and a retry under a new
+    pid never reused it); returns how many. Only `path`'s own (one writer at a time writes a given
+    file), never another host's (its pids are not this host's to judge) or a live process's."""
     from memserver.cluster.endpoint import pid_alive
 
     removed = 0
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
-        pid = tmp.name.rpartition(".tmp-")[2]
+    head = temporary(path, 0).name[:-1]  # ".NAME.tmp-HOST-"
+    for tmp in path.parent.glob(glob.escape(head) + "*"):
+        pid = tmp.name[len(head):]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             tmp.unlink(missing_ok=True)
             removed += 1
