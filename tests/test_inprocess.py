@@ -244,7 +244,7 @@ def test_a_client_of_a_stopped_cluster_says_so_at_once(tmp_path, monkeypatch):
 
     path = tmp_path / "endpoint.json"
     monkeypatch.setenv("MEMSERVER_ENDPOINT_FILE", str(path))
-    runs = iter(range(3))
+    runs = iter(range(4))
 
     def stopped_then(change, retry_seconds: float = 30.0) -> tuple[float, str]:
         server = InProcessServer(1, data_dir=str(tmp_path / f"data{next(runs)}"))  # (each its own tables)
@@ -252,25 +252,29 @@ def test_a_client_of_a_stopped_cluster_says_so_at_once(tmp_path, monkeypatch):
         with MemoryClient(timeout=5, retry_seconds=retry_seconds, shm=False) as c:  # the file's cluster
             c.create_table("t", 8, 4)
             c.lookup("t", [1])
+            at = server.endpoint
             server.stop()
-            change()
+            change(at)
             t0 = time.monotonic()
             with pytest.raises(UnavailableError) as got:
                 c.lookup("t", [1])
             return time.monotonic() - t0, str(got.value)
 
-    took, said = stopped_then(path.unlink)  # memserver down
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    took, said = stopped_then(lambda _: path.unlink())  # memserver down
     assert took < 10 and f"was stopped (its endpoint file {path} is gone: `memserver down`)" in said, (took, said)
-    took, said = stopped_then(lambda: path.write_text(json.dumps({"endpoint": "127.0.0.1:1", "pid": 1})))  # a new up
+    took, said = stopped_then(lambda _: path.write_text(json.dumps({"endpoint": "127.0.0.1:1", "pid": 1})))  # a new up
     assert took < 10 and f"the endpoint file {path} now names another (127.0.0.1:1); make a new client" in said
-    took, said = stopped_then(lambda: None, retry_seconds=3)  # the file still names it: a restart, retried
+    took, said = stopped_then(lambda at: path.write_text(json.dumps({"endpoint": at, "pid": dead.pid,  # up killed
+                                                                     "host": socket.gethostname()})))
+    assert took < 10 and f"its `memserver up` (pid {dead.pid}) has exited" in said, (took, said)
+    took, said = stopped_then(lambda _: None, retry_seconds=3)  # the file still names it: a restart, retried
     assert took >= 3 and "was stopped" not in said, (took, said)
     # a record whose `up` had exited before the client was made says nothing of its cluster (a
     # reviewer's: a client given the address would have stopped retrying a shard's restart)
     from memserver.cluster.endpoint import this_clusters_record
 
-    dead = subprocess.Popen(["true"])
-    dead.wait()
     path.write_text(json.dumps({"endpoint": "127.0.0.1:5", "pid": dead.pid, "host": socket.gethostname()}))
     assert this_clusters_record("127.0.0.1:5") is None
     path.write_text(json.dumps({"endpoint": "127.0.0.1:5", "pid": os.getpid(), "host": socket.gethostname()}))

@@ -154,8 +154,8 @@ def this_clusters_record(endpoint: str) -> tuple[Path, dict[str, Any]] | None:
 
 def stopped_since(path: Path, record: dict[str, Any]) -> str | None:
     """Why the cluster of `record` (read from `path` when a client was made) is no longer there,
-    or None when nothing says so: `memserver down` removed its file, another `up` wrote its own,
-    or its `up` of this host exited. A client retrying an unreachable cluster asks (one small file
+    or None when nothing says so: `memserver down` removed its file, an `up` elsewhere wrote its
+    own, or the `up` of this host the file names exited (a new `up` at the same address is retried). A client retrying an unreachable cluster asks (one small file
     read per retry) and stops at once, instead of retrying a stopped cluster for its whole
     retry_seconds."""
     try:
@@ -167,11 +167,11 @@ def stopped_since(path: Path, record: dict[str, Any]) -> str | None:
         return None
     if not isinstance(now, dict):
         return None
-    if (now.get("endpoint"), now.get("pid")) != (record.get("endpoint"), record.get("pid")):
+    if now.get("endpoint") != record.get("endpoint"):
         return (f"the cluster at {record.get('endpoint')} was stopped: the endpoint file {path} now names another "
                 f"({now.get('endpoint')}); make a new client for it")
-    if up_exited(record):
-        return (f"the cluster at {record.get('endpoint')} was stopped: its `memserver up` (pid {record.get('pid')}) has "
+    if up_exited(now):  # (a new `up` at the same address, running: its cluster may answer the retries)
+        return (f"the cluster at {record.get('endpoint')} was stopped: its `memserver up` (pid {now.get('pid')}) has "
                 "exited; start one with `memserver up` and make a new client")
     return None
 
