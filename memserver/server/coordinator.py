@@ -95,6 +95,7 @@ def _after_the_drop(exc: BaseException, name: str, again: str) -> BaseException:
         return type(exc)(exc.details + text)
     return RuntimeError(f"{exc}{text}")
 
+
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     def __init__(self, shard_handles: list[Any], shard_infos: list[dict[str, Any]], restarted: bool = False,
                  checkpoint_root: str | None = None, limits: Limits | None = None) -> None:
