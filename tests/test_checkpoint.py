@@ -850,6 +850,7 @@ def test_a_checkpoint_on_a_full_disk_says_so_and_leaves_no_temporaries(tmp_path)
     from memserver.api.errors import ResourceExhaustedError
     from memserver.storage.checkpoint import save_slice
     from memserver.storage.fsutil import atomic_write, temporary
+    from tests.smalldisk import small_disk
 
     folder = tmp_path / "ck"
     folder.mkdir()
@@ -868,19 +869,11 @@ def test_a_checkpoint_on_a_full_disk_says_so_and_leaves_no_temporaries(tmp_path)
         atomic_write(folder / "x", lambda f: (f.write(b"part"), 1 / 0))
     assert not list(folder.glob(".x.tmp-*"))
 
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("could not mount a tmpfs here")
-    try:
+    with small_disk(tmp_path / "small", "256k") as mnt:
         with pytest.raises(ResourceExhaustedError, match=rf"table t: cannot write checkpoint file {mnt}/shard-0000.pt: "
                                                          r"the disk is full \(No space left on device\)"):
             save_slice(mnt / "shard-0000.pt", meta, {"keys": torch.zeros(200_000)})
         assert list(mnt.iterdir()) == []
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_slice_file_that_cannot_be_read_is_said_by_name(tmp_path, monkeypatch):

@@ -371,16 +371,11 @@ def test_a_replace_the_disk_cannot_hold_leaves_the_table(tmp_path):
     with the memory, before the drop (the old tables' files counted as freed), summed over the
     shards that share a disk and over a restore's tables (a reviewer's cases: each slice, or each
     table, fitting alone), on a real full disk (a 1 MiB tmpfs)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
     from client import MemoryClient
     from memserver.cluster.inprocess import InProcessServer
+    from tests.smalldisk import small_disk
 
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("could not mount a tmpfs here")
-    try:
+    with small_disk(tmp_path / "small", "1m") as mnt:
         # two shards on one disk: each slice alone fits it, both together do not (the check sums them)
         with InProcessServer(2, data_dir=str(mnt)) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
             kw = dict(tier="disk", cache_bytes=2 * MIN_CACHE_BYTES, optimizer="sgd", sharding="rows")
@@ -404,8 +399,6 @@ def test_a_replace_the_disk_cannot_hold_leaves_the_table(tmp_path):
             with pytest.raises(ResourceExhaustedError, match=r"need 624,000 bytes .* the tables it replaces free 104,000"):
                 c.restore(str(tmp_path / "ck"), 1, replace=True)
             assert [c.table(n).num_rows for n in ("a", "b")] == [500, 500]  # both as they were
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 # ------------------------------------------------------------------ checkpoints, restore, the shard
