@@ -86,6 +86,10 @@ RETRY_WARN_SECONDS = 10.0
 #: The error texts a call's retries remember having warned of (errors that alternate, e.g. two
 #: shards' refusals, warn once each per RETRY_WARN_SECONDS, not on every retry).
 RETRY_TEXTS = 8
+#: A call that meets a shard's process restarted more than this many times while it is retried
+#: stops retrying: a request that kills its shard (a faiss abort) was sent again to every new
+#: process for the whole retry window, each restart rolling back the shard's tables without wal.
+RESTARTS_PER_CALL = 1
 
 
 class Backoff:
@@ -331,12 +335,26 @@ class AsyncMemoryClient:
                 # that applied the first attempt answers it instead of applying it again
                 return await fn(meta)
 
+        restarts: dict[int, list[int]] = {}  # shard index -> the pids this call met it with
+
         async def refresh() -> None:
             try:  # the coordinator may be restarting too: then keep the map we have
-                self._tables[name] = TableMeta.from_proto(
-                    await self._control("GetShardMap", pb.GetShardMapRequest(name=name)))
+                new = TableMeta.from_proto(await self._control("GetShardMap", pb.GetShardMapRequest(name=name)))
             except UnavailableError:
-                pass
+                return
+            old, self._tables[name] = self._tables.get(name), new
+            if old is None or old.layout_id != new.layout_id:
+                return
+            for was, now in zip(old.shards, new.shards):
+                if was.pid != now.pid:  # the shard's process restarted while this call was retried
+                    pids = restarts.setdefault(now.index, [was.pid])
+                    pids.append(now.pid)
+                    if len(pids) > RESTARTS_PER_CALL + 1:
+                        raise UnavailableError(
+                            f"table {name}: shard {now.index} ({now.address}) restarted {len(pids) - 1} times while "
+                            f"this call was retried (pid {' -> '.join(map(str, pids))}): the call may be what stops "
+                            "it, so it is not sent again; the shard's log says why it exited, `memserver status` "
+                            "whether it serves", target=f"shard {now.address}")
 
         return await self._retrying(attempt, refresh, retry)
 

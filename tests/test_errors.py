@@ -663,3 +663,47 @@ def test_a_quoted_failure_is_cut_at_a_word_and_says_so():
     path = first_line(RuntimeError("cannot read " + "/data/x" * 100), 100)  # (a reviewer's: the path went whole)
     assert path.startswith("cannot read /data/x/data/x") and path.endswith(" ...") and len(path) == 100
     assert first_line(RuntimeError("abcdefgh"), 3) == "abc"
+
+
+def test_a_call_whose_shard_keeps_restarting_stops_retrying(monkeypatch):
+    """A request that killed its shard (a faiss abort) was sent again to each restarted process
+    for the whole retry window (an index walkthrough: ~10 restarts in 60 s, each rolling back the
+    shard's tables without wal). A call that meets a shard's process restarted twice stops
+    retrying, naming the shard and its pids; one restart (the ordinary case) is retried through."""
+    import asyncio
+
+    import client.aio as aio
+    from client import UnavailableError
+    from memserver.api.v1 import memserver_pb2 as pb
+
+    monkeypatch.setattr(aio, "RETRY_MAX_DELAY", 0.01)
+
+    def shard_map(pid: int) -> pb.TableInfo:
+        return pb.TableInfo(spec=pb.TableSpec(name="t", num_rows=4, dim=2, num_shards=1), layout_id=1,
+                            shards=[pb.ShardInfo(index=0, address="127.0.0.1:9", pid=pid, col_end=2, num_rows=4)])
+
+    def call(pids: list[int], answers_after: int) -> tuple[object, int]:
+        c = aio.AsyncMemoryClient("127.0.0.1:9", retry_seconds=30, timeout=1)
+        maps, sent = iter(pids), []
+
+        async def control(method: str, request: object) -> pb.TableInfo:
+            return shard_map(next(maps))
+
+        async def fn(meta: object) -> str:
+            sent.append(meta.shards[0].pid)
+            if len(sent) <= answers_after:
+                raise UnavailableError("shard 0 is down")
+            return "answered"
+
+        c._control = control
+        try:
+            return asyncio.run(c._with_table("t", fn)), len(sent)
+        except UnavailableError as exc:
+            return exc, len(sent)
+
+    got, sent = call([1, 1, 2, 2, 2], answers_after=3)  # restarted once: retried until it answers
+    assert got == "answered" and sent == 4
+    got, sent = call([1, 1, 2, 3, 4], answers_after=99)  # restarted twice under the call: not sent again
+    assert isinstance(got, UnavailableError) and sent == 3, (got, sent)
+    assert "table t: shard 0 (127.0.0.1:9) restarted 2 times while this call was retried (pid 1 -> 2 -> 3): the call " \
+           "may be what stops it, so it is not sent again" in str(got)
