@@ -262,6 +262,11 @@ def test_cli_builds_an_index_from_files_and_status_lists_it(memory_cluster, clie
                      "--json", *ep]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["held"] == 3000 and out["train"]["sample_rows"] == 1000
+    # --train on a kind that trains nothing: not said to have trained (it printed "trained on N")
+    assert cli.main(["index", "build", table_name + "-h", "--vectors", str(tmp_path / "v.npy"), "--factory", "HNSW8",
+                     "--train", "--json", *ep]) == 0
+    assert "train" not in json.loads(capsys.readouterr().out)
+    client.drop_table(table_name + "-h")
     _, got = client.search(table_name, vectors[:5], 1, nprobe=16)
     np.testing.assert_array_equal(got[:, 0], ids[:5])
     assert cli.main(["status", *ep]) == 0

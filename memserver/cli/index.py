@@ -80,9 +80,11 @@ def cmd_build(args: argparse.Namespace) -> int:
                                                 payload_dim=0 if payload is None else payload.shape[1],
                                                 num_shards=args.shards, wal=args.wal, replace=args.replace))
         try:  # a build that fails leaves no half-built table behind (a rerun would be refused)
-            if args.train is None:  # as the shards built it: faiss says whether its kind needs training
-                args.train = any(not t.trained for sh in client.status().shards for t in sh.tables if t.table == args.name)
-            if args.train:
+            # as the shards built it: faiss says whether its kind needs training
+            needs = any(not t.trained for sh in client.status().shards for t in sh.tables if t.table == args.name)
+            if args.train and not needs:  # (it said "trained on N" of a kind that trains nothing)
+                log.warning("index build %s: %s needs no training; --train is ignored", args.name, args.factory)
+            if needs and args.train is not False:
                 rows = np.sort(np.random.default_rng(0).choice(n, train_rows(n, dim, args.train_sample), replace=False))
                 out["train"] = client.train_index(args.name, np.ascontiguousarray(vectors[rows], dtype=np.float32))
             with tqdm(total=n, unit="vec", desc=f"loading {args.name}", disable=args.json or None) as bar:
