@@ -335,7 +335,7 @@ def test_a_table_a_shard_cannot_load_its_slice_of_answers_data_loss(tmp_path):
     catalog, and its calls said NOT_FOUND "does not exist" (the other shard's files are there, and
     the docs promise DATA_LOSS with the reason for a damaged table). Dropping it, or a restore
     with replace, makes the name usable again."""
-    from client import DataLossError, TableNotFoundError
+    from client import DataLossError, TableNotFoundError, UnavailableError
 
     data = str(tmp_path / "data")
     with InProcessServer(2, data_dir=data) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
@@ -358,7 +358,27 @@ def test_a_table_a_shard_cannot_load_its_slice_of_answers_data_loss(tmp_path):
             c.lookup("u", [1])
     (tmp_path / "data" / "shard-0001" / "t" / "table.json").write_text("{")
     with InProcessServer(2, data_dir=data) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
-        from trainer.memory import RemoteValues  # (a reviewer's case: RemoteValues(create=True) replaces any table)
+        from memserver.server.shard_actor import ShardActor
+        from trainer.memory import RemoteValues
 
+        # RemoteValues(create=True) replaces a table it can see; one not served is left for repair
+        # (of any kind: its slices' files are kept), its error saying how (two reviews' cases)
+        with pytest.raises(DataLossError, match="table 't' is not served: .* restore it from a checkpoint"):
+            RemoteValues(c, "t", 64, 4)
+        real_drop = ShardActor.drop_table
+
+        def drop_fails(self, name):  # the shard holding the slice cannot drop it (once)
+            raise OSError(5, "Input/output error")
+
+        holder = next(sh for sh in server.shards if (tmp_path / "data" / f"shard-{sh.index:04d}" / "t").exists()
+                      and sh.index == 0)
+        with mock.patch.object(ShardActor, "drop_table", lambda self, name: drop_fails(self, name) if self is holder
+                               else real_drop(self, name)):
+            with pytest.raises(UnavailableError, match=r"table 't': shards \[0\] hold its slices, and not every one "
+                                                       r"of them dropped its own .* drop it again"):
+                c.drop_table("t")
+        c.drop_table("t")
+        with pytest.raises(TableNotFoundError):
+            c.lookup("t", [1])
         RemoteValues(c, "t", 64, 4)
-        assert c.table("t").num_rows == 64 and c.lookup("t", [1]).shape == (1, 4)
+        assert c.table("t").num_rows == 64

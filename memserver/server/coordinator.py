@@ -117,7 +117,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         # tables the catalog's rebuild left out (slices missing: a shard could not load its own)
         # -> why: their calls answer DATA_LOSS with it, not NOT_FOUND; at most the names the shards
         # held at the rebuild, each forgotten once the name is dropped or made again
-        self.left_out: dict[str, str] = {}
+        self.left_out: dict[str, tuple[str, set[int]]] = {}  # -> (why, the shards holding its slices)
         self.epoch = 0
         self.restarted = restarted
         self.lock = asyncio.Lock()
@@ -150,7 +150,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                        "time cannot say which is newer" if legacy else "the newest layout lacks slices")
                 held = "; ".join(f"slices {sorted(p)} of {next(iter(p.values()))[3]}" for p in layouts.values())
                 log.error("table %s: shards hold %s; %s; leaving it out of the catalog", name, held, why)
-                self.left_out[name] = f"the shards hold {held} of it ({why})"
+                self.left_out[name] = (f"the shards hold {held} of it ({why})",
+                                       {j for p in layouts.values() for j, *_ in p.values()})
                 continue
             parts = whole[pick]
             if not legacy:  # ids made after the rebuild stay above every one seen, whatever the clock did
@@ -220,7 +221,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 raise UnavailableError(f"table {name!r} is being replaced (a restore or a create with replace): "
                                        "its new shard map comes when it is placed")
             if name in self.left_out:  # (its slices' files are there: not a table that does not exist)
-                raise DataLossError(f"table {name!r} is not served: {self.left_out[name]}: a shard could not load "
+                raise DataLossError(f"table {name!r} is not served: {self.left_out[name][0]}: a shard could not load "
                                     "its slice (`memserver status` says why); restore it from a checkpoint (restore "
                                     "--replace) or drop it")
             raise TableNotFoundError(f"table {name!r} does not exist")
@@ -353,11 +354,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return pb.DropTableResponse()
 
     async def _drop(self, name: str) -> None:
-        if await self._drop_strays(name):  # (not a table of the catalog: slices no table owns)
+        held = await self._drop_strays(name)  # (not a table of the catalog: slices no table owns)
+        if name in self.left_out and name not in self.tables:  # a shard holding one of its slices did not drop it
+            raise UnavailableError(f"table {name!r}: shards {sorted(self.left_out[name][1])} hold its slices, and not "
+                                   f"every one of them dropped its own (did not answer within {STRAY_SECONDS:.0f} s, or "
+                                   "failed: the coordinator's log says which); drop it again")
+        if held:
             return
-        if name in self.left_out and name not in self.tables:  # its slices' shards did not answer in time
-            raise UnavailableError(f"table {name!r}: the shards holding its slices did not answer within "
-                                   f"{STRAY_SECONDS:.0f} s; drop it again")
         self._get(name)
         del self.tables[name]
         order = self.placement.pop(name)
@@ -369,8 +372,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             log.error("table %s: shards %s did not drop their slices of an older layout: drop the name again "
                       "(memserver drop-table %s), or they come back as the table when the catalog is rebuilt",
                       name, kept, name)
-        if failed := [r for r in got[: len(order)] if isinstance(r, BaseException)]:
-            raise failed[0]
+        _raise_refusal(got[: len(order)], f"dropping {name!r}")  # (a lost shard: UNAVAILABLE)
         async with self.lock:
             self.epoch += 1
         log.info("dropped table %s", name)
@@ -393,7 +395,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         held = [j for j, dropped in enumerate(got) if dropped is True]
         if held:
             log.warning("table %s: dropped the slices shards %s held outside the catalog", name, held)
-        if held or not any(isinstance(r, BaseException) for r in got):  # (every shard answered: none is left)
+        holders = self.left_out.get(name, (None, set()))[1]
+        if failed := {j: r for j, r in enumerate(got) if isinstance(r, BaseException) and j in holders}:
+            log.warning("table %s: shards %s did not drop their slices held outside the catalog: %s", name,
+                        sorted(failed), "; ".join(f"{first_line(r)}" for r in failed.values()))
+        else:  # every shard that held a slice dropped it
             self.left_out.pop(name, None)
         return held
 

@@ -362,7 +362,7 @@ class RemoteValues:
         `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table);
         `restoring`: neither made nor checked, since `load` will restore it (a resume: the table of
         that name, whatever it holds, is replaced only once the checkpoint's files are checked)."""
-        from client import DataLossError, TableNotFoundError
+        from client import TableNotFoundError
         from client.aio import AsyncMemoryClient
         from client.ops import ids_fit_int32
 
@@ -401,24 +401,20 @@ class RemoteValues:
                             "optimizer=%r, lr=%g are not applied to a table it attaches to (create=False)", name,
                             meta.optimizer, meta.lr, optimizer, lr)
         else:
-            unusable = ""
-            try:
+            try:  # (a table that is not served, DataLossError, is left for repair: its error says how)
                 existing = client.table(name, refresh=True)
             except TableNotFoundError:
                 existing = None
-            except DataLossError as exc:  # not served (a shard could not load its slice): replaced, as any table is
-                existing, unusable = None, exc.details
             if existing is not None and existing.kind != "value":  # (its vectors may have taken hours to build)
                 raise ValueError(f"table {name} is {existing.a_kind}: RemoteValues replaces only a value table of that "
                                  f"name; drop it first (client.drop_table({name!r})) or choose another name")
-            existed = existing is not None or bool(unusable)
+            existed = existing is not None
             # replaced only once the coordinator accepts the new spec: a bad argument leaves the table
             client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
                                 sharding=sharding, sync_workers=sync_workers, wal=wal, tier=tier,
                                 cache_bytes=cache_bytes, replace=True)
             if existed:
-                log.warning("RemoteValues: table %s existed%s; dropped and made anew (create=False attaches to it)", name,
-                            f" but was not served ({unusable})" if unusable else "")
+                log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
 
     def __getstate__(self) -> dict[str, Any]:
         """Refused by name: a copy or a pickle of a model holding this (torch.save(model),
