@@ -142,15 +142,13 @@ def test_index_checkpoint_restores_into_another_shard_count(client, table_name, 
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("factory", ["HNSW16", "PQ4"])
-def test_an_index_restored_into_its_own_sharding_loads_as_saved(client, table_name, tmp_path, factory):
+def test_an_index_restored_into_its_own_sharding_loads_as_saved(client, table_name, tmp_path):
     """Restored into the same shard count, each slice loads its own file as saved (a walkthrough:
-    with 2 shards every slice was rebuilt from all the files, a new HNSW graph and PQ codes
-    encoded again from decoded ones, and searches answered otherwise than before)."""
-    client.create_index(table_name, DIM, index_factory=factory, metric="l2")
+    with 2 shards every slice was rebuilt from all the files, a new HNSW graph (and PQ codes
+    encoded again from decoded ones, which happen to come out the same), and searches answered
+    otherwise than before)."""
+    client.create_index(table_name, DIM, index_factory="HNSW16", metric="l2")
     ids, vectors = _data(2000, seed=8)
-    if factory.startswith("PQ"):
-        client.train_index(table_name, vectors)
     client.add(table_name, ids, vectors)
     queries = _data(50, seed=9)[1]
     before = client.search(table_name, queries, 10)

@@ -87,6 +87,18 @@ def _raise_refusal(results: list[Any], what: str) -> None:
         raise RuntimeError(f"{what} failed on a shard: {errors[0]}")
 
 
+def _disk_peak(tables: list[tuple[int, int]]) -> tuple[int, int]:
+    """(bytes allocated, bytes freed) on one disk where a call that places `tables` in order
+    (each: its files, and its namesake's, dropped just before) needs the most beyond what it has
+    freed by then: what must fit that disk's free space."""
+    peak, need, freed = (0, 0), 0, 0
+    for allocates, frees in tables:
+        need, freed = need + allocates, freed + frees
+        if need - freed > peak[0] - peak[1]:
+            peak = (need, freed)
+    return peak
+
+
 def _after_the_drop(exc: BaseException, name: str, again: str) -> BaseException:
     """A replace's failure once the table it replaces was dropped, saying so (the table is gone:
     `again` says how to make it)."""
@@ -256,33 +268,39 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         """Every refusal a table replacing the one of its name could meet (the shards' check_fits:
         what they cannot hold, memory and disk, the old table's counted as free), before the old
         one is dropped; returns where it goes (`_plan`). A create with replace asks this first (a
-        restore of several tables: `_replace_plan` for all, then `_check_plan` for each)."""
-        disks: dict[str, list[int]] = {}
+        restore of several tables: `_replace_plan` for all, in the order it places them, then
+        `_check_plan` for each)."""
+        disks: dict[str, list[tuple[int, int]]] = {}
         plan = self._replace_plan(spec, disks)
         await self._check_plan(spec, plan, disks)
         return plan[:3]
 
-    def _replace_plan(self, spec: pb.TableSpec, disks: dict[str, list[int]]
+    def _replace_plan(self, spec: pb.TableSpec, disks: dict[str, list[tuple[int, int]]]
                       ) -> tuple[list[int], pb.TableInfo, list[int], dict[str, int]]:
-        """Where a table replacing its namesake goes (`_plan`) and the memory the namesake frees
-        per memory domain; adds its files to `disks` (filesystem -> [bytes allocated, bytes
-        freed]: shards of a host share their data directory's disk, and one call's tables do)."""
+        """Where a table (replacing its namesake, if there is one) goes (`_plan`) and the memory
+        the namesake frees per memory domain; appends to `disks` (filesystem -> per table, in the
+        order they are placed: (bytes its files allocate, bytes its namesake's free, which goes
+        just before it is placed)): shards of a host share their data directory's disk."""
         order, info, on_node = self._plan(spec)
-        old, freed = self.tables[spec.name], {}
-        for j, sh in zip(self.placement[spec.name], old.shards):
-            freed[self._memory(j)] = freed.get(self._memory(j), 0) + slice_size(old.spec, sh).held
-            disks.setdefault(self._disk(j), [0, 0])[1] += disk_size(old.spec, sh)
+        freed: dict[str, int] = {}
+        mine: dict[str, list[int]] = {}
+        if (old := self.tables.get(spec.name)) is not None:
+            for j, sh in zip(self.placement[spec.name], old.shards):
+                freed[self._memory(j)] = freed.get(self._memory(j), 0) + slice_size(old.spec, sh).held
+                mine.setdefault(self._disk(j), [0, 0])[1] += disk_size(old.spec, sh)
         for j, sh in zip(order, info.shards):
-            disks.setdefault(self._disk(j), [0, 0])[0] += disk_size(spec, sh)
+            mine.setdefault(self._disk(j), [0, 0])[0] += disk_size(spec, sh)
+        for disk, (need, frees) in mine.items():
+            disks.setdefault(disk, []).append((need, frees))
         return order, info, on_node, freed
 
     async def _check_plan(self, spec: pb.TableSpec, plan: tuple[list[int], pb.TableInfo, list[int], dict[str, int]],
-                          disks: dict[str, list[int]]) -> None:
+                          disks: dict[str, list[tuple[int, int]]]) -> None:
         order, info, on_node, freed = plan
         blob = spec.SerializeToString()
         _raise_refusal(await asyncio.gather(
             *(self.handles[j].check_fits.remote(blob, sh.SerializeToString(), node_bytes, freed.get(self._memory(j), 0),
-                                                *(disks[self._disk(j)] if disk_size(spec, sh) else (0, 0)))
+                                                *(_disk_peak(disks[self._disk(j)]) if disk_size(spec, sh) else (0, 0)))
               for j, sh, node_bytes in zip(order, info.shards, on_node)), return_exceptions=True), "checking")
 
     def _disk(self, j: int) -> str:
@@ -563,11 +581,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for f in (f for fs in files.values() for f in fs):  # a symlink below the root must not lead outside it
             under_root(self.checkpoint_root, f["file"])
         # what the shards would refuse of a table that replaces a live one, before any is dropped
-        disks: dict[str, list[int]] = {}  # every table's files on each disk, summed before any is checked
-        replacing = {name: self._replace_plan(specs[name], disks) for name in names if name in self.tables}
-        for name, plan in replacing.items():
+        # every table's files on each disk, in the order they are placed, before any is checked:
+        # new ones too (they fill the disk before a later one's namesake frees its share)
+        disks: dict[str, list[tuple[int, int]]] = {}
+        planned = {name: self._replace_plan(specs[name], disks) for name in names}
+        for name, plan in planned.items():
             await self._check_plan(specs[name], plan, disks)
-        plans = {name: plan[:3] for name, plan in replacing.items()}
+        plans = {name: plan[:3] for name, plan in planned.items() if name in self.tables}  # (new ones: placed as made)
         for name in plans:  # and every byte it would load checked: a damaged file found later would leave neither table
             await asyncio.get_running_loop().run_in_executor(None, verify_files, files[name])
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
