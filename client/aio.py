@@ -317,9 +317,15 @@ class AsyncMemoryClient:
         tags (the write never reached the new table). While a shard is UNAVAILABLE (restarting,
         maybe at a new address), retry with a fresh shard map; writes keep their tags then."""
 
+        failing: set[int] = set()  # shards this call's attempts found UNAVAILABLE (by index)
+
         async def attempt() -> Any:
+            meta = await self.table(name)
             try:
-                return await fn(await self.table(name))
+                return await fn(meta)
+            except UnavailableError as exc:
+                failing.update(sh.index for sh in meta.shards if exc.target == f"shard {sh.address}")
+                raise
             except (TableNotFoundError, FailedPreconditionError) as exc:
                 old = self._tables.pop(name, None)
                 if old is None:
@@ -335,21 +341,24 @@ class AsyncMemoryClient:
                 # that applied the first attempt answers it instead of applying it again
                 return await fn(meta)
 
-        restarts: dict[int, list[int]] = {}  # shard index -> the pids this call met it with
+        restarts: dict[int, list[int]] = {}  # shard index -> its pids in the maps this call refreshed
+        layout = 0
 
         async def refresh() -> None:
+            nonlocal layout
             try:  # the coordinator may be restarting too: then keep the map we have
                 new = TableMeta.from_proto(await self._control("GetShardMap", pb.GetShardMapRequest(name=name)))
             except UnavailableError:
                 return
-            old, self._tables[name] = self._tables.get(name), new
-            if old is None or old.layout_id != new.layout_id:
-                return
-            for was, now in zip(old.shards, new.shards):
-                if was.pid != now.pid:  # the shard's process restarted while this call was retried
-                    pids = restarts.setdefault(now.index, [was.pid])
+            self._tables[name] = new
+            if new.layout_id != layout:  # (another incarnation: its processes are counted afresh)
+                layout = new.layout_id
+                restarts.clear()
+            for now in new.shards:  # (from the first fresh map: a restart while the client idled is not counted)
+                pids = restarts.setdefault(now.index, [now.pid])
+                if pids[-1] != now.pid:  # the shard's process restarted while this call was retried
                     pids.append(now.pid)
-                    if len(pids) > RESTARTS_PER_CALL + 1:
+                    if now.index in failing and len(pids) > RESTARTS_PER_CALL + 1:
                         raise UnavailableError(
                             f"table {name}: shard {now.index} ({now.address}) restarted {len(pids) - 1} times while "
                             f"this call was retried (pid {' -> '.join(map(str, pids))}): the call may be what stops "

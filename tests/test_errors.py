@@ -668,8 +668,9 @@ def test_a_quoted_failure_is_cut_at_a_word_and_says_so():
 def test_a_call_whose_shard_keeps_restarting_stops_retrying(monkeypatch):
     """A request that killed its shard (a faiss abort) was sent again to each restarted process
     for the whole retry window (an index walkthrough: ~10 restarts in 60 s, each rolling back the
-    shard's tables without wal). A call that meets a shard's process restarted twice stops
-    retrying, naming the shard and its pids; one restart (the ordinary case) is retried through."""
+    shard's tables without wal). A call that meets the shard it failed on restarted twice stops
+    retrying, naming the shard and its pids; one restart (the ordinary case), a restart before the
+    call (a stale map), or another shard's restarts are retried through (a review's cases)."""
     import asyncio
 
     import client.aio as aio
@@ -678,21 +679,22 @@ def test_a_call_whose_shard_keeps_restarting_stops_retrying(monkeypatch):
 
     monkeypatch.setattr(aio, "RETRY_MAX_DELAY", 0.01)
 
-    def shard_map(pid: int) -> pb.TableInfo:
-        return pb.TableInfo(spec=pb.TableSpec(name="t", num_rows=4, dim=2, num_shards=1), layout_id=1,
-                            shards=[pb.ShardInfo(index=0, address="127.0.0.1:9", pid=pid, col_end=2, num_rows=4)])
+    def shard_map(pids: tuple[int, int]) -> pb.TableInfo:
+        return pb.TableInfo(spec=pb.TableSpec(name="t", num_rows=4, dim=2, num_shards=2), layout_id=1,
+                            shards=[pb.ShardInfo(index=i, address=f"127.0.0.1:{9 + i}", pid=p, col_end=2, num_rows=2)
+                                    for i, p in enumerate(pids)])
 
-    def call(pids: list[int], answers_after: int) -> tuple[object, int]:
+    def call(pids: list[tuple[int, int]], answers_after: int) -> tuple[object, int]:
         c = aio.AsyncMemoryClient("127.0.0.1:9", retry_seconds=30, timeout=1)
         maps, sent = iter(pids), []
 
         async def control(method: str, request: object) -> pb.TableInfo:
             return shard_map(next(maps))
 
-        async def fn(meta: object) -> str:
+        async def fn(meta: object) -> str:  # shard 0 is the one that does not answer
             sent.append(meta.shards[0].pid)
             if len(sent) <= answers_after:
-                raise UnavailableError("shard 0 is down")
+                raise UnavailableError("shard 0 is down", target="shard 127.0.0.1:9")
             return "answered"
 
         c._control = control
@@ -701,9 +703,10 @@ def test_a_call_whose_shard_keeps_restarting_stops_retrying(monkeypatch):
         except UnavailableError as exc:
             return exc, len(sent)
 
-    got, sent = call([1, 1, 2, 2, 2], answers_after=3)  # restarted once: retried until it answers
-    assert got == "answered" and sent == 4
-    got, sent = call([1, 1, 2, 3, 4], answers_after=99)  # restarted twice under the call: not sent again
+    assert call([(1, 7), (1, 7), (2, 7), (2, 7)], answers_after=3) == ("answered", 4)  # restarted once
+    assert call([(0, 7), (5, 7), (6, 7), (6, 7)], answers_after=3) == ("answered", 4)  # (0: before the call)
+    assert call([(1, 7), (1, 7), (1, 8), (1, 9), (1, 9)], answers_after=4) == ("answered", 5)  # shard 1's restarts
+    got, sent = call([(1, 7), (1, 7), (2, 7), (3, 7), (4, 7)], answers_after=99)  # twice under the call
     assert isinstance(got, UnavailableError) and sent == 3, (got, sent)
     assert "table t: shard 0 (127.0.0.1:9) restarted 2 times while this call was retried (pid 1 -> 2 -> 3): the call " \
            "may be what stops it, so it is not sent again" in str(got)
