@@ -663,6 +663,7 @@ def test_a_quoted_failure_is_cut_at_a_word_and_says_so():
     path = first_line(RuntimeError("cannot read " + "/data/x" * 100), 100)  # (a reviewer's: the path went whole)
     assert path.startswith("cannot read /data/x/data/x") and path.endswith(" ...") and len(path) == 100
     assert first_line(RuntimeError("abcdefgh"), 3) == "abc"
+    assert first_line(RuntimeError(" " + "y" * 40), 20) == " " + "y" * 15 + " ..."  # (a space at 0 is no word's end)
 
 
 def test_a_call_whose_shard_keeps_restarting_stops_retrying(monkeypatch):

@@ -951,6 +951,7 @@ def test_saves_are_snapshots_loads_check_shapes_and_forgotten_steps_are_said(cli
     with pytest.raises(InvalidArgumentError, match=rf"table {table_name}: restored from memory/{table_name} with 32 x 4; "
                                                    r"this backend holds 16 x 4"):
         mine.load(str(tmp_path), 1, {"checkpoint": saved["checkpoint"], "table": table_name})  # an older save's keys
+    assert client.table(table_name).num_rows == 32  # (an older save is checked once restored: as said)
     small = RemoteValues(client, f"{table_name}-s", 16, 4)
 
     with caplog.at_level("WARNING", logger="trainer.memory.backends"):

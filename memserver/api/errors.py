@@ -201,4 +201,4 @@ def first_line(exc: BaseException, limit: int = 500) -> str:
         return line[:limit]
     cut = line[: limit - 4]
     word = cut.rfind(" ")
-    return (cut[:word] if 0 <= word and word >= len(cut) - 30 else cut) + " ..."  # (a long token: cut inside it)
+    return (cut[:word] if 0 < word and word >= len(cut) - 30 else cut) + " ..."  # (a long token: cut inside it)

@@ -135,7 +135,9 @@ def up_exited(record: dict[str, Any]) -> bool:
     """Whether the `memserver up` an endpoint record names ran on this host and has exited (its
     cluster went with it)."""
     pid, host = record.get("pid"), record.get("host")
-    return pid is not None and host in (None, socket.gethostname()) and not pid_alive(int(pid))
+    if isinstance(pid, bool) or not isinstance(pid, int):  # (none, or not one a file `up` wrote holds)
+        return False
+    return host in (None, socket.gethostname()) and not pid_alive(pid)
 
 
 def this_clusters_record(endpoint: str) -> tuple[Path, dict[str, Any]] | None:
