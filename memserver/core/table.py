@@ -142,6 +142,11 @@ _EMPTY2 = np.zeros((0, 0), dtype=np.float32)
 class ValueTable:
     """One slice of a value table: rows, optimizer state and per-slot statistics."""
 
+    #: A float16 table's overflow count (on its device) and, on a GPU, its pinned host copy; None
+    #: for every other table (set per instance in __init__; a DiskTable, float32, keeps the None).
+    nonfinite_updates: torch.Tensor | None = None
+    nonfinite_seen: torch.Tensor | None = None
+
     def __init__(
         self,
         num_rows: int,
@@ -212,7 +217,6 @@ class ValueTable:
             if x is not None:
                 setattr(t, name, x)
         t.track_stats = False
-        t.nonfinite_updates = t.nonfinite_seen = None  # (float32: nothing to count)
         fast_ok = kernels is not None and t.device.type == "cpu" and t.dtype == torch.float32
         t.backend = "numba" if fast_ok and (os.environ.get("MEMSERVER_BACKEND") or "auto") != "torch" else "torch"
         return t
@@ -302,11 +306,9 @@ class ValueTable:
         """Row updates stored as inf or NaN (float16 tables; None for the others). On a GPU the
         count of a recent step, read without waiting for the device (the pinned copy each step
         refreshes); on the CPU, exact."""
-        count = getattr(self, "nonfinite_updates", None)  # (a DiskTable, float32, keeps none)
-        if count is None:
+        if self.nonfinite_updates is None:
             return None
-        seen = getattr(self, "nonfinite_seen", None)
-        return int(seen if seen is not None else count)
+        return int(self.nonfinite_seen if self.nonfinite_seen is not None else self.nonfinite_updates)
 
     #: The per-slot statistics `top` (TopN over `stat`'s chunks) and `usage` rank and bin.
     STATS = ("hits", "weight_mass", "updates", "value_sq_norm")

@@ -278,13 +278,6 @@ def slice_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> SliceSize:
     return SliceSize(held, held + rows * 8 + (rows * cols * 4 if dtype.itemsize != 4 else 0))
 
 
-def nonfinite_count(table: Any) -> int | None:
-    """A slice's float16 overflow count (ValueTable.nonfinite_count), None where its table keeps
-    none (other dtypes, disk tables, indexes): what status and the metrics show."""
-    count = getattr(table, "nonfinite_count", None)
-    return count() if count is not None else None
-
-
 def disk_size(spec: pb.TableSpec, shard: pb.ShardInfo) -> int:
     """The bytes shard `shard`'s slice of a validated `spec` allocates in its data directory at
     creation: a disk table's files (the write-ahead log grows later, with the writes); 0 else."""

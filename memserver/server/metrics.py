@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.server.catalog import nonfinite_count
 
 #: Latency buckets (seconds): from a tiny lookup (~0.5 ms) to a large backward (seconds).
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -251,7 +250,7 @@ class _TableCollector:
             remembered.add_metric([name], sl.sessions.remembered())
             open_steps.add_metric([name], len(sl.steps))
             refusing.add_metric([name], 1.0 if sl.writes_refused() else 0.0)
-            if (overflows := nonfinite_count(sl.table)) is not None:  # float16 tables
+            if sl.kind == pb.VALUE and (overflows := sl.table.nonfinite_count()) is not None:  # float16 tables
                 nonfinite.add_metric([name], overflows)
             if sl.wal is not None:
                 wal_records.add_metric([name], sl.wal.next_lsn)

@@ -33,7 +33,7 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 from memserver.server.admission import Admission
-from memserver.server.catalog import nonfinite_count, refuse_disk_full, refuse_oversized, slice_size
+from memserver.server.catalog import refuse_disk_full, refuse_oversized, slice_size
 from memserver.server.config import ServeConfig
 from memserver.server.dataplane import DataPlaneServicer
 from memserver.server.doorbell import Doorbell
@@ -605,7 +605,7 @@ class ShardActor:
                     load.trained = sl.table.loaded
                 else:
                     load.rows = sl.table.num_rows
-                    if (overflows := nonfinite_count(sl.table)) is not None:  # float16 tables (a GPU's: no wait)
+                    if (overflows := sl.table.nonfinite_count()) is not None:  # float16 tables (a GPU's: no wait)
                         load.nonfinite_updates = overflows
                     load.trigger_slots, load.trigger_bytes = sl.triggers.slots, sl.triggers.nbytes()
                     load.tier = sl.spec.tier or "ram"
