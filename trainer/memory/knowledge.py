@@ -95,12 +95,12 @@ def upload_source(client: Any, name: str, encodings: torch.Tensor, *, shards: in
     that is not an index table is refused (ValueError): nothing is dropped for a call that cannot
     make the source. An index table of that name is replaced once the new one's spec is accepted."""
     from client import InvalidArgumentError, TableNotFoundError
+    from memserver.wire import check_float
 
     e = torch.as_tensor(encodings, dtype=torch.float32).contiguous()
     if e.dim() != 2 or not e.shape[0] or not e.shape[1]:
         raise InvalidArgumentError(f"encodings: a source needs [n, dim] encodings with n, dim >= 1, got {list(e.shape)}")
-    if not bool(torch.isfinite(e).all()):
-        raise InvalidArgumentError("encodings: contains NaN or infinite values")
+    check_float(e, "encodings")  # (the rule every vector a table takes is checked by)
     try:
         existing = client.table(name, refresh=True)
     except TableNotFoundError:
