@@ -57,7 +57,7 @@ from memserver.api.types import METRICS, SHARDINGS, TableMeta
 from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
-from memserver.cluster.endpoint import is_host_port, live_endpoint, stopped_since, this_clusters_record
+from memserver.cluster.endpoint import endpoint_file, is_host_port, live_endpoint, stopped_since, this_clusters_record
 from memserver.loop import settle_grpc
 from memserver.wire import (
     MAX_MESSAGE_BYTES,
@@ -184,9 +184,9 @@ class AsyncMemoryClient:
             raise InvalidArgumentError(f"endpoint: expected the coordinator's HOST:PORT, got {endpoint!r}")
         record = live_endpoint() if not endpoint else None
         self.endpoint = endpoint or record["endpoint"]
-        # the endpoint file's record of this cluster, if one names it: a stopped cluster is told
-        # from a restarting one by it (_retrying)
-        self._home = this_clusters_record(self.endpoint)
+        # the endpoint file's record of this cluster, if one names it (the one just read, when the
+        # client was given no endpoint): a stopped cluster is told from a restarting one by it (_retrying)
+        self._home = (endpoint_file(), record) if record is not None else this_clusters_record(self.endpoint)
         self.token = token if token is not None else client_token(self.endpoint, record)
         self.tls = tls if tls is not None else client_tls(self.endpoint, record)
         if self.token and self.tls is None and not self.endpoint.startswith(("127.", "localhost:", "[::1]:")):
