@@ -163,6 +163,37 @@ def test_a_table_with_a_restarting_shard_is_marked_not_served_on_the_front_page(
     assert overview(Client())["value_tables"][0]["unavailable"] == []
 
 
+def test_the_front_page_says_each_tables_tier_and_a_disk_tables_hit_rate():
+    """An operator looking for why a table is slow saw no tier on the page (`memserver status`
+    says it): the row says the tier, and a disk table's hits over its slices' reads."""
+    from memserver.api.types import TableMeta
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.web.data import overview, table_info
+
+    specs = [pb.TableSpec(name="d", kind=pb.VALUE, num_rows=8, dim=4, sharding=pb.COLS, tier="disk",
+                          cache_bytes=1 << 20),
+             pb.TableSpec(name="r", kind=pb.VALUE, num_rows=8, dim=4, sharding=pb.COLS)]
+    shards = [pb.ShardInfo(index=i, address=a) for i, a in enumerate(("a:1", "b:2"))]
+    loads = [[pb.TableLoad(table="d", tier="disk", cache_hits=h, cache_misses=m), pb.TableLoad(table="r")]
+             for h, m in ((30, 10), (50, 10))]
+    status = pb.StatusResponse(tables=[pb.TableInfo(spec=s, shards=shards) for s in specs], shards=[
+        pb.ShardStatus(index=i, address=a, state="serving", tables=t) for (i, a), t in zip(enumerate(("a:1", "b:2")), loads)])
+
+    class Client:
+        endpoint = "e:1"
+
+        def status(self):
+            return status
+
+    rows = {r["name"]: r for r in overview(Client())["value_tables"]}
+    assert (rows["d"]["tier"], rows["d"]["hit_rate"]) == ("disk, cache 1.0 MiB", 80 / 100)
+    assert (rows["r"]["tier"], rows["r"]["hit_rate"]) == ("ram", None)
+    assert table_info(TableMeta.from_proto(pb.TableInfo(spec=specs[0], shards=shards)))["tier"] == "disk, cache 1.0 MiB"
+    for shard in status.shards:
+        shard.tables[0].cache_hits = shard.tables[0].cache_misses = 0
+    assert overview(Client())["value_tables"][0]["hit_rate"] is None  # nothing read yet: no rate, not 0%
+
+
 @pytest.mark.parametrize("by,key", [("hits", "hits"), ("mass", "weight_mass"), ("updates", "updates"),
                                     ("norm", "value_norm")])
 def test_table_json_equals_the_client(client, url, traced, by, key):

@@ -47,7 +47,7 @@ class NoModel(PageError):
 
 def overview(client: Any) -> dict[str, Any]:
     """The front page: the tables (value tables in full, the others by kind) and the shards' health."""
-    from memserver.cli.tables import status_dict
+    from memserver.cli.tables import status_dict, tier_text
 
     st = status_dict(client.status())
     loads: dict[str, list[dict[str, Any]]] = {}
@@ -65,7 +65,11 @@ def overview(client: Any) -> dict[str, Any]:
                   for a in sorted({sh["address"] for sh in t["shards"]} & set(down))]}
         if t["kind"] == "value":
             row.update(rows=t["num_rows"], dim=t["dim"], sharding=t["sharding"], optimizer=t["optimizer"], lr=t["lr"],
-                       dtype=t["dtype"], wal=t["wal"])
+                       dtype=t["dtype"], wal=t["wal"], tier=tier_text(t["tier"], t["cache_bytes"]), hit_rate=None)
+            if t["tier"] == "disk":  # hits over reads of the slices served, since each loaded (None: none read yet)
+                hits, seen = (sum(x.get("cache_hits", 0) for x in held),
+                              sum(x.get("cache_hits", 0) + x.get("cache_misses", 0) for x in held))
+                row["hit_rate"] = hits / seen if seen else None
             value_tables.append(row)
         else:
             if t["kind"] == "index":
@@ -104,9 +108,11 @@ def value_table(client: Any, name: str) -> TableMeta:
 
 def table_info(meta: TableMeta) -> dict[str, Any]:
     """The spec lines of a table's header."""
+    from memserver.cli.tables import tier_text
+
     return {"name": meta.name, "rows": meta.num_rows, "dim": meta.dim, "sharding": meta.sharding,
             "optimizer": meta.optimizer, "lr": meta.lr, "dtype": meta.dtype, "shards": len(meta.shards),
-            "wal": meta.wal}
+            "wal": meta.wal, "tier": tier_text(meta.tier, meta.cache_bytes)}
 
 
 # ------------------------------------------------------------------ parsing what the user typed
