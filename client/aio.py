@@ -113,6 +113,35 @@ class Backoff:
         return sleep
 
 
+class AppliedBy:
+    """The shards that answered one plain write (each applies its part on its own: only a training
+    step is all-or-none across them), so that its error, when it fails for good, says where it was
+    applied: a caller that sent it again as a new call would apply it twice there. Bounded by the
+    table's shard count."""
+
+    def __init__(self) -> None:
+        self.shards: dict[int, str] = {}  # shard index -> address
+        self.layout = 0  # the incarnation they answered for (a re-created table never got the write)
+
+    def note(self, meta: TableMeta, calls: list[tuple[str, str, Any]], outcomes: list[Any]) -> None:
+        if meta.layout_id != self.layout:
+            self.shards.clear()
+            self.layout = meta.layout_id
+        index = {sh.address: sh.index for sh in meta.shards}
+        self.shards.update((index[a], a) for (a, _, _), o in zip(calls, outcomes)
+                           if not isinstance(o, BaseException) and a in index)
+
+    def say(self, exc: MemserverError) -> None:
+        if not self.shards:
+            return
+        where = ", ".join(f"{i} ({a})" for i, a in sorted(self.shards.items()))
+        exc.details += (f"; shard{'s' if len(self.shards) > 1 else ''} {where} applied this write (answered it) "
+                        "and the others may have too: a write is applied by each shard on its own, not all-or-none "
+                        "across them (docs/architecture.md, Known limits), so sending it again as a new call "
+                        "applies it twice there")
+        exc.args = (exc.details,)
+
+
 def value_table_spec(name: str, num_rows: int, dim: int, *, sharding: str | None = None, optimizer: str = "adagrad",
                      lr: float = 0.01, dtype: str = "float32", init_std: float = 0.02, seed: int = 0, num_shards: int = 0,
                      eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999), sync_workers: int = 0,
@@ -368,10 +397,13 @@ class AsyncMemoryClient:
         return await self._retrying(attempt, refresh, retry)
 
     async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,
-                    retry: bool = True) -> Any:
-        """Run the op for `table`'s shard map: its requests all at once over grpc.aio."""
+                    retry: bool = True, applies: bool = False) -> Any:
+        """Run the op for `table`'s shard map: its requests all at once over grpc.aio. `applies`: a
+        write each shard applies on its own (not a step's part): when it fails for good after some
+        shards answered, the error says which (AppliedBy)."""
         first = True
         counted: set[tuple[str, int, int]] = set()  # reads a shard answered: not counted again on a retry
+        applied = AppliedBy() if applies else None
 
         async def run(meta: TableMeta) -> Any:
             nonlocal first
@@ -394,6 +426,8 @@ class AsyncMemoryClient:
                     transport.note_counted(calls, outcomes, counted)
                     if again and transport.stale(sent, outcomes):
                         continue
+                    if applied is not None:
+                        applied.note(meta, calls, outcomes)
                     errors = [o for o in outcomes if isinstance(o, BaseException)]
                     if errors:
                         raise errors[0]
@@ -408,6 +442,10 @@ class AsyncMemoryClient:
 
         try:
             return await self._with_table(table, run, tags, retry)
+        except MemserverError as exc:
+            if applied is not None:
+                applied.say(exc)
+            raise
         finally:
             if tags is not None:
                 tags.close()
@@ -508,12 +546,13 @@ class AsyncMemoryClient:
         """Upsert vectors [n, dim] (and payload rows [n, payload_dim]) under distinct int64 ids;
         an id that exists is replaced. Returns how many were added."""
         tags = self.tags()
-        return await self._call(table, lambda meta: ops.add_op(meta, ids, vectors, payload, self.opts, tags), tags)
+        return await self._call(table, lambda meta: ops.add_op(meta, ids, vectors, payload, self.opts, tags), tags,
+                                applies=True)
 
     async def remove(self, table: str, ids: Any) -> int:
         """Remove ids from an index table (absent ones are ignored); returns how many were present."""
         tags = self.tags()
-        return await self._call(table, lambda meta: ops.remove_op(meta, ids, self.opts, tags), tags)
+        return await self._call(table, lambda meta: ops.remove_op(meta, ids, self.opts, tags), tags, applies=True)
 
     async def search(self, table: str, queries: Any, k: int, *, nprobe: int | None = None, ef_search: int | None = None,
                      return_payload: bool = False) -> tuple[Any, ...]:
@@ -663,7 +702,7 @@ class AsyncMemoryClient:
         parts = self.session.step_parts(table, step) if gather else None
         op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply, step,  # noqa: E731
                                               parts, weight_grad)
-        grad_w = await self._call(table, op, tags)
+        grad_w = await self._call(table, op, tags, applies=not gather)
         return None if grad_w is None else like(grad_w, weights)
 
     async def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
@@ -703,12 +742,13 @@ class AsyncMemoryClient:
         """Apply row gradients through the table's optimizer; duplicate ids are summed first.
         Returns the number of distinct rows updated."""
         tags = self.tags()
-        return await self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.opts, tags), tags)
+        return await self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.opts, tags), tags, applies=True)
 
     async def write_rows(self, table: str, ids: Any, rows: Any) -> int:
         """Overwrite rows (optimizer state is kept). Ids must be distinct."""
         tags = self.tags()
-        return await self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.opts, tags), tags)
+        return await self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.opts, tags), tags,
+                                applies=True)
 
     async def _plan(self, table: str, plan: ops.Plan) -> Any:
         """Run a plan's ops one after another (see ops.Plan)."""

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from client import ops, transport
-from client.aio import AsyncMemoryClient, Backoff
+from client.aio import AppliedBy, AsyncMemoryClient, Backoff
 from client.channels import sync_channel
 from client.ops import Op, WriteTags, finish, like
 from memserver.api.errors import (
@@ -106,18 +106,20 @@ class MemoryClient:
         return methods
 
     def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,
-              retry: bool = True) -> Any:
+              retry: bool = True, applies: bool = False) -> Any:
         """Run an op with blocking stubs, all its requests in flight at once.
 
         The first attempt runs right here when the shard map is cached. A first call, a shard that
         is UNAVAILABLE (restarting) or past its deadline (a partition) or overloaded (after one backoff here) or a table that moved
         goes through the asyncio client's retrying path instead, which runs this same blocking
         attempt in an executor thread; the op keeps its write tags across attempts. `retry` False:
-        no retries past the client's first attempt (a table that moved is still asked again)."""
+        no retries past the client's first attempt (a table that moved is still asked again).
+        `applies`: a write each shard applies on its own (AsyncMemoryClient._call)."""
         self._check_open()
         timeout = self.aio.timeout
         first = True
         counted: set[tuple[str, int, int]] = set()  # reads a shard answered: not counted again on a retry
+        applied = AppliedBy() if applies else None
 
         def attempt(meta: TableMeta) -> Any:
             nonlocal first
@@ -155,6 +157,8 @@ class MemoryClient:
                     transport.note_counted(calls, outcomes, counted)
                     if again and transport.stale(sent, outcomes):
                         continue
+                    if applied is not None:
+                        applied.note(meta, calls, outcomes)
                     for (where, _, _), o in zip(calls, outcomes):
                         if isinstance(o, grpc.RpcError):
                             raise from_rpc_error(o, f"shard {where}") from None
@@ -189,6 +193,10 @@ class MemoryClient:
                 return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
 
             return self._run(self.aio._with_table(table, in_executor, tags, retry))
+        except MemserverError as exc:
+            if applied is not None:
+                applied.say(exc)
+            raise
         finally:
             if tags is not None:
                 tags.close()
@@ -286,7 +294,7 @@ class MemoryClient:
         parts = self.aio.session.step_parts(table, step) if gather else None
         op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.aio.opts, tags, defer_apply,  # noqa: E731
                                               step, parts, weight_grad)
-        grad_w = self._call(table, op, tags)
+        grad_w = self._call(table, op, tags, applies=not gather)
         return None if grad_w is None else like(grad_w, weights)
 
     def abandon_step(self, table: str, step: int) -> int:
@@ -311,19 +319,21 @@ class MemoryClient:
 
     def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         tags = self.aio.tags()
-        return self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.aio.opts, tags), tags)
+        return self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.aio.opts, tags), tags, applies=True)
 
     def write_rows(self, table: str, ids: Any, rows: Any) -> int:
         tags = self.aio.tags()
-        return self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.aio.opts, tags), tags)
+        return self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.aio.opts, tags), tags,
+                          applies=True)
 
     def add(self, table: str, ids: Any, vectors: Any, payload: Any = None) -> int:
         tags = self.aio.tags()
-        return self._call(table, lambda meta: ops.add_op(meta, ids, vectors, payload, self.aio.opts, tags), tags)
+        return self._call(table, lambda meta: ops.add_op(meta, ids, vectors, payload, self.aio.opts, tags), tags,
+                          applies=True)
 
     def remove(self, table: str, ids: Any) -> int:
         tags = self.aio.tags()
-        return self._call(table, lambda meta: ops.remove_op(meta, ids, self.aio.opts, tags), tags)
+        return self._call(table, lambda meta: ops.remove_op(meta, ids, self.aio.opts, tags), tags, applies=True)
 
     def search(self, table: str, queries: Any, k: int, *, nprobe: int | None = None, ef_search: int | None = None,
                return_payload: bool = False) -> tuple[Any, ...]:

@@ -711,3 +711,44 @@ def test_a_call_whose_shard_keeps_restarting_stops_retrying(monkeypatch):
     assert isinstance(got, UnavailableError) and sent == 3, (got, sent)
     assert "table t: shard 0 (127.0.0.1:9) restarted 2 times while this call was retried (pid 1 -> 2 -> 3): the call " \
            "may be what stops it, so it is not sent again" in str(got)
+
+
+
+def test_a_write_that_fails_for_good_on_one_shard_says_which_shards_applied_it(table_name):
+    """Each shard applies its part of a plain write on its own: where one shard fails it for good,
+    the others' parts stay applied. An operator's multi-host walkthrough saw a push fail (a lost
+    host) after the other shard had applied its half, and a caller resending it as a new call
+    applies that half twice: the error now names the shards that applied it (both clients). A
+    step's parts (applied only by the commit) and a write no shard answered say nothing of it."""
+    import asyncio
+
+    from client import AsyncMemoryClient, MemoryClient, UnavailableError
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2) as srv, MemoryClient(srv.endpoint, shm=False, retry_seconds=0, timeout=5) as c:
+        c.create_table(table_name, 10, DIM, sharding="cols", optimizer="sgd", lr=1.0, init_std=0.0)
+        shards = c.table(table_name).shards
+        half = shards[0].col_end
+        srv.shards[1].stop()  # its address refuses connections now
+
+        async def aio_push() -> None:
+            async with AsyncMemoryClient(srv.endpoint, shm=False, retry_seconds=0, timeout=5) as ac:
+                await ac.push_gradients(table_name, [3], np.ones((1, DIM), np.float32))
+
+        said = (f"; shard 0 ({shards[0].address}) applied this write (answered it) and the others may have too: a "
+                "write is applied by each shard on its own, not all-or-none across them (docs/architecture.md, Known "
+                "limits), so sending it again as a new call applies it twice there")
+        for push in (lambda: c.push_gradients(table_name, [1, 2], np.ones((2, DIM), np.float32)),
+                     lambda: asyncio.run(aio_push())):
+            with pytest.raises(UnavailableError) as got:
+                push()
+            assert got.value.details.endswith(said) and got.value.target == f"shard {shards[1].address}"
+        held = srv.shards[0].servicer.tables[table_name].table.lookup(torch.arange(4), count=False)
+        assert held.shape == (4, half) and (held[1:] == -1).all() and (held[0] == 0).all()  # as said: applied there
+        with pytest.raises(UnavailableError) as got:  # a step's part: the commit applies it, all or none
+            c.bag_backward(table_name, IDS % 10, W, G, step=1, gather=True)
+        assert "applied this write" not in str(got.value)
+        srv.shards[0].stop()
+        with pytest.raises(UnavailableError) as got:  # no shard answered
+            c.write_rows(table_name, [1], np.ones((1, DIM), np.float32))
+        assert "applied this write" not in str(got.value)
