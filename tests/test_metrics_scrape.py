@@ -265,6 +265,37 @@ def test_a_shard_whose_status_call_failed_is_described_in_words():
     assert unavailable_state(ActorDiedError()).startswith("unavailable: its process died and is not restarted")
     assert unavailable_state(asyncio.TimeoutError()).startswith("unavailable: no answer to its status call within 10 s")
     assert unavailable_state(RuntimeError("first line\nsecond")) == "unavailable: first line"
+    lost = unavailable_state(restarting, "f" * 40)  # its node is dead: Ray keeps saying "restarting"
+    assert lost == ("unavailable: its host is lost (Ray node ffffffffffff is dead): Ray restarts the shard on a node "
+                    "with room for it, its host back (`ray start` there) or a spare; until then its slices are not served")
+    assert unavailable_state(ActorDiedError(), "f" * 40).startswith("unavailable: its process died and is not restarted")
+
+
+def test_status_says_a_shard_whose_node_ray_lists_as_dead_lost_its_host(monkeypatch):
+    """An operator's multi-host walkthrough lost a host with no spare node: for the 90 s until the
+    host came back, status said the shard was "restarting", long after Ray had declared its node
+    dead. The coordinator asks Ray's node table when a shard does not answer."""
+    from ray.exceptions import ActorUnavailableError
+
+    import memserver.server.coordinator as coordinator
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    asked: list[int] = []
+    monkeypatch.setattr(coordinator, "dead_nodes", lambda: asked.append(1) or {"n1"})
+    with InProcessServer(2) as srv, MemoryClient(srv.endpoint, retry_seconds=0) as c:
+        assert [s.state for s in c.status().shards] == ["serving", "serving"] and not asked  # (asked only then)
+        infos = srv.coordinator.servicer.infos
+        infos[0]["node_id"], infos[1]["node_id"] = "n0", "n1"
+
+        def unavailable() -> None:
+            raise ActorUnavailableError("The actor is temporarily unavailable: the actor is restarting.", bytes(16))
+
+        for shard in srv.shards:
+            monkeypatch.setattr(shard, "status", unavailable)
+        states = [s.state for s in c.status().shards]
+        assert states[0].startswith("unavailable: restarting (Ray is making its process anew")  # its node lives
+        assert states[1].startswith("unavailable: its host is lost (Ray node n1 is dead)") and asked == [1]
 
 
 def test_a_call_abandoned_before_its_request_came_is_counted_as_abandoned_not_as_a_bad_request(client, table_name):

@@ -48,7 +48,7 @@ from memserver.server.catalog import (
 from memserver.server.config import Limits, ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, is_actor_error, serve_on
 from memserver.server.metrics import CoordinatorMetrics
-from memserver.server.rayutil import was_restarted
+from memserver.server.rayutil import dead_nodes, was_restarted
 from memserver.storage.checkpoint import (
     checked_files,
     find_checkpoint,
@@ -639,11 +639,18 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if self.metrics is not None:
             resp.coordinator_metrics_address = self.metrics.address
             resp.coordinator_calls.CopyFrom(self.metrics.summary())
+        dead: set[str] = set()
+        if any(isinstance(b, BaseException) for b in blobs):  # was its host lost? (Ray's node table)
+            try:
+                dead = await asyncio.to_thread(dead_nodes)
+            except Exception as exc:  # noqa: BLE001 - the state then says what the shard's call said
+                log.warning("status: Ray's node table could not be read: %s", first_line(exc))
         for i, blob in enumerate(blobs):
             self.serving[i] = not isinstance(blob, BaseException)
             if isinstance(blob, BaseException):  # dead or restarting: say what we last knew
-                st = pb.ShardStatus(address=self.infos[i]["address"], node_id=self.infos[i]["node_id"],
-                                    pid=self.infos[i]["pid"], state=unavailable_state(blob),
+                node = self.infos[i]["node_id"]
+                st = pb.ShardStatus(address=self.infos[i]["address"], node_id=node, pid=self.infos[i]["pid"],
+                                    state=unavailable_state(blob, node if node in dead else ""),
                                     moved_from=self.infos[i].get("moved_from", ""))
             else:
                 st = pb.ShardStatus.FromString(blob)
@@ -670,14 +677,18 @@ def _said(task: asyncio.Task[Any]) -> None:
         log.warning("a checkpoint failed: %s", first_line(exc))
 
 
-def unavailable_state(exc: BaseException) -> str:
+def unavailable_state(exc: BaseException, dead_node: str = "") -> str:
     """A shard's status state when its status call failed, in words rather than Ray's exception
-    text (which names actor ids and may or may not have run the task): restarting, gone, or
-    silent. The pid status shows with it is the last one the coordinator learnt."""
+    text (which names actor ids and may or may not have run the task): its host lost, restarting,
+    gone, or silent. `dead_node`: the id of its last node when Ray lists that node as dead. The
+    pid status shows with it is the last one the coordinator learnt."""
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError
     except ImportError:  # an in-process server (no Ray): its shards are threads of this process
         ActorDiedError = ActorUnavailableError = ()  # type: ignore[assignment,misc]  # noqa: N806
+    if dead_node and not isinstance(exc, ActorDiedError):  # (Ray said "restarting" for as long as no node took it)
+        return (f"unavailable: its host is lost (Ray node {dead_node[:12]} is dead): Ray restarts the shard on a node "
+                "with room for it, its host back (`ray start` there) or a spare; until then its slices are not served")
     if isinstance(exc, ActorUnavailableError):
         return ("unavailable: restarting (Ray is making its process anew; the pid is the last one reported: the new "
                 "process reports its own before it serves)")

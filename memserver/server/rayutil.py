@@ -39,6 +39,15 @@ def node_id() -> str:
     return (ray.get_runtime_context().get_node_id() or "") if ray is not None and ray.is_initialized() else ""
 
 
+def dead_nodes() -> set[str]:
+    """The ids of the Ray nodes the cluster lists as dead (a lost host); empty outside Ray. A
+    blocking call to Ray's control store: for status, never on a data path."""
+    ray = _ray()
+    if ray is None or not ray.is_initialized():
+        return set()
+    return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+
+
 def memory_domain(device: torch.device) -> str:
     """What a shard's table memory is shared with, for the coordinator's sums of what a table's
     slices need together and of what a replaced table frees: its node's host memory (the node's
