@@ -646,3 +646,23 @@ def test_status_problems_name_what_is_not_served_and_stray_slices():
     ok.tables.pop()
     assert problems(status_dict(pb.StatusResponse(tables=[spec], shards=[ok]))) == []
     assert unlisted(status_dict(pb.StatusResponse(tables=[spec], shards=[ok]))) == []
+
+
+def test_up_address_auto_is_checked_as_ray_resolves_it(monkeypatch, tmp_path):
+    """`up --address auto` was passed to ray.init unchecked: where Ray's record named a cluster long
+    gone, a detached `up` waited there for minutes saying nothing (an operator's walkthrough).
+    The address is found by Ray's own rules ($RAY_ADDRESS first) and checked like HOST:PORT. (The
+    flag checks alone are called: an `up` that got past them would start in this process.)"""
+    from memserver.cli.lifecycle import _checked_up_flags
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    args = cli.build_parser().parse_args(["up", "--address", "auto"])
+    with pytest.raises(cli.CliError) as err:
+        _checked_up_flags(args, {})
+    assert str(err.value) == ("--address auto (Ray's record of the cluster it means, 127.0.0.1:1): no Ray cluster "
+                              "answers there (Connection refused); start its head (`ray start --head`), give its "
+                              "HOST:PORT, or leave --address out for an embedded one")
+    monkeypatch.setenv("RAY_ADDRESS", "nowhere")
+    with pytest.raises(cli.CliError, match="--address: expected 'auto' or HOST:PORT .* got 'nowhere'"):
+        _checked_up_flags(args, {})

@@ -132,7 +132,9 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
         raise CliError(f"--max-restarts must be -1 (always) or a count >= 0, got {args.max_restarts}")
     if not args.address and args.object_store_mb < OBJECT_STORE_MIN_MB:
         raise CliError(f"--object-store-mb must be at least {OBJECT_STORE_MIN_MB} (Ray's minimum), got {args.object_store_mb}")
-    if args.address and args.address != "auto" and "://" not in args.address:
+    if args.address == "auto":
+        _check_ray_answers(_ray_auto_address(), "--address auto")
+    elif args.address and "://" not in args.address:
         _check_ray_answers(args.address)
     if args.checkpoint_root is not None and not Path(args.checkpoint_root).is_dir():
         what = "a file, not a directory" if Path(args.checkpoint_root).exists() else "no such directory; create it first"
@@ -146,17 +148,38 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
     return shards, shard_cpus, shard_gpus
 
 
-def _check_ray_answers(address: str) -> None:
+def _ray_auto_address() -> str:
+    """The cluster `--address auto` means, found by Ray's own rules ($RAY_ADDRESS, the address the
+    last `ray start` on this machine recorded, else a Ray process running here); ray.init would
+    otherwise find it after `up` started, and a record of a cluster long gone made it wait there
+    for minutes, saying nothing (an operator's walkthrough)."""
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        address = get_ray_address_from_environment("auto", None)
+    except (ConnectionError, ValueError) as exc:
+        raise CliError(f"--address auto: {one_line(exc)}; give the head's HOST:PORT (as `ray start --head` "
+                       "printed it), or leave --address out for an embedded Ray") from None
+    if address is None:  # (Ray's rules gave no cluster)
+        raise CliError("--address auto: no Ray cluster runs on this machine; give the head's HOST:PORT, or leave "
+                       "--address out for an embedded Ray")
+    return address
+
+
+def _check_ray_answers(address: str, flag: str = "") -> None:
     """--address HOST:PORT takes connections (Ray's GCS): ray.init retries an address where nothing
-    listens for minutes, ignoring Ctrl-C, and a detached `up` left that process behind."""
+    listens for minutes, ignoring Ctrl-C, and a detached `up` left that process behind. `flag`:
+    how the user named it, when not as the address itself (`--address auto`)."""
+    flag = flag or f"--address {address}"
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise CliError(f"--address: expected 'auto' or HOST:PORT (Ray's head, as `ray start --head` prints), got {address!r}")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as exc:
-        raise CliError(f"--address {address}: no Ray cluster answers there ({exc.strerror or exc}); start its head "
-                       "(`ray start --head`) or leave --address out for an embedded one") from None
+        found = f" (Ray's record of the cluster it means, {address})" if flag != f"--address {address}" else ""
+        raise CliError(f"{flag}{found}: no Ray cluster answers there ({exc.strerror or exc}); start its head "
+                       "(`ray start --head`), give its HOST:PORT, or leave --address out for an embedded one") from None
 
 
 def _check_config_tables(args: argparse.Namespace, cfg: dict[str, Any], shards: int) -> None:
