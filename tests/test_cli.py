@@ -73,10 +73,13 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
             client.push_gradients("emb", np.arange(0, 5000, 7), np.ones((715, 32), np.float32))
             before = client.lookup("emb", np.arange(5000))
             client.create_table("lost", 100, 8, wal=True)  # its record on shard 0 is damaged below
+            client.create_table("nowal", 10, 8)
     finally:
         down = cli(["down"])
     assert down.returncode == 0, down.stderr
-    assert "stopped" in down.stdout
+    assert down.stdout.strip().endswith("stopped; tables without wal (nowal) come back at the next `up` on this data "
+                                        "directory as their latest checkpoint: their writes since are not kept "
+                                        "(`memserver checkpoint` before `down` keeps them)"), down.stdout
     assert not (tmp_path / "endpoint.json").exists()
     assert "no memserver is running" in cli(["down"]).stdout
 
@@ -99,6 +102,7 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
         assert cli(["status"]).returncode == 3
         assert cli(["drop-table", "lost"]).returncode == 0
         assert cli(["status"]).returncode == 0
+        assert cli(["drop-table", "nowal"]).returncode == 0  # (back as it was: no checkpoint, its initial values)
         endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
         with MemoryClient(endpoint) as client:
             [emb] = client.list_tables()
@@ -107,7 +111,8 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
         status = json.loads(cli(["status", "--json"]).stdout)
         assert status["coordinator_calls"]["errors"] == {}  # no create was refused on the way (ALREADY_EXISTS)
     finally:
-        assert cli(["down"]).returncode == 0
+        down = cli(["down"])
+    assert down.returncode == 0 and down.stdout.strip().endswith("stopped"), down.stdout  # (every table has wal)
 
 
 def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves_nothing(tmp_path):
@@ -666,3 +671,21 @@ def test_up_address_auto_is_checked_as_ray_resolves_it(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_ADDRESS", "nowhere")
     with pytest.raises(cli.CliError, match="--address: expected 'auto' or HOST:PORT .* got 'nowhere'"):
         _checked_up_flags(args, {})
+
+
+def test_what_down_leaves_is_said_by_kind_of_data_directory(memory_cluster, client, table_name):
+    """A scratch data directory goes with the cluster: every table is named as gone. The names
+    said are bounded."""
+    from memserver.cli.lifecycle import what_down_leaves
+
+    for name in (table_name, table_name + "-2"):
+        client.create_table(name, 10, 4)
+    names = sorted(t.name for t in client.list_tables())
+    said = what_down_leaves({"endpoint": memory_cluster.endpoint, "scratch_dir": "/somewhere"}, names=1)
+    assert said == (f"its tables ({names[0]} and {len(names) - 1} more) were in a scratch data directory, removed "
+                    "with it (`up --data-dir D` keeps tables from one `up` to the next)")
+    said = what_down_leaves({"endpoint": memory_cluster.endpoint}, names=len(names))
+    assert said.startswith("tables without wal (") and {table_name, f"{table_name}-2"} <= set(said[20:].split(")")[0].split(", "))
+    assert what_down_leaves({"endpoint": "127.0.0.1:1"}) == ""  # a cluster that does not answer: stopped all the same
+    for name in (table_name, table_name + "-2"):
+        client.drop_table(name)
