@@ -325,3 +325,39 @@ def test_a_checkpoint_asked_while_a_shard_restarts_waits_for_it(fault_cluster, f
         files = [c["file"] for c in record["checkpoints"]]
         assert len(files) == len(set(files)) == 1, files
     fclient.drop_table(table_name)
+
+
+def test_an_actor_knows_it_was_restarted_without_a_deprecation_warning(memory_cluster):
+    """A restarted shard or coordinator recovers from its files only when it knows it was
+    restarted (rayutil.was_restarted). Ray's own `was_current_actor_reconstructed` put a
+    RayDeprecationWarning in `up`'s log at every shard's start (an operator's walkthrough)."""
+    import ray
+
+    @ray.remote(max_restarts=1, num_cpus=0.01)
+    class Probe:
+        def __init__(self) -> None:
+            import warnings
+
+            from memserver.server.rayutil import was_restarted
+
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                self.said = (was_restarted(), [str(w.message) for w in seen], os.getpid())
+
+        def get(self) -> tuple[bool, list[str], int]:
+            return self.said
+
+    probe = Probe.remote()
+    first, warned, pid = ray.get(probe.get.remote(), timeout=60)
+    assert (first, warned) == (False, [])
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while True:
+        try:
+            again, warned, new_pid = ray.get(probe.get.remote(), timeout=60)
+            break
+        except ray.exceptions.RayActorError:  # (a call that met the dying process)
+            assert time.monotonic() - t0 < 60
+            time.sleep(0.2)
+    assert (again, warned) == (True, []) and new_pid != pid
+    ray.kill(probe)

@@ -30,8 +30,15 @@ def in_actor() -> bool:
 
 
 def was_restarted() -> bool:
-    """Whether this actor process is a restart (Ray re-created it after its process died)."""
-    return in_actor() and bool(_ray().get_runtime_context().was_current_actor_reconstructed)
+    """Whether this actor process is a restart (Ray re-created it after its process died). Asked of
+    Ray's actor table by id: the runtime context's `was_current_actor_reconstructed` reads its own
+    deprecated `actor_id`, a RayDeprecationWarning in the log at every shard's start."""
+    if not in_actor():
+        return False
+    from ray._private.state import actors
+
+    info = actors(actor_id=_ray().get_runtime_context().get_actor_id())
+    return bool(info and info["NumRestarts"] != 0)
 
 
 def node_id() -> str:
