@@ -82,6 +82,8 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
                                         "(`memserver checkpoint` before `down` keeps them)"), down.stdout
     assert not (tmp_path / "endpoint.json").exists()
     assert "no memserver is running" in cli(["down"]).stdout
+    log = (tmp_path / "memserver.log").read_text()
+    assert "(ShardActor pid=" in log and "\x1b[" not in log  # the actors' lines, without colour codes
 
     # the config changed meanwhile: the recovered table is kept as it is, and `up` says how it differs;
     # a table whose record is damaged is lost on that shard: `up` says so, and `status` exits 3

@@ -209,6 +209,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     shards, shard_cpus, shard_gpus = _checked_up_flags(args, cfg)
     if args.detach:
         return _up_detached(args)
+    _plain_output()
 
     import ray
 
@@ -478,6 +479,20 @@ def config_differences(meta: Any, entry: dict[str, Any], shards: int) -> list[st
         if not same:
             out.append(f"{key}: {have} here, {said} in the config{default}")
     return out
+
+
+def _plain_output() -> None:
+    """Output to a file (a detached `up`'s log, a redirect) without terminal colour codes: Ray
+    colours the prefixes of the actors' lines it relays, and its "[repeated Nx]" notes always.
+    With Ray's own colorama (Ray ships it, on its path once imported), which also strips them."""
+    import ray  # noqa: F401 - puts Ray's third-party packages on the path
+
+    try:
+        import colorama
+    except ImportError:  # a Ray that no longer ships it: colours stay
+        return
+    if not (sys.stdout.isatty() or sys.stderr.isatty()):
+        colorama.init(strip=True)
 
 
 def _up_detached(args: argparse.Namespace) -> int:
