@@ -301,8 +301,8 @@ def test_a_step_whose_shard_cannot_be_reached_says_so_and_is_aborted_when_it_can
         train_step(p.client, 1, (1,))
     send_part(run.client, 2, 2)
     monkeypatch.setattr(run.client, "_methods", _commit_step_down(run, 1))
-    with pytest.raises(MemserverError, match=r"step 2 is not committed: shards could not be reached \(the cluster is "
-                                             r"stopped or cut off\), neither by its prepare .*shard unreachable.* nor by "
+    with pytest.raises(MemserverError, match=r"step 2 is not committed: a shard could not be reached \(stopped, its "
+                                             r"host lost or cut off\), neither by its prepare .*shard unreachable.* nor by "
                                              "the abort that followed .*; nothing of the step was applied"):
         run.client.commit_step(NAME, 2)
     monkeypatch.undo()

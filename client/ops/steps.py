@@ -130,8 +130,8 @@ def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: i
     if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
         session.set_undecided(table, step, (decision, decide, None))
         if unreachable:  # neither phase got through
-            raise type(got)(f"table {table}: step {step} is not committed: shards could not be reached (the cluster "
-                            f"is stopped or cut off), neither by its prepare ({voted.details}) nor by the abort that "
+            raise type(got)(f"table {table}: step {step} is not committed: a shard could not be reached (stopped, "
+                            f"its host lost or cut off), neither by its prepare ({voted.details}) nor by the abort that "
                             f"followed ({got.details}); nothing of the step was applied, and this client re-sends the "
                             "abort before its next commit of the table", target=got.target)
         raise _undelivered(got, table, step, decision)
