@@ -99,9 +99,9 @@ class Backoff:
     deadline: give up."""
 
     def __init__(self, seconds: float, *, clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, start: float | None = None) -> None:
         self.clock = clock
-        self.deadline = clock() + seconds
+        self.deadline = (clock() if start is None else start) + seconds  # `start`: a first attempt made before
         self.delay = RETRY_FIRST_DELAY
         self.rng = rng or random.Random()
 
@@ -277,7 +277,7 @@ class AsyncMemoryClient:
         return await self._retrying(lambda: self._control(method, request))
 
     async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None,
-                        retry: bool = True) -> Any:
+                        retry: bool = True, started: float | None = None) -> Any:
         """call(), again with backoff (Backoff) for up to retry_seconds while it fails with
         UNAVAILABLE or DEADLINE_EXCEEDED (then `on_retry` first: a fresh shard map) or is refused
         by an overloaded server (OverloadedError: the same map; the server is there, only busy).
@@ -285,8 +285,10 @@ class AsyncMemoryClient:
         `timeout` bounds each attempt, `retry_seconds` the retries: an attempt that outlived its
         deadline (a partitioned host, a lost one before Ray notices) is sent again, reads as
         they are and writes with the same tags, so a write that did land is answered from the
-        shard's session, never applied twice. `retry` False: one attempt."""
-        backoff = Backoff(self.retry_seconds if retry else 0.0)
+        shard's session, never applied twice. `retry` False: one attempt. `started`: when the call's
+        first attempt began, if before this (MemoryClient's, made without this loop): the retries'
+        window counts from there, so a call fails within retry_seconds + timeout however made."""
+        backoff = Backoff(self.retry_seconds if retry else 0.0, start=started)
         # a call's retries warn once per error text, again after RETRY_WARN_SECONDS (texts kept: RETRY_TEXTS)
         warned: dict[str, float] = {}
         while True:
@@ -340,7 +342,7 @@ class AsyncMemoryClient:
         return self._tables[name]
 
     async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None,
-                          retry: bool = True) -> Any:
+                          retry: bool = True, started: float | None = None) -> Any:
         """Run fn(meta). If the shards no longer know the table, or hold another incarnation of it
         (dropped and re-created, restored), refresh the map and run it once more, with new write
         tags (the write never reached the new table). While a shard is UNAVAILABLE (restarting,
@@ -394,7 +396,7 @@ class AsyncMemoryClient:
                             "it, so it is not sent again; the shard's log says why it exited, `memserver status` "
                             "whether it serves", target=f"shard {now.address}")
 
-        return await self._retrying(attempt, refresh, retry)
+        return await self._retrying(attempt, refresh, retry, started)
 
     async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,
                     retry: bool = True, applies: bool = False) -> Any:

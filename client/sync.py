@@ -173,6 +173,7 @@ class MemoryClient:
                     transport.release(sent, outcomes)
             raise AssertionError("unreachable")
 
+        started = time.monotonic()  # the retries' window counts from the first attempt, made here
         try:
             meta = self.aio._tables.get(table)
             if meta is not None:
@@ -184,7 +185,7 @@ class MemoryClient:
                 except (TableNotFoundError, FailedPreconditionError):
                     pass
                 except OverloadedError:
-                    sleep = Backoff(self.aio.retry_seconds if retry else 0.0).next()
+                    sleep = Backoff(self.aio.retry_seconds if retry else 0.0, start=started).next()
                     if sleep is None:  # retry_seconds 0 (or tiny): no retries
                         raise
                     time.sleep(sleep)
@@ -192,7 +193,7 @@ class MemoryClient:
             async def in_executor(meta: TableMeta) -> Any:
                 return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
 
-            return self._run(self.aio._with_table(table, in_executor, tags, retry))
+            return self._run(self.aio._with_table(table, in_executor, tags, retry, started))
         except MemserverError as exc:
             if applied is not None:
                 applied.say(exc)

@@ -752,3 +752,27 @@ def test_a_write_that_fails_for_good_on_one_shard_says_which_shards_applied_it(t
         with pytest.raises(UnavailableError) as got:  # no shard answered
             c.write_rows(table_name, [1], np.ones((1, DIM), np.float32))
         assert "applied this write" not in str(got.value)
+
+
+def test_a_call_to_a_silent_shard_fails_within_retry_seconds_and_one_timeout(table_name):
+    """MemoryClient makes a call's first attempt itself, then retries through the asyncio client,
+    whose retry window began there: with timeout 3 and retry_seconds 5 an operator's walkthrough
+    saw each call to a cut-off shard take 9.1-9.3 s (three attempts), past retry_seconds +
+    timeout. The window now counts from the first attempt."""
+    import socket
+    import time
+
+    from client import DeadlineExceededError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as srv, MemoryClient(srv.endpoint, shm=False, timeout=2, retry_seconds=3) as c:
+        c.create_table(table_name, 10, DIM)
+        c.lookup(table_name, [1])  # the shard map is cached: the next call's first attempt goes at once
+        host, port = srv.shards[0].address.rsplit(":", 1)
+        srv.shards[0].stop()
+        with socket.create_server((host, int(port))):  # takes connections, says nothing
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceededError):
+                c.lookup(table_name, [1])
+            took = time.monotonic() - t0
+        assert 3.9 < took < 5.0, took  # two attempts of 2 s; a third would end at 6 s
