@@ -643,7 +643,7 @@ def cmd_join_info(args: argparse.Namespace) -> int:
               "start it on an address they reach (MEMSERVER_BIND_HOST=ADDR memserver up --port P; docs/deploy.md)",
               file=sys.stderr)
     if args.output:
-        path = write_endpoint(info, Path(args.output))
+        path = write_endpoint(info, Path(args.output).resolve())  # (the export said works from any folder)
         print(f"wrote {path} (mode 0600); on the client's host: export {ENDPOINT_FILE_ENV}={path}", file=sys.stderr)
         return 0
     import stat
