@@ -395,7 +395,7 @@ def test_an_update_sent_without_waiting_that_fails_fails_its_step():
 
     class Refusing:
         def table(self, name):  # the table RemoteValues(create=False) attaches to
-            return SimpleNamespace(num_rows=16, dim=4, kind="value", optimizer="adam", lr=1e-3)
+            return SimpleNamespace(num_rows=16, dim=4, kind="value", optimizer="adam", lr=1e-3, layout_id=1)
 
         def rebuilds(self, name):  # none seen (RemoteValues looks after each commit)
             return 0, ""
@@ -541,7 +541,7 @@ def test_a_commit_refused_in_flight_fails_the_next_call_once():
 
     class Refusing:
         def table(self, name):  # the table RemoteValues(create=False) attaches to
-            return SimpleNamespace(num_rows=16, dim=4, kind="value", optimizer="adam", lr=1e-3)
+            return SimpleNamespace(num_rows=16, dim=4, kind="value", optimizer="adam", lr=1e-3, layout_id=1)
 
         def rebuilds(self, name):  # none seen (RemoteValues looks after each commit)
             return 0, ""

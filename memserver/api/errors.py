@@ -68,8 +68,9 @@ class DataLossError(MemserverError):
 
 class TableRolledBackError(DataLossError):
     """A table without `wal` came back from its checkpoint while a trainer trained it (a shard
-    restarted; its siblings rolled back with it): the updates acknowledged since are lost and the
-    trainer's model is ahead of its values. Raised by the client's side (trainer.memory's
+    restarted; its siblings rolled back with it), or the table was made anew under it (another
+    run of its name, a restore): the updates acknowledged since are lost and the trainer's model
+    is ahead of its values. Raised by the client's side (trainer.memory's
     RemoteValues, at the end of the step that found it); load the model and the values from one
     checkpoint to go on."""
 

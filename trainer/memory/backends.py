@@ -383,6 +383,7 @@ class RemoteValues:
         self.version = 0
         std = init_std if init_std is not None else dim**-0.5
         self.rebuilds_seen = client.rebuilds(name)[0]  # (the count only grows: from here on)
+        self.layout = 0  # the incarnation of the table this trains (0: the first this backend's calls meet)
         if restoring:  # (load restores it: neither made nor checked here)
             return
         if not create:
@@ -410,9 +411,9 @@ class RemoteValues:
                                  f"name; drop it first (client.drop_table({name!r})) or choose another name")
             existed = existing is not None
             # replaced only once the coordinator accepts the new spec: a bad argument leaves the table
-            client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
-                                sharding=sharding, sync_workers=sync_workers, wal=wal, tier=tier,
-                                cache_bytes=cache_bytes, replace=True)
+            self.layout = client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
+                                              sharding=sharding, sync_workers=sync_workers, wal=wal, tier=tier,
+                                              cache_bytes=cache_bytes, replace=True).layout_id
             if existed:
                 log.warning("RemoteValues: table %s existed; dropped and made anew (create=False attaches to it)", name)
 
@@ -549,13 +550,23 @@ class RemoteValues:
 
     def _check_rebuilt(self) -> None:
         """Raise TableRolledBackError once the client saw this table's slices come back without
-        their log since the last look: the values lost the updates of steps this trainer's model
-        kept, and training on would pair them for good (the client's warning alone let it)."""
+        their log since the last look, or found the table made anew (its calls follow the name to
+        the new incarnation): the values lost the updates of steps this trainer's model kept, and
+        training on would pair them for good (the client's warning alone let it; a second run of
+        the same table name reset a running one's values without a word, a walkthrough saw)."""
         count, what = self.client.rebuilds(self.name)
         if count != self.rebuilds_seen:
             self.rebuilds_seen = count
             raise TableRolledBackError(f"{what}, while this trainer's model kept them: go on from one checkpoint of "
                                        "both (the model's and values.load's; memtrain: --resume DIR)")
+        layout = self.client.table(self.name).layout_id  # (the client's map: no call)
+        if self.layout and layout != self.layout:
+            raise TableRolledBackError(f"table {self.name} was made anew while this trainer trained it (another run "
+                                       "of the same table name, a drop and create, or a restore): its values are not "
+                                       "the ones this trainer's model learnt with; give each run its own table name, "
+                                       "and go on from one checkpoint of both (the model's and values.load's; "
+                                       "memtrain: --resume DIR)")
+        self.layout = layout
 
     @property
     def trace_table(self) -> str:
@@ -588,6 +599,7 @@ class RemoteValues:
         self.version += LOADED
         self.client.restore(str(Path(directory).resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
         self.rebuilds_seen = self.client.rebuilds(self.name)[0]  # (what came before the values loaded is past)
+        self.layout = self.client.table(self.name, refresh=True).layout_id  # (the restored incarnation)
         if "num_rows" not in saved:
             meta = self.client.table(self.name)
             self._same_shape(meta.num_rows, meta.dim, f"table {self.name}: restored from {saved['checkpoint']} with")
