@@ -974,3 +974,37 @@ def test_saves_are_snapshots_loads_check_shapes_and_forgotten_steps_are_said(cli
         assert client.table(f"{table_name}-i").kind == "index"
     finally:
         client.drop_table(f"{table_name}-i")
+
+
+def test_a_run_stopped_by_ctrl_c_says_so_and_how_to_go_on(tmp_path, monkeypatch, capsys):
+    """Ctrl-C printed a KeyboardInterrupt traceback and no way on (a walkthrough): one line, exit
+    130, the latest checkpoint's --resume."""
+    import trainer.train as train
+
+    def interrupted(args):
+        args.training = True
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_main", interrupted)
+    (tmp_path / "trainer-step-0000000010.pt").write_bytes(b"")
+    with pytest.raises(SystemExit) as done:
+        train.main([*TINY, "--checkpoint-dir", str(tmp_path), "--steps", "1"])
+    assert done.value.code == 130 and capsys.readouterr().err == (
+        f"memtrain: interrupted; its latest checkpoint is {tmp_path / 'trainer-step-0000000010.pt'}: go on from it "
+        f"with `memtrain --resume {tmp_path}` (the same flags)\n")
+
+
+def test_one_position_per_step_with_query_batchnorm_is_refused_by_flag(capsys):
+    """--batch-size 1 --block-size 1 with product keys ended in the layer's ValueError traceback,
+    naming its argument query_bn, not the flag."""
+    import trainer.train as train
+
+    small = [*TINY, "--memory", "local", "--batch-size", "1", "--block-size", "1"]
+    with pytest.raises(SystemExit) as done:
+        train.main(small)
+    assert done.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        "memtrain: error: --batch-size 1 x --block-size 1: a training step's product-key queries are one position, "
+        "and their BatchNorm normalises over a step's positions; give more, or --no-query-bn")
+    args = train.build_parser().parse_args([*small, "--no-query-bn"])
+    train.check_flags(args)  # (accepted)
+    train.check_flags(train.build_parser().parse_args([*small, "--memory-kind", "engram"]))  # no product keys

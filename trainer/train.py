@@ -302,6 +302,11 @@ def check_flags(args: argparse.Namespace) -> None:
                          "(--memory none); give --memory local or remote")
     if args.trace_sample != 0.05 and not args.trace_every:
         raise SystemExit("memtrain: error: --trace-sample: samples what --trace-every traces; give --trace-every N")
+    if ("pkm" in kinds and args.memory != "none" and args.mem_layers.strip() and not args.no_query_bn
+            and args.batch_size * args.block_size < 2):
+        raise SystemExit(f"memtrain: error: --batch-size {args.batch_size} x --block-size {args.block_size}: a "
+                         "training step's product-key queries are one position, and their BatchNorm normalises "
+                         "over a step's positions; give more, or --no-query-bn")
     if args.mem_plus and not kinds & {"pkm", "lsh"}:
         raise SystemExit("memtrain: error: --mem-plus: Memory+ gates the product-key and LSH layers' output; "
                          f"--memory-kind {args.memory_kind} has neither")
@@ -1069,6 +1074,10 @@ def main(argv: list[str] | None = None) -> int:
     args.given = given_flags(parser, argv)
     try:
         return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C: a line and how to go on, not a traceback
+        if args.debug:
+            raise
+        parser.exit(130, f"memtrain: interrupted{_go_on(args)}\n")
     except SystemExit as exc:
         if isinstance(exc.code, str):  # memtrain's own refusal of its command line, a flag named: argparse's status
             parser.exit(WRONG_COMMAND, exc.code + "\n")
