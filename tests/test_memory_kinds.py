@@ -94,11 +94,25 @@ def test_lsh_layer_rejects_a_table_of_the_wrong_size():
                                              (dict(heads=0), "heads and knn must be >= 1, got 0 and 4"),
                                              (dict(knn=9), "knn \\(9\\) cannot exceed n_keys \\(8\\)"),
                                              (dict(n_keys=8.0), "ProductKeyMemory: n_keys must be a whole number, got 8.0"),
-                                             (dict(micro_batches=2.5), "micro_batches must be a whole number")])
+                                             (dict(micro_batches=2.5), "micro_batches must be a whole number"),
+                                             (dict(micro_batches=0), "ProductKeyMemory: micro_batches must be at "
+                                                                     "least 1, got 0"),
+                                             (dict(d_in=0), "ProductKeyMemory: d_in must be at least 1, got 0")])
 def test_product_key_layer_refuses_settings_it_cannot_address(kwargs, message):
-    """(knn 0 and heads 0 used to fail later, in a reshape or an index, naming neither.)"""
+    """(knn 0 and heads 0 used to fail later, in a reshape or an index, naming neither; a
+    micro_batches of 0 or less was taken as 1, a d_in of 0 accepted.)"""
     with pytest.raises(ValueError, match=message):
-        ProductKeyMemory(8, 8, LocalValues(64, 8), **({"n_keys": 8, "k_dim": 8, "knn": 4} | kwargs))
+        ProductKeyMemory(**({"d_in": 8, "d_out": 8, "values": LocalValues(64, 8), "n_keys": 8, "k_dim": 8, "knn": 4}
+                            | kwargs))
+
+
+def test_an_engram_kernel_of_zero_is_refused_by_name():
+    """(It was accepted, and the forward failed in torch's words: "could not create a primitive
+    descriptor for the convolution".)"""
+    from trainer.memory import EngramMemory
+
+    with pytest.raises(ValueError, match="EngramMemory: kernel must be at least 1, got 0"):
+        EngramMemory(8, 8, LocalValues(64, 8), orders=(2,), heads=2, kernel=0)
 
 
 def test_product_key_addressing_gradient_matches_a_dense_reference():

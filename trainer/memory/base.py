@@ -175,6 +175,14 @@ def check_counts(layer: str, **counts: Any) -> None:
             raise ValueError(f"{layer}: {name} must be a whole number, got {value!r}")
 
 
+def check_positive(layer: str, **counts: int) -> None:
+    """Sizes of at least 1, named: 0 or less was taken as 1 (micro_batches) or failed in torch's
+    own words (an Engram kernel of 0: "could not create a primitive descriptor")."""
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{layer}: {name} must be at least 1, got {value}")
+
+
 def check_tokens(x: torch.Tensor, tokens: torch.Tensor | None, layer: str) -> None:
     """A token-addressed layer reads by `tokens` [B, T], the integer ids of x [B, T, d_in]'s
     positions: anything else would address other rows (transposed tokens, a reshaped x) or fail
@@ -205,10 +213,11 @@ class MemoryLayer(nn.Module):
                  mem_plus: bool = False, micro_batches: int = 1) -> None:
         """`read_dim`: the width of a position's read after `combine` (default: the values' dim)."""
         check_counts(type(self).__name__, d_in=d_in, d_out=d_out, micro_batches=micro_batches)
+        check_positive(type(self).__name__, d_in=d_in, d_out=d_out, micro_batches=micro_batches)
         super().__init__()
         self.values = values
         self.d_in = d_in
-        self.micro_batches = max(1, micro_batches)
+        self.micro_batches = micro_batches
         self.mem_plus = mem_plus
         read_dim = read_dim if read_dim is not None else values.dim if values is not None else d_out
         if mem_plus:

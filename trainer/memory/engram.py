@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.memory.backends import ValueBackend
-from trainer.memory.base import MemoryLayer, check_counts, check_values
+from trainer.memory.base import MemoryLayer, check_counts, check_positive, check_values
 
 MASK = (1 << 31) - 1  # hashes live in [0, 2^31): times a multiplier < 2^31 they stay below 2^62
 PAD = MASK  # the token before a window's start (no vocabulary has 2^31 - 1 tokens)
@@ -79,6 +79,7 @@ class EngramMemory(MemoryLayer):
                  seed: int = 0, conv: bool = True, kernel: int = 4, micro_batches: int = 1) -> None:
         check_values(values, "EngramMemory")
         check_counts("EngramMemory", heads=heads, seed=seed, kernel=kernel)
+        check_positive("EngramMemory", kernel=kernel)
         if not isinstance(orders, (tuple, list)):
             raise ValueError(f"Engram memory: orders is a tuple of n-gram orders, e.g. (2, 3), got {orders!r}")
         orders = tuple(int(n) for n in orders)
