@@ -13,9 +13,12 @@ def blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
-def test_the_library_guide_runs_as_written(memory_cluster, capsys, tmp_path, monkeypatch):
+def test_the_library_guide_runs_as_written(memory_cluster, capsys, caplog, tmp_path, monkeypatch):
     """Each block as a user copies it: nothing defined beforehand; `MemoryClient()` finds the
-    cluster by the endpoint file, as after `memserver up` (written here for the session's)."""
+    cluster by the endpoint file, as after `memserver up` (written here for the session's). And
+    without a warning (the trigger example's attach said its settings differed from the table's)."""
+    import logging
+
     from memserver.cluster.endpoint import write_endpoint
 
     monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
@@ -24,8 +27,10 @@ def test_the_library_guide_runs_as_written(memory_cluster, capsys, tmp_path, mon
     code = blocks()
     assert len(code) == 5, "the guide's examples: local, float16 with a GradScaler, remote, saving, trigger contexts"
     scope: dict = {"__name__": "library_docs"}
+    caplog.set_level(logging.WARNING)
     for i, block in enumerate(code):
         exec(compile(block, f"{DOC.name} block {i + 1}", "exec"), scope)  # noqa: S102 - the doc's own code
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     losses = eval(capsys.readouterr().out.strip().splitlines()[0])  # noqa: S307 - what the first block printed
     assert len(losses) == 5 and losses == scope["train"](scope["LocalValues"](1024, 64, optimizer="adam", lr=1e-2,
                                                                                seed=1))
