@@ -449,6 +449,9 @@ def test_resume_refuses_other_flags_and_keeps_checkpointing(tmp_path, caplog):
                            (["--no-query-bn"], "query_bn = True, this run gives False \\(--no-query-bn\\)"),
                            (["--n-embd", "64"], "n_embd = 32, this run gives 64"),
                            (["--memory", "none"], "written with --memory local, this run is --memory none"),
+                           (["--memory", "none", "--lr", "0.5"],  # every difference in one message
+                            "written with --memory local, this run is --memory none .*; the checkpoint was trained "
+                            "with lr = 0.001, this run gives 0.5 \\(--lr\\)"),
                            ([], "--steps 2: the checkpoint is at step 2 already")):
         steps = "2" if not extra else "4"
         with pytest.raises(SystemExit, match=message):

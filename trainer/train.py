@@ -733,11 +733,10 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     mode = _memory_mode(blob["values"]) if "values" in blob else None
     if mode is not None and given is not None and "memory" not in given:
         args.memory = mode
+    differences, taken = [], []  # (every difference said in one message)
     if mode is not None and args.memory != mode:
-        raise SystemExit(f"memtrain: error: --resume {args.resume}: the checkpoint was written with --memory {mode}, "
-                         f"this run is --memory {args.memory} (its values are "
-                         f"{'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
-    differences, taken = [], []
+        differences.append(f"the checkpoint was written with --memory {mode}, this run is --memory {args.memory} (its "
+                           f"values are {'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
     for key, was in blob.get("flags", {}).items():  # (absent: written before checkpoints recorded them)
         if key in (*RESUMED_ALIKE, *RESUMED_TAKEN) and given is not None and key not in given:
             if key in RESUMED_TAKEN and not checkpoint_dir_of(args):
