@@ -1011,3 +1011,34 @@ def test_one_position_per_step_with_query_batchnorm_is_refused_by_flag(capsys):
     args = train.build_parser().parse_args([*small, "--no-query-bn"])
     train.check_flags(args)  # (accepted)
     train.check_flags(train.build_parser().parse_args([*small, "--memory-kind", "engram"]))  # no product keys
+
+
+def test_keep_checkpoints_removes_all_but_the_newest_and_a_resume_takes_the_newest(tmp_path):
+    """Checkpoints were never removed (a walkthrough's --checkpoint-every 10 over 400 steps: 206 MB).
+    --keep-checkpoints N keeps the newest N: the older trainer files and their tables' folders go."""
+    from trainer.checkpoints import prune_checkpoints, trainer_file
+
+    ck = tmp_path / "ck"
+    common = [*TINY, "--memory", "local", "--seed", "3", "--checkpoint-dir", str(ck)]
+    list(train(build_parser().parse_args([*common, "--steps", "4", "--checkpoint-every", "1", "--keep-checkpoints",
+                                          "2"])))
+    assert sorted(p.name for p in ck.glob("trainer-step-*.pt")) == [trainer_file(ck, i).name for i in (3, 4)]
+    rest = list(train(build_parser().parse_args([*common, "--steps", "5", "--resume", str(ck)])))
+    assert [r["step"] for r in rest] == [5]
+    # a remote run's tables: the cluster's step folders under memory/, removed after their trainer file
+    for step in (5, 6):
+        for table in ("a", "b"):
+            (ck / "memory" / table / f"step-{step:010d}").mkdir(parents=True)
+            (ck / "memory" / table / f"step-{step:010d}" / "manifest.json").write_text("{}")
+        trainer_file(ck, step).write_bytes(b"")
+    assert prune_checkpoints(ck, 1) == [3, 4, 5]
+    assert sorted(p.name for p in ck.glob("trainer-step-*.pt")) == [trainer_file(ck, 6).name]
+    assert sorted(str(p.relative_to(ck)) for p in ck.glob("memory/*/step-*")) == [
+        "memory/a/step-0000000006", "memory/b/step-0000000006"]
+    with pytest.raises(ValueError, match="at least the newest checkpoint stays"):
+        prune_checkpoints(ck, 0)
+    with pytest.raises(SystemExit, match="--keep-checkpoints: give --checkpoint-dir"):
+        train_flags = build_parser().parse_args([*TINY, "--keep-checkpoints", "2"])
+        from trainer.train import check_flags
+
+        check_flags(train_flags)

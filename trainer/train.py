@@ -33,7 +33,7 @@ from memserver.cli import quiet_libraries
 from memserver.cli.common import WRONG_COMMAND, cache_size, exit_status, one_line, retry_window, seconds
 from memserver.core.table import set_threads
 from memserver.storage.checkpoint import extras_digest
-from trainer.checkpoints import trainer_file
+from trainer.checkpoints import prune_checkpoints, trainer_file
 from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
 from trainer.device import CPU, DEVICES, DTYPES, autocast, dist_backend, resolve_device
 from trainer.memory import (
@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "directory may hold later checkpoints)")
     ck.add_argument("--checkpoint-every", type=int, default=0,
                     help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir or a --resume directory")
+    ck.add_argument("--keep-checkpoints", type=int, default=0, metavar="N",
+                    help="keep only the newest N checkpoints in --checkpoint-dir, removing older ones (the trainer "
+                    "file, then its tables' folders under memory/) after each new one (0, the default: keep all)")
     ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
                     "memory), or from that trainer-step-*.pt file; the text, model, memory, optimizer, batch and seed "
                     "flags left out are the checkpoint's (a different one given is refused by name), and so is "
@@ -272,6 +275,7 @@ def check_flags(args: argparse.Namespace) -> None:
             ("--n-embd", args.n_embd, 1, 1 << 16), ("--n-keys", args.n_keys, 1, 1 << 16), ("--heads", args.heads, 1, 1024),
             ("--k-dim", args.k_dim, 2, 1 << 16), ("--knn", args.knn, 1, args.n_keys if "pkm" in kinds else 1 << 16),
             ("--micro-batches", args.micro_batches, 1, 1024), ("--checkpoint-every", args.checkpoint_every, 0, 1 << 40),
+            ("--keep-checkpoints", args.keep_checkpoints, 0, 1 << 40),
             ("--lsh-hashes", args.lsh_hashes, 1, 1024), ("--lsh-bits", args.lsh_bits, 1, MAX_BITS),
             ("--kif-knn", args.kif_knn, 1, 4096), ("--kif-sentences", args.kif_sentences, 1, 1 << 24)):
         if not lo <= value <= hi:
@@ -286,8 +290,9 @@ def check_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--lr", args.lr), ("--value-lr", args.value_lr)):
         if not 0 < value < math.inf:
             raise SystemExit(f"memtrain: error: {flag}: must be a positive number, got {value}")
-    if args.checkpoint_every and not checkpoint_dir_of(args):
-        raise SystemExit("memtrain: error: --checkpoint-every: give --checkpoint-dir (where the checkpoints go)")
+    for flag, given in (("--checkpoint-every", args.checkpoint_every), ("--keep-checkpoints", args.keep_checkpoints)):
+        if given and not checkpoint_dir_of(args):
+            raise SystemExit(f"memtrain: error: {flag}: give --checkpoint-dir (where the checkpoints go)")
     remote_only = [flag for flag, given in (("--wal", args.wal), ("--sharding", args.sharding is not None),
                                             ("--sync-commit", args.sync_commit)) if given]
     if args.memory != "remote" and remote_only:
@@ -941,6 +946,10 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                     yield rec
             if checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
                 save_checkpoint(run, opt, batches.state(), step, checkpoint_dir, flags)
+                if args.keep_checkpoints and rank == 0 and (gone := prune_checkpoints(checkpoint_dir,
+                                                                                      args.keep_checkpoints)):
+                    log.info("checkpoint of step %d written; removed those of step%s %s (--keep-checkpoints %d)",
+                             step, "s" if len(gone) > 1 else "", ", ".join(map(str, gone)), args.keep_checkpoints)
         for backend in _unique(run.values).values():
             backend.settle()  # the last step's commit (or its error) before the run counts as done
     finally:
