@@ -116,29 +116,50 @@ class Backoff:
 class AppliedBy:
     """The shards that answered one plain write (each applies its part on its own: only a training
     step is all-or-none across them), so that its error, when it fails for good, says where it was
-    applied: a caller that sent it again as a new call would apply it twice there. Bounded by the
-    table's shard count."""
+    applied and what sending it again does: `resend`, TWICE (a push: applied twice there) or SAME
+    (a write that sets values: sending it again completes it). A shard some of whose requests
+    were answered (a write cut into parts) applied part of it. Bounded by the table's shards."""
 
-    def __init__(self) -> None:
-        self.shards: dict[int, str] = {}  # shard index -> address
+    TWICE = "sending it again as a new call applies it twice there"
+    SAME = "sending the same write again once every shard serves completes it (it sets the same values again)"
+
+    def __init__(self, resend: str) -> None:
+        self.resend = resend
+        self.whole: dict[int, str] = {}  # shard index -> address: every request of the shard's answered
+        self.part: dict[int, str] = {}  # some answered (in some attempt), not all in one
         self.layout = 0  # the incarnation they answered for (a re-created table never got the write)
 
-    def note(self, meta: TableMeta, calls: list[tuple[str, str, Any]], outcomes: list[Any]) -> None:
+    def begin(self, meta: TableMeta) -> None:
+        """An attempt on `meta`'s incarnation: what an earlier one answered is forgotten."""
         if meta.layout_id != self.layout:
-            self.shards.clear()
+            self.whole.clear()
+            self.part.clear()
             self.layout = meta.layout_id
-        index = {sh.address: sh.index for sh in meta.shards}
-        self.shards.update((index[a], a) for (a, _, _), o in zip(calls, outcomes)
-                           if not isinstance(o, BaseException) and a in index)
+
+    def note(self, meta: TableMeta, calls: list[tuple[str, str, Any]], outcomes: list[Any]) -> None:
+        """An attempt that failed somewhere: which shards answered all or some of their requests."""
+        answered: dict[str, list[bool]] = {}
+        for (address, _, _), o in zip(calls, outcomes):
+            answered.setdefault(address, []).append(not isinstance(o, BaseException))
+        for sh in meta.shards:
+            got = answered.get(sh.address, [])
+            if got and all(got):
+                self.whole[sh.index] = sh.address
+                self.part.pop(sh.index, None)
+            elif any(got) and sh.index not in self.whole:
+                self.part[sh.index] = sh.address
 
     def say(self, exc: MemserverError) -> None:
-        if not self.shards:
+        if not (self.whole or self.part) or isinstance(exc, TableNotFoundError):  # (gone: nothing to send again)
             return
-        where = ", ".join(f"{i} ({a})" for i, a in sorted(self.shards.items()))
-        exc.details += (f"; shard{'s' if len(self.shards) > 1 else ''} {where} applied this write (answered it) "
-                        "and the others may have too: a write is applied by each shard on its own, not all-or-none "
-                        "across them (docs/architecture.md, Known limits), so sending it again as a new call "
-                        "applies it twice there")
+
+        def shards(held: dict[int, str]) -> str:
+            return f"shard{'s' if len(held) > 1 else ''} " + ", ".join(f"{i} ({a})" for i, a in sorted(held.items()))
+
+        said = [f"{shards(self.whole)} applied this write (answered it)"] if self.whole else []
+        said += [f"{shards(self.part)} applied part of it (answered some of its requests)"] if self.part else []
+        exc.details += (f"; {' and '.join(said)}, and the others may have too: a write is applied by each shard on its "
+                        f"own, not all-or-none across them (docs/architecture.md, Known limits); {self.resend}")
         exc.args = (exc.details,)
 
 
@@ -399,16 +420,18 @@ class AsyncMemoryClient:
         return await self._retrying(attempt, refresh, retry, started)
 
     async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,
-                    retry: bool = True, applies: bool = False) -> Any:
+                    retry: bool = True, applies: str = "") -> Any:
         """Run the op for `table`'s shard map: its requests all at once over grpc.aio. `applies`: a
-        write each shard applies on its own (not a step's part): when it fails for good after some
-        shards answered, the error says which (AppliedBy)."""
+        write each shard applies on its own (not a step's part), AppliedBy.TWICE or SAME: when it
+        fails for good after some shards answered, the error says which (AppliedBy)."""
         first = True
         counted: set[tuple[str, int, int]] = set()  # reads a shard answered: not counted again on a retry
-        applied = AppliedBy() if applies else None
+        applied = AppliedBy(applies) if applies else None
 
         async def run(meta: TableMeta) -> Any:
             nonlocal first
+            if applied is not None:
+                applied.begin(meta)
             if tags is not None:
                 tags.begin_attempt(first)
                 first = False
@@ -428,10 +451,10 @@ class AsyncMemoryClient:
                     transport.note_counted(calls, outcomes, counted)
                     if again and transport.stale(sent, outcomes):
                         continue
-                    if applied is not None:
-                        applied.note(meta, calls, outcomes)
                     errors = [o for o in outcomes if isinstance(o, BaseException)]
                     if errors:
+                        if applied is not None:
+                            applied.note(meta, calls, outcomes)
                         raise errors[0]
                     if tags is not None:
                         self.session.answered(meta, [a for a, _, _ in calls], outcomes)
@@ -549,12 +572,13 @@ class AsyncMemoryClient:
         an id that exists is replaced. Returns how many were added."""
         tags = self.tags()
         return await self._call(table, lambda meta: ops.add_op(meta, ids, vectors, payload, self.opts, tags), tags,
-                                applies=True)
+                                applies=AppliedBy.SAME)
 
     async def remove(self, table: str, ids: Any) -> int:
         """Remove ids from an index table (absent ones are ignored); returns how many were present."""
         tags = self.tags()
-        return await self._call(table, lambda meta: ops.remove_op(meta, ids, self.opts, tags), tags, applies=True)
+        return await self._call(table, lambda meta: ops.remove_op(meta, ids, self.opts, tags), tags,
+                                applies=AppliedBy.SAME)
 
     async def search(self, table: str, queries: Any, k: int, *, nprobe: int | None = None, ef_search: int | None = None,
                      return_payload: bool = False) -> tuple[Any, ...]:
@@ -704,7 +728,7 @@ class AsyncMemoryClient:
         parts = self.session.step_parts(table, step) if gather else None
         op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply, step,  # noqa: E731
                                               parts, weight_grad)
-        grad_w = await self._call(table, op, tags, applies=not gather)
+        grad_w = await self._call(table, op, tags, applies=AppliedBy.TWICE if not (gather or step) else "")
         return None if grad_w is None else like(grad_w, weights)
 
     async def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
@@ -744,13 +768,14 @@ class AsyncMemoryClient:
         """Apply row gradients through the table's optimizer; duplicate ids are summed first.
         Returns the number of distinct rows updated."""
         tags = self.tags()
-        return await self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.opts, tags), tags, applies=True)
+        return await self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.opts, tags), tags,
+                                applies=AppliedBy.TWICE)
 
     async def write_rows(self, table: str, ids: Any, rows: Any) -> int:
         """Overwrite rows (optimizer state is kept). Ids must be distinct."""
         tags = self.tags()
         return await self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.opts, tags), tags,
-                                applies=True)
+                                applies=AppliedBy.SAME)
 
     async def _plan(self, table: str, plan: ops.Plan) -> Any:
         """Run a plan's ops one after another (see ops.Plan)."""

@@ -106,7 +106,7 @@ class MemoryClient:
         return methods
 
     def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,
-              retry: bool = True, applies: bool = False) -> Any:
+              retry: bool = True, applies: str = "") -> Any:
         """Run an op with blocking stubs, all its requests in flight at once.
 
         The first attempt runs right here when the shard map is cached. A first call, a shard that
@@ -119,10 +119,12 @@ class MemoryClient:
         timeout = self.aio.timeout
         first = True
         counted: set[tuple[str, int, int]] = set()  # reads a shard answered: not counted again on a retry
-        applied = AppliedBy() if applies else None
+        applied = AppliedBy(applies) if applies else None
 
         def attempt(meta: TableMeta) -> Any:
             nonlocal first
+            if applied is not None:
+                applied.begin(meta)
             if tags is not None:
                 tags.begin_attempt(first)
                 first = False
@@ -157,7 +159,7 @@ class MemoryClient:
                     transport.note_counted(calls, outcomes, counted)
                     if again and transport.stale(sent, outcomes):
                         continue
-                    if applied is not None:
+                    if applied is not None and any(isinstance(o, BaseException) for o in outcomes):
                         applied.note(meta, calls, outcomes)
                     for (where, _, _), o in zip(calls, outcomes):
                         if isinstance(o, grpc.RpcError):
@@ -295,7 +297,7 @@ class MemoryClient:
         parts = self.aio.session.step_parts(table, step) if gather else None
         op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.aio.opts, tags, defer_apply,  # noqa: E731
                                               step, parts, weight_grad)
-        grad_w = self._call(table, op, tags, applies=not gather)
+        grad_w = self._call(table, op, tags, applies=AppliedBy.TWICE if not (gather or step) else "")
         return None if grad_w is None else like(grad_w, weights)
 
     def abandon_step(self, table: str, step: int) -> int:
@@ -320,21 +322,23 @@ class MemoryClient:
 
     def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         tags = self.aio.tags()
-        return self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.aio.opts, tags), tags, applies=True)
+        return self._call(table, lambda meta: ops.push_op(meta, ids, grads, self.aio.opts, tags), tags,
+                          applies=AppliedBy.TWICE)
 
     def write_rows(self, table: str, ids: Any, rows: Any) -> int:
         tags = self.aio.tags()
         return self._call(table, lambda meta: ops.write_rows_op(meta, ids, rows, self.aio.opts, tags), tags,
-                          applies=True)
+                          applies=AppliedBy.SAME)
 
     def add(self, table: str, ids: Any, vectors: Any, payload: Any = None) -> int:
         tags = self.aio.tags()
         return self._call(table, lambda meta: ops.add_op(meta, ids, vectors, payload, self.aio.opts, tags), tags,
-                          applies=True)
+                          applies=AppliedBy.SAME)
 
     def remove(self, table: str, ids: Any) -> int:
         tags = self.aio.tags()
-        return self._call(table, lambda meta: ops.remove_op(meta, ids, self.aio.opts, tags), tags, applies=True)
+        return self._call(table, lambda meta: ops.remove_op(meta, ids, self.aio.opts, tags), tags,
+                          applies=AppliedBy.SAME)
 
     def search(self, table: str, queries: Any, k: int, *, nprobe: int | None = None, ef_search: int | None = None,
                return_payload: bool = False) -> tuple[Any, ...]:

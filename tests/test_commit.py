@@ -557,7 +557,7 @@ def test_remote_values_save_refuses_a_checkpoint_of_values_rolled_back_after_the
     assert values.save(tmp_path, 4) == {"checkpoint": "memory/t", "table": "t", "num_rows": 8, "dim": 4}
 
 
-def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_step(client, table_name):
+def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_step(memory_cluster, client, table_name):
     """A second memtrain run of the same --table replaced a running one's table: the first went on
     training on the second's fresh values without a word (a walkthrough: its val loss 2.43 -> 3.05),
     where a rollback stops it. It stops the same way now; the run that made the table goes on."""
@@ -572,13 +572,19 @@ def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_ste
         values.bag_backward(ids, w, g)
         values.end_step(n)
 
-    first = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1)
-    step(first, 1)
-    second = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1)  # another run, the same name
-    step(second, 1)
-    with pytest.raises(TableRolledBackError, match=f"table {table_name} was made anew while this trainer trained it"):
-        step(first, 2)
-    step(second, 2)
-    attached = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1, create=False)  # (its first look adopts)
-    step(attached, 3)
-    step(second, 3)
+    from client import MemoryClient
+
+    with MemoryClient(memory_cluster.endpoint) as other:  # another run: another process's client
+        first = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1)
+        step(first, 1)
+        attached = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1, create=False)  # (before any step)
+        second = RemoteValues(other, table_name, 8, 4, optimizer="sgd", lr=0.1)  # the same name
+        step(second, 1)
+        with pytest.raises(TableRolledBackError, match=f"table {table_name} was made anew while this trainer trained"):
+            step(first, 2)  # (its calls found the new incarnation: the shards refused the old one's)
+        with pytest.raises(TableRolledBackError, match="was made anew"):  # attached to the old one
+            step(attached, 3)
+        step(second, 2)
+        joined = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1, create=False)
+        step(joined, 4)
+        step(second, 3)

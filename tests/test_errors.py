@@ -735,9 +735,9 @@ def test_a_write_that_fails_for_good_on_one_shard_says_which_shards_applied_it(t
             async with AsyncMemoryClient(srv.endpoint, shm=False, retry_seconds=0, timeout=5) as ac:
                 await ac.push_gradients(table_name, [3], np.ones((1, DIM), np.float32))
 
-        said = (f"; shard 0 ({shards[0].address}) applied this write (answered it) and the others may have too: a "
+        said = (f"; shard 0 ({shards[0].address}) applied this write (answered it), and the others may have too: a "
                 "write is applied by each shard on its own, not all-or-none across them (docs/architecture.md, Known "
-                "limits), so sending it again as a new call applies it twice there")
+                "limits); sending it again as a new call applies it twice there")
         for push in (lambda: c.push_gradients(table_name, [1, 2], np.ones((2, DIM), np.float32)),
                      lambda: asyncio.run(aio_push())):
             with pytest.raises(UnavailableError) as got:
@@ -745,6 +745,10 @@ def test_a_write_that_fails_for_good_on_one_shard_says_which_shards_applied_it(t
             assert got.value.details.endswith(said) and got.value.target == f"shard {shards[1].address}"
         held = srv.shards[0].servicer.tables[table_name].table.lookup(torch.arange(4), count=False)
         assert held.shape == (4, half) and (held[1:] == -1).all() and (held[0] == 0).all()  # as said: applied there
+        with pytest.raises(UnavailableError) as got:  # a write that sets values: sending it again completes it
+            c.write_rows(table_name, [5], np.ones((1, DIM), np.float32))
+        assert got.value.details.endswith("Known limits); sending the same write again once every shard serves "
+                                          "completes it (it sets the same values again)")
         with pytest.raises(UnavailableError) as got:  # a step's part: the commit applies it, all or none
             c.bag_backward(table_name, IDS % 10, W, G, step=1, gather=True)
         assert "applied this write" not in str(got.value)
@@ -776,3 +780,38 @@ def test_a_call_to_a_silent_shard_fails_within_retry_seconds_and_one_timeout(tab
                 c.lookup(table_name, [1])
             took = time.monotonic() - t0
         assert 3.9 < took < 5.0, took  # two attempts of 2 s; a third would end at 6 s
+
+
+def test_a_shard_that_answered_some_of_a_writes_requests_applied_part_of_it():
+    """A write cut into parts (max_request_bytes) whose shard failed one of its parts was said to
+    have been applied there whole (a review). Only a shard that answered every request of an
+    attempt applied the write; one that answered some applied part of it; a table made anew
+    since forgets both; a table gone says neither."""
+    from client import TableNotFoundError, UnavailableError
+    from client.aio import AppliedBy
+    from memserver.api.types import ShardMeta, TableMeta
+
+    def meta(layout: int) -> TableMeta:
+        shards = tuple(ShardMeta(index=i, address=f"h{i}:1", col_start=0, col_end=2, num_rows=4, node_id="", pid=1)
+                       for i in range(3))
+        return TableMeta("t", 4, 2, "cols", "sgd", 1.0, "float32", 0.0, 0, shards, 1, layout_id=layout)
+
+    calls = [("h0:1", "PushGradients", None), ("h0:1", "PushGradients", None), ("h1:1", "PushGradients", None),
+             ("h1:1", "PushGradients", None), ("h2:1", "PushGradients", None)]
+    failed = UnavailableError("down", target="shard h1:1")
+    applied = AppliedBy(AppliedBy.TWICE)
+    applied.begin(meta(1))
+    applied.note(meta(1), calls, ["ok", "ok", "ok", failed, failed])
+    exc = UnavailableError("down", target="shard h1:1")
+    applied.say(exc)
+    assert exc.details == ("down; shard 0 (h0:1) applied this write (answered it) and shard 1 (h1:1) applied part of "
+                           "it (answered some of its requests), and the others may have too: a write is applied by "
+                           "each shard on its own, not all-or-none across them (docs/architecture.md, Known limits); "
+                           "sending it again as a new call applies it twice there")
+    gone = TableNotFoundError("no table t")
+    applied.say(gone)
+    assert gone.details == "no table t"
+    applied.begin(meta(2))  # made anew: the old incarnation's answers are not this one's
+    quiet = UnavailableError("down")
+    applied.say(quiet)
+    assert quiet.details == "down"

@@ -133,7 +133,8 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
     if not args.address and args.object_store_mb < OBJECT_STORE_MIN_MB:
         raise CliError(f"--object-store-mb must be at least {OBJECT_STORE_MIN_MB} (Ray's minimum), got {args.object_store_mb}")
     if args.address == "auto":
-        _check_ray_answers(_ray_auto_address(), "--address auto")
+        if (found := _ray_auto_address()) is not None and "://" not in found:
+            _check_ray_answers(found, "--address auto")
     elif args.address and "://" not in args.address:
         _check_ray_answers(args.address)
     if args.checkpoint_root is not None and not Path(args.checkpoint_root).is_dir():
@@ -148,12 +149,16 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
     return shards, shard_cpus, shard_gpus
 
 
-def _ray_auto_address() -> str:
+def _ray_auto_address() -> str | None:
     """The cluster `--address auto` means, found by Ray's own rules ($RAY_ADDRESS, the address the
     last `ray start` on this machine recorded, else a Ray process running here); ray.init would
     otherwise find it after `up` started, and a record of a cluster long gone made it wait there
-    for minutes, saying nothing (an operator's walkthrough)."""
-    from ray._private.services import get_ray_address_from_environment
+    for minutes, saying nothing (an operator's walkthrough). None: a Ray without that (private)
+    function, where ray.init alone looks."""
+    try:
+        from ray._private.services import get_ray_address_from_environment
+    except ImportError:
+        return None
 
     try:
         address = get_ray_address_from_environment("auto", None)
@@ -484,15 +489,15 @@ def config_differences(meta: Any, entry: dict[str, Any], shards: int) -> list[st
 def _plain_output() -> None:
     """Output to a file (a detached `up`'s log, a redirect) without terminal colour codes: Ray
     colours the prefixes of the actors' lines it relays, and its "[repeated Nx]" notes always.
-    With Ray's own colorama (Ray ships it, on its path once imported), which also strips them."""
+    With Ray's own colorama (Ray ships it, on its path once imported), which strips them from each
+    stream that is not a terminal (so `up > log` in a terminal too)."""
     import ray  # noqa: F401 - puts Ray's third-party packages on the path
 
     try:
         import colorama
     except ImportError:  # a Ray that no longer ships it: colours stay
         return
-    if not (sys.stdout.isatty() or sys.stderr.isatty()):
-        colorama.init(strip=True)
+    colorama.init()  # wraps a stream that is not a terminal to strip the codes; a terminal keeps its colours
 
 
 def _up_detached(args: argparse.Namespace) -> int:
@@ -573,9 +578,11 @@ def what_down_leaves(record: dict[str, Any], names: int = 5) -> str:
     checkpoint to a `down` and `up`). "" when it keeps everything, or the cluster does not answer
     within 5 s. At most `names` tables named."""
     from client import MemoryClient
+    from client.channels import ClientTls
 
-    try:
-        with MemoryClient(record["endpoint"], timeout=5, retry_seconds=0) as client:
+    tls = ClientTls(record["tls_ca"].encode(), record.get("tls_server_name") or None) if record.get("tls_ca") else None
+    try:  # (the record's token and CA, not a $MEMSERVER_TOKEN or CA of another cluster)
+        with MemoryClient(record["endpoint"], token=record.get("token"), tls=tls, timeout=5, retry_seconds=0) as client:
             tables = client.list_tables()
     except Exception:  # noqa: BLE001 - a cluster that does not answer is stopped all the same
         return ""
@@ -589,8 +596,8 @@ def what_down_leaves(record: dict[str, Any], names: int = 5) -> str:
                 "D` keeps tables from one `up` to the next)") if tables else ""
     no_wal = [t for t in tables if not t.wal]
     return (f"tables without wal ({listed(no_wal)}) come back at the next `up` on this data directory as their "
-            "latest checkpoint: their writes since are not kept (`memserver checkpoint` before `down` keeps them)"
-            ) if no_wal else ""
+            "latest checkpoint (their initial values if they have none): their writes since are not kept "
+            "(`memserver checkpoint` before `down` keeps them)") if no_wal else ""
 
 
 def reap_leftovers(record: dict[str, Any], grace: float = 5.0) -> int:

@@ -642,7 +642,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         dead: set[str] = set()
         if any(isinstance(b, BaseException) for b in blobs):  # was its host lost? (Ray's node table)
             try:
-                dead = await asyncio.to_thread(dead_nodes)
+                dead = await asyncio.wait_for(asyncio.to_thread(dead_nodes), 5)  # (Ray's store may be slow too)
             except Exception as exc:  # noqa: BLE001 - the state then says what the shard's call said
                 log.warning("status: Ray's node table could not be read: %s", first_line(exc))
         for i, blob in enumerate(blobs):

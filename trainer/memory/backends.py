@@ -397,6 +397,8 @@ class RemoteValues:
             if meta is not None and (meta.num_rows, meta.dim) != (num_rows, dim):
                 raise ValueError(f"table {name} has {meta.num_rows} x {meta.dim} values, this layer needs "
                                  f"{num_rows} x {dim}")
+            if meta is not None:  # its incarnation: one made anew from here on stops the trainer (_check_rebuilt)
+                self.layout = meta.layout_id
             if meta is not None and (meta.optimizer, meta.lr) != (optimizer, lr):  # (the client's float64 = lr)
                 log.warning("RemoteValues: table %s trains with its own optimizer, %s lr %g; this backend's "
                             "optimizer=%r, lr=%g are not applied to a table it attaches to (create=False)", name,
