@@ -298,7 +298,7 @@ class AsyncMemoryClient:
         return await self._retrying(lambda: self._control(method, request))
 
     async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None,
-                        retry: bool = True, started: float | None = None) -> Any:
+                        retry: bool = True, failed: float | None = None) -> Any:
         """call(), again with backoff (Backoff) for up to retry_seconds while it fails with
         UNAVAILABLE or DEADLINE_EXCEEDED (then `on_retry` first: a fresh shard map) or is refused
         by an overloaded server (OverloadedError: the same map; the server is there, only busy).
@@ -306,10 +306,15 @@ class AsyncMemoryClient:
         `timeout` bounds each attempt, `retry_seconds` the retries: an attempt that outlived its
         deadline (a partitioned host, a lost one before Ray notices) is sent again, reads as
         they are and writes with the same tags, so a write that did land is answered from the
-        shard's session, never applied twice. `retry` False: one attempt. `started`: when the call's
-        first attempt began, if before this (MemoryClient's, made without this loop): the retries'
-        window counts from there, so a call fails within retry_seconds + timeout however made."""
-        backoff = Backoff(self.retry_seconds if retry else 0.0, start=started)
+        shard's session, never applied twice. `retry` False: one attempt.
+
+        The retries' window counts from the call's first failure (`failed`: when an attempt made
+        before this failed, MemoryClient's first, made without this loop), so a first attempt that
+        waited out its whole deadline on a host gone without a word still leaves retry_seconds to
+        find the shard where it moved (memtrain's 60 s deadline and 60 s of retries, counted from
+        the first attempt, left none: a walkthrough's power cut). A call fails within
+        retry_seconds + 2 x timeout."""
+        backoff: Backoff | None = None if failed is None else Backoff(self.retry_seconds if retry else 0.0, start=failed)
         # a call's retries warn once per error text, again after RETRY_WARN_SECONDS (texts kept: RETRY_TEXTS)
         warned: dict[str, float] = {}
         while True:
@@ -321,6 +326,8 @@ class AsyncMemoryClient:
                 stopped = stopped_since(*self._home) if self._home and isinstance(exc, UnavailableError) else None
                 if stopped:  # not restarting: no retry will reach it
                     raise type(exc)(f"{exc.details}; {stopped}", target=exc.target) from None
+                if backoff is None:
+                    backoff = Backoff(self.retry_seconds if retry else 0.0)
                 sleep = backoff.next()
                 if sleep is None:
                     raise
@@ -363,7 +370,7 @@ class AsyncMemoryClient:
         return self._tables[name]
 
     async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None,
-                          retry: bool = True, started: float | None = None) -> Any:
+                          retry: bool = True, failed: float | None = None) -> Any:
         """Run fn(meta). If the shards no longer know the table, or hold another incarnation of it
         (dropped and re-created, restored), refresh the map and run it once more, with new write
         tags (the write never reached the new table). While a shard is UNAVAILABLE (restarting,
@@ -417,7 +424,7 @@ class AsyncMemoryClient:
                             "it, so it is not sent again; the shard's log says why it exited, `memserver status` "
                             "whether it serves", target=f"shard {now.address}")
 
-        return await self._retrying(attempt, refresh, retry, started)
+        return await self._retrying(attempt, refresh, retry, failed)
 
     async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,
                     retry: bool = True, applies: str = "") -> Any:

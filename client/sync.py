@@ -175,19 +175,21 @@ class MemoryClient:
                     transport.release(sent, outcomes)
             raise AssertionError("unreachable")
 
-        started = time.monotonic()  # the retries' window counts from the first attempt, made here
+        failed = None  # when the first attempt, made here, failed: the retries' window counts from there
         try:
             meta = self.aio._tables.get(table)
             if meta is not None:
                 try:
                     return attempt(meta)
                 except (UnavailableError, DeadlineExceededError):
+                    failed = time.monotonic()
                     if not retry:
                         raise
                 except (TableNotFoundError, FailedPreconditionError):
                     pass
                 except OverloadedError:
-                    sleep = Backoff(self.aio.retry_seconds if retry else 0.0, start=started).next()
+                    failed = time.monotonic()
+                    sleep = Backoff(self.aio.retry_seconds if retry else 0.0, start=failed).next()
                     if sleep is None:  # retry_seconds 0 (or tiny): no retries
                         raise
                     time.sleep(sleep)
@@ -195,7 +197,7 @@ class MemoryClient:
             async def in_executor(meta: TableMeta) -> Any:
                 return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
 
-            return self._run(self.aio._with_table(table, in_executor, tags, retry, started))
+            return self._run(self.aio._with_table(table, in_executor, tags, retry, failed))
         except MemserverError as exc:
             if applied is not None:
                 applied.say(exc)
