@@ -237,6 +237,39 @@ def test_a_shards_data_directory_serves_one_shard_at_a_time(tmp_path):
     ShardStore(tmp_path, 0).close()  # the killed holder's lock went with it
 
 
+def test_a_restarted_shard_waits_for_its_earlier_process_to_let_go_of_its_folder(tmp_path, caplog):
+    """A partition longer than Ray's health checks: Ray starts the shard on another node while the
+    old process lives on with its cut-off host, holding the folder. The restart refused, and Ray
+    does not retry a failed start: the shard never served again (a walkthrough). A restart waits,
+    saying so in the log, and takes the folder once the holder stops."""
+    import logging
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from memserver.storage.store import ShardStore
+
+    held = subprocess.Popen([sys.executable, "-c", "import sys, time; from memserver.storage.store import ShardStore; "
+                             f"s = ShardStore({str(tmp_path)!r}, 0); print('held', flush=True); sys.stdin.read()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().strip() == "held"
+        got: list[ShardStore] = []
+        with caplog.at_level(logging.WARNING, logger="memserver.storage.store"):
+            waiting = threading.Thread(target=lambda: got.append(ShardStore(tmp_path, 0, wait=True)))
+            waiting.start()
+            time.sleep(1.5)
+            assert waiting.is_alive() and not got  # still held: it waits
+            held.stdin.close()  # the earlier process stops
+            waiting.join(timeout=30)
+        assert got and f"is held by pid {held.pid}" in caplog.text
+        got[0].close()
+    finally:
+        held.kill()
+        held.wait()
+
+
 def test_coordinator_rebuilds_its_catalog_and_follows_a_moved_shard():
     """The catalog from the shards' own descriptions (what a restarted coordinator does), and a
     restarted shard at a new address updates every table's shard map."""

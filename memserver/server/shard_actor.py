@@ -100,7 +100,7 @@ class ShardActor:
         self.metrics = ShardMetrics(index, lambda: self.servicer.tables, self.restarted)
         self.metrics.registry.register(self.servicer.regions)  # shared-memory regions attached now
         self.servicer.regions.auth = self.config.auth
-        self.store = ShardStore(data_dir, index) if data_dir else None
+        self.store = ShardStore(data_dir, index, wait=self.restarted) if data_dir else None
         # tables recorded here that did not recover: name -> (spec, info, num_shards), for the catalog
         self.unrecovered: dict[str, tuple[bytes, bytes, int]] = {}
         self.loop = LoopThread(f"shard{index}-grpc")

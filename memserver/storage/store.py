@@ -16,8 +16,10 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,24 +40,41 @@ KEEP_CHECKPOINTS = 3
 class ShardStore:
     """The on-disk state of one shard: a folder per table slice (see the module docstring)."""
 
-    def __init__(self, root: str | os.PathLike[str], index: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], index: int, *, wait: bool = False) -> None:
+        """`wait`: this shard is a restart of one that may still hold the folder (see `_take`)."""
         self.dir = Path(root) / f"shard-{index:04d}"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = self._take(self.dir / LOCK_FILE)
+        self._lock = self._take(self.dir / LOCK_FILE, wait)
 
     @staticmethod
-    def _take(path: Path) -> int:
+    def _take(path: Path, wait: bool = False, every: float = 1.0, say_every: float = 30.0) -> int:
         """An exclusive lock on the folder for this process's life (or `close`): a second shard on
         it (a second `up` on the same --data-dir) would append to the same logs and files. The
-        kernel drops it when the holder dies, so a restarted shard takes it again."""
+        kernel drops it when the holder dies, so a restarted shard takes it again.
+
+        `wait`: a shard Ray restarted waits for the holder instead of refusing: its earlier process,
+        cut off with its host (a partition longer than Ray's health checks: Ray starts the shard
+        elsewhere while the old one lives on, and stops it once its host is back), must not write
+        beside it, and a refusal made the restart fail for good (Ray does not retry a failed
+        start; a walkthrough's shard never served again). Said in the log every `say_every` s."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise FailedPreconditionError(f"data directory {path.parent} is in use by another memserver shard (pid "
-                                          f"{holder}); stop that cluster, or give this one another --data-dir") from None
+        said = -math.inf
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                if not wait:
+                    os.close(fd)
+                    raise FailedPreconditionError(f"data directory {path.parent} is in use by another memserver shard "
+                                                  f"(pid {holder}); stop that cluster, or give this one another "
+                                                  "--data-dir") from None
+                if time.monotonic() - said >= say_every:
+                    said = time.monotonic()
+                    log.warning("data directory %s is held by pid %s (this shard's earlier process, on a host cut off?): "
+                                "waiting for it to stop before serving", path.parent, holder)
+                time.sleep(every)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         return fd
