@@ -664,6 +664,10 @@ def test_a_quoted_failure_is_cut_at_a_word_and_says_so():
     assert path.startswith("cannot read /data/x/data/x") and path.endswith(" ...") and len(path) == 100
     assert first_line(RuntimeError("abcdefgh"), 3) == "abc"
     assert first_line(RuntimeError(" " + "y" * 40), 20) == " " + "y" * 15 + " ..."  # (a space at 0 is no word's end)
+    ray_said = RuntimeError("The actor died because of an error raised in its creation task, \x1b[36mray::A.__init__()"
+                            "\x1b[39m (pid=1)")  # (Ray's text, as `memserver restore` printed it)
+    assert first_line(ray_said) == ("The actor died because of an error raised in its creation task, ray::A.__init__() "
+                                    "(pid=1)")
 
 
 def test_a_call_whose_shard_keeps_restarting_stops_retrying(monkeypatch):

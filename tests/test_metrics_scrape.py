@@ -263,6 +263,11 @@ def test_a_shard_whose_status_call_failed_is_described_in_words():
     assert unavailable_state(restarting) == ("unavailable: restarting (Ray is making its process anew; the pid is the "
                                              "last one reported: the new process reports its own before it serves)")
     assert unavailable_state(ActorDiedError()).startswith("unavailable: its process died and is not restarted")
+    failed_start = ActorDiedError()
+    failed_start.error_msg = ("The actor died because of an error raised in its creation task, "
+                              "ray::memserver-shard-1:ShardActor.__init__() (pid=2644)")
+    assert str(failed_start).startswith("The actor died because of an error raised in its creation task")
+    assert unavailable_state(failed_start).startswith("unavailable: its process failed to start and is not restarted")
     assert unavailable_state(asyncio.TimeoutError()).startswith("unavailable: no answer to its status call within 10 s")
     assert unavailable_state(RuntimeError("first line\nsecond")) == "unavailable: first line"
     lost = unavailable_state(restarting, "f" * 40)  # its node is dead: Ray keeps saying "restarting"

@@ -8,6 +8,8 @@ exception's `details` as the status text); the client turns a status back into t
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 
@@ -191,11 +193,16 @@ def from_rpc_error(err: grpc.RpcError, target: str = "") -> MemserverError:
     return error_for(err.code(), err.details() or "", target)
 
 
+#: A terminal's colour and style codes, as Ray puts them in its exceptions' text ("\x1b[36mray::...").
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def first_line(exc: BaseException, limit: int = 500) -> str:
     """An exception's first line, at most `limit` characters, or its type when it has no text:
-    what an error quoting a library's failure (torch's reader, faiss, a recovery) carries of it.
-    A longer line is cut after its last whole word that fits, and says so ("...")."""
-    line = (str(exc).splitlines() or [type(exc).__name__])[0]
+    what an error quoting a library's failure (torch's reader, faiss, a recovery, Ray) carries of
+    it, without terminal colour codes. A longer line is cut after its last whole word that fits,
+    and says so ("...")."""
+    line = _ANSI.sub("", (str(exc).splitlines() or [type(exc).__name__])[0])
     if len(line) <= limit:
         return line
     if limit < 8:

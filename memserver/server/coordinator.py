@@ -82,7 +82,7 @@ def _raise_refusal(results: list[Any], what: str) -> None:
     if refusal := next((e for e in errors if isinstance(e, MemserverError)), None):
         raise type(refusal)(refusal.details)
     if lost := next((e for e in errors if is_actor_error(e)), None):  # a shard process died meanwhile
-        raise UnavailableError(f"{what} failed: a shard is unavailable (restarting?): {first_line(lost)}")
+        raise UnavailableError(f"{what} failed: a shard is {unavailable_state(lost)}")
     if errors:
         raise RuntimeError(f"{what} failed on a shard: {errors[0]}")
 
@@ -692,6 +692,9 @@ def unavailable_state(exc: BaseException, dead_node: str = "") -> str:
     if isinstance(exc, ActorUnavailableError):
         return ("unavailable: restarting (Ray is making its process anew; the pid is the last one reported: the new "
                 "process reports its own before it serves)")
+    if isinstance(exc, ActorDiedError) and "error raised in its creation task" in str(exc):  # (Ray does not retry it)
+        return ("unavailable: its process failed to start and is not restarted (an error in the shard's start: its "
+                "node's Ray log, worker-*.err, says which); `memserver down` and `up` start it anew")
     if isinstance(exc, ActorDiedError):
         return "unavailable: its process died and is not restarted (out of restarts, or its node is gone)"
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
