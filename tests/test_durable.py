@@ -669,3 +669,9 @@ def test_a_shard_that_cannot_start_is_said_in_one_line():
     assert _why(ActorDiedError(err)) == "FAILED_PRECONDITION: data directory /x/shard-0000 is in use by another " \
                                         "memserver shard (pid 7)"
     assert _why(ActorDiedError()).startswith("The actor died unexpectedly")
+    try:  # another error (a node that cannot read the generated TLS key): by its class and text, not Ray's line
+        raise ValueError("TLS key file /home/run/x/tls/server-key.pem: No such file or directory")
+    except ValueError as exc:
+        err = RayTaskError("ShardActor.__init__", traceback.format_exc(), exc, proctitle="ray::ShardActor", pid=1,
+                           ip="127.0.0.1")
+    assert _why(ActorDiedError(err)) == "ValueError: TLS key file /home/run/x/tls/server-key.pem: No such file or directory"

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from memserver.api.auth import AuthConfig
+from memserver.api.errors import first_line
 from memserver.cluster import (
     DEFAULT_PLACEMENT,
     DEFAULT_SHARD_CPUS,
@@ -117,10 +118,12 @@ class MemoryCluster:
 
 def _why(exc: BaseException) -> str:
     """The error a shard's constructor raised, as one line, out of Ray's wrapping of it (the
-    error's last line, "module.Class: text"); Ray's own first line where there is none."""
-    lines = str(exc).splitlines()
-    ours = [m.group(1) for line in lines if (m := re.match(r"^memserver\.api\.errors\.\w+: (.+)$", line.strip()))]
-    return ours[-1] if ours else next((line for line in lines if line.strip()), type(exc).__name__)
+    error's last line, "module.Class: text": ours by its text, another by its class too, e.g. a
+    TLS key file a node cannot read); Ray's own first line where there is none."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    ours = [m.group(1) for line in lines if (m := re.match(r"^memserver\.api\.errors\.\w+: (.+)$", line))]
+    other = [m.group(1) for line in lines if (m := re.match(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception): .+)$", line))]
+    return ours[-1] if ours else other[-1] if other else first_line(exc)
 
 
 def start_cluster(
@@ -233,7 +236,11 @@ def start_cluster(
         try:
             infos = ray.get([s.info.remote() for s in shards])
         except ray.exceptions.RayActorError as exc:  # its __init__ raised (a data directory in use, ...)
-            raise RuntimeError(f"a shard could not start: {_why(exc)}") from None
+            why = _why(exc)
+            if data_dir in why:  # (a node that does not see it: the generated TLS key is there too)
+                why += (f" (every node's shards read {data_dir}: give --data-dir on storage every node reads, "
+                        "docs/deploy.md)")
+            raise RuntimeError(f"a shard could not start: {why}") from None
         # Pinned to this node (0 CPUs, so even a head started with --num-cpus=0 takes it): the
         # endpoint is this machine's, and --port means a port here.
         coord = ray.remote(CoordinatorActor).options(
