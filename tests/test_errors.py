@@ -829,3 +829,42 @@ def test_a_shard_that_answered_some_of_a_writes_requests_applied_part_of_it():
     quiet = UnavailableError("down")
     applied.say(quiet)
     assert quiet.details == "down"
+
+
+def test_a_shard_found_at_a_new_address_moves_for_every_tables_map(monkeypatch):
+    """After a shard moved (Ray restarted it on a spare host), each table's first call went to the
+    old address and waited out its deadline (twice) before its map was asked again: a client of 6
+    tables paid ~37 s after the shard served (a walkthrough). One table's fresh map now sends the
+    others that named the old address to the coordinator at their next call; the rest stay."""
+    import asyncio
+
+    import client.aio as aio
+    from client import UnavailableError
+    from memserver.api.types import TableMeta
+    from memserver.api.v1 import memserver_pb2 as pb
+
+    monkeypatch.setattr(aio, "RETRY_MAX_DELAY", 0.01)
+
+    def info(name: str, addresses: tuple[str, ...]) -> pb.TableInfo:
+        return pb.TableInfo(spec=pb.TableSpec(name=name, num_rows=4, dim=2, num_shards=len(addresses)), layout_id=1,
+                            shards=[pb.ShardInfo(index=i, address=a, pid=1, col_end=2, num_rows=4)
+                                    for i, a in enumerate(addresses)])
+
+    c = aio.AsyncMemoryClient("127.0.0.1:9", retry_seconds=30, timeout=1)
+    for name, addresses in (("t", ("h1:1", "h2:1")), ("u", ("h1:1", "h2:1")), ("w", ("h2:1",))):
+        c._tables[name] = TableMeta.from_proto(info(name, addresses))
+
+    async def control(method: str, request: object) -> pb.TableInfo:
+        return info(request.name, ("h3:1", "h2:1"))  # shard 0 moved from h1 to h3
+
+    tried: list[str] = []
+
+    async def fn(meta: TableMeta) -> str:
+        tried.append(meta.shards[0].address)
+        if meta.shards[0].address == "h1:1":
+            raise UnavailableError("down", target="shard h1:1")
+        return "answered"
+
+    c._control = control
+    assert asyncio.run(c._with_table("t", fn)) == "answered" and tried == ["h1:1", "h3:1"]
+    assert set(c._tables) == {"t", "w"}  # u named h1: asked anew at its next call; w did not
