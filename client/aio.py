@@ -315,6 +315,8 @@ class AsyncMemoryClient:
         the first attempt, left none: a walkthrough's power cut). A call fails within
         retry_seconds + 2 x timeout."""
         backoff: Backoff | None = None if failed is None else Backoff(self.retry_seconds if retry else 0.0, start=failed)
+        if failed is not None and on_retry is not None:  # a retry already: first the fresh map a retry gets (the
+            await on_retry()                             # shard may have moved; the old address waits out a deadline)
         # a call's retries warn once per error text, again after RETRY_WARN_SECONDS (texts kept: RETRY_TEXTS)
         warned: dict[str, float] = {}
         while True:

@@ -868,3 +868,28 @@ def test_a_shard_found_at_a_new_address_moves_for_every_tables_map(monkeypatch):
     c._control = control
     assert asyncio.run(c._with_table("t", fn)) == "answered" and tried == ["h1:1", "h3:1"]
     assert set(c._tables) == {"t", "w"}  # u named h1: asked anew at its next call; w did not
+
+
+def test_a_call_retried_after_a_first_attempt_made_elsewhere_asks_for_a_fresh_map_first():
+    """MemoryClient's first attempt waited out its deadline at a shard's old address (a power cut);
+    the retries then began with the same cached map and waited out another deadline there before
+    asking where the shard went: a walkthrough's trainer stopped at +130 s though the shard served
+    on a spare at +10 s. A retry path entered after a failure asks for the map first."""
+    import asyncio
+    import time
+
+    import client.aio as aio
+
+    c = aio.AsyncMemoryClient("127.0.0.1:9", retry_seconds=30, timeout=1)
+    order: list[str] = []
+
+    async def refresh() -> None:
+        order.append("map")
+
+    async def call() -> str:
+        order.append("call")
+        return "answered"
+
+    assert asyncio.run(c._retrying(call, refresh, failed=time.monotonic())) == "answered" and order == ["map", "call"]
+    order.clear()
+    assert asyncio.run(c._retrying(call, refresh)) == "answered" and order == ["call"]  # a first attempt: none
