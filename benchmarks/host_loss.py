@@ -14,6 +14,9 @@ data directory in the shared work directory, standing in for NFS):
   declares the node dead (health checks tuned to ~3 s on the head), reschedules the shard's
   placement bundle on h3 and restarts the actor there; the shard loads its checkpoint and log
   from the shared directory and serves at h3's address; the trainer's calls retry and go on.
+- `cut`: the same, with h1's cable pulled first (a real power cut: no reset comes from its stack,
+  so a call in flight to it learns only from the client's keepalive pings or its deadline; give
+  `--call-timeout 60`, memtrain's default, to see what a trainer with default flags meets).
 - `partition`: after step K, h1's cable out for `--down` seconds (8), then back in (Ray's default
   30 s health checks, so the node is not declared dead). The trainer's calls have a 3 s deadline
   per attempt (`--call-timeout`): calls to h1 time out and are sent again (same write tags) until
@@ -62,7 +65,7 @@ def scenario(kind: str, steps: int, at: int, down: float, call_timeout: float) -
     t0 = time.monotonic()
     with Hosts(4) as hosts:
         mh = MemoryHosts(hosts, shard_hosts=[1, 2], up_args=["--placement", "STRICT_SPREAD"],
-                         ray_env=FAST_FAILURE_DETECTION if kind == "loss" else {})
+                         ray_env=FAST_FAILURE_DETECTION if kind in ("loss", "cut") else {})
         try:
             mh.start()
             hosts.ray_worker(3, num_cpus=1, env=mh.env())  # the spare: joins after the shards were placed
@@ -75,7 +78,9 @@ def scenario(kind: str, steps: int, at: int, down: float, call_timeout: float) -
                      180, interval=0.02)
             t_fault = time.time()
             victim = 1
-            if kind == "loss":
+            if kind in ("loss", "cut"):
+                if kind == "cut":  # a power cut: no reset from the host's stack, its cable stays out
+                    hosts.link(victim, up=False)
                 killed = hosts.kill_host(victim)
             else:
                 hosts.link(victim, up=False)
@@ -105,7 +110,7 @@ def scenario(kind: str, steps: int, at: int, down: float, call_timeout: float) -
         "shards_after": run["shards_after"],
         "wall_s": time.monotonic() - t0,
     }
-    if kind == "loss":
+    if kind in ("loss", "cut"):
         before = {s[0]: s[1] for s in ref["shards_after"]}
         moved = [e for e in run["status_seen"] if e["t"] > t_fault and "shards" in e
                  and all(s[2] == "serving" for s in e["shards"])
@@ -121,7 +126,9 @@ def scenario(kind: str, steps: int, at: int, down: float, call_timeout: float) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenario", choices=["loss", "partition", "both"], default="both")
+    p.add_argument("--scenario", choices=["loss", "cut", "partition", "both"], default="both",
+                   help="loss: SIGKILL of a host's processes (its stack answers resets); cut: its cable out first "
+                   "(a power cut: nothing answers); partition: the cable out for --down s; both: loss and partition")
     p.add_argument("--steps", type=int, default=40, help="training steps per run")
     p.add_argument("--at", type=int, default=10, help="the fault comes after this step")
     p.add_argument("--down", type=float, default=8.0, help="partition: seconds the cable is out")

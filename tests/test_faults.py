@@ -361,3 +361,55 @@ def test_an_actor_knows_it_was_restarted_without_a_deprecation_warning(memory_cl
             time.sleep(0.2)
     assert (again, warned) == (True, []) and new_pid != pid
     ray.kill(probe)
+
+
+SLEEPY_SERVER = """
+import time, grpc
+from concurrent import futures
+from memserver.server.admission import SERVER_OPTIONS
+from memserver.wire import GRPC_OPTIONS
+def sleep(request, context):
+    time.sleep(float(request.decode()))
+    return b"ok"
+handler = grpc.method_handlers_generic_handler("t.T", {"Sleep": grpc.unary_unary_rpc_method_handler(sleep)})
+server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler], options=[*GRPC_OPTIONS, *SERVER_OPTIONS])
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+print(port, flush=True)
+server.wait_for_termination()
+"""
+
+
+def test_a_connection_whose_peer_stops_answering_is_dropped_before_the_deadline():
+    """A host powered off or cut off sends no reset: a call to its shard waited out its whole deadline
+    (60 s by default) before the client asked where Ray had moved the shard (a walkthrough's power
+    cut: the step took 60 s; with keepalive pings, 2.9 s and 7.8 s). The client pings while a call
+    is in flight and drops a connection whose peer does not answer: UNAVAILABLE, which it retries
+    with a fresh map. (SIGSTOP: the peer's kernel still takes the bytes, its gRPC answers nothing.)
+    The servers allow those pings: with gRPC's defaults a call longer than about 10 s was closed
+    under the client ("Too many pings")."""
+    import subprocess
+    import sys
+
+    import grpc
+
+    from client.channels import sync_channel
+
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPY_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        with sync_channel(f"127.0.0.1:{port}", retries=False) as ch:
+            sleep = ch.unary_unary("/t.T/Sleep")
+            assert sleep(b"14", timeout=30) == b"ok"  # a long call without data: pinged, and the server allows it
+            call = sleep.future(b"60", timeout=30)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            os.kill(proc.pid, signal.SIGSTOP)  # the peer stops answering anything, pings too
+            with pytest.raises(grpc.RpcError) as err:
+                call.result()
+            took = time.monotonic() - t0
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and took < 10, (err.value.code(), took)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()

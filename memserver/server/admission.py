@@ -74,7 +74,12 @@ LOG_EVERY = 10.0
 #: so_reuseport off: gRPC turns it on, and a second process then bound a port already served (a
 #: second `up` on the same data directory took its shards' recorded ports: clients were split
 #: between two live copies of one table). Off, a taken port is refused and `serve_on` moves on.
-SERVER_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.so_reuseport", 0)]
+#: Pings: a client's keepalive pings (client.channels.KEEPALIVE_OPTIONS: every 2 s while a call runs
+#: without data) are allowed, where gRPC's default (one per 5 minutes, 2 strikes) closed the
+#: connection under any call longer than about 10 s ("Too many pings"). A client of this version
+#: needs servers of this version for calls that long.
+SERVER_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.so_reuseport", 0),
+                  ("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0)]
 
 
 class Admission:
