@@ -298,7 +298,8 @@ class AsyncMemoryClient:
         return await self._retrying(lambda: self._control(method, request))
 
     async def _retrying(self, call: Callable[[], Awaitable[Any]], on_retry: Callable[[], Awaitable[None]] | None = None,
-                        retry: bool = True, failed: float | None = None) -> Any:
+                        retry: bool = True, failed: float | None = None,
+                        fresh_map: bool = False) -> Any:
         """call(), again with backoff (Backoff) for up to retry_seconds while it fails with
         UNAVAILABLE or DEADLINE_EXCEEDED (then `on_retry` first: a fresh shard map) or is refused
         by an overloaded server (OverloadedError: the same map; the server is there, only busy).
@@ -312,11 +313,14 @@ class AsyncMemoryClient:
         before this failed, MemoryClient's first, made without this loop), so a first attempt that
         waited out its whole deadline on a host gone without a word still leaves retry_seconds to
         find the shard where it moved (memtrain's 60 s deadline and 60 s of retries, counted from
-        the first attempt, left none: a walkthrough's power cut). A call fails within
-        retry_seconds + 2 x timeout."""
+        the first attempt, left none: a walkthrough's power cut). A call fails after about
+        retry_seconds + 3 x timeout (the map asked between attempts has its own deadline).
+        `fresh_map`: that failure was UNAVAILABLE or DEADLINE_EXCEEDED, so the first attempt here
+        follows a fresh map (`on_retry`), as any retry of those does (an overloaded server's
+        refusal keeps the map)."""
         backoff: Backoff | None = None if failed is None else Backoff(self.retry_seconds if retry else 0.0, start=failed)
-        if failed is not None and on_retry is not None:  # a retry already: first the fresh map a retry gets (the
-            await on_retry()                             # shard may have moved; the old address waits out a deadline)
+        if fresh_map and on_retry is not None:  # the shard may have moved: its old address waits out a deadline
+            await on_retry()
         # a call's retries warn once per error text, again after RETRY_WARN_SECONDS (texts kept: RETRY_TEXTS)
         warned: dict[str, float] = {}
         while True:
@@ -372,7 +376,7 @@ class AsyncMemoryClient:
         return self._tables[name]
 
     async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None,
-                          retry: bool = True, failed: float | None = None) -> Any:
+                          retry: bool = True, failed: float | None = None, fresh_map: bool = False) -> Any:
         """Run fn(meta). If the shards no longer know the table, or hold another incarnation of it
         (dropped and re-created, restored), refresh the map and run it once more, with new write
         tags (the write never reached the new table). While a shard is UNAVAILABLE (restarting,
@@ -407,9 +411,9 @@ class AsyncMemoryClient:
 
         async def refresh() -> None:
             nonlocal layout
-            try:  # the coordinator may be restarting too: then keep the map we have
+            try:  # the coordinator may be restarting too, or cut off: then keep the map we have
                 new = TableMeta.from_proto(await self._control("GetShardMap", pb.GetShardMapRequest(name=name)))
-            except UnavailableError:
+            except (UnavailableError, DeadlineExceededError):
                 return
             self._moved(self._tables.get(name), new)
             self._tables[name] = new
@@ -427,7 +431,7 @@ class AsyncMemoryClient:
                             "it, so it is not sent again; the shard's log says why it exited, `memserver status` "
                             "whether it serves", target=f"shard {now.address}")
 
-        return await self._retrying(attempt, refresh, retry, failed)
+        return await self._retrying(attempt, refresh, retry, failed, fresh_map)
 
     def _moved(self, old: TableMeta | None, new: TableMeta) -> None:
         """A shard found at a new address (Ray restarted it on another host) moved for every table:

@@ -41,13 +41,16 @@ SERVICE_CONFIG = json.dumps(
     }
 )
 #: A connection whose peer is gone without a word (a host powered off or cut off: no reset comes)
-#: is found by keepalive pings while calls are in flight (every 2 s, 2 s to answer: gRPC 1.85
-#: waits `ping_timeout_ms`, a minute by default, whatever the keepalive timeout says) and closed,
-#: failing its calls UNAVAILABLE, which the client retries with a fresh shard map: a call to a
-#: powered-off host's shard waited out its whole deadline (60 s by default) before asking where
-#: Ray had moved it. New connections are tried at most 2 s apart, each given 3 s.
-KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
-                     ("grpc.http2.ping_timeout_ms", 2000),
+#: is found by keepalive pings while calls are in flight (every 2 s) and closed when one is not
+#: answered within 20 s, failing its calls UNAVAILABLE, which the client retries with a fresh
+#: shard map: a call to a powered-off host's shard waited out its whole deadline (60 s by default)
+#: before asking where Ray had moved it. gRPC 1.85 enforces `ping_timeout_ms` (a minute by default),
+#: whatever the keepalive timeout says, on every ping, the flow-control (BDP) probes too, whose
+#: answers queue behind the data in flight: at 2 s a 20 MB answer over a 2 MB/s link failed every
+#: time (a review's proxy); 20 s tolerates ten times the queueing, and a process stalled whole for
+#: ~22 s (swapped out) has its calls failed and retried. New connections are tried at most 2 s apart, each given 3 s.
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 20000),
+                     ("grpc.http2.ping_timeout_ms", 20000),
                      ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 0),
                      ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000),
                      ("grpc.min_reconnect_backoff_ms", 3000)]

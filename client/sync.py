@@ -176,14 +176,15 @@ class MemoryClient:
             raise AssertionError("unreachable")
 
         failed = None  # when the first attempt, made here, failed: the retries' window counts from there
+        fresh_map = False  # it failed UNAVAILABLE or DEADLINE_EXCEEDED: the retries start from a fresh map
         try:
             meta = self.aio._tables.get(table)
             if meta is not None:
                 try:
                     return attempt(meta)
                 except (UnavailableError, DeadlineExceededError):
-                    failed = time.monotonic()
-                    if not retry:
+                    failed, fresh_map = time.monotonic(), True
+                    if not retry or self.aio.retry_seconds <= 0:  # (retry_seconds 0: no retries)
                         raise
                 except (TableNotFoundError, FailedPreconditionError):
                     pass
@@ -197,7 +198,7 @@ class MemoryClient:
             async def in_executor(meta: TableMeta) -> Any:
                 return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
 
-            return self._run(self.aio._with_table(table, in_executor, tags, retry, failed))
+            return self._run(self.aio._with_table(table, in_executor, tags, retry, failed, fresh_map))
         except MemserverError as exc:
             if applied is not None:
                 applied.say(exc)

@@ -772,7 +772,7 @@ def test_a_call_whose_first_attempt_waited_out_its_deadline_is_still_retried(tab
     import socket
     import time
 
-    from client import AsyncMemoryClient, DeadlineExceededError, MemoryClient
+    from client import AsyncMemoryClient, DeadlineExceededError, MemoryClient, UnavailableError
     from memserver.cluster.inprocess import InProcessServer
 
     with InProcessServer(1) as srv, MemoryClient(srv.endpoint, shm=False, timeout=2, retry_seconds=2) as c:
@@ -789,10 +789,17 @@ def test_a_call_whose_first_attempt_waited_out_its_deadline_is_still_retried(tab
         for call in (lambda: c.lookup(table_name, [1]), lambda: asyncio.run(aio_lookup())):
             with socket.create_server((host, int(port))):  # takes connections, says nothing
                 t0 = time.monotonic()
-                with pytest.raises(DeadlineExceededError):
+                with pytest.raises((DeadlineExceededError, UnavailableError)):  # (a connect without an answer: either)
                     call()
                 took = time.monotonic() - t0
             assert 3.9 < took < 6.0, took  # a second attempt of 2 s after the first; none past 2 + 2 + 2
+        c.aio.retry_seconds = 0  # no retries: the blocking client's own first attempt is the only one (a review)
+        retried = []
+        c.aio._with_table = lambda *args: retried.append(args)  # (the retrying path: not entered)
+        with socket.create_server((host, int(port))):
+            with pytest.raises((DeadlineExceededError, UnavailableError)):  # (a connect without an answer: either)
+                c.lookup(table_name, [1])
+        assert retried == []
 
 
 
@@ -890,6 +897,9 @@ def test_a_call_retried_after_a_first_attempt_made_elsewhere_asks_for_a_fresh_ma
         order.append("call")
         return "answered"
 
-    assert asyncio.run(c._retrying(call, refresh, failed=time.monotonic())) == "answered" and order == ["map", "call"]
+    assert asyncio.run(c._retrying(call, refresh, failed=time.monotonic(), fresh_map=True)) == "answered"
+    assert order == ["map", "call"]
     order.clear()
     assert asyncio.run(c._retrying(call, refresh)) == "answered" and order == ["call"]  # a first attempt: none
+    order.clear()  # after an overloaded server's refusal: the same map (the server is there, only busy; a review)
+    assert asyncio.run(c._retrying(call, refresh, failed=time.monotonic())) == "answered" and order == ["call"]

@@ -383,7 +383,7 @@ server.wait_for_termination()
 def test_a_connection_whose_peer_stops_answering_is_dropped_before_the_deadline():
     """A host powered off or cut off sends no reset: a call to its shard waited out its whole deadline
     (60 s by default) before the client asked where Ray had moved the shard (a walkthrough's power
-    cut: the step took 60 s; with keepalive pings, 2.9 s and 7.8 s). The client pings while a call
+    cut: the step took 60 s). The client pings while a call
     is in flight and drops a connection whose peer does not answer: UNAVAILABLE, which it retries
     with a fresh map. (SIGSTOP: the peer's kernel still takes the bytes, its gRPC answers nothing.)
     The servers allow those pings: with gRPC's defaults a call longer than about 10 s was closed
@@ -401,14 +401,14 @@ def test_a_connection_whose_peer_stops_answering_is_dropped_before_the_deadline(
         with sync_channel(f"127.0.0.1:{port}", retries=False) as ch:
             sleep = ch.unary_unary("/t.T/Sleep")
             assert sleep(b"14", timeout=30) == b"ok"  # a long call without data: pinged, and the server allows it
-            call = sleep.future(b"60", timeout=30)
+            call = sleep.future(b"90", timeout=60)
             time.sleep(0.5)
             t0 = time.monotonic()
             os.kill(proc.pid, signal.SIGSTOP)  # the peer stops answering anything, pings too
             with pytest.raises(grpc.RpcError) as err:
                 call.result()
             took = time.monotonic() - t0
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and took < 10, (err.value.code(), took)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and took < 30, (err.value.code(), took)  # 2 s + 20 s
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()

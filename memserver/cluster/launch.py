@@ -237,7 +237,8 @@ def start_cluster(
             infos = ray.get([s.info.remote() for s in shards])
         except ray.exceptions.RayActorError as exc:  # its __init__ raised (a data directory in use, ...)
             why = _why(exc)
-            if data_dir in why:  # (a node that does not see it: the generated TLS key is there too)
+            if data_dir in why and ("No such file" in why or "Permission denied" in why):  # (a node that does
+                # not see it: the generated TLS key is there too; not a folder in use, said as that)
                 why += (f" (every node's shards read {data_dir}: give --data-dir on storage every node reads, "
                         "docs/deploy.md)")
             raise RuntimeError(f"a shard could not start: {why}") from None
