@@ -293,8 +293,8 @@ def test_a_replace_that_fails_after_the_drop_says_the_table_is_gone(tmp_path, mo
     from memserver.server.coordinator import _raise_refusal
     from memserver.server.shard_actor import ShardActor
 
-    with pytest.raises(UnavailableError, match="restoring 't' failed: a shard is unavailable .restarting..: The actor "
-                                               "died"):
+    with pytest.raises(UnavailableError, match="restoring 't' failed: a shard is unavailable: its process died and is "
+                                               "not restarted"):
         _raise_refusal([None, ActorDiedError()], "restoring 't'")
     with InProcessServer(2, data_dir=str(tmp_path / "data")) as server, \
             MemoryClient(server.endpoint, timeout=30, shm=False) as c:

@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--checkpoint-every", type=int, default=0,
                     help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir or a --resume directory")
     ck.add_argument("--keep-checkpoints", type=int, default=0, metavar="N",
-                    help="keep only the newest N checkpoints in --checkpoint-dir, removing older ones (the trainer "
-                    "file, then its tables' folders under memory/) after each new one (0, the default: keep all)")
+                    help="keep only the newest N checkpoints, removing older ones (the trainer file, then its "
+                    "tables' folders under memory/) after each new one (0, the default: keep all)")
     ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
                     "memory), or from that trainer-step-*.pt file; the text, model, memory, optimizer, batch and seed "
                     "flags left out are the checkpoint's (a different one given is refused by name), and so is "
