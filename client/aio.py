@@ -101,7 +101,7 @@ class Backoff:
     def __init__(self, seconds: float, *, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, start: float | None = None) -> None:
         self.clock = clock
-        self.deadline = (clock() if start is None else start) + seconds  # `start`: a first attempt made before
+        self.deadline = (clock() if start is None else start) + seconds  # `start`: a failure before this backoff
         self.delay = RETRY_FIRST_DELAY
         self.rng = rng or random.Random()
 
