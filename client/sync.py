@@ -273,6 +273,9 @@ class MemoryClient:
         return self._run(self.aio.list_tables())
 
     def table(self, name: str, *, refresh: bool = False) -> TableMeta:
+        self._check_open()
+        if not refresh and (meta := self.aio._tables.get(name)) is not None:  # cached: no hop to the client's loop
+            return meta  # (a trainer reads it at each step's end: RemoteValues._check_rebuilt)
         return self._run(self.aio.table(name, refresh=refresh))
 
     def status(self) -> Any:

@@ -903,3 +903,20 @@ def test_a_call_retried_after_a_first_attempt_made_elsewhere_asks_for_a_fresh_ma
     assert asyncio.run(c._retrying(call, refresh)) == "answered" and order == ["call"]  # a first attempt: none
     order.clear()  # after an overloaded server's refusal: the same map (the server is there, only busy; a review)
     assert asyncio.run(c._retrying(call, refresh, failed=time.monotonic())) == "answered" and order == ["call"]
+
+
+def test_a_cached_shard_map_is_read_without_a_hop_to_the_clients_loop(table_name):
+    """A trainer reads its table's map at each step's end (RemoteValues._check_rebuilt): through
+    the client's event loop that was ~60 us a read; a cached map is read in place now."""
+    from client import FailedPreconditionError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as srv, MemoryClient(srv.endpoint, shm=False) as c:
+        meta = c.create_table(table_name, 16, 4)
+        assert c.table(table_name).layout_id == meta.layout_id  # (cached by the first read)
+        real, c._run = c._run, None  # a hop to the loop would fail now
+        assert c.table(table_name) is c.aio._tables[table_name]
+        c._run = real
+        assert c.table(table_name, refresh=True).layout_id == meta.layout_id  # refresh: asks the coordinator
+    with pytest.raises(FailedPreconditionError, match="closed"):
+        c.table(table_name)
