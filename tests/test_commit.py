@@ -580,8 +580,10 @@ def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_ste
         attached = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1, create=False)  # (before any step)
         second = RemoteValues(other, table_name, 8, 4, optimizer="sgd", lr=0.1)  # the same name
         step(second, 1)
+        before = other.lookup(table_name, np.arange(8), count=False)
         with pytest.raises(TableRolledBackError, match=f"table {table_name} was made anew while this trainer trained"):
             step(first, 2)  # (its calls found the new incarnation: the shards refused the old one's)
+        np.testing.assert_array_equal(other.lookup(table_name, np.arange(8), count=False), before)  # not committed
         with pytest.raises(TableRolledBackError, match="was made anew"):  # attached to the old one
             step(attached, 3)
         step(second, 2)

@@ -531,6 +531,9 @@ class RemoteValues:
         self.deliver()
         self.settle()
         self.step, self.grad_scale = None, 1.0
+        if self._remade():  # its parts went to the new incarnation: not committed there
+            self.client.abandon_step(self.name, step)
+            self._check_rebuilt()
         if overflowed(self, step):
             # its parts are forgotten: the commit lists none, so the shards drop theirs and apply
             # nothing of this trainer's (a sync table still counts its commit)
@@ -561,14 +564,20 @@ class RemoteValues:
             self.rebuilds_seen = count
             raise TableRolledBackError(f"{what}, while this trainer's model kept them: go on from one checkpoint of "
                                        "both (the model's and values.load's; memtrain: --resume DIR)")
-        layout = self.client.table(self.name).layout_id  # (the client's map: no call)
-        if self.layout and layout != self.layout:
+        if self._remade():
+            self.layout = self.client.table(self.name).layout_id
             raise TableRolledBackError(f"table {self.name} was made anew while this trainer trained it (another run "
                                        "of the same table name, a drop and create, or a restore): its values are not "
                                        "the ones this trainer's model learnt with; give each run its own table name, "
                                        "and go on from one checkpoint of both (the model's and values.load's; "
                                        "memtrain: --resume DIR)")
-        self.layout = layout
+        self.layout = self.client.table(self.name).layout_id
+
+    def _remade(self) -> bool:
+        """Whether the client's map shows another incarnation of the table than the one this trains
+        (its calls follow the name to it): read before a step's commit too, which would otherwise
+        apply this trainer's parts to the other run's table (a review)."""
+        return bool(self.layout) and self.client.table(self.name).layout_id != self.layout
 
     @property
     def trace_table(self) -> str:
