@@ -86,11 +86,19 @@ def client_tls(endpoint: str | None, record: dict[str, Any] | None = None) -> Cl
                 return ClientTls(f.read(), os.environ.get(TLS_SERVER_NAME_ENV) or None)
         except OSError as exc:  # the variable is what the user can fix: name it
             raise OSError(exc.errno, f"${TLS_CA_ENV}: {exc.strerror}", path) from None
-    ca = _from_endpoint_file(endpoint, record, "tls_ca")
-    return ClientTls(ca.encode(), _from_endpoint_file(endpoint, record, "tls_server_name")) if ca else None
+    rec = _endpoint_record(endpoint, record)
+    return record_tls(rec) if rec is not None else None
 
 
-def _from_endpoint_file(endpoint: str | None, record: dict[str, Any] | None, key: str) -> str | None:
+def record_tls(record: dict[str, Any]) -> ClientTls | None:
+    """The TLS settings an endpoint record (an endpoint file's contents) gives its cluster's
+    clients, whatever the environment says (None: plaintext)."""
+    ca = record.get("tls_ca")
+    return ClientTls(ca.encode(), record.get("tls_server_name") or None) if ca else None
+
+
+def _endpoint_record(endpoint: str | None, record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`record` (else the endpoint file's) when it names `endpoint` (None: any), else None."""
     if record is None:
         from memserver.cluster.endpoint import read_endpoint
 
@@ -98,9 +106,12 @@ def _from_endpoint_file(endpoint: str | None, record: dict[str, Any] | None, key
             record = read_endpoint()
         except (FileNotFoundError, ValueError):
             return None
-    if endpoint is None or record.get("endpoint") == endpoint:
-        return record.get(key) or None
-    return None
+    return record if endpoint is None or record.get("endpoint") == endpoint else None
+
+
+def _from_endpoint_file(endpoint: str | None, record: dict[str, Any] | None, key: str) -> str | None:
+    rec = _endpoint_record(endpoint, record)
+    return (rec.get(key) or None) if rec is not None else None
 
 
 def _with_token(details: Any, token: str) -> Any:

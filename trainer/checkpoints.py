@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from memserver.storage.checkpoint import step_dir
+
 
 def trainer_file(directory: str | Path, step: int) -> Path:
     """The trainer file of a step (zero-padded, so names sort by step)."""
@@ -31,7 +33,7 @@ def prune_checkpoints(directory: str | Path, keep: int) -> list[int]:
     for f in sorted(Path(directory).glob("trainer-step-*.pt"))[:-keep]:
         step = int(f.stem.rsplit("-", 1)[1])
         f.unlink(missing_ok=True)
-        for folder in Path(directory).glob(f"memory/*/step-{step:010d}"):
-            shutil.rmtree(folder, ignore_errors=True)
+        for table in Path(directory).glob("memory/*"):  # (each remote table's checkpoint root)
+            shutil.rmtree(step_dir(table, step), ignore_errors=True)
         removed.append(step)
     return removed

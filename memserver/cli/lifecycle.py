@@ -578,11 +578,11 @@ def what_down_leaves(record: dict[str, Any], names: int = 5) -> str:
     checkpoint to a `down` and `up`). "" when it keeps everything, or the cluster does not answer
     within 5 s. At most `names` tables named."""
     from client import MemoryClient
-    from client.channels import ClientTls
+    from client.channels import record_tls
 
-    tls = ClientTls(record["tls_ca"].encode(), record.get("tls_server_name") or None) if record.get("tls_ca") else None
     try:  # (the record's token and CA, not a $MEMSERVER_TOKEN or CA of another cluster)
-        with MemoryClient(record["endpoint"], token=record.get("token"), tls=tls, timeout=5, retry_seconds=0) as client:
+        with MemoryClient(record["endpoint"], token=record.get("token"), tls=record_tls(record), timeout=5,
+                          retry_seconds=0) as client:
             tables = client.list_tables()
     except Exception:  # noqa: BLE001 - a cluster that does not answer is stopped all the same
         return ""

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: The file in each shard's folder whose lock says a shard serves from it (and its pid who).
 LOCK_FILE = "lock"
+#: A restarted shard waiting for its folder's lock tries it this often, and logs that it waits this often.
+LOCK_POLL_SECONDS, LOCK_SAY_SECONDS = 1.0, 30.0
 #: Checkpoints remembered per slice (recovery falls back to an older one if the newest is incomplete).
 KEEP_CHECKPOINTS = 3
 
@@ -47,7 +49,7 @@ class ShardStore:
         self._lock = self._take(self.dir / LOCK_FILE, wait)
 
     @staticmethod
-    def _take(path: Path, wait: bool = False, every: float = 1.0, say_every: float = 30.0) -> int:
+    def _take(path: Path, wait: bool = False) -> int:
         """An exclusive lock on the folder for this process's life (or `close`): a second shard on
         it (a second `up` on the same --data-dir) would append to the same logs and files. The
         kernel drops it when the holder dies, so a restarted shard takes it again.
@@ -56,7 +58,7 @@ class ShardStore:
         cut off with its host (a partition longer than Ray's health checks: Ray starts the shard
         elsewhere while the old one lives on, and stops it once its host is back), must not write
         beside it, and a refusal made the restart fail for good (Ray does not retry a failed
-        start; a walkthrough's shard never served again). Said in the log every `say_every` s."""
+        start; a walkthrough's shard never served again). Said in the log every LOCK_SAY_SECONDS."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         said = -math.inf
         while True:
@@ -70,11 +72,11 @@ class ShardStore:
                     raise FailedPreconditionError(f"data directory {path.parent} is in use by another memserver shard "
                                                   f"(pid {holder}); stop that cluster, or give this one another "
                                                   "--data-dir") from None
-                if time.monotonic() - said >= say_every:
+                if time.monotonic() - said >= LOCK_SAY_SECONDS:
                     said = time.monotonic()
                     log.warning("data directory %s is held by pid %s (this shard's earlier process, on a host cut off?): "
                                 "waiting for it to stop before serving", path.parent, holder)
-                time.sleep(every)
+                time.sleep(LOCK_POLL_SECONDS)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         return fd
