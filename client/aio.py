@@ -123,6 +123,12 @@ class AppliedBy:
     TWICE = "sending it again as a new call applies it twice there"
     SAME = "sending the same write again once every shard serves completes it (it sets the same values again)"
 
+    @classmethod
+    def backward(cls, gather: bool, step: int) -> str:
+        """A bag_backward's: applied at once unless it is a step's part (`gather`) or a sync table's
+        contribution (`step`: applied once every trainer committed, a resend refused)."""
+        return "" if gather or step else cls.TWICE
+
     def __init__(self, resend: str) -> None:
         self.resend = resend
         self.whole: dict[int, str] = {}  # shard index -> address: every request of the shard's answered
@@ -755,7 +761,7 @@ class AsyncMemoryClient:
         parts = self.session.step_parts(table, step) if gather else None
         op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply, step,  # noqa: E731
                                               parts, weight_grad)
-        grad_w = await self._call(table, op, tags, applies=AppliedBy.TWICE if not (gather or step) else "")
+        grad_w = await self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
         return None if grad_w is None else like(grad_w, weights)
 
     async def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:

@@ -303,7 +303,7 @@ class MemoryClient:
         parts = self.aio.session.step_parts(table, step) if gather else None
         op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.aio.opts, tags, defer_apply,  # noqa: E731
                                               step, parts, weight_grad)
-        grad_w = self._call(table, op, tags, applies=AppliedBy.TWICE if not (gather or step) else "")
+        grad_w = self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
         return None if grad_w is None else like(grad_w, weights)
 
     def abandon_step(self, table: str, step: int) -> int:
