@@ -900,6 +900,27 @@ def test_a_rows_disk_table_serves_calls_whose_ids_one_shard_owns(client, table_n
 
 
 
+def test_status_says_no_hit_rate_before_a_disk_tables_first_read(client, table_name, capsys):
+    """`memserver status` showed 0.0% hits for a disk table nothing had read yet (the page showed
+    none): both say no rate then (JSON null, the table "-"), and the rate once read."""
+    import json
+
+    from memserver.cli import main
+
+    client.create_table(table_name, 1000, 8, tier="disk")
+
+    def rates() -> list:
+        assert main(["status", "--json", "--endpoint", client.endpoint]) == 0
+        st = json.loads(capsys.readouterr().out)
+        return [t["hit_rate"] for s in st["shards"] for t in s["tables"] if t["table"] == table_name]
+
+    assert rates() == [None, None]
+    assert main(["status", "--endpoint", client.endpoint]) == 0 and table_name[:8] in capsys.readouterr().out
+    client.bag(table_name, np.array([[1, 2], [1, 999]]), np.ones((2, 2), np.float32))
+    assert all(r is not None and 0 <= r < 1 for r in rates())  # each shard read its column block of 3 rows
+    client.drop_table(table_name)
+
+
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
 def test_restore_moves_a_table_between_tiers_and_it_continues_identically(client, table_name, tmp_path, optimizer):
     """A RAM table's checkpoint restored onto disk (a table that outgrew its shards' memory, its
@@ -1017,3 +1038,4 @@ def test_status_of_a_shard_without_recent_rates_falls_back_to_its_counters():
     assert (d["disk_reads_per_s"], d["disk_writes_per_s"], d["hit_rate"]) == (10.0, 2.0, 0.75)
     new = pb.TableLoad(tier="disk", disk_reads=600, disk_seconds=60.0, disk_reads_per_s=0.5)
     assert _disk_dict(new)["disk_reads_per_s"] == 0.5 and _disk_dict(pb.TableLoad(tier="disk"))["disk_reads_per_s"] == 0
+    assert _disk_dict(pb.TableLoad(tier="disk"))["hit_rate"] is None  # nothing read yet: no rate, not 0% (as the page)

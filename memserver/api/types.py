@@ -202,6 +202,13 @@ class TableMeta:
         return d
 
 
+def hit_rate(hits: int, misses: int) -> float | None:
+    """A disk table's cache hit rate: hits over the distinct rows its calls read, or None before its
+    first read (the CLI, its JSON and the page all say "no rate yet" then, never 0%)."""
+    seen = hits + misses
+    return hits / seen if seen else None
+
+
 def fmt_bytes(n: float) -> str:
     """A byte count for people: "250 B", "1.5 MiB" (the CLI, the page and the servers' refusals)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

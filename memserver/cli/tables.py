@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from memserver.api.errors import InvalidArgumentError
-from memserver.api.types import SHARDINGS, fmt_bytes
+from memserver.api.types import SHARDINGS, fmt_bytes, hit_rate
 from memserver.cli.common import (
     CliError,
     cache_size,
@@ -103,13 +103,12 @@ def _disk_dict(t: Any) -> dict[str, Any]:
     counters since the slice loaded, `seconds` ago)."""
     if t.tier != "disk":
         return {"tier": t.tier or "ram"}
-    seen = t.cache_hits + t.cache_misses
     reads_per_s, writes_per_s = t.disk_reads_per_s, t.disk_writes_per_s
     if not (reads_per_s or writes_per_s) and (t.disk_reads or t.disk_writes) and t.disk_seconds:  # a shard too old to say
         reads_per_s, writes_per_s = t.disk_reads / t.disk_seconds, t.disk_writes / t.disk_seconds
     return {"tier": "disk", "cache_bytes": t.cache_bytes, "cache_bound": t.cache_bound, "cached_rows": t.cache_rows,
             "capacity": t.cache_capacity, "memory_bytes": t.bytes, "cache_hits": t.cache_hits,
-            "cache_misses": t.cache_misses, "hit_rate": t.cache_hits / seen if seen else 0.0,
+            "cache_misses": t.cache_misses, "hit_rate": hit_rate(t.cache_hits, t.cache_misses),
             "evictions": t.cache_evictions, "disk_reads": t.disk_reads, "disk_writes": t.disk_writes,
             "disk_reads_per_s": reads_per_s, "disk_writes_per_s": writes_per_s, "seconds": t.disk_seconds,
             "read_ahead": t.disk_read_ahead, "hinted": t.disk_hinted, "warmed": t.disk_warmed,
@@ -196,7 +195,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for x in s["tables"]:
             if x.get("tier") == "disk":
                 disks.add_row(x["table"], str(s["index"]), f"{x['cached_rows']:,} / {x['capacity']:,}",
-                              fmt_bytes(x["cache_bound"]), fmt_bytes(x["memory_bytes"]), f"{x['hit_rate']:.1%}",
+                              fmt_bytes(x["cache_bound"]), fmt_bytes(x["memory_bytes"]),
+                              "-" if x["hit_rate"] is None else f"{x['hit_rate']:.1%}",
                               f"{x['evictions']:,}", f"{x['disk_reads_per_s']:,.0f}", f"{x['disk_writes_per_s']:,.0f}",
                               f"{x['hinted']:,} ({x['warmed']:,})", f"{x['data_file']} ({fmt_bytes(x['data_bytes'])})")
     if disks.row_count:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from memserver.api.types import TableMeta
+from memserver.api.types import TableMeta, hit_rate
 from memserver.cli.common import whole_number
 
 #: The statistics slots can be ranked by (client.MemoryClient.top_slots' `by`) and their slot_stats keys.
@@ -67,9 +67,8 @@ def overview(client: Any) -> dict[str, Any]:
             row.update(rows=t["num_rows"], dim=t["dim"], sharding=t["sharding"], optimizer=t["optimizer"], lr=t["lr"],
                        dtype=t["dtype"], wal=t["wal"], tier=tier_text(t["tier"], t["cache_bytes"]), hit_rate=None)
             if t["tier"] == "disk":  # hits over reads of the slices served, since each loaded (None: none read yet)
-                hits, seen = (sum(x.get("cache_hits", 0) for x in held),
-                              sum(x.get("cache_hits", 0) + x.get("cache_misses", 0) for x in held))
-                row["hit_rate"] = hits / seen if seen else None
+                row["hit_rate"] = hit_rate(sum(x.get("cache_hits", 0) for x in held),
+                                           sum(x.get("cache_misses", 0) for x in held))
             value_tables.append(row)
         else:
             if t["kind"] == "index":
