@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import memserver.cli as cli
@@ -430,6 +431,18 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path, cli_
             assert dropped.returncode == 0 and f"dropped {name}" in dropped.stdout, dropped.stderr
     with MemoryClient(memory_cluster.endpoint) as client:
         assert not {"cli-disk", "cli-ram", "cli-half"} & {t.name for t in client.list_tables()}
+        # --replace over an index table of the name replaced it silently ("created cli-idx: ..."): refused, kept
+        client.create_index("cli-idx", 4)
+        client.add("cli-idx", np.arange(3), np.ones((3, 4), np.float32))
+        try:
+            bad = run(["create-table", "cli-idx", "--rows", "10", "--dim", "2", "--replace", *at])
+            assert bad.returncode == 1 and "memserver: error: FAILED_PRECONDITION: table 'cli-idx' is an index table: a " \
+                "create with replace replaces only a value table of that name; drop it first (memserver drop-table " \
+                "cli-idx)" in bad.stderr, bad.stderr
+            assert client.table("cli-idx", refresh=True).kind == "index"
+            assert client.search("cli-idx", np.ones((1, 4), np.float32), k=3)[1].tolist() == [[0, 1, 2]]
+        finally:
+            client.drop_table("cli-idx")
     bad = run(["create-table", "x", "--rows", "10", "--dim", "2", "--cache-bytes", "4Q", *at])
     assert bad.returncode == 2 and "--cache-bytes" in bad.stderr and "not a size" in bad.stderr
     for cmd in (["create-table", "x", "--rows", "10", "--dim", "2", "--tier", "disk"], ["restore", "--tier", "disk"]):

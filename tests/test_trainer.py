@@ -931,7 +931,7 @@ def test_saves_are_snapshots_loads_check_shapes_and_forgotten_steps_are_said(cli
     layer then read rows of another table; a step begun and never ended (end_step forgotten)
     dropped its updates silently; RemoteValues (create=True) replaced an index table of its
     name, saying "create=False attaches to it", which refuses an index table."""
-    from memserver.api.errors import InvalidArgumentError
+    from memserver.api.errors import FailedPreconditionError, InvalidArgumentError
     from trainer.memory import LocalValues, RemoteValues
 
     ids, w, g = torch.tensor([[0, 1]]), torch.ones(1, 2), torch.ones(1, 4)
@@ -971,8 +971,9 @@ def test_saves_are_snapshots_loads_check_shapes_and_forgotten_steps_are_said(cli
 
     client.create_index(f"{table_name}-i", 8)
     try:
-        with pytest.raises(ValueError, match=rf"table {table_name}-i is an index table: RemoteValues replaces only a "
-                                             rf"value table of that name; drop it first \(client.drop_table\("):
+        with pytest.raises(FailedPreconditionError, match=rf"table '{table_name}-i' is an index table: a create with "
+                                                          rf"replace replaces only a value table of that name; drop it "
+                                                          rf"first \(memserver drop-table {table_name}-i\)"):
             RemoteValues(client, f"{table_name}-i", 10, 8)
         assert client.table(f"{table_name}-i").kind == "index"
     finally:

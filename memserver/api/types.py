@@ -152,7 +152,7 @@ class TableMeta:
     @property
     def a_kind(self) -> str:
         """Its kind as a message says it: "a value table", "an index table", "a product-key table"."""
-        return f"{'an' if self.kind == 'index' else 'a'} {self.kind.replace('_', '-')} table"
+        return a_kind(self.kind)
 
     @classmethod
     def from_proto(cls, info: pb.TableInfo) -> TableMeta:
@@ -200,6 +200,11 @@ class TableMeta:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "shards"}
         d["shards"] = [sh.__dict__ for sh in self.shards]
         return d
+
+
+def a_kind(kind: str) -> str:
+    """A table kind (TableMeta.kind) as a message says it: "a value table", "an index table"."""
+    return f"{'an' if kind == 'index' else 'a'} {kind.replace('_', '-')} table"
 
 
 def hit_rate(hits: int, misses: int) -> float | None:

@@ -32,7 +32,7 @@ from memserver.api.errors import (
     UnavailableError,
     first_line,
 )
-from memserver.api.types import METRIC_NAMES, check_table_name
+from memserver.api.types import KIND_NAMES, METRIC_NAMES, a_kind, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
@@ -241,6 +241,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
         spec = validate_spec(request.spec, len(self.handles))
+        if request.replace and (old := self.tables.get(spec.name)) is not None and old.spec.kind != spec.kind:
+            # (an index's vectors may have taken hours to build: a value table does not silently take its name)
+            raise FailedPreconditionError(
+                f"table {spec.name!r} is {a_kind(KIND_NAMES[old.spec.kind])}: a create with replace replaces only "
+                f"{a_kind(KIND_NAMES[spec.kind])} of that name; drop it first (memserver drop-table {spec.name}) or "
+                "choose another name")
         if request.replace:
             await self._drop_strays(spec.name)  # what is there goes: slices no table owns too
         if request.replace and spec.name in self.tables and spec.name not in self.pending:

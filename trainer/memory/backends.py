@@ -408,11 +408,9 @@ class RemoteValues:
                 existing = client.table(name, refresh=True)
             except TableNotFoundError:
                 existing = None
-            if existing is not None and existing.kind != "value":  # (its vectors may have taken hours to build)
-                raise ValueError(f"table {name} is {existing.a_kind}: RemoteValues replaces only a value table of that "
-                                 f"name; drop it first (client.drop_table({name!r})) or choose another name")
             existed = existing is not None
-            # replaced only once the coordinator accepts the new spec: a bad argument leaves the table
+            # replaced only once the coordinator accepts the new spec: a bad argument, or a table of
+            # another kind (an index's vectors may have taken hours to build), leaves the table
             self.layout = client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
                                               sharding=sharding, sync_workers=sync_workers, wal=wal, tier=tier,
                                               cache_bytes=cache_bytes, replace=True).layout_id

@@ -94,20 +94,13 @@ def upload_source(client: Any, name: str, encodings: torch.Tensor, *, shards: in
     source. E is checked first (InvalidArgumentError naming `encodings`), and a table of `name`
     that is not an index table is refused (ValueError): nothing is dropped for a call that cannot
     make the source. An index table of that name is replaced once the new one's spec is accepted."""
-    from client import InvalidArgumentError, TableNotFoundError
+    from client import InvalidArgumentError
     from memserver.wire import check_float
 
     e = torch.as_tensor(encodings, dtype=torch.float32).contiguous()
     if e.dim() != 2 or not e.shape[0] or not e.shape[1]:
         raise InvalidArgumentError(f"encodings: a source needs [n, dim] encodings with n, dim >= 1, got {list(e.shape)}")
     check_float(e, "encodings")  # (the rule every vector a table takes is checked by)
-    try:
-        existing = client.table(name, refresh=True)
-    except TableNotFoundError:
-        existing = None
-    if existing is not None and existing.kind != "index":
-        raise ValueError(f"table {name} is {existing.a_kind}: upload_source replaces only an index table of that name; "
-                         f"drop it first (client.drop_table({name!r})) or choose another name")
     kwargs = {"num_shards": shards} if shards else {}
     client.create_index(name, int(e.shape[1]), index_factory="Flat", metric="ip", payload_dim=int(e.shape[1]),
                         replace=True, **kwargs)
