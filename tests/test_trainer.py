@@ -359,9 +359,14 @@ def test_remote_values_attach_only_to_a_table_of_their_shape(client, table_name,
     with caplog.at_level("WARNING", logger="trainer.memory.backends"):
         RemoteValues(client, table_name, 64, 8, create=False, optimizer="sgd", lr=5.0)  # the table's are adagrad 0.01
         assert f"table {table_name} trains with its own optimizer, adagrad lr 0.01; this backend's optimizer='sgd', " \
-               "lr=5 are not applied" in caplog.text
+               "lr=5.0 are not applied" in caplog.text
+        caplog.clear()
+        RemoteValues(client, table_name, 64, 8, create=False, lr=0.5)
+        assert "this backend's lr=0.5 is not applied" in caplog.text
         caplog.clear()
         RemoteValues(client, table_name, 64, 8, create=False, optimizer="adagrad", lr=0.01)
+        # none given: nothing to warn of (a walkthrough's attach warned of adam 0.001, the defaults it never gave)
+        RemoteValues(client, table_name, 64, 8, create=False)
         assert "its own optimizer" not in caplog.text
         RemoteValues(client, table_name, 64, 8, seed=5)
     assert f"table {table_name} existed; dropped and made anew" in caplog.text

@@ -38,6 +38,8 @@ from memserver.core.table import ValueTable
 from memserver.wire import as_tensor, check_bag, check_ids, check_rows
 
 log = logging.getLogger(__name__)
+#: Both backends' optimizer for a table they make, unless told (the shards' sparse optimizer, memserver.core.optim).
+DEFAULT_OPTIMIZER, DEFAULT_LR = "adam", 1e-3
 
 #: What a load adds to a backend's `version`: every read sent before it is then too old to use.
 LOADED = 1 << 30
@@ -222,7 +224,7 @@ class ValueBackend(Protocol):
 class LocalValues:
     """The value table in this process (same math as a shard)."""
 
-    def __init__(self, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3, init_std: float | None = None,
+    def __init__(self, num_rows: int, dim: int, *, optimizer: str = DEFAULT_OPTIMIZER, lr: float = DEFAULT_LR, init_std: float | None = None,
                  seed: int = 0, device: torch.device | str = "cpu") -> None:
         """`device`: where the table lives (the values are made on the CPU, the same numbers
         everywhere, then moved); a layer's module moving elsewhere moves it along (`to`). The
@@ -349,14 +351,16 @@ class RemoteValues:
     name is replaced, as memtrain's --table says) with the same deterministic initialisation
     as `LocalValues` of the same seed, or an existing one attached (`create=False`)."""
 
-    def __init__(self, client: Any, name: str, num_rows: int, dim: int, *, optimizer: str = "adam", lr: float = 1e-3,
+    def __init__(self, client: Any, name: str, num_rows: int, dim: int, *, optimizer: str | None = None,
+                 lr: float | None = None,
                  init_std: float | None = None, seed: int = 0, sharding: str | None = None, defer_apply: bool = False,
                  create: bool = True, sync_workers: int = 0, wal: bool = False, tier: str = "ram",
                  cache_bytes: int = 0, restoring: bool = False) -> None:
         """`create`: (re-)create the table, dropping one of that name and its values (data-parallel
         trainers: rank 0 only); False: attach to the table, which where it exists must have
         `num_rows` x `dim` (ValueError otherwise: a layer would read rows of another shape) and
-        keeps its own optimizer, lr and values (a warning says when `optimizer`/`lr` differ); `sync_workers`:
+        keeps its own optimizer, lr and values (a warning says when an `optimizer`/`lr` given differs;
+        made, the table takes them, by default adam with lr 1e-3 as LocalValues); `sync_workers`:
         that many trainers push each step and the shards apply the mean once (see the proto);
         `wal`: the shards log every update before acknowledging it (survives a shard restart);
         `tier` "disk": rows on the shards' disks under a RAM cache of `cache_bytes` (whole table);
@@ -399,10 +403,11 @@ class RemoteValues:
                                  f"{num_rows} x {dim}")
             if meta is not None:  # its incarnation: one made anew from here on stops the trainer (_check_rebuilt)
                 self.layout = meta.layout_id
-            if meta is not None and (meta.optimizer, meta.lr) != (optimizer, lr):  # (the client's float64 = lr)
-                log.warning("RemoteValues: table %s trains with its own optimizer, %s lr %g; this backend's "
-                            "optimizer=%r, lr=%g are not applied to a table it attaches to (create=False)", name,
-                            meta.optimizer, meta.lr, optimizer, lr)
+            given = {k: v for k, v in (("optimizer", optimizer), ("lr", lr)) if v is not None}
+            if meta is not None and any(getattr(meta, k) != v for k, v in given.items()):  # (float64 lr both)
+                log.warning("RemoteValues: table %s trains with its own optimizer, %s lr %g; this backend's %s %s "
+                            "not applied to a table it attaches to (create=False)", name, meta.optimizer, meta.lr,
+                            ", ".join(f"{k}={v!r}" for k, v in given.items()), "are" if len(given) > 1 else "is")
         else:
             try:  # (a table that is not served, DataLossError, is left for repair: its error says how)
                 existing = client.table(name, refresh=True)
@@ -411,7 +416,8 @@ class RemoteValues:
             existed = existing is not None
             # replaced only once the coordinator accepts the new spec: a bad argument, or a table of
             # another kind (an index's vectors may have taken hours to build), leaves the table
-            self.layout = client.create_table(name, num_rows, dim, optimizer=optimizer, lr=lr, init_std=std, seed=seed,
+            self.layout = client.create_table(name, num_rows, dim, optimizer=optimizer or DEFAULT_OPTIMIZER,
+                                              lr=DEFAULT_LR if lr is None else lr, init_std=std, seed=seed,
                                               sharding=sharding, sync_workers=sync_workers, wal=wal, tier=tier,
                                               cache_bytes=cache_bytes, replace=True).layout_id
             if existed:
