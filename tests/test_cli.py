@@ -532,6 +532,37 @@ def test_flags_are_refused_by_name_before_any_cluster_is_asked(capsys, tmp_path,
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, usage, message", [
+    (["status", "--jsn"], "usage: memserver status ", "memserver status: error: unrecognized arguments: --jsn (--jsn: "
+                                                      "did you mean --json?)"),
+    (["create-table", "t", "--rows", "4", "--dim", "2", "--optimiser", "adam"], "usage: memserver create-table ",
+     "memserver create-table: error: unrecognized arguments: --optimiser adam (--optimiser: did you mean --optimizer?)"),
+    (["index", "build", "t", "--vectors", "v.npy", "--factroy=Flat"], "usage: memserver index build ",
+     "unrecognized arguments: --factroy=Flat (--factroy: did you mean --factory?)"),
+    (["top", "t", "extra"], "usage: memserver top ", "memserver top: error: unrecognized arguments: extra\n"),
+])
+def test_an_unknown_flag_is_refused_by_its_commands_parser_with_the_closest_flag(capsys, argv, usage, message):
+    """A misspelt flag of a command got the top level's usage (`memserver [-h] [-v] COMMAND ...`)
+    and no hint (a newcomer's walkthrough); bad values already got the command's."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(usage) and message in err, err
+
+
+def test_memtrains_unknown_flags_name_the_closest_flag(capsys):
+    from trainer.train import main
+
+    for argv, message in ((["--value-optimiser", "adam"], "memtrain: error: unrecognized arguments: --value-optimiser adam"
+                                                           " (--value-optimiser: did you mean --value-optimizer?)"),
+                          (["trace", "--checkpoint", "c", "--table", "t", "--tokenz", "5"],
+                           "memtrain trace: error: unrecognized arguments: --tokenz 5 (--tokenz: did you mean --tokens?)")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err, err
+
+
 def test_up_refuses_a_data_dir_whose_tables_need_more_shards(tmp_path, capsys, monkeypatch):
     """Shard i loads only shard-i of the data directory: with fewer shards a table's other
     slices were left out, the table dropped from the catalog with a line in the log, and a

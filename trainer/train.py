@@ -30,7 +30,7 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.cli import quiet_libraries
-from memserver.cli.common import WRONG_COMMAND, cache_size, exit_status, one_line, retry_window, seconds
+from memserver.cli.common import WRONG_COMMAND, cache_size, exit_status, one_line, parse_args, retry_window, seconds
 from memserver.core.table import set_threads
 from memserver.storage.checkpoint import extras_digest
 from trainer.checkpoints import prune_checkpoints, trainer_file
@@ -1024,7 +1024,7 @@ def trace_parser() -> argparse.ArgumentParser:
 
 def trace_main(argv: list[str]) -> int:
     parser = trace_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.tokens < 0:
         parser.exit(WRONG_COMMAND, f"memtrain trace: error: --tokens must be >= 0, got {args.tokens}\n")
     if args.batch_size < 1:
@@ -1078,7 +1078,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["trace"]:
         return trace_main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     args.given = given_flags(parser, argv)
     try:
         return _main(args)

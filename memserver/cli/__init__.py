@@ -15,7 +15,7 @@ import sys
 from typing import NoReturn
 
 from memserver.cli import index, lifecycle, loadtest, slots, tables, web
-from memserver.cli.common import CliError, exit_status, one_line
+from memserver.cli.common import CliError, exit_status, one_line, parse_args
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
 
@@ -90,7 +90,7 @@ def _main(argv: list[str] | None) -> int:
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

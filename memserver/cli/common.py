@@ -156,3 +156,27 @@ def cache_size(text: str) -> int:
         raise argparse.ArgumentTypeError("0 bytes of cache: leave it out for the default (1/8 of the "
                                          "rows' records)")
     return size
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, except that a flag no parser knows is refused by the parser of the
+    command it was given to (its usage, not the top level's `COMMAND ...`), naming that command's
+    closest flag: `memserver status --jsn` said only "unrecognized arguments" under the top-level
+    usage."""
+    import difflib
+    import sys
+
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    own, words = parser, list(sys.argv[1:] if argv is None else argv)
+    while subs := [a for a in own._actions if isinstance(a, argparse._SubParsersAction)]:
+        chosen = next((w for w in words if w in subs[0].choices), None)
+        if chosen is None:
+            break
+        own, words = subs[0].choices[chosen], words[words.index(chosen) + 1:]
+    flags = [o for a in own._actions for o in a.option_strings if o.startswith("--")]
+    hints = [f"{w.split('=', 1)[0]}: did you mean {close[0]}?" for w in extra if w.startswith("-")
+             if (close := difflib.get_close_matches(w.split("=", 1)[0], flags, n=1, cutoff=0.6))]
+    own.error(f"unrecognized arguments: {' '.join(extra)}" + ("" if not hints else " (" + "; ".join(hints) + ")"))
+    raise AssertionError("unreachable")  # (error exits)
