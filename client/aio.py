@@ -738,12 +738,14 @@ class AsyncMemoryClient:
         an inspection read, not counted in the slots' hits."""
         return like(await self._call(table, lambda meta: ops.lookup_op(meta, ids, self.opts, count)), ids)
 
-    async def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
+    async def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None, *, count: bool = True) -> Any:
         """Weighted bags: out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32.
 
-        ids/weights are [B, k], or 1-D with `offsets` [B] marking where each bag starts.
+        ids/weights are [B, k], or 1-D with `offsets` [B] marking where each bag starts. `count`
+        False: not counted in the slots' hits and weight mass (an evaluation's or inspection's read).
         """
-        return like(await self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.opts)), weights)
+        return like(await self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.opts, count)),
+                    weights)
 
     async def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
                            defer_apply: bool = False, step: int = 0, gather: bool = False,

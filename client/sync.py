@@ -294,8 +294,8 @@ class MemoryClient:
     def lookup(self, table: str, ids: Any, *, count: bool = True) -> Any:
         return like(self._call(table, lambda meta: ops.lookup_op(meta, ids, self.aio.opts, count)), ids)
 
-    def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Any:
-        return like(self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.aio.opts)), weights)
+    def bag(self, table: str, ids: Any, weights: Any, offsets: Any = None, *, count: bool = True) -> Any:
+        return like(self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.aio.opts, count)), weights)
 
     def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
                      defer_apply: bool = False, step: int = 0, gather: bool = False, weight_grad: bool = True) -> Any:
@@ -405,10 +405,10 @@ class MemoryClient:
         stats = self._call(table, lambda meta: ops.slot_stats_op(meta, ids))
         return {k: like(v, ids) for k, v in stats.items()}
 
-    def submit_bag(self, table: str, ids: Any, weights: Any, offsets: Any = None) -> Future[Any]:
+    def submit_bag(self, table: str, ids: Any, weights: Any, offsets: Any = None, *, count: bool = True) -> Future[Any]:
         """`bag` without waiting: the answer arrives in the returned future (a memory layer sends
         one chunk's bag and addresses the next chunk meanwhile)."""
-        return self._submit(self.aio.bag(table, ids, weights, offsets))
+        return self._submit(self.aio.bag(table, ids, weights, offsets, count=count))
 
     def submit_bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
                             step: int, gather: bool = True) -> Future[None]:

@@ -558,7 +558,7 @@ def test_a_commit_refused_in_flight_fails_the_next_call_once():
             done.set_exception(StepAbortedError("shard 1 lacks part 3"))
             return done
 
-        def bag(self, *args):
+        def bag(self, *args, **kwargs):
             Refusing.bags += 1
             return torch.zeros(1, 4)
 

@@ -1048,3 +1048,37 @@ def test_keep_checkpoints_removes_all_but_the_newest_and_a_resume_takes_the_newe
         from trainer.train import check_flags
 
         check_flags(train_flags)
+
+
+def test_reads_of_a_model_in_eval_mode_are_not_counted(client, table_name):
+    """The slots' statistics counted every read, so evaluation, a traced batch or inference with a
+    user's own model moved the hottest slots (a walkthrough: tracing 20 batches doubled the top
+    slot's hits): a layer in eval mode reads uncounted, by each path a read takes (one call,
+    chunks sent ahead, a token-addressed layer's prefetch); in train mode every read counts."""
+    from trainer.memory import EngramMemory, ProductKeyMemory, RemoteValues
+
+    def hits(name: str, rows: int) -> int:
+        return int(client.slot_stats(name, np.arange(rows))["hits"].sum())
+
+    torch.manual_seed(0)
+    pkm = ProductKeyMemory(8, 8, RemoteValues(client, table_name, 64, 8), n_keys=8, heads=1, k_dim=4, knn=2,
+                           query_bn=False)
+    eng = EngramMemory(8, 8, RemoteValues(client, f"{table_name}-e", 64, 4), orders=(2,), heads=2)
+    x, tokens = torch.randn(2, 5, 8), torch.randint(0, 50, (2, 5))
+    try:
+        for micro in (1, 2):  # one call; chunks sent while the next is addressed (submit_bag)
+            pkm.micro_batches = eng.micro_batches = micro
+            for prefetch in (False, True):
+                for layer, name, call in ((pkm, table_name, lambda: pkm(x)), (eng, f"{table_name}-e",
+                                                                            lambda: eng(x, tokens))):
+                    for training in (False, True):
+                        layer.train(training)
+                        before = hits(name, 64)
+                        with torch.no_grad():
+                            if prefetch:
+                                layer.prefetch(tokens)  # (a no-op for product keys)
+                            call()
+                        assert (hits(name, 64) > before) == training, (name, micro, prefetch, training)
+        assert eng.prefetch_used == 4  # the prefetches were the reads used
+    finally:
+        client.drop_table(f"{table_name}-e")

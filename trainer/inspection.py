@@ -56,12 +56,13 @@ class PeekValues:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(self.client.lookup(self.name, ids.reshape(-1).cpu(), count=False)).view(*ids.shape, self.dim)
 
-    def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> torch.Tensor:
+        """(Never counted, whatever `count` says.)"""
         uniq, inv = torch.unique(ids, return_inverse=True)
         rows = self.rows(uniq)
         return torch.einsum("nk,nkd->nd", weights.float(), rows[inv])
 
-    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
+    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> Future[torch.Tensor]:
         done: Future[torch.Tensor] = Future()
         done.set_result(self.bag(ids, weights))
         return done

@@ -121,8 +121,9 @@ def _into(out: torch.Tensor, where: tuple[Any, ...], got: torch.Tensor, add: boo
         out[where] = got.to(out.dtype)
 
 
-def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOptions) -> Op:
-    """out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32, computed on the shards."""
+def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOptions, count: bool = True) -> Op:
+    """out[b] = sum_j weights[b, j] * v[ids[b, j]] -> [B, dim] float32, computed on the shards.
+    `count` False: not counted in the slots' statistics (as `lookup_op`'s)."""
     t_ids, w, off, num_bags = bag_args(meta, ids, weights, offsets)
     # cols: every shard fills its columns of every bag (an error fails the call), nothing to zero
     out = (torch.zeros if meta.by_rows else torch.empty)((num_bags, meta.dim), dtype=torch.float32)
@@ -135,7 +136,8 @@ def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOption
         shared: Lazy | None = None
         for sh, (s_ids, s_w, s_off) in route_bags(meta, b_ids, b_w, b_off):
             if shared is None or meta.by_rows:  # cols: one request for every shard
-                req = Lazy(pb.BagRequest(table=meta.name, wire_dtype=opts.wire_dtype, layout_id=meta.layout_id),
+                req = Lazy(pb.BagRequest(table=meta.name, wire_dtype=opts.wire_dtype, layout_id=meta.layout_id,
+                                         uncounted=not count),
                            {"ids": enc(s_ids, ids=True), "weights": enc(s_w)},
                            answer_bytes=(bags.stop - bags.start) * (sh.col_end - sh.col_start) * itemsize)
                 if s_off is not None:

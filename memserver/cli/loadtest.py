@@ -214,7 +214,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="concurrent simulated clients (default 4); with --expect-workers, in total over the workers")
     lt.add_argument("--spawn-rate", type=float, default=DEFAULTS["spawn_rate"], help="users started per second (default 4)")
     lt.add_argument("--duration", default=DEFAULTS["duration"], help="how long to load, e.g. 30s, 2m, 500ms (default 30s)")
-    lt.add_argument("--table", help="existing table to load (bag_backward updates its rows!); default: a scratch table")
+    lt.add_argument("--table", help="existing table to load (bag_backward updates its rows, and its reads count in "
+                    "the slots' hits: `memserver top` then shows the load); default: a scratch table")
     lt.add_argument("--mix", default=DEFAULTS["mix"], help="weighted calls (default bag:8,lookup:1,bag_backward:1)")
     lt.add_argument("--batch", type=int, default=DEFAULTS["batch"],
                     help="bags per bag/bag_backward call, ids per lookup (default 256)")

@@ -194,11 +194,11 @@ class TableClient:
         self.handed += [(t.device.type, t.is_pinned()) for t in (ids, *tensors)]
         self.ids_dtypes.add(ids.dtype)
 
-    def bag(self, table, ids, weights):
+    def bag(self, table, ids, weights, *, count=True):
         self._hand(ids, weights)
         return self.values.bag(ids, weights)
 
-    def submit_bag(self, table, ids, weights):
+    def submit_bag(self, table, ids, weights, *, count=True):
         self._hand(ids, weights)
         return self.pool.submit(lambda: (time.sleep(self.delay), self.values.bag(ids, weights))[1])
 

@@ -149,11 +149,12 @@ class ValueBackend(Protocol):
     dim: int  # floats per slot
     version: int  # updates this process applied or committed: how old a prefetched read is (a load adds LOADED)
 
-    def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """ids, weights [N, n] -> [N, dim]: out[i] = sum_j weights[i, j] * v[ids[i, j]]."""
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> torch.Tensor:
+        """ids, weights [N, n] -> [N, dim]: out[i] = sum_j weights[i, j] * v[ids[i, j]]. `count`
+        False: a read the slots' statistics leave out (a layer in eval mode: evaluation, tracing)."""
         ...
 
-    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
+    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> Future[torch.Tensor]:
         """`bag`, answered in a future, so the caller can address its next chunk meanwhile."""
         ...
 
@@ -269,7 +270,8 @@ class LocalValues:
         if grad_out is not None:
             check_rows(grad_out, num_bags, self.dim, "grad_out")
 
-    def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> torch.Tensor:
+        """(`count`: no statistics kept here, nothing to leave out.)"""
         ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         self._check(ids, weights)
         return to_device(self.table.bag(ids, weights), ids.device)
@@ -278,7 +280,7 @@ class LocalValues:
         """In memory already: nothing to do."""
         return None
 
-    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
+    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> Future[torch.Tensor]:
         done: Future[torch.Tensor] = Future()
         done.set_result(self.bag(ids, weights))
         return done
@@ -436,12 +438,12 @@ class RemoteValues:
             return ids
         return ids.to(torch.int32)
 
-    def bag(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> torch.Tensor:
         ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         self.settle()
         try:
-            out = self.client.bag(self.name, h_ids, h_w)
+            out = self.client.bag(self.name, h_ids, h_w, count=count)
         except MemserverError:
             self._check_table()  # an id out of range of a table made anew: said as that
             raise
@@ -476,14 +478,15 @@ class RemoteValues:
             log.warning("table %s: a read-ahead hint failed (the read fetches its rows itself): %s", self.name,
                         done.exception())
 
-    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor) -> Future[torch.Tensor]:
+    def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> Future[torch.Tensor]:
         """Sent now, or, while a commit is in flight, as soon as it is applied (chained, not
         waited for: the exact prefetch of step t+1 overlaps step t's commit too)."""
         ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         if self.committing is None:
-            return on_device(self.client.submit_bag(self.name, h_ids, h_w), ids.device)
-        return on_device(after(self.committing, lambda: self.client.submit_bag(self.name, h_ids, h_w)), ids.device)
+            return on_device(self.client.submit_bag(self.name, h_ids, h_w, count=count), ids.device)
+        return on_device(after(self.committing, lambda: self.client.submit_bag(self.name, h_ids, h_w, count=count)),
+                         ids.device)
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:

@@ -128,7 +128,7 @@ def looks_for_nonfinite(t: torch.Tensor, values: Any) -> bool:
 
 
 def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None, *,
-        weight_grad: bool = True) -> torch.Tensor:
+        weight_grad: bool = True, count: bool = True) -> torch.Tensor:
     """Differentiable weighted bag over a value backend: ids, weights [N, n] -> [N, dim]
     (`out`: the bag already fetched, e.g. through submit_bag). The values are updated in the
     backward only when the weights take part in autograd (they require grad). `weight_grad`
@@ -140,11 +140,14 @@ def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: tor
     asked of the backend, which refuses them), and a backward whose dL/d(out) or weights are not
     finite sends no update and returns a NaN dL/dweights; the backend's end_step then drops the
     whole step's update (the table is left as it was). On a GPU this is looked for only under a
-    GradScaler (looks_for_nonfinite)."""
+    GradScaler (looks_for_nonfinite). `count` False: the read is left out of the slots' statistics
+    (ValueBackend.bag)."""
     if out is None and looks_for_nonfinite(weights, values) and not finite(weights):
         log.warning("a memory read got non-finite weights (its input overflowed or the run diverged): it reads NaN "
                     "rows; nothing is asked of the values")
         out = torch.full((weights.shape[0], values.dim), math.nan, device=weights.device)
+    if out is None and not count:
+        out = values.bag(ids, weights.detach(), count=False)
     return _Bag.apply(weights, ids, values, out, weight_grad)
 
 
@@ -267,7 +270,7 @@ class MemoryLayer(nn.Module):
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
         # checked only when sent now: a read not sent yet is checked once, by `bag` (a GPU waits per check)
         ok = not now or not looks_for_nonfinite(flat_w, self.values) or finite(flat_w)  # (else: `bag` reads NaN rows)
-        return ids, w, self.values.submit_bag(flat_ids, flat_w) if now and ok else None
+        return ids, w, self.values.submit_bag(flat_ids, flat_w, count=self.training) if now and ok else None
 
     def _send_tokens(self, tokens: torch.Tensor, chunks: int, now: bool) -> list[Any]:
         """A token-addressed forward's reads, cut into the chunks `forward` cuts its queries into."""
@@ -327,7 +330,7 @@ class MemoryLayer(nn.Module):
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
         t0 = time.perf_counter()
         out = bag(self.values, flat_ids, flat_w, None if pending is None else pending.result(),
-                  weight_grad=not (self.constant_weights or self.token_addressed))  # [n*groups, dim]
+                  weight_grad=not (self.constant_weights or self.token_addressed), count=self.training)  # [n*groups, dim]
         self.read_s += time.perf_counter() - t0
         out = out.to(q.dtype)  # the table's float32 read in the model's dtype (a bf16 or float64 model)
         return ids, w, self.combine(out.view(n, self.groups, out.shape[-1]))  # (n may be 0: an empty batch)
