@@ -30,7 +30,16 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.cli import quiet_libraries
-from memserver.cli.common import WRONG_COMMAND, cache_size, exit_status, one_line, parse_args, retry_window, seconds
+from memserver.cli.common import (
+    WRONG_COMMAND,
+    DefaultsHelp,
+    cache_size,
+    exit_status,
+    one_line,
+    parse_args,
+    retry_window,
+    seconds,
+)
 from memserver.core.table import set_threads
 from memserver.storage.checkpoint import extras_digest
 from trainer.checkpoints import prune_checkpoints, trainer_file
@@ -54,6 +63,10 @@ from trainer.memory.lsh import MAX_BITS
 from trainer.model import GPT, ModelConfig, value_key
 
 log = logging.getLogger("memtrain")
+
+
+class _Help(DefaultsHelp, argparse.RawDescriptionHelpFormatter):
+    """memtrain's description keeps its own lines (the module's docstring)."""
 MAX_LSH_ROWS = 1 << 31  # buckets per LSH table (hashes x 2^bits): far beyond any table this machine could hold
 
 
@@ -61,17 +74,6 @@ def client_waits(args: argparse.Namespace) -> dict[str, float]:
     """The MemoryClient's timeout and retry_seconds that --timeout and --retry-seconds give (the
     client's own defaults where they are not given)."""
     return {k: v for k, v in (("timeout", args.timeout), ("retry_seconds", args.retry_seconds)) if v is not None}
-
-
-class _Help(argparse.RawDescriptionHelpFormatter):
-    """Each flag's help ends with its default, unless it says the default itself (or has none)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        d = action.default
-        if "default" in text or d is None or d is False or d == argparse.SUPPRESS or d == [] or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,10 +12,10 @@ import argparse
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from memserver.cli import index, lifecycle, loadtest, slots, tables, web
-from memserver.cli.common import CliError, exit_status, one_line, parse_args
+from memserver.cli.common import CliError, DefaultsHelp, exit_status, one_line, parse_args
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
 
@@ -25,6 +25,10 @@ __all__ = ["CliError", "build_parser", "load_config", "main", "status_dict"]
 class _Parser(argparse.ArgumentParser):
     """argparse's parser (its subcommands' too: they take the parent's class), whose refusal of a
     command line that asks for --json is also a JSON object on stdout, as every other failure's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelp)  # (every subcommand's parser: each flag's default said)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         if "--json" in _ARGV:

@@ -11,6 +11,18 @@ class CliError(Exception):
     """A user error: printed as `memserver: error: ...`, exit status 2."""
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """`--help` of both tools: each flag's help ends with its default, unless it says the default
+    itself (or has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if "default" in text or d is None or d is False or d == argparse.SUPPRESS or d == [] or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 #: The exit statuses of `memserver` and `memtrain`: the command was wrong (a flag, a table that
 #: does not exist or already does, a path it may not use, no cluster to ask), or the cluster
 #: could not do it.

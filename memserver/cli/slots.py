@@ -265,7 +265,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "its top trigger contexts (recorded by `memtrain trace` or `memtrain --trace-every`); with a "
                          "model, the tokens its value promotes (Geva et al.: softmax(W_out v)) and how often the "
                          "triggers' next tokens are among them. Product-key slots are shown as their sub-key pair.")
-    ins.add_argument("table", metavar="TABLE")
+    ins.add_argument("table", metavar="TABLE", help="a value table (`memserver status` lists them)")
     ins.add_argument("slot", metavar="SLOT", type=slot_id, help="the slot's id (row); 1370 or 1,370 as status and "
                      "top print it")
     ins.add_argument("--checkpoint", help=ckpt_help)
@@ -276,7 +276,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     top = sub.add_parser("top", help="the hottest or coldest slots of a table",
                          description="Rank a value table's slots by hits (reads), mass (summed read weight), updates "
                          "(optimizer steps) or norm (of the value); each shard ranks its own, the client merges.")
-    top.add_argument("table", metavar="TABLE")
+    top.add_argument("table", metavar="TABLE", help="a value table (`memserver status` lists them)")
     top.add_argument("--by", choices=BY, default="hits", help="the statistic (default hits)")
     top.add_argument("-n", type=int, default=20, help="how many slots (default 20)")
     top.add_argument("--coldest", action="store_true", help="the smallest values instead")
@@ -288,7 +288,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "many of the hottest slots hold 50/90/99% of the read weight, from fixed-bin histograms the "
                         "shards compute (the answer's size does not grow with the table). --plot writes a PNG: the "
                         "rank-frequency curve on log-log axes and a histogram.")
-    us.add_argument("table", metavar="TABLE")
+    us.add_argument("table", metavar="TABLE", help="a value table (`memserver status` lists them)")
     us.add_argument("--plot", metavar="PNG", help="write the usage plot here")
     us.add_argument("--agreement", action="store_true", help="also Geva et al.'s agreement of the most-hit slots, "
                     "against random slots (needs a model)")
@@ -300,9 +300,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("search-token", help="the slots whose values promote a token most",
                         description="Project every slot's value through the model's output embedding (a scan of the "
                         "table in chunks, uncounted reads) and list the slots giving TOKEN the highest probability. "
-                        "Whitespace tokens: '\\n' or ⏎ (a newline), '\\s', ␣ or · (a space), '\\t' or ⇥ (a tab), as inspect draws them.")
-    st.add_argument("table", metavar="TABLE")
-    st.add_argument("token", metavar="TOKEN")
+                        "Whitespace tokens: '\\n' or ⏎ (a newline), '\\s', ␣ or · (a space), '\\t' or ⇥ (a tab), as inspect draws them. "
+                        "The model is a memtrain checkpoint (--checkpoint, else the one `memtrain trace` recorded for "
+                        "the table); for a model of your own, read the values with the client's lookup(..., count=False) "
+                        "and project them through its output embedding.")
+    st.add_argument("table", metavar="TABLE", help="a value table (`memserver status` lists them)")
+    st.add_argument("token", metavar="TOKEN", help="one token of the model's vocabulary (a character for memtrain's)")
     st.add_argument("--checkpoint", help=ckpt_help)
     st.add_argument("-n", type=int, default=20, help="how many slots (default 20)")
     cluster_flags(st, timeout=120.0)
