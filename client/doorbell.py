@@ -73,6 +73,10 @@ class Bell:
             sock.close()
             raise
         self.sock = sock
+        # poll, not select: select refuses a descriptor numbered 1024 or more, which a trainer with
+        # many files and sockets open reaches (a walkthrough: every doorbell call broke)
+        self.poller = select.poll()
+        self.poller.register(sock, select.POLLIN)
         self.pid = os.getpid()  # a child of a fork shares the socket: it must not use it
         self.next_id = 1
         self.send_lock = threading.Lock()
@@ -155,7 +159,7 @@ class Bell:
     def _read_one(self, timeout: float | None) -> None:
         """Read one answer (waiting at most `timeout` for it to start) and file it for its waiter."""
         try:
-            ready, _, _ = select.select([self.sock], [], [], timeout)
+            ready = self.poller.poll(None if timeout is None else max(0.0, timeout) * 1000)
             if not ready:
                 return
             size, call_id, code = REPLY.unpack(_recv_exact(self.sock, REPLY.size))

@@ -114,6 +114,36 @@ def test_calls_go_by_the_doorbell_and_answer_as_grpc(bell_shard):
         grpc_c.close()
 
 
+def test_a_process_with_more_than_1024_descriptors_open_rings_too(bell_shard):
+    """The client's reader waited with select(), which refuses a descriptor numbered 1024 or more:
+    a trainer with that many files and sockets open (a walkthrough's held 1,100) broke its
+    doorbell connection at every call and fell back to gRPC, re-attaching a region a second."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open at most {hard} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        bell = rung_client(bell_shard)
+        try:
+            before = bell.aio.shm.bell_calls
+            for _ in range(3):
+                bell.bag("t", np.array([[1, 2]]), np.ones((1, 2), np.float32))
+            assert bell.aio.shm.bell_calls - before == 3
+            rung = bell.aio.shm.bell(bell_shard.address)
+            assert rung is not None and rung.alive and rung.sock.fileno() >= 1024
+        finally:
+            bell.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_only_the_process_that_attached_a_region_rings_for_it(bell_shard):
     """The hello must name a region attached by the process at the other end of the socket (the
     kernel says which: SO_PEERCRED): another process with the right id, an unknown id or bytes
