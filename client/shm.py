@@ -101,6 +101,16 @@ def is_local(address: str) -> bool:
 
 #: Where regions are made (posix_fallocate of REGION_BYTES takes milliseconds: not on the loop).
 _MAKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memserver-shm")
+
+
+def _new_maker() -> None:
+    """A forked child's own pool: it inherits the parent's without its thread, so a client made
+    there waited for its first region for good and never used shared memory (a walkthrough)."""
+    global _MAKER
+    _MAKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memserver-shm")
+
+
+os.register_at_fork(after_in_child=_new_maker)
 #: A region's seals: its size is fixed for good (the shard requires F_SEAL_SHRINK).
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

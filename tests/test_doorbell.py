@@ -144,6 +144,39 @@ def test_a_process_with_more_than_1024_descriptors_open_rings_too(bell_shard):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_a_client_made_in_a_forked_child_gets_its_own_regions(bell_shard):
+    """The pool that makes regions is the module's: a forked child inherited it without its
+    thread, so a client the child made (its parent's client closed before the fork) waited for
+    its first region for good and never used shared memory or the doorbell (a walkthrough)."""
+    script = f"""
+import os, sys, time
+import numpy as np
+from client import MemoryClient
+
+def rung(c):
+    t0 = time.monotonic()
+    while c.aio.shm.bell({bell_shard.address!r}) is None and time.monotonic() - t0 < 20:
+        c.lookup("t", [0], count=False)
+        time.sleep(0.02)
+    return c.aio.shm.bell({bell_shard.address!r}) is not None
+
+parent = MemoryClient({bell_shard.endpoint!r}, timeout=30, token="")
+assert rung(parent)
+parent.close()  # (gRPC does not survive a fork while a client's threads are in it: docs/library.md)
+pid = os.fork()
+if pid == 0:
+    child = MemoryClient({bell_shard.endpoint!r}, timeout=30, token="")
+    ok = rung(child)
+    child.bag("t", np.array([[1, 2]]), np.ones((1, 2), np.float32))
+    print("child", ok, child.aio.shm.bell_calls, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "child True 1" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
 def test_only_the_process_that_attached_a_region_rings_for_it(bell_shard):
     """The hello must name a region attached by the process at the other end of the socket (the
     kernel says which: SO_PEERCRED): another process with the right id, an unknown id or bytes
