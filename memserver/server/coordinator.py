@@ -193,7 +193,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def shard_restarted(self, j: int, info: dict[str, Any], recovered: list[dict[str, Any]]) -> None:
         """Pool shard j came back (maybe at a new address): update the shard maps, and return the
         siblings of its tables without a log to the checkpoint it recovered, so each such table is
-        one consistent snapshot again."""
+        one consistent snapshot again; j holds its slices of those (ShardActor._hold) until then."""
         async with self.lock:
             self.infos[j] = info
             self.serving[j] = True
@@ -218,13 +218,19 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             step_dir = str(Path(r["checkpoint"]).parent.parent) if r["checkpoint"] else ""
             for k in self.placement[r["table"]]:
                 if k != j:
-                    calls.append(self.handles[k].rollback_table.remote(r["table"], step_dir))
+                    calls.append(_when_ready(lambda k=k, name=r["table"], d=step_dir:
+                                             self.handles[k].rollback_table.remote(name, d)))
                     names.append(r["table"])
         for name, res in zip(names, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(res, BaseException):
                 log.error("table %s: rolling back a sibling shard failed: %s", name, res)
             else:
                 log.warning("table %s (no wal) rolled back to %s: writes acknowledged after it are lost", name, res)
+        if held := [r["table"] for r in recovered if not r["wal"]]:  # (done or failed: the slices serve again)
+            try:
+                await _when_ready(lambda: self.handles[j].release_tables.remote(held))
+            except Exception as exc:  # noqa: BLE001 - a shard gone again: its next start holds them anew
+                log.error("shard %d: releasing its held slices of %s failed: %s", j, ", ".join(held), exc)
 
     def _get(self, name: str) -> pb.TableInfo:
         if name not in self.tables:

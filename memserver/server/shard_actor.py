@@ -8,6 +8,7 @@ describe, status). The requests themselves are memserver.server.dataplane's.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -68,6 +69,10 @@ log = logging.getLogger(__name__)
 
 #: An index slice's trained empty index, in its folder (installed again after a restart).
 INDEX_TEMPLATE = "index-template.faiss"
+#: The longest a restarted shard holds its slices of tables without a log for the coordinator's
+#: word that their siblings are back at the same checkpoint (`_hold`): a coordinator lost in the
+#: middle of it must not keep them refused for good.
+HOLD_SECONDS = 600.0
 
 
 class ShardActor:
@@ -111,6 +116,7 @@ class ShardActor:
         if recovered:
             log.info("shard %d: recovered %d table(s) in %.2fs: %s", index, len(recovered), time.perf_counter() - t0,
                      ", ".join(f"{r['table']} from {r['from']}" for r in recovered))
+        held = self._hold(recovered) if self.restarted and coordinator else []
         # the doorbell before serving: an AttachRegion answered before it existed would tell its
         # client there is none for the region's life
         self.doorbell: Doorbell | None = None
@@ -135,6 +141,45 @@ class ShardActor:
             except ValueError:  # the coordinator is gone too; when it comes back it asks every shard
                 log.warning("shard %d: coordinator %s not found; it will rebuild its catalog from the shards",
                             index, coordinator)
+                self.release_tables(held)  # (no one is left to roll their siblings back)
+            if held:
+                self.loop.submit(self._release_late(held))
+
+    def _hold(self, recovered: list[dict[str, Any]]) -> list[str]:
+        """A restarted shard's slices of tables without a log, on several shards, came back as
+        their checkpoint; the coordinator then rolls their siblings back to it. Until it says that
+        is done (`release_tables`), these refuse calls (UNAVAILABLE: clients retry): served at
+        once, a write acknowledged here and on a sibling before its rollback was undone there
+        (half a write, and reads that mixed both states; a walkthrough). Returns their names."""
+        held = []
+        for r in recovered:
+            sl = self.servicer.tables.get(r["table"])
+            if sl is not None and not r["wal"] and sl.num_shards > 1:
+                sl.held = (f"shard {self.index} restarted; its slice waits for the table's other shards to roll back "
+                           "to the checkpoint it came back as (the table has no write-ahead log)")
+                held.append(r["table"])
+        return held
+
+    def release_tables(self, names: list[str]) -> None:
+        """Serve the slices `_hold` held (the coordinator rolled their siblings back, or tried)."""
+
+        async def release() -> None:
+            for name in names:
+                if (sl := self.servicer.tables.get(name)) is not None and sl.held:
+                    sl.held = ""
+                    log.info("shard %d: table %s: its siblings are back at its checkpoint: serving it", self.index, name)
+
+        self.loop.call(release())
+
+    async def _release_late(self, names: list[str]) -> None:
+        await asyncio.sleep(HOLD_SECONDS)
+        late = [n for n in names if (sl := self.servicer.tables.get(n)) is not None and sl.held]
+        if late:
+            log.error("shard %d: no word from the coordinator on rolling back the other shards of %s within %.0f s: "
+                      "serving them as they are (their other shards may hold writes this one lost)", self.index,
+                      ", ".join(late), HOLD_SECONDS)
+            for name in late:
+                self.servicer.tables[name].held = ""
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -598,7 +643,7 @@ class ShardActor:
                 load = st.tables.add(table=name, bytes=sl.table.nbytes(), requests=sl.requests,
                                      wal_lsn=sl.wal.next_lsn if sl.wal else 0, recovered_from=sl.recovered_from,
                                      sessions=len(sl.sessions.by_client), remembered=sl.sessions.remembered(),
-                                     unavailable=sl.unavailable, writes_refused=sl.writes_refused())
+                                     unavailable=sl.unavailable or sl.held, writes_refused=sl.writes_refused())
                 if sl.is_index:
                     load.vectors, load.trained, load.index_device = sl.table.ntotal, sl.table.is_trained, sl.table.device
                 elif sl.kind == pb.PRODUCT_KEYS:

@@ -23,6 +23,7 @@ from memserver.api.errors import (
     InvalidArgumentError,
     MemserverError,
     StepAbortedError,
+    UnavailableError,
 )
 from memserver.api.types import KIND_NAMES, METRIC_NAMES, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
@@ -111,6 +112,9 @@ class TableSlice:
         # every write's answer says so, the signal a client's trainer gets on its data path.
         self.rebuilt = 0
         self.unavailable = ""  # why this slice refuses requests (e.g. a gap in its log); "" = serving
+        # why this slice waits before it serves (UNAVAILABLE: clients retry): a restarted shard's
+        # slice of a table without a log, until its siblings are back at the same checkpoint
+        self.held = ""
         self.write_failure = ""  # why this slice refuses writes (a logged write failed to apply); "" = none
         # Steps whose parts arrived and are not applied yet: step -> client_id -> its parts.
         self.steps: dict[int, dict[str, Contribution]] = {}
@@ -121,6 +125,8 @@ class TableSlice:
         """Refuse a request for another incarnation of this table, or while the slice is damaged."""
         if self.unavailable:
             raise DataLossError(f"table {self.spec.name}: this slice is not served: {self.unavailable}")
+        if self.held:
+            raise UnavailableError(f"table {self.spec.name}: {self.held}; call again")
         if layout_id and layout_id != self.info.layout_id:
             raise FailedPreconditionError(
                 f"table {self.spec.name}: the request is for layout {layout_id}, this shard holds layout "
