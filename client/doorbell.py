@@ -132,6 +132,7 @@ class Bell:
         """The call's status and answer bytes (or status text). Raises DeadlineExceededError past
         `timeout` seconds and UnavailableError if the connection breaks first."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        looked = False  # (an answer already in the socket is taken even with no time left: one look)
         while True:
             with self.cond:
                 while True:
@@ -142,15 +143,16 @@ class Bell:
                         self.waiting.discard(call_id)
                         raise UnavailableError(f"doorbell: {self.broken}", target=self.target)
                     left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
+                    if left is not None and left <= 0 and (looked or self.reading):
                         self.waiting.discard(call_id)  # its answer, if it comes, is dropped
                         raise DeadlineExceededError(f"doorbell: no answer within {timeout:.3g}s", target=self.target)
                     if not self.reading:
                         self.reading = True
                         break
                     self.cond.wait(left)
+            looked = True
             try:
-                self._read_one(left)
+                self._read_one(None if left is None else max(0.0, left))
             finally:
                 with self.cond:
                     self.reading = False

@@ -138,6 +138,7 @@ class MemoryClient:
                 outcomes: list[Any] = [None] * len(calls)
                 rung: list[Any] = []
                 try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
+                    deadline = None if timeout is None else time.monotonic() + timeout  # the attempt's, for all
                     rung = transport.ring(calls, sent, self.aio.shm, timeout)
                     by_grpc = [i for i, r in enumerate(rung) if r is None]
                     futures = {i: self._methods(calls[i][0])[calls[i][1]].future(sent[i][0], timeout=timeout)
@@ -154,8 +155,9 @@ class MemoryClient:
                         except grpc.RpcError as err:
                             outcomes[i] = err
                     for i, r in enumerate(rung):
-                        if r is not None:
-                            outcomes[i] = transport.answer(r, calls[i][1], timeout)
+                        if r is not None:  # (waited in turn: each within what is left of the one deadline)
+                            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                            outcomes[i] = transport.answer(r, calls[i][1], left)
                     transport.note_counted(calls, outcomes, counted)
                     if again and transport.stale(sent, outcomes):
                         continue

@@ -360,6 +360,34 @@ def test_a_write_answers_once_and_only_once_durable(tmp_path):
         assert not np.array_equal(once, before)
 
 
+def test_a_call_to_two_shards_by_their_doorbells_waits_one_deadline_not_one_each(monkeypatch):
+    """The blocking client waited for its doorbell calls in turn, each for the whole timeout, so
+    a call to two stalled shards (stopped: they answer nothing, not even their refusal at the
+    deadline) failed after two timeouts (a walkthrough: 4 s for a 2 s timeout); by gRPC they
+    share one."""
+    import memserver.server.doorbell as shard_bells
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=0) as c:
+        c.create_table("t2", 64, 8, sharding="cols")
+        t0 = time.monotonic()
+        while len(c.aio.shm.regions) < 2:  # the regions attach in the background
+            assert time.monotonic() - t0 < 20, f"no shared memory after 20s: {c.aio.shm.not_before}"
+            c.lookup("t2", [0], count=False)
+            time.sleep(0.02)
+        ids, w = np.zeros((4096, 4), np.int64), np.ones((4096, 4), np.float32)
+        before = c.aio.shm.bell_calls
+        c.bag("t2", ids, w)
+        assert c.aio.shm.bell_calls - before == 2  # one to each shard
+        c.aio.timeout = 1.0
+        monkeypatch.setattr(shard_bells._Answers, "send", lambda *_: None)  # no answer leaves either shard
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            c.bag("t2", ids, w)
+        took = time.monotonic() - t0
+        assert took < 1.8, took  # one attempt (retry_seconds 0) of one timeout
+
+
 def test_hostile_frames_get_documented_statuses_and_change_nothing(bell_shard):
     """After a valid hello: random bodies and mutated valid requests for every method, unknown
     methods, a body above the limit. Every answer is a documented status (never INTERNAL or
