@@ -632,6 +632,30 @@ def test_help_explains_every_command():
         assert flag in up_help
 
 
+def test_every_commands_help_says_each_flags_default_and_explains_each_argument():
+    """(A newcomer found `--timeout` on every command with no default said, though they differ,
+    and TABLE with no help at all.) As memtrain's help does (test_trainer)."""
+    parser = cli.build_parser()
+    commands = [parser]
+    while commands:
+        p = commands.pop()
+        text = " ".join(p.format_help().split())
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                commands.extend(action.choices.values())
+                continue
+            d = action.default
+            if not action.option_strings:
+                assert action.help, (p.prog, action.dest)  # an argument explains itself
+                continue
+            if d is None or d is False or d == [] or d == argparse.SUPPRESS:
+                continue
+            shown = " ".join((action.help if "default" in action.help else f"{action.help} (default: {d})").split())
+            assert shown in text, (p.prog, action.option_strings)
+    status = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["status"].format_help().split())
+    assert "does not answer (default: 30.0)" in status
+
+
 def test_api_errors_are_one_line_and_the_traceback_only_under_v(memory_cluster):
     """`memserver checkpoint --dir /etc` against a running cluster: PERMISSION_DENIED as one line
     naming the flag that changes it, exit status 2 (the command's mistake), no traceback; with -v, the traceback."""
