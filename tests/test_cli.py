@@ -156,7 +156,8 @@ def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--shard-gpus", "1"], "--shard-gpus: the shards need 2 GPU(s) and this machine has 0 (as Ray sees it)"),
+    (["--shard-gpus", "1"], "--shard-gpus (or the config's shard_gpus): the shards need 2 GPU(s) and this machine has 0 "
+                            "(as Ray sees it); leave it out (--shard-gpus 0 over a config's)"),
     (["--shard-cpus", "1.5"], "--shards 2 x --shard-cpus 1.5 need 3 CPUs and the embedded Ray head has 2 (--num-cpus)"),
     (["--placement", "STRICT_SPREAD"], "--placement STRICT_SPREAD puts each of the 2 shards on its own node, and the "
                                        "embedded Ray head is one"),

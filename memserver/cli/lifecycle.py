@@ -334,8 +334,9 @@ def _check_fits_one_node(shards: int, shard_cpus: float, shard_gpus: list[float]
     need_cpus, need_gpus = shards * shard_cpus, sum(shard_gpus)
     cpus, gpus = have.get("CPU", 0.0), have.get("GPU", 0.0)
     if need_gpus > gpus + 1e-9:
-        raise CliError(f"--shard-gpus: the shards need {need_gpus:g} GPU(s) and this machine has {gpus:g} (as Ray "
-                       "sees it); leave --shard-gpus out, or join a cluster with GPU nodes (--address)")
+        raise CliError(f"--shard-gpus (or the config's shard_gpus): the shards need {need_gpus:g} GPU(s) and this "
+                       f"machine has {gpus:g} (as Ray sees it); leave it out (--shard-gpus 0 over a config's), or join "
+                       "a cluster with GPU nodes (--address)")
     if need_cpus > cpus + 1e-9:
         raise CliError(f"--shards {shards} x --shard-cpus {shard_cpus:g} need {need_cpus:g} CPUs and the embedded "
                        f"Ray head has {cpus:g} (--num-cpus); lower one of them, or raise --num-cpus")
