@@ -407,6 +407,32 @@ def test_a_replace_the_disk_cannot_hold_leaves_the_table(tmp_path):
             assert c.table("b").num_rows == 500 and "a" not in {t.name for t in c.list_tables()}
 
 
+def test_a_checkpoint_the_disk_cannot_hold_leaves_nothing_mapped_so_a_drop_frees_the_files(tmp_path):
+    """A checkpoint refused for a full disk kept the disk table's mapped files viewed (its error's
+    traceback held the records it was writing): a drop then freed nothing on the disk, and a new
+    table did not fit (an operator's walkthrough). Now the files' space comes back."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from tests.smalldisk import small_disk
+
+    def free(mnt) -> int:
+        st = os.statvfs(mnt)
+        return st.f_bavail * st.f_frsize
+
+    def mapped(mnt) -> list[str]:
+        return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(mnt) in line]
+
+    with small_disk(tmp_path / "small", "3m") as mnt:
+        with InProcessServer(2, data_dir=str(mnt)) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+            empty = free(mnt)
+            c.create_table("t", 5000, 32, tier="disk", optimizer="adam", sharding="rows")  # 2 x 0.5 MB of files
+            assert mapped(mnt) and free(mnt) < empty - 900_000
+            with pytest.raises(ResourceExhaustedError, match="cannot write checkpoint file .* the disk is full"):
+                c.checkpoint(str(mnt / "ck"), 1)
+            c.drop_table("t")
+            assert mapped(mnt) == [] and free(mnt) > empty - 100_000
+
+
 # ------------------------------------------------------------------ checkpoints, restore, the shard
 
 

@@ -485,7 +485,10 @@ class ShardActor:
             meta = sl.slice_meta()
             lsn = sl.wal.next_lsn if sl.wal is not None else 0
             state = sl.table.checkpoint_state() if hasattr(sl.table, "checkpoint_state") else sl.table.state()
-            nbytes = save_slice(Path(path), meta, state, extra={**sl.extras(), "lsn": lsn})
+            try:
+                nbytes = save_slice(Path(path), meta, state, extra={**sl.extras(), "lsn": lsn})
+            finally:  # (as save_slice's own: no view of a disk table's files kept by a failure's traceback)
+                state.clear()
             entry = {"file": path, "bytes": nbytes, **meta, "lsn": lsn, "step": step}
             if self.store is not None:
                 record = self.store.record(name)

@@ -204,14 +204,19 @@ def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor],
                             if k not in by_row}
     blob["row_checks_version"] = ROW_CHECKS_VERSION
     remove_stale_temporaries(path)  # an earlier try's, killed mid-write (its space held since)
+    full = ""
     try:
         atomic_write(path, lambda f: torch.save(blob, f))
     except Exception as exc:  # torch.save says a full disk as a RuntimeError over the OSError
-        full = disk_full(exc)
-        if full is None:
+        if disk_full(exc) is None:
             raise
+        full = disk_full(exc).strerror or "no space"  # (its text only: the error stays behind, see below)
+    finally:  # a failure's traceback keeps this frame, and torch.save's frames its arguments: neither
+        # may keep a disk table's mapped files viewed (a drop then freed nothing on the disk: a walkthrough)
+        blob.clear(), cpu.clear(), by_row.clear()
+    if full:  # (raised here, not in the handler: the full disk's error, with torch's frames, stays behind)
         raise ResourceExhaustedError(f"table {meta.get('table', '?')}: cannot write checkpoint file {path}: the disk is "
-                                     f"full ({full.strerror}); free space there, or checkpoint to another folder") from None
+                                     f"full ({full}); free space there, or checkpoint to another folder")
     return path.stat().st_size
 
 
