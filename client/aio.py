@@ -368,8 +368,15 @@ class AsyncMemoryClient:
             raise from_rpc_error(err, f"shard {address}") from None
 
     async def _rung(self, rung: tuple[Any, int], method: str) -> Any:
-        """A call sent by a shard's doorbell (client.doorbell): its answer, waited for off the loop."""
-        out = await asyncio.get_running_loop().run_in_executor(None, transport.answer, rung, method, self.timeout)
+        """A call sent by a shard's doorbell (client.doorbell): its answer, waited for off the loop
+        in its bell's own threads (a shard that stalls holds none another shard's calls need). A
+        cancelled call is forgotten by the attempt's `transport.forget`, which ends that wait."""
+        bell = rung[0]
+        try:
+            waited = asyncio.get_running_loop().run_in_executor(bell.waits, transport.answer, rung, method, self.timeout)
+        except RuntimeError:  # its bell closed since the call went (its pool refuses new waits)
+            raise UnavailableError(f"doorbell: {bell.broken or 'closed'}", target=bell.target) from None
+        out = await waited
         if isinstance(out, BaseException):
             raise out
         return out

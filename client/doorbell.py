@@ -25,6 +25,7 @@ import select
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -77,6 +78,13 @@ class Bell:
         # many files and sockets open reaches (a walkthrough: every doorbell call broke)
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
+        # `forget` wakes the reader through this pipe: a caller that gave up (an asyncio call
+        # cancelled) must not hold a thread until its deadline
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.poller.register(self.wake_r, select.POLLIN)
+        # where the asyncio client waits for this bell's answers: its own threads (at most one per
+        # call in flight), so a stalled shard holds none that other shards' calls need
+        self.waits = ThreadPoolExecutor(max_workers=MAX_OUTSTANDING, thread_name_prefix="memserver-bell")
         self.pid = os.getpid()  # a child of a fork shares the socket: it must not use it
         self.next_id = 1
         self.send_lock = threading.Lock()
@@ -123,10 +131,16 @@ class Bell:
         return call_id
 
     def forget(self, call_id: int) -> None:
-        """A call nobody will wait for (its caller failed before waiting): drop it and its answer."""
+        """A call nobody will wait for (its caller failed before waiting, or gave up: a cancelled
+        asyncio call): drop it and its answer, and end a wait for it at once."""
         with self.cond:
             self.waiting.discard(call_id)
             self.answers.pop(call_id, None)
+            self.cond.notify_all()
+        try:
+            os.write(self.wake_w, b"\0")
+        except OSError:  # full (a wake-up is pending anyway) or closed
+            pass
 
     def wait(self, call_id: int, timeout: float | None) -> tuple[grpc.StatusCode, bytes]:
         """The call's status and answer bytes (or status text). Raises DeadlineExceededError past
@@ -142,6 +156,8 @@ class Bell:
                     if self.broken:
                         self.waiting.discard(call_id)
                         raise UnavailableError(f"doorbell: {self.broken}", target=self.target)
+                    if call_id not in self.waiting:  # forgotten: its caller is gone
+                        raise DeadlineExceededError("doorbell: the caller gave the call up", target=self.target)
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0 and (looked or self.reading):
                         self.waiting.discard(call_id)  # its answer, if it comes, is dropped
@@ -162,7 +178,12 @@ class Bell:
         """Read one answer (waiting at most `timeout` for it to start) and file it for its waiter."""
         try:
             ready = self.poller.poll(None if timeout is None else max(0.0, timeout) * 1000)
-            if not ready:
+            if any(fd == self.wake_r for fd, _ in ready):
+                try:
+                    os.read(self.wake_r, 4096)
+                except OSError:
+                    pass
+            if not any(fd == self.sock.fileno() for fd, _ in ready):
                 return
             size, call_id, code = REPLY.unpack(_recv_exact(self.sock, REPLY.size))
             if size > 2 * MAX_MESSAGE_BYTES or not 0 < call_id < self.next_id:
@@ -196,4 +217,10 @@ class Bell:
     def close(self) -> None:
         self._break("closed by the client")
         self.sock.close()
+        self.waits.shutdown(wait=False)
+        for fd in (self.wake_r, self.wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 

@@ -8,6 +8,7 @@ exactly-once writes, the answer only once the write is durable, hostile frames, 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -386,6 +387,76 @@ def test_a_call_to_two_shards_by_their_doorbells_waits_one_deadline_not_one_each
             c.bag("t2", ids, w)
         took = time.monotonic() - t0
         assert took < 1.8, took  # one attempt (retry_seconds 0) of one timeout
+
+
+def test_an_asyncio_client_waits_for_each_shard_apart_and_lets_a_cancelled_call_go(monkeypatch):
+    """The asyncio client waited for doorbell answers in the event loop's default threads (6
+    here): calls stuck on a stalled shard held them all, so a call to a healthy shard waited
+    for them (a walkthrough: 14.7 s), and a cancelled call kept its thread until its deadline
+    (28 s before the next call ran). Each bell now has its own threads, and a cancelled call is
+    forgotten, which ends its wait."""
+    from client import transport
+    from client.aio import AsyncMemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    waiting = [0]  # threads inside a doorbell wait now
+    answer = transport.answer
+
+    def counted(*args):
+        waiting[0] += 1
+        try:
+            return answer(*args)
+        finally:
+            waiting[0] -= 1
+
+    monkeypatch.setattr(transport, "answer", counted)
+
+    async def scenario(server) -> dict[str, float]:
+        c = AsyncMemoryClient(server.endpoint, timeout=20, retry_seconds=0)
+        try:
+            on = {}
+            for name in ("a", "b"):  # one table on each shard
+                meta = await c.create_table(name, 64, 8, num_shards=1)
+                on[meta.shards[0].address] = name
+            assert len(on) == 2
+            t0 = time.monotonic()
+            while len(c.shm.regions) < 2 or any(c.shm.bell(a) is None for a in on):
+                assert time.monotonic() - t0 < 20, f"no doorbells after 20s: {c.shm.not_before}"
+                for name in on.values():
+                    await c.lookup(name, [0], count=False)
+                await asyncio.sleep(0.02)
+            (stalled, first), (_, other) = sorted(on.items())
+            shard = next(s for s in server.shards if s.address == stalled)
+            ids, w = np.zeros((4096, 4), np.int64), np.ones((4096, 4), np.float32)
+            bells = c.shm.bell_calls
+            out = {}
+            shard.servicer.exclusive.acquire()  # the shard of `first` stops serving
+            try:
+                stuck = [asyncio.ensure_future(c.bag(first, ids, w)) for _ in range(8)]
+                await asyncio.sleep(0.3)
+                t0 = time.monotonic()
+                await c.bag(other, ids, w)
+                out["healthy"] = time.monotonic() - t0
+                out["stuck"] = waiting[0]
+                for task in stuck:
+                    task.cancel()
+                await asyncio.gather(*stuck, return_exceptions=True)
+                await asyncio.sleep(0.5)
+                out["after cancel"] = waiting[0]  # their waits ended with them
+            finally:
+                shard.servicer.exclusive.release()
+            t0 = time.monotonic()
+            await c.bag(first, ids, w)
+            out["after"] = time.monotonic() - t0
+            out["bells"] = c.shm.bell_calls - bells
+            return out
+        finally:
+            await c.close()
+
+    with InProcessServer(2) as server:
+        got = asyncio.run(scenario(server))
+    assert got["stuck"] == 8 and got["after cancel"] == 0, got
+    assert got["healthy"] < 2 and got["after"] < 2 and got["bells"] == 10, got
 
 
 def test_hostile_frames_get_documented_statuses_and_change_nothing(bell_shard):
