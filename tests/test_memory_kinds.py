@@ -505,6 +505,10 @@ def test_end_step_without_an_open_step_is_refused():
         v.end_step(2)
     with pytest.raises(InvalidArgumentError, match="grad_scale: a loss scale is a positive number"):
         v.begin_step(4, grad_scale=0.0)
+    for bad, says in ((-1, r"step: -1 is out of range \(0 \.\. 18,446,744,073,709,551,615\)"),
+                      (1.5, "step: must be an integer, got 1.5")):  # as RemoteValues (its shards' field) refuses
+        with pytest.raises(InvalidArgumentError, match=says):
+            v.begin_step(bad)
 
 
 def test_a_step_whose_backward_overflowed_anywhere_drops_every_tables_update():

@@ -1082,3 +1082,14 @@ def test_reads_of_a_model_in_eval_mode_are_not_counted(client, table_name):
         assert eng.prefetch_used == 4  # the prefetches were the reads used
     finally:
         client.drop_table(f"{table_name}-e")
+
+
+def test_remote_values_refuse_a_step_number_the_shards_cannot_hold_at_begin_step(client, table_name):
+    """(It was refused only at the step's first backward, and LocalValues took it.)"""
+    from memserver.api.errors import InvalidArgumentError
+    from trainer.memory import RemoteValues
+
+    values = RemoteValues(client, table_name, 16, 4)
+    with pytest.raises(InvalidArgumentError, match="step: -1 is out of range"):
+        values.begin_step(-1)
+    assert values.step is None

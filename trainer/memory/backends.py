@@ -299,6 +299,7 @@ class LocalValues:
         return to_device(grad_w, ids.device)
 
     def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
+        step = checked_step(step)
         self.grad_scale, self.overflows_at = checked_grad_scale(grad_scale), OVERFLOWS[0]
         if self.step is not None and self.parts:  # a step begun and never ended: its parts are dropped
             never_ended(self.step, len(self.parts), "local values")
@@ -512,6 +513,7 @@ class RemoteValues:
         return self  # the cluster holds the values; answers come to the ids' device
 
     def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
+        step = checked_step(step)
         self.grad_scale, self.overflows_at = checked_grad_scale(grad_scale), OVERFLOWS[0]
         if self.step is not None:  # begun and never ended: the shards drop its parts at the next prepare
             wait(self.sent)  # (its parts sent without waiting: in the session once answered, then forgotten)
@@ -702,6 +704,15 @@ def overflowed(backend: Any, step: int) -> bool:
     log.warning("%s: step %d met a non-finite gradient (a float16 overflow, which its GradScaler skips): the values' "
                 "update of the whole step is dropped", getattr(backend, "name", type(backend).__name__), step)
     return True
+
+
+def checked_step(step: int) -> int:
+    """begin_step's step: what the shards' step field holds (an integer 0 .. 2^64 - 1), checked
+    alike by both backends (LocalValues took -1, RemoteValues refused it at its first backward)."""
+    from client.ops.checks import UINT64, check_ints
+
+    check_ints(UINT64, step=step)
+    return int(step)
 
 
 def checked_grad_scale(scale: float) -> float:
