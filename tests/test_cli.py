@@ -761,3 +761,10 @@ def test_what_down_leaves_is_said_by_kind_of_data_directory(memory_cluster, clie
     assert what_down_leaves({"endpoint": "127.0.0.1:1"}) == ""  # a cluster that does not answer: stopped all the same
     for name in (table_name, table_name + "-2"):
         client.drop_table(name)
+
+
+def test_counts_are_said_in_the_singular_for_one():
+    """("restored t: ... over 1 shards", a walkthrough.)"""
+    from memserver.cli.common import counted
+
+    assert (counted(1, "shard"), counted(2, "shard"), counted(1000, "user")) == ("1 shard", "2 shards", "1,000 users")

@@ -38,6 +38,11 @@ def exit_status(exc: BaseException) -> int:
     return WRONG_COMMAND if isinstance(exc, wrong) else FAILED
 
 
+def counted(n: int, noun: str) -> str:
+    """"1 shard", "2 shards": a count as the commands print it."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def one_line(exc: BaseException) -> str:
     """An error as the one line a CLI prints (the api's errors name the flag and the fix; a
     traceback only under the CLI's debug flag); one without text (a cancelled call's) by its type."""

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from memserver.api.types import fmt_bytes
-from memserver.cli.common import CliError, cli_client, cluster_flags
+from memserver.cli.common import CliError, cli_client, cluster_flags, counted
 from memserver.wire import train_sample_limit
 
 log = logging.getLogger("memserver.cli")
@@ -112,7 +112,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     else:
         trained = f", trained on {out['train']['sample_rows']:,}" if "train" in out else ""
         print(f"index {args.name} ({args.factory}, {args.metric}): {out['held']:,} vectors of dim {dim} over "
-              f"{len(loads)} shards{trained}, {fmt_bytes(out['bytes'])}, loaded in {out['seconds']:.1f}s")
+              f"{counted(len(loads), 'shard')}{trained}, {fmt_bytes(out['bytes'])}, loaded in {out['seconds']:.1f}s")
     return 0
 
 

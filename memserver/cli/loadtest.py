@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from memserver.cli.common import CliError, endpoint_of, seconds
+from memserver.cli.common import CliError, counted, endpoint_of, seconds
 
 #: Flag defaults (a worker refuses any master-only flag that differs from these).
 DEFAULTS: dict[str, Any] = {"users": 4, "spawn_rate": 4.0, "duration": "30s", "mix": "bag:8,lookup:1,bag_backward:1",
@@ -158,8 +158,8 @@ def print_load_report(report: dict[str, Any]) -> None:
     console = common_console()
     reached = report.get("users_reached", report["users"])
     console.print(
-        f"loadtest of [bold]{t['name']}[/] ({t['num_rows']:,} x {t['dim']} {t['sharding']}, {t['shards']} shards"
-        f"{', scratch' if t['scratch'] else ''}) at {report['endpoint']}\n{reached} user{'s' if reached != 1 else ''} for "
+        f"loadtest of [bold]{t['name']}[/] ({t['num_rows']:,} x {t['dim']} {t['sharding']}, {counted(t['shards'], 'shard')}"
+        f"{', scratch' if t['scratch'] else ''}) at {report['endpoint']}\n{counted(reached, 'user')} for "
         f"{report['elapsed_s']:.1f} s, batch {c['batch']} x knn {c['knn']}, wire {c['wire_dtype']}"
     )
     if reached < report["users"] and "spawn_rate" in report and \

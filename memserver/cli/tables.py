@@ -16,6 +16,7 @@ from memserver.cli.common import (
     cluster_flags,
     console,
     count,
+    counted,
     endpoint_of,
 )
 from memserver.core.optim import OPTIMIZERS
@@ -356,7 +357,7 @@ def cmd_create_table(args: argparse.Namespace) -> int:
         print(json.dumps(meta.to_dict(), indent=2))
     else:
         print(f"created {meta.name}: {meta.num_rows:,} x {meta.dim} {meta.dtype}, {meta.sharding} over "
-              f"{len(meta.shards)} shards, {meta.optimizer} lr {meta.lr:g}, tier {tier_text(meta.tier, meta.cache_bytes)}"
+              f"{counted(len(meta.shards), 'shard')}, {meta.optimizer} lr {meta.lr:g}, tier {tier_text(meta.tier, meta.cache_bytes)}"
               + (", wal" if meta.wal else ""))
     return 0
 
@@ -411,7 +412,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         for m in metas:
             what = (f"{m.num_rows:,} x {m.dim} ({m.sharding}, tier {tier_text(m.tier, m.cache_bytes)})" if m.kind == "value"
                     else f"{m.kind} table, dim {m.dim}")
-            print(f"restored {m.name}: {what} over {len(m.shards)} shards{', with wal' if m.wal else ''}")
+            print(f"restored {m.name}: {what} over {counted(len(m.shards), 'shard')}{', with wal' if m.wal else ''}")
     return 0
 
 
