@@ -47,6 +47,7 @@ def test_a_short_write_then_a_full_disk_leaves_only_whole_records(tmp_path, monk
         wal.append(PUSH_GRADIENTS, b"x" * 1000)
     monkeypatch.undo()
     assert raised.value.errno == errno.ENOSPC
+    assert raised.value.filename == str(tmp_path)  # (os.write names none: the shard's status and error say where)
     record = walmod._HEADER.size + 1 + 1000
     assert calls == [record, record - record // 2]  # the rest of the record was tried after the short write
     assert isinstance(wal.failed, OSError) and wal.failed.errno == errno.ENOSPC

@@ -1066,7 +1066,8 @@ class DiskTable(ValueTable):
             st = os.stat(self.path)
         except FileNotFoundError:
             raise DataLossError(f"table {self.name}: its data file {self.path} is missing (deleted under the running "
-                                "shard); restart the shard to rebuild it from its checkpoint and write-ahead log") from None
+                                "shard); restart the shard to rebuild it from its checkpoint and, for a table with `wal`, its "
+                                "write-ahead log (without one, its writes since that checkpoint are lost)") from None
         mine = os.fstat(self._fd)
         if (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev) or mine.st_size < self.num_rows * self.record:
             raise DataLossError(f"table {self.name}: its data file {self.path} was replaced or truncated "

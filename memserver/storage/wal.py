@@ -140,6 +140,7 @@ class WriteAheadLog:
             log.exception("write-ahead log %s: could not cut a partial record off", self.dir)
         log.error("write-ahead log %s: writing record %d failed (%s); no further write of this table is accepted",
                   self.dir, lsn, exc)
+        exc.filename = exc.filename or str(self.dir)  # (os.write names no file: the call's error and status say where)
         self._error = exc
         self._broken_at = lsn
         failed = [(n, f) for n, f in self._waiters if n >= lsn]  # futures of records never written
@@ -198,6 +199,7 @@ class WriteAheadLog:
                     os.close(retired.pop(0))
                 os.fdatasync(fd)
             except OSError as exc:  # the disk failed: nothing after this point is acknowledged
+                exc.filename = exc.filename or str(self.dir)
                 log.exception("write-ahead log %s: fsync failed; no further write of this table is acknowledged", self.dir)
                 with self._cond:
                     self._retired = retired + self._retired  # close() closes them
