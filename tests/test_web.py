@@ -564,3 +564,21 @@ def test_requests_are_served_one_at_a_time(url, traced):
     for th in threads:
         th.join()
     assert got == want
+
+
+def test_a_table_traced_by_a_model_of_ones_own_is_not_told_to_run_memtrain_trace():
+    """A user's own model recorded its trigger contexts (record_triggers with its vocabulary):
+    the page still said "none recorded: run `memtrain trace`", above the contexts it showed."""
+    from memserver.web.models import ModelCache
+
+    class Client:
+        info: dict = {}
+
+        def triggers(self, table, ids):
+            return {"info": self.info}
+
+    c = Client()
+    assert "none recorded: run `memtrain trace" in ModelCache(c).for_table("t").note
+    c.info = {"vocab": ["a", "b"]}
+    note = ModelCache(c).for_table("t").note
+    assert "recorded without a memtrain checkpoint (a model of your own)" in note and "memtrain trace" not in note

@@ -78,7 +78,8 @@ class ModelCache:
         candidates = []
         if self.checkpoint:
             candidates.append(("--checkpoint", self.checkpoint))
-        recorded = self.client.triggers(table, [0])["info"].get("checkpoint")
+        info = self.client.triggers(table, [0])["info"]
+        recorded = info.get("checkpoint")
         if recorded and recorded != self.checkpoint:
             candidates.append(("recorded with the trigger contexts", recorded))
         why = []
@@ -91,7 +92,11 @@ class ModelCache:
                 continue
             skipped = f"; not {'; '.join(why)}" if why else ""
             return Model(table, inspector, f"{inspector.path} ({source}, step {inspector.step}){skipped}")
-        if not why:
+        if not why and info:  # contexts a model of the user's own recorded (record_triggers' info)
+            why.append("the trigger contexts were recorded without a memtrain checkpoint (a model of your own): "
+                       "statistics and contexts are shown; projected tokens and searches by token need a memtrain "
+                       "model (--checkpoint)")
+        elif not why:
             why.append("none given (--checkpoint) and none recorded: run `memtrain trace --checkpoint DIR "
                        f"--table {table}` to record trigger contexts and the model")
         return Model(table, None, "no model: " + "; ".join(why))
