@@ -70,6 +70,11 @@ def test_refusal_names_the_bytes_the_limit_and_how_to_change_it():
     with pytest.raises(ResourceExhaustedError):  # the table's other slices on the node count too
         refuse_oversized(spec, 0, SliceSize(10, 100), Limits(), available=200, on_node=161)
     refuse_oversized(spec, 0, SliceSize(10, 10**20), Limits(table_memory_fraction=0), available=200)  # not checked
+    with pytest.raises(ResourceExhaustedError, match=r"above 0\.02% of the"):  # (it said "above 0%")
+        refuse_oversized(spec, 0, SliceSize(10, 161), Limits(table_memory_fraction=0.0002), available=200)
+    disk = pb.TableSpec(name="d", tier="disk")  # a disk table's memory is its cache and read counters, not its rows
+    with pytest.raises(ResourceExhaustedError, match=r"101 bytes of memory \(its row cache and the rows' read counters\)"):
+        refuse_oversized(disk, 1, SliceSize(101, 101), Limits(max_table_bytes=100))
     refuse_oversized(spec, 0, SliceSize(10, 10**20), Limits(), available=None)  # unknown: not checked
     with pytest.raises(ValueError):
         Limits(table_memory_fraction=1.5)

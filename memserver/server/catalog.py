@@ -326,14 +326,16 @@ def refuse_oversized(spec: pb.TableSpec, index: int, size: SliceSize, limits: Li
     cap = limits.max_table_bytes
     if cap and size.held > cap:
         raise ResourceExhaustedError(
-            f"table {spec.name!r}: shard {index}'s slice would hold {_bytes(size.held)} (values, optimizer state and "
-            f"slot statistics), above the cluster's limit of {_bytes(cap)} per table slice (max_table_bytes: "
+            f"table {spec.name!r}: shard {index}'s slice would hold {_bytes(size.held)} of memory ("
+            + ("its row cache and the rows' read counters" if spec.tier == "disk" else
+               "values, optimizer state and slot statistics")
+            + f"), above the cluster's limit of {_bytes(cap)} per table slice (max_table_bytes: "
             f"`memserver up --max-table-bytes`, or start_cluster(limits=Limits(max_table_bytes=...))); {_smaller(spec)}")
     fraction = limits.table_memory_fraction
     need = max(on_node, size.peak)
     if available is not None and fraction and need > fraction * available:
         raise ResourceExhaustedError(
             f"table {spec.name!r}: its slices on shard {index}'s node need {_bytes(need)} while they are created, "
-            f"above {fraction:.0%} of the {_bytes(available)} of memory available there (table_memory_fraction: "
+            f"above {fraction * 100:.3g}% of the {_bytes(available)} of memory available there (table_memory_fraction: "
             "`memserver up --table-memory-fraction`, or start_cluster(limits=Limits(table_memory_fraction=...))); "
             f"{_smaller(spec)}, or free memory on that node")
