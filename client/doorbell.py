@@ -78,10 +78,16 @@ class Bell:
         # many files and sockets open reaches (a walkthrough: every doorbell call broke)
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
-        # `forget` wakes the reader through this pipe: a caller that gave up (an asyncio call
-        # cancelled) must not hold a thread until its deadline
-        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.poller.register(self.wake_r, select.POLLIN)
+        self._sock_fd = sock.fileno()
+        # `forget` wakes the reader through this pair: a caller that gave up (an asyncio call
+        # cancelled) must not hold a thread until its deadline. Socket objects, not raw numbers:
+        # once closed they refuse use instead of reaching a descriptor the number now names
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        self._wake_fd = self.wake_r.fileno()
+        self.poller.register(self._wake_fd, select.POLLIN)
+        self.closed = False
         # where the asyncio client waits for this bell's answers: its own threads (at most one per
         # call in flight), so a stalled shard holds none that other shards' calls need
         self.waits = ThreadPoolExecutor(max_workers=MAX_OUTSTANDING, thread_name_prefix="memserver-bell")
@@ -138,7 +144,7 @@ class Bell:
             self.answers.pop(call_id, None)
             self.cond.notify_all()
         try:
-            os.write(self.wake_w, b"\0")
+            self.wake_w.send(b"\0")
         except OSError:  # full (a wake-up is pending anyway) or closed
             pass
 
@@ -161,7 +167,7 @@ class Bell:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0 and (looked or self.reading):
                         self.waiting.discard(call_id)  # its answer, if it comes, is dropped
-                        raise DeadlineExceededError(f"doorbell: no answer within {timeout:.3g}s", target=self.target)
+                        raise DeadlineExceededError("doorbell: no answer before the call's deadline", target=self.target)
                     if not self.reading:
                         self.reading = True
                         break
@@ -178,12 +184,12 @@ class Bell:
         """Read one answer (waiting at most `timeout` for it to start) and file it for its waiter."""
         try:
             ready = self.poller.poll(None if timeout is None else max(0.0, timeout) * 1000)
-            if any(fd == self.wake_r for fd, _ in ready):
+            if any(fd == self._wake_fd for fd, _ in ready):
                 try:
-                    os.read(self.wake_r, 4096)
-                except OSError:
+                    self.wake_r.recv(4096)
+                except OSError:  # (empty, or closed by `close`)
                     pass
-            if not any(fd == self.sock.fileno() for fd, _ in ready):
+            if not any(fd == self._sock_fd for fd, _ in ready):
                 return
             size, call_id, code = REPLY.unpack(_recv_exact(self.sock, REPLY.size))
             if size > 2 * MAX_MESSAGE_BYTES or not 0 < call_id < self.next_id:
@@ -215,12 +221,14 @@ class Bell:
         return None if ticket is None else self.wait(ticket, timeout)
 
     def close(self) -> None:
+        """Idempotent (a retired region's unmap may run again)."""
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
         self._break("closed by the client")
         self.sock.close()
         self.waits.shutdown(wait=False)
-        for fd in (self.wake_r, self.wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self.wake_r.close()
+        self.wake_w.close()
 

@@ -400,14 +400,16 @@ def test_an_asyncio_client_waits_for_each_shard_apart_and_lets_a_cancelled_call_
     from memserver.cluster.inprocess import InProcessServer
 
     waiting = [0]  # threads inside a doorbell wait now
-    answer = transport.answer
+    answer, lock = transport.answer, threading.Lock()
 
     def counted(*args):
-        waiting[0] += 1
+        with lock:
+            waiting[0] += 1
         try:
             return answer(*args)
         finally:
-            waiting[0] -= 1
+            with lock:
+                waiting[0] -= 1
 
     monkeypatch.setattr(transport, "answer", counted)
 
@@ -457,6 +459,28 @@ def test_an_asyncio_client_waits_for_each_shard_apart_and_lets_a_cancelled_call_
         got = asyncio.run(scenario(server))
     assert got["stuck"] == 8 and got["after cancel"] == 0, got
     assert got["healthy"] < 2 and got["after"] < 2 and got["bells"] == 10, got
+
+
+def test_a_closed_bell_touches_no_descriptor_again(bell_shard):
+    """A retired region's unmap may close its bell twice, and a cancelled call may forget after
+    the close: with raw pipe numbers that closed, or wrote to, whatever the process had opened on
+    those numbers since (a review: a third party's pipes came back EBADF)."""
+    c = rung_client(bell_shard)
+    try:
+        bell = c.aio.shm.bell(bell_shard.address)
+        bell.close()
+        others = [os.pipe() for _ in range(4)]  # the likeliest owners of any number the close freed
+        try:
+            bell.close()
+            bell.forget(12345)
+            for r, w in others:
+                os.set_blocking(r, False)
+                assert os.write(w, b"x") == 1 and os.read(r, 16) == b"x"  # open, and nothing else written
+        finally:
+            for r, w in others:
+                os.close(r), os.close(w)
+    finally:
+        c.close()
 
 
 def test_hostile_frames_get_documented_statuses_and_change_nothing(bell_shard):
