@@ -590,3 +590,83 @@ def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_ste
         joined = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1, create=False)
         step(joined, 4)
         step(second, 3)
+
+
+class _Handle:
+    """A stand-in Ray actor handle over a shard in this process: `handle.method.remote(...)` is
+    awaited by the coordinator; here it runs the shard's method in a thread, recording the order."""
+
+    def __init__(self, shard, order: list, gate=None) -> None:
+        self.shard, self.order, self.gate = shard, order, gate
+
+    def __getattr__(self, method: str):
+        handle = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                async def run():
+                    import asyncio
+
+                    if handle.gate is not None and method == "rollback_table":
+                        await handle.gate.wait()
+                    result = await asyncio.to_thread(getattr(handle.shard, method), *args)
+                    handle.order.append((method, handle.shard.index))
+                    return result
+
+                return run()
+
+        return _Method
+
+
+def test_a_restarted_shard_holds_its_slice_until_every_rollback_of_the_table_is_done(pairs):
+    """A table without `wal`: the restarted shard holds its slice (UNAVAILABLE: clients retry; a
+    checkpoint refused too) until the coordinator has rolled its siblings back. With two shards
+    of the table restarting together, the first restart's release waited for nothing else, so a
+    write in the gap was undone by the second's rollback (a review); a slice rolled back while
+    held stays held, and a release meant for another process of the shard is not taken."""
+    import asyncio
+
+    from client import UnavailableError
+    from memserver.server.coordinator import ControlPlaneServicer
+
+    run, ref = pairs("run", spec(wal=False)), pairs("ref", spec(wal=False))
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+    run.checkpoint(1)
+    ck = str(run.root / "ck" / f"step-{1:010d}" / NAME / "shard-0000.pt")
+    train_step(run.client, 2, (2,))  # after the checkpoint: lost with the restarts
+    run.restart(0), run.restart(1)  # both of the table's shards (a host holding both went down)
+    for i in (0, 1):
+        assert run.shards[i]._hold([{"table": NAME, "wal": False, "checkpoint": ck}]) == [NAME]
+    with pytest.raises(UnavailableError, match="its slice waits for the table's other shards to roll back"):
+        run.client.lookup(NAME, np.arange(4), count=False)
+    with pytest.raises(UnavailableError, match="checkpoint it again"):
+        run.shards[0].checkpoint_table(NAME, str(run.root / "ck2.pt"), 2)
+    assert run.shards[1].held_slices()["held"] == [{"table": NAME, "wal": False, "checkpoint": ck}]
+    run.shards[1].release_tables([NAME], pid=-1)  # another process's release: not taken
+    assert run.slice(1).held
+
+    async def both() -> list:
+        order: list = []
+        gate = asyncio.Event()
+        coord = ControlPlaneServicer([_Handle(run.shards[0], order), _Handle(run.shards[1], order, gate)],
+                                     [s.info() for s in run.shards])
+        coord.tables[NAME], coord.placement[NAME] = run.info, [0, 1]
+        held = [{"table": NAME, "wal": False, "checkpoint": ck}]
+        first = asyncio.ensure_future(coord.roll_back_siblings(0, run.shards[0].info()["pid"], held))  # rolls 1 back
+        second = asyncio.ensure_future(coord.roll_back_siblings(1, run.shards[1].info()["pid"], held))  # rolls 0 back
+        await asyncio.sleep(0.5)  # the second's rollback of shard 0 is done; the first's of shard 1 waits
+        assert run.slice(0).held and run.slice(0).recovered_from.startswith("rollback")  # still held
+        gate.set()
+        await asyncio.gather(first, second)
+        return order
+
+    order = asyncio.run(both())
+    assert [o for o in order if o[0] == "release_tables"] == [("release_tables", 0), ("release_tables", 1)]
+    assert order.index(("release_tables", 0)) > order.index(("rollback_table", 1))  # only once every rollback is done
+    assert not run.slice(0).held and not run.slice(1).held
+    assert_same(run.state(), ref.state())  # the table is step 1 on every shard, as a run that never sent step 2
+    for p in (run, ref):
+        train_step(p.client, 3, (3,))
+    assert_same(run.state(), ref.state())

@@ -107,14 +107,17 @@ def test_wal_table_loses_no_acknowledged_push_when_a_shard_is_killed(fclient, cl
     client.drop_table(table_name)
 
 
+@pytest.mark.parametrize("then", ["resumed", "killed"])
 def test_a_write_acknowledged_after_a_restart_is_not_undone_by_the_siblings_rollback(fclient, fault_cluster, table_name,
-                                                                                     tmp_path):
+                                                                                     tmp_path, then):
     """A table without `wal`: a restarted shard served at once, and its sibling rolled back to the
     same checkpoint when the coordinator got to it, undoing its half of each write acknowledged in
     between (a walkthrough: 5 of 10 rows lost, 2.5 s after the restart). The restarted shard now
     holds the table (UNAVAILABLE: clients retry) until the coordinator has rolled its siblings
     back; here the coordinator is stopped (SIGSTOP) for the first seconds after the kill, so
-    without the hold every write in that time was acknowledged and then undone."""
+    without the hold every write in that time was acknowledged and then undone. `killed`: the
+    coordinator is then killed instead of resumed (the shard's word to it is lost with it): the
+    restarted coordinator finds the held slice (held_slices) and finishes the rollback."""
     from client import MemoryClient
 
     fclient.create_table(table_name, ROWS, DIM, sharding="rows", seed=2)
@@ -143,7 +146,7 @@ def test_a_write_acknowledged_after_a_restart_is_not_undone_by_the_siblings_roll
                 time.sleep(0.1)
             during = len(acked)  # acknowledged while no rollback could run
         finally:
-            os.kill(coordinator, signal.SIGCONT)
+            os.kill(coordinator, signal.SIGCONT if then == "resumed" else signal.SIGKILL)
         thread.join(120)
         assert not thread.is_alive() and not errors, errors
         wait_for(lambda: [t for s in fclient.status().shards for t in s.tables

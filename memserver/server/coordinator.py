@@ -133,6 +133,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.epoch = 0
         self.restarted = restarted
         self.lock = asyncio.Lock()
+        # tables without a log whose shards' rollbacks are under way (roll_back_siblings) -> how
+        # many, and the restarted shards holding a slice of each -> their pids (at most one entry
+        # per table and shard: bounded by the catalog)
+        self.rolling: collections.Counter[str] = collections.Counter()
+        self.held_by: dict[str, dict[int, int]] = {}
         # What the coordinator last learnt of each shard (they all answered when it started):
         # from its probes, Status calls and restarted shards' reports; /metrics reads it.
         self.serving = [True] * len(shard_handles)
@@ -211,26 +216,49 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 *(_when_ready(lambda name=name: self.handles[j].lost_table.remote(name)) for name in lost),
                 return_exceptions=True)):
             log.error("table %s: shard %d came back without its slice: %s", name, j, res)
-        calls, names = [], []
-        for r in recovered:
-            if r["wal"] or r["table"] not in self.placement:
-                continue
-            step_dir = str(Path(r["checkpoint"]).parent.parent) if r["checkpoint"] else ""
-            for k in self.placement[r["table"]]:
-                if k != j:
-                    calls.append(_when_ready(lambda k=k, name=r["table"], d=step_dir:
-                                             self.handles[k].rollback_table.remote(name, d)))
-                    names.append(r["table"])
-        for name, res in zip(names, await asyncio.gather(*calls, return_exceptions=True)):
-            if isinstance(res, BaseException):
-                log.error("table %s: rolling back a sibling shard failed: %s", name, res)
-            else:
-                log.warning("table %s (no wal) rolled back to %s: writes acknowledged after it are lost", name, res)
-        if held := [r["table"] for r in recovered if not r["wal"]]:  # (done or failed: the slices serve again)
-            try:
-                await _when_ready(lambda: self.handles[j].release_tables.remote(held))
-            except Exception as exc:  # noqa: BLE001 - a shard gone again: its next start holds them anew
-                log.error("shard %d: releasing its held slices of %s failed: %s", j, ", ".join(held), exc)
+        await self.roll_back_siblings(j, info["pid"], [r for r in recovered if not r["wal"]])
+
+    async def roll_back_siblings(self, j: int, pid: int, held: list[dict[str, Any]]) -> None:
+        """Return the other shards of each table in `held` (shard j's slices of tables without a
+        log, which its process `pid` recovered from r["checkpoint"] and holds) to that checkpoint,
+        then let j serve them. A table's held slices are let go only once no rollback of it is
+        under way (two of its shards restarting together: the first one's rollbacks done, the
+        second's still pending, would have served a write the second then undid on a sibling); a
+        release names the process it is for (a shard that restarted again holds anew)."""
+        for r in held:
+            self.rolling[r["table"]] += 1
+            self.held_by.setdefault(r["table"], {})[j] = pid
+        try:
+            calls, names = [], []
+            for r in held:
+                if r["table"] not in self.placement:
+                    continue
+                step_dir = str(Path(r["checkpoint"]).parent.parent) if r["checkpoint"] else ""
+                for k in self.placement[r["table"]]:
+                    if k != j:
+                        calls.append(_when_ready(lambda k=k, name=r["table"], d=step_dir:
+                                                 self.handles[k].rollback_table.remote(name, d)))
+                        names.append(r["table"])
+            for name, res in zip(names, await asyncio.gather(*calls, return_exceptions=True)):
+                if isinstance(res, BaseException):
+                    log.error("table %s: rolling back a sibling shard failed: %s", name, res)
+                else:
+                    log.warning("table %s (no wal) rolled back to %s: writes acknowledged after it are lost", name, res)
+        finally:
+            ready: dict[int, tuple[int, list[str]]] = {}  # shard -> (its pid, tables it may serve now)
+            for r in held:
+                name = r["table"]
+                self.rolling[name] -= 1
+                if self.rolling[name] <= 0:  # (done or failed: the slices serve again)
+                    del self.rolling[name]
+                    for k, k_pid in self.held_by.pop(name, {}).items():
+                        ready.setdefault(k, (k_pid, []))[1].append(name)
+            for k, (k_pid, names) in ready.items():
+                try:
+                    await _when_ready(lambda k=k, names=names, k_pid=k_pid:
+                                      self.handles[k].release_tables.remote(names, k_pid))
+                except Exception as exc:  # noqa: BLE001 - a shard gone again: its next start holds them anew
+                    log.error("shard %d: releasing its held slices of %s failed: %s", k, ", ".join(names), exc)
 
     def _get(self, name: str) -> pb.TableInfo:
         if name not in self.tables:
@@ -751,7 +779,14 @@ class CoordinatorActor:
         shard_handles = [ray.get_actor(n) for n in shard_names]
         infos = ray.get([h.info.remote() for h in shard_handles])
         described = ray.get([h.describe_tables.remote() for h in shard_handles])
-        self._serve(shard_handles, infos, described, was_restarted(), host, port, data_dir, config)
+        restarted = was_restarted()
+        self._serve(shard_handles, infos, described, restarted, host, port, data_dir, config)
+        if restarted:  # a restarted shard's held slices this coordinator's earlier process may not have let go
+            for j, h in enumerate(ray.get([h.held_slices.remote() for h in shard_handles])):
+                if h["held"]:
+                    log.warning("shard %d holds %s since its restart: rolling their other shards back",
+                                j, ", ".join(r["table"] for r in h["held"]))
+                    self.loop.submit(self.servicer.roll_back_siblings(j, h["pid"], h["held"]))
 
     @classmethod
     def over(cls, shard_handles: list[Any], infos: list[dict[str, Any]], described: list[Any], host: str,

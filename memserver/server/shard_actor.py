@@ -27,6 +27,7 @@ from memserver.api.errors import (
     InvalidArgumentError,
     TableExistsError,
     TableNotFoundError,
+    UnavailableError,
     first_line,
 )
 from memserver.api.types import METRIC_NAMES, check_table_name
@@ -157,11 +158,28 @@ class ShardActor:
             if sl is not None and not r["wal"] and sl.num_shards > 1:
                 sl.held = (f"shard {self.index} restarted; its slice waits for the table's other shards to roll back "
                            "to the checkpoint it came back as (the table has no write-ahead log)")
+                sl.held_from = r["checkpoint"]
                 held.append(r["table"])
         return held
 
-    def release_tables(self, names: list[str]) -> None:
-        """Serve the slices `_hold` held (the coordinator rolled their siblings back, or tried)."""
+    def held_slices(self) -> dict[str, Any]:
+        """What `_hold` still holds, as the coordinator's roll_back_siblings takes it: a restarted
+        coordinator finishes what its earlier process may not have."""
+
+        async def held() -> dict[str, Any]:
+            return {"pid": os.getpid(), "held": [{"table": name, "wal": False, "checkpoint": sl.held_from}
+                                                 for name, sl in self.servicer.tables.items() if sl.held]}
+
+        return self.loop.call(held())
+
+    def release_tables(self, names: list[str], pid: int | None = None) -> None:
+        """Serve the slices `_hold` held (the coordinator rolled their siblings back, or tried).
+        `pid`: the process the release is for; another one's (this shard restarted again since)
+        is not this process's to act on."""
+        if pid is not None and pid != os.getpid():
+            log.info("shard %d: a release of %s meant for pid %d, not this process: still held", self.index,
+                     ", ".join(names), pid)
+            return
 
         async def release() -> None:
             for name in names:
@@ -173,13 +191,13 @@ class ShardActor:
 
     async def _release_late(self, names: list[str]) -> None:
         await asyncio.sleep(HOLD_SECONDS)
-        late = [n for n in names if (sl := self.servicer.tables.get(n)) is not None and sl.held]
+        late = [(n, sl) for n in names if (sl := self.servicer.tables.get(n)) is not None and sl.held]
         if late:
             log.error("shard %d: no word from the coordinator on rolling back the other shards of %s within %.0f s: "
                       "serving them as they are (their other shards may hold writes this one lost)", self.index,
-                      ", ".join(late), HOLD_SECONDS)
-            for name in late:
-                self.servicer.tables[name].held = ""
+                      ", ".join(n for n, _ in late), HOLD_SECONDS)
+            for _, sl in late:
+                sl.held = ""
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -474,6 +492,8 @@ class ShardActor:
             raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
         if sl.unavailable:
             raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
+        if sl.held:  # (its siblings may still hold writes its checkpoint lacks: not one snapshot yet)
+            raise UnavailableError(f"table {name!r} on shard {self.index}: {sl.held}; checkpoint it again")
         return sl
 
     def checkpoint_table(self, name: str, path: str, step: int = 0) -> dict[str, Any]:
@@ -530,6 +550,7 @@ class ShardActor:
                                   f"{type(exc).__name__}: {first_line(exc)}", record)
                 raise
             new.requests = sl.requests
+            new.held, new.held_from = sl.held, sl.held_from  # (a held slice rolled back stays held: its own rollbacks)
             new.recovered_from = f"rollback to {how}"
             new.mark_rebuilt()
             self.servicer.tables[name] = new

@@ -115,6 +115,7 @@ class TableSlice:
         # why this slice waits before it serves (UNAVAILABLE: clients retry): a restarted shard's
         # slice of a table without a log, until its siblings are back at the same checkpoint
         self.held = ""
+        self.held_from = ""  # the checkpoint file a held slice came back as ("" none: its initial values)
         self.write_failure = ""  # why this slice refuses writes (a logged write failed to apply); "" = none
         # Steps whose parts arrived and are not applied yet: step -> client_id -> its parts.
         self.steps: dict[int, dict[str, Contribution]] = {}
