@@ -198,26 +198,30 @@ def save_slice(path: Path, meta: dict[str, Any], state: dict[str, torch.Tensor],
     blob: dict[str, Any] = {"meta": meta, "state": cpu, **(extra or {})}
     blob["extras_check"] = extras_digest(extra or {})
     rows = slice_layout(meta).rows(meta["index"]) if meta.get("kind", "value") == "value" else 0
-    by_row = {k: r for k, v in cpu.items() if (r := _per_row(v, rows)) is not None}
+    by_row = {k: r for k, r in ((k, _per_row(v, rows)) for k, v in cpu.items()) if r is not None}
     blob["row_checks"] = {k: torch.from_numpy(row_checks(r).view(np.int64)) for k, r in by_row.items()}
     blob["block_checks"] = {k: torch.from_numpy(block_checks(v).view(np.int64)) for k, v in cpu.items()
                             if k not in by_row}
     blob["row_checks_version"] = ROW_CHECKS_VERSION
     remove_stale_temporaries(path)  # an earlier try's, killed mid-write (its space held since)
-    full = ""
+    failed: BaseException | None = None
     try:
         atomic_write(path, lambda f: torch.save(blob, f))
-    except Exception as exc:  # torch.save says a full disk as a RuntimeError over the OSError
-        if disk_full(exc) is None:
-            raise
-        full = disk_full(exc).strerror or "no space"  # (its text only: the error stays behind, see below)
+    except Exception as exc:  # noqa: BLE001 - raised below, without torch's frames
+        failed = exc
     finally:  # a failure's traceback keeps this frame, and torch.save's frames its arguments: neither
         # may keep a disk table's mapped files viewed (a drop then freed nothing on the disk: a walkthrough)
         blob.clear(), cpu.clear(), by_row.clear()
-    if full:  # (raised here, not in the handler: the full disk's error, with torch's frames, stays behind)
+    if failed is None:
+        return path.stat().st_size
+    full = disk_full(failed)  # torch.save says a full disk as a RuntimeError over the OSError
+    why = full.strerror if full is not None else ""
+    if full is not None:
+        del full, failed  # (raised afresh, outside any handler: no context holds torch's frames)
         raise ResourceExhaustedError(f"table {meta.get('table', '?')}: cannot write checkpoint file {path}: the disk is "
-                                     f"full ({full}); free space there, or checkpoint to another folder")
-    return path.stat().st_size
+                                     f"full ({why or 'no space'}); free space there, or checkpoint to another folder")
+    failed.__traceback__ = failed.__cause__ = failed.__context__ = None  # (as above: the error, not torch's frames)
+    raise failed
 
 
 def disk_full(exc: BaseException) -> OSError | None:

@@ -399,8 +399,7 @@ class RemoteValues:
             except TableNotFoundError:
                 meta = None  # made by another process later (a data-parallel rank 0): its calls will say if not
             if meta is not None and meta.kind != "value":
-                raise ValueError(f"table {name} is {'an' if meta.kind == 'index' else 'a'} {meta.kind.replace('_', ' ')} "
-                                 "table, not a value table")
+                raise ValueError(f"table {name} is {meta.a_kind}, not a value table")
             if meta is not None and (meta.num_rows, meta.dim) != (num_rows, dim):
                 raise ValueError(f"table {name} has {meta.num_rows} x {meta.dim} values, this layer needs "
                                  f"{num_rows} x {dim}")
