@@ -282,7 +282,7 @@ def test_a_json_command_that_fails_prints_json_too(tmp_path, monkeypatch, cli_in
         st = cli_in_process([*command, "--json"])
         assert st.returncode == 2 and json.loads(st.stdout)["error"].startswith("no memserver endpoint file"), st
     assert cli_in_process(["usage", "t"]).stdout == ""  # (without --json: stderr only)
-    for argv, said in ((["status", "--json", "--bogus"], "memserver: unrecognized arguments: --bogus"),
+    for argv, said in ((["status", "--json", "--bogus"], "memserver status: unrecognized arguments: --bogus"),
                        (["top", "t", "--json", "-n", "x"], "memserver top: argument -n: invalid int value: 'x'")):
         st = cli_in_process(argv)  # argparse's own refusals too
         assert st.returncode == 2 and json.loads(st.stdout)["error"] == said, st

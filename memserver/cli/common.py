@@ -194,6 +194,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         own, words = subs[0].choices[chosen], words[words.index(chosen) + 1:]
     flags = [o for a in own._actions for o in a.option_strings if o.startswith("--")]
     hints = [f"{w.split('=', 1)[0]}: did you mean {close[0]}?" for w in extra if w.startswith("-")
-             if (close := difflib.get_close_matches(w.split("=", 1)[0], flags, n=1, cutoff=0.6))]
+             if (close := difflib.get_close_matches(w.split("=", 1)[0], flags, n=1, cutoff=0.75))]
     own.error(f"unrecognized arguments: {' '.join(extra)}" + ("" if not hints else " (" + "; ".join(hints) + ")"))
     raise AssertionError("unreachable")  # (error exits)
