@@ -67,6 +67,15 @@ def client_token(endpoint: str | None, record: dict[str, Any] | None = None) -> 
     return _from_endpoint_file(endpoint, record, "token")
 
 
+def read_token(endpoint: str | None) -> str | None:
+    """The token of a client that only reads (the inspection page): $MEMSERVER_TOKEN, else the
+    endpoint file's read token when the client talks to that file's endpoint (else its write
+    token: a file written before read tokens)."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    return _from_endpoint_file(endpoint, None, "read_token") or _from_endpoint_file(endpoint, None, "token")
+
+
 @dataclass(frozen=True)
 class ClientTls:
     """What a client's TLS checks the servers with: the CA (PEM) and, when the certificate names a

@@ -582,3 +582,38 @@ def test_a_table_traced_by_a_model_of_ones_own_is_not_told_to_run_memtrain_trace
     c.info = {"vocab": ["a", "b"]}
     note = ModelCache(c).for_table("t").note
     assert "recorded without a memtrain checkpoint (a model of your own)" in note and "memtrain trace" not in note
+
+
+def test_the_page_answers_only_to_its_own_names_on_loopback_and_reads_with_the_read_token(client, tmp_path,
+                                                                                       monkeypatch):
+    """A security walkthrough: `memserver web` on 127.0.0.1 answered any Host header, so a web
+    site its user visited could read every table through a name rebound to 127.0.0.1 (DNS
+    rebinding); and it held the write token, where docs/security.md lists it under the read one."""
+    import http.client
+
+    from client.channels import read_token
+    from memserver.web.app import LOOPBACK_HOSTS
+
+    with serve_app(create_app(client, allowed_hosts=LOOPBACK_HOSTS)) as base:
+        port = int(base.rsplit(":", 1)[1])
+        for host, status in (("evil.example", 400), (f"evil.example:{port}", 400), ("127.0.0.1.evil.example", 400),
+                             (f"127.0.0.1:{port}", 200), (f"localhost:{port}", 200), ("[::1]", 200), ("", 400)):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.putrequest("GET", "/api/tables", skip_host=True)
+            if host:
+                conn.putheader("Host", host)
+            conn.endheaders()
+            got = conn.getresponse()
+            assert (host, got.status) == (host, status), got.read()[:200]
+            conn.close()
+    with serve_app(create_app(client)) as base:  # (any other address: any name, as before)
+        assert fetch(f"{base}/api/tables").status == 200
+    monkeypatch.delenv("MEMSERVER_TOKEN", raising=False)
+    monkeypatch.setenv("MEMSERVER_ENDPOINT_FILE", str(tmp_path / "endpoint.json"))
+    (tmp_path / "endpoint.json").write_text(json.dumps({"endpoint": "10.0.0.1:5", "token": "W", "read_token": "R"}))
+    assert (read_token("10.0.0.1:5"), read_token("10.0.0.2:5")) == ("R", None)  # (another cluster: none of its)
+    app = create_app(endpoint="10.0.0.1:5")  # (opened, not called)
+    assert app.state.client.aio.token == "R"
+    app.state.client.close()
+    monkeypatch.setenv("MEMSERVER_TOKEN", "E")  # the user's own choice wins
+    assert read_token("10.0.0.1:5") == "E"

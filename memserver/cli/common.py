@@ -112,12 +112,13 @@ def console() -> Any:
     return out if out.is_terminal else Console(width=200)
 
 
-def cli_client(args: argparse.Namespace, endpoint: str | None = None) -> Any:
+def cli_client(args: argparse.Namespace, endpoint: str | None = None, token: str | None = None) -> Any:
     """The client of a one-shot command: --timeout bounds each call and its retries together,
-    so a cluster that is gone is said within it (not after the client's minute of retries)."""
+    so a cluster that is gone is said within it (not after the client's minute of retries).
+    `token`: the one to send (None: the client's default, the write token where it has one)."""
     from client import MemoryClient
 
-    return MemoryClient(endpoint or endpoint_of(args), timeout=args.timeout, retry_seconds=args.timeout)
+    return MemoryClient(endpoint or endpoint_of(args), timeout=args.timeout, retry_seconds=args.timeout, token=token)
 
 
 def endpoint_of(args: argparse.Namespace) -> str:

@@ -20,10 +20,15 @@ def cmd_web(args: argparse.Namespace) -> int:
 
     if not 1 <= args.port <= 65535:  # (0 would print a URL nobody can open)
         raise CliError(f"--port must be in [1, 65535], got {args.port}")
+    from client.channels import read_token
+    from memserver.web.app import LOOPBACK_HOSTS
+
     endpoint = endpoint_of(args)
-    with cli_client(args, endpoint) as client:  # --timeout bounds a page's calls with their retries
+    # the read token (the page reads only), and on a loopback address only its own names as Host
+    with cli_client(args, endpoint, token=read_token(endpoint)) as client:  # --timeout bounds a page's calls
         client.list_tables()  # an unreachable cluster is an error now, not on the first page view
-        app = create_app(client, checkpoint=args.checkpoint)
+        app = create_app(client, checkpoint=args.checkpoint,
+                         allowed_hosts=LOOPBACK_HOSTS if args.host in LOOPBACK_HOSTS else None)
         if args.checkpoint:  # a missing file or one not memtrain's: now, not a note on every page (and loaded once)
             try:
                 app.state.models.load(args.checkpoint)

@@ -20,6 +20,7 @@ from markupsafe import Markup, escape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -100,16 +101,43 @@ def jsonable(x: Any) -> Any:
 # ------------------------------------------------------------------ the app
 
 
+#: The names a page served on a loopback address answers to (`memserver web`'s default).
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+class _HostCheck:
+    """Answer only requests naming an allowed host: a page on 127.0.0.1 that took any Host header
+    was readable by any web site its user visited, through a name rebound to 127.0.0.1 (DNS
+    rebinding; a security walkthrough)."""
+
+    def __init__(self, app: Any, allowed: frozenset[str]) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").strip().lower()
+            name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0] if ":" in host else host
+            if name not in self.allowed:
+                response = Response(f"memserver web answers only to {', '.join(sorted(self.allowed))} (this request "
+                                    f"named {host or 'no host'})", status_code=400, media_type="text/plain")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: str | Path | None = None,
-               timeout: float = 30.0) -> Starlette:
+               timeout: float = 30.0, allowed_hosts: frozenset[str] | None = None) -> Starlette:
     """The inspection app over `client` (a MemoryClient, kept open), else over a client it opens to
-    `endpoint` (default: the endpoint file's) and closes at shutdown. `checkpoint`: the memtrain
-    checkpoint to project slots through; without it, the one `memtrain trace` recorded per table."""
+    `endpoint` (default: the endpoint file's; its read token) and closes at shutdown. `checkpoint`:
+    the memtrain checkpoint to project slots through; without it, the one `memtrain trace`
+    recorded per table. `allowed_hosts`: the Host names it answers (None: any)."""
     owned = client is None
     if owned:
         from client import MemoryClient
+        from client.channels import read_token
 
-        client = MemoryClient(endpoint, timeout=timeout, retry_seconds=timeout)  # a page waits `timeout` at most
+        client = MemoryClient(endpoint, timeout=timeout, retry_seconds=timeout,  # a page waits `timeout` at most
+                              token=read_token(endpoint))
     models = ModelCache(client, checkpoint)
     templates = Jinja2Templates(env=make_env())
     lock = threading.Lock()
@@ -275,7 +303,9 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
         if owned:
             client.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_found})
+    middleware = [Middleware(_HostCheck, allowed=allowed_hosts)] if allowed_hosts is not None else []
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_found},
+                    middleware=middleware)
     app.state.client, app.state.models = client, models
     return app
 
