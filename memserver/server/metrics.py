@@ -17,11 +17,15 @@ start_server adds the admission's gauges and refusal counter to a server's regis
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable, Container, Iterator
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memserver.api.v1 import memserver_pb2 as pb
@@ -107,7 +111,10 @@ class ServerMetrics:
 
     def serve(self, host: str) -> str:
         """Start the HTTP endpoint on a free port of `host`; returns HOST:PORT."""
-        self._server, _ = start_http_server(0, addr=host, registry=self.registry)
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        server = type("_Server", (_MetricsServer,), {"address_family": family})
+        self._server = make_server(host, 0, make_wsgi_app(self.registry), server, handler_class=_MetricsHandler)
+        threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
         self.address = f"{host}:{self._server.server_port}"
         return self.address
 
@@ -116,6 +123,44 @@ class ServerMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+#: The metrics endpoint's bounds (it needs no token, and binds the node's address): at most
+#: METRICS_CONNECTIONS connections at once, more closed as they come; each closed once idle for
+#: METRICS_IDLE_SECONDS. prometheus_client's own server gave every connection a thread for as
+#: long as the peer kept it open (a walkthrough: 300 idle ones, 300 threads in the shard).
+METRICS_CONNECTIONS, METRICS_IDLE_SECONDS = 16, 10.0
+
+
+class _MetricsHandler(WSGIRequestHandler):
+    timeout = METRICS_IDLE_SECONDS  # (the socket's: an idle or trickling peer is dropped)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - (no line per scrape)
+        pass
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):  # all busy: this one is closed, not queued
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 def _totals(counter: Counter) -> Iterator[Any]:
