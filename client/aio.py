@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from client import ops, transport
-from client.channels import ClientTls, aio_channel, client_tls, client_token
+from client.channels import ClientTls, aio_channel, checked_token, client_tls, client_token
 from client.ops import ClientSession, Op, OpOptions, WriteTags, finish, like
 from client.ops.checks import INT32, INT64, check_ints
 from client.shm import ShmTransport
@@ -243,7 +243,10 @@ class AsyncMemoryClient:
         # the endpoint file's record of this cluster, if one names it (the one just read, when the
         # client was given no endpoint): a stopped cluster is told from a restarting one by it (_retrying)
         self._home = (endpoint_file(), record) if record is not None else this_clusters_record(self.endpoint)
-        self.token = token if token is not None else client_token(self.endpoint, record)
+        if token is None:
+            self.token = client_token(self.endpoint, record)
+        else:  # ("": none sent)
+            self.token = checked_token(token, "token") if token else token
         self.tls = tls if tls is not None else client_tls(self.endpoint, record)
         if self.token and self.tls is None and not self.endpoint.startswith(("127.", "localhost:", "[::1]:")):
             log.warning("sending the token to %s without TLS: anyone on the path can read it (give the cluster's "

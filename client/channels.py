@@ -59,11 +59,24 @@ CHANNEL_OPTIONS = [*GRPC_OPTIONS, *KEEPALIVE_OPTIONS, ("grpc.service_config", SE
 PLAIN_OPTIONS = [*GRPC_OPTIONS, *KEEPALIVE_OPTIONS]
 
 
+def checked_token(token: str, source: str) -> str:
+    """`token` without surrounding whitespace (a token file's line ending), or InvalidArgumentError
+    naming `source` when what is left cannot go in a gRPC header (every command failed with a
+    50-line traceback from inside gRPC for a token read from a file with CRLF line endings)."""
+    from memserver.api.errors import InvalidArgumentError
+
+    token = token.strip()
+    if not token.isascii() or not token.isprintable():
+        raise InvalidArgumentError(f"{source}: a token is printable ASCII (a header's value); this one holds other "
+                                   "characters: copy it again, without its quotes or line breaks")
+    return token
+
+
 def client_token(endpoint: str | None, record: dict[str, Any] | None = None) -> str | None:
     """The token a client sends when given none: $MEMSERVER_TOKEN, else the endpoint file's when
     the client talks to the endpoint that file names (`record`: the file's contents, if read)."""
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
+    if os.environ.get(TOKEN_ENV, "").strip():
+        return checked_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}")
     return _from_endpoint_file(endpoint, record, "token")
 
 
@@ -71,8 +84,8 @@ def read_token(endpoint: str | None) -> str | None:
     """The token of a client that only reads (the inspection page): $MEMSERVER_TOKEN, else the
     endpoint file's read token when the client talks to that file's endpoint (else its write
     token: a file written before read tokens)."""
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
+    if os.environ.get(TOKEN_ENV, "").strip():
+        return checked_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}")
     return _from_endpoint_file(endpoint, None, "read_token") or _from_endpoint_file(endpoint, None, "token")
 
 

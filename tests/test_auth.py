@@ -215,3 +215,23 @@ def test_memserver_up_with_tokens_and_tls(tmp_path, monkeypatch, cli_in_process)
     finally:
         down = cli("down")
         assert down.returncode == 0, down.stderr
+
+
+def test_a_token_with_a_line_ending_is_sent_without_it_and_a_bad_one_is_refused_by_its_source(monkeypatch):
+    """A token file with CRLF line endings gave every command a 50-line traceback from inside
+    gRPC ("Illegal header value"; a security walkthrough)."""
+    from client import InvalidArgumentError, MemoryClient
+    from client.channels import client_token
+
+    monkeypatch.setenv("MEMSERVER_TOKEN", "tok\r\n")
+    assert client_token("127.0.0.1:1") == "tok"
+    monkeypatch.setenv("MEMSERVER_TOKEN", "to\x01k")
+    with pytest.raises(InvalidArgumentError, match=r"\$MEMSERVER_TOKEN: a token is printable ASCII"):
+        client_token("127.0.0.1:1")
+    monkeypatch.delenv("MEMSERVER_TOKEN")
+    with pytest.raises(InvalidArgumentError, match="token: a token is printable ASCII"):
+        MemoryClient("127.0.0.1:1", token="tök")
+    with MemoryClient("127.0.0.1:1", token=" tok\n") as c:
+        assert c.aio.token == "tok"
+    with MemoryClient("127.0.0.1:1", token="") as c:  # none sent
+        assert c.aio.token == ""
