@@ -63,6 +63,7 @@ def test_calls_without_the_right_token_are_refused(auth_cluster):
     for token in (None, "wrong"):
         code, text = status_of(lambda t=token: raw_call(ep, "control", "ListTables", pb.ListTablesRequest(), t))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in text and "wrong" not in text
+        assert "new tokens at every start: an earlier `memserver join-info` file holds old ones" in text
         code, _ = status_of(lambda t=token: raw_call(shard, "data", "Lookup", pb.LookupRequest(table="x"), t))
         assert code == grpc.StatusCode.UNAUTHENTICATED
     # unparseable bytes are refused before they are parsed

@@ -258,7 +258,8 @@ class Authenticate(grpc.aio.ServerInterceptor):
         ours = method.startswith(_OUR_SERVICES)
         if role is None:
             return self._refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token: send the cluster's token as "
-                                "metadata 'authorization: Bearer <token>'", name, ours)
+                                "metadata 'authorization: Bearer <token>' (`memserver up --auth` makes new tokens at "
+                                "every start: an earlier `memserver join-info` file holds old ones)", name, ours)
         if ours and role == "read" and name not in READ_METHODS:
             return self._refuse(grpc.StatusCode.PERMISSION_DENIED, f"{name}: the read token may not make this call; "
                                 "it needs the write token", name, ours)
