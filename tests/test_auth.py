@@ -236,3 +236,21 @@ def test_a_token_with_a_line_ending_is_sent_without_it_and_a_bad_one_is_refused_
         assert c.aio.token == "tok"
     with MemoryClient("127.0.0.1:1", token="") as c:  # none sent
         assert c.aio.token == ""
+
+
+def test_with_tokens_what_the_servers_write_is_their_users_alone(auth_cluster, table_name, tmp_path_factory):
+    """Checkpoints, logs and records of a cluster with tokens were mode 644 in 755 folders: every
+    local user could read the values the tokens guard (a security walkthrough)."""
+    import stat
+
+    from client import MemoryClient
+
+    root = tmp_path_factory.getbasetemp() / f"private-{table_name}"  # (inside the cluster's checkpoint root)
+    with MemoryClient(auth_cluster.endpoint, token=WRITE, retry_seconds=0) as c:
+        c.create_table(table_name, 16, 4, wal=True)
+        c.write_rows(table_name, np.arange(3), np.ones((3, 4), np.float32))
+        c.checkpoint(str(root), 1)
+        c.drop_table(table_name)
+    made = [p for p in root.rglob("*")]
+    assert made and all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in made), \
+        [(str(p), oct(stat.S_IMODE(p.stat().st_mode))) for p in made]

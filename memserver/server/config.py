@@ -9,6 +9,7 @@ node reads (a mounted secret on Kubernetes), since Ray records an actor's constr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,3 +84,13 @@ class ServeConfig:
     tls: TlsFiles | None = None
     checkpoint_root: str | None = None
     limits: Limits = field(default_factory=Limits)
+
+    def keep_files_private(self) -> None:
+        """With tokens, what a server process writes (records, logs, checkpoints) is its user's
+        alone (umask 077): the values the tokens guard were readable by every local user
+        (mode 644; a security walkthrough). Only in a server's own process (a Ray actor's): a
+        process of the user's own (memserver.cluster.inprocess) keeps its umask."""
+        from memserver.server.rayutil import in_actor
+
+        if self.auth is not None and in_actor():
+            os.umask(0o077)

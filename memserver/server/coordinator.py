@@ -801,6 +801,7 @@ class CoordinatorActor:
     def _serve(self, shard_handles: list[Any], infos: list[dict[str, Any]], described: list[Any], restarted: bool,
                host: str, port: int, data_dir: str | None, config: ServeConfig | None) -> None:
         config = config or ServeConfig()
+        config.keep_files_private()
         self.servicer = ControlPlaneServicer(shard_handles, infos, restarted, config.checkpoint_root, config.limits)
         self.servicer.recover_catalog(described)
         self.metrics = self.servicer.metrics = CoordinatorMetrics(self.servicer)

@@ -100,6 +100,7 @@ class ShardActor:
         self.restarted = was_restarted()
         self.session_ttl = session_ttl
         self.config = config or ServeConfig()
+        self.config.keep_files_private()  # (before the data directory is touched)
         self.servicer = DataPlaneServicer(self.device, threads)
         # the server's admission counts shared-memory calls' tensors too (memserver.server.shm)
         self.servicer.regions.admission = Admission(self.config.limits)
