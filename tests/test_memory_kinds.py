@@ -332,6 +332,36 @@ def test_kif_reads_an_existing_index_table(client, table_name, tmp_path):
         list(train(missing, client=client))
 
 
+def test_a_resume_takes_its_kif_sources_and_a_refused_one_replaces_no_table(client, table_name, tmp_path):
+    """A walkthrough: a resume whose --kif-source was left out built the text's source under
+    <table>-kif, replacing an index table of that name, and only then refused ("leave those flags
+    out", which it had). The checkpoint's named sources are now taken where the flag is left out,
+    and sources another run gives are refused before anything is built."""
+    upload_source(client, table_name, _source(100, 32))
+    common = [*TINY, "--memory", "local", "--memory-kind", "pkm,kif", "--table", f"{table_name}-run",
+              "--endpoint", client.endpoint, "--eval-every", "2"]
+    list(train(build_parser().parse_args([*common, "--kif-source", table_name, "--steps", "2",
+                                          "--checkpoint-dir", str(tmp_path)]), client=client))
+    client.create_index(f"{table_name}-run-kif", 4)  # a table of the name a built source would take
+    client.add(f"{table_name}-run-kif", [0, 1, 2], torch.ones(3, 4))
+    from trainer.train import given_flags
+
+    def parsed(argv: list[str]) -> Any:  # as memtrain's main parses: which flags were given
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.given = given_flags(parser, argv)
+        return args
+
+    taken = parsed([*common, "--steps", "3", "--resume", str(tmp_path)])
+    assert [r["step"] for r in train(taken, client=client)][-1] == 3  # on the checkpoint's source
+    other = parsed([*common, "--steps", "4", "--resume", str(tmp_path), "--kif-source", "else"])
+    with pytest.raises(SystemExit, match=rf"kif_sources = \('{table_name}',\), this run gives \('else',\)"):
+        list(train(other, client=client))
+    held = [t.vectors for s in client.status().shards for t in s.tables if t.table == f"{table_name}-run-kif"]
+    assert sum(held) == 3  # nothing was built over it
+    client.drop_table(f"{table_name}-run-kif")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--memory-kind", "pkm,xyz"], "--memory-kind pkm,xyz"),
     (["--memory-kind", "lsh,lsh"], "distinct kinds"),

@@ -765,15 +765,23 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             if key in saved and dest not in given and getattr(args, dest) != (value := flag_value(saved[key])):
                 taken.append(f"{key} = {saved[key]!r}")
                 setattr(args, dest, value)
+    # the KIF sources: the checkpoint's named ones where --kif-source is left out (a source built
+    # from the text is built again, under its table's name), compared before any is built (a
+    # refused resume had replaced an index table named <table>-kif already: a walkthrough)
+    saved_kif = tuple(blob.get("memory", {}).get("kif_sources", ()))
+    if saved_kif and given is not None and "kif_source" not in given and saved_kif != (f"{args.table}-kif",):
+        taken.append(f"kif_sources = {saved_kif!r}")
+        args.kif_source = list(saved_kif)
     if taken:
         log.info("--resume: as the checkpoint was trained (flags left out): %s", ", ".join(taken))
-    # the shapes the flags alone decide (the KIF sources' names and the vocabulary: once built)
+    # the shapes the flags alone decide (the vocabulary: once built)
     differences += _shape_differences(blob, {}, {k: getattr(args, k) for k in _MODEL_SHAPE if k != "vocab_size"})
     try:
-        memory = {k: v for k, v in asdict(memory_config(args)).items() if k != "kif_sources"}
+        memory = asdict(memory_config(args))
     except SystemExit:  # the checkpoint's memory flags against another model or --memory given: say those
         _refuse(args.resume, differences)
         raise
+    memory["kif_sources"] = tuple(args.kif_source) if args.kif_source else (f"{args.table}-kif",)  # (as built)
     _refuse(args.resume, differences + _shape_differences(blob, memory, {}))
     step = int(blob["step"])
     if step >= args.steps:
