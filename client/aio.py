@@ -631,7 +631,7 @@ class AsyncMemoryClient:
         s, i, p = await self._call(table, lambda meta: ops.search_op(meta, queries, k, nprobe, ef_search, return_payload,
                                                                      self.opts))
         out = (like(s, queries), like(i, queries))
-        return (*out, like(p, queries)) if return_payload and p is not None else out
+        return (*out, like(p, queries)) if return_payload else out
 
     async def create_product_keys(self, name: str, values_table: str, heads: int, n_keys: int, knn: int, k_dim: int,
                                   d_in: int = 0, *, wal: bool = False, replace: bool = False) -> TableMeta:

@@ -353,7 +353,7 @@ class MemoryClient:
         s, i, p = self._call(table, lambda meta: ops.search_op(meta, queries, k, nprobe, ef_search, return_payload,
                                                                self.aio.opts))
         out = (like(s, queries), like(i, queries))
-        return (*out, like(p, queries)) if return_payload and p is not None else out
+        return (*out, like(p, queries)) if return_payload else out
 
     def load_product_keys(self, name: str, keys: Any, query_weight: Any = None, query_bias: Any = None,
                           bn: dict[str, Any] | None = None) -> int:

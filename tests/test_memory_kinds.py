@@ -595,3 +595,24 @@ def test_a_copied_product_key_layer_keeps_its_query_bias_still():
         m(torch.randn(32, 16)).pow(2).sum().backward()
         assert m.query.bias.grad is not None and not m.query.bias.grad.any()
         assert m.query.weight.grad.any()
+
+
+def test_a_kif_source_made_anew_under_a_layer_stops_it_and_a_search_asked_for_payload_gets_three(client, table_name):
+    """A walkthrough: upload_source replacing a running trainer's source went unnoticed (it trained
+    on the new rows to its end); a source of another schema failed as "not enough values to
+    unpack", since search(return_payload=True) answered two values for a table with no payload."""
+    from client import FailedPreconditionError, InvalidArgumentError
+
+    layer = KIFMemory(8, 8, upload_source(client, table_name, _source(64, 16)), knn=4)
+    x = torch.randn(3, 8)
+    layer(x)
+    upload_source(client, table_name, _source(5, 16, seed=1))  # same schema, other entries
+    with pytest.raises(FailedPreconditionError, match=f"KIF source '{table_name}': its index table was made anew"):
+        layer(x)
+    client.create_index(f"{table_name}-bare", 4)  # no payload
+    client.add(f"{table_name}-bare", [0], torch.ones(1, 4))
+    with pytest.raises(InvalidArgumentError, match="return_payload: table .* holds no payload"):
+        client.search(f"{table_name}-bare", torch.ones(1, 4), 1, return_payload=True)
+    assert len(client.search(f"{table_name}-bare", torch.ones(1, 4), 1)) == 2
+    assert len(client.search(table_name, torch.ones(1, 16), 1, return_payload=True)) == 3
+    client.drop_table(f"{table_name}-bare")

@@ -72,7 +72,10 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
     for name, value in (("nprobe", nprobe), ("ef_search", ef_search)):
         if value is not None and value <= 0:
             raise InvalidArgumentError(f"{name}: must be positive, got {value}")
-    with_payload = return_payload and meta.payload_dim > 0
+    if return_payload and not meta.payload_dim:  # (it answered two values where three were asked for)
+        raise InvalidArgumentError(f"return_payload: table {meta.name!r} holds no payload (payload_dim 0); search it "
+                                   "without return_payload")
+    with_payload = return_payload
     # at most a row per hit: score and id, and with the payload a distinct hit's id and row
     per_hit = 12 + (8 + 4 * meta.payload_dim if with_payload else 0)
     per_query = max(4 * meta.dim, k * per_hit)

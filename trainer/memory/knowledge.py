@@ -78,6 +78,7 @@ class RemoteKnowledge:
             raise ValueError(f"KIF source {name!r}: needs metric ip and payload_dim = dim (the encodings), got "
                              f"metric {meta.metric}, dim {meta.dim}, payload_dim {meta.payload_dim}")
         self.client, self.name, self.dim = client, name, meta.dim
+        self.layout = meta.layout_id  # the table's incarnation this source is (`_same_table`)
         status = client.status()
         self.size = sum(t.vectors for s in status.shards for t in s.tables if t.table == name)
         if self.size == 0:
@@ -85,7 +86,32 @@ class RemoteKnowledge:
 
     def submit_search(self, queries: torch.Tensor, k: int) -> Future[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         (q,) = to_host(queries.detach().float().contiguous())
-        return on_device(self.client.submit_search(self.name, q, k, return_payload=True), queries.device)
+        out: Future[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = Future()
+
+        def answered(sent: Future) -> None:
+            try:
+                got = sent.result()
+                self._same_table()
+            except BaseException as exc:  # noqa: BLE001 - the caller's, through the future
+                out.set_exception(exc)
+            else:
+                out.set_result(got)
+
+        self.client.submit_search(self.name, q, k, return_payload=True).add_done_callback(answered)
+        return on_device(out, queries.device)
+
+    def _same_table(self) -> None:
+        """Refuse a source whose table was made anew since (another upload_source, a restore, a
+        drop and create): its searches went on over other entries without a word (a walkthrough:
+        a run trained to its end on 5 random rows in place of its 512 sentences). The client's
+        cached map, which a search against a new incarnation refreshes: no call."""
+        from client import FailedPreconditionError
+
+        if (now := self.client.table(self.name).layout_id) != self.layout:
+            raise FailedPreconditionError(
+                f"KIF source {self.name!r}: its index table was made anew under this run (layout {self.layout} -> "
+                f"{now}: another upload_source, a restore, or a drop and create): its entries are not the ones "
+                "this run read; give the new source another name, or start the run again")
 
 
 def upload_source(client: Any, name: str, encodings: torch.Tensor, *, shards: int | None = None,
