@@ -324,6 +324,17 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
     assert rc != 0 and "already exists: add --replace to replace it" in err
     assert build("--vectors", str(tmp_path / "v.npy"), "--replace")[0] == 0
     assert client.search(table_name, vectors[:4], 1)[1][:, 0].tolist() == [0, 1, 2, 3]  # ids 0..n-1 now
+    # what the shards refuse part-way is refused before anything is made (a walkthrough: --replace
+    # with a NaN at a late row left no table; a duplicate id was refused or upserted by where the
+    # load's batches fell)
+    dup = ids.copy()
+    dup[299] = dup[3]
+    np.save(tmp_path / "dup.npy", dup)
+    rc, err = build("--vectors", str(tmp_path / "nan.npy"), "--replace")
+    assert rc == 2 and "--vectors: row 250 holds NaN or infinite values" in err, err
+    rc, err = build("--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "dup.npy"), "--replace")
+    assert rc == 2 and f"--ids: id {ids[3]} is given 2 times (rows [3, 299], ...)" in err, err
+    assert client.search(table_name, vectors[:4], 1)[1][:, 0].tolist() == [0, 1, 2, 3]  # the table as it was
 
 
 def test_index_build_trains_on_what_one_request_carries():

@@ -100,6 +100,13 @@ def test_served_layer_equals_the_trainers_layer(client, memory_cluster, table_na
         with pytest.raises(SystemExit) as exc:
             cli_main(args)
         assert exc.value.code == 2 and "--layer 0: no product-key memory there; memory layers: [1]" in capsys.readouterr().err
+    else:  # the values' folder gone: refused before the served table is dropped (a walkthrough lost it)
+        (directory / "memory").rename(directory / "memory-moved")
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["index", "load-pkm", str(directory), "--layer", str(LAYER), "--name", table_name, "--replace",
+                      "--endpoint", memory_cluster.endpoint])
+        assert exc.value.code == 2 and "which does not exist" in capsys.readouterr().err
+        assert client.table(table_name, refresh=True).kind == "product_keys"
     client.drop_table(table_name)
     client.drop_table(values)
 

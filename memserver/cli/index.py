@@ -52,6 +52,27 @@ def _check_dtype(a: np.ndarray | None, flag: str, ids: bool = False) -> None:
         raise CliError(f"{flag}: dtype must be a number type, got {a.dtype}")
 
 
+def _check_contents(ids: np.ndarray | None, arrays: list[tuple[np.ndarray | None, str]]) -> None:
+    """What the shards would refuse part-way (a --replace having dropped the table by then, or a
+    duplicate accepted or refused by where the load's batches fell: a walkthrough), checked
+    before anything is made: distinct ids, finite vectors and payload. A pass over each file, in
+    LOAD_BATCH rows at a time (the files stay mapped, not read whole into memory)."""
+    if ids is not None:
+        uniq, counts = np.unique(np.asarray(ids, dtype=np.int64), return_counts=True)
+        if (dup := np.flatnonzero(counts > 1)).size:
+            i = int(uniq[dup[0]])
+            rows = np.flatnonzero(np.asarray(ids) == i)[:3].tolist()
+            raise CliError(f"--ids: id {i} is given {int(counts[dup[0]])} times (rows {rows}, ...): an index holds one "
+                           "vector per id")
+    for a, flag in arrays:
+        if a is None or a.dtype.kind != "f":
+            continue
+        for s in range(0, len(a), LOAD_BATCH):
+            bad = ~np.isfinite(a[s : s + LOAD_BATCH]).all(axis=1)
+            if bad.any():
+                raise CliError(f"{flag}: row {s + int(np.flatnonzero(bad)[0])} holds NaN or infinite values")
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -69,6 +90,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"--payload: {len(payload)} rows for {n} vectors")
     if ids is not None and len(ids) != n:
         raise CliError(f"--ids: {len(ids)} ids for {n} vectors")
+    _check_contents(ids, [(vectors, "--vectors"), (payload, "--payload")])
     if args.train_sample is not None and args.train_sample < 0:
         raise CliError(f"--train-sample must be >= 0, got {args.train_sample}")
     if args.train:  # an explicit --train: its sample checked before anything is made
@@ -220,6 +242,11 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"table": name, "checkpoint": str(path), "step": int(blob.get("step", 0)), "layer": args.layer,
                            "heads": int(heads), "n_keys": int(n_keys), "knn": args.knn, "k_dim": k_dim, "d_in": d_in,
                            "query_bn": bn is not None, "mem_plus": prefix + "gate.weight" in sd}
+    if "state" not in saved:  # a remote run's values, restored from <dir>/memory/<table>: there, before any drop
+        where = Path(args.checkpoint_dir).resolve() / saved["checkpoint"]
+        if not where.is_dir():
+            raise CliError(f"{args.checkpoint_dir}: the checkpoint's values of layer {args.layer} should be in {where}, "
+                           "which does not exist (the run's memory/ folder moved or was removed?); nothing was dropped")
     t0 = time.perf_counter()
     with cli_client(args) as client:
         def drop(table: str) -> None:
