@@ -616,3 +616,17 @@ def test_a_kif_source_made_anew_under_a_layer_stops_it_and_a_search_asked_for_pa
     assert len(client.search(f"{table_name}-bare", torch.ones(1, 4), 1)) == 2
     assert len(client.search(table_name, torch.ones(1, 16), 1, return_payload=True)) == 3
     client.drop_table(f"{table_name}-bare")
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_kif_read_of_a_non_finite_input_is_a_nan_read_not_a_refusal(client, table_name, where):
+    """library.md: a read whose input is not finite reads NaN rows, as a torch layer would (so a
+    GradScaler sees the overflow and skips the step). KIF's search refused such queries instead
+    (INVALID_ARGUMENT), failing the step (a walkthrough)."""
+    source = (LocalKnowledge("k", _source(50, 8), device="cpu") if where == "local"
+              else upload_source(client, table_name, _source(50, 8)))
+    layer = KIFMemory(8, 8, source, knn=4)
+    x = torch.randn(4, 8)
+    x[1, 2] = math.inf
+    assert torch.isnan(layer(x)).all()  # the whole read, as the other kinds' `bag` (a GradScaler skips the step)
+    assert torch.isfinite(layer(torch.randn(4, 8))).all()

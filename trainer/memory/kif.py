@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from trainer.memory.base import MemoryLayer, check_counts
+from trainer.memory.base import MemoryLayer, check_counts, finite, looks_for_nonfinite
 from trainer.memory.knowledge import KnowledgeSource
 
 
@@ -64,9 +64,15 @@ class KIFMemory(MemoryLayer):
         return x + q if self.residual else q
 
     def start(self, q: torch.Tensor, overlap: bool) -> Any:
+        if looks_for_nonfinite(q, self.source) and not finite(q):  # (a search refuses them: an fp16 overflow then
+            return None  # failed the step, where the other kinds read NaN rows and a GradScaler skips it)
         return self.source.submit_search(q.detach(), self.knn)  # always sent at once: the search is remote or faiss
 
     def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if started is None:  # non-finite queries: no hit, a NaN read (as `bag` reads NaN rows)
+            n = q.shape[0]
+            return (torch.full((n, self.knn), -1, dtype=torch.int64, device=q.device), q.new_zeros((n, self.knn)),
+                    q.new_full((n, self.source.dim), math.nan))
         _, ids, enc = started.result()  # [n, k], [n, k, dim]; the returned scores are not differentiable
         ids, enc = ids.to(q.device), enc.detach().to(q.device, q.dtype)  # E is data, whatever the source
         hit = ids >= 0
