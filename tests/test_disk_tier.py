@@ -173,6 +173,10 @@ def test_cache_bound_counted(tmp_path):
         assert _owned(t) == t.cache_nbytes() == held and t.cache_stats()["cached_rows"] <= t.capacity
     # the capacity is as large as the bound allows: one slot more would not fit
     assert t._cache_size(t.capacity + 1) > bound >= t._cache_size(t.capacity)
+    assert t.cache_stats()["cache_bound"] == bound
+    # a bound larger than the whole slice binds at the slice: so said (status showed 2 GiB over 1,000 rows)
+    big = DiskTable(tmp_path / "big", 100, 16, cfg, cache_bytes=1 << 30)
+    assert big.capacity == 100 and big.cache_stats()["cache_bound"] == big._cache_size(100) < 1 << 20
 
 
 def test_tinylfu_beats_lru_on_zipf_with_scans(tmp_path):

@@ -261,7 +261,7 @@ class _TableCollector:
                                      labels=["table"])
         disk = {key: family(f"memserver_disk_{key}", text, labels=["table"]) for key, family, text in (
             ("cache_bytes", GaugeMetricFamily, "Bytes a disk table's row cache holds (tier disk)"),
-            ("cache_bound_bytes", GaugeMetricFamily, "The bound of a disk table's row cache (its cache_bytes per shard)"),
+            ("cache_bound_bytes", GaugeMetricFamily, "The bound of a disk table's row cache (its cache_bytes per shard; at most what its whole slice takes)"),
             ("cache_rows", GaugeMetricFamily, "Rows a disk table's row cache holds now (of memserver_disk_cache_slots)"),
             ("cache_slots", GaugeMetricFamily, "Rows a disk table's row cache can hold (its bound, in rows)"),
             ("cache_hits", CounterMetricFamily, "Distinct rows of a call found in the cache"),
