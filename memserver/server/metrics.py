@@ -162,6 +162,14 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
         finally:
             self.slots.release()
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer dropped for idling or gone mid-request is no error of the server's (socketserver
+        printed a traceback to the shard's log for each)."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], OSError):  # (TimeoutError, a reset: OSError)
+            super().handle_error(request, client_address)
+
 
 def _totals(counter: Counter) -> Iterator[Any]:
     """A counter's `_total` samples (not its `_created` timestamps)."""
