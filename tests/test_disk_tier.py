@@ -1028,6 +1028,17 @@ def test_a_disk_table_of_half_floats_is_refused_in_the_dtype_users_write(client,
     assert table_name not in {t.name for t in client.list_tables()}
 
 
+def test_a_cache_that_holds_no_row_is_refused(client, table_name):
+    """A cache smaller than one record was accepted with 0 slots (every read went to the file,
+    unsaid; an operator's walkthrough): refused naming what one row takes, for the widest slice."""
+    with pytest.raises(InvalidArgumentError, match=r"cache_bytes: 4096 over 1 shard\(s\) leaves 4096 bytes a shard, "
+                                                   r"which holds no row of this table \(a cached row takes \d+ bytes"):
+        client.create_table(table_name, 100, 1024, tier="disk", cache_bytes=4096, optimizer="adam", num_shards=1)
+    assert table_name not in {t.name for t in client.list_tables()}
+    client.create_table(table_name, 100, 1024, tier="disk", cache_bytes=4096 * 8, optimizer="adam", num_shards=1)
+    client.drop_table(table_name)
+
+
 def test_recent_rate_is_the_rate_of_the_last_minute_and_falls_to_zero_when_idle():
     """`memserver status`'s disk rates: an average since the slice loaded stayed up for hours
     after the work stopped. The recent rate follows a steady rate from the start, then decays."""

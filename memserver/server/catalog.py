@@ -87,7 +87,7 @@ def retier(spec: pb.TableSpec, tier: str = "", cache_bytes: int = 0) -> pb.Table
 def _validate_tier(spec: pb.TableSpec) -> None:
     """tier "disk": float32 rows under a cache of at least MIN_CACHE_BYTES per slice; no
     cache_bytes: 1/DEFAULT_CACHE_FRACTION of the table's records (at least that minimum)."""
-    from memserver.core.disk import MIN_CACHE_BYTES, record_layout
+    from memserver.core.disk import MIN_CACHE_BYTES, cache_size, record_layout
 
     spec.tier = spec.tier or "ram"
     if spec.tier not in TIERS:
@@ -104,6 +104,13 @@ def _validate_tier(spec: pb.TableSpec) -> None:
     if spec.cache_bytes < MIN_CACHE_BYTES * spec.num_shards:
         raise InvalidArgumentError(f"cache_bytes: a tier 'disk' table needs at least {MIN_CACHE_BYTES} bytes of cache per "
                                    f"shard ({MIN_CACHE_BYTES * spec.num_shards} over {spec.num_shards}), got {spec.cache_bytes}")
+    # at least one row of the widest slice (a smaller cache held none: every read went to the file, unsaid)
+    width = -(-spec.dim // spec.num_shards) if spec.sharding == pb.COLS else spec.dim
+    one = cache_size(1, record_layout(width, spec.optimizer.name or "adagrad")[0])
+    if slice_cache_bytes(spec) < one:
+        raise InvalidArgumentError(f"cache_bytes: {spec.cache_bytes} over {spec.num_shards} shard(s) leaves "
+                                   f"{slice_cache_bytes(spec)} bytes a shard, which holds no row of this table (a cached "
+                                   f"row takes {one} bytes here); give at least {one * spec.num_shards}")
 
 
 def slice_cache_bytes(spec: pb.TableSpec) -> int:
