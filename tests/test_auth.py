@@ -36,13 +36,19 @@ def test_roles_from_metadata():
         AuthConfig.from_tokens(WRITE, WRITE)
 
 
-def test_token_files(tmp_path):
+def test_token_files(tmp_path, caplog):
     (tmp_path / "a.json").write_text(json.dumps({"write": "w", "read": "r"}))
     (tmp_path / "b").write_text("w\nr\n")
     (tmp_path / "c").write_text("only-write\n")
+    for f in ("a.json", "b", "c"):
+        (tmp_path / f).chmod(0o600)
     assert read_token_file(tmp_path / "a.json") == ("w", "r")
     assert read_token_file(tmp_path / "b") == ("w", "r")
     assert read_token_file(tmp_path / "c") == ("only-write", None)
+    assert "other local users may read" not in caplog.text
+    (tmp_path / "c").chmod(0o644)  # (accepted silently before: a security walkthrough)
+    assert read_token_file(tmp_path / "c") == ("only-write", None)
+    assert f"token file {tmp_path / 'c'} has mode 644: other local users may read its tokens; chmod 600 it" in caplog.text
 
 
 def raw_call(address, service, method, request, token=None):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -72,7 +73,11 @@ class AuthConfig:
 
 def read_token_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
     """(write token, read token or None) from a file: a JSON object {"write": ..., "read": ...},
-    or the write token on the first line and the read token on an optional second."""
+    or the write token on the first line and the read token on an optional second. A file other
+    local users may read is said (a warning: the tokens are only as secret as the file)."""
+    if (mode := Path(path).stat().st_mode) & 0o077:
+        logging.getLogger(__name__).warning("token file %s has mode %o: other local users may read its tokens; "
+                                            "chmod 600 it", path, mode & 0o777)
     text = Path(path).read_text()
     if text.lstrip().startswith("{"):
         obj = json.loads(text)
