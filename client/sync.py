@@ -276,9 +276,14 @@ class MemoryClient:
 
     def table(self, name: str, *, refresh: bool = False) -> TableMeta:
         self._check_open()
-        if not refresh and (meta := self.aio._tables.get(name)) is not None:  # cached: no hop to the client's loop
+        if not refresh and (meta := self.cached_table(name)) is not None:  # cached: no hop to the client's loop
             return meta  # (a trainer reads it at each step's end: RemoteValues._check_rebuilt)
         return self._run(self.aio.table(name, refresh=refresh))
+
+    def cached_table(self, name: str) -> TableMeta | None:
+        """The shard map this client holds for `name`, or None: no call, so safe from any thread,
+        the client's own loop included (a future's callback: `table` could wait on that loop)."""
+        return self.aio._tables.get(name)
 
     def status(self) -> Any:
         return self._run(self.aio.status())

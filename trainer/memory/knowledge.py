@@ -104,10 +104,12 @@ class RemoteKnowledge:
         """Refuse a source whose table was made anew since (another upload_source, a restore, a
         drop and create): its searches went on over other entries without a word (a walkthrough:
         a run trained to its end on 5 random rows in place of its 512 sentences). The client's
-        cached map, which a search against a new incarnation refreshes: no call."""
+        cached map, which a search against a new incarnation refreshes: no call (this runs in the
+        client's loop, as the search's callback; a map just dropped is looked at next time)."""
         from client import FailedPreconditionError
 
-        if (now := self.client.table(self.name).layout_id) != self.layout:
+        meta = self.client.cached_table(self.name)
+        if meta is not None and (now := meta.layout_id) != self.layout:
             raise FailedPreconditionError(
                 f"KIF source {self.name!r}: its index table was made anew under this run (layout {self.layout} -> "
                 f"{now}: another upload_source, a restore, or a drop and create): its entries are not the ones "
