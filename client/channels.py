@@ -75,18 +75,19 @@ def checked_token(token: str, source: str) -> str:
 def client_token(endpoint: str | None, record: dict[str, Any] | None = None) -> str | None:
     """The token a client sends when given none: $MEMSERVER_TOKEN, else the endpoint file's when
     the client talks to the endpoint that file names (`record`: the file's contents, if read)."""
-    if os.environ.get(TOKEN_ENV, "").strip():
-        return checked_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}")
-    return _from_endpoint_file(endpoint, record, "token")
+    return _env_token() or _from_endpoint_file(endpoint, record, "token")
 
 
 def read_token(endpoint: str | None) -> str | None:
     """The token of a client that only reads (the inspection page): $MEMSERVER_TOKEN, else the
     endpoint file's read token when the client talks to that file's endpoint (else its write
     token: a file written before read tokens)."""
-    if os.environ.get(TOKEN_ENV, "").strip():
-        return checked_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}")
-    return _from_endpoint_file(endpoint, None, "read_token") or _from_endpoint_file(endpoint, None, "token")
+    return _env_token() or _from_endpoint_file(endpoint, None, "read_token") or _from_endpoint_file(endpoint, None, "token")
+
+
+def _env_token() -> str | None:
+    """$MEMSERVER_TOKEN, checked (None: unset or blank): the user's choice wins over any file."""
+    return checked_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}") if os.environ.get(TOKEN_ENV, "").strip() else None
 
 
 @dataclass(frozen=True)
