@@ -220,6 +220,25 @@ def test_kif_missing_hits_weigh_nothing():
     assert counter.counts.sum() == 12 and counter.num_slots == 3
 
 
+def test_usage_counts_sparse_ids_as_slots():
+    """A KIF source built with its own ids (i*1000+7, the CLI's --ids) is used as much as the same
+    reads over ids 0..n-1: the ids above num_slots count as slots, not as misses."""
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randint(0, 50, (64, 4), generator=g)
+    w = torch.rand(64, 4, generator=g)
+    a, b = UsageCounter(500), UsageCounter(500)
+    for half in (slice(0, 32), slice(32, 64)):  # in two batches: the sparse ids accumulate
+        a.add(dense[half], w[half])
+        b.add(torch.where(dense[half] % 2 == 0, dense[half], dense[half] * 1000 + 7), w[half])
+    want, got = a.metrics(), b.metrics()
+    assert want["used_pct"] == 100.0 * len(dense.unique()) / 500
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-9), key
+    b.add(torch.tensor([[-1, 7007]]), torch.tensor([[0.0, 1.0]]))  # a miss is not a slot
+    assert len(b.far_ids) == len((dense[dense % 2 == 1] * 1000 + 7).unique())
+
+
 def test_remote_knowledge_answers_like_local_faiss(client, table_name):
     e = _source(300, 16, seed=2)
     remote = upload_source(client, table_name, e)
