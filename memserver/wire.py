@@ -583,6 +583,26 @@ def check_float(x: torch.Tensor, what: str) -> None:
         raise InvalidArgumentError(f"{what}: contains NaN or infinite values{why}")
 
 
+# A vector's norm at most 2^62: the squared L2 distance between two such (and every inner
+# product) stays below float32's largest (2^128), where faiss's float32 distances would overflow
+# to inf and a stored vector could never be found (its hit read as a miss, id -1).
+MAX_NORM = 2.0**62
+
+
+def check_norms(x: torch.Tensor, what: str) -> None:
+    """Rows [n, dim] that faiss compares (an index table's vectors, queries, training sample)
+    within MAX_NORM. The client asks before sending (an add's shards take all or none) and the
+    shard again. O(n * dim), a float64 pass only where some value is large enough to matter."""
+    if not x.numel() or float(x.abs().max()) * math.sqrt(x.shape[-1]) <= MAX_NORM:
+        return
+    norms = x.double().square().sum(-1).sqrt()
+    if (far := torch.nonzero(norms > MAX_NORM).flatten()).numel():
+        i = int(far[0])
+        raise InvalidArgumentError(
+            f"{what}: row {i} has norm {float(norms[i]):.3g}, above 2^62 ({MAX_NORM:.3g}): its float32 distances "
+            "would overflow and it could never be found; scale the vectors down")
+
+
 def check_stored(x: torch.Tensor, dtype: torch.dtype | str, table: str, what: str) -> None:
     """Finite float32 values that a table storing `dtype` (or its name) keeps finite: float16 ends
     at 65504 (65520 and beyond round to infinity; below that, to 65504), bfloat16 just short of

@@ -426,6 +426,10 @@ BAD = {
     "float64 overflow": ("vectors", lambda vi, x: vi.add(np.array([900]), np.full((1, 8), 1e300), np.ones((1, 2)))),
     "missing payload": ("payload", lambda vi, x: vi.add(np.array([900]), x[:1])),
     "payload shape": ("payload", lambda vi, x: vi.add(np.array([900]), x[:1], np.ones((1, 3), np.float32))),
+    "norm overflows distances": ("vectors", lambda vi, x: vi.add(np.array([900]), np.full((1, 8), 2e18, np.float32),
+                                                                  np.ones((1, 2), np.float32))),
+    "query norm overflows": ("queries", lambda vi, x: vi.search(np.full((1, 8), -2e18, np.float32), 3)),
+    "sample norm overflows": ("sample", lambda vi, x: VectorIndex(8, "Flat", "l2").train(np.full((2, 8), 2e18))),
     "NaN payload": ("payload", lambda vi, x: vi.add(np.array([900]), x[:1], np.full((1, 2), np.nan, np.float32))),
     "remove negative": ("ids", lambda vi, x: vi.remove(np.array([3, -2]))),
     "k = 0": ("k", lambda vi, x: vi.search(x[:2], 0)),
@@ -440,6 +444,20 @@ BAD = {
     "template of another metric": ("trained", lambda vi, x: vi.install(VectorIndex(8, "Flat", "l2").template())),
     "not a template": ("trained", lambda vi, x: vi.install(b"junk")),
 }
+
+
+def test_largest_vectors_are_found():
+    """Vectors at the norm bound are found by their own query under both metrics: their float32
+    distances do not overflow (just beyond 2^62 they did: an L2 hit read as a miss, id -1), and a
+    payload is data, not bounded."""
+    big = np.zeros((3, 8), np.float32)
+    big[0, 0], big[1, 0], big[2, 1] = 4.5e18, -4.5e18, 1.0
+    for metric in ("l2", "ip"):
+        vi = VectorIndex(8, "Flat", metric, payload_dim=1)
+        vi.add(np.arange(3), big, np.full((3, 1), 1e30, np.float32))
+        s, ids, p = vi.search(big if metric == "l2" else big[:2], 3, with_payload=True)
+        assert (ids >= 0).all() and torch.isfinite(s).all() and (p == 1e30).all(), (metric, ids, s)
+        assert ids[:, 0].tolist() == ([0, 1, 2] if metric == "l2" else [0, 1])
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

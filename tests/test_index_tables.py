@@ -168,6 +168,10 @@ def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
         (lambda: client.add(table_name, ids, vectors[:, :4]), "vectors"),
         (lambda: client.add(table_name, ids, bad_nan), "NaN"),
         (lambda: client.add(table_name, [1, 1], vectors[:2]), "distinct"),
+        # one row too large: the client refuses the whole add (the other rows' shard would take them)
+        (lambda: client.add(table_name, ids + 100, np.where(np.arange(10)[:, None] == 9, 2e18, vectors)),
+         r"vectors: row 9 has norm .* above 2\^62"),
+        (lambda: client.search(table_name, np.full_like(vectors, 2e18), 1), r"queries: row 0 has norm"),
         (lambda: client.add(table_name, [-3], vectors[:1]), "negative"),
         (lambda: client.add(table_name, ids, vectors, np.ones((10, 2), np.float32)), "payload"),
         (lambda: client.search(table_name, vectors, 0), "k"),
@@ -190,6 +194,7 @@ def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
             call()
     _, got = client.search(table_name, vectors, 1)
     np.testing.assert_array_equal(got[:, 0], ids)
+    assert set(client.search(table_name, vectors, 20)[1].flatten().tolist()) <= set(ids.tolist()) | {-1}
     # the wrong kind of call for the table, sent raw as another language's client would
     meta = client.table(table_name)
     with grpc.insecure_channel(meta.shards[0].address) as ch:

@@ -14,7 +14,7 @@ from client.ops.sessions import WriteTags
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import MAX_SEARCH_K, TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import Lazy, check_1d, check_float, decode, encode, wire_tensor
+from memserver.wire import Lazy, check_1d, check_float, check_norms, decode, encode, wire_tensor
 
 
 def add_op(meta: TableMeta, ids: Any, vectors: Any, payload: Any, opts: OpOptions, tags: WriteTags) -> Op:
@@ -26,6 +26,7 @@ def add_op(meta: TableMeta, ids: Any, vectors: Any, payload: Any, opts: OpOption
     if len(torch.unique(t)) != len(t):
         raise InvalidArgumentError("ids: an add needs distinct ids (which vector would win?)")
     v = checked_vectors(vectors, len(t), meta.dim, "vectors")
+    check_norms(v, "vectors")
     if (payload is None) != (meta.payload_dim == 0):
         raise InvalidArgumentError(f"payload: the index {meta.name!r} has payload_dim {meta.payload_dim}; "
                                    + ("give payload rows" if payload is None else "it takes no payload"))
@@ -67,6 +68,7 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
     if q.dim() != 2 or q.shape[1] != meta.dim:
         raise InvalidArgumentError(f"queries: expected shape [B, {meta.dim}], got {list(q.shape)}")
     check_float(q, "queries")
+    check_norms(q, "queries")
     if not 0 < k <= MAX_SEARCH_K:
         raise InvalidArgumentError(f"k: must be in 1..{MAX_SEARCH_K}, got {k}")
     for name, value in (("nprobe", nprobe), ("ef_search", ef_search)):

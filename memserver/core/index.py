@@ -63,6 +63,7 @@ import torch
 
 from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from memserver.api.types import MAX_SEARCH_K
+from memserver.wire import check_norms
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,10 @@ def _check_ids(ids: Any, what: str = "ids") -> np.ndarray:
     return a
 
 
-def _check_rows(x: Any, n: int | None, dim: int, what: str) -> np.ndarray:
-    """[n, dim] floating point, finite -> contiguous float32 (n None: any number of rows)."""
+def _check_rows(x: Any, n: int | None, dim: int, what: str, *, distances: bool = True) -> np.ndarray:
+    """[n, dim] floating point, finite -> contiguous float32 (n None: any number of rows).
+    `distances`: rows that faiss compares (vectors, queries, a training sample), so their norms
+    are bounded (memserver.wire.check_norms); a payload's rows are only stored."""
     a = _numpy(x)
     if a.ndim != 2 or (n is not None and a.shape[0] != n) or a.shape[1] != dim:
         want = f"[{n if n is not None else 'n'}, {dim}]"
@@ -135,6 +138,8 @@ def _check_rows(x: Any, n: int | None, dim: int, what: str) -> np.ndarray:
         a = np.ascontiguousarray(a, dtype=np.float32)
     if a.size and not np.isfinite(a).all():
         raise InvalidArgumentError(f"{what}: contains NaN or infinite values (after conversion to float32)")
+    if distances:
+        check_norms(torch.from_numpy(a), what)
     return a
 
 
@@ -465,7 +470,7 @@ class VectorIndex:
             raise InvalidArgumentError("payload: this index stores no payload (payload_dim=0)")
         if self.payload_dim and payload is None:
             raise InvalidArgumentError(f"payload: required, shape [{n}, {self.payload_dim}] (payload_dim={self.payload_dim})")
-        p = _check_rows(payload, n, self.payload_dim, "payload") if self.payload_dim else None
+        p = _check_rows(payload, n, self.payload_dim, "payload", distances=False) if self.payload_dim else None
         uniq, counts = np.unique(ids, return_counts=True)
         if len(uniq) != n:
             raise InvalidArgumentError(f"ids: id {int(uniq[counts > 1][0])} appears more than once in one add")
