@@ -589,17 +589,18 @@ def check_float(x: torch.Tensor, what: str) -> None:
 MAX_NORM = 2.0**62
 
 
-def check_norms(x: torch.Tensor, what: str) -> None:
+def check_norms(x: torch.Tensor, what: str, first: int = 0) -> None:
     """Rows [n, dim] that faiss compares (an index table's vectors, queries, training sample)
     within MAX_NORM. The client asks before sending (an add's shards take all or none) and the
-    shard again. O(n * dim), a float64 pass only where some value is large enough to matter."""
+    shard again. O(n * dim), a float64 pass only where some value is large enough to matter.
+    `first`: the row number of x's first row in the message (x a batch of a larger file)."""
     if not x.numel() or float(x.abs().max()) * math.sqrt(x.shape[-1]) <= MAX_NORM:
         return
     norms = x.double().square().sum(-1).sqrt()
     if (far := torch.nonzero(norms > MAX_NORM).flatten()).numel():
         i = int(far[0])
         raise InvalidArgumentError(
-            f"{what}: row {i} has norm {float(norms[i]):.3g}, above 2^62 ({MAX_NORM:.3g}): its float32 distances "
+            f"{what}: row {first + i} has norm {float(norms[i]):.3g}, above 2^62 ({MAX_NORM:.3g}): its float32 distances "
             "would overflow and it could never be found; scale the vectors down")
 
 

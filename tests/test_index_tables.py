@@ -285,8 +285,8 @@ def test_cli_builds_an_index_from_files_and_status_lists_it(memory_cluster, clie
     assert exit_.value.code == 2 and "--vectors" in capsys.readouterr().err
 
 
-def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_making_one(memory_cluster, client,
-                                                                                        table_name, tmp_path, capsys):
+def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_making_one(
+        memory_cluster, client, table_name, tmp_path, capsys, monkeypatch):
     """A build that fails once the table is made (NaN vectors, refused by the shards) drops it, so
     the corrected rerun works; files whose dtype the clients refuse are refused before anything is
     made (a cast would turn 0.5 into 0), as is an .npz archive; an existing name is refused naming
@@ -297,7 +297,9 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
     ids, vectors = _data(300, seed=12)
     bad = vectors.copy()
     bad[250, 3] = np.nan
-    files = {"v": vectors, "nan": bad, "i": ids, "fi": ids.astype(np.float64) + 0.5, "u64": ids.astype(np.uint64)}
+    big = vectors.copy()
+    big[250] = 2e18  # its float32 distances would overflow (memserver.wire.check_norms)
+    files = {"v": vectors, "nan": bad, "big": big, "i": ids, "fi": ids.astype(np.float64) + 0.5, "u64": ids.astype(np.uint64)}
     for name, a in files.items():
         np.save(tmp_path / f"{name}.npy", a)
     np.savez(tmp_path / "z.npz", v=vectors)
@@ -337,6 +339,9 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
     np.save(tmp_path / "dup.npy", dup)
     rc, err = build("--vectors", str(tmp_path / "nan.npy"), "--replace")
     assert rc == 2 and "--vectors: row 250 holds NaN or infinite values" in err, err
+    monkeypatch.setattr("memserver.cli.index.LOAD_BATCH", 100)  # the row counted from the file's first
+    rc, err = build("--vectors", str(tmp_path / "big.npy"), "--replace")
+    assert rc == 2 and "--vectors: row 250 has norm" in err and "above 2^62" in err, err
     rc, err = build("--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "dup.npy"), "--replace")
     assert rc == 2 and f"--ids: id {ids[3]} is given 2 times (rows [3, 299], ...)" in err, err
     assert client.search(table_name, vectors[:4], 1)[1][:, 0].tolist() == [0, 1, 2, 3]  # the table as it was

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import fmt_bytes
 from memserver.cli.common import CliError, cli_client, cluster_flags, counted
-from memserver.wire import train_sample_limit
+from memserver.wire import check_norms, train_sample_limit
 
 log = logging.getLogger("memserver.cli")
 
@@ -71,6 +73,11 @@ def _check_contents(ids: np.ndarray | None, arrays: list[tuple[np.ndarray | None
             bad = ~np.isfinite(a[s : s + LOAD_BATCH]).all(axis=1)
             if bad.any():
                 raise CliError(f"{flag}: row {s + int(np.flatnonzero(bad)[0])} holds NaN or infinite values")
+            if flag == "--vectors":  # (the payload is stored, never compared)
+                try:
+                    check_norms(torch.from_numpy(np.asarray(a[s : s + LOAD_BATCH], dtype=np.float32)), flag, first=s)
+                except InvalidArgumentError as exc:
+                    raise CliError(exc.details) from None
 
 
 def cmd_build(args: argparse.Namespace) -> int:
