@@ -383,6 +383,19 @@ def test_a_checkpoint_asked_while_a_shard_restarts_waits_for_it(fault_cluster, f
     fclient.drop_table(table_name)
 
 
+def test_an_index_trained_while_a_shard_restarts_waits_for_it(fclient, table_name):
+    """train_index right after a shard died waits for its restart, as the data plane's calls do
+    (it failed at once), and every shard serves the one trained index."""
+    fclient.create_index(table_name, DIM, index_factory="IVF4,Flat", metric="l2", num_shards=2)
+    x = np.random.default_rng(3).normal(size=(200, DIM)).astype(np.float32)
+    pid = kill_shard(fclient, 1)
+    fclient.train_index(table_name, x)
+    assert fclient.status().shards[1].pid != pid
+    fclient.add(table_name, np.arange(200), x)
+    np.testing.assert_array_equal(fclient.search(table_name, x[:50], 1, nprobe=4)[1][:, 0], np.arange(50))
+    fclient.drop_table(table_name)
+
+
 def test_an_actor_knows_it_was_restarted_without_a_deprecation_warning(memory_cluster):
     """A restarted shard or coordinator recovers from its files only when it knows it was
     restarted (rayutil.was_restarted). Ray's own `was_current_actor_reconstructed` put a

@@ -572,7 +572,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         sample = decode(request.sample, "sample").float()
         check_rows(sample, sample.shape[0] if sample.dim() == 2 else -1, int(spec.dim), "sample")
         check_float(sample, "sample")
-        held = await asyncio.gather(*(self.handles[j].index_vectors.remote(request.name) for j in self.placement[request.name]))
+        # a shard restarting meanwhile is waited for, as the data plane's calls wait (it failed at once)
+        order = list(self.placement[request.name])
+        held = await asyncio.gather(*(_when_ready(lambda j=j: self.handles[j].index_vectors.remote(request.name))
+                                      for j in order))
         if sum(held):  # a second quantizer on some shards would make the shards disagree
             raise FailedPreconditionError(f"index {request.name!r} holds {sum(held)} vectors; only an empty index can "
                                           "be trained (drop and re-create it, train, then add)")
@@ -580,8 +583,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         template = await asyncio.get_running_loop().run_in_executor(
             None, VectorIndex.train_template, int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], sample.numpy())
         seconds = time.perf_counter() - t0
-        await asyncio.gather(*(self.handles[j].install_index.remote(request.name, template)
-                               for j in self.placement[request.name]))
+        await asyncio.gather(*(_when_ready(lambda j=j: self.handles[j].install_index.remote(request.name, template))
+                               for j in order))
         log.info("index %s (%s): trained on %d vectors in %.2fs, installed on %d shards", request.name,
                  spec.index_factory, sample.shape[0], seconds, len(self.placement[request.name]))
         return pb.TrainIndexResponse(sample_rows=sample.shape[0], seconds=time.perf_counter() - t0)
