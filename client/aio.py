@@ -41,6 +41,7 @@ from client.shm import ShmTransport
 from client.shm import enabled as shm_enabled
 from memserver.api.errors import (
     NOT_HTTP2,
+    SHARD_UNAVAILABLE,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -291,7 +292,7 @@ class AsyncMemoryClient:
             where = f"coordinator {self.endpoint}"
             details = err.details() or ""
             if err.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem(details) and NOT_HTTP2 not in details \
-                    and any(w in details for w in NO_CONNECTION):
+                    and not details.startswith(SHARD_UNAVAILABLE) and any(w in details for w in NO_CONNECTION):
                 # a stale endpoint file (not the coordinator's own UNAVAILABLE: a table being replaced)
                 where += ("; is a memserver cluster running there (or is its coordinator restarting)? `memserver up` "
                           "starts one")

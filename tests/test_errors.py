@@ -216,6 +216,33 @@ def test_an_http_port_given_as_the_endpoint_fails_at_once_saying_so():
     assert "is a memserver cluster running there?" not in str(err.value)
 
 
+def test_a_coordinators_own_unavailable_gets_no_hint_of_a_missing_cluster():
+    """The coordinator's UNAVAILABLE for a restarting shard quotes Ray's "Connection reset by
+    peer": the client must not add that no cluster may be running at its endpoint (it did)."""
+    from concurrent import futures
+
+    from client import MemoryClient, UnavailableError
+    from memserver.api.errors import SHARD_UNAVAILABLE
+
+    said = f"{SHARD_UNAVAILABLE} (restarting?): The actor is unavailable: recvmsg:Connection reset by peer"
+
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.UNAVAILABLE, said)
+
+    handler = grpc.method_handlers_generic_handler(
+        "memserver.v1.ControlPlane", {"TrainIndex": grpc.unary_unary_rpc_method_handler(refuse)})
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with MemoryClient(f"127.0.0.1:{port}", timeout=10, retry_seconds=0) as c, \
+                pytest.raises(UnavailableError) as err:
+            c.train_index("t", np.zeros((4, 2), np.float32))
+    finally:
+        server.stop(None)
+    assert said in str(err.value) and "is a memserver cluster running there" not in str(err.value), str(err.value)
+
+
 def test_duplicate_table_is_already_exists(client, table_name):
     client.create_table(table_name, 10, 4, seed=1)
     client.write_rows(table_name, [0], np.full((1, 4), 7.0, np.float32))

@@ -86,6 +86,10 @@ class ResourceExhaustedError(MemserverError):
 #: How every refusal of a server at one of its limits begins (memserver.server.admission).
 OVERLOADED = "server overloaded"
 
+#: How a server's own UNAVAILABLE for a lost or restarting shard begins (its Ray error follows,
+#: which may say "Connection reset": the client must not read it as no connection to the server).
+SHARD_UNAVAILABLE = "a shard is unavailable"
+
 
 class OverloadedError(ResourceExhaustedError):
     """A server refused the call because it has as much work in progress as its limits allow

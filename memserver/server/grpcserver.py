@@ -27,7 +27,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from memserver.api.auth import READ_METHODS, AuthConfig
-from memserver.api.errors import DeadlineExceededError, InvalidArgumentError, MemserverError, first_line
+from memserver.api.errors import (
+    SHARD_UNAVAILABLE,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    MemserverError,
+    first_line,
+)
 from memserver.api.methods import marked, methods
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
@@ -66,7 +72,7 @@ def status_of(exc: BaseException, name: str, request: Any, metrics: CallMetrics 
     if isinstance(exc, MemserverError):
         return exc.code, exc.details
     if is_actor_error(exc):
-        return grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (restarting?): {first_line(exc)}"
+        return grpc.StatusCode.UNAVAILABLE, f"{SHARD_UNAVAILABLE} (restarting?): {first_line(exc)}"
     os_error = getattr(exc, "cause", exc)  # (a shard's, through Ray: its RayTaskError's cause)
     if isinstance(os_error, OSError) and not isinstance(os_error, (TimeoutError, ConnectionError)) and \
             os_error.errno is not None:
