@@ -121,6 +121,11 @@ def _discard(made: Future[Region]) -> None:
         made.result().retire()
 
 
+def _close_bell(rung: Future[Bell]) -> None:
+    if not rung.cancelled() and rung.exception() is None:
+        rung.result().close()
+
+
 def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -353,6 +358,7 @@ class ShmTransport:
 
     async def _attach(self, address: str) -> None:
         region: Region | None = None
+        stream = None
         try:
             if not self.on:  # closed meanwhile
                 return
@@ -385,9 +391,12 @@ class ShmTransport:
                 raise RuntimeError("the shard ended the stream without a region id")
             region.id = event.region
             if event.doorbell and self.doorbell:
+                rung = _MAKER.submit(Bell, event.doorbell, region.id, f"shard {address}")
                 try:  # connect and say hello: a few hundred microseconds, off the loop
-                    region.bell = await asyncio.get_running_loop().run_in_executor(
-                        _MAKER, Bell, event.doorbell, region.id, f"shard {address}")
+                    region.bell = await asyncio.wrap_future(rung)
+                except asyncio.CancelledError:  # the client closing: the bell, once made, goes too
+                    rung.add_done_callback(_close_bell)
+                    raise
                 except OSError as exc:
                     log.info("no doorbell with shard %s (%s); its calls go by gRPC", address, exc)
             with self.lock:  # the stream first: whoever sees the region can cancel its stream
@@ -404,6 +413,12 @@ class ShmTransport:
             if region is not None:
                 region.retire()
             return
+        except asyncio.CancelledError:  # (the client closing) before the region was kept: none of it stays
+            if stream is not None:
+                stream.cancel()
+            if region is not None:
+                region.retire()
+            raise
         finally:
             self.attaching.discard(address)
         try:

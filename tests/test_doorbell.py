@@ -461,6 +461,42 @@ def test_an_asyncio_client_waits_for_each_shard_apart_and_lets_a_cancelled_call_
     assert got["healthy"] < 2 and got["after"] < 2 and got["bells"] == 10, got
 
 
+def test_a_client_closed_while_it_attaches_keeps_no_bell_or_region(bell_shard, monkeypatch):
+    """A client closed while its region's doorbell was being connected: the bell made after the
+    attach was cancelled was never closed (its socket and wake pair leaked until GC), nor the
+    region retired."""
+    from client import shm
+
+    entered, go, made, regions = threading.Event(), threading.Event(), [], []
+
+    class SlowBell(shm.Bell):
+        def __init__(self, *args):
+            super().__init__(*args)  # connected: then the client closes
+            made.append(self)
+            entered.set()
+            go.wait(20)
+
+    class KeptRegion(shm.Region):
+        def __init__(self, *args):
+            super().__init__(*args)
+            regions.append(self)
+
+    monkeypatch.setattr(shm, "Bell", SlowBell)
+    monkeypatch.setattr(shm, "Region", KeptRegion)
+    c = MemoryClient(bell_shard.endpoint, timeout=30, token="")
+    try:
+        c.lookup("t", [0], count=False)  # (by gRPC) starts the attach
+        assert entered.wait(20), "the attach never reached the doorbell"
+    finally:
+        c.close()  # cancels the attach while the bell connects
+        go.set()
+    t0 = time.monotonic()
+    while not made[0].closed and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    assert len(made) == 1 and made[0].closed, made
+    assert len(regions) == 1 and regions[0].retired and c.aio.shm.regions == {}
+
+
 def test_a_closed_bell_touches_no_descriptor_again(bell_shard):
     """A retired region's unmap may close its bell twice, and a cancelled call may forget after
     the close: with raw pipe numbers that closed, or wrote to, whatever the process had opened on
