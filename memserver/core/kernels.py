@@ -18,10 +18,13 @@ SGD, ADAGRAD, ADAM = 0, 1, 2
 #: fastmath without "reassoc" and "contract" for the optimizer step: LLVM may still assume no NaN,
 #: infinity or signed zero, but may neither reorder a sum nor fuse a multiply and an add into an
 #: FMA, so a row's update rounds as the source says whatever machine code numba picks (it compiles
-#: one specialization per argument type, and the vector width follows the CPU). Costs little here:
-#: the step's sums run over entries, column by column, and vectorise without reordering
+#: one specialization per argument type, and the vector width follows the CPU). Nor "arcp" and
+#: "afn": with them a vector lane divided by a reciprocal and took an approximate square root where
+#: the scalar tail did not, so a column's Adam step depended on where a cols slice cut the row (a
+#: walkthrough: resharding moved 10% of an Adam table's rows by ~7e-9). Costs little here: the
+#: step's sums run over entries, column by column, and vectorise without reordering
 #: (docs/architecture.md, "Bit-exact paths").
-EXACT_FASTMATH = {"nnan", "ninf", "nsz", "arcp", "afn"}
+EXACT_FASTMATH = {"nnan", "ninf", "nsz"}
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, fastmath=True)
