@@ -581,6 +581,12 @@ def check_float(x: torch.Tensor, what: str) -> None:
         why = (" (it travelled as float16, whose largest value is 65504: a larger finite one becomes infinite on the "
                "way; send float32 or bfloat16, the client's wire_dtype)") if x.dtype == torch.float16 else ""
         raise InvalidArgumentError(f"{what}: contains NaN or infinite values{why}")
+    if x.dtype == torch.float64 and x.numel():  # the shards compute and store float32: a larger finite
+        big = max(float(x.max()), -float(x.min()))  # float64 became inf there (a walkthrough's 1e300 rows)
+        with np.errstate(over="ignore"):
+            if np.isinf(np.float32(big)):
+                raise InvalidArgumentError(f"{what}: a value of magnitude {big:.3g} is beyond float32's largest "
+                                           f"({float(np.finfo(np.float32).max):.4g}): the shards compute in float32")
 
 
 # A vector's norm at most 2^62: the squared L2 distance between two such (and every inner

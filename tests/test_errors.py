@@ -52,6 +52,11 @@ BAD_WRITES = [
     ("write dup ids", lambda c, t: c.write_rows(t, [1, 1], np.ones((2, DIM), np.float32)), "distinct ids"),
     ("write range", lambda c, t: c.write_rows(t, [1, 1000], np.ones((2, DIM), np.float32)), "out of range"),
     ("write nan", lambda c, t: c.write_rows(t, [1, 2], np.full((2, DIM), np.nan, np.float32)), "NaN"),
+    # finite float64 that float32 cannot hold: it was stored as inf (a walkthrough's 1e300)
+    ("write 1e300", lambda c, t: c.write_rows(t, [20], np.full((1, DIM), 1e300)), "beyond float32's largest"),
+    ("push 1e300", lambda c, t: c.push_gradients(t, [1, 2], np.full((2, DIM), -1e300)), "beyond float32's largest"),
+    ("grad_out 1e300", lambda c, t: c.bag_backward(t, IDS, W, np.full((2, DIM), 1e300)), "beyond float32's largest"),
+    ("weight 1e300", lambda c, t: c.bag_backward(t, IDS, np.full((2, 3), 1e300), G), "beyond float32's largest"),
     ("1-d bag ids", lambda c, t: c.bag_backward(t, np.array([1, 2]), np.ones(2, np.float32), G), r"shape \[B, k\]"),
     # an integer argument that is not one, or that its protobuf field cannot hold: named (protobuf's
     # own TypeError or ValueError named nothing)
@@ -351,6 +356,31 @@ def test_a_replace_that_is_refused_leaves_the_table(client, table_name, kwargs, 
     meta = client.create_table(table_name, 20, 4, seed=1, replace=True)  # accepted: made in its place
     assert client.table(table_name, refresh=True).num_rows == 20 == meta.num_rows
     assert not np.array_equal(client.lookup(table_name, [0]), np.full((1, 4), 7.0))
+
+
+def test_float64_beyond_float32_is_refused_by_the_shard_too(client, table):
+    """Sent raw (another language's client): the shard refuses float64 values that float32 cannot
+    hold, and a bag's weights too, whose statistics it would have made inf (then `memserver usage`
+    failed on NaN), changing nothing."""
+    meta = client.table(table)
+    stats = client.slot_stats(table, np.arange(100))
+    before = snapshot(client, table)
+    big = np.full((1, meta.shards[0].col_end - meta.shards[0].col_start), 1e300)
+    ids = np.array([0])  # shard 0 holds row 0 under either sharding
+    with grpc.insecure_channel(meta.shards[0].address) as ch:
+        stub = pb_grpc.DataPlaneStub(ch)
+        for call, request in [
+            (stub.PushGradients, pb.PushGradientsRequest(table=table, ids=encode(ids), grads=encode(big))),
+            (stub.WriteRows, pb.WriteRowsRequest(table=table, ids=encode(ids), rows=encode(big))),
+            (stub.Bag, pb.BagRequest(table=table, ids=encode(ids.reshape(1, 1)), weights=encode(np.full((1, 1), 1e300)))),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "beyond float32's largest" in \
+                err.value.details(), err.value.details()
+    after = snapshot(client, table)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(client.slot_stats(table, np.arange(100))["weight_mass"], stats["weight_mass"])
 
 
 @pytest.mark.parametrize(

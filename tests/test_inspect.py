@@ -126,6 +126,10 @@ def test_usage_histogram_metrics_match_exact():
     # Gini: 0 for equal use, (n-1)/n for one slot holding everything
     assert usage_metrics(np.ones(10), np.ones(10))["gini_weights"] == pytest.approx(0.0)
     assert usage_metrics(np.ones(10), np.r_[1.0, np.zeros(9)])["gini_weights"] == pytest.approx(0.9)
+    # a mass that overflowed (float32 sums of huge weights): no quantiles, not a crash (int(NaN))
+    over = histogram_metrics(Histogram.of(np.ones(4)), Histogram.of(np.r_[np.inf, 1.0, 0.0, 0.0]))
+    assert over["used_pct"] == 100.0 and over["top50_slots"] is None
+    assert usage_metrics(np.ones(4), np.r_[np.inf, 1.0, 0.0, 0.0])["top99_slots"] is None
 
 
 def test_a_percentage_never_rounds_a_share_to_all_or_none():

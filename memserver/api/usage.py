@@ -100,7 +100,7 @@ def mass_quantiles(counts: np.ndarray, values: np.ndarray, qs: tuple[int, ...] =
     mass = counts * values
     total = float(mass.sum())
     out: dict[str, float | None] = {f"top{q}_slots": None for q in qs}
-    if total <= 0:
+    if not 0 < total < math.inf:  # (a mass that overflowed float32: no quantile; int(NaN) raised)
         return out
     cum = np.cumsum(mass) / total
     before = np.cumsum(counts) - counts
