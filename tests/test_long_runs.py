@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import FailedPreconditionError, StepAbortedError
+from client import FailedPreconditionError, InvalidArgumentError, StepAbortedError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.server.catalog import plan_table, validate_spec
@@ -89,7 +89,7 @@ def test_sessions_stay_bounded_whatever_clients_send(monkeypatch):
     of any length was kept. Each is refused at its bound now, changing nothing. (Answers are not
     capped: a healthy client's one long call holds acked_below for every slice it writes.)"""
     import memserver.server.sessions as sessions
-    from memserver.api.errors import InvalidArgumentError, ResourceExhaustedError
+    from memserver.api.errors import ResourceExhaustedError
 
     monkeypatch.setattr(sessions, "MAX_SESSIONS", 3)
     s = Sessions(ttl=60)
@@ -179,6 +179,44 @@ def test_an_expired_sessions_retry_is_refused_and_changes_nothing(tmp_path):
             assert not torch.equal(before, after_b)
     finally:
         shard.stop()
+
+
+def test_a_seq_reused_by_another_kind_of_write_is_refused_naming_both(tmp_path):
+    """A client that sends a WriteRows and then a BagBackward under one (client, seq) got INTERNAL
+    (the first call's answer does not fit the second: a TypeError). It is INVALID_ARGUMENT now,
+    naming both calls, with nothing applied; the same call again is still a duplicate, and the
+    kinds survive a checkpoint of the sessions."""
+    spec = pb.TableSpec(name="m", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0), sharding=pb.ROWS)
+    shard = _shard(tmp_path, spec)
+    tag = pb.WriteTag(client_id="x", seq=1)
+    write = pb.WriteRowsRequest(table="m", ids=encode(torch.tensor([3])), rows=encode(torch.ones(1, 4)), tag=tag)
+    backward = pb.BagBackwardRequest(table="m", ids=encode(torch.tensor([[3]])), weights=encode(torch.ones(1, 1)),
+                                     grad_out=encode(torch.ones(1, 4)), tag=tag)
+    try:
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+            stub.WriteRows(write)
+            before = _rows(stub, "m", 16)
+            for call, request, was, now in [(stub.BagBackward, backward, "WriteRows", "BagBackward"),
+                                            (stub.PushGradients, pb.PushGradientsRequest(
+                                                table="m", ids=encode(torch.tensor([3])), grads=encode(torch.ones(1, 4)),
+                                                tag=tag), "WriteRows", "PushGradients")]:
+                with pytest.raises(grpc.RpcError) as err:
+                    call(request)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+                assert f"write 1 of client x was a {was} call, not {now}" in err.value.details()
+            assert stub.WriteRows(write).duplicate
+            assert torch.equal(_rows(stub, "m", 16), before)
+    finally:
+        shard.stop()
+    s = Sessions()
+    s.recall(tag, "m", call=3)
+    s.remember(tag, 1, 3)
+    s.load(s.state())
+    with pytest.raises(InvalidArgumentError, match="was a WriteRows call, not BagBackward"):
+        s.recall(tag, "m", call=1)
+    s.load([("y", time.time(), 0, [(1, 5)])])  # a checkpoint made before the kinds were kept
+    assert s.recall(pb.WriteTag(client_id="y", seq=1), "m", call=1) == (True, 5)
 
 
 # ------------------------------------------------------------------ steps in parts

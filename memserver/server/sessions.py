@@ -27,6 +27,7 @@ from typing import Any
 
 from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.storage.wal import RECORD_CALLS
 
 #: Default idle time after which a client's session is forgotten (memserver up --session-ttl).
 SESSION_TTL = 3600.0
@@ -54,6 +55,7 @@ class Session:
     acked_below: int = 0
     answers: dict[int, Any] = field(default_factory=dict)  # seq -> answer (a pb.Tensor or an int)
     nbytes: int = 0  # of its answers
+    calls: dict[int, int] = field(default_factory=dict)  # seq -> the kind of call it answered (wal's kinds)
 
 
 class Sessions:
@@ -66,10 +68,12 @@ class Sessions:
         self.count = 0  # answers held over all sessions, and their bytes: kept as they change (a
         self.nbytes = 0  # sum over 65,536 sessions on every scrape took 28 ms)
 
-    def recall(self, tag: pb.WriteTag, table: str, replaying: bool = False) -> tuple[bool, Any]:
+    def recall(self, tag: pb.WriteTag, table: str, replaying: bool = False, call: int = 0) -> tuple[bool, Any]:
         """(True, answer) when this write was applied before; (False, None) when it is new.
         Raises FailedPreconditionError for a write that may have been applied but whose answer is
-        gone. `replaying`: the log is being replayed (every logged write was accepted once)."""
+        gone, InvalidArgumentError for a seq that answered another kind of `call` (its answer
+        would not be this call's: INTERNAL, a walkthrough's). `replaying`: the log is being
+        replayed (every logged write was accepted once)."""
         s = self.by_client.get(tag.client_id)
         now = time.time()
         if len(tag.client_id) > MAX_CLIENT_ID:
@@ -92,6 +96,10 @@ class Sessions:
             s.last_used = now
         self._forget_below(tag.client_id, s, tag.acked_below)
         if tag.seq in s.answers:
+            if call and (was := s.calls.get(tag.seq, call)) != call:
+                raise InvalidArgumentError(
+                    f"tag: write {tag.seq} of client {tag.client_id} was a {RECORD_CALLS.get(was, was)} call, not "
+                    f"{RECORD_CALLS.get(call, call)}: a seq names one call (a client sends each call its own)")
             return True, s.answers[tag.seq]
         if tag.seq < s.acked_below:
             raise FailedPreconditionError(
@@ -99,10 +107,12 @@ class Sessions:
                 f"acknowledged every write below {s.acked_below}); a late duplicate is not applied again")
         return False, None
 
-    def remember(self, tag: pb.WriteTag, answer: Any) -> None:
+    def remember(self, tag: pb.WriteTag, answer: Any, call: int = 0) -> None:
         s = self.by_client[tag.client_id]
         size = answer_bytes(answer)
         s.answers[tag.seq] = answer
+        if call:
+            s.calls[tag.seq] = call
         s.nbytes += size
         self.count += 1
         self.nbytes += size
@@ -120,6 +130,7 @@ class Sessions:
         s.acked_below = seq
         for old in [q for q in s.answers if q < seq]:  # bounded by this client's writes in flight
             size = answer_bytes(s.answers.pop(old))
+            s.calls.pop(old, None)
             s.nbytes -= size
             self.count -= 1
             self.nbytes -= size
@@ -150,16 +161,20 @@ class Sessions:
 
     # -- checkpoints: plain values (torch.load with weights_only reads them back) ----------
 
-    def state(self) -> list[tuple[str, float, int, list[tuple[int, bytes | int]]]]:
+    def state(self) -> list[tuple[str, float, int, list[tuple[int, bytes | int, int]]]]:
         return [
             (c, s.last_used, s.acked_below,
-             [(q, a.SerializeToString() if isinstance(a, pb.Tensor) else int(a)) for q, a in s.answers.items()])
+             [(q, a.SerializeToString() if isinstance(a, pb.Tensor) else int(a), s.calls.get(q, 0))
+              for q, a in s.answers.items()])
             for c, s in self.by_client.items()
         ]
 
-    def load(self, state: list[tuple[str, float, int, list[tuple[int, bytes | int]]]]) -> None:
+    def load(self, state: list[tuple[str, float, int, list[tuple[Any, ...]]]]) -> None:
+        """`state`'s answers are (seq, answer, call), or (seq, answer) in checkpoints made before
+        the call was kept."""
         self.by_client, self.holding, self.count, self.nbytes = OrderedDict(), OrderedDict(), 0, 0
         for c, last, acked, answers in state:
             self.by_client[c] = Session(last, acked)
-            for q, a in answers:
-                self.remember(pb.WriteTag(client_id=c, seq=q), pb.Tensor.FromString(a) if isinstance(a, bytes) else a)
+            for q, a, *call in answers:
+                self.remember(pb.WriteTag(client_id=c, seq=q), pb.Tensor.FromString(a) if isinstance(a, bytes) else a,
+                              call[0] if call else 0)

@@ -202,7 +202,7 @@ class TableSlice:
         is appended before anything changes, so a failed append leaves the table as it was (and
         the log refuses later writes), and a change is never in memory without being in the log
         and the session's record; what is logged is never refused when the log is replayed."""
-        seen, answer = self.sessions.recall(tag, self.spec.name, self.replaying) if tag.client_id else (False, None)
+        seen, answer = self.sessions.recall(tag, self.spec.name, self.replaying, kind) if tag.client_id else (False, None)
         if seen:
             return answer, True
         if not self.replaying:  # the steps of expired sessions first, by logged writes of their own (replayed)
@@ -223,7 +223,7 @@ class TableSlice:
             raise
         if not tag.client_id:
             return answer, False
-        self.sessions.remember(tag, answer)
+        self.sessions.remember(tag, answer, kind)
         return answer, False
 
     def _resolve(self, step: int, client: str, phase: int) -> None:

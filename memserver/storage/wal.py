@@ -35,6 +35,9 @@ _HEADER = struct.Struct("<4sIQI")
 _MAGIC = b"MSW1"
 #: Record kinds: the request message each one carries.
 BAG_BACKWARD, PUSH_GRADIENTS, WRITE_ROWS, COMMIT_STEP, ADD, REMOVE, LOAD_PRODUCT_KEYS = 1, 2, 3, 4, 5, 6, 7
+#: The call each kind is (in messages).
+RECORD_CALLS = {BAG_BACKWARD: "BagBackward", PUSH_GRADIENTS: "PushGradients", WRITE_ROWS: "WriteRows",
+                COMMIT_STEP: "CommitStep", ADD: "Add", REMOVE: "Remove", LOAD_PRODUCT_KEYS: "LoadProductKeys"}
 
 
 class LogGapError(RuntimeError):
