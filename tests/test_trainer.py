@@ -781,6 +781,34 @@ def test_a_resume_with_dropout_continues_its_draws_and_its_rate(tmp_path, caplog
         list(train(parsed([*left_out, "--dropout", "0.1", "--steps", "4", "--resume", str(tmp_path / "ck")])))
 
 
+def test_a_resume_takes_how_its_steps_reached_the_values(tmp_path, caplog):
+    """A walkthrough's Engram run with --staleness 1 (and an LSH one with --micro-batches 2)
+    resumed at the defaults when the flags were left out, unsaid, and its losses left the
+    uninterrupted run's. They are taken from the checkpoint now, and may still be given."""
+    from trainer.checkpoints import trainer_file
+    from trainer.train import given_flags
+
+    def parsed(argv: list[str]) -> argparse.Namespace:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.given = given_flags(parser, argv)
+        return args
+
+    common = [*TINY, "--memory", "local", "--memory-kind", "engram", "--seed", "4", "--eval-every", "2"]
+    how = ["--staleness", "1", "--micro-batches", "2", "--no-prefetch"]
+    whole = list(train(build_parser().parse_args([*common, *how, "--steps", "4"])))
+    list(train(build_parser().parse_args([*common, *how, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck")])))
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        rest = list(train(parsed([*common, "--steps", "4", "--resume", str(tmp_path / "ck")])))
+    assert all(f"{x}" in caplog.text for x in ("staleness = 1", "micro_batches = 2", "no_prefetch = True")), caplog.text
+    assert [r["loss"] for r in rest] == [r["loss"] for r in whole[2:]]
+    caplog.clear()
+    step2 = str(trainer_file(tmp_path / "ck", 2))  # (the resumed run went on checkpointing there)
+    with caplog.at_level(logging.INFO, logger="memtrain"):  # given: this run's (it may change)
+        list(train(parsed([*common, "--staleness", "0", "--steps", "3", "--resume", step2])))
+    assert "micro_batches = 2" in caplog.text and "staleness" not in caplog.text, caplog.text
+
+
 def test_a_resume_refusal_says_default_not_none():
     """A resume refusal printed "trained with sharding = None" for a flag left out (the default)."""
     from trainer.train import _difference

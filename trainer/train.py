@@ -248,13 +248,14 @@ def distributed(backend: str = "gloo") -> tuple[int, int]:
 #: the checkpoint's (as it does the model's and the memory's shapes, which the checkpoint's config
 #: and memory record): the dense and value optimizers, the batch, the seed, where the values live,
 #: the dropout rate and how the KIF source was built. What a resume may change: steps, logging,
-#: evaluation, threads, device, dtype, staleness, micro-batches, prefetch, tracing and
-#: RESUMED_TAKEN's.
+#: evaluation, threads, device, dtype, tracing and RESUMED_TAKEN's.
 RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal", "tier", "cache_bytes", "table",
                  "batch_size", "seed", "shared_values", "dropout", "kif_knn", "kif_sentences", "kif_encoder")
 #: Flags a resumed run takes from its checkpoint where they are left out, and may change: how often
-#: it checkpoints (in the folder it resumed from, or --checkpoint-dir).
-RESUMED_TAKEN = ("checkpoint_every",)
+#: it checkpoints (in the folder it resumed from, or --checkpoint-dir), and how its steps reach the
+#: values (a resume that left --staleness 1 or --micro-batches 2 out trained on at the defaults,
+#: unsaid, and its losses left the uninterrupted run's: a walkthrough).
+RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches", "no_prefetch", "sync_commit")
 
 
 def checkpoint_dir_of(args: argparse.Namespace) -> str | None:
@@ -746,8 +747,8 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
                            f"values are {'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
     for key, was in blob.get("flags", {}).items():  # (absent: written before checkpoints recorded them)
         if key in (*RESUMED_ALIKE, *RESUMED_TAKEN) and given is not None and key not in given:
-            if key in RESUMED_TAKEN and not checkpoint_dir_of(args):
-                continue  # (--checkpoint-every, after a --resume file: this run writes no checkpoints)
+            if key == "checkpoint_every" and not checkpoint_dir_of(args):
+                continue  # (after a --resume file: this run writes no checkpoints)
             if getattr(args, key) != was:  # left out: continued as the checkpoint has it
                 taken.append(f"{key} = {was!r}")
             setattr(args, key, was)
