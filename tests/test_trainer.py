@@ -604,6 +604,12 @@ def test_a_run_the_cluster_stops_on_the_way_says_how_to_go_on(tmp_path, monkeypa
         hint = (f"; its latest checkpoint is {tmp_path / 'trainer-step-0000000100.pt'}: go on from it with "
                 f"`memtrain --resume {tmp_path}` (the same flags)")
         assert (hint in err) == bool(held), err
+    # a data-parallel run (which refuses --checkpoint-dir) is not sent to a --resume it refuses (a walkthrough)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as done:
+        train.main([*TINY, "--steps", "1"])
+    assert "a data-parallel run cannot --resume (single-trainer runs only, for now): run it again from the start, " \
+           "and give its tables --wal" in capsys.readouterr().err
 
 
 def test_a_remote_table_the_cluster_refuses_is_named_by_memtrains_flag(memory_cluster, table_name, capsys):

@@ -1114,9 +1114,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _go_on(args: argparse.Namespace) -> str:
     """How a run that failed on its way (after its first step began) goes on: from its checkpoint
-    folder's latest trainer file ("" before that, or where it has none)."""
+    folder's latest trainer file ("" before that, or where it has none). A data-parallel run has
+    none to go on from (the rollback's own text, the library's, says --resume, which it refuses)."""
     from trainer.checkpoints import latest_trainer_file
 
+    if getattr(args, "training", False) and _world_size() > 1:
+        return ("; a data-parallel run cannot --resume (single-trainer runs only, for now): run it again from the "
+                "start, and give its tables --wal, so that a shard's restart loses nothing")
     where = checkpoint_dir_of(args)
     if not getattr(args, "training", False) or not where:
         return ""
