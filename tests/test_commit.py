@@ -522,8 +522,8 @@ def test_a_rollback_under_a_trainer_is_named_by_the_step_it_breaks_and_raised_on
         step(3)
     count, what = run.client.rebuilds(NAME)
     addresses = [s.address for s in run.shards]
-    assert count == 1 and (f"shard 0 ({addresses[0]}) from checkpoint step 1; shard 1 ({addresses[1]}) from "
-                           "rollback to checkpoint step 1") in what
+    assert count == 1 and (f"its slice 0 on the shard at {addresses[0]} from checkpoint step 1; its slice 1 on the "
+                           f"shard at {addresses[1]} from rollback to checkpoint step 1") in what
     assert [r.getMessage() for r in caplog.records if r.name == "client.ops.sessions"] == [
         what + ". Give the table `wal`, or checkpoint it as often as you can afford to lose work"]
     step(4)  # raised once: a trainer that chose to go on is not stopped again

@@ -193,7 +193,8 @@ def test_table_without_wal_returns_to_its_last_checkpoint(fclient, table_name, t
     (said,) = [r.getMessage() for r in caplog.records if r.name == "client.ops.sessions"]
     assert said.startswith(f"table {table_name}: rebuilt without a write-ahead log")
     a = [sh.address for sh in fclient.table(table_name).shards]
-    assert f"shard 0 ({a[0]}) from rollback to checkpoint step 10; shard 1 ({a[1]}) from checkpoint step 10" in said
+    assert (f"its slice 0 on the shard at {a[0]} from rollback to checkpoint step 10; its slice 1 on the shard at "
+            f"{a[1]} from checkpoint step 10") in said
     fclient.push_gradients(table_name, ids, g)
     assert len([r for r in caplog.records if r.name == "client.ops.sessions"]) == 1
     fclient.drop_table(table_name)

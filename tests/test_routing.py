@@ -116,7 +116,8 @@ def test_a_slice_rebuilt_without_its_log_is_said_to_the_clients_that_wrote_to_it
     session.answered(meta, addresses, rolled)
     (said,) = [r.getMessage() for r in caplog.records]
     assert said.startswith("table t: rebuilt without a write-ahead log")
-    assert ("shard 0 (127.0.0.1:5000) from rollback to checkpoint step 10; shard 1 (127.0.0.1:5001) from checkpoint "
+    assert ("its slice 0 on the shard at 127.0.0.1:5000 from rollback to checkpoint step 10; its slice 1 on the shard at "
+            "127.0.0.1:5001 from checkpoint "
             "step 10: writes acknowledged to this client after that point are lost") in said
     assert session.rebuilds("t") == (1, said.removesuffix(". Give the table `wal`, or checkpoint it as often as you "
                                                           "can afford to lose work"))
@@ -136,7 +137,7 @@ def test_a_slice_rebuilt_without_its_log_is_said_to_the_clients_that_wrote_to_it
     session.saw_checkpoint([pb.SliceRebuilt(table="t", layout_id=8, shard=0, address=addresses[0], rebuilt=13,
                                             recovered_from="checkpoint step 20"),
                             pb.SliceRebuilt(table="u", layout_id=1, shard=0, address=addresses[0], rebuilt=5)])
-    assert session.rebuilds("t")[0] == 2 and "shard 0 (127.0.0.1:5000) from checkpoint step 20" in session.rebuilds("t")[1]
+    assert session.rebuilds("t")[0] == 2 and "its slice 0 on the shard at 127.0.0.1:5000 from checkpoint step 20" in session.rebuilds("t")[1]
     assert session.rebuilds("u") == (0, "")  # never written here
 
 

@@ -102,7 +102,9 @@ class ClientSession:
                     continue
                 was = self._known.get(key, rebuilt)
                 if rebuilt and was != rebuilt:
-                    lost[index] = f"shard {index} ({address}) from {recovered_from}"
+                    # the shard by its address: `index` numbers the table's slices, not `memserver status`'s
+                    # shards (an operator looked for the pid of the wrong one: a walkthrough)
+                    lost[index] = f"its slice {index} on the shard at {address} from {recovered_from}"
                 if rebuilt or key not in self._known:
                     self._known[key] = rebuilt
             if lost:
