@@ -396,6 +396,8 @@ def test_float64_beyond_float32_is_refused_by_the_shard_too(client, table):
         (dict(dtype="int8"), r"dtype: expected one of \['bfloat16', 'float16', 'float32'\], got 'int8'"),
         (dict(dtype="int64"), r"dtype: expected one of \['bfloat16', 'float16', 'float32'\], got 'int64'"),
         (dict(init_std=float("nan")), "init_std"),
+        (dict(init_std=1e300), r"init_std: 1e\+300 draws values up to 8.65 x init_std, beyond float32's largest"),
+        (dict(init_std=8000.0, dtype="float16"), r"init_std: .* beyond float16's largest \(65504\); at most 7571"),
         (dict(sync_workers=-2), "sync_workers: must be >= 0"),
     ],
 )

@@ -82,6 +82,10 @@ def torch_step(table: Any, ids: torch.Tensor, g: torch.Tensor) -> None:
     table.weight[ids] = new
 
 
+#: The largest |N(0, 1)| draw of memserver.core.init (Box-Muller of u1 >= 2^-54).
+MAX_DRAW = math.sqrt(-2.0 * math.log(0.5 / 2**53))
+
+
 def optimizer_config(spec: Any) -> OptimizerConfig:
     """A table's optimizer from its spec (a pb.OptimizerSpec: unset fields mean the defaults; 0 is
     a value)."""
@@ -103,6 +107,13 @@ def check_value_settings(spec: Any) -> OptimizerConfig:
 
     if not math.isfinite(spec.init_std) or spec.init_std < 0:
         raise InvalidArgumentError(f"init_std: must be a finite number >= 0, got {spec.init_std}")
+    from memserver.wire import TORCH_DTYPES
+
+    stored = TORCH_DTYPES.get(spec.dtype, torch.float32) if spec.dtype else torch.float32
+    if spec.init_std * MAX_DRAW > (top := torch.finfo(stored).max):  # (a table that began as inf: a walkthrough's)
+        raise InvalidArgumentError(f"init_std: {spec.init_std:g} draws values up to {MAX_DRAW:.2f} x init_std, beyond "
+                                   f"{str(stored).removeprefix('torch.')}'s largest ({top:g}); at most "
+                                   f"{top / MAX_DRAW:.4g}")
     if not spec.optimizer.name:
         spec.optimizer.name = "adagrad"
     try:
