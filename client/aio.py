@@ -77,6 +77,10 @@ log = logging.getLogger(__name__)
 #: there that answered UNAVAILABLE itself gets no "is a cluster running there?" hint.
 NO_CONNECTION = ("failed to connect", "Socket closed", "Connection reset", "Connection refused", "unreachable")
 
+#: The smallest max_request_bytes a client takes (a request must carry a few rows: below it every
+#: call went one id per request).
+MIN_REQUEST_BYTES = 1024
+
 #: Retry backoff (seconds): the first delay, doubled after each retry up to the cap.
 RETRY_FIRST_DELAY, RETRY_MAX_DELAY = 0.1, 2.0
 
@@ -236,6 +240,15 @@ class AsyncMemoryClient:
         shared memory (client.shm); default $MEMSERVER_SHM, on unless it is 0 (or false, off, no).
         With shared memory on, calls go by the shards' doorbells (no gRPC per call) unless
         $MEMSERVER_DOORBELL is 0."""
+        for what, value, least in (("timeout", timeout, 0.0), ("retry_seconds", retry_seconds, None)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or (value <= least if least is not None else value < 0):  # (timeout=0: every call failed)
+                need = "a number of seconds above 0" if least is not None else "a number of seconds >= 0 (0: no retry)"
+                raise InvalidArgumentError(f"{what}: must be {need}, got {value!r}")
+        if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, numbers.Integral) or \
+                not MIN_REQUEST_BYTES <= max_request_bytes <= MAX_MESSAGE_BYTES:
+            raise InvalidArgumentError(f"max_request_bytes: must be an integer in [{MIN_REQUEST_BYTES}, "
+                                       f"{MAX_MESSAGE_BYTES}] (the message limit), got {max_request_bytes!r}")
         tune_malloc()  # large calls build their messages in reused memory (see memserver.wire)
         if endpoint and not is_host_port(endpoint):  # (gRPC dials port 443 when none is given)
             raise InvalidArgumentError(f"endpoint: expected the coordinator's HOST:PORT, got {endpoint!r}")

@@ -408,6 +408,29 @@ def test_bad_table_specs(client, table_name, kwargs, message):
     assert table_name not in {t.name for t in client.list_tables()}
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(timeout=0), r"timeout: must be a number of seconds above 0, got 0"),
+    (dict(timeout=-1), "timeout: must be a number of seconds above 0"),
+    (dict(timeout=float("nan")), "timeout: must be"),
+    (dict(timeout=float("inf")), "timeout: must be"),
+    (dict(timeout="abc"), "timeout: must be a number of seconds above 0, got 'abc'"),
+    (dict(retry_seconds=-5), r"retry_seconds: must be a number of seconds >= 0 \(0: no retry\), got -5"),
+    (dict(retry_seconds=float("nan")), "retry_seconds: must be"),
+    (dict(max_request_bytes=0), r"max_request_bytes: must be an integer in \[1024, 268435456\]"),
+    (dict(max_request_bytes=-1), "max_request_bytes: must be an integer"),
+    (dict(max_request_bytes=1.5e6), "max_request_bytes: must be an integer"),
+])
+def test_a_clients_settings_are_checked_when_it_is_made(kwargs, message):
+    """A walkthrough: timeout=0 or nan failed every call DEADLINE_EXCEEDED and then retried it for
+    60 s, inf failed at once, "abc" raised a TypeError from inside, and a max_request_bytes of 0
+    sent one id per request. Refused when the client is made, naming the argument."""
+    from client import AsyncMemoryClient, MemoryClient
+
+    for cls in (AsyncMemoryClient, MemoryClient):
+        with pytest.raises(InvalidArgumentError, match=message):
+            cls("127.0.0.1:1", **kwargs)
+
+
 def test_a_client_given_an_endpoint_without_a_port_or_a_wire_dtype_it_cannot_send_says_so():
     """MemoryClient("127.0.0.1") dialled port 443 (gRPC's default) and said only "coordinator
     127.0.0.1"; wire_dtype="int8" listed int32 and float64 as choices, which are then refused."""
