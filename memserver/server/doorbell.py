@@ -323,7 +323,7 @@ class Doorbell:
                 if attached.detached:  # detached since the hello: its connections are ended
                     return
                 attached.doorbells.add(conn)  # shut down when the region is detached
-            log.info("doorbell: pid %d connected (region %s..., %s role)", attached.pid, region_id[:8], attached.role)
+            log.debug("doorbell: pid %d connected (region %s..., %s role)", attached.pid, region_id[:8], attached.role)
             allowed, in_region = self._checks(region_id, attached)
             servicer, admission, metrics, parsers = self.servicer, self.admission, self.metrics, self.parsers
             while not attached.detached:

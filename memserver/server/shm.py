@@ -316,10 +316,10 @@ async def serve_attach(regions: Regions, request: pb.AttachRegionRequest,
     except InvalidArgumentError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shared memory: {exc.details}")
         return
-    log.info("attached shared-memory region of pid %d (%d bytes) as %s...", request.pid, request.size, region_id[:8])
+    log.debug("attached shared-memory region of pid %d (%d bytes) as %s...", request.pid, request.size, region_id[:8])
     try:
         yield pb.AttachRegionEvent(region=region_id, doorbell=regions.doorbell)
         await asyncio.Event().wait()  # until the client cancels the stream or its connection closes
     finally:
         regions.detach(region_id)
-        log.info("detached shared-memory region %s... of pid %d", region_id[:8], request.pid)
+        log.debug("detached shared-memory region %s... of pid %d", region_id[:8], request.pid)
