@@ -286,6 +286,37 @@ def test_an_open_sync_step_survives_a_shard_restart(tmp_path):
         again.stop()
 
 
+def test_sessions_a_restart_replays_are_as_old_as_the_log(tmp_path):
+    """A shard restarted from its log made every session of the log fresh (stamped at the
+    replay), so they lived another whole TTL (a walkthrough: 301 sessions after a restart where
+    1 had been left). They are as old as the log's last write: an hour-old log's sessions expire
+    at the next write, the restart or not."""
+    import os
+
+    spec = pb.TableSpec(name="s", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0),
+                        sharding=pb.ROWS, wal=True)
+    shard = _shard(tmp_path / "data", spec)
+    with grpc.insecure_channel(shard.address) as ch:
+        for i in range(5):
+            _push(pb_grpc.DataPlaneStub(ch), "s", [i], np.ones((1, 4), np.float32), 1, client=f"c{i}", acked_below=1)
+    shard.stop()
+    hour_ago = time.time() - 3600
+    for log_file in (tmp_path / "data").rglob("wal-*.log"):
+        os.utime(log_file, (hour_ago, hour_ago))
+    from memserver.server.shard_actor import ShardActor
+
+    again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"), session_ttl=600)
+    try:
+        sessions = again.servicer.tables["s"].sessions
+        assert sorted(sessions.by_client) == [f"c{i}" for i in range(5)]
+        assert all(abs(x.last_used - hour_ago) < 1 for x in sessions.by_client.values())
+        with grpc.insecure_channel(again.address) as ch:
+            _push(pb_grpc.DataPlaneStub(ch), "s", [9], np.ones((1, 4), np.float32), 1, client="new", acked_below=1)
+        assert list(sessions.by_client) == ["new"]  # the log's hour-old sessions expired (TTL 600 s)
+    finally:
+        again.stop()
+
+
 def _shard_again(data_dir):
     from memserver.server.shard_actor import ShardActor
 

@@ -155,6 +155,16 @@ class Sessions:
             gone.append(client)
         return gone
 
+    def replayed(self, since: float, written: float) -> None:
+        """After a log's replay: the sessions it touched (used at `since` or later, the replay's
+        start) were last used when the log was last `written`, not now. Stamped now, a restart
+        made every session since the last checkpoint fresh for another TTL (a walkthrough: 301
+        sessions after a replay where 1 had been left). The next write's expiry sees them as
+        they were (and resolves their open steps, which needs the log this slice has by then)."""
+        for s in self.by_client.values():
+            if s.last_used >= since:
+                s.last_used = min(s.last_used, written)
+
     def remembered(self) -> int:
         """Answers held over all sessions."""
         return self.count

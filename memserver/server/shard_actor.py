@@ -63,7 +63,7 @@ from memserver.storage.checkpoint import (
 )
 from memserver.storage.fsutil import atomic_write
 from memserver.storage.store import KEEP_CHECKPOINTS, ShardStore, committed_checkpoints, latest_committed, table_record
-from memserver.storage.wal import LogGapError, WriteAheadLog, has_log, reaches, read_log, repair_log
+from memserver.storage.wal import LogGapError, WriteAheadLog, has_log, last_written, reaches, read_log, repair_log
 from memserver.wire import DOORBELL_ENV, switch_on, tune_malloc
 
 log = logging.getLogger(__name__)
@@ -374,6 +374,7 @@ class ShardActor:
             sl.load_extras(extras)
         if spec.wal and self.store is not None:
             wal_dir = self.store.table_dir(spec.name)
+            written = last_written(wal_dir)  # (before a torn tail's cut writes it)
             end = repair_log(wal_dir) if replay else start
             replayed = 0
             if replay and not has_log(wal_dir):  # removed (by hand, a disk's loss): what it held is unknown
@@ -382,10 +383,12 @@ class ShardActor:
                                   "table from a checkpoint")
                 log.error("shard %d: table %s: %s", self.index, spec.name, sl.unavailable)
             elif replay:
+                began = time.time()
                 try:
                     for _, kind, payload in read_log(wal_dir, start):
                         self.servicer.replay(sl, kind, payload)
                         replayed += 1
+                    sl.sessions.replayed(began, written)
                 except LogGapError as gap:
                     # Writes that were acknowledged are missing: serving the slice would silently
                     # lose them. It stays listed (status says why) and refuses every request.

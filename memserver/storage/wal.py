@@ -282,6 +282,13 @@ def has_log(directory: Path) -> bool:
     return bool(_segments(directory))
 
 
+def last_written(directory: Path) -> float:
+    """When the log was last written (its newest segment's mtime; 0.0 without one): no record in
+    it is younger."""
+    segments = _segments(directory)
+    return segments[-1][1].stat().st_mtime if segments else 0.0
+
+
 def _segments(directory: Path) -> list[tuple[int, Path]]:
     out = []
     for p in directory.glob("wal-*.log"):
