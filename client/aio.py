@@ -77,6 +77,14 @@ log = logging.getLogger(__name__)
 #: there that answered UNAVAILABLE itself gets no "is a cluster running there?" hint.
 NO_CONNECTION = ("failed to connect", "Socket closed", "Connection reset", "Connection refused", "unreachable")
 
+def _closed_mid_call(tags: WriteTags | None) -> FailedPreconditionError:
+    """The error of a call the client's close() ended in flight (a bare CancelledError reached
+    callers that cancelled nothing, a walkthrough's, and the writes among them had been applied)."""
+    may = ("; as a write, it may have been applied by the shards it reached (sent again by a new client, it is a new "
+           "write: it may apply twice)" if tags is not None else "")
+    return FailedPreconditionError(f"the client was closed while this call was in flight{may}")
+
+
 #: The smallest max_request_bytes a client takes (a request must carry a few rows: below it every
 #: call went one id per request).
 MIN_REQUEST_BYTES = 1024
@@ -508,6 +516,9 @@ class AsyncMemoryClient:
                     transport.note_counted(calls, outcomes, counted)
                     if again and transport.stale(sent, outcomes):
                         continue
+                    if self._closed:  # close() ended these calls (the caller cancelled none): said as such
+                        outcomes = [_closed_mid_call(tags) if isinstance(o, asyncio.CancelledError) else o
+                                    for o in outcomes]
                     errors = [o for o in outcomes if isinstance(o, BaseException)]
                     if errors:
                         if applied is not None:

@@ -431,6 +431,41 @@ def test_a_clients_settings_are_checked_when_it_is_made(kwargs, message):
             cls("127.0.0.1:1", **kwargs)
 
 
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_calls_a_close_ends_in_flight_say_so(shm, monkeypatch):
+    """AsyncMemoryClient.close() with calls in flight handed their callers, who cancelled
+    nothing, a bare CancelledError, though writes among them had been applied (a walkthrough).
+    They get FailedPreconditionError saying the client closed under them, and a write says it
+    may have been applied."""
+    import asyncio
+
+    from client import FailedPreconditionError
+    from client.aio import AsyncMemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    monkeypatch.setenv("MEMSERVER_SHM", shm)
+
+    async def scenario(endpoint: str) -> list:
+        c = AsyncMemoryClient(endpoint, timeout=30)
+        await c.create_table("w", 1000, 16, num_shards=2)
+        await c.bag("w", torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1))
+        ids, w = torch.randint(0, 1000, (4096, 8)), torch.ones(4096, 8)
+        tasks = [asyncio.ensure_future(c.bag("w", ids, w)) for _ in range(20)]
+        tasks += [asyncio.ensure_future(c.push_gradients("w", [200], torch.ones(1, 16))) for _ in range(5)]
+        await asyncio.sleep(0.02)
+        await c.close()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    with InProcessServer(2) as server:
+        got = asyncio.run(scenario(server.endpoint))
+    errors = [r for r in got if isinstance(r, BaseException)]
+    assert errors and all(isinstance(e, FailedPreconditionError) for e in errors), {repr(e)[:100] for e in errors}
+    said = {str(e) for e in errors}
+    assert any("closed while this call was in flight" in t for t in said), said
+    assert all("may have been applied" in str(e) for e in got[20:]  # the writes
+               if isinstance(e, BaseException) and "in flight" in str(e))
+
+
 def test_a_client_given_an_endpoint_without_a_port_or_a_wire_dtype_it_cannot_send_says_so():
     """MemoryClient("127.0.0.1") dialled port 443 (gRPC's default) and said only "coordinator
     127.0.0.1"; wire_dtype="int8" listed int32 and float64 as choices, which are then refused."""
