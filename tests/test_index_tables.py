@@ -197,6 +197,9 @@ def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
     assert set(client.search(table_name, vectors, 20)[1].flatten().tolist()) <= set(ids.tolist()) | {-1}
     # the wrong kind of call for the table, sent raw as another language's client would
     meta = client.table(table_name)
+    # status --json: an index's "rows" are ids, not a count (it said 3074457345618258603 of 3 shards)
+    assert meta.to_dict()["num_rows"] is None and {sh["num_rows"] for sh in meta.to_dict()["shards"]} == {None}
+    assert meta.num_rows > 0  # (the layout still routes by it)
     with grpc.insecure_channel(meta.shards[0].address) as ch:
         with pytest.raises(grpc.RpcError) as err:
             pb_grpc.DataPlaneStub(ch).Bag(pb.BagRequest(table=table_name, ids=encode(np.zeros((1, 1), np.int64)),

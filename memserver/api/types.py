@@ -197,8 +197,15 @@ class TableMeta:
         return ShardLayout(self.by_rows, self.num_rows, self.dim, len(self.shards))
 
     def to_dict(self) -> dict[str, Any]:
+        """As JSON says it (`status --json`). An index table's rows are its vectors' ids, not a
+        count: its num_rows (the id space, and each shard's share of it: 3074457345618258603 of
+        3 shards) is null."""
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "shards"}
-        d["shards"] = [sh.__dict__ for sh in self.shards]
+        d["shards"] = [dict(sh.__dict__) for sh in self.shards]
+        if self.kind == "index":
+            d["num_rows"] = None
+            for sh in d["shards"]:
+                sh["num_rows"] = None
         return d
 
 
