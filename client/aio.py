@@ -22,6 +22,7 @@ safe).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import numbers
@@ -76,6 +77,22 @@ log = logging.getLogger(__name__)
 #: gRPC's words for a call that found no server to talk to (matched by part): a coordinator
 #: there that answered UNAVAILABLE itself gets no "is a cluster running there?" hint.
 NO_CONNECTION = ("failed to connect", "Socket closed", "Connection reset", "Connection refused", "unreachable")
+
+class TableMaps(collections.OrderedDict):
+    """The shard maps a client holds, by table name, at most MAX_TABLE_MAPS: past it the least
+    recently used goes (asked of the coordinator again if used again). A long-lived client that
+    touched tables other processes dropped kept every map (a walkthrough: 300 after 300)."""
+
+    def __setitem__(self, name: str, meta: TableMeta) -> None:
+        super().__setitem__(name, meta)
+        self.move_to_end(name)
+        while len(self) > MAX_TABLE_MAPS:
+            self.popitem(last=False)
+
+
+#: Shard maps a client keeps (TableMaps).
+MAX_TABLE_MAPS = 1024
+
 
 def _closed_mid_call(tags: WriteTags | None) -> FailedPreconditionError:
     """The error of a call the client's close() ended in flight (a bare CancelledError reached
@@ -283,7 +300,7 @@ class AsyncMemoryClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._methods: dict[str, dict[str, Any]] = {}  # address -> its DataPlane methods (client.transport)
         self.shm = ShmTransport(shm_enabled(shm), self._channel)
-        self._tables: dict[str, TableMeta] = {}
+        self._tables = TableMaps()
         self._closed = False
 
     # -- plumbing ------------------------------------------------------------------------
@@ -411,6 +428,8 @@ class AsyncMemoryClient:
         if refresh or name not in self._tables:
             info = await self._read_control("GetShardMap", pb.GetShardMapRequest(name=name))
             self._tables[name] = TableMeta.from_proto(info)
+        else:
+            self._tables.move_to_end(name)  # (recently used: the last to go)
         return self._tables[name]
 
     async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None,

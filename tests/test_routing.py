@@ -171,3 +171,27 @@ def test_a_sync_tables_step_completes_where_a_trainer_had_no_entries(memory_clus
         b.bag_backward(table_name, np.array([[0, 1]]), np.ones((1, 2), np.float32), g, step=1)
         got = a.lookup(table_name, np.array([0, 1]))
     np.testing.assert_array_equal(got, [[-1.0] * 4, [-0.5] * 4])  # row 0: both trainers' 1s; row 1: b's alone
+
+
+def test_a_long_lived_clients_maps_and_slices_are_bounded(monkeypatch):
+    """A client that wrote to 300 tables other processes dropped kept 300 shard maps and 600
+    slice entries for good (a walkthrough). Both keep the most recently used only, up to their
+    bound; a table used again comes back."""
+    import client.aio as aio
+    from client.aio import TableMaps
+
+    monkeypatch.setattr(aio, "MAX_TABLE_MAPS", 3)
+    monkeypatch.setattr(ClientSession, "MAX_KNOWN_TABLES", 3)
+    shards = [pb.ShardInfo(index=i, address=f"127.0.0.1:{5000 + i}") for i in range(2)]
+    maps, session = TableMaps(), ClientSession("bounded")
+    for i in range(10):
+        meta = TableMeta.from_proto(pb.TableInfo(spec=pb.TableSpec(name=f"t{i}", num_rows=8, dim=4), shards=shards,
+                                                 layout_id=i + 1))
+        maps[meta.name] = meta
+        session.answered(meta, [sh.address for sh in meta.shards], [pb.WriteAck(), pb.WriteAck()])
+        if i == 7:
+            maps.move_to_end("t5")  # (used again, as AsyncMemoryClient.table does)
+    assert list(maps) == ["t5", "t8", "t9"]
+    assert sorted({k[0] for k in session._known}) == ["t7", "t8", "t9"] and len(session._known) == 6
+    t0 = TableMeta.from_proto(pb.TableInfo(spec=pb.TableSpec(name="t0", num_rows=8, dim=4), shards=shards, layout_id=1))
+    assert not session.knows(t0, t0.shards[0])  # (its slices go as a first write's would)

@@ -4,6 +4,7 @@ the commit decisions that have not reached every shard yet."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -25,8 +26,9 @@ class ClientSession:
     Bounds: `_in_flight` holds the seqs of calls running now (and of undecided commits), each
     with its table: a table's slices are told to keep only the answers of that table's writes in
     flight, so a decision held for one table never makes another table's shards keep answers;
-    `_known` one entry per slice of the tables this client has written to, with the slice's last
-    `rebuilt` (a table made anew, here or by another client, replaces its old slices' entries);
+    `_known` one entry per slice of the tables this client has written to (the MAX_KNOWN_TABLES
+    most recently written), with the slice's last `rebuilt` (a table made anew, here or by another
+    client, replaces its old slices' entries);
     `_parts` the steps
     sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
     decisions a shard could not be reached with, re-sent by the table's next commit_step;
@@ -34,6 +36,7 @@ class ClientSession:
     grows): as many as the rollbacks this client lived through."""
 
     MAX_OPEN_STEPS = 64
+    MAX_KNOWN_TABLES = 1024
 
     def __init__(self, client_id: str) -> None:
         self.client_id = client_id
@@ -43,6 +46,7 @@ class ClientSession:
         # (table, layout_id, shard index) -> the slice's latest `rebuilt` seen (0: none since this
         # client first wrote to it)
         self._known: dict[tuple[str, int, int], int] = {}
+        self._known_tables: collections.OrderedDict[str, None] = collections.OrderedDict()  # their tables, by use
         # (table, step) -> (the table layout its parts went to, shard index -> the seqs of the
         # gather parts that shard acknowledged)
         self._parts: dict[tuple[str, int], tuple[int, dict[int, set[int]]]] = {}
@@ -106,7 +110,7 @@ class ClientSession:
                     # shards (an operator looked for the pid of the wrong one: a walkthrough)
                     lost[index] = f"its slice {index} on the shard at {address} from {recovered_from}"
                 if rebuilt or key not in self._known:
-                    self._known[key] = rebuilt
+                    self._know(key, rebuilt)
             if lost:
                 what = (f"table {table}: rebuilt without a write-ahead log (the table has no `wal`), "
                         f"{'; '.join(lost[i] for i in sorted(lost))}: writes acknowledged to this client after that "
@@ -121,6 +125,18 @@ class ClientSession:
         grows, the table made anew or not: a trainer compares it across its steps."""
         with self._lock:
             return self._rebuilds.get(table, (0, ""))
+
+    def _know(self, key: tuple[str, int, int], rebuilt: int) -> None:
+        """Keep a slice's `rebuilt` (under the lock), for at most MAX_KNOWN_TABLES tables: past it
+        the least recently written table's slices go (a write to it again starts them afresh, as
+        a first write: a rollback in between is not seen by this client)."""
+        self._known[key] = rebuilt
+        self._known_tables[key[0]] = None
+        self._known_tables.move_to_end(key[0])
+        while len(self._known_tables) > self.MAX_KNOWN_TABLES:
+            gone, _ = self._known_tables.popitem(last=False)
+            for k in [k for k in self._known if k[0] == gone]:
+                del self._known[k]
 
     def forget_layouts(self, table: str, keep: int) -> None:
         """`table` was made anew (the client found another layout): its old incarnations' slices
@@ -165,6 +181,7 @@ class ClientSession:
                 del self._parts[key]
             for k in [k for k in self._known if k[0] == table]:
                 del self._known[k]
+            self._known_tables.pop(table, None)
             decisions = self._undecided.pop(table, {})
         for _, tags, _ in decisions.values():
             tags.held = False
