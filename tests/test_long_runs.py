@@ -560,3 +560,67 @@ def test_a_table_a_shard_lost_is_retried_with_the_same_tags_and_a_new_one_with_n
     assert first == second
     first, second = asyncio.run(run(new_layout=True))
     assert first != second
+
+
+# ------------------------------------------------------------------ checkpoints while serving
+
+
+def test_a_checkpoint_holds_its_tables_writes_only(tmp_path, monkeypatch):
+    """A slice's checkpoint file was written on the compute thread, holding every call of the
+    shard for its whole length (a walkthrough: an unrelated 4-id lookup took 9.6 s during a 256
+    MiB table's save). Now, while the file is written: another table's calls and this table's
+    reads run; this table's writes wait, and the file holds the table as it was when the save
+    began (values and read counters), with none of the writes that waited."""
+    import threading
+
+    import memserver.server.shard_actor as shard_actor
+    from memserver.server.shard_actor import ShardActor
+
+    started, go = threading.Event(), threading.Event()
+    save = shard_actor.save_slice
+
+    def held_save(*args, **kwargs):
+        started.set()
+        assert go.wait(30)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(shard_actor, "save_slice", held_save)
+    sgd = pb.OptimizerSpec(name="sgd", lr=1.0)
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
+    for name in ("big", "small"):
+        spec = validate_spec(pb.TableSpec(name=name, num_rows=64, dim=4, optimizer=sgd, sharding=pb.ROWS), 1)
+        shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+    path = tmp_path / "ck" / "big.pt"
+    try:
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+            before = _rows(stub, "big", 64)
+            saving = threading.Thread(target=shard.checkpoint_table, args=("big", str(path), 1))
+            saving.start()
+            assert started.wait(30)
+            t0 = time.monotonic()
+            stub.Lookup(pb.LookupRequest(table="small", ids=encode(torch.arange(4))), timeout=10)  # another table's
+            stub.Bag(pb.BagRequest(table="big", ids=encode(torch.tensor([[3, 4]])), weights=encode(torch.ones(1, 2))),
+                     timeout=10)  # this table's read (it counts: after the file's counters were taken)
+            assert time.monotonic() - t0 < 5
+            push = stub.PushGradients.future(pb.PushGradientsRequest(
+                table="big", ids=encode(torch.tensor([3])), grads=encode(torch.ones(1, 4)),
+                tag=pb.WriteTag(client_id="w", seq=1, acked_below=1)), timeout=30)
+            time.sleep(0.5)
+            assert not push.done()  # this table's write waits for the file
+            from memserver.api.errors import DeadlineExceededError
+
+            rung = pb.PushGradientsRequest(table="big", ids=encode(torch.tensor([5])), grads=encode(torch.ones(1, 4)),
+                                           tag=pb.WriteTag(client_id="d", seq=1, acked_below=1))
+            with pytest.raises(DeadlineExceededError, match="while its table's checkpoint was written"):
+                shard.servicer.serve_now("PushGradients", rung, deadline=time.monotonic() + 0.3)  # the doorbell's way
+            go.set()
+            saving.join(30)
+            assert push.result().rows == 1
+            assert float(_rows(stub, "big", 64)[3, 0]) == float(before[3, 0]) - 1.0
+    finally:
+        go.set()
+        shard.stop()
+    saved = torch.load(path, weights_only=True)["state"]
+    assert torch.equal(saved["weight"], before)  # as the save began: not the write that waited
+    assert int(saved["hits"].sum()) == 64  # the lookup before it, not the bag during it

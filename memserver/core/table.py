@@ -139,6 +139,11 @@ _EMPTY1 = np.zeros(0, dtype=np.float32)
 _EMPTY2 = np.zeros((0, 0), dtype=np.float32)
 
 
+#: The state a read changes (its slot statistics, kernels.count_reads); every other field of
+#: ValueTable.STATE changes only by a write.
+READ_COUNTERS = ("hits", "weight_mass")
+
+
 class ValueTable:
     """One slice of a value table: rows, optimizer state and per-slot statistics."""
 

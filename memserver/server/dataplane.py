@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
@@ -72,6 +73,15 @@ INLINE_ENTRIES = 2048
 INLINE_SEARCH_WORK = 1 << 22
 
 
+class _Saving(Exception):
+    """A write reached a slice whose checkpoint file is being written (TableSlice.saving): nothing
+    was done; run it again once `done` is."""
+
+    def __init__(self, done: Future[None]) -> None:
+        super().__init__("the table's checkpoint is being written")
+        self.done = done
+
+
 class Call(NamedTuple):
     """One data-plane call, validated: `work` computes its answer with the tables to itself;
     `entries` sizes it (small ones may run inline); `write`: answered only once durable (the
@@ -121,13 +131,15 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             except Exception as exc:  # acknowledged and logged: the table must not serve writes without it
                 sl.fail_writes(f"a deferred update failed to apply ({exc!r})")
 
-    def _held(self, fn: Callable[[], T], sl: TableSlice | None = None, count: bool = True) -> T:
+    def _held(self, fn: Callable[[], T], sl: TableSlice | None = None, count: bool = True, write: bool = False) -> T:
         """fn with the tables to itself: called holding `exclusive` (released here), deferred work
         first. The one place every call's work runs (gRPC's on the compute thread or inline, the
         doorbell's): its plan was built on `sl` outside the lock, so it runs only if `sl` is still
         its table's (a slice dropped meanwhile is closed: NOT_FOUND; one replaced, by a rollback or
         a drop and create: UNAVAILABLE, call again), and it is counted here, under the lock (a
-        call's scan chunks are not: the call counts once)."""
+        call's scan chunks are not: the call counts once). A `write` to a slice whose checkpoint
+        file is being written raises _Saving, nothing done: its caller waits for the file and
+        runs it again (the file is written off this lock, so other calls go on meanwhile)."""
         try:
             self._drain()
             if sl is not None:
@@ -137,6 +149,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                     if now is None:
                         raise TableNotFoundError(f"table {name!r} does not exist (dropped while the call waited)")
                     raise UnavailableError(f"table {name!r}: its slice was replaced while the call waited; call again")
+                if write and sl.saving is not None:
+                    raise _Saving(sl.saving)
                 if count:
                     sl.requests += 1
                     self.requests += 1
@@ -144,23 +158,29 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         finally:
             self.exclusive.release()
 
-    def _exclusively(self, fn: Callable[[], T], sl: TableSlice | None, count: bool = True) -> T:
+    def _exclusively(self, fn: Callable[[], T], sl: TableSlice | None, count: bool = True, write: bool = False) -> T:
         """`_held` once `exclusive` is had, however long that takes (the compute thread)."""
         self.exclusive.acquire()
-        return self._held(fn, sl, count)
+        return self._held(fn, sl, count, write)
 
     async def run(self, fn: Callable[[], T], entries: int = INLINE_ENTRIES + 1, sl: TableSlice | None = None,
-                  count: bool = True) -> T:
+                  count: bool = True, write: bool = False) -> T:
         """Run fn with exclusive access to the tables (`_held`; `sl`: a call's slice): on the
         compute thread, or, for a small request (`entries` ids) while no one else computes, right
-        here on the event loop (inline saves two thread hops on the latency-bound calls)."""
-        if entries <= INLINE_ENTRIES and self.busy == 0 and self.exclusive.acquire(blocking=False):
-            return self._held(fn, sl, count)
-        self.busy += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, self._exclusively, fn, sl, count)
-        finally:
-            self.busy -= 1
+        here on the event loop (inline saves two thread hops on the latency-bound calls). A
+        `write` waits while its slice's checkpoint file is written (_Saving)."""
+        while True:
+            try:
+                if entries <= INLINE_ENTRIES and self.busy == 0 and self.exclusive.acquire(blocking=False):
+                    return self._held(fn, sl, count, write)
+                self.busy += 1
+                try:
+                    return await asyncio.get_running_loop().run_in_executor(self.pool, self._exclusively, fn, sl,
+                                                                            count, write)
+                finally:
+                    self.busy -= 1
+            except _Saving as saving:
+                await asyncio.wrap_future(saving.done)
 
     async def _serve(self, name: str, request: Any) -> Any:
         """A gRPC call: its plan's checks on the event loop, its work by `run`, its answer once durable."""
@@ -169,7 +189,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             try:
                 for chunk in call.scan:  # each its own work item: queued calls run between them
                     await self.run(chunk, INLINE_ENTRIES + 1, call.sl, count=False)
-                response = await self.run(call.work, call.entries, call.sl)
+                response = await self.run(call.work, call.entries, call.sl, write=call.write)
             finally:
                 self._drain_soon()
             if call.write:
@@ -196,8 +216,18 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             for chunk in call.scan:  # `exclusive` let go between chunks, as on the compute thread
                 self._acquire_by(deadline, name)
                 self._held(chunk, call.sl, count=False)
-            self._acquire_by(deadline, name)
-            response = self._held(call.work, call.sl)
+            while True:
+                self._acquire_by(deadline, name)
+                try:
+                    response = self._held(call.work, call.sl, write=call.write)
+                    break
+                except _Saving as saving:  # its slice's checkpoint file is being written: after it
+                    left = None if deadline is None else deadline - time.monotonic()
+                    try:
+                        saving.done.result(timeout=None if left is None else max(0.0, left))
+                    except FutureTimeout:
+                        raise DeadlineExceededError(f"{name}: the call's deadline passed while its table's checkpoint "
+                                                    "was written") from None
         if call.write:
             durable = self._durable(call.sl)
             if durable is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -106,6 +107,9 @@ class TableSlice:
         self.requests = 0
         self.wal: WriteAheadLog | None = None  # set once the slice is live (not while replaying)
         self.replaying = False
+        # Done when the checkpoint file being written of this slice is (None: none is): its writes
+        # wait for it, its reads and every other table's calls go on (shard_actor.checkpoint_table)
+        self.saving: Future[None] | None = None
         self.last_lsn = -1  # the newest log record this slice appended
         self.recovered_from = ""
         # Non-zero once rebuilt from files without the writes acknowledged since (see WriteAck):
