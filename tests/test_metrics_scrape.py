@@ -374,3 +374,31 @@ def test_the_metrics_endpoint_bounds_its_connections_and_drops_idle_ones(monkeyp
         for s in idle:
             s.close()
         m.stop()
+
+
+def test_the_last_checkpoint_survives_a_restart_in_the_metrics(tmp_path):
+    """The last-checkpoint series were of checkpoints this coordinator process made: after a
+    restart they were absent until the next one, and an operator's "too old" alert went quiet
+    just then (a walkthrough). A coordinator starts from the newest complete checkpoint the
+    shards' records hold: its time and step (how long it took and its bytes: only of one it made)."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    data = tmp_path / "data"
+    with InProcessServer(2, data_dir=str(data)) as server:
+        with MemoryClient(server.endpoint, token="") as c:
+            c.create_table("t", 64, 4, num_shards=2)
+            t0 = time.time()
+            c.checkpoint(str(tmp_path / "ck"), step=3)
+            c.checkpoint(str(tmp_path / "ck"), step=5)
+            t1 = time.time()
+    with InProcessServer(2, data_dir=str(data)) as again:
+        coordinator = again.coordinator
+        deadline = time.monotonic() + 20
+        while coordinator.servicer.last_checkpoint is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        samples = scrape(coordinator.metrics.address)
+    assert get(samples, "memserver_last_checkpoint_step") == 5
+    assert t0 <= get(samples, "memserver_last_checkpoint_time_seconds") <= t1
+    assert ("memserver_last_checkpoint_duration_seconds", ()) not in samples
+    assert ("memserver_last_checkpoint_bytes", ()) not in samples

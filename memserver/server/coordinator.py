@@ -141,7 +141,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         # What the coordinator last learnt of each shard (they all answered when it started):
         # from its probes, Status calls and restarted shards' reports; /metrics reads it.
         self.serving = [True] * len(shard_handles)
-        self.last_checkpoint: dict[str, float] | None = None  # time, seconds, bytes, step (this process)
+        # time, seconds, bytes, step: of this process's last checkpoint, or (seconds and bytes None)
+        # the newest the shards' records hold (recall_last_checkpoint: a restarted coordinator's)
+        self.last_checkpoint: dict[str, float | None] | None = None
         # request_id -> its checkpoint, running or done (the newest CHECKPOINT_CALLS; see Checkpoint)
         self.checkpoint_calls: dict[str, asyncio.Task[pb.CheckpointResponse]] = {}
         self.metrics: CoordinatorMetrics | None = None  # set by CoordinatorActor
@@ -194,6 +196,19 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     def _refresh(self, sh: pb.ShardInfo, j: int) -> None:
         """Copy pool shard j's current address into a table's shard entry."""
         sh.address, sh.node_id, sh.pid = self.infos[j]["address"], self.infos[j]["node_id"], self.infos[j]["pid"]
+
+    async def recall_last_checkpoint(self) -> None:
+        """At start: the newest complete checkpoint the shards' records hold, so the last-checkpoint
+        metrics survive a restart of the coordinator or the cluster (they were absent until the
+        next checkpoint: an operator's "checkpoint too old" alert went quiet then). A shard that
+        does not answer is left out."""
+        got = await asyncio.gather(*(h.last_checkpoint.remote() for h in self.handles), return_exceptions=True)
+        held = [g for g in got if isinstance(g, dict)]
+        if held and self.last_checkpoint is None:  # (one made meanwhile is newer)
+            newest = max(held, key=lambda g: g["time"])
+            self.last_checkpoint = {"time": newest["time"], "seconds": None, "bytes": None, "step": newest["step"]}
+            log.info("last checkpoint, as the shards' records hold it: step %d in %s", newest["step"],
+                     Path(newest["file"]).parent.parent)
 
     async def shard_restarted(self, j: int, info: dict[str, Any], recovered: list[dict[str, Any]]) -> None:
         """Pool shard j came back (maybe at a new address): update the shard maps, and return the
@@ -823,6 +838,7 @@ class CoordinatorActor:
         self.address = f"{host}:{bound}"
         self.metrics.serve(host)  # the host the gRPC server binds, never more
         self.probe = self.loop.submit(self.servicer.probe_shards())
+        self.loop.submit(self.servicer.recall_last_checkpoint())
         log.info("coordinator %sserving ControlPlane at %s (%d shards, %d tables), metrics at http://%s/metrics",
                  "restarted, " if restarted else "", self.address, len(shard_handles), len(self.servicer.tables),
                  self.metrics.address)

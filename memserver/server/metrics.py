@@ -229,15 +229,16 @@ class _CatalogCollector:
         yield GaugeMetricFamily("memserver_coordinator_start_time_seconds", "Unix time the coordinator process started",
                                 value=_START)
         last = sv.last_checkpoint
-        if last is not None:  # none since this process started: no series (alert on their absence)
+        if last is not None:  # none the shards hold nor made since: no series (alert on their absence)
             yield GaugeMetricFamily("memserver_last_checkpoint_time_seconds",
                                     "Unix time the last checkpoint completed (manifest written)", value=last["time"])
             yield GaugeMetricFamily("memserver_last_checkpoint_age_seconds", "Seconds since the last checkpoint completed",
                                     value=max(0.0, time.time() - last["time"]))
-            yield GaugeMetricFamily("memserver_last_checkpoint_duration_seconds", "How long the last checkpoint took",
-                                    value=last["seconds"])
-            yield GaugeMetricFamily("memserver_last_checkpoint_bytes", "Bytes the last checkpoint wrote",
-                                    value=last["bytes"])
+            if last["seconds"] is not None:  # (known of one this process made, not of one its records hold)
+                yield GaugeMetricFamily("memserver_last_checkpoint_duration_seconds", "How long the last checkpoint took",
+                                        value=last["seconds"])
+                yield GaugeMetricFamily("memserver_last_checkpoint_bytes", "Bytes the last checkpoint wrote",
+                                        value=last["bytes"])
             yield GaugeMetricFamily("memserver_last_checkpoint_step", "Step of the last checkpoint", value=last["step"])
 
 

@@ -545,7 +545,7 @@ class ShardActor:
 
         def work() -> dict[str, Any]:
             self._saved(sl)
-            entry = {"file": path, "bytes": nbytes, **meta, "lsn": lsn, "step": step}
+            entry = {"file": path, "bytes": nbytes, **meta, "lsn": lsn, "step": step, "time": time.time()}
             if self.store is not None and self.servicer.tables.get(name) is sl:  # (not a slice replaced meanwhile)
                 record = self.store.record(name)
                 if record is not None:
@@ -640,6 +640,23 @@ class ShardActor:
 
         self.loop.call(self.servicer.run(work))
         log.info("shard %d: index %s trained (%d bytes of quantizer/codebooks installed)", self.index, name, len(template))
+
+    def last_checkpoint(self) -> dict[str, Any] | None:
+        """The newest complete checkpoint of a slice this shard holds, as its record keeps it
+        ({time, step, file}; the time is the file's where the entry predates it): what a
+        restarted coordinator's last-checkpoint metrics start from. None: none."""
+        if self.store is None:
+            return None
+        newest: dict[str, Any] | None = None
+        for name in list(self.servicer.tables):
+            record = self.store.record(name)
+            done = latest_committed(record) if record is not None else None
+            if done is None:
+                continue
+            when = float(done.get("time") or Path(done["file"]).stat().st_mtime)
+            if newest is None or when > newest["time"]:
+                newest = {"time": when, "step": int(done.get("step", 0)), "file": done["file"]}
+        return newest
 
     def describe_tables(self) -> list[tuple[bytes, bytes, int]]:
         """(spec, shard info, num_shards) of every slice held: a restarted coordinator's catalog."""
