@@ -7,6 +7,7 @@ here. The client imports no server code: only memserver.api, memserver.wire, mem
 memserver.cluster.endpoint.
 """
 
+import memserver  # noqa: F401, I001 - first: it sets gRPC's fork handling before grpc is imported
 from client.aio import AsyncMemoryClient
 from client.sync import MemoryClient
 from memserver.api.errors import (
