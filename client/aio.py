@@ -90,6 +90,11 @@ class TableMaps(collections.OrderedDict):
             self.popitem(last=False)
 
 
+#: Why a client cannot be pickled or copied (its class's name goes in).
+NOT_PICKLED = ("a {} holds connections to the memory cluster and threads, so it cannot be pickled or copied: make "
+               "one in each process that calls the cluster (a DataLoader worker: in its worker_init_fn, or lazily "
+               "on first use in the dataset) rather than passing one in")
+
 #: Shard maps a client keeps (TableMaps).
 MAX_TABLE_MAPS = 1024
 
@@ -572,6 +577,11 @@ class AsyncMemoryClient:
         self._channels.clear()
         self._methods.clear()
         await settle_grpc()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused by name (it said "cannot pickle '_thread.lock' object"): a dataset holding a
+        client, sent to spawned DataLoader workers, is pickled."""
+        raise TypeError(NOT_PICKLED.format(type(self).__name__))
 
     async def __aenter__(self) -> AsyncMemoryClient:
         return self

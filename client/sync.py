@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from client import ops, transport
-from client.aio import AppliedBy, AsyncMemoryClient, Backoff
+from client.aio import NOT_PICKLED, AppliedBy, AsyncMemoryClient, Backoff
 from client.channels import sync_channel
 from client.ops import Op, WriteTags, finish, like
 from memserver.api.errors import (
@@ -65,6 +65,10 @@ class MemoryClient:
     @property
     def endpoint(self) -> str:
         return self.aio.endpoint
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused by name, as AsyncMemoryClient's."""
+        raise TypeError(NOT_PICKLED.format(type(self).__name__))
 
     def _check_open(self) -> None:
         if self._closed:

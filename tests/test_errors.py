@@ -466,6 +466,25 @@ def test_calls_a_close_ends_in_flight_say_so(shm, monkeypatch):
                if isinstance(e, BaseException) and "in flight" in str(e))
 
 
+def test_a_client_is_not_pickled_and_says_why():
+    """A dataset holding a client, sent to spawned DataLoader workers, is pickled: it failed with
+    "cannot pickle '_thread.lock' object" (a walkthrough). Refused naming what to do instead."""
+    import copy
+    import pickle
+
+    from client import AsyncMemoryClient, MemoryClient
+
+    for cls in (MemoryClient, AsyncMemoryClient):
+        c = cls("127.0.0.1:1")
+        try:
+            for attempt in (pickle.dumps, copy.deepcopy):
+                with pytest.raises(TypeError, match=f"a {cls.__name__} holds connections .* make one in each process"):
+                    attempt(c)
+        finally:
+            if cls is MemoryClient:
+                c.close()
+
+
 def test_a_client_given_an_endpoint_without_a_port_or_a_wire_dtype_it_cannot_send_says_so():
     """MemoryClient("127.0.0.1") dialled port 443 (gRPC's default) and said only "coordinator
     127.0.0.1"; wire_dtype="int8" listed int32 and float64 as choices, which are then refused."""
