@@ -307,8 +307,21 @@ class AsyncMemoryClient:
         self.shm = ShmTransport(shm_enabled(shm), self._channel)
         self._tables = TableMaps()
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of its first call: its channels'
 
     # -- plumbing ------------------------------------------------------------------------
+
+    def _on_its_loop(self) -> None:
+        """Refuse a call from another event loop than the first one's (a second asyncio.run): the
+        client's channels belong to that loop (it said "Event loop is closed")."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise FailedPreconditionError("this AsyncMemoryClient was first used on another event loop (an earlier "
+                                          "asyncio.run?): its connections belong to that loop; make one client per "
+                                          "loop (`async with AsyncMemoryClient(...)` inside the coroutine asyncio.run "
+                                          "runs)")
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -328,6 +341,7 @@ class AsyncMemoryClient:
         return WriteTags(self.session)
 
     async def _control(self, method: str, request: Any) -> Any:
+        self._on_its_loop()
         stub = pb_grpc.ControlPlaneStub(self._channel(self.endpoint))
         try:
             return await getattr(stub, method)(request, timeout=self.timeout)
@@ -513,6 +527,7 @@ class AsyncMemoryClient:
         """Run the op for `table`'s shard map: its requests all at once over grpc.aio. `applies`: a
         write each shard applies on its own (not a step's part), AppliedBy.TWICE or SAME: when it
         fails for good after some shards answered, the error says which (AppliedBy)."""
+        self._on_its_loop()
         first = True
         counted: set[tuple[str, int, int]] = set()  # reads a shard answered: not counted again on a retry
         applied = AppliedBy(applies) if applies else None

@@ -485,6 +485,25 @@ def test_a_client_is_not_pickled_and_says_why():
                 c.close()
 
 
+def test_an_async_client_used_on_a_second_loop_says_so(client, table_name):
+    """An AsyncMemoryClient's channels belong to the loop of its first call: a second asyncio.run
+    failed with "Event loop is closed" (a walkthrough). It says what happened, and what to do."""
+    import asyncio
+
+    from client import FailedPreconditionError
+    from client.aio import AsyncMemoryClient
+
+    client.create_table(table_name, 16, 4)
+    mem = AsyncMemoryClient(client.endpoint)
+
+    async def one():
+        return await mem.lookup(table_name, [1])
+
+    assert asyncio.run(one()).shape == (1, 4)
+    with pytest.raises(FailedPreconditionError, match="first used on another event loop .* one client per loop"):
+        asyncio.run(one())
+
+
 def test_a_client_given_an_endpoint_without_a_port_or_a_wire_dtype_it_cannot_send_says_so():
     """MemoryClient("127.0.0.1") dialled port 443 (gRPC's default) and said only "coordinator
     127.0.0.1"; wire_dtype="int8" listed int32 and float64 as choices, which are then refused."""
