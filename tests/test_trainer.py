@@ -704,6 +704,11 @@ def test_backends_and_layers_refuse_bad_settings_by_name_and_change_nothing(clie
         remote.load(tmp_path, 1, sgd.save(tmp_path, 1))
     remote.load(str(tmp_path), 1, saved)
     assert torch.equal(sgd.table.weight, before)
+    other = RemoteValues(client, table_name + "-b", 64, 8, optimizer="sgd", seed=2)  # another table's save
+    with pytest.raises(InvalidArgumentError, match=f"saved: the values of table '{table_name}', and this backend's "
+                                                   f"table is '{table_name}-b': a save loads into a backend of its own"):
+        other.load(str(tmp_path), 1, saved)
+    client.drop_table(table_name + "-b")
     # layers
     with pytest.raises(TypeError, match="ProductKeyMemory: values must be a value backend .* got NoneType"):
         ProductKeyMemory(16, 16, None, n_keys=4)

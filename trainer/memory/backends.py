@@ -614,6 +614,11 @@ class RemoteValues:
             raise InvalidArgumentError(f"saved: not what RemoteValues.save returned ({_saved_kind(saved)})")
         if "num_rows" in saved:
             self._same_shape(saved.get("num_rows"), saved.get("dim"), "saved: values of")
+        if isinstance(table := saved.get("table"), str) and table != self.name:  # (a restore keeps the name: it
+            raise InvalidArgumentError(  # said the table was not in the checkpoint, and to leave the step out)
+                f"saved: the values of table {table!r}, and this backend's table is {self.name!r}: a save loads into a "
+                f"backend of its own table name (RemoteValues(client, {table!r}, ..., create=False)); to go on under "
+                "another name, copy its rows (lookup, then write_rows)")
         self.settle()
         self.version += LOADED
         self.client.restore(str(Path(directory).resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
