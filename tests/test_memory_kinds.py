@@ -539,6 +539,40 @@ def test_a_grad_scalers_overflow_is_skipped_and_its_scale_taken_out_of_the_rows_
     assert torch.isnan(mem(x)).any()
 
 
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_gradient_taken_in_eval_mode_trains_nothing(where, client, table_name):
+    """A library walkthrough: after model.eval(), one loss.backward() (a saliency map, no
+    optimizer, no begin_step) changed the table for good. In eval mode a read's backward updates
+    no row and counts none; the gradients it gives are train mode's (dL/dweights from the same rows)."""
+    from trainer.memory import RemoteValues
+
+    def values(name):
+        return (LocalValues(64, 8, optimizer="sgd", lr=0.5, seed=3) if where == "local"
+                else RemoteValues(client, name, 64, 8, optimizer="sgd", lr=0.5, seed=3))
+
+    def rows(v, name):
+        got = v.table.weight if where == "local" else torch.as_tensor(client.lookup(name, list(range(64)), count=False))
+        return got.clone()
+
+    torch.manual_seed(0)
+    layers = [ProductKeyMemory(8, 8, values(f"{table_name}-{m}"), n_keys=8, heads=2, k_dim=4, knn=3, query_bn=False)
+              for m in ("eval", "train")]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(5, 8)
+    grads = []
+    for layer, name in zip(layers, (f"{table_name}-eval", f"{table_name}-train")):
+        before = rows(layer.values, name)
+        layer.train(name.endswith("train"))
+        xi = x.clone().requires_grad_(True)
+        layer(xi).square().sum().backward()
+        grads.append(xi.grad)
+        changed = not torch.equal(rows(layer.values, name), before)
+        assert changed == layer.training, name
+    torch.testing.assert_close(grads[0], grads[1])
+    if where == "local":
+        assert int(layers[0].values.table.hits.sum()) == 0
+
+
 def test_end_step_without_an_open_step_is_refused():
     """docs/library.md: "end_step takes the number begin_step took; another one is refused".
     Without begin_step (or a second time) it ended nothing and said nothing."""

@@ -87,25 +87,32 @@ class _Bag(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, weights: torch.Tensor, ids: torch.Tensor, backend: ValueBackend, out: torch.Tensor | None,
-                weight_grad: bool) -> torch.Tensor:
+                weight_grad: bool, update: bool) -> torch.Tensor:
         ctx.save_for_backward(ids, weights)
-        ctx.backend, ctx.weight_grad = backend, weight_grad
+        ctx.backend, ctx.weight_grad, ctx.update = backend, weight_grad, update
         return out if out is not None else backend.bag(ids, weights.detach())
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         ids, weights = ctx.saved_tensors
+        if not ctx.update:  # an eval read: dL/dweights from the rows read again (uncounted), the values left alone
+            if not ctx.weight_grad:
+                return None, None, None, None, None, None
+            flat = ids.reshape(-1, 1)
+            rows = ctx.backend.bag(flat, torch.ones(flat.shape, device=weights.device), count=False)
+            rows = rows.float().view(*ids.shape, -1)
+            return torch.einsum("nkd,nd->nk", rows, grad_out.float()).to(weights.dtype), None, None, None, None, None
         if looks_for_nonfinite(grad_out, ctx.backend) and not finite(grad_out, weights):  # an fp16 overflow
             log.warning("a memory read's backward got non-finite values (a float16 overflow that a GradScaler skips, "
                         "or a diverged run): the rows' update of this read is not sent; dL/dweights is NaN")
             OVERFLOWS[0] += 1  # every backend's end_step drops the step's update, as the scaler skips the step
-            return (torch.full_like(weights, math.nan) if ctx.weight_grad else None), None, None, None, None
+            return (torch.full_like(weights, math.nan) if ctx.weight_grad else None), None, None, None, None, None
         scale = getattr(ctx.backend, "grad_scale", 1.0)  # a GradScaler's: the rows' update is of the unscaled gradient
         grad_out = grad_out.float() if scale == 1.0 else grad_out.float() / scale
         grad_w = ctx.backend.bag_backward(ids, weights.detach(), grad_out, weight_grad=ctx.weight_grad)
         if grad_w is not None and scale != 1.0:
             grad_w = grad_w * scale  # back into the scaled backward (the scaler unscales the dense grads)
-        return (grad_w.to(weights.dtype) if grad_w is not None else None), None, None, None, None
+        return (grad_w.to(weights.dtype) if grad_w is not None else None), None, None, None, None, None
 
 
 def finite(*ts: torch.Tensor) -> bool:
@@ -140,15 +147,17 @@ def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: tor
     asked of the backend, which refuses them), and a backward whose dL/d(out) or weights are not
     finite sends no update and returns a NaN dL/dweights; the backend's end_step then drops the
     whole step's update (the table is left as it was). On a GPU this is looked for only under a
-    GradScaler (looks_for_nonfinite). `count` False: the read is left out of the slots' statistics
-    (ValueBackend.bag)."""
+    GradScaler (looks_for_nonfinite). `count` False (a layer in eval mode): the read is left out
+    of the slots' statistics (ValueBackend.bag), and its backward updates no row (it updated
+    them, so a gradient taken of an eval model, a saliency map, trained its memory for good: a
+    walkthrough): dL/dweights comes from the rows read again, uncounted."""
     if out is None and looks_for_nonfinite(weights, values) and not finite(weights):
         log.warning("a memory read got non-finite weights (its input overflowed or the run diverged): it reads NaN "
                     "rows; nothing is asked of the values")
         out = torch.full((weights.shape[0], values.dim), math.nan, device=weights.device)
     if out is None and not count:
         out = values.bag(ids, weights.detach(), count=False)
-    return _Bag.apply(weights, ids, values, out, weight_grad)
+    return _Bag.apply(weights, ids, values, out, weight_grad, count)
 
 
 @dataclass(eq=False)
