@@ -145,6 +145,8 @@ def _stats(ms: np.ndarray, failures: int, nbytes: int, elapsed_s: float) -> dict
     n = len(ms)
     out: dict[str, Any] = {"requests": n + failures, "failures": failures,
                            "rps": round((n + failures) / elapsed_s, 2) if elapsed_s > 0 else 0.0,
+                           # (rps counts refused calls: under overload half of it was failures)
+                           "ok_rps": round(n / elapsed_s, 2) if elapsed_s > 0 else 0.0,
                            "response_bytes": nbytes}
     for key, q in (("p50_ms", 50), ("p95_ms", 95), ("p99_ms", 99)):
         out[key] = round(percentile(ms, q), 4) if n else None
