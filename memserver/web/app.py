@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -105,6 +106,16 @@ def jsonable(x: Any) -> Any:
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
+_HOST = re.compile(r"(\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]@/\s]+))(:(?P<port>[0-9]{1,5}))?")
+
+
+def name_of_host(host: str) -> str:
+    """The name of a Host header ("localhost:8391" -> "localhost", "[::1]:80" -> "::1"); "" for
+    one that is not a name and an optional port ("localhost:evil", "127.0.0.1:80@evil.com")."""
+    m = _HOST.fullmatch(host)
+    return "" if m is None else (m["v6"] or m["name"])
+
+
 class _HostCheck:
     """Answer only requests naming an allowed host: a page on 127.0.0.1 that took any Host header
     was readable by any web site its user visited, through a name rebound to 127.0.0.1 (DNS
@@ -116,8 +127,7 @@ class _HostCheck:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").strip().lower()
-            name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0] if ":" in host else host
-            if name not in self.allowed:
+            if name_of_host(host) not in self.allowed:
                 response = Response(f"memserver web answers only to {', '.join(sorted(self.allowed))} (this request "
                                     f"named {host or 'no host'})", status_code=400, media_type="text/plain")
                 await response(scope, receive, send)
