@@ -24,7 +24,7 @@ MAX_REQUEST_BYTES = 64 * 1024 * 1024
 class OpOptions:
     """What a client decides for all its calls."""
 
-    wire_dtype: int = pb.FLOAT32  # dtype rows, bag outputs and gradients travel in
+    wire_dtype: int = pb.FLOAT32  # dtype rows, bag outputs and the gradients sent travel in (dL/dweights: float32)
     max_request_bytes: int = MAX_REQUEST_BYTES
 
 

@@ -231,7 +231,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="bags per bag/bag_backward call, ids per lookup (default 256)")
     lt.add_argument("--knn", type=int, default=DEFAULTS["knn"], help="entries per bag (default 32)")
     lt.add_argument("--wire-dtype", default=DEFAULTS["wire_dtype"], choices=["float32", "bfloat16", "float16"],
-                    help="dtype rows, bag outputs and gradients travel in (default float32)")
+                    help="dtype rows read, bag outputs and the gradients sent travel in (default float32); a "
+                    "bag_backward's answer, dL/dweights, stays float32")
     lt.add_argument("--timeout", type=seconds, default=DEFAULTS["timeout"], help="deadline of each call to a shard, seconds (default 10); a request to several shards waits for all of them")
     lt.add_argument("--max-requests", type=int, default=DEFAULTS["max_requests"],
                     help="stop after this many calls even before --duration (per worker with --expect-workers)")

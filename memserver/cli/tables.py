@@ -221,7 +221,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                       ", ".join(map(str, h["shards"])) + moved, ", ".join(h["data_dirs"]))
     out.print(hosts)
     shards = Table(title="shards")
-    for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "rss", "sessions", "requests"):
+    # "table calls": the calls its tables ran (refused ones not); "calls answered" below counts every one
+    for col in ("#", "address", "node", "pid", "state", "device", "tables", "rows", "bytes", "rss", "sessions",
+                "table calls"):
         shards.add_column(col, justify="left" if col in ("address", "node", "state", "device") else "right")
     for s in sorted(st["shards"], key=lambda s: (host_of(s["address"]), s["index"])):
         rows = sum(t["rows"] for t in s["tables"])
@@ -255,8 +257,8 @@ def _calls_table(st: dict[str, Any]) -> Any:
     """One line per server: the calls it answered since its process started (its /metrics counters)."""
     from rich.table import Table
 
-    calls = Table(title="calls answered (since each process started)")
-    for col in ("server", "requests", "errors", "auth failures", "rejected", "in flight"):
+    calls = Table(title="calls answered (since each process started; refused ones too)")
+    for col in ("server", "calls", "errors", "auth failures", "rejected", "in flight"):
         calls.add_column(col, justify="left" if col in ("server", "errors") else "right")
     servers = [("coordinator", st["coordinator_calls"])]
     servers += [(f"shard {s['index']}", s["calls"]) for s in st["shards"] if s["state"] == "serving"]
