@@ -533,6 +533,18 @@ def test_flags_are_refused_by_name_before_any_cluster_is_asked(capsys, tmp_path,
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_the_default_checkpoint_root_given_by_name_need_not_exist_yet(capsys, tmp_path, monkeypatch):
+    """`up --checkpoint-root $MEMSERVER_HOME` failed ("no such directory") on a first run, where
+    `up` itself makes that folder. (The data-dir refusal after it ends this before any cluster.)"""
+    home = tmp_path / "home"
+    monkeypatch.setenv("MEMSERVER_HOME", str(home))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["up", "--checkpoint-root", str(home), "--data-dir", __file__])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "not a directory" in err and "--checkpoint-root" not in err, err
+    assert home.is_dir()
+
+
 @pytest.mark.parametrize("argv, usage, message", [
     (["status", "--jsn"], "usage: memserver status ", "memserver status: error: unrecognized arguments: --jsn (--jsn: "
                                                       "did you mean --json?)"),

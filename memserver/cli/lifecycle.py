@@ -31,7 +31,7 @@ from memserver.cluster import (
     shard_bundle,
     shard_gpu_list,
 )
-from memserver.cluster.endpoint import descendants, pid_alive, started_at
+from memserver.cluster.endpoint import descendants, memserver_home, pid_alive, started_at
 from memserver.server.sessions import SESSION_TTL
 from memserver.storage.store import check_data_dir, held_slices
 
@@ -137,6 +137,9 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
             _check_ray_answers(found, "--address auto")
     elif args.address and "://" not in args.address:
         _check_ray_answers(args.address)
+    if args.checkpoint_root is not None and not Path(args.checkpoint_root).exists() and \
+            Path(args.checkpoint_root).resolve() == memserver_home().resolve():  # (the default root: made as up makes it)
+        memserver_home().mkdir(parents=True, exist_ok=True)
     if args.checkpoint_root is not None and not Path(args.checkpoint_root).is_dir():
         what = "a file, not a directory" if Path(args.checkpoint_root).exists() else "no such directory; create it first"
         raise CliError(f"--checkpoint-root {args.checkpoint_root}: {what} (checkpoints are written only below it)")
@@ -502,7 +505,7 @@ def _plain_output() -> None:
 
 
 def _up_detached(args: argparse.Namespace) -> int:
-    from memserver.cluster.endpoint import endpoint_file, memserver_home
+    from memserver.cluster.endpoint import endpoint_file
 
     argv = [a for a in sys.argv[1:] if a != "--detach"]
     home = memserver_home()
