@@ -406,6 +406,19 @@ def test_inspection_calls_refuse_other_table_kinds(client, table_name, capsys):
         client.drop_table(table_name)
 
 
+def test_top_of_a_statistic_no_slot_has_says_so(client, table_name, capsys):
+    """`top --by mass` of a table nothing was read from listed slots 0..n as the hottest, and the
+    same as the coldest (a walkthrough): the ranking is all ties. It says so."""
+    import memserver.cli as cli
+
+    client.create_table(table_name, 64, 4)
+    for coldest in ([], ["--coldest"]):
+        assert cli.main(["top", table_name, "--by", "mass", "-n", "3", *coldest, "--endpoint", client.endpoint]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert ("every slot listed has mass 0 (none read or updated yet?)" in out) == (not coldest), out
+    client.drop_table(table_name)
+
+
 def test_the_shards_check_what_the_client_checks(memory_cluster, client, used_table):
     """Bad requests that bypass the client's checks get the same INVALID_ARGUMENT from a shard."""
     import grpc

@@ -148,6 +148,10 @@ def cmd_top(args: argparse.Namespace) -> int:
     for r in rows:
         t.add_row(str(r["slot"]), f"{r['hits']:,.0f}", f"{r['weight_mass']:.4f}", f"{r['updates']:,.0f}", f"{r['value_norm']:.4f}")
     _console().print(t)
+    key = {"mass": "weight_mass", "norm": "value_norm"}.get(args.by, args.by)
+    if rows and not args.coldest and all(r.get(key, 0) == 0 for r in rows):  # (hottest = coldest then)
+        _console().print(f"every slot listed has {args.by} 0 (none read or updated yet?): ties go to the smaller "
+                         "slot id, so this says nothing of use")
     return 0
 
 
