@@ -266,7 +266,9 @@ def test_a_ramp_longer_than_the_run_is_reported(capsys):
               "config": {"batch": 1, "knn": 1, "wire_dtype": "float32"}}
     print_load_report(report)
     out = " ".join(capsys.readouterr().out.split())
-    assert "3 users for 3.0 s" in out
+    assert "3 users for 3.0 s, batch 1 x knn 1" in out
+    print_load_report({**report, "config": {**report["config"], "mix": {"lookup": 1}}})  # (no bag: no knn)
+    assert "3 users for 3.0 s, 1 id per lookup, wire float32" in " ".join(capsys.readouterr().out.split())
     assert "3 of the 20 users asked for ran at once: at --spawn-rate 1/s they take 20.0 s to start" in out
     assert "the load generator was busy" not in out and "as the load generator saw each call" in out
     # a generator that used its core: its latencies are mostly its own (a walkthrough: p50 114 ms at

@@ -164,7 +164,9 @@ def print_load_report(report: dict[str, Any]) -> None:
     console.print(
         f"loadtest of [bold]{t['name']}[/] ({t['num_rows']:,} x {t['dim']} {t['sharding']}, {counted(t['shards'], 'shard')}"
         f"{', scratch' if t['scratch'] else ''}) at {report['endpoint']}\n{counted(reached, 'user')} for "
-        f"{report['elapsed_s']:.1f} s, batch {c['batch']} x knn {c['knn']}, wire {c['wire_dtype']}"
+        f"{report['elapsed_s']:.1f} s, "
+        + (f"{counted(c['batch'], 'id')} per lookup" if set(c.get("mix") or {}) == {"lookup"} else f"batch {c['batch']} x knn {c['knn']}")
+        + f", wire {c['wire_dtype']}"
     )
     if reached < report["users"] and "spawn_rate" in report and \
             report["users"] / report["spawn_rate"] > report["duration_s"]:
