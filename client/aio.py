@@ -867,7 +867,7 @@ class AsyncMemoryClient:
         """Forget the `gather` parts of `step` this client sent so far (a step that failed before
         its commit): the step's next commit lists only parts sent after this, and each shard drops
         the others when it prepares. Nothing is sent. Returns how many parts were forgotten (one
-        per shard a call reached)."""
+        per call, however many shards it reached)."""
         return self.session.forget_step(table, step)
 
     def rebuilds(self, table: str) -> tuple[int, str]:

@@ -167,10 +167,11 @@ class ClientSession:
         return {sh: sorted(seqs) for sh, seqs in shards.items()}, layout
 
     def forget_step(self, table: str, step: int) -> int:
-        """Forget the parts of `step`; returns how many there were."""
+        """Forget the parts of `step`; returns how many there were (a part goes to every shard under
+        one seq: counted once, as LocalValues counts it; it said 2 parts of 2 shards for 1)."""
         with self._lock:
             _, shards = self._parts.pop((table, step), (0, {}))
-        return sum(len(seqs) for seqs in shards.values())
+        return len(set().union(*shards.values()))
 
     def forget_table(self, table: str) -> None:
         """The table was made anew, restored or dropped: its steps' parts and undecided decisions
