@@ -606,7 +606,13 @@ def test_a_checkpoint_holds_its_tables_writes_only(tmp_path, monkeypatch):
             push = stub.PushGradients.future(pb.PushGradientsRequest(
                 table="big", ids=encode(torch.tensor([3])), grads=encode(torch.ones(1, 4)),
                 tag=pb.WriteTag(client_id="w", seq=1, acked_below=1)), timeout=30)
-            time.sleep(0.5)
+            # a waiting write whose client gives up (its deadline) must not end the others' wait (a
+            # review: it cancelled the future they shared, and they waited out their deadlines)
+            with pytest.raises(grpc.RpcError) as late:
+                stub.PushGradients(pb.PushGradientsRequest(
+                    table="big", ids=encode(torch.tensor([6])), grads=encode(torch.ones(1, 4)),
+                    tag=pb.WriteTag(client_id="late", seq=1, acked_below=1)), timeout=0.3)
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert not push.done()  # this table's write waits for the file
             from memserver.api.errors import DeadlineExceededError
 
@@ -614,9 +620,10 @@ def test_a_checkpoint_holds_its_tables_writes_only(tmp_path, monkeypatch):
                                            tag=pb.WriteTag(client_id="d", seq=1, acked_below=1))
             with pytest.raises(DeadlineExceededError, match="while its table's checkpoint was written"):
                 shard.servicer.serve_now("PushGradients", rung, deadline=time.monotonic() + 0.3)  # the doorbell's way
+            t0 = time.monotonic()
             go.set()
             saving.join(30)
-            assert push.result().rows == 1
+            assert push.result().rows == 1 and time.monotonic() - t0 < 5  # as soon as the file is written
             assert float(_rows(stub, "big", 64)[3, 0]) == float(before[3, 0]) - 1.0
     finally:
         go.set()

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, NamedTuple, TypeVar
@@ -179,8 +180,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                                                                             count, write)
                 finally:
                     self.busy -= 1
-            except _Saving as saving:
-                await asyncio.wrap_future(saving.done)
+            except _Saving as saving:  # shielded: a waiter cancelled (its deadline) must not cancel the
+                await asyncio.shield(asyncio.wrap_future(saving.done))  # future the other waiters share
 
     async def _serve(self, name: str, request: Any) -> Any:
         """A gRPC call: its plan's checks on the event loop, its work by `run`, its answer once durable."""
@@ -224,7 +225,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 except _Saving as saving:  # its slice's checkpoint file is being written: after it
                     left = None if deadline is None else deadline - time.monotonic()
                     try:
-                        saving.done.result(timeout=None if left is None else max(0.0, left))
+                        saving.done.exception(timeout=None if left is None else max(0.0, left))  # (done: go on)
+                    except FutureCancelled:  # (never, shielded as they are: the slice says again)
+                        pass
                     except FutureTimeout:
                         raise DeadlineExceededError(f"{name}: the call's deadline passed while its table's checkpoint "
                                                     "was written") from None
