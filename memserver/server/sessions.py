@@ -10,10 +10,13 @@ client the slice does not know may be a write it applied before that, so it is r
 
 A client that goes away never acknowledges its last answers (a bag_backward's weight gradient:
 512 KiB at B=4096, knn=32), so the answers are also bounded in bytes, MAX_ANSWER_BYTES per
-slice: past it, the answers of the session that remembered least recently are forgotten, and its
-acked_below moves past them, so a late retry of one is refused (FAILED_PRECONDITION, "already
-answered") rather than applied twice. A walkthrough's 200 short-lived clients left 200 answers
-(163 MiB of RSS, and 161 MiB in every checkpoint file of a 256 KiB table) on each shard.
+slice: past it, the tensor answers of the session that remembered least recently are let go,
+each replaced by LET_GO (8 bytes, as an int answer counts), so a late retry of one is refused
+(FAILED_PRECONDITION) rather than applied twice. Its acked_below stays: a write of that client
+still on its way (a lower seq) is applied when it comes, and a replay of the log does exactly
+what the first run did whichever answers it let go (a review: moving acked_below past them
+refused both). A walkthrough's 200 short-lived clients left 200 answers (163 MiB of RSS, and 161
+MiB in every checkpoint file of a 256 KiB table) on each shard.
 
 Only the shard's compute thread touches sessions (see memserver.server.dataplane).
 """
@@ -44,8 +47,12 @@ MAX_CLIENT_ID = 256
 MAX_ANSWER_BYTES = 64 << 20
 
 
+#: What stands for an answer let go at the byte bound (checkpointed as None).
+LET_GO = None
+
+
 def answer_bytes(answer: Any) -> int:
-    """What an answer holds: a tensor's serialized size, or an int's 8 bytes."""
+    """What an answer holds: a tensor's serialized size, else (an int, LET_GO) 8 bytes."""
     return answer.ByteSize() if isinstance(answer, pb.Tensor) else 8
 
 
@@ -64,7 +71,8 @@ class Sessions:
     def __init__(self, ttl: float = SESSION_TTL) -> None:
         self.ttl = ttl
         self.by_client: OrderedDict[str, Session] = OrderedDict()  # least recently used first
-        self.holding: OrderedDict[str, None] = OrderedDict()  # the sessions holding answers, least recently remembered first
+        # the sessions holding tensor answers, least recently remembered first (the bound lets theirs go first)
+        self.holding: OrderedDict[str, None] = OrderedDict()
         self.count = 0  # answers held over all sessions, and their bytes: kept as they change (a
         self.nbytes = 0  # sum over 65,536 sessions on every scrape took 28 ms)
 
@@ -100,7 +108,12 @@ class Sessions:
                 raise InvalidArgumentError(
                     f"tag: write {tag.seq} of client {tag.client_id} was a {RECORD_CALLS.get(was, was)} call, not "
                     f"{RECORD_CALLS.get(call, call)}: a seq names one call (a client sends each call its own)")
-            return True, s.answers[tag.seq]
+            if (answer := s.answers[tag.seq]) is LET_GO:
+                raise FailedPreconditionError(
+                    f"table {table}: write {tag.seq} of client {tag.client_id} was applied, and its answer let go (the "
+                    f"slice keeps {MAX_ANSWER_BYTES >> 20} MiB of answers, and this client's were the least recently "
+                    "used): it is not applied again")
+            return True, answer
         if tag.seq < s.acked_below:
             raise FailedPreconditionError(
                 f"table {table}: write {tag.seq} of client {tag.client_id} was already answered (the client "
@@ -116,12 +129,17 @@ class Sessions:
         s.nbytes += size
         self.count += 1
         self.nbytes += size
-        self.holding[tag.client_id] = None
-        self.holding.move_to_end(tag.client_id)
+        if size > 8:  # (a tensor: what the bound lets go)
+            self.holding[tag.client_id] = None
+            self.holding.move_to_end(tag.client_id)
         while self.nbytes > MAX_ANSWER_BYTES and len(self.holding) > 1:  # (this client's own stay)
-            oldest = next(iter(self.holding))
+            oldest, _ = self.holding.popitem(last=False)
             gone = self.by_client[oldest]
-            self._forget_below(oldest, gone, max(gone.answers) + 1)
+            for q, a in gone.answers.items():
+                if (size := answer_bytes(a)) > 8:
+                    gone.answers[q] = LET_GO
+                    gone.nbytes -= size - 8
+                    self.nbytes -= size - 8
 
     def _forget_below(self, client: str, s: Session, seq: int) -> None:
         """The client has every answer below `seq` (or they were let go: a late retry is refused)."""
@@ -171,10 +189,10 @@ class Sessions:
 
     # -- checkpoints: plain values (torch.load with weights_only reads them back) ----------
 
-    def state(self) -> list[tuple[str, float, int, list[tuple[int, bytes | int, int]]]]:
+    def state(self) -> list[tuple[str, float, int, list[tuple[int, bytes | int | None, int]]]]:
         return [
             (c, s.last_used, s.acked_below,
-             [(q, a.SerializeToString() if isinstance(a, pb.Tensor) else int(a), s.calls.get(q, 0))
+             [(q, a.SerializeToString() if isinstance(a, pb.Tensor) else a if a is LET_GO else int(a), s.calls.get(q, 0))
               for q, a in s.answers.items()])
             for c, s in self.by_client.items()
         ]
