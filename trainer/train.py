@@ -254,8 +254,9 @@ RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal
 #: Flags a resumed run takes from its checkpoint where they are left out, and may change: how often
 #: it checkpoints (in the folder it resumed from, or --checkpoint-dir), and how its steps reach the
 #: values (a resume that left --staleness 1 or --micro-batches 2 out trained on at the defaults,
-#: unsaid, and its losses left the uninterrupted run's: a walkthrough).
-RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches", "no_prefetch", "sync_commit")
+#: unsaid, and its losses left the uninterrupted run's: a walkthrough). (--no-prefetch and
+#: --sync-commit change no number, and as switches with no opposite they could not be undone.)
+RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches")
 
 
 def checkpoint_dir_of(args: argparse.Namespace) -> str | None:

@@ -196,7 +196,7 @@ def error_for(code: grpc.StatusCode, details: str, target: str = "") -> Memserve
         return OverloadedError(details, code, target=target)
     if code == grpc.StatusCode.CANCELLED and details.startswith(RESET):
         return OverloadedError(f"{OVERLOADED}? the server reset the call before answering it ({details}: an "
-                               "overloaded server's refusal can arrive so); retry with backoff", code, target=target)
+                               "overloaded server's refusal can arrive so)", code, target=target)
     if code == grpc.StatusCode.UNAVAILABLE and (fix := tls_problem(details)):
         return TlsError(f"the TLS handshake failed: {fix} ({details})", code, target=target)
     if code == grpc.StatusCode.UNAVAILABLE and NOT_HTTP2 in details:

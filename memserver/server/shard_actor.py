@@ -538,7 +538,10 @@ class ShardActor:
             try:
                 nbytes = save_slice(Path(path), meta, state, extra=extra)
             except BaseException:
-                self._saved(sl)
+                try:  # (on the compute thread, as everything of a slice is)
+                    self.loop.call(self.servicer.run(lambda: self._saved(sl)))
+                except BaseException:  # (the loop stopping: its writes are gone with it)
+                    self._saved(sl)
                 raise
             finally:
                 state.clear()
