@@ -107,6 +107,9 @@ def _closed_mid_call(tags: WriteTags | None) -> FailedPreconditionError:
     return FailedPreconditionError(f"the client was closed while this call was in flight{may}")
 
 
+#: What a closed client says to a call.
+CLOSED = "this client is closed (close(), or the end of its with-block): make a new one"
+
 #: The smallest max_request_bytes a client takes (a request must carry a few rows: below it every
 #: call went one id per request).
 MIN_REQUEST_BYTES = 1024
@@ -313,7 +316,10 @@ class AsyncMemoryClient:
 
     def _on_its_loop(self) -> None:
         """Refuse a call from another event loop than the first one's (a second asyncio.run): the
-        client's channels belong to that loop (it said "Event loop is closed")."""
+        client's channels belong to that loop (it said "Event loop is closed"). A closed client
+        says it is closed first, from any loop."""
+        if self._closed:
+            raise FailedPreconditionError(CLOSED)
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
@@ -327,8 +333,7 @@ class AsyncMemoryClient:
         ch = self._channels.get(address)
         if ch is None:
             if self._closed:  # (a call after close opened channels no one closed)
-                raise FailedPreconditionError("this client is closed (close(), or the end of its with-block): make "
-                                              "a new one")
+                raise FailedPreconditionError(CLOSED)
             ch = self._channels[address] = aio_channel(address, token=self.token, tls=self.tls)
         return ch
 

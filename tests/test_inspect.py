@@ -443,7 +443,7 @@ def test_the_shards_check_what_the_client_checks(memory_cluster, client, used_ta
     big.weights.CopyFrom(encode(np.array([1e300])))  # finite as float64, not as the float32 the heaps keep
     with pytest.raises(grpc.RpcError) as err:
         stub.RecordTriggers(big)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "finite as float32" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "beyond float32's largest" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         stub.TopSlots(pb.TopSlotsRequest(table=used_table, n=10**6))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n: must be in" in err.value.details()

@@ -675,8 +675,11 @@ def work(q):
 
 c = MemoryClient(sys.argv[1], token="")
 c.create_table(sys.argv[2], 64, 8, num_shards=1)
-for _ in range(3):
-    c.lookup(sys.argv[2], [0], count=False)  # (attaches its region: an attach stream stays in flight)
+import time
+t0 = time.monotonic()
+while not c.aio.shm.regions and time.monotonic() - t0 < 30:  # its region attaches in the background
+    c.lookup(sys.argv[2], [0], count=False)  # (an attach stream stays in flight)
+    time.sleep(0.05)
 assert c.aio.shm.regions, "no shared-memory region"
 ctx, died = mp.get_context("fork"), 0
 for _ in range(20):
