@@ -128,7 +128,7 @@ def test_usage_histogram_metrics_match_exact():
     assert usage_metrics(np.ones(10), np.r_[1.0, np.zeros(9)])["gini_weights"] == pytest.approx(0.9)
     # a mass that overflowed (float32 sums of huge weights): no quantiles, not a crash (int(NaN))
     over = histogram_metrics(Histogram.of(np.ones(4)), Histogram.of(np.r_[np.inf, 1.0, 0.0, 0.0]))
-    assert over["used_pct"] == 100.0 and over["top50_slots"] is None
+    assert over["used_pct"] == 100.0 and over["top50_slots"] is None and over["gini_weights"] is None
     assert usage_metrics(np.ones(4), np.r_[np.inf, 1.0, 0.0, 0.0])["top99_slots"] is None
 
 

@@ -38,8 +38,9 @@ class Histogram:
         x = np.asarray(x, dtype=np.float64).reshape(-1)
         nz = x[x > 0]
         b = np.zeros(len(x), dtype=np.int64)
-        if len(nz):
-            pos = np.clip(np.floor((np.log10(nz) - LOW_EXP) * PER_DECADE).astype(np.int64) + 1, 1, BINS - 1)
+        if len(nz):  # (an infinite value, a float32 sum that overflowed: the last bin)
+            pos = np.clip(np.floor((np.minimum(np.log10(nz), HIGH_EXP) - LOW_EXP) * PER_DECADE).astype(np.int64) + 1,
+                          1, BINS - 1)
             b[x > 0] = pos
         counts = np.bincount(b, minlength=BINS).astype(np.int64)
         sums = np.bincount(b, weights=x, minlength=BINS)
@@ -123,7 +124,7 @@ def usage_metrics(counts: np.ndarray, mass: np.ndarray) -> dict[str, float | Non
     for key, x in (("kl_counts", counts), ("kl_weights", mass)):
         nz = x[x > 0]  # (no reads: None, no distribution to compare; not 0, an even one)
         out[key] = kl_to_uniform(float(x.sum()), float((nz * np.log(nz)).sum()), n) if nz.size else None
-    out["gini_weights"] = gini(np.ones(n, dtype=np.int64), mass) if mass.sum() > 0 else None
+    out["gini_weights"] = gini(np.ones(n, dtype=np.int64), mass) if 0 < mass.sum() < math.inf else None
     hot = np.sort(mass)[::-1]
     out.update(mass_quantiles(np.ones(n, dtype=np.int64), hot))
     return out
@@ -142,7 +143,7 @@ def histogram_metrics(hits: Histogram, mass: Histogram) -> dict[str, float | Non
     if mass.total > 0:
         out["kl_weights"] = kl_to_uniform(mass.total, mass.sum_xlogx, n)
         c, v = mass.descending()
-        out["gini_weights"] = gini(np.r_[c, mass.counts[0]], np.r_[v, 0.0])
+        out["gini_weights"] = gini(np.r_[c, mass.counts[0]], np.r_[v, 0.0]) if mass.total < math.inf else None
         out.update(mass_quantiles(c, v))
     return out
 
