@@ -447,9 +447,9 @@ BAD = {
 
 
 def test_largest_vectors_are_found():
-    """Vectors at the norm bound are found by their own query under both metrics: their float32
-    distances do not overflow (just beyond 2^62 they did: an L2 hit read as a miss, id -1), and a
-    payload is data, not bounded."""
+    """The bound is not too strict: vectors just under it (4.5e18 < 2^62) are taken and found by
+    their own query under both metrics, their float32 distances finite, and a payload is data, not
+    bounded. (That one beyond it is refused: test_bad_input_is_refused_whole.)"""
     big = np.zeros((3, 8), np.float32)
     big[0, 0], big[1, 0], big[2, 1] = 4.5e18, -4.5e18, 1.0
     for metric in ("l2", "ip"):

@@ -102,21 +102,21 @@ async def _no_request(name: str, context: grpc.aio.ServicerContext) -> Memserver
     cancelled): counted as such, not as a bad request, which an operator would go looking for
     (a walkthrough: 23 INVALID_ARGUMENT on a shard while a load test's calls were cancelled). A
     client that really sent none waits CANCEL_NOTICE_S for its INVALID_ARGUMENT."""
+    cancelled = MemserverError(f"{name}: the client cancelled the call before its request arrived",
+                               grpc.StatusCode.CANCELLED)
     end = time.monotonic() + CANCEL_NOTICE_S
     while True:
         left = context.time_remaining()
         if left is not None and left <= 0:
             return DeadlineExceededError(f"{name}: the deadline passed before the request arrived")
         if context.cancelled():
-            return MemserverError(f"{name}: the client cancelled the call before its request arrived",
-                                  grpc.StatusCode.CANCELLED)
+            return cancelled
         if time.monotonic() >= end:
             return InvalidArgumentError(f"request: no {name} request was sent")
         try:
             await asyncio.sleep(0.005)
         except asyncio.CancelledError:  # gRPC ends the handler of a cancelled call here: still counted as such
-            return MemserverError(f"{name}: the client cancelled the call before its request arrived",
-                                  grpc.StatusCode.CANCELLED)
+            return cancelled
 
 
 def parse_request(parse: Callable[[bytes], Any] | None, raw: bytes, name: str) -> Any:

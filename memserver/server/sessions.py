@@ -142,7 +142,7 @@ class Sessions:
                     self.nbytes -= size - 8
 
     def _forget_below(self, client: str, s: Session, seq: int) -> None:
-        """The client has every answer below `seq` (or they were let go: a late retry is refused)."""
+        """The client has every answer below `seq` (its acknowledgement: the only thing that moves acked_below)."""
         if seq <= s.acked_below:
             return
         s.acked_below = seq
