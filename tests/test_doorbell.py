@@ -174,8 +174,9 @@ if pid == 0:
     os._exit(0)
 os.waitpid(pid, 0)
 """
+    # a forked child's own client needs gRPC's fork handlers, which memserver turns off unless set (docs/library.md)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=90,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "GRPC_ENABLE_FORK_SUPPORT": "1"})
     assert "child True 1" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
