@@ -143,7 +143,8 @@ def test_a_checkpoint_retried_while_its_first_attempt_runs_waits_for_that_one(tm
     from memserver.cluster.inprocess import InProcessServer
 
     with InProcessServer(1) as server, MemoryClient(server.endpoint, timeout=1.0, retry_seconds=30) as c:
-        c.create_table("t", 10, 4)
+        with MemoryClient(server.endpoint) as patient:  # (a busy machine's create can outlive 1 s)
+            patient.create_table("t", 10, 4)
         coordinator = server.coordinator.servicer
         real, runs = coordinator._checkpoint, []
 
@@ -205,6 +206,54 @@ def test_a_retry_after_a_coordinator_restart_gets_the_checkpoint_its_first_attem
     created = json.loads(written.read_text())["created"]
     assert call("c", step=7).step == 7 and json.loads(written.read_text())["created"] == created  # not rewritten
     assert call("d", step=7).step == 7 and json.loads(written.read_text())["created"] != created
+
+
+def test_checkpoints_into_one_root_at_once_are_written_one_after_the_other(tmp_path):
+    """Two checkpoints at once into one root, given no step, both took the next step (the folder
+    is made by the first slice written) and each wrote the other's files under its own manifest.
+    One at a time per root now: two steps, each complete; the lock is gone once both are done."""
+    import asyncio
+
+    from client import MemoryClient
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2) as server, MemoryClient(server.endpoint) as c:
+        c.create_table("t", 60, DIM, num_shards=2)
+        coordinator = server.coordinator
+
+        async def both(step: int = 0) -> list[pb.CheckpointResponse]:
+            return await asyncio.gather(*(coordinator.servicer.Checkpoint(
+                pb.CheckpointRequest(dir=str(tmp_path), step=step, request_id=f"{step}-{i}"), None) for i in range(2)))
+
+        assert sorted(r.step for r in coordinator.loop.call(both())) == [1, 2]
+        assert [r.step for r in coordinator.loop.call(both(7))] == [7, 7]
+        assert coordinator.servicer.writing == {}
+        for step in (1, 2, 7):
+            assert [m.name for m in c.restore(str(tmp_path), step=step, replace=True)] == ["t"]
+
+
+def test_a_failed_checkpoint_removes_the_files_it_wrote(tmp_path):
+    """A checkpoint that filled the disk failed, and the slices written before it did stayed in a
+    step folder no restore reads, holding the space a retry needed (a retry at another step,
+    given none, failed again). They are removed, with the folders they leave empty; a file it
+    did not write stays. On a real small disk: one slice fits, two do not."""
+    from client import MemoryClient, ResourceExhaustedError
+    from memserver.cluster.inprocess import InProcessServer
+    from tests.smalldisk import small_disk
+
+    with small_disk(tmp_path / "small", "1m") as mnt, InProcessServer(2) as server, \
+            MemoryClient(server.endpoint) as c:
+        c.create_table("t", 2000, 64, num_shards=2, sharding="rows", optimizer="adam")  # ~0.6 MiB a slice
+        (mnt / "step-0000000003").mkdir()
+        (mnt / "step-0000000003" / "notes.txt").write_text("mine")
+        for step in (1, 2, 3):
+            with pytest.raises(ResourceExhaustedError, match="the disk is full"):
+                c.checkpoint(str(mnt), step=step)
+        assert sorted(p.name for p in mnt.rglob("*")) == ["notes.txt", "step-0000000003"]
+        c.drop_table("t")
+        c.create_table("t", 1000, 64, num_shards=2, sharding="rows", optimizer="adam")  # both fit
+        assert c.checkpoint(str(mnt))["step"] == 4
 
 
 def test_a_step_whose_manifest_cannot_be_read_is_written_again(client, table_name, tmp_path):

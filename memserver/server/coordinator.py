@@ -12,6 +12,7 @@ import asyncio
 import base64
 import binascii
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -51,6 +52,7 @@ from memserver.server.metrics import CoordinatorMetrics
 from memserver.server.rayutil import dead_nodes, was_restarted
 from memserver.storage.checkpoint import (
     checked_files,
+    discard_incomplete,
     find_checkpoint,
     made_by,
     next_step,
@@ -146,6 +148,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.last_checkpoint: dict[str, float | None] | None = None
         # request_id -> its checkpoint, running or done (the newest CHECKPOINT_CALLS; see Checkpoint)
         self.checkpoint_calls: dict[str, asyncio.Task[pb.CheckpointResponse]] = {}
+        # checkpoint root -> its lock and the calls holding or awaiting it (entries: roots in use)
+        self.writing: dict[Path, tuple[asyncio.Lock, int]] = {}
         self.metrics: CoordinatorMetrics | None = None  # set by CoordinatorActor
 
     def recover_catalog(self, described: list[list[tuple[bytes, bytes, int]]]) -> None:
@@ -500,6 +504,26 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             raise InvalidArgumentError(f"step: must be >= 0, got {request.step}")
         if request.dry_run:  # the same rule as a real checkpoint, and nothing touched
             return pb.CheckpointResponse(path=str(root), step=request.step)
+        async with self._one_writer(root):
+            return await self._write_checkpoint(request, root)
+
+    @contextlib.asynccontextmanager
+    async def _one_writer(self, root: Path):  # type: ignore[no-untyped-def]
+        """One checkpoint at a time into a root: two at once (given no step) took the same next
+        step, and at one step each wrote the other's slice files under its own manifest."""
+        lock, n = self.writing.get(root, (asyncio.Lock(), 0))
+        self.writing[root] = (lock, n + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, n = self.writing[root]
+            if n == 1:
+                del self.writing[root]
+            else:
+                self.writing[root] = (lock, n - 1)
+
+    async def _write_checkpoint(self, request: pb.CheckpointRequest, root: Path) -> pb.CheckpointResponse:
         if done := made_by(root, request.request_id, request.step):  # a retry across a coordinator restart
             log.info("checkpoint call %s again: answered by the checkpoint it wrote, %s", request.request_id, done[0])
             files = [f for t in done[1]["tables"].values() for f in t["files"]]
@@ -539,25 +563,34 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if withdraw_manifest(directory):
             log.warning("checkpoint of step %d: replacing the complete one in %s (incomplete until this one is)",
                         request.step, directory)
-        calls, where, shards = [], [], []
+        calls, where, shards, paths = [], [], [], []
         for name, (order, info) in placed.items():
             for j, sh in zip(order, info.shards):
-                path = str(directory / name / f"shard-{sh.index:04d}.pt")
-                calls.append(self.handles[j].checkpoint_table.remote(name, path, request.step))
+                paths.append(directory / name / f"shard-{sh.index:04d}.pt")
+                calls.append(self.handles[j].checkpoint_table.remote(name, str(paths[-1]), request.step))
                 where.append(name)
                 shards.append(sh)
-        results = await asyncio.gather(*calls)
-        rebuilt = [pb.SliceRebuilt(table=name, layout_id=placed[name][1].layout_id, shard=sh.index,
-                                   address=sh.address, rebuilt=r.pop("rebuilt"), recovered_from=r.pop("recovered_from"))
-                   for r, name, sh in zip(results, where, shards) if "rebuilt" in r]
-        manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__, "tables": {},
-                                    "request_id": request.request_id}
-        for name in names:
-            manifest["tables"][name] = {
-                "spec": base64.b64encode(placed[name][1].spec.SerializeToString()).decode(),
-                "files": [r for r, n in zip(results, where) if n == name],
-            }
-        write_manifest(directory, manifest)
+        try:
+            results = await asyncio.gather(*calls, return_exceptions=True)  # every writer done before any cleanup
+            if failed := [r for r in results if isinstance(r, BaseException)]:
+                raise failed[0]
+            rebuilt = [pb.SliceRebuilt(table=name, layout_id=placed[name][1].layout_id, shard=sh.index,
+                                       address=sh.address, rebuilt=r.pop("rebuilt"), recovered_from=r.pop("recovered_from"))
+                       for r, name, sh in zip(results, where, shards) if "rebuilt" in r]
+            manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__,
+                                        "tables": {}, "request_id": request.request_id}
+            for name in names:
+                manifest["tables"][name] = {
+                    "spec": base64.b64encode(placed[name][1].spec.SerializeToString()).decode(),
+                    "files": [r for r, n in zip(results, where) if n == name],
+                }
+            write_manifest(directory, manifest)
+        except BaseException:  # no manifest: what this call wrote is no checkpoint, and holds disk space
+            files, freed = discard_incomplete(directory, paths)
+            if files:
+                log.warning("checkpoint of step %d failed: removed the %d slice files it had written in %s (%.1f MiB)",
+                            request.step, files, directory, freed / 2**20)
+            raise
         nbytes = sum(r["bytes"] for r in results)
         seconds = time.perf_counter() - t0
         self.last_checkpoint = {"time": time.time(), "seconds": seconds, "bytes": nbytes, "step": request.step}

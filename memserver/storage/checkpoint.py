@@ -8,6 +8,7 @@ renamed; the coordinator writes the manifest last (see `write_manifest`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -259,6 +260,28 @@ def withdraw_manifest(directory: Path) -> bool:
         return False
     fsync_dir(directory)
     return True
+
+
+def discard_incomplete(directory: Path, paths: Sequence[Path]) -> tuple[int, int]:
+    """After a checkpoint failed before its manifest: remove its slice files at `paths` (written,
+    or left from the step's earlier checkpoint whose manifest it withdrew: either way no restore
+    reads them, and on a full disk they hold the space a retry needs), dead writers' temporaries
+    of them, then the folders left empty. Returns (files, bytes) removed. Nothing else in the
+    folder is touched (another host's temporaries, a user's own files)."""
+    files = nbytes = 0
+    for path in paths:
+        remove_stale_temporaries(path)
+        try:
+            size = path.lstat().st_size
+            if not path.is_symlink() and path.is_file():
+                path.unlink()
+                files, nbytes = files + 1, nbytes + size
+        except OSError:  # gone, or not ours to remove: kept
+            continue
+    for folder in sorted({p.parent for p in paths}) + [directory]:
+        with contextlib.suppress(OSError):  # not empty (kept), or gone
+            folder.rmdir()
+    return files, nbytes
 
 
 def checked_files(directory: Path, name: str, entry: Any, num_rows: int) -> list[dict[str, Any]]:
