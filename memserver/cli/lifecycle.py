@@ -232,6 +232,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.address:
         log.info("joining Ray cluster at %s", args.address)
         ray.init(address=args.address, namespace="memserver", logging_level=logging.WARNING)
+        if args.address == "auto":  # which cluster Ray's rules found
+            log.info("joined Ray cluster at %s (%d nodes alive)", ray.get_runtime_context().gcs_address,
+                     sum(1 for n in ray.nodes() if n.get("Alive")))
     else:
         cpus = args.num_cpus or os.cpu_count() or 2
         log.info("starting an embedded Ray head (%d CPUs, dashboard off)", cpus)
