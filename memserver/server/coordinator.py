@@ -585,7 +585,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                     "files": [r for r, n in zip(results, where) if n == name],
                 }
             write_manifest(directory, manifest)
-        except BaseException:  # no manifest: what this call wrote is no checkpoint, and holds disk space
+        except Exception:  # no manifest: what this call wrote is no checkpoint, and holds disk space (cancelled:
+            # writers may still be at work, so nothing is removed)
             files, freed = discard_incomplete(directory, paths)
             if files:
                 log.warning("checkpoint of step %d failed: removed the %d slice files it had written in %s (%.1f MiB)",
