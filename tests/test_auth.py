@@ -37,18 +37,50 @@ def test_roles_from_metadata():
 
 
 def test_token_files(tmp_path, caplog):
-    (tmp_path / "a.json").write_text(json.dumps({"write": "w", "read": "r"}))
-    (tmp_path / "b").write_text("w\nr\n")
-    (tmp_path / "c").write_text("only-write\n")
+    w, r = "w" * 16, "r" * 16
+    (tmp_path / "a.json").write_text(json.dumps({"write": w, "read": f" {r}\n"}))
+    (tmp_path / "b").write_text(f"{w}\r\n{r}\n")
+    (tmp_path / "c").write_text("only-write-token\n")
     for f in ("a.json", "b", "c"):
         (tmp_path / f).chmod(0o600)
-    assert read_token_file(tmp_path / "a.json") == ("w", "r")
-    assert read_token_file(tmp_path / "b") == ("w", "r")
-    assert read_token_file(tmp_path / "c") == ("only-write", None)
+    assert read_token_file(tmp_path / "a.json") == (w, r)  # stripped as clients strip (the server kept the spaces)
+    assert read_token_file(tmp_path / "b") == (w, r)
+    assert read_token_file(tmp_path / "c") == ("only-write-token", None)
     assert "other local users may read" not in caplog.text
     (tmp_path / "c").chmod(0o644)  # (accepted silently before: a security walkthrough)
-    assert read_token_file(tmp_path / "c") == ("only-write", None)
+    assert read_token_file(tmp_path / "c") == ("only-write-token", None)
     assert f"token file {tmp_path / 'c'} has mode 644: other local users may read its tokens; chmod 600 it" in caplog.text
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ({"write": "a", "read": "b" * 16}, "the write token has 1 characters, fewer than 16"),
+    ({"write": "w" * 16, "read": "short"}, "the read token has 5 characters, fewer than 16"),
+    ({"write": "wörterbuch-token-1", "read": "r" * 16}, "a token is printable ASCII"),
+    ({"write": "w" * 16 + "\x07", "read": "r" * 16}, "a token is printable ASCII"),
+])
+def test_a_token_file_no_client_could_use_or_anyone_could_guess_is_refused(tmp_path, tokens, message, monkeypatch,
+                                                                           capsys):
+    """A security walkthrough: a file of tokens "a" and "b" started an open-in-all-but-name cluster;
+    a non-ASCII token, one no client can send, started a cluster no client could call; a token with
+    surrounding spaces was kept as it was while clients stripped theirs, so every call was
+    UNAUTHENTICATED. `up` now refuses such a file before Ray starts, naming it."""
+    from memserver import cli
+
+    (tmp_path / "t.json").write_text(json.dumps(tokens))
+    (tmp_path / "t.json").chmod(0o600)
+    with pytest.raises(ValueError, match=message):
+        read_token_file(tmp_path / "t.json")
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+
+    def no_ray(*args, **kwargs):  # (were the file taken, no cluster starts in the test's process)
+        raise AssertionError("up went on to start Ray")
+
+    monkeypatch.setattr("ray.init", no_ray)
+    with pytest.raises(SystemExit) as err:
+        cli.main(["up", "--auth-token-file", str(tmp_path / "t.json"), "--shards", "1"])
+    assert err.value.code == 2 and f"--auth-token-file: {tmp_path / 't.json'}: " in capsys.readouterr().err
+    with pytest.raises(ValueError, match="printable ASCII without surrounding spaces"):
+        AuthConfig.from_tokens(" w ", None)
 
 
 def raw_call(address, service, method, request, token=None):

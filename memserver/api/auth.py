@@ -34,6 +34,10 @@ TLS_CA_ENV = "MEMSERVER_TLS_CA"
 TLS_SERVER_NAME_ENV = "MEMSERVER_TLS_SERVER_NAME"
 
 
+#: The fewest characters of a token an operator's file gives (generated ones: 43, 256 random bits).
+MIN_TOKEN_CHARS = 16
+
+
 def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -53,6 +57,9 @@ class AuthConfig:
     def from_tokens(cls, write: str, read: str | None = None) -> AuthConfig:
         if not write or (read is not None and not read):
             raise ValueError("tokens must not be empty")
+        for token in (write, read):  # one no client can send (clients strip it; a header is ASCII) opens nothing
+            if token is not None and (token != token.strip() or not token.isascii() or not token.isprintable()):
+                raise ValueError("a token is printable ASCII without surrounding spaces (what a client can send)")
         if read is not None and read == write:
             raise ValueError("the read token must differ from the write token")
         return cls(digest(write), digest(read) if read else None)
@@ -81,8 +88,19 @@ def read_token_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
     text = Path(path).read_text()
     if text.lstrip().startswith("{"):
         obj = json.loads(text)
-        return str(obj["write"]), (str(obj["read"]) if obj.get("read") else None)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if not lines:
-        raise ValueError(f"{path}: no token in the file")
-    return lines[0], (lines[1] if len(lines) > 1 else None)
+        write, read = str(obj["write"]).strip(), (str(obj["read"]).strip() if obj.get("read") else None)
+    else:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"{path}: no token in the file")
+        write, read = lines[0], (lines[1] if len(lines) > 1 else None)
+    for role, token in (("write", write), ("read", read)):  # an operator's own: a guessable one is refused
+        if token is not None and len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(f"{path}: the {role} token has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}: "
+                             "make one that cannot be guessed (python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(32))'), or use --auth to have tokens made")
+    try:
+        AuthConfig.from_tokens(write, read)  # what the servers would refuse: said now, naming the file
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return write, read
