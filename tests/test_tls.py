@@ -122,8 +122,10 @@ def test_a_key_that_is_not_the_certificates_is_refused_before_anything_starts(tm
     cert, key = self_signed(tmp_path, "a")
     _, other_key = self_signed(tmp_path, "b")
     check_pair(cert.read_bytes(), key.read_bytes())
+    old_cert, old_key = self_signed(tmp_path, "old", expired=True)  # (found a minute after the cluster started)
     for c, k, says in ((cert, other_key, "the key is not the certificate's"), (key, key, "holds no PEM certificate"),
-                       (cert, cert, "holds no unencrypted PEM private key")):
+                       (cert, cert, "holds no unencrypted PEM private key"),
+                       (old_cert, old_key, r"the certificate expired on 20\d\d-\d\d-\d\d \d\d:\d\d UTC: renew it")):
         with pytest.raises(ValueError, match=says):
             check_pair(c.read_bytes(), k.read_bytes())
     env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
@@ -151,7 +153,7 @@ def test_a_client_whose_handshake_fails_says_what_to_fix_at_once(tls_server, tmp
     old_server, old_port = loop.call(start_server(lambda s: None, [DATA_PLANE], "127.0.0.1",
                                                   config=ServeConfig(tls=TlsFiles(str(old_cert), str(old_key)))))
     cases = ((tls_server["address"], ClientTls(tls_server["other_ca"]), "is not signed by the CA this client trusts"),
-             (tls_server["named"], ClientTls(tls_server["named_ca"]), "does not name the address dialled"),
+             (tls_server["named"], ClientTls(tls_server["named_ca"]), "does not name what this client checks"),
              (plain, ClientTls(tls_server["ca"]), "the server does not speak TLS"),
              (f"127.0.0.1:{old_port}", ClientTls(old_cert.read_bytes()), "the server's certificate has expired"))
     try:

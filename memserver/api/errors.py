@@ -126,8 +126,9 @@ _TLS_FAILURES = (
     ("certificate is not yet valid",
      "the server's certificate is not valid yet: check the clocks of this host and the server's"),
     ("Hostname Verification Check failed",
-     "the server's certificate does not name the address dialled: set $MEMSERVER_TLS_SERVER_NAME (or "
-     "ClientTls.server_name) to a name the certificate holds, or give the server a certificate for its address"),
+     "the server's certificate does not name what this client checks (the address dialled, or "
+     "$MEMSERVER_TLS_SERVER_NAME / ClientTls.server_name where set): set that to a name the certificate holds, or "
+     "give the server a certificate for its address"),
     ("CERTIFICATE_VERIFY_FAILED",
      "the server's certificate is not signed by the CA this client trusts ($MEMSERVER_TLS_CA, ClientTls.ca or "
      "the endpoint file's tls_ca): give the client the CA of the cluster's --tls-cert"),

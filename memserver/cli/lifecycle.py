@@ -433,16 +433,17 @@ def _check_clients_verify(endpoint: str, token: str | None, tls: Any) -> None:
     cluster, or `up` stops: a certificate that does not name the address clients dial would
     otherwise be "ready" to no client."""
     from client import MemoryClient
-    from memserver.api.errors import MemserverError
+    from memserver.api.errors import MemserverError, TlsError
 
     try:
         with MemoryClient(endpoint, token=token, tls=tls, timeout=10, retry_seconds=5) as client:
             client.list_tables()
     except MemserverError as exc:
         host = endpoint.rsplit(":", 1)[0]
-        raise CliError(f"clients cannot reach or verify the servers' TLS certificate at {endpoint}: {exc.details}; the "
-                       f"certificate must name {host} (what clients dial) in its subjectAltName, or give "
-                       "--tls-server-name with a name it holds") from None
+        names = not isinstance(exc, TlsError) or "does not name" in exc.details  # else its own fix says what
+        raise CliError(f"clients cannot reach or verify the servers' TLS certificate at {endpoint}: {exc.details}"
+                       + (f"; the certificate must name {host} (what clients dial) in its subjectAltName, or give "
+                          "--tls-server-name with a name it holds" if names else "")) from None
 
 
 def _ca(args: argparse.Namespace) -> bytes:

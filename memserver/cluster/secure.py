@@ -62,6 +62,15 @@ def check_pair(cert_pem: bytes, key_pem: bytes) -> None:
     spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
         raise ValueError("the key is not the certificate's (its public key differs from the one the certificate holds)")
+    # every client's handshake would fail: said now, not after the cluster started (a walkthrough's
+    # expired certificate was found a minute later, with a hint about its names)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if now > cert.not_valid_after_utc:
+        raise ValueError(f"the certificate expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: renew it (or check "
+                         "this host's clock)")
+    if now < cert.not_valid_before_utc:
+        raise ValueError(f"the certificate is not valid until {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC: check "
+                         "this host's clock, or the certificate's dates")
 
 
 def self_signed(directory: str | os.PathLike[str], addresses: list[str]) -> tuple[TlsFiles, bytes]:
