@@ -272,6 +272,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             _check_clients_verify(cluster.endpoint, tokens[0] if tokens else None, ClientTls(ca, server_name))
         tables = cfg.get("tables") or []
         notes: list[str] = []  # what the user should read: in the log, and said by a detached `up`
+        if cluster.security_warning:  # (logged as the servers started: a detached `up`'s terminal saw no log)
+            notes.append(cluster.security_warning)
         with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None,
                           tls=ClientTls(ca, server_name) if ca else None) as client:
             for line in problems(status_dict(client.status())):  # a table the data directory could not give back

@@ -81,6 +81,8 @@ class MemoryCluster:
     tokens: tuple[str, str] | None = None
     tls_ca: bytes | None = None
     tls_server_name: str | None = None
+    #: the security line said at start (--insecure on a network address): `up` says it on the terminal too
+    security_warning: str = ""
 
     def shutdown(self, release: bool = True) -> None:
         """Stop the servers (all at once, 10 s at most) and, with `release`, kill the actors, give
@@ -266,7 +268,8 @@ def start_cluster(
     log.info("memory cluster %s up in %.1fs: coordinator %s, %d shards (%s)", name, time.perf_counter() - t0, endpoint,
              num_shards, strategy)
     return MemoryCluster(endpoint, coord, shards, infos, placement_group=pg, data_dir=data_dir, owns_data_dir=owns_dir,
-                         tokens=sec.tokens, tls_ca=sec.ca, tls_server_name=sec.server_name)
+                         tokens=sec.tokens, tls_ca=sec.ca, tls_server_name=sec.server_name,
+                         security_warning=sec.warning)
 
 
 def _mkdir(p: Path) -> Path:
