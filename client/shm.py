@@ -46,6 +46,7 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import (
     DOORBELL_ENV,
     SHM_ENV,
+    SHM_REGION_PREFIX,
     TORCH_DTYPES,
     Lazy,
     Resolved,
@@ -136,7 +137,7 @@ class Region:
     memfd through it). Thread-safe (the blocking client calls from any thread)."""
 
     def __init__(self, size: int) -> None:
-        self.name = f"memserver-{os.getpid()}-{secrets.token_hex(8)}"  # only a label: /proc/<pid>/maps shows it
+        self.name = f"{SHM_REGION_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"  # shards map no other memfd
         fd = os.memfd_create(self.name, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)

@@ -417,6 +417,8 @@ def recv_exact(sock: Any, n: int, deadline: float | None = None) -> bytes | None
 STALE_REGION = "no such shared-memory region"
 #: A region's first bytes: the client's random nonce; tensors start at multiples of SHM_ALIGN.
 SHM_NONCE_BYTES = 16
+#: The name every client region's memfd starts with: a shard maps no other memfd (memserver.server.shm).
+SHM_REGION_PREFIX = "memserver-"
 SHM_ALIGN = 64
 
 

@@ -327,6 +327,43 @@ def test_another_process_memfd_is_attached_only_with_its_nonce(raw_region):
         child.wait(30)
 
 
+VICTIM = """
+import fcntl, os, sys
+fd = os.memfd_create(sys.argv[1], os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, 1 << 16)
+os.pwrite(fd, bytes(16) + b"victim-secret", 0)  # starts with 16 known bytes (zeros)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+print(os.getpid(), fd, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("name, user", [("victim", 0), ("memserver-1-0", 65534)])
+def test_a_shard_maps_only_its_own_users_memserver_memfds(name, user):
+    """A security walkthrough: a shard running as root (it opens any process's descriptors) mapped
+    another user's sealed memfd for a caller with only the read token, given that memfd's pid,
+    descriptor and first 16 bytes (zeros), and its calls then read the victim's bytes (in an
+    error's text) and wrote answers into them. A shard maps a memserver region (its memfd's name)
+    of a process of its own user only. The victim here: a memfd not named as a region (run as
+    root), and one so named run as another user."""
+    from memserver.server.shm import Regions, _NotHere
+
+    if os.geteuid() != 0:
+        pytest.skip("the confused deputy is a shard that may open every process's descriptors: root")
+    child = subprocess.Popen(["/usr/bin/python3", "-c", VICTIM, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, user=user, cwd="/")
+    try:
+        pid, fd = map(int, child.stdout.readline().split())
+        regions = Regions()
+        req = pb.AttachRegionRequest(pid=pid, fd=fd, size=1 << 16, boot_id=regions.boot_id, nonce=bytes(16))
+        with pytest.raises(_NotHere, match="runs as another user" if user else "not the client's region"):
+            regions.attach(req)
+        assert regions.by_id == {}
+    finally:
+        child.stdin.close()
+        child.wait(30)
+
+
 def test_region_allocator_reuses_blocks_and_never_an_abandoned_one():
     r = Region(HEADER + 16 * ALIGN)
     try:

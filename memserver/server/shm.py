@@ -49,7 +49,17 @@ from memserver.api.auth import AuthConfig
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.server.admission import Admission
-from memserver.wire import MAX_MESSAGE_BYTES, SHM_ENV, STALE_REGION, Lazy, boot_id, shm_layout, shm_write, switch_on
+from memserver.wire import (
+    MAX_MESSAGE_BYTES,
+    SHM_ENV,
+    SHM_REGION_PREFIX,
+    STALE_REGION,
+    Lazy,
+    boot_id,
+    shm_layout,
+    shm_write,
+    switch_on,
+)
 from memserver.wire import SHM_NONCE_BYTES as NONCE_BYTES
 
 log = logging.getLogger(__name__)
@@ -214,6 +224,15 @@ class Regions:
             st = os.fstat(ref)
             if not stat.S_ISREG(st.st_mode) or st.st_dev != self.memfd_dev:
                 raise InvalidArgumentError(f"fd: {where} is not a memfd (a region is made by memfd_create)")
+            # A shard running as root (or with CAP_SYS_PTRACE) opens any process's descriptors: the
+            # caller's pid and fd are only its word, so another user's memfd that starts with known
+            # bytes was mapped and read and written for it (a walkthrough). Only a process of the
+            # shard's own user, and only a memfd memserver made (its name; its nonce is random).
+            if (owner := _uid_of(pid)) != os.geteuid():
+                raise _NotHere(f"process {pid} runs as another user (uid {owner}; the shard's is {os.geteuid()}): "
+                               "shared memory is between the processes of one user")
+            if not os.readlink(f"/proc/self/fd/{ref}").startswith(MEMFD_PREFIX):  # (our descriptor: no race)
+                raise _NotHere(NOT_THE_CALLERS)
             try:
                 rw = os.open(f"/proc/self/fd/{ref}", os.O_RDWR | os.O_CLOEXEC)  # the same file, now opened
             except OSError as exc:
@@ -223,7 +242,7 @@ class Regions:
         try:
             # the nonce first: nothing is said about another process's memfd but that it is not the caller's
             if not hmac.compare_digest(os.pread(rw, NONCE_BYTES, 0), nonce):
-                raise _NotHere("the region does not start with the client's nonce: not the client's region")
+                raise _NotHere(NOT_THE_CALLERS)
             seals = fcntl.fcntl(rw, fcntl.F_GET_SEALS)
             if not seals & fcntl.F_SEAL_SHRINK:
                 raise InvalidArgumentError("fd: the memfd is not sealed against shrinking (F_SEAL_SHRINK): it could "
@@ -273,6 +292,20 @@ class Regions:
         b = GaugeMetricFamily("memserver_shm_region_bytes", "Bytes of the shared-memory regions attached now")
         b.add_metric([], sum(r.size for r in list(self.by_id.values())))
         yield from (g, b)
+
+
+#: What the link of a region's descriptor starts with (client.shm.Region names its memfd so).
+MEMFD_PREFIX = f"/memfd:{SHM_REGION_PREFIX}"
+#: The refusal of a memfd that is not the caller's region: no more is said of another process's file.
+NOT_THE_CALLERS = "not the client's region (a memserver memfd that starts with the client's nonce)"
+
+
+def _uid_of(pid: int) -> int:
+    """The user a process runs as (its /proc entry's owner); -1 where it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
 
 
 class _NotHere(Exception):
