@@ -352,6 +352,34 @@ def test_a_call_abandoned_before_its_request_came_is_counted_as_abandoned_not_as
     assert after["INVALID_ARGUMENT"] == now["INVALID_ARGUMENT"]
 
 
+def test_metrics_on_loopback_answer_only_loopback_names():
+    """A security walkthrough: a local cluster's metrics (tables, calls) answered any Host header,
+    so a web site its user visited could read them through a name rebound to 127.0.0.1 (DNS
+    rebinding), where the inspection page refused the same request. Bound to loopback, they now
+    answer loopback names only; bound to a network address, any name (scrapers use several)."""
+    import http.client
+
+    from memserver.server.metrics import ServerMetrics
+
+    m = ServerMetrics(lambda: set())
+    host, port = m.serve("127.0.0.1").rsplit(":", 1)
+    try:
+        for name, status in (("evil.example", 400), (f"evil.example:{port}", 400), ("127.0.0.1.evil.example", 400),
+                             ("", 400), (f"127.0.0.1:{port}", 200), (f"localhost:{port}", 200), ("[::1]", 200)):
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            conn.putrequest("GET", "/metrics", skip_host=True)
+            if name:
+                conn.putheader("Host", name)
+            conn.endheaders()
+            got = conn.getresponse()
+            body = got.read()
+            assert (name, got.status) == (name, status), body[:200]
+            assert (b"memserver_requests_total" in body) == (status == 200)
+            conn.close()
+    finally:
+        m.stop()
+
+
 def test_the_metrics_endpoint_bounds_its_connections_and_drops_idle_ones(monkeypatch, capsys):
     """It needs no token and binds the node's address: every connection, even one that never
     sent a byte, held a thread of the server's process for as long as the peer kept it (a

@@ -592,12 +592,11 @@ def test_the_page_answers_only_to_its_own_names_on_loopback_and_reads_with_the_r
     import http.client
 
     from client.channels import read_token
-    from memserver.web.app import LOOPBACK_HOSTS
-
-    with serve_app(create_app(client, allowed_hosts=LOOPBACK_HOSTS)) as base:
+    with serve_app(create_app(client, loopback_only=True)) as base:
         port = int(base.rsplit(":", 1)[1])
         for host, status in (("evil.example", 400), (f"evil.example:{port}", 400), ("127.0.0.1.evil.example", 400),
                              (f"127.0.0.1:{port}", 200), (f"localhost:{port}", 200), ("[::1]", 200), ("", 400),
+                             ("127.0.0.2", 200), ("LOCALHOST", 200), ("10.1.2.3", 400),
                              # not a name and a port (a walkthrough: taken by cutting at the last colon)
                              ("localhost:evil", 400), (f"127.0.0.1:{port}@evil.example", 400), ("localhost:", 400)):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

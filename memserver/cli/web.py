@@ -21,14 +21,14 @@ def cmd_web(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:  # (0 would print a URL nobody can open)
         raise CliError(f"--port must be in [1, 65535], got {args.port}")
     from client.channels import read_token
-    from memserver.web.app import LOOPBACK_HOSTS
+    from memserver.cluster.secure import is_loopback
 
     endpoint = endpoint_of(args)
     # the read token (the page reads only), and on a loopback address only its own names as Host
     with cli_client(args, endpoint, token=read_token(endpoint)) as client:  # --timeout bounds a page's calls
         client.list_tables()  # an unreachable cluster is an error now, not on the first page view
         app = create_app(client, checkpoint=args.checkpoint,
-                         allowed_hosts=LOOPBACK_HOSTS if args.host in LOOPBACK_HOSTS else None)
+                         loopback_only=is_loopback(args.host))
         if args.checkpoint:  # a missing file or one not memtrain's: now, not a note on every page (and loaded once)
             try:
                 app.state.models.load(args.checkpoint)
@@ -37,7 +37,7 @@ def cmd_web(args: argparse.Namespace) -> int:
         sock = listen(args.host, args.port)  # before saying where: a port in use is an error, not a wrong URL
         host = f"[{args.host}]" if ":" in args.host else args.host
         log.info("inspection page of the cluster at %s: http://%s:%d/ (Ctrl-C stops it)", endpoint, host, args.port)
-        if args.host not in ("127.0.0.1", "localhost", "::1"):
+        if not is_loopback(args.host):
             log.warning("listening on %s: anyone who can reach it can read the tables' statistics (no login)",
                         args.host)
         verbose = getattr(args, "verbose", False)  # memserver -v: uvicorn's access log too

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,23 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a name: it resolves to an interface clients on other hosts reach
+
+
+_HOST = re.compile(r"(\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]@/\s]+))(:(?P<port>[0-9]{1,5}))?")
+
+
+def name_of_host(host: str) -> str:
+    """The name of a Host header ("localhost:8391" -> "localhost", "[::1]:80" -> "::1"); "" for
+    one that is not a name and an optional port ("localhost:evil", "127.0.0.1:80@evil.com")."""
+    m = _HOST.fullmatch(host.strip().lower())
+    return "" if m is None else (m["v6"] or m["name"])
+
+
+def loopback_host_header(host: str) -> bool:
+    """Whether an HTTP request's Host header names this machine's loopback: what a page or metrics
+    endpoint bound to loopback answers. Any other name reached it through DNS rebinding (a web
+    site its user visited, whose name now resolves to 127.0.0.1), which reads what it serves."""
+    return is_loopback(name_of_host(host))
 
 
 def network_facing(host: str | None) -> bool:

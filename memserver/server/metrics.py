@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memserver.api.v1 import memserver_pb2 as pb
+from memserver.cluster.secure import is_loopback, loopback_host_header
 
 #: Latency buckets (seconds): from a tiny lookup (~0.5 ms) to a large backward (seconds).
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -113,7 +114,10 @@ class ServerMetrics:
         """Start the HTTP endpoint on a free port of `host`; returns HOST:PORT."""
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
         server = type("_Server", (_MetricsServer,), {"address_family": family})
-        self._server = make_server(host, 0, make_wsgi_app(self.registry), server, handler_class=_MetricsHandler)
+        app = make_wsgi_app(self.registry)
+        if is_loopback(host):  # a name rebound to 127.0.0.1 let any web site read it (a security walkthrough)
+            app = _loopback_names_only(app)
+        self._server = make_server(host, 0, app, server, handler_class=_MetricsHandler)
         threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
         self.address = f"{host}:{self._server.server_port}"
         return self.address
@@ -130,6 +134,18 @@ class ServerMetrics:
 #: METRICS_IDLE_SECONDS. prometheus_client's own server gave every connection a thread for as
 #: long as the peer kept it open (a walkthrough: 300 idle ones, 300 threads in the shard).
 METRICS_CONNECTIONS, METRICS_IDLE_SECONDS = 16, 10.0
+
+
+def _loopback_names_only(app: Any) -> Any:
+    """`app` answering only requests whose Host names loopback (secure.loopback_host_header)."""
+
+    def checked(environ: dict[str, Any], start_response: Any) -> Any:
+        if not loopback_host_header(environ.get("HTTP_HOST", "")):
+            start_response("400 Bad Request", [("Content-Type", "text/plain")])
+            return [b"metrics on a loopback address answer only to loopback names (localhost, 127.0.0.1, [::1])\n"]
+        return app(environ, start_response)
+
+    return checked
 
 
 class _MetricsHandler(WSGIRequestHandler):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -37,6 +36,7 @@ from memserver.api.errors import (
 )
 from memserver.api.usage import percent
 from memserver.cli.common import GLYPHS
+from memserver.cluster.secure import loopback_host_header
 from memserver.web import data
 from memserver.web.data import PageError
 from memserver.web.models import ModelCache
@@ -102,45 +102,32 @@ def jsonable(x: Any) -> Any:
 # ------------------------------------------------------------------ the app
 
 
-#: The names a page served on a loopback address answers to (`memserver web`'s default).
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-
-
-_HOST = re.compile(r"(\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]@/\s]+))(:(?P<port>[0-9]{1,5}))?")
-
-
-def name_of_host(host: str) -> str:
-    """The name of a Host header ("localhost:8391" -> "localhost", "[::1]:80" -> "::1"); "" for
-    one that is not a name and an optional port ("localhost:evil", "127.0.0.1:80@evil.com")."""
-    m = _HOST.fullmatch(host)
-    return "" if m is None else (m["v6"] or m["name"])
-
-
 class _HostCheck:
-    """Answer only requests naming an allowed host: a page on 127.0.0.1 that took any Host header
+    """Answer only requests naming a loopback host: a page on 127.0.0.1 that took any Host header
     was readable by any web site its user visited, through a name rebound to 127.0.0.1 (DNS
     rebinding; a security walkthrough)."""
 
-    def __init__(self, app: Any, allowed: frozenset[str]) -> None:
-        self.app, self.allowed = app, allowed
+    def __init__(self, app: Any) -> None:
+        self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").strip().lower()
-            if name_of_host(host) not in self.allowed:
-                response = Response(f"memserver web answers only to {', '.join(sorted(self.allowed))} (this request "
-                                    f"named {host or 'no host'})", status_code=400, media_type="text/plain")
+            if not loopback_host_header(host):
+                response = Response(f"memserver web on a loopback address answers only to loopback names (localhost, "
+                                    f"127.0.0.1, [::1]; this request named {host or 'no host'})", status_code=400,
+                                    media_type="text/plain")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: str | Path | None = None,
-               timeout: float = 30.0, allowed_hosts: frozenset[str] | None = None) -> Starlette:
+               timeout: float = 30.0, loopback_only: bool = False) -> Starlette:
     """The inspection app over `client` (a MemoryClient, kept open), else over a client it opens to
     `endpoint` (default: the endpoint file's; its read token) and closes at shutdown. `checkpoint`:
     the memtrain checkpoint to project slots through; without it, the one `memtrain trace`
-    recorded per table. `allowed_hosts`: the Host names it answers (None: any)."""
+    recorded per table. `loopback_only`: it answers only requests whose Host is a loopback name (served on loopback)."""
     owned = client is None
     if owned:
         from client import MemoryClient
@@ -313,7 +300,7 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
         if owned:
             client.close()
 
-    middleware = [Middleware(_HostCheck, allowed=allowed_hosts)] if allowed_hosts is not None else []
+    middleware = [Middleware(_HostCheck)] if loopback_only else []
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_found},
                     middleware=middleware)
     app.state.client, app.state.models = client, models
