@@ -86,6 +86,7 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
     assert "no memserver is running" in cli(["down"]).stdout
     log = (tmp_path / "memserver.log").read_text()
     assert "(ShardActor pid=" in log and "\x1b[" not in log  # the actors' lines, without colour codes
+    assert (tmp_path / "memserver.log").stat().st_mode & 0o777 == 0o600  # (0644: a security walkthrough)
 
     # the config changed meanwhile: the recovered table is kept as it is, and `up` says how it differs;
     # a table whose record is damaged is lost on that shard: `up` says so, and `status` exits 3

@@ -517,7 +517,11 @@ def _up_detached(args: argparse.Namespace) -> int:
     home = memserver_home()
     home.mkdir(parents=True, exist_ok=True)
     logfile = home / "memserver.log"
-    with open(logfile, "wb") as out:
+    # the servers' lines it relays name tables and clients: the user's own, as the endpoint file is
+    # (it was 0644 in a folder others may list; a security walkthrough)
+    fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # (an existing file keeps its mode through open)
+    with open(fd, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "memserver.cli", *argv],
             stdin=subprocess.DEVNULL,
