@@ -323,6 +323,19 @@ def test_missing_or_truncated_file_is_refused_by_name(tmp_path):
     for name in ("updates", "value_sq_norm"):  # a statistic streams the whole file: refused, not a SIGBUS
         with pytest.raises(DataLossError, match="truncated"):
             disk.stat(name)
+    # the read counters' file too (a walkthrough: a truncated stats.dat killed the shard, SIGBUS,
+    # and with it every table on that shard; here it would kill the test's process)
+    ram, disk = _pair(tmp_path / "c", "sgd")
+    os.truncate(disk.stats_path, 4096)
+    ids = torch.tensor([[250, 3]])
+    for read in (lambda: disk.lookup(ids[0]), lambda: disk.bag(ids, torch.ones(1, 2)), lambda: disk.state(),
+                 lambda: disk.slot_stats(ids[0]), lambda: disk.stat("hits"), lambda: disk.stat("weight_mass")):
+        with pytest.raises(DataLossError, match=rf"table t: its data file {disk.stats_path} was replaced or truncated "
+                                                r"\(4,096 bytes, the table needs 4,800\)"):
+            read()
+    os.unlink(disk.stats_path)
+    with pytest.raises(DataLossError, match=rf"{disk.stats_path} is missing"):
+        disk.lookup(ids[0])
 
 
 def _open_files() -> list[str]:

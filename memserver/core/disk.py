@@ -1062,19 +1062,23 @@ class DiskTable(ValueTable):
     # -- moving rows ---------------------------------------------------------------------
 
     def _check_file(self) -> None:
-        """Refuse (DATA_LOSS, naming the file) when rows.dat is gone, replaced or shorter than the
-        table: a mapping of a truncated file would kill the process on its next read."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            raise DataLossError(f"table {self.name}: its data file {self.path} is missing (deleted under the running "
-                                "shard); restart the shard to rebuild it from its checkpoint and, for a table with `wal`, its "
-                                "write-ahead log (without one, its writes since that checkpoint are lost)") from None
-        mine = os.fstat(self._fd)
-        if (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev) or mine.st_size < self.num_rows * self.record:
-            raise DataLossError(f"table {self.name}: its data file {self.path} was replaced or truncated "
-                                f"({mine.st_size:,} bytes, the table needs {self.num_rows * self.record:,}); restart "
-                                "the shard to rebuild it from its checkpoint and write-ahead log")
+        """Refuse (DATA_LOSS, naming the file) when rows.dat or stats.dat is gone, replaced or shorter
+        than the table: a mapping of a truncated file kills the process on its next access (a
+        walkthrough: a truncated stats.dat took the shard, and every table on it, down with SIGBUS)."""
+        for path, fd, need in ((self.path, self._fd, self.num_rows * self.record),
+                               (self.stats_path, self._sfd, self.num_rows * COUNTER_BYTES)):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise DataLossError(f"table {self.name}: its data file {path} is missing (deleted under the running "
+                                    "shard); restart the shard to rebuild it from its checkpoint and, for a table with "
+                                    "`wal`, its write-ahead log (without one, its writes since that checkpoint are lost)"
+                                    ) from None
+            mine = os.fstat(fd)
+            if (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev) or mine.st_size < need:
+                raise DataLossError(f"table {self.name}: its data file {path} was replaced or truncated "
+                                    f"({mine.st_size:,} bytes, the table needs {need:,}); restart the shard to rebuild it "
+                                    "from its checkpoint and write-ahead log")
 
     def _put(self, rows: np.ndarray, recs: np.ndarray) -> None:
         """Write whole records to the file (with their checksums). `recs` is modified."""
@@ -1230,9 +1234,9 @@ class DiskTable(ValueTable):
         if name not in self.STATS:
             raise ValueError(f"unknown slot statistic {name!r}")
         stop = self.num_rows if stop is None else min(stop, self.num_rows)
+        self._check_file()  # a truncated file's mapping would kill the process where it is read
         if name in ("hits", "weight_mass"):
             return getattr(self, name)[start:stop].numpy().astype(np.float64)
-        self._check_file()  # a truncated file's mapping would kill the process where it is read
         out = np.empty(max(0, stop - start), dtype=np.float64)
         raw, slots = torch.from_numpy(self._raw), torch.from_numpy(self._slots)
         for s in range(start, stop, _CHUNK_ROWS):  # streamed: bounded temporaries
