@@ -115,6 +115,31 @@ def test_slot_statistics_read_dirty_cached_rows_in_place_without_writing_the_cac
     _same_state(ram, disk)
 
 
+def test_an_uncounted_lookup_changes_neither_the_cache_nor_its_counts(tmp_path):
+    """A walkthrough: `lookup(count=False)` (inspection: `search-token`'s scan, the page) admitted
+    every row it read, evicting half the cache, and counted its misses in the hit rate. It now
+    reads as slot_stats does: the values (the dirty cached ones included) equal the RAM table's,
+    and no slot, counter or statistic changes."""
+    ram, disk = _pair(tmp_path, "adam", rows=3000, cache_rows=100)
+    rng = np.random.default_rng(4)
+    for _ in range(5):
+        ids = torch.from_numpy(rng.integers(0, 3000, (64, 4)))
+        w = torch.from_numpy(rng.random((64, 4)).astype(np.float32))
+        g = torch.from_numpy(rng.standard_normal((64, 8)).astype(np.float32))
+        assert torch.equal(ram.bag_backward(ids, w, None, g), disk.bag_backward(ids, w, None, g))
+    before = (disk.cache_stats(), disk._slot_row.copy(), disk._dirty.copy(), disk.hits.clone())
+    scan = torch.cat([torch.arange(3000), torch.tensor([5, 5, 2999])])  # every row, some twice
+    assert torch.equal(disk.lookup(scan, count=False), ram.lookup(scan, count=False))
+    after = disk.cache_stats()
+    moving = ("disk_reads", "disk_reads_per_s", "disk_writes_per_s", "seconds")  # (the file is read; time goes on)
+    assert {k: v for k, v in after.items() if k not in moving} == {k: v for k, v in before[0].items() if k not in moving}
+    assert np.array_equal(disk._slot_row, before[1]) and np.array_equal(disk._dirty, before[2])
+    assert torch.equal(disk.hits, before[3])
+    assert torch.equal(disk.lookup(scan[:10]), ram.lookup(scan[:10]))  # a counted one still counts
+    assert disk.cache_stats()["misses"] + disk.cache_stats()["hits"] > after["misses"] + after["hits"]
+    _same_state(ram, disk)
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_calls_with_no_ids_answer_like_the_ram_table_and_change_nothing(tmp_path, optimizer):
     """A rows-sharded table's shard that owns none of a call's ids gets the call with none

@@ -1204,6 +1204,10 @@ class DiskTable(ValueTable):
         (ids,) = self.on_device((ids, torch.int64))
         if ids.dim() != 1:
             raise ValueError(f"lookup takes 1-D ids, got shape {tuple(ids.shape)}")
+        if not count:  # an inspection read (as slot_stats): no row admitted, no hit or miss counted (a
+            rows, inv = self._distinct(ids)  # scan of the table evicted half the cache: a walkthrough)
+            recs, _ = self._gather(rows, admit=False)
+            return self._working_set(recs).weight.index_select(0, inv).clone()
         src = self._read(ids, None, count)
         out = np.empty((len(src), self.dim), dtype=np.float32)
         _rows_out(src, self._slots.view(np.float32), self._raw.view(np.float32), HEADER // 4, out)
