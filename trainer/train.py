@@ -924,7 +924,9 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                 for backend in _unique(run.values).values():
                     backend.settle()  # every trainer's step applied before any trainer reads again
                 average_across_trainers([p.grad for p in dense if p.grad is not None] + [loss], world)
-            if prefetch and args.staleness == 0 and step < args.steps:
+            checkpoint_now = bool(checkpoint_dir) and (step == args.steps or bool(
+                args.checkpoint_every and step % args.checkpoint_every == 0))
+            if prefetch and args.staleness == 0 and step < args.steps and not checkpoint_now:
                 model.prefetch(batches.peek(), max_age=0)  # every trainer has committed step t
             opt.step()
             if run.device.type == "cuda":  # the step's queued kernels count in its own time (float(loss) syncs anyway)
@@ -956,8 +958,10 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                         rec[f"{name}_prefetched"] = layer.prefetch_used
                 if rank == 0:
                     yield rec
-            if checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
+            if checkpoint_now:
                 save_checkpoint(run, opt, batches.state(), step, checkpoint_dir, flags)
+                if prefetch and args.staleness == 0 and step < args.steps:  # (after the save: its slot statistics
+                    model.prefetch(batches.peek(), max_age=0)  # held step t+1's reads, counted again by a resume)
                 if args.keep_checkpoints and rank == 0 and (gone := prune_checkpoints(checkpoint_dir,
                                                                                       args.keep_checkpoints)):
                     log.info("checkpoint of step %d written; removed those of step%s %s (--keep-checkpoints %d)",
