@@ -718,6 +718,9 @@ def test_backends_and_layers_refuse_bad_settings_by_name_and_change_nothing(clie
                        ((x.reshape(1, 10, 16), t), r"tokens must be \[B, T\] = \[1, 10\]"),
                        ((x, t.half()), "tokens must be integer token ids, got float16"),
                        ((x, t - 100), "tokens must be token ids >= 0, got -"),
+                       # the window-start pad, and past it (int64 hashes overflowed): a walkthrough
+                       ((x, t.clone().fill_(2**31 - 1)), r"tokens must be token ids < 2\^31 - 1, got 2147483647"),
+                       ((x, t + 2**40), r"tokens must be token ids < 2\^31 - 1, got 1099511"),
                        ((x[..., :8], t), r"EngramMemory: x must be \[..., d_in = 16\], got \[2, 5, 8\]"),
                        ((x.reshape(10, 16), t), r"x must be \[B, T, d_in\]"),
                        ((x, None), r"tokens \[B, T\] are needed")):
@@ -1042,6 +1045,36 @@ def test_a_run_stopped_by_ctrl_c_says_so_and_how_to_go_on(tmp_path, monkeypatch,
     assert done.value.code == 130 and capsys.readouterr().err == (
         f"memtrain: interrupted; its latest checkpoint is {tmp_path / 'trainer-step-0000000010.pt'}: go on from it "
         f"with `memtrain --resume {tmp_path}` (the same flags)\n")
+
+
+def test_a_run_stopped_by_sigterm_stops_as_ctrl_c_does(tmp_path):
+    """A walkthrough: SIGTERM (what schedulers, `timeout` and `docker stop` send) ended memtrain at
+    once, exit 143 and not a word: no commit in flight settled, no client closed, no way on. It
+    now stops as Ctrl-C does, with the latest checkpoint's --resume, exit 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from trainer.checkpoints import latest_trainer_file
+
+    root = Path(__file__).resolve().parents[1]
+
+    argv = [sys.executable, "-m", "trainer.train", *TINY, "--memory", "local", "--steps", "100000",
+            "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1"]
+    run = subprocess.Popen(argv, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("trainer-step-*.pt")) and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.2)
+        run.send_signal(signal.SIGTERM)
+        err = run.communicate(timeout=120)[1]
+    finally:
+        run.kill()
+    assert run.returncode == 143, err
+    latest = latest_trainer_file(tmp_path)
+    assert err.strip().endswith(f"memtrain: terminated (SIGTERM); its latest checkpoint is {latest}: go on from it "
+                                f"with `memtrain --resume {tmp_path}` (the same flags)"), err
 
 
 def test_one_position_per_step_with_query_batchnorm_is_refused_by_flag(capsys):

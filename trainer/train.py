@@ -19,7 +19,9 @@ import json
 import logging
 import math
 import operator
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -1089,6 +1091,24 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, `timeout`, `docker stop`), raised where the run is, as Ctrl-C's
+    KeyboardInterrupt is: the run stops as Ctrl-C stops it (a commit in flight settled, the client
+    closed, how to go on said), where Python's default ended it at once, exit 143, without a word."""
+
+
+def _stop_on_sigterm() -> Any:
+    """SIGTERM raises Terminated in the main thread; returns the handler it replaced (None: not the
+    main thread, where no handler can be installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["trace"]:
@@ -1096,11 +1116,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
     args.given = given_flags(parser, argv)
+    before = _stop_on_sigterm()
     try:
         return _main(args)
-    except KeyboardInterrupt:  # Ctrl-C: a line and how to go on, not a traceback
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM: a line and how to go on, not a traceback
         if args.debug:
             raise
+        if isinstance(exc, Terminated):
+            parser.exit(128 + signal.SIGTERM, f"memtrain: terminated (SIGTERM){_go_on(args)}\n")
         parser.exit(130, f"memtrain: interrupted{_go_on(args)}\n")
     except SystemExit as exc:
         if isinstance(exc.code, str):  # memtrain's own refusal of its command line, a flag named: argparse's status
@@ -1115,6 +1138,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, InvalidArgumentError) and sep and field in _FLAG_OF_FIELD:  # a table spec memtrain made
             parser.exit(WRONG_COMMAND, f"memtrain: error: {_FLAG_OF_FIELD[field]}: {why}\n")
         parser.exit(exit_status(exc), f"memtrain: error: {one_line(exc)} (--debug: the traceback){_go_on(args)}\n")
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
 
 
 def _go_on(args: argparse.Namespace) -> str:

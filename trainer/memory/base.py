@@ -195,6 +195,10 @@ def check_positive(layer: str, **counts: int) -> None:
             raise ValueError(f"{layer}: {name} must be at least 1, got {value}")
 
 
+#: Token ids are below this (trainer.memory.engram.PAD, the token before a window's start, is it).
+MAX_TOKEN = (1 << 31) - 1
+
+
 def check_tokens(x: torch.Tensor, tokens: torch.Tensor | None, layer: str) -> None:
     """A token-addressed layer reads by `tokens` [B, T], the integer ids of x [B, T, d_in]'s
     positions: anything else would address other rows (transposed tokens, a reshaped x) or fail
@@ -212,6 +216,9 @@ def check_tokens(x: torch.Tensor, tokens: torch.Tensor | None, layer: str) -> No
     if tokens.device.type == "cpu" and tokens.numel() and int(tokens.min()) < 0:
         raise ValueError(f"{layer}: tokens must be token ids >= 0, got {int(tokens.min())} (a padding id such as -100 "
                          "would be hashed into n-grams as if it were a token)")
+    if tokens.device.type == "cpu" and tokens.numel() and int(tokens.max()) >= MAX_TOKEN:
+        raise ValueError(f"{layer}: tokens must be token ids < 2^31 - 1, got {int(tokens.max())} (2^31 - 1 is the n-grams' "
+                         "window-start pad, and larger ids overflow their hashes)")
 
 
 class MemoryLayer(nn.Module):

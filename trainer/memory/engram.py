@@ -32,10 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.memory.backends import ValueBackend
-from trainer.memory.base import MemoryLayer, check_counts, check_positive, check_values
+from trainer.memory.base import MAX_TOKEN, MemoryLayer, check_counts, check_positive, check_values
 
-MASK = (1 << 31) - 1  # hashes live in [0, 2^31): times a multiplier < 2^31 they stay below 2^62
-PAD = MASK  # the token before a window's start (no vocabulary has 2^31 - 1 tokens)
+MASK = MAX_TOKEN  # hashes live in [0, 2^31): times a multiplier < 2^31 they stay below 2^62
+PAD = MASK  # the token before a window's start (check_tokens refuses ids from it on)
 MAX_ORDER = 8
 
 
