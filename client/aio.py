@@ -197,8 +197,10 @@ class AppliedBy:
         if not (self.whole or self.part) or isinstance(exc, TableNotFoundError):  # (gone: nothing to send again)
             return
 
-        def shards(held: dict[int, str]) -> str:
-            return f"shard{'s' if len(held) > 1 else ''} " + ", ".join(f"{i} ({a})" for i, a in sorted(held.items()))
+        def shards(held: dict[int, str]) -> str:  # by address, as `memserver status` lists them (its numbers
+            # are not the table's slice numbers: an operator read "shard 1" as status's shard 1, the wrong one)
+            return f"the shard{'s' if len(held) > 1 else ''} at " + ", ".join(
+                f"{a} (slice {i})" for i, a in sorted(held.items()))
 
         said = [f"{shards(self.whole)} applied this write (answered it)"] if self.whole else []
         said += [f"{shards(self.part)} applied part of it (answered some of its requests)"] if self.part else []

@@ -894,7 +894,7 @@ def test_a_write_that_fails_for_good_on_one_shard_says_which_shards_applied_it(t
             async with AsyncMemoryClient(srv.endpoint, shm=False, retry_seconds=0, timeout=5) as ac:
                 await ac.push_gradients(table_name, [3], np.ones((1, DIM), np.float32))
 
-        said = (f"; shard 0 ({shards[0].address}) applied this write (answered it), and the others may have too: a "
+        said = (f"; the shard at {shards[0].address} (slice 0) applied this write (answered it), and the others may have too: a "
                 "write is applied by each shard on its own, not all-or-none across them (docs/architecture.md, Known "
                 "limits); sending it again as a new call applies it twice there")
         for push in (lambda: c.push_gradients(table_name, [1, 2], np.ones((2, DIM), np.float32)),
@@ -980,7 +980,7 @@ def test_a_shard_that_answered_some_of_a_writes_requests_applied_part_of_it():
     applied.note(meta(1), calls, ["ok", "ok", "ok", failed, failed])
     exc = UnavailableError("down", target="shard h1:1")
     applied.say(exc)
-    assert exc.details == ("down; shard 0 (h0:1) applied this write (answered it) and shard 1 (h1:1) applied part of "
+    assert exc.details == ("down; the shard at h0:1 (slice 0) applied this write (answered it) and the shard at h1:1 (slice 1) applied part of "
                            "it (answered some of its requests), and the others may have too: a write is applied by "
                            "each shard on its own, not all-or-none across them (docs/architecture.md, Known limits); "
                            "sending it again as a new call applies it twice there")

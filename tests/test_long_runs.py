@@ -384,7 +384,9 @@ def test_a_write_whose_log_append_fails_changes_nothing(tmp_path, monkeypatch):
                 _push(stub, "m", [1], np.ones((1, 4), np.float32), 1)
             monkeypatch.undo()
             assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert full.value.details().startswith("PushGradients on table m: No space left on device (")  # its table
+            assert full.value.details().startswith("PushGradients on table m: No space left on device; the table's "
+                                                   "write-ahead log stopped: its writes are refused until the shard "
+                                                   "restarts (free or fix the disk first) (")  # its table; what follows
             assert full.value.details().endswith("shard-0000/m)")  # and the log's folder
             torch.testing.assert_close(_rows(stub, "m", 16), before, rtol=0, atol=0)
     finally:

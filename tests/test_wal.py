@@ -48,6 +48,9 @@ def test_a_short_write_then_a_full_disk_leaves_only_whole_records(tmp_path, monk
     monkeypatch.undo()
     assert raised.value.errno == errno.ENOSPC
     assert raised.value.filename == str(tmp_path)  # (os.write names none: the shard's status and error say where)
+    assert str(raised.value) == (f"[Errno {errno.ENOSPC}] No space left on device; the table's write-ahead log stopped: "
+                                 "its writes are refused until the shard restarts (free or fix the disk first): "
+                                 f"'{tmp_path}'")
     record = walmod._HEADER.size + 1 + 1000
     assert calls == [record, record - record // 2]  # the rest of the record was tried after the short write
     assert isinstance(wal.failed, OSError) and wal.failed.errno == errno.ENOSPC

@@ -144,6 +144,10 @@ class WriteAheadLog:
         log.error("write-ahead log %s: writing record %d failed (%s); no further write of this table is accepted",
                   self.dir, lsn, exc)
         exc.filename = exc.filename or str(self.dir)  # (os.write names no file: the call's error and status say where)
+        # the call's error says what follows (a walkthrough resent the write after freeing space, and
+        # every write was refused on): the log has stopped, and only a restart starts a new one
+        exc.strerror = (f"{exc.strerror or os.strerror(exc.errno or errno.EIO)}; the table's write-ahead log stopped: its "
+                        "writes are refused until the shard restarts (free or fix the disk first)")
         self._error = exc
         self._broken_at = lsn
         failed = [(n, f) for n, f in self._waiters if n >= lsn]  # futures of records never written
