@@ -115,8 +115,14 @@ def test_shard_recovers_its_tables_from_the_data_dir(tmp_path, checkpoint):
                 (tmp_path / "ck" / "step-0000000006" / "manifest.json").write_text("{}")
         rows = decode(stub.Lookup(pb.LookupRequest(table="m", ids=encode(torch.arange(64)))).rows, "rows").clone()
     shard.stop()
+    # a create killed before it recorded its table left its files (a walkthrough: 199 MB, for
+    # good, listed nowhere): removed as the shard starts; the recorded table's folder is kept
+    unfinished = tmp_path / "shard-0000" / "kc" / "disk"
+    unfinished.mkdir(parents=True)
+    (unfinished / "rows.dat").write_bytes(bytes(1 << 20))
 
     again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    assert not (tmp_path / "shard-0000" / "kc").exists() and (tmp_path / "shard-0000" / "m" / "table.json").exists()
     assert again.address == shard.address  # the same port: clients find it where it was
     recovered = again.servicer.tables["m"].recovered_from
     assert recovered == ("checkpoint step 6 + 4 logged writes" if checkpoint else "initial values + 10 logged writes")

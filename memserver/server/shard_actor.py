@@ -241,6 +241,9 @@ class ShardActor:
         why, DATA_LOSS to its calls, its files untouched until the table is dropped or restored."""
         assert self.store is not None
         out = []
+        for name, nbytes in self.store.remove_unfinished():
+            log.warning("shard %d: removed %s/%s (%.1f MiB): a table's files without its record (a create killed before "
+                        "it recorded the table, or a drop's remains)", self.index, self.store.dir, name, nbytes / 2**20)
         records, unreadable = self.store.records()
         for name, why in unreadable.items():
             self._unrecovered(name, why)
