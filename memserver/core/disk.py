@@ -1061,6 +1061,10 @@ class DiskTable(ValueTable):
 
     # -- moving rows ---------------------------------------------------------------------
 
+    def check_files(self) -> None:
+        """DATA_LOSS naming a data file gone, replaced or truncated (a checkpoint asks first)."""
+        self._check_file()
+
     def _check_file(self) -> None:
         """Refuse (DATA_LOSS, naming the file) when rows.dat or stats.dat is gone, replaced or shorter
         than the table: a mapping of a truncated file kills the process on its next access (a

@@ -501,6 +501,8 @@ class ShardActor:
             raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
         if sl.unavailable:
             raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
+        if (check := getattr(sl.table, "check_files", None)) is not None:
+            check()  # a disk table's damaged file: refused before any file of the checkpoint is written
         if sl.held:  # (its siblings may still hold writes its checkpoint lacks: not one snapshot yet)
             raise UnavailableError(f"table {name!r} on shard {self.index}: {sl.held}; checkpoint it again")
         return sl
