@@ -743,12 +743,14 @@ class AsyncMemoryClient:
         ids, w = await self._call(name, lambda meta: ops.address_op(meta, queries, self.opts))
         return like(ids, queries), like(w, queries)
 
-    async def pkm_lookup(self, name: str, queries: Any) -> tuple[Any, Any, Any]:
+    async def pkm_lookup(self, name: str, queries: Any, *, count: bool = True) -> tuple[Any, Any, Any]:
         """`address`, then the weighted bag of the slots' values on the value table's shards:
-        (ids, weights, bag [B, dim]), what the trained layer reads (before any Memory+ projection)."""
+        (ids, weights, bag [B, dim]), what the trained layer reads (before any Memory+ projection).
+        A served read counts in the value table's slot statistics as a training read does; `count`
+        False: it does not (an evaluation's, or a check of the layer's, as the eval-mode layer reads)."""
         ids, w = await self._call(name, lambda meta: ops.address_op(meta, queries, self.opts))
         values_table = (await self.table(name)).values_table
-        out = await self._call(values_table, lambda meta: ops.bag_op(meta, ids, w, None, self.opts))
+        out = await self._call(values_table, lambda meta: ops.bag_op(meta, ids, w, None, self.opts, count))
         return like(ids, queries), like(w, queries), like(out, queries)
 
     async def drop_table(self, name: str) -> None:

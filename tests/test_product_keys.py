@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -72,7 +73,11 @@ def test_served_layer_equals_the_trainers_layer(client, memory_cluster, table_na
     with torch.no_grad():
         want_ids, want_w = layer.address(layer.queries(x))
         want_bag = layer.values.bag(want_ids, want_w)
-    ids, w, bag = client.pkm_lookup(table_name, x)
+    hits = client.slot_stats(values, np.arange(N_KEYS**2))["hits"]
+    ids, w, bag = client.pkm_lookup(table_name, x, count=False)  # as the eval-mode layer: no read counted
+    assert np.array_equal(client.slot_stats(values, np.arange(N_KEYS**2))["hits"], hits)
+    assert torch.equal(client.pkm_lookup(table_name, x)[0], ids)  # a served read counts, as a training read does
+    assert int(client.slot_stats(values, np.arange(N_KEYS**2))["hits"].sum() - hits.sum()) == 64 * HEADS * KNN
     assert ids.shape == (64, HEADS * KNN) and ids.dtype == torch.int64
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-5)
