@@ -320,6 +320,17 @@ def test_slot_ngrams_are_every_ngram_of_the_corpus_hashing_there():
         assert counts == sorted(counts, reverse=True)
     capped = slot_ngrams(stream, slot, m.orders, m.heads, m.segment, m.seed, limit=2, max_tokens=500)
     assert len(capped["ngrams"]) == 2 and capped["tokens_scanned"] == 500
+    # a window-start n-gram is read once a window (its suffix starting it), not at each of its
+    # suffix's places (a walkthrough: `^e` read as a slot's main n-gram, every `e` of the text)
+    for slot in {int(ids[t, g]) for t in range(n) for g in range(6)}:  # slots window starts read
+        by_suffix = slot_ngrams(stream, slot, m.orders, m.heads, m.segment, m.seed, limit=1000)
+        windowed = slot_ngrams(stream, slot, m.orders, m.heads, m.segment, m.seed, limit=1000, window=32)
+        a = {tuple(e["tokens"]): e["count"] for e in by_suffix["ngrams"]}
+        b = {tuple(e["tokens"]): e["count"] for e in windowed["ngrams"]}
+        assert a.keys() == b.keys()
+        for gram, count in a.items():
+            assert b[gram] == (max(1, (count + 16) // 32) if PAD in gram else count), gram
+        assert windowed["occurrences"] == sum(b.values())
 
 
 def test_engram_slots_are_named_by_their_ngrams_in_inspect_and_the_page(client, memory_cluster, table_name, tmp_path,

@@ -455,11 +455,13 @@ def slot_report(client: Any, table: str, slot: int, inspector: Inspector | None 
 def engram_names(inspector: Inspector, layer: EngramMemory, slot: int, limit: int = 20) -> dict[str, Any]:
     """An Engram slot's n-grams in the training text, most frequent first (`slot_ngrams`): each
     with its text, count, and `window_start` when it begins with PADs (the n-gram of a window's
-    first positions, counted by its real suffix). Several n-grams in one slot are its collisions."""
+    first positions, counted once per window of the model's block size). Several n-grams in one
+    slot are its collisions."""
     corpus = inspector.corpus()
     if corpus is None:
         return {"ngrams_note": f"the training text {inspector.data or '(unrecorded)'} is not here"}
-    got = slot_ngrams(corpus.train, slot, layer.orders, layer.heads, layer.segment, layer.seed, limit=limit)
+    got = slot_ngrams(corpus.train, slot, layer.orders, layer.heads, layer.segment, layer.seed, limit=limit,
+                      window=inspector.model.cfg.block_size)
     grams = [{"ngram": inspector.decode(t for t in g["tokens"] if t != PAD), "window_start": PAD in g["tokens"],
               "count": g["count"]} for g in got.pop("ngrams")]
     return {"ngrams": grams, "ngrams_distinct": got["distinct"], "ngrams_occurrences": got["occurrences"],

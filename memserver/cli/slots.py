@@ -85,7 +85,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     console.print(f"[bold]{args.table}[/] slot [bold]{args.slot}[/]{where}")
     if "ngrams" in a:  # an Engram slot is named by the n-grams of the training text hashing to it
         grams = Table(title=f"n-grams of {a['ngrams_text']} in this slot: {a['ngrams_distinct']:,} distinct, "
-                            f"{a['ngrams_occurrences']:,} occurrences (^: a window's start)")
+                            f"{a['ngrams_occurrences']:,} occurrences (^: a window's start, once a window)")
         for col in ("n-gram", "count"):
             grams.add_column(col, justify="right" if col == "count" else "left")
         for g in a["ngrams"]:

@@ -165,11 +165,14 @@ def ngram_address(slot: int, orders: tuple[int, ...], heads: int, segment: int) 
 
 
 def slot_ngrams(stream: torch.Tensor, slot: int, orders: tuple[int, ...], heads: int, segment: int, seed: int, *,
-                limit: int = 20, max_tokens: int = 4_000_000) -> dict[str, Any]:
+                limit: int = 20, max_tokens: int = 4_000_000, window: int = 1) -> dict[str, Any]:
     """Which n-grams of a token stream hash to `slot`, with their counts: the stream's own n-grams,
-    and the window-start ones (PAD-prefixed; counted by their real suffix) -- a slot's name,
-    computed from the corpus without any trace. Bounded: the first `max_tokens` tokens, the
-    `limit` most frequent n-grams listed (all are counted)."""
+    and the window-start ones (PAD-prefixed) -- a slot's name, computed from the corpus without
+    any trace. A window-start n-gram is read at one position of a training window of `window`
+    tokens, where its suffix starts the window: its count is its suffix's over `window` (at
+    least 1), what windows tiling the stream would read (counted as its suffix's, it read as the
+    slot's main n-gram: a walkthrough's `^e` 85,496 times, every `e` of the text). Bounded: the
+    first `max_tokens` tokens, the `limit` most frequent n-grams listed (all are counted)."""
     where = ngram_address(slot, orders, heads, segment)
     i = int(slot) // segment
     n, head = where["order"], where["head"]
@@ -186,6 +189,8 @@ def slot_ngrams(stream: torch.Tensor, slot: int, orders: tuple[int, ...], heads:
         hit = grams[(hash_grams(grams, m, s)[:, 0] % segment) == where["bucket"]]
         if len(hit):
             uniq, counts = torch.unique(hit, dim=0, return_counts=True)
+            if pads:
+                counts = torch.clamp(torch.div(counts + window // 2, max(1, window), rounding_mode="floor"), min=1)
             found.update({tuple(int(t) for t in g): int(c) for g, c in zip(uniq, counts)})
     ranked = sorted(found.items(), key=lambda kv: (-kv[1], kv[0]))
     return {**where, "distinct": len(ranked), "occurrences": sum(found.values()), "tokens_scanned": len(x),
