@@ -250,7 +250,7 @@ def distributed(backend: str = "gloo") -> tuple[int, int]:
 #: the checkpoint's (as it does the model's and the memory's shapes, which the checkpoint's config
 #: and memory record): the dense and value optimizers, the batch, the seed, where the values live,
 #: the dropout rate and how the KIF source was built. What a resume may change: steps, logging,
-#: evaluation, threads, device, dtype, tracing and RESUMED_TAKEN's.
+#: evaluation, device, dtype, tracing and RESUMED_TAKEN's.
 RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal", "tier", "cache_bytes", "table",
                  "batch_size", "seed", "shared_values", "dropout", "kif_knn", "kif_sentences", "kif_encoder")
 #: Flags a resumed run takes from its checkpoint where they are left out, and may change: how often
@@ -258,7 +258,9 @@ RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal
 #: values (a resume that left --staleness 1 or --micro-batches 2 out trained on at the defaults,
 #: unsaid, and its losses left the uninterrupted run's: a walkthrough). (--no-prefetch and
 #: --sync-commit change no number, and as switches with no opposite they could not be undone.)
-RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches")
+#: --threads too: the sums of a step's ops are split by thread, so a resume on other threads is
+#: close to the uninterrupted run, not bit-exact (a walkthrough: 2.4e-7 apart).
+RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches", "threads")
 
 
 def checkpoint_dir_of(args: argparse.Namespace) -> str | None:
@@ -755,7 +757,7 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             if getattr(args, key) != was:  # left out: continued as the checkpoint has it
                 taken.append(f"{key} = {was!r}")
             setattr(args, key, was)
-        elif key in RESUMED_ALIKE:
+        elif key in RESUMED_ALIKE and not (key == "memory" and mode is not None):  # (said above)
             differences += [d] if (d := _difference(key, was, getattr(args, key))) else []
     if given is not None and "data" not in given and (path := blob.get("data_path")) and path != args.data:
         if not Path(path).exists():  # (the default text in its place would train on other batches, unsaid)
