@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     lsh = p.add_argument_group("LSH sketch memory (--memory-kind lsh)")
     lsh.add_argument("--lsh-hashes", type=int, default=4, help="hash functions, one bucket read from each")
     lsh.add_argument("--lsh-bits", type=int, default=12, help="hyperplanes per hash: 2^bits buckets per hash "
-                     "(4 x 2^12 = 16384 slots, the product-key default's count)")
+                     "(4 x 2^12 = 16384 slots, as many as 128^2 product keys)")
     lsh.add_argument("--lsh-seed", type=int, default=0, help="seed of the fixed hash planes and sketch matrices")
     eng = p.add_argument_group("Engram hashed n-gram memory (--memory-kind engram)")
     eng.add_argument("--engram-orders", default="2,3", help="n-gram orders hashed at each position (2..8)")
