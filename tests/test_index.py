@@ -5,6 +5,7 @@ resharding, what a write costs, and the GPU branch up to the faiss calls."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -870,3 +871,38 @@ def test_faiss_k_means_warnings_are_one_log_line_each_and_the_training_is_unchan
     plain.train(sample)
     assert faiss.serialize_index(plain).tobytes() == bytes(trained)
     assert "WARNING clustering" in capfd.readouterr().err  # (faiss's own train, for the comparison)
+
+
+def test_an_index_bounds_its_widths_and_a_first_row_takes_little_room():
+    """An index walkthrough: create_index(dim=4, payload_dim=10**7) was taken, and its first
+    one-row add allocated 1,024 rows of payload (38 GiB: MemoryError, then every write refused);
+    dim 2^31 reached faiss as an INTERNAL TypeError. Both widths are bounded at creation now, and
+    the first add makes room for 64 rows (still doubled after: amortised O(1) a row)."""
+    from memserver.api.errors import InvalidArgumentError
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.server.catalog import MAX_INDEX_DIM, validate_spec
+
+    for spec, says in ((dict(dim=2**31), "dim: must be in [1, 65,536], got 2,147,483,648"),
+                       (dict(dim=4, payload_dim=10**7), "payload_dim: must be in [0, 65,536], got 10,000,000")):
+        with pytest.raises(InvalidArgumentError, match=re.escape(says)):
+            validate_spec(pb.TableSpec(name="ix", kind=pb.INDEX, **spec), 1)
+    validate_spec(pb.TableSpec(name="ix", kind=pb.INDEX, dim=4, payload_dim=MAX_INDEX_DIM), 1)
+    vi = VectorIndex(4, "Flat", "l2", 20_000)
+    vi.add(np.array([1]), np.ones((1, 4), np.float32), np.ones((1, 20_000), np.float32))
+    assert 64 * 20_000 * 4 <= vi.nbytes() < 70 * 20_000 * 4  # 64 rows of payload, not 1,024
+    vi.add(np.arange(2, 66), np.ones((64, 4), np.float32), np.ones((64, 20_000), np.float32))
+    assert vi.nbytes() < 130 * 20_000 * 4  # doubled once
+
+
+def test_an_hnsw_search_asking_for_every_entry_gets_every_entry():
+    """An index walkthrough: HNSW searched with its default efSearch (16) whatever k was, so a
+    k=400 search of 400 live entries gave 146 hits and -1s for the rest, which read as "no more
+    entries". The candidate list is now at least as long as the hits asked of faiss."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(400, 8)).astype(np.float32)
+    vi = built("HNSW8", "l2", x)
+    vi.add(np.arange(400), x)
+    _, ids, _ = vi.search(x[:4], 400)
+    assert (ids.numpy() >= 0).all() and all(len(set(r)) == 400 for r in ids.numpy().tolist())
+    _, ids, _ = vi.search(x[:4], 400, ef_search=8)  # (a narrower one asked for: still wide enough for k)
+    assert (ids.numpy() >= 0).all()

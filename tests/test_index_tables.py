@@ -347,6 +347,18 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
     assert rc == 2 and "--vectors: row 250 has norm" in err and "above 2^62" in err, err
     rc, err = build("--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "dup.npy"), "--replace")
     assert rc == 2 and f"--ids: id {ids[3]} is given 2 times (rows [3, 299], ...)" in err, err
+    # and (an index walkthrough) ids out of an index's range, and float64 payload beyond float32's
+    for v, says in ((-7, "is negative"), (2**63 - 1, "is above the largest id an index takes")):
+        bad = ids.copy()
+        bad[250] = v
+        np.save(tmp_path / "bad_ids.npy", bad)
+        rc, err = build("--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "bad_ids.npy"), "--replace")
+        assert rc == 2 and f"--ids: id {v} (row 250) {says}" in err, err
+    pay = np.zeros((len(vectors), 2))
+    pay[260, 1] = 1e300
+    np.save(tmp_path / "pay.npy", pay)
+    rc, err = build("--vectors", str(tmp_path / "v.npy"), "--payload", str(tmp_path / "pay.npy"), "--replace")
+    assert rc == 2 and "--payload: row 260 holds values beyond float32's range" in err, err
     assert client.search(table_name, vectors[:4], 1)[1][:, 0].tolist() == [0, 1, 2, 3]  # the table as it was
 
 

@@ -17,7 +17,9 @@ import torch
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import fmt_bytes
 from memserver.cli.common import CliError, cli_client, cluster_flags, counted
-from memserver.wire import check_norms, train_sample_limit
+from memserver.wire import INDEX_ID_SPACE, check_norms, train_sample_limit
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 log = logging.getLogger("memserver.cli")
 
@@ -61,6 +63,11 @@ def _check_contents(ids: np.ndarray | None, arrays: list[tuple[np.ndarray | None
     LOAD_BATCH rows at a time (the files stay mapped, not read whole into memory)."""
     if ids is not None:
         uniq, counts = np.unique(np.asarray(ids, dtype=np.int64), return_counts=True)
+        for bad, why in ((uniq[:1][uniq[:1] < 0], "negative: ids are >= 0"),
+                         (uniq[-1:][uniq[-1:] >= INDEX_ID_SPACE], f"above the largest id an index takes ({INDEX_ID_SPACE - 1})")):
+            if bad.size:  # (refused by the shards part-way: a --replace had dropped the old table by then)
+                row = int(np.flatnonzero(np.asarray(ids) == bad[0])[0])
+                raise CliError(f"--ids: id {int(bad[0])} (row {row}) is {why}")
         if (dup := np.flatnonzero(counts > 1)).size:
             i = int(uniq[dup[0]])
             rows = np.flatnonzero(np.asarray(ids) == i)[:3].tolist()
@@ -70,9 +77,13 @@ def _check_contents(ids: np.ndarray | None, arrays: list[tuple[np.ndarray | None
         if a is None or a.dtype.kind != "f":
             continue
         for s in range(0, len(a), LOAD_BATCH):
-            bad = ~np.isfinite(a[s : s + LOAD_BATCH]).all(axis=1)
+            part = a[s : s + LOAD_BATCH]
+            bad = ~np.isfinite(part).all(axis=1)
             if bad.any():
                 raise CliError(f"{flag}: row {s + int(np.flatnonzero(bad)[0])} holds NaN or infinite values")
+            if part.dtype.itemsize > 4 and (big := np.abs(part).max(axis=1) > FLOAT32_MAX).any():  # (loaded as float32: inf)
+                raise CliError(f"{flag}: row {s + int(np.flatnonzero(big)[0])} holds values beyond float32's range, "
+                               "which the index stores")
             if flag == "--vectors":  # (the payload is stored, never compared)
                 try:
                     check_norms(torch.from_numpy(np.asarray(a[s : s + LOAD_BATCH], dtype=np.float32)), flag, first=s)

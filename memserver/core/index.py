@@ -22,7 +22,7 @@ Kinds (`factory`, as faiss.index_factory spells it), and what they support:
 | --- | --- | --- | --- | --- | --- |
 | `Flat` | none | dead + selector, compact via remove_ids | until compaction | exact | yes |
 | `IVF{n},Flat` (any coarse quantizer, e.g. `IVF{n}_HNSW32,Flat`) | yes | removed at once (hashtable) | none | exact | yes |
-| `IVF{n},PQ{m}[x{b}]`, `IVF{n},SQ8`/`SQ4`/`SQfp16` | yes | removed at once (hashtable) | none | decoded codes | no: a decoded vector may fall in another list (mostly the same) |
+| `IVF{n},PQ{m}[x{b}]`, `IVF{n},SQ8`/`SQ4`/`SQfp16` | yes | removed at once (hashtable) | none | decoded codes | no: a decoded vector may fall in another list, and IVF-PQ's residual codes are re-encoded against it (an IVF-PQ index's top hits change for many queries; recall stays close) |
 | `HNSW{M}` = `HNSW{M},Flat` | none | dead + selector, compact by rebuilding the graph | until compaction | exact | results of a new graph (HNSW is approximate) |
 | `HNSW{M},SQ8`, `HNSW{M},PQ{m}` (l2 only: faiss's ip search over PQ is wrong) | yes | as HNSW | until compaction | decoded codes | as HNSW |
 | `PQ{m}[x{b}]` | yes | dead + over-fetch (faiss's IndexPQ takes no selector), compact via remove_ids | at most 1024 | decoded codes | yes (re-encoding a decoded code gives the code back) |
@@ -334,11 +334,12 @@ class VectorIndex:
         self._selector: Any = None  # over _live_bits; made again whenever that array is replaced
 
     def _grow(self, need: int) -> None:
-        """Room for labels [0, need): double the capacity (amortised O(1) per label)."""
+        """Room for labels [0, need): double the capacity (amortised O(1) per label), starting at
+        64 rows or fewer (a first row's payload of a wide table took 1,024 rows' room)."""
         cap = len(self._label_ids)
         if need <= cap:
             return
-        new = max(need, 2 * cap, 1024)
+        new = max(need, 2 * cap, 64)
         new += (-new) % 8
         for name, fill in (("_label_ids", -1), ("_slot", 0), ("_payload", 0)):
             old = getattr(self, name)
@@ -638,7 +639,7 @@ class VectorIndex:
         self._require_trained("search")
         k = _positive_int(k, "k", MAX_K_GPU if self.on_gpu else MAX_K)
         q = _check_rows(queries, None, self.dim, "queries")
-        params = self._params(nprobe, ef_search)
+        self._params(nprobe, ef_search)  # (its arguments refused before anything is allocated)
         b, ip, live = len(q), self.metric == "ip", self.ntotal
         fill = -np.inf if ip else np.inf
         scores = np.full((b, k), fill, dtype=np.float32)
@@ -649,7 +650,7 @@ class VectorIndex:
             cap = min(cap, _GPU_MAX_FETCH - self._n_dead)  # >= k: at most MAX_DEAD_OVERFETCH dead
         want = min(k + 1, cap)  # one more than k: a tie at the k-th place shows
         while len(rows):
-            s, lab, cut = self._fetch(q[rows], want, params)
+            s, lab, cut = self._fetch(q[rows], want, self._params(nprobe, ef_search, want))
             ids = np.where(lab >= 0, self._label_ids[np.maximum(lab, 0)], -1)  # dead labels: -1 too
             order = np.lexsort((ids, -s if ip else s, ids < 0))  # hits first, metric order, smaller id
             s, lab = np.take_along_axis(s, order, 1)[:, :k], np.take_along_axis(lab, order, 1)[:, :k]
@@ -666,9 +667,11 @@ class VectorIndex:
         ids[~hit], scores[~hit] = -1, fill
         return scores, ids, labels, hit
 
-    def _params(self, nprobe: int | None, ef_search: int | None) -> Any:
-        """This call's faiss SearchParameters: nprobe/efSearch (the index's own by default) and
-        the live-label selector, wrapped for a pre-transform. None where faiss takes none."""
+    def _params(self, nprobe: int | None, ef_search: int | None, fetch: int = 0) -> Any:
+        """This call's faiss SearchParameters: nprobe/efSearch (the index's own by default; HNSW's
+        at least `fetch`, the hits asked of faiss: with its default 16 a k=1000 search of 1,000
+        live entries gave 530-600 hits and -1s for the rest, an index walkthrough) and the
+        live-label selector, wrapped for a pre-transform. None where faiss takes none."""
         if nprobe is not None and not self._is_ivf:
             raise InvalidArgumentError(f"nprobe: only IVF indexes take nprobe; this one is {self.factory!r}")
         if ef_search is not None and not self._is_hnsw:
@@ -683,7 +686,7 @@ class VectorIndex:
             p = faiss.SearchParametersIVF(nprobe=min(n, self._nlist, 2048 if self.on_gpu else n))  # GPU: <= 2048
         elif self._is_hnsw:
             ef = _positive_int(ef_search, "ef_search", MAX_EF_SEARCH) if ef_search is not None else self._ef_search
-            p = faiss.SearchParametersHNSW(efSearch=ef)
+            p = faiss.SearchParametersHNSW(efSearch=max(ef, min(fetch, MAX_EF_SEARCH)))
         elif sel is not None:
             p = faiss.SearchParameters()
         else:

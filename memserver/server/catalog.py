@@ -118,6 +118,10 @@ def slice_cache_bytes(spec: pb.TableSpec) -> int:
     return int(spec.cache_bytes) // max(1, int(spec.num_shards))
 
 
+#: An index's vector and payload widths: at most this many floats (256 KiB a row; faiss takes an int32).
+MAX_INDEX_DIM = 1 << 16
+
+
 def _validate_index(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
     """An INDEX table: ids are the user's (any int64 >= 0), sharded by id like ROWS; the factory
     string, metric and payload are checked by building an empty index of them."""
@@ -126,10 +130,10 @@ def _validate_index(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
     except ImportError as exc:  # this server was installed without faiss
         raise FailedPreconditionError(f"{spec.name}: {exc}") from None
 
-    if spec.dim <= 0:
-        raise InvalidArgumentError(f"dim: must be positive, got {spec.dim}")
-    if spec.payload_dim < 0:
-        raise InvalidArgumentError(f"payload_dim: must be >= 0, got {spec.payload_dim}")
+    if not 0 < spec.dim <= MAX_INDEX_DIM:  # (2^31 reached faiss as an INTERNAL TypeError: an index walkthrough)
+        raise InvalidArgumentError(f"dim: must be in [1, {MAX_INDEX_DIM:,}], got {spec.dim:,}")
+    if not 0 <= spec.payload_dim <= MAX_INDEX_DIM:  # (10^7: one added row's payload took 38 GiB)
+        raise InvalidArgumentError(f"payload_dim: must be in [0, {MAX_INDEX_DIM:,}], got {spec.payload_dim:,}")
     if spec.sharding == pb.COLS:
         raise InvalidArgumentError("sharding: index tables are sharded by id (ROWS)")
     if spec.sync_updates or spec.sync_workers:
