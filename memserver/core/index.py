@@ -237,6 +237,7 @@ class VectorIndex:
         self._physical = self._is_ivf and not self.on_gpu
         self._selector_ok = not self.on_gpu and not isinstance(inner, faiss.IndexPQ)
         self._template: np.ndarray | None = faiss.serialize_index(fresh) if fresh.is_trained else None
+        self.needs_training = not fresh.is_trained  # (a kind faiss trains: IVF, PQ, SQ8, ...)
         self._reset_arena()
         self._set_index(fresh)
         self._reallocs = 0

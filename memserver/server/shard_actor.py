@@ -636,7 +636,8 @@ class ShardActor:
 
         def work() -> None:
             sl = self._index_slice(name)
-            if self.store is not None and (self.store.table_dir(name) / INDEX_TEMPLATE).exists():
+            if (sl.table.needs_training and sl.table.is_trained) or (
+                    self.store is not None and (self.store.table_dir(name) / INDEX_TEMPLATE).exists()):
                 # a second template would not be in the order of the log: a restart could bring the first back
                 raise FailedPreconditionError(f"index {name!r} is trained already; drop and re-create it to train again")
             if sl.table.ntotal:
