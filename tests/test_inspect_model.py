@@ -137,6 +137,12 @@ def test_activations_sum_each_slots_weight_over_the_text(client, trained):
     want = sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
     assert [s["slot"] for s in out["slots"][:5]] == [s for s, _ in want]
     assert len(out["positions"]) == 14 and out["positions"][0]["char"] == "F"
+    for t, pos in enumerate(out["positions"]):  # per position too: a slot two heads read is one, weights summed
+        here: dict[int, float] = defaultdict(float)
+        for s, x in zip(ids[t].tolist(), w[t].tolist()):
+            here[s] += abs(x)
+        assert len(set(pos["slots"])) == len(pos["slots"])
+        assert pos["slots"] == [s for s, _ in sorted(here.items(), key=lambda kv: (-kv[1], kv[0]))[:3]]
     with pytest.raises(ValueError, match="not in the model's vocabulary"):
         ins.activations(table, "€")
 

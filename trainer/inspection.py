@@ -303,16 +303,21 @@ class Inspector:
         ids, w = self.read(tokens[None])[view.name]
         w = w.abs().float()
         positions = []
-        for t in range(len(tokens)):
-            order = torch.argsort(w[t], descending=True, stable=True)[:top]
-            positions.append({"char": self.token(int(tokens[t])), "slots": ids[t, order].tolist(),
-                              "weights": [round(float(x), 6) for x in w[t, order]]})
-        flat_ids, flat_w = ids.reshape(-1), w.reshape(-1)
-        uniq, inv = torch.unique(flat_ids, return_inverse=True)
-        total = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, flat_w.double())
+        for t in range(len(tokens)):  # a slot two heads read is one slot of the position, its weights summed
+            uniq, total = _by_slot(ids[t], w[t])
+            order = torch.argsort(total, descending=True, stable=True)[:top]
+            positions.append({"char": self.token(int(tokens[t])), "slots": uniq[order].tolist(),
+                              "weights": [round(float(x), 6) for x in total[order]]})
+        uniq, total = _by_slot(ids, w)
         order = torch.argsort(total, descending=True, stable=True)[: max(top * 4, 20)]
         return {"table": table, "layer": view.name, "text": self.decode(tokens), "positions": positions,
                 "slots": [{"slot": int(uniq[i]), "weight": float(total[i])} for i in order]}
+
+
+def _by_slot(ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distinct slots, each one's weights summed, float64) of reads `ids` with weights `w`."""
+    uniq, inv = torch.unique(ids.reshape(-1), return_inverse=True)
+    return uniq, torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, w.reshape(-1).double())
 
 
 def inspector_for(client: Any, table: str, checkpoint: str | Path | None = None) -> Inspector | None:
