@@ -143,6 +143,17 @@ def test_activations_sum_each_slots_weight_over_the_text(client, trained):
             here[s] += abs(x)
         assert len(set(pos["slots"])) == len(pos["slots"])
         assert pos["slots"] == [s for s, _ in sorted(here.items(), key=lambda kv: (-kv[1], kv[0]))[:3]]
+    # (a walkthrough's page showed [72, 70, 70, 66, 77]: two heads read slot 70; made so here)
+    both = ids.clone()
+    both[0, 1] = both[0, 0]
+    real = ins.read
+    ins.read = lambda tokens: {"mem1": (both, w)}
+    try:
+        first = ins.activations(table, "First Citizen:", top=3)["positions"][0]
+    finally:
+        ins.read = real
+    assert first["slots"].count(int(both[0, 0])) == 1
+    assert first["weights"][first["slots"].index(int(both[0, 0]))] == pytest.approx(float(w[0, :2].abs().sum()), rel=1e-6)
     with pytest.raises(ValueError, match="not in the model's vocabulary"):
         ins.activations(table, "€")
 
