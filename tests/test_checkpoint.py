@@ -256,6 +256,36 @@ def test_a_failed_checkpoint_removes_the_files_it_wrote(tmp_path):
         assert c.checkpoint(str(mnt))["step"] == 4
 
 
+def test_a_checkpoint_whose_manifest_is_in_place_keeps_its_files_when_a_later_step_fails(tmp_path, monkeypatch):
+    """A review: the manifest was renamed into place and then its folder's fsync failed (EIO):
+    the cleanup of a failed checkpoint removed every slice file under a manifest that names
+    them, so the latest step restored nothing. A step whose manifest is in place keeps them."""
+    import errno
+
+    import memserver.storage.fsutil as fsutil
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    real = fsutil.fsync_dir
+
+    def failing(path):
+        if (Path(path) / "manifest.json").exists():
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, retry_seconds=0) as c:
+        c.create_table("t", 60, DIM, num_shards=2)
+        c.write_rows("t", [1, 2], np.full((2, DIM), 3.0, np.float32))
+        monkeypatch.setattr(fsutil, "fsync_dir", failing)
+        with pytest.raises(FailedPreconditionError, match="Input/output error"):
+            c.checkpoint(str(tmp_path), step=5)
+        monkeypatch.undo()
+        assert sorted(p.name for p in (tmp_path / "step-0000000005" / "t").iterdir()) == ["shard-0000.pt", "shard-0001.pt"]
+        c.write_rows("t", [1, 2], np.full((2, DIM), 9.0, np.float32))
+        c.restore(str(tmp_path), step=5, replace=True)
+        np.testing.assert_array_equal(c.lookup("t", [1, 2]), np.full((2, DIM), 3.0))
+
+
 def test_a_step_whose_manifest_cannot_be_read_is_written_again(client, table_name, tmp_path):
     """A damaged manifest at a step (an interrupted rewrite on a broken disk): the check of which
     tables that step holds read it and refused the new checkpoint; it is withdrawn and rewritten."""

@@ -51,6 +51,7 @@ from memserver.server.grpcserver import CONTROL_PLANE, is_actor_error, serve_on
 from memserver.server.metrics import CoordinatorMetrics
 from memserver.server.rayutil import dead_nodes, was_restarted
 from memserver.storage.checkpoint import (
+    MANIFEST,
     checked_files,
     discard_incomplete,
     find_checkpoint,
@@ -484,8 +485,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         """A retry of a call (its request_id) gets the checkpoint its first attempt made, waited
         for while it runs: the work is not undone by a client's deadline, nor done twice (a call
         given no step would write one more step per attempt). A failed attempt is run again."""
-        if request.dry_run or not request.request_id:
+        if request.dry_run:
             return await self._checkpoint(request)
+        if not request.request_id:  # (a raw caller's: shielded too, so its deadline never lets the root's
+            task = asyncio.ensure_future(self._checkpoint(request))  # lock go while its shards still write)
+            task.add_done_callback(_said)
+            return await asyncio.shield(task)
         task = self.checkpoint_calls.get(request.request_id)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = asyncio.ensure_future(self._checkpoint(request))
@@ -511,8 +516,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def _one_writer(self, root: Path):  # type: ignore[no-untyped-def]
         """One checkpoint at a time into a root: two at once (given no step) took the same next
         step, and at one step each wrote the other's slice files under its own manifest."""
+        root = root.resolve()  # (one folder reached by two paths is one root)
         lock, n = self.writing.get(root, (asyncio.Lock(), 0))
         self.writing[root] = (lock, n + 1)
+        if lock.locked():  # (a writer stuck on a dead disk holds every later one: said, not silent)
+            log.info("checkpoint into %s waits for the one being written there", root)
         try:
             async with lock:
                 yield
@@ -586,8 +594,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 }
             write_manifest(directory, manifest)
         except Exception:  # no manifest: what this call wrote is no checkpoint, and holds disk space (cancelled:
-            # writers may still be at work, so nothing is removed)
-            files, freed = discard_incomplete(directory, paths)
+            # writers may still be at work, so nothing is removed; a manifest in place, its folder's
+            # fsync failing after: the step is complete, its files kept)
+            if (directory / MANIFEST).exists():
+                raise
+            files, freed = await asyncio.to_thread(discard_incomplete, directory, paths)
             if files:
                 log.warning("checkpoint of step %d failed: removed the %d slice files it had written in %s (%.1f MiB)",
                             request.step, files, directory, freed / 2**20)
