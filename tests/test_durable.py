@@ -117,12 +117,18 @@ def test_shard_recovers_its_tables_from_the_data_dir(tmp_path, checkpoint):
     shard.stop()
     # a create killed before it recorded its table left its files (a walkthrough: 199 MB, for
     # good, listed nowhere): removed as the shard starts; the recorded table's folder is kept
-    unfinished = tmp_path / "shard-0000" / "kc" / "disk"
-    unfinished.mkdir(parents=True)
-    (unfinished / "rows.dat").write_bytes(bytes(1 << 20))
+    here = tmp_path / "shard-0000"
+    (here / "kc" / "disk").mkdir(parents=True)
+    (here / "kc" / "disk" / "rows.dat").write_bytes(bytes(1 << 20))
+    (here / "kc" / "wal-0000000000000000.log").write_bytes(b"")
+    # anything else without a record is kept (a review): an operator's copy, notes, a log with records
+    for name, f in (("T (old)", "wal-0000000000000000.log"), ("notes", "README"), ("moved", "wal-0000000000000000.log")):
+        (here / name).mkdir()
+        (here / name / f).write_bytes(b"x" * 100)
 
     again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
-    assert not (tmp_path / "shard-0000" / "kc").exists() and (tmp_path / "shard-0000" / "m" / "table.json").exists()
+    assert not (here / "kc").exists() and (here / "m" / "table.json").exists()
+    assert all((here / name).exists() for name in ("T (old)", "notes", "moved"))
     assert again.address == shard.address  # the same port: clients find it where it was
     recovered = again.servicer.tables["m"].recovered_from
     assert recovered == ("checkpoint step 6 + 4 logged writes" if checkpoint else "initial values + 10 logged writes")

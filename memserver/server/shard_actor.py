@@ -241,9 +241,13 @@ class ShardActor:
         why, DATA_LOSS to its calls, its files untouched until the table is dropped or restored."""
         assert self.store is not None
         out = []
-        for name, nbytes in self.store.remove_unfinished():
-            log.warning("shard %d: removed %s/%s (%.1f MiB): a table's files without its record (a create killed before "
-                        "it recorded the table, or a drop's remains)", self.index, self.store.dir, name, nbytes / 2**20)
+        removed, kept = self.store.remove_unfinished()
+        for name, nbytes in removed:
+            log.warning("shard %d: removed %s/%s (%.1f MiB): a create's files without its table's record (the shard "
+                        "was killed before it recorded the table)", self.index, self.store.dir, name, nbytes / 2**20)
+        for name in kept:
+            log.warning("shard %d: %s/%s has no table record and holds more than a create makes first: kept, not "
+                        "served (remove it, or put its table.json back)", self.index, self.store.dir, name)
         records, unreadable = self.store.records()
         for name, why in unreadable.items():
             self._unrecovered(name, why)

@@ -106,19 +106,28 @@ class ShardStore:
                 unreadable[p.parent.name] = f"its record {p} cannot be read ({exc})"
         return out, unreadable
 
-    def remove_unfinished(self) -> list[tuple[str, int]]:
-        """Remove the table folders without a record: a create's files before its record was
-        written (a slice is recorded once allocated; a shard killed while a disk table's files
-        were made left 199 MB nobody listed, for good: a walkthrough), or a drop's remains.
-        Returns each (folder name, bytes freed)."""
-        removed = []
-        for d in sorted(p for p in self.dir.iterdir() if p.is_dir() and not p.is_symlink()):
-            if (d / "table.json").exists():
-                continue
-            nbytes = sum(f.lstat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append((d.name, nbytes))
-        return removed
+    def remove_unfinished(self) -> tuple[list[tuple[str, int]], list[str]]:
+        """Remove the table folders a create left before it recorded its table (a slice is recorded
+        once allocated; a shard killed while a disk table's files were made left 199 MB nobody
+        listed, for good: a walkthrough): a table's name, no record, and nothing in it but what
+        a create makes first, all of it rebuilt by any create or restart (a disk table's working
+        files, empty log segments, a record's temporary). Any other folder without a record is
+        kept (an operator's copy, a table whose record was moved aside, a log with records):
+        returned by name to be said. Returns ([(name, bytes removed)], [names kept])."""
+        removed, kept = [], []
+        for d in sorted(self.dir.iterdir()):
+            try:
+                if not d.is_dir() or d.is_symlink() or (d / "table.json").exists():
+                    continue
+                if not _a_table_name(d.name) or not all(_made_by_a_create(d, f) for f in d.rglob("*")):
+                    kept.append(d.name)
+                    continue
+                nbytes = sum(f.lstat().st_size for f in d.rglob("*") if f.is_file())
+                shutil.rmtree(d)
+                removed.append((d.name, nbytes))
+            except OSError:  # unreadable: left as it is (the shard starts whatever the folder holds)
+                kept.append(d.name)
+        return removed, kept
 
     def record(self, name: str) -> dict[str, Any] | None:
         path = self.table_dir(name) / "table.json"
@@ -130,6 +139,26 @@ class ShardStore:
 
     def drop(self, name: str) -> None:
         shutil.rmtree(self.table_dir(name), ignore_errors=True)
+
+
+def _a_table_name(name: str) -> bool:
+    try:
+        check_table_name(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _made_by_a_create(table_dir: Path, f: Path) -> bool:
+    """Whether `f` (below `table_dir`) is what a create makes before its record: nothing a
+    restart or a restore would not make again."""
+    rel = f.relative_to(table_dir)
+    if f.is_symlink():
+        return False
+    if f.is_dir():
+        return rel == Path("disk")
+    return (rel in (Path("disk/rows.dat"), Path("disk/stats.dat")) or rel.name.startswith(".table.json.tmp-")
+            or (rel.parent == Path(".") and rel.name.startswith("wal-") and rel.suffix == ".log" and f.stat().st_size == 0))
 
 
 def held_slices(root: str | os.PathLike[str]) -> dict[int, list[str]]:
