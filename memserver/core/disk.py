@@ -1211,7 +1211,7 @@ class DiskTable(ValueTable):
         if not count:  # an inspection read (as slot_stats): no row admitted, no hit or miss counted (a
             rows, inv = self._distinct(ids)  # scan of the table evicted half the cache: a walkthrough)
             recs, _ = self._gather(rows, admit=False)
-            return self._working_set(recs).weight.index_select(0, inv).clone()
+            return self._view(torch.from_numpy(recs), "weight").index_select(0, inv)  # (the values only)
         src = self._read(ids, None, count)
         out = np.empty((len(src), self.dim), dtype=np.float32)
         _rows_out(src, self._slots.view(np.float32), self._raw.view(np.float32), HEADER // 4, out)
