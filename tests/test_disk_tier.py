@@ -94,17 +94,21 @@ def test_equal_to_ram_table_under_random_calls(tmp_path, optimizer):
     assert s["hits"] and s["misses"] and s["evictions"] and s["disk_writes"]  # the cache was exercised
 
 
+def _steps_alike(ram: ValueTable, disk: DiskTable, rng: np.random.Generator, steps: int) -> None:
+    """`steps` bag_backward calls of 64 bags x 4 random ids on both tables, answers equal."""
+    for _ in range(steps):
+        ids = torch.from_numpy(rng.integers(0, ram.num_rows, (64, 4)))
+        w = torch.from_numpy(rng.random((64, 4)).astype(np.float32))
+        g = torch.from_numpy(rng.standard_normal((64, ram.dim)).astype(np.float32))
+        assert torch.equal(ram.bag_backward(ids, w, None, g), disk.bag_backward(ids, w, None, g))
+
+
 def test_slot_statistics_read_dirty_cached_rows_in_place_without_writing_the_cache_back(tmp_path):
     """`stat` (top slots, usage) over a range sees the cache's dirty rows where they are: it
     writes nothing back (its cost is the range's, not the cache's), and equals the RAM table for
     any range, the dirty rows included."""
     ram, disk = _pair(tmp_path, "adagrad", rows=5000, cache_rows=200)
-    rng = np.random.default_rng(3)
-    for _ in range(6):
-        ids = torch.from_numpy(rng.integers(0, 5000, (64, 4)))
-        w = torch.from_numpy(rng.random((64, 4)).astype(np.float32))
-        g = torch.from_numpy(rng.standard_normal((64, 8)).astype(np.float32))
-        assert torch.equal(ram.bag_backward(ids, w, None, g), disk.bag_backward(ids, w, None, g))
+    _steps_alike(ram, disk, np.random.default_rng(3), 6)
     dirty, writes = int(disk._dirty.sum()), disk.cache_stats()["disk_writes"]
     assert dirty > 50
     for name in ("updates", "value_sq_norm"):
@@ -121,12 +125,7 @@ def test_an_uncounted_lookup_changes_neither_the_cache_nor_its_counts(tmp_path):
     reads as slot_stats does: the values (the dirty cached ones included) equal the RAM table's,
     and no slot, counter or statistic changes."""
     ram, disk = _pair(tmp_path, "adam", rows=3000, cache_rows=100)
-    rng = np.random.default_rng(4)
-    for _ in range(5):
-        ids = torch.from_numpy(rng.integers(0, 3000, (64, 4)))
-        w = torch.from_numpy(rng.random((64, 4)).astype(np.float32))
-        g = torch.from_numpy(rng.standard_normal((64, 8)).astype(np.float32))
-        assert torch.equal(ram.bag_backward(ids, w, None, g), disk.bag_backward(ids, w, None, g))
+    _steps_alike(ram, disk, np.random.default_rng(4), 5)
     before = (disk.cache_stats(), disk._slot_row.copy(), disk._dirty.copy(), disk.hits.clone())
     scan = torch.cat([torch.arange(3000), torch.tensor([5, 5, 2999])])  # every row, some twice
     assert torch.equal(disk.lookup(scan, count=False), ram.lookup(scan, count=False))
