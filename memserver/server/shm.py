@@ -228,9 +228,9 @@ class Regions:
             # caller's pid and fd are only its word, so another user's memfd that starts with known
             # bytes was mapped and read and written for it (a walkthrough). Only a process of the
             # shard's own user, and only a memfd memserver made (its name; its nonce is random).
-            if (owner := _uid_of(pid)) != os.geteuid():
-                raise _NotHere(f"process {pid} runs as another user (uid {owner}; the shard's is {os.geteuid()}): "
-                               "shared memory is between the processes of one user")
+            if _uid_of(pid) != os.geteuid():  # (whose it is, not said: the caller may be anywhere)
+                raise _NotHere(f"process {pid} runs as another user than the shard: shared memory is between the "
+                               "processes of one user")
             if not os.readlink(f"/proc/self/fd/{ref}").startswith(MEMFD_PREFIX):  # (our descriptor: no race)
                 raise _NotHere(NOT_THE_CALLERS)
             try:
