@@ -640,7 +640,6 @@ class VectorIndex:
         self._require_trained("search")
         k = _positive_int(k, "k", MAX_K_GPU if self.on_gpu else MAX_K)
         q = _check_rows(queries, None, self.dim, "queries")
-        self._params(nprobe, ef_search)  # (its arguments refused before anything is allocated)
         b, ip, live = len(q), self.metric == "ip", self.ntotal
         fill = -np.inf if ip else np.inf
         scores = np.full((b, k), fill, dtype=np.float32)
@@ -650,8 +649,9 @@ class VectorIndex:
         if self.on_gpu:
             cap = min(cap, _GPU_MAX_FETCH - self._n_dead)  # >= k: at most MAX_DEAD_OVERFETCH dead
         want = min(k + 1, cap)  # one more than k: a tie at the k-th place shows
+        params = self._params(nprobe, ef_search, want)
         while len(rows):
-            s, lab, cut = self._fetch(q[rows], want, self._params(nprobe, ef_search, want))
+            s, lab, cut = self._fetch(q[rows], want, params)
             ids = np.where(lab >= 0, self._label_ids[np.maximum(lab, 0)], -1)  # dead labels: -1 too
             order = np.lexsort((ids, -s if ip else s, ids < 0))  # hits first, metric order, smaller id
             s, lab = np.take_along_axis(s, order, 1)[:, :k], np.take_along_axis(lab, order, 1)[:, :k]
@@ -661,6 +661,8 @@ class VectorIndex:
             done = rows[~again]
             scores[done, : s.shape[1]], labels[done, : s.shape[1]] = s[~again], lab[~again]
             rows, want = rows[again], min(2 * want, cap)
+            if self._is_hnsw and len(rows):  # (its candidate list follows the wider fetch)
+                params = self._params(nprobe, ef_search, want)
         ids = np.full((b, k), -1, dtype=np.int64)
         hit = labels >= 0
         ids[hit] = self._label_ids[labels[hit]]
