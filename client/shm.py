@@ -401,8 +401,17 @@ class ShmTransport:
                 except OSError as exc:
                     log.info("no doorbell with shard %s (%s); its calls go by gRPC", address, exc)
             with self.lock:  # the stream first: whoever sees the region can cancel its stream
-                self.streams[address] = stream
-                self.regions[address] = region
+                kept = self.on
+                if kept:
+                    self.streams[address] = stream
+                    self.regions[address] = region
+            if not kept:
+                # closed meanwhile, its cancel lost: on Python < 3.12 a wait_for whose read answered
+                # as the cancel came returns the answer and drops the cancel. Kept, the stream was
+                # never cancelled, and close() waited for this task for ever (an intermittent hang)
+                stream.cancel()
+                region.retire()
+                return
             log.debug("shared memory with shard %s: %d MiB region attached%s", address, region.size >> 20,
                      ", calls by its doorbell" if region.bell is not None else "")
         except (grpc.aio.AioRpcError, RuntimeError, asyncio.TimeoutError) as exc:

@@ -684,6 +684,43 @@ def test_a_call_naming_a_region_the_shard_lost_is_sent_again_over_tcp(local_shar
     asyncio.run(asynchronous())
 
 
+def test_a_close_whose_cancel_an_attach_lost_ends_that_attach(local_shard, monkeypatch):
+    """On Python < 3.12, asyncio.wait_for drops a cancel that comes as its inner read answers. A
+    client closed at that moment of an attach kept the attach's region and stream, and close()
+    waited for the stream to end for ever (an intermittent hang of the test suite). Here the race
+    is made certain: the attach's wait for the shard's first answer drops close()'s cancel."""
+    import client.shm as shm_module
+    from client import AsyncMemoryClient
+
+    shard = local_shard
+    ids, w = _bag_inputs(8192)
+    answered = asyncio.Event()
+
+    async def losing_wait_for(aw, timeout):  # wait_for's result when its inner answered as the cancel came
+        got = await aw
+        answered.set()
+        try:
+            await asyncio.sleep(5)  # close() cancels the attach here
+        except asyncio.CancelledError:
+            pass
+        return got
+
+    monkeypatch.setattr(shm_module, "asyncio", SimpleNamespace(**{**vars(asyncio), "wait_for": losing_wait_for}))
+
+    async def scenario() -> None:
+        ac = AsyncMemoryClient(shard.endpoint, timeout=30, token="", shm=True)
+        await ac.bag("t", ids, w)  # large enough: it starts the attach
+        await asyncio.wait_for(answered.wait(), 30)
+        await asyncio.wait_for(ac.close(), 10)
+        assert not ac.shm.regions and not ac.shm.streams
+
+    asyncio.run(scenario())
+    t0 = time.monotonic()
+    while shard.regions.by_id:  # the attach's stream cancelled: the shard unmaps the region
+        assert time.monotonic() - t0 < 10, "the shard still holds the closed client's region"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("OFF", False), (" no ", False), ("1", True),
                                        ("yes", True), (None, True)])
 def test_the_shared_memory_and_doorbell_switches_read_off_as_a_user_writes_it(monkeypatch, value, on):
