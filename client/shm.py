@@ -73,6 +73,8 @@ MIN_BYTES = 64 << 10
 HEADER = 64
 #: Seconds before asking again a shard that refused a region or whose stream ended.
 RETRY_AFTER = 30.0
+#: Seconds a shard may take to answer an attach with its region's id.
+ATTACH_SECONDS = 30.0
 ATTACH_PATH = "/memserver.v1.DataPlane/AttachRegion"
 
 
@@ -287,6 +289,23 @@ class Lease:
         return Resolved(resp, tensors) if tensors else resp
 
 
+async def _first_answer(stream: Any, timeout: float) -> Any:
+    """The stream's first message; TimeoutError (the read, and so the stream, cancelled) after
+    `timeout` seconds. Not asyncio.wait_for: before Python 3.12 it returns the answer when a cancel
+    comes as the answer does, and drops the cancel. The attach then kept its region and stream, and
+    whoever had cancelled it (close(), asyncio.run's end) waited for it for ever (the test suite's
+    intermittent hangs)."""
+    read = asyncio.ensure_future(stream.read())
+    try:
+        done, _ = await asyncio.wait({read}, timeout=timeout)
+    finally:
+        if not read.done():
+            read.cancel()
+    if not done:
+        raise asyncio.TimeoutError(f"no answer to the attach in {timeout:g}s")
+    return read.result()
+
+
 class ShmTransport:
     """A client's regions, one per shard address on this machine, attached in the background on
     the first eligible call to that shard (that call and those until the region is attached go
@@ -385,7 +404,7 @@ class ShmTransport:
             stream = attach(pb.AttachRegionRequest(pid=os.getpid(), fd=region.fd, size=region.size,
                                                    boot_id=self.boot_id, nonce=region.nonce))
             try:
-                event = await asyncio.wait_for(stream.read(), 30)
+                event = await _first_answer(stream, ATTACH_SECONDS)
             finally:
                 region.close_fd()  # opened by the shard now, or never: the descriptor has no more use
             if event is grpc.aio.EOF:
@@ -401,17 +420,8 @@ class ShmTransport:
                 except OSError as exc:
                     log.info("no doorbell with shard %s (%s); its calls go by gRPC", address, exc)
             with self.lock:  # the stream first: whoever sees the region can cancel its stream
-                kept = self.on
-                if kept:
-                    self.streams[address] = stream
-                    self.regions[address] = region
-            if not kept:
-                # closed meanwhile, its cancel lost: on Python < 3.12 a wait_for whose read answered
-                # as the cancel came returns the answer and drops the cancel. Kept, the stream was
-                # never cancelled, and close() waited for this task for ever (an intermittent hang)
-                stream.cancel()
-                region.retire()
-                return
+                self.streams[address] = stream
+                self.regions[address] = region
             log.debug("shared memory with shard %s: %d MiB region attached%s", address, region.size >> 20,
                      ", calls by its doorbell" if region.bell is not None else "")
         except (grpc.aio.AioRpcError, RuntimeError, asyncio.TimeoutError) as exc:
