@@ -156,21 +156,25 @@ def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves
         log.close()
 
 
-@pytest.mark.parametrize("flags, message", [
+@pytest.mark.parametrize("flags, message, before_ray", [
     (["--shard-gpus", "1"], "--shard-gpus (or the config's shard_gpus): the shards need 2 GPU(s) and this machine has 0 "
-                            "(as Ray sees it); leave it out (--shard-gpus 0 over a config's)"),
-    (["--shard-cpus", "1.5"], "--shards 2 x --shard-cpus 1.5 need 3 CPUs and the embedded Ray head has 2 (--num-cpus)"),
+                            "(as Ray sees it); leave it out (--shard-gpus 0 over a config's)", False),
+    (["--shard-cpus", "1.5"], "--shards 2 x --shard-cpus 1.5 need 3 CPUs and the embedded Ray head has 2 (--num-cpus)",
+     True),
     (["--placement", "STRICT_SPREAD"], "--placement STRICT_SPREAD puts each of the 2 shards on its own node, and the "
-                                       "embedded Ray head is one"),
+                                       "embedded Ray head is one", True),
 ])
-def test_shards_an_embedded_head_cannot_hold_are_refused_at_once(tmp_path, flags, message):
-    """Where the placement waited out --placement-timeout (120 s) for a node that never comes."""
+def test_shards_an_embedded_head_cannot_hold_are_refused_at_once(tmp_path, flags, message, before_ray):
+    """Where the placement waited out --placement-timeout (120 s) for a node that never comes.
+    What the flags alone decide is said before Ray starts (it took ~10 s to start and stop it);
+    GPUs are Ray's view, asked of the head once it is up."""
     import time
 
     t0 = time.monotonic()
     up = run(["up", "--shards", "2", "--num-cpus", "2", "--object-store-mb", "96", *flags],  # (no GPU, as Ray sees it)
              {**os.environ, "MEMSERVER_HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}, timeout=100)
     assert up.returncode == 2 and message in up.stderr, up.stderr
+    assert ("starting an embedded Ray head" not in up.stderr) == before_ray, up.stderr
     assert time.monotonic() - t0 < 60 and not (tmp_path / "endpoint.json").exists()
 
 

@@ -215,6 +215,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
     cfg = load_config(args.config)
     shards, shard_cpus, shard_gpus = _checked_up_flags(args, cfg)
+    if not args.address:  # an embedded head: what one node cannot hold is said before Ray starts
+        _check_fits_one_node(shards, shard_cpus, _head_cpus(args), _flag_or_config(args, cfg, "placement", DEFAULT_PLACEMENT))
     if args.detach:
         return _up_detached(args)
     _plain_output()
@@ -236,7 +238,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             log.info("joined Ray cluster at %s (%d nodes alive)", ray.get_runtime_context().gcs_address,
                      sum(1 for n in ray.nodes() if n.get("Alive")))
     else:
-        cpus = args.num_cpus or os.cpu_count() or 2
+        cpus = _head_cpus(args)
         log.info("starting an embedded Ray head (%d CPUs, dashboard off)", cpus)
         ray.init(
             # "local": always a new head, even if `ray start` ran on this machine or RAY_ADDRESS is set
@@ -249,8 +251,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             logging_level=logging.WARNING,
         )
         try:
-            _check_fits_one_node(shards, shard_cpus, shard_gpus, ray.cluster_resources(),
-                                 _flag_or_config(args, cfg, "placement", DEFAULT_PLACEMENT))
+            _check_gpus_of_one_node(shard_gpus, ray.cluster_resources().get("GPU", 0.0))
         except CliError:
             ray.shutdown()
             raise
@@ -332,22 +333,31 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_fits_one_node(shards: int, shard_cpus: float, shard_gpus: list[float], have: dict[str, float],
-                         placement: str) -> None:
-    """An embedded head is one node: shards it cannot hold are said now, by flag, where the
-    placement would wait out --placement-timeout (120 s) for a node that never comes."""
+def _head_cpus(args: argparse.Namespace) -> int:
+    return args.num_cpus or os.cpu_count() or 2
+
+
+def _check_fits_one_node(shards: int, shard_cpus: float, cpus: int, placement: str) -> None:
+    """An embedded head is one node of `cpus` CPUs: shards it cannot hold are said before Ray
+    starts, by flag, where the placement would wait out --placement-timeout (120 s) for a node
+    that never comes."""
     if placement == "STRICT_SPREAD" and shards > 1:
         raise CliError(f"--placement STRICT_SPREAD puts each of the {shards} shards on its own node, and the embedded "
                        "Ray head is one; use another --placement, or join a cluster of nodes (--address)")
-    need_cpus, need_gpus = shards * shard_cpus, sum(shard_gpus)
-    cpus, gpus = have.get("CPU", 0.0), have.get("GPU", 0.0)
+    need_cpus = shards * shard_cpus
+    if need_cpus > cpus + 1e-9:
+        raise CliError(f"--shards {shards} x --shard-cpus {shard_cpus:g} need {need_cpus:g} CPUs and the embedded "
+                       f"Ray head has {cpus:g} (--num-cpus); lower one of them, or raise --num-cpus")
+
+
+def _check_gpus_of_one_node(shard_gpus: list[float], gpus: float) -> None:
+    """The GPU half of _check_fits_one_node, once the head is up: which GPUs are there is Ray's
+    view (CUDA_VISIBLE_DEVICES, its own detection), not this process's."""
+    need_gpus = sum(shard_gpus)
     if need_gpus > gpus + 1e-9:
         raise CliError(f"--shard-gpus (or the config's shard_gpus): the shards need {need_gpus:g} GPU(s) and this "
                        f"machine has {gpus:g} (as Ray sees it); leave it out (--shard-gpus 0 over a config's), or join "
                        "a cluster with GPU nodes (--address)")
-    if need_cpus > cpus + 1e-9:
-        raise CliError(f"--shards {shards} x --shard-cpus {shard_cpus:g} need {need_cpus:g} CPUs and the embedded "
-                       f"Ray head has {cpus:g} (--num-cpus); lower one of them, or raise --num-cpus")
 
 
 def _start(args: argparse.Namespace, cfg: dict[str, Any], start_cluster: Any, shards: int, shard_cpus: float,
