@@ -133,6 +133,29 @@ def test_product_key_addressing_gradient_matches_a_dense_reference():
     torch.testing.assert_close(got[1], layer.keys.grad)
 
 
+def test_product_key_values_train_with_the_addressing_frozen():
+    """Frozen query and keys (fine-tuning the memory alone) left the values untouched, silently:
+    the weights came from no parameter needing grad, so the backward never reached the rows (and
+    with every dense parameter frozen, backward() raised "element 0 of tensors does not require
+    grad"). LSH and Engram already made their weights take part. Eval-mode reads still update
+    nothing, and under no_grad nothing takes part."""
+    torch.manual_seed(0)
+    values = LocalValues(8 * 8, 6, optimizer="sgd", lr=0.1)
+    layer = ProductKeyMemory(5, 6, values, n_keys=8, heads=2, k_dim=4, knn=3, query_bn=False)
+    layer.requires_grad_(False)
+    x, r = torch.randn(20, 5), torch.randn(20, 6)
+    before = values.table.weight.clone()
+    (layer(x) * r).sum().backward()
+    assert not torch.equal(values.table.weight, before)
+    assert layer.query.weight.grad is None and layer.keys.grad is None
+    with torch.no_grad():
+        assert not layer(x).requires_grad
+    layer.eval()
+    before = values.table.weight.clone()
+    (layer(x) * r).sum().backward()
+    assert torch.equal(values.table.weight, before)
+
+
 # --- KIF --------------------------------------------------------------------------------------
 
 
