@@ -51,8 +51,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
             with _terminate_as_interrupt():
                 report = run_worker(master_addr, wait, endpoint=args.endpoint, save_latencies=args.save_latencies)
         except LoadTestError as exc:
-            print(f"memserver: error: {exc}", file=sys.stderr)
-            return 1
+            return _failed(exc, args.json)
         return _print_and_exit(report, args.json)
     master = None
     if args.expect_workers is not None:
@@ -90,9 +89,17 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the table or the calls' sizes, refused before any load (loadtest.caller)
         raise CliError(str(exc)) from None
     except LoadTestError as exc:
-        print(f"memserver: error: {exc}", file=sys.stderr)
-        return 1
+        return _failed(exc, args.json)
     return _print_and_exit(report, args.json)
+
+
+def _failed(exc: Exception, as_json: bool) -> int:
+    """A run that failed (exit status 1; a wrong command is 2): said on stderr, and with --json
+    as {"error": ...} on stdout too, as every command's failure is (it printed nothing there)."""
+    print(f"memserver: error: {exc}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": str(exc)}, indent=2))
+    return 1
 
 
 @contextlib.contextmanager

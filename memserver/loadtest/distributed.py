@@ -380,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, grpc.RpcError, MemserverError) as exc:  # bad MEMSERVER_* settings, unknown table, no
         # coordinator, no workers
         detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
-        print(f"memserver loadtest: error: {detail}", file=sys.stderr)
+        with open(args.report, "w") as f:  # the parent says it (on stdout too with --json)
+            json.dump({"error": detail}, f)
         return 2
     if args.save_latencies:
         try:

@@ -92,10 +92,15 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
 
 def _drop_scratch(mem: Any, table: str) -> str | None:
     """Drop the run's scratch table; what went wrong (the cluster stopped, someone dropped it) or None."""
+    from memserver.api.errors import TableNotFoundError
     from memserver.cli.common import one_line
 
     try:
         mem.drop_table(table)
+    except TableNotFoundError:  # (there is nothing left to drop: no advice to drop it)
+        error = f"the scratch table {table} was dropped by someone else during the run: its later calls failed"
+        log.warning("%s", error)
+        return error
     except Exception as exc:
         error = (f"the scratch table {table} was not dropped: {one_line(exc)}; drop it with `memserver drop-table "
                  f"{table}` once the cluster serves it")
@@ -139,6 +144,11 @@ def _run_child(env: dict[str, str], args: list[str], timeout: float, save_latenc
             if proc.poll() is None:  # timed out, a second Ctrl-C, an error: stop the load before the table goes
                 proc.kill()
                 proc.wait()
+        if rc == 2 and os.path.exists(report_path):  # the child refused what it was asked: said by the parent
+            with open(report_path) as f:
+                said = json.load(f).get("error")
+            if said:
+                raise LoadTestError(said)
         # interrupted, the child may die of the repeated SIGINT after it wrote its report: fine
         if not os.path.exists(report_path) or (rc != 0 and not interrupted):
             if interrupted:  # before the child had started its run: nothing to report
