@@ -217,6 +217,9 @@ def test_status_shows_each_servers_calls(auth_cluster, monkeypatch, capsys):
     assert calls["auth_failures"] >= 1 and calls["errors"]["UNAUTHENTICATED"] >= 1 and calls["requests"] >= 1
     assert set(calls) == {"requests", "errors", "auth_failures", "rejected", "inflight_calls", "inflight_bytes"}
     assert set(st["shards"][0]["calls"]) == set(calls)
+    # an idle cluster: nothing in flight (the coordinator counted the Status call itself)
+    assert (calls["inflight_calls"], calls["inflight_bytes"]) == (0, 0)
+    assert (st["shards"][0]["calls"]["inflight_calls"], st["shards"][0]["calls"]["inflight_bytes"]) == (0, 0)
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["status", "--endpoint", ep]) == 0
     out = capsys.readouterr().out

@@ -741,7 +741,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                                  coordinator_pid=os.getpid(), coordinator_restarted=self.restarted)
         if self.metrics is not None:
             resp.coordinator_metrics_address = self.metrics.address
-            resp.coordinator_calls.CopyFrom(self.metrics.summary())
+            resp.coordinator_calls.CopyFrom(self.metrics.summary(asking=True))
         dead: set[str] = set()
         if any(isinstance(b, BaseException) for b in blobs):  # was its host lost? (Ray's node table)
             try:

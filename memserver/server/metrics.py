@@ -96,8 +96,10 @@ class ServerMetrics:
         self.admission = admission
         admission.register(self.registry)
 
-    def summary(self) -> pb.CallSummary:
-        """The counters summed for `memserver status` (read from the registry: one source)."""
+    def summary(self, asking: bool = False) -> pb.CallSummary:
+        """The counters summed for `memserver status` (read from the registry: one source).
+        `asking`: read inside an admitted call (the coordinator's Status), which is left out of the
+        calls in flight (an idle coordinator said it had one)."""
         out = pb.CallSummary()
         for sample in _totals(self.requests):
             n = int(sample.value)
@@ -107,7 +109,7 @@ class ServerMetrics:
         out.auth_failures = sum(int(s.value) for s in _totals(self.auth_failures))
         if self.admission is not None:
             out.rejected = sum(self.admission.rejected.values())
-            out.inflight_calls, out.inflight_bytes = self.admission.calls, self.admission.bytes
+            out.inflight_calls, out.inflight_bytes = max(0, self.admission.calls - asking), self.admission.bytes
         return out
 
     def serve(self, host: str) -> str:
