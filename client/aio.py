@@ -854,13 +854,16 @@ class AsyncMemoryClient:
         grad_w = await self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
         return None if grad_w is None else like(grad_w, weights)
 
-    async def commit_step(self, table: str, step: int, *, defer_apply: bool = False) -> int:
+    async def commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False) -> int:
         """Apply this client's `gather` parts of `step` as one optimizer step (a sync_updates table:
         once every trainer committed, their mean), on every shard of the table or on none: two
         phases, PREPARE then COMMIT or ABORT (client.ops.commit_step_plan; one call on a table of
         one shard). Raises StepAbortedError, naming the shard, when a shard lacks a part it
-        acknowledged: nothing of the step is applied anywhere. Returns the rows updated now."""
-        plan = ops.commit_step_plan(self.session, table, step, len((await self.table(table)).shards), defer_apply)
+        acknowledged: nothing of the step is applied anywhere. Returns the rows updated now.
+        `drop`: this client met a non-finite gradient in the step (a GradScaler skips it): its parts
+        are dropped, and a sync_updates table drops the whole step, every trainer's contribution
+        (call `abandon_step` first: the commit then lists none of this client's parts)."""
+        plan = ops.commit_step_plan(self.session, table, step, len((await self.table(table)).shards), defer_apply, drop)
         make, tags, retry = next(plan)
         while True:
             try:

@@ -423,6 +423,34 @@ def test_a_sync_table_applies_the_mean_once_every_trainer_committed(pairs, defer
             torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
 
 
+def test_a_sync_step_a_trainer_dropped_applies_no_trainers_update(pairs):
+    """A GradScaler overflow on one of two data-parallel trainers: both scalers skip the dense
+    step (DDP sums the overflow into every trainer's gradients), but the shards applied the other
+    trainer's half of the step (a walkthrough). The overflowing trainer's commit drops the whole
+    step on every shard; the next step applies as ever, and a restarted shard (its log replayed)
+    agrees."""
+    run = pairs("run", spec(sync_updates=True, sync_workers=2))
+    ref = pairs("ref", spec(sync_updates=True, sync_workers=2))
+    a, b = run.client, run.new_client("b")
+    ra, rb = ref.client, ref.new_client("b")
+    send_part(a, 1, 1)
+    send_part(b, 1, 2)
+    assert b.abandon_step(NAME, 1) == 1  # (RemoteValues.end_step after an overflow)
+    a.commit_step(NAME, 1)
+    b.commit_step(NAME, 1, drop=True)
+    ra.commit_step(NAME, 1)  # the reference: a step with nothing in it
+    rb.commit_step(NAME, 1)
+    assert not any(run.slice(i).steps for i in range(2))  # closed, not left waiting
+    assert_same(run.state(), ref.state())
+    for c, r, seed in ((a, ra, 3), (b, rb, 4)):
+        train_step(c, 2, (seed,))
+        train_step(r, 2, (seed,))
+    assert_same(run.state(), ref.state())
+    assert not torch.equal(run.state()[0]["weight"], pairs("fresh", spec()).state()[0]["weight"])  # step 2 applied
+    run.restart(1)
+    assert_same(run.state(), ref.state())
+
+
 def test_an_old_client_s_count_commit_still_applies_on_its_shard(pairs):
     """Backward compatibility: CommitStep without a phase carries a part count and is decided by
     each shard alone, as before the two phases."""

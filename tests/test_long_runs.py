@@ -163,7 +163,7 @@ def test_a_decision_held_for_one_table_does_not_make_another_tables_shards_keep_
     session = client.aio.session
     decision = WriteTags(session)  # what commit_step_plan keeps when a decision could not be delivered
     decision(0, held_meta, held_meta.shards[0])
-    session.set_undecided(held, 1, (pb.STEP_COMMIT, decision, None))
+    session.set_undecided(held, 1, (pb.STEP_COMMIT, decision, None, False))
     rng = np.random.default_rng(1)
     for _ in range(12):
         client.bag_backward(other, rng.integers(0, 4096, (64, 32)), np.ones((64, 32), np.float32),

@@ -641,6 +641,29 @@ def test_a_step_whose_backward_overflowed_anywhere_drops_every_tables_update():
     assert not torch.equal(low.table.weight, before[0]) and not torch.equal(high.table.weight, before[1])
 
 
+def test_an_overflow_on_one_data_parallel_trainer_skips_the_sync_tables_step(client, table_name):
+    """Two trainers of a sync_workers table, an overflow in one's backward only: DDP sums it into
+    both trainers' dense gradients, so both scalers skip the step, but the table applied the other
+    trainer's half (a walkthrough). RemoteValues' commit now drops the step for both; the next
+    step, finite on both, updates the table."""
+    from client import MemoryClient
+    from trainer.memory import ProductKeyMemory, RemoteValues
+
+    torch.manual_seed(0)
+    with MemoryClient(client.endpoint, client_id="rank-b") as other:
+        va = RemoteValues(client, table_name, 64, 16, optimizer="sgd", lr=1e-3, seed=1, sync_workers=2)
+        vb = RemoteValues(other, table_name, 64, 16, optimizer="sgd", lr=1e-3, seed=1, create=False, sync_workers=2)
+        layers = [ProductKeyMemory(16, 16, v, n_keys=8, heads=1, k_dim=8, knn=4) for v in (va, vb)]
+        before = torch.as_tensor(client.lookup(table_name, list(range(64)), count=False))
+        for step, overflow in ((1, 1e30), (2, 1.0)):
+            for v, layer, big in ((va, layers[0], 1.0), (vb, layers[1], overflow)):  # trainer b overflows in step 1
+                v.begin_step(step, grad_scale=2.0**100)
+                (layer(torch.randn(6, 16)) * big).pow(2).mean().mul(2.0**100).backward()
+                v.end_step(step)
+            after = torch.as_tensor(client.lookup(table_name, list(range(64)), count=False))
+            assert torch.equal(after, before) == (step == 1), step
+
+
 @pytest.mark.parametrize("kind", ["pkm", "lsh", "engram"])
 def test_a_read_checks_its_weights_for_nonfinite_values_once(kind, monkeypatch):
     """`send` checked a read's weights even when it sent nothing (one forward chunk: the bag is

@@ -50,7 +50,7 @@ class ClientSession:
         # (table, step) -> (the table layout its parts went to, shard index -> the seqs of the
         # gather parts that shard acknowledged)
         self._parts: dict[tuple[str, int], tuple[int, dict[int, set[int]]]] = {}
-        self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]] = {}
+        self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None, bool]]] = {}
         # table -> (the rebuilds of its slices seen since this client wrote to them, the latest's text)
         self._rebuilds: dict[str, tuple[int, str]] = {}
 
@@ -184,24 +184,25 @@ class ClientSession:
                 del self._known[k]
             self._known_tables.pop(table, None)
             decisions = self._undecided.pop(table, {})
-        for _, tags, _ in decisions.values():
+        for _, tags, _, _ in decisions.values():
             tags.held = False
             tags.close()
 
-    def undecided(self, table: str) -> dict[int, tuple[int, WriteTags, dict[int, list[int]] | None]]:
-        """The commit decisions of `table` some shard may not have: step -> (phase, tags, parts)."""
+    def undecided(self, table: str) -> dict[int, tuple[int, WriteTags, dict[int, list[int]] | None, bool]]:
+        """The commit decisions of `table` some shard may not have: step -> (phase, tags, parts,
+        drop)."""
         with self._lock:
             return dict(self._undecided.get(table, {}))
 
     def set_undecided(self, table: str, step: int,
-                      decision: tuple[int, WriteTags, dict[int, list[int]] | None] | None) -> None:
+                      decision: tuple[int, WriteTags, dict[int, list[int]] | None, bool] | None) -> None:
         """Keep a decision to re-send (its tags are held: their seqs stay in flight, so every shard
         keeps its answer for the re-send), or (None) forget it once delivered, releasing them."""
         with self._lock:
             if decision is not None:
                 self._undecided.setdefault(table, {})[step] = decision
                 return
-            _, tags, _ = self._undecided.get(table, {}).pop(step, (0, None, None))
+            _, tags, _, _ = self._undecided.get(table, {}).pop(step, (0, None, None, False))
         if tags is not None:
             tags.held = False
             tags.close()

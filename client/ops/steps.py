@@ -32,11 +32,11 @@ class TableRemadeError(MemserverError):
 
 
 def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts: dict[int, list[int]] | None = None,
-                  defer_apply: bool = False, layout_id: int = 0) -> Op:
+                  defer_apply: bool = False, layout_id: int = 0, drop: bool = False) -> Op:
     """One phase of closing this client's contribution to `step`, on every shard (see
     CommitStepRequest). PREPARE on a table of one shard is PREPARE_COMMIT. Returns (rows updated
     now, whether the step is committed). `layout_id`: the table incarnation the step's parts went
-    to (0: any); another one is TableRemadeError, nothing sent."""
+    to (0: any); another one is TableRemadeError, nothing sent. `drop`: CommitStepRequest.drop_step."""
     if layout_id and meta.layout_id != layout_id:
         raise TableRemadeError(f"table {meta.name}: made anew (a restore, or a create with replace) while step {step} "
                                "was open: its update went to the old table and is dropped (the step is committed with "
@@ -46,7 +46,7 @@ def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts
     calls = [(sh.address, "CommitStep",
               pb.CommitStepRequest(table=meta.name, step=step, phase=phase, tag=tags(0, meta, sh),
                                    part_seqs=(parts or {}).get(sh.index, []), defer_apply=defer_apply,
-                                   layout_id=meta.layout_id))
+                                   layout_id=meta.layout_id, drop_step=drop))
              for sh in meta.shards]
     acks = yield calls
     rows = int(sum(a.rows for a in acks) // (1 if meta.by_rows else len(meta.shards)))
@@ -63,19 +63,20 @@ _PHASES = {pb.STEP_COMMIT: "commit", pb.STEP_ABORT: "abort", pb.STEP_PREPARE_COM
 _FINAL = (FailedPreconditionError, StepAbortedError, TableNotFoundError, InvalidArgumentError)
 
 
-def commit_step_plan(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool = False
-                     ) -> CommitPlan:
+def commit_step_plan(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool = False,
+                     drop: bool = False) -> CommitPlan:
     """Commit this client's `gather` parts of `step` on every shard of `table` (`shards` of them),
     or on none: PREPARE on every shard (each checks it holds exactly the parts it acknowledged),
     then COMMIT on every shard if all prepared, else ABORT on every shard and raise
     StepAbortedError naming the shard that refused. One shard: one call (PREPARE_COMMIT). A
     decision that cannot reach a shard (unavailable past the client's retries) is kept, its seqs
     in flight, and re-sent with the same tags before the table's next commit, which raises until
-    it is delivered. Returns the rows updated now."""
+    it is delivered. Returns the rows updated now. `drop`: this client met a non-finite gradient
+    in the step; a sync table drops the whole step, every trainer's contribution (drop_step)."""
     check_ints(UINT64, step=step)
-    for st, (phase, tags, parts) in session.undecided(table).items():
-        got = yield (lambda meta, st=st, phase=phase, tags=tags, parts=parts:
-                     step_phase_op(meta, st, phase, tags, parts)), tags, True
+    for st, (phase, tags, parts, dropped) in session.undecided(table).items():
+        got = yield (lambda meta, st=st, phase=phase, tags=tags, parts=parts, dropped=dropped:
+                     step_phase_op(meta, st, phase, tags, parts, drop=dropped)), tags, True
         if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
             raise type(got)(f"table {table}: step {step} is not committed: the {_PHASES[phase]} of step {st} has not "
                             f"reached every shard yet ({got.details}); commit step {step} again later",
@@ -85,7 +86,7 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
         session.set_undecided(table, st, None)
     parts, layout = session.take_step(table, step)
     while True:  # twice at most: once more, with no parts, when the table was made anew meanwhile
-        outcome = yield from _prepare_and_decide(session, table, step, shards, defer_apply, parts, layout)
+        outcome = yield from _prepare_and_decide(session, table, step, shards, defer_apply, parts, layout, drop)
         if not isinstance(outcome, TableRemadeError):
             return outcome
         # The parts went to the old table; the new one holds none of them. The step is committed
@@ -96,19 +97,19 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
 
 
 def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool,
-                        parts: dict[int, list[int]], layout: int) -> Generator[Any, Any, Any]:
+                        parts: dict[int, list[int]], layout: int, drop: bool) -> Generator[Any, Any, Any]:
     """commit_step_plan's two phases for `parts` (sent to table incarnation `layout`): the rows
     updated now, or the TableRemadeError of a table made anew since (nothing decided)."""
     prepare = WriteTags(session)
     prepare.held = shards == 1  # PREPARE_COMMIT is a decision: kept if it may not have arrived
-    voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply, layout)), \
+    voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply, layout, drop)), \
         prepare, True
     if isinstance(voted, TableRemadeError):  # nothing of the step reached the new table: nothing to decide
         prepare.held = False
         prepare.close()
         return voted
     if shards == 1 and isinstance(voted, MemserverError) and not isinstance(voted, _FINAL):
-        session.set_undecided(table, step, (pb.STEP_PREPARE_COMMIT, prepare, parts))
+        session.set_undecided(table, step, (pb.STEP_PREPARE_COMMIT, prepare, parts, drop))
         raise _undelivered(voted, table, step, pb.STEP_PREPARE_COMMIT)
     prepare.held = False
     prepare.close()
@@ -128,7 +129,7 @@ def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: i
         decide.close()
         return got
     if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
-        session.set_undecided(table, step, (decision, decide, None))
+        session.set_undecided(table, step, (decision, decide, None, False))
         if unreachable:  # neither phase got through
             raise type(got)(f"table {table}: step {step} is not committed: a shard could not be reached (stopped, "
                             f"its host lost or cut off), neither by its prepare ({voted.details}) nor by the abort that "

@@ -381,7 +381,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             checked: list[Callable[[], Callable[[], int] | None]] = []
 
             def check() -> None:
-                checked.append(sl.step_phase(request.phase, request.step, client, seqs, request.parts))
+                checked.append(sl.step_phase(request.phase, request.step, client, seqs, request.parts, request.drop_step))
 
             def apply() -> int:  # once() ran check() first, also when replaying the log
                 return self._update(sl, checked[0](), request.defer_apply)

@@ -52,6 +52,7 @@ class Contribution:
     parts: dict[int, Entries] = field(default_factory=dict)
     prepared: bool = False  # voted: exactly these parts make the step here; no part is added after
     committed: bool = False  # decided (a sync_updates table: waits for the other trainers)
+    drop: bool = False  # the client met a non-finite gradient: the step is dropped (CommitStepRequest.drop_step)
 
 
 class TableSlice:
@@ -291,7 +292,7 @@ class TableSlice:
                       len(self.steps[old]))
             del self.steps[old]
 
-    def step_phase(self, phase: int, step: int, client: str, seqs: list[int], count: int = 0
+    def step_phase(self, phase: int, step: int, client: str, seqs: list[int], count: int = 0, drop: bool = False
                    ) -> Callable[[], Callable[[], int] | None]:
         """Check one phase of closing `client`'s contribution to `step` (raising, nothing
         changed) and return the function that applies it; that function returns the row update
@@ -309,7 +310,7 @@ class TableSlice:
                     f"the client sent it ({self._lost()}); the step is aborted on every shard of the table")
 
             def prepare() -> Callable[[], int] | None:
-                self._prepare(step, client, set(seqs))
+                self._prepare(step, client, set(seqs), drop)
                 return self.commit(step, client) if phase == pb.STEP_PREPARE_COMMIT else None
 
             return prepare
@@ -341,8 +342,9 @@ class TableSlice:
                     "no `wal`): parts sent before that are gone")
         return "lost in a restart?"
 
-    def _prepare(self, step: int, client: str, seqs: set[int]) -> None:
+    def _prepare(self, step: int, client: str, seqs: set[int], drop: bool = False) -> None:
         c = self.steps.setdefault(step, {}).setdefault(client, Contribution())
+        c.drop = drop
         dropped = [q for q in c.parts if q not in seqs]
         for q in dropped:  # parts of calls that failed for good: the client does not count them
             del c.parts[q]
@@ -359,19 +361,27 @@ class TableSlice:
     def commit(self, step: int, client: str) -> Callable[[], int] | None:
         """Close `client`'s contribution to `step` (checked by step_phase). Returns the update to
         run once the step is complete: at once for an ordinary table, when every trainer committed
-        for a sync_updates table (the mean of their contributions); else None."""
+        for a sync_updates table (the mean of their contributions); else None. None too when a
+        contributor dropped the step (a non-finite gradient): a sync table applies nothing of it."""
         got = self.steps.setdefault(step, {})
         got.setdefault(client, Contribution()).committed = True
         workers = self.spec.sync_workers if self.spec.sync_updates else 1
         if self.spec.sync_updates:
             if sum(x.committed for x in got.values()) < workers:
                 return None
-            contributions = [x for _, x in sorted(got.items()) if x.committed]  # a fixed order: same sums every run
+            ranked = [(c, x) for c, x in sorted(got.items()) if x.committed]  # a fixed order: same sums every run
             del self.steps[step]
         else:
-            contributions = [got.pop(client)]
+            ranked = [(client, got.pop(client))]
             if not got:
                 del self.steps[step]
+        contributions = [x for _, x in ranked]
+        if dropped := [c for c, x in ranked if x.drop]:
+            if self.spec.sync_updates:
+                log.warning("table %s: step %d dropped on shard %d, every trainer's update: client(s) %s met a "
+                            "non-finite gradient (a GradScaler skips the step)", self.spec.name, step,
+                            self.info.index, ", ".join(dropped))
+            return None
         parts = [p for x in contributions for _, p in sorted(x.parts.items(), key=_part_order)]
         if not parts:
             return None
@@ -391,7 +401,7 @@ class TableSlice:
 
     def extras(self) -> dict[str, Any]:
         """What a checkpoint keeps beside the values: sessions and the open steps' parts."""
-        steps = [(st, client, c.committed, c.prepared, [(q, list(p)) for q, p in c.parts.items()])
+        steps = [(st, client, c.committed, c.prepared, [(q, list(p)) for q, p in c.parts.items()], c.drop)
                  for st, got in self.steps.items() for client, c in got.items()]
         out: dict[str, Any] = {"sessions": self.sessions.state(), "step_parts": steps}
         if self.triggers is not None and (self.triggers.slots or self.triggers.info):
@@ -408,9 +418,9 @@ class TableSlice:
             after the restore are: one step's parts are concatenated at its commit."""
             return tuple(t.to(self.table.device) for t in part)
 
-        for st, client, committed, prepared, parts in extras.get("step_parts", []):
+        for st, client, committed, prepared, parts, *drop in extras.get("step_parts", []):  # (no drop: older)
             self.steps.setdefault(int(st), {})[client] = Contribution({int(q): here(p) for q, p in parts},
-                                                                      bool(prepared), bool(committed))
+                                                                      bool(prepared), bool(committed), any(drop))
         for st, client, committed, parts in extras.get("steps", []):  # checkpoints before parts had seqs
             self.steps.setdefault(int(st), {})[client] = Contribution({-1 - i: here(p) for i, p in enumerate(parts)},
                                                                       False, bool(committed))

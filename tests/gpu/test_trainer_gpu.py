@@ -213,14 +213,14 @@ class TableClient:
     def submit_bag_backward(self, table, ids, weights, grad_out, *, step, gather=True):
         return self.pool.submit(self.bag_backward, table, ids, weights, grad_out, step=step, gather=gather)
 
-    def commit_step(self, table, step, *, defer_apply=False):
+    def commit_step(self, table, step, *, defer_apply=False, drop=False):
         parts, self.parts = self.parts, []
-        if parts:
+        if parts and not drop:
             self.values.apply_entries(*combine(parts))
 
-    def submit_commit_step(self, table, step, *, defer_apply=False):
+    def submit_commit_step(self, table, step, *, defer_apply=False, drop=False):
         """end_step(wait=False)'s commit (after the parts sent before it: one thread)."""
-        return self.pool.submit(self.commit_step, table, step, defer_apply=defer_apply)
+        return self.pool.submit(self.commit_step, table, step, defer_apply=defer_apply, drop=drop)
 
     def abandon_step(self, table, step) -> int:
         """A step begun again, or one whose backward overflowed: its parts are dropped."""

@@ -542,16 +542,18 @@ class RemoteValues:
         if self._remade():  # its parts went to the new incarnation: not committed there
             self.client.abandon_step(self.name, step)
             self._check_rebuilt()
-        if overflowed(self, step):
+        drop = overflowed(self, step)
+        if drop:
             # its parts are forgotten: the commit lists none, so the shards drop theirs and apply
-            # nothing of this trainer's (a sync table still counts its commit)
+            # nothing of this trainer's; and a sync table drops the other trainers' too (their
+            # scalers skip the dense step, DDP having summed the overflow into their gradients)
             self.client.abandon_step(self.name, step)
         self.version += 1
         if wait:
-            self.client.commit_step(self.name, step, defer_apply=self.defer_apply)
+            self.client.commit_step(self.name, step, defer_apply=self.defer_apply, drop=drop)
             self._check_rebuilt()
         else:
-            self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply)
+            self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply, drop=drop)
 
     def settle(self) -> None:
         """Wait for the commit in flight, if any, and forget it; raise its error (a read chained

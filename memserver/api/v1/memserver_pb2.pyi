@@ -335,7 +335,7 @@ class BagBackwardResponse(_message.Message):
     def __init__(self, grad_weights: _Optional[_Union[Tensor, _Mapping]] = ..., duplicate: _Optional[bool] = ..., rebuilt: _Optional[int] = ..., recovered_from: _Optional[str] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
-    __slots__ = ("table", "step", "parts", "tag", "defer_apply", "layout_id", "phase", "part_seqs", "contributor")
+    __slots__ = ("table", "step", "parts", "tag", "defer_apply", "layout_id", "phase", "part_seqs", "contributor", "drop_step")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +345,7 @@ class CommitStepRequest(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PART_SEQS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
+    DROP_STEP_FIELD_NUMBER: _ClassVar[int]
     table: str
     step: int
     parts: int
@@ -354,7 +355,8 @@ class CommitStepRequest(_message.Message):
     phase: StepPhase
     part_seqs: _containers.RepeatedScalarFieldContainer[int]
     contributor: str
-    def __init__(self, table: _Optional[str] = ..., step: _Optional[int] = ..., parts: _Optional[int] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., layout_id: _Optional[int] = ..., phase: _Optional[_Union[StepPhase, str]] = ..., part_seqs: _Optional[_Iterable[int]] = ..., contributor: _Optional[str] = ...) -> None: ...
+    drop_step: bool
+    def __init__(self, table: _Optional[str] = ..., step: _Optional[int] = ..., parts: _Optional[int] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., defer_apply: _Optional[bool] = ..., layout_id: _Optional[int] = ..., phase: _Optional[_Union[StepPhase, str]] = ..., part_seqs: _Optional[_Iterable[int]] = ..., contributor: _Optional[str] = ..., drop_step: _Optional[bool] = ...) -> None: ...
 
 class PushGradientsRequest(_message.Message):
     __slots__ = ("table", "ids", "grads", "tag", "layout_id")
