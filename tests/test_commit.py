@@ -437,7 +437,19 @@ def test_a_sync_step_a_trainer_dropped_applies_no_trainers_update(pairs):
     send_part(b, 1, 2)
     assert b.abandon_step(NAME, 1) == 1  # (RemoteValues.end_step after an overflow)
     a.commit_step(NAME, 1)
-    b.commit_step(NAME, 1, drop=True)
+    plan = ops.commit_step_plan(b.aio.session, NAME, 1, 2, False, True)  # b.commit_step(NAME, 1, drop=True)
+    make, tags, _ = next(plan)
+    voted = b._call(NAME, make, tags)  # b prepared, dropping the step
+    for i in range(2):  # a checkpoint's open steps keep it (one written before drop_step: no drop)
+        sl = run.slice(i)
+        kept = sl.extras()
+        sl.load_extras({**kept, "step_parts": [t[:5] for t in kept["step_parts"]]})
+        assert not sl.steps[1]["b"].drop
+        sl.load_extras(kept)
+        assert sl.steps[1]["b"].drop and sl.steps[1]["b"].prepared
+    make, tags, _ = plan.send(voted)
+    with pytest.raises(StopIteration):
+        plan.send(b._call(NAME, make, tags))
     ra.commit_step(NAME, 1)  # the reference: a step with nothing in it
     rb.commit_step(NAME, 1)
     assert not any(run.slice(i).steps for i in range(2))  # closed, not left waiting
