@@ -119,6 +119,9 @@ def test_replayed_push_is_applied_once(client, table_name, sharding):
     expect[3] -= 1.0
     np.testing.assert_allclose(after, expect)
     assert client.slot_stats(table_name, [0, 1, 3])["updates"].tolist() == [1, 1, 1]
+    stats = client.slot_stats(table_name, np.array([[0, 1], [3, 0]]))  # the ids' shape, as lookup keeps it
+    assert {k: v.shape for k, v in stats.items()} == dict.fromkeys(stats, (2, 2)) and len(stats) == 5
+    assert stats["updates"].tolist() == [[1, 1], [1, 1]]
 
 
 @pytest.mark.parametrize("sharding", ["rows", "cols"])

@@ -21,8 +21,10 @@ SLOT_STATS = {"hits": pb.HITS, "mass": pb.WEIGHT_MASS, "updates": pb.UPDATES, "n
 
 
 def slot_stats_op(meta: TableMeta, ids: Any) -> Op:
-    """Per-slot statistics: hits, weight_mass, updates, last_update (unix s), value_norm."""
-    t = checked_ids(ids, meta).reshape(-1)
+    """Per-slot statistics: hits, weight_mass, updates, last_update (unix s), value_norm, each
+    of the ids' shape (as lookup keeps it; they came back flat)."""
+    given = checked_ids(ids, meta)
+    t = given.reshape(-1)
     uniq, inv = torch.unique(t, return_inverse=True)
     n = len(uniq)
     out = {
@@ -44,7 +46,7 @@ def slot_stats_op(meta: TableMeta, ids: Any) -> Op:
                 out[key][sel] = got
     norm = out.pop("value_sq_norm").sqrt()
     out["value_norm"] = norm
-    return {k: v[inv] for k, v in out.items()}
+    return {k: v[inv].reshape(given.shape) for k, v in out.items()}
 
 
 def record_triggers_op(meta: TableMeta, ids: Any, weights: Any, positions: Any, contexts: Any, nxt: Any,
