@@ -65,6 +65,8 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
         try:
             meta = mem.table(cfg.table)  # TableNotFoundError before any locust starts
             check_table(meta, cfg.batch, cfg.knn)  # an index table, a call too large: before any locust
+            if scratch is not None:
+                _warm_up(mem, meta, cfg)
             # the users stop themselves a little after the duration even if the runner does not
             cfg = replace(cfg, max_seconds=min(cfg.max_seconds, duration_s + cfg.timeout + 5))
             args = ["--users", str(users), "--spawn-rate", str(spawn_rate), "--duration", str(duration_s)]
@@ -88,6 +90,23 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("endpoint", "table")},
     })
     return report
+
+
+def _warm_up(mem: Any, meta: Any, cfg: LoadConfig) -> None:
+    """One untimed call of each kind in the mix on the fresh scratch table, under the client's own
+    deadline (a minute): a shard compiles a kernel at its first call on a fresh install (numba; 15-18
+    s on 2 cores in a walkthrough), which the first timed calls waited out and failed with
+    DEADLINE_EXCEEDED. A user's own table (--table) gets none: its calls would count and write."""
+    from memserver.loadtest.caller import Batches
+
+    b = Batches(meta, cfg, seed=0)
+    for op in cfg.mix:
+        if op == "lookup":
+            mem.lookup(cfg.table, b.ids(cfg.batch))
+        elif op == "bag":
+            mem.bag(cfg.table, b.ids(cfg.batch, cfg.knn), b.weights())
+        else:
+            mem.bag_backward(cfg.table, b.ids(cfg.batch, cfg.knn), b.weights(), b.grad_out())
 
 
 def _drop_scratch(mem: Any, table: str) -> str | None:
