@@ -125,6 +125,8 @@ def test_search_token_equals_a_scan_by_hand(client, trained):
     assert got[0]["rank"] == int((logp[want[0]] > logp[want[0], e]).sum())
     with pytest.raises(ValueError, match="not in the model's vocabulary"):
         search_token(ins, client, table, "€")
+    with pytest.raises(ValueError, match=r"a token of this character-level model is one character, not 'ab' \(write"):
+        search_token(ins, client, table, "ab")  # (said "not in the model's vocabulary", as the page does not)
 
 
 def test_activations_sum_each_slots_weight_over_the_text(client, trained):

@@ -523,6 +523,9 @@ def search_token(inspector: Inspector, client: Any, table: str, token: str, n: i
     from tqdm import tqdm
 
     if token not in inspector.index:
+        if len(token) != 1 and all(len(k) == 1 for k in inspector.index):  # the page's words, not a vocabulary miss
+            raise ValueError(f"a token of this character-level model is one character, not {token!r} (write a "
+                             "newline as ⏎ or \\n, a space as ␣ or \\s)")
         raise ValueError(f"token {token!r} is not in the model's vocabulary")
     t = inspector.index[token]
     view = inspector.view(table)
