@@ -209,6 +209,8 @@ def test_a_scratch_table_that_cannot_be_dropped_leaves_the_report_standing(memor
         (["--spawn-rate", "nan"], "--spawn-rate must be a number more than 0, got nan"),
         (["--table", "t", "--dim", "8"], "cannot be used with --table"),
         (["--worker-of", "127.0.0.1:5557", "--users", "8"], "--worker-of: --users belong(s) to the master"),
+        (["--worker-of", "127.0.0.1:5557", "--users", "4", "--duration", "30s"],  # (their defaults: taken silently)
+         "--worker-of: --users, --duration belong(s) to the master"),
         (["--worker-of", "0.0.0.0"], "--worker-of: 0.0.0.0 is a wildcard"),
         (["--expect-workers", "2", "--master-bind", "*:5557"], "--master-bind: * is a wildcard"),
         (["--expect-workers", "4", "--users", "2"], "--users (2) must be at least --expect-workers (4)"),

@@ -14,7 +14,8 @@ from typing import Any
 
 from memserver.cli.common import CliError, counted, endpoint_of, seconds
 
-#: Flag defaults (a worker refuses any master-only flag that differs from these).
+#: Flag defaults: the parser's are None, so a worker refuses any master-only flag given, even at
+#: its default value (it compared values, and took `--users 4` silently); filled in after that.
 DEFAULTS: dict[str, Any] = {"users": 4, "spawn_rate": 4.0, "duration": "30s", "mix": "bag:8,lookup:1,bag_backward:1",
                             "batch": 256, "knn": 32, "wire_dtype": "float32", "timeout": 10.0,
                             "max_requests": 1_000_000}
@@ -39,11 +40,14 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from memserver.loadtest.config import LoadConfig, parse_duration, parse_host_port, parse_mix
     from memserver.loadtest.run import LoadTestError, Master, ScratchTable, run_loadtest, run_worker
 
+    given = [f"--{name.replace('_', '-')}" for name in MASTER_ONLY if getattr(args, name) is not None]
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     wait = _parsed(parse_duration, args.wait, "--wait")
     if args.save_latencies is not None:
         _check_writable(args.save_latencies, "--save-latencies")
     if args.worker_of is not None:
-        given = [f"--{name.replace('_', '-')}" for name in MASTER_ONLY if getattr(args, name) != DEFAULTS.get(name)]
         if given:
             raise CliError(f"--worker-of: {', '.join(given)} belong(s) to the master; a worker takes the master's")
         master_addr = _parsed(parse_host_port, args.worker_of, "--worker-of")
@@ -229,23 +233,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "with that file's token and CA). The master prints exact percentiles over every worker's "
                         "responses and each worker's counts; exit status 1 also if a worker's latencies are missing. "
                         "The master's port has no authentication: bind it to a private address.")
-    lt.add_argument("--users", type=int, default=DEFAULTS["users"],
+    lt.add_argument("--users", type=int, default=None,
                     help="concurrent simulated clients (default 4); with --expect-workers, in total over the workers")
-    lt.add_argument("--spawn-rate", type=float, default=DEFAULTS["spawn_rate"], help="users started per second (default 4)")
-    lt.add_argument("--duration", default=DEFAULTS["duration"], help="how long to load, e.g. 30s, 2m, 500ms (default 30s)")
+    lt.add_argument("--spawn-rate", type=float, default=None, help="users started per second (default 4)")
+    lt.add_argument("--duration", default=None, help="how long to load, e.g. 30s, 2m, 500ms (default 30s)")
     lt.add_argument("--table", help="existing table to load (bag_backward updates its rows, and its reads count in "
                     "the slots' hits: `memserver top` then shows the load); default: a scratch table, made for the "
                     "run, given one untimed call of each kind first (a fresh install's shards compile their kernels "
                     "at a first call, for seconds) and dropped after; a table given here gets no such call")
-    lt.add_argument("--mix", default=DEFAULTS["mix"], help="weighted calls (default bag:8,lookup:1,bag_backward:1)")
-    lt.add_argument("--batch", type=int, default=DEFAULTS["batch"],
+    lt.add_argument("--mix", default=None, help="weighted calls (default bag:8,lookup:1,bag_backward:1)")
+    lt.add_argument("--batch", type=int, default=None,
                     help="bags per bag/bag_backward call, ids per lookup (default 256)")
-    lt.add_argument("--knn", type=int, default=DEFAULTS["knn"], help="entries per bag (default 32)")
-    lt.add_argument("--wire-dtype", default=DEFAULTS["wire_dtype"], choices=["float32", "bfloat16", "float16"],
+    lt.add_argument("--knn", type=int, default=None, help="entries per bag (default 32)")
+    lt.add_argument("--wire-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="dtype rows read, bag outputs and the gradients sent travel in (default float32); a "
                     "bag_backward's answer, dL/dweights, stays float32")
-    lt.add_argument("--timeout", type=seconds, default=DEFAULTS["timeout"], help="deadline of each call to a shard, seconds (default 10); a request to several shards waits for all of them")
-    lt.add_argument("--max-requests", type=int, default=DEFAULTS["max_requests"],
+    lt.add_argument("--timeout", type=seconds, default=None, help="deadline of each call to a shard, seconds (default 10); a request to several shards waits for all of them")
+    lt.add_argument("--max-requests", type=int, default=None,
                     help="stop after this many calls even before --duration (per worker with --expect-workers)")
     lt.add_argument("--num-rows", type=int, help="scratch table rows (default 65536)")
     lt.add_argument("--dim", type=int, help="scratch table dim (default 128)")
