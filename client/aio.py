@@ -861,8 +861,7 @@ class AsyncMemoryClient:
         one shard). Raises StepAbortedError, naming the shard, when a shard lacks a part it
         acknowledged: nothing of the step is applied anywhere. Returns the rows updated now.
         `drop`: this client met a non-finite gradient in the step (a GradScaler skips it): its parts
-        are dropped, and a sync_updates table drops the whole step, every trainer's contribution
-        (call `abandon_step` first: the commit then lists none of this client's parts)."""
+        are dropped, and a sync_updates table drops the whole step, every trainer's contribution."""
         plan = ops.commit_step_plan(self.session, table, step, len((await self.table(table)).shards), defer_apply, drop)
         make, tags, retry = next(plan)
         while True:

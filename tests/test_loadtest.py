@@ -125,6 +125,18 @@ def test_a_master_address_it_cannot_listen_on_is_one_line(memory_cluster, host):
     why = "Address already in use" if host == "127.0.0.1" else "Cannot assign requested address"
     assert f"memserver: error: --master-bind {host}:{port}: cannot listen there ({why})\n" in run.stderr
     assert "Traceback" not in run.stderr and "the locust process failed" not in run.stderr, run.stderr
+    assert "memserver loadtest: error" not in run.stderr  # said once, by the command (not by its locust child too)
+
+
+def test_the_locust_child_run_by_hand_says_its_error(tmp_path):
+    """(Its error goes in its report for `memserver loadtest` to say; run by hand it said nothing.)"""
+    report = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, "-m", "memserver.loadtest.distributed", "--worker-of", f"127.0.0.1:{_free_port()}",
+                          "--wait", "1", "--report", str(report)], capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL, env={**os.environ, "MEMSERVER_HOME": str(tmp_path)})
+    assert run.returncode == 2
+    said = json.loads(report.read_text())["error"]
+    assert said.startswith("--worker-of: no locust master answered") and f"memserver loadtest: error: {said}" in run.stderr
 
 
 def test_exact_percentiles():
@@ -165,10 +177,9 @@ def test_config_travels_through_the_environment():
         LoadConfig(endpoint="127.0.0.1:1", table="t", wire_dtype="float64")
 
 
-def test_a_scratch_table_that_cannot_be_dropped_leaves_the_report_standing(memory_cluster, client):
-    """The table gone before the run's end (dropped by someone else; the cluster stopped): the
-    figures gathered are still printed, with the failed drop said beside them (it threw the
-    whole report away)."""
+def test_a_scratch_table_dropped_by_someone_else_leaves_the_report_standing(memory_cluster, client):
+    """The table gone before the run's end (dropped by someone else): the figures gathered are
+    still printed, with the failed drop said beside them (it threw the whole report away)."""
     cmd = [sys.executable, "-m", "memserver.cli", "loadtest", "--endpoint", memory_cluster.endpoint, "--users", "1",
            "--duration", "12s", "--batch", "8", "--knn", "4", "--num-rows", "1024", "--dim", "8", "--json"]
     before = {t.name for t in client.list_tables()}
@@ -553,3 +564,18 @@ def test_a_scratch_table_gets_one_untimed_call_of_each_kind_before_the_load(memo
     assert seen["hits"] == 3 * 2 + 3  # one bag of 3 x 2 ids, one lookup of 3
     assert seen["updates"] > 0  # one bag_backward
     assert seen["table"] not in {t.name for t in client.list_tables()}  # dropped after, as ever
+
+
+def test_a_scratch_table_the_cluster_could_not_drop_is_said_with_the_command_to_drop_it():
+    """The other failure of the drop (the cluster stopped, a shard unreachable): the table may
+    still be there, so the report says how to drop it."""
+    from client import UnavailableError
+    from memserver.loadtest.run import _drop_scratch
+
+    class Gone:
+        def drop_table(self, table):
+            raise UnavailableError("coordinator 127.0.0.1:1: connection refused")
+
+    said = _drop_scratch(Gone(), "loadtest-x")
+    assert said == ("the scratch table loadtest-x was not dropped: UNAVAILABLE: coordinator 127.0.0.1:1: connection "
+                    "refused; drop it with `memserver drop-table loadtest-x` once the cluster serves it")

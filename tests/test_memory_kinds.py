@@ -145,8 +145,12 @@ def test_product_key_values_train_with_the_addressing_frozen():
     layer.requires_grad_(False)
     x, r = torch.randn(20, 5), torch.randn(20, 6)
     before = values.table.weight.clone()
+    asked = []
+    backward = values.bag_backward
+    values.bag_backward = lambda *a, **k: asked.append(k.get("weight_grad")) or backward(*a, **k)
     (layer(x) * r).sum().backward()
     assert not torch.equal(values.table.weight, before)
+    assert asked == [False]  # no dL/dweights asked: nothing would take it (a remote backward waited for it)
     assert layer.query.weight.grad is None and layer.keys.grad is None
     with torch.no_grad():
         assert not layer(x).requires_grad

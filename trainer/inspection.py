@@ -510,6 +510,12 @@ def agreement(inspector: Inspector, client: Any, table: str, *, slots: int = 500
 TOKEN_ALIASES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\s": " ", "␣": " ", **{g: ch for ch, g in GLYPHS.items()}}
 
 
+def not_one_character(token: str) -> str:
+    """What a search for a token of several characters is told, in the CLI and on the page."""
+    return (f"a token of this character-level model is one character, not {token!r} (write a newline as ⏎ or \\n, "
+            "a space as ␣ or \\s)")
+
+
 def vocab_token(text: str, index: dict[str, int]) -> str:
     """The vocabulary's token `text` names: itself where the vocabulary has it (a real '·' stays
     itself), else what it stands for (TOKEN_ALIASES)."""
@@ -524,8 +530,7 @@ def search_token(inspector: Inspector, client: Any, table: str, token: str, n: i
 
     if token not in inspector.index:
         if len(token) != 1 and all(len(k) == 1 for k in inspector.index):  # the page's words, not a vocabulary miss
-            raise ValueError(f"a token of this character-level model is one character, not {token!r} (write a "
-                             "newline as ⏎ or \\n, a space as ␣ or \\s)")
+            raise ValueError(not_one_character(token))
         raise ValueError(f"token {token!r} is not in the model's vocabulary")
     t = inspector.index[token]
     view = inspector.view(table)

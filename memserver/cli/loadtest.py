@@ -100,9 +100,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 def _failed(exc: Exception, as_json: bool) -> int:
     """A run that failed (exit status 1; a wrong command is 2): said on stderr, and with --json
     as {"error": ...} on stdout too, as every command's failure is (it printed nothing there)."""
-    print(f"memserver: error: {exc}", file=sys.stderr)
+    from memserver.cli import _print_json_error
+    from memserver.cli.common import one_line
+
+    print(f"memserver: error: {one_line(exc)}", file=sys.stderr)
     if as_json:
-        print(json.dumps({"error": str(exc)}, indent=2))
+        _print_json_error(one_line(exc))
     return 1
 
 

@@ -121,6 +121,10 @@ class LoadConfig:
         return {var: format_mix(self.mix) if name == "mix" else str(getattr(self, name)) for name, var in self.ENV.items()}
 
 
+#: Set in the locust child's environment by `memserver loadtest` (memserver.loadtest.run), which
+#: says the child's errors itself; run by hand, the child says them on stderr.
+CHILD_OF_CLI_ENV = "MEMSERVER_LOADTEST_CHILD_OF_CLI"
+
 _CASTS: dict[str, Any] = {"endpoint": str, "table": str, "mix": parse_mix, "batch": int, "knn": int, "wire_dtype": str,
                           "timeout": float, "max_requests": int, "max_seconds": float}
 

@@ -44,7 +44,7 @@ from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
 from memserver.api.errors import MemserverError
-from memserver.loadtest.config import LoadConfig, parse_host_port
+from memserver.loadtest.config import CHILD_OF_CLI_ENV, LoadConfig, parse_host_port
 from memserver.loadtest.recorder import LatencyRecorder
 
 CONFIG = "memserver_config"
@@ -380,8 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, grpc.RpcError, MemserverError) as exc:  # bad MEMSERVER_* settings, unknown table, no
         # coordinator, no workers
         detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
-        with open(args.report, "w") as f:  # the parent says it (on stdout too with --json)
+        with open(args.report, "w") as f:  # `memserver loadtest` says it (on stdout too with --json)
             json.dump({"error": detail}, f)
+        if not os.environ.get(CHILD_OF_CLI_ENV):  # run by hand: said here
+            print(f"memserver loadtest: error: {detail}", file=sys.stderr)
         return 2
     if args.save_latencies:
         try:

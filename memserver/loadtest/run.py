@@ -13,7 +13,7 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from memserver.loadtest.config import MAX_DURATION_S, LoadConfig
+from memserver.loadtest.config import CHILD_OF_CLI_ENV, MAX_DURATION_S, LoadConfig
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def _run_child(env: dict[str, str], args: list[str], timeout: float, save_latenc
         cmd = [sys.executable, "-m", "memserver.loadtest.distributed", *args, "--report", report_path]
         if save_latencies:
             cmd += ["--save-latencies", save_latencies]
-        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env={**os.environ, **env, CHILD_OF_CLI_ENV: "1"}, stdin=subprocess.DEVNULL)
         interrupted = False
         try:
             try:

@@ -155,14 +155,13 @@ def parse_token(token: str | None) -> str:
     """One character of the vocabulary; ⏎ or \\n for a newline, ␣ or \\s for a space, ⇥ or \\t for a tab."""
     if token is None or token == "":
         raise PageError("type one token (a character of the model's vocabulary) to search for")
-    from trainer.inspection import TOKEN_ALIASES  # the search box takes what search-token takes
+    from trainer.inspection import TOKEN_ALIASES, not_one_character  # the search box takes what search-token takes
 
     token = TOKEN_ALIASES.get(token, token)
     if len(token) != 1 and token.strip():
         token = token.strip()  # " e " typed with spaces around it: the character meant
     if len(token) != 1:
-        raise PageError(f"a token of this character-level model is one character, not {token!r} "
-                        "(write a newline as ⏎ or \\n, a space as ␣ or \\s)")
+        raise PageError(not_one_character(token))
     return token
 
 

@@ -345,8 +345,11 @@ class MemoryLayer(nn.Module):
         n = ids.shape[0]
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
         t0 = time.perf_counter()
+        # dL/dweights has somewhere to go only through the graph that made them (a leaf made here,
+        # frozen product keys' weights, would take it and drop it: a remote backward waited for it)
+        weight_grad = not (self.constant_weights or self.token_addressed) and w.grad_fn is not None
         out = bag(self.values, flat_ids, flat_w, None if pending is None else pending.result(),
-                  weight_grad=not (self.constant_weights or self.token_addressed), count=self.training)  # [n*groups, dim]
+                  weight_grad=weight_grad, count=self.training)  # [n*groups, dim]
         self.read_s += time.perf_counter() - t0
         out = out.to(q.dtype)  # the table's float32 read in the model's dtype (a bf16 or float64 model)
         return ids, w, self.combine(out.view(n, self.groups, out.shape[-1]))  # (n may be 0: an empty batch)
