@@ -15,7 +15,7 @@ import sys
 from typing import Any, NoReturn
 
 from memserver.cli import index, lifecycle, loadtest, slots, tables, web
-from memserver.cli.common import CliError, DefaultsHelp, exit_status, one_line, parse_args
+from memserver.cli.common import CliError, DefaultsHelp, exit_status, one_line, parse_args, print_json_error
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
 
@@ -32,7 +32,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if "--json" in _ARGV:
-            _print_json_error(f"{self.prog}: {message}")
+            print_json_error(f"{self.prog}: {message}")
         super().error(message)
 
 
@@ -121,13 +121,7 @@ def _said_as_json(args: argparse.Namespace, error: str) -> None:
     """A failed command asked for --json: the error as a JSON object on stdout too, so a script's
     parse of it does not fail where the exit status already says what happened."""
     if getattr(args, "json", False):
-        _print_json_error(error)
-
-
-def _print_json_error(error: str) -> None:
-    import json
-
-    print(json.dumps({"error": error}, indent=2))
+        print_json_error(error)
 
 
 def _token_source(exc: BaseException) -> str:

@@ -43,6 +43,13 @@ def counted(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
+def print_json_error(error: str) -> None:
+    """A failed command asked for --json: the error as a JSON object on stdout too."""
+    import json
+
+    print(json.dumps({"error": error}, indent=2))
+
+
 def one_line(exc: BaseException) -> str:
     """An error as the one line a CLI prints (the api's errors name the flag and the fix; a
     traceback only under the CLI's debug flag); one without text (a cancelled call's) by its type."""

@@ -100,12 +100,11 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 def _failed(exc: Exception, as_json: bool) -> int:
     """A run that failed (exit status 1; a wrong command is 2): said on stderr, and with --json
     as {"error": ...} on stdout too, as every command's failure is (it printed nothing there)."""
-    from memserver.cli import _print_json_error
-    from memserver.cli.common import one_line
+    from memserver.cli.common import one_line, print_json_error
 
     print(f"memserver: error: {one_line(exc)}", file=sys.stderr)
     if as_json:
-        _print_json_error(one_line(exc))
+        print_json_error(one_line(exc))
     return 1
 
 
