@@ -226,7 +226,6 @@ class MemoryLayer(nn.Module):
 
     groups = 1  # bags read per position (see the module docstring)
     token_addressed = False  # addresses from the token ids alone (`address_tokens`): reads can be prefetched
-    constant_weights = False  # the read weights are constants (no gradient of them is used): see `bag`
 
     def __init__(self, d_in: int, d_out: int, values: ValueBackend | None, *, read_dim: int | None = None,
                  mem_plus: bool = False, micro_batches: int = 1) -> None:
@@ -335,9 +334,8 @@ class MemoryLayer(nn.Module):
         else:
             self.prefetch_dropped += match is not None  # too old (or sent before a load): read afresh
             started = self._send_tokens(tokens, chunks, chunks > 1)
-        # the weights take part in autograd only so the backward updates the rows (they come from
-        # the tokens alone: no gradient of them has anywhere to go)
-        return [(ids, w.detach().requires_grad_(torch.is_grad_enabled()), pending) for ids, w, pending in started]
+        # (the weights come from the tokens alone: `finish` makes them take part in autograd)
+        return [(ids, w.detach(), pending) for ids, w, pending in started]
 
     def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A chunk's (ids, weights, read [n, read_dim]) from what `start` returned."""
@@ -345,9 +343,12 @@ class MemoryLayer(nn.Module):
         n = ids.shape[0]
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
         t0 = time.perf_counter()
-        # dL/dweights has somewhere to go only through the graph that made them (a leaf made here,
-        # frozen product keys' weights, would take it and drop it: a remote backward waited for it)
-        weight_grad = not (self.constant_weights or self.token_addressed) and w.grad_fn is not None
+        # dL/dweights has somewhere to go only through the graph that made the weights; weights of
+        # none (LSH's ones, Engram's token reads, frozen product keys) still take part in autograd,
+        # as the backward reaches the values only through them (`bag`), and ask no dL/dweights
+        weight_grad = flat_w.requires_grad
+        if torch.is_grad_enabled() and not weight_grad:
+            flat_w = flat_w.detach().requires_grad_()
         out = bag(self.values, flat_ids, flat_w, None if pending is None else pending.result(),
                   weight_grad=weight_grad, count=self.training)  # [n*groups, dim]
         self.read_s += time.perf_counter() - t0

@@ -57,17 +57,16 @@ class LSHMemory(MemoryLayer):
             raise ValueError(f"the value table has {values.num_rows} rows, hashes * 2^bits = {hashes << bits}")
         super().__init__(d_in, d_out, values, read_dim=d_out, mem_plus=mem_plus, micro_batches=micro_batches)
         self.groups = hashes  # one bag (of one bucket) per hash function, combined by the sketch
-        self.constant_weights = True  # weights 1: the backward only updates the buckets
         self.hashes, self.bits, self.seed = hashes, bits, seed
         planes, sketch = lsh_tables(d_in, hashes, bits, values.dim, d_out, seed)
         self.register_buffer("planes", planes, persistent=False)
         self.register_buffer("sketch", sketch, persistent=False)
 
     def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """queries [n, d_in] -> bucket ids [n, hashes] and weights 1 (they take part in autograd
-        only so the backward updates the buckets; their gradient is not used)."""
+        """queries [n, d_in] -> bucket ids [n, hashes] and weights 1 (constants: the backward
+        only updates the buckets)."""
         ids = lsh_ids(q.detach(), self.planes, self.hashes, self.bits)
-        return ids, torch.ones(ids.shape, device=q.device, requires_grad=torch.is_grad_enabled())
+        return ids, torch.ones(ids.shape, device=q.device)
 
     def combine(self, reads: torch.Tensor) -> torch.Tensor:
         """Buckets [n, hashes, dim] -> sum_i R_i z_i [n, d_out]."""

@@ -67,12 +67,7 @@ class ProductKeyMemory(MemoryLayer):
     def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """queries [n, heads * k_dim] -> slot ids [n, heads*knn] and their softmax weights (per head)."""
         n = q.shape[0]
-        ids, w = product_key_topk(q.view(n, self.heads, 2, self.k_dim // 2), self.keys, self.knn, self.cand_i, self.cand_j)
-        if torch.is_grad_enabled() and not w.requires_grad:
-            # the addressing frozen (the memory fine-tuned alone): the weights still take part in
-            # autograd, as LSH's and Engram's do, or the backward never reaches the values
-            w = w.detach().requires_grad_()
-        return ids, w
+        return product_key_topk(q.view(n, self.heads, 2, self.k_dim // 2), self.keys, self.knn, self.cand_i, self.cand_j)
 
     def describe_slot(self, slot: int) -> dict[str, Any]:
         """Slot i * n_keys + j is the product of sub-key i of the first half and sub-key j of the
