@@ -135,5 +135,13 @@ class Batches:
         w = self.rng.random((self.batch, self.knn), dtype=np.float32)
         return torch.from_numpy(w / w.sum(axis=1, keepdims=True))
 
+    def inputs(self, op: str) -> tuple[torch.Tensor, ...]:
+        """A call's inputs: (ids,) for a lookup, (ids, weights) for a bag, and a bag_backward's
+        gradient after them."""
+        if op == "lookup":
+            return (self.ids(self.batch),)
+        ids, w = self.ids(self.batch, self.knn), self.weights()
+        return (ids, w) if op == "bag" else (ids, w, self.grad_out())
+
     def grad_out(self) -> torch.Tensor:
         return torch.from_numpy(self.rng.standard_normal((self.batch, self.dim), dtype=np.float32) * np.float32(1e-3))

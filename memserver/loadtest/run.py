@@ -100,13 +100,8 @@ def _warm_up(mem: Any, meta: Any, cfg: LoadConfig) -> None:
     from memserver.loadtest.caller import Batches
 
     b = Batches(meta, cfg, seed=0)
-    for op in cfg.mix:
-        if op == "lookup":
-            mem.lookup(cfg.table, b.ids(cfg.batch))
-        elif op == "bag":
-            mem.bag(cfg.table, b.ids(cfg.batch, cfg.knn), b.weights())
-        else:
-            mem.bag_backward(cfg.table, b.ids(cfg.batch, cfg.knn), b.weights(), b.grad_out())
+    for op in cfg.mix:  # (the client's methods are the mix's names)
+        getattr(mem, op)(cfg.table, *b.inputs(op))
 
 
 def _drop_scratch(mem: Any, table: str) -> str | None:

@@ -113,13 +113,9 @@ class MemserverUser(locust.User):
         if next(_Process.issued) >= self.cfg.max_requests or time.monotonic() - _Process.started > self.cfg.max_seconds:
             raise StopUser()
         op = self.ops[int(self.batches.rng.choice(len(self.ops), p=self.weights))]
-        b = self.batches
-        if op == "lookup":
-            args: tuple[Any, ...] = (b.ids(self.cfg.batch),)
-        elif op == "bag":
-            args = (b.ids(self.cfg.batch, self.cfg.knn), b.weights())
-        else:
-            args = (b.ids(self.cfg.batch, self.cfg.knn), b.weights(), b.grad_out(), WriteTags(self.session))
+        args: tuple[Any, ...] = self.batches.inputs(op)
+        if op == "bag_backward":
+            args += (WriteTags(self.session),)
         exc: BaseException | None = None
         nbytes = 0
         t0 = time.perf_counter()
