@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	# torch is pinned to 2.13.0 (the CPU wheel on this machine); pip resolves the rest from pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev,$(FAISS)]'
 	echo $(FAISS) > $(VENV)/.faiss
+	# the shards' numba kernels compiled once into numba's cache (~30 s), not at each shard's first start
+	$(BIN)/python -m memserver.core.warmup
 	touch $(STAMP)
 
 # A GPU node: the same install with faiss-gpu in place of faiss-cpu (both ship the module `faiss`,

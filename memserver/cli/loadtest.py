@@ -241,8 +241,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lt.add_argument("--duration", default=None, help="how long to load, e.g. 30s, 2m, 500ms (default 30s)")
     lt.add_argument("--table", help="existing table to load (bag_backward updates its rows, and its reads count in "
                     "the slots' hits: `memserver top` then shows the load); default: a scratch table, made for the "
-                    "run, given one untimed call of each kind first (a fresh install's shards compile their kernels "
-                    "at a first call, for seconds) and dropped after; a table given here gets no such call")
+                    "run, given one untimed call of each kind first (its one-time costs, such as the client's channels "
+                    "and shared-memory regions, stay out of the figures) and dropped after; a table given "
+                    "here gets no such call")
     lt.add_argument("--mix", default=None, help="weighted calls (default bag:8,lookup:1,bag_backward:1)")
     lt.add_argument("--batch", type=int, default=None,
                     help="bags per bag/bag_backward call, ids per lookup (default 256)")

@@ -93,10 +93,10 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
 
 
 def _warm_up(mem: Any, meta: Any, cfg: LoadConfig) -> None:
-    """One untimed call of each kind in the mix on the fresh scratch table, under the client's own
-    deadline (a minute): a shard compiles a kernel at its first call on a fresh install (numba; 15-18
-    s on 2 cores in a walkthrough), which the first timed calls waited out and failed with
-    DEADLINE_EXCEEDED. A user's own table (--table) gets none: its calls would count and write."""
+    """One untimed call of each kind in the mix on the fresh scratch table: a first call's one-time
+    costs (the client's channels and shared-memory regions; a shard that could not load its compiled
+    kernels from numba's cache compiles them at its start, memserver.core.warmup) stay out of the
+    timed latencies. A user's own table (--table) gets none: its calls would count and write."""
     from memserver.loadtest.caller import Batches
 
     b = Batches(meta, cfg, seed=0)

@@ -35,6 +35,7 @@ from memserver.api.types import METRIC_NAMES, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.table import READ_COUNTERS
+from memserver.core.warmup import compile_kernels
 from memserver.loop import LoopThread
 from memserver.server.admission import Admission
 from memserver.server.catalog import refuse_disk_full, refuse_oversized, slice_size
@@ -115,6 +116,11 @@ class ShardActor:
         self.loop = LoopThread(f"shard{index}-grpc")
         self.server: grpc.aio.Server | None = None
         self.address = ""
+        took = compile_kernels()  # before any table computes: a compile holds the GIL, every table waits
+        if took is not None:
+            log.info("shard %d: compute kernels ready in %.1fs%s", index, took,
+                     " (compiled: the first start after an install or upgrade; numba's cache keeps them)"
+                     if took > 5 else "")
         t0 = time.perf_counter()
         recovered = self._recover() if self.store else []
         if recovered:
