@@ -23,6 +23,11 @@ from memserver.wire import dtype_name
 #: so it is checked wherever a name arrives, drops included (`..` must never reach a path).
 TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
+#: Seconds a sync_updates step may wait for its other trainers' commits before the shard's log
+#: and `memserver status` say so: in a healthy run a step waits for its slowest trainer, a step's
+#: time at most; for a gone trainer, or trainers that do not wait for each other, it waits for ever.
+STEP_WAIT_SAID = 30.0
+
 
 def check_table_name(name: object, field: str = "name") -> str:
     """`name` if it is a table name, else InvalidArgumentError naming `field` (and at most the

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from memserver.api.errors import InvalidArgumentError
-from memserver.api.types import SHARDINGS, fmt_bytes, hit_rate
+from memserver.api.types import SHARDINGS, STEP_WAIT_SAID, fmt_bytes, hit_rate
 from memserver.cli.common import (
     CliError,
     cache_size,
@@ -88,7 +88,9 @@ def status_dict(resp: Any) -> dict[str, Any]:
                             "wal_lsn": t.wal_lsn, "recovered_from": t.recovered_from, "sessions": t.sessions,
                             "remembered": t.remembered, "unavailable": t.unavailable,
                             "writes_refused": t.writes_refused, "vectors": t.vectors,
-                            "nonfinite_updates": t.nonfinite_updates,
+                            "nonfinite_updates": t.nonfinite_updates, "open_steps": t.open_steps,
+                            "waiting_step": t.waiting_step, "waiting_committed": t.waiting_committed,
+                            "waiting_workers": t.waiting_workers, "waiting_seconds": round(t.waiting_seconds, 3),
                             "trained": t.trained, "index_device": t.index_device, "trigger_slots": t.trigger_slots,
                             "trigger_bytes": t.trigger_bytes, **_disk_dict(t)} for t in s.tables],
             }
@@ -246,6 +248,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 out.print(f"[yellow]shard {s['index']}: table {t['table']}: {t['nonfinite_updates']:,} row updates stored "
                           "inf or NaN (float16 ends at 65504): training diverged on those rows; a lower lr or "
                           "bfloat16 keeps them finite[/]")
+            if t["waiting_workers"] and t["waiting_seconds"] >= STEP_WAIT_SAID:
+                out.print(f"[yellow]shard {s['index']}: table {t['table']}: step {t['waiting_step']} has waited "
+                          f"{t['waiting_seconds']:.0f}s for {t['waiting_workers'] - t['waiting_committed']} of its "
+                          f"{t['waiting_workers']} trainers (sync_updates): the table learns nothing until they commit "
+                          "it; is a trainer gone, or do the trainers not wait for each other after end_step?[/]")
     for line in unlisted(st):
         out.print(escape(line))
     for line in wrong:

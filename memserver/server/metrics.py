@@ -281,6 +281,9 @@ class _TableCollector:
                                        "Write answers kept for retries (bounded by writes in flight)", labels=["table"])
         open_steps = GaugeMetricFamily("memserver_open_steps", "Training steps with parts not yet applied",
                                        labels=["table"])
+        step_wait = GaugeMetricFamily("memserver_step_wait_seconds", "How long a sync_updates table's oldest step "
+                                      "that some trainers committed has waited for the others (0: none waits); the "
+                                      "table applies nothing meanwhile", labels=["table"])
         nonfinite = CounterMetricFamily("memserver_table_nonfinite_updates", "Row updates of the optimizer that "
                                         "stored inf or NaN (a float16 table's value past 65504)", labels=["table"])
         refusing = GaugeMetricFamily("memserver_table_writes_refused", "1 while the slice refuses writes until a "
@@ -321,6 +324,9 @@ class _TableCollector:
             sessions.add_metric([name], len(sl.sessions.by_client))
             remembered.add_metric([name], sl.sessions.remembered())
             open_steps.add_metric([name], len(sl.steps))
+            if sl.kind == pb.VALUE and sl.spec.sync_updates:
+                waiting = sl.waiting_step()
+                step_wait.add_metric([name], waiting.seconds if waiting is not None else 0.0)
             refusing.add_metric([name], 1.0 if sl.writes_refused() else 0.0)
             if sl.kind == pb.VALUE and (overflows := sl.table.nonfinite_count()) is not None:  # float16 tables
                 nonfinite.add_metric([name], overflows)
@@ -336,7 +342,7 @@ class _TableCollector:
         up.add_metric([str(self.index)], _START)
         rss = GaugeMetricFamily("memserver_shard_rss_bytes", "Resident memory of this shard process", labels=["shard"])
         rss.add_metric([str(self.index)], rss_bytes())
-        yield from (rows, triggers, nbytes, sessions, remembered, open_steps, refusing, nonfinite, wal_records, wal_bytes, wal_syncs, restarted, up, rss,
+        yield from (rows, triggers, nbytes, sessions, remembered, open_steps, step_wait, refusing, nonfinite, wal_records, wal_bytes, wal_syncs, restarted, up, rss,
                     *disk.values())
 
 

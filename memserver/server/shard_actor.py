@@ -752,7 +752,10 @@ class ShardActor:
                 elif sl.kind == pb.PRODUCT_KEYS:
                     load.trained = sl.table.loaded
                 else:
-                    load.rows = sl.table.num_rows
+                    load.rows, load.open_steps = sl.table.num_rows, len(sl.steps)
+                    if (waiting := sl.waiting_step()) is not None:
+                        load.waiting_step, load.waiting_committed = waiting.step, waiting.committed
+                        load.waiting_workers, load.waiting_seconds = waiting.workers, waiting.seconds
                     if (overflows := sl.table.nonfinite_count()) is not None:  # float16 tables (a GPU's: no wait)
                         load.nonfinite_updates = overflows
                     load.trigger_slots, load.trigger_bytes = sl.triggers.slots, sl.triggers.nbytes()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from memserver.api.errors import (
     StepAbortedError,
     UnavailableError,
 )
-from memserver.api.types import KIND_NAMES, METRIC_NAMES, ShardLayout
+from memserver.api.types import KIND_NAMES, METRIC_NAMES, STEP_WAIT_SAID, ShardLayout
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import optimizer_config
 from memserver.core.steps import Entries, combine
@@ -53,6 +54,18 @@ class Contribution:
     prepared: bool = False  # voted: exactly these parts make the step here; no part is added after
     committed: bool = False  # decided (a sync_updates table: waits for the other trainers)
     drop: bool = False  # the client met a non-finite gradient: the step is dropped (CommitStepRequest.drop_step)
+    committed_at: float = 0.0  # time.monotonic() of the commit (of the restore, for one a checkpoint kept)
+
+
+@dataclass(frozen=True)
+class WaitingStep:
+    """A sync_updates step that some trainers committed and the others not yet: the table learns
+    nothing until they do (status and the metrics show the oldest)."""
+
+    step: int
+    committed: int  # trainers that committed it
+    workers: int  # trainers the table waits for (sync_workers)
+    seconds: float  # since its first commit here (since the restore, for a commit a checkpoint kept)
 
 
 class TableSlice:
@@ -124,6 +137,7 @@ class TableSlice:
         self.write_failure = ""  # why this slice refuses writes (a logged write failed to apply); "" = none
         # Steps whose parts arrived and are not applied yet: step -> client_id -> its parts.
         self.steps: dict[int, dict[str, Contribution]] = {}
+        self.said_at = -60.0  # time.monotonic() `_say_waiting` last logged
 
     # -- checks every request makes --------------------------------------------------------
 
@@ -364,10 +378,12 @@ class TableSlice:
         for a sync_updates table (the mean of their contributions); else None. None too when a
         contributor dropped the step (a non-finite gradient): a sync table applies nothing of it."""
         got = self.steps.setdefault(step, {})
-        got.setdefault(client, Contribution()).committed = True
+        c = got.setdefault(client, Contribution())
+        c.committed, c.committed_at = True, time.monotonic()
         workers = self.spec.sync_workers if self.spec.sync_updates else 1
         if self.spec.sync_updates:
             if sum(x.committed for x in got.values()) < workers:
+                self._say_waiting()
                 return None
             ranked = [(c, x) for c, x in sorted(got.items()) if x.committed]  # a fixed order: same sums every run
             del self.steps[step]
@@ -387,6 +403,35 @@ class TableSlice:
             return None
         entries = combine(parts, 1.0 / workers)
         return lambda: self.table.apply_entries(*entries)
+
+    def _say_waiting(self) -> None:
+        """Log, at most once a minute (`said_at`, one float), that a sync step has waited
+        STEP_WAIT_SAID seconds or more for trainers that have not committed it while another
+        trainer commits: a trainer is gone, or the trainers do not wait for each other after
+        end_step (docs/library.md); either way the table applies nothing, or applies steps late."""
+        if self.replaying:  # (said when it happened)
+            return
+        now = time.monotonic()
+        waiting = self.waiting_step()
+        if waiting is None or waiting.seconds < STEP_WAIT_SAID or now - self.said_at < 60.0:
+            return
+        self.said_at = now
+        log.warning("table %s: step %d has waited %.0fs on shard %d for %d of its %d trainers to commit it: a "
+                    "sync_updates table applies a step once every trainer commits it (is a trainer gone? do the "
+                    "trainers wait for each other after end_step?)", self.spec.name, waiting.step, waiting.seconds,
+                    self.info.index, waiting.workers - waiting.committed, waiting.workers)
+
+    def waiting_step(self, step: int | None = None) -> WaitingStep | None:
+        """`step` (default: the oldest open step) of a sync_updates table when some of its trainers
+        committed it and it waits for the others; None otherwise."""
+        if not self.spec.sync_updates:
+            return None
+        for st in ([step] if step is not None else sorted(self.steps)):
+            done = [c for c in self.steps.get(st, {}).values() if c.committed]
+            if done:
+                since = min(c.committed_at for c in done)
+                return WaitingStep(st, len(done), self.spec.sync_workers, time.monotonic() - since)
+        return None
 
     def expired(self, clients: list[str]) -> list[tuple[int, str, int]]:
         """How to close the undecided steps of clients whose sessions expired: (step, client,
@@ -418,12 +463,15 @@ class TableSlice:
             after the restore are: one step's parts are concatenated at its commit."""
             return tuple(t.to(self.table.device) for t in part)
 
+        now = time.monotonic()  # (a committed step's wait counts from the restore)
         for st, client, committed, prepared, parts, *drop in extras.get("step_parts", []):  # (no drop: older)
             self.steps.setdefault(int(st), {})[client] = Contribution({int(q): here(p) for q, p in parts},
-                                                                      bool(prepared), bool(committed), any(drop))
+                                                                      bool(prepared), bool(committed), any(drop),
+                                                                      now if committed else 0.0)
         for st, client, committed, parts in extras.get("steps", []):  # checkpoints before parts had seqs
             self.steps.setdefault(int(st), {})[client] = Contribution({-1 - i: here(p) for i, p in enumerate(parts)},
-                                                                      False, bool(committed))
+                                                                      False, bool(committed), False,
+                                                                      now if committed else 0.0)
 
     def owns(self, ids: torch.Tensor, what: str = "ids") -> None:
         """Refuse slot ids outside the table or whose per-slot records (trigger contexts) another

@@ -689,7 +689,7 @@ class GetShardMapRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableLoad(_message.Message):
-    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable", "vectors", "trained", "index_device", "trigger_slots", "trigger_bytes", "tier", "cache_bound", "cache_hits", "cache_misses", "cache_evictions", "disk_reads", "disk_writes", "data_file", "data_bytes", "disk_seconds", "disk_read_ahead", "disk_hinted", "disk_warmed", "disk_warm_dropped", "cache_rows", "cache_capacity", "cache_bytes", "writes_refused", "disk_reads_per_s", "disk_writes_per_s", "nonfinite_updates")
+    __slots__ = ("table", "rows", "bytes", "requests", "wal_lsn", "recovered_from", "sessions", "remembered", "unavailable", "vectors", "trained", "index_device", "trigger_slots", "trigger_bytes", "tier", "cache_bound", "cache_hits", "cache_misses", "cache_evictions", "disk_reads", "disk_writes", "data_file", "data_bytes", "disk_seconds", "disk_read_ahead", "disk_hinted", "disk_warmed", "disk_warm_dropped", "cache_rows", "cache_capacity", "cache_bytes", "writes_refused", "disk_reads_per_s", "disk_writes_per_s", "nonfinite_updates", "open_steps", "waiting_step", "waiting_committed", "waiting_workers", "waiting_seconds")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -725,6 +725,11 @@ class TableLoad(_message.Message):
     DISK_READS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DISK_WRITES_PER_S_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_STEP_FIELD_NUMBER: _ClassVar[int]
+    WAITING_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     table: str
     rows: int
     bytes: int
@@ -760,7 +765,12 @@ class TableLoad(_message.Message):
     disk_reads_per_s: float
     disk_writes_per_s: float
     nonfinite_updates: int
-    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ..., trigger_slots: _Optional[int] = ..., trigger_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., cache_bound: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., data_file: _Optional[str] = ..., data_bytes: _Optional[int] = ..., disk_seconds: _Optional[float] = ..., disk_read_ahead: _Optional[int] = ..., disk_hinted: _Optional[int] = ..., disk_warmed: _Optional[int] = ..., disk_warm_dropped: _Optional[int] = ..., cache_rows: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., writes_refused: _Optional[str] = ..., disk_reads_per_s: _Optional[float] = ..., disk_writes_per_s: _Optional[float] = ..., nonfinite_updates: _Optional[int] = ...) -> None: ...
+    open_steps: int
+    waiting_step: int
+    waiting_committed: int
+    waiting_workers: int
+    waiting_seconds: float
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., requests: _Optional[int] = ..., wal_lsn: _Optional[int] = ..., recovered_from: _Optional[str] = ..., sessions: _Optional[int] = ..., remembered: _Optional[int] = ..., unavailable: _Optional[str] = ..., vectors: _Optional[int] = ..., trained: _Optional[bool] = ..., index_device: _Optional[str] = ..., trigger_slots: _Optional[int] = ..., trigger_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., cache_bound: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., data_file: _Optional[str] = ..., data_bytes: _Optional[int] = ..., disk_seconds: _Optional[float] = ..., disk_read_ahead: _Optional[int] = ..., disk_hinted: _Optional[int] = ..., disk_warmed: _Optional[int] = ..., disk_warm_dropped: _Optional[int] = ..., cache_rows: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., writes_refused: _Optional[str] = ..., disk_reads_per_s: _Optional[float] = ..., disk_writes_per_s: _Optional[float] = ..., nonfinite_updates: _Optional[int] = ..., open_steps: _Optional[int] = ..., waiting_step: _Optional[int] = ..., waiting_committed: _Optional[int] = ..., waiting_workers: _Optional[int] = ..., waiting_seconds: _Optional[float] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("index", "address", "node_id", "pid", "device", "requests", "tables", "restarted", "state", "metrics_address", "rss_bytes", "deferred_updates", "calls", "moved_from", "data_dir", "gpus")
