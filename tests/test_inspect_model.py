@@ -258,6 +258,11 @@ def test_inspect_top_usage_search_commands(client, trained, capsys, tmp_path, me
     assert code == 0 and u["used_pct"] == pytest.approx(client.usage(table).metrics()["used_pct"])
     assert all(type(u[f"top{q}_slots"]) is int for q in (50, 90, 99))  # counts of slots
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "random_slots" in u["agreement"]
+    assert u["approximate"] == ["gini_weights", "top50_slots", "top90_slots", "top99_slots"]
+    code, out = cli(capsys, "usage", table, *ep)  # the binned figures are marked as such, the exact ones not
+    text = " ".join(out.out.split())
+    assert code == 0 and re.search(r"Gini of weights\W+≈ 0\.\d{4}", text) and re.search(r"│ used │ \d", text)
+    assert "≈: from the shards' histograms (20 bins a decade): within a bin's width (12%)" in text
     code, out = cli(capsys, "search-token", table, "e", "-n", "2", "--json", *ep)
     assert code == 0 and json.loads(out.out)["slots"] == search_token(trained["inspector"], client, table, "e", 2)
     spaces = search_token(trained["inspector"], client, table, " ", 2)
@@ -282,7 +287,7 @@ def test_usage_of_a_table_never_read_says_so(client, table_name, capsys, memory_
     code, out = cli(capsys, "usage", table_name, "--json", "--endpoint", memory_cluster.endpoint)
     assert code == 0 and none.items() <= json.loads(out.out).items()
     code, out = cli(capsys, "usage", table_name, "--endpoint", memory_cluster.endpoint)
-    assert code == 0 and out.out.count("no reads yet") == 6
+    assert code == 0 and out.out.count("no reads yet") == 6 and "≈" not in out.out
 
 
 @pytest.mark.parametrize("argv,status,message", [

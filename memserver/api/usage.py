@@ -130,6 +130,10 @@ def usage_metrics(counts: np.ndarray, mass: np.ndarray) -> dict[str, float | Non
     return out
 
 
+#: The metrics `histogram_metrics` approximates (each within a bin's width); the others are exact.
+APPROXIMATE = ("gini_weights", "top50_slots", "top90_slots", "top99_slots")
+
+
 def histogram_metrics(hits: Histogram, mass: Histogram) -> dict[str, float | None]:
     """The same metrics from the shards' histograms: used %, both KLs exact; Gini and the mass
     quantiles from the bins."""

@@ -159,7 +159,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from memserver.api.usage import percent
+    from memserver.api.usage import APPROXIMATE, percent
     from memserver.plots import usage_png
 
     if not args.agreement and (args.k is not None or args.checkpoint):  # (they would be ignored)
@@ -172,7 +172,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
         _check_value_table(client, args.table)
         usage = client.usage(args.table)
         out: dict[str, Any] = {"table": args.table, "slots": usage.hits.slots, "reads": int(usage.hits.total),
-                               "updates": int(usage.updates.total), **usage.metrics()}
+                               "updates": int(usage.updates.total), **usage.metrics(),
+                               "approximate": list(APPROXIMATE)}
         inspector = _inspector(client, args.table, args.checkpoint) if args.agreement else None
         if args.agreement and inspector is None:
             raise CliError("--agreement: needs a model (--checkpoint, or a table traced by `memtrain trace`)")
@@ -208,7 +209,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
     for key, (label, fmt, note) in says.items():
         if key in out:
             value = percent(out[key], 2) if key == "used_pct" and out[key] is not None else out[key]
-            t.add_row(*((label, fmt.format(value), note) if out[key] is not None else
+            about = "≈ " if key in APPROXIMATE else ""
+            t.add_row(*((label, about + fmt.format(value), note) if out[key] is not None else
                         (label, "–", "no reads yet: nothing to compare")))
     if "agreement" in out and out["agreement"].get("slots"):
         a = out["agreement"]
@@ -218,6 +220,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
         t.add_row("  random-slot baseline", f"{a['random_slots']:.1%}", "the same against another slot's tokens")
     console = _console()
     console.print(t)
+    if any(out.get(key) is not None for key in APPROXIMATE):
+        console.print("≈: from the shards' histograms (20 bins a decade): within a bin's width (12%) of the exact "
+                      "figure; used % and the KLs are exact")
     if args.plot:
         console.print(f"plot: {args.plot}")
     return 0
