@@ -258,6 +258,22 @@ def test_loadtest_refuses_an_index_table_before_any_load(memory_cluster, client,
     assert "locust" not in sys.modules
 
 
+@pytest.mark.parametrize("shape,message", [
+    (["--num-rows", "1", "--sharding", "rows"], "--num-rows: 1 rows cannot be split over 2 shards (the scratch table "
+     "takes every shard of the cluster): give --num-rows >= 2, or --sharding cols"),
+    (["--dim", "1"], "--dim: 1 columns cannot be split over 2 shards (the scratch table takes every shard of the "
+     "cluster): give --dim >= 2, or --sharding rows")])
+def test_a_scratch_table_the_cluster_cannot_split_is_said_in_the_flags(memory_cluster, client, capsys, shape, message):
+    """(The catalog's words, "give num_shards <= 1", named no flag of loadtest's.)"""
+    before = {t.name for t in client.list_tables()}
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["loadtest", "--endpoint", memory_cluster.endpoint, "--duration", "1s", "--batch", "1", "--knn", "1",
+                  *shape])
+    assert exit_.value.code == 2
+    assert f"memserver: error: {message}\n" in capsys.readouterr().err
+    assert {t.name for t in client.list_tables()} == before and "locust" not in sys.modules
+
+
 def test_a_worker_with_no_master_gives_up_after_its_wait(tmp_path):
     """locust alone would retry its master for 5 minutes; --wait bounds the connection too."""
     port = _free_port()  # nothing listens there

@@ -39,6 +39,17 @@ def check_table_name(name: object, field: str = "name") -> str:
 
 #: Sharding names as users write them, and their proto values.
 SHARDINGS: dict[str, int] = {"rows": pb.ROWS, "cols": pb.COLS}
+
+
+def split_problem(sharding: int, num_rows: int, dim: int, num_shards: int) -> tuple[str, str] | None:
+    """Why a value table of this shape cannot be cut into `num_shards` slices: (the field at
+    fault, what is wrong), else None. The catalog refuses such a table with it, and `memserver
+    loadtest` says it in the flags that shape its scratch table."""
+    if sharding == pb.COLS and dim < num_shards:
+        return "dim", f"{dim} columns cannot be split over {num_shards} shards"
+    if sharding == pb.ROWS and num_rows < num_shards:
+        return "num_rows", f"{num_rows} rows cannot be split over {num_shards} shards"
+    return None
 #: Index metrics as users write them, and their proto values.
 METRICS: dict[str, int] = {"ip": pb.INNER_PRODUCT, "l2": pb.L2}
 METRIC_NAMES: dict[int, str] = {v: k for k, v in METRICS.items()}

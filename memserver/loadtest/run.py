@@ -61,7 +61,7 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
     with MemoryClient(cfg.endpoint, timeout=60.0) as mem:
         if scratch is not None:
             cfg = replace(cfg, table=f"loadtest-{uuid.uuid4().hex[:8]}")
-            mem.create_table(cfg.table, scratch.num_rows, scratch.dim, sharding=scratch.sharding)
+            _create_scratch(mem, cfg.table, scratch)
         try:
             meta = mem.table(cfg.table)  # TableNotFoundError before any locust starts
             check_table(meta, cfg.batch, cfg.knn)  # an index table, a call too large: before any locust
@@ -90,6 +90,25 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("endpoint", "table")},
     })
     return report
+
+
+def _create_scratch(mem: Any, table: str, scratch: ScratchTable) -> None:
+    """Create the run's scratch table on every shard; a shape the cluster cannot split is a
+    ValueError naming the flags (the catalog's own words name create_table's arguments)."""
+    from memserver.api.errors import InvalidArgumentError
+    from memserver.api.types import SHARDINGS, split_problem
+
+    try:
+        mem.create_table(table, scratch.num_rows, scratch.dim, sharding=scratch.sharding)
+    except InvalidArgumentError:
+        shards = len(mem.status().shards)
+        problem = split_problem(SHARDINGS[scratch.sharding], scratch.num_rows, scratch.dim, shards)
+        if problem is None:
+            raise
+        field, what = problem
+        fix = (f"--dim >= {shards}, or --sharding rows" if field == "dim" else f"--num-rows >= {shards}, or --sharding cols")
+        raise ValueError(f"--{field.replace('_', '-')}: {what} (the scratch table takes every shard of the cluster): "
+                         f"give {fix}") from None
 
 
 def _warm_up(mem: Any, meta: Any, cfg: LoadConfig) -> None:

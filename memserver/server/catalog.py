@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
-from memserver.api.types import METRIC_NAMES, TABLE_NAME, ShardLayout, check_table_name, fmt_bytes
+from memserver.api.types import METRIC_NAMES, TABLE_NAME, ShardLayout, check_table_name, fmt_bytes, split_problem
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import check_value_settings
 from memserver.server.config import Limits
@@ -52,12 +52,11 @@ def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
         spec.num_shards = available_shards
     if not 0 < spec.num_shards <= available_shards:
         raise InvalidArgumentError(f"num_shards: {spec.num_shards} requested, the cluster has {available_shards} shards")
-    if spec.sharding == pb.COLS and spec.dim < spec.num_shards:
-        raise InvalidArgumentError(f"dim: {spec.dim} columns cannot be split over {spec.num_shards} shards (sharding=cols; "
-                                   f"give num_shards <= {spec.dim}, or sharding=rows)")
-    if spec.sharding == pb.ROWS and spec.num_rows < spec.num_shards:
-        raise InvalidArgumentError(f"num_rows: {spec.num_rows} rows cannot be split over {spec.num_shards} shards (give "
-                                   f"num_shards <= {spec.num_rows}, or sharding=cols)")
+    if problem := split_problem(spec.sharding, spec.num_rows, spec.dim, spec.num_shards):
+        field, what = problem
+        fix = (f"sharding=cols; give num_shards <= {spec.dim}, or sharding=rows" if field == "dim" else
+               f"give num_shards <= {spec.num_rows}, or sharding=cols")
+        raise InvalidArgumentError(f"{field}: {what} ({fix})")
     _validate_tier(spec)
     if spec.sync_updates and spec.sync_workers < 1:
         raise InvalidArgumentError(f"sync_workers: a sync_updates table needs the number of trainers (>= 1), got {spec.sync_workers}")
