@@ -337,11 +337,31 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
     (["--memory", "none", "--retry-seconds", "300"], "--retry-seconds: this run uses no cluster"),
     (["--memory", "local", "--timeout", "5"], "--timeout: this run uses no cluster"),
     (["--memory-kind", "engram", "--mem-plus"], "--mem-plus: Memory+ gates the product-key and LSH"),
+    (["--memory", "local", "--staleness", "1"], "--staleness 1: with --memory local it changes only the reads of "
+     "token-addressed layers (engram), and --memory-kind pkm has none"),
     (["--memory", "local", "--data", "/nonexistent"], "error: --data: no such file or folder: /nonexistent"),
 ])
 def test_bad_memtrain_flags_are_named(argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
         list(train(build_parser().parse_args([*TINY, "--steps", "1", *argv])))
+
+
+def test_memory_flags_of_a_run_without_memory_are_named(capsys):
+    """`memtrain --memory none --mem-layers 7` trained without memory and said nothing of the flag
+    (a flag is refused only where the command line gave it: TINY's memory flags shape the default
+    parser's runs in tests and benchmarks)."""
+    from trainer.train import main
+
+    for argv, said in ((["--mem-layers", "7"], "--mem-layers"),
+                       (["--staleness", "1", "--lsh-bits", "3", "--engram-dim", "8", "--kif-knn", "2"],
+                        "--staleness, --lsh-bits, --engram-dim, --kif-knn")):
+        with pytest.raises(SystemExit):
+            main(["--memory", "none", *argv, "--steps", "1"])
+        assert capsys.readouterr().err == (f"memtrain: error: {said}: shape memory layers, and this run trains without "
+                                           "memory (--memory none); drop them, or give --memory local or remote\n")
+    list(train(build_parser().parse_args([*TINY, "--steps", "1", "--memory", "none"])))  # (TINY's, not given)
+    list(train(build_parser().parse_args([*TINY, "--steps", "1", "--memory", "local", "--staleness", "1",
+                                          "--memory-kind", "engram", "--engram-slots", "4096"])))
 
 
 def test_remote_values_attach_only_to_a_table_of_their_shape(client, table_name, caplog):

@@ -313,6 +313,13 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.memory == "none" and args.memory_kind != "pkm":
         raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: this run trains without memory "
                          "(--memory none); give --memory local or remote")
+    if args.memory == "none" and (ignored := _memory_flags(getattr(args, "given", None) or frozenset())):
+        raise SystemExit(f"memtrain: error: {', '.join(ignored)}: shape memory layers, and this run trains without "
+                         "memory (--memory none); drop them, or give --memory local or remote")
+    if args.staleness and args.memory == "local" and "engram" not in kinds:
+        raise SystemExit(f"memtrain: error: --staleness {args.staleness}: with --memory local it changes only the "
+                         f"reads of token-addressed layers (engram), and --memory-kind {args.memory_kind} has none; "
+                         "with --memory remote it lets the shards apply a step while the next one starts")
     if args.trace_sample != 0.05 and not args.trace_every:
         raise SystemExit("memtrain: error: --trace-sample: samples what --trace-every traces; give --trace-every N")
     if ("pkm" in kinds and args.memory != "none" and args.mem_layers.strip() and not args.no_query_bn
@@ -1166,6 +1173,20 @@ def _go_on(args: argparse.Namespace) -> str:
 
 #: The remote tables' spec fields (what the cluster's refusal names) that a memtrain flag sets.
 _FLAG_OF_FIELD = {"cache_bytes": "--cache-bytes", "tier": "--tier", "optimizer": "--value-optimizer", "lr": "--value-lr"}
+
+
+#: Groups of build_parser whose flags shape memory layers (the cluster's own flags, checked with
+#: their own message in check_flags, are left out by _memory_flags).
+_MEMORY_GROUPS = ("memory", "LSH sketch memory", "Engram hashed n-gram memory", "KIF knowledge memory")
+_SAID_ELSEWHERE = {"memory", "endpoint", "timeout", "retry_seconds", "memory_kind", "wal", "sharding", "sync_commit",
+                   "tier", "cache_bytes"}
+
+
+def _memory_flags(given: frozenset[str]) -> list[str]:
+    """The flags among `given` (dests) that shape memory layers: a --memory none run has none."""
+    return [a.option_strings[0] for g in build_parser()._action_groups
+            if g.title and g.title.startswith(_MEMORY_GROUPS) for a in g._group_actions
+            if a.dest in given and a.dest not in _SAID_ELSEWHERE]
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
