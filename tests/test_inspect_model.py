@@ -262,7 +262,7 @@ def test_inspect_top_usage_search_commands(client, trained, capsys, tmp_path, me
     code, out = cli(capsys, "usage", table, *ep)  # the binned figures are marked as such, the exact ones not
     text = " ".join(out.out.split())
     assert code == 0 and re.search(r"Gini of weights\W+≈ 0\.\d{4}", text) and re.search(r"│ used │ \d", text)
-    assert "≈: from the shards' histograms (20 bins a decade): within a bin's width (12%)" in text
+    assert "≈: from the shards' histograms (20 bins a decade), where slots in one bin count as equal" in text
     code, out = cli(capsys, "search-token", table, "e", "-n", "2", "--json", *ep)
     assert code == 0 and json.loads(out.out)["slots"] == search_token(trained["inspector"], client, table, "e", 2)
     spaces = search_token(trained["inspector"], client, table, " ", 2)

@@ -79,3 +79,23 @@ def test_no_call_a_shard_answers_compiles_a_kernel(tmp_path):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["before"] > 0, "the shard started with no kernel compiled"
     assert got["new"] == {}, f"calls compiled kernels the warm-up missed: {got['new']}"
+
+
+def test_a_shard_whose_warm_up_fails_still_serves(monkeypatch, caplog):
+    """(A read-only temporary folder, a mistyped MEMSERVER_BACKEND: the kernels then compile at
+    their first calls, as before the warm-up, rather than the shard failing to start.)"""
+    import numpy as np
+
+    import memserver.server.shard_actor as shard_actor
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    def fail() -> float:
+        raise OSError("no usable temporary directory (test)")
+
+    monkeypatch.setattr(shard_actor, "compile_kernels", fail)
+    with caplog.at_level("WARNING", logger="memserver.server.shard_actor"), InProcessServer(1) as server, \
+            MemoryClient(server.endpoint, timeout=60, shm=False) as c:
+        c.create_table("t", 16, 4)
+        assert c.lookup("t", np.arange(16)).shape == (16, 4)
+    assert "shard 0: compiling the compute kernels before serving failed; each compiles at its first call" in caplog.text

@@ -221,8 +221,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
     console = _console()
     console.print(t)
     if any(out.get(key) is not None for key in APPROXIMATE):
-        console.print("≈: from the shards' histograms (20 bins a decade): within a bin's width (12%) of the exact "
-                      "figure; used % and the KLs are exact")
+        console.print("≈: from the shards' histograms (20 bins a decade), where slots in one bin count as equal: "
+                      "the mass quantiles within a bin's width (12%) of the exact count, Gini lower than the exact "
+                      "one when the values spread within bins; used % and the KLs are exact")
     if args.plot:
         console.print(f"plot: {args.plot}")
     return 0

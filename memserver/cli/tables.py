@@ -249,10 +249,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                           "inf or NaN (float16 ends at 65504): training diverged on those rows; a lower lr or "
                           "bfloat16 keeps them finite[/]")
             if t["waiting_workers"] and t["waiting_seconds"] >= STEP_WAIT_SAID:
-                out.print(f"[yellow]shard {s['index']}: table {t['table']}: step {t['waiting_step']} has waited "
-                          f"{t['waiting_seconds']:.0f}s for {t['waiting_workers'] - t['waiting_committed']} of its "
-                          f"{t['waiting_workers']} trainers (sync_updates): the table learns nothing until they commit "
-                          "it; is a trainer gone, or do the trainers not wait for each other after end_step?[/]")
+                out.print(f"[yellow]shard {s['index']}: table {t['table']}: commits have waited {t['waiting_seconds']:.0f}s "
+                          f"with no step applied: step {t['waiting_step']} waits for "
+                          f"{t['waiting_workers'] - t['waiting_committed']} of its {t['waiting_workers']} trainers "
+                          "(sync_updates): the table learns nothing until they commit it; is a trainer gone, or do the "
+                          "trainers not wait for each other after end_step?[/]")
     for line in unlisted(st):
         out.print(escape(line))
     for line in wrong:

@@ -106,7 +106,9 @@ def _create_scratch(mem: Any, table: str, scratch: ScratchTable) -> None:
         if problem is None:
             raise
         field, what = problem
-        fix = (f"--dim >= {shards}, or --sharding rows" if field == "dim" else f"--num-rows >= {shards}, or --sharding cols")
+        other = split_problem(SHARDINGS["rows" if field == "dim" else "cols"], scratch.num_rows, scratch.dim, shards)
+        fix = f"--{field.replace('_', '-')} >= {shards}" + ("" if other else ", or --sharding " +
+                                                           ("rows" if field == "dim" else "cols"))
         raise ValueError(f"--{field.replace('_', '-')}: {what} (the scratch table takes every shard of the cluster): "
                          f"give {fix}") from None
 

@@ -327,6 +327,8 @@ class _TableCollector:
             if sl.kind == pb.VALUE and sl.spec.sync_updates:
                 waiting = sl.waiting_step()
                 step_wait.add_metric([name], waiting.seconds if waiting is not None else 0.0)
+                if waiting is not None:
+                    sl.say_waiting()
             refusing.add_metric([name], 1.0 if sl.writes_refused() else 0.0)
             if sl.kind == pb.VALUE and (overflows := sl.table.nonfinite_count()) is not None:  # float16 tables
                 nonfinite.add_metric([name], overflows)

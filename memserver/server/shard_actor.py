@@ -116,7 +116,12 @@ class ShardActor:
         self.loop = LoopThread(f"shard{index}-grpc")
         self.server: grpc.aio.Server | None = None
         self.address = ""
-        took = compile_kernels()  # before any table computes: a compile holds the GIL, every table waits
+        try:  # before any table computes: a compile holds the GIL, every table waits
+            took = compile_kernels()
+        except Exception:  # (no writable temporary folder, a bad MEMSERVER_BACKEND): serve, compile at first calls
+            log.warning("shard %d: compiling the compute kernels before serving failed; each compiles at its first "
+                        "call instead", index, exc_info=True)
+            took = None
         if took is not None:
             log.info("shard %d: compute kernels ready in %.1fs%s", index, took,
                      " (compiled: the first start after an install or upgrade; numba's cache keeps them)"
@@ -756,6 +761,7 @@ class ShardActor:
                     if (waiting := sl.waiting_step()) is not None:
                         load.waiting_step, load.waiting_committed = waiting.step, waiting.committed
                         load.waiting_workers, load.waiting_seconds = waiting.workers, waiting.seconds
+                        sl.say_waiting()
                     if (overflows := sl.table.nonfinite_count()) is not None:  # float16 tables (a GPU's: no wait)
                         load.nonfinite_updates = overflows
                     load.trigger_slots, load.trigger_bytes = sl.triggers.slots, sl.triggers.nbytes()

@@ -54,7 +54,6 @@ class Contribution:
     prepared: bool = False  # voted: exactly these parts make the step here; no part is added after
     committed: bool = False  # decided (a sync_updates table: waits for the other trainers)
     drop: bool = False  # the client met a non-finite gradient: the step is dropped (CommitStepRequest.drop_step)
-    committed_at: float = 0.0  # time.monotonic() of the commit (of the restore, for one a checkpoint kept)
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class WaitingStep:
     step: int
     committed: int  # trainers that committed it
     workers: int  # trainers the table waits for (sync_workers)
-    seconds: float  # since its first commit here (since the restore, for a commit a checkpoint kept)
+    seconds: float  # how long commits have waited here with no step applied (TableSlice.stalled_since)
 
 
 class TableSlice:
@@ -137,7 +136,10 @@ class TableSlice:
         self.write_failure = ""  # why this slice refuses writes (a logged write failed to apply); "" = none
         # Steps whose parts arrived and are not applied yet: step -> client_id -> its parts.
         self.steps: dict[int, dict[str, Contribution]] = {}
-        self.said_at = -60.0  # time.monotonic() `_say_waiting` last logged
+        # time.monotonic() since which a sync table's commits wait with no step applied (None: none
+        # waits); a float, written by the compute thread, read by status and the metrics
+        self.stalled_since: float | None = None
+        self.said_at = -60.0  # time.monotonic() `say_waiting` last logged
 
     # -- checks every request makes --------------------------------------------------------
 
@@ -305,6 +307,8 @@ class TableSlice:
             log.error("table %s: dropping unfinished step %d (contributions from %d client(s))", self.spec.name, old,
                       len(self.steps[old]))
             del self.steps[old]
+            if self.stalled_since is not None:  # (the wait goes on, from when it began)
+                self._stalled_from(self.stalled_since)
 
     def step_phase(self, phase: int, step: int, client: str, seqs: list[int], count: int = 0, drop: bool = False
                    ) -> Callable[[], Callable[[], int] | None]:
@@ -378,15 +382,17 @@ class TableSlice:
         for a sync_updates table (the mean of their contributions); else None. None too when a
         contributor dropped the step (a non-finite gradient): a sync table applies nothing of it."""
         got = self.steps.setdefault(step, {})
-        c = got.setdefault(client, Contribution())
-        c.committed, c.committed_at = True, time.monotonic()
+        got.setdefault(client, Contribution()).committed = True
         workers = self.spec.sync_workers if self.spec.sync_updates else 1
         if self.spec.sync_updates:
             if sum(x.committed for x in got.values()) < workers:
-                self._say_waiting()
+                if self.stalled_since is None:
+                    self.stalled_since = time.monotonic()
+                self.say_waiting()
                 return None
             ranked = [(c, x) for c, x in sorted(got.items()) if x.committed]  # a fixed order: same sums every run
             del self.steps[step]
+            self._stalled_from(time.monotonic())  # a step applies: the wait, if any is left, starts again
         else:
             ranked = [(client, got.pop(client))]
             if not got:
@@ -404,11 +410,17 @@ class TableSlice:
         entries = combine(parts, 1.0 / workers)
         return lambda: self.table.apply_entries(*entries)
 
-    def _say_waiting(self) -> None:
-        """Log, at most once a minute (`said_at`, one float), that a sync step has waited
-        STEP_WAIT_SAID seconds or more for trainers that have not committed it while another
-        trainer commits: a trainer is gone, or the trainers do not wait for each other after
-        end_step (docs/library.md); either way the table applies nothing, or applies steps late."""
+    def _stalled_from(self, now: float) -> None:
+        """`stalled_since` after steps closed or were dropped: `now` while a committed step still
+        waits, else None."""
+        waits = any(c.committed for got in list(self.steps.values()) for c in list(got.values()))
+        self.stalled_since = now if waits else None
+
+    def say_waiting(self) -> None:
+        """Log, at most once a minute (`said_at`, one float), that a sync table's commits have
+        waited STEP_WAIT_SAID seconds or more with no step applied: a trainer is gone, or the
+        trainers do not wait for each other after end_step (docs/library.md). Checked where the
+        shard notices: a commit, a status call, a metrics scrape."""
         if self.replaying:  # (said when it happened)
             return
         now = time.monotonic()
@@ -416,21 +428,23 @@ class TableSlice:
         if waiting is None or waiting.seconds < STEP_WAIT_SAID or now - self.said_at < 60.0:
             return
         self.said_at = now
-        log.warning("table %s: step %d has waited %.0fs on shard %d for %d of its %d trainers to commit it: a "
-                    "sync_updates table applies a step once every trainer commits it (is a trainer gone? do the "
-                    "trainers wait for each other after end_step?)", self.spec.name, waiting.step, waiting.seconds,
-                    self.info.index, waiting.workers - waiting.committed, waiting.workers)
+        log.warning("table %s: commits have waited %.0fs on shard %d with no step applied: step %d waits for %d of "
+                    "its %d trainers to commit it, and a sync_updates table applies a step once every trainer "
+                    "commits it (is a trainer gone? do the trainers wait for each other after end_step?)",
+                    self.spec.name, waiting.seconds, self.info.index, waiting.step, waiting.workers - waiting.committed,
+                    waiting.workers)
 
-    def waiting_step(self, step: int | None = None) -> WaitingStep | None:
-        """`step` (default: the oldest open step) of a sync_updates table when some of its trainers
-        committed it and it waits for the others; None otherwise."""
-        if not self.spec.sync_updates:
+    def waiting_step(self) -> WaitingStep | None:
+        """The oldest step of a sync_updates table that some of its trainers committed and that
+        waits for the others, and how long commits have waited (from `stalled_since`: open steps
+        past MAX_OPEN_STEPS are dropped, the wait is not); None when none waits. Read from the
+        loop's and the metrics' threads while the compute thread commits: it iterates copies."""
+        since = self.stalled_since
+        if not self.spec.sync_updates or since is None:
             return None
-        for st in ([step] if step is not None else sorted(self.steps)):
-            done = [c for c in self.steps.get(st, {}).values() if c.committed]
-            if done:
-                since = min(c.committed_at for c in done)
-                return WaitingStep(st, len(done), self.spec.sync_workers, time.monotonic() - since)
+        for st, got in sorted(list(self.steps.items()), key=lambda item: item[0]):
+            if done := sum(c.committed for c in list(got.values())):
+                return WaitingStep(st, done, self.spec.sync_workers, time.monotonic() - since)
         return None
 
     def expired(self, clients: list[str]) -> list[tuple[int, str, int]]:
@@ -463,15 +477,13 @@ class TableSlice:
             after the restore are: one step's parts are concatenated at its commit."""
             return tuple(t.to(self.table.device) for t in part)
 
-        now = time.monotonic()  # (a committed step's wait counts from the restore)
         for st, client, committed, prepared, parts, *drop in extras.get("step_parts", []):  # (no drop: older)
             self.steps.setdefault(int(st), {})[client] = Contribution({int(q): here(p) for q, p in parts},
-                                                                      bool(prepared), bool(committed), any(drop),
-                                                                      now if committed else 0.0)
+                                                                      bool(prepared), bool(committed), any(drop))
         for st, client, committed, parts in extras.get("steps", []):  # checkpoints before parts had seqs
             self.steps.setdefault(int(st), {})[client] = Contribution({-1 - i: here(p) for i, p in enumerate(parts)},
-                                                                      False, bool(committed), False,
-                                                                      now if committed else 0.0)
+                                                                      False, bool(committed))
+        self._stalled_from(time.monotonic())  # (a committed step's wait counts from the restore)
 
     def owns(self, ids: torch.Tensor, what: str = "ids") -> None:
         """Refuse slot ids outside the table or whose per-slot records (trigger contexts) another
