@@ -734,7 +734,7 @@ def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(t
     caplog.set_level(logging.WARNING, logger="memserver.server.slice")
 
     def said() -> list[str]:
-        return [r.getMessage() for r in caplog.records if "have waited" in r.getMessage()]
+        return [r.getMessage() for r in caplog.records if "no step has applied for" in r.getMessage()]
 
     def loads() -> list:
         return [next(t for t in s.tables if t.table == NAME) for s in a.status().shards]
@@ -751,8 +751,8 @@ def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(t
         for load in loads():  # no commit came since: the status call notices
             assert (load.open_steps, load.waiting_step, load.waiting_committed, load.waiting_workers) == (1, 1, 1, 2)
             assert load.waiting_seconds >= 0.6
-        assert len(said()) == 2 and all(m.startswith(f"table {NAME}: commits have waited") and "with no step applied"
-                                        in m and "step 1 waits for 1 of its 2 trainers" in m for m in said()), said()
+        assert len(said()) == 2 and all(m.startswith(f"table {NAME}: no step has applied for") and
+                                        "while step 1 waits for 1 of its 2 trainers" in m for m in said()), said()
         for step in (2, 3, 4):  # trainer a goes on without waiting for b: past MAX_OPEN_STEPS
             train_step(a, step, (step,))
         np.testing.assert_array_equal(a.lookup(NAME, np.arange(ROWS)), before)  # nothing applied
@@ -765,11 +765,16 @@ def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(t
             assert shard.metrics.registry.get_sample_value("memserver_step_wait_seconds", {"table": NAME}) >= waited
         capsys.readouterr()
         assert cli_main(["status", "--endpoint", server.endpoint, "--json"]) == 0
-        shown = json.loads(capsys.readouterr().out)["shards"][0]["tables"][0]
+        st = json.loads(capsys.readouterr().out)
+        shown = st["shards"][0]["tables"][0]
         assert (shown["open_steps"], shown["waiting_step"], shown["waiting_committed"]) == (2, 3, 1)
+        assert [w.split(": no step")[0] for w in st["warnings"]] == [f"shard {i}: table {NAME}" for i in (0, 1)]
+        assert st["problems"] == [] and st["tables"][0]["sync_workers"] == 2
         assert cli_main(["status", "--endpoint", server.endpoint]) == 0
         text = " ".join(capsys.readouterr().out.split())
-        assert f"table {NAME}: commits have waited" in text and "step 3 waits for 1 of its 2 trainers" in text
+        assert f"shard 0: table {NAME}: no step has applied for" in text
+        assert "while step 3 waits for 1 of its 2 trainers (sync_updates): is a trainer gone" in text
+        assert "│ 2 trainers │" in text  # the tables' sync column
 
         for step in (3, 4):  # b catches up on the steps still open: they apply, none waits
             train_step(b, step, (10 + step,))
@@ -779,4 +784,4 @@ def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(t
         for shard in server.shards:
             assert shard.metrics.registry.get_sample_value("memserver_step_wait_seconds", {"table": NAME}) == 0
         assert cli_main(["status", "--endpoint", server.endpoint]) == 0
-        assert "have waited" not in capsys.readouterr().out
+        assert "no step has applied" not in capsys.readouterr().out

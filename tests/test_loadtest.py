@@ -274,6 +274,22 @@ def test_a_scratch_table_the_cluster_cannot_split_is_said_in_the_flags(memory_cl
     assert {t.name for t in client.list_tables()} == before and "locust" not in sys.modules
 
 
+def test_loadtest_refuses_bag_backward_on_a_sync_table(memory_cluster, client, table_name, capsys):
+    """(A walkthrough: each of the load's bag_backward calls was its client's whole contribution to
+    step 0 of a sync_updates table: all but the first refused, the first left waiting for good.)"""
+    from memserver.loadtest.caller import check_table
+
+    client.create_table(table_name, 64, 8, sync_workers=2)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["loadtest", "--endpoint", memory_cluster.endpoint, "--table", table_name, "--duration", "1s"])
+    assert exit_.value.code == 2
+    assert (f"--table: {table_name} is a sync_updates table of 2 trainers, whose updates apply as steps every trainer "
+            "commits; loadtest's bag_backward calls are no such steps: leave bag_backward out of --mix") \
+        in capsys.readouterr().err
+    assert "locust" not in sys.modules
+    check_table(client.table(table_name), 8, 4, mix=("bag", "lookup"))  # reads are fine
+
+
 def test_a_worker_with_no_master_gives_up_after_its_wait(tmp_path):
     """locust alone would retry its master for 5 minutes; --wait bounds the connection too."""
     port = _free_port()  # nothing listens there

@@ -164,6 +164,7 @@ class TableMeta:
     values_table: str = ""
     tier: str = "ram"  # value tables: "ram", or "disk" (rows in files under a cache of cache_bytes)
     cache_bytes: int = 0
+    sync_workers: int = 0  # a sync_updates table's trainers (a step applies once they all commit it); 0: not one
 
     @property
     def a_kind(self) -> str:
@@ -202,6 +203,7 @@ class TableMeta:
             values_table=s.values_table,
             tier=s.tier or "ram",
             cache_bytes=s.cache_bytes,
+            sync_workers=s.sync_workers if s.sync_updates else 0,
         )
 
     @property

@@ -141,6 +141,25 @@ def problems(st: dict[str, Any]) -> list[str]:
     return out
 
 
+def warnings(st: dict[str, Any]) -> list[str]:
+    """What a cluster's status says of its tables' training, served as they are: float16 rows
+    stored inf or NaN, a sync_updates table whose steps stopped applying while commits wait
+    (STEP_WAIT_SAID). Printed by `status`, and its JSON's `warnings`; not problems (DEGRADED)."""
+    out = []
+    for s in sorted(st["shards"], key=lambda s: s["index"]):
+        for t in s["tables"]:
+            if t["nonfinite_updates"]:
+                out.append(f"shard {s['index']}: table {t['table']}: {t['nonfinite_updates']:,} row updates stored inf or "
+                           "NaN (float16 ends at 65504): training diverged on those rows; a lower lr or bfloat16 keeps "
+                           "them finite")
+            if t["waiting_workers"] and t["waiting_seconds"] >= STEP_WAIT_SAID:
+                out.append(f"shard {s['index']}: table {t['table']}: no step has applied for {t['waiting_seconds']:.0f}s "
+                           f"while step {t['waiting_step']} waits for {t['waiting_workers'] - t['waiting_committed']} of "
+                           f"its {t['waiting_workers']} trainers (sync_updates): is a trainer gone, or do the trainers "
+                           "not wait for each other after end_step?")
+    return out
+
+
 def unlisted(st: dict[str, Any]) -> list[str]:
     """Slices the shards hold of tables the catalog does not list: one being created, restored or
     dropped right now, or one a drop missed while its shard restarted (it holds memory and disk
@@ -158,7 +177,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         st = status_dict(client.status())
     wrong = problems(st)
     if args.json:
-        print(json.dumps({"endpoint": endpoint, **st, "problems": wrong, "unlisted": unlisted(st)}, indent=2))
+        print(json.dumps({"endpoint": endpoint, **st, "problems": wrong, "warnings": warnings(st),
+                          "unlisted": unlisted(st)}, indent=2))
         return DEGRADED if wrong else 0
     from rich.markup import escape
     from rich.table import Table
@@ -168,13 +188,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     out.print(f"memserver {st['version']} at [bold]{endpoint}[/], coordinator pid {st['coordinator_pid']}{restarted}, "
                   f"catalog epoch {st['epoch']}")
     tables = Table(title="tables")
-    for col in ("name", "rows", "dim", "sharding", "optimizer", "lr", "dtype", "wal", "tier", "shards"):
+    for col in ("name", "rows", "dim", "sharding", "optimizer", "lr", "dtype", "wal", "tier", "sync", "shards"):
         tables.add_column(col, justify="right" if col in ("rows", "dim", "lr", "shards") else "left")
     for t in st["tables"]:
         if t["kind"] == "value":
             tier = tier_text(t.get("tier") or "ram", t.get("cache_bytes", 0))
             tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}",
-                           t["dtype"], "yes" if t["wal"] else "no", tier, str(len(t["shards"])))
+                           t["dtype"], "yes" if t["wal"] else "no", tier,
+                           f"{t['sync_workers']} trainers" if t.get("sync_workers") else "no", str(len(t["shards"])))
     if tables.row_count:
         out.print(tables)
     indexes = Table(title="index tables")
@@ -244,16 +265,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for t in s["tables"]:
             if t["recovered_from"]:
                 out.print(f"shard {s['index']}: table {t['table']} recovered from {t['recovered_from']}")
-            if t["nonfinite_updates"]:
-                out.print(f"[yellow]shard {s['index']}: table {t['table']}: {t['nonfinite_updates']:,} row updates stored "
-                          "inf or NaN (float16 ends at 65504): training diverged on those rows; a lower lr or "
-                          "bfloat16 keeps them finite[/]")
-            if t["waiting_workers"] and t["waiting_seconds"] >= STEP_WAIT_SAID:
-                out.print(f"[yellow]shard {s['index']}: table {t['table']}: commits have waited {t['waiting_seconds']:.0f}s "
-                          f"with no step applied: step {t['waiting_step']} waits for "
-                          f"{t['waiting_workers'] - t['waiting_committed']} of its {t['waiting_workers']} trainers "
-                          "(sync_updates): the table learns nothing until they commit it; is a trainer gone, or do the "
-                          "trainers not wait for each other after end_step?[/]")
+    for line in warnings(st):
+        out.print(f"[yellow]{escape(line)}[/]")
     for line in unlisted(st):
         out.print(escape(line))
     for line in wrong:

@@ -9,6 +9,7 @@ Each call returns (result, response bytes).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -56,11 +57,19 @@ def check_call_size(batch: int, knn: int, dim: int, max_bytes: int = OpOptions.m
         raise ValueError(f"{what} per message; keep them under {max_bytes >> 20} MiB")
 
 
-def check_table(meta: TableMeta, batch: int, knn: int, max_bytes: int = OpOptions.max_request_bytes) -> None:
-    """A table the load test can call (a value table), with calls it can send whole."""
+def check_table(meta: TableMeta, batch: int, knn: int, max_bytes: int = OpOptions.max_request_bytes,
+                mix: Iterable[str] = ()) -> None:
+    """A table the load test can call (a value table), with calls it can send whole. A
+    sync_updates table takes no bag_backward of the load's: each would be its own client's whole
+    contribution to step 0, the second refused (already committed) and the first left waiting
+    for the other trainers for good (a walkthrough)."""
     if meta.kind != "value":
         raise ValueError(f"--table: {meta.name} is {meta.a_kind}; loadtest calls "
                          "bag, lookup and bag_backward, which need a value table")
+    if meta.sync_workers and "bag_backward" in mix:
+        raise ValueError(f"--table: {meta.name} is a sync_updates table of {meta.sync_workers} trainers, whose updates "
+                         "apply as steps every trainer commits; loadtest's bag_backward calls are no such steps: leave "
+                         "bag_backward out of --mix (bag and lookup read it as it is), or load a scratch table")
     check_call_size(batch, knn, meta.dim, max_bytes)
 
 
@@ -78,7 +87,7 @@ class ShardCaller:
             if sh.address not in self.channels:
                 self.channels[sh.address] = sync_channel(sh.address, retries=False, token=token, tls=tls)
         self.stubs = {sh.address: transport.methods(self.channels[sh.address]) for sh in meta.shards}
-        check_table(meta, cfg.batch, cfg.knn, self.opts.max_request_bytes)
+        check_table(meta, cfg.batch, cfg.knn, self.opts.max_request_bytes, cfg.mix)
 
     def connect(self) -> None:
         """Open every shard connection now, so no call's latency includes connection set-up."""

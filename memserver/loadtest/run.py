@@ -64,7 +64,7 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
             _create_scratch(mem, cfg.table, scratch)
         try:
             meta = mem.table(cfg.table)  # TableNotFoundError before any locust starts
-            check_table(meta, cfg.batch, cfg.knn)  # an index table, a call too large: before any locust
+            check_table(meta, cfg.batch, cfg.knn, mix=cfg.mix)  # an index table, a call too large: before any locust
             if scratch is not None:
                 _warm_up(mem, meta, cfg)
             # the users stop themselves a little after the duration even if the runner does not

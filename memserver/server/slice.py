@@ -428,11 +428,10 @@ class TableSlice:
         if waiting is None or waiting.seconds < STEP_WAIT_SAID or now - self.said_at < 60.0:
             return
         self.said_at = now
-        log.warning("table %s: commits have waited %.0fs on shard %d with no step applied: step %d waits for %d of "
-                    "its %d trainers to commit it, and a sync_updates table applies a step once every trainer "
-                    "commits it (is a trainer gone? do the trainers wait for each other after end_step?)",
-                    self.spec.name, waiting.seconds, self.info.index, waiting.step, waiting.workers - waiting.committed,
-                    waiting.workers)
+        log.warning("table %s: no step has applied for %.0fs while step %d waits for %d of its %d trainers to commit "
+                    "it (sync_updates: a step applies once every trainer commits it): is a trainer gone, or do the "
+                    "trainers not wait for each other after end_step?", self.spec.name, waiting.seconds, waiting.step,
+                    waiting.workers - waiting.committed, waiting.workers)
 
     def waiting_step(self) -> WaitingStep | None:
         """The oldest step of a sync_updates table that some of its trainers committed and that
