@@ -785,3 +785,19 @@ def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(t
             assert shard.metrics.registry.get_sample_value("memserver_step_wait_seconds", {"table": NAME}) == 0
         assert cli_main(["status", "--endpoint", server.endpoint]) == 0
         assert "no step has applied" not in capsys.readouterr().out
+
+
+def test_a_commit_after_a_sync_tables_whole_contribution_says_which_call_committed(pairs):
+    """A walkthrough's bag_backward(step=1) without gather=True on a sync table (its client's whole
+    contribution, committed with it), then commit_step(1): the error was the abort's ("cannot abort:
+    committed already"), not the prepare's refusal that caused it, and named no cause."""
+    from client import FailedPreconditionError
+
+    run = pairs("run", spec(sync_updates=True, sync_workers=2))
+    run.client.bag_backward(NAME, *batch(1), step=1)
+    with pytest.raises(FailedPreconditionError) as err:
+        run.client.commit_step(NAME, 1)
+    said = str(err.value)
+    assert "step 1: client trainer: already committed on shard" in said
+    assert "(on a sync_updates table, a bag_backward without gather=True is its client's whole contribution to its " \
+           "step, committed with it: commit_step is for gathered parts); the abort that followed was refused too" in said
