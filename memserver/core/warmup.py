@@ -14,15 +14,12 @@ memserver.core.warmup`), about 1 s when numba's cache has them, once per process
 
 from __future__ import annotations
 
-import logging
 import tempfile
 import threading
 import time
 
 import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _done = False

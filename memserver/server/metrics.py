@@ -281,9 +281,9 @@ class _TableCollector:
                                        "Write answers kept for retries (bounded by writes in flight)", labels=["table"])
         open_steps = GaugeMetricFamily("memserver_open_steps", "Training steps with parts not yet applied",
                                        labels=["table"])
-        step_wait = GaugeMetricFamily("memserver_step_wait_seconds", "How long a sync_updates table's oldest step "
-                                      "that some trainers committed has waited for the others (0: none waits); the "
-                                      "table applies nothing meanwhile", labels=["table"])
+        step_wait = GaugeMetricFamily("memserver_step_wait_seconds", "How long a sync_updates table's commits have "
+                                      "waited for its other trainers with no step applied (0: none waits)",
+                                      labels=["table"])
         nonfinite = CounterMetricFamily("memserver_table_nonfinite_updates", "Row updates of the optimizer that "
                                         "stored inf or NaN (a float16 table's value past 65504)", labels=["table"])
         refusing = GaugeMetricFamily("memserver_table_writes_refused", "1 while the slice refuses writes until a "

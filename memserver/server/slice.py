@@ -58,8 +58,8 @@ class Contribution:
 
 @dataclass(frozen=True)
 class WaitingStep:
-    """A sync_updates step that some trainers committed and the others not yet: the table learns
-    nothing until they do (status and the metrics show the oldest)."""
+    """A sync_updates step that some trainers committed and the others not yet: it applies once
+    they all have (status and the metrics show the oldest)."""
 
     step: int
     committed: int  # trainers that committed it
