@@ -40,7 +40,7 @@ def losses(argv: list[str]) -> list[tuple[float, float | None]]:
 
 
 @pytest.mark.parametrize("extra", [[], ["--memory-kind", "pkm,engram", "--engram-slots", "4096", "--micro-batches", "2"],
-                                   ["--memory-kind", "lsh", "--lsh-bits", "6", "--staleness", "1"]],
+                                   ["--memory-kind", "lsh", "--lsh-bits", "6"]],
                          ids=["pkm", "pkm+engram-micro-batches", "lsh"])
 def test_device_cpu_and_auto_without_cuda_give_exactly_the_default_losses(no_cuda, extra):
     """--device cpu, and auto on a machine without CUDA, train bit for bit as memtrain did
