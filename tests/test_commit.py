@@ -799,5 +799,6 @@ def test_a_commit_after_a_sync_tables_whole_contribution_says_which_call_committ
         run.client.commit_step(NAME, 1)
     said = str(err.value)
     assert "step 1: client trainer: already committed on shard" in said
-    assert "(on a sync_updates table, a bag_backward without gather=True is its client's whole contribution to its " \
-           "step, committed with it: commit_step is for gathered parts); the abort that followed was refused too" in said
+    assert "(if a bag_backward without gather=True sent it: on a sync_updates table that is its client's whole " \
+           "contribution to its step, committed with it; commit_step is for gathered parts); the abort that followed " \
+           "was refused too" in said

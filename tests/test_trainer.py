@@ -867,6 +867,35 @@ def test_a_resume_takes_how_its_steps_reached_the_values(tmp_path, caplog):
     assert "micro_batches = 2" in caplog.text and "staleness" not in caplog.text, caplog.text
 
 
+def test_a_resume_of_an_older_local_staleness_run_is_not_refused(tmp_path, caplog):
+    """memtrain refuses --staleness 1 with local values and no Engram layer (it changes nothing
+    there); a checkpoint written with it before (a review) resumes, taking it, unless the command
+    line gives it again."""
+    from memserver.storage.checkpoint import extras_digest
+    from trainer.checkpoints import trainer_file
+    from trainer.train import given_flags
+
+    def parsed(argv: list[str]) -> argparse.Namespace:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.given = given_flags(parser, argv)
+        return args
+
+    common = [*TINY, "--memory", "local", "--seed", "4"]
+    list(train(build_parser().parse_args([*common, "--steps", "2", "--checkpoint-dir", str(tmp_path)])))
+    path = trainer_file(tmp_path, 2)
+    blob = torch.load(path, weights_only=False)
+    blob.pop("digest")
+    blob["flags"]["staleness"] = 1  # as memtrain wrote it before the refusal
+    blob["digest"] = extras_digest(blob)
+    torch.save(blob, path)
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        assert len(list(train(parsed([*common, "--steps", "3", "--resume", str(tmp_path)])))) == 1
+    assert "staleness = 1" in caplog.text
+    with pytest.raises(SystemExit, match="--staleness 1: with --memory local it changes only"):
+        list(train(parsed([*common, "--steps", "4", "--resume", str(tmp_path), "--staleness", "1"])))
+
+
 def test_a_resume_refusal_says_default_not_none():
     """A resume refusal printed "trained with sharding = None" for a flag left out (the default)."""
     from trainer.train import _difference

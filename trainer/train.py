@@ -316,7 +316,8 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.memory == "none" and (ignored := _memory_flags(getattr(args, "given", None) or frozenset())):
         raise SystemExit(f"memtrain: error: {', '.join(ignored)}: shape memory layers, and this run trains without "
                          "memory (--memory none); drop them, or give --memory local or remote")
-    if args.staleness and args.memory == "local" and "engram" not in kinds:
+    given = getattr(args, "given", None)  # (a resume's staleness taken from its checkpoint was allowed when written)
+    if args.staleness and args.memory == "local" and "engram" not in kinds and (given is None or "staleness" in given):
         raise SystemExit(f"memtrain: error: --staleness {args.staleness}: with --memory local it changes only the "
                          f"reads of token-addressed layers (engram), and --memory-kind {args.memory_kind} has none; "
                          "with --memory remote it lets the shards apply a step while the next one starts")

@@ -139,9 +139,9 @@ def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: i
     decide.held = False
     decide.close()
     if isinstance(got, MemserverError):
-        if isinstance(voted, MemserverError):  # the prepare's refusal is the cause, the abort's follows from it
+        if isinstance(voted, _FINAL):  # the prepare's refusal is the cause, the abort's follows from it
             raise type(voted)(f"{voted.details}; the abort that followed was refused too: {got.details}",
-                              target=voted.target)
+                              voted.code, target=voted.target)
         raise got
     if isinstance(voted, MemserverError):
         raise StepAbortedError(f"table {table}: step {step} aborted on every shard, nothing of it applied: "

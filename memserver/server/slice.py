@@ -319,9 +319,9 @@ class TableSlice:
         where = f"table {self.spec.name}: step {step}: client {client}"
         if phase in (pb.STEP_PREPARE, pb.STEP_PREPARE_COMMIT):
             if c is not None and c.committed:
-                how = (" (on a sync_updates table, a bag_backward without gather=True is its client's whole "
-                       "contribution to its step, committed with it: commit_step is for gathered parts)"
-                       if self.spec.sync_updates else "")
+                how = (" (if a bag_backward without gather=True sent it: on a sync_updates table that is its "
+                       "client's whole contribution to its step, committed with it; commit_step is for gathered "
+                       "parts)" if self.spec.sync_updates else "")
                 raise FailedPreconditionError(f"{where}: already committed on shard {self.info.index}{how}")
             have = c.parts if c is not None else {}
             missing = sorted(set(seqs) - have.keys())

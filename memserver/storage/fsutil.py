@@ -22,47 +22,67 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _put_back(handlers: list[tuple[int, Any]]) -> None:
+    """signal.signal(s, h) for each, every one even if a signal put back first raises meanwhile."""
+    if handlers:
+        try:
+            signal.signal(*handlers[0])
+        finally:
+            _put_back(handlers[1:])
+
+
 @contextlib.contextmanager
-def signals_held(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the block ends, then reach the handlers they would have: a
-    KeyboardInterrupt (or memtrain's Terminated) raised inside torch.save's zip writer left the
-    writer to fail on its end record, a RuntimeError ("unexpected pos") with a traceback and exit
-    1 where memtrain stops cleanly (the suite caught one). A second one of the same signal goes
-    through at once (a write that hangs can still be stopped). The main thread only: elsewhere no
-    handler can be set, and no signal is delivered."""
+def signals_held(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, then reach the handlers they would have had
+    (in `signums`' order: SIGTERM's first, so memtrain says terminated), also when the block
+    raises: a KeyboardInterrupt (or memtrain's Terminated) raised inside torch.save's zip writer
+    left the writer to fail on its end record, a RuntimeError ("unexpected pos") with a traceback
+    and exit 1 where memtrain stops cleanly (the suite caught one). A second one of the same
+    signal goes through at once (a write that hangs can still be stopped). Nested blocks hold
+    once (the outer one). The main thread only: elsewhere no handler can be set, and no signal is
+    delivered."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     pending: list[int] = []
-    before: dict[int, Any] = {}
+    before: list[tuple[int, Any]] = []
 
     def hold(signum: int, frame: Any) -> None:
         if signum in pending:  # the user insists
-            for s, h in before.items():
-                signal.signal(s, h)
+            _put_back(before)
             signal.raise_signal(signum)
         else:
             pending.append(signum)
 
-    for s in signums:
-        if signal.getsignal(s) is not None:  # (None: a handler set outside Python, which cannot be put back)
-            before[s] = signal.signal(s, hold)
+    hold.holds = True  # type: ignore[attr-defined]
     try:
+        for s in signums:
+            now = signal.getsignal(s)
+            # (None: a handler set outside Python, which could not be put back; a hold: an outer block's)
+            if now is not None and not getattr(now, "holds", False):
+                before.append((s, now))
+                signal.signal(s, hold)
         yield
     finally:
-        for s, h in before.items():
-            signal.signal(s, h)
-    for s in pending:
-        signal.raise_signal(s)
+        _put_back(before)
+        for s in signums:  # (a signal's handler that raises ends the loop: the first such one is the news)
+            if s in pending:
+                signal.raise_signal(s)
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], mode: int | None = None) -> None:
     """write(file object) into a temporary file, fsync it, rename it into place, fsync the folder:
     a reader sees the old file or the whole new one, and after a crash the new one is there.
     `mode`: the file's permissions from its creation on (a key is never readable by others).
-    Ctrl-C and SIGTERM wait for it (signals_held)."""
+    Ctrl-C and SIGTERM wait for it (signals_held); a second one that breaks the write raises
+    itself, not the error it caused in `write` (torch.save's RuntimeError)."""
     with signals_held():
-        _atomic_write(path, write, mode)
+        try:
+            _atomic_write(path, write, mode)
+        except Exception as exc:
+            if isinstance(exc.__context__, KeyboardInterrupt):
+                raise exc.__context__ from None
+            raise
 
 
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], Any], mode: int | None) -> None:
