@@ -11,6 +11,15 @@ import pytest
 from memserver.storage.fsutil import atomic_write, signals_held
 
 
+@pytest.fixture(autouse=True)
+def default_sigint():
+    """Ctrl-C's handler as Python sets it (in the suite an earlier test's library may have set
+    another), put back after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture
 def sigterm_calls():
     """SIGTERM's handler for the test: counts its calls, restored after."""
