@@ -313,10 +313,11 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.memory == "none" and args.memory_kind != "pkm":
         raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: this run trains without memory "
                          "(--memory none); give --memory local or remote")
-    if args.memory == "none" and (ignored := _memory_flags(getattr(args, "given", None) or frozenset())):
+    given = getattr(args, "given", None)  # the flags the command line set (main's parse; None: unknown)
+    if args.memory == "none" and (ignored := _memory_flags(given or frozenset())):
         raise SystemExit(f"memtrain: error: {', '.join(ignored)}: shape memory layers, and this run trains without "
                          "memory (--memory none); drop them, or give --memory local or remote")
-    given = getattr(args, "given", None)  # (a resume's staleness taken from its checkpoint was allowed when written)
+    # (a resume's --staleness taken from its checkpoint was allowed when that was written)
     if args.staleness and args.memory == "local" and "engram" not in kinds and (given is None or "staleness" in given):
         raise SystemExit(f"memtrain: error: --staleness {args.staleness}: with --memory local it changes only the "
                          f"reads of token-addressed layers (engram), and --memory-kind {args.memory_kind} has none; "

@@ -50,6 +50,8 @@ def split_problem(sharding: int, num_rows: int, dim: int, num_shards: int) -> tu
     if sharding == pb.ROWS and num_rows < num_shards:
         return "num_rows", f"{num_rows} rows cannot be split over {num_shards} shards"
     return None
+
+
 #: Index metrics as users write them, and their proto values.
 METRICS: dict[str, int] = {"ip": pb.INNER_PRODUCT, "l2": pb.L2}
 METRIC_NAMES: dict[int, str] = {v: k for k, v in METRICS.items()}
