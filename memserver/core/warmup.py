@@ -2,9 +2,9 @@
 serves.
 
 numba compiles a kernel at its first call with a new argument type, and compiling holds the GIL:
-on a fresh install a shard's first bag_backward or disk-tier read spent 15-30 s there, and every
-table of that shard stalled behind it (a walkthrough: a lookup load on another table saw 7.9 s
-and a DEADLINE_EXCEEDED), before the shard's request timer even started. `compile_kernels` runs
+on a fresh install a shard's first bag_backward or disk-tier read compiled there, and every table
+of that shard stalled behind it (calls to other tables ran past their deadlines), before the
+shard's request timer even started. `compile_kernels` runs
 each kernel once on tiny tables, with the argument types the data plane passes (its inputs are
 normalised by `ValueTable.on_device`, so one set covers every request): about 30 s the first time
 after an install or an upgrade (the Makefile and the Dockerfile pay it at install time, `python -m

@@ -424,11 +424,12 @@ class TableSlice:
         waited STEP_WAIT_SAID seconds or more with no step applied: a trainer is gone, or the
         trainers do not wait for each other after end_step (docs/library.md). Checked where the
         shard notices: a commit, a status call, a metrics scrape."""
-        if self.replaying:  # (said when it happened)
+        since, now = self.stalled_since, time.monotonic()
+        # (cheap checks first: a healthy run's commits wait briefly, every step; replayed ones were said)
+        if self.replaying or since is None or now - since < STEP_WAIT_SAID or now - self.said_at < 60.0:
             return
-        now = time.monotonic()
         waiting = self.waiting_step()
-        if waiting is None or waiting.seconds < STEP_WAIT_SAID or now - self.said_at < 60.0:
+        if waiting is None:
             return
         self.said_at = now
         log.warning("table %s: no step has applied for %.0fs while step %d waits for %d of its %d trainers to commit "
