@@ -151,6 +151,10 @@ class Backoff:
         return sleep
 
 
+#: drop_open_steps' resend: dropping again drops what is open by then (steps sent since too)
+DROPS_AGAIN = "sending it again drops the steps open on every shard by then"
+
+
 class AppliedBy:
     """The shards that answered one plain write (each applies its part on its own: only a training
     step is all-or-none across them), so that its error, when it fails for good, says where it was
@@ -873,6 +877,15 @@ class AsyncMemoryClient:
                 make, tags, retry = plan.send(got)
             except StopIteration as done:
                 return done.value
+
+    async def drop_open_steps(self, table: str) -> int:
+        """Drop every open step of `table` on its shards, every client's parts and commits: the
+        remedy for a sync_updates table whose step waits for a trainer that is gone (`memserver
+        status` warns of it), short of dropping the table. Nothing of those steps applies; a live
+        client that commits one later is refused (its parts are gone). Stop the trainers first.
+        Returns the most open steps one shard dropped."""
+        tags = self.tags()
+        return await self._call(table, lambda meta: ops.drop_open_steps_op(meta, tags), tags, applies=DROPS_AGAIN)
 
     def abandon_step(self, table: str, step: int) -> int:
         """Forget the `gather` parts of `step` this client sent so far (a step that failed before

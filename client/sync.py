@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from client import ops, transport
-from client.aio import NOT_PICKLED, AppliedBy, AsyncMemoryClient, Backoff
+from client.aio import DROPS_AGAIN, NOT_PICKLED, AppliedBy, AsyncMemoryClient, Backoff
 from client.channels import sync_channel
 from client.ops import Op, WriteTags, finish, like
 from memserver.api.errors import (
@@ -316,6 +316,10 @@ class MemoryClient:
                                               step, parts, weight_grad)
         grad_w = self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
         return None if grad_w is None else like(grad_w, weights)
+
+    def drop_open_steps(self, table: str) -> int:
+        tags = self.aio.tags()
+        return self._call(table, lambda meta: ops.drop_open_steps_op(meta, tags), tags, applies=DROPS_AGAIN)
 
     def abandon_step(self, table: str, step: int) -> int:
         return self.aio.abandon_step(table, step)

@@ -775,6 +775,8 @@ def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(t
         assert f"shard 0: table {NAME}: no step has applied for" in text
         assert "while step 3 waits for 1 of its 2 trainers (sync_updates): is a trainer gone" in text
         assert "│ 2 trainers │" in text  # the tables' sync column
+        assert f"Once its trainers are stopped, `memserver drop-steps {NAME}` drops the waiting steps" in text
+        assert f"(once its trainers are stopped, `memserver drop-steps {NAME}` drops the waiting steps)" in said()[0]
 
         for step in (3, 4):  # b catches up on the steps still open: they apply, none waits
             train_step(b, step, (10 + step,))
@@ -785,6 +787,58 @@ def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(t
             assert shard.metrics.registry.get_sample_value("memserver_step_wait_seconds", {"table": NAME}) == 0
         assert cli_main(["status", "--endpoint", server.endpoint]) == 0
         assert "no step has applied" not in capsys.readouterr().out
+
+        train_step(a, 5, (5,))  # stuck again (b gone for good): the remedy short of dropping the table
+        time.sleep(0.6)
+        assert cli_main(["status", "--endpoint", server.endpoint]) == 0
+        assert "no step has applied" in capsys.readouterr().out
+        rows = a.lookup(NAME, np.arange(ROWS))
+        assert cli_main(["drop-steps", NAME, "--endpoint", server.endpoint]) == 0
+        assert capsys.readouterr().out == f"table {NAME}: dropped 1 open step; nothing of them applies\n"
+        for load in loads():
+            assert (load.open_steps, load.waiting_step, load.waiting_seconds) == (0, 0, 0.0)
+        assert cli_main(["status", "--endpoint", server.endpoint, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["warnings"] == []
+        np.testing.assert_array_equal(a.lookup(NAME, np.arange(ROWS)), rows)  # the rows are kept
+        assert cli_main(["drop-steps", NAME, "--endpoint", server.endpoint, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == {"table": NAME, "dropped_steps": 0}
+
+
+def test_dropped_open_steps_never_apply_and_a_restart_does_not_bring_them_back(pairs):
+    """A sync table whose trainer b is gone: a's commits of steps 1 and 2 wait for good, and every
+    later step with them (the remedy was dropping the table, its rows with it). `drop_open_steps`
+    (`memserver drop-steps`) drops every open step on every shard, parts and commits, rows kept: new
+    trainers then train the table as if those steps had never been sent (equal to a run without
+    them), b's late commit of its part is refused naming the drop, and the drop is in the
+    write-ahead log, so a restarted shard does not bring the steps back."""
+    from client import StepAbortedError
+
+    run = pairs("run", spec(sync_updates=True, sync_workers=2))
+    ref = pairs("ref", spec(sync_updates=True, sync_workers=2))
+    a, b = run.client, run.new_client("b")
+    train_step(a, 1, (1,))
+    train_step(a, 2, (2,))
+    send_part(b, 2, 3)  # b's part of step 2, never committed (b is stuck or gone)
+    send_part(a, 3, 4)
+    assert [sorted(run.slice(i).steps) for i in range(2)] == [[1, 2, 3]] * 2
+    assert all(run.slice(i).waiting_step().step == 1 for i in range(2))
+    assert a.drop_open_steps(NAME) == 3
+    assert not any(run.slice(i).steps or run.slice(i).waiting_step() for i in range(2))
+    assert_same(run.state(), ref.state())  # nothing of them applied
+    with pytest.raises(StepAbortedError, match=r"does not hold part\(s\) .*client trainer dropped the table's 3 open "
+                                               r"step\(s\) \(drop-steps\)"):
+        b.commit_step(NAME, 2)
+    c, d, rc, rd = run.new_client("c"), run.new_client("d"), ref.new_client("c"), ref.new_client("d")
+    for step in (1, 2):  # a new job from step 1: steps a committed before the drop do not join its steps
+        for x, rx, seed in ((c, rc, 10 + step), (d, rd, 20 + step)):
+            train_step(x, step, (seed,))
+            train_step(rx, step, (seed,))
+    assert not any(run.slice(i).steps for i in range(2))
+    assert_same(run.state(), ref.state())
+    assert not torch.equal(run.state()[0]["weight"], pairs("fresh", spec()).state()[0]["weight"])  # they applied
+    run.restart(1)  # its log replayed: the drop with it, so a's step 1 does not come back to join c's
+    assert_same(run.state(), ref.state())
+    assert not run.slice(1).steps
 
 
 def test_a_commit_after_a_sync_tables_whole_contribution_says_which_call_committed(pairs):

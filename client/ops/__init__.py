@@ -25,7 +25,7 @@ from client.ops.inspect import SLOT_STATS, record_triggers_op, slot_stats_op, to
 from client.ops.product_keys import address_op, load_product_keys_op
 from client.ops.routing import route_bags, route_ids, route_owned
 from client.ops.sessions import ClientSession, StepParts, WriteTags
-from client.ops.steps import CommitPlan, commit_step_plan, step_phase_op
+from client.ops.steps import CommitPlan, commit_step_plan, drop_open_steps_op, step_phase_op
 from client.ops.values import (
     aggregate,
     bag_backward_op,
@@ -54,6 +54,7 @@ __all__ = [
     "bag_backward_op",
     "bag_op",
     "commit_step_plan",
+    "drop_open_steps_op",
     "finish",
     "like",
     "load_product_keys_op",

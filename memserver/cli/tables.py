@@ -156,7 +156,8 @@ def warnings(st: dict[str, Any]) -> list[str]:
                 out.append(f"shard {s['index']}: table {t['table']}: no step has applied for {t['waiting_seconds']:.0f}s "
                            f"while step {t['waiting_step']} waits for {t['waiting_workers'] - t['waiting_committed']} of "
                            f"its {t['waiting_workers']} trainers (sync_updates): is a trainer gone, or do the trainers "
-                           "not wait for each other after end_step?")
+                           "not wait for each other after end_step? Once its trainers are stopped, `memserver "
+                           f"drop-steps {t['table']}` drops the waiting steps")
     return out
 
 
@@ -395,6 +396,18 @@ def cmd_drop_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drop_steps(args: argparse.Namespace) -> int:
+    with cli_client(args) as client:
+        dropped = client.drop_open_steps(args.name)
+    if args.json:
+        print(json.dumps({"table": args.name, "dropped_steps": dropped}))
+    elif dropped:
+        print(f"table {args.name}: dropped {counted(dropped, 'open step')}; nothing of them applies")
+    else:
+        print(f"table {args.name}: no step was open")
+    return 0
+
+
 # ----------------------------------------------------------------- checkpoint, restore
 
 
@@ -496,6 +509,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     dt.add_argument("name", help="the table's name")
     cluster_flags(dt, timeout=120.0)
     dt.set_defaults(func=cmd_drop_table)
+
+    ds = sub.add_parser("drop-steps", help="drop a table's open training steps (a sync table stalled by a gone trainer)",
+                        description="Drop every open training step of a table on its shards, every trainer's parts "
+                        "and commits, keeping the table's rows. The remedy `memserver status` names when a "
+                        "sync_updates table's step waits for a trainer that is gone (it never applies, nor any later "
+                        "step). Stop the table's trainers first: nothing of the dropped steps applies, and a trainer "
+                        "that commits one later is refused.")
+    ds.add_argument("name", help="the table's name")
+    cluster_flags(ds, timeout=120.0, json_help="print {table, dropped_steps} as JSON")
+    ds.set_defaults(func=cmd_drop_steps)
 
     ck = sub.add_parser("checkpoint", help="write a consistent checkpoint of the tables",
                         description="Every shard writes its slices (temporary name, fsync, rename); the manifest is "

@@ -140,6 +140,7 @@ class TableSlice:
         # waits); a float, written by the compute thread, read by status and the metrics
         self.stalled_since: float | None = None
         self.said_at = -60.0  # time.monotonic() `say_waiting` last logged
+        self.steps_dropped = ""  # who last dropped the open steps (STEP_DROP_OPEN), said when parts are missed
 
     # -- checks every request makes --------------------------------------------------------
 
@@ -344,6 +345,8 @@ class TableSlice:
             if c is not None and c.committed:
                 raise FailedPreconditionError(f"{where}: cannot abort on shard {self.info.index}: committed already")
             return lambda: self._abort(step, client)
+        if phase == pb.STEP_DROP_OPEN:
+            return lambda: self._drop_open(client)
         if phase != pb.STEP_PHASE_UNSPECIFIED:
             raise InvalidArgumentError(f"phase: unknown step phase {phase}")
         # the one-shard decision of older clients: a part count, checked and applied here alone
@@ -356,12 +359,13 @@ class TableSlice:
         return lambda: self.commit(step, client)
 
     def _lost(self) -> str:
-        """Why a slice may lack a step's parts it acknowledged, as far as it knows (a rebuild may be
-        long past: named as what it was, not as the cause)."""
+        """Why a slice may lack a step's parts it acknowledged, as far as it knows (a rebuild or a
+        drop may be long past: named as what it was, not as the cause)."""
+        dropped = f"; {self.steps_dropped}" if self.steps_dropped else ""
         if self.rebuilt:
             return (f"lost in a restart? this slice came back from {self.recovered_from} without a log (the table has "
-                    "no `wal`): parts sent before that are gone")
-        return "lost in a restart?"
+                    f"no `wal`): parts sent before that are gone{dropped}")
+        return f"lost in a restart?{dropped}"
 
     def _prepare(self, step: int, client: str, seqs: set[int], drop: bool = False) -> None:
         c = self.steps.setdefault(step, {}).setdefault(client, Contribution())
@@ -378,6 +382,21 @@ class TableSlice:
         got = self.steps.get(step, {})
         if got.pop(client, None) is not None and not got:
             del self.steps[step]
+
+    def _drop_open(self, by: str) -> Callable[[], int]:
+        """STEP_DROP_OPEN: forget every open step, every client's parts and commits (`by` asked:
+        `memserver drop-steps`). Nothing of them applies; the returned "update" counts them."""
+        dropped = len(self.steps)
+        if dropped:
+            waiting = self.waiting_step()
+            log.warning("table %s: dropping its %d open step(s) on shard %d (client %s asked: drop-steps)%s; nothing "
+                        "of them applies", self.spec.name, dropped, self.info.index, by,
+                        f", step {waiting.step} had waited {waiting.seconds:.0f}s for {waiting.workers - waiting.committed} "
+                        f"of its {waiting.workers} trainers" if waiting else "")
+            self.steps_dropped = f"client {by} dropped the table's {dropped} open step(s) (drop-steps)"
+        self.steps = {}
+        self.stalled_since = None
+        return lambda: dropped
 
     def commit(self, step: int, client: str) -> Callable[[], int] | None:
         """Close `client`'s contribution to `step` (checked by step_phase). Returns the update to
@@ -434,8 +453,9 @@ class TableSlice:
         self.said_at = now
         log.warning("table %s: no step has applied for %.0fs while step %d waits for %d of its %d trainers to commit "
                     "it (sync_updates: a step applies once every trainer commits it): is a trainer gone, or do the "
-                    "trainers not wait for each other after end_step?", self.spec.name, waiting.seconds, waiting.step,
-                    waiting.workers - waiting.committed, waiting.workers)
+                    "trainers not wait for each other after end_step? (once its trainers are stopped, `memserver "
+                    "drop-steps %s` drops the waiting steps)", self.spec.name, waiting.seconds, waiting.step,
+                    waiting.workers - waiting.committed, waiting.workers, self.spec.name)
 
     def waiting_step(self) -> WaitingStep | None:
         """The oldest step of a sync_updates table that some of its trainers committed and that

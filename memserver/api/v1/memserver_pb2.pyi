@@ -44,6 +44,7 @@ class StepPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_COMMIT: _ClassVar[StepPhase]
     STEP_ABORT: _ClassVar[StepPhase]
     STEP_PREPARE_COMMIT: _ClassVar[StepPhase]
+    STEP_DROP_OPEN: _ClassVar[StepPhase]
 
 class SlotStat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -74,6 +75,7 @@ STEP_PREPARE: StepPhase
 STEP_COMMIT: StepPhase
 STEP_ABORT: StepPhase
 STEP_PREPARE_COMMIT: StepPhase
+STEP_DROP_OPEN: StepPhase
 SLOT_STAT_UNSPECIFIED: SlotStat
 HITS: SlotStat
 WEIGHT_MASS: SlotStat
