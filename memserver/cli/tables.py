@@ -399,12 +399,16 @@ def cmd_drop_table(args: argparse.Namespace) -> int:
 def cmd_drop_steps(args: argparse.Namespace) -> int:
     with cli_client(args) as client:
         dropped = client.drop_open_steps(args.name)
+        wal = client.table(args.name).wal
+    note = ("" if wal or not dropped else "the table has no `wal`: a shard that restarts comes back as its last "
+            "checkpoint, open steps included; `memserver checkpoint` now keeps them dropped")
     if args.json:
-        print(json.dumps({"table": args.name, "dropped_steps": dropped}))
-    elif dropped:
-        print(f"table {args.name}: dropped {counted(dropped, 'open step')}; nothing of them applies")
-    else:
-        print(f"table {args.name}: no step was open")
+        print(json.dumps({"table": args.name, "dropped_steps": dropped, "note": note}))
+        return 0
+    print(f"table {args.name}: dropped {counted(dropped, 'open step')}; nothing of them applies" if dropped
+          else f"table {args.name}: no open step to drop")
+    if note:
+        print(f"note: {note}")
     return 0
 
 

@@ -361,11 +361,11 @@ class TableSlice:
     def _lost(self) -> str:
         """Why a slice may lack a step's parts it acknowledged, as far as it knows (a rebuild or a
         drop may be long past: named as what it was, not as the cause)."""
-        dropped = f"; {self.steps_dropped}" if self.steps_dropped else ""
         if self.rebuilt:
+            dropped = f"; or dropped: {self.steps_dropped}" if self.steps_dropped else ""
             return (f"lost in a restart? this slice came back from {self.recovered_from} without a log (the table has "
                     f"no `wal`): parts sent before that are gone{dropped}")
-        return f"lost in a restart?{dropped}"
+        return f"dropped? {self.steps_dropped}" if self.steps_dropped else "lost in a restart?"
 
     def _prepare(self, step: int, client: str, seqs: set[int], drop: bool = False) -> None:
         c = self.steps.setdefault(step, {}).setdefault(client, Contribution())
@@ -385,18 +385,36 @@ class TableSlice:
 
     def _drop_open(self, by: str) -> Callable[[], int]:
         """STEP_DROP_OPEN: forget every open step, every client's parts and commits (`by` asked:
-        `memserver drop-steps`). Nothing of them applies; the returned "update" counts them."""
+        `memserver drop-steps`); nothing of them applies. A contribution prepared here whose COMMIT
+        has not come is committed first, as its session's expiry would (presumed commit: another
+        shard may have applied it; dropping it here would leave the step on some shards only).
+        The returned "update" applies those commits and counts the steps dropped."""
+        updates = []
+        for st, client in sorted((st, client) for st, got in self.steps.items() for client, c in got.items()
+                                 if c.prepared and not c.committed):
+            if not self.replaying:
+                log.warning("table %s: step %d: client %s prepared it and its commit has not come: committing it "
+                            "before the drop (drop-steps)", self.spec.name, st, client)
+            if (update := self.commit(st, client)) is not None:
+                updates.append(update)
         dropped = len(self.steps)
         if dropped:
-            waiting = self.waiting_step()
-            log.warning("table %s: dropping its %d open step(s) on shard %d (client %s asked: drop-steps)%s; nothing "
-                        "of them applies", self.spec.name, dropped, self.info.index, by,
-                        f", step {waiting.step} had waited {waiting.seconds:.0f}s for {waiting.workers - waiting.committed} "
-                        f"of its {waiting.workers} trainers" if waiting else "")
+            if not self.replaying:  # (said when asked; a replay does it again silently)
+                waiting = self.waiting_step()
+                log.warning("table %s: dropping its %d open step(s) on shard %d (client %s asked: drop-steps)%s; "
+                            "nothing of them applies", self.spec.name, dropped, self.info.index, by,
+                            f", step {waiting.step} had waited {waiting.seconds:.0f}s for "
+                            f"{waiting.workers - waiting.committed} of its {waiting.workers} trainers" if waiting else "")
             self.steps_dropped = f"client {by} dropped the table's {dropped} open step(s) (drop-steps)"
         self.steps = {}
         self.stalled_since = None
-        return lambda: dropped
+
+        def apply() -> int:
+            for update in updates:
+                update()
+            return dropped
+
+        return apply
 
     def commit(self, step: int, client: str) -> Callable[[], int] | None:
         """Close `client`'s contribution to `step` (checked by step_phase). Returns the update to
@@ -486,6 +504,8 @@ class TableSlice:
         steps = [(st, client, c.committed, c.prepared, [(q, list(p)) for q, p in c.parts.items()], c.drop)
                  for st, got in self.steps.items() for client, c in got.items()]
         out: dict[str, Any] = {"sessions": self.sessions.state(), "step_parts": steps}
+        if self.steps_dropped:  # (a late commit's refusal names the drop after a restart too)
+            out["steps_dropped"] = self.steps_dropped
         if self.triggers is not None and (self.triggers.slots or self.triggers.info):
             out["triggers"] = self.triggers.state()
         return out
@@ -493,7 +513,7 @@ class TableSlice:
     def load_extras(self, extras: dict[str, Any]) -> None:
         if "sessions" in extras:
             self.sessions.load(extras["sessions"])
-        self.steps = {}
+        self.steps, self.steps_dropped = {}, str(extras.get("steps_dropped", ""))
 
         def here(part: Any) -> tuple:
             """A checkpoint's part (loaded on the CPU) on the slice's device, where the parts sent
