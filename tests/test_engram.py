@@ -539,6 +539,51 @@ def test_every_call_after_a_commit_in_flight_sees_its_step(client, table_name):
     torch.testing.assert_close(rows, local.table.weight, rtol=0, atol=1e-6)
 
 
+def test_a_read_sent_before_a_sync_commit_is_answered_before_the_step_applies(memory_cluster, table_name):
+    """--staleness 1 with data-parallel trainers: step t+1's prefetch, sent as step t begins, must
+    read the table without step t. A sync table applies step t at the last trainer's commit, so a
+    trainer whose prefetch was still on its way when it committed after the other trainer read
+    step t in it: the run's losses hung on timing (the DDP staleness test failed once under load,
+    loss 4.1313 against 4.1371). end_step answers the backend's reads before it commits."""
+    import threading
+
+    from client import MemoryClient
+
+    ids, w = torch.tensor([[1, 2], [2, 3]]), torch.ones(2, 2)
+    grad = torch.arange(8, dtype=torch.float32).view(2, 4)
+    with MemoryClient(memory_cluster.endpoint, client_id="rank0-a") as ca, \
+            MemoryClient(memory_cluster.endpoint, client_id="rank1-b") as cb:
+        slow = _SlowReads(ca)
+        a = RemoteValues(slow, table_name, 64, 4, lr=0.1, seed=2, sync_workers=2)
+        b = RemoteValues(cb, table_name, 64, 4, create=False)
+        before = a.bag(ids, w)
+        for v in (a, b):
+            v.begin_step(1)
+            v.bag_backward(ids, w, grad)
+        b.end_step(1)  # committed: the step waits for a's commit
+        prefetch = a.submit_bag(ids, w)  # on its way (held until the gate opens)
+        threading.Timer(0.3, slow.gate.set).start()
+        a.end_step(1)  # (without the wait: the step applied here, and the read 0.3 s later saw it)
+        torch.testing.assert_close(prefetch.result(), before, rtol=0, atol=0)
+        assert not torch.equal(a.bag(ids, w), before)  # the step applied
+
+
+class _SlowReads:
+    """The cluster's client with its reads sent without waiting held until the test opens `gate`."""
+
+    def __init__(self, client) -> None:
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.client, self.pool, self.gate = client, ThreadPoolExecutor(1), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def submit_bag(self, table, ids, weights, **kwargs):
+        return self.pool.submit(lambda: (self.gate.wait(60), self.client.bag(table, ids, weights, **kwargs))[1])
+
+
 def test_a_backward_and_the_next_commit_wait_for_the_commit_in_flight(client, table_name):
     """Step 2's backward right after step 1's end_step(wait=False): its dL/dweights are computed on
     the values with step 1 applied, and step 2's commit follows step 1's (rows equal local values')."""

@@ -21,6 +21,7 @@ GPU's work on the next. On the CPU each of them is the identity: the CPU path is
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import operator
@@ -387,6 +388,9 @@ class RemoteValues:
         self.grad_scale, self.overflows_at = 1.0, 0
         self.sent: list[Future] = []  # the step's parts sent without waiting (constant weights): end_step waits
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
+        # reads sent without waiting and not answered yet (submit_bag: a prefetch): end_step's commit
+        # waits for them; at most those of one step's forward and prefetch, the answered pruned at each
+        self.reading: list[Future] = []
         self.version = 0
         std = init_std if init_std is not None else dim**-0.5
         self.rebuilds_seen = client.rebuilds(name)[0]  # (the count only grows: from here on)
@@ -484,9 +488,11 @@ class RemoteValues:
         ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         if self.committing is None:
-            return on_device(self.client.submit_bag(self.name, h_ids, h_w, count=count), ids.device)
-        return on_device(after(self.committing, lambda: self.client.submit_bag(self.name, h_ids, h_w, count=count)),
-                         ids.device)
+            answer = self.client.submit_bag(self.name, h_ids, h_w, count=count)
+        else:
+            answer = after(self.committing, lambda: self.client.submit_bag(self.name, h_ids, h_w, count=count))
+        self.reading = [f for f in self.reading if not f.done()] + [answer]
+        return on_device(answer, ids.device)
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:
@@ -534,10 +540,15 @@ class RemoteValues:
         Parts sent without waiting are delivered first (`deliver`): a refused one raises here
         and this table commits nothing. `wait` False: the commit is sent and this returns; the
         next call of this backend waits for it (a read chains after it), so it reads what it would
-        have read; its error is raised there (and by any read chained after it), or by `settle`."""
+        have read; its error is raised there (and by any read chained after it), or by `settle`.
+        Reads sent without waiting (`submit_bag`) are answered before the commit goes: a stale
+        prefetch (step t+1's, sent as step t began) never meets step t's update, which a sync
+        table applies at the last trainer's commit (trainers' runs then depended on timing)."""
         check_end_step(self.step, step)
         self.deliver()
         self.settle()
+        reading, self.reading = self.reading, []
+        concurrent.futures.wait(reading)  # (`wait` is the flag here; their errors are their readers')
         self.step, self.grad_scale = None, 1.0
         if self._remade():  # its parts went to the new incarnation: not committed there
             self.client.abandon_step(self.name, step)
