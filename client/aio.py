@@ -950,7 +950,8 @@ class AsyncMemoryClient:
         """A hint that `ids` will be read soon: a disk table's shards read the pages of the rows
         their caches do not hold ahead, while the caller goes on, so the read (exact as ever)
         does not wait on the device. Changes nothing; a RAM table is sent nothing. Returns the
-        rows handed to the shards' read-ahead threads."""
+        rows handed to the shards' read-ahead threads, summed over them (a cols table's row is
+        handed to each of its shards: counted once per shard)."""
         return await self._call(table, lambda meta: ops.warm_op(meta, ids, self.opts))
 
     async def slot_stats(self, table: str, ids: Any) -> dict[str, Any]:

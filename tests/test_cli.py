@@ -79,9 +79,9 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
         down = cli(["down"])
     assert down.returncode == 0, down.stderr
     assert down.stdout.strip().endswith("stopped; tables without wal (nowal) come back at the next `up` on this data "
-                                        "directory as their latest checkpoint (their initial values if they have "
-                                        "none): their writes since are not kept (`memserver checkpoint` before "
-                                        "`down` keeps them)"), down.stdout
+                                        "directory as their latest checkpoint or the restore they last came from "
+                                        "(their initial values if neither): their writes since are not kept "
+                                        "(`memserver checkpoint` before `down` keeps them)"), down.stdout
     assert not (tmp_path / "endpoint.json").exists()
     assert "no memserver is running" in cli(["down"]).stdout
     log = (tmp_path / "memserver.log").read_text()

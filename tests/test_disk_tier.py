@@ -7,6 +7,7 @@ import ctypes
 import errno
 import mmap
 import os
+import re
 import subprocess
 import threading
 from pathlib import Path
@@ -486,6 +487,12 @@ def test_a_checkpoint_with_a_damaged_disk_table_writes_nothing_and_says_how_to_s
         c.create_table("d", 1000, 8, tier="disk")
         c.create_table("r", 1000, 8)
         os.truncate(server.shards[0].servicer.tables["d"].table.path, 4096)
+        # status says it at once (a walkthrough: served, exit 0, until a write failed), the RAM table served
+        from memserver.cli.tables import problems, status_dict
+
+        wrong = problems(status_dict(c.status()))
+        assert len(wrong) == 1 and re.fullmatch(r"shard 0: table d is not served: table d: its data file .*rows.dat was "
+                                                r"replaced or truncated \(4,096 bytes, the table needs 64,000\).*", wrong[0])
         with pytest.raises(DataLossError, match=r"table d: its data file .*rows.dat was replaced or truncated .*; "
                                                 r"nothing was written: checkpoint the other tables by name"):
             c.checkpoint(str(tmp_path / "ck"), 1)
@@ -1046,8 +1053,13 @@ def test_restore_moves_a_table_between_tiers_and_it_continues_identically(client
         assert_same()
         same_steps()
         for bad, says in (({"tier": "tape"}, "tier: expected one of ram, disk"),
-                          ({"tier": "ram", "cache_bytes": 1 << 20}, "cache_bytes: only a tier 'disk' table"),
-                          ({"cache_bytes": 10}, "cache_bytes: only a tier 'disk' table"),  # a RAM checkpoint
+                          ({"tier": "ram", "cache_bytes": 1 << 20}, f"cache_bytes: table {table_name}: only a tier "
+                           "'disk' table has a cache, and this restore puts it in tier 'ram'"),
+                          # a RAM checkpoint (a walkthrough: every table of a checkpoint, a RAM one among them,
+                          # restored with --cache-bytes as docs/deploy.md said, was refused naming none)
+                          ({"cache_bytes": 10}, f"cache_bytes: table {table_name}: only a tier 'disk' table has a "
+                           r"cache, and it was saved in tier 'ram': restore the disk tables by name \(memserver restore "
+                           r"--table NAME\), or move this one to disk \(--tier disk\)"),
                           ({"tier": "disk", "cache_bytes": 10}, "cache_bytes: a tier 'disk' table needs at least")):
             with pytest.raises(InvalidArgumentError, match=says):
                 client.restore(str(tmp_path / "a"), replace=True, tables=[table_name], **bad)

@@ -620,7 +620,8 @@ def what_down_leaves(record: dict[str, Any], names: int = 5) -> str:
                 "D` keeps tables from one `up` to the next)") if tables else ""
     no_wal = [t for t in tables if not t.wal]
     return (f"tables without wal ({listed(no_wal)}) come back at the next `up` on this data directory as their "
-            "latest checkpoint (their initial values if they have none): their writes since are not kept "
+            "latest checkpoint or the restore they last came from (their initial values if neither): their writes "
+            "since are not kept "
             "(`memserver checkpoint` before `down` keeps them)") if no_wal else ""
 
 

@@ -79,6 +79,11 @@ def retier(spec: pb.TableSpec, tier: str = "", cache_bytes: int = 0) -> pb.Table
     if tier and tier != (spec.tier or "ram"):
         spec.tier, spec.cache_bytes = tier, 0
     if cache_bytes:
+        if (spec.tier or "ram") != "disk":  # named: a restore of every table of a checkpoint meets RAM ones too
+            how = f"this restore puts it in tier {tier!r}" if tier else "it was saved in tier 'ram'"
+            raise InvalidArgumentError(f"cache_bytes: table {spec.name}: only a tier 'disk' table has a cache, and {how}: "
+                                       "restore the disk tables by name (memserver restore --table NAME), or move this "
+                                       "one to disk (--tier disk)")
         spec.cache_bytes = cache_bytes
     return spec
 

@@ -766,6 +766,13 @@ class ShardActor:
                         load.nonfinite_updates = overflows
                     load.trigger_slots, load.trigger_bytes = sl.triggers.slots, sl.triggers.nbytes()
                     load.tier = sl.spec.tier or "ram"
+                    if sl.spec.tier == "disk" and not load.unavailable:
+                        try:  # a file gone, replaced or truncated: every call answers DATA_LOSS, status too
+                            sl.table.check_files()  # (a walkthrough: status said served until a write failed)
+                        except DataLossError as exc:
+                            load.unavailable = exc.details
+                        except OSError:  # (its descriptors closed meanwhile: a drop)
+                            pass
                     if hasattr(sl.table, "cache_stats"):
                         c = sl.table.cache_stats()
                         load.cache_bytes, load.cache_rows, load.cache_capacity = (c["cache_bytes"], c["cached_rows"],
