@@ -29,13 +29,20 @@ def spec(sharding: int = pb.COLS, wal: bool = True, **kwargs) -> pb.TableSpec:
 
 
 class _Maps(pb_grpc.ControlPlaneServicer):
-    """The one coordinator call a data-plane client makes: the shard map (re-read after a refusal)."""
+    """The coordinator calls a data-plane client makes: the shard map (re-read after a refusal),
+    and the status `memserver drop-steps` reads."""
 
-    def __init__(self, info: pb.TableInfo) -> None:
-        self.info = info
+    def __init__(self, info: pb.TableInfo, pair: Pair) -> None:
+        self.info, self.pair = info, pair
 
     def GetShardMap(self, request, context):
         return self.info
+
+    def Status(self, request, context):
+        shards = [pb.ShardStatus.FromString(s.status()) for s in self.pair.shards]
+        for i, st in enumerate(shards):
+            st.index = i
+        return pb.StatusResponse(tables=[self.info], shards=shards)
 
 
 class Pair:
@@ -52,7 +59,7 @@ class Pair:
         for s, sh in zip(self.shards, self.info.shards):
             s.create_table(table.SerializeToString(), sh.SerializeToString(), 2)
         self.maps = grpc.server(ThreadPoolExecutor(2))
-        pb_grpc.add_ControlPlaneServicer_to_server(_Maps(self.info), self.maps)
+        pb_grpc.add_ControlPlaneServicer_to_server(_Maps(self.info, self), self.maps)
         self.endpoint = f"127.0.0.1:{self.maps.add_insecure_port('127.0.0.1:0')}"
         self.maps.start()
         self.clients: list[MemoryClient] = []
@@ -804,7 +811,7 @@ def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(t
         assert json.loads(capsys.readouterr().out)["warnings"] == []
         np.testing.assert_array_equal(a.lookup(NAME, np.arange(ROWS)), rows)  # the rows are kept
         assert cli_main(["drop-steps", NAME, "--endpoint", server.endpoint, "--json"]) == 0
-        assert json.loads(capsys.readouterr().out) == {"table": NAME, "dropped_steps": 0, "note": ""}
+        assert json.loads(capsys.readouterr().out) == {"table": NAME, "dropped_steps": 0, "kept_steps": {}, "notes": []}
 
 
 def test_dropped_open_steps_never_apply_and_a_restart_does_not_bring_them_back(pairs):
@@ -828,8 +835,8 @@ def test_dropped_open_steps_never_apply_and_a_restart_does_not_bring_them_back(p
     assert a.drop_open_steps(NAME) == 3
     assert not any(run.slice(i).steps or run.slice(i).waiting_step() for i in range(2))
     assert_same(run.state(), ref.state())  # nothing of them applied
-    with pytest.raises(StepAbortedError, match=r"does not hold part\(s\) .*client trainer dropped the table's 3 open "
-                                               r"step\(s\) \(drop-steps\)"):
+    with pytest.raises(StepAbortedError, match=r"does not hold part\(s\) .*client trainer dropped 3 open step\(s\) "
+                                               r"of the table \(drop-steps\)"):
         b.commit_step(NAME, 2)
     c, d, rc, rd = run.new_client("c"), run.new_client("d"), ref.new_client("c"), ref.new_client("d")
     for step in (1, 2):  # a new job from step 1: steps a committed before the drop do not join its steps
@@ -844,51 +851,74 @@ def test_dropped_open_steps_never_apply_and_a_restart_does_not_bring_them_back(p
     assert not run.slice(1).steps
 
 
-def test_a_drop_commits_first_a_contribution_whose_commit_reached_only_some_shards(pairs, monkeypatch, caplog):
-    """A review: trainer x's COMMIT of step 2 reached shard 0, not shard 1 (prepared there), and y
-    had committed it: applied on shard 0, waiting on shard 1, which is what status warns of. The
-    drop forgot the prepared contribution, so the kept COMMIT x re-sent was refused and step 2
-    stayed on shard 0 alone, for good (half of each row's columns). The drop now commits what is
-    prepared first, as the session's expiry would (presumed commit): the shards agree, and a
-    replay of the log does the same, silently. Checkpointed, the refusal of a late commit still
-    names the drop."""
+@pytest.mark.parametrize("decision", ["commit", "abort"])
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "plain"])
+def test_a_drop_keeps_a_step_prepared_here_until_its_clients_decision_comes(pairs, monkeypatch, caplog, capsys, decision,
+                                                                           sync):
+    """Trainer x's decision on step 2 reached shard 0, not shard 1, where x prepared it (its client
+    keeps the decision to re-send): with y's commit in, applied on shard 0 and waiting on shard 1
+    (commit), the state status warns of; or aborted on shard 0 (a part lost there) and prepared on
+    shard 1 (abort). Two reviews: dropping the step lost the kept COMMIT (step 2 on shard 0 alone,
+    for good), and committing it at the drop applied an aborted step on shard 1 alone. The shard
+    cannot tell which decision is on its way, so the drop keeps such a step whole and drops the
+    rest; x's kept decision closes it at x's next commit, and the shards agree with a run without
+    the fault. A replay of the log does the same, silently; a checkpointed drop is still named by
+    a late commit's refusal."""
     import logging
 
     from client import MemserverError, StepAbortedError
+    from memserver.cli import main as cli_main
 
     caplog.set_level(logging.WARNING, logger="memserver.server.slice")
-    run = pairs("run", spec(sync_updates=True, sync_workers=2))
-    ref = pairs("ref", spec(sync_updates=True, sync_workers=2))
+    kw = {"sync_updates": True, "sync_workers": 2} if sync else {}
+    run, ref = pairs("run", spec(**kw)), pairs("ref", spec(**kw))
     x, y, rx, ry = run.client, run.new_client("y"), ref.client, ref.new_client("y")
     for p, q in ((x, y), (rx, ry)):
         train_step(p, 1, (1,))
         train_step(q, 1, (11,))
         train_step(q, 2, (12,))
         send_part(p, 2, 2)
+        send_part(p, 2, 3)
+    if decision == "abort":  # a part of x's lost on shard 0: its PREPARE is refused there, the step aborted
+        parts = run.slice(0).steps[2]["trainer"].parts
+        del parts[min(parts)]
+        ref.client.abandon_step(NAME, 2)  # the reference: x's step 2 never applied
     monkeypatch.setattr(x, "_methods", _commit_step_down(run, 1, lambda: run.slice(1).steps[2]["trainer"].prepared))
-    with pytest.raises(MemserverError, match="did not reach every shard"):
+    with pytest.raises(MemserverError, match=f"the {decision} did not reach every shard"):
         x.commit_step(NAME, 2)
     monkeypatch.undo()
-    rx.commit_step(NAME, 2)
-    assert run.slice(1).waiting_step().step == 2 and not run.slice(0).steps  # applied on shard 0 only
+    stuck = sync and decision == "abort"  # y's commit of step 2 waits for x's, which never comes
+    if decision == "commit":
+        rx.commit_step(NAME, 2)
+    assert run.slice(1).steps[2]["trainer"].prepared and "trainer" not in run.slice(0).steps.get(2, {})
     send_part(y, 9, 19)  # and a part of a step nobody commits
-    assert run.new_client("op").drop_open_steps(NAME) == 1  # step 9 (step 2: committed, then closed)
-    assert_same(run.state(), ref.state())  # step 2 on both shards
-    assert "step 2: client trainer prepared it and its commit has not come: committing it before the drop" in caplog.text
-    for p, q in ((x, y), (rx, ry)):  # x's kept COMMIT is re-sent first (refused: committed by the drop)
+    # step 9 (and on shard 0 a stuck step 2: nothing of x's there); step 2 kept on shard 1
+    assert cli_main(["drop-steps", NAME, "--endpoint", run.endpoint]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"table {NAME}: dropped {'2 open steps' if stuck else '1 open step'}; nothing of them applies",
+        "note: kept 1 on shard 1: a trainer prepared them and its decision (commit or abort) has not reached that "
+        "shard; the trainer re-sends it before its next commit, or the shard commits them when its session expires "
+        "(the shard's log names them)"]
+    assert sorted(run.slice(1).steps) == [2] and not run.slice(0).steps
+    assert "kept open step(s) 2 on shard 1 (drop-steps): a client prepared them" in caplog.text
+    for p, q in ((x, y), (rx, ry)):  # x's kept decision is re-sent first: step 2 closes as on shard 0
         train_step(p, 3, (3,))
         train_step(q, 3, (13,))
-    assert_same(run.state(), ref.state())
     assert not x.aio.session.undecided(NAME)
+    if stuck:  # y's step 2 waits on shard 1 as in the reference (on both there): dropped at last
+        assert [sorted(p.slice(i).steps) for p in (run, ref) for i in range(2)] == [[], [2], [2], [2]]
+        assert run.new_client("op1").drop_open_steps(NAME) == ref.new_client("op1").drop_open_steps(NAME) == 1
+    assert not any(run.slice(i).steps for i in range(2))
+    assert_same(run.state(), ref.state())
     caplog.clear()
-    run.restart(1)  # the log replayed, the drop's commit with it; nothing said again
+    run.restart(1)  # the log replayed, the drop with it; nothing said again
     assert_same(run.state(), ref.state())
     assert "drop" not in caplog.text
     send_part(y, 4, 14)
     assert run.new_client("op2").drop_open_steps(NAME) == 1
     run.checkpoint(4)
     run.restart(0), run.restart(1)
-    with pytest.raises(StepAbortedError, match=r"\(dropped\? client op2 dropped the table's 1 open step\(s\) "):
+    with pytest.raises(StepAbortedError, match=r"\(dropped\? client op2 dropped 1 open step\(s\) of the table "):
         y.commit_step(NAME, 4)
 
 

@@ -336,6 +336,32 @@ def test_corrupt_row_is_refused_by_name(tmp_path):
     assert torch.equal(ram.lookup(rest), disk.lookup(rest))
 
 
+def test_a_check_from_another_thread_says_nothing_of_a_table_closed_meanwhile(tmp_path, monkeypatch):
+    """status checks a disk slice's files on its loop thread while the compute thread may close the
+    table (a drop, a rollback, whose rebuilt file then takes the closed descriptor's number): a
+    review's interleaving read the rebuilt file, still empty, as this table's, truncated, and told
+    the operator to restart a healthy shard. A table closed meanwhile is not reported; one that
+    is not closed still is."""
+    _, disk = _pair(tmp_path, "sgd")
+    real, opened = os.stat, []
+
+    def stat(path, *args, **kwargs):  # the rollback runs between the check's reading of the fds and its fstat
+        if not opened and str(path).endswith("rows.dat"):
+            disk.close()
+            opened.append(os.open(tmp_path / "rebuilt", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_mod.os, "stat", stat)
+    disk.check_files()  # (a false DATA_LOSS without the close's mark)
+    monkeypatch.undo()
+    assert opened
+    os.close(opened[0])
+    _, disk = _pair(tmp_path / "b", "sgd")
+    os.truncate(disk.path, 100)
+    with pytest.raises(DataLossError, match="truncated"):
+        disk.check_files()
+
+
 def test_missing_or_truncated_file_is_refused_by_name(tmp_path):
     _, disk = _pair(tmp_path, "sgd")
     os.unlink(disk.path)

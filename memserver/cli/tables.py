@@ -400,14 +400,22 @@ def cmd_drop_steps(args: argparse.Namespace) -> int:
     with cli_client(args) as client:
         dropped = client.drop_open_steps(args.name)
         wal = client.table(args.name).wal
-    note = ("" if wal or not dropped else "the table has no `wal`: a shard that restarts comes back as its last "
-            "checkpoint, open steps included; `memserver checkpoint` now keeps them dropped")
+        kept = {s["index"]: t["open_steps"] for s in status_dict(client.status())["shards"] for t in s["tables"]
+                if t["table"] == args.name and t["open_steps"]}  # (a step opened since counts too)
+    notes = []
+    if kept:
+        notes.append(f"kept {', '.join(f'{n} on shard {i}' for i, n in sorted(kept.items()))}: a trainer prepared them "
+                     "and its decision (commit or abort) has not reached that shard; the trainer re-sends it before "
+                     "its next commit, or the shard commits them when its session expires (the shard's log names them)")
+    if dropped and not wal:
+        notes.append("the table has no `wal`: a shard that restarts comes back as its last checkpoint, open steps "
+                     "included; `memserver checkpoint` now keeps them dropped")
     if args.json:
-        print(json.dumps({"table": args.name, "dropped_steps": dropped, "note": note}))
+        print(json.dumps({"table": args.name, "dropped_steps": dropped, "kept_steps": kept, "notes": notes}))
         return 0
     print(f"table {args.name}: dropped {counted(dropped, 'open step')}; nothing of them applies" if dropped
           else f"table {args.name}: no open step to drop")
-    if note:
+    for note in notes:
         print(f"note: {note}")
     return 0
 

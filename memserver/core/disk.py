@@ -1062,8 +1062,17 @@ class DiskTable(ValueTable):
     # -- moving rows ---------------------------------------------------------------------
 
     def check_files(self) -> None:
-        """DATA_LOSS naming a data file gone, replaced or truncated (a checkpoint asks first)."""
-        self._check_file()
+        """DATA_LOSS naming a data file gone, replaced or truncated (a checkpoint asks first, and
+        status, from another thread than the calls'). Nothing for a table closed meanwhile (a
+        drop, a rollback): its descriptors' numbers may be another file's by then (a review: a
+        rollback's rebuilt file, still empty, under the same number read as truncated)."""
+        fds = (self._fd, self._sfd)
+        try:
+            self._check_file()
+        except (DataLossError, OSError):
+            if -1 in fds or (self._fd, self._sfd) != fds:
+                return
+            raise
 
     def _check_file(self) -> None:
         """Refuse (DATA_LOSS, naming the file) when rows.dat or stats.dat is gone, replaced or shorter
@@ -1350,11 +1359,11 @@ class DiskTable(ValueTable):
                     m.close()
                 except BufferError:  # a tensor still views it: the mapping goes with the last view
                     pass
-        for fd in (self._fd, self._sfd):
+        fds, (self._fd, self._sfd) = (self._fd, self._sfd), (-1, -1)  # before they close: `check_files`
+        for fd in fds:  # on another thread tells a closed table by them (a second close closes nothing)
             try:
                 if fd >= 0:
                     os.close(fd)
             except OSError:
                 pass
-        self._fd = self._sfd = -1  # a second close closes nothing (the numbers may be reused by then)
         self._map = self._smap = None
