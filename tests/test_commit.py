@@ -631,6 +631,11 @@ def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_ste
         with pytest.raises(TableRolledBackError, match=f"table {table_name} was made anew while this trainer trained"):
             step(first, 2)  # (its calls found the new incarnation: the shards refused the old one's)
         np.testing.assert_array_equal(other.lookup(table_name, np.arange(8), count=False), before)  # not committed
+        for call in (lambda: step(first, 3), lambda: first.bag(ids, w), lambda: first.bag_backward(ids, w, g),
+                     lambda: first.submit_bag(ids, w)):  # a walkthrough caught the error once and trained on:
+            with pytest.raises(TableRolledBackError, match="refuses every call until values.load"):  # the other
+                call()  # run's table took its updates
+        np.testing.assert_array_equal(other.lookup(table_name, np.arange(8), count=False), before)
         with pytest.raises(TableRolledBackError, match="was made anew"):  # attached to the old one
             step(attached, 3)
         step(second, 2)
@@ -849,6 +854,43 @@ def test_dropped_open_steps_never_apply_and_a_restart_does_not_bring_them_back(p
     run.restart(1)  # its log replayed: the drop with it, so a's step 1 does not come back to join c's
     assert_same(run.state(), ref.state())
     assert not run.slice(1).steps
+
+
+def test_a_sync_step_refuses_a_trainer_more_than_its_sync_workers(pairs):
+    """A walkthrough: a data-parallel job died with its step 4 committed by one trainer and sent in
+    part by the other; a new pair on the same table then had its first commit of step 4 applied
+    together with the dead trainer's (silently wrong rows), or its other trainer failed "lost in a
+    restart?" (the step's applying dropped its parts). A third client in a step of two trainers is
+    refused now, naming drop-steps, and nothing changes; after the drop the new pair trains as on
+    a table the dead job never touched."""
+    from client import FailedPreconditionError, StepAbortedError
+
+    run = pairs("run", spec(sync_updates=True, sync_workers=2))
+    ref = pairs("ref", spec(sync_updates=True, sync_workers=2))
+    old0, old1 = run.client, run.new_client("old1")
+    train_step(old0, 4, (1,))
+    send_part(old1, 4, 2)  # and then the job died
+    state = run.state()
+    new0, new1 = run.new_client("new0"), run.new_client("new1")
+    says = (r"step 4 already holds the contributions of 2 trainers on shard 0 \(clients old1, trainer\), its "
+            r"sync_workers; client new0 would be one more: a step left open by trainers that are gone \(another "
+            rf"job's\?\) is dropped by `memserver drop-steps {NAME}` once they are stopped")
+    with pytest.raises(FailedPreconditionError, match=says):
+        send_part(new0, 4, 3)
+    with pytest.raises(StepAbortedError, match=says):  # a commit with no parts of its own too (its prepare)
+        new0.commit_step(NAME, 4)
+    assert_same(run.state(), state)
+    assert [sorted(run.slice(i).steps[4]) for i in range(2)] == [["old1", "trainer"]] * 2
+    assert run.new_client("op").drop_open_steps(NAME) == 1
+    pairs_ = ((new0, ref.new_client("new0"), 3), (new1, ref.new_client("new1"), 4))  # (the same ids: the same sums)
+    for c, r, seed in pairs_:
+        send_part(c, 4, seed)
+        send_part(r, 4, seed)
+    for c, r, _ in pairs_:
+        c.commit_step(NAME, 4)
+        r.commit_step(NAME, 4)
+    assert_same(run.state(), ref.state())
+    assert not torch.equal(run.state()[0]["weight"], state[0]["weight"])  # step 4 applied
 
 
 @pytest.mark.parametrize("decision", ["commit", "abort"])

@@ -291,7 +291,23 @@ class TableSlice:
     # checkpoints and rebuilt from the log, so a shard that restarts between the phases still
     # commits. `step_phase` checks a phase (changing nothing) and returns what applies it.
 
+    def _check_room(self, step: int, client: str) -> None:
+        """A sync_updates step takes the contributions of sync_workers trainers: one more client's
+        part or commit is refused, nothing changed (a walkthrough: a new job's first commit of a
+        step a dead job's trainer had committed applied the two together, silently, or the new
+        job's other trainer failed "lost in a restart?"). Not while replaying: what is logged was
+        accepted."""
+        got = self.steps.get(step)
+        if not self.spec.sync_updates or self.replaying or not got or client in got or len(got) < self.spec.sync_workers:
+            return
+        raise FailedPreconditionError(
+            f"table {self.spec.name}: step {step} already holds the contributions of {len(got)} trainers on shard "
+            f"{self.info.index} (clients {', '.join(sorted(got))}), its sync_workers; client {client} would be one more: "
+            f"a step left open by trainers that are gone (another job's?) is dropped by `memserver drop-steps "
+            f"{self.spec.name}` once they are stopped; or more trainers train the table than its sync_workers")
+
     def check_gather(self, step: int, client: str) -> None:
+        self._check_room(step, client)
         c = self.steps.get(step, {}).get(client)
         if c is not None and (c.prepared or c.committed):
             raise FailedPreconditionError(f"table {self.spec.name}: step {step}: client {client} already "
@@ -324,6 +340,8 @@ class TableSlice:
                        "client's whole contribution to its step, committed with it; commit_step is for gathered "
                        "parts)" if self.spec.sync_updates else "")
                 raise FailedPreconditionError(f"{where}: already committed on shard {self.info.index}{how}")
+            if c is None:
+                self._check_room(step, client)
             have = c.parts if c is not None else {}
             missing = sorted(set(seqs) - have.keys())
             if missing:

@@ -388,6 +388,10 @@ class RemoteValues:
         self.grad_scale, self.overflows_at = 1.0, 0
         self.sent: list[Future] = []  # the step's parts sent without waiting (constant weights): end_step waits
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
+        # why this backend's table is another run's now (made anew under it: a TableRolledBackError
+        # raised): every later call raises it too, until `load` ("" none; a walkthrough caught the
+        # error once and trained on, into the other run's table)
+        self.broken = ""
         # reads sent without waiting and not answered yet (submit_bag: a prefetch): end_step's commit
         # waits for them; at most those of one step's forward and prefetch, the answered pruned at each
         self.reading: list[Future] = []
@@ -443,6 +447,7 @@ class RemoteValues:
         return ids.to(torch.int32)
 
     def bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> torch.Tensor:
+        self._usable()
         ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         self.settle()
@@ -485,6 +490,7 @@ class RemoteValues:
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> Future[torch.Tensor]:
         """Sent now, or, while a commit is in flight, as soon as it is applied (chained, not
         waited for: the exact prefetch of step t+1 overlaps step t's commit too)."""
+        self._usable()
         ids, weights = as_tensor(ids), as_tensor(weights)  # numpy or lists too, as the client takes them
         h_ids, h_w = to_host(self._ids(ids), weights.detach())
         if self.committing is None:
@@ -496,6 +502,7 @@ class RemoteValues:
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,
                      weight_grad: bool = True) -> torch.Tensor | None:
+        self._usable()
         ids, weights, grad_out = as_tensor(ids), as_tensor(weights), as_tensor(grad_out)
         h_ids, h_w, h_grad = to_host(self._ids(ids), weights.detach(), grad_out.contiguous())
         self.settle()
@@ -519,6 +526,7 @@ class RemoteValues:
 
     def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
         step = checked_step(step)
+        self._usable()
         self.grad_scale, self.overflows_at = checked_grad_scale(grad_scale), OVERFLOWS[0]
         if self.step is not None:  # begun and never ended: the shards drop its parts at the next prepare
             wait(self.sent)  # (its parts sent without waiting: in the session once answered, then forgotten)
@@ -574,6 +582,12 @@ class RemoteValues:
             committing.result()
             self._check_rebuilt()
 
+    def _usable(self) -> None:
+        """Raise again the TableRolledBackError of a table made anew under this backend: the name is
+        another run's table now (a rollback's is raised once: its rows are this run's, only older)."""
+        if self.broken:
+            raise TableRolledBackError(f"{self.broken} (this backend refuses every call until values.load)")
+
     def _check_rebuilt(self) -> None:
         """Raise TableRolledBackError once the client saw this table's slices come back without
         their log since the last look, or found the table made anew (its calls follow the name to
@@ -582,16 +596,16 @@ class RemoteValues:
         the same table name reset a running one's values without a word, a walkthrough saw)."""
         count, what = self.client.rebuilds(self.name)
         if count != self.rebuilds_seen:
-            self.rebuilds_seen = count
+            self.rebuilds_seen = count  # (raised once: a trainer may choose to go on with the values it has)
             raise TableRolledBackError(f"{what}, while this trainer's model kept them: go on from one checkpoint of "
                                        "both (the model's and values.load's; memtrain: --resume DIR)")
         if self._remade():
             self.layout = self.client.table(self.name).layout_id
-            raise TableRolledBackError(f"table {self.name} was made anew while this trainer trained it (another run "
-                                       "of the same table name, a drop and create, or a restore): its values are not "
-                                       "the ones this trainer's model learnt with; give each run its own table name, "
-                                       "and go on from one checkpoint of both (the model's and values.load's; "
-                                       "memtrain: --resume DIR)")
+            self.broken = (f"table {self.name} was made anew while this trainer trained it (another run of the same "
+                           "table name, a drop and create, or a restore): its values are not the ones this trainer's "
+                           "model learnt with; give each run its own table name, and go on from one checkpoint of both "
+                           "(the model's and values.load's; memtrain: --resume DIR)")
+            raise TableRolledBackError(self.broken)
         self.layout = self.client.table(self.name).layout_id
 
     def _remade(self) -> bool:
@@ -616,6 +630,7 @@ class RemoteValues:
         where = f"memory/{self.name}"
         self.settle()
         self.client.checkpoint(str(Path(directory).resolve() / where), step, [self.name])
+        self._usable()
         self._check_rebuilt()  # rolled back since the last write: this checkpoint holds older values than the model
         return {"checkpoint": where, "table": self.name, "num_rows": self.num_rows, "dim": self.dim}
 
@@ -637,6 +652,7 @@ class RemoteValues:
         self.client.restore(str(Path(directory).resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
         self.rebuilds_seen = self.client.rebuilds(self.name)[0]  # (what came before the values loaded is past)
         self.layout = self.client.table(self.name, refresh=True).layout_id  # (the restored incarnation)
+        self.broken = ""  # values and model from one checkpoint again
         if "num_rows" not in saved:
             meta = self.client.table(self.name)
             self._same_shape(meta.num_rows, meta.dim, f"table {self.name}: restored from {saved['checkpoint']} with")
