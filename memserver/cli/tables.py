@@ -525,11 +525,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ds = sub.add_parser("drop-steps", help="drop a table's open training steps (a sync table stalled by a gone trainer)",
                         description="Drop every open training step of a table on its shards, every trainer's parts "
                         "and commits, keeping the table's rows. The remedy `memserver status` names when a "
-                        "sync_updates table's step waits for a trainer that is gone (it never applies, nor any later "
-                        "step). Stop the table's trainers first: nothing of the dropped steps applies, and a trainer "
-                        "that commits one later is refused.")
+                        "sync_updates table's step waits for a trainer that is gone (it never applies), and what a "
+                        "new job on such a table runs first. Stop the table's trainers first: nothing of the dropped "
+                        "steps applies, and a trainer that commits one later is refused. A step a trainer prepared "
+                        "on a shard whose decision has not reached it is kept there (said in a note).")
     ds.add_argument("name", help="the table's name")
-    cluster_flags(ds, timeout=120.0, json_help="print {table, dropped_steps} as JSON")
+    cluster_flags(ds, timeout=120.0, json_help="print {table, dropped_steps, kept_steps, notes} as JSON")
     ds.set_defaults(func=cmd_drop_steps)
 
     ck = sub.add_parser("checkpoint", help="write a consistent checkpoint of the tables",
