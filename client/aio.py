@@ -878,12 +878,14 @@ class AsyncMemoryClient:
             except StopIteration as done:
                 return done.value
 
-    async def drop_open_steps(self, table: str) -> int:
+    async def drop_open_steps(self, table: str) -> dict[str, int]:
         """Drop every open step of `table` on its shards, every client's parts and commits: the
         remedy for a sync_updates table whose step waits for a trainer that is gone (`memserver
         status` warns of it), short of dropping the table. Nothing of those steps applies; a live
-        client that commits one later is refused (its parts are gone). Stop the trainers first.
-        Returns the most open steps one shard dropped."""
+        client that commits one later is refused (its parts are gone). Stop the trainers first: a
+        contribution prepared on a shard whose decision has not come is committed first, as its
+        session's expiry would. Returns {"dropped": the most open steps one shard dropped,
+        "committed": the most contributions one shard committed so}."""
         tags = self.tags()
         return await self._call(table, lambda meta: ops.drop_open_steps_op(meta, tags), tags, applies=DROPS_AGAIN)
 

@@ -317,7 +317,7 @@ class MemoryClient:
         grad_w = self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
         return None if grad_w is None else like(grad_w, weights)
 
-    def drop_open_steps(self, table: str) -> int:
+    def drop_open_steps(self, table: str) -> dict[str, int]:
         tags = self.aio.tags()
         return self._call(table, lambda meta: ops.drop_open_steps_op(meta, tags), tags, applies=DROPS_AGAIN)
 

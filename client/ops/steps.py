@@ -55,13 +55,16 @@ def step_phase_op(meta: TableMeta, step: int, phase: int, tags: WriteTags, parts
 
 def drop_open_steps_op(meta: TableMeta, tags: WriteTags) -> Op:
     """Drop every open step of the table on every shard, every client's parts and commits
-    (STEP_DROP_OPEN): the remedy for a sync_updates step whose trainers are gone. Returns the most
-    open steps one shard dropped (each shard holds the steps its parts or commits reached)."""
+    (STEP_DROP_OPEN): the remedy for a sync_updates step whose trainers are gone. Returns
+    {"dropped": the most open steps one shard dropped, "committed": the most contributions one
+    shard committed first, prepared there with their decision not come} (each shard holds the
+    steps its parts or commits reached)."""
     calls = [(sh.address, "CommitStep", pb.CommitStepRequest(table=meta.name, phase=pb.STEP_DROP_OPEN,
                                                              tag=tags(0, meta, sh), layout_id=meta.layout_id))
              for sh in meta.shards]
     acks = yield calls
-    return max((int(a.rows) for a in acks), default=0)
+    return {"dropped": max((int(a.rows) for a in acks), default=0),
+            "committed": max((int(a.decided) for a in acks), default=0)}
 
 
 #: A commit plan yields (make_op, tags, retry) and is sent the op's result, or the MemserverError

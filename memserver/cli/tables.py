@@ -398,20 +398,19 @@ def cmd_drop_table(args: argparse.Namespace) -> int:
 
 def cmd_drop_steps(args: argparse.Namespace) -> int:
     with cli_client(args) as client:
-        dropped = client.drop_open_steps(args.name)
+        got = client.drop_open_steps(args.name)
         wal = client.table(args.name).wal
-        kept = {s["index"]: t["open_steps"] for s in status_dict(client.status())["shards"] for t in s["tables"]
-                if t["table"] == args.name and t["open_steps"]}  # (a step opened since counts too)
+    dropped, committed = got["dropped"], got["committed"]
     notes = []
-    if kept:
-        notes.append(f"kept {', '.join(f'{n} on shard {i}' for i, n in sorted(kept.items()))}: a trainer prepared them "
-                     "and its decision (commit or abort) has not reached that shard; the trainer re-sends it before "
-                     "its next commit, or the shard commits them when its session expires (the shard's log names them)")
-    if dropped and not wal:
+    if committed:
+        notes.append(f"{counted(committed, 'contribution')} a trainer had prepared and whose commit or abort had not "
+                     "come committed first, as its session's expiry would (its commit may have reached the other "
+                     "shards; the shard's log names them)")
+    if (dropped or committed) and not wal:
         notes.append("the table has no `wal`: a shard that restarts comes back as its last checkpoint, open steps "
                      "included; `memserver checkpoint` now keeps them dropped")
     if args.json:
-        print(json.dumps({"table": args.name, "dropped_steps": dropped, "kept_steps": kept, "notes": notes}))
+        print(json.dumps({"table": args.name, "dropped_steps": dropped, "committed": committed, "notes": notes}))
         return 0
     print(f"table {args.name}: dropped {counted(dropped, 'open step')}; nothing of them applies" if dropped
           else f"table {args.name}: no open step to drop")
@@ -527,10 +526,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "and commits, keeping the table's rows. The remedy `memserver status` names when a "
                         "sync_updates table's step waits for a trainer that is gone (it never applies), and what a "
                         "new job on such a table runs first. Stop the table's trainers first: nothing of the dropped "
-                        "steps applies, and a trainer that commits one later is refused. A step a trainer prepared "
-                        "on a shard whose decision has not reached it is kept there (said in a note).")
+                        "steps applies, and a trainer that commits one later is refused. A contribution a trainer "
+                        "prepared on a shard whose commit or abort has not come is committed there first, as its "
+                        "session's expiry would (said in a note).")
     ds.add_argument("name", help="the table's name")
-    cluster_flags(ds, timeout=120.0, json_help="print {table, dropped_steps, kept_steps, notes} as JSON")
+    cluster_flags(ds, timeout=120.0, json_help="print {table, dropped_steps, committed, notes} as JSON")
     ds.set_defaults(func=cmd_drop_steps)
 
     ck = sub.add_parser("checkpoint", help="write a consistent checkpoint of the tables",

@@ -384,10 +384,17 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 checked.append(sl.step_phase(request.phase, request.step, client, seqs, request.parts, request.drop_step))
 
             def apply() -> int:  # once() ran check() first, also when replaying the log
+                if request.phase == pb.STEP_DROP_OPEN:  # (steps dropped, contributions committed first): one
+                    dropped, decided = checked[0]()()  # int, as a session remembers a write's answer
+                    return dropped | decided << 32
                 return self._update(sl, checked[0](), request.defer_apply)
 
-            rows, dup = sl.once(request.tag, COMMIT_STEP, request, apply, check)
-            return sl.ack(rows, dup)
+            got, dup = sl.once(request.tag, COMMIT_STEP, request, apply, check)
+            if request.phase == pb.STEP_DROP_OPEN:
+                ack = sl.ack(got & 0xFFFFFFFF, dup)
+                ack.decided = got >> 32
+                return ack
+            return sl.ack(got, dup)
 
         return work, 1
 

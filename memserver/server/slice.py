@@ -401,29 +401,40 @@ class TableSlice:
         if got.pop(client, None) is not None and not got:
             del self.steps[step]
 
-    def _drop_open(self, by: str) -> Callable[[], int]:
-        """STEP_DROP_OPEN: forget the open steps, every client's parts and commits (`by` asked:
-        `memserver drop-steps`); nothing of them applies. A step holding a contribution prepared
-        here and not decided is kept whole: this shard cannot tell whether its client's COMMIT or
-        its ABORT is on its way (either may have reached the other shards; dropping the step let
-        the drop decide it, on this shard alone, two reviews found). Its client's kept decision, or
-        its session's expiry, closes it. The returned "update" counts the steps dropped."""
-        kept = sorted(st for st, got in self.steps.items() if any(c.prepared and not c.committed for c in got.values()))
-        gone = [st for st in self.steps if st not in kept]
-        for st in gone:
-            del self.steps[st]
-        if not self.replaying:  # (said when asked; a replay does it again silently)
-            if gone:
+    def _drop_open(self, by: str) -> Callable[[], tuple[int, int]]:
+        """STEP_DROP_OPEN: forget every open step, every client's parts and commits (`by` asked:
+        `memserver drop-steps`); nothing of them applies. A contribution prepared here whose
+        decision has not come is decided first as its session's expiry decides it, committed
+        (presumed commit; docs/architecture.md, "Known limits", for the ABORT that reached only
+        some shards): its COMMIT may have reached the other shards. Keeping such a step for its
+        client (whose trainers the drop's user has stopped) left a sync table's step stuck for a
+        session's lifetime, then joined to the next job's (a review). The returned "update"
+        applies those commits and gives (steps dropped, contributions committed)."""
+        prepared = sorted((st, client) for st, got in self.steps.items() for client, c in got.items()
+                          if c.prepared and not c.committed)
+        updates = []
+        for st, client in prepared:
+            if not self.replaying:
+                log.warning("table %s: step %d: client %s prepared it on shard %d and its decision has not come: "
+                            "committed before the drop, as its session's expiry would (drop-steps)", self.spec.name,
+                            st, client, self.info.index)
+            if (update := self.commit(st, client)) is not None:
+                updates.append(update)
+        dropped = len(self.steps)
+        if dropped:
+            if not self.replaying:  # (said when asked; a replay does it again silently)
                 log.warning("table %s: dropped %d open step(s) on shard %d (client %s asked: drop-steps); nothing of "
-                            "them applies", self.spec.name, len(gone), self.info.index, by)
-            if kept:
-                log.warning("table %s: kept open step(s) %s on shard %d (drop-steps): a client prepared them and its "
-                            "decision has not come; it re-sends it before its next commit, or the shard commits them "
-                            "when its session expires", self.spec.name, ", ".join(map(str, kept)), self.info.index)
-        if gone:
-            self.steps_dropped = f"client {by} dropped {len(gone)} open step(s) of the table (drop-steps)"
-        self._stalled_from(time.monotonic())  # (a kept step that waits: its wait starts again)
-        return lambda: len(gone)
+                            "them applies", self.spec.name, dropped, self.info.index, by)
+            self.steps_dropped = f"client {by} dropped {dropped} open step(s) of the table (drop-steps)"
+        self.steps = {}
+        self.stalled_since = None
+
+        def apply() -> tuple[int, int]:
+            for update in updates:
+                update()
+            return dropped, len(prepared)
+
+        return apply
 
     def commit(self, step: int, client: str) -> Callable[[], int] | None:
         """Close `client`'s contribution to `step` (checked by step_phase). Returns the update to

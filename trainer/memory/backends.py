@@ -619,6 +619,7 @@ class RemoteValues:
         return self.name
 
     def record_triggers(self, records: tuple[Any, ...], info: str = "") -> None:
+        self._usable()
         self.client.record_triggers(self.name, *records, info=info)  # the slots' trigger heaps, not the rows
 
     def save(self, directory: Path, step: int) -> dict[str, Any]:
@@ -628,9 +629,9 @@ class RemoteValues:
         (client.checkpoint's relative `dir` is under the cluster's root instead), and it must be
         below the cluster's checkpoint root (PermissionDeniedError otherwise, naming both)."""
         where = f"memory/{self.name}"
+        self._usable()  # (before the checkpoint: it would save the other run's table as this one's)
         self.settle()
         self.client.checkpoint(str(Path(directory).resolve() / where), step, [self.name])
-        self._usable()
         self._check_rebuilt()  # rolled back since the last write: this checkpoint holds older values than the model
         return {"checkpoint": where, "table": self.name, "num_rows": self.num_rows, "dim": self.dim}
 

@@ -389,16 +389,18 @@ class WriteRowsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., tag: _Optional[_Union[WriteTag, _Mapping]] = ..., layout_id: _Optional[int] = ...) -> None: ...
 
 class WriteAck(_message.Message):
-    __slots__ = ("rows", "duplicate", "rebuilt", "recovered_from")
+    __slots__ = ("rows", "duplicate", "rebuilt", "recovered_from", "decided")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     REBUILT_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_FROM_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
     rows: int
     duplicate: bool
     rebuilt: int
     recovered_from: str
-    def __init__(self, rows: _Optional[int] = ..., duplicate: _Optional[bool] = ..., rebuilt: _Optional[int] = ..., recovered_from: _Optional[str] = ...) -> None: ...
+    decided: int
+    def __init__(self, rows: _Optional[int] = ..., duplicate: _Optional[bool] = ..., rebuilt: _Optional[int] = ..., recovered_from: _Optional[str] = ..., decided: _Optional[int] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("table", "ids", "layout_id")
