@@ -29,20 +29,13 @@ def spec(sharding: int = pb.COLS, wal: bool = True, **kwargs) -> pb.TableSpec:
 
 
 class _Maps(pb_grpc.ControlPlaneServicer):
-    """The coordinator calls a data-plane client makes: the shard map (re-read after a refusal),
-    and the status `memserver drop-steps` reads."""
+    """The one coordinator call a data-plane client makes: the shard map (re-read after a refusal)."""
 
-    def __init__(self, info: pb.TableInfo, pair: Pair) -> None:
-        self.info, self.pair = info, pair
+    def __init__(self, info: pb.TableInfo) -> None:
+        self.info = info
 
     def GetShardMap(self, request, context):
         return self.info
-
-    def Status(self, request, context):
-        shards = [pb.ShardStatus.FromString(s.status()) for s in self.pair.shards]
-        for i, st in enumerate(shards):
-            st.index = i
-        return pb.StatusResponse(tables=[self.info], shards=shards)
 
 
 class Pair:
@@ -59,7 +52,7 @@ class Pair:
         for s, sh in zip(self.shards, self.info.shards):
             s.create_table(table.SerializeToString(), sh.SerializeToString(), 2)
         self.maps = grpc.server(ThreadPoolExecutor(2))
-        pb_grpc.add_ControlPlaneServicer_to_server(_Maps(self.info, self), self.maps)
+        pb_grpc.add_ControlPlaneServicer_to_server(_Maps(self.info), self.maps)
         self.endpoint = f"127.0.0.1:{self.maps.add_insecure_port('127.0.0.1:0')}"
         self.maps.start()
         self.clients: list[MemoryClient] = []
