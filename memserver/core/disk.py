@@ -90,6 +90,9 @@ _EMPTY = np.int64(-1)
 
 _OPTIONAL_FIELDS = ("weight", "acc", "exp_avg", "exp_avg_sq")
 _LIBC = ctypes.CDLL(None, use_errno=True)
+#: What a data file's DATA_LOSS tells the operator to do.
+_REBUILD = ("restart the shard to rebuild it from its checkpoint and, for a table with `wal`, its write-ahead log "
+            "(without one, its writes since that checkpoint are lost)")
 log = logging.getLogger(__name__)
 
 
@@ -1080,17 +1083,15 @@ class DiskTable(ValueTable):
         walkthrough: a truncated stats.dat took the shard, and every table on it, down with SIGBUS)."""
         for path, fd, need in ((self.path, self._fd, self.num_rows * self.record),
                                (self.stats_path, self._sfd, self.num_rows * COUNTER_BYTES)):
-            rebuild = ("restart the shard to rebuild it from its checkpoint and, for a table with `wal`, its write-ahead "
-                       "log (without one, its writes since that checkpoint are lost)")
             try:
                 st = os.stat(path)
             except FileNotFoundError:
                 raise DataLossError(f"table {self.name}: its data file {path} is missing (deleted under the running "
-                                    f"shard); {rebuild}") from None
+                                    f"shard); {_REBUILD}") from None
             mine = os.fstat(fd)
             if (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev) or mine.st_size < need:
                 raise DataLossError(f"table {self.name}: its data file {path} was replaced or truncated "
-                                    f"({mine.st_size:,} bytes, the table needs {need:,}); {rebuild}")
+                                    f"({mine.st_size:,} bytes, the table needs {need:,}); {_REBUILD}")
 
     def _put(self, rows: np.ndarray, recs: np.ndarray) -> None:
         """Write whole records to the file (with their checksums). `recs` is modified."""

@@ -412,7 +412,7 @@ class TableSlice:
         applies those commits and gives (steps dropped, contributions committed)."""
         prepared = sorted((st, client) for st, got in self.steps.items() for client, c in got.items()
                           if c.prepared and not c.committed)
-        updates = []
+        updates, self.stalled_since = [], None  # (a commit here that completes nothing says no wait)
         for st, client in prepared:
             if not self.replaying:
                 log.warning("table %s: step %d: client %s prepared it on shard %d and its decision has not come: "
