@@ -626,8 +626,8 @@ def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_ste
         np.testing.assert_array_equal(other.lookup(table_name, np.arange(8), count=False), before)  # not committed
         for call in (lambda: step(first, 3), lambda: first.bag(ids, w), lambda: first.bag_backward(ids, w, g),
                      lambda: first.submit_bag(ids, w)):  # a walkthrough caught the error once and trained on:
-            with pytest.raises(TableRolledBackError, match="refuses every call until values.load"):  # the other
-                call()  # run's table took its updates
+            with pytest.raises(TableRolledBackError, match="refuses its reads, updates, steps and saves until values.load"):
+                call()  # (the other run's table took its updates)
         np.testing.assert_array_equal(other.lookup(table_name, np.arange(8), count=False), before)
         with pytest.raises(TableRolledBackError, match="was made anew"):  # attached to the old one
             step(attached, 3)

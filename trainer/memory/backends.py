@@ -389,8 +389,8 @@ class RemoteValues:
         self.sent: list[Future] = []  # the step's parts sent without waiting (constant weights): end_step waits
         self.committing: Future | None = None  # end_step(wait=False)'s commit in flight: later calls wait for it
         # why this backend's table is another run's now (made anew under it: a TableRolledBackError
-        # raised): every later call raises it too, until `load` ("" none; a walkthrough caught the
-        # error once and trained on, into the other run's table)
+        # raised): every later read, update, step or save raises it too, until `load` ("" none; a
+        # walkthrough caught the error once and trained on, into the other run's table)
         self.broken = ""
         # reads sent without waiting and not answered yet (submit_bag: a prefetch): end_step's commit
         # waits for them; at most those of one step's forward and prefetch, the answered pruned at each
@@ -586,7 +586,8 @@ class RemoteValues:
         """Raise again the TableRolledBackError of a table made anew under this backend: the name is
         another run's table now (a rollback's is raised once: its rows are this run's, only older)."""
         if self.broken:
-            raise TableRolledBackError(f"{self.broken} (this backend refuses every call until values.load)")
+            raise TableRolledBackError(f"{self.broken} (this backend refuses its reads, updates, steps and saves until "
+                                       "values.load)")
 
     def _check_rebuilt(self) -> None:
         """Raise TableRolledBackError once the client saw this table's slices come back without
