@@ -421,7 +421,8 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path, cli_
         ck = ["--dir", str(tmp_path / "ck"), "--table", "cli-ram", *at]
         assert run(["checkpoint", *ck]).returncode == 0
         bad = run(["restore", *ck, "--replace", "--tier", "ram", "--cache-bytes", "4K"])
-        assert bad.returncode == 2 and "memserver: error: --cache-bytes: only a tier 'disk' table" in bad.stderr, bad.stderr
+        assert bad.returncode == 2 and ("memserver: error: --cache-bytes: table cli-ram: only a tier 'disk' table has a "
+                                        "cache, and this restore puts it in tier 'ram'") in bad.stderr, bad.stderr
         half = ["--dir", str(tmp_path / "ck-half"), "--table", "cli-half", *at]
         assert run(["create-table", "cli-half", "--rows", "10", "--dim", "2", "--dtype", "float16", *at]).returncode == 0
         assert run(["checkpoint", *half]).returncode == 0
