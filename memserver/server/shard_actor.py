@@ -771,7 +771,7 @@ class ShardActor:
                             sl.table.check_files()  # (a walkthrough: status said served until a write failed)
                         except DataLossError as exc:
                             load.unavailable = exc.details
-                        except OSError:  # (its descriptors closed meanwhile: a drop)
+                        except OSError:  # a file it cannot stat: its calls say it (check_files skips a closed table)
                             pass
                     if hasattr(sl.table, "cache_stats"):
                         c = sl.table.cache_stats()
