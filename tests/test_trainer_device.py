@@ -172,3 +172,29 @@ def test_local_values_follow_their_layer_to_another_device():
     assert mem.keys.device.type == "meta" and mem.values is values
     assert {t.device.type for t in values.table.state().values()} == {"meta"}
     assert values.table.backend == "torch"  # the compiled kernels are for CPU tables
+
+
+def test_the_gpu_tests_stand_in_client_answers_what_remote_values_asks():
+    """tests/gpu checks RemoteValues' transfers against `TableClient`, a stand-in for the client's
+    calls. Only a GPU machine runs those tests, so a stand-in that fell behind RemoteValues (a field
+    of client.table's answer it began to read) failed only there (2026-11-29's H200 run: 2 of 38).
+    The same step on the CPU here: a product-key layer over the stand-in equals it over LocalValues,
+    and a read sent early answers."""
+    import copy
+
+    from tests.gpu.test_trainer_gpu import DIM, ROWS, TableClient, make_layer, one_step
+    from trainer.memory import RemoteValues
+
+    torch.manual_seed(0)
+    client = TableClient(ROWS["pkm"], DIM["pkm"])
+    local = make_layer("pkm", LocalValues(ROWS["pkm"], DIM["pkm"], optimizer="adam", lr=0.05, seed=1))
+    remote = copy.deepcopy(local)
+    remote.values = RemoteValues(client, "t", ROWS["pkm"], DIM["pkm"], optimizer="adam", lr=0.05, create=False)
+    x = torch.randn(4, 16, 32)
+    sent = remote.values.submit_bag(torch.zeros(2, 4, dtype=torch.int64), torch.ones(2, 4))
+    assert torch.allclose(sent.result(), client.values.bag(torch.zeros(2, 4, dtype=torch.int64), torch.ones(2, 4)))
+    want, got = one_step(local, x, None), one_step(remote, x, None)
+    assert client.handed and client.ids_dtypes == {torch.int64}  # (narrowed to int32 on a GPU only)
+    for key in ("out", "ids", "weights", "grad.keys", "grad.query.weight"):
+        assert torch.allclose(got[key], want[key], rtol=1e-4, atol=1e-5), key
+    assert torch.allclose(client.values.weight, want["table"], rtol=1e-4, atol=1e-5)

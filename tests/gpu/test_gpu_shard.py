@@ -239,10 +239,12 @@ def test_ray_shard_with_a_gpu(tmp_path):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, namespace="memserver-gpu-tests", log_to_driver=False)
+        ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, namespace="memserver-gpu-tests", log_to_driver=False,
+                 object_store_memory=200 * 2**20)  # (the shards pass no objects through it)
     if ray.cluster_resources().get("GPU", 0) < 1:
         pytest.skip("the Ray cluster of this session has no GPU")
-    cluster = start_cluster(3, shard_cpus=0.25, shard_gpus=[0.5, 0.5, 0], name="memserver-gpu")
+    # (check_serving checkpoints below tmp_path: the cluster's checkpoint root)
+    cluster = start_cluster(3, shard_cpus=0.25, shard_gpus=[0.5, 0.5, 0], name="memserver-gpu", checkpoint_root=tmp_path)
     try:  # a mixed cluster: two shards share the GPU, the third is on the CPU
         status = check_serving(cluster.endpoint, 3, tmp_path)
         assert [(s.device, s.gpus) for s in status.shards] == [("cuda:0", 1.0)] * 2 + [("cpu", 0.0)]

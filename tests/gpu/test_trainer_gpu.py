@@ -183,8 +183,11 @@ class TableClient:
         self.pool = ThreadPoolExecutor(1)
 
     def table(self, name: str, refresh: bool = False) -> SimpleNamespace:
-        """What RemoteValues(create=False) checks its shape against (client.table's answer)."""
-        return SimpleNamespace(num_rows=self.values.num_rows, dim=self.values.dim, kind="value", optimizer="adam", lr=0.05)
+        """What RemoteValues(create=False) checks its shape and incarnation against (client.table's
+        answer; one incarnation, never made anew). tests/test_trainer_device.py runs a step over this
+        stand-in on the CPU, so `make test` sees it fall behind what RemoteValues asks."""
+        return SimpleNamespace(num_rows=self.values.num_rows, dim=self.values.dim, kind="value", a_kind="a value table",
+                               optimizer="adam", lr=0.05, layout_id=1)
 
     def rebuilds(self, table: str) -> tuple[int, str]:
         """No slice here is ever rebuilt (RemoteValues looks after each commit and checkpoint)."""
