@@ -60,7 +60,7 @@ test-gpu: install
 
 # The wheels a lent GPU machine (the device tool: its image has CUDA torch but older or no gRPC
 # packages) needs to run tests/gpu, for its Python 3.12 on x86-64, in .whl/ (the versions this
-# venv runs), and py-spy for benchmarks.gpu_profile: tests/gpu/device_run.sh.
+# venv runs), py-spy for benchmarks.gpu_profile and Ray (tests/gpu/pack_ray.py): tests/gpu/device_run.sh.
 gpu-wheels: install
 	rm -rf .whl && $(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
@@ -71,6 +71,9 @@ gpu-wheels: install
 	# the GPU and an index table's CPU fallback on a GPU shard run there
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 -d .whl faiss-cpu==$$($(BIN)/python -c "import faiss; print(faiss.__version__)")
+	# Ray without what a shard actor never loads, as a 21 MB xz tarball (its 79 MB wheel exceeds a
+	# call's carry), and jsonschema, its one need the image lacks: the Ray-actor GPU test runs there
+	$(BIN)/python -m tests.gpu.pack_ray .whl
 
 lint: install
 	$(BIN)/ruff check .

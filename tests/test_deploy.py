@@ -274,3 +274,30 @@ def test_the_gpu_machine_script_records_versions_and_runs_the_gpu_tests(tmp_path
     assert "SKIPPED" in tests and "no CUDA device" in tests
     assert "no CUDA device: this benchmark measures a GPU" in (tmp_path / "bench-gpu.log").read_text()
     assert "--device cuda: no CUDA device here" in (tmp_path / "profile-gpu.log").read_text()
+
+
+def test_ray_for_the_gpu_machine_keeps_what_a_shard_actor_loads(tmp_path):
+    """tests/gpu/pack_ray.py (make gpu-wheels): Ray's wheel as a tarball without what a shard actor
+    never loads; its metadata, its private modules and the dashboard's Python stay (the node agent
+    imports it), and the raylet stays executable (a mode lost there, and Ray cannot start it)."""
+    import tarfile
+    import zipfile
+
+    from tests.gpu.pack_ray import kept, pack
+
+    wheel = tmp_path / "ray-0-cp312-cp312-manylinux2014_x86_64.whl"
+    members = {"ray/__init__.py": 0o644, "ray/core/src/ray/raylet/raylet": 0o755, "ray/_private/worker.py": 0o644,
+               "ray/dashboard/agent.py": 0o644, "ray-0.dist-info/METADATA": 0o644, "ray/jars/ray_dist.jar": 0o644,
+               "ray/rllib/algo.py": 0o644, "ray/dashboard/client/build/main.js": 0o644, "ray/data/dataset.py": 0o644}
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, mode in members.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = mode << 16
+            zf.writestr(info, name)
+    assert pack(wheel, tmp_path / "ray.tar.xz") == 4
+    with tarfile.open(tmp_path / "ray.tar.xz") as tf:
+        got = {m.name: m.mode for m in tf.getmembers()}
+        assert tf.extractfile("ray/_private/worker.py").read() == b"ray/_private/worker.py"
+    assert got == {name: mode for name, mode in members.items() if kept(name)}
+    assert set(got) == {"ray/__init__.py", "ray/core/src/ray/raylet/raylet", "ray/_private/worker.py",
+                        "ray/dashboard/agent.py", "ray-0.dist-info/METADATA"}
