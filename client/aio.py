@@ -841,7 +841,7 @@ class AsyncMemoryClient:
 
     async def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
                            defer_apply: bool = False, step: int = 0, gather: bool = False,
-                           weight_grad: bool = True) -> Any:
+                           weight_grad: bool = True, layout: int = 0) -> Any:
         """Backward of `bag`: returns dL/dweights (shape of ids) and makes the shards apply
         weights * grad_out to the rows through the table's optimizer (exactly once).
 
@@ -850,11 +850,14 @@ class AsyncMemoryClient:
         `step`: the trainer's step, which sync_updates tables use to gather all trainers' pushes.
         `gather`: this call is one part of `step`; dL/dw is computed on the values before the step
         and the update waits for `commit_step`, so any number of parts make one optimizer step.
-        `weight_grad` False (the caller does not use dL/dweights): the shards skip it; returns None."""
+        `weight_grad` False (the caller does not use dL/dweights): the shards skip it; returns None.
+        `layout` (not 0): the incarnation of the table (`table(name).layout_id`) the caller trains;
+        FailedPreconditionError, and nothing sent, if the table was made anew since (a retry would
+        otherwise follow the name to the new table and apply the update to another run's rows)."""
         tags = self.tags()
         parts = self.session.step_parts(table, step) if gather else None
         op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply, step,  # noqa: E731
-                                              parts, weight_grad)
+                                              parts, weight_grad, layout)
         grad_w = await self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
         return None if grad_w is None else like(grad_w, weights)
 

@@ -66,6 +66,12 @@ class MemoryClient:
     def endpoint(self) -> str:
         return self.aio.endpoint
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() has begun: every call is refused from then on (a layer's RemoteValues
+        refuses a new step on a closed client rather than fail at its first call)."""
+        return self._closed
+
     def __getstate__(self) -> dict[str, Any]:
         """Refused by name, as AsyncMemoryClient's."""
         raise TypeError(NOT_PICKLED.format(type(self).__name__))
@@ -309,11 +315,12 @@ class MemoryClient:
         return like(self._call(table, lambda meta: ops.bag_op(meta, ids, weights, offsets, self.aio.opts, count)), weights)
 
     def bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
-                     defer_apply: bool = False, step: int = 0, gather: bool = False, weight_grad: bool = True) -> Any:
+                     defer_apply: bool = False, step: int = 0, gather: bool = False, weight_grad: bool = True,
+                     layout: int = 0) -> Any:
         tags = self.aio.tags()
         parts = self.aio.session.step_parts(table, step) if gather else None
         op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.aio.opts, tags, defer_apply,  # noqa: E731
-                                              step, parts, weight_grad)
+                                              step, parts, weight_grad, layout)
         grad_w = self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
         return None if grad_w is None else like(grad_w, weights)
 

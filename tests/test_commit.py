@@ -637,6 +637,31 @@ def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_ste
         step(second, 3)
 
 
+def test_an_update_outside_a_step_never_reaches_a_table_made_anew(memory_cluster, client, table_name):
+    """A backend used without steps (bag_backward applied at once): once another run made its table
+    anew, its next update is refused before it is sent. The check came after the call, and the
+    client's retry had followed the name to the new table: one update in the other run's rows."""
+    from client import FailedPreconditionError, TableRolledBackError
+    from trainer.memory import RemoteValues
+
+    ids, w, g = torch.tensor([[1, 2]]), torch.ones(1, 2), torch.ones(1, 4)
+    with MemoryClient(memory_cluster.endpoint) as other:
+        first = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1)
+        first.bag_backward(ids, w, g)  # (outside a step: applied at once)
+        RemoteValues(other, table_name, 8, 4, optimizer="sgd", lr=0.1)  # another run, the same name
+        before = other.lookup(table_name, np.arange(8), count=False)
+        with pytest.raises(TableRolledBackError, match=f"table {table_name} was made anew while this trainer trained"):
+            first.bag_backward(ids, w, g)
+        np.testing.assert_array_equal(other.lookup(table_name, np.arange(8), count=False), before)
+        with pytest.raises(TableRolledBackError, match="refuses its reads, updates"):
+            first.bag_backward(ids, w, g)
+        np.testing.assert_array_equal(other.lookup(table_name, np.arange(8), count=False), before)
+    now = client.lookup(table_name, np.arange(8), count=False)
+    with pytest.raises(FailedPreconditionError, match=r"was made anew \(incarnation \d+\) since the caller began"):
+        client.bag_backward(table_name, ids, w, g, layout=client.table(table_name).layout_id + 1)  # the client's own check
+    np.testing.assert_array_equal(client.lookup(table_name, np.arange(8), count=False), now)
+
+
 class _Handle:
     """A stand-in Ray actor handle over a shard in this process: `handle.method.remote(...)` is
     awaited by the coordinator; here it runs the shard's method in a thread, recording the order."""
@@ -927,15 +952,19 @@ def test_a_drop_commits_first_a_contribution_prepared_whose_decision_has_not_com
     assert not any(run.slice(i).steps for i in range(2))
     assert_same(run.state(), ref.state())  # step 2 on both shards, step 9 nowhere
     assert "step 2: client trainer prepared it on shard 1 and its decision has not come: committed before" in caplog.text
-    for p, q in ((x, y), (rx, ry)):  # x's kept COMMIT is re-sent first (refused: committed by the drop)
+    caplog.clear()
+    for p, q in ((x, y), (rx, ry)):  # x's kept COMMIT is re-sent first: answered as applied (by the drop)
         train_step(p, 3, (3,))
         train_step(q, 3, (13,))
     assert not x.aio.session.undecided(NAME)
+    assert "refused" not in caplog.text  # (it was refused, and the client warned its commit was refused)
+    assert run.slice(1).drop_committed == {(2, "trainer")}
     assert_same(run.state(), ref.state())
     caplog.clear()
     run.restart(1)  # the log replayed, the drop with it; nothing said again
     assert_same(run.state(), ref.state())
     assert "drop" not in caplog.text
+    assert run.slice(1).drop_committed == {(2, "trainer")} and run.slice(1).extras()["drop_committed"] == [(2, "trainer")]
     send_part(y, 4, 14)
     assert run.new_client("op2").drop_open_steps(NAME) == {"dropped": 1, "committed": 0}
     run.checkpoint(4)

@@ -609,6 +609,27 @@ def test_a_backward_and_the_next_commit_wait_for_the_commit_in_flight(client, ta
     torch.testing.assert_close(rows, local.table.weight, rtol=0, atol=1e-6)
 
 
+def test_a_closed_client_settles_the_commit_it_sent_and_refuses_a_new_step(memory_cluster, client, table_name):
+    """close() waits for a commit in flight (end_step(wait=False)); settle() after it raised "client
+    closed" though the commit had gone through, and begin_step on the closed client was accepted,
+    the step failing at its first call. Now settle() returns and begin_step refuses, naming it."""
+    from client import FailedPreconditionError, MemoryClient
+
+    ids, w, grad = torch.tensor([[1, 2], [2, 3]]), torch.ones(2, 2), torch.ones(2, 4)
+    with MemoryClient(memory_cluster.endpoint) as mine:
+        remote = RemoteValues(mine, table_name, 64, 4, lr=0.1, seed=2)
+        before = client.lookup(table_name, np.arange(4), count=False)
+        remote.begin_step(1)
+        remote.bag_backward(ids, w, grad)
+        remote.end_step(1, wait=False)
+    assert mine.closed and remote.committing is not None and remote.committing.done()
+    remote.settle()
+    assert not np.array_equal(client.lookup(table_name, np.arange(4), count=False), before)  # step 1 applied
+    with pytest.raises(FailedPreconditionError, match=f"table {table_name}: step 2: this backend's MemoryClient is closed"):
+        remote.begin_step(2)
+    assert remote.step is None
+
+
 def test_a_commit_refused_in_flight_fails_the_next_call_once():
     from concurrent.futures import Future
 

@@ -12,7 +12,7 @@ from client.ops.base import Op, OpOptions, request_parts
 from client.ops.checks import UINT64, bag_args, check_ints, checked_floats, checked_ids, ids_fit_int32, value_table
 from client.ops.routing import route_bags, route_ids
 from client.ops.sessions import StepParts, WriteTags
-from memserver.api.errors import InvalidArgumentError
+from memserver.api.errors import FailedPreconditionError, InvalidArgumentError
 from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import Lazy, check_1d, check_rows, check_stored, decode, encode, wire_tensor
@@ -156,15 +156,20 @@ def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOption
 
 def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offsets: Any, opts: OpOptions,
                     tags: WriteTags, defer_apply: bool = False, step: int = 0, parts: StepParts | None = None,
-                    weight_grad: bool = True) -> Op:
+                    weight_grad: bool = True, layout: int = 0) -> Op:
     """dL/dweights (shape of ids); the shards apply weights * grad_out to the rows (exactly once).
-    `weight_grad` False: the shards skip dL/dweights and the op returns None.
+    `weight_grad` False: the shards skip dL/dweights and the op returns None. `layout` (not 0): the
+    incarnation of the table (TableMeta.layout_id) the caller trains; one made anew since is
+    refused before a request goes to it (the client's retry would otherwise follow the name there).
 
     `parts` given: each request is a `gather` part of `step` (the update waits for commit_step_plan),
     and `parts` records, per shard index, the seqs of the parts this call delivered: only once
     every shard answered (a call that fails for good lists none; shards that stored a part of it
     drop it when the step is prepared)."""
     check_ints(UINT64, step=step)
+    if layout and meta.layout_id != layout:
+        raise FailedPreconditionError(f"table {meta.name} was made anew (incarnation {meta.layout_id}) since the caller "
+                                      f"began training incarnation {layout}: this update is not sent to it")
     t_ids, w, off, num_bags = bag_args(meta, ids, weights, offsets)
     g = checked_floats(grad_out, "grad_out")
     check_rows(g, num_bags, meta.dim, "grad_out")

@@ -205,7 +205,7 @@ class TableClient:
         self._hand(ids, weights)
         return self.pool.submit(lambda: (time.sleep(self.delay), self.values.bag(ids, weights))[1])
 
-    def bag_backward(self, table, ids, weights, grad_out, *, defer_apply=False, step=0, gather=False):
+    def bag_backward(self, table, ids, weights, grad_out, *, defer_apply=False, step=0, gather=False, layout=0):
         self._hand(ids, weights, grad_out)
         if not gather:
             return self.values.bag_backward(ids, weights, None, grad_out)

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from memserver.api.errors import InvalidArgumentError, MemserverError, TableRolledBackError
+from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, MemserverError, TableRolledBackError
 from memserver.core.optim import OptimizerConfig
 from memserver.core.steps import Entries, bag_entries, combine
 from memserver.core.table import ValueTable
@@ -507,9 +507,10 @@ class RemoteValues:
         h_ids, h_w, h_grad = to_host(self._ids(ids), weights.detach(), grad_out.contiguous())
         self.settle()
         try:
-            if self.step is None:  # outside a step: one call, applied at once
-                self.version += 1
-                grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, defer_apply=self.defer_apply)
+            if self.step is None:  # outside a step: one call, applied at once, and only to the table this
+                self.version += 1  # trains (`layout`: a check after the call came after the update)
+                grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, defer_apply=self.defer_apply,
+                                                  layout=self.layout)
                 self._check_rebuilt()
             elif not weight_grad:  # constant weights: the part goes out while the backward goes on
                 self.sent.append(self.client.submit_bag_backward(self.name, h_ids, h_w, h_grad, step=self.step))
@@ -518,6 +519,8 @@ class RemoteValues:
                 grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, step=self.step, gather=True)
         except MemserverError:
             self._check_table()
+            if self._remade():  # refused for another incarnation: this backend's error, and its refusals from here on
+                self._check_rebuilt()
             raise
         return to_device(grad_w, ids.device)
 
@@ -527,6 +530,10 @@ class RemoteValues:
     def begin_step(self, step: int, *, grad_scale: float = 1.0) -> None:
         step = checked_step(step)
         self._usable()
+        if getattr(self.client, "closed", False):  # (accepted, the step failed at its first call, naming no step)
+            raise FailedPreconditionError(f"table {self.name}: step {step}: this backend's MemoryClient is closed "
+                                          "(close(), or the end of its with-block): give the layer a RemoteValues of a "
+                                          "new client (create=False keeps the table)")
         self.grad_scale, self.overflows_at = checked_grad_scale(grad_scale), OVERFLOWS[0]
         if self.step is not None:  # begun and never ended: the shards drop its parts at the next prepare
             wait(self.sent)  # (its parts sent without waiting: in the session once answered, then forgotten)
@@ -580,7 +587,8 @@ class RemoteValues:
         committing, self.committing = self.committing, None
         if committing is not None:
             committing.result()
-            self._check_rebuilt()
+            if not getattr(self.client, "closed", False):  # (closed since: the commit went through; the check's
+                self._check_rebuilt()  # calls would only say "closed")
 
     def _usable(self) -> None:
         """Raise again the TableRolledBackError of a table made anew under this backend: the name is
