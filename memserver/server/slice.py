@@ -141,6 +141,11 @@ class TableSlice:
         self.stalled_since: float | None = None
         self.said_at = -60.0  # time.monotonic() `say_waiting` last logged
         self.steps_dropped = ""  # who last dropped the open steps (STEP_DROP_OPEN), said when parts are missed
+        # (step, client) whose prepared contribution the last drop committed before dropping: that
+        # client's COMMIT, kept while it could not reach this shard and sent again later, is answered
+        # as applied (refused, the client warned that its step was not committed); the last drop's
+        # alone, at most the contributions it found prepared
+        self.drop_committed: set[tuple[int, str]] = set()
 
     # -- checks every request makes --------------------------------------------------------
 
@@ -355,6 +360,8 @@ class TableSlice:
 
             return prepare
         if phase == pb.STEP_COMMIT:
+            if c is None and (step, client) in self.drop_committed:
+                return lambda: None  # committed by the drop (presumed commit): nothing left to apply
             if c is None or not c.prepared or c.committed:
                 why = "committed already" if c is not None and c.committed else f"not prepared (aborted, or {self._lost()})"
                 raise FailedPreconditionError(f"{where}: cannot commit on shard {self.info.index}: the step is {why}")
@@ -420,6 +427,7 @@ class TableSlice:
                             st, client, self.info.index)
             if (update := self.commit(st, client)) is not None:
                 updates.append(update)
+        self.drop_committed = set(prepared)
         dropped = len(self.steps)
         if dropped:
             if not self.replaying:  # (said when asked; a replay does it again silently)
@@ -526,6 +534,8 @@ class TableSlice:
         out: dict[str, Any] = {"sessions": self.sessions.state(), "step_parts": steps}
         if self.steps_dropped:  # (a late commit's refusal names the drop after a restart too)
             out["steps_dropped"] = self.steps_dropped
+        if self.drop_committed:
+            out["drop_committed"] = sorted(self.drop_committed)
         if self.triggers is not None and (self.triggers.slots or self.triggers.info):
             out["triggers"] = self.triggers.state()
         return out
@@ -534,6 +544,7 @@ class TableSlice:
         if "sessions" in extras:
             self.sessions.load(extras["sessions"])
         self.steps, self.steps_dropped = {}, str(extras.get("steps_dropped", ""))
+        self.drop_committed = {(int(st), str(client)) for st, client in extras.get("drop_committed", [])}
 
         def here(part: Any) -> tuple:
             """A checkpoint's part (loaded on the CPU) on the slice's device, where the parts sent
