@@ -1040,6 +1040,24 @@ def test_status_says_no_hit_rate_before_a_disk_tables_first_read(client, table_n
     client.drop_table(table_name)
 
 
+def test_status_says_what_a_cache_bound_above_the_table_holds(client, table_name, capsys):
+    """A disk table's cache bound above its whole table (10 TiB for 1,000 rows) is capped by the
+    shards at what the rows need; the tables view showed "cache 10.0 TiB" beside the disk view's
+    capped bound. It says both now; a bound below the table is shown as given."""
+    from memserver.cli import main
+
+    client.create_table(table_name, 1000, 8, tier="disk", cache_bytes=10 << 40)
+    client.create_table(table_name + "-small", 1000, 8, tier="disk", cache_bytes=8192)
+    try:
+        assert main(["status", "--endpoint", client.endpoint]) == 0
+        out = capsys.readouterr().out
+        assert len(re.findall(r"disk, cache 10\.0 TiB \(holds at most [\d.]+ KiB", out)) == 1, out
+        assert re.search(r"disk, cache 8\.0 KiB\s+│", out) and out.count("holds at most") == 1, out
+    finally:
+        client.drop_table(table_name)
+        client.drop_table(table_name + "-small")
+
+
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
 def test_restore_moves_a_table_between_tiers_and_it_continues_identically(client, table_name, tmp_path, optimizer):
     """A RAM table's checkpoint restored onto disk (a table that outgrew its shards' memory, its

@@ -194,6 +194,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     for t in st["tables"]:
         if t["kind"] == "value":
             tier = tier_text(t.get("tier") or "ram", t.get("cache_bytes", 0))
+            bounds = [x["cache_bound"] for s in st["shards"] for x in s["tables"]
+                      if x["table"] == t["name"] and x.get("tier") == "disk"]
+            share = t.get("cache_bytes", 0) // max(1, len(t["shards"]))  # (catalog.slice_cache_bytes)
+            if any(b < share for b in bounds):  # a shard caps its share at what its rows need (10 TiB read as given)
+                tier += f" (holds at most {fmt_bytes(sum(bounds))}: its rows need no more)"
             tables.add_row(t["name"], f"{t['num_rows']:,}", str(t["dim"]), t["sharding"], t["optimizer"], f"{t['lr']:g}",
                            t["dtype"], "yes" if t["wal"] else "no", tier,
                            f"{t['sync_workers']} trainers" if t.get("sync_workers") else "no", str(len(t["shards"])))
