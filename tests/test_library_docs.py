@@ -25,7 +25,8 @@ def test_the_library_guide_runs_as_written(memory_cluster, capsys, caplog, tmp_p
     monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
     write_endpoint({"endpoint": memory_cluster.endpoint})
     code = blocks()
-    assert len(code) == 5, "the guide's examples: local, float16 with a GradScaler, remote, saving, trigger contexts"
+    assert len(code) == 6, ("the guide's examples: local, float16 with a GradScaler, remote, a cluster in this process, "
+                            "saving, trigger contexts")
     scope: dict = {"__name__": "library_docs"}
     caplog.set_level(logging.WARNING)
     for i, block in enumerate(code):
