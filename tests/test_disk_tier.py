@@ -650,6 +650,9 @@ def test_sigkill_mid_write_back_loses_nothing_acknowledged(tmp_path, kill_at):
     try:
         sl = shard.servicer.tables["d"]
         assert sl.recovered_from.startswith("checkpoint step 40" if n >= 40 else "initial values")
+        # the replay's reads and evictions are not the callers' (status's hit rate and disk rates)
+        counted = sl.table.cache_stats()
+        assert [counted[k] for k in ("hits", "misses", "evictions", "disk_reads", "disk_writes")] == [0] * 5, counted
         with grpc.insecure_channel(shard.address) as ch:
             got = decode(pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="d", ids=encode(torch.arange(400)),
                                                                            uncounted=True)).rows, "rows")

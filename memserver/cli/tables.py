@@ -217,7 +217,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if indexes.row_count:
         out.print(indexes)
     disks = Table(title="disk tables (tier disk: rows in files under a row cache; disk rates over about the last "
-                  "minute, hits and evictions since each slice loaded; memory: the cache and the rows' read counters)")
+                  "minute, hits and evictions since each slice began serving, its log replay not counted; memory: the "
+                  "cache and the rows' read counters)")
     for col in ("name", "shard", "cached rows", "bound", "memory", "hit rate", "evictions", "disk reads/s",
                 "disk writes/s", "hinted (warmed)", "file"):
         disks.add_column(col, justify="left" if col in ("name", "file") else "right")

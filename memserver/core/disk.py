@@ -1042,6 +1042,15 @@ class DiskTable(ValueTable):
         self.read_rate.add(reads)
         self.write_rate.add(writes)
 
+    def reset_counters(self) -> None:
+        """Start the traffic's counters afresh (hits, misses, evictions, rows read ahead, disk reads
+        and writes and their rates): once a restarted slice has replayed its log, status's hit rate
+        and disk rates are its callers', not the replay's (they counted the replay's too)."""
+        self._st[[_HITS, _MISSES, _EVICT, _AHEAD_ROWS]] = 0
+        self.disk_reads = self.disk_writes = 0
+        self.read_rate, self.write_rate = RecentRate(), RecentRate()
+        self.since = time.monotonic()
+
     def nbytes(self) -> int:
         """The cache and the read counters (kept in memory); the rows are on disk."""
         return self.cache_nbytes() + self.num_rows * COUNTER_BYTES

@@ -420,6 +420,8 @@ class ShardActor:
                 how += f" + {replayed} logged writes"
             if not sl.unavailable:
                 sl.wal = WriteAheadLog(wal_dir, max(start, end))
+            if replayed and hasattr(sl.table, "reset_counters"):  # a disk table: its counters are the callers' from here
+                sl.table.reset_counters()
         sl.recovered_from = how
         return sl, how
 
