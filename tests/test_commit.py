@@ -637,6 +637,34 @@ def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_ste
         step(second, 3)
 
 
+def test_a_steps_part_never_reaches_a_table_made_anew(memory_cluster, client, table_name, capsys):
+    """A step's part sent after another run made the table anew (a sync table now) went to the new
+    table, where it held a place in that step for good: the new run's second trainer was refused
+    there (a review). Refused before it is sent now, waited for or not (constant weights), with
+    this backend's error; the new table has no open step."""
+    import json
+
+    from client import TableRolledBackError
+    from memserver.cli import main as cli_main
+    from trainer.memory import RemoteValues
+
+    ids, w, g = torch.tensor([[1, 2]]), torch.ones(1, 2), torch.ones(1, 4)
+    with MemoryClient(memory_cluster.endpoint) as other:
+        first = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1)
+        attached = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1, create=False)
+        RemoteValues(other, table_name, 8, 4, optimizer="sgd", lr=0.1, sync_workers=2)  # another run, the same name
+        first.begin_step(5)
+        with pytest.raises(TableRolledBackError, match=f"table {table_name} was made anew while this trainer trained"):
+            first.bag_backward(ids, w, g)
+        attached.begin_step(5)
+        assert attached.bag_backward(ids, w, g, weight_grad=False) is None  # sent without waiting
+        with pytest.raises(TableRolledBackError, match="was made anew"):
+            attached.end_step(5)
+        assert cli_main(["status", "--json", "--endpoint", client.endpoint]) == 0
+        st = json.loads(capsys.readouterr().out)
+        assert [t["open_steps"] for s in st["shards"] for t in s["tables"] if t["table"] == table_name] == [0, 0]
+
+
 def test_an_update_outside_a_step_never_reaches_a_table_made_anew(memory_cluster, client, table_name):
     """A backend used without steps (bag_backward applied at once): once another run made its table
     anew, its next update is refused before it is sent. The check came after the call, and the
@@ -953,24 +981,70 @@ def test_a_drop_commits_first_a_contribution_prepared_whose_decision_has_not_com
     assert_same(run.state(), ref.state())  # step 2 on both shards, step 9 nowhere
     assert "step 2: client trainer prepared it on shard 1 and its decision has not come: committed before" in caplog.text
     caplog.clear()
+    assert run.slice(1).drop_committed == {(2, "trainer"): None}
     for p, q in ((x, y), (rx, ry)):  # x's kept COMMIT is re-sent first: answered as applied (by the drop)
         train_step(p, 3, (3,))
         train_step(q, 3, (13,))
     assert not x.aio.session.undecided(NAME)
     assert "refused" not in caplog.text  # (it was refused, and the client warned its commit was refused)
-    assert run.slice(1).drop_committed == {(2, "trainer")}
+    assert run.slice(1).drop_committed == {}  # answered once
     assert_same(run.state(), ref.state())
     caplog.clear()
     run.restart(1)  # the log replayed, the drop with it; nothing said again
     assert_same(run.state(), ref.state())
     assert "drop" not in caplog.text
-    assert run.slice(1).drop_committed == {(2, "trainer")} and run.slice(1).extras()["drop_committed"] == [(2, "trainer")]
+    assert run.slice(1).drop_committed == {}  # the replay's drop remembered the pair, its replayed COMMIT answered it
     send_part(y, 4, 14)
     assert run.new_client("op2").drop_open_steps(NAME) == {"dropped": 1, "committed": 0}
     run.checkpoint(4)
     run.restart(0), run.restart(1)
     with pytest.raises(StepAbortedError, match=r"\(dropped\? client op2 dropped 1 open step\(s\) of the table "):
         y.commit_step(NAME, 4)
+
+
+def test_a_drop_remembers_what_it_committed_until_its_commit_comes_or_the_pair_contributes_anew(pairs, monkeypatch,
+                                                                                                 caplog):
+    """What a drop committed (presumed commit) is remembered for the client's kept COMMIT: a second
+    drop with nothing open forgot it (the COMMIT refused, "lost in a restart?", a review); the
+    client's kept ABORT is refused naming the drop; a new contribution of the same step by the same
+    client is its own (the pair was answered as applied though shard 1 lost its part, a review); and
+    the pairs survive a checkpoint."""
+    import logging
+
+    from client import MemserverError
+    from memserver.api.errors import FailedPreconditionError
+    from memserver.cli import main as cli_main
+
+    caplog.set_level(logging.WARNING)
+    run = pairs("run", spec())
+    x = run.client
+
+    def prepared_then_cut(step: int, seed: int) -> None:  # PREPARE everywhere, the COMMIT lost to shard 1
+        send_part(x, step, seed)
+        monkeypatch.setattr(x, "_methods", _commit_step_down(run, 1, lambda: run.slice(1).steps[step]["trainer"].prepared))
+        with pytest.raises(MemserverError, match="the commit did not reach every shard"):
+            x.commit_step(NAME, step)
+        monkeypatch.undo()
+
+    train_step(x, 1, (1,))
+    prepared_then_cut(2, 2)
+    assert cli_main(["drop-steps", NAME, "--endpoint", run.endpoint]) == 0
+    assert cli_main(["drop-steps", NAME, "--endpoint", run.endpoint]) == 0  # nothing open: the pair is kept
+    assert run.slice(1).drop_committed == {(2, "trainer"): None}
+    run.checkpoint(2)
+    run.restart(1)
+    assert run.slice(1).drop_committed == {(2, "trainer"): None}  # from the checkpoint (and its log after it)
+    with pytest.raises(FailedPreconditionError, match="cannot abort on shard 1: drop-steps committed it here"):
+        run.slice(1).step_phase(pb.STEP_ABORT, 2, "trainer", [])
+    caplog.clear()
+    train_step(x, 3, (3,))  # the kept COMMIT first: answered as applied
+    assert "refused" not in caplog.text and not x.aio.session.undecided(NAME)
+    assert run.slice(1).drop_committed == {}
+    prepared_then_cut(4, 4)
+    assert cli_main(["drop-steps", NAME, "--endpoint", run.endpoint]) == 0
+    x.aio.session.set_undecided(NAME, 4, None)  # (the client gave up its kept COMMIT: a new job of the same id)
+    send_part(x, 4, 44)  # the same step by the same client, anew: its own contribution
+    assert run.slice(1).drop_committed == {}
 
 
 def test_a_commit_after_a_sync_tables_whole_contribution_says_which_call_committed(pairs):

@@ -43,6 +43,8 @@ T = TypeVar("T")
 
 #: Training steps a slice keeps open (parts received, not yet applied) before it drops the oldest.
 MAX_OPEN_STEPS = 64
+#: The (step, client) pairs drops committed that a slice remembers for their late COMMIT (TableSlice.drop_committed).
+DROP_COMMITTED_KEPT = 1024
 
 
 @dataclass
@@ -141,11 +143,12 @@ class TableSlice:
         self.stalled_since: float | None = None
         self.said_at = -60.0  # time.monotonic() `say_waiting` last logged
         self.steps_dropped = ""  # who last dropped the open steps (STEP_DROP_OPEN), said when parts are missed
-        # (step, client) whose prepared contribution the last drop committed before dropping: that
-        # client's COMMIT, kept while it could not reach this shard and sent again later, is answered
-        # as applied (refused, the client warned that its step was not committed); the last drop's
-        # alone, at most the contributions it found prepared
-        self.drop_committed: set[tuple[int, str]] = set()
+        # (step, client) whose prepared contribution a drop committed before dropping: that client's
+        # COMMIT, kept while it could not reach this shard and sent again later, is answered once as
+        # applied (refused, the client warned that its step was not committed), its ABORT refused
+        # naming the drop. An entry goes when its COMMIT is answered or the pair contributes anew;
+        # at most DROP_COMMITTED_KEPT, the oldest forgotten first (a client that never came back)
+        self.drop_committed: dict[tuple[int, str], None] = {}
 
     # -- checks every request makes --------------------------------------------------------
 
@@ -322,7 +325,7 @@ class TableSlice:
     def gather(self, step: int, client: str, seq: int, entries: Entries) -> None:
         """Keep one part (the write `seq`) of `client`'s contribution to `step` until it commits
         (check_gather first)."""
-        parts = self.steps.setdefault(step, {}).setdefault(client, Contribution()).parts
+        parts = self._contribution(step, client).parts
         parts[seq if seq > 0 else -1 - len(parts)] = entries
         if len(self.steps) > MAX_OPEN_STEPS:  # a trainer vanished: say so rather than grow forever
             old = min(st for st in self.steps if st != step)  # never the step just accepted
@@ -331,6 +334,14 @@ class TableSlice:
             del self.steps[old]
             if self.stalled_since is not None:  # (the wait goes on, from when it began)
                 self._stalled_from(self.stalled_since)
+
+    def _contribution(self, step: int, client: str) -> Contribution:
+        """`client`'s contribution to `step`, made if new: a drop's commit of that pair is past then
+        (a COMMIT of it is this contribution's, never answered from `drop_committed`)."""
+        got = self.steps.setdefault(step, {})
+        if client not in got:
+            self.drop_committed.pop((step, client), None)
+        return got.setdefault(client, Contribution())
 
     def step_phase(self, phase: int, step: int, client: str, seqs: list[int], count: int = 0, drop: bool = False
                    ) -> Callable[[], Callable[[], int] | None]:
@@ -361,7 +372,11 @@ class TableSlice:
             return prepare
         if phase == pb.STEP_COMMIT:
             if c is None and (step, client) in self.drop_committed:
-                return lambda: None  # committed by the drop (presumed commit): nothing left to apply
+
+                def answered() -> None:  # committed by the drop (presumed commit): nothing left to apply
+                    self.drop_committed.pop((step, client), None)  # (once: a replay of the log does the same)
+
+                return answered
             if c is None or not c.prepared or c.committed:
                 why = "committed already" if c is not None and c.committed else f"not prepared (aborted, or {self._lost()})"
                 raise FailedPreconditionError(f"{where}: cannot commit on shard {self.info.index}: the step is {why}")
@@ -369,6 +384,11 @@ class TableSlice:
         if phase == pb.STEP_ABORT:
             if c is not None and c.committed:
                 raise FailedPreconditionError(f"{where}: cannot abort on shard {self.info.index}: committed already")
+            if c is None and (step, client) in self.drop_committed:  # the protocol's known window, said
+                raise FailedPreconditionError(
+                    f"{where}: cannot abort on shard {self.info.index}: drop-steps committed it here before this abort "
+                    "came (presumed commit, as a session's expiry decides; its commit may have reached the other "
+                    "shards)")
             return lambda: self._abort(step, client)
         if phase == pb.STEP_DROP_OPEN:
             return lambda: self._drop_open(client)
@@ -393,7 +413,7 @@ class TableSlice:
         return f"dropped? {self.steps_dropped}" if self.steps_dropped else "lost in a restart?"
 
     def _prepare(self, step: int, client: str, seqs: set[int], drop: bool = False) -> None:
-        c = self.steps.setdefault(step, {}).setdefault(client, Contribution())
+        c = self._contribution(step, client)
         c.drop = drop
         dropped = [q for q in c.parts if q not in seqs]
         for q in dropped:  # parts of calls that failed for good: the client does not count them
@@ -427,7 +447,10 @@ class TableSlice:
                             st, client, self.info.index)
             if (update := self.commit(st, client)) is not None:
                 updates.append(update)
-        self.drop_committed = set(prepared)
+        for key in prepared:  # (after their commits above: the pairs are past)
+            self.drop_committed[key] = None
+        for key in list(self.drop_committed)[:-DROP_COMMITTED_KEPT]:
+            del self.drop_committed[key]
         dropped = len(self.steps)
         if dropped:
             if not self.replaying:  # (said when asked; a replay does it again silently)
@@ -449,8 +472,8 @@ class TableSlice:
         run once the step is complete: at once for an ordinary table, when every trainer committed
         for a sync_updates table (the mean of their contributions); else None. None too when a
         contributor dropped the step (a non-finite gradient): a sync table applies nothing of it."""
-        got = self.steps.setdefault(step, {})
-        got.setdefault(client, Contribution()).committed = True
+        self._contribution(step, client).committed = True
+        got = self.steps[step]
         workers = self.spec.sync_workers if self.spec.sync_updates else 1
         if self.spec.sync_updates:
             if sum(x.committed for x in got.values()) < workers:
@@ -535,7 +558,7 @@ class TableSlice:
         if self.steps_dropped:  # (a late commit's refusal names the drop after a restart too)
             out["steps_dropped"] = self.steps_dropped
         if self.drop_committed:
-            out["drop_committed"] = sorted(self.drop_committed)
+            out["drop_committed"] = list(self.drop_committed)
         if self.triggers is not None and (self.triggers.slots or self.triggers.info):
             out["triggers"] = self.triggers.state()
         return out
@@ -544,7 +567,7 @@ class TableSlice:
         if "sessions" in extras:
             self.sessions.load(extras["sessions"])
         self.steps, self.steps_dropped = {}, str(extras.get("steps_dropped", ""))
-        self.drop_committed = {(int(st), str(client)) for st, client in extras.get("drop_committed", [])}
+        self.drop_committed = dict.fromkeys((int(st), str(client)) for st, client in extras.get("drop_committed", []))
 
         def here(part: Any) -> tuple:
             """A checkpoint's part (loaded on the CPU) on the slice's device, where the parts sent
