@@ -433,12 +433,12 @@ class MemoryClient:
         return self._submit(self.aio.bag(table, ids, weights, offsets, count=count))
 
     def submit_bag_backward(self, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any = None, *,
-                            step: int, gather: bool = True) -> Future[None]:
+                            step: int, gather: bool = True, layout: int = 0) -> Future[None]:
         """`bag_backward` without waiting, for a part of `step` whose dL/dweights the caller does
         not use (the shards skip it; the future gives None): it sends the update and goes on;
-        `commit_step` after every such future is done."""
+        `commit_step` after every such future is done. `layout`: as bag_backward's."""
         return self._submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, step=step, gather=gather,
-                                                  weight_grad=False))
+                                                  weight_grad=False, layout=layout))
 
     def submit_commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False
                            ) -> Future[int]:

@@ -15,7 +15,7 @@
 # a remote memtrain step's time goes). PARTS picks them (default "test bench profile"); BENCH_ARGS
 # (e.g. --quick) go to benchmarks.gpu. Each part has a
 # time limit (TEST_SECONDS, default 200; BENCH_SECONDS, 240; PROFILE_SECONDS, 100: 540 s in all) so that
-# its logs come back within the call's 10 minutes (on an H200 the tests took 82 s, all three 172 s). Exit status:
+# its logs come back within the call's 10 minutes (on an H200 the tests took 88 s). Exit status:
 # non-zero when a part failed or ran out.
 set -uo pipefail
 OUT=${OUT:-results/gpu}

@@ -213,7 +213,7 @@ class TableClient:
         self.parts.append(bag_entries(ids, weights, None, grad_out, copy=True))
         return grad_w
 
-    def submit_bag_backward(self, table, ids, weights, grad_out, *, step, gather=True):
+    def submit_bag_backward(self, table, ids, weights, grad_out, *, step, gather=True, layout=0):
         return self.pool.submit(self.bag_backward, table, ids, weights, grad_out, step=step, gather=gather)
 
     def commit_step(self, table, step, *, defer_apply=False, drop=False):

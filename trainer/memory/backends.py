@@ -507,16 +507,20 @@ class RemoteValues:
         h_ids, h_w, h_grad = to_host(self._ids(ids), weights.detach(), grad_out.contiguous())
         self.settle()
         try:
-            if self.step is None:  # outside a step: one call, applied at once, and only to the table this
-                self.version += 1  # trains (`layout`: a check after the call came after the update)
+            # every update goes only to the table this trains (`layout`): outside a step the check after
+            # the call came after the update; a step's part in another run's table held a place in its step
+            if self.step is None:  # outside a step: one call, applied at once
+                self.version += 1
                 grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, defer_apply=self.defer_apply,
                                                   layout=self.layout)
                 self._check_rebuilt()
             elif not weight_grad:  # constant weights: the part goes out while the backward goes on
-                self.sent.append(self.client.submit_bag_backward(self.name, h_ids, h_w, h_grad, step=self.step))
+                self.sent.append(self.client.submit_bag_backward(self.name, h_ids, h_w, h_grad, step=self.step,
+                                                                 layout=self.layout))
                 return None
             else:
-                grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, step=self.step, gather=True)
+                grad_w = self.client.bag_backward(self.name, h_ids, h_w, h_grad, step=self.step, gather=True,
+                                                  layout=self.layout)
         except MemserverError:
             self._check_table()
             if self._remade():  # refused for another incarnation: this backend's error, and its refusals from here on
@@ -546,8 +550,13 @@ class RemoteValues:
         """Wait for every part sent without waiting, all of them, then raise the first refused one."""
         sent, self.sent = self.sent, []
         wait(sent)
-        for part in sent:
-            part.result()
+        try:
+            for part in sent:
+                part.result()
+        except MemserverError:
+            if self._remade():  # refused for another incarnation (`layout`): this backend's error from here on
+                self._check_rebuilt()
+            raise
 
     def end_step(self, step: int, *, wait: bool = True) -> None:
         """Commit the step's parts on every shard: one optimizer step (sync tables: once every
