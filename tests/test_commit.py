@@ -1047,6 +1047,25 @@ def test_a_drop_remembers_what_it_committed_until_its_commit_comes_or_the_pair_c
     assert run.slice(1).drop_committed == {}
 
 
+def test_a_slice_remembers_at_most_drop_committed_kept_pairs(monkeypatch):
+    """The pairs drops committed wait for their client's COMMIT, which may never come (a client
+    gone for good): the oldest beyond DROP_COMMITTED_KEPT are forgotten."""
+    from memserver.core.steps import bag_entries
+    from memserver.server import slice as slice_mod
+    from memserver.server.catalog import plan_table, validate_spec
+
+    monkeypatch.setattr(slice_mod, "DROP_COMMITTED_KEPT", 3)
+    table = validate_spec(spec(sharding=pb.ROWS, wal=False), 1)
+    sl = slice_mod.TableSlice(table, plan_table(table, [{"address": "x", "node_id": "n", "pid": 1}]).shards[0], 1,
+                              torch.device("cpu"))
+    ids, w, g = (torch.as_tensor(a) for a in batch(1))
+    for step in range(1, 6):  # each prepared, its decision lost, then a drop commits it
+        sl.gather(step, "gone", 1, bag_entries(ids, w, None, g))
+        sl.step_phase(pb.STEP_PREPARE, step, "gone", [1])()
+        sl._drop_open("op")()
+    assert list(sl.drop_committed) == [(3, "gone"), (4, "gone"), (5, "gone")]
+
+
 def test_a_commit_after_a_sync_tables_whole_contribution_says_which_call_committed(pairs):
     """A walkthrough's bag_backward(step=1) without gather=True on a sync table (its client's whole
     contribution, committed with it), then commit_step(1): the error was the abort's ("cannot abort:
