@@ -145,8 +145,8 @@ class TableSlice:
         self.steps_dropped = ""  # who last dropped the open steps (STEP_DROP_OPEN), said when parts are missed
         # (step, client) whose prepared contribution a drop committed before dropping: that client's
         # COMMIT, kept while it could not reach this shard and sent again later, is answered once as
-        # applied (refused, the client warned that its step was not committed), its ABORT refused
-        # naming the drop. An entry goes when its COMMIT is answered or the pair contributes anew;
+        # applied (refused, the client warned that its step was not committed), its ABORT taken and
+        # logged (the known window). An entry goes when either is answered or the pair contributes anew;
         # at most DROP_COMMITTED_KEPT, the oldest forgotten first (a client that never came back)
         self.drop_committed: dict[tuple[int, str], None] = {}
 
@@ -384,11 +384,18 @@ class TableSlice:
         if phase == pb.STEP_ABORT:
             if c is not None and c.committed:
                 raise FailedPreconditionError(f"{where}: cannot abort on shard {self.info.index}: committed already")
-            if c is None and (step, client) in self.drop_committed:  # the protocol's known window, said
-                raise FailedPreconditionError(
-                    f"{where}: cannot abort on shard {self.info.index}: drop-steps committed it here before this abort "
-                    "came (presumed commit, as a session's expiry decides; its commit may have reached the other "
-                    "shards)")
+            if c is None and (step, client) in self.drop_committed:  # the protocol's known window: said, not
+                # refused (a refusal could end the client's kept ABORT while another shard still waits for it;
+                # and a log of older code holds such aborts, which a replay must take)
+
+                def too_late() -> None:
+                    self.drop_committed.pop((step, client), None)
+                    if not self.replaying:
+                        log.warning("%s: the abort came to shard %d after drop-steps had committed the step here "
+                                    "(presumed commit, as a session's expiry decides): it stays committed here, and "
+                                    "the shards that took the abort dropped it", where, self.info.index)
+
+                return too_late
             return lambda: self._abort(step, client)
         if phase == pb.STEP_DROP_OPEN:
             return lambda: self._drop_open(client)

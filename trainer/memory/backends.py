@@ -523,10 +523,20 @@ class RemoteValues:
                                                   layout=self.layout)
         except MemserverError:
             self._check_table()
-            if self._remade():  # refused for another incarnation: this backend's error, and its refusals from here on
-                self._check_rebuilt()
+            self._stop_if_remade()
             raise
         return to_device(grad_w, ids.device)
+
+    def _stop_if_remade(self) -> None:
+        """After a refused update: if the table was made anew (the update pinned the layout this
+        trains), forget the open step (its parts went to the old table or nowhere) and raise this
+        backend's TableRolledBackError, which it raises again from here on."""
+        if not self._remade():
+            return
+        if self.step is not None:
+            self.client.abandon_step(self.name, self.step)
+            self.step, self.grad_scale = None, 1.0
+        self._check_rebuilt()
 
     def to(self, device: torch.device | str) -> RemoteValues:
         return self  # the cluster holds the values; answers come to the ids' device
@@ -554,8 +564,7 @@ class RemoteValues:
             for part in sent:
                 part.result()
         except MemserverError:
-            if self._remade():  # refused for another incarnation (`layout`): this backend's error from here on
-                self._check_rebuilt()
+            self._stop_if_remade()
             raise
 
     def end_step(self, step: int, *, wait: bool = True) -> None:
