@@ -10,13 +10,13 @@
 #   make gpu-wheels
 #   run(command="bash tests/gpu/device_run.sh", carry=[".whl"], timeout_s=600)
 #
-# Everything is printed and written to $OUT (the device tool brings it back): versions.txt
-# (with nvidia-smi's head), test-gpu.log, bench-gpu.log and profile-gpu.log (benchmarks.gpu_profile: where
-# a remote memtrain step's time goes). PARTS picks them (default "test bench profile"); BENCH_ARGS
-# (e.g. --quick) go to benchmarks.gpu. Each part has a
-# time limit (TEST_SECONDS, default 200; BENCH_SECONDS, 240; PROFILE_SECONDS, 100: 540 s in all) so that
-# its logs come back within the call's 10 minutes (on an H200 the tests took 88 s). Exit status:
-# non-zero when a part failed or ran out.
+# Everything is printed and written to $OUT (the device tool brings it back): versions.txt (with
+# nvidia-smi's head), test-gpu.log, bench-gpu.log and profile-gpu.log (benchmarks.gpu_profile:
+# where a remote memtrain step's time goes). PARTS picks the parts (default "test bench profile");
+# BENCH_ARGS (e.g. --quick) go to benchmarks.gpu. Each part has a time limit (TEST_SECONDS, default
+# 200; BENCH_SECONDS, 240; PROFILE_SECONDS, 100: 540 s in all) so that its logs come back within
+# the call's 10 minutes (on an H200 the tests took 88 s). Exit status: non-zero when a part failed
+# or ran out.
 set -uo pipefail
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
