@@ -861,15 +861,20 @@ class AsyncMemoryClient:
         grad_w = await self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
         return None if grad_w is None else like(grad_w, weights)
 
-    async def commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False) -> int:
+    async def commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False,
+                          layout: int = 0) -> int:
         """Apply this client's `gather` parts of `step` as one optimizer step (a sync_updates table:
         once every trainer committed, their mean), on every shard of the table or on none: two
         phases, PREPARE then COMMIT or ABORT (client.ops.commit_step_plan; one call on a table of
         one shard). Raises StepAbortedError, naming the shard, when a shard lacks a part it
         acknowledged: nothing of the step is applied anywhere. Returns the rows updated now.
         `drop`: this client met a non-finite gradient in the step (a GradScaler skips it): its parts
-        are dropped, and a sync_updates table drops the whole step, every trainer's contribution."""
-        plan = ops.commit_step_plan(self.session, table, step, len((await self.table(table)).shards), defer_apply, drop)
+        are dropped, and a sync_updates table drops the whole step, every trainer's contribution.
+        `layout` (not 0): the incarnation the caller trains; a table made anew since is
+        FailedPreconditionError, the step not committed there (by default it is, with none of this
+        client's parts, so a sync table's other trainers do not wait for it)."""
+        plan = ops.commit_step_plan(self.session, table, step, len((await self.table(table)).shards), defer_apply, drop,
+                                    layout)
         make, tags, retry = next(plan)
         while True:
             try:

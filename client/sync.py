@@ -334,9 +334,10 @@ class MemoryClient:
     def rebuilds(self, table: str) -> tuple[int, str]:
         return self.aio.rebuilds(table)
 
-    def commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False) -> int:
+    def commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False,
+                    layout: int = 0) -> int:
         meta = self.aio._tables.get(table) or self.table(table)
-        plan = ops.commit_step_plan(self.aio.session, table, step, len(meta.shards), defer_apply, drop)
+        plan = ops.commit_step_plan(self.aio.session, table, step, len(meta.shards), defer_apply, drop, layout)
         make, tags, retry = next(plan)
         while True:
             try:
@@ -440,12 +441,12 @@ class MemoryClient:
         return self._submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, step=step, gather=gather,
                                                   weight_grad=False, layout=layout))
 
-    def submit_commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False
-                           ) -> Future[int]:
+    def submit_commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False,
+                           layout: int = 0) -> Future[int]:
         """`commit_step` without waiting (a trainer overlaps it with its next step's first work).
         Until the future is done the step may not be applied: a caller that reads the table
         meanwhile, or commits its next step, waits for it first (trainer.memory.RemoteValues)."""
-        return self._submit(self.aio.commit_step(table, step, defer_apply=defer_apply, drop=drop))
+        return self._submit(self.aio.commit_step(table, step, defer_apply=defer_apply, drop=drop, layout=layout))
 
     def submit_search(self, table: str, queries: Any, k: int, **kwargs: Any) -> Future[tuple[Any, ...]]:
         """`search` without waiting (a KIF layer sends a chunk's search and goes on)."""

@@ -666,6 +666,50 @@ def test_a_steps_part_never_reaches_a_table_made_anew(memory_cluster, client, ta
         assert [t["open_steps"] for s in st["shards"] for t in s["tables"] if t["table"] == table_name] == [0, 0]
 
 
+def test_a_commit_after_the_table_was_made_anew_takes_no_place_in_the_new_runs_sync_step(memory_cluster, client,
+                                                                                          table_name, capsys):
+    """A walkthrough: trainer A2 of a sync table sent its step-2 part, another run made the table
+    anew (a sync table of 2 too), then A2 committed: the client committed the step on the new table
+    with no parts, so it took a place in the new run's step 2, which applied at its first trainer's
+    commit, and the second trainer's commit stayed open there for good. The backend pins its
+    table: A2's commit is refused, nothing is sent to the new table, and the new run's steps apply
+    at their second commit."""
+    import json
+
+    from client import TableRolledBackError
+    from memserver.cli import main as cli_main
+    from trainer.memory import RemoteValues
+
+    ids, w, g = torch.tensor([[1, 2]]), torch.ones(1, 2), torch.ones(1, 4)
+
+    def step(values: RemoteValues, n: int, end: bool = True) -> None:
+        values.begin_step(n)
+        values.bag(ids, w)
+        values.bag_backward(ids, w, g)
+        if end:
+            values.end_step(n)
+
+    with MemoryClient(memory_cluster.endpoint) as c2, MemoryClient(memory_cluster.endpoint) as b1c, \
+            MemoryClient(memory_cluster.endpoint) as b2c:
+        a1 = RemoteValues(client, table_name, 8, 4, optimizer="sgd", lr=0.1, sync_workers=2)
+        a2 = RemoteValues(c2, table_name, 8, 4, optimizer="sgd", lr=0.1, create=False)
+        step(a1, 1), step(a2, 1), step(a1, 2)
+        step(a2, 2, end=False)  # its part sent, not committed yet
+        b1 = RemoteValues(b1c, table_name, 8, 4, optimizer="sgd", lr=0.1, sync_workers=2)  # another run
+        b2 = RemoteValues(b2c, table_name, 8, 4, optimizer="sgd", lr=0.1, create=False)
+        with pytest.raises(TableRolledBackError, match=f"table {table_name} was made anew while this trainer trained"):
+            a2.end_step(2)
+        for n in (1, 2):
+            before = b1c.lookup(table_name, np.arange(8), count=False)
+            step(b1, n)
+            np.testing.assert_array_equal(b1c.lookup(table_name, np.arange(8), count=False), before)  # waits for b2
+            step(b2, n)
+            assert not np.array_equal(b1c.lookup(table_name, np.arange(8), count=False), before)
+        assert cli_main(["status", "--json", "--endpoint", client.endpoint]) == 0
+        st = json.loads(capsys.readouterr().out)
+        assert [t["open_steps"] for s in st["shards"] for t in s["tables"] if t["table"] == table_name] == [0, 0]
+
+
 def test_an_update_outside_a_step_never_reaches_a_table_made_anew(memory_cluster, client, table_name):
     """A backend used without steps (bag_backward applied at once): once another run made its table
     anew, its next update is refused before it is sent. The check came after the call, and the
@@ -854,7 +898,7 @@ def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(t
         rows = a.lookup(NAME, np.arange(ROWS))
         assert cli_main(["drop-steps", NAME, "--endpoint", server.endpoint]) == 0
         assert capsys.readouterr().out.splitlines() == [
-            f"table {NAME}: dropped 1 open step; nothing of them applies",
+            f"table {NAME}: dropped 1 open step; nothing of it applies",
             "note: the table has no `wal`: a shard that restarts comes back as its last checkpoint, open steps "
             "included; `memserver checkpoint` now keeps them dropped"]
         for load in loads():
@@ -975,7 +1019,7 @@ def test_a_drop_commits_first_a_contribution_prepared_whose_decision_has_not_com
     send_part(y, 9, 19)  # and a part of a step nobody commits
     assert cli_main(["drop-steps", NAME, "--endpoint", run.endpoint]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        f"table {NAME}: dropped 1 open step; nothing of them applies",
+        f"table {NAME}: dropped 1 open step; nothing of it applies",
         "note: 1 contribution a trainer had prepared and whose commit or abort had not come committed first, as its "
         "session's expiry would (its commit may have reached the other shards; the shard's log names them)"]
     assert not any(run.slice(i).steps for i in range(2))

@@ -78,7 +78,7 @@ _FINAL = (FailedPreconditionError, StepAbortedError, TableNotFoundError, Invalid
 
 
 def commit_step_plan(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool = False,
-                     drop: bool = False) -> CommitPlan:
+                     drop: bool = False, pin: int = 0) -> CommitPlan:
     """Commit this client's `gather` parts of `step` on every shard of `table` (`shards` of them),
     or on none: PREPARE on every shard (each checks it holds exactly the parts it acknowledged),
     then COMMIT on every shard if all prepared, else ABORT on every shard and raise
@@ -86,7 +86,10 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     decision that cannot reach a shard (unavailable past the client's retries) is kept, its seqs
     in flight, and re-sent with the same tags before the table's next commit, which raises until
     it is delivered. Returns the rows updated now. `drop`: this client met a non-finite gradient
-    in the step; a sync table drops the whole step, every trainer's contribution (drop_step)."""
+    in the step; a sync table drops the whole step, every trainer's contribution (drop_step).
+    `pin` (not 0): the incarnation the caller trains (its `layout_id`); a table made anew since is
+    FailedPreconditionError, nothing sent to it: the step is not committed there with no parts
+    (where it would take a place in another run's sync step)."""
     check_ints(UINT64, step=step)
     for st, (phase, tags, parts, dropped) in session.undecided(table).items():
         got = yield (lambda meta, st=st, phase=phase, tags=tags, parts=parts, dropped=dropped:
@@ -99,10 +102,15 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
             log.warning("table %s: the %s of step %d was refused: %s", table, _PHASES[phase], st, got)
         session.set_undecided(table, st, None)
     parts, layout = session.take_step(table, step)
+    layout = layout or pin  # (a step with no parts: the pin alone says which table it belongs to)
     while True:  # twice at most: once more, with no parts, when the table was made anew meanwhile
         outcome = yield from _prepare_and_decide(session, table, step, shards, defer_apply, parts, layout, drop)
         if not isinstance(outcome, TableRemadeError):
             return outcome
+        if pin:
+            raise FailedPreconditionError(f"table {table}: made anew (a restore, or a create with replace) while step "
+                                          f"{step} was open: not committed there, since the caller trains the table "
+                                          f"it pinned (incarnation {pin})")
         # The parts went to the old table; the new one holds none of them. The step is committed
         # there with no parts (nothing of this client's applied; a sync table still counts its
         # commit, so the other trainers' step is not left waiting for it).

@@ -418,7 +418,8 @@ def cmd_drop_steps(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"table": args.name, "dropped_steps": dropped, "committed": committed, "notes": notes}))
         return 0
-    print(f"table {args.name}: dropped {counted(dropped, 'open step')}; nothing of them applies" if dropped
+    print(f"table {args.name}: dropped {counted(dropped, 'open step')}; nothing of {'it' if dropped == 1 else 'them'} "
+          "applies" if dropped
           else f"table {args.name}: no open step to drop")
     for note in notes:
         print(f"note: {note}")

@@ -216,12 +216,12 @@ class TableClient:
     def submit_bag_backward(self, table, ids, weights, grad_out, *, step, gather=True, layout=0):
         return self.pool.submit(self.bag_backward, table, ids, weights, grad_out, step=step, gather=gather)
 
-    def commit_step(self, table, step, *, defer_apply=False, drop=False):
+    def commit_step(self, table, step, *, defer_apply=False, drop=False, layout=0):
         parts, self.parts = self.parts, []
         if parts and not drop:
             self.values.apply_entries(*combine(parts))
 
-    def submit_commit_step(self, table, step, *, defer_apply=False, drop=False):
+    def submit_commit_step(self, table, step, *, defer_apply=False, drop=False, layout=0):
         """end_step(wait=False)'s commit (after the parts sent before it: one thread)."""
         return self.pool.submit(self.commit_step, table, step, defer_apply=defer_apply, drop=drop)
 

@@ -593,18 +593,28 @@ class RemoteValues:
             # scalers skip the dense step, DDP having summed the overflow into their gradients)
             self.client.abandon_step(self.name, step)
         self.version += 1
+        # (`layout`: a table made anew meanwhile is not committed to: its sync step would count this one)
         if wait:
-            self.client.commit_step(self.name, step, defer_apply=self.defer_apply, drop=drop)
+            try:
+                self.client.commit_step(self.name, step, defer_apply=self.defer_apply, drop=drop, layout=self.layout)
+            except MemserverError:
+                self._stop_if_remade()
+                raise
             self._check_rebuilt()
         else:
-            self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply, drop=drop)
+            self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply, drop=drop,
+                                                             layout=self.layout)
 
     def settle(self) -> None:
         """Wait for the commit in flight, if any, and forget it; raise its error (a read chained
         after it has already carried the same error)."""
         committing, self.committing = self.committing, None
         if committing is not None:
-            committing.result()
+            try:
+                committing.result()
+            except MemserverError:
+                self._stop_if_remade()
+                raise
             if not getattr(self.client, "closed", False):  # (closed since: the commit went through; the check's
                 self._check_rebuilt()  # calls would only say "closed")
 
