@@ -121,15 +121,16 @@ def test_slot_statistics_read_dirty_cached_rows_in_place_without_writing_the_cac
 
 
 def test_an_uncounted_lookup_changes_neither_the_cache_nor_its_counts(tmp_path):
-    """A walkthrough: `lookup(count=False)` (inspection: `search-token`'s scan, the page) admitted
-    every row it read, evicting half the cache, and counted its misses in the hit rate. It now
+    """A walkthrough: an uncounted lookup (inspection: `search-token`'s scan, the page; `admit`
+    False) admitted every row it read, evicting half the cache, and counted its misses in the hit
+    rate. It now
     reads as slot_stats does: the values (the dirty cached ones included) equal the RAM table's,
     and no slot, counter or statistic changes."""
     ram, disk = _pair(tmp_path, "adam", rows=3000, cache_rows=100)
     _steps_alike(ram, disk, np.random.default_rng(4), 5)
     before = (disk.cache_stats(), disk._slot_row.copy(), disk._dirty.copy(), disk.hits.clone())
     scan = torch.cat([torch.arange(3000), torch.tensor([5, 5, 2999])])  # every row, some twice
-    assert torch.equal(disk.lookup(scan, count=False), ram.lookup(scan, count=False))
+    assert torch.equal(disk.lookup(scan, count=False, admit=False), ram.lookup(scan, count=False))
     after = disk.cache_stats()
     moving = ("disk_reads", "disk_reads_per_s", "disk_writes_per_s", "seconds")  # (the file is read; time goes on)
     assert {k: v for k, v in after.items() if k not in moving} == {k: v for k, v in before[0].items() if k not in moving}
@@ -1041,6 +1042,34 @@ def test_status_says_no_hit_rate_before_a_disk_tables_first_read(client, table_n
     client.bag(table_name, np.array([[1, 2], [1, 999]]), np.ones((2, 2), np.float32))
     assert all(r is not None and 0 <= r < 1 for r in rates())  # each shard read its column block of 3 rows
     client.drop_table(table_name)
+
+
+def test_every_column_slice_of_a_disk_table_caches_what_its_lookups_read(client, table_name, capsys):
+    """A walkthrough: a cols disk table's second slice keeps no read counters (the first does),
+    and its lookups were taken for inspection reads: nothing placed in its cache, no hit or miss
+    counted, every lookup read from the file again (0 of 1,000 rows cached, hit rate "-", ~1,000
+    disk reads a second). Both slices cache now and count their hits; an inspection read
+    (`count=False`) still places nothing."""
+    import json
+
+    from memserver.cli import main
+
+    def shards() -> list:
+        assert main(["status", "--json", "--endpoint", client.endpoint]) == 0
+        st = json.loads(capsys.readouterr().out)
+        return [t for s in st["shards"] for t in s["tables"] if t["table"] == table_name]
+
+    client.create_table(table_name, 1000, 16, tier="disk", cache_bytes=1 << 30)  # cols: the default
+    try:
+        client.lookup(table_name, np.arange(1000), count=False)  # inspection: nothing placed
+        assert [t["cached_rows"] for t in shards()] == [0, 0]
+        for _ in range(3):
+            client.lookup(table_name, np.arange(1000))
+        got = shards()
+        assert [t["cached_rows"] for t in got] == [1000, 1000], got
+        assert [(t["cache_hits"], t["cache_misses"]) for t in got] == [(2000, 1000)] * 2, got
+    finally:
+        client.drop_table(table_name)
 
 
 def test_status_says_what_a_cache_bound_above_the_table_holds(client, table_name, capsys):

@@ -1222,11 +1222,13 @@ class DiskTable(ValueTable):
             self._ahead.put(rows)
         return len(rows)
 
-    def lookup(self, ids: torch.Tensor, count: bool = True) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, count: bool = True, admit: bool = True) -> torch.Tensor:
         (ids,) = self.on_device((ids, torch.int64))
         if ids.dim() != 1:
             raise ValueError(f"lookup takes 1-D ids, got shape {tuple(ids.shape)}")
-        if not count:  # an inspection read (as slot_stats): no row admitted, no hit or miss counted (a
+        # (`count` alone is not an inspection: a cols table's slices but the first keep no read
+        # counters, and their lookups placed nothing in their caches, counted no hit or miss: a walkthrough)
+        if not admit:  # an inspection read (as slot_stats): no row admitted, no hit or miss counted (a
             rows, inv = self._distinct(ids)  # scan of the table evicted half the cache: a walkthrough)
             recs, _ = self._gather(rows, admit=False)
             return self._view(torch.from_numpy(recs), "weight").index_select(0, inv)  # (the values only)

@@ -258,8 +258,10 @@ class ValueTable:
         if weights is not None:
             self.weight_mass.index_add_(0, flat, weights.reshape(-1).abs().double())
 
-    def lookup(self, ids: torch.Tensor, count: bool = True) -> torch.Tensor:
-        """Rows as float32; `count` False: an inspection read, not counted in the slots' hits."""
+    def lookup(self, ids: torch.Tensor, count: bool = True, admit: bool = True) -> torch.Tensor:
+        """Rows as float32; `count` False: not counted in the slots' hits (an inspection read, or a
+        column slice that does not keep the counters). `admit` False: an inspection read that a
+        cache (DiskTable's) places nothing for; a table in memory has no cache."""
         (ids,) = self.on_device((ids, torch.int64))
         if self.track_stats and count:
             self._count_reads(ids, None)

@@ -291,7 +291,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         check_answer(ids.numel(), sl.table.dim, "ids")
 
         def work() -> Any:
-            rows = sl.table.lookup(sl.local(ids), count=sl.counts_reads and not request.uncounted)
+            rows = sl.table.lookup(sl.local(ids), count=sl.counts_reads and not request.uncounted,
+                                   admit=not request.uncounted)
             return answer(request, region, Lazy(pb.LookupResponse()).put("rows", rows, request.wire_dtype))
 
         return Call(sl, work, ids.numel())
