@@ -3,8 +3,8 @@
 # its README). That machine's image has a CUDA build of torch, numpy, numba, pytest, rich, tqdm
 # and prometheus-client, but not Ray or faiss, nor the small gRPC packages at the versions this
 # project's generated code needs. `make gpu-wheels`, run here first, puts those gRPC packages,
-# py-spy, faiss-cpu and Ray (its 79 MB wheel pruned to a 21 MB tarball: tests/gpu/pack_ray.py) in
-# .whl/ (git-ignored; carried by the call: 49 MB of its 64 MiB) and this installs them. faiss-gpu
+# py-spy, faiss-cpu and Ray (its 75.6 MiB wheel pruned to a 19.8 MiB tarball: tests/gpu/pack_ray.py)
+# in .whl/ (git-ignored; carried by the call: 48.4 MiB of its 64 MiB) and this installs them. faiss-gpu
 # (135 MB, plus a CUDA 12 runtime) does not fit a call: the faiss-GPU tests skip, saying why.
 #
 #   make gpu-wheels

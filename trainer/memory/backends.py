@@ -22,10 +22,11 @@ GPU's work on the next. On the CPU each of them is the identity: the CPU path is
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -528,15 +529,25 @@ class RemoteValues:
         return to_device(grad_w, ids.device)
 
     def _stop_if_remade(self) -> None:
-        """After a refused update: if the table was made anew (the update pinned the layout this
-        trains), forget the open step (its parts went to the old table or nowhere) and raise this
-        backend's TableRolledBackError, which it raises again from here on."""
+        """After a refused update or commit: if the table was made anew (each pins the layout this
+        trains, `layout=`), forget the open step (its parts went to the old table or nowhere) and
+        raise this backend's TableRolledBackError, which it raises again from here on."""
         if not self._remade():
             return
         if self.step is not None:
             self.client.abandon_step(self.name, self.step)
             self.step, self.grad_scale = None, 1.0
         self._check_rebuilt()
+
+    @contextlib.contextmanager
+    def _pinned(self) -> Iterator[None]:
+        """Around waiting for a part or a commit sent with `layout=`: its refusal for a table made
+        anew is raised as this backend's error (`_stop_if_remade`)."""
+        try:
+            yield
+        except MemserverError:
+            self._stop_if_remade()
+            raise
 
     def to(self, device: torch.device | str) -> RemoteValues:
         return self  # the cluster holds the values; answers come to the ids' device
@@ -560,12 +571,9 @@ class RemoteValues:
         """Wait for every part sent without waiting, all of them, then raise the first refused one."""
         sent, self.sent = self.sent, []
         wait(sent)
-        try:
+        with self._pinned():
             for part in sent:
                 part.result()
-        except MemserverError:
-            self._stop_if_remade()
-            raise
 
     def end_step(self, step: int, *, wait: bool = True) -> None:
         """Commit the step's parts on every shard: one optimizer step (sync tables: once every
@@ -583,9 +591,6 @@ class RemoteValues:
         reading, self.reading = self.reading, []
         concurrent.futures.wait(reading)  # (`wait` is the flag here; their errors are their readers')
         self.step, self.grad_scale = None, 1.0
-        if self._remade():  # its parts went to the new incarnation: not committed there
-            self.client.abandon_step(self.name, step)
-            self._check_rebuilt()
         drop = overflowed(self, step)
         if drop:
             # its parts are forgotten: the commit lists none, so the shards drop theirs and apply
@@ -595,11 +600,8 @@ class RemoteValues:
         self.version += 1
         # (`layout`: a table made anew meanwhile is not committed to: its sync step would count this one)
         if wait:
-            try:
+            with self._pinned():
                 self.client.commit_step(self.name, step, defer_apply=self.defer_apply, drop=drop, layout=self.layout)
-            except MemserverError:
-                self._stop_if_remade()
-                raise
             self._check_rebuilt()
         else:
             self.committing = self.client.submit_commit_step(self.name, step, defer_apply=self.defer_apply, drop=drop,
@@ -610,11 +612,8 @@ class RemoteValues:
         after it has already carried the same error)."""
         committing, self.committing = self.committing, None
         if committing is not None:
-            try:
+            with self._pinned():
                 committing.result()
-            except MemserverError:
-                self._stop_if_remade()
-                raise
             if not getattr(self.client, "closed", False):  # (closed since: the commit went through; the check's
                 self._check_rebuilt()  # calls would only say "closed")
 
