@@ -465,21 +465,26 @@ def test_a_connection_whose_peer_stops_answering_is_dropped_before_the_deadline(
 
     from client.channels import sync_channel
 
-    proc = subprocess.Popen([sys.executable, "-c", SLEEPY_SERVER], stdout=subprocess.PIPE, text=True)
+    # two servers, one check each, at the same time (the suite waits the longer, not both)
+    procs = [subprocess.Popen([sys.executable, "-c", SLEEPY_SERVER], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
     try:
-        port = int(proc.stdout.readline())
-        with sync_channel(f"127.0.0.1:{port}", retries=False) as ch:
-            sleep = ch.unary_unary("/t.T/Sleep")
-            assert sleep(b"14", timeout=30) == b"ok"  # a long call without data: pinged, and the server allows it
-            call = sleep.future(b"90", timeout=60)
+        allows, stops = (int(p.stdout.readline()) for p in procs)
+        with sync_channel(f"127.0.0.1:{allows}", retries=False) as ch_allows, \
+                sync_channel(f"127.0.0.1:{stops}", retries=False) as ch_stops:
+            # a long call without data: pinged, and the server allows it
+            long_call = ch_allows.unary_unary("/t.T/Sleep").future(b"14", timeout=30)
+            call = ch_stops.unary_unary("/t.T/Sleep").future(b"90", timeout=60)
             time.sleep(0.5)
             t0 = time.monotonic()
-            os.kill(proc.pid, signal.SIGSTOP)  # the peer stops answering anything, pings too
+            os.kill(procs[1].pid, signal.SIGSTOP)  # the peer stops answering anything, pings too
             with pytest.raises(grpc.RpcError) as err:
                 call.result()
             took = time.monotonic() - t0
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and took < 30, (err.value.code(), took)  # 2 s + 20 s
+            assert long_call.result() == b"ok"
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait()
+        os.kill(procs[1].pid, signal.SIGCONT)
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -395,23 +395,32 @@ def test_remote_values_attach_only_to_a_table_of_their_shape(client, table_name,
 def test_remote_values_say_when_their_table_was_made_anew_in_another_shape(client, table_name):
     """Another run of the same table name replaced it with another shape under a running layer:
     its reads came back 4 wide (a raw shape error in the model) or with ids out of range, naming
-    neither the table nor the replacement."""
+    neither the table nor the replacement. Said as the backend's made-anew error, which it raises
+    again from then on (a ValueError left it usable, and memtrain printed a traceback)."""
     from client import MemoryClient
+    from memserver.api.errors import TableRolledBackError
     from trainer.memory import RemoteValues
 
-    v = RemoteValues(client, table_name, 64, 16)
     ids, w = torch.tensor([[63, 1]]), torch.ones(1, 2)
+    v = RemoteValues(client, table_name, 64, 16)
     assert v.bag(ids, w).shape == (1, 16)
     with MemoryClient(client.endpoint) as other:
         other.create_table(table_name, 100, 4, replace=True)
-    with pytest.raises(ValueError, match=f"table {table_name} is now 100 x 4 values: it was made anew since this "
-                                         "backend attached .* this layer needs 64 x 16"):
+    with pytest.raises(TableRolledBackError, match=f"table {table_name} is now 100 x 4 values: it was made anew since "
+                                                   "this backend attached .* this layer needs 64 x 16"):
         v.bag(ids, w)
+    with pytest.raises(TableRolledBackError, match="is now 100 x 4 values.*refuses its reads"):
+        v.begin_step(1)
+    # rows fewer, same width: the update's id 63 is out of range of the new table, inside a step
+    v = RemoteValues(client, f"{table_name}-b", 64, 16)
     with MemoryClient(client.endpoint) as other:
-        other.create_table(table_name, 10, 16, replace=True)
-    for call in (lambda: v.bag(ids, w), lambda: v.bag_backward(ids, w, torch.ones(1, 16))):
-        with pytest.raises(ValueError, match="is now 10 x 16 values"):
-            call()
+        other.create_table(f"{table_name}-b", 10, 16, replace=True)
+    v.begin_step(1)
+    with pytest.raises(TableRolledBackError, match="is now 10 x 16 values"):
+        v.bag_backward(ids, w, torch.ones(1, 16))
+    assert v.step is None  # the open step is forgotten with the table it was for
+    with pytest.raises(TableRolledBackError, match="is now 10 x 16 values"):
+        v.bag(ids, w)
 
 
 def test_a_block_longer_than_the_text_is_named(tmp_path):

@@ -462,14 +462,18 @@ class RemoteValues:
         return to_device(out, ids.device)
 
     def _check_table(self) -> None:
-        """Raise ValueError naming both shapes when the table of this name is no longer of this
-        backend's (made anew since: another run of the same table name, a restore of another
-        table); its calls failed with a shape mismatch or an id out of range, naming neither."""
+        """When the table of this name is no longer of this backend's shape (made anew since:
+        another run of the same table name, a restore of another table; its calls failed with a
+        shape mismatch or an id out of range, naming neither): the backend is broken as for any
+        remake, its open step forgotten, and TableRolledBackError names both shapes (it was a
+        ValueError, which left the backend usable and memtrain printing a traceback)."""
         meta = self.client.table(self.name)
         if (meta.num_rows, meta.dim) != (self.num_rows, self.dim):
-            raise ValueError(f"table {self.name} is now {meta.num_rows} x {meta.dim} values: it was made anew since this "
-                             f"backend attached (another run of the same table name, or a restore); this layer needs "
-                             f"{self.num_rows} x {self.dim}: give each run its own table name")
+            self._forget_step()
+            self.broken = (f"table {self.name} is now {meta.num_rows} x {meta.dim} values: it was made anew since this "
+                           f"backend attached (another run of the same table name, or a restore); this layer needs "
+                           f"{self.num_rows} x {self.dim}: give each run its own table name")
+            self._usable()
 
     def warm(self, ids: torch.Tensor) -> Future | None:
         """Disk tables: the rows' pages read ahead by the shards while this goes on (client.warm,
@@ -534,10 +538,14 @@ class RemoteValues:
         raise this backend's TableRolledBackError, which it raises again from here on."""
         if not self._remade():
             return
+        self._forget_step()
+        self._check_rebuilt()
+
+    def _forget_step(self) -> None:
+        """The open step's parts went to a table that is gone (or nowhere): forgotten, not committed."""
         if self.step is not None:
             self.client.abandon_step(self.name, self.step)
             self.step, self.grad_scale = None, 1.0
-        self._check_rebuilt()
 
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[None]:
