@@ -47,12 +47,12 @@ from memserver.api.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     MemserverError,
-    NotGrpcError,
     OverloadedError,
     TableNotFoundError,
-    TlsError,
     UnavailableError,
     from_rpc_error,
+    raised,
+    retried,
     tls_problem,
 )
 from memserver.api.types import METRICS, SHARDINGS, TableMeta
@@ -405,7 +405,7 @@ class AsyncMemoryClient:
             try:
                 return await call()
             except (UnavailableError, DeadlineExceededError, OverloadedError) as exc:
-                if isinstance(exc, (TlsError, NotGrpcError)):  # the same handshake, the same server again
+                if not retried(exc):  # the same handshake, the same server again
                     raise
                 stopped = stopped_since(*self._home) if self._home and isinstance(exc, UnavailableError) else None
                 if stopped:  # not restarting: no retry will reach it
@@ -573,7 +573,7 @@ class AsyncMemoryClient:
                     if errors:
                         if applied is not None:
                             applied.note(meta, calls, outcomes)
-                        raise errors[0]
+                        raise raised(errors, tags is not None)
                     if tags is not None:
                         self.session.answered(meta, [a for a, _, _ in calls], outcomes)
                     # before the blocks are released: shared-memory answers are views of them

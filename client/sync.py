@@ -32,6 +32,7 @@ from memserver.api.errors import (
     TableNotFoundError,
     UnavailableError,
     from_rpc_error,
+    raised,
 )
 from memserver.api.types import TableMeta
 from memserver.api.usage import TableUsage
@@ -173,11 +174,10 @@ class MemoryClient:
                         continue
                     if applied is not None and any(isinstance(o, BaseException) for o in outcomes):
                         applied.note(meta, calls, outcomes)
-                    for (where, _, _), o in zip(calls, outcomes):
-                        if isinstance(o, grpc.RpcError):
-                            raise from_rpc_error(o, f"shard {where}") from None
-                        if isinstance(o, MemserverError):
-                            raise o
+                    errors = [from_rpc_error(o, f"shard {where}") if isinstance(o, grpc.RpcError) else o
+                              for (where, _, _), o in zip(calls, outcomes) if isinstance(o, BaseException)]
+                    if errors:
+                        raise raised(errors, tags is not None) from None
                     if tags is not None:
                         self.aio.session.answered(meta, [a for a, _, _ in calls], outcomes)
                     # before the blocks are released: shared-memory answers are views of them

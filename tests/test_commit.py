@@ -292,6 +292,44 @@ def test_a_decision_that_missed_a_shard_is_resent_before_the_next_step(pairs, mo
     assert_same(run.state(), ref.state())
 
 
+@pytest.mark.parametrize("by", ["sync", "aio"])
+def test_a_decision_one_shard_refuses_is_kept_for_the_shard_it_could_not_reach(pairs, monkeypatch, caplog, by):
+    """The COMMIT is refused by shard 0 (restarted without the log: the prepared step is gone) and
+    cannot reach shard 1: the call raised shard 0's refusal (first in shard order), a final one,
+    so the decision was not kept, and shard 1 held its prepared step until its session expired.
+    A write raises the shard it could not reach first: the decision is kept, re-sent before the
+    next commit, and shard 1 commits then (shard 0's refusal is logged)."""
+    run = pairs("run", spec(wal=False))
+    train_step(run.client, 1, (1,))
+    run.checkpoint(1)
+    send_part(run.client, 2, 2)
+    plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
+    make, tags, _ = next(plan)
+    voted = run.client._call(NAME, make, tags)
+    assert run.restart(0) == "checkpoint step 1"  # shard 0 lost the prepared step: it refuses the commit
+    make, tags, _ = plan.send(voted)
+    if by == "sync":  # the blocking client's own first attempt
+        monkeypatch.setattr(run.client, "_methods", _commit_step_down(run, 1))
+        call = run.client._call
+    else:  # the asyncio client's
+        monkeypatch.setattr(run.client.aio, "_data", _aio_commit_step_down(run, 1))
+
+        def call(table, make, tags):
+            return run.client._run(run.client.aio._call(table, make, tags, retry=False))
+    try:
+        got = call(NAME, make, tags)
+    except MemserverError as exc:
+        got = exc
+    with pytest.raises(MemserverError, match="step 2: the commit did not reach every shard .*shard unreachable"):
+        plan.send(got)
+    assert run.slice(1).steps[2]["trainer"].prepared  # waits for the decision
+    monkeypatch.undo()
+    send_part(run.client, 3, 3)
+    run.client.commit_step(NAME, 3)
+    assert 2 not in run.slice(1).steps and not run.client.aio.session.undecided(NAME)
+    assert "the commit of step 2 was refused: " in caplog.text and "cannot commit on shard 0" in caplog.text
+
+
 def test_a_step_whose_shard_cannot_be_reached_says_so_and_is_aborted_when_it_can(pairs, monkeypatch):
     """Shard 1 is unreachable for both phases (its cluster went away): the error says the shards
     could not be reached (not only that an abort is pending); once it is back, the next commit
@@ -359,6 +397,20 @@ def _commit_step_down(run, shard: int, when=lambda: True):
         return got
 
     return methods
+
+
+def _aio_commit_step_down(run, shard: int):
+    """run.client.aio's data-plane sender with shard `shard`'s CommitStep unreachable."""
+    address, real = run.shards[shard].address, run.client.aio._data
+
+    async def data(at, method, request):
+        if at == address and method == "CommitStep":
+            from client import UnavailableError
+
+            raise UnavailableError("shard unreachable (test)", target=f"shard {at}")
+        return await real(at, method, request)
+
+    return data
 
 
 class _Unavailable(grpc.RpcError):

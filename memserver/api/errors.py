@@ -212,6 +212,28 @@ def from_rpc_error(err: grpc.RpcError, target: str = "") -> MemserverError:
     return error_for(err.code(), err.details() or "", target)
 
 
+def retried(exc: BaseException) -> bool:
+    """Whether the client sends a call again on this error (within its retry window): the server
+    was not reached, not in time, or was too busy. A failed TLS handshake, or a peer that is no
+    gRPC server, would answer the same again."""
+    return (isinstance(exc, (UnavailableError, DeadlineExceededError, OverloadedError))
+            and not isinstance(exc, (TlsError, NotGrpcError)))
+
+
+def raised(errors: list[BaseException], write: bool) -> BaseException:
+    """The one error a call to several shards raises when some failed: the first in shard order,
+    except that a write raises a shard it could not reach before another shard's refusal. The
+    retries then bring the write to that shard too, and a step's decision that missed it is kept
+    and re-sent (client.ops.steps), where the other shard's refusal ended the decision while that
+    shard still waited for it (until its session expired). A read raises the refusal at once; a
+    cancelled call (not a MemserverError) is raised as it is."""
+    if write and all(isinstance(exc, MemserverError) for exc in errors):
+        for exc in errors:
+            if retried(exc):
+                return exc
+    return errors[0]
+
+
 #: A terminal's colour and style codes, as Ray puts them in its exceptions' text ("\x1b[36mray::...").
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
