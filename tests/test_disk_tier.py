@@ -87,6 +87,27 @@ def _random_calls(ram: ValueTable, disk: DiskTable, seed: int, calls: int = 60, 
         np.testing.assert_array_equal(ram.stat(name), disk.stat(name))
 
 
+def test_a_backward_update_run_after_another_call_is_refused_before_it_writes(tmp_path):
+    """bag_grad's update writes the records it gathered back into the slots they were in; a call
+    run between (a reviewer's: three lookups of other rows through a cache of 8) moved other rows
+    into those slots, and the update wrote rows 5 and 6 over rows 66 and 67, marked dirty. The
+    dataplane runs the update first; run later, it is refused and changes nothing."""
+    ram, disk = _pair(tmp_path, "sgd", rows=200, dim=4, cache_rows=0)
+    assert disk.capacity < 20
+    ids, w, g = torch.tensor([[5, 6]]), torch.ones(1, 2), torch.ones(1, 4)
+    _, update = disk.bag_grad(ids, w, None, g)
+    for k in range(3):
+        assert torch.equal(ram.lookup(torch.arange(20 + 20 * k, 40 + 20 * k)),
+                           disk.lookup(torch.arange(20 + 20 * k, 40 + 20 * k)))
+    with pytest.raises(RuntimeError, match="table t: a bag_backward's update ran after another call on the table"):
+        update()
+    _same_state(ram, disk)
+    _, update = disk.bag_grad(ids, w, None, g)  # run first, as the dataplane does: applied
+    update()
+    ram.bag_backward(ids, w, None, g)
+    _same_state(ram, disk)
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_equal_to_ram_table_under_random_calls(tmp_path, optimizer):
     ram, disk = _pair(tmp_path, optimizer)

@@ -1292,8 +1292,12 @@ class DiskTable(ValueTable):
         recs, slot_of = self._gather(rows)
         ws = self._working_set(recs)
         grad_w, update = ws.bag_grad(inv, weights, offsets, grad_out)
+        epoch = int(self._st[_EPOCH])
 
         def apply() -> int:  # runs before any later call (memserver.server.dataplane): the slots still hold these rows
+            if self._st[_EPOCH] != epoch:  # a call placed rows since: slot_of may name other rows' slots now
+                raise RuntimeError(f"table {self.name}: a bag_backward's update ran after another call on the table "
+                                   "(it must run first: memserver.server.dataplane does); nothing of it applied")
             n = update()
             self._store(ws, recs)
             self._scatter(rows, recs, slot_of)
