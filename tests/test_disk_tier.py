@@ -497,6 +497,27 @@ def test_a_replace_the_disk_cannot_hold_leaves_the_table(tmp_path):
             assert c.table("b").num_rows == 500 and "a" not in {t.name for t in c.list_tables()}
 
 
+def test_a_create_the_disk_cannot_hold_is_refused_before_any_file_is_allocated(tmp_path):
+    """An operator's walkthrough: a plain create of a disk table larger than the shards' disk
+    (86 GB on 77 free) reserved its files whole until the allocation failed, then said "the disk
+    is full", on a disk other tables and users share. Checked first now, as a replace is: the
+    slices sharing a disk summed (here two, each fitting alone), nothing allocated."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from tests.smalldisk import small_disk
+
+    with small_disk(tmp_path / "small", "1m") as mnt:
+        with InProcessServer(2, data_dir=str(mnt)) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+            kw = dict(tier="disk", cache_bytes=2 * MIN_CACHE_BYTES, optimizer="sgd", sharding="rows")
+            with pytest.raises(ResourceExhaustedError, match=r"table t: its slices on shard \d's disk .* need 1,040,000 "
+                                                             rf"bytes .* for their files in {mnt}/shard-000\d; .* are "
+                                                             r"free there: free space"):
+                c.create_table("t", 10_000, 16, **kw)  # 520 KB a slice
+            assert not list(mnt.glob("shard-*/t")) and "t" not in {t.name for t in c.list_tables()}
+            c.create_table("t", 4000, 16, **kw)  # what fits is made
+            assert c.table("t").num_rows == 4000
+
+
 def test_a_checkpoint_the_disk_cannot_hold_leaves_nothing_mapped_so_a_drop_frees_the_files(tmp_path):
     """A checkpoint refused for a full disk kept the disk table's mapped files viewed (its error's
     traceback held the records it was writing): a drop then freed nothing on the disk, and a new

@@ -322,6 +322,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             finally:
                 self.replacing[spec.name] -= 1
                 self.replacing += collections.Counter()  # (drops the names at 0)
+        if spec.kind == pb.VALUE and spec.tier == "disk":  # its files summed over the shards sharing a disk, checked
+            # before any is allocated (each slice's own fallocate took what it could of a disk too small for them
+            # all, then failed saying "the disk is full": an operator's walkthrough, on a disk others share)
+            disks: dict[str, list[tuple[int, int]]] = {}
+            plan = self._replace_plan(spec, disks)  # (no namesake here: nothing freed)
+            await self._check_plan(spec, plan, disks)
+            return await self._place(spec, plan=plan[:3])
         return await self._place(spec)
 
     async def _check_replace(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
@@ -335,13 +342,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         await self._check_plan(spec, plan, disks)
         return plan[:3]
 
-    def _replace_plan(self, spec: pb.TableSpec, disks: dict[str, list[tuple[int, int]]]
+    def _replace_plan(self, spec: pb.TableSpec, disks: dict[str, list[tuple[int, int]]], later: int = 0
                       ) -> tuple[list[int], pb.TableInfo, list[int], dict[str, int]]:
         """Where a table (replacing its namesake, if there is one) goes (`_plan`) and the memory
         the namesake frees per memory domain; appends to `disks` (filesystem -> per table, in the
         order they are placed: (bytes its files allocate, bytes its namesake's free, which goes
-        just before it is placed)): shards of a host share their data directory's disk."""
-        order, info, on_node = self._plan(spec)
+        just before it is placed)): shards of a host share their data directory's disk. `later`:
+        `_plan`'s."""
+        order, info, on_node = self._plan(spec, later)
         freed: dict[str, int] = {}
         mine: dict[str, list[int]] = {}
         if (old := self.tables.get(spec.name)) is not None:
@@ -371,14 +379,15 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         """The memory shard j's slices live in (rayutil.memory_domain: its node's, or its GPU's)."""
         return self.infos[j].get("memory") or self.infos[j]["node_id"]
 
-    def _plan(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
+    def _plan(self, spec: pb.TableSpec, later: int = 0) -> tuple[list[int], pb.TableInfo, list[int]]:
         """Where a validated table would go: (its shards' indices, its map, the bytes each slice
         holds at its peak summed per memory (a node's, or one GPU's: `_memory`), as each shard is
         told), refused (RESOURCE_EXHAUSTED) where a slice is larger than the limits allow.
         Decided from the spec before any shard records or allocates anything; each shard then
-        checks the memory it has."""
+        checks the memory it has. `later`: how many tables one call places before this one, less
+        those it drops first (a restore plans all its tables before it places any)."""
         # Start each table on a different shard so small tables spread over the cluster.
-        first = len(self.tables) % len(self.handles)
+        first = (len(self.tables) + later) % len(self.handles)
         order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
         info = plan_table(spec, [self.infos[j] for j in order])
         sizes = [slice_size(spec, sh) for sh in info.shards]
@@ -687,10 +696,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         # every table's files on each disk, in the order they are placed, before any is checked:
         # new ones too (they fill the disk before a later one's namesake frees its share)
         disks: dict[str, list[tuple[int, int]]] = {}
-        planned = {name: self._replace_plan(specs[name], disks) for name in names}
+        # each table starting on the next shard, as consecutive creates would (they all started on one)
+        gone = sum(name in self.tables for name in names) if request.replace else 0
+        planned = {name: self._replace_plan(specs[name], disks, i - gone) for i, name in enumerate(names)}
         for name, plan in planned.items():
             await self._check_plan(specs[name], plan, disks)
-        plans = {name: plan[:3] for name, plan in planned.items() if name in self.tables}  # (new ones: placed as made)
+        plans = {name: plan[:3] for name, plan in planned.items()}
         for name in plans:  # and every byte it would load checked: a damaged file found later would leave neither table
             await asyncio.get_running_loop().run_in_executor(None, verify_files, files[name])
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
