@@ -518,6 +518,7 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     (["up", "--threads-per-shard", "0"], "--threads-per-shard (or the config's threads_per_shard) must be at least 1"),
     (["up", "--max-restarts", "-5"], "--max-restarts must be -1 (always) or a count >= 0, got -5"),
     (["up", "--object-store-mb", "1"], "--object-store-mb must be at least 75 (Ray's minimum), got 1"),
+    (["up", "--object-store-mb", "100000000"], "--object-store-mb 100000000: at most "),  # (Ray's 35-line traceback)
     (["up", "--data-dir", __file__], "not a directory"),
     (["up", "--address", "127.0.0.1:1"], "--address 127.0.0.1:1: no Ray cluster answers there (Connection refused)"),
     (["up", "--address", "somewhere"], "--address: expected 'auto' or HOST:PORT"),

@@ -103,6 +103,15 @@ def running_cluster() -> dict[str, Any] | None:
     return None
 
 
+def _object_store_most_mb() -> int | None:
+    """The largest --object-store-mb an embedded head takes: half the memory available (None: not
+    known here)."""
+    from memserver.server.rayutil import memory_available
+
+    available = memory_available()
+    return None if available is None else max(OBJECT_STORE_MIN_MB, available // 2 // (1 << 20))
+
+
 def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[int, float, list[float]]:
     """`up`'s flags (each over the config's key) checked before anything starts, each refusal a
     line naming its flag: (shards, CPUs per shard, GPUs of each shard)."""
@@ -132,6 +141,10 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
         raise CliError(f"--max-restarts must be -1 (always) or a count >= 0, got {args.max_restarts}")
     if not args.address and args.object_store_mb < OBJECT_STORE_MIN_MB:
         raise CliError(f"--object-store-mb must be at least {OBJECT_STORE_MIN_MB} (Ray's minimum), got {args.object_store_mb}")
+    if not args.address and (most := _object_store_most_mb()) is not None and args.object_store_mb > most:
+        raise CliError(f"--object-store-mb {args.object_store_mb}: at most {most} here (half of the memory this machine "
+                       "has available; the shards' tables need the rest, and the store holds little: memserver's calls "
+                       "go by gRPC)")  # (Ray refused it with a 35-line traceback, after starting to start)
     if args.address == "auto":
         if (found := _ray_auto_address()) is not None and "://" not in found:
             _check_ray_answers(found, "--address auto")
