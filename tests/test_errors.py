@@ -677,6 +677,19 @@ def test_a_drop_of_what_is_no_table_name_is_refused_and_removes_nothing(client, 
     assert check_table_name("a.b-c_1") == "a.b-c_1"
 
 
+def test_the_names_of_the_files_beside_the_tables_folders_are_no_table_names(client):
+    """An operator's walkthrough: `create-table lock` (or shard.json) passed the name check and
+    failed INTERNAL on a shard ("File exists": its folder would be the shard's lock file)."""
+    from memserver.api.types import RESERVED_NAMES
+    from memserver.storage import checkpoint, store
+
+    assert {store.LOCK_FILE, checkpoint.MANIFEST} <= RESERVED_NAMES
+    for name in sorted(RESERVED_NAMES):
+        with pytest.raises(InvalidArgumentError, match=f"name: '{name}' is not a table name: it is reserved"):
+            client.create_table(name, 10, 2)
+    assert not RESERVED_NAMES & {t.name for t in client.list_tables()}
+
+
 def test_answers_deadlines_and_names_are_bounded_before_any_work(monkeypatch):
     """From a hostile-input audit: Address and SlotStats computed their whole answer before it
     failed the message limit (an Address of a few hundred bytes held the shard's compute thread

@@ -22,6 +22,11 @@ from memserver.wire import dtype_name
 #: What a table name may be. It names a folder in every shard's data directory and in checkpoints,
 #: so it is checked wherever a name arrives, drops included (`..` must never reach a path).
 TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+#: The files beside the tables' folders (a shard's folder: its lock and its state; a checkpoint
+#: step's: its manifest), which no table name may take: its folder would be that file (`create-table
+#: lock` failed INTERNAL, "File exists"). memserver.storage names its files from these.
+LOCK_FILE, SHARD_STATE_FILE, MANIFEST_FILE = "lock", "shard.json", "manifest.json"
+RESERVED_NAMES = frozenset({LOCK_FILE, SHARD_STATE_FILE, MANIFEST_FILE})
 
 #: Seconds a sync_updates step may wait for its other trainers' commits before the shard's log
 #: and `memserver status` say so: in a healthy run a step waits for its slowest trainer, a step's
@@ -35,6 +40,9 @@ def check_table_name(name: object, field: str = "name") -> str:
     if not isinstance(name, str) or not TABLE_NAME.fullmatch(name):
         shown = repr(name[:64]) + f"... ({len(name):,} characters)" if isinstance(name, str) and len(name) > 64 else repr(name)
         raise InvalidArgumentError(f"{field}: {shown} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
+    if name in RESERVED_NAMES:
+        raise InvalidArgumentError(f"{field}: {name!r} is not a table name: it is reserved for a file beside the "
+                                   f"tables' folders ({', '.join(sorted(RESERVED_NAMES))})")
     return name
 
 #: Sharding names as users write them, and their proto values.

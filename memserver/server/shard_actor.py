@@ -31,7 +31,7 @@ from memserver.api.errors import (
     UnavailableError,
     first_line,
 )
-from memserver.api.types import METRIC_NAMES, check_table_name
+from memserver.api.types import METRIC_NAMES, SHARD_STATE_FILE, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.table import READ_COUNTERS
@@ -217,7 +217,7 @@ class ShardActor:
 
     def _serve(self, host: str | None) -> None:
         host = host or bind_host()
-        state = self.store.dir / "shard.json" if self.store else None
+        state = self.store.dir / SHARD_STATE_FILE if self.store else None
         # a shard Ray restarted on another host (its data directory on shared storage) says so
         before = json.loads(state.read_text()).get("host", "") if state is not None and state.exists() else ""
         self.moved_from = before if before and before != host else ""

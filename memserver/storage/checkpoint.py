@@ -30,12 +30,12 @@ from memserver.api.errors import (
     TableNotFoundError,
     first_line,
 )
-from memserver.api.types import ShardLayout
+from memserver.api.types import MANIFEST_FILE, ShardLayout
 from memserver.core.disk import unpack
 from memserver.core.table import ValueTable
 from memserver.storage.fsutil import atomic_write, fsync_dir, remove_stale_temporaries
 
-MANIFEST = "manifest.json"
+MANIFEST = MANIFEST_FILE
 
 
 class CheckpointDamagedError(DataLossError):

@@ -24,15 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from memserver.api.errors import FailedPreconditionError
-from memserver.api.types import check_table_name
+from memserver.api.types import LOCK_FILE, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.storage.checkpoint import MANIFEST
 from memserver.storage.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 
-#: The file in each shard's folder whose lock says a shard serves from it (and its pid who).
-LOCK_FILE = "lock"
+# LOCK_FILE: the file in each shard's folder whose lock says a shard serves from it (and its pid who).
 #: A restarted shard waiting for its folder's lock tries it this often, and logs that it waits this often.
 LOCK_POLL_SECONDS, LOCK_SAY_SECONDS = 1.0, 30.0
 #: Checkpoints remembered per slice (recovery falls back to an older one if the newest is incomplete).
