@@ -509,8 +509,19 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     assert tuple(up()[k] for k in keys) == (2, 0.5, 1, [0.0, 0.0], "SPREAD", None, SESSION_TTL)
 
 
+def test_a_servers_log_leaves_out_faiss_s_loader():
+    """An operator's walkthrough: every shard's first index table logged faiss's loader, two
+    bare `ModuleNotFoundError` lines among them, which read as failures (the CLI had left them
+    out of its own stderr only). An actor process's logging (rayutil.actor_logging) leaves them out."""
+    code = "from memserver.server.rayutil import actor_logging; actor_logging('shard0'); import faiss; print('imported')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr
+    assert "faiss" not in proc.stderr and "ModuleNotFoundError" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("argv, message", [
     (["up", "--session-ttl", "0"], "argument --session-ttl: must be more than 0 seconds"),
+    (["up", "--session-ttl", "inf"], "argument --session-ttl: must be more than 0 seconds and finite, got inf"),
     (["up", "--port", "99999"], "--port must be in [0, 65535] (0: any free port), got 99999"),
     (["up", "--port", "-3"], "--port must be in [0, 65535]"),
     (["up", "--shard-cpus", "-1"], "--shard-cpus (or the config's shard_cpus): must be >= 0, got -1.0"),

@@ -18,6 +18,7 @@ from memserver.cli import index, lifecycle, loadtest, slots, tables, web
 from memserver.cli.common import CliError, DefaultsHelp, exit_status, one_line, parse_args, print_json_error
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
+from memserver.server.rayutil import quiet_libraries
 
 __all__ = ["CliError", "build_parser", "load_config", "main", "status_dict"]
 
@@ -73,13 +74,6 @@ def _verbose_anywhere(sub: argparse._SubParsersAction) -> None:
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _verbose_anywhere(action)
-
-
-def quiet_libraries(verbose: bool = False) -> None:
-    """Libraries' INFO lines off the commands' stderr unless -v: faiss's loader says which CPU
-    build it tried (a `ModuleNotFoundError` for avx512 reads as a failure; it is not one)."""
-    if not verbose:
-        logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,7 +67,8 @@ def seconds(text: str, zero: str = "") -> float:
     if zero and value == 0:
         return 0.0
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be {'0 (' + zero + ') or ' if zero else ''}more than 0 seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be {'0 (' + zero + ') or ' if zero else ''}more than 0 seconds"
+                                         f"{' and finite' if value == float('inf') else ''}, got {text}")
     return value
 
 

@@ -49,7 +49,7 @@ from memserver.server.catalog import (
 from memserver.server.config import Limits, ServeConfig
 from memserver.server.grpcserver import CONTROL_PLANE, is_actor_error, serve_on
 from memserver.server.metrics import CoordinatorMetrics
-from memserver.server.rayutil import dead_nodes, was_restarted
+from memserver.server.rayutil import actor_logging, dead_nodes, was_restarted
 from memserver.storage.checkpoint import (
     MANIFEST,
     checked_files,
@@ -849,7 +849,7 @@ class CoordinatorActor:
         `config`: tokens, TLS, the checkpoint root and limits (memserver.server.config)."""
         import ray
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
+        actor_logging("coordinator")
         shard_handles = [ray.get_actor(n) for n in shard_names]
         infos = ray.get([h.info.remote() for h in shard_handles])
         described = ray.get([h.describe_tables.remote() for h in shard_handles])

@@ -6,6 +6,7 @@ these answers without importing each other.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -21,6 +22,20 @@ def _ray():  # noqa: ANN202 (the ray module, or None)
     worker imports it before any actor code), so a process without it is in no Ray cluster and
     never needs Ray installed (memserver.cluster.inprocess)."""
     return sys.modules.get("ray")
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """Libraries' INFO lines out of the logs unless verbose: faiss's loader says which CPU build it
+    tried (a `ModuleNotFoundError` for avx512 reads as a failure; it is not one)."""
+    if not verbose:
+        logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+
+
+def actor_logging(label: str) -> None:
+    """An actor process's log: INFO lines labelled with which server (`shard0`, `coordinator`),
+    libraries' chatter left out (every shard's start logged faiss's two ModuleNotFoundErrors)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {label} %(levelname)s %(message)s")
+    quiet_libraries()
 
 
 def in_actor() -> bool:

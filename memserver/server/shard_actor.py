@@ -45,6 +45,7 @@ from memserver.server.doorbell import Doorbell
 from memserver.server.grpcserver import DATA_PLANE, serve_on
 from memserver.server.metrics import ShardMetrics, rss_bytes
 from memserver.server.rayutil import (
+    actor_logging,
     bind_host,
     gpus,
     in_actor,
@@ -96,7 +97,7 @@ class ShardActor:
         None: the GPU Ray assigned this actor, else the CPU (rayutil.choose_device)."""
         if in_actor():  # its own process: its log lines say which shard. In a user's process (InProcessServer)
             # the user's logging is left as it is (it labelled the user's own lines "shard0")
-            logging.basicConfig(level=logging.INFO, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
+            actor_logging(f"shard{index}")
         tune_malloc()
         self.index = index
         self.device = shard_device(device)
