@@ -573,7 +573,7 @@ class AsyncMemoryClient:
                     if errors:
                         if applied is not None:
                             applied.note(meta, calls, outcomes)
-                        raise raised(errors, tags is not None)
+                        raise raised(errors, tags is not None and not self._closed)  # (closed: no retry reaches it)
                     if tags is not None:
                         self.session.answered(meta, [a for a, _, _ in calls], outcomes)
                     # before the blocks are released: shared-memory answers are views of them

@@ -320,7 +320,9 @@ def test_a_decision_one_shard_refuses_is_kept_for_the_shard_it_could_not_reach(p
         got = call(NAME, make, tags)
     except MemserverError as exc:
         got = exc
-    with pytest.raises(MemserverError, match="step 2: the commit did not reach every shard .*shard unreachable"):
+    with pytest.raises(MemserverError, match=r"step 2: the commit did not reach every shard \(shard unreachable \(test\); "
+                                             r"and shard 127.0.0.1:\d+ refused it: FAILED_PRECONDITION: .*cannot commit "
+                                             "on shard 0"):
         plan.send(got)
     assert run.slice(1).steps[2]["trainer"].prepared  # waits for the decision
     monkeypatch.undo()

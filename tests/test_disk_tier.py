@@ -18,7 +18,13 @@ import torch
 
 import memserver.core.disk as disk_mod
 from benchmarks.disk_tier import drop_page_cache, lru_hit_rate
-from memserver.api.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from memserver.api.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    TableExistsError,
+)
 from memserver.core.disk import MIN_CACHE_BYTES, DiskTable, record_layout
 from memserver.core.optim import OptimizerConfig
 from memserver.core.table import ValueTable
@@ -516,6 +522,8 @@ def test_a_create_the_disk_cannot_hold_is_refused_before_any_file_is_allocated(t
             assert not list(mnt.glob("shard-*/t")) and "t" not in {t.name for t in c.list_tables()}
             c.create_table("t", 4000, 16, **kw)  # what fits is made
             assert c.table("t").num_rows == 4000
+            with pytest.raises(TableExistsError, match="table 't' already exists"):  # the name first, as before
+                c.create_table("t", 40_000, 16, **kw)
 
 
 def test_a_checkpoint_the_disk_cannot_hold_leaves_nothing_mapped_so_a_drop_frees_the_files(tmp_path):

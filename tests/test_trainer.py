@@ -419,6 +419,8 @@ def test_remote_values_say_when_their_table_was_made_anew_in_another_shape(clien
     with pytest.raises(TableRolledBackError, match="is now 10 x 16 values"):
         v.bag_backward(ids, w, torch.ones(1, 16))
     assert v.step is None  # the open step is forgotten with the table it was for
+    with pytest.raises(TableRolledBackError, match="is now 10 x 16 values"):  # (an end_step in a `finally`: said so,
+        v.end_step(1)  # not "no step open")
     with pytest.raises(TableRolledBackError, match="is now 10 x 16 values"):
         v.bag(ids, w)
 

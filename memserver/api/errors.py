@@ -222,15 +222,22 @@ def retried(exc: BaseException) -> bool:
 
 def raised(errors: list[BaseException], write: bool) -> BaseException:
     """The one error a call to several shards raises when some failed: the first in shard order,
-    except that a write raises a shard it could not reach before another shard's refusal. The
-    retries then bring the write to that shard too, and a step's decision that missed it is kept
-    and re-sent (client.ops.steps), where the other shard's refusal ended the decision while that
-    shard still waited for it (until its session expired). A read raises the refusal at once; a
-    cancelled call (not a MemserverError) is raised as it is."""
+    except that a write raises a shard it could not reach before another shard's refusal, the
+    refusal named in it. The retries then bring the write to that shard too, and a step's
+    decision that missed it is kept and re-sent (client.ops.steps), where the other shard's
+    refusal ended the decision while that shard still waited for it (until its session expired).
+    A read raises the first error; so does a call with an error that is no MemserverError (a
+    cancelled one)."""
     if write and all(isinstance(exc, MemserverError) for exc in errors):
         for exc in errors:
             if retried(exc):
-                return exc
+                refused = [e for e in errors if not retried(e)]
+                if not refused:
+                    return exc
+                assert isinstance(exc, MemserverError)
+                said = "; ".join(f"{e.target or 'a shard'} refused it: {e.code.name}: {e.details}"  # type: ignore[attr-defined]
+                                 for e in refused)
+                return type(exc)(f"{exc.details}; and {said}", exc.code, target=exc.target)
     return errors[0]
 
 

@@ -40,6 +40,9 @@ log = logging.getLogger("memserver")
 #: Ray's smallest object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES, 75 MiB), checked
 #: before Ray starts so a smaller --object-store-mb is one line, not Ray's traceback.
 OBJECT_STORE_MIN_MB = 75
+#: What the object store must leave of the memory available for the actors (Ray refuses to start
+#: below about 100 MB, in a traceback).
+OBJECT_STORE_LEAVES_MB = 100
 CONFIG_KEYS = {"shards", "shard_cpus", "shard_gpus", "threads_per_shard", "placement", "data_dir", "session_ttl", "tables"}
 #: The cluster keys' types, checked with the tables' before anything starts (shard_gpus: by
 #: shard_gpu_list, placement: below).
@@ -104,12 +107,12 @@ def running_cluster() -> dict[str, Any] | None:
 
 
 def _object_store_most_mb() -> int | None:
-    """The largest --object-store-mb an embedded head takes: half the memory available (None: not
-    known here)."""
+    """The largest --object-store-mb an embedded head takes: the memory available less what Ray
+    leaves for its actors at the least (OBJECT_STORE_LEAVES_MB; None: not known here)."""
     from memserver.server.rayutil import memory_available
 
     available = memory_available()
-    return None if available is None else max(OBJECT_STORE_MIN_MB, available // 2 // (1 << 20))
+    return None if available is None else max(OBJECT_STORE_MIN_MB, available // (1 << 20) - OBJECT_STORE_LEAVES_MB)
 
 
 def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[int, float, list[float]]:
@@ -142,9 +145,9 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
     if not args.address and args.object_store_mb < OBJECT_STORE_MIN_MB:
         raise CliError(f"--object-store-mb must be at least {OBJECT_STORE_MIN_MB} (Ray's minimum), got {args.object_store_mb}")
     if not args.address and (most := _object_store_most_mb()) is not None and args.object_store_mb > most:
-        raise CliError(f"--object-store-mb {args.object_store_mb}: at most {most} here (half of the memory this machine "
-                       "has available; the shards' tables need the rest, and the store holds little: memserver's calls "
-                       "go by gRPC)")  # (Ray refused it with a 35-line traceback, after starting to start)
+        raise CliError(f"--object-store-mb {args.object_store_mb}: at most {most} here (what this machine has available "
+                       f"less {OBJECT_STORE_LEAVES_MB} MiB for the shards; the store holds little: memserver's calls go "
+                       "by gRPC)")  # (Ray refused it with a 35-line traceback, after starting to start)
     if args.address == "auto":
         if (found := _ray_auto_address()) is not None and "://" not in found:
             _check_ray_answers(found, "--address auto")

@@ -325,6 +325,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if spec.kind == pb.VALUE and spec.tier == "disk":  # its files summed over the shards sharing a disk, checked
             # before any is allocated (each slice's own fallocate took what it could of a disk too small for them
             # all, then failed saying "the disk is full": an operator's walkthrough, on a disk others share)
+            self._refuse_taken(spec.name)  # (the name's refusal first, as without the check)
             disks: dict[str, list[tuple[int, int]]] = {}
             plan = self._replace_plan(spec, disks)  # (no namesake here: nothing freed)
             await self._check_plan(spec, plan, disks)
@@ -399,15 +400,15 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return order, info, [on_node[self._memory(j)] for j in order]
 
     async def _place(self, spec: pb.TableSpec, files: list[dict[str, Any]] | None = None,
-                     plan: tuple[list[int], pb.TableInfo, list[int]] | None = None, checked: bool = False) -> pb.TableInfo:
+                     plan: tuple[list[int], pb.TableInfo, list[int]] | None = None, checked: bool = False,
+                     later: int = 0) -> pb.TableInfo:
         """Create a validated table on its shards: fresh, or restored from checkpoint `files`;
-        `plan`: where `_plan` put it already; `checked`: those shards checked its memory already
-        (a replace, before it dropped the old table)."""
-        if spec.name in self.tables or spec.name in self.pending:
-            raise TableExistsError(f"table {spec.name!r} already exists")
+        `plan`: where `_plan` put it already (else `_plan(spec, later)` now); `checked`: those
+        shards checked its memory already (a replace, before it dropped the old table)."""
+        self._refuse_taken(spec.name)
         self.pending.add(spec.name)
         try:
-            order, info, on_node = plan or self._plan(spec)
+            order, info, on_node = plan or self._plan(spec, later)
             blob = spec.SerializeToString()
             refs = [
                 self.handles[j].create_table.remote(blob, sh.SerializeToString(), spec.num_shards, node_bytes, checked)
@@ -434,6 +435,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             return info
         finally:
             self.pending.discard(spec.name)
+
+    def _refuse_taken(self, name: str) -> None:
+        if name in self.tables or name in self.pending:
+            raise TableExistsError(f"table {name!r} already exists")
 
     async def DropTable(self, request: pb.DropTableRequest, context: grpc.aio.ServicerContext) -> pb.DropTableResponse:
         check_table_name(request.name)  # before any shard is asked to drop its folder of that name
@@ -701,7 +706,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         planned = {name: self._replace_plan(specs[name], disks, i - gone) for i, name in enumerate(names)}
         for name, plan in planned.items():
             await self._check_plan(specs[name], plan, disks)
-        plans = {name: plan[:3] for name, plan in planned.items()}
+        plans = {name: plan[:3] for name, plan in planned.items() if name in self.tables}  # (new ones: placed as made,
+        # from the map of that moment, each as many tables before its planned place as replaced ones follow it)
+        later = {name: -sum(n in plans for n in names[i + 1:]) for i, name in enumerate(names)}
         for name in plans:  # and every byte it would load checked: a damaged file found later would leave neither table
             await asyncio.get_running_loop().run_in_executor(None, verify_files, files[name])
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
@@ -716,7 +723,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                         if name in self.tables:  # name here is another's, made meanwhile, and shards holding one
                             await self._drop(name)  # refuse, as for a create: a lost slice's files stay.)
                         await self._drop_strays(name)
-                    info = await self._place(specs[name], files[name], plan=plans.get(name))
+                    info = await self._place(specs[name], files[name], plan=plans.get(name), later=later[name])
                 except Exception as exc:  # (a shard lost in the drop or the placing)
                     if not dropped or name in self.tables:
                         raise

@@ -593,6 +593,7 @@ class RemoteValues:
         Reads sent without waiting (`submit_bag`) are answered before the commit goes: a stale
         prefetch (step t+1's, sent as step t began) never meets step t's update, which a sync
         table applies at the last trainer's commit (trainers' runs then depended on timing)."""
+        self._usable()  # (a table made anew ended the step: that is said, not "no step open")
         check_end_step(self.step, step)
         self.deliver()
         self.settle()
