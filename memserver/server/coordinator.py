@@ -385,8 +385,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         holds at its peak summed per memory (a node's, or one GPU's: `_memory`), as each shard is
         told), refused (RESOURCE_EXHAUSTED) where a slice is larger than the limits allow.
         Decided from the spec before any shard records or allocates anything; each shard then
-        checks the memory it has. `later`: how many tables one call places before this one, less
-        those it drops first (a restore plans all its tables before it places any)."""
+        checks the memory it has. `later`: its start's offset from the next table's, in tables: a
+        restore's tables each start one further (it plans them all before it places any), less
+        the tables it drops to replace them."""
         # Start each table on a different shard so small tables spread over the cluster.
         first = (len(self.tables) + later) % len(self.handles)
         order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
