@@ -244,6 +244,21 @@ def test_a_wal_shard_restarted_between_prepare_and_commit_still_commits(pairs, c
     assert_same(run.state(), ref.state())
 
 
+def _prepared_then_restarted(run: Pair, shard: int):
+    """A table without wal: step 1 trained and checkpointed, step 2 prepared on both shards, then
+    shard `shard` restarted (back to checkpoint step 1, the prepared step gone). Returns the
+    commit plan and its decision's (make, tags), not sent yet."""
+    train_step(run.client, 1, (1,))
+    run.checkpoint(1)
+    send_part(run.client, 2, 2)
+    plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
+    make, tags, _ = next(plan)
+    voted = run.client._call(NAME, make, tags)
+    assert run.restart(shard) == "checkpoint step 1"
+    make, tags, _ = plan.send(voted)
+    return plan, make, tags
+
+
 def test_a_shard_without_wal_restarted_between_prepare_and_commit_leaves_one_checkpoint(pairs):
     """Without the log, shard 1 comes back as its last checkpoint (step 1), without the prepared
     step: its COMMIT is refused while shard 0 applies; the coordinator then rolls shard 0 back to
@@ -252,15 +267,8 @@ def test_a_shard_without_wal_restarted_between_prepare_and_commit_leaves_one_che
     from client import FailedPreconditionError
 
     run, ref = pairs("run", spec(wal=False)), pairs("ref", spec(wal=False))
-    for p in (run, ref):
-        train_step(p.client, 1, (1,))
-    run.checkpoint(1)
-    send_part(run.client, 2, 2)
-    plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
-    make, tags, _ = next(plan)
-    voted = run.client._call(NAME, make, tags)
-    assert run.restart(1) == "checkpoint step 1"
-    make, tags, _ = plan.send(voted)
+    train_step(ref.client, 1, (1,))
+    plan, make, tags = _prepared_then_restarted(run, 1)
     with pytest.raises(FailedPreconditionError, match="cannot commit on shard 1: the step is not prepared"):
         plan.send(run.client._call(NAME, make, tags))
     run.shards[0].rollback_table(NAME, str(run.root / "ck" / f"step-{1:010d}"))
@@ -300,14 +308,7 @@ def test_a_decision_one_shard_refuses_is_kept_for_the_shard_it_could_not_reach(p
     A write raises the shard it could not reach first: the decision is kept, re-sent before the
     next commit, and shard 1 commits then (shard 0's refusal is logged)."""
     run = pairs("run", spec(wal=False))
-    train_step(run.client, 1, (1,))
-    run.checkpoint(1)
-    send_part(run.client, 2, 2)
-    plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
-    make, tags, _ = next(plan)
-    voted = run.client._call(NAME, make, tags)
-    assert run.restart(0) == "checkpoint step 1"  # shard 0 lost the prepared step: it refuses the commit
-    make, tags, _ = plan.send(voted)
+    plan, make, tags = _prepared_then_restarted(run, 0)  # shard 0 lost the prepared step: it refuses the commit
     if by == "sync":  # the blocking client's own first attempt
         monkeypatch.setattr(run.client, "_methods", _commit_step_down(run, 1))
         call = run.client._call

@@ -304,7 +304,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if request.replace:
             await self._drop_strays(spec.name)  # what is there goes: slices no table owns too
         if request.replace and spec.name in self.tables and spec.name not in self.pending:
-            plan = await self._check_replace(spec)
+            plan = await self._check_fits(spec)
             log.info("replacing table %s", spec.name)
             self.replacing[spec.name] += 1
             try:
@@ -326,18 +326,15 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             # before any is allocated (each slice's own fallocate took what it could of a disk too small for them
             # all, then failed saying "the disk is full": an operator's walkthrough, on a disk others share)
             self._refuse_taken(spec.name)  # (the name's refusal first, as without the check)
-            disks: dict[str, list[tuple[int, int]]] = {}
-            plan = self._replace_plan(spec, disks)  # (no namesake here: nothing freed)
-            await self._check_plan(spec, plan, disks)
-            return await self._place(spec, plan=plan[:3])
+            return await self._place(spec, plan=await self._check_fits(spec))
         return await self._place(spec)
 
-    async def _check_replace(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
-        """Every refusal a table replacing the one of its name could meet (the shards' check_fits:
-        what they cannot hold, memory and disk, the old table's counted as free), before the old
-        one is dropped; returns where it goes (`_plan`). A create with replace asks this first (a
-        restore of several tables: `_replace_plan` for all, in the order it places them, then
-        `_check_plan` for each)."""
+    async def _check_fits(self, spec: pb.TableSpec) -> tuple[list[int], pb.TableInfo, list[int]]:
+        """Every refusal a table (replacing the one of its name, if any) could meet (the shards'
+        check_fits: what they cannot hold, memory and disk, the old table's counted as free),
+        before the old one is dropped; returns where it goes (`_plan`). A create with replace asks
+        this first, and a disk table's create (a restore of several tables: `_replace_plan` for
+        all, in the order it places them, then `_check_plan` for each)."""
         disks: dict[str, list[tuple[int, int]]] = {}
         plan = self._replace_plan(spec, disks)
         await self._check_plan(spec, plan, disks)
