@@ -958,7 +958,9 @@ def test_a_call_whose_first_attempt_waited_out_its_deadline_is_still_retried(tab
                 with pytest.raises((DeadlineExceededError, UnavailableError)):  # (a connect without an answer: either)
                     call()
                 took = time.monotonic() - t0
-            assert 3.9 < took < 6.0, took  # a second attempt of 2 s after the first; none past 2 + 2 + 2
+            # a second attempt after the first (one alone: ~2 s); none past 2 + 2 + 2. (3.9 failed once at 3.87 s in a
+            # fresh-clone run: an attempt can end a little before its 2 s when the connection fails first)
+            assert 3.5 < took < 6.0, took
         c.aio.retry_seconds = 0  # no retries: the blocking client's own first attempt is the only one (a review)
         retried = []
         c.aio._with_table = lambda *args: retried.append(args)  # (the retrying path: not entered)
