@@ -639,8 +639,9 @@ class AsyncMemoryClient:
         replace: bool = False,
     ) -> TableMeta:
         """Create a value table. `sharding` is "rows" or "cols" (None: the server's default).
-        `replace`: a table of that name is dropped and this one made instead, once the coordinator
-        has accepted the spec (a bad spec leaves the old table as it was); else TableExistsError.
+        `replace`: a value table of that name is dropped and this one made instead, once the
+        coordinator has accepted the spec (a bad spec leaves the old table as it was); else, or
+        where the name is another kind's table, TableExistsError.
         `tier` "disk": the rows and their optimizer state live in files on the shards under a RAM
         cache of `cache_bytes` for the whole table (split over its shards; float32 only; 0: 1/8 of
         the table's records).
@@ -803,7 +804,9 @@ class AsyncMemoryClient:
         the latest that holds them), optionally
         into a different number of shards, and the value tables into another `tier` ("ram" or
         "disk": a table that outgrew its shards' memory) or `cache_bytes` ("" and 0: as saved);
-        `wal` True/False: the tables log their writes or not (None: as saved)."""
+        `wal` True/False: the tables log their writes or not (None: as saved). `replace`: live
+        tables of those names, each of its checkpoint's kind, are dropped first (else, or where one
+        is another kind's, TableExistsError, and nothing is dropped)."""
         check_ints(INT64, step=step, cache_bytes=cache_bytes)
         check_ints(INT32, num_shards=num_shards)
         if wal is not None and not isinstance(wal, bool):

@@ -72,6 +72,34 @@ def test_a_restore_of_several_tables_spreads_them_as_creates_do(client, table_na
     assert len({m.shards[0].address for m in metas}) == 2, [m.shards[0].address for m in metas]
 
 
+def test_a_restore_with_replace_keeps_to_each_tables_kind(client, table_name, tmp_path):
+    """An operator's walkthrough: a restore with replace put a checkpoint's value table in the
+    place of a live index table of its name (an index may have taken hours to build), where a
+    create with replace refuses. Refused the same way (ALREADY_EXISTS), before anything is dropped:
+    the restore's other tables and the index stay as they were."""
+    from client import TableExistsError
+
+    other = f"{table_name}-other"
+    for name in (table_name, other):
+        client.create_table(name, 10, DIM, optimizer="sgd", lr=1.0)
+    client.checkpoint(str(tmp_path), step=1, tables=[table_name, other])
+    client.write_rows(other, [1], np.full((1, DIM), 7.0, np.float32))
+    client.drop_table(table_name)
+    client.create_index(table_name, 4)
+    client.add(table_name, np.arange(3), np.eye(3, 4, dtype=np.float32))
+    try:
+        with pytest.raises(TableExistsError, match=f"table '{table_name}' is an index table: a restore with replace "
+                                                   "replaces only a value table of that name; drop it first "
+                                                   rf"\(memserver drop-table {table_name}\) \(coordinator "):
+            client.restore(str(tmp_path), replace=True, tables=[other, table_name])
+        assert client.table(table_name, refresh=True).kind == "index"
+        assert client.search(table_name, np.eye(1, 4, dtype=np.float32), k=1)[1].tolist() == [[0]]
+        np.testing.assert_array_equal(client.lookup(other, [1]), np.full((1, DIM), 7.0))  # not restored either
+    finally:
+        client.drop_table(table_name)
+    assert [m.kind for m in client.restore(str(tmp_path), replace=True, tables=[table_name])] == ["value"]  # once dropped
+
+
 def test_interrupted_checkpoint_leaves_the_previous_one(client, table_name, tmp_path):
     client.create_table(table_name, 60, DIM, optimizer="sgd", lr=1.0)
     client.write_rows(table_name, [1], np.full((1, DIM), 3.0, np.float32))

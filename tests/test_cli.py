@@ -443,7 +443,7 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path, cli_
         client.add("cli-idx", np.arange(3), np.ones((3, 4), np.float32))
         try:
             bad = run(["create-table", "cli-idx", "--rows", "10", "--dim", "2", "--replace", *at])
-            assert bad.returncode == 1 and "memserver: error: FAILED_PRECONDITION: table 'cli-idx' is an index table: a " \
+            assert bad.returncode == 2 and "memserver: error: ALREADY_EXISTS: table 'cli-idx' is an index table: a " \
                 "create with replace replaces only a value table of that name; drop it first (memserver drop-table " \
                 "cli-idx)" in bad.stderr, bad.stderr
             assert client.table("cli-idx", refresh=True).kind == "index"

@@ -307,9 +307,9 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
         np.save(tmp_path / f"{name}.npy", a)
     np.savez(tmp_path / "z.npz", v=vectors)
 
-    def build(*argv: str) -> tuple[int, str]:
+    def build(*argv: str, name: str = table_name) -> tuple[int, str]:
         try:
-            rc = cli.main(["index", "build", table_name, *argv, *ep])
+            rc = cli.main(["index", "build", name, *argv, *ep])
         except SystemExit as exc:
             rc = exc.code
         return rc, capsys.readouterr().err
@@ -334,6 +334,15 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
     assert rc != 0 and "already exists: add --replace to replace it" in err
     assert build("--vectors", str(tmp_path / "v.npy"), "--replace")[0] == 0
     assert client.search(table_name, vectors[:4], 1)[1][:, 0].tolist() == [0, 1, 2, 3]  # ids 0..n-1 now
+    # --replace over a value table of the name: a name clash (exit 2, as --help says), not "add --replace"
+    client.create_table(table_name + "-v", 10, 4)
+    try:
+        rc, err = build("--vectors", str(tmp_path / "v.npy"), "--replace", name=table_name + "-v")
+        assert rc == 2 and f"ALREADY_EXISTS: table '{table_name}-v' is a value table: a create with replace replaces only " \
+            "an index table of that name" in err and "add --replace" not in err, err
+        assert client.table(table_name + "-v", refresh=True).kind == "value"
+    finally:
+        client.drop_table(table_name + "-v")
     # what the shards refuse part-way is refused before anything is made (a walkthrough: --replace
     # with a NaN at a late row left no table; a duplicate id was refused or upserted by where the
     # load's batches fell)

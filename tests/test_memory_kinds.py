@@ -288,7 +288,7 @@ def test_upload_source_checks_before_it_replaces_anything(client, table_name):
     """From a walkthrough: upload_source dropped the table of its name first, then made the new
     one: a value table of that name was replaced by an index, and encodings with a NaN (or of the
     wrong shape) destroyed the source they were to replace, leaving an empty table."""
-    from client import FailedPreconditionError, InvalidArgumentError
+    from client import InvalidArgumentError, TableExistsError
 
     good = upload_source(client, table_name, _source(50, 8))
     for bad, says in ((torch.full((5, 8), math.nan), "encodings: contains NaN"),
@@ -299,7 +299,7 @@ def test_upload_source_checks_before_it_replaces_anything(client, table_name):
     assert RemoteKnowledge(client, table_name).size == good.size == 50  # the source as it was
     assert upload_source(client, table_name, _source(30, 8)).size == 30  # an index table is replaced
     client.create_table(f"{table_name}-v", 16, 4)
-    with pytest.raises(FailedPreconditionError, match=f"table '{table_name}-v' is a value table: a create with replace "
+    with pytest.raises(TableExistsError, match=f"table '{table_name}-v' is a value table: a create with replace "
                                                       "replaces only an index table of that name"):
         upload_source(client, f"{table_name}-v", _source(5, 4))
     assert client.table(f"{table_name}-v").kind == "value"

@@ -1062,7 +1062,7 @@ def test_saves_are_snapshots_loads_check_shapes_and_forgotten_steps_are_said(cli
     layer then read rows of another table; a step begun and never ended (end_step forgotten)
     dropped its updates silently; RemoteValues (create=True) replaced an index table of its
     name, saying "create=False attaches to it", which refuses an index table."""
-    from memserver.api.errors import FailedPreconditionError, InvalidArgumentError
+    from memserver.api.errors import InvalidArgumentError, TableExistsError
     from trainer.memory import LocalValues, RemoteValues
 
     ids, w, g = torch.tensor([[0, 1]]), torch.ones(1, 2), torch.ones(1, 4)
@@ -1102,7 +1102,7 @@ def test_saves_are_snapshots_loads_check_shapes_and_forgotten_steps_are_said(cli
 
     client.create_index(f"{table_name}-i", 8)
     try:
-        with pytest.raises(FailedPreconditionError, match=rf"table '{table_name}-i' is an index table: a create with "
+        with pytest.raises(TableExistsError, match=rf"table '{table_name}-i' is an index table: a create with "
                                                           rf"replace replaces only a value table of that name; drop it "
                                                           rf"first \(memserver drop-table {table_name}-i\)"):
             RemoteValues(client, f"{table_name}-i", 10, 8)

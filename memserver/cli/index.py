@@ -118,7 +118,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     with cli_client(args) as client:
         exists_hint(lambda: client.create_index(args.name, dim, index_factory=args.factory, metric=args.metric,
                                                 payload_dim=0 if payload is None else payload.shape[1],
-                                                num_shards=args.shards, wal=args.wal, replace=args.replace))
+                                                num_shards=args.shards, wal=args.wal, replace=args.replace),
+                    args.replace)
         try:  # a build that fails leaves no half-built table behind (a rerun would be refused)
             # as the shards built it: faiss says whether its kind needs training
             needs = any(not t.trained for sh in client.status().shards for t in sh.tables if t.table == args.name)
@@ -173,13 +174,16 @@ def train_rows(n: int, dim: int, asked: int | None) -> int:
     return rows
 
 
-def exists_hint(create: Callable[[], Any]) -> Any:
-    """Run a create; a table that exists already is refused with the flag that replaces it."""
+def exists_hint(create: Callable[[], Any], replace: bool = False) -> Any:
+    """Run a create; a table that exists already is refused with the flag that replaces it (with
+    --replace given, the refusal of a table of another kind says itself what to do)."""
     from client import TableExistsError
 
     try:
         return create()
     except TableExistsError as exc:
+        if replace:
+            raise
         raise CliError(f"{exc.details}: add --replace to replace it") from None
 
 
@@ -296,6 +300,8 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
             try:
                 restored = client.restore(str(root), out["step"], replace=args.replace)
             except TableExistsError as exc:  # the run's own table, still live: the restore's advice is not this command's
+                if args.replace:  # (a table of another kind of that name: its refusal says what to do)
+                    raise
                 raise CliError(f"the run's value table is in the cluster ({exc.details.split(';')[0]}): add "
                                "--replace to replace it with the checkpoint's values") from None
             if len(restored) != 1:

@@ -295,13 +295,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
         spec = validate_spec(request.spec, len(self.handles))
-        if request.replace and (old := self.tables.get(spec.name)) is not None and old.spec.kind != spec.kind:
-            # (an index's vectors may have taken hours to build: a value table does not silently take its name)
-            raise FailedPreconditionError(
-                f"table {spec.name!r} is {a_kind(KIND_NAMES[old.spec.kind])}: a create with replace replaces only "
-                f"{a_kind(KIND_NAMES[spec.kind])} of that name; drop it first (memserver drop-table {spec.name}) or "
-                "choose another name")
         if request.replace:
+            self._refuse_other_kind(spec, "a create", " or choose another name")
             await self._drop_strays(spec.name)  # what is there goes: slices no table owns too
         if request.replace and spec.name in self.tables and spec.name not in self.pending:
             plan = await self._check_fits(spec)
@@ -433,6 +428,16 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             return info
         finally:
             self.pending.discard(spec.name)
+
+    def _refuse_other_kind(self, spec: pb.TableSpec, what: str, or_else: str = "") -> None:
+        """A replace keeps to its kind: an index's vectors may have taken hours to build, and a value
+        table (a create, or a checkpoint's) does not silently take its name. A name clash, as
+        without replace: ALREADY_EXISTS."""
+        if (old := self.tables.get(spec.name)) is not None and old.spec.kind != spec.kind:
+            raise TableExistsError(
+                f"table {spec.name!r} is {a_kind(KIND_NAMES[old.spec.kind])}: {what} with replace replaces only "
+                f"{a_kind(KIND_NAMES[spec.kind])} of that name; drop it first (memserver drop-table {spec.name})"
+                + or_else)
 
     def _refuse_taken(self, name: str) -> None:
         if name in self.tables or name in self.pending:
@@ -690,6 +695,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             if spec.name != name:  # the manifest's key names the folder its files are read from
                 raise InvalidArgumentError(f"dir: the checkpoint's manifest lists table {name!r} with the spec of "
                                            f"{spec.name!r}; it is not one memserver wrote")
+            if request.replace:
+                self._refuse_other_kind(spec, "a restore")
         # every table's files checked before anything is dropped: a refused restore leaves the tables
         files = {name: checked_files(directory, name, manifest["tables"][name], int(specs[name].num_rows))
                  for name in names}
