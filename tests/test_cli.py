@@ -75,10 +75,12 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
             before = client.lookup("emb", np.arange(5000))
             client.create_table("lost", 100, 8, wal=True)  # its record on shard 0 is damaged below
             client.create_table("nowal", 10, 8)
+            client.create_index("nowal-idx", 4)
+            client.add("nowal-idx", np.arange(2), np.ones((2, 4), np.float32))
     finally:
         down = cli(["down"])
     assert down.returncode == 0, down.stderr
-    assert down.stdout.strip().endswith("stopped; tables without wal (nowal) come back at the next `up` on this data "
+    assert down.stdout.strip().endswith("stopped; tables without wal (nowal, nowal-idx) come back at the next `up` on this data "
                                         "directory as their latest checkpoint or the restore they last came from "
                                         "(their initial values if neither): their writes since are not kept "
                                         "(`memserver checkpoint` before `down` keeps them)"), down.stdout
@@ -97,8 +99,10 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
     try:  # (the cluster is stopped whatever fails below)
         assert "note: table emb: kept as recovered from the data directory" in up.stderr
         notes = [line for line in up.stderr.splitlines() if line.startswith("note: ")]
-        assert len(notes) == 2 and notes[1].count(" here, ") == 2, notes  # restored on 1 shard above, and dim
-        assert "(num_shards: 1 here, every shard (2) in the config; dim: 32 here, 64 in the config)" in notes[1], notes
+        assert len(notes) == 3 and notes[2].count(" here, ") == 2, notes  # restored on 1 shard above, and dim
+        assert "(num_shards: 1 here, every shard (2) in the config; dim: 32 here, 64 in the config)" in notes[2], notes
+        assert notes[1] == ("note: tables without wal came back as their initial values, no checkpoint or restore of "
+                            "theirs being on the data directory: nowal, nowal-idx (an index table: empty)"), notes
         assert notes[0].startswith("note: shard 0: table lost is not served: table 'lost': shard 0 could not recover "
                                    f"its slice from {tmp_path / 'data' / 'shard-0000' / 'lost'}"), notes
         st = cli(["status", "--json"])
@@ -108,6 +112,7 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
         assert cli(["drop-table", "lost"]).returncode == 0
         assert cli(["status"]).returncode == 0
         assert cli(["drop-table", "nowal"]).returncode == 0  # (back as it was: no checkpoint, its initial values)
+        assert cli(["drop-table", "nowal-idx"]).returncode == 0
         endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
         with MemoryClient(endpoint) as client:
             [emb] = client.list_tables()
@@ -773,6 +778,26 @@ def test_up_address_auto_is_checked_as_ray_resolves_it(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_ADDRESS", "nowhere")
     with pytest.raises(cli.CliError, match="--address: expected 'auto' or HOST:PORT .* got 'nowhere'"):
         _checked_up_flags(args, {})
+
+
+def test_up_names_the_tables_without_wal_that_came_back_as_made_a_bounded_few():
+    """What `up` says of the tables a start brought back as their initial values: those without
+    wal only (a wal table's log is its writes), each slice's table once, an index's said empty,
+    at most `names` named."""
+    from memserver.cli.tables import back_as_made
+
+    def table(name: str, kind: str = "value", wal: bool = False) -> dict:
+        return {"name": name, "kind": kind, "wal": wal}
+
+    tables = [table(f"t{i}") for i in range(7)] + [table("idx", "index"), table("logged", wal=True), table("kept")]
+    slices = [{"table": t["name"], "recovered_from": "initial values"} for t in tables[:-1]]
+    slices += [{"table": "kept", "recovered_from": "checkpoint step 3"}, {"table": "t0", "recovered_from": "initial values"}]
+    st = {"tables": tables, "shards": [{"tables": slices[:5]}, {"tables": slices[5:]}]}
+    assert back_as_made(st, names=8) == ("tables without wal came back as their initial values, no checkpoint or "
+                                         "restore of theirs being on the data directory: idx (an index table: empty), "
+                                         "t0, t1, t2, t3, t4, t5, t6")
+    assert back_as_made(st, names=2).endswith(": idx (an index table: empty), t0 and 6 more")
+    assert back_as_made({"tables": tables[-2:], "shards": [{"tables": slices[-3:-1]}]}) == ""
 
 
 def test_what_down_leaves_is_said_by_kind_of_data_directory(memory_cluster, client, table_name):

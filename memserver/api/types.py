@@ -28,6 +28,10 @@ TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 LOCK_FILE, SHARD_STATE_FILE, MANIFEST_FILE = "lock", "shard.json", "manifest.json"
 RESERVED_NAMES = frozenset({LOCK_FILE, SHARD_STATE_FILE, MANIFEST_FILE})
 
+#: What a slice's `recovered_from` says when nothing of it was on the data directory (no checkpoint,
+#: no restore files, no log): it came back as made. `up` names the tables without wal that did.
+INITIAL_VALUES = "initial values"
+
 #: Seconds a sync_updates step may wait for its other trainers' commits before the shard's log
 #: and `memserver status` say so: in a healthy run a step waits for its slowest trainer, a step's
 #: time at most; for a gone trainer, or trainers that do not wait for each other, it waits for ever.

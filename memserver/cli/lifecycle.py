@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memserver.cli.common import CliError, count, one_line, parse_size, seconds
-from memserver.cli.tables import problems, status_dict, table_args
+from memserver.cli.tables import back_as_made, problems, status_dict, table_args
 from memserver.cluster import (
     DEFAULT_PLACEMENT,
     DEFAULT_SHARD_CPUS,
@@ -293,9 +293,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             notes.append(cluster.security_warning)
         with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None,
                           tls=ClientTls(ca, server_name) if ca else None) as client:
-            for line in problems(status_dict(client.status())):  # a table the data directory could not give back
+            st = status_dict(client.status())
+            for line in problems(st):  # a table the data directory could not give back
                 notes.append(line)
                 log.warning("%s", line)
+            if back := back_as_made(st):  # (as `down` said: their writes were not kept)
+                notes.append(back)
+                log.warning("%s", back)
             recovered = {m.name: m for m in client.list_tables()} if tables else {}  # from --data-dir: kept as they are
             for t in tables:
                 t = dict(t)

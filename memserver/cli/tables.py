@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from memserver.api.errors import InvalidArgumentError
-from memserver.api.types import SHARDINGS, STEP_WAIT_SAID, fmt_bytes, hit_rate
+from memserver.api.types import INITIAL_VALUES, SHARDINGS, STEP_WAIT_SAID, fmt_bytes, hit_rate
 from memserver.cli.common import (
     CliError,
     cache_size,
@@ -139,6 +139,21 @@ def problems(st: dict[str, Any]) -> list[str]:
                 out.append(f"shard {s['index']}: table {t['table']} refuses writes until the shard restarts: "
                            f"{t['writes_refused']}")
     return out
+
+
+def back_as_made(st: dict[str, Any], names: int = 5) -> str:
+    """Tables without wal that a start brought back as their initial values (no checkpoint or
+    restore of theirs on the data directory): what `down` said they would lose, said again by
+    `up` as it happens, an index's being empty ("" when none). At most `names` tables named."""
+    tables = {t["name"]: t for t in st["tables"]}
+    back = sorted({t["table"] for s in st["shards"] for t in s["tables"]
+                   if t["recovered_from"] == INITIAL_VALUES and not tables.get(t["table"], {"wal": True})["wal"]})
+    if not back:
+        return ""
+    said = [name + (" (an index table: empty)" if tables[name]["kind"] == "index" else "") for name in back[:names]]
+    more = f" and {len(back) - names} more" if len(back) > names else ""
+    return (f"tables without wal came back as their initial values, no checkpoint or restore of theirs being on the "
+            f"data directory: {', '.join(said)}{more}")
 
 
 def warnings(st: dict[str, Any]) -> list[str]:

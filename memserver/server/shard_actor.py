@@ -31,7 +31,7 @@ from memserver.api.errors import (
     UnavailableError,
     first_line,
 )
-from memserver.api.types import METRIC_NAMES, SHARD_STATE_FILE, check_table_name
+from memserver.api.types import INITIAL_VALUES, METRIC_NAMES, SHARD_STATE_FILE, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.table import READ_COUNTERS
@@ -369,7 +369,7 @@ class ShardActor:
     def _fill_slice(self, sl: TableSlice, spec: pb.TableSpec, files: list[dict[str, Any]],
                     checkpoint: dict[str, Any] | None, replay: bool) -> tuple[TableSlice, str]:
         """_load_slice's loading of the new `sl`: its files, then (wal tables, `replay`) the log."""
-        start, how = 0, "initial values"
+        start, how = 0, INITIAL_VALUES
         extras: dict[str, Any] = {}
         if files and sl.kind == pb.PRODUCT_KEYS:
             from memserver.core.pkm import ProductKeyIndex
