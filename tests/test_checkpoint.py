@@ -789,6 +789,36 @@ def test_a_replace_the_shards_cannot_make_leaves_the_table(tmp_path):
         np.testing.assert_array_equal(c.lookup("t", [1]), np.full((1, 4), 7.0))
 
 
+@pytest.mark.parametrize("how", ["create", "create-replace", "restore-replace"])
+def test_a_shard_restarted_while_its_slice_is_made_is_mapped_at_its_new_process(tmp_path, how):
+    """A review: the table's map was planned before its slices were made (a replace's plan before
+    its drop), so a shard Ray restarted meanwhile stayed in that table's map at its old address
+    and pid: clients dialled a process that is gone. The map is refreshed as the table is placed."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=1) as c:
+        if how != "create":
+            c.create_table("t", 10, 4)
+            c.checkpoint(str(tmp_path), step=1)
+        coordinator, shard = server.coordinator, server.shards[1]
+        method = "restore_table" if how.startswith("restore") else "create_table"
+        real = getattr(shard, method)
+
+        def made_then_restarted(*args, **kwargs):
+            out = real(*args, **kwargs)
+            coordinator.shard_restarted(1, {**coordinator.servicer.infos[1], "pid": 424242}, [])
+            return out
+
+        setattr(shard, method, made_then_restarted)  # (the handle asks the instance)
+        if how == "restore-replace":
+            c.restore(str(tmp_path), replace=True)
+        else:
+            c.create_table("t", 10, 4, replace=how == "create-replace")
+        pids = [sh.pid for sh in c.table("t", refresh=True).shards]
+        assert sorted(pids) == [os.getpid(), 424242], pids  # (shard 0 in this process; the slices' order is the plan's)
+
+
 @pytest.mark.parametrize("how", ["restore", "create"])
 def test_a_trainers_calls_wait_through_a_replace_of_its_table(tmp_path, how):
     """A table replaced (restore or create with replace) under a running trainer is missing from

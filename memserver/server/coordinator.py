@@ -420,6 +420,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             async with self.lock:
                 self.epoch += 1
                 info.epoch = self.epoch
+                for i, j in enumerate(order):  # a shard restarted since the plan serves at its new address
+                    self._refresh(info.shards[i], j)
                 self.tables[spec.name] = info
                 self.placement[spec.name] = order
                 self.left_out.pop(spec.name, None)
