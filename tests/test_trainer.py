@@ -878,6 +878,35 @@ def test_a_resume_takes_how_its_steps_reached_the_values(tmp_path, caplog):
     assert "micro_batches = 2" in caplog.text and "staleness" not in caplog.text, caplog.text
 
 
+def test_a_resume_evaluates_and_logs_as_its_checkpoint_did(tmp_path, caplog):
+    """A walkthrough: a resume that left --eval-iters out evaluated on the default 20 batches, so
+    its val_loss at the last step was not the uninterrupted run's (3.9569 against 3.9494) though
+    every training loss was. The evaluation and logging flags are taken from the checkpoint now."""
+    from trainer.checkpoints import trainer_file
+    from trainer.train import given_flags
+
+    def parsed(argv: list[str]) -> argparse.Namespace:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.given = given_flags(parser, argv)
+        return args
+
+    assert TINY[-8:-2] == ["--eval-every", "5", "--eval-iters", "2", "--log-every", "1"]
+    common = [*TINY[:-8], *TINY[-2:], "--memory", "local", "--seed", "4"]
+    how = ["--eval-every", "2", "--eval-iters", "3", "--log-every", "2"]
+    whole = list(train(build_parser().parse_args([*common, *how, "--steps", "6"])))
+    list(train(build_parser().parse_args([*common, *how, "--steps", "2", "--checkpoint-dir", str(tmp_path)])))
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        rest = list(train(parsed([*common, "--steps", "6", "--resume", str(tmp_path)])))
+    assert all(x in caplog.text for x in ("eval_every = 2", "eval_iters = 3", "log_every = 2")), caplog.text
+    assert [(r["step"], r["loss"], r["val_loss"]) for r in rest] == \
+        [(r["step"], r["loss"], r["val_loss"]) for r in whole if r["step"] > 2]  # steps 4 and 6, evaluated alike
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memtrain"):  # given: this run's
+        rest = list(train(parsed([*common, "--steps", "4", "--eval-every", "1", "--resume", str(trainer_file(tmp_path, 2))])))
+    assert [r["step"] for r in rest] == [3, 4] and "eval_every" not in caplog.text, caplog.text
+
+
 def test_a_resume_of_an_older_local_staleness_run_is_not_refused(tmp_path, caplog):
     """memtrain refuses --staleness 1 with local values and no Engram layer (it changes nothing
     there); a checkpoint written with it before (a review) resumes, taking it, unless the command

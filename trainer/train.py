@@ -198,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "tables' folders under memory/) after each new one (0, the default: keep all)")
     ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
                     "memory), or from that trainer-step-*.pt file; the text, model, memory, optimizer, batch and seed "
-                    "flags left out are the checkpoint's (a different one given is refused by name), and so is "
-                    "--checkpoint-every; --steps is the total to reach")
+                    "flags left out are the checkpoint's (a different one given is refused by name), and so are "
+                    "--checkpoint-every, --staleness, --micro-batches, --threads and the evaluation and logging "
+                    "flags (these it may change); --steps is the total to reach")
     mem.add_argument("--micro-batches", type=int, default=1, help="split memory lookups so one chunk's call overlaps the next chunk's addressing")
     return p
 
@@ -249,8 +250,8 @@ def distributed(backend: str = "gloo") -> tuple[int, int]:
 #: Flags a run records in its checkpoints and a resumed run must give alike, or leave out to take
 #: the checkpoint's (as it does the model's and the memory's shapes, which the checkpoint's config
 #: and memory record): the dense and value optimizers, the batch, the seed, where the values live,
-#: the dropout rate and how the KIF source was built. What a resume may change: steps, logging,
-#: evaluation, device, dtype, tracing and RESUMED_TAKEN's.
+#: the dropout rate and how the KIF source was built. What a resume may change: steps, device,
+#: dtype, tracing and RESUMED_TAKEN's.
 RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal", "tier", "cache_bytes", "table",
                  "batch_size", "seed", "shared_values", "dropout", "kif_knn", "kif_sentences", "kif_encoder")
 #: Flags a resumed run takes from its checkpoint where they are left out, and may change: how often
@@ -259,8 +260,10 @@ RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal
 #: unsaid, and its losses left the uninterrupted run's: a walkthrough). (--no-prefetch and
 #: --sync-commit change no number, and as switches with no opposite they could not be undone.)
 #: --threads too: the sums of a step's ops are split by thread, so a resume on other threads is
-#: close to the uninterrupted run, not bit-exact (a walkthrough: 2.4e-7 apart).
-RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches", "threads")
+#: close to the uninterrupted run, not bit-exact (a walkthrough: 2.4e-7 apart). And what it
+#: evaluates and logs: a resume that left --eval-iters out evaluated on the default 20 batches, so
+#: its val_loss was not the uninterrupted run's (a walkthrough: 3.9569 against 3.9494).
+RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches", "threads", "eval_every", "eval_iters", "log_every")
 
 
 def checkpoint_dir_of(args: argparse.Namespace) -> str | None:
