@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,6 +40,13 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
     assert "memserver ready at 127.0.0.1:" in up.stdout
     try:
         endpoint = json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]
+        # Ray's session directory (its logs, its sockets) is this user's alone: Ray makes it 0777, below
+        # a folder that is not
+        cmdlines = [f"/proc/{pid}/cmdline" for pid, _ in json.loads((tmp_path / "endpoint.json").read_text())["processes"]]
+        sessions = {arg.split("=", 1)[1] for path in cmdlines if os.path.exists(path)
+                    for arg in open(path, "rb").read().decode().split("\0") if arg.startswith("--session_dir=")}
+        assert len(sessions) == 1 and [(os.stat(Path(d).parent.parent).st_mode & 0o777, os.stat(d).st_uid)
+                                       for d in sessions] == [(0o700, os.getuid())], sessions
         again = run(["up", "--detach"], env)  # (a subprocess: were the check broken, it would start a cluster)
         assert again.returncode == 2 and "already running" in again.stderr
         st = cli(["status", "--json"])
@@ -123,6 +131,32 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
     finally:
         down = cli(["down"])
     assert down.returncode == 0 and down.stdout.strip().endswith("stopped"), down.stdout  # (every table has wal)
+
+
+def test_the_embedded_heads_ray_folder_is_this_users_alone(tmp_path, monkeypatch):
+    """Where `up` puts its Ray head's session: below a folder it makes 0700 (Ray makes its own
+    folders 0777); a folder of that name that is a link, a file or another user's is refused, not
+    used; $RAY_TMPDIR given is Ray's."""
+    import tempfile
+
+    from memserver.cli.common import CliError
+    from memserver.cli.lifecycle import _private_ray_dir
+
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    base = tmp_path / f"memserver-{os.getuid()}"
+    assert _private_ray_dir() == str(base / "ray") and base.stat().st_mode & 0o777 == 0o700
+    base.chmod(0o755)  # (loosened since): made private again
+    assert _private_ray_dir() == str(base / "ray") and base.stat().st_mode & 0o777 == 0o700
+    base.rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    for planted in (lambda: base.symlink_to(tmp_path / "elsewhere"), lambda: base.write_text("")):
+        planted()
+        with pytest.raises(CliError, match="is not a folder this user owns: remove it, or set RAY_TMPDIR"):
+            _private_ray_dir()
+        base.unlink()
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "mine"))
+    assert _private_ray_dir() is None
 
 
 def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves_nothing(tmp_path):

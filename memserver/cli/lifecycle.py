@@ -265,7 +265,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             object_store_memory=args.object_store_mb * 1024 * 1024,
             namespace="memserver",
             logging_level=logging.WARNING,
+            _temp_dir=(ray_dir := _private_ray_dir()),
         )
+        if ray_dir:
+            log.info("Ray's logs: %s/session_latest/logs (a folder of this user's alone)", ray_dir)
         try:
             _check_gpus_of_one_node(shard_gpus, ray.cluster_resources().get("GPU", 0.0))
         except CliError:
@@ -458,6 +461,28 @@ def _tls(args: argparse.Namespace) -> Any:
     except ValueError as exc:
         raise CliError(f"--tls-cert/--tls-key: {exc}") from None
     return tls
+
+
+def _private_ray_dir() -> str | None:
+    """Where the embedded head's Ray keeps its session (its logs, its sockets): below a folder of
+    this user's alone (0700). Ray's own default, /tmp/ray, every user shares; Ray makes each
+    session folder in it 0777 (its sockets' folder writable by anyone) and its logs 0644 (the
+    shards' lines name tables, clients and paths), and sets 0777 again on what it reuses, so only
+    a private folder above it holds (a security walkthrough). None: $RAY_TMPDIR given, Ray's."""
+    import stat
+    import tempfile
+
+    if os.environ.get("RAY_TMPDIR"):
+        return None
+    base = Path(tempfile.gettempdir()) / f"memserver-{os.getuid()}"  # (short: Ray's socket paths have a limit)
+    with contextlib.suppress(FileExistsError):
+        base.mkdir(mode=0o700)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise CliError(f"{base} (where `up` keeps Ray's session, this user's alone) is not a folder this user owns: "
+                       "remove it, or set RAY_TMPDIR to a private folder")
+    os.chmod(base, 0o700)
+    return str(base / "ray")
 
 
 def _check_clients_verify(endpoint: str, token: str | None, tls: Any) -> None:
