@@ -11,9 +11,10 @@ raises DeadlineExceededError (its block is abandoned, as after a gRPC deadline) 
 answer is dropped. A connection that breaks fails every call waiting on it UNAVAILABLE and is
 not used again (the client's retry sends those calls by gRPC while the region is attached anew).
 
-Bounds: at most MAX_OUTSTANDING calls in flight per connection (more go by gRPC); the shard sends
-answers from a thread of their own, so a client blocked sending a request never waits on a shard
-blocked sending an answer. A connection that is interrupted mid-frame (a signal's exception) is
+Bounds: at most MAX_OUTSTANDING calls whose answers are unread per connection, those given up
+included (more go by gRPC), so the shard's queue of answers never fills (it holds twice that) and
+it always goes back to reading requests; a request waits for room in the socket at most until its
+deadline (then it goes by gRPC, or, cut off mid-frame, breaks the connection). A connection that is interrupted mid-frame (a signal's exception) is
 broken, never read or written again out of step, and one inherited across fork is not used by
 the child (its calls go by gRPC).
 """
@@ -97,6 +98,7 @@ class Bell:
         self.cond = threading.Condition()
         self.waiting: set[int] = set()  # calls sent and not given up
         self.answers: dict[int, tuple[int, bytes]] = {}
+        self.unread = 0  # calls sent whose answers are not read yet (given up ones too)
         self.reading = False
         self.broken: str = ""  # why the connection is unusable ("" while it works)
         self.calls = 0
@@ -105,40 +107,101 @@ class Bell:
     def alive(self) -> bool:
         return not self.broken and os.getpid() == self.pid
 
+    def _full(self) -> bool:
+        # calls whose answers are unread, given up ones too (the shard answers each: were they not
+        # counted, its answers to them could fill its queue and stop it reading requests while this
+        # side, sending, reads none: a review), and answers read and never collected
+        with self.cond:
+            return self.unread + len(self.answers) >= MAX_OUTSTANDING
+
     def send(self, method: str, raw: bytes, timeout: float | None) -> int | None:
         """Send a call; its ticket for `wait`, or None: send it by gRPC (too large, too many in
-        flight, or the connection broken)."""
+        flight, the connection broken, or not sent by the call's deadline)."""
         if len(raw) > MAX_REQUEST_BYTES or not self.alive:
             return None
+        if self._full():
+            self._drain()  # answers of calls given up, read now if no one is reading
         name = _NAMES.get(method) or method.encode()
-        with self.send_lock:
+        until = None if timeout is None else time.monotonic() + timeout  # one machine, one clock
+        if not self.send_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return None  # another call's request holds the socket past this one's deadline
+        try:
             with self.cond:
-                # answers filed and never collected (a caller interrupted) count too: bounded
-                if len(self.waiting) + len(self.answers) >= MAX_OUTSTANDING or self.broken:
+                if self.unread + len(self.answers) >= MAX_OUTSTANDING or self.broken:
                     return None
                 call_id = self.next_id
                 self.next_id += 1
                 self.waiting.add(call_id)
-            deadline = 0.0 if timeout is None else time.monotonic() + timeout  # one machine, one clock
-            frame = [memoryview(HEAD.pack(len(raw), call_id, deadline, len(name))), memoryview(name), memoryview(raw)]
+                self.unread += 1
+            frame = [memoryview(HEAD.pack(len(raw), call_id, until or 0.0, len(name))), memoryview(name),
+                     memoryview(raw)]
             try:
-                while frame:  # the whole frame, or the connection is broken: never half a frame
-                    sent = self.sock.sendmsg(frame)
-                    while frame and sent >= len(frame[0]):
-                        sent -= len(frame.pop(0))
-                    if frame:
-                        frame[0] = frame[0][sent:]
+                if not self._send_frame(frame, until):  # the deadline came before any byte went
+                    with self.cond:
+                        self.waiting.discard(call_id)
+                        self.unread -= 1
+                    return None
             except BaseException as exc:  # noqa: BLE001 - interrupted mid-frame too: out of step for good
                 self._break(f"sending failed ({exc!r})")
                 if not isinstance(exc, OSError):
                     raise
                 return call_id  # wait() raises UNAVAILABLE: the call may or may not have gone
+        finally:
+            self.send_lock.release()
         self.calls += 1
         return call_id
 
+    def _send_frame(self, frame: list[memoryview], until: float | None) -> bool:
+        """The whole frame (never half: what is cut off mid-frame raises, and the caller breaks the
+        connection), waiting for room at most until `until`; False: none of it went by then."""
+        started, writable = False, None
+        while frame:
+            try:
+                sent = self.sock.sendmsg(frame, [], socket.MSG_DONTWAIT)
+            except BlockingIOError:  # the shard is not reading now (busy serving a call): wait for room
+                sent = 0
+            started = started or sent > 0
+            while frame and sent >= len(frame[0]):
+                sent -= len(frame.pop(0))
+            if frame:
+                frame[0] = frame[0][sent:]
+                left = None if until is None else until - time.monotonic()
+                if left is not None and left <= 0:
+                    if not started:
+                        return False
+                    raise TimeoutError("the call's deadline came with its request part sent")
+                if writable is None:
+                    writable = select.poll()
+                    writable.register(self._sock_fd, select.POLLOUT)
+                writable.poll(None if left is None else left * 1000)
+        return True
+
+    def _drain(self) -> None:
+        """Read the answers already here (no wait), unless another thread is reading: those of calls
+        given up count against MAX_OUTSTANDING until read, and nobody waits to read them."""
+        with self.cond:
+            if self.reading or self.broken:
+                return
+            self.reading = True
+        try:
+            while not self.broken:
+                with self.cond:
+                    before = self.unread
+                if not before:
+                    break
+                self._read_one(0.0)
+                with self.cond:
+                    if self.unread == before:
+                        break
+        finally:
+            with self.cond:
+                self.reading = False
+                self.cond.notify_all()
+
     def forget(self, call_id: int) -> None:
         """A call nobody will wait for (its caller failed before waiting, or gave up: a cancelled
-        asyncio call): drop it and its answer, and end a wait for it at once."""
+        asyncio call): drop it and its answer, and end a wait for it at once. (It counts in
+        `unread` until its answer, which the shard sends all the same, is read.)"""
         with self.cond:
             self.waiting.discard(call_id)
             self.answers.pop(call_id, None)
@@ -201,6 +264,7 @@ class Bell:
                 raise
             return
         with self.cond:
+            self.unread -= 1
             if call_id in self.waiting:
                 self.waiting.discard(call_id)
                 self.answers[call_id] = (code, body)

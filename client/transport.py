@@ -83,7 +83,8 @@ def answer(rung: tuple[Bell, int], method: str, timeout: float | None) -> Any:
 
 def forget(rung: list[Rung], outcomes: list[Any]) -> None:
     """Doorbell calls whose outcome is not known (the caller failed before waiting): their bells
-    drop them, so answers nobody reads do not count against the bell's calls in flight."""
+    drop their answers as they come (each still counts against the bell's calls in flight until
+    its answer is read: the shard answers it all the same)."""
     for r, o in zip(rung, outcomes):
         if r is not None and o is None:
             r[0].forget(r[1])
