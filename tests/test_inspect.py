@@ -302,6 +302,19 @@ def test_inspection_reads_are_not_counted(client, used_table):
     assert np.array_equal(all_stats(client, used_table)["hits"][:10], before["hits"][:10] + 1)
 
 
+def test_no_ids_as_an_empty_list_is_no_ids_not_a_dtype(client, used_table):
+    """A walkthrough: `lookup(t, [])` was refused "ids: dtype must be int64 or int32, got float64"
+    (numpy's dtype of an empty list); slot_stats and triggers too. As an empty int64 array: empty
+    answers. A float array the user made stays refused."""
+    from client import InvalidArgumentError
+
+    assert client.lookup(used_table, []).shape == (0, 8)
+    assert client.slot_stats(used_table, [])["hits"].shape == (0,)
+    assert client.triggers(used_table, [])["weights"].shape[0] == 0
+    with pytest.raises(InvalidArgumentError, match="ids: dtype must be int64 or int32, got float64"):
+        client.lookup(used_table, np.zeros(0))
+
+
 def test_each_read_is_counted_once_by_the_shard_keeping_the_counters(client, used_table):
     """Hits are exactly the reads made (the fixture's bags, drawn again here); on cols only shard 0
     counts them (ShardLayout.counts_reads): the others do not repeat the work."""

@@ -187,9 +187,16 @@ def test_local_checkpoints_say_why_they_cannot_be_inspected(client, tmp_path):
     with pytest.raises(FileNotFoundError, match="no memtrain checkpoint"):
         Inspector.load(tmp_path / "empty", client)
     # not memtrain's: any other file, and a table slice of `memserver checkpoint` (an easy mix-up)
-    (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ValueError, match=r"notes.txt is not a memtrain checkpoint .*: torch.load says"):
+    (tmp_path / "notes.txt").write_text("hi\n")  # (torch's unpickler said "105" of it: a walkthrough)
+    with pytest.raises(ValueError, match=r"notes.txt is not a memtrain checkpoint .*: it is not a file torch.save "
+                                         r"writes \(no zip archive\)$"):
         Inspector.load(tmp_path / "notes.txt", client)
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as z:  # a zip archive, not torch.save's
+        z.writestr("readme", "hello")
+    with pytest.raises(ValueError, match=r"other.zip is not a memtrain checkpoint .*: torch.load says [A-Za-z]+Error: "):
+        Inspector.load(tmp_path / "other.zip", client)
     torch.save({"meta": {"table": "t"}, "state": {"weight": torch.zeros(2, 2)}}, tmp_path / "shard-0000.pt")
     with pytest.raises(ValueError, match="it has no model \\(a table slice of `memserver checkpoint`"):
         Inspector.load(tmp_path / "shard-0000.pt", client)
@@ -294,6 +301,7 @@ def test_usage_of_a_table_never_read_says_so(client, table_name, capsys, memory_
     (["inspect", "inspect-model", "999"], 2, "SLOT: 999 is outside"),
     (["inspect", "inspect-model", "1,999"], 2, "SLOT: 1999 is outside"),  # as status and top print ids
     (["inspect", "inspect-model", "x1"], 2, "argument SLOT: expected a slot id, a whole number (1370 or 1,370), got 'x1'"),
+    (["inspect", "inspect-model", "1,37,0"], 2, "got '1,37,0'"),  # (it showed slot 1370: a walkthrough)
     (["inspect", "no-such-table", "1"], 2, "does not exist"),  # the command's mistake, as a bad flag
     (["inspect", "inspect-model", "1", "--checkpoint", "/nonexistent"], 2, "--checkpoint: /nonexistent"),
     (["top", "inspect-model", "-n", "0"], 2, "-n: must be in"),
@@ -338,6 +346,11 @@ def test_memtrain_trace_command(trained, capsys, memory_cluster):
     ]:
         refused(capsys, lambda argv=argv: memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint",
                                                     memory_cluster.endpoint, *argv]), message)
+        with pytest.raises(SystemExit):  # with --json, the error on stdout too, as memserver's commands say it
+            memtrain(["trace", "--checkpoint", str(trained["ckpt"]), "--endpoint", memory_cluster.endpoint, *argv,
+                      "--json"])
+        said = capsys.readouterr()
+        assert message in json.loads(said.out)["error"] and said.err.startswith("memtrain trace: error: "), said
     # no cluster (no endpoint file): one line (was a traceback)
     import tempfile
 

@@ -172,8 +172,11 @@ class Inspector:
         except OSError:
             raise
         except Exception as exc:  # noqa: BLE001 - any other bytes: torch's unpickler fails in many ways (KeyError too)
-            said = first_line(exc, 200)
-            raise ValueError(f"{not_ours}: torch.load says {said}") from None
+            import zipfile
+
+            if not zipfile.is_zipfile(path):  # (its unpickler's own words for text were "105": a walkthrough)
+                raise ValueError(f"{not_ours}: it is not a file torch.save writes (no zip archive)") from None
+            raise ValueError(f"{not_ours}: torch.load says {type(exc).__name__}: {first_line(exc, 200)}") from None
         if not isinstance(blob, dict) or "model" not in blob:
             raise ValueError(f"{not_ours}: it has no model" + (
                 " (a table slice of `memserver checkpoint`: those restore tables, they hold no model)"

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -39,6 +39,7 @@ from memserver.cli.common import (
     exit_status,
     one_line,
     parse_args,
+    print_json_error,
     retry_window,
     seconds,
 )
@@ -1057,17 +1058,25 @@ def trace_parser() -> argparse.ArgumentParser:
 def trace_main(argv: list[str]) -> int:
     parser = trace_parser()
     args = parse_args(parser, argv)
+
+    def fail(status: int, error: str) -> NoReturn:
+        """One line on stderr; with --json the error as a JSON object on stdout too, as memserver's
+        commands say theirs (it printed nothing there: a walkthrough)."""
+        if args.json:
+            print_json_error(error)
+        parser.exit(status, f"memtrain trace: error: {error}\n")
+
     if args.tokens < 0:
-        parser.exit(WRONG_COMMAND, f"memtrain trace: error: --tokens must be >= 0, got {args.tokens}\n")
+        fail(WRONG_COMMAND, f"--tokens must be >= 0, got {args.tokens}")
     if args.batch_size < 1:
-        parser.exit(WRONG_COMMAND, f"memtrain trace: error: --batch-size must be >= 1, got {args.batch_size}\n")
+        fail(WRONG_COMMAND, f"--batch-size must be >= 1, got {args.batch_size}")
     try:  # no cluster, a table that is not there: one line, not a traceback
         return _trace(args)
     except (FileNotFoundError, MemserverError) as exc:
-        parser.exit(exit_status(exc), f"memtrain trace: error: {one_line(exc)}\n")
+        fail(exit_status(exc), one_line(exc))
     except SystemExit as exc:
         if isinstance(exc.code, str):  # (its own refusals of the checkpoint or text it was given)
-            parser.exit(WRONG_COMMAND, exc.code + "\n")
+            fail(WRONG_COMMAND, exc.code.removeprefix("memtrain trace: error: "))
         raise
 
 

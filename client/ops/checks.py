@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import numpy as np
 import torch
 
 from memserver.api.errors import InvalidArgumentError
@@ -48,6 +49,8 @@ def checked_ids(x: Any, meta: TableMeta, what: str = "ids", keep_int32: bool = F
     where they travel so (a bag's, which the client only routes and sends: no widening and
     narrowing back per call)."""
     t = as_tensor(x)
+    if t.numel() == 0 and not isinstance(x, (torch.Tensor, np.ndarray)):
+        t = t.long()  # numpy makes `[]` float64: no ids is no dtype of the user's (refused as float64: a walkthrough)
     if t.dtype == torch.int32 and not (keep_int32 and ids_fit_int32(meta.num_rows)):
         t = t.long()
     check_ids(t, meta.num_rows, what)

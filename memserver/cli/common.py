@@ -79,8 +79,14 @@ def retry_window(text: str) -> float:
 
 def whole_number(text: str) -> int:
     """A whole number as a user types it, with or without the thousands separators our tables and
-    pages print (1,370) or Python's (1_370): what they show can be typed back. ValueError else."""
-    return int(text.strip().replace(",", "").replace("_", ""))
+    pages print (1,370) or Python's (1_370): what they show can be typed back. ValueError else,
+    for commas out of their places too ("1,37,0" was read as 1370: a walkthrough)."""
+    import re
+
+    text = text.strip()
+    if "," in text and not re.fullmatch(r"[+-]?[0-9]{1,3}(,[0-9]{3})+", text):
+        raise ValueError(f"{text!r}: commas go between groups of three digits (1,370)")
+    return int(text.replace(",", ""))  # (int takes Python's 1_370 as it is, and refuses 1__370 or 1370_)
 
 
 def slot_id(text: str) -> int:
