@@ -14,9 +14,9 @@ not used again (the client's retry sends those calls by gRPC while the region is
 Bounds: at most MAX_OUTSTANDING calls whose answers are unread per connection, those given up
 included (more go by gRPC), so the shard's queue of answers never fills (it holds twice that) and
 it always goes back to reading requests; a request waits for room in the socket at most until its
-deadline (then it goes by gRPC, or, cut off mid-frame, breaks the connection). A connection that is interrupted mid-frame (a signal's exception) is
-broken, never read or written again out of step, and one inherited across fork is not used by
-the child (its calls go by gRPC).
+deadline (then it goes by gRPC, or, cut off mid-frame, breaks the connection). A connection that
+is interrupted mid-frame (a signal's exception) is broken, never read or written again out of
+step, and one inherited across fork is not used by the child (its calls go by gRPC).
 """
 
 from __future__ import annotations
@@ -107,19 +107,16 @@ class Bell:
     def alive(self) -> bool:
         return not self.broken and os.getpid() == self.pid
 
-    def _full(self) -> bool:
-        # calls whose answers are unread, given up ones too (the shard answers each: were they not
-        # counted, its answers to them could fill its queue and stop it reading requests while this
-        # side, sending, reads none: a review), and answers read and never collected
-        with self.cond:
-            return self.unread + len(self.answers) >= MAX_OUTSTANDING
-
     def send(self, method: str, raw: bytes, timeout: float | None) -> int | None:
         """Send a call; its ticket for `wait`, or None: send it by gRPC (too large, too many in
         flight, the connection broken, or not sent by the call's deadline)."""
         if len(raw) > MAX_REQUEST_BYTES or not self.alive:
             return None
-        if self._full():
+        # counted: calls whose answers are unread, given up ones too (the shard answers each: were
+        # they not counted, its answers to them could fill its queue and stop it reading requests
+        # while this side, sending, reads none: a review), and answers read and never collected.
+        # (A glance without the lock; the count that decides is taken under it below.)
+        if self.unread + len(self.answers) >= MAX_OUTSTANDING:
             self._drain()  # answers of calls given up, read now if no one is reading
         name = _NAMES.get(method) or method.encode()
         until = None if timeout is None else time.monotonic() + timeout  # one machine, one clock
