@@ -668,7 +668,8 @@ class AsyncMemoryClient:
         "IVF1024,PQ16", "HNSW32", ...) of `dim`-float vectors under your int64 ids, sharded by id,
         compared by `metric` ("ip": inner product, larger is better; "l2": squared distance), with
         `payload_dim` floats per id returned with hits. Trained kinds need `train_index` before `add`.
-        `replace`: as for create_table (a table of that name is dropped once the spec is accepted)."""
+        `replace`: as for create_table (an index table of that name is dropped once the spec is
+        accepted; another kind's is refused, TableExistsError)."""
         if metric not in METRICS:
             raise InvalidArgumentError(f"metric: expected 'ip' or 'l2', got {metric!r}")
         check_ints(INT64, dim=dim, payload_dim=payload_dim)

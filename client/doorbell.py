@@ -38,7 +38,7 @@ from memserver.wire import DOORBELL_MAX_REQUEST as MAX_REQUEST_BYTES
 from memserver.wire import DOORBELL_REPLY as REPLY
 from memserver.wire import MAX_MESSAGE_BYTES, recv_exact
 
-#: Calls in flight on one connection at most.
+#: Calls on one connection whose answers are unread (those given up too), at most.
 MAX_OUTSTANDING = 32
 #: Seconds the hello may take.
 HELLO_SECONDS = 5.0
@@ -112,6 +112,7 @@ class Bell:
         flight, the connection broken, or not sent by the call's deadline)."""
         if len(raw) > MAX_REQUEST_BYTES or not self.alive:
             return None
+        until = None if timeout is None else time.monotonic() + timeout  # one machine, one clock
         # counted: calls whose answers are unread, given up ones too (the shard answers each: were
         # they not counted, its answers to them could fill its queue and stop it reading requests
         # while this side, sending, reads none: a review), and answers read and never collected.
@@ -119,8 +120,7 @@ class Bell:
         if self.unread + len(self.answers) >= MAX_OUTSTANDING:
             self._drain()  # answers of calls given up, read now if no one is reading
         name = _NAMES.get(method) or method.encode()
-        until = None if timeout is None else time.monotonic() + timeout  # one machine, one clock
-        if not self.send_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+        if not self.send_lock.acquire(timeout=-1 if until is None else max(0.0, until - time.monotonic())):
             return None  # another call's request holds the socket past this one's deadline
         try:
             with self.cond:
@@ -188,6 +188,7 @@ class Bell:
                     break
                 self._read_one(0.0)
                 with self.cond:
+                    self.cond.notify_all()  # (an answer filed for a waiter: it need not wait for the drain's end)
                     if self.unread == before:
                         break
         finally:

@@ -51,7 +51,8 @@ Rung = tuple[Bell, int] | None
 def ring(calls: list[tuple[str, str, Any]], sent: list[tuple[bytes, Lease | None]], shm: ShmTransport | None,
          timeout: float | None) -> list[Rung]:
     """Send each call that can go by its shard's doorbell now; (bell, ticket) for each, None for
-    those to send by gRPC (no doorbell with that shard, too large, too many in flight)."""
+    those to send by gRPC (no doorbell with that shard, too large, too many answers unread, or no
+    room for it in the socket before its deadline)."""
     if shm is None or not shm.regions:
         return [None] * len(calls)
     out: list[Rung] = []

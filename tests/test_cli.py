@@ -823,14 +823,16 @@ def test_up_names_the_tables_without_wal_that_came_back_as_made_a_bounded_few():
     def table(name: str, kind: str = "value", wal: bool = False) -> dict:
         return {"name": name, "kind": kind, "wal": wal}
 
-    tables = [table(f"t{i}") for i in range(7)] + [table("idx", "index"), table("logged", wal=True), table("kept")]
+    tables = [table(f"t{i}") for i in range(6)] + [table("pk", "product_keys"), table("idx", "index"),
+                                                   table("logged", wal=True), table("kept")]
     slices = [{"table": t["name"], "recovered_from": "initial values"} for t in tables[:-1]]
     slices += [{"table": "kept", "recovered_from": "checkpoint step 3"}, {"table": "t0", "recovered_from": "initial values"}]
     st = {"tables": tables, "shards": [{"tables": slices[:5]}, {"tables": slices[5:]}]}
     assert back_as_made(st, names=8) == ("tables without wal came back as their initial values, no checkpoint or "
                                          "restore of theirs being on the data directory: idx (an index table: empty), "
-                                         "t0, t1, t2, t3, t4, t5, t6")
-    assert back_as_made(st, names=2).endswith(": idx (an index table: empty), t0 and 6 more")
+                                         "pk (a product-key table: its keys not loaded), t0, t1, t2, t3, t4, t5")
+    assert back_as_made(st, names=2).endswith(": idx (an index table: empty), pk (a product-key table: its keys not "
+                                              "loaded) and 6 more")
     assert back_as_made({"tables": tables[-2:], "shards": [{"tables": slices[-3:-1]}]}) == ""
 
 

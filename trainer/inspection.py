@@ -172,10 +172,10 @@ class Inspector:
         except OSError:
             raise
         except Exception as exc:  # noqa: BLE001 - any other bytes: torch's unpickler fails in many ways (KeyError too)
-            import zipfile
-
-            if not zipfile.is_zipfile(path):  # (its unpickler's own words for text were "105": a walkthrough)
-                raise ValueError(f"{not_ours}: it is not a file torch.save writes (no zip archive)") from None
+            with open(path, "rb") as f:  # torch.save writes a zip archive (or, before, a pickle)
+                head = f.read(4)
+            if not (head == b"PK\x03\x04" or head[:1] == b"\x80"):  # (the unpickler's words for text: "105")
+                raise ValueError(f"{not_ours}: it is not a file torch.save writes") from None
             raise ValueError(f"{not_ours}: torch.load says {type(exc).__name__}: {first_line(exc, 200)}") from None
         if not isinstance(blob, dict) or "model" not in blob:
             raise ValueError(f"{not_ours}: it has no model" + (

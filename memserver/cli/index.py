@@ -347,8 +347,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "as many as one request carries at this dim)")
     b.add_argument("--shards", type=int, default=0, help="shards to spread it over (default: all)")
     b.add_argument("--wal", action="store_true", help="log every add and remove before acknowledging it")
-    b.add_argument("--replace", action="store_true", help="drop a table of that name first (else an existing one is "
-                   "refused); a build that fails drops the table it made")
+    b.add_argument("--replace", action="store_true", help="drop an index table of that name first (else an existing "
+                   "one is refused, as is a table of another kind with it); a build that fails drops the table it made")
     cluster_flags(b, timeout=600.0, json_help="print one JSON object instead of a line")
     b.set_defaults(func=cmd_build)
     p = isub.add_parser("load-pkm", help="serve a trained product-key memory layer of a memtrain checkpoint",

@@ -144,13 +144,15 @@ def problems(st: dict[str, Any]) -> list[str]:
 def back_as_made(st: dict[str, Any], names: int = 5) -> str:
     """Tables without wal that a start brought back as their initial values (no checkpoint or
     restore of theirs on the data directory): what `down` said they would lose, said again by
-    `up` as it happens, an index's being empty ("" when none). At most `names` tables named."""
+    `up` as it happens, an index's being empty and a product-key table's keys not loaded ("" when
+    none). At most `names` tables named."""
     tables = {t["name"]: t for t in st["tables"]}
     back = sorted({t["table"] for s in st["shards"] for t in s["tables"]
                    if t["recovered_from"] == INITIAL_VALUES and not tables.get(t["table"], {"wal": True})["wal"]})
     if not back:
         return ""
-    said = [name + (" (an index table: empty)" if tables[name]["kind"] == "index" else "") for name in back[:names]]
+    what = {"index": " (an index table: empty)", "product_keys": " (a product-key table: its keys not loaded)"}
+    said = [name + what.get(tables[name]["kind"], "") for name in back[:names]]
     more = f" and {len(back) - names} more" if len(back) > names else ""
     return (f"tables without wal came back as their initial values, no checkpoint or restore of theirs being on the "
             f"data directory: {', '.join(said)}{more}")
@@ -526,8 +528,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ct.add_argument("--wal", action="store_true",
                     help="log every write before acknowledging it, so a restarted shard loses none")
     ct.add_argument("--replace", action="store_true",
-                    help="drop a table of that name and make this one instead (its values are lost), once the "
-                         "cluster has accepted the new table's settings; without it an existing name is an error")
+                    help="drop a value table of that name and make this one instead (its values are lost), once "
+                         "the cluster has accepted the new table's settings; without it an existing name is an "
+                         "error, as is one of another kind's table with it")
     ct.add_argument("--tier", choices=_CHOICES["tier"],
                     help="ram (default): rows in the shards' memory; disk: in files under a row cache")
     ct.add_argument("--cache-bytes", type=cache_size,
@@ -580,7 +583,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "--table, the latest that holds those tables)")
     rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name, once every file "
-                    "to load is checked")
+                    "to load is checked (each of the kind its checkpoint holds: one of another kind is refused)")
     rs.add_argument("--shards", type=count, default=0, help="restore into this many shards, at most the cluster's (default: as saved, or the cluster's "
                     "shards if fewer)")
     rs.add_argument("--tier", choices=_CHOICES["tier"],

@@ -120,7 +120,7 @@ def upload_source(client: Any, name: str, encodings: torch.Tensor, *, shards: in
                   batch: int = 4096) -> RemoteKnowledge:
     """(Re-)create index table `name` holding E under ids 0..n-1 (payload = E) and return it as a
     source. E is checked first (InvalidArgumentError naming `encodings`), and a table of `name`
-    that is not an index table is refused (the coordinator's FailedPreconditionError): nothing is
+    that is not an index table is refused (the coordinator's TableExistsError): nothing is
     dropped for a call that cannot make the source. An index table of that name is replaced once the new one's spec is accepted."""
     from client import InvalidArgumentError
     from memserver.wire import check_float
