@@ -213,6 +213,8 @@ def test_a_scratch_table_dropped_by_someone_else_leaves_the_report_standing(memo
     [
         (["--duration", "abc"], "--duration: expected a time like 30s"),
         (["--duration", "0s"], "--duration: must be more than zero"),
+        (["--duration", "-1s"], "--duration: expected a time like 30s, 2m or 500ms, got '-1s'"),  # (not argparse's
+        # "expected one argument": a walkthrough)
         (["--duration", "5 parsecs"], "--duration"),
         (["--mix", "bag:1,scan:2"], "--mix: unknown call 'scan'"),
         (["--users", "0"], "--users must be at least 1"),

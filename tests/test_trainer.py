@@ -328,6 +328,7 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
     (["--micro-batches", "0"], "--micro-batches: must be in [1, "),
     (["--value-lr", "0"], "--value-lr: must be a positive number"),
     (["--lr", "nan"], "--lr: must be a positive number"),
+    (["--lr", "-1e-3"], "--lr: must be a positive number, got -0.001"),  # (argparse: "expected one argument")
     (["--dropout", "2"], "--dropout: must be in [0, 1)"),
     (["--block-size", "100000000"], "--block-size: must be in [1, 65536]"),
     (["--checkpoint-every", "2"], "--checkpoint-every: give --checkpoint-dir"),
@@ -342,8 +343,10 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
     (["--memory", "local", "--data", "/nonexistent"], "error: --data: no such file or folder: /nonexistent"),
 ])
 def test_bad_memtrain_flags_are_named(argv, message):
+    from memserver.cli.common import parse_args  # (memtrain's main parses with it)
+
     with pytest.raises(SystemExit, match=re.escape(message)):
-        list(train(build_parser().parse_args([*TINY, "--steps", "1", *argv])))
+        list(train(parse_args(build_parser(), [*TINY, "--steps", "1", *argv])))
 
 
 def test_memory_flags_of_a_run_without_memory_are_named(capsys):

@@ -190,6 +190,19 @@ def cache_size(text: str) -> int:
     return size
 
 
+def _negative_values(parser: argparse.ArgumentParser) -> None:
+    """A flag's value that starts with a minus and a digit (`--duration -1s`, `--lr -1e-3`) is its
+    value, refused by the flag's own check, where argparse takes only `-1` and `-0.5` so and said
+    "expected one argument" of the others (a walkthrough). No flag of ours looks like a number."""
+    import re
+
+    parser._negative_number_matcher = re.compile(r"^-\.?[0-9]")  # (argparse's own rule, widened)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _negative_values(sub)
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """`parser.parse_args`, except that a flag no parser knows is refused by the parser of the
     command it was given to (its usage, not the top level's `COMMAND ...`), naming that command's
@@ -198,6 +211,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     import difflib
     import sys
 
+    _negative_values(parser)
     args, extra = parser.parse_known_args(argv)
     if not extra:
         return args
