@@ -885,6 +885,9 @@ class AsyncMemoryClient:
                 got: Any = await self._call(table, make, tags, retry=retry)
             except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
                 got = exc
+            except BaseException as exc:  # cancelled with a call out: its decision kept, not dropped
+                ops.settle_interrupted(plan, exc)
+                raise
             try:
                 make, tags, retry = plan.send(got)
             except StopIteration as done:

@@ -344,6 +344,9 @@ class MemoryClient:
                 got: Any = self._call(table, make, tags, retry=retry)
             except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
                 got = exc
+            except BaseException as exc:  # interrupted (Ctrl-C) with a call out: its decision kept, not dropped
+                ops.settle_interrupted(plan, exc)
+                raise
             try:
                 make, tags, retry = plan.send(got)
             except StopIteration as done:

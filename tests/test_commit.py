@@ -333,6 +333,63 @@ def test_a_decision_one_shard_refuses_is_kept_for_the_shard_it_could_not_reach(p
     assert "the commit of step 2 was refused: " in caplog.text and "cannot commit on shard 0" in caplog.text
 
 
+@pytest.mark.parametrize("by", ["sync", "aio"])
+def test_a_commit_interrupted_with_its_decision_out_keeps_the_decision(pairs, monkeypatch, by):
+    """A review: a commit cancelled (asyncio.wait_for, a cancelled task) or interrupted (Ctrl-C)
+    while its COMMIT was on the way to shard 1 dropped the decision: step 2 committed on shard 0
+    and stayed prepared on shard 1 for good, its seqs in flight for ever. The decision is kept and
+    re-sent before the next commit, and the table equals a run never interrupted."""
+    import asyncio
+
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+        send_part(p.client, 2, 2)
+    ref.client.commit_step(NAME, 2)
+    address = run.shards[1].address
+
+    def is_commit(raw) -> bool:
+        return pb.CommitStepRequest.FromString(bytes(raw)).phase == pb.STEP_COMMIT
+
+    if by == "sync":  # Ctrl-C while the COMMIT to shard 1 is out
+        real = run.client._methods
+
+        def methods(at):
+            got = dict(real(at))
+            if at == address:
+                commit = got["CommitStep"]
+
+                def interrupted(raw, *a, **k):
+                    if is_commit(raw):
+                        raise KeyboardInterrupt
+                    return commit(raw, *a, **k)
+
+                got["CommitStep"] = interrupted
+            return got
+
+        monkeypatch.setattr(run.client, "_methods", methods)
+        with pytest.raises(KeyboardInterrupt):
+            run.client.commit_step(NAME, 2)
+    else:  # cancelled by its caller's deadline while the COMMIT to shard 1 is slow
+        real_data = run.client.aio._data
+
+        async def data(at, method, request):
+            if at == address and method == "CommitStep" and is_commit(request):
+                await asyncio.sleep(5)
+            return await real_data(at, method, request)
+
+        monkeypatch.setattr(run.client.aio, "_data", data)
+        with pytest.raises((asyncio.TimeoutError, TimeoutError)):
+            run.client._run(asyncio.wait_for(run.client.aio.commit_step(NAME, 2), 1.0))
+    assert 2 not in run.slice(0).steps and run.slice(1).steps[2]["trainer"].prepared
+    assert list(run.client.aio.session.undecided(NAME)) == [2]  # kept, to re-send
+    monkeypatch.undo()
+    for p in (run, ref):
+        train_step(p.client, 3, (3,))
+    assert 2 not in run.slice(1).steps and not run.client.aio.session.undecided(NAME)
+    assert_same(run.state(), ref.state())
+
+
 def test_a_step_whose_shard_cannot_be_reached_says_so_and_is_aborted_when_it_can(pairs, monkeypatch):
     """Shard 1 is unreachable for both phases (its cluster went away): the error says the shards
     could not be reached (not only that an abort is pending); once it is back, the next commit

@@ -25,7 +25,7 @@ from client.ops.inspect import SLOT_STATS, record_triggers_op, slot_stats_op, to
 from client.ops.product_keys import address_op, load_product_keys_op
 from client.ops.routing import route_bags, route_ids, route_owned
 from client.ops.sessions import ClientSession, StepParts, WriteTags
-from client.ops.steps import CommitPlan, commit_step_plan, drop_open_steps_op, step_phase_op
+from client.ops.steps import CommitPlan, commit_step_plan, drop_open_steps_op, settle_interrupted, step_phase_op
 from client.ops.values import (
     aggregate,
     bag_backward_op,
@@ -66,6 +66,7 @@ __all__ = [
     "route_ids",
     "route_owned",
     "search_op",
+    "settle_interrupted",
     "slot_stats_op",
     "step_phase_op",
     "top_slots_plan",

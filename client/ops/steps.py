@@ -18,6 +18,7 @@ from memserver.api.errors import (
     MemserverError,
     StepAbortedError,
     TableNotFoundError,
+    UnavailableError,
 )
 from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
@@ -116,6 +117,21 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
         # commit, so the other trainers' step is not left waiting for it).
         log.warning("%s", outcome.details)
         parts, layout = {}, 0
+
+
+def settle_interrupted(plan: CommitPlan, why: BaseException) -> None:
+    """A commit interrupted while one of its calls was out (a cancelled task, Ctrl-C): that call's
+    outcome is unknown, as an unreachable shard's is. The plan goes on with that answer for each
+    call it would send next, sending nothing, so the decision it took, or the abort a prepare's
+    failure calls for, is kept and re-sent before the table's next commit: the step is never left
+    prepared on some shards with its decision dropped (a review: committed on one shard, prepared
+    for good on the other, its seqs in flight for ever)."""
+    lost = UnavailableError(f"the call was interrupted ({type(why).__name__}) before its answer came")
+    try:
+        while True:
+            plan.send(lost)
+    except (StopIteration, MemserverError):
+        pass
 
 
 def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool,
