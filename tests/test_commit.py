@@ -333,6 +333,27 @@ def test_a_decision_one_shard_refuses_is_kept_for_the_shard_it_could_not_reach(p
     assert "the commit of step 2 was refused: " in caplog.text and "cannot commit on shard 0" in caplog.text
 
 
+def test_a_commits_errors_keep_the_status_the_shard_answered():
+    """A review: a shard's INTERNAL failure of a commit reached the caller as UNKNOWN (the plan's
+    errors were made again without their code): a PREPARE_COMMIT's, a kept decision's re-send's
+    and an abort's after an unreachable prepare."""
+    from memserver.api.errors import error_for
+
+    for shards in (1, 2):
+        session = ops.ClientSession("c")
+        plan = ops.commit_step_plan(session, "t", 1, shards)
+        next(plan)
+        with pytest.raises(MemserverError) as got:
+            plan.send(error_for(grpc.StatusCode.INTERNAL, "boom", "shard x"))  # the prepare (one shard: the commit)
+            plan.send(error_for(grpc.StatusCode.INTERNAL, "boom again", "shard x"))  # the abort, kept
+        assert got.value.code == grpc.StatusCode.INTERNAL, (shards, got.value)
+        plan = ops.commit_step_plan(session, "t", 2, shards)  # the kept decision re-sent first
+        next(plan)
+        with pytest.raises(MemserverError) as got:
+            plan.send(error_for(grpc.StatusCode.INTERNAL, "still", "shard x"))
+        assert got.value.code == grpc.StatusCode.INTERNAL and "has not reached every shard" in got.value.details
+
+
 @pytest.mark.parametrize("by", ["sync", "aio"])
 def test_a_commit_interrupted_with_its_decision_out_keeps_the_decision(pairs, monkeypatch, by):
     """A review: a commit cancelled (asyncio.wait_for, a cancelled task) or interrupted (Ctrl-C)

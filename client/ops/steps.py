@@ -98,7 +98,7 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
         if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
             raise type(got)(f"table {table}: step {step} is not committed: the {_PHASES[phase]} of step {st} has not "
                             f"reached every shard yet ({got.details}); commit step {step} again later",
-                            target=got.target)
+                            got.code, target=got.target)
         if isinstance(got, MemserverError):
             log.warning("table %s: the %s of step %d was refused: %s", table, _PHASES[phase], st, got)
         session.set_undecided(table, st, None)
@@ -172,7 +172,7 @@ def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: i
             raise type(got)(f"table {table}: step {step} is not committed: a shard could not be reached (stopped, "
                             f"its host lost or cut off), neither by its prepare ({voted.details}) nor by the abort that "
                             f"followed ({got.details}); nothing of the step was applied, and this client re-sends the "
-                            "abort before its next commit of the table", target=got.target)
+                            "abort before its next commit of the table", got.code, target=got.target)
         raise _undelivered(got, table, step, decision)
     decide.held = False
     decide.close()
@@ -189,4 +189,4 @@ def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: i
 
 def _undelivered(exc: MemserverError, table: str, step: int, phase: int) -> MemserverError:
     return type(exc)(f"table {table}: step {step}: the {_PHASES[phase]} did not reach every shard ({exc.details}); "
-                     "this client re-sends it before the table's next commit", target=exc.target)
+                     "this client re-sends it before the table's next commit", exc.code, target=exc.target)
