@@ -121,6 +121,52 @@ def test_sessions_stay_bounded_whatever_clients_send(monkeypatch):
         s.recall(pb.WriteTag(client_id="x" * 1000, seq=1, acked_below=1), "t")
 
 
+def test_sessions_expired_to_make_room_for_a_new_client_have_their_steps_decided(tmp_path, monkeypatch):
+    """A review: at MAX_SESSIONS, a new client's write expired the idle sessions inside `recall`
+    and dropped them there, so a gone client's step prepared on shard 1 (its COMMIT reached only
+    shard 0) was never decided: prepared for good. They are expired by the slice now, which
+    commits such a step first (presumed commit), as any expiry does."""
+    import memserver.server.sessions as sessions
+    from client import MemoryClient, UnavailableError
+    from memserver.cluster.inprocess import InProcessServer
+
+    monkeypatch.setattr(sessions, "MAX_SESSIONS", 2)  # (for 65,536)
+    rng = np.random.default_rng(0)
+    ids, w, g = rng.integers(0, 64, (6, 4)), rng.random((6, 4)).astype(np.float32), rng.normal(size=(6, 8)).astype(np.float32)
+    with InProcessServer(2, data_dir=str(tmp_path), session_ttl=1.0) as server:
+        with MemoryClient(server.endpoint, timeout=10, retry_seconds=0, client_id="A", shm=False) as a:
+            a.create_table("t", 64, 8, wal=True)
+            a.bag_backward("t", ids, w, g, step=1, gather=True)
+            late, real = a.table("t").shards[1].address, a._methods
+
+            def methods(at):  # A's COMMIT cannot reach shard 1: A then goes away
+                got = dict(real(at))
+                if at == late:
+                    commit_step = got["CommitStep"]
+
+                    def cut(raw, *args, **kwargs):
+                        if pb.CommitStepRequest.FromString(bytes(raw)).phase == pb.STEP_COMMIT:
+                            raise UnavailableError("unreachable (test)")
+                        return commit_step(raw, *args, **kwargs)
+
+                    got["CommitStep"] = cut
+                return got
+
+            a._methods = methods
+            with pytest.raises(UnavailableError):
+                a.commit_step("t", 1)
+        held = server.shards[1].servicer.tables["t"]
+        assert held.steps[1]["A"].prepared
+        one = (np.array([1]), np.ones((1, 8), np.float32))
+        with MemoryClient(server.endpoint, timeout=10, client_id="B", shm=False) as b:
+            b.push_gradients("t", *one)  # shard 1's sessions: A and B, the most it holds
+            time.sleep(1.5)  # both idle past the TTL
+            with MemoryClient(server.endpoint, timeout=10, client_id="C", shm=False) as c:
+                c.push_gradients("t", *one)
+        assert list(held.sessions.by_client) == ["C"] and not held.steps  # A's step committed, not left prepared
+        assert not server.shards[0].servicer.tables["t"].steps
+
+
 def test_an_expired_session_refuses_a_retry_and_accepts_new_writes():
     s = Sessions(ttl=60)
     tag = pb.WriteTag(client_id="a", seq=1, acked_below=1)

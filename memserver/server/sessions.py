@@ -87,11 +87,11 @@ class Sessions:
         if len(tag.client_id) > MAX_CLIENT_ID:
             raise InvalidArgumentError(f"tag: a client id of {len(tag.client_id):,} characters, at most {MAX_CLIENT_ID}")
         if s is None:
+            # (the idle ones expired first by the caller, which decides their open steps: TableSlice.once;
+            # expired here, they were dropped with their prepared steps left undecided: a review)
             if len(self.by_client) >= MAX_SESSIONS and not replaying:
-                self.expire(now)
-                if len(self.by_client) >= MAX_SESSIONS:
-                    raise ResourceExhaustedError(f"table {table}: {MAX_SESSIONS:,} client sessions already; a new "
-                                                 f"client's write waits until idle ones expire ({self.ttl:g} s)")
+                raise ResourceExhaustedError(f"table {table}: {MAX_SESSIONS:,} client sessions already; a new "
+                                             f"client's write waits until idle ones expire ({self.ttl:g} s)")
             if tag.attempt > 0 and not replaying:
                 raise FailedPreconditionError(
                     f"table {table}: write {tag.seq} of client {tag.client_id} is a retry (attempt {tag.attempt}), "
@@ -119,6 +119,10 @@ class Sessions:
                 f"table {table}: write {tag.seq} of client {tag.client_id} was already answered (the client "
                 f"acknowledged every write below {s.acked_below}); a late duplicate is not applied again")
         return False, None
+
+    def full_for(self, client: str) -> bool:
+        """Whether a session for `client` would be one more than MAX_SESSIONS (expire first)."""
+        return client not in self.by_client and len(self.by_client) >= MAX_SESSIONS
 
     def remember(self, tag: pb.WriteTag, answer: Any, call: int = 0) -> None:
         s = self.by_client[tag.client_id]

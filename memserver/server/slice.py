@@ -232,12 +232,13 @@ class TableSlice:
         is appended before anything changes, so a failed append leaves the table as it was (and
         the log refuses later writes), and a change is never in memory without being in the log
         and the session's record; what is logged is never refused when the log is replayed."""
+        if not self.replaying and tag.client_id and self.sessions.full_for(tag.client_id):
+            self._expire()  # room for the new client's session, the idle ones' steps decided
         seen, answer = self.sessions.recall(tag, self.spec.name, self.replaying, kind) if tag.client_id else (False, None)
         if seen:
             return answer, True
-        if not self.replaying:  # the steps of expired sessions first, by logged writes of their own (replayed)
-            for st, client, phase in self.expired(self.sessions.expire()):
-                self._resolve(st, client, phase)
+        if not self.replaying:
+            self._expire()
         if check is not None:
             check()
         self._log(kind, request)
@@ -255,6 +256,12 @@ class TableSlice:
             return answer, False
         self.sessions.remember(tag, answer, kind)
         return answer, False
+
+    def _expire(self) -> None:
+        """Forget the sessions idle past the TTL, their clients' undecided steps decided first, by
+        logged writes of their own (replayed)."""
+        for st, client, phase in self.expired(self.sessions.expire()):
+            self._resolve(st, client, phase)
 
     def _resolve(self, step: int, client: str, phase: int) -> None:
         """Decide the step of a client whose session expired (see `expired`), as a logged write of
