@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -787,6 +788,125 @@ def test_a_replace_the_shards_cannot_make_leaves_the_table(tmp_path):
         with pytest.raises(FailedPreconditionError, match="a tier 'disk' table needs a data directory"):
             c.restore(ck, replace=True, tier="disk")
         np.testing.assert_array_equal(c.lookup("t", [1]), np.full((1, 4), 7.0))
+
+
+def _held_names(server) -> list[set[str]]:
+    return [set(shard.servicer.tables) for shard in server.shards]
+
+
+def test_calls_on_one_table_name_at_once_run_one_after_another(tmp_path):
+    """A review: two creates with replace of one name at once both failed and the table was gone
+    (each refused the other's placing); a replace beside a drop failed UNAVAILABLE, the table gone;
+    a create beside a drop of a name that did not exist was refused ALREADY_EXISTS. Calls on one
+    name now run one after another: each answers as it would alone, and the catalog and the
+    shards agree."""
+    import asyncio
+
+    from client import AsyncMemoryClient, TableNotFoundError
+    from memserver.cluster.inprocess import InProcessServer
+
+    async def calls(server) -> None:
+        async with AsyncMemoryClient(server.endpoint, retry_seconds=0, shm=False) as c:
+            await c.create_table("t", 100, 8)
+            both = await asyncio.gather(*(c.create_table("t", 100, 8, replace=True) for _ in range(2)))
+            assert [m.name for m in both] == ["t", "t"] and [m.name for m in await c.list_tables()] == ["t"]
+            await asyncio.gather(c.create_table("t", 100, 8, replace=True), c.drop_table("t"))  # in order
+            assert not await c.list_tables() and _held_names(server) == [set(), set()]
+            dropped, made = await asyncio.gather(c.drop_table("u"), c.create_table("u", 100, 8), return_exceptions=True)
+            assert isinstance(dropped, TableNotFoundError) and made.name == "u", (dropped, made)
+            assert _held_names(server) == [{"u"}, {"u"}]
+            servicer = server.coordinator.servicer
+            assert not servicer.naming and not servicer.pending and not servicer.replacing  # nothing left held
+
+    with InProcessServer(2, data_dir=str(tmp_path)) as server:
+        asyncio.run(calls(server))
+
+
+def test_a_create_its_caller_gave_up_on_is_made_whole(tmp_path, monkeypatch):
+    """A review: a create whose client's deadline passed while a shard made its slice (a slow
+    disk) left both slices on the shards and no table in the catalog: the name refused ALREADY_EXISTS
+    and served NOT_FOUND until dropped. The create runs to its end (or undoes itself) whoever waits."""
+    from client import DeadlineExceededError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2, data_dir=str(tmp_path)) as server:
+        slow, made = server.shards[1], server.shards[1].create_table
+
+        def late(*args, **kwargs):
+            time.sleep(2.5)
+            return made(*args, **kwargs)
+
+        monkeypatch.setattr(slow, "create_table", late)
+        with MemoryClient(server.endpoint, timeout=1, retry_seconds=0, shm=False) as c:
+            with pytest.raises(DeadlineExceededError):
+                c.create_table("t", 100, 8)
+        t0 = time.monotonic()
+        while "t" not in server.coordinator.servicer.tables:
+            assert time.monotonic() - t0 < 20, "the create was not finished"
+            time.sleep(0.05)
+        with MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+            assert c.lookup("t", [1]).shape == (1, 8) and _held_names(server) == [{"t"}, {"t"}]
+
+
+def test_a_refused_replace_leaves_a_left_out_tables_slices(tmp_path):
+    """A review: a create with replace of a table left out at start-up (one of its slices lost)
+    dropped its surviving slices, kept for repair, before the cluster refused the new table (too
+    large): every refusal comes before anything of the name is dropped now."""
+    import shutil
+
+    from client import MemoryClient, ResourceExhaustedError
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.server.config import Limits, ServeConfig
+
+    def cluster() -> InProcessServer:
+        return InProcessServer(2, data_dir=str(tmp_path), config=ServeConfig(limits=Limits(max_table_bytes=1 << 20)))
+
+    with cluster() as server, MemoryClient(server.endpoint, shm=False) as c:
+        c.create_table("t", 1000, 8, wal=True)
+    shutil.rmtree(tmp_path / "shard-0001" / "t")
+    with cluster() as server, MemoryClient(server.endpoint, shm=False) as c:
+        assert "t" in server.coordinator.servicer.left_out
+        with pytest.raises(ResourceExhaustedError, match="above the cluster's limit"):
+            c.create_table("t", 100000, 64, replace=True)
+        assert "t" in server.coordinator.servicer.left_out and (tmp_path / "shard-0000" / "t").is_dir()
+
+
+def test_a_restore_with_replace_keeps_to_the_kind_of_a_table_made_while_it_checks(tmp_path, monkeypatch):
+    """A review: the kind was checked before the restore read its checkpoint's bytes, and a table
+    of another kind made meanwhile (an index, built for hours) was dropped for the checkpoint's
+    value table. Checked again where the name is replaced."""
+    import asyncio
+
+    from client import AsyncMemoryClient, TableExistsError
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.server import coordinator
+
+    verify = coordinator.verify_files
+
+    def slow(files):  # (a large checkpoint's checksum pass)
+        time.sleep(1.5)
+        return verify(files)
+
+    monkeypatch.setattr(coordinator, "verify_files", slow)
+
+    async def calls(server) -> None:
+        async with AsyncMemoryClient(server.endpoint, retry_seconds=0, shm=False) as c:
+            await c.create_table("t", 100, 8)
+            await c.checkpoint(str(tmp_path / "ck"))
+
+            async def remake() -> None:
+                await asyncio.sleep(0.5)
+                await c.drop_table("t")
+                await c.create_index("t", 8)
+                await c.add("t", np.arange(5), np.eye(5, 8, dtype=np.float32))
+
+            restored, _ = await asyncio.gather(c.restore(str(tmp_path / "ck"), replace=True), remake(),
+                                               return_exceptions=True)
+            assert isinstance(restored, TableExistsError) and "is an index table: a restore with replace" in str(restored)
+            assert [(m.name, m.kind) for m in await c.list_tables()] == [("t", "index")]
+
+    with InProcessServer(2, data_dir=str(tmp_path / "data")) as server:
+        asyncio.run(calls(server))
 
 
 @pytest.mark.parametrize("how", ["create", "create-replace", "restore-replace"])

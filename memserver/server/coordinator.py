@@ -16,8 +16,9 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -65,6 +66,8 @@ from memserver.storage.checkpoint import (
     write_manifest,
 )
 from memserver.wire import check_float, check_rows, decode
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.checkpoint_calls: dict[str, asyncio.Task[pb.CheckpointResponse]] = {}
         # checkpoint root -> its lock and the calls holding or awaiting it (entries: roots in use)
         self.writing: dict[Path, tuple[asyncio.Lock, int]] = {}
+        #: one create, drop or restore of a table name at a time (`_serialised`): two replaces of a
+        #: name at once both failed, the table gone (each refused the other's placing: a review).
+        #: Bounded by the calls waiting: a name's entry goes with its last one.
+        self.naming: dict[str, tuple[asyncio.Lock, int]] = {}
         self.metrics: CoordinatorMetrics | None = None  # set by CoordinatorActor
 
     def recover_catalog(self, described: list[list[tuple[bytes, bytes, int]]]) -> None:
@@ -295,11 +302,17 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
         spec = validate_spec(request.spec, len(self.handles))
+        return await self._serialised(spec.name, self._create(spec, request))
+
+    async def _create(self, spec: pb.TableSpec, request: pb.CreateTableRequest) -> pb.TableInfo:
         if request.replace:
             self._refuse_other_kind(spec, "a create", " or choose another name")
-            await self._drop_strays(spec.name)  # what is there goes: slices no table owns too
-        if request.replace and spec.name in self.tables and spec.name not in self.pending:
+            # every refusal before anything of the name is dropped: slices no table owns too (a table
+            # left out at start-up lost its surviving slices to a create the shards then refused: a review)
             plan = await self._check_fits(spec)
+            await self._drop_strays(spec.name)  # what is there goes: slices no table owns too
+            if spec.name not in self.tables:
+                return await self._place(spec, plan=plan, checked=True)
             log.info("replacing table %s", spec.name)
             self.replacing[spec.name] += 1
             try:
@@ -311,7 +324,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 # on the shards checked, and as checked: the old table's memory may not show as free yet
                 return await self._place(spec, plan=plan, checked=True)
             except Exception as exc:  # (a shard lost between the check and the placing, or in the drop)
-                if spec.name in self.tables:  # not dropped (or made by another call meanwhile): as it is
+                if spec.name in self.tables:  # not dropped: as it is
                     raise
                 raise _after_the_drop(exc, spec.name, "create it again") from None
             finally:
@@ -447,7 +460,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def DropTable(self, request: pb.DropTableRequest, context: grpc.aio.ServicerContext) -> pb.DropTableResponse:
         check_table_name(request.name)  # before any shard is asked to drop its folder of that name
-        await self._drop(request.name)
+        await self._serialised(request.name, self._drop(request.name))
         return pb.DropTableResponse()
 
     async def _drop(self, name: str) -> None:
@@ -536,19 +549,25 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         """One checkpoint at a time into a root: two at once (given no step) took the same next
         step, and at one step each wrote the other's slice files under its own manifest."""
         root = root.resolve()  # (one folder reached by two paths is one root)
-        lock, n = self.writing.get(root, (asyncio.Lock(), 0))
-        self.writing[root] = (lock, n + 1)
-        if lock.locked():  # (a writer stuck on a dead disk holds every later one: said, not silent)
+
+        def waits() -> None:  # (a writer stuck on a dead disk holds every later one: said, not silent)
             log.info("checkpoint into %s waits for the one being written there", root)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, n = self.writing[root]
-            if n == 1:
-                del self.writing[root]
-            else:
-                self.writing[root] = (lock, n - 1)
+
+        async with _one_at_a_time(self.writing, root, waits):
+            yield
+
+    async def _serialised(self, name: str, work: Coroutine[Any, Any, T]) -> T:
+        """Run a create, drop or restore of table `name` once every earlier one of that name is
+        done, and to its end even if its caller goes (a client's deadline cancels the handler): a
+        create cancelled mid-way left slices on the shards that no table owned, and a concurrent
+        call of the name found it half made (a review)."""
+        async def run() -> T:
+            async with _one_at_a_time(self.naming, name):
+                return await work
+
+        task = asyncio.ensure_future(run())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (retrieved: no "never retrieved" noise)
+        return await asyncio.shield(task)
 
     async def _write_checkpoint(self, request: pb.CheckpointRequest, root: Path) -> pb.CheckpointResponse:
         if done := made_by(root, request.request_id, request.step):  # a retry across a coordinator restart
@@ -720,25 +739,30 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             await asyncio.get_running_loop().run_in_executor(None, verify_files, files[name])
         resp = pb.RestoreResponse(path=str(directory), step=manifest["step"])
         made: dict[str, int] = {}  # name -> the layout this restore made
+
+        async def restore_one(name: str) -> pb.TableInfo:
+            if request.replace:  # (again: a table of another kind may have taken the name since the check above)
+                self._refuse_other_kind(specs[name], "a restore")
+                self.replacing[name] += 1
+            dropped = request.replace and name in self.tables
+            try:
+                if request.replace:  # nothing of it may stay, slices no table owns either. (Without replace a
+                    if name in self.tables:  # name here is another's, made meanwhile, and shards holding one
+                        await self._drop(name)  # refuse, as for a create: a lost slice's files stay.)
+                    await self._drop_strays(name)
+                return await self._place(specs[name], files[name], plan=plans.get(name), later=later[name])
+            except Exception as exc:  # (a shard lost in the drop or the placing)
+                if not dropped or name in self.tables:
+                    raise
+                raise _after_the_drop(exc, name, "the same restore brings it back from the checkpoint") from None
+            finally:
+                if request.replace:
+                    self.replacing[name] -= 1
+                    self.replacing += collections.Counter()  # (drops the names at 0)
+
         try:
             for name in names:
-                if request.replace:
-                    self.replacing[name] += 1
-                dropped = request.replace and name in self.tables
-                try:
-                    if request.replace:  # nothing of it may stay, slices no table owns either. (Without replace a
-                        if name in self.tables:  # name here is another's, made meanwhile, and shards holding one
-                            await self._drop(name)  # refuse, as for a create: a lost slice's files stay.)
-                        await self._drop_strays(name)
-                    info = await self._place(specs[name], files[name], plan=plans.get(name), later=later[name])
-                except Exception as exc:  # (a shard lost in the drop or the placing)
-                    if not dropped or name in self.tables:
-                        raise
-                    raise _after_the_drop(exc, name, "the same restore brings it back from the checkpoint") from None
-                finally:
-                    if request.replace:
-                        self.replacing[name] -= 1
-                        self.replacing += collections.Counter()  # (drops the names at 0)
+                info = await self._serialised(name, restore_one(name))
                 resp.tables.append(info)
                 made[name] = info.layout_id
         except BaseException:
@@ -747,7 +771,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                     if getattr(self.tables.get(name), "layout_id", None) != layout_id:
                         continue  # dropped or replaced by someone else meanwhile: not this restore's any more
                     try:
-                        await self._drop(name)
+                        await self._serialised(name, self._drop(name))
                     except Exception:  # noqa: BLE001 - the refusal is what the caller must hear
                         log.exception("restore: undoing table %s failed; it stays", name)
             raise
@@ -845,6 +869,26 @@ async def _when_ready(call: Any, timeout: float = 120.0) -> Any:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def _one_at_a_time(locks: dict[Any, tuple[asyncio.Lock, int]], key: Any,
+                         waits: Callable[[], None] | None = None) -> AsyncIterator[None]:
+    """Hold `key`'s lock in `locks` (made on first use; `waits()` called when another holds it),
+    whose entry goes with the last caller waiting for it: `locks` holds what calls wait for."""
+    lock, n = locks.get(key, (asyncio.Lock(), 0))
+    locks[key] = (lock, n + 1)
+    if lock.locked() and waits is not None:
+        waits()
+    try:
+        async with lock:
+            yield
+    finally:
+        lock, n = locks[key]
+        if n == 1:
+            del locks[key]
+        else:
+            locks[key] = (lock, n - 1)
 
 
 class CoordinatorActor:
