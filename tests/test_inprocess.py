@@ -146,6 +146,25 @@ def test_in_process_server_needs_neither_ray_nor_faiss(tmp_path):
     assert "served without ray, faiss" in out.stdout
 
 
+def test_an_index_is_trained_on_an_in_process_server_without_ray(tmp_path):
+    """A review: TrainIndex waited for restarting shards through Ray's error type, so an
+    in-process server where Ray is not installed failed it "No module named 'ray'"."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["ray"] = None  # importing it raises ImportError
+        import numpy as np
+        from client import MemoryClient
+        from memserver.cluster.inprocess import InProcessServer
+        with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=60) as c:
+            c.create_index("ix", 8, index_factory="IVF4,Flat")
+            assert c.train_index("ix", np.random.default_rng(0).normal(size=(200, 8)).astype(np.float32))["sample_rows"] == 200
+        print("trained without ray")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0 and "trained without ray" in out.stdout, out.stderr[-3000:]
+
+
 def test_memtrain_against_the_in_process_server_without_ray_or_faiss():
     """tests/gpu's remote memtrain, on CPU shards: in an interpreter where importing Ray or faiss
     fails, memtrain --memory remote against an in-process server gives the losses of local values."""

@@ -652,21 +652,25 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def TrainIndex(self, request: pb.TrainIndexRequest, context: grpc.aio.ServicerContext) -> pb.TrainIndexResponse:
         """Train the table's quantizer/codebooks once, here, and install the trained empty index on
         every shard of the table: one set of centroids for the whole table."""
-        info = self._get(request.name)
-        spec = info.spec
-        if spec.kind != pb.INDEX:
-            raise InvalidArgumentError(f"name: {request.name!r} is not an index table; only index tables are trained")
+        self._index_spec(request.name)
         if request.name in self.training:
             raise FailedPreconditionError(f"index {request.name!r} is being trained by another call")
         self.training.add(request.name)
-        try:
-            return await self._train_index(request, spec)
+        try:  # (as a create or drop of the name: a replace meanwhile got half the old one's training: a review)
+            return await self._serialised(request.name, self._train_index(request))
         finally:
             self.training.discard(request.name)
 
-    async def _train_index(self, request: pb.TrainIndexRequest, spec: pb.TableSpec) -> pb.TrainIndexResponse:
+    def _index_spec(self, name: str) -> pb.TableSpec:
+        spec = self._get(name).spec
+        if spec.kind != pb.INDEX:
+            raise InvalidArgumentError(f"name: {name!r} is not an index table; only index tables are trained")
+        return spec
+
+    async def _train_index(self, request: pb.TrainIndexRequest) -> pb.TrainIndexResponse:
         from memserver.core.index import VectorIndex
 
+        spec = self._index_spec(request.name)  # (the table as it is once no other call of its name runs)
         sample = decode(request.sample, "sample").float()
         check_rows(sample, sample.shape[0] if sample.dim() == 2 else -1, int(spec.dim), "sample")
         check_float(sample, "sample")
@@ -858,14 +862,17 @@ def unavailable_state(exc: BaseException, dead_node: str = "") -> str:
 async def _when_ready(call: Any, timeout: float = 120.0) -> Any:
     """await call() on an actor that may still be finishing its restart: the shard tells the
     coordinator it is back from inside its __init__, and Ray refuses calls to an actor that is
-    still restarting (ActorUnavailableError) rather than queueing them. Bounded by `timeout`."""
-    import ray
-
+    still restarting (ActorUnavailableError) rather than queueing them. Bounded by `timeout`.
+    (Shards in this process, memserver.cluster.inprocess, never restart: no Ray asked for.)"""
+    try:
+        from ray.exceptions import ActorUnavailableError
+    except ImportError:  # (an in-process server without Ray: TrainIndex said "No module named 'ray'")
+        return await call()
     deadline = time.monotonic() + timeout
     while True:
         try:
             return await call()
-        except ray.exceptions.ActorUnavailableError:
+        except ActorUnavailableError:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
