@@ -583,6 +583,18 @@ def test_dropping_old_open_steps_never_drops_the_step_just_sent():
     assert 0 in sl.steps and 1 not in sl.steps and len(sl.steps) == MAX_OPEN_STEPS
 
 
+def test_a_sync_tables_steps_committed_with_no_part_here_stay_bounded():
+    """A review: on a sync_updates table whose second trainer is gone, the shard that the live
+    trainer only committed to (its parts all went to the other shard) kept a waiting step per
+    commit, without end (200 after 200 steps): the bound held for parts alone."""
+    from memserver.server.slice import MAX_OPEN_STEPS
+
+    sl = _slice(sync_updates=True, sync_workers=2)
+    for step in range(1, MAX_OPEN_STEPS + 40):
+        assert sl.commit(step, "live") is None  # (it waits for the other trainer)
+    assert len(sl.steps) == MAX_OPEN_STEPS and min(sl.steps) == 40  # the newest kept, the oldest dropped
+
+
 def test_a_table_a_shard_lost_is_retried_with_the_same_tags_and_a_new_one_with_new_tags():
     """TableNotFound from a shard while the coordinator still maps the same layout: the retry
     keeps the write's seqs (a shard that applied it answers it); a new layout gets new seqs."""

@@ -334,17 +334,20 @@ class TableSlice:
         (check_gather first)."""
         parts = self._contribution(step, client).parts
         parts[seq if seq > 0 else -1 - len(parts)] = entries
-        if len(self.steps) > MAX_OPEN_STEPS:  # a trainer vanished: say so rather than grow forever
-            old = min(st for st in self.steps if st != step)  # never the step just accepted
+
+    def _contribution(self, step: int, client: str) -> Contribution:
+        """`client`'s contribution to `step`, made if new: a drop's commit of that pair is past then
+        (a COMMIT of it is this contribution's, never answered from `drop_committed`). A new step
+        past MAX_OPEN_STEPS drops the oldest other one: a trainer vanished, said rather than grown
+        for ever (by a part or by a commit alone: a sync table's shard that a trainer only
+        committed to kept a step per commit, without end: a review)."""
+        if step not in self.steps and len(self.steps) >= MAX_OPEN_STEPS:
+            old = min(self.steps)
             log.error("table %s: dropping unfinished step %d (contributions from %d client(s))", self.spec.name, old,
                       len(self.steps[old]))
             del self.steps[old]
             if self.stalled_since is not None:  # (the wait goes on, from when it began)
                 self._stalled_from(self.stalled_since)
-
-    def _contribution(self, step: int, client: str) -> Contribution:
-        """`client`'s contribution to `step`, made if new: a drop's commit of that pair is past then
-        (a COMMIT of it is this contribution's, never answered from `drop_committed`)."""
         got = self.steps.setdefault(step, {})
         if client not in got:
             self.drop_committed.pop((step, client), None)
