@@ -810,8 +810,9 @@ def test_calls_on_one_table_name_at_once_run_one_after_another(tmp_path):
             await c.create_table("t", 100, 8)
             both = await asyncio.gather(*(c.create_table("t", 100, 8, replace=True) for _ in range(2)))
             assert [m.name for m in both] == ["t", "t"] and [m.name for m in await c.list_tables()] == ["t"]
-            await asyncio.gather(c.create_table("t", 100, 8, replace=True), c.drop_table("t"))  # in order
-            assert not await c.list_tables() and _held_names(server) == [set(), set()]
+            await asyncio.gather(c.create_table("t", 100, 8, replace=True), c.drop_table("t"))  # both, in some order
+            there = {m.name for m in await c.list_tables()}
+            assert there in ({"t"}, set()) and _held_names(server) == [there, there]  # the catalog is what shards hold
             dropped, made = await asyncio.gather(c.drop_table("u"), c.create_table("u", 100, 8), return_exceptions=True)
             assert made.name == "u", made  # (it was refused ALREADY_EXISTS while the drop asked the shards)
             there = {m.name for m in await c.list_tables()}  # the drop first (NOT_FOUND), or after the create
