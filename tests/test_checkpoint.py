@@ -888,6 +888,60 @@ def test_a_create_its_caller_gave_up_on_is_made_whole(tmp_path, monkeypatch):
             assert c.lookup("t", [1]).shape == (1, 8) and _held_names(server) == [{"t"}, {"t"}]
 
 
+def test_a_restore_its_caller_gave_up_on_restores_every_table_and_a_late_failure_is_logged(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """A review: a restore whose client's deadline passed while its second table was placed
+    undid the first and kept the second (neither all nor none); and a replace that failed after
+    its caller had gone dropped the table without a word in any log. The restore runs to its end,
+    every table; what a call came to after its caller left is logged."""
+    import logging
+
+    from client import DeadlineExceededError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2, data_dir=str(tmp_path / "data")) as server:
+        with MemoryClient(server.endpoint, shm=False) as c:
+            for name in ("a", "b"):
+                c.create_table(name, 100, 8)
+            c.checkpoint(str(tmp_path / "ck"))
+            for name in ("a", "b"):
+                c.drop_table(name)
+        slow = server.shards[1]
+        restore_table = slow.restore_table
+
+        def late_b(blob, *args, **kwargs):
+            from memserver.api.v1 import memserver_pb2 as pb
+
+            if pb.TableSpec.FromString(blob).name == "b":
+                time.sleep(2.0)
+            return restore_table(blob, *args, **kwargs)
+
+        def late_refusal(*args, **kwargs):
+            time.sleep(2.0)
+            raise RuntimeError("no room (test)")
+
+        monkeypatch.setattr(slow, "restore_table", late_b)
+        with MemoryClient(server.endpoint, timeout=1.0, retry_seconds=0, shm=False) as c:
+            with pytest.raises(DeadlineExceededError):
+                c.restore(str(tmp_path / "ck"))
+        t0 = time.monotonic()
+        while set(server.coordinator.servicer.tables) != {"a", "b"}:
+            assert time.monotonic() - t0 < 20, set(server.coordinator.servicer.tables)
+            time.sleep(0.05)
+        assert _held_names(server) == [{"a", "b"}, {"a", "b"}]
+        monkeypatch.setattr(slow, "create_table", late_refusal)
+        with caplog.at_level(logging.INFO, logger="memserver.server.coordinator"):
+            with MemoryClient(server.endpoint, timeout=1.0, retry_seconds=0, shm=False) as c:
+                with pytest.raises(DeadlineExceededError):
+                    c.create_table("a", 100, 8, replace=True)
+            t0 = time.monotonic()
+            while "failed after its caller had gone" not in caplog.text:
+                assert time.monotonic() - t0 < 20, caplog.text[-2000:]
+                time.sleep(0.05)
+        assert "the create with replace of table 'a' failed after its caller had gone" in caplog.text
+        assert "was dropped before" in caplog.text  # (what to do is said: create it again)
+
+
 def test_a_refused_replace_leaves_a_left_out_tables_slices(tmp_path):
     """A review: a create with replace of a table left out at start-up (one of its slices lost)
     dropped its surviving slices, kept for repair, before the cluster refused the new table (too

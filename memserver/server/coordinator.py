@@ -302,7 +302,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def CreateTable(self, request: pb.CreateTableRequest, context: grpc.aio.ServicerContext) -> pb.TableInfo:
         spec = validate_spec(request.spec, len(self.handles))
-        return await self._serialised(spec.name, self._create(spec, request))
+        return await self._serialised(spec.name, "the create" + (" with replace" if request.replace else ""),
+                                      self._create(spec, request))
 
     async def _create(self, spec: pb.TableSpec, request: pb.CreateTableRequest) -> pb.TableInfo:
         if request.replace:
@@ -311,8 +312,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             # left out at start-up lost its surviving slices to a create the shards then refused: a review)
             plan = await self._check_fits(spec)
             await self._drop_strays(spec.name)  # what is there goes: slices no table owns too
-            if spec.name not in self.tables:
-                return await self._place(spec, plan=plan, checked=True)
+            if spec.name not in self.tables:  # (placed as planned, the shards checking again as they make it)
+                return await self._place(spec, plan=plan)
             log.info("replacing table %s", spec.name)
             self.replacing[spec.name] += 1
             try:
@@ -460,7 +461,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def DropTable(self, request: pb.DropTableRequest, context: grpc.aio.ServicerContext) -> pb.DropTableResponse:
         check_table_name(request.name)  # before any shard is asked to drop its folder of that name
-        await self._serialised(request.name, self._drop(request.name))
+        await self._serialised(request.name, "the drop", self._drop(request.name))
         return pb.DropTableResponse()
 
     async def _drop(self, name: str) -> None:
@@ -556,18 +557,16 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         async with _one_at_a_time(self.writing, root, waits):
             yield
 
-    async def _serialised(self, name: str, work: Coroutine[Any, Any, T]) -> T:
-        """Run a create, drop or restore of table `name` once every earlier one of that name is
-        done, and to its end even if its caller goes (a client's deadline cancels the handler): a
-        create cancelled mid-way left slices on the shards that no table owned, and a concurrent
-        call of the name found it half made (a review)."""
+    async def _serialised(self, name: str, what: str, work: Coroutine[Any, Any, T]) -> T:
+        """Run `what` (a create, drop, restore or training) of table `name` once every earlier one
+        of that name is done, and to its end even if its caller goes (`_to_its_end`): a create
+        cancelled mid-way left slices on the shards that no table owned, and a concurrent call of
+        the name found it half made (a review)."""
         async def run() -> T:
             async with _one_at_a_time(self.naming, name):
                 return await work
 
-        task = asyncio.ensure_future(run())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (retrieved: no "never retrieved" noise)
-        return await asyncio.shield(task)
+        return await _to_its_end(run(), f"{what} of table {name!r}")
 
     async def _write_checkpoint(self, request: pb.CheckpointRequest, root: Path) -> pb.CheckpointResponse:
         if done := made_by(root, request.request_id, request.step):  # a retry across a coordinator restart
@@ -655,11 +654,16 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self._index_spec(request.name)
         if request.name in self.training:
             raise FailedPreconditionError(f"index {request.name!r} is being trained by another call")
-        self.training.add(request.name)
-        try:  # (as a create or drop of the name: a replace meanwhile got half the old one's training: a review)
-            return await self._serialised(request.name, self._train_index(request))
-        finally:
-            self.training.discard(request.name)
+        self.training.add(request.name)  # (until the training ends, whoever waits for it)
+
+        async def train() -> pb.TrainIndexResponse:
+            try:
+                return await self._train_index(request)
+            finally:
+                self.training.discard(request.name)
+
+        # as a create or drop of the name (a replace meanwhile got half the old one's training: a review)
+        return await self._serialised(request.name, "the training", train())
 
     def _index_spec(self, name: str) -> pb.TableSpec:
         spec = self._get(name).spec
@@ -692,6 +696,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return pb.TrainIndexResponse(sample_rows=sample.shape[0], seconds=time.perf_counter() - t0)
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
+        # every table of it, or (without replace) none, whoever waits: a restore given up on kept the
+        # table it was placing and undid the ones before it (a review)
+        return await _to_its_end(self._restore(request), "a restore")
+
+    async def _restore(self, request: pb.RestoreRequest) -> pb.RestoreResponse:
         asked = list(dict.fromkeys(request.tables))  # each once, in the order asked
         # no step given: the latest checkpoint holding the tables asked (one of others may have come since)
         directory, manifest = find_checkpoint(under_root(self.checkpoint_root, request.dir), request.step, asked)
@@ -766,7 +775,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
         try:
             for name in names:
-                info = await self._serialised(name, restore_one(name))
+                info = await self._serialised(name, "the restore", restore_one(name))
                 resp.tables.append(info)
                 made[name] = info.layout_id
         except BaseException:
@@ -775,7 +784,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                     if getattr(self.tables.get(name), "layout_id", None) != layout_id:
                         continue  # dropped or replaced by someone else meanwhile: not this restore's any more
                     try:
-                        await self._serialised(name, self._drop(name))
+                        await self._serialised(name, "the undoing of a refused restore", self._drop(name))
                     except Exception:  # noqa: BLE001 - the refusal is what the caller must hear
                         log.exception("restore: undoing table %s failed; it stays", name)
             raise
@@ -824,6 +833,28 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                                            return_exceptions=True)
             for i, answer in enumerate(answers):
                 self.serving[i] = not isinstance(answer, BaseException)
+
+
+async def _to_its_end(work: Coroutine[Any, Any, T], what: str) -> T:
+    """Await `work`, run as a task of its own that goes on if this caller is cancelled (a client's
+    deadline ends its call's handler): a control call half done is worse than one done late. What
+    it came to once its caller had gone is logged, a failure as an error: no one else hears it (a
+    replace that failed so had dropped the table without a word: a review)."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: _said_after_its_caller(t, what))
+        raise
+
+
+def _said_after_its_caller(task: asyncio.Task[Any], what: str) -> None:
+    if task.cancelled():
+        log.error("%s was cancelled after its caller had gone", what)
+    elif (exc := task.exception()) is not None:
+        log.error("%s failed after its caller had gone: %s", what, first_line(exc))
+    else:
+        log.info("%s done after its caller had gone", what)
 
 
 def _said(task: asyncio.Task[Any]) -> None:
