@@ -317,10 +317,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             log.info("replacing table %s", spec.name)
             self.replacing[spec.name] += 1
             try:
-                try:
-                    await self._drop(spec.name)
-                except TableNotFoundError:
-                    pass  # another replace or drop got there first: make it, or say it exists again
+                await self._drop(spec.name)  # (no other call of the name runs meanwhile: `_serialised`)
                 await self._drop_strays(spec.name)  # and any slice of that name beyond its shards (a stale one)
                 # on the shards checked, and as checked: the old table's memory may not show as free yet
                 return await self._place(spec, plan=plan, checked=True)
