@@ -920,7 +920,8 @@ def test_a_restarted_shard_holds_its_slice_until_every_rollback_of_the_table_is_
         run.client.lookup(NAME, np.arange(4), count=False)
     with pytest.raises(UnavailableError, match="checkpoint it again"):
         run.shards[0].checkpoint_table(NAME, str(run.root / "ck2.pt"), 2)
-    assert run.shards[1].held_slices()["held"] == [{"table": NAME, "wal": False, "checkpoint": ck}]
+    assert run.shards[1].held_slices()["held"] == [{"table": NAME, "wal": False, "checkpoint": ck,
+                                                    "layout_id": run.info.layout_id}]
     run.shards[1].release_tables([NAME], pid=-1)  # another process's release: not taken
     assert run.slice(1).held
 
@@ -933,7 +934,10 @@ def test_a_restarted_shard_holds_its_slice_until_every_rollback_of_the_table_is_
         held = [{"table": NAME, "wal": False, "checkpoint": ck}]
         first = asyncio.ensure_future(coord.roll_back_siblings(0, run.shards[0].info()["pid"], held))  # rolls 1 back
         second = asyncio.ensure_future(coord.roll_back_siblings(1, run.shards[1].info()["pid"], held))  # rolls 0 back
-        await asyncio.sleep(0.5)  # the second's rollback of shard 0 is done; the first's of shard 1 waits
+        for _ in range(600):  # the second's rollback of shard 0 is done (within 30 s); the first's of shard 1 waits
+            if ("rollback_table", 0) in order:
+                break
+            await asyncio.sleep(0.05)
         assert run.slice(0).held and run.slice(0).recovered_from.startswith("rollback")  # still held
         gate.set()
         await asyncio.gather(first, second)
@@ -947,6 +951,52 @@ def test_a_restarted_shard_holds_its_slice_until_every_rollback_of_the_table_is_
     for p in (run, ref):
         train_step(p.client, 3, (3,))
     assert_same(run.state(), ref.state())
+
+
+def test_a_table_made_anew_since_a_shard_restarted_keeps_its_slices_from_the_old_tables_rollback(pairs, caplog):
+    """A table without `wal`: shard 0 restarted, and before the coordinator rolled shard 1 back to
+    the checkpoint shard 0 came back as, the name was made anew (a create with replace). The
+    rollback named only the table, so shard 1 rebuilt the new table's slice from the new table's
+    record: its initial values, its acknowledged writes lost (a review). The rollback names the
+    layout the restarted shard recovered; a shard holding another one leaves its slice alone."""
+    import asyncio
+    import logging
+
+    from memserver.server.coordinator import ControlPlaneServicer
+
+    run = pairs("run", spec(wal=False))
+    train_step(run.client, 1, (1,))
+    run.checkpoint(1)
+    ck = str(run.root / "ck" / f"step-{1:010d}" / NAME / "shard-0000.pt")
+    old = run.info.layout_id
+    run.restart(0)
+    held = run.shards[0].held_slices()["held"] or [{"table": NAME, "wal": False, "checkpoint": ck, "layout_id": old}]
+    assert held[0]["layout_id"] == old
+    # made anew on both shards (as the coordinator's replace does), then written to
+    new_spec = validate_spec(spec(wal=False), 2)
+    run.info.CopyFrom(plan_table(new_spec, [s.info() for s in run.shards]))
+    assert run.info.layout_id != old
+    for s, sh in zip(run.shards, run.info.shards):
+        s.drop_table(NAME)
+        s.create_table(new_spec.SerializeToString(), sh.SerializeToString(), 2)
+    train_step(run.client, 1, (2,))
+    written = run.state()
+
+    async def roll_back() -> list:
+        order: list = []
+        coord = ControlPlaneServicer([_Handle(run.shards[0], order), _Handle(run.shards[1], order)],
+                                     [s.info() for s in run.shards])
+        coord.tables[NAME], coord.placement[NAME] = run.info, [0, 1]
+        await coord.roll_back_siblings(0, run.shards[0].info()["pid"], held)
+        return order
+
+    with caplog.at_level(logging.INFO):
+        order = asyncio.run(roll_back())
+    assert ("rollback_table", 1) in order and ("release_tables", 0) in order  # asked, and answered
+    assert_same(run.state(), written)  # the new table's writes are all there
+    assert f"table {NAME} was made anew since its sibling restarted (layout {run.info.layout_id}, not {old})" \
+        in caplog.text
+    assert "rolled back to" not in caplog.text
 
 
 def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(tmp_path, monkeypatch, caplog, capsys):

@@ -261,14 +261,18 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 if r["table"] not in self.placement:
                     continue
                 step_dir = str(Path(r["checkpoint"]).parent.parent) if r["checkpoint"] else ""
+                layout_id = r.get("layout_id", 0)  # (0: a shard of the previous code said none)
                 for k in self.placement[r["table"]]:
                     if k != j:
-                        calls.append(_when_ready(lambda k=k, name=r["table"], d=step_dir:
-                                                 self.handles[k].rollback_table.remote(name, d)))
+                        calls.append(_when_ready(lambda k=k, name=r["table"], d=step_dir, lid=layout_id:
+                                                 self.handles[k].rollback_table.remote(name, d, lid)))
                         names.append(r["table"])
             for name, res in zip(names, await asyncio.gather(*calls, return_exceptions=True)):
                 if isinstance(res, BaseException):
                     log.error("table %s: rolling back a sibling shard failed: %s", name, res)
+                elif not res:  # (the shard says which layouts)
+                    log.info("table %s was made anew since shard %d restarted: its new slices are not rolled back",
+                             name, j)
                 else:
                     log.warning("table %s (no wal) rolled back to %s: writes acknowledged after it are lost", name, res)
         finally:

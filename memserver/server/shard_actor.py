@@ -182,7 +182,8 @@ class ShardActor:
         coordinator finishes what its earlier process may not have."""
 
         async def held() -> dict[str, Any]:
-            return {"pid": os.getpid(), "held": [{"table": name, "wal": False, "checkpoint": sl.held_from}
+            return {"pid": os.getpid(), "held": [{"table": name, "wal": False, "checkpoint": sl.held_from,
+                                                  "layout_id": sl.info.layout_id}
                                                  for name, sl in self.servicer.tables.items() if sl.held]}
 
         return self.loop.call(held())
@@ -274,7 +275,7 @@ class ShardActor:
                 sl.mark_rebuilt()
             self.servicer.tables[sl.spec.name] = sl
             out.append({"table": sl.spec.name, "from": how, "wal": bool(sl.spec.wal),
-                        "checkpoint": (used or {}).get("file", "")})
+                        "checkpoint": (used or {}).get("file", ""), "layout_id": sl.info.layout_id})
         return out
 
     def _unrecovered(self, name: str, why: str, record: dict[str, Any] | None = None) -> None:
@@ -597,15 +598,22 @@ class ShardActor:
         if done is not None and not done.done():
             done.set_result(None)
 
-    def rollback_table(self, name: str, checkpoint_dir: str) -> str:
+    def rollback_table(self, name: str, checkpoint_dir: str, layout_id: int = 0) -> str:
         """Return a table without a log to the state a restarted sibling shard recovered: the
         slice of checkpoint `checkpoint_dir` ("" = its restore files or initial values).
-        Acknowledged writes after that point are lost; that is what a table without `wal` means."""
+        Acknowledged writes after that point are lost; that is what a table without `wal` means.
+        `layout_id`: the table the sibling recovered (0: any). A table of the name made anew since
+        (a create with replace, a restore) is not that one: it is left as it is, and "" returned
+        (rolled back, it lost its writes to the old table's checkpoint or initial values: a review)."""
 
         def work() -> str:
             sl = self.servicer.tables.get(name)
             if sl is None or self.store is None:
                 raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
+            if layout_id and sl.info.layout_id != layout_id:
+                log.info("shard %d: table %s was made anew since its sibling restarted (layout %d, not %d): not "
+                         "rolled back", self.index, name, sl.info.layout_id, layout_id)
+                return ""
             record = self.store.record(name)
             if record is None:
                 raise TableNotFoundError(f"table {name!r} has no record on shard {self.index}")
@@ -626,7 +634,8 @@ class ShardActor:
             return how
 
         how = self.loop.call(self.servicer.run(work))
-        log.warning("shard %d: table %s rolled back to %s with its restarted sibling", self.index, name, how)
+        if how:
+            log.warning("shard %d: table %s rolled back to %s with its restarted sibling", self.index, name, how)
         return how
 
     def _index_of(self, spec: pb.TableSpec, state: dict[str, Any] | None) -> Any:
