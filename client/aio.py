@@ -463,15 +463,37 @@ class AsyncMemoryClient:
         return self._tables[name]
 
     async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None,
-                          retry: bool = True, failed: float | None = None, fresh_map: bool = False) -> Any:
+                          retry: bool = True, failed: float | None = None, fresh_map: bool = False,
+                          refused: TableNotFoundError | FailedPreconditionError | None = None) -> Any:
         """Run fn(meta). If the shards no longer know the table, or hold another incarnation of it
         (dropped and re-created, restored), refresh the map and run it once more, with new write
         tags (the write never reached the new table). While a shard is UNAVAILABLE (restarting,
-        maybe at a new address), retry with a fresh shard map; writes keep their tags then."""
+        maybe at a new address), retry with a fresh shard map; writes keep their tags then.
+        `refused`: the caller's own first attempt, on the cached map, was refused so (the sync
+        client's): the map is checked before anything is sent again (it sent the call twice more)."""
 
         failing: set[int] = set()  # shards this call's attempts found UNAVAILABLE (by index)
 
+        async def anew(exc: TableNotFoundError | FailedPreconditionError) -> Any:
+            old = self._tables.pop(name, None)
+            if old is None:
+                raise exc
+            meta = await self.table(name)
+            if meta.layout_id != old.layout_id:
+                self.session.forget_layouts(name, keep=meta.layout_id)  # the old incarnation's slices
+                if tags is not None:  # a new incarnation: the write never reached it
+                    tags.reset()
+            elif isinstance(exc, FailedPreconditionError):
+                raise exc  # the map was current: the refusal is about something else
+            # else the same table (a shard that lost it): retry with the same tags, so a shard
+            # that applied the first attempt answers it instead of applying it again
+            return await fn(meta)
+
         async def attempt() -> Any:
+            nonlocal refused
+            if refused is not None:
+                exc, refused = refused, None
+                return await anew(exc)
             meta = await self.table(name)
             try:
                 return await fn(meta)
@@ -479,19 +501,7 @@ class AsyncMemoryClient:
                 failing.update(sh.index for sh in meta.shards if exc.target == f"shard {sh.address}")
                 raise
             except (TableNotFoundError, FailedPreconditionError) as exc:
-                old = self._tables.pop(name, None)
-                if old is None:
-                    raise
-                meta = await self.table(name)
-                if meta.layout_id != old.layout_id:
-                    self.session.forget_layouts(name, keep=meta.layout_id)  # the old incarnation's slices
-                    if tags is not None:  # a new incarnation: the write never reached it
-                        tags.reset()
-                elif isinstance(exc, FailedPreconditionError):
-                    raise  # the map was current: the refusal is about something else
-                # else the same table (a shard that lost it): retry with the same tags, so a shard
-                # that applied the first attempt answers it instead of applying it again
-                return await fn(meta)
+                return await anew(exc)
 
         restarts: dict[int, list[int]] = {}  # shard index -> its pids in the maps this call refreshed
         layout = 0

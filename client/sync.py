@@ -189,6 +189,7 @@ class MemoryClient:
 
         failed = None  # when the first attempt, made here, failed: the retries' window counts from there
         fresh_map = False  # it failed UNAVAILABLE or DEADLINE_EXCEEDED: the retries start from a fresh map
+        refused = None  # it was refused for the map (a table made anew): the retry checks the map first
         try:
             meta = self.aio._tables.get(table)
             if meta is not None:
@@ -198,8 +199,8 @@ class MemoryClient:
                     failed, fresh_map = time.monotonic(), True
                     if not retry or self.aio.retry_seconds <= 0:  # (retry_seconds 0: no retries)
                         raise
-                except (TableNotFoundError, FailedPreconditionError):
-                    pass
+                except (TableNotFoundError, FailedPreconditionError) as exc:
+                    refused = exc
                 except OverloadedError:
                     failed = time.monotonic()
                     sleep = Backoff(self.aio.retry_seconds if retry else 0.0, start=failed).next()
@@ -210,7 +211,7 @@ class MemoryClient:
             async def in_executor(meta: TableMeta) -> Any:
                 return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
 
-            return self._run(self.aio._with_table(table, in_executor, tags, retry, failed, fresh_map))
+            return self._run(self.aio._with_table(table, in_executor, tags, retry, failed, fresh_map, refused))
         except MemserverError as exc:
             if applied is not None:
                 applied.say(exc)

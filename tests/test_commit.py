@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import MemoryClient, MemserverError, StepAbortedError, ops
+from client import FailedPreconditionError, MemoryClient, MemserverError, StepAbortedError, ops
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.server.catalog import plan_table, validate_spec
@@ -264,7 +264,6 @@ def test_a_shard_without_wal_restarted_between_prepare_and_commit_leaves_one_che
     step: its COMMIT is refused while shard 0 applies; the coordinator then rolls shard 0 back to
     the same checkpoint (ShardActor.rollback_table, as on a real restart), so the table is step 1
     on every shard, as a run that never sent step 2."""
-    from client import FailedPreconditionError
 
     run, ref = pairs("run", spec(wal=False)), pairs("ref", spec(wal=False))
     train_step(ref.client, 1, (1,))
@@ -997,6 +996,59 @@ def test_a_table_made_anew_since_a_shard_restarted_keeps_its_slices_from_the_old
     assert f"table {NAME} was made anew since its sibling restarted (layout {run.info.layout_id}, not {old})" \
         in caplog.text
     assert "rolled back to" not in caplog.text
+
+
+class _Counted:
+    """A multi-callable that records each request sent through it (plain call or future)."""
+
+    def __init__(self, real, sent: list, what) -> None:
+        self.real, self.sent, self.what = real, sent, what
+
+    def __call__(self, raw, **kwargs):
+        self.sent.append(self.what)
+        return self.real(raw, **kwargs)
+
+    def future(self, raw, **kwargs):
+        self.sent.append(self.what)
+        return self.real.future(raw, **kwargs)
+
+
+def test_a_sync_call_refused_for_its_map_is_sent_once_more_on_the_fresh_map(pairs, monkeypatch):
+    """The table was made anew: the sync client's first attempt, on its cached map, is refused by
+    every shard. It sent the call again on the same map, to the same refusals, before it asked
+    for the new map (a hunt): one extra round trip for every read and write after a replace. Now
+    one refused attempt, then one on the fresh map, for a read and for a write; and a refusal
+    the map does not explain (a commit of a step with no parts there) is sent once."""
+    run = pairs("run", spec(wal=False))
+    c = run.client
+    train_step(c, 1, (1,))
+    new_spec = validate_spec(spec(wal=False), 2)
+    run.info.CopyFrom(plan_table(new_spec, [s.info() for s in run.shards]))
+    for s, sh in zip(run.shards, run.info.shards):
+        s.drop_table(NAME)
+        s.create_table(new_spec.SerializeToString(), sh.SerializeToString(), 2)
+    sent: list = []
+    real = c._methods
+    monkeypatch.setattr(c, "_methods", lambda at: {m: _Counted(f, sent, (at, m)) for m, f in real(at).items()})
+    c.lookup(NAME, np.arange(4), count=False)
+    assert sorted(sent) == sorted([(s.address, "Lookup") for s in run.shards] * 2), sent
+    assert c.table(NAME).layout_id == run.info.layout_id
+
+    run.info.CopyFrom(plan_table(new_spec, [s.info() for s in run.shards]))  # and anew again, for a write
+    for s, sh in zip(run.shards, run.info.shards):
+        s.drop_table(NAME)
+        s.create_table(new_spec.SerializeToString(), sh.SerializeToString(), 2)
+    sent.clear()
+    ids, w, g = batch(5)
+    c.bag_backward(NAME, ids, w, g)
+    assert sorted(sent) == sorted([(s.address, "BagBackward") for s in run.shards] * 2), sent
+
+    for i in (0, 1):  # (as after a logged write failed to apply)
+        monkeypatch.setattr(run.slice(i), "write_failure", "a write failed to apply")
+    sent.clear()
+    with pytest.raises(FailedPreconditionError, match="a write failed to apply; writes are refused"):
+        c.bag_backward(NAME, ids, w, g)  # the map is current: the refusal is about something else
+    assert sorted(sent) == sorted([(s.address, "BagBackward") for s in run.shards]), sent
 
 
 def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(tmp_path, monkeypatch, caplog, capsys):
