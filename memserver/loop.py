@@ -28,8 +28,15 @@ class LoopThread:
         self.thread.start()
 
     def call(self, coro: Awaitable[T], timeout: float | None = None) -> T:
-        """Run `coro` on the loop and wait for its result (from any other thread)."""
-        return self.submit(coro).result(timeout)
+        """Run `coro` on the loop and wait for its result (from any other thread). A wait that
+        ends without it (Ctrl-C, `timeout`) cancels it: it went on unseen (a blocking client's
+        retries, sent after the caller had given up and decided otherwise: a review)."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            fut.cancel()  # (done already: nothing)
+            raise
 
     def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
         """Schedule `coro` on the loop; its result arrives in the returned future."""

@@ -502,6 +502,55 @@ class _Unavailable(grpc.RpcError):
         return "shard unreachable (test)"
 
 
+def test_ctrl_c_stops_a_sync_call_in_its_retries(pairs, monkeypatch):
+    """A shard unreachable: the sync client retries the call on its loop thread, for up to
+    retry_seconds. Ctrl-C raised KeyboardInterrupt in the caller and left the retries running
+    unseen (a review: a commit's PREPARE retried after the ABORT the interrupted commit kept).
+    Now the retries stop with the caller: nothing is sent after the attempt under way ends."""
+    import signal
+    import threading
+
+    run = pairs("run")
+    c = MemoryClient(run.endpoint, timeout=0.5, retry_seconds=30.0, client_id="interrupted", shm=False)
+    run.clients.append(c)
+    c.lookup(NAME, np.arange(4), count=False)  # the map cached: the first attempt runs in this thread
+    address, real, sent = run.shards[1].address, c._methods, []
+
+    class Down:  # shard 1's Lookup, as a plain call and as a future
+        def __call__(self, raw, **kwargs):
+            sent.append(time.monotonic())
+            raise _Unavailable()
+
+        def future(self, raw, **kwargs):
+            from concurrent.futures import Future
+
+            sent.append(time.monotonic())
+            fut: Future = Future()
+            fut.set_exception(_Unavailable())
+            return fut
+
+    def methods(at):
+        got = dict(real(at))
+        if at == address:
+            got["Lookup"] = Down()
+        return got
+
+    monkeypatch.setattr(c, "_methods", methods)
+    timer = threading.Timer(2.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            c.lookup(NAME, np.arange(4), count=False)
+        assert time.monotonic() - t0 < 5
+    finally:
+        timer.cancel()
+    assert len(sent) >= 2  # (the first attempt, and retries)
+    after = len(sent)
+    time.sleep(3.0)
+    assert len(sent) <= after + 1, f"{len(sent) - after} attempts after the interrupt"
+
+
 def test_a_prepared_step_of_a_client_that_went_away_commits_when_its_session_expires(pairs):
     """The client prepares step 2 on both shards and dies before COMMIT. Once its session expires,
     each shard commits the prepared step itself (a logged write) before the next write it serves;
