@@ -50,9 +50,14 @@ browser:
 		echo "note: no chromium and cannot apt-get install it (need root + apt-get); the browser test will be skipped"; \
 	fi
 
+# The suite on TEST_WORKERS processes (pytest-xdist), each test file whole on one of them: half
+# its time waits on other processes (Ray, `memserver up`, network namespaces, deadlines), so two
+# on 2 cores take ~14 minutes where one took 17-19. Each worker starts its own Ray cluster.
+TEST_WORKERS ?= 2
+
 test: install browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The GPU tests alone (tests/gpu; every one skips, saying why, where torch sees no CUDA device).
 test-gpu: install

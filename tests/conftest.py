@@ -64,6 +64,17 @@ def table_name(request):
     return f"t{next(_names)}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:60]
 
 
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its timings to the controller, which prints them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["memserver_timings"] = list(TIMINGS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    TIMINGS.extend(getattr(node, "workeroutput", {}).get("memserver_timings", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     if TIMINGS:
         terminalreporter.section("memserver quick timings (not asserted; benchmarks/ measures)")
