@@ -502,6 +502,20 @@ class _Unavailable(grpc.RpcError):
         return "shard unreachable (test)"
 
 
+def test_a_client_made_anew_with_a_used_client_id_is_refused_and_told_why(pairs):
+    """A client_id names one client's writes (seqs from 1): a second client given the same id
+    (a restarted process passing its own id) sends seq 1 again. The shard refuses it rather than
+    answer it as the first client's write, and says what to change; nothing is applied."""
+    run = pairs("run")
+    for step in (1, 2):
+        train_step(run.client, step, (step,))
+    before = run.state()
+    again = run.new_client("trainer")
+    with pytest.raises(FailedPreconditionError, match="client_id starts its writes at 1 again: give each client its own"):
+        again.push_gradients(NAME, np.arange(4), np.ones((4, DIM), np.float32))
+    assert_same(run.state(), before)
+
+
 def test_ctrl_c_stops_a_sync_call_in_its_retries(pairs, monkeypatch):
     """A shard unreachable: the sync client retries the call on its loop thread, for up to
     retry_seconds. Ctrl-C raised KeyboardInterrupt in the caller and left the retries running
