@@ -74,12 +74,15 @@ def test_one_node_cluster_uses_a_placement_group(memory_cluster):
         ({"num_shards": 2, "shard_cpus": 0.25, "shard_gpus": [1, 0]}, ["of {CPU=0.25, GPU=1} / {CPU=0.25} with"]),
     ],
 )
-def test_unplaceable_shards_fail_clearly_and_release_everything(memory_cluster, kwargs, words):
+def test_unplaceable_shards_fail_clearly_and_release_everything(memory_cluster, kwargs, words, tmp_path, monkeypatch):
+    """A placement Ray cannot make fails saying what to change, and leaves nothing behind: the pending
+    placement group, the actors, the scratch data directory (made before the placement, it was left)."""
     import ray
     from ray.util import placement_group_table
 
     from memserver.cluster.launch import start_cluster
 
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
     before = {k: v for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
     with pytest.raises(RuntimeError, match="could not place") as err:
         start_cluster(**kwargs, name="unplaceable", placement_timeout=1)
@@ -87,6 +90,7 @@ def test_unplaceable_shards_fail_clearly_and_release_everything(memory_cluster, 
         assert word in str(err.value)
     after = {k: v for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
     assert after.keys() == before.keys()  # the pending group was removed
+    assert list((tmp_path / "run").iterdir()) == []  # and the scratch data directory
     with pytest.raises(ValueError):
         ray.get_actor("unplaceable-coordinator")
 

@@ -203,21 +203,22 @@ def start_cluster(
     if data_dir is None:
         data_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(memserver_home() / "run"))
     data_dir = str(Path(data_dir).absolute())
-    if tls is not None:
-        tls.read()  # a missing or unreadable file is the caller's error, not every actor's
-    root = checkpoint_root or (memserver_home() if owns_dir else data_dir)  # not a scratch dir removed at shutdown
-    nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")] if network_facing(host) else []
-    sec = secure_defaults(host, auth, tls, insecure, Path(data_dir) / "tls", nodes)
-    auth, tls = sec.auth, sec.tls
-    if sec.warning:
-        log.warning("%s", sec.warning)
-    elif sec.tokens or sec.ca:
-        log.info("servers listen on %s: %s made and on", host or "each node's address",
-                 " and ".join(w for w, made in (("tokens", sec.tokens), ("a self-signed TLS certificate", sec.ca)) if made))
-    config = ServeConfig(auth=auth, tls=tls, checkpoint_root=str(Path(root).absolute()), limits=limits or Limits())
-    pg = _place_shards(bundles, strategy, placement_timeout)
-    coord = None
-    try:
+    pg = coord = None
+    try:  # from here on a failure removes what it made: the scratch directory too (a placement that
+        # timed out left it behind)
+        if tls is not None:
+            tls.read()  # a missing or unreadable file is the caller's error, not every actor's
+        root = checkpoint_root or (memserver_home() if owns_dir else data_dir)  # not a scratch dir removed at shutdown
+        nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")] if network_facing(host) else []
+        sec = secure_defaults(host, auth, tls, insecure, Path(data_dir) / "tls", nodes)
+        auth, tls = sec.auth, sec.tls
+        if sec.warning:
+            log.warning("%s", sec.warning)
+        elif sec.tokens or sec.ca:
+            log.info("servers listen on %s: %s made and on", host or "each node's address",
+                     " and ".join(w for w, made in (("tokens", sec.tokens), ("a self-signed TLS certificate", sec.ca)) if made))
+        config = ServeConfig(auth=auth, tls=tls, checkpoint_root=str(Path(root).absolute()), limits=limits or Limits())
+        pg = _place_shards(bundles, strategy, placement_timeout)
         shard_cls = ray.remote(ShardActor)
         # A same-host switch turned off where the cluster is started also reaches shards on nodes
         # whose processes came from `ray start` (they inherit its environment, not this one's).
@@ -259,7 +260,8 @@ def start_cluster(
 
         if coord is not None:
             ray.kill(coord)
-        remove_placement_group(pg)  # the shard actors die with it
+        if pg is not None:
+            remove_placement_group(pg)  # the shard actors die with it
         if owns_dir:
             import shutil
 
