@@ -1131,9 +1131,7 @@ class DiskTable(ValueTable):
         self._count(read, 0)
         if bad >= 0:  # the misses admitted by this call never got their records: out of the cache
             _forget(slot_of[(hit == 0) & (slot_of >= 0)], self._keys, self._vals, self._slot_row, self._dirty, self._st)
-            raise DataLossError(f"table {self.name}: row {int(rows[bad])} of {self.path} is corrupt (its "
-                                "checksum does not match); restart the shard to rebuild the file from its checkpoint "
-                                "and write-ahead log, or restore the table")
+            raise self._corrupt(int(rows[bad]))
         return recs, slot_of
 
     def _read(self, ids: torch.Tensor, weights: torch.Tensor | None, count: bool) -> np.ndarray:
@@ -1152,12 +1150,23 @@ class DiskTable(ValueTable):
                                              self._slots.view(np.uint64), self._raw.view(np.uint64), src)
         self._count(reads, written)
         if err == 1:
-            raise DataLossError(f"table {self.name}: row {row} of {self.path} is corrupt (its checksum does "
-                                "not match); restart the shard to rebuild the file from its checkpoint and write-ahead "
-                                "log, or restore the table")
+            raise self._corrupt(row)
         if err == 2:
             raise IndexError(f"table {self.name}: row {row} is out of range (the slice has {self.num_rows} rows)")
         return src
+
+    def _corrupt(self, row: int) -> DataLossError:
+        return DataLossError(f"table {self.name}: row {row} of {self.path} is corrupt (its checksum does not match); "
+                             "restart the shard to rebuild the file from its checkpoint and write-ahead log, or restore "
+                             "the table")
+
+    def _check_records(self, rows: np.ndarray) -> None:
+        """DATA_LOSS naming the first of `rows` whose record in the file fails its checksum. For
+        what reads the file's records other than a call's misses: a checkpoint copies them as they
+        are (a restore seals them again, so a corrupt one came back as a healthy row: a hunt), and
+        the slot statistics sum them."""
+        if len(rows) and (bad := _check_rows(self._raw.view(np.uint64), rows)) >= 0:
+            raise self._corrupt(int(rows[bad]))
 
     def _scatter(self, rows: np.ndarray, recs: np.ndarray, slot_of: np.ndarray) -> None:
         """Changed records back: into their cache slots (dirty, written back on eviction or
@@ -1269,14 +1278,15 @@ class DiskTable(ValueTable):
         raw, slots = torch.from_numpy(self._raw), torch.from_numpy(self._slots)
         for s in range(start, stop, _CHUNK_ROWS):  # streamed: bounded temporaries
             e = min(s + _CHUNK_ROWS, stop)
-            out[s - start : e - start] = self._stat_of(raw[s:e], name)
+            rows = np.arange(s, e, dtype=np.int64)
+            hit = np.zeros(e - s, dtype=np.uint8)
             if self.capacity:  # a cached row's record is its slot (dirty ones are newer than the file's)
-                rows = np.arange(s, e, dtype=np.int64)
-                slot_of, hit = np.full(e - s, -1, dtype=np.int64), np.zeros(e - s, dtype=np.uint8)
+                slot_of = np.full(e - s, -1, dtype=np.int64)
                 _look(rows, self._keys, self._vals, self._st[_SHIFT], slot_of, hit)
-                c = np.flatnonzero(hit)
-                if len(c):
-                    out[s - start + c] = self._stat_of(slots[torch.from_numpy(slot_of[c])], name)
+            self._check_records(rows[hit == 0])  # (a corrupt record summed into a figure as if it were a row)
+            out[s - start : e - start] = self._stat_of(raw[s:e], name)
+            if len(c := np.flatnonzero(hit)):
+                out[s - start + c] = self._stat_of(slots[torch.from_numpy(slot_of[c])], name)
         return out
 
     def _stat_of(self, recs: torch.Tensor, name: str) -> np.ndarray:
@@ -1347,10 +1357,13 @@ class DiskTable(ValueTable):
         """What a checkpoint file keeps (`unpack` turns it into `state()`'s fields): the records
         and read counters as the byte tensors they are in the files, one storage each, so
         torch.save writes them straight from the mapped files (dirty rows flushed first) and
-        memory never holds the table."""
+        memory never holds the table. Every record is checked first, a chunk at a time (the file is
+        read whole for the save anyway): a corrupt one is refused DATA_LOSS, not copied as a row."""
         self.flush()
         if self.num_rows:
             self._check_file()
+        for s in range(0, self.num_rows, _CHUNK_ROWS):
+            self._check_records(np.arange(s, min(s + _CHUNK_ROWS, self.num_rows), dtype=np.int64))
         fields = [list(self.fields.get(f, (-1, 0))) for f in _OPTIONAL_FIELDS]
         return {"records": torch.from_numpy(self._raw), "stats": torch.from_numpy(self._sraw),
                 "record_fields": torch.tensor(fields, dtype=torch.int64)}
