@@ -25,7 +25,7 @@ from memserver.api.errors import (
     ResourceExhaustedError,
     TableExistsError,
 )
-from memserver.core.disk import MIN_CACHE_BYTES, DiskTable, record_layout
+from memserver.core.disk import MIN_CACHE_BYTES, DiskTable, cache_size, record_layout
 from memserver.core.optim import OptimizerConfig
 from memserver.core.table import ValueTable
 from tests.hosts import wait_for
@@ -888,6 +888,11 @@ def test_a_disk_table_without_cache_bytes_caches_an_eighth_of_its_records():
     record = record_layout(64, "adam")[0]
     assert validate_spec(spec(80_000, tier="disk"), 2).cache_bytes == 80_000 * record // 8
     assert validate_spec(spec(4, tier="disk"), 2).cache_bytes == 2 * MIN_CACHE_BYTES
+    # rows wider than the minimum: at least one a shard (the default was refused for holding none)
+    wide = pb.TableSpec(name="d", num_rows=64, dim=1024, sharding=pb.ROWS, optimizer=pb.OptimizerSpec(name="adam"),
+                        tier="disk")
+    got = validate_spec(wide, 8)
+    assert got.cache_bytes == 8 * cache_size(1, record_layout(1024, "adam")[0]) > 64 * record_layout(1024, "adam")[0] // 8
     assert validate_spec(spec(80_000, tier="disk", cache_bytes=1 << 20), 2).cache_bytes == 1 << 20
     with pytest.raises(InvalidArgumentError, match="at least 1024 bytes of cache per shard"):
         validate_spec(spec(80_000, tier="disk", cache_bytes=100), 2)

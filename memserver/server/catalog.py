@@ -90,7 +90,8 @@ def retier(spec: pb.TableSpec, tier: str = "", cache_bytes: int = 0) -> pb.Table
 
 def _validate_tier(spec: pb.TableSpec) -> None:
     """tier "disk": float32 rows under a cache of at least MIN_CACHE_BYTES per slice; no
-    cache_bytes: 1/DEFAULT_CACHE_FRACTION of the table's records (at least that minimum)."""
+    cache_bytes: 1/DEFAULT_CACHE_FRACTION of the table's records (at least that minimum, and a
+    row per slice: a small table's default was refused for holding none, a hunt)."""
     from memserver.core.disk import MIN_CACHE_BYTES, cache_size, record_layout
 
     spec.tier = spec.tier or "ram"
@@ -102,15 +103,16 @@ def _validate_tier(spec: pb.TableSpec) -> None:
         return
     if spec.dtype != pb.FLOAT32:
         raise InvalidArgumentError(f"dtype: a tier 'disk' table stores float32, not {pb.DType.Name(spec.dtype).lower()}")
-    if not spec.cache_bytes:
-        records = spec.num_rows * record_layout(spec.dim, spec.optimizer.name)[0]
-        spec.cache_bytes = max(records // DEFAULT_CACHE_FRACTION, MIN_CACHE_BYTES * spec.num_shards)
-    if spec.cache_bytes < MIN_CACHE_BYTES * spec.num_shards:
-        raise InvalidArgumentError(f"cache_bytes: a tier 'disk' table needs at least {MIN_CACHE_BYTES} bytes of cache per "
-                                   f"shard ({MIN_CACHE_BYTES * spec.num_shards} over {spec.num_shards}), got {spec.cache_bytes}")
     # at least one row of the widest slice (a smaller cache held none: every read went to the file, unsaid)
     width = -(-spec.dim // spec.num_shards) if spec.sharding == pb.COLS else spec.dim
     one = cache_size(1, record_layout(width, spec.optimizer.name or "adagrad")[0])
+    if not spec.cache_bytes:
+        records = spec.num_rows * record_layout(spec.dim, spec.optimizer.name or "adagrad")[0]
+        spec.cache_bytes = max(records // DEFAULT_CACHE_FRACTION, MIN_CACHE_BYTES * spec.num_shards,
+                               one * spec.num_shards)
+    if spec.cache_bytes < MIN_CACHE_BYTES * spec.num_shards:
+        raise InvalidArgumentError(f"cache_bytes: a tier 'disk' table needs at least {MIN_CACHE_BYTES} bytes of cache per "
+                                   f"shard ({MIN_CACHE_BYTES * spec.num_shards} over {spec.num_shards}), got {spec.cache_bytes}")
     if slice_cache_bytes(spec) < one:
         raise InvalidArgumentError(f"cache_bytes: {spec.cache_bytes} over {spec.num_shards} shard(s) leaves "
                                    f"{slice_cache_bytes(spec)} bytes a shard, which holds no row of this table (a cached "
