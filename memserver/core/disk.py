@@ -105,11 +105,11 @@ def unpack(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for name, (off, k) in zip(_OPTIONAL_FIELDS, state["record_fields"].tolist()):
         if off >= 0:
-            v = recs[:, off : off + 4 * k].view(torch.float32)
+            v = _as(recs[:, off : off + 4 * k], torch.float32)
             out[name] = v[:, 0] if name == "acc" else v
-    s64 = stats.reshape(-1).view(torch.int64).view(-1, 2)
-    out.update(updates=recs[:, 0:8].view(torch.int64)[:, 0], last_update=recs[:, 8:16].view(torch.float64)[:, 0],
-               hits=s64[:, 0], weight_mass=stats.reshape(-1).view(torch.float64).view(-1, 2)[:, 1])
+    counters = stats.reshape(-1, COUNTER_BYTES)  # (a slice of no rows: `_as` makes its views)
+    out.update(updates=_as(recs[:, 0:8], torch.int64)[:, 0], last_update=_as(recs[:, 8:16], torch.float64)[:, 0],
+               hits=_as(counters[:, :8], torch.int64)[:, 0], weight_mass=_as(counters[:, 8:16], torch.float64)[:, 0])
     return out
 
 
@@ -1118,8 +1118,9 @@ class DiskTable(ValueTable):
         recs = np.empty((n, self.record), dtype=np.uint8)
         slot_of = np.full(n, -1, dtype=np.int64)
         hit = np.zeros(n, dtype=np.uint8)
-        if admit and self.capacity:
+        if admit:  # (with no cache too: a write between a bag_grad and its update is one, a hunt)
             self._st[_EPOCH] += 1
+        if admit and self.capacity:
             self._count(0, _resolve(rows, self._keys, self._vals, self._slot_row, self._ref, self._pin, self._dirty,
                                     self._sketch, self._st, self.policy == "clock", self._slots.view(np.uint64),
                                     self._raw.view(np.uint64), slot_of, hit))
