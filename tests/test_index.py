@@ -715,6 +715,33 @@ def test_ties_are_completed_only_up_to_the_limit(monkeypatch):
     assert asked == [4, 8, 16, 32, 64] and len(set(i[0].tolist())) == 3
 
 
+def test_a_call_whose_every_row_ties_fetches_again_within_its_budget_and_in_chunks(monkeypatch):
+    """All-zero queries of an ip table tie every entry at every place: each row was fetched again
+    up to TIE_FETCH_LIMIT hits (2,048 queries of k=8 over 20,000 entries: 870 MiB, 13 s, a hunt).
+    The fetches again take at most the call's budget, each faiss call at most FETCH_CHUNK hits;
+    the rest of the tie is faiss's choice (ties are still whole where the budget allows)."""
+    import memserver.core.index as index_module
+
+    monkeypatch.setattr(index_module, "TIE_FETCH_BUDGET", 4096)
+    monkeypatch.setattr(index_module, "FETCH_CHUNK", 2000)
+    vi = VectorIndex(4, "Flat", "ip")
+    vi.add(np.arange(3000), np.random.default_rng(0).normal(size=(3000, 4)).astype(np.float32))
+    asked = []
+    search = vi._index.search
+    monkeypatch.setattr(vi._index, "search",
+                        lambda q, k, params=None: asked.append((len(q), k)) or search(q, k, params=params), raising=False)
+    b, k = 200, 8
+    _, i, _ = vi.search(np.zeros((b, 4), np.float32), k)
+    assert (i >= 0).all()
+    first = [a for a in asked if a[1] == k + 1]
+    assert sum(n for n, _ in first) == b and all(n * w <= 2000 for n, w in asked)  # every row once, in chunks
+    again = sum(n * w for n, w in asked if w > k + 1)
+    assert 0 < again <= max(4096, index_module.TIE_FETCH_PER_HIT * b * k), asked
+    asked.clear()
+    _, i, _ = vi.search(np.ones((b, 4), np.float32), k)  # no ties: one fetch a chunk, nothing again
+    assert all(w == k + 1 for _, w in asked) and sum(n for n, _ in asked) == b
+
+
 # ------------------------------------------------------------------ GPU branch
 
 

@@ -74,6 +74,13 @@ MAX_K_GPU = 1024
 #: A search fetches more hits while a tie crosses its k-th place, up to this many per query
 #: (beyond it, which of the tied entries make the cut is faiss's choice).
 TIE_FETCH_LIMIT = 2 * MAX_K
+#: ...and while the hits those fetches take again, over the whole call, stay within the larger of
+#: TIE_FETCH_BUDGET and TIE_FETCH_PER_HIT per hit answered (B * k): a call whose every row ties
+#: (all-zero queries of an ip table, a table of duplicates) fetched up to 8,192 hits a row again, 870
+#: MiB and 13 s for 2,048 queries of k=8 (a hunt). Past it, the rest is faiss's choice too.
+TIE_FETCH_BUDGET, TIE_FETCH_PER_HIT = 1 << 21, 16
+#: Hits one faiss call is asked for at most (rows x hits per row): a call's rows go in chunks.
+FETCH_CHUNK = 1 << 20
 _GPU_MAX_FETCH = 2048  # faiss's GPU k-selection limit
 #: Largest ef_search (HNSW's candidate list per query; memory and time grow with it).
 MAX_EF_SEARCH = 1 << 16
@@ -605,9 +612,10 @@ class VectorIndex:
         and payload_dim > 0, payload [B, k, payload_dim] (else None). Missing hits are id -1,
         score -inf (ip) / +inf (l2), payload zeros. Each row is in the metric's order with ties
         by smaller id, also at the k-th place (more hits are fetched until a tie there is whole,
-        up to TIE_FETCH_LIMIT), so the answer does not depend on insertion order and merges
-        exactly across slices. Cost: faiss's search for k + 1 hits (+ dead entries where they
-        are over-fetched), again with twice as many only for rows with a tie at the k-th place.
+        up to TIE_FETCH_LIMIT and TIE_FETCH_BUDGET), so the answer does not depend on insertion
+        order and merges exactly across slices. Cost: faiss's search for k + 1 hits (+ dead
+        entries where they are over-fetched), again with twice as many only for rows with a tie
+        at the k-th place, in chunks of at most FETCH_CHUNK hits.
 
         nprobe (IVF) and ef_search (HNSW) apply to this call only."""
         scores, ids, labels, hit = self._search(queries, k, nprobe, ef_search)
@@ -650,17 +658,26 @@ class VectorIndex:
             cap = min(cap, _GPU_MAX_FETCH - self._n_dead)  # >= k: at most MAX_DEAD_OVERFETCH dead
         want = min(k + 1, cap)  # one more than k: a tie at the k-th place shows
         params = self._params(nprobe, ef_search, want)
+        budget = max(TIE_FETCH_BUDGET, TIE_FETCH_PER_HIT * b * k)  # hits the fetches again may take
         while len(rows):
-            s, lab, cut = self._fetch(q[rows], want, params)
-            ids = np.where(lab >= 0, self._label_ids[np.maximum(lab, 0)], -1)  # dead labels: -1 too
-            order = np.lexsort((ids, -s if ip else s, ids < 0))  # hits first, metric order, smaller id
-            s, lab = np.take_along_axis(s, order, 1)[:, :k], np.take_along_axis(lab, order, 1)[:, :k]
-            # faiss cut its answer at `cut`: if that equals the k-th score, entries tied with it
-            # may be left out. Fetch those rows again with twice as many.
-            again = (cut == s[:, -1]) & (want < cap)
-            done = rows[~again]
-            scores[done, : s.shape[1]], labels[done, : s.shape[1]] = s[~again], lab[~again]
-            rows, want = rows[again], min(2 * want, cap)
+            more, step = min(2 * want, cap), max(1, FETCH_CHUNK // want)
+            redo = []
+            for at in range(0, len(rows), step):
+                part = rows[at : at + step]
+                s, lab, cut = self._fetch(q[part], want, params)
+                ids = np.where(lab >= 0, self._label_ids[np.maximum(lab, 0)], -1)  # dead labels: -1 too
+                order = np.lexsort((ids, -s if ip else s, ids < 0))  # hits first, metric order, smaller id
+                s, lab = np.take_along_axis(s, order, 1)[:, :k], np.take_along_axis(lab, order, 1)[:, :k]
+                # faiss cut its answer at `cut`: if that equals the k-th score, entries tied with it
+                # may be left out. Fetch those rows again with twice as many, within the budget.
+                again = (cut == s[:, -1]) & (want < cap)
+                if (n := int(again.sum()) * more) > budget:  # past the budget: faiss's choice of the tied
+                    again[:] = False
+                else:
+                    budget -= n
+                scores[part[~again], : s.shape[1]], labels[part[~again], : s.shape[1]] = s[~again], lab[~again]
+                redo.append(part[again])
+            rows, want = np.concatenate(redo), more
             if self._is_hnsw and len(rows):  # (its candidate list follows the wider fetch)
                 params = self._params(nprobe, ef_search, want)
         ids = np.full((b, k), -1, dtype=np.int64)
