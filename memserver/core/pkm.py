@@ -25,6 +25,10 @@ except ImportError:  # pragma: no cover
 
 #: Largest knn a product-key table accepts (the candidate pairs grow as knn log knn).
 MAX_KNN = 4096
+#: An Address call scores its queries against every sub-key ([heads, 2, rows, n_keys] float32) in
+#: chunks of rows that hold at most this many bytes: the whole batch at once took ~1,000x the
+#: request's bytes (a 0.5 MiB request of 4,000 rows, 503 MiB; the client's own split, ~22 GB: a hunt).
+ADDRESS_SCORE_BYTES = 64 << 20
 
 
 def candidate_pairs(knn: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,15 +258,27 @@ class ProductKeyIndex:
         return q
 
     def address(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """queries (see check_queries) -> ids int64 [B, heads*knn], weights float32 [B, heads*knn]."""
+        """queries (see check_queries) -> ids int64 [B, heads*knn], weights float32 [B, heads*knn];
+        scored ADDRESS_SCORE_BYTES at a time. Queries whose projection or scores overflow float32
+        are refused by name (their weights came back NaN, and the value lookup that took them
+        blamed "weights", an argument its caller never gave: a hunt)."""
         q = self.check_queries(queries)
         assert self.keys is not None
         with torch.no_grad():
             if self.d_in:
                 q = self.project(q)
-            n = q.shape[0]
-            return product_key_topk(q.reshape(n, self.heads, 2, self.k_dim // 2), self.keys, self.knn, self.cand_i,
-                                    self.cand_j)
+                if q.numel() and not bool(torch.isfinite(q).all()):
+                    raise InvalidArgumentError("queries: the stored query network's projection of them overflows "
+                                               "float32 (inf or NaN): scale the inputs down")
+            n, step = q.shape[0], max(1, ADDRESS_SCORE_BYTES // (self.heads * 2 * self.n_keys * 4))
+            parts = [product_key_topk(q[s : s + step].reshape(-1, self.heads, 2, self.k_dim // 2), self.keys, self.knn,
+                                      self.cand_i, self.cand_j) for s in range(0, max(n, 1), step)]
+            ids, weights = (parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]),
+                                                              torch.cat([p[1] for p in parts])))
+            if weights.numel() and not bool(torch.isfinite(weights).all()):
+                raise InvalidArgumentError("queries: their scores against the product keys overflow float32 (the "
+                                           "weights would be NaN): scale them down")
+            return ids, weights
 
     # -- checkpoints --------------------------------------------------------------------
 
