@@ -434,15 +434,18 @@ def test_searches_keep_working_while_adds_run(client, table_name):
     np.testing.assert_array_equal(got[:, 0], ids)
 
 
-def test_a_trained_index_is_not_trained_again_whatever_the_deployment():
+@pytest.mark.parametrize("data_dir", [False, True], ids=["memory", "data-dir"])
+def test_a_trained_index_is_not_trained_again_whatever_the_deployment(tmp_path, data_dir):
     """An index walkthrough: a second train_index of a trained, empty index was refused on a Ray
     cluster (its data directory keeps the template) and taken in-process without one, replacing
-    the quantizer. Refused alike now, by the slice's own state."""
+    the quantizer. Refused alike now, by the slice's own state. A kind faiss does not train takes
+    its template again either way (with a data directory it was refused "trained already": a hunt)."""
     from client import MemoryClient
     from memserver.cluster.inprocess import InProcessServer
 
     sample = np.random.default_rng(0).normal(size=(200, 8)).astype(np.float32)
-    with InProcessServer(2) as server, MemoryClient(server.endpoint, shm=False) as c:
+    with InProcessServer(2, data_dir=str(tmp_path) if data_dir else None) as server, \
+            MemoryClient(server.endpoint, shm=False) as c:
         c.create_index("ix", 8, index_factory="IVF4,Flat")
         c.train_index("ix", sample)
         with pytest.raises(FailedPreconditionError, match="index 'ix' is trained already; drop and re-create it"):

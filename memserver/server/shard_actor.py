@@ -663,9 +663,10 @@ class ShardActor:
 
         def work() -> None:
             sl = self._index_slice(name)
-            if (sl.table.needs_training and sl.table.is_trained) or (
-                    self.store is not None and (self.store.table_dir(name) / INDEX_TEMPLATE).exists()):
+            if sl.table.needs_training and (sl.table.is_trained or (
+                    self.store is not None and (self.store.table_dir(name) / INDEX_TEMPLATE).exists())):
                 # a second template would not be in the order of the log: a restart could bring the first back
+                # (a kind faiss does not train has one empty template: taken again, as without a data directory)
                 raise FailedPreconditionError(f"index {name!r} is trained already; drop and re-create it to train again")
             if sl.table.ntotal:
                 raise FailedPreconditionError(f"index {name!r} holds {sl.table.ntotal} vectors on shard {self.index}; "
