@@ -464,20 +464,24 @@ class AsyncMemoryClient:
 
     async def _with_table(self, name: str, fn: Callable[[TableMeta], Awaitable[Any]], tags: WriteTags | None = None,
                           retry: bool = True, failed: float | None = None, fresh_map: bool = False,
-                          refused: TableNotFoundError | FailedPreconditionError | None = None) -> Any:
+                          refused: tuple[TableNotFoundError | FailedPreconditionError, TableMeta] | None = None
+                          ) -> Any:
         """Run fn(meta). If the shards no longer know the table, or hold another incarnation of it
         (dropped and re-created, restored), refresh the map and run it once more, with new write
         tags (the write never reached the new table). While a shard is UNAVAILABLE (restarting,
         maybe at a new address), retry with a fresh shard map; writes keep their tags then.
-        `refused`: the caller's own first attempt, on the cached map, was refused so (the sync
-        client's): the map is checked before anything is sent again (it sent the call twice more)."""
+        `refused`: the caller's own first attempt was refused so, on that map (the sync client's):
+        the map is checked before anything is sent again (it sent the call twice more)."""
 
         failing: set[int] = set()  # shards this call's attempts found UNAVAILABLE (by index)
 
-        async def anew(exc: TableNotFoundError | FailedPreconditionError) -> Any:
-            old = self._tables.pop(name, None)
-            if old is None:
+        async def anew(exc: TableNotFoundError | FailedPreconditionError, old: TableMeta) -> Any:
+            """The map `old` was refused: compared with a fresh one (or one another call refreshed
+            meanwhile: it raised, or fetched the map twice), sent again if that explains it."""
+            if self._closed:  # (close() ended the call: said by `exc`, not by a refused map)
                 raise exc
+            if self._tables.get(name) is old:
+                del self._tables[name]
             meta = await self.table(name)
             if meta.layout_id != old.layout_id:
                 self.session.forget_layouts(name, keep=meta.layout_id)  # the old incarnation's slices
@@ -492,8 +496,8 @@ class AsyncMemoryClient:
         async def attempt() -> Any:
             nonlocal refused
             if refused is not None:
-                exc, refused = refused, None
-                return await anew(exc)
+                (exc, used), refused = refused, None
+                return await anew(exc, used)
             meta = await self.table(name)
             try:
                 return await fn(meta)
@@ -501,7 +505,7 @@ class AsyncMemoryClient:
                 failing.update(sh.index for sh in meta.shards if exc.target == f"shard {sh.address}")
                 raise
             except (TableNotFoundError, FailedPreconditionError) as exc:
-                return await anew(exc)
+                return await anew(exc, meta)
 
         restarts: dict[int, list[int]] = {}  # shard index -> its pids in the maps this call refreshed
         layout = 0

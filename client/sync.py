@@ -200,7 +200,7 @@ class MemoryClient:
                     if not retry or self.aio.retry_seconds <= 0:  # (retry_seconds 0: no retries)
                         raise
                 except (TableNotFoundError, FailedPreconditionError) as exc:
-                    refused = exc
+                    refused = (exc, meta)
                 except OverloadedError:
                     failed = time.monotonic()
                     sleep = Backoff(self.aio.retry_seconds if retry else 0.0, start=failed).next()

@@ -511,7 +511,7 @@ def test_a_client_made_anew_with_a_used_client_id_is_refused_and_told_why(pairs)
         train_step(run.client, step, (step,))
     before = run.state()
     again = run.new_client("trainer")
-    with pytest.raises(FailedPreconditionError, match="client_id starts its writes at 1 again: give each client its own"):
+    with pytest.raises(FailedPreconditionError, match="same client_id, its writes start at 1 again: give each client its own"):
         again.push_gradients(NAME, np.arange(4), np.ones((4, DIM), np.float32))
     assert_same(run.state(), before)
 
@@ -1061,6 +1061,35 @@ def test_a_table_made_anew_since_a_shard_restarted_keeps_its_slices_from_the_old
     assert "rolled back to" not in caplog.text
 
 
+def test_a_rollback_from_a_shard_of_the_previous_code_reaches_its_siblings_as_before(pairs):
+    """A held slice reported without its layout (a shard of the previous code, before a restarted
+    coordinator of this code): the siblings are rolled back with the two arguments that code's
+    rollback_table takes (a review: a third one raised TypeError there, and the table was served
+    without its rollback)."""
+    import asyncio
+
+    from memserver.server.coordinator import ControlPlaneServicer
+
+    run = pairs("run", spec(wal=False))
+    calls: list = []
+
+    class Previous:  # the previous code's shard: rollback_table(name, checkpoint_dir)
+        index = 1
+
+        def rollback_table(self, name, checkpoint_dir):
+            calls.append((name, checkpoint_dir))
+            return "checkpoint step 1"
+
+        def release_tables(self, names, pid=None):
+            calls.append(("released", tuple(names)))
+
+    coord = ControlPlaneServicer([_Handle(run.shards[0], []), _Handle(Previous(), [])], [s.info() for s in run.shards])
+    coord.tables[NAME], coord.placement[NAME] = run.info, [0, 1]
+    ck = str(run.root / "ck" / f"step-{1:010d}" / NAME / "shard-0000.pt")
+    asyncio.run(coord.roll_back_siblings(0, 123, [{"table": NAME, "wal": False, "checkpoint": ck}]))
+    assert calls == [(NAME, str(run.root / "ck" / f"step-{1:010d}"))]
+
+
 class _Counted:
     """A multi-callable that records each request sent through it (plain call or future)."""
 
@@ -1112,6 +1141,29 @@ def test_a_sync_call_refused_for_its_map_is_sent_once_more_on_the_fresh_map(pair
     with pytest.raises(FailedPreconditionError, match="a write failed to apply; writes are refused"):
         c.bag_backward(NAME, ids, w, g)  # the map is current: the refusal is about something else
     assert sorted(sent) == sorted([(s.address, "BagBackward") for s in run.shards]), sent
+
+
+def test_a_call_refused_for_its_map_goes_through_on_a_map_another_call_refreshed(pairs, monkeypatch):
+    """Another thread's call refreshed the map between this call's refused attempt and its retry
+    (a review): the retry compared the fresh map with the refreshed one, saw no new layout, and
+    raised the refusal. It compares with the map it was refused on, and sends the call once more."""
+    run = pairs("run", spec(wal=False))
+    c = run.client
+    c.lookup(NAME, np.arange(4), count=False)  # map cached
+    new_spec = validate_spec(spec(wal=False), 2)
+    run.info.CopyFrom(plan_table(new_spec, [s.info() for s in run.shards]))
+    for s, sh in zip(run.shards, run.info.shards):
+        s.drop_table(NAME)
+        s.create_table(new_spec.SerializeToString(), sh.SerializeToString(), 2)
+    real = c.aio._with_table
+
+    async def with_table(name, *args, **kwargs):
+        await c.aio.table(name, refresh=True)  # what another thread's call did meanwhile
+        return await real(name, *args, **kwargs)
+
+    monkeypatch.setattr(c.aio, "_with_table", with_table)
+    assert c.push_gradients(NAME, np.arange(4), np.ones((4, DIM), np.float32)) == 4
+    assert c.table(NAME).layout_id == run.info.layout_id
 
 
 def test_a_sync_step_a_trainer_never_commits_is_said_by_status_metrics_and_log(tmp_path, monkeypatch, caplog, capsys):

@@ -48,8 +48,12 @@ def _place_shards(bundles: list[dict[str, float]], strategy: str, timeout: float
     from ray.util.placement_group import placement_group, remove_placement_group
 
     pg = placement_group([dict(b) for b in bundles], strategy=strategy)
-    if pg.wait(timeout_seconds=timeout):
-        return pg
+    try:
+        if pg.wait(timeout_seconds=timeout):
+            return pg
+    except BaseException:  # (Ctrl-C while it waits: the pending group goes too)
+        remove_placement_group(pg)
+        raise
     remove_placement_group(pg)
     alive = [n for n in ray.nodes() if n.get("Alive")]
     kinds = list(dict.fromkeys("{" + ", ".join(f"{k}={v:g}" for k, v in b.items()) + "}" for b in bundles))

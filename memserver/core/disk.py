@@ -1358,8 +1358,10 @@ class DiskTable(ValueTable):
         """What a checkpoint file keeps (`unpack` turns it into `state()`'s fields): the records
         and read counters as the byte tensors they are in the files, one storage each, so
         torch.save writes them straight from the mapped files (dirty rows flushed first) and
-        memory never holds the table. Every record is checked first, a chunk at a time (the file is
-        read whole for the save anyway): a corrupt one is refused DATA_LOSS, not copied as a row."""
+        memory never holds the table. Every record is checked first, a chunk at a time: a corrupt
+        one is refused DATA_LOSS, not copied as a row. The cost: the file is read twice (the check,
+        then the save; from the disk twice where it is larger than the page cache), both on the
+        compute thread."""
         self.flush()
         if self.num_rows:
             self._check_file()

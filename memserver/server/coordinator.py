@@ -261,11 +261,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 if r["table"] not in self.placement:
                     continue
                 step_dir = str(Path(r["checkpoint"]).parent.parent) if r["checkpoint"] else ""
-                layout_id = r.get("layout_id", 0)  # (0: a shard of the previous code said none)
+                # (none from a shard of the previous code; and to one, only the two arguments it takes)
+                also = [r["layout_id"]] if r.get("layout_id") else []
                 for k in self.placement[r["table"]]:
                     if k != j:
-                        calls.append(_when_ready(lambda k=k, name=r["table"], d=step_dir, lid=layout_id:
-                                                 self.handles[k].rollback_table.remote(name, d, lid)))
+                        calls.append(_when_ready(lambda k=k, name=r["table"], d=step_dir, also=also:
+                                                 self.handles[k].rollback_table.remote(name, d, *also)))
                         names.append(r["table"])
             for name, res in zip(names, await asyncio.gather(*calls, return_exceptions=True)):
                 if isinstance(res, BaseException):

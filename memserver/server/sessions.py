@@ -117,8 +117,8 @@ class Sessions:
         if tag.seq < s.acked_below:
             raise FailedPreconditionError(
                 f"table {table}: write {tag.seq} of client {tag.client_id} was already answered (the client "
-                f"acknowledged every write below {s.acked_below}); a late duplicate is not applied again (a client "
-                "made anew with the same client_id starts its writes at 1 again: give each client its own id)")
+                f"acknowledged every write below {s.acked_below}); a late duplicate is not applied again (if this "
+                "is a client made anew with the same client_id, its writes start at 1 again: give each client its own id)")
         return False, None
 
     def full_for(self, client: str) -> bool:
