@@ -337,6 +337,14 @@ def test_read_path_refuses_bad_calls(tmp_path):
     _, disk = _pair(tmp_path, "sgd")
     with pytest.raises(IndexError, match="row 300 is out of range"):
         disk.bag(torch.tensor([[1, 300]]), torch.ones(1, 2))
+    # the gathering calls too (the slice checks ids first; a direct user's went unchecked: row -1 was
+    # read as a hit on slot 0, a row past the end outside the file's mapping, a hunt)
+    with pytest.raises(IndexError, match="row -1 is out of range"):
+        disk.slot_stats(torch.tensor([-1]))
+    for call in (lambda ids: disk.write_rows(ids, torch.ones(len(ids), disk.dim)),
+                 lambda ids: disk.push_gradients(ids, torch.ones(len(ids), disk.dim))):
+        with pytest.raises(IndexError, match=f"row {disk.num_rows} is out of range"):
+            call(torch.tensor([3, disk.num_rows]))
     with pytest.raises(ValueError, match="offsets must start at 0"):
         disk.bag(torch.tensor([1, 2, 3]), torch.ones(3), torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="per-sample weights"):

@@ -1115,6 +1115,10 @@ class DiskTable(ValueTable):
         `admit` False: an inspection read, which changes nothing in the cache."""
         self._check_file()
         n = len(rows)
+        if n and ((lo := int(rows.min())) < 0 or (hi := int(rows.max())) >= self.num_rows):  # (numba checks no bounds:
+            # row -1 read as the hash's empty mark, a hunt; one past the end, outside the mapping)
+            raise IndexError(f"table {self.name}: row {lo if lo < 0 else hi} is out of range (the slice has "
+                             f"{self.num_rows} rows)")
         recs = np.empty((n, self.record), dtype=np.uint8)
         slot_of = np.full(n, -1, dtype=np.int64)
         hit = np.zeros(n, dtype=np.uint8)
