@@ -385,17 +385,31 @@ def test_a_corrupt_record_is_refused_by_the_statistics_and_never_checkpointed(tm
     """A checkpoint copied the file's records as they were, unchecked, and its restore sealed them
     again: a corrupt row came back as a healthy one (-4.8e37 for -0.141, a hunt), also when the
     live table served that row right from a clean cached copy. The slot statistics summed it into
-    their figures (2.3e75). Both are refused DATA_LOSS naming the row and the file."""
+    their figures (2.3e75). A row the cache holds is written again from that copy; any other is
+    refused DATA_LOSS naming the row and the file."""
+    from memserver.storage.checkpoint import load_into, save_slice
+
     ram, disk = _pair(tmp_path, "adagrad", cache_rows=4)
     disk.lookup(torch.tensor([7]))  # row 7 cached, clean
-    for row in (7, 200):  # 200 not cached
+
+    def corrupt(row: int) -> None:
         with open(disk.path, "r+b") as f:
             f.seek(row * disk.record + 30)
             b = f.read(1)
             f.seek(row * disk.record + 30)
             f.write(bytes([b[0] ^ 0x40]))
+
+    corrupt(7)
     torch.testing.assert_close(disk.lookup(torch.tensor([7])), ram.lookup(torch.tensor([7])), rtol=0, atol=0)
-    with pytest.raises(DataLossError, match=rf"table t: row 7 of {disk.path} is corrupt"):
+    # a cached row's checked copy writes its record again: the checkpoint holds the row, intact
+    meta = {"table": "t", "kind": "value", "by_rows": True, "index": 0, "num_shards": 1, "num_rows": disk.num_rows,
+            "dim": disk.dim, "col_start": 0, "col_end": disk.dim}
+    save_slice(tmp_path / "healed.pt", meta, disk.checkpoint_state())
+    back = ValueTable(disk.num_rows, disk.dim, OptimizerConfig("adagrad", 0.1))
+    load_into(back, meta, [{"file": str(tmp_path / "healed.pt")}])
+    torch.testing.assert_close(back.lookup(torch.tensor([7])), ram.lookup(torch.tensor([7])), rtol=0, atol=0)
+    corrupt(200)  # not cached: refused
+    with pytest.raises(DataLossError, match=rf"table t: row 200 of {disk.path} is corrupt"):
         disk.checkpoint_state()  # (the file is what a checkpoint copies)
     with pytest.raises(DataLossError, match=rf"table t: row 200 of {disk.path} is corrupt"):
         disk.stat("value_sq_norm")

@@ -1165,13 +1165,23 @@ class DiskTable(ValueTable):
                              "restart the shard to rebuild the file from its checkpoint and write-ahead log, or restore "
                              "the table")
 
-    def _check_records(self, rows: np.ndarray) -> None:
+    def _check_records(self, rows: np.ndarray, heal: bool = False) -> None:
         """DATA_LOSS naming the first of `rows` whose record in the file fails its checksum. For
         what reads the file's records other than a call's misses: a checkpoint copies them as they
         are (a restore seals them again, so a corrupt one came back as a healthy row: a hunt), and
-        the slot statistics sum them."""
-        if len(rows) and (bad := _check_rows(self._raw.view(np.uint64), rows)) >= 0:
-            raise self._corrupt(int(rows[bad]))
+        the slot statistics sum them. `heal`: a corrupt record whose row the cache holds is written
+        again from that copy (checked when it was read in) instead."""
+        while len(rows) and (bad := _check_rows(self._raw.view(np.uint64), rows)) >= 0:
+            row = rows[bad : bad + 1]
+            slot_of, hit = np.full(1, -1, dtype=np.int64), np.zeros(1, dtype=np.uint8)
+            if heal and self.capacity:
+                _look(row, self._keys, self._vals, self._st[_SHIFT], slot_of, hit)
+            if not hit[0]:
+                raise self._corrupt(int(row[0]))
+            self._put(row, self._slots[slot_of].copy())
+            log.warning("table %s: row %d of %s was corrupt (its checksum did not match); written again from its "
+                        "cached copy", self.name, int(row[0]), self.path)
+            rows = rows[bad + 1 :]
 
     def _scatter(self, rows: np.ndarray, recs: np.ndarray, slot_of: np.ndarray) -> None:
         """Changed records back: into their cache slots (dirty, written back on eviction or
@@ -1363,14 +1373,15 @@ class DiskTable(ValueTable):
         and read counters as the byte tensors they are in the files, one storage each, so
         torch.save writes them straight from the mapped files (dirty rows flushed first) and
         memory never holds the table. Every record is checked first, a chunk at a time: a corrupt
-        one is refused DATA_LOSS, not copied as a row. The cost: the file is read twice (the check,
+        one is written again from the cache where it holds the row, else refused DATA_LOSS, not
+        copied as a row. The cost: the file is read twice (the check,
         then the save; from the disk twice where it is larger than the page cache), both on the
         compute thread."""
         self.flush()
         if self.num_rows:
             self._check_file()
         for s in range(0, self.num_rows, _CHUNK_ROWS):
-            self._check_records(np.arange(s, min(s + _CHUNK_ROWS, self.num_rows), dtype=np.int64))
+            self._check_records(np.arange(s, min(s + _CHUNK_ROWS, self.num_rows), dtype=np.int64), heal=True)
         fields = [list(self.fields.get(f, (-1, 0))) for f in _OPTIONAL_FIELDS]
         return {"records": torch.from_numpy(self._raw), "stats": torch.from_numpy(self._sraw),
                 "record_fields": torch.tensor(fields, dtype=torch.int64)}
