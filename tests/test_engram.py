@@ -185,6 +185,18 @@ def test_prefetch_exact_sees_the_update_and_stale_is_one_update_old(client, tabl
     m.values.end_step(6)
 
 
+def test_a_prefetch_serves_a_forward_whose_micro_batches_torch_cuts_fewer():
+    """16 positions in 7 micro-batches are 6 chunks (5 of 3, 1 of 1: torch's chunk): the prefetch
+    was kept as 7 chunks, the forward asked for 6, so it never matched: read again, counted twice, and
+    the `--staleness 1` math became the exact one's (a hunt: 128 positions, --micro-batches 17)."""
+    m = layer(LocalValues(600, 4), micro_batches=7)
+    a = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(4))
+    m.prefetch(a)
+    assert [len(i) for i, _, _ in m.prefetched[-1].started] == [3, 3, 3, 3, 3, 1]
+    m(torch.randn(2, 8, 12), a)
+    assert m.prefetch_used == 1 and not m.prefetched
+
+
 def test_a_prefetch_serves_only_its_own_tokens():
     m = layer(LocalValues(600, 4))
     a, b = torch.randint(0, 30, (2, 2, 8), generator=torch.Generator().manual_seed(3))

@@ -160,6 +160,16 @@ def test_product_key_values_train_with_the_addressing_frozen():
     assert torch.equal(values.table.weight, before)
 
 
+def test_an_eval_mode_backward_of_no_positions_gives_no_gradient():
+    """Saliency through an eval-mode layer with an empty batch failed: "cannot reshape tensor of
+    0 elements into shape [0, 8, -1]" (a hunt; train mode and the other kinds took it)."""
+    torch.manual_seed(0)
+    layer = ProductKeyMemory(16, 8, LocalValues(64, 8), n_keys=8, heads=2, k_dim=8, knn=4).eval()
+    x = torch.randn(0, 3, 16, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 3, 16)
+
+
 # --- KIF --------------------------------------------------------------------------------------
 
 

@@ -100,7 +100,7 @@ class _Bag(torch.autograd.Function):
                 return None, None, None, None, None, None
             flat = ids.reshape(-1, 1)
             rows = ctx.backend.bag(flat, torch.ones(flat.shape, device=weights.device), count=False)
-            rows = rows.float().view(*ids.shape, -1)
+            rows = rows.float().view(*ids.shape, rows.shape[-1])  # (-1 cannot be told for no rows)
             return torch.einsum("nkd,nd->nk", rows, grad_out.float()).to(weights.dtype), None, None, None, None, None
         if looks_for_nonfinite(grad_out, ctx.backend) and not finite(grad_out, weights):  # an fp16 overflow
             log.warning("a memory read's backward got non-finite values (a float16 overflow that a GradScaler skips, "
@@ -302,7 +302,9 @@ class MemoryLayer(nn.Module):
             return
         version = self.values.version
         started = self._send_tokens(tokens, self.micro_batches, True)
-        self.prefetched = [*self.prefetched[-1:], Prefetch(tokens.clone(), self.micro_batches, version, max_age, started)]
+        # as many chunks as torch cut (128 positions in 17 are 16 of 8: the forward asks for 16, and
+        # a prefetch kept as 17 never matched, read again and counted twice: a hunt)
+        self.prefetched = [*self.prefetched[-1:], Prefetch(tokens.clone(), len(started), version, max_age, started)]
 
     def warm(self, tokens: torch.Tensor) -> None:
         """A hint that a forward on `tokens` [B, T] comes soon: its rows' pages are read ahead
