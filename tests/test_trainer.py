@@ -341,6 +341,10 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
     (["--memory", "local", "--staleness", "1"], "--staleness 1: with --memory local it changes only the reads of "
      "token-addressed layers (engram), and --memory-kind pkm has none"),
     (["--memory", "local", "--data", "/nonexistent"], "error: --data: no such file or folder: /nonexistent"),
+    # (the seeds derived from them overflowed int64: a traceback, or the table's seed named, a hunt)
+    (["--memory", "local", "--seed", "18446744073709551"], "--seed: must be in [0, 9007199254740992]"),
+    (["--memory-kind", "engram", "--engram-seed", "99999999999999999999"], "--engram-seed: must be in [0, "),
+    (["--memory-kind", "lsh", "--lsh-seed", "-1"], "--lsh-seed: must be in [0, "),
 ])
 def test_bad_memtrain_flags_are_named(argv, message):
     from memserver.cli.common import parse_args  # (memtrain's main parses with it)
@@ -879,6 +883,18 @@ def test_a_resume_takes_how_its_steps_reached_the_values(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="memtrain"):  # given: this run's (it may change)
         list(train(parsed([*common, "--staleness", "0", "--steps", "3", "--resume", step2])))
     assert "micro_batches = 2" in caplog.text and "staleness" not in caplog.text, caplog.text
+    # --no-prefetch too (at --staleness 1 it changes the losses: a resume without it left the
+    # uninterrupted run's, unsaid: a hunt); --prefetch turns it back on
+    plain = [a for a in common if a != "--no-prefetch"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        rest = list(train(parsed([*plain, "--steps", "4", "--resume", step2])))
+    assert "no_prefetch = True" in caplog.text, caplog.text
+    assert [r["loss"] for r in rest] == [r["loss"] for r in whole[2:]]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        list(train(parsed([*plain, "--prefetch", "--steps", "3", "--resume", step2])))
+    assert "no_prefetch" not in caplog.text, caplog.text
 
 
 def test_a_resume_evaluates_and_logs_as_its_checkpoint_did(tmp_path, caplog):

@@ -143,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "computes, so they read rows one update old (local and remote alike)")
     mem.add_argument("--no-prefetch", action="store_true",
                      help="token-addressed layers (engram) read when the forward reaches them instead of as soon as "
-                          "the batch is drawn (same losses at --staleness 0; for measuring the prefetch)")
+                          "the batch is drawn (same losses at --staleness 0; for measuring the prefetch; a resume "
+                          "takes the checkpoint's where both are left out)")
+    mem.add_argument("--prefetch", dest="no_prefetch", action="store_false", default=False,
+                     help="the prefetch on (the default): for a resume of a --no-prefetch run")
     mem.add_argument("--no-warm", action="store_true",
                      help="token-addressed layers on disk tables (--tier disk): no read-ahead hint of step t+1's rows "
                           "once step t's forward is done (same losses; for measuring the hint). The hint is sent only "
@@ -258,13 +261,15 @@ RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal
 #: Flags a resumed run takes from its checkpoint where they are left out, and may change: how often
 #: it checkpoints (in the folder it resumed from, or --checkpoint-dir), and how its steps reach the
 #: values (a resume that left --staleness 1 or --micro-batches 2 out trained on at the defaults,
-#: unsaid, and its losses left the uninterrupted run's: a walkthrough). (--no-prefetch and
-#: --sync-commit change no number, and as switches with no opposite they could not be undone.)
+#: unsaid, and its losses left the uninterrupted run's: a walkthrough). --no-prefetch too: at
+#: --staleness 1 it changes the losses (--prefetch turns it back on; a hunt). (--sync-commit changes
+#: no number, and as a switch with no opposite it could not be undone.)
 #: --threads too: the sums of a step's ops are split by thread, so a resume on other threads is
 #: close to the uninterrupted run, not bit-exact (a walkthrough: 2.4e-7 apart). And what it
 #: evaluates and logs: a resume that left --eval-iters out evaluated on the default 20 batches, so
 #: its val_loss was not the uninterrupted run's (a walkthrough: 3.9569 against 3.9494).
-RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches", "threads", "eval_every", "eval_iters", "log_every")
+RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches", "threads", "eval_every", "eval_iters", "log_every",
+                 "no_prefetch")
 
 
 def checkpoint_dir_of(args: argparse.Namespace) -> str | None:
@@ -273,6 +278,10 @@ def checkpoint_dir_of(args: argparse.Namespace) -> str | None:
     if args.checkpoint_dir:
         return args.checkpoint_dir
     return args.resume if args.resume and Path(args.resume).is_dir() else None
+
+
+#: Largest --seed, --lsh-seed, --engram-seed (2^53).
+MAX_SEED = 1 << 53
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -289,7 +298,11 @@ def check_flags(args: argparse.Namespace) -> None:
             ("--micro-batches", args.micro_batches, 1, 1024), ("--checkpoint-every", args.checkpoint_every, 0, 1 << 40),
             ("--keep-checkpoints", args.keep_checkpoints, 0, 1 << 40),
             ("--lsh-hashes", args.lsh_hashes, 1, 1024), ("--lsh-bits", args.lsh_bits, 1, MAX_BITS),
-            ("--kif-knn", args.kif_knn, 1, 4096), ("--kif-sentences", args.kif_sentences, 1, 1 << 24)):
+            ("--kif-knn", args.kif_knn, 1, 4096), ("--kif-sentences", args.kif_sentences, 1, 1 << 24),
+            # (the seeds derived from them, seed * 1000 + a table's and seed + a block's, stay int64: a
+            # larger one failed in a traceback or named the table's seed, not the flag: a hunt)
+            ("--seed", args.seed, 0, MAX_SEED), ("--lsh-seed", args.lsh_seed, 0, MAX_SEED),
+            ("--engram-seed", args.engram_seed, 0, MAX_SEED)):
         if not lo <= value <= hi:
             extra = " (--n-keys: a head reads at most n_keys slots of each half)" if flag == "--knn" else ""
             raise SystemExit(f"memtrain: error: {flag}: must be in [{lo}, {hi}], got {value}{extra}")
