@@ -139,6 +139,35 @@ def test_close_while_another_thread_appends(tmp_path):
 # -- gaps ------------------------------------------------------------------------------------
 
 
+def test_a_waiter_that_gives_up_leaves_the_log_working(tmp_path, monkeypatch):
+    """A gRPC write cancelled while it awaited its record's fsync (`asyncio.wrap_future` passes
+    the cancel on to the future) cancelled the future under the log's thread, which then died of
+    InvalidStateError setting its result: every later write of the table was refused "write-ahead
+    log ... is closed" (a suite run). The future runs from the start: no waiter cancels it."""
+    import asyncio
+
+    slow = threading.Event()
+    real = os.fdatasync
+    monkeypatch.setattr(walmod.os, "fdatasync", lambda fd: slow.wait(5) and real(fd))
+    wal = WriteAheadLog(tmp_path)
+    pending = wal.durable(wal.append(PUSH_GRADIENTS, b"a"))
+
+    async def give_up() -> None:
+        waiter = asyncio.ensure_future(asyncio.wrap_future(pending))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+
+    asyncio.run(give_up())
+    assert not pending.cancelled()
+    slow.set()
+    pending.result(10)
+    wal.durable(wal.append(PUSH_GRADIENTS, b"b")).result(10)  # the log still takes and fsyncs writes
+    assert wal.failed is None and _lsns(tmp_path) == [0, 1]
+    wal.close()
+
+
 def _three_segments(directory):
     """wal-0: 0-2, wal-3: 3-4, wal-5: 5 (two checkpoints, at lsn 3 and 5)."""
     wal = WriteAheadLog(directory)

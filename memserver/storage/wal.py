@@ -164,8 +164,13 @@ class WriteAheadLog:
     def durable(self, lsn: int) -> Future[None]:
         """A future that completes once every record up to `lsn` (inclusive) is fsynced. It fails
         with the log's error if that record is at or after a failed write or fsync, and with
-        the "... is closed" OSError if the log was closed before the record was fsynced."""
+        the "... is closed" OSError if the log was closed before the record was fsynced. Running
+        from the start, so no waiter can cancel it: a gRPC write cancelled while it awaited this
+        (its client gave up: `asyncio.wrap_future` passes the cancel on) left the log thread an
+        InvalidStateError as it set the result, which killed it, and every later write of the
+        table was refused "write-ahead log ... is closed" (a suite run caught it)."""
         fut: Future[None] = Future()
+        fut.set_running_or_notify_cancel()
         with self._cond:
             if lsn < self.durable_lsn:
                 fut.set_result(None)
