@@ -1177,10 +1177,13 @@ def test_a_run_stopped_by_ctrl_c_says_so_and_how_to_go_on(tmp_path, monkeypatch,
         f"with `memtrain --resume {tmp_path}` (the same flags)\n")
 
 
-def test_a_run_stopped_by_sigterm_stops_as_ctrl_c_does(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_run_stopped_by_sigterm_stops_as_ctrl_c_does(tmp_path, sig):
     """A walkthrough: SIGTERM (what schedulers, `timeout` and `docker stop` send) ended memtrain at
     once, exit 143 and not a word: no commit in flight settled, no client closed, no way on. It
-    now stops as Ctrl-C does, with the latest checkpoint's --resume, exit 143."""
+    now stops as Ctrl-C does, with the latest checkpoint's --resume, exit 143. SIGINT to a run
+    started with SIGINT ignored (a script's `memtrain ... &`) was not seen at all: the run trained
+    on to its last step (an operator's walkthrough); it stops too, exit 130."""
     import signal
     import subprocess
     import sys
@@ -1192,18 +1195,21 @@ def test_a_run_stopped_by_sigterm_stops_as_ctrl_c_does(tmp_path):
 
     argv = [sys.executable, "-m", "trainer.train", *TINY, "--memory", "local", "--steps", "100000",
             "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1"]
-    run = subprocess.Popen(argv, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sig == "SIGINT" else None
+    run = subprocess.Popen(argv, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=ignore)
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob("trainer-step-*.pt")) and time.monotonic() < deadline and run.poll() is None:
             time.sleep(0.2)
-        run.send_signal(signal.SIGTERM)
+        run.send_signal(getattr(signal, sig))
         err = run.communicate(timeout=120)[1]
     finally:
         run.kill()
-    assert run.returncode == 143, err
+    assert run.returncode == (143 if sig == "SIGTERM" else 130), err
     latest = latest_trainer_file(tmp_path)
-    assert err.strip().endswith(f"memtrain: terminated (SIGTERM); its latest checkpoint is {latest}: go on from it "
+    said = "terminated (SIGTERM)" if sig == "SIGTERM" else "interrupted"
+    assert err.strip().endswith(f"memtrain: {said}; its latest checkpoint is {latest}: go on from it "
                                 f"with `memtrain --resume {tmp_path}` (the same flags)"), err
 
 

@@ -1134,15 +1134,18 @@ class Terminated(KeyboardInterrupt):
 
 
 def _stop_on_sigterm() -> Any:
-    """SIGTERM raises Terminated in the main thread; returns the handler it replaced (None: not the
-    main thread, where no handler can be installed)."""
+    """SIGTERM raises Terminated in the main thread, SIGINT KeyboardInterrupt, also where the run
+    started with SIGINT ignored (a script's `memtrain ... &`: Python then raises nothing, and a
+    `kill -INT` went unseen while the run trained on to its last step, an operator's walkthrough;
+    loadtest stops on it). Returns the handlers it replaced (None: not the main thread, where no
+    handler can be installed)."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def stop(signum: int, frame: Any) -> None:
         raise Terminated
 
-    return signal.signal(signal.SIGTERM, stop)
+    return signal.signal(signal.SIGTERM, stop), signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1176,7 +1179,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(exit_status(exc), f"memtrain: error: {one_line(exc)} (--debug: the traceback){_go_on(args)}\n")
     finally:
         if before is not None:
-            signal.signal(signal.SIGTERM, before)
+            signal.signal(signal.SIGTERM, before[0])
+            signal.signal(signal.SIGINT, before[1])
 
 
 def _go_on(args: argparse.Namespace) -> str:
