@@ -31,7 +31,8 @@ def usage_png(usage: TableUsage, title: str) -> bytes:
     left.set_xlabel("slot rank")
     left.set_ylabel("hits (weight mass) of the slot")
     left.set_title("rank-frequency (log-log)")
-    left.legend()
+    if left.get_legend_handles_labels()[0]:  # (a table never read draws no line: matplotlib warned of an empty legend)
+        left.legend()
     mass = usage.weight_mass
     nz = np.flatnonzero(mass.counts[1:]) + 1
     if len(nz):

@@ -440,3 +440,18 @@ def test_backends_say_where_their_reads_are_traced(client):
     with pytest.raises(NotImplementedError, match="--memory remote"):
         local.record_triggers(())
     assert RemoteValues(client, "inspect-t", 16, 4, create=False).trace_table == "inspect-t"
+
+
+def test_the_usage_plot_of_a_table_never_read_warns_of_nothing():
+    """An operator's walkthrough: `usage T --plot` of a fresh table printed matplotlib's "No
+    artists with labels found to put in legend" (nothing read: no line to label)."""
+    import warnings
+
+    from memserver.api.usage import Histogram, TableUsage
+    from memserver.plots import usage_png
+
+    fresh = TableUsage(Histogram.empty(), Histogram.empty(), Histogram.empty())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = usage_png(fresh, "fresh")
+    assert png.startswith(b"\x89PNG")
