@@ -361,7 +361,8 @@ def test_memory_flags_of_a_run_without_memory_are_named(capsys):
 
     for argv, said in ((["--mem-layers", "7"], "--mem-layers"),
                        (["--staleness", "1", "--lsh-bits", "3", "--engram-dim", "8", "--kif-knn", "2"],
-                        "--staleness, --lsh-bits, --engram-dim, --kif-knn")):
+                        "--staleness, --lsh-bits, --engram-dim, --kif-knn"),
+                       (["--prefetch"], "--no-prefetch/--prefetch")):  # (one setting of two flags: named once)
         with pytest.raises(SystemExit):
             main(["--memory", "none", *argv, "--steps", "1"])
         assert capsys.readouterr().err == (f"memtrain: error: {said}: shape memory layers, and this run trains without "
@@ -893,8 +894,9 @@ def test_a_resume_takes_how_its_steps_reached_the_values(tmp_path, caplog):
     assert [r["loss"] for r in rest] == [r["loss"] for r in whole[2:]]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="memtrain"):
-        list(train(parsed([*plain, "--prefetch", "--steps", "3", "--resume", step2])))
+        on = list(train(parsed([*plain, "--prefetch", "--steps", "4", "--resume", step2])))
     assert "no_prefetch" not in caplog.text, caplog.text
+    assert on[-1]["engram1_prefetched"] > 0  # (step 4's reads, prefetched during step 3)
 
 
 def test_a_resume_evaluates_and_logs_as_its_checkpoint_did(tmp_path, caplog):

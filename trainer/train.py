@@ -1148,6 +1148,13 @@ def _stop_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, stop), signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _restore_signals(before: Any) -> None:
+    """Put back what `_stop_on_sigterm` replaced (None: a handler not set from Python, left)."""
+    for sig, handler in zip((signal.SIGTERM, signal.SIGINT), before or ()):
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["trace"]:
@@ -1178,9 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(WRONG_COMMAND, f"memtrain: error: {_FLAG_OF_FIELD[field]}: {why}\n")
         parser.exit(exit_status(exc), f"memtrain: error: {one_line(exc)} (--debug: the traceback){_go_on(args)}\n")
     finally:
-        if before is not None:
-            signal.signal(signal.SIGTERM, before[0])
-            signal.signal(signal.SIGINT, before[1])
+        _restore_signals(before)
 
 
 def _go_on(args: argparse.Namespace) -> str:
@@ -1214,10 +1219,15 @@ _SAID_ELSEWHERE = {"memory", "endpoint", "timeout", "retry_seconds", "memory_kin
 
 
 def _memory_flags(given: frozenset[str]) -> list[str]:
-    """The flags among `given` (dests) that shape memory layers: a --memory none run has none."""
-    return [a.option_strings[0] for g in build_parser()._action_groups
-            if g.title and g.title.startswith(_MEMORY_GROUPS) for a in g._group_actions
-            if a.dest in given and a.dest not in _SAID_ELSEWHERE]
+    """The flags among `given` (dests) that shape memory layers: a --memory none run has none. A
+    setting of two flags (--no-prefetch, --prefetch) is named once, as both."""
+    named: dict[str, list[str]] = {}
+    for g in build_parser()._action_groups:
+        if g.title and g.title.startswith(_MEMORY_GROUPS):
+            for a in g._group_actions:
+                if a.dest in given and a.dest not in _SAID_ELSEWHERE:
+                    named.setdefault(a.dest, []).append(a.option_strings[0])
+    return ["/".join(flags) for flags in named.values()]
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
