@@ -1374,9 +1374,8 @@ class DiskTable(ValueTable):
         torch.save writes them straight from the mapped files (dirty rows flushed first) and
         memory never holds the table. Every record is checked first, a chunk at a time: a corrupt
         one is written again from the cache where it holds the row, else refused DATA_LOSS, not
-        copied as a row. The cost: the file is read twice (the check,
-        then the save; from the disk twice where it is larger than the page cache), both on the
-        compute thread."""
+        copied as a row. The cost: the file is read twice (the check, then the save; from the disk
+        twice where it is larger than the page cache), both on the compute thread."""
         self.flush()
         if self.num_rows:
             self._check_file()
