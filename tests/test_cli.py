@@ -581,8 +581,8 @@ def test_a_servers_log_leaves_out_faiss_s_loader():
     (["restore", "--shards", "0"], "argument --shards: must be >= 1, got 0"),
     (["restore", "--shards", "-1"], "argument --shards: must be >= 1, got -1"),
     # (a given 0 was taken as none given: `checkpoint --step 0` wrote step 102, an operator's walkthrough)
-    (["checkpoint", "--step", "0"], "--step: must be >= 1 (leave it out for one past the last step in --dir), got 0"),
-    (["restore", "--step", "-1"], "--step: must be >= 1 (leave it out for the latest complete checkpoint), got -1"),
+    (["checkpoint", "--step", "0"], "argument --step: must be >= 1, got 0"),
+    (["restore", "--step", "-1"], "argument --step: must be >= 1, got -1"),
 ])
 def test_flags_are_refused_by_name_before_any_cluster_is_asked(capsys, tmp_path, monkeypatch, argv, message):
     """(Each of `up`'s used to start Ray and end in its traceback, or, for --port, to come up

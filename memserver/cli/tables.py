@@ -451,18 +451,9 @@ def _checkpoint_dir(args: argparse.Namespace) -> str:
     return args.dir or "checkpoints"
 
 
-def _step(args: argparse.Namespace, default: str) -> int:
-    """--step as the servers take it (0: not given). A given 0 was taken as not given, silently (an
-    operator's walkthrough: `checkpoint --step 0` wrote step 102)."""
-    if args.step is not None and args.step < 1:
-        raise CliError(f"--step: must be >= 1 (leave it out for {default}), got {args.step}")
-    return args.step or 0
-
-
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    step = _step(args, "one past the last step in --dir")
     with cli_client(args) as client:
-        r = client.checkpoint(_checkpoint_dir(args), step, args.table or None)
+        r = client.checkpoint(_checkpoint_dir(args), args.step or 0, args.table or None)  # (0: not given)
     if args.json:
         print(json.dumps(r, indent=2))
     else:
@@ -472,10 +463,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    step = _step(args, "the latest complete checkpoint")
     with cli_client(args) as client:
         try:
-            metas = client.restore(_checkpoint_dir(args), step, replace=args.replace, num_shards=args.shards,
+            metas = client.restore(_checkpoint_dir(args), args.step or 0, replace=args.replace, num_shards=args.shards,
                                    tables=args.table or None, tier=args.tier or "", cache_bytes=args.cache_bytes or 0,
                                    wal=args.wal)
         except InvalidArgumentError as exc:
@@ -574,7 +564,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ck.add_argument("--dir", help="directory on the servers, below the cluster's checkpoint root (memserver up "
                     "--checkpoint-root); a relative one is taken under that root (default: 'checkpoints' there); "
                     "it must be visible to every shard")
-    ck.add_argument("--step", type=int, default=None, help="step number recorded in the checkpoint (its folder is step-<step in 10 digits>, "
+    # (`count`: a given 0, the servers' "not given", wrote the next step: an operator's walkthrough)
+    ck.add_argument("--step", type=count, default=None, help="step number recorded in the checkpoint (its folder is step-<step in 10 digits>, "
                     "e.g. step-0000000100; the same step again replaces it, with at least the tables it held); default: one past "
                     "the last step in --dir")
     ck.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
@@ -587,7 +578,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         epilog="example: memserver restore --dir ckpt --table values --replace --tier disk --cache-bytes 4G")
     rs.add_argument("--dir", help="the checkpoint's directory, as given to `memserver checkpoint` (a relative one is "
                     "under the cluster's checkpoint root; default: 'checkpoints' there)")
-    rs.add_argument("--step", type=int, default=None, help="which step (default: the latest complete checkpoint; with "
+    rs.add_argument("--step", type=count, default=None, help="which step (default: the latest complete checkpoint; with "
                     "--table, the latest that holds those tables)")
     rs.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
     rs.add_argument("--replace", action="store_true", help="drop existing tables of the same name, once every file "

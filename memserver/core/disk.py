@@ -1110,15 +1110,15 @@ class DiskTable(ValueTable):
             self._count(0, len(rows))
 
     def _gather(self, rows: np.ndarray, admit: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """The records of distinct local `rows` as a new [n, record] array (hits copied from the
-        cache, misses read from the file and checked), and each row's slot (-1: not cached).
-        `admit` False: an inspection read, which changes nothing in the cache."""
+        """The records of distinct local `rows`, ascending (`_distinct`), as a new [n, record] array
+        (hits copied from the cache, misses read from the file and checked), and each row's slot
+        (-1: not cached). `admit` False: an inspection read, which changes nothing in the cache."""
         self._check_file()
         n = len(rows)
-        if n and ((lo := int(rows.min())) < 0 or (hi := int(rows.max())) >= self.num_rows):  # (numba checks no bounds:
+        if n and (rows[0] < 0 or rows[-1] >= self.num_rows):  # (ascending: its ends. numba checks no bounds:
             # row -1 read as the hash's empty mark, a hunt; one past the end, outside the mapping)
-            raise IndexError(f"table {self.name}: row {lo if lo < 0 else hi} is out of range (the slice has "
-                             f"{self.num_rows} rows)")
+            raise IndexError(f"table {self.name}: row {int(rows[0] if rows[0] < 0 else rows[-1])} is out of range "
+                             f"(the slice has {self.num_rows} rows)")
         recs = np.empty((n, self.record), dtype=np.uint8)
         slot_of = np.full(n, -1, dtype=np.int64)
         hit = np.zeros(n, dtype=np.uint8)
