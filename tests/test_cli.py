@@ -159,6 +159,48 @@ def test_the_embedded_heads_ray_folder_is_this_users_alone(tmp_path, monkeypatch
     assert _private_ray_dir() is None
 
 
+def test_up_removes_the_folders_of_ended_ray_sessions_but_the_newest_and_those_alive(tmp_path):
+    """Ray leaves a session folder per head forever; `up` removes the ended ones beyond the newest
+    RAY_SESSIONS_KEPT, never one a live process names (however old), nor a name a live one's
+    begins with, nor anything that is not a session folder."""
+    import time
+
+    from memserver.cli.lifecycle import RAY_SESSIONS_KEPT, prune_ray_sessions
+
+    ray_dir = tmp_path / "ray"
+    ray_dir.mkdir()
+    now = time.time()
+    made = []
+    for age in range(RAY_SESSIONS_KEPT + 5):  # age 0 the newest
+        folder = ray_dir / f"session_2026-11-30_{age:04d}_1"
+        (folder / "logs").mkdir(parents=True)
+        (folder / "logs" / "raylet.out").write_text("x")
+        os.utime(folder, (now - 60 * age, now - 60 * age))
+        made.append(folder)
+    (ray_dir / "session_latest").symlink_to(made[0])
+    (ray_dir / "ray_current_cluster").write_text("x")
+    alive = made[-1]  # the oldest, but a process names it (as Ray's raylet does: --session-dir=...)
+    shorter = ray_dir / alive.name[:-1]  # a name the live one's begins with: not alive
+    shorter.mkdir()
+    os.utime(shorter, (now - 3600, now - 3600))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--session-dir={alive}"])
+    deadline = time.monotonic() + 10
+    while str(alive).encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():  # (until it has exec'd)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert prune_ray_sessions(str(ray_dir)) == 4 + 1
+        left = sorted(p.name for p in ray_dir.iterdir())
+        assert left == sorted([p.name for p in made[:RAY_SESSIONS_KEPT]]
+                              + [alive.name, "session_latest", "ray_current_cluster"])
+        assert prune_ray_sessions(str(ray_dir)) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert prune_ray_sessions(str(ray_dir)) == 1 and not alive.exists()  # it ended
+    assert prune_ray_sessions(str(tmp_path / "none")) == 0
+
+
 def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves_nothing(tmp_path):
     """`timeout`, `docker stop` and a terminal's hang-up signal the whole process group, the
     embedded Ray head's processes too: `up` stopped within seconds (where it waited 60 s on the

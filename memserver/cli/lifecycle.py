@@ -269,6 +269,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         if ray_dir:
             log.info("Ray's logs: %s/session_latest/logs (a folder of this user's alone)", ray_dir)
+            if removed := prune_ray_sessions(ray_dir):
+                log.info("removed %d finished Ray sessions' folders from %s (the newest %d stay)",
+                         removed, ray_dir, RAY_SESSIONS_KEPT)
         try:
             _check_gpus_of_one_node(shard_gpus, ray.cluster_resources().get("GPU", 0.0))
         except CliError:
@@ -483,6 +486,50 @@ def _private_ray_dir() -> str | None:
                        "remove it, or set RAY_TMPDIR to a private folder")
     os.chmod(base, 0o700)
     return str(base / "ray")
+
+
+RAY_SESSIONS_KEPT = 10
+
+
+def prune_ray_sessions(ray_dir: str, keep: int = RAY_SESSIONS_KEPT) -> int:
+    """Removes the session folders of Ray heads that have ended, but the newest `keep`: Ray makes
+    one per head (its logs, its sockets) and never removes any, so a machine that runs `up` often
+    fills its temporary folder. A session some process still names on its command line (every Ray
+    process names its own) stays, however old; the newest stay for their logs and for a head just
+    starting (its folder exists before its processes). Returns how many it removed; 0 where /proc
+    cannot tell which sessions are alive."""
+    root = Path(ray_dir)
+    if not Path("/proc/self/cmdline").exists() or not root.is_dir():
+        return 0
+    sessions = []
+    for path in root.glob("session_*"):
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                sessions.append((path.stat().st_mtime, path))
+    sessions.sort(reverse=True)
+    old = [path for _, path in sessions[keep:]]
+    if not old:
+        return 0
+    import re
+
+    named = b"\0".join(_command_lines()) + b"\0"
+    removed = 0
+    for path in old:
+        spellings = {str(path), f"{root.resolve()}/{path.name}"}
+        if any(re.search(re.escape(p.encode()) + rb"[/\0\s'\"]", named) for p in spellings):
+            continue  # (the name alone, not a longer name it begins)
+        shutil.rmtree(path, ignore_errors=True)
+        removed += not path.exists()
+    return removed
+
+
+def _command_lines() -> list[bytes]:
+    lines = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):  # (ended meanwhile, or another user's hidden)
+                lines.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+    return lines
 
 
 def _check_clients_verify(endpoint: str, token: str | None, tls: Any) -> None:
