@@ -55,7 +55,7 @@ from memserver.api.errors import (
     retried,
     tls_problem,
 )
-from memserver.api.types import METRICS, SHARDINGS, TableMeta
+from memserver.api.types import METRICS, SHARDINGS, Restored, TableMeta
 from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
@@ -814,9 +814,9 @@ class AsyncMemoryClient:
 
     async def restore(self, dir: str, step: int = 0, *, replace: bool = False, num_shards: int = 0,
                       tables: list[str] | None = None, tier: str = "", cache_bytes: int = 0,
-                      wal: bool | None = None) -> list[TableMeta]:
+                      wal: bool | None = None) -> Restored:
         """Load tables from a checkpoint (when step is 0: the latest complete one; given `tables`,
-        the latest that holds them), optionally
+        the latest that holds them; the answer's `.step` and `.path` say which), optionally
         into a different number of shards, and the value tables into another `tier` ("ram" or
         "disk": a table that outgrew its shards' memory) or `cache_bytes` ("" and 0: as saved);
         `wal` True/False: the tables log their writes or not (None: as saved). `replace`: live
@@ -839,7 +839,7 @@ class AsyncMemoryClient:
         if wal is not None and (other := [m.name for m in metas if m.wal != wal]):
             raise FailedPreconditionError(f"wal: the cluster restored {other} but not with wal={wal}: its coordinator "
                                           "predates restore's wal (upgrade it)")
-        return metas
+        return Restored(metas, r.path, r.step)
 
     # -- data plane (the ops are client.ops'; see there for what each computes) ----------
 

@@ -34,7 +34,7 @@ from memserver.api.errors import (
     from_rpc_error,
     raised,
 )
-from memserver.api.types import TableMeta
+from memserver.api.types import Restored, TableMeta
 from memserver.api.usage import TableUsage
 from memserver.loop import LoopThread
 
@@ -305,7 +305,7 @@ class MemoryClient:
     def checkpoint(self, dir: str, step: int = 0, tables: list[str] | None = None) -> dict[str, Any]:
         return self._run(self.aio.checkpoint(dir, step, tables))
 
-    def restore(self, dir: str, step: int = 0, **kwargs: Any) -> list[TableMeta]:
+    def restore(self, dir: str, step: int = 0, **kwargs: Any) -> Restored:
         return self._run(self.aio.restore(dir, step, **kwargs))
 
     # data plane: blocking stubs from this thread (see _call); the ops are client.ops'

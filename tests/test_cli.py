@@ -72,6 +72,7 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
         assert rs.returncode == 0, rs.stderr
         restored = json.loads(rs.stdout)
         assert restored[0]["name"] == "emb" and len(restored[0]["shards"]) == 1
+        assert (restored[0]["step"], restored[0]["checkpoint"]) == (3, str(tmp_path / "ck/step-0000000003"))
         again = cli(["restore", "--dir", str(tmp_path / "ck")])
         assert again.returncode == 2 and "already exist" in again.stderr
         with MemoryClient(endpoint) as client:
@@ -511,7 +512,7 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path, cli_
         assert bad.returncode == 2 and "memserver: error: --tier: a tier 'disk' table stores float32, not float16" \
             in bad.stderr, bad.stderr
         moved = run(["restore", *ck, "--replace", "--tier", "disk", "--cache-bytes", "4K"])
-        assert moved.returncode == 0 and "restored cli-ram: 100 x 4 (cols, tier disk, cache 4.0 KiB) over 2 shards" in moved.stdout, \
+        assert moved.returncode == 0 and "  cli-ram: 100 x 4 (cols, tier disk, cache 4.0 KiB) over 2 shards" in moved.stdout, \
             moved.stdout + moved.stderr
     finally:
         for name in ("cli-disk", "cli-ram", "cli-half"):
@@ -900,7 +901,7 @@ def test_what_down_leaves_is_said_by_kind_of_data_directory(memory_cluster, clie
 
 
 def test_counts_are_said_in_the_singular_for_one():
-    """("restored t: ... over 1 shards", a walkthrough.)"""
+    """("... over 1 shards", a walkthrough.)"""
     from memserver.cli.common import counted
 
     assert (counted(1, "shard"), counted(2, "shard"), counted(1000, "user")) == ("1 shard", "2 shards", "1,000 users")

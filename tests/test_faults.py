@@ -212,7 +212,8 @@ def test_a_table_restored_with_wal_logs_its_writes(fault_cluster, fclient, table
         fclient.restore(str(tmp_path), replace=True, tables=[table_name], wal="yes")
     st = cli_in_process(["restore", "--dir", str(tmp_path), "--table", table_name, "--replace", "--wal",
                          "--endpoint", fault_cluster.endpoint])
-    assert st.returncode == 0 and f"restored {table_name}: " in st.stdout and ", with wal" in st.stdout, st
+    assert st.returncode == 0 and st.stdout.startswith(f"restored step 3 ({tmp_path / 'step-0000000003'}):\n  {table_name}: ")
+    assert ", with wal" in st.stdout, st
     assert fclient.table(table_name, refresh=True).wal
     for ids, g in batches(9, 5):  # acknowledged after the restore: logged now
         fclient.push_gradients(table_name, ids, g)

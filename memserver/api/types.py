@@ -241,6 +241,17 @@ class TableMeta:
         return d
 
 
+class Restored(list):
+    """What a restore loaded, a list of TableMeta as before, and which checkpoint they came from:
+    with no step given the restore chooses the latest complete one holding the tables, and the
+    caller should be able to say which that was."""
+
+    def __init__(self, tables: Any, path: str, step: int) -> None:
+        super().__init__(tables)
+        self.path = path  # the checkpoint's step folder
+        self.step = step
+
+
 def a_kind(kind: str) -> str:
     """A table kind (TableMeta.kind) as a message says it: "a value table", "an index table"."""
     return f"{'an' if kind == 'index' else 'a'} {kind.replace('_', '-')} table"

@@ -475,13 +475,14 @@ def cmd_restore(args: argparse.Namespace) -> int:
             if not sep or key not in ("num_shards", "tier", "cache_bytes"):
                 raise
             raise CliError(f"{'--shards' if key == 'num_shards' else flag_of(key)}: {why}") from None
-    if args.json:
-        print(json.dumps([m.to_dict() for m in metas], indent=2))
+    if args.json:  # (which checkpoint: the latest, where no --step chose one)
+        print(json.dumps([{**m.to_dict(), "step": metas.step, "checkpoint": metas.path} for m in metas], indent=2))
     else:
+        print(f"restored step {metas.step} ({metas.path}):")
         for m in metas:
             what = (f"{m.num_rows:,} x {m.dim} ({m.sharding}, tier {tier_text(m.tier, m.cache_bytes)})" if m.kind == "value"
                     else f"{m.kind} table, dim {m.dim}")
-            print(f"restored {m.name}: {what} over {counted(len(m.shards), 'shard')}{', with wal' if m.wal else ''}")
+            print(f"  {m.name}: {what} over {counted(len(m.shards), 'shard')}{', with wal' if m.wal else ''}")
     return 0
 
 
@@ -596,5 +597,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rs.add_argument("--wal", action=argparse.BooleanOptionalAction, default=None,
                     help="the tables restored log every write before acknowledging it (--wal) or not (--no-wal); "
                     "default: as saved (a checkpoint taken before a table had wal comes back without it)")
-    cluster_flags(rs, timeout=600.0, json_help="print a JSON array of the restored tables")
+    cluster_flags(rs, timeout=600.0, json_help="print a JSON array of the restored tables, each with the "
+                  "step and the folder of the checkpoint it came from")
     rs.set_defaults(func=cmd_restore)
