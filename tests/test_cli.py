@@ -783,8 +783,25 @@ def test_api_errors_are_one_line_and_the_traceback_only_under_v(memory_cluster):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("memserver: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "PERMISSION_DENIED" in errors[0] and "--checkpoint-root" in errors[0]
+    assert "-v: the traceback" not in errors[0]  # (the command's mistake: its line is the whole story)
     debug = run(["-v", *args], env, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "PermissionDeniedError" in debug.stderr
+
+
+def test_a_failure_of_the_cluster_says_where_its_traceback_is_and_a_wrong_command_does_not(monkeypatch, cli_in_process):
+    """A cluster's failure (exit 1) offers the traceback behind -v; the command's own mistake (exit
+    2) does not: its line names what to change, and a traceback would only say where it was found."""
+    import memserver.cli.tables as tables
+    from memserver.api.errors import TableNotFoundError, UnavailableError
+
+    for exc, status, hint in ((UnavailableError("the shards do not answer"), 1, True),
+                              (TableNotFoundError("table 't' not found"), 2, False)):
+        def refused(args, exc=exc):
+            raise exc
+        monkeypatch.setattr(tables, "cmd_drop_table", refused)
+        out = cli_in_process(["drop-table", "t"])
+        assert out.returncode == status and out.stderr.startswith("memserver: error: ") and exc.details in out.stderr
+        assert ("(-v: the traceback)" in out.stderr) == hint, out.stderr
 
 
 def test_an_error_without_text_is_said_by_its_type():

@@ -228,7 +228,7 @@ def test_memtrain_refuses_a_checkpoint_dir_outside_the_root_before_step_one(memo
     errors = [line for line in proc.stderr.splitlines() if line.startswith("memtrain: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "PERMISSION_DENIED" in errors[0] and f"--checkpoint-dir {outside}" in errors[0], errors[0]
-    assert "--checkpoint-root" in errors[0]
+    assert "--checkpoint-root" in errors[0] and "--debug: the traceback" not in errors[0]  # (its line says it all)
     assert not (tmp_path / "run.jsonl").exists() or not (tmp_path / "run.jsonl").read_text()  # not one step
     debug = subprocess.run([*base, "--checkpoint-dir", outside, "--debug"], capture_output=True, text=True, timeout=300,
                            stdin=subprocess.DEVNULL)
@@ -662,6 +662,7 @@ def test_a_run_the_cluster_stops_on_the_way_says_how_to_go_on(tmp_path, monkeypa
             train.main([*TINY, "--checkpoint-dir", str(tmp_path), "--steps", "1"])
         err = capsys.readouterr().err
         assert done.value.code == 1 and "memtrain: error: DATA_LOSS: table t: rebuilt without a write-ahead log" in err
+        assert "write-ahead log (a test) (--debug: the traceback)" in err  # (a failure, not the command's mistake)
         hint = (f"; its latest checkpoint is {tmp_path / 'trainer-step-0000000100.pt'}: go on from it with "
                 f"`memtrain --resume {tmp_path}` (the same flags)")
         assert (hint in err) == bool(held), err

@@ -33,6 +33,7 @@ import torch
 from memserver.api.errors import InvalidArgumentError, MemserverError
 from memserver.cli import quiet_libraries
 from memserver.cli.common import (
+    FAILED,
     WRONG_COMMAND,
     DefaultsHelp,
     cache_size,
@@ -1183,7 +1184,8 @@ def main(argv: list[str] | None = None) -> int:
             field = "lr"
         if isinstance(exc, InvalidArgumentError) and sep and field in _FLAG_OF_FIELD:  # a table spec memtrain made
             parser.exit(WRONG_COMMAND, f"memtrain: error: {_FLAG_OF_FIELD[field]}: {why}\n")
-        parser.exit(exit_status(exc), f"memtrain: error: {one_line(exc)} (--debug: the traceback){_go_on(args)}\n")
+        hint = " (--debug: the traceback)" if exit_status(exc) == FAILED else ""  # (none for the command's mistake)
+        parser.exit(exit_status(exc), f"memtrain: error: {one_line(exc)}{hint}{_go_on(args)}\n")
     finally:
         _restore_signals(before)
 

@@ -15,7 +15,7 @@ import sys
 from typing import Any, NoReturn
 
 from memserver.cli import index, lifecycle, loadtest, slots, tables, web
-from memserver.cli.common import CliError, DefaultsHelp, exit_status, one_line, parse_args, print_json_error
+from memserver.cli.common import FAILED, CliError, DefaultsHelp, exit_status, one_line, parse_args, print_json_error
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
 from memserver.server.rayutil import quiet_libraries
@@ -107,7 +107,9 @@ def _main(argv: list[str] | None) -> int:
 
         if isinstance(exc, (MemserverError, FileNotFoundError)) and not args.verbose:
             _said_as_json(args, one_line(exc))
-            parser.exit(exit_status(exc), f"memserver: error: {one_line(exc)}{_token_source(exc)} (-v: the traceback)\n")
+            status = exit_status(exc)  # (the command's own mistake: its line says it all, no traceback to ask for)
+            hint = " (-v: the traceback)" if status == FAILED else ""
+            parser.exit(status, f"memserver: error: {one_line(exc)}{_token_source(exc)}{hint}\n")
         raise
 
 
