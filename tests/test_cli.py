@@ -508,6 +508,10 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path, cli_
         half = ["--dir", str(tmp_path / "ck-half"), "--table", "cli-half", *at]
         assert run(["create-table", "cli-half", "--rows", "10", "--dim", "2", "--dtype", "float16", *at]).returncode == 0
         assert run(["checkpoint", *half]).returncode == 0
+        # a --step that holds other tables: the flag's mistake (exit 2, named), not the cluster's failure
+        clash = run(["checkpoint", "--dir", str(tmp_path / "ck-half"), "--table", "cli-ram", "--step", "1", *at])
+        assert clash.returncode == 2 and clash.stderr.startswith(
+            f"memserver: error: --step 1: {tmp_path / 'ck-half'} holds a checkpoint of ['cli-half'] too"), clash.stderr
         bad = run(["restore", *half, "--replace", "--tier", "disk"])
         assert bad.returncode == 2 and "memserver: error: --tier: a tier 'disk' table stores float32, not float16" \
             in bad.stderr, bad.stderr

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from memserver.api.errors import InvalidArgumentError
+from memserver.api.errors import FailedPreconditionError, InvalidArgumentError
 from memserver.api.types import INITIAL_VALUES, SHARDINGS, STEP_WAIT_SAID, fmt_bytes, hit_rate
 from memserver.cli.common import (
     CliError,
@@ -453,7 +453,12 @@ def _checkpoint_dir(args: argparse.Namespace) -> str:
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     with cli_client(args) as client:
-        r = client.checkpoint(_checkpoint_dir(args), args.step or 0, args.table or None)  # (0: not given)
+        try:
+            r = client.checkpoint(_checkpoint_dir(args), args.step or 0, args.table or None)  # (0: not given)
+        except FailedPreconditionError as exc:  # the step given holds other tables: the flag's choice, not a failure
+            if not args.step or not exc.details.startswith(f"step {args.step} in "):
+                raise
+            raise CliError(f"--step {args.step}: {exc.details.removeprefix(f'step {args.step} in ')}") from None
     if args.json:
         print(json.dumps(r, indent=2))
     else:
