@@ -501,6 +501,21 @@ def test_every_kind_reads_an_empty_batch_and_follows_the_models_dtype(kind):
             assert layer.values.table.weight.dtype == torch.float32 and not torch.equal(layer.values.table.weight, before)
 
 
+def test_an_lsh_layer_moved_to_another_dtype_sends_each_input_to_the_buckets_it_trained():
+    """Its planes are the hash, drawn from the seed: .to(bfloat16) rounded them and hashed in
+    bfloat16, so a model moved to serve in bfloat16 read other buckets than it trained for the
+    same inputs. The planes stay float32 and the hash is float32's, whatever the model's dtype."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 16).bfloat16()  # (inputs a bfloat16 model can hold exactly, for both runs)
+    trained = _each_kind()["lsh"]
+    ids = trained.address(x.float())[0]
+    for dtype in (torch.bfloat16, torch.float64, torch.float32):
+        moved = _each_kind()["lsh"].to(dtype)
+        assert moved.planes.dtype == torch.float32 and moved.sketch.dtype == dtype
+        torch.testing.assert_close(moved.address(x.to(dtype))[0], ids, rtol=0, atol=0)
+        torch.testing.assert_close(moved.planes, trained.planes, rtol=0, atol=0)
+
+
 def test_a_product_key_layer_says_why_one_position_cannot_train_with_query_bn():
     """BatchNorm over one position failed with torch's "Expected more than 1 value per channel",
     naming no layer; library.md says any leading shape works: it does, except this."""

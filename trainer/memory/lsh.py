@@ -8,7 +8,10 @@ sketch matrices, out = sum_i R_i z_i, and added to the next layer's input.
 
 Hash planes and sketch matrices are drawn from `seed` alone (a CPU generator), never from the
 global RNG, so every process and every restart computes the same bucket ids. They are buffers
-not saved in state_dict: the seed (MemoryConfig.lsh_seed) is the state. The hash is not
+not saved in state_dict: the seed (MemoryConfig.lsh_seed) is the state. The planes stay float32
+and the hash is taken in float32 whatever the model's dtype: a model moved to bfloat16 (to serve
+it, say) would otherwise round its planes and send borderline inputs to other buckets than the
+ones they trained. The hash is not
 differentiable; gradients reach the bucket vectors only (the values' own sparse optimizer).
 """
 
@@ -38,7 +41,7 @@ def lsh_tables(d_in: int, hashes: int, bits: int, dim: int, d_out: int, seed: in
 
 def lsh_ids(x: torch.Tensor, planes: torch.Tensor, hashes: int, bits: int) -> torch.Tensor:
     """x [n, d_in] -> bucket ids [n, hashes] in one table: hash i's bucket j is row i * 2^bits + j."""
-    signs = (x @ planes > 0).view(-1, hashes, bits).long()  # [n, hashes, bits]
+    signs = (x.float() @ planes.float() > 0).view(-1, hashes, bits).long()  # [n, hashes, bits]
     powers = 2 ** torch.arange(bits, device=x.device)
     buckets = (signs * powers).sum(-1)  # [n, hashes] in [0, 2^bits)
     return buckets + torch.arange(hashes, device=x.device) * (1 << bits)
@@ -61,6 +64,14 @@ class LSHMemory(MemoryLayer):
         planes, sketch = lsh_tables(d_in, hashes, bits, values.dim, d_out, seed)
         self.register_buffer("planes", planes, persistent=False)
         self.register_buffer("sketch", sketch, persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> LSHMemory:
+        """Moves as every module does, but the planes keep float32 (see the module's docstring)."""
+        planes = self.planes
+        super()._apply(fn, recurse)
+        if self.planes.dtype != torch.float32:
+            self.planes = planes.to(self.planes.device, torch.float32)
+        return self
 
     def address(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """queries [n, d_in] -> bucket ids [n, hashes] and weights 1 (constants: the backward
