@@ -321,6 +321,13 @@ class ShardActor:
         caller), for the operator to restore."""
         points = committed_checkpoints(record)
         latest = points[-1] if points else None
+        listed = record.get("checkpoints", [])
+        later = listed[listed.index(latest) + 1:] if latest is not None else listed
+        if gone := [c for c in later if not Path(c["file"]).parent.exists()]:  # (an incomplete one's is removed too)
+            log.warning("shard %d: table %s: the folders of its later checkpoints (step %s) are gone, removed since or "
+                        "never completed: it comes back from %s", self.index, record["name"],
+                        ", ".join(str(c.get("step", 0)) for c in gone),
+                        f"checkpoint step {latest.get('step', 0)}" if latest else "its start")
         try:
             return (*self._load_slice(record, latest, replay=True), latest)
         except CheckpointDamagedError as exc:

@@ -441,6 +441,8 @@ def _open_slice(path: str | os.PathLike[str]) -> dict[str, Any]:
             if "mmap" not in str(exc):
                 raise
             return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:  # (a complete checkpoint's file removed since: as lost as a damaged one)
+        raise CheckpointDamagedError(f"checkpoint slice file {path} is gone (removed since it was written)") from None
     except (OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - damaged bytes fail torch's reader in many ways (weights_only's

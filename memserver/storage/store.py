@@ -236,9 +236,11 @@ def committed(checkpoint: dict[str, Any]) -> bool:
 
 
 def committed_checkpoints(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """A slice's checkpoints that belong to complete checkpoints and whose files exist, oldest
-    first (at most KEEP_CHECKPOINTS)."""
-    return [c for c in record.get("checkpoints", []) if committed(c) and Path(c["file"]).exists()]
+    """A slice's checkpoints that belong to complete checkpoints, oldest first (at most
+    KEEP_CHECKPOINTS). One whose file is gone since stays listed: its recovery fails as a damaged
+    file's does (skipping it brought one slice back from an older step than its siblings, or a
+    table without a log back as its initial values, and said nothing)."""
+    return [c for c in record.get("checkpoints", []) if committed(c)]
 
 
 def latest_committed(record: dict[str, Any]) -> dict[str, Any] | None:
