@@ -116,6 +116,8 @@ MIN_REQUEST_BYTES = 1024
 
 #: Retry backoff (seconds): the first delay, doubled after each retry up to the cap.
 RETRY_FIRST_DELAY, RETRY_MAX_DELAY = 0.1, 2.0
+#: The longest timeout or retry window a client takes: gRPC fails a call at once past ~1e10 s.
+MAX_SECONDS = 1e8
 
 
 #: Seconds between the warnings of one call's retries (the first is said at once; each retry
@@ -281,9 +283,10 @@ class AsyncMemoryClient:
         $MEMSERVER_DOORBELL is 0."""
         for what, value, least in (("timeout", timeout, 0.0), ("retry_seconds", retry_seconds, None)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                    or (value <= least if least is not None else value < 0):  # (timeout=0: every call failed)
-                need = "a number of seconds above 0" if least is not None else "a number of seconds >= 0 (0: no retry)"
-                raise InvalidArgumentError(f"{what}: must be {need}, got {value!r}")
+                    or (value <= least if least is not None else value < 0) or value > MAX_SECONDS:  # (timeout=0:
+                need = "above 0" if least is not None else ">= 0 (0: no retry)"  # every call failed; 1e10: gRPC's too)
+                raise InvalidArgumentError(f"{what}: must be a number of seconds {need} and at most {MAX_SECONDS:.0e} "
+                                           f"(~3 years), got {value!r}")
         if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, numbers.Integral) or \
                 not MIN_REQUEST_BYTES <= max_request_bytes <= MAX_MESSAGE_BYTES:
             raise InvalidArgumentError(f"max_request_bytes: must be an integer in [{MIN_REQUEST_BYTES}, "

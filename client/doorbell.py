@@ -21,6 +21,7 @@ step, and one inherited across fork is not used by the child (its calls go by gR
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
@@ -40,6 +41,8 @@ from memserver.wire import MAX_MESSAGE_BYTES, recv_exact
 
 #: Calls on one connection whose answers are unread (those given up too), at most.
 MAX_OUTSTANDING = 32
+#: The longest one poll() waits (its C int of milliseconds, ~24.8 days); a longer wait polls again.
+MAX_POLL_MS = 2**31 - 1
 #: Seconds the hello may take.
 HELLO_SECONDS = 5.0
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
@@ -170,7 +173,7 @@ class Bell:
                 if writable is None:
                     writable = select.poll()
                     writable.register(self._sock_fd, select.POLLOUT)
-                writable.poll(None if left is None else left * 1000)
+                writable.poll(_poll_ms(left))
         return True
 
     def _drain(self) -> None:
@@ -244,7 +247,7 @@ class Bell:
     def _read_one(self, timeout: float | None) -> None:
         """Read one answer (waiting at most `timeout` for it to start) and file it for its waiter."""
         try:
-            ready = self.poller.poll(None if timeout is None else max(0.0, timeout) * 1000)
+            ready = self.poller.poll(_poll_ms(timeout))
             if any(fd == self._wake_fd for fd, _ in ready):
                 try:
                     self.wake_r.recv(4096)
@@ -294,3 +297,8 @@ class Bell:
         self.wake_r.close()
         self.wake_w.close()
 
+
+def _poll_ms(seconds: float | None) -> int | None:
+    """A wait in seconds as poll() takes it (None: no end): a client's timeout above poll's limit
+    raised OverflowError and broke the shard's connection on every call (TCP took it)."""
+    return None if seconds is None else min(math.ceil(max(0.0, seconds) * 1000), MAX_POLL_MS)

@@ -84,6 +84,8 @@ def as_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, np.ndarray):
         if x.dtype.byteorder == ">":
             x = x.astype(x.dtype.newbyteorder("<"))
+        if any(s < 0 for s in x.strides):  # (a reversed view, a[::-1]: torch takes no negative stride)
+            x = np.ascontiguousarray(x)
         return torch.from_numpy(x)
     return torch.as_tensor(np.asarray(x))
 

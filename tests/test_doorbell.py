@@ -36,7 +36,7 @@ from tests.test_shm import LOCAL_DIM, LOCAL_ROWS, ROOT, make_local_shard, settle
 
 def rung_client(shard, **kwargs) -> MemoryClient:
     """A client of `shard` whose calls go by its doorbell (its first call attaches the region)."""
-    c = MemoryClient(shard.endpoint, timeout=30, token="", **kwargs)
+    c = MemoryClient(shard.endpoint, **{"timeout": 30, "token": "", **kwargs})
     t0 = time.monotonic()
     while c.aio.shm.bell(shard.address) is None:
         assert time.monotonic() - t0 < 20, f"no doorbell: {c.aio.shm.not_before}"
@@ -112,6 +112,38 @@ def test_calls_go_by_the_doorbell_and_answer_as_grpc(bell_shard):
         rung = bell.aio.shm.bell(bell_shard.address).call("Lookup", nope.SerializeToString(), 10)
         assert rung == by_grpc(bell_shard, "Lookup", nope)
         assert rung[0] == grpc.StatusCode.NOT_FOUND and b"nope" in rung[1]
+    finally:
+        bell.close()
+        grpc_c.close()
+
+
+def test_a_timeout_longer_than_poll_takes_still_goes_by_the_doorbell(bell_shard):
+    """A client's timeout of 35 days (over poll()'s ~24.8 days of milliseconds) raised
+    OverflowError on every doorbell call and broke the shard's connection (TCP took it); the wait
+    is polled in parts now."""
+    from client.doorbell import MAX_POLL_MS, _poll_ms
+
+    assert (_poll_ms(None), _poll_ms(-1.0), _poll_ms(0.0004), _poll_ms(3e6)) == (None, 0, 1, MAX_POLL_MS)
+    bell = rung_client(bell_shard, timeout=3e6)
+    try:
+        before = bell.aio.shm.bell_calls
+        for _ in range(3):
+            np.testing.assert_array_equal(bell.lookup("t", [1, 2]).shape, (2, LOCAL_DIM))
+        assert bell.aio.shm.bell_calls - before == 3 and bell.aio.shm.bell(bell_shard.address) is not None
+    finally:
+        bell.close()
+
+
+def test_reversed_numpy_views_are_taken_by_both_paths(bell_shard):
+    """np.arange(3)[::-1] (a negative stride) raised torch's bare ValueError from every call,
+    by the doorbell and by TCP; it is copied, and answers as its contiguous copy does."""
+    bell = rung_client(bell_shard)
+    grpc_c = MemoryClient(bell_shard.endpoint, timeout=30, token="", shm=False)
+    try:
+        ids, w = np.arange(6).reshape(3, 2)[::-1, ::-1], np.linspace(0, 1, 6, dtype=np.float32).reshape(3, 2)[::-1]
+        for c in (bell, grpc_c):
+            np.testing.assert_array_equal(c.lookup("t", np.arange(3)[::-1]), c.lookup("t", [2, 1, 0]))
+            np.testing.assert_array_equal(c.bag("t", ids, w), c.bag("t", ids.copy(), w.copy()))
     finally:
         bell.close()
         grpc_c.close()

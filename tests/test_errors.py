@@ -409,12 +409,14 @@ def test_bad_table_specs(client, table_name, kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(timeout=0), r"timeout: must be a number of seconds above 0, got 0"),
+    (dict(timeout=0), r"timeout: must be a number of seconds above 0 and at most 1e\+08 \(~3 years\), got 0"),
     (dict(timeout=-1), "timeout: must be a number of seconds above 0"),
     (dict(timeout=float("nan")), "timeout: must be"),
     (dict(timeout=float("inf")), "timeout: must be"),
-    (dict(timeout="abc"), "timeout: must be a number of seconds above 0, got 'abc'"),
-    (dict(retry_seconds=-5), r"retry_seconds: must be a number of seconds >= 0 \(0: no retry\), got -5"),
+    (dict(timeout="abc"), "timeout: must be a number of seconds above 0 and at most 1e\\+08 \\(~3 years\\), got 'abc'"),
+    (dict(timeout=1.5e8), r"timeout: must be .* at most 1e\+08 .*, got 150000000.0"),  # (gRPC failed at once from 1e10)
+    (dict(retry_seconds=1e10), r"retry_seconds: must be .* at most 1e\+08"),
+    (dict(retry_seconds=-5), r"retry_seconds: must be a number of seconds >= 0 \(0: no retry\) and at most 1e\+08 "),
     (dict(retry_seconds=float("nan")), "retry_seconds: must be"),
     (dict(max_request_bytes=0), r"max_request_bytes: must be an integer in \[1024, 268435456\]"),
     (dict(max_request_bytes=-1), "max_request_bytes: must be an integer"),
