@@ -789,7 +789,7 @@ def test_api_errors_are_one_line_and_the_traceback_only_under_v(memory_cluster):
     assert "PERMISSION_DENIED" in errors[0] and "--checkpoint-root" in errors[0]
     assert "-v: the traceback" not in errors[0]  # (the command's mistake: its line is the whole story)
     debug = run(["-v", *args], env, timeout=120)
-    assert debug.returncode != 0 and "Traceback" in debug.stderr and "PermissionDeniedError" in debug.stderr
+    assert debug.returncode == 2 and "Traceback" in debug.stderr and "PermissionDeniedError" in debug.stderr
 
 
 def test_a_failure_of_the_cluster_says_where_its_traceback_is_and_a_wrong_command_does_not(monkeypatch, cli_in_process):
@@ -806,6 +806,20 @@ def test_a_failure_of_the_cluster_says_where_its_traceback_is_and_a_wrong_comman
         out = cli_in_process(["drop-table", "t"])
         assert out.returncode == status and out.stderr.startswith("memserver: error: ") and exc.details in out.stderr
         assert ("(-v: the traceback)" in out.stderr) == hint, out.stderr
+        # with -v and --json: the same status, the error on stdout as JSON too, the traceback on stderr
+        debug = cli_in_process(["drop-table", "t", "--json", "-v"])
+        assert debug.returncode == status and json.loads(debug.stdout)["error"].endswith(exc.details)
+        assert "Traceback" in debug.stderr and debug.stderr.rstrip().endswith(exc.details)
+    # a token the environment gave, refused: the JSON says where it came from, as stderr does
+    monkeypatch.setenv("MEMSERVER_TOKEN", "stale")
+    from memserver.api.errors import UnauthenticatedError
+
+    def unauthenticated(args):
+        raise UnauthenticatedError("bad token")
+    monkeypatch.setattr(tables, "cmd_drop_table", unauthenticated)
+    out = cli_in_process(["drop-table", "t", "--json"])
+    said = "the token sent was $MEMSERVER_TOKEN's (unset it to use the endpoint file's)"
+    assert out.returncode == 1 and json.loads(out.stdout)["error"].endswith(said) and said in out.stderr
 
 
 def test_an_error_without_text_is_said_by_its_type():

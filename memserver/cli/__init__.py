@@ -105,12 +105,18 @@ def _main(argv: list[str] | None) -> int:
     except Exception as exc:
         from memserver.api.errors import MemserverError
 
-        if isinstance(exc, (MemserverError, FileNotFoundError)) and not args.verbose:
-            _said_as_json(args, one_line(exc))
-            status = exit_status(exc)  # (the command's own mistake: its line says it all, no traceback to ask for)
-            hint = " (-v: the traceback)" if status == FAILED else ""
-            parser.exit(status, f"memserver: error: {one_line(exc)}{_token_source(exc)}{hint}\n")
-        raise
+        if not isinstance(exc, (MemserverError, FileNotFoundError)):
+            raise
+        said = f"{one_line(exc)}{_token_source(exc)}"
+        _said_as_json(args, said)  # (with -v too: a script's parse of stdout does not depend on it)
+        status = exit_status(exc)
+        if args.verbose:  # the traceback on stderr, and the exit status the error has without -v
+            import traceback
+
+            traceback.print_exc()
+            parser.exit(status, f"memserver: error: {said}\n")
+        hint = " (-v: the traceback)" if status == FAILED else ""  # (the command's own mistake: its line says it all)
+        parser.exit(status, f"memserver: error: {said}{hint}\n")
 
 
 def _said_as_json(args: argparse.Namespace, error: str) -> None:
