@@ -1393,3 +1393,18 @@ def test_a_flipped_bit_in_a_slice_files_recovery_records_is_refused_by_name(tmp_
     says = f"checkpoint slice file {path}: its recovery records .* do not match their checksum"
     with pytest.raises(DataLossError, match=says):
         load_into(table, meta, [entry], {}) if load == "load_into" else verify_files([entry])
+
+
+def test_a_checkpoint_given_no_step_after_the_last_step_there_is_refused_by_name(tmp_path):
+    """A checkpoint at step 2^63-1 and then one given no step failed INTERNAL ("Value out of
+    range" from the step's int64); it is refused naming the folder and what to do."""
+    from memserver.api.errors import FailedPreconditionError
+    from memserver.storage.checkpoint import next_step, step_dir
+
+    step_dir(tmp_path, 2**63 - 2).mkdir()
+    assert next_step(tmp_path) == 2**63 - 1
+    step_dir(tmp_path, 2**63 - 1).mkdir()
+    with pytest.raises(FailedPreconditionError, match=r"step: .*step-9223372036854775807 is the last step a checkpoint "
+                                                      r"can take; give a --step below it"):
+        next_step(tmp_path)
+

@@ -24,6 +24,7 @@ import torch
 
 from memserver.api.errors import (
     DataLossError,
+    FailedPreconditionError,
     InvalidArgumentError,
     PermissionDeniedError,
     ResourceExhaustedError,
@@ -364,6 +365,9 @@ def next_step(root: str | os.PathLike[str]) -> int:
     """The step a checkpoint given none takes: one past every step directory under `root` (a
     complete or an interrupted one), so it never replaces an earlier checkpoint; 1 in a new one."""
     steps = _steps(Path(root))
+    if steps and steps[-1][0] >= 2**63 - 1:  # (the next one would not fit a step's int64: INTERNAL before)
+        raise FailedPreconditionError(f"step: {steps[-1][1]} is the last step a checkpoint can take; give a --step "
+                                      "below it (it replaces that step's checkpoint) or checkpoint into another folder")
     return steps[-1][0] + 1 if steps else 1
 
 
