@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import math
 import numbers
@@ -105,6 +106,16 @@ def _closed_mid_call(tags: WriteTags | None) -> FailedPreconditionError:
     may = ("; as a write, it may have been applied by the shards it reached (sent again by a new client, it is a new "
            "write: it may apply twice)" if tags is not None else "")
     return FailedPreconditionError(f"the client was closed while this call was in flight{may}")
+
+
+def ended_by_close(outcome: Any) -> bool:
+    """Whether a call's outcome, once the client is closed, is what the close did to it rather
+    than a shard's answer: grpc.aio cancels its calls (CancelledError; the blocking client's
+    "CANCELLED: Channel closed!"), a doorbell breaks its connection (UNAVAILABLE, which was retried
+    and then refused as if the call had never been made, though its write had been applied)."""
+    return isinstance(outcome, asyncio.CancelledError | concurrent.futures.CancelledError) or (
+        isinstance(outcome, MemserverError) and outcome.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        and not getattr(outcome, "answered", False))
 
 
 #: What a closed client says to a call.
@@ -584,8 +595,7 @@ class AsyncMemoryClient:
                     if again and transport.stale(sent, outcomes):
                         continue
                     if self._closed:  # close() ended these calls (the caller cancelled none): said as such
-                        outcomes = [_closed_mid_call(tags) if isinstance(o, asyncio.CancelledError) else o
-                                    for o in outcomes]
+                        outcomes = [_closed_mid_call(tags) if ended_by_close(o) else o for o in outcomes]
                     errors = [o for o in outcomes if isinstance(o, BaseException)]
                     if errors:
                         if applied is not None:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from client import ops, transport
-from client.aio import DROPS_AGAIN, NOT_PICKLED, AppliedBy, AsyncMemoryClient, Backoff
+from client.aio import DROPS_AGAIN, NOT_PICKLED, AppliedBy, AsyncMemoryClient, Backoff, _closed_mid_call, ended_by_close
 from client.channels import sync_channel
 from client.ops import Op, WriteTags, finish, like
 from memserver.api.errors import (
@@ -176,8 +176,10 @@ class MemoryClient:
                         applied.note(meta, calls, outcomes)
                     errors = [from_rpc_error(o, f"shard {where}") if isinstance(o, grpc.RpcError) else o
                               for (where, _, _), o in zip(calls, outcomes) if isinstance(o, BaseException)]
+                    if self._closed:  # close() ended these calls: said as such, and no retry (as the asyncio client's)
+                        errors = [_closed_mid_call(tags) if ended_by_close(e) else e for e in errors]
                     if errors:
-                        raise raised(errors, tags is not None) from None
+                        raise raised(errors, tags is not None and not self._closed) from None
                     if tags is not None:
                         self.aio.session.answered(meta, [a for a, _, _ in calls], outcomes)
                     # before the blocks are released: shared-memory answers are views of them
@@ -200,6 +202,8 @@ class MemoryClient:
                     if not retry or self.aio.retry_seconds <= 0:  # (retry_seconds 0: no retries)
                         raise
                 except (TableNotFoundError, FailedPreconditionError) as exc:
+                    if self._closed:  # (closed meanwhile: no retry could say more)
+                        raise
                     refused = (exc, meta)
                 except OverloadedError:
                     failed = time.monotonic()
@@ -212,6 +216,10 @@ class MemoryClient:
                 return await asyncio.get_running_loop().run_in_executor(None, attempt, meta)
 
             return self._run(self.aio._with_table(table, in_executor, tags, retry, failed, fresh_map, refused))
+        except concurrent.futures.CancelledError:
+            if self._closed:  # close() stopped the loop under this call: a bare CancelledError reached the caller
+                raise _closed_mid_call(tags) from None
+            raise
         except MemserverError as exc:
             if applied is not None:
                 applied.say(exc)

@@ -149,6 +149,69 @@ def test_reversed_numpy_views_are_taken_by_both_paths(bell_shard):
         grpc_c.close()
 
 
+@pytest.mark.parametrize("kind", ["sync", "sync-cached", "aio"])
+@pytest.mark.parametrize("doorbell", [True, False])
+def test_a_write_in_flight_when_its_client_closes_says_it_may_have_applied(bell_shard, monkeypatch, kind, doorbell):
+    """close() while a bag_backward is at the shard, which applies it: by the doorbell the call
+    failed UNAVAILABLE, was retried, and was refused as if never made ("this client is closed");
+    the blocking client's first call of a table raised a bare CancelledError, and over TCP
+    "CANCELLED: Channel closed!". Each says now that the write may have been applied."""
+    import asyncio
+    import threading
+
+    from client import AsyncMemoryClient, FailedPreconditionError
+
+    held = bell_shard.servicer._held
+
+    def slow(fn, sl=None, count=True, write=False):
+        if sl is not None and sl.spec.name == "u":
+            def late(fn=fn):
+                out = fn()
+                time.sleep(1.0)
+                return out
+            return held(late, sl, count, write)
+        return held(fn, sl, count, write)
+
+    monkeypatch.setattr(bell_shard.servicer, "_held", slow)
+    ids, w = np.arange(8).reshape(4, 2), np.ones((4, 2), np.float32)
+    g = np.ones((4, LOCAL_DIM), np.float32)
+    with MemoryClient(bell_shard.endpoint, timeout=30, token="", shm=False) as look:
+        before = look.lookup("u", np.arange(8), count=False)
+        if kind == "aio":
+            async def main():
+                c = AsyncMemoryClient(bell_shard.endpoint, timeout=30, token="", shm=doorbell, retry_seconds=3)
+                while doorbell and c.shm.bell(bell_shard.address) is None:
+                    await c.lookup("t", [0], count=False)
+                    await asyncio.sleep(0.02)
+                task = asyncio.ensure_future(c.bag_backward("u", ids, w, g))
+                await asyncio.sleep(0.3)
+                await c.close()
+                return (await asyncio.gather(task, return_exceptions=True))[0]
+            got = asyncio.run(main())
+        else:
+            c = rung_client(bell_shard, retry_seconds=3) if doorbell else MemoryClient(
+                bell_shard.endpoint, timeout=30, token="", shm=False, retry_seconds=3)
+            if kind == "sync-cached":
+                c.table("u")
+            out = {}
+
+            def call():
+                try:
+                    c.bag_backward("u", ids, w, g)
+                except BaseException as exc:  # noqa: BLE001 - what reached the caller, whatever it is
+                    out["got"] = exc
+            t = threading.Thread(target=call)
+            t.start()
+            time.sleep(0.3)
+            c.close()
+            t.join(30)
+            got = out.get("got")
+        assert isinstance(got, FailedPreconditionError), repr(got)
+        assert "the client was closed while this call was in flight; as a write, it may have been applied" in str(got)
+        time.sleep(1.0)  # (the shard's slow call done)
+        assert not np.array_equal(look.lookup("u", np.arange(8), count=False), before)  # it was
+
+
 def test_a_process_with_more_than_1024_descriptors_open_rings_too(bell_shard):
     """The client's reader waited with select(), which refuses a descriptor numbered 1024 or more:
     a trainer with that many files and sockets open (a walkthrough's held 1,100) broke its
