@@ -47,6 +47,21 @@ def test_loadtest_reports_exact_numbers_and_drops_its_table(memory_cluster, clie
     assert not [t.name for t in client.list_tables() if t.name == report["table"]["name"]]
 
 
+def test_a_run_ended_by_max_requests_before_any_sample_counts_its_user(tmp_path):
+    """5 requests take ~70 ms, less than the runner's 50 ms sampling needed to see a user: the
+    report said 0 users. The users count themselves now (an in-process server: no Ray needed)."""
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2, data_dir=str(tmp_path / "data")) as server:
+        cmd = [sys.executable, "-m", "memserver.cli", "loadtest", "--endpoint", server.endpoint, "--users", "1",
+               "--duration", "3s", "--max-requests", "5", "--num-rows", "1024", "--dim", "8", "--batch", "8",
+               "--knn", "4", "--json"]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr + run.stdout
+    report = json.loads(run.stdout)
+    assert report["requests"] == 5 and report["users_reached"] == 1, report
+
+
 def test_a_terminated_loadtest_drops_its_table(memory_cluster, client):
     """SIGTERM (what `timeout` and `kill` send) stops the run as Ctrl-C does: the scratch table is
     dropped (the default action left it in the cluster)."""

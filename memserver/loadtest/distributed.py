@@ -105,14 +105,13 @@ class MasterState:
 @dataclass
 class WorkerState:
     """A worker's side: the master's address, the address this host reaches it from, the config of
-    the current test, whether its latencies were sent, and its peak user count."""
+    the current test, and whether its latencies were sent."""
 
     master: str
     address: str
     cfg: LoadConfig | None = None
     config_error: str | None = None
     sent: bool = False
-    users: int = 0
 
 
 def setup(environment: Environment, cfg: LoadConfig | None = None, wait_s: float | None = None) -> Any:
@@ -218,13 +217,13 @@ def _on_config(environment: Environment, msg: Any, **_: Any) -> None:
     user._Process.configure(cfg)
     rec = user.attach_recorder(environment, max_samples=cfg.max_requests)
     rec.clear()
-    state.cfg, state.config_error, state.sent, state.users = cfg, None, False, 0
+    user.count_users(environment).clear()
+    state.cfg, state.config_error, state.sent = cfg, None, False
 
 
 def _on_collect(environment: Environment, msg: Any, **_: Any) -> None:
     state: WorkerState = environment.memserver_distributed
     runner = environment.runner
-    state.users = max(state.users, runner.user_count)
     runner.stop()  # graceful: calls in flight are answered and recorded first
     rec = user.attach_recorder(environment)
     runner.send_message(LATENCIES, {"address": state.address, **rec.to_message()})
@@ -291,17 +290,17 @@ def run_worker(master: tuple[str, int], wait_s: float) -> tuple[dict[str, Any], 
         cfg = state.cfg
         deadline = time.monotonic() + cfg.max_seconds + cfg.timeout + wait_s
         while len(runner.greenlet) and time.monotonic() < deadline and not interrupted.is_set():
-            state.users = max(state.users, runner.user_count)
             interrupted.wait(0.1)
     finally:
         if len(runner.greenlet):
             runner.quit()  # tells the master this worker leaves
     rec = user.attach_recorder(env)
+    reached = user.count_users(env).peak
     report = rec.report(names=list(cfg.mix))
     meta = user._Process.caller.meta if user._Process.caller is not None else None
     report.update({
         "master": f"{master[0]}:{master[1]}", "address": state.address, "sent": state.sent,
-        "interrupted": interrupted.is_set(), "endpoint": cfg.endpoint, "users": state.users, "users_reached": state.users,
+        "interrupted": interrupted.is_set(), "endpoint": cfg.endpoint, "users": reached, "users_reached": reached,
         "locust_exceptions": sum(e["count"] for e in runner.exceptions.values()),
         "table": {"name": cfg.table, "num_rows": meta.num_rows if meta else 0, "dim": meta.dim if meta else 0,
                   "sharding": meta.sharding if meta else "?", "shards": len(meta.shards) if meta else 0,
