@@ -399,11 +399,30 @@ def test_cli_web_parser_and_serving(client, traced, monkeypatch):
 
 def test_the_search_box_takes_whitespace_as_the_page_draws_it():
     from memserver.cli.common import GLYPHS
-    from memserver.web.data import parse_token
+    from trainer.inspection import parse_token
 
+    chars = {c: i for i, c in enumerate("\n\t\r eA")}
     for ch, glyph in GLYPHS.items():  # what the page and the CLI print for a whitespace token
-        assert parse_token(glyph) == ch, glyph
-    assert [parse_token(t) for t in ("\\n", "\\s", "␣", " e ")] == ["\n", " ", " ", "e"]
+        assert parse_token(glyph, chars) == ch, glyph
+    assert [parse_token(t, chars) for t in ("\\n", "\\s", "␣", " e ", "\\x41")] == ["\n", " ", " ", "e", "A"]
+    assert parse_token("·", {**chars, "·": 6}) == "·"  # a vocabulary's own '·' is itself, not a space
+
+
+@pytest.mark.parametrize("typed", ["e", " e ", "\\x41", "⏎", "␣", "·", "\\s", "ab", "€", "\\", "\\x41\\x42", "  ", ""])
+def test_the_search_box_and_search_token_parse_a_token_alike(client, url, traced, cli_in_process, typed):
+    """The box takes what `memserver search-token` takes: each typed text finds the same token in
+    both, or both refuse it in the same words (the page refused '\\x41', the CLI ' e ')."""
+    page = fetch(f"{url}/api/table/{q(traced.table)}/search?token={q(typed)}&n=3")
+    run = cli_in_process(["search-token", traced.table, typed, "-n", "3", "--json", "--endpoint", client.endpoint])
+    if page.status == 200:
+        assert run.returncode == 0, run.stderr
+        got = json.loads(run.stdout)
+        assert got["token"] == page.json["token"] and [r["slot"] for r in got["slots"]] == \
+            [r["slot"] for r in page.json["results"]]
+    else:
+        assert page.status == 400 and run.returncode == 2, (page.text[:300], run.stderr)
+        said = " ".join(f"TOKEN: {page.json['error']}".split())  # (the terminal may wrap the CLI's line)
+        assert said in " ".join(run.stderr.split()), (page.json, run.stderr)
 
 
 def test_a_bad_checkpoint_flag_is_said_beside_the_model_used_and_loaded_once(client, traced, monkeypatch):

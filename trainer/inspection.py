@@ -519,10 +519,33 @@ def not_one_character(token: str) -> str:
             "a space as ␣ or \\s)")
 
 
-def vocab_token(text: str, index: dict[str, int]) -> str:
-    """The vocabulary's token `text` names: itself where the vocabulary has it (a real '·' stays
-    itself), else what it stands for (TOKEN_ALIASES)."""
-    return text if text in index else TOKEN_ALIASES.get(text, text)
+def parse_token(text: str, index: dict[str, int]) -> str:
+    """The vocabulary's token that `text`, as typed to `memserver search-token` or in the page's
+    search box, names: one rule for both, so the two find the same token or refuse alike. In order:
+    the text itself where the vocabulary has it (a real '·' stays itself), what it stands for
+    (TOKEN_ALIASES), a Python escape ('\\x41'), the text without the spaces around it (' e '
+    pasted with them). ValueError (the words both say) for no text, a bad escape, or no token of
+    the vocabulary."""
+    if not text:
+        raise ValueError("type one token (a character of the model's vocabulary) to search for")
+    token = text if text in index else TOKEN_ALIASES.get(text)
+    if token is None and text.startswith("\\"):
+        try:
+            token = text.encode().decode("unicode_escape")  # \x41, \u00e9
+        except UnicodeDecodeError:
+            raise ValueError(f"{text!r} is not a valid escape (e.g. '\\n' for a newline)") from None
+    if token is None:
+        token = text.strip() or text
+    check_token(token, index)
+    return token
+
+
+def check_token(token: str, index: dict[str, int]) -> None:
+    """ValueError unless `token` is one of the vocabulary's."""
+    if token not in index:
+        if len(token) != 1 and all(len(k) == 1 for k in index):  # the page's words, not a vocabulary miss
+            raise ValueError(not_one_character(token))
+        raise ValueError(f"token {token!r} is not in the model's vocabulary")
 
 
 def search_token(inspector: Inspector, client: Any, table: str, token: str, n: int = 20, chunk: int = 8192,
@@ -531,10 +554,7 @@ def search_token(inspector: Inspector, client: Any, table: str, token: str, n: i
     slot's value (uncounted lookups of `chunk` rows at a time, O(rows) work and O(chunk + n) memory)."""
     from tqdm import tqdm
 
-    if token not in inspector.index:
-        if len(token) != 1 and all(len(k) == 1 for k in inspector.index):  # the page's words, not a vocabulary miss
-            raise ValueError(not_one_character(token))
-        raise ValueError(f"token {token!r} is not in the model's vocabulary")
+    check_token(token, inspector.index)
     t = inspector.index[token]
     view = inspector.view(table)
     rows = view.layer.num_slots

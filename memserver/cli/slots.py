@@ -233,7 +233,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 
 def cmd_search_token(args: argparse.Namespace) -> int:
-    from trainer.inspection import search_token, vocab_token
+    from trainer.inspection import parse_token, search_token
 
     _positive(args, "n")
     with _client(args) as client:
@@ -242,13 +242,8 @@ def cmd_search_token(args: argparse.Namespace) -> int:
         if inspector is None:
             raise CliError("--checkpoint: search-token projects every slot through a model; give one (or trace the "
                            "table with `memtrain trace` first)")
-        token = vocab_token(args.token, inspector.index)  # ⏎, ␣, · (as inspect draws them), \n, \s
-        if token == args.token and token.startswith("\\") and token not in inspector.index:
-            try:
-                token = token.encode().decode("unicode_escape")  # any other escape: \x41, \u00e9
-            except UnicodeDecodeError:
-                raise CliError(f"TOKEN: {args.token!r} is not a valid escape (e.g. '\\n' for a newline)") from None
         try:
+            token = parse_token(args.token, inspector.index)  # as the page's search box parses it
             hits = search_token(inspector, client, args.table, token, args.n, progress=not args.json)
         except ValueError as exc:
             raise CliError(f"TOKEN: {exc}") from None
@@ -310,7 +305,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("search-token", help="the slots whose values promote a token most",
                         description="Project every slot's value through the model's output embedding (a scan of the "
                         "table in chunks, uncounted reads) and list the slots giving TOKEN the highest probability. "
-                        "Whitespace tokens: '\\n' or ⏎ (a newline), '\\s', ␣ or · (a space), '\\t' or ⇥ (a tab), as inspect draws them. "
+                        "Whitespace tokens: '\\n' or ⏎ (a newline), '\\s', ␣ or · (a space), '\\t' or ⇥ (a tab), as inspect draws them; "
+                        "any character as an escape ('\\x41'); spaces around a token are dropped (the page's search "
+                        "box takes the same). "
                         "The model is a memtrain checkpoint (--checkpoint, else the one `memtrain trace` recorded for "
                         "the table); for a model of your own, read the values with the client's lookup(..., count=False) "
                         "and project them through its output embedding.")

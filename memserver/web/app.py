@@ -229,9 +229,8 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
 
         def build() -> dict[str, Any]:
             meta = data.value_table(client, name)
-            token = data.parse_token(typed)
             model = models.for_table(name)
-            return {**data.search(client, meta, token, model.inspector, n), "model": model.info()}
+            return {**data.search(client, meta, typed, model.inspector, n), "model": model.info()}
 
         return await work(build)
 

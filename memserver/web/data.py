@@ -151,20 +151,6 @@ def parse_slot(slot: str | None, meta: TableMeta) -> int:
     return v
 
 
-def parse_token(token: str | None) -> str:
-    """One character of the vocabulary; ⏎ or \\n for a newline, ␣ or \\s for a space, ⇥ or \\t for a tab."""
-    if token is None or token == "":
-        raise PageError("type one token (a character of the model's vocabulary) to search for")
-    from trainer.inspection import TOKEN_ALIASES, not_one_character  # the search box takes what search-token takes
-
-    token = TOKEN_ALIASES.get(token, token)
-    if len(token) != 1 and token.strip():
-        token = token.strip()  # " e " typed with spaces around it: the character meant
-    if len(token) != 1:
-        raise PageError(not_one_character(token))
-    return token
-
-
 # ------------------------------------------------------------------ a table
 
 
@@ -213,15 +199,18 @@ def slot_view(client: Any, meta: TableMeta, slot: int, inspector: Any = None, k:
     return report
 
 
-def search(client: Any, meta: TableMeta, token: str, inspector: Any, n: int = 20) -> dict[str, Any]:
-    """The slots whose projected values rank `token` highest (a scan of every value), with their statistics."""
-    from trainer.inspection import search_token
+def search(client: Any, meta: TableMeta, typed: str | None, inspector: Any, n: int = 20) -> dict[str, Any]:
+    """The slots whose projected values rank the token `typed` names highest (a scan of every
+    value), with their statistics. The box takes what `memserver search-token` takes: one parser."""
+    from trainer.inspection import parse_token, search_token
 
     if inspector is None:
         raise NoModel("searching by token needs the model the slots were trained in; "
                       "run `memtrain trace` for this table or start `memserver web --checkpoint DIR`")
-    if token not in inspector.index:
-        raise PageError(f"token {token!r} is not in the model's vocabulary")
+    try:
+        token = parse_token(typed or "", inspector.index)
+    except ValueError as exc:
+        raise PageError(str(exc)) from None
     found = search_token(inspector, client, meta.name, token, n=n)
     ids = np.array([r["slot"] for r in found], dtype=np.int64)
     stats = _stats_rows(client, meta.name, ids)
