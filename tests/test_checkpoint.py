@@ -750,6 +750,48 @@ def test_dry_run_checks_the_root_and_writes_nothing(client, table_name, tmp_path
         client.check_checkpoint_dir("/etc")
 
 
+def test_a_step_rewritten_with_fewer_shards_removes_the_slices_it_no_longer_lists(tmp_path, caplog):
+    """A step checkpointed again after a restore into fewer shards overwrote shard-0000 and -0001
+    and left shard-0002 of the checkpoint it replaced: no manifest listed it, and it held its disk
+    space for good. It is removed (and logged); a file memserver did not write stays."""
+    import logging
+
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(3) as server, MemoryClient(server.endpoint, timeout=30) as c:
+        c.create_table("t", 60, DIM, num_shards=3, sharding="rows")
+        c.write_rows("t", [1, 59], np.full((2, DIM), 3.0, np.float32))
+        step = Path(c.checkpoint(str(tmp_path), step=1)["path"])
+        assert sorted(p.name for p in (step / "t").iterdir()) == [f"shard-000{i}.pt" for i in range(3)]
+        (step / "t" / "notes.txt").write_text("mine")
+        c.restore(str(tmp_path), step=1, replace=True, num_shards=2)
+        with caplog.at_level(logging.INFO, logger="memserver.server.coordinator"):
+            c.checkpoint(str(tmp_path), step=1)
+        listed = [Path(f["file"]).name for f in json.loads((step / "manifest.json").read_text())["tables"]["t"]["files"]]
+        assert sorted(p.name for p in (step / "t").iterdir()) == sorted([*listed, "notes.txt"]) and len(listed) == 2
+        assert "removed the 1 slice files of the checkpoint it replaced" in caplog.text
+        c.restore(str(tmp_path), step=1, replace=True)
+        np.testing.assert_array_equal(c.lookup("t", [1, 59]), np.full((2, DIM), 3.0))
+
+
+def test_a_failed_rewrite_with_fewer_shards_removes_the_slices_of_the_step_it_replaced(tmp_path):
+    """The same rewrite failing: its manifest withdrawn, the step's shard-0002 was no file a retry
+    would overwrite or remove. The failure removes it with the slices it wrote."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(3) as server, MemoryClient(server.endpoint, timeout=30) as c:
+        c.create_table("t", 60, DIM, num_shards=3, sharding="rows")
+        step = Path(c.checkpoint(str(tmp_path), step=1)["path"])
+        c.restore(str(tmp_path), step=1, replace=True, num_shards=2)
+        (step / "t" / "shard-0001.pt").unlink()
+        (step / "t" / "shard-0001.pt").mkdir()  # shard 1 cannot write its file: the rewrite fails
+        with pytest.raises(Exception, match="shard-0001.pt"):
+            c.checkpoint(str(tmp_path), step=1)
+        assert sorted(p.name for p in (step / "t").iterdir()) == ["shard-0001.pt"]  # (the folder in the way)
+
+
 def test_a_checkpoint_refused_at_a_step_that_had_one_keeps_that_one(tmp_path):
     """A checkpoint written again at a step withdraws its manifest first; a rewrite that a shard
     refuses at once (a slice that lost its state: the DATA_LOSS that tells the operator to

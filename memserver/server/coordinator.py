@@ -607,7 +607,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if any(self.tables.get(name) is not info for name, (_, info) in placed.items()):  # dropped or replaced meanwhile
             raise FailedPreconditionError(f"checkpoint of step {request.step}: a table of {names} was dropped or "
                                           "replaced while it began; nothing was written")
-        if withdraw_manifest(directory):
+        if (withdrawn := withdraw_manifest(directory)) is not None:
             log.warning("checkpoint of step %d: replacing the complete one in %s (incomplete until this one is)",
                         request.step, directory)
         calls, where, shards, paths = [], [], [], []
@@ -637,11 +637,19 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             # fsync failing after: the step is complete, its files kept)
             if (directory / MANIFEST).exists():
                 raise
-            files, freed = await asyncio.to_thread(discard_incomplete, directory, paths)
+            files, freed = await asyncio.to_thread(discard_incomplete, directory,
+                                                   list(dict.fromkeys([*paths, *(withdrawn or [])])))
             if files:
-                log.warning("checkpoint of step %d failed: removed the %d slice files it had written in %s (%.1f MiB)",
+                log.warning("checkpoint of step %d failed: removed the %d slice files it had written or replaced in %s "
+                            "(%.1f MiB)",
                             request.step, files, directory, freed / 2**20)
             raise
+        written = set(paths)
+        if stale := [p for p in withdrawn or [] if p not in written]:  # the step rewritten with fewer shards
+            files, freed = await asyncio.to_thread(discard_incomplete, directory, stale)
+            if files:
+                log.info("checkpoint of step %d: removed the %d slice files of the checkpoint it replaced that it does "
+                         "not list, in %s (%.1f MiB)", request.step, files, directory, freed / 2**20)
         nbytes = sum(r["bytes"] for r in results)
         seconds = time.perf_counter() - t0
         self.last_checkpoint = {"time": time.time(), "seconds": seconds, "bytes": nbytes, "step": request.step}

@@ -250,25 +250,37 @@ def tables_at(directory: Path) -> list[str]:
         return []
 
 
-def withdraw_manifest(directory: Path) -> bool:
+def withdraw_manifest(directory: Path) -> list[Path] | None:
     """Before a checkpoint is written again at a step that has a complete one: its manifest goes
     first (durably), so while the slice files are rewritten, and if the rewrite fails, the step
     is incomplete (a restore of the latest skips it, one of this step says so) instead of an old
-    manifest over new files. Returns whether there was one."""
+    manifest over new files. Returns None where there was none, else the slice files it listed
+    (as checked_files places them: directory/table/file name; none if it could not be read), which
+    the new checkpoint may not all overwrite (fewer shards): its writer removes the others."""
+    try:
+        files = [directory / name / Path(str(f["file"])).name
+                 for name, entry in _read_manifest(directory)["tables"].items() if name not in ("", ".", "..")
+                 and Path(name).name == name  # (a table's folder of this step, never one above it)
+                 for f in (entry.get("files") if isinstance(entry, dict) else None) or []
+                 if isinstance(f, dict) and Path(str(f.get("file", ""))).name not in ("", ".", "..")]
+    except InvalidArgumentError:  # missing, or not one memserver wrote: nothing it lists is removed
+        files = []
     try:
         (directory / MANIFEST).unlink()
     except FileNotFoundError:
-        return False
+        return None
     fsync_dir(directory)
-    return True
+    return files
 
 
 def discard_incomplete(directory: Path, paths: Sequence[Path]) -> tuple[int, int]:
-    """After a checkpoint failed before its manifest: remove its slice files at `paths` (written,
-    or left from the step's earlier checkpoint whose manifest it withdrew: either way no restore
-    reads them, and on a full disk they hold the space a retry needs), dead writers' temporaries
-    of them, then the folders left empty. Returns (files, bytes) removed. Nothing else in the
-    folder is touched (another host's temporaries, a user's own files)."""
+    """Remove slice files no manifest lists: after a checkpoint failed before its manifest, those
+    at `paths` (written, or left from the step's earlier checkpoint whose manifest it withdrew:
+    either way no restore reads them, and on a full disk they hold the space a retry needs); after
+    one succeeded, the withdrawn manifest's files the new one does not list (a rewrite with fewer
+    shards). Also dead writers' temporaries of them, then the folders left empty. Returns (files,
+    bytes) removed. Only regular files at `paths`: nothing else in the folder is touched (another
+    host's temporaries, a user's own files)."""
     files = nbytes = 0
     for path in paths:
         remove_stale_temporaries(path)
