@@ -162,7 +162,8 @@ class Region:
 
     def close_fd(self) -> None:
         """Close the memfd's descriptor (the shard has opened it, or never will): the mappings
-        keep the memory, and it goes with the last of them."""
+        keep the memory, and it goes with the last of them. (Python's mmap holds a duplicate of
+        it until the mapping closes: trackfd=False is 3.13's; docs/security.md.)"""
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
