@@ -626,6 +626,7 @@ def test_a_servers_log_leaves_out_faiss_s_loader():
     (["create-table", "t", "--rows", "4", "--dim", "2", "--dtype", "int64"], "argument --dtype: invalid choice"),
     (["create-table", "t", "--rows", "4", "--dim", "2", "--num-shards", "0"], "argument --num-shards: must be >= 1, got 0"),
     (["restore", "--shards", "0"], "argument --shards: must be >= 1, got 0"),
+    (["checkpoint", "--step", str(2**63)], f"argument --step: must be at most {2**63 - 1}, got {2**63}"),
     (["restore", "--shards", "-1"], "argument --shards: must be >= 1, got -1"),
     # (a given 0 was taken as none given: `checkpoint --step 0` wrote step 102, an operator's walkthrough)
     (["checkpoint", "--step", "0"], "argument --step: must be >= 1, got 0"),

@@ -105,6 +105,8 @@ def count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    if n >= 2**63:  # (the API's int64: its range, negatives and all, was what the error named)
+        raise argparse.ArgumentTypeError(f"must be at most {2**63 - 1}, got {n}")
     return n
 
 
