@@ -1450,3 +1450,18 @@ def test_a_checkpoint_given_no_step_after_the_last_step_there_is_refused_by_name
                                                       r"can take; give a --step below it"):
         next_step(tmp_path)
 
+
+def test_a_restore_into_more_shards_than_its_sharding_splits_names_num_shards(client, table_name, tmp_path):
+    """A 1-row rows table restored into 2 shards was refused "num_rows: ... (give num_shards <= 1,
+    or sharding=cols)", a fix a restore cannot take and the CLI could not name as --shards."""
+    client.create_table(table_name, 1, 4, sharding="rows", num_shards=1)
+    try:
+        client.checkpoint(str(tmp_path), step=1, tables=[table_name])
+        with pytest.raises(InvalidArgumentError, match=rf"^INVALID_ARGUMENT: num_shards: table '{table_name}': 1 rows "
+                                                       r"cannot be split over 2 shards \(restore it into at most 1: a "
+                                                       r"restore keeps the checkpoint's sharding\) \(coordinator "):
+            client.restore(str(tmp_path), replace=True, num_shards=2, tables=[table_name])
+        assert client.restore(str(tmp_path), replace=True, num_shards=1, tables=[table_name])[0].num_rows == 1
+    finally:
+        client.drop_table(table_name)
+

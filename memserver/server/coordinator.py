@@ -34,7 +34,7 @@ from memserver.api.errors import (
     UnavailableError,
     first_line,
 )
-from memserver.api.types import KIND_NAMES, METRIC_NAMES, a_kind, check_table_name
+from memserver.api.types import KIND_NAMES, METRIC_NAMES, a_kind, check_table_name, split_problem
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
@@ -735,6 +735,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 retier(spec, request.tier, request.cache_bytes)
             if request.HasField("wal"):
                 spec.wal = request.wal
+            # a create's own refusal would name the other sharding as a fix, which a restore cannot take
+            if spec.kind == pb.VALUE and request.num_shards and (
+                    problem := split_problem(spec.sharding, spec.num_rows, spec.dim, spec.num_shards)):
+                most = spec.dim if spec.sharding == pb.COLS else spec.num_rows
+                raise InvalidArgumentError(f"num_shards: table {name!r}: {problem[1]} (restore it into at most "
+                                           f"{most}: a restore keeps the checkpoint's sharding)")
             specs[name] = validate_spec(spec, len(self.handles))  # its name is a table name: no path in it
             if spec.name != name:  # the manifest's key names the folder its files are read from
                 raise InvalidArgumentError(f"dir: the checkpoint's manifest lists table {name!r} with the spec of "
