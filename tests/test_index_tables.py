@@ -434,6 +434,33 @@ def test_searches_keep_working_while_adds_run(client, table_name):
     np.testing.assert_array_equal(got[:, 0], ids)
 
 
+def test_a_training_one_shard_failed_to_install_says_the_index_is_half_trained(monkeypatch):
+    """One shard fails to install the trained template (its disk full, say) after the other took
+    it: the call failed with that shard's error alone, and a retry was refused "trained already"
+    by the shard that took it. The error says the index is trained on 1 of its 2 shards, and how
+    to go on; a failure on every shard is that failure as it was."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    sample = np.random.default_rng(0).normal(size=(200, 8)).astype(np.float32)
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, shm=False) as c:
+        c.create_index("ix", 8, index_factory="IVF4,Flat", num_shards=2)
+
+        def full(name, template):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(server.shards[1], "install_index", full)
+        with pytest.raises(FailedPreconditionError, match=r"index 'ix' is trained on 1 of its 2 shards: shard 1 failed to "
+                                                          r"install it \(\[Errno 28\] No space left on device\); drop and "
+                                                          r"re-create the index, then train it again"):
+            c.train_index("ix", sample)
+        c.drop_table("ix")
+        c.create_index("ix", 8, index_factory="IVF4,Flat", num_shards=2)
+        monkeypatch.setattr(server.shards[0], "install_index", full)
+        with pytest.raises(Exception, match="No space left on device") as every:
+            c.train_index("ix", sample)
+        assert "is trained on" not in str(every.value)
+
+
 @pytest.mark.parametrize("data_dir", [False, True], ids=["memory", "data-dir"])
 def test_a_trained_index_is_not_trained_again_whatever_the_deployment(tmp_path, data_dir):
     """An index walkthrough: a second train_index of a trained, empty index was refused on a Ray

@@ -699,8 +699,18 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         template = await asyncio.get_running_loop().run_in_executor(
             None, VectorIndex.train_template, int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], sample.numpy())
         seconds = time.perf_counter() - t0
-        await asyncio.gather(*(_when_ready(lambda j=j: self.handles[j].install_index.remote(request.name, template))
-                               for j in order))
+        installed = await asyncio.gather(*(_when_ready(lambda j=j: self.handles[j].install_index.remote(request.name,
+                                                                                                         template))
+                                           for j in order), return_exceptions=True)
+        if failed := [(j, r) for j, r in zip(order, installed) if isinstance(r, BaseException)]:
+            if len(failed) == len(order):
+                raise failed[0][1]
+            cause = getattr(failed[0][1], "cause", None) or failed[0][1]  # (through Ray: the shard's own error)
+            # the shards that took it refuse a second template: the table cannot be trained again as it is
+            raise FailedPreconditionError(
+                f"index {request.name!r} is trained on {len(order) - len(failed)} of its {len(order)} shards: shard "
+                f"{failed[0][0]} failed to install it ({first_line(cause)}); drop and re-create the index, then train "
+                "it again (the shards that took this training refuse another)")
         log.info("index %s (%s): trained on %d vectors in %.2fs, installed on %d shards", request.name,
                  spec.index_factory, sample.shape[0], seconds, len(self.placement[request.name]))
         return pb.TrainIndexResponse(sample_rows=sample.shape[0], seconds=time.perf_counter() - t0)
