@@ -881,6 +881,10 @@ class AsyncMemoryClient:
         `step`: the trainer's step, which sync_updates tables use to gather all trainers' pushes.
         `gather`: this call is one part of `step`; dL/dw is computed on the values before the step
         and the update waits for `commit_step`, so any number of parts make one optimizer step.
+        Without it, a call larger than `max_request_bytes` goes in several requests, each applied
+        on its own: several optimizer steps, each later request's dL/dw on the values the earlier
+        ones updated (gather it for one step); on a sync_updates table, where a call is the
+        trainer's whole contribution, such a call is refused (InvalidArgumentError, nothing sent).
         `weight_grad` False (the caller does not use dL/dweights): the shards skip it; returns None.
         `layout` (not 0): the incarnation of the table (`table(name).layout_id`) the caller trains;
         FailedPreconditionError, and nothing sent, if the table was made anew since (a retry would

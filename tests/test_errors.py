@@ -49,6 +49,10 @@ BAD_WRITES = [
     ("int grads", lambda c, t: c.push_gradients(t, [1, 2], np.ones((2, DIM), np.int64)), "floating point"),
     ("push length", lambda c, t: c.push_gradients(t, [1, 2, 3], np.ones((2, DIM), np.float32)), "grads: shape"),
     ("push inf", lambda c, t: c.push_gradients(t, [1, 2], np.full((2, DIM), np.inf, np.float32)), "NaN or infinite"),
+    # finite rows whose id repeats, summed in the client beyond float32 (row 1's shard refused it,
+    # row 2's applied)
+    ("push sum inf", lambda c, t: c.push_gradients(t, [1, 1, 2], np.full((3, DIM), 3e38, np.float32)),
+     "grads: the rows of a repeated id sum beyond float32's range"),
     ("write dup ids", lambda c, t: c.write_rows(t, [1, 1], np.ones((2, DIM), np.float32)), "distinct ids"),
     ("write range", lambda c, t: c.write_rows(t, [1, 1000], np.ones((2, DIM), np.float32)), "out of range"),
     ("write nan", lambda c, t: c.write_rows(t, [1, 2], np.full((2, DIM), np.nan, np.float32)), "NaN"),
@@ -80,16 +84,26 @@ def test_bad_writes_are_rejected_whole(client, table, case):
 
 def test_a_gradient_beyond_float16s_range_on_a_float16_wire_is_said_as_that(client, table, memory_cluster):
     """A finite gradient of 1e6 sent with wire_dtype float16 becomes infinite in the cast: the
-    refusal blamed the caller's gradient ("contains NaN or infinite values"), which was finite."""
+    refusal blamed the caller's gradient ("contains NaN or infinite values"), which was finite,
+    and came from the shards, each for its own part: a cols row whose big values fell in one
+    shard's columns was updated in the other's (a hunt). The client refuses it whole, first."""
     from client import MemoryClient
 
     before = snapshot(client, table)
-    with MemoryClient(memory_cluster.endpoint, wire_dtype="float16") as half, \
-            pytest.raises(InvalidArgumentError, match="grads: contains NaN or infinite values \\(it travelled as "
-                                                      "float16, whose largest value is 65504"), \
-            pytest.warns(RuntimeWarning, match="overflow"):
-        half.push_gradients(table, [1, 2], np.full((2, DIM), 1e6, np.float32))
-    np.testing.assert_array_equal(snapshot(client, table)[0], before[0])
+    big = np.ones((2, DIM), np.float32)
+    big[:, -1] = 1e6  # (the last shard's columns, or rows 4-6's bag on rows)
+    says = "a value of magnitude {} is beyond float16's largest \\(65504\\), which this client's wire_dtype sends"
+    with MemoryClient(memory_cluster.endpoint, wire_dtype="float16") as half:
+        with pytest.raises(InvalidArgumentError, match="grads: " + says.format("1e\\+06")):
+            half.push_gradients(table, [1, 2], np.full((2, DIM), 1e6, np.float32))
+        with pytest.raises(InvalidArgumentError, match="grad_out: " + says.format("1e\\+06")):
+            half.bag_backward(table, IDS, W, big)
+        with pytest.raises(InvalidArgumentError, match="grads: " + says.format("8e\\+04")):  # (each row finite as float16,
+            # their sum not)
+            half.push_gradients(table, [3, 3], np.full((2, DIM), 40000.0, np.float32))
+    after = snapshot(client, table)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
 
 
 def test_rows_beyond_a_float16_tables_range_are_refused_whole(client, table_name):
@@ -572,6 +586,34 @@ def test_sync_table_takes_one_push_per_trainer_per_step(client, table_name):
     with pytest.raises(FailedPreconditionError, match="already committed"):  # one request is a whole contribution
         client.bag_backward(table_name, ids, w, g, step=1)
     np.testing.assert_array_equal(snapshot(client, table_name)[0], before[0])
+
+
+def test_a_sync_tables_contribution_too_large_for_one_request_is_refused_whole(client, table_name, memory_cluster):
+    """A non-gather bag_backward on a sync_updates table is the trainer's whole contribution to its
+    step: split by max_request_bytes, its first request committed the step with a quarter of it
+    and the later ones were refused "already committed" (a hunt). Refused before any is sent,
+    saying how to send it; as gather parts it goes whole."""
+    from client import MemoryClient
+
+    client.create_table(table_name, 100, DIM, optimizer="sgd", lr=1.0, sync_workers=1)
+    before = snapshot(client, table_name)
+    ids, w = np.arange(400).reshape(200, 2) % 100, np.ones((200, 2), np.float32)
+    g = np.ones((200, DIM), np.float32)
+    with MemoryClient(memory_cluster.endpoint, max_request_bytes=1024) as small:
+        with pytest.raises(InvalidArgumentError, match=rf"bag_backward: on sync_updates table {table_name} a call is "
+                                                       r"this trainer's whole contribution to step 1 and goes in one "
+                                                       r"request, and this one needs \d+ of at most max_request_bytes="
+                                                       r"1024: send it as gather parts \(gather=True, then "
+                                                       r"commit_step\(1\)\)"):
+            small.bag_backward(table_name, ids, w, g, step=1)
+        np.testing.assert_array_equal(snapshot(client, table_name)[0], before[0])
+        opened = [t.open_steps for sh in client.status().shards for t in sh.tables if t.table == table_name]
+        assert opened and not any(opened)  # (nothing opened either)
+        small.bag_backward(table_name, ids, w, g, step=1, gather=True)
+        small.commit_step(table_name, 1)
+    client.bag_backward(table_name, ids, w, g, step=2)  # (in one request: as the whole, applied at once: 1 trainer)
+    ref = before[0] - 2 * np.bincount(ids.reshape(-1), minlength=100)[:, None]  # sgd, lr 1: each step minus the counts
+    np.testing.assert_allclose(snapshot(client, table_name)[0], ref, rtol=1e-6)
 
 
 def test_sync_workers_needs_sync_updates(client, table_name):

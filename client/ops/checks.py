@@ -12,7 +12,11 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import TableMeta
-from memserver.wire import as_tensor, check_bag, check_float, check_ids, check_rows
+from memserver.api.v1 import memserver_pb2 as pb
+from memserver.wire import all_finite, as_tensor, check_bag, check_float, check_ids, check_rows
+
+#: float16's largest finite value.
+FLOAT16_MAX = 65504.0
 
 #: The bits (beside the sign) of the protobuf integer types the client's integer arguments go into.
 INT32, INT64 = 31, 63
@@ -63,6 +67,27 @@ def checked_floats(x: Any, what: str) -> torch.Tensor:
     if not t.dtype.is_floating_point:
         raise InvalidArgumentError(f"{what}: dtype must be floating point, got {str(t.dtype).removeprefix('torch.')}")
     return t.detach().cpu()
+
+
+def check_sent(x: torch.Tensor, wire_dtype: int, what: str) -> None:
+    """Finite as it will travel: a float32 value beyond float16's range becomes infinite on a
+    float16 wire, and a shard refuses it after its siblings applied theirs (a hunt: half a cols
+    row updated). Checked whole, before any request leaves (`x` is checked finite already)."""
+    if wire_dtype == pb.FLOAT16 and x.dtype != torch.float16 and x.numel():
+        big = float(x.abs().max())
+        if big > FLOAT16_MAX:
+            raise InvalidArgumentError(f"{what}: a value of magnitude {big:.3g} is beyond float16's largest (65504), "
+                                       "which this client's wire_dtype sends it as: it would arrive infinite; send "
+                                       "float32 or bfloat16 (wire_dtype), or scale it down")
+
+
+def check_sum(x: torch.Tensor, what: str) -> None:
+    """Rows of a repeated id summed here (a push sends each row once): finite still, checked
+    before any request leaves (a sum beyond float32's range was refused by the shard holding it
+    after the others applied theirs)."""
+    if x.numel() and not all_finite(x):
+        raise InvalidArgumentError(f"{what}: the rows of a repeated id sum beyond float32's range; send smaller "
+                                   "gradients, or the id once")
 
 
 def bag_args(meta: TableMeta, ids: Any, weights: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:

@@ -9,7 +9,17 @@ from typing import Any
 import torch
 
 from client.ops.base import Op, OpOptions, request_parts
-from client.ops.checks import UINT64, bag_args, check_ints, checked_floats, checked_ids, ids_fit_int32, value_table
+from client.ops.checks import (
+    UINT64,
+    bag_args,
+    check_ints,
+    check_sent,
+    check_sum,
+    checked_floats,
+    checked_ids,
+    ids_fit_int32,
+    value_table,
+)
 from client.ops.routing import route_bags, route_ids
 from client.ops.sessions import StepParts, WriteTags
 from memserver.api.errors import FailedPreconditionError, InvalidArgumentError
@@ -173,11 +183,19 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
     t_ids, w, off, num_bags = bag_args(meta, ids, weights, offsets)
     g = checked_floats(grad_out, "grad_out")
     check_rows(g, num_bags, meta.dim, "grad_out")
+    check_sent(g, opts.wire_dtype, "grad_out")
     grad_w = torch.zeros(t_ids.shape if weight_grad else (0,), dtype=torch.float32)
     flat_gw = grad_w.view(-1)
     calls, places = [], []
     k = _entries_per_bag(t_ids, off, num_bags)
-    for part, bags in enumerate(request_parts(num_bags, k * 12 + meta.dim * 4, opts.max_request_bytes)):
+    pieces = request_parts(num_bags, k * 12 + meta.dim * 4, opts.max_request_bytes)
+    if len(pieces) > 1 and parts is None and meta.sync_workers:  # (its first request was taken as the whole)
+        raise InvalidArgumentError(
+            f"bag_backward: on sync_updates table {meta.name} a call is this trainer's whole contribution to step "
+            f"{step} and goes in one request, and this one needs {len(pieces)} of at most max_request_bytes="
+            f"{opts.max_request_bytes}: send it as gather parts (gather=True, then commit_step({step})), or raise "
+            "the client's max_request_bytes")
+    for part, bags in enumerate(pieces):
         b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
         b_g = g[bags]
         entries = _entry_range(t_ids, off, bags)
@@ -218,6 +236,8 @@ def push_op(meta: TableMeta, ids: Any, grads: Any, opts: OpOptions, tags: WriteT
     check_1d(t, "ids")
     check_rows(g, len(t), meta.dim, "grads")
     uniq, summed = aggregate(t, g)
+    check_sum(summed, "grads")
+    check_sent(summed, opts.wire_dtype, "grads")
     return (yield from _write_op(meta, "PushGradients", uniq, summed, opts, tags))
 
 
