@@ -1481,3 +1481,38 @@ def test_a_commit_after_a_sync_tables_whole_contribution_says_which_call_committ
     assert "(if a bag_backward without gather=True sent it: on a sync_updates table that is its client's whole " \
            "contribution to its step, committed with it; commit_step is for gathered parts); the abort that followed " \
            "was refused too" in said
+
+
+def test_abandon_step_counts_calls_and_a_commit_of_parts_the_client_dropped_is_refused(monkeypatch, caplog):
+    """abandon_step said 8 for one call sent in 8 requests (LocalValues says 1); and past
+    MAX_OPEN_STEPS steps with parts the client dropped the oldest's unsaid, and its commit then
+    applied nothing, answered as done, and opened the step again on the shards (a hunt). The
+    drop is logged and that commit refused; the steps kept commit as ever."""
+    import logging
+
+    from client.ops.sessions import ClientSession
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, shm=False, max_request_bytes=1024) as c:
+        c.create_table("t", 64, 8, sharding="cols", optimizer="sgd", lr=1.0)
+        ids, w, g = np.arange(400).reshape(200, 2) % 64, np.ones((200, 2), np.float32), np.ones((200, 8), np.float32)
+        c.bag_backward("t", ids, w, g, step=1, gather=True)  # (several requests of 1024 bytes)
+        c.bag_backward("t", ids[:2], w[:2], g[:2], step=1, gather=True)
+        assert c.abandon_step("t", 1) == 2
+        monkeypatch.setattr(ClientSession, "MAX_OPEN_STEPS", 2)
+        before = c.lookup("t", np.arange(64))
+        with caplog.at_level(logging.WARNING, logger="client.ops.sessions"):
+            for step in (1, 2, 3):
+                c.bag_backward("t", ids[:2], w[:2], g[:2], step=step, gather=True)
+        assert [r.getMessage() for r in caplog.records if "forgotten" in r.getMessage()] == [
+            "table t: step 1's parts are forgotten: this client holds the parts of at most 2 steps not committed; its "
+            "commit will be refused"]
+        with pytest.raises(StepAbortedError, match=r"table t: step 1 is not committed: this client dropped its parts "
+                                                   r"when more than 2 of its steps had parts sent and none committed"):
+            c.commit_step("t", 1)
+        np.testing.assert_array_equal(c.lookup("t", np.arange(64)), before)
+        c.commit_step("t", 2)
+        c.commit_step("t", 3)
+        expect = before.copy()
+        expect[ids[:2].reshape(-1)] -= 2.0  # sgd, lr 1: two steps of weight 1 x grad_out 1
+        np.testing.assert_allclose(c.lookup("t", np.arange(64)), expect, rtol=0, atol=1e-6)

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from memserver.api.errors import StepAbortedError
 from memserver.api.types import ShardMeta, TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
 
@@ -50,6 +51,10 @@ class ClientSession:
         # (table, step) -> (the table layout its parts went to, shard index -> the seqs of the
         # gather parts that shard acknowledged)
         self._parts: dict[tuple[str, int], tuple[int, dict[int, set[int]]]] = {}
+        # the steps whose parts were dropped past MAX_OPEN_STEPS (as many, the latest): their commit
+        # is refused, not taken as a commit of nothing
+        self._forgotten: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        self._calls: dict[tuple[str, int], set[int]] = {}  # the calls _parts' parts are of (abandon_step's count)
         self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None, bool]]] = {}
         # table -> (the rebuilds of its slices seen since this client wrote to them, the latest's text)
         self._rebuilds: dict[str, tuple[int, str]] = {}
@@ -153,25 +158,44 @@ class ClientSession:
         """Where bag_backward_op (gather) records the parts of `step` each shard acknowledged."""
         return StepParts(self, (table, step))
 
-    def add_part(self, key: tuple[str, int], shard: int, seq: int, layout_id: int = 0) -> None:
+    def add_part(self, key: tuple[str, int], shard: int, seq: int, layout_id: int = 0, call: int = 0) -> None:
         with self._lock:  # several threads may send parts of one step
             if key not in self._parts and len(self._parts) >= self.MAX_OPEN_STEPS:
-                del self._parts[next(iter(self._parts))]
+                gone = next(iter(self._parts))
+                del self._parts[gone]
+                self._calls.pop(gone, None)
+                self._forgotten[gone] = None
+                while len(self._forgotten) > self.MAX_OPEN_STEPS:
+                    self._forgotten.popitem(last=False)
+                log.warning("table %s: step %d's parts are forgotten: this client holds the parts of at most %d steps "
+                            "not committed; its commit will be refused", gone[0], gone[1], self.MAX_OPEN_STEPS)
+            self._forgotten.pop(key, None)
             self._parts.setdefault(key, (layout_id, {}))[1].setdefault(shard, set()).add(seq)
+            self._calls.setdefault(key, set()).add(call or seq)
 
     def take_step(self, table: str, step: int) -> tuple[dict[int, list[int]], int]:
         """The parts of `step` (shard index -> the seqs it acknowledged, in order) and the layout
-        (table incarnation) they went to, 0 if none was sent; forgotten here (its commit has them)."""
+        (table incarnation) they went to, 0 if none was sent; forgotten here (its commit has them).
+        StepAbortedError for a step whose parts were dropped past MAX_OPEN_STEPS: committed with
+        none, it applied nothing and said nothing, and opened the step again on the shards."""
         with self._lock:
+            if (table, step) in self._forgotten and (table, step) not in self._parts:
+                del self._forgotten[table, step]
+                raise StepAbortedError(f"table {table}: step {step} is not committed: this client dropped its parts "
+                                       f"when more than {self.MAX_OPEN_STEPS} of its steps had parts sent and none "
+                                       "committed (commit each step before that many open); send the step again")
             layout, shards = self._parts.pop((table, step), (0, {}))
+            self._calls.pop((table, step), None)
         return {sh: sorted(seqs) for sh, seqs in shards.items()}, layout
 
     def forget_step(self, table: str, step: int) -> int:
-        """Forget the parts of `step`; returns how many there were (a part goes to every shard under
-        one seq: counted once, as LocalValues counts it; it said 2 parts of 2 shards for 1)."""
+        """Forget the parts of `step`; returns how many calls sent them, as LocalValues counts (a
+        part goes to every shard under one seq, and a call split at max_request_bytes sends
+        several: it said 2 parts of 2 shards for 1, and 8 for one call in 8 requests)."""
         with self._lock:
-            _, shards = self._parts.pop((table, step), (0, {}))
-        return len(set().union(*shards.values()))
+            self._parts.pop((table, step), None)
+            self._forgotten.pop((table, step), None)
+            return len(self._calls.pop((table, step), ()))
 
     def forget_table(self, table: str) -> None:
         """The table was made anew, restored or dropped: its steps' parts and undecided decisions
@@ -180,6 +204,9 @@ class ClientSession:
         with self._lock:
             for key in [k for k in self._parts if k[0] == table]:
                 del self._parts[key]
+                self._calls.pop(key, None)
+            for key in [k for k in self._forgotten if k[0] == table]:
+                del self._forgotten[key]
             for k in [k for k in self._known if k[0] == table]:
                 del self._known[k]
             self._known_tables.pop(table, None)
@@ -214,8 +241,10 @@ class StepParts:
     def __init__(self, session: ClientSession, key: tuple[str, int]) -> None:
         self.session, self.key = session, key
 
-    def add(self, shard: int, seq: int, layout_id: int = 0) -> None:
-        self.session.add_part(self.key, shard, seq, layout_id)
+    def add(self, shard: int, seq: int, layout_id: int = 0, call: int = 0) -> None:
+        """`call`: the call the part is of (its first request's seq; 0: the part's own): a call split
+        at max_request_bytes is one part of the step to abandon_step's count, as LocalValues counts."""
+        self.session.add_part(self.key, shard, seq, layout_id, call or seq)
 
 
 class WriteTags:

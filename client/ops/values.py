@@ -215,9 +215,11 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
                 req.tensors["offsets"] = enc(s_off)
             calls.append((sh.address, "BagBackward", req))
             places.append((sh, entries, mask, tag.seq))
-    for (sh, entries, mask, seq), resp in zip(places, (yield calls)):
+    answers = yield calls
+    call = min(tags.seqs.values(), default=0)  # (this call's first request: the parts are of one call)
+    for (sh, entries, mask, seq), resp in zip(places, answers):
         if parts is not None:
-            parts.add(sh.index, seq, meta.layout_id)
+            parts.add(sh.index, seq, meta.layout_id, call)
         if not weight_grad:
             continue
         got = decode(resp.grad_weights, "grad_weights").reshape(-1)
