@@ -90,6 +90,10 @@ def _env_token() -> str | None:
     return checked_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}") if os.environ.get(TOKEN_ENV, "").strip() else None
 
 
+#: What a PEM certificate begins with.
+PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+
+
 @dataclass(frozen=True)
 class ClientTls:
     """What a client's TLS checks the servers with: the CA (PEM) and, when the certificate names a
@@ -98,17 +102,32 @@ class ClientTls:
     ca: bytes
     server_name: str | None = None
 
+    def __post_init__(self) -> None:
+        """A CA that holds no PEM certificate is refused here: gRPC takes empty bytes for "trust the
+        system's roots" (any public CA's certificate then passed), and a key or a DER file failed
+        every call after a minute of retries as if the cluster were down (a hunt)."""
+        if not isinstance(self.ca, bytes) or PEM_CERTIFICATE not in self.ca:
+            from memserver.api.errors import InvalidArgumentError
+
+            got = "nothing" if not self.ca else f"{len(self.ca)} bytes without one"
+            raise InvalidArgumentError(f"tls: the CA holds no PEM certificate (a '-----BEGIN CERTIFICATE-----' block), "
+                                       f"got {got}: give the cluster's CA file (ca.pem)")
+
 
 def client_tls(endpoint: str | None, record: dict[str, Any] | None = None) -> ClientTls | None:
     """TLS settings of a client given none: the CA file $MEMSERVER_TLS_CA names (and
     $MEMSERVER_TLS_SERVER_NAME), else the endpoint file's when the client talks to that file's
     endpoint. None: plaintext."""
     if path := os.environ.get(TLS_CA_ENV):
+        from memserver.api.errors import InvalidArgumentError
+
         try:
             with open(path, "rb") as f:
                 return ClientTls(f.read(), os.environ.get(TLS_SERVER_NAME_ENV) or None)
         except OSError as exc:  # the variable is what the user can fix: name it
             raise OSError(exc.errno, f"${TLS_CA_ENV}: {exc.strerror}", path) from None
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"${TLS_CA_ENV} ({path}): {exc.details.removeprefix('tls: ')}") from None
     rec = _endpoint_record(endpoint, record)
     return record_tls(rec) if rec is not None else None
 

@@ -109,10 +109,13 @@ def test_join_info_carries_one_token_and_the_ca():
     assert join_info({"endpoint": "127.0.0.1:1", "pid": 1}) == {"endpoint": "127.0.0.1:1"}
 
 
+PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"  # (a CA as clients take it: a PEM block)
+
+
 def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
     home = tmp_path / "home"
     write_endpoint({"endpoint": "10.213.0.11:5000", "pid": 999999, "token": "W", "read_token": "R",
-                    "tls_ca": "PEM"}, home / "endpoint.json")
+                    "tls_ca": PEM}, home / "endpoint.json")
     env = {**os.environ, "MEMSERVER_HOME": str(home)}
     env.pop("MEMSERVER_ENDPOINT_FILE", None)
     out = tmp_path / "join.json"
@@ -122,7 +125,7 @@ def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
                            env=env, cwd=ROOT, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
-    assert json.loads(out.read_text()) == {"endpoint": "10.213.0.11:5000", "token": "W", "tls_ca": "PEM"}
+    assert json.loads(out.read_text()) == {"endpoint": "10.213.0.11:5000", "token": "W", "tls_ca": PEM}
     o = tmp_path / "ro.json"
     r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info", "--read-only", "-o", "ro.json"],
                        capture_output=True, env=env, cwd=tmp_path, text=True, timeout=60)
@@ -136,7 +139,7 @@ def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout) == {"endpoint": "127.0.0.1:5000"}
     assert "note: the cluster listens on 127.0.0.1, which only this host reaches" in r.stderr, r.stderr
     write_endpoint({"endpoint": "10.213.0.11:5000", "pid": 999999, "token": "W", "read_token": "R",
-                    "tls_ca": "PEM"}, home / "endpoint.json")
+                    "tls_ca": PEM}, home / "endpoint.json")
     # on the client's host the file is the endpoint file: clients read it, `down` stops nothing
     env2 = {**env, "MEMSERVER_ENDPOINT_FILE": str(out)}
     r = subprocess.run([sys.executable, "-m", "memserver.cli", "down"], capture_output=True, env=env2, cwd=ROOT,
@@ -146,7 +149,7 @@ def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
 
     os.environ["MEMSERVER_ENDPOINT_FILE"] = str(out)
     try:
-        assert client_token(None) == "W" and client_tls(None).ca == b"PEM"
+        assert client_token(None) == "W" and client_tls(None).ca == PEM.encode()
     finally:
         del os.environ["MEMSERVER_ENDPOINT_FILE"]
 

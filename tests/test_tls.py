@@ -85,6 +85,18 @@ def test_client_channels_speak_tls_given_the_ca(tls_server, monkeypatch, tmp_pat
     monkeypatch.setenv("MEMSERVER_TLS_CA", str(tmp_path / "nope.pem"))
     with pytest.raises(FileNotFoundError, match=r"\$MEMSERVER_TLS_CA: No such file or directory: '.*nope.pem'"):
         client_tls("anything:1")
+    # a CA file that holds no certificate: empty (gRPC took b"" for the system's roots, trusting any
+    # public CA), or the key given by mistake (every call retried for a minute as if the cluster were down)
+    from client import InvalidArgumentError
+
+    for name, held in (("empty.pem", b""), ("key.pem", b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n")):
+        (tmp_path / name).write_bytes(held)
+        monkeypatch.setenv("MEMSERVER_TLS_CA", str(tmp_path / name))
+        with pytest.raises(InvalidArgumentError, match=rf"\$MEMSERVER_TLS_CA \(.*{name}\): the CA holds no PEM "
+                                                       r"certificate \(a '-----BEGIN CERTIFICATE-----' block\)"):
+            client_tls("anything:1")
+    with pytest.raises(InvalidArgumentError, match="tls: the CA holds no PEM certificate .* got nothing"):
+        ClientTls(b"")
     monkeypatch.delenv("MEMSERVER_TLS_CA")
     record = {"endpoint": address, "tls_ca": ca.decode(), "tls_server_name": "memserver.test"}
     assert client_tls(address, record) == ClientTls(ca, "memserver.test")
