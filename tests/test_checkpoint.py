@@ -1465,3 +1465,30 @@ def test_a_restore_into_more_shards_than_its_sharding_splits_names_num_shards(cl
     finally:
         client.drop_table(table_name)
 
+
+
+def test_a_checkpoint_holding_an_answer_without_dl_dweights_restores_and_restarts(tmp_path):
+    """A session's remembered answer of a backward without dL/dweights is empty bytes, which pickle
+    writes as a call of `bytes` and torch's weights_only loader refused: a checkpoint taken after
+    such a write (LSH and Engram step parts send them) was written, then could neither be restored
+    nor recovered by a shard restart: the table was lost (a hunt)."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.server.config import ServeConfig
+
+    ids, w, g = np.arange(8).reshape(4, 2), np.ones((4, 2), np.float32), np.ones((4, DIM), np.float32)
+    data, cfg = str(tmp_path / "data"), ServeConfig(checkpoint_root=str(tmp_path))
+    with InProcessServer(2, data_dir=data, config=cfg) as server, MemoryClient(server.endpoint, shm=False) as c:
+        c.create_table("t", 64, DIM)
+        assert c.bag_backward("t", ids, w, g, weight_grad=False) is None
+        c.bag_backward("t", ids, w, g, step=1, gather=True, weight_grad=False)  # (an open step's part too)
+        c.checkpoint(str(tmp_path / "ck"), 1)
+        rows = c.lookup("t", np.arange(64))
+        assert [m.name for m in c.restore(str(tmp_path / "ck"), 1, replace=True)] == ["t"]
+        np.testing.assert_array_equal(c.lookup("t", np.arange(64)), rows)
+        c.bag_backward("t", ids, w, g, weight_grad=False)
+        c.checkpoint(str(tmp_path / "ck"), 2)
+        rows = c.lookup("t", np.arange(64))
+    with InProcessServer(2, data_dir=data, config=cfg) as server, MemoryClient(server.endpoint, shm=False) as c:
+        assert [t.unavailable for sh in c.status().shards for t in sh.tables] == ["", ""]
+        np.testing.assert_array_equal(c.lookup("t", np.arange(64)), rows)

@@ -44,6 +44,13 @@ class CheckpointDamagedError(DataLossError):
     from other data loss (a log's, a disk table's own file) where a recovery falls back to an
     older checkpoint."""
 
+# Pickle spells an empty bytes object as a call of `bytes` (a session's remembered answer of a
+# backward without dL/dweights, in a slice file), which weights_only refused: a checkpoint written
+# while a session held one could not be restored, nor its shard restarted (a hunt). Allowed for
+# every load of the process: torch's `safe_globals` context is not thread-safe (it restores the
+# list on exit under another thread's load), and `bytes` builds nothing but bytes.
+torch.serialization.add_safe_globals([bytes])
+
 #: Rows a restore copies at a time (its temporaries are this many rows of one state tensor).
 _RESTORE_ROWS = 1 << 16
 _STEP_DIR = re.compile(r"^step-(\d+)$")
