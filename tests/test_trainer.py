@@ -793,6 +793,37 @@ def test_backends_and_layers_refuse_bad_settings_by_name_and_change_nothing(clie
     assert engram(x, t).shape == (2, 5, 16)
 
 
+def test_a_remote_load_keeps_the_backends_table_settings_as_a_local_load_does(client, table_name, tmp_path):
+    """RemoteValues.load restored the save's spec: a backend made with sgd lr 1.0 trained on at the
+    save's lr 1e-3 (LocalValues, its lr its own, moved 1000x as far), an adam save loaded into an sgd
+    backend (LocalValues refuses it), and a backend made with `wal` came back without it, unsaid (a
+    hunt). Another optimizer or lr is refused before anything changes; wal, tier and cache are the
+    backend's (an attached backend's: the live table's)."""
+    from client import InvalidArgumentError
+    from trainer.memory import RemoteValues
+
+    RemoteValues(client, table_name, 64, 8, optimizer="sgd", lr=1e-3, seed=1)
+    saved = RemoteValues(client, table_name, 64, 8, optimizer="sgd", lr=1e-3, create=False).save(str(tmp_path), 1)
+    assert (saved["optimizer"], saved["lr"]) == ("sgd", 1e-3)
+    for kwargs, says in ((dict(optimizer="sgd", lr=1.0), "sgd lr 1.0"), (dict(optimizer="adam", lr=1e-3), "adam lr 0.001")):
+        backend = RemoteValues(client, table_name, 64, 8, seed=5, **kwargs)
+        before = client.lookup(table_name, np.arange(64), count=False)
+        with pytest.raises(InvalidArgumentError, match=rf"saved: values trained with sgd lr 0.001; this backend's table "
+                                                       rf"trains with {says} \(the same optimizer and lr are needed"):
+            backend.load(str(tmp_path), 1, saved)
+        np.testing.assert_array_equal(client.lookup(table_name, np.arange(64), count=False), before)
+    logged = RemoteValues(client, table_name, 64, 8, optimizer="sgd", lr=1e-3, wal=True, seed=5)
+    logged.load(str(tmp_path), 1, saved)  # (a save of a table without wal)
+    assert client.table(table_name, refresh=True).wal
+    attached = RemoteValues(client, table_name, 64, 8, create=False)  # the live table's settings: wal kept
+    attached.load(str(tmp_path), 1, saved)
+    assert client.table(table_name, refresh=True).wal
+    resumed = RemoteValues(client, table_name, 64, 8, optimizer="sgd", lr=1e-3, restoring=True)  # memtrain --resume
+    resumed.load(str(tmp_path), 1, saved)
+    assert not client.table(table_name, refresh=True).wal  # (as it was given: no wal)
+    client.drop_table(table_name)
+
+
 def test_trigger_contexts_of_a_users_own_model_show_their_token_ids(client, table_name):
     """Records sent without a vocabulary (a user's own model: no info={"vocab": ...}) showed blank
     contexts in `memserver inspect` and the web page; they show the token ids now."""

@@ -400,6 +400,11 @@ class RemoteValues:
         std = init_std if init_std is not None else dim**-0.5
         self.rebuilds_seen = client.rebuilds(name)[0]  # (the count only grows: from here on)
         self.layout = 0  # the incarnation of the table this trains (0: the first this backend's calls meet)
+        # the table's settings this backend was given (made, or to be restored), which `load` keeps
+        # as LocalValues keeps its own; None: attached (create=False), the live table's are kept
+        self.settings: dict[str, Any] | None = None if not (create or restoring) else {
+            "optimizer": optimizer or DEFAULT_OPTIMIZER, "lr": float(DEFAULT_LR if lr is None else lr), "wal": wal,
+            "tier": tier, "cache_bytes": cache_bytes}
         if restoring:  # (load restores it: neither made nor checked here)
             return
         if not create:
@@ -678,12 +683,17 @@ class RemoteValues:
         self.settle()
         self.client.checkpoint(str(Path(directory).resolve() / where), step, [self.name])
         self._check_rebuilt()  # rolled back since the last write: this checkpoint holds older values than the model
-        return {"checkpoint": where, "table": self.name, "num_rows": self.num_rows, "dim": self.dim}
+        meta = self.client.table(self.name)
+        return {"checkpoint": where, "table": self.name, "num_rows": self.num_rows, "dim": self.dim,
+                "optimizer": meta.optimizer, "lr": float(meta.lr)}
 
     def load(self, directory: Path, step: int, saved: dict[str, Any]) -> None:
         """Refused before anything changes (InvalidArgumentError) when `saved` is of another shape
         (saves that do not say theirs are checked once restored: a layer would read rows of another
-        shape, or ids past its table's end)."""
+        shape, or ids past its table's end) or trained with another optimizer or lr than this
+        backend's table. The table keeps this backend's settings (`wal`, `tier`, `cache_bytes`: as
+        given, or an attached table's own), as LocalValues keeps its own: the restore brought the
+        save's back, turning a table's `wal` off unsaid, and training on at the save's lr."""
         if not isinstance(saved, dict) or not isinstance(saved.get("checkpoint"), str):
             raise InvalidArgumentError(f"saved: not what RemoteValues.save returned ({_saved_kind(saved)})")
         if "num_rows" in saved:
@@ -693,9 +703,27 @@ class RemoteValues:
                 f"saved: the values of table {table!r}, and this backend's table is {self.name!r}: a save loads into a "
                 f"backend of its own table name (RemoteValues(client, {table!r}, ..., create=False)); to go on under "
                 "another name, copy its rows (lookup, then write_rows)")
+        keep = self.settings
+        if keep is None:  # attached: the live table's own (none there: as saved)
+            from client import TableNotFoundError
+
+            try:
+                meta = self.client.table(self.name, refresh=True)
+                keep = {"optimizer": meta.optimizer, "lr": float(meta.lr), "wal": meta.wal, "tier": meta.tier or "ram",
+                        "cache_bytes": meta.cache_bytes}
+            except TableNotFoundError:
+                keep = None
+        if keep is not None and "optimizer" in saved and (saved["optimizer"], saved.get("lr")) != (
+                keep["optimizer"], keep["lr"]):
+            raise InvalidArgumentError(
+                f"saved: values trained with {saved['optimizer']} lr {saved.get('lr')}; this backend's table trains "
+                f"with {keep['optimizer']} lr {keep['lr']} (the same optimizer and lr are needed: make the backend "
+                "with the save's)")
         self.settle()
         self.version += LOADED
-        self.client.restore(str(Path(directory).resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name])
+        settings = {} if keep is None else {"wal": keep["wal"], "tier": keep["tier"], "cache_bytes": keep["cache_bytes"]}
+        self.client.restore(str(Path(directory).resolve() / saved["checkpoint"]), step, replace=True, tables=[self.name],
+                            **settings)
         self.rebuilds_seen = self.client.rebuilds(self.name)[0]  # (what came before the values loaded is past)
         self.layout = self.client.table(self.name, refresh=True).layout_id  # (the restored incarnation)
         self.broken = ""  # values and model from one checkpoint again
