@@ -129,6 +129,14 @@ def test_health_is_open_and_reflection_needs_a_token(auth_cluster):
     ch = grpc.insecure_channel(auth_cluster.endpoint)
     resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    # a Watch stream holds the server's memory for as long as its peer keeps it: a token's, not anyone's
+    with pytest.raises(grpc.RpcError) as err:
+        next(health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30,
+                                                 metadata=[("authorization", f"Bearer {READ}")])
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
     refl = reflection_pb2_grpc.ServerReflectionStub(ch)
     ask = [reflection_pb2.ServerReflectionRequest(list_services="")]
     with pytest.raises(grpc.RpcError) as err:
