@@ -16,6 +16,7 @@ start_server adds the admission's gauges and refusal counter to a server's regis
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -133,9 +134,11 @@ class ServerMetrics:
 
 #: The metrics endpoint's bounds (it needs no token, and binds the node's address): at most
 #: METRICS_CONNECTIONS connections at once, more closed as they come; each closed once idle for
-#: METRICS_IDLE_SECONDS. prometheus_client's own server gave every connection a thread for as
-#: long as the peer kept it open (a walkthrough: 300 idle ones, 300 threads in the shard).
-METRICS_CONNECTIONS, METRICS_IDLE_SECONDS = 16, 10.0
+#: METRICS_IDLE_SECONDS, and after METRICS_REQUEST_SECONDS whatever it does (a peer sending a
+#: header line every few seconds is never idle: 16 of them kept every scrape out, a hunt).
+#: prometheus_client's own server gave every connection a thread for as long as the peer kept it
+#: open (a walkthrough: 300 idle ones, 300 threads in the shard).
+METRICS_CONNECTIONS, METRICS_IDLE_SECONDS, METRICS_REQUEST_SECONDS = 16, 10.0, 20.0
 
 
 def _loopback_names_only(app: Any) -> Any:
@@ -151,7 +154,8 @@ def _loopback_names_only(app: Any) -> Any:
 
 
 class _MetricsHandler(WSGIRequestHandler):
-    timeout = METRICS_IDLE_SECONDS  # (the socket's: an idle or trickling peer is dropped)
+    timeout = METRICS_IDLE_SECONDS  # (the socket's, per read: an idle peer is dropped; a trickling one by
+    # the server's cut, METRICS_REQUEST_SECONDS)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - (no line per scrape)
         pass
@@ -175,9 +179,13 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        cut = threading.Timer(METRICS_REQUEST_SECONDS, _cut, (request,))  # (at most METRICS_CONNECTIONS at once)
+        cut.daemon = True
+        cut.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            cut.cancel()
             self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -187,6 +195,13 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
 
         if not isinstance(sys.exc_info()[1], OSError):  # (TimeoutError, a reset: OSError)
             super().handle_error(request, client_address)
+
+
+def _cut(request: Any) -> None:
+    """End a connection that outlived METRICS_REQUEST_SECONDS: its handler's read or write fails
+    at once (an OSError, not printed: handle_error), and its slot is free."""
+    with contextlib.suppress(OSError):
+        request.shutdown(socket.SHUT_RDWR)
 
 
 def _totals(counter: Counter) -> Iterator[Any]:
