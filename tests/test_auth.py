@@ -52,6 +52,27 @@ def test_token_files(tmp_path, caplog):
     assert f"token file {tmp_path / 'c'} has mode 644: other local users may read its tokens; chmod 600 it" in caplog.text
 
 
+def test_a_token_file_in_another_form_is_refused_naming_the_form(tmp_path):
+    """A hunt: {"read": R} failed "--auth-token-file: 'write'"; a JSON array's text became the
+    write token, and YAML's "write: W" lines, a token in quotes and a misspelt "reader" key were
+    taken as they were, so a cluster started that every client's token failed. Each is refused,
+    saying the form, and no token is in the message."""
+    w, r = "w" * 20, "r" * 20
+    form = r'a token file is a JSON object \{"write": "...", "read": "..."\}'
+    for name, text, says in (("noread.json", json.dumps({"read": r}), form + r'.*; this one holds \{"read": "<string>"\}'),
+                             ("list.json", json.dumps([w, r]), form + r'.*; this one holds \["<string>", "<string>"\]'),
+                             ("typo.json", json.dumps({"write": w, "reader": r}), form),
+                             ("bad.json", '{"write": ', "not valid JSON"),
+                             ("quoted", f'"{w}"', "not valid JSON|" + form),
+                             ("yaml", f"write: {w}\nread: {r}\n", r"the write token holds spaces, quotes or a key"),
+                             ("three", f"{w}\n{r}\n{r}\n", "3 lines; " + form)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o600)
+        with pytest.raises(ValueError, match=says) as err:
+            read_token_file(tmp_path / name)
+        assert w not in str(err.value) and r not in str(err.value)
+
+
 @pytest.mark.parametrize("tokens, message", [
     ({"write": "a", "read": "b" * 16}, "the write token has 1 characters, fewer than 16"),
     ({"write": "w" * 16, "read": "short"}, "the read token has 5 characters, fewer than 16"),

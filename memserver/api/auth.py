@@ -18,6 +18,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from memserver.api.methods import marked
 from memserver.api.v1 import memserver_pb2 as pb
@@ -78,6 +79,15 @@ class AuthConfig:
         return "write" if is_write else "read" if is_read else None
 
 
+def _shape(obj: Any) -> Any:
+    """What a JSON value holds, its strings hidden (tokens are not for an error message)."""
+    if isinstance(obj, dict):
+        return {k: _shape(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_shape(v) for v in obj]
+    return "<string>" if isinstance(obj, str) else obj
+
+
 def read_token_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
     """(write token, read token or None) from a file: a JSON object {"write": ..., "read": ...},
     or the write token on the first line and the read token on an optional second. A file other
@@ -86,14 +96,29 @@ def read_token_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
         logging.getLogger(__name__).warning("token file %s has mode %o: other local users may read its tokens; "
                                             "chmod 600 it", path, mode & 0o777)
     text = Path(path).read_text()
-    if text.lstrip().startswith("{"):
-        obj = json.loads(text)
-        write, read = str(obj["write"]).strip(), (str(obj["read"]).strip() if obj.get("read") else None)
+    form = ('a JSON object {"write": "...", "read": "..."} ("read" optional), or the write token on the first '
+            "line and the read token on an optional second")
+    if text.lstrip().startswith(("{", "[", '"')):  # JSON: an object of the two keys, nothing else
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc}); a token file is {form}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("write"), str) or set(obj) - {"write", "read"} or \
+                not isinstance(obj.get("read", ""), str | None):
+            raise ValueError(f"{path}: a token file is {form}; this one holds {json.dumps(_shape(obj))}")
+        write, read = obj["write"].strip(), (obj["read"].strip() if obj.get("read") else None)
     else:
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         if not lines:
             raise ValueError(f"{path}: no token in the file")
+        if len(lines) > 2:
+            raise ValueError(f"{path}: {len(lines)} lines; a token file is {form}")
         write, read = lines[0], (lines[1] if len(lines) > 1 else None)
+    for role, token in (("write", write), ("read", read)):  # a format mistake (YAML's "write: ...", quotes)
+        if token is not None and (any(c.isspace() or c in "\"'" for c in token)  # is no token clients send
+                                  or token.lower().startswith(("write:", "read:"))):
+            raise ValueError(f"{path}: the {role} token holds spaces, quotes or a key (\"{role}: ...\"): a token "
+                             f"file is {form}")
     for role, token in (("write", write), ("read", read)):  # an operator's own: a guessable one is refused
         if token is not None and len(token) < MIN_TOKEN_CHARS:
             raise ValueError(f"{path}: the {role} token has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}: "
