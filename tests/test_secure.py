@@ -127,11 +127,13 @@ def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
     assert json.loads(out.read_text()) == {"endpoint": "10.213.0.11:5000", "token": "W", "tls_ca": PEM}
     o = tmp_path / "ro.json"
+    (tmp_path / "ro.tmp").write_text("a user's notes")  # (the file's writer removed a .tmp of its name: a hunt)
     r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info", "--read-only", "-o", "ro.json"],
                        capture_output=True, env=env, cwd=tmp_path, text=True, timeout=60)
     assert r.returncode == 0 and "only this host reaches" not in r.stderr
     assert f"export MEMSERVER_ENDPOINT_FILE={o}\n" in r.stderr  # absolute: it works from any folder
     assert stat.S_IMODE(o.stat().st_mode) == 0o600 and json.loads(o.read_text())["token"] == "R"
+    assert (tmp_path / "ro.tmp").read_text() == "a user's notes" and not list(tmp_path.glob(".ro.json.*"))
     # a cluster on loopback: the file would send other hosts to their own loopback, so it says so
     write_endpoint({"endpoint": "127.0.0.1:5000", "pid": 999999}, home / "endpoint.json")
     r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info"], capture_output=True, env=env, cwd=ROOT,

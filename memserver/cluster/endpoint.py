@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -179,12 +180,19 @@ def stopped_since(path: Path, record: dict[str, Any]) -> str | None:
 
 
 def write_endpoint(record: dict[str, Any], path: Path | None = None) -> Path:
+    import tempfile
+
     p = path or endpoint_file()
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it may hold the cluster's tokens
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(record, indent=2))
-    tmp.replace(p)
+    # a name of its own beside the file (mkstemp: 0600, as it may hold the cluster's tokens): it was
+    # the file's name with .tmp, removed first, so `join-info -o out.json` deleted a user's out.tmp
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record, indent=2))
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return p
