@@ -791,6 +791,17 @@ def test_backends_and_layers_refuse_bad_settings_by_name_and_change_nothing(clie
     with pytest.raises(ValueError, match=r"orders is a tuple of n-gram orders, e.g. \(2, 3\), got 2"):
         EngramMemory(16, 16, LocalValues(64, 4), orders=2)
     assert engram(x, t).shape == (2, 5, 16)
+    # x not a float tensor: named (numpy x: "'numpy.ndarray' object has no attribute 'dim'"; integer x:
+    # "mat1 and mat2 must have the same dtype", '"rms_norm" not implemented for 'Long''); numpy or
+    # list tokens are taken as the backends take ids (they were "must be integer token ids, got int64")
+    pkm = ProductKeyMemory(16, 16, LocalValues(16, 16), n_keys=4, heads=1, k_dim=8, knn=2)
+    for layer, bad, got in ((pkm, x.numpy(), "ndarray"), (pkm, t[..., None].expand(2, 5, 16), "a int64 tensor"),
+                            (engram, x.long(), "a int64 tensor")):
+        with pytest.raises(ValueError, match=rf"{type(layer).__name__}: x must be a floating-point torch tensor "
+                                             rf"\[\.\.\., d_in\], got {got}"):
+            layer(bad, t)
+    torch.testing.assert_close(engram(x, t.numpy()), engram(x, t))
+    torch.testing.assert_close(engram(x, t.tolist()), engram(x, t))
 
 
 def test_a_remote_load_keeps_the_backends_table_settings_as_a_local_load_does(client, table_name, tmp_path):

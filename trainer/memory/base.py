@@ -380,10 +380,17 @@ class MemoryLayer(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., d_in] -> [..., d_out]; `tokens` [B, T]: the token ids of x's positions (what a
         token-addressed kind reads by; the others ignore them)."""
+        layer = type(self).__name__
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():  # (raw errors deep inside named no layer:
+            got = (f"a {str(x.dtype).removeprefix('torch.')} tensor" if isinstance(x, torch.Tensor)  # 'ndarray' has no
+                   else type(x).__name__)  # 'dim', "mat1 and mat2 must have the same dtype", "rms_norm" for 'Long')
+            raise ValueError(f"{layer}: x must be a floating-point torch tensor [..., d_in], got {got}")
         if x.dim() == 0 or x.shape[-1] != self.d_in:  # (a raw matmul error inside named no layer)
-            raise ValueError(f"{type(self).__name__}: x must be [..., d_in = {self.d_in}], got {list(x.shape)}")
+            raise ValueError(f"{layer}: x must be [..., d_in = {self.d_in}], got {list(x.shape)}")
         if self.token_addressed:
-            check_tokens(x, tokens, type(self).__name__)
+            if tokens is not None and not isinstance(tokens, torch.Tensor):  # numpy or lists, as the backends take
+                tokens = torch.as_tensor(tokens, device=x.device)
+            check_tokens(x, tokens, layer)
         shape = x.shape
         self.batch_shape = tuple(shape[:-1])
         flat = x.reshape(-1, shape[-1])  # [N, d_in], N = batch * time
