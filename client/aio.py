@@ -675,7 +675,10 @@ class AsyncMemoryClient:
         `sync_workers` > 0 makes it a sync_updates table for that many data-parallel trainers.
         `wal`: log every write before acknowledging it, so a restarted shard loses none (see
         docs/architecture.md for what it costs); without it a restart returns the table to its
-        latest checkpoint. `eps` None: the optimizer's default (0 is a value, as is a beta of 0)."""
+        latest checkpoint. `eps` None: the optimizer's default (0 is a value, as is a beta of 0:
+        with eps 0, adagrad and adam turn a row whose gradient is all zero into NaN, as torch.optim
+        does; a float32 table stores what its steps make, inf and NaN included, uncounted: only
+        float16 tables count non-finite updates, `nonfinite_updates` in status)."""
         spec = value_table_spec(name, num_rows, dim, sharding=sharding, optimizer=optimizer, lr=lr, dtype=dtype,
                                 init_std=init_std, seed=seed, num_shards=num_shards, eps=eps, betas=betas,
                                 sync_workers=sync_workers, wal=wal, tier=tier, cache_bytes=cache_bytes)
