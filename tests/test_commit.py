@@ -1516,34 +1516,3 @@ def test_abandon_step_counts_calls_and_a_commit_of_parts_the_client_dropped_is_r
         expect = before.copy()
         expect[ids[:2].reshape(-1)] -= 2.0  # sgd, lr 1: two steps of weight 1 x grad_out 1
         np.testing.assert_allclose(c.lookup("t", np.arange(64)), expect, rtol=0, atol=1e-6)
-
-
-def test_a_sync_step_committed_again_after_it_applied_opens_no_step_that_waits(caplog):
-    """Both trainers committed sync step 1, which applied; one committing it again opened step 1
-    anew with itself counted and the other not, and that step waited for ever ("no step has
-    applied ... waits for 1 of its 2 trainers"; a hunt). It is answered as done, said in the
-    log, and nothing changes."""
-    import logging
-
-    from memserver.cluster.inprocess import InProcessServer
-
-    w, g = np.ones((1, 1), np.float32), np.ones((1, 4), np.float32)
-    with InProcessServer(2) as server, MemoryClient(server.endpoint, shm=False, client_id="A") as a, \
-            MemoryClient(server.endpoint, shm=False, client_id="B") as b:
-        a.create_table("sy", 16, 4, optimizer="sgd", lr=0.1, num_shards=2, sync_workers=2)
-        for c in (a, b):
-            c.bag_backward("sy", [[1]], w, g, step=1, gather=True)
-            c.commit_step("sy", 1)
-        rows = a.lookup("sy", np.arange(16))
-        with caplog.at_level(logging.WARNING, logger="memserver.server.slice"):
-            a.commit_step("sy", 1)
-        assert [sh.servicer.tables["sy"].waiting_step() for sh in server.shards] == [None, None]
-        assert all(not sh.servicer.tables["sy"].steps for sh in server.shards)
-        np.testing.assert_array_equal(a.lookup("sy", np.arange(16)), rows)
-        assert sum("step 1: client A: committed again after the step applied" in r.getMessage()
-                   for r in caplog.records) == 2  # (once on each shard)
-        b.bag_backward("sy", [[2]], w, g, step=2, gather=True)  # the next step as ever
-        a.bag_backward("sy", [[2]], w, g, step=2, gather=True)
-        b.commit_step("sy", 2)
-        a.commit_step("sy", 2)
-        assert not np.array_equal(a.lookup("sy", [2]), rows[[2]])

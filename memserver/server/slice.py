@@ -8,7 +8,6 @@ here takes a lock.
 
 from __future__ import annotations
 
-import collections
 import logging
 import secrets
 import time
@@ -150,11 +149,6 @@ class TableSlice:
         # logged (the known window). An entry goes when either is answered or the pair contributes anew;
         # at most DROP_COMMITTED_KEPT, the oldest forgotten first (a client that never came back)
         self.drop_committed: dict[tuple[int, str], None] = {}
-        # a sync table's steps applied lately -> the trainers that committed them (the newest
-        # MAX_OPEN_STEPS): one of them committing it again is answered as done, where it opened the
-        # step anew, counted as committed, and waited for the others for ever (a hunt). Not kept in
-        # checkpoints: a commit that old across a restart opens the step as before
-        self.applied: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
 
     # -- checks every request makes --------------------------------------------------------
 
@@ -366,15 +360,6 @@ class TableSlice:
         to run now (commit) or None."""
         c = self.steps.get(step, {}).get(client)
         where = f"table {self.spec.name}: step {step}: client {client}"
-        if c is None and client in self.applied.get(step, ()) and phase in (
-                pb.STEP_PREPARE, pb.STEP_PREPARE_COMMIT, pb.STEP_COMMIT):  # (its parts were applied: none is listed)
-
-            def applied_already() -> None:  # a sync step every trainer committed, committed again: nothing to do
-                if not self.replaying and phase != pb.STEP_COMMIT:  # (said once: at its prepare)
-                    log.warning("%s: committed again after the step applied on shard %d: nothing more applies",
-                                where, self.info.index)
-
-            return applied_already
         if phase in (pb.STEP_PREPARE, pb.STEP_PREPARE_COMMIT):
             if c is not None and c.committed:
                 how = (" (if a bag_backward without gather=True sent it: on a sync_updates table that is its "
@@ -515,9 +500,6 @@ class TableSlice:
                 return None
             ranked = [(c, x) for c, x in sorted(got.items()) if x.committed]  # a fixed order: same sums every run
             del self.steps[step]
-            self.applied[step] = frozenset(c for c, _ in ranked)
-            while len(self.applied) > MAX_OPEN_STEPS:
-                self.applied.popitem(last=False)
             self._stalled_from(time.monotonic())  # a step applies: the wait, if any is left, starts again
         else:
             ranked = [(client, got.pop(client))]
