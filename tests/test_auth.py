@@ -62,6 +62,7 @@ def test_a_token_file_in_another_form_is_refused_naming_the_form(tmp_path):
     for name, text, says in (("noread.json", json.dumps({"read": r}), form + r'.*; this one holds \{"read": "<string>"\}'),
                              ("list.json", json.dumps([w, r]), form + r'.*; this one holds \["<string>", "<string>"\]'),
                              ("typo.json", json.dumps({"write": w, "reader": r}), form),
+                             ("askey.json", json.dumps({w: "write"}), form + r'.*; this one holds \{"<key 1>": "<string>"\}'),
                              ("bad.json", '{"write": ', "not valid JSON"),
                              ("quoted", f'"{w}"', "not valid JSON|" + form),
                              ("yaml", f"write: {w}\nread: {r}\n", r"the write token holds spaces, quotes or a key"),

@@ -104,6 +104,9 @@ def test_a_gradient_beyond_float16s_range_on_a_float16_wire_is_said_as_that(clie
     after = snapshot(client, table)
     np.testing.assert_array_equal(after[0], before[0])
     np.testing.assert_array_equal(after[1], before[1])
+    with MemoryClient(memory_cluster.endpoint, wire_dtype="float16") as half:  # (rounds to 65504: finite, sent)
+        half.push_gradients(table, [9], np.full((1, DIM), 65519.0, np.float32))
+    assert snapshot(client, table)[1][9] == before[1][9] + 1
 
 
 def test_rows_beyond_a_float16_tables_range_are_refused_whole(client, table_name):

@@ -80,9 +80,10 @@ class AuthConfig:
 
 
 def _shape(obj: Any) -> Any:
-    """What a JSON value holds, its strings hidden (tokens are not for an error message)."""
+    """What a JSON value holds, its strings hidden (tokens are not for an error message), and its
+    keys but "write" and "read" (a token put as a key by mistake)."""
     if isinstance(obj, dict):
-        return {k: _shape(v) for k, v in obj.items()}
+        return {(k if k in ("write", "read") else f"<key {i + 1}>"): _shape(v) for i, (k, v) in enumerate(obj.items())}
     if isinstance(obj, list):
         return [_shape(v) for v in obj]
     return "<string>" if isinstance(obj, str) else obj

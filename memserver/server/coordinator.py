@@ -748,7 +748,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             # a create's own refusal would name the other sharding as a fix, which a restore cannot take
             if spec.kind == pb.VALUE and request.num_shards and (
                     problem := split_problem(spec.sharding, spec.num_rows, spec.dim, spec.num_shards)):
-                most = spec.dim if spec.sharding == pb.COLS else spec.num_rows
+                most = min(spec.dim if spec.sharding == pb.COLS else spec.num_rows, len(self.handles))
                 raise InvalidArgumentError(f"num_shards: table {name!r}: {problem[1]} (restore it into at most "
                                            f"{most}: a restore keeps the checkpoint's sharding)")
             specs[name] = validate_spec(spec, len(self.handles))  # its name is a table name: no path in it

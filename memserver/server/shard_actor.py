@@ -697,7 +697,10 @@ class ShardActor:
             done = latest_committed(record) if record is not None else None
             if done is None:
                 continue
-            when = float(done.get("time") or Path(done["file"]).stat().st_mtime)
+            try:  # (an entry older than its time's: the file's, which may be gone since)
+                when = float(done.get("time") or Path(done["file"]).stat().st_mtime)
+            except OSError:
+                continue
             if newest is None or when > newest["time"]:
                 newest = {"time": when, "step": int(done.get("step", 0)), "file": done["file"]}
         return newest

@@ -693,7 +693,9 @@ class RemoteValues:
         shape, or ids past its table's end) or trained with another optimizer or lr than this
         backend's table. The table keeps this backend's settings (`wal`, `tier`, `cache_bytes`: as
         given, or an attached table's own), as LocalValues keeps its own: the restore brought the
-        save's back, turning a table's `wal` off unsaid, and training on at the save's lr."""
+        save's back, turning a table's `wal` off unsaid. (LocalValues takes a save of another lr
+        and trains on at its own; a restored table trains at the save's, so another is refused
+        here rather than taken unsaid.)"""
         if not isinstance(saved, dict) or not isinstance(saved.get("checkpoint"), str):
             raise InvalidArgumentError(f"saved: not what RemoteValues.save returned ({_saved_kind(saved)})")
         if "num_rows" in saved:
