@@ -790,7 +790,8 @@ def test_remote_values_save_refuses_a_checkpoint_of_values_rolled_back_after_the
     with pytest.raises(TableRolledBackError, match="table t: rebuilt without a write-ahead log \\(a test\\), while "
                                                    "this trainer's model kept them"):
         values.save(tmp_path, 3)
-    assert values.save(tmp_path, 4) == {"checkpoint": "memory/t", "table": "t", "num_rows": 8, "dim": 4}
+    assert values.save(tmp_path, 4) == {"checkpoint": "memory/t", "table": "t", "num_rows": 8, "dim": 4,
+                                        "optimizer": "adagrad", "lr": 0.01}
 
 
 def test_a_trainer_whose_table_is_made_anew_under_it_stops_at_the_end_of_the_step(memory_cluster, client, table_name):
