@@ -871,6 +871,15 @@ def test_status_problems_name_what_is_not_served_and_stray_slices():
     assert unlisted(st) == [
         "shard 0 holds a slice of table ghost, which the catalog does not list: being made or dropped now, or a drop "
         "that missed it while the shard restarted (`memserver drop-table ghost` removes it)"]
+    # a whole cluster's start left a table out whose record one shard could not read: its other
+    # slice is said as left out for that, not as a missed drop (a docs hunt)
+    down.tables.add(table="walt", unavailable="its record does not say which slice it holds")
+    ok.tables.add(table="walt", rows=2)
+    assert unlisted(status_dict(pb.StatusResponse(tables=[spec], shards=[ok, down])))[1] == (
+        "shard 0 holds a slice of table walt, which the catalog does not list: left out since another of its slices "
+        "is lost (under problems): `memserver restore --replace --table walt --dir DIR` brings it back whole, "
+        "`memserver drop-table walt` removes it")
+    ok.tables.pop()
     ok.tables.pop()
     assert problems(status_dict(pb.StatusResponse(tables=[spec], shards=[ok]))) == []
     assert unlisted(status_dict(pb.StatusResponse(tables=[spec], shards=[ok]))) == []

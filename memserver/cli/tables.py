@@ -183,9 +183,17 @@ def unlisted(st: dict[str, Any]) -> list[str]:
     dropped right now, or one a drop missed while its shard restarted (it holds memory and disk
     until dropped). Said by `status`, not a problem: the first kind is normal for a moment."""
     catalog = {t["name"] for t in st["tables"]}
-    return [f"shard {s['index']} holds a slice of table {t['table']}, which the catalog does not list: being made or "
-            f"dropped now, or a drop that missed it while the shard restarted (`memserver drop-table {t['table']}` "
-            "removes it)" for s in sorted(st["shards"], key=lambda s: s["index"]) for t in s["tables"]
+    lost = {t["table"] for s in st["shards"] for t in s["tables"] if t["unavailable"]}  # (under problems)
+
+    def why(name: str) -> str:
+        if name in lost:  # a whole cluster's start left the table out: another shard's slice did not come back
+            return (f"left out since another of its slices is lost (under problems): `memserver restore --replace "
+                    f"--table {name} --dir DIR` brings it back whole, `memserver drop-table {name}` removes it")
+        return (f"being made or dropped now, or a drop that missed it while the shard restarted (`memserver drop-table "
+                f"{name}` removes it)")
+
+    return [f"shard {s['index']} holds a slice of table {t['table']}, which the catalog does not list: {why(t['table'])}"
+            for s in sorted(st["shards"], key=lambda s: s["index"]) for t in s["tables"]
             if t["table"] not in catalog and not t["unavailable"]]
 
 
