@@ -1348,3 +1348,44 @@ def test_remote_values_refuse_a_step_number_the_shards_cannot_hold_at_begin_step
     with pytest.raises(InvalidArgumentError, match="step: -1 is out of range"):
         values.begin_step(-1)
     assert values.step is None
+
+
+def test_memtrain_checks_its_paths_before_step_one_and_says_a_diverged_run_as_one_line(tmp_path, capsys, monkeypatch):
+    """A hunt: a --checkpoint-dir below a file was found at the first save, after the training it
+    was to keep; --log-json was opened before any check (a folder or a missing one: a traceback;
+    a refused command left an empty file); a loss gone NaN ended in a traceback without the
+    checkpoint to go on from; a resume dropped --keep-checkpoints and pruned no more; and
+    `memtrain trace` had none of training's signal handling."""
+    from trainer import train
+
+    (tmp_path / "afile").write_text("")
+    for args, says in (([ "--checkpoint-dir", str(tmp_path / "afile" / "sub")],
+                        f"--checkpoint-dir {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is a file, so the folder "
+                        "cannot be made"),
+                       (["--log-json", str(tmp_path)], f"--log-json {tmp_path}: a folder, not a file"),
+                       (["--log-json", str(tmp_path / "none" / "x.jsonl")], "--log-json "),
+                       (["--log-json", str(tmp_path / "new.jsonl"), "--steps", "0"], "--steps")):
+        with pytest.raises(SystemExit) as done:
+            train.main([*TINY, "--memory", "local", "--steps", "2", *args])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and says in err and "Traceback" not in err, err
+    assert not (tmp_path / "new.jsonl").exists()  # (a refused command writes no log)
+    ck = tmp_path / "ck"
+    with pytest.raises(SystemExit) as done:
+        train.main([*TINY, "--memory", "local", "--steps", "6", "--lr", "1e20", "--value-lr", "1e30",
+                    "--checkpoint-dir", str(ck), "--checkpoint-every", "1"])
+    err = capsys.readouterr().err
+    assert done.value.code == 1 and "memtrain: error: loss is nan at step " in err and "Traceback" not in err, err
+    assert f"go on from it with `memtrain --resume {ck}`" in err
+    ck2 = tmp_path / "ck2"
+    train.main([*TINY, "--memory", "local", "--steps", "4", "--checkpoint-dir", str(ck2), "--checkpoint-every", "2",
+                "--keep-checkpoints", "1"])
+    train.main(["--resume", str(ck2), "--steps", "8"])  # (--checkpoint-every 2 --keep-checkpoints 1 taken)
+    assert sorted(p.name for p in ck2.glob("trainer-step-*.pt")) == ["trainer-step-0000000008.pt"]
+    capsys.readouterr()
+    for raised, code, said in ((KeyboardInterrupt(), 130, "interrupted"), (train.Terminated(), 143, "terminated (SIGTERM)")):
+        def stopped(argv, raised=raised):
+            raise raised
+        monkeypatch.setattr(train, "trace_main", stopped)
+        assert train.main(["trace", "--table", "t"]) == code
+        assert capsys.readouterr().err == f"memtrain trace: {said}\n"

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import operator
+import os
 import signal
 import sys
 import threading
@@ -204,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
                     "memory), or from that trainer-step-*.pt file; the text, model, memory, optimizer, batch and seed "
                     "flags left out are the checkpoint's (a different one given is refused by name), and so are "
-                    "--checkpoint-every, --staleness, --micro-batches, --threads and the evaluation and logging "
+                    "--checkpoint-every, --keep-checkpoints, --staleness, --micro-batches, --threads and the "
+                    "evaluation and logging "
                     "flags (these it may change); --steps is the total to reach")
     mem.add_argument("--micro-batches", type=int, default=1, help="split memory lookups so one chunk's call overlaps the next chunk's addressing")
     return p
@@ -268,9 +270,10 @@ RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal
 #: --threads too: the sums of a step's ops are split by thread, so a resume on other threads is
 #: close to the uninterrupted run, not bit-exact (a walkthrough: 2.4e-7 apart). And what it
 #: evaluates and logs: a resume that left --eval-iters out evaluated on the default 20 batches, so
-#: its val_loss was not the uninterrupted run's (a walkthrough: 3.9569 against 3.9494).
-RESUMED_TAKEN = ("checkpoint_every", "staleness", "micro_batches", "threads", "eval_every", "eval_iters", "log_every",
-                 "no_prefetch")
+#: its val_loss was not the uninterrupted run's (a walkthrough: 3.9569 against 3.9494). And
+#: --keep-checkpoints, with --checkpoint-every: a resume kept checkpointing and stopped pruning (a hunt).
+RESUMED_TAKEN = ("checkpoint_every", "keep_checkpoints", "staleness", "micro_batches", "threads", "eval_every",
+                 "eval_iters", "log_every", "no_prefetch")
 
 
 def checkpoint_dir_of(args: argparse.Namespace) -> str | None:
@@ -402,9 +405,19 @@ def check_paths(args: argparse.Namespace) -> None:
     run's checkpoints (a later --resume would take the other run's latest)."""
     if args.log_json and not Path(args.log_json).resolve().parent.is_dir():
         raise SystemExit(f"memtrain: error: --log-json {args.log_json}: no folder {Path(args.log_json).parent}")
+    if args.log_json and Path(args.log_json).is_dir():
+        raise SystemExit(f"memtrain: error: --log-json {args.log_json}: a folder, not a file")
     where = args.checkpoint_dir
     if where and Path(where).exists() and not Path(where).is_dir():
         raise SystemExit(f"memtrain: error: --checkpoint-dir {where}: a file, not a folder")
+    if where and not Path(where).exists():  # made at the first save: what is above it must let it be (a file
+        above = Path(where).resolve()  # on the way failed there, after the training it was to keep: a hunt)
+        while not above.exists():
+            above = above.parent
+        if not above.is_dir() or not os.access(above, os.W_OK | os.X_OK):
+            raise SystemExit(f"memtrain: error: --checkpoint-dir {where}: {above} is "
+                             f"{'a file' if not above.is_dir() else 'a folder this user may not write'}, so the folder "
+                             "cannot be made")
     if where and not args.resume and Path(where).is_dir() and (held := sorted(Path(where).glob("trainer-step-*.pt"))):
         raise SystemExit(f"memtrain: error: --checkpoint-dir {where}: it holds another run's checkpoints ({held[0].name} "
                          f".. {held[-1].name}), which this run's would mix with; give another folder, or --resume "
@@ -779,7 +792,7 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
                            f"values are {'in the trainer file' if mode == 'local' else 'tables in the cluster'})")
     for key, was in blob.get("flags", {}).items():  # (absent: written before checkpoints recorded them)
         if key in (*RESUMED_ALIKE, *RESUMED_TAKEN) and given is not None and key not in given:
-            if key == "checkpoint_every" and not checkpoint_dir_of(args):
+            if key in ("checkpoint_every", "keep_checkpoints") and not checkpoint_dir_of(args):
                 continue  # (after a --resume file: this run writes no checkpoints)
             if getattr(args, key) != was:  # left out: continued as the checkpoint has it
                 taken.append(f"{key} = {was!r}")
@@ -1159,7 +1172,15 @@ def _restore_signals(before: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["trace"]:
-        return trace_main(argv[1:])
+        before = _stop_on_sigterm()  # (as a training run's: a backgrounded trace ignored Ctrl-C, said nothing at
+        try:  # SIGTERM: a hunt)
+            return trace_main(argv[1:])
+        except KeyboardInterrupt as exc:
+            term = isinstance(exc, Terminated)
+            print(f"memtrain trace: {'terminated (SIGTERM)' if term else 'interrupted'}", file=sys.stderr)
+            return 128 + signal.SIGTERM if term else 130
+        finally:
+            _restore_signals(before)
     parser = build_parser()
     args = parse_args(parser, argv)
     args.given = given_flags(parser, argv)
@@ -1176,6 +1197,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc.code, str):  # memtrain's own refusal of its command line, a flag named: argparse's status
             parser.exit(WRONG_COMMAND, exc.code + "\n")
         raise
+    except FloatingPointError as exc:  # the loss went NaN or inf: one line and how to go on, not a traceback
+        if args.debug:
+            raise
+        parser.exit(FAILED, f"memtrain: error: {exc}: the run diverged (a smaller --lr or --value-lr, or the "
+                            f"checkpoint before it){_go_on(args)}\n")
     except MemserverError as exc:
         if args.debug:
             raise
@@ -1244,7 +1270,8 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[s
 def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     quiet_libraries(getattr(args, "debug", False))
-    out = open(args.log_json, "a") if args.log_json else None  # noqa: SIM115
+    out = None  # --log-json, opened at the first record: after setup's checks (a refused command left
+    # an empty file, and a path they refuse failed here first with a traceback: a hunt)
     tty = sys.stderr.isatty()
     bar = None
     if tty:
@@ -1256,6 +1283,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         for rec in train(args):
             last = rec
+            if args.log_json and out is None:
+                out = open(args.log_json, "a")  # noqa: SIM115 - (closed below)
             if out is not None:
                 out.write(json.dumps(rec) + "\n")
                 out.flush()

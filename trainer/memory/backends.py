@@ -810,8 +810,9 @@ def overflowed(backend: Any, step: int) -> bool:
     update is dropped: said here)."""
     if OVERFLOWS[0] == backend.overflows_at:
         return False
-    log.warning("%s: step %d met a non-finite gradient (a float16 overflow, which its GradScaler skips): the values' "
-                "update of the whole step is dropped", getattr(backend, "name", type(backend).__name__), step)
+    log.warning("%s: step %d met a non-finite gradient (a float16 overflow, which a GradScaler skips, or a run "
+                "diverging): the values' update of the whole step is dropped",
+                getattr(backend, "name", type(backend).__name__), step)
     return True
 
 
