@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memtrain", description=__doc__, formatter_class=_Help,
                                 epilog="Exit status: 0 trained; 2 the command was wrong (a flag, a checkpoint to resume "
                                 "that does not fit it, no cluster for --memory remote); 1 training failed (the "
-                                "cluster's error; it names the latest checkpoint and the --resume that goes on).")
+                                "cluster's error; it names the latest checkpoint and the --resume that goes on; or "
+                                "the loss went NaN: the run diverged).")
     p.add_argument("-v", "--debug", action="store_true", help="a failing call's traceback instead of its one-line error")
     d = p.add_argument_group("data and run")
     d.add_argument("--data", default=str(DEFAULT_DATA), help="text file (split 90/10) or WikiText-2 folder (default: tiny Shakespeare)")
@@ -1197,11 +1198,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc.code, str):  # memtrain's own refusal of its command line, a flag named: argparse's status
             parser.exit(WRONG_COMMAND, exc.code + "\n")
         raise
-    except FloatingPointError as exc:  # the loss went NaN or inf: one line and how to go on, not a traceback
-        if args.debug:
+    except FloatingPointError as exc:  # the loss went NaN or inf: one line, not a traceback (no --resume to
+        if args.debug:  # suggest: it takes the same --lr and --value-lr, which would diverge again)
             raise
-        parser.exit(FAILED, f"memtrain: error: {exc}: the run diverged (a smaller --lr or --value-lr, or the "
-                            f"checkpoint before it){_go_on(args)}\n")
+        parser.exit(FAILED, f"memtrain: error: {exc}: the run diverged; run it again with a smaller --lr or "
+                            "--value-lr\n")
     except MemserverError as exc:
         if args.debug:
             raise
