@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -628,3 +629,29 @@ def test_a_scratch_table_the_cluster_could_not_drop_is_said_with_the_command_to_
     said = _drop_scratch(Gone(), "loadtest-x")
     assert said == ("the scratch table loadtest-x was not dropped: UNAVAILABLE: coordinator 127.0.0.1:1: connection "
                     "refused; drop it with `memserver drop-table loadtest-x` once the cluster serves it")
+
+
+def test_a_worker_has_its_message_handlers_before_it_connects():
+    """A master that has all its workers sends the test's config at once; a worker registered its
+    handlers only after connecting, so a config that came first was dropped ("Unknown message type
+    received: memserver_config") and the worker waited its whole bound for a test (a suite run,
+    across hosts). They are in place before the connection now. (In a child: locust's gevent
+    patches the process that imports it.)"""
+    code = textwrap.dedent("""
+        import json
+        import locust
+        from locust import runners
+        from locust.env import Environment
+        from memserver.loadtest import distributed, user
+
+        seen = {}
+        runners.WorkerRunner.connect_to_master = lambda self: seen.update(self.custom_messages)  # (no master here)
+        env = Environment(user_classes=[user.MemserverUser], events=locust.events)
+        runner = distributed._connect_worker(env, ("127.0.0.1", 9), 0.5)
+        print(json.dumps({"handlers": sorted(seen), "kept": distributed.setup(env) is env.memserver_distributed}))
+        runner.greenlet.kill(block=True)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])  # (the names distributed.CONFIG and COLLECT hold)
+    assert {"memserver_config", "memserver_collect"} <= set(got["handlers"]) and got["kept"], got

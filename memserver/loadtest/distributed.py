@@ -131,12 +131,32 @@ def setup(environment: Environment, cfg: LoadConfig | None = None, wait_s: float
         environment.events.test_start.add_listener(_master_test_start)
         environment.events.test_stopping.add_listener(_master_test_stopping)
     elif isinstance(runner, WorkerRunner):
-        state = WorkerState(f"{runner.master_host}:{runner.master_port}",
-                            _local_address(runner.master_host, runner.master_port))
-        runner.register_message(CONFIG, _on_config)
-        runner.register_message(COLLECT, _on_collect)
+        state = _worker_state(runner)
     environment.memserver_distributed = state
     return state
+
+
+def _worker_state(runner: WorkerRunner) -> WorkerState:
+    """A worker's state and its handlers of the master's messages: registered before it connects
+    (`_Worker`), since a master that has all its workers sends the test's config at once, and
+    one that came before they were there was dropped ("Unknown message type received:
+    memserver_config"; the worker then waited its whole bound for a test: a suite run's)."""
+    env = runner.environment
+    if getattr(env, "memserver_distributed", None) is None:
+        env.memserver_distributed = WorkerState(f"{runner.master_host}:{runner.master_port}",
+                                                _local_address(runner.master_host, runner.master_port))
+        runner.register_message(CONFIG, _on_config)
+        runner.register_message(COLLECT, _on_collect)
+    return env.memserver_distributed
+
+
+class _Worker(WorkerRunner):
+    """locust's worker runner with memserver's message handlers in place before it connects."""
+
+    def connect_to_master(self) -> None:
+        user.attach_recorder(self.environment)
+        _worker_state(self)
+        super().connect_to_master()
 
 
 def _local_address(host: str, port: int) -> str:
@@ -330,11 +350,13 @@ def _connect_worker(env: Environment, master: tuple[str, int], wait_s: float) ->
     for this one call, which is all a worker process makes."""
     import math
 
+    import locust.env
     from locust import runners
 
     saved = runners.CONNECT_TIMEOUT, runners.CONNECT_RETRY_COUNT
     runners.CONNECT_TIMEOUT = max(0.1, min(saved[0], wait_s))
     runners.CONNECT_RETRY_COUNT = max(0, math.ceil(wait_s / runners.CONNECT_TIMEOUT) - 1)
+    locust.env.WorkerRunner = _Worker  # (the class create_worker_runner makes: ours, for this one call)
     try:
         return env.create_worker_runner(*master)
     except ConnectionError:
@@ -342,6 +364,7 @@ def _connect_worker(env: Environment, master: tuple[str, int], wait_s: float) ->
                          "(is `memserver loadtest --expect-workers N --master-bind` running there?)") from None
     finally:
         runners.CONNECT_TIMEOUT, runners.CONNECT_RETRY_COUNT = saved
+        locust.env.WorkerRunner = WorkerRunner
 
 
 def save_latencies(rec: LatencyRecorder, path: str) -> None:
