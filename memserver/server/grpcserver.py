@@ -260,8 +260,8 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
 class Authenticate(grpc.aio.ServerInterceptor):
     """Bearer tokens (memserver.api.auth): a call of our services needs the write token, or the
     read token for READ_METHODS; reflection and health's Watch any valid token; a health Check
-    none (each Watch stream held ~20 KiB of the server's memory as long as its peer kept it open,
-    counted by no limit: a hunt's 13,000 took 267 MB without a token). Refused calls get
+    none (each Watch stream holds some of the server's memory as long as its peer keeps it open,
+    counted by no limit: a hunt held thousands without a token). Refused calls get
     UNAUTHENTICATED (no token, or an unknown one) or PERMISSION_DENIED (the read token on a write)
     before their request is even read, and are counted as authentication failures."""
 
