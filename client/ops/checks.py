@@ -15,10 +15,6 @@ from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import all_finite, as_tensor, check_bag, check_float, check_ids, check_rows
 
-#: The magnitude from which a float32 value becomes infinite as float16 (65504 is float16's
-#: largest; what lies below 65520 rounds to it).
-FLOAT16_INF_FROM = 65520.0
-
 #: The bits (beside the sign) of the protobuf integer types the client's integer arguments go into.
 INT32, INT64 = 31, 63
 UINT64 = -64  # unsigned: 0 .. 2^64 - 1
@@ -74,12 +70,11 @@ def check_sent(x: torch.Tensor, wire_dtype: int, what: str) -> None:
     """Finite as it will travel: a float32 value beyond float16's range becomes infinite on a
     float16 wire, and a shard refuses it after its siblings applied theirs (a hunt: half a cols
     row updated). Checked whole, before any request leaves (`x` is checked finite already)."""
-    if wire_dtype == pb.FLOAT16 and x.dtype != torch.float16 and x.numel():
-        big = float(x.abs().max())
-        if big >= FLOAT16_INF_FROM:
-            raise InvalidArgumentError(f"{what}: a value of magnitude {big:.3g} is beyond float16's largest (65504), "
-                                       "which this client's wire_dtype sends it as: it would arrive infinite; send "
-                                       "float32 or bfloat16 (wire_dtype), or scale it down")
+    if wire_dtype == pb.FLOAT16 and x.dtype != torch.float16 and x.numel() and not all_finite(x.to(torch.float16)):
+        big = float(x.abs().max())  # the conversion is the rule: what rounds to infinity (65520 and beyond)
+        raise InvalidArgumentError(f"{what}: a value of magnitude {big:.3g} is beyond float16's largest (65504), "
+                                   "which this client's wire_dtype sends it as: it would arrive infinite; send "
+                                   "float32 or bfloat16 (wire_dtype), or scale it down")
 
 
 def check_sum(x: torch.Tensor, what: str) -> None:
