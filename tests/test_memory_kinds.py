@@ -25,10 +25,19 @@ from trainer.memory.lsh import lsh_ids, lsh_tables
 from trainer.model import GPT
 from trainer.train import build_parser, train
 
-TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
-        "--n-keys", "16", "--heads", "2", "--knn", "4", "--k-dim", "16", "--mem-layers", "1",
-        "--eval-every", "5", "--eval-iters", "2", "--log-every", "1", "--threads", "1",
-        "--lsh-hashes", "3", "--lsh-bits", "5", "--kif-encoder", "hash32", "--kif-sentences", "300", "--kif-knn", "4"]
+BASE = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+        "--mem-layers", "1", "--eval-every", "5", "--eval-iters", "2", "--log-every", "1", "--threads", "1"]
+#: Each kind's own flags: memtrain's command line refuses those of a kind its run has not.
+KIND_FLAGS = {"pkm": ["--n-keys", "16", "--heads", "2", "--knn", "4", "--k-dim", "16"],
+              "lsh": ["--lsh-hashes", "3", "--lsh-bits", "5"],
+              "kif": ["--kif-encoder", "hash32", "--kif-sentences", "300", "--kif-knn", "4"]}
+#: For runs parsed without their given flags (train(parse_args(...))): every kind's.
+TINY = [*BASE, *(f for flags in KIND_FLAGS.values() for f in flags)]
+
+
+def tiny(kinds: str = "pkm") -> list[str]:
+    """BASE and the flags of `kinds` (--memory-kind's value): a command line as memtrain's main takes it."""
+    return [*BASE, *(f for k in kinds.split(",") for f in KIND_FLAGS.get(k, []))]
 
 
 # --- LSH --------------------------------------------------------------------------------------
@@ -394,7 +403,7 @@ def test_a_resume_takes_its_kif_sources_and_a_refused_one_replaces_no_table(clie
     out", which it had). The checkpoint's named sources are now taken where the flag is left out,
     and sources another run gives are refused before anything is built."""
     upload_source(client, table_name, _source(100, 32))
-    common = [*TINY, "--memory", "local", "--memory-kind", "pkm,kif", "--table", f"{table_name}-run",
+    common = [*tiny("pkm,kif"), "--memory", "local", "--memory-kind", "pkm,kif", "--table", f"{table_name}-run",
               "--endpoint", client.endpoint, "--eval-every", "2"]
     list(train(build_parser().parse_args([*common, "--kif-source", table_name, "--steps", "2",
                                           "--checkpoint-dir", str(tmp_path)]), client=client))
@@ -428,7 +437,8 @@ def test_a_resume_takes_its_kif_sources_and_a_refused_one_replaces_no_table(clie
     (["--memory-kind", "kif", "--kif-encoder", "hash0"], "--kif-encoder: unknown encoder 'hash0'"),
 ])
 def test_bad_memory_flags_are_named(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", *TINY, "--memory", "local", "--steps", "1", *argv],
+    kinds = argv[argv.index("--memory-kind") + 1] if "--memory-kind" in argv else "pkm"
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", *tiny(kinds), "--memory", "local", "--steps", "1", *argv],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr  # the command's mistake, as argparse's refusals
 

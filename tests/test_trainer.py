@@ -18,9 +18,11 @@ from tests.ddp import run_trainers
 from trainer.memory import LocalValues, ProductKeyMemory, usage_metrics
 from trainer.train import build_parser, train
 
-TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
-        "--n-keys", "16", "--heads", "2", "--knn", "4", "--k-dim", "16", "--mem-layers", "1",
-        "--eval-every", "5", "--eval-iters", "2", "--log-every", "1", "--threads", "1"]
+BASE = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+        "--mem-layers", "1", "--eval-every", "5", "--eval-iters", "2", "--log-every", "1", "--threads", "1"]
+#: Product keys' own flags: memtrain's command line refuses them for a run without product keys.
+PKM = ["--n-keys", "16", "--heads", "2", "--knn", "4", "--k-dim", "16"]
+TINY = [*BASE, *PKM]
 
 
 @pytest.mark.parametrize("knn", [1, 4, 7, 10])
@@ -140,7 +142,9 @@ def test_shared_values_take_one_optimizer_step_per_training_step(client, table_n
 def test_two_data_parallel_trainers_equal_one_on_the_combined_batch(client, memory_cluster, table_name, tmp_path, extra):
     """Two gloo trainers (batch 2 each) against a sync_updates table == one trainer of batch 4,
     also when each trainer sends a step in several parts (micro-batches, two layers on one table)."""
-    common = [*TINY, "--steps", "4", "--seed", "5", "--value-lr", "0.05", "--no-query-bn", "--eval-every", "4", *extra]
+    kinds = extra[extra.index("--memory-kind") + 1] if "--memory-kind" in extra else "pkm"
+    pkm = [*PKM, "--no-query-bn"] if "pkm" in kinds.split(",") else []  # (given for product keys alone)
+    common = [*BASE, *pkm, "--steps", "4", "--seed", "5", "--value-lr", "0.05", "--eval-every", "4", *extra]
     single = list(train(build_parser().parse_args([*common, "--memory", "local", "--batch-size", "4"])))
     ddp = run_trainers([*common, "--memory", "remote", "--batch-size", "2", "--endpoint", memory_cluster.endpoint,
                         "--table", table_name], tmp_path / "ddp.jsonl", env={"GLOO_SOCKET_IFNAME": "lo"})
@@ -370,6 +374,26 @@ def test_memory_flags_of_a_run_without_memory_are_named(capsys):
     list(train(build_parser().parse_args([*TINY, "--steps", "1", "--memory", "none"])))  # (TINY's, not given)
     list(train(build_parser().parse_args([*TINY, "--steps", "1", "--memory", "local", "--staleness", "1",
                                           "--memory-kind", "engram", "--engram-slots", "4096"])))
+
+
+def test_flags_of_memory_kinds_the_run_has_not_are_named(capsys):
+    """`memtrain --memory-kind pkm --lsh-bits 10` trained product keys and left the flag unread,
+    unsaid (a hunt); each kind's flags are refused where no layer of the run reads them, and taken
+    where one does."""
+    from trainer.train import main
+
+    for kinds, argv, said in (
+            ("pkm", ["--lsh-bits", "10"], "--lsh-bits: shapes"),
+            ("lsh", ["--knn", "8", "--no-query-bn", "--engram-dim", "8"], "--knn, --no-query-bn, --engram-dim: shape"),
+            ("pkm,engram", ["--kif-knn", "2", "--kif-encoder", "minilm", "--lsh-seed", "3"],
+             "--lsh-seed, --kif-encoder, --kif-knn: shape")):
+        with pytest.raises(SystemExit):
+            main(["--memory", "local", "--memory-kind", kinds, *argv, "--steps", "1"])
+        them = "them" if "," in said else "it"
+        assert capsys.readouterr().err == (f"memtrain: error: {said} layers this run has none of (--memory-kind "
+                                           f"{kinds}); drop {them}, or add the kind\n")
+    small = [*TINY, "--steps", "1", "--memory", "local"]
+    assert main([*small, "--memory-kind", "pkm,lsh", "--lsh-bits", "4"]) == 0  # read: taken
 
 
 def test_remote_values_attach_only_to_a_table_of_their_shape(client, table_name, caplog):
@@ -914,7 +938,7 @@ def test_a_resume_takes_how_its_steps_reached_the_values(tmp_path, caplog):
 
     # (--no-prefetch given in each: a --staleness 1 run's first resumed step reads fresh rows where the
     # uninterrupted run's prefetch read them one update behind; docs/training.md)
-    common = [*TINY, "--memory", "local", "--memory-kind", "engram", "--seed", "4", "--eval-every", "2", "--no-prefetch"]
+    common = [*BASE, "--memory", "local", "--memory-kind", "engram", "--seed", "4", "--eval-every", "2", "--no-prefetch"]
     how = ["--staleness", "1", "--micro-batches", "2"]
     whole = list(train(build_parser().parse_args([*common, *how, "--steps", "4"])))
     list(train(build_parser().parse_args([*common, *how, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck")])))

@@ -339,6 +339,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.memory == "none" and (ignored := _memory_flags(given or frozenset())):
         raise SystemExit(f"memtrain: error: {', '.join(ignored)}: shape memory layers, and this run trains without "
                          "memory (--memory none); drop them, or give --memory local or remote")
+    if args.memory != "none" and (unread := _other_kinds_flags(given or frozenset(), kinds)):
+        raise SystemExit(f"memtrain: error: {', '.join(unread)}: "
+                         f"{'shapes' if len(unread) == 1 else 'shape'} layers this run has none of (--memory-kind "
+                         f"{args.memory_kind}); drop {'it' if len(unread) == 1 else 'them'}, or add the kind")
     # (a resume's --staleness taken from its checkpoint was allowed when that was written)
     if args.staleness and args.memory == "local" and "engram" not in kinds and (given is None or "staleness" in given):
         raise SystemExit(f"memtrain: error: --staleness {args.staleness}: with --memory local it changes only the "
@@ -1257,6 +1261,22 @@ def _memory_flags(given: frozenset[str]) -> list[str]:
                 if a.dest in given and a.dest not in _SAID_ELSEWHERE:
                     named.setdefault(a.dest, []).append(a.option_strings[0])
     return ["/".join(flags) for flags in named.values()]
+
+
+#: The flags (dests) whose memory setting (a _KIND_KEYS key) has another name, and the KIF
+#: source's build flags, which no setting records.
+_DEST_OF_KEY = {"query_bn": "no_query_bn", "engram_conv": "no_engram_conv"}
+_KIF_BUILD = ("kif_encoder", "kif_sentences", "kif_knn")
+
+
+def _other_kinds_flags(given: frozenset[str], kinds: set[str]) -> list[str]:
+    """The flags among `given` that only memory kinds outside `kinds` read (a run with --lsh-bits
+    and product keys alone trained on, the flag unread: a hunt), as the command line names them.
+    --mem-plus and --kif-source have their own messages (check_flags, setup)."""
+    readers = {_DEST_OF_KEY.get(k, k): users for k, users in _KIND_KEYS.items() if k not in ("mem_plus", "kif_sources")}
+    readers.update(dict.fromkeys(_KIF_BUILD, ("kif",)))
+    flags = {a.dest: a.option_strings[-1] for a in build_parser()._actions}
+    return [flags[d] for d, users in readers.items() if d in given and not kinds & set(users)]
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
