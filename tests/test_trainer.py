@@ -636,6 +636,15 @@ def test_a_resume_takes_the_shapes_batch_seed_and_checkpointing_it_leaves_out(tm
     with pytest.raises(SystemExit):
         run([*quiet, "--steps", "7", "--resume", str(ck)])
     assert f"the checkpoint was trained on {text}, which is not here: give --data" in capsys.readouterr().err
+    # the text moved is taken where --data names it; another text of the same characters is refused (it
+    # went on over that text, the vocabulary alike: a hunt)
+    assert run([*quiet, "--steps", "6", "--resume", str(ck), "--data", str(tmp_path / "moved.txt")])  # (step 6)
+    other = tmp_path / "other.txt"
+    other.write_text("".join(reversed((tmp_path / "moved.txt").read_text())))
+    with pytest.raises(SystemExit):
+        run([*quiet, "--steps", "7", "--resume", str(ck), "--data", str(other)])
+    assert (f"the checkpoint was trained on another text ({tmp_path / 'moved.txt'}), not the one this run reads ({other}) (--data)"
+            in capsys.readouterr().err)
 
 
 def test_local_values_refuse_what_the_shards_refuse_and_change_nothing(client, table_name):

@@ -48,7 +48,7 @@ from memserver.cli.common import (
 from memserver.core.table import set_threads
 from memserver.storage.checkpoint import extras_digest
 from trainer.checkpoints import prune_checkpoints, trainer_file
-from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus
+from trainer.data import DEFAULT_DATA, Corpus, get_batch, load_corpus, read_texts, text_digest
 from trainer.device import CPU, DEVICES, DTYPES, autocast, dist_backend, resolve_device
 from trainer.memory import (
     KINDS,
@@ -655,7 +655,8 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, ste
             "rng": rng,
             "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
             "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name,  # enough to rebuild it (trainer.inspection)
-            "data_path": run.corpus.path, "flags": flags}  # RESUMED_ALIKE: what a resume must give alike
+            "data_path": run.corpus.path, "data_digest": run.corpus.digest,  # the text, wherever it lies
+            "flags": flags}  # RESUMED_ALIKE: what a resume must give alike
     blob["digest"] = extras_digest(blob)  # a flipped bit in the weights or the optimizer's moments: refused at --resume
     atomic_write(trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
@@ -810,6 +811,15 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
                              "not here: give --data (that text, moved)")
         taken.append(f"data = {path!r}")
         args.data = path
+    if want := blob.get("data_digest"):  # (absent: written before checkpoints kept it)
+        try:
+            _, train_text, val_text = read_texts(args.data)
+        except FileNotFoundError:
+            pass  # (setup says so, by the flag)
+        else:
+            if text_digest(train_text, val_text) != want:
+                differences.append(f"the checkpoint was trained on another text ({blob.get('data_path') or 'its own'}), "
+                                   f"not the one this run reads ({args.data or 'the default'}) (--data)")
     if given is not None:  # the shapes left out: the checkpoint's
         for key, (dest, flag_value) in _SHAPE_FLAGS.items():
             saved = blob.get("config" if key in _MODEL_SHAPE else "memory", {})
