@@ -514,6 +514,27 @@ def test_full_disk_is_refused_at_creation(tmp_path, monkeypatch):
             subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.parametrize("err, status, says", [
+    (errno.EFBIG, ResourceExhaustedError, "larger than a file may be there"),
+    (errno.EACCES, FailedPreconditionError, "Permission denied; the shards' data directory must let them make files"),
+    (errno.ENOMEM, ResourceExhaustedError, "no memory to map it")])
+def test_a_file_that_cannot_be_made_is_a_status_naming_the_table_and_path(tmp_path, monkeypatch, err, status, says):
+    """Beside a full disk, a file-size limit (ulimit -f, a FAT32 disk), a directory the shard may
+    not write or a mapping refused reached the client as INTERNAL ("RuntimeError: ... [Errno 27]
+    File too large"), naming neither the table nor the file (a hunt); nothing is left behind."""
+    cfg = OptimizerConfig("adagrad", 0.1)
+
+    def failing(*_: object) -> None:
+        raise OSError(err, os.strerror(err))
+
+    where = {errno.EFBIG: (os, "posix_fallocate"), errno.EACCES: (os, "open"), errno.ENOMEM: (mmap, "mmap")}[err]
+    monkeypatch.setattr(*where, failing)
+    with pytest.raises(status, match=rf"table big: cannot allocate [0-9,]+ bytes for {tmp_path}/big/rows.dat: .*{says}"):
+        DiskTable(tmp_path / "big", 10_000, 16, cfg, cache_bytes=4096, name="big")
+    monkeypatch.undo()
+    assert not list((tmp_path / "big").iterdir())
+
+
 def test_a_replace_the_disk_cannot_hold_leaves_the_table(tmp_path):
     """From an operator's walkthrough: `create-table T --replace --tier disk` (or `restore
     --replace --tier disk`) too large for the shards' disk dropped T, then failed to allocate the

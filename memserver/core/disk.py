@@ -59,7 +59,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from memserver.api.errors import DataLossError, ResourceExhaustedError
+from memserver.api.errors import DataLossError, FailedPreconditionError, MemserverError, ResourceExhaustedError
 from memserver.core import kernels
 from memserver.core.init import init_values
 from memserver.core.optim import OptimizerConfig
@@ -964,26 +964,40 @@ class DiskTable(ValueTable):
 
     def _open(self, path: Path, size: int) -> tuple[int, mmap.mmap | None, np.ndarray]:
         """A new file of `size` bytes, allocated whole, and its shared mapping as uint8."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            raise self._file_error(path, size, exc) from None
         try:
             if size:
                 os.posix_fallocate(fd, 0, size)
+                m = mmap.mmap(fd, size)
         except OSError as exc:
             os.close(fd)
             path.unlink(missing_ok=True)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ResourceExhaustedError(
-                    f"table {self.name}: cannot allocate {size:,} bytes for {path}: the disk is full ({exc.strerror}); "
-                    "free space there, give the shards a larger data directory (memserver up --data-dir), or spread the "
-                    "table's rows over more shards (sharding rows)") from None
-            raise
+            raise self._file_error(path, size, exc) from None
         if not size:
             return fd, None, np.zeros(0, dtype=np.uint8)
-        m = mmap.mmap(fd, size)
         # rows are read where they fall: no read-around (a fault would read 32 pages for one
         # record, ~80x fewer rows/s once the file is larger than memory: docs/benchmarks.md)
         m.madvise(mmap.MADV_RANDOM)
         return fd, m, np.frombuffer(m, dtype=np.uint8)
+
+    def _file_error(self, path: Path, size: int, exc: OSError) -> MemserverError:
+        """A file that cannot be made, as a status naming the table and the path: a full disk or a
+        size limit is room (RESOURCE_EXHAUSTED), anything else the data directory's state
+        (FAILED_PRECONDITION); a bare OSError reached the client as INTERNAL, naming neither (a hunt)."""
+        what = f"table {self.name}: cannot allocate {size:,} bytes for {path}"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return ResourceExhaustedError(
+                f"{what}: the disk is full ({exc.strerror}); free space there, give the shards a larger data directory "
+                "(memserver up --data-dir), or spread the table's rows over more shards (sharding rows)")
+        if exc.errno in (errno.EFBIG, errno.ENOMEM):
+            limit = "larger than a file may be there (the filesystem's or the process's limit: ulimit -f)" \
+                if exc.errno == errno.EFBIG else "no memory to map it"
+            return ResourceExhaustedError(f"{what}: {limit} ({exc.strerror}); spread the table's rows over more "
+                                          "shards (sharding rows)")
+        return FailedPreconditionError(f"{what}: {exc.strerror}; the shards' data directory must let them make files")
 
     def _lock_counters(self) -> bool:
         """Keep the read counters' pages in memory (mlock; see COUNTER_BYTES). Without the
