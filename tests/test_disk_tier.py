@@ -599,6 +599,10 @@ def test_a_create_the_disk_cannot_hold_is_refused_before_any_file_is_allocated(t
             assert c.table("t").num_rows == 4000
             with pytest.raises(TableExistsError, match="table 't' already exists"):  # the name first, as before
                 c.create_table("t", 40_000, 16, **kw)
+            # one table made (t, 2 slices from shard 0): a 1-slice table starts on shard 1, and the refusal
+            # names that shard, whose folder it gives (it named shard 0, the slice's number: a hunt)
+            with pytest.raises(ResourceExhaustedError, match=rf"table big: its slices on shard 1's disk .* in {mnt}/shard-0001;"):
+                c.create_table("big", 10_000, 16, num_shards=1, **kw)
 
 
 def test_a_checkpoint_the_disk_cannot_hold_leaves_nothing_mapped_so_a_drop_frees_the_files(tmp_path):

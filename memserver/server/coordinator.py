@@ -401,8 +401,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         order = [(first + i) % len(self.handles) for i in range(spec.num_shards)]
         info = plan_table(spec, [self.infos[j] for j in order])
         sizes = [slice_size(spec, sh) for sh in info.shards]
-        for sh, size in zip(info.shards, sizes):
-            refuse_oversized(spec, sh.index, size, self.limits)
+        for j, size in zip(order, sizes):  # (named by the shard that would hold it, not the slice's number)
+            refuse_oversized(spec, j, size, self.limits)
         on_node: dict[str, int] = {}
         for j, size in zip(order, sizes):
             on_node[self._memory(j)] = on_node.get(self._memory(j), 0) + size.peak

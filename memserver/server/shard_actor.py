@@ -454,10 +454,10 @@ class ShardActor:
         s, shard = pb.TableSpec.FromString(spec), pb.ShardInfo.FromString(info)
         check_placeable(s, self.store is not None)
         available = memory_available(self.device)  # None: not known here, and not checked (as _add_table)
-        refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits,
+        refuse_oversized(s, self.index, slice_size(s, shard), self.config.limits,  # (this shard, not the slice's number)
                          None if available is None else available + freed, node_bytes)
         if disk_need and self.store is not None:  # disk tables' files, allocated whole
-            refuse_disk_full(s, shard.index, disk_need, self.store.dir, shutil.disk_usage(self.store.dir).free,
+            refuse_disk_full(s, self.index, disk_need, self.store.dir, shutil.disk_usage(self.store.dir).free,
                              disk_freed)
 
     def restore_table(self, spec: bytes, info: bytes, num_shards: int, files: list[dict[str, Any]],
@@ -481,7 +481,7 @@ class ShardActor:
                                    "(a slice of a table whose other slices are missing): drop it (memserver drop-table "
                                    f"{s.name}), or create or restore with replace")
         shard = pb.ShardInfo.FromString(info)
-        refuse_oversized(s, shard.index, slice_size(s, shard), self.config.limits,
+        refuse_oversized(s, self.index, slice_size(s, shard), self.config.limits,
                          None if checked else memory_available(self.device), node_bytes)
 
         def work() -> TableSlice:
