@@ -189,6 +189,11 @@ def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
          "a transform to at most 64 dimensions"),
         (lambda: client.create_index(table_name + "-x", DIM, index_factory="HNSW1000"), "at most 256 links"),
         (lambda: client.create_index(table_name + "-x", 4, index_factory="IMI2x14,Flat"), r"'IMI2x14' .* lists"),
+        # a size of 0: made, then its training killed the coordinator (SIGFPE, SIGSEGV: a hunt)
+        *[(lambda f=f: client.create_index(table_name + "-x", 16, index_factory=f), "every size in it must be at least 1")
+          for f in ("PQ4x0", "IVF16,PQ4x0", "OPQ4_0,Flat", "RR0,Flat", "L2norm,PCAR0,Flat", "IMI2x0,Flat")],
+        # no reverse transform: a restore into another shard count failed INTERNAL, the table dropped (a hunt)
+        (lambda: client.create_index(table_name + "-x", 16, index_factory="ITQ,Flat"), "ITQ is not supported"),
     ]:
         with pytest.raises(InvalidArgumentError, match=match):
             call()
@@ -353,6 +358,11 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
     assert rc == 2 and "--vectors: row 250 holds NaN or infinite values" in err, err
     monkeypatch.setattr("memserver.cli.index.LOAD_BATCH", 100)  # the row counted from the file's first
     rc, err = build("--vectors", str(tmp_path / "big.npy"), "--replace")
+    assert rc == 2 and "--vectors: row 250 has norm" in err and "above 2^62" in err, err
+    big_int = np.ones((len(vectors), vectors.shape[1]), np.int64)  # integers (uint8 SIFT files): a norm beyond, too
+    big_int[250] = 2**62
+    np.save(tmp_path / "big_int.npy", big_int)
+    rc, err = build("--vectors", str(tmp_path / "big_int.npy"), "--replace")
     assert rc == 2 and "--vectors: row 250 has norm" in err and "above 2^62" in err, err
     rc, err = build("--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "dup.npy"), "--replace")
     assert rc == 2 and f"--ids: id {ids[3]} is given 2 times (rows [3, 299], ...)" in err, err

@@ -74,10 +74,17 @@ def _check_contents(ids: np.ndarray | None, arrays: list[tuple[np.ndarray | None
             raise CliError(f"--ids: id {i} is given {int(counts[dup[0]])} times (rows {rows}, ...): an index holds one "
                            "vector per id")
     for a, flag in arrays:
-        if a is None or a.dtype.kind != "f":
+        if a is None:
             continue
         for s in range(0, len(a), LOAD_BATCH):
             part = a[s : s + LOAD_BATCH]
+            if a.dtype.kind != "f":  # integers are finite, and their norms are checked as float32 all the same
+                if flag == "--vectors":  # (an int64 row of 2^62 was refused by the shards after a --replace: a hunt)
+                    try:
+                        check_norms(torch.from_numpy(np.asarray(part, dtype=np.float32)), flag, first=s)
+                    except InvalidArgumentError as exc:
+                        raise CliError(exc.details) from None
+                continue
             bad = ~np.isfinite(part).all(axis=1)
             if bad.any():
                 raise CliError(f"{flag}: row {s + int(np.flatnonzero(bad)[0])} holds NaN or infinite values")

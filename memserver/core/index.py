@@ -257,6 +257,10 @@ class VectorIndex:
             raise InvalidArgumentError(
                 f"index_factory: {factory!r} is not supported by index tables (no IDMap: ids are the "
                 "table's own; no refinement, fast-scan or IVFPQR)")
+        if "ITQ" in factory:  # no reverse transform: a restore into another shard count could not move its vectors
+            raise InvalidArgumentError(f"index_factory: {factory!r}: ITQ is not supported by index tables (faiss cannot "
+                                       "reverse it, so its vectors could not move to another sharding); use OPQ, PCA "
+                                       "or RR")
         if any(int(m) < 2 for m in re.findall(r"HNSW(\d+)", factory)):  # faiss builds it, then aborts the process
             raise InvalidArgumentError(f"index_factory: {factory!r}: HNSW{{M}} needs M >= 2 (faiss builds a graph of "
                                        "fewer links, then aborts the process at the first add)")

@@ -173,6 +173,11 @@ def check_factory_sizes(dim: int, factory: str) -> None:
     def bad(part: str, why: str) -> InvalidArgumentError:
         return InvalidArgumentError(f"index_factory: {part!r} in {factory!r}: {why}")
 
+    # a size of 0 (PQ4x0, OPQ4_0, RR0, PCAR0, ...): faiss builds the index, then kills the process that
+    # trains it with SIGFPE or SIGSEGV (the coordinator's: a hunt)
+    for m in re.finditer(r"(?:PQ|IVF|IMI|OPQ|PCAW?R?|RR|HNSW)(\d+)(?:[x_](\d+))?", factory):
+        if any(g is not None and int(g) < 1 for g in m.groups()):
+            raise bad(m.group(0), "every size in it must be at least 1")
     for m in re.finditer(r"PQ(\d+)(?:x(\d+))?", factory):
         if m.group(2) and int(m.group(2)) > MAX_PQ_BITS:
             raise bad(m.group(0), f"at most {MAX_PQ_BITS} bits per code (2^bits centroids of each sub-vector)")
