@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (trainer state and "
                     "memory), or from that trainer-step-*.pt file; the text, model, memory, optimizer, batch and seed "
                     "flags left out are the checkpoint's (a different one given is refused by name), and so are "
-                    "--checkpoint-every, --keep-checkpoints, --staleness, --micro-batches, --threads and the "
+                    "--checkpoint-every, --keep-checkpoints, --staleness, --micro-batches, --threads, --dtype and the "
                     "evaluation and logging "
                     "flags (these it may change); --steps is the total to reach")
     mem.add_argument("--micro-batches", type=int, default=1, help="split memory lookups so one chunk's call overlaps the next chunk's addressing")
@@ -259,7 +259,7 @@ def distributed(backend: str = "gloo") -> tuple[int, int]:
 #: the checkpoint's (as it does the model's and the memory's shapes, which the checkpoint's config
 #: and memory record): the dense and value optimizers, the batch, the seed, where the values live,
 #: the dropout rate and how the KIF source was built. What a resume may change: steps, device,
-#: dtype, tracing and RESUMED_TAKEN's.
+#: tracing and RESUMED_TAKEN's.
 RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal", "tier", "cache_bytes", "table",
                  "batch_size", "seed", "shared_values", "dropout", "kif_knn", "kif_sentences", "kif_encoder")
 #: Flags a resumed run takes from its checkpoint where they are left out, and may change: how often
@@ -273,8 +273,9 @@ RESUMED_ALIKE = ("memory", "lr", "value_optimizer", "value_lr", "sharding", "wal
 #: evaluates and logs: a resume that left --eval-iters out evaluated on the default 20 batches, so
 #: its val_loss was not the uninterrupted run's (a walkthrough: 3.9569 against 3.9494). And
 #: --keep-checkpoints, with --checkpoint-every: a resume kept checkpointing and stopped pruning (a hunt).
+#: And --dtype: a bf16 run's resume that left it out went on in fp32, unsaid (a hunt).
 RESUMED_TAKEN = ("checkpoint_every", "keep_checkpoints", "staleness", "micro_batches", "threads", "eval_every",
-                 "eval_iters", "log_every", "no_prefetch")
+                 "eval_iters", "log_every", "no_prefetch", "dtype")
 
 
 def checkpoint_dir_of(args: argparse.Namespace) -> str | None:

@@ -207,11 +207,16 @@ def check_tokens(x: torch.Tensor, tokens: torch.Tensor | None, layer: str) -> No
         raise ValueError(f"{layer}: tokens [B, T] are needed, the token ids of x [B, T, d_in]'s positions")
     if x.dim() != 3:
         raise ValueError(f"{layer}: x must be [B, T, d_in] (its sequences are what tokens index), got {list(x.shape)}")
-    if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise ValueError(f"{layer}: tokens must be integer token ids, got {str(tokens.dtype).removeprefix('torch.')}")
     if tuple(tokens.shape) != tuple(x.shape[:2]):
         raise ValueError(f"{layer}: tokens must be [B, T] = {list(x.shape[:2])} for x {list(x.shape)}, got "
                          f"{list(tokens.shape)}")
+    check_token_ids(tokens, layer)
+
+
+def check_token_ids(tokens: torch.Tensor, layer: str) -> None:
+    """Integer token ids in the n-grams' range: what a forward reads by, and a prefetch too."""
+    if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise ValueError(f"{layer}: tokens must be integer token ids, got {str(tokens.dtype).removeprefix('torch.')}")
     # on the CPU only: reading a GPU tensor's minimum would make every step wait for the device
     if tokens.device.type == "cpu" and tokens.numel() and int(tokens.min()) < 0:
         raise ValueError(f"{layer}: tokens must be token ids >= 0, got {int(tokens.min())} (a padding id such as -100 "
@@ -300,6 +305,11 @@ class MemoryLayer(nn.Module):
         would make; 1: one update old, the trainer's stale mode). Keeps the two latest."""
         if not self.token_addressed:
             return
+        if not isinstance(tokens, torch.Tensor):  # numpy or lists, as forward takes them
+            tokens = torch.as_tensor(tokens)
+        if tokens.dim() != 2:
+            raise ValueError(f"{type(self).__name__}: tokens must be [B, T], got {list(tokens.shape)}")
+        check_token_ids(tokens, type(self).__name__)
         version = self.values.version
         started = self._send_tokens(tokens, self.micro_batches, True)
         # as many chunks as torch cut (128 positions in 17 are 16 of 8: the forward asks for 16, and
@@ -327,7 +337,7 @@ class MemoryLayer(nn.Module):
             raise ValueError(f"{type(self).__name__} addresses by token ids: call it with the tokens")
         version = self.values.version
         match = next((p for p in self.prefetched if p.chunks == chunks and p.tokens.shape == tokens.shape
-                      and torch.equal(p.tokens, tokens)), None)
+                      and p.tokens.device == tokens.device and torch.equal(p.tokens, tokens)), None)
         if match is not None:
             self.prefetched = [p for p in self.prefetched if p is not match]
         if match is not None and 0 <= version - match.version <= match.max_age:
