@@ -766,7 +766,7 @@ def test_backends_and_layers_refuse_bad_settings_by_name_and_change_nothing(clie
     values, then failed with AttributeError; one backend's save in the other gave KeyError;
     layers given no backend, or Engram given tokens not of x's shape, failed deep inside or read
     other rows silently."""
-    from memserver.api.errors import InvalidArgumentError
+    from memserver.api.errors import FailedPreconditionError, InvalidArgumentError
     from trainer.memory import EngramMemory, LocalValues, ProductKeyMemory, RemoteValues
 
     for kwargs, message in (({"init_std": float("nan")}, "init_std: must be a finite number >= 0, got nan"),
@@ -798,6 +798,14 @@ def test_backends_and_layers_refuse_bad_settings_by_name_and_change_nothing(clie
     with pytest.raises(InvalidArgumentError, match="not what RemoteValues.save returned .a LocalValues save"):
         remote.load(tmp_path, 1, sgd.save(tmp_path, 1))
     remote.load(str(tmp_path), 1, saved)
+    assert torch.equal(sgd.table.weight, before)
+    # a load with a step open: refused by both, nothing changed (the step's parts went against the values
+    # before: a remote commit applied none of them to the restored table, a local one all: a hunt)
+    for values, save in ((sgd, sgd.save(tmp_path, 2)), (remote, saved)):
+        values.begin_step(9)
+        with pytest.raises(FailedPreconditionError, match=r"load: step 9 is open \(begin_step without end_step\)"):
+            values.load(str(tmp_path), 1, save)
+        values.end_step(9)
     assert torch.equal(sgd.table.weight, before)
     other = RemoteValues(client, table_name + "-b", 64, 8, optimizer="sgd", seed=2)  # another table's save
     with pytest.raises(InvalidArgumentError, match=f"saved: the values of table '{table_name}', and this backend's "

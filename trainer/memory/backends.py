@@ -338,6 +338,7 @@ class LocalValues:
         """Refused whole (InvalidArgumentError, nothing changed) unless `saved` is a LocalValues
         save of this shape and optimizer: copying field by field used to overwrite the values,
         then fail on the optimizer's state with a raw AttributeError."""
+        check_no_open_step(self.step, "load")
         state = saved.get("state") if isinstance(saved, dict) else None
         if not isinstance(state, dict):
             raise InvalidArgumentError(f"saved: not what LocalValues.save returned ({_saved_kind(saved)})")
@@ -696,6 +697,7 @@ class RemoteValues:
         save's back, turning a table's `wal` off unsaid. (LocalValues takes a save of another lr
         and trains on at its own; a restored table trains at the save's, so another is refused
         here rather than taken unsaid.)"""
+        check_no_open_step(self.step, f"table {self.name}: load")
         if not isinstance(saved, dict) or not isinstance(saved.get("checkpoint"), str):
             raise InvalidArgumentError(f"saved: not what RemoteValues.save returned ({_saved_kind(saved)})")
         if "num_rows" in saved:
@@ -785,6 +787,15 @@ def never_ended(step: int, parts: int, what: str) -> None:
     log.warning("%s: step %d was begun and never ended (end_step(%d) was not called, or it failed): its %d value "
                 "update part(s) are dropped; the values learn only from steps that end_step commits", what, step, step,
                 parts)
+
+
+def check_no_open_step(begun: int | None, what: str) -> None:
+    """A load between steps only: a step open across it sent its parts against the values before
+    (a remote commit applied none of them to the restored table, a local one applied them all: the
+    two backends differed, unsaid; a hunt). Refused, nothing changed."""
+    if begun is not None:
+        raise FailedPreconditionError(f"{what}: step {begun} is open (begin_step without end_step): load "
+                                      "after its end_step")
 
 
 def check_end_step(begun: int | None, step: int) -> None:
