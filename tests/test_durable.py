@@ -212,6 +212,21 @@ def test_serve_on_comes_back_on_its_port_or_a_new_one_if_taken(tmp_path):
     assert moved != at
     loop.call(second.stop(None))
     loop.call(first.stop(None))
+    # a port the user gave wins over the recorded one (`up --port P` on an earlier run's data directory
+    # served on that run's port), and taken, it is an error naming it, not another port (a hunt)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        asked = free.getsockname()[1]
+    given, on = serve_on(loop, lambda s: None, [], "127.0.0.1", asked, state=state, what="coordinator")
+    assert on == asked != other and f'"port": {asked}' in state.read_text()
+    loop.call(given.stop(None))
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", asked))
+        squatter.listen()
+        with pytest.raises(RuntimeError, match=rf"coordinator: port {asked} on 127.0.0.1 is taken by another process "
+                                               r"\(--port\): give another, or 0 for any free port"):
+            serve_on(loop, lambda s: None, [], "127.0.0.1", asked, state=state, what="coordinator")
+    loop.stop()
 
 
 def test_a_shards_data_directory_serves_one_shard_at_a_time(tmp_path):

@@ -352,14 +352,21 @@ def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], serv
              port: int = 0, state: Path | None = None, what: str = "server",
              metrics: CallMetrics | None = None, config: ServeConfig | None = None,
              admission: Admission | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start a server on `loop`, on the port recorded in `state` if there is one (a restarted
-    process comes back where clients look for it), else on `port`; record the bound port.
-    If the recorded port is taken, serve on a new one (callers re-advertise their address)."""
-    wanted = int(json.loads(state.read_text()).get("port", port)) if state is not None and state.exists() else port
+    """Start a server on `loop`, on `port` when one is given (a port the user asked for: taken, it
+    is an error naming it), else on the port recorded in `state` if there is one (a restarted
+    process comes back where clients look for it; taken, a new one: callers re-advertise their
+    address), else any free port; record the bound port. (The recorded port came first, so
+    `memserver up --port P` on a data directory of an earlier run served on that run's port, and
+    a taken --port fell back to another, unsaid: a hunt.)"""
+    recorded = int(json.loads(state.read_text()).get("port", 0)) if state is not None and state.exists() else 0
+    wanted = port or recorded
     try:
         server, bound = loop.call(start_server(register, service_names, host, wanted, metrics=metrics, config=config,
                                                admission=admission))
     except RuntimeError:
+        if port:
+            raise RuntimeError(f"{what}: port {port} on {host} is taken by another process (--port): give another, or 0 "
+                               "for any free port") from None
         if not wanted:
             raise
         log.warning("%s: port %d is taken; serving on a new port", what, wanted)
