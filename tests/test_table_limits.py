@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memserver.api.errors import ResourceExhaustedError
+from memserver.api.errors import InvalidArgumentError, ResourceExhaustedError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.server.catalog import SliceSize, plan_table, refuse_oversized, slice_size, validate_spec
 from memserver.server.config import Limits, ServeConfig
@@ -54,6 +54,15 @@ def test_slice_size_of_product_keys_and_index_tables():
         spec = validate_spec(pb.TableSpec(name="i", kind=pb.INDEX, dim=8, index_factory=factory, payload_dim=2), 2)
         sh = plan_table(spec, shards(2)).shards[0]
         assert slice_size(spec, sh).held == VectorIndex(8, factory, "ip", 2).nbytes()  # the empty index
+    # a PQ's codebook (dim x 2^nbits floats, made with the empty index) and a transform's matrix count: PQ1x16 at
+    # dim 2048 held 512 MiB counted as 0, and passed a 64 MiB max_table_bytes (a hunt)
+    spec = validate_spec(pb.TableSpec(name="i", kind=pb.INDEX, dim=256, index_factory="PQ1x16"), 2)  # 64 MiB
+    assert slice_size(spec, plan_table(spec, shards(1)).shards[0]).held >= 256 * 4 << 16
+    with pytest.raises(ResourceExhaustedError, match="'i': shard 0's slice would hold 67,1"):
+        refuse_oversized(spec, 0, slice_size(spec, plan_table(spec, shards(1)).shards[0]), Limits(max_table_bytes=16 << 20))
+    assert VectorIndex(16, "OPQ4_16,PQ4", "l2", 0).nbytes() >= 16 * 4 << 8
+    with pytest.raises(InvalidArgumentError, match="'PQ64x16' in 'PQ64x16': its codebook of 65,536 x 2\\^bits floats"):
+        validate_spec(pb.TableSpec(name="i", kind=pb.INDEX, dim=65536, index_factory="PQ64x16"), 2)
 
 
 def test_refusal_names_the_bytes_the_limit_and_how_to_change_it():

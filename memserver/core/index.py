@@ -172,6 +172,22 @@ def _inner(index: faiss.Index) -> faiss.Index:
     return faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
 
 
+def _tables_bytes(index: faiss.Index) -> int:
+    """What faiss holds whatever the vectors: a PQ's codebook (dim x 2^nbits floats, allocated as
+    the index is built: PQ1x16 at dim 2048 is 512 MiB, counted as 0 while it passed every limit:
+    a hunt) and the pre-transforms' matrices (once trained)."""
+    total = 0
+    if isinstance(index, faiss.IndexPreTransform):
+        for i in range(index.chain.size()):
+            t = faiss.downcast_VectorTransform(index.chain.at(i))
+            total += 4 * sum(getattr(t, f).size() for f in ("A", "b", "mean", "PCAMat", "eigenvalues") if hasattr(t, f))
+        index = _inner(index)
+    if isinstance(index, faiss.IndexHNSW):
+        index = faiss.downcast_index(index.storage)
+    pq = getattr(index, "pq", None)
+    return total + (4 * int(pq.centroids.size()) if pq is not None else 0)
+
+
 def _kind_name(inner: faiss.Index) -> str:
     """The inner class, with IndexFlat's metric subclasses folded (a serialised `Flat` comes back
     as IndexFlatIP/IndexFlatL2)."""
@@ -329,7 +345,8 @@ class VectorIndex:
             faiss_bytes = n * (inner.sa_code_size() if inner is not None else self.dim * 4)
         arena = self._label_ids.nbytes + self._slot.nbytes + self._live_bits.nbytes + self._payload.nbytes
         template = self._template.nbytes if self._template is not None else 0
-        return int(faiss_bytes + arena + template + 100 * len(self._id_to_label))  # ~100 B per dict entry
+        tables = _tables_bytes(cpu) if cpu is not None else 0
+        return int(faiss_bytes + tables + arena + template + 100 * len(self._id_to_label))  # ~100 B per dict entry
 
     # -- the arena ----------------------------------------------------------------------
 

@@ -166,6 +166,9 @@ MAX_PQ_BITS = 16
 MAX_NLIST = 1 << 20
 MAX_TRANSFORM_DIM = 1 << 14
 MAX_HNSW_M = 256
+#: A PQ's codebook: (its input's dim) x 2^nbits floats, made as the index is built (in the
+#: coordinator, to check the string, then on every shard) and counted in a slice's size.
+MAX_CODEBOOK_BYTES = 1 << 30
 
 
 def check_factory_sizes(dim: int, factory: str) -> None:
@@ -178,9 +181,13 @@ def check_factory_sizes(dim: int, factory: str) -> None:
     for m in re.finditer(r"(?:PQ|IVF|IMI|OPQ|PCAW?R?|RR|HNSW)(\d+)(?:[x_](\d+))?", factory):
         if any(g is not None and int(g) < 1 for g in m.groups()):
             raise bad(m.group(0), "every size in it must be at least 1")
+    width = max([dim, *(int(d) for d in re.findall(r"(?:OPQ\d+_|PCAW?R?|RR)(\d+)", factory))])  # what a PQ may see
     for m in re.finditer(r"PQ(\d+)(?:x(\d+))?", factory):
         if m.group(2) and int(m.group(2)) > MAX_PQ_BITS:
             raise bad(m.group(0), f"at most {MAX_PQ_BITS} bits per code (2^bits centroids of each sub-vector)")
+        if (book := width * 4 << int(m.group(2) or 8)) > MAX_CODEBOOK_BYTES:
+            raise bad(m.group(0), f"its codebook of {width:,} x 2^bits floats would be {book:,} bytes, above "
+                                  f"{MAX_CODEBOOK_BYTES:,}: fewer bits per code")
     for m in re.finditer(r"IVF(\d+)", factory):
         if int(m.group(1)) > MAX_NLIST:
             raise bad(m.group(0), f"at most {MAX_NLIST:,} lists")
