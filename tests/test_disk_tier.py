@@ -377,8 +377,18 @@ def test_corrupt_row_is_refused_by_name(tmp_path):
     with pytest.raises(DataLossError, match=rf"row 200 of {disk.path} is corrupt"):
         disk.bag(ids, torch.ones(9), torch.tensor([0, 4]))
     assert np.array_equal(disk._slot_row, slots)
+    # nor do the read counters and the cache's counts (a refused read was counted in top, usage and the
+    # hit rate: a hunt)
+    before = (disk.hits.clone(), disk.weight_mass.clone(), disk.cache_stats())
+    for _ in range(3):
+        with pytest.raises(DataLossError):
+            disk.bag(ids, torch.full((9,), 2.0), torch.tensor([0, 4]))
+    assert torch.equal(disk.hits, before[0]) and torch.equal(disk.weight_mass, before[1])
+    assert {k: disk.cache_stats()[k] for k in ("hits", "misses")} == {k: before[2][k] for k in ("hits", "misses")}
     rest = torch.tensor([0, 1, 50, 60, 70, 80])
     assert torch.equal(ram.lookup(rest), disk.lookup(rest))
+    disk.bag(rest[None], torch.ones(1, 6))  # an answered read is counted, each id once
+    assert (disk.hits[rest] - before[0][rest]).tolist() == [2, 2, 2, 2, 2, 2]  # (the lookup's too)
 
 
 def test_a_corrupt_record_is_refused_by_the_statistics_and_never_checkpointed(tmp_path):

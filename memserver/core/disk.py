@@ -625,9 +625,10 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
     """Where each id's row is for a read: src[i] = the cache slot holding row ids[i] (>= 0) or
     -1 - the row, read in place from the file's mapping. First the ids, in order: a hit pins
     its slot (and counts once: its first id in the call), a miss joins this call's misses
-    (distinct: a small set), the read counters (hits, weight_mass; empty: not counted) counted.
-    Then the misses, in order of first read: every one checked (its checksum) before any is
-    placed, so a call that meets a corrupt row changes no slot; then placed (`_admit`, as a
+    (distinct: a small set). Then the misses, in order of first read: every one checked (its
+    checksum) before any is placed, so a call that meets a corrupt row changes no slot, nor the
+    read counters (hits, weight_mass; empty: not counted), counted only then, nor the cache's
+    hit and miss counts (a refused read counted in `top`, `usage` and the hit rate: a hunt); then placed (`_admit`, as a
     write's `_resolve` places them), each admitted record copied into its slot; their ids still
     read the file (the same bytes). The loops prefetch `_AHEAD` rows ahead. Returns (rows read
     from the file, records written back, 0 or 1 = a corrupt row or 2 = a row out of range, that
@@ -642,6 +643,7 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
     count = hits.shape[0] > 0
     with_w = weights.shape[0] == n
     t0 = _ticks()
+    hits0, misses0 = st[_HITS], st[_MISSES]
     seen, mshift = _row_set(n)  # this call's misses, a set
     missed = np.empty(n, np.int64)  # and in order of first read
     nmiss = 0
@@ -651,13 +653,10 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
             if 0 <= a < num_rows:
                 _prefetch(keys, np.int64(_mix(a, 0) >> np.uint64(shift)) & mask)
                 _prefetch(vals, np.int64(_mix(a, 0) >> np.uint64(shift)) & mask)
-                if count:
-                    _prefetch(hits, a)
         r = ids[i]
         if r < 0 or r >= num_rows:
+            st[_HITS], st[_MISSES] = hits0, misses0
             return 0, 0, 2, r
-        if count:
-            kernels.count_read(r, weights, i, with_w, hits, weight_mass)
         if cap:
             pos = _probe(keys, r, shift)
             if keys[pos] == r:
@@ -687,7 +686,13 @@ def _read_rows(ids, weights, hits, weight_mass, keys, vals, slot_row, ref, pin, 
     t2 = _ticks()
     st[_T_CHECK] += t2 - t1b
     if bad >= 0:
+        st[_HITS], st[_MISSES] = hits0, misses0
         return bad + 1, 0, 1, missed[bad]
+    if count:  # every row checked: the read is answered, and counted
+        for i in range(n):
+            if i + _AHEAD < n:
+                _prefetch(hits, ids[i + _AHEAD])
+            kernels.count_read(ids[i], weights, i, with_w, hits, weight_mass)
     if cap == 0:
         return nmiss, 0, 0, -1
     placed = np.empty(nmiss, np.int64)
