@@ -545,6 +545,31 @@ def test_a_file_that_cannot_be_made_is_a_status_naming_the_table_and_path(tmp_pa
     assert not list((tmp_path / "big").iterdir())
 
 
+def test_a_restore_writes_a_disk_slices_file_once(tmp_path, monkeypatch):
+    """A restore (and a restart, the same path) made the file with zero records, sealed, then wrote
+    every field from the checkpoint and sealed again: three passes over a file that may be larger
+    than memory (a hunt: half a restart's time). The allocated file is filled by the load alone."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    put = []
+    real = DiskTable._put
+    monkeypatch.setattr(DiskTable, "_put", lambda self, rows, recs: (put.append(len(rows) * (self.name == "t")),
+                                                                      real(self, rows, recs))[1])
+    with InProcessServer(2, data_dir=str(tmp_path / "data")) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+        c.create_table("t", 3000, 8, tier="disk", cache_bytes=2 * MIN_CACHE_BYTES, optimizer="adam", sharding="cols")
+        assert sum(put) == 2 * 3000  # made: each slice's initial records
+        c.push_gradients("t", np.arange(0, 3000, 7), np.ones((429, 8), np.float32))
+        want = c.lookup("t", np.arange(3000))
+        c.checkpoint(str(tmp_path / "ck"), 1)
+        put.clear()
+        c.restore(str(tmp_path / "ck"), 1, replace=True)
+        assert sum(put) == 0
+        assert np.array_equal(c.lookup("t", np.arange(3000)), want)
+        c.push_gradients("t", [5], np.ones((1, 8), np.float32))  # the restored records read and step as any
+        assert not np.array_equal(c.lookup("t", [5]), want[5:6])
+
+
 def test_a_replace_the_disk_cannot_hold_leaves_the_table(tmp_path):
     """From an operator's walkthrough: `create-table T --replace --tier disk` (or `restore
     --replace --tier disk`) too large for the shards' disk dropped T, then failed to allocate the

@@ -908,12 +908,13 @@ class DiskTable(ValueTable):
     Only the shard's compute thread calls it (like every slice), so it takes no lock."""
 
     def __init__(self, directory: str | os.PathLike[str], num_rows: int, dim: int, optimizer: OptimizerConfig, *,
-                 cache_bytes: int, init_std: float = 0.02, seed: int = 0, global_rows: np.ndarray | None = None,
+                 cache_bytes: int, init_std: float | None = 0.02, seed: int = 0, global_rows: np.ndarray | None = None,
                  col_start: int = 0, total_dim: int | None = None, track_stats: bool = True, name: str = "",
                  policy: str = "tinylfu") -> None:
         """Create (or overwrite) the slice's files with the seeded initial values (init_std 0:
-        zeros, for a restore to fill). Refused with RESOURCE_EXHAUSTED naming the file when the
-        disk cannot hold it."""
+        zeros; None: the allocated file as it is, zeros unsealed, for a restore to fill and seal:
+        load_into, after_load; a restart wrote the file three times: a hunt). Refused with
+        RESOURCE_EXHAUSTED naming the file when the disk cannot hold it."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if cache_bytes < MIN_CACHE_BYTES:
@@ -944,7 +945,7 @@ class DiskTable(ValueTable):
             self.stats_path.unlink(missing_ok=True)
             raise
 
-    def _create(self, global_rows: np.ndarray | None, col_start: int, total_dim: int, init_std: float,
+    def _create(self, global_rows: np.ndarray | None, col_start: int, total_dim: int, init_std: float | None,
                 seed: int) -> None:
         """The files, their mappings and the seeded initial records (see __init__)."""
         self._fd, self._map, raw = self._open(self.path, self.num_rows * self.record)
@@ -958,7 +959,7 @@ class DiskTable(ValueTable):
         if global_rows is None:
             global_rows = np.arange(self.num_rows, dtype=np.int64)
         w0, _ = self.fields["weight"]
-        for s in range(0, self.num_rows, _CHUNK_ROWS):  # bounded temporaries: a chunk of records
+        for s in range(0, self.num_rows if init_std is not None else 0, _CHUNK_ROWS):  # bounded temporaries: a chunk
             e = min(s + _CHUNK_ROWS, self.num_rows)
             recs = np.zeros((e - s, self.record), dtype=np.uint8)
             vals = init_values(global_rows[s:e], col_start, col_start + self.dim, total_dim, init_std, seed).numpy()

@@ -100,7 +100,7 @@ class TableSlice:
             rows = self.layout.global_rows(info.index)
             self.table = DiskTable(
                 directory / "disk", len(rows), int(info.col_end - info.col_start), optimizer_config(spec.optimizer),
-                cache_bytes=slice_cache_bytes(spec), init_std=spec.init_std if initialise else 0.0, seed=spec.seed,
+                cache_bytes=slice_cache_bytes(spec), init_std=spec.init_std if initialise else None, seed=spec.seed,
                 global_rows=rows, col_start=int(info.col_start), total_dim=int(spec.dim), name=spec.name)
         else:
             global_rows = self.layout.global_rows(info.index)
