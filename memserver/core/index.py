@@ -172,6 +172,10 @@ def _inner(index: faiss.Index) -> faiss.Index:
     return faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
 
 
+#: The seed of an HNSW graph's levels, offset by the label of the first vector of each add.
+HNSW_SEED = 12345
+
+
 def _tables_bytes(index: faiss.Index) -> int:
     """What faiss holds whatever the vectors: a PQ's codebook (dim x 2^nbits floats, allocated as
     the index is built: PQ1x16 at dim 2048 is 512 MiB, counted as 0 while it passed every limit:
@@ -536,6 +540,12 @@ class VectorIndex:
             self._index.add_with_ids(x, labels)
         else:
             assert self._index.ntotal == self._n_labels, "flat kinds number their entries 0..ntotal-1"
+            if self._is_hnsw and not self.on_gpu:
+                # a node's level is drawn from the graph's generator, which faiss does not save: a slice
+                # loaded from its checkpoint (a restart's replay, a restore) drew other levels for the same
+                # adds, and answered otherwise than before (a hunt). Seeded by where the adds start, the
+                # same adds draw the same levels however the slice came to be.
+                _inner(self._index).hnsw.rng = faiss.RandomGenerator(HNSW_SEED + self._n_labels)
             self._index.add(x)
         if reuse:
             del self._free[len(self._free) - reuse:]
