@@ -733,6 +733,21 @@ def test_up_refuses_a_data_dir_whose_tables_need_more_shards(tmp_path, capsys, m
                                        "mount, or permissions); the shards keep their records and logs there"], out.stderr
 
 
+def test_a_data_dir_refusal_names_each_shard_beyond_with_its_own_tables(tmp_path):
+    """`up --shards 1` on a 3-shard data directory named only shard-0002 and said it kept the
+    tables of shard-0001 too."""
+    from memserver.storage.store import check_data_dir
+
+    for i, names in ((0, ["t1", "t2"]), (1, ["t1"]), (2, ["t2"])):
+        for name in names:
+            (tmp_path / f"shard-{i:04d}" / name).mkdir(parents=True)
+            (tmp_path / f"shard-{i:04d}" / name / "table.json").write_text(json.dumps({"name": name}))
+    with pytest.raises(ValueError) as exc:
+        check_data_dir(tmp_path, 1)
+    assert f"data directory {tmp_path} holds table slices of 3 shards (shard-0001 keeps t1; shard-0002 keeps t2); " \
+        "start at least 3 shards on it" in str(exc.value)
+
+
 def test_verbose_goes_before_or_after_the_command():
     """The errors say `(-v: the traceback)`; a user adds it at the end of the line they typed."""
     parse = cli.build_parser().parse_args

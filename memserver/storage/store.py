@@ -211,11 +211,15 @@ def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
             raise ValueError(exc.details) from None
     held = held_slices(path)
     beyond = {i: names for i, names in held.items() if i >= num_shards}
-    if beyond:
-        names = sorted({n for ns in beyond.values() for n in ns})
-        raise ValueError(f"data directory {path} holds table slices of {max(held) + 1} shards (shard-{max(beyond):04d} "
-                         f"keeps {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); start at least "
-                         f"{max(held) + 1} shards on it, or give another data directory")
+    if beyond:  # each shard with its own tables (one name over all of them said that it kept them all)
+        def kept(names: list[str]) -> str:
+            names = sorted(names)
+            return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+        shards = [f"shard-{i:04d} keeps {kept(beyond[i])}" for i in sorted(beyond)]
+        shards = shards[:3] + ([f"and {len(shards) - 3} more"] if len(shards) > 3 else [])
+        raise ValueError(f"data directory {path} holds table slices of {max(held) + 1} shards ({'; '.join(shards)}); "
+                         f"start at least {max(held) + 1} shards on it, or give another data directory")
 
 
 def table_record(spec: bytes, info: bytes, num_shards: int, base_files: list[dict[str, Any]] | None) -> dict[str, Any]:
