@@ -334,6 +334,32 @@ def test_down_sees_an_up_that_exited_unreaped_as_stopped(tmp_path):
         proc.wait()
 
 
+def test_up_and_down_keep_their_record_in_memserver_home_not_a_clients_endpoint_file(tmp_path, monkeypatch):
+    """$MEMSERVER_ENDPOINT_FILE is a client's (a join-info file of another host's cluster): `down`
+    read it ("started elsewhere") and left its own stale record, and `up` wrote its record over it."""
+    import socket
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    home, join = tmp_path / "home", tmp_path / "join.json"
+    home.mkdir()
+    (home / "endpoint.json").write_text(json.dumps({"endpoint": "127.0.0.1:9", "pid": gone.pid, "processes": [],
+                                                    "host": socket.gethostname()}))
+    join.write_text(json.dumps({"endpoint": "10.0.0.1:5000", "token": "W"}))
+    env = {**os.environ, "MEMSERVER_HOME": str(home), "MEMSERVER_ENDPOINT_FILE": str(join)}
+    down = run(["down"], env, timeout=60)
+    assert down.returncode == 0 and "was not running; removed its stale endpoint file" in down.stdout, down.stdout
+    assert not (home / "endpoint.json").exists() and json.loads(join.read_text())["token"] == "W"
+    down = run(["down"], env, timeout=60)
+    assert down.returncode == 0 and f"no memserver is running (no {home}/endpoint.json)" in down.stdout
+    assert join.exists()
+    from memserver.cluster.endpoint import endpoint_file, up_record_file
+
+    monkeypatch.setenv("MEMSERVER_ENDPOINT_FILE", str(join))
+    monkeypatch.setenv("MEMSERVER_HOME", str(home))
+    assert up_record_file() == home / "endpoint.json" and endpoint_file() == join
+
+
 def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     """An endpoint file left by a cluster that has stopped (or a wrong --endpoint): the refused
     connection says what to run, for every tool (the client's one coordinator call path)."""

@@ -143,10 +143,11 @@ def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
     write_endpoint({"endpoint": "10.213.0.11:5000", "pid": 999999, "token": "W", "read_token": "R",
                     "tls_ca": PEM}, home / "endpoint.json")
     # on the client's host the file is the endpoint file: clients read it, `down` stops nothing
-    env2 = {**env, "MEMSERVER_ENDPOINT_FILE": str(out)}
+    # (it reads only $MEMSERVER_HOME/endpoint.json, what an `up` there wrote)
+    env2 = {**env, "MEMSERVER_ENDPOINT_FILE": str(out), "MEMSERVER_HOME": str(tmp_path / "client-home")}
     r = subprocess.run([sys.executable, "-m", "memserver.cli", "down"], capture_output=True, env=env2, cwd=ROOT,
                        text=True, timeout=60)
-    assert r.returncode == 0 and "started elsewhere" in r.stdout and out.exists()
+    assert r.returncode == 0 and "no memserver is running" in r.stdout and out.exists()
     from client.channels import client_tls, client_token
 
     os.environ["MEMSERVER_ENDPOINT_FILE"] = str(out)

@@ -94,11 +94,11 @@ def _flag_or_config(args: argparse.Namespace, cfg: dict[str, Any], key: str, def
 def running_cluster() -> dict[str, Any] | None:
     """The endpoint record of a `memserver up` still running; None if none is. One that was
     killed: what it left running is stopped here (reap_leftovers), before a new one starts."""
-    from memserver.cluster.endpoint import endpoint_file, read_endpoint
+    from memserver.cluster.endpoint import read_endpoint, up_record_file
 
-    if not endpoint_file().exists():
+    if not up_record_file().exists():
         return None
-    rec = read_endpoint()
+    rec = read_endpoint(up_record_file())
     if pid_alive(int(rec.get("pid", -1))):
         return rec
     if left := reap_leftovers(rec):
@@ -241,7 +241,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from client import MemoryClient
     from client.channels import ClientTls
-    from memserver.cluster.endpoint import endpoint_file, write_endpoint
+    from memserver.cluster.endpoint import up_record_file, write_endpoint
     from memserver.cluster.launch import start_cluster
 
     t0 = time.perf_counter()
@@ -341,7 +341,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             record["tls_ca"] = ca.decode()
             if server_name:
                 record["tls_server_name"] = server_name
-        path = write_endpoint(record)
+        path = write_endpoint(record, up_record_file())
         print(f"memserver ready at {cluster.endpoint}", flush=True)
         log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
         while not stop.wait(0.5):
@@ -350,8 +350,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         # first: no client finds an endpoint that is going away, however the rest ends
         with contextlib.suppress(OSError, ValueError):  # (gone, or not ours and half written)
-            if json.loads(endpoint_file().read_text()).get("pid") == os.getpid():
-                endpoint_file().unlink(missing_ok=True)
+            if json.loads(up_record_file().read_text()).get("pid") == os.getpid():
+                up_record_file().unlink(missing_ok=True)
         cluster.shutdown(release=bool(args.address))  # an embedded head takes the actors with it
         ray.shutdown()
         cluster.remove_scratch_dir()  # after the head: no shard of it writes there any more
@@ -613,7 +613,7 @@ def _plain_output() -> None:
 
 
 def _up_detached(args: argparse.Namespace) -> int:
-    from memserver.cluster.endpoint import endpoint_file
+    from memserver.cluster.endpoint import up_record_file
 
     argv = [a for a in sys.argv[1:] if a != "--detach"]
     home = memserver_home()
@@ -637,8 +637,8 @@ def _up_detached(args: argparse.Namespace) -> int:
         if proc.poll() is not None:
             tail = logfile.read_text(errors="replace")[-3000:]
             raise CliError(f"memserver exited with status {proc.returncode} before it was ready; log {logfile}:\n{tail}")
-        if endpoint_file().exists():
-            rec = json.loads(endpoint_file().read_text())
+        if up_record_file().exists():
+            rec = json.loads(up_record_file().read_text())
             if rec.get("pid") == proc.pid:
                 print(f"memserver ready at {rec['endpoint']}", flush=True)
                 for note in rec.get("notes", []):
@@ -656,20 +656,20 @@ def _up_detached(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from memserver.cluster.endpoint import endpoint_file, read_endpoint
+    from memserver.cluster.endpoint import read_endpoint, up_record_file
 
-    if not endpoint_file().exists():
-        print("no memserver is running (no endpoint file)")
+    if not up_record_file().exists():
+        print(f"no memserver is running (no {up_record_file()})")
         return 0
-    rec = read_endpoint()
+    rec = read_endpoint(up_record_file())
     if "pid" not in rec:  # a join-info file: the cluster runs on another host
-        print(f"{endpoint_file()} names a cluster started elsewhere ({rec.get('endpoint')}); stop it where "
+        print(f"{up_record_file()} names a cluster started elsewhere ({rec.get('endpoint')}); stop it where "
               "`memserver up` runs")
         return 0
     pid = int(rec["pid"])
     if not pid_alive(pid):
         left = reap_leftovers(rec)
-        endpoint_file().unlink(missing_ok=True)
+        up_record_file().unlink(missing_ok=True)
         print(f"memserver (pid {pid}) was not running; removed its stale endpoint file"
               + (f" and stopped {left} process(es) it had left running (Ray's)" if left else ""))
         return 0
@@ -680,10 +680,10 @@ def cmd_down(args: argparse.Namespace) -> int:
         time.sleep(0.2)
     if pid_alive(pid):
         os.kill(pid, signal.SIGKILL)
-        endpoint_file().unlink(missing_ok=True)
+        up_record_file().unlink(missing_ok=True)
         print(f"memserver (pid {pid}) did not stop within {args.timeout:.0f}s; killed it")
         return 1
-    endpoint_file().unlink(missing_ok=True)
+    up_record_file().unlink(missing_ok=True)
     print(f"memserver at {rec['endpoint']} stopped" + (f"; {leaves}" if leaves else ""))
     return 0
 
@@ -752,11 +752,11 @@ def _remove_scratch(path: Any) -> None:
 
 def cmd_join_info(args: argparse.Namespace) -> int:
     """Print (or write, mode 0600) what a client on another host needs; see endpoint.join_info."""
-    from memserver.cluster.endpoint import ENDPOINT_FILE_ENV, join_info, read_endpoint, write_endpoint
+    from memserver.cluster.endpoint import ENDPOINT_FILE_ENV, join_info, read_endpoint, up_record_file, write_endpoint
     from memserver.cluster.secure import is_loopback
 
-    try:
-        info = join_info(read_endpoint(), read_only=args.read_only)
+    try:  # (this host's `up`, not a client's $MEMSERVER_ENDPOINT_FILE)
+        info = join_info(read_endpoint(up_record_file()), read_only=args.read_only)
     except FileNotFoundError as exc:
         raise CliError(str(exc)) from None
     except ValueError as exc:

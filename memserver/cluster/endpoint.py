@@ -26,9 +26,17 @@ def memserver_home() -> Path:
 ENDPOINT_FILE_ENV = "MEMSERVER_ENDPOINT_FILE"
 
 
+def up_record_file() -> Path:
+    """Where `memserver up` keeps its own record (the endpoint, its pid, what it started), which
+    `down` and `join-info` read: $MEMSERVER_HOME/endpoint.json. Never $MEMSERVER_ENDPOINT_FILE:
+    that is a client's (a join-info file of another host's cluster, which `up` overwrote and
+    `down` deleted)."""
+    return memserver_home() / "endpoint.json"
+
+
 def endpoint_file() -> Path:
-    """$MEMSERVER_ENDPOINT_FILE, else $MEMSERVER_HOME/endpoint.json."""
-    return Path(os.environ.get(ENDPOINT_FILE_ENV) or memserver_home() / "endpoint.json")
+    """The file clients read: $MEMSERVER_ENDPOINT_FILE, else `up`'s record (up_record_file)."""
+    return Path(os.environ[ENDPOINT_FILE_ENV]) if os.environ.get(ENDPOINT_FILE_ENV) else up_record_file()
 
 
 def join_info(record: dict[str, Any], read_only: bool = False) -> dict[str, Any]:
