@@ -360,6 +360,43 @@ def test_up_and_down_keep_their_record_in_memserver_home_not_a_clients_endpoint_
     assert up_record_file() == home / "endpoint.json" and endpoint_file() == join
 
 
+def test_down_and_up_never_signal_a_process_that_reused_the_pid_nor_touch_another_hosts_record(
+        tmp_path, monkeypatch, capsys):
+    """`down` signalled whatever process held the recorded pid (a reused number: it killed a
+    stranger's `sleep`), and removed the record of another host's running cluster (a shared home)
+    because the pid was not alive here."""
+    import socket
+
+    from memserver.cluster.endpoint import started_at
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
+    record = tmp_path / "endpoint.json"
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        for kept in ({"pid_start": started_at(stranger.pid) + 1}, {}):  # another start time; a record without one
+            record.write_text(json.dumps({"endpoint": "127.0.0.1:9", "pid": stranger.pid, "processes": [],
+                                          "host": socket.gethostname(), **kept}))
+            capsys.readouterr()
+            assert cli.main(["down"]) == 0
+            assert f"memserver (pid {stranger.pid}) was not running; removed its stale endpoint file" \
+                in capsys.readouterr().out
+            assert not record.exists() and stranger.poll() is None
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        other = {"endpoint": "10.0.0.7:5000", "pid": gone.pid, "host": "otherhost", "processes": []}
+        record.write_text(json.dumps(other))
+        for argv in (["down"], ["up"]):
+            with pytest.raises(SystemExit) as exit_:
+                cli.main(argv)
+            assert exit_.value.code == 2 and json.loads(record.read_text()) == other
+            assert f"{record} names a memserver started on host otherhost (pid {gone.pid}, 10.0.0.7:5000): run " \
+                "`memserver down` there" in capsys.readouterr().err
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     """An endpoint file left by a cluster that has stopped (or a wrong --endpoint): the refused
     connection says what to run, for every tool (the client's one coordinator call path)."""

@@ -260,6 +260,7 @@ def test_a_client_of_a_stopped_cluster_says_so_at_once(tmp_path, monkeypatch):
     import socket
 
     from client import UnavailableError
+    from memserver.cluster.endpoint import started_at
 
     path = tmp_path / "endpoint.json"
     monkeypatch.setenv("MEMSERVER_ENDPOINT_FILE", str(path))
@@ -267,7 +268,8 @@ def test_a_client_of_a_stopped_cluster_says_so_at_once(tmp_path, monkeypatch):
 
     def stopped_then(change, retry_seconds: float = 30.0) -> tuple[float, str]:
         server = InProcessServer(1, data_dir=str(tmp_path / f"data{next(runs)}"))  # (each its own tables)
-        path.write_text(json.dumps({"endpoint": server.endpoint, "pid": os.getpid(), "host": socket.gethostname()}))
+        path.write_text(json.dumps({"endpoint": server.endpoint, "pid": os.getpid(), "host": socket.gethostname(),
+                                    "pid_start": started_at(os.getpid())}))  # (this process plays the `up`)
         with MemoryClient(timeout=5, retry_seconds=retry_seconds, shm=False) as c:  # the file's cluster
             c.create_table("t", 8, 4)
             c.lookup("t", [1])
@@ -296,7 +298,8 @@ def test_a_client_of_a_stopped_cluster_says_so_at_once(tmp_path, monkeypatch):
 
     path.write_text(json.dumps({"endpoint": "127.0.0.1:5", "pid": dead.pid, "host": socket.gethostname()}))
     assert this_clusters_record("127.0.0.1:5") is None
-    path.write_text(json.dumps({"endpoint": "127.0.0.1:5", "pid": os.getpid(), "host": socket.gethostname()}))
+    path.write_text(json.dumps({"endpoint": "127.0.0.1:5", "pid": os.getpid(), "host": socket.gethostname(),
+                                "pid_start": started_at(os.getpid())}))
     assert this_clusters_record("127.0.0.1:5") == (path, json.loads(path.read_text()))
 
 

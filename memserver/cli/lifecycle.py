@@ -94,12 +94,14 @@ def _flag_or_config(args: argparse.Namespace, cfg: dict[str, Any], key: str, def
 def running_cluster() -> dict[str, Any] | None:
     """The endpoint record of a `memserver up` still running; None if none is. One that was
     killed: what it left running is stopped here (reap_leftovers), before a new one starts."""
-    from memserver.cluster.endpoint import read_endpoint, up_record_file
+    from memserver.cluster.endpoint import read_endpoint, up_exited, up_record_file
 
     if not up_record_file().exists():
         return None
     rec = read_endpoint(up_record_file())
-    if pid_alive(int(rec.get("pid", -1))):
+    if not isinstance(rec.get("pid"), int):  # (not a record `up` wrote: nothing of it runs here)
+        return None
+    if rec.get("host") not in (None, socket.gethostname()) or not up_exited(rec):  # (another host's: it may run)
         return rec
     if left := reap_leftovers(rec):
         log.warning("stopped %d process(es) a killed memserver (pid %s) had left running", left, rec.get("pid"))
@@ -226,8 +228,14 @@ def _check_config_tables(args: argparse.Namespace, cfg: dict[str, Any], shards: 
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from memserver.cluster.endpoint import up_record_file
+
     # first: a killed `up`'s leftovers are stopped even when this one is then refused
     if (rec := running_cluster()) is not None:
+        if rec.get("host") not in (None, socket.gethostname()):  # (a home shared between hosts)
+            raise CliError(f"{up_record_file()} names a memserver started on host {rec['host']} (pid {rec['pid']}, "
+                           f"{rec.get('endpoint')}): run `memserver down` there first, or give this host a "
+                           "MEMSERVER_HOME of its own")
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
     cfg = load_config(args.config)
     shards, shard_cpus, shard_gpus = _checked_up_flags(args, cfg)
@@ -325,6 +333,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         record = {
             "endpoint": cluster.endpoint,
             "pid": os.getpid(),
+            "pid_start": started_at(os.getpid()),  # with the pid, this process: `down` never signals a later one
             "shards": [i["address"] for i in cluster.shard_infos],
             "ray_address": ray.get_runtime_context().gcs_address,
             "started": time.time(),
@@ -656,20 +665,24 @@ def _up_detached(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from memserver.cluster.endpoint import read_endpoint, up_record_file
+    from memserver.cluster.endpoint import read_endpoint, up_exited, up_record_file
 
-    if not up_record_file().exists():
-        print(f"no memserver is running (no {up_record_file()})")
+    path = up_record_file()
+    if not path.exists():
+        print(f"no memserver is running (no {path})")
         return 0
-    rec = read_endpoint(up_record_file())
+    rec = read_endpoint(path)
     if "pid" not in rec:  # a join-info file: the cluster runs on another host
-        print(f"{up_record_file()} names a cluster started elsewhere ({rec.get('endpoint')}); stop it where "
+        print(f"{path} names a cluster started elsewhere ({rec.get('endpoint')}); stop it where "
               "`memserver up` runs")
         return 0
-    pid = int(rec["pid"])
-    if not pid_alive(pid):
+    pid = rec["pid"]
+    if rec.get("host") not in (None, socket.gethostname()):  # its pid means another process here
+        raise CliError(f"{path} names a memserver started on host {rec['host']} (pid {pid}, {rec.get('endpoint')}): "
+                       "run `memserver down` there; the file is left as it is")
+    if up_exited(rec):  # (gone, or its pid now another process's: never signalled)
         left = reap_leftovers(rec)
-        up_record_file().unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         print(f"memserver (pid {pid}) was not running; removed its stale endpoint file"
               + (f" and stopped {left} process(es) it had left running (Ray's)" if left else ""))
         return 0
@@ -680,10 +693,10 @@ def cmd_down(args: argparse.Namespace) -> int:
         time.sleep(0.2)
     if pid_alive(pid):
         os.kill(pid, signal.SIGKILL)
-        up_record_file().unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         print(f"memserver (pid {pid}) did not stop within {args.timeout:.0f}s; killed it")
         return 1
-    up_record_file().unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
     print(f"memserver at {rec['endpoint']} stopped" + (f"; {leaves}" if leaves else ""))
     return 0
 

@@ -142,11 +142,28 @@ def live_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
 
 def up_exited(record: dict[str, Any]) -> bool:
     """Whether the `memserver up` an endpoint record names ran on this host and has exited (its
-    cluster went with it)."""
+    cluster went with it), its pid gone or now another process's (a reused number)."""
     pid, host = record.get("pid"), record.get("host")
     if isinstance(pid, bool) or not isinstance(pid, int):  # (none, or not one a file `up` wrote holds)
         return False
-    return host in (None, socket.gethostname()) and not pid_alive(pid)
+    return host in (None, socket.gethostname()) and not (pid_alive(pid) and is_that_up(pid, record))
+
+
+def is_that_up(pid: int, record: dict[str, Any]) -> bool:
+    """Whether the live process `pid` is the `memserver up` of `record`, not a later one that got
+    its number (`down` killed whatever held it): its start time is the recorded `pid_start`; a
+    record written before `up` kept that: its command line names memserver. True where neither
+    can be read (no /proc)."""
+    start = record.get("pid_start")
+    if isinstance(start, int) and not isinstance(start, bool):
+        now = started_at(pid)
+        return now == start if now is not None else not os.path.isdir("/proc/self")
+    try:
+        return b"memserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:  # gone meanwhile, or no /proc
+        return not os.path.isdir("/proc/self")
+    except OSError:
+        return True
 
 
 def this_clusters_record(endpoint: str) -> tuple[Path, dict[str, Any]] | None:
