@@ -397,6 +397,40 @@ def test_down_and_up_never_signal_a_process_that_reused_the_pid_nor_touch_anothe
         stranger.wait()
 
 
+def test_down_past_its_timeout_kills_up_and_stops_what_it_left(tmp_path, monkeypatch, capsys):
+    """An `up` that ignores SIGTERM: `down --timeout` killed it and removed its record, leaving
+    Ray's agents running and its scratch data directory on disk for good; it said "0s" of 0.1 s."""
+    import signal
+    import socket
+    import time
+
+    from memserver.cluster.endpoint import started_at
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
+    up = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                           "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    agent = subprocess.Popen(["sleep", "60"])
+    scratch = tmp_path / "run" / "memserver-abc"
+    scratch.mkdir(parents=True)
+    try:
+        assert up.stdout.readline() == "ready\n"  # (its SIGTERM handler is set)
+        (tmp_path / "endpoint.json").write_text(json.dumps({
+            "endpoint": "127.0.0.1:9", "pid": up.pid, "pid_start": started_at(up.pid), "host": socket.gethostname(),
+            "processes": [[agent.pid, started_at(agent.pid)]], "scratch_dir": str(scratch)}))
+        t0 = time.monotonic()
+        assert cli.main(["down", "--timeout", "0.1"]) == 1
+        assert time.monotonic() - t0 < 30
+        assert capsys.readouterr().out == (f"memserver (pid {up.pid}) did not stop within 0.1s; killed it and stopped "
+                                           "1 process(es) it had left running (Ray's)\n")
+        assert up.wait(timeout=10) == -signal.SIGKILL and agent.wait(timeout=10) == -signal.SIGTERM
+        assert not scratch.exists() and not (tmp_path / "endpoint.json").exists()
+    finally:
+        for p in (up, agent):
+            p.kill()
+            p.wait()
+
+
 def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     """An endpoint file left by a cluster that has stopped (or a wrong --endpoint): the refused
     connection says what to run, for every tool (the client's one coordinator call path)."""

@@ -693,8 +693,13 @@ def cmd_down(args: argparse.Namespace) -> int:
         time.sleep(0.2)
     if pid_alive(pid):
         os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = reap_leftovers(rec)  # what a killed `up` leaves: Ray's agents, its scratch data directory
         path.unlink(missing_ok=True)
-        print(f"memserver (pid {pid}) did not stop within {args.timeout:.0f}s; killed it")
+        print(f"memserver (pid {pid}) did not stop within {args.timeout:g}s; killed it"
+              + (f" and stopped {left} process(es) it had left running (Ray's)" if left else ""))
         return 1
     path.unlink(missing_ok=True)
     print(f"memserver at {rec['endpoint']} stopped" + (f"; {leaves}" if leaves else ""))
