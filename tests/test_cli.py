@@ -431,6 +431,34 @@ def test_down_past_its_timeout_kills_up_and_stops_what_it_left(tmp_path, monkeyp
             p.wait()
 
 
+@pytest.mark.parametrize("detach", ["--detach", "--detac", "--det", "--de"])
+def test_a_detached_up_gives_its_child_the_command_line_without_detach_in_any_spelling(
+        tmp_path, monkeypatch, capsys, detach):
+    """The child of `up --det` (an abbreviation argparse takes) got --det again and detached in
+    turn, endlessly; and it was given sys.argv, not the command line main() was given."""
+    import memserver.cli.lifecycle as lifecycle
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["memserver", "status"])
+    started = []
+
+    class Child:  # a started `up` that is ready at once (no process is started)
+        pid, returncode = 4242424, None
+
+        def __init__(self, argv, **kwargs):
+            started.append(argv)
+            (tmp_path / "endpoint.json").write_text(json.dumps({"endpoint": "127.0.0.1:9", "pid": self.pid}))
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(lifecycle.subprocess, "Popen", Child)
+    assert cli.main(["-v", "up", detach, "--shards", "1", "--num-cpus", "1", "--shard-cpus", "1"]) == 0
+    assert started == [[sys.executable, "-m", "memserver.cli", "-v", "up", "--shards", "1", "--num-cpus", "1",
+                        "--shard-cpus", "1"]]
+    assert "memserver ready at 127.0.0.1:9" in capsys.readouterr().out
+
+
 def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     """An endpoint file left by a cluster that has stopped (or a wrong --endpoint): the refused
     connection says what to run, for every tool (the client's one coordinator call path)."""

@@ -89,6 +89,7 @@ def _main(argv: list[str] | None) -> int:
     _ARGV = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parse_args(parser, argv)
+    args.command_line = _ARGV  # (what a detached `up` gives its child, less --detach)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

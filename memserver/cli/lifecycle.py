@@ -621,10 +621,17 @@ def _plain_output() -> None:
     colorama.init()  # wraps a stream that is not a terminal to strip the codes; a terminal keeps its colours
 
 
+def without_detach(argv: list[str]) -> list[str]:
+    """A detached `up`'s command line for its child: `argv` (what main() was given) without
+    --detach in any spelling argparse takes for it (--det, --detac: a unique prefix), else the
+    child detached again, and its child, endlessly."""
+    return [a for a in argv if not (len(a) > 2 and a.startswith("--") and "--detach".startswith(a))]
+
+
 def _up_detached(args: argparse.Namespace) -> int:
     from memserver.cluster.endpoint import up_record_file
 
-    argv = [a for a in sys.argv[1:] if a != "--detach"]
+    argv = without_detach(args.command_line)
     home = memserver_home()
     home.mkdir(parents=True, exist_ok=True)
     logfile = home / "memserver.log"
