@@ -459,6 +459,34 @@ def test_a_detached_up_gives_its_child_the_command_line_without_detach_in_any_sp
     assert "memserver ready at 127.0.0.1:9" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("text, what", [
+    ("", "is empty"), ("[1, 2]", "holds a JSON list, not an endpoint record"), ('{"pid": 7', "is not JSON"),
+    ('{"pid": "abc"}', "it names no endpoint"), ('{"endpoint": "127.0.0.1:9", "pid": "abc"}', "its pid is 'abc'"),
+    ('{"endpoint": "127.0.0.1:9", "pid": 7, "processes": [7]}', "its processes are not a list"),
+    (None, "is a file, not a folder; set MEMSERVER_HOME to another path")])
+def test_a_broken_endpoint_file_is_one_line_naming_it(tmp_path, monkeypatch, capsys, text, what):
+    """An endpoint file that is not a record (empty, a list, a pid that is no number) or a
+    $MEMSERVER_HOME that is a file: `up`, `down` and `status --json` gave tracebacks (no JSON on
+    stdout), `join-info` said "--read-only: Expecting value"."""
+    home = tmp_path / "home"
+    if text is None:
+        home.write_text("")
+    else:
+        home.mkdir()
+        (home / "endpoint.json").write_text(text)
+    monkeypatch.setenv("MEMSERVER_HOME", str(home))
+    monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
+    for argv in (["down"], ["status", "--json"], ["join-info"], ["up"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        out, err = capsys.readouterr()
+        said = f"endpoint file {home}/endpoint.json: "
+        assert exit_.value.code == 2 and err.startswith(f"memserver: error: {said}") and what in err, (argv, err)
+        assert len(err.splitlines()) == 1 and "--read-only" not in err
+        assert json.loads(out)["error"].startswith(said) if "--json" in argv else out == ""
+    assert home.is_file() if text is None else (home / "endpoint.json").read_text() == text
+
+
 def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     """An endpoint file left by a cluster that has stopped (or a wrong --endpoint): the refused
     connection says what to run, for every tool (the client's one coordinator call path)."""

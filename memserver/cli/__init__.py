@@ -18,6 +18,7 @@ from memserver.cli import index, lifecycle, loadtest, slots, tables, web
 from memserver.cli.common import FAILED, CliError, DefaultsHelp, exit_status, one_line, parse_args, print_json_error
 from memserver.cli.lifecycle import load_config
 from memserver.cli.tables import status_dict
+from memserver.cluster.endpoint import EndpointFileError
 from memserver.server.rayutil import quiet_libraries
 
 __all__ = ["CliError", "build_parser", "load_config", "main", "status_dict"]
@@ -100,7 +101,7 @@ def _main(argv: list[str] | None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         parser.exit(130, "memserver: interrupted\n")
-    except CliError as exc:
+    except (CliError, EndpointFileError) as exc:  # (a broken endpoint file: the user's to remove)
         _said_as_json(args, str(exc))
         parser.exit(2, f"memserver: error: {exc}\n")
     except Exception as exc:

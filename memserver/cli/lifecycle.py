@@ -96,9 +96,10 @@ def running_cluster() -> dict[str, Any] | None:
     killed: what it left running is stopped here (reap_leftovers), before a new one starts."""
     from memserver.cluster.endpoint import read_endpoint, up_exited, up_record_file
 
-    if not up_record_file().exists():
+    try:  # (not .exists() first: a $MEMSERVER_HOME that is a file is said by read_endpoint)
+        rec = read_endpoint(up_record_file())
+    except FileNotFoundError:
         return None
-    rec = read_endpoint(up_record_file())
     if not isinstance(rec.get("pid"), int):  # (not a record `up` wrote: nothing of it runs here)
         return None
     if rec.get("host") not in (None, socket.gethostname()) or not up_exited(rec):  # (another host's: it may run)
@@ -675,10 +676,11 @@ def cmd_down(args: argparse.Namespace) -> int:
     from memserver.cluster.endpoint import read_endpoint, up_exited, up_record_file
 
     path = up_record_file()
-    if not path.exists():
+    try:
+        rec = read_endpoint(path)
+    except FileNotFoundError:
         print(f"no memserver is running (no {path})")
         return 0
-    rec = read_endpoint(path)
     if "pid" not in rec:  # a join-info file: the cluster runs on another host
         print(f"{path} names a cluster started elsewhere ({rec.get('endpoint')}); stop it where "
               "`memserver up` runs")
@@ -781,9 +783,11 @@ def cmd_join_info(args: argparse.Namespace) -> int:
     from memserver.cluster.secure import is_loopback
 
     try:  # (this host's `up`, not a client's $MEMSERVER_ENDPOINT_FILE)
-        info = join_info(read_endpoint(up_record_file()), read_only=args.read_only)
+        record = read_endpoint(up_record_file())
     except FileNotFoundError as exc:
         raise CliError(str(exc)) from None
+    try:
+        info = join_info(record, read_only=args.read_only)
     except ValueError as exc:
         raise CliError(f"--read-only: {exc}") from None
     host = info["endpoint"].rsplit(":", 1)[0]

@@ -56,16 +56,51 @@ def join_info(record: dict[str, Any], read_only: bool = False) -> dict[str, Any]
     return out
 
 
+class EndpointFileError(ValueError):
+    """An endpoint file that cannot be read or is not a record `up` or `join-info` writes; said
+    as one line naming the file and what is wrong (a CLI usage error, exit 2)."""
+
+    def __init__(self, path: Path, what: str, fix: str = "remove it if no memserver runs there (`memserver up` "
+                 "writes a new one)") -> None:
+        super().__init__(f"endpoint file {path}: {what}; {fix}")
+
+
 def read_endpoint(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """The running cluster's endpoint record; FileNotFoundError says how to start one."""
+    """The running cluster's endpoint record; FileNotFoundError says how to start one,
+    EndpointFileError what is wrong with a file that is not a record (empty, half a file, a
+    folder) instead of a traceback from whatever used it."""
     p = Path(path) if path else endpoint_file()
     try:
-        return json.loads(p.read_text())
+        text = p.read_text()
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no memserver endpoint file at {p}: start a cluster with `memserver up`, "
             "or give the coordinator's HOST:PORT (the commands' --endpoint, MemoryClient(endpoint))"
         ) from None
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, a file on the way ($MEMSERVER_HOME a file), no access
+        if on_way := next((q for q in p.parents if q.is_file()), None):
+            named = "MEMSERVER_HOME" if p == up_record_file() else ENDPOINT_FILE_ENV if p == endpoint_file() else ""
+            raise EndpointFileError(p, f"{on_way} is a file, not a folder",
+                                    f"set {named} to another path" if named else "give another path") from None
+        raise EndpointFileError(p, f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        record = json.loads(text)
+    except ValueError as exc:
+        raise EndpointFileError(p, "is empty" if not text.strip() else f"is not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise EndpointFileError(p, f"holds a JSON {type(record).__name__}, not an endpoint record (an object)")
+    if not isinstance(record.get("endpoint"), str) or not is_host_port(record["endpoint"]):
+        raise EndpointFileError(p, "it names no endpoint" if "endpoint" not in record else
+                                f"its endpoint is {record['endpoint']!r}, not the coordinator's HOST:PORT")
+    pid = record.get("pid")
+    if "pid" in record and (isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0):
+        raise EndpointFileError(p, f"its pid is {pid!r}, not a process id")
+    procs = record.get("processes", [])
+    if not isinstance(procs, list) or not all(
+            isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
+            for x in procs):
+        raise EndpointFileError(p, "its processes are not a list of [pid, start time]")
+    return record
 
 
 def proc_stat(pid: int) -> list[str]:
