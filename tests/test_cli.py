@@ -487,6 +487,37 @@ def test_a_broken_endpoint_file_is_one_line_naming_it(tmp_path, monkeypatch, cap
     assert home.is_file() if text is None else (home / "endpoint.json").read_text() == text
 
 
+def test_join_info_refuses_a_stale_record_and_writing_over_the_clusters_own(tmp_path, monkeypatch, capsys):
+    """`join-info` handed out the record of an `up` that had exited (`status` refuses it), and
+    `-o $MEMSERVER_HOME/endpoint.json` replaced the running cluster's own record with it."""
+    import socket
+
+    from memserver.cluster.endpoint import started_at
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.delenv("MEMSERVER_ENDPOINT_FILE", raising=False)
+    record = tmp_path / "endpoint.json"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    record.write_text(json.dumps({"endpoint": "127.0.0.1:9", "pid": gone.pid, "host": socket.gethostname()}))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["join-info"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and "that is no longer running" in err, err
+    running = {"endpoint": "127.0.0.1:9", "pid": os.getpid(), "pid_start": started_at(os.getpid()),
+               "host": socket.gethostname(), "token": "W"}
+    record.write_text(json.dumps(running))
+    monkeypatch.chdir(tmp_path)
+    for output in (str(record), "endpoint.json", f"{tmp_path}/../{tmp_path.name}/endpoint.json"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["join-info", "-o", output])
+        assert exit_.value.code == 2 and f"-o {output}: that is the running cluster's own record" \
+            in capsys.readouterr().err
+        assert json.loads(record.read_text()) == running
+    assert cli.main(["join-info", "-o", "join.json"]) == 0
+    assert json.loads((tmp_path / "join.json").read_text()) == {"endpoint": "127.0.0.1:9", "token": "W"}
+
+
 def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
     """An endpoint file left by a cluster that has stopped (or a wrong --endpoint): the refused
     connection says what to run, for every tool (the client's one coordinator call path)."""

@@ -113,8 +113,11 @@ PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"  # (a CA 
 
 
 def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
+    from memserver.cluster.endpoint import started_at
+
+    up = {"pid": os.getpid(), "pid_start": started_at(os.getpid())}  # (this process plays the running `up`)
     home = tmp_path / "home"
-    write_endpoint({"endpoint": "10.213.0.11:5000", "pid": 999999, "token": "W", "read_token": "R",
+    write_endpoint({"endpoint": "10.213.0.11:5000", **up, "token": "W", "read_token": "R",
                     "tls_ca": PEM}, home / "endpoint.json")
     env = {**os.environ, "MEMSERVER_HOME": str(home)}
     env.pop("MEMSERVER_ENDPOINT_FILE", None)
@@ -135,12 +138,12 @@ def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
     assert stat.S_IMODE(o.stat().st_mode) == 0o600 and json.loads(o.read_text())["token"] == "R"
     assert (tmp_path / "ro.tmp").read_text() == "a user's notes" and not list(tmp_path.glob(".ro.json.*"))
     # a cluster on loopback: the file would send other hosts to their own loopback, so it says so
-    write_endpoint({"endpoint": "127.0.0.1:5000", "pid": 999999}, home / "endpoint.json")
+    write_endpoint({"endpoint": "127.0.0.1:5000", **up}, home / "endpoint.json")
     r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info"], capture_output=True, env=env, cwd=ROOT,
                        text=True, timeout=60)
     assert r.returncode == 0 and json.loads(r.stdout) == {"endpoint": "127.0.0.1:5000"}
     assert "note: the cluster listens on 127.0.0.1, which only this host reaches" in r.stderr, r.stderr
-    write_endpoint({"endpoint": "10.213.0.11:5000", "pid": 999999, "token": "W", "read_token": "R",
+    write_endpoint({"endpoint": "10.213.0.11:5000", **up, "token": "W", "read_token": "R",
                     "tls_ca": PEM}, home / "endpoint.json")
     # on the client's host the file is the endpoint file: clients read it, `down` stops nothing
     # (it reads only $MEMSERVER_HOME/endpoint.json, what an `up` there wrote)

@@ -779,11 +779,14 @@ def _remove_scratch(path: Any) -> None:
 
 def cmd_join_info(args: argparse.Namespace) -> int:
     """Print (or write, mode 0600) what a client on another host needs; see endpoint.join_info."""
-    from memserver.cluster.endpoint import ENDPOINT_FILE_ENV, join_info, read_endpoint, up_record_file, write_endpoint
+    from memserver.cluster.endpoint import ENDPOINT_FILE_ENV, join_info, live_endpoint, up_record_file, write_endpoint
     from memserver.cluster.secure import is_loopback
 
-    try:  # (this host's `up`, not a client's $MEMSERVER_ENDPOINT_FILE)
-        record = read_endpoint(up_record_file())
+    if args.output and Path(args.output).resolve() == up_record_file().resolve():  # (it replaced `up`'s own record)
+        raise CliError(f"-o {args.output}: that is the running cluster's own record, which `up` and `down` keep; "
+                       "write the join-info file elsewhere")
+    try:  # this host's `up`, not a client's $MEMSERVER_ENDPOINT_FILE; a stale one refused, as `status` does
+        record = live_endpoint(up_record_file())
     except FileNotFoundError as exc:
         raise CliError(str(exc)) from None
     try:
