@@ -735,7 +735,7 @@ def test_create_table_and_drop_table_from_the_cli(memory_cluster, tmp_path, cli_
         assert bad.returncode == 2 and f"memserver: error: {flag}" in bad.stderr, bad.stderr
 
 
-def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default(tmp_path, monkeypatch):
+def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default(tmp_path, monkeypatch, capsys):
     """What `memserver up` hands start_cluster: each setting from its flag if given, else the
     config's key, else the default (shard_cpus, shard_gpus and threads_per_shard used to take
     the config's over a flag given)."""
@@ -777,6 +777,24 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     assert tuple(up(*flags)[k] for k in keys) == (2, 1.0, 2, [1.0, 0.0], "SPREAD", "/from/flag", 30)
     config.write_text("tables: []\n")
     assert tuple(up()[k] for k in keys) == (2, 0.5, 1, [0.0, 0.0], "SPREAD", None, SESSION_TTL)
+    # a key set to null is its default, as if left out (placement: null was refused, the others broke)
+    config.write_text("placement: null\nshards: null\nsession_ttl: null\ntables: null\n")
+    assert tuple(up()[k] for k in keys) == (2, 0.5, 1, [0.0, 0.0], "SPREAD", None, SESSION_TTL)
+    # values the flags refuse, refused from the config too, before anything starts (a hunt: nan session_ttl
+    # expired every session at once; shard_gpus nan failed Ray's start naming nothing, true was 1 GPU)
+    for text, says in (("session_ttl: .nan\n", "--session-ttl (or the config's session_ttl) must be a finite number"),
+                       ("session_ttl: .inf\n", "must be a finite number of seconds > 0"),
+                       ("shard_gpus: .nan\n", "GPUs must be finite and >= 0, got nan"),
+                       ("shard_gpus: true\n", "not GPUs: True"), ("shard_gpus: {a: 1}\n", "not GPUs: {'a': 1}"),
+                       ("shard_gpus: []\n", "not GPUs: []"), ("tables: {}\n", "tables in")):
+        config.write_text(text)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as refused:
+            cli.main(["up", "--config", str(config)])
+        assert refused.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--shard-gpus", "nan"])
+    assert "--shard-gpus: GPUs must be finite and >= 0, got 'nan'" in capsys.readouterr().err
 
 
 def test_a_servers_log_leaves_out_faiss_s_loader():

@@ -67,6 +67,7 @@ def load_config(path: str | None) -> dict[str, Any]:
         raise CliError(f"--config: {path} must hold a mapping with a 'tables' list")
     if unknown := set(cfg) - CONFIG_KEYS:
         raise CliError(f"--config: unknown key(s) {sorted(unknown)} in {path}; allowed: {sorted(CONFIG_KEYS)}")
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # a key set to null: its default, as if left out
     for key, (types, want) in _CLUSTER_TYPES.items():
         value = cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
@@ -75,7 +76,7 @@ def load_config(path: str | None) -> dict[str, Any]:
         if str(cfg["placement"]).upper() not in PLACEMENT_STRATEGIES:
             raise CliError(f"--config: placement in {path} must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {cfg['placement']!r}")
         cfg["placement"] = str(cfg["placement"]).upper()
-    if not isinstance(cfg.get("tables") or [], list):
+    if not isinstance(cfg.get("tables", []), list):  # ({} was taken as no tables)
         raise CliError(f"--config: tables in {path} must be a list of tables")
     cfg["tables"] = [table_args(table, f"--config: tables[{i}] in {path}") for i, table in enumerate(cfg.get("tables") or [])]
     names = [t["name"] for t in cfg["tables"]]
@@ -124,8 +125,8 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
     shards = _flag_or_config(args, cfg, "shards", DEFAULT_SHARDS)
     if shards < 1:
         raise CliError(f"--shards must be at least 1, got {shards}")
-    if _flag_or_config(args, cfg, "session_ttl", SESSION_TTL) <= 0:
-        raise CliError("--session-ttl (or the config's session_ttl) must be > 0 seconds")
+    if not 0 < _flag_or_config(args, cfg, "session_ttl", SESSION_TTL) < math.inf:  # (nan: sessions expired at once)
+        raise CliError("--session-ttl (or the config's session_ttl) must be a finite number of seconds > 0")
     _limits(args)  # a bad value is the caller's error, before anything starts
     try:  # the flag, or the config's number, list or "1,1,0,0"
         shard_gpus = shard_gpu_list(shards, _flag_or_config(args, cfg, "shard_gpus", 0.0))

@@ -4,6 +4,8 @@ Importing this package imports no Ray: clients and the CLI's argument checks use
 the constants here; only `launch` starts actors.
 """
 
+import math
+
 #: How shard bundles are laid out over Ray nodes (Ray placement-group strategies).
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
 
@@ -18,14 +20,19 @@ DEFAULT_PLACEMENT = "SPREAD"
 def parse_gpus(value: float | str | list[float]) -> float | list[float]:
     """GPUs per shard as a flag or config value: one number for every shard (1, 0.5, "0.5") or one
     per shard ("1,1,0,0", [1, 1, 0, 0]: a mixed cluster). ValueError saying why not."""
+    said = value
     if isinstance(value, str):
         try:
             value = [float(x) for x in value.split(",")]
         except ValueError:
-            raise ValueError(f"not GPUs: {value!r} (e.g. 1, 0.5, or one per shard: 1,1,0,0)") from None
-    gpus = [float(value)] if isinstance(value, (int, float)) else [float(g) for g in value]
-    if not gpus or any(g < 0 for g in gpus):
-        raise ValueError(f"GPUs must be >= 0, got {value!r}")
+            raise ValueError(f"not GPUs: {said!r} (e.g. 1, 0.5, or one per shard: 1,1,0,0)") from None
+    items = [value] if isinstance(value, (int, float)) else value if isinstance(value, (list, tuple)) else None
+    # (a config's `true` was 1 GPU, `{a: 1}` "could not convert string to float", `[]` "must be >= 0")
+    if not items or any(isinstance(g, bool) or not isinstance(g, (int, float)) for g in items):
+        raise ValueError(f"not GPUs: {said!r} (e.g. 1, 0.5, or one per shard: 1,1,0,0)")
+    gpus = [float(g) for g in items]
+    if any(not math.isfinite(g) or g < 0 for g in gpus):  # (nan passed, then failed Ray's start naming no flag)
+        raise ValueError(f"GPUs must be finite and >= 0, got {said!r}")
     return gpus[0] if len(gpus) == 1 else gpus
 
 
