@@ -459,6 +459,31 @@ def test_a_detached_up_gives_its_child_the_command_line_without_detach_in_any_sp
     assert "memserver ready at 127.0.0.1:9" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("status, want", [(1, 1), (2, 2), (-9, 1)])
+def test_a_detached_up_that_fails_exits_as_its_child_did(tmp_path, monkeypatch, capsys, status, want):
+    """A detached `up` whose child failed (a table over --max-table-bytes: exit 1 in the
+    foreground) exited 2, as if the command had been wrong (a hunt): its child's status now, 1
+    for a signal."""
+    import memserver.cli.lifecycle as lifecycle
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+
+    class Child:  # an `up` that failed at once (no process is started)
+        pid, returncode = 4242424, status
+
+        def __init__(self, argv, **kwargs):
+            pass
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(lifecycle.subprocess, "Popen", Child)
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["up", "--detach", "--shards", "1", "--num-cpus", "1", "--shard-cpus", "1"])
+    assert ended.value.code == want and f"memserver exited with status {status} before it was ready" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text, what", [
     ("", "is empty"), ("[1, 2]", "holds a JSON list, not an endpoint record"), ('{"pid": 7', "is not JSON"),
     ('{"pid": "abc"}', "it names no endpoint"), ('{"endpoint": "127.0.0.1:9", "pid": "abc"}', "its pid is 'abc'"),

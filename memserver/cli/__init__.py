@@ -103,7 +103,7 @@ def _main(argv: list[str] | None) -> int:
         parser.exit(130, "memserver: interrupted\n")
     except (CliError, EndpointFileError) as exc:  # (a broken endpoint file: the user's to remove)
         _said_as_json(args, str(exc))
-        parser.exit(2, f"memserver: error: {exc}\n")
+        parser.exit(getattr(exc, "status", 2), f"memserver: error: {exc}\n")
     except Exception as exc:
         from memserver.api.errors import MemserverError
 

@@ -8,7 +8,12 @@ from typing import Any
 
 
 class CliError(Exception):
-    """A user error: printed as `memserver: error: ...`, exit status 2."""
+    """A user error: printed as `memserver: error: ...`, exit status 2 (`status`: another one, as
+    a detached `up` passes on its child's)."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class DefaultsHelp(argparse.HelpFormatter):

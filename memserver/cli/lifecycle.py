@@ -654,7 +654,8 @@ def _up_detached(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = logfile.read_text(errors="replace")[-3000:]
-            raise CliError(f"memserver exited with status {proc.returncode} before it was ready; log {logfile}:\n{tail}")
+            raise CliError(f"memserver exited with status {proc.returncode} before it was ready; log {logfile}:\n{tail}",
+                           status=proc.returncode if proc.returncode in (1, 2) else 1)  # (the child's: as in the foreground)
         if up_record_file().exists():
             rec = json.loads(up_record_file().read_text())
             if rec.get("pid") == proc.pid:
