@@ -1147,6 +1147,28 @@ def test_up_address_auto_is_checked_as_ray_resolves_it(monkeypatch, tmp_path):
         _checked_up_flags(args, {})
 
 
+def test_up_address_of_a_head_that_refuses_this_process_is_one_line(monkeypatch, tmp_path, capsys):
+    """A Ray head that answers and refuses the join (another token: Ray's AuthenticationError, or
+    its ConnectionError) gave a traceback after Ray's ~20 s of retries (a hunt): one line naming
+    --address and the token now, exit 2."""
+    import ray
+
+    import memserver.cli.lifecycle as lifecycle
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    monkeypatch.setattr(lifecycle, "_checked_up_flags", lambda args, cfg: (1, 1.0, [0.0]))
+    for error in (ConnectionError("GCS refused: InvalidAuthToken"), ray.exceptions.AuthenticationError("bad token")):
+        def refused(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(ray, "init", refused)
+        with pytest.raises(SystemExit) as ended:
+            cli.main(["up", "--address", "127.0.0.1:6379"])
+        err = capsys.readouterr().err
+        assert ended.value.code == 2 and "Traceback" not in err, err
+        assert "--address 127.0.0.1:6379: could not join the Ray cluster there" in err and "token" in err, err
+
+
 def test_up_names_the_tables_without_wal_that_came_back_as_made_a_bounded_few():
     """What `up` says of the tables a start brought back as their initial values: those without
     wal only (a wal table's log is its writes), each slice's table once, an index's said empty,

@@ -259,7 +259,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     tls = _tls(args)
     if args.address:
         log.info("joining Ray cluster at %s", args.address)
-        ray.init(address=args.address, namespace="memserver", logging_level=logging.WARNING)
+        try:
+            ray.init(address=args.address, namespace="memserver", logging_level=logging.WARNING)
+        except (ConnectionError, ray.exceptions.AuthenticationError) as exc:  # (a traceback after ~20 s: a hunt)
+            raise CliError(f"--address {args.address}: could not join the Ray cluster there ({one_line(exc)}); is "
+                           "it up, and does this process have its token ($RAY_AUTH_TOKEN, or Ray's token file)?") from None
         if args.address == "auto":  # which cluster Ray's rules found
             log.info("joined Ray cluster at %s (%d nodes alive)", ray.get_runtime_context().gcs_address,
                      sum(1 for n in ray.nodes() if n.get("Alive")))
