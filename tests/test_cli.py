@@ -1092,6 +1092,11 @@ def test_a_recovered_table_is_compared_with_the_defaults_its_config_entry_leaves
     assert config_differences(meta, {**entry, "tier": "disk", "num_shards": 1, "cache_bytes": 0}, 2) == []
     assert config_differences(meta, {**entry, "tier": "disk", "num_shards": 0, "lr": 0.5}, 1) == [
         "lr: 0.01 here, 0.5 in the config"]
+    # sync_workers too (the map keeps it): a sync table of 2 trainers under an entry without it (a hunt)
+    meta.sync_workers = 2
+    assert config_differences(meta, {**entry, "tier": "disk", "num_shards": 1}, 2) == [
+        "sync_workers: 2 here, 0 in the config (its default)"]
+    assert config_differences(meta, {**entry, "tier": "disk", "num_shards": 1, "sync_workers": 2}, 2) == []
 
 
 def test_status_problems_name_what_is_not_served_and_stray_slices():
