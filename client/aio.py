@@ -785,8 +785,9 @@ class AsyncMemoryClient:
         A served read counts in the value table's slot statistics as a training read does; `count`
         False: it does not (an evaluation's, or a check of the layer's, as the eval-mode layer reads)."""
         ids, w = await self._call(name, lambda meta: ops.address_op(meta, queries, self.opts))
-        values_table = (await self.table(name)).values_table
-        out = await self._call(values_table, lambda meta: ops.bag_op(meta, ids, w, None, self.opts, count))
+        keys = await self.table(name)
+        out = await self._call(keys.values_table, lambda meta: ops.bag_op(ops.slots_table(keys, meta), ids, w, None,
+                                                                           self.opts, count))
         return like(ids, queries), like(w, queries), like(out, queries)
 
     async def drop_table(self, name: str) -> None:

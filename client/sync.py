@@ -401,8 +401,9 @@ class MemoryClient:
     def pkm_lookup(self, name: str, queries: Any, *, count: bool = True) -> tuple[Any, Any, Any]:
         """`address`, then `bag` on the table's values_table (see AsyncMemoryClient.pkm_lookup)."""
         ids, w = self._call(name, lambda meta: ops.address_op(meta, queries, self.aio.opts))
-        values_table = self.table(name).values_table
-        out = self._call(values_table, lambda meta: ops.bag_op(meta, ids, w, None, self.aio.opts, count))
+        keys = self.table(name)
+        out = self._call(keys.values_table, lambda meta: ops.bag_op(ops.slots_table(keys, meta), ids, w, None,
+                                                                     self.aio.opts, count))
         return like(ids, queries), like(w, queries), like(out, queries)
 
     def _plan(self, table: str, plan: ops.Plan) -> Any:

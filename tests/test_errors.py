@@ -770,6 +770,28 @@ def test_answers_deadlines_and_names_are_bounded_before_any_work(monkeypatch):
             c.write_rows("v", [1], np.ones((1, 4), np.float32))
 
 
+def test_a_product_key_lookup_over_a_values_table_of_another_shape_names_both_tables():
+    """pkm_lookup after its values table was made anew with 10 rows said "ids: id 238 out of range
+    for a table of 10 rows", ids the caller never gave, naming neither table (a hunt)."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=1) as c:
+        c.create_table("v", 64, 8)
+        c.create_product_keys("pk", "v", heads=2, n_keys=8, knn=4, k_dim=4)
+        c.load_product_keys("pk", np.random.default_rng(1).standard_normal((2, 2, 8, 2)).astype(np.float32))
+        q = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+        assert c.pkm_lookup("pk", q)[2].shape == (3, 8)
+        c.create_table("v", 10, 8, replace=True)
+        with pytest.raises(FailedPreconditionError, match=r"table 'pk' reads its slots from 'v', which must be a value "
+                                                          r"table of 64 rows \(pkm_n_keys\^2\); it is one of 10 rows"):
+            c.pkm_lookup("pk", q)
+        c.drop_table("v")
+        c.create_index("v", 8)
+        with pytest.raises(FailedPreconditionError, match="it is an index table: make it again with that shape"):
+            c.pkm_lookup("pk", q)
+
+
 def test_trigger_info_stays_bounded_call_after_call(client, table_name):
     """Each RecordTriggers' info was bounded, but new keys call after call merged into a stored
     info (and every Triggers answer) without end; deeply nested JSON answered INTERNAL."""

@@ -22,7 +22,7 @@ The names the clients, the load test, the benchmarks and the tests use are re-ex
 from client.ops.base import MAX_REQUEST_BYTES, Op, OpOptions, Plan, finish, like
 from client.ops.index import add_op, remove_op, search_op
 from client.ops.inspect import SLOT_STATS, record_triggers_op, slot_stats_op, top_slots_plan, triggers_op, usage_op
-from client.ops.product_keys import address_op, load_product_keys_op
+from client.ops.product_keys import address_op, load_product_keys_op, slots_table
 from client.ops.routing import route_bags, route_ids, route_owned
 from client.ops.sessions import ClientSession, StepParts, WriteTags
 from client.ops.steps import CommitPlan, commit_step_plan, drop_open_steps_op, settle_interrupted, step_phase_op
@@ -50,6 +50,7 @@ __all__ = [
     "WriteTags",
     "add_op",
     "address_op",
+    "slots_table",
     "aggregate",
     "bag_backward_op",
     "bag_op",

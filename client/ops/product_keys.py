@@ -9,10 +9,23 @@ import torch
 from client.ops.base import Op, OpOptions, request_parts
 from client.ops.checks import checked_floats, product_keys_table
 from client.ops.sessions import WriteTags
-from memserver.api.errors import InvalidArgumentError
-from memserver.api.types import TableMeta
+from memserver.api.errors import FailedPreconditionError, InvalidArgumentError
+from memserver.api.types import TableMeta, a_kind
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import check_float, decode, encode
+
+
+def slots_table(keys: TableMeta, values: TableMeta) -> TableMeta:
+    """The value table a product-key table's slots are read from (`values`, its values_table),
+    refused (FAILED_PRECONDITION, naming both) unless it has the keys' pkm_n_keys^2 rows: one made
+    anew with another shape failed the read with "ids: id 238 out of range for a table of 10 rows",
+    ids the caller never gave (a hunt)."""
+    if values.kind != "value" or values.num_rows != keys.num_rows:
+        what = f"one of {values.num_rows:,} rows" if values.kind == "value" else a_kind(values.kind)
+        raise FailedPreconditionError(f"table {keys.name!r} reads its slots from {values.name!r}, which must be a value "
+                                      f"table of {keys.num_rows:,} rows (pkm_n_keys^2); it is {what}: make it again "
+                                      "with that shape")
+    return values
 
 
 def address_op(meta: TableMeta, queries: Any, opts: OpOptions) -> Op:
