@@ -755,6 +755,14 @@ def test_answers_deadlines_and_names_are_bounded_before_any_work(monkeypatch):
             servicer._slot_stats(pb.SlotStatsRequest(table="v", ids=encode(np.arange(100) % 64)), None)
         with pytest.raises(InvalidArgumentError, match="queries: 30 rows of 24 floats make an answer of"):
             servicer._address(pb.AddressRequest(table="pk", queries=encode(np.zeros((30, 8), np.float32))), None)
+        # a search whose one query's k hits alone are too large: the fix is k, not the batch (it said "split the
+        # batch" to a batch of one: a hunt)
+        from memserver.wire import check_answer
+
+        with pytest.raises(InvalidArgumentError, match="k: 100 rows of 5 floats .* message limit; a smaller k"):
+            check_answer(100, 5, "k", 1)
+        with pytest.raises(InvalidArgumentError, match="k: 100 rows of 5 floats .* message limit; split the batch"):
+            check_answer(100, 5, "k", 10)
         monkeypatch.undo()
         for deadline in (float("nan"), float("inf")):
             with pytest.raises(InvalidArgumentError, match="deadline: a time on the shard's monotonic clock"):

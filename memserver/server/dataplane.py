@@ -527,7 +527,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         with_payload = request.return_payload and sl.table.payload_dim > 0
         # at most a row per hit: a float32 score, an int64 id (2 floats' worth) and, with the
         # payload, a distinct hit's id and payload row (each distinct hit once: U <= B * k)
-        check_answer(b * max(int(request.k), 0), 3 + (2 + sl.table.payload_dim if with_payload else 0), "k")
+        check_answer(b * max(int(request.k), 0), 3 + (2 + sl.table.payload_dim if with_payload else 0), "k", b)
 
         def work() -> Any:
             if not with_payload:
