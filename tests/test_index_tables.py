@@ -339,6 +339,12 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
     assert rc != 0 and "already exists: add --replace to replace it" in err
     assert build("--vectors", str(tmp_path / "v.npy"), "--replace")[0] == 0
     assert client.search(table_name, vectors[:4], 1)[1][:, 0].tolist() == [0, 1, 2, 3]  # ids 0..n-1 now
+    # --no-train on a kind faiss trains: every add refused, so refused before the --replace drops the table (it
+    # was made anew, failed "call train_index first", and dropped: a hunt); on a kind that trains nothing: taken
+    rc, err = build("--vectors", str(tmp_path / "v.npy"), "--replace", "--no-train", "--factory", "PCA8,Flat")
+    assert rc == 2 and "--no-train: 'PCA8,Flat' is a kind faiss trains before it takes any vector" in err, err
+    assert client.search(table_name, vectors[:4], 1)[1][:, 0].tolist() == [0, 1, 2, 3]  # the table as it was
+    assert build("--vectors", str(tmp_path / "v.npy"), "--replace", "--no-train")[0] == 0
     # --replace over a value table of the name: a name clash (exit 2, as --help says), not "add --replace"
     client.create_table(table_name + "-v", 10, 4)
     try:

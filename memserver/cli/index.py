@@ -120,6 +120,14 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"--train-sample must be >= 0, got {args.train_sample}")
     if args.train:  # an explicit --train: its sample checked before anything is made
         train_rows(n, dim, args.train_sample)
+    if args.train is False:  # a kind faiss trains refuses every add untrained: refused before anything is made
+        from memserver.core.index import VectorIndex  # (a --replace had dropped the table, then failed: a hunt)
+        from memserver.server.catalog import check_factory_sizes
+
+        check_factory_sizes(dim, args.factory)  # (before faiss allocates what the string asks for)
+        if VectorIndex(dim, args.factory, args.metric, 0).needs_training:
+            raise CliError(f"--no-train: {args.factory!r} is a kind faiss trains before it takes any vector; leave "
+                           "--no-train out (index build trains it on a sample of the vectors)")
     out: dict[str, Any] = {"table": args.name, "vectors": n, "dim": dim, "index_factory": args.factory}
     t0 = time.perf_counter()
     with cli_client(args) as client:
