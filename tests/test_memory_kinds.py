@@ -678,6 +678,16 @@ def test_a_step_whose_backward_overflowed_anywhere_drops_every_tables_update():
         if step == 1:
             assert torch.equal(low.table.weight, before[0]) and torch.equal(high.table.weight, before[1])
     assert not torch.equal(low.table.weight, before[0]) and not torch.equal(high.table.weight, before[1])
+    # a read of a backend with no step open (another model of the process, outside its steps) that meets
+    # one drops no one's step: it dropped this model's (a hunt)
+    other = ProductKeyMemory(16, 16, LocalValues(64, 16, optimizer="sgd", lr=1e-3, seed=3), n_keys=8, heads=1, k_dim=8,
+                             knn=4)
+    taken = high.table.weight.clone()
+    high.begin_step(3)
+    m2(torch.randn(6, 16)).pow(2).mean().backward()
+    other(torch.randn(6, 16)).sum().mul(math.inf).backward()
+    high.end_step(3)
+    assert not torch.equal(high.table.weight, taken)
 
 
 def test_an_overflow_on_one_data_parallel_trainer_skips_the_sync_tables_step(client, table_name):

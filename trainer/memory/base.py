@@ -105,7 +105,9 @@ class _Bag(torch.autograd.Function):
         if looks_for_nonfinite(grad_out, ctx.backend) and not finite(grad_out, weights):  # an fp16 overflow
             log.warning("a memory read's backward got non-finite values (a float16 overflow that a GradScaler skips, "
                         "or a diverged run): the rows' update of this read is not sent; dL/dweights is NaN")
-            OVERFLOWS[0] += 1  # every backend's end_step drops the step's update, as the scaler skips the step
+            if getattr(ctx.backend, "step", None) is not None:  # (a read outside any step has no step to skip:
+                OVERFLOWS[0] += 1  # it dropped other models' steps: a hunt) every backend's end_step drops the
+                # step's update, as the scaler skips the step
             return (torch.full_like(weights, math.nan) if ctx.weight_grad else None), None, None, None, None, None
         scale = getattr(ctx.backend, "grad_scale", 1.0)  # a GradScaler's: the rows' update is of the unscaled gradient
         grad_out = grad_out.float() if scale == 1.0 else grad_out.float() / scale
