@@ -776,5 +776,31 @@ def test_a_kif_read_of_a_non_finite_input_is_a_nan_read_not_a_refusal(client, ta
     layer = KIFMemory(8, 8, source, knn=4)
     x = torch.randn(4, 8)
     x[1, 2] = math.inf
-    assert torch.isnan(layer(x)).all()  # the whole read, as the other kinds' `bag` (a GradScaler skips the step)
+    out = layer(x)  # that query's read alone, as a torch layer's (it made the whole read NaN: a hunt)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2, 3]]).all()
+    torch.testing.assert_close(out[[0, 2, 3]], layer(x[[0, 2, 3]]))
     assert torch.isfinite(layer(torch.randn(4, 8))).all()
+
+
+@pytest.mark.parametrize("kind", ["pkm", "lsh"])
+def test_a_read_of_a_non_finite_input_is_nan_at_that_position_alone(kind):
+    """library.md: a read whose input is not finite reads NaN rows, as a torch layer would. One such
+    position made every position of its micro-batch chunk NaN (the output then depended on
+    micro_batches, which keep the math), and LSH hashed it to a real bucket, a finite read (a hunt)."""
+    from trainer.memory import LocalValues, LSHMemory, ProductKeyMemory
+
+    def layer(micro: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        if kind == "pkm":
+            return ProductKeyMemory(8, 8, LocalValues(64, 8, seed=1), n_keys=8, heads=2, k_dim=8, knn=4,
+                                    micro_batches=micro).eval()
+        return LSHMemory(8, 8, LocalValues(4 << 4, 8, seed=1), hashes=4, bits=4, micro_batches=micro).eval()
+
+    x = torch.randn(6, 8)
+    x[0, 3] = math.nan
+    want = torch.nn.Linear(8, 8)(x).isfinite().all(-1)  # [False, True, ...]
+    for micro in (1, 3):
+        with torch.no_grad():
+            out = layer(micro)(x)
+        assert out.isfinite().all(-1).tolist() == want.tolist(), (micro, out)
+        torch.testing.assert_close(out[1:], layer(1)(x[1:]).detach())

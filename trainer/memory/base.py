@@ -145,8 +145,8 @@ def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: tor
     so the backward need not wait for dL/dweights (a remote backend sends the update and goes on).
 
     Non-finite values pass through as a torch layer passes them, so a float16 run's GradScaler
-    sees its overflow and skips the step: NaN or infinite weights read NaN rows (nothing is
-    asked of the backend, which refuses them), and a backward whose dL/d(out) or weights are not
+    sees its overflow and skips the step: a bag of NaN or infinite weights reads a NaN row (the
+    backend, which refuses them, is asked for the other bags), and a backward whose dL/d(out) or weights are not
     finite sends no update and returns a NaN dL/dweights; the backend's end_step then drops the
     whole step's update (the table is left as it was). On a GPU this is looked for only under a
     GradScaler (looks_for_nonfinite). `count` False (a layer in eval mode): the read is left out
@@ -154,9 +154,12 @@ def bag(values: ValueBackend, ids: torch.Tensor, weights: torch.Tensor, out: tor
     them, so a gradient taken of an eval model, a saliency map, trained its memory for good: a
     walkthrough): dL/dweights comes from the rows read again, uncounted."""
     if out is None and looks_for_nonfinite(weights, values) and not finite(weights):
-        log.warning("a memory read got non-finite weights (its input overflowed or the run diverged): it reads NaN "
-                    "rows; nothing is asked of the values")
-        out = torch.full((weights.shape[0], values.dim), math.nan, device=weights.device)
+        log.warning("a memory read got non-finite weights (its input overflowed or the run diverged): its bags that "
+                    "hold them read NaN rows (the backend is asked for the others)")
+        # each bag alone, as a torch layer reads: one non-finite position made its whole chunk NaN, so the
+        # output depended on micro_batches (a hunt); the backend refuses non-finite weights: sent as 0
+        bad = ~torch.isfinite(weights.detach()).all(-1, keepdim=True)
+        out = values.bag(ids, weights.detach().masked_fill(bad, 0.0), count=count).masked_fill(bad, math.nan)
     if out is None and not count:
         out = values.bag(ids, weights.detach(), count=False)
     return _Bag.apply(weights, ids, values, out, weight_grad, count)

@@ -64,24 +64,27 @@ class KIFMemory(MemoryLayer):
         return x + q if self.residual else q
 
     def start(self, q: torch.Tensor, overlap: bool) -> Any:
-        if looks_for_nonfinite(q, self.source) and not finite(q):  # (a search refuses them: an fp16 overflow then
-            return None  # failed the step, where the other kinds read NaN rows and a GradScaler skips it)
-        return self.source.submit_search(q.detach(), self.knn)  # always sent at once: the search is remote or faiss
+        """The chunk's search, sent at once (it is remote, or faiss's), and which queries are not
+        finite (None: all are): a search refuses them, so they are sent as zeros and read NaN."""
+        bad = None
+        if looks_for_nonfinite(q, self.source) and not finite(q):  # (refused, an fp16 overflow failed the step)
+            bad = ~torch.isfinite(q.detach()).all(-1, keepdim=True)
+            q = q.masked_fill(bad, 0.0)
+        return self.source.submit_search(q.detach(), self.knn), bad
 
     def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if started is None:  # non-finite queries: no hit, a NaN read (as `bag` reads NaN rows)
-            n = q.shape[0]
-            return (torch.full((n, self.knn), -1, dtype=torch.int64, device=q.device), q.new_zeros((n, self.knn)),
-                    q.new_full((n, self.source.dim), math.nan))
-        _, ids, enc = started.result()  # [n, k], [n, k, dim]; the returned scores are not differentiable
+        pending, bad = started
+        _, ids, enc = pending.result()  # [n, k], [n, k, dim]; the returned scores are not differentiable
         ids, enc = ids.to(q.device), enc.detach().to(q.device, q.dtype)  # E is data, whatever the source
+        if bad is not None:  # a non-finite query: no hit, a NaN read, that query's alone (as `bag` reads NaN rows)
+            ids = ids.masked_fill(bad, -1)
         hit = ids >= 0
         # a missing hit weighs nothing (its encoding is zeros, so a query with no hit reads zeros)
         scores = self.log_scale.exp() * torch.einsum("nd,nkd->nk", q, enc)
         scores = scores.masked_fill(~hit, torch.finfo(q.dtype).min)
         w = torch.softmax(scores, dim=1) * hit
         m = torch.einsum("nk,nkd->nd", w, enc)
-        return ids, w, m
+        return ids, w, (m if bad is None else m.masked_fill(bad, math.nan))
 
     def output(self, read: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         g = torch.sigmoid(self.gate(torch.cat([x, read], dim=1)))  # [N, 1]

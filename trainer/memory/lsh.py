@@ -77,7 +77,10 @@ class LSHMemory(MemoryLayer):
         """queries [n, d_in] -> bucket ids [n, hashes] and weights 1 (constants: the backward
         only updates the buckets)."""
         ids = lsh_ids(q.detach(), self.planes, self.hashes, self.bits)
-        return ids, torch.ones(ids.shape, device=q.device)
+        # a query that is not finite reads NaN, as a torch layer would (its signs hashed it to a real
+        # bucket, and the read was finite: a hunt); no wait for the device
+        bad = ~torch.isfinite(q.detach()).all(-1, keepdim=True)
+        return ids, torch.ones(ids.shape, device=q.device).masked_fill(bad, math.nan)
 
     def combine(self, reads: torch.Tensor) -> torch.Tensor:
         """Buckets [n, hashes, dim] -> sum_i R_i z_i [n, d_out]."""
