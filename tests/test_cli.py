@@ -358,6 +358,12 @@ def test_up_and_down_keep_their_record_in_memserver_home_not_a_clients_endpoint_
     monkeypatch.setenv("MEMSERVER_ENDPOINT_FILE", str(join))
     monkeypatch.setenv("MEMSERVER_HOME", str(home))
     assert up_record_file() == home / "endpoint.json" and endpoint_file() == join
+    # a join-info file placed at up's own record (a pid-less record): up wrote over it (a fixer's note); refused,
+    # the file left, before anything starts
+    (home / "endpoint.json").write_text(json.dumps({"endpoint": "127.0.0.1:9", "token": "W"}))
+    up = run(["up", "--shards", "1"], {**env, "MEMSERVER_ENDPOINT_FILE": ""}, timeout=60)
+    assert up.returncode == 2 and "holds the endpoint of a cluster started elsewhere (127.0.0.1:9)" in up.stderr, up.stderr
+    assert json.loads((home / "endpoint.json").read_text()) == {"endpoint": "127.0.0.1:9", "token": "W"}
 
 
 def test_down_and_up_never_signal_a_process_that_reused_the_pid_nor_touch_another_hosts_record(

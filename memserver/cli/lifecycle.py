@@ -230,9 +230,14 @@ def _check_config_tables(args: argparse.Namespace, cfg: dict[str, Any], shards: 
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from memserver.cluster.endpoint import up_record_file
+    from memserver.cluster.endpoint import read_endpoint, up_record_file
 
     # first: a killed `up`'s leftovers are stopped even when this one is then refused
+    with contextlib.suppress(FileNotFoundError):
+        if "pid" not in (held := read_endpoint(up_record_file())):  # (a join-info file placed there: overwritten)
+            raise CliError(f"{up_record_file()} holds the endpoint of a cluster started elsewhere "
+                           f"({held.get('endpoint')}), not a record of `memserver up`: move it (clients read it "
+                           "through $MEMSERVER_ENDPOINT_FILE), or give this up a MEMSERVER_HOME of its own")
     if (rec := running_cluster()) is not None:
         if rec.get("host") not in (None, socket.gethostname()):  # (a home shared between hosts)
             raise CliError(f"{up_record_file()} names a memserver started on host {rec['host']} (pid {rec['pid']}, "
