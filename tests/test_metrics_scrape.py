@@ -482,3 +482,31 @@ def test_the_last_checkpoint_survives_a_restart_in_the_metrics(tmp_path):
     assert t0 <= get(samples, "memserver_last_checkpoint_time_seconds") <= t1
     assert ("memserver_last_checkpoint_duration_seconds", ()) not in samples
     assert ("memserver_last_checkpoint_bytes", ()) not in samples
+
+
+def test_a_refused_attach_region_is_counted_with_its_refusal():
+    """A stream call was counted OK as it opened: an AttachRegion the shard refused (another
+    machine's boot id: FAILED_PRECONDITION) read as one more OK in the metrics and `status` (a
+    hunt). It counts with the status it ended with; an attach that is taken, OK."""
+    import os
+
+    from client.shm import Region, boot_id
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as server:
+        info = server.shards[0].info()
+        with grpc.insecure_channel(info["address"]) as channel:
+            attach = pb_grpc.DataPlaneStub(channel).AttachRegion
+            bad = pb.AttachRegionRequest(size=4096, boot_id="not-this-machine", nonce=b"x" * 16, pid=1, fd=3)
+            assert refused(lambda: next(attach(bad))) == grpc.StatusCode.FAILED_PRECONDITION
+            samples = scrape(info["metrics"])
+            assert get(samples, "memserver_requests_total", method="AttachRegion", table="",
+                       code="FAILED_PRECONDITION") == 1
+            assert total(samples, "memserver_requests_total", method="AttachRegion", code="OK") == 0
+            region = Region(1 << 20)  # one the shard takes: OK, once its answer came
+            good = pb.AttachRegionRequest(pid=os.getpid(), fd=region.fd, size=region.size, boot_id=boot_id(),
+                                          nonce=region.nonce)
+            stream = attach(good)
+            assert next(stream).region
+            assert total(scrape(info["metrics"]), "memserver_requests_total", method="AttachRegion", code="OK") == 1
+            stream.cancel()

@@ -199,9 +199,24 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
             except InvalidArgumentError as exc:
                 self._observe(name, request, grpc.StatusCode.INVALID_ARGUMENT, t0)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.details)
-            self._observe(name, request, grpc.StatusCode.OK, t0)
-            async for item in inner(request, context):
-                yield item
+            # counted with the status the stream opened with: OK at its first answer (or its end),
+            # else the refusal it ended with (a refused AttachRegion was counted OK: a hunt)
+            said = False
+            try:
+                async for item in inner(request, context):
+                    if not said:
+                        said = True
+                        self._observe(name, request, grpc.StatusCode.OK, t0)
+                    yield item
+            except BaseException as exc:
+                if not said:
+                    said = True
+                    code = (grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError)
+                            else _code_of(context) or grpc.StatusCode.UNKNOWN)
+                    self._observe(name, request, code, t0)
+                raise
+            if not said:
+                self._observe(name, request, grpc.StatusCode.OK, t0)
 
         return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer=None,
                                                     response_serializer=handler.response_serializer)
@@ -346,6 +361,15 @@ async def start_server(
     for name in ["", *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
+
+
+def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
+    """The status an aborted call set on its context (grpc.aio keeps it there), None if none."""
+    try:
+        code = context.code()
+    except Exception:  # (an older grpc.aio without it)
+        return None
+    return code if isinstance(code, grpc.StatusCode) else None
 
 
 def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], service_names: list[str], host: str,
