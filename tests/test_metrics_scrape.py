@@ -510,3 +510,29 @@ def test_a_refused_attach_region_is_counted_with_its_refusal():
             assert next(stream).region
             assert total(scrape(info["metrics"]), "memserver_requests_total", method="AttachRegion", code="OK") == 1
             stream.cancel()
+
+
+def test_a_restarted_servers_metrics_come_back_on_their_port(tmp_path):
+    """A shard or coordinator that restarts keeps its gRPC port (its data directory records it);
+    its metrics endpoint took a new free port each time, so a Prometheus given the address
+    `status` showed lost it at every restart, when it mattered most (a hunt). The port is recorded
+    beside the gRPC one and taken again; where another program holds it meanwhile, a new one."""
+    import socket
+
+    from memserver.server.metrics import ServerMetrics
+
+    state = tmp_path / "metrics.json"
+    first = ServerMetrics(lambda: set())
+    at = first.serve("127.0.0.1", state)
+    first.stop()
+    again = ServerMetrics(lambda: set())
+    assert again.serve("127.0.0.1", state) == at
+    assert urllib.request.urlopen(f"http://{at}/metrics", timeout=10).status == 200
+    again.stop()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", int(at.rsplit(":", 1)[1])))
+        squatter.listen()
+        moved = ServerMetrics(lambda: set())
+        other = moved.serve("127.0.0.1", state)
+        assert other != at and f'"port": {other.rsplit(":", 1)[1]}' in state.read_text()
+        moved.stop()

@@ -26,7 +26,8 @@ TABLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 #: step's: its manifest), which no table name may take: its folder would be that file (`create-table
 #: lock` failed INTERNAL, "File exists"). memserver.storage names its files from these.
 LOCK_FILE, SHARD_STATE_FILE, MANIFEST_FILE = "lock", "shard.json", "manifest.json"
-RESERVED_NAMES = frozenset({LOCK_FILE, SHARD_STATE_FILE, MANIFEST_FILE})
+METRICS_STATE_FILE = "metrics.json"  # a shard's metrics port, kept across its restarts
+RESERVED_NAMES = frozenset({LOCK_FILE, SHARD_STATE_FILE, MANIFEST_FILE, METRICS_STATE_FILE})
 
 #: What a slice's `recovered_from` says when nothing of it was on the data directory (no checkpoint,
 #: no restore files, no log): it came back as made. `up` names the tables without wal that did.

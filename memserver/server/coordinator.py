@@ -1014,7 +1014,8 @@ class CoordinatorActor:
             config=config,
         )
         self.address = f"{host}:{bound}"
-        self.metrics.serve(host)  # the host the gRPC server binds, never more
+        # the host the gRPC server binds, never more; the port a restart comes back on, as the gRPC one
+        self.metrics.serve(host, Path(data_dir) / "coordinator-metrics.json" if data_dir else None)
         self.probe = self.loop.submit(self.servicer.probe_shards())
         self.loop.submit(self.servicer.recall_last_checkpoint())
         log.info("coordinator %sserving ControlPlane at %s (%d shards, %d tables), metrics at http://%s/metrics",

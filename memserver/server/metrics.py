@@ -17,11 +17,14 @@ start_server adds the admission's gauges and refusal counter to a server's regis
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Container, Iterator
+from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -31,6 +34,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.cluster.secure import is_loopback, loopback_host_header
+from memserver.storage.fsutil import atomic_write
+
+log = logging.getLogger(__name__)
 
 #: Latency buckets (seconds): from a tiny lookup (~0.5 ms) to a large backward (seconds).
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -113,14 +119,28 @@ class ServerMetrics:
             out.inflight_calls, out.inflight_bytes = max(0, self.admission.calls - asking), self.admission.bytes
         return out
 
-    def serve(self, host: str) -> str:
-        """Start the HTTP endpoint on a free port of `host`; returns HOST:PORT."""
+    def serve(self, host: str, state: Path | None = None) -> str:
+        """Start the HTTP endpoint on `host`: on the port recorded in `state` if there is one (a
+        restarted server keeps the address a scraper was given: it took a new one at every restart,
+        while its gRPC port came back: a hunt), else a free one, then recorded; returns HOST:PORT."""
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
         server = type("_Server", (_MetricsServer,), {"address_family": family})
         app = make_wsgi_app(self.registry)
         if is_loopback(host):  # a name rebound to 127.0.0.1 let any web site read it (a security walkthrough)
             app = _loopback_names_only(app)
-        self._server = make_server(host, 0, app, server, handler_class=_MetricsHandler)
+        recorded = 0
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            recorded = int(json.loads(state.read_text())["port"]) if state is not None else 0
+        try:
+            self._server = make_server(host, recorded, app, server, handler_class=_MetricsHandler)
+        except OSError:  # taken meanwhile (or no recorded one): any free port, recorded in its place
+            if not recorded:
+                raise
+            log.warning("metrics: port %d is taken; serving on a new port", recorded)
+            self._server = make_server(host, 0, app, server, handler_class=_MetricsHandler)
+        if state is not None and self._server.server_port != recorded:
+            port = self._server.server_port
+            atomic_write(state, lambda f: f.write(json.dumps({"port": port}).encode()))
         threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
         self.address = f"{host}:{self._server.server_port}"
         return self.address

@@ -31,7 +31,7 @@ from memserver.api.errors import (
     UnavailableError,
     first_line,
 )
-from memserver.api.types import INITIAL_VALUES, METRIC_NAMES, SHARD_STATE_FILE, check_table_name
+from memserver.api.types import INITIAL_VALUES, METRIC_NAMES, METRICS_STATE_FILE, SHARD_STATE_FILE, check_table_name
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.core.table import READ_COUNTERS
@@ -146,7 +146,7 @@ class ShardActor:
             if self.doorbell is not None:
                 self.doorbell.close()
             raise
-        self.metrics.serve(self.address.rsplit(":", 1)[0])
+        self.metrics.serve(self.address.rsplit(":", 1)[0], self.store.dir / METRICS_STATE_FILE if self.store else None)
         if self.restarted and coordinator:
             import ray
 
