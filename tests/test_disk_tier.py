@@ -978,6 +978,13 @@ def test_a_logged_write_that_fails_to_apply_says_the_restart_applies_it(tmp_path
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
     assert err.value.details().endswith("; this write is in the table's write-ahead log, so the shard's restart "
                                         "applies it: do not send it again"), err.value.details()
+    # a checkpoint now would record the log's end past that write, and the restart would skip it (an
+    # acknowledged write lost: a hunt): refused until the restart rebuilt the table
+    from memserver.api.errors import FailedPreconditionError
+
+    with pytest.raises(FailedPreconditionError, match="table 'd' on shard 0: a logged write failed to apply .* a "
+                                                      "checkpoint now would keep that state: restart the shard"):
+        shard.checkpoint_table("d", str(tmp_path / "ck"), 1)
     shard.stop()
     again = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
     try:

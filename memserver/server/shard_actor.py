@@ -527,6 +527,12 @@ class ShardActor:
             raise TableNotFoundError(f"table {name!r} does not exist on shard {self.index}")
         if sl.unavailable:
             raise DataLossError(f"table {name!r} on shard {self.index}: {sl.unavailable}")
+        if sl.write_failure:  # the table is not what its log and acknowledgements say: a checkpoint of it would
+            # record the log's end past the write that failed, and a restart would skip it (an acknowledged
+            # step lost: a hunt), or keep a write applied half (without a log) as if it were whole
+            raise FailedPreconditionError(f"table {name!r} on shard {self.index}: {sl.write_failure}; a checkpoint "
+                                          "now would keep that state: restart the shard (its checkpoint and log "
+                                          "rebuild the table), then checkpoint")
         if (check := getattr(sl.table, "check_files", None)) is not None:
             check()  # a disk table's damaged file: refused before any file of the checkpoint is written
         if sl.held:  # (its siblings may still hold writes its checkpoint lacks: not one snapshot yet)
