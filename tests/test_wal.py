@@ -237,6 +237,40 @@ def test_a_checkpoint_then_rotate_is_no_gap(tmp_path):
         list(read_log(tmp_path, 0))
 
 
+def test_a_rotate_and_a_restart_make_what_the_log_holds_durable_before_going_on(tmp_path, monkeypatch):
+    """Two orders a power loss could break (a hunt): `rotate` made the new segment before the old
+    one's tail was fsynced (a torn record then sat before the last segment: the slice unrecoverable),
+    and a restart's log took the segments a killed process had written, never fsynced, as durable
+    (a retry acknowledged from them; then a gap before the new segment). Each is fsynced first now."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_open = os.fsync, os.open
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def opened(path, flags, *args):
+        if flags & os.O_CREAT:
+            events.append(("create", str(path)))
+        return real_open(path, flags, *args)
+
+    wal = WriteAheadLog(tmp_path)
+    wal.append(PUSH_GRADIENTS, b"a")
+    monkeypatch.setattr(walmod.os, "fsync", fsync)
+    monkeypatch.setattr(walmod.os, "open", opened)
+    wal.rotate(None)
+    old, new = str(_segment(tmp_path, 0)), str(_segment(tmp_path, 1))
+    assert events.index(("fsync", old)) < events.index(("create", new)), events
+    wal.append(PUSH_GRADIENTS, b"b")  # (written, not waited for: a process killed now)
+    events.clear()
+    again = WriteAheadLog(tmp_path, 2)  # the restart, after its replay of records 0 and 1
+    assert ("fsync", old) in events and ("fsync", new) in events, events
+    assert events.index(("fsync", new)) < events.index(("create", str(_segment(tmp_path, 2)))), events
+    again.close()
+    monkeypatch.undo()
+    wal.close()
+
+
 def test_damage_before_the_last_segment_is_not_cut(tmp_path):
     _three_segments(tmp_path)
     seg = _segment(tmp_path, 3)

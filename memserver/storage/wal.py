@@ -82,6 +82,15 @@ class WriteAheadLog:
         self._closed = False  # no more appends (close was called)
         self._done = False  # the flusher has exited: nothing more becomes durable
         self._fds_closed = False
+        # what a killed process wrote and never fsynced is durable before anything counts on it: a
+        # restart's replay took those records as on disk (a retry of one was acknowledged from them), and
+        # a power loss then cut them, a gap before the new segment's records (the slice lost: a hunt)
+        for _, path in _segments(self.dir):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         self._fd, self._seg_size = self._open_segment(next_lsn)
         self._thread = threading.Thread(target=self._flush_loop, name=f"wal-{directory.name}", daemon=True)
         self._thread.start()
@@ -235,6 +244,9 @@ class WriteAheadLog:
         with self._cond:
             if self._closed:
                 raise self._closed_error()
+            # the old segment whole on disk before a newer one exists: recovery takes a torn record only
+            # at the end of the last segment (one torn here, before an empty new segment, lost the slice: a hunt)
+            os.fsync(self._fd)
             fd, size = self._open_segment(self.next_lsn)
             self._retired.append(self._fd)
             self._fd, self._seg_size = fd, size
