@@ -597,6 +597,32 @@ def test_a_prepared_step_of_a_client_that_went_away_commits_when_its_session_exp
     assert_same(run.state(), ref.state())
 
 
+def test_the_late_commit_of_a_step_its_sessions_expiry_committed_is_answered_as_applied(pairs):
+    """A client slow past its session's TTL between PREPARE and COMMIT: the shards committed its
+    prepared step (presumed commit), then its COMMIT was refused "not prepared (aborted, or lost in
+    a restart?)", though applied; a trainer taking that at its word and sending the step again
+    applies it twice (a hunt). It is answered as applied, as drop-steps' commits are, and a
+    restart's replay remembers the same."""
+    run, ref = pairs("run", session_ttl=2.0), pairs("ref")
+    for p in (ref, run):
+        train_step(p.client, 1, (1,))
+        send_part(p.client, 2, 2)
+    plan = ops.commit_step_plan(run.client.aio.session, NAME, 2, 2)
+    make, tags, _ = next(plan)
+    voted = run.client._call(NAME, make, tags)  # PREPARE on both; then the client stalls past its TTL
+    time.sleep(3.0)
+    train_step(run.new_client("other"), 1, (4,))  # each shard's next write decides: presumed commit
+    make, tags, _ = plan.send(voted)
+    with pytest.raises(StopIteration):
+        plan.send(run.client._call(NAME, make, tags))  # the late COMMIT: answered, not refused
+    ref.client.commit_step(NAME, 2)
+    train_step(ref.new_client("other"), 1, (4,))
+    assert_same(run.state(), ref.state())
+    run.restart(1)
+    assert not run.slice(1).drop_committed  # (the replay remembers it and its answered COMMIT forgets it, as live)
+    assert_same(run.state(), ref.state())
+
+
 @pytest.mark.parametrize("defer", [False, True], ids=["now", "defer_apply"])
 def test_a_sync_table_applies_the_mean_once_every_trainer_committed(pairs, defer):
     """Two data-parallel trainers on a sync_updates table, each committing in two phases (with

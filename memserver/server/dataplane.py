@@ -382,7 +382,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             checked: list[Callable[[], Callable[[], int] | None]] = []
 
             def check() -> None:
-                checked.append(sl.step_phase(request.phase, request.step, client, seqs, request.parts, request.drop_step))
+                checked.append(sl.step_phase(request.phase, request.step, client, seqs, request.parts, request.drop_step,
+                                             presumed=bool(request.contributor)))
 
             def apply() -> int:  # once() ran check() first, also when replaying the log
                 if request.phase == pb.STEP_DROP_OPEN:  # (steps dropped, contributions committed first): one

@@ -270,13 +270,22 @@ class TableSlice:
             log.warning("table %s: step %d: client %s went away between PREPARE and COMMIT; committing its "
                         "prepared contribution", self.spec.name, step, client)
         self._log(COMMIT_STEP, pb.CommitStepRequest(table=self.spec.name, step=step, phase=phase, contributor=client))
-        update = self.step_phase(phase, step, client, [])()
+        update = self.step_phase(phase, step, client, [], presumed=True)()
         try:
             if update is not None:
                 update()
         except Exception as exc:
             self.fail_writes(self._apply_failed(exc))
             raise
+
+    def _presumed_commit(self, step: int, client: str) -> Callable[[], int] | None:
+        """Commit an expired client's prepared contribution, and remember the pair for its late
+        COMMIT (drop_committed, bounded by DROP_COMMITTED_KEPT), as drop-steps does."""
+        update = self.commit(step, client)
+        self.drop_committed[(step, client)] = None
+        for key in list(self.drop_committed)[:-DROP_COMMITTED_KEPT]:
+            del self.drop_committed[key]
+        return update
 
     def _apply_failed(self, exc: BaseException) -> str:
         """Why writes stop after `exc` interrupted a write: logged (the log holds it, memory does not)
@@ -353,11 +362,12 @@ class TableSlice:
             self.drop_committed.pop((step, client), None)
         return got.setdefault(client, Contribution())
 
-    def step_phase(self, phase: int, step: int, client: str, seqs: list[int], count: int = 0, drop: bool = False
-                   ) -> Callable[[], Callable[[], int] | None]:
+    def step_phase(self, phase: int, step: int, client: str, seqs: list[int], count: int = 0, drop: bool = False,
+                   presumed: bool = False) -> Callable[[], Callable[[], int] | None]:
         """Check one phase of closing `client`'s contribution to `step` (raising, nothing
         changed) and return the function that applies it; that function returns the row update
-        to run now (commit) or None."""
+        to run now (commit) or None. `presumed`: the shard's own COMMIT of an expired client's
+        prepared step (logged with its `contributor`), remembered as drop-steps' commits are."""
         c = self.steps.get(step, {}).get(client)
         where = f"table {self.spec.name}: step {step}: client {client}"
         if phase in (pb.STEP_PREPARE, pb.STEP_PREPARE_COMMIT):
@@ -390,6 +400,8 @@ class TableSlice:
             if c is None or not c.prepared or c.committed:
                 why = "committed already" if c is not None and c.committed else f"not prepared (aborted, or {self._lost()})"
                 raise FailedPreconditionError(f"{where}: cannot commit on shard {self.info.index}: the step is {why}")
+            if presumed:  # its client's late COMMIT is answered as applied (it was refused "not prepared",
+                return lambda: self._presumed_commit(step, client)  # and a client sending it again applies it twice: a hunt)
             return lambda: self.commit(step, client)
         if phase == pb.STEP_ABORT:
             if c is not None and c.committed:
