@@ -597,6 +597,27 @@ def test_a_prepared_step_of_a_client_that_went_away_commits_when_its_session_exp
     assert_same(run.state(), ref.state())
 
 
+def test_a_client_id_back_after_its_session_expired_replays_as_it_was_taken(pairs):
+    """A client id used again after its session expired (a trainer restarted with a fixed id): its
+    writes, seq 1 again, were taken live as a new client's; the log's replay, which expires no
+    session, refused them as late duplicates and the slice was lost (DATA_LOSS) at the shard's next
+    restart (a hunt). The replay takes them as they were taken."""
+    run, ref = pairs("run", session_ttl=2.0), pairs("ref")
+    for step in (1, 2):
+        train_step(run.client, step, (step,))
+        train_step(ref.client, step, (step,))
+    time.sleep(3.0)
+    train_step(run.new_client("other"), 3, (4,))  # the next write expires the idle session
+    train_step(ref.new_client("other"), 3, (4,))
+    again = run.new_client("trainer")  # the same id, its writes from seq 1
+    train_step(again, 4, (5,))
+    train_step(ref.client, 4, (5,))
+    assert_same(run.state(), ref.state())
+    for i in (0, 1):
+        run.restart(i)
+    assert_same(run.state(), ref.state())
+
+
 def test_the_late_commit_of_a_step_its_sessions_expiry_committed_is_answered_as_applied(pairs):
     """A client slow past its session's TTL between PREPARE and COMMIT: the shards committed its
     prepared step (presumed commit), then its COMMIT was refused "not prepared (aborted, or lost in

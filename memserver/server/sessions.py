@@ -86,6 +86,12 @@ class Sessions:
         now = time.time()
         if len(tag.client_id) > MAX_CLIENT_ID:
             raise InvalidArgumentError(f"tag: a client id of {len(tag.client_id):,} characters, at most {MAX_CLIENT_ID}")
+        if replaying and s is not None and (tag.seq in s.answers or tag.seq < s.acked_below):
+            # logged, so accepted live, where this seq would have been a duplicate: the session had expired
+            # there (expiry is not logged, nor replayed) and the id came back as a new client's. A replay
+            # that refused it lost the slice (DATA_LOSS), or skipped it as a duplicate (a hunt): anew here too
+            self._drop(tag.client_id)
+            s = None
         if s is None:
             # (the idle ones expired first by the caller, which decides their open steps: TableSlice.once;
             # expired here, they were dropped with their prepared steps left undecided: a review)
