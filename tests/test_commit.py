@@ -597,6 +597,26 @@ def test_a_prepared_step_of_a_client_that_went_away_commits_when_its_session_exp
     assert_same(run.state(), ref.state())
 
 
+def test_past_the_open_steps_bound_a_step_prepared_and_undecided_is_not_the_one_dropped(pairs, monkeypatch):
+    """A new step past MAX_OPEN_STEPS dropped the oldest whole, a step prepared on both shards and
+    waiting for its COMMIT among them: dropped on one shard, committed on the other (a hunt). The
+    oldest step not waiting for a decision goes instead."""
+    import memserver.server.slice as slice_mod
+
+    run = pairs("run")
+    monkeypatch.setattr(slice_mod, "MAX_OPEN_STEPS", 2)
+    send_part(run.client, 1, 1)
+    plan = ops.commit_step_plan(run.client.aio.session, NAME, 1, 1)
+    make, tags, _ = next(plan)
+    voted = run.client._call(NAME, make, tags)  # step 1 prepared on both shards
+    send_part(run.new_client("b"), 2, 2)
+    send_part(run.new_client("c"), 3, 3)  # a third step: one goes
+    assert [sorted(run.slice(i).steps) for i in (0, 1)] == [[1, 3], [1, 3]]
+    make, tags, _ = plan.send(voted)
+    with pytest.raises(StopIteration):
+        plan.send(run.client._call(NAME, make, tags))  # committed on both
+
+
 def test_a_client_id_back_after_its_session_expired_replays_as_it_was_taken(pairs):
     """A client id used again after its session expired (a trainer restarted with a fixed id): its
     writes, seq 1 again, were taken live as a new client's; the log's replay, which expires no

@@ -347,11 +347,14 @@ class TableSlice:
     def _contribution(self, step: int, client: str) -> Contribution:
         """`client`'s contribution to `step`, made if new: a drop's commit of that pair is past then
         (a COMMIT of it is this contribution's, never answered from `drop_committed`). A new step
-        past MAX_OPEN_STEPS drops the oldest other one: a trainer vanished, said rather than grown
+        past MAX_OPEN_STEPS drops the oldest other one not waiting for a decision here: a trainer vanished, said rather than grown
         for ever (by a part or by a commit alone: a sync table's shard that a trainer only
         committed to kept a step per commit, without end: a review)."""
         if step not in self.steps and len(self.steps) >= MAX_OPEN_STEPS:
-            old = min(self.steps)
+            # not a step prepared here and waiting for its decision: the other shards may commit it (it was
+            # dropped here alone, committed on the others: a hunt); the oldest such only if every one is
+            undecided = {st for st, got in self.steps.items() if any(c.prepared and not c.committed for c in got.values())}
+            old = min((st for st in self.steps if st not in undecided), default=min(self.steps))
             log.error("table %s: dropping unfinished step %d (contributions from %d client(s))", self.spec.name, old,
                       len(self.steps[old]))
             del self.steps[old]
