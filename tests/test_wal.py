@@ -383,3 +383,14 @@ def test_reading_a_large_log_holds_one_record_at_a_time(tmp_path):
         tracemalloc.stop()
     assert n == 50
     assert peak < 5 * 2**20, f"peak {peak / 2**20:.1f} MiB while reading a 50 MiB log"
+
+
+def test_the_logs_counters_count_what_this_process_appended(tmp_path):
+    """The metrics' records, bytes and fsyncs of a log count alike, from this process's start: the
+    records counter read the log's position, so after a restart it said 3 records beside 0 bytes
+    and 0 fsyncs (a hunt)."""
+    wal = WriteAheadLog(tmp_path, 3)  # a restart's log, 3 records replayed
+    assert (wal.records_written, wal.bytes_written, wal.syncs) == (0, 0, 0)
+    wal.durable(wal.append(PUSH_GRADIENTS, b"abc")).result()
+    assert wal.records_written == 1 and wal.next_lsn == 4 and wal.bytes_written > 0 and wal.syncs >= 1
+    wal.close()

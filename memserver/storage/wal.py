@@ -72,7 +72,8 @@ class WriteAheadLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.next_lsn = next_lsn  # the lsn the next record gets
         self.durable_lsn = next_lsn  # every record below this is on disk
-        self.bytes_written = 0
+        self.bytes_written = 0  # by this process (as `records_written` and `syncs`: the metrics' counters)
+        self.records_written = 0
         self.syncs = 0
         self._cond = threading.Condition()
         self._waiters: list[tuple[int, Future[None]]] = []
@@ -133,6 +134,7 @@ class WriteAheadLog:
             self._seg_size = start + len(record)
             self.next_lsn = lsn + 1
             self.bytes_written += len(record)
+            self.records_written += 1
             self._cond.notify_all()
             return lsn
 
