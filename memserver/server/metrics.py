@@ -3,7 +3,8 @@ status` lists the URLs). Each server process (the coordinator and each shard) ha
 registry and HTTP server, on the host its gRPC server binds.
 
 Per call, on every server (`ServerMetrics`, the `CallMetrics` the interceptors of
-memserver.server.grpcserver record into): a counter by method, table and status code and a
+memserver.server.grpcserver record into): a counter by method, table (a data-plane call's; ""
+for the coordinator's control calls) and status code and a
 latency histogram by method, as the server sees it (from its request read to its answer),
 and a counter of calls refused for their token, by method and code. A shard (`ShardMetrics`)
 adds, per table slice, read at scrape time: rows, bytes, client sessions and the answers kept
@@ -53,7 +54,8 @@ class ServerMetrics:
 
     def __init__(self, tables: Callable[[], Container[str]]) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("memserver_requests", "Requests answered, by method, table and gRPC status",
+        self.requests = Counter("memserver_requests", "Requests answered, by method, table (a data-plane "
+                                "call's; empty for control calls) and gRPC status",
                                 ["method", "table", "code"], registry=self.registry)
         self.latency = Histogram("memserver_request_seconds", "Server-side time from request to answer",
                                  ["method"], buckets=BUCKETS, registry=self.registry)
@@ -306,7 +308,9 @@ class _TableCollector:
                                  labels=["table"])
         triggers = GaugeMetricFamily("memserver_trigger_slots", "Slots holding trigger contexts (value tables)",
                                      labels=["table"])
-        nbytes = GaugeMetricFamily("memserver_table_bytes", "Bytes of values and optimizer state", labels=["table"])
+        nbytes = GaugeMetricFamily("memserver_table_bytes", "Bytes the slice holds in memory: values, optimizer "
+                                   "state and slot statistics (a disk table: its row cache and read counters)",
+                                   labels=["table"])
         wal_records = CounterMetricFamily("memserver_wal_records", "Write-ahead log records appended", labels=["table"])
         wal_bytes = CounterMetricFamily("memserver_wal_bytes", "Write-ahead log bytes appended", labels=["table"])
         wal_syncs = CounterMetricFamily("memserver_wal_fsyncs", "Write-ahead log fsyncs (one per group commit)",
