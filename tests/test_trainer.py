@@ -1006,8 +1006,8 @@ def test_a_resume_evaluates_and_logs_as_its_checkpoint_did(tmp_path, caplog):
         args.given = given_flags(parser, argv)
         return args
 
-    assert TINY[-8:-2] == ["--eval-every", "5", "--eval-iters", "2", "--log-every", "1"]
-    common = [*TINY[:-8], *TINY[-2:], "--memory", "local", "--seed", "4"]
+    assert BASE[-8:-2] == ["--eval-every", "5", "--eval-iters", "2", "--log-every", "1"]
+    common = [*BASE[:-8], *BASE[-2:], *PKM, "--memory", "local", "--seed", "4"]
     how = ["--eval-every", "2", "--eval-iters", "3", "--log-every", "2"]
     whole = list(train(build_parser().parse_args([*common, *how, "--steps", "6"])))
     list(train(build_parser().parse_args([*common, *how, "--steps", "2", "--checkpoint-dir", str(tmp_path)])))
