@@ -100,12 +100,33 @@ NOT_PICKLED = ("a {} holds connections to the memory cluster and threads, so it 
 MAX_TABLE_MAPS = 1024
 
 
+def _cancelling() -> bool:
+    """Whether the running task was cancelled by someone (its `cancelling()` count), rather than
+    its call ended under it."""
+    task = asyncio.current_task()
+    return bool(task is not None and task.cancelling())
+
+
+class ClosedMidCall(FailedPreconditionError):
+    """A call the client's close() ended in flight; `write`: said as a write (it may have applied)."""
+
+    def __init__(self, message: str, write: bool) -> None:
+        super().__init__(message)
+        self.write = write
+
+
 def _closed_mid_call(tags: WriteTags | None) -> FailedPreconditionError:
     """The error of a call the client's close() ended in flight (a bare CancelledError reached
     callers that cancelled nothing, a walkthrough's, and the writes among them had been applied)."""
     may = ("; as a write, it may have been applied by the shards it reached (sent again by a new client, it is a new "
            "write: it may apply twice)" if tags is not None else "")
-    return FailedPreconditionError(f"the client was closed while this call was in flight{may}")
+    return ClosedMidCall(f"the client was closed while this call was in flight{may}", tags is not None)
+
+
+def as_the_write(exc: MemserverError, tags: WriteTags | None) -> MemserverError:
+    """A write's error where a call inside it (its table's map, asked again) was ended by close():
+    said as the write's (it may have applied), not as that inner call's."""
+    return _closed_mid_call(tags) if isinstance(exc, ClosedMidCall) and tags is not None and not exc.write else exc
 
 
 def ended_by_close(outcome: Any) -> bool:
@@ -370,7 +391,15 @@ class AsyncMemoryClient:
         stub = pb_grpc.ControlPlaneStub(self._channel(self.endpoint))
         try:
             return await getattr(stub, method)(request, timeout=self.timeout)
+        except asyncio.CancelledError:
+            # close() ended it (grpc.aio cancels its calls): said as the data calls say it, not as a
+            # cancellation of a task no one cancelled (a hunt); a task cancelled by its caller stays so
+            if self._closed and not _cancelling():
+                raise _closed_mid_call(None) from None
+            raise
         except grpc.aio.AioRpcError as err:
+            if self._closed and err.code() == grpc.StatusCode.CANCELLED:
+                raise _closed_mid_call(None) from None
             where = f"coordinator {self.endpoint}"
             details = err.details() or ""
             if err.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem(details) and NOT_HTTP2 not in details \
@@ -469,6 +498,8 @@ class AsyncMemoryClient:
 
     async def table(self, name: str, *, refresh: bool = False) -> TableMeta:
         """The table's metadata and shard map (cached; `refresh` asks the coordinator again)."""
+        if self._closed:  # (the cached map answered after close, as no other call does)
+            raise FailedPreconditionError(CLOSED)
         if refresh or name not in self._tables:
             info = await self._read_control("GetShardMap", pb.GetShardMapRequest(name=name))
             self._tables[name] = TableMeta.from_proto(info)
@@ -613,6 +644,8 @@ class AsyncMemoryClient:
         try:
             return await self._with_table(table, run, tags, retry)
         except MemserverError as exc:
+            if (said := as_the_write(exc, tags)) is not exc:
+                raise said from None
             if applied is not None:
                 applied.say(exc)
             raise

@@ -21,7 +21,16 @@ from typing import Any, TypeVar
 import grpc
 
 from client import ops, transport
-from client.aio import DROPS_AGAIN, NOT_PICKLED, AppliedBy, AsyncMemoryClient, Backoff, _closed_mid_call, ended_by_close
+from client.aio import (
+    DROPS_AGAIN,
+    NOT_PICKLED,
+    AppliedBy,
+    AsyncMemoryClient,
+    Backoff,
+    _closed_mid_call,
+    as_the_write,
+    ended_by_close,
+)
 from client.channels import sync_channel
 from client.ops import Op, WriteTags, finish, like
 from memserver.api.errors import (
@@ -86,7 +95,12 @@ class MemoryClient:
         if self._closed:
             coro.close()  # never started: no "was never awaited" warning
             self._check_open()
-        return self._loop.call(coro)
+        try:
+            return self._loop.call(coro)
+        except concurrent.futures.CancelledError:
+            if self._closed:  # close() stopped the loop under it: said as a data call says it (it was a bare
+                raise _closed_mid_call(None) from None  # CancelledError: a hunt)
+            raise
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Run `coro` on the client's loop without waiting; close() waits for it."""
@@ -220,7 +234,14 @@ class MemoryClient:
             if self._closed:  # close() stopped the loop under this call: a bare CancelledError reached the caller
                 raise _closed_mid_call(tags) from None
             raise
+        except ValueError as exc:  # grpc's "Cannot invoke RPC: Channel closed!": close() closed a channel between
+            # this call's stub and its invocation (a raw ValueError reached the caller: a hunt)
+            if self._closed and not isinstance(exc, MemserverError):
+                raise _closed_mid_call(tags) from None
+            raise
         except MemserverError as exc:
+            if (said := as_the_write(exc, tags)) is not exc:
+                raise said from None
             if applied is not None:
                 applied.say(exc)
             raise

@@ -31,6 +31,11 @@ class LoopThread:
         """Run `coro` on the loop and wait for its result (from any other thread). A wait that
         ends without it (Ctrl-C, `timeout`) cancels it: it went on unseen (a blocking client's
         retries, sent after the caller had given up and decided otherwise: a review)."""
+        if threading.current_thread() is self.thread:  # (a future's done-callback runs there): it would wait
+            if asyncio.iscoroutine(coro):  # for itself, for ever, and every other caller with it (a hunt)
+                coro.close()
+            raise RuntimeError(f"a blocking call on the event-loop thread {self.thread.name} (from a done-callback of "
+                               "a submitted call?) would wait for that thread itself; make it from another thread")
         fut = self.submit(coro)
         try:
             return fut.result(timeout)

@@ -404,3 +404,84 @@ def test_a_table_a_shard_cannot_load_its_slice_of_answers_data_loss(tmp_path):
             c.lookup("t", [1])
         RemoteValues(c, "t", 64, 4)
         assert c.table("t").num_rows == 64
+
+
+def test_control_calls_in_flight_when_their_client_closes_say_so(monkeypatch):
+    """close() while a list_tables (or status, create, ...) waits for the coordinator: the blocking
+    client raised a bare concurrent.futures.CancelledError, the asyncio client an
+    asyncio.CancelledError in a task no one cancelled (a hunt). Each says the client was closed
+    while the call was in flight, as the data calls do; the asyncio client's cached table map is
+    refused after close too."""
+    import asyncio
+    import threading
+
+    from client import AsyncMemoryClient, FailedPreconditionError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.server.coordinator import ControlPlaneServicer
+
+    real = ControlPlaneServicer.ListTables
+
+    async def slow(self, request, context):  # (bound as the server starts: patched on the class before)
+        await asyncio.sleep(3)
+        return await real(self, request, context)
+
+    monkeypatch.setattr(ControlPlaneServicer, "ListTables", slow)
+    with InProcessServer(1) as server:
+        c = MemoryClient(server.endpoint, timeout=30, shm=False)
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(err=_raised(c.list_tables)))
+        t.start()
+        time.sleep(0.5)
+        c.close()
+        t.join(10)
+        assert isinstance(got["err"], FailedPreconditionError), repr(got["err"])
+        assert "the client was closed while this call was in flight" in str(got["err"])
+
+        async def main():
+            a = AsyncMemoryClient(server.endpoint, timeout=30, shm=False)
+            task = asyncio.ensure_future(a.list_tables())
+            await asyncio.sleep(0.5)
+            await a.close()
+            (err,) = await asyncio.gather(task, return_exceptions=True)
+            return err, await asyncio.gather(a.table("anything"), return_exceptions=True)
+
+        err, (after,) = asyncio.run(main())
+        assert isinstance(err, FailedPreconditionError) and "closed while this call was in flight" in str(err), repr(err)
+        assert isinstance(after, FailedPreconditionError) and "this client is closed" in str(after), repr(after)
+
+
+def _raised(fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - what the call ended with
+        return exc
+    return None
+
+
+def test_a_data_call_whose_channel_close_closed_under_it_says_so():
+    """close() from another thread closes the channels between a call's stub and its invocation:
+    grpc raised a raw ValueError ("Cannot invoke RPC: Channel closed!") to the caller (a hunt).
+    Said as the other calls close ended: closed while in flight."""
+    import pytest
+
+    from client import FailedPreconditionError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, timeout=30, shm=False) as c:
+        c.create_table("t", 8, 4)
+        c.lookup("t", [1])
+        real = c._methods
+
+        def closing(address):  # close() closes the channel here, after the stub was taken
+            c._closed = True
+
+            def invoke(*args, **kwargs):
+                raise ValueError("Cannot invoke RPC: Channel closed!")
+
+            invoke.future = invoke
+            return {name: invoke for name in real(address)}
+
+        c._methods = closing
+        with pytest.raises(FailedPreconditionError, match="the client was closed while this call was in flight"):
+            c.lookup("t", [1])
+        c._methods, c._closed = real, False

@@ -169,3 +169,35 @@ def test_the_async_clients_close_returns_once_its_calls_heard_their_end() -> Non
             return [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and _grpc_call_task(t)]
 
         assert asyncio.run(session()) == []
+
+
+def test_a_blocking_call_from_the_loops_own_thread_is_refused_not_a_hang() -> None:
+    """A submitted call's done-callback runs on the loop's thread; a blocking client call made
+    there waited for that thread itself: it hung for ever, and every other caller with it (a
+    hunt). Refused, and the loop goes on."""
+    import concurrent.futures
+
+    from memserver.loop import LoopThread
+
+    lt = LoopThread("test-own-thread")
+    try:
+        said: concurrent.futures.Future = concurrent.futures.Future()
+
+        async def noop() -> int:
+            return 1
+
+        def callback(_f: object) -> None:
+            try:
+                lt.call(noop())
+            except RuntimeError as exc:
+                said.set_result(str(exc))
+
+        async def later() -> int:  # (done before add_done_callback, the callback would run on this thread)
+            await asyncio.sleep(0.3)
+            return 1
+
+        lt.submit(later()).add_done_callback(callback)
+        assert "would wait for that thread itself; make it from another thread" in said.result(10)
+        assert lt.call(noop(), timeout=10) == 1
+    finally:
+        lt.stop()
