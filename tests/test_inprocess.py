@@ -485,3 +485,32 @@ def test_a_data_call_whose_channel_close_closed_under_it_says_so():
         with pytest.raises(FailedPreconditionError, match="the client was closed while this call was in flight"):
             c.lookup("t", [1])
         c._methods, c._closed = real, False
+
+
+def test_a_drop_that_misses_a_shard_says_what_it_did_and_a_drop_again_ends_it(monkeypatch):
+    """A drop while a shard's host was lost answered "dropping 'w' failed: a shard is unavailable",
+    though the name had left the catalog: a drop again was NOT_FOUND, and the slice, back with its
+    shard, refused a create of the name (a hunt). It says so now, and how to finish: a drop of the
+    name once the shard serves again."""
+    import pytest
+
+    from client import MemoryClient, UnavailableError
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=30, shm=False, retry_seconds=1) as c:
+        c.create_table("w", 16, 4, num_shards=2)
+        real = server.shards[1].drop_table
+
+        def lost(name):
+            raise UnavailableError("shard 1: restarting (a test)")
+
+        monkeypatch.setattr(server.shards[1], "drop_table", lost)
+        with pytest.raises(UnavailableError, match=r"table 'w' is dropped from the catalog and from every other shard: "
+                                                   r"shard\(s\) \[1\] keep their slice until a drop of the name once "
+                                                   r"they serve again \(memserver drop-table w\)"):
+            c.drop_table("w")
+        assert "w" not in {t.name for t in c.list_tables()}
+        monkeypatch.setattr(server.shards[1], "drop_table", real)
+        c.drop_table("w")  # (the slice the shard kept: dropped)
+        assert "w" not in server.shards[1].servicer.tables
+        c.create_table("w", 16, 4, num_shards=2)

@@ -485,7 +485,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             log.error("table %s: shards %s did not drop their slices of an older layout: drop the name again "
                       "(memserver drop-table %s), or they come back as the table when the catalog is rebuilt",
                       name, kept, name)
-        _raise_refusal(got[: len(order)], f"dropping {name!r}")  # (a lost shard: UNAVAILABLE)
+        try:
+            _raise_refusal(got[: len(order)], f"dropping {name!r}")  # (a lost shard: UNAVAILABLE)
+        except MemserverError as exc:  # (the name is out of the catalog already: it said "failed", and a drop
+            # again was NOT_FOUND while the slice came back with its shard, holding the name: a hunt)
+            missed = sorted(j for j, r in zip(order, got) if isinstance(r, BaseException))
+            raise type(exc)(f"{exc.details}; table {name!r} is dropped from the catalog and from every other shard: "
+                            f"shard(s) {missed} keep their slice until a drop of the name once they serve again "
+                            f"(memserver drop-table {name}), or a create or restore of it with replace") from None
         async with self.lock:
             self.epoch += 1
         log.info("dropped table %s", name)
