@@ -347,9 +347,9 @@ class TableSlice:
     def _contribution(self, step: int, client: str) -> Contribution:
         """`client`'s contribution to `step`, made if new: a drop's commit of that pair is past then
         (a COMMIT of it is this contribution's, never answered from `drop_committed`). A new step
-        past MAX_OPEN_STEPS drops the oldest other one not waiting for a decision here: a trainer vanished, said rather than grown
-        for ever (by a part or by a commit alone: a sync table's shard that a trainer only
-        committed to kept a step per commit, without end: a review)."""
+        past MAX_OPEN_STEPS drops the oldest other one not waiting for a decision here: a trainer
+        vanished, said rather than grown for ever (by a part or by a commit alone: a sync table's
+        shard that a trainer only committed to kept a step per commit, without end: a review)."""
         if step not in self.steps and len(self.steps) >= MAX_OPEN_STEPS:
             # not a step prepared here and waiting for its decision: the other shards may commit it (it was
             # dropped here alone, committed on the others: a hunt); the oldest such only if every one is
@@ -403,8 +403,8 @@ class TableSlice:
             if c is None or not c.prepared or c.committed:
                 why = "committed already" if c is not None and c.committed else f"not prepared (aborted, or {self._lost()})"
                 raise FailedPreconditionError(f"{where}: cannot commit on shard {self.info.index}: the step is {why}")
-            if presumed:  # its client's late COMMIT is answered as applied (it was refused "not prepared",
-                return lambda: self._presumed_commit(step, client)  # and a client sending it again applies it twice: a hunt)
+            if presumed:  # its client's late COMMIT is answered as applied (it was refused "not prepared", and
+                return lambda: self._presumed_commit(step, client)  # a client sending it again applied it twice)
             return lambda: self.commit(step, client)
         if phase == pb.STEP_ABORT:
             if c is not None and c.committed:
