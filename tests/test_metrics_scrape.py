@@ -530,6 +530,7 @@ def test_a_restarted_servers_metrics_come_back_on_their_port(tmp_path):
     assert urllib.request.urlopen(f"http://{at}/metrics", timeout=10).status == 200
     again.stop()
     with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (the scrape's connection may be in TIME_WAIT)
         squatter.bind(("127.0.0.1", int(at.rsplit(":", 1)[1])))
         squatter.listen()
         moved = ServerMetrics(lambda: set())
