@@ -104,7 +104,7 @@ def _cancelling() -> bool:
     """Whether the running task was cancelled by someone (its `cancelling()` count), rather than
     its call ended under it."""
     task = asyncio.current_task()
-    return bool(task is not None and task.cancelling())
+    return bool(task is not None and getattr(task, "cancelling", lambda: 0)())  # (Python 3.11+; older: never)
 
 
 class ClosedMidCall(FailedPreconditionError):
