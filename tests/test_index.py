@@ -925,7 +925,7 @@ def test_an_index_bounds_its_widths_and_a_first_row_takes_little_room():
 def test_an_hnsw_slice_loaded_from_its_state_answers_as_the_slice_it_was(factory):
     """faiss draws a node's level from the graph's generator, which it does not save: a slice
     loaded from a checkpoint (a restart's replay of its log, a restore) drew other levels for the
-    same adds, and 15% of a search's ids differed from the slice that never stopped (a hunt)."""
+    same adds, and a search's ids differed from the slice that never stopped (a hunt)."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3000, 16)).astype(np.float32)
 

@@ -1274,9 +1274,7 @@ def _memory_flags(given: frozenset[str]) -> list[str]:
     return ["/".join(flags) for flags in named.values()]
 
 
-#: The flags (dests) whose memory setting (a _KIND_KEYS key) has another name, and the KIF
-#: source's build flags, which no setting records.
-_DEST_OF_KEY = {"query_bn": "no_query_bn", "engram_conv": "no_engram_conv"}
+#: The KIF source's build flags, which no memory setting records.
 _KIF_BUILD = ("kif_encoder", "kif_sentences", "kif_knn")
 
 
@@ -1284,7 +1282,7 @@ def _other_kinds_flags(given: frozenset[str], kinds: set[str]) -> list[str]:
     """The flags among `given` that only memory kinds outside `kinds` read (a run with --lsh-bits
     and product keys alone trained on, the flag unread: a hunt), as the command line names them.
     --mem-plus and --kif-source have their own messages (check_flags, setup)."""
-    readers = {_DEST_OF_KEY.get(k, k): users for k, users in _KIND_KEYS.items() if k not in ("mem_plus", "kif_sources")}
+    readers = {_SHAPE_FLAGS[k][0]: users for k, users in _KIND_KEYS.items() if k not in ("mem_plus", "kif_sources")}
     readers.update(dict.fromkeys(_KIF_BUILD, ("kif",)))
     flags = {a.dest: a.option_strings[-1] for a in build_parser()._actions}
     return [flags[d] for d, users in readers.items() if d in given and not kinds & set(users)]

@@ -94,15 +94,18 @@ def _flag_or_config(args: argparse.Namespace, cfg: dict[str, Any], key: str, def
 
 def running_cluster() -> dict[str, Any] | None:
     """The endpoint record of a `memserver up` still running; None if none is. One that was
-    killed: what it left running is stopped here (reap_leftovers), before a new one starts."""
+    killed: what it left running is stopped here (reap_leftovers), before a new one starts. A record
+    no `up` wrote (a join-info file placed there, which `up` would write over) is refused."""
     from memserver.cluster.endpoint import read_endpoint, up_exited, up_record_file
 
     try:  # (not .exists() first: a $MEMSERVER_HOME that is a file is said by read_endpoint)
         rec = read_endpoint(up_record_file())
     except FileNotFoundError:
         return None
-    if not isinstance(rec.get("pid"), int):  # (not a record `up` wrote: nothing of it runs here)
-        return None
+    if "pid" not in rec:  # a join-info file placed there: `up` wrote over it
+        raise CliError(f"{up_record_file()} holds the endpoint of a cluster started elsewhere ({rec.get('endpoint')}), "
+                       "not a record of `memserver up`: move it (clients read it through $MEMSERVER_ENDPOINT_FILE), "
+                       "or give this up a MEMSERVER_HOME of its own")
     if rec.get("host") not in (None, socket.gethostname()) or not up_exited(rec):  # (another host's: it may run)
         return rec
     if left := reap_leftovers(rec):
@@ -230,14 +233,9 @@ def _check_config_tables(args: argparse.Namespace, cfg: dict[str, Any], shards: 
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from memserver.cluster.endpoint import read_endpoint, up_record_file
+    from memserver.cluster.endpoint import up_record_file
 
     # first: a killed `up`'s leftovers are stopped even when this one is then refused
-    with contextlib.suppress(FileNotFoundError):
-        if "pid" not in (held := read_endpoint(up_record_file())):  # (a join-info file placed there: overwritten)
-            raise CliError(f"{up_record_file()} holds the endpoint of a cluster started elsewhere "
-                           f"({held.get('endpoint')}), not a record of `memserver up`: move it (clients read it "
-                           "through $MEMSERVER_ENDPOINT_FILE), or give this up a MEMSERVER_HOME of its own")
     if (rec := running_cluster()) is not None:
         if rec.get("host") not in (None, socket.gethostname()):  # (a home shared between hosts)
             raise CliError(f"{up_record_file()} names a memserver started on host {rec['host']} (pid {rec['pid']}, "

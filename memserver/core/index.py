@@ -738,8 +738,8 @@ class VectorIndex:
         elif self._is_hnsw:
             ef = _positive_int(ef_search, "ef_search", MAX_EF_SEARCH) if ef_search is not None else self._ef_search
             # the graph's dead entries take places in the candidate list the selector then skips: a
-            # list as long as it would be over the live entries alone (with a third dead, 197 of 200
-            # hits came back and recall@10 fell from 0.81 to 0.66: a hunt)
+            # list as long as it would be over the live entries alone (live entries were missed and
+            # recall fell with the dead: a hunt)
             ef = max(ef, fetch)
             if self._n_dead:
                 ef = -(-ef * self._n_labels // max(1, self._n_labels - self._n_dead))
