@@ -25,7 +25,10 @@ machine falls on all alike; the first block's first --warmup steps and the first
 later block are not counted. A step's time is wall time from begin_step to the end of end_step.
 Target (issue 26): remote step time at most 2x local. Beside it, per step: the shards' CPU time
 and their context switches (both shard processes, every thread; a switch is a thread put to sleep
-or woken: on few cores, what each hand-off on a call's path costs).
+or woken: on few cores, what each hand-off on a call's path costs), and this process's CPU time,
+all of it and that of its threads other than the one stepping (torch's and numba's OpenMP
+workers, the client's threads): a worker spinning while the step waits for the shards shows
+there as CPU time the step did not use.
 
 On a machine with few cores the trainer's own torch threads matter: libgomp's threads spin on
 the cores for a while after each parallel op (OMP_WAIT_POLICY unset: active), while the shards
@@ -147,24 +150,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         pids = [sh["pid"] for sh in cluster.shard_infos]
 
-        def counters() -> tuple[float, int]:
-            return sum(map(cpu_seconds, pids)), sum(map(context_switches, pids))
+        def counters() -> tuple[float, int, float, float]:
+            # (the steps run on this thread: process_time - thread_time is every other thread of
+            # this process: torch's and numba's pools, the client's)
+            return (sum(map(cpu_seconds, pids)), sum(map(context_switches, pids)), time.process_time(),
+                    time.thread_time())
 
         def recorded(name: str) -> Iterator[dict[str, Any]]:
-            """The run's steps with the shards' CPU and switches since this run's last step: read once
-            a step (a block's first step, which follows another run's, is not counted anyway)."""
+            """The run's steps with the shards' CPU and switches, and this process's CPU, since this
+            run's last step: read once a step (a block's first step, which follows another run's, is
+            not counted anyway)."""
             last = counters()
             while True:
                 rec = next(gens[name])
                 now = counters()
                 rec["shard_cpu_ms"], rec["shard_switches"] = (now[0] - last[0]) * 1e3, now[1] - last[1]
+                rec["cpu_ms"], rec["main_cpu_ms"] = (now[2] - last[2]) * 1e3, (now[3] - last[3]) * 1e3
                 last = now
                 losses[name].append(rec["loss"])
                 yield rec
 
         try:
             counted = round_robin_steps({n: recorded(n) for n in gens}, args.blocks, args.block, args.warmup,
-                                        until=t_end, key="step_ms,shard_cpu_ms,shard_switches")
+                                        until=t_end, key="step_ms,shard_cpu_ms,shard_switches,cpu_ms,main_cpu_ms")
         finally:
             for gen in gens.values():
                 gen.close()
@@ -183,7 +191,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     step_ms = {n: [r[0] for r in v] for n, v in counted.items()}
     res = {n: {"p50_ms": statistics.median(v), "mean_ms": statistics.fmean(v), "min_ms": min(v), "n": len(v),
                "shard_cpu_ms": statistics.fmean(r[1] for r in counted[n]),
-               "shard_switches": statistics.fmean(r[2] for r in counted[n])}
+               "shard_switches": statistics.fmean(r[2] for r in counted[n]),
+               "trainer_cpu_ms": statistics.fmean(r[3] for r in counted[n]),
+               "trainer_other_threads_cpu_ms": statistics.fmean(r[3] - r[4] for r in counted[n])}
            for n, v in step_ms.items()}
     ms = {n: r["p50_ms"] for n, r in res.items()}
     targets = [target("small_model", "remote (doorbell) / local, small model step (ms/step)", ms["remote"] / ms["local"],
@@ -207,11 +217,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"round robin; this process: {torch.get_num_threads()} torch threads, OMP_WAIT_POLICY "
                       f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; remote: 2 shards, 1 thread each")
     for col in ("run", "steps counted", "p50 ms/step", "mean ms/step", "min ms/step", "x local",
-                "shards' CPU ms/step", "shards' context switches/step"):
+                "shards' CPU ms/step", "shards' context switches/step", "this process's CPU ms/step",
+                "of it other threads"):
         tbl.add_column(col, justify="right")
     for n, r in res.items():
         tbl.add_row(n, str(r["n"]), f"{r['p50_ms']:.2f}", f"{r['mean_ms']:.2f}", f"{r['min_ms']:.2f}",
-                    f"{r['p50_ms'] / ms['local']:.2f}", f"{r['shard_cpu_ms']:.2f}", f"{r['shard_switches']:.1f}")
+                    f"{r['p50_ms'] / ms['local']:.2f}", f"{r['shard_cpu_ms']:.2f}", f"{r['shard_switches']:.1f}",
+                    f"{r['trainer_cpu_ms']:.2f}", f"{r['trainer_other_threads_cpu_ms']:.2f}")
     console = Console(width=160)
     console.print(tbl)
     console.print(f"losses over {done} steps: largest difference from local {loss_diff:.2e}; calls by the doorbells: "
