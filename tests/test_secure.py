@@ -160,6 +160,42 @@ def test_join_info_command_writes_mode_0600_and_down_leaves_it(tmp_path):
         del os.environ["MEMSERVER_ENDPOINT_FILE"]
 
 
+def test_join_info_writes_no_token_into_another_users_file_or_through_a_link(tmp_path):
+    """`join-info > FILE` over a file another user made kept it theirs (mode 0600, their owner:
+    they read the token), and `-o LINK` wrote through a link someone left at the path, replacing
+    the link's target (a hunt, both as user nobody in /tmp)."""
+    from memserver.cluster.endpoint import started_at
+
+    up = {"pid": os.getpid(), "pid_start": started_at(os.getpid())}
+    home = tmp_path / "home"
+    write_endpoint({"endpoint": "10.213.0.11:5000", **up, "token": "W"}, home / "endpoint.json")
+    env = {**os.environ, "MEMSERVER_HOME": str(home)}
+    env.pop("MEMSERVER_ENDPOINT_FILE", None)
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text("x")
+    os.chown(theirs, 65534, 65534)  # (the tests run as root: user nobody's file)
+    with open(theirs, "a") as f:
+        r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info"], stdout=f, stderr=subprocess.PIPE,
+                           env=env, cwd=ROOT, text=True, timeout=60)
+    assert r.returncode == 2 and "is nobody's" in r.stderr and "nothing written: use -o FILE" in r.stderr, r.stderr
+    assert theirs.read_text() == "x"
+    twice = tmp_path / "twice.json"
+    twice.write_text("")
+    os.link(twice, tmp_path / "other-name.json")
+    with open(twice, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info"], stdout=f, stderr=subprocess.PIPE,
+                           env=env, cwd=ROOT, text=True, timeout=60)
+    assert r.returncode == 2 and "with 2 names" in r.stderr and twice.read_text() == "", r.stderr
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (tmp_path / "link.json").symlink_to(victim)
+    r = subprocess.run([sys.executable, "-m", "memserver.cli", "join-info", "-o", "link.json"], capture_output=True,
+                       env=env, cwd=tmp_path, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert victim.read_text() == "mine" and not (tmp_path / "link.json").is_symlink()
+    assert json.loads((tmp_path / "link.json").read_text())["token"] == "W"
+
+
 def test_status_groups_shards_by_host_and_shows_a_moved_one():
     from memserver.cli.tables import hosts_of
 

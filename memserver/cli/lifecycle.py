@@ -787,6 +787,15 @@ def _remove_scratch(path: Any) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def _owner(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
 def cmd_join_info(args: argparse.Namespace) -> int:
     """Print (or write, mode 0600) what a client on another host needs; see endpoint.join_info."""
     from memserver.cluster.endpoint import ENDPOINT_FILE_ENV, join_info, live_endpoint, up_record_file, write_endpoint
@@ -809,12 +818,20 @@ def cmd_join_info(args: argparse.Namespace) -> int:
               "start it on an address they reach (MEMSERVER_BIND_HOST=ADDR memserver up --port P; docs/deploy.md)",
               file=sys.stderr)
     if args.output:
-        path = write_endpoint(info, Path(args.output).resolve())  # (the export said works from any folder)
+        # absolute (the export said works from any folder), not resolved: a link at the path is
+        # replaced by the file, never followed (another user's link in /tmp replaced its target)
+        path = write_endpoint(info, Path(args.output).absolute())
         print(f"wrote {path} (mode 0600); on the client's host: export {ENDPOINT_FILE_ENV}={path}", file=sys.stderr)
         return 0
     import stat
 
-    if stat.S_ISREG(os.fstat(sys.stdout.fileno()).st_mode):  # `> file`: the shell made it with its umask
+    out = os.fstat(sys.stdout.fileno())
+    if stat.S_ISREG(out.st_mode):  # `> file`: the shell made it with its umask
+        if out.st_uid != os.geteuid() or out.st_nlink > 1:  # its owner, or another name of it, reads the tokens
+            raise CliError(f"the file standard output writes to is {_owner(out.st_uid)}'s"
+                           f"{'' if out.st_nlink == 1 else f', with {out.st_nlink} names'}: the join-info (the "
+                           "cluster's token) would be theirs to read; nothing written: use -o FILE, which makes a "
+                           "file of your own")
         os.fchmod(sys.stdout.fileno(), 0o600)
     print(json.dumps(info, indent=2), flush=True)
     return 0
