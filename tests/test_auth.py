@@ -64,6 +64,9 @@ def test_a_token_file_in_another_form_is_refused_naming_the_form(tmp_path):
                              ("typo.json", json.dumps({"write": w, "reader": r}), form),
                              ("askey.json", json.dumps({w: "write"}), form + r'.*; this one holds \{"<key 1>": "<string>"\}'),
                              ("bad.json", '{"write": ', "not valid JSON"),
+                             # (a number's or a bool's value was printed: a token written unquoted)
+                             ("number.json", '{"write": 98234759823475982347598234, "read": true, "x": null}',
+                              form + r'.*; this one holds \{"write": "<number>", "read": "<bool>", "<key 3>": "<null>"\}'),
                              ("quoted", f'"{w}"', "not valid JSON|" + form),
                              ("yaml", f"write: {w}\nread: {r}\n", r"the write token holds spaces, quotes or a key"),
                              ("three", f"{w}\n{r}\n{r}\n", "3 lines; " + form)):
@@ -71,7 +74,7 @@ def test_a_token_file_in_another_form_is_refused_naming_the_form(tmp_path):
         (tmp_path / name).chmod(0o600)
         with pytest.raises(ValueError, match=says) as err:
             read_token_file(tmp_path / name)
-        assert w not in str(err.value) and r not in str(err.value)
+        assert w not in str(err.value) and r not in str(err.value) and "982347" not in str(err.value)
 
 
 @pytest.mark.parametrize("tokens, message", [

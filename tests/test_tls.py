@@ -148,6 +148,27 @@ def test_a_key_that_is_not_the_certificates_is_refused_before_anything_starts(tm
 
 
 
+def test_a_tls_key_other_users_may_read_is_warned_of_as_a_token_file_is(tmp_path, caplog):
+    """`up` warned of a token file other local users may read, not of a --tls-key so (a hunt)."""
+    import argparse
+    import logging
+
+    from memserver.cli.lifecycle import _tls
+    from tests.certs import self_signed
+
+    cert, key = self_signed(tmp_path, "a")
+    args = argparse.Namespace(tls_cert=str(cert), tls_key=str(key), tls_ca=None, tls_server_name=None)
+    key.chmod(0o600)
+    with caplog.at_level(logging.WARNING):
+        assert _tls(args).key == str(key)
+    assert "other local users may read" not in caplog.text
+    key.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        _tls(args)
+    assert f"--tls-key {key} has mode 644: other local users may read the servers' private key; chmod 600 it" \
+        in caplog.text
+
+
 def test_a_client_whose_handshake_fails_says_what_to_fix_at_once(tls_server, tmp_path):
     """A client with the wrong CA, one whose certificate names another address, one speaking TLS
     to a plaintext server, or a server whose certificate expired: the handshake fails the same way every time, so the client raises

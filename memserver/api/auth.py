@@ -80,22 +80,28 @@ class AuthConfig:
 
 
 def _shape(obj: Any) -> Any:
-    """What a JSON value holds, its strings hidden (tokens are not for an error message), and its
+    """What a JSON value holds, its scalars hidden (tokens are not for an error message), and its
     keys but "write" and "read" (a token put as a key by mistake)."""
     if isinstance(obj, dict):
         return {(k if k in ("write", "read") else f"<key {i + 1}>"): _shape(v) for i, (k, v) in enumerate(obj.items())}
     if isinstance(obj, list):
         return [_shape(v) for v in obj]
-    return "<string>" if isinstance(obj, str) else obj
+    # every scalar by its type alone: a number, even a bool, may be the token written unquoted
+    return "<null>" if obj is None else f"<{ {str: 'string', bool: 'bool', int: 'number', float: 'number'}[type(obj)]}>"
+
+
+def warn_if_readable(path: str | os.PathLike[str], what: str, holds: str) -> None:
+    """Warn (the log) when other local users may read a secret's file: it is only as secret as the file."""
+    if (mode := Path(path).stat().st_mode) & 0o077:
+        logging.getLogger(__name__).warning("%s %s has mode %o: other local users may read %s; chmod 600 it", what,
+                                            path, mode & 0o777, holds)
 
 
 def read_token_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
     """(write token, read token or None) from a file: a JSON object {"write": ..., "read": ...},
     or the write token on the first line and the read token on an optional second. A file other
     local users may read is said (a warning: the tokens are only as secret as the file)."""
-    if (mode := Path(path).stat().st_mode) & 0o077:
-        logging.getLogger(__name__).warning("token file %s has mode %o: other local users may read its tokens; "
-                                            "chmod 600 it", path, mode & 0o777)
+    warn_if_readable(path, "token file", "its tokens")
     text = Path(path).read_text()
     form = ('a JSON object {"write": "...", "read": "..."} ("read" optional), or the write token on the first '
             "line and the read token on an optional second")

@@ -472,6 +472,7 @@ def _tls(args: argparse.Namespace) -> Any:
         if args.tls_ca or args.tls_server_name:
             raise CliError("--tls-ca and --tls-server-name need --tls-cert and --tls-key")
         return None
+    from memserver.api.auth import warn_if_readable
     from memserver.cluster.secure import check_pair
 
     tls = TlsFiles(str(Path(args.tls_cert).absolute()), str(Path(args.tls_key).absolute()))
@@ -481,6 +482,7 @@ def _tls(args: argparse.Namespace) -> Any:
         _ca(args)
     except ValueError as exc:
         raise CliError(f"--tls-cert/--tls-key: {exc}") from None
+    warn_if_readable(tls.key, "--tls-key", "the servers' private key")  # (as a token file's)
     return tls
 
 
