@@ -1015,3 +1015,41 @@ def test_bell_unit_bounds():
     t.join()
     bell.close()
     server.close()
+
+
+def test_a_connection_that_half_closes_and_reads_nothing_leaves_no_writer_behind(bell_shard, monkeypatch):
+    """A hunt: a peer that sent calls with large answers, shut its side for writing and read nothing
+    ended its connection's serving thread; the writer thread, blocked sending the answers, was
+    joined for 10 s and left, the socket closed under it without a shutdown: one thread and its
+    answers held for good per such connection (4, 7, 10, 13 writers after batches of 3), unseen by
+    the connection bounds and not ended by the region's detach or the doorbell's close."""
+    from memserver.server import doorbell
+
+    monkeypatch.setattr(doorbell, "WRITER_GRACE", 0.5, raising=False)
+    c = rung_client(bell_shard)
+    rid = c.aio.shm.regions[bell_shard.address].id
+    req = pb.LookupRequest(table="t", ids=encode(np.arange(20000, dtype=np.int64) % LOCAL_ROWS)).SerializeToString()
+
+    def writers() -> int:
+        return sum(t.name == "doorbell-writer" for t in threading.enumerate())
+
+    before = writers()
+    socks = []
+    try:
+        for _ in range(3):
+            s = raw(bell_shard)
+            s.sendall(frame("Hello", rid.encode()))
+            assert answer(s)[1] == 0
+            for k in range(4):  # answers of ~1.3 MB each, inline: more than the socket holds
+                s.sendall(frame("Lookup", req, call_id=k + 1))
+            s.shutdown(socket.SHUT_WR)
+            socks.append(s)
+        t0 = time.monotonic()
+        while writers() > before and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert writers() == before, f"{writers() - before} writer threads left"
+        assert c.lookup("t", [1], count=False).shape == (1, LOCAL_DIM)  # the client's own connection serves on
+    finally:
+        for s in socks:
+            s.close()
+        c.close()

@@ -85,6 +85,9 @@ HELLO_SECONDS = 2.0
 #: Answers of one connection waiting for the client to read them (the client has at most
 #: client.doorbell.MAX_OUTSTANDING calls in flight, so this is never reached by a client of ours).
 MAX_QUEUED = 64
+#: Seconds a connection's end waits for its writer thread to send the answers still queued (a
+#: client reading them slowly), before they are dropped and the socket is shut down.
+WRITER_GRACE = 10.0
 
 
 def _peer_pid(sock: socket.socket) -> int:
@@ -366,7 +369,10 @@ class Doorbell:
         finally:
             if writer is not None:
                 answers.close()
-                writer.join(10)
+                writer.join(WRITER_GRACE)
+                if writer.is_alive():  # a peer that half-closed and reads nothing: its answers are dropped,
+                    answers._break()  # the blocked send woken (else the thread and its answers stayed for good)
+                    writer.join(WRITER_GRACE)
             if attached is not None:
                 with attached.lock:
                     attached.doorbells.discard(conn)
