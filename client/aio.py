@@ -618,7 +618,7 @@ class AsyncMemoryClient:
                 outcomes: list[Any] = [None] * len(calls)
                 rung: list[Any] = []
                 try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
-                    rung = transport.ring(calls, sent, self.shm, self.timeout)
+                    rung = transport.ring(calls, sent, self.shm, self.timeout, block=False)  # (on the loop)
                     outcomes = await asyncio.gather(*(self._data(a, m, raw) if r is None else self._rung(r, m)
                                                       for (a, m, _), (raw, _), r in zip(calls, sent, rung)),
                                                     return_exceptions=True)

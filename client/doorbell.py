@@ -110,9 +110,12 @@ class Bell:
     def alive(self) -> bool:
         return not self.broken and os.getpid() == self.pid
 
-    def send(self, method: str, raw: bytes, timeout: float | None) -> int | None:
+    def send(self, method: str, raw: bytes, timeout: float | None, block: bool = True) -> int | None:
         """Send a call; its ticket for `wait`, or None: send it by gRPC (too large, too many in
-        flight, the connection broken, or not sent by the call's deadline)."""
+        flight, the connection broken, or not sent by the call's deadline). `block` False (an
+        event loop's thread, which must never wait on the shard): None too when another call holds
+        the socket or none of the frame fits in it now; a frame that went in part is finished by
+        one of this bell's threads (the shard reads requests whenever it is not computing)."""
         if len(raw) > MAX_REQUEST_BYTES or not self.alive:
             return None
         until = None if timeout is None else time.monotonic() + timeout  # one machine, one clock
@@ -123,8 +126,10 @@ class Bell:
         if self.unread + len(self.answers) >= MAX_OUTSTANDING:
             self._drain()  # answers of calls given up, read now if no one is reading
         name = _NAMES.get(method) or method.encode()
-        if not self.send_lock.acquire(timeout=-1 if until is None else max(0.0, until - time.monotonic())):
-            return None  # another call's request holds the socket past this one's deadline
+        if not (self.send_lock.acquire(timeout=-1 if until is None else max(0.0, until - time.monotonic())) if block
+                else self.send_lock.acquire(blocking=False)):
+            return None  # another call's request holds the socket past this one's deadline (or now: not blocking)
+        handed = False  # the frame's rest went to a thread, which releases the lock
         try:
             with self.cond:
                 if self.unread + len(self.answers) >= MAX_OUTSTANDING or self.broken:
@@ -136,7 +141,11 @@ class Bell:
             frame = [memoryview(HEAD.pack(len(raw), call_id, until or 0.0, len(name))), memoryview(name),
                      memoryview(raw)]
             try:
-                if not self._send_frame(frame, until):  # the deadline came before any byte went
+                if block:
+                    went = self._send_frame(frame, until)
+                else:
+                    went, handed = self._send_start(frame, until)
+                if not went:  # the deadline came (or, not blocking, no room) before any byte went
                     with self.cond:
                         self.waiting.discard(call_id)
                         self.unread -= 1
@@ -147,9 +156,39 @@ class Bell:
                     raise
                 return call_id  # wait() raises UNAVAILABLE: the call may or may not have gone
         finally:
-            self.send_lock.release()
+            if not handed:
+                self.send_lock.release()
         self.calls += 1
         return call_id
+
+    def _send_start(self, frame: list[memoryview], until: float | None) -> tuple[bool, bool]:
+        """What of the frame the socket takes now, never waiting: (any of it went, the rest handed
+        to a thread that sends it and then releases `send_lock`)."""
+        try:
+            sent = self.sock.sendmsg(frame, [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False, False
+        if sent == 0:
+            return False, False
+        while frame and sent >= len(frame[0]):
+            sent -= len(frame.pop(0))
+        if not frame:
+            return True, False
+        frame[0] = frame[0][sent:]
+        try:
+            self.waits.submit(self._send_rest, frame, until)
+        except RuntimeError:  # the bell closed meanwhile (its pool shut down): the frame stays cut off
+            self._break("closed with a request part sent")
+            return True, False  # (its wait: UNAVAILABLE)
+        return True, True
+
+    def _send_rest(self, frame: list[memoryview], until: float | None) -> None:
+        try:
+            self._send_frame(frame, until)
+        except BaseException as exc:  # noqa: BLE001 - cut off mid-frame: out of step for good (its waiter: UNAVAILABLE)
+            self._break(f"sending failed ({exc!r})")
+        finally:
+            self.send_lock.release()
 
     def _send_frame(self, frame: list[memoryview], until: float | None) -> bool:
         """The whole frame (never half: what is cut off mid-frame raises, and the caller breaks the

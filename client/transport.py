@@ -49,17 +49,18 @@ Rung = tuple[Bell, int] | None
 
 
 def ring(calls: list[tuple[str, str, Any]], sent: list[tuple[bytes, Lease | None]], shm: ShmTransport | None,
-         timeout: float | None) -> list[Rung]:
+         timeout: float | None, block: bool = True) -> list[Rung]:
     """Send each call that can go by its shard's doorbell now; (bell, ticket) for each, None for
     those to send by gRPC (no doorbell with that shard, too large, too many answers unread, or no
-    room for it in the socket before its deadline)."""
+    room for it in the socket before its deadline). `block` False: an event loop's thread, which
+    never waits for room (Bell.send)."""
     if shm is None or not shm.regions:
         return [None] * len(calls)
     out: list[Rung] = []
     for (address, method, _), (raw, lease) in zip(calls, sent):
         # a call packed into a region goes by that region's own doorbell (the one it names)
         bell = shm.bell(address) if lease is None else lease.region.bell
-        ticket = bell.send(method, raw, timeout) if bell is not None else None  # None from a dead bell too
+        ticket = bell.send(method, raw, timeout, block) if bell is not None else None  # None from a dead bell too
         if ticket is not None:
             shm.bell_calls += 1
         out.append(None if ticket is None else (bell, ticket))

@@ -1053,3 +1053,54 @@ def test_a_connection_that_half_closes_and_reads_nothing_leaves_no_writer_behind
         for s in socks:
             s.close()
         c.close()
+
+
+def test_the_asyncio_clients_loop_never_waits_for_room_in_a_busy_shards_socket(bell_shard):
+    """A hunt: requests sent inline by the doorbell reach 1 MiB (push_gradients, write_rows) and
+    the socket holds ~200 KB; while the shard computed (here: its tables held for 3 s) the
+    asyncio client's loop thread waited in Bell.send for room, stalling every task of the loop,
+    other shards' calls included, for the whole time (8.1 s of a stall for 8 s held; gRPC: 0.7).
+    The loop now sends what the socket takes at once, and a frame that went in part is finished
+    by one of the bell's threads (or, none of it taken, the call goes by gRPC)."""
+    import asyncio
+
+    from client import AsyncMemoryClient
+
+    async def main() -> tuple[float, list, int]:
+        c = AsyncMemoryClient(bell_shard.endpoint, timeout=30, token="", shm=True)
+        try:
+            while c.shm.bell(bell_shard.address) is None:
+                await c.lookup("t", [0], count=False)
+                await asyncio.sleep(0.02)
+            await c.push_gradients("t", np.arange(2), np.zeros((2, LOCAL_DIM), np.float32))  # (compiled)
+            gaps: list[float] = []
+            stop = False
+
+            async def heartbeat() -> None:
+                last = time.monotonic()
+                while not stop:
+                    await asyncio.sleep(0.02)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            hb = asyncio.create_task(heartbeat())
+            await asyncio.sleep(0.2)
+            bell_shard.servicer.exclusive.acquire()
+            threading.Timer(3.0, bell_shard.servicer.exclusive.release).start()
+            rng = np.random.default_rng(0)
+            rows = min(4000, LOCAL_ROWS)  # ~4000 x 16 floats each: inline, more than the socket holds
+            calls_before = c.shm.bell_calls
+            got = await asyncio.gather(*(c.push_gradients("t", rng.permutation(LOCAL_ROWS)[:rows],
+                                                          np.full((rows, LOCAL_DIM), 1e-3, np.float32))
+                                         for _ in range(4)))
+            stop = True
+            await hb
+            return max(gaps), got, c.shm.bell_calls - calls_before
+        finally:
+            await c.close()
+
+    stall, got, rung = asyncio.run(main())
+    assert [int(r) for r in got] == [min(4000, LOCAL_ROWS)] * 4
+    assert rung >= 1  # (the first went by the doorbell at least)
+    assert stall < 1.5, f"the event loop stalled {stall:.2f} s while the shard was busy"
