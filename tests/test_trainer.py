@@ -157,6 +157,39 @@ def test_two_data_parallel_trainers_equal_one_on_the_combined_batch(client, memo
         assert ddp[-1]["engram1_prefetched"] == single[-1]["engram1_prefetched"] == 3
 
 
+#: Runs memtrain, printing the dropout draws each training forward would start from (tests below).
+DRAWS = """
+import sys, torch
+import trainer.train as tt
+from trainer.model import GPT
+forward = GPT.forward
+def peek(self, idx, targets=None):
+    if self.training:
+        state = torch.get_rng_state()
+        print("draws", (torch.rand(16) < 0.5).int().tolist(), flush=True)
+        torch.set_rng_state(state)
+    return forward(self, idx, targets)
+GPT.forward = peek
+sys.exit(tt.main(sys.argv[1:]))
+"""
+
+
+def test_data_parallel_trainers_draw_dropout_masks_of_their_own(memory_cluster, table_name, tmp_path):
+    """A hunt: every trainer seeded torch with --seed (for the same initial weights) and drew its
+    dropout masks from there, so rank 1's sample i got rank 0's mask: half the combined batch's
+    dropout noise a copy of the other half's. From the first step on, each has its own stream."""
+    script = tmp_path / "draws.py"
+    script.write_text(DRAWS)
+    outputs: list[str] = []
+    run_trainers([*TINY, "--no-query-bn", "--steps", "2", "--seed", "5", "--dropout", "0.3", "--eval-every", "2",
+                  "--memory", "remote", "--batch-size", "2", "--endpoint", memory_cluster.endpoint, "--table", table_name],
+                 tmp_path / "ddp.jsonl", env={"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, outputs=outputs,
+                 main=[str(script)])
+    draws = [[line for line in out.splitlines() if line.startswith("draws")] for out in outputs]
+    assert len(draws[0]) == len(draws[1]) == 2, outputs
+    assert draws[0][0] != draws[1][0] and draws[0][1] != draws[1][1], draws
+
+
 def test_memory_plus_shared_values_replacing_ffn_trains():
     args = build_parser().parse_args([*TINY, "--memory", "local", "--steps", "8", "--mem-layers", "0,1", "--shared-values",
                                       "--mem-plus", "--mem-mode", "replace", "--value-lr", "0.05", "--eval-every", "8"])

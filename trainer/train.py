@@ -443,7 +443,8 @@ def setup(args: argparse.Namespace, client: Any = None) -> Run:
     if world > 1 and args.memory == "local":
         raise SystemExit("memtrain: error: --memory local with several trainers would give each its own copy of the "
                          "values; use --memory remote (a sync_updates table)")
-    if world > 1 and not args.no_query_bn:
+    if world > 1 and not args.no_query_bn and "pkm" in {k.strip() for k in args.memory_kind.split(",")} \
+            and args.mem_layers.strip():
         log.warning("data-parallel run with query BatchNorm: its statistics are per trainer, so the result "
                     "differs slightly from one trainer on the combined batch (use --no-query-bn for equality)")
     # torch's and numba's threads alike (0: torch's default count): numba's pool, started lazily by
@@ -939,6 +940,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         opt = torch.optim.AdamW(dense, lr=args.lr, weight_decay=0.0, fused=True if run.device.type == "cuda" else None)
         gen = torch.Generator().manual_seed(args.seed)
         rank, world = distributed()
+        if rank > 0:  # the model was built alike from --seed on every trainer; dropout's masks then came alike
+            torch.manual_seed(args.seed + rank)  # too (rank r's sample i got rank 0's): a stream each from here
         flags = {k: getattr(args, k) for k in (*RESUMED_ALIKE, *RESUMED_TAKEN)}
         checkpoint_dir = checkpoint_dir_of(args)
         if args.resume and not checkpoint_dir:
