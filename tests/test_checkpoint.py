@@ -280,6 +280,49 @@ def test_checkpoints_into_one_root_at_once_are_written_one_after_the_other(tmp_p
             assert [m.name for m in c.restore(str(tmp_path), step=step, replace=True)] == ["t"]
 
 
+def test_a_checkpoint_that_overlaps_a_replace_of_its_table_saves_no_slice_of_the_new_one(tmp_path, monkeypatch):
+    """A hunt: a shard that took its checkpoint call late (busy) saved the table made anew
+    meanwhile (create with replace), under the old table's spec: the checkpoint answered done
+    and its restore gave rows of both tables. Each shard now saves only the incarnation the
+    checkpoint planned: the late one refuses, nothing of the checkpoint is kept."""
+    import threading
+
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.server.shard_actor import ShardActor
+
+    save = ShardActor.checkpoint_table
+    replaced = threading.Event()
+
+    def late(self, *args, **kwargs):
+        if self.index == 1:  # (a busy shard: its call runs once the table was made anew)
+            assert replaced.wait(30)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardActor, "checkpoint_table", late)
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, timeout=60) as c:
+        c.create_table("u", 4, DIM, num_shards=2)  # (the replace then places the table as before)
+        c.create_table("t", 10, DIM, sharding="rows", num_shards=2, seed=1, init_std=1.0)
+        out: dict = {}
+
+        def checkpoint() -> None:
+            try:
+                out["done"] = c.checkpoint(str(tmp_path), step=1, tables=["t"])
+            except Exception as exc:  # noqa: BLE001 - said below
+                out["error"] = exc
+
+        th = threading.Thread(target=checkpoint)
+        th.start()
+        time.sleep(1.0)
+        c.create_table("t", 10, DIM, sharding="rows", num_shards=2, seed=2, init_std=1.0, replace=True)
+        replaced.set()
+        th.join(60)
+        assert isinstance(out.get("error"), FailedPreconditionError), out
+        assert "made anew" in str(out["error"]) and "nothing of it written" in str(out["error"])
+        with pytest.raises(InvalidArgumentError, match="no complete checkpoint of step 1"):  # (no manifest)
+            c.restore(str(tmp_path), step=1, replace=True, tables=["t"])
+
+
 def test_a_failed_checkpoint_removes_the_files_it_wrote(tmp_path):
     """A checkpoint that filled the disk failed, and the slices written before it did stayed in a
     step folder no restore reads, holding the space a retry needed (a retry at another step,

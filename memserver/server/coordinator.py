@@ -621,7 +621,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         for name, (order, info) in placed.items():
             for j, sh in zip(order, info.shards):
                 paths.append(directory / name / f"shard-{sh.index:04d}.pt")
-                calls.append(self.handles[j].checkpoint_table.remote(name, str(paths[-1]), request.step))
+                calls.append(self.handles[j].checkpoint_table.remote(name, str(paths[-1]), request.step, info.layout_id))
                 where.append(name)
                 shards.append(sh)
         try:

@@ -539,9 +539,12 @@ class ShardActor:
             raise UnavailableError(f"table {name!r} on shard {self.index}: {sl.held}; checkpoint it again")
         return sl
 
-    def checkpoint_table(self, name: str, path: str, step: int = 0) -> dict[str, Any]:
+    def checkpoint_table(self, name: str, path: str, step: int = 0, layout_id: int = 0) -> dict[str, Any]:
         """Write this shard's slice of `name` as of a moment on the compute thread, i.e. after
         every write it has acknowledged (deferred updates included), and remember it for recovery.
+        `layout_id` (not 0): the incarnation the checkpoint planned; another one (the table made
+        anew since) is refused with nothing written: a shard that took the call late saved the
+        new table's slice under the old one's spec, a checkpoint of two tables reported done.
 
         The file is written off the compute thread: from that moment the slice's writes wait
         (TableSlice.saving) while its reads and every other table's calls go on (a 256 MiB slice's
@@ -551,6 +554,10 @@ class ShardActor:
 
         def begin() -> tuple[TableSlice, dict[str, Any], int, dict[str, Any], dict[str, Any], int | None]:
             sl = self._to_save(name)
+            if layout_id and sl.info.layout_id != layout_id:
+                raise FailedPreconditionError(f"table {name!r} on shard {self.index}: made anew (layout "
+                                              f"{sl.info.layout_id}) since this checkpoint of layout {layout_id} began: "
+                                              "nothing of it written; checkpoint it again")
             if sl.saving is not None:
                 raise UnavailableError(f"table {name!r} on shard {self.index}: a checkpoint of it is being written; "
                                        "call again")
