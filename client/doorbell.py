@@ -25,6 +25,7 @@ import math
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -61,12 +62,16 @@ class Bell:
     """One connection to a shard's doorbell, for the region `region_id` (see the module docstring).
     `target`: where the calls go, for error messages ("shard HOST:PORT")."""
 
-    def __init__(self, name: str, region_id: str, target: str) -> None:
+    def __init__(self, name: str, region_id: str, target: str, pid: int = 0) -> None:
+        """`pid` (not 0): the shard's process, which the attach named: the hello, which carries the
+        region's secret id, goes to a listener of that pid alone (0: a shard that does not say)."""
         self.target = target
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(HELLO_SECONDS)
             sock.connect("\0" + name)
+            if pid and (peer := _peer_pid(sock)) != pid:  # (an abstract name is anyone's to bind once freed)
+                raise ConnectionError(f"its listener is process {peer}, not the shard's {pid}: not used")
             body = region_id.encode()
             sock.sendall(HEAD.pack(len(body), 0, 0, len(HELLO)) + HELLO.encode() + body)
             size, _, code = REPLY.unpack(_recv_exact(sock, REPLY.size))
@@ -335,6 +340,11 @@ class Bell:
         self.waits.shutdown(wait=False)
         self.wake_r.close()
         self.wake_w.close()
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
 
 
 def _poll_ms(seconds: float | None) -> int | None:

@@ -412,7 +412,7 @@ class ShmTransport:
                 raise RuntimeError("the shard ended the stream without a region id")
             region.id = event.region
             if event.doorbell and self.doorbell:
-                rung = _MAKER.submit(Bell, event.doorbell, region.id, f"shard {address}")
+                rung = _MAKER.submit(Bell, event.doorbell, region.id, f"shard {address}", event.doorbell_pid)
                 try:  # connect and say hello: a few hundred microseconds, off the loop
                     region.bell = await asyncio.wrap_future(rung)
                 except asyncio.CancelledError:  # the client closing: the bell, once made, goes too

@@ -1104,3 +1104,24 @@ def test_the_asyncio_clients_loop_never_waits_for_room_in_a_busy_shards_socket(b
     assert [int(r) for r in got] == [min(4000, LOCAL_ROWS)] * 4
     assert rung >= 1  # (the first went by the doorbell at least)
     assert stall < 1.5, f"the event loop stalled {stall:.2f} s while the shard was busy"
+
+
+def test_the_hello_goes_only_to_a_listener_of_the_shards_pid():
+    """A hunt: any local user may bind an abstract name a shard has freed (or one it is about to
+    take), and the client said its hello, the region's secret id, to whoever listened, then took
+    its answers as the shard's. The attach names the shard's pid; a listener of another is not
+    used, and hears nothing."""
+    name = f"memserver-test-squat-{os.getpid()}-{time.monotonic_ns()}"
+    squat = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squat.bind("\0" + name)
+    squat.listen(1)
+    squat.settimeout(10)
+    try:
+        with pytest.raises(ConnectionError, match=f"its listener is process {os.getpid()}, not the shard's"):
+            Bell(name, "the-region-secret", "shard x", os.getpid() + 1)
+        conn, _ = squat.accept()
+        with conn:
+            conn.settimeout(5)
+            assert conn.recv(4096) == b""  # closed, no byte of the hello sent
+    finally:
+        squat.close()

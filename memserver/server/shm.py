@@ -351,7 +351,8 @@ async def serve_attach(regions: Regions, request: pb.AttachRegionRequest,
         return
     log.debug("attached shared-memory region of pid %d (%d bytes) as %s...", request.pid, request.size, region_id[:8])
     try:
-        yield pb.AttachRegionEvent(region=region_id, doorbell=regions.doorbell)
+        yield pb.AttachRegionEvent(region=region_id, doorbell=regions.doorbell,
+                                   doorbell_pid=os.getpid() if regions.doorbell else 0)
         await asyncio.Event().wait()  # until the client cancels the stream or its connection closes
     finally:
         regions.detach(region_id)

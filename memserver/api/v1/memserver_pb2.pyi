@@ -131,12 +131,14 @@ class AttachRegionRequest(_message.Message):
     def __init__(self, size: _Optional[int] = ..., boot_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class AttachRegionEvent(_message.Message):
-    __slots__ = ("region", "doorbell")
+    __slots__ = ("region", "doorbell", "doorbell_pid")
     REGION_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_PID_FIELD_NUMBER: _ClassVar[int]
     region: str
     doorbell: str
-    def __init__(self, region: _Optional[str] = ..., doorbell: _Optional[str] = ...) -> None: ...
+    doorbell_pid: int
+    def __init__(self, region: _Optional[str] = ..., doorbell: _Optional[str] = ..., doorbell_pid: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "lr", "eps", "beta1", "beta2")
