@@ -46,6 +46,8 @@ MAX_OUTSTANDING = 32
 MAX_POLL_MS = 2**31 - 1
 #: Seconds the hello may take.
 HELLO_SECONDS = 5.0
+#: Seconds a started answer may take to come whole, at least (or the reading call's deadline).
+FRAME_SECONDS = 2.0
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 #: The data-plane methods' names as a frame carries them, encoded once (any other: per call).
 _NAMES = {m.name: m.name.encode() for m in pb.DESCRIPTOR.services_by_name["DataPlane"].methods}
@@ -96,6 +98,8 @@ class Bell:
         self.wake_w.setblocking(False)
         self._wake_fd = self.wake_r.fileno()
         self.poller.register(self._wake_fd, select.POLLIN)
+        self._readable = select.poll()  # the socket alone: the rest of a started answer
+        self._readable.register(sock, select.POLLIN)
         self.closed = False
         # where the asyncio client waits for this bell's answers: its own threads (at most one per
         # call in flight), so a stalled shard holds none that other shards' calls need
@@ -269,6 +273,9 @@ class Bell:
                         return _STATUS.get(got[0], grpc.StatusCode.UNKNOWN), got[1]
                     if self.broken:
                         self.waiting.discard(call_id)
+                        if deadline is not None and time.monotonic() >= deadline:  # (its answer stalled past it)
+                            raise DeadlineExceededError(f"doorbell: no answer before the call's deadline "
+                                                        f"({self.broken})", target=self.target)
                         raise UnavailableError(f"doorbell: {self.broken}", target=self.target)
                     if call_id not in self.waiting:  # forgotten: its caller is gone
                         raise DeadlineExceededError("doorbell: the caller gave the call up", target=self.target)
@@ -299,10 +306,13 @@ class Bell:
                     pass
             if not any(fd == self._sock_fd for fd, _ in ready):
                 return
-            size, call_id, code = REPLY.unpack(_recv_exact(self.sock, REPLY.size))
+            # a started answer is read whole (the shard sends it at once), by the reader's deadline
+            # or FRAME_SECONDS from now, the later: a shard stopped mid-answer held its caller for good
+            until = None if timeout is None else time.monotonic() + max(timeout, FRAME_SECONDS)
+            size, call_id, code = REPLY.unpack(self._recv_by(REPLY.size, until))
             if size > 2 * MAX_MESSAGE_BYTES or not 0 < call_id < self.next_id:
                 raise ValueError(f"an answer frame of {size} bytes for call {call_id}: out of step")
-            body = _recv_exact(self.sock, size)  # a started answer is read whole: the shard sends it at once
+            body = self._recv_by(size, until)
         except BaseException as exc:  # noqa: BLE001 - interrupted mid-frame too: out of step for good
             self._break(f"the connection to the shard broke ({exc!r})")
             if not isinstance(exc, (OSError, ValueError)):
@@ -313,6 +323,23 @@ class Bell:
             if call_id in self.waiting:
                 self.waiting.discard(call_id)
                 self.answers[call_id] = (code, body)
+
+    def _recv_by(self, n: int, until: float | None) -> bytes:
+        """n bytes of a started frame, waiting for them until `until` at most (None: no end);
+        TimeoutError past it (the caller breaks the connection: it is out of step)."""
+        if until is None:
+            return _recv_exact(self.sock, n)
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            left = until - time.monotonic()
+            if left <= 0 or not self._readable.poll(_poll_ms(left)):
+                raise TimeoutError(f"the shard stopped mid-answer ({got} of {n} bytes came)")
+            k = self.sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT)
+            if k == 0:
+                raise ConnectionError("the shard closed its doorbell")
+            got += k
+        return bytes(buf)
 
     def _break(self, why: str) -> None:
         with self.cond:

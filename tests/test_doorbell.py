@@ -1125,3 +1125,37 @@ def test_the_hello_goes_only_to_a_listener_of_the_shards_pid():
             assert conn.recv(4096) == b""  # closed, no byte of the hello sent
     finally:
         squat.close()
+
+
+def test_a_shard_stopped_mid_answer_holds_its_caller_no_longer_than_the_deadline():
+    """A hunt: once an answer's frame had started, the client read the rest with no time bound, so
+    a shard frozen mid-answer (SIGSTOP here; a paused container, a swap storm) held the caller
+    until the shard died (20 s for a 3 s deadline). The rest is read by the deadline (or 2 s,
+    the later): the call raises DEADLINE_EXCEEDED, the connection, out of step, is dropped."""
+    import signal
+    from types import SimpleNamespace
+
+    shard_code = ("import sys, time\nfrom tests.test_shm import make_local_shard\n"
+                  "with make_local_shard(doorbell=True, tables=('t',)) as shard:\n"
+                  "    print(shard.endpoint, shard.address, flush=True)\n    time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", shard_code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    c = None
+    try:
+        endpoint, address = p.stdout.readline().split()
+        c = rung_client(SimpleNamespace(endpoint=endpoint, address=address))
+        bell = c.aio.shm.bell(address)
+        raw = pb.SlotStatsRequest(table="t", layout_id=c.table("t").layout_id,
+                                  ids=encode(np.arange(100_000, dtype=np.int64) % LOCAL_ROWS)).SerializeToString()
+        ticket = bell.send("SlotStats", raw, 30.0)  # an answer of ~4 MB: more than the socket holds
+        time.sleep(2.0)  # (answered: its head and what the socket holds sent, the rest waiting)
+        os.kill(p.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match="stopped mid-answer"):
+            bell.wait(ticket, 3.0)
+        assert time.monotonic() - t0 < 8
+        assert not bell.alive
+    finally:
+        p.kill()
+        p.wait()
+        if c is not None:
+            c.close()
