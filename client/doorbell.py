@@ -75,7 +75,10 @@ class Bell:
             if pid and (peer := _peer_pid(sock)) != pid:  # (an abstract name is anyone's to bind once freed)
                 raise ConnectionError(f"its listener is process {peer}, not the shard's {pid}: not used")
             body = region_id.encode()
-            sock.sendall(HEAD.pack(len(body), 0, 0, len(HELLO)) + HELLO.encode() + body)
+            try:
+                sock.sendall(HEAD.pack(len(body), 0, 0, len(HELLO)) + HELLO.encode() + body)
+            except (BrokenPipeError, ConnectionResetError):  # refused at once: its answer says why, if it came
+                pass
             size, _, code = REPLY.unpack(_recv_exact(sock, REPLY.size))
             text = _recv_exact(sock, size)
             if code != 0:

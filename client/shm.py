@@ -159,6 +159,8 @@ class Region:
         self.lock = threading.Lock()
         self.retired = False
         self.bell: Bell | None = None  # the shard's doorbell for this region (client.doorbell)
+        # a doorbell the shard offered and the hello did not get: (its name, pid, when to try again)
+        self.bell_retry: tuple[str, int, float] | None = None
 
     def close_fd(self) -> None:
         """Close the memfd's descriptor (the shard has opened it, or never will): the mappings
@@ -336,6 +338,8 @@ class ShmTransport:
         if region is not None and (region.retired or (region.bell is not None and not region.bell.alive)):
             self._drop(address, region)  # too much abandoned, or its doorbell broke: attach a fresh one
             region = None
+        if region is not None and region.bell_retry is not None and time.monotonic() >= region.bell_retry[2]:
+            self._ring_again(address, region)
         if region is None:
             self._start_attach(address)
             return None
@@ -353,6 +357,32 @@ class ShmTransport:
         bell; `Bell.send` refuses a bell that broke since, or a forked child's.)"""
         region = self.regions.get(address)
         return region.bell if region is not None else None
+
+    def _ring_again(self, address: str, region: Region) -> None:
+        """Say the hello again, off the caller's thread: a doorbell whose hello failed (the shard's
+        hello slots full: any local process can keep them busy) was never tried again for the
+        region's whole life."""
+        with self.lock:
+            if region.bell_retry is None or time.monotonic() < region.bell_retry[2]:
+                return  # (another caller took it)
+            name, pid, _ = region.bell_retry
+            region.bell_retry = (name, pid, math.inf)  # (one attempt at a time)
+
+        def rung(done: Future[Bell]) -> None:
+            try:
+                bell = done.result()
+            except OSError as exc:
+                log.info("still no doorbell with shard %s (%s); its calls go by gRPC", address, exc)
+                region.bell_retry = (name, pid, time.monotonic() + RETRY_AFTER)
+                return
+            with self.lock:
+                kept = self.regions.get(address) is region and not region.retired
+                if kept:
+                    region.bell, region.bell_retry = bell, None
+            if not kept:
+                bell.close()
+
+        _MAKER.submit(Bell, name, region.id, f"shard {address}", pid).add_done_callback(rung)
 
     def _drop(self, address: str, region: Region) -> None:
         with self.lock:
@@ -419,7 +449,9 @@ class ShmTransport:
                     rung.add_done_callback(_close_bell)
                     raise
                 except OSError as exc:
-                    log.info("no doorbell with shard %s (%s); its calls go by gRPC", address, exc)
+                    log.info("no doorbell with shard %s (%s); its calls go by gRPC, its hello is said again in %g s",
+                             address, exc, RETRY_AFTER)
+                    region.bell_retry = (event.doorbell, event.doorbell_pid, time.monotonic() + RETRY_AFTER)
             with self.lock:  # the stream first: whoever sees the region can cancel its stream
                 self.streams[address] = stream
                 self.regions[address] = region

@@ -1159,3 +1159,42 @@ def test_a_shard_stopped_mid_answer_holds_its_caller_no_longer_than_the_deadline
         p.wait()
         if c is not None:
             c.close()
+
+
+def test_a_hello_refused_while_the_slots_are_full_is_said_and_tried_again(bell_shard, monkeypatch, caplog):
+    """A hunt: with the shard's hello slots full (any local process can hold them) the shard closed
+    a new connection without a word (the client: "Broken pipe") and the client never said its
+    hello again for the region's whole life: its calls went by gRPC for good. The refusal says
+    why, and the hello is said again RETRY_AFTER later, on a call."""
+    import logging
+
+    from client import shm as client_shm
+    from memserver.server import doorbell
+
+    monkeypatch.setattr(client_shm, "RETRY_AFTER", 0.5)
+    idle = [raw(bell_shard) for _ in range(doorbell.MAX_HELLOS)]  # connected, saying nothing yet
+    time.sleep(0.2)
+    c = MemoryClient(bell_shard.endpoint, timeout=30, token="")
+    try:
+        with caplog.at_level(logging.INFO, logger="client.shm"):
+            t0 = time.monotonic()
+            while bell_shard.address not in c.aio.shm.regions:
+                assert time.monotonic() - t0 < 20
+                c.lookup("t", [0], count=False)
+                time.sleep(0.05)
+        assert c.aio.shm.bell(bell_shard.address) is None
+        assert "too many connections (saying hello, or in all) at this shard now" in caplog.text, caplog.text
+        for s in idle:
+            s.close()
+        t0 = time.monotonic()
+        while c.aio.shm.bell(bell_shard.address) is None:
+            assert time.monotonic() - t0 < 20, "the hello was not said again"
+            c.lookup("t", [0], count=False)
+            time.sleep(0.05)
+        before = c.aio.shm.bell_calls
+        c.lookup("t", [0], count=False)
+        assert c.aio.shm.bell_calls == before + 1
+    finally:
+        for s in idle:
+            s.close()
+        c.close()

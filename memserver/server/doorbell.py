@@ -272,6 +272,12 @@ class Doorbell:
                     self.hellos += 1
             if full:
                 self._refuse("connections")
+                try:  # said (a fresh socket takes a small frame at once), not a bare close: "Broken pipe"
+                    conn.sendmsg(_frame(0, grpc.StatusCode.RESOURCE_EXHAUSTED, b"doorbell: too many connections "
+                                        b"(saying hello, or in all) at this shard now: call again later"),
+                                 [], socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="doorbell", daemon=True).start()
