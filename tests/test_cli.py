@@ -334,6 +334,37 @@ def test_down_sees_an_up_that_exited_unreaped_as_stopped(tmp_path):
         proc.wait()
 
 
+def test_a_signal_while_up_starts_stops_it_at_once_and_removes_its_scratch_directory(tmp_path):
+    """A docs walkthrough: a detached `up` past its --timeout was sent SIGTERM, which only asked it
+    to stop once ready; it went on starting (and making --config's tables) and was killed 10 s
+    later, leaving its scratch data directory (GBs with a disk table) that nothing removes. A
+    signal while starting stops the start at once and removes what it made."""
+    import time
+
+    env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
+    log = open(tmp_path / "up.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "memserver.cli", "up", "--shards", "1", "--num-cpus", "1",
+                             "--object-store-mb", "96"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not list((tmp_path / "run").glob("memserver-*")):  # the cluster's scratch directory: starting
+            assert proc.poll() is None and time.monotonic() - t0 < 120, (tmp_path / "up.log").read_text()
+            time.sleep(0.05)
+        os.kill(proc.pid, 15)
+        try:
+            assert proc.wait(timeout=10) == 1, (tmp_path / "up.log").read_text()  # (the detached parent kills at 10 s)
+        except subprocess.TimeoutExpired:
+            pass
+        assert "memserver ready" not in (tmp_path / "up.log").read_text()
+        assert not list((tmp_path / "run").glob("memserver-*")), (tmp_path / "up.log").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        proc.wait()
+        log.close()
+
+
 def test_up_and_down_keep_their_record_in_memserver_home_not_a_clients_endpoint_file(tmp_path, monkeypatch):
     """$MEMSERVER_ENDPOINT_FILE is a client's (a join-info file of another host's cluster): `down`
     read it ("started elsewhere") and left its own stale record, and `up` wrote its record over it."""

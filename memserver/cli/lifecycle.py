@@ -295,10 +295,21 @@ def cmd_up(args: argparse.Namespace) -> int:
             ray.shutdown()
             raise
     stop = threading.Event()
+    ready = False
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+        if not ready:  # starting: stop at once, and clean up (a detached `up` past its --timeout is killed
+            raise _Stopped()  # 10 s after this signal: its scratch directory, GBs with disk tables, stayed)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         cluster = _start(args, cfg, start_cluster, shards, shard_cpus, shard_gpus, tokens, tls)
+    except _Stopped:  # (start_cluster removed what it had started and made)
+        ray.shutdown()
+        log.info("stopped before the cluster was ready")
+        return 1
     except (RuntimeError, ValueError, OSError) as exc:  # placement timed out, a data directory not writable, ...
         ray.shutdown()
         if getattr(args, "verbose", False):
@@ -360,11 +371,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             if server_name:
                 record["tls_server_name"] = server_name
         path = write_endpoint(record, up_record_file())
+        ready = True
         print(f"memserver ready at {cluster.endpoint}", flush=True)
         log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
         while not stop.wait(0.5):
             pass
         log.info("stopping")
+    except _Stopped:
+        log.info("stopped before the cluster was ready")
+        return 1
     finally:
         # first: no client finds an endpoint that is going away, however the rest ends
         with contextlib.suppress(OSError, ValueError):  # (gone, or not ours and half written)
@@ -375,6 +390,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.remove_scratch_dir()  # after the head: no shard of it writes there any more
     log.info("memserver stopped")
     return 0
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT while `up` was starting: it starts nothing more and removes what it made."""
 
 
 def _head_cpus(args: argparse.Namespace) -> int:
