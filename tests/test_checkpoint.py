@@ -818,6 +818,34 @@ def test_a_step_rewritten_with_fewer_shards_removes_the_slices_it_no_longer_list
         np.testing.assert_array_equal(c.lookup("t", [1, 59]), np.full((2, DIM), 3.0))
 
 
+def test_a_cols_table_restored_into_other_shards_reports_the_last_updates_it_reported(tmp_path):
+    """A hunt: each cols slice keeps its own copy of a row's last update time (the moment that
+    shard stepped it) and the table reports the counting slice's (shard 0); a restore into
+    another number of shards copied every slice's in turn, the last file's winning, so the
+    restored table reported other times (by milliseconds) than it did when checkpointed."""
+    import time
+
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    rng = np.random.default_rng(0)
+    with InProcessServer(3) as server, MemoryClient(server.endpoint, timeout=30) as c:
+        c.create_table("t", 101, 6, sharding="cols", optimizer="adam", lr=0.05, num_shards=3, seed=1)
+        for _ in range(3):
+            ids = rng.integers(0, 101, (7, 3))
+            c.bag_backward("t", ids, rng.random((7, 3)).astype(np.float32), rng.normal(size=(7, 6)).astype(np.float32))
+            time.sleep(0.05)
+        for sh in server.shards[1:]:  # (the other slices stepped later: their copies say so)
+            sl = sh.servicer.tables["t"]
+            sl.table.last_update[sl.table.last_update > 0] += 5.0
+        before = c.slot_stats("t", np.arange(101))["last_update"]
+        assert (before > 0).sum() > 5
+        c.checkpoint(str(tmp_path), step=1)
+        for shards in (1, 2, 3):
+            c.restore(str(tmp_path), step=1, replace=True, num_shards=shards)
+            np.testing.assert_array_equal(c.slot_stats("t", np.arange(101))["last_update"], before)
+
+
 def test_a_failed_rewrite_with_fewer_shards_removes_the_slices_of_the_step_it_replaced(tmp_path):
     """The same rewrite failing: its manifest withdrawn, the step's shard-0002 was no file a retry
     would overwrite or remove. The failure removes it with the slices it wrote."""

@@ -622,7 +622,7 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
             for name, (whole, saved) in checks.items():  # the rows as saved (before unpack), against their checksums
                 _check_rows(whole, saved, src, f["file"], name)
             for name, src_t in state.items():
-                if name not in dst_state or (name in ValueTable.READ_COUNTERS and not counted):
+                if name not in dst_state or (name in _KEPT_BY_THE_COUNTING_SLICE and not counted):
                     continue  # e.g. Adam moments restored into an Adagrad table; another cols shard's idle counters
                 dst_t = dst_state[name]
                 # saved on the CPU, restored onto the table's device (a GPU shard's, or the CPU)
@@ -638,6 +638,12 @@ def load_into(table: Any, target: dict[str, Any], files: list[dict[str, Any]],
                     dst_t[dst_idx] = src_t.index_select(0, src_idx).to(**to)
     if hasattr(table, "after_load"):  # a disk table seals the records written in place
         table.after_load()
+
+
+#: Per-row state each cols slice keeps a copy of but only the slice that counts reads reports
+#: (slot_stats): taken from that slice alone. `last_update` differs between the copies by the
+#: moments each shard stepped; the last file read won, another than the one the table reported.
+_KEPT_BY_THE_COUNTING_SLICE = (*ValueTable.READ_COUNTERS, "last_update")
 
 
 def load_index(make: Callable[[dict[str, Any] | None], Any], target: dict[str, Any], files: list[dict[str, Any]],
