@@ -846,6 +846,26 @@ def test_a_cols_table_restored_into_other_shards_reports_the_last_updates_it_rep
             np.testing.assert_array_equal(c.slot_stats("t", np.arange(101))["last_update"], before)
 
 
+def test_a_restore_says_the_open_steps_of_its_checkpoint_it_leaves_out(tmp_path, caplog):
+    """A hunt: a sync step one trainer of two had committed was in the checkpoint; the restore
+    (values only: sessions and open steps are a restart's) dropped it without a word, and the
+    other trainer's commit of that step then waited for good. Each shard says what it left out."""
+    import logging
+
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    ids, w = np.array([[1, 2]]), np.ones((1, 2), np.float32)
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, timeout=30) as c:
+        c.create_table("s", 10, 4, optimizer="sgd", lr=1.0, init_std=0.0, sync_workers=2)
+        c.bag_backward("s", ids, w, np.ones((1, 4), np.float32), step=2, gather=True)
+        c.commit_step("s", 2)  # (waits for the other trainer's)
+        c.checkpoint(str(tmp_path), step=1)
+        with caplog.at_level(logging.WARNING, logger="memserver.server.shard_actor"):
+            c.restore(str(tmp_path), step=1, replace=True)
+        assert "table s restored without the 1 open steps its checkpoint held (steps 2)" in caplog.text, caplog.text
+
+
 def test_a_failed_rewrite_with_fewer_shards_removes_the_slices_of_the_step_it_replaced(tmp_path):
     """The same rewrite failing: its manifest withdrawn, the step's shard-0002 was no file a retry
     would overwrite or remove. The failure removes it with the slices it wrote."""

@@ -401,6 +401,11 @@ class ShardActor:
         if checkpoint:
             start = int(checkpoint.get("lsn", 0))
             sl.load_extras(extras)
+        elif open_steps := sorted({int(st) for st, *_ in extras.get("step_parts", [])}):  # a restore: values only
+            log.warning("shard %d: table %s restored without the %d open steps its checkpoint held (steps %s): their "
+                        "parts, committed by no trainer or not by all of a sync table's, are gone; the trainers' "
+                        "next steps start anew", self.index, spec.name, len(open_steps),
+                        ", ".join(map(str, open_steps[:8])) + (", ..." if len(open_steps) > 8 else ""))
         if spec.wal and self.store is not None:
             wal_dir = self.store.table_dir(spec.name)
             written = last_written(wal_dir)  # (before a torn tail's cut writes it)
