@@ -238,6 +238,17 @@ def test_kif_never_backpropagates_into_the_encodings():
     assert source.e.grad is None and layer.f_e[0].weight.grad.abs().sum() > 0
 
 
+def test_a_kif_layers_hidden_width_is_checked_by_name():
+    """A hunt: hidden=0 was taken as the default width, -5 and 2.5 failed deep in torch."""
+    source = LocalKnowledge("k", _source(20, 8), device="cpu")
+    for hidden, says in ((0, "hidden must be at least 1, got 0"), (-5, "hidden must be at least 1, got -5"),
+                         (2.5, "hidden must be a whole number, got 2.5")):
+        with pytest.raises(ValueError, match=f"KIFMemory: {says}"):
+            KIFMemory(8, 8, source, knn=4, hidden=hidden)
+    assert KIFMemory(8, 8, source, knn=4, hidden=3).f_e[0].out_features == 3
+    assert KIFMemory(8, 8, source, knn=4).f_e[0].out_features == 16  # (None: twice the wider of d_in and the source's)
+
+
 def test_kif_read_is_the_softmax_weighted_sum_of_the_hits():
     torch.manual_seed(1)
     e = _source(50, 8)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from trainer.memory.base import MemoryLayer, check_counts, finite, looks_for_nonfinite
+from trainer.memory.base import MemoryLayer, check_counts, check_positive, finite, looks_for_nonfinite
 from trainer.memory.knowledge import KnowledgeSource
 
 
@@ -39,7 +39,10 @@ class KIFMemory(MemoryLayer):
         if knn < 1:
             raise ValueError(f"KIF memory: knn must be >= 1, got {knn}")
         self.source, self.knn = source, knn
-        hidden = hidden or 2 * max(d_in, source.dim)
+        if hidden is not None:  # (0 was taken as the default; -5 and 2.5 failed deep in torch)
+            check_counts("KIFMemory", hidden=hidden)
+            check_positive("KIFMemory", hidden=hidden)
+        hidden = hidden if hidden is not None else 2 * max(d_in, source.dim)
         self.f_e = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, source.dim))  # f_E
         if residual_query and d_in != source.dim:
             raise ValueError(f"KIF memory: residual_query needs d_in == the source's dim ({source.dim}), got {d_in}")
