@@ -427,6 +427,15 @@ def test_flags_of_memory_kinds_the_run_has_not_are_named(capsys):
                                            f"{kinds}); drop {them}, or add the kind\n")
     small = [*TINY, "--steps", "1", "--memory", "local"]
     assert main([*small, "--memory-kind", "pkm,lsh", "--lsh-bits", "4"]) == 0  # read: taken
+    # the value tables' flags in a run of KIF alone, the prefetch's with no engram layer (a hunt: trained, unread)
+    for kinds, argv, said in (
+            ("kif", ["--value-lr", "0.5", "--shared-values"], "--shared-values, --value-lr: set the memory values' "
+             "tables, and --memory-kind kif has none (KIF reads its knowledge source); drop them"),
+            ("lsh", ["--lsh-bits", "3", "--no-prefetch"], "--no-prefetch/--prefetch: the prefetch of token-addressed "
+             "layers' reads (engram), and --memory-kind lsh has none; drop it")):
+        with pytest.raises(SystemExit):
+            main(["--memory", "local", "--memory-kind", kinds, *argv, "--steps", "1"])
+        assert capsys.readouterr().err == f"memtrain: error: {said}\n"
 
 
 def test_remote_values_attach_only_to_a_table_of_their_shape(client, table_name, caplog):

@@ -344,6 +344,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise SystemExit(f"memtrain: error: {', '.join(unread)}: "
                          f"{'shapes' if len(unread) == 1 else 'shape'} layers this run has none of (--memory-kind "
                          f"{args.memory_kind}); drop {'it' if len(unread) == 1 else 'them'}, or add the kind")
+    if args.memory != "none" and (unread := _value_flags_unread(given or frozenset(), kinds)):
+        raise SystemExit(f"memtrain: error: {unread}")
     # (a resume's --staleness taken from its checkpoint was allowed when that was written)
     if args.staleness and args.memory == "local" and "engram" not in kinds and (given is None or "staleness" in given):
         raise SystemExit(f"memtrain: error: --staleness {args.staleness}: with --memory local it changes only the "
@@ -1289,6 +1291,29 @@ def _other_kinds_flags(given: frozenset[str], kinds: set[str]) -> list[str]:
     readers.update(dict.fromkeys(_KIF_BUILD, ("kif",)))
     flags = {a.dest: a.option_strings[-1] for a in build_parser()._actions}
     return [flags[d] for d, users in readers.items() if d in given and not kinds & set(users)]
+
+
+#: Flags that set the memory values' tables (every kind but kif has one), and those of the
+#: prefetch of token-addressed layers (engram): a run without either trained with them unread.
+_VALUE_FLAGS = ("shared_values", "value_optimizer", "value_lr", "sharding", "tier", "cache_bytes", "wal", "sync_commit",
+                "staleness")
+_PREFETCH_FLAGS = ("no_prefetch", "no_warm")
+
+
+def _value_flags_unread(given: frozenset[str], kinds: set[str]) -> str:
+    """What is wrong with flags among `given` that no layer of `kinds` reads ("" none): the value
+    tables' for a run of KIF alone (it reads its knowledge source), the prefetch's for a run with
+    no token-addressed layer."""
+    flags = {a.dest: a.option_strings[-1] for a in build_parser()._actions}
+    if not kinds - {"kif"} and (unread := [flags[d] for d in _VALUE_FLAGS if d in given]):
+        return (f"{', '.join(unread)}: set{'s' if len(unread) == 1 else ''} the memory values' tables, and "
+                f"--memory-kind {','.join(sorted(kinds))} has none (KIF reads its knowledge source); drop "
+                f"{'it' if len(unread) == 1 else 'them'}")
+    flags["no_prefetch"] = "--no-prefetch/--prefetch"  # (one setting, two flags)
+    if "engram" not in kinds and (unread := [flags[d] for d in _PREFETCH_FLAGS if d in given]):
+        return (f"{', '.join(unread)}: the prefetch of token-addressed layers' reads (engram), and --memory-kind "
+                f"{','.join(sorted(kinds))} has none; drop {'it' if len(unread) == 1 else 'them'}")
+    return ""
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
