@@ -190,6 +190,23 @@ def test_data_parallel_trainers_draw_dropout_masks_of_their_own(memory_cluster, 
     assert draws[0][0] != draws[1][0] and draws[0][1] != draws[1][1], draws
 
 
+def test_a_refusal_of_trainer_0_while_it_makes_the_tables_is_one_line_on_the_others(memory_cluster, table_name,
+                                                                                   tmp_path):
+    """A hunt: trainer 0 refused a KIF run whose text has no sentence to encode (its own clear
+    error) while the others waited at the barrier for its tables, and died in gloo's words
+    ("Connection closed by peer ... GLHF!", a traceback). They say what happened in one line."""
+    text = tmp_path / "short.txt"
+    text.write_text("Hi. Yes. No. Ok.\n" * 40)
+    failed: list[tuple[int, str]] = []
+    run_trainers([*BASE, "--steps", "1", "--memory", "remote", "--memory-kind", "kif", "--kif-encoder", "hash8",
+                  "--batch-size", "2", "--data", str(text), "--endpoint", memory_cluster.endpoint, "--table", table_name],
+                 tmp_path / "ddp.jsonl", env={"GLOO_SOCKET_IFNAME": "lo"}, failed=failed)
+    (rc0, err0), (rc1, err1) = failed
+    assert rc0 != 0 and "has no sentence of 20 characters or more" in err0, err0
+    assert rc1 != 0 and "trainer 1: trainer 0 stopped while it made the tables" in err1, err1
+    assert "Traceback" not in err1 and "GLHF" not in err1
+
+
 def test_memory_plus_shared_values_replacing_ffn_trains():
     args = build_parser().parse_args([*TINY, "--memory", "local", "--steps", "8", "--mem-layers", "0,1", "--shared-values",
                                       "--mem-plus", "--mem-mode", "replace", "--value-lr", "0.05", "--eval-every", "8"])

@@ -503,7 +503,11 @@ def _build(args: argparse.Namespace, client: Any, device: torch.device, rank: in
     if world > 1 and rank > 0:
         import torch.distributed as dist
 
-        dist.barrier()  # rank 0 has created the tables (and uploaded the KIF source): attached below
+        try:
+            dist.barrier()  # rank 0 has created the tables (and uploaded the KIF source): attached below
+        except RuntimeError:  # (gloo's "Connection closed by peer ... GLHF!": rank 0 refused, and said why)
+            raise SystemExit(f"memtrain: error: trainer {rank}: trainer 0 stopped while it made the tables or the "
+                             "knowledge source (its error says why); this one stops too") from None
     # each value table once (--shared-values: one per kind, every layer's key naming it): its key,
     # then (rows, width, the backends' common arguments, its table name where remote)
     planned: dict[str, str] = {}  # key -> the key of the table it reads
