@@ -63,6 +63,27 @@ def test_a_run_ended_by_max_requests_before_any_sample_counts_its_user(tmp_path)
     assert report["requests"] == 5 and report["users_reached"] == 1, report
 
 
+def test_a_run_longer_than_an_hour_keeps_its_users_for_its_whole_duration(tmp_path, monkeypatch):
+    """`--duration 2h` gave the users the config's 3600 s cap (min of it and the duration): they
+    stopped at one hour and the command exited 0 with nothing said (a hunt). The cap follows the
+    duration (an in-process server: no Ray needed; the locust child is not started)."""
+    import memserver.loadtest.run as run_module
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.loadtest.run import ScratchTable, run_loadtest
+
+    seen = {}
+
+    def child(env, args, timeout, save_latencies):  # where the locust child would start
+        seen.update(max_seconds=float(env["MEMSERVER_MAX_SECONDS"]), kill_after=timeout)
+        return LatencyRecorder().report(1.0, names=["bag"])
+
+    monkeypatch.setattr(run_module, "_run_child", child)
+    with InProcessServer(2, data_dir=str(tmp_path / "data")) as server:
+        cfg = LoadConfig(endpoint=server.endpoint, table="(scratch)", mix=parse_mix("bag"), batch=2, knn=2, timeout=10)
+        run_loadtest(cfg, 1, 1.0, parse_duration("2h"), scratch=ScratchTable(64, 4, "cols"))
+    assert seen["max_seconds"] == 7200 + 10 + 5 and seen["kill_after"] > seen["max_seconds"], seen
+
+
 def test_a_terminated_loadtest_drops_its_table(memory_cluster, client):
     """SIGTERM (what `timeout` and `kill` send) stops the run as Ctrl-C does: the scratch table is
     dropped (the default action left it in the cluster)."""
