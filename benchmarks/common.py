@@ -205,11 +205,30 @@ def info(name: str, what: str, value: float, unit: str = "x", fmt: str = ".2f") 
             "pass": None}
 
 
+def answers(name: str, wrong: list[str]) -> dict[str, Any]:
+    """The row that says whether every path answered as the reference did (`wrong`: those that did
+    not). Unlike a missed speed target (MISS: the machine may be shared), a wrong answer is a bug:
+    the benchmark (exit_status) and benchmarks.run fail on it (it was stored in the JSON only)."""
+    return {"name": name, "what": "answers equal the reference", "target": "all equal", "value": float(not wrong),
+            "measured": "WRONG: " + ", ".join(wrong) if wrong else "yes", "pass": not wrong, "answers": True}
+
+
+def wrong_answers(targets: list[dict[str, Any]]) -> list[str]:
+    """The `answers` rows of these targets that found wrong answers (their measured text)."""
+    return [t["measured"] for t in targets if t.get("answers") and not t["pass"]]
+
+
+def exit_status(out: dict[str, Any]) -> int:
+    """A benchmark's exit status run alone: 1 if it found a wrong answer, 0 otherwise (a MISS too)."""
+    return 1 if wrong_answers(out.get("targets", [])) else 0
+
+
 def print_targets(targets: list[dict[str, Any]], out: Callable[[str], Any] = print) -> None:
-    """A benchmark's target lines ("target WHAT: MEASURED (TARGET): pass|MISS"); INFO rows are left out."""
+    """A benchmark's target lines ("target WHAT: MEASURED (TARGET): pass|MISS|WRONG"); INFO rows are left out."""
     for t in targets:
         if t["pass"] is not None:
-            out(f"target {t['what']}: {t['measured']} ({t['target']}): {'pass' if t['pass'] else 'MISS'}")
+            verdict = "pass" if t["pass"] else "WRONG" if t.get("answers") else "MISS"
+            out(f"target {t['what']}: {t['measured']} ({t['target']}): {verdict}")
 
 
 def copy_bandwidth_gbs(nbytes: int = 256 * 1024 * 1024) -> float:

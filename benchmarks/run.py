@@ -4,7 +4,8 @@ Runs bag_throughput, small_call_latency, update_throughput, write_cost, wal_cost
 small_model, index_search (one Ray head in this process, shared) and scale (in a child process: its figure is that process's peak
 RSS), writes bench-results.json at the repository root and prints each target with the measured ratio and
 PASS / MISS. The machine may be shared and noisy: every ratio is against a baseline measured in
-the same run, interleaved with it where the benchmark allows.
+the same run, interleaved with it where the benchmark allows. A MISS is information; a benchmark
+that raised (ERROR) or answered wrong (WRONG) makes the exit status 1, after the others have run.
 
     python -m benchmarks.run                 # full: the paper-size scale benchmark (4 GiB) included
     python -m benchmarks.run --quick         # fewer repeats, scale at 262,144 x 256
@@ -28,7 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import copy_bandwidth_gbs, init_ray, machine, write_results
+from benchmarks.common import copy_bandwidth_gbs, init_ray, machine, write_results, wrong_answers
 
 ROOT = Path(__file__).resolve().parents[1]
 #: In running order. scale runs in a child process (see module docstring).
@@ -102,7 +103,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_results(args.out, results)
     print_summary(console, results)
     console.print(f"results written to {args.out}")
+    if failed := failures(results):
+        console.print(f"[red]failed: {', '.join(failed)}[/]")
     return results
+
+
+def failures(results: dict[str, Any]) -> list[str]:
+    """The benchmarks that raised or answered wrong, each with which: they make the suite's exit
+    status 1 (it was 0, the ERROR shown only in the table). A missed speed target is no failure."""
+    out = []
+    for name, r in results["benchmarks"].items():
+        if "error" in r:
+            out.append(f"{name} (error: {r['error']})")
+        elif wrong := wrong_answers(r.get("targets", [])):
+            out.append(f"{name} ({'; '.join(wrong)})")
+    return out
 
 
 def print_summary(console: Console, results: dict[str, Any]) -> None:
@@ -119,11 +134,12 @@ def print_summary(console: Console, results: dict[str, Any]) -> None:
             tbl.add_row(name, r["error"][:80], "-", "-", "[red]ERROR", f"{r['wall_s']:.0f}")
             continue
         for i, t in enumerate(r["targets"]):
-            verdict = "[dim]INFO" if t["pass"] is None else "[green]PASS" if t["pass"] else "[red]MISS"
+            verdict = "[dim]INFO" if t["pass"] is None else "[green]PASS" if t["pass"] else \
+                "[red]WRONG" if t.get("answers") else "[red]MISS"
             tbl.add_row(name if i == 0 else "", t["what"], t["target"], t["measured"], verdict,
                         f"{r['wall_s']:.0f}" if i == 0 else "")
     console.print(tbl)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(1 if failures(main()) else 0)
