@@ -281,6 +281,24 @@ def test_bad_loadtest_flags_are_named(tmp_path, monkeypatch, capsys, args, messa
     assert "locust" not in sys.modules and "gevent" not in sys.modules  # no monkey patching in the CLI process
 
 
+def test_a_lookup_only_mix_is_sized_by_its_ids_not_by_knn(tmp_path, monkeypatch, capsys):
+    """`--mix lookup --batch 200000` was refused for "--batch 200000 x --knn 32 ids and weights"
+    (73 MiB), though a lookup sends no weights and uses no --knn: 1.6 MB of ids, 6.4 MB of rows (a
+    hunt). Each kind of call is sized by what it sends and gets."""
+    from memserver.loadtest.caller import check_call_size
+
+    check_call_size(200_000, 32, 8, mix=["lookup"])
+    with pytest.raises(ValueError, match="--batch 200000 x --knn 32 ids and weights make 73 MiB"):
+        check_call_size(200_000, 32, 8, mix=["lookup", "bag"])  # a bag in the mix: its ids and weights count
+    with pytest.raises(ValueError, match="--batch 10000000 ids make 76 MiB"):
+        check_call_size(10_000_000, 1, 1, mix=["lookup"])
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))  # no cluster: refused by that, after the flags
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["loadtest", "--mix", "lookup", "--batch", "200000", "--dim", "8", "--duration", "1s"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--knn" not in err and "memserver up" in err, err
+
+
 def test_loadtest_without_a_cluster_says_how_to_start_one(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
     with pytest.raises(SystemExit) as exit_:

@@ -79,7 +79,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     if args.table is None:
         scratch = ScratchTable(args.num_rows or 65536, args.dim or 128, args.sharding or "cols")
         try:
-            check_call_size(args.batch, args.knn, scratch.dim)
+            check_call_size(args.batch, args.knn, scratch.dim, mix=mix)
         except ValueError as exc:
             raise CliError(str(exc)) from None
     elif args.num_rows is not None or args.dim is not None or args.sharding:

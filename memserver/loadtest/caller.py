@@ -23,7 +23,7 @@ from memserver.api.errors import from_rpc_error
 from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
-from memserver.loadtest.config import LoadConfig
+from memserver.loadtest.config import OPS, LoadConfig
 from memserver.wire import dtype_code
 
 #: Seconds the set-up (the shard map, the shard connections) may take: not the calls' deadline,
@@ -46,14 +46,19 @@ def fetch_table(endpoint: str, table: str, timeout: float) -> TableMeta:
     return TableMeta.from_proto(info)
 
 
-def check_call_size(batch: int, knn: int, dim: int, max_bytes: int = OpOptions.max_request_bytes) -> None:
-    """Refuse (ValueError naming the flags) a call the load test could not send whole: it sends
-    each call as one request per shard, never split as the client would."""
-    ids = batch * knn * 12  # int64 ids + float32 weights
-    rows = batch * dim * 4  # a bag's answer or a backward's gradients, float32
+def check_call_size(batch: int, knn: int, dim: int, max_bytes: int = OpOptions.max_request_bytes,
+                    mix: Iterable[str] = ()) -> None:
+    """Refuse (ValueError naming the flags) a call of the mix (every kind if none is given) the load
+    test could not send whole: it sends each call as one request per shard, never split as the
+    client would. Each kind is sized by what it sends and gets: a lookup sends --batch ids and no
+    weights (it was refused for --knn, which it does not use)."""
+    rows = batch * dim * 4  # a bag's or a lookup's answer, a backward's gradients: float32
+    if set(mix or OPS) - {"lookup"}:
+        ids, what = batch * knn * 12, f"--batch {batch} x --knn {knn} ids and weights"  # int64 ids + float32 weights
+    else:
+        ids, what = batch * 8, f"--batch {batch} ids"  # int64
     if max(ids, rows) > max_bytes:
-        what = (f"--batch {batch} x --knn {knn} ids and weights make {ids >> 20} MiB" if ids >= rows else
-                f"--batch {batch} x dim {dim} rows make {rows >> 20} MiB")
+        what = f"{what} make {ids >> 20} MiB" if ids >= rows else f"--batch {batch} x dim {dim} rows make {rows >> 20} MiB"
         raise ValueError(f"{what} per message; keep them under {max_bytes >> 20} MiB")
 
 
@@ -70,7 +75,7 @@ def check_table(meta: TableMeta, batch: int, knn: int, max_bytes: int = OpOption
         raise ValueError(f"--table: {meta.name} is a sync_updates table of {meta.sync_workers} trainers, whose updates "
                          "apply as steps every trainer commits; loadtest's bag_backward calls are no such steps: leave "
                          "bag_backward out of --mix (bag and lookup read it as it is), or load a scratch table")
-    check_call_size(batch, knn, meta.dim, max_bytes)
+    check_call_size(batch, knn, meta.dim, max_bytes, mix)
 
 
 class ShardCaller:
