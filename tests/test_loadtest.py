@@ -4,6 +4,7 @@ exact percentiles and its argument errors."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -436,6 +437,22 @@ def test_a_workers_message_is_bounded_and_checked():
         LatencyRecorder.from_message(msg, max_samples=4)
     for bad in ({}, {**msg, "ok": {"bag": b"1234567"}}, {**msg, "failures": {"bag": -1}}, {**msg, "ok": [1]},
                 {**msg, "errors": {"x": "many"}}):
+        with pytest.raises(ValueError):
+            LatencyRecorder.from_message(bad)
+
+
+def test_a_workers_message_with_impossible_figures_is_refused():
+    """The master took NaN and negative latencies (NaN percentiles, printed by --json as invalid
+    JSON), a negative or NaN `dropped` / `elapsed_s` and True as a count of 1 from its
+    unauthenticated port (a hunt): each is a ValueError, which the master reports as a rejected
+    worker, as it does the other malformed messages."""
+    msg = _recorder({"bag": [1.0, 2.0]}, failures=1).to_message()
+    LatencyRecorder.from_message(msg)  # (the good one)
+    bad_ms = [np.array([1.0, x]).tobytes() for x in (np.nan, np.inf, -1.0)]
+    for bad in ([{**msg, "ok": {"bag": raw}} for raw in bad_ms] +
+                [{**msg, "dropped": x} for x in (-5, True, 1.5, "3", None)] +
+                [{**msg, "elapsed_s": x} for x in (math.nan, math.inf, -1.0, True, "2")] +
+                [{**msg, "failures": {"bag": True}}, {**msg, "bytes": {"bag": False}}]):
         with pytest.raises(ValueError):
             LatencyRecorder.from_message(bad)
 

@@ -103,13 +103,21 @@ class LatencyRecorder:
                 if not isinstance(name, str) or not isinstance(raw, bytes) or len(raw) % 8:
                     raise ValueError(f"latencies of {name!r}: not float64 bytes")
                 rec.ok[name] = array("d", raw)
+                ms = np.frombuffer(rec.ok[name], dtype=np.float64)
+                if not (np.isfinite(ms) & (ms >= 0)).all():  # (a NaN made the report's percentiles NaN, invalid JSON)
+                    raise ValueError(f"latencies of {name!r}: not all finite and >= 0")
                 rec.kept += len(rec.ok[name])
             for key, into in (("failures", rec.failures), ("errors", rec.errors), ("bytes", rec.bytes)):
                 for name, n in dict(msg[key]).items():
-                    if not isinstance(name, str) or not isinstance(n, int) or n < 0:
+                    if not isinstance(name, str) or not _is_count(n):
                         raise ValueError(f"{key}: {name!r}: {n!r} is not a count")
                     into[name] += n
-            rec.dropped, rec.elapsed_s = int(msg["dropped"]), float(msg["elapsed_s"])
+            dropped, elapsed = msg["dropped"], msg["elapsed_s"]
+            if not _is_count(dropped):
+                raise ValueError(f"dropped: {dropped!r} is not a count")
+            if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not 0 <= elapsed < math.inf:
+                raise ValueError(f"elapsed_s: {elapsed!r} is not a number of seconds >= 0")
+            rec.dropped, rec.elapsed_s = dropped, float(elapsed)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a latency message: {type(exc).__name__}: {exc}") from None
         if max_samples is not None and rec.kept > max_samples:
@@ -128,6 +136,11 @@ class LatencyRecorder:
         self.bytes.update(other.bytes)
         self.dropped += other.dropped
         return self
+
+
+def _is_count(n: object) -> bool:
+    """An int >= 0, not a bool (True is an int to isinstance: it counted as 1)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 #: Distinct error messages a report (and a worker's message) carries, most frequent first.
