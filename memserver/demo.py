@@ -20,6 +20,7 @@ random slots) and `memserver inspect` on a few slots, exactly as a user types th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 
@@ -42,79 +43,97 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-pairs", type=int, default=1000, help="pairs of the LSH warm-up (0: skip part 3)")
     p.add_argument("--trace-chars", type=int, default=100_000, help="characters traced for part 4 (0: skip it)")
     args = p.parse_args(argv)
+    if args.steps < 2:  # (1 step compared the loss before the update with itself and failed; 0: IndexError)
+        p.error(f"--steps: must be at least 2 (part 1 checks that the loss fell from its first step), got {args.steps}")
     console = Console(width=120)
-    rng = np.random.default_rng(0)
 
     with MemoryClient(args.endpoint) as client:
         console.print(f"connected to memserver at [bold]{client.endpoint}[/]")
-        for old in client.list_tables():
-            if old.name.startswith("demo-"):
-                client.drop_table(old.name)
-        results = Table(title="remote memory training (bag -> loss -> bag_backward)")
-        for col in ("table", "sharding", "optimizer", "first loss", "last loss", "bag ms", "bag_backward ms"):
-            results.add_column(col, justify="left" if col in ("table", "sharding", "optimizer") else "right")
-        # A fixed set of queries, each a weighted bag of knn slots, must learn to produce a target.
-        ids = rng.integers(0, args.rows, size=(args.batch, args.knn))
-        logits = rng.normal(size=(args.batch, args.knn)).astype(np.float32)
-        weights = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-        target = rng.normal(size=(args.batch, args.dim)).astype(np.float32)
-
-        for sharding, optimizer, lr in (("cols", "adagrad", 0.05), ("rows", "adam", 0.01)):
-            name = f"demo-{sharding}-{optimizer}"
-            meta = client.create_table(name, args.rows, args.dim, sharding=sharding, optimizer=optimizer, lr=lr, seed=1)
-            console.print(
-                f"created [bold]{name}[/]: {meta.num_rows:,} x {meta.dim} float32 "
-                f"({meta.num_rows * meta.dim * 4 / 2**20:.0f} MiB) over {len(meta.shards)} shards, sharding={meta.sharding}"
-            )
-            # write_rows / lookup round trip
-            probe = np.arange(8)
-            rows = rng.normal(size=(8, args.dim)).astype(np.float32)
-            client.write_rows(name, probe, rows)
-            assert np.allclose(client.lookup(name, probe), rows), "lookup must return what write_rows wrote"
-
-            losses, t_bag, t_bwd = [], 0.0, 0.0
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                out = client.bag(name, ids, weights)
-                t1 = time.perf_counter()
-                diff = out - target
-                losses.append(float((diff**2).mean()))
-                grad_out = (2.0 / diff.size) * diff * args.batch  # d(mean sq)/d(out), scaled per query
-                client.bag_backward(name, ids, weights, grad_out.astype(np.float32))
-                t_bag, t_bwd = t_bag + t1 - t0, t_bwd + time.perf_counter() - t1
-            assert losses[-1] < losses[0], f"{name}: loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})"
-            results.add_row(
-                name, sharding, optimizer, f"{losses[0]:.4f}", f"{losses[-1]:.4f}",
-                f"{1e3 * t_bag / args.steps:.1f}", f"{1e3 * t_bwd / args.steps:.1f}",
-            )
-            stats = client.slot_stats(name, ids[0, :5])
-            slots = Table(title=f"slot stats of {name} (first query's slots)")
-            for col in ("slot", "hits", "weight mass", "updates", "value norm"):
-                slots.add_column(col, justify="right")
-            for i, slot in enumerate(ids[0, :5]):
-                slots.add_row(str(slot), str(stats["hits"][i]), f"{stats['weight_mass'][i]:.3f}",
-                              str(stats["updates"][i]), f"{stats['value_norm'][i]:.3f}")
-            console.print(slots)
-        console.print(results)
-        st = client.status()
-        console.print(f"cluster: {len(st.shards)} shards, {len(st.tables)} tables, "
-                      f"{sum(s.requests for s in st.shards):,} data-plane requests served")
-        for t in st.tables:  # its own tables only: the cluster may hold the user's
-            if t.spec.name.startswith("demo-"):
-                client.drop_table(t.spec.name)
-        if args.train_steps:
-            from memserver.cluster.endpoint import memserver_home
-
-            # under $MEMSERVER_HOME: the cluster's checkpoint root, where the trainer's memory checkpoint may go
-            with tempfile.TemporaryDirectory(prefix="demo-run-", dir=memserver_home()) as ckpt:
-                train_comparison(client, args.train_steps, console, ckpt)
-                if args.trace_chars:
-                    inspection(client, ckpt, args.trace_chars, console)
-            client.drop_table("demo-pkm")
-        if args.warmup_pairs:
-            lsh_warmup(client, args.warmup_pairs, console)
+        _drop_own_tables(client)
+        try:
+            _parts(client, args, console)
+        except BaseException:
+            # a failed or interrupted demo leaves none of its tables behind; its own error is the one raised
+            with contextlib.suppress(Exception):
+                _drop_own_tables(client)
+            raise
     console.print("[bold green]demo finished[/]")
     return 0
+
+
+def _drop_own_tables(client: MemoryClient, prefix: str = "demo-") -> None:
+    """The demo's tables only: the cluster may hold the user's."""
+    for t in client.list_tables():
+        if t.name.startswith(prefix):
+            client.drop_table(t.name)
+
+
+def _parts(client: MemoryClient, args: argparse.Namespace, console: Console) -> None:
+    """Parts 1 to 4 (see the module docstring)."""
+    rng = np.random.default_rng(0)
+    results = Table(title="remote memory training (bag -> loss -> bag_backward)")
+    for col in ("table", "sharding", "optimizer", "first loss", "last loss", "bag ms", "bag_backward ms"):
+        results.add_column(col, justify="left" if col in ("table", "sharding", "optimizer") else "right")
+    # A fixed set of queries, each a weighted bag of knn slots, must learn to produce a target.
+    ids = rng.integers(0, args.rows, size=(args.batch, args.knn))
+    logits = rng.normal(size=(args.batch, args.knn)).astype(np.float32)
+    weights = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    target = rng.normal(size=(args.batch, args.dim)).astype(np.float32)
+
+    for sharding, optimizer, lr in (("cols", "adagrad", 0.05), ("rows", "adam", 0.01)):
+        name = f"demo-{sharding}-{optimizer}"
+        meta = client.create_table(name, args.rows, args.dim, sharding=sharding, optimizer=optimizer, lr=lr, seed=1)
+        console.print(
+            f"created [bold]{name}[/]: {meta.num_rows:,} x {meta.dim} float32 "
+            f"({meta.num_rows * meta.dim * 4 / 2**20:.0f} MiB) over {len(meta.shards)} shards, sharding={meta.sharding}"
+        )
+        # write_rows / lookup round trip
+        probe = np.arange(8)
+        rows = rng.normal(size=(8, args.dim)).astype(np.float32)
+        client.write_rows(name, probe, rows)
+        assert np.allclose(client.lookup(name, probe), rows), "lookup must return what write_rows wrote"
+
+        losses, t_bag, t_bwd = [], 0.0, 0.0
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            out = client.bag(name, ids, weights)
+            t1 = time.perf_counter()
+            diff = out - target
+            losses.append(float((diff**2).mean()))
+            grad_out = (2.0 / diff.size) * diff * args.batch  # d(mean sq)/d(out), scaled per query
+            client.bag_backward(name, ids, weights, grad_out.astype(np.float32))
+            t_bag, t_bwd = t_bag + t1 - t0, t_bwd + time.perf_counter() - t1
+        assert losses[-1] < losses[0], f"{name}: loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})"
+        results.add_row(
+            name, sharding, optimizer, f"{losses[0]:.4f}", f"{losses[-1]:.4f}",
+            f"{1e3 * t_bag / args.steps:.1f}", f"{1e3 * t_bwd / args.steps:.1f}",
+        )
+        stats = client.slot_stats(name, ids[0, :5])
+        slots = Table(title=f"slot stats of {name} (first query's slots)")
+        for col in ("slot", "hits", "weight mass", "updates", "value norm"):
+            slots.add_column(col, justify="right")
+        for i, slot in enumerate(ids[0, :5]):
+            slots.add_row(str(slot), str(stats["hits"][i]), f"{stats['weight_mass'][i]:.3f}",
+                          str(stats["updates"][i]), f"{stats['value_norm'][i]:.3f}")
+        console.print(slots)
+    console.print(results)
+    st = client.status()
+    console.print(f"cluster: {len(st.shards)} shards, {len(st.tables)} tables, "
+                  f"{sum(s.requests for s in st.shards):,} data-plane requests served")
+    for t in st.tables:  # its own tables only: the cluster may hold the user's
+        if t.spec.name.startswith("demo-"):
+            client.drop_table(t.spec.name)
+    if args.train_steps:
+        from memserver.cluster.endpoint import memserver_home
+
+        # under $MEMSERVER_HOME: the cluster's checkpoint root, where the trainer's memory checkpoint may go
+        with tempfile.TemporaryDirectory(prefix="demo-run-", dir=memserver_home()) as ckpt:
+            train_comparison(client, args.train_steps, console, ckpt)
+            if args.trace_chars:
+                inspection(client, ckpt, args.trace_chars, console)
+        client.drop_table("demo-pkm")
+    if args.warmup_pairs:
+        lsh_warmup(client, args.warmup_pairs, console)
 
 
 def train_comparison(client: MemoryClient, steps: int, console: Console, checkpoint_dir: str) -> None:
@@ -186,14 +205,17 @@ def lsh_warmup(client: MemoryClient, pairs: int, console: Console) -> None:
     for col in ("network", "bit accuracy", "exact match", "seconds"):
         table.add_column(col, justify="left" if col == "network" else "right")
     rows = {}
-    for kind, label in (("none", "plain"), ("lsh-remote", f"+ LSH memory per layer ({cfg.hashes} x 2^{cfg.bits} buckets, in the cluster)")):
-        console.print(f"training [bold]{label}[/] ...")
-        rows[kind] = r = run_one(kind, pairs, cfg, client)
-        table.add_row(label, f"{r['bit_acc']:.4f}", f"{r['exact']:.4f}", f"{r['seconds']:.0f}")
+    try:
+        for kind, label in (("none", "plain"), ("lsh-remote", f"+ LSH memory per layer ({cfg.hashes} x 2^{cfg.bits} buckets, in the cluster)")):
+            console.print(f"training [bold]{label}[/] ...")
+            rows[kind] = r = run_one(kind, pairs, cfg, client)
+            table.add_row(label, f"{r['bit_acc']:.4f}", f"{r['exact']:.4f}", f"{r['seconds']:.0f}")
+    except BaseException:
+        with contextlib.suppress(Exception):  # (as main's: none left behind, the run's error raised)
+            _drop_own_tables(client, "warmup-")
+        raise
     console.print(table)
-    for t in client.list_tables():
-        if t.name.startswith("warmup-"):
-            client.drop_table(t.name)
+    _drop_own_tables(client, "warmup-")
     assert rows["lsh-remote"]["exact"] > rows["none"]["exact"] + 0.5, "the LSH memory should memorise the pairs"
 
 

@@ -353,6 +353,35 @@ def test_the_demo_drops_only_its_own_tables(client, table_name, memory_cluster):
     client.drop_table(table_name)
 
 
+@pytest.mark.parametrize("steps", ["1", "0"])
+def test_the_demo_refuses_fewer_than_two_steps_naming_the_flag(capsys, steps):
+    """`--steps 1` failed its "loss did not fall" check (the loss before the one update against
+    itself) and `--steps 0` ended in IndexError (a hunt): refused before any cluster is reached."""
+    from memserver.demo import main as demo
+
+    with pytest.raises(SystemExit) as exit_:
+        demo(["--endpoint", "127.0.0.1:1", "--steps", steps])
+    assert exit_.value.code == 2
+    assert f"error: --steps: must be at least 2 (part 1 checks that the loss fell from its first step), got {steps}" \
+        in capsys.readouterr().err
+
+
+def test_a_failed_demo_leaves_none_of_its_tables(client, memory_cluster, monkeypatch):
+    """A demo that failed half-way left its demo-* table in the cluster (a hunt): dropped, and its
+    own error is the one raised."""
+    from client import MemoryClient
+    from memserver.demo import main as demo
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("slot_stats broke (test)")
+
+    monkeypatch.setattr(MemoryClient, "slot_stats", broken)  # after part 1 made and trained its first table
+    with pytest.raises(RuntimeError, match="slot_stats broke"):
+        demo(["--endpoint", memory_cluster.endpoint, "--rows", "1000", "--dim", "8", "--steps", "2", "--batch", "16",
+              "--train-steps", "0", "--warmup-pairs", "0", "--trace-chars", "0"])
+    assert not [t.name for t in client.list_tables() if t.name.startswith("demo-")]
+
+
 def test_a_second_cluster_on_the_same_ray_cluster_is_refused_before_anything_is_made(client, memory_cluster):
     """(Ray's own error said only that an actor name was taken, after placing the shards.)"""
     import ray
