@@ -687,6 +687,40 @@ def test_a_scratch_table_the_cluster_could_not_drop_is_said_with_the_command_to_
                     "refused; drop it with `memserver drop-table loadtest-x` once the cluster serves it")
 
 
+_DROPPED_DURING_THE_RUN = """
+import sys, tempfile
+import memserver.cli as cli
+import memserver.loadtest.run as run
+from client import MemoryClient
+from memserver.cluster.inprocess import InProcessServer
+from memserver.loadtest.recorder import LatencyRecorder
+
+
+def child(env, args, timeout, save_latencies):  # where the locust child would run: the table goes meanwhile
+    with MemoryClient(env["MEMSERVER_ENDPOINT"]) as c:
+        c.drop_table(env["MEMSERVER_TABLE"])
+    return {**LatencyRecorder().report(1.0, names=["bag"]), "interrupted": False, "locust_exceptions": 0}
+
+
+run._run_child = child
+with tempfile.TemporaryDirectory() as tmp, InProcessServer(2, data_dir=tmp) as server:
+    code = cli.main(["loadtest", "--endpoint", server.endpoint, "--mix", "bag", "--duration", "1s", "--num-rows", "64",
+                     "--dim", "4", "--batch", "2", "--knn", "2", "--json"])
+sys.exit(code)
+"""
+
+
+def test_a_failed_scratch_drop_is_said_once():
+    """The drop's error was logged by the run and printed again by the command: the same long
+    text twice on stderr (a hunt). The command says it (an in-process server: no Ray needed)."""
+    run = subprocess.run([sys.executable, "-c", _DROPPED_DURING_THE_RUN], capture_output=True, text=True, timeout=240,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 1, run.stderr[-3000:]
+    said = json.loads(run.stdout)["scratch_drop_error"]
+    assert said.endswith("was dropped by someone else during the run: its later calls failed")
+    assert run.stderr.count(said) == 1 and f"memserver: error: {said}" in run.stderr, run.stderr[-3000:]
+
+
 def test_a_worker_has_its_message_handlers_before_it_connects():
     """A master that has all its workers sends the test's config at once; a worker registered its
     handlers only after connecting, so a config that came first was dropped ("Unknown message type

@@ -78,8 +78,8 @@ def run_loadtest(cfg: LoadConfig, users: int, spawn_rate: float, duration_s: flo
                 grace += 2 * master.wait_s
             report = _run_child(cfg.to_env(), args, grace, save_latencies)
         except BaseException:
-            if scratch is not None:
-                _drop_scratch(mem, cfg.table)  # a failure to drop is logged; the run's own error is the one raised
+            if scratch is not None and (error := _drop_scratch(mem, cfg.table)):
+                log.warning("%s", error)  # the run's own error is the one raised: the failed drop is said here
             raise
         if scratch is not None and (error := _drop_scratch(mem, cfg.table)):
             report["scratch_drop_error"] = error  # the run's figures still stand: printed, with this beside them
@@ -127,21 +127,18 @@ def _warm_up(mem: Any, meta: Any, cfg: LoadConfig) -> None:
 
 
 def _drop_scratch(mem: Any, table: str) -> str | None:
-    """Drop the run's scratch table; what went wrong (the cluster stopped, someone dropped it) or None."""
+    """Drop the run's scratch table; what went wrong (the cluster stopped, someone dropped it) or None,
+    for the caller to say (once: it was logged here and printed by the command too)."""
     from memserver.api.errors import TableNotFoundError
     from memserver.cli.common import one_line
 
     try:
         mem.drop_table(table)
     except TableNotFoundError:  # (there is nothing left to drop: no advice to drop it)
-        error = f"the scratch table {table} was dropped by someone else during the run: its later calls failed"
-        log.warning("%s", error)
-        return error
+        return f"the scratch table {table} was dropped by someone else during the run: its later calls failed"
     except Exception as exc:
-        error = (f"the scratch table {table} was not dropped: {one_line(exc)}; drop it with `memserver drop-table "
-                 f"{table}` once the cluster serves it")
-        log.warning("%s", error)
-        return error
+        return (f"the scratch table {table} was not dropped: {one_line(exc)}; drop it with `memserver drop-table "
+                f"{table}` once the cluster serves it")
     return None
 
 
