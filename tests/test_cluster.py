@@ -382,6 +382,26 @@ def test_a_failed_demo_leaves_none_of_its_tables(client, memory_cluster, monkeyp
     assert not [t.name for t in client.list_tables() if t.name.startswith("demo-")]
 
 
+def test_the_demos_ms_per_step_is_the_steps_own_time(monkeypatch):
+    """Part 2's "ms/step" was the whole wall time (the model's build and the evaluations too) over
+    the steps: 22702 for steps of 4-6 s (a hunt). It is the mean of the steps' own times."""
+    from rich.console import Console
+
+    import trainer.train
+    from memserver.demo import train_comparison
+
+    def train(args, client=None):  # the trainer's records: step_ms is the mean over the steps since the last one
+        time.sleep(0.2)  # a model build the steps' time must not count
+        for step, ms in ((1, 100.0), (4, 20.0)):
+            yield {"step": step, "loss": 2.0, "val_loss": 2.5, "step_ms": ms, "tokens_per_s": 1000.0}
+
+    monkeypatch.setattr(trainer.train, "train", train)
+    console = Console(record=True, width=200)
+    train_comparison(None, 4, console, "/nonexistent")
+    rows = [line.split("│") for line in console.export_text().splitlines() if "2.5000" in line]
+    assert len(rows) == 2 and all(r[4].strip() == "40" for r in rows), rows  # (100 + 3 x 20) / 4
+
+
 def test_a_second_cluster_on_the_same_ray_cluster_is_refused_before_anything_is_made(client, memory_cluster):
     """(Ray's own error said only that an actor name was taken, after placing the shards.)"""
     import ray
