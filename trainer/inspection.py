@@ -42,6 +42,12 @@ from trainer.model import GPT, ModelConfig, value_key
 CONTEXT = 16
 
 
+class ClusterMismatch(ValueError):
+    """A checkpoint that loads no model against the cluster as it is now (a table it reads missing,
+    not a value table, or of another shape), though the file is fine: worth trying again once the
+    tables change, where a bad file is not."""
+
+
 class PeekValues:
     """A read-only value backend over a cluster table: a bag is an uncounted lookup of its
     distinct ids and a weighted sum here (inspection leaves hits and mass as training left them)."""
@@ -49,7 +55,7 @@ class PeekValues:
     def __init__(self, client: Any, name: str) -> None:
         meta = client.table(name, refresh=True)
         if meta.kind != "value":
-            raise ValueError(f"table {name!r} is {meta.a_kind}, not a value table")
+            raise ClusterMismatch(f"table {name!r} is {meta.a_kind}, not a value table")
         self.client, self.name, self.num_rows, self.dim = client, name, meta.num_rows, meta.dim
         self.version = 0  # never updated
 
@@ -220,11 +226,15 @@ class Inspector:
                     at = saved_in.get(name)
                     how = (f"`memserver restore --dir {at} --step {int(blob.get('step', 0))}`" if at and at.is_dir()
                            else f"restore {name!r}")
-                    raise ValueError(f"{path}: its model reads table {name!r}, which the cluster does not hold "
+                    raise ClusterMismatch(f"{path}: its model reads table {name!r}, which the cluster does not hold "
                                      f"(give the checkpoint of the model that reads the table you ask about, or {how})"
                                      ) from None
-        knowledge = [RemoteKnowledge(client, s) for s in mem.kif_sources] if "kif" in mem.kinds else []
-        model = GPT(ModelConfig(memory=mem, **cfg), values, knowledge)
+        config = ModelConfig(memory=mem, **cfg)
+        try:  # a KIF source of another kind or empty, a layer refusing its table's shape (a table made anew)
+            knowledge = [RemoteKnowledge(client, s) for s in mem.kif_sources] if "kif" in mem.kinds else []
+            model = GPT(config, values, knowledge)
+        except ValueError as exc:
+            raise ClusterMismatch(str(exc)) from None
         model.load_state_dict(sd)
         model.eval()
         views = []

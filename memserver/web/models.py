@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,11 @@ log = logging.getLogger(__name__)
 #: Models kept loaded (each a whole memtrain model): the most recently used paths, so a server that
 #: runs for weeks over many tables or checkpoint folders holds at most this many.
 MAX_MODELS = 8
+#: Seconds a load that failed because of the cluster (a table of the model missing or of another
+#: shape, the cluster not answering) is kept before the next view tries again: a table restored
+#: meanwhile gets its model back, and a page viewed again and again still loads the file (about a
+#: second) at most once per this. A failure of the file itself is kept until the file changes.
+CLUSTER_RETRY_S = 5.0
 
 
 @dataclass
@@ -44,27 +50,39 @@ class ModelCache:
         self.client = client
         self.checkpoint = str(checkpoint) if checkpoint else None
         # per path as named (a file, or a --checkpoint-dir whose latest step it loaded): (the
-        # file, its mtime, its inspector or why it failed); the MAX_MODELS most recently used
-        self._paths: OrderedDict[str, tuple[str, int, Any]] = OrderedDict()
+        # file, its mtime, its inspector or why it failed, when a failure is tried again (None:
+        # not until the file changes)); the MAX_MODELS most recently used
+        self._paths: OrderedDict[str, tuple[str, int, Any, float | None]] = OrderedDict()
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _stale(got: Any, retry_at: float | None) -> bool:
+        """Whether a cached failure no longer holds though the file is unchanged: the cluster's, once
+        CLUSTER_RETRY_S have passed."""
+        return isinstance(got, Exception) and retry_at is not None and time.monotonic() >= retry_at
 
     def load(self, path: str | Path) -> Any:
         """The Inspector of the memtrain checkpoint at `path` (a directory: its latest step),
-        loaded once per change of the file; FileNotFoundError or ValueError saying why not (kept,
-        so a bad file is not read again per page view)."""
-        from trainer.inspection import Inspector, checkpoint_file
+        loaded once per change of the file; FileNotFoundError or
+        ValueError saying why not (kept until the file changes when the file is at fault, so a bad
+        file is not read again per page view; CLUSTER_RETRY_S when the cluster is)."""
+        from memserver.api.errors import MemserverError
+        from trainer.inspection import ClusterMismatch, Inspector, checkpoint_file
 
         file = checkpoint_file(path)
         key, name, mtime = str(Path(path).resolve()), str(file.resolve()), file.stat().st_mtime_ns
         with self._lock:
             cached = self._paths.get(key)
-            if cached is None or cached[:2] != (name, mtime):
+            if cached is None or cached[:2] != (name, mtime) or self._stale(*cached[2:]):
                 log.info("loading %s", file)
+                retry_at = None
                 try:
                     got: Any = Inspector.load(file, self.client)
                 except Exception as exc:  # noqa: BLE001 - kept, so a bad file is not loaded again per view
+                    if isinstance(exc, (ClusterMismatch, MemserverError)):  # the cluster's: tried again soon
+                        retry_at = time.monotonic() + CLUSTER_RETRY_S
                     got = ValueError(str(exc))
-                cached = (name, mtime, got)
+                cached = (name, mtime, got, retry_at)
             self._paths[key] = cached
             self._paths.move_to_end(key)
             while len(self._paths) > MAX_MODELS:
