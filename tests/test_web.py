@@ -457,7 +457,11 @@ def test_the_model_cache_holds_one_model_per_path_and_a_bounded_number_of_paths(
     from memserver.web import models
 
     loads = []
-    monkeypatch.setattr(inspection.Inspector, "load", classmethod(lambda cls, file, client: loads.append(file) or object()))
+    class Loaded:  # a model whose tables never change
+        def tables_changed(self, client):
+            return None
+
+    monkeypatch.setattr(inspection.Inspector, "load", classmethod(lambda cls, file, client: loads.append(file) or Loaded()))
     cache = models.ModelCache(client=None)
     run = tmp_path / "run"
     run.mkdir()
@@ -516,6 +520,39 @@ def test_a_model_whose_table_was_missing_is_loaded_once_the_table_is_there(clien
         assert ins.view(later).table == later and cache.load(ckpt) is ins
     finally:
         client.drop_table(later)
+
+
+def test_a_table_made_anew_with_another_shape_is_said_not_a_500(client, traced, tmp_path, monkeypatch):
+    """A hunt: with --checkpoint, a table dropped and made anew under its name with another dim
+    gave HTTP 500 on the slot, search and text pages (the cached model read rows of the old
+    shape: a reshape error); the cache checked only the file. The model is loaded again when a
+    table it reads is made anew: the pages say why there is none, in the words of `memserver
+    inspect --checkpoint`, and the model is back once the table has its shape again."""
+    from memserver.web import models
+
+    monkeypatch.setattr(models, "CLUSTER_RETRY_S", 0.0, raising=False)
+    anew = f"web-anew-{uuid.uuid4().hex[:6]}"
+    meta = client.table(traced.table)
+    client.create_table(anew, meta.num_rows, meta.dim)
+    try:
+        with serve_app(create_app(client, checkpoint=model_reading(traced, tmp_path, anew))) as base:
+            assert fetch(f"{base}/api/table/{anew}/slot/3").json["model"]["available"]
+            client.drop_table(anew)
+            client.create_table(anew, meta.num_rows, meta.dim // 2)
+            said = f"the memory's read dim {meta.dim // 2} must equal the layer's output dim {meta.dim}"
+            slot = fetch(f"{base}/api/table/{anew}/slot/3")
+            assert slot.status == 200 and not slot.json["model"]["available"], slot.text[:300]
+            assert said in slot.json["model"]["note"]
+            for path in (f"/api/table/{anew}/search?token=e", f"/api/table/{anew}/text?text=abc"):
+                got = fetch(base + path)
+                assert got.status == 409 and said in got.json["error"], got.text[:300]
+            assert fetch(f"{base}/table/{anew}/slot/3").status == 200
+            client.drop_table(anew)
+            client.create_table(anew, meta.num_rows, meta.dim)
+            again = fetch(f"{base}/api/table/{anew}/search?token=e")
+            assert again.status == 200 and again.json["model"]["available"], again.text[:300]
+    finally:
+        client.drop_table(anew)
 
 
 # ------------------------------------------------------------------ in the browser

@@ -57,6 +57,7 @@ class PeekValues:
         if meta.kind != "value":
             raise ClusterMismatch(f"table {name!r} is {meta.a_kind}, not a value table")
         self.client, self.name, self.num_rows, self.dim = client, name, meta.num_rows, meta.dim
+        self.layout = (meta.layout_id, meta.num_rows, meta.dim)  # the incarnation the model was built against
         self.version = 0  # never updated
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -245,6 +246,21 @@ class Inspector:
             views.append(MemoryView(name, kind, block, tables[value_key(kind, block)], layer))
         return cls(model, list(vocab), views, int(blob.get("step", 0)), path, str(blob.get("data", "")),
                    str(blob.get("data_path", "")))
+
+    def tables_changed(self, client: Any) -> str | None:
+        """Why this model no longer fits the cluster: a table it reads was dropped or made anew
+        (another layout, rows or dim) since it was loaded; None while each is the one it was built
+        against (a model over a table made anew reads rows of another shape: a reshape error)."""
+        seen = {v.layer.values.name: v.layer.values.layout for v in self.views
+                if isinstance(v.layer.values, PeekValues)}
+        for name, layout in seen.items():
+            try:
+                meta = client.table(name, refresh=True)
+            except TableNotFoundError:
+                return f"table {name!r} was dropped"
+            if (meta.layout_id, meta.num_rows, meta.dim) != layout:
+                return f"table {name!r} was made anew ({meta.num_rows} x {meta.dim})"
+        return None
 
     def corpus(self) -> Corpus | None:
         """The training text (its recorded path, else data/<name>), when it is there and has the

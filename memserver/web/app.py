@@ -230,7 +230,7 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
         def build() -> dict[str, Any]:
             meta = data.value_table(client, name)
             model = models.for_table(name)
-            return {**data.search(client, meta, typed, model.inspector, n), "model": model.info()}
+            return {**data.search(client, meta, typed, model.inspector, n, why=model.note), "model": model.info()}
 
         return await work(build)
 
@@ -244,7 +244,7 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
         def build() -> dict[str, Any]:
             meta = data.value_table(client, name)
             model = models.for_table(name)
-            return {**data.activations(meta, typed, model.inspector), "model": model.info()}
+            return {**data.activations(meta, typed, model.inspector, why=model.note), "model": model.info()}
 
         return await work(build)
 

@@ -199,14 +199,21 @@ def slot_view(client: Any, meta: TableMeta, slot: int, inspector: Any = None, k:
     return report
 
 
-def search(client: Any, meta: TableMeta, typed: str | None, inspector: Any, n: int = 20) -> dict[str, Any]:
+def no_model(what: str, why: str | None) -> NoModel:
+    """The 409 of a page that needs the model: `why` (the model line's note) says why there is
+    none, in the words `memserver inspect --checkpoint` says it; else how to give one."""
+    return NoModel(f"{what} needs the model the slots were trained in; " + (
+        why or "run `memtrain trace` for this table or start `memserver web --checkpoint DIR`"))
+
+
+def search(client: Any, meta: TableMeta, typed: str | None, inspector: Any, n: int = 20,
+           why: str | None = None) -> dict[str, Any]:
     """The slots whose projected values rank the token `typed` names highest (a scan of every
     value), with their statistics. The box takes what `memserver search-token` takes: one parser."""
     from trainer.inspection import parse_token, search_token
 
     if inspector is None:
-        raise NoModel("searching by token needs the model the slots were trained in; "
-                      "run `memtrain trace` for this table or start `memserver web --checkpoint DIR`")
+        raise no_model("searching by token", why)
     try:
         token = parse_token(typed or "", inspector.index)
     except ValueError as exc:
@@ -220,12 +227,12 @@ def search(client: Any, meta: TableMeta, typed: str | None, inspector: Any, n: i
     return {"table": meta.name, "token": token, "results": results}
 
 
-def activations(meta: TableMeta, text: str | None, inspector: Any, top: int = 5) -> dict[str, Any]:
+def activations(meta: TableMeta, text: str | None, inspector: Any, top: int = 5,
+                why: str | None = None) -> dict[str, Any]:
     """Which slots a text triggers (trainer.inspection.Inspector.activations): the slots by
     weight summed over the text, and each character's top slots."""
     if inspector is None:
-        raise NoModel("trying text needs the model the slots were trained in; "
-                      "run `memtrain trace` for this table or start `memserver web --checkpoint DIR`")
+        raise no_model("trying text", why)
     text = (text or "").replace("\r\n", "\n")  # a browser's textarea sends CRLF
     if not text:
         raise PageError("type some text to run through the model")

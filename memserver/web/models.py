@@ -44,7 +44,8 @@ class ModelCache:
     """The model per table: the checkpoint given to `memserver web --checkpoint`, else the one
     `memtrain trace` recorded for the table. Each path is loaded once for every table it serves
     (and the start-up check), and again only when the file it names changes (a folder's newer
-    step, or the file rewritten), which then replaces the old model."""
+    step, or the file rewritten), which then replaces the old model, or when a table the model
+    reads was dropped or made anew."""
 
     def __init__(self, client: Any, checkpoint: str | Path | None = None) -> None:
         self.client = client
@@ -55,15 +56,25 @@ class ModelCache:
         self._paths: OrderedDict[str, tuple[str, int, Any, float | None]] = OrderedDict()
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _stale(got: Any, retry_at: float | None) -> bool:
-        """Whether a cached failure no longer holds though the file is unchanged: the cluster's, once
-        CLUSTER_RETRY_S have passed."""
-        return isinstance(got, Exception) and retry_at is not None and time.monotonic() >= retry_at
+    def _stale(self, got: Any, retry_at: float | None) -> bool:
+        """Whether a cached answer no longer holds though the file is unchanged: a failure of the
+        cluster's, once CLUSTER_RETRY_S have passed; a model, once a table it reads was dropped or
+        made anew (its reads would be of another shape)."""
+        from memserver.api.errors import MemserverError
+
+        if isinstance(got, Exception):
+            return retry_at is not None and time.monotonic() >= retry_at
+        try:
+            changed = got.tables_changed(self.client)
+        except MemserverError:  # not answering now: the page's own calls say so; keep the model
+            return False
+        if changed:
+            log.info("reloading %s: %s", got.path, changed)
+        return bool(changed)
 
     def load(self, path: str | Path) -> Any:
         """The Inspector of the memtrain checkpoint at `path` (a directory: its latest step),
-        loaded once per change of the file; FileNotFoundError or
+        loaded once per change of the file (or of the tables it reads); FileNotFoundError or
         ValueError saying why not (kept until the file changes when the file is at fault, so a bad
         file is not read again per page view; CLUSTER_RETRY_S when the cluster is)."""
         from memserver.api.errors import MemserverError
