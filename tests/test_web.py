@@ -555,6 +555,19 @@ def test_a_table_made_anew_with_another_shape_is_said_not_a_500(client, traced, 
         client.drop_table(anew)
 
 
+def test_the_search_box_puts_a_newline_token_back_as_it_reads_it(url, traced):
+    """A hunt: the search page wrote a newline token raw into its box (a newline inside value="..."), which a
+    browser strips from a text input: pressing search again searched for nothing (a 400). The
+    box holds an escape the search reads back as the same token."""
+    for typed in ("\n", "⏎", "\\n"):
+        page = fetch(f"{url}/table/{q(traced.table)}/search?token={q(typed)}")
+        assert page.status == 200, page.text[:300]
+        box = html.unescape(re.search(r'<input name="token" type="text"[^>]* value="([^"]*)"', page.text)[1])
+        box = box.replace("\r", "").replace("\n", "")  # what a browser's text input keeps of the value
+        again = fetch(f"{url}/api/table/{q(traced.table)}/search?token={q(box)}")
+        assert again.status == 200 and again.json["token"] == "\n", (typed, box, again.text[:300])
+
+
 # ------------------------------------------------------------------ in the browser
 
 

@@ -62,6 +62,17 @@ def visible(text: str, space: str = "·") -> Markup:
     return Markup("").join(out)
 
 
+#: How the search box writes a control character back (escapes trainer.inspection.parse_token reads).
+ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def typed_token(token: str) -> str:
+    """A token as the search box takes it back (trainer.inspection.parse_token): control characters
+    as escapes ('\\n'), since a browser strips newlines from a text input's value (a newline token
+    put back raw was searched again as nothing: a 400)."""
+    return "".join(ESCAPES.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 32 or ord(ch) == 127 else ch) for ch in token)
+
+
 def fmt_num(x: float | None) -> str:
     """7 significant digits: enough to compare with the API's float64 at 1e-6, short enough to read."""
     return "–" if x is None else f"{x:.7g}"
@@ -80,7 +91,7 @@ def make_env() -> jinja2.Environment:
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     env.filters.update(num=fmt_num, int=fmt_int, bytes=fmt_bytes, vis=visible, q=lambda s: quote(str(s), safe=""),
                        tok=lambda s: visible(s, space="␣"), when=data.human_time,
-                       pct=percent, prob=lambda p: f"{p:.4f}")
+                       pct=percent, prob=lambda p: f"{p:.4f}", typed=typed_token)
     return env
 
 
