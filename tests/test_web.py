@@ -568,6 +568,22 @@ def test_the_search_box_puts_a_newline_token_back_as_it_reads_it(url, traced):
         assert again.status == 200 and again.json["token"] == "\n", (typed, box, again.text[:300])
 
 
+def test_a_file_sent_as_the_text_is_refused(url, traced):
+    """A hunt: a file upload in the text form's field was run through the model as the text
+    str(UploadFile(...)) (a 400 naming characters nobody typed; a 200 with a vocabulary that has
+    them). It is a 400 saying what the field takes."""
+    boundary = uuid.uuid4().hex
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="text"; filename="f.txt"\r\n'
+            f"Content-Type: text/plain\r\n\r\nFirst Citizen\r\n--{boundary}--\r\n").encode()
+    for path in (f"/api/table/{q(traced.table)}/text", f"/table/{q(traced.table)}/text"):
+        req = urllib.request.Request(url + path, data=body,
+                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        with pytest.raises(urllib.error.HTTPError) as got:
+            urllib.request.urlopen(req, timeout=60)
+        said = got.value.read().decode()
+        assert got.value.code == 400 and "text: a form field of text, not a file" in said, said[:300]
+
+
 # ------------------------------------------------------------------ in the browser
 
 

@@ -248,7 +248,10 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
     async def text(request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
         if request.method == "POST":
-            typed: str | None = str((await request.form()).get("text", ""))
+            field = (await request.form()).get("text", "")
+            if not isinstance(field, str):  # a file upload (multipart): its repr is no text of the user's
+                raise PageError("text: a form field of text, not a file")
+            typed: str | None = field
         else:
             typed = request.query_params.get("text")
 
