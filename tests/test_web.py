@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from memserver.web import create_app
+from memserver.web.app import key_cookie
 from tests.browser import open_page, serve_app
 
 #: A model small enough to train in ~15 s on two cores, with one product-key layer of 16^2 = 256 slots.
@@ -65,16 +66,22 @@ def others(client):
     client.drop_table(index)
 
 
+#: The page's key (memserver web makes one per run): `fetch` sends it.
+KEY = "key-of-the-web-tests-0123456789"
+
+
 @pytest.fixture(scope="module")
 def url(client, traced, others):
-    """The app over the session's client, with no --checkpoint: it finds the model memtrain trace recorded."""
-    with serve_app(create_app(client)) as base:
+    """The app over the session's client, with no --checkpoint: it finds the model memtrain trace
+    recorded. It asks for KEY, as `memserver web` asks for its own."""
+    with serve_app(create_app(client, key=KEY)) as base:
         yield base
 
 
-def fetch(url: str, form: dict[str, str] | None = None) -> SimpleNamespace:
+def fetch(url: str, form: dict[str, str] | None = None, key: str | None = KEY) -> SimpleNamespace:
     """GET (POST with `form`), following redirects; 4xx/5xx answers are returned, not raised."""
-    req = urllib.request.Request(url, data=urllib.parse.urlencode(form).encode() if form is not None else None)
+    req = urllib.request.Request(url, data=urllib.parse.urlencode(form).encode() if form is not None else None,
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             status, ctype, body, final = r.status, r.headers["content-type"], r.read(), r.geturl()
@@ -351,9 +358,11 @@ def test_errors_are_readable_pages(url, traced, others, path, form, status, mess
         assert api.status == status and api.json["status"] == status, (path, api.text[:300])  # its JSON twin exists
 
 
-def test_cli_web_parser_and_serving(client, traced, monkeypatch):
-    """`memserver web` parses its flags, refuses a missing checkpoint, and serves the app create_app makes."""
+def test_cli_web_parser_and_serving(client, traced, monkeypatch, caplog):
+    """`memserver web` parses its flags, refuses a missing checkpoint, and serves the app create_app
+    makes, asking for the key it prints (or $MEMSERVER_WEB_KEY's)."""
     import argparse
+    import logging
 
     from client import UnavailableError
     from memserver.cli import web
@@ -385,16 +394,36 @@ def test_cli_web_parser_and_serving(client, traced, monkeypatch):
 
     def run(app, sock, log_level):  # instead of uvicorn: serve what cmd_web built, read one page
         with serve_app(app) as base:
-            served.update(address=sock.getsockname(), slot=fetch(f"{base}/api/table/{q(traced.table)}/slot/3").json)
+            served.update(address=sock.getsockname(), slot=fetch(f"{base}/api/table/{q(traced.table)}/slot/3").json,
+                          keyless=fetch(f"{base}/api/tables", key=None).status)
         sock.close()
 
     monkeypatch.setattr(web, "serve", run)
+    caplog.set_level(logging.INFO, logger="memserver.web")
+    monkeypatch.setenv("MEMSERVER_WEB_KEY", "short")
+    with pytest.raises(CliError, match="MEMSERVER_WEB_KEY: at least 16 letters"):
+        web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--port", str(port)]))
+    monkeypatch.setenv("MEMSERVER_WEB_KEY", KEY)  # the key `fetch` sends
     args = parser.parse_args(["web", "--endpoint", client.endpoint, "--port", str(port),
                               "--checkpoint", str(traced.checkpoint)])
     assert web.cmd_web(args) == 0
     assert served["address"] == ("127.0.0.1", port)
+    assert served["keyless"] == 401  # (the page asked for no key: every local user read the tables)
     assert served["slot"]["model"]["note"].endswith(f"(--checkpoint, step {traced.inspector.step})")
     assert served["slot"]["hits"] == int(client.slot_stats(traced.table, np.array([3]))["hits"][0])
+    assert f"http://127.0.0.1:{port}/?key=$MEMSERVER_WEB_KEY (Ctrl-C" in caplog.text  # (the user's own: not printed)
+    monkeypatch.delenv("MEMSERVER_WEB_KEY")
+    caplog.clear()
+
+    def run_made(app, sock, log_level):  # a key made for the run: the one printed
+        made = re.search(rf"http://127\.0\.0\.1:{port}/\?key=([A-Za-z0-9_-]{{43}}) ", caplog.text)[1]
+        with serve_app(app) as base:
+            served.update(made=fetch(f"{base}/api/tables", key=made).status, fixed=fetch(f"{base}/api/tables").status)
+        sock.close()
+
+    monkeypatch.setattr(web, "serve", run_made)
+    assert web.cmd_web(parser.parse_args(["web", "--endpoint", client.endpoint, "--port", str(port)])) == 0
+    assert (served["made"], served["fixed"]) == (200, 401)
 
 
 def test_the_search_box_takes_whitespace_as_the_page_draws_it():
@@ -576,12 +605,47 @@ def test_a_file_sent_as_the_text_is_refused(url, traced):
     body = (f'--{boundary}\r\nContent-Disposition: form-data; name="text"; filename="f.txt"\r\n'
             f"Content-Type: text/plain\r\n\r\nFirst Citizen\r\n--{boundary}--\r\n").encode()
     for path in (f"/api/table/{q(traced.table)}/text", f"/table/{q(traced.table)}/text"):
-        req = urllib.request.Request(url + path, data=body,
-                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        req = urllib.request.Request(url + path, data=body, headers={
+            "Content-Type": f"multipart/form-data; boundary={boundary}", "Authorization": f"Bearer {KEY}"})
         with pytest.raises(urllib.error.HTTPError) as got:
             urllib.request.urlopen(req, timeout=60)
         said = got.value.read().decode()
         assert got.value.code == 400 and "text: a form field of text, not a file" in said, said[:300]
+
+
+def test_the_page_asks_for_its_key(client, url, traced):
+    """A security walkthrough: `memserver web` on loopback served the tables to every user of the
+    machine (a loopback port is theirs to reach too), where docs/security.md keeps other local
+    users out. Every page and /api route needs the run's key: `?key=` sets an HttpOnly,
+    SameSite=Strict cookie and redirects to the address without it; scripts send a bearer header."""
+    import http.client
+
+    port = int(url.rsplit(":", 1)[1])
+    table = q(traced.table)
+
+    def get(path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", path, headers=headers or {})
+        got = conn.getresponse()
+        got.body = got.read()
+        conn.close()
+        return got
+
+    for path in ("/", "/api/tables", f"/table/{table}", f"/api/table/{table}/slot/3", f"/table/{table}/usage.png",
+                 f"/table/{table}/search?token=e"):
+        for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789"}, {"Cookie": f"{key_cookie(KEY)}=nope"}):
+            got = get(path, headers)
+            assert got.status == 401 and b"needs the key" in got.body, (path, headers, got.body[:200])
+        assert get(path + ("&" if "?" in path else "?") + "key=wrong").status == 401
+    assert get("/static/style.css").status == 200  # (no data)
+    first = get(f"/table/{table}/search?token=e&key={KEY}")  # the key leaves the address, the search stays
+    assert first.status == 303 and first.getheader("location") == f"/table/{table}/search?token=e"
+    cookie = first.getheader("set-cookie")
+    assert cookie.startswith(f"{key_cookie(KEY)}={KEY};") and "httponly" in cookie.lower() and "samesite=strict" in cookie.lower()
+    again = get(first.getheader("location"), {"Cookie": cookie.split(";")[0]})
+    assert again.status == 200 and b'id="results"' in again.body
+    assert get(f"/api/tables?key={KEY}").status == 200  # (a script's JSON: no redirect)
+    assert fetch(f"{url}/api/tables").status == 200 and fetch(f"{url}/api/tables", key=None).status == 401
 
 
 # ------------------------------------------------------------------ in the browser
@@ -595,7 +659,8 @@ def test_browser_shows_the_clients_numbers(client, url, traced, tmp_path):
     table = traced.table
     hottest = int(client.top_slots(table, "hits", 1)[0][0])
     with open_page(viewport=(1280, 900)) as page:
-        page.goto(url + "/")
+        page.goto(f"{url}/?key={KEY}")  # the address `memserver web` prints: the key goes into a cookie
+        assert page.url == url + "/"
         assert page.locator(f'#value-tables tr.table-row[data-table="{table}"]').count() == 1
         page.screenshot(path=str(tmp_path / "web-index.png"), full_page=True)
         with page.expect_navigation():

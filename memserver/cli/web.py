@@ -5,12 +5,19 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
+import re
+import secrets
 import socket
 
 from memserver.cli.common import CliError, cli_client, endpoint_of, seconds
 
 log = logging.getLogger("memserver.web")
 DEFAULT_PORT = 8377
+#: The environment variable `memserver web` takes the page's key from (else it makes one per run).
+KEY_ENV = "MEMSERVER_WEB_KEY"
+#: The query parameter that carries the key (`token` is the search page's own).
+KEY_PARAM = "key"
 
 
 def cmd_web(args: argparse.Namespace) -> int:
@@ -24,11 +31,17 @@ def cmd_web(args: argparse.Namespace) -> int:
     from memserver.cluster.secure import is_loopback
 
     endpoint = endpoint_of(args)
+    # the page's key: other users of the machine reach a loopback port too (docs/security.md). From
+    # the environment, not a flag: a command line is every local user's to read (ps)
+    own = os.environ.get(KEY_ENV, "").strip()
+    if own and not re.fullmatch(r"[A-Za-z0-9_.~-]{16,}", own):
+        raise CliError(f"{KEY_ENV}: at least 16 letters, digits or -_.~ (it travels in an address and a cookie)")
+    key = own or secrets.token_urlsafe(32)
     # the read token (the page reads only), and on a loopback address only its own names as Host
     with cli_client(args, endpoint, token=read_token(endpoint)) as client:  # --timeout bounds a page's calls
         client.list_tables()  # an unreachable cluster is an error now, not on the first page view
         app = create_app(client, checkpoint=args.checkpoint,
-                         loopback_only=is_loopback(args.host))
+                         loopback_only=is_loopback(args.host), key=key)
         if args.checkpoint:  # a missing file or one not memtrain's: now, not a note on every page (and loaded once)
             try:
                 app.state.models.load(args.checkpoint)
@@ -36,10 +49,11 @@ def cmd_web(args: argparse.Namespace) -> int:
                 raise CliError(f"--checkpoint: {exc}") from None
         sock = listen(args.host, args.port)  # before saying where: a port in use is an error, not a wrong URL
         host = f"[{args.host}]" if ":" in args.host else args.host
-        log.info("inspection page of the cluster at %s: http://%s:%d/ (Ctrl-C stops it)", endpoint, host, args.port)
+        log.info("inspection page of the cluster at %s: http://%s:%d/?%s=%s (Ctrl-C stops it)", endpoint, host,
+                 args.port, KEY_PARAM, f"${KEY_ENV}" if own else key)  # (a key of the user's own is not printed)
         if not is_loopback(args.host):
-            log.warning("listening on %s: anyone who can reach it can read the tables' statistics (no login)",
-                        args.host)
+            log.warning("listening on %s: anyone who can reach it and holds the key can read the tables' "
+                        "statistics (plain HTTP: the key crosses the network in the clear)", args.host)
         verbose = getattr(args, "verbose", False)  # memserver -v: uvicorn's access log too
         serve(app, sock, "info" if verbose else "warning")
     return 0
@@ -79,10 +93,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "the token they write, and run your own text through the model to see which slots it reads. Projecting "
         "slots needs the model: --checkpoint, else the checkpoint `memtrain trace` recorded for the table. Every "
         "read is uncounted (slot statistics do not change). Each page's data is also JSON under /api/.",
-        epilog="Example: memserver web --port 8377, then open http://127.0.0.1:8377/ in a browser.")
+        epilog="Example: memserver web --port 8377, then open the address it prints (http://127.0.0.1:8377/?key=...) "
+        "in a browser: the key is kept in a cookie. Scripts send it as `Authorization: Bearer KEY` to /api/. "
+        f"{KEY_ENV}: the key to ask for instead of a new one per run.")
     w.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
     w.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only; the page has no login)")
+                   help="address to listen on (default 127.0.0.1: this machine only). The page asks for a key, "
+                   f"made per run and printed in its address at start (or ${KEY_ENV})")
     w.add_argument("--checkpoint", metavar="DIR",
                    help="memtrain --checkpoint-dir (its latest step) or a trainer-step-*.pt to project slots through "
                    "(default: the one `memtrain trace` recorded for each table)")

@@ -5,6 +5,8 @@ thread, one request at a time: an inspection page has one reader, and the event 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import math
 import threading
@@ -12,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import jinja2
 import numpy as np
@@ -36,6 +38,7 @@ from memserver.api.errors import (
 )
 from memserver.api.usage import percent
 from memserver.cli.common import GLYPHS
+from memserver.cli.web import KEY_PARAM
 from memserver.cluster.secure import loopback_host_header
 from memserver.web import data
 from memserver.web.data import PageError
@@ -133,12 +136,57 @@ class _HostCheck:
         await self.app(scope, receive, send)
 
 
+def key_cookie(key: str) -> str:
+    """The cookie holding `key`: named after it, so two pages on one host (cookies ignore the port)
+    do not overwrite each other's."""
+    return "memserver_web_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class _KeyCheck:
+    """Answer only requests that carry the run's key, so other users of the machine cannot read the
+    tables through the page (as Jupyter does): `?key=K` on a page sets an HttpOnly SameSite=Strict
+    cookie and redirects to the address without it (kept out of history and Referer); then the
+    cookie. Scripts send `Authorization: Bearer K` (or /api/...?key=K). /static holds no data."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.key, self.cookie = app, key.encode(), key_cookie(key)
+
+    def _ok(self, given: str | None) -> bool:
+        return given is not None and hmac.compare_digest(given.encode(), self.key)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"].startswith("/static/"):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        api = scope["path"].startswith("/api/")
+        auth = request.headers.get("authorization", "")
+        if self._ok(request.query_params.get(KEY_PARAM)):
+            if api or request.method != "GET":
+                await self.app(scope, receive, send)
+                return
+            rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != KEY_PARAM])
+            path = scope.get("raw_path", b"").decode("latin-1") or quote(scope["path"])
+            response: Response = RedirectResponse(path + (f"?{rest}" if rest else ""), status_code=303)
+            response.set_cookie(self.cookie, self.key.decode(), httponly=True, samesite="strict", path="/")
+        elif self._ok(request.cookies.get(self.cookie)) or (auth[:7].lower() == "bearer " and self._ok(auth[7:].strip())):
+            await self.app(scope, receive, send)
+            return
+        else:
+            message = ("this page needs the key `memserver web` printed at start: open the address it printed "
+                       f"(http://HOST:PORT/?{KEY_PARAM}=...)")
+            response = (JSONResponse({"error": message, "status": 401}, status_code=401) if api else
+                        Response(message, status_code=401, media_type="text/plain"))
+        await response(scope, receive, send)
+
+
 def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: str | Path | None = None,
-               timeout: float = 30.0, loopback_only: bool = False) -> Starlette:
+               timeout: float = 30.0, loopback_only: bool = False, key: str | None = None) -> Starlette:
     """The inspection app over `client` (a MemoryClient, kept open), else over a client it opens to
     `endpoint` (default: the endpoint file's; its read token) and closes at shutdown. `checkpoint`:
     the memtrain checkpoint to project slots through; without it, the one `memtrain trace`
-    recorded per table. `loopback_only`: it answers only requests whose Host is a loopback name (served on loopback)."""
+    recorded per table. `loopback_only`: it answers only requests whose Host is a loopback name (served on loopback).
+    `key`: every page and /api route needs it (_KeyCheck); None: none does."""
     owned = client is None
     if owned:
         from client import MemoryClient
@@ -314,6 +362,8 @@ def create_app(client: Any = None, *, endpoint: str | None = None, checkpoint: s
             client.close()
 
     middleware = [Middleware(_HostCheck)] if loopback_only else []
+    if key:  # (after the Host check: a rebound name is refused before its key is looked at)
+        middleware.append(Middleware(_KeyCheck, key=key))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_found},
                     middleware=middleware)
     app.state.client, app.state.models = client, models
