@@ -16,14 +16,13 @@ log = logging.getLogger("memserver.web")
 DEFAULT_PORT = 8377
 #: The environment variable `memserver web` takes the page's key from (else it makes one per run).
 KEY_ENV = "MEMSERVER_WEB_KEY"
-#: The query parameter that carries the key (`token` is the search page's own).
-KEY_PARAM = "key"
 
 
 def cmd_web(args: argparse.Namespace) -> int:
     """Check the cluster answers, the checkpoint exists and the port is free before serving, so a
     typo fails at once."""
     from memserver.web import create_app
+    from memserver.web.app import KEY_PARAM
 
     if not 1 <= args.port <= 65535:  # (0 would print a URL nobody can open)
         raise CliError(f"--port must be in [1, 65535], got {args.port}")

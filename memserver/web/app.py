@@ -38,7 +38,6 @@ from memserver.api.errors import (
 )
 from memserver.api.usage import percent
 from memserver.cli.common import GLYPHS
-from memserver.cli.web import KEY_PARAM
 from memserver.cluster.secure import loopback_host_header
 from memserver.web import data
 from memserver.web.data import PageError
@@ -134,6 +133,10 @@ class _HostCheck:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+#: The query parameter that carries the page's key (`token` is the search page's own).
+KEY_PARAM = "key"
 
 
 def key_cookie(key: str) -> str:
