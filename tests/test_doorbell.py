@@ -1198,3 +1198,40 @@ def test_a_hello_refused_while_the_slots_are_full_is_said_and_tried_again(bell_s
         for s in idle:
             s.close()
         c.close()
+
+
+def test_a_killed_clients_region_goes_though_a_child_it_forked_lives_on(bell_shard):
+    """A hunt: a region lived as long as its attach stream's connection, which a child the client
+    forked (a data loader's worker) inherits: the client SIGKILLed, its region, doorbell
+    connection and place in the bounds stayed while the child lived (35 s of 40 here). The
+    shard watches the attaching process itself (a pidfd) and detaches when it exits."""
+    import signal
+
+    child_code = ("import os, sys, time\nfrom client import MemoryClient\n"
+                  "c = MemoryClient(sys.argv[1], timeout=30, token='')\n"
+                  "t0 = time.monotonic()\n"
+                  "while c.aio.shm.bell(sys.argv[2]) is None and time.monotonic() - t0 < 30:\n"
+                  "    c.lookup('t', [0], count=False); time.sleep(0.02)\n"
+                  "pid = os.fork()\n"
+                  "if pid == 0:\n    time.sleep(60); os._exit(0)\n"
+                  "print('child', pid, flush=True)\ntime.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", child_code, bell_shard.endpoint, bell_shard.address],
+                         stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child = 0
+    try:
+        child = int(p.stdout.readline().split()[-1])
+        assert len(bell_shard.regions.by_id) == 1 and len(bell_shard.doorbell.conns) == 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        t0 = time.monotonic()
+        while bell_shard.regions.by_id or bell_shard.doorbell.conns:
+            assert time.monotonic() - t0 < 15, (len(bell_shard.regions.by_id), len(bell_shard.doorbell.conns))
+            time.sleep(0.1)
+        assert os.path.exists(f"/proc/{child}")  # (the child still holds the connection)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)

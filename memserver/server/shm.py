@@ -332,6 +332,14 @@ def answer(request: Any, region: Region | None, reply: Lazy) -> Any:
     return reply.msg
 
 
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process `pid` exits (Linux 5.3+), or None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # (an older kernel or Python; the process already gone: the stream ends too)
+        return None
+
+
 async def serve_attach(regions: Regions, request: pb.AttachRegionRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AttachRegionEvent]:
     """AttachRegion: map the region, answer its id (and the doorbell's name), hold it until the
@@ -350,10 +358,21 @@ async def serve_attach(regions: Regions, request: pb.AttachRegionRequest,
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shared memory: {exc.details}")
         return
     log.debug("attached shared-memory region of pid %d (%d bytes) as %s...", request.pid, request.size, region_id[:8])
+    # until the client cancels the stream or its connection closes, or the process that attached
+    # it exits: a child it forked (a data loader's worker) inherits the connection, and held the
+    # region, its doorbell and its place in the bounds while it lived (the client SIGKILLed)
+    exited, loop = asyncio.Event(), asyncio.get_running_loop()
+    pidfd = _pidfd(request.pid)
+    if pidfd is not None:
+        loop.add_reader(pidfd, exited.set)
     try:
         yield pb.AttachRegionEvent(region=region_id, doorbell=regions.doorbell,
                                    doorbell_pid=os.getpid() if regions.doorbell else 0)
-        await asyncio.Event().wait()  # until the client cancels the stream or its connection closes
+        await exited.wait()
+        log.debug("pid %d, which attached region %s..., has exited", request.pid, region_id[:8])
     finally:
+        if pidfd is not None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
         regions.detach(region_id)
         log.debug("detached shared-memory region %s... of pid %d", region_id[:8], request.pid)
