@@ -255,6 +255,41 @@ def test_a_retry_after_a_coordinator_restart_gets_the_checkpoint_its_first_attem
     assert call("d", step=7).step == 7 and json.loads(written.read_text())["created"] != created
 
 
+def test_a_request_id_reused_by_another_checkpoint_call_is_refused_naming_what_differs(tmp_path):
+    """A call whose request_id an earlier call of another dir, step or table list had got that
+    first call's answer (its path, step and tables) with OK, and nothing of its own was written:
+    a client reading the answer believed its tables saved (a hunt). Refused INVALID_ARGUMENT,
+    nothing written; a true retry (the same request) is still answered by its first attempt, also
+    by a restarted coordinator, which finds the call in the manifest."""
+    import asyncio
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.server.coordinator import ControlPlaneServicer
+
+    coord = ControlPlaneServicer([], [])
+    first = pb.CheckpointRequest(dir=str(tmp_path / "a"), step=3, request_id="X")
+    got = asyncio.run(coord.Checkpoint(first, None))
+    for field, value, says in [("dir", str(tmp_path / "b"), "dir '.*b' \\(the first: '.*a'\\)"),
+                               ("step", 7, "step 7 \\(the first: 3\\)"),
+                               ("tables", ["t"], r"tables \['t'\] \(the first: every table\)")]:
+        other = pb.CheckpointRequest()
+        other.CopyFrom(first)
+        if field == "tables":
+            other.tables[:] = value
+        else:
+            setattr(other, field, value)
+        with pytest.raises(InvalidArgumentError, match=f"request_id: 'X' was used by another checkpoint call; this one "
+                                                       f"asks for {says}: a retry repeats its call"):
+            asyncio.run(coord.Checkpoint(other, None))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"] and [p.name for p in (tmp_path / "a").iterdir()] == [
+        "step-0000000003"]
+    assert asyncio.run(coord.Checkpoint(first, None)) == got  # a retry
+    restarted = ControlPlaneServicer([], [])  # it remembers no call: the manifest names it
+    with pytest.raises(InvalidArgumentError, match=r"tables \['t'\] \(the first: every table\)"):
+        asyncio.run(restarted.Checkpoint(pb.CheckpointRequest(dir=first.dir, step=3, tables=["t"], request_id="X"), None))
+    assert asyncio.run(restarted.Checkpoint(first, None)).path == got.path
+
+
 def test_checkpoints_into_one_root_at_once_are_written_one_after_the_other(tmp_path):
     """Two checkpoints at once into one root, given no step, both took the next step (the folder
     is made by the first slice written) and each wrote the other's files under its own manifest.

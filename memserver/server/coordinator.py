@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -150,8 +150,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         # time, seconds, bytes, step: of this process's last checkpoint, or (seconds and bytes None)
         # the newest the shards' records hold (recall_last_checkpoint: a restarted coordinator's)
         self.last_checkpoint: dict[str, float | None] | None = None
-        # request_id -> its checkpoint, running or done (the newest CHECKPOINT_CALLS; see Checkpoint)
-        self.checkpoint_calls: dict[str, asyncio.Task[pb.CheckpointResponse]] = {}
+        # request_id -> what it asked (dir, step, tables) and its checkpoint, running or done (the
+        # newest CHECKPOINT_CALLS; see Checkpoint)
+        self.checkpoint_calls: dict[str, tuple[tuple[str, int, frozenset[str]], asyncio.Task[pb.CheckpointResponse]]] = {}
         # checkpoint root -> its lock and the calls holding or awaiting it (entries: roots in use)
         self.writing: dict[Path, tuple[asyncio.Lock, int]] = {}
         #: one create, drop or restore of a table name at a time (`_serialised`): two replaces of a
@@ -526,19 +527,26 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext) -> pb.CheckpointResponse:
         """A retry of a call (its request_id) gets the checkpoint its first attempt made, waited
         for while it runs: the work is not undone by a client's deadline, nor done twice (a call
-        given no step would write one more step per attempt). A failed attempt is run again."""
+        given no step would write one more step per attempt). A failed attempt is run again, as
+        this call asks. The id of a call that did not fail, reused with another dir, step or table
+        list, is refused: the first call's answer would have been taken for this one's."""
         if request.dry_run:
             return await self._checkpoint(request)
         if not request.request_id:  # (a raw caller's: shielded too, so its deadline never lets the root's
             task = asyncio.ensure_future(self._checkpoint(request))  # lock go while its shards still write)
             task.add_done_callback(_said)
             return await asyncio.shield(task)
-        task = self.checkpoint_calls.get(request.request_id)
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+        # as asked (the step before a none-given one is chosen): a retry asks the same
+        asked = (request.dir, request.step, frozenset(request.tables))
+        asked_first, task = self.checkpoint_calls.get(request.request_id, (asked, None))
+        failed = task is not None and task.done() and (task.cancelled() or task.exception() is not None)
+        if asked_first != asked and not failed:  # not a retry: the first call's answer is not this one's
+            _refuse_reused_id(request.request_id, asked_first, asked)
+        if task is None or failed:
             task = asyncio.ensure_future(self._checkpoint(request))
             task.add_done_callback(_said)  # its caller may be gone (a deadline): a failure is logged too
             self.checkpoint_calls.pop(request.request_id, None)
-            self.checkpoint_calls[request.request_id] = task
+            self.checkpoint_calls[request.request_id] = (asked, task)
             while len(self.checkpoint_calls) > CHECKPOINT_CALLS:  # the oldest goes (it runs on if it runs)
                 del self.checkpoint_calls[next(iter(self.checkpoint_calls))]
         else:
@@ -579,6 +587,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def _write_checkpoint(self, request: pb.CheckpointRequest, root: Path) -> pb.CheckpointResponse:
         if done := made_by(root, request.request_id, request.step):  # a retry across a coordinator restart
+            if request.tables and set(request.tables) != set(done[1]["tables"]):  # (its dir and step found it)
+                _refuse_reused_id(request.request_id, (request.dir, request.step, frozenset(done[1]["tables"])),
+                                  (request.dir, request.step, frozenset(request.tables)))
             log.info("checkpoint call %s again: answered by the checkpoint it wrote, %s", request.request_id, done[0])
             files = [f for t in done[1]["tables"].values() for f in t["files"]]
             return pb.CheckpointResponse(path=str(done[0]), step=done[1]["step"], tables=sorted(done[1]["tables"]),
@@ -888,6 +899,17 @@ def _said_after_its_caller(task: asyncio.Task[Any], what: str) -> None:
         log.error("%s failed after its caller had gone: %s", what, first_line(exc))
     else:
         log.info("%s done after its caller had gone", what)
+
+
+def _refuse_reused_id(request_id: str, first: tuple[str, int, frozenset[str]],
+                      again: tuple[str, int, frozenset[str]]) -> NoReturn:
+    """A checkpoint call whose request_id an earlier call of other dir, step or tables had: the
+    first one's answer (its path, its tables) would have been taken for this one's."""
+    fields = ("dir", "step", "tables")
+    show = (repr, str, lambda t: str(sorted(t) or "every table"))
+    differ = [f"{f} {s(b)} (the first: {s(a)})" for f, s, a, b in zip(fields, show, first, again) if a != b]
+    raise InvalidArgumentError(f"request_id: {request_id!r} was used by another checkpoint call; this one asks for "
+                               f"{', '.join(differ)}: a retry repeats its call, give each call its own id")
 
 
 def _said(task: asyncio.Task[Any]) -> None:
