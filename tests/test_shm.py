@@ -305,6 +305,29 @@ def test_spans_are_checked_and_regions_stay_private(raw_region, table_name):
         other.retire()
 
 
+def test_a_call_through_shared_memory_that_gives_no_answer_span_is_answered_inline(raw_region, table_name):
+    """ShmCall.answer unset ("else they come inline", says the proto): the shard ran the call,
+    counted its reads, then refused it INVALID_ARGUMENT "shm.answer: ... [0, 0+0) is outside the
+    region" (a hunt): a client's retry counted every read again. It answers inline, counted once."""
+    c, meta, channel, _, region = raw_region
+    call = methods(channel)
+    ids = torch.tensor([3, 3, 5])
+    rows = c.lookup(table_name, torch.arange(8))
+    before = c.slot_stats(table_name, np.array([3, 5]))["hits"]
+    req = pb.LookupRequest(table=table_name, ids=_put(region, HEADER, ids), layout_id=meta.layout_id)
+    req.shm.region = region.id
+    got = call["Lookup"](req.SerializeToString(), timeout=30)
+    assert not got.rows.HasField("shm")
+    assert torch.equal(decode(got.rows, "rows"), rows[ids])
+    bag = pb.BagRequest(table=table_name, ids=_put(region, HEADER, ids.view(1, 3)), layout_id=meta.layout_id,
+                        weights=_put(region, HEADER + ALIGN, torch.ones(1, 3)))
+    bag.shm.region = region.id
+    got = call["Bag"](bag.SerializeToString(), timeout=30)
+    assert not got.out.HasField("shm")
+    torch.testing.assert_close(decode(got.out, "out"), rows[ids].sum(0, keepdim=True))
+    assert (c.slot_stats(table_name, np.array([3, 5]))["hits"] - before).tolist() == [4, 2]  # each read once
+
+
 def test_another_process_memfd_is_attached_only_with_its_nonce(raw_region):
     """The pid in AttachRegion is the caller's word (the shard cannot tell which process is at the
     other end of a TCP connection): a client naming another process's memfd (its pid and a guessed

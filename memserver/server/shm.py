@@ -319,10 +319,10 @@ class _Full(Exception):
 def answer(request: Any, region: Region | None, reply: Lazy) -> Any:
     """The answer of a shared-memory call: the tensors written into the span the client gave, one
     after another at ALIGN boundaries, and a message that says where; `reply` as it is (inline)
-    when the call is not through shared memory or the tensors do not fit the span. A GPU shard's
+    when the call is not through shared memory, gives no span, or the tensors do not fit the span. A GPU shard's
     tensors are copied from the device once, into the span or (inline) to the host here, on the
     compute thread: the event loop that serialises the reply never waits for the GPU."""
-    if region is None:
+    if region is None or not request.shm.HasField("answer"):  # no span given: inline, as the proto says
         return reply.to_host()
     off, cap = region.span(request.shm.answer, "shm.answer")
     spans, end = shm_layout(reply.tensors, off)
