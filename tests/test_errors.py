@@ -425,6 +425,37 @@ def test_bad_table_specs(client, table_name, kwargs, message):
     assert table_name not in {t.name for t in client.list_tables()}
 
 
+PK = dict(kind=pb.PRODUCT_KEYS, values_table="v", pkm_heads=1, pkm_n_keys=4, pkm_knn=2, pkm_k_dim=4)
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(kind=pb.INDEX, dim=4, tier="tape", cache_bytes=-7), "tier: only value tables have this field, and this is an index"),
+    (dict(kind=pb.INDEX, dim=4, cache_bytes=1 << 20), "cache_bytes: only value tables"),
+    (dict(kind=pb.INDEX, dim=4, dtype=pb.INT64), "dtype: only value tables have this field, and this is an index table"),
+    (dict(kind=pb.INDEX, dim=4, optimizer=pb.OptimizerSpec(name="bogus")), "optimizer: only value tables"),
+    (dict(kind=pb.INDEX, dim=4, init_std=float("nan")), "init_std: only value tables"),
+    (dict(kind=pb.INDEX, dim=4, pkm_heads=2), "pkm_heads: only product-keys tables have this field, and this is an index"),
+    (PK | dict(tier="disk"), "tier: only value tables have this field, and this is a product-keys table"),
+    (PK | dict(payload_dim=3), "payload_dim: only index tables have this field, and this is a product-keys table"),
+    (dict(num_rows=8, dim=4, index_factory="IVF4,Flat"), "index_factory: only index tables have this field, and this is "
+                                                         "a value table: leave it unset"),
+    (dict(num_rows=8, dim=4, metric=pb.L2), "metric: only index tables"),
+    (dict(num_rows=8, dim=4, payload_dim=3), "payload_dim: only index tables"),
+    (dict(num_rows=8, dim=4, values_table="zz"), "values_table: only product-keys tables"),
+])
+def test_a_field_another_kind_of_table_has_is_refused(spec, message):
+    """CreateTable stored the value fields of an index or product-key table unchecked (tier
+    "tape", cache_bytes -7, dtype int64, optimizer "bogus": none of them meant anything) and an
+    index's fields on a value table (a hunt). Refused, naming the field and the kinds; a field
+    left at its default (an empty optimizer, a restore's spec of an older create) is no field."""
+    from memserver.server.catalog import foreign_fields, validate_spec
+
+    with pytest.raises(InvalidArgumentError, match=message):
+        validate_spec(pb.TableSpec(name="t", **spec), 2)
+    assert validate_spec(pb.TableSpec(name="t", kind=pb.INDEX, dim=4, optimizer=pb.OptimizerSpec()), 2).dim == 4
+    assert foreign_fields(pb.TableSpec(name="t", kind=pb.INDEX, dim=4, tier="ram", seed=3)) == ["seed", "tier"]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(timeout=0), r"timeout: must be a number of seconds above 0 and at most 1e\+08 \(~3 years\), got 0"),
     (dict(timeout=-1), "timeout: must be a number of seconds above 0"),

@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
-from memserver.api.types import METRIC_NAMES, TABLE_NAME, ShardLayout, check_table_name, fmt_bytes, split_problem
+from memserver.api.types import (
+    KIND_NAMES,
+    METRIC_NAMES,
+    TABLE_NAME,
+    ShardLayout,
+    a_kind,
+    check_table_name,
+    fmt_bytes,
+    split_problem,
+)
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import check_value_settings
 from memserver.server.config import Limits
@@ -23,12 +32,33 @@ from memserver.wire import INDEX_ID_SPACE, TORCH_DTYPES, VALUE_DTYPES
 DEFAULT_SHARDING = pb.COLS
 
 
+#: The TableSpec fields only some kinds of table have (the rest are every kind's, or checked by
+#: each kind's rules: sharding, sync_updates). Set on another kind they were stored unchecked and
+#: meant nothing (an index "in tier 'tape'", a value table's index_factory: a hunt).
+KIND_FIELDS: dict[str, int] = {
+    **dict.fromkeys(("optimizer", "dtype", "init_std", "seed", "tier", "cache_bytes"), pb.VALUE),
+    **dict.fromkeys(("index_factory", "metric", "payload_dim"), pb.INDEX),
+    **dict.fromkeys(("pkm_heads", "pkm_n_keys", "pkm_knn", "pkm_k_dim", "pkm_d_in", "values_table"), pb.PRODUCT_KEYS),
+}
+
+
+def foreign_fields(spec: pb.TableSpec) -> list[str]:
+    """The fields of `spec` (a kind set) that its kind has none of, set to other than their
+    default (an empty optimizer is unset)."""
+    return [f.name for f, value in spec.ListFields()
+            if KIND_FIELDS.get(f.name, spec.kind) != spec.kind and (f.name != "optimizer" or value.ListFields())]
+
+
 def validate_spec(spec: pb.TableSpec, available_shards: int) -> pb.TableSpec:
     """Check a CreateTable spec and fill its defaults; the error names the offending field."""
     spec = pb.TableSpec.FromString(spec.SerializeToString())
     check_table_name(spec.name)
     if spec.kind == pb.TABLE_KIND_UNSPECIFIED:
         spec.kind = pb.VALUE
+    if spec.kind in KIND_NAMES and (foreign := foreign_fields(spec)):
+        owner = KIND_FIELDS[foreign[0]]
+        raise InvalidArgumentError(f"{foreign[0]}: only {KIND_NAMES[owner].replace('_', '-')} tables have this field, "
+                                   f"and this is {a_kind(KIND_NAMES[spec.kind])}: leave it unset")
     if spec.kind == pb.INDEX:
         return _validate_index(spec, available_shards)
     if spec.kind == pb.PRODUCT_KEYS:

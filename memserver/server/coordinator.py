@@ -40,6 +40,7 @@ from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
 from memserver.server.catalog import (
     disk_size,
+    foreign_fields,
     plan_table,
     refuse_oversized,
     retier,
@@ -763,6 +764,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 retier(spec, request.tier, request.cache_bytes)
             if request.HasField("wal"):
                 spec.wal = request.wal
+            for field in foreign_fields(spec):  # a table made before CreateTable refused them: they meant nothing
+                spec.ClearField(field)
             # a create's own refusal would name the other sharding as a fix, which a restore cannot take
             if spec.kind == pb.VALUE and request.num_shards and (
                     problem := split_problem(spec.sharding, spec.num_rows, spec.dim, spec.num_shards)):
