@@ -6,6 +6,7 @@ optimizer state included."""
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -693,6 +694,45 @@ def test_a_sync_table_applies_the_mean_once_every_trainer_committed(pairs, defer
     for got, want in zip(run.state(), ref.state()):
         for k in ("weight", "acc", "updates"):
             torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("sync, gather", [(False, True), (True, True), (True, False)],
+                         ids=["part", "sync-part", "sync-whole"])
+def test_a_part_of_a_step_without_its_step_or_a_tag_a_commit_can_name_is_refused_keeping_nothing(pairs, sync, gather):
+    """A hunt: a gather part or a sync table's BagBackward of step 0 (proto3's unset; a sync table
+    then showed "waiting step 0", which reads as none waiting), and an untagged or seq 0 part,
+    were acknowledged: the untagged one was then dropped by its commit (PREPARE names parts by
+    seq), the seq 0 one aborted its PREPARE "does not hold part(s) seq 0", untagged trainers were
+    one "anonymous" trainer. Each is refused INVALID_ARGUMENT before anything is kept, as is a
+    CommitStep of step 0."""
+    run = pairs("run", spec(sync_updates=sync, sync_workers=2 if sync else 0))
+    before = run.state()
+    stub = pb_grpc.DataPlaneStub(grpc.insecure_channel(run.info.shards[0].address))
+    ids, w, g = batch(1)
+    what = "a gather part of a step" if gather else r"a sync_updates table's BagBackward \(a trainer's step\)"
+
+    def refused(call, request, says: str):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert re.search(says, err.value.details()), err.value.details()
+
+    def part(step: int, **tag) -> pb.BagBackwardRequest:
+        return pb.BagBackwardRequest(table=NAME, ids=encode(torch.as_tensor(ids)), weights=encode(torch.as_tensor(w)),
+                                     grad_out=encode(torch.as_tensor(g[:, :4]).contiguous()), step=step, gather=gather,
+                                     tag=pb.WriteTag(**tag))
+
+    refused(stub.BagBackward, part(0, client_id="t", seq=1), f"step: {what} needs the trainer's step \\(>= 1\\), got 0")
+    refused(stub.BagBackward, part(2), f"tag: {what} needs a write tag with a client_id and a seq >= 1 .*got "
+                                       "client_id '', seq 0")
+    refused(stub.BagBackward, part(2, client_id="t", seq=0), "tag: .* needs a write tag .*client_id 't', seq 0")
+    refused(stub.CommitStep, pb.CommitStepRequest(table=NAME, step=0, phase=pb.STEP_PREPARE_COMMIT,
+                                                  tag=pb.WriteTag(client_id="t", seq=1)),
+            r"step: a CommitStep closes the trainer's step \(>= 1\), got 0")
+    assert_same(run.state(), before)
+    assert [(run.slice(i).steps, dict(run.slice(i).sessions.by_client)) for i in range(2)] == [({}, {})] * 2
+    stub.BagBackward(part(2, client_id="t", seq=1))  # with its step and tag: taken
+    assert 2 in run.slice(0).steps
 
 
 def test_a_sync_step_a_trainer_dropped_applies_no_trainers_update(pairs):
@@ -1596,7 +1636,7 @@ def test_abandon_step_counts_calls_and_a_commit_of_parts_the_client_dropped_is_r
 
 
 def test_a_sync_tables_step_number_used_again_is_a_new_step():
-    """Trainers that number their steps per epoch send step 0 again once it applied. A shortcut
+    """Trainers that number their steps per epoch send step 1 again once it applied. A shortcut
     that answered a step committed again as done (reverted, from a review) lost the second epoch's
     update on a shard that held none of one trainer's parts, and left the others' parts waiting
     there for ever. Each use of the number is a step of its own, applied on every shard."""
@@ -1606,12 +1646,12 @@ def test_a_sync_tables_step_number_used_again_is_a_new_step():
             MemoryClient(server.endpoint, shm=False, client_id="B") as b:
         a.create_table("sy", 16, 4, optimizer="sgd", lr=0.1, num_shards=2, sync_workers=2, sharding="rows")
         before = a.lookup("sy", np.arange(16))
-        for _ in range(2):  # two epochs of one step 0: A's part only on the shard of row 4, B's on both
-            b.bag_backward("sy", [[2], [3]], np.ones((2, 1), np.float32), np.ones((2, 4), np.float32), step=0,
+        for _ in range(2):  # two epochs of one step 1: A's part only on the shard of row 4, B's on both
+            b.bag_backward("sy", [[2], [3]], np.ones((2, 1), np.float32), np.ones((2, 4), np.float32), step=1,
                            gather=True)
-            a.bag_backward("sy", [[4]], np.ones((1, 1), np.float32), np.ones((1, 4), np.float32), step=0, gather=True)
-            b.commit_step("sy", 0)
-            a.commit_step("sy", 0)
+            a.bag_backward("sy", [[4]], np.ones((1, 1), np.float32), np.ones((1, 4), np.float32), step=1, gather=True)
+            b.commit_step("sy", 1)
+            a.commit_step("sy", 1)
         assert [sh.servicer.tables["sy"].steps for sh in server.shards] == [{}, {}]
         moved = before - a.lookup("sy", np.arange(16))
         np.testing.assert_allclose(moved[[2, 3, 4]], 2 * 0.1 * 0.5, rtol=1e-5)  # sgd: two steps of the mean, 1/2

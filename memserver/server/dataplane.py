@@ -331,6 +331,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         # A part of a step (gather), or a sync table's whole contribution in one request: the row
         # update waits for the step; dL/dw is computed now, on the values before the step.
         gathered = request.gather or sl.spec.sync_updates
+        if gathered:  # before any work, nothing kept
+            sl.check_part(request.step, request.tag, request.gather)
 
         def work() -> pb.BagBackwardResponse:
             sl.check_writable()
@@ -376,6 +378,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         # `contributor`: the shard's own commit of an expired client's prepared step (log only)
         client = request.contributor or request.tag.client_id or "anonymous"
         seqs = list(request.part_seqs)
+        if request.step < 1 and request.phase != pb.STEP_DROP_OPEN and not sl.replaying:  # as its parts (check_part)
+            raise InvalidArgumentError("step: a CommitStep closes the trainer's step (>= 1), got 0")
 
         def work() -> pb.WriteAck:
             sl.check_writable()
@@ -445,9 +449,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
     def replay(self, sl: TableSlice, kind: int, payload: bytes) -> None:
         """Re-apply one logged write (recovery; the slice has no log attached yet)."""
         cls, builder = self._WRITES[kind]
-        work, _ = getattr(self, builder)(sl, cls.FromString(payload))
-        sl.replaying = True
+        sl.replaying = True  # (its builder's checks too: a write an older shard logged is replayed as accepted then)
         try:
+            work, _ = getattr(self, builder)(sl, cls.FromString(payload))
             work()
             self._drain()
         finally:
