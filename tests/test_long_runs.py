@@ -53,7 +53,26 @@ def test_sessions_forget_answers_the_client_has_seen():
     assert s.remembered() == 1  # not 100: only the write the client has not acknowledged yet
     assert s.recall(pb.WriteTag(client_id="a", seq=100, acked_below=100, attempt=1), "t") == (True, 100)
     with pytest.raises(FailedPreconditionError, match="already answered"):  # a late duplicate of a seen write
-        s.recall(pb.WriteTag(client_id="a", seq=50, acked_below=100, attempt=1), "t")
+        s.recall(pb.WriteTag(client_id="a", seq=50, acked_below=50, attempt=1), "t")  # (sent before 50 was answered)
+
+
+def test_a_write_whose_acked_below_is_above_its_own_seq_is_refused_leaving_the_session():
+    """A hunt: seq 5 with acked_below 10 (the write itself and the ones after it called answered)
+    was refused FAILED_PRECONDITION "already answered", never applied, yet it moved the session's
+    acked_below to 10 for good: the client's next honest write, seq 6, was refused too, and
+    acked_below 2^64 - 1 made a new client's session refuse every write. Refused INVALID_ARGUMENT
+    before the session is touched (or made)."""
+    s = Sessions(ttl=60)
+    first = pb.WriteTag(client_id="k", seq=1, acked_below=1)
+    assert s.recall(first, "t") == (False, None)
+    s.remember(first, 1)
+    for bad in (pb.WriteTag(client_id="k", seq=5, acked_below=10), pb.WriteTag(client_id="new", acked_below=2**64 - 1)):
+        with pytest.raises(InvalidArgumentError, match=rf"tag: acked_below \({bad.acked_below}\) must be <= seq "
+                                                       rf"\({bad.seq}\): a write in flight is not answered yet"):
+            s.recall(bad, "t")
+    assert list(s.by_client) == ["k"] and s.by_client["k"].acked_below == 1 and s.remembered() == 1
+    assert s.recall(pb.WriteTag(client_id="k", seq=6, acked_below=2), "t") == (False, None)  # its next write is taken
+    assert s.recall(pb.WriteTag(client_id="k", seq=6, acked_below=6), "t") == (False, None)  # (= seq: every one below)
 
 
 def test_answers_of_clients_gone_are_bounded_in_bytes(monkeypatch):

@@ -86,6 +86,9 @@ class Sessions:
         now = time.time()
         if len(tag.client_id) > MAX_CLIENT_ID:
             raise InvalidArgumentError(f"tag: a client id of {len(tag.client_id):,} characters, at most {MAX_CLIENT_ID}")
+        if tag.acked_below > tag.seq and not replaying:  # before the session moves: it then refused the client's next writes
+            raise InvalidArgumentError(f"tag: acked_below ({tag.acked_below}) must be <= seq ({tag.seq}): a write in "
+                                       "flight is not answered yet, only those below it may be")
         if replaying and s is not None and (tag.seq in s.answers or tag.seq < s.acked_below):
             # logged, so accepted live, where this seq would have been a duplicate: the session had expired
             # there (expiry is not logged, nor replayed) and the id came back as a new client's. A replay
