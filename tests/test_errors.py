@@ -425,6 +425,24 @@ def test_bad_table_specs(client, table_name, kwargs, message):
     assert table_name not in {t.name for t in client.list_tables()}
 
 
+@pytest.mark.parametrize("optimizer, message", [
+    (pb.OptimizerSpec(name="sgd", lr=1e300), r"optimizer: lr 1e\+300 is beyond float32's largest \(3.40282e\+38\): the "
+                                             "shards step in float32"),
+    (pb.OptimizerSpec(name="adagrad", lr=3.5e38), r"optimizer: lr 3.5e\+38 is beyond float32's largest"),
+    (pb.OptimizerSpec(name="adam", eps=1e39), r"optimizer: eps 1e\+39 is beyond float32's largest"),
+])
+def test_an_optimizer_setting_infinite_in_float32_is_refused(optimizer, message):
+    """A hunt: lr 1e300 is finite as a double and was taken; the shards step in float32, where it
+    is inf, and the first update made the rows it touched inf, or NaN for a zero gradient (adagrad,
+    adam). Refused as init_std beyond the stored dtype is; float32's largest itself is taken."""
+    from memserver.server.catalog import validate_spec
+
+    with pytest.raises(InvalidArgumentError, match=message):
+        validate_spec(pb.TableSpec(name="t", num_rows=8, dim=2, optimizer=optimizer), 1)
+    top = float(torch.finfo(torch.float32).max)
+    assert validate_spec(pb.TableSpec(name="t", num_rows=8, dim=2, optimizer=pb.OptimizerSpec(lr=top)), 1).optimizer.lr == top
+
+
 PK = dict(kind=pb.PRODUCT_KEYS, values_table="v", pkm_heads=1, pkm_n_keys=4, pkm_knn=2, pkm_k_dim=4)
 
 

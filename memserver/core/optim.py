@@ -44,6 +44,11 @@ class OptimizerConfig:
             raise ValueError("adam betas must be in [0, 1)")
         if self.eps is not None and (self.eps < 0 or not math.isfinite(self.eps)):
             raise ValueError(f"eps must be >= 0, got {self.eps}")
+        # finite as a double, infinite in the float32 the shards step in: 1e300 made every row it
+        # updated inf, or NaN for a zero gradient (a hunt)
+        for name, value in (("lr", self.lr), ("eps", self.eps or 0.0)):
+            if value > (top := torch.finfo(torch.float32).max):
+                raise ValueError(f"{name} {value:g} is beyond float32's largest ({top:g}): the shards step in float32")
 
     @property
     def effective_eps(self) -> float:
