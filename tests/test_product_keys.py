@@ -241,3 +241,19 @@ def test_a_logged_load_replays_and_a_state_round_trips(tmp_path):
     again = ProductKeyIndex.from_state(2, 8, 3, 4, 0, sl.table.state())
     assert torch.equal(again.address(q)[0], ids) and torch.equal(again.address(q)[1], w)
     assert not ProductKeyIndex.from_state(2, 8, 3, 4, 0, ProductKeyIndex(2, 8, 3, 4).state()).loaded
+
+
+def test_a_query_network_part_sent_to_a_table_without_one_is_named_as_sent():
+    """A hunt: a pkm_d_in = 0 table refused a load that set only bn (or only query_bias) naming
+    query_weight, which the request did not set. The refusal names the part sent."""
+    from memserver.core.pkm import ProductKeyIndex
+
+    pk = ProductKeyIndex(2, 8, 3, 4)
+    keys = torch.zeros(2, 2, 8, 2)
+    bn = {k: torch.ones(8) for k in ("running_mean", "running_var", "weight", "bias")}
+    for given, field in ((dict(bn=bn), "bn"), (dict(bias=torch.zeros(8)), "query_bias"),
+                         (dict(weight=torch.zeros(8, 3), bn=bn), "query_weight")):
+        with pytest.raises(InvalidArgumentError, match=rf"^INVALID_ARGUMENT: {field}: the table takes queries already "
+                                                       r"projected \(pkm_d_in = 0\); it stores no query network"):
+            pk.check_load(keys, **given)
+    assert pk.load(keys) == 2 * 2 * 8

@@ -193,8 +193,9 @@ class ProductKeyIndex:
                    bn_eps: float = 1e-5) -> dict[str, Any]:
         """Validate what `load` takes (raising InvalidArgumentError naming the part, changing nothing)."""
         out: dict[str, Any] = {"keys": _tensor(keys, (self.heads, 2, self.n_keys, self.k_dim // 2), "keys")}
-        if self.d_in == 0 and (weight is not None or bias is not None or bn is not None):
-            raise InvalidArgumentError("query_weight: the table takes queries already projected (pkm_d_in = 0); "
+        if self.d_in == 0 and (given := [f for f, x in (("query_weight", weight), ("query_bias", bias), ("bn", bn))
+                                         if x is not None]):  # named as sent (a bn alone was called query_weight)
+            raise InvalidArgumentError(f"{given[0]}: the table takes queries already projected (pkm_d_in = 0); "
                                        "it stores no query network")
         if self.d_in:
             if weight is None:
