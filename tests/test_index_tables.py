@@ -4,6 +4,8 @@ tests/test_index.py's; here faiss in this process is the reference."""
 
 from __future__ import annotations
 
+import re
+
 import faiss
 import grpc
 import numpy as np
@@ -496,3 +498,24 @@ def test_a_trained_index_is_not_trained_again_whatever_the_deployment(tmp_path, 
         c.create_index("flat", 8)  # (a kind faiss does not train: its template is installed as ever)
         c.train_index("flat", sample)
         c.train_index("flat", sample)
+
+
+@pytest.mark.parametrize("sample, says", [
+    (np.ones((50, 4), np.int64), "sample: dtype must be floating point, got int64"),
+    (np.full((50, 4), 1e300), r"sample: a value of magnitude 1e\+300 is beyond float32's largest"),
+])
+def test_a_training_sample_is_checked_as_sent_before_it_is_cast(sample, says):
+    """A hunt: TrainIndex cast its sample to float32 before checking it, so an int64 sample (the
+    proto says float32 [m, dim]) was taken, and a finite float64 one of 1e300 was refused as
+    "contains NaN or infinite values". Checked in its own dtype; the index stays untrained."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, shm=False) as c:
+        c.create_index("ix", 4, index_factory="IVF2,Flat")
+        stub = pb_grpc.ControlPlaneStub(grpc.insecure_channel(server.endpoint))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.TrainIndex(pb.TrainIndexRequest(name="ix", sample=encode(sample)), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and re.match(says, err.value.details()), \
+            err.value.details()
+        c.train_index("ix", np.random.default_rng(0).normal(size=(50, 4)).astype(np.float32))  # not trained before

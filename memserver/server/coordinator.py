@@ -66,7 +66,7 @@ from memserver.storage.checkpoint import (
     withdraw_manifest,
     write_manifest,
 )
-from memserver.wire import check_float, check_rows, decode
+from memserver.wire import check_rows, decode
 
 T = TypeVar("T")
 
@@ -704,9 +704,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         from memserver.core.index import VectorIndex
 
         spec = self._index_spec(request.name)  # (the table as it is once no other call of its name runs)
-        sample = decode(request.sample, "sample").float()
+        sample = decode(request.sample, "sample")
+        # checked as it came (check_float too), then cast: an int64 sample was cast and taken, and a
+        # finite float64 one beyond float32's range said "NaN or infinite" (a hunt)
         check_rows(sample, sample.shape[0] if sample.dim() == 2 else -1, int(spec.dim), "sample")
-        check_float(sample, "sample")
+        sample = sample.float()
         # a shard restarting meanwhile is waited for, as the data plane's calls wait (it failed at once)
         order = list(self.placement[request.name])
         held = await asyncio.gather(*(_when_ready(lambda j=j: self.handles[j].index_vectors.remote(request.name))
