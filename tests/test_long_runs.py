@@ -129,8 +129,9 @@ def test_sessions_stay_bounded_whatever_clients_send(monkeypatch):
         assert s.recall(tag, "t") == (False, None)
         s.remember(tag, seq)
     assert s.recall(pb.WriteTag(client_id="a", seq=3, acked_below=1, attempt=1), "t") == (True, 3)  # retries answered
-    for c in ("b", "c"):
-        s.recall(pb.WriteTag(client_id=c, seq=1, acked_below=1), "t")
+    for c in ("b", "c"):  # (an applied write makes its client's session)
+        s.recall(tag := pb.WriteTag(client_id=c, seq=1, acked_below=1), "t")
+        s.remember(tag, 1)
     with pytest.raises(ResourceExhaustedError, match="3 client sessions already"):
         s.recall(pb.WriteTag(client_id="d", seq=1, acked_below=1), "t")
     assert set(s.by_client) == {"a", "b", "c"}
@@ -254,6 +255,36 @@ def test_an_expired_sessions_retry_is_refused_and_changes_nothing(tmp_path):
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             torch.testing.assert_close(_rows(stub, "m", 16), after_b, rtol=0, atol=0)
             assert not torch.equal(before, after_b)
+    finally:
+        shard.stop()
+
+
+def test_a_refused_write_of_a_new_client_leaves_no_session(tmp_path):
+    """A hunt: 20 CommitStep COMMITs of steps never prepared, from new client ids, each refused
+    FAILED_PRECONDITION, left 20 sessions behind, each counting toward MAX_SESSIONS for the
+    session TTL: a flood of refusals turned new clients away. A session is made by the first
+    write that applies; a known client's refused write keeps its session as it was."""
+    spec = pb.TableSpec(name="m", num_rows=16, dim=4, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0), sharding=pb.ROWS)
+    shard = _shard(tmp_path, spec)
+    try:
+        sessions = shard.servicer.tables["m"].sessions
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+            _push(stub, "m", [1], np.ones((1, 4), np.float32), 1, client="a", acked_below=1)
+            for i in range(20):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.CommitStep(pb.CommitStepRequest(table="m", step=1, phase=pb.STEP_COMMIT,
+                                                         tag=pb.WriteTag(client_id=f"c{i}", seq=1, acked_below=1)))
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+            with pytest.raises(grpc.RpcError):
+                stub.CommitStep(pb.CommitStepRequest(table="m", step=1, phase=pb.STEP_COMMIT,
+                                                     tag=pb.WriteTag(client_id="a", seq=2, acked_below=2)))
+            assert list(sessions.by_client) == ["a"] and sessions.by_client["a"].acked_below == 2
+            _push(stub, "m", [2], np.ones((1, 4), np.float32), 1, client="c0", acked_below=1)  # its first applied write
+            assert list(sessions.by_client) == ["a", "c0"] and sessions.by_client["c0"].acked_below == 1
+            assert stub.PushGradients(pb.PushGradientsRequest(  # and a retry of it is answered from the session
+                table="m", ids=encode(torch.tensor([2])), grads=encode(torch.ones(1, 4)),
+                tag=pb.WriteTag(client_id="c0", seq=1, acked_below=1, attempt=1))).duplicate
     finally:
         shard.stop()
 

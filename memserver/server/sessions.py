@@ -107,7 +107,9 @@ class Sessions:
                     "but this shard no longer knows the client's session (idle for longer than the session TTL, "
                     "or the shard lost it: a restart, or a rollback of a table without `wal`): it may have been "
                     "applied already, so it is not applied again")
-            s = self.by_client[tag.client_id] = Session(now)
+            # made by `remember`, once the write applied: a refused one (its check, a bad tag) left a session
+            # behind, toward MAX_SESSIONS (a hunt: 40 refused writes, 40 sessions for the session TTL)
+            return False, None
         else:
             self.by_client.move_to_end(tag.client_id)
             s.last_used = now
@@ -135,7 +137,9 @@ class Sessions:
         return client not in self.by_client and len(self.by_client) >= MAX_SESSIONS
 
     def remember(self, tag: pb.WriteTag, answer: Any, call: int = 0) -> None:
-        s = self.by_client[tag.client_id]
+        s = self.by_client.get(tag.client_id)
+        if s is None:  # a new client's first write, applied (recall checked there is room for it)
+            s = self.by_client[tag.client_id] = Session(time.time(), tag.acked_below)
         size = answer_bytes(answer)
         s.answers[tag.seq] = answer
         if call:
