@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -202,6 +203,16 @@ def test_up_removes_the_folders_of_ended_ray_sessions_but_the_newest_and_those_a
     assert prune_ray_sessions(str(tmp_path / "none")) == 0
 
 
+def foreground_up(home: Path) -> tuple[subprocess.Popen, Any]:
+    """A foreground `memserver up` of one shard with MEMSERVER_HOME=home, in its own process group,
+    logging into home/up.log; (its process, the open log file)."""
+    log = open(home / "up.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "memserver.cli", "up", "--shards", "1", "--num-cpus", "1",
+                             "--object-store-mb", "96"], env={**os.environ, "MEMSERVER_HOME": str(home)}, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, log
+
+
 def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves_nothing(tmp_path):
     """`timeout`, `docker stop` and a terminal's hang-up signal the whole process group, the
     embedded Ray head's processes too: `up` stopped within seconds (where it waited 60 s on the
@@ -210,11 +221,7 @@ def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves
 
     from memserver.cluster.endpoint import pid_alive, started_at
 
-    env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
-    log = open(tmp_path / "up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "memserver.cli", "up", "--shards", "1", "--num-cpus", "1",
-                             "--object-store-mb", "96"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc, log = foreground_up(tmp_path)
     try:
         t0 = time.monotonic()
         while "memserver ready" not in (tmp_path / "up.log").read_text():
@@ -341,11 +348,7 @@ def test_a_signal_while_up_starts_stops_it_at_once_and_removes_its_scratch_direc
     signal while starting stops the start at once and removes what it made."""
     import time
 
-    env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
-    log = open(tmp_path / "up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "memserver.cli", "up", "--shards", "1", "--num-cpus", "1",
-                             "--object-store-mb", "96"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc, log = foreground_up(tmp_path)
     try:
         t0 = time.monotonic()
         while not list((tmp_path / "run").glob("memserver-*")):  # the cluster's scratch directory: starting
