@@ -135,8 +135,8 @@ class Bell:
         # they not counted, its answers to them could fill its queue and stop it reading requests
         # while this side, sending, reads none: a review), and answers read and never collected.
         # (A glance without the lock; the count that decides is taken under it below.)
-        if self.unread + len(self.answers) >= MAX_OUTSTANDING:
-            self._drain()  # answers of calls given up, read now if no one is reading
+        if self.unread + len(self.answers) >= MAX_OUTSTANDING and block:  # (not on an event loop: a started
+            self._drain()  # answer is read whole) answers of calls given up, read now if no one is reading
         name = _NAMES.get(method) or method.encode()
         if not (self.send_lock.acquire(timeout=-1 if until is None else max(0.0, until - time.monotonic())) if block
                 else self.send_lock.acquire(blocking=False)):
@@ -196,7 +196,8 @@ class Bell:
 
     def _send_rest(self, frame: list[memoryview], until: float | None) -> None:
         try:
-            self._send_frame(frame, until)
+            if not self._send_frame(frame, until):  # (none of the rest by the deadline: cut off all the same)
+                raise TimeoutError("the call's deadline came with its request part sent")
         except BaseException as exc:  # noqa: BLE001 - cut off mid-frame: out of step for good (its waiter: UNAVAILABLE)
             self._break(f"sending failed ({exc!r})")
         finally:

@@ -371,7 +371,7 @@ class ShmTransport:
         def rung(done: Future[Bell]) -> None:
             try:
                 bell = done.result()
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure: gRPC, and the hello again later
                 log.info("still no doorbell with shard %s (%s); its calls go by gRPC", address, exc)
                 region.bell_retry = (name, pid, time.monotonic() + RETRY_AFTER)
                 return
@@ -379,10 +379,13 @@ class ShmTransport:
                 kept = self.regions.get(address) is region and not region.retired
                 if kept:
                     region.bell, region.bell_retry = bell, None
-            if not kept:
+            if not kept or region.retired:  # (retired meanwhile: its unmap may have looked for no bell)
                 bell.close()
 
-        _MAKER.submit(Bell, name, region.id, f"shard {address}", pid).add_done_callback(rung)
+        try:
+            _MAKER.submit(Bell, name, region.id, f"shard {address}", pid).add_done_callback(rung)
+        except RuntimeError:  # (the interpreter shutting down: no new threads)
+            region.bell_retry = (name, pid, time.monotonic() + RETRY_AFTER)
 
     def _drop(self, address: str, region: Region) -> None:
         with self.lock:

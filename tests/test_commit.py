@@ -722,17 +722,23 @@ def test_a_part_of_a_step_without_its_step_or_a_tag_a_commit_can_name_is_refused
                                      grad_out=encode(torch.as_tensor(g[:, :4]).contiguous()), step=step, gather=gather,
                                      tag=pb.WriteTag(**tag))
 
-    refused(stub.BagBackward, part(0, client_id="t", seq=1), f"step: {what} needs the trainer's step \\(>= 1\\), got 0")
+    if sync:  # (another table's step 0 is a step: the library takes it, LocalValues as RemoteValues)
+        refused(stub.BagBackward, part(0, client_id="t", seq=1),
+                f"step: {what} of a sync_updates table needs the trainer's step \\(>= 1\\), got 0")
     refused(stub.BagBackward, part(2), f"tag: {what} needs a write tag with a client_id and a seq >= 1 .*got "
                                        "client_id '', seq 0")
     refused(stub.BagBackward, part(2, client_id="t", seq=0), "tag: .* needs a write tag .*client_id 't', seq 0")
-    refused(stub.CommitStep, pb.CommitStepRequest(table=NAME, step=0, phase=pb.STEP_PREPARE_COMMIT,
-                                                  tag=pb.WriteTag(client_id="t", seq=1)),
-            r"step: a CommitStep closes the trainer's step \(>= 1\), got 0")
+    if sync:
+        refused(stub.CommitStep, pb.CommitStepRequest(table=NAME, step=0, phase=pb.STEP_PREPARE_COMMIT,
+                                                      tag=pb.WriteTag(client_id="t", seq=1)),
+                r"step: a CommitStep of a sync_updates table closes the trainer's step \(>= 1\), got 0")
     assert_same(run.state(), before)
     assert [(run.slice(i).steps, dict(run.slice(i).sessions.by_client)) for i in range(2)] == [({}, {})] * 2
     stub.BagBackward(part(2, client_id="t", seq=1))  # with its step and tag: taken
     assert 2 in run.slice(0).steps
+    if not sync and gather:  # step 0 of a table that is not sync: a step like any other
+        stub.BagBackward(part(0, client_id="t", seq=2))
+        assert 0 in run.slice(0).steps
 
 
 def test_a_sync_step_a_trainer_dropped_applies_no_trainers_update(pairs):

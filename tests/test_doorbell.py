@@ -1235,3 +1235,41 @@ def test_a_killed_clients_region_goes_though_a_child_it_forked_lives_on(bell_sha
         if child:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+def test_a_request_cut_off_by_its_deadline_breaks_the_connection_when_sent_from_an_event_loop():
+    """A review: a frame the socket took in part from an event loop's send (block=False) was
+    finished by a bell thread that, the deadline coming before any more of it went, let the
+    connection go on: the next call's frame followed a cut-off one, out of step for the shard."""
+    from memserver.wire import DOORBELL_HELLO
+
+    name = f"memserver-test-cut-{os.getpid()}-{time.monotonic_ns()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    peer: list[socket.socket] = []
+
+    def shard() -> None:  # says OK to the hello, then reads nothing more
+        conn, _ = listener.accept()
+        size, _, _, name_len = DOORBELL_HEAD.unpack(_recv_exact(conn, DOORBELL_HEAD.size))
+        assert _recv_exact(conn, name_len)[:name_len] == DOORBELL_HELLO.encode()
+        _recv_exact(conn, size)
+        conn.sendall(DOORBELL_REPLY.pack(0, 0, 0))
+        peer.append(conn)
+
+    t = threading.Thread(target=shard)
+    t.start()
+    bell = Bell(name, "region", "shard x")
+    t.join(10)
+    try:
+        ticket = bell.send("PushGradients", b"\0" * (DOORBELL_MAX_REQUEST - 64), 0.5, block=False)
+        assert ticket is not None  # (part of it went: the rest is a bell thread's)
+        t0 = time.monotonic()
+        while bell.alive and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert not bell.alive and "deadline" in bell.broken, bell.broken
+    finally:
+        bell.close()
+        for conn in peer:
+            conn.close()
+        listener.close()

@@ -297,10 +297,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     ready = False
 
+    aborting = False
+
     def on_signal(*_: Any) -> None:
+        nonlocal aborting
         stop.set()
-        if not ready:  # starting: stop at once, and clean up (a detached `up` past its --timeout is killed
-            raise _Stopped()  # 10 s after this signal: its scratch directory, GBs with disk tables, stayed)
+        if not ready and not aborting:  # starting: stop at once, and clean up (a detached `up` past its
+            aborting = True  # --timeout is killed 10 s after this signal: its scratch directory, GBs with disk
+            raise _Stopped()  # tables, stayed); once: a second signal must not cut the cleanup short
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -315,10 +319,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         if getattr(args, "verbose", False):
             raise
         raise CliError(f"the cluster did not start: {one_line(exc)} (-v: the traceback)") from None
-    tokens = tokens or cluster.tokens
-    ca = cluster.tls_ca or (_ca(args) if tls else None)
-    server_name = cluster.tls_server_name or args.tls_server_name
-    try:
+    try:  # (at once: a signal from here on is the cleanup's below)
+        tokens = tokens or cluster.tokens
+        ca = cluster.tls_ca or (_ca(args) if tls else None)
+        server_name = cluster.tls_server_name or args.tls_server_name
         if ca:
             _check_clients_verify(cluster.endpoint, tokens[0] if tokens else None, ClientTls(ca, server_name))
         tables = cfg.get("tables") or []
@@ -392,8 +396,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Stopped(Exception):
-    """SIGTERM or SIGINT while `up` was starting: it starts nothing more and removes what it made."""
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT while `up` was starting: it starts nothing more and removes what it made.
+    A KeyboardInterrupt: Ray's waits (ray.get) pass on only those and SystemExit from a signal
+    handler, and print any other exception and wait on."""
 
 
 def _head_cpus(args: argparse.Namespace) -> int:

@@ -378,8 +378,9 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         # `contributor`: the shard's own commit of an expired client's prepared step (log only)
         client = request.contributor or request.tag.client_id or "anonymous"
         seqs = list(request.part_seqs)
-        if request.step < 1 and request.phase != pb.STEP_DROP_OPEN and not sl.replaying:  # as its parts (check_part)
-            raise InvalidArgumentError("step: a CommitStep closes the trainer's step (>= 1), got 0")
+        if request.step < 1 and sl.spec.sync_updates and request.phase != pb.STEP_DROP_OPEN and not sl.replaying:
+            raise InvalidArgumentError("step: a CommitStep of a sync_updates table closes the trainer's step (>= 1), "
+                                       "got 0")  # (as its parts: check_part)
 
         def work() -> pb.WriteAck:
             sl.check_writable()

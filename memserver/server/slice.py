@@ -332,16 +332,17 @@ class TableSlice:
 
     def check_part(self, step: int, tag: pb.WriteTag, gather: bool) -> None:
         """A part of a training step (`gather`, or a sync table's whole contribution), refused
-        before anything is kept without the step it belongs to or a tag a commit can name it by:
-        step 0 is proto3's unset (a sync table showed "waiting step 0", which reads as none
-        waiting), and an untagged or seq 0 part was acknowledged, then dropped by its PREPARE
-        (which names parts by seq) or merged with every other untagged trainer's (a hunt). Not
-        while replaying: what is logged was accepted."""
+        before anything is kept without a tag a commit can name it by (an untagged or seq 0 part
+        was acknowledged, then dropped by its PREPARE, which names parts by seq, or merged with
+        every other untagged trainer's: a hunt), or, on a sync table, without its step: 0 is
+        proto3's unset, and status showed "waiting step 0", which reads as none waiting (the
+        library's step 0 stays a step on other tables: LocalValues and RemoteValues take it
+        alike). Not while replaying: what is logged was accepted."""
         if self.replaying:
             return
         what = "a gather part of a step" if gather else "a sync_updates table's BagBackward (a trainer's step)"
-        if step < 1:
-            raise InvalidArgumentError(f"step: {what} needs the trainer's step (>= 1), got 0")
+        if step < 1 and self.spec.sync_updates:
+            raise InvalidArgumentError(f"step: {what} of a sync_updates table needs the trainer's step (>= 1), got 0")
         if not tag.client_id or tag.seq < 1:
             raise InvalidArgumentError(f"tag: {what} needs a write tag with a client_id and a seq >= 1 (the step "
                                        f"counts each trainer by its client_id, a commit names its parts by seq), got "
