@@ -25,7 +25,6 @@ import math
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +37,7 @@ from memserver.wire import DOORBELL_HEAD as HEAD
 from memserver.wire import DOORBELL_HELLO as HELLO
 from memserver.wire import DOORBELL_MAX_REQUEST as MAX_REQUEST_BYTES
 from memserver.wire import DOORBELL_REPLY as REPLY
-from memserver.wire import MAX_MESSAGE_BYTES, recv_exact
+from memserver.wire import MAX_MESSAGE_BYTES, peer_pid, recv_exact
 
 #: Calls on one connection whose answers are unread (those given up too), at most.
 MAX_OUTSTANDING = 32
@@ -72,7 +71,7 @@ class Bell:
         try:
             sock.settimeout(HELLO_SECONDS)
             sock.connect("\0" + name)
-            if pid and (peer := _peer_pid(sock)) != pid:  # (an abstract name is anyone's to bind once freed)
+            if pid and (peer := peer_pid(sock)) != pid:  # (an abstract name is anyone's to bind once freed)
                 raise ConnectionError(f"its listener is process {peer}, not the shard's {pid}: not used")
             body = region_id.encode()
             try:
@@ -333,8 +332,20 @@ class Bell:
         TimeoutError past it (the caller breaks the connection: it is out of step)."""
         if until is None:
             return _recv_exact(self.sock, n)
+        if n == 0:
+            return b""
+        try:  # (the usual: the shard sent the frame at once, all here: taken as it came, no poll, no copy)
+            first = self.sock.recv(n, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            first = b""
+        else:
+            if not first:
+                raise ConnectionError("the shard closed its doorbell")
+        if len(first) == n:
+            return first
         buf = bytearray(n)
-        view, got = memoryview(buf), 0
+        buf[:len(first)] = first
+        view, got = memoryview(buf), len(first)
         while got < n:
             left = until - time.monotonic()
             if left <= 0 or not self._readable.poll(_poll_ms(left)):
@@ -372,10 +383,6 @@ class Bell:
         self.wake_r.close()
         self.wake_w.close()
 
-
-def _peer_pid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
 
 
 def _poll_ms(seconds: float | None) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import struct
 import sys
 import time
@@ -384,6 +385,13 @@ def switch_on(name: str) -> bool:
     """Whether an environment switch (SHM_ENV, DOORBELL_ENV) is on: unset, or not one of
     SWITCH_OFF. "false" and "off" mean off as "0" does: a user who wrote them meant it."""
     return os.environ.get(name, "1").strip().lower() not in SWITCH_OFF
+
+
+def peer_pid(sock: Any) -> int:
+    """The process at the other end of a Unix socket, as the kernel reports it (SO_PEERCRED): both
+    ends of a doorbell check it, the shard its client's, the client its shard's."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
 
 
 def recv_exact(sock: Any, n: int, deadline: float | None = None) -> bytes | None:

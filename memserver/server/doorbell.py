@@ -47,7 +47,6 @@ import logging
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -67,7 +66,7 @@ from memserver.wire import DOORBELL_HEAD as HEAD
 from memserver.wire import DOORBELL_HELLO as HELLO
 from memserver.wire import DOORBELL_MAX_REQUEST as MAX_REQUEST_BYTES
 from memserver.wire import DOORBELL_REPLY as REPLY
-from memserver.wire import check_enums, recv_exact, to_bytes
+from memserver.wire import check_enums, peer_pid, recv_exact, to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +88,6 @@ MAX_QUEUED = 64
 #: client reading them slowly), before they are dropped and the socket is shut down.
 WRITER_GRACE = 10.0
 
-
-def _peer_pid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
 
 
 def _join(attached: Attached, conn: socket.socket) -> bool:
@@ -300,7 +295,7 @@ class Doorbell:
                 return None
             region_id = body[name_len:].decode(errors="replace")
             attached = self.regions.by_id.get(region_id)
-            if attached is None or attached.detached or _peer_pid(conn) != attached.pid:
+            if attached is None or attached.detached or peer_pid(conn) != attached.pid:
                 denied = True
             elif not _join(attached, conn):
                 self._refuse("connections")
