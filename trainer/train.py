@@ -1287,13 +1287,23 @@ def _memory_flags(given: frozenset[str]) -> list[str]:
 _KIF_BUILD = ("kif_encoder", "kif_sentences", "kif_knn")
 
 
+def _flag_names() -> dict[str, str]:
+    """Each setting (dest) as the command line names it: one setting of two flags as both
+    ("--no-prefetch/--prefetch")."""
+    named: dict[str, list[str]] = {}
+    for a in build_parser()._actions:
+        if a.option_strings:
+            named.setdefault(a.dest, []).append(a.option_strings[-1])
+    return {dest: "/".join(flags) for dest, flags in named.items()}
+
+
 def _other_kinds_flags(given: frozenset[str], kinds: set[str]) -> list[str]:
     """The flags among `given` that only memory kinds outside `kinds` read (a run with --lsh-bits
     and product keys alone trained on, the flag unread: a hunt), as the command line names them.
     --mem-plus and --kif-source have their own messages (check_flags, setup)."""
     readers = {_SHAPE_FLAGS[k][0]: users for k, users in _KIND_KEYS.items() if k not in ("mem_plus", "kif_sources")}
     readers.update(dict.fromkeys(_KIF_BUILD, ("kif",)))
-    flags = {a.dest: a.option_strings[-1] for a in build_parser()._actions}
+    flags = _flag_names()
     return [flags[d] for d, users in readers.items() if d in given and not kinds & set(users)]
 
 
@@ -1308,12 +1318,11 @@ def _value_flags_unread(given: frozenset[str], kinds: set[str]) -> str:
     """What is wrong with flags among `given` that no layer of `kinds` reads ("" none): the value
     tables' for a run of KIF alone (it reads its knowledge source), the prefetch's for a run with
     no token-addressed layer."""
-    flags = {a.dest: a.option_strings[-1] for a in build_parser()._actions}
+    flags = _flag_names()
     if not kinds - {"kif"} and (unread := [flags[d] for d in _VALUE_FLAGS if d in given]):
         return (f"{', '.join(unread)}: set{'s' if len(unread) == 1 else ''} the memory values' tables, and "
                 f"--memory-kind {','.join(sorted(kinds))} has none (KIF reads its knowledge source); drop "
                 f"{'it' if len(unread) == 1 else 'them'}")
-    flags["no_prefetch"] = "--no-prefetch/--prefetch"  # (one setting, two flags)
     if "engram" not in kinds and (unread := [flags[d] for d in _PREFETCH_FLAGS if d in given]):
         return (f"{', '.join(unread)}: the prefetch of token-addressed layers' reads (engram), and --memory-kind "
                 f"{','.join(sorted(kinds))} has none; drop {'it' if len(unread) == 1 else 'them'}")
