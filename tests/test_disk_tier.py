@@ -391,6 +391,32 @@ def test_corrupt_row_is_refused_by_name(tmp_path):
     assert (disk.hits[rest] - before[0][rest]).tolist() == [2, 2, 2, 2, 2, 2]  # (the lookup's too)
 
 
+def test_a_checkpoint_being_written_keeps_the_files_it_began_with_when_they_are_made_again(tmp_path):
+    """A checkpoint's writer streams a disk table's records from their mapping off the compute
+    thread, so a rollback or a restore may make the table's files again meanwhile. They were made
+    by truncating the same inode: the writer then read the new table's rows (or, mid-rebuild, a
+    mapping past the file's end, which kills the process). Made as a new inode, the writer reads
+    the table it began with to the end; its read counters are a copy taken at that moment."""
+    cfg = OptimizerConfig("sgd", 1.0)
+    old = DiskTable(tmp_path / "d", 300, 8, cfg, cache_bytes=MIN_CACHE_BYTES, seed=1, name="t")
+    old.lookup(torch.tensor([5, 5]))
+    old.push_gradients(torch.tensor([3]), torch.ones(1, 8))
+    want = old.lookup(torch.arange(300), count=False).clone()
+    state = old.checkpoint_state()  # as checkpoint_table's first part takes it
+    old.lookup(torch.tensor([5]))  # a read after that moment: not in the copy
+    old.close()  # as a rollback closes the slice, then makes its files again
+    new = DiskTable(tmp_path / "d", 300, 8, cfg, cache_bytes=MIN_CACHE_BYTES, seed=2, name="t")
+    try:
+        old.verify_records(state)  # every record of the old file intact
+        saved = disk_mod.unpack(state)
+        torch.testing.assert_close(saved["weight"], want, rtol=0, atol=0)
+        assert int(saved["hits"][5]) == 2 and int(saved["hits"].sum()) == 2
+        assert not torch.equal(new.lookup(torch.arange(300), count=False), want)  # (the new table is another)
+    finally:
+        state.clear()
+        new.close()
+
+
 def test_a_corrupt_record_is_refused_by_the_statistics_and_never_checkpointed(tmp_path):
     """A checkpoint copied the file's records as they were, unchecked, and its restore sealed them
     again: a corrupt row came back as a healthy one (-4.8e37 for -0.141, a hunt), also when the
@@ -418,9 +444,11 @@ def test_a_corrupt_record_is_refused_by_the_statistics_and_never_checkpointed(tm
     back = ValueTable(disk.num_rows, disk.dim, OptimizerConfig("adagrad", 0.1))
     load_into(back, meta, [{"file": str(tmp_path / "healed.pt")}])
     torch.testing.assert_close(back.lookup(torch.tensor([7])), ram.lookup(torch.tensor([7])), rtol=0, atol=0)
-    corrupt(200)  # not cached: refused
+    corrupt(200)  # not cached: refused (by the checkpoint's writer, before it writes: shard_actor.checkpoint_table)
+    state = disk.checkpoint_state()
     with pytest.raises(DataLossError, match=rf"table t: row 200 of {disk.path} is corrupt"):
-        disk.checkpoint_state()  # (the file is what a checkpoint copies)
+        disk.verify_records(state)  # (the file is what a checkpoint copies)
+    state.clear()
     with pytest.raises(DataLossError, match=rf"table t: row 200 of {disk.path} is corrupt"):
         disk.stat("value_sq_norm")
     np.testing.assert_array_equal(disk.stat("value_sq_norm", 0, 100), ram.stat("value_sq_norm", 0, 100))  # (7: cached)

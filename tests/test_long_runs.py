@@ -687,15 +687,18 @@ def test_a_table_a_shard_lost_is_retried_with_the_same_tags_and_a_new_one_with_n
 # ------------------------------------------------------------------ checkpoints while serving
 
 
-def test_a_checkpoint_holds_its_tables_writes_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_a_checkpoint_holds_its_tables_writes_only(tmp_path, monkeypatch, tier):
     """A slice's checkpoint file was written on the compute thread, holding every call of the
     shard for its whole length (a walkthrough: an unrelated 4-id lookup took 9.6 s during a 256
-    MiB table's save). Now, while the file is written: another table's calls and this table's
-    reads run; this table's writes wait, and the file holds the table as it was when the save
-    began (values and read counters), with none of the writes that waited."""
+    MiB table's save; a disk table's file was read twice there until a later hunt). Now, while
+    the file is written: another table's calls and this table's reads run; this table's writes
+    wait, and the file holds the table as it was when the save began (values and read
+    counters), with none of the writes that waited."""
     import threading
 
     import memserver.server.shard_actor as shard_actor
+    from memserver.core.disk import MIN_CACHE_BYTES, unpack
     from memserver.server.shard_actor import ShardActor
 
     started, go = threading.Event(), threading.Event()
@@ -710,7 +713,8 @@ def test_a_checkpoint_holds_its_tables_writes_only(tmp_path, monkeypatch):
     sgd = pb.OptimizerSpec(name="sgd", lr=1.0)
     shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path / "data"))
     for name in ("big", "small"):
-        spec = validate_spec(pb.TableSpec(name=name, num_rows=64, dim=4, optimizer=sgd, sharding=pb.ROWS), 1)
+        disk = dict(tier="disk", cache_bytes=2 * MIN_CACHE_BYTES) if tier == "disk" and name == "big" else {}
+        spec = validate_spec(pb.TableSpec(name=name, num_rows=64, dim=4, optimizer=sgd, sharding=pb.ROWS, **disk), 1)
         shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
     path = tmp_path / "ck" / "big.pt"
     try:
@@ -750,6 +754,6 @@ def test_a_checkpoint_holds_its_tables_writes_only(tmp_path, monkeypatch):
     finally:
         go.set()
         shard.stop()
-    saved = torch.load(path, weights_only=True)["state"]
+    saved = unpack(torch.load(path, weights_only=True)["state"])
     assert torch.equal(saved["weight"], before)  # as the save began: not the write that waited
     assert int(saved["hits"].sum()) == 64  # the lookup before it, not the bag during it

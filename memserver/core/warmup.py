@@ -66,7 +66,7 @@ def _value_tables(directory: str) -> None:
                 _forget(np.zeros(0, np.int64), t._keys, t._vals, t._slot_row, t._dirty, t._st)
                 t.flush()
                 t.state()
-                t.checkpoint_state()
+                t.verify_records(t.checkpoint_state())
                 t.after_load()
                 t.close()
 

@@ -554,10 +554,10 @@ class ShardActor:
         The file is written off the compute thread: from that moment the slice's writes wait
         (TableSlice.saving) while its reads and every other table's calls go on (a 256 MiB slice's
         save held every call of the shard for its whole length: a walkthrough's unrelated 4-id
-        lookup took 9.6 s). Reads change only the read counters, copied at that moment. A disk
-        table's counters are a mapped file its reads write, so it is written there, in one go."""
+        lookup took 9.6 s). Reads change only the read counters, copied at that moment; a disk
+        table's records are read from its file, which no read changes (DiskTable.checkpoint_state)."""
 
-        def begin() -> tuple[TableSlice, dict[str, Any], int, dict[str, Any], dict[str, Any], int | None]:
+        def begin() -> tuple[TableSlice, dict[str, Any], int, dict[str, Any], dict[str, Any]]:
             sl = self._to_save(name)
             if layout_id and sl.info.layout_id != layout_id:
                 raise FailedPreconditionError(f"table {name!r} on shard {self.index}: made anew (layout "
@@ -569,31 +569,29 @@ class ShardActor:
             meta = sl.slice_meta()
             lsn = sl.wal.next_lsn if sl.wal is not None else 0
             extra = {**sl.extras(), "lsn": lsn}
-            if hasattr(sl.table, "checkpoint_state"):
+            if hasattr(sl.table, "checkpoint_state"):  # a disk table: its counters copied, its records a view
                 state = sl.table.checkpoint_state()
-                try:
-                    return sl, meta, lsn, {}, {}, save_slice(Path(path), meta, state, extra=extra)
-                finally:  # (as save_slice's own: no view of a disk table's files kept by a failure's traceback)
-                    state.clear()
-            state = sl.table.state()
-            for counter in READ_COUNTERS:  # what reads change meanwhile: as of now
-                if counter in state:
-                    state[counter] = state[counter].clone()
+            else:
+                state = sl.table.state()
+                for counter in READ_COUNTERS:  # what reads change meanwhile: as of now
+                    if counter in state:
+                        state[counter] = state[counter].clone()
             sl.saving = Future()
-            return sl, meta, lsn, state, extra, None
+            return sl, meta, lsn, state, extra
 
-        sl, meta, lsn, state, extra, nbytes = self.loop.call(self.servicer.run(begin))
-        if nbytes is None:
-            try:
-                nbytes = save_slice(Path(path), meta, state, extra=extra)
-            except BaseException:
-                try:  # (on the compute thread, as everything of a slice is)
-                    self.loop.call(self.servicer.run(lambda: self._saved(sl)))
-                except BaseException:  # (the loop stopping: its writes are gone with it)
-                    self._saved(sl)
-                raise
-            finally:
-                state.clear()
+        sl, meta, lsn, state, extra = self.loop.call(self.servicer.run(begin))
+        try:
+            if (verify := getattr(sl.table, "verify_records", None)) is not None:
+                verify(state)  # a corrupt record refused before any file of the checkpoint is written
+            nbytes = save_slice(Path(path), meta, state, extra=extra)
+        except BaseException:
+            try:  # (on the compute thread, as everything of a slice is)
+                self.loop.call(self.servicer.run(lambda: self._saved(sl)))
+            except BaseException:  # (the loop stopping: its writes are gone with it)
+                self._saved(sl)
+            raise
+        finally:  # (as save_slice's own: no view of a disk table's files kept by a failure's traceback)
+            state.clear()
 
         def work() -> dict[str, Any]:
             self._saved(sl)
