@@ -460,6 +460,123 @@ def test_a_write_answers_once_and_only_once_durable(tmp_path):
         assert not np.array_equal(once, before)
 
 
+def _parked(shard, calls: int) -> None:
+    """Until `calls` calls are admitted at the shard (parked ones stay admitted)."""
+    t0 = time.monotonic()
+    while shard.admission.calls != calls:
+        assert time.monotonic() - t0 < 10, shard.admission.calls
+        time.sleep(0.01)
+
+
+def test_a_write_waiting_for_its_tables_checkpoint_holds_back_no_later_call_of_its_connection(bell_shard):
+    """A hunt: the shard served a connection's calls one at a time on one thread, and a write
+    waiting for its table's checkpoint file (TableSlice.saving) waited on that thread, so every
+    later call of its client to the shard (one connection for all its threads), other tables'
+    too, waited for the whole save (a lookup of another table: 4.7 s, by gRPC 0.01 s), where only
+    the table's writes should. Such a write is now parked: the same connection's lookups of the
+    other table and of its own are answered while it waits, and it is answered and applied once
+    the file is written; one whose deadline passes meanwhile is answered DEADLINE_EXCEEDED,
+    nothing applied; one whose connection ends is dropped, nothing applied, its admission given
+    back, its thread gone."""
+    from concurrent.futures import Future
+
+    c = rung_client(bell_shard)
+    try:
+        bell = c.aio.shm.bell(bell_shard.address)
+        sl = bell_shard.servicer.tables["t"]
+        before = c.lookup("t", [1, 2, 5], count=False)
+
+        def push(row: int, seq: int) -> bytes:
+            return pb.PushGradientsRequest(table="t", layout_id=sl.info.layout_id,
+                                           ids=encode(np.array([row], np.int64)),
+                                           grads=encode(np.ones((1, LOCAL_DIM), np.float32)),
+                                           tag=pb.WriteTag(client_id=f"parked-{row}", seq=seq)).SerializeToString()
+
+        sl.saving = saving = Future()  # the table's checkpoint file is being written (as checkpoint_table sets it)
+        ticket = bell.send("PushGradients", push(1, 1), 30)
+        late = bell.send("PushGradients", push(2, 1), 0.5)  # its deadline passes while it waits
+        _parked(bell_shard, 2)
+        calls = c.aio.shm.bell_calls
+        assert c.lookup("u", [1, 2, 3], count=False).shape == (3, LOCAL_DIM)  # another table's read goes on
+        np.testing.assert_array_equal(c.lookup("t", [1, 2, 5], count=False), before)  # its own reads too
+        assert c.aio.shm.bell_calls - calls == 2 and bell_shard.admission.calls == 2  # by the doorbell; still waiting
+        code, text = bell.wait(late, 10)  # the shard's answer, at the deadline
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and b"while its table's checkpoint was written" in text
+        sl.saving = None
+        saving.set_result(None)
+        code, out = bell.wait(ticket, 10)
+        assert code == grpc.StatusCode.OK and pb.WriteAck.FromString(out).rows == 1
+        after = c.lookup("t", [1, 2, 5], count=False)
+        assert not np.array_equal(after[0], before[0])
+        np.testing.assert_array_equal(after[1:], before[1:])  # the late write: not applied
+        assert settled(bell_shard.admission) == (0, 0)
+        # the connection ends with a write parked: dropped, nothing applied, nothing held
+        sl.saving = saving = Future()
+        assert bell.send("PushGradients", push(5, 1), 30) is not None
+        _parked(bell_shard, 1)
+        bell.close()
+        assert settled(bell_shard.admission) == (0, 0)
+        t0 = time.monotonic()
+        while any(t.name == "doorbell-parked" for t in threading.enumerate()):
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+        sl.saving = None
+        saving.set_result(None)
+        np.testing.assert_array_equal(c.lookup("t", [1, 2, 5], count=False)[1:], before[1:])
+    finally:
+        c.close()
+
+
+def test_a_write_waiting_for_its_log_holds_back_no_later_call_of_its_connection(tmp_path):
+    """A hunt: a doorbell write waited for its log record to be on disk on the thread that serves
+    its connection, so every later call of its client to the shard waited for the fsync too. The
+    write is now parked until durable: a lookup on the same connection is answered while its
+    log's answer is held, and the write is answered once it comes."""
+    from concurrent.futures import Future
+
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1, data_dir=str(tmp_path)) as srv, MemoryClient(srv.endpoint, timeout=30) as c:
+        c.create_table("w", 64, 4, wal=True)
+        address = c.table("w").shards[0].address
+        t0 = time.monotonic()
+        while c.aio.shm.bell(address) is None:
+            assert time.monotonic() - t0 < 20
+            c.lookup("w", [0], count=False)
+            time.sleep(0.02)
+        bell = c.aio.shm.bell(address)
+        sl = srv.shards[0].servicer.tables["w"]
+        gate, asked = threading.Event(), []
+        real = sl.wal.durable
+
+        def held(lsn: int) -> Future:  # the log's answer, given only once the test opens the gate
+            asked.append(lsn)
+            out: Future = Future()
+            threading.Thread(target=lambda: (gate.wait(10), real(lsn).result(), out.set_result(None))).start()
+            return out
+
+        sl.wal.durable = held
+        write = pb.WriteRowsRequest(table="w", layout_id=sl.info.layout_id, ids=encode(np.array([3], np.int64)),
+                                    rows=encode(np.full((1, 4), 7.0, np.float32)),
+                                    tag=pb.WriteTag(client_id="bell-log", seq=1)).SerializeToString()
+        look = pb.LookupRequest(table="w", layout_id=sl.info.layout_id, ids=encode(np.array([3], np.int64)),
+                                uncounted=True).SerializeToString()
+        try:
+            ticket = bell.send("WriteRows", write, 10)
+            t0 = time.monotonic()
+            while not asked:  # applied and logged; its answer waits for the log
+                assert time.monotonic() - t0 < 10
+                time.sleep(0.01)
+            code, out = bell.call("Lookup", look, 5)  # the same connection, meanwhile
+            assert code == grpc.StatusCode.OK and ticket not in bell.answers
+        finally:
+            gate.set()
+        code, out = bell.wait(ticket, 10)
+        assert code == grpc.StatusCode.OK and pb.WriteAck.FromString(out).rows == 1
+        assert sl.wal.durable_lsn > asked[0]  # on disk when answered
+        np.testing.assert_array_equal(c.lookup("w", [3], count=False), np.full((1, 4), 7.0, np.float32))
+
+
 def test_a_call_to_two_shards_by_their_doorbells_waits_one_deadline_not_one_each(monkeypatch):
     """The blocking client waited for its doorbell calls in turn, each for the whole timeout, so
     a call to two stalled shards (stopped: they answer nothing, not even their refusal at the
@@ -731,14 +848,14 @@ def test_calls_given_up_count_until_answered_and_a_request_keeps_its_deadline(be
                                uncounted=True).SerializeToString()
         push = pb.PushGradientsRequest(table="t", layout_id=meta.layout_id, ids=ids,
                                        grads=encode(np.zeros((LOCAL_ROWS, LOCAL_DIM), np.float32))).SerializeToString()
-        free, serve = threading.Event(), bell_shard.servicer.serve_now
+        free, serve = threading.Event(), bell_shard.servicer.serve_steps
 
         def gated(*args, **kwargs):  # the shard's serving thread stalls while the test holds it
             free.wait(60)
-            return serve(*args, **kwargs)
+            return (yield from serve(*args, **kwargs))
 
         free.set()
-        monkeypatch.setattr(bell_shard.servicer, "serve_now", gated)
+        monkeypatch.setattr(bell_shard.servicer, "serve_steps", gated)
 
         @contextlib.contextmanager
         def held():

@@ -17,10 +17,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from concurrent.futures import CancelledError as FutureCancelled
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
@@ -83,11 +82,30 @@ class _Saving(Exception):
         self.done = done
 
 
+class Wait(NamedTuple):
+    """What a call's steps wait for (DataPlaneServicer.serve_steps): `done`, or `until` (a
+    time.monotonic(); None: no end) passing, whichever comes first; the steps then say which."""
+
+    done: Future[Any]
+    until: float | None
+
+
+def finish(steps: Generator[Wait, None, T]) -> T:
+    """A call's steps run to their end on the calling thread, each wait waited out here."""
+    try:
+        wait = next(steps)
+        while True:
+            futures_wait([wait.done], None if wait.until is None else max(0.0, wait.until - time.monotonic()))
+            wait = steps.send(None)
+    except StopIteration as end:
+        return end.value
+
+
 class Call(NamedTuple):
     """One data-plane call, validated: `work` computes its answer with the tables to itself;
     `entries` sizes it (small ones may run inline); `write`: answered only once durable (the
     slice's log). Built by a plan (DataPlaneServicer.PLANS) and run by gRPC's handler (`_serve`)
-    or by the doorbell's thread (`serve_now`): one path of checks and math for both. `scan`: a
+    or by the doorbell's threads (`serve_steps`): one path of checks and math for both. `scan`: a
     pass over every row of the slice, in chunks that each run as their own work item before
     `work` (the shard's other calls run between them, so an inspection never holds the shard for
     the whole slice; each chunk sees the table as it is then)."""
@@ -205,11 +223,15 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         if self.pending and self.exclusive.acquire(blocking=False):
             self._held(_nothing)
 
-    def serve_now(self, name: str, request: Any, deadline: float | None = None) -> Any:
-        """A doorbell call, on the calling thread (not the event loop): the same plan as `_serve`,
-        its work by `_held` (DEADLINE_EXCEEDED, nothing done, if `exclusive` is not had before
-        `deadline`, a time.monotonic()), returned once durable; the caller runs deferred work
-        (`drain_now`) after sending the answer."""
+    def serve_steps(self, name: str, request: Any, deadline: float | None = None) -> Generator[Wait, None, Any]:
+        """A doorbell call, on the calling thread (not the event loop), in steps: the same plan as
+        `_serve`, its work by `_held` (DEADLINE_EXCEEDED, nothing done, if `exclusive` is not had
+        before `deadline`, a time.monotonic()), its answer returned once durable. Where it must
+        wait (its slice's checkpoint file being written; a write's log not on disk yet) it yields
+        what it waits for (`Wait`), to be resumed (`send(None)`) by any thread once that is done or
+        its time is over: the doorbell hands such a call off and serves the connection's later
+        calls meanwhile. Its region stays leased until it ends or is closed. The caller runs
+        deferred work (`drain_now`) after sending the answer. `serve_now`: the steps waited out."""
         if deadline is not None and not math.isfinite(deadline):
             raise InvalidArgumentError(f"deadline: a time on the shard's monotonic clock, got {deadline}")
         with self._region(request) as region:
@@ -223,19 +245,21 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                     response = self._held(call.work, call.sl, write=call.write)
                     break
                 except _Saving as saving:  # its slice's checkpoint file is being written: after it
-                    left = None if deadline is None else deadline - time.monotonic()
-                    try:
-                        saving.done.exception(timeout=None if left is None else max(0.0, left))  # (done: go on)
-                    except FutureCancelled:  # (never, shielded as they are: the slice says again)
-                        pass
-                    except FutureTimeout:
+                    yield Wait(saving.done, deadline)
+                    if not saving.done.done():
                         raise DeadlineExceededError(f"{name}: the call's deadline passed while its table's checkpoint "
                                                     "was written") from None
         if call.write:
             durable = self._durable(call.sl)
             if durable is not None:
+                if not durable.done():
+                    yield Wait(durable, None)
                 durable.result()
         return response
+
+    def serve_now(self, name: str, request: Any, deadline: float | None = None) -> Any:
+        """`serve_steps` run to its end on the calling thread, each wait waited out."""
+        return finish(self.serve_steps(name, request, deadline))
 
     def _acquire_by(self, deadline: float | None, name: str) -> None:
         """`exclusive`, had before `deadline` (a time.monotonic(); None: however long it takes),

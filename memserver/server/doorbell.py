@@ -8,10 +8,16 @@ it learnt through its token-checked AttachRegion call, and the shard checks that
 kernel reports (SO_PEERCRED) is the process that attached the region. From then on the client
 sends any DataPlane call but AttachRegion as one frame, the call's request message whose tensors
 are spans of the region (or inline, for small ones), and one serving thread per connection, not
-the asyncio loop, reads it, runs the call's plan (DataPlaneServicer.serve_now: the same checks
+the asyncio loop, reads it, runs the call's plan (DataPlaneServicer.serve_steps: the same checks
 and kernels as gRPC's handler, the compiled kernels releasing the GIL), writes the answer's
 tensors into the region and sends back a frame that says where. No HTTP/2, no grpc.aio, no event
-loop hop per call.
+loop hop per call. A call that must wait (its table's checkpoint file being written, its write's
+log not on disk yet) is parked (`_Parked`): the connection's third thread finishes and answers it
+once its wait is over, and the serving thread goes on with the connection's later calls (a
+client has one connection per shard for all its threads: a write waiting for a checkpoint held
+them all, other tables' too, where over gRPC they went on). So calls in flight together on one
+connection may be answered, and a parked write applied, after later ones, as over gRPC; the
+client matches answers by call id.
 
 Every guarantee of the gRPC path holds: the calls run with the role of the token the region was
 attached with (the read token's region takes reads only); each call is admitted by the server's
@@ -35,10 +41,14 @@ can block sending to the other for good (an answer may be large: inline tensors)
 
 Bounds: at most MAX_CONNECTIONS connections in all (room for one per attachable region,
 MAX_REGIONS, plus MAX_HELLOS; a region may have more: a client reconnecting), of which at most
-MAX_HELLOS still saying hello, each within HELLO_SECONDS in all; each has two threads. A
+MAX_HELLOS still saying hello, each within HELLO_SECONDS in all; each has two threads, and a
+third while calls of it are parked (at most MAX_PARKED: the serving thread waits past that;
+each still admitted, its region leased, until it ends). A
 connection ends when its region is detached (the client's AttachRegion stream ended), when the
-client closes it or dies, or when the shard stops, and is then forgotten. Nothing is left behind:
-the socket has no file, its threads are daemons.
+client closes it or dies, or when the shard stops, and is then forgotten (its parked calls end
+CANCELLED, nothing more done: a write that waited for its checkpoint is not applied, and the
+client sends it again with its tag). Nothing is left behind: the socket has no file, its threads
+are daemons.
 """
 
 from __future__ import annotations
@@ -50,7 +60,9 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import grpc
@@ -60,6 +72,7 @@ from memserver.api.auth import READ_METHODS
 from memserver.api.errors import InvalidArgumentError, PermissionDeniedError, UnavailableError
 from memserver.core.table import set_threads
 from memserver.server.admission import Admission
+from memserver.server.dataplane import Wait, finish
 from memserver.server.grpcserver import DATA_PLANE, CallMetrics, parse_request, request_parser, status_of
 from memserver.server.shm import MAX_REGIONS, Attached, Regions
 from memserver.wire import DOORBELL_HEAD as HEAD
@@ -84,6 +97,10 @@ HELLO_SECONDS = 2.0
 #: Answers of one connection waiting for the client to read them (the client has at most
 #: client.doorbell.MAX_OUTSTANDING calls in flight, so this is never reached by a client of ours).
 MAX_QUEUED = 64
+#: Calls of one connection parked at once (`_Parked`: waiting for their table's checkpoint file or
+#: their write's log); past it the serving thread waits for one to end (the client has at most
+#: client.doorbell.MAX_OUTSTANDING calls in flight, so this is never reached by a client of ours).
+MAX_PARKED = 32
 #: Seconds a connection's end waits for its writer thread to send the answers still queued (a
 #: client reading them slowly), before they are dropped and the socket is shut down.
 WRITER_GRACE = 10.0
@@ -134,9 +151,12 @@ class _Answers:
     on reading requests while the client reads a large answer: neither side can block the other
     for good. One sender at a time (`busy`), so frames never interleave.
 
-    Bounds: at most MAX_QUEUED frames wait for the writer (the serving thread waits past that).
-    Only the serving thread adds answers; only the writer takes them. `queued` is called for each
-    answer that waits for the writer (a client slow to read: memserver_doorbell_answers_queued)."""
+    Bounds: at most MAX_QUEUED frames wait for the writer (the serving thread waits past that),
+    plus the answers of parked calls (`_Parked`: at most MAX_PARKED, never waiting: their thread
+    serves the others). The serving thread and the parked calls' thread add answers; only the
+    writer takes them, and only while no one else sends (it took a frame queued while the serving
+    thread sent another, when only that thread added). `queued` is called for each answer that
+    waits for the writer (a client slow to read: memserver_doorbell_answers_queued)."""
 
     def __init__(self, conn: socket.socket, queued: Callable[[], None]) -> None:
         self.conn, self.queued = conn, queued
@@ -146,11 +166,12 @@ class _Answers:
         self.closed = False  # no more answers: the writer sends what waits and ends
         self.broken = False  # sending failed: the connection is shut down, answers dropped
 
-    def send(self, call_id: int, code: grpc.StatusCode, body: Bytes) -> None:
-        """The serving thread's answer: sent now if it can be, else queued for the writer."""
+    def send(self, call_id: int, code: grpc.StatusCode, body: Bytes, wait: bool = True) -> None:
+        """An answer: sent now if it can be, else queued for the writer (`wait`: for room in the
+        queue first, the serving thread's answers)."""
         frame = _frame(call_id, code, body)
         with self.cond:
-            while len(self.queue) >= MAX_QUEUED and not self.broken:
+            while wait and len(self.queue) >= MAX_QUEUED and not self.broken:
                 self.cond.wait()
             if self.broken:
                 return
@@ -171,9 +192,9 @@ class _Answers:
         with self.cond:
             if rest:  # the writer finishes this frame before any other (and is the sender from now on)
                 self.queue.appendleft(rest)
+            self.busy = False
+            if self.queue:  # (only then: waking the idle writer after every answer cost a context switch each)
                 self.cond.notify_all()
-            else:
-                self.busy = False
         if rest:
             self.queued()
 
@@ -182,9 +203,9 @@ class _Answers:
         connection, end it (the reader exits)."""
         while True:
             with self.cond:
-                while not self.queue and not self.closed and not self.broken:
+                while not self.broken and (self.busy or (not self.queue and not self.closed)):
                     self.cond.wait()
-                if not self.queue:
+                if not self.queue or self.broken:
                     return
                 frame = self.queue.popleft()
                 self.busy = True
@@ -195,8 +216,8 @@ class _Answers:
                 self._break()
                 return
             with self.cond:
-                if not self.queue:
-                    self.busy = False
+                self.busy = False
+                self.cond.notify_all()
 
     def close(self) -> None:
         with self.cond:
@@ -212,6 +233,110 @@ class _Answers:
             self.conn.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+class _Call:
+    """A parked call: its steps (off_loop_steps), its id, and what it waits for now."""
+
+    __slots__ = ("steps", "call_id", "wait")
+
+    def __init__(self, steps: Generator[Wait, None, tuple[grpc.StatusCode, bytes]], call_id: int, wait: Wait) -> None:
+        self.steps, self.call_id, self.wait = steps, call_id, wait
+
+
+class _Parked:
+    """A connection's calls that must wait (their table's checkpoint file being written, their
+    write's log not on disk yet), handed off by the serving thread, which goes on with the
+    connection's later calls: it waited in the call before, and a client has one connection per
+    shard for all its threads, so a write waiting for its table's checkpoint held every later call
+    of that client to the shard, other tables' too, for the whole save (over gRPC they went on).
+    One thread per connection, started with its first parked call, waits for all of them at once
+    and takes each on when its wait is over (done, or its deadline passed: the steps say which),
+    computing where the call does (set_threads) and answering it (`answer`) at its end.
+
+    Bounds: at most MAX_PARKED at once (the serving thread waits past that). A parked call stays
+    admitted (Admission) and its region leased until it ends. `close` (the connection's end): those
+    still waiting end CANCELLED, nothing more done (a write that waited for its checkpoint is not
+    applied; the client retries it with its tag); one being taken on is finished first."""
+
+    def __init__(self, threads: int, answer: Callable[[int, grpc.StatusCode, bytes], None]) -> None:
+        self.threads, self.answer = threads, answer
+        self.cond = threading.Condition()
+        self.calls: list[_Call] = []  # waiting (not being taken on)
+        self.count = 0  # parked and not ended: those waiting and the one being taken on
+        self.wake: Future[None] = Future()  # done: the thread looks at `calls` again
+        self.closed = False
+        self.thread: threading.Thread | None = None
+
+    def park(self, call: _Call) -> None:
+        """The serving thread's: hand `call` off (waiting first while MAX_PARKED are)."""
+        with self.cond:
+            while self.count >= MAX_PARKED and not self.closed:
+                self.cond.wait()
+            if self.closed:
+                call.steps.close()
+                return
+            self.count += 1
+            self.calls.append(call)
+            self._wake()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="doorbell-parked", daemon=True)
+                self.thread.start()
+
+    def _wake(self) -> None:
+        if not self.wake.done():
+            self.wake.set_result(None)
+
+    def _run(self) -> None:
+        set_threads(self.threads)  # a call taken on computes here
+        while True:
+            with self.cond:
+                if self.closed:
+                    left, self.calls = self.calls, []
+                    break
+                if self.wake.done():
+                    self.wake = Future()
+                calls, wake = list(self.calls), self.wake
+            untils = [c.wait.until for c in calls if c.wait.until is not None]
+            futures_wait([c.wait.done for c in calls] + [wake],
+                         None if not untils else max(0.0, min(untils) - time.monotonic()), FIRST_COMPLETED)
+            now = time.monotonic()
+            ready = [c for c in calls if c.wait.done.done() or (c.wait.until is not None and now >= c.wait.until)]
+            with self.cond:
+                self.calls = [c for c in self.calls if c not in ready]
+            for call in ready:
+                self._step(call)
+        for call in left:
+            call.steps.close()
+
+    def _step(self, call: _Call) -> None:
+        """Take `call` on until it waits again (parked again) or ends (answered)."""
+        try:
+            call.wait = call.steps.send(None)
+        except StopIteration as end:
+            code, out = end.value
+            self.answer(call.call_id, code, out)
+        except BaseException:  # (off_loop_steps answers every error: a bug) the call ends unanswered
+            log.exception("doorbell: a parked call failed")
+        else:
+            with self.cond:
+                if not self.closed:
+                    self.calls.append(call)
+                    return
+            call.steps.close()
+        with self.cond:
+            self.count -= 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """The connection's end: the calls still waiting end (CANCELLED), the thread exits."""
+        with self.cond:
+            self.closed = True
+            self._wake()
+            self.cond.notify_all()
+            thread = self.thread
+        if thread is not None:
+            thread.join()
 
 
 class Doorbell:
@@ -325,6 +450,12 @@ class Doorbell:
 
     def _serve(self, conn: socket.socket) -> None:
         answers = _Answers(conn, self._queued)
+
+        def answer(call_id: int, code: grpc.StatusCode, out: bytes) -> None:  # a parked call's
+            answers.send(call_id, code, out, wait=False)  # (bounded by MAX_PARKED: its thread serves the others)
+            self.servicer.drain_now()
+
+        parked = _Parked(self.servicer.threads, answer)
         writer: threading.Thread | None = None
         attached: Attached | None = None
         try:
@@ -359,15 +490,22 @@ class Doorbell:
                 if body is None:
                     return
                 name = body[:name_len].decode(errors="replace")
-                code, out = serve_off_loop(servicer, admission, metrics, name, parsers.get(name),
-                                           memoryview(body)[name_len:], deadline or None, before=allowed,
-                                           check=in_region)
+                steps = off_loop_steps(servicer, admission, metrics, name, parsers.get(name),
+                                       memoryview(body)[name_len:], deadline or None, before=allowed, check=in_region)
                 self.conns[conn] += 1
-                answers.send(call_id, code, out)  # waits only past MAX_QUEUED unsent answers
-                servicer.drain_now()  # deferred work after the answer, as gRPC's path does
+                try:
+                    wait = next(steps)
+                except StopIteration as end:
+                    code, out = end.value
+                    answers.send(call_id, code, out)  # waits only past MAX_QUEUED unsent answers
+                    servicer.drain_now()  # deferred work after the answer, as gRPC's path does
+                else:  # it waits (its table's checkpoint file, its write's log): not this connection's later calls
+                    parked.park(_Call(steps, call_id, wait))
+                    servicer.drain_now()
         except OSError:
             return
         finally:
+            parked.close()  # before the answers close: a call being taken on is answered first
             if writer is not None:
                 answers.close()
                 writer.join(WRITER_GRACE)
@@ -443,16 +581,29 @@ def serve_off_loop(servicer: Any, admission: Admission | None, metrics: CallMetr
                    parse: Callable[[bytes], Any] | None, read: Bytes | Callable[[], Bytes | None],
                    deadline: float | None, *, before: Callable[[str], None] | None = None,
                    check: Callable[[Any], None] | None = None) -> tuple[grpc.StatusCode, bytes]:
-    """A data-plane call served on the calling thread, not the event loop: the steps of
+    """A data-plane call served on the calling thread, not the event loop: `off_loop_steps` run to
+    their end here, each wait waited out. Returns the status and the answer's bytes, or the status
+    text. The thread-pool server benchmarks.grpc_designs measures."""
+    return finish(off_loop_steps(servicer, admission, metrics, name, parse, read, deadline, before=before,
+                                 check=check))
+
+
+def off_loop_steps(servicer: Any, admission: Admission | None, metrics: CallMetrics | None, name: str,
+                   parse: Callable[[bytes], Any] | None, read: Bytes | Callable[[], Bytes | None],
+                   deadline: float | None, *, before: Callable[[str], None] | None = None,
+                   check: Callable[[Any], None] | None = None) -> Generator[Wait, None, tuple[grpc.StatusCode, bytes]]:
+    """A data-plane call served off the event loop, in steps: the steps of
     grpcserver.ErrorsAndMetrics (`before(name)`, admitted, the request read (`read`: its bytes, or
     what reads them once admitted, None: nothing sent), parsed by the servers' one reader (`parse`
-    None: not a call served here), enums checked, `check`, run by DataPlaneServicer.serve_now,
-    errors by status_of, counted in the metrics). Returns the status and the answer's bytes, or
-    the status text. The doorbell's calls, and the thread-pool server benchmarks.grpc_designs
-    measures."""
+    None: not a call served here), enums checked, `check`, run by DataPlaneServicer.serve_steps,
+    errors by status_of, counted in the metrics). Yields where the call waits (serve_steps), still
+    admitted meanwhile; returns the status and the answer's bytes, or the status text. Closed
+    before its end (its doorbell connection ended), it is counted CANCELLED, its admission and
+    region given back, nothing more done. The doorbell's calls (`serve_off_loop` otherwise)."""
     t0 = time.perf_counter()
     request: Any = None
     entered, size, for_token = False, 0, False
+    code, out = grpc.StatusCode.CANCELLED, b""  # (closed while it waited)
     try:
         try:
             if parse is None:
@@ -477,16 +628,16 @@ def serve_off_loop(servicer: Any, admission: Admission | None, metrics: CallMetr
             check_enums(request)
             if check is not None:
                 check(request)
-            code, out = grpc.StatusCode.OK, to_bytes(servicer.serve_now(name, request, deadline))
+            code, out = grpc.StatusCode.OK, to_bytes((yield from servicer.serve_steps(name, request, deadline)))
         except Exception as exc:
             code, text = status_of(exc, name, request, metrics)
             out = text.encode()
     finally:
         if entered and admission is not None:
             admission.leave(size)
-    if metrics is not None and for_token:
-        metrics.refused(name, code.name)
-    elif metrics is not None:
-        metrics.observe(name if parse is not None else "other", getattr(request, "table", ""), code.name,
-                        time.perf_counter() - t0)
+        if metrics is not None and for_token:
+            metrics.refused(name, code.name)
+        elif metrics is not None:
+            metrics.observe(name if parse is not None else "other", getattr(request, "table", ""), code.name,
+                            time.perf_counter() - t0)
     return code, out
