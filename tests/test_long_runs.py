@@ -746,6 +746,12 @@ def test_a_checkpoint_holds_its_tables_writes_only(tmp_path, monkeypatch, tier):
                                            tag=pb.WriteTag(client_id="d", seq=1, acked_below=1))
             with pytest.raises(DeadlineExceededError, match="while its table's checkpoint was written"):
                 shard.servicer.serve_now("PushGradients", rung, deadline=time.monotonic() + 0.3)  # the doorbell's way
+            if tier == "disk":  # a replace now would drop the table, whose files' space the save holds
+                from memserver.api.errors import UnavailableError
+
+                big = shard.servicer.tables["big"]
+                with pytest.raises(UnavailableError, match="a checkpoint of it is being written"):
+                    shard.check_fits(big.spec.SerializeToString(), big.info.SerializeToString(), 0, 0, 1 << 20, 1 << 20)
             t0 = time.monotonic()
             go.set()
             saving.join(30)
@@ -754,6 +760,8 @@ def test_a_checkpoint_holds_its_tables_writes_only(tmp_path, monkeypatch, tier):
     finally:
         go.set()
         shard.stop()
+    if tier == "disk":  # (written: the replace is checked as any other)
+        shard.check_fits(big.spec.SerializeToString(), big.info.SerializeToString(), 0, 0, 1 << 20, 1 << 20)
     saved = unpack(torch.load(path, weights_only=True)["state"])
     assert torch.equal(saved["weight"], before)  # as the save began: not the write that waited
     assert int(saved["hits"].sum()) == 64  # the lookup before it, not the bag during it

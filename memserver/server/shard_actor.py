@@ -462,6 +462,12 @@ class ShardActor:
         refuse_oversized(s, self.index, slice_size(s, shard), self.config.limits,  # (this shard, not the slice's number)
                          None if available is None else available + freed, node_bytes)
         if disk_need and self.store is not None:  # disk tables' files, allocated whole
+            old = self.servicer.tables.get(s.name)
+            if disk_freed and old is not None and old.saving is not None and old.spec.tier == "disk":
+                # a drop unlinks its files, but the checkpoint writing them reads them to its end: their space
+                # is not free until then, and the replace would meet a full disk after the old table went
+                raise UnavailableError(f"table {s.name!r} on shard {self.index}: a checkpoint of it is being written, "
+                                       "and its files' space is held until it ends; replace it then (call again)")
             refuse_disk_full(s, self.index, disk_need, self.store.dir, shutil.disk_usage(self.store.dir).free,
                              disk_freed)
 
