@@ -702,6 +702,60 @@ def check_rows(x: torch.Tensor, n: int, dim: int, what: str) -> None:
     check_float(x, what)
 
 
+def bag_index(ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """For each flat entry, the bag it belongs to (int64, on ids' device; O(entries + bags))."""
+    if offsets is None:
+        b, k = ids.shape
+        return torch.arange(b, device=ids.device).repeat_interleave(k)
+    offsets = offsets.to(device=ids.device, dtype=torch.int64)
+    counts = torch.diff(offsets, append=offsets.new_full((1,), ids.shape[0]))
+    return torch.repeat_interleave(torch.arange(len(offsets), device=ids.device), counts)
+
+
+def check_sum(ids: torch.Tensor, summed: torch.Tensor, what: str, terms: str = "rows") -> None:
+    """Each row's update (`summed[i]`, row `ids[i]`'s entries summed in float32, as the shards'
+    optimizer sums them before its step) finite: a sum beyond float32's range was stored as inf,
+    answered OK (a hunt). InvalidArgumentError names the first such id. The client's push (which
+    sends each id once, summed) and the shards (check_row_sums) run this one rule."""
+    if summed.numel() and not all_finite(summed):
+        bad = int(ids.reshape(-1)[~torch.isfinite(summed).all(1)][0])
+        raise InvalidArgumentError(f"{what}: the {terms} of id {bad} sum beyond float32's range (its update would be "
+                                   "stored as inf); send smaller values, or the id once")
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    lo, hi = torch.aminmax(x)  # (no |x| copy)
+    return max(float(hi), -float(lo))
+
+
+#: Entries summed per chunk by check_row_sums (temporaries of ~chunk x dim floats).
+_SUM_CHUNK = 1 << 16
+
+
+def check_row_sums(ids: torch.Tensor, src: torch.Tensor, what: str, weights: torch.Tensor | None = None,
+                   offsets: torch.Tensor | None = None) -> None:
+    """check_sum of a request's entries as the shards apply them: a push's row i (`weights` None)
+    into ids[i]; a bag's entry i, weights[i] x src[its bag], into ids[i]. The cost is the
+    request's: a bound (n entries of at most max|src| x max|weights| each) clears the usual
+    request in one pass over src; only one whose values come near float32's largest is summed."""
+    n = ids.numel()
+    if n == 0:
+        return
+    big = _max_abs(src) * (1.0 if weights is None else _max_abs(weights))
+    # (room for float32's rounding of n partial sums: each errs by at most n x 2^-24 relative)
+    if big * n * (1 + n * 2.0**-23) <= float(torch.finfo(torch.float32).max):
+        return
+    flat = ids.reshape(-1)
+    src_index = torch.arange(n) if weights is None else bag_index(ids, offsets)
+    scale = None if weights is None else weights.reshape(-1).float()
+    uniq, inv = torch.unique(flat, return_inverse=True)
+    summed = torch.zeros((len(uniq), src.shape[1]), dtype=torch.float32)
+    for s in range(0, n, _SUM_CHUNK):
+        part = src.index_select(0, src_index[s : s + _SUM_CHUNK]).float()
+        summed.index_add_(0, inv[s : s + _SUM_CHUNK], part if scale is None else part.mul_(scale[s : s + _SUM_CHUNK, None]))
+    check_sum(uniq, summed, what, "rows" if weights is None else "entries (weight x grad_out)")
+
+
 #: Context tokens a trigger record may carry, and the bytes of a table's trace info.
 MAX_TRIGGER_CONTEXT = 32
 MAX_TRIGGER_INFO = 4 << 20

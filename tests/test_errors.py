@@ -52,7 +52,11 @@ BAD_WRITES = [
     # finite rows whose id repeats, summed in the client beyond float32 (row 1's shard refused it,
     # row 2's applied)
     ("push sum inf", lambda c, t: c.push_gradients(t, [1, 1, 2], np.full((3, DIM), 3e38, np.float32)),
-     "grads: the rows of a repeated id sum beyond float32's range"),
+     "grads: the rows of id 1 sum beyond float32's range"),
+    # a bag's entries of one row (weight x grad_out, summed) beyond float32: row 1's shard refused
+    # it, the other applied its part
+    ("bag sum inf", lambda c, t: c.bag_backward(t, np.array([[1, 1, 2], [4, 5, 6]]), np.full((2, 3), 3e38, np.float32), G),
+     r"grad_out: the entries \(weight x grad_out\) of id 1 sum beyond float32's range"),
     ("write dup ids", lambda c, t: c.write_rows(t, [1, 1], np.ones((2, DIM), np.float32)), "distinct ids"),
     ("write range", lambda c, t: c.write_rows(t, [1, 1000], np.ones((2, DIM), np.float32)), "out of range"),
     ("write nan", lambda c, t: c.write_rows(t, [1, 2], np.full((2, DIM), np.nan, np.float32)), "NaN"),
@@ -373,6 +377,56 @@ def test_a_replace_that_is_refused_leaves_the_table(client, table_name, kwargs, 
     meta = client.create_table(table_name, 20, 4, seed=1, replace=True)  # accepted: made in its place
     assert client.table(table_name, refresh=True).num_rows == 20 == meta.num_rows
     assert not np.array_equal(client.lookup(table_name, [0]), np.full((1, 4), 7.0))
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_a_shard_refuses_a_write_whose_rows_of_one_id_sum_beyond_float32(tmp_path, tier):
+    """Sent raw, without the client's check: a PushGradients of finite rows of a repeated id (or a
+    BagBackward whose entries of one row, weight x grad_out, summed) beyond float32's range was
+    answered OK and stored inf (a hunt). Refused INVALID_ARGUMENT naming the id, nothing changed,
+    on either tier; such a write logged by an older shard is replayed as it was."""
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.shard_actor import ShardActor
+    from memserver.storage.wal import PUSH_GRADIENTS
+    from memserver.wire import decode
+
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    spec = validate_spec(pb.TableSpec(name="s", num_rows=8, dim=2, sharding=pb.ROWS, tier=tier, init_std=1.0,
+                                      optimizer=pb.OptimizerSpec(name="sgd", lr=1.0)), 1)
+    shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+    try:
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+
+            def rows():
+                return decode(stub.Lookup(pb.LookupRequest(table="s", ids=encode(torch.arange(8)))).rows, "rows")
+
+            before = rows()
+            big = torch.full((2, 2), 3e38)
+            for call, request, message in [
+                (stub.PushGradients, pb.PushGradientsRequest(table="s", ids=encode(torch.tensor([1, 2, 2])),
+                                                             grads=encode(torch.ones(3, 2).index_put_((torch.tensor([1, 2]),), big)),
+                                                             tag=pb.WriteTag(client_id="c", seq=1)),
+                 "grads: the rows of id 2 sum beyond float32's range"),
+                (stub.BagBackward, pb.BagBackwardRequest(table="s", ids=encode(torch.tensor([[3, 3], [4, 5]])),
+                                                         weights=encode(torch.tensor([[3e38, 3e38], [1.0, 1.0]])),
+                                                         grad_out=encode(torch.ones(2, 2)), tag=pb.WriteTag(client_id="c", seq=2)),
+                 r"grad_out: the entries (weight x grad_out) of id 3 sum beyond float32's range"),
+            ]:
+                with pytest.raises(grpc.RpcError) as err:
+                    call(request, timeout=30)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details(), \
+                    err.value.details()
+            assert torch.equal(rows(), before)
+            # the rows of each id apart, or of a sum within range: applied
+            stub.PushGradients(pb.PushGradientsRequest(table="s", ids=encode(torch.tensor([2, 6])), grads=encode(big),
+                                                       tag=pb.WriteTag(client_id="c", seq=3)))
+            assert torch.isfinite(rows()).all()
+            old = pb.PushGradientsRequest(table="s", ids=encode(torch.tensor([7, 7])), grads=encode(big))
+            shard.servicer.replay(shard.servicer.tables["s"], PUSH_GRADIENTS, old.SerializeToString())
+            assert torch.isinf(rows()[7]).all()
+    finally:
+        shard.stop()
 
 
 def test_float64_beyond_float32_is_refused_by_the_shard_too(client, table):

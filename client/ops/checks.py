@@ -77,15 +77,6 @@ def check_sent(x: torch.Tensor, wire_dtype: int, what: str) -> None:
                                    "float32 or bfloat16 (wire_dtype), or scale it down")
 
 
-def check_sum(x: torch.Tensor, what: str) -> None:
-    """Rows of a repeated id summed here (a push sends each row once): finite still, checked
-    before any request leaves (a sum beyond float32's range was refused by the shard holding it
-    after the others applied theirs)."""
-    if x.numel() and not all_finite(x):
-        raise InvalidArgumentError(f"{what}: the rows of a repeated id sum beyond float32's range; send smaller "
-                                   "gradients, or the id once")
-
-
 def bag_args(meta: TableMeta, ids: Any, weights: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """A bag's (ids, weights, offsets or None, number of bags), their shapes checked together."""
     t_ids = checked_ids(ids, meta, keep_int32=True)

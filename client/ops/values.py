@@ -14,7 +14,6 @@ from client.ops.checks import (
     bag_args,
     check_ints,
     check_sent,
-    check_sum,
     checked_floats,
     checked_ids,
     ids_fit_int32,
@@ -25,7 +24,17 @@ from client.ops.sessions import StepParts, WriteTags
 from memserver.api.errors import FailedPreconditionError, InvalidArgumentError
 from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import Lazy, check_1d, check_rows, check_stored, decode, encode, wire_tensor
+from memserver.wire import (
+    Lazy,
+    check_1d,
+    check_row_sums,
+    check_rows,
+    check_stored,
+    check_sum,
+    decode,
+    encode,
+    wire_tensor,
+)
 
 
 def wire_ids(ids: torch.Tensor, meta: TableMeta) -> torch.Tensor:
@@ -184,6 +193,7 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
     g = checked_floats(grad_out, "grad_out")
     check_rows(g, num_bags, meta.dim, "grad_out")
     check_sent(g, opts.wire_dtype, "grad_out")
+    check_row_sums(t_ids, g, "grad_out", w, off)  # (as each shard checks its part: refused whole, here)
     grad_w = torch.zeros(t_ids.shape if weight_grad else (0,), dtype=torch.float32)
     flat_gw = grad_w.view(-1)
     calls, places = [], []
@@ -238,7 +248,7 @@ def push_op(meta: TableMeta, ids: Any, grads: Any, opts: OpOptions, tags: WriteT
     check_1d(t, "ids")
     check_rows(g, len(t), meta.dim, "grads")
     uniq, summed = aggregate(t, g)
-    check_sum(summed, "grads")
+    check_sum(uniq, summed, "grads")
     check_sent(summed, opts.wire_dtype, "grads")
     return (yield from _write_op(meta, "PushGradients", uniq, summed, opts, tags))
 

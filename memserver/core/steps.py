@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from memserver.core.table import bag_index
+from memserver.wire import bag_index
 
 #: Gradient entries: row ids[i] receives scale[i] * src[src_index[i]] (see ValueTable.apply_entries).
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from memserver.core.init import init_values
 from memserver.core.optim import OptimizerConfig, torch_step
+from memserver.wire import bag_index
 
 try:  # numba is a dependency, but the torch path must keep working without it
     from memserver.core import kernels
@@ -123,16 +124,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the table
-
-
-def bag_index(ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    """For each flat entry, the bag it belongs to (int64, on ids' device; O(entries + bags))."""
-    if offsets is None:
-        b, k = ids.shape
-        return torch.arange(b, device=ids.device).repeat_interleave(k)
-    offsets = offsets.to(device=ids.device, dtype=torch.int64)
-    counts = torch.diff(offsets, append=offsets.new_full((1,), ids.shape[0]))
-    return torch.repeat_interleave(torch.arange(len(offsets), device=ids.device), counts)
 
 
 _EMPTY1 = np.zeros(0, dtype=np.float32)

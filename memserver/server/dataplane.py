@@ -48,6 +48,7 @@ from memserver.wire import (
     check_1d,
     check_answer,
     check_bag,
+    check_row_sums,
     check_rows,
     check_stored,
     check_triggers,
@@ -366,6 +367,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             w, g = sl.table.on_device((weights, torch.float32), (grad_out, torch.float32))
 
             def check() -> None:
+                if not sl.replaying:  # each row's update (its entries summed) finite: a pass over the request's
+                    check_row_sums(ids, grad_out, "grad_out", weights, offsets)  # entries, before any change
                 if gathered:
                     sl.check_gather(request.step, client)
 
@@ -438,7 +441,11 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             sl.check_writable()
             local = sl.local(ids)
 
-            rows, dup = sl.once(request.tag, PUSH_GRADIENTS, request, lambda: sl.table.push_gradients(local, grads))
+            def check() -> None:  # a repeated id's rows summed (as the client's push sends them) finite too
+                if not sl.replaying:  # (a push an older shard logged is replayed as it was then applied)
+                    check_row_sums(ids, grads, "grads")
+
+            rows, dup = sl.once(request.tag, PUSH_GRADIENTS, request, lambda: sl.table.push_gradients(local, grads), check)
             return sl.ack(rows, dup)
 
         return work, ids.numel()
