@@ -996,8 +996,9 @@ def test_calls_on_one_table_name_at_once_run_one_after_another(tmp_path):
 def test_an_index_replaced_while_it_is_trained_is_trained_on_no_shard_or_every_one(tmp_path, monkeypatch):
     """A review: TrainIndex installed its quantizer on the shards of the table as it was when it
     began; an index replaced meanwhile (on more shards) came out trained on one shard, and a
-    second TrainIndex was refused "trained already". Training and the replace run one after the
-    other: the new index is trained on no shard, and can be."""
+    second TrainIndex was refused "trained already". The install and the replace run one after the
+    other, and the training installs nothing on an index made anew meanwhile (refused, saying so):
+    the new index is trained on no shard, and can be."""
     import asyncio
 
     from client import AsyncMemoryClient
@@ -1021,10 +1022,49 @@ def test_an_index_replaced_while_it_is_trained_is_trained_on_no_shard_or_every_o
                 await asyncio.sleep(0.5)  # while it trains
                 return await c.create_index("ix", 16, index_factory="IVF8,Flat", num_shards=2, replace=True)
 
-            await asyncio.gather(c.train_index("ix", sample), replace())
+            trained, _ = await asyncio.gather(c.train_index("ix", sample), replace(), return_exceptions=True)
+            assert isinstance(trained, FailedPreconditionError) and "made anew while it was trained" in str(trained)
             assert [shard.servicer.tables["ix"].table.is_trained for shard in server.shards] == [False, False]
             await c.train_index("ix", sample)
             assert [shard.servicer.tables["ix"].table.is_trained for shard in server.shards] == [True, True]
+
+    with InProcessServer(2, data_dir=str(tmp_path)) as server:
+        asyncio.run(calls(server))
+
+
+def test_a_drop_of_an_index_being_trained_is_not_held_by_the_training(tmp_path, monkeypatch):
+    """A hunt: TrainIndex held the name's lock while it trained (bounded by its sample, one
+    message, but not in time: the factory's work), so a DropTable of the name waited behind it
+    without a word, past its own deadline. The training holds no lock: the drop is done at once,
+    and the training, finding its index gone, installs nothing and says so."""
+    import asyncio
+
+    from client import AsyncMemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.core.index import VectorIndex
+
+    train = VectorIndex.train_template
+
+    def slow(*args, **kwargs):  # (a large sample's training)
+        time.sleep(4)
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(VectorIndex, "train_template", staticmethod(slow))
+    sample = np.random.default_rng(0).normal(size=(2000, 16)).astype(np.float32)
+
+    async def calls(server) -> None:
+        async with AsyncMemoryClient(server.endpoint, retry_seconds=0, shm=False, timeout=60) as c:
+            await c.create_index("ix", 16, index_factory="IVF8,Flat", num_shards=2)
+            training = asyncio.ensure_future(c.train_index("ix", sample))
+            await asyncio.sleep(0.5)  # while it trains
+            t0 = time.monotonic()
+            await c.drop_table("ix")
+            assert time.monotonic() - t0 < 2, "the drop waited for the training"
+            with pytest.raises(FailedPreconditionError, match=r"index 'ix' was dropped or made anew while it was "
+                                                              r"trained \(\d+\.\ds\): nothing was installed"):
+                await training
+            servicer = server.coordinator.servicer
+            assert not servicer.naming and not servicer.holding and not servicer.training
 
     with InProcessServer(2, data_dir=str(tmp_path)) as server:
         asyncio.run(calls(server))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+import torch
 from google.protobuf.message import DecodeError
 
 from memserver import __version__
@@ -160,6 +161,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         #: name at once both failed, the table gone (each refused the other's placing: a review).
         #: Bounded by the calls waiting: a name's entry goes with its last one.
         self.naming: dict[str, tuple[asyncio.Lock, int]] = {}
+        self.holding: dict[str, str] = {}  # name -> the call of it holding its lock, as a waiting one logs it
         self.metrics: CoordinatorMetrics | None = None  # set by CoordinatorActor
 
     def recover_catalog(self, described: list[list[tuple[bytes, bytes, int]]]) -> None:
@@ -576,13 +578,20 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             yield
 
     async def _serialised(self, name: str, what: str, work: Coroutine[Any, Any, T]) -> T:
-        """Run `what` (a create, drop, restore or training) of table `name` once every earlier one
-        of that name is done, and to its end even if its caller goes (`_to_its_end`): a create
-        cancelled mid-way left slices on the shards that no table owned, and a concurrent call of
-        the name found it half made (a review)."""
+        """Run `what` (a create, drop, restore or a training's install) of table `name` once every
+        earlier one of that name is done, and to its end even if its caller goes (`_to_its_end`): a
+        create cancelled mid-way left slices on the shards that no table owned, and a concurrent
+        call of the name found it half made (a review). A call that waits says for what (logged)."""
+        def waits() -> None:
+            log.info("%s of table %r waits for %s", what, name, self.holding.get(name, "another call of the name"))
+
         async def run() -> T:
-            async with _one_at_a_time(self.naming, name):
-                return await work
+            async with _one_at_a_time(self.naming, name, waits):
+                self.holding[name] = f"{what} (since {time.strftime('%H:%M:%S')})"
+                try:
+                    return await work
+                finally:
+                    del self.holding[name]
 
         return await _to_its_end(run(), f"{what} of table {name!r}")
 
@@ -679,20 +688,28 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def TrainIndex(self, request: pb.TrainIndexRequest, context: grpc.aio.ServicerContext) -> pb.TrainIndexResponse:
         """Train the table's quantizer/codebooks once, here, and install the trained empty index on
-        every shard of the table: one set of centroids for the whole table."""
-        self._index_spec(request.name)
+        every shard of the table: one set of centroids for the whole table.
+
+        The training holds no lock of the name: it is bounded by its sample (one message,
+        train_sample_limit) but not in time (the factory's work), and a drop or create of the name
+        waited for it without a word. Only the install is serialised with them, and installs
+        nothing on a table made anew (or dropped) meanwhile: no shard or every one trained."""
+        spec = self._index_spec(request.name)
+        sample = decode(request.sample, "sample")
+        # checked as it came (check_float too), then cast: an int64 sample was cast and taken, and a
+        # finite float64 one beyond float32's range said "NaN or infinite" (a hunt)
+        check_rows(sample, sample.shape[0] if sample.dim() == 2 else -1, int(spec.dim), "sample")
         if request.name in self.training:
             raise FailedPreconditionError(f"index {request.name!r} is being trained by another call")
         self.training.add(request.name)  # (until the training ends, whoever waits for it)
 
         async def train() -> pb.TrainIndexResponse:
             try:
-                return await self._train_index(request)
+                return await self._train_index(request.name, sample.float())
             finally:
                 self.training.discard(request.name)
 
-        # as a create or drop of the name (a replace meanwhile got half the old one's training: a review)
-        return await self._serialised(request.name, "the training", train())
+        return await _to_its_end(train(), f"the training of table {request.name!r}")
 
     def _index_spec(self, name: str) -> pb.TableSpec:
         spec = self._get(name).spec
@@ -700,40 +717,43 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             raise InvalidArgumentError(f"name: {name!r} is not an index table; only index tables are trained")
         return spec
 
-    async def _train_index(self, request: pb.TrainIndexRequest) -> pb.TrainIndexResponse:
+    async def _train_index(self, name: str, sample: torch.Tensor) -> pb.TrainIndexResponse:
         from memserver.core.index import VectorIndex
 
-        spec = self._index_spec(request.name)  # (the table as it is once no other call of its name runs)
-        sample = decode(request.sample, "sample")
-        # checked as it came (check_float too), then cast: an int64 sample was cast and taken, and a
-        # finite float64 one beyond float32's range said "NaN or infinite" (a hunt)
-        check_rows(sample, sample.shape[0] if sample.dim() == 2 else -1, int(spec.dim), "sample")
-        sample = sample.float()
+        info = self._get(name)
+        spec, layout, order = info.spec, info.layout_id, list(self.placement[name])
         # a shard restarting meanwhile is waited for, as the data plane's calls wait (it failed at once)
-        order = list(self.placement[request.name])
-        held = await asyncio.gather(*(_when_ready(lambda j=j: self.handles[j].index_vectors.remote(request.name))
+        held = await asyncio.gather(*(_when_ready(lambda j=j: self.handles[j].index_vectors.remote(name))
                                       for j in order))
         if sum(held):  # a second quantizer on some shards would make the shards disagree
-            raise FailedPreconditionError(f"index {request.name!r} holds {sum(held)} vectors; only an empty index can "
+            raise FailedPreconditionError(f"index {name!r} holds {sum(held)} vectors; only an empty index can "
                                           "be trained (drop and re-create it, train, then add)")
         t0 = time.perf_counter()
+        log.info("index %s (%s): training on %d vectors", name, spec.index_factory, sample.shape[0])  # (no lock held)
         template = await asyncio.get_running_loop().run_in_executor(
             None, VectorIndex.train_template, int(spec.dim), spec.index_factory, METRIC_NAMES[spec.metric], sample.numpy())
         seconds = time.perf_counter() - t0
-        installed = await asyncio.gather(*(_when_ready(lambda j=j: self.handles[j].install_index.remote(request.name,
-                                                                                                         template))
-                                           for j in order), return_exceptions=True)
-        if failed := [(j, r) for j, r in zip(order, installed) if isinstance(r, BaseException)]:
-            if len(failed) == len(order):
-                raise failed[0][1]
-            cause = getattr(failed[0][1], "cause", None) or failed[0][1]  # (through Ray: the shard's own error)
-            # the shards that took it refuse a second template: the table cannot be trained again as it is
-            raise FailedPreconditionError(
-                f"index {request.name!r} is trained on {len(order) - len(failed)} of its {len(order)} shards: shard "
-                f"{failed[0][0]} failed to install it ({first_line(cause)}); drop and re-create the index, then train "
-                "it again (the shards that took this training refuse another)")
-        log.info("index %s (%s): trained on %d vectors in %.2fs, installed on %d shards", request.name,
-                 spec.index_factory, sample.shape[0], seconds, len(self.placement[request.name]))
+
+        async def install() -> None:  # (the name's other calls wait for this part only)
+            if getattr(self.tables.get(name), "layout_id", None) != layout:
+                raise FailedPreconditionError(f"index {name!r} was dropped or made anew while it was trained "
+                                              f"({seconds:.1f}s): nothing was installed; train the index it is now")
+            installed = await asyncio.gather(*(_when_ready(lambda j=j: self.handles[j].install_index.remote(name,
+                                                                                                             template))
+                                               for j in order), return_exceptions=True)
+            if failed := [(j, r) for j, r in zip(order, installed) if isinstance(r, BaseException)]:
+                if len(failed) == len(order):
+                    raise failed[0][1]
+                cause = getattr(failed[0][1], "cause", None) or failed[0][1]  # (through Ray: the shard's own error)
+                # the shards that took it refuse a second template: the table cannot be trained again as it is
+                raise FailedPreconditionError(
+                    f"index {name!r} is trained on {len(order) - len(failed)} of its {len(order)} shards: shard "
+                    f"{failed[0][0]} failed to install it ({first_line(cause)}); drop and re-create the index, then "
+                    "train it again (the shards that took this training refuse another)")
+
+        await self._serialised(name, "the install of a training", install())
+        log.info("index %s (%s): trained on %d vectors in %.2fs, installed on %d shards", name, spec.index_factory,
+                 sample.shape[0], seconds, len(order))
         return pb.TrainIndexResponse(sample_rows=sample.shape[0], seconds=time.perf_counter() - t0)
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
