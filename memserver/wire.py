@@ -724,7 +724,10 @@ def check_sum(ids: torch.Tensor, summed: torch.Tensor, what: str, terms: str = "
 
 
 def _max_abs(x: torch.Tensor) -> float:
-    lo, hi = torch.aminmax(x)  # (no |x| copy)
+    if x.device.type == "cpu" and x.dtype != torch.bfloat16:  # numpy's max and min: half torch.aminmax's time
+        a = x.detach().numpy()  # on one thread (0.38 against 0.74 ms for 4096 x 256 floats), no |x| copy
+        return max(float(a.max()), -float(a.min()))
+    lo, hi = torch.aminmax(x)
     return max(float(hi), -float(lo))
 
 
@@ -745,11 +748,12 @@ def check_row_sums(ids: torch.Tensor, src: torch.Tensor, what: str, weights: tor
     # (room for float32's rounding of n partial sums: each errs by at most n x 2^-24 relative)
     if big * n * (1 + n * 2.0**-23) <= float(torch.finfo(torch.float32).max):
         return
-    flat = ids.reshape(-1)
-    src_index = torch.arange(n) if weights is None else bag_index(ids, offsets)
-    scale = None if weights is None else weights.reshape(-1).float()
+    dev = src.device  # (a GPU trainer's client checks its tensors where they are)
+    flat = ids.reshape(-1).to(dev)
+    src_index = torch.arange(n, device=dev) if weights is None else bag_index(ids.to(dev), offsets)
+    scale = None if weights is None else weights.reshape(-1).to(dev).float()
     uniq, inv = torch.unique(flat, return_inverse=True)
-    summed = torch.zeros((len(uniq), src.shape[1]), dtype=torch.float32)
+    summed = torch.zeros((len(uniq), src.shape[1]), dtype=torch.float32, device=dev)
     for s in range(0, n, _SUM_CHUNK):
         part = src.index_select(0, src_index[s : s + _SUM_CHUNK]).float()
         summed.index_add_(0, inv[s : s + _SUM_CHUNK], part if scale is None else part.mul_(scale[s : s + _SUM_CHUNK, None]))
