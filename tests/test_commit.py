@@ -355,19 +355,12 @@ def test_a_commits_errors_keep_the_status_the_shard_answered():
         assert got.value.code == grpc.StatusCode.INTERNAL and "has not reached every shard" in got.value.details
 
 
-@pytest.mark.parametrize("by", ["sync", "aio"])
-def test_a_commit_interrupted_with_its_decision_out_keeps_the_decision(pairs, monkeypatch, by):
-    """A review: a commit cancelled (asyncio.wait_for, a cancelled task) or interrupted (Ctrl-C)
-    while its COMMIT was on the way to shard 1 dropped the decision: step 2 committed on shard 0
-    and stayed prepared on shard 1 for good, its seqs in flight for ever. The decision is kept and
-    re-sent before the next commit, and the table equals a run never interrupted."""
+def _interrupted_commits(run: Pair, monkeypatch, by: str):
+    """Make every COMMIT to `run`'s shard 1 interrupted: by Ctrl-C (`by` "sync": the blocking
+    client's call raises KeyboardInterrupt) or by its caller's deadline (the asyncio client's call
+    is slow and the commit is cancelled). Returns a function that commits a step expecting that."""
     import asyncio
 
-    run, ref = pairs("run"), pairs("ref")
-    for p in (run, ref):
-        train_step(p.client, 1, (1,))
-        send_part(p.client, 2, 2)
-    ref.client.commit_step(NAME, 2)
     address = run.shards[1].address
 
     def is_commit(raw) -> bool:
@@ -390,8 +383,10 @@ def test_a_commit_interrupted_with_its_decision_out_keeps_the_decision(pairs, mo
             return got
 
         monkeypatch.setattr(run.client, "_methods", methods)
-        with pytest.raises(KeyboardInterrupt):
-            run.client.commit_step(NAME, 2)
+
+        def commit(step: int) -> None:
+            with pytest.raises(KeyboardInterrupt):
+                run.client.commit_step(NAME, step)
     else:  # cancelled by its caller's deadline while the COMMIT to shard 1 is slow
         real_data = run.client.aio._data
 
@@ -401,8 +396,26 @@ def test_a_commit_interrupted_with_its_decision_out_keeps_the_decision(pairs, mo
             return await real_data(at, method, request)
 
         monkeypatch.setattr(run.client.aio, "_data", data)
-        with pytest.raises((asyncio.TimeoutError, TimeoutError)):
-            run.client._run(asyncio.wait_for(run.client.aio.commit_step(NAME, 2), 1.0))
+
+        def commit(step: int) -> None:
+            with pytest.raises((asyncio.TimeoutError, TimeoutError)):
+                run.client._run(asyncio.wait_for(run.client.aio.commit_step(NAME, step), 1.0))
+
+    return commit
+
+
+@pytest.mark.parametrize("by", ["sync", "aio"])
+def test_a_commit_interrupted_with_its_decision_out_keeps_the_decision(pairs, monkeypatch, by):
+    """A review: a commit cancelled (asyncio.wait_for, a cancelled task) or interrupted (Ctrl-C)
+    while its COMMIT was on the way to shard 1 dropped the decision: step 2 committed on shard 0
+    and stayed prepared on shard 1 for good, its seqs in flight for ever. The decision is kept and
+    re-sent before the next commit, and the table equals a run never interrupted."""
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+        send_part(p.client, 2, 2)
+    ref.client.commit_step(NAME, 2)
+    _interrupted_commits(run, monkeypatch, by)(2)
     # (shard 0 has committed, or will, or was not sent it yet: the call beside the interrupted one)
     assert run.slice(1).steps[2]["trainer"].prepared
     assert list(run.client.aio.session.undecided(NAME)) == [2]  # kept, to re-send
@@ -410,6 +423,37 @@ def test_a_commit_interrupted_with_its_decision_out_keeps_the_decision(pairs, mo
     for p in (run, ref):
         train_step(p.client, 3, (3,))
     assert 2 not in run.slice(0).steps and 2 not in run.slice(1).steps and not run.client.aio.session.undecided(NAME)
+    assert_same(run.state(), ref.state())
+
+
+@pytest.mark.parametrize("then", ["commit-again", "next-step"])
+@pytest.mark.parametrize("by", ["sync", "aio"])
+def test_a_commit_interrupted_while_it_resends_an_earlier_decision_aborts_its_step(pairs, monkeypatch, by, then):
+    """A hunt: step 3's commit interrupted (Ctrl-C, a deadline) while it re-sent step 2's kept
+    COMMIT, before its own PREPARE, left step 3's parts open on the shards and in the client: a
+    trainer that went on to step 4 left them there for good, and one that committed step 3 again
+    applied it late, unannounced (after sending its parts again: twice). Step 3 is aborted, that
+    abort kept and re-sent like a decision; a commit of step 3 that delivers it is refused
+    (StepAbortedError), and the table equals a run that never sent step 3."""
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+        send_part(p.client, 2, 2)
+    ref.client.commit_step(NAME, 2)
+    commit = _interrupted_commits(run, monkeypatch, by)
+    commit(2)  # step 2's COMMIT kept for shard 1
+    send_part(run.client, 3, 3)
+    commit(3)  # interrupted while it re-sends step 2's COMMIT
+    assert not any(c.prepared for i in range(2) for c in run.slice(i).steps[3].values())  # never prepared
+    assert list(run.client.aio.session.undecided(NAME)) == [2, 3]  # step 2's COMMIT, step 3's ABORT
+    monkeypatch.undo()
+    if then == "commit-again":
+        send_part(run.client, 3, 4)  # (the step sent again: dropped with the rest by the abort)
+        with pytest.raises(StepAbortedError, match=r"table m: step 3 is not committed: its commit was aborted"):
+            run.client.commit_step(NAME, 3)
+    for p in (run, ref):
+        train_step(p.client, 4, (5,))
+    assert all(3 not in run.slice(i).steps for i in range(2)) and not run.client.aio.session.undecided(NAME)
     assert_same(run.state(), ref.state())
 
 

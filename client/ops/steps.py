@@ -95,6 +95,9 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     for st, (phase, tags, parts, dropped) in session.undecided(table).items():
         got = yield (lambda meta, st=st, phase=phase, tags=tags, parts=parts, dropped=dropped:
                      step_phase_op(meta, st, phase, tags, parts, drop=dropped)), tags, True
+        if isinstance(got, _Interrupted):  # before this step's PREPARE: aborted, not left open (see _abort_unsent)
+            _abort_unsent(session, table, step, got)
+            raise got
         if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
             raise type(got)(f"table {table}: step {step} is not committed: the {_PHASES[phase]} of step {st} has not "
                             f"reached every shard yet ({got.details}); commit step {step} again later",
@@ -102,6 +105,12 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
         if isinstance(got, MemserverError):
             log.warning("table %s: the %s of step %d was refused: %s", table, _PHASES[phase], st, got)
         session.set_undecided(table, st, None)
+        if st == step and phase == pb.STEP_ABORT and not isinstance(got, MemserverError):
+            session.forget_step(table, step)  # (the shards dropped them all)
+            raise StepAbortedError(f"table {table}: step {step} is not committed: its commit was aborted (a shard "
+                                   "refused it, could not be reached, or the commit was interrupted), and the abort, "
+                                   "kept until every shard had it, went out only now: it dropped every part of the "
+                                   "step, those sent since included; send the step again")
     parts, layout = session.take_step(table, step)
     layout = layout or pin  # (a step with no parts: the pin alone says which table it belongs to)
     while True:  # twice at most: once more, with no parts, when the table was made anew meanwhile
@@ -125,13 +134,31 @@ def settle_interrupted(plan: CommitPlan, why: BaseException) -> None:
     call it would send next, sending nothing, so the decision it took, or the abort a prepare's
     failure calls for, is kept and re-sent before the table's next commit: the step is never left
     prepared on some shards with its decision dropped (a review: committed on one shard, prepared
-    for good on the other, its seqs in flight for ever)."""
-    lost = UnavailableError(f"the call was interrupted ({type(why).__name__}) before its answer came")
+    for good on the other, its seqs in flight for ever). Interrupted while it re-sends an earlier
+    step's kept decision, before its own PREPARE, the commit aborts its step the same way."""
+    lost = _Interrupted(f"the call was interrupted ({type(why).__name__}) before its answer came")
     try:
         while True:
             plan.send(lost)
     except (StopIteration, MemserverError):
         pass
+
+
+class _Interrupted(UnavailableError):
+    """settle_interrupted's answer for each call an interrupted commit would send."""
+
+
+def _abort_unsent(session: ClientSession, table: str, step: int, why: MemserverError) -> None:
+    """`step`'s commit was interrupted before its PREPARE went out: its parts, open on the shards,
+    are aborted there by an ABORT kept like a decision (re-sent before the table's next commit),
+    and forgotten here. They were left open, applied late by a later commit of the step (a hunt)."""
+    session.forget_step(table, step)
+    abort = WriteTags(session)
+    abort.held = True  # (as a kept decision's: its seqs stay in flight until every shard has it)
+    session.set_undecided(table, step, (pb.STEP_ABORT, abort, None, False))
+    log.warning("table %s: step %d is not committed: its commit was interrupted before its prepare went out (%s); "
+                "the step is aborted, nothing of it applied, by an abort sent before the table's next commit: send "
+                "the step again", table, step, why.details)
 
 
 def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool,
