@@ -947,19 +947,20 @@ class AsyncMemoryClient:
         client's parts, so a sync table's other trainers do not wait for it)."""
         plan = ops.commit_step_plan(self.session, table, step, len((await self.table(table)).shards), defer_apply, drop,
                                     layout)
-        make, tags, retry = next(plan)
-        while True:
-            try:
-                got: Any = await self._call(table, make, tags, retry=retry)
-            except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
-                got = exc
-            except BaseException as exc:  # cancelled with a call out: its decision kept, not dropped
-                ops.settle_interrupted(plan, exc)
-                raise
-            try:
-                make, tags, retry = plan.send(got)
-            except StopIteration as done:
-                return done.value
+        try:  # interrupted anywhere (a call out, or between calls): what the step needs is kept, not dropped
+            make, tags, retry = next(plan)
+            while True:
+                try:
+                    got: Any = await self._call(table, make, tags, retry=retry)
+                except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
+                    got = exc
+                try:
+                    make, tags, retry = plan.send(got)
+                except StopIteration as done:
+                    return done.value
+        except BaseException as exc:  # cancelled (the plan's own errors end it: nothing more to settle then)
+            ops.settle_interrupted(plan, exc)
+            raise
 
     async def drop_open_steps(self, table: str) -> dict[str, int]:
         """Drop every open step of `table` on its shards, every client's parts and commits: the

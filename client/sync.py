@@ -368,19 +368,20 @@ class MemoryClient:
                     layout: int = 0) -> int:
         meta = self.aio._tables.get(table) or self.table(table)
         plan = ops.commit_step_plan(self.aio.session, table, step, len(meta.shards), defer_apply, drop, layout)
-        make, tags, retry = next(plan)
-        while True:
-            try:
-                got: Any = self._call(table, make, tags, retry=retry)
-            except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
-                got = exc
-            except BaseException as exc:  # interrupted (Ctrl-C) with a call out: its decision kept, not dropped
-                ops.settle_interrupted(plan, exc)
-                raise
-            try:
-                make, tags, retry = plan.send(got)
-            except StopIteration as done:
-                return done.value
+        try:  # interrupted anywhere (a call out, or between calls): what the step needs is kept, not dropped
+            make, tags, retry = next(plan)
+            while True:
+                try:
+                    got: Any = self._call(table, make, tags, retry=retry)
+                except MemserverError as exc:  # the plan decides (abort, keep a decision to re-send)
+                    got = exc
+                try:
+                    make, tags, retry = plan.send(got)
+                except StopIteration as done:
+                    return done.value
+        except BaseException as exc:  # Ctrl-C (the plan's own errors end it: nothing more to settle then)
+            ops.settle_interrupted(plan, exc)
+            raise
 
     def push_gradients(self, table: str, ids: Any, grads: Any) -> int:
         tags = self.aio.tags()

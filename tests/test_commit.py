@@ -44,15 +44,17 @@ class Pair:
     """Two shards in this process holding one table, a stand-in coordinator serving its shard map,
     and clients."""
 
-    def __init__(self, root, table: pb.TableSpec, session_ttl: float = 3600.0, client_id: str = "trainer") -> None:
+    def __init__(self, root, table: pb.TableSpec, session_ttl: float = 3600.0, client_id: str = "trainer",
+                 count: int = 2) -> None:
         from memserver.server.shard_actor import ShardActor
 
         self.root, self.ttl = root, session_ttl
-        self.shards = [ShardActor(i, host="127.0.0.1", data_dir=str(root), session_ttl=session_ttl) for i in range(2)]
-        table = validate_spec(table, 2)
+        self.shards = [ShardActor(i, host="127.0.0.1", data_dir=str(root), session_ttl=session_ttl)
+                       for i in range(count)]  # (`count` 1: a table of one shard)
+        table = validate_spec(table, count)
         self.info = plan_table(table, [s.info() for s in self.shards])
         for s, sh in zip(self.shards, self.info.shards):
-            s.create_table(table.SerializeToString(), sh.SerializeToString(), 2)
+            s.create_table(table.SerializeToString(), sh.SerializeToString(), count)
         self.maps = grpc.server(ThreadPoolExecutor(2))
         pb_grpc.add_ControlPlaneServicer_to_server(_Maps(self.info), self.maps)
         self.endpoint = f"127.0.0.1:{self.maps.add_insecure_port('127.0.0.1:0')}"
@@ -455,6 +457,79 @@ def test_a_commit_interrupted_while_it_resends_an_earlier_decision_aborts_its_st
         train_step(p.client, 4, (5,))
     assert all(3 not in run.slice(i).steps for i in range(2)) and not run.client.aio.session.undecided(NAME)
     assert_same(run.state(), ref.state())
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["", "kept"])
+@pytest.mark.parametrize("shards", [2, 1])
+def test_a_ctrl_c_anywhere_in_a_commit_keeps_its_decision(tmp_path, monkeypatch, shards, kept):
+    """A hunt: a Ctrl-C that lands in the commit's own code between its calls (the plan's step,
+    the blocking client's loop: not a call, which settle_interrupted covers) dropped the decision:
+    past the PREPARE, the step stayed prepared on every shard with nothing kept to re-send (and
+    before it, the step's parts were left open). A KeyboardInterrupt is raised at each line of
+    the commit in turn (`kept`: with an earlier step's decision kept to re-send first): after each, a
+    step any shard holds of this client is a kept decision's (or an abort's), the next commit
+    settles it, and every shard applied the same steps."""
+    import sys
+
+    from client.ops import steps
+
+    run = Pair(tmp_path, spec(), count=shards)
+    try:
+        applied: dict[int, list[int]] = {i: [] for i in range(shards)}
+        for i in range(shards):
+            sl, real = run.slice(i), run.slice(i).commit
+            monkeypatch.setattr(sl, "commit", lambda st, client, i=i, real=real: (applied[i].append(st), real(st, client))[1])
+        session = run.client.aio.session
+        train_step(run.client, 1, (1,))
+        commit = MemoryClient.commit_step.__code__  # and every function of the plan's module
+
+        def interrupt_at(n: int, fired: list[int]):
+            def local(frame, event, arg):
+                # the client's loop from its first call on (before, the plan never ran: as a Ctrl-C before the call)
+                if event == "line" and (frame.f_code is not commit or "make" in frame.f_locals):
+                    fired.append(frame.f_lineno)
+                    if len(fired) == n:
+                        raise KeyboardInterrupt
+                return local
+
+            return lambda frame, event, arg: local if frame.f_code is commit or frame.f_code.co_filename == \
+                steps.__file__ else None
+
+        for n in range(1, 200):
+            fired: list[int] = []
+            step = 3 * n
+            if kept:  # step - 1's decision cannot reach a shard: kept
+                send_part(run.client, step - 1, step - 1)
+                with monkeypatch.context() as down, pytest.raises(MemserverError, match=f"step {step - 1}"):
+                    down.setattr(run.client, "_methods", _commit_step_down(run, shards - 1))
+                    run.client.commit_step(NAME, step - 1)
+                assert list(session.undecided(NAME)) == [step - 1]
+            send_part(run.client, step, step)
+            tracer = sys.gettrace()  # (a coverage run's, put back)
+            sys.settrace(interrupt_at(n, fired))
+            try:
+                run.client.commit_step(NAME, step)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(tracer)
+            if len(fired) < n:
+                break  # the commit ran to its end before its n-th line: every line was tried
+            held = session.undecided(NAME)
+            if (NAME, step) in session._parts:  # interrupted before the plan did anything: the step can be committed
+                assert step not in held and not any(run.slice(i).steps[step]["trainer"].prepared for i in range(shards))
+                run.client.commit_step(NAME, step)
+            for i in range(shards):
+                for st, got in run.slice(i).steps.items():
+                    assert "trainer" not in got or st in held, (n, fired[-1], i, st, held)
+            train_step(run.client, step + 1, (step + 1,))  # re-sends what was kept first
+            assert not session.undecided(NAME) and not session._parts, (n, fired[-1])
+            assert all(not run.slice(i).steps for i in range(shards)), n
+            if shards == 2:
+                assert applied[0] == applied[1], (n, fired[-1])
+        assert n > 10
+    finally:
+        run.close()
 
 
 def test_a_step_whose_shard_cannot_be_reached_says_so_and_is_aborted_when_it_can(pairs, monkeypatch):

@@ -3,6 +3,7 @@ on every shard of a value table or on none, in two phases (PREPARE, then COMMIT 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Generator
 from typing import Any
@@ -90,13 +91,25 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     in the step; a sync table drops the whole step, every trainer's contribution (drop_step).
     `pin` (not 0): the incarnation the caller trains (its `layout_id`); a table made anew since is
     FailedPreconditionError, nothing sent to it: the step is not committed there with no parts
-    (where it would take a place in another run's sync step)."""
+    (where it would take a place in another run's sync step). Interrupted anywhere (a call of it
+    out: settle_interrupted; or its own code between calls, a Ctrl-C there), it keeps what the
+    step needs: its decision, or an abort (_Pending)."""
     check_ints(UINT64, step=step)
+    pending = _Pending()
+    try:
+        return (yield from _commit(session, table, step, shards, defer_apply, drop, pin, pending))
+    except BaseException as exc:
+        pending.keep(session, table, step, exc)
+        raise
+
+
+def _commit(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool, drop: bool, pin: int,
+            pending: _Pending) -> Generator[Any, Any, Any]:
+    """commit_step_plan's work: the kept decisions re-sent, then the step's two phases."""
     for st, (phase, tags, parts, dropped) in session.undecided(table).items():
         got = yield (lambda meta, st=st, phase=phase, tags=tags, parts=parts, dropped=dropped:
                      step_phase_op(meta, st, phase, tags, parts, drop=dropped)), tags, True
-        if isinstance(got, _Interrupted):  # before this step's PREPARE: aborted, not left open (see _abort_unsent)
-            _abort_unsent(session, table, step, got)
+        if isinstance(got, _Interrupted):  # before this step's PREPARE: aborted, not left open (_Pending.keep)
             raise got
         if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
             raise type(got)(f"table {table}: step {step} is not committed: the {_PHASES[phase]} of step {st} has not "
@@ -114,7 +127,7 @@ def commit_step_plan(session: ClientSession, table: str, step: int, shards: int,
     parts, layout = session.take_step(table, step)
     layout = layout or pin  # (a step with no parts: the pin alone says which table it belongs to)
     while True:  # twice at most: once more, with no parts, when the table was made anew meanwhile
-        outcome = yield from _prepare_and_decide(session, table, step, shards, defer_apply, parts, layout, drop)
+        outcome = yield from _prepare_and_decide(session, table, step, shards, defer_apply, parts, layout, drop, pending)
         if not isinstance(outcome, TableRemadeError):
             return outcome
         if pin:
@@ -136,6 +149,9 @@ def settle_interrupted(plan: CommitPlan, why: BaseException) -> None:
     prepared on some shards with its decision dropped (a review: committed on one shard, prepared
     for good on the other, its seqs in flight for ever). Interrupted while it re-sends an earlier
     step's kept decision, before its own PREPARE, the commit aborts its step the same way."""
+    if inspect.getgeneratorstate(plan) == inspect.GEN_CREATED:  # interrupted before it began: nothing sent
+        plan.close()
+        return
     lost = _Interrupted(f"the call was interrupted ({type(why).__name__}) before its answer came")
     try:
         while True:
@@ -148,41 +164,72 @@ class _Interrupted(UnavailableError):
     """settle_interrupted's answer for each call an interrupted commit would send."""
 
 
-def _abort_unsent(session: ClientSession, table: str, step: int, why: MemserverError) -> None:
-    """`step`'s commit was interrupted before its PREPARE went out: its parts, open on the shards,
-    are aborted there by an ABORT kept like a decision (re-sent before the table's next commit),
-    and forgotten here. They were left open, applied late by a later commit of the step (a hunt)."""
-    session.forget_step(table, step)
-    abort = WriteTags(session)
-    abort.held = True  # (as a kept decision's: its seqs stay in flight until every shard has it)
-    session.set_undecided(table, step, (pb.STEP_ABORT, abort, None, False))
-    log.warning("table %s: step %d is not committed: its commit was interrupted before its prepare went out (%s); "
-                "the step is aborted, nothing of it applied, by an abort sent before the table's next commit: send "
-                "the step again", table, step, why.details)
+class _Pending:
+    """What an interrupt keeps for a commit's step (commit_step_plan): an exception that is not
+    the plan's own answer (a MemserverError) raised in the plan's code between its calls (a Ctrl-C
+    lands anywhere), or settle_interrupted's answer to a call. `decision` (phase, tags, parts,
+    drop): the one the plan chose, or the PREPARE_COMMIT it sends, kept to re-send; None: none
+    chosen yet, so nothing is committed anywhere and the step is aborted: its parts, open on the
+    shards, by an ABORT kept the same way, and forgotten here (they were left open, the decision
+    dropped once the PREPARE went out: hunts). `settled`: the plan delivered its decision or kept
+    it itself. `tags`: the plan's tags, released unless kept (else their seqs stay in flight)."""
+
+    def __init__(self) -> None:
+        self.decision: tuple[int, WriteTags, dict[int, list[int]] | None, bool] | None = None
+        self.settled = False
+        self.tags: list[WriteTags] = []
+
+    def keep(self, session: ClientSession, table: str, step: int, exc: BaseException) -> None:
+        if not self.settled and (isinstance(exc, _Interrupted) or not isinstance(exc, MemserverError)):
+            if self.decision is not None:
+                session.set_undecided(table, step, self.decision)
+            else:
+                session.forget_step(table, step)
+                abort = WriteTags(session)
+                abort.held = True  # (a kept decision's: its seqs stay in flight until every shard has it)
+                self.tags.append(abort)
+                session.set_undecided(table, step, (pb.STEP_ABORT, abort, None, False))
+                log.warning("table %s: step %d is not committed: its commit was interrupted (%s) before its decision "
+                            "went out; the step is aborted, nothing of it applied, by an abort sent before the "
+                            "table's next commit: send the step again", table, step, type(exc).__name__)
+        kept = session.undecided(table).get(step)
+        for tags in self.tags:
+            if kept is None or kept[1] is not tags:
+                tags.held = False
+                tags.close()
 
 
 def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: int, defer_apply: bool,
-                        parts: dict[int, list[int]], layout: int, drop: bool) -> Generator[Any, Any, Any]:
+                        parts: dict[int, list[int]], layout: int, drop: bool, pending: _Pending) -> Generator[Any, Any, Any]:
     """commit_step_plan's two phases for `parts` (sent to table incarnation `layout`): the rows
-    updated now, or the TableRemadeError of a table made anew since (nothing decided)."""
-    prepare = WriteTags(session)
+    updated now, or the TableRemadeError of a table made anew since (nothing decided). Each
+    change of what an interrupt would keep (`pending`) comes before what makes it so."""
+    prepare, decide = WriteTags(session), WriteTags(session)
     prepare.held = shards == 1  # PREPARE_COMMIT is a decision: kept if it may not have arrived
+    decide.held = True  # its seqs stay in flight until every shard has the decision
+    pending.decision, pending.settled, pending.tags = None, False, [prepare, decide]
+    if shards == 1:
+        pending.decision = (pb.STEP_PREPARE_COMMIT, prepare, parts, drop)
     voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply, layout, drop)), \
         prepare, True
     if isinstance(voted, TableRemadeError):  # nothing of the step reached the new table: nothing to decide
+        pending.decision = None
         prepare.held = False
         prepare.close()
         return voted
     if shards == 1 and isinstance(voted, MemserverError) and not isinstance(voted, _FINAL):
         session.set_undecided(table, step, (pb.STEP_PREPARE_COMMIT, prepare, parts, drop))
+        pending.settled = True
         raise _undelivered(voted, table, step, pb.STEP_PREPARE_COMMIT)
-    prepare.held = False
-    prepare.close()
     if not isinstance(voted, MemserverError) and voted[1]:  # one shard: prepared and committed at once
+        pending.settled = True
+        prepare.held = False
+        prepare.close()
         return voted[0]
     decision = pb.STEP_ABORT if isinstance(voted, MemserverError) else pb.STEP_COMMIT
-    decide = WriteTags(session)
-    decide.held = True  # its seqs stay in flight until every shard has the decision
+    pending.decision = (decision, decide, None, False)
+    prepare.held = False
+    prepare.close()
     # A prepare that could not reach a shard has already waited out the client's retries: its abort
     # gets one attempt (kept and re-sent before the next commit if it fails), so a trainer whose
     # cluster went away fails after one retry window, not two.
@@ -190,17 +237,20 @@ def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: i
     got = yield (lambda meta: step_phase_op(meta, step, decision, decide, None, defer_apply, layout)), decide, \
         not unreachable
     if isinstance(got, TableRemadeError):  # made anew after the prepare: the prepared step went with the old table
+        pending.decision = None
         decide.held = False
         decide.close()
         return got
     if isinstance(got, MemserverError) and not isinstance(got, _FINAL):
         session.set_undecided(table, step, (decision, decide, None, False))
+        pending.settled = True
         if unreachable:  # neither phase got through
             raise type(got)(f"table {table}: step {step} is not committed: a shard could not be reached (stopped, "
                             f"its host lost or cut off), neither by its prepare ({voted.details}) nor by the abort that "
                             f"followed ({got.details}); nothing of the step was applied, and this client re-sends the "
                             "abort before its next commit of the table", got.code, target=got.target)
         raise _undelivered(got, table, step, decision)
+    pending.settled = True
     decide.held = False
     decide.close()
     if isinstance(got, MemserverError):
