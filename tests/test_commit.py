@@ -459,6 +459,75 @@ def test_a_commit_interrupted_while_it_resends_an_earlier_decision_aborts_its_st
     assert_same(run.state(), ref.state())
 
 
+@pytest.mark.parametrize("by", ["sync", "aio"])
+def test_a_retried_commit_interrupted_while_it_resends_its_own_steps_kept_commit_keeps_that_commit(pairs, monkeypatch,
+                                                                                                   by):
+    """A review: step 2's commit interrupted with its COMMIT out (kept), then the same step's
+    commit retried and interrupted again while it re-sent that COMMIT, replaced the kept COMMIT
+    by an abort: shard 0 kept the step, shard 1 never got it, the next commit said the step was
+    dropped whole, and the COMMIT's seq stayed in flight for good. The kept COMMIT stays kept."""
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+        send_part(p.client, 2, 2)
+    ref.client.commit_step(NAME, 2)
+    session = run.client.aio.session
+    commit = _interrupted_commits(run, monkeypatch, by)
+    commit(2)  # step 2's COMMIT kept for shard 1
+    kept = session.undecided(NAME)[2]
+    commit(2)  # retried: interrupted again while it re-sends that COMMIT
+    assert session.undecided(NAME)[2] is kept
+    monkeypatch.undo()
+    run.client.commit_step(NAME, 2)  # delivers it: step 2 committed on both shards
+    assert not session.undecided(NAME)
+    for p in (run, ref):
+        train_step(p.client, 3, (3,))
+    assert_same(run.state(), ref.state())
+    assert not session._in_flight  # (no seq left in flight: the shards free this client's answers)
+
+
+def test_an_abort_kept_for_a_shard_out_of_reach_does_not_refuse_the_steps_next_commit(pairs, monkeypatch):
+    """A review: step 2's COMMIT missed shard 1 (kept); its retried commit delivered it, then its
+    own (empty) PREPARE and ABORT could not reach shard 1 (an ABORT kept). The next commit of
+    step 2 delivered that ABORT and raised StepAbortedError ("dropped every part ... send the step
+    again"): the step was committed everywhere, and sending it again applied it twice. Only the
+    abort an interrupt keeps for its own step drops the step's parts, and only it says so."""
+    from client import MemserverError
+
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+    train_step(ref.client, 2, (2,))
+    send_part(run.client, 2, 2)
+    address, real = run.shards[1].address, run.client._methods
+    failing = {pb.STEP_COMMIT}
+
+    def methods(at):
+        got = dict(real(at))
+        if at == address:
+            commit = got["CommitStep"]
+
+            def flaky(raw, *a, **k):
+                if pb.CommitStepRequest.FromString(bytes(raw)).phase in failing:
+                    raise _Unavailable()
+                return commit(raw, *a, **k)
+
+            got["CommitStep"] = flaky
+        return got
+
+    monkeypatch.setattr(run.client, "_methods", methods)
+    with pytest.raises(MemserverError):
+        run.client.commit_step(NAME, 2)  # the COMMIT reaches shard 0 only: kept
+    failing.clear()
+    failing.update({pb.STEP_PREPARE, pb.STEP_ABORT})
+    with pytest.raises(MemserverError):
+        run.client.commit_step(NAME, 2)  # the kept COMMIT goes out; the step's own PREPARE cannot
+    monkeypatch.undo()
+    run.client.commit_step(NAME, 2)  # the kept ABORT goes out: nothing of step 2 is dropped by it
+    assert not run.client.aio.session.undecided(NAME)
+    assert_same(run.state(), ref.state())
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["", "kept"])
 @pytest.mark.parametrize("shards", [2, 1])
 def test_a_ctrl_c_anywhere_in_a_commit_keeps_its_decision(tmp_path, monkeypatch, shards, kept):

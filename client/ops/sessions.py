@@ -224,13 +224,18 @@ class ClientSession:
     def set_undecided(self, table: str, step: int,
                       decision: tuple[int, WriteTags, dict[int, list[int]] | None, bool] | None) -> None:
         """Keep a decision to re-send (its tags are held: their seqs stay in flight, so every shard
-        keeps its answer for the re-send), or (None) forget it once delivered, releasing them."""
+        keeps its answer for the re-send; one it replaces releases its own), or (None) forget it
+        once delivered, releasing them."""
         with self._lock:
-            if decision is not None:
-                self._undecided.setdefault(table, {})[step] = decision
-                return
-            _, tags, _, _ = self._undecided.get(table, {}).pop(step, (0, None, None, False))
-        if tags is not None:
+            if decision is None:
+                _, tags, _, _ = self._undecided.get(table, {}).pop(step, (0, None, None, False))
+            else:
+                kept = self._undecided.setdefault(table, {})
+                _, tags, _, _ = kept.get(step, (0, None, None, False))
+                kept[step] = decision
+                if tags is decision[1]:
+                    tags = None
+        if tags is not None:  # delivered, or replaced by another decision (its seqs never re-sent: not kept in flight)
             tags.held = False
             tags.close()
 
@@ -261,6 +266,9 @@ class WriteTags:
         self.seqs: dict[int, int] = {}
         self.attempt = 0
         self.held = False
+        # an abort an interrupted commit kept for its own step (client.ops.steps._Pending): delivered by
+        # a commit of that step, it has dropped the parts sent since too, which that commit then says
+        self.drops_parts = False
 
     def begin_attempt(self, first: bool) -> None:
         self.attempt = 0 if first and not self.seqs else self.attempt + 1

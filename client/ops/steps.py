@@ -118,7 +118,7 @@ def _commit(session: ClientSession, table: str, step: int, shards: int, defer_ap
         if isinstance(got, MemserverError):
             log.warning("table %s: the %s of step %d was refused: %s", table, _PHASES[phase], st, got)
         session.set_undecided(table, st, None)
-        if st == step and phase == pb.STEP_ABORT and not isinstance(got, MemserverError):
+        if st == step and tags.drops_parts and not isinstance(got, MemserverError):
             session.forget_step(table, step)  # (the shards dropped them all)
             raise StepAbortedError(f"table {table}: step {step} is not committed: its commit was aborted (a shard "
                                    "refused it, could not be reached, or the commit was interrupted), and the abort, "
@@ -183,10 +183,13 @@ class _Pending:
         if not self.settled and (isinstance(exc, _Interrupted) or not isinstance(exc, MemserverError)):
             if self.decision is not None:
                 session.set_undecided(table, step, self.decision)
+            elif step in session.undecided(table):  # interrupted re-sending the step's own kept decision (a
+                pass  # retried commit): kept as it is; an abort over a COMMIT some shards have split the step (a review)
             else:
                 session.forget_step(table, step)
                 abort = WriteTags(session)
                 abort.held = True  # (a kept decision's: its seqs stay in flight until every shard has it)
+                abort.drops_parts = True
                 self.tags.append(abort)
                 session.set_undecided(table, step, (pb.STEP_ABORT, abort, None, False))
                 log.warning("table %s: step %d is not committed: its commit was interrupted (%s) before its decision "
