@@ -748,12 +748,14 @@ def check_row_sums(ids: torch.Tensor, src: torch.Tensor, what: str, weights: tor
     # (room for float32's rounding of n partial sums: each errs by at most n x 2^-24 relative)
     if big * n * (1 + n * 2.0**-23) <= float(torch.finfo(torch.float32).max):
         return
-    dev = src.device  # (a GPU trainer's client checks its tensors where they are)
-    flat = ids.reshape(-1).to(dev)
-    src_index = torch.arange(n, device=dev) if weights is None else bag_index(ids.to(dev), offsets)
-    scale = None if weights is None else weights.reshape(-1).to(dev).float()
+    # on the CPU, in entry order, as the shards' kernels sum (a GPU's index_add_ adds in no fixed order, and
+    # values near the limit that cancel could overflow in one order and not the other: a review); rare
+    ids, src = ids.cpu(), src.cpu()
+    flat = ids.reshape(-1)
+    src_index = torch.arange(n) if weights is None else bag_index(ids, None if offsets is None else offsets.cpu())
+    scale = None if weights is None else weights.reshape(-1).cpu().float()
     uniq, inv = torch.unique(flat, return_inverse=True)
-    summed = torch.zeros((len(uniq), src.shape[1]), dtype=torch.float32, device=dev)
+    summed = torch.zeros((len(uniq), src.shape[1]), dtype=torch.float32)
     for s in range(0, n, _SUM_CHUNK):
         part = src.index_select(0, src_index[s : s + _SUM_CHUNK]).float()
         summed.index_add_(0, inv[s : s + _SUM_CHUNK], part if scale is None else part.mul_(scale[s : s + _SUM_CHUNK, None]))

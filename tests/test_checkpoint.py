@@ -1060,9 +1060,14 @@ def test_a_drop_of_an_index_being_trained_is_not_held_by_the_training(tmp_path, 
             t0 = time.monotonic()
             await c.drop_table("ix")
             assert time.monotonic() - t0 < 2, "the drop waited for the training"
+            # the index made anew is trained at once: the dropped one's training, still running, is another's
+            # (a review: refused "being trained by another call" until that one ended)
+            await c.create_index("ix", 16, index_factory="IVF8,Flat", num_shards=2)
+            again = asyncio.ensure_future(c.train_index("ix", sample))
             with pytest.raises(FailedPreconditionError, match=r"index 'ix' was dropped or made anew while it was "
                                                               r"trained \(\d+\.\ds\): nothing was installed"):
                 await training
+            assert (await again)["sample_rows"] == len(sample)
             servicer = server.coordinator.servicer
             assert not servicer.naming and not servicer.holding and not servicer.training
 

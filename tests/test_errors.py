@@ -429,6 +429,34 @@ def test_a_shard_refuses_a_write_whose_rows_of_one_id_sum_beyond_float32(tmp_pat
         shard.stop()
 
 
+def test_the_clients_sum_check_is_each_requests_as_the_shards_sum_them():
+    """A review: the client checked a bag_backward's sums over the whole call, the shards over each
+    request it is cut into (max_request_bytes), each its own optimizer step. A call whose whole sum
+    stayed in range while a later request's alone did not was applied in part (its first request)
+    and refused for the rest; one whose whole sum overflowed while no request's did was refused."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, timeout=30, retry_seconds=1,
+                                                    max_request_bytes=1024) as c:
+        c.create_table("t", 100, 2, optimizer="sgd", lr=1e-30)
+        b = 60  # bags of one id each: 2 requests of at most 51 bags
+        w, g = np.ones((b, 1), np.float32), np.zeros((b, 2), np.float32)
+        ids = np.arange(10, 10 + b).reshape(b, 1)
+        ids[[0, 51, 52], 0] = 1
+        g[0], g[51], g[52] = -3e38, 3e38, 3e38  # in entry order: finite; the second request's alone: not
+        before = c.lookup("t", np.arange(100))
+        with pytest.raises(InvalidArgumentError, match=r"grad_out: the entries \(weight x grad_out\) of id 1 sum beyond"):
+            c.bag_backward("t", ids, w, g)
+        np.testing.assert_array_equal(c.lookup("t", np.arange(100)), before)  # nothing applied, first request neither
+        ids = np.arange(10, 10 + b).reshape(b, 1)
+        ids[[0, 51], 0] = 2
+        g[:] = 0
+        g[0], g[51] = 3e38, 3e38  # one in each request: each in range
+        c.bag_backward("t", ids, w, g)
+        assert np.isfinite(c.lookup("t", [2])).all()
+
+
 def test_float64_beyond_float32_is_refused_by_the_shard_too(client, table):
     """Sent raw (another language's client): the shard refuses float64 values that float32 cannot
     hold, and a bag's weights too, whose statistics it would have made inf (then `memserver usage`

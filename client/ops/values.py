@@ -193,7 +193,6 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
     g = checked_floats(grad_out, "grad_out")
     check_rows(g, num_bags, meta.dim, "grad_out")
     check_sent(g, opts.wire_dtype, "grad_out")
-    check_row_sums(t_ids, g, "grad_out", w, off)  # (as each shard checks its part: refused whole, here)
     grad_w = torch.zeros(t_ids.shape if weight_grad else (0,), dtype=torch.float32)
     flat_gw = grad_w.view(-1)
     calls, places = [], []
@@ -208,6 +207,8 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
     for part, bags in enumerate(pieces):
         b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
         b_g = g[bags]
+        # as each shard sums it: per request (each its own step), the values as they travel
+        check_row_sums(b_ids, wire_tensor(b_g, opts.wire_dtype, keep_device=True), "grad_out", b_w, b_off)
         entries = _entry_range(t_ids, off, bags)
         enc = _encoder(meta)
         # a whole call (not a part of a step gathered for commit_step) reaches every shard: on a

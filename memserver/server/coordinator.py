@@ -130,7 +130,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         # tables between the drop and the placing of a replace (restore or create with replace):
         # their calls meanwhile answer UNAVAILABLE, which clients retry, not NOT_FOUND
         self.replacing: collections.Counter[str] = collections.Counter()  # (two replaces of one name may overlap)
-        self.training: set[str] = set()  # index tables with a TrainIndex running (one at a time)
+        self.training: set[tuple[str, int]] = set()  # (name, layout_id) of index tables with a TrainIndex running
         self.placement: dict[str, list[int]] = {}  # table -> pool index of each of its shards
         # table -> shards that held an older layout of it at the catalog's rebuild (at most one per shard)
         self.stale: dict[str, set[int]] = {}
@@ -699,15 +699,18 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         # checked as it came (check_float too), then cast: an int64 sample was cast and taken, and a
         # finite float64 one beyond float32's range said "NaN or infinite" (a hunt)
         check_rows(sample, sample.shape[0] if sample.dim() == 2 else -1, int(spec.dim), "sample")
-        if request.name in self.training:
+        # one training per index: by its incarnation, so a dropped one's, still running (it installs nothing),
+        # does not hold back the training of the index made anew under its name (a review)
+        key = (request.name, self._get(request.name).layout_id)
+        if key in self.training:
             raise FailedPreconditionError(f"index {request.name!r} is being trained by another call")
-        self.training.add(request.name)  # (until the training ends, whoever waits for it)
+        self.training.add(key)  # (until the training ends, whoever waits for it)
 
         async def train() -> pb.TrainIndexResponse:
             try:
                 return await self._train_index(request.name, sample.float())
             finally:
-                self.training.discard(request.name)
+                self.training.discard(key)
 
         return await _to_its_end(train(), f"the training of table {request.name!r}")
 
