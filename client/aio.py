@@ -925,12 +925,26 @@ class AsyncMemoryClient:
         `weight_grad` False (the caller does not use dL/dweights): the shards skip it; returns None.
         `layout` (not 0): the incarnation of the table (`table(name).layout_id`) the caller trains;
         FailedPreconditionError, and nothing sent, if the table was made anew since (a retry would
-        otherwise follow the name to the new table and apply the update to another run's rows)."""
-        tags = self.tags()
-        parts = self.session.step_parts(table, step) if gather else None
-        op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply, step,  # noqa: E731
-                                              parts, weight_grad, layout)
-        grad_w = await self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
+        otherwise follow the name to the new table and apply the update to another run's rows).
+        A part's place in its step (the parts apply in the order their calls began: as tasks, in
+        the order created) is taken when the coroutine starts, before it awaits anything."""
+        return await self._bag_backward(self._backward_tags(table, ids, offsets, grad_out), table, ids, weights, grad_out,
+                                        offsets, defer_apply=defer_apply, step=step, gather=gather,
+                                        weight_grad=weight_grad, layout=layout)
+
+    def _backward_tags(self, table: str, ids: Any, offsets: Any, grad_out: Any) -> WriteTags:
+        """The write tags of a bag_backward call, its seqs taken now (WriteTags.reserve)."""
+        return self.tags().reserve(table, ops.backward_requests(ids, offsets, grad_out, self.opts))
+
+    async def _bag_backward(self, tags: WriteTags, table: str, ids: Any, weights: Any, grad_out: Any, offsets: Any,
+                            *, defer_apply: bool, step: int, gather: bool, weight_grad: bool, layout: int) -> Any:
+        try:  # (the seqs taken ahead are released however it ends: _call's own end, or a refusal before it)
+            parts = self.session.step_parts(table, step) if gather else None
+            op = lambda meta: ops.bag_backward_op(meta, ids, weights, grad_out, offsets, self.opts, tags, defer_apply,  # noqa: E731
+                                                  step, parts, weight_grad, layout)
+            grad_w = await self._call(table, op, tags, applies=AppliedBy.backward(gather, step))
+        finally:
+            tags.close()
         return None if grad_w is None else like(grad_w, weights)
 
     async def commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False,

@@ -472,9 +472,16 @@ class MemoryClient:
                             step: int, gather: bool = True, layout: int = 0) -> Future[None]:
         """`bag_backward` without waiting, for a part of `step` whose dL/dweights the caller does
         not use (the shards skip it; the future gives None): it sends the update and goes on;
-        `commit_step` after every such future is done. `layout`: as bag_backward's."""
-        return self._submit(self.aio.bag_backward(table, ids, weights, grad_out, offsets, step=step, gather=gather,
-                                                  weight_grad=False, layout=layout))
+        `commit_step` after every such future is done. `layout`: as bag_backward's. Its seqs are
+        taken here, on the caller's thread: the step applies its parts in the order they were
+        sent, not in the order the client's loop got to them."""
+        tags = self.aio._backward_tags(table, ids, offsets, grad_out)
+        try:
+            return self._submit(self.aio._bag_backward(tags, table, ids, weights, grad_out, offsets, defer_apply=False,
+                                                       step=step, gather=gather, weight_grad=False, layout=layout))
+        except BaseException:  # (closed: never sent)
+            tags.close()
+            raise
 
     def submit_commit_step(self, table: str, step: int, *, defer_apply: bool = False, drop: bool = False,
                            layout: int = 0) -> Future[int]:

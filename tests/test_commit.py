@@ -1013,6 +1013,38 @@ def test_parts_without_dl_dw_make_the_same_step_and_the_shards_skip_it(pairs, sh
     assert calls["n"] == 8
 
 
+def test_a_part_sent_without_waiting_keeps_its_place_before_a_later_blocking_part(pairs):
+    """A step's parts apply in seq order, and a part sent without waiting (submit_bag_backward: a
+    trainer's Engram or LSH part) took its seq only when the client's loop thread ran it: a blocking
+    part sent after it, while the loop was busy, took the smaller seq and applied first (row 0:
+    (1e8 - 1e8) + 1 against the caller's (1 + 1e8) - 1e8; a run not reproducible bit for bit). The
+    seqs are taken on the caller's thread when it sends, in its call order."""
+    import threading
+
+    first = (np.array([[0]]), np.array([[1.0]], np.float32), np.ones((1, DIM), np.float32))
+    then = (np.array([[0, 0]]), np.array([[1.0, -1.0]], np.float32), np.full((1, DIM), 1e8, np.float32))
+    run, ref = pairs("run", spec(pb.ROWS)), pairs("ref", spec(pb.ROWS))
+    ref.client.bag_backward(NAME, *first, step=1, gather=True)
+    ref.client.bag_backward(NAME, *then, step=1, gather=True)
+    ref.client.commit_step(NAME, 1)
+    run.client.table(NAME)  # the shard map cached: a blocking call runs on the caller's thread
+    busy, free = threading.Event(), threading.Event()
+
+    async def hold() -> None:  # the loop thread busy (as a trainer's other calls keep it)
+        busy.set()
+        free.wait(30)
+
+    held = run.client._loop.submit(hold())
+    assert busy.wait(30)
+    sent = run.client.submit_bag_backward(NAME, *first, step=1)
+    run.client.bag_backward(NAME, *then, step=1, gather=True)
+    free.set()
+    held.result(30)
+    assert sent.result(30) is None
+    run.client.commit_step(NAME, 1)
+    assert_same(run.state(), ref.state())
+
+
 def test_a_rollback_whose_checkpoint_is_damaged_leaves_the_slice_lost_not_closed(pairs):
     """Rolling back to a damaged checkpoint fails, and the slice is then lost (DATA_LOSS with the
     reason, listed), not a closed slice still served."""

@@ -28,6 +28,7 @@ from client.ops.sessions import ClientSession, StepParts, WriteTags
 from client.ops.steps import CommitPlan, commit_step_plan, drop_open_steps_op, settle_interrupted, step_phase_op
 from client.ops.values import (
     aggregate,
+    backward_requests,
     bag_backward_op,
     bag_op,
     ids_fit_int32,
@@ -52,6 +53,7 @@ __all__ = [
     "address_op",
     "slots_table",
     "aggregate",
+    "backward_requests",
     "bag_backward_op",
     "bag_op",
     "commit_step_plan",

@@ -66,6 +66,14 @@ class ClientSession:
             self._in_flight[seq] = table
             return seq
 
+    def new_seqs(self, table: str, n: int) -> list[int]:
+        """`n` seqs at once, below any taken after (a call's parts, in their order)."""
+        with self._lock:
+            seqs = list(range(self._next, self._next + n))
+            self._next += n
+            self._in_flight.update(dict.fromkeys(seqs, table))
+            return seqs
+
     def release(self, seqs: Iterable[int]) -> None:
         with self._lock:
             for seq in seqs:
@@ -264,11 +272,19 @@ class WriteTags:
     def __init__(self, session: ClientSession) -> None:
         self.session = session
         self.seqs: dict[int, int] = {}
+        self.reserved: list[int] = []  # seqs taken ahead (`reserve`), not sent yet: the next parts'
         self.attempt = 0
         self.held = False
         # an abort an interrupted commit kept for its own step (client.ops.steps._Pending): delivered by
         # a commit of that step, it has dropped the parts sent since too, which that commit then says
         self.drops_parts = False
+
+    def reserve(self, table: str, n: int) -> WriteTags:
+        """Take the seqs of the call's first `n` parts now, on the caller's thread: a step's parts
+        apply in seq order, so a call sent without waiting (run later on the client's loop) keeps
+        its place before the calls made after it. Parts past `n` take theirs when built."""
+        self.reserved = self.session.new_seqs(table, n)
+        return self
 
     def begin_attempt(self, first: bool) -> None:
         self.attempt = 0 if first and not self.seqs else self.attempt + 1
@@ -276,18 +292,19 @@ class WriteTags:
     def __call__(self, part: int, meta: TableMeta, shard: ShardMeta) -> pb.WriteTag:
         seq = self.seqs.get(part)
         if seq is None:
-            seq = self.seqs[part] = self.session.new_seq(meta.name)
+            seq = self.seqs[part] = self.reserved.pop(0) if self.reserved else self.session.new_seq(meta.name)
         attempt = self.attempt if self.attempt and self.session.knows(meta, shard) else 0
         return pb.WriteTag(client_id=self.session.client_id, seq=seq, acked_below=self.session.acked_below(meta.name),
                            attempt=attempt)
 
     def reset(self) -> None:
         """Start over with new seqs: the table was re-created, so these writes never reached it."""
-        self.session.release(self.seqs.values())
+        self.session.release([*self.seqs.values(), *self.reserved])
         self.seqs.clear()
+        self.reserved.clear()
         self.attempt = 0
 
     def close(self) -> None:
         """The call is over (answered or failed for good): the shards may forget its answers."""
         if not self.held:
-            self.session.release(self.seqs.values())
+            self.session.release([*self.seqs.values(), *self.reserved])

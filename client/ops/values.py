@@ -76,8 +76,24 @@ def _entry_range(ids: torch.Tensor, off: torch.Tensor | None, bags: slice) -> sl
     return slice(start, stop)
 
 
-def _entries_per_bag(ids: torch.Tensor, off: torch.Tensor | None, num_bags: int) -> int:
-    return max(1, ids.shape[1] if off is None else -(-ids.shape[0] // max(1, num_bags)))
+def _entries_per_bag(ids_shape: tuple[int, ...], offsets: bool, num_bags: int) -> int:
+    return max(1, ids_shape[1] if not offsets else -(-ids_shape[0] // max(1, num_bags)))
+
+
+def _backward_pieces(k: int, num_bags: int, dim: int, opts: OpOptions) -> list[slice]:
+    """bag_backward's requests (bags of `k` entries, each with its row of grad_out)."""
+    return request_parts(num_bags, k * 12 + dim * 4, opts.max_request_bytes)
+
+
+def backward_requests(ids: Any, offsets: Any, grad_out: Any, opts: OpOptions) -> int:
+    """How many requests bag_backward_op sends for these arguments, from their shapes alone (no
+    pass over them): the seqs a call sent without waiting takes ahead (WriteTags.reserve). A call
+    whose shapes do not fit (refused by the op, or lists) counts 1."""
+    i_shape, g_shape = getattr(ids, "shape", None), getattr(grad_out, "shape", None)
+    if i_shape is None or g_shape is None or len(g_shape) != 2 or len(i_shape) != (1 if offsets is not None else 2):
+        return 1
+    num_bags, dim = g_shape
+    return len(_backward_pieces(_entries_per_bag(tuple(i_shape), offsets is not None, num_bags), num_bags, dim, opts))
 
 
 def lookup_op(meta: TableMeta, ids: Any, opts: OpOptions, count: bool = True) -> Op:
@@ -147,7 +163,7 @@ def bag_op(meta: TableMeta, ids: Any, weights: Any, offsets: Any, opts: OpOption
     # cols: every shard fills its columns of every bag (an error fails the call), nothing to zero
     out = (torch.zeros if meta.by_rows else torch.empty)((num_bags, meta.dim), dtype=torch.float32)
     calls, places = [], []
-    k = _entries_per_bag(t_ids, off, num_bags)
+    k = _entries_per_bag(t_ids.shape, off is not None, num_bags)
     itemsize = 2 if opts.wire_dtype in (pb.FLOAT16, pb.BFLOAT16) else 4
     for bags in request_parts(num_bags, max(k * 8, meta.dim * 4), opts.max_request_bytes):
         b_ids, b_w, b_off = _slice_bags(t_ids, w, off, bags)
@@ -196,8 +212,7 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
     grad_w = torch.zeros(t_ids.shape if weight_grad else (0,), dtype=torch.float32)
     flat_gw = grad_w.view(-1)
     calls, places = [], []
-    k = _entries_per_bag(t_ids, off, num_bags)
-    pieces = request_parts(num_bags, k * 12 + meta.dim * 4, opts.max_request_bytes)
+    pieces = _backward_pieces(_entries_per_bag(t_ids.shape, off is not None, num_bags), num_bags, meta.dim, opts)
     if len(pieces) > 1 and parts is None and meta.sync_workers:  # (its first request was taken as the whole)
         raise InvalidArgumentError(
             f"bag_backward: on sync_updates table {meta.name} a call is this trainer's whole contribution to step "
