@@ -113,6 +113,31 @@ def test_a_gradient_beyond_float16s_range_on_a_float16_wire_is_said_as_that(clie
     assert snapshot(client, table)[1][9] == before[1][9] + 1
 
 
+def test_a_gradient_beyond_bfloat16s_range_on_a_bfloat16_wire_is_said_as_that(client, table, memory_cluster):
+    """A finite float32 gradient of 3.4e38 rounds to inf in bfloat16 too, but only a float16 wire
+    was checked: sent with wire_dtype bfloat16 it arrived infinite, each shard refused its own
+    part, and on cols the other shard applied its columns of the row. The client refuses it
+    whole first, naming bfloat16's largest value, as on a float16 wire."""
+    from client import MemoryClient
+
+    before = snapshot(client, table)
+    big = np.ones((2, DIM), np.float32)
+    big[:, -1] = 3.4e38  # (the last shard's columns, or rows 4-6's bag on rows)
+    says = "a value of magnitude {} is beyond bfloat16's largest \\(3.38953e\\+38\\), which this client's wire_dtype sends"
+    with MemoryClient(memory_cluster.endpoint, wire_dtype="bfloat16") as half:
+        with pytest.raises(InvalidArgumentError, match="grads: " + says.format("3.4e\\+38")):
+            half.push_gradients(table, [1, 2], np.full((2, DIM), 3.4e38, np.float32))
+        with pytest.raises(InvalidArgumentError, match="grad_out: " + says.format("3.4e\\+38")) as err:
+            half.bag_backward(table, IDS, W, big)
+        assert "send float32 (wire_dtype)" in str(err.value)
+    after = snapshot(client, table)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+    with MemoryClient(memory_cluster.endpoint, wire_dtype="bfloat16") as half:  # (rounds to 3.38953e38: finite, sent)
+        half.push_gradients(table, [9], np.full((1, DIM), 3.39e38, np.float32))
+    assert snapshot(client, table)[1][9] == before[1][9] + 1
+
+
 def test_rows_beyond_a_float16_tables_range_are_refused_whole(client, table_name):
     """write_rows of 1e5 into a float16 table stored inf. Refused by the client before anything is
     sent (here only shard 1's columns are too large: a cols table takes all or none), naming the

@@ -12,8 +12,16 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import TableMeta
-from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import all_finite, as_tensor, check_bag, check_float, check_ids, check_rows
+from memserver.wire import (
+    TORCH_DTYPES,
+    all_finite,
+    as_tensor,
+    check_bag,
+    check_float,
+    check_ids,
+    check_rows,
+    dtype_name,
+)
 
 #: The bits (beside the sign) of the protobuf integer types the client's integer arguments go into.
 INT32, INT64 = 31, 63
@@ -67,14 +75,17 @@ def checked_floats(x: Any, what: str) -> torch.Tensor:
 
 
 def check_sent(x: torch.Tensor, wire_dtype: int, what: str) -> None:
-    """Finite as it will travel: a float32 value beyond float16's range becomes infinite on a
-    float16 wire, and a shard refuses it after its siblings applied theirs (a hunt: half a cols
-    row updated). Checked whole, before any request leaves (`x` is checked finite already)."""
-    if wire_dtype == pb.FLOAT16 and x.dtype != torch.float16 and x.numel() and not all_finite(x.to(torch.float16)):
-        big = float(x.abs().max())  # the conversion is the rule: what rounds to infinity (65520 and beyond)
-        raise InvalidArgumentError(f"{what}: a value of magnitude {big:.3g} is beyond float16's largest (65504), "
-                                   "which this client's wire_dtype sends it as: it would arrive infinite; send "
-                                   "float32 or bfloat16 (wire_dtype), or scale it down")
+    """Finite as it will travel: a float32 value beyond a 16-bit wire's range (float16's 65504,
+    bfloat16's 3.39e38) becomes infinite on the way, and a shard refuses it after its siblings
+    applied theirs (a hunt: half a cols row updated). Checked whole, before any request leaves
+    (`x` is checked finite already); a float32 wire sends every finite value as it is."""
+    wire = TORCH_DTYPES.get(wire_dtype)
+    if wire in (torch.float16, torch.bfloat16) and x.dtype != wire and x.numel() and not all_finite(x.to(wire)):
+        big = float(x.abs().max())  # the conversion is the rule: what rounds to infinity (float16: 65520 and beyond)
+        instead = "float32 or bfloat16" if wire == torch.float16 else "float32"
+        raise InvalidArgumentError(f"{what}: a value of magnitude {big:.3g} is beyond {dtype_name(wire_dtype)}'s largest "
+                                   f"({torch.finfo(wire).max:g}), which this client's wire_dtype sends it as: it would "
+                                   f"arrive infinite; send {instead} (wire_dtype), or scale it down")
 
 
 def bag_args(meta: TableMeta, ids: Any, weights: Any, offsets: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
