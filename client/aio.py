@@ -287,7 +287,11 @@ class AsyncMemoryClient:
 
     `endpoint` is the coordinator's HOST:PORT; by default it is read from the endpoint file
     that `memserver up` writes. `wire_dtype` ("float32", "float16", "bfloat16") is the dtype
-    rows and gradients travel in; math on the shards is always float32.
+    rows and gradients travel in; math on the shards is always float32. On a 16-bit wire a
+    finite gradient that would round to infinity (float16 past 65504, bfloat16 past 3.39e38)
+    is refused before anything is sent, and a shard's answer to a lookup or bag that would (a
+    rows table's partial sum too) comes back in float32 instead: a read answers the same finite
+    values on every wire and sharding, to the wire's rounding.
     """
 
     def __init__(

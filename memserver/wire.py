@@ -723,6 +723,19 @@ def check_sum(ids: torch.Tensor, summed: torch.Tensor, what: str, terms: str = "
                                    "stored as inf); send smaller values, or the id once")
 
 
+def answer_dtype(t: torch.Tensor, wire_dtype: int) -> int:
+    """The dtype a read's answer travels in: the request's wire_dtype, or float32 where a finite
+    value would round to infinity in it (float16 past 65504, bfloat16 past 3.39e38): a rows
+    table's partial sums, +inf and -inf, were added by the client into NaN, and a value the table
+    holds finite came back inf, as it does not on a float32 wire (a hunt). The answer says its
+    own dtype (pb.Tensor.dtype), which the client reads. One max pass, on 16-bit wires only."""
+    wire = TORCH_DTYPES.get(wire_dtype)
+    if wire not in (torch.float16, torch.bfloat16) or t.dtype == wire or not t.numel():
+        return wire_dtype
+    big = _max_abs(t)  # (rounded as the cast rounds it: float16 takes up to 65519.99 as 65504)
+    return pb.FLOAT32 if math.isfinite(big) and not math.isfinite(float(torch.tensor(big).to(wire))) else wire_dtype
+
+
 def _max_abs(x: torch.Tensor) -> float:
     if x.device.type == "cpu" and x.dtype != torch.bfloat16:  # numpy's max and min: half torch.aminmax's time
         a = x.detach().numpy()  # on one thread (0.38 against 0.74 ms for 4096 x 256 floats), no |x| copy

@@ -86,6 +86,32 @@ def test_torch_in_torch_out_and_bf16_wire(client, table_name, memory_cluster):
 
 
 @pytest.mark.parametrize("sharding", ["rows", "cols"])
+def test_a_float16_wire_answers_a_read_past_float16s_range_in_float32(client, table_name, memory_cluster, sharding):
+    """A shard cast a lookup's or bag's answer to the request's float16 wire unchecked: a row of
+    1e5 (finite in the float32 table) came back inf, and on a rows table the partial sums of
+    2 * row 0 - 2 * row 1 (rows of 40000: 80000 on one shard, -80000 on the other) travelled as
+    +inf and -inf, which the client added into NaN where the answer is 0. A shard whose answer
+    does not fit float16 sends it in float32 (the answer says its dtype): the same answers as a
+    float32 wire, whatever the sharding; an answer that fits still travels in float16."""
+    from client import MemoryClient
+    from memserver.wire import answer_dtype
+
+    client.create_table(table_name, 4, 2, sharding=sharding, num_shards=2, init_std=0.0)
+    client.write_rows(table_name, [0, 1, 2, 3], np.array([[1e5, 1.0], [40000.0, 2.0], [40000.0, 1.0], [0.5, 0.25]],
+                                                         np.float32))
+    w = np.array([[2.0, -2.0], [1.0, 1.0]], np.float32)
+    with MemoryClient(memory_cluster.endpoint, wire_dtype="float16") as c16:
+        np.testing.assert_array_equal(c16.lookup(table_name, [0, 1, 3]), client.lookup(table_name, [0, 1, 3]))
+        np.testing.assert_array_equal(c16.bag(table_name, [[1, 2], [0, 3]], w), client.bag(table_name, [[1, 2], [0, 3]], w))
+        np.testing.assert_array_equal(c16.bag(table_name, [[1, 2]], w[:1]), [[0.0, 2.0]])
+    # the rule: the cast's rounding (65519 rounds to 65504), bfloat16's range alike; float32 as asked
+    assert [answer_dtype(torch.tensor([0.5, -65519.0]), pb.FLOAT16), answer_dtype(torch.tensor([65520.0]), pb.FLOAT16),
+            answer_dtype(torch.tensor([3.4e38]), pb.BFLOAT16), answer_dtype(torch.tensor([3.4e38]), pb.FLOAT32),
+            answer_dtype(torch.tensor([float("inf")]), pb.FLOAT16)] == [pb.FLOAT16, pb.FLOAT32, pb.FLOAT32, pb.FLOAT32,
+                                                                       pb.FLOAT16]
+
+
+@pytest.mark.parametrize("sharding", ["rows", "cols"])
 def test_replayed_push_is_applied_once(client, table_name, sharding):
     meta = client.create_table(table_name, 50, DIM, sharding=sharding, optimizer="sgd", lr=1.0, init_std=0.0)
     before = client.lookup(table_name, np.arange(50))

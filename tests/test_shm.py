@@ -118,6 +118,32 @@ def test_same_answers_as_tcp(memory_cluster, table_name, sharding, path):
         assert not [r.name for r in regions if r.name in maps]
 
 
+@pytest.mark.parametrize("sharding,path", [("rows", "doorbell"), ("cols", "grpc")])
+def test_a_float16_answer_past_its_range_comes_in_float32_through_shared_memory_too(memory_cluster, table_name,
+                                                                                    sharding, path):
+    """A float16 wire's read answer that does not fit float16 travels in float32 (test_cluster.py,
+    test_a_float16_wire_answers_a_read_past_float16s_range_in_float32): more bytes than the answer
+    span the client gave for it, so the shard answers inline; the same answer as by TCP, finite."""
+    with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as tcp:
+        tcp.create_table(table_name, 64, 4, sharding=sharding, init_std=1.0, seed=3)
+        tcp.write_rows(table_name, [5], np.full((1, 4), 1e5, np.float32))
+        shm16 = shm_client(memory_cluster.endpoint, table_name, 2, doorbell=path == "doorbell", wire_dtype="float16")
+        tcp16 = MemoryClient(memory_cluster.endpoint, timeout=60, shm=False, wire_dtype="float16")
+        try:
+            n = MIN_BYTES // 4
+            ids = torch.from_numpy(np.random.default_rng(0).integers(0, 64, (n, 2)))
+            ids[0] = torch.tensor([5, 6])  # (one row past float16's range, on one shard; its sibling's fits)
+            w = torch.ones(n, 2)
+            calls = shm16.aio.shm.calls
+            got = shm16.bag(table_name, ids, w)
+            assert shm16.aio.shm.calls - calls == 2  # (both shards, through shared memory)
+            assert torch.isfinite(got).all() and torch.equal(got, tcp16.bag(table_name, ids, w))
+            torch.testing.assert_close(got, tcp.bag(table_name, ids, w), rtol=1e-3, atol=1e-2)
+        finally:
+            shm16.close()
+            tcp16.close()
+
+
 def test_search_through_shared_memory(memory_cluster, table_name):
     with MemoryClient(memory_cluster.endpoint, timeout=60, shm=False) as tcp:
         tcp.create_index(table_name, 16, payload_dim=3)

@@ -45,6 +45,7 @@ from memserver.storage.wal import ADD, BAG_BACKWARD, COMMIT_STEP, LOAD_PRODUCT_K
 from memserver.wire import (
     MAX_TRIGGER_INFO,
     Lazy,
+    answer_dtype,
     check_1d,
     check_answer,
     check_bag,
@@ -318,7 +319,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         def work() -> Any:
             rows = sl.table.lookup(sl.local(ids), count=sl.counts_reads and not request.uncounted,
                                    admit=not request.uncounted)
-            return answer(request, region, Lazy(pb.LookupResponse()).put("rows", rows, request.wire_dtype))
+            return answer(request, region, Lazy(pb.LookupResponse()).put("rows", rows, answer_dtype(rows, request.wire_dtype)))
 
         return Call(sl, work, ids.numel())
 
@@ -337,7 +338,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             out = sl.table.bag(local, weights, offsets, count=counts and not later)
             if later:  # run before any later request's work: off the call's path
                 self.pending.append((sl, lambda: _logged(sl.table.count_reads, local, weights)))
-            return answer(request, region, Lazy(pb.BagResponse()).put("out", out, request.wire_dtype))
+            return answer(request, region, Lazy(pb.BagResponse()).put("out", out, answer_dtype(out, request.wire_dtype)))
 
         return Call(sl, work, ids.numel())
 
