@@ -151,9 +151,9 @@ class _Answers:
     on reading requests while the client reads a large answer: neither side can block the other
     for good. One sender at a time (`busy`), so frames never interleave.
 
-    Bounds: at most MAX_QUEUED frames wait for the writer (the serving thread waits past that),
-    plus the answers of parked calls (`_Parked`: at most MAX_PARKED, never waiting: their thread
-    serves the others). The serving thread and the parked calls' thread add answers; only the
+    Bounds: at most MAX_QUEUED frames wait for the writer (the serving thread waits past that,
+    before it sends its own answer and before it reads the next request: `room`), plus the answers
+    of parked calls (`_Parked`: at most MAX_PARKED, never waiting: their thread serves the others). The serving thread and the parked calls' thread add answers; only the
     writer takes them, and only while no one else sends (it took a frame queued while the serving
     thread sent another, when only that thread added). `queued` is called for each answer that
     waits for the writer (a client slow to read: memserver_doorbell_answers_queued)."""
@@ -197,6 +197,15 @@ class _Answers:
                 self.cond.notify_all()
         if rest:
             self.queued()
+
+    def room(self) -> None:
+        """The serving thread's, before it reads the next request: wait while MAX_QUEUED answers
+        wait for the writer. A parked call's answer is queued without waiting (its thread serves
+        the others) and its place given back: without this, a peer that sent writes parked on their
+        log and read no answer grew the queue without end (a review: 590 frames)."""
+        with self.cond:
+            while len(self.queue) >= MAX_QUEUED and not self.broken:
+                self.cond.wait()
 
     def write(self) -> None:
         """The writer thread: send what is queued, in order, until closed and empty; on a broken
@@ -477,6 +486,7 @@ class Doorbell:
             allowed, in_region = self._checks(region_id, attached)
             servicer, admission, metrics, parsers = self.servicer, self.admission, self.metrics, self.parsers
             while not attached.detached:
+                answers.room()  # (a peer that reads no answer is not read from either)
                 head = recv_exact(conn, HEAD.size)
                 if head is None:
                     return
