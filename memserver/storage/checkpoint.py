@@ -414,8 +414,11 @@ def find_checkpoint(root: str | os.PathLike[str], step: int = 0, tables: Sequenc
         raise InvalidArgumentError(f"dir: {root} does not exist (or is not a folder)")
     if step:
         d = step_dir(root, step)
-        if not (d / MANIFEST).exists():
-            raise InvalidArgumentError(f"dir: no complete checkpoint of step {step} in {root}")
+        if not (d / MANIFEST).exists():  # (said as the step's, with those there are: "dir:" sent users to --dir)
+            there = [n for n, p in _steps(root) if (p / MANIFEST).exists()]
+            have = (f"the complete ones there: {', '.join(map(str, there[-5:]))}{' (the latest 5)' if len(there) > 5 else ''}"
+                    if there else "there is none there")
+            raise InvalidArgumentError(f"step: no complete checkpoint of step {step} in {root} ({have})")
         return d, _read_manifest(d)
     latest = None
     for _, d in reversed(_steps(root)):
