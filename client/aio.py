@@ -930,8 +930,9 @@ class AsyncMemoryClient:
         `layout` (not 0): the incarnation of the table (`table(name).layout_id`) the caller trains;
         FailedPreconditionError, and nothing sent, if the table was made anew since (a retry would
         otherwise follow the name to the new table and apply the update to another run's rows).
-        A part's place in its step (the parts apply in the order their calls began: as tasks, in
-        the order created) is taken when the coroutine starts, before it awaits anything."""
+        A part's place in its step is taken when its coroutine starts, before it awaits anything:
+        parts apply in the order their calls began (tasks in the order they first run; a direct
+        await at once, so before tasks created earlier that have not run yet)."""
         return await self._bag_backward(self._backward_tags(table, ids, offsets, grad_out), table, ids, weights, grad_out,
                                         offsets, defer_apply=defer_apply, step=step, gather=gather,
                                         weight_grad=weight_grad, layout=layout)

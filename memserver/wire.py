@@ -733,6 +733,9 @@ def answer_dtype(t: torch.Tensor, wire_dtype: int) -> int:
     if wire not in (torch.float16, torch.bfloat16) or t.dtype == wire or not t.numel():
         return wire_dtype
     big = _max_abs(t)  # (rounded as the cast rounds it: float16 takes up to 65519.99 as 65504)
+    if not math.isfinite(big):  # the table's own inf/NaN: judge the finite values
+        fin = t[torch.isfinite(t)]
+        big = _max_abs(fin) if fin.numel() else 0.0
     return pb.FLOAT32 if math.isfinite(big) and not math.isfinite(float(torch.tensor(big).to(wire))) else wire_dtype
 
 

@@ -1014,6 +1014,18 @@ def test_parts_without_dl_dw_make_the_same_step_and_the_shards_skip_it(pairs, sh
     assert calls["n"] == 8
 
 
+def test_a_part_sent_as_lists_reserves_a_seq_for_each_of_its_requests():
+    """A review: a call given lists counted as one request, so its later requests (a call past
+    max_request_bytes) took their seqs when built, after a blocking part sent later."""
+    from client.ops.base import OpOptions
+    from client.ops.values import backward_requests
+
+    opts = OpOptions(max_request_bytes=1024)
+    ids, grad_out = np.arange(60).reshape(60, 1), np.zeros((60, 2), np.float32)
+    want = backward_requests(ids, None, grad_out, opts)
+    assert want == 2 and backward_requests(ids.tolist(), None, grad_out.tolist(), opts) == want
+
+
 def test_a_part_sent_without_waiting_keeps_its_place_before_a_later_blocking_part(pairs):
     """A step's parts apply in seq order, and a part sent without waiting (submit_bag_backward: a
     trainer's Engram or LSH part) took its seq only when the client's loop thread ran it: a blocking

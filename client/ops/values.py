@@ -85,11 +85,24 @@ def _backward_pieces(k: int, num_bags: int, dim: int, opts: OpOptions) -> list[s
     return request_parts(num_bags, k * 12 + dim * 4, opts.max_request_bytes)
 
 
+def _shape(x: Any) -> tuple[int, ...] | None:
+    """x.shape, or a nested list's/tuple's (its first element's, O(depth)); None if neither."""
+    if hasattr(x, "shape"):
+        return tuple(x.shape)
+    shape = []
+    while isinstance(x, (list, tuple)):
+        shape.append(len(x))
+        if not x:
+            break
+        x = x[0]
+    return tuple(shape) if shape else None
+
+
 def backward_requests(ids: Any, offsets: Any, grad_out: Any, opts: OpOptions) -> int:
     """How many requests bag_backward_op sends for these arguments, from their shapes alone (no
-    pass over them): the seqs a call sent without waiting takes ahead (WriteTags.reserve). A call
-    whose shapes do not fit (refused by the op, or lists) counts 1."""
-    i_shape, g_shape = getattr(ids, "shape", None), getattr(grad_out, "shape", None)
+    pass over them; nested lists by their first elements): the seqs a call sent without waiting
+    takes ahead (WriteTags.reserve). A call whose shapes do not fit (refused by the op) counts 1."""
+    i_shape, g_shape = _shape(ids), _shape(grad_out)
     if i_shape is None or g_shape is None or len(g_shape) != 2 or len(i_shape) != (1 if offsets is not None else 2):
         return 1
     num_bags, dim = g_shape
