@@ -358,6 +358,37 @@ def test_a_checkpoint_that_overlaps_a_replace_of_its_table_saves_no_slice_of_the
             c.restore(str(tmp_path), step=1, replace=True, tables=["t"])
 
 
+def test_a_checkpoint_whose_slice_files_the_coordinator_cannot_see_is_refused_naming_shard_and_root(tmp_path,
+                                                                                                     monkeypatch):
+    """A hunt: with a checkpoint root local to each node (the shipped configs' data_dir, the
+    default root) each shard wrote its slice on its own node and the coordinator wrote a manifest
+    listing files it could not see: the checkpoint answered done and no restore could read it.
+    A slice file not where the manifest is written (here: gone once written, as on another
+    node) is refused by shard, node and path, saying the root must be shared; no manifest."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.server.shard_actor import ShardActor
+
+    save = ShardActor.checkpoint_table
+
+    def elsewhere(self, name, path, *args, **kwargs):
+        out = save(self, name, path, *args, **kwargs)
+        if self.index == 1:  # (written on its own node's disk: not here)
+            os.rename(path, tmp_path / "other-node.pt")
+        return out
+
+    monkeypatch.setattr(ShardActor, "checkpoint_table", elsewhere)
+    with InProcessServer(2) as server, MemoryClient(server.endpoint, retry_seconds=0) as c:
+        c.create_table("t", 60, DIM, num_shards=2)
+        root = tmp_path / "ckpt"
+        with pytest.raises(FailedPreconditionError, match=r"shard 1 of table 't' \(node .*\).*shard-0001\.pt.*not found "
+                                                          r"here.*storage every node shares \(.*--checkpoint-root"):
+            c.checkpoint(str(root), step=1)
+        assert not list(root.rglob("manifest.json"))
+        with pytest.raises(InvalidArgumentError, match="no complete checkpoint of step 1"):
+            c.restore(str(root), step=1, replace=True)
+
+
 def test_a_failed_checkpoint_removes_the_files_it_wrote(tmp_path):
     """A checkpoint that filled the disk failed, and the slices written before it did stayed in a
     step folder no restore reads, holding the space a retry needed (a retry at another step,

@@ -143,6 +143,12 @@ def test_ray_cluster_launcher_config():
     assert Path(up.config).name == "tables.yaml" and (ROOT / "deploy" / "tables.yaml").exists()
     # file_mounts copies the checkout to the path the setup commands install from
     assert cfg["file_mounts"] == {"/home/ubuntu/memserver": "."}
+    # A hunt: the data directory (the default checkpoint root, and where `--auth`'s TLS key is
+    # made) was tables.yaml's node-local one: checkpoints answered done and could not be restored,
+    # and shards on the workers could not read the key. It is on the NFS mount every node makes.
+    [mount] = [c for c in cfg["setup_commands"] if "mount -t nfs" in c]
+    shared = mount.split(":/ ")[1].split(";")[0]  # (mount ... $SHARED_NFS:/ /shared; ...)
+    assert up.data_dir and Path(up.data_dir).is_relative_to(shared)
 
 
 def test_kuberay_raycluster():
@@ -208,6 +214,16 @@ def test_kuberay_memserver_job():
         files = {item["path"] for item in vol["secret"].get("items", [])}
         assert files == {Path(up.tls_cert).name, Path(up.tls_key).name}, files
     assert up.tls_server_name  # pod addresses change: the certificate names a DNS name
+    # A hunt: checkpoints went to the default root, each pod's own data_dir: the shards' slices
+    # stayed on their pods and no restore could read the checkpoint. The root is a ReadWriteMany
+    # claim that the head (manifest) and every worker group (slices) mount at one path.
+    [pvc] = [d for d in yaml_docs("kuberay-raycluster.yaml") if d["kind"] == "PersistentVolumeClaim"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for spec in [rc["spec"]["headGroupSpec"], *rc["spec"]["workerGroupSpecs"]]:
+        pod = spec["template"]["spec"]
+        [vol] = [v for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"]]
+        [mount] = [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] == vol["name"]]
+        assert up.checkpoint_root and Path(up.checkpoint_root).is_relative_to(mount["mountPath"])
 
 
 def test_dockerfile():

@@ -652,6 +652,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             rebuilt = [pb.SliceRebuilt(table=name, layout_id=placed[name][1].layout_id, shard=sh.index,
                                        address=sh.address, rebuilt=r.pop("rebuilt"), recovered_from=r.pop("recovered_from"))
                        for r, name, sh in zip(results, where, shards) if "rebuilt" in r]
+            await asyncio.to_thread(_check_visible, request.step, results, where, shards)
             manifest: dict[str, Any] = {"step": request.step, "created": time.time(), "version": __version__,
                                         "tables": {}, "request_id": request.request_id}
             for name in names:
@@ -945,6 +946,28 @@ def _said(task: asyncio.Task[Any]) -> None:
     and not retried; the step folder it began stays incomplete, which restores pass over)."""
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.warning("a checkpoint failed: %s", first_line(exc))
+
+
+def _check_visible(step: int, results: list[dict[str, Any]], where: list[str], shards: list[pb.ShardInfo]) -> None:
+    """Each slice file a shard wrote is here, at the size it reported, before a manifest lists it:
+    a root local to each node (a pod's data_dir, the default root) kept each shard's slice on its
+    own node, and the checkpoint answered done and could not be restored (the restore checks
+    the files from here too: checked_files). O(slices)."""
+    for r, name, sh in zip(results, where, shards):
+        path = Path(r["file"])
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            seen = f"not found here ({exc.strerror})"
+        else:
+            if size == r["bytes"]:
+                continue
+            seen = f"{size:,} bytes here, {r['bytes']:,} as the shard wrote it"
+        raise FailedPreconditionError(
+            f"checkpoint of step {step}: shard {sh.index} of table {name!r} (node {sh.node_id[:12]}, {sh.address}) "
+            f"wrote {path}, but the coordinator that writes the manifest sees it {seen}: the checkpoint root must be "
+            "storage every node shares (memserver up --checkpoint-root, or a data_dir on shared storage); nothing "
+            "was written")
 
 
 def unavailable_state(exc: BaseException, dead_node: str = "") -> str:
