@@ -862,6 +862,55 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     assert "--shard-gpus: GPUs must be finite and >= 0, got 'nan'" in capsys.readouterr().err
 
 
+def _up_settings(tmp_path, monkeypatch) -> Any:
+    """`memserver up ARGV` run as far as start_cluster: the settings it would be handed."""
+    import signal
+
+    import ray
+
+    import memserver.cluster.launch as launch
+
+    class Started(Exception):
+        pass
+
+    got: dict = {}
+
+    def start_cluster(shards, **kwargs):
+        got.update(kwargs, shards=shards)
+        raise Started
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path / "ms-home"))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 8.0})
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    monkeypatch.setattr(launch, "start_cluster", start_cluster)
+
+    def up(*argv: str) -> dict:
+        got.clear()
+        with pytest.raises(Started):
+            cli.main(["up", *argv])
+        return dict(got)
+
+    return up
+
+
+def test_a_path_that_begins_with_a_tilde_is_under_the_home_directory(tmp_path, monkeypatch):
+    """A hunt: `data_dir: ~/x` in tables.yaml (and `--data-dir=~/x`, which the shell leaves as it
+    is) made a folder named `~` in the current directory. `~` is expanded in the config's data_dir
+    and in `up`'s path flags, as a shell would."""
+    home = tmp_path / "home"
+    (home / "ck").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    up = _up_settings(tmp_path, monkeypatch)
+    config = home / "c.yaml"
+    config.write_text("data_dir: ~/from-config\n")
+    assert up("--config=~/c.yaml")["data_dir"] == str(home / "from-config")
+    got = up("--config", str(config), "--data-dir=~/from-flag", "--checkpoint-root=~/ck")
+    assert (got["data_dir"], got["checkpoint_root"]) == (str(home / "from-flag"), str(home / "ck"))
+    assert not (tmp_path / "~").exists()
+
+
 def test_a_servers_log_leaves_out_faiss_s_loader():
     """An operator's walkthrough: every shard's first index table logged faiss's loader, two
     bare `ModuleNotFoundError` lines among them, which read as failures (the CLI had left them

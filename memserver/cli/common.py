@@ -4,6 +4,7 @@ talk to a running cluster, and small formatting helpers."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 
@@ -100,6 +101,12 @@ def slot_id(text: str) -> int:
         return whole_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a slot id, a whole number (1370 or 1,370), got {text!r}") from None
+
+
+def path_arg(text: str) -> str:
+    """An argparse type: a file or folder path, `~` expanded (a shell leaves `--data-dir=~/x`, or
+    `~/x` quoted, as it is, and `up` made a folder named `~` in the current directory)."""
+    return os.path.expanduser(text)
 
 
 def count(text: str) -> int:

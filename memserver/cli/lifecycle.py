@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memserver.cli.common import CliError, count, one_line, parse_size, seconds
+from memserver.cli.common import CliError, count, one_line, parse_size, path_arg, seconds
 from memserver.cli.tables import back_as_made, problems, status_dict, table_args
 from memserver.cluster import (
     DEFAULT_PLACEMENT,
@@ -76,6 +76,8 @@ def load_config(path: str | None) -> dict[str, Any]:
         if str(cfg["placement"]).upper() not in PLACEMENT_STRATEGIES:
             raise CliError(f"--config: placement in {path} must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {cfg['placement']!r}")
         cfg["placement"] = str(cfg["placement"]).upper()
+    if "data_dir" in cfg:  # (as a shell would a flag's: `~/x` made a folder named `~` in the current directory)
+        cfg["data_dir"] = os.path.expanduser(cfg["data_dir"])
     if not isinstance(cfg.get("tables", []), list):  # ({} was taken as no tables)
         raise CliError(f"--config: tables in {path} must be a list of tables")
     cfg["tables"] = [table_args(table, f"--config: tables[{i}] in {path}") for i, table in enumerate(cfg.get("tables") or [])]
@@ -878,7 +880,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "`ray start` (a node's own off switch stays off); a client's own environment turns them off "
                         "for its calls.")
     up.add_argument("--shards", type=int, help=f"number of shard actors (default: the config's, else {DEFAULT_SHARDS})")
-    up.add_argument("--config", help="YAML file (deploy/tables.yaml): shards, shard_cpus, shard_gpus, threads_per_shard, "
+    up.add_argument("--config", type=path_arg, help="YAML file (deploy/tables.yaml): shards, shard_cpus, shard_gpus, threads_per_shard, "
                     "placement, data_dir, session_ttl, and tables: [{name, num_rows, dim, and any of sharding, optimizer, "
                     "lr, dtype, init_std, seed, num_shards, eps, wal, sync_workers, tier, cache_bytes}] (memserver "
                     "create-table's flags)")
@@ -887,14 +889,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--port", type=int, default=0, help="coordinator gRPC port (default: any free port)")
     up.add_argument("--auth", action="store_true", help="require tokens on every call: generate a write and a read "
                     "token and keep them in the endpoint file (mode 0600), where clients on this machine find them")
-    up.add_argument("--auth-token-file", metavar="F", help="require these tokens: a JSON object {\"write\": ..., "
+    up.add_argument("--auth-token-file", type=path_arg, metavar="F", help="require these tokens: a JSON object {\"write\": ..., "
                     "\"read\": ...}, or the write token on the first line and an optional read token on the second; "
                     "clients send one as 'authorization: Bearer <token>' ($MEMSERVER_TOKEN or the endpoint file)")
-    up.add_argument("--tls-cert", metavar="PEM", help="serve TLS on every server with this certificate (chain); "
+    up.add_argument("--tls-cert", type=path_arg, metavar="PEM", help="serve TLS on every server with this certificate (chain); "
                     "it must name the addresses clients dial (127.0.0.1, or each node's address) and every node "
                     "must be able to read the file")
-    up.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (with --tls-cert)")
-    up.add_argument("--tls-ca", metavar="PEM", help="the CA clients verify the certificate with, written to the "
+    up.add_argument("--tls-key", type=path_arg, metavar="PEM", help="the certificate's private key (with --tls-cert)")
+    up.add_argument("--tls-ca", type=path_arg, metavar="PEM", help="the CA clients verify the certificate with, written to the "
                     "endpoint file (default: the certificate itself, for a self-signed one)")
     up.add_argument("--tls-server-name", metavar="NAME", help="the DNS name the certificate names, which clients "
                     "check instead of the address they dial (for pods whose addresses change; written to the endpoint "
@@ -903,7 +905,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "cluster) turn tokens and TLS on by themselves (a generated token pair in the endpoint file, a "
                     "self-signed certificate under --data-dir/tls; `memserver join-info` hands them to other hosts); "
                     "this flag turns that off, and every start prints a warning")
-    up.add_argument("--checkpoint-root", metavar="DIR", help="checkpoints are written and restored only below this "
+    up.add_argument("--checkpoint-root", type=path_arg, metavar="DIR", help="checkpoints are written and restored only below this "
                     "directory (relative paths land in it; others get PERMISSION_DENIED). Default: --data-dir if "
                     "given, else $MEMSERVER_HOME")
     up.add_argument("--max-table-bytes", type=parse_size, default=0, metavar="SIZE",
@@ -934,7 +936,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="how shards are laid out over Ray nodes (a placement group, one bundle per shard): SPREAD "
                     "(different nodes where possible), STRICT_SPREAD (one node each, or fail), PACK (fewest nodes); "
                     f"default: the config's, else {DEFAULT_PLACEMENT}")
-    up.add_argument("--data-dir", help="where shards keep their table records and write-ahead logs, so a restarted shard "
+    up.add_argument("--data-dir", type=path_arg, help="where shards keep their table records and write-ahead logs, so a restarted shard "
                     "(and a later `up` on the same directory) recovers its tables, and tier disk tables their row files "
                     "(size it for them); every node must be able to write it (default: a scratch directory under "
                     "$MEMSERVER_HOME/run, removed when the cluster stops)")

@@ -201,7 +201,8 @@ def start_cluster(
     else:
         alive = [n for n in ray.nodes() if n.get("Alive")]
         host = forced_host() or (LOCALHOST if len(alive) <= 1 else None)
-    if data_dir is not None:
+    if data_dir is not None:  # (`~/x`: a folder named `~` in the current directory)
+        data_dir = os.path.expanduser(data_dir)
         check_data_dir(data_dir, num_shards)  # before any actor: a slice left out loses its table
     owns_dir = data_dir is None
     if data_dir is None:
@@ -212,7 +213,7 @@ def start_cluster(
         # timed out left it behind)
         if tls is not None:
             tls.read()  # a missing or unreadable file is the caller's error, not every actor's
-        root = checkpoint_root or (memserver_home() if owns_dir else data_dir)  # not a scratch dir removed at shutdown
+        root = os.path.expanduser(checkpoint_root) if checkpoint_root else memserver_home() if owns_dir else data_dir  # not a scratch dir removed at shutdown
         nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")] if network_facing(host) else []
         sec = secure_defaults(host, auth, tls, insecure, Path(data_dir) / "tls", nodes)
         auth, tls = sec.auth, sec.tls
