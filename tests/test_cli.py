@@ -654,6 +654,8 @@ def test_a_table_that_does_not_exist_is_the_commands_mistake(memory_cluster, cli
         ("shard_cpus: '4'\n", "shard_cpus in"),  # a cluster key of the wrong type: before anything starts
         ("shards: 2.5\n", "shards in"),
         ("data_dir: 7\n", "data_dir in"),
+        # (an empty one was the current directory, unsaid)
+        ("data_dir: ''\n", "data_dir in {path} is an empty path (it would be the current directory)"),
         ("tables:\n  - {name: a, num_rows: 4, dim: 2}\n  - {name: a, num_rows: 8, dim: 2}\n", "names 'a' more than once"),
     ],
 )
@@ -662,7 +664,7 @@ def test_bad_config_names_the_problem(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(cli.CliError, match="--config") as err:
         cli.load_config(str(path))
-    assert message in str(err.value)
+    assert message.format(path=path) in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -933,6 +935,8 @@ def test_a_servers_log_leaves_out_faiss_s_loader():
     (["up", "--object-store-mb", "1"], "--object-store-mb must be at least 75 (Ray's minimum), got 1"),
     (["up", "--object-store-mb", "100000000"], "--object-store-mb 100000000: at most "),  # (Ray's 35-line traceback)
     (["up", "--data-dir", __file__], "not a directory"),
+    (["up", "--data-dir", ""], "argument --data-dir: an empty path (it would be the current directory)"),  # (used it)
+    (["up", "--checkpoint-root", ""], "argument --checkpoint-root: an empty path"),
     (["up", "--address", "127.0.0.1:1"], "--address 127.0.0.1:1: no Ray cluster answers there (Connection refused)"),
     (["up", "--address", "somewhere"], "--address: expected 'auto' or HOST:PORT"),
     (["up", "--num-cpus", "0"], "argument --num-cpus: must be >= 1, got 0"),
@@ -1030,6 +1034,8 @@ def test_up_refuses_a_data_dir_whose_tables_need_more_shards(tmp_path, capsys, m
     with pytest.raises(ValueError, match=f"data directory {tmp_path}/afile/sub: {tmp_path}/afile is a file, not a folder"):
         check_data_dir(tmp_path / "afile" / "sub", 1)
     (tmp_path / "afile").unlink()
+    with pytest.raises(ValueError, match="data directory: an empty path"):  # (start_cluster's: the current directory)
+        check_data_dir("", 1)
     with pytest.raises(ValueError, match="data directory /proc/memserver-data: cannot be made"):  # (a traceback in
         check_data_dir("/proc/memserver-data", 1)  # the foreground `up`, a Ray stack dump in a detached one)
     # a read-only mount (in a mount namespace of its own): refused naming it, where the shards used

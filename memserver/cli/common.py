@@ -105,7 +105,10 @@ def slot_id(text: str) -> int:
 
 def path_arg(text: str) -> str:
     """An argparse type: a file or folder path, `~` expanded (a shell leaves `--data-dir=~/x`, or
-    `~/x` quoted, as it is, and `up` made a folder named `~` in the current directory)."""
+    `~/x` quoted, as it is, and `up` made a folder named `~` in the current directory); an empty
+    one refused (`--data-dir ""` was the current directory, unsaid)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (it would be the current directory); give a path")
     return os.path.expanduser(text)
 
 

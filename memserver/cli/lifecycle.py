@@ -76,6 +76,9 @@ def load_config(path: str | None) -> dict[str, Any]:
         if str(cfg["placement"]).upper() not in PLACEMENT_STRATEGIES:
             raise CliError(f"--config: placement in {path} must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {cfg['placement']!r}")
         cfg["placement"] = str(cfg["placement"]).upper()
+    if cfg.get("data_dir") == "":  # (it was the current directory, unsaid)
+        raise CliError(f"--config: data_dir in {path} is an empty path (it would be the current directory): give a "
+                       "directory's path, or leave the key out (a scratch directory)")
     if "data_dir" in cfg:  # (as a shell would a flag's: `~/x` made a folder named `~` in the current directory)
         cfg["data_dir"] = os.path.expanduser(cfg["data_dir"])
     if not isinstance(cfg.get("tables", []), list):  # ({} was taken as no tables)

@@ -177,6 +177,8 @@ def check_data_dir(root: str | os.PathLike[str], num_shards: int) -> None:
     slices kept by more shards: shard i loads only `shard-i`, so the slices of the others would
     be left out and their tables with them (and a new table of the same name would meet a
     stale slice). More shards than before is fine: the new ones start empty."""
+    if not os.fspath(root):  # (Path("") is ".": the current directory, unsaid)
+        raise ValueError("data directory: an empty path (it would be the current directory); give a directory's path")
     path = Path(root)
     if path.exists() and not path.is_dir():
         raise ValueError(f"data directory {path}: not a directory")
