@@ -654,6 +654,9 @@ def test_a_table_that_does_not_exist_is_the_commands_mistake(memory_cluster, cli
         ("shard_cpus: '4'\n", "shard_cpus in"),  # a cluster key of the wrong type: before anything starts
         ("shards: 2.5\n", "shards in"),
         ("data_dir: 7\n", "data_dir in"),
+        # a key given twice: the last one won, unsaid (a hunt); at any depth
+        ("shards: 2\ndata_dir: /a\nshards: 4\n", "{path} gives 'shards' twice in one mapping (again at line 3)"),
+        ("tables:\n  - {name: a, num_rows: 4, dim: 2, dim: 8}\n", "gives 'dim' twice in one mapping (again at line 2)"),
         # (an empty one was the current directory, unsaid)
         ("data_dir: ''\n", "data_dir in {path} is an empty path (it would be the current directory)"),
         ("tables:\n  - {name: a, num_rows: 4, dim: 2}\n  - {name: a, num_rows: 8, dim: 2}\n", "names 'a' more than once"),

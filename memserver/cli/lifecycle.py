@@ -57,8 +57,21 @@ def load_config(path: str | None) -> dict[str, Any]:
         return {}
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        """safe_load's, refusing a key given twice in one mapping (the last one won, unsaid)."""
+
+        def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise CliError(f"--config: {path} gives {key!r} twice in one mapping (again at line "
+                                   f"{key_node.start_mark.line + 1}); give each key once")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
     try:
-        cfg = yaml.safe_load(Path(path).read_text()) or {}
+        cfg = yaml.load(Path(path).read_text(), Loader) or {}  # (a SafeLoader)
     except FileNotFoundError:
         raise CliError(f"--config: no such file: {path}") from None
     except yaml.YAMLError as exc:
