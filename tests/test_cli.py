@@ -524,6 +524,44 @@ def test_a_detached_up_that_fails_exits_as_its_child_did(tmp_path, monkeypatch, 
         capsys.readouterr().err
 
 
+def test_up_on_a_taken_port_says_so_in_one_line_in_the_foreground_and_detached(memory_cluster, tmp_path, monkeypatch,
+                                                                              capsys):
+    """A hunt: `up --port P` with P taken ended in Ray's uncaught ActorDiedError (the coordinator's
+    constructor failed; only a shard's failure was made one line), and a detached `up` showed the
+    log's tail: Ray's abort stack. start_cluster says the coordinator's error in one line, which
+    `up` says as "the cluster did not start: ...", exit 2; a detached `up` says its child's error."""
+    import socket
+
+    import memserver.cli.lifecycle as lifecycle
+    from memserver.cluster.launch import start_cluster
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"^coordinator: port {port} on 127.0.0.1 is taken by another process "
+                                               r"\(--port\)"):
+            start_cluster(1, shard_cpus=0.1, name="port-taken", port=port)
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    said = f"memserver: error: the cluster did not start: coordinator: port {port} on 127.0.0.1 is taken by another " \
+           "process (--port): give another, or 0 for any free port (-v: the traceback)"
+
+    class Child:  # a detached `up`'s child that failed so, after Ray's output
+        pid, returncode = 4242424, 2
+
+        def __init__(self, argv, stdout, **kwargs):
+            stdout.write(b"(CoordinatorActor pid=7) Traceback (most recent call last):\n  ...\n" + said.encode() + b"\n")
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(lifecycle.subprocess, "Popen", Child)
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["up", "--detach", "--port", str(port), "--shards", "1", "--num-cpus", "1", "--shard-cpus", "1"])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == f"{said} (log {tmp_path / 'memserver.log'})\n"
+
+
 @pytest.mark.parametrize("text, what", [
     ("", "is empty"), ("[1, 2]", "holds a JSON list, not an endpoint record"), ('{"pid": 7', "is not JSON"),
     ('{"pid": "abc"}', "it names no endpoint"), ('{"endpoint": "127.0.0.1:9", "pid": "abc"}', "its pid is 'abc'"),

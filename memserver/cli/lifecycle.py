@@ -706,9 +706,13 @@ def _up_detached(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = logfile.read_text(errors="replace")[-3000:]
-            raise CliError(f"memserver exited with status {proc.returncode} before it was ready; log {logfile}:\n{tail}",
-                           status=proc.returncode if proc.returncode in (1, 2) else 1)  # (the child's: as in the foreground)
+            text = logfile.read_text(errors="replace")
+            status = proc.returncode if proc.returncode in (1, 2) else 1  # (the child's: as in the foreground)
+            if (at := text.rfind("memserver: error: ")) >= 0:  # the child's own error, said as in the foreground
+                # (the log's tail was mostly Ray's output around it: a dead actor's stack)
+                raise CliError(f"{text[at + len('memserver: error: '):].strip()} (log {logfile})", status=status)
+            raise CliError(f"memserver exited with status {proc.returncode} before it was ready; log {logfile}:\n"
+                           f"{text[-3000:]}", status=status)
         if up_record_file().exists():
             rec = json.loads(up_record_file().read_text())
             if rec.get("pid") == proc.pid:

@@ -259,7 +259,12 @@ def start_cluster(
             max_restarts=max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote([f"{name}-shard-{i}" for i in range(num_shards)], host or bind_host(), port, data_dir, config)
-        endpoint = ray.get(coord.endpoint.remote())
+        try:
+            endpoint = ray.get(coord.endpoint.remote())
+        except ray.exceptions.RayActorError as exc:  # its __init__ raised (--port taken, ...): one line, as a
+            why = _why(exc)                          # shard's (it was Ray's ActorDiedError, uncaught by `up`)
+            raise RuntimeError(why.removeprefix("RuntimeError: ") if why.startswith("RuntimeError: coordinator")
+                               else f"the coordinator could not start: {why}") from None
     except BaseException:
         from ray.util.placement_group import remove_placement_group
 
