@@ -169,6 +169,30 @@ def test_a_tls_key_other_users_may_read_is_warned_of_as_a_token_file_is(tmp_path
         in caplog.text
 
 
+def test_secret_files_other_users_may_read_are_among_ups_notes(tmp_path):
+    """A hunt: the warnings of a token file or --tls-key other local users may read went to the
+    log alone, so a detached `up` (whose terminal sees its notes, never its log) never showed
+    them. They are among the notes `up` keeps in its record and a detached `up` prints."""
+    import argparse
+
+    from memserver.cli.lifecycle import _readable_secrets
+    from tests.certs import self_signed
+
+    _, key = self_signed(tmp_path, "a")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("w\n")
+    args = argparse.Namespace(auth_token_file=str(tokens), tls_key=str(key))
+    for f in (tokens, key):
+        f.chmod(0o600)
+    assert _readable_secrets(args) == []
+    for f in (tokens, key):
+        f.chmod(0o640)
+    assert _readable_secrets(args) == [
+        f"token file {tokens} has mode 640: other local users may read its tokens; chmod 600 it",
+        f"--tls-key {key} has mode 640: other local users may read the servers' private key; chmod 600 it"]
+    assert _readable_secrets(argparse.Namespace(auth_token_file=None, tls_key=None)) == []
+
+
 def test_a_client_whose_handshake_fails_says_what_to_fix_at_once(tls_server, tmp_path):
     """A client with the wrong CA, one whose certificate names another address, one speaking TLS
     to a plaintext server, or a server whose certificate expired: the handshake fails the same way every time, so the client raises

@@ -90,11 +90,18 @@ def _shape(obj: Any) -> Any:
     return "<null>" if obj is None else f"<{ {str: 'string', bool: 'bool', int: 'number', float: 'number'}[type(obj)]}>"
 
 
-def warn_if_readable(path: str | os.PathLike[str], what: str, holds: str) -> None:
-    """Warn (the log) when other local users may read a secret's file: it is only as secret as the file."""
+def readable_by_others(path: str | os.PathLike[str], what: str, holds: str) -> str | None:
+    """What to say when other local users may read a secret's file (None: they may not): it is
+    only as secret as the file."""
     if (mode := Path(path).stat().st_mode) & 0o077:
-        logging.getLogger(__name__).warning("%s %s has mode %o: other local users may read %s; chmod 600 it", what,
-                                            path, mode & 0o777, holds)
+        return f"{what} {path} has mode {mode & 0o777:o}: other local users may read {holds}; chmod 600 it"
+    return None
+
+
+def warn_if_readable(path: str | os.PathLike[str], what: str, holds: str) -> None:
+    """Warn (the log) when other local users may read a secret's file (readable_by_others)."""
+    if said := readable_by_others(path, what, holds):
+        logging.getLogger(__name__).warning("%s", said)
 
 
 def read_token_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:

@@ -347,6 +347,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         notes: list[str] = []  # what the user should read: in the log, and said by a detached `up`
         if cluster.security_warning:  # (logged as the servers started: a detached `up`'s terminal saw no log)
             notes.append(cluster.security_warning)
+        notes += _readable_secrets(args)  # (logged as they were read: likewise)
         with MemoryClient(cluster.endpoint, token=tokens[0] if tokens else None,
                           tls=ClientTls(ca, server_name) if ca else None) as client:
             st = status_dict(client.status())
@@ -469,6 +470,17 @@ def _start(args: argparse.Namespace, cfg: dict[str, Any], start_cluster: Any, sh
         limits=_limits(args),
         insecure=args.insecure,
     )
+
+
+def _readable_secrets(args: argparse.Namespace) -> list[str]:
+    """What `up` warned of the secret files it was given that other local users may read (the
+    log's warnings, read_token_file's and _tls's), for its notes: a detached `up` never showed them."""
+    from memserver.api.auth import readable_by_others
+
+    files = [(args.auth_token_file, "token file", "its tokens"), (args.tls_key, "--tls-key", "the servers' private key")]
+    with contextlib.suppress(OSError):  # (gone since it was read: nothing to say of it)
+        return [said for path, what, holds in files if path and (said := readable_by_others(path, what, holds))]
+    return []
 
 
 def _tokens(args: argparse.Namespace) -> tuple[str, str | None] | None:
