@@ -562,6 +562,25 @@ def test_up_on_a_taken_port_says_so_in_one_line_in_the_foreground_and_detached(m
     assert capsys.readouterr().err == f"{said} (log {tmp_path / 'memserver.log'})\n"
 
 
+def test_a_tls_key_a_shards_node_cannot_read_says_it_must_be_on_every_node(memory_cluster, tmp_path, monkeypatch):
+    """A hunt: `ray up deploy/ray-cluster.yaml` (--auth, no TLS files) made the self-signed key
+    under the head's node-local data directory, and each shard on another node failed reading
+    it: "TLS key file ...: No such file or directory", and nothing said what to do. The error
+    says the files must be on every node. (Here the driver reads a pair the shards cannot.)"""
+    from memserver.cluster.launch import start_cluster
+    from memserver.server.config import TlsFiles
+    from tests.certs import self_signed
+
+    cert, key = self_signed(tmp_path, "127.0.0.1")
+    pair = TlsFiles(str(cert), str(key)).read()
+    monkeypatch.setattr(TlsFiles, "read", lambda self: pair)  # (this process only: the `up` node's view)
+    elsewhere = TlsFiles(str(tmp_path / "up-node-only" / "cert.pem"), str(tmp_path / "up-node-only" / "key.pem"))
+    with pytest.raises(RuntimeError, match=r"a shard could not start: .*TLS key file .*key\.pem: No such file.* "
+                                           r"\(each shard reads the TLS certificate and key by path on its own node: "
+                                           r"give --tls-cert and --tls-key files present on every node; docs/deploy"):
+        start_cluster(1, shard_cpus=0.1, name="tls-elsewhere", tls=elsewhere)
+
+
 @pytest.mark.parametrize("text, what", [
     ("", "is empty"), ("[1, 2]", "holds a JSON list, not an endpoint record"), ('{"pid": 7', "is not JSON"),
     ('{"pid": "abc"}', "it names no endpoint"), ('{"endpoint": "127.0.0.1:9", "pid": "abc"}', "its pid is 'abc'"),

@@ -245,7 +245,13 @@ def start_cluster(
             infos = ray.get([s.info.remote() for s in shards])
         except ray.exceptions.RayActorError as exc:  # its __init__ raised (a data directory in use, ...)
             why = _why(exc)
-            if data_dir in why and ("No such file" in why or "Permission denied" in why):  # (a node that does
+            if tls is not None and (f"TLS key file {tls.key}:" in why or f"TLS cert file {tls.cert}:" in why):
+                # (read by path on each shard's node: a file on the `up` node alone, as the key made
+                # under a node-local data directory, fails on every other node)
+                why += (" (each shard reads the TLS certificate and key by path on its own node: give --tls-cert and "
+                        "--tls-key files present on every node" + (", or a --data-dir on storage every node reads (the "
+                        "key `up` makes is under it)" if sec.ca else "") + "; docs/deploy.md)")
+            elif data_dir in why and ("No such file" in why or "Permission denied" in why):  # (a node that does
                 # not see it: the generated TLS key is there too; not a folder in use, said as that)
                 why += (f" (every node's shards read {data_dir}: give --data-dir on storage every node reads, "
                         "docs/deploy.md)")
