@@ -246,9 +246,9 @@ def test_a_signal_to_a_foreground_ups_process_group_stops_it_promptly_and_leaves
 
 
 @pytest.mark.parametrize("flags, message, before_ray", [
-    (["--shard-gpus", "1"], "--shard-gpus (or the config's shard_gpus): the shards need 2 GPU(s) and this machine has 0 "
+    (["--shard-gpus", "1"], "--shard-gpus: the shards need 2 GPU(s) and this machine has 0 "
                             "(as Ray sees it); leave it out (--shard-gpus 0 over a config's)", False),
-    (["--shard-cpus", "1.5"], "--shards 2 x --shard-cpus 1.5 need 3 CPUs and the embedded Ray head has 2 (--num-cpus)",
+    (["--shard-cpus", "1.5"], "2 shards (--shards) x 1.5 CPUs each (--shard-cpus) need 3 CPUs and the embedded Ray head has 2 (--num-cpus)",
      True),
     (["--placement", "STRICT_SPREAD"], "--placement STRICT_SPREAD puts each of the 2 shards on its own node, and the "
                                        "embedded Ray head is one", True),
@@ -909,7 +909,15 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     assert tuple(up()[k] for k in keys) == (2, 0.5, 1, [0.0, 0.0], "SPREAD", None, SESSION_TTL)
     # values the flags refuse, refused from the config too, before anything starts (a hunt: nan session_ttl
     # expired every session at once; shard_gpus nan failed Ray's start naming nothing, true was 1 GPU)
-    for text, says in (("session_ttl: .nan\n", "--session-ttl (or the config's session_ttl) must be a finite number"),
+    # each named by its key and file (it named the flag, for a value the flag never had: a hunt)
+    for text, says in (("session_ttl: .nan\n", f"session_ttl in {config} must be a finite number"),
+                       ("shard_cpus: -1\n", f"shard_cpus in {config}: must be >= 0, got -1"),
+                       ("threads_per_shard: 0\n", f"threads_per_shard in {config} must be at least 1"),
+                       ("shards: 0\n", f"shards in {config} must be at least 1, got 0"),
+                       ("shards: 4096\nshard_cpus: 1\n", f"4096 shards (shards in {config}) x 1 CPUs each (shard_cpus "
+                                                        f"in {config}) need 4096 CPUs and the embedded Ray head has"),
+                       ("shards: 2\nplacement: STRICT_SPREAD\n", f"placement in {config} STRICT_SPREAD puts each"),
+                       (f"data_dir: {__file__}\n", f"data_dir in {config}: data directory {__file__}: not a directory"),
                        ("session_ttl: .inf\n", "must be a finite number of seconds > 0"),
                        ("shard_gpus: .nan\n", "GPUs must be finite and >= 0, got nan"),
                        ("shard_gpus: true\n", "not GPUs: True"), ("shard_gpus: {a: 1}\n", "not GPUs: {'a': 1}"),
@@ -988,9 +996,9 @@ def test_a_servers_log_leaves_out_faiss_s_loader():
     (["up", "--session-ttl", "inf"], "argument --session-ttl: must be more than 0 seconds and finite, got inf"),
     (["up", "--port", "99999"], "--port must be in [0, 65535] (0: any free port), got 99999"),
     (["up", "--port", "-3"], "--port must be in [0, 65535]"),
-    (["up", "--shard-cpus", "-1"], "--shard-cpus (or the config's shard_cpus): must be >= 0, got -1.0"),
+    (["up", "--shard-cpus", "-1"], "--shard-cpus: must be >= 0, got -1.0"),
     (["up", "--shard-cpus", "0"], "a shard needs shard_cpus > 0 or shard_gpus > 0"),
-    (["up", "--threads-per-shard", "0"], "--threads-per-shard (or the config's threads_per_shard) must be at least 1"),
+    (["up", "--threads-per-shard", "0"], "--threads-per-shard must be at least 1"),
     (["up", "--max-restarts", "-5"], "--max-restarts must be -1 (always) or a count >= 0, got -5"),
     (["up", "--object-store-mb", "1"], "--object-store-mb must be at least 75 (Ray's minimum), got 1"),
     (["up", "--object-store-mb", "100000000"], "--object-store-mb 100000000: at most "),  # (Ray's 35-line traceback)
@@ -1078,7 +1086,7 @@ def test_up_refuses_a_data_dir_whose_tables_need_more_shards(tmp_path, capsys, m
     with pytest.raises(SystemExit) as exit_:
         cli.main(["up", "--shards", "1", "--data-dir", str(data)])
     assert exit_.value.code == 2
-    assert (f"--data-dir (or the config's data_dir): data directory {data} holds table slices of 2 shards "
+    assert (f"--data-dir: data directory {data} holds table slices of 2 shards "
             "(shard-0001 keeps values); start at least 2 shards on it") in capsys.readouterr().err
     from memserver.storage.store import check_data_dir
 

@@ -110,6 +110,14 @@ def _flag_or_config(args: argparse.Namespace, cfg: dict[str, Any], key: str, def
     return flag if flag is not None else cfg.get(key, default)
 
 
+def _named(args: argparse.Namespace, cfg: dict[str, Any], key: str) -> str:
+    """How an error names one of `up`'s settings: by its key and file where the config gave the
+    value (no flag given), else by its flag (it named the flag for a value the flag never had)."""
+    if getattr(args, key) is None and key in cfg:
+        return f"{key} in {args.config}"
+    return "--" + key.replace("_", "-")
+
+
 def running_cluster() -> dict[str, Any] | None:
     """The endpoint record of a `memserver up` still running; None if none is. One that was
     killed: what it left running is stopped here (reap_leftovers), before a new one starts. A record
@@ -145,14 +153,14 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
     line naming its flag: (shards, CPUs per shard, GPUs of each shard)."""
     shards = _flag_or_config(args, cfg, "shards", DEFAULT_SHARDS)
     if shards < 1:
-        raise CliError(f"--shards must be at least 1, got {shards}")
+        raise CliError(f"{_named(args, cfg, 'shards')} must be at least 1, got {shards}")
     if not 0 < _flag_or_config(args, cfg, "session_ttl", SESSION_TTL) < math.inf:  # (nan: sessions expired at once)
-        raise CliError("--session-ttl (or the config's session_ttl) must be a finite number of seconds > 0")
+        raise CliError(f"{_named(args, cfg, 'session_ttl')} must be a finite number of seconds > 0")
     _limits(args)  # a bad value is the caller's error, before anything starts
     try:  # the flag, or the config's number, list or "1,1,0,0"
         shard_gpus = shard_gpu_list(shards, _flag_or_config(args, cfg, "shard_gpus", 0.0))
     except ValueError as exc:
-        raise CliError(f"--shard-gpus (or the config's shard_gpus): {exc}") from None
+        raise CliError(f"{_named(args, cfg, 'shard_gpus')}: {exc}") from None
     shard_cpus = _flag_or_config(args, cfg, "shard_cpus", DEFAULT_SHARD_CPUS)
     try:
         if shard_cpus < 0:
@@ -160,9 +168,9 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
         for gpus in set(shard_gpus):
             shard_bundle(shard_cpus, gpus)
     except ValueError as exc:
-        raise CliError(f"--shard-cpus (or the config's shard_cpus): {exc}") from None
+        raise CliError(f"{_named(args, cfg, 'shard_cpus')}: {exc}") from None
     if _flag_or_config(args, cfg, "threads_per_shard", DEFAULT_THREADS_PER_SHARD) < 1:
-        raise CliError("--threads-per-shard (or the config's threads_per_shard) must be at least 1")
+        raise CliError(f"{_named(args, cfg, 'threads_per_shard')} must be at least 1")
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
     if args.max_restarts < -1:
@@ -188,7 +196,7 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
         try:
             check_data_dir(data_dir, shards)
         except ValueError as exc:
-            raise CliError(f"--data-dir (or the config's data_dir): {exc}") from None
+            raise CliError(f"{_named(args, cfg, 'data_dir')}: {exc}") from None
     _check_config_tables(args, cfg, shards)
     return shards, shard_cpus, shard_gpus
 
@@ -263,7 +271,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     shards, shard_cpus, shard_gpus = _checked_up_flags(args, cfg)
     if not args.address:  # an embedded head: what one node cannot hold is said before Ray starts
-        _check_fits_one_node(shards, shard_cpus, _head_cpus(args), _flag_or_config(args, cfg, "placement", DEFAULT_PLACEMENT))
+        _check_fits_one_node(args, cfg, shards, shard_cpus, _head_cpus(args))
     if args.detach:
         return _up_detached(args)
     _plain_output()
@@ -308,7 +316,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 log.info("removed %d finished Ray sessions' folders from %s (the newest %d stay)",
                          removed, ray_dir, RAY_SESSIONS_KEPT)
         try:
-            _check_gpus_of_one_node(shard_gpus, ray.cluster_resources().get("GPU", 0.0))
+            _check_gpus_of_one_node(shard_gpus, ray.cluster_resources().get("GPU", 0.0), _named(args, cfg, "shard_gpus"))
         except CliError:
             ray.shutdown()
             raise
@@ -425,25 +433,28 @@ def _head_cpus(args: argparse.Namespace) -> int:
     return args.num_cpus or os.cpu_count() or 2
 
 
-def _check_fits_one_node(shards: int, shard_cpus: float, cpus: int, placement: str) -> None:
+def _check_fits_one_node(args: argparse.Namespace, cfg: dict[str, Any], shards: int, shard_cpus: float,
+                         cpus: int) -> None:
     """An embedded head is one node of `cpus` CPUs: shards it cannot hold are said before Ray
-    starts, by flag, where the placement would wait out --placement-timeout (120 s) for a node
-    that never comes."""
-    if placement == "STRICT_SPREAD" and shards > 1:
-        raise CliError(f"--placement STRICT_SPREAD puts each of the {shards} shards on its own node, and the embedded "
-                       "Ray head is one; use another --placement, or join a cluster of nodes (--address)")
+    starts, by flag or config key (_named), where the placement would wait out
+    --placement-timeout (120 s) for a node that never comes."""
+    if _flag_or_config(args, cfg, "placement", DEFAULT_PLACEMENT) == "STRICT_SPREAD" and shards > 1:
+        raise CliError(f"{_named(args, cfg, 'placement')} STRICT_SPREAD puts each of the {shards} shards on its own "
+                       "node, and the embedded Ray head is one; use another placement, or join a cluster of nodes "
+                       "(--address)")
     need_cpus = shards * shard_cpus
     if need_cpus > cpus + 1e-9:
-        raise CliError(f"--shards {shards} x --shard-cpus {shard_cpus:g} need {need_cpus:g} CPUs and the embedded "
-                       f"Ray head has {cpus:g} (--num-cpus); lower one of them, or raise --num-cpus")
+        raise CliError(f"{shards} shards ({_named(args, cfg, 'shards')}) x {shard_cpus:g} CPUs each "
+                       f"({_named(args, cfg, 'shard_cpus')}) need {need_cpus:g} CPUs and the embedded Ray head has {cpus:g} (--num-cpus); lower one of them, or "
+                       "raise --num-cpus")
 
 
-def _check_gpus_of_one_node(shard_gpus: list[float], gpus: float) -> None:
+def _check_gpus_of_one_node(shard_gpus: list[float], gpus: float, named: str = "--shard-gpus") -> None:
     """The GPU half of _check_fits_one_node, once the head is up: which GPUs are there is Ray's
     view (CUDA_VISIBLE_DEVICES, its own detection), not this process's."""
     need_gpus = sum(shard_gpus)
     if need_gpus > gpus + 1e-9:
-        raise CliError(f"--shard-gpus (or the config's shard_gpus): the shards need {need_gpus:g} GPU(s) and this "
+        raise CliError(f"{named}: the shards need {need_gpus:g} GPU(s) and this "
                        f"machine has {gpus:g} (as Ray sees it); leave it out (--shard-gpus 0 over a config's), or join "
                        "a cluster with GPU nodes (--address)")
 
