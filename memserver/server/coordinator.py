@@ -966,8 +966,8 @@ def _check_visible(step: int, results: list[dict[str, Any]], where: list[str], s
         raise FailedPreconditionError(
             f"checkpoint of step {step}: shard {sh.index} of table {name!r} (node {sh.node_id[:12]}, {sh.address}) "
             f"wrote {path}, but the coordinator that writes the manifest sees it {seen}: the checkpoint root must be "
-            "storage every node shares (memserver up --checkpoint-root, or a data_dir on shared storage); nothing "
-            "was written")
+            "storage every node shares (memserver up --checkpoint-root, or a data_dir on shared storage); no "
+            "manifest was written, so no restore reads this step")
 
 
 def unavailable_state(exc: BaseException, dead_node: str = "") -> str:
