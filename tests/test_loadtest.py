@@ -85,6 +85,30 @@ def test_a_run_longer_than_an_hour_keeps_its_users_for_its_whole_duration(tmp_pa
     assert seen["max_seconds"] == 7200 + 10 + 5 and seen["kill_after"] > seen["max_seconds"], seen
 
 
+def test_a_child_that_missed_the_stop_signal_is_told_again():
+    """A whole-suite run: a SIGTERMed `loadtest` exited 0 and ran on. The parent's one SIGINT
+    reached the locust child while it still imported (its handler not set yet) and was lost, so
+    the run went on to its --duration. The parent says it again until the child exits."""
+    from memserver.loadtest.run import stop_child
+
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"  # (as a child that is not listening yet)
+              "print('up', flush=True)\n"
+              "time.sleep(1.5)\n"
+              "signal.signal(signal.SIGINT, lambda *a: sys.exit(3))\n"
+              "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "up\n"
+        t0 = time.monotonic()
+        assert stop_child(proc, 30.0, every=0.2) == 3
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 def test_a_terminated_loadtest_drops_its_table(memory_cluster, client):
     """SIGTERM (what `timeout` and `kill` send) stops the run as Ctrl-C does: the scratch table is
     dropped (the default action left it in the cluster)."""

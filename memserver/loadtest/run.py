@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -169,8 +170,7 @@ def _run_child(env: dict[str, str], args: list[str], timeout: float, save_latenc
                 # Ctrl-C: the child (same process group) got it too and stops early, writing its
                 # report; tell it again in case it runs elsewhere, and wait for that report
                 interrupted = True
-                proc.send_signal(signal.SIGINT)
-                rc = proc.wait(timeout=120)
+                rc = stop_child(proc, 120.0)
         except subprocess.TimeoutExpired:
             raise LoadTestError(f"the locust process did not finish within {timeout:.0f} s; killed it") from None
         finally:
@@ -188,4 +188,22 @@ def _run_child(env: dict[str, str], args: list[str], timeout: float, save_latenc
                 raise KeyboardInterrupt
             raise LoadTestError(f"the locust process failed (exit status {rc}); its errors are above")
         with open(report_path) as f:
-            return json.load(f)
+            report = json.load(f)
+        if interrupted:  # (said by the exit status, 130, however the child took it)
+            report["interrupted"] = True
+        return report
+
+
+def stop_child(proc: subprocess.Popen[Any], timeout: float, every: float = 1.0) -> int:
+    """SIGINT to the locust child until it exits (its exit status), `timeout` s at most. Once
+    was not enough: a child still importing when it came (its handler not set yet) lost it and
+    ran on to its --duration, and a SIGTERMed `loadtest` exited 0 (a whole-suite run). The
+    child keeps its handler until it exits, so a repeat only says stop again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=max(0.0, min(every, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
