@@ -42,7 +42,7 @@ can block sending to the other for good (an answer may be large: inline tensors)
 Bounds: at most MAX_CONNECTIONS connections in all (room for one per attachable region,
 MAX_REGIONS, plus MAX_HELLOS; a region may have more: a client reconnecting), of which at most
 MAX_HELLOS still saying hello, each within HELLO_SECONDS in all; each has two threads, and a
-third while calls of it are parked (at most MAX_PARKED: the serving thread waits past that;
+third from its first parked call until it ends (at most MAX_PARKED parked at once: the serving thread waits past that;
 each still admitted, its region leased, until it ends). A
 connection ends when its region is detached (the client's AttachRegion stream ended), when the
 client closes it or dies, or when the shard stops, and is then forgotten (its parked calls end
@@ -259,7 +259,8 @@ class _Parked:
     connection's later calls: it waited in the call before, and a client has one connection per
     shard for all its threads, so a write waiting for its table's checkpoint held every later call
     of that client to the shard, other tables' too, for the whole save (over gRPC they went on).
-    One thread per connection, started with its first parked call, waits for all of them at once
+    One thread per connection, started with its first parked call (it stays until the connection
+    ends: every write to a table with `wal` parks on its log), waits for all of them at once
     and takes each on when its wait is over (done, or its deadline passed: the steps say which),
     computing where the call does (set_threads) and answering it (`answer`) at its end.
 
