@@ -37,12 +37,18 @@ from tests.test_shm import LOCAL_DIM, LOCAL_ROWS, ROOT, make_local_shard, settle
 def rung_client(shard, **kwargs) -> MemoryClient:
     """A client of `shard` whose calls go by its doorbell (its first call attaches the region)."""
     c = MemoryClient(shard.endpoint, **{"timeout": 30, "token": "", **kwargs})
-    t0 = time.monotonic()
-    while c.aio.shm.bell(shard.address) is None:
-        assert time.monotonic() - t0 < 20, f"no doorbell: {c.aio.shm.not_before}"
-        c.lookup("t", [0], count=False)
-        time.sleep(0.02)
+    rung(c, shard.address, "t")
     return c
+
+
+def rung(c: MemoryClient, address: str, table: str) -> Bell:
+    """`c`'s doorbell to the shard at `address`, once its calls to `table` there have attached it."""
+    t0 = time.monotonic()
+    while c.aio.shm.bell(address) is None:
+        assert time.monotonic() - t0 < 20, f"no doorbell: {c.aio.shm.not_before}"
+        c.lookup(table, [0], count=False)
+        time.sleep(0.02)
+    return c.aio.shm.bell(address)
 
 
 @pytest.fixture
@@ -417,12 +423,7 @@ def test_a_write_answers_once_and_only_once_durable(tmp_path):
         c.create_table("w", 64, 4, wal=True)
         c.create_table("twin", 64, 4)
         address = c.table("w").shards[0].address
-        t0 = time.monotonic()
-        while c.aio.shm.bell(address) is None:
-            assert time.monotonic() - t0 < 20
-            c.lookup("w", [0], count=False)
-            time.sleep(0.02)
-        bell = c.aio.shm.bell(address)
+        bell = rung(c, address, "w")
         sl = srv.shards[0].servicer.tables["w"]
         gate, asked = threading.Event(), []
         real = sl.wal.durable
@@ -541,12 +542,7 @@ def test_a_write_waiting_for_its_log_holds_back_no_later_call_of_its_connection(
     with InProcessServer(1, data_dir=str(tmp_path)) as srv, MemoryClient(srv.endpoint, timeout=30) as c:
         c.create_table("w", 64, 4, wal=True)
         address = c.table("w").shards[0].address
-        t0 = time.monotonic()
-        while c.aio.shm.bell(address) is None:
-            assert time.monotonic() - t0 < 20
-            c.lookup("w", [0], count=False)
-            time.sleep(0.02)
-        bell = c.aio.shm.bell(address)
+        bell = rung(c, address, "w")
         sl = srv.shards[0].servicer.tables["w"]
         gate, asked = threading.Event(), []
         real = sl.wal.durable
@@ -596,11 +592,7 @@ def test_a_peer_that_reads_no_answer_is_not_read_from_past_the_answer_bounds(tmp
     with InProcessServer(1, data_dir=str(tmp_path)) as srv, MemoryClient(srv.endpoint, timeout=30) as c:
         c.create_table("w", 64, 16, wal=True)
         address = c.table("w").shards[0].address
-        t0 = time.monotonic()
-        while c.aio.shm.bell(address) is None:
-            assert time.monotonic() - t0 < 20
-            c.lookup("w", [0], count=False)
-            time.sleep(0.02)
+        rung(c, address, "w")
         shard = srv.shards[0]
         region_id = next(iter(shard.servicer.regions.by_id))
         peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
