@@ -1421,7 +1421,7 @@ class DiskTable(ValueTable):
         checkpoint's writer checks them (`verify_records`) and torch.save streams them from the
         page cache off the compute thread, so memory never holds the table and the shard's other
         calls go on (the file was read twice on the compute thread, every table of the shard
-        waiting: a disk of 1 GB/s held them 16 s for an 8 GiB slice)."""
+        waiting for both reads)."""
         self.flush()
         if self.num_rows:
             self._check_file()
