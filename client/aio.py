@@ -54,6 +54,7 @@ from memserver.api.errors import (
     from_rpc_error,
     raised,
     retried,
+    shard_error,
     tls_problem,
 )
 from memserver.api.types import METRICS, SHARDINGS, Restored, TableMeta
@@ -484,7 +485,7 @@ class AsyncMemoryClient:
         try:
             return await methods[method](request, timeout=self.timeout)
         except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err, f"shard {address}") from None
+            raise shard_error(err, address) from None
 
     async def _rung(self, rung: tuple[Any, int], method: str) -> Any:
         """A call sent by a shard's doorbell (client.doorbell): its answer, waited for off the loop

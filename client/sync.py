@@ -40,8 +40,8 @@ from memserver.api.errors import (
     OverloadedError,
     TableNotFoundError,
     UnavailableError,
-    from_rpc_error,
     raised,
+    shard_error,
 )
 from memserver.api.types import Restored, TableMeta
 from memserver.api.usage import TableUsage
@@ -188,7 +188,7 @@ class MemoryClient:
                         continue
                     if applied is not None and any(isinstance(o, BaseException) for o in outcomes):
                         applied.note(meta, calls, outcomes)
-                    errors = [from_rpc_error(o, f"shard {where}") if isinstance(o, grpc.RpcError) else o
+                    errors = [shard_error(o, where) if isinstance(o, grpc.RpcError) else o
                               for (where, _, _), o in zip(calls, outcomes) if isinstance(o, BaseException)]
                     if self._closed:  # close() ended these calls: said as such, and no retry (as the asyncio client's)
                         errors = [_closed_mid_call(tags) if ended_by_close(e) else e for e in errors]

@@ -267,6 +267,60 @@ def test_an_http_port_given_as_the_endpoint_fails_at_once_saying_so():
     assert "is a memserver cluster running there?" not in str(err.value)
 
 
+@pytest.mark.parametrize("there", ["grpc", "http"])
+def test_a_shards_old_port_taken_by_another_server_is_a_shard_that_moved(table_name, there):
+    """A shard restarted on a new port and another server took its old one (Ray's workers bind
+    ports from the same range): a call there met UNIMPLEMENTED from that gRPC server (or bytes
+    that are no HTTP/2) and the write failed at once, half applied (a CI run's shard 1). Both
+    clients take it as a shard that moved now: a fresh map, the write sent again with its tags,
+    applied once on each shard."""
+    import asyncio
+    import dataclasses
+    import http.server
+    import threading
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from client import AsyncMemoryClient, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    if there == "grpc":
+        other = grpc.server(futures.ThreadPoolExecutor(1))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)
+        taken = f"127.0.0.1:{other.add_insecure_port('127.0.0.1:0')}"
+        other.start()
+    else:
+        web = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+        threading.Thread(target=web.serve_forever, daemon=True).start()
+        taken = f"127.0.0.1:{web.server_address[1]}"
+
+    def stale(meta):  # the map as the client held it: shard 1 where it served before its restart
+        return dataclasses.replace(meta, shards=(meta.shards[0], dataclasses.replace(meta.shards[1], address=taken)))
+
+    async def aio_push(endpoint: str) -> str:
+        async with AsyncMemoryClient(endpoint, shm=False, retry_seconds=30, timeout=5) as ac:
+            ac._tables[table_name] = stale(await ac.table(table_name))
+            await ac.push_gradients(table_name, [4, 5], np.ones((2, DIM), np.float32))
+            return ac._tables[table_name].shards[1].address
+
+    try:
+        with InProcessServer(2) as srv, MemoryClient(srv.endpoint, shm=False, retry_seconds=30, timeout=5) as c:
+            c.create_table(table_name, 10, DIM, sharding="rows", optimizer="sgd", lr=1.0, init_std=0.0)
+            c.aio._tables[table_name] = stale(c.table(table_name))
+            c.push_gradients(table_name, [0, 1, 2, 3], np.ones((4, DIM), np.float32))  # (ids 1, 3 on shard 1)
+            assert c.table(table_name).shards[1].address != taken
+            assert asyncio.run(aio_push(srv.endpoint)) != taken
+            got = c.lookup(table_name, np.arange(8))
+    finally:
+        if there == "grpc":
+            other.stop(None)
+        else:
+            web.shutdown()
+            web.server_close()
+    assert (got[:6] == -1).all() and (got[6:] == 0).all(), got  # each row's update applied once (sgd, lr 1)
+
+
 def test_a_coordinators_own_unavailable_gets_no_hint_of_a_missing_cluster():
     """The coordinator's UNAVAILABLE for a restarting shard quotes Ray's "Connection reset by
     peer": the client must not add that no cluster may be running at its endpoint (it did)."""

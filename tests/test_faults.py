@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -39,6 +40,20 @@ def fclient(fault_cluster):
         yield c
 
 
+@pytest.fixture(autouse=True)
+def serving_after(request):
+    """After each test of the fault cluster, wait until its coordinator answers and every shard
+    serves: a test that failed while a process it killed restarted left the next tests a dead
+    endpoint, each failing at once (a CI run: 8 failures after the one that mattered)."""
+    yield
+    if "fault_cluster" in request.fixturenames:  # (fclient asks for it too)
+        from client import MemoryClient
+
+        with MemoryClient(request.getfixturevalue("fault_cluster").endpoint, timeout=30, retry_seconds=90) as c:
+            # (status is a read: retried while the coordinator restarts)
+            wait_for(lambda: all(s.state == "serving" for s in c.status().shards), "the fault cluster to serve")
+
+
 def batches(seed: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return [(rng.integers(0, ROWS, 64), rng.normal(size=(64, DIM)).astype(np.float32)) for _ in range(n)]
@@ -48,6 +63,11 @@ def kill_shard(client, index: int) -> int:
     pid = client.status().shards[index].pid
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+def said(errors: list[BaseException]) -> str:
+    """A failed thread's first error with its traceback, status and target (its repr has neither)."""
+    return "".join(traceback.format_exception(errors[0])) if errors else ""
 
 
 def wait_for(predicate, what: str, timeout: float = 90.0):
@@ -87,7 +107,7 @@ def test_wal_table_loses_no_acknowledged_push_when_a_shard_is_killed(fclient, cl
     assert halfway.wait(60)
     old_pid = kill_shard(fclient, 0)
     pusher.join(120)
-    assert not pusher.is_alive() and not errors, errors
+    assert not pusher.is_alive() and not errors, said(errors)
     assert acked == list(range(len(stream)))
     for ids, g in stream:
         client.push_gradients(table_name, ids, g)
@@ -148,7 +168,7 @@ def test_a_write_acknowledged_after_a_restart_is_not_undone_by_the_siblings_roll
         finally:
             os.kill(coordinator, signal.SIGCONT if then == "resumed" else signal.SIGKILL)
         thread.join(120)
-        assert not thread.is_alive() and not errors, errors
+        assert not thread.is_alive() and not errors, said(errors)
         wait_for(lambda: [t for s in fclient.status().shards for t in s.tables
                           if t.table == table_name and t.recovered_from and not t.unavailable][1:], "both slices to serve")
         rows = c.lookup(table_name, np.arange(ROWS), count=False)

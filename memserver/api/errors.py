@@ -212,6 +212,27 @@ def from_rpc_error(err: grpc.RpcError, target: str = "") -> MemserverError:
     return error_for(err.code(), err.details() or "", target)
 
 
+class ShardGoneError(UnavailableError):
+    """A shard's address, as a table's map gave it, answers, but no memserver shard serves there:
+    another gRPC server (UNIMPLEMENTED) or another kind of server took its port after the shard's
+    process died (Ray's workers bind ports from the same range; the restarted shard then serves
+    on a new one). Retried with a fresh map, as any shard that is down: it was raised at once,
+    the write it ended said half applied (a CI run, a shard's old port answering UNIMPLEMENTED)."""
+
+
+def shard_error(err: grpc.RpcError, address: str) -> MemserverError:
+    """A failed call to the shard at `address` (from a table's map) as its exception: as
+    from_rpc_error's, except that a peer that is no memserver shard is one that moved
+    (ShardGoneError); a failed TLS handshake stays one (a retry could not change it)."""
+    exc = from_rpc_error(err, f"shard {address}")
+    if exc.code == grpc.StatusCode.UNIMPLEMENTED or isinstance(exc, NotGrpcError):
+        said = exc.details if exc.code == grpc.StatusCode.UNIMPLEMENTED else "not a gRPC server"
+        return ShardGoneError(f"{address} answers, but not as a memserver shard ({exc.code.name}: {said or 'no details'}): "
+                              "the shard restarted elsewhere and something else has its port now?",
+                              grpc.StatusCode.UNAVAILABLE, target=exc.target)
+    return exc
+
+
 def retried(exc: BaseException) -> bool:
     """Whether the client sends a call again on this error (within its retry window): the server
     was not reached, not in time, or was too busy. A failed TLS handshake, or a peer that is no
