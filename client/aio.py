@@ -485,7 +485,7 @@ class AsyncMemoryClient:
         try:
             return await methods[method](request, timeout=self.timeout)
         except grpc.aio.AioRpcError as err:
-            raise shard_error(err, address) from None
+            raise shard_error(err, address, method) from None
 
     async def _rung(self, rung: tuple[Any, int], method: str) -> Any:
         """A call sent by a shard's doorbell (client.doorbell): its answer, waited for off the loop

@@ -462,7 +462,8 @@ class ShmTransport:
                      ", calls by its doorbell" if region.bell is not None else "")
         except (grpc.aio.AioRpcError, RuntimeError, asyncio.TimeoutError) as exc:
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-            never = code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+            # (UNIMPLEMENTED is asked again: an older shard, or another server on a restarted shard's old port)
+            never = code == grpc.StatusCode.FAILED_PRECONDITION
             self.not_before[address] = math.inf if never else time.monotonic() + RETRY_AFTER
             log.info("no shared memory with shard %s (%s); using TCP", address,
                      exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)

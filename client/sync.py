@@ -188,8 +188,8 @@ class MemoryClient:
                         continue
                     if applied is not None and any(isinstance(o, BaseException) for o in outcomes):
                         applied.note(meta, calls, outcomes)
-                    errors = [shard_error(o, where) if isinstance(o, grpc.RpcError) else o
-                              for (where, _, _), o in zip(calls, outcomes) if isinstance(o, BaseException)]
+                    errors = [shard_error(o, where, method) if isinstance(o, grpc.RpcError) else o
+                              for (where, method, _), o in zip(calls, outcomes) if isinstance(o, BaseException)]
                     if self._closed:  # close() ended these calls: said as such, and no retry (as the asyncio client's)
                         errors = [_closed_mid_call(tags) if ended_by_close(e) else e for e in errors]
                     if errors:

@@ -267,13 +267,13 @@ def test_an_http_port_given_as_the_endpoint_fails_at_once_saying_so():
     assert "is a memserver cluster running there?" not in str(err.value)
 
 
-@pytest.mark.parametrize("there", ["grpc", "http"])
-def test_a_shards_old_port_taken_by_another_server_is_a_shard_that_moved(table_name, there):
-    """A shard restarted on a new port and another server took its old one (Ray's workers bind
-    ports from the same range): a call there met UNIMPLEMENTED from that gRPC server (or bytes
-    that are no HTTP/2) and the write failed at once, half applied (a CI run's shard 1). Both
-    clients take it as a shard that moved now: a fresh map, the write sent again with its tags,
-    applied once on each shard."""
+@pytest.mark.parametrize("there", ["grpc", "http", "plaintext under tls"])
+def test_a_shards_old_port_taken_by_another_server_is_a_shard_that_moved(table_name, there, tmp_path):
+    """A shard restarted on a new port and another server took its old one (a local Ray's workers
+    bind ports from the same range): a call there met UNIMPLEMENTED from that gRPC server (or
+    bytes that are no HTTP/2, or no TLS where the cluster speaks it) and the write failed at once,
+    half applied (a CI run's shard 1). Both clients take it as a shard that moved now: a fresh
+    map, the write sent again with its tags, applied once on each shard."""
     import asyncio
     import dataclasses
     import http.server
@@ -283,29 +283,37 @@ def test_a_shards_old_port_taken_by_another_server_is_a_shard_that_moved(table_n
     from grpc_health.v1 import health, health_pb2_grpc
 
     from client import AsyncMemoryClient, MemoryClient
+    from client.channels import ClientTls
     from memserver.cluster.inprocess import InProcessServer
+    from memserver.server.config import ServeConfig, TlsFiles
+    from tests.certs import self_signed
 
-    if there == "grpc":
+    if there == "http":
+        web = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+        threading.Thread(target=web.serve_forever, daemon=True).start()
+        taken = f"127.0.0.1:{web.server_address[1]}"
+    else:
         other = grpc.server(futures.ThreadPoolExecutor(1))
         health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)
         taken = f"127.0.0.1:{other.add_insecure_port('127.0.0.1:0')}"
         other.start()
-    else:
-        web = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-        threading.Thread(target=web.serve_forever, daemon=True).start()
-        taken = f"127.0.0.1:{web.server_address[1]}"
+    config, tls = None, None
+    if there == "plaintext under tls":
+        cert, key = self_signed(tmp_path)
+        config, tls = ServeConfig(tls=TlsFiles(str(cert), str(key))), ClientTls(cert.read_bytes())
 
     def stale(meta):  # the map as the client held it: shard 1 where it served before its restart
         return dataclasses.replace(meta, shards=(meta.shards[0], dataclasses.replace(meta.shards[1], address=taken)))
 
     async def aio_push(endpoint: str) -> str:
-        async with AsyncMemoryClient(endpoint, shm=False, retry_seconds=30, timeout=5) as ac:
+        async with AsyncMemoryClient(endpoint, shm=False, retry_seconds=30, timeout=5, tls=tls) as ac:
             ac._tables[table_name] = stale(await ac.table(table_name))
             await ac.push_gradients(table_name, [4, 5], np.ones((2, DIM), np.float32))
             return ac._tables[table_name].shards[1].address
 
     try:
-        with InProcessServer(2) as srv, MemoryClient(srv.endpoint, shm=False, retry_seconds=30, timeout=5) as c:
+        with InProcessServer(2, config=config) as srv, \
+                MemoryClient(srv.endpoint, shm=False, retry_seconds=30, timeout=5, tls=tls) as c:
             c.create_table(table_name, 10, DIM, sharding="rows", optimizer="sgd", lr=1.0, init_std=0.0)
             c.aio._tables[table_name] = stale(c.table(table_name))
             c.push_gradients(table_name, [0, 1, 2, 3], np.ones((4, DIM), np.float32))  # (ids 1, 3 on shard 1)
@@ -313,12 +321,40 @@ def test_a_shards_old_port_taken_by_another_server_is_a_shard_that_moved(table_n
             assert asyncio.run(aio_push(srv.endpoint)) != taken
             got = c.lookup(table_name, np.arange(8))
     finally:
-        if there == "grpc":
-            other.stop(None)
-        else:
+        if there == "http":
             web.shutdown()
             web.server_close()
+        else:
+            other.stop(None)
     assert (got[:6] == -1).all() and (got[6:] == 0).all(), got  # each row's update applied once (sgd, lr 1)
+
+
+def test_a_shard_error_names_what_answered_and_which_call():
+    """What a client says when a shard's address answers but not as a shard, once its retries are
+    over: which call, and that an older shard may be why (gRPC's Python servers say "Method not
+    found!" either way); a certificate the client does not trust stays a TlsError, raised at once."""
+    from memserver.api.errors import ShardGoneError, TlsError, shard_error
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code, details):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    gone = shard_error(Failed(grpc.StatusCode.UNIMPLEMENTED, ""), "h:1", "Bag")
+    assert isinstance(gone, ShardGoneError) and gone.code == grpc.StatusCode.UNAVAILABLE and gone.target == "shard h:1"
+    assert str(gone) == ("UNAVAILABLE: the address answers, but not as a memserver shard: UNIMPLEMENTED: no details: "
+                         "another gRPC server has the shard's old port (the shard restarted elsewhere?), or the shard "
+                         "runs an older memserver without DataPlane/Bag (shard h:1)")
+    untrusted = shard_error(Failed(grpc.StatusCode.UNAVAILABLE, "Ssl handshake failed: CERTIFICATE_VERIFY_FAILED"),
+                            "h:1", "Bag")
+    assert type(untrusted) is TlsError
+    assert type(shard_error(Failed(grpc.StatusCode.NOT_FOUND, "table 't' does not exist"), "h:1", "Bag")).__name__ \
+        == "TableNotFoundError"
 
 
 def test_a_coordinators_own_unavailable_gets_no_hint_of_a_missing_cluster():

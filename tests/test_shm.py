@@ -878,3 +878,31 @@ def test_forked_children_of_a_process_with_a_client_live(memory_cluster, table_n
     out = subprocess.run([sys.executable, "-c", FORKS, memory_cluster.endpoint, table_name], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.split()[-2:] == ["died", "0"], (out.stdout, out.stderr[-2000:])
+
+
+def test_an_attach_answered_unimplemented_is_asked_again_later():
+    """UNIMPLEMENTED to an attach barred its address from shared memory for good (meant for an
+    older shard); another gRPC server on a restarted shard's old port answers so too, and the
+    shard that binds that port later must get a region: asked again after RETRY_AFTER."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from client.shm import RETRY_AFTER, ShmTransport
+
+    other = grpc.server(futures.ThreadPoolExecutor(1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)
+    address = f"127.0.0.1:{other.add_insecure_port('127.0.0.1:0')}"
+    other.start()
+
+    async def attach() -> float:
+        async with grpc.aio.insecure_channel(address) as channel:
+            shm = ShmTransport(True, lambda a: channel, size=1 << 16)
+            await shm._attach(address)
+            return shm.not_before[address] - time.monotonic()
+
+    try:
+        left = asyncio.run(attach())
+    finally:
+        other.stop(None)
+    assert 0 < left <= RETRY_AFTER, left

@@ -214,23 +214,33 @@ def from_rpc_error(err: grpc.RpcError, target: str = "") -> MemserverError:
 
 class ShardGoneError(UnavailableError):
     """A shard's address, as a table's map gave it, answers, but no memserver shard serves there:
-    another gRPC server (UNIMPLEMENTED) or another kind of server took its port after the shard's
-    process died (Ray's workers bind ports from the same range; the restarted shard then serves
-    on a new one). Retried with a fresh map, as any shard that is down: it was raised at once,
-    the write it ended said half applied (a CI run, a shard's old port answering UNIMPLEMENTED)."""
+    another gRPC server (UNIMPLEMENTED), a server that is no gRPC one, or a plaintext one where the
+    cluster speaks TLS, took its port after the shard's process died (a local Ray's workers bind
+    ports from the range the servers' port 0 gives; the restarted shard then serves on a new one).
+    Retried with a fresh map, as any shard that is down: it was raised at once, and the write it
+    ended said half applied (a CI run, a shard's old port answering UNIMPLEMENTED)."""
 
 
-def shard_error(err: grpc.RpcError, address: str) -> MemserverError:
-    """A failed call to the shard at `address` (from a table's map) as its exception: as
-    from_rpc_error's, except that a peer that is no memserver shard is one that moved
-    (ShardGoneError); a failed TLS handshake stays one (a retry could not change it)."""
+def shard_error(err: grpc.RpcError, address: str, method: str) -> MemserverError:
+    """A failed `method` call to the shard at `address` (from a table's map) as its exception:
+    as from_rpc_error's, except that a peer that is no memserver shard is one that moved
+    (ShardGoneError). A certificate the client does not trust stays a TlsError, raised at once:
+    a retry could not change it."""
     exc = from_rpc_error(err, f"shard {address}")
-    if exc.code == grpc.StatusCode.UNIMPLEMENTED or isinstance(exc, NotGrpcError):
-        said = exc.details if exc.code == grpc.StatusCode.UNIMPLEMENTED else "not a gRPC server"
-        return ShardGoneError(f"{address} answers, but not as a memserver shard ({exc.code.name}: {said or 'no details'}): "
-                              "the shard restarted elsewhere and something else has its port now?",
-                              grpc.StatusCode.UNAVAILABLE, target=exc.target)
-    return exc
+    code = exc.code
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        said = (f"UNIMPLEMENTED: {exc.details or 'no details'}: another gRPC server has the shard's old port (the "
+                f"shard restarted elsewhere?), or the shard runs an older memserver without DataPlane/{method}")
+    elif isinstance(exc, NotGrpcError):
+        said = f"not a gRPC server ({err.details()}): the shard restarted elsewhere and another server has its old port?"
+    elif isinstance(exc, TlsError) and "WRONG_VERSION_NUMBER" in (err.details() or ""):
+        # (the map came over TLS from this cluster's coordinator: a plaintext peer is not its shard)
+        said = (f"no TLS there ({err.details()}): the shard restarted elsewhere and a plaintext server has its old "
+                "port?")
+    else:
+        return exc
+    return ShardGoneError(f"the address answers, but not as a memserver shard: {said}", grpc.StatusCode.UNAVAILABLE,
+                          target=exc.target)
 
 
 def retried(exc: BaseException) -> bool:
