@@ -911,7 +911,9 @@ def test_up_takes_a_flag_given_over_the_configs_key_and_the_key_over_the_default
     # expired every session at once; shard_gpus nan failed Ray's start naming nothing, true was 1 GPU)
     # each named by its key and file (it named the flag, for a value the flag never had: a hunt)
     for text, says in (("session_ttl: .nan\n", f"session_ttl in {config} must be a finite number"),
-                       ("shard_cpus: -1\n", f"shard_cpus in {config}: must be >= 0, got -1"),
+                       ("shard_cpus: -1\n", f"shard_cpus in {config}: must be a finite number >= 0, got -1"),
+                       ("shard_cpus: .nan\nshard_gpus: 1\n", f"shard_cpus in {config}: must be a finite number >= 0, "
+                                                              "got nan"),
                        ("threads_per_shard: 0\n", f"threads_per_shard in {config} must be at least 1"),
                        ("shards: 0\n", f"shards in {config} must be at least 1, got 0"),
                        ("shards: 4096\nshard_cpus: 1\n", f"4096 shards (shards in {config}) x 1 CPUs each (shard_cpus "
@@ -996,7 +998,8 @@ def test_a_servers_log_leaves_out_faiss_s_loader():
     (["up", "--session-ttl", "inf"], "argument --session-ttl: must be more than 0 seconds and finite, got inf"),
     (["up", "--port", "99999"], "--port must be in [0, 65535] (0: any free port), got 99999"),
     (["up", "--port", "-3"], "--port must be in [0, 65535]"),
-    (["up", "--shard-cpus", "-1"], "--shard-cpus: must be >= 0, got -1.0"),
+    (["up", "--shard-cpus", "-1"], "--shard-cpus: must be a finite number >= 0, got -1.0"),
+    (["up", "--shard-cpus", "inf"], "--shard-cpus: must be a finite number >= 0, got inf"),
     (["up", "--shard-cpus", "0"], "a shard needs shard_cpus > 0 or shard_gpus > 0"),
     (["up", "--threads-per-shard", "0"], "--threads-per-shard must be at least 1"),
     (["up", "--max-restarts", "-5"], "--max-restarts must be -1 (always) or a count >= 0, got -5"),

@@ -163,8 +163,8 @@ def _checked_up_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[in
         raise CliError(f"{_named(args, cfg, 'shard_gpus')}: {exc}") from None
     shard_cpus = _flag_or_config(args, cfg, "shard_cpus", DEFAULT_SHARD_CPUS)
     try:
-        if shard_cpus < 0:
-            raise ValueError(f"must be >= 0, got {shard_cpus}")
+        if not 0 <= shard_cpus < math.inf:  # (nan passed, a shard with GPUs then reserved no CPU, saying nothing)
+            raise ValueError(f"must be a finite number >= 0, got {shard_cpus}")
         for gpus in set(shard_gpus):
             shard_bundle(shard_cpus, gpus)
     except ValueError as exc:
