@@ -562,9 +562,10 @@ class AsyncMemoryClient:
 
         async def refresh() -> None:
             nonlocal layout
-            try:  # the coordinator may be restarting too, or cut off: then keep the map we have
+            try:  # the coordinator may be restarting too, cut off, or busy (every client asks it for a map
+                # after a shard's restart): then keep the map we have (an overload refusal ended the call)
                 new = TableMeta.from_proto(await self._control("GetShardMap", pb.GetShardMapRequest(name=name)))
-            except (UnavailableError, DeadlineExceededError):
+            except (UnavailableError, DeadlineExceededError, OverloadedError):
                 return
             self._moved(self._tables.get(name), new)
             self._tables[name] = new

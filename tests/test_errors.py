@@ -329,6 +329,55 @@ def test_a_shards_old_port_taken_by_another_server_is_a_shard_that_moved(table_n
     assert (got[:6] == -1).all() and (got[6:] == 0).all(), got  # each row's update applied once (sgd, lr 1)
 
 
+def test_a_map_refused_as_overloaded_between_attempts_keeps_the_call_retrying(table_name):
+    """A shard down (its address refuses connections), and the coordinator refusing the shard map
+    asked between the attempts as overloaded (every client asks it at once after a shard's
+    restart): the call ended there with OverloadedError, a write half applied (a hunt). The
+    refused map keeps the one the client has, and the call goes on, applied once."""
+    import asyncio
+    import dataclasses
+    import socket
+
+    from client import AsyncMemoryClient, MemoryClient
+    from memserver.api.errors import OVERLOADED, OverloadedError
+    from memserver.cluster.inprocess import InProcessServer
+
+    with socket.socket() as s:  # a port where nothing listens: the shard's address while it restarts
+        s.bind(("127.0.0.1", 0))
+        down = f"127.0.0.1:{s.getsockname()[1]}"
+
+    def stale(meta):
+        return dataclasses.replace(meta, shards=(meta.shards[0], dataclasses.replace(meta.shards[1], address=down)))
+
+    with InProcessServer(2) as srv, MemoryClient(srv.endpoint, shm=False, retry_seconds=30, timeout=5) as c:
+        c.create_table(table_name, 10, DIM, sharding="rows", optimizer="sgd", lr=1.0, init_std=0.0)
+        coordinator = srv.coordinator.servicer
+        get, armed, refused = coordinator._get, [False], []
+
+        def busy_once(name):  # the next map asked once armed is refused
+            if armed[0]:
+                armed[0] = False
+                refused.append(name)
+                raise OverloadedError(f"{OVERLOADED}: (a test) too many calls in progress; retry with backoff")
+            return get(name)
+
+        coordinator._get = busy_once
+        c.aio._tables[table_name] = stale(c.table(table_name))
+        armed[0] = True
+        c.push_gradients(table_name, [0, 1, 2, 3], np.ones((4, DIM), np.float32))  # (ids 1, 3 on shard 1)
+
+        async def aio_push() -> None:
+            async with AsyncMemoryClient(srv.endpoint, shm=False, retry_seconds=30, timeout=5) as ac:
+                ac._tables[table_name] = stale(await ac.table(table_name))
+                armed[0] = True
+                await ac.push_gradients(table_name, [4, 5], np.ones((2, DIM), np.float32))
+
+        asyncio.run(aio_push())
+        got = c.lookup(table_name, np.arange(8))
+    assert refused == [table_name] * 2
+    assert (got[:6] == -1).all() and (got[6:] == 0).all(), got  # each row's update applied once (sgd, lr 1)
+
+
 def test_a_shard_error_names_what_answered_and_which_call():
     """What a client says when a shard's address answers but not as a shard, once its retries are
     over: which call, and that an older shard may be why (gRPC's Python servers say "Method not
