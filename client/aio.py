@@ -565,7 +565,9 @@ class AsyncMemoryClient:
             try:  # the coordinator may be restarting too, cut off, or busy (every client asks it for a map
                 # after a shard's restart): then keep the map we have (an overload refusal ended the call)
                 new = TableMeta.from_proto(await self._control("GetShardMap", pb.GetShardMapRequest(name=name)))
-            except (UnavailableError, DeadlineExceededError, OverloadedError):
+            except (UnavailableError, DeadlineExceededError, OverloadedError) as exc:
+                log.info("table %s: no fresh shard map from the coordinator (%s): the call goes on with the one it has",
+                         name, exc)
                 return
             self._moved(self._tables.get(name), new)
             self._tables[name] = new
