@@ -512,6 +512,43 @@ def test_a_refused_attach_region_is_counted_with_its_refusal():
             stream.cancel()
 
 
+def test_a_refused_stream_is_counted_before_its_status_is_sent():
+    """A refused AttachRegion was counted after its status went out (the handler aborted, the
+    wrapper counted when the abort came back), so a scrape right after the refusal could miss it
+    (a fresh-clone suite under load: the test above read 0). Now the refusal is raised, counted,
+    then answered, as a unary call's is."""
+    import asyncio
+
+    from memserver.api.errors import FailedPreconditionError
+    from memserver.server.grpcserver import ErrorsAndMetrics
+
+    events: list[tuple[str, str]] = []
+
+    class Metrics:
+        def observe(self, method, table, code, seconds):
+            events.append(("counted", code))
+
+    class Context:
+        async def abort(self, code, details):
+            events.append(("answered", code.name))
+            raise grpc.aio.AbortError()
+
+    async def refuse(request, context):
+        raise FailedPreconditionError("shared memory: another machine's region")
+        yield  # (a stream handler)
+
+    handler = grpc.unary_stream_rpc_method_handler(refuse, request_deserializer=pb.AttachRegionRequest.FromString)
+    stream = ErrorsAndMetrics(Metrics())._wrap_stream(handler, "AttachRegion").unary_stream
+
+    async def call() -> None:
+        async for _ in stream(pb.AttachRegionRequest(size=4096).SerializeToString(), Context()):
+            pass
+
+    with pytest.raises(grpc.aio.AbortError):
+        asyncio.run(call())
+    assert events == [("counted", "FAILED_PRECONDITION"), ("answered", "FAILED_PRECONDITION")]
+
+
 def test_a_restarted_servers_metrics_come_back_on_their_port(tmp_path):
     """A shard or coordinator that restarts keeps its gRPC port (its data directory records it);
     its metrics endpoint took a new free port each time, so a Prometheus given the address

@@ -200,7 +200,9 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                 self._observe(name, request, grpc.StatusCode.INVALID_ARGUMENT, t0)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.details)
             # counted with the status the stream opened with: OK at its first answer (or its end),
-            # else the refusal it ended with (a refused AttachRegion was counted OK: a hunt)
+            # else the refusal it ended with (a refused AttachRegion was counted OK: a hunt); a
+            # refusal the handler raises (the api's exceptions) is counted before its status is sent,
+            # as a unary call's is (counted after, a scrape that followed the refusal could miss it)
             said = False
             try:
                 async for item in inner(request, context):
@@ -208,6 +210,11 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                         said = True
                         self._observe(name, request, grpc.StatusCode.OK, t0)
                     yield item
+            except MemserverError as exc:
+                if not said:
+                    said = True
+                    self._observe(name, request, exc.code, t0)
+                await context.abort(exc.code, exc.details)
             except BaseException as exc:
                 if not said:
                     said = True

@@ -46,7 +46,7 @@ import grpc
 from prometheus_client.core import GaugeMetricFamily
 
 from memserver.api.auth import AuthConfig
-from memserver.api.errors import InvalidArgumentError
+from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.server.admission import Admission
 from memserver.wire import (
@@ -346,17 +346,14 @@ async def serve_attach(regions: Regions, request: pb.AttachRegionRequest,
     stream ends. The region keeps the role of the token it was attached with (the interceptor let
     the call in with a valid one)."""
     role = (regions.auth.role(context.invocation_metadata()) or "read") if regions.auth is not None else "write"
-    try:
+    try:  # (refusals raised: the servers' interceptor counts them, then answers their status)
         region_id = regions.attach(request, role)
     except _NotHere as exc:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shared memory: {exc}")
-        return
+        raise FailedPreconditionError(f"shared memory: {exc}") from None
     except _Full as exc:
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shared memory: {exc}")
-        return
+        raise ResourceExhaustedError(f"shared memory: {exc}") from None
     except InvalidArgumentError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shared memory: {exc.details}")
-        return
+        raise InvalidArgumentError(f"shared memory: {exc.details}") from None
     log.debug("attached shared-memory region of pid %d (%d bytes) as %s...", request.pid, request.size, region_id[:8])
     # until the client cancels the stream or its connection closes, or the process that attached
     # it exits: a child it forked (a data loader's worker) inherits the connection, and held the
