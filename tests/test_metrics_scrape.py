@@ -521,6 +521,7 @@ def test_a_refused_stream_is_counted_before_its_status_is_sent():
 
     from memserver.api.errors import FailedPreconditionError
     from memserver.server.grpcserver import ErrorsAndMetrics
+    from memserver.server.shm import Regions, serve_attach
 
     events: list[tuple[str, str]] = []
 
@@ -537,16 +538,19 @@ def test_a_refused_stream_is_counted_before_its_status_is_sent():
         raise FailedPreconditionError("shared memory: another machine's region")
         yield  # (a stream handler)
 
-    handler = grpc.unary_stream_rpc_method_handler(refuse, request_deserializer=pb.AttachRegionRequest.FromString)
-    stream = ErrorsAndMetrics(Metrics())._wrap_stream(handler, "AttachRegion").unary_stream
-
-    async def call() -> None:
-        async for _ in stream(pb.AttachRegionRequest(size=4096).SerializeToString(), Context()):
+    async def call(handler) -> None:
+        wrapped = grpc.unary_stream_rpc_method_handler(handler, request_deserializer=pb.AttachRegionRequest.FromString)
+        stream = ErrorsAndMetrics(Metrics())._wrap_stream(wrapped, "AttachRegion").unary_stream
+        request = pb.AttachRegionRequest(size=4096, boot_id="not-this-machine", nonce=b"x" * 16, pid=1, fd=3)
+        async for _ in stream(request.SerializeToString(), Context()):
             pass
 
-    with pytest.raises(grpc.aio.AbortError):
-        asyncio.run(call())
-    assert events == [("counted", "FAILED_PRECONDITION"), ("answered", "FAILED_PRECONDITION")]
+    # the rule (any stream handler's refusal), and AttachRegion's own handler (it aborted by itself)
+    for handler in (refuse, lambda request, context: serve_attach(Regions(), request, context)):
+        events.clear()
+        with pytest.raises(grpc.aio.AbortError):
+            asyncio.run(call(handler))
+        assert events == [("counted", "FAILED_PRECONDITION"), ("answered", "FAILED_PRECONDITION")]
 
 
 def test_a_restarted_servers_metrics_come_back_on_their_port(tmp_path):
