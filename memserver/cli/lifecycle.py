@@ -336,12 +336,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     try:
         cluster = _start(args, cfg, start_cluster, shards, shard_cpus, shard_gpus, tokens, tls)
-    except _Stopped:  # (start_cluster removed what it had started and made)
+    except _Stopped as exc:  # (start_cluster removed what it had started and made)
         ray.shutdown()
+        _remove_scratch_left(exc)
         log.info("stopped before the cluster was ready")
         return 1
     except (RuntimeError, ValueError, OSError) as exc:  # placement timed out, a data directory not writable, ...
         ray.shutdown()
+        _remove_scratch_left(exc)
         if getattr(args, "verbose", False):
             raise
         raise CliError(f"the cluster did not start: {one_line(exc)} (-v: the traceback)") from None
@@ -457,6 +459,14 @@ def _check_gpus_of_one_node(shard_gpus: list[float], gpus: float, named: str = "
         raise CliError(f"{named}: the shards need {need_gpus:g} GPU(s) and this "
                        f"machine has {gpus:g} (as Ray sees it); leave it out (--shard-gpus 0 over a config's), or join "
                        "a cluster with GPU nodes (--address)")
+
+
+def _remove_scratch_left(exc: BaseException) -> None:
+    """The scratch directory of a start that failed (start_cluster's `scratch_dir`), removed once
+    more now that Ray is shut down: a shard still starting when the start failed could write
+    there after start_cluster had removed it."""
+    if (left := getattr(exc, "scratch_dir", None)) is not None:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def _start(args: argparse.Namespace, cfg: dict[str, Any], start_cluster: Any, shards: int, shard_cpus: float,

@@ -271,7 +271,7 @@ def start_cluster(
             why = _why(exc)                          # shard's (it was Ray's ActorDiedError, uncaught by `up`)
             raise RuntimeError(why.removeprefix("RuntimeError: ") if why.startswith("RuntimeError: coordinator")
                                else f"the coordinator could not start: {why}") from None
-    except BaseException:
+    except BaseException as exc:
         from ray.util.placement_group import remove_placement_group
 
         if coord is not None:
@@ -282,6 +282,9 @@ def start_cluster(
             import shutil
 
             shutil.rmtree(data_dir, ignore_errors=True)
+            # a shard still starting can write there again before its process is gone (a fresh-clone
+            # suite under load kept the folder): a caller that then ends Ray removes it once more
+            exc.scratch_dir = data_dir  # type: ignore[attr-defined]
         raise
     log.info("memory cluster %s up in %.1fs: coordinator %s, %d shards (%s)", name, time.perf_counter() - t0, endpoint,
              num_shards, strategy)
