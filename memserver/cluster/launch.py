@@ -205,12 +205,12 @@ def start_cluster(
         data_dir = os.path.expanduser(data_dir)
         check_data_dir(data_dir, num_shards)  # before any actor: a slice left out loses its table
     owns_dir = data_dir is None
-    if data_dir is None:
-        data_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(memserver_home() / "run"))
-    data_dir = str(Path(data_dir).absolute())
     pg = coord = None
     try:  # from here on a failure removes what it made: the scratch directory too (a placement that
-        # timed out left it behind)
+        # timed out left it behind; made inside: a signal just after it was made kept it, a review)
+        if data_dir is None:
+            data_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(memserver_home() / "run"))
+        data_dir = str(Path(data_dir).absolute())
         if tls is not None:
             tls.read()  # a missing or unreadable file is the caller's error, not every actor's
         root = os.path.expanduser(checkpoint_root) if checkpoint_root else memserver_home() if owns_dir else data_dir  # not a scratch dir removed at shutdown
@@ -278,7 +278,7 @@ def start_cluster(
             ray.kill(coord)
         if pg is not None:
             remove_placement_group(pg)  # the shard actors die with it
-        if owns_dir:
+        if owns_dir and data_dir is not None:
             import shutil
 
             shutil.rmtree(data_dir, ignore_errors=True)
