@@ -70,6 +70,7 @@ from memserver.wire import (
     check_wire_dtype,
     dtype_code,
     encode,
+    shard_metadata,
     train_sample_limit,
     tune_malloc,
 )
@@ -478,12 +479,14 @@ class AsyncMemoryClient:
                 if on_retry is not None and not isinstance(exc, OverloadedError):
                     await on_retry()
 
-    async def _data(self, address: str, method: str, request: bytes) -> Any:
+    async def _data(self, address: str, method: str, request: bytes, server: int | None = None) -> Any:
+        """A call to the shard at `address` by gRPC; `server`: the shard server it is meant for
+        (transport.metadata: another one refuses it)."""
         methods = self._methods.get(address)
         if methods is None:
             methods = self._methods[address] = transport.methods(self._channel(address))
         try:
-            return await methods[method](request, timeout=self.timeout)
+            return await methods[method](request, timeout=self.timeout, metadata=shard_metadata(server))
         except grpc.aio.AioRpcError as err:
             raise shard_error(err, address, method) from None
 
@@ -588,16 +591,19 @@ class AsyncMemoryClient:
         return await self._retrying(attempt, refresh, retry, failed, fresh_map)
 
     def _moved(self, old: TableMeta | None, new: TableMeta) -> None:
-        """A shard found at a new address (Ray restarted it on another host) moved for every table:
-        the other tables' maps naming its old address are forgotten, so their next calls ask the
+        """A shard found at a new address (Ray restarted it on another host, or on another port)
+        moved for every table: the other tables' maps naming its old address (gone, or another
+        shard server's now) are forgotten, so their next calls ask the
         coordinator where it is, instead of each waiting out a deadline at the old address first
         (a walkthrough's client of 6 tables paid 2 deadlines per table after the shard served)."""
         if old is None:
             return
-        gone = {sh.address for sh in old.shards} - {sh.address for sh in new.shards}
+        now = new.servers  # an address gone, or now another shard server's (two shards that swapped ports)
+        gone = {a for a, server in old.servers.items() if a not in now or now[a] != server}
         if gone:
             for other, meta in list(self._tables.items()):
-                if other != new.name and any(sh.address in gone for sh in meta.shards):
+                if other != new.name and any(a in gone and (a not in now or now[a] != server)
+                                             for a, server in meta.servers.items()):
                     del self._tables[other]
 
     async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,
@@ -622,12 +628,13 @@ class AsyncMemoryClient:
             for again in (True, False):  # once more if a shard had lost its shared-memory region
                 op = make_op(meta)
                 calls = transport.recount(next(op), counted)
-                sent = transport.prepare(calls, self.shm)
+                sent = transport.prepare(calls, self.shm, meta.servers)
                 outcomes: list[Any] = [None] * len(calls)
                 rung: list[Any] = []
                 try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
-                    rung = transport.ring(calls, sent, self.shm, self.timeout, block=False)  # (on the loop)
-                    outcomes = await asyncio.gather(*(self._data(a, m, raw) if r is None else self._rung(r, m)
+                    rung = transport.ring(calls, sent, self.shm, self.timeout, meta.servers, block=False)  # (on the loop)
+                    outcomes = await asyncio.gather(*(self._data(a, m, raw, meta.servers.get(a)) if r is None
+                                                      else self._rung(r, m)
                                                       for (a, m, _), (raw, _), r in zip(calls, sent, rung)),
                                                     return_exceptions=True)
                     transport.note_counted(calls, outcomes, counted)

@@ -48,9 +48,11 @@ from memserver.wire import (
     SHM_ENV,
     SHM_REGION_PREFIX,
     TORCH_DTYPES,
+    WRONG_SHARD,
     Lazy,
     Resolved,
     boot_id,
+    shard_metadata,
     shm_layout,
     shm_write,
     switch_on,
@@ -73,6 +75,8 @@ MIN_BYTES = 64 << 10
 HEADER = 64
 #: Seconds before asking again a shard that refused a region or whose stream ended.
 RETRY_AFTER = 30.0
+#: ... and a shard that refused it as meant for another shard server (the caller's map was stale).
+MOVED_RETRY = 1.0
 #: Seconds a shard may take to answer an attach with its region's id.
 ATTACH_SECONDS = 30.0
 ATTACH_PATH = "/memserver.v1.DataPlane/AttachRegion"
@@ -154,6 +158,7 @@ class Region:
         self.fd = fd
         self.size = size
         self.id = ""
+        self.server: int | None = None  # the shard server the attach named (transport.metadata), which it was attached to
         self.blocks: list[tuple[int, int]] = []  # (start, end) in use or abandoned, sorted
         self.abandoned: set[int] = set()  # starts of blocks the shard may still write into: never reused
         self.lock = threading.Lock()
@@ -329,9 +334,11 @@ class ShmTransport:
         self.bell_calls = 0  # and calls sent by the shards' doorbells (client.transport.ring)
         self.lock = threading.Lock()
 
-    def pack(self, address: str, method: str, req: Any) -> tuple[bytes, Lease] | None:
+    def pack(self, address: str, method: str, req: Any, server: int | None = None) -> tuple[bytes, Lease] | None:
         """The call through shared memory, or None: send it inline (by the doorbell or TCP). The
-        first call to a shard on this machine, whatever its size, starts attaching a region."""
+        first call to a shard on this machine, whatever its size, starts attaching a region.
+        `server`: the shard server the call is meant for (TableMeta.servers); a region attached to
+        another is not used (the call goes by gRPC, which that server refuses: a map to refresh)."""
         if not self.on or os.getpid() != self.pid:
             return None
         region = self.regions.get(address)
@@ -341,7 +348,12 @@ class ShmTransport:
         if region is not None and region.bell_retry is not None and time.monotonic() >= region.bell_retry[2]:
             self._ring_again(address, region)
         if region is None:
-            self._start_attach(address)
+            self._start_attach(address, server)
+            return None
+        if server is not None and region.server != server:
+            if region.server is None:  # attached naming none (by a map without servers): attach anew, naming it
+                self._drop(address, region)
+                self._start_attach(address, server)
             return None
         if method not in METHODS or not isinstance(req, Lazy) or \
                 req.answer_bytes + sum(t.numel() * t.element_size() for t in req.tensors.values()) < MIN_BYTES:
@@ -351,12 +363,12 @@ class ShmTransport:
             self.calls += 1
         return packed
 
-    def bell(self, address: str) -> Bell | None:
+    def bell(self, address: str, server: int | None = None) -> Bell | None:
         """The doorbell of the shard at `address` (client.doorbell), or None: call it by gRPC.
         (`pack`, which every call passes first, dropped a retired region or one with a broken
-        bell; `Bell.send` refuses a bell that broke since, or a forked child's.)"""
+        bell; `Bell.send` refuses a bell that broke since, or a forked child's.) `server`: as `pack`'s."""
         region = self.regions.get(address)
-        return region.bell if region is not None else None
+        return region.bell if region is not None and (server is None or region.server == server) else None
 
     def _ring_again(self, address: str, region: Region) -> None:
         """Say the hello again, off the caller's thread: a doorbell whose hello failed (the shard's
@@ -396,7 +408,7 @@ class ShmTransport:
         if stream is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(stream.cancel)
 
-    def _start_attach(self, address: str) -> None:
+    def _start_attach(self, address: str, server: int | None = None) -> None:
         loop = self.loop
         with self.lock:  # callers on several threads: one attach per address
             if loop is None or address in self.attaching or time.monotonic() < self.not_before.get(address, 0.0):
@@ -404,13 +416,14 @@ class ShmTransport:
             self.attaching.add(address)
 
         def start() -> None:
-            task = loop.create_task(self._attach(address))
+            task = loop.create_task(self._attach(address, server))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
         loop.call_soon_threadsafe(start)
 
-    async def _attach(self, address: str) -> None:
+    async def _attach(self, address: str, server: int | None = None) -> None:
+        """Attach a region to the shard at `address`, which must be shard server `server` (None: any)."""
         region: Region | None = None
         stream = None
         try:
@@ -436,7 +449,9 @@ class ShmTransport:
             attach = self.channel(address).unary_stream(ATTACH_PATH, request_serializer=pb.AttachRegionRequest.SerializeToString,
                                                         response_deserializer=pb.AttachRegionEvent.FromString)
             stream = attach(pb.AttachRegionRequest(pid=os.getpid(), fd=region.fd, size=region.size,
-                                                   boot_id=self.boot_id, nonce=region.nonce))
+                                                   boot_id=self.boot_id, nonce=region.nonce),
+                            metadata=shard_metadata(server))
+            region.server = server
             try:
                 event = await _first_answer(stream, ATTACH_SECONDS)
             finally:
@@ -464,7 +479,10 @@ class ShmTransport:
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
             # (UNIMPLEMENTED is asked again: an older shard, or another server on a restarted shard's old port)
             never = code == grpc.StatusCode.FAILED_PRECONDITION
-            self.not_before[address] = math.inf if never else time.monotonic() + RETRY_AFTER
+            # another shard at the address than the call's map named: the call's retry refreshes the map,
+            # and the next call's attach names the server there (RETRY_AFTER would keep it on TCP meanwhile)
+            moved = code == grpc.StatusCode.UNAVAILABLE and WRONG_SHARD in (exc.details() or "")
+            self.not_before[address] = (math.inf if never else time.monotonic() + (MOVED_RETRY if moved else RETRY_AFTER))
             log.info("no shared memory with shard %s (%s); using TCP", address,
                      exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
             if region is not None:

@@ -46,6 +46,7 @@ from memserver.api.errors import (
 from memserver.api.types import Restored, TableMeta
 from memserver.api.usage import TableUsage
 from memserver.loop import LoopThread
+from memserver.wire import shard_metadata
 
 T = TypeVar("T")
 log = logging.getLogger("memserver.client")
@@ -159,19 +160,22 @@ class MemoryClient:
                 # Calls to shards with a doorbell go first (client.doorbell); then all other calls
                 # but the last in flight as futures; the last as a plain blocking call, which waits
                 # in this thread (a future's answer arrives through another thread: one more wake-up).
-                sent = transport.prepare(calls, self.aio.shm)
+                sent = transport.prepare(calls, self.aio.shm, meta.servers)
                 outcomes: list[Any] = [None] * len(calls)
                 rung: list[Any] = []
                 try:  # every call to its end (each has a deadline): a shared-memory block is freed only then
                     deadline = None if timeout is None else time.monotonic() + timeout  # the attempt's, for all
-                    rung = transport.ring(calls, sent, self.aio.shm, timeout)
+                    rung = transport.ring(calls, sent, self.aio.shm, timeout, meta.servers)
                     by_grpc = [i for i, r in enumerate(rung) if r is None]
-                    futures = {i: self._methods(calls[i][0])[calls[i][1]].future(sent[i][0], timeout=timeout)
+                    named = [shard_metadata(meta.servers.get(a)) for a, _, _ in calls]
+                    futures = {i: self._methods(calls[i][0])[calls[i][1]].future(sent[i][0], timeout=timeout,
+                                                                                  metadata=named[i])
                                for i in by_grpc[:-1]}
                     if by_grpc:
                         i = by_grpc[-1]
                         try:
-                            outcomes[i] = self._methods(calls[i][0])[calls[i][1]](sent[i][0], timeout=timeout)
+                            outcomes[i] = self._methods(calls[i][0])[calls[i][1]](sent[i][0], timeout=timeout,
+                                                                                  metadata=named[i])
                         except grpc.RpcError as err:
                             outcomes[i] = err
                     for i, fut in futures.items():

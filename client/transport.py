@@ -7,6 +7,7 @@ type. One place, so no sender serialises differently."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -49,17 +50,18 @@ Rung = tuple[Bell, int] | None
 
 
 def ring(calls: list[tuple[str, str, Any]], sent: list[tuple[bytes, Lease | None]], shm: ShmTransport | None,
-         timeout: float | None, block: bool = True) -> list[Rung]:
+         timeout: float | None, servers: Mapping[str, int | None], block: bool = True) -> list[Rung]:
     """Send each call that can go by its shard's doorbell now; (bell, ticket) for each, None for
     those to send by gRPC (no doorbell with that shard, too large, too many answers unread, or no
-    room for it in the socket before its deadline). `block` False: an event loop's thread, which
-    never waits for room (Bell.send)."""
+    room for it in the socket before its deadline). `servers`: the shard server each address is
+    (TableMeta.servers): a doorbell is used only with the server the call is meant for. `block`
+    False: an event loop's thread, which never waits for room (Bell.send)."""
     if shm is None or not shm.regions:
         return [None] * len(calls)
     out: list[Rung] = []
     for (address, method, _), (raw, lease) in zip(calls, sent):
         # a call packed into a region goes by that region's own doorbell (the one it names)
-        bell = shm.bell(address) if lease is None else lease.region.bell
+        bell = shm.bell(address, servers.get(address)) if lease is None else lease.region.bell
         ticket = bell.send(method, raw, timeout, block) if bell is not None else None  # None from a dead bell too
         if ticket is not None:
             shm.bell_calls += 1
@@ -153,16 +155,17 @@ def serialised(calls: list[tuple[str, str, Any]]) -> list[bytes]:
     return out
 
 
-def prepare(calls: list[tuple[str, str, Any]], shm: ShmTransport | None) -> list[tuple[bytes, Lease | None]]:
+def prepare(calls: list[tuple[str, str, Any]], shm: ShmTransport | None,
+            servers: Mapping[str, int | None]) -> list[tuple[bytes, Lease | None]]:
     """Each call's request bytes and, when it goes through shared memory, its block's lease
-    (release them all with `release`, however the calls end)."""
+    (release them all with `release`, however the calls end). `servers`: as `ring`'s."""
     if shm is None:
         return [(r, None) for r in serialised(calls)]
     out: list[tuple[bytes, Lease | None]] = []
     inline: dict[int, bytes] = {}
     try:
         for address, method, req in calls:
-            packed = shm.pack(address, method, req)
+            packed = shm.pack(address, method, req, servers.get(address))
             if packed is None:
                 data = inline.get(id(req))
                 if data is None:

@@ -8,6 +8,7 @@ accepts and another rejects would leave the table half-changed), and the shard c
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -35,6 +36,24 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+#: The metadata key of a data-plane call naming the shard server the caller's map puts at the
+#: address it dials (ShardInfo.server, as decimal text); a shard that is another one refuses the
+#: call UNAVAILABLE (memserver.server.grpcserver.ErrorsAndMetrics).
+SHARD_HEADER = "memserver-shard"
+#: The server a call names at an address its map gives to two shards: no shard is it.
+NO_SERVER = -1
+#: The refusal's words (UNAVAILABLE): a client's shared memory tries that address again soon.
+WRONG_SHARD = "is not the shard server the caller's shard map names at this address"
+
+
+@functools.lru_cache(maxsize=1024)  # (one entry per shard server of the clusters this process calls)
+def shard_metadata(server: int | None) -> tuple[tuple[str, str], ...]:
+    """A data-plane call's metadata naming the shard server the caller's map puts at the address
+    it dials (TableMeta.servers): a server that is another (it took that shard's old port after
+    the shard restarted elsewhere) refuses it UNAVAILABLE, and the call is retried with a fresh map
+    instead of reading or updating that server's own slice. None: the map names none."""
+    return () if server is None else ((SHARD_HEADER, str(server)),)
 
 TORCH_DTYPES: dict[int, torch.dtype] = {
     pb.FLOAT32: torch.float32,

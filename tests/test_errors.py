@@ -329,6 +329,103 @@ def test_a_shards_old_port_taken_by_another_server_is_a_shard_that_moved(table_n
     assert (got[:6] == -1).all() and (got[6:] == 0).all(), got  # each row's update applied once (sgd, lr 1)
 
 
+@pytest.mark.parametrize("path", ["grpc", "shared memory"])
+@pytest.mark.parametrize("sharding", ["rows", "cols"])
+def test_a_call_meant_for_a_shard_that_moved_is_refused_by_the_shard_now_at_its_address(table_name, sharding, path):
+    """Shard 1 restarted on a new port and shard 0 took its old one (and the reverse): a client
+    still on the old map sent shard 1's calls to shard 0, which answered a cols table's calls from
+    its own columns, silently (a rows table's ids were refused as another shard's: the call failed,
+    INVALID_ARGUMENT). Each call names the shard server its map puts there (memserver-shard), the other one refuses it
+    UNAVAILABLE, and the call goes again with a fresh map: right rows, each update applied once on
+    its own rows. Both clients; through shared memory (and the shards' doorbells) too, whose
+    regions are each bound to the server they were attached to."""
+    import asyncio
+    import dataclasses
+    import time
+
+    from client import AsyncMemoryClient, MemoryClient, UnavailableError
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.wire import NO_SERVER, SHARD_HEADER, WRONG_SHARD
+    from tests.test_shm import attach
+
+    shm = path == "shared memory"
+    n = 8
+    rows = np.arange(n * DIM, dtype=np.float32).reshape(n, DIM)
+
+    def swapped(meta):  # the map as a client held it: each shard where the other one serves now
+        a, b = meta.shards
+        return dataclasses.replace(meta, shards=(dataclasses.replace(a, address=b.address),
+                                                 dataclasses.replace(b, address=a.address)))
+
+    async def aio_push(endpoint: str) -> tuple[np.ndarray, np.ndarray]:
+        async with AsyncMemoryClient(endpoint, shm=shm, retry_seconds=30, timeout=5) as ac:
+            meta = await ac.table(table_name)
+            ac._tables[table_name] = swapped(meta)
+            got = await ac.lookup(table_name, np.arange(n))
+            ac._tables[table_name] = swapped(meta)
+            await ac.push_gradients(table_name, [4, 5, 6, 7], np.ones((4, DIM), np.float32))
+            return got, await ac.lookup(table_name, np.arange(n))
+
+    with InProcessServer(2) as srv, MemoryClient(srv.endpoint, shm=shm, retry_seconds=30, timeout=5) as c:
+        c.create_table(table_name, n, DIM, sharding=sharding, optimizer="sgd", lr=1.0, init_std=0.0)
+        c.write_rows(table_name, np.arange(n), rows)
+        c.create_table(other := f"{table_name}_b", n, DIM, sharding=sharding)
+        meta = c.table(table_name)
+        assert [sh.server for sh in meta.shards] == [0, 1]
+        c.aio._tables[other] = swapped(c.table(other))
+        if shm:  # both regions (and doorbells) attached, each to its own shard, before the map goes stale
+            attach(c, table_name, 2)
+            assert {c.aio.shm.regions[sh.address].server for sh in meta.shards} == {0, 1}
+            assert all(c.aio.shm.bell(sh.address, sh.server) is not None for sh in meta.shards)
+            before = c.aio.shm.calls + c.aio.shm.bell_calls
+        c.aio._tables[table_name] = swapped(meta)
+        np.testing.assert_array_equal(c.lookup(table_name, np.arange(n)), rows)
+        assert other not in c.aio._tables  # the other table's map, as stale, forgotten with it
+        c.aio._tables[table_name] = swapped(meta)
+        c.push_gradients(table_name, [0, 1, 2, 3], np.ones((4, DIM), np.float32))
+        assert c.aio._tables[table_name] == meta  # the fresh map
+        if shm:  # the retries went through the regions again (their servers now the ones the map names)
+            assert c.aio.shm.calls + c.aio.shm.bell_calls > before
+        first, pushed = asyncio.run(aio_push(srv.endpoint))
+        np.testing.assert_array_equal(first, rows - np.repeat([1, 0], 4)[:, None])
+        np.testing.assert_array_equal(pushed, rows - 1)  # each row's update once, on its own row (sgd, lr 1)
+
+        # the refusal itself: before the request is read, UNAVAILABLE, naming both shards
+        from client.transport import methods
+
+        with grpc.insecure_channel(meta.shards[1].address) as ch:
+            req = pb.LookupRequest(table=table_name, ids=encode(np.arange(1, n, 2) if sharding == "rows" else
+                                                                  np.arange(n)), layout_id=meta.layout_id)
+            with pytest.raises(grpc.RpcError) as err:
+                methods(ch)["Lookup"](req.SerializeToString(), timeout=5, metadata=((SHARD_HEADER, "0"),))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"shard 1 {WRONG_SHARD} for this Lookup (shard '0'" in err.value.details()
+            assert len(methods(ch)["Lookup"](req.SerializeToString(), timeout=5,
+                                             metadata=((SHARD_HEADER, "1"),)).rows.shape) == 2
+
+        # a map that puts both shards at one address (shard 0 down, shard 1 on the port it left):
+        # every call there names no server, and is refused until the map is whole again
+        both = dataclasses.replace(meta, shards=(dataclasses.replace(meta.shards[0], address=meta.shards[1].address),
+                                                 meta.shards[1]))
+        assert both.servers == {meta.shards[1].address: NO_SERVER}
+        with MemoryClient(srv.endpoint, shm=shm, retry_seconds=0, timeout=5) as once:
+            once.aio._tables[table_name] = both
+            with pytest.raises(UnavailableError, match=WRONG_SHARD):
+                once.lookup(table_name, np.arange(n))
+
+        if shm:  # an attach refused as meant for another shard is asked again soon, not after RETRY_AFTER
+            from client.shm import MOVED_RETRY, ShmTransport
+
+            async def refused_attach() -> float:
+                async with grpc.aio.insecure_channel(meta.shards[1].address) as channel:
+                    transport = ShmTransport(True, lambda a: channel, size=1 << 16)
+                    await transport._attach(meta.shards[1].address, 0)
+                    assert not transport.regions
+                    return transport.not_before[meta.shards[1].address] - time.monotonic()
+
+            assert 0 < asyncio.run(refused_attach()) <= MOVED_RETRY
+
+
 def test_a_map_refused_as_overloaded_between_attempts_keeps_the_call_retrying(table_name):
     """A shard down (its address refuses connections), and the coordinator refusing the shard map
     asked between the attempts as overloaded (every client asks it at once after a shard's

@@ -432,6 +432,33 @@ def test_region_allocator_reuses_blocks_and_never_an_abandoned_one():
         r.close_fd()
 
 
+def test_a_region_serves_only_calls_meant_for_the_shard_server_it_was_attached_to():
+    """A region (and its doorbell) is bound to the shard server its attach named: a call meant for
+    another goes by gRPC, which that server refuses (the caller's map is stale); a region attached
+    naming none (a map without servers) is dropped by the first call that names one, and attached
+    anew naming it."""
+    from client.shm import ShmTransport
+    from memserver.wire import Lazy
+
+    shm = ShmTransport(True, lambda a: None)
+    req = Lazy(pb.LookupRequest(table="t"), {"ids": torch.zeros(MIN_BYTES // 8, dtype=torch.int64)}, 0)
+    bound, unnamed = Region(1 << 20), Region(1 << 20)
+    try:
+        bound.server, bound.bell = 1, SimpleNamespace(alive=True)
+        shm.regions = {"a:1": bound, "b:2": unnamed}
+        assert shm.pack("a:1", "Lookup", req, 0) is None and shm.bell("a:1", 0) is None
+        assert shm.regions["a:1"] is bound  # kept: the call's map is the stale one
+        packed = shm.pack("a:1", "Lookup", req, 1)
+        assert packed is not None and shm.bell("a:1", 1) is bound.bell
+        packed[1].release()
+        assert shm.pack("b:2", "Lookup", req, 0) is None and "b:2" not in shm.regions
+    finally:
+        for r in (bound, unnamed):
+            r.close_fd()
+            r.bell = None
+            r.retire()
+
+
 def _held(pid: int, names: list[str]) -> list[str]:
     """Those of `names` (memfd labels, client.shm.Region.name) that process `pid` maps or has a
     descriptor of: while it does, the memfd's memory is not freed."""

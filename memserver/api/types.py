@@ -17,7 +17,7 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import dtype_name
+from memserver.wire import NO_SERVER, dtype_name
 
 #: What a table name may be. It names a folder in every shard's data directory and in checkpoints,
 #: so it is checked wherever a name arrives, drops included (`..` must never reach a path).
@@ -146,6 +146,7 @@ class ShardMeta:
     num_rows: int
     node_id: str
     pid: int
+    server: int | None = None  # which of the cluster's shard servers it is (ShardInfo.server; None: not said)
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,17 @@ class TableMeta:
     cache_bytes: int = 0
     sync_workers: int = 0  # a sync_updates table's trainers (a step applies once they all commit it); 0: not one
 
+    @cached_property
+    def servers(self) -> dict[str, int | None]:
+        """address -> the shard server this map puts there (ShardMeta.server), which each data-plane
+        call there names (memserver.wire.shard_metadata): a server that took a moved shard's old port
+        refuses it. An address the map gives two servers (one restarted on the port the other, down,
+        left) names NO_SERVER, which every server refuses, until the map is whole again."""
+        out: dict[str, int | None] = {}
+        for sh in self.shards:
+            out[sh.address] = sh.server if out.get(sh.address, sh.server) == sh.server else NO_SERVER
+        return out
+
     @property
     def a_kind(self) -> str:
         """Its kind as a message says it: "a value table", "an index table", "a product-key table"."""
@@ -200,7 +212,8 @@ class TableMeta:
             init_std=s.init_std,
             seed=s.seed,
             shards=tuple(
-                ShardMeta(sh.index, sh.address, sh.col_start, sh.col_end, sh.num_rows, sh.node_id, sh.pid)
+                ShardMeta(sh.index, sh.address, sh.col_start, sh.col_end, sh.num_rows, sh.node_id, sh.pid,
+                          sh.server if sh.HasField("server") else None)
                 for sh in info.shards
             ),
             wal=s.wal,

@@ -24,7 +24,7 @@ from memserver.api.types import TableMeta
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loadtest.config import OPS, LoadConfig
-from memserver.wire import dtype_code
+from memserver.wire import dtype_code, shard_metadata
 
 #: Seconds the set-up (the shard map, the shard connections) may take: not the calls' deadline,
 #: which a load test may set far below a connection's set-up time to measure its calls.
@@ -112,7 +112,8 @@ class ShardCaller:
         """All of the op's shard requests in flight at once; the first failure cancels the rest
         and raises (grpc.RpcError)."""
         calls = next(op)
-        futures = [self.stubs[address][method].future(raw, timeout=self.timeout)
+        futures = [self.stubs[address][method].future(raw, timeout=self.timeout,
+                                                      metadata=shard_metadata(self.meta.servers.get(address)))
                    for (address, method, _), raw in zip(calls, transport.serialised(calls))]
         try:
             answers = [f.result() for f in futures]

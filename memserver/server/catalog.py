@@ -279,14 +279,15 @@ _last_layout_id = 0
 
 
 def plan_table(spec: pb.TableSpec, shards: list[dict[str, Any]]) -> pb.TableInfo:
-    """Place a validated spec on `shards` (dicts with address, node_id, pid): the shard map, with
-    a new layout_id naming this incarnation of the table (see TableInfo.layout_id)."""
+    """Place a validated spec on `shards` (dicts with address, node_id, pid and, from a shard,
+    server: its pool index): the shard map, with a new layout_id naming this incarnation of the table
+    (see TableInfo.layout_id)."""
     layout = ShardLayout.of(spec, len(shards))
     info = pb.TableInfo(spec=spec, layout_id=new_layout_id())
     for i, sh in enumerate(shards):
         c0, c1 = layout.cols(i)
         info.shards.add(index=i, address=sh["address"], node_id=sh["node_id"], pid=sh["pid"], col_start=c0, col_end=c1,
-                        num_rows=layout.rows(i), layout_id=info.layout_id)
+                        num_rows=layout.rows(i), layout_id=info.layout_id, server=sh.get("server"))
     return info
 
 

@@ -210,8 +210,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             log.info("catalog rebuilt from the shards: %d table(s): %s", len(self.tables), ", ".join(self.tables))
 
     def _refresh(self, sh: pb.ShardInfo, j: int) -> None:
-        """Copy pool shard j's current address into a table's shard entry."""
+        """Copy pool shard j's current address (and which server it is) into a table's shard entry."""
         sh.address, sh.node_id, sh.pid = self.infos[j]["address"], self.infos[j]["node_id"], self.infos[j]["pid"]
+        if "server" in self.infos[j]:
+            sh.server = self.infos[j]["server"]
 
     async def recall_last_checkpoint(self) -> None:
         """At start: the newest complete checkpoint the shards' records hold, so the last-checkpoint

@@ -41,11 +41,12 @@ from memserver.loop import LoopThread
 from memserver.server.admission import SERVER_OPTIONS, Admission
 from memserver.server.config import ServeConfig
 from memserver.storage.fsutil import atomic_write
-from memserver.wire import GRPC_OPTIONS, check_enums, parse_views, to_bytes
+from memserver.wire import GRPC_OPTIONS, SHARD_HEADER, WRONG_SHARD, check_enums, parse_views, to_bytes
 
 log = logging.getLogger(__name__)
 
 DATA_PLANE = pb.DESCRIPTOR.services_by_name["DataPlane"].full_name
+_DATA_PLANE_PATH = f"/{DATA_PLANE}/"
 CONTROL_PLANE = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 #: Calls of these services go through the error mapping and the metrics (health and reflection do not).
 _OUR_SERVICES = ("/memserver.",)
@@ -153,11 +154,18 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
 
     Each method is served as stream-unary at the gRPC level (the wire is the same for a unary
     caller) so that this wrapper reads the one request message itself: a call can be refused
-    before its bytes are read, and counted from its first moment to its last."""
+    before its bytes are read, and counted from its first moment to its last.
 
-    def __init__(self, metrics: CallMetrics | None = None, admission: Admission | None = None) -> None:
+    `shard`: a shard's pool index. A call whose metadata names another shard server (SHARD_HEADER:
+    the caller's map puts that one at this address) is refused UNAVAILABLE, its request unparsed:
+    that shard restarted elsewhere and this one took its old port, and served, the call would
+    read or update this shard's slice in place of that one's. The caller's retry asks for a fresh map."""
+
+    def __init__(self, metrics: CallMetrics | None = None, admission: Admission | None = None,
+                 shard: int | None = None) -> None:
         self.metrics = metrics
         self.admission = admission or Admission()
+        self.shard = None if shard is None else str(shard)
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
@@ -171,6 +179,10 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
             return handler
         if handler.unary_unary is None and handler.unary_stream is None:
             return handler
+        if self.shard is not None and method.startswith(_DATA_PLANE_PATH):
+            for key, value in details.invocation_metadata or ():
+                if key == SHARD_HEADER and value != self.shard:
+                    return self._moved(method.rsplit("/", 1)[-1], value, handler.unary_unary is not None)
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not handler:  # one wrapper per method, built once
             service, name = method[1:].rsplit("/", 1)
@@ -178,6 +190,21 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                        else self._wrap_stream(handler, name))
             cached = self._wrapped[method] = (handler, wrapped)
         return cached[1]
+
+    def _moved(self, name: str, named: str, unary: bool) -> grpc.RpcMethodHandler:
+        """The refusal of a call meant for shard server `named` (see the class)."""
+        self._observe(name, None, grpc.StatusCode.UNAVAILABLE, time.perf_counter())
+        text = (f"{SHARD_UNAVAILABLE}: shard {self.shard} {WRONG_SHARD} for this {name} (shard {named[:20]!r}: it "
+                "restarted elsewhere, and this one took its old port): ask for a fresh shard map")
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, text)
+
+        # the request is read whole and dropped unparsed (the caller passed the token check): refused
+        # before it is read, a large one's status could reach the client as a reset stream
+        # (CANCELLED), which it takes for overload and retries on the same map until it gives up
+        return (grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=None) if unary
+                else grpc.unary_stream_rpc_method_handler(refuse, request_deserializer=None))
 
     def _wrap_stream(self, handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
         """A server-streaming method (AttachRegion): its request parsed here, as the unary ones'
@@ -342,16 +369,18 @@ async def start_server(
     metrics: CallMetrics | None = None,
     config: ServeConfig | None = None,
     admission: Admission | None = None,
+    shard: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server on host:port (0 = the OS picks) with health, reflection and the
     interceptors; `config`: tokens, TLS and limits (memserver.server.config). Must be awaited on
     the event loop that will own the server. The limits are enforced by an Admission
-    (memserver.server.admission), attached to `metrics`: `admission`, or one of config.limits."""
+    (memserver.server.admission), attached to `metrics`: `admission`, or one of config.limits.
+    `shard`: a shard's pool index: calls meant for another shard are refused (ErrorsAndMetrics)."""
     config = config or ServeConfig()
     chain: list[grpc.aio.ServerInterceptor] = [Authenticate(config.auth, metrics)] if config.auth is not None else []
     admission = Admission(config.limits) if admission is None else admission
     server = grpc.aio.server(options=[*GRPC_OPTIONS, *SERVER_OPTIONS],
-                             interceptors=[*chain, ErrorsAndMetrics(metrics, admission)])
+                             interceptors=[*chain, ErrorsAndMetrics(metrics, admission, shard)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -382,7 +411,7 @@ def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
 def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], service_names: list[str], host: str,
              port: int = 0, state: Path | None = None, what: str = "server",
              metrics: CallMetrics | None = None, config: ServeConfig | None = None,
-             admission: Admission | None = None) -> tuple[grpc.aio.Server, int]:
+             admission: Admission | None = None, shard: int | None = None) -> tuple[grpc.aio.Server, int]:
     """Start a server on `loop`, on `port` when one is given (a port the user asked for: taken, it
     is an error naming it), else on the port recorded in `state` if there is one (a restarted
     process comes back where clients look for it; taken, a new one: callers re-advertise their
@@ -393,7 +422,7 @@ def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], serv
     wanted = port or recorded
     try:
         server, bound = loop.call(start_server(register, service_names, host, wanted, metrics=metrics, config=config,
-                                               admission=admission))
+                                               admission=admission, shard=shard))
     except RuntimeError:
         if port:
             raise RuntimeError(f"{what}: port {port} on {host} is taken by another process (--port): give another, or 0 "
@@ -402,7 +431,7 @@ def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], serv
             raise
         log.warning("%s: port %d is taken; serving on a new port", what, wanted)
         server, bound = loop.call(start_server(register, service_names, host, 0, metrics=metrics, config=config,
-                                               admission=admission))
+                                               admission=admission, shard=shard))
     if state is not None:
         atomic_write(state, lambda f: f.write(json.dumps({"port": bound, "host": host}).encode()))
     return server, bound

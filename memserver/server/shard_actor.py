@@ -235,12 +235,14 @@ class ShardActor:
             metrics=self.metrics,
             config=self.config,
             admission=self.servicer.regions.admission,
+            shard=self.index,
         )
         self.address = f"{host}:{bound}"
         log.info("shard %d serving DataPlane at %s on %s", self.index, self.address, self.device)
 
     def info(self) -> dict[str, Any]:
-        return {"address": self.address, "pid": os.getpid(), "node_id": node_id(), "device": str(self.device),
+        return {"address": self.address, "pid": os.getpid(), "node_id": node_id(), "server": self.index,
+                "device": str(self.device),
                 "memory": memory_domain(self.device), "restarted": self.restarted, "metrics": self.metrics.address,
                 "moved_from": self.moved_from,
                 # the filesystem of its data directory (shards of one host share one): disk checks sum over it

@@ -207,7 +207,7 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., sharding: _Optional[_Union[Sharding, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init_std: _Optional[float] = ..., seed: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync_updates: _Optional[bool] = ..., index_factory: _Optional[str] = ..., sync_workers: _Optional[int] = ..., wal: _Optional[bool] = ..., metric: _Optional[_Union[Metric, str]] = ..., payload_dim: _Optional[int] = ..., pkm_heads: _Optional[int] = ..., pkm_n_keys: _Optional[int] = ..., pkm_knn: _Optional[int] = ..., pkm_k_dim: _Optional[int] = ..., pkm_d_in: _Optional[int] = ..., values_table: _Optional[str] = ..., tier: _Optional[str] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows", "layout_id")
+    __slots__ = ("index", "address", "node_id", "pid", "col_start", "col_end", "num_rows", "layout_id", "server")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class ShardInfo(_message.Message):
     COL_END_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     node_id: str
@@ -224,7 +225,8 @@ class ShardInfo(_message.Message):
     col_end: int
     num_rows: int
     layout_id: int
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., num_rows: _Optional[int] = ..., layout_id: _Optional[int] = ...) -> None: ...
+    server: int
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., col_start: _Optional[int] = ..., col_end: _Optional[int] = ..., num_rows: _Optional[int] = ..., layout_id: _Optional[int] = ..., server: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("spec", "shards", "epoch", "layout_id")
