@@ -45,6 +45,7 @@ from client.doorbell import Bell
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.wire import (
     DOORBELL_ENV,
+    NO_SERVER,
     SHM_ENV,
     SHM_REGION_PREFIX,
     TORCH_DTYPES,
@@ -347,12 +348,14 @@ class ShmTransport:
             region = None
         if region is not None and region.bell_retry is not None and time.monotonic() >= region.bell_retry[2]:
             self._ring_again(address, region)
+        if server == NO_SERVER:  # the map gives the address two shards: none to attach to, nor to call
+            return None
         if region is None:
             self._start_attach(address, server)
             return None
         if server is not None and region.server != server:
-            if region.server is None:  # attached naming none (by a map without servers): attach anew, naming it
-                self._drop(address, region)
+            # attached naming none (by a map without servers): attach anew, naming it (once: whoever dropped it)
+            if region.server is None and self._drop(address, region):
                 self._start_attach(address, server)
             return None
         if method not in METHODS or not isinstance(req, Lazy) or \
@@ -399,14 +402,16 @@ class ShmTransport:
         except RuntimeError:  # (the interpreter shutting down: no new threads)
             region.bell_retry = (name, pid, time.monotonic() + RETRY_AFTER)
 
-    def _drop(self, address: str, region: Region) -> None:
+    def _drop(self, address: str, region: Region) -> bool:
+        """Forget `region` (its stream cancelled); False if another caller did first."""
         with self.lock:
             if self.regions.get(address) is not region:
-                return
+                return False
             del self.regions[address]
             stream = self.streams.pop(address, None)
         if stream is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(stream.cancel)
+        return True
 
     def _start_attach(self, address: str, server: int | None = None) -> None:
         loop = self.loop

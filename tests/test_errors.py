@@ -390,16 +390,19 @@ def test_a_call_meant_for_a_shard_that_moved_is_refused_by_the_shard_now_at_its_
         np.testing.assert_array_equal(first, rows - np.repeat([1, 0], 4)[:, None])
         np.testing.assert_array_equal(pushed, rows - 1)  # each row's update once, on its own row (sgd, lr 1)
 
-        # the refusal itself: before the request is read, UNAVAILABLE, naming both shards
+        # the refusal itself: UNAVAILABLE, naming both shards; a large request's too (read whole, not
+        # refused unread: its status could then come as a reset stream, CANCELLED, taken for overload)
         from client.transport import methods
 
         with grpc.insecure_channel(meta.shards[1].address) as ch:
             req = pb.LookupRequest(table=table_name, ids=encode(np.arange(1, n, 2) if sharding == "rows" else
                                                                   np.arange(n)), layout_id=meta.layout_id)
-            with pytest.raises(grpc.RpcError) as err:
-                methods(ch)["Lookup"](req.SerializeToString(), timeout=5, metadata=((SHARD_HEADER, "0"),))
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert f"shard 1 {WRONG_SHARD} for this Lookup (shard '0'" in err.value.details()
+            big = pb.LookupRequest(table=table_name, ids=encode(np.zeros(2_500_000, np.int64)), layout_id=meta.layout_id)
+            for r in (req, big):
+                with pytest.raises(grpc.RpcError) as err:
+                    methods(ch)["Lookup"](r.SerializeToString(), timeout=5, metadata=((SHARD_HEADER, "0"),))
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert f"shard 1 {WRONG_SHARD} for this Lookup (shard '0'" in err.value.details()
             assert len(methods(ch)["Lookup"](req.SerializeToString(), timeout=5,
                                              metadata=((SHARD_HEADER, "1"),)).rows.shape) == 2
 
@@ -412,6 +415,7 @@ def test_a_call_meant_for_a_shard_that_moved_is_refused_by_the_shard_now_at_its_
             once.aio._tables[table_name] = both
             with pytest.raises(UnavailableError, match=WRONG_SHARD):
                 once.lookup(table_name, np.arange(n))
+            assert not (once.aio.shm.regions or once.aio.shm.attaching or once.aio.shm.not_before)  # none attached to no server
 
         if shm:  # an attach refused as meant for another shard is asked again soon, not after RETRY_AFTER
             from client.shm import MOVED_RETRY, ShmTransport
