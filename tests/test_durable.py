@@ -229,6 +229,52 @@ def test_serve_on_comes_back_on_its_port_or_a_new_one_if_taken(tmp_path):
     loop.stop()
 
 
+def test_a_server_given_no_port_takes_one_below_the_ephemeral_range(tmp_path, monkeypatch):
+    """A shard or coordinator given no port (nor one recorded) took any free port: one of the
+    kernel's ephemeral range, from which every outgoing connection and every port-0 listener (a
+    local Ray's workers among them) take theirs. Restarted, it often found that port taken and
+    moved to a new one, which its clients then had to find (a CI run's shard). It now takes a free
+    one of SERVER_PORTS, below that range (its metrics endpoint too); a taken one is passed over,
+    and with every try taken, any free port."""
+    import socket
+    import urllib.request
+    from pathlib import Path
+
+    from memserver.loop import LoopThread
+    from memserver.server import grpcserver, metrics, rayutil
+    from memserver.server.grpcserver import serve_on
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert low > rayutil.SERVER_PORTS.start  # (this machine's range leaves SERVER_PORTS room)
+    loop = LoopThread("test-serve-ports")
+    server, port = serve_on(loop, lambda s: None, [], "127.0.0.1", state=tmp_path / "port.json")
+    try:
+        assert port in rayutil.SERVER_PORTS and port < low
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", 0))
+            squatter.listen()
+            taken = squatter.getsockname()[1]
+            monkeypatch.setattr(grpcserver, "server_ports", lambda: [port, taken, 0])  # both held
+            other, at = serve_on(loop, lambda s: None, [], "127.0.0.1")
+            assert at not in (port, taken)
+            loop.call(other.stop(None))
+    finally:
+        loop.call(server.stop(None))
+        loop.stop()
+    served = metrics.ServerMetrics(lambda: set())
+    try:
+        address = served.serve("127.0.0.1", tmp_path / "metrics.json")
+        assert int(address.rsplit(":", 1)[1]) in rayutil.SERVER_PORTS
+        assert urllib.request.urlopen(f"http://{address}/metrics", timeout=10).status == 200
+    finally:
+        served.stop()
+    ports = rayutil.server_ports()
+    assert len(ports) == rayutil.PORT_TRIES + 1 and ports[-1] == 0 and len(set(ports)) == len(ports)
+    monkeypatch.setattr(rayutil, "_EPHEMERAL", tmp_path / "range")
+    (tmp_path / "range").write_text("1024\t65535\n")  # a range that takes every port: any free one
+    assert rayutil.server_ports() == [0]
+
+
 def test_a_shards_data_directory_serves_one_shard_at_a_time(tmp_path):
     """A second shard on a folder in use (a second `up` on the same --data-dir, with another
     MEMSERVER_HOME) is refused naming the holder: both appended to the same logs, which then

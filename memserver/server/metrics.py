@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.cluster.secure import is_loopback, loopback_host_header
+from memserver.server.rayutil import server_ports
 from memserver.storage.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ class ServerMetrics:
     def serve(self, host: str, state: Path | None = None) -> str:
         """Start the HTTP endpoint on `host`: on the port recorded in `state` if there is one (a
         restarted server keeps the address a scraper was given: it took a new one at every restart,
-        while its gRPC port came back: a hunt), else a free one, then recorded; returns HOST:PORT."""
+        while its gRPC port came back: a hunt), else a free one (of rayutil.SERVER_PORTS if it can),
+        then recorded; returns HOST:PORT."""
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
         server = type("_Server", (_MetricsServer,), {"address_family": family})
         app = make_wsgi_app(self.registry)
@@ -133,13 +135,16 @@ class ServerMetrics:
         recorded = 0
         with contextlib.suppress(OSError, ValueError, AttributeError):
             recorded = int(json.loads(state.read_text())["port"]) if state is not None else 0
-        try:
-            self._server = make_server(host, recorded, app, server, handler_class=_MetricsHandler)
-        except OSError:  # taken meanwhile (or no recorded one): any free port, recorded in its place
-            if not recorded:
-                raise
-            log.warning("metrics: port %d is taken; serving on a new port", recorded)
-            self._server = make_server(host, 0, app, server, handler_class=_MetricsHandler)
+        tries = [recorded, *server_ports()] if recorded else server_ports()
+        for port in tries:  # taken meanwhile (or no recorded one): one a restart finds free, recorded in its place
+            try:
+                self._server = make_server(host, port, app, server, handler_class=_MetricsHandler)
+                break
+            except OSError:
+                if not port:
+                    raise
+                if port == recorded:
+                    log.warning("metrics: port %d is taken; serving on a new port", recorded)
         if state is not None and self._server.server_port != recorded:
             port = self._server.server_port
             atomic_write(state, lambda f: f.write(json.dumps({"port": port}).encode()))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import sys
+from pathlib import Path
 
 import torch
 
@@ -137,6 +139,30 @@ def check_host(host: str, what: str = "host") -> str:
         raise ValueError(f"{what}={host}: a server binds one address its clients reach (it is also the address it "
                          "advertises); a wildcard would listen on every interface")
     return host
+
+
+#: The ports a shard, the coordinator and their metrics endpoints take when given none (nor one
+#: recorded by an earlier run): below the kernel's ephemeral range, from which every outgoing
+#: connection and every port-0 listener (a local Ray's workers among them) take theirs, and above
+#: Ray's worker ports (10002-19999 under `ray start`). A restarted server binds the port it
+#: recorded: picked here, no other process has taken it meanwhile but by choosing it on purpose
+#: (picked from the ephemeral range, a shard's port was often taken by the time Ray restarted it,
+#: and the shard moved to a new one: clients then had to find it).
+SERVER_PORTS = range(20000, 32768)
+#: How many taken ports of SERVER_PORTS a server tries before any free port.
+PORT_TRIES = 16
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def server_ports(tries: int = PORT_TRIES) -> list[int]:
+    """The ports to try, in order, for a server given none: `tries` random ones of SERVER_PORTS
+    below this node's ephemeral range, then 0 (any free port: the range is full, or overlaps it)."""
+    try:
+        low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # (not Linux): the usual range's start
+        low = 32768
+    pool = range(SERVER_PORTS.start, min(SERVER_PORTS.stop, low))
+    return [*random.SystemRandom().sample(pool, min(tries, len(pool))), 0]
 
 
 def bind_host() -> str:
