@@ -151,6 +151,8 @@ def check_host(host: str, what: str = "host") -> str:
 SERVER_PORTS = range(20000, 32768)
 #: How many taken ports of SERVER_PORTS a server tries before any free port.
 PORT_TRIES = 16
+#: Left out: torchrun's rendezvous and master ports (a trainer on the same node binds them later).
+_OTHERS = frozenset({29400, *range(29500, 29510)})
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -161,7 +163,7 @@ def server_ports(tries: int = PORT_TRIES) -> list[int]:
         low = int(_EPHEMERAL.read_text().split()[0])
     except (OSError, ValueError, IndexError):  # (not Linux): the usual range's start
         low = 32768
-    pool = range(SERVER_PORTS.start, min(SERVER_PORTS.stop, low))
+    pool = [p for p in range(SERVER_PORTS.start, min(SERVER_PORTS.stop, low)) if p not in _OTHERS]
     return [*random.SystemRandom().sample(pool, min(tries, len(pool))), 0]
 
 
