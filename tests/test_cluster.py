@@ -162,9 +162,9 @@ def test_client_writes_survive_a_replayed_request(client, table_name, sharding):
     client.create_table(table_name, 10, 4, sharding=sharding, optimizer="sgd", lr=1.0, init_std=0.0)
     real = client.aio._data
 
-    async def twice(address, method, request):
-        await real(address, method, request)
-        return await real(address, method, request)
+    async def twice(address, method, request, server=None):
+        await real(address, method, request, server)
+        return await real(address, method, request, server)
 
     client.aio._data = twice
     try:
@@ -476,19 +476,19 @@ def test_a_read_retried_for_one_shard_counts_once_on_the_others(memory_cluster, 
                 def __init__(self, call):
                     self.call = call
 
-                def __call__(self, req, timeout=None):
+                def __call__(self, req, **kwargs):
                     if not failed:
                         failed.append(1)
                         raise _UnavailableOnce()
-                    return self.call(req, timeout=timeout)
+                    return self.call(req, **kwargs)
 
-                def future(self, req, timeout=None):
+                def future(self, req, **kwargs):
                     if not failed:
                         failed.append(1)
                         f = Future()
                         f.set_exception(_UnavailableOnce())
                         return f
-                    return self.call.future(req, timeout=timeout)
+                    return self.call.future(req, **kwargs)
 
             def methods(address):
                 got = dict(real(address))
@@ -502,11 +502,11 @@ def test_a_read_retried_for_one_shard_counts_once_on_the_others(memory_cluster, 
         else:
             real = c.aio._data
 
-            async def data(address, method, request):
+            async def data(address, method, request, server=None):
                 if address == shard1 and method == "Bag" and not failed:
                     failed.append(1)
                     raise UnavailableError("shard restarting (test)")
-                return await real(address, method, request)
+                return await real(address, method, request, server)
 
             c.aio._data = data
             got = c.submit_bag(table_name, ids, w).result()

@@ -392,10 +392,10 @@ def _interrupted_commits(run: Pair, monkeypatch, by: str):
     else:  # cancelled by its caller's deadline while the COMMIT to shard 1 is slow
         real_data = run.client.aio._data
 
-        async def data(at, method, request):
+        async def data(at, method, request, server=None):
             if at == address and method == "CommitStep" and is_commit(request):
                 await asyncio.sleep(5)
-            return await real_data(at, method, request)
+            return await real_data(at, method, request, server)
 
         monkeypatch.setattr(run.client.aio, "_data", data)
 
@@ -674,12 +674,12 @@ def _aio_commit_step_down(run, shard: int):
     """run.client.aio's data-plane sender with shard `shard`'s CommitStep unreachable."""
     address, real = run.shards[shard].address, run.client.aio._data
 
-    async def data(at, method, request):
+    async def data(at, method, request, server=None):
         if at == address and method == "CommitStep":
             from client import UnavailableError
 
             raise UnavailableError("shard unreachable (test)", target=f"shard {at}")
-        return await real(at, method, request)
+        return await real(at, method, request, server)
 
     return data
 
