@@ -481,7 +481,7 @@ class AsyncMemoryClient:
 
     async def _data(self, address: str, method: str, request: bytes, server: int | None = None) -> Any:
         """A call to the shard at `address` by gRPC; `server`: the shard server it is meant for
-        (transport.metadata: another one refuses it)."""
+        (memserver.wire.shard_metadata: another one refuses it)."""
         methods = self._methods.get(address)
         if methods is None:
             methods = self._methods[address] = transport.methods(self._channel(address))

@@ -159,7 +159,7 @@ class Region:
         self.fd = fd
         self.size = size
         self.id = ""
-        self.server: int | None = None  # the shard server the attach named (transport.metadata), which it was attached to
+        self.server: int | None = None  # the shard server its attach named (memserver.wire.shard_metadata)
         self.blocks: list[tuple[int, int]] = []  # (start, end) in use or abandoned, sorted
         self.abandoned: set[int] = set()  # starts of blocks the shard may still write into: never reused
         self.lock = threading.Lock()
