@@ -61,7 +61,14 @@ from memserver.api.types import METRICS, SHARDINGS, Restored, TableMeta
 from memserver.api.usage import TableUsage
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
-from memserver.cluster.endpoint import endpoint_file, is_host_port, live_endpoint, stopped_since, this_clusters_record
+from memserver.cluster.endpoint import (
+    endpoint_file,
+    is_host_port,
+    live_endpoint,
+    moved_to,
+    stopped_since,
+    this_clusters_record,
+)
 from memserver.loop import settle_grpc
 from memserver.wire import (
     MAX_MESSAGE_BYTES,
@@ -394,6 +401,7 @@ class AsyncMemoryClient:
 
     async def _control(self, method: str, request: Any) -> Any:
         self._on_its_loop()
+        self._follow()
         stub = pb_grpc.ControlPlaneStub(self._channel(self.endpoint))
         try:
             return await getattr(stub, method)(request, timeout=self.timeout)
@@ -419,6 +427,22 @@ class AsyncMemoryClient:
                 where += ("; not a memserver coordinator (a shard's address?), or an older one: give the "
                           "coordinator's HOST:PORT, which `memserver status` and the endpoint file name")
             raise from_rpc_error(err, where) from None
+
+    def _follow(self) -> bool:
+        """Whether the coordinator moved, and this client now calls it where it went: the endpoint
+        file this client's cluster was read from (or named in) names the same `memserver up`'s
+        coordinator at another address (Ray restarted it, its port taken meanwhile, and `up` wrote
+        the new one, having asked the coordinator there). Asked before every coordinator call (one
+        small file read; a client with no such file reads none), not after a failed one: a call is
+        never sent twice, and a client idle through the move does not call whoever took the old
+        port. A client given an address no file of this host names cannot follow."""
+        if self._home is None or (moved := moved_to(*self._home)) is None:
+            return False
+        path = self._home[0]
+        log.warning("the coordinator of this cluster moved from %s to %s (it restarted, its port taken meanwhile: the "
+                    "endpoint file %s says so); calling it there", self.endpoint, moved["endpoint"], path)
+        self.endpoint, self._home = moved["endpoint"], (path, moved)
+        return True
 
     async def _read_control(self, method: str, request: Any) -> Any:
         """A read-only coordinator call, retried while the coordinator restarts."""

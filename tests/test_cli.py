@@ -130,6 +130,34 @@ def test_up_status_down(tmp_path, monkeypatch, cli_in_process):
             np.testing.assert_array_equal(client.lookup("emb", np.arange(5000)), before)
         status = json.loads(cli(["status", "--json"]).stdout)
         assert status["coordinator_calls"]["errors"] == {}  # no create was refused on the way (ALREADY_EXISTS)
+
+        # the coordinator killed, and its port taken before Ray restarts it: it serves on a new one,
+        # which `up` writes into the endpoint file; a client made from the file follows it there
+        import signal
+        import socket
+        import time
+
+        with MemoryClient() as follower, socket.socket() as taken:  # (no endpoint given: the file's)
+            os.kill(status["coordinator_pid"], signal.SIGKILL)
+            t0 = time.monotonic()
+            # (listening, as a server that took the port would: a socket only bound lets gRPC's
+            # SO_REUSEADDR listener bind too; SO_REUSEADDR here: the old connections' TIME_WAIT)
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            while True:
+                try:
+                    taken.bind(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])))
+                    taken.listen()
+                    break
+                except OSError:
+                    assert time.monotonic() - t0 < 10, "the killed coordinator's port stayed in use"
+                    time.sleep(0.01)
+            while (moved := json.loads((tmp_path / "endpoint.json").read_text())["endpoint"]) == endpoint:
+                assert time.monotonic() - t0 < 90, "the endpoint file still names the coordinator's old port"
+                time.sleep(0.2)
+            assert [t.name for t in follower.list_tables()] == ["emb"] and follower.endpoint == moved
+            status = json.loads(cli(["status", "--json"]).stdout)
+            assert status["endpoint"] == moved and status["coordinator_restarted"]
+        assert "the coordinator restarted at " + moved in (tmp_path / "memserver.log").read_text()
     finally:
         down = cli(["down"])
     assert down.returncode == 0 and down.stdout.strip().endswith("stopped"), down.stdout  # (every table has wal)

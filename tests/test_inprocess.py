@@ -303,6 +303,49 @@ def test_a_client_of_a_stopped_cluster_says_so_at_once(tmp_path, monkeypatch):
     assert this_clusters_record("127.0.0.1:5") == (path, json.loads(path.read_text()))
 
 
+def test_a_client_follows_its_clusters_coordinator_to_a_new_port(tmp_path, monkeypatch):
+    """Ray restarted the coordinator and its port had been taken meanwhile: it serves on a new one,
+    which `memserver up` writes into the endpoint file (the same `up`'s record). Its clients read
+    the file at every failed coordinator call and took a changed address for a stopped cluster
+    ("make a new client"). A client made from the file, or given the address the file named,
+    now reads the file before each coordinator call and calls it where it went, for a write (not
+    retried) as for a read; a record of another `up` at another address is still a stopped cluster."""
+    import json
+    import os
+    import socket
+
+    from client import UnavailableError
+    from memserver.cluster.endpoint import started_at, stopped_since
+
+    path = tmp_path / "endpoint.json"
+    monkeypatch.setenv("MEMSERVER_ENDPOINT_FILE", str(path))
+    up = {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": started_at(os.getpid()), "started": 1.5}
+    with socket.socket() as taken, InProcessServer(1) as server:  # the old port: another's, not listening (refused)
+        taken.bind(("127.0.0.1", 0))
+        old = f"127.0.0.1:{taken.getsockname()[1]}"
+        path.write_text(json.dumps({**up, "endpoint": old}))  # (this process plays the `up`)
+        with MemoryClient(timeout=5, retry_seconds=30, shm=False) as c, \
+                MemoryClient(old, timeout=5, retry_seconds=30, shm=False) as by_address:
+            assert c.endpoint == by_address.endpoint == old
+            path.write_text(json.dumps({**up, "endpoint": server.endpoint}))  # `up` saw the coordinator move
+            assert stopped_since(path, {**up, "endpoint": old}) is None  # moved, not stopped
+            c.create_table("t", 8, 4)
+            assert c.endpoint == server.endpoint
+            assert [t.name for t in by_address.list_tables()] == ["t"] and by_address.endpoint == server.endpoint
+            assert c.lookup("t", [1]).shape == (1, 4)
+        # another `up`'s record, or a `join-info` copy (it names no process) replaced by another
+        # cluster's: a stopped cluster, not followed (a copy's keys all absent read as one `up`: a review)
+        for before, after in (({**up, "endpoint": old}, {**up, "started": 2.5, "endpoint": server.endpoint}),
+                              ({"endpoint": old}, {"endpoint": server.endpoint})):
+            path.write_text(json.dumps(before))
+            with MemoryClient(timeout=5, retry_seconds=30, shm=False) as c:
+                path.write_text(json.dumps(after))
+                t0 = time.monotonic()
+                with pytest.raises(UnavailableError, match=f"the endpoint file {path} now names another"):
+                    c.list_tables()
+                assert time.monotonic() - t0 < 10 and c.endpoint == old
+
+
 def test_a_replace_that_fails_after_the_drop_says_the_table_is_gone(tmp_path, monkeypatch):
     """From an operator's walkthrough: a shard killed during `restore --replace`, after the old
     table was dropped, failed the call with INTERNAL ("restoring 'big' failed on a shard: The

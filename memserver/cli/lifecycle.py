@@ -407,8 +407,24 @@ def cmd_up(args: argparse.Namespace) -> int:
         ready = True
         print(f"memserver ready at {cluster.endpoint}", flush=True)
         log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
+        look = time.monotonic() + COORDINATOR_LOOK_S
         while not stop.wait(0.5):
-            pass
+            if time.monotonic() < look:
+                continue
+            now = cluster.coordinator_address()
+            if now is not None and now != record["endpoint"]:  # clients that read the file follow (AsyncMemoryClient._follow)
+                moved = {**record, "endpoint": now, "processes": descendants(os.getpid())}  # (its new process too)
+                try:
+                    write_endpoint(moved, path)
+                except OSError as exc:  # (asked again at the next look)
+                    log.error("the coordinator restarted at %s, and the endpoint file %s could not be written: %s",
+                              now, path, exc)
+                else:
+                    log.warning("the coordinator restarted at %s (its port was taken meanwhile); the endpoint file %s "
+                                "names it now (clients given %s by address must be given the new one)", now, path,
+                                record["endpoint"])
+                    record, cluster.endpoint = moved, now
+            look = time.monotonic() + COORDINATOR_LOOK_S
         log.info("stopping")
     except _Stopped:
         log.info("stopped before the cluster was ready")
@@ -423,6 +439,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.remove_scratch_dir()  # after the head: no shard of it writes there any more
     log.info("memserver stopped")
     return 0
+
+
+#: How often a running `up` asks where the coordinator serves (one Ray call; 2 s at most each).
+COORDINATOR_LOOK_S = 2.0
 
 
 class _Stopped(KeyboardInterrupt):

@@ -230,13 +230,34 @@ def stopped_since(path: Path, record: dict[str, Any]) -> str | None:
         return None
     if not isinstance(now, dict):
         return None
-    if now.get("endpoint") != record.get("endpoint"):
+    if now.get("endpoint") != record.get("endpoint") and not same_up(now, record):  # (the same: moved_to)
         return (f"the cluster at {record.get('endpoint')} was stopped: the endpoint file {path} now names another "
                 f"({now.get('endpoint')}); make a new client for it")
     if up_exited(now):  # (a new `up` at the same address, running: its cluster may answer the retries)
         return (f"the cluster at {record.get('endpoint')} was stopped: its `memserver up` (pid {now.get('pid')}) has "
                 "exited; start one with `memserver up` and make a new client")
     return None
+
+
+def same_up(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two endpoint records are one `memserver up`'s (its process, since when, on which
+    host). Never for records that do not say (a `join-info` copy names no process)."""
+    if a.get("pid") is None or a.get("started") is None:
+        return False
+    return all(a.get(k) == b.get(k) for k in ("pid", "pid_start", "started", "host"))
+
+
+def moved_to(path: Path, record: dict[str, Any]) -> dict[str, Any] | None:
+    """The record the endpoint file at `path` holds now when it is the same cluster's as `record`
+    with its coordinator at another address (Ray restarted the coordinator and its port was taken
+    meanwhile: `memserver up` writes the new one there), else None. One small file read."""
+    try:
+        now = json.loads(path.read_text())
+    except (OSError, ValueError):  # gone, or being rewritten
+        return None
+    if not isinstance(now, dict) or now.get("endpoint") == record.get("endpoint") or not same_up(now, record):
+        return None
+    return now if isinstance(now.get("endpoint"), str) and is_host_port(now["endpoint"]) and not up_exited(now) else None
 
 
 def write_endpoint(record: dict[str, Any], path: Path | None = None) -> Path:

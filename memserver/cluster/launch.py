@@ -88,6 +88,16 @@ class MemoryCluster:
     #: the security line said at start (--insecure on a network address): `up` says it on the terminal too
     security_warning: str = ""
 
+    def coordinator_address(self, timeout: float = 2.0) -> str | None:
+        """Where the coordinator serves now: another address than `endpoint` once Ray restarted it
+        and its port had been taken meanwhile (memserver.server.grpcserver.serve_on); None while it
+        is restarting (or Ray is going away), after `timeout` seconds at most."""
+        try:
+            now = ray.get(self.coordinator.endpoint.remote(), timeout=timeout)
+        except Exception:  # noqa: BLE001 - restarting, or Ray going away: nothing to say yet
+            return None
+        return now if isinstance(now, str) else None
+
     def shutdown(self, release: bool = True) -> None:
         """Stop the servers (all at once, 10 s at most) and, with `release`, kill the actors, give
         their resources back to Ray and remove a scratch data directory. Without it (the Ray head
