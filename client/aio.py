@@ -52,6 +52,7 @@ from memserver.api.errors import (
     TableNotFoundError,
     UnavailableError,
     from_rpc_error,
+    other_server,
     raised,
     retried,
     shard_error,
@@ -415,6 +416,13 @@ class AsyncMemoryClient:
             if self._closed and err.code() == grpc.StatusCode.CANCELLED:
                 raise _closed_mid_call(None) from None
             where = f"coordinator {self.endpoint}"
+            # the coordinator of a cluster this host's endpoint file names, its address answered by
+            # another server: it restarted on a new port, which `up` writes there within seconds
+            # (_follow): asked again, as a coordinator restarting is (a write, not retried, fails)
+            if self._home is not None and (said := other_server(err, from_rpc_error(err, where), "coordinator",
+                                                                 f"ControlPlane/{method}")):
+                raise UnavailableError(f"the address answers, but not as a memserver coordinator: {said}",
+                                       target=where) from None
             details = err.details() or ""
             if err.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem(details) and NOT_HTTP2 not in details \
                     and not details.startswith(SHARD_UNAVAILABLE) and any(w in details for w in NO_CONNECTION):

@@ -313,6 +313,11 @@ def test_a_client_follows_its_clusters_coordinator_to_a_new_port(tmp_path, monke
     import json
     import os
     import socket
+    import threading
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
 
     from client import UnavailableError
     from memserver.cluster.endpoint import started_at, stopped_since
@@ -333,6 +338,22 @@ def test_a_client_follows_its_clusters_coordinator_to_a_new_port(tmp_path, monke
             assert c.endpoint == server.endpoint
             assert [t.name for t in by_address.list_tables()] == ["t"] and by_address.endpoint == server.endpoint
             assert c.lookup("t", [1]).shape == (1, 4)
+        # before `up` rewrites the file, another gRPC server answers at the old port: taken for a
+        # coordinator restarting, asked again until the file names the new address (it raised "not
+        # a memserver coordinator" at once: a review)
+        other = grpc.server(futures.ThreadPoolExecutor(1))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)
+        squatted = f"127.0.0.1:{other.add_insecure_port('127.0.0.1:0')}"
+        other.start()
+        try:
+            path.write_text(json.dumps({**up, "endpoint": squatted}))
+            with MemoryClient(timeout=5, retry_seconds=30, shm=False) as c:
+                rewrite = threading.Timer(1.0, path.write_text, [json.dumps({**up, "endpoint": server.endpoint})])
+                rewrite.start()
+                assert [t.name for t in c.list_tables()] == ["t"] and c.endpoint == server.endpoint
+                rewrite.join()
+        finally:
+            other.stop(None)
         # another `up`'s record, or a `join-info` copy (it names no process) replaced by another
         # cluster's: a stopped cluster, not followed (a copy's keys all absent read as one `up`: a review)
         for before, after in (({**up, "endpoint": old}, {**up, "started": 2.5, "endpoint": server.endpoint}),

@@ -221,23 +221,31 @@ class ShardGoneError(UnavailableError):
     ended said half applied (a CI run, a shard's old port answering UNIMPLEMENTED)."""
 
 
+def other_server(err: grpc.RpcError, exc: MemserverError, what: str, method: str) -> str | None:
+    """What answered `method` at the address of a memserver `what` ("shard", "coordinator") this
+    client knows runs, when it is no such server (another gRPC server, one that is no gRPC server,
+    a plaintext one where the cluster speaks TLS: the server restarted elsewhere and another took
+    its old port), said for the error; None for any other failure (`exc`: err as from_rpc_error)."""
+    if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+        return (f"UNIMPLEMENTED: {exc.details or 'no details'}: another gRPC server has the {what}'s old port (the "
+                f"{what} restarted elsewhere?), or the {what} runs an older memserver without {method}")
+    if isinstance(exc, NotGrpcError):
+        return f"not a gRPC server ({err.details()}): the {what} restarted elsewhere and another server has its old port?"
+    if isinstance(exc, TlsError) and "WRONG_VERSION_NUMBER" in (err.details() or ""):
+        # (the address came over TLS from this cluster: a plaintext peer is not its server)
+        return (f"no TLS there ({err.details()}): the {what} restarted elsewhere and a plaintext server has its old "
+                "port?")
+    return None
+
+
 def shard_error(err: grpc.RpcError, address: str, method: str) -> MemserverError:
     """A failed `method` call to the shard at `address` (from a table's map) as its exception:
     as from_rpc_error's, except that a peer that is no memserver shard is one that moved
     (ShardGoneError). A certificate the client does not trust stays a TlsError, raised at once:
     a retry could not change it."""
     exc = from_rpc_error(err, f"shard {address}")
-    code = exc.code
-    if code == grpc.StatusCode.UNIMPLEMENTED:
-        said = (f"UNIMPLEMENTED: {exc.details or 'no details'}: another gRPC server has the shard's old port (the "
-                f"shard restarted elsewhere?), or the shard runs an older memserver without DataPlane/{method}")
-    elif isinstance(exc, NotGrpcError):
-        said = f"not a gRPC server ({err.details()}): the shard restarted elsewhere and another server has its old port?"
-    elif isinstance(exc, TlsError) and "WRONG_VERSION_NUMBER" in (err.details() or ""):
-        # (the map came over TLS from this cluster's coordinator: a plaintext peer is not its shard)
-        said = (f"no TLS there ({err.details()}): the shard restarted elsewhere and a plaintext server has its old "
-                "port?")
-    else:
+    said = other_server(err, exc, "shard", f"DataPlane/{method}")
+    if said is None:
         return exc
     return ShardGoneError(f"the address answers, but not as a memserver shard: {said}", grpc.StatusCode.UNAVAILABLE,
                           target=exc.target)

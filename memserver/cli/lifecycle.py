@@ -413,10 +413,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                 continue
             now = cluster.coordinator_address()
             if now is not None and now != record["endpoint"]:  # clients that read the file follow (AsyncMemoryClient._follow)
-                moved = {**record, "endpoint": now, "processes": descendants(os.getpid())}  # (its new process too)
                 try:
+                    moved = {**record, "endpoint": now, "processes": descendants(os.getpid())}  # (its new process too)
                     write_endpoint(moved, path)
-                except OSError as exc:  # (asked again at the next look)
+                except Exception as exc:  # noqa: BLE001 - the cluster serves on; asked again at the next look
                     log.error("the coordinator restarted at %s, and the endpoint file %s could not be written: %s",
                               now, path, exc)
                 else:

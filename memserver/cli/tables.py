@@ -201,6 +201,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     endpoint = endpoint_of(args)
     with cli_client(args, endpoint) as client:
         st = status_dict(client.status())
+        endpoint = client.endpoint  # (where the client found it: the coordinator may have moved meanwhile)
     wrong = problems(st)
     if args.json:
         print(json.dumps({"endpoint": endpoint, **st, "problems": wrong, "warnings": warnings(st),
