@@ -145,7 +145,7 @@ def check_host(host: str, what: str = "host") -> str:
 #: recorded by an earlier run): below the kernel's ephemeral range, from which every outgoing
 #: connection and every port-0 listener (a local Ray's workers among them) take theirs, and above
 #: Ray's worker ports (10002-19999 under `ray start`). A restarted server binds the port it
-#: recorded: picked here, no other process has taken it meanwhile but by choosing it on purpose
+#: recorded: picked here, another process holds it meanwhile only if it chose that very port
 #: (picked from the ephemeral range, a shard's port was often taken by the time Ray restarted it,
 #: and the shard moved to a new one: clients then had to find it).
 SERVER_PORTS = range(20000, 32768)
@@ -158,7 +158,8 @@ _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 def server_ports(tries: int = PORT_TRIES) -> list[int]:
     """The ports to try, in order, for a server given none: `tries` random ones of SERVER_PORTS
-    below this node's ephemeral range, then 0 (any free port: the range is full, or overlaps it)."""
+    below this node's ephemeral range, then 0 (any free port: for when every one tried was taken,
+    or the ephemeral range leaves SERVER_PORTS no room)."""
     try:
         low = int(_EPHEMERAL.read_text().split()[0])
     except (OSError, ValueError, IndexError):  # (not Linux): the usual range's start
