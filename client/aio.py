@@ -419,8 +419,7 @@ class AsyncMemoryClient:
             # the coordinator of a cluster this host's endpoint file names, its address answered by
             # another server: it restarted on a new port, which `up` writes there within seconds
             # (_follow): asked again, as a coordinator restarting is (a write, not retried, fails)
-            if self._home is not None and (said := other_server(err, from_rpc_error(err, where), "coordinator",
-                                                                 f"ControlPlane/{method}")):
+            if self._home is not None and (said := other_server(err, "coordinator", f"ControlPlane/{method}")):
                 raise UnavailableError(f"the address answers, but not as a memserver coordinator: {said}",
                                        target=where) from None
             details = err.details() or ""
@@ -631,11 +630,13 @@ class AsyncMemoryClient:
         if old is None:
             return
         now = new.servers  # an address gone, or now another shard server's (two shards that swapped ports)
-        gone = {a for a, server in old.servers.items() if a not in now or now[a] != server}
-        if gone:
+
+        def stale(a: str, server: int | None) -> bool:
+            return a not in now or now[a] != server
+
+        if any(stale(a, server) for a, server in old.servers.items()):
             for other, meta in list(self._tables.items()):
-                if other != new.name and any(a in gone and (a not in now or now[a] != server)
-                                             for a, server in meta.servers.items()):
+                if other != new.name and any(a in old.servers and stale(a, server) for a, server in meta.servers.items()):
                     del self._tables[other]
 
     async def _call(self, table: str, make_op: Callable[[TableMeta], Op], tags: WriteTags | None = None,

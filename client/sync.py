@@ -167,15 +167,14 @@ class MemoryClient:
                     deadline = None if timeout is None else time.monotonic() + timeout  # the attempt's, for all
                     rung = transport.ring(calls, sent, self.aio.shm, timeout, meta.servers)
                     by_grpc = [i for i, r in enumerate(rung) if r is None]
-                    named = [shard_metadata(meta.servers.get(a)) for a, _, _ in calls]
-                    futures = {i: self._methods(calls[i][0])[calls[i][1]].future(sent[i][0], timeout=timeout,
-                                                                                  metadata=named[i])
-                               for i in by_grpc[:-1]}
+                    futures = {i: self._methods(calls[i][0])[calls[i][1]].future(
+                        sent[i][0], timeout=timeout, metadata=shard_metadata(meta.servers.get(calls[i][0])))
+                        for i in by_grpc[:-1]}
                     if by_grpc:
                         i = by_grpc[-1]
                         try:
-                            outcomes[i] = self._methods(calls[i][0])[calls[i][1]](sent[i][0], timeout=timeout,
-                                                                                  metadata=named[i])
+                            outcomes[i] = self._methods(calls[i][0])[calls[i][1]](
+                                sent[i][0], timeout=timeout, metadata=shard_metadata(meta.servers.get(calls[i][0])))
                         except grpc.RpcError as err:
                             outcomes[i] = err
                     for i, fut in futures.items():

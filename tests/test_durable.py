@@ -241,7 +241,7 @@ def test_a_server_given_no_port_takes_one_below_the_ephemeral_range(tmp_path, mo
     from pathlib import Path
 
     from memserver.loop import LoopThread
-    from memserver.server import grpcserver, metrics, rayutil
+    from memserver.server import metrics, rayutil
     from memserver.server.grpcserver import serve_on
 
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -252,11 +252,11 @@ def test_a_server_given_no_port_takes_one_below_the_ephemeral_range(tmp_path, mo
     server, port = serve_on(loop, lambda s: None, [], "127.0.0.1", state=tmp_path / "port.json")
     try:
         assert port in rayutil.SERVER_PORTS and port < low
-        with socket.socket() as squatter:
+        with socket.socket() as squatter, monkeypatch.context() as m:
             squatter.bind(("127.0.0.1", 0))
             squatter.listen()
             taken = squatter.getsockname()[1]
-            monkeypatch.setattr(grpcserver, "server_ports", lambda: [port, taken, 0])  # both held
+            m.setattr(rayutil, "server_ports", lambda: [port, taken, 0])  # both held
             other, at = serve_on(loop, lambda s: None, [], "127.0.0.1")
             assert at not in (port, taken)
             loop.call(other.stop(None))

@@ -221,11 +221,12 @@ class ShardGoneError(UnavailableError):
     ended said half applied (a CI run, a shard's old port answering UNIMPLEMENTED)."""
 
 
-def other_server(err: grpc.RpcError, exc: MemserverError, what: str, method: str) -> str | None:
+def other_server(err: grpc.RpcError, what: str, method: str) -> str | None:
     """What answered `method` at the address of a memserver `what` ("shard", "coordinator") this
     client knows runs, when it is no such server (another gRPC server, one that is no gRPC server,
     a plaintext one where the cluster speaks TLS: the server restarted elsewhere and another took
-    its old port), said for the error; None for any other failure (`exc`: err as from_rpc_error)."""
+    its old port), said for the error; None for any other failure."""
+    exc = from_rpc_error(err)
     if exc.code == grpc.StatusCode.UNIMPLEMENTED:
         return (f"UNIMPLEMENTED: {exc.details or 'no details'}: another gRPC server has the {what}'s old port (the "
                 f"{what} restarted elsewhere?), or the {what} runs an older memserver without {method}")
@@ -244,7 +245,7 @@ def shard_error(err: grpc.RpcError, address: str, method: str) -> MemserverError
     (ShardGoneError). A certificate the client does not trust stays a TlsError, raised at once:
     a retry could not change it."""
     exc = from_rpc_error(err, f"shard {address}")
-    said = other_server(err, exc, "shard", f"DataPlane/{method}")
+    said = other_server(err, "shard", f"DataPlane/{method}")
     if said is None:
         return exc
     return ShardGoneError(f"the address answers, but not as a memserver shard: {said}", grpc.StatusCode.UNAVAILABLE,

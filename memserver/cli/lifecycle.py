@@ -407,10 +407,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         ready = True
         print(f"memserver ready at {cluster.endpoint}", flush=True)
         log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
-        look = time.monotonic() + COORDINATOR_LOOK_S
-        while not stop.wait(0.5):
-            if time.monotonic() < look:
-                continue
+        while not stop.wait(COORDINATOR_LOOK_S):  # (returns at once when stopped)
             now = cluster.coordinator_address()
             if now is not None and now != record["endpoint"]:  # clients that read the file follow (AsyncMemoryClient._follow)
                 try:
@@ -424,7 +421,6 @@ def cmd_up(args: argparse.Namespace) -> int:
                                 "names it now (clients given %s by address must be given the new one)", now, path,
                                 record["endpoint"])
                     record, cluster.endpoint = moved, now
-            look = time.monotonic() + COORDINATOR_LOOK_S
         log.info("stopping")
     except _Stopped:
         log.info("stopped before the cluster was ready")

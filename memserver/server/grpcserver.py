@@ -40,7 +40,7 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
 from memserver.server.admission import SERVER_OPTIONS, Admission
 from memserver.server.config import ServeConfig
-from memserver.server.rayutil import server_ports
+from memserver.server.rayutil import bind_first
 from memserver.storage.fsutil import atomic_write
 from memserver.wire import GRPC_OPTIONS, SHARD_HEADER, WRONG_SHARD, check_enums, parse_views, to_bytes
 
@@ -422,30 +422,19 @@ def serve_on(loop: LoopThread, register: Callable[[grpc.aio.Server], None], serv
     `memserver up --port P` on a data directory of an earlier run served on that run's port, and
     a taken --port fell back to another, unsaid: a hunt.)"""
     recorded = int(json.loads(state.read_text()).get("port", 0)) if state is not None and state.exists() else 0
-    wanted = port or recorded
 
     def start(p: int) -> tuple[grpc.aio.Server, int]:
         return loop.call(start_server(register, service_names, host, p, metrics=metrics, config=config,
                                       admission=admission, shard=shard))
 
-    got = None
-    if wanted:
+    if port:
         try:
-            got = start(wanted)
+            server, bound = start(port)
         except RuntimeError:
-            if port:
-                raise RuntimeError(f"{what}: port {port} on {host} is taken by another process (--port): give another, "
-                                   "or 0 for any free port") from None
-            log.warning("%s: port %d is taken; serving on a new port", what, wanted)
-    for p in [] if got else server_ports():  # one a restart finds free again (server_ports)
-        try:
-            got = start(p)
-            break
-        except RuntimeError:
-            if not p:
-                raise
-    assert got is not None
-    server, bound = got
+            raise RuntimeError(f"{what}: port {port} on {host} is taken by another process (--port): give another, "
+                               "or 0 for any free port") from None
+    else:
+        server, bound = bind_first(start, RuntimeError, recorded, what)
     if state is not None:
         atomic_write(state, lambda f: f.write(json.dumps({"port": bound, "host": host}).encode()))
     return server, bound

@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.cluster.secure import is_loopback, loopback_host_header
-from memserver.server.rayutil import server_ports
+from memserver.server.rayutil import bind_first
 from memserver.storage.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
@@ -135,16 +135,9 @@ class ServerMetrics:
         recorded = 0
         with contextlib.suppress(OSError, ValueError, AttributeError):
             recorded = int(json.loads(state.read_text())["port"]) if state is not None else 0
-        tries = [recorded, *server_ports()] if recorded else server_ports()
-        for port in tries:  # taken meanwhile (or no recorded one): one a restart finds free, recorded in its place
-            try:
-                self._server = make_server(host, port, app, server, handler_class=_MetricsHandler)
-                break
-            except OSError:
-                if not port:
-                    raise
-                if port == recorded:
-                    log.warning("metrics: port %d is taken; serving on a new port", recorded)
+        # (taken meanwhile, or none recorded: one a restart finds free, recorded in its place)
+        self._server = bind_first(lambda p: make_server(host, p, app, server, handler_class=_MetricsHandler), OSError,
+                                  recorded, "metrics")
         if state is not None and self._server.server_port != recorded:
             port = self._server.server_port
             atomic_write(state, lambda f: f.write(json.dumps({"port": port}).encode()))

@@ -10,9 +10,13 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+
+log = logging.getLogger(__name__)
 
 #: Environment variable that overrides the address every memserver server binds and advertises.
 BIND_HOST_ENV = "MEMSERVER_BIND_HOST"
@@ -166,6 +170,24 @@ def server_ports(tries: int = PORT_TRIES) -> list[int]:
         low = 32768
     pool = [p for p in range(SERVER_PORTS.start, min(SERVER_PORTS.stop, low)) if p not in _OTHERS]
     return [*random.SystemRandom().sample(pool, min(tries, len(pool))), 0]
+
+
+T = TypeVar("T")
+
+
+def bind_first(bind: Callable[[int], T], taken: type[Exception], recorded: int = 0, what: str = "server") -> T:
+    """`bind(port)` on the port `recorded` by an earlier run (0: none), else on each of
+    server_ports() in turn: the first that binds (`taken`: bind's error for a port in use; at the
+    last, port 0, it is raised). The one rule of a gRPC server's and a metrics endpoint's port."""
+    for port in [recorded, *server_ports()] if recorded else server_ports():
+        try:
+            return bind(port)
+        except taken:
+            if not port:
+                raise
+            if port == recorded:
+                log.warning("%s: port %d is taken; serving on a new port", what, port)
+    raise AssertionError("unreachable: server_ports() ends with 0")
 
 
 def bind_host() -> str:
