@@ -460,6 +460,42 @@ def test_a_commit_interrupted_while_it_resends_an_earlier_decision_aborts_its_st
 
 
 @pytest.mark.parametrize("by", ["sync", "aio"])
+def test_the_aborts_kept_for_interrupted_commits_are_bounded(pairs, monkeypatch, by):
+    """Each commit interrupted while it re-sent an undeliverable decision kept one more abort,
+    without end while the shard stayed away, and each commit re-sent them all. Past
+    MAX_KEPT_ABORTS of a table (here 2) a never-prepared step's parts are dropped in the client
+    alone: its commit is refused, its parts stay open on the shards and apply nothing, and the
+    table equals a run that never sent those steps."""
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+        send_part(p.client, 2, 2)
+    ref.client.commit_step(NAME, 2)
+    session = run.client.aio.session
+    commit = _interrupted_commits(run, monkeypatch, by)
+    monkeypatch.setattr(session, "MAX_KEPT_ABORTS", 2)
+    commit(2)  # step 2's COMMIT kept for shard 1
+    for step in (3, 4, 5, 6):
+        send_part(run.client, step, step)
+        commit(step)  # interrupted while it re-sends the kept decisions
+    assert list(session.undecided(NAME)) == [2, 3, 4]  # step 2's COMMIT, then two aborts: no more
+    assert not session._parts and all(c.parts and not c.prepared for st in (5, 6) for c in run.slice(1).steps[st].values())
+    monkeypatch.undo()
+    with pytest.raises(StepAbortedError, match=r"table m: step 5 is not committed: its commit was interrupted "
+                                               r"\((KeyboardInterrupt|CancelledError)\) before its decision went out, "
+                                               r"with 2 aborts of earlier steps of the table still kept"):
+        run.client.commit_step(NAME, 5)  # (delivers the kept decisions first)
+    assert not session.undecided(NAME) and not any(st in run.slice(i).steps for st in (2, 3, 4) for i in range(2))
+    send_part(run.client, 6, 7)  # a dropped step sent again: its commit lists the new part alone
+    send_part(ref.client, 6, 7)
+    for p in (run, ref):
+        p.client.commit_step(NAME, 6)
+        train_step(p.client, 7, (8,))
+    assert_same(run.state(), ref.state())
+    assert not session._in_flight
+
+
+@pytest.mark.parametrize("by", ["sync", "aio"])
 def test_a_retried_commit_interrupted_while_it_resends_its_own_steps_kept_commit_keeps_that_commit(pairs, monkeypatch,
                                                                                                    by):
     """A review: step 2's commit interrupted with its COMMIT out (kept), then the same step's

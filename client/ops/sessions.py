@@ -31,13 +31,17 @@ class ClientSession:
     most recently written), with the slice's last `rebuilt` (a table made anew, here or by another
     client, replaces its old slices' entries);
     `_parts` the steps
-    sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_undecided` the
-    decisions a shard could not be reached with, re-sent by the table's next commit_step;
+    sent and not committed (at most MAX_OPEN_STEPS, the oldest dropped first); `_forgotten` as
+    many steps whose parts were dropped here, each with why (its commit is refused); `_undecided` the
+    decisions a shard could not be reached with, re-sent by the table's next commit_step: per
+    table at most one that follows a PREPARE (a commit sends its own only once every kept one is
+    delivered) and MAX_KEPT_ABORTS aborts of steps never prepared (client.ops.steps._Pending);
     `_rebuilds` one entry per table whose slices this client saw rebuilt, kept (a count that only
     grows): as many as the rollbacks this client lived through."""
 
     MAX_OPEN_STEPS = 64
     MAX_KNOWN_TABLES = 1024
+    MAX_KEPT_ABORTS = 8
 
     def __init__(self, client_id: str) -> None:
         self.client_id = client_id
@@ -51,9 +55,9 @@ class ClientSession:
         # (table, step) -> (the table layout its parts went to, shard index -> the seqs of the
         # gather parts that shard acknowledged)
         self._parts: dict[tuple[str, int], tuple[int, dict[int, set[int]]]] = {}
-        # the steps whose parts were dropped past MAX_OPEN_STEPS (as many, the latest): their commit
-        # is refused, not taken as a commit of nothing
-        self._forgotten: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        # the steps whose parts were dropped here (MAX_OPEN_STEPS of them, the latest), each with why:
+        # their commit is refused, not taken as a commit of nothing
+        self._forgotten: collections.OrderedDict[tuple[str, int], str] = collections.OrderedDict()
         self._calls: dict[tuple[str, int], set[int]] = {}  # the calls _parts' parts are of (abandon_step's count)
         self._undecided: dict[str, dict[int, tuple[int, WriteTags, dict[int, list[int]] | None, bool]]] = {}
         # table -> (the rebuilds of its slices seen since this client wrote to them, the latest's text)
@@ -170,11 +174,8 @@ class ClientSession:
         with self._lock:  # several threads may send parts of one step
             if key not in self._parts and len(self._parts) >= self.MAX_OPEN_STEPS:
                 gone = next(iter(self._parts))
-                del self._parts[gone]
-                self._calls.pop(gone, None)
-                self._forgotten[gone] = None
-                while len(self._forgotten) > self.MAX_OPEN_STEPS:
-                    self._forgotten.popitem(last=False)
+                self._drop_step(gone, f"this client dropped its parts when more than {self.MAX_OPEN_STEPS} of its "
+                                      "steps had parts sent and none committed (commit each step before that many open)")
                 log.warning("table %s: step %d's parts are forgotten: this client holds the parts of at most %d steps "
                             "not committed; its commit will be refused", gone[0], gone[1], self.MAX_OPEN_STEPS)
             self._forgotten.pop(key, None)
@@ -188,13 +189,25 @@ class ClientSession:
         none, it applied nothing and said nothing, and opened the step again on the shards."""
         with self._lock:
             if (table, step) in self._forgotten and (table, step) not in self._parts:
-                del self._forgotten[table, step]
-                raise StepAbortedError(f"table {table}: step {step} is not committed: this client dropped its parts "
-                                       f"when more than {self.MAX_OPEN_STEPS} of its steps had parts sent and none "
-                                       "committed (commit each step before that many open); send the step again")
+                why = self._forgotten.pop((table, step))
+                raise StepAbortedError(f"table {table}: step {step} is not committed: {why}; send the step again")
             layout, shards = self._parts.pop((table, step), (0, {}))
             self._calls.pop((table, step), None)
         return {sh: sorted(seqs) for sh, seqs in shards.items()}, layout
+
+    def drop_step(self, table: str, step: int, why: str) -> None:
+        """Forget the parts of `step` and refuse its next commit, saying `why` (unless parts are
+        sent again first: the commit then lists those alone, and each shard drops the others)."""
+        with self._lock:
+            self._drop_step((table, step), why)
+
+    def _drop_step(self, key: tuple[str, int], why: str) -> None:
+        self._parts.pop(key, None)
+        self._calls.pop(key, None)
+        self._forgotten[key] = why
+        self._forgotten.move_to_end(key)
+        while len(self._forgotten) > self.MAX_OPEN_STEPS:
+            self._forgotten.popitem(last=False)
 
     def forget_step(self, table: str, step: int) -> int:
         """Forget the parts of `step`; returns how many calls sent them, as LocalValues counts (a

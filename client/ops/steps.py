@@ -153,6 +153,7 @@ def settle_interrupted(plan: CommitPlan, why: BaseException) -> None:
         plan.close()
         return
     lost = _Interrupted(f"the call was interrupted ({type(why).__name__}) before its answer came")
+    lost.cause = type(why).__name__
     try:
         while True:
             plan.send(lost)
@@ -161,7 +162,10 @@ def settle_interrupted(plan: CommitPlan, why: BaseException) -> None:
 
 
 class _Interrupted(UnavailableError):
-    """settle_interrupted's answer for each call an interrupted commit would send."""
+    """settle_interrupted's answer for each call an interrupted commit would send; `cause`: what
+    interrupted it, by name."""
+
+    cause = ""
 
 
 class _Pending:
@@ -171,7 +175,8 @@ class _Pending:
     drop): the one the plan chose, or the PREPARE_COMMIT it sends, kept to re-send; None: none
     chosen yet, so nothing is committed anywhere and the step is aborted: its parts, open on the
     shards, by an ABORT kept the same way, and forgotten here (they were left open, the decision
-    dropped once the PREPARE went out: hunts). `settled`: the plan delivered its decision or kept
+    dropped once the PREPARE went out: hunts); past ClientSession.MAX_KEPT_ABORTS such aborts of
+    the table, dropped here alone (its commit refused). `settled`: the plan delivered its decision or kept
     it itself. `tags`: the plan's tags, released unless kept (else their seqs stay in flight)."""
 
     def __init__(self) -> None:
@@ -181,10 +186,22 @@ class _Pending:
 
     def keep(self, session: ClientSession, table: str, step: int, exc: BaseException) -> None:
         if not self.settled and (isinstance(exc, _Interrupted) or not isinstance(exc, MemserverError)):
+            cause = getattr(exc, "cause", "") or type(exc).__name__  # (a Ctrl-C, a cancelled task: not ours)
             if self.decision is not None:
                 session.set_undecided(table, step, self.decision)
             elif step in session.undecided(table):  # interrupted re-sending the step's own kept decision (a
                 pass  # retried commit): kept as it is; an abort over a COMMIT some shards have split the step (a review)
+            elif sum(t.drops_parts for _, t, _, _ in session.undecided(table).values()) >= session.MAX_KEPT_ABORTS:
+                # Bounded: a kept abort is re-sent by each commit, and while a shard stays away each interrupted
+                # commit kept one more. This step was never prepared, so its parts, open on the shards, apply only if
+                # a PREPARE lists them: left to the shards (dropped past their open steps, or when the session expires)
+                session.drop_step(table, step, f"its commit was interrupted ({cause}) before its "
+                                               f"decision went out, with {session.MAX_KEPT_ABORTS} aborts of earlier "
+                                               "steps of the table still kept to re-send")
+                log.warning("table %s: step %d is not committed: its commit was interrupted (%s) before its decision "
+                            "went out; its parts are dropped here, not aborted on the shards (%d aborts of the table "
+                            "wait to be delivered already): nothing of it applies; send the step again", table, step,
+                            cause, session.MAX_KEPT_ABORTS)
             else:
                 session.forget_step(table, step)
                 abort = WriteTags(session)
@@ -194,7 +211,7 @@ class _Pending:
                 session.set_undecided(table, step, (pb.STEP_ABORT, abort, None, False))
                 log.warning("table %s: step %d is not committed: its commit was interrupted (%s) before its decision "
                             "went out; the step is aborted, nothing of it applied, by an abort sent before the "
-                            "table's next commit: send the step again", table, step, type(exc).__name__)
+                            "table's next commit: send the step again", table, step, cause)
         kept = session.undecided(table).get(step)
         for tags in self.tags:
             if kept is None or kept[1] is not tags:
