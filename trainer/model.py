@@ -179,12 +179,12 @@ class GPT(nn.Module):
         for layer in self.memories().values():
             layer.warm(idx)
 
-    def prefetch(self, idx: torch.Tensor, max_age: int = 0) -> int:
+    def prefetch(self, idx: torch.Tensor, max_age: int = 0, count: bool = True) -> int:
         """Send the reads of every token-addressed memory layer for a forward on `idx` [B, T] now
         (see MemoryLayer.prefetch); returns how many layers did."""
         layers = [m for m in self.memories().values() if m.token_addressed]
         for layer in layers:
-            layer.prefetch(idx, max_age)
+            layer.prefetch(idx, max_age, count)
         return len(layers)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

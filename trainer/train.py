@@ -966,6 +966,10 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         # is done (`warm`: their pages read ahead while the backward runs, values unread). Stale (>= 1): when step t starts, overlapping all of step t, so
         # they read rows without step t's update (the table as of step t-1).
         prefetch = not args.no_prefetch and any(m.token_addressed for m in model.memories().values())
+        if resumed and prefetch and args.staleness > 0 and first <= args.steps:
+            # The checkpoint's slot statistics hold step `first`'s reads: its stale prefetch left when the
+            # step before started, before the save. Read again (fresh: that read is not kept), not counted twice
+            model.prefetch(batches.peek(), max_age=1, count=False)
         args.training = True  # (an error from here on stopped a run on its way: `_go_on`)
         for step in range(first, args.steps + 1):
             x, y = batches.next()

@@ -290,24 +290,26 @@ class MemoryLayer(nn.Module):
         """Begin a chunk's read: address it and, when chunks overlap, send its bag now."""
         return self.send(*self.address(q), overlap)
 
-    def send(self, ids: torch.Tensor, w: torch.Tensor, now: bool) -> Any:
-        """A chunk's addresses -> what `finish` takes: (ids, weights, the bag in flight or None)."""
+    def send(self, ids: torch.Tensor, w: torch.Tensor, now: bool, count: bool = True) -> Any:
+        """A chunk's addresses -> what `finish` takes: (ids, weights, the bag in flight or None).
+        `count` False: a read sent now leaves the slot statistics alone (an eval's never counts)."""
         flat_ids, flat_w = ids.reshape(-1, ids.shape[1] // self.groups), w.reshape(-1, w.shape[1] // self.groups)
         # checked only when sent now: a read not sent yet is checked once, by `bag` (a GPU waits per check)
         ok = not now or not looks_for_nonfinite(flat_w, self.values) or finite(flat_w)  # (else: `bag` reads NaN rows)
-        return ids, w, self.values.submit_bag(flat_ids, flat_w, count=self.training) if now and ok else None
+        return ids, w, self.values.submit_bag(flat_ids, flat_w, count=self.training and count) if now and ok else None
 
-    def _send_tokens(self, tokens: torch.Tensor, chunks: int, now: bool) -> list[Any]:
+    def _send_tokens(self, tokens: torch.Tensor, chunks: int, now: bool, count: bool = True) -> list[Any]:
         """A token-addressed forward's reads, cut into the chunks `forward` cuts its queries into."""
         ids, w = self.address_tokens(tokens)
         if chunks == 1:
-            return [self.send(ids, w, now)]
-        return [self.send(i, v, now) for i, v in zip(ids.chunk(chunks), w.chunk(chunks))]
+            return [self.send(ids, w, now, count)]
+        return [self.send(i, v, now, count) for i, v in zip(ids.chunk(chunks), w.chunk(chunks))]
 
-    def prefetch(self, tokens: torch.Tensor, max_age: int = 0) -> None:
+    def prefetch(self, tokens: torch.Tensor, max_age: int = 0, count: bool = True) -> None:
         """Send the reads of a forward on `tokens` [B, T] now. The forward of the same tokens uses
         them if the values took at most `max_age` updates since (0: exact, the read the forward
-        would make; 1: one update old, the trainer's stale mode). Keeps the two latest."""
+        would make; 1: one update old, the trainer's stale mode). Keeps the two latest. `count`
+        False: the slot statistics hold these reads already (a resumed stale run's first step)."""
         if not self.token_addressed:
             return
         if not isinstance(tokens, torch.Tensor):  # numpy or lists, as forward takes them
@@ -316,7 +318,7 @@ class MemoryLayer(nn.Module):
             raise ValueError(f"{type(self).__name__}: tokens must be [B, T], got {list(tokens.shape)}")
         check_token_ids(tokens, type(self).__name__)
         version = self.values.version
-        started = self._send_tokens(tokens, self.micro_batches, True)
+        started = self._send_tokens(tokens, self.micro_batches, True, count)
         # as many chunks as torch cut (128 positions in 17 are 16 of 8: the forward asks for 16, and
         # a prefetch kept as 17 never matched, read again and counted twice: a hunt)
         self.prefetched = [*self.prefetched[-1:], Prefetch(tokens.clone(), len(started), version, max_age, started)]
