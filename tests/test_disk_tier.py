@@ -552,6 +552,41 @@ def test_full_disk_is_refused_at_creation(tmp_path, monkeypatch):
             subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def test_a_read_only_data_directory_is_a_status_naming_the_table_and_path(tmp_path, monkeypatch):
+    """A hunt: on a read-only filesystem (a disk remounted read-only after errors) the cleanup's
+    unlink of the file it could not make raised EROFS (Linux refuses even a missing file's unlink
+    there) in place of the refusal, and a slice folder not made yet failed in mkdir: a bare
+    OSError, INTERNAL to the client. A real read-only bind mount where we may make one, else
+    every call that writes there failing as that filesystem does."""
+    cfg = OptimizerConfig("adagrad", 0.1)
+    src, mnt = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    mnt.mkdir()
+    (src / "made").mkdir()  # a slice folder there already
+    mounted = os.geteuid() == 0 and all(subprocess.run(cmd, capture_output=True).returncode == 0 for cmd in (
+        ["mount", "--bind", str(src), str(mnt)], ["mount", "-o", "remount,bind,ro", str(mnt)]))
+    try:
+        if not mounted:
+            (mnt / "made").mkdir()
+
+            def erofs(*_: object, **__: object) -> None:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+            real_mkdir = Path.mkdir
+            for where, name in ((os, "open"), (Path, "unlink")):
+                monkeypatch.setattr(where, name, erofs)
+            monkeypatch.setattr(Path, "mkdir", lambda p, *a, **k: real_mkdir(p, *a, **k) if p.exists() else erofs())
+        ro = os.strerror(errno.EROFS)
+        with pytest.raises(FailedPreconditionError, match=rf"table t: cannot (allocate [0-9,]+ bytes for|make) "
+                                                          rf"{mnt}/made/rows.dat: {ro}; the shards' data directory"):
+            DiskTable(mnt / "made", 100, 8, cfg, cache_bytes=4096, name="t")
+        with pytest.raises(FailedPreconditionError, match=rf"table t: cannot make {mnt}/new/disk: {ro}"):
+            DiskTable(mnt / "new" / "disk", 100, 8, cfg, cache_bytes=4096, name="t")
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 @pytest.mark.parametrize("err, status, says", [
     (errno.EFBIG, ResourceExhaustedError, "larger than a file may be there"),
     (errno.EACCES, FailedPreconditionError, "Permission denied; the shards' data directory must let them make files"),

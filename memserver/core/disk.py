@@ -39,6 +39,7 @@ disk is refused then, by name, and never hits a write-back later.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -950,7 +951,10 @@ class DiskTable(ValueTable):
         self.disk_reads = self.disk_writes = 0  # rows read from / written to rows.dat
         self.since = time.monotonic()  # the counters' start
         self.read_rate, self.write_rate = RecentRate(), RecentRate()  # their recent rates (status)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._file_error(self.dir, 0, exc) from None
         self._fd = self._sfd = -1
         self._map = self._smap = None
         self._ahead = _ReadAhead(np.zeros((0, self.record), np.uint8), self.name)
@@ -961,8 +965,9 @@ class DiskTable(ValueTable):
             # and the deleted file stays open (its space held) for as long as the caller keeps the error
             traceback.clear_frames(exc.__traceback__)
             self.close()
-            self.path.unlink(missing_ok=True)
-            self.stats_path.unlink(missing_ok=True)
+            for path in (self.path, self.stats_path):  # (a read-only filesystem refuses even a missing file's
+                with contextlib.suppress(OSError):  # unlink: EROFS raised in place of the error that says why, a hunt)
+                    path.unlink(missing_ok=True)
             raise
 
     def _create(self, global_rows: np.ndarray | None, col_start: int, total_dim: int, init_std: float | None,
@@ -1003,7 +1008,8 @@ class DiskTable(ValueTable):
                 m = mmap.mmap(fd, size)
         except OSError as exc:
             os.close(fd)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             raise self._file_error(path, size, exc) from None
         if not size:
             return fd, None, np.zeros(0, dtype=np.uint8)
@@ -1016,7 +1022,7 @@ class DiskTable(ValueTable):
         """A file that cannot be made, as a status naming the table and the path: a full disk or a
         size limit is room (RESOURCE_EXHAUSTED), anything else the data directory's state
         (FAILED_PRECONDITION); a bare OSError reached the client as INTERNAL, naming neither (a hunt)."""
-        what = f"table {self.name}: cannot allocate {size:,} bytes for {path}"
+        what = f"table {self.name}: cannot allocate {size:,} bytes for {path}" if size else f"table {self.name}: cannot make {path}"
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return ResourceExhaustedError(
                 f"{what}: the disk is full ({exc.strerror}); free space there, give the shards a larger data directory "
