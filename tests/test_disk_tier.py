@@ -1486,3 +1486,53 @@ def test_status_of_a_shard_without_recent_rates_falls_back_to_its_counters():
     new = pb.TableLoad(tier="disk", disk_reads=600, disk_seconds=60.0, disk_reads_per_s=0.5)
     assert _disk_dict(new)["disk_reads_per_s"] == 0.5 and _disk_dict(pb.TableLoad(tier="disk"))["disk_reads_per_s"] == 0
     assert _disk_dict(pb.TableLoad(tier="disk"))["hit_rate"] is None  # nothing read yet: no rate, not 0% (as the page)
+
+
+def test_a_write_meeting_a_corrupt_row_of_a_table_without_wal_is_refused_alone(tmp_path):
+    """A hunt: on a disk table without `wal`, a write that met a corrupt record (refused DATA_LOSS
+    before it changed any row) marked the slice "a write failed part way", and every later write
+    and checkpoint of healthy rows was refused until a restart, which without a log drops the
+    writes since the checkpoint. Such a write is refused alone now; the DATA_LOSS says what a
+    restart keeps without a log."""
+    import grpc
+
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
+    from memserver.server.catalog import plan_table, validate_spec
+    from memserver.server.shard_actor import ShardActor
+    from memserver.wire import decode, encode
+
+    spec = validate_spec(pb.TableSpec(name="d", num_rows=500, dim=8, sharding=pb.ROWS, seed=2, init_std=0.1, tier="disk",
+                                      cache_bytes=8192, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0)), 1)
+    shard = ShardActor(0, host="127.0.0.1", data_dir=str(tmp_path))
+    try:
+        shard.create_table(spec.SerializeToString(), plan_table(spec, [shard.info()]).shards[0].SerializeToString(), 1)
+        sl = shard.servicer.tables["d"]
+        row = 321
+        with open(sl.table.path, "r+b") as f:  # a record the cache does not hold, damaged on disk
+            f.seek(row * sl.table.record + 24)
+            f.write(b"\xff\xff\xff\xff")
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = pb_grpc.DataPlaneStub(ch)
+
+            def write(ids: list[int], value: float, seq: int) -> None:
+                stub.WriteRows(pb.WriteRowsRequest(table="d", ids=encode(torch.tensor(ids)),
+                                                   rows=encode(torch.full((len(ids), 8), value)),
+                                                   tag=pb.WriteTag(client_id="c", seq=seq)))
+
+            before = decode(stub.Lookup(pb.LookupRequest(table="d", ids=encode(torch.tensor([1])))).rows, "rows")
+            with pytest.raises(grpc.RpcError) as err:
+                write([1, row], 7.0, 1)
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS
+            assert err.value.details().endswith(f"row {row} of {sl.table.path} is corrupt (its checksum does not match); "
+                                                "restart the shard to rebuild it from its checkpoint and, for a table "
+                                                "with `wal`, its write-ahead log (without one, its writes since that "
+                                                "checkpoint are lost), or restore the table"), err.value.details()
+            got = decode(stub.Lookup(pb.LookupRequest(table="d", ids=encode(torch.tensor([1])))).rows, "rows")
+            assert torch.equal(got, before)  # nothing of the refused write
+            write([1, 2], 5.0, 2)  # other rows' writes go on
+            got = decode(stub.Lookup(pb.LookupRequest(table="d", ids=encode(torch.tensor([1, 2])))).rows, "rows")
+            assert (got == 5.0).all()
+        assert sl.writes_refused() == ""
+    finally:
+        shard.stop()

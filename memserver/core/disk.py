@@ -1210,9 +1210,12 @@ class DiskTable(ValueTable):
         return src
 
     def _corrupt(self, row: int) -> DataLossError:
-        return DataLossError(f"table {self.name}: row {row} of {self.path} is corrupt (its checksum does not match); "
-                             "restart the shard to rebuild the file from its checkpoint and write-ahead log, or restore "
-                             "the table")
+        """Raised where a call finds the record, before it changes any row (a write's `_gather`
+        comes first): `changed_nothing`, so a slice without a log goes on taking other writes."""
+        err = DataLossError(f"table {self.name}: row {row} of {self.path} is corrupt (its checksum does not match); "
+                            f"{_REBUILD}, or restore the table")
+        err.changed_nothing = True  # type: ignore[attr-defined]
+        return err
 
     def _check_records(self, rows: np.ndarray, heal: bool = False) -> None:
         """DATA_LOSS naming the first of `rows` whose record in the file fails its checksum. For

@@ -245,6 +245,8 @@ class TableSlice:
         try:
             answer = apply()
         except Exception as exc:
+            if self.wal is None and getattr(exc, "changed_nothing", False):
+                raise  # refused before it changed a row, and not logged: the table is what was acknowledged
             self.fail_writes(self._apply_failed(exc))
             if self.wal is not None and isinstance(exc, MemserverError) and not self.replaying:
                 # the log holds it: the restart that rebuilds the slice applies it (a client sending it
