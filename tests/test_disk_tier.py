@@ -1536,3 +1536,26 @@ def test_a_write_meeting_a_corrupt_row_of_a_table_without_wal_is_refused_alone(t
         assert sl.writes_refused() == ""
     finally:
         shard.stop()
+
+
+def test_a_default_cache_follows_a_restore_into_more_shards(tmp_path):
+    """A hunt: a small disk table made without cache_bytes on 1 shard (its default, the 1 KiB
+    minimum of one shard), restored into 2 shards as saved, was refused for a cache_bytes nobody
+    gave ("needs at least 1024 bytes of cache per shard (2048 over 2), got 1024"). A default is
+    the default again for the new shard count; a cache the user gave is kept."""
+    from client import MemoryClient
+    from memserver.api.v1 import memserver_pb2 as pb
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.server.catalog import default_cache_bytes
+
+    with InProcessServer(2, data_dir=str(tmp_path / "data")) as s, MemoryClient(s.endpoint, timeout=60) as cl:
+        small = cl.create_table("t", 100, 8, tier="disk", num_shards=1)
+        given = cl.create_table("g", 100, 8, tier="disk", num_shards=1, cache_bytes=4000)
+        assert small.cache_bytes == 1024 and given.cache_bytes == 4000
+        cl.checkpoint(str(tmp_path / "ck"), step=1)
+        got = {m.name: m for m in cl.restore(str(tmp_path / "ck"), replace=True, num_shards=2)}
+        spec = pb.TableSpec(name="t", num_rows=100, dim=8, tier="disk", optimizer=pb.OptimizerSpec(name="adagrad"))
+        assert (got["t"].cache_bytes, len(got["t"].shards)) == (default_cache_bytes(spec, 2), 2) == (2048, 2)
+        assert (got["g"].cache_bytes, len(got["g"].shards)) == (4000, 2)
+        back = {m.name: m for m in cl.restore(str(tmp_path / "ck"), replace=True, num_shards=1)}
+        assert back["t"].cache_bytes == 1024 and back["g"].cache_bytes == 4000

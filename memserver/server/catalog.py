@@ -102,12 +102,18 @@ TIERS = ("ram", "disk")
 DEFAULT_CACHE_FRACTION = 8
 
 
-def retier(spec: pb.TableSpec, tier: str = "", cache_bytes: int = 0) -> pb.TableSpec:
+def retier(spec: pb.TableSpec, tier: str = "", cache_bytes: int = 0, saved_shards: int = 0) -> pb.TableSpec:
     """A saved value table's spec with a restore's tier and cache (Restore's `tier`,
     `cache_bytes`; "" and 0: as saved). A new tier drops the saved cache unless one is given:
-    the disk tier's default, or none in RAM. validate_spec checks the result."""
+    the disk tier's default, or none in RAM. A saved cache that was the default for the
+    `saved_shards` it was made on is the default again for the restore's `num_shards` (a small
+    table's minimum grows with its shards: a restore into more was refused over a cache_bytes
+    nobody gave, a hunt). validate_spec checks the result."""
     if tier and tier != (spec.tier or "ram"):
         spec.tier, spec.cache_bytes = tier, 0
+    elif saved_shards and saved_shards != spec.num_shards and spec.tier == "disk" and spec.cache_bytes:
+        if spec.cache_bytes == default_cache_bytes(spec, saved_shards):
+            spec.cache_bytes = 0
     if cache_bytes:
         if (spec.tier or "ram") != "disk":  # named: a restore of every table of a checkpoint meets RAM ones too
             how = f"this restore puts it in tier {tier!r}" if tier else "it was saved in tier 'ram'"
@@ -122,7 +128,7 @@ def _validate_tier(spec: pb.TableSpec) -> None:
     """tier "disk": float32 rows under a cache of at least MIN_CACHE_BYTES per slice; no
     cache_bytes: 1/DEFAULT_CACHE_FRACTION of the table's records (at least that minimum, and a
     row per slice: a small table's default was refused for holding none, a hunt)."""
-    from memserver.core.disk import MIN_CACHE_BYTES, cache_size, record_layout
+    from memserver.core.disk import MIN_CACHE_BYTES
 
     spec.tier = spec.tier or "ram"
     if spec.tier not in TIERS:
@@ -133,13 +139,9 @@ def _validate_tier(spec: pb.TableSpec) -> None:
         return
     if spec.dtype != pb.FLOAT32:
         raise InvalidArgumentError(f"dtype: a tier 'disk' table stores float32, not {pb.DType.Name(spec.dtype).lower()}")
-    # at least one row of the widest slice (a smaller cache held none: every read went to the file, unsaid)
-    width = -(-spec.dim // spec.num_shards) if spec.sharding == pb.COLS else spec.dim
-    one = cache_size(1, record_layout(width, spec.optimizer.name or "adagrad")[0])
+    one = _one_row_bytes(spec, spec.num_shards)
     if not spec.cache_bytes:
-        records = spec.num_rows * record_layout(spec.dim, spec.optimizer.name or "adagrad")[0]
-        spec.cache_bytes = max(records // DEFAULT_CACHE_FRACTION, MIN_CACHE_BYTES * spec.num_shards,
-                               one * spec.num_shards)
+        spec.cache_bytes = default_cache_bytes(spec, spec.num_shards)
     if spec.cache_bytes < MIN_CACHE_BYTES * spec.num_shards:
         raise InvalidArgumentError(f"cache_bytes: a tier 'disk' table needs at least {MIN_CACHE_BYTES} bytes of cache per "
                                    f"shard ({MIN_CACHE_BYTES * spec.num_shards} over {spec.num_shards}), got {spec.cache_bytes}")
@@ -147,6 +149,23 @@ def _validate_tier(spec: pb.TableSpec) -> None:
         raise InvalidArgumentError(f"cache_bytes: {spec.cache_bytes} over {spec.num_shards} shard(s) leaves "
                                    f"{slice_cache_bytes(spec)} bytes a shard, which holds no row of this table (a cached "
                                    f"row takes {one} bytes here); give at least {one * spec.num_shards}")
+
+
+def _one_row_bytes(spec: pb.TableSpec, shards: int) -> int:
+    """A cache's bytes for one row of the table's widest slice over `shards`."""
+    from memserver.core.disk import cache_size, record_layout
+
+    width = -(-spec.dim // shards) if spec.sharding == pb.COLS else spec.dim
+    return cache_size(1, record_layout(width, spec.optimizer.name or "adagrad")[0])
+
+
+def default_cache_bytes(spec: pb.TableSpec, shards: int) -> int:
+    """A disk table's cache when none is given, spread over `shards`: 1/DEFAULT_CACHE_FRACTION of
+    its records, at least MIN_CACHE_BYTES and one row of the widest slice per shard."""
+    from memserver.core.disk import MIN_CACHE_BYTES, record_layout
+
+    records = spec.num_rows * record_layout(spec.dim, spec.optimizer.name or "adagrad")[0]
+    return max(records // DEFAULT_CACHE_FRACTION, MIN_CACHE_BYTES * shards, _one_row_bytes(spec, shards) * shards)
 
 
 def slice_cache_bytes(spec: pb.TableSpec) -> int:

@@ -787,9 +787,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             field = "tier" if request.tier else "cache_bytes"
             raise InvalidArgumentError(f"{field}: only value tables have a tier and a cache, and {names} holds none")
         for name, spec in specs.items():
+            saved_shards = spec.num_shards
             spec.num_shards = request.num_shards or min(spec.num_shards, len(self.handles))
             if spec.kind == pb.VALUE:  # a tier and cache of the restore's, where it gives them
-                retier(spec, request.tier, request.cache_bytes)
+                retier(spec, request.tier, request.cache_bytes, saved_shards)
             if request.HasField("wal"):
                 spec.wal = request.wal
             for field in foreign_fields(spec):  # a table made before CreateTable refused them: they meant nothing
