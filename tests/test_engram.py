@@ -216,6 +216,41 @@ def test_a_prefetch_serves_only_its_own_tokens():
     assert m.prefetch_used == 1 and len(m.prefetched) == 1
 
 
+def test_a_prefetch_serves_only_a_forward_in_the_mode_it_was_sent_in():
+    """A hunt: a prefetch's read was counted (or not) by the layer's mode when it left, and any
+    forward of its tokens used it: an eval forward added the slots' hits a training read counts,
+    and a training forward after an eval-time prefetch added none. A forward in the other mode
+    reads afresh, so an eval forward never counts and a training one always does."""
+
+    class Counting(LocalValues):  # (RemoteValues' shards count what `count` says; this counts the same)
+        counted = 0
+
+        def bag(self, ids, weights, *, count=True):
+            self.counted += ids.numel() if count else 0
+            return super().bag(ids, weights)  # (submit_bag calls it with its `count`)
+
+    m = layer(Counting(600, 4))
+    a = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(3))
+    per_forward = 2 * 8 * 6  # positions x (2 orders x 3 heads)
+    m.prefetch(a)  # (training mode: counted)
+    assert m.values.counted == per_forward
+    m.eval()
+    with torch.no_grad():
+        m(torch.randn(2, 8, 12), a)
+    assert m.values.counted == per_forward and m.prefetch_used == 0 and m.prefetch_dropped == 1
+    m.prefetch(a)  # eval mode: not counted
+    m.train()
+    m.values.begin_step(1)
+    m(torch.randn(2, 8, 12), a).sum().backward()
+    m.values.end_step(1)
+    assert m.values.counted == 2 * per_forward and m.prefetch_used == 0
+    m.prefetch(a)
+    m.values.begin_step(2)
+    m(torch.randn(2, 8, 12), a).sum().backward()  # the same mode: used
+    m.values.end_step(2)
+    assert m.values.counted == 3 * per_forward and m.prefetch_used == 1
+
+
 # --- memtrain -------------------------------------------------------------------------------
 
 

@@ -900,6 +900,22 @@ def test_a_client_is_not_pickled_and_says_why():
                 c.close()
 
 
+def test_a_remote_knowledge_source_refuses_a_copy_naming_what_to_save():
+    """A hunt: copy.deepcopy or torch.save of a model whose KIF layer searches a cluster's index
+    table was refused in the client's words, about DataLoader workers. Named as RemoteValues is."""
+    import copy
+    import pickle
+
+    from trainer.memory.knowledge import RemoteKnowledge
+
+    source = RemoteKnowledge.__new__(RemoteKnowledge)  # (its __init__ asks a cluster for the table)
+    source.name = "kb"
+    for attempt in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match=r"RemoteKnowledge\('kb'\) holds a connection to the memory cluster and "
+                                            r"cannot be pickled or copied: save the model's state_dict\(\)"):
+            attempt(source)
+
+
 def test_an_async_client_used_on_a_second_loop_says_so(client, table_name):
     """An AsyncMemoryClient's channels belong to the loop of its first call: a second asyncio.run
     failed with "Event loop is closed" (a walkthrough). It says what happened, and what to do."""

@@ -284,7 +284,7 @@ class LocalValues:
 
     def submit_bag(self, ids: torch.Tensor, weights: torch.Tensor, *, count: bool = True) -> Future[torch.Tensor]:
         done: Future[torch.Tensor] = Future()
-        done.set_result(self.bag(ids, weights))
+        done.set_result(self.bag(ids, weights, count=count))
         return done
 
     def bag_backward(self, ids: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor, *,

@@ -174,6 +174,8 @@ class Prefetch:
     version: int
     max_age: int  # the forward may use it while the values are at most this many updates newer
     started: list[Any]  # per chunk what `send` returned
+    training: bool = True  # the layer's mode when it left: a forward in the other mode reads afresh (an eval
+    # forward used a read counted in the slots' statistics, and a training one an uncounted read: a hunt)
 
 
 def check_values(values: Any, layer: str) -> None:
@@ -321,7 +323,8 @@ class MemoryLayer(nn.Module):
         started = self._send_tokens(tokens, self.micro_batches, True, count)
         # as many chunks as torch cut (128 positions in 17 are 16 of 8: the forward asks for 16, and
         # a prefetch kept as 17 never matched, read again and counted twice: a hunt)
-        self.prefetched = [*self.prefetched[-1:], Prefetch(tokens.clone(), len(started), version, max_age, started)]
+        self.prefetched = [*self.prefetched[-1:], Prefetch(tokens.clone(), len(started), version, max_age, started,
+                                                           self.training)]
 
     def warm(self, tokens: torch.Tensor) -> None:
         """A hint that a forward on `tokens` [B, T] comes soon: its rows' pages are read ahead
@@ -347,11 +350,11 @@ class MemoryLayer(nn.Module):
                       and p.tokens.device == tokens.device and torch.equal(p.tokens, tokens)), None)
         if match is not None:
             self.prefetched = [p for p in self.prefetched if p is not match]
-        if match is not None and 0 <= version - match.version <= match.max_age:
+        if match is not None and 0 <= version - match.version <= match.max_age and match.training == self.training:
             self.prefetch_used += 1
             started = match.started
         else:
-            self.prefetch_dropped += match is not None  # too old (or sent before a load): read afresh
+            self.prefetch_dropped += match is not None  # too old (or sent before a load, or in the other mode)
             started = self._send_tokens(tokens, chunks, chunks > 1)
         # (the weights come from the tokens alone: `finish` makes them take part in autograd)
         return [(ids, w.detach(), pending) for ids, w, pending in started]

@@ -84,6 +84,14 @@ class RemoteKnowledge:
         if self.size == 0:
             raise ValueError(f"KIF source {name!r} is empty")
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused by name, as RemoteValues is: a copy or pickle of a model holding this
+        (torch.save(model), copy.deepcopy) was refused in the client's words, about DataLoader
+        workers (a hunt)."""
+        raise TypeError(f"RemoteKnowledge({self.name!r}) holds a connection to the memory cluster and cannot be "
+                        "pickled or copied: save the model's state_dict() (the source stays in the cluster, found "
+                        "again by its name)")
+
     def submit_search(self, queries: torch.Tensor, k: int) -> Future[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         (q,) = to_host(queries.detach().float().contiguous())
         out: Future[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = Future()
