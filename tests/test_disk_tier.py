@@ -1533,7 +1533,17 @@ def test_a_write_meeting_a_corrupt_row_of_a_table_without_wal_is_refused_alone(t
             write([1, 2], 5.0, 2)  # other rows' writes go on
             got = decode(stub.Lookup(pb.LookupRequest(table="d", ids=encode(torch.tensor([1, 2])))).rows, "rows")
             assert (got == 5.0).all()
-        assert sl.writes_refused() == ""
+            assert sl.writes_refused() == ""
+            # a commit whose update meets it has taken the step's parts by then: the slice stops its writes
+            ids, w = torch.tensor([[2, row]]), torch.ones(1, 2)
+            stub.BagBackward(pb.BagBackwardRequest(table="d", ids=encode(ids), weights=encode(w), gather=True, step=1,
+                                                   no_weight_grad=True, grad_out=encode(torch.ones(1, 8)),
+                                                   tag=pb.WriteTag(client_id="c", seq=3)))
+            with pytest.raises(grpc.RpcError) as err:
+                stub.CommitStep(pb.CommitStepRequest(table="d", step=1, phase=pb.STEP_PREPARE_COMMIT, part_seqs=[3],
+                                                     tag=pb.WriteTag(client_id="c", seq=4)))
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS
+            assert sl.writes_refused().startswith("a write failed part way (DataLossError")
     finally:
         shard.stop()
 

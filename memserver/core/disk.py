@@ -1210,8 +1210,9 @@ class DiskTable(ValueTable):
         return src
 
     def _corrupt(self, row: int) -> DataLossError:
-        """Raised where a call finds the record, before it changes any row (a write's `_gather`
-        comes first): `changed_nothing`, so a slice without a log goes on taking other writes."""
+        """Raised where a call finds the record, before the table call changes any row (a write's
+        `_gather` comes first): `changed_nothing`, so a slice without a log refuses that write alone
+        where the call was the write's first change (TableSlice.once's `refusable`)."""
         err = DataLossError(f"table {self.name}: row {row} of {self.path} is corrupt (its checksum does not match); "
                             f"{_REBUILD}, or restore the table")
         err.changed_nothing = True  # type: ignore[attr-defined]

@@ -387,7 +387,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                     self._update(sl, update, request.defer_apply)
                 return pb.Tensor() if request.no_weight_grad else encode(grad_w)
 
-            grad_w, dup = sl.once(request.tag, BAG_BACKWARD, request, apply, check)
+            # (a sync table's whole step: its commit takes the step's parts before the update runs)
+            grad_w, dup = sl.once(request.tag, BAG_BACKWARD, request, apply, check, refusable=not gathered or request.gather)
             return sl.said_rebuilt(pb.BagBackwardResponse(grad_weights=grad_w, duplicate=dup))
 
         return work, ids.numel()
@@ -446,7 +447,8 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 if not sl.replaying:  # (a push an older shard logged is replayed as it was then applied)
                     check_row_sums(ids, grads, "grads")
 
-            rows, dup = sl.once(request.tag, PUSH_GRADIENTS, request, lambda: sl.table.push_gradients(local, grads), check)
+            rows, dup = sl.once(request.tag, PUSH_GRADIENTS, request, lambda: sl.table.push_gradients(local, grads), check,
+                                refusable=True)
             return sl.ack(rows, dup)
 
         return work, ids.numel()
@@ -464,7 +466,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             if len(torch.unique(local)) != len(local):
                 raise InvalidArgumentError("ids: write_rows needs distinct ids (which of two rows would win?)")
 
-            n, dup = sl.once(request.tag, WRITE_ROWS, request, lambda: sl.table.write_rows(local, rows))
+            n, dup = sl.once(request.tag, WRITE_ROWS, request, lambda: sl.table.write_rows(local, rows), refusable=True)
             return sl.ack(n, dup)
 
         return work, ids.numel()

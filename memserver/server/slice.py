@@ -225,13 +225,16 @@ class TableSlice:
     # -- exactly once --------------------------------------------------------------------
 
     def once(self, tag: pb.WriteTag, kind: int, request: Any, apply: Callable[[], T],
-             check: Callable[[], None] | None = None) -> tuple[T, bool]:
+             check: Callable[[], None] | None = None, refusable: bool = False) -> tuple[T, bool]:
         """Apply a write at most once per (client_id, seq) and log it first: (answer, duplicate).
 
         `check` (raising, changing nothing) runs for a new write before it is logged. The record
         is appended before anything changes, so a failed append leaves the table as it was (and
         the log refuses later writes), and a change is never in memory without being in the log
-        and the session's record; what is logged is never refused when the log is replayed."""
+        and the session's record; what is logged is never refused when the log is replayed.
+        `refusable`: `apply` changes nothing before its table call, so an error that call marks
+        `changed_nothing` (a disk table's corrupt record) refuses this write alone where nothing
+        was logged (no `wal`); any other failure stops the slice's writes (`fail_writes`)."""
         if not self.replaying and tag.client_id and self.sessions.full_for(tag.client_id):
             self._expire()  # room for the new client's session, the idle ones' steps decided
         seen, answer = self.sessions.recall(tag, self.spec.name, self.replaying, kind) if tag.client_id else (False, None)
@@ -245,7 +248,7 @@ class TableSlice:
         try:
             answer = apply()
         except Exception as exc:
-            if self.wal is None and getattr(exc, "changed_nothing", False):
+            if refusable and self.wal is None and getattr(exc, "changed_nothing", False):
                 raise  # refused before it changed a row, and not logged: the table is what was acknowledged
             self.fail_writes(self._apply_failed(exc))
             if self.wal is not None and isinstance(exc, MemserverError) and not self.replaying:
