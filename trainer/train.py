@@ -647,10 +647,12 @@ def _unique(values: dict[str, ValueBackend]) -> dict[str, ValueBackend]:
 
 
 def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, step: int, directory: str,
-                    flags: dict[str, Any]) -> None:
+                    flags: dict[str, Any], next_counted: bool = False) -> None:
     """The trainer's state and, at the same step barrier, the memory (each backend saves its own:
     remote tables are checkpointed by the cluster under <dir>/memory/<table>, local ones go into
-    the trainer file). `gen`: the batch generator's state before the next step's batch."""
+    the trainer file). `gen`: the batch generator's state before the next step's batch.
+    `next_counted`: the next step's reads left before the save (a stale prefetch), so the slot
+    statistics saved hold them: a resume reads them again uncounted."""
     from memserver.storage.fsutil import atomic_write
 
     root = Path(directory)
@@ -664,7 +666,8 @@ def save_checkpoint(run: Run, opt: torch.optim.Optimizer, gen: torch.Tensor, ste
             "values": values, "memory": asdict(run.model.cfg.memory),  # the layers' shape, for serving them
             "config": cfg, "vocab": run.corpus.vocab, "data": run.corpus.name,  # enough to rebuild it (trainer.inspection)
             "data_path": run.corpus.path, "data_digest": run.corpus.digest,  # the text, wherever it lies
-            "flags": flags}  # RESUMED_ALIKE: what a resume must give alike
+            "flags": flags,  # RESUMED_ALIKE: what a resume must give alike
+            "next_reads_counted": next_counted}
     blob["digest"] = extras_digest(blob)  # a flipped bit in the weights or the optimizer's moments: refused at --resume
     atomic_write(trainer_file(directory, step), lambda f: torch.save(blob, f))  # written last: marks it complete
     log.info("checkpoint at step %d in %s", step, directory)
@@ -966,9 +969,10 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
         # is done (`warm`: their pages read ahead while the backward runs, values unread). Stale (>= 1): when step t starts, overlapping all of step t, so
         # they read rows without step t's update (the table as of step t-1).
         prefetch = not args.no_prefetch and any(m.token_addressed for m in model.memories().values())
-        if resumed and prefetch and args.staleness > 0 and first <= args.steps:
-            # The checkpoint's slot statistics hold step `first`'s reads: its stale prefetch left when the
-            # step before started, before the save. Read again (fresh: that read is not kept), not counted twice
+        if resumed and resumed[1].get("next_reads_counted") and first <= args.steps:
+            # The checkpoint's slot statistics hold step `first`'s reads: the run's stale prefetch left when the
+            # step before started, before the save. Read again (fresh: that read is not kept), not counted twice;
+            # by what the saving run did, not this run's flags (--staleness and --no-prefetch may change)
             model.prefetch(batches.peek(), max_age=1, count=False)
         args.training = True  # (an error from here on stopped a run on its way: `_go_on`)
         for step in range(first, args.steps + 1):
@@ -1032,7 +1036,8 @@ def train(args: argparse.Namespace, client: Any = None) -> Iterator[dict[str, An
                 if rank == 0:
                     yield rec
             if checkpoint_now:
-                save_checkpoint(run, opt, batches.state(), step, checkpoint_dir, flags)
+                save_checkpoint(run, opt, batches.state(), step, checkpoint_dir, flags,
+                                next_counted=prefetch and args.staleness > 0 and step < args.steps)
                 if prefetch and args.staleness == 0 and step < args.steps:  # (after the save: its slot statistics
                     model.prefetch(batches.peek(), max_age=0)  # held step t+1's reads, counted again by a resume)
                 if args.keep_checkpoints and rank == 0 and (gone := prune_checkpoints(checkpoint_dir,

@@ -185,8 +185,9 @@ class ClientSession:
     def take_step(self, table: str, step: int) -> tuple[dict[int, list[int]], int]:
         """The parts of `step` (shard index -> the seqs it acknowledged, in order) and the layout
         (table incarnation) they went to, 0 if none was sent; forgotten here (its commit has them).
-        StepAbortedError for a step whose parts were dropped past MAX_OPEN_STEPS: committed with
-        none, it applied nothing and said nothing, and opened the step again on the shards."""
+        StepAbortedError for a step whose parts were dropped here (past MAX_OPEN_STEPS, or
+        `drop_step`), saying why: committed with none, it applied nothing and said nothing, and
+        opened the step again on the shards."""
         with self._lock:
             if (table, step) in self._forgotten and (table, step) not in self._parts:
                 why = self._forgotten.pop((table, step))

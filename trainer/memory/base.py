@@ -17,8 +17,9 @@ Three hooks let a kind differ beyond addressing without copying the loop:
 A kind whose addresses depend on the token ids alone (`token_addressed`: Engram) gives
 `address_tokens(tokens)` instead of `address`; its reads can then be sent before the model runs
 (`prefetch`, which the trainer calls as soon as it has drawn a batch). A prefetched read is used
-only by the forward of the very same tokens, and only while its values are at most `max_age`
-updates old (`ValueBackend.version`): anything else reads afresh.
+only by the forward of the very same tokens in the mode it was sent in (train or eval: whether
+it counts), and only while its values are at most `max_age` updates old
+(`ValueBackend.version`): anything else reads afresh.
 
 Devices: a layer runs where its module is, and `model.to(device)` moves a value backend held in
 this process along (`ValueBackend.to`: a LocalValues' table follows its layer). Under autocast
