@@ -183,6 +183,7 @@ class _Pending:
         self.decision: tuple[int, WriteTags, dict[int, list[int]] | None, bool] | None = None
         self.settled = False
         self.tags: list[WriteTags] = []
+        self.prepared = False  # the PREPARE may have gone out: some shard may hold the step prepared
 
     def keep(self, session: ClientSession, table: str, step: int, exc: BaseException) -> None:
         if not self.settled and (isinstance(exc, _Interrupted) or not isinstance(exc, MemserverError)):
@@ -191,10 +192,12 @@ class _Pending:
                 session.set_undecided(table, step, self.decision)
             elif step in session.undecided(table):  # interrupted re-sending the step's own kept decision (a
                 pass  # retried commit): kept as it is; an abort over a COMMIT some shards have split the step (a review)
-            elif sum(t.drops_parts for _, t, _, _ in session.undecided(table).values()) >= session.MAX_KEPT_ABORTS:
+            elif not self.prepared and sum(t.drops_parts for _, t, _, _ in session.undecided(table).values()) \
+                    >= session.MAX_KEPT_ABORTS:
                 # Bounded: a kept abort is re-sent by each commit, and while a shard stays away each interrupted
                 # commit kept one more. This step was never prepared, so its parts, open on the shards, apply only if
-                # a PREPARE lists them: left to the shards (dropped past their open steps, or when the session expires)
+                # a PREPARE lists them: left to the shards (dropped past their open steps, or when the session expires).
+                # (One whose PREPARE may be out keeps its abort whatever the count: expiry would commit it.)
                 session.drop_step(table, step, f"its commit was interrupted ({cause}) before its "
                                                f"decision went out, with {session.MAX_KEPT_ABORTS} aborts of earlier "
                                                "steps of the table still kept to re-send")
@@ -230,6 +233,7 @@ def _prepare_and_decide(session: ClientSession, table: str, step: int, shards: i
     pending.decision, pending.settled, pending.tags = None, False, [prepare, decide]
     if shards == 1:
         pending.decision = (pb.STEP_PREPARE_COMMIT, prepare, parts, drop)
+    pending.prepared = True
     voted = yield (lambda meta: step_phase_op(meta, step, pb.STEP_PREPARE, prepare, parts, defer_apply, layout, drop)), \
         prepare, True
     if isinstance(voted, TableRemadeError):  # nothing of the step reached the new table: nothing to decide
