@@ -75,6 +75,7 @@ from memserver.wire import (
     MAX_MESSAGE_BYTES,
     VALUE_DTYPES,
     as_tensor,
+    check_float,
     check_wire_dtype,
     dtype_code,
     encode,
@@ -800,6 +801,7 @@ class AsyncMemoryClient:
             raise InvalidArgumentError(f"sample: {t.shape[0]:,} rows of {t.shape[1]} floats do not fit one request "
                                        f"({MAX_MESSAGE_BYTES >> 20} MiB); train on at most {most:,} rows (a random "
                                        "subset of the vectors)")
+        check_float(t.detach().cpu(), "sample")  # (before the conversion: as add and search check theirs)
         r = await self._control("TrainIndex", pb.TrainIndexRequest(name=name, sample=encode(t.detach().cpu().float())))
         return {"sample_rows": r.sample_rows, "seconds": r.seconds}
 

@@ -275,6 +275,7 @@ def test_cli_builds_an_index_from_files_and_status_lists_it(memory_cluster, clie
                      "--json", *ep]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["held"] == 3000 and out["train"]["sample_rows"] == 1000
+    assert (out["metric"], out["shards"]) == ("ip", len(client.table(table_name).shards))  # (as the human line says)
     # --train on a kind that trains nothing: not said to have trained (it printed "trained on N")
     assert cli.main(["index", "build", table_name + "-h", "--vectors", str(tmp_path / "v.npy"), "--factory", "HNSW8",
                      "--train", "--json", *ep]) == 0
@@ -498,6 +499,46 @@ def test_a_trained_index_is_not_trained_again_whatever_the_deployment(tmp_path, 
         c.create_index("flat", 8)  # (a kind faiss does not train: its template is installed as ever)
         c.train_index("flat", sample)
         c.train_index("flat", sample)
+
+
+def test_the_client_says_a_float64_beyond_float32s_range_as_that():
+    """A hunt: add, search and train_index converted a float64 to float32 before checking it, so a
+    finite 1e39 (inf in float32) was refused as "contains NaN or infinite values"."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    x = np.ones((10, 4))
+    x[0, 0] = 1e39
+    says = r"INVALID_ARGUMENT: {}: a value of magnitude 1e\+39 is beyond float32's largest"
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, shm=False) as c:
+        c.create_index("ix", 4, index_factory="IVF2,Flat")
+        with pytest.raises(InvalidArgumentError, match=says.format("sample")):
+            c.train_index("ix", x)
+        c.create_index("flat", 4)
+        with pytest.raises(InvalidArgumentError, match=says.format("vectors")):
+            c.add("flat", np.arange(10), x)
+        with pytest.raises(InvalidArgumentError, match=says.format("queries")):
+            c.search("flat", x, 1)
+
+
+def test_value_writes_to_a_table_of_another_kind_are_refused_by_kind():
+    """A hunt: push_gradients, write_rows and bag_backward on a product-key table were refused for
+    their shape against its query width ("rows: shape must be [1, 32]"), not for its kind."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as server, MemoryClient(server.endpoint, shm=False) as c:
+        c.create_table("v", 16 * 16, 8)
+        c.create_product_keys("pk", "v", 2, 16, 4, 16, 0)
+        c.create_index("ix", 8)
+        ones = np.ones((1, 8), np.float32)
+        for table, kind in (("pk", "a product-keys table"), ("ix", "an index table")):
+            for what, call in (("push_gradients", lambda t=table: c.push_gradients(t, [0], ones)),
+                               ("write_rows", lambda t=table: c.write_rows(t, [0], ones)),
+                               ("bag_backward", lambda t=table: c.bag_backward(t, np.zeros((1, 2), np.int64),
+                                                                               np.ones((1, 2), np.float32), ones))):
+                with pytest.raises(InvalidArgumentError, match=f"table: '{table}' is {kind}; {what} is for value tables"):
+                    call()
 
 
 @pytest.mark.parametrize("sample, says", [

@@ -257,3 +257,52 @@ def test_a_query_network_part_sent_to_a_table_without_one_is_named_as_sent():
                                                        r"projected \(pkm_d_in = 0\); it stores no query network"):
             pk.check_load(keys, **given)
     assert pk.load(keys) == 2 * 2 * 8
+
+
+def test_load_pkm_refuses_a_name_held_by_another_kind_and_leaves_nothing_behind(client, memory_cluster, table_name,
+                                                                                tmp_path, capsys, monkeypatch):
+    """A hunt: `load-pkm --replace` dropped whatever table held the name (an index table of 5,000
+    vectors), a refused load-pkm left the values table it had made and filled first, and `index
+    build` over a table of another kind said "add --replace", which it then refused. Every refusal
+    now comes before anything changes, a load-pkm that fails drops what it made, and the hint for
+    another kind says what to do."""
+    from client import MemoryClient
+
+    directory = _train(tmp_path, f"{table_name}-unused", "local", None)
+    docs = f"{table_name}-docs"
+    client.create_index(docs, 16)
+    client.add(docs, np.arange(50), np.random.default_rng(0).normal(size=(50, 16)).astype(np.float32))
+    names = lambda: sorted(m.name for m in client.list_tables() if m.name.startswith(table_name))  # noqa: E731
+    base = ["index", "load-pkm", str(directory), "--layer", str(LAYER), "--endpoint", memory_cluster.endpoint]
+    for extra in ([], ["--replace"]):
+        with pytest.raises(SystemExit) as exc:
+            cli_main([*base, "--name", docs, *extra])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"--name {docs}: a table of that name exists and is an index table" in err, err
+        assert "nothing was changed" in err and names() == [docs] and client.table(docs).kind == "index"
+    with pytest.raises(SystemExit) as exc:  # the values' name held by an index table
+        cli_main([*base, "--name", f"{table_name}-pk", "--values-table", docs, "--replace"])
+    assert exc.value.code == 2 and f"--values-table {docs}: a table of that name exists and is an index table" in \
+        capsys.readouterr().err
+    assert names() == [docs]
+    # a load that fails after it made its values table drops it again
+    def broken(self, *a, **k):
+        raise RuntimeError("product keys refused (a test)")
+
+    monkeypatch.setattr(MemoryClient, "create_product_keys", broken)
+    with pytest.raises(RuntimeError, match="a test"):
+        cli_main([*base, "--name", f"{table_name}-pk"])
+    monkeypatch.undo()
+    assert names() == [docs]
+    assert cli_main([*base, "--name", f"{table_name}-pk"]) == 0
+    capsys.readouterr()
+    assert names() == [docs, f"{table_name}-pk", f"{table_name}-pk-values"]
+    np.save(tmp_path / "v.npy", np.zeros((10, 16), np.float32))  # index build over a value table's name
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["index", "build", f"{table_name}-pk-values", "--vectors", str(tmp_path / "v.npy"),
+                  "--endpoint", memory_cluster.endpoint])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "it is a value table, which --replace does not replace (only an index table of " \
+        f"that name): choose another name, or drop it first (memserver drop-table {table_name}-pk-values)" in err, err
+    for t in (f"{table_name}-pk", f"{table_name}-pk-values", docs):
+        client.drop_table(t)

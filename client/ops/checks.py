@@ -97,11 +97,12 @@ def bag_args(meta: TableMeta, ids: Any, weights: Any, offsets: Any) -> tuple[tor
 
 
 def checked_vectors(x: Any, n: int, dim: int, what: str) -> torch.Tensor:
-    """n finite float32 rows of `dim`."""
-    v = checked_floats(x, what).float()
+    """n finite float32 rows of `dim` (checked before the conversion: a float64 beyond float32's
+    range was refused as "NaN or infinite", a hunt)."""
+    v = checked_floats(x, what)
     check_rows(v, n, dim, what)
     check_float(v, what)
-    return v
+    return v.float()
 
 
 def value_table(meta: TableMeta, what: str) -> None:

@@ -64,10 +64,11 @@ def search_op(meta: TableMeta, queries: Any, k: int, nprobe: int | None, ef_sear
     index_table(meta, "search")
     check_ints(INT32, k=k)
     check_ints(INT32, optional=True, nprobe=nprobe, ef_search=ef_search)
-    q = checked_floats(queries, "queries").float()
+    q = checked_floats(queries, "queries")
     if q.dim() != 2 or q.shape[1] != meta.dim:
         raise InvalidArgumentError(f"queries: expected shape [B, {meta.dim}], got {list(q.shape)}")
-    check_float(q, "queries")
+    check_float(q, "queries")  # (before the conversion: a float64 beyond float32's range is said as that)
+    q = q.float()
     check_norms(q, "queries")
     if not 0 < k <= MAX_SEARCH_K:
         raise InvalidArgumentError(f"k: must be in 1..{MAX_SEARCH_K}, got {k}")

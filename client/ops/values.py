@@ -218,6 +218,7 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
     if layout and meta.layout_id != layout:
         raise FailedPreconditionError(f"table {meta.name} was made anew (incarnation {meta.layout_id}) since the caller "
                                       f"began training incarnation {layout}: this update is not sent to it")
+    value_table(meta, "bag_backward")  # (before its shapes: a product-key table's width is not a value table's)
     t_ids, w, off, num_bags = bag_args(meta, ids, weights, offsets)
     g = checked_floats(grad_out, "grad_out")
     check_rows(g, num_bags, meta.dim, "grad_out")
@@ -272,6 +273,7 @@ def bag_backward_op(meta: TableMeta, ids: Any, weights: Any, grad_out: Any, offs
 def push_op(meta: TableMeta, ids: Any, grads: Any, opts: OpOptions, tags: WriteTags) -> Op:
     """Row gradients through the table's optimizer; duplicate ids summed here first. Returns the
     number of distinct rows updated."""
+    value_table(meta, "push_gradients")
     t = checked_ids(ids, meta)
     g = checked_floats(grads, "grads")
     check_1d(t, "ids")
@@ -284,6 +286,7 @@ def push_op(meta: TableMeta, ids: Any, grads: Any, opts: OpOptions, tags: WriteT
 
 def write_rows_op(meta: TableMeta, ids: Any, rows: Any, opts: OpOptions, tags: WriteTags) -> Op:
     """Overwrite rows (optimizer state is kept). Ids must be distinct."""
+    value_table(meta, "write_rows")
     t = checked_ids(ids, meta)
     r = checked_floats(rows, "rows")
     check_1d(t, "ids")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from memserver.api.errors import InvalidArgumentError
-from memserver.api.types import fmt_bytes
+from memserver.api.types import a_kind, fmt_bytes
 from memserver.cli.common import CliError, cli_client, cluster_flags, counted
 from memserver.wire import INDEX_ID_SPACE, check_norms, train_sample_limit
 
@@ -128,13 +128,14 @@ def cmd_build(args: argparse.Namespace) -> int:
         if VectorIndex(dim, args.factory, args.metric, 0).needs_training:
             raise CliError(f"--no-train: {args.factory!r} is a kind faiss trains before it takes any vector; leave "
                            "--no-train out (index build trains it on a sample of the vectors)")
-    out: dict[str, Any] = {"table": args.name, "vectors": n, "dim": dim, "index_factory": args.factory}
+    out: dict[str, Any] = {"table": args.name, "vectors": n, "dim": dim, "index_factory": args.factory,
+                           "metric": args.metric}
     t0 = time.perf_counter()
     with cli_client(args) as client:
         exists_hint(lambda: client.create_index(args.name, dim, index_factory=args.factory, metric=args.metric,
                                                 payload_dim=0 if payload is None else payload.shape[1],
                                                 num_shards=args.shards, wal=args.wal, replace=args.replace),
-                    args.replace)
+                    args.replace, client=client, name=args.name, kind="index")
         try:  # a build that fails leaves no half-built table behind (a rerun would be refused)
             # as the shards built it: faiss says whether its kind needs training
             needs = any(not t.trained for sh in client.status().shards for t in sh.tables if t.table == args.name)
@@ -163,6 +164,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     loads = [t for sh in st.shards for t in sh.tables if t.table == args.name]
     out["bytes"] = sum(t.bytes for t in loads)
     out["held"] = sum(t.vectors for t in loads)
+    out["shards"] = len(loads)  # (what the human line says, as --json says it: a hunt)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -189,9 +191,12 @@ def train_rows(n: int, dim: int, asked: int | None) -> int:
     return rows
 
 
-def exists_hint(create: Callable[[], Any], replace: bool = False) -> Any:
-    """Run a create; a table that exists already is refused with the flag that replaces it (with
-    --replace given, the refusal of a table of another kind says itself what to do)."""
+def exists_hint(create: Callable[[], Any], replace: bool = False, *, client: Any = None, name: str = "",
+                kind: str = "") -> Any:
+    """Run a create of a `kind` table; a table that exists already is refused with the flag that
+    replaces it, or, where it is of another kind (which --replace never replaces), with what to do
+    instead (it said "add --replace", then refused that: a hunt). With --replace given, the
+    refusal of a table of another kind says itself what to do."""
     from client import TableExistsError
 
     try:
@@ -199,7 +204,26 @@ def exists_hint(create: Callable[[], Any], replace: bool = False) -> Any:
     except TableExistsError as exc:
         if replace:
             raise
+        if client is not None and (other := _kind_of(client, name)) not in (None, kind):
+            raise CliError(f"{exc.details}: it is {a_kind(other)}, which --replace does not replace (only "
+                           f"{a_kind(kind)} of that name): choose another name, or drop it first "
+                           f"(memserver drop-table {name})") from None
         raise CliError(f"{exc.details}: add --replace to replace it") from None
+
+
+def _kind_of(client: Any, name: str) -> str | None:
+    """The kind of table `name` (TableMeta.kind), None where there is none."""
+    return next((m.kind for m in client.list_tables() if m.name == name), None)
+
+
+def _refuse_other_kind(client: Any, name: str, kind: str, flag: str) -> None:
+    """Before anything changes: a table `name` of another kind than `kind` is refused (load-pkm's
+    --replace dropped whatever held the name, an index table too: a hunt)."""
+    other = _kind_of(client, name)
+    if other is not None and other != kind:
+        raise CliError(f"{flag} {name}: a table of that name exists and is {a_kind(other)}; --replace replaces only "
+                       f"{a_kind(kind)} of that name: choose another name, or drop it first (memserver drop-table "
+                       f"{name}); nothing was changed")
 
 
 #: Value rows written per write_rows call while loading a local run's values.
@@ -286,48 +310,71 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
                            "which does not exist (the run's memory/ folder moved or was removed?); nothing was dropped")
     t0 = time.perf_counter()
     with cli_client(args) as client:
-        def drop(table: str) -> None:
-            try:
-                client.drop_table(table)
-            except TableNotFoundError:
-                pass
-
-        if args.replace:
-            drop(name)
-        if "state" in saved:  # a local run: the values are in the trainer file
+        # every refusal before anything changes: a name held by another kind of table (which --replace
+        # dropped, whatever it was), or held at all without --replace (the values table was made and
+        # filled first, then left behind by the product-key table's refusal: a hunt)
+        have = {m.name for m in client.list_tables()}
+        _refuse_other_kind(client, name, "product_keys", "--name")
+        if name in have and not args.replace:
+            raise CliError(f"--name {name}: a product-key table of that name already exists: add --replace to "
+                           "replace it; nothing was changed")
+        local = "state" in saved
+        if local:
             values = saved["state"]["weight"]  # ValueTable.state(): "weight" is the values
             rows, dim = values.shape
             if rows != n_keys * n_keys:
                 raise CliError(f"the checkpoint's values have {rows} rows, n_keys^2 = {n_keys * n_keys}")
-            values_table = args.values_table or f"{name}-values"
-            if args.replace:
-                drop(values_table)
-            exists_hint(lambda: client.create_table(values_table, rows, dim, optimizer="sgd", init_std=0.0,
-                                                    dtype=str(values.dtype).removeprefix("torch.")))
-            with tqdm(total=rows, unit="row", desc=f"values {values_table}", disable=args.json or None) as bar:
-                for s in range(0, rows, PKM_ROWS_BATCH):
-                    e = min(rows, s + PKM_ROWS_BATCH)
-                    client.write_rows(values_table, torch.arange(s, e), values[s:e].float())
-                    bar.update(e - s)
-            out["values_from"] = "trainer file"
-        else:  # a remote run: the cluster checkpointed the table under <dir>/memory/<table>
-            root = Path(args.checkpoint_dir).resolve() / saved["checkpoint"]
-            try:
-                restored = client.restore(str(root), out["step"], replace=args.replace)
-            except TableExistsError as exc:  # the run's own table, still live: the restore's advice is not this command's
-                if args.replace:  # (a table of another kind of that name: its refusal says what to do)
-                    raise
-                raise CliError(f"the run's value table is in the cluster ({exc.details.split(';')[0]}): add "
-                               "--replace to replace it with the checkpoint's values") from None
-            if len(restored) != 1:
-                raise CliError(f"{root}: expected the checkpoint of one value table, got {[m.name for m in restored]}")
-            values_table = restored[0].name
-            if args.values_table and args.values_table != values_table:
-                raise CliError(f"--values-table: a remote run's values are restored under their own name, {values_table!r}")
-            out["values_from"] = str(root)
-        out["values_table"] = values_table
-        exists_hint(lambda: client.create_product_keys(name, values_table, int(heads), int(n_keys), args.knn, k_dim, d_in))
-        out["sub_keys"] = client.load_product_keys(name, keys, weight, None if bias is None else bias.float(), bn)
+        values_name = (args.values_table or f"{name}-values") if local else saved.get("table")  # (remote: its own)
+        if not local and values_name and args.values_table and args.values_table != values_name:
+            raise CliError(f"--values-table: a remote run's values are restored under their own name, {values_name!r}")
+        if values_name:
+            _refuse_other_kind(client, values_name, "value", "--values-table" if args.values_table else "values")
+        made: list[str] = []  # the tables this command made: dropped again if it fails
+        try:
+            if args.replace and name in have:  # (first: it reads the values table a replace may make anew)
+                client.drop_table(name)
+            if local:  # a local run: the values are in the trainer file
+                values_table = values_name
+                exists_hint(lambda: client.create_table(values_table, rows, dim, optimizer="sgd", init_std=0.0,
+                                                        dtype=str(values.dtype).removeprefix("torch."),
+                                                        replace=args.replace), args.replace)
+                made.append(values_table)
+                with tqdm(total=rows, unit="row", desc=f"values {values_table}", disable=args.json or None) as bar:
+                    for s in range(0, rows, PKM_ROWS_BATCH):
+                        e = min(rows, s + PKM_ROWS_BATCH)
+                        client.write_rows(values_table, torch.arange(s, e), values[s:e].float())
+                        bar.update(e - s)
+                out["values_from"] = "trainer file"
+            else:  # a remote run: the cluster checkpointed the table under <dir>/memory/<table>
+                root = Path(args.checkpoint_dir).resolve() / saved["checkpoint"]
+                try:
+                    restored = client.restore(str(root), out["step"], replace=args.replace)
+                except TableExistsError as exc:  # the run's own table, still live: the restore's advice is not
+                    if args.replace:  # this command's (a table of another kind of that name: its refusal says what to do)
+                        raise
+                    raise CliError(f"the run's value table is in the cluster ({exc.details.split(';')[0]}): add "
+                                   "--replace to replace it with the checkpoint's values") from None
+                made += [m.name for m in restored]
+                if len(restored) != 1:
+                    raise CliError(f"{root}: expected the checkpoint of one value table, got {[m.name for m in restored]}")
+                values_table = restored[0].name
+                if args.values_table and args.values_table != values_table:
+                    raise CliError(f"--values-table: a remote run's values are restored under their own name, "
+                                   f"{values_table!r}")
+                out["values_from"] = str(root)
+            out["values_table"] = values_table
+            client.create_product_keys(name, values_table, int(heads), int(n_keys), args.knn, k_dim, d_in)
+            made.append(name)
+            out["sub_keys"] = client.load_product_keys(name, keys, weight, None if bias is None else bias.float(), bn)
+        except BaseException:
+            for table in reversed(made):  # (the product-key table first: it reads the values table)
+                try:
+                    client.drop_table(table)
+                except TableNotFoundError:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - the command's own error is the one to raise
+                    log.warning("load-pkm: dropping table %s, which it had made, failed too: %s", table, exc)
+            raise
     out["seconds"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(out, indent=2))
