@@ -666,6 +666,16 @@ def test_join_info_refuses_a_stale_record_and_writing_over_the_clusters_own(tmp_
         assert json.loads(record.read_text()) == running
     assert cli.main(["join-info", "-o", "join.json"]) == 0
     assert json.loads((tmp_path / "join.json").read_text()) == {"endpoint": "127.0.0.1:9", "token": "W"}
+    # a directory, a folder that does not exist (made on the way, unsaid), one it may not write: named by -o
+    (tmp_path / "adir").mkdir()
+    for output, says in (("adir", "-o adir: is a directory; name a file"),
+                         ("missing/x.json", f"-o missing/x.json: the directory {tmp_path}/missing does not exist"),
+                         ("/proc/x.json", "-o /proc/x.json: cannot write it there")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["join-info", "-o", output])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and says in err, err
+    assert not (tmp_path / "missing").exists()
 
 
 def test_a_cluster_that_is_gone_is_said_with_the_fix(tmp_path):
@@ -753,6 +763,16 @@ def test_bad_config_names_the_problem(tmp_path, text, message):
     with pytest.raises(cli.CliError, match="--config") as err:
         cli.load_config(str(path))
     assert message.format(path=path) in str(err.value)
+
+
+def test_a_config_that_is_no_text_file_names_the_flag(tmp_path):
+    """A hunt: `up --config` with a directory or a binary file printed a traceback (exit 1)."""
+    (tmp_path / "bin.yaml").write_bytes(b"\x7fELF\x02\x01\x01\x00\xd0\xff" * 30)
+    for path, says in ((tmp_path, f"--config: {tmp_path}: Is a directory"),
+                       (tmp_path / "bin.yaml", f"--config: {tmp_path / 'bin.yaml'} is not a text file")):
+        with pytest.raises(cli.CliError) as err:
+            cli.load_config(str(path))
+        assert str(err.value).startswith(says), err.value
 
 
 @pytest.mark.parametrize(

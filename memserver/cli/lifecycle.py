@@ -76,6 +76,10 @@ def load_config(path: str | None) -> dict[str, Any]:
         raise CliError(f"--config: no such file: {path}") from None
     except yaml.YAMLError as exc:
         raise CliError(f"--config: {path} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError:  # (a binary file, a directory: a traceback, a hunt)
+        raise CliError(f"--config: {path} is not a text file (a tables.yaml: docs/deploy.md)") from None
+    except OSError as exc:
+        raise CliError(f"--config: {path}: {exc.strerror}") from None
     if not isinstance(cfg, dict):
         raise CliError(f"--config: {path} must hold a mapping with a 'tables' list")
     if unknown := set(cfg) - CONFIG_KEYS:
@@ -918,7 +922,15 @@ def cmd_join_info(args: argparse.Namespace) -> int:
     if args.output:
         # absolute (the export said works from any folder), not resolved: a link at the path is
         # replaced by the file, never followed (another user's link in /tmp replaced its target)
-        path = write_endpoint(info, Path(args.output).absolute())
+        out_path = Path(args.output).absolute()
+        if out_path.is_dir():  # (a traceback, and a missing folder made on the way: a hunt)
+            raise CliError(f"-o {args.output}: is a directory; name a file")
+        if not out_path.parent.is_dir():
+            raise CliError(f"-o {args.output}: the directory {out_path.parent} does not exist")
+        try:
+            path = write_endpoint(info, out_path)
+        except OSError as exc:
+            raise CliError(f"-o {args.output}: cannot write it there: {exc.strerror}") from None
         print(f"wrote {path} (mode 0600); on the client's host: export {ENDPOINT_FILE_ENV}={path}", file=sys.stderr)
         return 0
     import stat
