@@ -280,6 +280,7 @@ def test_memserver_up_with_tokens_and_tls(tmp_path, monkeypatch, cli_in_process)
         ck = cli("checkpoint", "--dir", str(outside))
         assert ck.returncode != 0 and "PERMISSION_DENIED" in ck.stderr and "checkpoint root" in ck.stderr
         assert not outside.exists()
+        assert cli("create-table", "t", "--rows", "8", "--dim", "4").returncode == 0  # (a checkpoint of none is refused)
         ck = cli("checkpoint", "--dir", str(tmp_path / "ck"), "--json")
         assert ck.returncode == 0, ck.stderr
         log = (tmp_path / "memserver.log").read_text()

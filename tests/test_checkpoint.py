@@ -1695,3 +1695,18 @@ def test_a_checkpoint_holding_an_answer_without_dl_dweights_restores_and_restart
     with InProcessServer(2, data_dir=data, config=cfg) as server, MemoryClient(server.endpoint, shm=False) as c:
         assert [t.unavailable for sh in c.status().shards for t in sh.tables] == ["", ""]
         np.testing.assert_array_equal(c.lookup("t", np.arange(64)), rows)
+
+
+def test_a_checkpoint_of_a_cluster_with_no_table_is_refused(tmp_path):
+    """A hunt: `memserver checkpoint` before any table was made wrote a step of none ("checkpoint
+    of 0 table(s)"), and a plain `restore --replace` of it, the latest, restored nothing and said
+    it was done. Refused, nothing written."""
+    from client import FailedPreconditionError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1, data_dir=str(tmp_path / "data")) as server, MemoryClient(server.endpoint) as c:
+        with pytest.raises(FailedPreconditionError, match="the cluster holds no table: nothing to checkpoint"):
+            c.checkpoint(str(tmp_path / "ck"), step=1)
+        assert not (tmp_path / "ck" / "step-0000000001").exists()
+        c.create_table("t", 8, 4)
+        assert c.checkpoint(str(tmp_path / "ck"))["tables"] == ["t"]
