@@ -396,6 +396,41 @@ def test_a_signal_while_up_starts_stops_it_at_once_and_removes_its_scratch_direc
         log.close()
 
 
+def test_down_while_up_starts_stops_it_and_a_second_up_is_refused(tmp_path):
+    """A hunt: `down` while `up` was starting said no memserver was running (exit 0), and the
+    cluster came up after and ran on; a second `up` then would have started a second cluster over
+    the first's record. `up` says it is starting (starting.json, its pid) until its endpoint record
+    is written: a second `up` is refused, and `down` stops the start (at once, or once Ray has
+    started) and leaves nothing."""
+    import time
+
+    env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
+    proc, log = foreground_up(tmp_path)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "starting.json").exists():
+            assert proc.poll() is None and time.monotonic() - t0 < 60, (tmp_path / "up.log").read_text()
+            time.sleep(0.02)
+        assert json.loads((tmp_path / "starting.json").read_text())["pid"] == proc.pid
+        again = run(["up", "--shards", "1", "--detach"], env, timeout=60)
+        assert again.returncode == 2 and f"a memserver is starting (pid {proc.pid})" in again.stderr, again.stderr
+        down = run(["down", "--timeout", "60"], env, timeout=90)
+        assert down.returncode == 0 and f"memserver (pid {proc.pid}) was starting; stopped it" in down.stdout, \
+            down.stdout + down.stderr
+        # (1; or Ray's core, whose own SIGTERM handler ran during ray.init, aborts the exit: -6)
+        assert proc.wait(timeout=10) != 0, (tmp_path / "up.log").read_text()
+        text = (tmp_path / "up.log").read_text()
+        assert "memserver ready" not in text and "stopped before the cluster was ready" in text, text
+        assert not (tmp_path / "starting.json").exists() and not (tmp_path / "endpoint.json").exists()
+        assert not list((tmp_path / "run").glob("memserver-*")), text
+        assert "no memserver is running" in run(["down"], env, timeout=60).stdout
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        proc.wait()
+        log.close()
+
+
 def test_up_and_down_keep_their_record_in_memserver_home_not_a_clients_endpoint_file(tmp_path, monkeypatch):
     """$MEMSERVER_ENDPOINT_FILE is a client's (a join-info file of another host's cluster): `down`
     read it ("started elsewhere") and left its own stale record, and `up` wrote its record over it."""

@@ -122,6 +122,50 @@ def _named(args: argparse.Namespace, cfg: dict[str, Any], key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def _stopped_starting(ray: Any) -> int:
+    """An `up` stopped while Ray started (`down`, a signal): Ray shut down, nothing else made yet."""
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    log.info("stopped before the cluster was ready")
+    return 1
+
+
+def _starting_file() -> Path:
+    """Where an `up` that is starting says so (its pid), until its endpoint record is written."""
+    return memserver_home() / "starting.json"
+
+
+def starting_up() -> dict[str, Any] | None:
+    """The record of an `up` of this host that is starting now, None if none is (a stale one,
+    left by an `up` killed while it started, is removed)."""
+    from memserver.cluster.endpoint import up_exited
+
+    try:
+        rec = json.loads(_starting_file().read_text())
+    except (OSError, ValueError):  # none (or not one an `up` wrote whole: written by rename, it is never half)
+        return None
+    pid = rec.get("pid") if isinstance(rec, dict) else None
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0 or up_exited(rec):
+        with contextlib.suppress(OSError):
+            _starting_file().unlink(missing_ok=True)
+        return None
+    return rec
+
+
+def _mark_starting() -> None:
+    from memserver.cluster.endpoint import write_endpoint
+
+    write_endpoint({"pid": os.getpid(), "pid_start": started_at(os.getpid()), "host": socket.gethostname(),
+                    "started": time.time()}, _starting_file())
+
+
+def _unmark_starting() -> None:
+    """Remove this process's starting record (once ready, and however it ends; another's stays)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads(_starting_file().read_text()).get("pid") == os.getpid():
+            _starting_file().unlink(missing_ok=True)
+
+
 def running_cluster() -> dict[str, Any] | None:
     """The endpoint record of a `memserver up` still running; None if none is. One that was
     killed: what it left running is stopped here (reap_leftovers), before a new one starts. A record
@@ -272,6 +316,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                            f"{rec.get('endpoint')}): run `memserver down` there first, or give this host a "
                            "MEMSERVER_HOME of its own")
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
+    if (starting := starting_up()) is not None:  # (a second one started, and wrote over its record: a hunt)
+        raise CliError(f"a memserver is starting (pid {starting['pid']}): wait until `memserver status` finds it, "
+                       "or stop it with `memserver down`")
     cfg = load_config(args.config)
     shards, shard_cpus, shard_gpus = _checked_up_flags(args, cfg)
     if not args.address:  # an embedded head: what one node cannot hold is said before Ray starts
@@ -279,6 +326,24 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.detach:
         return _up_detached(args)
     _plain_output()
+    _mark_starting()  # what `down` stops, and a second `up` is refused by, until the endpoint record is written
+    early: list[int] = []  # a signal before `up` can stop cleanly (during ray.init): stopped once it can
+
+    def signalled(signum: int, _: Any) -> None:
+        early.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signalled)
+    try:
+        return _serve(args, cfg, shards, shard_cpus, shard_gpus, early)
+    finally:
+        _unmark_starting()
+
+
+def _serve(args: argparse.Namespace, cfg: dict[str, Any], shards: int, shard_cpus: float, shard_gpus: list[float],
+           early: list[int]) -> int:
+    """`up` in the foreground, from Ray's start to the cluster's stop. `early`: signals that came
+    before its own handler (a stop asked while Ray starts: done once Ray has started)."""
 
     import ray
 
@@ -294,6 +359,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         log.info("joining Ray cluster at %s", args.address)
         try:
             ray.init(address=args.address, namespace="memserver", logging_level=logging.WARNING)
+        except SystemExit:  # a SIGTERM while Ray started: ray.init's own handler exits (SystemExit)
+            return _stopped_starting(ray)
         except (ConnectionError, ray.exceptions.AuthenticationError) as exc:  # (a traceback after ~20 s: a hunt)
             raise CliError(f"--address {args.address}: could not join the Ray cluster there ({one_line(exc)}); is "
                            "it up, and does this process have its token ($RAY_AUTH_TOKEN, or Ray's token file)?") from None
@@ -303,17 +370,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     else:
         cpus = _head_cpus(args)
         log.info("starting an embedded Ray head (%d CPUs, dashboard off)", cpus)
-        ray.init(
-            # "local": always a new head, even if `ray start` ran on this machine or RAY_ADDRESS is set
-            # (ray.init() would otherwise join that cluster); joining is what --address is for.
-            address="local",
-            num_cpus=cpus,
-            include_dashboard=False,
-            object_store_memory=args.object_store_mb * 1024 * 1024,
-            namespace="memserver",
-            logging_level=logging.WARNING,
-            _temp_dir=(ray_dir := _private_ray_dir()),
-        )
+        try:
+            ray.init(
+                # "local": always a new head, even if `ray start` ran on this machine or RAY_ADDRESS is set
+                # (ray.init() would otherwise join that cluster); joining is what --address is for.
+                address="local",
+                num_cpus=cpus,
+                include_dashboard=False,
+                object_store_memory=args.object_store_mb * 1024 * 1024,
+                namespace="memserver",
+                logging_level=logging.WARNING,
+                _temp_dir=(ray_dir := _private_ray_dir()),
+            )
+        except SystemExit:  # (as above; its head's processes are stopped by Ray's own exit handler)
+            return _stopped_starting(ray)
         if ray_dir:
             log.info("Ray's logs: %s/session_latest/logs (a folder of this user's alone)", ray_dir)
             if removed := prune_ray_sessions(ray_dir):
@@ -324,6 +394,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         except CliError:
             ray.shutdown()
             raise
+    for sig in (signal.SIGTERM, signal.SIGINT):  # (ray.init put its own in SIGTERM's place: an exit, unsaid)
+        signal.signal(sig, lambda signum, _: early.append(signum))
     stop = threading.Event()
     ready = False
 
@@ -339,6 +411,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     try:
+        if early:  # (a `down` while Ray started)
+            raise _Stopped()
         cluster = _start(args, cfg, start_cluster, shards, shard_cpus, shard_gpus, tokens, tls)
     except _Stopped as exc:  # (start_cluster removed what it had started and made)
         ray.shutdown()
@@ -409,6 +483,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 record["tls_server_name"] = server_name
         path = write_endpoint(record, up_record_file())
         ready = True
+        _unmark_starting()
         print(f"memserver ready at {cluster.endpoint}", flush=True)
         log.info("up in %.1fs; endpoint file %s; stop with `memserver down` or Ctrl-C", time.perf_counter() - t0, path)
         while not stop.wait(COORDINATOR_LOOK_S):  # (returns at once when stopped)
@@ -791,6 +866,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     try:
         rec = read_endpoint(path)
     except FileNotFoundError:
+        if (starting := starting_up()) is not None:  # (it said none ran, and the cluster came up after: a hunt)
+            return _stop_starting(starting, args.timeout)
         print(f"no memserver is running (no {path})")
         return 0
     if "pid" not in rec:  # a join-info file: the cluster runs on another host
@@ -824,6 +901,23 @@ def cmd_down(args: argparse.Namespace) -> int:
         return 1
     path.unlink(missing_ok=True)
     print(f"memserver at {rec['endpoint']} stopped" + (f"; {leaves}" if leaves else ""))
+    return 0
+
+
+def _stop_starting(rec: dict[str, Any], timeout: float) -> int:
+    """`down` of an `up` that is starting: SIGTERM (it stops the start and removes what it made,
+    at once or once Ray has started), SIGKILL after `timeout`."""
+    pid = rec["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        _starting_file().unlink(missing_ok=True)
+        print(f"memserver (pid {pid}) was starting and did not stop within {timeout:g}s; killed it")
+        return 1
+    print(f"memserver (pid {pid}) was starting; stopped it before it was ready")
     return 0
 
 
