@@ -332,6 +332,7 @@ def test_index_build_that_fails_leaves_no_table_and_refuses_bad_files_before_mak
                        (["--vectors", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "u64.npy")],
                         "--ids: dtype must be an integer type int64 holds exactly"),
                        (["--vectors", str(tmp_path / "z.npz")], "is not a .npy array (an .npz archive?"),
+                       (["--vectors", str(tmp_path)], f"--vectors: {tmp_path} is a directory; name a .npy file"),
                        (["--vectors", str(tmp_path / "v.npy"), "--train-sample", "-1"], "--train-sample must be >= 0")):
         rc, err = build(*argv)
         assert rc != 0 and says in err and "Traceback" not in err, (argv, err)

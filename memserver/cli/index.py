@@ -31,6 +31,8 @@ def _load(path: str | None, flag: str, ndim: int) -> np.ndarray | None:
     if path is None:
         return None
     p = Path(path)
+    if p.is_dir():
+        raise CliError(f"{flag}: {path} is a directory; name a .npy file")
     if not p.is_file():
         raise CliError(f"{flag}: no such file {path}")
     try:

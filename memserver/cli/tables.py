@@ -528,7 +528,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ct.add_argument("--rows", dest="num_rows", type=int, required=True, metavar="N", help="number of rows (memory slots)")
     ct.add_argument("--dim", type=int, required=True, metavar="D", help="floats per row")
     ct.add_argument("--sharding", choices=_CHOICES["sharding"],
-                    help="rows: each shard holds some rows; cols: every row, some columns (default: the cluster's)")
+                    help="rows: each shard holds some rows; cols: every row, some columns (default: cols)")
     ct.add_argument("--optimizer", choices=_CHOICES["optimizer"], help="the sparse optimizer of its rows (default adagrad)")
     ct.add_argument("--lr", type=float, help="learning rate (default 0.01)")
     ct.add_argument("--dtype", choices=_CHOICES["dtype"], help="storage (default float32; tier disk: float32)")
