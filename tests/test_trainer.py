@@ -984,6 +984,28 @@ def test_the_files_a_run_writes_are_checked_before_step_one(tmp_path):
             list(train(build_parser().parse_args([*TINY, "--memory", "local", "--steps", "2", *argv])))
 
 
+def test_a_resume_into_another_runs_checkpoint_folder_is_refused(tmp_path):
+    """A hunt: a resume given --checkpoint-dir of another run's folder mixed its checkpoints with
+    that run's, and --keep-checkpoints then removed the other run's and each of its own as soon as
+    written (it keeps the highest steps of the folder); a later --resume of the folder took the
+    other run's. Refused as a fresh run into that folder is; the folder resumed from is the run's."""
+    from trainer.checkpoints import trainer_file
+
+    common = [*TINY, "--memory", "local", "--eval-every", "2"]
+    list(train(build_parser().parse_args([*common, "--steps", "2", "--checkpoint-dir", str(tmp_path / "a")])))
+    (tmp_path / "b").mkdir()
+    trainer_file(tmp_path / "b", 8).write_bytes(b"x")
+    for resume in (tmp_path / "a", trainer_file(tmp_path / "a", 2)):
+        with pytest.raises(SystemExit, match=r"--checkpoint-dir .*/b: it holds another run's checkpoints "
+                                             r"\(trainer-step-0000000008.pt .. trainer-step-0000000008.pt\)"):
+            list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(resume), "--checkpoint-dir",
+                                                  str(tmp_path / "b"), "--keep-checkpoints", "1"])))
+    assert trainer_file(tmp_path / "b", 8).read_bytes() == b"x"
+    got = list(train(build_parser().parse_args([*common, "--steps", "4", "--resume", str(tmp_path / "a"),
+                                                "--checkpoint-dir", str(tmp_path / "c")])))
+    assert [r["step"] for r in got][-1] == 4 and trainer_file(tmp_path / "c", 4).exists()
+
+
 def test_a_resume_with_dropout_continues_its_draws_and_its_rate(tmp_path, caplog):
     """From a training walkthrough: a run with --dropout resumed at dropout 0 when the flag was
     left out (another model, silently), took another rate when given one, and was not exact even

@@ -864,6 +864,13 @@ def open_resume(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             and resume_file(checkpoint_dir) != latest:
         raise SystemExit(f"memtrain: error: --checkpoint-dir {checkpoint_dir}: it holds checkpoints after step "
                          f"{step}, which this run's would mix with; give another directory")
+    if checkpoint_dir and Path(checkpoint_dir).resolve() != latest.parent.resolve() and Path(checkpoint_dir).is_dir() \
+            and (held := sorted(Path(checkpoint_dir).glob("trainer-step-*.pt"))):  # (a resume into another run's
+        # folder mixed with its checkpoints, and --keep-checkpoints removed them, and its own: a hunt)
+        raise SystemExit(f"memtrain: error: --checkpoint-dir {checkpoint_dir}: it holds another run's checkpoints "
+                         f"({held[0].name} .. {held[-1].name}), which this run's would mix with (and "
+                         "--keep-checkpoints remove); give another folder, or leave it out (a resume of a folder goes "
+                         "on in it)")
     return latest, blob
 
 
