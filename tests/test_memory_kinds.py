@@ -263,6 +263,33 @@ def test_kif_read_is_the_softmax_weighted_sum_of_the_hits():
     torch.testing.assert_close(m, torch.einsum("nk,nkd->nd", ref_w, e[ids]))
 
 
+def test_a_kif_layer_counts_its_searches_in_its_read_time():
+    """A hunt: `<kif layer>_read_ms` in --log-json was always 0.0: KIF's own `start` and `finish`
+    (the search and its wait) were never timed, only the base layer's bag is. A source that takes
+    50 ms to answer is counted as at least that."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    torch.manual_seed(1)
+    e = _source(50, 8)
+    source = LocalKnowledge("k", e, device="cpu")
+
+    class Slow:  # the local source's answers, 50 ms late (as a remote search waits)
+        size, dim = source.size, source.dim
+
+        def submit_search(self, q, k):
+            got = source.submit_search(q, k).result()
+            out: Future = Future()
+            threading.Timer(0.05, lambda: out.set_result(got)).start()
+            return out
+
+    layer = KIFMemory(8, 8, Slow(), knn=4)
+    t0 = time.perf_counter()
+    layer(torch.randn(2, 3, 8))
+    assert 0.05 <= layer.read_s <= time.perf_counter() - t0
+
+
 def test_kif_missing_hits_weigh_nothing():
     """A source smaller than k: the missing hits (id -1) read zeros and are not counted."""
     e = _source(3, 8)

@@ -18,6 +18,7 @@ any other layer's shape. The gate of a source that does not help learns to close
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -73,12 +74,17 @@ class KIFMemory(MemoryLayer):
         if looks_for_nonfinite(q, self.source) and not finite(q):  # (refused, an fp16 overflow failed the step)
             bad = ~torch.isfinite(q.detach()).all(-1, keepdim=True)
             q = q.masked_fill(bad, 0.0)
-        return self.source.submit_search(q.detach(), self.knn), bad
+        t0 = time.perf_counter()  # (a local source searches here, at once; a remote one sends it)
+        pending = self.source.submit_search(q.detach(), self.knn)
+        self.read_s += time.perf_counter() - t0
+        return pending, bad
 
     def finish(self, q: torch.Tensor, started: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pending, bad = started
+        t0 = time.perf_counter()  # the read's wait, as MemoryLayer.finish counts a bag's (`read_s`: it said 0)
         _, ids, enc = pending.result()  # [n, k], [n, k, dim]; the returned scores are not differentiable
         ids, enc = ids.to(q.device), enc.detach().to(q.device, q.dtype)  # E is data, whatever the source
+        self.read_s += time.perf_counter() - t0
         if bad is not None:  # a non-finite query: no hit, a NaN read, that query's alone (as `bag` reads NaN rows)
             ids = ids.masked_fill(bad, -1)
         hit = ids >= 0
