@@ -399,6 +399,9 @@ def test_engram_on_a_disk_table_hints_the_next_steps_rows_and_trains_as_on_a_ram
     (["--memory", "local", "--seed", "18446744073709551"], "--seed: must be in [0, 9007199254740992]"),
     (["--memory-kind", "engram", "--engram-seed", "99999999999999999999"], "--engram-seed: must be in [0, "),
     (["--memory-kind", "lsh", "--lsh-seed", "-1"], "--lsh-seed: must be in [0, "),
+    # (a hunt: taken, and nothing traced)
+    (["--memory", "remote", "--memory-kind", "kif", "--trace-every", "2"],
+     "--trace-every: records the slots of value tables, and --memory-kind kif reads none"),
 ])
 def test_bad_memtrain_flags_are_named(argv, message):
     from memserver.cli.common import parse_args  # (memtrain's main parses with it)
@@ -442,6 +445,10 @@ def test_flags_of_memory_kinds_the_run_has_not_are_named(capsys):
         them = "them" if "," in said else "it"
         assert capsys.readouterr().err == (f"memtrain: error: {said} layers this run has none of (--memory-kind "
                                            f"{kinds}); drop {them}, or add the kind\n")
+    with pytest.raises(SystemExit):  # a misspelt kind: said as that (a hunt: its flags shaped layers it had none of)
+        main(["--memory", "local", "--memory-kind", "PKM", "--knn", "8", "--steps", "1"])
+    assert capsys.readouterr().err == ("memtrain: error: --memory-kind PKM: a comma-separated list of distinct kinds "
+                                       "from pkm, lsh, kif, engram\n")
     small = [*TINY, "--steps", "1", "--memory", "local"]
     assert main([*small, "--memory-kind", "pkm,lsh", "--lsh-bits", "4"]) == 0  # read: taken
     # the value tables' flags in a run of KIF alone, the prefetch's with no engram layer (a hunt: trained, unread)

@@ -293,7 +293,7 @@ MAX_SEED = 1 << 53
 def check_flags(args: argparse.Namespace) -> None:
     """Every number in range and no flag that the run would ignore, before anything is built (an
     error naming the flag, not a traceback from deep inside, or a run that silently does something else)."""
-    kinds = {k.strip() for k in args.memory_kind.split(",")}
+    kinds = set(memory_kinds(args))
     for flag, value, lo, hi in (
             ("--steps", args.steps, 1, 1 << 40), ("--batch-size", args.batch_size, 1, 1 << 20),
             ("--block-size", args.block_size, 1, 1 << 16), ("--eval-every", args.eval_every, 1, 1 << 40),
@@ -353,6 +353,10 @@ def check_flags(args: argparse.Namespace) -> None:
                          "with --memory remote it lets the shards apply a step while the next one starts")
     if args.trace_sample != 0.05 and not args.trace_every:
         raise SystemExit("memtrain: error: --trace-sample: samples what --trace-every traces; give --trace-every N")
+    if args.trace_every and args.memory != "none" and not set(kinds) - {"kif"}:  # (taken, and nothing traced: a hunt)
+        raise SystemExit(f"memtrain: error: --trace-every: records the slots of value tables, and --memory-kind "
+                         f"{args.memory_kind} reads none (a KIF layer searches an index); drop it, or add a kind that "
+                         "reads values")
     if ("pkm" in kinds and args.memory != "none" and args.mem_layers.strip() and not args.no_query_bn
             and args.batch_size * args.block_size < 2):
         raise SystemExit(f"memtrain: error: --batch-size {args.batch_size} x --block-size {args.block_size}: a "
@@ -363,13 +367,20 @@ def check_flags(args: argparse.Namespace) -> None:
                          f"--memory-kind {args.memory_kind} has neither")
 
 
-def memory_config(args: argparse.Namespace) -> MemoryConfig:
-    """The memory layers' settings from the flags, refused by flag name where out of range: what
-    setup builds, and what a resumed run is compared with before anything is built."""
+def memory_kinds(args: argparse.Namespace) -> tuple[str, ...]:
+    """--memory-kind's kinds, refused by the flag where one is not a kind (before the checks that
+    read them: a misspelt kind was said as its flags shaping layers the run had none of, a hunt)."""
     kinds = tuple(k.strip() for k in args.memory_kind.split(",") if k.strip())
     if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
         raise SystemExit(f"memtrain: error: --memory-kind {args.memory_kind}: a comma-separated list of distinct "
                          f"kinds from {', '.join(KINDS)}")
+    return kinds
+
+
+def memory_config(args: argparse.Namespace) -> MemoryConfig:
+    """The memory layers' settings from the flags, refused by flag name where out of range: what
+    setup builds, and what a resumed run is compared with before anything is built."""
+    kinds = memory_kinds(args)
     mem_layers: tuple[int, ...] = ()
     if args.memory != "none":
         try:
