@@ -1527,3 +1527,14 @@ def test_memtrain_checks_its_paths_before_step_one_and_says_a_diverged_run_as_on
         monkeypatch.setattr(train, "trace_main", stopped)
         assert train.main(["trace", "--table", "t"]) == code
         assert capsys.readouterr().err == f"memtrain trace: {said}\n"
+
+
+def test_a_resume_giving_the_sharding_its_run_left_to_the_cluster_is_taken():
+    """A hunt: a resume given `--sharding cols`, the cols its run got by leaving the flag out, was
+    refused ("trained with sharding = its default (left out), this run gives 'cols'"); another
+    sharding still is."""
+    from trainer.train import _difference
+
+    assert _difference("sharding", None, "cols") is None and _difference("sharding", "cols", None) is None
+    assert _difference("sharding", None, "rows") == ("the checkpoint was trained with sharding = 'cols', this run "
+                                                     "gives 'rows' (--sharding)")
