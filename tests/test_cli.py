@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -429,6 +430,36 @@ def test_down_while_up_starts_stops_it_and_a_second_up_is_refused(tmp_path):
             os.killpg(proc.pid, 9)
         proc.wait()
         log.close()
+
+
+def test_down_finds_a_starting_up_beside_a_stale_record_and_leaves_another_hosts_alone(tmp_path):
+    """A review: `down` with a stale endpoint record (an `up` killed) removed it and said nothing of
+    the `up` starting beside it, which came up after; a starting record of another host (a shared
+    home) had `down` signal whatever local process held that pid. (A `sleep` stands for the `up`.)"""
+    import socket
+
+    from memserver.cluster.endpoint import started_at
+
+    env = {**os.environ, "MEMSERVER_HOME": str(tmp_path)}
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    starting = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "endpoint.json").write_text(json.dumps({"endpoint": "127.0.0.1:9", "pid": gone.pid,
+                                                            "host": socket.gethostname()}))
+        record = {"pid": starting.pid, "pid_start": started_at(starting.pid), "host": socket.gethostname()}
+        (tmp_path / "starting.json").write_text(json.dumps({**record, "host": "elsewhere"}))
+        down = run(["down"], env, timeout=60)
+        assert down.returncode == 2 and "names a memserver starting on host elsewhere" in down.stderr, down.stderr
+        assert starting.poll() is None and (tmp_path / "endpoint.json").exists()  # nothing signalled, nothing removed
+        (tmp_path / "starting.json").write_text(json.dumps(record))
+        down = run(["down", "--timeout", "20"], env, timeout=60)
+        assert down.returncode == 0 and "removed its stale endpoint file" in down.stdout, down.stdout + down.stderr
+        assert f"memserver (pid {starting.pid}) was starting; stopped it" in down.stdout, down.stdout
+        assert starting.wait(timeout=10) == -signal.SIGTERM and not (tmp_path / "endpoint.json").exists()
+    finally:
+        starting.kill()
+        starting.wait()
 
 
 def test_up_and_down_keep_their_record_in_memserver_home_not_a_clients_endpoint_file(tmp_path, monkeypatch):

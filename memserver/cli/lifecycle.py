@@ -122,8 +122,18 @@ def _named(args: argparse.Namespace, cfg: dict[str, Any], key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def _stopped_starting(ray: Any) -> int:
-    """An `up` stopped while Ray started (`down`, a signal): Ray shut down, nothing else made yet."""
+def _record_signals(early: list[int]) -> None:
+    """Keep SIGTERM and SIGINT in `early` until `up` can stop cleanly (ray.init put its own handler
+    in SIGTERM's place: an exit wherever it lands)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: early.append(signum))
+
+
+def _stopped_starting(ray: Any, exc: SystemExit) -> int:
+    """An `up` stopped while Ray started (`down`, a signal: ray.init's own handler exits with the
+    signal's number): Ray shut down, nothing else made yet. Another exit goes on as it was."""
+    if exc.code != signal.SIGTERM:
+        raise exc
     with contextlib.suppress(Exception):
         ray.shutdown()
     log.info("stopped before the cluster was ready")
@@ -149,14 +159,21 @@ def starting_up() -> dict[str, Any] | None:
         with contextlib.suppress(OSError):
             _starting_file().unlink(missing_ok=True)
         return None
+    if pid == os.getpid() and rec.get("host") == socket.gethostname():  # (a detached `up`'s child: its parent
+        return None  # wrote the record for it, so a `down` right after `up --detach` finds it)
+    if rec.get("host") not in (None, socket.gethostname()):  # (a home shared between hosts: that host's pid)
+        raise CliError(f"{_starting_file()} names a memserver starting on host {rec['host']} (pid {pid}): run "
+                       "`memserver down` there, or give this host a MEMSERVER_HOME of its own")
     return rec
 
 
-def _mark_starting() -> None:
+def _mark_starting(pid: int | None = None) -> None:
+    """Say an `up` is starting: this process, or (`pid`) a detached `up`'s child."""
     from memserver.cluster.endpoint import write_endpoint
 
-    write_endpoint({"pid": os.getpid(), "pid_start": started_at(os.getpid()), "host": socket.gethostname(),
-                    "started": time.time()}, _starting_file())
+    pid = pid or os.getpid()
+    write_endpoint({"pid": pid, "pid_start": started_at(pid), "host": socket.gethostname(), "started": time.time()},
+                   _starting_file())
 
 
 def _unmark_starting() -> None:
@@ -325,16 +342,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         _check_fits_one_node(args, cfg, shards, shard_cpus, _head_cpus(args))
     if args.detach:
         return _up_detached(args)
-    _plain_output()
-    _mark_starting()  # what `down` stops, and a second `up` is refused by, until the endpoint record is written
     early: list[int] = []  # a signal before `up` can stop cleanly (during ray.init): stopped once it can
-
-    def signalled(signum: int, _: Any) -> None:
-        early.append(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signalled)
+    _record_signals(early)
     try:
+        _mark_starting()  # what `down` stops, and a second `up` is refused by, until the endpoint record is written
+        _plain_output()
         return _serve(args, cfg, shards, shard_cpus, shard_gpus, early)
     finally:
         _unmark_starting()
@@ -359,11 +371,12 @@ def _serve(args: argparse.Namespace, cfg: dict[str, Any], shards: int, shard_cpu
         log.info("joining Ray cluster at %s", args.address)
         try:
             ray.init(address=args.address, namespace="memserver", logging_level=logging.WARNING)
-        except SystemExit:  # a SIGTERM while Ray started: ray.init's own handler exits (SystemExit)
-            return _stopped_starting(ray)
+        except SystemExit as exc:  # a SIGTERM while Ray started: ray.init's own handler exits (SystemExit)
+            return _stopped_starting(ray, exc)
         except (ConnectionError, ray.exceptions.AuthenticationError) as exc:  # (a traceback after ~20 s: a hunt)
             raise CliError(f"--address {args.address}: could not join the Ray cluster there ({one_line(exc)}); is "
                            "it up, and does this process have its token ($RAY_AUTH_TOKEN, or Ray's token file)?") from None
+        _record_signals(early)
         if args.address == "auto":  # which cluster Ray's rules found
             log.info("joined Ray cluster at %s (%d nodes alive)", ray.get_runtime_context().gcs_address,
                      sum(1 for n in ray.nodes() if n.get("Alive")))
@@ -382,8 +395,9 @@ def _serve(args: argparse.Namespace, cfg: dict[str, Any], shards: int, shard_cpu
                 logging_level=logging.WARNING,
                 _temp_dir=(ray_dir := _private_ray_dir()),
             )
-        except SystemExit:  # (as above; its head's processes are stopped by Ray's own exit handler)
-            return _stopped_starting(ray)
+        except SystemExit as exc:  # (as above; its head's processes are stopped by Ray's own exit handler)
+            return _stopped_starting(ray, exc)
+        _record_signals(early)
         if ray_dir:
             log.info("Ray's logs: %s/session_latest/logs (a folder of this user's alone)", ray_dir)
             if removed := prune_ray_sessions(ray_dir):
@@ -394,8 +408,6 @@ def _serve(args: argparse.Namespace, cfg: dict[str, Any], shards: int, shard_cpu
         except CliError:
             ray.shutdown()
             raise
-    for sig in (signal.SIGTERM, signal.SIGINT):  # (ray.init put its own in SIGTERM's place: an exit, unsaid)
-        signal.signal(sig, lambda signum, _: early.append(signum))
     stop = threading.Event()
     ready = False
 
@@ -830,6 +842,7 @@ def _up_detached(args: argparse.Namespace) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    _mark_starting(proc.pid)  # at once: a `down` right after `up --detach` finds it (the child's Python starts first)
     wait = max(args.timeout, args.placement_timeout + 60)  # placement alone may take --placement-timeout
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
@@ -863,10 +876,11 @@ def cmd_down(args: argparse.Namespace) -> int:
     from memserver.cluster.endpoint import read_endpoint, up_exited, up_record_file
 
     path = up_record_file()
+    starting = starting_up()  # (read first: `up` writes its endpoint record before it removes this one)
     try:
         rec = read_endpoint(path)
     except FileNotFoundError:
-        if (starting := starting_up()) is not None:  # (it said none ran, and the cluster came up after: a hunt)
+        if starting is not None:  # (it said none ran, and the cluster came up after it: a hunt)
             return _stop_starting(starting, args.timeout)
         print(f"no memserver is running (no {path})")
         return 0
@@ -883,6 +897,8 @@ def cmd_down(args: argparse.Namespace) -> int:
         path.unlink(missing_ok=True)
         print(f"memserver (pid {pid}) was not running; removed its stale endpoint file"
               + (f" and stopped {left} process(es) it had left running (Ray's)" if left else ""))
+        if starting is not None and starting.get("pid") != pid:  # (a new `up` starting beside the stale record)
+            return _stop_starting(starting, args.timeout)
         return 0
     leaves = what_down_leaves(rec)
     os.kill(pid, signal.SIGTERM)
@@ -908,14 +924,19 @@ def _stop_starting(rec: dict[str, Any], timeout: float) -> int:
     """`down` of an `up` that is starting: SIGTERM (it stops the start and removes what it made,
     at once or once Ray has started), SIGKILL after `timeout`."""
     pid = rec["pid"]
-    os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):  # (gone meanwhile: stopped all the same)
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     if pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)
+        started = descendants(pid)  # what it started (Ray's head): stopped after it, as a killed `up`'s are
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         _starting_file().unlink(missing_ok=True)
-        print(f"memserver (pid {pid}) was starting and did not stop within {timeout:g}s; killed it")
+        left = reap_leftovers({"host": socket.gethostname(), "processes": started})
+        print(f"memserver (pid {pid}) was starting and did not stop within {timeout:g}s; killed it"
+              + (f" and stopped {left} process(es) it had started (Ray's)" if left else ""))
         return 1
     print(f"memserver (pid {pid}) was starting; stopped it before it was ready")
     return 0
