@@ -520,6 +520,14 @@ def test_the_client_says_a_float64_beyond_float32s_range_as_that():
             c.add("flat", np.arange(10), x)
         with pytest.raises(InvalidArgumentError, match=says.format("queries")):
             c.search("flat", x, 1)
+        c.create_table("v", 16 * 16, 8)  # (and the product-key calls', as a review found)
+        c.create_product_keys("pk", "v", 1, 16, 4, 4, 0)
+        with pytest.raises(InvalidArgumentError, match=says.format("queries")):
+            c.address("pk", x)
+        keys = np.ones((1, 2, 16, 2))
+        keys[0, 0, 0, 0] = 1e39
+        with pytest.raises(InvalidArgumentError, match=says.format("keys")):
+            c.load_product_keys("pk", keys)
 
 
 def test_value_writes_to_a_table_of_another_kind_are_refused_by_kind():

@@ -306,3 +306,31 @@ def test_load_pkm_refuses_a_name_held_by_another_kind_and_leaves_nothing_behind(
         f"that name): choose another name, or drop it first (memserver drop-table {table_name}-pk-values)" in err, err
     for t in (f"{table_name}-pk", f"{table_name}-pk-values", docs):
         client.drop_table(t)
+
+
+def test_load_pkm_of_an_older_remote_checkpoint_checks_its_values_table_first(client, memory_cluster, table_name,
+                                                                              tmp_path, capsys):
+    """A review: a remote run's checkpoint written before memtrain recorded its values table's
+    name: the table was found only by the restore, after `--replace` had dropped the product-key
+    table, so a name held by an index table lost the product-key table to a refusal. Its name
+    is read from the checkpoint's folder first."""
+    values = f"{table_name}-v"
+    directory = _train(tmp_path, values, "remote", client)
+    latest = sorted(directory.glob("trainer-step-*.pt"))[-1]
+    blob = torch.load(latest, map_location="cpu", weights_only=False)
+    del blob["values"][str(LAYER)]["table"]  # (as an older memtrain wrote it)
+    torch.save(blob, latest)
+    _load_pkm(memory_cluster.endpoint, directory, table_name, "--replace", capsys=capsys)
+    client.drop_table(table_name)
+    client.drop_table(values)
+    client.create_index(values, 8)  # the values' name held by another kind
+    client.create_table(f"{table_name}-keep", N_KEYS**2, 8)
+    client.create_product_keys(table_name, f"{table_name}-keep", HEADS, N_KEYS, KNN, K_DIM, D_IN)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["index", "load-pkm", str(directory), "--layer", str(LAYER), "--name", table_name, "--replace",
+                  "--endpoint", memory_cluster.endpoint])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"values {values}: a table of that name exists and is an index table" in err, err
+    assert client.table(table_name, refresh=True).kind == "product_keys"  # nothing dropped
+    for t in (table_name, f"{table_name}-keep", values):
+        client.drop_table(t)

@@ -14,7 +14,7 @@ from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import MAX_INSPECT_SLOTS, ShardMeta, TableMeta
 from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
-from memserver.wire import as_tensor, check_triggers, decode, encode
+from memserver.wire import as_tensor, check_float, check_triggers, decode, encode
 
 #: `top_slots`' statistics as users name them, and the proto's.
 SLOT_STATS = {"hits": pb.HITS, "mass": pb.WEIGHT_MASS, "updates": pb.UPDATES, "norm": pb.VALUE_SQ_NORM}
@@ -57,7 +57,9 @@ def record_triggers_op(meta: TableMeta, ids: Any, weights: Any, positions: Any, 
     {"slots": slots holding records, "dropped": records refused by the bound, summed over shards}."""
     value_table(meta, "record_triggers")
     t = checked_ids(ids, meta).reshape(-1)
-    w = checked_floats(weights, "weights").float().reshape(-1)
+    w = checked_floats(weights, "weights").reshape(-1)
+    check_float(w, "weights")  # (before the conversion: a float64 beyond float32's range is said as that)
+    w = w.float()
     pos = as_tensor(positions).long().reshape(-1)
     ctx, nx = as_tensor(contexts), as_tensor(nxt)
     check_triggers(t, w, pos, ctx, nx, info)

@@ -33,8 +33,8 @@ def address_op(meta: TableMeta, queries: Any, opts: OpOptions) -> Op:
     or queries [B, heads*k_dim] / [B, heads, k_dim] -> (ids int64 [B, heads*knn], weights float32
     [B, heads*knn]). Large batches are split below the request size limit."""
     product_keys_table(meta)
-    q = checked_floats(queries, "queries").float()
-    q_dim = meta.pkm_heads * meta.pkm_k_dim
+    q = checked_floats(queries, "queries")  # (checked before the conversion: a float64 beyond float32's range
+    q_dim = meta.pkm_heads * meta.pkm_k_dim  # is said as that, not as NaN or infinite)
     if meta.pkm_d_in:
         ok, want = q.dim() == 2 and q.shape[1] == meta.pkm_d_in, f"[B, {meta.pkm_d_in}]"
     else:
@@ -43,6 +43,7 @@ def address_op(meta: TableMeta, queries: Any, opts: OpOptions) -> Op:
     if not ok:
         raise InvalidArgumentError(f"queries: shape must be {want}, got {list(q.shape)}")
     check_float(q, "queries")
+    q = q.float()
     per_row = max(4 * (q.numel() // max(1, q.shape[0])), 12 * meta.pkm_heads * meta.pkm_knn)
     chunks = request_parts(q.shape[0], per_row, opts.max_request_bytes)
     shard = meta.shards[0]
@@ -65,11 +66,11 @@ def load_product_keys_op(meta: TableMeta, keys: Any, query_weight: Any, query_bi
     q_dim = h * k_dim
 
     def tensor(x: Any, shape: tuple[int, ...], what: str) -> pb.Tensor:
-        t = checked_floats(x, what).float().contiguous()
+        t = checked_floats(x, what)
         if tuple(t.shape) != shape:
             raise InvalidArgumentError(f"{what}: shape must be {list(shape)}, got {list(t.shape)}")
-        check_float(t, what)
-        return encode(t)
+        check_float(t, what)  # (before the conversion, as address's queries)
+        return encode(t.float().contiguous())
 
     req = pb.LoadProductKeysRequest(table=meta.name, keys=tensor(keys, (h, 2, n_keys, k_dim // 2), "keys"),
                                     layout_id=meta.layout_id)

@@ -16,7 +16,7 @@ import torch
 
 from memserver.api.errors import InvalidArgumentError
 from memserver.api.types import a_kind, fmt_bytes
-from memserver.cli.common import CliError, cli_client, cluster_flags, counted
+from memserver.cli.common import CliError, cli_client, cluster_flags, counted, one_line
 from memserver.wire import INDEX_ID_SPACE, check_norms, train_sample_limit
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -269,6 +269,32 @@ def _layer_values(blob: dict[str, Any], layer: int, layers: list[int]) -> dict[s
     raise CliError(f"--layer {layer}: the checkpoint holds the values of layers {sorted(values)} only")
 
 
+def _saved_table(args: argparse.Namespace, saved: dict[str, Any], step: int) -> str:
+    """The value table a remote run's checkpoint holds for the layer, known before anything
+    changes: its name as the trainer recorded it, else its folder (memory/<table>), else (the
+    oldest checkpoints: one memory/ root for every table) the one value table of that step there
+    (a --replace found out only by the restore, which replaced every table of the root: a review)."""
+    if saved.get("table"):
+        return str(saved["table"])
+    where = saved["checkpoint"]
+    if where != "memory" and where.startswith("memory/"):
+        return where.removeprefix("memory/")
+    from memserver.storage.checkpoint import find_checkpoint
+
+    root = Path(args.checkpoint_dir).resolve() / where
+    try:
+        _, manifest = find_checkpoint(root, step)
+    except Exception as exc:  # noqa: BLE001 - any refusal is the user's to read, by the folder
+        raise CliError(f"{args.checkpoint_dir}: the values of layer {args.layer} at step {step} are not in {root} "
+                       f"({one_line(exc)}); nothing was changed") from None
+    tables = sorted(manifest.get("tables", {}))
+    if args.values_table in tables or len(tables) == 1:
+        return args.values_table or tables[0]
+    raise CliError(f"{args.checkpoint_dir}: {root} holds the checkpoints of {tables} at step {step}, and which is layer "
+                   f"{args.layer}'s values is not recorded (an older memtrain): give --values-table, one of them; "
+                   "nothing was changed")
+
+
 def cmd_load_pkm(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
@@ -326,11 +352,10 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
             rows, dim = values.shape
             if rows != n_keys * n_keys:
                 raise CliError(f"the checkpoint's values have {rows} rows, n_keys^2 = {n_keys * n_keys}")
-        values_name = (args.values_table or f"{name}-values") if local else saved.get("table")  # (remote: its own)
-        if not local and values_name and args.values_table and args.values_table != values_name:
+        values_name = (args.values_table or f"{name}-values") if local else _saved_table(args, saved, out["step"])
+        if not local and args.values_table and args.values_table != values_name:
             raise CliError(f"--values-table: a remote run's values are restored under their own name, {values_name!r}")
-        if values_name:
-            _refuse_other_kind(client, values_name, "value", "--values-table" if args.values_table else "values")
+        _refuse_other_kind(client, values_name, "value", "--values-table" if args.values_table else "values")
         made: list[str] = []  # the tables this command made: dropped again if it fails
         try:
             if args.replace and name in have:  # (first: it reads the values table a replace may make anew)
@@ -350,7 +375,7 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
             else:  # a remote run: the cluster checkpointed the table under <dir>/memory/<table>
                 root = Path(args.checkpoint_dir).resolve() / saved["checkpoint"]
                 try:
-                    restored = client.restore(str(root), out["step"], replace=args.replace)
+                    restored = client.restore(str(root), out["step"], replace=args.replace, tables=[values_name])
                 except TableExistsError as exc:  # the run's own table, still live: the restore's advice is not
                     if args.replace:  # this command's (a table of another kind of that name: its refusal says what to do)
                         raise
@@ -427,6 +452,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "run's table keeps its saved name")
     p.add_argument("--knn", type=int, default=None, help="slots per head the layer was trained with (default: as the "
                    "checkpoint records it; 32, memtrain's default, for checkpoints that do not)")
-    p.add_argument("--replace", action="store_true", help="drop tables of the same names first")
+    p.add_argument("--replace", action="store_true", help="replace a product-key table and a value table of the "
+                   "same names (a table of another kind is refused, never dropped)")
     cluster_flags(p, timeout=600.0, json_help="print one JSON object instead of a line")
     p.set_defaults(func=cmd_load_pkm)
