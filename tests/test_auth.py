@@ -276,11 +276,11 @@ def test_memserver_up_with_tokens_and_tls(tmp_path, monkeypatch, cli_in_process)
             code, _ = status_of(lambda: pb_grpc.DataPlaneStub(ch).Lookup(pb.LookupRequest(table="x"), timeout=30))
             assert code == grpc.StatusCode.UNAUTHENTICATED
         # checkpoints only below the root ($MEMSERVER_HOME here): elsewhere is refused, and nothing is written
+        assert cli("create-table", "t", "--rows", "8", "--dim", "4").returncode == 0  # (a checkpoint of none is refused)
         outside = tmp_path.parent / f"{tmp_path.name}-outside"
         ck = cli("checkpoint", "--dir", str(outside))
         assert ck.returncode != 0 and "PERMISSION_DENIED" in ck.stderr and "checkpoint root" in ck.stderr
         assert not outside.exists()
-        assert cli("create-table", "t", "--rows", "8", "--dim", "4").returncode == 0  # (a checkpoint of none is refused)
         ck = cli("checkpoint", "--dir", str(tmp_path / "ck"), "--json")
         assert ck.returncode == 0, ck.stderr
         log = (tmp_path / "memserver.log").read_text()

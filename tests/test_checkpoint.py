@@ -1697,16 +1697,19 @@ def test_a_checkpoint_holding_an_answer_without_dl_dweights_restores_and_restart
         np.testing.assert_array_equal(c.lookup("t", np.arange(64)), rows)
 
 
-def test_a_checkpoint_of_a_cluster_with_no_table_is_refused(tmp_path):
+def test_memserver_checkpoint_of_a_cluster_with_no_table_is_refused(tmp_path, capsys):
     """A hunt: `memserver checkpoint` before any table was made wrote a step of none ("checkpoint
     of 0 table(s)"), and a plain `restore --replace` of it, the latest, restored nothing and said
     it was done. Refused, nothing written."""
-    from client import FailedPreconditionError, MemoryClient
+    from client import MemoryClient
+    from memserver.cli import main as cli_main
     from memserver.cluster.inprocess import InProcessServer
 
     with InProcessServer(1, data_dir=str(tmp_path / "data")) as server, MemoryClient(server.endpoint) as c:
-        with pytest.raises(FailedPreconditionError, match="the cluster holds no table: nothing to checkpoint"):
-            c.checkpoint(str(tmp_path / "ck"), step=1)
-        assert not (tmp_path / "ck" / "step-0000000001").exists()
+        argv = ["checkpoint", "--dir", str(tmp_path / "ck"), "--step", "1", "--endpoint", server.endpoint]
+        with pytest.raises(SystemExit) as exc:
+            cli_main(argv)
+        assert exc.value.code == 2 and "the cluster holds no table: nothing to checkpoint" in capsys.readouterr().err
+        assert not (tmp_path / "ck").exists()
         c.create_table("t", 8, 4)
-        assert c.checkpoint(str(tmp_path / "ck"))["tables"] == ["t"]
+        assert cli_main(argv) == 0 and "checkpoint of 1 table(s) at step 1" in capsys.readouterr().out

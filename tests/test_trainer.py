@@ -1143,8 +1143,8 @@ def test_a_resume_refusal_says_default_not_none():
     """A resume refusal printed "trained with sharding = None" for a flag left out (the default)."""
     from trainer.train import _difference
 
-    assert _difference("sharding", None, "rows") == ("the checkpoint was trained with sharding = its default (left "
-                                                     "out), this run gives 'rows' (--sharding)")
+    assert _difference("staleness", None, 1) == ("the checkpoint was trained with staleness = its default (left "
+                                                 "out), this run gives 1 (--staleness)")
     assert _difference("sharding", "rows", "rows") is None
 
 

@@ -723,8 +723,7 @@ def _difference(key: str, was: Any, now: Any) -> str | None:
     if isinstance(was, (list, tuple)):
         was, now = tuple(was), tuple(now)
     if key == "sharding":  # left out is the cluster's, which has one (a resume giving it was refused: a hunt)
-        from memserver.api.types import SHARDINGS
-        from memserver.server.catalog import DEFAULT_SHARDING
+        from memserver.api.types import DEFAULT_SHARDING, SHARDINGS
 
         default = next(name for name, code in SHARDINGS.items() if code == DEFAULT_SHARDING)
         was, now = (default if v is None else v for v in (was, now))

@@ -52,6 +52,9 @@ def check_table_name(name: object, field: str = "name") -> str:
 
 #: Sharding names as users write them, and their proto values.
 SHARDINGS: dict[str, int] = {"rows": pb.ROWS, "cols": pb.COLS}
+#: Sharding a table gets when its spec leaves it unspecified (see docs/architecture.md): here, for
+#: the client and the trainer too (they import no server code).
+DEFAULT_SHARDING = pb.COLS
 
 
 def split_problem(sharding: int, num_rows: int, dim: int, num_shards: int) -> tuple[str, str] | None:

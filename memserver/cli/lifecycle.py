@@ -129,13 +129,16 @@ def _record_signals(early: list[int]) -> None:
         signal.signal(sig, lambda signum, _: early.append(signum))
 
 
-def _stopped_starting(ray: Any, exc: SystemExit) -> int:
+def _stopped_starting(ray: Any, exc: SystemExit, stopped: BaseException | None = None) -> int:
     """An `up` stopped while Ray started (`down`, a signal: ray.init's own handler exits with the
-    signal's number): Ray shut down, nothing else made yet. Another exit goes on as it was."""
+    signal's number), or (`stopped`) anywhere before it was ready: Ray shut down, and the scratch
+    directory of a start that failed removed. Another exit goes on as it was."""
     if exc.code != signal.SIGTERM:
         raise exc
     with contextlib.suppress(Exception):
         ray.shutdown()
+    if stopped is not None:
+        _remove_scratch_left(stopped)
     log.info("stopped before the cluster was ready")
     return 1
 
@@ -348,6 +351,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         _mark_starting()  # what `down` stops, and a second `up` is refused by, until the endpoint record is written
         _plain_output()
         return _serve(args, cfg, shards, shard_cpus, shard_gpus, early)
+    except _Stopped as exc:  # a stop that landed between _serve's steps, outside its own handling: not ready
+        import ray  # (it said "interrupted" and left Ray to its exit handler: a fresh-clone suite under load)
+
+        return _stopped_starting(ray, SystemExit(signal.SIGTERM), exc)
     finally:
         _unmark_starting()
 
@@ -423,7 +430,8 @@ def _serve(args: argparse.Namespace, cfg: dict[str, Any], shards: int, shard_cpu
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     try:
-        if early:  # (a `down` while Ray started)
+        if early:  # (a `down` while Ray started; a second signal must not cut the cleanup short)
+            aborting = True
             raise _Stopped()
         cluster = _start(args, cfg, start_cluster, shards, shard_cpus, shard_gpus, tokens, tls)
     except _Stopped as exc:  # (start_cluster removed what it had started and made)

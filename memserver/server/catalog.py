@@ -14,6 +14,7 @@ from typing import Any
 
 from memserver.api.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from memserver.api.types import (
+    DEFAULT_SHARDING,
     KIND_NAMES,
     METRIC_NAMES,
     TABLE_NAME,
@@ -27,10 +28,6 @@ from memserver.api.v1 import memserver_pb2 as pb
 from memserver.core.optim import check_value_settings
 from memserver.server.config import Limits
 from memserver.wire import INDEX_ID_SPACE, TORCH_DTYPES, VALUE_DTYPES
-
-#: Sharding a table gets when its spec leaves it unspecified (see docs/architecture.md).
-DEFAULT_SHARDING = pb.COLS
-
 
 #: The TableSpec fields only some kinds of table have (the rest are every kind's, or checked by
 #: each kind's rules: sharding, sync_updates). Set on another kind they were stored unchecked and
