@@ -351,7 +351,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         _mark_starting()  # what `down` stops, and a second `up` is refused by, until the endpoint record is written
         _plain_output()
         return _serve(args, cfg, shards, shard_cpus, shard_gpus, early)
-    except _Stopped as exc:  # a stop that landed between _serve's steps, outside its own handling: not ready
+    except KeyboardInterrupt as exc:  # a stop that landed between _serve's steps, outside its own handling (or
+        # came out of a Ray wait as a plain KeyboardInterrupt): before ready, as `on_signal` raises only then
         import ray  # (it said "interrupted" and left Ray to its exit handler: a fresh-clone suite under load)
 
         return _stopped_starting(ray, SystemExit(signal.SIGTERM), exc)
@@ -434,7 +435,8 @@ def _serve(args: argparse.Namespace, cfg: dict[str, Any], shards: int, shard_cpu
             aborting = True
             raise _Stopped()
         cluster = _start(args, cfg, start_cluster, shards, shard_cpus, shard_gpus, tokens, tls)
-    except _Stopped as exc:  # (start_cluster removed what it had started and made)
+    except KeyboardInterrupt as exc:  # _Stopped (start_cluster removed what it had started and made); a Ray wait
+        # inside the start passes it on as a plain KeyboardInterrupt (it said "interrupted": a fresh-clone suite)
         ray.shutdown()
         _remove_scratch_left(exc)
         log.info("stopped before the cluster was ready")
@@ -521,8 +523,8 @@ def _serve(args: argparse.Namespace, cfg: dict[str, Any], shards: int, shard_cpu
                                 record["endpoint"])
                     record, cluster.endpoint = moved, now
         log.info("stopping")
-    except _Stopped:
-        log.info("stopped before the cluster was ready")
+    except KeyboardInterrupt:  # _Stopped, or as a Ray wait passes it on (above)
+        log.info("stopped before the cluster was ready" if not ready else "stopping")
         return 1
     finally:
         # first: no client finds an endpoint that is going away, however the rest ends

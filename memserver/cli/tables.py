@@ -464,6 +464,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     with cli_client(args) as client:
         if not args.table and not client.list_tables():  # (it wrote a step of none, and a plain restore --replace
             # of that latest step restored nothing and said it was done: a hunt)
+            client.check_checkpoint_dir(_checkpoint_dir(args))  # (a folder outside the root is said first, as it was)
             raise CliError("the cluster holds no table: nothing to checkpoint")
         try:
             r = client.checkpoint(_checkpoint_dir(args), args.step or 0, args.table or None)  # (0: not given)
