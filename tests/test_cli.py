@@ -432,6 +432,17 @@ def test_down_while_up_starts_stops_it_and_a_second_up_is_refused(tmp_path):
         log.close()
 
 
+def test_an_up_refused_in_this_process_leaves_its_signal_handlers_as_they_were(tmp_path, monkeypatch):
+    """A fresh-clone suite: an `up` refused after it began (here its token file is missing) left
+    its signal recorder in a process that went on (a test's), whose Ctrl-C then reached nothing."""
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["up", "--shards", "1", "--auth-token-file", str(tmp_path / "missing")])
+    assert exc.value.code == 2 and [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == before
+    assert not (tmp_path / "starting.json").exists()
+
+
 def test_down_finds_a_starting_up_beside_a_stale_record_and_leaves_another_hosts_alone(tmp_path):
     """A review: `down` with a stale endpoint record (an `up` killed) removed it and said nothing of
     the `up` starting beside it, which came up after; a starting record of another host (a shared

@@ -346,6 +346,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.detach:
         return _up_detached(args)
     early: list[int] = []  # a signal before `up` can stop cleanly (during ray.init): stopped once it can
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     _record_signals(early)
     try:
         _mark_starting()  # what `down` stops, and a second `up` is refused by, until the endpoint record is written
@@ -358,6 +359,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         return _stopped_starting(ray, SystemExit(signal.SIGTERM), exc)
     finally:
         _unmark_starting()
+        for sig, handler in before.items():  # (called in a process that goes on: a test's, whose Ctrl-C then
+            if handler is not None:  # reached `up`'s handler, gone: a fresh-clone suite's warning)
+                signal.signal(sig, handler)
 
 
 def _serve(args: argparse.Namespace, cfg: dict[str, Any], shards: int, shard_cpus: float, shard_gpus: list[float],
