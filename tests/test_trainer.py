@@ -410,6 +410,18 @@ def test_bad_memtrain_flags_are_named(argv, message):
         list(train(parse_args(build_parser(), [*TINY, "--steps", "1", *argv])))
 
 
+def test_a_table_name_of_a_local_run_is_refused(capsys):
+    """`--memory local --table mine` trained with the flag unread (a hunt); a local KIF source takes
+    its name from it, so there it is read."""
+    from trainer.train import main
+
+    with pytest.raises(SystemExit):
+        main(["--memory", "local", "--table", "mine", "--steps", "1"])
+    assert capsys.readouterr().err == ("memtrain: error: --table mine: names this run's tables in the cluster, and "
+                                       "with --memory local its values live in this process; drop it, or give "
+                                       "--memory remote\n")
+
+
 def test_memory_flags_of_a_run_without_memory_are_named(capsys):
     """`memtrain --memory none --mem-layers 7` trained without memory and said nothing of the flag
     (a flag is refused only where the command line gave it: TINY's memory flags shape the default

@@ -329,6 +329,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.memory != "remote" and remote_only:
         raise SystemExit(f"memtrain: error: {', '.join(remote_only)}: for tables in the cluster (--memory remote); "
                          f"this run is --memory {args.memory}")
+    if args.memory == "local" and "kif" not in kinds and "table" in (getattr(args, "given", None) or ()):
+        # (taken and unread: only a local KIF source is named after it; a hunt)
+        raise SystemExit(f"memtrain: error: --table {args.table}: names this run's tables in the cluster, and with "
+                         f"--memory local its values live in this process; drop it, or give --memory remote")
     for flag, given in (("--endpoint", args.endpoint), ("--timeout", args.timeout is not None),
                         ("--retry-seconds", args.retry_seconds is not None)):
         if given and args.memory != "remote" and not args.kif_source:
