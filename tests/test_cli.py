@@ -432,6 +432,37 @@ def test_down_while_up_starts_stops_it_and_a_second_up_is_refused(tmp_path):
         log.close()
 
 
+def test_the_starting_record_is_made_by_one_up_alone(tmp_path, monkeypatch):
+    """Two `up`s at once both passed cmd_up's check for a starting one, then each wrote over the
+    other's record (an earlier note: not atomic): the record is made only where none is, or
+    replaced where it names the same pid (a detached up's child and its parent)."""
+    import socket
+
+    from memserver.cli import lifecycle
+    from memserver.cluster.endpoint import started_at
+
+    monkeypatch.setenv("MEMSERVER_HOME", str(tmp_path))
+    record = tmp_path / "starting.json"
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        held = {"pid": other.pid, "pid_start": started_at(other.pid), "host": socket.gethostname()}
+        record.write_text(json.dumps(held))
+        with pytest.raises(cli.CliError, match=f"a memserver is starting \\(pid {other.pid}\\)"):
+            lifecycle._mark_starting()
+        assert json.loads(record.read_text()) == held  # (the other's, unchanged)
+        lifecycle._mark_starting(other.pid)  # (its parent, writing for its own child: taken)
+        assert json.loads(record.read_text())["pid"] == other.pid
+    finally:
+        other.kill()
+        other.wait()
+    lifecycle._mark_starting()  # (that one is gone: its stale record replaced)
+    assert json.loads(record.read_text())["pid"] == os.getpid()
+    lifecycle._mark_starting()  # (its own again: replaced)
+    assert json.loads(record.read_text())["pid"] == os.getpid() and not list(tmp_path.glob(".starting*"))
+    lifecycle._unmark_starting()
+    assert not record.exists()
+
+
 def test_an_up_refused_in_this_process_leaves_its_signal_handlers_as_they_were(tmp_path, monkeypatch):
     """A fresh-clone suite: an `up` refused after it began (here its token file is missing) left
     its signal recorder in a process that went on (a test's), whose Ctrl-C then reached nothing."""

@@ -170,13 +170,34 @@ def starting_up() -> dict[str, Any] | None:
     return rec
 
 
+def _starting_refused(starting: dict[str, Any]) -> CliError:
+    return CliError(f"a memserver is starting (pid {starting['pid']}): wait until `memserver status` finds it, "
+                    "or stop it with `memserver down`")
+
+
 def _mark_starting(pid: int | None = None) -> None:
-    """Say an `up` is starting: this process, or (`pid`) a detached `up`'s child."""
+    """Say an `up` is starting: this process, or (`pid`) a detached `up`'s child. The record is
+    made only where none is (two `up`s at once both passed cmd_up's check and each wrote over
+    the other's), or replaced where it names `pid` already (a detached child's, written by its
+    parent, or the reverse); a stale one is removed and the record made again."""
     from memserver.cluster.endpoint import write_endpoint
 
     pid = pid or os.getpid()
-    write_endpoint({"pid": pid, "pid_start": started_at(pid), "host": socket.gethostname(), "started": time.time()},
-                   _starting_file())
+    rec = {"pid": pid, "pid_start": started_at(pid), "host": socket.gethostname(), "started": time.time()}
+    for _ in range(3):  # (a stale record removed each time: a third stale one is not a real race)
+        try:
+            write_endpoint(rec, _starting_file(), exclusive=True)
+            return
+        except FileExistsError:
+            pass
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            held = json.loads(_starting_file().read_text())
+            if held.get("pid") == pid and held.get("host") == socket.gethostname():
+                write_endpoint(rec, _starting_file())
+                return
+        if (starting := starting_up()) is not None:
+            raise _starting_refused(starting)
+    raise CliError(f"{_starting_file()} keeps coming back: another memserver is starting; try again")
 
 
 def _unmark_starting() -> None:
@@ -337,8 +358,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                            "MEMSERVER_HOME of its own")
         raise CliError(f"a memserver is already running at {rec['endpoint']} (pid {rec['pid']}); run `memserver down` first")
     if (starting := starting_up()) is not None:  # (a second one started, and wrote over its record: a hunt)
-        raise CliError(f"a memserver is starting (pid {starting['pid']}): wait until `memserver status` finds it, "
-                       "or stop it with `memserver down`")
+        raise _starting_refused(starting)
     cfg = load_config(args.config)
     shards, shard_cpus, shard_gpus = _checked_up_flags(args, cfg)
     if not args.address:  # an embedded head: what one node cannot hold is said before Ray starts
@@ -856,7 +876,12 @@ def _up_detached(args: argparse.Namespace) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    _mark_starting(proc.pid)  # at once: a `down` right after `up --detach` finds it (the child's Python starts first)
+    try:
+        _mark_starting(proc.pid)  # at once: a `down` right after `up --detach` finds it (the child's Python starts first)
+    except CliError:  # another `up` started since cmd_up's check: this one's child goes
+        proc.kill()
+        proc.wait()
+        raise
     wait = max(args.timeout, args.placement_timeout + 60)  # placement alone may take --placement-timeout
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:

@@ -260,7 +260,9 @@ def moved_to(path: Path, record: dict[str, Any]) -> dict[str, Any] | None:
     return now if isinstance(now.get("endpoint"), str) and is_host_port(now["endpoint"]) and not up_exited(now) else None
 
 
-def write_endpoint(record: dict[str, Any], path: Path | None = None) -> Path:
+def write_endpoint(record: dict[str, Any], path: Path | None = None, *, exclusive: bool = False) -> Path:
+    """Write `record` whole (through a temporary beside it). `exclusive`: only where no file is
+    there yet (FileExistsError otherwise), in one step, so two writers cannot both succeed."""
     import tempfile
 
     p = path or endpoint_file()
@@ -271,7 +273,11 @@ def write_endpoint(record: dict[str, Any], path: Path | None = None) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record, indent=2))
-        os.replace(tmp, p)
+        if exclusive:
+            os.link(tmp, p)  # (atomic, and refused where p exists)
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, p)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
