@@ -177,6 +177,45 @@ def test_live_tracing_during_training(client, tmp_path):
         list(train(build_parser().parse_args(["--memory", "local", "--trace-every", "2"])))
 
 
+def test_a_shared_table_is_traced_through_every_layer_that_reads_it(client, tmp_path):
+    """--shared-values: both layers read one table, and the first layer's reads alone were traced
+    (live and `memtrain trace`; an earlier hunt), so a slot only the second layer read had no
+    trigger context. Both traces now record every layer's reads: each slot either layer read at a
+    traced position holds contexts, and no other slot does."""
+    from trainer.train import LiveTracer, setup
+
+    table = "inspect-shared"
+    argv = ["--table", table, "--mem-layers", "0,1", "--shared-values", "--steps", "2", "--eval-every", "2",
+            "--checkpoint-dir", str(tmp_path)]
+    run_memtrain(client, argv)
+    ins = Inspector.load(tmp_path, client)
+    assert [v.table for v in ins.views] == [table, table]
+    stream = load_corpus().train[:65]  # two windows of 32
+    trace(ins, client, table, stream, progress=False)
+    x = stream[:64].reshape(2, 32)
+    reads = ins.read(x)
+    want = {name: set(ids.reshape(-1).tolist()) for name, (ids, _) in reads.items()}
+    assert want["mem1"] - want["mem0"], "the layers read the same slots: the test shows nothing"
+    held = set(np.flatnonzero((client.triggers(table, np.arange(256))["weights"] > 0).any(1)).tolist())
+    assert held == want["mem0"] | want["mem1"]
+
+    # live: one traced batch, every position kept, against the layers' own reads of it
+    live = f"{table}-live"
+    run = setup(build_parser().parse_args([*TINY, *argv[2:-2], "--table", live]), client)
+    try:
+        bx, by = run.corpus.train[:65][:64].reshape(2, 32), run.corpus.train[1:65].reshape(2, 32)
+        with torch.no_grad():
+            run.model(bx)
+        got = {name: set(layer.last_access[0].reshape(-1).tolist()) for name, layer in run.model.memories().items()}
+        assert got["mem1"] - got["mem0"]
+        LiveTracer(run, 1.0, 0).send(bx, by, 1)
+        held = set(np.flatnonzero((client.triggers(live, np.arange(256))["weights"] > 0).any(1)).tolist())
+        assert held == got["mem0"] | got["mem1"]
+    finally:
+        client.drop_table(live)
+        client.drop_table(table)
+
+
 def test_local_checkpoints_say_why_they_cannot_be_inspected(client, tmp_path):
     run_memtrain(client, ["--memory", "local", "--steps", "2", "--eval-every", "2", "--checkpoint-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--memory local checkpoint"):

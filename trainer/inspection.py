@@ -289,7 +289,8 @@ class Inspector:
         return "".join(self.token(int(t)) for t in ids)
 
     def view(self, table: str) -> MemoryView:
-        """The (first) memory layer reading `table`."""
+        """The (first) memory layer reading `table`: its addressing and output projection are the
+        ones slots are projected through (with --shared-values each layer has its own)."""
         for v in self.views:
             if v.table == table:
                 return v
@@ -375,6 +376,16 @@ def window_contexts(x: torch.Tensor, y: torch.Tensor, length: int = CONTEXT) -> 
     return ctx.reshape(b * t, length).int(), y.reshape(-1).int()
 
 
+def table_reads(reads: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's reads of one table at the same P positions (ids, weights [P, slots_i]) as one
+    read [P, sum of slots_i]: with --shared-values a slot is triggered by whichever layer reads it
+    (the first layer's alone were traced), and a context two layers share is kept once per slot
+    (trigger_records keeps distinct ones)."""
+    if len(reads) == 1:
+        return reads[0]
+    return torch.cat([i for i, _ in reads], dim=1), torch.cat([w for _, w in reads], dim=1)
+
+
 def trigger_records(ids: torch.Tensor, weights: torch.Tensor, contexts: torch.Tensor, nxt: torch.Tensor,
                     keep: torch.Tensor | None = None) -> tuple[np.ndarray, ...]:
     """A layer's reads at P positions (ids, weights [P, slots]) and those positions' contexts
@@ -400,7 +411,8 @@ def trace(inspector: Inspector, client: Any, table: str, stream: torch.Tensor, *
           progress: bool = True) -> dict[str, Any]:
     """Run a token stream through the model in windows of block_size and record, on the shards,
     every slot's top trigger contexts in `table` (contexts within each window, as the model saw
-    them; live tracing records the same). Returns what was sent and what the shards hold."""
+    them; live tracing records the same), read by every layer that reads it. Returns what was sent
+    and what the shards hold."""
     from tqdm import tqdm
 
     view = inspector.view(table)
@@ -419,7 +431,8 @@ def trace(inspector: Inspector, client: Any, table: str, stream: torch.Tensor, *
         for s, n in batches:
             where = s[:, None] + torch.arange(n)  # [windows, n] positions in the stream
             x = stream[where]
-            ids, w = inspector.read(x)[view.name]
+            reads = inspector.read(x)
+            ids, w = table_reads([reads[v.name] for v in inspector.views if v.table == table])
             ctx, nxt = window_contexts(x, stream[where + 1])  # what the model saw: its own window
             rec = trigger_records(ids, w, ctx, nxt)
             got = client.record_triggers(table, *rec, info=info)

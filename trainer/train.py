@@ -931,27 +931,28 @@ class LiveTracer:
         self.run, self.sample, self.context = run, sample, CONTEXT
         self.checkpoint = str(Path(checkpoint_dir).resolve()) if checkpoint_dir else None
         self.gen = torch.Generator().manual_seed(seed + 7)
-        self.layers = []  # (layer name, layer, table name): each table once, through its first layer
-        seen = set()
+        # table name -> the layers reading it, in the model's order (the first's info is sent)
+        self.tables: dict[str, list[tuple[str, Any]]] = {}
         for name, layer in run.model.memories().items():
             # the backend says where its reads are recorded, if anywhere (KIF layers have no value table)
             table = layer.values.trace_table if layer.values is not None else None
-            if table is not None and table not in seen:
-                seen.add(table)
-                self.layers.append((name, layer, table))
+            if table is not None:
+                self.tables.setdefault(table, []).append((name, layer))
         self.info_sent: set[str] = set()
         self.seconds = 0.0
 
     def send(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        from trainer.inspection import layer_info, trigger_records, window_contexts
+        from trainer.inspection import layer_info, table_reads, trigger_records, window_contexts
 
         t0 = time.perf_counter()
         ctx, nxt = window_contexts(x.cpu(), y.cpu(), self.context)
         keep = torch.rand(ctx.shape[0], generator=self.gen) < self.sample
-        for name, layer, table in self.layers:
-            if layer.last_access is None:
+        for table, layers in self.tables.items():
+            reads = [tuple(t.cpu() for t in layer.last_access) for _, layer in layers if layer.last_access is not None]
+            if not reads:
                 continue
-            ids, w = (t.cpu() for t in layer.last_access)
+            ids, w = table_reads(reads)
+            name, layer = layers[0]
             info = ""
             if table not in self.info_sent:
                 info = json.dumps({**layer_info(name, layer), "vocab": self.run.corpus.vocab, "context": self.context,
