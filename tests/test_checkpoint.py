@@ -138,7 +138,7 @@ def test_a_checkpoint_given_no_step_takes_the_next_and_replaces_none(client, tab
         assert [m.name for m in client.restore(str(tmp_path), replace=True, tables=[table_name])] == [table_name]
         np.testing.assert_array_equal(client.lookup(table_name, [1]), np.full((1, DIM), 3.0))
         with pytest.raises(TableNotFoundError, match=rf"no complete checkpoint in {tmp_path} holds table\(s\) "
-                                                     rf"\['nope'\] \(the latest, step-0000000008, holds \['{other}'\]\)"):
+                                                     rf"'nope' \(the latest, step-0000000008, holds {other}\)"):
             client.restore(str(tmp_path), replace=True, tables=["nope"])
         client.write_rows(table_name, [1], np.full((1, DIM), 5.0, np.float32))
         assert [m.name for m in client.restore(str(tmp_path), step=1, replace=True)] == [table_name]

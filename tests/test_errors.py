@@ -402,9 +402,22 @@ def test_a_call_meant_for_a_shard_that_moved_is_refused_by_the_shard_now_at_its_
                 with pytest.raises(grpc.RpcError) as err:
                     methods(ch)["Lookup"](r.SerializeToString(), timeout=5, metadata=((SHARD_HEADER, "0"),))
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert f"shard 1 {WRONG_SHARD} for this Lookup (shard '0'" in err.value.details()
+                assert f"shard 1 {WRONG_SHARD} for this Lookup (shard 0:" in err.value.details()
             assert len(methods(ch)["Lookup"](req.SerializeToString(), timeout=5,
                                              metadata=((SHARD_HEADER, "1"),)).rows.shape) == 2
+            # a header that is no shard index is the caller's error, not a move: a hunt's client in
+            # another language, formatting the index its own way, was sent for fresh maps for ever
+            for bad in (" 1", "+1", "1.0", "one", "-2", "9" * 10):
+                with pytest.raises(grpc.RpcError) as err:
+                    methods(ch)["Lookup"](req.SerializeToString(), timeout=5, metadata=((SHARD_HEADER, bad),))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+                assert f"{SHARD_HEADER} metadata: {bad!r} is not a shard index" in err.value.details()
+            for named, code in (("01", None), (str(NO_SERVER), grpc.StatusCode.UNAVAILABLE)):
+                try:
+                    methods(ch)["Lookup"](req.SerializeToString(), timeout=5, metadata=((SHARD_HEADER, named),))
+                    assert code is None, named
+                except grpc.RpcError as e:
+                    assert e.code() == code, (named, e)
 
         # a map that puts both shards at one address (shard 0 down, shard 1 on the port it left):
         # every call there names no server, and is refused until the map is whole again
@@ -1577,3 +1590,45 @@ def test_a_cached_shard_map_is_read_without_a_hop_to_the_clients_loop(table_name
         assert c.table(table_name, refresh=True).layout_id == meta.layout_id  # refresh: asks the coordinator
     with pytest.raises(FailedPreconditionError, match="closed"):
         c.table(table_name)
+
+
+def test_a_long_string_in_a_request_is_cut_in_its_error(tmp_path):
+    """A hunt: a 20,000-character field was echoed whole in its error, past gRPC's 16 KiB limit on
+    a status's header, and the caller got RESOURCE_EXHAUSTED "received metadata size exceeds hard
+    limit" (said as overload) instead of its error. Each is its own status, cut, and a status's
+    text is bounded on every path (grpcserver.bounded_text)."""
+    from memserver.cluster.inprocess import InProcessServer
+
+    long = "x" * 20_000
+    ck = str(tmp_path / "ck")
+    with InProcessServer(1) as srv, grpc.insecure_channel(srv.endpoint) as ch:
+        cp = pb_grpc.ControlPlaneStub(ch)
+        cp.CreateTable(pb.CreateTableRequest(spec=pb.TableSpec(name="v", num_rows=64, dim=4)), timeout=30)
+        cp.Checkpoint(pb.CheckpointRequest(dir=ck, step=1), timeout=60)
+        spec = dict(name="t", num_rows=4, dim=4)
+        for call, request, code, said in [
+            (cp.Checkpoint, pb.CheckpointRequest(dir=long, step=2), "INVALID_ARGUMENT", "dir: 'xxx"),
+            (cp.Restore, pb.RestoreRequest(dir=long, replace=True), "INVALID_ARGUMENT", "dir: 'xxx"),
+            (cp.Checkpoint, pb.CheckpointRequest(dir=ck, step=3, request_id=long), "INVALID_ARGUMENT", "request_id: 'xxx"),
+            (cp.CreateTable, pb.CreateTableRequest(spec=pb.TableSpec(**spec, optimizer=pb.OptimizerSpec(name=long))),
+             "INVALID_ARGUMENT", "unknown optimizer 'xxx"),
+            (cp.CreateTable, pb.CreateTableRequest(spec=pb.TableSpec(**spec, tier=long)), "INVALID_ARGUMENT", "tier: "),
+            (cp.CreateTable, pb.CreateTableRequest(spec=pb.TableSpec(
+                name="p", kind=pb.PRODUCT_KEYS, pkm_heads=1, pkm_n_keys=4, pkm_knn=2, pkm_k_dim=4, values_table=long)),
+             "INVALID_ARGUMENT", "values_table: 'xxx"),
+            (cp.CreateTable, pb.CreateTableRequest(spec=pb.TableSpec(name="i", kind=pb.INDEX, dim=4, index_factory=long)),
+             "INVALID_ARGUMENT", "index_factory: 'xxx"),
+            (cp.Restore, pb.RestoreRequest(dir=ck, replace=True, tier=long), "INVALID_ARGUMENT", "tier: "),
+            (cp.Restore, pb.RestoreRequest(dir=ck, replace=True, tables=[f"t{i:03d}" + "y" * 120 for i in range(200)]),
+             "NOT_FOUND", "and 195 more (the latest, step-0000000001, holds v)"),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=60)
+            assert (err.value.code().name, said in err.value.details()) == (code, True), err.value.details()[:300]
+            assert len(err.value.details()) < 1000
+        assert [t.spec.name for t in cp.ListTables(pb.ListTablesRequest(), timeout=30).tables] == ["v"]
+    from memserver.server.grpcserver import MAX_STATUS_TEXT, bounded_text
+
+    text = bounded_text("é" * 10_000)  # (bytes, not characters: the header carries them percent-encoded)
+    assert len(text.encode()) <= MAX_STATUS_TEXT and text.endswith("... (cut: 20,000 bytes)")
+    assert bounded_text("short") == "short"

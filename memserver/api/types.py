@@ -39,12 +39,21 @@ INITIAL_VALUES = "initial values"
 STEP_WAIT_SAID = 30.0
 
 
+def shown(value: object, limit: int = 64) -> str:
+    """A caller's value as an error message quotes it: repr, of at most its first `limit`
+    characters. An error echoing 20,000 characters overflowed gRPC's 16 KiB metadata limit, and
+    the caller got RESOURCE_EXHAUSTED (said as overload), not the error."""
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit]) + f"... ({len(value):,} characters)"
+    return repr(value)
+
+
 def check_table_name(name: object, field: str = "name") -> str:
     """`name` if it is a table name, else InvalidArgumentError naming `field` (and at most the
-    start of a long name: an error echoing 20,000 characters overflowed gRPC's metadata limit)."""
+    start of a long name, `shown`)."""
     if not isinstance(name, str) or not TABLE_NAME.fullmatch(name):
-        shown = repr(name[:64]) + f"... ({len(name):,} characters)" if isinstance(name, str) and len(name) > 64 else repr(name)
-        raise InvalidArgumentError(f"{field}: {shown} is not a table name (letters, digits, '_', '.', '-'; at most 128)")
+        raise InvalidArgumentError(f"{field}: {shown(name)} is not a table name (letters, digits, '_', '.', '-'; "
+                                   "at most 128)")
     if name in RESERVED_NAMES:
         raise InvalidArgumentError(f"{field}: {name!r} is not a table name: it is reserved for a file beside the "
                                    f"tables' folders ({', '.join(sorted(RESERVED_NAMES))})")

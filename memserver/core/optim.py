@@ -37,7 +37,9 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.name!r}; expected one of {OPTIMIZERS}")
+            from memserver.api.types import shown
+
+            raise ValueError(f"unknown optimizer {shown(self.name)}; expected one of {OPTIMIZERS}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):

@@ -22,6 +22,7 @@ from memserver.api.types import (
     a_kind,
     check_table_name,
     fmt_bytes,
+    shown,
     split_problem,
 )
 from memserver.api.v1 import memserver_pb2 as pb
@@ -113,7 +114,7 @@ def retier(spec: pb.TableSpec, tier: str = "", cache_bytes: int = 0, saved_shard
             spec.cache_bytes = 0
     if cache_bytes:
         if (spec.tier or "ram") != "disk":  # named: a restore of every table of a checkpoint meets RAM ones too
-            how = f"this restore puts it in tier {tier!r}" if tier else "it was saved in tier 'ram'"
+            how = f"this restore puts it in tier {shown(tier)}" if tier else "it was saved in tier 'ram'"
             raise InvalidArgumentError(f"cache_bytes: table {spec.name}: only a tier 'disk' table has a cache, and {how}: "
                                        "restore the disk tables by name (memserver restore --table NAME), or move this "
                                        "one to disk (--tier disk)")
@@ -129,7 +130,7 @@ def _validate_tier(spec: pb.TableSpec) -> None:
 
     spec.tier = spec.tier or "ram"
     if spec.tier not in TIERS:
-        raise InvalidArgumentError(f"tier: expected one of {', '.join(TIERS)}, got {spec.tier!r}")
+        raise InvalidArgumentError(f"tier: expected one of {', '.join(TIERS)}, got {shown(spec.tier)}")
     if spec.tier == "ram":
         if spec.cache_bytes:
             raise InvalidArgumentError("cache_bytes: only a tier 'disk' table has a cache")
@@ -261,7 +262,7 @@ def _validate_product_keys(spec: pb.TableSpec) -> pb.TableSpec:
     if spec.sync_updates or spec.sync_workers:
         raise InvalidArgumentError("sync_updates: only value tables take training steps")
     if not TABLE_NAME.fullmatch(spec.values_table):
-        raise InvalidArgumentError(f"values_table: {spec.values_table!r} is not a table name (the value table of "
+        raise InvalidArgumentError(f"values_table: {shown(spec.values_table)} is not a table name (the value table of "
                                    "pkm_n_keys^2 rows the slots are read from)")
     if spec.values_table == spec.name:
         raise InvalidArgumentError("values_table: must name another table (a value table)")

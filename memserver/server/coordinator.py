@@ -35,7 +35,7 @@ from memserver.api.errors import (
     UnavailableError,
     first_line,
 )
-from memserver.api.types import KIND_NAMES, METRIC_NAMES, a_kind, check_table_name, split_problem
+from memserver.api.types import KIND_NAMES, METRIC_NAMES, a_kind, check_table_name, shown, split_problem
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
 from memserver.loop import LoopThread
@@ -80,6 +80,8 @@ STRAY_SECONDS = 10.0
 #: Checkpoint calls remembered by request_id (their retries answered by the same checkpoint): the
 #: newest this many; a retry arrives within a client's retry window, far fewer calls than this.
 CHECKPOINT_CALLS = 64
+#: Longest request_id taken (the client's are 32 hex digits).
+MAX_REQUEST_ID = 128
 
 
 
@@ -537,6 +539,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         list, is refused: the first call's answer would have been taken for this one's."""
         if request.dry_run:
             return await self._checkpoint(request)
+        if len(request.request_id) > MAX_REQUEST_ID:  # (kept in memory and in the manifest: a hunt sent 20,000)
+            raise InvalidArgumentError(f"request_id: {shown(request.request_id)}: at most {MAX_REQUEST_ID} characters")
         if not request.request_id:  # (a raw caller's: shielded too, so its deadline never lets the root's
             task = asyncio.ensure_future(self._checkpoint(request))  # lock go while its shards still write)
             task.add_done_callback(_said)
@@ -940,7 +944,7 @@ def _refuse_reused_id(request_id: str, first: tuple[str, int, frozenset[str]],
     fields = ("dir", "step", "tables")
     show = (repr, str, lambda t: str(sorted(t) or "every table"))
     differ = [f"{f} {s(b)} (the first: {s(a)})" for f, s, a, b in zip(fields, show, first, again) if a != b]
-    raise InvalidArgumentError(f"request_id: {request_id!r} was used by another checkpoint call; this one asks for "
+    raise InvalidArgumentError(f"request_id: {shown(request_id)} was used by another checkpoint call; this one asks for "
                                f"{', '.join(differ)}: a retry repeats its call, give each call its own id")
 
 

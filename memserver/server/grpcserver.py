@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -36,13 +37,14 @@ from memserver.api.errors import (
     first_line,
 )
 from memserver.api.methods import marked, methods
+from memserver.api.types import shown
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.loop import LoopThread
 from memserver.server.admission import SERVER_OPTIONS, Admission
 from memserver.server.config import ServeConfig
 from memserver.server.rayutil import bind_first
 from memserver.storage.fsutil import atomic_write
-from memserver.wire import GRPC_OPTIONS, SHARD_HEADER, WRONG_SHARD, check_enums, parse_views, to_bytes
+from memserver.wire import GRPC_OPTIONS, NO_SERVER, SHARD_HEADER, WRONG_SHARD, check_enums, parse_views, to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,29 @@ def status_of(exc: BaseException, name: str, request: Any, metrics: CallMetrics 
     """The status and text a call that raised `exc` answers, on every path (gRPC's interceptor,
     the doorbell): the api's exceptions their own; a lost Ray actor UNAVAILABLE; anything else a
     bug: INTERNAL, its traceback logged with the method and table, and counted."""
+    code, text = _status_of(exc, name, request, metrics)
+    return code, bounded_text(text)
+
+
+#: What a SHARD_HEADER value may be: a shard's index, in decimal, or NO_SERVER's -1 (a map that
+#: puts two shards at one address: refused as moved).
+_SHARD_INDEX = re.compile(rf"{NO_SERVER}|[0-9]{{1,9}}")
+
+#: The most bytes of a status's text (UTF-8) a call answers. gRPC sends it percent-encoded in a
+#: header (at most 3 bytes per byte) under a 16 KiB limit; past it the caller got RESOURCE_EXHAUSTED
+#: "received metadata size exceeds hard limit", said as overload, instead of its error.
+MAX_STATUS_TEXT = 4096
+
+
+def bounded_text(text: str) -> str:
+    """`text`, or its start and how long it was, within MAX_STATUS_TEXT bytes."""
+    raw = text.encode(errors="replace")
+    if len(raw) <= MAX_STATUS_TEXT:
+        return text
+    return raw[: MAX_STATUS_TEXT - 64].decode(errors="ignore") + f"... (cut: {len(raw):,} bytes)"
+
+
+def _status_of(exc: BaseException, name: str, request: Any, metrics: CallMetrics | None) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, MemserverError):
         return exc.code, exc.details
     if is_actor_error(exc):
@@ -166,7 +191,7 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
                  shard: int | None = None) -> None:
         self.metrics = metrics
         self.admission = admission or Admission()
-        self.shard = None if shard is None else str(shard)
+        self.shard = shard
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
@@ -182,8 +207,18 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
             return handler
         if self.shard is not None and method.startswith(_DATA_PLANE_PATH):
             for key, value in details.invocation_metadata or ():
-                if key == SHARD_HEADER and value != self.shard:
-                    return self._moved(method.rsplit("/", 1)[-1], value, handler.unary_unary is not None)
+                if key != SHARD_HEADER:
+                    continue
+                name, unary = method.rsplit("/", 1)[-1], handler.unary_unary is not None
+                if not _SHARD_INDEX.fullmatch(value):  # (a malformed one was "moved": a retry on a fresh map, for ever)
+                    return self._refused(name, grpc.StatusCode.INVALID_ARGUMENT, unary,
+                                         f"{SHARD_HEADER} metadata: {shown(value, 20)} is not a shard index (decimal "
+                                         "digits, as the shard map numbers the shards, or -1 for none)")
+                if int(value) != self.shard:
+                    return self._refused(name, grpc.StatusCode.UNAVAILABLE, unary,
+                                         f"{SHARD_UNAVAILABLE}: shard {self.shard} {WRONG_SHARD} for this {name} (shard "
+                                         f"{value}: it restarted elsewhere, and this one took its old port): ask for "
+                                         "a fresh shard map")
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not handler:  # one wrapper per method, built once
             service, name = method[1:].rsplit("/", 1)
@@ -192,15 +227,13 @@ class ErrorsAndMetrics(grpc.aio.ServerInterceptor):
             cached = self._wrapped[method] = (handler, wrapped)
         return cached[1]
 
-    def _moved(self, name: str, named: str, unary: bool) -> grpc.RpcMethodHandler:
-        """The refusal of a call meant for shard server `named` (see the class)."""
-        self._observe(name, None, grpc.StatusCode.UNAVAILABLE, time.perf_counter())
-        text = (f"{SHARD_UNAVAILABLE}: shard {self.shard} {WRONG_SHARD} for this {name} (shard {named[:20]!r}: it "
-                "restarted elsewhere, and this one took its old port): ask for a fresh shard map")
+    def _refused(self, name: str, code: grpc.StatusCode, unary: bool, text: str) -> grpc.RpcMethodHandler:
+        """The refusal of a call by its shard header (meant for another shard server: see the class)."""
+        self._observe(name, None, code, time.perf_counter())
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
             del request  # (else its bytes stay in the AbortError's reference cycle until a full GC: see _wrap)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, text)
+            await context.abort(code, text)
 
         # the request is read whole and dropped unparsed (the caller passed the token check): refused
         # before it is read, a large one's status could reach the client as a reset stream

@@ -31,7 +31,7 @@ from memserver.api.errors import (
     TableNotFoundError,
     first_line,
 )
-from memserver.api.types import MANIFEST_FILE, ShardLayout
+from memserver.api.types import MANIFEST_FILE, ShardLayout, shown
 from memserver.core.disk import unpack
 from memserver.core.table import ValueTable
 from memserver.storage.fsutil import atomic_write, fsync_dir, remove_stale_temporaries
@@ -54,6 +54,7 @@ torch.serialization.add_safe_globals([bytes])
 #: Rows a restore copies at a time (its temporaries are this many rows of one state tensor).
 _RESTORE_ROWS = 1 << 16
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+PATH_MAX = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096  # (bytes, with its NUL)
 
 
 def under_root(root: str | os.PathLike[str] | None, path: str) -> Path:
@@ -64,6 +65,8 @@ def under_root(root: str | os.PathLike[str] | None, path: str) -> Path:
         raise InvalidArgumentError("dir: a checkpoint needs a directory")
     if "\x00" in path:
         raise InvalidArgumentError("dir: a path must not contain NUL")
+    if len(path.encode(errors="surrogateescape")) >= PATH_MAX:  # (no such path can be used; its errors quoted it whole)
+        raise InvalidArgumentError(f"dir: {shown(path)}: a path is shorter than {PATH_MAX} bytes")
     if root is None:
         return Path(path).absolute()
     base = Path(root).resolve()
@@ -428,8 +431,11 @@ def find_checkpoint(root: str | os.PathLike[str], step: int = 0, tables: Sequenc
                 return d, manifest
             latest = latest or (d, manifest)
     if latest is not None:
-        raise TableNotFoundError(f"no complete checkpoint in {root} holds table(s) {list(tables)} (the latest, "
-                                 f"{latest[0].name}, holds {sorted(latest[1]['tables'])})")
+        asked = ", ".join(shown(t) for t in list(tables)[:5]) + (f" and {len(tables) - 5} more" if len(tables) > 5 else "")
+        held = sorted(latest[1]["tables"])
+        have = ", ".join(held[:20]) + (f" and {len(held) - 20} more" if len(held) > 20 else "")
+        raise TableNotFoundError(f"no complete checkpoint in {root} holds table(s) {asked} (the latest, "
+                                 f"{latest[0].name}, holds {have or 'none'})")
     raise InvalidArgumentError(f"dir: no complete checkpoint in {root}")
 
 
