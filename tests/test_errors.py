@@ -1632,3 +1632,38 @@ def test_a_long_string_in_a_request_is_cut_in_its_error(tmp_path):
     text = bounded_text("é" * 10_000)  # (bytes, not characters: the header carries them percent-encoded)
     assert len(text.encode()) <= MAX_STATUS_TEXT and text.endswith("... (cut: 20,000 bytes)")
     assert bounded_text("short") == "short"
+
+
+def test_an_untagged_commit_of_a_step_is_refused_and_changes_nothing():
+    """A hunt: a CommitStep without a write tag counted as a trainer "anonymous": a sync table of
+    two trainers applied step 5 with trainer A's part and that commit (A's gradient halved), and
+    trainer B's acknowledged part then waited for ever, and every later step with it."""
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.wire import decode
+
+    spec = pb.TableSpec(name="s", num_rows=8, dim=2, sharding=pb.ROWS, optimizer=pb.OptimizerSpec(name="sgd", lr=1.0),
+                        sync_updates=True, sync_workers=2)
+    with InProcessServer(1) as srv, grpc.insecure_channel(srv.endpoint) as ch:
+        info = pb_grpc.ControlPlaneStub(ch).CreateTable(pb.CreateTableRequest(spec=spec), timeout=30)
+        with grpc.insecure_channel(info.shards[0].address) as sch:
+            st = pb_grpc.DataPlaneStub(sch)
+
+            def row1() -> np.ndarray:
+                got = st.Lookup(pb.LookupRequest(table="s", ids=encode(np.array([1])), uncounted=True), timeout=30)
+                return decode(got.rows, "rows").numpy()[0].copy()
+
+            def part(client: str) -> pb.BagBackwardRequest:
+                return pb.BagBackwardRequest(table="s", ids=encode(np.array([[1]])), weights=encode(np.ones((1, 1),
+                                             np.float32)), grad_out=encode(np.ones((1, 2), np.float32)), step=5,
+                                             tag=pb.WriteTag(client_id=client, seq=1))
+
+            before = row1()
+            st.BagBackward(part("A"), timeout=30)
+            for tag in (pb.WriteTag(), pb.WriteTag(client_id="C"), pb.WriteTag(seq=3)):
+                with pytest.raises(grpc.RpcError) as err:
+                    st.CommitStep(pb.CommitStepRequest(table="s", step=5, phase=pb.STEP_PREPARE_COMMIT, tag=tag), timeout=30)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "tag: a CommitStep closes a trainer's step and needs its write tag" in err.value.details()
+            np.testing.assert_array_equal(row1(), before)  # nothing applied
+            st.BagBackward(part("B"), timeout=30)  # the second trainer: the step is both parts, applied once
+            np.testing.assert_array_equal(row1(), before - 1.0)

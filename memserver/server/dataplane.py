@@ -33,7 +33,7 @@ from memserver.api.errors import (
     TableNotFoundError,
     UnavailableError,
 )
-from memserver.api.types import MAX_INSPECT_SLOTS, check_table_name
+from memserver.api.types import MAX_INSPECT_SLOTS, check_table_name, shown
 from memserver.api.usage import Histogram
 from memserver.api.v1 import memserver_pb2 as pb
 from memserver.api.v1 import memserver_pb2_grpc as pb_grpc
@@ -622,6 +622,12 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
     def _plan_commit_step(self, request: pb.CommitStepRequest, region: Region | None) -> Call:
         if request.contributor:
             raise InvalidArgumentError("contributor: set only by a shard in its own log, never by a client")
+        if request.phase != pb.STEP_DROP_OPEN and (not request.tag.client_id or request.tag.seq < 1):
+            # (as its parts, TableSlice.check_part: an untagged commit counted as a trainer "anonymous",
+            # so a sync table's step was applied without a trainer's acknowledged part: a hunt)
+            raise InvalidArgumentError(f"tag: a CommitStep closes a trainer's step and needs its write tag with a "
+                                       f"client_id and a seq >= 1 (the step counts each trainer by its client_id), got "
+                                       f"client_id {shown(request.tag.client_id)}, seq {request.tag.seq}")
         return self._write(request, self._commit_step)
 
     def _slot_stats(self, request: pb.SlotStatsRequest, region: Region | None) -> Call:
