@@ -672,17 +672,19 @@ def train_sample_limit(dim: int) -> int:
     return (MAX_MESSAGE_BYTES - MESSAGE_MARGIN) // (4 * max(1, dim))
 
 
-def check_answer(rows: int, cols: int, what: str, batch: int = 1) -> None:
+def check_answer(rows: int, cols: int, what: str, batch: int = 1) -> int:
     """Refuse, before anything is allocated, a request whose answer of `rows` x `cols` float32
     would not fit one message (an empty bag still answers a row of zeros: 8 request bytes per bag
     must not become an unbounded answer). `batch`: the queries the rows are of, where a search's
-    k rows of one query alone are too large: then the fix is a smaller k, not a smaller batch."""
+    k rows of one query alone are too large: then the fix is a smaller k, not a smaller batch.
+    Returns the answer's bytes (a shard's admission counts them while the call runs)."""
     if rows * cols * 4 > MAX_MESSAGE_BYTES:
         # (a search's rows are queries x k: where one query's alone is too large, the batch is not the cause)
         fix = "a smaller k" if what == "k" and rows * cols * 4 // max(1, batch) > MAX_MESSAGE_BYTES else "split the batch"
         raise InvalidArgumentError(f"{what}: {rows:,} rows of {cols} floats make an answer of "
                                    f"{rows * cols * 4 / 2**20:.0f} MiB, above the {MAX_MESSAGE_BYTES >> 20} MiB "
                                    f"message limit; {fix}")
+    return rows * cols * 4
 
 
 def check_bag(ids: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor | None) -> int:

@@ -723,3 +723,44 @@ def test_the_coordinator_has_the_limits_too(overload_cluster):
     finally:
         for ch in channels:
             ch.close()
+
+
+@pytest.mark.parametrize("path", ["gRPC", "doorbell"])
+def test_an_answer_many_times_its_request_counts_against_max_inflight_bytes(path):
+    """A hunt: a bag of [B, 0] ids (23 request bytes) answered B rows, 234 MiB, counted as 23
+    bytes, and eight at once took 547 MiB of a shard unrefused. The answer's bytes count while it
+    is computed: beside other calls past the limit it is refused, alone it runs, and its bytes
+    are given back after."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from tests.test_shm import shm_client
+
+    config = ServeConfig(limits=Limits(max_inflight_calls=16, max_inflight_bytes=4 * MiB))
+    with InProcessServer(1, config=config) as server, MemoryClient(server.endpoint, shm=False, timeout=30) as tcp:
+        tcp.create_table("wide", 16, 256, num_shards=1)
+        c = shm_client(server.endpoint, "wide", 1, retry_seconds=0) if path == "doorbell" else \
+            MemoryClient(server.endpoint, shm=False, retry_seconds=0, timeout=30)
+        admission = server.shards[0].servicer.regions.admission
+        ids, w = np.zeros((8192, 1), np.int64), np.ones((8192, 1), np.float32)  # 96 KiB asking for 8 MiB
+        if path == "doorbell":
+            before = c.aio.shm.bell_calls
+        admission.take("Other", 1000)  # another call in progress
+        try:
+            with pytest.raises(OverloadedError, match=r"this call's answer 8(\.0)? MiB on top of"):
+                c.bag("wide", ids, w)
+            if path == "gRPC":  # raw, [B, 0] ids: no bytes at all, the answer 8 MiB
+                meta = c.table("wide")
+                with grpc.insecure_channel(meta.shards[0].address) as ch:
+                    with pytest.raises(grpc.RpcError) as err:
+                        pb_grpc.DataPlaneStub(ch).Bag(pb.BagRequest(
+                            table="wide", ids=encode(np.zeros((8192, 0), np.int64)),
+                            weights=encode(np.zeros((8192, 0), np.float32))), timeout=30)
+                    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "this call's answer" in err.value.details()
+        finally:
+            admission.give_back(1000)
+        assert c.bag("wide", ids, w).shape == (8192, 256)  # alone: admitted
+        if path == "doorbell":
+            assert c.aio.shm.bell_calls >= before + 2  # (both went by the doorbell)
+        c.close()
+        assert admission.bytes == 0 and admission.calls == 0

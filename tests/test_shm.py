@@ -608,9 +608,11 @@ def test_shared_memory_tensors_count_against_the_byte_limit(local_shard):
     from memserver.server.config import Limits
 
     shard, adm = local_shard, local_shard.admission
-    limit = 48 << 10
+    limit = 160 << 10
     adm.limits = Limits(max_inflight_bytes=limit)
-    big, small = _bag_inputs(8192), _bag_inputs(2048, 1)  # 64 KiB of ids (int32) and weights; 16 KiB
+    # 256 KiB of ids (int32) and weights; 16 KiB, and its answer of 128 KiB (counted too: an answer
+    # many times its request, dataplane.Call.answer)
+    big, small = _bag_inputs(32768), _bag_inputs(2048, 1)
     with local_client(shard, shm=True, retry_seconds=0) as c, local_client(shard, shm=False) as tcp:
         want_big, want_small = tcp.bag("t", *big), tcp.bag("t", *small)  # TCP: alone, admitted
         attach(c, "t", 1)
@@ -619,7 +621,7 @@ def test_shared_memory_tensors_count_against_the_byte_limit(local_shard):
         held = 1 << 10  # another request of 1 KiB in progress
         shard.run(lambda: (adm.enter("Held"), adm.take("Held", held)))
         try:
-            with pytest.raises(OverloadedError, match=r"this call's shared-memory tensors' 64\.0 KiB on top of .* "
+            with pytest.raises(OverloadedError, match=r"this call's shared-memory tensors' 256\.0 KiB on top of .* "
                                                       rf"would pass the limit max_inflight_bytes={limit}"):
                 c.bag("t", *big)
             assert adm.rejected[("Bag", "max_inflight_bytes")] == 1

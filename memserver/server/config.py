@@ -54,7 +54,8 @@ class Limits:
     a few ops each). Requests being received are bounded by it times the message limit only (see
     memserver.server.admission): lower it on memory-tight shards.
     `max_inflight_bytes`: request bytes of the calls in progress (of a shared-memory call: the
-    tensors it reads out of the client's region, memserver.server.shm). A call whose request would
+    tensors it reads out of the client's region, memserver.server.shm; of a call whose answer is
+    many times its request, the answer's too, dataplane.Call.answer). A call whose request would
     pass it is refused, except when nothing else is in progress, so a legal request larger than
     the limit still runs (alone). Default 1 GiB: four requests of the 256 MiB message limit,
     sixteen of the client's 64 MiB split size; a big bag call (~100 MB) is not slowed.

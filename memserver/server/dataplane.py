@@ -117,6 +117,10 @@ class Call(NamedTuple):
     entries: int
     write: bool = False
     scan: Iterable[Callable[[], None]] = ()
+    #: its answer's bytes where they may be many times its request's (check_answer): counted in the
+    #: shard's max_inflight_bytes while it runs, as its request is (a bag of [B, 0] ids, 23 bytes,
+    #: answered 234 MiB, counted as 23 bytes: eight at once took 547 MiB unrefused, a hunt)
+    answer: int = 0
 
 
 class DataPlaneServicer(pb_grpc.DataPlaneServicer):
@@ -207,11 +211,13 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         """A gRPC call: its plan's checks on the event loop, its work by `run`, its answer once durable."""
         with self._region(request) as region:
             call = self.PLANS[name](self, request, region)
+            self._take_answer(name, request, region, call)
             try:
                 for chunk in call.scan:  # each its own work item: queued calls run between them
                     await self.run(chunk, INLINE_ENTRIES + 1, call.sl, count=False)
                 response = await self.run(call.work, call.entries, call.sl, write=call.write)
             finally:
+                self._give_answer(call)
                 self._drain_soon()
             if call.write:
                 durable = self._durable(call.sl)
@@ -238,19 +244,23 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
             raise InvalidArgumentError(f"deadline: a time on the shard's monotonic clock, got {deadline}")
         with self._region(request) as region:
             call = self.PLANS[name](self, request, region)
-            for chunk in call.scan:  # `exclusive` let go between chunks, as on the compute thread
-                self._acquire_by(deadline, name)
-                self._held(chunk, call.sl, count=False)
-            while True:
-                self._acquire_by(deadline, name)
-                try:
-                    response = self._held(call.work, call.sl, write=call.write)
-                    break
-                except _Saving as saving:  # its slice's checkpoint file is being written: after it
-                    yield Wait(saving.done, deadline)
-                    if not saving.done.done():
-                        raise DeadlineExceededError(f"{name}: the call's deadline passed while its table's checkpoint "
-                                                    "was written") from None
+            self._take_answer(name, request, region, call)
+            try:
+                for chunk in call.scan:  # `exclusive` let go between chunks, as on the compute thread
+                    self._acquire_by(deadline, name)
+                    self._held(chunk, call.sl, count=False)
+                while True:
+                    self._acquire_by(deadline, name)
+                    try:
+                        response = self._held(call.work, call.sl, write=call.write)
+                        break
+                    except _Saving as saving:  # its slice's checkpoint file is being written: after it
+                        yield Wait(saving.done, deadline)
+                        if not saving.done.done():
+                            raise DeadlineExceededError(f"{name}: the call's deadline passed while its table's "
+                                                        "checkpoint was written") from None
+            finally:
+                self._give_answer(call)
         if call.write:
             durable = self._durable(call.sl)
             if durable is not None:
@@ -291,6 +301,17 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         offsets = decode(request.offsets, "offsets", region) if request.HasField("offsets") else None
         return ids, weights, offsets, check_bag(ids, weights, offsets)
 
+    def _take_answer(self, name: str, request: Any, region: Region | None, call: Call) -> None:
+        """Count the call's answer in the admission (Call.answer), or refuse it (OverloadedError)
+        where it would pass max_inflight_bytes beside other calls (alone, it is admitted)."""
+        if call.answer and self.regions.admission is not None:
+            own = request.ByteSize() + (region.nbytes if region is not None else 0)  # (what the call took already)
+            self.regions.admission.take(name, call.answer, own=own, what="this call's answer")
+
+    def _give_answer(self, call: Call) -> None:
+        if call.answer and self.regions.admission is not None:
+            self.regions.admission.give_back(call.answer)
+
     @contextlib.contextmanager
     def _region(self, request: Any) -> Iterator[Region | None]:
         """The shared-memory region a call's tensors are in (None: inline), leased for the call."""
@@ -314,20 +335,20 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         check_wire_dtype(request.wire_dtype)
         ids = decode(request.ids, "ids", region)
         check_1d(ids, "ids")
-        check_answer(ids.numel(), sl.table.dim, "ids")
+        nbytes = check_answer(ids.numel(), sl.table.dim, "ids")
 
         def work() -> Any:
             rows = sl.table.lookup(sl.local(ids), count=sl.counts_reads and not request.uncounted,
                                    admit=not request.uncounted)
             return answer(request, region, Lazy(pb.LookupResponse()).put("rows", rows, answer_dtype(rows, request.wire_dtype)))
 
-        return Call(sl, work, ids.numel())
+        return Call(sl, work, ids.numel(), answer=nbytes)
 
     def _bag(self, request: pb.BagRequest, region: Region | None) -> Call:
         sl = self.slice(request)
         check_wire_dtype(request.wire_dtype)
         ids, weights, offsets, num_bags = self._bag_inputs(request, region)
-        check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
+        nbytes = check_answer(num_bags, sl.table.dim, "offsets" if offsets is not None else "ids")
 
         counts = sl.counts_reads and not request.uncounted
         # a large bag's read counters: after its answer (on the shard keeping them)
@@ -340,7 +361,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
                 self.pending.append((sl, lambda: _logged(sl.table.count_reads, local, weights)))
             return answer(request, region, Lazy(pb.BagResponse()).put("out", out, answer_dtype(out, request.wire_dtype)))
 
-        return Call(sl, work, ids.numel())
+        return Call(sl, work, ids.numel(), answer=nbytes)
 
     # Each write is built in two halves: validation (on the event loop, before anything changes)
     # and a work() that applies it on the compute thread. Replaying the write-ahead log after a
@@ -567,7 +588,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         with_payload = request.return_payload and sl.table.payload_dim > 0
         # at most a row per hit: a float32 score, an int64 id (2 floats' worth) and, with the
         # payload, a distinct hit's id and payload row (each distinct hit once: U <= B * k)
-        check_answer(b * max(int(request.k), 0), 3 + (2 + sl.table.payload_dim if with_payload else 0), "k", b)
+        nbytes = check_answer(b * max(int(request.k), 0), 3 + (2 + sl.table.payload_dim if with_payload else 0), "k", b)
 
         def work() -> Any:
             if not with_payload:
@@ -581,7 +602,7 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         # Inline (on the event loop) only a search that is small whatever the kind: a few queries
         # over a slice a brute-force scan reads in about a millisecond.
         small = b <= 4 and b * sl.table.ntotal * sl.table.dim <= INLINE_SEARCH_WORK
-        return Call(sl, work, 0 if small else INLINE_ENTRIES + 1)
+        return Call(sl, work, 0 if small else INLINE_ENTRIES + 1, answer=nbytes)
 
     # -- product-key tables ----------------------------------------------------------------
 
@@ -611,13 +632,13 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         sl = self.slice(request, pb.PRODUCT_KEYS)
         queries = decode(request.queries, "queries")
         b = queries.shape[0] if queries.dim() else 1
-        check_answer(b, 3 * sl.table.heads * sl.table.knn, "queries")  # int64 ids and float32 weights per hit
+        nbytes = check_answer(b, 3 * sl.table.heads * sl.table.knn, "queries")  # int64 ids and float32 weights per hit
 
         def work() -> pb.AddressResponse:
             ids, weights = sl.table.address(queries)
             return pb.AddressResponse(ids=encode(ids), weights=encode(weights))
 
-        return Call(sl, work, b * sl.table.heads * sl.table.knn)
+        return Call(sl, work, b * sl.table.heads * sl.table.knn, answer=nbytes)
 
     def _plan_commit_step(self, request: pb.CommitStepRequest, region: Region | None) -> Call:
         if request.contributor:
@@ -634,13 +655,13 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         sl = self.slice(request)
         ids = decode(request.ids, "ids")
         check_1d(ids, "ids")
-        check_answer(ids.numel(), 10, "ids")  # five 8-byte statistics per id
+        nbytes = check_answer(ids.numel(), 10, "ids")  # five 8-byte statistics per id
 
         def work() -> pb.SlotStatsResponse:
             stats = sl.table.slot_stats(sl.local(ids))
             return pb.SlotStatsResponse(**{k: encode(v) for k, v in stats.items()})
 
-        return Call(sl, work, ids.numel())
+        return Call(sl, work, ids.numel(), answer=nbytes)
 
     # -- inspection ------------------------------------------------------------------------
 
