@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -240,13 +241,14 @@ def test_local_checkpoints_say_why_they_cannot_be_inspected(client, tmp_path):
 
 
 def test_a_checkpoint_whose_table_is_gone_says_the_restore_that_brings_it_back(client, tmp_path, table_name, capsys,
-                                                                              memory_cluster):
+                                                                              memory_cluster, monkeypatch):
     run_memtrain(client, ["--table", table_name, "--steps", "2", "--eval-every", "2", "--checkpoint-dir", str(tmp_path)])
     client.drop_table(table_name)
     saved = (tmp_path / "memory" / table_name).resolve()
+    monkeypatch.chdir(tmp_path.parent)  # the checkpoint named relative to here: the hint's dir is absolute
     with pytest.raises(ValueError, match=f"which the cluster does not hold .* or `memserver restore --dir {saved} "
                        "--step 2`") as err:
-        Inspector.load(tmp_path, client)
+        Inspector.load(Path(tmp_path.name), client)
     command = re.search(r"`memserver (restore [^`]*)`", str(err.value)).group(1).split()
     try:
         assert cli_main([*command, "--endpoint", memory_cluster.endpoint]) == 0

@@ -210,7 +210,9 @@ class Inspector:
                 raise ValueError(f"{path}: a --memory local checkpoint: its values are not in the cluster "
                                  "(train with --memory remote to inspect them there)")
             tables[key] = name
-            saved_in[name] = path.parent / str(saved.get("checkpoint") or f"memory/{name}")
+            # (absolute: `memserver restore --dir` reads a relative one under the cluster's checkpoint
+            # root, not where the user is, so the hint run as printed failed: a walkthrough)
+            saved_in[name] = (path.parent / str(saved.get("checkpoint") or f"memory/{name}")).resolve()
         for i in mem.layers:  # shared values: the key of the first layer reading the table
             for kind in mem.kinds:
                 if kind == "kif":
