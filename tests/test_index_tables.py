@@ -572,3 +572,17 @@ def test_a_training_sample_is_checked_as_sent_before_it_is_cast(sample, says):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and re.match(says, err.value.details()), \
             err.value.details()
         c.train_index("ix", np.random.default_rng(0).normal(size=(50, 4)).astype(np.float32))  # not trained before
+
+
+def test_the_coordinator_logs_an_index_table_as_an_index(caplog):
+    """A walkthrough: `created table my-index: 9223372036854775807 x 384` (its id space as rows)."""
+    import logging
+
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as srv, MemoryClient(srv.endpoint, timeout=30) as c, \
+            caplog.at_level(logging.INFO, logger="memserver.server.coordinator"):
+        c.create_index("logged", 8, index_factory="Flat")
+    said = [r.getMessage() for r in caplog.records if "table logged" in r.getMessage()]
+    assert said == ["created table logged: an index of dim 8 (Flat), rows over 1 shards"], said

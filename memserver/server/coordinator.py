@@ -449,8 +449,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 self.tables[spec.name] = info
                 self.placement[spec.name] = order
                 self.left_out.pop(spec.name, None)
-            log.info("%s table %s: %d x %d, %s over %d shards", "restored" if files else "created", spec.name,
-                     spec.num_rows, spec.dim, pb.Sharding.Name(spec.sharding).lower(), spec.num_shards)
+            # (an index table's num_rows is its id space, 2^63-1: said as what it is)
+            shape = (f"an index of dim {spec.dim} ({spec.index_factory})" if spec.kind == pb.INDEX else
+                     f"{spec.num_rows} x {spec.dim}")
+            log.info("%s table %s: %s, %s over %d shards", "restored" if files else "created", spec.name, shape,
+                     pb.Sharding.Name(spec.sharding).lower(), spec.num_shards)
             return info
         finally:
             self.pending.discard(spec.name)
