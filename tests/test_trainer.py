@@ -1317,6 +1317,16 @@ def test_saves_are_snapshots_loads_check_shapes_and_forgotten_steps_are_said(cli
     assert torch.equal(saved["state"]["weight"], at_save)
     local.load(tmp_path, 1, saved)
     assert torch.equal(local.table.weight, at_save)
+    # a field that cannot be taken refuses the load before any is copied (it failed after the
+    # values were overwritten: a hunt)
+    other = LocalValues(16, 4, optimizer="adam", lr=0.1, seed=7).save(tmp_path, 1)
+    for field, bad, said in (("exp_avg", other["state"]["exp_avg"].numpy(), "exp_avg is ndarray"),
+                             ("exp_avg", other["state"]["exp_avg"].bool(), "exp_avg is Tensor torch.bool"),
+                             ("exp_avg_sq", torch.full_like(other["state"]["exp_avg_sq"], 1e300, dtype=torch.float64), "exp_avg_sq holds values "
+                              "beyond torch.float32's range")):
+        with pytest.raises(InvalidArgumentError, match=re.escape(f"saved: {said}")):
+            local.load(tmp_path, 1, {"state": {**other["state"], field: bad}})
+        assert torch.equal(local.table.weight, at_save)
 
     big = RemoteValues(client, table_name, 32, 4)
     saved = big.save(str(tmp_path), 1)

@@ -347,8 +347,20 @@ class LocalValues:
             raise InvalidArgumentError(
                 f"saved: values of {_state_text(state)}; this backend holds {_state_text(mine)} (the same num_rows, "
                 "dim and optimizer are needed)")
+        # every field converted before any is copied (a field that could not be, numpy or another
+        # dtype, failed after the values were overwritten: a hunt)
+        ready = {}
+        for name, t in mine.items():
+            got = state[name]
+            if not isinstance(got, torch.Tensor) or got.is_complex() or got.dtype == torch.bool:
+                raise InvalidArgumentError(f"saved: {name} is {type(got).__name__}"
+                                           f"{f' {got.dtype}' if isinstance(got, torch.Tensor) else ''}; a torch tensor "
+                                           "of real numbers is needed (what LocalValues.save returns)")
+            ready[name] = got.detach().to(t.device, t.dtype)
+            if t.is_floating_point() and not torch.equal(ready[name].isfinite(), got.isfinite()):
+                raise InvalidArgumentError(f"saved: {name} holds values beyond {t.dtype}'s range")
         self.version += LOADED
-        for name, t in state.items():
+        for name, t in ready.items():
             getattr(self.table, name).copy_(t)
 
 
