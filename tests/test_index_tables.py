@@ -586,3 +586,27 @@ def test_the_coordinator_logs_an_index_table_as_an_index(caplog):
         c.create_index("logged", 8, index_factory="Flat")
     said = [r.getMessage() for r in caplog.records if "table logged" in r.getMessage()]
     assert said == ["created table logged: an index of dim 8 (Flat), rows over 1 shards"], said
+
+
+def test_a_value_table_product_keys_read_is_not_dropped_or_made_anew_under_them():
+    """A walkthrough: after `load-pkm`, a memtrain run re-created the values table it had filled
+    (memtrain-values), and the product-key table went on answering bags of the new run's values,
+    status still pairing them. A drop, or a create with replace, of a value table that product-key
+    tables read is refused naming them; once they are dropped it goes; a restore may replace it."""
+    from client import FailedPreconditionError, MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as srv, MemoryClient(srv.endpoint, timeout=30) as c:
+        c.create_table("v", 16, 4, init_std=0.0)
+        c.create_product_keys("pk", "v", 1, 4, 2, 4, 0)
+        c.create_product_keys("pk2", "v", 1, 4, 2, 4, 0)
+        for call, what in ((lambda: c.drop_table("v"), "a drop of"),
+                           (lambda: c.create_table("v", 16, 4, replace=True), "a create with replace of")):
+            with pytest.raises(FailedPreconditionError, match=f"{what} 'v': product-key table\\(s\\) pk, pk2 read their "
+                                                              "slots' values from it; drop them first"):
+                call()
+        assert {m.name for m in c.list_tables()} == {"v", "pk", "pk2"}
+        c.drop_table("pk")
+        c.drop_table("pk2")
+        c.create_table("v", 16, 4, replace=True)
+        c.drop_table("v")

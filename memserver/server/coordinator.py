@@ -318,9 +318,22 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return await self._serialised(spec.name, "the create" + (" with replace" if request.replace else ""),
                                       self._create(spec, request))
 
+    def _refuse_read_values(self, name: str, what: str) -> None:
+        """A value table that product-key tables read their slots from is not dropped or made anew
+        under them: they went on serving bags of whatever the new table held, and status still
+        paired them (a walkthrough: a memtrain run re-created the table `load-pkm` had filled). A
+        restore of it with replace stays (a roll-back of the same values)."""
+        readers = sorted(n for n, t in self.tables.items() if t.spec.kind == pb.PRODUCT_KEYS and
+                         t.spec.values_table == name and n != name)
+        if readers:
+            raise FailedPreconditionError(f"{what} {name!r}: product-key table(s) {', '.join(readers)} read their slots' "
+                                          f"values from it; drop {'them' if len(readers) > 1 else 'it'} first "
+                                          "(memserver drop-table), or use another name")
+
     async def _create(self, spec: pb.TableSpec, request: pb.CreateTableRequest) -> pb.TableInfo:
         if request.replace:
             self._refuse_other_kind(spec, "a create", " or choose another name")
+            self._refuse_read_values(spec.name, "a create with replace of")
             # every refusal before anything of the name is dropped: slices no table owns too (a table
             # left out at start-up lost its surviving slices to a create the shards then refused: a review)
             plan = await self._check_fits(spec)
@@ -474,6 +487,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def DropTable(self, request: pb.DropTableRequest, context: grpc.aio.ServicerContext) -> pb.DropTableResponse:
         check_table_name(request.name)  # before any shard is asked to drop its folder of that name
+        self._refuse_read_values(request.name, "a drop of")
         await self._serialised(request.name, "the drop", self._drop(request.name))
         return pb.DropTableResponse()
 
