@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from trainer.memory import (
+    EngramMemory,
     KIFMemory,
     LocalKnowledge,
     LocalValues,
@@ -842,3 +844,72 @@ def test_a_read_of_a_non_finite_input_is_nan_at_that_position_alone(kind):
             out = layer(micro)(x)
         assert out.isfinite().all(-1).tolist() == want.tolist(), (micro, out)
         torch.testing.assert_close(out[1:], layer(1)(x[1:]).detach())
+
+
+def test_a_layer_built_on_the_meta_device_reads_the_rows_its_state_says():
+    """A hunt: a model built on the meta device, then to_empty() and load_state_dict() (the usual
+    way to set up a large model) left the LSH planes and sketch, Engram's hash multipliers and the
+    product-key candidate pairs as uninitialised memory (not saved: the seed is the state), and
+    the layers read other rows, saying nothing. They are made again where they leave meta."""
+    values, slots = LocalValues(2 * 16, 8, seed=1), LocalValues(16, 8, seed=1)
+    makers = {"lsh": lambda: LSHMemory(8, 8, values, hashes=2, bits=4, seed=3),
+              "engram": lambda: EngramMemory(8, 8, values, orders=(2, 3), heads=2, seed=3),
+              "pkm": lambda: ProductKeyMemory(8, 8, slots, n_keys=4, heads=2, k_dim=4, knn=3)}
+    x, tok = torch.randn(2, 5, 8), torch.randint(0, 50, (2, 5))
+    for kind, make in makers.items():
+        torch.manual_seed(0)
+        ref = make().eval()
+        with torch.device("meta"):
+            layer = make()
+        layer.to_empty(device="cpu")
+        layer.load_state_dict(ref.state_dict())
+        layer.eval()
+        for name in layer.DERIVED:
+            assert torch.equal(getattr(layer, name), getattr(ref, name)), (kind, name)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x, tokens=tok), ref(x, tokens=tok))
+        assert torch.equal(layer.last_access[0], ref.last_access[0]), kind
+
+
+def test_a_state_of_another_addressing_is_refused_and_an_older_state_loads():
+    """A hunt: an LSH or Engram layer's state loaded into a layer of another seed (or Engram
+    orders) was taken whole, its trained weights then reading other rows. The settings that pick
+    the rows are in the state (`_extra_state`) and checked; a state saved before they were loads."""
+    values = LocalValues(2 * 2 * 8, 8, seed=1)
+    for saved, other, said in (
+            (LSHMemory(8, 8, values, hashes=2, bits=4, seed=3), LSHMemory(8, 8, values, hashes=2, bits=4),
+             "LSHMemory: the state was saved by a layer of seed 3 (this layer: 0)"),
+            (EngramMemory(8, 8, values, orders=(2, 3), heads=2, seed=3),
+             EngramMemory(8, 8, values, orders=(2, 3), heads=2), "seed 3 (this layer: 0)"),
+            (EngramMemory(8, 8, values, orders=(2, 3), heads=2), EngramMemory(8, 8, values, orders=(2, 4), heads=2),
+             "orders (2, 3) (this layer: (2, 4))")):
+        state = saved.state_dict()
+        assert "_extra_state" in state
+        with pytest.raises(ValueError, match=re.escape(said)):
+            other.load_state_dict(state)
+        older = {k: v for k, v in state.items() if k != "_extra_state"}
+        other.load_state_dict(older)  # (no addressing saved: taken as before)
+        assert all(torch.equal(other.state_dict()[k], v) for k, v in older.items())
+    same = LSHMemory(8, 8, values, hashes=2, bits=4, seed=3)
+    same.load_state_dict(LSHMemory(8, 8, values, hashes=2, bits=4, seed=3).state_dict())
+
+
+def test_a_layer_refuses_x_of_another_float_dtype_and_bad_settings_by_name():
+    """A hunt: float16 x into a float32 layer failed with torch's dtype errors naming no layer (an
+    Engram prefetch used up first); a tensor as KIF's source, Engram orders 2.9 (taken as 2) and
+    a seed of 2^70 were taken, or failed unnamed."""
+    values = LocalValues(2 * 16, 8, seed=1)
+    x, tok = torch.randn(2, 5, 8, dtype=torch.float16), torch.randint(0, 50, (2, 5))
+    for layer in (LSHMemory(8, 8, values, hashes=2, bits=4), EngramMemory(8, 8, values, orders=(2, 3), heads=2),
+                  KIFMemory(8, 8, LocalKnowledge("k", torch.randn(10, 4)), knn=2)):
+        before = values.table.weight.clone()
+        with pytest.raises(ValueError, match=f"{type(layer).__name__}: x is float16 and the layer's weights float32"):
+            layer(x, tokens=tok)
+        assert torch.equal(values.table.weight, before)
+        layer.to(torch.float16)(x, tokens=tok)  # (one dtype: taken)
+        values.to("cpu")
+    for make, said in ((lambda: KIFMemory(8, 8, torch.randn(10, 4)), "KIFMemory: source must be a knowledge source"),
+                       (lambda: EngramMemory(8, 8, values, orders=(2.9, 3), heads=2), "orders\\[0\\] must be a whole"),
+                       (lambda: LSHMemory(8, 8, values, hashes=2, bits=4, seed=2**70), "seed must be in \\[0, 2\\^63\\)")):
+        with pytest.raises(ValueError, match=said):
+            make()

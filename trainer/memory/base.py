@@ -193,6 +193,8 @@ def check_counts(layer: str, **counts: Any) -> None:
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (numpy's ints are whole too)
             raise ValueError(f"{layer}: {name} must be a whole number, got {value!r}")
+        if name == "seed" and not 0 <= value < 1 << 63:  # (torch's generators take int64: 2^70 failed unnamed)
+            raise ValueError(f"{layer}: seed must be in [0, 2^63), got {value}")
 
 
 def check_positive(layer: str, **counts: int) -> None:
@@ -234,11 +236,24 @@ def check_token_ids(tokens: torch.Tensor, layer: str) -> None:
                          "window-start pad, and larger ids overflow their hashes)")
 
 
+def _as_saved(v: Any) -> Any:
+    """A setting as it compares across a save (a tuple may come back a list)."""
+    return tuple(v) if isinstance(v, list) else v
+
+
 class MemoryLayer(nn.Module):
     """Base of the memory layers: subclasses implement `address` (and the hooks above they need)."""
 
     groups = 1  # bags read per position (see the module docstring)
     token_addressed = False  # addresses from the token ids alone (`address_tokens`): reads can be prefetched
+    #: Buffers made from the layer's settings (its seed), not saved (`derived_buffers` makes them
+    #: again): rebuilt where they come off the meta device (`to_empty`), which leaves them
+    #: uninitialised memory that no load_state_dict fills (a model built on meta read other rows).
+    DERIVED: tuple[str, ...] = ()
+    #: The settings that decide which rows a position reads, saved in the layer's state
+    #: (get_extra_state) and checked on load: a state loaded into a layer of another seed was taken
+    #: whole, its trained weights then paired with other rows.
+    ADDRESSING: tuple[str, ...] = ()
 
     def __init__(self, d_in: int, d_out: int, values: ValueBackend | None, *, read_dim: int | None = None,
                  mem_plus: bool = False, micro_batches: int = 1) -> None:
@@ -263,10 +278,51 @@ class MemoryLayer(nn.Module):
         self.hints: list[Any] = []  # the latest hint in flight (`warm`), waited for by `drop_prefetched`
         self.read_s = 0.0  # seconds forwards spent getting their reads (waiting for one sent ahead, or making it)
 
+    def derived_buffers(self) -> dict[str, torch.Tensor]:
+        """The DERIVED buffers as the layer's settings make them (on the CPU)."""
+        return {}
+
+    def weights_dtype(self) -> torch.dtype | None:
+        """The dtype x must have outside autocast (None: any)."""
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), None)
+
+    def _register_derived(self) -> None:
+        """Register the DERIVED buffers, made on the CPU; under torch.device("meta") as meta
+        tensors (made again by `_apply` once the layer leaves meta: see DERIVED)."""
+        meta = torch.empty(0).is_meta  # (the default device: a model built on meta)
+        with torch.device("cpu"):  # (the product-key candidates cannot be computed on meta)
+            made = self.derived_buffers()
+        for name, t in made.items():
+            self.register_buffer(name, t.to("meta") if meta else t, persistent=False)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.ADDRESSING}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"{type(self).__name__}: its saved addressing is {type(state).__name__}, not a dict")
+        mine = self.get_extra_state()
+        differ = [f"{k} {state.get(k)!r} (this layer: {v!r})" for k, v in mine.items()
+                  if _as_saved(state.get(k)) != _as_saved(v)]
+        if differ:
+            raise ValueError(f"{type(self).__name__}: the state was saved by a layer of {', '.join(differ)}: its "
+                             "weights would read other rows; build the layer with the saved settings")
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        key = f"{prefix}_extra_state"
+        if self.ADDRESSING and key not in state_dict:  # a state saved before layers kept their addressing
+            state_dict[key] = self.get_extra_state()  # (load_state_dict's own copy of the caller's dict)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MemoryLayer:
         """Module moves (`to`, `cuda`, `cpu`) take the values along: a backend held in this
         process keeps its table on the device of the layer's parameters and buffers."""
+        on_meta = [n for n in self.DERIVED if getattr(self, n).is_meta]
         super()._apply(fn, recurse)
+        if on_meta and not getattr(self, on_meta[0]).is_meta:
+            fresh = self.derived_buffers()
+            for n in on_meta:
+                setattr(self, n, fresh[n].to(getattr(self, n).device, getattr(self, n).dtype))
         where = next(itertools.chain(self.parameters(), self.buffers()), None)
         if self.values is not None and where is not None:
             self.values.to(where.device)
@@ -408,6 +464,12 @@ class MemoryLayer(nn.Module):
             raise ValueError(f"{layer}: x must be a floating-point torch tensor [..., d_in], got {got}")
         if x.dim() == 0 or x.shape[-1] != self.d_in:  # (a raw matmul error inside named no layer)
             raise ValueError(f"{layer}: x must be [..., d_in = {self.d_in}], got {list(x.shape)}")
+        if not torch.is_autocast_enabled(x.device.type):  # (float16 x into float32 weights: a raw dtype error
+            own = self.weights_dtype() or x.dtype  # naming no layer, an Engram prefetch used up first: a hunt)
+            if own != x.dtype:
+                raise ValueError(f"{layer}: x is {str(x.dtype).removeprefix('torch.')} and the layer's weights "
+                                 f"{str(own).removeprefix('torch.')}: move the model to one dtype (model.to(dtype)) "
+                                 "or run it under torch.autocast")
         if self.token_addressed:
             if tokens is not None and not isinstance(tokens, torch.Tensor):  # numpy or lists, as the backends take
                 tokens = torch.as_tensor(tokens, device=x.device)

@@ -75,6 +75,13 @@ class EngramMemory(MemoryLayer):
 
     token_addressed = True
 
+    DERIVED = ("mult", "offset")
+    ADDRESSING = ("seed", "orders", "heads", "segment")
+
+    def derived_buffers(self) -> dict[str, torch.Tensor]:
+        mult, start = engram_hash_params(self.seed, len(self.orders), self.heads)
+        return {"mult": mult, "offset": start}
+
     def __init__(self, d_in: int, d_out: int, values: ValueBackend, *, orders: tuple[int, ...] = (2, 3), heads: int = 4,
                  seed: int = 0, conv: bool = True, kernel: int = 4, micro_batches: int = 1) -> None:
         check_values(values, "EngramMemory")
@@ -82,6 +89,7 @@ class EngramMemory(MemoryLayer):
         check_positive("EngramMemory", kernel=kernel)
         if not isinstance(orders, (tuple, list)):
             raise ValueError(f"Engram memory: orders is a tuple of n-gram orders, e.g. (2, 3), got {orders!r}")
+        check_counts("EngramMemory", **{f"orders[{i}]": n for i, n in enumerate(orders)})  # (2.9 was taken as 2)
         orders = tuple(int(n) for n in orders)
         if not orders or len(set(orders)) != len(orders) or any(not 2 <= n <= MAX_ORDER for n in orders) or heads < 1:
             raise ValueError(f"Engram memory: distinct orders in [2, {MAX_ORDER}] and heads >= 1, got {orders}, {heads}")
@@ -93,9 +101,7 @@ class EngramMemory(MemoryLayer):
         self.groups = groups  # one bag (of one row) per (order, head), concatenated by `combine`
         self.orders, self.heads, self.seed = orders, heads, seed
         self.segment = values.num_rows // groups  # rows per (order, head)
-        mult, start = engram_hash_params(seed, len(orders), heads)
-        self.register_buffer("mult", mult, persistent=False)  # the seed is the state (as LSH's planes)
-        self.register_buffer("offset", start, persistent=False)
+        self._register_derived()  # mult, offset: the seed is the state (as LSH's planes)
         e = groups * values.dim
         self.key = nn.Linear(e, d_in, bias=False)
         self.value = nn.Linear(e, d_out, bias=False)

@@ -36,6 +36,9 @@ class KIFMemory(MemoryLayer):
         """`residual_query`: the input already lives in E's space (e.g. a model over the same
         encoder's vectors), so f_E starts as the identity: f_E(x) = x + MLP(x), the MLP zero at first."""
         check_counts("KIFMemory", knn=knn)
+        if not all(hasattr(source, a) for a in ("dim", "size", "submit_search")):  # (a tensor failed unnamed)
+            raise ValueError(f"KIFMemory: source must be a knowledge source (LocalKnowledge, RemoteKnowledge), got "
+                             f"{type(source).__name__}")
         super().__init__(d_in, d_out, None, read_dim=source.dim, micro_batches=micro_batches)
         if knn < 1:
             raise ValueError(f"KIF memory: knn must be >= 1, got {knn}")

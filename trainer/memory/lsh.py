@@ -61,9 +61,19 @@ class LSHMemory(MemoryLayer):
         super().__init__(d_in, d_out, values, read_dim=d_out, mem_plus=mem_plus, micro_batches=micro_batches)
         self.groups = hashes  # one bag (of one bucket) per hash function, combined by the sketch
         self.hashes, self.bits, self.seed = hashes, bits, seed
-        planes, sketch = lsh_tables(d_in, hashes, bits, values.dim, d_out, seed)
-        self.register_buffer("planes", planes, persistent=False)
-        self.register_buffer("sketch", sketch, persistent=False)
+        self.d_out = d_out
+        self._register_derived()  # planes [d_in, hashes * bits], sketch [hashes, dim, d_out]
+
+    DERIVED = ("planes", "sketch")
+    ADDRESSING = ("seed", "hashes", "bits")
+
+    def weights_dtype(self) -> torch.dtype | None:
+        """(no weights of its own without Memory+: the sketch's, which moves with the model)"""
+        return super().weights_dtype() or self.sketch.dtype
+
+    def derived_buffers(self) -> dict[str, torch.Tensor]:
+        planes, sketch = lsh_tables(self.d_in, self.hashes, self.bits, self.values.dim, self.d_out, self.seed)
+        return {"planes": planes, "sketch": sketch}
 
     def _apply(self, fn: Any, recurse: bool = True) -> LSHMemory:
         """Moves as every module does, but the planes keep float32 (see the module's docstring)."""

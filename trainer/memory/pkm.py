@@ -24,6 +24,12 @@ from trainer.memory.base import MemoryLayer, check_counts, check_values
 class ProductKeyMemory(MemoryLayer):
     """n_keys^2 slots addressed through two sets of n_keys sub-keys per head."""
 
+    DERIVED = ("cand_i", "cand_j")
+
+    def derived_buffers(self) -> dict[str, torch.Tensor]:
+        cand_i, cand_j = candidate_pairs(self.knn)
+        return {"cand_i": cand_i, "cand_j": cand_j}
+
     def __init__(self, d_in: int, d_out: int, values: ValueBackend, *, n_keys: int, heads: int = 4, k_dim: int = 64,
                  knn: int = 32, query_bn: bool = True, mem_plus: bool = False, micro_batches: int = 1) -> None:
         check_values(values, "ProductKeyMemory")
@@ -50,9 +56,7 @@ class ProductKeyMemory(MemoryLayer):
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, half).uniform_(-bound, bound))  # [heads, 2, n_keys, half]
         # Candidate pairs (i, j) of the two sorted top-knn lists that can reach the top knn (see
         # memserver.core.pkm.candidate_pairs): 119 pairs instead of 1024 for knn=32.
-        cand_i, cand_j = candidate_pairs(knn)
-        self.register_buffer("cand_i", cand_i, persistent=False)
-        self.register_buffer("cand_j", cand_j, persistent=False)
+        self._register_derived()  # cand_i, cand_j
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d_in] -> queries [N, heads * k_dim] (the BatchNorm sees the whole batch)."""
