@@ -249,6 +249,16 @@ def test_a_prefetch_serves_only_a_forward_in_the_mode_it_was_sent_in():
     m(torch.randn(2, 8, 12), a).sum().backward()  # the same mode: used
     m.values.end_step(2)
     assert m.values.counted == 3 * per_forward and m.prefetch_used == 1
+    # a counted prefetch too old for its forward (an update came between): the forward reads the
+    # same slots again, uncounted (a hunt: they were counted twice)
+    m.prefetch(a)
+    dropped = m.prefetch_dropped
+    b = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(4))
+    for step, tokens in ((3, b), (4, a)):
+        m.values.begin_step(step)
+        m(torch.randn(2, 8, 12), tokens).sum().backward()
+        m.values.end_step(step)
+    assert m.prefetch_dropped == dropped + 1 and m.values.counted == 5 * per_forward
 
 
 # --- memtrain -------------------------------------------------------------------------------

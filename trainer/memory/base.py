@@ -177,6 +177,8 @@ class Prefetch:
     started: list[Any]  # per chunk what `send` returned
     training: bool = True  # the layer's mode when it left: a forward in the other mode reads afresh (an eval
     # forward used a read counted in the slots' statistics, and a training one an uncounted read: a hunt)
+    counted: bool = True  # its reads are in the slot statistics already: a forward that cannot use it
+    # (too old) reads the same slots again uncounted (they were counted twice: a hunt)
 
 
 def check_values(values: Any, layer: str) -> None:
@@ -381,7 +383,7 @@ class MemoryLayer(nn.Module):
         # as many chunks as torch cut (128 positions in 17 are 16 of 8: the forward asks for 16, and
         # a prefetch kept as 17 never matched, read again and counted twice: a hunt)
         self.prefetched = [*self.prefetched[-1:], Prefetch(tokens.clone(), len(started), version, max_age, started,
-                                                           self.training)]
+                                                           self.training, self.training and count)]
 
     def warm(self, tokens: torch.Tensor) -> None:
         """A hint that a forward on `tokens` [B, T] comes soon: its rows' pages are read ahead
@@ -412,7 +414,9 @@ class MemoryLayer(nn.Module):
             started = match.started
         else:
             self.prefetch_dropped += match is not None  # too old (or sent before a load, or in the other mode)
-            started = self._send_tokens(tokens, chunks, chunks > 1)
+            counted = match is not None and match.counted and match.training == self.training
+            started = self._send_tokens(tokens, chunks, chunks > 1 or counted, count=not counted)  # (sent now: a
+            # read `finish` makes itself is counted by the layer's mode)
         # (the weights come from the tokens alone: `finish` makes them take part in autograd)
         return [(ids, w.detach(), pending) for ids, w, pending in started]
 
