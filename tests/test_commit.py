@@ -10,6 +10,7 @@ import re
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import numpy as np
@@ -357,6 +358,17 @@ def test_a_commits_errors_keep_the_status_the_shard_answered():
         assert got.value.code == grpc.StatusCode.INTERNAL and "has not reached every shard" in got.value.details
 
 
+def _step_2_sent(pairs: Any) -> tuple[Any, Any]:
+    """Two tables alike (`run`, `ref`) after step 1, each with step 2's part sent; `ref`'s step 2
+    committed, `run`'s left to the test to commit (and interrupt)."""
+    run, ref = pairs("run"), pairs("ref")
+    for p in (run, ref):
+        train_step(p.client, 1, (1,))
+        send_part(p.client, 2, 2)
+    ref.client.commit_step(NAME, 2)
+    return run, ref
+
+
 def _interrupted_commits(run: Pair, monkeypatch, by: str):
     """Make every COMMIT to `run`'s shard 1 interrupted: by Ctrl-C (`by` "sync": the blocking
     client's call raises KeyboardInterrupt) or by its caller's deadline (the asyncio client's call
@@ -412,11 +424,7 @@ def test_a_commit_interrupted_with_its_decision_out_keeps_the_decision(pairs, mo
     while its COMMIT was on the way to shard 1 dropped the decision: step 2 committed on shard 0
     and stayed prepared on shard 1 for good, its seqs in flight for ever. The decision is kept and
     re-sent before the next commit, and the table equals a run never interrupted."""
-    run, ref = pairs("run"), pairs("ref")
-    for p in (run, ref):
-        train_step(p.client, 1, (1,))
-        send_part(p.client, 2, 2)
-    ref.client.commit_step(NAME, 2)
+    run, ref = _step_2_sent(pairs)
     _interrupted_commits(run, monkeypatch, by)(2)
     # (shard 0 has committed, or will, or was not sent it yet: the call beside the interrupted one)
     assert run.slice(1).steps[2]["trainer"].prepared
@@ -437,11 +445,7 @@ def test_a_commit_interrupted_while_it_resends_an_earlier_decision_aborts_its_st
     applied it late, unannounced (after sending its parts again: twice). Step 3 is aborted, that
     abort kept and re-sent like a decision; a commit of step 3 that delivers it is refused
     (StepAbortedError), and the table equals a run that never sent step 3."""
-    run, ref = pairs("run"), pairs("ref")
-    for p in (run, ref):
-        train_step(p.client, 1, (1,))
-        send_part(p.client, 2, 2)
-    ref.client.commit_step(NAME, 2)
+    run, ref = _step_2_sent(pairs)
     commit = _interrupted_commits(run, monkeypatch, by)
     commit(2)  # step 2's COMMIT kept for shard 1
     send_part(run.client, 3, 3)
@@ -466,11 +470,7 @@ def test_the_aborts_kept_for_interrupted_commits_are_bounded(pairs, monkeypatch,
     MAX_KEPT_ABORTS of a table (here 2) a never-prepared step's parts are dropped in the client
     alone: its commit is refused, its parts stay open on the shards and apply nothing, and the
     table equals a run that never sent those steps."""
-    run, ref = pairs("run"), pairs("ref")
-    for p in (run, ref):
-        train_step(p.client, 1, (1,))
-        send_part(p.client, 2, 2)
-    ref.client.commit_step(NAME, 2)
+    run, ref = _step_2_sent(pairs)
     session = run.client.aio.session
     commit = _interrupted_commits(run, monkeypatch, by)
     monkeypatch.setattr(session, "MAX_KEPT_ABORTS", 2)
@@ -502,11 +502,7 @@ def test_a_retried_commit_interrupted_while_it_resends_its_own_steps_kept_commit
     commit retried and interrupted again while it re-sent that COMMIT, replaced the kept COMMIT
     by an abort: shard 0 kept the step, shard 1 never got it, the next commit said the step was
     dropped whole, and the COMMIT's seq stayed in flight for good. The kept COMMIT stays kept."""
-    run, ref = pairs("run"), pairs("ref")
-    for p in (run, ref):
-        train_step(p.client, 1, (1,))
-        send_part(p.client, 2, 2)
-    ref.client.commit_step(NAME, 2)
+    run, ref = _step_2_sent(pairs)
     session = run.client.aio.session
     commit = _interrupted_commits(run, monkeypatch, by)
     commit(2)  # step 2's COMMIT kept for shard 1
