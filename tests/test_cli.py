@@ -463,6 +463,22 @@ def test_the_starting_record_is_made_by_one_up_alone(tmp_path, monkeypatch):
     assert not record.exists()
 
 
+def test_an_exclusive_record_is_made_without_hard_links_too(tmp_path, monkeypatch):
+    """A review: a MEMSERVER_HOME on a filesystem without hard links (some FUSE or SMB mounts)
+    failed every `up` with the link's OSError; the record is then made with O_EXCL."""
+    from memserver.cluster import endpoint
+
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(endpoint.os, "link", no_links)
+    path = tmp_path / "starting.json"
+    endpoint.write_endpoint({"pid": 1}, path, exclusive=True)
+    with pytest.raises(FileExistsError):
+        endpoint.write_endpoint({"pid": 2}, path, exclusive=True)
+    assert json.loads(path.read_text()) == {"pid": 1} and [p.name for p in tmp_path.iterdir()] == ["starting.json"]
+
+
 def test_an_up_refused_in_this_process_leaves_its_signal_handlers_as_they_were(tmp_path, monkeypatch):
     """A fresh-clone suite: an `up` refused after it began (here its token file is missing) left
     its signal recorder in a process that went on (a test's), whose Ctrl-C then reached nothing."""

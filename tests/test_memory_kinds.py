@@ -892,6 +892,13 @@ def test_a_state_of_another_addressing_is_refused_and_an_older_state_loads():
         assert all(torch.equal(other.state_dict()[k], v) for k, v in older.items())
     same = LSHMemory(8, 8, values, hashes=2, bits=4, seed=3)
     same.load_state_dict(LSHMemory(8, 8, values, hashes=2, bits=4, seed=3).state_dict())
+    # (a review: layers picking rows by trained weights keep no addressing in their state, so the
+    # states they saved before still load: a memtrain --resume of a product-key run failed)
+    for make in (lambda: ProductKeyMemory(8, 8, LocalValues(16, 8), n_keys=4, heads=2, k_dim=4, knn=3),
+                 lambda: KIFMemory(8, 8, LocalKnowledge("k", torch.randn(10, 4)), knn=2)):
+        state = make().state_dict()
+        assert "_extra_state" not in state
+        make().load_state_dict(state)
 
 
 def test_a_layer_refuses_x_of_another_float_dtype_and_bad_settings_by_name():
@@ -910,6 +917,6 @@ def test_a_layer_refuses_x_of_another_float_dtype_and_bad_settings_by_name():
         values.to("cpu")
     for make, said in ((lambda: KIFMemory(8, 8, torch.randn(10, 4)), "KIFMemory: source must be a knowledge source"),
                        (lambda: EngramMemory(8, 8, values, orders=(2.9, 3), heads=2), "orders\\[0\\] must be a whole"),
-                       (lambda: LSHMemory(8, 8, values, hashes=2, bits=4, seed=2**70), "seed must be in \\[0, 2\\^63\\)")):
+                       (lambda: LSHMemory(8, 8, values, hashes=2, bits=4, seed=2**70), "seed must be in \\[-2\\^63, 2\\^64\\)")):
         with pytest.raises(ValueError, match=said):
             make()

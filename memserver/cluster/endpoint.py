@@ -274,7 +274,14 @@ def write_endpoint(record: dict[str, Any], path: Path | None = None, *, exclusiv
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record, indent=2))
         if exclusive:
-            os.link(tmp, p)  # (atomic, and refused where p exists)
+            try:
+                os.link(tmp, p)  # (atomic, and refused where p exists)
+            except FileExistsError:
+                raise
+            except OSError:  # a filesystem without hard links (some FUSE or SMB mounts): created exclusively
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (FileExistsError as the link's)
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(record, indent=2))
             os.unlink(tmp)
         else:
             os.replace(tmp, p)

@@ -356,9 +356,10 @@ class LocalValues:
                 raise InvalidArgumentError(f"saved: {name} is {type(got).__name__}"
                                            f"{f' {got.dtype}' if isinstance(got, torch.Tensor) else ''}; a torch tensor "
                                            "of real numbers is needed (what LocalValues.save returns)")
-            ready[name] = got.detach().to(t.device, t.dtype)
-            if t.is_floating_point() and not torch.equal(ready[name].isfinite(), got.isfinite()):
+            cast = got.detach().to(dtype=t.dtype)  # (compared where the save is: a GPU table's on the CPU)
+            if t.is_floating_point() and not torch.equal(cast.isfinite(), got.isfinite()):
                 raise InvalidArgumentError(f"saved: {name} holds values beyond {t.dtype}'s range")
+            ready[name] = cast.to(t.device)
         self.version += LOADED
         for name, t in ready.items():
             getattr(self.table, name).copy_(t)

@@ -195,8 +195,8 @@ def check_counts(layer: str, **counts: Any) -> None:
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (numpy's ints are whole too)
             raise ValueError(f"{layer}: {name} must be a whole number, got {value!r}")
-        if name == "seed" and not 0 <= value < 1 << 63:  # (torch's generators take int64: 2^70 failed unnamed)
-            raise ValueError(f"{layer}: seed must be in [0, 2^63), got {value}")
+        if name == "seed" and not -(1 << 63) <= value < 1 << 64:  # (torch's generators' range: 2^70 failed unnamed)
+            raise ValueError(f"{layer}: seed must be in [-2^63, 2^64), got {value}")
 
 
 def check_positive(layer: str, **counts: int) -> None:
@@ -252,10 +252,6 @@ class MemoryLayer(nn.Module):
     #: again): rebuilt where they come off the meta device (`to_empty`), which leaves them
     #: uninitialised memory that no load_state_dict fills (a model built on meta read other rows).
     DERIVED: tuple[str, ...] = ()
-    #: The settings that decide which rows a position reads, saved in the layer's state
-    #: (get_extra_state) and checked on load: a state loaded into a layer of another seed was taken
-    #: whole, its trained weights then paired with other rows.
-    ADDRESSING: tuple[str, ...] = ()
 
     def __init__(self, d_in: int, d_out: int, values: ValueBackend | None, *, read_dim: int | None = None,
                  mem_plus: bool = False, micro_batches: int = 1) -> None:
@@ -296,25 +292,6 @@ class MemoryLayer(nn.Module):
             made = self.derived_buffers()
         for name, t in made.items():
             self.register_buffer(name, t.to("meta") if meta else t, persistent=False)
-
-    def get_extra_state(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.ADDRESSING}
-
-    def set_extra_state(self, state: Any) -> None:
-        if not isinstance(state, dict):
-            raise ValueError(f"{type(self).__name__}: its saved addressing is {type(state).__name__}, not a dict")
-        mine = self.get_extra_state()
-        differ = [f"{k} {state.get(k)!r} (this layer: {v!r})" for k, v in mine.items()
-                  if _as_saved(state.get(k)) != _as_saved(v)]
-        if differ:
-            raise ValueError(f"{type(self).__name__}: the state was saved by a layer of {', '.join(differ)}: its "
-                             "weights would read other rows; build the layer with the saved settings")
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        key = f"{prefix}_extra_state"
-        if self.ADDRESSING and key not in state_dict:  # a state saved before layers kept their addressing
-            state_dict[key] = self.get_extra_state()  # (load_state_dict's own copy of the caller's dict)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MemoryLayer:
         """Module moves (`to`, `cuda`, `cpu`) take the values along: a backend held in this
@@ -507,3 +484,34 @@ def _float32_addressing(x: torch.Tensor) -> Any:
         return
     with torch.autocast(x.device.type, enabled=False):
         yield x.float()
+
+
+class AddressedLayer(MemoryLayer):
+    """A memory layer whose rows are picked by settings (ADDRESSING: its seed and shape) rather
+    than trained weights: they are saved in its state and checked on load. (Only these have an
+    `_extra_state`: one on every layer made a product-key or KIF state saved before it refused
+    to load, a missing key.)"""
+
+    #: The settings that decide which rows a position reads, saved in the layer's state
+    #: (get_extra_state) and checked on load: a state loaded into a layer of another seed was taken
+    #: whole, its trained weights then paired with other rows.
+    ADDRESSING: tuple[str, ...] = ()
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.ADDRESSING}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"{type(self).__name__}: its saved addressing is {type(state).__name__}, not a dict")
+        mine = self.get_extra_state()
+        differ = [f"{k} {state.get(k)!r} (this layer: {v!r})" for k, v in mine.items()
+                  if _as_saved(state.get(k)) != _as_saved(v)]
+        if differ:
+            raise ValueError(f"{type(self).__name__}: the state was saved by a layer of {', '.join(differ)}: its "
+                             "weights would read other rows; build the layer with the saved settings")
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        key = f"{prefix}_extra_state"
+        if key not in state_dict:  # a state saved before layers kept their addressing
+            state_dict[key] = self.get_extra_state()  # (load_state_dict's own copy of the caller's dict)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.memory.backends import ValueBackend
-from trainer.memory.base import MAX_TOKEN, MemoryLayer, check_counts, check_positive, check_values
+from trainer.memory.base import MAX_TOKEN, AddressedLayer, check_counts, check_positive, check_values
 
 MASK = MAX_TOKEN  # hashes live in [0, 2^31): times a multiplier < 2^31 they stay below 2^62
 PAD = MASK  # the token before a window's start (check_tokens refuses ids from it on)
@@ -69,7 +69,7 @@ def suffix_grams(tokens: torch.Tensor, order: int) -> torch.Tensor:
     return padded.unfold(1, order, 1)
 
 
-class EngramMemory(MemoryLayer):
+class EngramMemory(AddressedLayer):
     """len(orders) * heads hashed segments of one value table; per position one row from each,
     concatenated, gated by the hidden state, projected (and convolved) into the residual stream."""
 

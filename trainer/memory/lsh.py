@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from trainer.memory.backends import ValueBackend
-from trainer.memory.base import MemoryLayer, check_counts, check_values
+from trainer.memory.base import AddressedLayer, check_counts, check_values
 
 MAX_BITS = 30  # 2^30 buckets per hash: beyond this, int64 ids and the tables get silly
 
@@ -47,7 +47,7 @@ def lsh_ids(x: torch.Tensor, planes: torch.Tensor, hashes: int, bits: int) -> to
     return buckets + torch.arange(hashes, device=x.device) * (1 << bits)
 
 
-class LSHMemory(MemoryLayer):
+class LSHMemory(AddressedLayer):
     """hashes * 2^bits buckets; each position reads one bucket per hash and sums their sketches."""
 
     def __init__(self, d_in: int, d_out: int, values: ValueBackend, *, hashes: int = 4, bits: int = 12, seed: int = 0,
