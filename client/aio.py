@@ -9,7 +9,8 @@ restarts, or while its attempts run past their deadline (`timeout` is per attemp
 by a partition answers nothing until its link is back).
 
 A server at one of its limits refuses a call with RESOURCE_EXHAUSTED "server overloaded: ..."
-(OverloadedError; memserver.server.admission) before parsing it. The client retries such calls
+(OverloadedError; memserver.server.admission) before parsing it (or, for an answer many times its
+request, once it is planned, before any work). The client retries such calls
 with jittered exponential backoff within the same `retry_seconds`: every data-plane call, reads
 and writes alike, and the coordinator's reads. A write is safe to retry for the reason it is
 through a restart, and more so: the refusing shard applied nothing, and the shards that did

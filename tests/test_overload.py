@@ -764,3 +764,24 @@ def test_an_answer_many_times_its_request_counts_against_max_inflight_bytes(path
             assert c.aio.shm.bell_calls >= before + 2  # (both went by the doorbell)
         c.close()
         assert admission.bytes == 0 and admission.calls == 0
+
+
+def test_a_trigger_records_answer_counts_against_max_inflight_bytes(monkeypatch):
+    """A review: Triggers answers capacity x (8 + 4 x context) bytes per slot named (~144 bytes
+    per request byte, repeats allowed), counted as its request alone while it was computed."""
+    import memserver.core.triggers as trg
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+
+    with InProcessServer(1) as srv, MemoryClient(srv.endpoint, shm=False, timeout=30) as c:
+        c.create_table("t", 1000, 8)
+        meta = c.table("t")
+        admission = srv.shards[0].servicer.regions.admission
+        seen: list[int] = []
+        get = trg.TriggerHeaps.get
+        monkeypatch.setattr(trg.TriggerHeaps, "get", lambda self, slots: (seen.append(admission.bytes), get(self, slots))[1])
+        req = pb.TriggersRequest(table="t", ids=encode(np.zeros(4096, np.int32)), layout_id=meta.layout_id)
+        with grpc.insecure_channel(meta.shards[0].address, options=GRPC_OPTIONS) as ch:
+            answer = pb_grpc.DataPlaneStub(ch).Triggers(req, timeout=30)
+        assert seen and seen[0] >= answer.ByteSize() * 0.9 > 50 * req.ByteSize()
+        assert admission.bytes == 0

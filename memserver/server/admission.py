@@ -26,8 +26,10 @@ request), and the requests being received at most `max_inflight_calls` (each bel
 limit, memserver.wire.MAX_MESSAGE_BYTES: many large requests arriving at once, before any is
 counted, can take max_inflight_calls x that limit; lower the call limit where memory is tight);
 a request refused by `take` was read and is dropped at once. What a call allocates on top of its request (the parsed message, decoded tensors: a small
-multiple of its bytes) follows the same bounds. An answer is not counted: it is limited per call
-(memserver.wire.check_answer), and on a shard computed one call at a time.
+multiple of its bytes) follows the same bounds. An answer many times its request (a lookup, bag,
+search, address, slot statistics or trigger records: memserver.server.dataplane.Call.answer) is
+taken too, once the call is planned, and given back when it is computed (the same rule: alone it
+is admitted); each is also limited per call (memserver.wire.check_answer).
 
 Health checks and reflection are not ours: never counted, never refused.
 
@@ -156,7 +158,8 @@ class Admission:
                                   "Calls of the memserver services in progress (being received, queued or computing)")
         calls.add_metric([], self.calls)
         nbytes = GaugeMetricFamily("memserver_inflight_bytes", "Request bytes of the calls in progress (a "
-                                   "shared-memory call's: its tensors in the region)")
+                                   "shared-memory call's: its tensors in the region), and the answers many times "
+                                   "their request being computed")
         nbytes.add_metric([], self.bytes)
         limits = GaugeMetricFamily("memserver_inflight_limit", "This server's limits on work in progress (0: none)",
                                    labels=["limit"])

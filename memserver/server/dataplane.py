@@ -688,12 +688,14 @@ class DataPlaneServicer(pb_grpc.DataPlaneServicer):
         if ids.numel() > MAX_INSPECT_SLOTS:
             raise InvalidArgumentError(f"ids: at most {MAX_INSPECT_SLOTS} slots per call, got {ids.numel()}")
         sl.owns(ids)
+        per_slot = sl.triggers.capacity * (8 + 4 * sl.triggers.context)  # its records' weights, contexts, next tokens
 
         def work() -> pb.TriggersResponse:
             w, ctx, nx = sl.triggers.get(ids.long().numpy())
             return pb.TriggersResponse(weights=encode(w), contexts=encode(ctx), next=encode(nx), info=sl.triggers.info)
 
-        return Call(sl, work, ids.numel())
+        # (answered ~144 bytes per request byte: counted as the other large answers are, a review)
+        return Call(sl, work, ids.numel(), answer=ids.numel() * per_slot)
 
     def _top_slots(self, request: pb.TopSlotsRequest, region: Region | None) -> Call:
         sl = self.slice(request)
