@@ -304,7 +304,16 @@ def test_load_pkm_refuses_a_name_held_by_another_kind_and_leaves_nothing_behind(
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "it is a value table, which --replace does not replace (only an index table of " \
         f"that name): choose another name, or drop it first (memserver drop-table {table_name}-pk-values)" in err, err
-    for t in (f"{table_name}-pk", f"{table_name}-pk-values", docs):
+    # a second product-key table reading the values: a load-pkm --replace of the first would make
+    # them anew under it (the cluster refuses that, after the first had been dropped: a review)
+    client.create_product_keys(f"{table_name}-pk2", f"{table_name}-pk-values", 2, 16, KNN, 16, 32)
+    with pytest.raises(SystemExit) as exc:
+        cli_main([*base, "--name", f"{table_name}-pk", "--replace"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{table_name}-pk-values: product-key table(s) {table_name}-pk2 read their slots' " \
+        "values from it" in err and "nothing was changed" in err, err
+    assert names() == [docs, f"{table_name}-pk", f"{table_name}-pk-values", f"{table_name}-pk2"]
+    for t in (f"{table_name}-pk2", f"{table_name}-pk", f"{table_name}-pk-values", docs):
         client.drop_table(t)
 
 

@@ -341,7 +341,8 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
         # every refusal before anything changes: a name held by another kind of table (which --replace
         # dropped, whatever it was), or held at all without --replace (the values table was made and
         # filled first, then left behind by the product-key table's refusal: a hunt)
-        have = {m.name for m in client.list_tables()}
+        listed = client.list_tables()
+        have = {m.name for m in listed}
         _refuse_other_kind(client, name, "product_keys", "--name")
         if name in have and not args.replace:
             raise CliError(f"--name {name}: a product-key table of that name already exists: add --replace to "
@@ -356,6 +357,14 @@ def cmd_load_pkm(args: argparse.Namespace) -> int:
         if not local and args.values_table and args.values_table != values_name:
             raise CliError(f"--values-table: a remote run's values are restored under their own name, {values_name!r}")
         _refuse_other_kind(client, values_name, "value", "--values-table" if args.values_table else "values")
+        # other product-key tables reading the values table: it is not made anew under them (the
+        # cluster refuses it, and that came after this table's drop: a review)
+        readers = sorted(m.name for m in listed if m.kind == "product_keys" and m.values_table == values_name
+                         and m.name != name)
+        if readers and values_name in have:
+            raise CliError(f"{'--values-table ' if args.values_table else ''}{values_name}: product-key table(s) "
+                           f"{', '.join(readers)} read their slots' values from it, so it is not made anew under "
+                           "them: drop them first, or give another --values-table; nothing was changed")
         made: list[str] = []  # the tables this command made: dropped again if it fails
         try:
             if args.replace and name in have:  # (first: it reads the values table a replace may make anew)
