@@ -1557,3 +1557,18 @@ def test_counts_are_said_in_the_singular_for_one():
     from memserver.cli.common import counted
 
     assert (counted(1, "shard"), counted(2, "shard"), counted(1000, "user")) == ("1 shard", "2 shards", "1,000 users")
+
+
+def test_a_json_command_interrupted_says_so_on_stdout(monkeypatch, capsys):
+    """A hunt: `loadtest --json` stopped before its run began printed nothing on stdout (exit 130),
+    where every other failure with --json prints {"error": ...} there too."""
+    from memserver.cli import tables
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tables, "cmd_status", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["status", "--json"])
+    out = capsys.readouterr()
+    assert exc.value.code == 130 and json.loads(out.out) == {"error": "interrupted"} and "interrupted" in out.err

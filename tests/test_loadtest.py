@@ -283,6 +283,10 @@ def test_a_scratch_table_dropped_by_someone_else_leaves_the_report_standing(memo
         (["--spawn-rate", "inf"], "--spawn-rate must be a number more than 0, got inf"),
         (["--spawn-rate", "nan"], "--spawn-rate must be a number more than 0, got nan"),
         (["--table", "t", "--dim", "8"], "cannot be used with --table"),
+        # (a hunt: each finite, their sum inf, every call then failed; "" was refused as "(scratch)")
+        (["--mix", "bag:1e308,lookup:1e308"], "--mix: the weights of 'bag:1e308,lookup:1e308' sum beyond"),
+        (["--mix", "bag:1e308,bag:1e308"], "sum beyond a float's range"),
+        (["--table", ""], "--table: give a table name, or leave --table out for a scratch table"),
         (["--worker-of", "127.0.0.1:5557", "--users", "8"], "--worker-of: --users belong(s) to the master"),
         (["--worker-of", "127.0.0.1:5557", "--users", "4", "--duration", "30s"],  # (their defaults: taken silently)
          "--worker-of: --users, --duration belong(s) to the master"),

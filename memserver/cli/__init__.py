@@ -100,6 +100,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
+        _said_as_json(args, "interrupted")  # (--json said nothing on stdout: a hunt)
         parser.exit(130, "memserver: interrupted\n")
     except (CliError, EndpointFileError) as exc:  # (a broken endpoint file: the user's to remove)
         _said_as_json(args, str(exc))

@@ -75,6 +75,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
             raise CliError(f"{flag} must be at least 1, got {value}")
     if not 0 < args.spawn_rate < math.inf:
         raise CliError(f"--spawn-rate must be a number more than 0, got {args.spawn_rate}")
+    if args.table == "":  # (it was taken for the scratch table's name, "(scratch)", and refused as that)
+        raise CliError("--table: give a table name, or leave --table out for a scratch table")
     scratch = None
     if args.table is None:
         scratch = ScratchTable(args.num_rows or 65536, args.dim or 128, args.sharding or "cols")

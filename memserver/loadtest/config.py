@@ -52,6 +52,8 @@ def parse_mix(text: str) -> dict[str, float]:
             mix[name] = mix.get(name, 0.0) + w
     if not mix:
         raise ValueError(f"no call with a positive weight in {text!r}; e.g. {DEFAULT_MIX}")
+    if not math.isfinite(sum(mix.values())):  # (each finite, their sum inf: every call then failed, NaN odds)
+        raise ValueError(f"the weights of {text!r} sum beyond a float's range; use smaller ones (only their ratios count)")
     return mix
 
 
