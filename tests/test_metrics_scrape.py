@@ -605,3 +605,36 @@ def test_a_restarted_shards_log_counters_count_alike(tmp_path):
         assert [get(samples, f"memserver_wal_{k}_total", table="w") for k in ("records", "bytes", "fsyncs")] == [0, 0, 0]
     finally:
         again.stop()
+
+
+def test_a_call_answered_after_its_deadline_is_counted_as_such(monkeypatch):
+    """A hunt: a load test with a deadline shorter than the shard's compute saw DEADLINE_EXCEEDED
+    for a quarter of its calls, while the shard counted every one OK (its answer came after the
+    deadline, and reached no one), and `status` showed no errors."""
+    from client import MemoryClient
+    from memserver.cluster.inprocess import InProcessServer
+    from memserver.core.table import ValueTable
+
+    bag = ValueTable.bag
+
+    def slow(self, *a, **k):
+        time.sleep(0.5)
+        return bag(self, *a, **k)
+
+    with InProcessServer(1) as srv, MemoryClient(srv.endpoint, shm=False, timeout=30) as c:
+        c.create_table("late", 16, 4)
+        meta = c.table("late")
+        monkeypatch.setattr(ValueTable, "bag", slow)
+        req = pb.BagRequest(table="late", ids=encode(np.zeros((2, 1), np.int64)), weights=encode(np.ones((2, 1), np.float32)),
+                            layout_id=meta.layout_id)
+        with grpc.insecure_channel(meta.shards[0].address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.DataPlaneStub(ch).Bag(req, timeout=0.1)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        requests = srv.shards[0].metrics.requests
+        deadline = time.monotonic() + 10
+        while requests.labels("Bag", "late", "DEADLINE_EXCEEDED")._value.get() + \
+                requests.labels("Bag", "late", "CANCELLED")._value.get() < 1:
+            assert time.monotonic() < deadline, "the late call was not counted as late"
+            time.sleep(0.05)
+        assert requests.labels("Bag", "late", "OK")._value.get() == 0
