@@ -183,7 +183,7 @@ def test_index_bad_input_is_refused_and_changes_nothing(client, table_name):
         (lambda: client.search(table_name, vectors, 3.5), "k: must be an integer, got 3.5"),
         (lambda: client.search(table_name, vectors, 3, ef_search=2.5), "ef_search: must be an integer, got 2.5"),
         (lambda: client.create_index(table_name + "-x", DIM, index_factory="NoSuchIndex"), "index_factory"),
-        # (faiss's parser crashed the process, SIGSEGV, on ~15,000 characters: a hunt)
+        # (faiss's parser crashed the process, SIGSEGV, on a long one: a hunt)
         (lambda: client.create_index(table_name + "-x", DIM, index_factory="IVF1," * 60 + "Flat"),
          r"index_factory: 'IVF1,IVF1,.*'\.\.\. is 304 characters; at most 256"),
         (lambda: client.create_index(table_name + "-x", DIM, metric="cosine"), "metric"),

@@ -727,8 +727,8 @@ def test_the_coordinator_has_the_limits_too(overload_cluster):
 
 @pytest.mark.parametrize("path", ["gRPC", "doorbell"])
 def test_an_answer_many_times_its_request_counts_against_max_inflight_bytes(path):
-    """A hunt: a bag of [B, 0] ids (23 request bytes) answered B rows, 234 MiB, counted as 23
-    bytes, and eight at once took 547 MiB of a shard unrefused. The answer's bytes count while it
+    """A hunt: a bag of [B, 0] ids (23 request bytes) answered B rows, counted as 23 bytes,
+    and a few at once took a shard's memory unrefused. The answer's bytes count while it
     is computed: beside other calls past the limit it is refused, alone it runs, and its bytes
     are given back after."""
     from client import MemoryClient

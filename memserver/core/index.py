@@ -88,7 +88,7 @@ MAX_EF_SEARCH = 1 << 16
 #: once this many entries are dead, which bounds the over-fetch.
 MAX_DEAD_OVERFETCH = 1024
 #: Longest index_factory string taken: faiss's parser (a regex per token) crashed the process on
-#: long ones (~15,000 characters); its own strings are a few dozen.
+#: long ones (tens of thousands of characters); its own strings are a few dozen.
 MAX_FACTORY = 256
 METRICS: dict[str, int] = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 DEVICES = ("cpu", "cuda", "cuda:N", "auto")
@@ -276,7 +276,7 @@ class VectorIndex:
     def _build(dim: int, factory: str, metric: str) -> faiss.Index:
         if not isinstance(factory, str) or not factory.strip():
             raise InvalidArgumentError(f"index_factory: must be a non-empty string, got {factory!r}")
-        if len(factory) > MAX_FACTORY:  # (faiss's parser crashed the process, SIGSEGV, on ~15,000 characters: a hunt)
+        if len(factory) > MAX_FACTORY:  # (faiss's parser crashed the process, SIGSEGV, on a long one: a hunt)
             raise InvalidArgumentError(f"index_factory: {factory[:64]!r}... is {len(factory):,} characters; at most "
                                        f"{MAX_FACTORY} (faiss's own strings are a few dozen)")
         if re.search(r"IDMap|RFlat|Refine|fs\b|fs,|\+", factory):

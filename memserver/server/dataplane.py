@@ -119,7 +119,7 @@ class Call(NamedTuple):
     scan: Iterable[Callable[[], None]] = ()
     #: its answer's bytes where they may be many times its request's (check_answer): counted in the
     #: shard's max_inflight_bytes while it runs, as its request is (a bag of [B, 0] ids, 23 bytes,
-    #: answered 234 MiB, counted as 23 bytes: eight at once took 547 MiB unrefused, a hunt)
+    #: answered B rows, counted as 23 bytes: a few at once took a shard's memory unrefused, a hunt)
     answer: int = 0
 
 
